@@ -1,0 +1,1 @@
+//! Firecracker-compatible API types.

@@ -1,0 +1,3 @@
+//! Device models: legacy PC devices and virtio devices.
+
+pub mod virtio;

@@ -1,0 +1,80 @@
+//! The contract between a virtio device model and its transport.
+//!
+//! The transport (virtio-mmio here) owns the guest-visible registers; a device
+//! owns its configuration space and, once the driver sets DRIVER_OK, a worker
+//! thread that services its queues. Queue notifications arrive on one `EventFd`
+//! per queue (a KVM ioeventfd), and the device raises interrupts through
+//! [`VirtioInterrupt`], so neither side blocks a vCPU.
+
+use std::sync::Arc;
+
+use virtio_queue::Queue;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::vstate::memory::GuestMemory;
+
+/// The reason a device raises its interrupt line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VirtioInterruptType {
+    /// The device used buffers in one of its queues.
+    Queue,
+    /// The device changed its configuration space.
+    Config,
+}
+
+/// Raises a device's interrupt in the guest.
+pub trait VirtioInterrupt: Send + Sync {
+    fn trigger(&self, kind: VirtioInterruptType) -> std::io::Result<()>;
+}
+
+/// A queue handed to a device when the driver activates it.
+pub struct ActivatedQueue {
+    pub queue: Queue,
+    /// Signalled when the driver writes this queue's index to QueueNotify.
+    pub notify: EventFd,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ActivateError {
+    #[error("the driver configured {got} queues, the device needs {expected}")]
+    QueueCount { expected: usize, got: usize },
+    #[error("could not start the device worker: {0}")]
+    Worker(#[source] std::io::Error),
+    #[error("device activation failed: {0}")]
+    Other(String),
+}
+
+/// A virtio device model, independent of its transport.
+pub trait VirtioDevice: Send {
+    /// The virtio device ID (`virtio_bindings::virtio_ids::VIRTIO_ID_*`).
+    fn device_type(&self) -> u32;
+
+    /// The maximum size of each queue; its length is the number of queues.
+    fn queue_max_sizes(&self) -> &[u16];
+
+    /// Feature bits the device offers, including `VIRTIO_F_VERSION_1`.
+    fn avail_features(&self) -> u64;
+
+    /// The subset of features the driver accepted, before activation.
+    fn set_acked_features(&mut self, acked: u64);
+
+    /// Reads from the device configuration space; bytes past its end read as 0.
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+
+    /// Writes to the device configuration space; most devices ignore this.
+    fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
+
+    /// Starts servicing the queues. Called once, when the driver sets DRIVER_OK.
+    fn activate(
+        &mut self,
+        mem: GuestMemory,
+        interrupt: Arc<dyn VirtioInterrupt>,
+        queues: Vec<ActivatedQueue>,
+    ) -> Result<(), ActivateError>;
+
+    /// Stops the worker and returns the device to its pre-activation state, so the
+    /// driver can set it up again. Returns false if the device cannot be reset.
+    fn reset(&mut self) -> bool {
+        false
+    }
+}

@@ -1,0 +1,7 @@
+//! Virtio devices and their MMIO transport.
+
+pub mod block;
+pub mod device;
+pub mod vsock;
+
+pub use device::{ActivateError, ActivatedQueue, VirtioDevice, VirtioInterrupt, VirtioInterruptType};

@@ -1,0 +1,1 @@
+//! virtio-vsock with the Firecracker host-side model.

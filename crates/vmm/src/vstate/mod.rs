@@ -1,0 +1,3 @@
+//! Thin wrappers over the KVM objects: the VM, its vCPUs and guest memory.
+
+pub mod memory;
