@@ -1,4 +1,5 @@
 //! sandfork's virtual machine monitor: a Firecracker-style microVM on KVM.
 
+pub mod arch;
 pub mod devices;
 pub mod vstate;

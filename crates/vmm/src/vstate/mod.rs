@@ -1,3 +1,5 @@
 //! Thin wrappers over the KVM objects: the VM, its vCPUs and guest memory.
 
 pub mod memory;
+pub mod vcpu;
+pub mod vm;

@@ -1,0 +1,110 @@
+//! The 8250 UART console (COM1), on vm-superio's model.
+
+use std::io::{self, Write};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use vm_superio::Serial;
+
+use super::EventFdTrigger;
+use crate::devices::bus::BusDevice;
+
+/// What a guest prints when it panics; seen on the console, the VMM reports a
+/// panic rather than a plain reboot when the guest then resets.
+const PANIC_MARKER: &[u8] = b"Kernel panic - not syncing";
+
+/// Passes console output through while watching it for a kernel panic.
+pub struct ConsoleOutput {
+    out: Box<dyn Write + Send>,
+    matched: usize,
+    panicked: Arc<AtomicBool>,
+}
+
+impl ConsoleOutput {
+    pub fn new(out: Box<dyn Write + Send>, panicked: Arc<AtomicBool>) -> Self {
+        ConsoleOutput {
+            out,
+            matched: 0,
+            panicked,
+        }
+    }
+
+    fn scan(&mut self, buf: &[u8]) {
+        for &byte in buf {
+            if byte == PANIC_MARKER[self.matched] {
+                self.matched += 1;
+                if self.matched == PANIC_MARKER.len() {
+                    self.panicked.store(true, Ordering::SeqCst);
+                    self.matched = 0;
+                }
+            } else {
+                self.matched = usize::from(byte == PANIC_MARKER[0]);
+            }
+        }
+    }
+}
+
+impl Write for ConsoleOutput {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.scan(buf);
+        // A console nobody reads must never stall the guest.
+        let _ = self.out.write_all(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.out.flush()
+    }
+}
+
+/// The serial port as a port I/O bus device.
+pub struct SerialDevice {
+    serial: Serial<EventFdTrigger, vm_superio::serial::NoEvents, ConsoleOutput>,
+}
+
+impl SerialDevice {
+    pub fn new(interrupt: EventFdTrigger, out: ConsoleOutput) -> Self {
+        SerialDevice {
+            serial: Serial::new(interrupt, out),
+        }
+    }
+}
+
+impl BusDevice for SerialDevice {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        if let (Ok(offset), [byte]) = (u8::try_from(offset), data) {
+            *byte = self.serial.read(offset);
+        }
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        if let (Ok(offset), [byte]) = (u8::try_from(offset), data) {
+            if let Err(e) = self.serial.write(offset, *byte) {
+                log::warn!("serial write failed: {e}");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spots_a_panic_split_across_writes() {
+        let flag = Arc::new(AtomicBool::new(false));
+        let mut out = ConsoleOutput::new(Box::new(io::sink()), flag.clone());
+        out.write_all(b"[ 1.0] KKernel pa").unwrap();
+        assert!(!flag.load(Ordering::SeqCst));
+        out.write_all(b"nic - not syncing: Attempted to kill init!").unwrap();
+        assert!(flag.load(Ordering::SeqCst));
+    }
+
+    #[test]
+    fn ordinary_output_is_not_a_panic() {
+        let flag = Arc::new(AtomicBool::new(false));
+        let mut out = ConsoleOutput::new(Box::new(io::sink()), flag.clone());
+        out.write_all(b"Kernel panic? no, Kernel command line: panic=1").unwrap();
+        assert!(!flag.load(Ordering::SeqCst));
+    }
+}

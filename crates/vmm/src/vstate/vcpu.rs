@@ -1,0 +1,318 @@
+//! vCPUs: per-vCPU boot state, and the thread that runs `KVM_RUN` and routes
+//! its exits to the buses.
+//!
+//! Each vCPU runs on its own thread. The VMM talks to it through a request
+//! channel and "kicks" it out of `KVM_RUN` with a signal; the thread answers
+//! on a response channel. Exits that end the VM (reset, shutdown, a fault)
+//! are reported on the VMM's event channel.
+
+use std::sync::Arc;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvm_bindings::{KVM_MAX_CPUID_ENTRIES, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use vmm_sys_util::signal::{Killable, register_signal_handler};
+
+use super::vm::Vm;
+use crate::arch::x86_64::{cpuid, msr, regs};
+use crate::devices::bus::Bus;
+
+/// Why a vCPU stopped running the guest for good.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VcpuExitReason {
+    /// The guest reset the machine (reboot, or reboot after a panic).
+    Reset,
+    /// The guest asked for power-off.
+    Shutdown,
+    /// A triple fault: KVM reports the CPU shut down.
+    TripleFault,
+    /// KVM could not run the guest any further.
+    Error(String),
+}
+
+/// Events the VMM's main loop waits for.
+#[derive(Debug)]
+pub enum VmEvent {
+    VcpuExited { id: u8, reason: VcpuExitReason },
+    /// The keyboard controller's reset line was pulsed.
+    ResetRequested,
+}
+
+#[derive(Debug)]
+enum VcpuRequest {
+    Pause,
+    Resume,
+    Exit,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum VcpuResponse {
+    Paused,
+    Resumed,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuError {
+    #[error("KVM vCPU ioctl {0} failed: {1}")]
+    Kvm(&'static str, #[source] kvm_ioctls::Error),
+    #[error("setting up vCPU registers: {0}")]
+    Regs(#[from] regs::RegsError),
+    #[error("building the MSR list")]
+    Msrs,
+    #[error("KVM accepted only {set} of {wanted} boot MSRs")]
+    MsrsPartial { set: usize, wanted: usize },
+    #[error("starting the vCPU thread: {0}")]
+    Spawn(#[source] std::io::Error),
+    #[error("registering the vCPU kick signal: {0}")]
+    Signal(#[source] vmm_sys_util::errno::Error),
+    #[error("vCPU {0} did not answer within {1:?}")]
+    Timeout(u8, Duration),
+    #[error("vCPU {0} is gone")]
+    Gone(u8),
+}
+
+/// The signal that kicks a vCPU thread out of `KVM_RUN`.
+fn kick_signal() -> i32 {
+    vmm_sys_util::signal::SIGRTMIN()
+}
+
+/// Installs the no-op handler for the kick signal, once per process. Without
+/// `SA_RESTART`, the signal makes `KVM_RUN` return `EINTR`.
+pub fn register_kick_signal() -> Result<(), VcpuError> {
+    extern "C" fn noop(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+    register_signal_handler(kick_signal(), noop).map_err(VcpuError::Signal)
+}
+
+pub struct Vcpu {
+    id: u8,
+    fd: VcpuFd,
+    io_bus: Arc<Bus>,
+    mmio_bus: Arc<Bus>,
+    events: Sender<VmEvent>,
+}
+
+impl Vcpu {
+    pub fn new(vm: &Vm, id: u8, io_bus: Arc<Bus>, mmio_bus: Arc<Bus>, events: Sender<VmEvent>) -> Result<Self, VcpuError> {
+        let fd = vm
+            .fd()
+            .create_vcpu(u64::from(id))
+            .map_err(|e| VcpuError::Kvm("CREATE_VCPU", e))?;
+        Ok(Vcpu {
+            id,
+            fd,
+            io_bus,
+            mmio_bus,
+            events,
+        })
+    }
+
+    /// Sets CPUID, MSRs, FPU and LAPIC for vCPU `id` of `count`; the boot
+    /// vCPU also gets the 64-bit entry state at `entry`.
+    pub fn configure(&self, vm: &Vm, count: u8, entry: u64) -> Result<(), VcpuError> {
+        let mut cpuid = vm
+            .kvm()
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(|e| VcpuError::Kvm("GET_SUPPORTED_CPUID", e))?;
+        cpuid::normalize(&mut cpuid, self.id, count);
+        self.fd
+            .set_cpuid2(&cpuid)
+            .map_err(|e| VcpuError::Kvm("SET_CPUID2", e))?;
+
+        let msrs = msr::boot_msrs().map_err(|_| VcpuError::Msrs)?;
+        let set = self
+            .fd
+            .set_msrs(&msrs)
+            .map_err(|e| VcpuError::Kvm("SET_MSRS", e))?;
+        if set != msrs.as_slice().len() {
+            return Err(VcpuError::MsrsPartial {
+                set,
+                wanted: msrs.as_slice().len(),
+            });
+        }
+
+        regs::setup_fpu(&self.fd)?;
+        regs::setup_lint(&self.fd)?;
+        if self.id == 0 {
+            regs::setup_regs(&self.fd, entry)?;
+            regs::setup_sregs(&self.fd)?;
+        }
+        Ok(())
+    }
+
+    /// Starts the vCPU thread; it runs the guest at once.
+    pub fn start(self) -> Result<VcpuHandle, VcpuError> {
+        let id = self.id;
+        let (request_tx, request_rx) = mpsc::channel();
+        let (response_tx, response_rx) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name(format!("vcpu{id}"))
+            .spawn(move || self.run_loop(&request_rx, &response_tx))
+            .map_err(VcpuError::Spawn)?;
+        Ok(VcpuHandle {
+            id,
+            thread: Some(thread),
+            requests: request_tx,
+            responses: response_rx,
+        })
+    }
+
+    fn run_loop(mut self, requests: &Receiver<VcpuRequest>, responses: &Sender<VcpuResponse>) {
+        loop {
+            let exit = match self.run_once() {
+                Ok(None) => continue,
+                Ok(Some(reason)) => Some(reason),
+                Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => None,
+                Err(e) => Some(VcpuExitReason::Error(format!("KVM_RUN failed: {e}"))),
+            };
+            if let Some(reason) = exit {
+                let _ = self.events.send(VmEvent::VcpuExited { id: self.id, reason });
+                // Stay parked until told to go, so the VMM can still join us.
+                while !matches!(requests.recv(), Ok(VcpuRequest::Exit) | Err(_)) {}
+                return;
+            }
+            // Kicked: serve every pending request before running again.
+            if !self.serve_requests(requests, responses) {
+                return;
+            }
+        }
+    }
+
+    /// Returns false when the thread should end.
+    fn serve_requests(&self, requests: &Receiver<VcpuRequest>, responses: &Sender<VcpuResponse>) -> bool {
+        while let Ok(request) = requests.try_recv() {
+            match request {
+                VcpuRequest::Exit => return false,
+                VcpuRequest::Resume => {
+                    let _ = responses.send(VcpuResponse::Resumed);
+                }
+                VcpuRequest::Pause => {
+                    let _ = responses.send(VcpuResponse::Paused);
+                    loop {
+                        match requests.recv() {
+                            Ok(VcpuRequest::Resume) => {
+                                let _ = responses.send(VcpuResponse::Resumed);
+                                break;
+                            }
+                            Ok(VcpuRequest::Pause) => {
+                                let _ = responses.send(VcpuResponse::Paused);
+                            }
+                            Ok(VcpuRequest::Exit) | Err(_) => return false,
+                        }
+                    }
+                }
+            }
+        }
+        true
+    }
+
+    /// Runs the guest until one exit; `Some` when the VM must stop.
+    fn run_once(&mut self) -> Result<Option<VcpuExitReason>, kvm_ioctls::Error> {
+        let exit = match self.fd.run()? {
+            VcpuExit::IoIn(port, data) => {
+                // Unclaimed ports read as zero, as on Firecracker; 0xff would make
+                // Linux spin on the (absent) CMOS clock's update-in-progress bit.
+                if !self.io_bus.read(u64::from(port), data) {
+                    data.fill(0);
+                }
+                None
+            }
+            VcpuExit::IoOut(port, data) => {
+                self.io_bus.write(u64::from(port), data);
+                None
+            }
+            VcpuExit::MmioRead(addr, data) => {
+                if !self.mmio_bus.read(addr, data) {
+                    data.fill(0);
+                }
+                None
+            }
+            VcpuExit::MmioWrite(addr, data) => {
+                self.mmio_bus.write(addr, data);
+                None
+            }
+            // With the in-kernel irqchip KVM handles HLT itself; seeing it means
+            // the vCPU halted with interrupts off, i.e. for good.
+            VcpuExit::Hlt => Some(VcpuExitReason::Shutdown),
+            VcpuExit::Shutdown => Some(VcpuExitReason::TripleFault),
+            VcpuExit::SystemEvent(kind, _) => match kind {
+                KVM_SYSTEM_EVENT_RESET => Some(VcpuExitReason::Reset),
+                KVM_SYSTEM_EVENT_SHUTDOWN => Some(VcpuExitReason::Shutdown),
+                other => Some(VcpuExitReason::Error(format!("unexpected system event {other}"))),
+            },
+            VcpuExit::FailEntry(reason, cpu) => Some(VcpuExitReason::Error(format!(
+                "KVM failed to enter the guest (hardware reason {reason:#x}, cpu {cpu})"
+            ))),
+            VcpuExit::InternalError => Some(VcpuExitReason::Error("KVM internal error".into())),
+            other => Some(VcpuExitReason::Error(format!("unexpected vCPU exit: {other:?}"))),
+        };
+        Ok(exit)
+    }
+}
+
+/// The VMM's side of a running vCPU thread.
+pub struct VcpuHandle {
+    id: u8,
+    thread: Option<JoinHandle<()>>,
+    requests: Sender<VcpuRequest>,
+    responses: Receiver<VcpuResponse>,
+}
+
+/// How long a vCPU may take to acknowledge a request.
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often a request is re-kicked: a kick that lands while the thread is
+/// outside `KVM_RUN` is lost, so keep kicking until it answers.
+const KICK_INTERVAL: Duration = Duration::from_millis(1);
+
+impl VcpuHandle {
+    fn kick(&self) {
+        if let Some(thread) = &self.thread {
+            let _ = thread.kill(kick_signal());
+        }
+    }
+
+    fn request(&self, request: VcpuRequest, expect: VcpuResponse) -> Result<(), VcpuError> {
+        self.requests.send(request).map_err(|_| VcpuError::Gone(self.id))?;
+        let deadline = Instant::now() + RESPONSE_TIMEOUT;
+        loop {
+            self.kick();
+            match self.responses.recv_timeout(KICK_INTERVAL) {
+                Ok(response) if response == expect => return Ok(()),
+                Ok(_) => {}
+                Err(RecvTimeoutError::Disconnected) => return Err(VcpuError::Gone(self.id)),
+                Err(RecvTimeoutError::Timeout) if Instant::now() >= deadline => {
+                    return Err(VcpuError::Timeout(self.id, RESPONSE_TIMEOUT));
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+            }
+        }
+    }
+
+    /// Stops the vCPU at its next exit; returns once it is parked.
+    pub fn pause(&self) -> Result<(), VcpuError> {
+        self.request(VcpuRequest::Pause, VcpuResponse::Paused)
+    }
+
+    pub fn resume(&self) -> Result<(), VcpuError> {
+        self.request(VcpuRequest::Resume, VcpuResponse::Resumed)
+    }
+
+    /// Ends the thread and waits for it.
+    pub fn stop(&mut self) {
+        let _ = self.requests.send(VcpuRequest::Exit);
+        if let Some(thread) = self.thread.take() {
+            while !thread.is_finished() {
+                let _ = thread.kill(kick_signal());
+                std::thread::sleep(KICK_INTERVAL);
+            }
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for VcpuHandle {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
