@@ -1,5 +1,8 @@
 //! sandfork's virtual machine monitor: a Firecracker-style microVM on KVM.
 
 pub mod arch;
+pub mod builder;
+pub mod device_manager;
 pub mod devices;
+pub mod vmm;
 pub mod vstate;

@@ -4,7 +4,7 @@
 //! Each vCPU runs on its own thread. The VMM talks to it through a request
 //! channel and "kicks" it out of `KVM_RUN` with a signal; the thread answers
 //! on a response channel. Exits that end the VM (reset, shutdown, a fault)
-//! are reported on the VMM's event channel.
+//! are reported through a callback.
 
 use std::sync::Arc;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -32,13 +32,8 @@ pub enum VcpuExitReason {
     Error(String),
 }
 
-/// Events the VMM's main loop waits for.
-#[derive(Debug)]
-pub enum VmEvent {
-    VcpuExited { id: u8, reason: VcpuExitReason },
-    /// The keyboard controller's reset line was pulsed.
-    ResetRequested,
-}
+/// Called on the vCPU thread when the vCPU stops running the guest for good.
+pub type ExitCallback = Arc<dyn Fn(u8, VcpuExitReason) + Send + Sync>;
 
 #[derive(Debug)]
 enum VcpuRequest {
@@ -90,11 +85,11 @@ pub struct Vcpu {
     fd: VcpuFd,
     io_bus: Arc<Bus>,
     mmio_bus: Arc<Bus>,
-    events: Sender<VmEvent>,
+    on_exit: ExitCallback,
 }
 
 impl Vcpu {
-    pub fn new(vm: &Vm, id: u8, io_bus: Arc<Bus>, mmio_bus: Arc<Bus>, events: Sender<VmEvent>) -> Result<Self, VcpuError> {
+    pub fn new(vm: &Vm, id: u8, io_bus: Arc<Bus>, mmio_bus: Arc<Bus>, on_exit: ExitCallback) -> Result<Self, VcpuError> {
         let fd = vm
             .fd()
             .create_vcpu(u64::from(id))
@@ -104,7 +99,7 @@ impl Vcpu {
             fd,
             io_bus,
             mmio_bus,
-            events,
+            on_exit,
         })
     }
 
@@ -167,7 +162,7 @@ impl Vcpu {
                 Err(e) => Some(VcpuExitReason::Error(format!("KVM_RUN failed: {e}"))),
             };
             if let Some(reason) = exit {
-                let _ = self.events.send(VmEvent::VcpuExited { id: self.id, reason });
+                (self.on_exit)(self.id, reason);
                 // Stay parked until told to go, so the VMM can still join us.
                 while !matches!(requests.recv(), Ok(VcpuRequest::Exit) | Err(_)) {}
                 return;

@@ -2,6 +2,7 @@
 
 pub mod block;
 pub mod device;
+pub mod mmio;
 pub mod vsock;
 
 pub use device::{ActivateError, ActivatedQueue, VirtioDevice, VirtioInterrupt, VirtioInterruptType};

@@ -1,0 +1,158 @@
+//! Assembles a microVM from a [`MicrovmSpec`]: the one place that wires guest
+//! memory, the kernel, devices and vCPUs together.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use linux_loader::cmdline::Cmdline;
+use linux_loader::loader::{Elf, KernelLoader, load_cmdline};
+use vm_memory::GuestAddress;
+
+use crate::arch::x86_64::layout::{CMDLINE_MAX_SIZE, CMDLINE_START, HIMEM_START};
+use crate::arch::x86_64::{boot_params, mptable, regs};
+use crate::device_manager::mmio::MmioDeviceManager;
+use crate::device_manager::{DeviceManagerError, legacy};
+use crate::devices::bus::Bus;
+use crate::devices::virtio::block::{Block, BlockConfig};
+use crate::devices::virtio::vsock::Vsock;
+use crate::vmm::{VmEvent, Vmm};
+use crate::vstate::memory::create_guest_memory;
+use crate::vstate::vcpu::{self, Vcpu, VcpuExitReason};
+use crate::vstate::vm::Vm;
+
+/// Everything needed to build and boot one microVM.
+pub struct MicrovmSpec {
+    pub kernel: PathBuf,
+    /// The kernel command line, without the virtio-mmio device declarations
+    /// (the builder appends those).
+    pub cmdline: String,
+    pub vcpu_count: u8,
+    pub mem_size_mib: u64,
+    pub drives: Vec<BlockConfig>,
+    pub vsock: Option<VsockSpec>,
+    /// Where the guest's serial console goes.
+    pub console: Box<dyn Write + Send>,
+}
+
+pub struct VsockSpec {
+    pub guest_cid: u64,
+    pub uds_path: PathBuf,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error("{0}")]
+    Vm(#[from] crate::vstate::vm::VmError),
+    #[error("{0}")]
+    Memory(#[from] crate::vstate::memory::MemoryError),
+    #[error("cannot open kernel image {path}: {source}")]
+    KernelOpen {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot load kernel image {path} (an uncompressed ELF vmlinux is required): {source}")]
+    KernelLoad {
+        path: PathBuf,
+        #[source]
+        source: linux_loader::loader::Error,
+    },
+    #[error("kernel command line: {0}")]
+    Cmdline(String),
+    #[error("{0}")]
+    Devices(#[from] DeviceManagerError),
+    #[error("drive: {0}")]
+    Block(#[from] crate::devices::virtio::block::BlockError),
+    #[error("vsock: {0}")]
+    Vsock(#[from] crate::devices::virtio::vsock::VsockError),
+    #[error("boot parameters: {0}")]
+    BootParams(#[from] boot_params::BootParamsError),
+    #[error("boot page tables: {0}")]
+    Regs(#[from] regs::RegsError),
+    #[error("{0}")]
+    MpTable(#[from] mptable::MpTableError),
+    #[error("vCPU: {0}")]
+    Vcpu(#[from] vcpu::VcpuError),
+}
+
+/// Builds the microVM and starts its vCPUs. `on_event` is called (from vCPU
+/// or device threads) when the VM must stop.
+pub fn build_and_boot(spec: MicrovmSpec, on_event: Arc<dyn Fn(VmEvent) + Send + Sync>) -> Result<Vmm, BuildError> {
+    if spec.vcpu_count == 0 || spec.vcpu_count > mptable::MAX_CPUS {
+        return Err(mptable::MpTableError::TooManyCpus(spec.vcpu_count).into());
+    }
+    vcpu::register_kick_signal()?;
+
+    let vm = Vm::new()?;
+    let mem = create_guest_memory(spec.mem_size_mib << 20)?;
+    vm.register_memory(&mem)?;
+    vm.create_irqchip_and_pit()?;
+
+    let mut kernel = File::open(&spec.kernel).map_err(|source| BuildError::KernelOpen {
+        path: spec.kernel.clone(),
+        source,
+    })?;
+    let loaded = Elf::load(&mem, None, &mut kernel, Some(GuestAddress(HIMEM_START))).map_err(|source| {
+        BuildError::KernelLoad {
+            path: spec.kernel.clone(),
+            source,
+        }
+    })?;
+
+    let mut io_bus = Bus::new();
+    let mut mmio_bus = Bus::new();
+    let reset_event = on_event.clone();
+    let legacy = legacy::attach(
+        &vm,
+        &mut io_bus,
+        spec.console,
+        Box::new(move || reset_event(VmEvent::ResetRequested)),
+    )?;
+
+    let mut mmio = MmioDeviceManager::default();
+    for drive in spec.drives {
+        let block = Block::new(drive)?;
+        mmio.attach(&vm, &mem, &mut mmio_bus, Box::new(block))?;
+    }
+    if let Some(vsock) = spec.vsock {
+        let device = Vsock::new(vsock.guest_cid, vsock.uds_path)?;
+        mmio.attach(&vm, &mem, &mut mmio_bus, Box::new(device))?;
+    }
+
+    let mut cmdline = Cmdline::new(CMDLINE_MAX_SIZE).map_err(|e| BuildError::Cmdline(e.to_string()))?;
+    cmdline
+        .insert_str(&spec.cmdline)
+        .map_err(|e| BuildError::Cmdline(e.to_string()))?;
+    for slot in mmio.slots() {
+        cmdline
+            .insert_str(slot.cmdline_param())
+            .map_err(|e| BuildError::Cmdline(e.to_string()))?;
+    }
+    let cmdline_size = cmdline
+        .as_cstring()
+        .map_err(|e| BuildError::Cmdline(e.to_string()))?
+        .as_bytes_with_nul()
+        .len();
+    load_cmdline(&mem, GuestAddress(CMDLINE_START), &cmdline).map_err(|e| BuildError::Cmdline(e.to_string()))?;
+    let mem_size = spec.mem_size_mib << 20;
+    boot_params::write_zero_page(&mem, mem_size, cmdline_size)?;
+    regs::write_boot_tables(&mem)?;
+    mptable::setup_mptable(&mem, spec.vcpu_count)?;
+
+    let io_bus = Arc::new(io_bus);
+    let mmio_bus = Arc::new(mmio_bus);
+    let on_exit: vcpu::ExitCallback = Arc::new(move |id, reason: VcpuExitReason| on_event(VmEvent::VcpuExited { id, reason }));
+    let mut vcpus = Vec::with_capacity(usize::from(spec.vcpu_count));
+    for id in 0..spec.vcpu_count {
+        let vcpu = Vcpu::new(&vm, id, io_bus.clone(), mmio_bus.clone(), on_exit.clone())?;
+        vcpu.configure(&vm, spec.vcpu_count, loaded.kernel_load.0)?;
+        vcpus.push(vcpu);
+    }
+    let mut handles = Vec::with_capacity(vcpus.len());
+    for vcpu in vcpus {
+        handles.push(vcpu.start()?);
+    }
+    Ok(Vmm::new(vm, mem, mmio, legacy, handles))
+}

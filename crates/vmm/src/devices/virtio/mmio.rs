@@ -1,0 +1,468 @@
+//! The virtio-mmio transport (virtio 1.x, "modern" register layout): the
+//! registers a driver programs to discover a device, negotiate features and
+//! set up its queues. Queue notifications and interrupts bypass it: KVM turns
+//! writes to QueueNotify into ioeventfd signals, and devices raise interrupts
+//! through an irqfd, so the data path never takes this lock.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use virtio_bindings::virtio_config::{
+    VIRTIO_CONFIG_S_ACKNOWLEDGE, VIRTIO_CONFIG_S_DRIVER, VIRTIO_CONFIG_S_DRIVER_OK,
+    VIRTIO_CONFIG_S_FAILED, VIRTIO_CONFIG_S_FEATURES_OK,
+};
+use virtio_bindings::virtio_mmio::{VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING};
+use virtio_queue::{Queue, QueueT};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::device::{ActivatedQueue, VirtioDevice, VirtioInterrupt, VirtioInterruptType};
+use crate::devices::bus::BusDevice;
+use crate::vstate::memory::GuestMemory;
+
+const MMIO_MAGIC_VALUE: u32 = 0x7472_6976; // "virt"
+const MMIO_VERSION: u32 = 2;
+const VENDOR_ID: u32 = 0x4b52_4653; // "SFRK"
+
+/// Register offsets of the virtio-mmio layout.
+mod reg {
+    pub const MAGIC_VALUE: u64 = 0x000;
+    pub const VERSION: u64 = 0x004;
+    pub const DEVICE_ID: u64 = 0x008;
+    pub const VENDOR_ID: u64 = 0x00c;
+    pub const DEVICE_FEATURES: u64 = 0x010;
+    pub const DEVICE_FEATURES_SEL: u64 = 0x014;
+    pub const DRIVER_FEATURES: u64 = 0x020;
+    pub const DRIVER_FEATURES_SEL: u64 = 0x024;
+    pub const QUEUE_SEL: u64 = 0x030;
+    pub const QUEUE_NUM_MAX: u64 = 0x034;
+    pub const QUEUE_NUM: u64 = 0x038;
+    pub const QUEUE_READY: u64 = 0x044;
+    pub const QUEUE_NOTIFY: u64 = 0x050;
+    pub const INTERRUPT_STATUS: u64 = 0x060;
+    pub const INTERRUPT_ACK: u64 = 0x064;
+    pub const STATUS: u64 = 0x070;
+    pub const QUEUE_DESC_LOW: u64 = 0x080;
+    pub const QUEUE_DESC_HIGH: u64 = 0x084;
+    pub const QUEUE_AVAIL_LOW: u64 = 0x090;
+    pub const QUEUE_AVAIL_HIGH: u64 = 0x094;
+    pub const QUEUE_USED_LOW: u64 = 0x0a0;
+    pub const QUEUE_USED_HIGH: u64 = 0x0a4;
+    pub const CONFIG_GENERATION: u64 = 0x0fc;
+    pub const CONFIG: u64 = 0x100;
+}
+
+/// Offset of QueueNotify, where the device manager registers ioeventfds.
+pub const QUEUE_NOTIFY_OFFSET: u64 = reg::QUEUE_NOTIFY;
+
+/// A device's interrupt: the InterruptStatus bits plus the irqfd of its line.
+pub struct MmioInterrupt {
+    status: AtomicU32,
+    irqfd: EventFd,
+}
+
+impl MmioInterrupt {
+    pub fn new(irqfd: EventFd) -> Self {
+        MmioInterrupt {
+            status: AtomicU32::new(0),
+            irqfd,
+        }
+    }
+}
+
+impl VirtioInterrupt for MmioInterrupt {
+    fn trigger(&self, kind: VirtioInterruptType) -> std::io::Result<()> {
+        let bit = match kind {
+            VirtioInterruptType::Queue => VIRTIO_MMIO_INT_VRING,
+            VirtioInterruptType::Config => VIRTIO_MMIO_INT_CONFIG,
+        };
+        self.status.fetch_or(bit, Ordering::SeqCst);
+        self.irqfd.write(1)
+    }
+}
+
+pub struct MmioTransport {
+    device: Box<dyn VirtioDevice>,
+    mem: GuestMemory,
+    interrupt: Arc<MmioInterrupt>,
+    queues: Vec<Queue>,
+    queue_evts: Vec<EventFd>,
+    queue_select: u32,
+    device_features_select: u32,
+    driver_features_select: u32,
+    driver_features: u64,
+    status: u32,
+    activated: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MmioError {
+    #[error("creating a queue of size {0}: {1}")]
+    Queue(u16, virtio_queue::Error),
+    #[error("creating a queue notification eventfd: {0}")]
+    EventFd(#[source] std::io::Error),
+}
+
+fn new_queues(sizes: &[u16]) -> Result<Vec<Queue>, MmioError> {
+    sizes
+        .iter()
+        .map(|&size| Queue::new(size).map_err(|e| MmioError::Queue(size, e)))
+        .collect()
+}
+
+impl MmioTransport {
+    pub fn new(device: Box<dyn VirtioDevice>, mem: GuestMemory, interrupt: Arc<MmioInterrupt>) -> Result<Self, MmioError> {
+        let queues = new_queues(device.queue_max_sizes())?;
+        let queue_evts = queues
+            .iter()
+            .map(|_| EventFd::new(libc::EFD_NONBLOCK).map_err(MmioError::EventFd))
+            .collect::<Result<_, _>>()?;
+        Ok(MmioTransport {
+            device,
+            mem,
+            interrupt,
+            queues,
+            queue_evts,
+            queue_select: 0,
+            device_features_select: 0,
+            driver_features_select: 0,
+            driver_features: 0,
+            status: 0,
+            activated: false,
+        })
+    }
+
+    /// One eventfd per queue, signalled when the driver notifies that queue.
+    pub fn queue_evts(&self) -> &[EventFd] {
+        &self.queue_evts
+    }
+
+    pub fn device_type(&self) -> u32 {
+        self.device.device_type()
+    }
+
+    fn selected_queue(&mut self) -> Option<&mut Queue> {
+        // The device is activated with the queues moved out; after that the
+        // driver may not reprogram them.
+        if self.activated {
+            return None;
+        }
+        self.queues.get_mut(self.queue_select as usize)
+    }
+
+    fn with_queue(&mut self, f: impl FnOnce(&mut Queue)) {
+        if let Some(queue) = self.selected_queue() {
+            f(queue);
+        }
+    }
+
+    fn has_status(&self, bits: u32) -> bool {
+        self.status & bits == bits
+    }
+
+    fn set_status(&mut self, status: u32) {
+        if status == 0 {
+            self.reset();
+            return;
+        }
+        // Features are fixed once the driver claims FEATURES_OK; refuse it when
+        // the driver accepted something the device never offered.
+        if status & VIRTIO_CONFIG_S_FEATURES_OK != 0 && !self.has_status(VIRTIO_CONFIG_S_FEATURES_OK) {
+            let offered = self.device.avail_features();
+            if self.driver_features & !offered != 0 {
+                self.status = status & !VIRTIO_CONFIG_S_FEATURES_OK;
+                return;
+            }
+            self.device.set_acked_features(self.driver_features);
+        }
+        self.status = status;
+
+        let ready = VIRTIO_CONFIG_S_ACKNOWLEDGE
+            | VIRTIO_CONFIG_S_DRIVER
+            | VIRTIO_CONFIG_S_FEATURES_OK
+            | VIRTIO_CONFIG_S_DRIVER_OK;
+        if !self.activated && self.has_status(ready) {
+            self.activate();
+        }
+    }
+
+    fn activate(&mut self) {
+        let queues_valid = self
+            .queues
+            .iter()
+            .all(|q| q.ready() && q.is_valid(&self.mem));
+        if !queues_valid {
+            log::warn!("virtio device {}: driver set DRIVER_OK with invalid queues", self.device_type());
+            self.status |= VIRTIO_CONFIG_S_FAILED;
+            return;
+        }
+        let mut activated = Vec::with_capacity(self.queues.len());
+        for (queue, evt) in self.queues.drain(..).zip(self.queue_evts.iter()) {
+            match evt.try_clone() {
+                Ok(notify) => activated.push(ActivatedQueue { queue, notify }),
+                Err(e) => {
+                    log::error!("virtio device: cloning a queue eventfd: {e}");
+                    self.status |= VIRTIO_CONFIG_S_FAILED;
+                    return;
+                }
+            }
+        }
+        let interrupt: Arc<dyn VirtioInterrupt> = self.interrupt.clone();
+        match self.device.activate(self.mem.clone(), interrupt, activated) {
+            Ok(()) => self.activated = true,
+            Err(e) => {
+                log::error!("virtio device {}: activation failed: {e}", self.device_type());
+                self.status |= VIRTIO_CONFIG_S_FAILED;
+            }
+        }
+    }
+
+    fn reset(&mut self) {
+        if self.activated {
+            if !self.device.reset() {
+                log::warn!("virtio device {} cannot be reset", self.device_type());
+                self.status |= VIRTIO_CONFIG_S_FAILED;
+                return;
+            }
+            self.activated = false;
+        }
+        match new_queues(self.device.queue_max_sizes()) {
+            Ok(queues) => self.queues = queues,
+            Err(e) => {
+                log::error!("virtio reset: {e}");
+                self.status |= VIRTIO_CONFIG_S_FAILED;
+                return;
+            }
+        }
+        self.status = 0;
+        self.queue_select = 0;
+        self.device_features_select = 0;
+        self.driver_features_select = 0;
+        self.driver_features = 0;
+        self.interrupt.status.store(0, Ordering::SeqCst);
+    }
+
+    fn read_register(&self, offset: u64) -> u32 {
+        let queue = || self.queues.get(self.queue_select as usize);
+        match offset {
+            reg::MAGIC_VALUE => MMIO_MAGIC_VALUE,
+            reg::VERSION => MMIO_VERSION,
+            reg::DEVICE_ID => self.device.device_type(),
+            reg::VENDOR_ID => VENDOR_ID,
+            reg::DEVICE_FEATURES => match self.device_features_select {
+                0 => self.device.avail_features() as u32,
+                1 => (self.device.avail_features() >> 32) as u32,
+                _ => 0,
+            },
+            reg::QUEUE_NUM_MAX => queue().map_or(0, |q| u32::from(q.max_size())),
+            reg::QUEUE_READY => queue().map_or(0, |q| u32::from(q.ready())),
+            reg::INTERRUPT_STATUS => self.interrupt.status.load(Ordering::SeqCst),
+            reg::STATUS => self.status,
+            reg::CONFIG_GENERATION => 0,
+            _ => 0,
+        }
+    }
+
+    fn write_register(&mut self, offset: u64, value: u32) {
+        // Feature negotiation only before FEATURES_OK; queue setup only before
+        // DRIVER_OK (the spec forbids later changes; ignoring them keeps a
+        // confused driver from corrupting a running device).
+        let negotiating = !self.has_status(VIRTIO_CONFIG_S_FEATURES_OK);
+        match offset {
+            reg::DEVICE_FEATURES_SEL => self.device_features_select = value,
+            reg::DRIVER_FEATURES_SEL => self.driver_features_select = value,
+            reg::DRIVER_FEATURES if negotiating => match self.driver_features_select {
+                0 => self.driver_features = (self.driver_features & !0xffff_ffff) | u64::from(value),
+                1 => self.driver_features = (self.driver_features & 0xffff_ffff) | (u64::from(value) << 32),
+                _ => {}
+            },
+            reg::QUEUE_SEL => self.queue_select = value,
+            reg::QUEUE_NUM => self.with_queue(|q| q.set_size(value as u16)),
+            reg::QUEUE_READY => self.with_queue(|q| q.set_ready(value == 1)),
+            reg::QUEUE_DESC_LOW => self.with_queue(|q| q.set_desc_table_address(Some(value), None)),
+            reg::QUEUE_DESC_HIGH => self.with_queue(|q| q.set_desc_table_address(None, Some(value))),
+            reg::QUEUE_AVAIL_LOW => self.with_queue(|q| q.set_avail_ring_address(Some(value), None)),
+            reg::QUEUE_AVAIL_HIGH => self.with_queue(|q| q.set_avail_ring_address(None, Some(value))),
+            reg::QUEUE_USED_LOW => self.with_queue(|q| q.set_used_ring_address(Some(value), None)),
+            reg::QUEUE_USED_HIGH => self.with_queue(|q| q.set_used_ring_address(None, Some(value))),
+            // Normally KVM consumes these through the ioeventfd; this path
+            // serves a transport used without KVM.
+            reg::QUEUE_NOTIFY => {
+                if let Some(evt) = self.queue_evts.get(value as usize) {
+                    let _ = evt.write(1);
+                }
+            }
+            reg::INTERRUPT_ACK => {
+                self.interrupt.status.fetch_and(!value, Ordering::SeqCst);
+            }
+            reg::STATUS => self.set_status(value),
+            _ => {}
+        }
+    }
+}
+
+impl BusDevice for MmioTransport {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        if offset >= reg::CONFIG {
+            self.device.read_config(offset - reg::CONFIG, data);
+            return;
+        }
+        if let Ok(bytes) = <&mut [u8; 4]>::try_from(data) {
+            *bytes = self.read_register(offset).to_le_bytes();
+        }
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        if offset >= reg::CONFIG {
+            self.device.write_config(offset - reg::CONFIG, data);
+            return;
+        }
+        if let Ok(bytes) = <[u8; 4]>::try_from(data) {
+            self.write_register(offset, u32::from_le_bytes(bytes));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::virtio::device::ActivateError;
+    use std::sync::Mutex;
+    use vm_memory::GuestAddress;
+
+    #[derive(Default)]
+    struct Probe {
+        acked: u64,
+        activated_with: Option<usize>,
+    }
+
+    struct TestDevice(Arc<Mutex<Probe>>);
+
+    impl VirtioDevice for TestDevice {
+        fn device_type(&self) -> u32 {
+            42
+        }
+        fn queue_max_sizes(&self) -> &[u16] {
+            &[16, 16]
+        }
+        fn avail_features(&self) -> u64 {
+            (1 << 32) | 0b101
+        }
+        fn set_acked_features(&mut self, acked: u64) {
+            self.0.lock().unwrap().acked = acked;
+        }
+        fn read_config(&self, offset: u64, data: &mut [u8]) {
+            data.fill(offset as u8 + 0x10);
+        }
+        fn activate(
+            &mut self,
+            _mem: GuestMemory,
+            _interrupt: Arc<dyn VirtioInterrupt>,
+            queues: Vec<ActivatedQueue>,
+        ) -> Result<(), ActivateError> {
+            self.0.lock().unwrap().activated_with = Some(queues.len());
+            Ok(())
+        }
+    }
+
+    fn transport() -> (MmioTransport, Arc<Mutex<Probe>>) {
+        let probe = Arc::new(Mutex::new(Probe::default()));
+        let mem = GuestMemory::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        let irq = Arc::new(MmioInterrupt::new(EventFd::new(libc::EFD_NONBLOCK).unwrap()));
+        let t = MmioTransport::new(Box::new(TestDevice(probe.clone())), mem, irq).unwrap();
+        (t, probe)
+    }
+
+    fn read(t: &mut MmioTransport, offset: u64) -> u32 {
+        let mut data = [0u8; 4];
+        t.read(offset, &mut data);
+        u32::from_le_bytes(data)
+    }
+
+    fn write(t: &mut MmioTransport, offset: u64, value: u32) {
+        t.write(offset, &value.to_le_bytes());
+    }
+
+    fn setup_queue(t: &mut MmioTransport, index: u32, base: u32) {
+        write(t, reg::QUEUE_SEL, index);
+        write(t, reg::QUEUE_NUM, 16);
+        write(t, reg::QUEUE_DESC_LOW, base);
+        write(t, reg::QUEUE_AVAIL_LOW, base + 0x1000);
+        write(t, reg::QUEUE_USED_LOW, base + 0x2000);
+        write(t, reg::QUEUE_READY, 1);
+    }
+
+    #[test]
+    fn identifies_itself() {
+        let (mut t, _) = transport();
+        assert_eq!(read(&mut t, reg::MAGIC_VALUE), MMIO_MAGIC_VALUE);
+        assert_eq!(read(&mut t, reg::VERSION), 2);
+        assert_eq!(read(&mut t, reg::DEVICE_ID), 42);
+        write(&mut t, reg::DEVICE_FEATURES_SEL, 1);
+        assert_eq!(read(&mut t, reg::DEVICE_FEATURES), 1);
+        write(&mut t, reg::QUEUE_SEL, 1);
+        assert_eq!(read(&mut t, reg::QUEUE_NUM_MAX), 16);
+        write(&mut t, reg::QUEUE_SEL, 7);
+        assert_eq!(read(&mut t, reg::QUEUE_NUM_MAX), 0);
+        let mut cfg = [0u8; 2];
+        t.read(reg::CONFIG + 3, &mut cfg);
+        assert_eq!(cfg, [0x13, 0x13]);
+    }
+
+    #[test]
+    fn negotiates_and_activates() {
+        let (mut t, probe) = transport();
+        write(&mut t, reg::STATUS, VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER);
+        write(&mut t, reg::DRIVER_FEATURES_SEL, 0);
+        write(&mut t, reg::DRIVER_FEATURES, 0b100);
+        write(&mut t, reg::DRIVER_FEATURES_SEL, 1);
+        write(&mut t, reg::DRIVER_FEATURES, 1);
+        let features_ok = VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER | VIRTIO_CONFIG_S_FEATURES_OK;
+        write(&mut t, reg::STATUS, features_ok);
+        assert_eq!(read(&mut t, reg::STATUS), features_ok);
+        assert_eq!(probe.lock().unwrap().acked, (1 << 32) | 0b100);
+        setup_queue(&mut t, 0, 0x10000);
+        setup_queue(&mut t, 1, 0x20000);
+        write(&mut t, reg::STATUS, features_ok | VIRTIO_CONFIG_S_DRIVER_OK);
+        assert_eq!(probe.lock().unwrap().activated_with, Some(2));
+        assert_eq!(read(&mut t, reg::STATUS) & VIRTIO_CONFIG_S_FAILED, 0);
+    }
+
+    #[test]
+    fn refuses_features_never_offered() {
+        let (mut t, _) = transport();
+        write(&mut t, reg::DRIVER_FEATURES, 0b010);
+        write(&mut t, reg::STATUS, VIRTIO_CONFIG_S_FEATURES_OK);
+        assert_eq!(read(&mut t, reg::STATUS) & VIRTIO_CONFIG_S_FEATURES_OK, 0);
+    }
+
+    #[test]
+    fn driver_ok_with_unready_queues_fails_the_device() {
+        let (mut t, probe) = transport();
+        let features_ok = VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER | VIRTIO_CONFIG_S_FEATURES_OK;
+        write(&mut t, reg::STATUS, features_ok);
+        setup_queue(&mut t, 0, 0x10000);
+        write(&mut t, reg::STATUS, features_ok | VIRTIO_CONFIG_S_DRIVER_OK);
+        assert!(probe.lock().unwrap().activated_with.is_none());
+        assert_ne!(read(&mut t, reg::STATUS) & VIRTIO_CONFIG_S_FAILED, 0);
+    }
+
+    #[test]
+    fn interrupt_status_and_ack() {
+        let (mut t, _) = transport();
+        t.interrupt.trigger(VirtioInterruptType::Queue).unwrap();
+        t.interrupt.trigger(VirtioInterruptType::Config).unwrap();
+        assert_eq!(read(&mut t, reg::INTERRUPT_STATUS), 0b11);
+        write(&mut t, reg::INTERRUPT_ACK, 0b01);
+        assert_eq!(read(&mut t, reg::INTERRUPT_STATUS), 0b10);
+    }
+
+    #[test]
+    fn odd_sized_register_access_is_ignored() {
+        let (mut t, _) = transport();
+        let mut two = [0xaau8; 2];
+        t.read(reg::MAGIC_VALUE, &mut two);
+        assert_eq!(two, [0xaa, 0xaa]);
+        t.write(reg::STATUS, &[1]);
+        assert_eq!(read(&mut t, reg::STATUS), 0);
+    }
+}
