@@ -1,1 +1,177 @@
-fn main() {}
+//! `sandfork`: the command line of a sandfork node.
+
+mod bench;
+mod launcher;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+
+use launcher::GuestImage;
+
+#[derive(Parser)]
+#[command(version, about = "sandfork: branching agent sandboxes on KVM microVMs")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(clap::Args, Clone)]
+struct ImageArgs {
+    /// Guest kernel (uncompressed vmlinux).
+    #[arg(long, env = "SANDFORK_KERNEL")]
+    kernel: PathBuf,
+    /// Guest root filesystem image (ext4).
+    #[arg(long, env = "SANDFORK_ROOTFS")]
+    rootfs: PathBuf,
+    /// The VMM binary [default: sandfork-vmm next to this program].
+    #[arg(long, env = "SANDFORK_VMM")]
+    vmm: Option<PathBuf>,
+    #[arg(long, default_value_t = 1)]
+    vcpus: u8,
+    #[arg(long, default_value_t = 256)]
+    mem_mib: u64,
+    /// Run here even when this host's KVM cannot boot Linux (used inside the lab).
+    #[arg(long, hide = true)]
+    in_lab: bool,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Boot a microVM to its guest agent, report the time, then shut it down.
+    ///
+    /// Example: sandfork up --kernel vmlinux --rootfs rootfs.ext4
+    Up {
+        #[command(flatten)]
+        image: ImageArgs,
+    },
+    /// Print benchmark figures as one JSON object.
+    ///
+    /// Example: SANDFORK_FIRECRACKER=/opt/fc/firecracker sandfork bench --runs 5
+    Bench {
+        #[command(flatten)]
+        image: ImageArgs,
+        /// Boots to measure (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// A Firecracker binary to measure on the same kernel and image.
+        #[arg(long, env = "SANDFORK_FIRECRACKER")]
+        firecracker: Option<PathBuf>,
+    },
+}
+
+fn sibling_binary(name: &str) -> Result<PathBuf> {
+    let exe = std::env::current_exe().context("locating this program")?;
+    let path = exe.with_file_name(name);
+    if !path.exists() {
+        bail!("{} not found next to {}; build the workspace first", name, exe.display());
+    }
+    Ok(path)
+}
+
+impl ImageArgs {
+    fn guest(&self) -> GuestImage {
+        GuestImage {
+            kernel: self.kernel.clone(),
+            rootfs: self.rootfs.clone(),
+            vcpus: self.vcpus,
+            mem_mib: self.mem_mib,
+        }
+    }
+
+    fn vmm(&self) -> Result<PathBuf> {
+        match &self.vmm {
+            Some(path) => Ok(path.clone()),
+            None => sibling_binary("sandfork-vmm"),
+        }
+    }
+}
+
+/// Re-runs this very command inside the KVM lab when the host cannot boot
+/// Linux guests; returns None when the command should run here.
+fn run_in_lab_if_needed(image: &ImageArgs, extra_rw: &[&Path]) -> Result<Option<ExitCode>> {
+    if image.in_lab || sandfork_lab::detect().is_hardware() {
+        return Ok(None);
+    }
+    let lab = sibling_binary("sandfork-lab")?;
+    let mut cmd = std::process::Command::new(lab);
+    cmd.arg("run").arg("--timeout").arg("3600");
+    for dir in extra_rw {
+        cmd.arg("--rw").arg(dir);
+    }
+    cmd.arg("--").arg(std::env::current_exe()?);
+    cmd.args(std::env::args_os().skip(1));
+    cmd.arg("--in-lab");
+    cmd.env("SANDFORK_KERNEL", &image.kernel)
+        .env("SANDFORK_ROOTFS", &image.rootfs);
+    let status = cmd.status().context("running the KVM lab")?;
+    Ok(Some(ExitCode::from(status.code().unwrap_or(1) as u8)))
+}
+
+fn environment(image: &ImageArgs) -> &'static str {
+    if image.in_lab || !sandfork_lab::detect().is_hardware() {
+        "lab"
+    } else {
+        "hardware"
+    }
+}
+
+async fn up(image: &ImageArgs) -> Result<()> {
+    let mut vm = launcher::launch(&image.vmm()?, &image.guest()).await?;
+    let took = launcher::wait_for_agent(&mut vm, Duration::from_secs(300)).await?;
+    println!(
+        "microVM up: guest agent answered its health check over vsock {:.0} ms after InstanceStart ({})",
+        took.as_secs_f64() * 1000.0,
+        environment(image)
+    );
+    vm.shutdown(Duration::from_secs(30)).await?;
+    println!("microVM shut down cleanly");
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("sandfork: error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    match cli.command {
+        Command::Up { image } => {
+            if let Some(code) = run_in_lab_if_needed(&image, &[])? {
+                return Ok(code);
+            }
+            runtime.block_on(up(&image))?;
+        }
+        Command::Bench {
+            image,
+            runs,
+            firecracker,
+        } => {
+            if runs == 0 {
+                bail!("--runs must be at least 1");
+            }
+            if let Some(code) = run_in_lab_if_needed(&image, &[])? {
+                return Ok(code);
+            }
+            let report = runtime.block_on(bench::run(
+                environment(&image),
+                &image.vmm()?,
+                firecracker.as_deref(),
+                &image.guest(),
+                runs,
+            ))?;
+            println!("{}", serde_json::to_string(&report)?);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

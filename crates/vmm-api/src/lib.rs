@@ -20,6 +20,7 @@ mod vm_config;
 mod vm_state;
 mod vmm_action;
 mod vsock;
+pub mod vsock_connect;
 
 pub use action::{ActionType, InstanceActionInfo};
 pub use boot_source::BootSource;

@@ -2,6 +2,7 @@
 
 pub mod arch;
 pub mod builder;
+pub mod controller;
 pub mod device_manager;
 pub mod devices;
 pub mod vmm;

@@ -1,1 +1,76 @@
-fn main() {}
+//! `sandfork-vmm`: one microVM per process, driven through a Firecracker-
+//! compatible API on a Unix socket, or booted straight from a config file.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::mpsc;
+
+use clap::Parser;
+use vmm::controller::{Controller, ControllerEvent};
+
+#[derive(Parser)]
+#[command(version, about)]
+struct Args {
+    /// Path of the API socket.
+    #[arg(long, default_value = "/run/sandfork-vmm.socket")]
+    api_sock: PathBuf,
+    /// Boot at once from this Firecracker-style JSON config file.
+    #[arg(long)]
+    config_file: Option<PathBuf>,
+    /// Serve no API (requires --config-file).
+    #[arg(long, requires = "config_file")]
+    no_api: bool,
+    /// An identifier for this microVM, reported by `GET /`.
+    #[arg(long, default_value = "anonymous-instance")]
+    id: String,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    match run(args) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("sandfork-vmm: error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run(args: Args) -> anyhow::Result<ExitCode> {
+    use anyhow::Context;
+
+    let (events_tx, events_rx) = mpsc::channel();
+    let mut controller = Controller::new(args.id, events_tx.clone(), Box::new(std::io::stdout()));
+
+    let _api = if args.no_api {
+        None
+    } else {
+        Some(vmm::api_server::serve(&args.api_sock, events_tx.clone()).context("starting the API server")?)
+    };
+
+    if let Some(path) = &args.config_file {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let config = vmm_api::VmConfig::from_json(&text).with_context(|| format!("parsing {}", path.display()))?;
+        controller
+            .apply_config(config)
+            .map_err(|e| anyhow::anyhow!("{e}"))
+            .with_context(|| format!("booting from {}", path.display()))?;
+    }
+    drop(events_tx);
+
+    match controller.run(&events_rx) {
+        Some(exit) => {
+            eprintln!("sandfork-vmm: {}", exit.message());
+            Ok(ExitCode::from(exit.exit_code() as u8))
+        }
+        None => Ok(ExitCode::SUCCESS),
+    }
+}
+

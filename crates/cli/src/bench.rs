@@ -1,0 +1,59 @@
+//! `sandfork bench`: boot-to-agent time of sandfork-vmm, and of a reference
+//! Firecracker on the same kernel and image when one is given.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Result;
+use serde_json::{Value, json};
+
+use crate::launcher::{self, GuestImage};
+
+const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
+
+fn median(samples: &mut [f64]) -> f64 {
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
+
+/// Boots `runs` times and returns the figures as JSON.
+async fn measure(vmm: &Path, image: &GuestImage, runs: usize) -> Result<Value> {
+    let mut boot_ms = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let mut vm = launcher::launch(vmm, image).await?;
+        let took = launcher::wait_for_agent(&mut vm, BOOT_TIMEOUT).await?;
+        boot_ms.push(took.as_secs_f64() * 1000.0);
+        vm.shutdown(Duration::from_secs(30)).await?;
+    }
+    let samples = boot_ms.clone();
+    Ok(json!({
+        "vmm": vmm.display().to_string(),
+        "boot_to_agent_ms": median(&mut boot_ms),
+        "boot_to_agent_ms_samples": samples,
+    }))
+}
+
+pub async fn run(environment: &str, vmm: &Path, firecracker: Option<&Path>, image: &GuestImage, runs: usize) -> Result<Value> {
+    let mut report = measure(vmm, image, runs).await?;
+    let reference = match firecracker {
+        Some(fc) => {
+            let fc_report = measure(fc, image, runs).await?;
+            let ratio = report["boot_to_agent_ms"].as_f64().unwrap_or(0.0)
+                / fc_report["boot_to_agent_ms"].as_f64().unwrap_or(f64::NAN);
+            report["boot_to_agent_ratio_vs_reference"] = json!(ratio);
+            fc_report
+        }
+        None => Value::Null,
+    };
+    report["environment"] = json!(environment);
+    report["reference"] = reference;
+    report["runs"] = json!(runs);
+    report["guest"] = json!({"vcpus": image.vcpus, "mem_mib": image.mem_mib});
+    if environment == "lab" {
+        report["note"] = json!(
+            "emulated: measured inside the KVM lab (QEMU TCG with nested SVM), roughly 20-50x \
+             slower than hardware KVM; compare ratios, not absolute times"
+        );
+    }
+    Ok(report)
+}

@@ -1,0 +1,315 @@
+//! Executes API actions: gathers the VM's resources before boot, builds and
+//! boots it on `InstanceStart`, then pauses, resumes and signals it, and
+//! reports how it ended.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, Sender};
+
+use vmm_api::{
+    BootSource, Drive, InstanceInfo, InstanceState, MachineConfig, VmConfig, VmmAction,
+    VmmActionError, VmmData, Vsock,
+};
+
+use crate::builder::{self, MicrovmSpec, VsockSpec};
+use crate::devices::virtio::block::BlockConfig;
+use crate::vmm::{VmEvent, VmExit, VmState, Vmm};
+
+/// The kernel command line when the user gives none: a serial console, reboot
+/// through the keyboard controller, a panic reboots (and so ends the VM), and
+/// no probing for hardware a microVM does not have.
+pub const DEFAULT_BOOT_ARGS: &str = "console=ttyS0 reboot=k panic=1 pci=off nomodule \
+    i8042.noaux i8042.nomux i8042.nopnp i8042.dumbkbd";
+
+const NOT_AFTER_START: &str = "The requested operation is not supported after starting the microVM.";
+const NOT_BEFORE_START: &str = "The requested operation is not supported before starting the microVM.";
+
+pub type Reply = Box<dyn FnOnce(Result<VmmData, VmmActionError>) + Send>;
+
+/// What the controller's loop waits for.
+pub enum ControllerEvent {
+    Action(VmmAction, Reply),
+    Vm(VmEvent),
+    /// The API server is gone; with no VM running there is nothing left to do.
+    ApiClosed,
+}
+
+pub struct Controller {
+    id: String,
+    config: VmConfig,
+    vmm: Option<Vmm>,
+    events: Sender<ControllerEvent>,
+    console: Option<Box<dyn Write + Send>>,
+}
+
+fn bad(message: impl Into<String>) -> VmmActionError {
+    VmmActionError::bad_request(message)
+}
+
+fn check_readable(what: &str, path: &str) -> Result<(), VmmActionError> {
+    let meta = std::fs::metadata(path).map_err(|e| bad(format!("{what} {path} cannot be opened: {e}")))?;
+    if meta.is_dir() {
+        return Err(bad(format!("{what} {path} is a directory")));
+    }
+    File::open(path).map_err(|e| bad(format!("{what} {path} cannot be opened: {e}")))?;
+    Ok(())
+}
+
+fn check_writable(what: &str, path: &str) -> Result<(), VmmActionError> {
+    check_readable(what, path)?;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|e| bad(format!("{what} {path} cannot be opened for writing: {e}")))?;
+    Ok(())
+}
+
+impl Controller {
+    pub fn new(id: String, events: Sender<ControllerEvent>, console: Box<dyn Write + Send>) -> Self {
+        Controller {
+            id,
+            config: VmConfig::default(),
+            vmm: None,
+            events,
+            console: Some(console),
+        }
+    }
+
+    fn started(&self) -> bool {
+        self.vmm.is_some()
+    }
+
+    fn machine_config(&self) -> MachineConfig {
+        self.config.machine_config_or_default()
+    }
+
+    /// Serves events until the VM ends (or the API goes away before a start).
+    pub fn run(mut self, events: &Receiver<ControllerEvent>) -> Option<VmExit> {
+        while let Ok(event) = events.recv() {
+            match event {
+                ControllerEvent::Action(action, reply) => reply(self.handle(action)),
+                ControllerEvent::Vm(event) => {
+                    let vmm = self.vmm.take()?;
+                    let exit = vmm.exit_for(&event);
+                    drop(vmm);
+                    return Some(exit);
+                }
+                ControllerEvent::ApiClosed if !self.started() => return None,
+                ControllerEvent::ApiClosed => {}
+            }
+        }
+        None
+    }
+
+    /// Applies a whole config file, then boots.
+    pub fn apply_config(&mut self, config: VmConfig) -> Result<(), VmmActionError> {
+        config.validate()?;
+        if let Some(machine) = config.machine_config.clone() {
+            self.handle(VmmAction::PutMachineConfig(machine))?;
+        }
+        if let Some(boot) = config.boot_source.clone() {
+            self.handle(VmmAction::PutBootSource(boot))?;
+        }
+        for drive in config.drives.iter().cloned() {
+            self.handle(VmmAction::PutDrive(drive))?;
+        }
+        if let Some(vsock) = config.vsock.clone() {
+            self.handle(VmmAction::PutVsock(vsock))?;
+        }
+        self.handle(VmmAction::InstanceStart).map(|_| ())
+    }
+
+    pub fn handle(&mut self, action: VmmAction) -> Result<VmmData, VmmActionError> {
+        match action {
+            VmmAction::GetInstanceInfo => Ok(VmmData::InstanceInfo(self.instance_info())),
+            VmmAction::GetMachineConfig => Ok(VmmData::MachineConfig(self.machine_config())),
+            VmmAction::GetVmConfig => {
+                let mut config = self.config.clone();
+                config.machine_config = Some(self.machine_config());
+                Ok(VmmData::VmConfig(Box::new(config)))
+            }
+            VmmAction::PutMachineConfig(machine) => {
+                self.pre_boot()?;
+                machine.validate()?;
+                self.config.machine_config = Some(machine);
+                Ok(VmmData::Empty)
+            }
+            VmmAction::PatchMachineConfig(update) => {
+                self.pre_boot()?;
+                let machine = self.machine_config().patched(&update)?;
+                machine.validate()?;
+                self.config.machine_config = Some(machine);
+                Ok(VmmData::Empty)
+            }
+            VmmAction::PutBootSource(boot) => {
+                self.pre_boot()?;
+                self.put_boot_source(boot)
+            }
+            VmmAction::PutDrive(drive) => {
+                self.pre_boot()?;
+                self.put_drive(drive)
+            }
+            VmmAction::PatchDrive(_) => Err(bad("updating a drive is not supported")),
+            VmmAction::PutVsock(vsock) => {
+                self.pre_boot()?;
+                self.put_vsock(vsock)
+            }
+            VmmAction::InstanceStart => {
+                self.pre_boot()?;
+                self.start()
+            }
+            VmmAction::SendCtrlAltDel => {
+                self.running_vmm()?.send_ctrl_alt_del();
+                Ok(VmmData::Empty)
+            }
+            VmmAction::FlushMetrics => Ok(VmmData::Empty),
+            VmmAction::Pause => {
+                self.running_vmm()?
+                    .pause()
+                    .map_err(|e| VmmActionError::internal(format!("pausing the VM: {e}")))?;
+                Ok(VmmData::Empty)
+            }
+            VmmAction::Resume => {
+                self.running_vmm()?
+                    .resume()
+                    .map_err(|e| VmmActionError::internal(format!("resuming the VM: {e}")))?;
+                Ok(VmmData::Empty)
+            }
+            VmmAction::CreateSnapshot(_) | VmmAction::LoadSnapshot(_) => {
+                Err(bad("snapshots are not supported by this VMM yet"))
+            }
+        }
+    }
+
+    fn instance_info(&self) -> InstanceInfo {
+        let state = match self.vmm.as_ref().map(Vmm::state) {
+            None => InstanceState::NotStarted,
+            Some(VmState::Running) => InstanceState::Running,
+            Some(VmState::Paused) => InstanceState::Paused,
+        };
+        InstanceInfo {
+            id: self.id.clone(),
+            state,
+            vmm_version: env!("CARGO_PKG_VERSION").into(),
+            app_name: "sandfork-vmm".into(),
+        }
+    }
+
+    fn pre_boot(&self) -> Result<(), VmmActionError> {
+        if self.started() {
+            return Err(bad(NOT_AFTER_START));
+        }
+        Ok(())
+    }
+
+    fn running_vmm(&mut self) -> Result<&mut Vmm, VmmActionError> {
+        self.vmm.as_mut().ok_or_else(|| bad(NOT_BEFORE_START))
+    }
+
+    fn put_boot_source(&mut self, boot: BootSource) -> Result<VmmData, VmmActionError> {
+        boot.validate()?;
+        check_readable("kernel image", &boot.kernel_image_path)?;
+        if let Some(initrd) = &boot.initrd_path {
+            check_readable("initrd", initrd)?;
+            return Err(bad("initrd_path is not supported: boot from a root drive"));
+        }
+        self.config.boot_source = Some(boot);
+        Ok(VmmData::Empty)
+    }
+
+    fn put_drive(&mut self, drive: Drive) -> Result<VmmData, VmmActionError> {
+        drive.validate()?;
+        if drive.read_only() {
+            check_readable("drive", &drive.path_on_host)?;
+        } else {
+            check_writable("drive", &drive.path_on_host)?;
+        }
+        let drives = &mut self.config.drives;
+        if drive.is_root_device
+            && drives
+                .iter()
+                .any(|d| d.is_root_device && d.drive_id != drive.drive_id)
+        {
+            return Err(bad("A root block device already exists!"));
+        }
+        match drives.iter_mut().find(|d| d.drive_id == drive.drive_id) {
+            Some(existing) => *existing = drive,
+            None => drives.push(drive),
+        }
+        Ok(VmmData::Empty)
+    }
+
+    fn put_vsock(&mut self, vsock: Vsock) -> Result<VmmData, VmmActionError> {
+        vsock.validate()?;
+        let parent = Path::new(&vsock.uds_path)
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        if !parent.is_dir() {
+            return Err(bad(format!(
+                "vsock uds_path {}: directory {} does not exist",
+                vsock.uds_path,
+                parent.display()
+            )));
+        }
+        self.config.vsock = Some(vsock);
+        Ok(VmmData::Empty)
+    }
+
+    fn kernel_cmdline(&self, boot: &BootSource) -> String {
+        let mut cmdline = boot.boot_args.clone().unwrap_or_else(|| DEFAULT_BOOT_ARGS.to_string());
+        if let Some(root) = self.config.drives.iter().find(|d| d.is_root_device) {
+            let device = match &root.partuuid {
+                Some(partuuid) => format!("PARTUUID={partuuid}"),
+                None => "/dev/vda".to_string(),
+            };
+            let mode = if root.read_only() { "ro" } else { "rw" };
+            cmdline.push_str(&format!(" root={device} {mode}"));
+        }
+        cmdline
+    }
+
+    fn start(&mut self) -> Result<VmmData, VmmActionError> {
+        let boot = self
+            .config
+            .boot_source
+            .clone()
+            .ok_or_else(|| bad("Cannot start microvm without kernel configuration."))?;
+        let machine = self.machine_config();
+        // The root drive comes first, so it is /dev/vda.
+        let mut drives = self.config.drives.clone();
+        drives.sort_by_key(|d| !d.is_root_device);
+        let spec = MicrovmSpec {
+            kernel: PathBuf::from(&boot.kernel_image_path),
+            cmdline: self.kernel_cmdline(&boot),
+            vcpu_count: machine.vcpu_count,
+            mem_size_mib: machine.mem_size_mib,
+            drives: drives
+                .iter()
+                .map(|d| BlockConfig {
+                    id: d.drive_id.clone(),
+                    path: PathBuf::from(&d.path_on_host),
+                    read_only: d.read_only(),
+                })
+                .collect(),
+            vsock: self.config.vsock.as_ref().map(|v| VsockSpec {
+                guest_cid: u64::from(v.guest_cid),
+                uds_path: PathBuf::from(&v.uds_path),
+            }),
+            console: self
+                .console
+                .take()
+                .ok_or_else(|| VmmActionError::internal("the console was already handed out"))?,
+        };
+        let events = self.events.clone();
+        let on_event = Arc::new(move |event| {
+            let _ = events.send(ControllerEvent::Vm(event));
+        });
+        let vmm = builder::build_and_boot(spec, on_event).map_err(|e| bad(format!("Failed to start the microVM: {e}")))?;
+        self.vmm = Some(vmm);
+        Ok(VmmData::Empty)
+    }
+}

@@ -1,0 +1,139 @@
+//! Lab tests: real microVMs booted by the `sandfork-vmm` binary.
+//! Run with `scripts/test.sh`, which provides KVM, the kernel and the image.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{AGENT_PORT, Boot, TestVm, bash_init};
+use vmm_api::InstanceState;
+use vmm_api::vsock_connect::{VsockConnectError, agent_health};
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM"]
+async fn boots_to_agent_over_vsock_and_shuts_down_on_ctrl_alt_del() {
+    let mut vm = TestVm::spawn().await;
+    vm.boot(&Boot::default()).await;
+    let ready = vm.wait_for_agent().await;
+    eprintln!("boot to agent: {ready:?}");
+    assert_eq!(vm.api.get_instance_info().await.unwrap().state, InstanceState::Running);
+
+    vm.api.send_ctrl_alt_del().await.unwrap();
+    let status = vm.wait_exit(Duration::from_secs(60)).await;
+    assert_eq!(status.code(), Some(0), "{}", vm.logs());
+    assert!(vm.vmm_log().contains("shut down or rebooted"), "{}", vm.logs());
+    assert!(!vm.vsock_path().exists(), "vsock socket left behind");
+}
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM"]
+async fn two_vms_with_two_vcpus_run_at_once() {
+    let mut a = TestVm::spawn().await;
+    let mut b = TestVm::spawn().await;
+    let boot = Boot {
+        vcpus: 2,
+        ..Boot::default()
+    };
+    a.boot(&boot).await;
+    b.boot(&boot).await;
+    a.wait_for_agent().await;
+    b.wait_for_agent().await;
+    for vm in [&a, &b] {
+        assert!(vm.console().contains("smp: Brought up 1 node, 2 CPUs"), "{}", vm.logs());
+    }
+}
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM"]
+async fn read_write_disk_keeps_guest_writes_read_only_disk_refuses_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let rw = dir.path().join("rw.img");
+    let ro = dir.path().join("ro.img");
+    common::write_file(&rw, &vec![0u8; 1 << 20]);
+    common::write_file(&ro, &vec![0u8; 1 << 20]);
+
+    let script = "echo -n written-by-guest | dd of=/dev/vdb conv=fsync 2>/dev/null; echo rw=$?; \
+                  echo -n written-by-guest | dd of=/dev/vdc conv=fsync 2>/dev/null; echo ro=$?; \
+                  head -c 5 /dev/vdc >/dev/null && echo ro-readable; \
+                  echo b > /proc/sysrq-trigger";
+    let mut vm = TestVm::spawn().await;
+    vm.boot(&Boot {
+        boot_args: Some(bash_init(script)),
+        drives: vec![(rw.clone(), false), (ro.clone(), true)],
+        ..Boot::default()
+    })
+    .await;
+    let status = vm.wait_exit(common::BOOT_TIMEOUT).await;
+    assert_eq!(status.code(), Some(0), "{}", vm.logs());
+    let console = vm.console();
+    assert!(console.contains("rw=0"), "{console}");
+    assert!(console.contains("ro=1"), "{console}");
+    assert!(console.contains("ro-readable"), "{console}");
+    assert!(std::fs::read(&rw).unwrap().starts_with(b"written-by-guest"));
+    assert!(std::fs::read(&ro).unwrap().iter().all(|b| *b == 0));
+}
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM"]
+async fn guest_reboot_ends_the_vmm_cleanly() {
+    let mut vm = TestVm::spawn().await;
+    vm.boot(&Boot {
+        boot_args: Some(bash_init("echo b > /proc/sysrq-trigger")),
+        ..Boot::default()
+    })
+    .await;
+    let status = vm.wait_exit(common::BOOT_TIMEOUT).await;
+    assert_eq!(status.code(), Some(0), "{}", vm.logs());
+    assert!(!vm.dir.path().join("api.sock").exists(), "API socket left behind");
+}
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM"]
+async fn guest_panic_ends_the_vmm_with_a_panic_status() {
+    let mut vm = TestVm::spawn().await;
+    vm.boot(&Boot {
+        boot_args: Some(bash_init("echo c > /proc/sysrq-trigger")),
+        ..Boot::default()
+    })
+    .await;
+    let status = vm.wait_exit(common::BOOT_TIMEOUT).await;
+    assert_eq!(status.code(), Some(2), "{}", vm.logs());
+    assert!(vm.vmm_log().contains("panicked"), "{}", vm.logs());
+}
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM"]
+async fn pause_stops_the_guest_and_resume_continues_it() {
+    let mut vm = TestVm::spawn().await;
+    vm.boot(&Boot::default()).await;
+    vm.wait_for_agent().await;
+
+    vm.api.pause().await.unwrap();
+    assert_eq!(vm.api.get_instance_info().await.unwrap().state, InstanceState::Paused);
+    let paused = agent_health(&vm.vsock_path(), AGENT_PORT, Duration::from_secs(3)).await;
+    assert!(matches!(paused, Err(VsockConnectError::Timeout(..))), "{paused:?}");
+
+    vm.api.resume().await.unwrap();
+    assert_eq!(vm.api.get_instance_info().await.unwrap().state, InstanceState::Running);
+    let resumed = agent_health(&vm.vsock_path(), AGENT_PORT, Duration::from_secs(30)).await;
+    assert_eq!(resumed.unwrap(), 204);
+}
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM"]
+async fn bad_requests_after_start_and_to_unheard_ports_fail_cleanly() {
+    let mut vm = TestVm::spawn().await;
+    vm.boot(&Boot::default()).await;
+    vm.wait_for_agent().await;
+
+    let drive = vmm_api::Drive::new("late", common::rootfs().display().to_string(), false, true);
+    let err = vm.api.put_drive(&drive).await.unwrap_err().to_string();
+    assert!(err.contains("not supported after starting"), "{err}");
+    let err = vm.api.instance_start().await.unwrap_err().to_string();
+    assert!(err.contains("not supported after starting"), "{err}");
+
+    let refused = vmm_api::vsock_connect::connect(&vm.vsock_path(), 4242).await;
+    assert!(matches!(refused, Err(VsockConnectError::Refused(4242))), "{refused:?}");
+    // The VM is unharmed.
+    assert_eq!(agent_health(&vm.vsock_path(), AGENT_PORT, Duration::from_secs(30)).await.unwrap(), 204);
+}
