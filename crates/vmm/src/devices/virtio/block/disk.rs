@@ -1,0 +1,404 @@
+//! The disk behind a virtio-blk device: opening it, its size, and positioned I/O
+//! straight between the file and guest memory (no bounce buffer).
+
+use std::fs::{File, Metadata, OpenOptions};
+use std::io::{self, Seek, SeekFrom};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+
+use vm_memory::bitmap::BitmapSlice;
+use vm_memory::{GuestAddress, GuestMemoryBackend, VolatileSlice};
+
+use crate::vstate::memory::GuestMemory;
+
+/// The unit of virtio-blk addressing: capacities and request offsets count these.
+pub const SECTOR_SIZE: u64 = 512;
+
+/// Why a disk could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum BlockError {
+    #[error("disk image {} does not exist", path.display())]
+    NotFound { path: PathBuf },
+    #[error("cannot access disk image {}: {source}", path.display())]
+    Access {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("disk image {} is a {kind}, not a regular file or block device", path.display())]
+    NotADisk { path: PathBuf, kind: &'static str },
+    #[error("cannot open disk image {} {mode}: {source}", path.display())]
+    Open {
+        path: PathBuf,
+        mode: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot determine the size of disk image {}: {source}", path.display())]
+    Size {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// An open disk image and its geometry.
+#[derive(Debug)]
+pub struct Disk {
+    file: File,
+    capacity: u64,
+    read_only: bool,
+}
+
+impl Disk {
+    /// Opens a regular file or block device, read-only (`O_RDONLY`) or read-write.
+    ///
+    /// The capacity is the size in whole 512-byte sectors: a size that is not a
+    /// multiple of 512 is rounded down and its tail is never read or written.
+    pub fn open(path: &Path, read_only: bool) -> Result<Disk, BlockError> {
+        // Check the type before opening: opening a FIFO would block.
+        let meta = std::fs::metadata(path).map_err(|source| match source.kind() {
+            io::ErrorKind::NotFound => BlockError::NotFound {
+                path: path.to_owned(),
+            },
+            _ => BlockError::Access {
+                path: path.to_owned(),
+                source,
+            },
+        })?;
+        check_kind(path, &meta)?;
+
+        let mode = if read_only { "read-only" } else { "read-write" };
+        let file = OpenOptions::new()
+            .read(true)
+            .write(!read_only)
+            .open(path)
+            .map_err(|source| BlockError::Open {
+                path: path.to_owned(),
+                mode,
+                source,
+            })?;
+
+        // The path may have been swapped between stat and open; trust only the fd.
+        let size_err = |source| BlockError::Size {
+            path: path.to_owned(),
+            source,
+        };
+        let meta = file.metadata().map_err(size_err)?;
+        check_kind(path, &meta)?;
+        let bytes = if meta.file_type().is_block_device() {
+            // st_size is 0 for block devices; seeking to the end gives their size
+            // without an ioctl. pread/pwrite ignore the file position afterwards.
+            (&file).seek(SeekFrom::End(0)).map_err(size_err)?
+        } else {
+            meta.len()
+        };
+
+        Ok(Disk {
+            file,
+            capacity: bytes / SECTOR_SIZE,
+            read_only,
+        })
+    }
+
+    /// Capacity in 512-byte sectors.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    pub fn read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// Whether `sectors` sectors starting at `sector` lie inside the disk.
+    pub fn contains(&self, sector: u64, sectors: u64) -> bool {
+        sector
+            .checked_add(sectors)
+            .is_some_and(|end| end <= self.capacity)
+    }
+
+    /// Commits written data to stable storage (`fdatasync`).
+    pub fn flush(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+
+    /// Reads `len` bytes at byte `offset` of the disk into guest memory at `addr`.
+    pub fn read_to_guest(
+        &self,
+        mem: &GuestMemory,
+        addr: GuestAddress,
+        len: usize,
+        mut offset: u64,
+    ) -> io::Result<()> {
+        for slice in GuestMemoryBackend::get_slices(mem, addr, len) {
+            let slice = slice.map_err(io::Error::other)?;
+            self.pread_exact(&slice, offset)?;
+            offset += slice.len() as u64;
+        }
+        Ok(())
+    }
+
+    /// Writes `len` bytes of guest memory at `addr` to byte `offset` of the disk.
+    pub fn write_from_guest(
+        &self,
+        mem: &GuestMemory,
+        addr: GuestAddress,
+        len: usize,
+        mut offset: u64,
+    ) -> io::Result<()> {
+        if self.read_only {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "the disk is read-only",
+            ));
+        }
+        for slice in GuestMemoryBackend::get_slices(mem, addr, len) {
+            let slice = slice.map_err(io::Error::other)?;
+            self.pwrite_all(&slice, offset)?;
+            offset += slice.len() as u64;
+        }
+        Ok(())
+    }
+
+    fn pread_exact<B: BitmapSlice>(&self, slice: &VolatileSlice<B>, offset: u64) -> io::Result<()> {
+        let guard = slice.ptr_guard_mut();
+        let mut done = 0;
+        let result = loop {
+            if done == slice.len() {
+                break Ok(());
+            }
+            let pos = file_offset(offset, done)?;
+            // SAFETY: `guard` covers `slice.len()` bytes of mapped guest memory that stay
+            // mapped while it lives; the kernel writes at most `slice.len() - done` bytes
+            // starting `done` bytes in, so it stays inside the slice. The fd is owned by
+            // `self.file`, which outlives the call.
+            let n = unsafe {
+                libc::pread(
+                    self.file.as_raw_fd(),
+                    guard.as_ptr().add(done).cast(),
+                    slice.len() - done,
+                    pos,
+                )
+            };
+            match n {
+                0 => {
+                    break Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the disk image shrank under the device",
+                    ));
+                }
+                n if n < 0 => {
+                    let err = io::Error::last_os_error();
+                    if err.kind() != io::ErrorKind::Interrupted {
+                        break Err(err);
+                    }
+                }
+                // n > 0 and at most the requested length, so it fits in usize.
+                n => done += n.unsigned_abs(),
+            }
+        };
+        // Mark the whole slice: after an error we do not know what the kernel wrote.
+        slice.bitmap().mark_dirty(0, slice.len());
+        result
+    }
+
+    fn pwrite_all<B: BitmapSlice>(&self, slice: &VolatileSlice<B>, offset: u64) -> io::Result<()> {
+        let guard = slice.ptr_guard();
+        let mut done = 0;
+        while done < slice.len() {
+            let pos = file_offset(offset, done)?;
+            // SAFETY: `guard` covers `slice.len()` bytes of mapped guest memory that stay
+            // mapped while it lives; the kernel reads at most `slice.len() - done` bytes
+            // starting `done` bytes in. The fd is owned by `self.file`.
+            let n = unsafe {
+                libc::pwrite(
+                    self.file.as_raw_fd(),
+                    guard.as_ptr().add(done).cast(),
+                    slice.len() - done,
+                    pos,
+                )
+            };
+            match n {
+                0 => return Err(io::ErrorKind::WriteZero.into()),
+                n if n < 0 => {
+                    let err = io::Error::last_os_error();
+                    if err.kind() != io::ErrorKind::Interrupted {
+                        return Err(err);
+                    }
+                }
+                n => done += n.unsigned_abs(),
+            }
+        }
+        Ok(())
+    }
+}
+
+fn file_offset(offset: u64, done: usize) -> io::Result<libc::off_t> {
+    offset
+        .checked_add(done as u64)
+        .and_then(|pos| libc::off_t::try_from(pos).ok())
+        .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))
+}
+
+fn check_kind(path: &Path, meta: &Metadata) -> Result<(), BlockError> {
+    let ft = meta.file_type();
+    let kind = if ft.is_file() || ft.is_block_device() {
+        return Ok(());
+    } else if ft.is_dir() {
+        "directory"
+    } else if ft.is_char_device() {
+        "character device"
+    } else if ft.is_fifo() {
+        "FIFO"
+    } else if ft.is_socket() {
+        "socket"
+    } else {
+        "special file"
+    };
+    Err(BlockError::NotADisk {
+        path: path.to_owned(),
+        kind,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use vm_memory::Bytes;
+
+    use super::*;
+
+    fn image(bytes: &[u8]) -> tempfile::NamedTempFile {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(bytes).unwrap();
+        f.flush().unwrap();
+        f
+    }
+
+    fn memory() -> GuestMemory {
+        GuestMemory::from_ranges(&[(GuestAddress(0), 0x10000)]).unwrap()
+    }
+
+    #[test]
+    fn capacity_rounds_down_to_whole_sectors() {
+        let f = image(&vec![7u8; 3 * 512 + 100]);
+        let disk = Disk::open(f.path(), true).unwrap();
+        assert_eq!(disk.capacity(), 3);
+        assert!(disk.contains(0, 3));
+        assert!(disk.contains(2, 1));
+        assert!(!disk.contains(2, 2));
+        assert!(!disk.contains(u64::MAX, 1));
+    }
+
+    #[test]
+    fn missing_file_is_not_found() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = Disk::open(&dir.path().join("nope.img"), false).unwrap_err();
+        assert!(matches!(err, BlockError::NotFound { .. }), "{err}");
+        assert!(err.to_string().contains("nope.img"));
+    }
+
+    #[test]
+    fn directory_and_char_device_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = Disk::open(dir.path(), true).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                BlockError::NotADisk {
+                    kind: "directory",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let err = Disk::open(Path::new("/dev/null"), true).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                BlockError::NotADisk {
+                    kind: "character device",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn fifo_is_refused_without_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: `c` is a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let err = Disk::open(&fifo, false).unwrap_err();
+        assert!(
+            matches!(err, BlockError::NotADisk { kind: "FIFO", .. }),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn read_and_write_cross_guest_memory_directly() {
+        let f = image(&(0..1024u32).map(|i| i as u8).collect::<Vec<_>>());
+        let disk = Disk::open(f.path(), false).unwrap();
+        let mem = memory();
+
+        disk.read_to_guest(&mem, GuestAddress(0x100), 512, 512)
+            .unwrap();
+        let mut got = [0u8; 512];
+        mem.read_slice(&mut got, GuestAddress(0x100)).unwrap();
+        assert_eq!(
+            got.to_vec(),
+            (512..1024u32).map(|i| i as u8).collect::<Vec<_>>()
+        );
+
+        mem.write_slice(&[0xab; 512], GuestAddress(0x2000)).unwrap();
+        disk.write_from_guest(&mem, GuestAddress(0x2000), 512, 0)
+            .unwrap();
+        let on_disk = std::fs::read(f.path()).unwrap();
+        assert_eq!(&on_disk[..512], &[0xab; 512]);
+        assert_eq!(on_disk[512], 0);
+    }
+
+    #[test]
+    fn read_past_end_of_file_fails() {
+        let f = image(&[1u8; 512]);
+        let disk = Disk::open(f.path(), true).unwrap();
+        let mem = memory();
+        let err = disk
+            .read_to_guest(&mem, GuestAddress(0), 1024, 0)
+            .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
+    }
+
+    #[test]
+    fn read_only_disk_refuses_writes() {
+        let f = image(&[1u8; 512]);
+        let disk = Disk::open(f.path(), true).unwrap();
+        let mem = memory();
+        let err = disk
+            .write_from_guest(&mem, GuestAddress(0), 512, 0)
+            .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::PermissionDenied);
+        assert_eq!(std::fs::read(f.path()).unwrap(), vec![1u8; 512]);
+    }
+
+    #[test]
+    fn guest_range_outside_memory_fails() {
+        let f = image(&[1u8; 1024]);
+        let disk = Disk::open(f.path(), false).unwrap();
+        let mem = memory();
+        assert!(
+            disk.read_to_guest(&mem, GuestAddress(0x10000), 512, 0)
+                .is_err()
+        );
+        assert!(
+            disk.write_from_guest(&mem, GuestAddress(0xff00), 512, 0)
+                .is_err()
+        );
+    }
+}

@@ -1,0 +1,283 @@
+//! The thread that services a virtio-blk request queue: an epoll loop over the
+//! queue's notify EventFd and a kill EventFd, doing the I/O synchronously.
+
+use std::io;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use virtio_bindings::virtio_blk::{
+    VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP,
+};
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{Bytes, GuestAddress};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+
+use super::disk::{Disk, SECTOR_SIZE};
+use super::request::{self, Request, RequestType};
+use crate::devices::virtio::{VirtioInterrupt, VirtioInterruptType};
+use crate::vstate::memory::GuestMemory;
+
+const QUEUE_TOKEN: u64 = 0;
+const KILL_TOKEN: u64 = 1;
+
+/// The drive ID answered to GET_ID: the first 20 bytes of the id, NUL-padded.
+pub type DriveId = [u8; VIRTIO_BLK_ID_BYTES as usize];
+
+/// Everything the worker thread owns.
+pub struct Worker {
+    pub disk: Arc<Disk>,
+    pub drive_id: DriveId,
+    pub mem: GuestMemory,
+    pub queue: Arc<Mutex<Queue>>,
+    pub notify: EventFd,
+    pub interrupt: Arc<dyn VirtioInterrupt>,
+}
+
+/// A running worker; stopping it joins the thread.
+pub struct WorkerHandle {
+    kill: EventFd,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl WorkerHandle {
+    /// Starts `worker` on a thread called `name`.
+    pub fn spawn(name: String, worker: Worker) -> io::Result<WorkerHandle> {
+        let kill = EventFd::new(EFD_NONBLOCK)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let epoll = Epoll::new()?;
+        epoll.ctl(
+            ControlOperation::Add,
+            worker.notify.as_raw_fd(),
+            EpollEvent::new(EventSet::IN, QUEUE_TOKEN),
+        )?;
+        epoll.ctl(
+            ControlOperation::Add,
+            kill.as_raw_fd(),
+            EpollEvent::new(EventSet::IN, KILL_TOKEN),
+        )?;
+        let thread_stop = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || worker.run(&epoll, &thread_stop))?;
+        Ok(WorkerHandle {
+            kill,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops the thread and waits for it; any request it is doing completes first.
+    pub fn stop(mut self) {
+        self.shut_down();
+    }
+
+    fn shut_down(&mut self) {
+        let Some(thread) = self.thread.take() else {
+            return;
+        };
+        self.stop.store(true, Ordering::Release);
+        if let Err(e) = self.kill.write(1) {
+            // The flag alone still stops it at its next wake-up.
+            tracing::error!("cannot signal the block worker to stop: {e}");
+        }
+        if thread.join().is_err() {
+            tracing::error!("the block worker panicked");
+        }
+    }
+}
+
+impl Drop for WorkerHandle {
+    fn drop(&mut self) {
+        self.shut_down();
+    }
+}
+
+impl Worker {
+    fn run(self, epoll: &Epoll, stop: &AtomicBool) {
+        let mut events = [EpollEvent::default(); 2];
+        // The driver may have queued requests before DRIVER_OK without a kick.
+        self.process_queue(stop);
+        while !stop.load(Ordering::Acquire) {
+            let n = match epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tracing::error!("block worker epoll failed, stopping: {e}");
+                    return;
+                }
+            };
+            for event in &events[..n] {
+                match event.data() {
+                    QUEUE_TOKEN => {
+                        // Clears the counter; WouldBlock just means a spurious wake-up.
+                        let _ = self.notify.read();
+                        self.process_queue(stop);
+                    }
+                    _ => return,
+                }
+            }
+        }
+    }
+
+    fn lock_queue(&self) -> MutexGuard<'_, Queue> {
+        // A poisoned lock only means another holder panicked; the queue state is
+        // plain data and still consistent between requests.
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Completes every available request, then raises the interrupt if the driver
+    /// wants one.
+    pub fn process_queue(&self, stop: &AtomicBool) {
+        let mut queue = self.lock_queue();
+        let mut used_any = false;
+        loop {
+            if queue.event_idx_enabled()
+                && let Err(e) = queue.disable_notification(&self.mem)
+            {
+                tracing::warn!("block queue: {e}");
+                break;
+            }
+            while let Some(chain) = queue.pop_descriptor_chain(&self.mem) {
+                let head = chain.head_index();
+                let written = self.handle(request::parse(chain));
+                if let Err(e) = queue.add_used(&self.mem, head, written) {
+                    tracing::warn!("block queue: cannot return descriptor {head}: {e}");
+                }
+                used_any = true;
+                if stop.load(Ordering::Acquire) {
+                    break;
+                }
+            }
+            if !queue.event_idx_enabled() || stop.load(Ordering::Acquire) {
+                break;
+            }
+            // Re-enabling reports whether requests arrived meanwhile.
+            match queue.enable_notification(&self.mem) {
+                Ok(true) => continue,
+                Ok(false) => break,
+                Err(e) => {
+                    tracing::warn!("block queue: {e}");
+                    break;
+                }
+            }
+        }
+        if !used_any {
+            return;
+        }
+        match queue.needs_notification(&self.mem) {
+            Ok(false) => {}
+            Ok(true) | Err(_) => {
+                // When in doubt, interrupt: a spurious one is harmless, a lost one hangs I/O.
+                if let Err(e) = self.interrupt.trigger(VirtioInterruptType::Queue) {
+                    tracing::error!("block queue: cannot raise the interrupt: {e}");
+                }
+            }
+        }
+    }
+
+    /// Executes one request and writes its status; returns the number of bytes
+    /// written into the chain's device-writable buffers.
+    fn handle(&self, parsed: Result<Request, request::Malformed>) -> u32 {
+        let req = match parsed {
+            Ok(req) => req,
+            Err(bad) => {
+                tracing::debug!("malformed block request: {}", bad.error);
+                return match bad.status {
+                    Some(status) => self.finish(status, VIRTIO_BLK_S_IOERR, 0),
+                    None => 0,
+                };
+            }
+        };
+        let (status, data_written) = self.execute(&req);
+        self.finish(req.status, status, data_written)
+    }
+
+    fn finish(&self, status_addr: GuestAddress, status: u32, data_written: u32) -> u32 {
+        // Status codes are below 256.
+        let byte = status as u8;
+        if let Err(e) = self.mem.write_obj(byte, status_addr) {
+            tracing::warn!("block request: cannot write the status: {e}");
+            return data_written;
+        }
+        data_written.saturating_add(1)
+    }
+
+    /// Returns the status and the data bytes placed in guest memory.
+    fn execute(&self, req: &Request) -> (u32, u32) {
+        let disk = &self.disk;
+        match req.request_type {
+            RequestType::In | RequestType::Out => {
+                let len = req.data_len();
+                if !disk.contains(req.sector, len / SECTOR_SIZE) {
+                    tracing::debug!(
+                        "block request beyond the disk: sector {} + {len} bytes",
+                        req.sector
+                    );
+                    return (VIRTIO_BLK_S_IOERR, 0);
+                }
+                let is_read = req.request_type == RequestType::In;
+                if !is_read && disk.read_only() {
+                    return (VIRTIO_BLK_S_IOERR, 0);
+                }
+                // In range, so the byte offset cannot overflow.
+                let mut offset = req.sector * SECTOR_SIZE;
+                for seg in &req.data {
+                    let result = if is_read {
+                        disk.read_to_guest(&self.mem, seg.addr, seg.len as usize, offset)
+                    } else {
+                        disk.write_from_guest(&self.mem, seg.addr, seg.len as usize, offset)
+                    };
+                    if let Err(e) = result {
+                        tracing::warn!("block I/O at byte {offset} failed: {e}");
+                        return (VIRTIO_BLK_S_IOERR, 0);
+                    }
+                    offset += u64::from(seg.len);
+                }
+                // A chain holds less than 4 GiB, so the length fits.
+                let written = if is_read { len as u32 } else { 0 };
+                (VIRTIO_BLK_S_OK, written)
+            }
+            RequestType::Flush => {
+                if disk.read_only() {
+                    return (VIRTIO_BLK_S_OK, 0);
+                }
+                match disk.flush() {
+                    Ok(()) => (VIRTIO_BLK_S_OK, 0),
+                    Err(e) => {
+                        tracing::warn!("block flush failed: {e}");
+                        (VIRTIO_BLK_S_IOERR, 0)
+                    }
+                }
+            }
+            RequestType::GetId => {
+                let mut id = &self.drive_id[..];
+                let mut written = 0u32;
+                for seg in &req.data {
+                    if id.is_empty() {
+                        break;
+                    }
+                    let n = id.len().min(seg.len as usize);
+                    if self.mem.write_slice(&id[..n], seg.addr).is_err() {
+                        return (VIRTIO_BLK_S_IOERR, 0);
+                    }
+                    id = &id[n..];
+                    written += n as u32;
+                }
+                (VIRTIO_BLK_S_OK, written)
+            }
+            RequestType::Unsupported(_) => (VIRTIO_BLK_S_UNSUPP, 0),
+        }
+    }
+}
+
+/// The GET_ID answer for `id`: its first 20 bytes, NUL-padded when shorter.
+pub fn drive_id(id: &str) -> DriveId {
+    let mut out = DriveId::default();
+    let n = id.len().min(out.len());
+    out[..n].copy_from_slice(&id.as_bytes()[..n]);
+    out
+}
