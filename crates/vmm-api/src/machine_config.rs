@@ -84,7 +84,7 @@ impl MachineConfig {
                 self.vcpu_count
             )));
         }
-        if self.smt && self.vcpu_count > 1 && self.vcpu_count % 2 == 1 {
+        if self.smt && self.vcpu_count > 1 && !self.vcpu_count.is_multiple_of(2) {
             return Err(ValidationError::new(format!(
                 "vcpu_count must be 1 or even when smt is enabled, got {}",
                 self.vcpu_count
@@ -96,7 +96,7 @@ impl MachineConfig {
                 self.mem_size_mib
             )));
         }
-        if self.huge_pages == HugePages::Hugetlbfs2M && self.mem_size_mib % 2 != 0 {
+        if self.huge_pages == HugePages::Hugetlbfs2M && !self.mem_size_mib.is_multiple_of(2) {
             return Err(ValidationError::new(format!(
                 "mem_size_mib must be a multiple of 2 with 2M huge pages, got {}",
                 self.mem_size_mib

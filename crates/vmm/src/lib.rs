@@ -1,5 +1,6 @@
 //! sandfork's virtual machine monitor: a Firecracker-style microVM on KVM.
 
+pub mod api_server;
 pub mod arch;
 pub mod builder;
 pub mod controller;

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::sync::mpsc;
 
 use clap::Parser;
-use vmm::controller::{Controller, ControllerEvent};
+use vmm::controller::{Controller, ControllerEvent, Reply};
 
 #[derive(Parser)]
 #[command(version, about)]
@@ -49,10 +49,29 @@ fn run(args: Args) -> anyhow::Result<ExitCode> {
     let (events_tx, events_rx) = mpsc::channel();
     let mut controller = Controller::new(args.id, events_tx.clone(), Box::new(std::io::stdout()));
 
-    let _api = if args.no_api {
+    let api = if args.no_api {
         None
     } else {
-        Some(vmm::api_server::serve(&args.api_sock, events_tx.clone()).context("starting the API server")?)
+        let (handle, requests) =
+            vmm::api_server::spawn_api_server(&args.api_sock).context("starting the API server")?;
+        let events = events_tx.clone();
+        // The controller waits on one channel for API calls and VM events alike.
+        std::thread::Builder::new()
+            .name("api-bridge".into())
+            .spawn(move || {
+                while let Some(request) = requests.recv() {
+                    let vmm::api_server::ApiRequest { action, reply } = request;
+                    let reply: Reply = Box::new(move |result| {
+                        let _ = reply.send(result);
+                    });
+                    if events.send(ControllerEvent::Action(action, reply)).is_err() {
+                        return;
+                    }
+                }
+                let _ = events.send(ControllerEvent::ApiClosed);
+            })
+            .context("starting the API bridge thread")?;
+        Some(handle)
     };
 
     if let Some(path) = &args.config_file {
@@ -65,7 +84,13 @@ fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     drop(events_tx);
 
-    match controller.run(&events_rx) {
+    let exit = controller.run(&events_rx);
+    if let Some(api) = api {
+        if let Err(e) = api.shutdown() {
+            eprintln!("sandfork-vmm: stopping the API server: {e}");
+        }
+    }
+    match exit {
         Some(exit) => {
             eprintln!("sandfork-vmm: {}", exit.message());
             Ok(ExitCode::from(exit.exit_code() as u8))
