@@ -33,7 +33,13 @@ async fn measure(vmm: &Path, image: &GuestImage, runs: usize) -> Result<Value> {
     }))
 }
 
-pub async fn run(environment: &str, vmm: &Path, firecracker: Option<&Path>, image: &GuestImage, runs: usize) -> Result<Value> {
+pub async fn run(
+    environment: &str,
+    vmm: &Path,
+    firecracker: Option<&Path>,
+    image: &GuestImage,
+    runs: usize,
+) -> Result<Value> {
     let mut report = measure(vmm, image, runs).await?;
     let reference = match firecracker {
         Some(fc) => {

@@ -99,7 +99,12 @@ pub async fn launch(vmm_binary: &Path, image: &GuestImage) -> Result<RunningVm> 
         })
         .await?;
     vm.api
-        .put_drive(&Drive::new("rootfs", image.rootfs.display().to_string(), true, true))
+        .put_drive(&Drive::new(
+            "rootfs",
+            image.rootfs.display().to_string(),
+            true,
+            true,
+        ))
         .await?;
     vm.api
         .put_vsock(&Vsock::new(3, vm.vsock_path().display().to_string()))
@@ -112,7 +117,12 @@ pub async fn launch(vmm_binary: &Path, image: &GuestImage) -> Result<RunningVm> 
 pub async fn wait_for_agent(vm: &mut RunningVm, timeout: Duration) -> Result<Duration> {
     let start = Instant::now();
     loop {
-        let probe = vmm_api::vsock_connect::agent_health(&vm.vsock_path(), AGENT_PORT, Duration::from_secs(2)).await;
+        let probe = vmm_api::vsock_connect::agent_health(
+            &vm.vsock_path(),
+            AGENT_PORT,
+            Duration::from_secs(2),
+        )
+        .await;
         if let Ok(204) = probe {
             return Ok(start.elapsed());
         }

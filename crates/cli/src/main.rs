@@ -67,7 +67,11 @@ fn sibling_binary(name: &str) -> Result<PathBuf> {
     let exe = std::env::current_exe().context("locating this program")?;
     let path = exe.with_file_name(name);
     if !path.exists() {
-        bail!("{} not found next to {}; build the workspace first", name, exe.display());
+        bail!(
+            "{} not found next to {}; build the workspace first",
+            name,
+            exe.display()
+        );
     }
     Ok(path)
 }
@@ -144,7 +148,9 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<ExitCode> {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     match cli.command {
         Command::Up { image } => {
             if let Some(code) = run_in_lab_if_needed(&image, &[])? {

@@ -34,12 +34,13 @@ pub enum VsockConnectError {
 
 /// Opens a stream to `port` in the guest behind the vsock socket `uds_path`.
 pub async fn connect(uds_path: &Path, port: u32) -> Result<UnixStream, VsockConnectError> {
-    let mut stream = UnixStream::connect(uds_path)
-        .await
-        .map_err(|source| VsockConnectError::Connect {
-            path: uds_path.display().to_string(),
-            source,
-        })?;
+    let mut stream =
+        UnixStream::connect(uds_path)
+            .await
+            .map_err(|source| VsockConnectError::Connect {
+                path: uds_path.display().to_string(),
+                source,
+            })?;
     let io = |source| VsockConnectError::Io { port, source };
     stream
         .write_all(format!("CONNECT {port}\n").as_bytes())
@@ -54,7 +55,9 @@ pub async fn connect(uds_path: &Path, port: u32) -> Result<UnixStream, VsockConn
             0 => return Err(VsockConnectError::Refused(port)),
             _ if byte[0] == b'\n' => break,
             _ if reply.len() > 64 => {
-                return Err(VsockConnectError::BadReply(String::from_utf8_lossy(&reply).into()));
+                return Err(VsockConnectError::BadReply(
+                    String::from_utf8_lossy(&reply).into(),
+                ));
             }
             _ => reply.push(byte[0]),
         }
@@ -68,7 +71,11 @@ pub async fn connect(uds_path: &Path, port: u32) -> Result<UnixStream, VsockConn
 
 /// Asks the guest agent on `port` for `GET /health` and returns the HTTP
 /// status code it answered with.
-pub async fn agent_health(uds_path: &Path, port: u32, timeout: Duration) -> Result<u16, VsockConnectError> {
+pub async fn agent_health(
+    uds_path: &Path,
+    port: u32,
+    timeout: Duration,
+) -> Result<u16, VsockConnectError> {
     let exchange = async {
         let mut stream = connect(uds_path, port).await?;
         let io = |source| VsockConnectError::Io { port, source };

@@ -79,7 +79,10 @@ pub enum BuildError {
 
 /// Builds the microVM and starts its vCPUs. `on_event` is called (from vCPU
 /// or device threads) when the VM must stop.
-pub fn build_and_boot(spec: MicrovmSpec, on_event: Arc<dyn Fn(VmEvent) + Send + Sync>) -> Result<Vmm, BuildError> {
+pub fn build_and_boot(
+    spec: MicrovmSpec,
+    on_event: Arc<dyn Fn(VmEvent) + Send + Sync>,
+) -> Result<Vmm, BuildError> {
     if spec.vcpu_count == 0 || spec.vcpu_count > mptable::MAX_CPUS {
         return Err(mptable::MpTableError::TooManyCpus(spec.vcpu_count).into());
     }
@@ -94,12 +97,13 @@ pub fn build_and_boot(spec: MicrovmSpec, on_event: Arc<dyn Fn(VmEvent) + Send + 
         path: spec.kernel.clone(),
         source,
     })?;
-    let loaded = Elf::load(&mem, None, &mut kernel, Some(GuestAddress(HIMEM_START))).map_err(|source| {
-        BuildError::KernelLoad {
-            path: spec.kernel.clone(),
-            source,
-        }
-    })?;
+    let loaded =
+        Elf::load(&mem, None, &mut kernel, Some(GuestAddress(HIMEM_START))).map_err(|source| {
+            BuildError::KernelLoad {
+                path: spec.kernel.clone(),
+                source,
+            }
+        })?;
 
     let mut io_bus = Bus::new();
     let mut mmio_bus = Bus::new();
@@ -121,7 +125,8 @@ pub fn build_and_boot(spec: MicrovmSpec, on_event: Arc<dyn Fn(VmEvent) + Send + 
         mmio.attach(&vm, &mem, &mut mmio_bus, Box::new(device))?;
     }
 
-    let mut cmdline = Cmdline::new(CMDLINE_MAX_SIZE).map_err(|e| BuildError::Cmdline(e.to_string()))?;
+    let mut cmdline =
+        Cmdline::new(CMDLINE_MAX_SIZE).map_err(|e| BuildError::Cmdline(e.to_string()))?;
     cmdline
         .insert_str(&spec.cmdline)
         .map_err(|e| BuildError::Cmdline(e.to_string()))?;
@@ -135,7 +140,8 @@ pub fn build_and_boot(spec: MicrovmSpec, on_event: Arc<dyn Fn(VmEvent) + Send + 
         .map_err(|e| BuildError::Cmdline(e.to_string()))?
         .as_bytes_with_nul()
         .len();
-    load_cmdline(&mem, GuestAddress(CMDLINE_START), &cmdline).map_err(|e| BuildError::Cmdline(e.to_string()))?;
+    load_cmdline(&mem, GuestAddress(CMDLINE_START), &cmdline)
+        .map_err(|e| BuildError::Cmdline(e.to_string()))?;
     let mem_size = spec.mem_size_mib << 20;
     boot_params::write_zero_page(&mem, mem_size, cmdline_size)?;
     regs::write_boot_tables(&mem)?;
@@ -143,7 +149,8 @@ pub fn build_and_boot(spec: MicrovmSpec, on_event: Arc<dyn Fn(VmEvent) + Send + 
 
     let io_bus = Arc::new(io_bus);
     let mmio_bus = Arc::new(mmio_bus);
-    let on_exit: vcpu::ExitCallback = Arc::new(move |id, reason: VcpuExitReason| on_event(VmEvent::VcpuExited { id, reason }));
+    let on_exit: vcpu::ExitCallback =
+        Arc::new(move |id, reason: VcpuExitReason| on_event(VmEvent::VcpuExited { id, reason }));
     let mut vcpus = Vec::with_capacity(usize::from(spec.vcpu_count));
     for id in 0..spec.vcpu_count {
         let vcpu = Vcpu::new(&vm, id, io_bus.clone(), mmio_bus.clone(), on_exit.clone())?;

@@ -23,8 +23,10 @@ use crate::vmm::{VmEvent, VmExit, VmState, Vmm};
 pub const DEFAULT_BOOT_ARGS: &str = "console=ttyS0 reboot=k panic=1 pci=off nomodule \
     i8042.noaux i8042.nomux i8042.nopnp i8042.dumbkbd";
 
-const NOT_AFTER_START: &str = "The requested operation is not supported after starting the microVM.";
-const NOT_BEFORE_START: &str = "The requested operation is not supported before starting the microVM.";
+const NOT_AFTER_START: &str =
+    "The requested operation is not supported after starting the microVM.";
+const NOT_BEFORE_START: &str =
+    "The requested operation is not supported before starting the microVM.";
 
 pub type Reply = Box<dyn FnOnce(Result<VmmData, VmmActionError>) + Send>;
 
@@ -49,7 +51,8 @@ fn bad(message: impl Into<String>) -> VmmActionError {
 }
 
 fn check_readable(what: &str, path: &str) -> Result<(), VmmActionError> {
-    let meta = std::fs::metadata(path).map_err(|e| bad(format!("{what} {path} cannot be opened: {e}")))?;
+    let meta =
+        std::fs::metadata(path).map_err(|e| bad(format!("{what} {path} cannot be opened: {e}")))?;
     if meta.is_dir() {
         return Err(bad(format!("{what} {path} is a directory")));
     }
@@ -68,7 +71,11 @@ fn check_writable(what: &str, path: &str) -> Result<(), VmmActionError> {
 }
 
 impl Controller {
-    pub fn new(id: String, events: Sender<ControllerEvent>, console: Box<dyn Write + Send>) -> Self {
+    pub fn new(
+        id: String,
+        events: Sender<ControllerEvent>,
+        console: Box<dyn Write + Send>,
+    ) -> Self {
         Controller {
             id,
             config: VmConfig::default(),
@@ -260,7 +267,10 @@ impl Controller {
     }
 
     fn kernel_cmdline(&self, boot: &BootSource) -> String {
-        let mut cmdline = boot.boot_args.clone().unwrap_or_else(|| DEFAULT_BOOT_ARGS.to_string());
+        let mut cmdline = boot
+            .boot_args
+            .clone()
+            .unwrap_or_else(|| DEFAULT_BOOT_ARGS.to_string());
         if let Some(root) = self.config.drives.iter().find(|d| d.is_root_device) {
             let device = match &root.partuuid {
                 Some(partuuid) => format!("PARTUUID={partuuid}"),
@@ -308,7 +318,8 @@ impl Controller {
         let on_event = Arc::new(move |event| {
             let _ = events.send(ControllerEvent::Vm(event));
         });
-        let vmm = builder::build_and_boot(spec, on_event).map_err(|e| bad(format!("Failed to start the microVM: {e}")))?;
+        let vmm = builder::build_and_boot(spec, on_event)
+            .map_err(|e| bad(format!("Failed to start the microVM: {e}")))?;
         self.vmm = Some(vmm);
         Ok(VmmData::Empty)
     }

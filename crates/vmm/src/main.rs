@@ -75,8 +75,10 @@ fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
 
     if let Some(path) = &args.config_file {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let config = vmm_api::VmConfig::from_json(&text).with_context(|| format!("parsing {}", path.display()))?;
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let config = vmm_api::VmConfig::from_json(&text)
+            .with_context(|| format!("parsing {}", path.display()))?;
         controller
             .apply_config(config)
             .map_err(|e| anyhow::anyhow!("{e}"))
@@ -98,4 +100,3 @@ fn run(args: Args) -> anyhow::Result<ExitCode> {
         None => Ok(ExitCode::SUCCESS),
     }
 }
-

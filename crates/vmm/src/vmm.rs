@@ -11,7 +11,10 @@ use crate::vstate::vm::Vm;
 /// Why a VM must stop, reported from vCPU and device threads.
 #[derive(Debug)]
 pub enum VmEvent {
-    VcpuExited { id: u8, reason: VcpuExitReason },
+    VcpuExited {
+        id: u8,
+        reason: VcpuExitReason,
+    },
     /// The guest pulsed the keyboard controller's reset line.
     ResetRequested,
 }
@@ -67,7 +70,13 @@ pub struct Vmm {
 }
 
 impl Vmm {
-    pub(crate) fn new(vm: Vm, mem: GuestMemory, mmio: MmioDeviceManager, legacy: LegacyDevices, vcpus: Vec<VcpuHandle>) -> Self {
+    pub(crate) fn new(
+        vm: Vm,
+        mem: GuestMemory,
+        mmio: MmioDeviceManager,
+        legacy: LegacyDevices,
+        vcpus: Vec<VcpuHandle>,
+    ) -> Self {
         Vmm {
             vcpus,
             mmio,

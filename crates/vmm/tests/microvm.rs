@@ -16,12 +16,19 @@ async fn boots_to_agent_over_vsock_and_shuts_down_on_ctrl_alt_del() {
     vm.boot(&Boot::default()).await;
     let ready = vm.wait_for_agent().await;
     eprintln!("boot to agent: {ready:?}");
-    assert_eq!(vm.api.get_instance_info().await.unwrap().state, InstanceState::Running);
+    assert_eq!(
+        vm.api.get_instance_info().await.unwrap().state,
+        InstanceState::Running
+    );
 
     vm.api.send_ctrl_alt_del().await.unwrap();
     let status = vm.wait_exit(Duration::from_secs(60)).await;
     assert_eq!(status.code(), Some(0), "{}", vm.logs());
-    assert!(vm.vmm_log().contains("shut down or rebooted"), "{}", vm.logs());
+    assert!(
+        vm.vmm_log().contains("shut down or rebooted"),
+        "{}",
+        vm.logs()
+    );
     assert!(!vm.vsock_path().exists(), "vsock socket left behind");
 }
 
@@ -39,7 +46,11 @@ async fn two_vms_with_two_vcpus_run_at_once() {
     a.wait_for_agent().await;
     b.wait_for_agent().await;
     for vm in [&a, &b] {
-        assert!(vm.console().contains("smp: Brought up 1 node, 2 CPUs"), "{}", vm.logs());
+        assert!(
+            vm.console().contains("smp: Brought up 1 node, 2 CPUs"),
+            "{}",
+            vm.logs()
+        );
     }
 }
 
@@ -84,7 +95,10 @@ async fn guest_reboot_ends_the_vmm_cleanly() {
     .await;
     let status = vm.wait_exit(common::BOOT_TIMEOUT).await;
     assert_eq!(status.code(), Some(0), "{}", vm.logs());
-    assert!(!vm.dir.path().join("api.sock").exists(), "API socket left behind");
+    assert!(
+        !vm.dir.path().join("api.sock").exists(),
+        "API socket left behind"
+    );
 }
 
 #[tokio::test]
@@ -109,12 +123,21 @@ async fn pause_stops_the_guest_and_resume_continues_it() {
     vm.wait_for_agent().await;
 
     vm.api.pause().await.unwrap();
-    assert_eq!(vm.api.get_instance_info().await.unwrap().state, InstanceState::Paused);
+    assert_eq!(
+        vm.api.get_instance_info().await.unwrap().state,
+        InstanceState::Paused
+    );
     let paused = agent_health(&vm.vsock_path(), AGENT_PORT, Duration::from_secs(3)).await;
-    assert!(matches!(paused, Err(VsockConnectError::Timeout(..))), "{paused:?}");
+    assert!(
+        matches!(paused, Err(VsockConnectError::Timeout(..))),
+        "{paused:?}"
+    );
 
     vm.api.resume().await.unwrap();
-    assert_eq!(vm.api.get_instance_info().await.unwrap().state, InstanceState::Running);
+    assert_eq!(
+        vm.api.get_instance_info().await.unwrap().state,
+        InstanceState::Running
+    );
     let resumed = agent_health(&vm.vsock_path(), AGENT_PORT, Duration::from_secs(30)).await;
     assert_eq!(resumed.unwrap(), 204);
 }
@@ -133,7 +156,15 @@ async fn bad_requests_after_start_and_to_unheard_ports_fail_cleanly() {
     assert!(err.contains("not supported after starting"), "{err}");
 
     let refused = vmm_api::vsock_connect::connect(&vm.vsock_path(), 4242).await;
-    assert!(matches!(refused, Err(VsockConnectError::Refused(4242))), "{refused:?}");
+    assert!(
+        matches!(refused, Err(VsockConnectError::Refused(4242))),
+        "{refused:?}"
+    );
     // The VM is unharmed.
-    assert_eq!(agent_health(&vm.vsock_path(), AGENT_PORT, Duration::from_secs(30)).await.unwrap(), 204);
+    assert_eq!(
+        agent_health(&vm.vsock_path(), AGENT_PORT, Duration::from_secs(30))
+            .await
+            .unwrap(),
+        204
+    );
 }

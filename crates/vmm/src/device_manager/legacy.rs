@@ -42,9 +42,16 @@ pub fn attach(
         irq_trigger(vm, SERIAL_IRQ)?,
         ConsoleOutput::new(console, guest_panicked.clone()),
     );
-    io_bus.insert(Arc::new(Mutex::new(serial)), u64::from(SERIAL_PORT), SERIAL_PORT_RANGE_LEN)?;
+    io_bus.insert(
+        Arc::new(Mutex::new(serial)),
+        u64::from(SERIAL_PORT),
+        SERIAL_PORT_RANGE_LEN,
+    )?;
 
-    let i8042 = Arc::new(Mutex::new(I8042Device::new(irq_trigger(vm, I8042_IRQ)?, on_reset)));
+    let i8042 = Arc::new(Mutex::new(I8042Device::new(
+        irq_trigger(vm, I8042_IRQ)?,
+        on_reset,
+    )));
     io_bus.insert(i8042.clone(), u64::from(I8042_DATA_PORT), PORT_RANGE_LEN)?;
     Ok(LegacyDevices {
         i8042,

@@ -7,7 +7,9 @@ use kvm_ioctls::IoEventAddress;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use super::DeviceManagerError;
-use crate::arch::x86_64::layout::{IRQ_BASE, IRQ_MAX, MMIO_DEVICE_SIZE, MMIO_DEVICES_MAX, MMIO_DEVICES_START};
+use crate::arch::x86_64::layout::{
+    IRQ_BASE, IRQ_MAX, MMIO_DEVICE_SIZE, MMIO_DEVICES_MAX, MMIO_DEVICES_START,
+};
 use crate::devices::bus::Bus;
 use crate::devices::virtio::VirtioDevice;
 use crate::devices::virtio::mmio::{MmioInterrupt, MmioTransport, QUEUE_NOTIFY_OFFSET};
@@ -69,10 +71,15 @@ impl MmioDeviceManager {
         vm.fd()
             .register_irqfd(&irqfd, slot.irq)
             .map_err(|e| DeviceManagerError::Kvm("IRQFD", e))?;
-        let transport = MmioTransport::new(device, mem.clone(), Arc::new(MmioInterrupt::new(irqfd)))?;
+        let transport =
+            MmioTransport::new(device, mem.clone(), Arc::new(MmioInterrupt::new(irqfd)))?;
         for (index, evt) in transport.queue_evts().iter().enumerate() {
             vm.fd()
-                .register_ioevent(evt, &IoEventAddress::Mmio(slot.base + QUEUE_NOTIFY_OFFSET), index as u32)
+                .register_ioevent(
+                    evt,
+                    &IoEventAddress::Mmio(slot.base + QUEUE_NOTIFY_OFFSET),
+                    index as u32,
+                )
                 .map_err(|e| DeviceManagerError::Kvm("IOEVENTFD", e))?;
         }
         let transport = Arc::new(Mutex::new(transport));
@@ -108,6 +115,9 @@ mod tests {
             assert_eq!(slot.irq, IRQ_BASE + i);
             manager.slots.push(slot);
         }
-        assert!(matches!(manager.next_slot(), Err(DeviceManagerError::OutOfIrqs)));
+        assert!(matches!(
+            manager.next_slot(),
+            Err(DeviceManagerError::OutOfIrqs)
+        ));
     }
 }

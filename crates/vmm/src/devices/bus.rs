@@ -32,7 +32,12 @@ impl Bus {
         Self::default()
     }
 
-    pub fn insert(&mut self, device: Arc<Mutex<dyn BusDevice>>, base: u64, len: u64) -> Result<(), BusError> {
+    pub fn insert(
+        &mut self,
+        device: Arc<Mutex<dyn BusDevice>>,
+        base: u64,
+        len: u64,
+    ) -> Result<(), BusError> {
         let end = base.checked_add(len).filter(|_| len > 0);
         let Some(end) = end else {
             return Err(BusError::Overlap { base, len });

@@ -89,7 +89,13 @@ pub struct Vcpu {
 }
 
 impl Vcpu {
-    pub fn new(vm: &Vm, id: u8, io_bus: Arc<Bus>, mmio_bus: Arc<Bus>, on_exit: ExitCallback) -> Result<Self, VcpuError> {
+    pub fn new(
+        vm: &Vm,
+        id: u8,
+        io_bus: Arc<Bus>,
+        mmio_bus: Arc<Bus>,
+        on_exit: ExitCallback,
+    ) -> Result<Self, VcpuError> {
         let fd = vm
             .fd()
             .create_vcpu(u64::from(id))
@@ -175,7 +181,11 @@ impl Vcpu {
     }
 
     /// Returns false when the thread should end.
-    fn serve_requests(&self, requests: &Receiver<VcpuRequest>, responses: &Sender<VcpuResponse>) -> bool {
+    fn serve_requests(
+        &self,
+        requests: &Receiver<VcpuRequest>,
+        responses: &Sender<VcpuResponse>,
+    ) -> bool {
         while let Ok(request) = requests.try_recv() {
             match request {
                 VcpuRequest::Exit => return false,
@@ -234,13 +244,17 @@ impl Vcpu {
             VcpuExit::SystemEvent(kind, _) => match kind {
                 KVM_SYSTEM_EVENT_RESET => Some(VcpuExitReason::Reset),
                 KVM_SYSTEM_EVENT_SHUTDOWN => Some(VcpuExitReason::Shutdown),
-                other => Some(VcpuExitReason::Error(format!("unexpected system event {other}"))),
+                other => Some(VcpuExitReason::Error(format!(
+                    "unexpected system event {other}"
+                ))),
             },
             VcpuExit::FailEntry(reason, cpu) => Some(VcpuExitReason::Error(format!(
                 "KVM failed to enter the guest (hardware reason {reason:#x}, cpu {cpu})"
             ))),
             VcpuExit::InternalError => Some(VcpuExitReason::Error("KVM internal error".into())),
-            other => Some(VcpuExitReason::Error(format!("unexpected vCPU exit: {other:?}"))),
+            other => Some(VcpuExitReason::Error(format!(
+                "unexpected vCPU exit: {other:?}"
+            ))),
         };
         Ok(exit)
     }
@@ -268,7 +282,9 @@ impl VcpuHandle {
     }
 
     fn request(&self, request: VcpuRequest, expect: VcpuResponse) -> Result<(), VcpuError> {
-        self.requests.send(request).map_err(|_| VcpuError::Gone(self.id))?;
+        self.requests
+            .send(request)
+            .map_err(|_| VcpuError::Gone(self.id))?;
         let deadline = Instant::now() + RESPONSE_TIMEOUT;
         loop {
             self.kick();

@@ -43,7 +43,6 @@ impl Vm {
             (Cap::Irqfd, "KVM_CAP_IRQFD"),
             (Cap::UserMemory, "KVM_CAP_USER_MEMORY"),
             (Cap::Pit2, "KVM_CAP_PIT2"),
-            (Cap::ImmediateExit, "KVM_CAP_IMMEDIATE_EXIT"),
         ] {
             if !kvm.check_extension(cap) {
                 return Err(VmError::MissingCapability(name));

@@ -20,11 +20,15 @@ pub const AGENT_PORT: u32 = 49983;
 pub const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
 
 pub fn kernel() -> PathBuf {
-    PathBuf::from(std::env::var("SANDFORK_KERNEL").expect("SANDFORK_KERNEL must name the guest vmlinux"))
+    PathBuf::from(
+        std::env::var("SANDFORK_KERNEL").expect("SANDFORK_KERNEL must name the guest vmlinux"),
+    )
 }
 
 pub fn rootfs() -> PathBuf {
-    PathBuf::from(std::env::var("SANDFORK_ROOTFS").expect("SANDFORK_ROOTFS must name the base image"))
+    PathBuf::from(
+        std::env::var("SANDFORK_ROOTFS").expect("SANDFORK_ROOTFS must name the base image"),
+    )
 }
 
 pub struct TestVm {
@@ -94,7 +98,12 @@ impl TestVm {
         let root = Drive::new("rootfs", rootfs().display().to_string(), true, true);
         self.api.put_drive(&root).await.unwrap();
         for (i, (path, read_only)) in boot.drives.iter().enumerate() {
-            let drive = Drive::new(format!("data{i}"), path.display().to_string(), false, *read_only);
+            let drive = Drive::new(
+                format!("data{i}"),
+                path.display().to_string(),
+                false,
+                *read_only,
+            );
             self.api.put_drive(&drive).await.unwrap();
         }
         self.api
@@ -112,15 +121,26 @@ impl TestVm {
     pub async fn wait_for_agent(&mut self) -> Duration {
         let start = Instant::now();
         loop {
-            if let Ok(204) =
-                vmm_api::vsock_connect::agent_health(&self.vsock_path(), AGENT_PORT, Duration::from_secs(5)).await
+            if let Ok(204) = vmm_api::vsock_connect::agent_health(
+                &self.vsock_path(),
+                AGENT_PORT,
+                Duration::from_secs(5),
+            )
+            .await
             {
                 return start.elapsed();
             }
             if let Some(status) = self.child.try_wait().unwrap() {
-                panic!("the VMM exited ({status}) before the agent answered\n{}", self.logs());
+                panic!(
+                    "the VMM exited ({status}) before the agent answered\n{}",
+                    self.logs()
+                );
             }
-            assert!(start.elapsed() < BOOT_TIMEOUT, "agent not ready in time\n{}", self.logs());
+            assert!(
+                start.elapsed() < BOOT_TIMEOUT,
+                "agent not ready in time\n{}",
+                self.logs()
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -132,7 +152,11 @@ impl TestVm {
             if let Some(status) = self.child.try_wait().unwrap() {
                 return status;
             }
-            assert!(start.elapsed() < timeout, "VMM still running\n{}", self.logs());
+            assert!(
+                start.elapsed() < timeout,
+                "VMM still running\n{}",
+                self.logs()
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -146,7 +170,11 @@ impl TestVm {
     }
 
     pub fn logs(&self) -> String {
-        format!("--- console ---\n{}\n--- vmm ---\n{}", self.console(), self.vmm_log())
+        format!(
+            "--- console ---\n{}\n--- vmm ---\n{}",
+            self.console(),
+            self.vmm_log()
+        )
     }
 
     pub fn pid(&self) -> u32 {

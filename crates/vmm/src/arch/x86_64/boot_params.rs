@@ -7,8 +7,7 @@ use linux_loader::loader::bootparam::{boot_e820_entry, boot_params};
 use vm_memory::GuestAddress;
 
 use super::layout::{
-    CMDLINE_START, EBDA_START, FIRST_ADDR_PAST_32BITS, HIMEM_START, MMIO_GAP_START,
-    ZERO_PAGE_START,
+    CMDLINE_START, EBDA_START, FIRST_ADDR_PAST_32BITS, HIMEM_START, MMIO_GAP_START, ZERO_PAGE_START,
 };
 use crate::vstate::memory::GuestMemory;
 
@@ -42,7 +41,11 @@ fn add_e820_entry(params: &mut boot_params, addr: u64, size: u64) -> Result<(), 
 
 /// Writes the zero page for a kernel whose command line of `cmdline_size`
 /// bytes (NUL included) sits at [`CMDLINE_START`].
-pub fn write_zero_page(mem: &GuestMemory, mem_size: u64, cmdline_size: usize) -> Result<(), BootParamsError> {
+pub fn write_zero_page(
+    mem: &GuestMemory,
+    mem_size: u64,
+    cmdline_size: usize,
+) -> Result<(), BootParamsError> {
     let mut params = boot_params::default();
     params.hdr.type_of_loader = KERNEL_LOADER_OTHER;
     params.hdr.boot_flag = KERNEL_BOOT_FLAG_MAGIC;
@@ -56,7 +59,11 @@ pub fn write_zero_page(mem: &GuestMemory, mem_size: u64, cmdline_size: usize) ->
         add_e820_entry(&mut params, HIMEM_START, mem_size - HIMEM_START)?;
     } else {
         add_e820_entry(&mut params, HIMEM_START, MMIO_GAP_START - HIMEM_START)?;
-        add_e820_entry(&mut params, FIRST_ADDR_PAST_32BITS, mem_size - MMIO_GAP_START)?;
+        add_e820_entry(
+            &mut params,
+            FIRST_ADDR_PAST_32BITS,
+            mem_size - MMIO_GAP_START,
+        )?;
     }
 
     let boot = BootParams::new::<boot_params>(&params, GuestAddress(ZERO_PAGE_START));

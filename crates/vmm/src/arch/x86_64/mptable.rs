@@ -118,7 +118,10 @@ pub fn setup_mptable(mem: &GuestMemory, cpus: u8) -> Result<(), MpTableError> {
     if table_addr + table.len() as u64 > 0xa0000 {
         return Err(MpTableError::TooLarge);
     }
-    mem.write_slice(&floating_pointer(table_addr as u32), GuestAddress(EBDA_START))?;
+    mem.write_slice(
+        &floating_pointer(table_addr as u32),
+        GuestAddress(EBDA_START),
+    )?;
     mem.write_slice(&table, GuestAddress(table_addr))?;
     Ok(())
 }
@@ -135,7 +138,10 @@ mod tests {
     fn table_checksums_and_counts() {
         let table = config_table(4);
         assert!(sums_to_zero(&table));
-        assert_eq!(u16::from_le_bytes([table[4], table[5]]) as usize, table.len());
+        assert_eq!(
+            u16::from_le_bytes([table[4], table[5]]) as usize,
+            table.len()
+        );
         let entries = u16::from_le_bytes([table[34], table[35]]);
         assert_eq!(entries, 4 + 1 + 1 + 24 + 2);
         assert!(sums_to_zero(&floating_pointer(0x9fc10)));

@@ -40,7 +40,8 @@ pub fn setup_regs(vcpu: &VcpuFd, entry: u64) -> Result<(), RegsError> {
         rsi: ZERO_PAGE_START,
         ..Default::default()
     };
-    vcpu.set_regs(&regs).map_err(|e| RegsError::Kvm("SET_REGS", e))
+    vcpu.set_regs(&regs)
+        .map_err(|e| RegsError::Kvm("SET_REGS", e))
 }
 
 /// x87 and SSE control words as after FINIT, so the kernel starts from a sane FPU.
@@ -74,7 +75,9 @@ pub fn write_boot_tables(mem: &GuestMemory) -> Result<(), RegsError> {
 
 /// Special registers: long mode, paging on the identity map, flat segments.
 pub fn setup_sregs(vcpu: &VcpuFd) -> Result<(), RegsError> {
-    let mut sregs: kvm_sregs = vcpu.get_sregs().map_err(|e| RegsError::Kvm("GET_SREGS", e))?;
+    let mut sregs: kvm_sregs = vcpu
+        .get_sregs()
+        .map_err(|e| RegsError::Kvm("GET_SREGS", e))?;
 
     let code = kvm_segment_from_gdt(BOOT_GDT[1], 1);
     let data = kvm_segment_from_gdt(BOOT_GDT[2], 2);
@@ -96,7 +99,8 @@ pub fn setup_sregs(vcpu: &VcpuFd) -> Result<(), RegsError> {
     sregs.cr4 |= X86_CR4_PAE;
     sregs.efer |= EFER_LME | EFER_LMA;
 
-    vcpu.set_sregs(&sregs).map_err(|e| RegsError::Kvm("SET_SREGS", e))
+    vcpu.set_sregs(&sregs)
+        .map_err(|e| RegsError::Kvm("SET_SREGS", e))
 }
 
 /// Local APIC LVT registers and the delivery modes Linux expects from a PC:
@@ -120,12 +124,19 @@ pub fn setup_lint(vcpu: &VcpuFd) -> Result<(), RegsError> {
         (reg & !0x700) | (mode << 8)
     }
 
-    let mut lapic = vcpu.get_lapic().map_err(|e| RegsError::Kvm("GET_LAPIC", e))?;
+    let mut lapic = vcpu
+        .get_lapic()
+        .map_err(|e| RegsError::Kvm("GET_LAPIC", e))?;
     let lvt0 = get(&lapic.regs, APIC_LVT0);
-    set(&mut lapic.regs, APIC_LVT0, with_mode(lvt0, APIC_MODE_EXTINT));
+    set(
+        &mut lapic.regs,
+        APIC_LVT0,
+        with_mode(lvt0, APIC_MODE_EXTINT),
+    );
     let lvt1 = get(&lapic.regs, APIC_LVT1);
     set(&mut lapic.regs, APIC_LVT1, with_mode(lvt1, APIC_MODE_NMI));
-    vcpu.set_lapic(&lapic).map_err(|e| RegsError::Kvm("SET_LAPIC", e))
+    vcpu.set_lapic(&lapic)
+        .map_err(|e| RegsError::Kvm("SET_LAPIC", e))
 }
 
 #[cfg(test)]

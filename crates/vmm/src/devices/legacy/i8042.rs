@@ -122,8 +122,11 @@ impl I8042Device {
         self.status |= STATUS_LAST_WAS_COMMAND;
         match cmd {
             CMD_READ_CTRL => self.push(&[self.control]),
-            CMD_WRITE_CTRL | CMD_WRITE_OUTPUT_PORT | CMD_WRITE_KBD_BUFFER
-            | CMD_WRITE_AUX_BUFFER | CMD_WRITE_AUX => self.pending_command = Some(cmd),
+            CMD_WRITE_CTRL
+            | CMD_WRITE_OUTPUT_PORT
+            | CMD_WRITE_KBD_BUFFER
+            | CMD_WRITE_AUX_BUFFER
+            | CMD_WRITE_AUX => self.pending_command = Some(cmd),
             CMD_DISABLE_AUX => self.control |= CTRL_AUX_DISABLED,
             CMD_ENABLE_AUX => self.control &= !CTRL_AUX_DISABLED,
             // There is no aux port: report its clock line stuck low.
@@ -232,7 +235,9 @@ mod tests {
         let (mut dev, _) = device();
         dev.trigger_ctrl_alt_del();
         assert_eq!(dev.interrupt.0.read().unwrap(), 1);
-        let typed: Vec<u8> = (0..CTRL_ALT_DEL_LEN).map(|_| read(&mut dev, DATA_OFFSET)).collect();
+        let typed: Vec<u8> = (0..CTRL_ALT_DEL_LEN)
+            .map(|_| read(&mut dev, DATA_OFFSET))
+            .collect();
         assert_eq!(typed, CTRL_ALT_DEL[..CTRL_ALT_DEL_LEN]);
         assert_eq!(read(&mut dev, COMMAND_OFFSET) & STATUS_OUTPUT_FULL, 0);
     }

@@ -96,7 +96,8 @@ mod tests {
         let mut out = ConsoleOutput::new(Box::new(io::sink()), flag.clone());
         out.write_all(b"[ 1.0] KKernel pa").unwrap();
         assert!(!flag.load(Ordering::SeqCst));
-        out.write_all(b"nic - not syncing: Attempted to kill init!").unwrap();
+        out.write_all(b"nic - not syncing: Attempted to kill init!")
+            .unwrap();
         assert!(flag.load(Ordering::SeqCst));
     }
 
@@ -104,7 +105,8 @@ mod tests {
     fn ordinary_output_is_not_a_panic() {
         let flag = Arc::new(AtomicBool::new(false));
         let mut out = ConsoleOutput::new(Box::new(io::sink()), flag.clone());
-        out.write_all(b"Kernel panic? no, Kernel command line: panic=1").unwrap();
+        out.write_all(b"Kernel panic? no, Kernel command line: panic=1")
+            .unwrap();
         assert!(!flag.load(Ordering::SeqCst));
     }
 }

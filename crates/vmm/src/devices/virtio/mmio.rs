@@ -110,7 +110,11 @@ fn new_queues(sizes: &[u16]) -> Result<Vec<Queue>, MmioError> {
 }
 
 impl MmioTransport {
-    pub fn new(device: Box<dyn VirtioDevice>, mem: GuestMemory, interrupt: Arc<MmioInterrupt>) -> Result<Self, MmioError> {
+    pub fn new(
+        device: Box<dyn VirtioDevice>,
+        mem: GuestMemory,
+        interrupt: Arc<MmioInterrupt>,
+    ) -> Result<Self, MmioError> {
         let queues = new_queues(device.queue_max_sizes())?;
         let queue_evts = queues
             .iter()
@@ -166,7 +170,9 @@ impl MmioTransport {
         }
         // Features are fixed once the driver claims FEATURES_OK; refuse it when
         // the driver accepted something the device never offered.
-        if status & VIRTIO_CONFIG_S_FEATURES_OK != 0 && !self.has_status(VIRTIO_CONFIG_S_FEATURES_OK) {
+        if status & VIRTIO_CONFIG_S_FEATURES_OK != 0
+            && !self.has_status(VIRTIO_CONFIG_S_FEATURES_OK)
+        {
             let offered = self.device.avail_features();
             if self.driver_features & !offered != 0 {
                 self.status = status & !VIRTIO_CONFIG_S_FEATURES_OK;
@@ -191,7 +197,10 @@ impl MmioTransport {
             .iter()
             .all(|q| q.ready() && q.is_valid(&self.mem));
         if !queues_valid {
-            log::warn!("virtio device {}: driver set DRIVER_OK with invalid queues", self.device_type());
+            log::warn!(
+                "virtio device {}: driver set DRIVER_OK with invalid queues",
+                self.device_type()
+            );
             self.status |= VIRTIO_CONFIG_S_FAILED;
             return;
         }
@@ -210,7 +219,10 @@ impl MmioTransport {
         match self.device.activate(self.mem.clone(), interrupt, activated) {
             Ok(()) => self.activated = true,
             Err(e) => {
-                log::error!("virtio device {}: activation failed: {e}", self.device_type());
+                log::error!(
+                    "virtio device {}: activation failed: {e}",
+                    self.device_type()
+                );
                 self.status |= VIRTIO_CONFIG_S_FAILED;
             }
         }
@@ -271,17 +283,28 @@ impl MmioTransport {
             reg::DEVICE_FEATURES_SEL => self.device_features_select = value,
             reg::DRIVER_FEATURES_SEL => self.driver_features_select = value,
             reg::DRIVER_FEATURES if negotiating => match self.driver_features_select {
-                0 => self.driver_features = (self.driver_features & !0xffff_ffff) | u64::from(value),
-                1 => self.driver_features = (self.driver_features & 0xffff_ffff) | (u64::from(value) << 32),
+                0 => {
+                    self.driver_features = (self.driver_features & !0xffff_ffff) | u64::from(value)
+                }
+                1 => {
+                    self.driver_features =
+                        (self.driver_features & 0xffff_ffff) | (u64::from(value) << 32)
+                }
                 _ => {}
             },
             reg::QUEUE_SEL => self.queue_select = value,
             reg::QUEUE_NUM => self.with_queue(|q| q.set_size(value as u16)),
             reg::QUEUE_READY => self.with_queue(|q| q.set_ready(value == 1)),
             reg::QUEUE_DESC_LOW => self.with_queue(|q| q.set_desc_table_address(Some(value), None)),
-            reg::QUEUE_DESC_HIGH => self.with_queue(|q| q.set_desc_table_address(None, Some(value))),
-            reg::QUEUE_AVAIL_LOW => self.with_queue(|q| q.set_avail_ring_address(Some(value), None)),
-            reg::QUEUE_AVAIL_HIGH => self.with_queue(|q| q.set_avail_ring_address(None, Some(value))),
+            reg::QUEUE_DESC_HIGH => {
+                self.with_queue(|q| q.set_desc_table_address(None, Some(value)))
+            }
+            reg::QUEUE_AVAIL_LOW => {
+                self.with_queue(|q| q.set_avail_ring_address(Some(value), None))
+            }
+            reg::QUEUE_AVAIL_HIGH => {
+                self.with_queue(|q| q.set_avail_ring_address(None, Some(value)))
+            }
             reg::QUEUE_USED_LOW => self.with_queue(|q| q.set_used_ring_address(Some(value), None)),
             reg::QUEUE_USED_HIGH => self.with_queue(|q| q.set_used_ring_address(None, Some(value))),
             // Normally KVM consumes these through the ioeventfd; this path
@@ -367,7 +390,9 @@ mod tests {
     fn transport() -> (MmioTransport, Arc<Mutex<Probe>>) {
         let probe = Arc::new(Mutex::new(Probe::default()));
         let mem = GuestMemory::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
-        let irq = Arc::new(MmioInterrupt::new(EventFd::new(libc::EFD_NONBLOCK).unwrap()));
+        let irq = Arc::new(MmioInterrupt::new(
+            EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+        ));
         let t = MmioTransport::new(Box::new(TestDevice(probe.clone())), mem, irq).unwrap();
         (t, probe)
     }
@@ -411,12 +436,17 @@ mod tests {
     #[test]
     fn negotiates_and_activates() {
         let (mut t, probe) = transport();
-        write(&mut t, reg::STATUS, VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER);
+        write(
+            &mut t,
+            reg::STATUS,
+            VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER,
+        );
         write(&mut t, reg::DRIVER_FEATURES_SEL, 0);
         write(&mut t, reg::DRIVER_FEATURES, 0b100);
         write(&mut t, reg::DRIVER_FEATURES_SEL, 1);
         write(&mut t, reg::DRIVER_FEATURES, 1);
-        let features_ok = VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER | VIRTIO_CONFIG_S_FEATURES_OK;
+        let features_ok =
+            VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER | VIRTIO_CONFIG_S_FEATURES_OK;
         write(&mut t, reg::STATUS, features_ok);
         assert_eq!(read(&mut t, reg::STATUS), features_ok);
         assert_eq!(probe.lock().unwrap().acked, (1 << 32) | 0b100);
@@ -438,7 +468,8 @@ mod tests {
     #[test]
     fn driver_ok_with_unready_queues_fails_the_device() {
         let (mut t, probe) = transport();
-        let features_ok = VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER | VIRTIO_CONFIG_S_FEATURES_OK;
+        let features_ok =
+            VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER | VIRTIO_CONFIG_S_FEATURES_OK;
         write(&mut t, reg::STATUS, features_ok);
         setup_queue(&mut t, 0, 0x10000);
         write(&mut t, reg::STATUS, features_ok | VIRTIO_CONFIG_S_DRIVER_OK);

@@ -5,4 +5,6 @@ pub mod device;
 pub mod mmio;
 pub mod vsock;
 
-pub use device::{ActivateError, ActivatedQueue, VirtioDevice, VirtioInterrupt, VirtioInterruptType};
+pub use device::{
+    ActivateError, ActivatedQueue, VirtioDevice, VirtioInterrupt, VirtioInterruptType,
+};
