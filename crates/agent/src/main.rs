@@ -25,7 +25,12 @@ use pid1::Pid1Kind;
 fn main() -> ExitCode {
     console_log::init();
     let is_pid1 = std::process::id() == 1;
-    let args = match Args::parse(std::env::args().skip(1)) {
+    // args_os: std::env::args panics on non-UTF-8, and as PID 1 our arguments are
+    // whatever the kernel command line held.
+    let words = std::env::args_os()
+        .skip(1)
+        .map(|a| a.to_string_lossy().into_owned());
+    let args = match Args::parse(words) {
         Ok(a) => a,
         Err(e) if is_pid1 => {
             log::error!("{e}; using defaults");
