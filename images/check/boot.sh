@@ -34,7 +34,7 @@ cleanup() {
 trap cleanup EXIT
 mkfifo "$work/console"
 
-cmdline="console=ttyS0 reboot=k panic=1 pci=off root=/dev/vda rw"
+cmdline="console=ttyS0 reboot=k panic=1 pci=off nomodule i8042.noaux i8042.nomux i8042.dumbkbd root=/dev/vda rw"
 # The kernel's log level is left verbose on purpose: the log is the evidence.
 start=$EPOCHREALTIME
 qemu-system-x86_64 -M microvm,acpi=off -accel "$accel" -cpu max -smp 2 -m 512 \
@@ -58,12 +58,20 @@ while IFS= read -r -t 600 line; do
         "sandfork-check: init-reached"*) init_at=$(elapsed) ;;
         "sandfork-check: PASS" | "sandfork-check: FAIL "[0-9]*)
             verdict=${line#sandfork-check: }
-            echo "sendkey ctrl-alt-delete" | python3 -c '
+            # Wait for the monitor's prompt, send, and wait for the next
+            # prompt so the key is queued before the socket closes.
+            python3 -c '
 import socket, sys
 s = socket.socket(socket.AF_UNIX)
+s.settimeout(10)
 s.connect(sys.argv[1])
-s.sendall(sys.stdin.buffer.read())
-s.recv(4096)
+def prompt():
+    buf = b""
+    while not buf.endswith(b"(qemu) "):
+        buf += s.recv(4096) or sys.exit("monitor closed")
+prompt()
+s.sendall(b"sendkey ctrl-alt-delete\n")
+prompt()
 ' "$work/monitor"
             cad=sent ;;
         "sandfork-check: no ctrl-alt-del"*) cad=ignored ;;

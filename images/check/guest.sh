@@ -4,7 +4,7 @@
 # filesystem give an agent what it needs, prints one line per check and a
 # verdict, then waits for the host's Ctrl-Alt-Del (i8042 path) and falls
 # back to a sysrq reboot.
-echo "sandfork-check: init-reached uptime=$(cut -d' ' -f1 /proc/uptime 2>/dev/null || echo no-proc)"
+echo "sandfork-check: init-reached"
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8
 
 fails=0
@@ -27,6 +27,9 @@ mount -t tmpfs tmpfs /run
 mkdir -p /dev/pts /dev/shm
 mount -t devpts -o newinstance,ptmxmode=0666 devpts /dev/pts
 mount -t tmpfs tmpfs /dev/shm
+# What the real agent does at start: the hostname comes from the image.
+hostname -F /etc/hostname
+echo "sandfork-check: mounted uptime=$(cut -d' ' -f1 /proc/uptime)"
 
 check pid1 test $$ -eq 1
 check devtmpfs test -b /dev/vda -a -c /dev/null -a -c /dev/ttyS0
@@ -36,7 +39,7 @@ check bash bash -c 'echo "bash $BASH_VERSION"'
 check python3 python3 -c 'import sys, ssl, sqlite3; print(sys.version.split()[0], ssl.OPENSSL_VERSION)'
 check tools sh -c 'git --version && curl --version | head -n1 && ps -p 1 -o comm= && ip -br link && pip --version'
 check users sh -c 'id user && test "$(getent passwd user | cut -d: -f3,6)" = 1000:/home/user && test -z "$(getent shadow root | cut -d: -f2)"'
-check sudo sh -c 'su user -s /bin/sh -c "sudo -n id -u" | grep -qx 0 && echo sudo-ok'
+check sudo sh -c 'test "$(su user -s /bin/sh -c "sudo -n id -u")" = 0 && echo sudo-ok'
 check cgroup2 sh -c 'mount -t cgroup2 cgroup2 /sys/fs/cgroup && for c in cpuset cpu io memory pids; do grep -qw $c /sys/fs/cgroup/cgroup.controllers || { echo "no $c"; exit 1; }; done; cat /sys/fs/cgroup/cgroup.controllers'
 check cgroup-limit sh -c 'echo "+memory +pids" >/sys/fs/cgroup/cgroup.subtree_control && mkdir /sys/fs/cgroup/t && echo 64M >/sys/fs/cgroup/t/memory.max && echo 10 >/sys/fs/cgroup/t/pids.max && echo 0 >/sys/fs/cgroup/t/cgroup.freeze && rmdir /sys/fs/cgroup/t && echo limits-ok'
 check overlay sh -c 'cd /tmp && mkdir -p l u w m && echo lower >l/f && mount -t overlay overlay -o lowerdir=l,upperdir=u,workdir=w m && echo upper >m/f && cat l/f u/f && umount m'

@@ -18,9 +18,7 @@ set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 self=$here/build.sh
-pkgfile=$here/packages.txt
 cache=${SANDFORK_CACHE:-/var/cache/sandfork}
-suite=bookworm
 agent='' out='' size=2G
 
 log() { echo "rootfs: $*" >&2; }
@@ -31,7 +29,7 @@ while (($#)); do
         --agent) agent=${2:?--agent needs a path}; shift 2 ;;
         --out) out=${2:?--out needs a path}; shift 2 ;;
         --size) size=${2:?--size needs a size}; shift 2 ;;
-        -h | --help) sed -n '2,19p' "$self" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,/^set -e/p' "$self" | sed -n 's/^# \{0,1\}//p'; exit 0 ;;
         *) die "unknown argument: $1 (see --help)" ;;
     esac
 done
@@ -40,27 +38,7 @@ done
 ((EUID == 0)) || die "must run as root (debootstrap, file ownership)"
 command -v debootstrap mkfs.ext4 flock >/dev/null || die "missing tools (run scripts/deps.sh)"
 
-# The first Debian archive URI this machine's apt uses (one-line or deb822
-# sources), so images come from the same place as the host's packages.
-# Empty means debootstrap's own default.
-apt_mirror() {
-    local f
-    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
-        [[ -r $f ]] || continue
-        awk '$1 == "deb" { for (i = 2; i <= NF; i++) if ($i !~ /^\[/ && $i !~ /\]$/) { print $i; exit } }' "$f" |
-            grep -v -- '-security' | head -n1
-    done | head -n1
-    for f in /etc/apt/sources.list.d/*.sources; do
-        [[ -r $f ]] || continue
-        awk 'tolower($1) == "uris:" { print $2 }' "$f" | grep -v -- '-security' | head -n1
-    done | head -n1
-}
-mirror=${SANDFORK_DEBIAN_MIRROR:-$(apt_mirror | head -n1)}
-
-packages=$(grep -v -e '^#' -e '^[[:space:]]*$' "$pkgfile" | sort -u | paste -sd, -)
-arch=$(dpkg --print-architecture)
-
-# Lock KEY under DIR and return whether the entry still has to be built.
+# Hold the per-key lock KEY under DIR (fd 9) until released or exit.
 lock() {
     mkdir -p "$1"
     exec 9>"$1/.$2.lock"
@@ -68,10 +46,12 @@ lock() {
 }
 
 # --- base tree -------------------------------------------------------------
+# The base depends only on its recipe (base.sh, packages.txt) and the
+# architecture, so changes to this script's final stage do not rebuild it.
 base_key=$( {
-    echo "$suite $arch"
-    sha256sum <"$self"
-    grep -v -e '^#' -e '^[[:space:]]*$' "$pkgfile" | sort -u
+    dpkg --print-architecture
+    sha256sum <"$here/base.sh"
+    grep -v -e '^#' -e '^[[:space:]]*$' "$here/packages.txt" | sort -u
 } | sha256sum | cut -c1-16)
 base=$cache/rootfs-base/$base_key
 
@@ -82,26 +62,8 @@ build_base() {
     tmp=$(mktemp -d "$dir/.tmp-$base_key.XXXXXX")
     # shellcheck disable=SC2064 # expand $tmp now
     trap "rm -rf '$tmp'" EXIT
-    log "debootstrap $suite ($arch) minbase + packages.txt${mirror:+ from $mirror}"
-    mkdir -p "$cache/debootstrap-debs"
-    if ! debootstrap --variant=minbase --arch="$arch" --include="$packages" \
-        --cache-dir="$cache/debootstrap-debs" \
-        "$suite" "$tmp/tree" ${mirror:+"$mirror"} >"$tmp/debootstrap.log" 2>&1; then
-        tail -n 30 "$tmp/debootstrap.log" >&2
-        die "debootstrap failed (log above)"
-    fi
-    local t=$tmp/tree
-    # Accounts as in E2B sandboxes: root without a password, and `user`
-    # (uid 1000) with passwordless sudo.
-    chroot "$t" passwd -d root >/dev/null
-    chroot "$t" useradd --create-home --uid 1000 --user-group --shell /bin/bash user
-    echo 'user ALL=(ALL:ALL) NOPASSWD: ALL' >"$t/etc/sudoers.d/user"
-    chmod 0440 "$t/etc/sudoers.d/user"
-    # Nothing inside runs the apt/dpkg caches or logs of the build.
-    chroot "$t" apt-get clean
-    rm -rf "$t"/var/lib/apt/lists/* "$t"/var/log/*.log "$t"/var/log/apt/* \
-        "$t"/var/cache/debconf/*-old "$t"/root/.cache
-    chroot "$t" dpkg-query -W -f='${Package} ${Version}\n' >"$tmp/manifest.txt"
+    SANDFORK_DEB_CACHE=$cache/debootstrap-debs "$here/base.sh" "$tmp"
+    chmod 0755 "$tmp"
     mv -T "$tmp" "$base"
     trap - EXIT
     log "base $base_key built in $(($(date +%s) - start)) s"
@@ -162,6 +124,7 @@ HOSTS
         die "mkfs.ext4 failed"
     fi
     rm -rf "$t" "$tmp/mkfs.log"
+    chmod 0755 "$tmp"
     mv -T "$tmp" "$entry"
     trap - EXIT
     log "image $key built in $(($(date +%s) - start)) s"
