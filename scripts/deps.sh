@@ -1,0 +1,47 @@
+#!/bin/bash
+# Install every Debian package sandfork needs to build its guest kernel and
+# images and to run its VMs and KVM lab, on Debian 12, as root. Idempotent and
+# fast when nothing is missing: dpkg is asked first, apt only when needed.
+#
+# Usage: scripts/deps.sh [--check]   (--check: list what is missing, exit 1 if any)
+set -euo pipefail
+
+packages=(
+    # kernel build (images/kernel/build.sh)
+    linux-source-6.1 build-essential flex bison bc libelf-dev libssl-dev
+    cpio xz-utils zstd
+    # root filesystem images (images/rootfs/build.sh)
+    debootstrap e2fsprogs util-linux
+    # running guests under QEMU (checks, KVM lab) and a static placeholder agent
+    qemu-system-x86 busybox-static
+    # tooling and tests
+    python3 git pkg-config ca-certificates
+)
+
+# One dpkg-query for all of them; unknown packages print nothing.
+declare -A installed=()
+while read -r name status; do
+    [[ $status == ii ]] && installed[$name]=1
+done < <(dpkg-query -W -f='${Package} ${db:Status-Abbrev}\n' "${packages[@]}" 2>/dev/null || true)
+missing=()
+for p in "${packages[@]}"; do
+    [[ -n ${installed[$p]:-} ]] || missing+=("$p")
+done
+
+if ((${#missing[@]} == 0)); then
+    exit 0
+fi
+if [[ ${1:-} == --check ]]; then
+    echo "deps: missing: ${missing[*]}" >&2
+    exit 1
+fi
+if ((EUID != 0)); then
+    echo "deps: missing ${missing[*]}; run as root to install" >&2
+    exit 1
+fi
+
+echo "deps: installing ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -q >&2
+apt-get install -y -q --no-install-recommends "${missing[@]}" >&2
+echo "deps: done" >&2
