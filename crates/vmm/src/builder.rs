@@ -77,6 +77,26 @@ pub enum BuildError {
     Vcpu(#[from] vcpu::VcpuError),
 }
 
+/// The full kernel command line: the user's kernel parameters, then the
+/// virtio-mmio devices, then whatever followed `--` (arguments for init,
+/// which must stay last or the kernel hands the devices to init).
+fn kernel_cmdline(user: &str, devices: impl Iterator<Item = String>) -> Result<Cmdline, BuildError> {
+    let err = |e: linux_loader::cmdline::Error| BuildError::Cmdline(e.to_string());
+    let (kernel_args, init_args) = match user.split_once(" -- ") {
+        Some((kernel, init)) => (kernel, Some(init)),
+        None => (user.strip_suffix(" --").unwrap_or(user), None),
+    };
+    let mut cmdline = Cmdline::new(CMDLINE_MAX_SIZE).map_err(err)?;
+    cmdline.insert_str(kernel_args.trim()).map_err(err)?;
+    for device in devices {
+        cmdline.insert_str(device).map_err(err)?;
+    }
+    if let Some(init) = init_args {
+        cmdline.insert_init_args(init.trim()).map_err(err)?;
+    }
+    Ok(cmdline)
+}
+
 /// Builds the microVM and starts its vCPUs. `on_event` is called (from vCPU
 /// or device threads) when the VM must stop.
 pub fn build_and_boot(
@@ -125,16 +145,7 @@ pub fn build_and_boot(
         mmio.attach(&vm, &mem, &mut mmio_bus, Box::new(device))?;
     }
 
-    let mut cmdline =
-        Cmdline::new(CMDLINE_MAX_SIZE).map_err(|e| BuildError::Cmdline(e.to_string()))?;
-    cmdline
-        .insert_str(&spec.cmdline)
-        .map_err(|e| BuildError::Cmdline(e.to_string()))?;
-    for slot in mmio.slots() {
-        cmdline
-            .insert_str(slot.cmdline_param())
-            .map_err(|e| BuildError::Cmdline(e.to_string()))?;
-    }
+    let cmdline = kernel_cmdline(&spec.cmdline, mmio.slots().iter().map(|s| s.cmdline_param()))?;
     let cmdline_size = cmdline
         .as_cstring()
         .map_err(|e| BuildError::Cmdline(e.to_string()))?
@@ -162,4 +173,32 @@ pub fn build_and_boot(
         handles.push(vcpu.start()?);
     }
     Ok(Vmm::new(vm, mem, mmio, legacy, handles))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(user: &str) -> String {
+        let devices = ["virtio_mmio.device=4K@0xd0000000:5".to_string()].into_iter();
+        kernel_cmdline(user, devices).unwrap().as_cstring().unwrap().into_string().unwrap()
+    }
+
+    #[test]
+    fn devices_go_before_init_arguments() {
+        assert_eq!(
+            line("console=ttyS0 init=/bin/sh -- -c \"echo hi\""),
+            "console=ttyS0 init=/bin/sh virtio_mmio.device=4K@0xd0000000:5 -- -c \"echo hi\""
+        );
+        assert_eq!(line("console=ttyS0"), "console=ttyS0 virtio_mmio.device=4K@0xd0000000:5");
+    }
+
+    #[test]
+    fn an_overlong_command_line_is_an_error() {
+        let long = "x".repeat(CMDLINE_MAX_SIZE + 1);
+        assert!(matches!(
+            kernel_cmdline(&long, std::iter::empty()),
+            Err(BuildError::Cmdline(_))
+        ));
+    }
 }
