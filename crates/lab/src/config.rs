@@ -112,6 +112,10 @@ pub struct LabConfig {
     pub root_cache: RootCache,
     /// Keep the machine's serial console (kernel and init messages) here.
     pub console_log: Option<PathBuf>,
+    /// Have the kernel SIGKILL QEMU when the *thread* that spawned it exits
+    /// (PR_SET_PDEATHSIG), so a killed caller leaves no machine behind. Only
+    /// for callers that spawn from a thread outliving the run, e.g. `main`.
+    pub die_with_parent: bool,
 }
 
 impl Default for LabConfig {
@@ -128,6 +132,7 @@ impl Default for LabConfig {
             output: OutputMode::Inherit,
             root_cache: RootCache::Loose,
             console_log: None,
+            die_with_parent: false,
         }
     }
 }

@@ -2,15 +2,22 @@
 //! says, and whether an executable is statically linked. Never panics on bad input.
 
 fn u16_at(b: &[u8], off: usize) -> Option<u16> {
-    Some(u16::from_le_bytes(b.get(off..off + 2)?.try_into().ok()?))
+    Some(u16::from_le_bytes(
+        b.get(off..off.checked_add(2)?)?.try_into().ok()?,
+    ))
 }
 
 fn u32_at(b: &[u8], off: usize) -> Option<u32> {
-    Some(u32::from_le_bytes(b.get(off..off + 4)?.try_into().ok()?))
+    Some(u32::from_le_bytes(
+        b.get(off..off.checked_add(4)?)?.try_into().ok()?,
+    ))
 }
 
 fn u64_at(b: &[u8], off: usize) -> Option<usize> {
-    usize::try_from(u64::from_le_bytes(b.get(off..off + 8)?.try_into().ok()?)).ok()
+    usize::try_from(u64::from_le_bytes(
+        b.get(off..off.checked_add(8)?)?.try_into().ok()?,
+    ))
+    .ok()
 }
 
 /// Checks the magic, 64-bit class and little-endian encoding.
@@ -33,7 +40,11 @@ pub(crate) fn section<'a>(b: &'a [u8], name: &str) -> Option<&'a [u8]> {
     let header = |i: usize| -> Option<(usize, usize, usize)> {
         let h = shoff.checked_add(i.checked_mul(shentsize)?)?;
         let name = usize::try_from(u32_at(b, h)?).ok()?;
-        Some((name, u64_at(b, h + 0x18)?, u64_at(b, h + 0x20)?))
+        Some((
+            name,
+            u64_at(b, h.checked_add(0x18)?)?,
+            u64_at(b, h.checked_add(0x20)?)?,
+        ))
     };
     let (_, str_off, str_size) = header(shstrndx)?;
     let strtab = b.get(str_off..str_off.checked_add(str_size)?)?;

@@ -2,6 +2,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
@@ -142,22 +143,38 @@ impl Lab {
                 rw_shares: &shares,
             },
         );
-        let qemu = Command::new(QEMU)
-            .args(&args)
+        let mut cmd = Command::new(QEMU);
+        cmd.args(&args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(qemu_stderr)
-            .spawn()
-            .map_err(|e| {
-                if e.kind() == std::io::ErrorKind::NotFound {
-                    LabError::ToolMissing {
-                        program: QEMU.into(),
-                        package: "qemu-system-x86",
+            .stderr(qemu_stderr);
+        if config.die_with_parent {
+            // SAFETY: the closure runs between fork and exec and only calls
+            // prctl and getppid, which are async-signal-safe and allocate nothing.
+            let parent = std::process::id();
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                        return Err(std::io::Error::last_os_error());
                     }
-                } else {
-                    LabError::io(format!("start {QEMU}"), e)
+                    // The parent may have died before the prctl took effect.
+                    if u32::try_from(libc::getppid()).ok() != Some(parent) {
+                        return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let qemu = cmd.spawn().map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                LabError::ToolMissing {
+                    program: QEMU.into(),
+                    package: "qemu-system-x86",
                 }
-            })?;
+            } else {
+                LabError::io(format!("start {QEMU}"), e)
+            }
+        })?;
 
         let (status_tx, status_rx) = mpsc::channel();
         let status_thread = std::thread::spawn(move || {

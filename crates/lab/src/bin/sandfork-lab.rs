@@ -138,6 +138,8 @@ fn run(cache_dir: &std::path::Path, args: RunArgs) -> anyhow::Result<ExitCode> {
             CacheArg::None => RootCache::None,
         },
         console_log: args.console_log,
+        // The machine is spawned and waited for on this (the main) thread.
+        die_with_parent: true,
         ..LabConfig::default()
     };
     let lab = Lab::prepare(cache_dir).context("preparing the lab")?;
@@ -154,5 +156,67 @@ fn run(cache_dir: &std::path::Path, args: RunArgs) -> anyhow::Result<ExitCode> {
                 _ => EXIT_LAB_FAILED,
             }))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("sandfork-lab").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn run_parses_options_and_the_command() {
+        let cli = parse(&[
+            "run",
+            "--memory",
+            "2048",
+            "--cpus",
+            "1",
+            "--forward",
+            "8080:80",
+            "--forward",
+            "0.0.0.0:2222:22",
+            "--env",
+            "A=b=c",
+            "--rw",
+            "/work/results",
+            "--timeout",
+            "2.5",
+            "--",
+            "sh",
+            "-c",
+            "exit 7",
+        ])
+        .unwrap();
+        let Cmd::Run(r) = cli.command else {
+            panic!("not run")
+        };
+        assert_eq!((r.memory, r.cpus), (2048, 1));
+        assert_eq!(r.forwards.len(), 2);
+        assert_eq!(r.forwards[1].host_port, 2222);
+        assert_eq!(r.env, vec![("A".to_string(), "b=c".to_string())]);
+        assert_eq!(r.rw_dirs, vec![PathBuf::from("/work/results")]);
+        assert_eq!(r.timeout, Some(2.5));
+        assert_eq!(r.argv, ["sh", "-c", "exit 7"]);
+    }
+
+    #[test]
+    fn defaults_and_errors() {
+        let Cmd::Run(r) = parse(&["run", "--", "true"]).unwrap().command else {
+            panic!("not run")
+        };
+        assert_eq!((r.memory, r.cpus, r.timeout), (4096, 2, None));
+        // Flags after `--` belong to the command.
+        let Cmd::Run(r) = parse(&["run", "--", "ls", "--cpus"]).unwrap().command else {
+            panic!("not run")
+        };
+        assert_eq!(r.argv, ["ls", "--cpus"]);
+        assert!(parse(&["run"]).is_err());
+        assert!(parse(&["run", "--forward", "nope", "--", "true"]).is_err());
+        assert!(parse(&["run", "--env", "1X=y", "--", "true"]).is_err());
+        assert!(matches!(parse(&["detect"]).unwrap().command, Cmd::Detect));
     }
 }
