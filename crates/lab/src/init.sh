@@ -1,0 +1,93 @@
+#!/bin/busybox sh
+# PID 1 of the sandfork lab machine. Loads the modules (so /dev/kvm exists),
+# mounts the host's root shared over 9p, and runs the job the host left in
+# the directory named by `sandfork.job=` on the kernel command line, chrooted
+# into the host root. The command's stdout and stderr go to their own
+# virtio-serial ports; its exit status goes to a third port as a marker line.
+/bin/busybox mkdir -p /bin /proc /sys /dev /host /job
+/bin/busybox --install -s /bin
+export PATH=/bin
+
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+
+say() { echo "sandfork-lab init: $*" >/dev/console; }
+status=
+fail() {
+    say "$*"
+    [ -n "$status" ] && echo "SANDFORK-ERROR $*" >&3
+    sync
+    poweroff -f
+}
+
+while read -r m; do
+    insmod "/lib/modules/$m" || say "insmod $m failed"
+done </lib/modules/order
+
+# Ports appear asynchronously once the host has announced them.
+port() {
+    for p in /sys/class/virtio-ports/*; do
+        [ "$(cat "$p/name" 2>/dev/null)" = "$1" ] && { echo "/dev/${p##*/}"; return 0; }
+    done
+    return 1
+}
+i=0
+while :; do
+    out=$(port sandfork.stdout) && err=$(port sandfork.stderr) &&
+        status=$(port sandfork.status) && [ -e "$out" ] && [ -e "$err" ] && [ -e "$status" ] && break
+    status=
+    i=$((i + 1))
+    [ $i -gt 400 ] && fail "virtio-serial ports did not appear"
+    sleep 0.05
+done
+exec 3>"$status"
+
+job=
+for a in $(cat /proc/cmdline); do
+    case "$a" in
+    sandfork.job=*) job=${a#sandfork.job=} ;;
+    sandfork.root_cache=*) root_cache=${a#sandfork.root_cache=} ;;
+    esac
+done
+[ -n "$job" ] || fail "no sandfork.job= on the kernel command line"
+
+opts=trans=virtio,version=9p2000.L,msize=524288
+mount -t 9p -o "$opts,ro,cache=${root_cache:-loose}" hostroot /host || fail "cannot mount the host root over 9p"
+# Larger read-ahead makes big sequential reads through the page cache much faster.
+for b in /sys/class/bdi/9p-*; do echo 16384 >"$b/read_ahead_kb"; done 2>/dev/null
+
+# Copy the job in before /tmp is covered by a fresh tmpfs.
+cp "/host$job/job.sh" "/host$job/mounts" /job/ || fail "cannot read the job in $job"
+
+mount -t proc proc /host/proc || fail "cannot mount /proc in the host root"
+mount -t sysfs sysfs /host/sys
+mount -t devtmpfs devtmpfs /host/dev || fail "cannot mount /dev in the host root"
+mkdir -p /host/dev/pts /host/dev/shm
+mount -t devpts -o gid=5,mode=620,ptmxmode=666 devpts /host/dev/pts
+mount -t tmpfs -o mode=1777 tmpfs /host/dev/shm
+mount -t tmpfs -o mode=1777 tmpfs /host/tmp || fail "cannot mount /tmp in the host root"
+mount -t tmpfs -o mode=755 tmpfs /host/run || fail "cannot mount /run in the host root"
+
+# Read-write shares: "TAG PATH" per line.
+while read -r tag path; do
+    [ -n "$tag" ] || continue
+    [ -d "/host$path" ] || mkdir -p "/host$path" || fail "no mount point for $path"
+    mount -t 9p -o "$opts,cache=mmap" "$tag" "/host$path" || fail "cannot mount $path read-write"
+done </job/mounts
+
+mkdir -p /host/run/sandfork
+cp /job/job.sh /host/run/sandfork/job.sh
+
+hostname sandfork-lab
+ip link set lo up
+if ip link set eth0 up 2>/dev/null; then
+    ip addr add 10.0.2.15/24 dev eth0
+    ip route add default via 10.0.2.2
+fi
+
+env -i /bin/chroot /host /bin/sh /run/sandfork/job.sh <"/dev/null" >"$out" 2>"$err"
+code=$?
+sync
+echo "SANDFORK-EXIT $code" >&3
+poweroff -f

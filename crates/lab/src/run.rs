@@ -1,0 +1,453 @@
+//! Running a command in a lab machine: one QEMU process per command.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::config::{LabConfig, OutputMode, check_rw_dir, effective_env};
+use crate::error::{LabError, Result};
+use crate::job::{GuestStatus, job_script};
+use crate::prepare::{LabPaths, prepare};
+use crate::qemu::{MachineFiles, QEMU, qemu_args};
+
+/// How long QEMU may take to power off after the command has ended.
+const POWEROFF_GRACE: Duration = Duration::from_secs(30);
+const POLL: Duration = Duration::from_millis(50);
+
+/// A prepared lab: a kernel and initramfs ready to boot.
+#[derive(Debug, Clone)]
+pub struct Lab {
+    paths: LabPaths,
+}
+
+/// A finished command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LabOutput {
+    /// The command's exit code; 128+N when a signal N ended it.
+    pub code: i32,
+    /// Empty unless the output mode was [`OutputMode::Capture`].
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+}
+
+impl LabOutput {
+    pub fn success(&self) -> bool {
+        self.code == 0
+    }
+}
+
+impl Lab {
+    /// Finds the cached lab under `<cache_dir>/lab/`, building it if needed
+    /// (downloads the kernel package with apt the first time).
+    pub fn prepare(cache_dir: &Path) -> Result<Lab> {
+        Ok(Lab {
+            paths: prepare(cache_dir)?,
+        })
+    }
+
+    /// A lab from files prepared earlier.
+    pub fn from_paths(paths: LabPaths) -> Lab {
+        Lab { paths }
+    }
+
+    pub fn paths(&self) -> &LabPaths {
+        &self.paths
+    }
+
+    /// Runs `argv` in a fresh lab machine and waits for it.
+    pub fn run(&self, config: &LabConfig, argv: &[String]) -> Result<LabOutput> {
+        self.spawn(config, argv)?.wait()
+    }
+
+    /// Starts `argv` in a fresh lab machine; the machine lives until the
+    /// command ends, [`LabChild::kill`] is called, or the timeout passes.
+    pub fn spawn(&self, config: &LabConfig, argv: &[String]) -> Result<LabChild> {
+        let program = argv.first().ok_or(LabError::EmptyCommand)?.clone();
+        if config.cpus == 0 || config.memory_mib < 256 {
+            return Err(LabError::BadConfig(
+                "the lab needs at least 1 vCPU and 256 MiB".into(),
+            ));
+        }
+        let cwd = match &config.cwd {
+            Some(c) => c.clone(),
+            None => std::env::current_dir().map_err(|e| LabError::io("current directory", e))?,
+        };
+        if !cwd.is_absolute() {
+            return Err(LabError::BadConfig(format!(
+                "working directory {} is not absolute",
+                cwd.display()
+            )));
+        }
+        let host_env = std::env::vars_os()
+            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)));
+        let env = effective_env(config, host_env)?;
+        let mut shares = Vec::new();
+        for (i, dir) in config.rw_dirs.iter().enumerate() {
+            shares.push((format!("rw{i}"), check_rw_dir(dir)?));
+        }
+
+        let run_dir = tempfile::Builder::new()
+            .prefix("sandfork-lab-")
+            .tempdir()
+            .map_err(|e| LabError::io("create the run directory", e))?;
+        let dir = run_dir.path().to_path_buf();
+        if dir.to_string_lossy().contains(char::is_whitespace) {
+            return Err(LabError::BadConfig(format!(
+                "the temporary directory {} has blanks in its path (set TMPDIR)",
+                dir.display()
+            )));
+        }
+        let write = |name: &str, text: &str| {
+            std::fs::write(dir.join(name), text)
+                .map_err(|e| LabError::io(format!("write {name}"), e))
+        };
+        write("job.sh", &job_script(&cwd, &env, argv))?;
+        let mounts: String = shares
+            .iter()
+            .map(|(tag, d)| format!("{tag} {}\n", d.display()))
+            .collect();
+        write("mounts", &mounts)?;
+
+        let sock = |name: &str| -> Result<(PathBuf, UnixListener)> {
+            let path = dir.join(name);
+            let l = UnixListener::bind(&path)
+                .map_err(|e| LabError::io(format!("listen on {}", path.display()), e))?;
+            Ok((path, l))
+        };
+        let (out_path, out_l) = sock("out.sock")?;
+        let (err_path, err_l) = sock("err.sock")?;
+        let (status_path, status_l) = sock("status.sock")?;
+        let console_log = config
+            .console_log
+            .clone()
+            .unwrap_or_else(|| dir.join("console.log"));
+        let qemu_stderr_path = dir.join("qemu.stderr");
+        let qemu_stderr = std::fs::File::create(&qemu_stderr_path)
+            .map_err(|e| LabError::io("create qemu.stderr", e))?;
+
+        let args = qemu_args(
+            config,
+            &MachineFiles {
+                kernel: &self.paths.kernel,
+                initramfs: &self.paths.initramfs,
+                job_dir: &dir,
+                console_log: &console_log,
+                stdout_sock: &out_path,
+                stderr_sock: &err_path,
+                status_sock: &status_path,
+                rw_shares: &shares,
+            },
+        );
+        let mut cmd = Command::new(QEMU);
+        cmd.args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(qemu_stderr);
+        if config.die_with_parent {
+            // SAFETY: the closure runs between fork and exec and only calls
+            // prctl and getppid, which are async-signal-safe and allocate nothing.
+            let parent = std::process::id();
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    // The parent may have died before the prctl took effect.
+                    if u32::try_from(libc::getppid()).ok() != Some(parent) {
+                        return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let qemu = cmd.spawn().map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                LabError::ToolMissing {
+                    program: QEMU.into(),
+                    package: "qemu-system-x86",
+                }
+            } else {
+                LabError::io(format!("start {QEMU}"), e)
+            }
+        })?;
+
+        let (status_tx, status_rx) = mpsc::channel();
+        let status_thread = std::thread::spawn(move || {
+            if let Ok((s, _)) = status_l.accept() {
+                for line in BufReader::new(s).lines() {
+                    let Ok(line) = line else { break };
+                    if status_tx.send(line).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        let stdout_thread = spawn_copier(out_l, config.output, Sink::Stdout);
+        let stderr_thread = spawn_copier(err_l, config.output, Sink::Stderr);
+
+        Ok(LabChild {
+            qemu,
+            run_dir: Some(run_dir),
+            sockets: vec![out_path, err_path, status_path],
+            stdout_thread: Some(stdout_thread),
+            stderr_thread: Some(stderr_thread),
+            status_thread: Some(status_thread),
+            status_rx,
+            status: GuestStatus::default(),
+            started: Instant::now(),
+            timeout: config.timeout,
+            killed: false,
+            qemu_exit: None,
+            program,
+            cwd,
+            console_log,
+            qemu_stderr: qemu_stderr_path,
+        })
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Sink {
+    Stdout,
+    Stderr,
+}
+
+/// Accepts QEMU's connection for one port and copies what arrives.
+fn spawn_copier(listener: UnixListener, mode: OutputMode, sink: Sink) -> JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut kept = Vec::new();
+        let Ok((mut s, _)) = listener.accept() else {
+            return kept;
+        };
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match s.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            match mode {
+                OutputMode::Capture => kept.extend_from_slice(&buf[..n]),
+                // Writes to our own stdout/stderr failing (closed pipe) must
+                // not stop the drain, or QEMU would block on a full socket.
+                OutputMode::Inherit => match sink {
+                    Sink::Stdout => {
+                        let mut o = std::io::stdout().lock();
+                        let _ = o.write_all(&buf[..n]).and_then(|_| o.flush());
+                    }
+                    Sink::Stderr => {
+                        let _ = std::io::stderr().lock().write_all(&buf[..n]);
+                    }
+                },
+            }
+        }
+        kept
+    })
+}
+
+/// A command running in a lab machine.
+pub struct LabChild {
+    qemu: Child,
+    run_dir: Option<tempfile::TempDir>,
+    sockets: Vec<PathBuf>,
+    stdout_thread: Option<JoinHandle<Vec<u8>>>,
+    stderr_thread: Option<JoinHandle<Vec<u8>>>,
+    status_thread: Option<JoinHandle<()>>,
+    status_rx: Receiver<String>,
+    status: GuestStatus,
+    started: Instant,
+    timeout: Option<Duration>,
+    killed: bool,
+    qemu_exit: Option<ExitStatus>,
+    program: String,
+    cwd: PathBuf,
+    console_log: PathBuf,
+    qemu_stderr: PathBuf,
+}
+
+impl LabChild {
+    /// The QEMU process id.
+    pub fn id(&self) -> u32 {
+        self.qemu.id()
+    }
+
+    /// Stops the machine at once (SIGKILL to QEMU).
+    pub fn kill(&mut self) -> Result<()> {
+        if self.qemu_exit.is_none() {
+            self.killed = true;
+            if let Err(e) = self.qemu.kill() {
+                // Already exited: nothing to stop.
+                if e.kind() != std::io::ErrorKind::InvalidInput {
+                    return Err(LabError::io("kill qemu", e));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for the command, applying the timeout; the exit code, or why
+    /// there is none.
+    pub fn wait(mut self) -> Result<LabOutput> {
+        let mut timed_out = false;
+        let mut exit_seen: Option<Instant> = None;
+        loop {
+            if let Some(st) = self
+                .qemu
+                .try_wait()
+                .map_err(|e| LabError::io("wait for qemu", e))?
+            {
+                self.qemu_exit = Some(st);
+                break;
+            }
+            if let Some(t) = self.timeout
+                && self.started.elapsed() >= t
+            {
+                timed_out = true;
+                self.stop_qemu()?;
+                break;
+            }
+            if let Some(seen) = exit_seen
+                && seen.elapsed() >= POWEROFF_GRACE
+            {
+                // The command is done but the machine hangs in power-off.
+                self.stop_qemu()?;
+                break;
+            }
+            match self.status_rx.recv_timeout(POLL) {
+                Ok(line) => self.status.take_line(&line),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => std::thread::sleep(POLL),
+            }
+            if self.status.exit_code.is_some() && exit_seen.is_none() {
+                exit_seen = Some(Instant::now());
+            }
+        }
+        let (stdout, stderr) = self.join_readers();
+        while let Ok(line) = self.status_rx.try_recv() {
+            self.status.take_line(&line);
+        }
+        let st = &self.status;
+        if let Some(msg) = &st.error {
+            return Err(LabError::Guest(msg.clone()));
+        }
+        if st.not_found {
+            return Err(LabError::CommandNotFound {
+                program: self.program.clone(),
+            });
+        }
+        if st.no_cwd {
+            return Err(LabError::NoWorkingDir {
+                cwd: self.cwd.clone(),
+            });
+        }
+        if let Some(code) = st.exit_code {
+            return Ok(LabOutput {
+                code,
+                stdout,
+                stderr,
+            });
+        }
+        if timed_out {
+            return Err(LabError::Timeout {
+                after: self.started.elapsed(),
+            });
+        }
+        if self.killed {
+            return Err(LabError::Killed);
+        }
+        Err(LabError::NoExitStatus {
+            qemu_status: self
+                .qemu_exit
+                .map(|s| s.to_string())
+                .unwrap_or_else(|| "unknown".into()),
+            qemu_stderr: std::fs::read_to_string(&self.qemu_stderr).unwrap_or_default(),
+            console_tail: tail(&self.console_log, 25),
+        })
+    }
+
+    fn stop_qemu(&mut self) -> Result<()> {
+        let _ = self.qemu.kill();
+        let st = self
+            .qemu
+            .wait()
+            .map_err(|e| LabError::io("wait for qemu", e))?;
+        self.qemu_exit = Some(st);
+        Ok(())
+    }
+
+    /// Collects the output threads once QEMU is gone. A thread still waiting
+    /// for QEMU to connect (QEMU failed early) is woken by connecting to it.
+    fn join_readers(&mut self) -> (Vec<u8>, Vec<u8>) {
+        for s in &self.sockets {
+            let _ = UnixStream::connect(s);
+        }
+        let out = self
+            .stdout_thread
+            .take()
+            .and_then(|t| t.join().ok())
+            .unwrap_or_default();
+        let err = self
+            .stderr_thread
+            .take()
+            .and_then(|t| t.join().ok())
+            .unwrap_or_default();
+        if let Some(t) = self.status_thread.take() {
+            let _ = t.join();
+        }
+        (out, err)
+    }
+}
+
+impl Drop for LabChild {
+    fn drop(&mut self) {
+        if self.qemu_exit.is_none() {
+            let _ = self.qemu.kill();
+            let _ = self.qemu.wait();
+        }
+        self.join_readers();
+        // The run directory goes with the child; a console log to keep is
+        // written elsewhere through `LabConfig::console_log`.
+        drop(self.run_dir.take());
+    }
+}
+
+/// The last `n` lines of a text file, or nothing.
+fn tail(path: &Path, n: usize) -> String {
+    let text = std::fs::read(path).unwrap_or_default();
+    let text = String::from_utf8_lossy(&text);
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tail_keeps_the_last_lines() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("log");
+        std::fs::write(&f, "a\nb\nc\n").unwrap();
+        assert_eq!(tail(&f, 2), "b\nc");
+        assert_eq!(tail(&f, 10), "a\nb\nc");
+        assert_eq!(tail(&d.path().join("missing"), 3), "");
+    }
+
+    #[test]
+    fn empty_command_is_rejected_before_qemu() {
+        let lab = Lab::from_paths(LabPaths {
+            dir: "/nonexistent".into(),
+            kernel: "/nonexistent/vmlinuz".into(),
+            initramfs: "/nonexistent/initramfs.cpio".into(),
+            manifest: "/nonexistent/manifest".into(),
+        });
+        assert!(matches!(
+            lab.spawn(&LabConfig::default(), &[]),
+            Err(LabError::EmptyCommand)
+        ));
+    }
+}
