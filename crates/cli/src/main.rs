@@ -97,7 +97,7 @@ impl ImageArgs {
 /// Re-runs this very command inside the KVM lab when the host cannot boot
 /// Linux guests; returns None when the command should run here.
 fn run_in_lab_if_needed(image: &ImageArgs, extra_rw: &[&Path]) -> Result<Option<ExitCode>> {
-    if image.in_lab || sandfork_lab::detect().is_hardware() {
+    if image.in_lab || (sandfork_lab::detect().environment == sandfork_lab::Environment::Hardware) {
         return Ok(None);
     }
     let lab = sibling_binary("sandfork-lab")?;
@@ -116,7 +116,7 @@ fn run_in_lab_if_needed(image: &ImageArgs, extra_rw: &[&Path]) -> Result<Option<
 }
 
 fn environment(image: &ImageArgs) -> &'static str {
-    if image.in_lab || !sandfork_lab::detect().is_hardware() {
+    if image.in_lab || !(sandfork_lab::detect().environment == sandfork_lab::Environment::Hardware) {
         "lab"
     } else {
         "hardware"
