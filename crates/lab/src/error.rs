@@ -47,7 +47,9 @@ pub enum LabError {
     BadConfig(String),
     #[error("{program}: command not found inside the lab")]
     CommandNotFound { program: String },
-    #[error("working directory {cwd} is not reachable inside the lab")]
+    #[error(
+        "working directory {cwd} does not exist inside the lab (the host root is shared read-only as it is; /tmp and /run are fresh unless shared read-write)"
+    )]
     NoWorkingDir { cwd: PathBuf },
     #[error("the lab timed out after {:.1} s and was killed", .after.as_secs_f64())]
     Timeout { after: Duration },

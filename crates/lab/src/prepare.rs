@@ -3,7 +3,8 @@
 //! Layout under `<cache>/lab/`:
 //! - `<hash>/vmlinuz`, `<hash>/initramfs.cpio`, `<hash>/manifest`: one lab, made in
 //!   a temporary sibling directory and renamed into place whole;
-//! - `last`: the hash prepared last, used when apt cannot be asked (offline).
+//! - `last`: "<hash> <local key>" of the lab prepared last, reused without
+//!   asking apt while busybox and the init script are unchanged.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -183,12 +184,12 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// The cache key: everything that decides the lab's bytes.
-fn lab_hash(kernel_key: &str, busybox: &[u8]) -> String {
+/// The part of the cache key known without asking apt: busybox, the init
+/// script, the module list and the format.
+fn local_key(busybox: &[u8]) -> String {
     let mut h = Sha256::new();
     for part in [
         FORMAT.as_bytes(),
-        kernel_key.as_bytes(),
         &Sha256::digest(busybox),
         INIT_SCRIPT.as_bytes(),
         LAB_MODULES.join(",").as_bytes(),
@@ -199,24 +200,42 @@ fn lab_hash(kernel_key: &str, busybox: &[u8]) -> String {
     hex(&h.finalize())[..16].to_string()
 }
 
-/// Finds the prepared lab under `cache_dir`, or builds it.
-pub fn prepare(cache_dir: &Path) -> Result<LabPaths> {
+/// The cache key: everything that decides the lab's bytes.
+fn lab_hash(kernel_key: &str, local_key: &str) -> String {
+    let mut h = Sha256::new();
+    for part in [kernel_key, local_key] {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    hex(&h.finalize())[..16].to_string()
+}
+
+/// `last` holds "<hash> <local key>" of the lab prepared last.
+fn read_last(lab_dir: &Path, local: &str) -> Option<LabPaths> {
+    let text = std::fs::read_to_string(lab_dir.join("last")).ok()?;
+    let mut words = text.split_whitespace();
+    let (hash, key) = (words.next()?, words.next()?);
+    let paths = LabPaths::in_dir(lab_dir.join(hash));
+    (key == local && !hash.contains('/') && paths.complete()).then_some(paths)
+}
+
+/// Finds the prepared lab under `cache_dir`, or builds it. Unless `refresh`,
+/// the lab prepared last is reused without asking apt when busybox and the
+/// init script are unchanged; `refresh` picks up a newer kernel package.
+pub fn prepare(cache_dir: &Path, refresh: bool) -> Result<LabPaths> {
     let lab_dir = cache_dir.join("lab");
-    let last_file = lab_dir.join("last");
+    let (_, busybox) = find_busybox()?;
+    let local = local_key(&busybox);
+    let last = read_last(&lab_dir, &local);
+    if !refresh && let Some(paths) = last {
+        return Ok(paths);
+    }
     let kernel = match resolve_kernel() {
         Ok(k) => k,
-        Err(e) => {
-            // Offline or no apt lists: the last lab still works.
-            let last = std::fs::read_to_string(&last_file).unwrap_or_default();
-            let paths = LabPaths::in_dir(lab_dir.join(last.trim()));
-            if !last.trim().is_empty() && paths.complete() {
-                return Ok(paths);
-            }
-            return Err(e);
-        }
+        // Offline or no apt lists: the last lab still works.
+        Err(e) => return last.ok_or(e),
     };
-    let (_, busybox) = find_busybox()?;
-    let hash = lab_hash(&kernel.key(), &busybox);
+    let hash = lab_hash(&kernel.key(), &local);
     let paths = LabPaths::in_dir(lab_dir.join(&hash));
     if !paths.complete() {
         std::fs::create_dir_all(&lab_dir)
@@ -238,7 +257,7 @@ pub fn prepare(cache_dir: &Path) -> Result<LabPaths> {
             }
         }
     }
-    let _ = std::fs::write(&last_file, format!("{hash}\n"));
+    let _ = std::fs::write(lab_dir.join("last"), format!("{hash} {local}\n"));
     Ok(paths)
 }
 
@@ -366,11 +385,28 @@ mod tests {
 
     #[test]
     fn hash_depends_on_every_input() {
-        let a = lab_hash("apt k=1 x", b"busybox");
+        let local = local_key(b"busybox");
+        assert_ne!(local, local_key(b"busybox2"));
+        let a = lab_hash("apt k=1 x", &local);
         assert_eq!(a.len(), 16);
-        assert_eq!(a, lab_hash("apt k=1 x", b"busybox"));
-        assert_ne!(a, lab_hash("apt k=2 x", b"busybox"));
-        assert_ne!(a, lab_hash("apt k=1 x", b"busybox2"));
+        assert_eq!(a, lab_hash("apt k=1 x", &local));
+        assert_ne!(a, lab_hash("apt k=2 x", &local));
+        assert_ne!(a, lab_hash("apt k=1 x", &local_key(b"busybox2")));
+    }
+
+    #[test]
+    fn last_is_reused_only_for_the_same_local_key() {
+        let d = tempfile::tempdir().unwrap();
+        let lab = d.path();
+        std::fs::create_dir(lab.join("abc")).unwrap();
+        for f in ["vmlinuz", "initramfs.cpio", "manifest"] {
+            std::fs::write(lab.join("abc").join(f), "").unwrap();
+        }
+        std::fs::write(lab.join("last"), "abc k1\n").unwrap();
+        assert_eq!(read_last(lab, "k1").unwrap().dir, lab.join("abc"));
+        assert!(read_last(lab, "k2").is_none());
+        std::fs::remove_file(lab.join("abc/manifest")).unwrap();
+        assert!(read_last(lab, "k1").is_none());
     }
 
     #[test]

@@ -43,10 +43,19 @@ impl LabOutput {
 
 impl Lab {
     /// Finds the cached lab under `<cache_dir>/lab/`, building it if needed
-    /// (downloads the kernel package with apt the first time).
+    /// (downloads the kernel package with apt the first time). Reuses the lab
+    /// prepared last without asking apt; see [`Lab::prepare_refresh`].
     pub fn prepare(cache_dir: &Path) -> Result<Lab> {
         Ok(Lab {
-            paths: prepare(cache_dir)?,
+            paths: prepare(cache_dir, false)?,
+        })
+    }
+
+    /// Like [`Lab::prepare`], but asks apt for the current kernel package
+    /// first, building a new lab when it changed.
+    pub fn prepare_refresh(cache_dir: &Path) -> Result<Lab> {
+        Ok(Lab {
+            paths: prepare(cache_dir, true)?,
         })
     }
 

@@ -37,7 +37,8 @@ struct Cli {
 enum Cmd {
     /// Print `hardware` or `lab`, and why.
     Detect,
-    /// Build or find the lab kernel and initramfs; print their paths.
+    /// Build or find the lab kernel and initramfs (asking apt for the current
+    /// kernel package); print their paths.
     Prepare,
     /// Run a command in a fresh lab machine and exit with its exit code.
     Run(RunArgs),
@@ -106,7 +107,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Prepare => {
-            let lab = Lab::prepare(&cli.cache_dir).context("preparing the lab")?;
+            let lab = Lab::prepare_refresh(&cli.cache_dir).context("preparing the lab")?;
             let p = lab.paths();
             println!("dir={}", p.dir.display());
             println!("kernel={}", p.kernel.display());
