@@ -30,6 +30,9 @@ for line in sys.stdin:
 [[ ${#lab_tests[@]} -gt 0 ]] || { echo "no lab test binaries found" >&2; exit 1; }
 
 lab=target/debug/sandfork-lab
+# The lab tooling's own tests boot QEMU on this host.
+cargo test -p sandfork-lab --quiet -- --ignored --test-threads=1
+
 if [[ $("$lab" detect | head -n1) == hardware* ]]; then
     for t in "${lab_tests[@]}"; do "$t" --ignored --test-threads=1; done
 else

@@ -116,7 +116,8 @@ fn run_in_lab_if_needed(image: &ImageArgs, extra_rw: &[&Path]) -> Result<Option<
 }
 
 fn environment(image: &ImageArgs) -> &'static str {
-    if image.in_lab || !(sandfork_lab::detect().environment == sandfork_lab::Environment::Hardware) {
+    if image.in_lab || !(sandfork_lab::detect().environment == sandfork_lab::Environment::Hardware)
+    {
         "lab"
     } else {
         "hardware"

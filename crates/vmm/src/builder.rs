@@ -25,9 +25,11 @@ use crate::vstate::vm::Vm;
 /// Everything needed to build and boot one microVM.
 pub struct MicrovmSpec {
     pub kernel: PathBuf,
-    /// The kernel command line, without the virtio-mmio device declarations
-    /// (the builder appends those).
+    /// The kernel command line as the user gave it; init arguments may follow `--`.
     pub cmdline: String,
+    /// Kernel parameters the VMM adds (the root device); they and the
+    /// virtio-mmio device declarations go before any init arguments.
+    pub extra_kernel_args: Vec<String>,
     pub vcpu_count: u8,
     pub mem_size_mib: u64,
     pub drives: Vec<BlockConfig>,
@@ -78,9 +80,9 @@ pub enum BuildError {
 }
 
 /// The full kernel command line: the user's kernel parameters, then the
-/// virtio-mmio devices, then whatever followed `--` (arguments for init,
-/// which must stay last or the kernel hands the devices to init).
-fn kernel_cmdline(user: &str, devices: impl Iterator<Item = String>) -> Result<Cmdline, BuildError> {
+/// VMM's (root device, virtio-mmio devices), then whatever followed `--`
+/// (arguments for init, which must stay last or the kernel hands ours to init).
+fn kernel_cmdline(user: &str, ours: impl Iterator<Item = String>) -> Result<Cmdline, BuildError> {
     let err = |e: linux_loader::cmdline::Error| BuildError::Cmdline(e.to_string());
     let (kernel_args, init_args) = match user.split_once(" -- ") {
         Some((kernel, init)) => (kernel, Some(init)),
@@ -88,8 +90,8 @@ fn kernel_cmdline(user: &str, devices: impl Iterator<Item = String>) -> Result<C
     };
     let mut cmdline = Cmdline::new(CMDLINE_MAX_SIZE).map_err(err)?;
     cmdline.insert_str(kernel_args.trim()).map_err(err)?;
-    for device in devices {
-        cmdline.insert_str(device).map_err(err)?;
+    for arg in ours {
+        cmdline.insert_str(arg).map_err(err)?;
     }
     if let Some(init) = init_args {
         cmdline.insert_init_args(init.trim()).map_err(err)?;
@@ -145,7 +147,13 @@ pub fn build_and_boot(
         mmio.attach(&vm, &mem, &mut mmio_bus, Box::new(device))?;
     }
 
-    let cmdline = kernel_cmdline(&spec.cmdline, mmio.slots().iter().map(|s| s.cmdline_param()))?;
+    let cmdline = kernel_cmdline(
+        &spec.cmdline,
+        spec.extra_kernel_args
+            .iter()
+            .cloned()
+            .chain(mmio.slots().iter().map(|s| s.cmdline_param())),
+    )?;
     let cmdline_size = cmdline
         .as_cstring()
         .map_err(|e| BuildError::Cmdline(e.to_string()))?
@@ -181,7 +189,12 @@ mod tests {
 
     fn line(user: &str) -> String {
         let devices = ["virtio_mmio.device=4K@0xd0000000:5".to_string()].into_iter();
-        kernel_cmdline(user, devices).unwrap().as_cstring().unwrap().into_string().unwrap()
+        kernel_cmdline(user, devices)
+            .unwrap()
+            .as_cstring()
+            .unwrap()
+            .into_string()
+            .unwrap()
     }
 
     #[test]
@@ -190,7 +203,10 @@ mod tests {
             line("console=ttyS0 init=/bin/sh -- -c \"echo hi\""),
             "console=ttyS0 init=/bin/sh virtio_mmio.device=4K@0xd0000000:5 -- -c \"echo hi\""
         );
-        assert_eq!(line("console=ttyS0"), "console=ttyS0 virtio_mmio.device=4K@0xd0000000:5");
+        assert_eq!(
+            line("console=ttyS0"),
+            "console=ttyS0 virtio_mmio.device=4K@0xd0000000:5"
+        );
     }
 
     #[test]

@@ -266,20 +266,17 @@ impl Controller {
         Ok(VmmData::Empty)
     }
 
-    fn kernel_cmdline(&self, boot: &BootSource) -> String {
-        let mut cmdline = boot
-            .boot_args
-            .clone()
-            .unwrap_or_else(|| DEFAULT_BOOT_ARGS.to_string());
-        if let Some(root) = self.config.drives.iter().find(|d| d.is_root_device) {
-            let device = match &root.partuuid {
-                Some(partuuid) => format!("PARTUUID={partuuid}"),
-                None => "/dev/vda".to_string(),
-            };
-            let mode = if root.read_only() { "ro" } else { "rw" };
-            cmdline.push_str(&format!(" root={device} {mode}"));
-        }
-        cmdline
+    /// Kernel parameters for the root drive, if there is one.
+    fn root_args(&self) -> Vec<String> {
+        let Some(root) = self.config.drives.iter().find(|d| d.is_root_device) else {
+            return Vec::new();
+        };
+        let device = match &root.partuuid {
+            Some(partuuid) => format!("root=PARTUUID={partuuid}"),
+            None => "root=/dev/vda".to_string(),
+        };
+        let mode = if root.read_only() { "ro" } else { "rw" };
+        vec![device, mode.to_string()]
     }
 
     fn start(&mut self) -> Result<VmmData, VmmActionError> {
@@ -294,7 +291,11 @@ impl Controller {
         drives.sort_by_key(|d| !d.is_root_device);
         let spec = MicrovmSpec {
             kernel: PathBuf::from(&boot.kernel_image_path),
-            cmdline: self.kernel_cmdline(&boot),
+            cmdline: boot
+                .boot_args
+                .clone()
+                .unwrap_or_else(|| DEFAULT_BOOT_ARGS.to_string()),
+            extra_kernel_args: self.root_args(),
             vcpu_count: machine.vcpu_count,
             mem_size_mib: machine.mem_size_mib,
             drives: drives

@@ -87,10 +87,10 @@ fn run(args: Args) -> anyhow::Result<ExitCode> {
     drop(events_tx);
 
     let exit = controller.run(&events_rx);
-    if let Some(api) = api {
-        if let Err(e) = api.shutdown() {
-            eprintln!("sandfork-vmm: stopping the API server: {e}");
-        }
+    if let Some(api) = api
+        && let Err(e) = api.shutdown()
+    {
+        eprintln!("sandfork-vmm: stopping the API server: {e}");
     }
     match exit {
         Some(exit) => {

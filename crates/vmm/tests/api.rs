@@ -10,7 +10,10 @@ use vmm_api::{BootSource, ClientError, Drive, MachineConfig, Vsock};
 
 fn fault(result: Result<(), ClientError>) -> String {
     match result {
-        Err(ClientError::Api { status, fault_message }) => {
+        Err(ClientError::Api {
+            status,
+            fault_message,
+        }) => {
             assert_eq!(status, 400, "{fault_message}");
             fault_message
         }
@@ -31,12 +34,21 @@ async fn missing_kernel_and_drive_files_are_refused() {
             .await,
     );
     assert!(msg.contains("/nonexistent/vmlinux"), "{msg}");
-    let msg = fault(vm.api.put_drive(&Drive::new("root", "/nonexistent/disk.img", true, false)).await);
+    let msg = fault(
+        vm.api
+            .put_drive(&Drive::new("root", "/nonexistent/disk.img", true, false))
+            .await,
+    );
     assert!(msg.contains("/nonexistent/disk.img"), "{msg}");
     let dir = tempfile::tempdir().unwrap();
     let msg = fault(
         vm.api
-            .put_drive(&Drive::new("root", dir.path().display().to_string(), true, true))
+            .put_drive(&Drive::new(
+                "root",
+                dir.path().display().to_string(),
+                true,
+                true,
+            ))
             .await,
     );
     assert!(msg.contains("directory"), "{msg}");
@@ -50,11 +62,21 @@ async fn missing_kernel_and_drive_files_are_refused() {
 async fn impossible_machine_configs_are_refused() {
     let vm = TestVm::spawn().await;
     for (vcpus, mem) in [(0, 128), (33, 128), (1, 0), (1, 1 << 40)] {
-        fault(vm.api.put_machine_config(&MachineConfig::new(vcpus, mem)).await);
+        fault(
+            vm.api
+                .put_machine_config(&MachineConfig::new(vcpus, mem))
+                .await,
+        );
     }
     // Nothing of the refused configs stuck.
-    assert_eq!(vm.api.get_machine_config().await.unwrap(), MachineConfig::default());
-    vm.api.put_machine_config(&MachineConfig::new(2, 512)).await.unwrap();
+    assert_eq!(
+        vm.api.get_machine_config().await.unwrap(),
+        MachineConfig::default()
+    );
+    vm.api
+        .put_machine_config(&MachineConfig::new(2, 512))
+        .await
+        .unwrap();
     assert_eq!(vm.api.get_machine_config().await.unwrap().vcpu_count, 2);
 }
 
@@ -67,14 +89,23 @@ async fn actions_out_of_order_are_refused() {
     assert!(msg.contains("before starting"), "{msg}");
     fault(vm.api.resume().await);
     fault(vm.api.send_ctrl_alt_del().await);
-    let msg = fault(vm.api.put_vsock(&Vsock::new(3, "/nonexistent-dir/v.sock")).await);
+    let msg = fault(
+        vm.api
+            .put_vsock(&Vsock::new(3, "/nonexistent-dir/v.sock"))
+            .await,
+    );
     assert!(msg.contains("does not exist"), "{msg}");
 }
 
 #[tokio::test]
 async fn malformed_json_is_refused_and_the_server_keeps_serving() {
     let vm = TestVm::spawn().await;
-    for body in [&b"{"[..], b"[]", b"{\"vcpu_count\": \"two\", \"mem_size_mib\": 128}", b"\xff\xfe"] {
+    for body in [
+        &b"{"[..],
+        b"[]",
+        b"{\"vcpu_count\": \"two\", \"mem_size_mib\": 128}",
+        b"\xff\xfe",
+    ] {
         let response = vm
             .api
             .request(vmm_api::Method::PUT, "/machine-config", Some(body.to_vec()))
@@ -82,7 +113,12 @@ async fn malformed_json_is_refused_and_the_server_keeps_serving() {
             .unwrap();
         assert_eq!(response.status, 400);
         let body: serde_json::Value = serde_json::from_slice(&response.body).unwrap();
-        assert!(body["fault_message"].as_str().is_some_and(|m| !m.is_empty()), "{body}");
+        assert!(
+            body["fault_message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{body}"
+        );
     }
     assert!(vm.api.get_instance_info().await.is_ok());
 }

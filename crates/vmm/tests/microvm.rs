@@ -112,6 +112,11 @@ async fn guest_panic_ends_the_vmm_with_a_panic_status() {
     .await;
     let status = vm.wait_exit(common::BOOT_TIMEOUT).await;
     assert_eq!(status.code(), Some(2), "{}", vm.logs());
+    assert!(
+        vm.console().contains("sysrq: Trigger a crash"),
+        "{}",
+        vm.logs()
+    );
     assert!(vm.vmm_log().contains("panicked"), "{}", vm.logs());
 }
 

@@ -10,6 +10,8 @@
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use vmm_api::{BootSource, Drive, MachineConfig, VmmClient, Vsock};
@@ -31,10 +33,38 @@ pub fn rootfs() -> PathBuf {
     )
 }
 
+/// A test that runs longer than this is stuck: the watchdog prints the VM's
+/// logs and ends the test process, so a hang fails loudly instead of
+/// eating the CI budget.
+const WATCHDOG: Duration = Duration::from_secs(300);
+
 pub struct TestVm {
     pub dir: tempfile::TempDir,
     pub api: VmmClient,
     child: Child,
+    finished: Arc<AtomicBool>,
+}
+
+fn start_watchdog(dir: PathBuf) -> Arc<AtomicBool> {
+    let finished = Arc::new(AtomicBool::new(false));
+    let flag = finished.clone();
+    std::thread::spawn(move || {
+        let start = Instant::now();
+        while start.elapsed() < WATCHDOG {
+            if flag.load(Ordering::SeqCst) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let read = |name| std::fs::read_to_string(dir.join(name)).unwrap_or_default();
+        eprintln!(
+            "watchdog: test stuck for {WATCHDOG:?}\n--- console ---\n{}\n--- vmm ---\n{}",
+            read("console.log"),
+            read("vmm.log")
+        );
+        std::process::exit(101);
+    });
+    finished
 }
 
 pub struct Boot {
@@ -73,8 +103,14 @@ impl TestVm {
             .spawn()
             .expect("spawning sandfork-vmm");
         let api = VmmClient::new(&api_sock);
+        let finished = start_watchdog(dir.path().to_owned());
         api.wait_for_socket(Duration::from_secs(10)).await.unwrap();
-        TestVm { dir, api, child }
+        TestVm {
+            dir,
+            api,
+            child,
+            finished,
+        }
     }
 
     pub fn vsock_path(&self) -> PathBuf {
@@ -184,6 +220,7 @@ impl TestVm {
 
 impl Drop for TestVm {
     fn drop(&mut self) {
+        self.finished.store(true, Ordering::SeqCst);
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

@@ -101,10 +101,10 @@ impl I8042Device {
 
     fn output_ready(&mut self) {
         self.status |= STATUS_OUTPUT_FULL;
-        if self.control & CTRL_KBD_INT != 0 {
-            if let Err(e) = self.interrupt.trigger() {
-                log::warn!("i8042 interrupt failed: {e}");
-            }
+        if self.control & CTRL_KBD_INT != 0
+            && let Err(e) = self.interrupt.trigger()
+        {
+            log::warn!("i8042 interrupt failed: {e}");
         }
     }
 

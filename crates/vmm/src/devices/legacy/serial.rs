@@ -78,10 +78,10 @@ impl BusDevice for SerialDevice {
     }
 
     fn write(&mut self, offset: u64, data: &[u8]) {
-        if let (Ok(offset), [byte]) = (u8::try_from(offset), data) {
-            if let Err(e) = self.serial.write(offset, *byte) {
-                log::warn!("serial write failed: {e}");
-            }
+        if let (Ok(offset), [byte]) = (u8::try_from(offset), data)
+            && let Err(e) = self.serial.write(offset, *byte)
+        {
+            log::warn!("serial write failed: {e}");
         }
     }
 }
