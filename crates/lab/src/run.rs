@@ -19,6 +19,22 @@ use crate::qemu::{MachineFiles, QEMU, qemu_args};
 const POWEROFF_GRACE: Duration = Duration::from_secs(30);
 const POLL: Duration = Duration::from_millis(50);
 
+/// Directories the lab mounts afresh, hiding the host's.
+const FRESH_INSIDE: [&str; 2] = ["/tmp", "/run"];
+
+/// A working directory under /tmp or /run (a checkout in /tmp, say) would be
+/// hidden by the lab's fresh mounts: returns the top directory below that
+/// mount (`/tmp/ci` for `/tmp/ci/crates/x`) to share read-write, unless a
+/// share already covers it.
+fn shadowed_tree<'a>(cwd: &Path, mut shared: impl Iterator<Item = &'a Path>) -> Option<PathBuf> {
+    let top = FRESH_INSIDE.iter().find_map(|fresh| {
+        let rest = cwd.strip_prefix(fresh).ok()?;
+        let first = rest.components().next()?;
+        Some(Path::new(fresh).join(first))
+    })?;
+    (!shared.any(|dir| cwd.starts_with(dir))).then_some(top)
+}
+
 /// A prepared lab: a kernel and initramfs ready to boot.
 #[derive(Debug, Clone)]
 pub struct Lab {
@@ -98,6 +114,9 @@ impl Lab {
         let mut shares = Vec::new();
         for (i, dir) in config.rw_dirs.iter().enumerate() {
             shares.push((format!("rw{i}"), check_rw_dir(dir)?));
+        }
+        if let Some(dir) = shadowed_tree(&cwd, shares.iter().map(|(_, d)| d.as_path())) {
+            shares.push((format!("rw{}", shares.len()), check_rw_dir(&dir)?));
         }
 
         let run_dir = tempfile::Builder::new()
@@ -458,5 +477,28 @@ mod tests {
             lab.spawn(&LabConfig::default(), &[]),
             Err(LabError::EmptyCommand)
         ));
+    }
+}
+
+#[cfg(test)]
+mod shadow_tests {
+    use super::*;
+
+    #[test]
+    fn a_checkout_under_tmp_is_shared() {
+        let none: [&Path; 0] = [];
+        assert_eq!(
+            shadowed_tree(Path::new("/tmp/ci/crates/lab"), none.into_iter()),
+            Some(PathBuf::from("/tmp/ci"))
+        );
+        assert_eq!(
+            shadowed_tree(Path::new("/work/main"), none.into_iter()),
+            None
+        );
+        assert_eq!(shadowed_tree(Path::new("/tmp"), none.into_iter()), None);
+        assert_eq!(
+            shadowed_tree(Path::new("/tmp/ci/x"), [Path::new("/tmp/ci")].into_iter()),
+            None
+        );
     }
 }
