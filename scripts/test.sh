@@ -33,10 +33,25 @@ lab=target/debug/sandfork-lab
 # The lab tooling's own tests boot QEMU on this host.
 cargo test -p sandfork-lab --quiet -- --ignored --test-threads=1
 
-if [[ $("$lab" detect | head -n1) == hardware* ]]; then
-    for t in "${lab_tests[@]}"; do "$t" --ignored --test-threads=1; done
-else
-    for t in "${lab_tests[@]}"; do
-        "$lab" run --timeout 2400 -- "$t" --ignored --test-threads=1
-    done
-fi
+# Runs one lab test binary (directly on hardware KVM, else inside the lab).
+run_lab_tests() {
+    if [[ $("$lab" detect | head -n1) == hardware* ]]; then
+        "$@"
+    else
+        "$lab" run --timeout 2400 -- "$@"
+    fi
+}
+
+for t in "${lab_tests[@]}"; do
+    log=$(mktemp)
+    if run_lab_tests "$t" --ignored --test-threads=1 2>&1 | tee "$log"; [[ ${PIPESTATUS[0]} -eq 0 ]]; then
+        continue
+    fi
+    # Nested virtualisation under emulation (the lab) very rarely loses a
+    # guest early in boot (see the issue notes). Re-run only the tests that
+    # failed, once: a real defect fails twice and still fails the suite.
+    mapfile -t failed < <(sed -n 's/^test \([A-Za-z0-9_:]*\) \.\.\. FAILED$/\1/p' "$log")
+    [[ ${#failed[@]} -gt 0 ]] || exit 1
+    echo "== re-running ${#failed[@]} failed lab test(s) once: ${failed[*]}" >&2
+    run_lab_tests "$t" --ignored --test-threads=1 --exact "${failed[@]}"
+done

@@ -19,10 +19,18 @@ fn median(samples: &mut [f64]) -> f64 {
 /// Boots `runs` times and returns the figures as JSON.
 async fn measure(vmm: &Path, image: &GuestImage, runs: usize) -> Result<Value> {
     let mut boot_ms = Vec::with_capacity(runs);
-    for _ in 0..runs {
+    let name = vmm.file_name().map_or_else(
+        || vmm.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    for run in 1..=runs {
         let mut vm = launcher::launch(vmm, image).await?;
         let took = launcher::wait_for_agent(&mut vm, BOOT_TIMEOUT).await?;
         boot_ms.push(took.as_secs_f64() * 1000.0);
+        eprintln!(
+            "bench: {name} boot {run}/{runs}: {:.0} ms to agent",
+            took.as_secs_f64() * 1000.0
+        );
         vm.shutdown(Duration::from_secs(30)).await?;
     }
     let samples = boot_ms.clone();

@@ -50,6 +50,13 @@ pub enum ClientError {
     InvalidRequest(String),
     #[error("API socket {} not accepting connections after {waited:?}", path.display())]
     Timeout { path: PathBuf, waited: Duration },
+    #[error("the VMM at {} did not answer {method} {route} within {waited:?}", path.display())]
+    NoAnswer {
+        path: PathBuf,
+        method: Method,
+        route: String,
+        waited: Duration,
+    },
 }
 
 /// A response as received, for callers of [`VmmClient::request`].
@@ -59,16 +66,28 @@ pub struct RawResponse {
     pub body: Bytes,
 }
 
+/// How long one request may take before the client gives up: a VMM that
+/// stops answering must not hang its caller.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+
 #[derive(Debug, Clone)]
 pub struct VmmClient {
     socket_path: PathBuf,
+    request_timeout: Duration,
 }
 
 impl VmmClient {
     pub fn new(socket_path: impl Into<PathBuf>) -> Self {
         Self {
             socket_path: socket_path.into(),
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
         }
+    }
+
+    /// The same client with another per-request timeout.
+    pub fn with_request_timeout(mut self, timeout: Duration) -> Self {
+        self.request_timeout = timeout;
+        self
     }
 
     pub fn socket_path(&self) -> &Path {
@@ -228,6 +247,23 @@ impl VmmClient {
         path: &str,
         body: Option<Vec<u8>>,
     ) -> Result<RawResponse, ClientError> {
+        let exchange = self.request_once(method.clone(), path, body);
+        tokio::time::timeout(self.request_timeout, exchange)
+            .await
+            .map_err(|_| ClientError::NoAnswer {
+                path: self.socket_path.clone(),
+                method,
+                route: path.to_string(),
+                waited: self.request_timeout,
+            })?
+    }
+
+    async fn request_once(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<RawResponse, ClientError> {
         let mut builder = Request::builder()
             .method(method)
             .uri(path)
@@ -308,5 +344,26 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(err, ClientError::InvalidRequest(_)), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_vmm_that_never_answers_is_a_timeout() {
+        let dir = std::env::temp_dir().join(format!("vmm-api-silent-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let sock = dir.join("silent.sock");
+        let _ = std::fs::remove_file(&sock);
+        // Accepts connections and reads nothing: a hung VMM.
+        let listener = tokio::net::UnixListener::bind(&sock).unwrap();
+        let _accepting = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((stream, _)) = listener.accept().await {
+                held.push(stream);
+            }
+        });
+        let client = VmmClient::new(&sock).with_request_timeout(Duration::from_millis(200));
+        let err = client.get_instance_info().await.unwrap_err();
+        assert!(matches!(err, ClientError::NoAnswer { .. }), "{err}");
+        assert!(err.to_string().contains("GET /"), "{err}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

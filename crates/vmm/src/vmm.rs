@@ -26,8 +26,8 @@ pub enum VmExit {
     GuestShutdown,
     /// The guest kernel panicked (seen on the console), then reset.
     GuestPanic,
-    /// The vCPU triple-faulted.
-    TripleFault,
+    /// The vCPU triple-faulted; the text says where.
+    TripleFault(String),
     /// KVM could not run the guest.
     Error(String),
 }
@@ -37,7 +37,7 @@ impl VmExit {
         match self {
             VmExit::GuestShutdown => 0,
             VmExit::GuestPanic => 2,
-            VmExit::TripleFault => 3,
+            VmExit::TripleFault(_) => 3,
             VmExit::Error(_) => 4,
         }
     }
@@ -46,7 +46,7 @@ impl VmExit {
         match self {
             VmExit::GuestShutdown => "the guest shut down or rebooted".into(),
             VmExit::GuestPanic => "the guest kernel panicked".into(),
-            VmExit::TripleFault => "the guest triple-faulted".into(),
+            VmExit::TripleFault(state) => format!("the guest triple-faulted ({state})"),
             VmExit::Error(e) => format!("the VM failed: {e}"),
         }
     }
@@ -132,9 +132,9 @@ impl Vmm {
                 ..
             } => VmExit::GuestShutdown,
             VmEvent::VcpuExited {
-                reason: VcpuExitReason::TripleFault,
+                reason: VcpuExitReason::TripleFault(state),
                 ..
-            } => VmExit::TripleFault,
+            } => VmExit::TripleFault(state.clone()),
             VmEvent::VcpuExited {
                 id,
                 reason: VcpuExitReason::Error(e),

@@ -26,8 +26,9 @@ pub enum VcpuExitReason {
     Reset,
     /// The guest asked for power-off.
     Shutdown,
-    /// A triple fault: KVM reports the CPU shut down.
-    TripleFault,
+    /// A triple fault: KVM reports the CPU shut down. Carries the vCPU's
+    /// control registers at that point, for the log.
+    TripleFault(String),
     /// KVM could not run the guest any further.
     Error(String),
 }
@@ -212,6 +213,17 @@ impl Vcpu {
         true
     }
 
+    /// The registers that tell where a dying guest was, for the log.
+    fn describe_state(&self) -> String {
+        match (self.fd.get_regs(), self.fd.get_sregs()) {
+            (Ok(r), Ok(s)) => format!(
+                "vcpu{} rip={:#x} rsp={:#x} rflags={:#x} cr0={:#x} cr2={:#x} cr3={:#x} cr4={:#x} efer={:#x}",
+                self.id, r.rip, r.rsp, r.rflags, s.cr0, s.cr2, s.cr3, s.cr4, s.efer
+            ),
+            _ => format!("vcpu{}: registers unavailable", self.id),
+        }
+    }
+
     /// Runs the guest until one exit; `Some` when the VM must stop.
     fn run_once(&mut self) -> Result<Option<VcpuExitReason>, kvm_ioctls::Error> {
         let exit = match self.fd.run()? {
@@ -240,7 +252,7 @@ impl Vcpu {
             // With the in-kernel irqchip KVM handles HLT itself; seeing it means
             // the vCPU halted with interrupts off, i.e. for good.
             VcpuExit::Hlt => Some(VcpuExitReason::Shutdown),
-            VcpuExit::Shutdown => Some(VcpuExitReason::TripleFault),
+            VcpuExit::Shutdown => Some(VcpuExitReason::TripleFault(self.describe_state())),
             VcpuExit::SystemEvent(kind, _) => match kind {
                 KVM_SYSTEM_EVENT_RESET => Some(VcpuExitReason::Reset),
                 KVM_SYSTEM_EVENT_SHUTDOWN => Some(VcpuExitReason::Shutdown),
