@@ -103,7 +103,11 @@ fn run_in_lab_if_needed(image: &ImageArgs, extra_rw: &[&Path]) -> Result<Option<
     let lab = sibling_binary("sandfork-lab")?;
     let mut cmd = std::process::Command::new(lab);
     // One lab vCPU: steadier under nested emulation (see scripts/test.sh).
-    cmd.arg("run").arg("--cpus").arg("1").arg("--timeout").arg("3600");
+    cmd.arg("run")
+        .arg("--cpus")
+        .arg("1")
+        .arg("--timeout")
+        .arg("3600");
     for dir in extra_rw {
         cmd.arg("--rw").arg(dir);
     }

@@ -4,6 +4,8 @@
 use kvm_bindings::CpuId;
 
 const LEAF_FEATURES: u32 = 0x1;
+const LEAF_EXT_FEATURES: u32 = 0x7;
+const LEAF_XSAVE: u32 = 0xd;
 const LEAF_EXT_TOPOLOGY: u32 = 0xb;
 const LEAF_EXT_TOPOLOGY_V2: u32 = 0x1f;
 
@@ -17,9 +19,89 @@ const EDX_HTT: u32 = 1 << 28;
 const LEVEL_TYPE_THREAD: u32 = 1;
 const LEVEL_TYPE_CORE: u32 = 2;
 
+/// XSAVE state components and the CPUID feature bit that must be advertised
+/// for the component to be offered: (XCR0 bit, leaf, register, bit).
+const XSAVE_DEPENDENCIES: [(u32, u32, Reg, u32); 8] = [
+    (2, LEAF_FEATURES, Reg::Ecx, 28),      // AVX
+    (3, LEAF_EXT_FEATURES, Reg::Ebx, 14),  // MPX bound registers
+    (4, LEAF_EXT_FEATURES, Reg::Ebx, 14),  // MPX bound config
+    (5, LEAF_EXT_FEATURES, Reg::Ebx, 16),  // AVX-512 opmask
+    (6, LEAF_EXT_FEATURES, Reg::Ebx, 16),  // AVX-512 upper ZMM
+    (7, LEAF_EXT_FEATURES, Reg::Ebx, 16),  // AVX-512 high ZMM
+    (9, LEAF_EXT_FEATURES, Reg::Ecx, 3),   // PKRU
+    (17, LEAF_EXT_FEATURES, Reg::Edx, 24), // AMX tile config (and data, below)
+];
+
+#[derive(Clone, Copy)]
+enum Reg {
+    Ebx,
+    Ecx,
+    Edx,
+}
+
+fn feature_bit(cpuid: &CpuId, leaf: u32, reg: Reg, bit: u32) -> bool {
+    cpuid
+        .as_slice()
+        .iter()
+        .find(|e| e.function == leaf && e.index == 0)
+        .is_some_and(|e| {
+            let value = match reg {
+                Reg::Ebx => e.ebx,
+                Reg::Ecx => e.ecx,
+                Reg::Edx => e.edx,
+            };
+            value & (1 << bit) != 0
+        })
+}
+
+/// Offers only the XSAVE state components whose CPU feature the vCPU also
+/// advertises, and makes the sizes in leaf 0xD agree with that set. A
+/// component offered without its feature bit (seen under nested emulation:
+/// PKRU without PKU) makes Linux warn about an inconsistent XSAVE layout and
+/// fall back to FXSAVE.
+fn normalize_xsave(cpuid: &mut CpuId) {
+    let mut dropped: u64 = 0;
+    for (component, leaf, reg, bit) in XSAVE_DEPENDENCIES {
+        if !feature_bit(cpuid, leaf, reg, bit) {
+            dropped |= 1 << component;
+            if component == 17 {
+                dropped |= 1 << 18; // AMX tile data goes with tile config
+            }
+        }
+    }
+    let entries = cpuid.as_mut_slice();
+    for entry in entries.iter_mut().filter(|e| e.function == LEAF_XSAVE) {
+        if entry.index >= 2 && entry.index < 64 && dropped & (1 << entry.index) != 0 {
+            entry.eax = 0;
+            entry.ebx = 0;
+            entry.ecx = 0;
+            entry.edx = 0;
+        }
+    }
+    let Some(main) = entries
+        .iter()
+        .position(|e| e.function == LEAF_XSAVE && e.index == 0)
+    else {
+        return;
+    };
+    let supported = (u64::from(entries[main].edx) << 32 | u64::from(entries[main].eax)) & !dropped;
+    // The legacy area and XSAVE header, then each user component at its offset.
+    let mut max_size: u32 = 512 + 64;
+    for entry in entries.iter().filter(|e| e.function == LEAF_XSAVE) {
+        if entry.index >= 2 && entry.index < 64 && supported & (1 << entry.index) != 0 {
+            max_size = max_size.max(entry.ebx.saturating_add(entry.eax));
+        }
+    }
+    let main = &mut entries[main];
+    main.eax = supported as u32;
+    main.edx = (supported >> 32) as u32;
+    main.ecx = max_size;
+}
+
 /// Rewrites `cpuid` (from `KVM_GET_SUPPORTED_CPUID`) for vCPU `id` of `count`:
-/// one socket, one thread per core, `count` cores.
+/// one socket, one thread per core, `count` cores, and a consistent XSAVE layout.
 pub fn normalize(cpuid: &mut CpuId, id: u8, count: u8) {
+    normalize_xsave(cpuid);
     // Bits needed to number the cores, as leaf 0xB's shift field wants it.
     let core_bits = u32::BITS - (u32::from(count).saturating_sub(1)).leading_zeros();
     for entry in cpuid.as_mut_slice() {
@@ -71,6 +153,57 @@ mod tests {
             index,
             ..Default::default()
         }
+    }
+
+    fn xsave(index: u32, eax: u32, ebx: u32, ecx: u32) -> kvm_cpuid_entry2 {
+        kvm_cpuid_entry2 {
+            function: LEAF_XSAVE,
+            index,
+            eax,
+            ebx,
+            ecx,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn xsave_components_without_their_feature_are_dropped() {
+        // What the lab's emulated CPU reports: x87, SSE, AVX and PKRU, no PKU.
+        let mut leaf1 = entry(LEAF_FEATURES, 0);
+        leaf1.ecx = 1 << 28;
+        let mut cpuid = CpuId::from_entries(&[
+            leaf1,
+            entry(LEAF_EXT_FEATURES, 0),
+            xsave(0, 0x207, 0x240, 0xa88),
+            xsave(2, 0x100, 0x240, 0),
+            xsave(9, 8, 0xa80, 0),
+        ])
+        .unwrap();
+        normalize_xsave(&mut cpuid);
+        let e = cpuid.as_slice();
+        assert_eq!(e[2].eax, 0x7);
+        assert_eq!(e[2].ecx, 0x340);
+        assert_eq!((e[3].eax, e[3].ebx), (0x100, 0x240));
+        assert_eq!((e[4].eax, e[4].ebx), (0, 0));
+    }
+
+    #[test]
+    fn advertised_components_are_kept() {
+        let mut leaf1 = entry(LEAF_FEATURES, 0);
+        leaf1.ecx = 1 << 28;
+        let mut leaf7 = entry(LEAF_EXT_FEATURES, 0);
+        leaf7.ecx = 1 << 3;
+        let mut cpuid = CpuId::from_entries(&[
+            leaf1,
+            leaf7,
+            xsave(0, 0x207, 0x240, 0xa88),
+            xsave(2, 0x100, 0x240, 0),
+            xsave(9, 8, 0xa80, 0),
+        ])
+        .unwrap();
+        normalize_xsave(&mut cpuid);
+        let e = cpuid.as_slice();
+        assert_eq!((e[2].eax, e[2].ecx), (0x207, 0xa88));
     }
 
     #[test]
