@@ -24,8 +24,7 @@ async fn measure(vmm: &Path, image: &GuestImage, runs: usize) -> Result<Value> {
         |n| n.to_string_lossy().into_owned(),
     );
     for run in 1..=runs {
-        let mut vm = launcher::launch(vmm, image).await?;
-        let took = launcher::wait_for_agent(&mut vm, BOOT_TIMEOUT).await?;
+        let (vm, took) = launcher::boot_to_agent(vmm, image, BOOT_TIMEOUT).await?;
         boot_ms.push(took.as_secs_f64() * 1000.0);
         eprintln!(
             "bench: {name} boot {run}/{runs}: {:.0} ms to agent",

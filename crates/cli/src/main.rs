@@ -130,8 +130,8 @@ fn environment(image: &ImageArgs) -> &'static str {
 }
 
 async fn up(image: &ImageArgs) -> Result<()> {
-    let mut vm = launcher::launch(&image.vmm()?, &image.guest()).await?;
-    let took = launcher::wait_for_agent(&mut vm, Duration::from_secs(300)).await?;
+    let (vm, took) =
+        launcher::boot_to_agent(&image.vmm()?, &image.guest(), Duration::from_secs(300)).await?;
     println!(
         "microVM up: guest agent answered its health check over vsock {:.0} ms after InstanceStart ({})",
         took.as_secs_f64() * 1000.0,

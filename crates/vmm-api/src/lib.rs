@@ -14,6 +14,7 @@ mod drive;
 mod error;
 mod instance_info;
 mod machine_config;
+pub mod process;
 mod snapshot;
 mod validation;
 mod vm_config;

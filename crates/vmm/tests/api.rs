@@ -25,7 +25,7 @@ fn fault(result: Result<(), ClientError>) -> String {
 async fn missing_kernel_and_drive_files_are_refused() {
     let vm = TestVm::spawn().await;
     let msg = fault(
-        vm.api
+        vm.api()
             .put_boot_source(&BootSource {
                 kernel_image_path: "/nonexistent/vmlinux".into(),
                 boot_args: None,
@@ -35,14 +35,14 @@ async fn missing_kernel_and_drive_files_are_refused() {
     );
     assert!(msg.contains("/nonexistent/vmlinux"), "{msg}");
     let msg = fault(
-        vm.api
+        vm.api()
             .put_drive(&Drive::new("root", "/nonexistent/disk.img", true, false))
             .await,
     );
     assert!(msg.contains("/nonexistent/disk.img"), "{msg}");
     let dir = tempfile::tempdir().unwrap();
     let msg = fault(
-        vm.api
+        vm.api()
             .put_drive(&Drive::new(
                 "root",
                 dir.path().display().to_string(),
@@ -53,9 +53,9 @@ async fn missing_kernel_and_drive_files_are_refused() {
     );
     assert!(msg.contains("directory"), "{msg}");
     // The VMM is still there and unconfigured.
-    let info = vm.api.get_instance_info().await.unwrap();
+    let info = vm.api().get_instance_info().await.unwrap();
     assert_eq!(info.state, vmm_api::InstanceState::NotStarted);
-    assert!(vm.api.get_vm_config().await.unwrap().drives.is_empty());
+    assert!(vm.api().get_vm_config().await.unwrap().drives.is_empty());
 }
 
 #[tokio::test]
@@ -63,34 +63,34 @@ async fn impossible_machine_configs_are_refused() {
     let vm = TestVm::spawn().await;
     for (vcpus, mem) in [(0, 128), (33, 128), (1, 0), (1, 1 << 40)] {
         fault(
-            vm.api
+            vm.api()
                 .put_machine_config(&MachineConfig::new(vcpus, mem))
                 .await,
         );
     }
     // Nothing of the refused configs stuck.
     assert_eq!(
-        vm.api.get_machine_config().await.unwrap(),
+        vm.api().get_machine_config().await.unwrap(),
         MachineConfig::default()
     );
-    vm.api
+    vm.api()
         .put_machine_config(&MachineConfig::new(2, 512))
         .await
         .unwrap();
-    assert_eq!(vm.api.get_machine_config().await.unwrap().vcpu_count, 2);
+    assert_eq!(vm.api().get_machine_config().await.unwrap().vcpu_count, 2);
 }
 
 #[tokio::test]
 async fn actions_out_of_order_are_refused() {
     let vm = TestVm::spawn().await;
-    let msg = fault(vm.api.instance_start().await);
+    let msg = fault(vm.api().instance_start().await);
     assert!(msg.contains("without kernel configuration"), "{msg}");
-    let msg = fault(vm.api.pause().await);
+    let msg = fault(vm.api().pause().await);
     assert!(msg.contains("before starting"), "{msg}");
-    fault(vm.api.resume().await);
-    fault(vm.api.send_ctrl_alt_del().await);
+    fault(vm.api().resume().await);
+    fault(vm.api().send_ctrl_alt_del().await);
     let msg = fault(
-        vm.api
+        vm.api()
             .put_vsock(&Vsock::new(3, "/nonexistent-dir/v.sock"))
             .await,
     );
@@ -107,7 +107,7 @@ async fn malformed_json_is_refused_and_the_server_keeps_serving() {
         b"\xff\xfe",
     ] {
         let response = vm
-            .api
+            .api()
             .request(vmm_api::Method::PUT, "/machine-config", Some(body.to_vec()))
             .await
             .unwrap();
@@ -120,7 +120,7 @@ async fn malformed_json_is_refused_and_the_server_keeps_serving() {
             "{body}"
         );
     }
-    assert!(vm.api.get_instance_info().await.is_ok());
+    assert!(vm.api().get_instance_info().await.is_ok());
 }
 
 #[test]

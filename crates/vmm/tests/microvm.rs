@@ -17,11 +17,11 @@ async fn boots_to_agent_over_vsock_and_shuts_down_on_ctrl_alt_del() {
     let ready = vm.wait_for_agent().await;
     eprintln!("boot to agent: {ready:?}");
     assert_eq!(
-        vm.api.get_instance_info().await.unwrap().state,
+        vm.api().get_instance_info().await.unwrap().state,
         InstanceState::Running
     );
 
-    vm.api.send_ctrl_alt_del().await.unwrap();
+    vm.api().send_ctrl_alt_del().await.unwrap();
     let status = vm.wait_exit(Duration::from_secs(60)).await;
     assert_eq!(status.code(), Some(0), "{}", vm.logs());
     assert!(
@@ -96,7 +96,7 @@ async fn guest_reboot_ends_the_vmm_cleanly() {
     let status = vm.wait_exit(common::BOOT_TIMEOUT).await;
     assert_eq!(status.code(), Some(0), "{}", vm.logs());
     assert!(
-        !vm.dir.path().join("api.sock").exists(),
+        !vm.dir().join("api.sock").exists(),
         "API socket left behind"
     );
 }
@@ -127,9 +127,9 @@ async fn pause_stops_the_guest_and_resume_continues_it() {
     vm.boot(&Boot::default()).await;
     vm.wait_for_agent().await;
 
-    vm.api.pause().await.unwrap();
+    vm.api().pause().await.unwrap();
     assert_eq!(
-        vm.api.get_instance_info().await.unwrap().state,
+        vm.api().get_instance_info().await.unwrap().state,
         InstanceState::Paused
     );
     let paused = agent_health(&vm.vsock_path(), AGENT_PORT, Duration::from_secs(3)).await;
@@ -138,9 +138,9 @@ async fn pause_stops_the_guest_and_resume_continues_it() {
         "{paused:?}"
     );
 
-    vm.api.resume().await.unwrap();
+    vm.api().resume().await.unwrap();
     assert_eq!(
-        vm.api.get_instance_info().await.unwrap().state,
+        vm.api().get_instance_info().await.unwrap().state,
         InstanceState::Running
     );
     let resumed = agent_health(&vm.vsock_path(), AGENT_PORT, Duration::from_secs(30)).await;
@@ -155,9 +155,9 @@ async fn bad_requests_after_start_and_to_unheard_ports_fail_cleanly() {
     vm.wait_for_agent().await;
 
     let drive = vmm_api::Drive::new("late", common::rootfs().display().to_string(), false, true);
-    let err = vm.api.put_drive(&drive).await.unwrap_err().to_string();
+    let err = vm.api().put_drive(&drive).await.unwrap_err().to_string();
     assert!(err.contains("not supported after starting"), "{err}");
-    let err = vm.api.instance_start().await.unwrap_err().to_string();
+    let err = vm.api().instance_start().await.unwrap_err().to_string();
     assert!(err.contains("not supported after starting"), "{err}");
 
     let refused = vmm_api::vsock_connect::connect(&vm.vsock_path(), 4242).await;

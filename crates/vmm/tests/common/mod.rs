@@ -7,19 +7,25 @@
 
 #![allow(dead_code)]
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::ExitStatus;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use vmm_api::{BootSource, Drive, MachineConfig, VmmClient, Vsock};
+use vmm_api::process::{GuestSpec, VmmProcess};
+use vmm_api::{Drive, VmmClient};
 
-/// The agent's port inside the guest (E2B's envd port).
-pub const AGENT_PORT: u32 = 49983;
+#[allow(unused_imports)]
+pub use vmm_api::process::AGENT_PORT;
+
 /// Lab times are emulated and slow: leave generous room.
 pub const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// A test that runs longer than this is stuck: the watchdog prints the VM's
+/// logs and ends the test process, so a hang fails loudly instead of
+/// eating the CI budget.
+const WATCHDOG: Duration = Duration::from_secs(300);
 
 pub fn kernel() -> PathBuf {
     PathBuf::from(
@@ -33,15 +39,9 @@ pub fn rootfs() -> PathBuf {
     )
 }
 
-/// A test that runs longer than this is stuck: the watchdog prints the VM's
-/// logs and ends the test process, so a hang fails loudly instead of
-/// eating the CI budget.
-const WATCHDOG: Duration = Duration::from_secs(300);
-
+/// A `sandfork-vmm` process under test, watched by a watchdog.
 pub struct TestVm {
-    pub dir: tempfile::TempDir,
-    pub api: VmmClient,
-    child: Child,
+    vm: VmmProcess,
     finished: Arc<AtomicBool>,
 }
 
@@ -72,7 +72,7 @@ pub struct Boot {
     pub mem_mib: u64,
     /// Replaces the default kernel command line when set.
     pub boot_args: Option<String>,
-    /// Extra drives: (path, read-only).
+    /// Extra drives after the read-only root: (path, read-only).
     pub drives: Vec<(PathBuf, bool)>,
 }
 
@@ -87,142 +87,96 @@ impl Default for Boot {
     }
 }
 
-impl TestVm {
-    /// Starts a VMM process with its API socket in a fresh directory.
-    pub async fn spawn() -> TestVm {
-        let dir = tempfile::tempdir().unwrap();
-        let api_sock = dir.path().join("api.sock");
-        let console = File::create(dir.path().join("console.log")).unwrap();
-        let stderr = File::create(dir.path().join("vmm.log")).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_sandfork-vmm"))
-            .arg("--api-sock")
-            .arg(&api_sock)
-            .stdin(Stdio::null())
-            .stdout(console)
-            .stderr(stderr)
-            .spawn()
-            .expect("spawning sandfork-vmm");
-        let api = VmmClient::new(&api_sock);
-        let finished = start_watchdog(dir.path().to_owned());
-        api.wait_for_socket(Duration::from_secs(10)).await.unwrap();
-        TestVm {
-            dir,
-            api,
-            child,
-            finished,
-        }
-    }
-
-    pub fn vsock_path(&self) -> PathBuf {
-        self.dir.path().join("vsock.sock")
-    }
-
-    /// Configures the guest (read-only base image as root) without starting it.
-    pub async fn configure(&self, boot: &Boot) {
-        self.api
-            .put_machine_config(&MachineConfig::new(boot.vcpus, boot.mem_mib))
-            .await
-            .unwrap();
-        self.api
-            .put_boot_source(&BootSource {
-                kernel_image_path: kernel().display().to_string(),
-                boot_args: boot.boot_args.clone(),
-                initrd_path: None,
-            })
-            .await
-            .unwrap();
-        let root = Drive::new("rootfs", rootfs().display().to_string(), true, true);
-        self.api.put_drive(&root).await.unwrap();
-        for (i, (path, read_only)) in boot.drives.iter().enumerate() {
-            let drive = Drive::new(
+impl Boot {
+    fn guest(&self) -> GuestSpec {
+        let mut drives = vec![Drive::new(
+            "rootfs",
+            rootfs().display().to_string(),
+            true,
+            true,
+        )];
+        for (i, (path, read_only)) in self.drives.iter().enumerate() {
+            drives.push(Drive::new(
                 format!("data{i}"),
                 path.display().to_string(),
                 false,
                 *read_only,
-            );
-            self.api.put_drive(&drive).await.unwrap();
+            ));
         }
-        self.api
-            .put_vsock(&Vsock::new(3, self.vsock_path().display().to_string()))
+        GuestSpec {
+            kernel: kernel(),
+            boot_args: self.boot_args.clone(),
+            vcpus: self.vcpus,
+            mem_mib: self.mem_mib,
+            drives,
+            vsock: true,
+        }
+    }
+}
+
+impl TestVm {
+    /// Starts a VMM process with its API socket in a fresh directory.
+    pub async fn spawn() -> TestVm {
+        let vm = VmmProcess::spawn(Path::new(env!("CARGO_BIN_EXE_sandfork-vmm")))
             .await
-            .unwrap();
+            .expect("spawning sandfork-vmm");
+        let finished = start_watchdog(vm.dir().to_owned());
+        TestVm { vm, finished }
+    }
+
+    pub fn api(&self) -> &VmmClient {
+        self.vm.api()
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.vm.dir()
+    }
+
+    pub fn vsock_path(&self) -> PathBuf {
+        self.vm.vsock_path()
+    }
+
+    /// Configures the guest (read-only base image as root) without starting it.
+    pub async fn configure(&self, boot: &Boot) {
+        self.vm.configure(&boot.guest()).await.unwrap();
     }
 
     pub async fn boot(&self, boot: &Boot) {
-        self.configure(boot).await;
-        self.api.instance_start().await.unwrap();
+        self.vm.boot(&boot.guest()).await.unwrap();
     }
 
     /// Polls the agent's health check until it answers 204; returns how long it took.
     pub async fn wait_for_agent(&mut self) -> Duration {
-        let start = Instant::now();
-        loop {
-            if let Ok(204) = vmm_api::vsock_connect::agent_health(
-                &self.vsock_path(),
-                AGENT_PORT,
-                Duration::from_secs(5),
-            )
-            .await
-            {
-                return start.elapsed();
-            }
-            if let Some(status) = self.child.try_wait().unwrap() {
-                panic!(
-                    "the VMM exited ({status}) before the agent answered\n{}",
-                    self.logs()
-                );
-            }
-            assert!(
-                start.elapsed() < BOOT_TIMEOUT,
-                "agent not ready in time\n{}",
-                self.logs()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        match self.vm.wait_for_agent(BOOT_TIMEOUT).await {
+            Ok(took) => took,
+            Err(e) => panic!("{e}"),
         }
     }
 
     /// Waits for the VMM process to end.
     pub async fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
-        let start = Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(
-                start.elapsed() < timeout,
-                "VMM still running\n{}",
-                self.logs()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        match self.vm.wait_exit(timeout).await {
+            Ok(status) => status,
+            Err(e) => panic!("{e}"),
         }
     }
 
     pub fn console(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("console.log")).unwrap_or_default()
+        self.vm.console()
     }
 
     pub fn vmm_log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("vmm.log")).unwrap_or_default()
+        self.vm.vmm_log()
     }
 
     pub fn logs(&self) -> String {
-        format!(
-            "--- console ---\n{}\n--- vmm ---\n{}",
-            self.console(),
-            self.vmm_log()
-        )
-    }
-
-    pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.vm.logs()
     }
 }
 
 impl Drop for TestVm {
     fn drop(&mut self) {
         self.finished.store(true, Ordering::SeqCst);
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

@@ -1,0 +1,237 @@
+//! One VMM process (sandfork-vmm, or a real Firecracker) driven through its
+//! API socket: spawn it, configure and boot a guest, wait for the guest
+//! agent, stop it. Shared by the CLI, benchmarks and the VMM's lab tests.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::{BootSource, ClientError, Drive, MachineConfig, VmmClient, Vsock};
+
+/// The guest agent's port (E2B's envd port).
+pub const AGENT_PORT: u32 = 49983;
+/// The guest CID every VM gets: each VM has its own vsock device and socket.
+const GUEST_CID: u32 = 3;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessError {
+    #[error("starting {binary}: {source}")]
+    Spawn {
+        binary: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{what}: {source}")]
+    Io {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Api(#[from] ClientError),
+    #[error("the VMM exited ({status}) before the guest agent answered\n{logs}")]
+    ExitedEarly { status: ExitStatus, logs: String },
+    #[error("{what} did not happen within {waited:?}\n{logs}")]
+    Timeout {
+        what: &'static str,
+        waited: Duration,
+        logs: String,
+    },
+}
+
+/// The guest to boot.
+#[derive(Clone, Debug)]
+pub struct GuestSpec {
+    pub kernel: PathBuf,
+    /// The kernel command line; `None` leaves the VMM's default.
+    pub boot_args: Option<String>,
+    pub vcpus: u8,
+    pub mem_mib: u64,
+    /// Drives in order; mark one as the root device.
+    pub drives: Vec<Drive>,
+    /// Give the guest a vsock device (socket in the process's directory).
+    pub vsock: bool,
+}
+
+/// A running VMM process with its API socket, console and log in a private
+/// temporary directory. Dropping it kills the process.
+pub struct VmmProcess {
+    child: Child,
+    dir: tempfile::TempDir,
+    api: VmmClient,
+}
+
+impl VmmProcess {
+    /// Starts `binary --api-sock <dir>/api.sock` and waits for its socket.
+    pub async fn spawn(binary: &Path) -> Result<Self, ProcessError> {
+        let io = |what| move |source| ProcessError::Io { what, source };
+        let dir = tempfile::tempdir().map_err(io("creating the VM directory"))?;
+        let api_sock = dir.path().join("api.sock");
+        let child = Command::new(binary)
+            .arg("--api-sock")
+            .arg(&api_sock)
+            .stdin(Stdio::null())
+            .stdout(
+                File::create(dir.path().join("console.log"))
+                    .map_err(io("creating the console log"))?,
+            )
+            .stderr(File::create(dir.path().join("vmm.log")).map_err(io("creating the VMM log"))?)
+            .spawn()
+            .map_err(|source| ProcessError::Spawn {
+                binary: binary.display().to_string(),
+                source,
+            })?;
+        let vm = VmmProcess {
+            child,
+            api: VmmClient::new(&api_sock),
+            dir,
+        };
+        vm.api.wait_for_socket(Duration::from_secs(10)).await?;
+        Ok(vm)
+    }
+
+    pub fn api(&self) -> &VmmClient {
+        &self.api
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn vsock_path(&self) -> PathBuf {
+        self.dir.path().join("vsock.sock")
+    }
+
+    pub fn console(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("console.log")).unwrap_or_default()
+    }
+
+    pub fn vmm_log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("vmm.log")).unwrap_or_default()
+    }
+
+    /// The guest console and the VMM's own log, for error messages.
+    pub fn logs(&self) -> String {
+        format!(
+            "--- console ---\n{}\n--- vmm ---\n{}",
+            self.console(),
+            self.vmm_log()
+        )
+    }
+
+    /// Configures the guest without starting it.
+    pub async fn configure(&self, guest: &GuestSpec) -> Result<(), ProcessError> {
+        self.api
+            .put_machine_config(&MachineConfig::new(guest.vcpus, guest.mem_mib))
+            .await?;
+        self.api
+            .put_boot_source(&BootSource {
+                kernel_image_path: guest.kernel.display().to_string(),
+                boot_args: guest.boot_args.clone(),
+                initrd_path: None,
+            })
+            .await?;
+        for drive in &guest.drives {
+            self.api.put_drive(drive).await?;
+        }
+        if guest.vsock {
+            self.api
+                .put_vsock(&Vsock::new(
+                    GUEST_CID,
+                    self.vsock_path().display().to_string(),
+                ))
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Configures and starts the guest; returns once the VMM has started it.
+    pub async fn boot(&self, guest: &GuestSpec) -> Result<(), ProcessError> {
+        self.configure(guest).await?;
+        self.api.instance_start().await?;
+        Ok(())
+    }
+
+    /// Polls the agent's health check until it answers 204; returns the time taken.
+    pub async fn wait_for_agent(&mut self, timeout: Duration) -> Result<Duration, ProcessError> {
+        let start = Instant::now();
+        loop {
+            let probe = crate::vsock_connect::agent_health(
+                &self.vsock_path(),
+                AGENT_PORT,
+                Duration::from_secs(5),
+            )
+            .await;
+            if let Ok(204) = probe {
+                return Ok(start.elapsed());
+            }
+            if let Some(status) = self.try_wait()? {
+                return Err(ProcessError::ExitedEarly {
+                    status,
+                    logs: self.logs(),
+                });
+            }
+            if start.elapsed() > timeout {
+                return Err(ProcessError::Timeout {
+                    what: "the guest agent's health check",
+                    waited: timeout,
+                    logs: self.logs(),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    fn try_wait(&mut self) -> Result<Option<ExitStatus>, ProcessError> {
+        self.child.try_wait().map_err(|source| ProcessError::Io {
+            what: "checking the VMM process",
+            source,
+        })
+    }
+
+    /// Waits for the VMM process to end by itself.
+    pub async fn wait_exit(&mut self, timeout: Duration) -> Result<ExitStatus, ProcessError> {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.try_wait()? {
+                return Ok(status);
+            }
+            if start.elapsed() > timeout {
+                return Err(ProcessError::Timeout {
+                    what: "the VMM's exit",
+                    waited: timeout,
+                    logs: self.logs(),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Stops the guest with Ctrl+Alt+Del (the agent shuts it down cleanly);
+    /// a VMM that does not end within `grace` is killed.
+    pub async fn shutdown(mut self, grace: Duration) -> Result<(), ProcessError> {
+        let _ = self.api.send_ctrl_alt_del().await;
+        if self.wait_exit(grace).await.is_err() {
+            self.kill();
+        }
+        Ok(())
+    }
+
+    fn kill(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+impl Drop for VmmProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
