@@ -3,7 +3,7 @@
 mod bench;
 mod launcher;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -11,6 +11,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 
 use launcher::GuestImage;
+use sandfork_lab::Environment;
 
 #[derive(Parser)]
 #[command(version, about = "sandfork: branching agent sandboxes on KVM microVMs")]
@@ -96,8 +97,8 @@ impl ImageArgs {
 
 /// Re-runs this very command inside the KVM lab when the host cannot boot
 /// Linux guests; returns None when the command should run here.
-fn run_in_lab_if_needed(image: &ImageArgs, extra_rw: &[&Path]) -> Result<Option<ExitCode>> {
-    if image.in_lab || (sandfork_lab::detect().environment == sandfork_lab::Environment::Hardware) {
+fn run_in_lab_if_needed(image: &ImageArgs) -> Result<Option<ExitCode>> {
+    if image.in_lab || environment(image) == Environment::Hardware {
         return Ok(None);
     }
     let lab = sibling_binary("sandfork-lab")?;
@@ -108,9 +109,6 @@ fn run_in_lab_if_needed(image: &ImageArgs, extra_rw: &[&Path]) -> Result<Option<
         .arg("1")
         .arg("--timeout")
         .arg("3600");
-    for dir in extra_rw {
-        cmd.arg("--rw").arg(dir);
-    }
     cmd.arg("--").arg(std::env::current_exe()?);
     cmd.args(std::env::args_os().skip(1));
     cmd.arg("--in-lab");
@@ -120,12 +118,13 @@ fn run_in_lab_if_needed(image: &ImageArgs, extra_rw: &[&Path]) -> Result<Option<
     Ok(Some(ExitCode::from(status.code().unwrap_or(1) as u8)))
 }
 
-fn environment(image: &ImageArgs) -> &'static str {
-    if image.in_lab || !(sandfork_lab::detect().environment == sandfork_lab::Environment::Hardware)
-    {
-        "lab"
+/// Where this command's microVMs run: in the lab when it was re-run there,
+/// otherwise wherever this host's KVM allows.
+fn environment(image: &ImageArgs) -> Environment {
+    if image.in_lab {
+        Environment::Lab
     } else {
-        "hardware"
+        sandfork_lab::detect().environment
     }
 }
 
@@ -159,7 +158,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         .build()?;
     match cli.command {
         Command::Up { image } => {
-            if let Some(code) = run_in_lab_if_needed(&image, &[])? {
+            if let Some(code) = run_in_lab_if_needed(&image)? {
                 return Ok(code);
             }
             runtime.block_on(up(&image))?;
@@ -172,11 +171,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
             if runs == 0 {
                 bail!("--runs must be at least 1");
             }
-            if let Some(code) = run_in_lab_if_needed(&image, &[])? {
+            if let Some(code) = run_in_lab_if_needed(&image)? {
                 return Ok(code);
             }
             let report = runtime.block_on(bench::run(
-                environment(&image),
+                &environment(&image).to_string(),
                 &image.vmm()?,
                 firecracker.as_deref(),
                 &image.guest(),

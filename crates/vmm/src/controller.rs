@@ -2,7 +2,6 @@
 //! boots it on `InstanceStart`, then pauses, resumes and signals it, and
 //! reports how it ended.
 
-use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -50,23 +49,22 @@ fn bad(message: impl Into<String>) -> VmmActionError {
     VmmActionError::bad_request(message)
 }
 
-fn check_readable(what: &str, path: &str) -> Result<(), VmmActionError> {
+/// Refuses a path that cannot be opened as `what` needs it (read-only, or
+/// read-write), so a bad path fails its PUT rather than the later start.
+fn check_openable(what: &str, path: &str, writable: bool) -> Result<(), VmmActionError> {
     let meta =
         std::fs::metadata(path).map_err(|e| bad(format!("{what} {path} cannot be opened: {e}")))?;
     if meta.is_dir() {
         return Err(bad(format!("{what} {path} is a directory")));
     }
-    File::open(path).map_err(|e| bad(format!("{what} {path} cannot be opened: {e}")))?;
-    Ok(())
-}
-
-fn check_writable(what: &str, path: &str) -> Result<(), VmmActionError> {
-    check_readable(what, path)?;
     std::fs::OpenOptions::new()
         .read(true)
-        .write(true)
+        .write(writable)
         .open(path)
-        .map_err(|e| bad(format!("{what} {path} cannot be opened for writing: {e}")))?;
+        .map_err(|e| {
+            let mode = if writable { " for writing" } else { "" };
+            bad(format!("{what} {path} cannot be opened{mode}: {e}"))
+        })?;
     Ok(())
 }
 
@@ -218,9 +216,9 @@ impl Controller {
 
     fn put_boot_source(&mut self, boot: BootSource) -> Result<VmmData, VmmActionError> {
         boot.validate()?;
-        check_readable("kernel image", &boot.kernel_image_path)?;
+        check_openable("kernel image", &boot.kernel_image_path, false)?;
         if let Some(initrd) = &boot.initrd_path {
-            check_readable("initrd", initrd)?;
+            check_openable("initrd", initrd, false)?;
             return Err(bad("initrd_path is not supported: boot from a root drive"));
         }
         self.config.boot_source = Some(boot);
@@ -229,11 +227,7 @@ impl Controller {
 
     fn put_drive(&mut self, drive: Drive) -> Result<VmmData, VmmActionError> {
         drive.validate()?;
-        if drive.read_only() {
-            check_readable("drive", &drive.path_on_host)?;
-        } else {
-            check_writable("drive", &drive.path_on_host)?;
-        }
+        check_openable("drive", &drive.path_on_host, !drive.read_only())?;
         let drives = &mut self.config.drives;
         if drive.is_root_device
             && drives

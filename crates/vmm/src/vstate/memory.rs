@@ -5,7 +5,7 @@ use std::ffi::CStr;
 use std::fs::File;
 use std::os::fd::FromRawFd;
 
-use vm_memory::{FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
+use vm_memory::{FileOffset, GuestAddress};
 
 use crate::arch::x86_64::layout::ram_ranges;
 
@@ -48,9 +48,4 @@ pub fn create_guest_memory(size: u64) -> Result<GuestMemory, MemoryError> {
         offset += len;
     }
     Ok(GuestMemory::from_ranges_with_files(ranges)?)
-}
-
-/// Total bytes of guest RAM.
-pub fn guest_memory_size(mem: &GuestMemory) -> u64 {
-    mem.iter().map(|region| region.len()).sum()
 }
