@@ -1,7 +1,12 @@
 //! The KVM VM: memory slots, the in-kernel interrupt controllers and PIT.
 
-use kvm_bindings::{KVM_PIT_SPEAKER_DUMMY, kvm_pit_config, kvm_userspace_memory_region};
+use kvm_bindings::{
+    KVM_CLOCK_REALTIME, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
+    KVM_PIT_SPEAKER_DUMMY, kvm_clock_data, kvm_irqchip, kvm_pit_config, kvm_pit_state2,
+    kvm_userspace_memory_region,
+};
 use kvm_ioctls::{Kvm, VmFd};
+use serde::{Deserialize, Serialize};
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 
 use super::memory::GuestMemory;
@@ -19,6 +24,23 @@ pub enum VmError {
     Kvm(&'static str, #[source] kvm_ioctls::Error),
     #[error("guest memory region has no host mapping")]
     NoHostAddress,
+}
+
+/// What KVM keeps for the VM as a whole: interrupt controllers, PIT, clock.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct VmState {
+    pub pic_master: kvm_irqchip,
+    pub pic_slave: kvm_irqchip,
+    pub ioapic: kvm_irqchip,
+    pub pit: kvm_pit_state2,
+    pub clock: kvm_clock_data,
+}
+
+fn irqchip(chip_id: u32) -> kvm_irqchip {
+    kvm_irqchip {
+        chip_id,
+        ..Default::default()
+    }
 }
 
 /// A KVM VM with its memory registered and its interrupt controllers created.
@@ -87,6 +109,55 @@ impl Vm {
         self.fd
             .create_pit2(pit)
             .map_err(|e| VmError::Kvm("CREATE_PIT2", e))
+    }
+
+    /// Captures the interrupt controllers, PIT and clock; the vCPUs must be paused.
+    pub fn save_state(&self) -> Result<VmState, VmError> {
+        let chip = |id| {
+            let mut chip = irqchip(id);
+            self.fd
+                .get_irqchip(&mut chip)
+                .map_err(|e| VmError::Kvm("GET_IRQCHIP", e))?;
+            Ok::<_, VmError>(chip)
+        };
+        Ok(VmState {
+            pic_master: chip(KVM_IRQCHIP_PIC_MASTER)?,
+            pic_slave: chip(KVM_IRQCHIP_PIC_SLAVE)?,
+            ioapic: chip(KVM_IRQCHIP_IOAPIC)?,
+            pit: self
+                .fd
+                .get_pit2()
+                .map_err(|e| VmError::Kvm("GET_PIT2", e))?,
+            clock: self
+                .fd
+                .get_clock()
+                .map_err(|e| VmError::Kvm("GET_CLOCK", e))?,
+        })
+    }
+
+    /// Loads a saved state into this VM, after `create_irqchip_and_pit`. With
+    /// `advance_clock`, the guest clock moves on by the wall time that passed
+    /// since the save; otherwise it continues where it stopped (the guest agent
+    /// then sets the wall clock, and guest timers do not all fire at once).
+    pub fn restore_state(&self, state: &VmState, advance_clock: bool) -> Result<(), VmError> {
+        self.fd
+            .set_pit2(&state.pit)
+            .map_err(|e| VmError::Kvm("SET_PIT2", e))?;
+        let mut clock = state.clock;
+        clock.flags = if advance_clock {
+            state.clock.flags & KVM_CLOCK_REALTIME
+        } else {
+            0
+        };
+        self.fd
+            .set_clock(&clock)
+            .map_err(|e| VmError::Kvm("SET_CLOCK", e))?;
+        for chip in [&state.pic_master, &state.pic_slave, &state.ioapic] {
+            self.fd
+                .set_irqchip(chip)
+                .map_err(|e| VmError::Kvm("SET_IRQCHIP", e))?;
+        }
+        Ok(())
     }
 
     pub fn fd(&self) -> &VmFd {
