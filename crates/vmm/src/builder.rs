@@ -12,14 +12,17 @@ use vm_memory::GuestAddress;
 
 use crate::arch::x86_64::layout::{CMDLINE_MAX_SIZE, CMDLINE_START, HIMEM_START};
 use crate::arch::x86_64::{boot_params, mptable, regs};
+use crate::device_manager::mmio::DeviceOverrides;
 use crate::device_manager::mmio::MmioDeviceManager;
 use crate::device_manager::{DeviceManagerError, legacy};
 use crate::devices::bus::Bus;
 use crate::devices::virtio::block::{Block, BlockConfig};
 use crate::devices::virtio::vsock::Vsock;
-use crate::vmm::{VmEvent, Vmm};
-use crate::vstate::memory::create_guest_memory;
+use crate::snapshot::MicrovmState;
+use crate::vmm::{VmEvent, VmParts, Vmm};
+use crate::vstate::memory::{GuestMemory, GuestRam};
 use crate::vstate::vcpu::{self, Vcpu, VcpuExitReason};
+use crate::vstate::vcpu_state;
 use crate::vstate::vm::Vm;
 
 /// Everything needed to build and boot one microVM.
@@ -77,6 +80,10 @@ pub enum BuildError {
     MpTable(#[from] mptable::MpTableError),
     #[error("vCPU: {0}")]
     Vcpu(#[from] vcpu::VcpuError),
+    #[error("vCPU state: {0}")]
+    VcpuState(#[from] vcpu_state::VcpuStateError),
+    #[error("the snapshot is inconsistent: {0}")]
+    Snapshot(String),
 }
 
 /// The full kernel command line: the user's kernel parameters, then the
@@ -111,8 +118,9 @@ pub fn build_and_boot(
     vcpu::register_kick_signal()?;
 
     let vm = Vm::new()?;
-    let mem = create_guest_memory(spec.mem_size_mib << 20)?;
-    vm.register_memory(&mem)?;
+    let ram = GuestRam::new(spec.mem_size_mib << 20)?;
+    let mem: &GuestMemory = ram.guest_memory();
+    vm.register_memory(mem)?;
     vm.create_irqchip_and_pit()?;
 
     let mut kernel = File::open(&spec.kernel).map_err(|source| BuildError::KernelOpen {
@@ -120,7 +128,7 @@ pub fn build_and_boot(
         source,
     })?;
     let loaded =
-        Elf::load(&mem, None, &mut kernel, Some(GuestAddress(HIMEM_START))).map_err(|source| {
+        Elf::load(mem, None, &mut kernel, Some(GuestAddress(HIMEM_START))).map_err(|source| {
             BuildError::KernelLoad {
                 path: spec.kernel.clone(),
                 source,
@@ -135,16 +143,17 @@ pub fn build_and_boot(
         &mut io_bus,
         spec.console,
         Box::new(move || reset_event(VmEvent::ResetRequested)),
+        None,
     )?;
 
     let mut mmio = MmioDeviceManager::default();
     for drive in spec.drives {
         let block = Block::new(drive)?;
-        mmio.attach(&vm, &mem, &mut mmio_bus, Box::new(block))?;
+        mmio.attach(&vm, mem, &mut mmio_bus, Box::new(block))?;
     }
     if let Some(vsock) = spec.vsock {
         let device = Vsock::new(vsock.guest_cid, vsock.uds_path)?;
-        mmio.attach(&vm, &mem, &mut mmio_bus, Box::new(device))?;
+        mmio.attach(&vm, mem, &mut mmio_bus, Box::new(device))?;
     }
 
     let cmdline = kernel_cmdline(
@@ -159,12 +168,12 @@ pub fn build_and_boot(
         .map_err(|e| BuildError::Cmdline(e.to_string()))?
         .as_bytes_with_nul()
         .len();
-    load_cmdline(&mem, GuestAddress(CMDLINE_START), &cmdline)
+    load_cmdline(mem, GuestAddress(CMDLINE_START), &cmdline)
         .map_err(|e| BuildError::Cmdline(e.to_string()))?;
     let mem_size = spec.mem_size_mib << 20;
-    boot_params::write_zero_page(&mem, mem_size, cmdline_size)?;
-    regs::write_boot_tables(&mem)?;
-    mptable::setup_mptable(&mem, spec.vcpu_count)?;
+    boot_params::write_zero_page(mem, mem_size, cmdline_size)?;
+    regs::write_boot_tables(mem)?;
+    mptable::setup_mptable(mem, spec.vcpu_count)?;
 
     let io_bus = Arc::new(io_bus);
     let mmio_bus = Arc::new(mmio_bus);
@@ -176,11 +185,113 @@ pub fn build_and_boot(
         vcpu.configure(&vm, spec.vcpu_count, loaded.kernel_load.0)?;
         vcpus.push(vcpu);
     }
+    let msrs = Arc::new(vcpu_state::saveable_msrs(vm.kvm(), vcpus[0].fd())?);
     let mut handles = Vec::with_capacity(vcpus.len());
     for vcpu in vcpus {
-        handles.push(vcpu.start()?);
+        handles.push(vcpu.start(false)?);
     }
-    Ok(Vmm::new(vm, mem, mmio, legacy, handles))
+    Ok(Vmm::new(VmParts {
+        vm,
+        ram,
+        mmio,
+        legacy,
+        vcpus: handles,
+        mem_size_mib: spec.mem_size_mib,
+        msrs,
+        paused: false,
+    }))
+}
+
+/// How to restore a snapshot.
+pub struct RestoreSpec {
+    pub state: MicrovmState,
+    /// The memory file to use for the snapshot's top memory layer (the one
+    /// written last), if it moved since.
+    pub mem_path: Option<PathBuf>,
+    pub overrides: DeviceOverrides,
+    pub resume: bool,
+    /// Move the guest clock on by the time since the snapshot.
+    pub advance_clock: bool,
+    pub console: Box<dyn Write + Send>,
+}
+
+/// Rebuilds a microVM from a snapshot: maps its memory copy-on-write, loads
+/// the VM, device and vCPU state, and starts the vCPUs (paused unless
+/// `resume`). Nothing of guest memory is read here.
+pub fn restore(
+    spec: RestoreSpec,
+    on_event: Arc<dyn Fn(VmEvent) + Send + Sync>,
+) -> Result<Vmm, BuildError> {
+    let RestoreSpec {
+        mut state,
+        mem_path,
+        overrides,
+        resume,
+        advance_clock,
+        console,
+    } = spec;
+    let count = state.vcpu_count;
+    if count == 0 || count > mptable::MAX_CPUS || state.vcpus.len() != usize::from(count) {
+        return Err(BuildError::Snapshot(format!(
+            "{} vCPU states for {count} vCPUs",
+            state.vcpus.len()
+        )));
+    }
+    if state.memory.size() != state.mem_size_mib << 20 {
+        return Err(BuildError::Snapshot(
+            "the memory layout does not match the memory size".into(),
+        ));
+    }
+    if let (Some(path), Some(top)) = (mem_path, state.memory.layers.last_mut()) {
+        top.path = path;
+    }
+    vcpu::register_kick_signal()?;
+
+    let vm = Vm::new()?;
+    let ram = GuestRam::restore(&state.memory)?;
+    let mem = ram.guest_memory();
+    vm.register_memory(mem)?;
+    vm.create_irqchip_and_pit()?;
+
+    let mut io_bus = Bus::new();
+    let mut mmio_bus = Bus::new();
+    let reset_event = on_event.clone();
+    let legacy = legacy::attach(
+        &vm,
+        &mut io_bus,
+        console,
+        Box::new(move || reset_event(VmEvent::ResetRequested)),
+        Some(&state.legacy),
+    )?;
+    let mmio = MmioDeviceManager::restore(&vm, mem, &mut mmio_bus, &state.devices, &overrides)?;
+    vm.restore_state(&state.vm, advance_clock)?;
+
+    let io_bus = Arc::new(io_bus);
+    let mmio_bus = Arc::new(mmio_bus);
+    let on_exit: vcpu::ExitCallback =
+        Arc::new(move |id, reason: VcpuExitReason| on_event(VmEvent::VcpuExited { id, reason }));
+    let mut vcpus = Vec::with_capacity(usize::from(count));
+    for (id, saved) in (0..count).zip(&state.vcpus) {
+        let vcpu = Vcpu::new(&vm, id, io_bus.clone(), mmio_bus.clone(), on_exit.clone())?;
+        vcpu.restore(saved)?;
+        vcpus.push(vcpu);
+    }
+    let msrs = Arc::new(state.vcpus[0].msrs.iter().map(|e| e.index).collect());
+    let mut handles = Vec::with_capacity(vcpus.len());
+    for vcpu in vcpus {
+        handles.push(vcpu.start(!resume)?);
+    }
+    mmio.notify_restored();
+    Ok(Vmm::new(VmParts {
+        vm,
+        ram,
+        mmio,
+        legacy,
+        vcpus: handles,
+        mem_size_mib: state.mem_size_mib,
+        msrs,
+        paused: !resume,
+    }))
 }
 
 #[cfg(test)]

@@ -4,17 +4,21 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender};
+use std::sync::{Arc, Mutex};
 
 use vmm_api::{
-    BootSource, Drive, InstanceInfo, InstanceState, MachineConfig, VmConfig, VmmAction,
-    VmmActionError, VmmData, Vsock,
+    BootSource, Drive, InstanceInfo, InstanceState, MachineConfig, MemBackendType,
+    SnapshotCreateParams, SnapshotLoadParams, SnapshotType, VmConfig, VmmAction, VmmActionError,
+    VmmData, Vsock,
 };
 
-use crate::builder::{self, MicrovmSpec, VsockSpec};
+use crate::builder::{self, MicrovmSpec, RestoreSpec, VsockSpec};
+use crate::device_manager::mmio::DeviceOverrides;
 use crate::devices::virtio::block::BlockConfig;
+use crate::snapshot::{MicrovmState, SnapshotRequest, format};
 use crate::vmm::{VmEvent, VmExit, VmState, Vmm};
+use crate::vstate::memory::MemorySnapshotKind;
 
 /// The kernel command line when the user gives none: a serial console, reboot
 /// through the keyboard controller, a panic reboots (and so ends the VM), and
@@ -26,6 +30,21 @@ const NOT_AFTER_START: &str =
     "The requested operation is not supported after starting the microVM.";
 const NOT_BEFORE_START: &str =
     "The requested operation is not supported before starting the microVM.";
+
+/// The console output, shared so that a start or load that fails does not
+/// use it up.
+#[derive(Clone)]
+struct SharedConsole(Arc<Mutex<Box<dyn Write + Send>>>);
+
+impl Write for SharedConsole {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).flush()
+    }
+}
 
 pub type Reply = Box<dyn FnOnce(Result<VmmData, VmmActionError>) + Send>;
 
@@ -42,7 +61,7 @@ pub struct Controller {
     config: VmConfig,
     vmm: Option<Vmm>,
     events: Sender<ControllerEvent>,
-    console: Option<Box<dyn Write + Send>>,
+    console: SharedConsole,
 }
 
 fn bad(message: impl Into<String>) -> VmmActionError {
@@ -79,7 +98,7 @@ impl Controller {
             config: VmConfig::default(),
             vmm: None,
             events,
-            console: Some(console),
+            console: SharedConsole(Arc::new(Mutex::new(console))),
         }
     }
 
@@ -183,8 +202,10 @@ impl Controller {
                     .map_err(|e| VmmActionError::internal(format!("resuming the VM: {e}")))?;
                 Ok(VmmData::Empty)
             }
-            VmmAction::CreateSnapshot(_) | VmmAction::LoadSnapshot(_) => {
-                Err(bad("snapshots are not supported by this VMM yet"))
+            VmmAction::CreateSnapshot(params) => self.create_snapshot(&params),
+            VmmAction::LoadSnapshot(params) => {
+                self.pre_boot()?;
+                self.load_snapshot(&params)
             }
         }
     }
@@ -273,6 +294,84 @@ impl Controller {
         vec![device, mode.to_string()]
     }
 
+    fn create_snapshot(
+        &mut self,
+        params: &SnapshotCreateParams,
+    ) -> Result<VmmData, VmmActionError> {
+        params.validate()?;
+        let request = SnapshotRequest {
+            kind: match params.snapshot_type {
+                SnapshotType::Full => MemorySnapshotKind::Full,
+                SnapshotType::Diff => MemorySnapshotKind::Diff,
+            },
+            state_path: PathBuf::from(&params.snapshot_path),
+            mem_path: PathBuf::from(&params.mem_file_path),
+        };
+        let stats = self
+            .running_vmm()?
+            .snapshot(&request)
+            .map_err(|e| bad(format!("Cannot create the snapshot: {e}")))?;
+        log::info!(
+            "snapshot {} written in {:?} ({} bytes of memory)",
+            params.snapshot_path,
+            stats.total,
+            stats.memory_bytes
+        );
+        Ok(VmmData::Empty)
+    }
+
+    fn load_snapshot(&mut self, params: &SnapshotLoadParams) -> Result<VmmData, VmmActionError> {
+        params.validate()?;
+        if self.config.boot_source.is_some()
+            || !self.config.drives.is_empty()
+            || self.config.vsock.is_some()
+        {
+            return Err(bad(
+                "Loading a microVM snapshot not allowed after configuring boot-specific resources.",
+            ));
+        }
+        let backend = params
+            .memory_backend()
+            .ok_or_else(|| bad("one of mem_backend or mem_file_path is required"))?;
+        if backend.backend_type == MemBackendType::Uffd {
+            return Err(bad(
+                "the Uffd memory backend is not supported: use File (memory is mapped copy-on-write)",
+            ));
+        }
+        if !params.network_overrides.is_empty() {
+            return Err(bad("network_overrides: this VMM has no network devices"));
+        }
+        let state: MicrovmState = format::read(Path::new(&params.snapshot_path))
+            .map_err(|e| bad(format!("Cannot load the snapshot: {e}")))?;
+        let machine = MachineConfig::new(state.vcpu_count, state.mem_size_mib);
+        let spec = RestoreSpec {
+            state,
+            mem_path: Some(PathBuf::from(&backend.backend_path)),
+            overrides: DeviceOverrides {
+                vsock_uds_path: params
+                    .vsock_override
+                    .as_ref()
+                    .map(|v| PathBuf::from(&v.uds_path)),
+                drive_paths: Vec::new(),
+            },
+            resume: params.resume_vm,
+            advance_clock: params.clock_realtime,
+            console: Box::new(self.console.clone()),
+        };
+        let vmm = builder::restore(spec, self.on_event())
+            .map_err(|e| bad(format!("Cannot load the snapshot: {e}")))?;
+        self.config.machine_config = Some(machine);
+        self.vmm = Some(vmm);
+        Ok(VmmData::Empty)
+    }
+
+    fn on_event(&self) -> Arc<dyn Fn(crate::vmm::VmEvent) + Send + Sync> {
+        let events = self.events.clone();
+        Arc::new(move |event| {
+            let _ = events.send(ControllerEvent::Vm(event));
+        })
+    }
+
     fn start(&mut self) -> Result<VmmData, VmmActionError> {
         let boot = self
             .config
@@ -304,16 +403,9 @@ impl Controller {
                 guest_cid: u64::from(v.guest_cid),
                 uds_path: PathBuf::from(&v.uds_path),
             }),
-            console: self
-                .console
-                .take()
-                .ok_or_else(|| VmmActionError::internal("the console was already handed out"))?,
+            console: Box::new(self.console.clone()),
         };
-        let events = self.events.clone();
-        let on_event = Arc::new(move |event| {
-            let _ = events.send(ControllerEvent::Vm(event));
-        });
-        let vmm = builder::build_and_boot(spec, on_event)
+        let vmm = builder::build_and_boot(spec, self.on_event())
             .map_err(|e| bad(format!("Failed to start the microVM: {e}")))?;
         self.vmm = Some(vmm);
         Ok(VmmData::Empty)

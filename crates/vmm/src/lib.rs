@@ -6,5 +6,6 @@ pub mod builder;
 pub mod controller;
 pub mod device_manager;
 pub mod devices;
+pub mod snapshot;
 pub mod vmm;
 pub mod vstate;

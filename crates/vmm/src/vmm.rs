@@ -1,10 +1,14 @@
 //! A running microVM: its vCPU threads and devices, and what can be done to it.
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use crate::device_manager::legacy::LegacyDevices;
 use crate::device_manager::mmio::MmioDeviceManager;
-use crate::vstate::memory::GuestMemory;
+use crate::snapshot::{
+    MicrovmState, SnapshotError, SnapshotRequest, SnapshotStats, Stopwatch, format,
+};
+use crate::vstate::memory::{GuestMemory, GuestRam};
 use crate::vstate::vcpu::{VcpuError, VcpuExitReason, VcpuHandle};
 use crate::vstate::vm::Vm;
 
@@ -58,33 +62,86 @@ pub enum VmState {
     Paused,
 }
 
+/// The parts of a built VM, handed from the builder to [`Vmm::new`].
+pub(crate) struct VmParts {
+    pub vm: Vm,
+    pub ram: GuestRam,
+    pub mmio: MmioDeviceManager,
+    pub legacy: LegacyDevices,
+    pub vcpus: Vec<VcpuHandle>,
+    pub mem_size_mib: u64,
+    /// The MSRs a snapshot saves.
+    pub msrs: Arc<Vec<u32>>,
+    pub paused: bool,
+}
+
 pub struct Vmm {
     // Field order is drop order: vCPUs stop before devices, devices before
     // the memory and the VM they use.
     vcpus: Vec<VcpuHandle>,
     mmio: MmioDeviceManager,
     legacy: LegacyDevices,
-    mem: GuestMemory,
+    ram: GuestRam,
     vm: Vm,
     state: VmState,
+    mem_size_mib: u64,
+    msrs: Arc<Vec<u32>>,
 }
 
 impl Vmm {
-    pub(crate) fn new(
-        vm: Vm,
-        mem: GuestMemory,
-        mmio: MmioDeviceManager,
-        legacy: LegacyDevices,
-        vcpus: Vec<VcpuHandle>,
-    ) -> Self {
+    pub(crate) fn new(parts: VmParts) -> Self {
         Vmm {
-            vcpus,
-            mmio,
-            legacy,
-            mem,
-            vm,
-            state: VmState::Running,
+            vcpus: parts.vcpus,
+            mmio: parts.mmio,
+            legacy: parts.legacy,
+            ram: parts.ram,
+            vm: parts.vm,
+            state: if parts.paused {
+                VmState::Paused
+            } else {
+                VmState::Running
+            },
+            mem_size_mib: parts.mem_size_mib,
+            msrs: parts.msrs,
         }
+    }
+
+    /// Writes a snapshot of the paused VM: its state file and its memory. The
+    /// devices hold still meanwhile; the VM stays paused and can go on after.
+    pub fn snapshot(&mut self, request: &SnapshotRequest) -> Result<SnapshotStats, SnapshotError> {
+        if self.state != VmState::Paused {
+            return Err(SnapshotError::NotPaused);
+        }
+        let watch = Stopwatch::start();
+        self.mmio.pause();
+        let taken = self.capture_and_write(request);
+        let resumed = self.mmio.resume();
+        let stats = watch.stats(taken?);
+        resumed?;
+        Ok(stats)
+    }
+
+    fn capture_and_write(&mut self, request: &SnapshotRequest) -> Result<u64, SnapshotError> {
+        let mut vcpus = Vec::with_capacity(self.vcpus.len());
+        for vcpu in &self.vcpus {
+            vcpus.push(vcpu.save_state(self.msrs.clone())?);
+        }
+        let vm = self.vm.save_state()?;
+        let legacy = self.legacy.state();
+        let devices = self.mmio.state()?;
+        let (memory, written) = self.ram.snapshot(request.kind, &request.mem_path)?;
+        let state = MicrovmState {
+            vmm_version: env!("CARGO_PKG_VERSION").to_owned(),
+            vcpu_count: self.vcpus.len() as u8,
+            mem_size_mib: self.mem_size_mib,
+            memory,
+            vm,
+            vcpus,
+            legacy,
+            devices,
+        };
+        format::write_atomically(&request.state_path, &format::encode(&state)?)?;
+        Ok(written.bytes)
     }
 
     pub fn state(&self) -> VmState {
@@ -143,7 +200,7 @@ impl Vmm {
     }
 
     pub fn guest_memory(&self) -> &GuestMemory {
-        &self.mem
+        self.ram.guest_memory()
     }
 
     pub fn vm(&self) -> &Vm {

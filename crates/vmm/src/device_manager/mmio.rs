@@ -4,6 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use kvm_ioctls::IoEventAddress;
+use serde::{Deserialize, Serialize};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use super::DeviceManagerError;
@@ -12,12 +13,17 @@ use crate::arch::x86_64::layout::{
 };
 use crate::devices::bus::Bus;
 use crate::devices::virtio::VirtioDevice;
-use crate::devices::virtio::mmio::{MmioInterrupt, MmioTransport, QUEUE_NOTIFY_OFFSET};
+use crate::devices::virtio::block::{Block, BlockConfig};
+use crate::devices::virtio::mmio::{
+    MmioInterrupt, MmioTransport, MmioTransportState, QUEUE_NOTIFY_OFFSET,
+};
+use crate::devices::virtio::persist::VirtioDeviceConfig;
+use crate::devices::virtio::vsock::Vsock;
 use crate::vstate::memory::GuestMemory;
 use crate::vstate::vm::Vm;
 
 /// Where one virtio device sits.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MmioSlot {
     pub base: u64,
     pub irq: u32,
@@ -33,6 +39,22 @@ impl MmioSlot {
             self.irq
         )
     }
+}
+
+/// One virtio device in a snapshot.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MmioDeviceState {
+    pub slot: MmioSlot,
+    pub config: VirtioDeviceConfig,
+    pub transport: MmioTransportState,
+}
+
+/// Paths a restored VM uses instead of the snapshot's: its own vsock socket
+/// and its own disk files (by drive id).
+#[derive(Clone, Debug, Default)]
+pub struct DeviceOverrides {
+    pub vsock_uds_path: Option<std::path::PathBuf>,
+    pub drive_paths: Vec<(String, std::path::PathBuf)>,
 }
 
 #[derive(Default)]
@@ -67,6 +89,18 @@ impl MmioDeviceManager {
         device: Box<dyn VirtioDevice>,
     ) -> Result<MmioSlot, DeviceManagerError> {
         let slot = self.next_slot()?;
+        self.attach_at(vm, mem, mmio_bus, device, slot.clone())?;
+        Ok(slot)
+    }
+
+    fn attach_at(
+        &mut self,
+        vm: &Vm,
+        mem: &GuestMemory,
+        mmio_bus: &mut Bus,
+        device: Box<dyn VirtioDevice>,
+        slot: MmioSlot,
+    ) -> Result<Arc<Mutex<MmioTransport>>, DeviceManagerError> {
         let irqfd = EventFd::new(EFD_NONBLOCK).map_err(DeviceManagerError::EventFd)?;
         vm.fd()
             .register_irqfd(&irqfd, slot.irq)
@@ -84,9 +118,126 @@ impl MmioDeviceManager {
         }
         let transport = Arc::new(Mutex::new(transport));
         mmio_bus.insert(transport.clone(), slot.base, MMIO_DEVICE_SIZE)?;
-        self.slots.push(slot.clone());
-        self.transports.push(transport);
-        Ok(slot)
+        self.slots.push(slot);
+        self.transports.push(transport.clone());
+        Ok(transport)
+    }
+
+    /// Recreates the devices of a snapshot in their windows, with their
+    /// transport state; active devices start their workers.
+    pub fn restore(
+        vm: &Vm,
+        mem: &GuestMemory,
+        mmio_bus: &mut Bus,
+        states: &[MmioDeviceState],
+        overrides: &DeviceOverrides,
+    ) -> Result<Self, DeviceManagerError> {
+        let mut manager = MmioDeviceManager::default();
+        for state in states {
+            let valid_slot = state
+                .slot
+                .base
+                .checked_sub(MMIO_DEVICES_START)
+                .is_some_and(|o| {
+                    o % MMIO_DEVICE_SIZE == 0 && o / MMIO_DEVICE_SIZE < MMIO_DEVICES_MAX
+                })
+                && (IRQ_BASE..=IRQ_MAX).contains(&state.slot.irq);
+            if !valid_slot {
+                return Err(DeviceManagerError::State(format!(
+                    "device window {:#x} / line {} is not one this VMM uses",
+                    state.slot.base, state.slot.irq
+                )));
+            }
+            let device: Box<dyn VirtioDevice> = match &state.config {
+                VirtioDeviceConfig::Block {
+                    id,
+                    path,
+                    read_only,
+                } => {
+                    let path = overrides
+                        .drive_paths
+                        .iter()
+                        .find(|(drive, _)| drive == id)
+                        .map_or_else(|| path.clone(), |(_, p)| p.clone());
+                    Box::new(
+                        Block::new(BlockConfig {
+                            id: id.clone(),
+                            path,
+                            read_only: *read_only,
+                        })
+                        .map_err(|e| DeviceManagerError::State(format!("drive {id}: {e}")))?,
+                    )
+                }
+                VirtioDeviceConfig::Vsock {
+                    guest_cid,
+                    uds_path,
+                } => {
+                    let uds = overrides
+                        .vsock_uds_path
+                        .clone()
+                        .unwrap_or_else(|| uds_path.clone());
+                    Box::new(
+                        Vsock::new(*guest_cid, uds)
+                            .map_err(|e| DeviceManagerError::State(format!("vsock: {e}")))?,
+                    )
+                }
+            };
+            let transport = manager.attach_at(vm, mem, mmio_bus, device, state.slot.clone())?;
+            transport
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .restore(&state.transport)?;
+        }
+        Ok(manager)
+    }
+
+    /// Every device's state; pause them first.
+    pub fn state(&self) -> Result<Vec<MmioDeviceState>, DeviceManagerError> {
+        self.slots
+            .iter()
+            .zip(&self.transports)
+            .map(|(slot, transport)| {
+                let t = transport.lock().unwrap_or_else(|e| e.into_inner());
+                let config = t.device().snapshot_config().ok_or_else(|| {
+                    DeviceManagerError::State(format!(
+                        "virtio device {} cannot be snapshotted",
+                        t.device_type()
+                    ))
+                })?;
+                Ok(MmioDeviceState {
+                    slot: slot.clone(),
+                    config,
+                    transport: t.state(),
+                })
+            })
+            .collect()
+    }
+
+    /// Parks every device worker, so guest memory and queues hold still.
+    pub fn pause(&self) {
+        for t in &self.transports {
+            t.lock().unwrap_or_else(|e| e.into_inner()).pause_device();
+        }
+    }
+
+    pub fn resume(&self) -> Result<(), DeviceManagerError> {
+        for t in &self.transports {
+            t.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .resume_device()
+                .map_err(|e| DeviceManagerError::State(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    /// Tells every device that the VM was restored (vsock resets its connections).
+    pub fn notify_restored(&self) {
+        for t in &self.transports {
+            t.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .device()
+                .on_restored();
+        }
     }
 
     pub fn slots(&self) -> &[MmioSlot] {

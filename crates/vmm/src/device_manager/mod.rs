@@ -18,6 +18,8 @@ pub enum DeviceManagerError {
     OutOfIrqs,
     #[error("no MMIO windows left for another virtio device")]
     OutOfMmioSpace,
+    #[error("restoring device state: {0}")]
+    State(String),
     #[error("setting up the virtio-mmio transport: {0}")]
     Transport(#[from] crate::devices::virtio::mmio::MmioError),
 }

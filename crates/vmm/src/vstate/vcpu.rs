@@ -15,6 +15,7 @@ use kvm_bindings::{KVM_MAX_CPUID_ENTRIES, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVE
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use vmm_sys_util::signal::{Killable, register_signal_handler};
 
+use super::vcpu_state::{VcpuState, VcpuStateError};
 use super::vm::Vm;
 use crate::arch::x86_64::{cpuid, msr, regs};
 use crate::devices::bus::Bus;
@@ -40,13 +41,18 @@ pub type ExitCallback = Arc<dyn Fn(u8, VcpuExitReason) + Send + Sync>;
 enum VcpuRequest {
     Pause,
     Resume,
+    /// Capture the state (only served while paused) of these MSRs.
+    Save(Arc<Vec<u32>>),
     Exit,
 }
 
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug)]
 enum VcpuResponse {
     Paused,
     Resumed,
+    Saved(Box<Result<VcpuState, VcpuStateError>>),
+    /// A save was asked of a running vCPU.
+    NotPaused,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -67,6 +73,10 @@ pub enum VcpuError {
     Timeout(u8, Duration),
     #[error("vCPU {0} is gone")]
     Gone(u8),
+    #[error("vCPU {0} state: {1}")]
+    State(u8, #[source] VcpuStateError),
+    #[error("vCPU {0} must be paused first")]
+    NotPaused(u8),
 }
 
 /// The signal that kicks a vCPU thread out of `KVM_RUN`.
@@ -143,14 +153,31 @@ impl Vcpu {
         Ok(())
     }
 
-    /// Starts the vCPU thread; it runs the guest at once.
-    pub fn start(self) -> Result<VcpuHandle, VcpuError> {
+    /// Loads a snapshot's state into this (new) vCPU.
+    pub fn restore(&self, state: &VcpuState) -> Result<(), VcpuError> {
+        state
+            .restore(&self.fd)
+            .map_err(|e| VcpuError::State(self.id, e))
+    }
+
+    pub fn fd(&self) -> &VcpuFd {
+        &self.fd
+    }
+
+    /// Starts the vCPU thread; it runs the guest at once, or, when `paused`,
+    /// once resumed.
+    pub fn start(self, paused: bool) -> Result<VcpuHandle, VcpuError> {
         let id = self.id;
         let (request_tx, request_rx) = mpsc::channel();
         let (response_tx, response_rx) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{id}"))
-            .spawn(move || self.run_loop(&request_rx, &response_tx))
+            .spawn(move || {
+                if paused && !self.stay_paused(&request_rx, &response_tx) {
+                    return;
+                }
+                self.run_loop(&request_rx, &response_tx)
+            })
             .map_err(VcpuError::Spawn)?;
         Ok(VcpuHandle {
             id,
@@ -193,24 +220,43 @@ impl Vcpu {
                 VcpuRequest::Resume => {
                     let _ = responses.send(VcpuResponse::Resumed);
                 }
+                VcpuRequest::Save(_) => {
+                    let _ = responses.send(VcpuResponse::NotPaused);
+                }
                 VcpuRequest::Pause => {
                     let _ = responses.send(VcpuResponse::Paused);
-                    loop {
-                        match requests.recv() {
-                            Ok(VcpuRequest::Resume) => {
-                                let _ = responses.send(VcpuResponse::Resumed);
-                                break;
-                            }
-                            Ok(VcpuRequest::Pause) => {
-                                let _ = responses.send(VcpuResponse::Paused);
-                            }
-                            Ok(VcpuRequest::Exit) | Err(_) => return false,
-                        }
+                    if !self.stay_paused(requests, responses) {
+                        return false;
                     }
                 }
             }
         }
         true
+    }
+
+    /// Serves requests without running the guest until resumed; returns false
+    /// when the thread should end.
+    fn stay_paused(
+        &self,
+        requests: &Receiver<VcpuRequest>,
+        responses: &Sender<VcpuResponse>,
+    ) -> bool {
+        loop {
+            match requests.recv() {
+                Ok(VcpuRequest::Resume) => {
+                    let _ = responses.send(VcpuResponse::Resumed);
+                    return true;
+                }
+                Ok(VcpuRequest::Pause) => {
+                    let _ = responses.send(VcpuResponse::Paused);
+                }
+                Ok(VcpuRequest::Save(msrs)) => {
+                    let state = VcpuState::save(&self.fd, &msrs);
+                    let _ = responses.send(VcpuResponse::Saved(Box::new(state)));
+                }
+                Ok(VcpuRequest::Exit) | Err(_) => return false,
+            }
+        }
     }
 
     /// The registers that tell where a dying guest was, for the log.
@@ -293,7 +339,13 @@ impl VcpuHandle {
         }
     }
 
-    fn request(&self, request: VcpuRequest, expect: VcpuResponse) -> Result<(), VcpuError> {
+    /// Sends `request` and waits for the answer `accept` takes (stale
+    /// answers to earlier requests are skipped).
+    fn request<T>(
+        &self,
+        request: VcpuRequest,
+        accept: impl Fn(VcpuResponse) -> Option<Result<T, VcpuError>>,
+    ) -> Result<T, VcpuError> {
         self.requests
             .send(request)
             .map_err(|_| VcpuError::Gone(self.id))?;
@@ -301,8 +353,11 @@ impl VcpuHandle {
         loop {
             self.kick();
             match self.responses.recv_timeout(KICK_INTERVAL) {
-                Ok(response) if response == expect => return Ok(()),
-                Ok(_) => {}
+                Ok(response) => {
+                    if let Some(result) = accept(response) {
+                        return result;
+                    }
+                }
                 Err(RecvTimeoutError::Disconnected) => return Err(VcpuError::Gone(self.id)),
                 Err(RecvTimeoutError::Timeout) if Instant::now() >= deadline => {
                     return Err(VcpuError::Timeout(self.id, RESPONSE_TIMEOUT));
@@ -314,11 +369,25 @@ impl VcpuHandle {
 
     /// Stops the vCPU at its next exit; returns once it is parked.
     pub fn pause(&self) -> Result<(), VcpuError> {
-        self.request(VcpuRequest::Pause, VcpuResponse::Paused)
+        self.request(VcpuRequest::Pause, |r| {
+            matches!(r, VcpuResponse::Paused).then_some(Ok(()))
+        })
     }
 
     pub fn resume(&self) -> Result<(), VcpuError> {
-        self.request(VcpuRequest::Resume, VcpuResponse::Resumed)
+        self.request(VcpuRequest::Resume, |r| {
+            matches!(r, VcpuResponse::Resumed).then_some(Ok(()))
+        })
+    }
+
+    /// Captures the state of a paused vCPU, with the MSRs in `msrs`.
+    pub fn save_state(&self, msrs: Arc<Vec<u32>>) -> Result<VcpuState, VcpuError> {
+        let id = self.id;
+        self.request(VcpuRequest::Save(msrs), |r| match r {
+            VcpuResponse::Saved(state) => Some((*state).map_err(|e| VcpuError::State(id, e))),
+            VcpuResponse::NotPaused => Some(Err(VcpuError::NotPaused(id))),
+            _ => None,
+        })
     }
 
     /// Ends the thread and waits for it.

@@ -4,6 +4,7 @@
 
 use std::collections::VecDeque;
 
+use serde::{Deserialize, Serialize};
 use vm_superio::Trigger;
 
 use super::EventFdTrigger;
@@ -69,7 +70,36 @@ pub struct I8042Device {
     on_reset: Box<dyn Fn() + Send>,
 }
 
+/// The controller's registers and keyboard buffer, for snapshots.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct I8042State {
+    pub status: u8,
+    pub control: u8,
+    pub buffer: Vec<u8>,
+    pub pending_command: Option<u8>,
+    pub kbd_expects_arg: bool,
+}
+
 impl I8042Device {
+    pub fn state(&self) -> I8042State {
+        I8042State {
+            status: self.status,
+            control: self.control,
+            buffer: self.buffer.iter().copied().collect(),
+            pending_command: self.pending_command,
+            kbd_expects_arg: self.kbd_expects_arg,
+        }
+    }
+
+    /// Loads a saved state; the buffer is cut to its usual bound.
+    pub fn restore(&mut self, state: &I8042State) {
+        self.status = state.status;
+        self.control = state.control;
+        self.buffer = state.buffer.iter().copied().take(BUFFER_CAPACITY).collect();
+        self.pending_command = state.pending_command;
+        self.kbd_expects_arg = state.kbd_expects_arg;
+    }
+
     pub fn new(interrupt: EventFdTrigger, on_reset: Box<dyn Fn() + Send>) -> Self {
         I8042Device {
             status: STATUS_SYS_FLAG,

@@ -4,7 +4,9 @@ use std::io::{self, Write};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use serde::{Deserialize, Serialize};
 use vm_superio::Serial;
+use vm_superio::serial::SerialState;
 
 use super::EventFdTrigger;
 use crate::devices::bus::BusDevice;
@@ -57,6 +59,56 @@ impl Write for ConsoleOutput {
     }
 }
 
+/// The UART registers and receive buffer, for snapshots (vm-superio's
+/// `SerialState`, which is not serializable itself).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SerialDeviceState {
+    pub baud_divisor_low: u8,
+    pub baud_divisor_high: u8,
+    pub interrupt_enable: u8,
+    pub interrupt_identification: u8,
+    pub line_control: u8,
+    pub line_status: u8,
+    pub modem_control: u8,
+    pub modem_status: u8,
+    pub scratch: u8,
+    pub in_buffer: Vec<u8>,
+}
+
+impl From<SerialState> for SerialDeviceState {
+    fn from(s: SerialState) -> Self {
+        SerialDeviceState {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer,
+        }
+    }
+}
+
+impl From<&SerialDeviceState> for SerialState {
+    fn from(s: &SerialDeviceState) -> Self {
+        SerialState {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer.clone(),
+        }
+    }
+}
+
 /// The serial port as a port I/O bus device.
 pub struct SerialDevice {
     serial: Serial<EventFdTrigger, vm_superio::serial::NoEvents, ConsoleOutput>,
@@ -67,6 +119,22 @@ impl SerialDevice {
         SerialDevice {
             serial: Serial::new(interrupt, out),
         }
+    }
+
+    /// A serial port continuing from a saved state.
+    pub fn from_state(
+        state: &SerialDeviceState,
+        interrupt: EventFdTrigger,
+        out: ConsoleOutput,
+    ) -> Result<Self, String> {
+        let serial =
+            Serial::from_state(&state.into(), interrupt, vm_superio::serial::NoEvents, out)
+                .map_err(|e| format!("{e:?}"))?;
+        Ok(SerialDevice { serial })
+    }
+
+    pub fn state(&self) -> SerialDeviceState {
+        self.serial.state().into()
     }
 }
 

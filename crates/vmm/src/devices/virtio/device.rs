@@ -8,9 +8,10 @@
 
 use std::sync::Arc;
 
-use virtio_queue::Queue;
+use virtio_queue::{Queue, QueueState};
 use vmm_sys_util::eventfd::EventFd;
 
+use super::persist::VirtioDeviceConfig;
 use crate::vstate::memory::GuestMemory;
 
 /// The reason a device raises its interrupt line.
@@ -76,5 +77,32 @@ pub trait VirtioDevice: Send {
     /// driver can set it up again. Returns false if the device cannot be reset.
     fn reset(&mut self) -> bool {
         false
+    }
+
+    /// The features the driver accepted.
+    fn acked_features(&self) -> u64;
+
+    /// The queues' state while the device is active (empty otherwise). Read
+    /// it paused, or it may change under the reader.
+    fn queue_states(&self) -> Vec<QueueState> {
+        Vec::new()
+    }
+
+    /// How to recreate this device on restore; `None` if it cannot be
+    /// snapshotted.
+    fn snapshot_config(&self) -> Option<VirtioDeviceConfig> {
+        None
+    }
+
+    /// Parks the worker between requests, so neither guest memory nor the
+    /// queues change; connections and open files are kept. No-op if inactive.
+    fn pause(&mut self) {}
+
+    /// Called once the VM it belongs to was restored from a snapshot.
+    fn on_restored(&self) {}
+
+    /// Restarts a worker parked by `pause`.
+    fn resume(&mut self) -> Result<(), ActivateError> {
+        Ok(())
     }
 }

@@ -7,15 +7,17 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use serde::{Deserialize, Serialize};
 use virtio_bindings::virtio_config::{
     VIRTIO_CONFIG_S_ACKNOWLEDGE, VIRTIO_CONFIG_S_DRIVER, VIRTIO_CONFIG_S_DRIVER_OK,
     VIRTIO_CONFIG_S_FAILED, VIRTIO_CONFIG_S_FEATURES_OK,
 };
 use virtio_bindings::virtio_mmio::{VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING};
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::{Queue, QueueState, QueueT};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::device::{ActivatedQueue, VirtioDevice, VirtioInterrupt, VirtioInterruptType};
+use super::persist::QueueSnapshot;
 use crate::devices::bus::BusDevice;
 use crate::vstate::memory::GuestMemory;
 
@@ -80,6 +82,20 @@ impl VirtioInterrupt for MmioInterrupt {
     }
 }
 
+/// The transport's registers and queues in a snapshot.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MmioTransportState {
+    pub queue_select: u32,
+    pub device_features_select: u32,
+    pub driver_features_select: u32,
+    pub driver_features: u64,
+    pub acked_features: u64,
+    pub status: u32,
+    pub activated: bool,
+    pub interrupt_status: u32,
+    pub queues: Vec<QueueSnapshot>,
+}
+
 pub struct MmioTransport {
     device: Box<dyn VirtioDevice>,
     mem: GuestMemory,
@@ -100,6 +116,8 @@ pub enum MmioError {
     Queue(u16, virtio_queue::Error),
     #[error("creating a queue notification eventfd: {0}")]
     EventFd(#[source] std::io::Error),
+    #[error("restoring virtio device {device_type}: {reason}")]
+    Restore { device_type: u32, reason: String },
 }
 
 fn new_queues(sizes: &[u16]) -> Result<Vec<Queue>, MmioError> {
@@ -133,6 +151,89 @@ impl MmioTransport {
             status: 0,
             activated: false,
         })
+    }
+
+    /// The registers and queues, for a snapshot; pause the device first.
+    pub fn state(&self) -> MmioTransportState {
+        let queues = if self.activated {
+            self.device.queue_states()
+        } else {
+            self.queues.iter().map(Queue::state).collect()
+        };
+        MmioTransportState {
+            queue_select: self.queue_select,
+            device_features_select: self.device_features_select,
+            driver_features_select: self.driver_features_select,
+            driver_features: self.driver_features,
+            acked_features: self.device.acked_features(),
+            status: self.status,
+            activated: self.activated,
+            interrupt_status: self.interrupt.status.load(Ordering::SeqCst),
+            queues: queues.into_iter().map(QueueSnapshot::from).collect(),
+        }
+    }
+
+    /// Loads a saved state into a transport built for the same device, and
+    /// activates the device if it was active, with its queues where they were.
+    pub fn restore(&mut self, state: &MmioTransportState) -> Result<(), MmioError> {
+        let device_type = self.device.device_type();
+        let fail = |reason: String| MmioError::Restore {
+            device_type,
+            reason,
+        };
+        if state.queues.len() != self.queues.len() {
+            return Err(fail(format!(
+                "the snapshot has {} queues, the device {}",
+                state.queues.len(),
+                self.queues.len()
+            )));
+        }
+        if state.acked_features & !self.device.avail_features() != 0 {
+            return Err(fail(
+                "the snapshot's features are not offered by this device".into(),
+            ));
+        }
+        let mut queues = Vec::with_capacity(state.queues.len());
+        for (saved, current) in state.queues.iter().zip(&self.queues) {
+            if saved.max_size != current.max_size() {
+                return Err(fail("a queue's maximum size differs".into()));
+            }
+            let queue = Queue::try_from(QueueState::from(saved))
+                .map_err(|e| fail(format!("invalid queue: {e}")))?;
+            queues.push(queue);
+        }
+        self.queues = queues;
+        self.queue_select = state.queue_select;
+        self.device_features_select = state.device_features_select;
+        self.driver_features_select = state.driver_features_select;
+        self.driver_features = state.driver_features;
+        self.device.set_acked_features(state.acked_features);
+        self.status = state.status;
+        self.interrupt
+            .status
+            .store(state.interrupt_status, Ordering::SeqCst);
+        if state.activated {
+            self.activate();
+            if !self.activated {
+                return Err(fail(
+                    "the device did not start with its saved queues".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Parks the device's worker (see `VirtioDevice::pause`).
+    pub fn pause_device(&mut self) {
+        self.device.pause();
+    }
+
+    pub fn resume_device(&mut self) -> Result<(), super::ActivateError> {
+        self.device.resume()
+    }
+
+    pub fn device(&self) -> &dyn VirtioDevice {
+        self.device.as_ref()
     }
 
     /// One eventfd per queue, signalled when the driver notifies that queue.
@@ -356,6 +457,7 @@ mod tests {
     struct Probe {
         acked: u64,
         activated_with: Option<usize>,
+        queues: Vec<QueueState>,
     }
 
     struct TestDevice(Arc<Mutex<Probe>>);
@@ -382,8 +484,16 @@ mod tests {
             _interrupt: Arc<dyn VirtioInterrupt>,
             queues: Vec<ActivatedQueue>,
         ) -> Result<(), ActivateError> {
-            self.0.lock().unwrap().activated_with = Some(queues.len());
+            let mut probe = self.0.lock().unwrap();
+            probe.activated_with = Some(queues.len());
+            probe.queues = queues.iter().map(|q| q.queue.state()).collect();
             Ok(())
+        }
+        fn acked_features(&self) -> u64 {
+            self.0.lock().unwrap().acked
+        }
+        fn queue_states(&self) -> Vec<QueueState> {
+            self.0.lock().unwrap().queues.clone()
         }
     }
 
@@ -455,6 +565,73 @@ mod tests {
         write(&mut t, reg::STATUS, features_ok | VIRTIO_CONFIG_S_DRIVER_OK);
         assert_eq!(probe.lock().unwrap().activated_with, Some(2));
         assert_eq!(read(&mut t, reg::STATUS) & VIRTIO_CONFIG_S_FAILED, 0);
+    }
+
+    fn activate(t: &mut MmioTransport) {
+        let features_ok =
+            VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER | VIRTIO_CONFIG_S_FEATURES_OK;
+        write(
+            t,
+            reg::STATUS,
+            VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER,
+        );
+        write(t, reg::DRIVER_FEATURES, 0b100);
+        write(t, reg::STATUS, features_ok);
+        setup_queue(t, 0, 0x10000);
+        setup_queue(t, 1, 0x20000);
+        write(t, reg::STATUS, features_ok | VIRTIO_CONFIG_S_DRIVER_OK);
+    }
+
+    #[test]
+    fn an_active_transport_restores_into_a_new_one_and_reactivates_its_device() {
+        let (mut t, probe) = transport();
+        activate(&mut t);
+        write(&mut t, reg::QUEUE_SEL, 1);
+        t.interrupt.trigger(VirtioInterruptType::Queue).unwrap();
+        let state = t.state();
+        assert!(state.activated);
+        assert_eq!(state.acked_features, 0b100);
+        assert_eq!(state.queues.len(), 2);
+        assert_eq!(state.queues[1].desc_table, 0x20000);
+
+        let (mut restored, restored_probe) = transport();
+        restored.restore(&state).unwrap();
+        assert_eq!(restored_probe.lock().unwrap().activated_with, Some(2));
+        assert_eq!(
+            restored_probe.lock().unwrap().queues,
+            probe.lock().unwrap().queues
+        );
+        assert_eq!(read(&mut restored, reg::STATUS), read(&mut t, reg::STATUS));
+        assert_eq!(read(&mut restored, reg::INTERRUPT_STATUS), 1);
+        assert_eq!(restored.state(), state);
+    }
+
+    #[test]
+    fn an_inactive_transport_restores_its_registers_only() {
+        let (mut t, _) = transport();
+        write(&mut t, reg::STATUS, VIRTIO_CONFIG_S_ACKNOWLEDGE);
+        setup_queue(&mut t, 0, 0x30000);
+        let state = t.state();
+        let (mut restored, probe) = transport();
+        restored.restore(&state).unwrap();
+        assert_eq!(probe.lock().unwrap().activated_with, None);
+        assert_eq!(restored.state(), state);
+    }
+
+    #[test]
+    fn a_state_for_another_device_shape_is_refused() {
+        let (mut t, _) = transport();
+        activate(&mut t);
+        let mut state = t.state();
+        state.queues.pop();
+        let (mut restored, _) = transport();
+        assert!(matches!(
+            restored.restore(&state),
+            Err(MmioError::Restore { .. })
+        ));
+        let mut state = t.state();
+        state.acked_features = 1 << 40;
+        assert!(restored.restore(&state).is_err());
     }
 
     #[test]

@@ -485,10 +485,5 @@ fn temp_path(path: &Path) -> PathBuf {
     path.with_file_name(name)
 }
 
-/// Allocates `size` bytes of guest RAM in one memfd, mapped shared.
-pub fn create_guest_memory(size: u64) -> Result<GuestMemory, MemoryError> {
-    Ok(GuestRam::new(size)?.mem)
-}
-
 #[cfg(test)]
 mod tests;

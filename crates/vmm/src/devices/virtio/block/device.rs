@@ -13,6 +13,8 @@ use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueState, QueueT};
 
+use crate::devices::virtio::persist::VirtioDeviceConfig;
+
 use super::disk::{BlockError, Disk, SECTOR_SIZE};
 use super::worker::{self, Worker, WorkerHandle};
 use crate::devices::virtio::{ActivateError, ActivatedQueue, VirtioDevice, VirtioInterrupt};
@@ -62,6 +64,8 @@ pub struct Block {
     /// Shared with the worker while active, so the queue state stays readable.
     queue: Option<Arc<Mutex<Queue>>>,
     worker: Option<WorkerHandle>,
+    /// The worker while paused for a snapshot.
+    parked: Option<Worker>,
 }
 
 impl Block {
@@ -94,6 +98,7 @@ impl Block {
             config_space,
             queue: None,
             worker: None,
+            parked: None,
         })
     }
 
@@ -115,7 +120,11 @@ impl Block {
     }
 
     pub fn is_activated(&self) -> bool {
-        self.worker.is_some()
+        self.worker.is_some() || self.parked.is_some()
+    }
+
+    fn worker_name(&self) -> String {
+        format!("blk-{}", self.config.id)
     }
 
     /// The device state a snapshot records. Read it with the vCPUs paused: the
@@ -135,6 +144,7 @@ impl Block {
         if let Some(worker) = self.worker.take() {
             worker.stop();
         }
+        self.parked = None;
         self.queue = None;
     }
 }
@@ -173,7 +183,7 @@ impl VirtioDevice for Block {
         interrupt: Arc<dyn VirtioInterrupt>,
         mut queues: Vec<ActivatedQueue>,
     ) -> Result<(), ActivateError> {
-        if self.worker.is_some() {
+        if self.is_activated() {
             return Err(ActivateError::Other(format!(
                 "block device {} is already active",
                 self.config.id
@@ -199,7 +209,7 @@ impl VirtioDevice for Block {
 
         let queue = Arc::new(Mutex::new(queue));
         let handle = WorkerHandle::spawn(
-            format!("blk-{}", self.config.id),
+            self.worker_name(),
             Worker {
                 disk: self.disk.clone(),
                 drive_id: worker::drive_id(&self.config.id),
@@ -219,6 +229,37 @@ impl VirtioDevice for Block {
         self.stop_worker();
         self.acked_features = 0;
         true
+    }
+
+    fn acked_features(&self) -> u64 {
+        self.acked_features
+    }
+
+    fn queue_states(&self) -> Vec<QueueState> {
+        self.state().queue.into_iter().collect()
+    }
+
+    fn snapshot_config(&self) -> Option<VirtioDeviceConfig> {
+        Some(VirtioDeviceConfig::Block {
+            id: self.config.id.clone(),
+            path: self.config.path.clone(),
+            read_only: self.config.read_only,
+        })
+    }
+
+    fn pause(&mut self) {
+        if let Some(handle) = self.worker.take() {
+            self.parked = handle.stop();
+        }
+    }
+
+    fn resume(&mut self) -> Result<(), ActivateError> {
+        if let Some(worker) = self.parked.take() {
+            let handle =
+                WorkerHandle::spawn(self.worker_name(), worker).map_err(ActivateError::Worker)?;
+            self.worker = Some(handle);
+        }
+        Ok(())
     }
 }
 

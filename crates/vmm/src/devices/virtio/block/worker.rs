@@ -36,11 +36,11 @@ pub struct Worker {
     pub interrupt: Arc<dyn VirtioInterrupt>,
 }
 
-/// A running worker; stopping it joins the thread.
+/// A running worker; stopping it joins the thread and hands the worker back.
 pub struct WorkerHandle {
     kill: EventFd,
     stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    thread: Option<JoinHandle<Worker>>,
 }
 
 impl WorkerHandle {
@@ -70,34 +70,38 @@ impl WorkerHandle {
         })
     }
 
-    /// Stops the thread and waits for it; any request it is doing completes first.
-    pub fn stop(mut self) {
-        self.shut_down();
+    /// Stops the thread and waits for it; any request it is doing completes
+    /// first, and requests not yet started stay in the queue. Returns the
+    /// worker, to be started again, unless its thread panicked.
+    pub fn stop(mut self) -> Option<Worker> {
+        self.shut_down()
     }
 
-    fn shut_down(&mut self) {
-        let Some(thread) = self.thread.take() else {
-            return;
-        };
+    fn shut_down(&mut self) -> Option<Worker> {
+        let thread = self.thread.take()?;
         self.stop.store(true, Ordering::Release);
         if let Err(e) = self.kill.write(1) {
             // The flag alone still stops it at its next wake-up.
             tracing::error!("cannot signal the block worker to stop: {e}");
         }
-        if thread.join().is_err() {
-            tracing::error!("the block worker panicked");
+        match thread.join() {
+            Ok(worker) => Some(worker),
+            Err(_) => {
+                tracing::error!("the block worker panicked");
+                None
+            }
         }
     }
 }
 
 impl Drop for WorkerHandle {
     fn drop(&mut self) {
-        self.shut_down();
+        let _ = self.shut_down();
     }
 }
 
 impl Worker {
-    fn run(self, epoll: &Epoll, stop: &AtomicBool) {
+    fn run(self, epoll: &Epoll, stop: &AtomicBool) -> Self {
         let mut events = [EpollEvent::default(); 2];
         // The driver may have queued requests before DRIVER_OK without a kick.
         self.process_queue(stop);
@@ -107,7 +111,7 @@ impl Worker {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
                     tracing::error!("block worker epoll failed, stopping: {e}");
-                    return;
+                    return self;
                 }
             };
             for event in &events[..n] {
@@ -117,10 +121,11 @@ impl Worker {
                         let _ = self.notify.read();
                         self.process_queue(stop);
                     }
-                    _ => return,
+                    _ => return self,
                 }
             }
         }
+        self
     }
 
     fn lock_queue(&self) -> MutexGuard<'_, Queue> {

@@ -11,10 +11,12 @@ use std::time::Duration;
 
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_VSOCK;
+use virtio_queue::QueueState;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use super::muxer::Muxer;
 use super::worker::Worker;
+use crate::devices::virtio::persist::VirtioDeviceConfig;
 use crate::devices::virtio::{ActivateError, ActivatedQueue, VirtioDevice, VirtioInterrupt};
 use crate::vstate::memory::GuestMemory;
 
@@ -41,7 +43,21 @@ pub enum VsockError {
 
 struct WorkerHandle {
     kill: EventFd,
-    thread: JoinHandle<()>,
+    thread: JoinHandle<Worker>,
+}
+
+impl WorkerHandle {
+    /// Stops the thread; returns the worker unless it panicked.
+    fn stop(self) -> Option<Worker> {
+        let _ = self.kill.write(1);
+        match self.thread.join() {
+            Ok(worker) => Some(worker),
+            Err(_) => {
+                log::error!("vsock: the worker thread panicked");
+                None
+            }
+        }
+    }
 }
 
 /// A virtio-vsock device whose host side is a Unix socket, as in Firecracker:
@@ -58,6 +74,8 @@ pub struct Vsock {
     reset_evt: EventFd,
     reset_requested: Arc<AtomicBool>,
     worker: Option<WorkerHandle>,
+    /// The worker while paused for a snapshot, with its connections.
+    parked: Option<(Worker, EventFd)>,
 }
 
 impl Vsock {
@@ -91,6 +109,7 @@ impl Vsock {
             reset_evt,
             reset_requested: Arc::new(AtomicBool::new(false)),
             worker: None,
+            parked: None,
         })
     }
 
@@ -124,11 +143,16 @@ impl Vsock {
 
     fn stop_worker(&mut self) {
         if let Some(w) = self.worker.take() {
-            let _ = w.kill.write(1);
-            if w.thread.join().is_err() {
-                log::error!("vsock: the worker thread panicked");
-            }
+            w.stop();
         }
+        self.parked = None;
+    }
+
+    fn spawn(worker: Worker, kill: EventFd) -> io::Result<WorkerHandle> {
+        let thread = std::thread::Builder::new()
+            .name("vsock".into())
+            .spawn(move || worker.run())?;
+        Ok(WorkerHandle { kill, thread })
     }
 
     fn start_worker(
@@ -155,10 +179,7 @@ impl Vsock {
             self.reset_requested.clone(),
             muxer,
         )?;
-        let thread = std::thread::Builder::new()
-            .name("vsock".into())
-            .spawn(move || worker.run())?;
-        Ok(WorkerHandle { kill, thread })
+        Self::spawn(worker, kill)
     }
 }
 
@@ -196,7 +217,7 @@ impl VirtioDevice for Vsock {
         interrupt: Arc<dyn VirtioInterrupt>,
         queues: Vec<ActivatedQueue>,
     ) -> Result<(), ActivateError> {
-        if self.worker.is_some() {
+        if self.worker.is_some() || self.parked.is_some() {
             return Err(ActivateError::Other(
                 "the vsock device is already active".into(),
             ));
@@ -219,6 +240,48 @@ impl VirtioDevice for Vsock {
         self.stop_worker();
         self.acked_features = 0;
         true
+    }
+
+    fn acked_features(&self) -> u64 {
+        self.acked_features
+    }
+
+    fn queue_states(&self) -> Vec<QueueState> {
+        self.parked
+            .as_ref()
+            .map(|(w, _)| w.queue_states())
+            .unwrap_or_default()
+    }
+
+    fn snapshot_config(&self) -> Option<VirtioDeviceConfig> {
+        Some(VirtioDeviceConfig::Vsock {
+            guest_cid: self.guest_cid,
+            uds_path: self.uds_path.clone(),
+        })
+    }
+
+    /// The host sides of the guest's connections did not survive the restore:
+    /// the guest must drop its sockets (its listeners stay).
+    fn on_restored(&self) {
+        self.send_transport_reset();
+    }
+
+    fn pause(&mut self) {
+        if let Some(handle) = self.worker.take() {
+            let kill = handle.kill.try_clone();
+            match (handle.stop(), kill) {
+                (Some(worker), Ok(kill)) => self.parked = Some((worker, kill)),
+                (Some(_), Err(e)) => log::error!("vsock: cannot keep the worker: {e}"),
+                (None, _) => {}
+            }
+        }
+    }
+
+    fn resume(&mut self) -> Result<(), ActivateError> {
+        if let Some((worker, kill)) = self.parked.take() {
+            self.worker = Some(Self::spawn(worker, kill).map_err(ActivateError::Worker)?);
+        }
+        Ok(())
     }
 }
 

@@ -77,7 +77,9 @@ impl Worker {
         })
     }
 
-    pub fn run(mut self) {
+    /// Serves until the kill switch; returns itself, connections and queues
+    /// intact, so the device can start it again.
+    pub fn run(mut self) -> Self {
         let mut events = vec![EpollEvent::default(); 64];
         loop {
             let timeout = match self.muxer.next_deadline() {
@@ -93,7 +95,7 @@ impl Worker {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
                     log::error!("vsock: epoll_wait failed, stopping the device: {e}");
-                    return;
+                    return self;
                 }
             };
             let now = Instant::now();
@@ -102,7 +104,10 @@ impl Worker {
                     TOKEN_RX => drain(&self.rx.notify),
                     TOKEN_TX => drain(&self.tx.notify),
                     TOKEN_EVENT => drain(&self.event.notify),
-                    TOKEN_KILL => return,
+                    TOKEN_KILL => {
+                        drain(&self.kill);
+                        return self;
+                    }
                     TOKEN_RESET => {
                         drain(&self.reset_evt);
                         if self.reset_requested.swap(false, Ordering::SeqCst) {
@@ -121,6 +126,14 @@ impl Worker {
             self.muxer.expire(now);
             self.process_queues(now);
         }
+    }
+
+    /// The rx, tx and event queues' state.
+    pub fn queue_states(&self) -> Vec<virtio_queue::QueueState> {
+        [&self.rx, &self.tx, &self.event]
+            .iter()
+            .map(|q| q.queue.state())
+            .collect()
     }
 
     /// Runs the queues until neither makes progress, then interrupts the guest once.

@@ -1,0 +1,77 @@
+//! Snapshots of a microVM: what is captured, the file format, and taking one.
+//! Restoring lives with the builder, which assembles VMs either way.
+
+pub mod format;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::device_manager::legacy::LegacyState;
+use crate::device_manager::mmio::MmioDeviceState;
+use crate::vstate::memory::{MemorySnapshotKind, MemoryState};
+use crate::vstate::vcpu_state::VcpuState;
+use crate::vstate::vm::VmState;
+
+/// Everything needed to rebuild a running microVM, except guest memory and
+/// disk contents, which stay in their own files.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct MicrovmState {
+    /// The VMM version that wrote it, for messages.
+    pub vmm_version: String,
+    pub vcpu_count: u8,
+    pub mem_size_mib: u64,
+    pub memory: MemoryState,
+    pub vm: VmState,
+    pub vcpus: Vec<VcpuState>,
+    pub legacy: LegacyState,
+    pub devices: Vec<MmioDeviceState>,
+}
+
+/// A request to snapshot a paused VM.
+#[derive(Clone, Debug)]
+pub struct SnapshotRequest {
+    pub kind: MemorySnapshotKind,
+    pub state_path: PathBuf,
+    pub mem_path: PathBuf,
+}
+
+/// What taking a snapshot did, for logs and benchmarks.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SnapshotStats {
+    pub total: Duration,
+    pub memory_bytes: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    #[error("the VM must be paused before a snapshot is taken")]
+    NotPaused,
+    #[error("{0}")]
+    Vcpu(#[from] crate::vstate::vcpu::VcpuError),
+    #[error("{0}")]
+    Vm(#[from] crate::vstate::vm::VmError),
+    #[error("{0}")]
+    Devices(#[from] crate::device_manager::DeviceManagerError),
+    #[error("{0}")]
+    Memory(#[from] crate::vstate::memory::MemoryError),
+    #[error("{0}")]
+    Format(#[from] format::FormatError),
+}
+
+/// Times a snapshot.
+pub(crate) struct Stopwatch(Instant);
+
+impl Stopwatch {
+    pub fn start() -> Self {
+        Stopwatch(Instant::now())
+    }
+
+    pub fn stats(&self, memory_bytes: u64) -> SnapshotStats {
+        SnapshotStats {
+            total: self.0.elapsed(),
+            memory_bytes,
+        }
+    }
+}
