@@ -7,7 +7,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::{BootSource, ClientError, Drive, MachineConfig, VmmClient, Vsock};
+use crate::{
+    BootSource, ClientError, Drive, MachineConfig, SnapshotCreateParams, SnapshotLoadParams,
+    SnapshotType, VmmClient, Vsock, VsockOverride,
+};
 
 /// The guest agent's port (E2B's envd port).
 pub const AGENT_PORT: u32 = 49983;
@@ -154,6 +157,45 @@ impl VmmProcess {
     pub async fn boot(&self, guest: &GuestSpec) -> Result<(), ProcessError> {
         self.configure(guest).await?;
         self.api.instance_start().await?;
+        Ok(())
+    }
+
+    /// Pauses the guest and writes a snapshot of it (`state`, `mem`); the guest
+    /// stays paused.
+    pub async fn snapshot(
+        &self,
+        kind: SnapshotType,
+        state: &Path,
+        mem: &Path,
+    ) -> Result<(), ProcessError> {
+        self.api.pause().await?;
+        self.api
+            .create_snapshot(&SnapshotCreateParams {
+                snapshot_type: kind,
+                snapshot_path: state.display().to_string(),
+                mem_file_path: mem.display().to_string(),
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Loads a snapshot into this (fresh) VMM, with the guest's vsock socket
+    /// moved into this process's directory; `resume` starts the guest at once.
+    pub async fn load_snapshot(
+        &self,
+        state: &Path,
+        mem: &Path,
+        resume: bool,
+    ) -> Result<(), ProcessError> {
+        let mut params = SnapshotLoadParams::from_file(
+            state.display().to_string(),
+            mem.display().to_string(),
+            resume,
+        );
+        params.vsock_override = Some(VsockOverride {
+            uds_path: self.vsock_path().display().to_string(),
+        });
+        self.api.load_snapshot(&params).await?;
         Ok(())
     }
 

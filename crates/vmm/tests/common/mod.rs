@@ -128,6 +128,10 @@ impl TestVm {
         self.vm.api()
     }
 
+    pub fn vm(&self) -> &VmmProcess {
+        &self.vm
+    }
+
     pub fn dir(&self) -> &Path {
         self.vm.dir()
     }

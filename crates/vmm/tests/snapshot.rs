@@ -1,0 +1,245 @@
+//! Lab tests: pause, snapshot and restore of real microVMs.
+//! Run with `scripts/test.sh`, which provides KVM, the kernel and the image.
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::{AGENT_PORT, Boot, TestVm, bash_init};
+use vmm_api::vsock_connect::agent_health;
+use vmm_api::{InstanceState, SnapshotType};
+
+/// A guest whose init counts, printing each number on the console and keeping
+/// the last one in a file in guest memory (tmpfs).
+fn counting_guest() -> Boot {
+    Boot {
+        boot_args: Some(bash_init(
+            "mount -t tmpfs tmpfs /tmp; i=0; \
+             while true; do i=$((i+1)); echo $i > /tmp/count; echo count=$i; sleep 0.1; done",
+        )),
+        ..Boot::default()
+    }
+}
+
+/// The numbers counted on a console, in order.
+fn counts(console: &str) -> Vec<u64> {
+    console
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("count="))
+        .filter_map(|n| n.parse().ok())
+        .collect()
+}
+
+/// Waits until the console shows a count of at least `n`; returns the counts.
+async fn wait_for_count(vm: &TestVm, n: u64) -> Vec<u64> {
+    let start = Instant::now();
+    loop {
+        let seen = counts(&vm.console());
+        if seen.last().is_some_and(|&last| last >= n) {
+            return seen;
+        }
+        assert!(
+            start.elapsed() < common::BOOT_TIMEOUT,
+            "no count={n} yet\n{}",
+            vm.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn assert_consecutive(seen: &[u64], logs: &str) {
+    for pair in seen.windows(2) {
+        assert_eq!(pair[1], pair[0] + 1, "counting skipped or restarted\n{logs}");
+    }
+}
+
+async fn snapshot(vm: &TestVm, kind: SnapshotType, dir: &Path, name: &str) {
+    let state = dir.join(format!("{name}.state"));
+    let mem = dir.join(format!("{name}.mem"));
+    vm.vm()
+        .snapshot(kind, &state, &mem)
+        .await
+        .unwrap_or_else(|e| panic!("snapshot {name}: {e}\n{}", vm.logs()));
+}
+
+async fn restore(dir: &Path, name: &str) -> TestVm {
+    let vm = TestVm::spawn().await;
+    let state = dir.join(format!("{name}.state"));
+    let mem = dir.join(format!("{name}.mem"));
+    vm.vm()
+        .load_snapshot(&state, &mem, true)
+        .await
+        .unwrap_or_else(|e| panic!("load {name}: {e}\n{}", vm.logs()));
+    vm
+}
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM"]
+async fn a_counting_guest_keeps_counting_after_pause_snapshot_and_restore() {
+    let snapshots = tempfile::tempdir().unwrap();
+    let source = TestVm::spawn().await;
+    source.boot(&counting_guest()).await;
+    wait_for_count(&source, 3).await;
+
+    // Pause: counting stops, and goes on from where it was after resume.
+    source.api().pause().await.unwrap();
+    let at_pause = counts(&source.console());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(counts(&source.console()), at_pause, "counted while paused");
+    source.api().resume().await.unwrap();
+    let after = wait_for_count(&source, at_pause.last().unwrap() + 3).await;
+    assert_consecutive(&after, &source.logs());
+
+    // A full snapshot; the source goes on counting after it.
+    snapshot(&source, SnapshotType::Full, snapshots.path(), "full").await;
+    let at_snapshot = *counts(&source.console()).last().unwrap();
+    source.api().resume().await.unwrap();
+    wait_for_count(&source, at_snapshot + 3).await;
+    assert_consecutive(&counts(&source.console()), &source.logs());
+
+    // Restored in a new VMM process, the guest continues from the snapshot.
+    let restored = restore(snapshots.path(), "full").await;
+    assert_eq!(
+        restored.api().get_instance_info().await.unwrap().state,
+        InstanceState::Running
+    );
+    let seen = wait_for_count(&restored, at_snapshot + 3).await;
+    assert!(
+        seen[0] == at_snapshot + 1 || seen[0] == at_snapshot + 2,
+        "restored guest started at {} after a snapshot at {at_snapshot}\n{}",
+        seen[0],
+        restored.logs()
+    );
+    assert_consecutive(&seen, &restored.logs());
+
+    // A diff snapshot of the source holds only what changed since the full one,
+    // and restores on top of it.
+    snapshot(&source, SnapshotType::Diff, snapshots.path(), "diff").await;
+    let at_diff = *counts(&source.console()).last().unwrap();
+    let full_size = allocated(&snapshots.path().join("full.mem"));
+    let diff_size = allocated(&snapshots.path().join("diff.mem"));
+    eprintln!("memory files: full {full_size} bytes, diff {diff_size} bytes");
+    assert!(diff_size * 4 < full_size, "diff {diff_size} vs full {full_size}");
+    drop(source);
+
+    // The snapshot outlives the VMM that took it.
+    let from_diff = restore(snapshots.path(), "diff").await;
+    let seen = wait_for_count(&from_diff, at_diff + 3).await;
+    assert!(seen[0] > at_snapshot + 3, "{seen:?}");
+    assert!(seen[0] <= at_diff + 2, "{seen:?} vs {at_diff}");
+    assert_consecutive(&seen, &from_diff.logs());
+}
+
+fn allocated(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).unwrap().blocks() * 512
+}
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM"]
+async fn a_restored_agent_answers_on_its_own_vsock_socket() {
+    let snapshots = tempfile::tempdir().unwrap();
+    let mut source = TestVm::spawn().await;
+    source.boot(&Boot::default()).await;
+    source.wait_for_agent().await;
+    snapshot(&source, SnapshotType::Full, snapshots.path(), "agent").await;
+
+    let mut children = Vec::new();
+    for _ in 0..2 {
+        let mut child = restore(snapshots.path(), "agent").await;
+        let took = child.wait_for_agent().await;
+        eprintln!("restore to agent: {took:?}");
+        children.push(child);
+    }
+    // The source is still paused: its agent does not answer; resumed, it does.
+    source.api().resume().await.unwrap();
+    assert_eq!(
+        agent_health(&source.vsock_path(), AGENT_PORT, Duration::from_secs(30))
+            .await
+            .unwrap(),
+        204
+    );
+    for child in &children {
+        assert_eq!(
+            agent_health(&child.vsock_path(), AGENT_PORT, Duration::from_secs(30))
+                .await
+                .unwrap(),
+            204
+        );
+    }
+}
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM"]
+async fn a_corrupted_snapshot_is_refused_and_the_vmm_can_still_load_a_good_one() {
+    let snapshots = tempfile::tempdir().unwrap();
+    let source = TestVm::spawn().await;
+    source.boot(&counting_guest()).await;
+    wait_for_count(&source, 2).await;
+    snapshot(&source, SnapshotType::Full, snapshots.path(), "good").await;
+    drop(source);
+
+    let state = std::fs::read(snapshots.path().join("good.state")).unwrap();
+    let mut corrupted = state.clone();
+    let middle = corrupted.len() / 2;
+    corrupted[middle] ^= 0xff;
+    std::fs::write(snapshots.path().join("bad.state"), &corrupted).unwrap();
+    std::fs::write(
+        snapshots.path().join("short.state"),
+        &state[..state.len() - 100],
+    )
+    .unwrap();
+    std::fs::copy(
+        snapshots.path().join("good.mem"),
+        snapshots.path().join("bad.mem"),
+    )
+    .unwrap();
+    std::fs::copy(
+        snapshots.path().join("good.mem"),
+        snapshots.path().join("short.mem"),
+    )
+    .unwrap();
+
+    let vm = TestVm::spawn().await;
+    for (name, expect) in [("bad", "corrupted"), ("short", "truncated")] {
+        let err = vm
+            .vm()
+            .load_snapshot(
+                &snapshots.path().join(format!("{name}.state")),
+                &snapshots.path().join(format!("{name}.mem")),
+                true,
+            )
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(expect), "{name}: {err}");
+        assert_eq!(
+            vm.api().get_instance_info().await.unwrap().state,
+            InstanceState::NotStarted
+        );
+    }
+    // A memory file of the wrong size is refused too.
+    std::fs::write(snapshots.path().join("tiny.mem"), b"tiny").unwrap();
+    let err = vm
+        .vm()
+        .load_snapshot(
+            &snapshots.path().join("good.state"),
+            &snapshots.path().join("tiny.mem"),
+            true,
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("holds 4 bytes"), "{err}");
+
+    vm.vm()
+        .load_snapshot(
+            &snapshots.path().join("good.state"),
+            &snapshots.path().join("good.mem"),
+            true,
+        )
+        .await
+        .unwrap();
+    wait_for_count(&vm, 5).await;
+}
