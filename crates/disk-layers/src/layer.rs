@@ -158,10 +158,18 @@ impl LayerFile {
     /// checksum, each synced. The caller has flushed the data.
     pub fn seal(&mut self) -> Result<()> {
         let raw = self.bitmap_bytes();
-        self.file
-            .write_all_at(&raw, BITMAP_OFFSET)
-            .and_then(|()| self.file.sync_data())
-            .map_err(io_err("cannot write layer bitmap", &self.path))?;
+        // All-zero pages are left as holes (a new layer's bitmap is one), so a
+        // sealed layer costs only the pages its clusters are marked in.
+        let written = (|| {
+            for (i, page) in raw.chunks(format::SLOT_SIZE as usize).enumerate() {
+                if page.iter().any(|&b| b != 0) {
+                    let at = BITMAP_OFFSET + i as u64 * format::SLOT_SIZE;
+                    self.file.write_all_at(page, at)?;
+                }
+            }
+            self.file.sync_data()
+        })();
+        written.map_err(io_err("cannot write layer bitmap", &self.path))?;
         let header = Header {
             sealed: true,
             bitmap_crc: crc32fast::hash(&raw),
