@@ -200,20 +200,25 @@ pub(crate) fn for_each_bit(bitmap: &[u64], mut f: impl FnMut(u64)) {
     }
 }
 
-/// Whether a file starts with the layer magic (otherwise it is taken as raw).
+/// Whether a file is a layer: the magic opens one of its two header slots.
+/// Anything else is taken as a raw image.
 pub(crate) fn is_layer(path: &Path) -> Result<bool> {
-    let mut f = File::open(path).map_err(|e| match e.kind() {
+    let f = File::open(path).map_err(|e| match e.kind() {
         io::ErrorKind::NotFound => Error::NotFound {
             path: path.to_owned(),
         },
         _ => io_err("cannot open", path)(e),
     })?;
-    let mut magic = [0u8; 8];
-    match f.read_exact(&mut magic) {
-        Ok(()) => Ok(magic == MAGIC),
-        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(false),
-        Err(e) => Err(io_err("cannot read", path)(e)),
+    for slot in 0..2 {
+        let mut magic = [0u8; 8];
+        match f.read_exact_at(&mut magic, slot * format::SLOT_SIZE) {
+            Ok(()) if magic == MAGIC => return Ok(true),
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(false),
+            Err(e) => return Err(io_err("cannot read", path)(e)),
+        }
     }
+    Ok(false)
 }
 
 /// Makes a new or renamed directory entry durable.

@@ -149,7 +149,8 @@ fn only_written_clusters_cost_space_over_a_2_gib_base() {
 
     // 10 clusters scattered over the disk, one of them written in part.
     for i in 0..10u64 {
-        disk.write_at(&[i as u8 + 1; 4096], (i * 200) << 20).unwrap();
+        disk.write_at(&[i as u8 + 1; 4096], (i * 200) << 20)
+            .unwrap();
     }
     disk.write_at(&[9; 100], (1 << 30) + 50).unwrap();
     disk.flush().unwrap();
