@@ -100,7 +100,7 @@ pub fn compact(layer: &Path, levels: usize) -> Result<CompactStats> {
         allocated: 0,
         ..target_header
     };
-    let mut out = LayerFile::create(&tmp, header)?;
+    let mut out = LayerFile::create(&tmp, header, false)?;
     let result = (|| {
         // Topmost holder of each cluster among the merged layers (0 = none of them).
         let mut src = vec![0u16; layout.clusters as usize];

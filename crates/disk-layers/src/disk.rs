@@ -13,7 +13,7 @@ use crate::error::{Error, Result, io_err};
 use crate::format::{
     BITMAP_OFFSET, Header, MAX_CLUSTER_SHIFT, MAX_DISK_SIZE, MIN_CLUSTER_SHIFT, Parent, SLOT_SIZE,
 };
-use crate::layer::{LayerFile, bit, is_layer, random_id, record_parent, set_bit};
+use crate::layer::{LayerFile, bit, is_layer, random_id, record_parent, set_bit, sync_dir};
 
 /// The cluster size of layers made over a raw base unless told otherwise: the ext4
 /// block size, so the guest's usual 4 KiB writes never copy data up from below.
@@ -206,7 +206,7 @@ impl LayeredDisk {
             bitmap_crc: 0,
             allocated: 0,
         };
-        let layer = LayerFile::create(top, header)?;
+        let layer = LayerFile::create(top, header, true)?;
         Self::assemble(chain, Some(Top::new(layer)?))
     }
 
@@ -480,12 +480,23 @@ impl LayeredDisk {
                     bitmap_crc: 0,
                     allocated: 0,
                 };
-                created.push(LayerFile::create(p, header)?);
+                created.push(LayerFile::create(p, header, false)?);
+            }
+            // One directory sync for all the new entries of a directory.
+            let mut synced: Vec<&Path> = Vec::new();
+            for p in &all {
+                let dir = p.parent().unwrap_or(Path::new(""));
+                if !synced.contains(&dir) {
+                    sync_dir(p).map_err(io_err("cannot sync the directory of", *p))?;
+                    synced.push(dir);
+                }
             }
             if let Some(top) = st.top.as_mut() {
                 let pages = top.take_dirty_pages();
-                write_back(&top.sync, &pages)
-                    .map_err(io_err("cannot flush layer", &top.layer.path))?;
+                if let Err(e) = write_back(&top.sync, &pages) {
+                    top.dirty_pages.extend(pages.iter().map(|(p, _)| *p));
+                    return Err(io_err("cannot flush layer", &top.layer.path)(e));
+                }
                 top.layer.seal()?;
             }
             Ok(())

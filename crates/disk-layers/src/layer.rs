@@ -93,8 +93,9 @@ impl LayerFile {
     }
 
     /// Creates a new, empty, writable layer at `path` (never replacing a file) and
-    /// makes it durable, directory entry included.
-    pub fn create(path: &Path, header: Header) -> Result<LayerFile> {
+    /// makes its content durable; its directory entry too if `sync_entry` (callers
+    /// making several files in one directory sync it once with [`sync_dir`]).
+    pub fn create(path: &Path, header: Header, sync_entry: bool) -> Result<LayerFile> {
         let layout = header.layout();
         let bytes = header.encode().map_err(|reason| Error::CorruptHeader {
             path: path.to_owned(),
@@ -115,9 +116,10 @@ impl LayerFile {
             file.write_all_at(&bytes, header.slot_offset())?;
             // The whole data area as a hole: costs no space, fixes the length.
             file.set_len(layout.file_len())?;
-            file.sync_all()
+            file.sync_data()?;
+            if sync_entry { sync_dir(path) } else { Ok(()) }
         })();
-        if let Err(e) = made.and_then(|()| sync_dir(path)) {
+        if let Err(e) = made {
             let _ = std::fs::remove_file(path);
             return Err(io_err("cannot write new layer", path)(e));
         }
