@@ -184,3 +184,59 @@ fn only_written_clusters_cost_space_over_a_2_gib_base() {
     assert!(got[..4096].iter().all(|&b| b == 1));
     assert!(got[4096..].iter().all(|&b| b == 7));
 }
+
+#[test]
+fn threads_read_write_and_flush_one_disk_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let region = 96 * 1024u64;
+    let (base, model) = base_image(d, "base.img", 4 * region);
+    let disk = LayeredDisk::create(&base, &d.join("top")).unwrap();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let models: Vec<Vec<u8>> = std::thread::scope(|s| {
+        let flusher = s.spawn(|| {
+            let mut n = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                disk.flush().unwrap();
+                n += 1;
+            }
+            n
+        });
+        let workers: Vec<_> = (0..4u64)
+            .map(|t| {
+                let disk = &disk;
+                let start = t * region;
+                let mut mine = model[start as usize..(start + region) as usize].to_vec();
+                s.spawn(move || {
+                    let mut rng = Rng::new(100 + t);
+                    for _ in 0..2000 {
+                        let off = rng.below(region - 1);
+                        let len = 1 + rng.below((region - off).min(10_000)) as usize;
+                        if rng.below(2) == 0 {
+                            let mut buf = vec![0u8; len];
+                            rng.fill(&mut buf);
+                            disk.write_at(&buf, start + off).unwrap();
+                            mine[off as usize..off as usize + len].copy_from_slice(&buf);
+                        } else {
+                            let mut buf = vec![0u8; len];
+                            disk.read_at(&mut buf, start + off).unwrap();
+                            assert!(buf == mine[off as usize..off as usize + len], "thread {t}");
+                        }
+                    }
+                    mine
+                })
+            })
+            .collect();
+        let out = workers.into_iter().map(|w| w.join().unwrap()).collect();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert!(flusher.join().unwrap() > 0);
+        out
+    });
+    let whole = models.concat();
+    assert_content(&disk, &whole, "after the threads");
+    // A crash now keeps everything: the last flush came after the last write.
+    disk.flush().unwrap();
+    std::mem::forget(disk);
+    let disk = LayeredDisk::open(&d.join("top")).unwrap();
+    assert_content(&disk, &whole, "reopened after a crash");
+}
