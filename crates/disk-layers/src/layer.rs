@@ -204,7 +204,7 @@ pub(crate) fn for_each_bit(bitmap: &[u64], mut f: impl FnMut(u64)) {
 
 /// Whether a file is a layer: the magic opens one of its two header slots.
 /// Anything else is taken as a raw image.
-pub(crate) fn is_layer(path: &Path) -> Result<bool> {
+pub fn is_layer(path: &Path) -> Result<bool> {
     let f = File::open(path).map_err(|e| match e.kind() {
         io::ErrorKind::NotFound => Error::NotFound {
             path: path.to_owned(),

@@ -73,3 +73,4 @@ pub use chain::MAX_DEPTH;
 pub use compact::{CompactStats, chain_files, compact, compact_temp_path, unreferenced};
 pub use disk::{DEFAULT_CLUSTER_SIZE, LayeredDisk};
 pub use error::{Error, Result};
+pub use layer::is_layer;

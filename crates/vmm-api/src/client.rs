@@ -186,6 +186,13 @@ impl VmmClient {
             .await
     }
 
+    /// `PUT /fork` (sandfork's extension; Firecracker answers 400).
+    pub async fn fork(&self, params: &crate::ForkParams) -> Result<crate::ForkInfo, ClientError> {
+        let body = serde_json::to_vec(params)?;
+        let resp = self.checked(Method::PUT, "/fork", Some(body)).await?;
+        Ok(serde_json::from_slice(&resp.body)?)
+    }
+
     pub async fn load_snapshot(&self, params: &SnapshotLoadParams) -> Result<(), ClientError> {
         self.send_json(Method::PUT, "/snapshot/load", params).await
     }

@@ -12,6 +12,7 @@ mod boot_source;
 mod client;
 mod drive;
 mod error;
+mod fork;
 mod instance_info;
 mod machine_config;
 pub mod process;
@@ -28,6 +29,7 @@ pub use boot_source::BootSource;
 pub use client::{ClientError, RawResponse, VmmClient};
 pub use drive::{CacheType, Drive, IoEngine, PartialDrive};
 pub use error::ApiError;
+pub use fork::{DriveOverride, ForkInfo, ForkParams, MAX_FORK_CHILDREN};
 pub use instance_info::{InstanceInfo, InstanceState};
 pub use machine_config::{
     CpuTemplate, DEFAULT_MEM_SIZE_MIB, HugePages, MAX_MEM_SIZE_MIB, MAX_VCPUS, MachineConfig,

@@ -2,6 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::fork::DriveOverride;
 use crate::validation::{ValidationError, validate_path, validate_resource_id};
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -86,6 +87,10 @@ pub struct SnapshotLoadParams {
     pub network_overrides: Vec<NetworkOverride>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vsock_override: Option<VsockOverride>,
+    /// sandfork extension: disks to use instead of the snapshot's, by drive id
+    /// (a fork child's own disk layers).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub drive_overrides: Vec<DriveOverride>,
     #[serde(default, skip_serializing_if = "is_false")]
     pub clock_realtime: bool,
 }
@@ -113,6 +118,7 @@ impl SnapshotLoadParams {
             resume_vm,
             network_overrides: Vec::new(),
             vsock_override: None,
+            drive_overrides: Vec::new(),
             clock_realtime: false,
         }
     }
@@ -138,6 +144,10 @@ impl SnapshotLoadParams {
         }
         if let Some(v) = &self.vsock_override {
             validate_path("vsock_override.uds_path", &v.uds_path)?;
+        }
+        for d in &self.drive_overrides {
+            validate_resource_id("drive_overrides.drive_id", &d.drive_id)?;
+            validate_path("drive_overrides.path_on_host", &d.path_on_host)?;
         }
         Ok(())
     }

@@ -3,6 +3,7 @@
 
 use crate::boot_source::BootSource;
 use crate::drive::{Drive, PartialDrive};
+use crate::fork::{ForkInfo, ForkParams};
 use crate::instance_info::InstanceInfo;
 use crate::machine_config::{MachineConfig, MachineConfigUpdate};
 use crate::snapshot::{SnapshotCreateParams, SnapshotLoadParams};
@@ -47,6 +48,8 @@ pub enum VmmAction {
     CreateSnapshot(SnapshotCreateParams),
     /// `PUT /snapshot/load`
     LoadSnapshot(SnapshotLoadParams),
+    /// `PUT /fork` (sandfork extension)
+    Fork(ForkParams),
 }
 
 /// A successful answer. `Empty` becomes `204 No Content`, the others `200` with JSON.
@@ -56,6 +59,7 @@ pub enum VmmData {
     InstanceInfo(InstanceInfo),
     MachineConfig(MachineConfig),
     VmConfig(Box<VmConfig>),
+    Fork(ForkInfo),
 }
 
 /// How a failed action maps onto HTTP.

@@ -8,15 +8,15 @@ use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 
 use vmm_api::{
-    BootSource, Drive, InstanceInfo, InstanceState, MachineConfig, MemBackendType,
-    SnapshotCreateParams, SnapshotLoadParams, SnapshotType, VmConfig, VmmAction, VmmActionError,
-    VmmData, Vsock,
+    BootSource, Drive, DriveOverride, ForkInfo, ForkParams, InstanceInfo, InstanceState,
+    MachineConfig, MemBackendType, SnapshotCreateParams, SnapshotLoadParams, SnapshotType,
+    VmConfig, VmmAction, VmmActionError, VmmData, Vsock,
 };
 
 use crate::builder::{self, MicrovmSpec, RestoreSpec, VsockSpec};
 use crate::device_manager::mmio::DeviceOverrides;
 use crate::devices::virtio::block::BlockConfig;
-use crate::snapshot::{MicrovmState, SnapshotRequest, format};
+use crate::snapshot::{ForkRequest, MicrovmState, SnapshotRequest, format};
 use crate::vmm::{VmEvent, VmExit, VmState, Vmm};
 use crate::vstate::memory::MemorySnapshotKind;
 
@@ -203,6 +203,7 @@ impl Controller {
                 Ok(VmmData::Empty)
             }
             VmmAction::CreateSnapshot(params) => self.create_snapshot(&params),
+            VmmAction::Fork(params) => self.fork(&params),
             VmmAction::LoadSnapshot(params) => {
                 self.pre_boot()?;
                 self.load_snapshot(&params)
@@ -320,6 +321,51 @@ impl Controller {
         Ok(VmmData::Empty)
     }
 
+    fn fork(&mut self, params: &ForkParams) -> Result<VmmData, VmmActionError> {
+        params.validate()?;
+        let disk_dir = PathBuf::from(&params.disk_dir);
+        if !disk_dir.is_dir() {
+            return Err(bad(format!(
+                "disk_dir {} is not a directory",
+                params.disk_dir
+            )));
+        }
+        let request = ForkRequest {
+            state_path: PathBuf::from(&params.snapshot_path),
+            mem_path: PathBuf::from(&params.mem_file_path),
+            disk_dir,
+            children: params.children as usize,
+        };
+        let outcome = self
+            .running_vmm()?
+            .fork(&request)
+            .map_err(|e| bad(format!("Cannot fork the microVM: {e}")))?;
+        log::info!(
+            "forked into {} children; paused {:?}, {} bytes of memory written",
+            params.children,
+            outcome.paused,
+            outcome.memory_bytes
+        );
+        Ok(VmmData::Fork(ForkInfo {
+            snapshot_path: params.snapshot_path.clone(),
+            mem_file_path: params.mem_file_path.clone(),
+            children: outcome
+                .children
+                .into_iter()
+                .map(|drives| {
+                    drives
+                        .into_iter()
+                        .map(|(drive_id, path)| DriveOverride {
+                            drive_id,
+                            path_on_host: path.display().to_string(),
+                        })
+                        .collect()
+                })
+                .collect(),
+            paused_us: outcome.paused.as_micros() as u64,
+        }))
+    }
+
     fn load_snapshot(&mut self, params: &SnapshotLoadParams) -> Result<VmmData, VmmActionError> {
         params.validate()?;
         if self.config.boot_source.is_some()
@@ -352,7 +398,11 @@ impl Controller {
                     .vsock_override
                     .as_ref()
                     .map(|v| PathBuf::from(&v.uds_path)),
-                drive_paths: Vec::new(),
+                drive_paths: params
+                    .drive_overrides
+                    .iter()
+                    .map(|d| (d.drive_id.clone(), PathBuf::from(&d.path_on_host)))
+                    .collect(),
             },
             resume: params.resume_vm,
             advance_clock: params.clock_realtime,

@@ -6,9 +6,10 @@ use std::sync::atomic::Ordering;
 use crate::device_manager::legacy::LegacyDevices;
 use crate::device_manager::mmio::MmioDeviceManager;
 use crate::snapshot::{
-    MicrovmState, SnapshotError, SnapshotRequest, SnapshotStats, Stopwatch, format,
+    ForkOutcome, ForkRequest, MicrovmState, SnapshotError, SnapshotRequest, SnapshotStats,
+    Stopwatch, format,
 };
-use crate::vstate::memory::{GuestMemory, GuestRam};
+use crate::vstate::memory::{GuestMemory, GuestRam, MemorySnapshotKind};
 use crate::vstate::vcpu::{VcpuError, VcpuExitReason, VcpuHandle};
 use crate::vstate::vm::Vm;
 
@@ -121,7 +122,72 @@ impl Vmm {
         Ok(stats)
     }
 
+    /// Turns this VM into the parent of `request.children` forks: freezes its
+    /// memory (writing only what changed since its last snapshot or fork),
+    /// seals its writable disks with a new layer for itself and each child,
+    /// and writes the state the children load. A running VM runs on after.
+    pub fn fork(&mut self, request: &ForkRequest) -> Result<ForkOutcome, SnapshotError> {
+        let watch = Stopwatch::start();
+        let was_running = self.state == VmState::Running;
+        if was_running {
+            self.pause()?;
+        }
+        self.mmio.pause();
+        let forked = self.fork_paused(request);
+        let devices = self.mmio.resume();
+        let vcpus = if was_running { self.resume() } else { Ok(()) };
+        let paused = watch.stats(0).total;
+        let (children, memory_bytes) = forked?;
+        devices?;
+        vcpus?;
+        Ok(ForkOutcome {
+            children,
+            paused,
+            memory_bytes,
+        })
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn fork_paused(
+        &mut self,
+        request: &ForkRequest,
+    ) -> Result<(Vec<Vec<(String, std::path::PathBuf)>>, u64), SnapshotError> {
+        // Fork from the last snapshot's layers when there are any: only the
+        // pages written since then are new.
+        let kind = if self.ram.state().layers.is_empty() {
+            MemorySnapshotKind::Full
+        } else {
+            MemorySnapshotKind::Diff
+        };
+        let state = self.capture(kind, &request.mem_path)?;
+        let branches = self
+            .mmio
+            .branch_disks(&request.disk_dir, request.children)?;
+        let (state, written) = state;
+        format::write_atomically(&request.state_path, &format::encode(&state)?)?;
+        let children = (0..request.children)
+            .map(|i| {
+                branches
+                    .iter()
+                    .map(|b| (b.drive_id.clone(), b.children[i].clone()))
+                    .collect()
+            })
+            .collect();
+        Ok((children, written))
+    }
+
     fn capture_and_write(&mut self, request: &SnapshotRequest) -> Result<u64, SnapshotError> {
+        let (state, written) = self.capture(request.kind, &request.mem_path)?;
+        format::write_atomically(&request.state_path, &format::encode(&state)?)?;
+        Ok(written)
+    }
+
+    /// Captures the whole VM and writes its memory; devices must be paused.
+    fn capture(
+        &mut self,
+        kind: MemorySnapshotKind,
+        mem_path: &std::path::Path,
+    ) -> Result<(MicrovmState, u64), SnapshotError> {
         let mut vcpus = Vec::with_capacity(self.vcpus.len());
         for vcpu in &self.vcpus {
             vcpus.push(vcpu.save_state(self.msrs.clone())?);
@@ -129,7 +195,7 @@ impl Vmm {
         let vm = self.vm.save_state()?;
         let legacy = self.legacy.state();
         let devices = self.mmio.state()?;
-        let (memory, written) = self.ram.snapshot(request.kind, &request.mem_path)?;
+        let (memory, written) = self.ram.snapshot(kind, mem_path)?;
         let state = MicrovmState {
             vmm_version: env!("CARGO_PKG_VERSION").to_owned(),
             vcpu_count: self.vcpus.len() as u8,
@@ -140,8 +206,7 @@ impl Vmm {
             legacy,
             devices,
         };
-        format::write_atomically(&request.state_path, &format::encode(&state)?)?;
-        Ok(written.bytes)
+        Ok((state, written.bytes))
     }
 
     pub fn state(&self) -> VmState {

@@ -50,7 +50,11 @@ async fn wait_for_count(vm: &TestVm, n: u64) -> Vec<u64> {
 
 fn assert_consecutive(seen: &[u64], logs: &str) {
     for pair in seen.windows(2) {
-        assert_eq!(pair[1], pair[0] + 1, "counting skipped or restarted\n{logs}");
+        assert_eq!(
+            pair[1],
+            pair[0] + 1,
+            "counting skipped or restarted\n{logs}"
+        );
     }
 }
 
@@ -120,7 +124,10 @@ async fn a_counting_guest_keeps_counting_after_pause_snapshot_and_restore() {
     let full_size = allocated(&snapshots.path().join("full.mem"));
     let diff_size = allocated(&snapshots.path().join("diff.mem"));
     eprintln!("memory files: full {full_size} bytes, diff {diff_size} bytes");
-    assert!(diff_size * 4 < full_size, "diff {diff_size} vs full {full_size}");
+    assert!(
+        diff_size * 4 < full_size,
+        "diff {diff_size} vs full {full_size}"
+    );
     drop(source);
 
     // The snapshot outlives the VMM that took it.

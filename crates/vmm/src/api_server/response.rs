@@ -28,5 +28,6 @@ pub(super) fn from_data(data: VmmData) -> Response {
         VmmData::InstanceInfo(info) => Json(info).into_response(),
         VmmData::MachineConfig(config) => Json(config).into_response(),
         VmmData::VmConfig(config) => Json(config).into_response(),
+        VmmData::Fork(info) => Json(info).into_response(),
     }
 }

@@ -9,9 +9,9 @@ use axum::response::Response;
 use axum::routing::{get, patch, put};
 use tokio::sync::oneshot;
 use vmm_api::{
-    ActionType, BootSource, Drive, InstanceActionInfo, MachineConfig, MachineConfigUpdate,
-    PartialDrive, SnapshotCreateParams, SnapshotLoadParams, ValidationError, Vm, VmState,
-    VmmAction, Vsock, validate_resource_id,
+    ActionType, BootSource, Drive, ForkParams, InstanceActionInfo, MachineConfig,
+    MachineConfigUpdate, PartialDrive, SnapshotCreateParams, SnapshotLoadParams, ValidationError,
+    Vm, VmState, VmmAction, Vsock, validate_resource_id,
 };
 
 use super::channel::{ApiRequest, ApiRequestSender};
@@ -35,6 +35,7 @@ pub(super) fn router(sender: ApiRequestSender) -> Router {
         .route("/vm/config", get(get_vm_config))
         .route("/snapshot/create", put(create_snapshot))
         .route("/snapshot/load", put(load_snapshot))
+        .route("/fork", put(fork))
         // Firecracker answers both an unknown path and a wrong method with 400.
         .fallback(invalid_method_or_path)
         .method_not_allowed_fallback(invalid_method_or_path)
@@ -132,6 +133,7 @@ body_route!(
     SnapshotCreateParams::validate,
     VmmAction::CreateSnapshot
 );
+body_route!(fork, ForkParams, ForkParams::validate, VmmAction::Fork);
 body_route!(
     load_snapshot,
     SnapshotLoadParams,

@@ -192,6 +192,12 @@ fn answer(vm: &mut ControllerState, action: VmmAction) -> Result<VmmData, VmmAct
         }
         VmmAction::SendCtrlAltDel | VmmAction::FlushMetrics => Ok(VmmData::Empty),
         VmmAction::CreateSnapshot(_) => Ok(VmmData::Empty),
+        VmmAction::Fork(p) => Ok(VmmData::Fork(vmm_api::ForkInfo {
+            snapshot_path: p.snapshot_path,
+            mem_file_path: p.mem_file_path,
+            children: vec![Vec::new(); p.children as usize],
+            paused_us: 1,
+        })),
         VmmAction::LoadSnapshot(_) => Err(VmmActionError::internal("cannot map memory file")),
     }
 }
@@ -453,6 +459,18 @@ fn malformed_bodies_are_400_with_the_parse_error() {
             "invalid JSON body: invalid type: string \"text\", expected struct SnapshotCreateParams",
         ),
         ("PATCH", "/machine-config", "{}", "at least one field"),
+        (
+            "PUT",
+            "/fork",
+            r#"{"snapshot_path": "/s", "mem_file_path": "/m", "disk_dir": "/d", "children": 0}"#,
+            "children must be between 1 and 256",
+        ),
+        (
+            "PUT",
+            "/fork",
+            r#"{"snapshot_path": "/s", "mem_file_path": "/m", "children": 2}"#,
+            "missing field `disk_dir`",
+        ),
         // Parsed fine, refused by validation before reaching the controller.
         (
             "PUT",

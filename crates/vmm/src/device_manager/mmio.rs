@@ -12,13 +12,13 @@ use crate::arch::x86_64::layout::{
     IRQ_BASE, IRQ_MAX, MMIO_DEVICE_SIZE, MMIO_DEVICES_MAX, MMIO_DEVICES_START,
 };
 use crate::devices::bus::Bus;
-use crate::devices::virtio::VirtioDevice;
 use crate::devices::virtio::block::{Block, BlockConfig};
 use crate::devices::virtio::mmio::{
     MmioInterrupt, MmioTransport, MmioTransportState, QUEUE_NOTIFY_OFFSET,
 };
 use crate::devices::virtio::persist::VirtioDeviceConfig;
 use crate::devices::virtio::vsock::Vsock;
+use crate::devices::virtio::{DiskBranch, VirtioDevice};
 use crate::vstate::memory::GuestMemory;
 use crate::vstate::vm::Vm;
 
@@ -228,6 +228,27 @@ impl MmioDeviceManager {
                 .map_err(|e| DeviceManagerError::State(e.to_string()))?;
         }
         Ok(())
+    }
+
+    /// Seals every writable disk and stacks new layers on it for this VM and
+    /// `children` children (see `VirtioDevice::branch_disk`); pause first.
+    pub fn branch_disks(
+        &self,
+        dir: &std::path::Path,
+        children: usize,
+    ) -> Result<Vec<DiskBranch>, DeviceManagerError> {
+        let mut branches = Vec::new();
+        for t in &self.transports {
+            let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(b) = t
+                .device_mut()
+                .branch_disk(dir, children)
+                .map_err(DeviceManagerError::State)?
+            {
+                branches.push(b);
+            }
+        }
+        Ok(branches)
     }
 
     /// Tells every device that the VM was restored (vsock resets its connections).

@@ -37,6 +37,23 @@ pub struct SnapshotRequest {
     pub mem_path: PathBuf,
 }
 
+/// A request to fork a VM into `children` children.
+#[derive(Clone, Debug)]
+pub struct ForkRequest {
+    pub state_path: PathBuf,
+    pub mem_path: PathBuf,
+    pub disk_dir: PathBuf,
+    pub children: usize,
+}
+
+/// What a fork made: the disks of each child, and how long the VM stood still.
+#[derive(Clone, Debug)]
+pub struct ForkOutcome {
+    pub children: Vec<Vec<(String, PathBuf)>>,
+    pub paused: Duration,
+    pub memory_bytes: u64,
+}
+
 /// What taking a snapshot did, for logs and benchmarks.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SnapshotStats {

@@ -6,6 +6,7 @@
 //! per queue (a KVM ioeventfd), and the device raises interrupts through
 //! [`VirtioInterrupt`], so neither side blocks a vCPU.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use virtio_queue::{Queue, QueueState};
@@ -43,6 +44,14 @@ pub enum ActivateError {
     Worker(#[source] std::io::Error),
     #[error("device activation failed: {0}")]
     Other(String),
+}
+
+/// The disk layers a fork made for one drive.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskBranch {
+    pub drive_id: String,
+    /// One writable layer per child, in order.
+    pub children: Vec<PathBuf>,
 }
 
 /// A virtio device model, independent of its transport.
@@ -97,6 +106,13 @@ pub trait VirtioDevice: Send {
     /// Parks the worker between requests, so neither guest memory nor the
     /// queues change; connections and open files are kept. No-op if inactive.
     fn pause(&mut self) {}
+
+    /// For a fork: a writable disk seals what it holds and continues in a new
+    /// layer under `dir`, and makes one more layer there per child. Devices
+    /// without a writable disk answer `None`. The device must be paused.
+    fn branch_disk(&mut self, _dir: &Path, _children: usize) -> Result<Option<DiskBranch>, String> {
+        Ok(None)
+    }
 
     /// Called once the VM it belongs to was restored from a snapshot.
     fn on_restored(&self) {}

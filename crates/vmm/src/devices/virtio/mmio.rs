@@ -236,6 +236,10 @@ impl MmioTransport {
         self.device.as_ref()
     }
 
+    pub fn device_mut(&mut self) -> &mut dyn VirtioDevice {
+        self.device.as_mut()
+    }
+
     /// One eventfd per queue, signalled when the driver notifies that queue.
     pub fn queue_evts(&self) -> &[EventFd] {
         &self.queue_evts

@@ -7,5 +7,5 @@ pub mod persist;
 pub mod vsock;
 
 pub use device::{
-    ActivateError, ActivatedQueue, VirtioDevice, VirtioInterrupt, VirtioInterruptType,
+    ActivateError, ActivatedQueue, DiskBranch, VirtioDevice, VirtioInterrupt, VirtioInterruptType,
 };

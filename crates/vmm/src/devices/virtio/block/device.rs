@@ -17,7 +17,9 @@ use crate::devices::virtio::persist::VirtioDeviceConfig;
 
 use super::disk::{BlockError, Disk, SECTOR_SIZE};
 use super::worker::{self, Worker, WorkerHandle};
-use crate::devices::virtio::{ActivateError, ActivatedQueue, VirtioDevice, VirtioInterrupt};
+use crate::devices::virtio::{
+    ActivateError, ActivatedQueue, DiskBranch, VirtioDevice, VirtioInterrupt,
+};
 use crate::vstate::memory::GuestMemory;
 
 /// Size of the one request queue.
@@ -237,6 +239,26 @@ impl VirtioDevice for Block {
 
     fn queue_states(&self) -> Vec<QueueState> {
         self.state().queue.into_iter().collect()
+    }
+
+    fn branch_disk(&mut self, dir: &Path, children: usize) -> Result<Option<DiskBranch>, String> {
+        if self.config.read_only {
+            return Ok(None);
+        }
+        if !self.disk.is_layered() {
+            return Err(BlockError::NotLayered(self.config.id.clone()).to_string());
+        }
+        let layer = |n: usize| dir.join(format!("{}.{n}.layer", self.config.id));
+        let continue_at = layer(0);
+        let child_layers: Vec<PathBuf> = (1..=children).map(layer).collect();
+        self.disk
+            .branch(&continue_at, &child_layers)
+            .map_err(|e| e.to_string())?;
+        self.config.path = continue_at;
+        Ok(Some(DiskBranch {
+            drive_id: self.config.id.clone(),
+            children: child_layers,
+        }))
     }
 
     fn snapshot_config(&self) -> Option<VirtioDeviceConfig> {

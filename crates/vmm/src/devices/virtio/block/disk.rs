@@ -41,14 +41,39 @@ pub enum BlockError {
         #[source]
         source: io::Error,
     },
+    #[error("disk layer {}: {source}", path.display())]
+    Layer {
+        path: PathBuf,
+        #[source]
+        source: disk_layers::Error,
+    },
+    #[error("drive {0} is a raw image: forking a writable drive needs a layered disk")]
+    NotLayered(String),
+}
+
+/// Where the sectors live.
+enum Backend {
+    /// A raw image or block device: I/O goes straight between it and guest memory.
+    Raw(File),
+    /// A stack of copy-on-write layers (see the disk-layers crate).
+    Layered(Box<disk_layers::LayeredDisk>),
 }
 
 /// An open disk image and its geometry.
-#[derive(Debug)]
 pub struct Disk {
-    file: File,
+    backend: Backend,
     capacity: u64,
     read_only: bool,
+}
+
+impl std::fmt::Debug for Disk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Disk")
+            .field("layered", &matches!(self.backend, Backend::Layered(_)))
+            .field("capacity", &self.capacity)
+            .field("read_only", &self.read_only)
+            .finish()
+    }
 }
 
 impl Disk {
@@ -68,6 +93,28 @@ impl Disk {
             },
         })?;
         check_kind(path, &meta)?;
+        let layer_err = |source| BlockError::Layer {
+            path: path.to_owned(),
+            source,
+        };
+        if meta.file_type().is_file() && disk_layers::is_layer(path).map_err(layer_err)? {
+            let layered = disk_layers::LayeredDisk::open(path).map_err(layer_err)?;
+            if !read_only && layered.is_read_only() {
+                return Err(BlockError::Open {
+                    path: path.to_owned(),
+                    mode: "read-write",
+                    source: io::Error::new(
+                        io::ErrorKind::PermissionDenied,
+                        "the layer is sealed; stack a writable layer on it",
+                    ),
+                });
+            }
+            return Ok(Disk {
+                capacity: layered.len() / SECTOR_SIZE,
+                backend: Backend::Layered(Box::new(layered)),
+                read_only,
+            });
+        }
 
         let mode = if read_only { "read-only" } else { "read-write" };
         let file = OpenOptions::new()
@@ -96,10 +143,30 @@ impl Disk {
         };
 
         Ok(Disk {
-            file,
+            backend: Backend::Raw(file),
             capacity: bytes / SECTOR_SIZE,
             read_only,
         })
+    }
+
+    pub fn is_layered(&self) -> bool {
+        matches!(self.backend, Backend::Layered(_))
+    }
+
+    /// Seals a layered disk's top and stacks a new writable layer on it for
+    /// this disk (`continue_at`) and one per child. The device must be quiet.
+    pub fn branch(&self, continue_at: &Path, children: &[PathBuf]) -> Result<(), BlockError> {
+        let Backend::Layered(layered) = &self.backend else {
+            return Err(BlockError::NotLayered(continue_at.display().to_string()));
+        };
+        // The children reopen their layers by path; their handles here can go.
+        layered
+            .seal_and_branch(continue_at, children)
+            .map(drop)
+            .map_err(|source| BlockError::Layer {
+                path: continue_at.to_owned(),
+                source,
+            })
     }
 
     /// Capacity in 512-byte sectors.
@@ -120,7 +187,10 @@ impl Disk {
 
     /// Commits written data to stable storage (`fdatasync`).
     pub fn flush(&self) -> io::Result<()> {
-        self.file.sync_data()
+        match &self.backend {
+            Backend::Raw(file) => file.sync_data(),
+            Backend::Layered(layered) => layered.flush().map_err(io::Error::other),
+        }
     }
 
     /// Reads `len` bytes at byte `offset` of the disk into guest memory at `addr`.
@@ -133,7 +203,17 @@ impl Disk {
     ) -> io::Result<()> {
         for slice in GuestMemoryBackend::get_slices(mem, addr, len) {
             let slice = slice.map_err(io::Error::other)?;
-            self.pread_exact(&slice, offset)?;
+            match &self.backend {
+                Backend::Raw(file) => pread_exact(file, &slice, offset)?,
+                Backend::Layered(layered) => {
+                    // The layers resolve clusters to files: bounce through a buffer.
+                    let mut buf = vec![0u8; slice.len()];
+                    layered
+                        .read_at(&mut buf, offset)
+                        .map_err(io::Error::other)?;
+                    slice.copy_from(&buf);
+                }
+            }
             offset += slice.len() as u64;
         }
         Ok(())
@@ -155,83 +235,98 @@ impl Disk {
         }
         for slice in GuestMemoryBackend::get_slices(mem, addr, len) {
             let slice = slice.map_err(io::Error::other)?;
-            self.pwrite_all(&slice, offset)?;
+            match &self.backend {
+                Backend::Raw(file) => pwrite_all(file, &slice, offset)?,
+                Backend::Layered(layered) => {
+                    let mut buf = vec![0u8; slice.len()];
+                    slice.copy_to(&mut buf[..]);
+                    layered.write_at(&buf, offset).map_err(io::Error::other)?;
+                }
+            }
             offset += slice.len() as u64;
         }
         Ok(())
     }
+}
 
-    fn pread_exact<B: BitmapSlice>(&self, slice: &VolatileSlice<B>, offset: u64) -> io::Result<()> {
-        let guard = slice.ptr_guard_mut();
-        let mut done = 0;
-        let result = loop {
-            if done == slice.len() {
-                break Ok(());
-            }
-            let pos = file_offset(offset, done)?;
-            // SAFETY: `guard` covers `slice.len()` bytes of mapped guest memory that stay
-            // mapped while it lives; the kernel writes at most `slice.len() - done` bytes
-            // starting `done` bytes in, so it stays inside the slice. The fd is owned by
-            // `self.file`, which outlives the call.
-            let n = unsafe {
-                libc::pread(
-                    self.file.as_raw_fd(),
-                    guard.as_ptr().add(done).cast(),
-                    slice.len() - done,
-                    pos,
-                )
-            };
-            match n {
-                0 => {
-                    break Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "the disk image shrank under the device",
-                    ));
-                }
-                n if n < 0 => {
-                    let err = io::Error::last_os_error();
-                    if err.kind() != io::ErrorKind::Interrupted {
-                        break Err(err);
-                    }
-                }
-                // n > 0 and at most the requested length, so it fits in usize.
-                n => done += n.unsigned_abs(),
-            }
-        };
-        // Mark the whole slice: after an error we do not know what the kernel wrote.
-        slice.bitmap().mark_dirty(0, slice.len());
-        result
-    }
-
-    fn pwrite_all<B: BitmapSlice>(&self, slice: &VolatileSlice<B>, offset: u64) -> io::Result<()> {
-        let guard = slice.ptr_guard();
-        let mut done = 0;
-        while done < slice.len() {
-            let pos = file_offset(offset, done)?;
-            // SAFETY: `guard` covers `slice.len()` bytes of mapped guest memory that stay
-            // mapped while it lives; the kernel reads at most `slice.len() - done` bytes
-            // starting `done` bytes in. The fd is owned by `self.file`.
-            let n = unsafe {
-                libc::pwrite(
-                    self.file.as_raw_fd(),
-                    guard.as_ptr().add(done).cast(),
-                    slice.len() - done,
-                    pos,
-                )
-            };
-            match n {
-                0 => return Err(io::ErrorKind::WriteZero.into()),
-                n if n < 0 => {
-                    let err = io::Error::last_os_error();
-                    if err.kind() != io::ErrorKind::Interrupted {
-                        return Err(err);
-                    }
-                }
-                n => done += n.unsigned_abs(),
-            }
+fn pread_exact<B: BitmapSlice>(
+    file: &File,
+    slice: &VolatileSlice<B>,
+    offset: u64,
+) -> io::Result<()> {
+    let guard = slice.ptr_guard_mut();
+    let mut done = 0;
+    let result = loop {
+        if done == slice.len() {
+            break Ok(());
         }
-        Ok(())
+        let pos = file_offset(offset, done)?;
+        // SAFETY: `guard` covers `slice.len()` bytes of mapped guest memory that stay
+        // mapped while it lives; the kernel writes at most `slice.len() - done` bytes
+        // starting `done` bytes in, so it stays inside the slice. The fd is owned by
+        // `file`, which outlives the call.
+        let n = unsafe {
+            libc::pread(
+                file.as_raw_fd(),
+                guard.as_ptr().add(done).cast(),
+                slice.len() - done,
+                pos,
+            )
+        };
+        match n {
+            0 => {
+                break Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "the disk image shrank under the device",
+                ));
+            }
+            n if n < 0 => {
+                let err = io::Error::last_os_error();
+                if err.kind() != io::ErrorKind::Interrupted {
+                    break Err(err);
+                }
+            }
+            // n > 0 and at most the requested length, so it fits in usize.
+            n => done += n.unsigned_abs(),
+        }
+    };
+    // Mark the whole slice: after an error we do not know what the kernel wrote.
+    slice.bitmap().mark_dirty(0, slice.len());
+    result
+}
+
+fn pwrite_all<B: BitmapSlice>(
+    file: &File,
+    slice: &VolatileSlice<B>,
+    offset: u64,
+) -> io::Result<()> {
+    let guard = slice.ptr_guard();
+    let mut done = 0;
+    while done < slice.len() {
+        let pos = file_offset(offset, done)?;
+        // SAFETY: `guard` covers `slice.len()` bytes of mapped guest memory that stay
+        // mapped while it lives; the kernel reads at most `slice.len() - done` bytes
+        // starting `done` bytes in. The fd is owned by `file`.
+        let n = unsafe {
+            libc::pwrite(
+                file.as_raw_fd(),
+                guard.as_ptr().add(done).cast(),
+                slice.len() - done,
+                pos,
+            )
+        };
+        match n {
+            0 => return Err(io::ErrorKind::WriteZero.into()),
+            n if n < 0 => {
+                let err = io::Error::last_os_error();
+                if err.kind() != io::ErrorKind::Interrupted {
+                    return Err(err);
+                }
+            }
+            n => done += n.unsigned_abs(),
+        }
     }
+    Ok(())
 }
 
 fn file_offset(offset: u64, done: usize) -> io::Result<libc::off_t> {

@@ -1,0 +1,96 @@
+//! `PUT /fork`: sandfork's extension that turns one running VM into many.
+//!
+//! The VMM freezes the VM's memory into a layer file (only the pages written
+//! since its last snapshot or fork; everything the first time a booted VM is
+//! forked), writes the VM state next to it, seals every layered disk and stacks
+//! a fresh writable layer on it for the VM itself and for each child, and lets
+//! the VM go on. Each child is then a `PUT /snapshot/load` of that state in a
+//! fresh VMM process, with the child's own disk layers and vsock socket.
+
+use serde::{Deserialize, Serialize};
+
+use crate::validation::{ValidationError, validate_path};
+
+/// The most children one fork makes.
+pub const MAX_FORK_CHILDREN: u32 = 256;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForkParams {
+    /// Where the VM state for the children is written.
+    pub snapshot_path: String,
+    /// Where the frozen memory layer is written (a tmpfs keeps forks fast).
+    pub mem_file_path: String,
+    /// Where the new disk layers go: `<drive_id>.<n>.layer`, n = 0 for this VM.
+    pub disk_dir: String,
+    pub children: u32,
+}
+
+impl ForkParams {
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        validate_path("snapshot_path", &self.snapshot_path)?;
+        validate_path("mem_file_path", &self.mem_file_path)?;
+        validate_path("disk_dir", &self.disk_dir)?;
+        if self.snapshot_path == self.mem_file_path {
+            return Err(ValidationError::new(
+                "snapshot_path and mem_file_path must be different files",
+            ));
+        }
+        if self.children == 0 || self.children > MAX_FORK_CHILDREN {
+            return Err(ValidationError::new(format!(
+                "children must be between 1 and {MAX_FORK_CHILDREN}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A disk a child (or a restored VM) uses instead of the snapshot's.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DriveOverride {
+    pub drive_id: String,
+    pub path_on_host: String,
+}
+
+/// The answer to `PUT /fork`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForkInfo {
+    pub snapshot_path: String,
+    pub mem_file_path: String,
+    /// Per child, in order: the disks to load it with.
+    pub children: Vec<Vec<DriveOverride>>,
+    /// How long the VM was stopped, in microseconds.
+    pub paused_us: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(children: u32) -> ForkParams {
+        ForkParams {
+            snapshot_path: "/f/state".into(),
+            mem_file_path: "/f/mem".into(),
+            disk_dir: "/f".into(),
+            children,
+        }
+    }
+
+    #[test]
+    fn child_count_is_bounded() {
+        params(1).validate().unwrap();
+        params(MAX_FORK_CHILDREN).validate().unwrap();
+        assert!(params(0).validate().is_err());
+        assert!(params(MAX_FORK_CHILDREN + 1).validate().is_err());
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        let err = serde_json::from_str::<ForkParams>(
+            r#"{"snapshot_path":"/a","mem_file_path":"/b","disk_dir":"/c","children":2,"x":1}"#,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("unknown field `x`"), "{err}");
+    }
+}
