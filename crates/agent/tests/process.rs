@@ -616,3 +616,20 @@ fn bad_input_never_hurts_the_agent() {
     let run = start(&agent, &[], sh("echo still"));
     assert_eq!(run.stdout(), "still\n");
 }
+
+#[test]
+fn large_output_arrives_whole_and_children_get_default_sigpipe() {
+    let agent = Agent::start();
+    // 8 MiB through a reading client: backpressure, nothing dropped.
+    let run = start(&agent, &[], sh("head -c 8388608 /dev/zero"));
+    assert_eq!(run.stdout.len(), 8 << 20);
+    assert_eq!(run.end["exitCode"], 0);
+    // The agent ignores SIGPIPE (Rust does); its children must not.
+    let run = start(&agent, &[], sh("yes | head -n 1"));
+    assert_eq!(run.stdout.split(|&b| b == b'\n').next(), Some(&b"y"[..]));
+    assert!(
+        run.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+}
