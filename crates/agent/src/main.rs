@@ -6,6 +6,7 @@
 
 mod args;
 mod console_log;
+mod envd;
 mod loopback;
 mod mounts;
 mod pid1;
@@ -85,17 +86,22 @@ async fn run(args: Args, pid1: Option<Pid1Kind>) -> anyhow::Result<()> {
     let mut sigterm = watch(SignalKind::terminate());
     let mut sigint = watch(SignalKind::interrupt());
 
-    if pid1.is_some() {
-        tokio::spawn(reaper::run());
-    }
+    // Always, not only as PID 1: the reaper is the one waiter for the
+    // children the process service starts.
+    tokio::spawn(reaper::run());
 
+    let router = envd::router(envd::Envd::new(pid1.is_some()));
     let mut serving = false;
     if let Some(addr) = args.listen_tcp {
         match tokio::net::TcpListener::bind(addr).await {
             Ok(listener) => {
                 let local = listener.local_addr()?;
                 log::info!("listening on tcp {local}");
-                tokio::spawn(server::serve(listener, format!("tcp {local}")));
+                tokio::spawn(server::serve(
+                    listener,
+                    format!("tcp {local}"),
+                    router.clone(),
+                ));
                 serving = true;
             }
             Err(e) if pid1.is_some() => log::error!("tcp {addr}: {e}"),
@@ -106,7 +112,11 @@ async fn run(args: Args, pid1: Option<Pid1Kind>) -> anyhow::Result<()> {
         match vsock::VsockListener::bind(port) {
             Ok(listener) => {
                 log::info!("listening on vsock port {}", listener.port());
-                tokio::spawn(server::serve(listener, format!("vsock port {port}")));
+                tokio::spawn(server::serve(
+                    listener,
+                    format!("vsock port {port}"),
+                    router.clone(),
+                ));
                 serving = true;
             }
             Err(e) if e.raw_os_error() == Some(libc::EAFNOSUPPORT) => {
