@@ -8,6 +8,7 @@
 //! `validate`, so the message names the field.
 
 mod action;
+pub mod agent_client;
 mod boot_source;
 mod client;
 mod drive;

@@ -7,9 +7,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::agent_client::AgentClient;
 use crate::{
-    BootSource, ClientError, Drive, MachineConfig, SnapshotCreateParams, SnapshotLoadParams,
-    SnapshotType, VmmClient, Vsock, VsockOverride,
+    BootSource, ClientError, Drive, ForkInfo, ForkParams, MachineConfig, SnapshotCreateParams,
+    SnapshotLoadParams, SnapshotType, VmmClient, Vsock, VsockOverride,
 };
 
 /// The guest agent's port (E2B's envd port).
@@ -197,6 +198,37 @@ impl VmmProcess {
         });
         self.api.load_snapshot(&params).await?;
         Ok(())
+    }
+
+    /// Forks the VM (sandfork's `PUT /fork`) into `children`, with the state,
+    /// the frozen memory and the new disk layers in `dir`.
+    pub async fn fork(&self, dir: &Path, children: u32) -> Result<ForkInfo, ProcessError> {
+        Ok(self
+            .api
+            .fork(&ForkParams {
+                snapshot_path: dir.join("fork.state").display().to_string(),
+                mem_file_path: dir.join("fork.mem").display().to_string(),
+                disk_dir: dir.display().to_string(),
+                children,
+            })
+            .await?)
+    }
+
+    /// Loads child `index` of a fork into this (fresh) VMM and resumes it.
+    pub async fn load_fork_child(&self, fork: &ForkInfo, index: usize) -> Result<(), ProcessError> {
+        let mut params =
+            SnapshotLoadParams::from_file(&fork.snapshot_path, &fork.mem_file_path, true);
+        params.vsock_override = Some(VsockOverride {
+            uds_path: self.vsock_path().display().to_string(),
+        });
+        params.drive_overrides = fork.children.get(index).cloned().unwrap_or_default();
+        self.api.load_snapshot(&params).await?;
+        Ok(())
+    }
+
+    /// A client of this VM's guest agent.
+    pub fn agent(&self) -> AgentClient {
+        AgentClient::new(&self.vsock_path())
     }
 
     /// Polls the agent's health check until it answers 204; returns the time taken.

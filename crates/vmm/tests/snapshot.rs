@@ -250,3 +250,167 @@ async fn a_corrupted_snapshot_is_refused_and_the_vmm_can_still_load_a_good_one()
         .unwrap();
     wait_for_count(&vm, 5).await;
 }
+
+/// The private and shared resident memory of a process, in KiB, from
+/// `/proc/<pid>/smaps_rollup`.
+fn memory_kib(pid: u32) -> (u64, u64) {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap();
+    let field = |name: &str| -> u64 {
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    (
+        field("Private_Clean:") + field("Private_Dirty:"),
+        field("Shared_Clean:") + field("Shared_Dirty:"),
+    )
+}
+
+async fn run(vm: &TestVm, command: &str) -> String {
+    let out = vm
+        .vm()
+        .agent()
+        .run(command)
+        .await
+        .unwrap_or_else(|e| panic!("{command}: {e}\n{}", vm.logs()));
+    assert_eq!(out.exit_code, 0, "{command}: {out:?}\n{}", vm.logs());
+    out.stdout.trim().to_owned()
+}
+
+async fn count(vm: &TestVm) -> u64 {
+    run(vm, "cat /tmp/count").await.parse().unwrap()
+}
+
+async fn fork_children(parent: &TestVm, dir: &Path, n: u32) -> Vec<TestVm> {
+    // A warm pool: the VMM processes exist before the fork.
+    let mut pool = Vec::new();
+    for _ in 0..n {
+        pool.push(TestVm::spawn().await);
+    }
+    let fork = parent
+        .vm()
+        .fork(dir, n)
+        .await
+        .unwrap_or_else(|e| panic!("fork: {e}\n{}", parent.logs()));
+    eprintln!("fork of {n}: parent paused {} us", fork.paused_us);
+    for (i, child) in pool.iter_mut().enumerate() {
+        child.vm().load_fork_child(&fork, i).await.unwrap();
+        child.wait_for_agent().await;
+        child
+            .vm()
+            .agent()
+            .init(&vmm_api::agent_client::AgentInit::after_restore().unwrap())
+            .await
+            .unwrap();
+    }
+    pool
+}
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM"]
+async fn forks_of_a_running_vm_continue_diverge_and_share_memory() {
+    let work = tempfile::tempdir().unwrap();
+    let base = work.path().join("data.img");
+    common::write_file(&base, &vec![0u8; 8 << 20]);
+    let top = work.path().join("data.top");
+    disk_layers::LayeredDisk::create(&base, &top).unwrap();
+
+    let mut parent = TestVm::spawn().await;
+    parent
+        .boot(&Boot {
+            drives: vec![(top.clone(), false)],
+            ..Boot::default()
+        })
+        .await;
+    parent.wait_for_agent().await;
+    run(
+        &parent,
+        "echo parent | dd of=/dev/vdb conv=fsync 2>/dev/null; \
+         (i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done) \
+         >/dev/null 2>&1 </dev/null & echo started",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let fork_dir = work.path().join("fork1");
+    std::fs::create_dir(&fork_dir).unwrap();
+    let at_fork = count(&parent).await;
+    let children = fork_children(&parent, &fork_dir, 3).await;
+
+    // The parent runs on.
+    let parent_later = count(&parent).await;
+    assert!(parent_later > at_fork, "{parent_later} <= {at_fork}");
+
+    let mut randoms = Vec::new();
+    for (i, child) in children.iter().enumerate() {
+        // Each child kept counting from the fork point.
+        let first = count(child).await;
+        assert!(first >= at_fork, "child {i}: {first} < {at_fork}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(count(child).await > first, "child {i} stopped counting");
+        // Then writes its own memory and disk.
+        run(
+            child,
+            &format!(
+                "echo child{i} > /tmp/who; echo child{i} | dd of=/dev/vdb conv=fsync 2>/dev/null"
+            ),
+        )
+        .await;
+        randoms.push(run(child, "head -c 16 /dev/urandom | od -An -tx1").await);
+    }
+    for (i, child) in children.iter().enumerate() {
+        assert_eq!(run(child, "cat /tmp/who").await, format!("child{i}"));
+        assert_eq!(
+            run(
+                child,
+                "dd if=/dev/vdb bs=512 count=1 iflag=direct 2>/dev/null | head -c 6"
+            )
+            .await,
+            format!("child{i}")[..6]
+        );
+    }
+    assert_eq!(
+        run(&parent, "cat /tmp/who 2>/dev/null || echo none").await,
+        "none"
+    );
+    assert_eq!(
+        run(
+            &parent,
+            "dd if=/dev/vdb bs=512 count=1 iflag=direct 2>/dev/null | head -c 6"
+        )
+        .await,
+        "parent"
+    );
+    randoms.sort();
+    randoms.dedup();
+    assert_eq!(randoms.len(), children.len(), "children share RNG output");
+
+    // Siblings share the frozen memory: most of each child is shared.
+    for child in &children {
+        let (private, shared) = memory_kib(child.vm().pid());
+        eprintln!("child: private {private} KiB, shared {shared} KiB");
+        assert!(
+            shared > private,
+            "private {private} KiB vs shared {shared} KiB"
+        );
+    }
+
+    // A fork of a fork.
+    let fork_dir = work.path().join("fork2");
+    std::fs::create_dir(&fork_dir).unwrap();
+    let grandchildren = fork_children(&children[1], &fork_dir, 1).await;
+    assert_eq!(run(&grandchildren[0], "cat /tmp/who").await, "child1");
+    let g = count(&grandchildren[0]).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(count(&grandchildren[0]).await > g);
+    assert_eq!(
+        run(
+            &grandchildren[0],
+            "dd if=/dev/vdb bs=512 count=1 iflag=direct 2>/dev/null | head -c 6"
+        )
+        .await,
+        "child1"
+    );
+}

@@ -7,6 +7,7 @@
 pub mod auth;
 pub mod clock;
 pub mod connect;
+pub mod entropy;
 pub mod process;
 pub mod state;
 pub mod user;

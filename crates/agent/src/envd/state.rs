@@ -73,6 +73,10 @@ pub struct InitRequest {
     /// RFC 3339; sets the guest clock when the agent is PID 1.
     #[serde(default)]
     pub timestamp: Option<String>,
+    /// sandfork extension: base64 host entropy to reseed the kernel RNG with
+    /// (sent after a restore or fork, when every copy has the same RNG state).
+    #[serde(default)]
+    pub entropy: Option<envd_proto::json::B64>,
 }
 
 /// `POST /init`: 204 on success. Once a token is set, a later `/init` must
@@ -104,6 +108,11 @@ pub async fn init(
             Some(_) => {}
             None => log::warn!("/init: ignoring unparsable timestamp {ts:?}"),
         }
+    }
+    if let Some(entropy) = &req.entropy
+        && let Err(e) = super::entropy::reseed(&entropy.0)
+    {
+        log::warn!("/init: cannot reseed the kernel RNG: {e}");
     }
     envd.sandbox.update(|s| {
         if let Some(vars) = req.env_vars {

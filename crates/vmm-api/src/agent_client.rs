@@ -1,0 +1,209 @@
+//! A small client of the guest agent (E2B's envd protocol) over a VM's vsock
+//! socket: what the host itself needs from a guest, namely to initialise it
+//! after a boot, restore or fork (wall clock, fresh entropy) and to run a
+//! command and collect its output.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use envd_proto::envelope::{self, DEFAULT_MAX_MESSAGE, FLAG_NONE};
+use envd_proto::process::{
+    DataEvent, PATH_START, ProcessConfig, ProcessEvent, StartRequest, StartResponse,
+};
+use http_body_util::{BodyExt, Full};
+use hyper::Request;
+use hyper_util::rt::TokioIo;
+use serde::Serialize;
+
+use crate::process::AGENT_PORT;
+use crate::vsock_connect::{self, VsockConnectError};
+
+/// Random bytes handed to a guest on init, to reseed its kernel RNG.
+pub const ENTROPY_BYTES: usize = 64;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error(transparent)]
+    Vsock(#[from] VsockConnectError),
+    #[error("HTTP exchange with the guest agent: {0}")]
+    Http(#[from] hyper::Error),
+    #[error("building the request: {0}")]
+    Request(String),
+    #[error("the guest agent answered {status} to {path}: {body}")]
+    Status {
+        path: String,
+        status: u16,
+        body: String,
+    },
+    #[error("the guest agent's answer to {path} is malformed: {reason}")]
+    Malformed { path: String, reason: String },
+    #[error("reading host entropy: {0}")]
+    Entropy(#[source] std::io::Error),
+    #[error("no answer from the guest agent within {0:?}")]
+    Timeout(Duration),
+}
+
+/// The `POST /init` body: E2B's fields plus sandfork's `entropy`.
+#[derive(Debug, Clone, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentInit {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timestamp: Option<String>,
+    /// Base64 bytes the agent mixes into the kernel RNG before reseeding it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub entropy: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub access_token: Option<String>,
+}
+
+impl AgentInit {
+    /// The host's wall clock now and fresh host entropy: what a restored or
+    /// forked guest needs before it serves anything.
+    pub fn after_restore() -> Result<Self, AgentError> {
+        use base64::Engine;
+        use std::io::Read;
+        let mut entropy = [0u8; ENTROPY_BYTES];
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| f.read_exact(&mut entropy))
+            .map_err(AgentError::Entropy)?;
+        Ok(AgentInit {
+            timestamp: Some(humantime::format_rfc3339_nanos(SystemTime::now()).to_string()),
+            entropy: Some(base64::engine::general_purpose::STANDARD.encode(entropy)),
+            access_token: None,
+        })
+    }
+}
+
+/// What a command did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CommandOutput {
+    pub exit_code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Talks to the agent of the VM whose vsock socket is `uds`.
+#[derive(Debug, Clone)]
+pub struct AgentClient {
+    uds: PathBuf,
+    timeout: Duration,
+}
+
+impl AgentClient {
+    pub fn new(uds: &Path) -> Self {
+        AgentClient {
+            uds: uds.to_owned(),
+            timeout: Duration::from_secs(60),
+        }
+    }
+
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    async fn post(
+        &self,
+        path: &str,
+        content_type: &str,
+        body: Bytes,
+    ) -> Result<(u16, Bytes), AgentError> {
+        let exchange = async {
+            let stream = vsock_connect::connect(&self.uds, AGENT_PORT).await?;
+            let (mut sender, connection) =
+                hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+            tokio::spawn(connection);
+            let request = Request::post(path)
+                .header("host", "agent")
+                .header("content-type", content_type)
+                .header("connect-protocol-version", "1")
+                .body(Full::new(body))
+                .map_err(|e| AgentError::Request(e.to_string()))?;
+            let response = sender.send_request(request).await?;
+            let status = response.status().as_u16();
+            let body = response.into_body().collect().await?.to_bytes();
+            Ok((status, body))
+        };
+        tokio::time::timeout(self.timeout, exchange)
+            .await
+            .map_err(|_| AgentError::Timeout(self.timeout))?
+    }
+
+    /// `POST /init`.
+    pub async fn init(&self, init: &AgentInit) -> Result<(), AgentError> {
+        let body = serde_json::to_vec(init).map_err(|e| AgentError::Request(e.to_string()))?;
+        let (status, reply) = self.post("/init", "application/json", body.into()).await?;
+        if !(200..300).contains(&status) {
+            return Err(AgentError::Status {
+                path: "/init".into(),
+                status,
+                body: String::from_utf8_lossy(&reply).into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Runs `command` under `bash -c` as root and waits for it to end.
+    pub async fn run(&self, command: &str) -> Result<CommandOutput, AgentError> {
+        let malformed = |reason: String| AgentError::Malformed {
+            path: PATH_START.into(),
+            reason,
+        };
+        let request = StartRequest {
+            process: ProcessConfig {
+                cmd: "/bin/bash".into(),
+                args: vec!["-c".into(), command.into()],
+                ..Default::default()
+            },
+            stdin: Some(false),
+            ..Default::default()
+        };
+        let body = envelope::encode(
+            FLAG_NONE,
+            &serde_json::to_vec(&request).map_err(|e| AgentError::Request(e.to_string()))?,
+        );
+        let (status, reply) = self
+            .post(PATH_START, envd_proto::CONTENT_TYPE_STREAM, body)
+            .await?;
+        if status != 200 {
+            return Err(AgentError::Status {
+                path: PATH_START.into(),
+                status,
+                body: String::from_utf8_lossy(&reply).into(),
+            });
+        }
+        let envelopes = envelope::decode_all(&reply, DEFAULT_MAX_MESSAGE)
+            .map_err(|e| malformed(e.to_string()))?;
+        let mut out = CommandOutput::default();
+        let mut ended = false;
+        for env in envelopes {
+            if env.is_end_stream() {
+                let text = String::from_utf8_lossy(&env.payload);
+                if text.contains("\"error\"") {
+                    return Err(malformed(format!("the stream ended with {text}")));
+                }
+                continue;
+            }
+            let message: StartResponse =
+                serde_json::from_slice(&env.payload).map_err(|e| malformed(e.to_string()))?;
+            match message.event {
+                ProcessEvent::Data(DataEvent::Stdout(b)) => {
+                    out.stdout.push_str(&String::from_utf8_lossy(&b.0))
+                }
+                ProcessEvent::Data(DataEvent::Stderr(b)) => {
+                    out.stderr.push_str(&String::from_utf8_lossy(&b.0))
+                }
+                ProcessEvent::End(end) => {
+                    out.exit_code = end.exit_code;
+                    ended = true;
+                }
+                _ => {}
+            }
+        }
+        if !ended {
+            return Err(malformed("the stream has no end event".into()));
+        }
+        Ok(out)
+    }
+}
