@@ -109,6 +109,12 @@ impl AgentClient {
         content_type: &str,
         body: Bytes,
     ) -> Result<(u16, Bytes), AgentError> {
+        use base64::Engine;
+        // envd takes the user from the Basic-auth user name; the host acts as root.
+        let root = format!(
+            "Basic {}",
+            base64::engine::general_purpose::STANDARD.encode("root:")
+        );
         let exchange = async {
             let stream = vsock_connect::connect(&self.uds, AGENT_PORT).await?;
             let (mut sender, connection) =
@@ -118,6 +124,7 @@ impl AgentClient {
                 .header("host", "agent")
                 .header("content-type", content_type)
                 .header("connect-protocol-version", "1")
+                .header("authorization", &root)
                 .body(Full::new(body))
                 .map_err(|e| AgentError::Request(e.to_string()))?;
             let response = sender.send_request(request).await?;

@@ -1,5 +1,8 @@
-//! `sandfork bench`: boot-to-agent time of sandfork-vmm, and of a reference
-//! Firecracker on the same kernel and image when one is given.
+//! `sandfork bench`: boot, snapshot, restore and fork figures of sandfork-vmm,
+//! and of a reference Firecracker on the same kernel and image when one is
+//! given (for what Firecracker can do).
+
+mod snapshot;
 
 use std::path::Path;
 use std::time::Duration;
@@ -11,7 +14,7 @@ use crate::launcher::{self, GuestImage};
 
 const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
 
-fn median(samples: &mut [f64]) -> f64 {
+pub(crate) fn median(samples: &mut [f64]) -> f64 {
     samples.sort_by(f64::total_cmp);
     samples[samples.len() / 2]
 }
@@ -40,6 +43,12 @@ async fn measure(vmm: &Path, image: &GuestImage, runs: usize) -> Result<Value> {
     }))
 }
 
+fn merge(into: &mut Value, from: Value) {
+    if let (Value::Object(into), Value::Object(from)) = (into, from) {
+        into.extend(from);
+    }
+}
+
 pub async fn run(
     environment: &str,
     vmm: &Path,
@@ -48,12 +57,25 @@ pub async fn run(
     runs: usize,
 ) -> Result<Value> {
     let mut report = measure(vmm, image, runs).await?;
+    merge(&mut report, snapshot::measure(vmm, image, runs).await?);
     let reference = match firecracker {
         Some(fc) => {
-            let fc_report = measure(fc, image, runs).await?;
-            let ratio = report["boot_to_agent_ms"].as_f64().unwrap_or(0.0)
-                / fc_report["boot_to_agent_ms"].as_f64().unwrap_or(f64::NAN);
-            report["boot_to_agent_ratio_vs_reference"] = json!(ratio);
+            let mut fc_report = measure(fc, image, runs).await?;
+            merge(
+                &mut fc_report,
+                snapshot::measure_reference(fc, image, runs).await?,
+            );
+            for key in [
+                "boot_to_agent_ms",
+                "restore_to_agent_ms",
+                "pause_ms",
+                "snapshot_full_ms",
+            ] {
+                let ratio = report[key].as_f64().unwrap_or(f64::NAN)
+                    / fc_report[key].as_f64().unwrap_or(f64::NAN);
+                let name = format!("{}_ratio_vs_reference", key.trim_end_matches("_ms"));
+                report[name] = json!(ratio);
+            }
             fc_report
         }
         None => Value::Null,
