@@ -1,0 +1,3 @@
+//! The envd protocol.
+
+pub mod filesystem;
