@@ -5,3 +5,4 @@ pub mod entry;
 pub mod error;
 pub mod ops;
 pub mod types;
+pub mod watch;
