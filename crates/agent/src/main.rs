@@ -6,8 +6,6 @@
 
 mod args;
 mod console_log;
-// Not routed yet: the Connect layer lands with the envd skeleton.
-#[allow(dead_code)]
 mod envd;
 mod loopback;
 mod mounts;
@@ -92,13 +90,18 @@ async fn run(args: Args, pid1: Option<Pid1Kind>) -> anyhow::Result<()> {
         tokio::spawn(reaper::run());
     }
 
+    let router = envd::router(envd::Envd::new(pid1.is_some()));
     let mut serving = false;
     if let Some(addr) = args.listen_tcp {
         match tokio::net::TcpListener::bind(addr).await {
             Ok(listener) => {
                 let local = listener.local_addr()?;
                 log::info!("listening on tcp {local}");
-                tokio::spawn(server::serve(listener, format!("tcp {local}")));
+                tokio::spawn(server::serve(
+                    listener,
+                    format!("tcp {local}"),
+                    router.clone(),
+                ));
                 serving = true;
             }
             Err(e) if pid1.is_some() => log::error!("tcp {addr}: {e}"),
@@ -109,7 +112,11 @@ async fn run(args: Args, pid1: Option<Pid1Kind>) -> anyhow::Result<()> {
         match vsock::VsockListener::bind(port) {
             Ok(listener) => {
                 log::info!("listening on vsock port {}", listener.port());
-                tokio::spawn(server::serve(listener, format!("vsock port {port}")));
+                tokio::spawn(server::serve(
+                    listener,
+                    format!("vsock port {port}"),
+                    router.clone(),
+                ));
                 serving = true;
             }
             Err(e) if e.raw_os_error() == Some(libc::EAFNOSUPPORT) => {

@@ -1,36 +1,23 @@
-//! The agent's HTTP surface. For now only what envd answers on /health; the envd
-//! protocol (Connect RPC process/filesystem services, /files, /envs) lands here.
+//! Serving the agent's HTTP surface (the envd router, see `envd`) on any
+//! listener: vsock and TCP.
 
 use axum::Router;
-use axum::http::StatusCode;
-use axum::routing::get;
 use axum::serve::Listener;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 
-/// Routes served on vsock and TCP alike. Unknown routes get axum's 404.
-pub fn router() -> Router {
-    Router::new().route("/health", get(health))
-}
-
-/// envd answers a bare 204 once it is ready to serve.
-async fn health() -> StatusCode {
-    StatusCode::NO_CONTENT
-}
-
-/// Serves `router()` on every connection the listener accepts, forever (the
+/// Serves `router` on every connection the listener accepts, forever (the
 /// listener retries failed accepts itself).
 ///
 /// Not `axum::serve`: it cannot enable HTTP/1 half-close, and without it hyper
 /// drops the response when a client shuts down its write side after sending the
 /// request (as `socat` and byte-forwarding proxies do), which we saw on vsock.
-pub async fn serve<L>(mut listener: L, what: String)
+pub async fn serve<L>(mut listener: L, what: String, router: Router)
 where
     L: Listener,
     L::Addr: std::fmt::Debug,
 {
-    let router = router();
     loop {
         let (io, peer) = listener.accept().await;
         log::trace!("{what}: connection from {peer:?}");
@@ -76,9 +63,13 @@ mod tests {
         }
     }
 
+    fn test_router() -> Router {
+        crate::envd::router(crate::envd::Envd::new(false))
+    }
+
     async fn roundtrip(request: &str) -> String {
         let (client, server) = tokio::io::duplex(4096);
-        let task = tokio::spawn(serve(OneStream(Some(server)), "test".into()));
+        let task = tokio::spawn(serve(OneStream(Some(server)), "test".into(), test_router()));
         let mut client = client;
         client.write_all(request.as_bytes()).await.unwrap();
         let mut out = Vec::new();
@@ -100,7 +91,7 @@ mod tests {
     async fn response_survives_client_half_close() {
         for _ in 0..20 {
             let (mut client, server) = tokio::io::duplex(4096);
-            let task = tokio::spawn(serve(OneStream(Some(server)), "test".into()));
+            let task = tokio::spawn(serve(OneStream(Some(server)), "test".into(), test_router()));
             client
                 .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
                 .await

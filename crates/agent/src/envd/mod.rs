@@ -1,3 +1,61 @@
-//! The envd protocol.
+//! E2B's envd protocol (spec: /work/shared/reference/e2b-protocol.md §3): the
+//! Connect services and the plain HTTP endpoints, as one axum Router.
+//!
+//! Each service is a sub-router of `Router<Envd>` merged here; every handler
+//! gets the shared [`Envd`] as axum state.
 
+pub mod auth;
+pub mod clock;
+// Used by the services (process, filesystem) as they land.
+#[allow(dead_code)]
+pub mod connect;
+// Routed in the next commits.
+#[allow(dead_code)]
 pub mod filesystem;
+pub mod state;
+#[allow(dead_code)]
+pub mod user;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::http::StatusCode;
+use axum::middleware;
+use axum::routing::{get, post};
+
+use state::SandboxState;
+
+/// State shared by every envd handler. Cheap to clone.
+#[derive(Clone)]
+pub struct Envd {
+    pub sandbox: Arc<SandboxState>,
+    /// Whether the agent is PID 1 (a guest), which allows setting the clock.
+    pub pid1: bool,
+}
+
+impl Envd {
+    pub fn new(pid1: bool) -> Self {
+        Self {
+            sandbox: Arc::new(SandboxState::new()),
+            pid1,
+        }
+    }
+}
+
+/// Routes served on vsock and TCP alike. Unknown routes get axum's 404.
+pub fn router(envd: Envd) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/init", post(state::init))
+        .route("/envs", get(state::envs))
+        .layer(middleware::from_fn_with_state(
+            envd.clone(),
+            auth::require_token,
+        ))
+        .with_state(envd)
+}
+
+/// envd answers a bare 204 once it is ready to serve.
+async fn health() -> StatusCode {
+    StatusCode::NO_CONTENT
+}

@@ -1,0 +1,20 @@
+//! Wire types of E2B's envd protocol as the E2B SDKs speak it: the Connect
+//! protocol with the JSON codec (envelopes, error codes and bodies) and the
+//! proto3-JSON messages of each service.
+//!
+//! Shared by the guest agent (server side) and the host tools (client side), so
+//! every type both serialises and deserialises.
+
+pub mod envelope;
+pub mod error;
+pub mod json;
+pub mod process;
+
+pub use envelope::{Decoder, Envelope, EnvelopeError};
+pub use error::{Code, ConnectError, EndStream};
+
+/// Content type of unary Connect requests and responses (JSON codec).
+pub const CONTENT_TYPE_UNARY: &str = "application/json";
+/// Content type of streaming Connect requests and responses. Responses must use
+/// exactly this string: the Python SDK rejects any parameter after it.
+pub const CONTENT_TYPE_STREAM: &str = "application/connect+json";
