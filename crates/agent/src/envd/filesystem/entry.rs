@@ -10,7 +10,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 
-use super::types::{EntryInfo, FileType};
+use envd_proto::filesystem::{EntryInfo, FileType};
 
 /// Prefix of the extended attributes that carry file metadata.
 pub const XATTR_PREFIX: &str = "user.e2b.";

@@ -4,5 +4,4 @@ pub mod as_user;
 pub mod entry;
 pub mod error;
 pub mod ops;
-pub mod types;
 pub mod watch;

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use super::entry::{Names, entry_from_metadata, entry_info};
 use super::error::{FsError, FsErrorKind};
-use super::types::EntryInfo;
+use envd_proto::filesystem::EntryInfo;
 
 pub fn stat(path: &Path) -> Result<EntryInfo, FsError> {
     entry_info(path, &mut Names::default()).map_err(|e| FsError::io("stat", path, &e))
@@ -119,7 +119,7 @@ pub fn remove(path: &Path) -> Result<(), FsError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::envd::filesystem::types::FileType;
+    use envd_proto::filesystem::FileType;
 
     #[test]
     fn make_dir_creates_parents_and_refuses_existing() {

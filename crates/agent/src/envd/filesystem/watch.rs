@@ -13,7 +13,7 @@ use tokio::io::unix::AsyncFd;
 use super::as_user::{Creds, run_as};
 use super::entry::{Names, entry_info};
 use super::error::{FsError, FsErrorKind};
-use super::types::{EventType, FilesystemEvent};
+use envd_proto::filesystem::{EventType, FilesystemEvent};
 
 /// Events asked of the kernel: everything that maps to an EventType, plus the
 /// watched directory's own removal.

@@ -1,82 +1,28 @@
-//! JSON shapes of the `filesystem.Filesystem` Connect service (proto3 JSON
-//! mapping): lowerCamelCase names with snake_case accepted, enums written as
-//! names and read as names or numbers, int64 as strings, defaults omitted.
+//! `filesystem.Filesystem` messages in proto3 JSON (lowerCamelCase with
+//! snake_case accepted, enums as names read from names or numbers, int64 as
+//! strings, defaults omitted), and the JSON of envd's plain-HTTP file routes.
 
 use std::collections::BTreeMap;
-use std::fmt;
 
-use serde::de::{self, Visitor};
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde::{Deserialize, Serialize};
 
-/// A proto3 enum: serialized as its name, parsed from its name or its number.
-/// Unknown numbers become the zero value, as proto3 open enums allow.
-macro_rules! proto_enum {
-    ($(#[$m:meta])* $name:ident { $($variant:ident = $num:literal => $text:literal,)+ }) => {
-        $(#[$m])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-        pub enum $name {
-            #[default]
-            $($variant,)+
-        }
+use crate::json::{i64_string, u32_flex};
 
-        impl $name {
-            pub fn name(self) -> &'static str {
-                match self { $(Self::$variant => $text,)+ }
-            }
+/// Connect paths of the service's methods.
+pub const SERVICE: &str = "filesystem.Filesystem";
+pub const PATH_STAT: &str = "/filesystem.Filesystem/Stat";
+pub const PATH_MAKE_DIR: &str = "/filesystem.Filesystem/MakeDir";
+pub const PATH_MOVE: &str = "/filesystem.Filesystem/Move";
+pub const PATH_LIST_DIR: &str = "/filesystem.Filesystem/ListDir";
+pub const PATH_REMOVE: &str = "/filesystem.Filesystem/Remove";
+pub const PATH_WATCH_DIR: &str = "/filesystem.Filesystem/WatchDir";
+pub const PATH_CREATE_WATCHER: &str = "/filesystem.Filesystem/CreateWatcher";
+pub const PATH_GET_WATCHER_EVENTS: &str = "/filesystem.Filesystem/GetWatcherEvents";
+pub const PATH_REMOVE_WATCHER: &str = "/filesystem.Filesystem/RemoveWatcher";
 
-            pub fn number(self) -> i32 {
-                match self { $(Self::$variant => $num,)+ }
-            }
-
-            pub fn from_number(n: i64) -> Self {
-                match n { $($num => Self::$variant,)+ _ => Self::default() }
-            }
-
-            pub fn from_name(s: &str) -> Option<Self> {
-                match s { $($text => Some(Self::$variant),)+ _ => None }
-            }
-
-            pub fn is_default(&self) -> bool {
-                *self == Self::default()
-            }
-        }
-
-        impl Serialize for $name {
-            fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-                s.serialize_str(self.name())
-            }
-        }
-
-        impl<'de> Deserialize<'de> for $name {
-            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-                struct V;
-                impl Visitor<'_> for V {
-                    type Value = $name;
-                    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                        f.write_str(concat!("a ", stringify!($name), " name or number"))
-                    }
-                    fn visit_str<E: de::Error>(self, v: &str) -> Result<$name, E> {
-                        $name::from_name(v).ok_or_else(|| E::unknown_variant(v, &[$($text,)+]))
-                    }
-                    fn visit_i64<E: de::Error>(self, v: i64) -> Result<$name, E> {
-                        Ok($name::from_number(v))
-                    }
-                    fn visit_u64<E: de::Error>(self, v: u64) -> Result<$name, E> {
-                        Ok($name::from_number(i64::try_from(v).unwrap_or(-1)))
-                    }
-                    fn visit_unit<E: de::Error>(self) -> Result<$name, E> {
-                        Ok($name::default())
-                    }
-                }
-                d.deserialize_any(V)
-            }
-        }
-    };
-}
-
-proto_enum! {
+crate::proto_enum! {
     /// `filesystem.FileType`.
-    FileType {
+    pub enum FileType "file type" {
         Unspecified = 0 => "FILE_TYPE_UNSPECIFIED",
         File = 1 => "FILE_TYPE_FILE",
         Directory = 2 => "FILE_TYPE_DIRECTORY",
@@ -84,9 +30,9 @@ proto_enum! {
     }
 }
 
-proto_enum! {
+crate::proto_enum! {
     /// `filesystem.EventType`.
-    EventType {
+    pub enum EventType "event type" {
         Unspecified = 0 => "EVENT_TYPE_UNSPECIFIED",
         Create = 1 => "EVENT_TYPE_CREATE",
         Write = 2 => "EVENT_TYPE_WRITE",
@@ -108,43 +54,6 @@ fn is_zero_u32(v: &u32) -> bool {
     *v == 0
 }
 
-/// proto3 JSON int64: written as a decimal string, read from a string or a number.
-mod int64_string {
-    use super::*;
-
-    pub fn serialize<S: Serializer>(v: &i64, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(v)
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
-        struct V;
-        impl Visitor<'_> for V {
-            type Value = i64;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("an int64 as a string or a number")
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<i64, E> {
-                v.parse()
-                    .map_err(|_| E::invalid_value(de::Unexpected::Str(v), &self))
-            }
-            fn visit_i64<E: de::Error>(self, v: i64) -> Result<i64, E> {
-                Ok(v)
-            }
-            fn visit_u64<E: de::Error>(self, v: u64) -> Result<i64, E> {
-                i64::try_from(v).map_err(|_| E::invalid_value(de::Unexpected::Unsigned(v), &self))
-            }
-            fn visit_f64<E: de::Error>(self, v: f64) -> Result<i64, E> {
-                if v.fract() == 0.0 && v.abs() < 9.2e18 {
-                    Ok(v as i64)
-                } else {
-                    Err(E::invalid_value(de::Unexpected::Float(v), &self))
-                }
-            }
-        }
-        d.deserialize_any(V)
-    }
-}
-
 /// `filesystem.EntryInfo`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, rename_all = "camelCase")]
@@ -155,9 +64,9 @@ pub struct EntryInfo {
     pub file_type: FileType,
     #[serde(skip_serializing_if = "String::is_empty")]
     pub path: String,
-    #[serde(with = "int64_string", skip_serializing_if = "is_zero_i64")]
+    #[serde(with = "i64_string", skip_serializing_if = "is_zero_i64")]
     pub size: i64,
-    #[serde(skip_serializing_if = "is_zero_u32")]
+    #[serde(with = "u32_flex", skip_serializing_if = "is_zero_u32")]
     pub mode: u32,
     #[serde(skip_serializing_if = "String::is_empty")]
     pub permissions: String,
@@ -211,6 +120,7 @@ pub struct MoveRequest {
 #[serde(default)]
 pub struct ListDirRequest {
     pub path: String,
+    #[serde(with = "u32_flex")]
     pub depth: u32,
 }
 
