@@ -9,8 +9,6 @@ pub mod clock;
 // Used by the services (process, filesystem) as they land.
 #[allow(dead_code)]
 pub mod connect;
-// Routed in the next commits.
-#[allow(dead_code)]
 pub mod filesystem;
 pub mod state;
 #[allow(dead_code)]
@@ -31,6 +29,8 @@ pub struct Envd {
     pub sandbox: Arc<SandboxState>,
     /// Whether the agent is PID 1 (a guest), which allows setting the clock.
     pub pid1: bool,
+    /// Watchers polled with `GetWatcherEvents`.
+    pub watchers: filesystem::watch::Watchers,
 }
 
 impl Envd {
@@ -38,6 +38,7 @@ impl Envd {
         Self {
             sandbox: Arc::new(SandboxState::new()),
             pid1,
+            watchers: Default::default(),
         }
     }
 }
@@ -48,6 +49,7 @@ pub fn router(envd: Envd) -> Router {
         .route("/health", get(health))
         .route("/init", post(state::init))
         .route("/envs", get(state::envs))
+        .merge(filesystem::rpc::router())
         .layer(middleware::from_fn_with_state(
             envd.clone(),
             auth::require_token,

@@ -23,12 +23,23 @@ pub struct Creds {
     pub groups: Vec<u32>,
 }
 
+#[cfg(test)]
 impl Creds {
     pub fn root() -> Self {
         Self {
             uid: 0,
             gid: 0,
             groups: vec![0],
+        }
+    }
+}
+
+impl From<&crate::envd::user::User> for Creds {
+    fn from(u: &crate::envd::user::User) -> Self {
+        Self {
+            uid: u.uid,
+            gid: u.gid,
+            groups: u.groups.clone(),
         }
     }
 }

@@ -74,6 +74,21 @@ impl From<io::Error> for FsError {
     }
 }
 
+impl From<FsError> for envd_proto::ConnectError {
+    fn from(e: FsError) -> Self {
+        use envd_proto::Code;
+        let code = match e.kind {
+            FsErrorKind::InvalidArgument => Code::InvalidArgument,
+            FsErrorKind::NotFound => Code::NotFound,
+            FsErrorKind::AlreadyExists => Code::AlreadyExists,
+            FsErrorKind::PermissionDenied => Code::PermissionDenied,
+            FsErrorKind::NoSpace => Code::ResourceExhausted,
+            FsErrorKind::Internal => Code::Internal,
+        };
+        envd_proto::ConnectError::new(code, e.message)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

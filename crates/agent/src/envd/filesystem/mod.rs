@@ -4,4 +4,5 @@ pub mod as_user;
 pub mod entry;
 pub mod error;
 pub mod ops;
+pub mod rpc;
 pub mod watch;
