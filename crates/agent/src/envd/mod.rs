@@ -9,7 +9,9 @@ pub mod clock;
 // Used by the services (process, filesystem) as they land.
 #[allow(dead_code)]
 pub mod connect;
+pub mod files;
 pub mod filesystem;
+pub mod metrics;
 pub mod state;
 #[allow(dead_code)]
 pub mod user;
@@ -49,7 +51,9 @@ pub fn router(envd: Envd) -> Router {
         .route("/health", get(health))
         .route("/init", post(state::init))
         .route("/envs", get(state::envs))
+        .route("/metrics", get(metrics::handler))
         .merge(filesystem::rpc::router())
+        .merge(files::router())
         .layer(middleware::from_fn_with_state(
             envd.clone(),
             auth::require_token,
