@@ -2,6 +2,7 @@
 //! optionally gzip-encoded, with single-range requests.
 
 use std::io::SeekFrom;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use async_compression::Level;
@@ -119,14 +120,26 @@ async fn serve(envd: &Envd, headers: &HeaderMap, raw: Option<&str>) -> Result<Re
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response()))
 }
 
-/// Opens `path` for reading as the calling thread's user; directories are
-/// refused (400) here rather than failing mid-stream.
+/// Opens `path` for reading as the calling thread's user. Only regular files
+/// are served: directories are refused here rather than failing mid-stream,
+/// and FIFOs or devices could block or never end. O_NONBLOCK keeps the open
+/// itself from waiting on a FIFO's writer.
 fn open_for_read(path: &Path) -> Result<(std::fs::File, u64), FsError> {
-    let file = std::fs::File::open(path).map_err(|e| FsError::io("open", path, &e))?;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| FsError::io("open", path, &e))?;
     let md = file.metadata().map_err(|e| FsError::io("stat", path, &e))?;
     if md.is_dir() {
         return Err(FsError::invalid(format!(
             "{} is a directory",
+            path.display()
+        )));
+    }
+    if !md.is_file() {
+        return Err(FsError::invalid(format!(
+            "{} is not a regular file",
             path.display()
         )));
     }

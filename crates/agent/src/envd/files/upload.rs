@@ -229,8 +229,17 @@ fn open_for_write(
         .create(true)
         .truncate(true)
         .mode(0o644)
+        // Never wait in open(2) for a FIFO's reader; blocking I/O after.
+        .custom_flags(libc::O_NONBLOCK)
         .open(path)
         .map_err(|e| FsError::io("open", path, &e))?;
+    // SAFETY: F_GETFL/F_SETFL on a descriptor we own.
+    unsafe {
+        let flags = libc::fcntl(file.as_raw_fd(), libc::F_GETFL);
+        if flags >= 0 {
+            libc::fcntl(file.as_raw_fd(), libc::F_SETFL, flags & !libc::O_NONBLOCK);
+        }
+    }
     replace_metadata(&file, metadata).map_err(|e| FsError::io("store metadata on", path, &e))?;
     Ok(file)
 }

@@ -47,7 +47,8 @@ impl FsError {
                 | libc::ELOOP
                 | libc::ENAMETOOLONG
                 | libc::ENOTEMPTY
-                | libc::EXDEV,
+                | libc::EXDEV
+                | libc::ENXIO,
             ) => FsErrorKind::InvalidArgument,
             _ if e.kind() == io::ErrorKind::InvalidInput => FsErrorKind::InvalidArgument,
             _ => FsErrorKind::Internal,
