@@ -8,11 +8,11 @@ use axum::http::HeaderMap;
 use axum::response::Response;
 use axum::routing::post;
 use envd_proto::filesystem::{
-    CreateWatcherRequest, CreateWatcherResponse, Empty, EntryResponse, GetWatcherEventsRequest,
-    GetWatcherEventsResponse, ListDirRequest, ListDirResponse, MakeDirRequest, MoveRequest,
-    PATH_CREATE_WATCHER, PATH_GET_WATCHER_EVENTS, PATH_LIST_DIR, PATH_MAKE_DIR, PATH_MOVE,
-    PATH_REMOVE, PATH_REMOVE_WATCHER, PATH_STAT, PATH_WATCH_DIR, RemoveRequest,
-    RemoveWatcherRequest, StatRequest, WatchDirRequest, WatchDirResponse,
+    CreateWatcherRequest, CreateWatcherResponse, Empty, EntryResponse, FilesystemEvent,
+    GetWatcherEventsRequest, GetWatcherEventsResponse, ListDirRequest, ListDirResponse,
+    MakeDirRequest, MoveRequest, PATH_CREATE_WATCHER, PATH_GET_WATCHER_EVENTS, PATH_LIST_DIR,
+    PATH_MAKE_DIR, PATH_MOVE, PATH_REMOVE, PATH_REMOVE_WATCHER, PATH_STAT, PATH_WATCH_DIR,
+    RemoveRequest, RemoveWatcherRequest, StatRequest, WatchDirRequest, WatchDirResponse,
 };
 use envd_proto::{Code, ConnectError};
 
@@ -22,8 +22,8 @@ use super::ops;
 use super::watch::DirWatcher;
 use crate::envd::Envd;
 use crate::envd::connect::{
-    ConnectErr, ConnectJson, StreamRequest, Unary, UnaryResult, stream_error, stream_response,
-    timeout,
+    ConnectErr, ConnectJson, StreamRequest, StreamSender, Unary, UnaryResult, stream_error,
+    stream_response, timeout,
 };
 use crate::envd::user::{RequestUser, User};
 
@@ -133,45 +133,68 @@ async fn watch_dir(RequestUser(user): RequestUser, req: StreamRequest) -> Respon
     };
     let every = keepalive_interval(&headers);
     let (tx, response) = stream_response(64);
-    tokio::spawn(async move {
-        if tx.send(&WatchDirResponse::Start(Empty {})).await.is_err() {
-            return;
+    // The watcher runs in its own task and hands over whole batches: a batch
+    // read from inotify must never be dropped half-way by the select below.
+    let (batch_tx, mut batches) = tokio::sync::mpsc::channel(16);
+    let producer = tokio::spawn(async move {
+        loop {
+            let batch = watcher.next().await;
+            let last = !matches!(batch, Ok(Some(_)));
+            if batch_tx.send(batch).await.is_err() || last {
+                break;
+            }
         }
-        let expiry = async {
-            match deadline {
-                Some(d) => tokio::time::sleep(d).await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::pin!(expiry);
-        let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-        let outcome = loop {
-            tokio::select! {
-                batch = watcher.next() => match batch {
-                    Ok(Some(events)) => {
-                        for e in events {
-                            if tx.send(&WatchDirResponse::Filesystem(e)).await.is_err() {
-                                return;
-                            }
-                        }
-                    }
-                    Ok(None) => break None,
-                    Err(e) => break Some(ConnectError::from(e)),
-                },
-                _ = ticker.tick() => {
-                    if tx.send(&WatchDirResponse::Keepalive(Empty {})).await.is_err() {
-                        return;
-                    }
-                }
-                _ = &mut expiry => {
-                    break Some(ConnectError::new(Code::DeadlineExceeded, "watch deadline exceeded"));
-                }
-                _ = tx.closed() => return,
-            }
-        };
-        tx.end(outcome).await;
+    });
+    tokio::spawn(async move {
+        let outcome = stream_events(&tx, &mut batches, every, deadline).await;
+        producer.abort();
+        if let Some(outcome) = outcome {
+            tx.end(outcome).await;
+        }
     });
     response
+}
+
+/// Sends `start`, then events and keepalives until the watch ends. Returns the
+/// end-stream error (None for success), or None if the client went away.
+async fn stream_events(
+    tx: &StreamSender,
+    batches: &mut tokio::sync::mpsc::Receiver<Result<Option<Vec<FilesystemEvent>>, FsError>>,
+    every: Duration,
+    deadline: Option<Duration>,
+) -> Option<Option<ConnectError>> {
+    tx.send(&WatchDirResponse::Start(Empty {})).await.ok()?;
+    let expiry = async {
+        match deadline {
+            Some(d) => tokio::time::sleep(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(expiry);
+    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    loop {
+        tokio::select! {
+            batch = batches.recv() => match batch {
+                Some(Ok(Some(events))) => {
+                    for e in events {
+                        tx.send(&WatchDirResponse::Filesystem(e)).await.ok()?;
+                    }
+                }
+                Some(Ok(None)) | None => return Some(None),
+                Some(Err(e)) => return Some(Some(ConnectError::from(e))),
+            },
+            _ = ticker.tick() => {
+                tx.send(&WatchDirResponse::Keepalive(Empty {})).await.ok()?;
+            }
+            _ = &mut expiry => {
+                return Some(Some(ConnectError::new(
+                    Code::DeadlineExceeded,
+                    "watch deadline exceeded",
+                )));
+            }
+            _ = tx.closed() => return None,
+        }
+    }
 }
 
 async fn create_watcher(
