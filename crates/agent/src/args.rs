@@ -14,7 +14,8 @@ usage: sandfork-agent [--listen-tcp ADDR:PORT] [--vsock-port PORT] [--no-vsock]
 
 Guest agent of sandfork microVMs. As PID 1 it sets up the guest (mounts, hostname,
 loopback), reaps every zombie and shuts the VM down on SIGINT/SIGTERM; in any mode it
-serves HTTP (GET /health -> 204) on vsock and, if asked, on TCP.
+serves E2B's envd protocol (/health, /init, /envs, process.Process) on vsock
+and, if asked, on TCP.
 
   --listen-tcp ADDR:PORT  also serve HTTP on this TCP address (port 0: any free port)
   --vsock-port PORT       vsock port to serve on (default 49983)

@@ -86,9 +86,9 @@ async fn run(args: Args, pid1: Option<Pid1Kind>) -> anyhow::Result<()> {
     let mut sigterm = watch(SignalKind::terminate());
     let mut sigint = watch(SignalKind::interrupt());
 
-    if pid1.is_some() {
-        tokio::spawn(reaper::run());
-    }
+    // Always, not only as PID 1: the reaper is the one waiter for the
+    // children the process service starts.
+    tokio::spawn(reaper::run());
 
     let router = envd::router(envd::Envd::new(pid1.is_some()));
     let mut serving = false;

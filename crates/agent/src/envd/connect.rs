@@ -309,10 +309,6 @@ impl StreamSender {
     pub async fn closed(&self) {
         self.tx.closed().await
     }
-
-    pub fn is_closed(&self) -> bool {
-        self.tx.is_closed()
-    }
 }
 
 /// A server-stream response and its sender. The response is 200 with content

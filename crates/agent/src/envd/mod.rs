@@ -6,14 +6,12 @@
 
 pub mod auth;
 pub mod clock;
-// Used by the services (process, filesystem) as they land.
-#[allow(dead_code)]
 pub mod connect;
 pub mod files;
 pub mod filesystem;
 pub mod metrics;
+pub mod process;
 pub mod state;
-#[allow(dead_code)]
 pub mod user;
 
 use std::sync::Arc;
@@ -23,12 +21,14 @@ use axum::http::StatusCode;
 use axum::middleware;
 use axum::routing::{get, post};
 
+use process::ProcessTable;
 use state::SandboxState;
 
 /// State shared by every envd handler. Cheap to clone.
 #[derive(Clone)]
 pub struct Envd {
     pub sandbox: Arc<SandboxState>,
+    pub processes: Arc<ProcessTable>,
     /// Whether the agent is PID 1 (a guest), which allows setting the clock.
     pub pid1: bool,
     /// Watchers polled with `GetWatcherEvents`.
@@ -39,6 +39,7 @@ impl Envd {
     pub fn new(pid1: bool) -> Self {
         Self {
             sandbox: Arc::new(SandboxState::new()),
+            processes: Arc::new(ProcessTable::default()),
             pid1,
             watchers: Default::default(),
         }
@@ -54,6 +55,7 @@ pub fn router(envd: Envd) -> Router {
         .route("/metrics", get(metrics::handler))
         .merge(filesystem::rpc::router())
         .merge(files::router())
+        .merge(process::router())
         .layer(middleware::from_fn_with_state(
             envd.clone(),
             auth::require_token,
