@@ -7,6 +7,7 @@
 
 pub mod envelope;
 pub mod error;
+pub mod filesystem;
 pub mod json;
 pub mod process;
 

@@ -8,6 +8,9 @@ pub mod auth;
 pub mod clock;
 pub mod connect;
 pub mod entropy;
+pub mod files;
+pub mod filesystem;
+pub mod metrics;
 pub mod process;
 pub mod state;
 pub mod user;
@@ -29,6 +32,8 @@ pub struct Envd {
     pub processes: Arc<ProcessTable>,
     /// Whether the agent is PID 1 (a guest), which allows setting the clock.
     pub pid1: bool,
+    /// Watchers polled with `GetWatcherEvents`.
+    pub watchers: filesystem::watch::Watchers,
 }
 
 impl Envd {
@@ -37,6 +42,7 @@ impl Envd {
             sandbox: Arc::new(SandboxState::new()),
             processes: Arc::new(ProcessTable::default()),
             pid1,
+            watchers: Default::default(),
         }
     }
 }
@@ -47,6 +53,9 @@ pub fn router(envd: Envd) -> Router {
         .route("/health", get(health))
         .route("/init", post(state::init))
         .route("/envs", get(state::envs))
+        .route("/metrics", get(metrics::handler))
+        .merge(filesystem::rpc::router())
+        .merge(files::router())
         .merge(process::router())
         .layer(middleware::from_fn_with_state(
             envd.clone(),
