@@ -255,6 +255,8 @@ impl VirtioDevice for Block {
             .branch(&continue_at, &child_layers)
             .map_err(|e| e.to_string())?;
         self.config.path = continue_at;
+        // Forks of forks stack layers; keep this disk's chain short.
+        drop(self.disk.compact_in_background());
         Ok(Some(DiskBranch {
             drive_id: self.config.id.clone(),
             children: child_layers,

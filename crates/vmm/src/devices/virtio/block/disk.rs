@@ -59,11 +59,17 @@ enum Backend {
     Layered(Box<disk_layers::LayeredDisk>),
 }
 
+/// A layered disk deeper than this (after a fork) gets its sealed layers
+/// folded into one in the background, so reads and restores stay cheap.
+pub const COMPACT_ABOVE_DEPTH: usize = 8;
+
 /// An open disk image and its geometry.
 pub struct Disk {
     backend: Backend,
     capacity: u64,
     read_only: bool,
+    /// A background compaction is running.
+    compacting: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Disk {
@@ -113,6 +119,7 @@ impl Disk {
                 capacity: layered.len() / SECTOR_SIZE,
                 backend: Backend::Layered(Box::new(layered)),
                 read_only,
+                compacting: Default::default(),
             });
         }
 
@@ -146,6 +153,7 @@ impl Disk {
             backend: Backend::Raw(file),
             capacity: bytes / SECTOR_SIZE,
             read_only,
+            compacting: Default::default(),
         })
     }
 
@@ -183,6 +191,63 @@ impl Disk {
         sector
             .checked_add(sectors)
             .is_some_and(|end| end <= self.capacity)
+    }
+
+    /// Layers in the chain, the raw base not counted (0 for a raw disk).
+    pub fn depth(&self) -> usize {
+        match &self.backend {
+            Backend::Raw(_) => 0,
+            Backend::Layered(layered) => layered.depth(),
+        }
+    }
+
+    /// When the chain is deeper than [`COMPACT_ABOVE_DEPTH`], folds all its
+    /// sealed layers into one on a background thread, then switches this disk
+    /// to the shorter chain. Other VMs sharing the old layers keep their open
+    /// files; the folded layer replaces the old top-most sealed one by rename,
+    /// with the same content. Returns the thread, if one was started.
+    pub fn compact_in_background(
+        self: &std::sync::Arc<Self>,
+    ) -> Option<std::thread::JoinHandle<()>> {
+        use std::sync::atomic::Ordering;
+        let Backend::Layered(layered) = &self.backend else {
+            return None;
+        };
+        if layered.depth() <= COMPACT_ABOVE_DEPTH || self.compacting.swap(true, Ordering::SeqCst) {
+            return None;
+        }
+        // Top first: the top, then the sealed layers.
+        let sealed = layered.chain_paths().get(1).cloned()?;
+        let disk = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("disk-compact".into())
+            .spawn(move || {
+                let folded = disk_layers::compact(&sealed, usize::MAX);
+                match (&disk.backend, folded) {
+                    (Backend::Layered(layered), Ok(stats)) => match layered.reload_chain() {
+                        Ok(()) => log::info!(
+                            "disk {}: folded {} layers ({} bytes)",
+                            sealed.display(),
+                            stats.merged_layers,
+                            stats.bytes
+                        ),
+                        Err(e) => {
+                            log::warn!("disk {}: reloading after compaction: {e}", sealed.display())
+                        }
+                    },
+                    (_, Err(e)) => log::warn!("disk {}: compaction failed: {e}", sealed.display()),
+                    _ => {}
+                }
+                disk.compacting.store(false, Ordering::SeqCst);
+            });
+        match spawned {
+            Ok(handle) => Some(handle),
+            Err(e) => {
+                log::warn!("cannot start a disk compaction: {e}");
+                self.compacting.store(false, Ordering::SeqCst);
+                None
+            }
+        }
     }
 
     /// Commits written data to stable storage (`fdatasync`).
@@ -374,6 +439,50 @@ mod tests {
 
     fn memory() -> GuestMemory {
         GuestMemory::from_ranges(&[(GuestAddress(0), 0x10000)]).unwrap()
+    }
+
+    #[test]
+    fn a_layered_disk_keeps_guest_io_branches_and_compacts_deep_chains() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("base.img");
+        std::fs::write(&base, vec![0u8; 1 << 20]).unwrap();
+        let top = dir.path().join("top.layer");
+        disk_layers::LayeredDisk::create(&base, &top).unwrap();
+        let disk = std::sync::Arc::new(Disk::open(&top, false).unwrap());
+        assert!(disk.is_layered());
+        assert_eq!(disk.capacity(), 2048);
+
+        let mem = memory();
+        // Each generation writes its number at its own sector, then forks.
+        for generation in 0..=COMPACT_ABOVE_DEPTH as u8 {
+            mem.write_slice(&[generation; 512], GuestAddress(0))
+                .unwrap();
+            disk.write_from_guest(&mem, GuestAddress(0), 512, u64::from(generation) * 512)
+                .unwrap();
+            let next = dir.path().join(format!("g{generation}.layer"));
+            let child = dir.path().join(format!("c{generation}.layer"));
+            disk.branch(&next, std::slice::from_ref(&child)).unwrap();
+        }
+        assert_eq!(disk.depth(), COMPACT_ABOVE_DEPTH + 2);
+        disk.compact_in_background()
+            .expect("a deep chain is compacted")
+            .join()
+            .unwrap();
+        assert_eq!(disk.depth(), 2, "the sealed layers are folded into one");
+        for generation in 0..=COMPACT_ABOVE_DEPTH as u8 {
+            disk.read_to_guest(&mem, GuestAddress(0x1000), 512, u64::from(generation) * 512)
+                .unwrap();
+            let mut back = [0u8; 512];
+            mem.read_slice(&mut back, GuestAddress(0x1000)).unwrap();
+            assert_eq!(back, [generation; 512]);
+        }
+        assert!(disk.compact_in_background().is_none(), "shallow now");
+        // A raw image cannot be branched.
+        let raw = Disk::open(&base, false).unwrap();
+        assert!(matches!(
+            raw.branch(&dir.path().join("x"), &[]),
+            Err(BlockError::NotLayered(_))
+        ));
     }
 
     #[test]
