@@ -14,6 +14,13 @@ pub mod process;
 pub use envelope::{Decoder, Envelope, EnvelopeError};
 pub use error::{Code, ConnectError, EndStream};
 
+/// The envd version sandfork's agent implements, as the control plane
+/// advertises it (`envdVersion`): the SDKs gate client features on it, and
+/// every gate up to 0.6.4 (recursive and entry-carrying watches, metrics with
+/// disk, stdin control, default user, octet-stream uploads, metadata, network
+/// mount flag) is implemented. Later envd releases add no client-side gates.
+pub const ENVD_VERSION: &str = "0.6.4";
+
 /// Content type of unary Connect requests and responses (JSON codec).
 pub const CONTENT_TYPE_UNARY: &str = "application/json";
 /// Content type of streaming Connect requests and responses. Responses must use

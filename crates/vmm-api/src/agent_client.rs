@@ -75,6 +75,19 @@ impl AgentInit {
     }
 }
 
+/// Percent-encodes a query value (everything but unreserved characters and `/`).
+fn query_escape(value: &str) -> String {
+    value
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b'/' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
 /// What a command did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CommandOutput {
@@ -109,6 +122,17 @@ impl AgentClient {
         content_type: &str,
         body: Bytes,
     ) -> Result<(u16, Bytes), AgentError> {
+        self.send(hyper::Method::POST, path, content_type, body)
+            .await
+    }
+
+    async fn send(
+        &self,
+        method: hyper::Method,
+        path: &str,
+        content_type: &str,
+        body: Bytes,
+    ) -> Result<(u16, Bytes), AgentError> {
         use base64::Engine;
         // envd takes the user from the Basic-auth user name; the host acts as root.
         let root = format!(
@@ -120,7 +144,9 @@ impl AgentClient {
             let (mut sender, connection) =
                 hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
             tokio::spawn(connection);
-            let request = Request::post(path)
+            let request = Request::builder()
+                .method(method)
+                .uri(path)
                 .header("host", "agent")
                 .header("content-type", content_type)
                 .header("connect-protocol-version", "1")
@@ -135,6 +161,48 @@ impl AgentClient {
         tokio::time::timeout(self.timeout, exchange)
             .await
             .map_err(|_| AgentError::Timeout(self.timeout))?
+    }
+
+    /// Writes `bytes` to `path` in the guest (`POST /files`, octet-stream), as root.
+    pub async fn write_file(&self, path: &str, bytes: Vec<u8>) -> Result<(), AgentError> {
+        let route = format!("/files?username=root&path={}", query_escape(path));
+        let (status, reply) = self
+            .send(
+                hyper::Method::POST,
+                &route,
+                "application/octet-stream",
+                bytes.into(),
+            )
+            .await?;
+        if status != 200 {
+            return Err(AgentError::Status {
+                path: route,
+                status,
+                body: String::from_utf8_lossy(&reply).into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Reads `path` from the guest (`GET /files`), as root.
+    pub async fn read_file(&self, path: &str) -> Result<Bytes, AgentError> {
+        let route = format!("/files?username=root&path={}", query_escape(path));
+        let (status, reply) = self
+            .send(
+                hyper::Method::GET,
+                &route,
+                "application/octet-stream",
+                Bytes::new(),
+            )
+            .await?;
+        if status != 200 {
+            return Err(AgentError::Status {
+                path: route,
+                status,
+                body: String::from_utf8_lossy(&reply).into(),
+            });
+        }
+        Ok(reply)
     }
 
     /// `POST /init`.

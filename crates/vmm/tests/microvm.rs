@@ -173,3 +173,69 @@ async fn bad_requests_after_start_and_to_unheard_ports_fail_cleanly() {
         204
     );
 }
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM"]
+async fn the_agent_serves_envd_over_vsock() {
+    let mut vm = TestVm::spawn().await;
+    vm.boot(&Boot::default()).await;
+    vm.wait_for_agent().await;
+    let agent = vm.vm().agent();
+
+    let out = agent
+        .run("echo out; echo err >&2; id -un; exit 3")
+        .await
+        .unwrap();
+    assert_eq!(out.exit_code, 3, "{out:?}");
+    assert_eq!(out.stdout, "out\nroot\n");
+    assert_eq!(out.stderr, "err\n");
+
+    // A file written over /files is seen by processes, and the other way round.
+    let payload: Vec<u8> = (0..3 * 1024 * 1024u32).map(|i| (i % 251) as u8).collect();
+    agent
+        .write_file("/tmp/dir with space/data.bin", payload.clone())
+        .await
+        .unwrap();
+    let seen = agent
+        .run("f='/tmp/dir with space/data.bin'; wc -c < \"$f\"; od -An -tu1 -j 1000 -N 4 \"$f\"")
+        .await
+        .unwrap();
+    let words: Vec<&str> = seen.stdout.split_whitespace().collect();
+    assert_eq!(words, ["3145728", "247", "248", "249", "250"], "{seen:?}");
+    assert_eq!(
+        agent
+            .read_file("/tmp/dir with space/data.bin")
+            .await
+            .unwrap(),
+        payload
+    );
+    agent.run("echo from-guest > /tmp/g.txt").await.unwrap();
+    assert_eq!(
+        agent.read_file("/tmp/g.txt").await.unwrap().as_ref(),
+        b"from-guest\n"
+    );
+    let missing = agent.read_file("/tmp/none").await.unwrap_err().to_string();
+    assert!(missing.contains("404"), "{missing}");
+
+    // Init sets the guest's wall clock.
+    agent
+        .init(&vmm_api::agent_client::AgentInit::after_restore().unwrap())
+        .await
+        .unwrap();
+    let guest_now: u64 = agent
+        .run("date +%s")
+        .await
+        .unwrap()
+        .stdout
+        .trim()
+        .parse()
+        .unwrap();
+    let host_now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    assert!(
+        guest_now.abs_diff(host_now) <= 5,
+        "{guest_now} vs {host_now}"
+    );
+}
