@@ -978,27 +978,33 @@ fn large_transfers_are_streamed() {
          Content-Type: multipart/form-data; boundary={boundary}\r\nTransfer-Encoding: chunked\r\n\r\n"
     )
     .unwrap();
-    let mut chunk = |data: &[u8]| {
-        write!(sock, "{:x}\r\n", data.len()).unwrap();
-        sock.write_all(data).unwrap();
-        sock.write_all(b"\r\n").unwrap();
+    // A write error means the agent answered early: show its answer.
+    let chunk = |sock: &mut std::net::TcpStream, data: &[u8]| -> std::io::Result<()> {
+        write!(sock, "{:x}\r\n", data.len())?;
+        sock.write_all(data)?;
+        sock.write_all(b"\r\n")
     };
-    chunk(head.as_bytes());
     let started = Instant::now();
     let mut buf = vec![0u8; 1 << 20];
     let mut sent = 0u64;
     let mut peak_during = 0;
-    while sent < SIZE {
+    let mut upload = chunk(&mut sock, head.as_bytes());
+    while sent < SIZE && upload.is_ok() {
         fill(&mut buf, sent);
-        chunk(&buf);
+        upload = chunk(&mut sock, &buf);
         sent += buf.len() as u64;
         if sent.is_multiple_of(32 << 20) {
             peak_during = peak_during.max(rss_kib(agent.pid()).1);
         }
     }
-    chunk(tail.as_bytes());
-    sock.write_all(b"0\r\n\r\n").unwrap();
+    let upload = upload
+        .and_then(|()| chunk(&mut sock, tail.as_bytes()))
+        .and_then(|()| sock.write_all(b"0\r\n\r\n"));
     let r = common::read_response(&mut sock);
+    assert!(
+        upload.is_ok(),
+        "upload cut at {sent} bytes: {upload:?}; agent answered {r:?}"
+    );
     assert_eq!(r.status, 200, "{r:?}");
     let up = started.elapsed();
     assert_eq!(std::fs::metadata(&big).unwrap().len(), SIZE);

@@ -145,10 +145,15 @@ fn allocated(path: &Path) -> u64 {
 
 #[tokio::test]
 #[ignore = "lab: boots a microVM"]
-async fn a_restored_agent_answers_on_its_own_vsock_socket() {
+async fn a_restored_two_vcpu_guest_answers_on_its_own_vsock_socket() {
     let snapshots = tempfile::tempdir().unwrap();
     let mut source = TestVm::spawn().await;
-    source.boot(&Boot::default()).await;
+    source
+        .boot(&Boot {
+            vcpus: 2,
+            ..Boot::default()
+        })
+        .await;
     source.wait_for_agent().await;
     snapshot(&source, SnapshotType::Full, snapshots.path(), "agent").await;
 
@@ -173,6 +178,11 @@ async fn a_restored_agent_answers_on_its_own_vsock_socket() {
                 .await
                 .unwrap(),
             204
+        );
+        // Both vCPUs run work after the restore.
+        assert_eq!(
+            run(child, "nproc; taskset -c 1 echo on-cpu1").await,
+            "2\non-cpu1"
         );
     }
 }
