@@ -37,8 +37,10 @@ pub fn api_channel() -> io::Result<(ApiRequestSender, ApiRequestReceiver)> {
     let (tx, rx) = mpsc::channel();
     Ok((
         ApiRequestSender {
-            tx,
-            event: event.clone(),
+            route: Arc::new(Route::Channel {
+                tx,
+                event: event.clone(),
+            }),
         },
         ApiRequestReceiver { rx, event },
     ))
@@ -46,22 +48,87 @@ pub fn api_channel() -> io::Result<(ApiRequestSender, ApiRequestReceiver)> {
 
 /// The server's end; cloneable, so other producers (a config file loader, a signal
 /// handler) can feed the same controller loop.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ApiRequestSender {
-    tx: mpsc::Sender<ApiRequest>,
-    event: Arc<EventFd>,
+    route: Arc<Route>,
+}
+
+enum Route {
+    Channel {
+        tx: mpsc::Sender<ApiRequest>,
+        event: Arc<EventFd>,
+    },
+    Forward(Forward),
+}
+
+type ForwardFn = Box<dyn Fn(ApiRequest) + Send + Sync>;
+type CloseFn = Box<dyn FnOnce() + Send + Sync>;
+
+/// Hands requests straight to the caller's own queue, saving a thread hop;
+/// tells it when the last sender is gone.
+struct Forward {
+    send: ForwardFn,
+    on_close: std::sync::Mutex<Option<CloseFn>>,
+}
+
+impl Drop for Forward {
+    fn drop(&mut self) {
+        let close = self
+            .on_close
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(close) = close {
+            close();
+        }
+    }
+}
+
+impl std::fmt::Debug for ApiRequestSender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match *self.route {
+            Route::Channel { .. } => "channel",
+            Route::Forward(_) => "forward",
+        };
+        f.debug_struct("ApiRequestSender")
+            .field("route", &kind)
+            .finish()
+    }
 }
 
 impl ApiRequestSender {
+    /// A sender that calls `send` for every request (on the API server's
+    /// thread) and `on_close` once every clone is gone (the server stopped).
+    /// A request `send` cannot deliver is dropped, and its client gets a 500.
+    pub fn forwarding(
+        send: impl Fn(ApiRequest) + Send + Sync + 'static,
+        on_close: impl FnOnce() + Send + Sync + 'static,
+    ) -> Self {
+        ApiRequestSender {
+            route: Arc::new(Route::Forward(Forward {
+                send: Box::new(send),
+                on_close: std::sync::Mutex::new(Some(Box::new(on_close))),
+            })),
+        }
+    }
+
     /// Queues a request; gives it back if the receiver is gone.
     pub fn send(&self, request: ApiRequest) -> Result<(), Box<ApiRequest>> {
-        self.tx.send(request).map_err(|e| Box::new(e.0))?;
-        // Only fails if the counter would overflow u64, i.e. never in practice; the
-        // request is queued either way and `recv` does not depend on the event.
-        if let Err(e) = self.event.write(1) {
-            tracing::warn!("cannot signal the API request event: {e}");
+        match &*self.route {
+            Route::Forward(forward) => {
+                (forward.send)(request);
+                Ok(())
+            }
+            Route::Channel { tx, event } => {
+                tx.send(request).map_err(|e| Box::new(e.0))?;
+                // Only fails if the counter would overflow u64, i.e. never in practice;
+                // the request is queued either way and `recv` does not depend on it.
+                if let Err(e) = event.write(1) {
+                    tracing::warn!("cannot signal the API request event: {e}");
+                }
+                Ok(())
+            }
         }
-        Ok(())
     }
 }
 
@@ -141,6 +208,29 @@ mod tests {
 
         req.respond(Ok(VmmData::Empty));
         assert_eq!(answer.blocking_recv().unwrap(), Ok(VmmData::Empty));
+    }
+
+    #[test]
+    fn a_forwarding_sender_hands_requests_over_and_reports_its_end() {
+        let (seen_tx, seen_rx) = mpsc::channel();
+        let (closed_tx, closed_rx) = mpsc::channel();
+        let tx = ApiRequestSender::forwarding(
+            move |req: ApiRequest| seen_tx.send(req.action).unwrap(),
+            move || closed_tx.send(()).unwrap(),
+        );
+        let clone = tx.clone();
+        let (reply, _answer) = oneshot::channel();
+        clone
+            .send(ApiRequest {
+                action: VmmAction::Pause,
+                reply,
+            })
+            .unwrap();
+        assert_eq!(seen_rx.try_recv().unwrap(), VmmAction::Pause);
+        drop(tx);
+        assert!(closed_rx.try_recv().is_err(), "a clone is still alive");
+        drop(clone);
+        closed_rx.try_recv().unwrap();
     }
 
     #[test]
