@@ -627,10 +627,17 @@ fn server_thread_is_named_api_and_socket_is_private() {
     let vmm = TestVmm::start();
     let mode = std::fs::metadata(&vmm.socket).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o600);
-    let names: Vec<String> = std::fs::read_dir("/proc/self/task")
-        .unwrap()
-        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
-        .map(|n| n.trim().to_string())
-        .collect();
-    assert!(names.iter().any(|n| n == "api"), "{names:?}");
+    let names = || -> Vec<String> {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .map(|n| n.trim().to_string())
+            .collect()
+    };
+    // A new thread names itself once it runs, which may be a moment later.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !names().iter().any(|n| n == "api") && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(names().iter().any(|n| n == "api"), "{:?}", names());
 }
