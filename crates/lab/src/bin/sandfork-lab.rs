@@ -102,8 +102,10 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Cmd::Detect => {
             let d = detect();
-            println!("{}", d.environment);
-            println!("{}", d.reason);
+            // A reader that stops early (`| head -n1`) is fine: no panic on EPIPE.
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "{}", d.environment).and_then(|()| writeln!(out, "{}", d.reason));
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Prepare => {
