@@ -41,6 +41,8 @@ fn record(id: &str, started: u64, state: SandboxState, team: &str) -> SandboxRec
         memory_mb: 256,
         disk_size_mb: 2048,
         auto_pause: false,
+        pause_generation: 0,
+        snapshot: None,
     }
 }
 
@@ -125,7 +127,11 @@ fn authed(method: &str, uri: &str, body: &str) -> Request<Body> {
 fn assert_error(a: &Answer, status: StatusCode) {
     assert_eq!(a.status, status, "{}", a.json);
     assert_eq!(a.json["code"], status.as_u16(), "{}", a.json);
-    assert!(a.json["message"].as_str().is_some_and(|m| !m.is_empty()), "{}", a.json);
+    assert!(
+        a.json["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{}",
+        a.json
+    );
 }
 
 #[tokio::test]
@@ -189,11 +195,20 @@ async fn create_validates_its_body() {
     }
     let a = call(
         &node,
-        authed("POST", "/v2/sandboxes", r#"{"templateID":"no-such-template"}"#),
+        authed(
+            "POST",
+            "/v2/sandboxes",
+            r#"{"templateID":"no-such-template"}"#,
+        ),
     )
     .await;
     assert_error(&a, StatusCode::NOT_FOUND);
-    assert!(a.json["message"].as_str().unwrap().contains("no-such-template"));
+    assert!(
+        a.json["message"]
+            .as_str()
+            .unwrap()
+            .contains("no-such-template")
+    );
 }
 
 #[tokio::test]
@@ -205,7 +220,10 @@ async fn unknown_sandboxes_are_not_found() {
         ("POST", "/sandboxes/nosuch/timeout", r#"{"timeout":30}"#),
         ("GET", "/sandboxes/..%2Fetc", ""),
     ] {
-        assert_error(&call(&node, authed(method, uri, body)).await, StatusCode::NOT_FOUND);
+        assert_error(
+            &call(&node, authed(method, uri, body)).await,
+            StatusCode::NOT_FOUND,
+        );
     }
 }
 
@@ -238,7 +256,11 @@ async fn list_filters_and_pages() {
             record(
                 &format!("s{i}"),
                 1000 + i,
-                if i == 4 { SandboxState::Paused } else { SandboxState::Running },
+                if i == 4 {
+                    SandboxState::Paused
+                } else {
+                    SandboxState::Running
+                },
                 if i % 2 == 0 { "even" } else { "odd" },
             )
         })
@@ -255,12 +277,23 @@ async fn list_filters_and_pages() {
         assert!(items.len() <= 2);
         for item in items {
             for field in [
-                "sandboxID", "templateID", "clientID", "startedAt", "endAt", "cpuCount",
-                "memoryMB", "diskSizeMB", "state", "envdVersion",
+                "sandboxID",
+                "templateID",
+                "clientID",
+                "startedAt",
+                "endAt",
+                "cpuCount",
+                "memoryMB",
+                "diskSizeMB",
+                "state",
+                "envdVersion",
             ] {
                 assert!(!item[field].is_null(), "{field} missing in {item}");
             }
-            assert!(item.get("envdAccessToken").is_none(), "list leaks the token");
+            assert!(
+                item.get("envdAccessToken").is_none(),
+                "list leaks the token"
+            );
             seen.push(item["sandboxID"].as_str().unwrap().to_owned());
         }
         match a.headers.get("x-next-token") {
@@ -273,10 +306,20 @@ async fn list_filters_and_pages() {
     // Filters: state and metadata (as the SDK encodes it).
     let a = call(
         &node,
-        authed("GET", "/v2/sandboxes?state=running&metadata=team%3Deven&order=asc", ""),
+        authed(
+            "GET",
+            "/v2/sandboxes?state=running&metadata=team%3Deven&order=asc",
+            "",
+        ),
     )
     .await;
-    let ids: Vec<_> = a.json.as_array().unwrap().iter().map(|i| i["sandboxID"].clone()).collect();
+    let ids: Vec<_> = a
+        .json
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["sandboxID"].clone())
+        .collect();
     assert_eq!(ids, ["s0", "s2"]);
     let a = call(&node, authed("GET", "/v2/sandboxes?state=paused", "")).await;
     assert_eq!(a.json.as_array().unwrap().len(), 1);
@@ -297,10 +340,17 @@ async fn list_filters_and_pages() {
 async fn timeout_moves_the_end_and_expiry_kills() {
     let now = now_ms();
     let node = node(&[record("abc", now, SandboxState::Running, "x")]);
-    let a = call(&node, authed("POST", "/sandboxes/abc/timeout", r#"{"timeout":30}"#)).await;
+    let a = call(
+        &node,
+        authed("POST", "/sandboxes/abc/timeout", r#"{"timeout":30}"#),
+    )
+    .await;
     assert_eq!(a.status, StatusCode::NO_CONTENT);
     let end = node.manager.get("abc").unwrap().end_at_ms;
-    assert!((now + 29_000..=now_ms() + 30_000).contains(&end), "{end} vs {now}");
+    assert!(
+        (now + 29_000..=now_ms() + 30_000).contains(&end),
+        "{end} vs {now}"
+    );
     for body in ["", "{}", r#"{"timeout":-1}"#, "nonsense"] {
         assert_error(
             &call(&node, authed("POST", "/sandboxes/abc/timeout", body)).await,
@@ -354,7 +404,71 @@ async fn the_proxy_answers_502_for_sandboxes_it_does_not_run() {
         let a = call(&node, req).await;
         assert_eq!(a.status, StatusCode::BAD_GATEWAY);
         assert_eq!(a.json["code"], 502);
-        assert!(a.json["message"].as_str().unwrap().contains("was not found"));
+        assert!(
+            a.json["message"]
+                .as_str()
+                .unwrap()
+                .contains("was not found")
+        );
         assert!(a.json["sandboxId"].is_string());
+    }
+}
+
+#[tokio::test]
+async fn pause_resume_and_connect_answer_by_state() {
+    let now = now_ms();
+    let node = node(&[
+        record("run", now, SandboxState::Running, "x"),
+        record("held", now, SandboxState::Paused, "x"),
+    ]);
+    for uri in [
+        "/sandboxes/nosuch/pause",
+        "/sandboxes/nosuch/resume",
+        "/sandboxes/nosuch/connect",
+        "/v2/sandboxes/nosuch/connect",
+    ] {
+        assert_error(
+            &call(&node, authed("POST", uri, "{}")).await,
+            StatusCode::NOT_FOUND,
+        );
+    }
+    // Pausing a paused sandbox: 409, as E2B ("already paused").
+    assert_error(
+        &call(&node, authed("POST", "/sandboxes/held/pause", "{}")).await,
+        StatusCode::CONFLICT,
+    );
+    // The old resume route refuses a running sandbox.
+    assert_error(
+        &call(
+            &node,
+            authed("POST", "/sandboxes/run/resume", r#"{"timeout":60}"#),
+        )
+        .await,
+        StatusCode::CONFLICT,
+    );
+    // Connect to a running sandbox: 200, the Sandbox object, a longer
+    // timeout extends it and a shorter one does not shorten it.
+    let before = node.manager.get("run").unwrap().end_at_ms;
+    let a = call(
+        &node,
+        authed("POST", "/v2/sandboxes/run/connect", r#"{"timeout":60}"#),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.json);
+    assert_eq!(a.json["sandboxID"], "run");
+    assert_eq!(a.json["envdAccessToken"], "tok-run");
+    assert_eq!(node.manager.get("run").unwrap().end_at_ms, before);
+    let a = call(
+        &node,
+        authed("POST", "/sandboxes/run/connect", r#"{"timeout":7200}"#),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert!(node.manager.get("run").unwrap().end_at_ms > before);
+    for body in ["{", r#"{"timeout":-1}"#] {
+        assert_error(
+            &call(&node, authed("POST", "/v2/sandboxes/run/connect", body)).await,
+            StatusCode::BAD_REQUEST,
+        );
     }
 }

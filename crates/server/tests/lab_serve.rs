@@ -78,11 +78,7 @@ async fn http(
 
 /// Runs `command` through `POST /process.Process/Start` with `routing`
 /// headers; returns (exit code, stdout).
-async fn run(
-    addr: std::net::SocketAddr,
-    routing: &[(&str, &str)],
-    command: &str,
-) -> (i32, String) {
+async fn run(addr: std::net::SocketAddr, routing: &[(&str, &str)], command: &str) -> (i32, String) {
     let start = StartRequest {
         process: ProcessConfig {
             cmd: "/bin/bash".into(),
@@ -103,12 +99,17 @@ async fn run(
     assert_eq!(a.status, 200, "{:?}", a.body);
     assert_eq!(a.headers["content-type"], "application/connect+json");
     let envelopes = envelope::decode_all(&a.body, DEFAULT_MAX_MESSAGE).unwrap();
-    assert!(envelopes.last().unwrap().is_end_stream(), "no end of stream");
+    assert!(
+        envelopes.last().unwrap().is_end_stream(),
+        "no end of stream"
+    );
     let (mut code, mut out) = (None, String::new());
     for env in envelopes.iter().filter(|e| !e.is_end_stream()) {
         let msg: StartResponse = serde_json::from_slice(&env.payload).unwrap();
         match msg.event {
-            ProcessEvent::Data(DataEvent::Stdout(b)) => out.push_str(&String::from_utf8_lossy(&b.0)),
+            ProcessEvent::Data(DataEvent::Stdout(b)) => {
+                out.push_str(&String::from_utf8_lossy(&b.0))
+            }
             ProcessEvent::End(end) => code = Some(end.exit_code),
             _ => {}
         }
@@ -122,14 +123,20 @@ async fn create_run_read_list_kill_through_one_port() {
     let data = tempfile::tempdir().unwrap();
     let mut config = Config::new(
         "127.0.0.1:0".parse().unwrap(),
-        std::env::var("SANDFORK_KERNEL").expect("SANDFORK_KERNEL").into(),
-        std::env::var("SANDFORK_ROOTFS").expect("SANDFORK_ROOTFS").into(),
+        std::env::var("SANDFORK_KERNEL")
+            .expect("SANDFORK_KERNEL")
+            .into(),
+        std::env::var("SANDFORK_ROOTFS")
+            .expect("SANDFORK_ROOTFS")
+            .into(),
         vmm_binary(),
     );
     config.data_dir = data.path().to_owned();
     config.pool_size = 2;
     let started = Instant::now();
-    let node = server::Server::start(config).await.expect("starting the server");
+    let node = server::Server::start(config)
+        .await
+        .expect("starting the server");
     eprintln!("server up (template built) in {:?}", started.elapsed());
     let key = std::fs::read_to_string(node.api_key_file.clone().unwrap())
         .unwrap()
@@ -141,7 +148,10 @@ async fn create_run_read_list_kill_through_one_port() {
     // Let the pool fill, as it would on a node that has been up a while.
     tokio::time::sleep(Duration::from_secs(3)).await;
 
-    let auth = [("x-api-key", key.as_str()), ("content-type", "application/json")];
+    let auth = [
+        ("x-api-key", key.as_str()),
+        ("content-type", "application/json"),
+    ];
     let t0 = Instant::now();
     let created = http(
         addr,
@@ -158,7 +168,13 @@ async fn create_run_read_list_kill_through_one_port() {
     let id = sandbox["sandboxID"].as_str().unwrap().to_owned();
     let token = sandbox["envdAccessToken"].as_str().unwrap().to_owned();
     assert_eq!(sandbox["envdVersion"], envd_proto::ENVD_VERSION);
-    assert!(data.path().join("sandboxes").join(&id).join("root.layer").is_file());
+    assert!(
+        data.path()
+            .join("sandboxes")
+            .join(&id)
+            .join("root.layer")
+            .is_file()
+    );
 
     let routing = [
         ("e2b-sandbox-id", id.as_str()),
@@ -234,7 +250,10 @@ async fn create_run_read_list_kill_through_one_port() {
     let token2 = second["envdAccessToken"].as_str().unwrap().to_owned();
     let (_, out) = run(
         addr,
-        &[("e2b-sandbox-id", id2.as_str()), ("x-access-token", token2.as_str())],
+        &[
+            ("e2b-sandbox-id", id2.as_str()),
+            ("x-access-token", token2.as_str()),
+        ],
         "cat /root/on-disk /tmp/greeting 2>/dev/null; echo done",
     )
     .await;
