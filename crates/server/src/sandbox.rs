@@ -252,6 +252,8 @@ impl Manager {
             auto_pause: params.auto_pause,
             pause_generation: 0,
             snapshot: None,
+            root_layer: None,
+            has_dependents: false,
         };
         self.store.put_sandbox(&record)?;
         self.live().insert(id.to_owned(), Live { vm });
@@ -341,7 +343,7 @@ impl Manager {
         let files = [
             snapshot.state.clone(),
             snapshot.mem.clone(),
-            dir.join(ROOT_LAYER),
+            self.root_layer(&record),
             dir.clone(),
         ];
         tokio::task::spawn_blocking(move || -> Result<(), SandboxError> {
@@ -394,7 +396,7 @@ impl Manager {
             .restore(
                 &snapshot.state,
                 &snapshot.mem,
-                &self.sandbox_dir(id).join(ROOT_LAYER),
+                &self.root_layer(&record),
                 Some(&AgentInit::after_restore()?),
             )
             .await;
@@ -411,6 +413,168 @@ impl Manager {
         Ok((r, true))
     }
 
+    /// The writable layer of a sandbox's root disk.
+    fn root_layer(&self, record: &SandboxRecord) -> PathBuf {
+        record
+            .root_layer
+            .clone()
+            .unwrap_or_else(|| self.sandbox_dir(&record.id).join(ROOT_LAYER))
+    }
+
+    /// Forks a running sandbox into `count` new ones that continue from its
+    /// current memory and disk (sandfork's `PUT /fork`: memory frozen once
+    /// and shared copy-on-write, the disk sealed and branched). The parent
+    /// runs on. Each child gets its own access token, `timeout` and the
+    /// parent's metadata; one result per child.
+    pub async fn fork(
+        self: &Arc<Self>,
+        id: &str,
+        count: u32,
+        timeout: Duration,
+    ) -> Result<Vec<Result<SandboxRecord, SandboxError>>, SandboxError> {
+        let parent = self.get(id)?;
+        if parent.state != SandboxState::Running {
+            return Err(SandboxError::Conflict {
+                id: id.to_owned(),
+                state: "paused",
+            });
+        }
+        let _claim = self.claim(id).ok_or_else(|| SandboxError::Conflict {
+            id: id.to_owned(),
+            state: "changing state",
+        })?;
+        let running = self.running();
+        if running + count as usize > self.config.max_sandboxes {
+            return Err(SandboxError::AtCapacity { running });
+        }
+        // The fork's files (frozen memory, state, every new root layer) are
+        // shared by parent and children, so they live outside any one
+        // sandbox's directory.
+        let fork_dir = self
+            .config
+            .data_dir
+            .join("forks")
+            .join(ids::sandbox_id().map_err(io("generating a fork id"))?);
+        std::fs::create_dir_all(&fork_dir)
+            .map_err(io(format!("creating {}", fork_dir.display())))?;
+        let info = {
+            let live = self.live();
+            let Some(l) = live.get(id) else {
+                return Err(SandboxError::NotFound(id.to_owned()));
+            };
+            // The VMM client needs no lock held across the await: clone it out.
+            l.vm.api().clone()
+        };
+        self.creating.fetch_add(count as usize, Ordering::SeqCst);
+        let forked = info
+            .fork(&vmm_api::ForkParams {
+                snapshot_path: fork_dir.join("fork.state").display().to_string(),
+                mem_file_path: fork_dir.join("fork.mem").display().to_string(),
+                disk_dir: fork_dir.display().to_string(),
+                children: count,
+            })
+            .await;
+        let info = match forked {
+            Ok(info) => info,
+            Err(e) => {
+                self.creating.fetch_sub(count as usize, Ordering::SeqCst);
+                let _ = std::fs::remove_dir_all(&fork_dir);
+                return Err(ProcessError::from(e).into());
+            }
+        };
+        // The parent now writes to the fork's layer 0 and its old layer is
+        // sealed under every child: its directory must outlive it.
+        let parent_root = fork_dir.join(format!("{}.0.layer", self.template.root_drive_id));
+        self.store.update_sandbox(id, |s| {
+            s.root_layer = Some(parent_root);
+            s.has_dependents = true;
+        })?;
+
+        let mut tasks = tokio::task::JoinSet::new();
+        for index in 0..count as usize {
+            let manager = self.clone();
+            let (info, parent) = (info.clone(), parent.clone());
+            tasks.spawn(async move {
+                let r = manager.fork_child(&parent, &info, index, timeout).await;
+                manager.creating.fetch_sub(1, Ordering::SeqCst);
+                (index, r)
+            });
+        }
+        let mut results: Vec<Option<Result<SandboxRecord, SandboxError>>> =
+            (0..count).map(|_| None).collect();
+        while let Some(done) = tasks.join_next().await {
+            match done {
+                Ok((index, r)) => results[index] = Some(r),
+                Err(e) => tracing::error!("a fork child task failed: {e}"),
+            }
+        }
+        Ok(results
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(SandboxError::Io {
+                        what: "starting a fork child".into(),
+                        source: std::io::Error::other("its task ended early"),
+                    })
+                })
+            })
+            .collect())
+    }
+
+    async fn fork_child(
+        &self,
+        parent: &SandboxRecord,
+        info: &vmm_api::ForkInfo,
+        index: usize,
+        timeout: Duration,
+    ) -> Result<SandboxRecord, SandboxError> {
+        let id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
+        let dir = self.sandbox_dir(&id);
+        std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
+        let result = async {
+            let mut vm = self.pool.take().await?;
+            vm.load_fork_child(info, index).await?;
+            vm.wait_for_agent(AGENT_TIMEOUT).await?;
+            let access_token = match parent.access_token {
+                Some(_) => Some(ids::token().map_err(io("generating an access token"))?),
+                None => None,
+            };
+            let mut init = AgentInit::after_restore()?;
+            init.access_token = access_token.clone();
+            vm.agent().init(&init).await?;
+            let root = info
+                .children
+                .get(index)
+                .and_then(|drives| {
+                    drives
+                        .iter()
+                        .find(|d| d.drive_id == self.template.root_drive_id)
+                })
+                .map(|d| PathBuf::from(&d.path_on_host));
+            let started = now_ms();
+            let record = SandboxRecord {
+                id: id.clone(),
+                access_token,
+                started_at_ms: started,
+                end_at_ms: started + timeout.as_millis() as u64,
+                state: SandboxState::Running,
+                pause_generation: 0,
+                snapshot: None,
+                root_layer: root,
+                has_dependents: false,
+                ..parent.clone()
+            };
+            self.store.put_sandbox(&record)?;
+            self.live().insert(id.clone(), Live { vm });
+            Ok(record)
+        }
+        .await;
+        if result.is_err() {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        result
+    }
+
     pub fn get(&self, id: &str) -> Result<SandboxRecord, SandboxError> {
         self.store
             .sandbox(id)?
@@ -424,12 +588,17 @@ impl Manager {
     /// Stops the sandbox's VMM and removes its files and record.
     pub async fn kill(&self, id: &str) -> Result<(), SandboxError> {
         let live = self.live().remove(id);
+        let record = self.store.sandbox(id)?;
         let existed = self.store.remove_sandbox(id)?;
         if live.is_none() && !existed {
             return Err(SandboxError::NotFound(id.to_owned()));
         }
-        // Dropping the process kills it; then its files can go.
+        // Dropping the process kills it; then its files can go, unless forks
+        // still read them.
         drop(live);
+        if record.is_some_and(|r| r.has_dependents) {
+            return Ok(());
+        }
         let dir = self.sandbox_dir(id);
         tokio::task::spawn_blocking(move || {
             if let Err(e) = std::fs::remove_dir_all(&dir)

@@ -69,6 +69,14 @@ pub struct SandboxRecord {
     /// The snapshot a paused sandbox resumes from.
     #[serde(default)]
     pub snapshot: Option<PausedSnapshot>,
+    /// The root disk's writable layer when it is not `root.layer` in the
+    /// sandbox's directory (after a fork, in the fork's directory).
+    #[serde(default)]
+    pub root_layer: Option<PathBuf>,
+    /// Other sandboxes read files in this one's directory (its sealed root
+    /// layer, after a fork): a kill leaves the directory in place.
+    #[serde(default)]
+    pub has_dependents: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -264,6 +272,8 @@ mod tests {
             auto_pause: false,
             pause_generation: 0,
             snapshot: None,
+            root_layer: None,
+            has_dependents: false,
         }
     }
 

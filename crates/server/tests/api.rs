@@ -43,6 +43,8 @@ fn record(id: &str, started: u64, state: SandboxState, team: &str) -> SandboxRec
         auto_pause: false,
         pause_generation: 0,
         snapshot: None,
+        root_layer: None,
+        has_dependents: false,
     }
 }
 
@@ -471,4 +473,36 @@ async fn pause_resume_and_connect_answer_by_state() {
             StatusCode::BAD_REQUEST,
         );
     }
+}
+
+#[tokio::test]
+async fn fork_validates_and_needs_a_running_sandbox() {
+    let now = now_ms();
+    let node = node(&[
+        record("run", now, SandboxState::Running, "x"),
+        record("held", now, SandboxState::Paused, "x"),
+    ]);
+    assert_error(
+        &call(&node, authed("POST", "/sandboxes/nosuch/fork", "{}")).await,
+        StatusCode::NOT_FOUND,
+    );
+    for body in [
+        r#"{"count":0}"#,
+        r#"{"count":21}"#,
+        r#"{"count":"x"}"#,
+        r#"{"timeout":-3}"#,
+    ] {
+        assert_error(
+            &call(&node, authed("POST", "/sandboxes/run/fork", body)).await,
+            StatusCode::BAD_REQUEST,
+        );
+    }
+    assert_error(
+        &call(
+            &node,
+            authed("POST", "/sandboxes/held/fork", r#"{"count":2}"#),
+        )
+        .await,
+        StatusCode::CONFLICT,
+    );
 }

@@ -1,6 +1,6 @@
 //! Lab test: the real server with the real kernel and image. Create a
 //! sandbox over HTTP, run a command and move files through the envd proxy
-//! (header and host-name routing), list, kill.
+//! (header and host-name routing), list, pause and resume, fork, kill.
 //!
 //! Needs KVM that boots Linux and `SANDFORK_KERNEL`/`SANDFORK_ROOTFS`
 //! (see README "Tests"); `sandfork-vmm` is taken from `SANDFORK_VMM` or
@@ -259,7 +259,113 @@ async fn create_run_read_list_kill_through_one_port() {
     .await;
     assert_eq!(out, "done\n");
 
-    for sandbox in [&id, &id2] {
+    // Pause and resume: memory (a file in tmpfs, a shell variable's worth of
+    // state) and disk come back, the access token stays.
+    let (code, _) = run(addr, &routing, "echo kept > /tmp/in-memory").await;
+    assert_eq!(code, 0);
+    let t = Instant::now();
+    let paused = http(addr, "POST", &format!("/sandboxes/{id}/pause"), &auth, "{}").await;
+    assert_eq!(paused.status, 204, "{:?}", paused.body);
+    eprintln!("pause took {:?}", t.elapsed());
+    let again = http(addr, "POST", &format!("/sandboxes/{id}/pause"), &auth, "{}").await;
+    assert_eq!(again.status, 409);
+    let detail = http(addr, "GET", &format!("/sandboxes/{id}"), &auth, "").await;
+    assert_eq!(detail.json()["state"], "paused");
+    assert_eq!(http(addr, "GET", "/health", &routing, "").await.status, 502);
+    let t = Instant::now();
+    let resumed = http(
+        addr,
+        "POST",
+        &format!("/v2/sandboxes/{id}/connect"),
+        &auth,
+        r#"{"timeout":60}"#,
+    )
+    .await;
+    assert_eq!(resumed.status, 201, "{:?}", resumed.body);
+    assert_eq!(resumed.json()["envdAccessToken"], token.as_str());
+    eprintln!("resume took {:?}", t.elapsed());
+    let (code, out) = run(addr, &routing, "cat /tmp/in-memory /root/on-disk").await;
+    assert_eq!((code, out.as_str()), (0, "kept\nx\n"));
+    // A second pause stacks on the first.
+    let paused = http(addr, "POST", &format!("/sandboxes/{id}/pause"), &auth, "{}").await;
+    assert_eq!(paused.status, 204, "{:?}", paused.body);
+    let resumed = http(
+        addr,
+        "POST",
+        &format!("/sandboxes/{id}/connect"),
+        &auth,
+        "{}",
+    )
+    .await;
+    assert_eq!(resumed.status, 201, "{:?}", resumed.body);
+    let (_, out) = run(addr, &routing, "cat /tmp/in-memory").await;
+    assert_eq!(out, "kept\n");
+
+    // Fork the first sandbox into two: each child continues from its memory
+    // and disk, then they diverge; the parent runs on.
+    let (code, _) = run(addr, &routing, "echo before-fork > /root/on-disk && sync").await;
+    assert_eq!(code, 0);
+    let t = Instant::now();
+    let forked = http(
+        addr,
+        "POST",
+        &format!("/sandboxes/{id}/fork"),
+        &auth,
+        r#"{"count":2,"timeout":60}"#,
+    )
+    .await;
+    eprintln!("fork of 2 answered in {:?}", t.elapsed());
+    assert_eq!(forked.status, 201, "{:?}", forked.body);
+    let children: Vec<(String, String)> = forked
+        .json()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let s = &c["sandbox"];
+            assert!(s.is_object(), "{c}");
+            (
+                s["sandboxID"].as_str().unwrap().to_owned(),
+                s["envdAccessToken"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(children.len(), 2);
+    for (i, (child, child_token)) in children.iter().enumerate() {
+        let r = [
+            ("e2b-sandbox-id", child.as_str()),
+            ("x-access-token", child_token.as_str()),
+        ];
+        let (code, out) = run(
+            addr,
+            &r,
+            &format!("cat /tmp/in-memory /root/on-disk; echo child{i} > /root/on-disk"),
+        )
+        .await;
+        assert_eq!((code, out.as_str()), (0, "kept\nbefore-fork\n"));
+    }
+    for (i, (child, child_token)) in children.iter().enumerate() {
+        let r = [
+            ("e2b-sandbox-id", child.as_str()),
+            ("x-access-token", child_token.as_str()),
+        ];
+        let (_, out) = run(addr, &r, "cat /root/on-disk").await;
+        assert_eq!(out, format!("child{i}\n"));
+    }
+    let (_, out) = run(addr, &routing, "cat /root/on-disk").await;
+    assert_eq!(out, "before-fork\n");
+    // Killing the parent leaves its children working.
+    let killed = http(addr, "DELETE", &format!("/sandboxes/{id}"), &auth, "").await;
+    assert_eq!(killed.status, 204);
+    let (child, child_token) = &children[0];
+    let r = [
+        ("e2b-sandbox-id", child.as_str()),
+        ("x-access-token", child_token.as_str()),
+    ];
+    let (_, out) = run(addr, &r, "cat /root/on-disk").await;
+    assert_eq!(out, "child0\n");
+
+    for sandbox in [&children[0].0, &children[1].0, &id2] {
         let killed = http(addr, "DELETE", &format!("/sandboxes/{sandbox}"), &auth, "").await;
         assert_eq!(killed.status, 204);
     }
@@ -267,5 +373,5 @@ async fn create_run_read_list_kill_through_one_port() {
     assert_eq!(gone.status, 404);
     let health = http(addr, "GET", "/health", &routing, "").await;
     assert_eq!(health.status, 502);
-    assert!(!data.path().join("sandboxes").join(&id).exists());
+    assert!(!data.path().join("sandboxes").join(&id2).exists());
 }

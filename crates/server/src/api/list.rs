@@ -191,6 +191,8 @@ mod tests {
             auto_pause: false,
             pause_generation: 0,
             snapshot: None,
+            root_layer: None,
+            has_dependents: false,
         }
     }
 

@@ -47,6 +47,7 @@ pub fn router(state: Shared) -> Router {
         .route("/sandboxes/{id}/resume", post(sandboxes::resume))
         .route("/sandboxes/{id}/connect", post(sandboxes::connect))
         .route("/v2/sandboxes/{id}/connect", post(sandboxes::connect))
+        .route("/sandboxes/{id}/fork", post(sandboxes::fork))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,

@@ -295,3 +295,45 @@ pub async fn resume(
 ) -> Result<Response, ApiError> {
     resume_or_connect(state, id, body, false).await
 }
+
+/// The most children one fork request makes (E2B's limit).
+pub const MAX_FORK_COUNT: i64 = 20;
+
+#[derive(Debug, Default, Deserialize)]
+struct ForkBody {
+    timeout: Option<i64>,
+    count: Option<i64>,
+}
+
+/// `POST /sandboxes/{id}/fork`: 201 with one `{"sandbox": ...}` or
+/// `{"error": {code, message}}` per child, in order.
+pub async fn fork(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    check_id(&id)?;
+    let req: ForkBody = parse_body(&body)?;
+    let count = req.count.unwrap_or(1);
+    if !(1..=MAX_FORK_COUNT).contains(&count) {
+        return Err(ApiError::bad_request(format!(
+            "count must be from 1 to {MAX_FORK_COUNT}"
+        )));
+    }
+    let timeout = timeout_secs(
+        req.timeout.unwrap_or(V2_DEFAULT_TIMEOUT),
+        state.manager.config().max_timeout,
+    )?;
+    let results = state.manager.fork(&id, count as u32, timeout).await?;
+    let body: Vec<Value> = results
+        .into_iter()
+        .map(|r| match r {
+            Ok(record) => json!({"sandbox": sandbox_json(&record)}),
+            Err(e) => {
+                let e = ApiError::from(e);
+                json!({"error": {"code": e.status.as_u16(), "message": e.message}})
+            }
+        })
+        .collect();
+    Ok((StatusCode::CREATED, Json(body)).into_response())
+}
