@@ -261,13 +261,14 @@ impl Manager {
     }
 
     /// Loads a snapshot into a pooled VMM with `root` as its root disk and
-    /// waits for the agent; with `init`, initialises it (else the caller does).
+    /// waits for the agent; with `init`, initialises it, presenting the
+    /// agent's current access token (else the caller does).
     async fn restore(
         &self,
         state: &std::path::Path,
         mem: &std::path::Path,
         root: &std::path::Path,
-        init: Option<&AgentInit>,
+        init: Option<(&AgentInit, Option<&str>)>,
     ) -> Result<VmmProcess, SandboxError> {
         let mut vm = self.pool.take().await?;
         let mut load = SnapshotLoadParams::from_file(
@@ -287,8 +288,8 @@ impl Manager {
             .await
             .map_err(ProcessError::from)?;
         vm.wait_for_agent(AGENT_TIMEOUT).await?;
-        if let Some(init) = init {
-            vm.agent().init(init).await?;
+        if let Some((init, token)) = init {
+            vm.agent().with_access_token(token).init(init).await?;
         }
         Ok(vm)
     }
@@ -397,7 +398,7 @@ impl Manager {
                 &snapshot.state,
                 &snapshot.mem,
                 &self.root_layer(&record),
-                Some(&AgentInit::after_restore()?),
+                Some((&AgentInit::after_restore()?, record.access_token.as_deref())),
             )
             .await;
         self.creating.fetch_sub(1, Ordering::SeqCst);
@@ -541,7 +542,11 @@ impl Manager {
             };
             let mut init = AgentInit::after_restore()?;
             init.access_token = access_token.clone();
-            vm.agent().init(&init).await?;
+            // The child's agent still holds the parent's token until this init.
+            vm.agent()
+                .with_access_token(parent.access_token.as_deref())
+                .init(&init)
+                .await?;
             let root = info
                 .children
                 .get(index)
