@@ -93,11 +93,90 @@ pub fn route(headers: &HeaderMap, uri: &Uri) -> Route {
     }
 }
 
+/// Paths only envd serves (a request for them that names no sandbox is
+/// looked up by its token or URL signature).
+fn is_envd_path(path: &str) -> bool {
+    path == "/files"
+        || path == "/files/compose"
+        || path == "/envs"
+        || path.starts_with("/process.Process/")
+        || path.starts_with("/filesystem.Filesystem/")
+}
+
+/// `"v1_" + base64_nopad(sha256("<path>:<op>:<username>:<token>[:<expiration>]"))`,
+/// the envd file-URL signature (spec §3.2).
+pub fn file_signature(
+    path: &str,
+    write: bool,
+    username: &str,
+    token: &str,
+    expiration: Option<&str>,
+) -> String {
+    use base64::Engine;
+    use sha2::{Digest, Sha256};
+    let op = if write { "write" } else { "read" };
+    let mut text = format!("{path}:{op}:{username}:{token}");
+    if let Some(exp) = expiration {
+        text.push(':');
+        text.push_str(exp);
+    }
+    format!(
+        "v1_{}",
+        base64::engine::general_purpose::STANDARD_NO_PAD.encode(Sha256::digest(text.as_bytes()))
+    )
+}
+
+/// For requests with no routing (older SDKs after `connect`, signed file
+/// URLs under `E2B_SANDBOX_URL`): the sandbox whose access token the request
+/// carries, or whose token signs its `/files` URL.
+pub fn find_unrouted(
+    headers: &HeaderMap,
+    method: &axum::http::Method,
+    uri: &Uri,
+    tokens: impl FnOnce() -> Vec<(String, String)>,
+) -> Option<String> {
+    if !is_envd_path(uri.path()) {
+        return None;
+    }
+    let header_token = headers.get("x-access-token").and_then(|v| v.to_str().ok());
+    let query: Vec<(String, String)> = form_urlencoded::parse(uri.query().unwrap_or("").as_bytes())
+        .into_owned()
+        .collect();
+    let get = |k: &str| query.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+    let signature = get("signature");
+    if header_token.is_none() && (uri.path() != "/files" || signature.is_none()) {
+        return None;
+    }
+    let tokens = tokens();
+    if let Some(t) = header_token {
+        return tokens
+            .into_iter()
+            .find(|(_, tok)| tok == t)
+            .map(|(id, _)| id);
+    }
+    let (path, username) = (get("path").unwrap_or(""), get("username").unwrap_or(""));
+    let expiration = get("signature_expiration").filter(|e| !e.is_empty());
+    let write = method == axum::http::Method::POST;
+    tokens
+        .into_iter()
+        .find(|(_, tok)| {
+            Some(file_signature(path, write, username, tok, expiration).as_str()) == signature
+        })
+        .map(|(id, _)| id)
+}
+
 /// Middleware in front of every route: proxies sandbox traffic, passes the rest on.
 pub async fn dispatch(State(state): State<Shared>, req: Request, next: Next) -> Response {
     match route(req.headers(), req.uri()) {
-        Route::ControlPlane => next.run(req).await,
         Route::Sandbox { id, port } => forward(&state, &id, port, req).await,
+        Route::ControlPlane => {
+            match find_unrouted(req.headers(), req.method(), req.uri(), || {
+                state.manager.running_tokens()
+            }) {
+                Some(id) => forward(&state, &id, AGENT_PORT, req).await,
+                None => next.run(req).await,
+            }
+        }
     }
 }
 
@@ -285,6 +364,80 @@ mod tests {
         assert_eq!(
             route(&h, &"/sandboxes".parse().unwrap()),
             sandbox("xyz", 49983)
+        );
+    }
+
+    #[test]
+    fn signatures_match_the_reference_example() {
+        assert_eq!(
+            file_signature("/home/user/a.txt", false, "", "tok_envd_secret", None),
+            "v1_aV6X1LHWPB4q7tmf5ETpqDSWAM58F6MZXorj0dYU79k"
+        );
+    }
+
+    #[test]
+    fn unrouted_requests_are_found_by_token_or_signature() {
+        let tokens = || {
+            vec![
+                ("aaa".to_string(), "ta".to_string()),
+                ("bbb".to_string(), "tb".to_string()),
+            ]
+        };
+        let get = axum::http::Method::GET;
+        let post = axum::http::Method::POST;
+        let uri = |s: &str| s.parse::<Uri>().unwrap();
+        let by_token = headers(&[("x-access-token", "tb")]);
+        assert_eq!(
+            find_unrouted(&by_token, &post, &uri("/process.Process/List"), tokens),
+            Some("bbb".into())
+        );
+        // Never for control-plane paths, nor for unknown tokens.
+        assert_eq!(
+            find_unrouted(&by_token, &get, &uri("/sandboxes"), tokens),
+            None
+        );
+        let unknown = headers(&[("x-access-token", "zz")]);
+        assert_eq!(
+            find_unrouted(&unknown, &get, &uri("/files?path=/a"), tokens),
+            None
+        );
+
+        let none = HeaderMap::new();
+        let sig = file_signature("/home/user/a b", true, "root", "ta", Some("1999999999"));
+        // Base64 has `+` and `/`: the SDKs percent-encode query values.
+        let sig: String = form_urlencoded::byte_serialize(sig.as_bytes()).collect();
+        let signed = format!(
+            "/files?path=%2Fhome%2Fuser%2Fa+b&username=root&signature={sig}&signature_expiration=1999999999"
+        );
+        assert_eq!(
+            find_unrouted(&none, &post, &uri(&signed), tokens),
+            Some("aaa".into())
+        );
+        // A read signature does not sign a write, and no signature finds nothing.
+        let read_sig: String =
+            form_urlencoded::byte_serialize(file_signature("/x", false, "", "tb", None).as_bytes())
+                .collect();
+        assert_eq!(
+            find_unrouted(
+                &none,
+                &post,
+                &uri(&format!("/files?path=/x&signature={read_sig}")),
+                tokens
+            ),
+            None
+        );
+        assert_eq!(
+            find_unrouted(
+                &none,
+                &get,
+                &uri(&format!("/files?path=/x&signature={read_sig}")),
+                tokens
+            ),
+            Some("bbb".into())
+        );
+        assert_eq!(
+            find_unrouted(&none, &get, &uri("/files?path=/x"), tokens),
+            None
         );
     }
 

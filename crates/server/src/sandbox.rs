@@ -624,6 +624,19 @@ impl Manager {
             .ok_or_else(|| SandboxError::NotFound(id.to_owned()))
     }
 
+    /// Running sandboxes with an access token: (id, token), for the proxy's
+    /// fallbacks when a request names no sandbox.
+    pub fn running_tokens(&self) -> Vec<(String, String)> {
+        let live: HashSet<String> = self.live().keys().cloned().collect();
+        self.store
+            .sandboxes()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|r| live.contains(&r.id))
+            .filter_map(|r| Some((r.id, r.access_token?)))
+            .collect()
+    }
+
     /// The vsock socket of a running sandbox, for the envd proxy.
     pub fn vsock_path(&self, id: &str) -> Option<PathBuf> {
         self.live().get(id).map(|l| l.vm.vsock_path())
