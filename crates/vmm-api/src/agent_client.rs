@@ -55,6 +55,12 @@ pub struct AgentInit {
     pub entropy: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub access_token: Option<String>,
+    /// Sandbox-wide environment variables (E2B's create `envVars`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub env_vars: Option<std::collections::BTreeMap<String, String>>,
+    /// The user commands and file calls run as when a request names none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub default_user: Option<String>,
 }
 
 impl AgentInit {
@@ -71,6 +77,8 @@ impl AgentInit {
             timestamp: Some(humantime::format_rfc3339_nanos(SystemTime::now()).to_string()),
             entropy: Some(base64::engine::general_purpose::STANDARD.encode(entropy)),
             access_token: None,
+            env_vars: None,
+            default_user: None,
         })
     }
 }
@@ -101,6 +109,8 @@ pub struct CommandOutput {
 pub struct AgentClient {
     uds: PathBuf,
     timeout: Duration,
+    /// Sent as `X-Access-Token` (a secured agent asks for it, `/init` included).
+    access_token: Option<String>,
 }
 
 impl AgentClient {
@@ -108,7 +118,14 @@ impl AgentClient {
         AgentClient {
             uds: uds.to_owned(),
             timeout: Duration::from_secs(60),
+            access_token: None,
         }
+    }
+
+    /// Presents `token` on every request (the agent's access token, once set).
+    pub fn with_access_token(mut self, token: Option<&str>) -> Self {
+        self.access_token = token.map(str::to_owned);
+        self
     }
 
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
@@ -144,7 +161,11 @@ impl AgentClient {
             let (mut sender, connection) =
                 hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
             tokio::spawn(connection);
-            let request = Request::builder()
+            let mut request = Request::builder();
+            if let Some(token) = &self.access_token {
+                request = request.header("x-access-token", token);
+            }
+            let request = request
                 .method(method)
                 .uri(path)
                 .header("host", "agent")

@@ -20,8 +20,23 @@ pub const TOKEN_LISTENER: u64 = 5;
 /// Epoll tokens of host streams are this plus the file descriptor.
 pub const TOKEN_FD_BASE: u64 = 1 << 32;
 
-/// First host port handed to host-initiated connections.
+/// Host ports handed to host-initiated connections start at or above this.
 pub const LOCAL_PORT_BASE: u32 = 1 << 30;
+
+/// Where this process starts numbering host ports: a random point in the
+/// upper range. A VM restored from a snapshot may still hold connections
+/// that the VMM which took it opened; if a new VMM numbered from the same
+/// start, its first connections would reuse those tuples and the guest would
+/// refuse them until it had closed the old sockets.
+fn first_local_port() -> u32 {
+    use std::io::Read;
+    let mut b = [0u8; 4];
+    let random = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .map(|()| u32::from_le_bytes(b))
+        .unwrap_or_else(|_| std::process::id().wrapping_mul(2_654_435_761));
+    LOCAL_PORT_BASE + (random % (1 << 29))
+}
 /// Live connections at most; more are refused (RST or closed stream).
 pub const MAX_CONNECTIONS: usize = 512;
 /// Host streams still sending their handshake line at most.
@@ -76,7 +91,7 @@ impl Muxer {
             conn_fds: HashMap::new(),
             rx_items: VecDeque::new(),
             control_count: 0,
-            next_local_port: LOCAL_PORT_BASE,
+            next_local_port: first_local_port(),
             scratch: vec![0; 64 * 1024],
         })
     }

@@ -1,0 +1,660 @@
+//! The sandbox manager: create (restore the template into a pooled VMM),
+//! get, list, kill, timeouts. Records live in the store; running VMMs here.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use disk_layers::LayeredDisk;
+use vmm_api::agent_client::{AgentError, AgentInit};
+use vmm_api::process::{ProcessError, VmmProcess};
+use vmm_api::{DriveOverride, SnapshotLoadParams, SnapshotType, VsockOverride};
+
+use crate::config::Config;
+use crate::ids;
+use crate::pool::Pool;
+use crate::store::{
+    PausedSnapshot, SandboxRecord, SandboxState, Store, StoreError, TemplateRecord,
+};
+use crate::template::now_ms;
+
+/// A restored guest answers within this (lab times included).
+const AGENT_TIMEOUT: Duration = Duration::from_secs(120);
+/// How often expired sandboxes are looked for.
+const REAP_EVERY: Duration = Duration::from_millis(500);
+const ROOT_LAYER: &str = "root.layer";
+
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    #[error("sandbox {0} not found")]
+    NotFound(String),
+    #[error("template {0} not found")]
+    TemplateNotFound(String),
+    #[error("{running} sandboxes are running, the most this node takes")]
+    AtCapacity { running: usize },
+    #[error("sandbox {id} is {state}")]
+    Conflict { id: String, state: &'static str },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the sandbox's disk: {0}")]
+    Disk(#[from] disk_layers::Error),
+    #[error("the sandbox's VMM: {0}")]
+    Vmm(#[from] ProcessError),
+    #[error("the sandbox's guest agent: {0}")]
+    Agent(#[from] AgentError),
+    #[error("a blocking task failed: {0}")]
+    Join(#[from] tokio::task::JoinError),
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SandboxError {
+    let what = what.into();
+    move |source| SandboxError::Io { what, source }
+}
+
+/// What a create asks for (already validated by the API).
+#[derive(Debug, Clone, Default)]
+pub struct CreateParams {
+    pub template_id: String,
+    pub timeout: Duration,
+    pub metadata: BTreeMap<String, String>,
+    pub env_vars: BTreeMap<String, String>,
+    /// Give the sandbox an envd access token and have envd require it.
+    pub secure: bool,
+    pub auto_pause: bool,
+}
+
+/// A running sandbox's VMM.
+struct Live {
+    vm: VmmProcess,
+}
+
+pub struct Manager {
+    config: Config,
+    store: Store,
+    pool: Arc<Pool>,
+    template: TemplateRecord,
+    live: Mutex<HashMap<String, Live>>,
+    /// Sandboxes being paused or resumed: a second change waits its turn (409).
+    changing: Mutex<HashSet<String>>,
+    /// Creates under way, counted against capacity with the running ones.
+    creating: AtomicUsize,
+}
+
+impl Manager {
+    pub fn new(
+        config: Config,
+        store: Store,
+        pool: Arc<Pool>,
+        template: TemplateRecord,
+    ) -> Arc<Manager> {
+        Arc::new(Manager {
+            config,
+            store,
+            pool,
+            template,
+            live: Mutex::new(HashMap::new()),
+            changing: Mutex::new(HashSet::new()),
+            creating: AtomicUsize::new(0),
+        })
+    }
+
+    fn live(&self) -> std::sync::MutexGuard<'_, HashMap<String, Live>> {
+        self.live.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn template(&self) -> &TemplateRecord {
+        &self.template
+    }
+
+    fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.config.sandboxes_dir().join(id)
+    }
+
+    /// After a restart: running sandboxes lost their VMMs with the old
+    /// process, so their records and files go (adoption comes later).
+    pub fn recover(&self) {
+        let records = match self.store.sandboxes() {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!("recovering sandboxes: {e}");
+                return;
+            }
+        };
+        for r in records {
+            if r.state == SandboxState::Running && !self.live().contains_key(&r.id) {
+                tracing::info!("sandbox {}: its VMM is gone; removing it", r.id);
+                let _ = self.store.remove_sandbox(&r.id);
+                let _ = std::fs::remove_dir_all(self.sandbox_dir(&r.id));
+            }
+        }
+    }
+
+    /// Kills sandboxes whose time is up, every [`REAP_EVERY`].
+    pub fn start_reaper(self: Arc<Self>) {
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(REAP_EVERY).await;
+                self.reap_expired().await;
+            }
+        });
+    }
+
+    pub async fn reap_expired(&self) {
+        let now = now_ms();
+        let expired: Vec<(String, bool)> = match self.store.sandboxes() {
+            Ok(all) => all
+                .into_iter()
+                .filter(|s| s.state == SandboxState::Running && s.end_at_ms <= now)
+                .map(|s| (s.id, s.auto_pause))
+                .collect(),
+            Err(e) => {
+                tracing::warn!("looking for expired sandboxes: {e}");
+                return;
+            }
+        };
+        for (id, auto_pause) in expired {
+            if auto_pause {
+                tracing::info!("sandbox {id}: timeout reached, pausing it");
+                match self.pause(&id).await {
+                    Ok(_) | Err(SandboxError::Conflict { .. }) => continue,
+                    Err(e) => tracing::warn!("sandbox {id}: pausing at timeout: {e}; killing it"),
+                }
+            } else {
+                tracing::info!("sandbox {id}: timeout reached, killing it");
+            }
+            if let Err(e) = self.kill(&id).await {
+                tracing::warn!("sandbox {id}: killing at timeout: {e}");
+            }
+        }
+    }
+
+    fn running(&self) -> usize {
+        self.live().len() + self.creating.load(Ordering::SeqCst)
+    }
+
+    /// Restores the template into a pooled VMM with a fresh root layer,
+    /// initialises its agent and records the sandbox as running.
+    pub async fn create(&self, params: CreateParams) -> Result<SandboxRecord, SandboxError> {
+        if params.template_id != self.template.id {
+            return Err(SandboxError::TemplateNotFound(params.template_id));
+        }
+        let running = self.running();
+        if running >= self.config.max_sandboxes {
+            return Err(SandboxError::AtCapacity { running });
+        }
+        self.creating.fetch_add(1, Ordering::SeqCst);
+        let id = ids::sandbox_id().map_err(io("generating a sandbox id"));
+        let result = match id {
+            Ok(id) => {
+                let r = self.create_inner(&id, params).await;
+                if r.is_err() {
+                    let _ = std::fs::remove_dir_all(self.sandbox_dir(&id));
+                }
+                r
+            }
+            Err(e) => Err(e),
+        };
+        self.creating.fetch_sub(1, Ordering::SeqCst);
+        result
+    }
+
+    async fn create_inner(
+        &self,
+        id: &str,
+        params: CreateParams,
+    ) -> Result<SandboxRecord, SandboxError> {
+        let dir = self.sandbox_dir(id);
+        std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
+        let root = dir.join(ROOT_LAYER);
+        let (base, top) = (self.template.root_layer.clone(), root.clone());
+        tokio::task::spawn_blocking(move || LayeredDisk::create(&base, &top).map(drop)).await??;
+
+        let vm = self
+            .restore(&self.template.snapshot, &self.template.mem, &root, None)
+            .await?;
+
+        let access_token = if params.secure {
+            Some(ids::token().map_err(io("generating an access token"))?)
+        } else {
+            None
+        };
+        let mut init = AgentInit::after_restore()?;
+        init.access_token = access_token.clone();
+        init.env_vars = Some(params.env_vars.clone());
+        vm.agent().init(&init).await?;
+
+        let started = now_ms();
+        let record = SandboxRecord {
+            id: id.to_owned(),
+            template_id: self.template.id.clone(),
+            alias: Some(self.template.id.clone()),
+            metadata: params.metadata,
+            env_vars: params.env_vars,
+            access_token,
+            started_at_ms: started,
+            end_at_ms: started + params.timeout.as_millis() as u64,
+            state: SandboxState::Running,
+            cpu_count: u32::from(self.template.vcpus),
+            memory_mb: self.template.mem_mib,
+            disk_size_mb: self.template.disk_size_mb,
+            auto_pause: params.auto_pause,
+            pause_generation: 0,
+            snapshot: None,
+            root_layer: None,
+            has_dependents: false,
+        };
+        self.store.put_sandbox(&record)?;
+        self.live().insert(id.to_owned(), Live { vm });
+        Ok(record)
+    }
+
+    /// Loads a snapshot into a pooled VMM with `root` as its root disk and
+    /// waits for the agent; with `init`, initialises it, presenting the
+    /// agent's current access token (else the caller does).
+    async fn restore(
+        &self,
+        state: &std::path::Path,
+        mem: &std::path::Path,
+        root: &std::path::Path,
+        init: Option<(&AgentInit, Option<&str>)>,
+    ) -> Result<VmmProcess, SandboxError> {
+        let mut vm = self.pool.take().await?;
+        let mut load = SnapshotLoadParams::from_file(
+            state.display().to_string(),
+            mem.display().to_string(),
+            true,
+        );
+        load.vsock_override = Some(VsockOverride {
+            uds_path: vm.vsock_path().display().to_string(),
+        });
+        load.drive_overrides = vec![DriveOverride {
+            drive_id: self.template.root_drive_id.clone(),
+            path_on_host: root.display().to_string(),
+        }];
+        vm.api()
+            .load_snapshot(&load)
+            .await
+            .map_err(ProcessError::from)?;
+        vm.wait_for_agent(AGENT_TIMEOUT).await?;
+        if let Some((init, token)) = init {
+            vm.agent().with_access_token(token).init(init).await?;
+        }
+        Ok(vm)
+    }
+
+    /// Marks `id` as changing state for the guard's lifetime; None when it
+    /// already is.
+    fn claim(&self, id: &str) -> Option<Claim<'_>> {
+        let mut changing = self.changing.lock().unwrap_or_else(|p| p.into_inner());
+        changing.insert(id.to_owned()).then(|| Claim {
+            manager: self,
+            id: id.to_owned(),
+        })
+    }
+
+    /// Pauses a running sandbox: its memory and devices into a snapshot in
+    /// its directory (a diff over what it was restored from), its disk
+    /// flushed, its VMM stopped; the store says `paused` once all is on disk.
+    pub async fn pause(&self, id: &str) -> Result<SandboxRecord, SandboxError> {
+        let record = self.get(id)?;
+        if record.state == SandboxState::Paused {
+            return Err(SandboxError::Conflict {
+                id: id.to_owned(),
+                state: "already paused",
+            });
+        }
+        let _claim = self.claim(id).ok_or_else(|| SandboxError::Conflict {
+            id: id.to_owned(),
+            state: "changing state",
+        })?;
+        // Out of the map while pausing: the proxy answers "not found" meanwhile.
+        let Some(live) = self.live().remove(id) else {
+            return Err(SandboxError::NotFound(id.to_owned()));
+        };
+        let dir = self.sandbox_dir(id);
+        let generation = record.pause_generation + 1;
+        let snapshot = PausedSnapshot {
+            state: dir.join(format!("pause-{generation}.state")),
+            mem: dir.join(format!("pause-{generation}.mem")),
+        };
+        // Pausing the devices flushes the root layer (see the VMM's block
+        // device), so disk and memory agree.
+        if let Err(e) = live
+            .vm
+            .snapshot(SnapshotType::Diff, &snapshot.state, &snapshot.mem)
+            .await
+        {
+            let _ = live.vm.api().resume().await;
+            self.live().insert(id.to_owned(), live);
+            return Err(e.into());
+        }
+        drop(live);
+        let files = [
+            snapshot.state.clone(),
+            snapshot.mem.clone(),
+            self.root_layer(&record),
+            dir.clone(),
+        ];
+        tokio::task::spawn_blocking(move || -> Result<(), SandboxError> {
+            for f in files {
+                std::fs::File::open(&f)
+                    .and_then(|f| f.sync_all())
+                    .map_err(io(format!("syncing {}", f.display())))?;
+            }
+            Ok(())
+        })
+        .await??;
+        self.store
+            .update_sandbox(id, |s| {
+                s.state = SandboxState::Paused;
+                s.pause_generation = generation;
+                s.snapshot = Some(snapshot);
+            })?
+            .ok_or_else(|| SandboxError::NotFound(id.to_owned()))
+    }
+
+    /// Resumes a paused sandbox for `timeout`; returns it and whether it was
+    /// paused. A running sandbox only has its timeout extended (never shortened).
+    pub async fn resume(
+        &self,
+        id: &str,
+        timeout: Duration,
+    ) -> Result<(SandboxRecord, bool), SandboxError> {
+        let record = self.get(id)?;
+        let end = now_ms() + timeout.as_millis() as u64;
+        if record.state == SandboxState::Running {
+            let r = self
+                .store
+                .update_sandbox(id, |s| s.end_at_ms = s.end_at_ms.max(end))?
+                .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
+            return Ok((r, false));
+        }
+        let _claim = self.claim(id).ok_or_else(|| SandboxError::Conflict {
+            id: id.to_owned(),
+            state: "changing state",
+        })?;
+        let Some(snapshot) = record.snapshot.clone() else {
+            return Err(SandboxError::NotFound(id.to_owned()));
+        };
+        let running = self.running();
+        if running >= self.config.max_sandboxes {
+            return Err(SandboxError::AtCapacity { running });
+        }
+        self.creating.fetch_add(1, Ordering::SeqCst);
+        let restored = self
+            .restore(
+                &snapshot.state,
+                &snapshot.mem,
+                &self.root_layer(&record),
+                Some((&AgentInit::after_restore()?, record.access_token.as_deref())),
+            )
+            .await;
+        self.creating.fetch_sub(1, Ordering::SeqCst);
+        let vm = restored?;
+        let r = self
+            .store
+            .update_sandbox(id, |s| {
+                s.state = SandboxState::Running;
+                s.end_at_ms = end;
+            })?
+            .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
+        self.live().insert(id.to_owned(), Live { vm });
+        Ok((r, true))
+    }
+
+    /// The writable layer of a sandbox's root disk.
+    fn root_layer(&self, record: &SandboxRecord) -> PathBuf {
+        record
+            .root_layer
+            .clone()
+            .unwrap_or_else(|| self.sandbox_dir(&record.id).join(ROOT_LAYER))
+    }
+
+    /// Forks a running sandbox into `count` new ones that continue from its
+    /// current memory and disk (sandfork's `PUT /fork`: memory frozen once
+    /// and shared copy-on-write, the disk sealed and branched). The parent
+    /// runs on. Each child gets its own access token, `timeout` and the
+    /// parent's metadata; one result per child.
+    pub async fn fork(
+        self: &Arc<Self>,
+        id: &str,
+        count: u32,
+        timeout: Duration,
+    ) -> Result<Vec<Result<SandboxRecord, SandboxError>>, SandboxError> {
+        let parent = self.get(id)?;
+        if parent.state != SandboxState::Running {
+            return Err(SandboxError::Conflict {
+                id: id.to_owned(),
+                state: "paused",
+            });
+        }
+        let _claim = self.claim(id).ok_or_else(|| SandboxError::Conflict {
+            id: id.to_owned(),
+            state: "changing state",
+        })?;
+        let running = self.running();
+        if running + count as usize > self.config.max_sandboxes {
+            return Err(SandboxError::AtCapacity { running });
+        }
+        // The fork's files (frozen memory, state, every new root layer) are
+        // shared by parent and children, so they live outside any one
+        // sandbox's directory.
+        let fork_dir = self
+            .config
+            .data_dir
+            .join("forks")
+            .join(ids::sandbox_id().map_err(io("generating a fork id"))?);
+        std::fs::create_dir_all(&fork_dir)
+            .map_err(io(format!("creating {}", fork_dir.display())))?;
+        let info = {
+            let live = self.live();
+            let Some(l) = live.get(id) else {
+                return Err(SandboxError::NotFound(id.to_owned()));
+            };
+            // The VMM client needs no lock held across the await: clone it out.
+            l.vm.api().clone()
+        };
+        self.creating.fetch_add(count as usize, Ordering::SeqCst);
+        let forked = info
+            .fork(&vmm_api::ForkParams {
+                snapshot_path: fork_dir.join("fork.state").display().to_string(),
+                mem_file_path: fork_dir.join("fork.mem").display().to_string(),
+                disk_dir: fork_dir.display().to_string(),
+                children: count,
+            })
+            .await;
+        let info = match forked {
+            Ok(info) => info,
+            Err(e) => {
+                self.creating.fetch_sub(count as usize, Ordering::SeqCst);
+                let _ = std::fs::remove_dir_all(&fork_dir);
+                return Err(ProcessError::from(e).into());
+            }
+        };
+        // The parent now writes to the fork's layer 0 and its old layer is
+        // sealed under every child: its directory must outlive it.
+        let parent_root = fork_dir.join(format!("{}.0.layer", self.template.root_drive_id));
+        self.store.update_sandbox(id, |s| {
+            s.root_layer = Some(parent_root);
+            s.has_dependents = true;
+        })?;
+
+        let mut tasks = tokio::task::JoinSet::new();
+        for index in 0..count as usize {
+            let manager = self.clone();
+            let (info, parent) = (info.clone(), parent.clone());
+            tasks.spawn(async move {
+                let r = manager.fork_child(&parent, &info, index, timeout).await;
+                manager.creating.fetch_sub(1, Ordering::SeqCst);
+                (index, r)
+            });
+        }
+        let mut results: Vec<Option<Result<SandboxRecord, SandboxError>>> =
+            (0..count).map(|_| None).collect();
+        while let Some(done) = tasks.join_next().await {
+            match done {
+                Ok((index, r)) => results[index] = Some(r),
+                Err(e) => tracing::error!("a fork child task failed: {e}"),
+            }
+        }
+        Ok(results
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(SandboxError::Io {
+                        what: "starting a fork child".into(),
+                        source: std::io::Error::other("its task ended early"),
+                    })
+                })
+            })
+            .collect())
+    }
+
+    async fn fork_child(
+        &self,
+        parent: &SandboxRecord,
+        info: &vmm_api::ForkInfo,
+        index: usize,
+        timeout: Duration,
+    ) -> Result<SandboxRecord, SandboxError> {
+        let id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
+        let dir = self.sandbox_dir(&id);
+        std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
+        let result = async {
+            let mut vm = self.pool.take().await?;
+            vm.load_fork_child(info, index).await?;
+            vm.wait_for_agent(AGENT_TIMEOUT).await?;
+            let access_token = match parent.access_token {
+                Some(_) => Some(ids::token().map_err(io("generating an access token"))?),
+                None => None,
+            };
+            let mut init = AgentInit::after_restore()?;
+            init.access_token = access_token.clone();
+            // The child's agent still holds the parent's token until this init.
+            vm.agent()
+                .with_access_token(parent.access_token.as_deref())
+                .init(&init)
+                .await?;
+            let root = info
+                .children
+                .get(index)
+                .and_then(|drives| {
+                    drives
+                        .iter()
+                        .find(|d| d.drive_id == self.template.root_drive_id)
+                })
+                .map(|d| PathBuf::from(&d.path_on_host));
+            let started = now_ms();
+            let record = SandboxRecord {
+                id: id.clone(),
+                access_token,
+                started_at_ms: started,
+                end_at_ms: started + timeout.as_millis() as u64,
+                state: SandboxState::Running,
+                pause_generation: 0,
+                snapshot: None,
+                root_layer: root,
+                has_dependents: false,
+                ..parent.clone()
+            };
+            self.store.put_sandbox(&record)?;
+            self.live().insert(id.clone(), Live { vm });
+            Ok(record)
+        }
+        .await;
+        if result.is_err() {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        result
+    }
+
+    pub fn get(&self, id: &str) -> Result<SandboxRecord, SandboxError> {
+        self.store
+            .sandbox(id)?
+            .ok_or_else(|| SandboxError::NotFound(id.to_owned()))
+    }
+
+    pub fn list(&self) -> Result<Vec<SandboxRecord>, SandboxError> {
+        Ok(self.store.sandboxes()?)
+    }
+
+    /// Stops the sandbox's VMM and removes its files and record.
+    pub async fn kill(&self, id: &str) -> Result<(), SandboxError> {
+        let live = self.live().remove(id);
+        let record = self.store.sandbox(id)?;
+        let existed = self.store.remove_sandbox(id)?;
+        if live.is_none() && !existed {
+            return Err(SandboxError::NotFound(id.to_owned()));
+        }
+        // Dropping the process kills it; then its files can go, unless forks
+        // still read them.
+        drop(live);
+        if record.is_some_and(|r| r.has_dependents) {
+            return Ok(());
+        }
+        let dir = self.sandbox_dir(id);
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = std::fs::remove_dir_all(&dir)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!("removing {}: {e}", dir.display());
+            }
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Sets the sandbox to end `timeout` from now (shorter or longer).
+    pub fn set_timeout(&self, id: &str, timeout: Duration) -> Result<SandboxRecord, SandboxError> {
+        let end = now_ms() + timeout.as_millis() as u64;
+        self.store
+            .update_sandbox(id, |s| s.end_at_ms = end)?
+            .ok_or_else(|| SandboxError::NotFound(id.to_owned()))
+    }
+
+    /// Running sandboxes with an access token: (id, token), for the proxy's
+    /// fallbacks when a request names no sandbox.
+    pub fn running_tokens(&self) -> Vec<(String, String)> {
+        let live: HashSet<String> = self.live().keys().cloned().collect();
+        self.store
+            .sandboxes()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|r| live.contains(&r.id))
+            .filter_map(|r| Some((r.id, r.access_token?)))
+            .collect()
+    }
+
+    /// The vsock socket of a running sandbox, for the envd proxy.
+    pub fn vsock_path(&self, id: &str) -> Option<PathBuf> {
+        self.live().get(id).map(|l| l.vm.vsock_path())
+    }
+}
+
+/// A sandbox marked as changing state; unmarked on drop.
+struct Claim<'a> {
+    manager: &'a Manager,
+    id: String,
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        self.manager
+            .changing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.id);
+    }
+}
