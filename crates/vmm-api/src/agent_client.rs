@@ -55,6 +55,12 @@ pub struct AgentInit {
     pub entropy: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub access_token: Option<String>,
+    /// Sandbox-wide environment variables (E2B's create `envVars`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub env_vars: Option<std::collections::BTreeMap<String, String>>,
+    /// The user commands and file calls run as when a request names none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub default_user: Option<String>,
 }
 
 impl AgentInit {
@@ -71,6 +77,8 @@ impl AgentInit {
             timestamp: Some(humantime::format_rfc3339_nanos(SystemTime::now()).to_string()),
             entropy: Some(base64::engine::general_purpose::STANDARD.encode(entropy)),
             access_token: None,
+            env_vars: None,
+            default_user: None,
         })
     }
 }

@@ -275,6 +275,14 @@ impl VirtioDevice for Block {
         if let Some(handle) = self.worker.take() {
             self.parked = handle.stop();
         }
+        // A snapshot taken now must find on disk every write the guest saw
+        // complete (a layered disk records its new clusters only on flush),
+        // or a restore would pair memory with an older disk.
+        if !self.config.read_only
+            && let Err(e) = self.disk.flush()
+        {
+            tracing::warn!("flushing drive {} at pause: {e}", self.config.id);
+        }
     }
 
     fn resume(&mut self) -> Result<(), ActivateError> {

@@ -1,0 +1,75 @@
+//! The HTTP surface: E2B's control plane (authenticated by `X-API-KEY`) and,
+//! in front of it, the envd proxy (see [`crate::proxy`]).
+
+mod error;
+mod list;
+mod sandboxes;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+
+pub use error::ApiError;
+pub use list::{ListQuery, decode_metadata_filter};
+
+use crate::auth::{self, ApiKeys};
+use crate::sandbox::Manager;
+
+pub struct AppState {
+    pub manager: Arc<Manager>,
+    pub keys: ApiKeys,
+}
+
+pub type Shared = Arc<AppState>;
+
+/// Every route of the node on one listener.
+pub fn router(state: Shared) -> Router {
+    let control = Router::new()
+        .route(
+            "/sandboxes",
+            post(sandboxes::create_v1).get(sandboxes::list_v1),
+        )
+        .route(
+            "/v2/sandboxes",
+            post(sandboxes::create_v2).get(sandboxes::list_v2),
+        )
+        .route(
+            "/sandboxes/{id}",
+            get(sandboxes::get_one).delete(sandboxes::kill),
+        )
+        .route("/sandboxes/{id}/timeout", post(sandboxes::set_timeout))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ));
+    Router::new()
+        .route("/health", get(health))
+        .merge(control)
+        .fallback(unknown_route)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            crate::proxy::dispatch,
+        ))
+        .with_state(state)
+}
+
+async fn health() -> StatusCode {
+    StatusCode::NO_CONTENT
+}
+
+async fn unknown_route() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "no such route")
+}
+
+async fn require_api_key(State(state): State<Shared>, req: Request, next: Next) -> Response {
+    match req.headers().get(auth::HEADER).map(|v| v.to_str()) {
+        None => ApiError::new(StatusCode::UNAUTHORIZED, "missing X-API-KEY header").into_response(),
+        Some(Ok(key)) if state.keys.accepts(key) => next.run(req).await,
+        Some(_) => ApiError::new(StatusCode::UNAUTHORIZED, "invalid API key").into_response(),
+    }
+}

@@ -1,0 +1,218 @@
+//! Sandbox routes: create (v1, v2), get, list (v1, v2), kill, timeout.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, UNIX_EPOCH};
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderValue, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+
+use super::list::ListQuery;
+use super::{ApiError, Shared};
+use crate::ids;
+use crate::sandbox::CreateParams;
+use crate::store::{SandboxRecord, SandboxState};
+use crate::template;
+
+/// E2B's clientID is a node id the SDKs require but never use.
+const CLIENT_ID: &str = "sandfork";
+/// v2 creates without a timeout get E2B's SDK default.
+const V2_DEFAULT_TIMEOUT: i64 = 300;
+/// v1's spec default (v1 SDKs always send one).
+const V1_DEFAULT_TIMEOUT: i64 = 15;
+
+fn parse_body<T: DeserializeOwned + Default>(body: &Bytes) -> Result<T, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("malformed request body: {e}")))
+}
+
+fn rfc3339(ms: u64) -> String {
+    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+}
+
+fn timeout_secs(value: i64, max: Duration) -> Result<Duration, ApiError> {
+    if value <= 0 {
+        return Err(ApiError::bad_request(
+            "timeout must be a positive number of seconds",
+        ));
+    }
+    let t = Duration::from_secs(value as u64);
+    if t > max {
+        return Err(ApiError::bad_request(format!(
+            "timeout must be at most {} seconds",
+            max.as_secs()
+        )));
+    }
+    Ok(t)
+}
+
+/// The Sandbox object of create, connect and resume answers.
+pub fn sandbox_json(r: &SandboxRecord) -> Value {
+    json!({
+        "sandboxID": r.id,
+        "templateID": r.template_id,
+        "alias": r.alias,
+        "clientID": CLIENT_ID,
+        "envdVersion": envd_proto::ENVD_VERSION,
+        "envdAccessToken": r.access_token,
+        "trafficAccessToken": null,
+        "domain": null,
+    })
+}
+
+/// A ListedSandbox; with `detail`, the SandboxDetail of `GET /sandboxes/{id}`.
+pub fn listed_json(r: &SandboxRecord, detail: bool) -> Value {
+    let mut v = json!({
+        "sandboxID": r.id,
+        "templateID": r.template_id,
+        "alias": r.alias,
+        "clientID": CLIENT_ID,
+        "startedAt": rfc3339(r.started_at_ms),
+        "endAt": rfc3339(r.end_at_ms),
+        "cpuCount": r.cpu_count,
+        "memoryMB": r.memory_mb,
+        "diskSizeMB": r.disk_size_mb,
+        "state": r.state.as_str(),
+        "envdVersion": envd_proto::ENVD_VERSION,
+        "metadata": r.metadata,
+    });
+    if detail {
+        v["envdAccessToken"] = json!(r.access_token);
+        v["domain"] = Value::Null;
+        v["lifecycle"] = json!({
+            "onTimeout": if r.auto_pause { "pause" } else { "kill" },
+            "autoResume": false,
+        });
+    }
+    v
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct NewSandbox {
+    #[serde(rename = "templateID")]
+    template_id: Option<String>,
+    timeout: Option<i64>,
+    metadata: Option<BTreeMap<String, String>>,
+    #[serde(rename = "envVars")]
+    env_vars: Option<BTreeMap<String, String>>,
+    /// v1 only; v2 sandboxes are always secure.
+    secure: Option<bool>,
+    /// Accepted; every sandbox has the same (no) network for now.
+    #[allow(dead_code)]
+    allow_internet_access: Option<bool>,
+    #[serde(rename = "autoPause")]
+    auto_pause: Option<bool>,
+}
+
+async fn create(state: Shared, body: Bytes, v2: bool) -> Result<Response, ApiError> {
+    let req: NewSandbox = parse_body(&body)?;
+    let max = state.manager.config().max_timeout;
+    let default_timeout = if v2 {
+        V2_DEFAULT_TIMEOUT
+    } else {
+        V1_DEFAULT_TIMEOUT
+    };
+    let template_id = req
+        .template_id
+        .filter(|t| !t.is_empty())
+        .unwrap_or_else(|| template::BASE.to_owned());
+    let params = CreateParams {
+        template_id,
+        timeout: timeout_secs(req.timeout.unwrap_or(default_timeout), max)?,
+        metadata: req.metadata.unwrap_or_default(),
+        env_vars: req.env_vars.unwrap_or_default(),
+        secure: v2 || req.secure.unwrap_or(false),
+        auto_pause: req.auto_pause.unwrap_or(false),
+    };
+    let record = state.manager.create(params).await?;
+    Ok((StatusCode::CREATED, Json(sandbox_json(&record))).into_response())
+}
+
+pub async fn create_v1(State(state): State<Shared>, body: Bytes) -> Result<Response, ApiError> {
+    create(state, body, false).await
+}
+
+pub async fn create_v2(State(state): State<Shared>, body: Bytes) -> Result<Response, ApiError> {
+    create(state, body, true).await
+}
+
+fn check_id(id: &str) -> Result<(), ApiError> {
+    if ids::is_sandbox_id(id) {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("sandbox {id} not found"),
+        ))
+    }
+}
+
+pub async fn get_one(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    check_id(&id)?;
+    Ok(Json(listed_json(&state.manager.get(&id)?, true)))
+}
+
+async fn list(state: Shared, uri: Uri, v2: bool) -> Result<Response, ApiError> {
+    let mut query = ListQuery::parse(uri.query())?;
+    if !v2 {
+        // v1 lists running sandboxes, in one page.
+        query.states = vec![SandboxState::Running];
+        query.next_token = None;
+        query.limit = usize::MAX;
+    }
+    let (page, next) = query.page(state.manager.list()?);
+    let body: Vec<Value> = page.iter().map(|r| listed_json(r, false)).collect();
+    let mut response = Json(body).into_response();
+    if let Some(token) = next.and_then(|t| HeaderValue::from_str(&t).ok()) {
+        response.headers_mut().insert("x-next-token", token);
+    }
+    Ok(response)
+}
+
+pub async fn list_v1(State(state): State<Shared>, uri: Uri) -> Result<Response, ApiError> {
+    list(state, uri, false).await
+}
+
+pub async fn list_v2(State(state): State<Shared>, uri: Uri) -> Result<Response, ApiError> {
+    list(state, uri, true).await
+}
+
+pub async fn kill(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    check_id(&id)?;
+    state.manager.kill(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct NewTimeout {
+    timeout: Option<i64>,
+}
+
+pub async fn set_timeout(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<StatusCode, ApiError> {
+    check_id(&id)?;
+    let req: NewTimeout = parse_body(&body)?;
+    let secs = req
+        .timeout
+        .ok_or_else(|| ApiError::bad_request("timeout is required"))?;
+    let timeout = timeout_secs(secs, state.manager.config().max_timeout)?;
+    state.manager.set_timeout(&id, timeout)?;
+    Ok(StatusCode::NO_CONTENT)
+}

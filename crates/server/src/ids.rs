@@ -1,0 +1,70 @@
+//! Random identifiers and secrets from the kernel's RNG.
+
+use std::io::Read;
+
+/// Length of a sandbox id: E2B-style, lowercase letters and digits only, so it
+/// is one DNS label with no `-` (host names are `<port>-<id>.<domain>`).
+pub const SANDBOX_ID_LEN: usize = 20;
+
+pub fn random_bytes(n: usize) -> std::io::Result<Vec<u8>> {
+    let mut buf = vec![0u8; n];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut buf)?;
+    Ok(buf)
+}
+
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A fresh sandbox id.
+pub fn sandbox_id() -> std::io::Result<String> {
+    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+    // 252 is the largest multiple of 36 below 256: rejecting above it keeps
+    // every character equally likely.
+    let mut id = String::with_capacity(SANDBOX_ID_LEN);
+    while id.len() < SANDBOX_ID_LEN {
+        for b in random_bytes(SANDBOX_ID_LEN * 2)? {
+            if b < 252 && id.len() < SANDBOX_ID_LEN {
+                id.push(ALPHABET[(b % 36) as usize] as char);
+            }
+        }
+    }
+    Ok(id)
+}
+
+/// Whether `id` can be a sandbox id (checked before it names a directory).
+pub fn is_sandbox_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+}
+
+/// A secret token (envd access token): 32 random bytes in hex.
+pub fn token() -> std::io::Result<String> {
+    Ok(hex(&random_bytes(32)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sandbox_ids_are_dns_labels_without_dashes_and_differ() {
+        let a = sandbox_id().unwrap();
+        let b = sandbox_id().unwrap();
+        assert_eq!(a.len(), SANDBOX_ID_LEN);
+        assert!(is_sandbox_id(&a), "{a}");
+        assert_ne!(a, b);
+        assert!(!is_sandbox_id("ab-c"));
+        assert!(!is_sandbox_id("../x"));
+        assert!(!is_sandbox_id("ABC"));
+        assert!(!is_sandbox_id(""));
+    }
+
+    #[test]
+    fn hex_is_lowercase_two_digits_per_byte() {
+        assert_eq!(hex(&[0, 0xab, 0x0f]), "00ab0f");
+    }
+}

@@ -1,0 +1,89 @@
+//! The sandfork node server: one listener serving E2B's control plane (create,
+//! get, list, kill, timeout, ...) and proxying envd traffic to each sandbox's
+//! guest agent over its vsock socket.
+//!
+//! Start with [`Server::start`]; [`api::router`] is the whole HTTP surface.
+
+pub mod api;
+pub mod auth;
+pub mod config;
+pub mod ids;
+pub mod pool;
+pub mod proxy;
+pub mod sandbox;
+pub mod store;
+pub mod template;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+pub use config::Config;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Store(#[from] store::StoreError),
+    #[error(transparent)]
+    Auth(#[from] auth::AuthError),
+    #[error(transparent)]
+    Template(#[from] template::TemplateError),
+    #[error("listening on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A running node: the store, the base template, the warm pool and the
+/// sandbox manager, ready to be served.
+pub struct Server {
+    pub state: Arc<api::AppState>,
+    /// Where the generated API key was written (None when it came from the environment).
+    pub api_key_file: Option<PathBuf>,
+}
+
+impl Server {
+    /// Opens the store, sets up the API key, builds the `base` template if it
+    /// is missing (boots a microVM: slow the first time), starts the pool.
+    pub async fn start(config: Config) -> Result<Server, ServerError> {
+        for dir in [
+            config.data_dir.clone(),
+            config.sandboxes_dir(),
+            config.templates_dir(),
+        ] {
+            std::fs::create_dir_all(&dir).map_err(|source| ServerError::Io {
+                what: "creating",
+                path: dir.clone(),
+                source,
+            })?;
+        }
+        let store = store::Store::open(&config.data_dir.join("sandfork.redb"))?;
+        let env_key = std::env::var("SANDFORK_API_KEY")
+            .ok()
+            .filter(|k| !k.is_empty());
+        let (keys, api_key_file) = auth::setup(&store, &config.data_dir, env_key.as_deref())?;
+        let pool = pool::Pool::start(config.vmm.clone(), config.pool_size);
+        let template = template::ensure_base(&config, &store, &pool).await?;
+        let manager = sandbox::Manager::new(config.clone(), store, pool, template);
+        manager.recover();
+        manager.clone().start_reaper();
+        Ok(Server {
+            state: Arc::new(api::AppState { manager, keys }),
+            api_key_file,
+        })
+    }
+
+    /// Serves on `listener` until the process ends.
+    pub async fn serve(self, listener: tokio::net::TcpListener) -> std::io::Result<()> {
+        axum::serve(listener, api::router(self.state)).await
+    }
+}

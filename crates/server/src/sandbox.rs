@@ -1,0 +1,304 @@
+//! The sandbox manager: create (restore the template into a pooled VMM),
+//! get, list, kill, timeouts. Records live in the store; running VMMs here.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use disk_layers::LayeredDisk;
+use vmm_api::agent_client::{AgentError, AgentInit};
+use vmm_api::process::{ProcessError, VmmProcess};
+use vmm_api::{DriveOverride, SnapshotLoadParams, VsockOverride};
+
+use crate::config::Config;
+use crate::ids;
+use crate::pool::Pool;
+use crate::store::{SandboxRecord, SandboxState, Store, StoreError, TemplateRecord};
+use crate::template::now_ms;
+
+/// A restored guest answers within this (lab times included).
+const AGENT_TIMEOUT: Duration = Duration::from_secs(120);
+/// How often expired sandboxes are looked for.
+const REAP_EVERY: Duration = Duration::from_millis(500);
+const ROOT_LAYER: &str = "root.layer";
+
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    #[error("sandbox {0} not found")]
+    NotFound(String),
+    #[error("template {0} not found")]
+    TemplateNotFound(String),
+    #[error("{running} sandboxes are running, the most this node takes")]
+    AtCapacity { running: usize },
+    #[error("sandbox {id} is {state}")]
+    Conflict { id: String, state: &'static str },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the sandbox's disk: {0}")]
+    Disk(#[from] disk_layers::Error),
+    #[error("the sandbox's VMM: {0}")]
+    Vmm(#[from] ProcessError),
+    #[error("the sandbox's guest agent: {0}")]
+    Agent(#[from] AgentError),
+    #[error("a blocking task failed: {0}")]
+    Join(#[from] tokio::task::JoinError),
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SandboxError {
+    let what = what.into();
+    move |source| SandboxError::Io { what, source }
+}
+
+/// What a create asks for (already validated by the API).
+#[derive(Debug, Clone, Default)]
+pub struct CreateParams {
+    pub template_id: String,
+    pub timeout: Duration,
+    pub metadata: BTreeMap<String, String>,
+    pub env_vars: BTreeMap<String, String>,
+    /// Give the sandbox an envd access token and have envd require it.
+    pub secure: bool,
+    pub auto_pause: bool,
+}
+
+/// A running sandbox's VMM.
+struct Live {
+    vm: VmmProcess,
+}
+
+pub struct Manager {
+    config: Config,
+    store: Store,
+    pool: Arc<Pool>,
+    template: TemplateRecord,
+    live: Mutex<HashMap<String, Live>>,
+    /// Creates under way, counted against capacity with the running ones.
+    creating: AtomicUsize,
+}
+
+impl Manager {
+    pub fn new(
+        config: Config,
+        store: Store,
+        pool: Arc<Pool>,
+        template: TemplateRecord,
+    ) -> Arc<Manager> {
+        Arc::new(Manager {
+            config,
+            store,
+            pool,
+            template,
+            live: Mutex::new(HashMap::new()),
+            creating: AtomicUsize::new(0),
+        })
+    }
+
+    fn live(&self) -> std::sync::MutexGuard<'_, HashMap<String, Live>> {
+        self.live.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn template(&self) -> &TemplateRecord {
+        &self.template
+    }
+
+    fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.config.sandboxes_dir().join(id)
+    }
+
+    /// After a restart: running sandboxes lost their VMMs with the old
+    /// process, so their records and files go (adoption comes later).
+    pub fn recover(&self) {
+        let records = match self.store.sandboxes() {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!("recovering sandboxes: {e}");
+                return;
+            }
+        };
+        for r in records {
+            if r.state == SandboxState::Running && !self.live().contains_key(&r.id) {
+                tracing::info!("sandbox {}: its VMM is gone; removing it", r.id);
+                let _ = self.store.remove_sandbox(&r.id);
+                let _ = std::fs::remove_dir_all(self.sandbox_dir(&r.id));
+            }
+        }
+    }
+
+    /// Kills sandboxes whose time is up, every [`REAP_EVERY`].
+    pub fn start_reaper(self: Arc<Self>) {
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(REAP_EVERY).await;
+                self.reap_expired().await;
+            }
+        });
+    }
+
+    pub async fn reap_expired(&self) {
+        let now = now_ms();
+        let expired: Vec<String> = match self.store.sandboxes() {
+            Ok(all) => all
+                .into_iter()
+                .filter(|s| s.state == SandboxState::Running && s.end_at_ms <= now)
+                .map(|s| s.id)
+                .collect(),
+            Err(e) => {
+                tracing::warn!("looking for expired sandboxes: {e}");
+                return;
+            }
+        };
+        for id in expired {
+            tracing::info!("sandbox {id}: timeout reached, killing it");
+            if let Err(e) = self.kill(&id).await {
+                tracing::warn!("sandbox {id}: killing at timeout: {e}");
+            }
+        }
+    }
+
+    fn running(&self) -> usize {
+        self.live().len() + self.creating.load(Ordering::SeqCst)
+    }
+
+    /// Restores the template into a pooled VMM with a fresh root layer,
+    /// initialises its agent and records the sandbox as running.
+    pub async fn create(&self, params: CreateParams) -> Result<SandboxRecord, SandboxError> {
+        if params.template_id != self.template.id {
+            return Err(SandboxError::TemplateNotFound(params.template_id));
+        }
+        let running = self.running();
+        if running >= self.config.max_sandboxes {
+            return Err(SandboxError::AtCapacity { running });
+        }
+        self.creating.fetch_add(1, Ordering::SeqCst);
+        let id = ids::sandbox_id().map_err(io("generating a sandbox id"));
+        let result = match id {
+            Ok(id) => {
+                let r = self.create_inner(&id, params).await;
+                if r.is_err() {
+                    let _ = std::fs::remove_dir_all(self.sandbox_dir(&id));
+                }
+                r
+            }
+            Err(e) => Err(e),
+        };
+        self.creating.fetch_sub(1, Ordering::SeqCst);
+        result
+    }
+
+    async fn create_inner(
+        &self,
+        id: &str,
+        params: CreateParams,
+    ) -> Result<SandboxRecord, SandboxError> {
+        let dir = self.sandbox_dir(id);
+        std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
+        let root = dir.join(ROOT_LAYER);
+        let (base, top) = (self.template.root_layer.clone(), root.clone());
+        tokio::task::spawn_blocking(move || LayeredDisk::create(&base, &top).map(drop)).await??;
+
+        let mut vm = self.pool.take().await?;
+        let mut load = SnapshotLoadParams::from_file(
+            self.template.snapshot.display().to_string(),
+            self.template.mem.display().to_string(),
+            true,
+        );
+        load.vsock_override = Some(VsockOverride {
+            uds_path: vm.vsock_path().display().to_string(),
+        });
+        load.drive_overrides = vec![DriveOverride {
+            drive_id: self.template.root_drive_id.clone(),
+            path_on_host: root.display().to_string(),
+        }];
+        vm.api()
+            .load_snapshot(&load)
+            .await
+            .map_err(ProcessError::from)?;
+        vm.wait_for_agent(AGENT_TIMEOUT).await?;
+
+        let access_token = if params.secure {
+            Some(ids::token().map_err(io("generating an access token"))?)
+        } else {
+            None
+        };
+        let mut init = AgentInit::after_restore()?;
+        init.access_token = access_token.clone();
+        init.env_vars = Some(params.env_vars.clone());
+        vm.agent().init(&init).await?;
+
+        let started = now_ms();
+        let record = SandboxRecord {
+            id: id.to_owned(),
+            template_id: self.template.id.clone(),
+            alias: Some(self.template.id.clone()),
+            metadata: params.metadata,
+            env_vars: params.env_vars,
+            access_token,
+            started_at_ms: started,
+            end_at_ms: started + params.timeout.as_millis() as u64,
+            state: SandboxState::Running,
+            cpu_count: u32::from(self.template.vcpus),
+            memory_mb: self.template.mem_mib,
+            disk_size_mb: self.template.disk_size_mb,
+            auto_pause: params.auto_pause,
+        };
+        self.store.put_sandbox(&record)?;
+        self.live().insert(id.to_owned(), Live { vm });
+        Ok(record)
+    }
+
+    pub fn get(&self, id: &str) -> Result<SandboxRecord, SandboxError> {
+        self.store
+            .sandbox(id)?
+            .ok_or_else(|| SandboxError::NotFound(id.to_owned()))
+    }
+
+    pub fn list(&self) -> Result<Vec<SandboxRecord>, SandboxError> {
+        Ok(self.store.sandboxes()?)
+    }
+
+    /// Stops the sandbox's VMM and removes its files and record.
+    pub async fn kill(&self, id: &str) -> Result<(), SandboxError> {
+        let live = self.live().remove(id);
+        let existed = self.store.remove_sandbox(id)?;
+        if live.is_none() && !existed {
+            return Err(SandboxError::NotFound(id.to_owned()));
+        }
+        // Dropping the process kills it; then its files can go.
+        drop(live);
+        let dir = self.sandbox_dir(id);
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = std::fs::remove_dir_all(&dir)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!("removing {}: {e}", dir.display());
+            }
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Sets the sandbox to end `timeout` from now (shorter or longer).
+    pub fn set_timeout(&self, id: &str, timeout: Duration) -> Result<SandboxRecord, SandboxError> {
+        let end = now_ms() + timeout.as_millis() as u64;
+        self.store
+            .update_sandbox(id, |s| s.end_at_ms = end)?
+            .ok_or_else(|| SandboxError::NotFound(id.to_owned()))
+    }
+
+    /// The vsock socket of a running sandbox, for the envd proxy.
+    pub fn vsock_path(&self, id: &str) -> Option<PathBuf> {
+        self.live().get(id).map(|l| l.vm.vsock_path())
+    }
+}

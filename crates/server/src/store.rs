@@ -1,0 +1,306 @@
+//! Durable metadata in redb: sandboxes, templates and the API key hash. Every
+//! change is one write transaction, committed (and synced) before the caller
+//! answers anyone.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use redb::{ReadableDatabase, ReadableTable, TableDefinition};
+use serde::{Deserialize, Serialize};
+
+const SANDBOXES: TableDefinition<&str, &[u8]> = TableDefinition::new("sandboxes");
+const TEMPLATES: TableDefinition<&str, &[u8]> = TableDefinition::new("templates");
+const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("the store: {0}")]
+    Db(#[from] redb::Error),
+    #[error("a stored {what} is unreadable: {source}")]
+    Decode {
+        what: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+fn db_err(e: impl Into<redb::Error>) -> StoreError {
+    StoreError::Db(e.into())
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SandboxState {
+    Running,
+    Paused,
+}
+
+impl SandboxState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SandboxState::Running => "running",
+            SandboxState::Paused => "paused",
+        }
+    }
+}
+
+/// One sandbox as the node remembers it. Times are unix milliseconds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxRecord {
+    pub id: String,
+    pub template_id: String,
+    pub alias: Option<String>,
+    pub metadata: BTreeMap<String, String>,
+    pub env_vars: BTreeMap<String, String>,
+    /// The envd access token, when the sandbox is secure.
+    pub access_token: Option<String>,
+    pub started_at_ms: u64,
+    pub end_at_ms: u64,
+    pub state: SandboxState,
+    pub cpu_count: u32,
+    pub memory_mb: u64,
+    pub disk_size_mb: u64,
+    /// Pause instead of kill at the end of the timeout.
+    pub auto_pause: bool,
+}
+
+/// A template ready to restore: its full snapshot and sealed root layer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TemplateRecord {
+    pub id: String,
+    pub dir: PathBuf,
+    pub snapshot: PathBuf,
+    pub mem: PathBuf,
+    /// The sealed root disk layer every sandbox stacks its own layer on.
+    pub root_layer: PathBuf,
+    /// The drive id of the root disk in the snapshot.
+    pub root_drive_id: String,
+    pub kernel: PathBuf,
+    pub rootfs: PathBuf,
+    pub vcpus: u8,
+    pub mem_mib: u64,
+    pub disk_size_mb: u64,
+    pub created_at_ms: u64,
+}
+
+pub struct Store {
+    db: redb::Database,
+}
+
+impl Store {
+    /// Opens (or creates) the store file and its tables.
+    pub fn open(path: &Path) -> Result<Store, StoreError> {
+        let db = redb::Database::create(path).map_err(db_err)?;
+        let tx = db.begin_write().map_err(db_err)?;
+        for table in [SANDBOXES, TEMPLATES, META] {
+            tx.open_table(table).map_err(db_err)?;
+        }
+        tx.commit().map_err(db_err)?;
+        Ok(Store { db })
+    }
+
+    fn put(
+        &self,
+        table: TableDefinition<&str, &[u8]>,
+        key: &str,
+        value: &[u8],
+    ) -> Result<(), StoreError> {
+        let tx = self.db.begin_write().map_err(db_err)?;
+        tx.open_table(table)
+            .map_err(db_err)?
+            .insert(key, value)
+            .map_err(db_err)?;
+        tx.commit().map_err(db_err)
+    }
+
+    fn get(
+        &self,
+        table: TableDefinition<&str, &[u8]>,
+        key: &str,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        let tx = self.db.begin_read().map_err(db_err)?;
+        let table = tx.open_table(table).map_err(db_err)?;
+        Ok(table.get(key).map_err(db_err)?.map(|v| v.value().to_vec()))
+    }
+
+    /// Removes `key`; returns whether it was there.
+    fn remove(&self, table: TableDefinition<&str, &[u8]>, key: &str) -> Result<bool, StoreError> {
+        let tx = self.db.begin_write().map_err(db_err)?;
+        let existed = tx
+            .open_table(table)
+            .map_err(db_err)?
+            .remove(key)
+            .map_err(db_err)?
+            .is_some();
+        tx.commit().map_err(db_err)?;
+        Ok(existed)
+    }
+
+    fn all(&self, table: TableDefinition<&str, &[u8]>) -> Result<Vec<Vec<u8>>, StoreError> {
+        let tx = self.db.begin_read().map_err(db_err)?;
+        let table = tx.open_table(table).map_err(db_err)?;
+        let mut out = Vec::new();
+        for entry in table.iter().map_err(db_err)? {
+            let (_, v) = entry.map_err(db_err)?;
+            out.push(v.value().to_vec());
+        }
+        Ok(out)
+    }
+
+    pub fn put_sandbox(&self, s: &SandboxRecord) -> Result<(), StoreError> {
+        self.put(SANDBOXES, &s.id, &encode(s))
+    }
+
+    pub fn sandbox(&self, id: &str) -> Result<Option<SandboxRecord>, StoreError> {
+        self.get(SANDBOXES, id)?
+            .map(|b| decode(&b, "sandbox"))
+            .transpose()
+    }
+
+    /// Changes one sandbox inside a single transaction; returns the new record,
+    /// or None when there is no such sandbox.
+    pub fn update_sandbox(
+        &self,
+        id: &str,
+        change: impl FnOnce(&mut SandboxRecord),
+    ) -> Result<Option<SandboxRecord>, StoreError> {
+        let tx = self.db.begin_write().map_err(db_err)?;
+        let updated = {
+            let mut table = tx.open_table(SANDBOXES).map_err(db_err)?;
+            let current = table
+                .get(id)
+                .map_err(db_err)?
+                .map(|v| decode::<SandboxRecord>(v.value(), "sandbox"))
+                .transpose()?;
+            match current {
+                Some(mut record) => {
+                    change(&mut record);
+                    table
+                        .insert(id, encode(&record).as_slice())
+                        .map_err(db_err)?;
+                    Some(record)
+                }
+                None => None,
+            }
+        };
+        tx.commit().map_err(db_err)?;
+        Ok(updated)
+    }
+
+    pub fn remove_sandbox(&self, id: &str) -> Result<bool, StoreError> {
+        self.remove(SANDBOXES, id)
+    }
+
+    pub fn sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError> {
+        self.all(SANDBOXES)?
+            .iter()
+            .map(|b| decode(b, "sandbox"))
+            .collect()
+    }
+
+    pub fn put_template(&self, t: &TemplateRecord) -> Result<(), StoreError> {
+        self.put(TEMPLATES, &t.id, &encode(t))
+    }
+
+    pub fn template(&self, id: &str) -> Result<Option<TemplateRecord>, StoreError> {
+        self.get(TEMPLATES, id)?
+            .map(|b| decode(&b, "template"))
+            .transpose()
+    }
+
+    pub fn remove_template(&self, id: &str) -> Result<bool, StoreError> {
+        self.remove(TEMPLATES, id)
+    }
+
+    pub fn put_meta(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.put(META, key, value)
+    }
+
+    pub fn meta(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.get(META, key)
+    }
+}
+
+fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    // Plain structs of strings, numbers and maps with string keys always serialize.
+    serde_json::to_vec(value).unwrap_or_default()
+}
+
+fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8], what: &'static str) -> Result<T, StoreError> {
+    serde_json::from_slice(bytes).map_err(|source| StoreError::Decode { what, source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn record(id: &str, started: u64) -> SandboxRecord {
+        SandboxRecord {
+            id: id.into(),
+            template_id: "base".into(),
+            alias: Some("base".into()),
+            metadata: BTreeMap::from([("k".into(), "v".into())]),
+            env_vars: BTreeMap::new(),
+            access_token: Some("tok".into()),
+            started_at_ms: started,
+            end_at_ms: started + 300_000,
+            state: SandboxState::Running,
+            cpu_count: 1,
+            memory_mb: 256,
+            disk_size_mb: 2048,
+            auto_pause: false,
+        }
+    }
+
+    #[test]
+    fn sandboxes_round_trip_update_and_survive_reopening() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.redb");
+        {
+            let store = Store::open(&path).unwrap();
+            store.put_sandbox(&record("a", 1)).unwrap();
+            store.put_sandbox(&record("b", 2)).unwrap();
+            assert_eq!(store.sandbox("a").unwrap(), Some(record("a", 1)));
+            let updated = store
+                .update_sandbox("b", |s| s.state = SandboxState::Paused)
+                .unwrap()
+                .unwrap();
+            assert_eq!(updated.state, SandboxState::Paused);
+            assert_eq!(store.update_sandbox("zz", |_| ()).unwrap(), None);
+            assert!(store.remove_sandbox("a").unwrap());
+            assert!(!store.remove_sandbox("a").unwrap());
+            store.put_meta("k", b"v").unwrap();
+        }
+        let store = Store::open(&path).unwrap();
+        let all = store.sandboxes().unwrap();
+        assert_eq!(all.len(), 1);
+        assert_eq!(all[0].id, "b");
+        assert_eq!(all[0].state, SandboxState::Paused);
+        assert_eq!(store.meta("k").unwrap().as_deref(), Some(&b"v"[..]));
+        assert_eq!(store.sandbox("a").unwrap(), None);
+    }
+
+    #[test]
+    fn templates_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("s.redb")).unwrap();
+        let t = TemplateRecord {
+            id: "base".into(),
+            dir: "/t".into(),
+            snapshot: "/t/vm.state".into(),
+            mem: "/t/vm.mem".into(),
+            root_layer: "/t/root.layer".into(),
+            root_drive_id: "rootfs".into(),
+            kernel: "/k".into(),
+            rootfs: "/r".into(),
+            vcpus: 1,
+            mem_mib: 256,
+            disk_size_mb: 2048,
+            created_at_ms: 5,
+        };
+        store.put_template(&t).unwrap();
+        assert_eq!(store.template("base").unwrap(), Some(t));
+        assert!(store.remove_template("base").unwrap());
+        assert_eq!(store.template("base").unwrap(), None);
+    }
+}
