@@ -2,6 +2,7 @@
 
 mod bench;
 mod launcher;
+mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -62,9 +63,13 @@ enum Command {
         #[arg(long, env = "SANDFORK_FIRECRACKER")]
         firecracker: Option<PathBuf>,
     },
+    /// Serve the E2B-compatible API and the envd proxy on one port.
+    ///
+    /// Example: sandfork serve --listen 127.0.0.1:3000
+    Serve(serve::ServeArgs),
 }
 
-fn sibling_binary(name: &str) -> Result<PathBuf> {
+pub(crate) fn sibling_binary(name: &str) -> Result<PathBuf> {
     let exe = std::env::current_exe().context("locating this program")?;
     let path = exe.with_file_name(name);
     if !path.exists() {
@@ -183,6 +188,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             ))?;
             println!("{}", serde_json::to_string(&report)?);
         }
+        Command::Serve(args) => return serve::run(args),
     }
     Ok(ExitCode::SUCCESS)
 }

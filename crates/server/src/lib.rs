@@ -82,8 +82,14 @@ impl Server {
         })
     }
 
-    /// Serves on `listener` until the process ends.
-    pub async fn serve(self, listener: tokio::net::TcpListener) -> std::io::Result<()> {
-        axum::serve(listener, api::router(self.state)).await
+    /// Serves on `listener` until `shutdown` completes.
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        axum::serve(listener, api::router(self.state))
+            .with_graceful_shutdown(shutdown)
+            .await
     }
 }

@@ -1,7 +1,7 @@
 //! The sandbox manager: create (restore the template into a pooled VMM),
 //! get, list, kill, timeouts. Records live in the store; running VMMs here.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -10,12 +10,14 @@ use std::time::Duration;
 use disk_layers::LayeredDisk;
 use vmm_api::agent_client::{AgentError, AgentInit};
 use vmm_api::process::{ProcessError, VmmProcess};
-use vmm_api::{DriveOverride, SnapshotLoadParams, VsockOverride};
+use vmm_api::{DriveOverride, SnapshotLoadParams, SnapshotType, VsockOverride};
 
 use crate::config::Config;
 use crate::ids;
 use crate::pool::Pool;
-use crate::store::{SandboxRecord, SandboxState, Store, StoreError, TemplateRecord};
+use crate::store::{
+    PausedSnapshot, SandboxRecord, SandboxState, Store, StoreError, TemplateRecord,
+};
 use crate::template::now_ms;
 
 /// A restored guest answers within this (lab times included).
@@ -80,6 +82,8 @@ pub struct Manager {
     pool: Arc<Pool>,
     template: TemplateRecord,
     live: Mutex<HashMap<String, Live>>,
+    /// Sandboxes being paused or resumed: a second change waits its turn (409).
+    changing: Mutex<HashSet<String>>,
     /// Creates under way, counted against capacity with the running ones.
     creating: AtomicUsize,
 }
@@ -97,6 +101,7 @@ impl Manager {
             pool,
             template,
             live: Mutex::new(HashMap::new()),
+            changing: Mutex::new(HashSet::new()),
             creating: AtomicUsize::new(0),
         })
     }
@@ -148,19 +153,27 @@ impl Manager {
 
     pub async fn reap_expired(&self) {
         let now = now_ms();
-        let expired: Vec<String> = match self.store.sandboxes() {
+        let expired: Vec<(String, bool)> = match self.store.sandboxes() {
             Ok(all) => all
                 .into_iter()
                 .filter(|s| s.state == SandboxState::Running && s.end_at_ms <= now)
-                .map(|s| s.id)
+                .map(|s| (s.id, s.auto_pause))
                 .collect(),
             Err(e) => {
                 tracing::warn!("looking for expired sandboxes: {e}");
                 return;
             }
         };
-        for id in expired {
-            tracing::info!("sandbox {id}: timeout reached, killing it");
+        for (id, auto_pause) in expired {
+            if auto_pause {
+                tracing::info!("sandbox {id}: timeout reached, pausing it");
+                match self.pause(&id).await {
+                    Ok(_) | Err(SandboxError::Conflict { .. }) => continue,
+                    Err(e) => tracing::warn!("sandbox {id}: pausing at timeout: {e}; killing it"),
+                }
+            } else {
+                tracing::info!("sandbox {id}: timeout reached, killing it");
+            }
             if let Err(e) = self.kill(&id).await {
                 tracing::warn!("sandbox {id}: killing at timeout: {e}");
             }
@@ -208,24 +221,9 @@ impl Manager {
         let (base, top) = (self.template.root_layer.clone(), root.clone());
         tokio::task::spawn_blocking(move || LayeredDisk::create(&base, &top).map(drop)).await??;
 
-        let mut vm = self.pool.take().await?;
-        let mut load = SnapshotLoadParams::from_file(
-            self.template.snapshot.display().to_string(),
-            self.template.mem.display().to_string(),
-            true,
-        );
-        load.vsock_override = Some(VsockOverride {
-            uds_path: vm.vsock_path().display().to_string(),
-        });
-        load.drive_overrides = vec![DriveOverride {
-            drive_id: self.template.root_drive_id.clone(),
-            path_on_host: root.display().to_string(),
-        }];
-        vm.api()
-            .load_snapshot(&load)
-            .await
-            .map_err(ProcessError::from)?;
-        vm.wait_for_agent(AGENT_TIMEOUT).await?;
+        let vm = self
+            .restore(&self.template.snapshot, &self.template.mem, &root, None)
+            .await?;
 
         let access_token = if params.secure {
             Some(ids::token().map_err(io("generating an access token"))?)
@@ -252,10 +250,165 @@ impl Manager {
             memory_mb: self.template.mem_mib,
             disk_size_mb: self.template.disk_size_mb,
             auto_pause: params.auto_pause,
+            pause_generation: 0,
+            snapshot: None,
         };
         self.store.put_sandbox(&record)?;
         self.live().insert(id.to_owned(), Live { vm });
         Ok(record)
+    }
+
+    /// Loads a snapshot into a pooled VMM with `root` as its root disk and
+    /// waits for the agent; with `init`, initialises it (else the caller does).
+    async fn restore(
+        &self,
+        state: &std::path::Path,
+        mem: &std::path::Path,
+        root: &std::path::Path,
+        init: Option<&AgentInit>,
+    ) -> Result<VmmProcess, SandboxError> {
+        let mut vm = self.pool.take().await?;
+        let mut load = SnapshotLoadParams::from_file(
+            state.display().to_string(),
+            mem.display().to_string(),
+            true,
+        );
+        load.vsock_override = Some(VsockOverride {
+            uds_path: vm.vsock_path().display().to_string(),
+        });
+        load.drive_overrides = vec![DriveOverride {
+            drive_id: self.template.root_drive_id.clone(),
+            path_on_host: root.display().to_string(),
+        }];
+        vm.api()
+            .load_snapshot(&load)
+            .await
+            .map_err(ProcessError::from)?;
+        vm.wait_for_agent(AGENT_TIMEOUT).await?;
+        if let Some(init) = init {
+            vm.agent().init(init).await?;
+        }
+        Ok(vm)
+    }
+
+    /// Marks `id` as changing state for the guard's lifetime; None when it
+    /// already is.
+    fn claim(&self, id: &str) -> Option<Claim<'_>> {
+        let mut changing = self.changing.lock().unwrap_or_else(|p| p.into_inner());
+        changing.insert(id.to_owned()).then(|| Claim {
+            manager: self,
+            id: id.to_owned(),
+        })
+    }
+
+    /// Pauses a running sandbox: its memory and devices into a snapshot in
+    /// its directory (a diff over what it was restored from), its disk
+    /// flushed, its VMM stopped; the store says `paused` once all is on disk.
+    pub async fn pause(&self, id: &str) -> Result<SandboxRecord, SandboxError> {
+        let record = self.get(id)?;
+        if record.state == SandboxState::Paused {
+            return Err(SandboxError::Conflict {
+                id: id.to_owned(),
+                state: "already paused",
+            });
+        }
+        let _claim = self.claim(id).ok_or_else(|| SandboxError::Conflict {
+            id: id.to_owned(),
+            state: "changing state",
+        })?;
+        // Out of the map while pausing: the proxy answers "not found" meanwhile.
+        let Some(live) = self.live().remove(id) else {
+            return Err(SandboxError::NotFound(id.to_owned()));
+        };
+        let dir = self.sandbox_dir(id);
+        let generation = record.pause_generation + 1;
+        let snapshot = PausedSnapshot {
+            state: dir.join(format!("pause-{generation}.state")),
+            mem: dir.join(format!("pause-{generation}.mem")),
+        };
+        // Pausing the devices flushes the root layer (see the VMM's block
+        // device), so disk and memory agree.
+        if let Err(e) = live
+            .vm
+            .snapshot(SnapshotType::Diff, &snapshot.state, &snapshot.mem)
+            .await
+        {
+            let _ = live.vm.api().resume().await;
+            self.live().insert(id.to_owned(), live);
+            return Err(e.into());
+        }
+        drop(live);
+        let files = [
+            snapshot.state.clone(),
+            snapshot.mem.clone(),
+            dir.join(ROOT_LAYER),
+            dir.clone(),
+        ];
+        tokio::task::spawn_blocking(move || -> Result<(), SandboxError> {
+            for f in files {
+                std::fs::File::open(&f)
+                    .and_then(|f| f.sync_all())
+                    .map_err(io(format!("syncing {}", f.display())))?;
+            }
+            Ok(())
+        })
+        .await??;
+        self.store
+            .update_sandbox(id, |s| {
+                s.state = SandboxState::Paused;
+                s.pause_generation = generation;
+                s.snapshot = Some(snapshot);
+            })?
+            .ok_or_else(|| SandboxError::NotFound(id.to_owned()))
+    }
+
+    /// Resumes a paused sandbox for `timeout`; returns it and whether it was
+    /// paused. A running sandbox only has its timeout extended (never shortened).
+    pub async fn resume(
+        &self,
+        id: &str,
+        timeout: Duration,
+    ) -> Result<(SandboxRecord, bool), SandboxError> {
+        let record = self.get(id)?;
+        let end = now_ms() + timeout.as_millis() as u64;
+        if record.state == SandboxState::Running {
+            let r = self
+                .store
+                .update_sandbox(id, |s| s.end_at_ms = s.end_at_ms.max(end))?
+                .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
+            return Ok((r, false));
+        }
+        let _claim = self.claim(id).ok_or_else(|| SandboxError::Conflict {
+            id: id.to_owned(),
+            state: "changing state",
+        })?;
+        let Some(snapshot) = record.snapshot.clone() else {
+            return Err(SandboxError::NotFound(id.to_owned()));
+        };
+        let running = self.running();
+        if running >= self.config.max_sandboxes {
+            return Err(SandboxError::AtCapacity { running });
+        }
+        self.creating.fetch_add(1, Ordering::SeqCst);
+        let restored = self
+            .restore(
+                &snapshot.state,
+                &snapshot.mem,
+                &self.sandbox_dir(id).join(ROOT_LAYER),
+                Some(&AgentInit::after_restore()?),
+            )
+            .await;
+        self.creating.fetch_sub(1, Ordering::SeqCst);
+        let vm = restored?;
+        let r = self
+            .store
+            .update_sandbox(id, |s| {
+                s.state = SandboxState::Running;
+                s.end_at_ms = end;
+            })?
+            .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
+        self.live().insert(id.to_owned(), Live { vm });
+        Ok((r, true))
     }
 
     pub fn get(&self, id: &str) -> Result<SandboxRecord, SandboxError> {
@@ -300,5 +453,21 @@ impl Manager {
     /// The vsock socket of a running sandbox, for the envd proxy.
     pub fn vsock_path(&self, id: &str) -> Option<PathBuf> {
         self.live().get(id).map(|l| l.vm.vsock_path())
+    }
+}
+
+/// A sandbox marked as changing state; unmarked on drop.
+struct Claim<'a> {
+    manager: &'a Manager,
+    id: String,
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        self.manager
+            .changing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.id);
     }
 }

@@ -62,6 +62,19 @@ pub struct SandboxRecord {
     pub disk_size_mb: u64,
     /// Pause instead of kill at the end of the timeout.
     pub auto_pause: bool,
+    /// Pauses so far: each writes its own snapshot files (a diff snapshot
+    /// maps the earlier ones below it).
+    #[serde(default)]
+    pub pause_generation: u32,
+    /// The snapshot a paused sandbox resumes from.
+    #[serde(default)]
+    pub snapshot: Option<PausedSnapshot>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PausedSnapshot {
+    pub state: PathBuf,
+    pub mem: PathBuf,
 }
 
 /// A template ready to restore: its full snapshot and sealed root layer.
@@ -249,6 +262,8 @@ mod tests {
             memory_mb: 256,
             disk_size_mb: 2048,
             auto_pause: false,
+            pause_generation: 0,
+            snapshot: None,
         }
     }
 

@@ -189,6 +189,8 @@ mod tests {
             memory_mb: 256,
             disk_size_mb: 2048,
             auto_pause: false,
+            pause_generation: 0,
+            snapshot: None,
         }
     }
 

@@ -43,6 +43,10 @@ pub fn router(state: Shared) -> Router {
             get(sandboxes::get_one).delete(sandboxes::kill),
         )
         .route("/sandboxes/{id}/timeout", post(sandboxes::set_timeout))
+        .route("/sandboxes/{id}/pause", post(sandboxes::pause))
+        .route("/sandboxes/{id}/resume", post(sandboxes::resume))
+        .route("/sandboxes/{id}/connect", post(sandboxes::connect))
+        .route("/v2/sandboxes/{id}/connect", post(sandboxes::connect))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,

@@ -216,3 +216,82 @@ pub async fn set_timeout(
     state.manager.set_timeout(&id, timeout)?;
     Ok(StatusCode::NO_CONTENT)
 }
+
+#[derive(Debug, Default, Deserialize)]
+struct PauseBody {
+    /// `false` asks for a filesystem-only pause; memory is always kept here.
+    #[allow(dead_code)]
+    memory: Option<bool>,
+    #[serde(rename = "requireHealthyGuest")]
+    #[allow(dead_code)]
+    require_healthy_guest: Option<bool>,
+}
+
+/// `POST /sandboxes/{id}/pause`: 204, or 409 when already paused.
+pub async fn pause(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<StatusCode, ApiError> {
+    check_id(&id)?;
+    let _: PauseBody = parse_body(&body)?;
+    state.manager.pause(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct ConnectBody {
+    timeout: Option<i64>,
+    /// `false` asks for a cold boot from disk; memory is always restored here.
+    #[allow(dead_code)]
+    memory: Option<bool>,
+    #[serde(rename = "autoPause")]
+    #[allow(dead_code)]
+    auto_pause: Option<bool>,
+}
+
+async fn resume_or_connect(
+    state: Shared,
+    id: String,
+    body: Bytes,
+    connect: bool,
+) -> Result<Response, ApiError> {
+    check_id(&id)?;
+    let req: ConnectBody = parse_body(&body)?;
+    let timeout = timeout_secs(
+        req.timeout.unwrap_or(V2_DEFAULT_TIMEOUT),
+        state.manager.config().max_timeout,
+    )?;
+    if !connect && state.manager.get(&id)?.state == SandboxState::Running {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            format!("sandbox {id} is already running"),
+        ));
+    }
+    let (record, resumed) = state.manager.resume(&id, timeout).await?;
+    let status = if resumed {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, Json(sandbox_json(&record))).into_response())
+}
+
+/// `POST /sandboxes/{id}/connect` and `POST /v2/sandboxes/{id}/connect`:
+/// 201 when it resumed the sandbox, 200 when it was running.
+pub async fn connect(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    resume_or_connect(state, id, body, true).await
+}
+
+/// `POST /sandboxes/{id}/resume` (older SDKs): 201, or 409 when running.
+pub async fn resume(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    resume_or_connect(state, id, body, false).await
+}

@@ -1,0 +1,474 @@
+//! The real router in-process, without microVMs: authentication, validation,
+//! errors, get, list and its pagination, timeout, kill, the proxy's routing of
+//! unknown sandboxes. Sandboxes are records in the real store.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use serde_json::Value;
+use server::api::{AppState, router};
+use server::auth::ApiKeys;
+use server::config::Config;
+use server::pool::Pool;
+use server::sandbox::Manager;
+use server::store::{SandboxRecord, SandboxState, Store, TemplateRecord};
+use server::template::now_ms;
+use tower::ServiceExt;
+
+const KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
+
+struct Node {
+    app: axum::Router,
+    manager: Arc<Manager>,
+    _dir: tempfile::TempDir,
+}
+
+fn record(id: &str, started: u64, state: SandboxState, team: &str) -> SandboxRecord {
+    SandboxRecord {
+        id: id.into(),
+        template_id: "base".into(),
+        alias: Some("base".into()),
+        metadata: BTreeMap::from([("team".into(), team.into())]),
+        env_vars: BTreeMap::new(),
+        access_token: Some(format!("tok-{id}")),
+        started_at_ms: started,
+        end_at_ms: started + 3_600_000,
+        state,
+        cpu_count: 1,
+        memory_mb: 256,
+        disk_size_mb: 2048,
+        auto_pause: false,
+        pause_generation: 0,
+        snapshot: None,
+    }
+}
+
+/// A node whose store holds `records`; its VMM binary does not exist, so
+/// nothing here can start a microVM.
+fn node(records: &[SandboxRecord]) -> Node {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = Config::new(
+        "127.0.0.1:0".parse().unwrap(),
+        "/nonexistent/vmlinux".into(),
+        "/nonexistent/rootfs.ext4".into(),
+        "/nonexistent/sandfork-vmm".into(),
+    );
+    config.data_dir = dir.path().to_owned();
+    config.pool_size = 0;
+    std::fs::create_dir_all(config.sandboxes_dir()).unwrap();
+    let store = Store::open(&dir.path().join("s.redb")).unwrap();
+    for r in records {
+        store.put_sandbox(r).unwrap();
+    }
+    let template = TemplateRecord {
+        id: "base".into(),
+        dir: dir.path().join("templates/base"),
+        snapshot: dir.path().join("templates/base/vm.state"),
+        mem: dir.path().join("templates/base/vm.mem"),
+        root_layer: dir.path().join("templates/base/root.layer"),
+        root_drive_id: "rootfs".into(),
+        kernel: config.kernel.clone(),
+        rootfs: config.rootfs.clone(),
+        vcpus: 1,
+        mem_mib: 256,
+        disk_size_mb: 2048,
+        created_at_ms: 0,
+    };
+    let pool = Pool::start(config.vmm.clone(), 0);
+    let manager = Manager::new(config, store, pool, template);
+    let state = Arc::new(AppState {
+        manager: manager.clone(),
+        keys: ApiKeys::for_key(KEY),
+    });
+    Node {
+        app: router(state),
+        manager,
+        _dir: dir,
+    }
+}
+
+struct Answer {
+    status: StatusCode,
+    headers: axum::http::HeaderMap,
+    json: Value,
+}
+
+async fn call(node: &Node, req: Request<Body>) -> Answer {
+    let response = node.app.clone().oneshot(req).await.unwrap();
+    let status = response.status();
+    let headers = response.headers().clone();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    let json = if bytes.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&bytes)
+            .unwrap_or_else(|e| panic!("{status}: not JSON ({e}): {bytes:?}"))
+    };
+    Answer {
+        status,
+        headers,
+        json,
+    }
+}
+
+fn authed(method: &str, uri: &str, body: &str) -> Request<Body> {
+    Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("x-api-key", KEY)
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_owned()))
+        .unwrap()
+}
+
+fn assert_error(a: &Answer, status: StatusCode) {
+    assert_eq!(a.status, status, "{}", a.json);
+    assert_eq!(a.json["code"], status.as_u16(), "{}", a.json);
+    assert!(
+        a.json["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{}",
+        a.json
+    );
+}
+
+#[tokio::test]
+async fn health_needs_no_key() {
+    let node = node(&[]);
+    let a = call(&node, Request::get("/health").body(Body::empty()).unwrap()).await;
+    assert_eq!(a.status, StatusCode::NO_CONTENT);
+}
+
+#[tokio::test]
+async fn control_plane_needs_the_api_key() {
+    let node = node(&[record("abc", 1, SandboxState::Running, "x")]);
+    for (method, uri) in [
+        ("POST", "/v2/sandboxes"),
+        ("POST", "/sandboxes"),
+        ("GET", "/v2/sandboxes"),
+        ("GET", "/sandboxes"),
+        ("GET", "/sandboxes/abc"),
+        ("DELETE", "/sandboxes/abc"),
+        ("POST", "/sandboxes/abc/timeout"),
+    ] {
+        let missing = Request::builder()
+            .method(method)
+            .uri(uri)
+            .body(Body::from("{}"))
+            .unwrap();
+        assert_error(&call(&node, missing).await, StatusCode::UNAUTHORIZED);
+        let wrong = Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("x-api-key", "e2b_00")
+            .body(Body::from("{}"))
+            .unwrap();
+        assert_error(&call(&node, wrong).await, StatusCode::UNAUTHORIZED);
+    }
+    // Routing headers on a control-plane path do not bypass the key.
+    let req = Request::post("/sandboxes/abc/timeout")
+        .header("e2b-sandbox-id", "abc")
+        .body(Body::from("{\"timeout\":5}"))
+        .unwrap();
+    assert_error(&call(&node, req).await, StatusCode::UNAUTHORIZED);
+    // The sandbox was not touched.
+    assert_eq!(node.manager.get("abc").unwrap().end_at_ms, 1 + 3_600_000);
+}
+
+#[tokio::test]
+async fn create_validates_its_body() {
+    let node = node(&[]);
+    for (uri, body) in [
+        ("/v2/sandboxes", "{"),
+        ("/v2/sandboxes", "[]"),
+        ("/v2/sandboxes", r#"{"timeout":"long"}"#),
+        ("/v2/sandboxes", r#"{"metadata":{"k":1}}"#),
+        ("/v2/sandboxes", r#"{"timeout":0}"#),
+        ("/v2/sandboxes", r#"{"timeout":-5}"#),
+        ("/sandboxes", r#"{"templateID":"base","timeout":99999999}"#),
+        ("/sandboxes", r#"{"envVars":"A=1"}"#),
+    ] {
+        let a = call(&node, authed("POST", uri, body)).await;
+        assert_error(&a, StatusCode::BAD_REQUEST);
+    }
+    let a = call(
+        &node,
+        authed(
+            "POST",
+            "/v2/sandboxes",
+            r#"{"templateID":"no-such-template"}"#,
+        ),
+    )
+    .await;
+    assert_error(&a, StatusCode::NOT_FOUND);
+    assert!(
+        a.json["message"]
+            .as_str()
+            .unwrap()
+            .contains("no-such-template")
+    );
+}
+
+#[tokio::test]
+async fn unknown_sandboxes_are_not_found() {
+    let node = node(&[]);
+    for (method, uri, body) in [
+        ("GET", "/sandboxes/nosuch", ""),
+        ("DELETE", "/sandboxes/nosuch", ""),
+        ("POST", "/sandboxes/nosuch/timeout", r#"{"timeout":30}"#),
+        ("GET", "/sandboxes/..%2Fetc", ""),
+    ] {
+        assert_error(
+            &call(&node, authed(method, uri, body)).await,
+            StatusCode::NOT_FOUND,
+        );
+    }
+}
+
+#[tokio::test]
+async fn get_answers_the_sandbox_detail() {
+    let node = node(&[record("abc", 1_767_225_600_000, SandboxState::Running, "x")]);
+    let a = call(&node, authed("GET", "/sandboxes/abc", "")).await;
+    assert_eq!(a.status, StatusCode::OK);
+    let d = &a.json;
+    assert_eq!(d["sandboxID"], "abc");
+    assert_eq!(d["templateID"], "base");
+    assert_eq!(d["alias"], "base");
+    assert!(d["clientID"].is_string());
+    assert_eq!(d["startedAt"], "2026-01-01T00:00:00.000Z");
+    assert_eq!(d["endAt"], "2026-01-01T01:00:00.000Z");
+    assert_eq!(d["cpuCount"], 1);
+    assert_eq!(d["memoryMB"], 256);
+    assert_eq!(d["diskSizeMB"], 2048);
+    assert_eq!(d["state"], "running");
+    assert_eq!(d["envdVersion"], envd_proto::ENVD_VERSION);
+    assert_eq!(d["envdAccessToken"], "tok-abc");
+    assert_eq!(d["metadata"]["team"], "x");
+    assert_eq!(d["lifecycle"]["onTimeout"], "kill");
+}
+
+#[tokio::test]
+async fn list_filters_and_pages() {
+    let records: Vec<_> = (0..5)
+        .map(|i| {
+            record(
+                &format!("s{i}"),
+                1000 + i,
+                if i == 4 {
+                    SandboxState::Paused
+                } else {
+                    SandboxState::Running
+                },
+                if i % 2 == 0 { "even" } else { "odd" },
+            )
+        })
+        .collect();
+    let node = node(&records);
+
+    // Pages of two, newest first, through x-next-token.
+    let mut seen = Vec::new();
+    let mut uri = "/v2/sandboxes?limit=2".to_owned();
+    loop {
+        let a = call(&node, authed("GET", &uri, "")).await;
+        assert_eq!(a.status, StatusCode::OK);
+        let items = a.json.as_array().unwrap();
+        assert!(items.len() <= 2);
+        for item in items {
+            for field in [
+                "sandboxID",
+                "templateID",
+                "clientID",
+                "startedAt",
+                "endAt",
+                "cpuCount",
+                "memoryMB",
+                "diskSizeMB",
+                "state",
+                "envdVersion",
+            ] {
+                assert!(!item[field].is_null(), "{field} missing in {item}");
+            }
+            assert!(
+                item.get("envdAccessToken").is_none(),
+                "list leaks the token"
+            );
+            seen.push(item["sandboxID"].as_str().unwrap().to_owned());
+        }
+        match a.headers.get("x-next-token") {
+            Some(t) => uri = format!("/v2/sandboxes?limit=2&nextToken={}", t.to_str().unwrap()),
+            None => break,
+        }
+    }
+    assert_eq!(seen, ["s4", "s3", "s2", "s1", "s0"]);
+
+    // Filters: state and metadata (as the SDK encodes it).
+    let a = call(
+        &node,
+        authed(
+            "GET",
+            "/v2/sandboxes?state=running&metadata=team%3Deven&order=asc",
+            "",
+        ),
+    )
+    .await;
+    let ids: Vec<_> = a
+        .json
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["sandboxID"].clone())
+        .collect();
+    assert_eq!(ids, ["s0", "s2"]);
+    let a = call(&node, authed("GET", "/v2/sandboxes?state=paused", "")).await;
+    assert_eq!(a.json.as_array().unwrap().len(), 1);
+    assert_eq!(a.json[0]["state"], "paused");
+
+    // v1 lists running sandboxes in one page.
+    let a = call(&node, authed("GET", "/sandboxes", "")).await;
+    assert_eq!(a.json.as_array().unwrap().len(), 4);
+    assert!(a.headers.get("x-next-token").is_none());
+
+    assert_error(
+        &call(&node, authed("GET", "/v2/sandboxes?limit=1000", "")).await,
+        StatusCode::BAD_REQUEST,
+    );
+}
+
+#[tokio::test]
+async fn timeout_moves_the_end_and_expiry_kills() {
+    let now = now_ms();
+    let node = node(&[record("abc", now, SandboxState::Running, "x")]);
+    let a = call(
+        &node,
+        authed("POST", "/sandboxes/abc/timeout", r#"{"timeout":30}"#),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::NO_CONTENT);
+    let end = node.manager.get("abc").unwrap().end_at_ms;
+    assert!(
+        (now + 29_000..=now_ms() + 30_000).contains(&end),
+        "{end} vs {now}"
+    );
+    for body in ["", "{}", r#"{"timeout":-1}"#, "nonsense"] {
+        assert_error(
+            &call(&node, authed("POST", "/sandboxes/abc/timeout", body)).await,
+            StatusCode::BAD_REQUEST,
+        );
+    }
+    // Not yet expired: the reaper leaves it.
+    node.manager.reap_expired().await;
+    assert!(node.manager.get("abc").is_ok());
+    node.manager
+        .set_timeout("abc", std::time::Duration::ZERO)
+        .unwrap();
+    node.manager.reap_expired().await;
+    assert!(node.manager.get("abc").is_err());
+}
+
+#[tokio::test]
+async fn kill_removes_the_sandbox() {
+    let node = node(&[record("abc", 1, SandboxState::Running, "x")]);
+    let a = call(&node, authed("DELETE", "/sandboxes/abc", "")).await;
+    assert_eq!(a.status, StatusCode::NO_CONTENT);
+    assert_error(
+        &call(&node, authed("DELETE", "/sandboxes/abc", "")).await,
+        StatusCode::NOT_FOUND,
+    );
+    assert_error(
+        &call(&node, authed("GET", "/sandboxes/abc", "")).await,
+        StatusCode::NOT_FOUND,
+    );
+}
+
+#[tokio::test]
+async fn the_proxy_answers_502_for_sandboxes_it_does_not_run() {
+    // A record without a VMM (as after a restart) is not reachable either.
+    let node = node(&[record("abc", 1, SandboxState::Running, "x")]);
+    for req in [
+        Request::post("/process.Process/Start")
+            .header("e2b-sandbox-id", "nosuch")
+            .header("e2b-sandbox-port", "49983")
+            .body(Body::from("x"))
+            .unwrap(),
+        Request::get("/health")
+            .header("e2b-sandbox-id", "abc")
+            .body(Body::empty())
+            .unwrap(),
+        Request::get("/files?path=/etc/hostname")
+            .header("host", "49983-abc.sandfork.test:3000")
+            .body(Body::empty())
+            .unwrap(),
+    ] {
+        let a = call(&node, req).await;
+        assert_eq!(a.status, StatusCode::BAD_GATEWAY);
+        assert_eq!(a.json["code"], 502);
+        assert!(
+            a.json["message"]
+                .as_str()
+                .unwrap()
+                .contains("was not found")
+        );
+        assert!(a.json["sandboxId"].is_string());
+    }
+}
+
+#[tokio::test]
+async fn pause_resume_and_connect_answer_by_state() {
+    let now = now_ms();
+    let node = node(&[
+        record("run", now, SandboxState::Running, "x"),
+        record("held", now, SandboxState::Paused, "x"),
+    ]);
+    for uri in [
+        "/sandboxes/nosuch/pause",
+        "/sandboxes/nosuch/resume",
+        "/sandboxes/nosuch/connect",
+        "/v2/sandboxes/nosuch/connect",
+    ] {
+        assert_error(
+            &call(&node, authed("POST", uri, "{}")).await,
+            StatusCode::NOT_FOUND,
+        );
+    }
+    // Pausing a paused sandbox: 409, as E2B ("already paused").
+    assert_error(
+        &call(&node, authed("POST", "/sandboxes/held/pause", "{}")).await,
+        StatusCode::CONFLICT,
+    );
+    // The old resume route refuses a running sandbox.
+    assert_error(
+        &call(
+            &node,
+            authed("POST", "/sandboxes/run/resume", r#"{"timeout":60}"#),
+        )
+        .await,
+        StatusCode::CONFLICT,
+    );
+    // Connect to a running sandbox: 200, the Sandbox object, a longer
+    // timeout extends it and a shorter one does not shorten it.
+    let before = node.manager.get("run").unwrap().end_at_ms;
+    let a = call(
+        &node,
+        authed("POST", "/v2/sandboxes/run/connect", r#"{"timeout":60}"#),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.json);
+    assert_eq!(a.json["sandboxID"], "run");
+    assert_eq!(a.json["envdAccessToken"], "tok-run");
+    assert_eq!(node.manager.get("run").unwrap().end_at_ms, before);
+    let a = call(
+        &node,
+        authed("POST", "/sandboxes/run/connect", r#"{"timeout":7200}"#),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert!(node.manager.get("run").unwrap().end_at_ms > before);
+    for body in ["{", r#"{"timeout":-1}"#] {
+        assert_error(
+            &call(&node, authed("POST", "/v2/sandboxes/run/connect", body)).await,
+            StatusCode::BAD_REQUEST,
+        );
+    }
+}

@@ -1,0 +1,271 @@
+//! Lab test: the real server with the real kernel and image. Create a
+//! sandbox over HTTP, run a command and move files through the envd proxy
+//! (header and host-name routing), list, kill.
+//!
+//! Needs KVM that boots Linux and `SANDFORK_KERNEL`/`SANDFORK_ROOTFS`
+//! (see README "Tests"); `sandfork-vmm` is taken from `SANDFORK_VMM` or
+//! next to the test binary's directory.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use envd_proto::envelope::{self, DEFAULT_MAX_MESSAGE, FLAG_NONE};
+use envd_proto::process::{DataEvent, ProcessConfig, ProcessEvent, StartRequest, StartResponse};
+use http_body_util::{BodyExt, Full};
+use hyper::Request;
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+use server::config::Config;
+
+fn vmm_binary() -> PathBuf {
+    if let Ok(p) = std::env::var("SANDFORK_VMM") {
+        return p.into();
+    }
+    // target/debug/deps/<test> -> target/debug/sandfork-vmm
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().unwrap().parent().unwrap().join("sandfork-vmm")
+}
+
+struct Answer {
+    status: u16,
+    headers: hyper::HeaderMap,
+    body: Bytes,
+}
+
+impl Answer {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("{}: {e}: {:?}", self.status, self.body))
+    }
+}
+
+/// One HTTP/1.1 exchange with the server on a fresh connection.
+async fn http(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> Answer {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let mut req = Request::builder().method(method).uri(path);
+    let mut has_host = false;
+    for (k, v) in headers {
+        has_host |= k.eq_ignore_ascii_case("host");
+        req = req.header(*k, *v);
+    }
+    if !has_host {
+        req = req.header("host", addr.to_string());
+    }
+    let response = sender
+        .send_request(req.body(Full::new(body.into())).unwrap())
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    Answer {
+        status,
+        headers,
+        body,
+    }
+}
+
+/// Runs `command` through `POST /process.Process/Start` with `routing`
+/// headers; returns (exit code, stdout).
+async fn run(addr: std::net::SocketAddr, routing: &[(&str, &str)], command: &str) -> (i32, String) {
+    let start = StartRequest {
+        process: ProcessConfig {
+            cmd: "/bin/bash".into(),
+            args: vec!["-c".into(), command.into()],
+            ..Default::default()
+        },
+        stdin: Some(false),
+        ..Default::default()
+    };
+    let body = envelope::encode(FLAG_NONE, &serde_json::to_vec(&start).unwrap());
+    let mut headers = vec![
+        ("content-type", "application/connect+json"),
+        ("connect-protocol-version", "1"),
+        ("authorization", "Basic cm9vdDo="),
+    ];
+    headers.extend_from_slice(routing);
+    let a = http(addr, "POST", "/process.Process/Start", &headers, body).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    assert_eq!(a.headers["content-type"], "application/connect+json");
+    let envelopes = envelope::decode_all(&a.body, DEFAULT_MAX_MESSAGE).unwrap();
+    assert!(
+        envelopes.last().unwrap().is_end_stream(),
+        "no end of stream"
+    );
+    let (mut code, mut out) = (None, String::new());
+    for env in envelopes.iter().filter(|e| !e.is_end_stream()) {
+        let msg: StartResponse = serde_json::from_slice(&env.payload).unwrap();
+        match msg.event {
+            ProcessEvent::Data(DataEvent::Stdout(b)) => {
+                out.push_str(&String::from_utf8_lossy(&b.0))
+            }
+            ProcessEvent::End(end) => code = Some(end.exit_code),
+            _ => {}
+        }
+    }
+    (code.expect("no end event"), out)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab: boots microVMs"]
+async fn create_run_read_list_kill_through_one_port() {
+    let data = tempfile::tempdir().unwrap();
+    let mut config = Config::new(
+        "127.0.0.1:0".parse().unwrap(),
+        std::env::var("SANDFORK_KERNEL")
+            .expect("SANDFORK_KERNEL")
+            .into(),
+        std::env::var("SANDFORK_ROOTFS")
+            .expect("SANDFORK_ROOTFS")
+            .into(),
+        vmm_binary(),
+    );
+    config.data_dir = data.path().to_owned();
+    config.pool_size = 2;
+    let started = Instant::now();
+    let node = server::Server::start(config)
+        .await
+        .expect("starting the server");
+    eprintln!("server up (template built) in {:?}", started.elapsed());
+    let key = std::fs::read_to_string(node.api_key_file.clone().unwrap())
+        .unwrap()
+        .trim()
+        .to_owned();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(node.serve(listener, std::future::pending()));
+    // Let the pool fill, as it would on a node that has been up a while.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    let auth = [
+        ("x-api-key", key.as_str()),
+        ("content-type", "application/json"),
+    ];
+    let t0 = Instant::now();
+    let created = http(
+        addr,
+        "POST",
+        "/v2/sandboxes",
+        &auth,
+        json!({"templateID": "base", "timeout": 120, "metadata": {"k": "v"}, "envVars": {"A": "1"}})
+            .to_string(),
+    )
+    .await;
+    let create_took = t0.elapsed();
+    assert_eq!(created.status, 201, "{:?}", created.body);
+    let sandbox = created.json();
+    let id = sandbox["sandboxID"].as_str().unwrap().to_owned();
+    let token = sandbox["envdAccessToken"].as_str().unwrap().to_owned();
+    assert_eq!(sandbox["envdVersion"], envd_proto::ENVD_VERSION);
+    assert!(
+        data.path()
+            .join("sandboxes")
+            .join(&id)
+            .join("root.layer")
+            .is_file()
+    );
+
+    let routing = [
+        ("e2b-sandbox-id", id.as_str()),
+        ("e2b-sandbox-port", "49983"),
+        ("x-access-token", token.as_str()),
+    ];
+    let (code, out) = run(addr, &routing, "echo hello $A").await;
+    let first_command = t0.elapsed();
+    assert_eq!((code, out.as_str()), (0, "hello 1\n"));
+    eprintln!(
+        "create answered in {create_took:?}; create to first command result {first_command:?} (lab: emulated)"
+    );
+
+    // envd enforces the access token the server gave it.
+    let no_token = http(
+        addr,
+        "POST",
+        "/filesystem.Filesystem/Stat",
+        &[
+            ("e2b-sandbox-id", id.as_str()),
+            ("content-type", "application/json"),
+            ("connect-protocol-version", "1"),
+        ],
+        r#"{"path":"/"}"#,
+    )
+    .await;
+    assert_eq!(no_token.status, 401, "{:?}", no_token.body);
+
+    // Files both ways, by header and by host name.
+    let mut write_headers = routing.to_vec();
+    write_headers.push(("content-type", "application/octet-stream"));
+    let wrote = http(
+        addr,
+        "POST",
+        "/files?path=/tmp/greeting&username=root",
+        &write_headers,
+        "hi there",
+    )
+    .await;
+    assert_eq!(wrote.status, 200, "{:?}", wrote.body);
+    let host = format!("49983-{id}.sandfork.test:{}", addr.port());
+    let read = http(
+        addr,
+        "GET",
+        "/files?path=/tmp/greeting&username=root",
+        &[("host", host.as_str()), ("x-access-token", token.as_str())],
+        "",
+    )
+    .await;
+    assert_eq!(read.status, 200, "{:?}", read.body);
+    assert_eq!(&read.body[..], b"hi there");
+    // The root disk is the sandbox's own and writable.
+    let (code, _) = run(addr, &routing, "echo x > /root/on-disk && sync").await;
+    assert_eq!(code, 0);
+
+    let listed = http(addr, "GET", "/v2/sandboxes?state=running", &auth, "").await;
+    assert_eq!(listed.status, 200);
+    let items = listed.json();
+    let item = items
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["sandboxID"] == id.as_str())
+        .expect("listed");
+    assert_eq!(item["metadata"]["k"], "v");
+    assert_eq!(item["state"], "running");
+
+    // A second sandbox does not see the first one's files.
+    let second = http(addr, "POST", "/v2/sandboxes", &auth, "{}").await;
+    assert_eq!(second.status, 201, "{:?}", second.body);
+    let second = second.json();
+    let id2 = second["sandboxID"].as_str().unwrap().to_owned();
+    let token2 = second["envdAccessToken"].as_str().unwrap().to_owned();
+    let (_, out) = run(
+        addr,
+        &[
+            ("e2b-sandbox-id", id2.as_str()),
+            ("x-access-token", token2.as_str()),
+        ],
+        "cat /root/on-disk /tmp/greeting 2>/dev/null; echo done",
+    )
+    .await;
+    assert_eq!(out, "done\n");
+
+    for sandbox in [&id, &id2] {
+        let killed = http(addr, "DELETE", &format!("/sandboxes/{sandbox}"), &auth, "").await;
+        assert_eq!(killed.status, 204);
+    }
+    let gone = http(addr, "GET", &format!("/sandboxes/{id}"), &auth, "").await;
+    assert_eq!(gone.status, 404);
+    let health = http(addr, "GET", "/health", &routing, "").await;
+    assert_eq!(health.status, 502);
+    assert!(!data.path().join("sandboxes").join(&id).exists());
+}
