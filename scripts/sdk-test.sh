@@ -16,7 +16,9 @@
 #      $SANDFORK_CACHE/sdk/, keyed by the hash of requirements.txt and of the
 #      npm lockfile. SDK_PYTEST_ARGS: extra pytest arguments (e.g. "-k files").
 #      SDK_TEST_TEMPLATE: template the suites create sandboxes from (base).
-# Out: the server's log in target/sdk-test/serve.log.
+#      SDK_SERVE_ARGS: extra `sandfork serve` arguments (e.g. "--pool-size 2").
+# Out: the server's log in target/sdk-test/serve.log, its store in
+#      target/sdk-test/data (fresh each run).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -146,8 +148,11 @@ start_server() {
     local port key lab=target/debug/sandfork-lab logdir=target/sdk-test
     port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
     key=e2b_$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
-    mkdir -p "$logdir"
-    local cmd=(target/debug/sandfork serve --listen "127.0.0.1:$port")
+    # a fresh store each run: no sandboxes or keys from earlier runs
+    rm -rf "$logdir/data"
+    mkdir -p "$logdir/data"
+    # shellcheck disable=SC2206 # SDK_SERVE_ARGS is a list of words
+    local cmd=(target/debug/sandfork serve --listen "127.0.0.1:$port" --data-dir "$logdir/data" ${SDK_SERVE_ARGS:-})
     # serve re-execs itself into the KVM lab when /dev/kvm cannot boot Linux:
     # one lab at a time on the machine, so hold its lock while it runs.
     if [[ $("$lab" detect | head -n1) != hardware* ]]; then
