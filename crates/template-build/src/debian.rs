@@ -48,10 +48,11 @@ fn missing_package(lines: &[String]) -> Option<String> {
         if let Some(rest) = l.strip_prefix("E: Unable to locate package ") {
             return Some(rest.trim().to_owned());
         }
-        if let Some(rest) = l.strip_prefix("E: Package '") {
-            if let Some((name, _)) = rest.split_once('\'') {
-                return Some(name.to_owned());
-            }
+        if let Some((name, _)) = l
+            .strip_prefix("E: Package '")
+            .and_then(|rest| rest.split_once('\''))
+        {
+            return Some(name.to_owned());
         }
         if let Some(rest) = l.strip_prefix("E: Version '") {
             // E: Version 'V' for 'NAME' was not found

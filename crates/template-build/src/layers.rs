@@ -234,11 +234,7 @@ pub(crate) fn confine_link(link: &Path, target: &Path) -> PathBuf {
     for c in target.components() {
         match c {
             Component::Normal(p) => abs.push(p),
-            Component::ParentDir => {
-                if abs.pop().is_none() {
-                    escapes = true;
-                }
-            }
+            Component::ParentDir if abs.pop().is_none() => escapes = true,
             _ => {}
         }
     }

@@ -4,7 +4,7 @@ import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from e2b import Sandbox, SandboxNotFoundException, SandboxQuery
+from e2b import Sandbox, SandboxNotFoundException, SandboxQuery, SandboxState
 
 from conftest import RUN_ID, create
 
@@ -45,11 +45,11 @@ def test_list_filters_by_metadata(three):
 
 def test_list_by_state(three):
     running, _ = _all(
-        Sandbox.list(query=SandboxQuery(metadata={"sdk_run": RUN_ID, "case": "list"}, state=["running"]))
+        Sandbox.list(query=SandboxQuery(metadata={"sdk_run": RUN_ID, "case": "list"}, state=[SandboxState.RUNNING]))
     )
     assert len(running) == 3
     paused, _ = _all(
-        Sandbox.list(query=SandboxQuery(metadata={"sdk_run": RUN_ID, "case": "list"}, state=["paused"]))
+        Sandbox.list(query=SandboxQuery(metadata={"sdk_run": RUN_ID, "case": "list"}, state=[SandboxState.PAUSED]))
     )
     assert paused == []
 
