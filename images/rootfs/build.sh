@@ -10,6 +10,8 @@
 #   --out    also copy the image there (sparse); that path is then printed
 #   --size   image size for truncate(1), default 2G (sparse: free space for the
 #            sandbox, no host disk until written)
+#   --base-only  only make sure the debootstrapped base tree is built and
+#            print its cache directory (used by crates/template-build)
 # Env: SANDFORK_CACHE (default /var/cache/sandfork),
 #      SANDFORK_DEBIAN_MIRROR (default: from this machine's apt sources)
 # Out: the absolute path of the image on the last stdout line; progress on
@@ -19,7 +21,7 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 self=$here/build.sh
 cache=${SANDFORK_CACHE:-/var/cache/sandfork}
-agent='' out='' size=2G
+agent='' out='' size=2G base_only=0
 
 log() { echo "rootfs: $*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -29,12 +31,15 @@ while (($#)); do
         --agent) agent=${2:?--agent needs a path}; shift 2 ;;
         --out) out=${2:?--out needs a path}; shift 2 ;;
         --size) size=${2:?--size needs a size}; shift 2 ;;
+        --base-only) base_only=1; shift ;;
         -h | --help) sed -n '2,/^set -e/p' "$self" | sed -n 's/^# \{0,1\}//p'; exit 0 ;;
         *) die "unknown argument: $1 (see --help)" ;;
     esac
 done
-[[ -n $agent ]] || die "--agent PATH is required"
-[[ -f $agent && -x $agent ]] || die "agent $agent is not an executable file"
+if ((!base_only)); then
+    [[ -n $agent ]] || die "--agent PATH is required"
+    [[ -f $agent && -x $agent ]] || die "agent $agent is not an executable file"
+fi
 ((EUID == 0)) || die "must run as root (debootstrap, file ownership)"
 command -v debootstrap mkfs.ext4 flock >/dev/null || die "missing tools (run scripts/deps.sh)"
 
@@ -76,6 +81,10 @@ if [[ ! -d $base/tree ]]; then
 else
     log "base cached: $base"
 fi
+if ((base_only)); then
+    echo "$base"
+    exit 0
+fi
 
 # --- final image -------------------------------------------------------------
 agent_sum=$(sha256sum <"$agent" | cut -d' ' -f1)
@@ -84,6 +93,7 @@ key=$( {
     echo "agent $agent_sum"
     echo "size $size"
     sha256sum <"$self"
+    sha256sum <"$here/finish.sh"
 } | sha256sum | cut -c1-16)
 entry=$cache/rootfs/$key
 image=$entry/rootfs.ext4
@@ -96,34 +106,11 @@ build_image() {
     # shellcheck disable=SC2064
     trap "rm -rf '$tmp'" EXIT
     local t=$tmp/tree
-    # Hard links, not a copy: the base stays untouched because every file
-    # changed below is replaced (rm, then written), never edited in place.
+    # Hard links, not a copy: the base stays untouched because finish.sh
+    # replaces every file it changes (rm, then written), never edits in place.
     cp -al "$base/tree" "$t"
-    install -D -m 0755 "$agent" "$t/usr/local/sbin/sandfork-agent"
-    rm -f "$t/sbin/init"
-    ln -s /usr/local/sbin/sandfork-agent "$t/sbin/init"
-    rm -f "$t/etc/hostname" "$t/etc/hosts" "$t/etc/resolv.conf"
-    echo sandbox >"$t/etc/hostname"
-    cat >"$t/etc/hosts" <<'HOSTS'
-127.0.0.1	localhost
-127.0.1.1	sandbox
-::1	localhost ip6-localhost ip6-loopback
-ff02::1	ip6-allnodes
-ff02::2	ip6-allrouters
-HOSTS
-    echo '# written by the sandfork agent when the sandbox gets a network' >"$t/etc/resolv.conf"
-
-    truncate -s "$size" "$tmp/rootfs.ext4"
-    # -d copies the tree with owners, modes, xattrs and hard links, no mount
-    # needed. The filesystem UUID follows the cache key, so equal inputs give
-    # equal identities.
-    local uuid
-    uuid=$(echo "$key" | sha256sum | sed -E 's/^(.{8})(.{4}).(.{3}).(.{3})(.{12}).*/\1-\2-4\3-8\4-\5/')
-    if ! mkfs.ext4 -q -F -L sandfork-root -U "$uuid" -d "$t" "$tmp/rootfs.ext4" >"$tmp/mkfs.log" 2>&1; then
-        cat "$tmp/mkfs.log" >&2
-        die "mkfs.ext4 failed"
-    fi
-    rm -rf "$t" "$tmp/mkfs.log"
+    "$here/finish.sh" --agent "$agent" --tree "$t" --image "$tmp/rootfs.ext4" --size "$size" --key "$key"
+    rm -rf "$t"
     chmod 0755 "$tmp"
     mv -T "$tmp" "$entry"
     trap - EXIT

@@ -1,0 +1,194 @@
+//! Debian-package templates: a copy of the cached base tree with more
+//! packages installed by apt in a chroot (in a private mount namespace, so
+//! the /proc and /dev mounts it needs vanish with it).
+
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+
+use crate::error::{BuildError, Result};
+use crate::run;
+
+/// Checks the names and returns them sorted and deduplicated (the cache key
+/// must not depend on their order).
+pub(crate) fn normalize(packages: &[String]) -> Result<Vec<String>> {
+    let mut out = Vec::with_capacity(packages.len());
+    for p in packages {
+        let p = p.trim();
+        let (name, version) = match p.split_once('=') {
+            Some((n, v)) => (n, Some(v)),
+            None => (p, None),
+        };
+        let name_ok = name.len() >= 2
+            && name
+                .bytes()
+                .next()
+                .is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"+-.".contains(&b));
+        let version_ok = version.is_none_or(|v| {
+            !v.is_empty()
+                && v.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"+-.~:".contains(&b))
+        });
+        if !name_ok || !version_ok {
+            return Err(BuildError::InvalidPackageName(p.to_owned()));
+        }
+        out.push(p.to_owned());
+    }
+    out.sort();
+    out.dedup();
+    Ok(out)
+}
+
+/// The package apt could not find, from its error lines.
+fn missing_package(lines: &[String]) -> Option<String> {
+    for l in lines {
+        if let Some(rest) = l.strip_prefix("E: Unable to locate package ") {
+            return Some(rest.trim().to_owned());
+        }
+        if let Some((name, _)) = l
+            .strip_prefix("E: Package '")
+            .and_then(|rest| rest.split_once('\''))
+        {
+            return Some(name.to_owned());
+        }
+        if let Some(rest) = l.strip_prefix("E: Version '") {
+            // E: Version 'V' for 'NAME' was not found
+            if let Some(name) = rest.split('\'').nth(2) {
+                return Some(name.to_owned());
+            }
+        }
+    }
+    None
+}
+
+/// Copies `base` to `tree` and installs `packages` into it.
+pub(crate) fn install(
+    base: &Path,
+    tree: &Path,
+    packages: &[String],
+    log: &mut dyn FnMut(&str),
+) -> Result<()> {
+    log(&format!("copying the base tree {}", base.display()));
+    // a real copy: apt rewrites files in place, hard links would change the base
+    run::run_ok(
+        "copying the base tree",
+        Command::new("cp")
+            .arg("-a")
+            .arg("--reflink=auto")
+            .arg(base)
+            .arg(tree),
+        log,
+    )?;
+    let put = |rel: &str, text: &[u8], mode: u32| -> Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        let p = tree.join(rel);
+        let _ = fs::remove_file(&p);
+        fs::write(&p, text).map_err(|e| BuildError::io(format!("writing {}", p.display()), e))?;
+        fs::set_permissions(&p, fs::Permissions::from_mode(mode))
+            .map_err(|e| BuildError::io(format!("chmod {}", p.display()), e))
+    };
+    // no daemons started by package scripts inside the build
+    put("usr/sbin/policy-rc.d", b"#!/bin/sh\nexit 101\n", 0o755)?;
+    // the build resolves names like the host (finish.sh puts the sandbox's back)
+    let resolv = fs::read("/etc/resolv.conf").unwrap_or_default();
+    put("etc/resolv.conf", &resolv, 0o644)?;
+
+    log(&format!("apt-get install {}", packages.join(" ")));
+    let script = r#"set -e
+t=$1; shift
+mount -t proc proc "$t/proc"
+mount --rbind /dev "$t/dev"
+export DEBIAN_FRONTEND=noninteractive LC_ALL=C
+chroot "$t" apt-get update -q
+chroot "$t" apt-get install -y -q --no-install-recommends -- "$@"
+chroot "$t" apt-get clean
+"#;
+    let mut cmd = Command::new("unshare");
+    cmd.args([
+        "--mount",
+        "--propagation",
+        "private",
+        "--",
+        "sh",
+        "-c",
+        script,
+        "sh",
+    ])
+    .arg(tree)
+    .args(packages);
+    let out = run::run("apt-get install", &mut cmd, log)?;
+    if !out.success {
+        let lines: Vec<String> = out.tail.iter().cloned().collect();
+        if let Some(name) = missing_package(&lines) {
+            return Err(BuildError::MissingPackage(name));
+        }
+        if out.mentions_no_space() {
+            return Err(BuildError::NoSpace("installing packages".into()));
+        }
+        return Err(BuildError::Command {
+            what: "apt-get install".into(),
+            status: out.status.clone(),
+            tail: out.tail_text(),
+        });
+    }
+    fs::remove_file(tree.join("usr/sbin/policy-rc.d"))
+        .map_err(|e| BuildError::io("removing policy-rc.d", e))?;
+    let lists = tree.join("var/lib/apt/lists");
+    if let Ok(rd) = fs::read_dir(&lists) {
+        for e in rd.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_file()) {
+                let _ = fs::remove_file(e.path());
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn package_names_are_checked_sorted_and_deduplicated() {
+        let v = |s: &[&str]| s.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            normalize(&v(&["jq", "curl", "jq", "g++", "libc6=2.36-9"])).unwrap(),
+            v(&["curl", "g++", "jq", "libc6=2.36-9"])
+        );
+        for bad in ["", "a", "-rf", "Jq", "jq;rm", "jq=", "x y", "../x"] {
+            assert!(
+                matches!(
+                    normalize(&v(&[bad])),
+                    Err(BuildError::InvalidPackageName(_))
+                ),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn missing_packages_are_found_in_apt_errors() {
+        let l = |s: &str| vec![String::from("Reading package lists..."), s.to_owned()];
+        assert_eq!(
+            missing_package(&l("E: Unable to locate package nosuchpkg")).as_deref(),
+            Some("nosuchpkg")
+        );
+        assert_eq!(
+            missing_package(&l("E: Package 'virtual' has no installation candidate")).as_deref(),
+            Some("virtual")
+        );
+        assert_eq!(
+            missing_package(&l("E: Version '9.9' for 'jq' was not found")).as_deref(),
+            Some("jq")
+        );
+        assert_eq!(
+            missing_package(&l(
+                "E: Sub-process /usr/bin/dpkg returned an error code (1)"
+            )),
+            None
+        );
+    }
+}

@@ -1,0 +1,355 @@
+//! Template builds: turns (a) a list of Debian packages on top of the
+//! sandfork base image, or (b) a local OCI image (a layout directory or a
+//! `docker save` tarball) into an ext4 root filesystem with the guest agent
+//! as `/sbin/init`, cached by content hash under
+//! `$SANDFORK_CACHE/templates/<key>/` (`rootfs.ext4`, `template.json`).
+//!
+//! The base tree and the final touches come from `images/rootfs` (`build.sh
+//! --base-only`, `finish.sh`), built into this library; OCI layers are applied
+//! here, with whiteouts, owners and modes. Builds run as root.
+//!
+//! ```no_run
+//! use template_build::{Builder, Source};
+//! let builder = Builder::new("/path/to/sandfork-agent");
+//! let t = builder.build(&Source::DebianPackages(vec!["jq".into()]), &mut |line| eprintln!("{line}"))?;
+//! println!("{} {:?}", t.rootfs.display(), t.config.cmd);
+//! # Ok::<(), template_build::BuildError>(())
+//! ```
+
+mod debian;
+mod error;
+pub mod layers;
+pub mod oci;
+mod run;
+mod scripts;
+
+use std::fs;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde::{Deserialize, Serialize};
+
+pub use error::{BuildError, Result};
+pub use layers::{Layer, apply_layers};
+pub use oci::OciImage;
+
+/// Bumped when the way templates are built changes, so old cache entries
+/// are not reused.
+const FORMAT: &str = "sandfork-template 1";
+const MIB: u64 = 1 << 20;
+
+/// What to build a template from.
+#[derive(Debug, Clone)]
+pub enum Source {
+    /// Debian packages (names, optionally `name=version`) installed with apt
+    /// on top of the base image.
+    DebianPackages(Vec<String>),
+    /// An OCI image layout directory.
+    OciLayout(PathBuf),
+    /// A `docker save` tarball.
+    DockerArchive(PathBuf),
+}
+
+/// The image's run settings (OCI config `Env`, `WorkingDir`, `User`,
+/// `Entrypoint`, `Cmd`): the defaults for commands in its sandboxes and its
+/// start command. Empty for Debian-package templates.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageConfig {
+    pub env: Vec<(String, String)>,
+    pub working_dir: Option<String>,
+    pub user: Option<String>,
+    pub entrypoint: Vec<String>,
+    pub cmd: Vec<String>,
+}
+
+/// A built template.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Template {
+    /// Content key: the cache entry's name.
+    pub key: String,
+    /// The ext4 root filesystem (sparse).
+    pub rootfs: PathBuf,
+    pub config: ImageConfig,
+    /// True when it came from the cache without building.
+    #[serde(skip)]
+    pub cached: bool,
+}
+
+/// Builds templates with one guest agent into one cache.
+#[derive(Debug, Clone)]
+pub struct Builder {
+    cache: PathBuf,
+    agent: PathBuf,
+    image_size: u64,
+}
+
+impl Builder {
+    /// A builder installing `agent` (the static guest agent binary), caching
+    /// under `$SANDFORK_CACHE` (default `/var/cache/sandfork`), with images
+    /// of at least 2 GiB (sparse).
+    pub fn new(agent: impl Into<PathBuf>) -> Builder {
+        let cache = std::env::var_os("SANDFORK_CACHE")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("/var/cache/sandfork"));
+        Builder {
+            cache,
+            agent: agent.into(),
+            image_size: 2048 * MIB,
+        }
+    }
+
+    /// Uses `dir` instead of `$SANDFORK_CACHE` (templates go to `dir/templates`;
+    /// the base tree is looked up and built in `dir` too).
+    pub fn cache_dir(mut self, dir: impl Into<PathBuf>) -> Builder {
+        self.cache = dir.into();
+        self
+    }
+
+    /// The least image size in bytes; the image grows past it to hold the
+    /// tree with room to spare.
+    pub fn image_size(mut self, bytes: u64) -> Builder {
+        self.image_size = bytes;
+        self
+    }
+
+    /// Where templates are cached.
+    pub fn templates_dir(&self) -> PathBuf {
+        self.cache.join("templates")
+    }
+
+    /// Builds `source` (or finds it in the cache), sending progress lines to
+    /// `log`. Concurrent builds of the same template wait for one another.
+    pub fn build(&self, source: &Source, log: &mut dyn FnMut(&str)) -> Result<Template> {
+        let dir = self.templates_dir();
+        fs::create_dir_all(&dir)
+            .map_err(|e| BuildError::io(format!("creating {}", dir.display()), e))?;
+        let agent_sum = oci::hash_file(&self.agent).map_err(|e| {
+            BuildError::io(format!("reading the agent {}", self.agent.display()), e)
+        })?;
+        let scripts = scripts::materialize(&dir)?;
+        let common = format!(
+            "{FORMAT}\nagent {agent_sum}\nsize {}\nfinish {}\n",
+            self.image_size,
+            scripts::sha256_hex(scripts::FINISH_SH.as_bytes())
+        );
+        match source {
+            Source::DebianPackages(packages) => {
+                let packages = debian::normalize(packages)?;
+                let base = self.base_tree(&scripts, log)?;
+                let base_key = base
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                let key = key_of(&format!(
+                    "{common}debian {base_key}\n{}\n",
+                    packages.join("\n")
+                ));
+                self.cached_or(&key, log, |tmp, log| {
+                    let tree = tmp.join("tree");
+                    debian::install(&base.join("tree"), &tree, &packages, log)?;
+                    Ok((tree, ImageConfig::default()))
+                })
+            }
+            Source::OciLayout(path) => {
+                let image = OciImage::open_layout(path)?;
+                let key = key_of(&format!("{common}{}\n", image.key));
+                self.cached_or(&key, log, |tmp, log| {
+                    let tree = tmp.join("tree");
+                    make_root(&tree)?;
+                    apply_layers(&tree, &image.layers, log)?;
+                    Ok((tree, image.config.clone()))
+                })
+            }
+            Source::DockerArchive(path) => {
+                log(&format!("hashing {}", path.display()));
+                let sum = oci::hash_file(path)
+                    .map_err(|e| BuildError::unreadable(path, e.to_string()))?;
+                let key = key_of(&format!("{common}docker-archive {sum}\n"));
+                self.cached_or(&key, log, |tmp, log| {
+                    let scratch = tmp.join("archive");
+                    make_root(&scratch)?;
+                    let image = OciImage::open_docker_archive(path, &scratch, sum.clone())?;
+                    let tree = tmp.join("tree");
+                    make_root(&tree)?;
+                    apply_layers(&tree, &image.layers, log)?;
+                    fs::remove_dir_all(&scratch)
+                        .map_err(|e| BuildError::io("removing the unpacked archive", e))?;
+                    Ok((tree, image.config))
+                })
+            }
+        }
+    }
+
+    /// The cached base tree's entry directory (`<entry>/tree`), built by
+    /// `images/rootfs/build.sh --base-only` when missing.
+    fn base_tree(&self, scripts: &Path, log: &mut dyn FnMut(&str)) -> Result<PathBuf> {
+        let mut cmd = Command::new(scripts.join("build.sh"));
+        cmd.arg("--base-only").env("SANDFORK_CACHE", &self.cache);
+        let out = run::run_ok(
+            "building the base tree (images/rootfs/build.sh --base-only)",
+            &mut cmd,
+            log,
+        )?;
+        let dir = out.tail.back().map(PathBuf::from).unwrap_or_default();
+        if !dir.join("tree").is_dir() {
+            return Err(BuildError::Command {
+                what: "build.sh --base-only".into(),
+                status: "no base tree printed".into(),
+                tail: out.tail_text(),
+            });
+        }
+        Ok(dir)
+    }
+
+    /// Returns the cached template `key`, or makes it: `make` fills a tree in
+    /// the scratch directory it is given, then the tree is finished into an
+    /// image and the entry renamed into place.
+    fn cached_or(
+        &self,
+        key: &str,
+        log: &mut dyn FnMut(&str),
+        make: impl FnOnce(&Path, &mut dyn FnMut(&str)) -> Result<(PathBuf, ImageConfig)>,
+    ) -> Result<Template> {
+        let dir = self.templates_dir();
+        let entry = dir.join(key);
+        if let Some(t) = read_entry(&entry, key) {
+            log(&format!("template {key} cached: {}", entry.display()));
+            return Ok(t);
+        }
+        let lock_path = dir.join(format!(".{key}.lock"));
+        let lock_file = fs::File::create(&lock_path)
+            .map_err(|e| BuildError::io(format!("creating {}", lock_path.display()), e))?;
+        let _lock = nix::fcntl::Flock::lock(lock_file, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, e)| {
+                BuildError::io(format!("locking {}", lock_path.display()), e.into())
+            })?;
+        if let Some(t) = read_entry(&entry, key) {
+            log(&format!(
+                "template {key} built meanwhile: {}",
+                entry.display()
+            ));
+            return Ok(t);
+        }
+        let start = std::time::Instant::now();
+        let tmp = dir.join(format!(".tmp-{key}"));
+        remove_tree(&tmp)?;
+        fs::create_dir(&tmp)
+            .map_err(|e| BuildError::io(format!("creating {}", tmp.display()), e))?;
+        let result = self.make_entry(key, &tmp, &entry, log, make);
+        if result.is_err() {
+            let _ = remove_tree(&tmp);
+        }
+        let t = result?;
+        log(&format!(
+            "template {key} built in {:.1} s",
+            start.elapsed().as_secs_f64()
+        ));
+        Ok(t)
+    }
+
+    fn make_entry(
+        &self,
+        key: &str,
+        tmp: &Path,
+        entry: &Path,
+        log: &mut dyn FnMut(&str),
+        make: impl FnOnce(&Path, &mut dyn FnMut(&str)) -> Result<(PathBuf, ImageConfig)>,
+    ) -> Result<Template> {
+        let (tree, config) = make(tmp, log)?;
+        let used = tree_bytes(&tree)?;
+        // room for the tree and ext4's own structures, plus free space
+        let size = self
+            .image_size
+            .max((used + used / 4 + 512 * MIB).div_ceil(MIB) * MIB);
+        log(&format!(
+            "tree holds {} MiB; image of {} MiB",
+            used / MIB,
+            size / MIB
+        ));
+        let scripts = scripts::materialize(&self.templates_dir())?;
+        let image = tmp.join("rootfs.ext4");
+        let mut cmd = Command::new(scripts.join("finish.sh"));
+        cmd.arg("--agent")
+            .arg(&self.agent)
+            .arg("--tree")
+            .arg(&tree)
+            .arg("--image")
+            .arg(&image)
+            .arg("--size")
+            .arg(size.to_string())
+            .arg("--key")
+            .arg(key);
+        run::run_ok("making the ext4 image (finish.sh)", &mut cmd, log)?;
+        remove_tree(&tree)?;
+        let template = Template {
+            key: key.to_owned(),
+            rootfs: entry.join("rootfs.ext4"),
+            config,
+            cached: false,
+        };
+        let json = serde_json::to_vec_pretty(&template)
+            .map_err(|e| BuildError::io("encoding template.json", e.into()))?;
+        fs::write(tmp.join("template.json"), json)
+            .map_err(|e| BuildError::io("writing template.json", e))?;
+        remove_tree(entry)?;
+        fs::rename(tmp, entry)
+            .map_err(|e| BuildError::io(format!("renaming to {}", entry.display()), e))?;
+        Ok(template)
+    }
+}
+
+fn key_of(text: &str) -> String {
+    scripts::sha256_hex(text.as_bytes())[..16].to_owned()
+}
+
+fn read_entry(entry: &Path, key: &str) -> Option<Template> {
+    let bytes = fs::read(entry.join("template.json")).ok()?;
+    let mut t: Template = serde_json::from_slice(&bytes).ok()?;
+    if t.key != key || !entry.join("rootfs.ext4").is_file() {
+        return None;
+    }
+    t.rootfs = entry.join("rootfs.ext4");
+    t.cached = true;
+    Some(t)
+}
+
+/// A root directory as images expect it: 0755, owned by root.
+fn make_root(dir: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    fs::create_dir_all(dir)
+        .map_err(|e| BuildError::io(format!("creating {}", dir.display()), e))?;
+    fs::set_permissions(dir, fs::Permissions::from_mode(0o755))
+        .map_err(|e| BuildError::io(format!("chmod {}", dir.display()), e))
+}
+
+/// Bytes the tree takes on disk (hard links counted once per name; a safe
+/// over-estimate).
+fn tree_bytes(dir: &Path) -> Result<u64> {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let rd =
+            fs::read_dir(&d).map_err(|e| BuildError::io(format!("reading {}", d.display()), e))?;
+        for e in rd {
+            let e = e.map_err(|e| BuildError::io(format!("reading {}", d.display()), e))?;
+            let m = fs::symlink_metadata(e.path())
+                .map_err(|err| BuildError::io(format!("stat {}", e.path().display()), err))?;
+            total += m.blocks() * 512 + 4096; // an inode's worth each
+            if m.is_dir() {
+                stack.push(e.path());
+            }
+        }
+    }
+    Ok(total)
+}
+
+fn remove_tree(path: &Path) -> Result<()> {
+    match fs::symlink_metadata(path) {
+        Err(_) => Ok(()),
+        Ok(m) if m.is_dir() => fs::remove_dir_all(path)
+            .map_err(|e| BuildError::io(format!("removing {}", path.display()), e)),
+        Ok(_) => fs::remove_file(path)
+            .map_err(|e| BuildError::io(format!("removing {}", path.display()), e)),
+    }
+}

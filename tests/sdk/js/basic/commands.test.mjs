@@ -1,0 +1,106 @@
+// commands.run and a PTY session on one sandbox.
+import assert from 'node:assert/strict'
+import { after, before, describe, test } from 'node:test'
+import { CommandExitError, TimeoutError } from 'e2b'
+import { SLOW, create, reapRun, waitUntil } from '../helpers.mjs'
+
+let sbx
+
+before(async () => {
+  sbx = await create({ envs: { SDK_SANDBOX_ENV: 'from-create' } })
+}, SLOW)
+after(async () => {
+  await sbx?.kill()
+  await reapRun()
+})
+
+describe('commands', SLOW, () => {
+  test('stdout, stderr, callbacks', async () => {
+    const out = []
+    const err = []
+    const r = await sbx.commands.run('echo hello; echo oops >&2', {
+      onStdout: (d) => out.push(d),
+      onStderr: (d) => err.push(d),
+    })
+    assert.equal(r.stdout, 'hello\n')
+    assert.equal(r.stderr, 'oops\n')
+    assert.equal(r.exitCode, 0)
+    assert.equal(out.join(''), 'hello\n')
+    assert.equal(err.join(''), 'oops\n')
+  })
+
+  test('non-zero exit rejects with CommandExitError', async () => {
+    await assert.rejects(sbx.commands.run('echo partial; exit 3'), (e) => {
+      assert.ok(e instanceof CommandExitError)
+      assert.equal(e.exitCode, 3)
+      assert.equal(e.stdout, 'partial\n')
+      return true
+    })
+  })
+
+  test('envs, cwd, user', async () => {
+    const r = await sbx.commands.run('echo "$FOO|$SDK_SANDBOX_ENV"', { envs: { FOO: 'bar' } })
+    assert.equal(r.stdout, 'bar|from-create\n')
+    assert.equal((await sbx.commands.run('pwd', { cwd: '/tmp' })).stdout, '/tmp\n')
+    assert.equal((await sbx.commands.run('whoami', { user: 'root' })).stdout, 'root\n')
+    assert.equal((await sbx.commands.run('whoami; pwd')).stdout, 'user\n/home/user\n')
+  })
+
+  test('background, list, kill', async () => {
+    const h = await sbx.commands.run('sleep 600', { background: true, timeoutMs: 0 })
+    assert.ok(h.pid > 0)
+    await waitUntil(
+      async () => (await sbx.commands.list()).some((p) => p.pid === h.pid),
+      'process in list',
+    )
+    assert.equal(await h.kill(), true)
+    await assert.rejects(h.wait(), CommandExitError)
+    await waitUntil(
+      async () => !(await sbx.commands.list()).some((p) => p.pid === h.pid),
+      'process to leave list',
+    )
+    assert.equal(await sbx.commands.kill(h.pid), false)
+  })
+
+  test('stdin', async () => {
+    const h = await sbx.commands.run('cat', { background: true, stdin: true, timeoutMs: 120_000 })
+    await sbx.commands.sendStdin(h.pid, 'one\n')
+    await h.sendStdin('two\n')
+    await sbx.commands.closeStdin(h.pid)
+    assert.equal((await h.wait()).stdout, 'one\ntwo\n')
+  })
+
+  test('timeout rejects with TimeoutError', async () => {
+    const start = Date.now()
+    await assert.rejects(sbx.commands.run('sleep 60', { timeoutMs: 3_000 }), TimeoutError)
+    assert.ok(Date.now() - start < 50_000)
+  })
+})
+
+describe('pty', SLOW, () => {
+  test('create, input, resize, output, exit', SLOW, async () => {
+    const chunks = []
+    const text = () => Buffer.concat(chunks).toString('utf8')
+    const h = await sbx.pty.create({
+      cols: 80,
+      rows: 24,
+      timeoutMs: 0,
+      onData: (d) => chunks.push(Buffer.from(d)),
+    })
+    try {
+      const enc = new TextEncoder()
+      await sbx.pty.sendInput(h.pid, enc.encode('echo pty-$((6*7))\n'))
+      await waitUntil(() => text().includes('pty-42'), 'pty echo')
+      await sbx.pty.sendInput(h.pid, enc.encode('stty size\n'))
+      await waitUntil(() => text().includes('24 80'), 'initial size')
+      await sbx.pty.resize(h.pid, { cols: 100, rows: 40 })
+      await sbx.pty.sendInput(h.pid, enc.encode('stty size\n'))
+      await waitUntil(() => text().includes('40 100'), 'size after resize')
+      await sbx.pty.sendInput(h.pid, enc.encode('exit 0\n'))
+      const r = await h.wait()
+      assert.equal(r.exitCode, 0)
+    } finally {
+      await sbx.pty.kill(h.pid).catch(() => {})
+    }
+  })
+})

@@ -1,0 +1,80 @@
+// files: write, read, list, exists, makeDir, rename, remove, watchDir, 50 MB.
+import assert from 'node:assert/strict'
+import { createHash, randomBytes } from 'node:crypto'
+import { after, before, describe, test } from 'node:test'
+import { FileNotFoundError, FileType, FilesystemEventType } from 'e2b'
+import { SLOW, create, reapRun, waitUntil } from '../helpers.mjs'
+
+const BASE = '/home/user/sdk-files-js'
+let sbx
+
+before(async () => {
+  sbx = await create()
+}, SLOW)
+after(async () => {
+  await sbx?.kill()
+  await reapRun()
+})
+
+describe('files', SLOW, () => {
+  test('write and read text and bytes', async () => {
+    const info = await sbx.files.write(`${BASE}/a.txt`, 'héllo\n')
+    assert.equal(info.path, `${BASE}/a.txt`)
+    assert.equal(await sbx.files.read(`${BASE}/a.txt`), 'héllo\n')
+    const data = new Uint8Array(1024).map((_, i) => i % 256)
+    await sbx.files.write(`${BASE}/bin.dat`, data.buffer)
+    assert.deepEqual(await sbx.files.read(`${BASE}/bin.dat`, { format: 'bytes' }), data)
+    await assert.rejects(sbx.files.read(`${BASE}/missing`), FileNotFoundError)
+  })
+
+  test('list, getInfo, exists, makeDir, rename, remove', async () => {
+    const d = `${BASE}/ops`
+    assert.equal(await sbx.files.exists(d), false)
+    assert.equal(await sbx.files.makeDir(d), true)
+    assert.equal(await sbx.files.makeDir(d), false)
+    await sbx.files.write(`${d}/x.txt`, 'xx')
+    await sbx.files.makeDir(`${d}/sub`)
+    const entries = Object.fromEntries((await sbx.files.list(d)).map((e) => [e.name, e]))
+    assert.deepEqual(Object.keys(entries).sort(), ['sub', 'x.txt'])
+    assert.equal(entries['x.txt'].type, FileType.FILE)
+    assert.equal(entries['x.txt'].size, 2)
+    assert.equal(entries.sub.type, FileType.DIR)
+    assert.equal((await sbx.files.getInfo(`${d}/x.txt`)).owner, 'user')
+    const moved = await sbx.files.rename(`${d}/x.txt`, `${d}/y.txt`)
+    assert.equal(moved.path, `${d}/y.txt`)
+    assert.equal(await sbx.files.exists(`${d}/x.txt`), false)
+    await sbx.files.remove(d)
+    assert.equal(await sbx.files.exists(d), false)
+  })
+
+  test('watchDir', async () => {
+    const d = `${BASE}/watched`
+    await sbx.files.makeDir(d)
+    const events = []
+    const h = await sbx.files.watchDir(d, (e) => events.push(e), { timeoutMs: 0 })
+    try {
+      await sbx.files.write(`${d}/new.txt`, 'x')
+      await sbx.commands.run(`rm ${d}/new.txt`)
+      await waitUntil(
+        () => events.some((e) => e.name === 'new.txt' && e.type === FilesystemEventType.REMOVE),
+        'remove event',
+        30_000,
+      )
+    } finally {
+      await h.stop()
+    }
+  })
+
+  test('50 MB upload and download', SLOW, async () => {
+    const data = randomBytes(50 * 1024 * 1024)
+    const digest = createHash('sha256').update(data).digest('hex')
+    const path = `${BASE}/big.bin`
+    await sbx.files.write(path, new Blob([data]), { requestTimeoutMs: 300_000 })
+    const r = await sbx.commands.run(`sha256sum ${path}`, { timeoutMs: 300_000 })
+    assert.equal(r.stdout.split(' ')[0], digest)
+    const back = await sbx.files.read(path, { format: 'bytes', requestTimeoutMs: 300_000 })
+    assert.equal(back.length, data.length)
+    assert.equal(createHash('sha256').update(back).digest('hex'), digest)
+    await sbx.files.remove(path)
+  })
+})

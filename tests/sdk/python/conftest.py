@@ -1,0 +1,73 @@
+"""Shared fixtures: the server under test comes from the environment, as for
+any E2B user (E2B_API_URL, E2B_SANDBOX_URL, E2B_API_KEY); scripts/sdk-test.sh
+sets them. Every sandbox a test creates carries the run's metadata so the
+session can kill whatever a failed test left behind."""
+
+import os
+import secrets
+import time
+
+import httpx
+import pytest
+from e2b import Sandbox, SandboxQuery
+
+API_URL = os.environ.get("E2B_API_URL", "")
+API_KEY = os.environ.get("E2B_API_KEY", "")
+TEMPLATE = os.environ.get("SDK_TEST_TEMPLATE", "base")
+RUN_ID = secrets.token_hex(4)
+RUN_META = {"sdk_suite": "python", "sdk_run": RUN_ID}
+
+
+def pytest_configure(config):
+    if not API_URL or not API_KEY or not os.environ.get("E2B_SANDBOX_URL"):
+        raise pytest.UsageError(
+            "set E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY (scripts/sdk-test.sh does)"
+        )
+
+
+def create(**kwargs) -> Sandbox:
+    """Sandbox.create with the run's metadata merged in."""
+    meta = dict(RUN_META)
+    meta.update(kwargs.pop("metadata", {}) or {})
+    kwargs.setdefault("timeout", 600)
+    return Sandbox.create(TEMPLATE, metadata=meta, **kwargs)
+
+
+def wait_until(predicate, timeout=60.0, interval=0.2, what="condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def api():
+    """Raw control-plane client, for routes and errors the SDK does not reach."""
+    with httpx.Client(
+        base_url=API_URL, headers={"X-API-KEY": API_KEY}, timeout=300
+    ) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    """One sandbox per test module (booting one in the lab is slow)."""
+    sbx = create(envs={"SDK_SANDBOX_ENV": "from-create"})
+    yield sbx
+    sbx.kill()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _reap_leftovers():
+    yield
+    try:
+        paginator = Sandbox.list(query=SandboxQuery(metadata={"sdk_run": RUN_ID}))
+        while paginator.has_next:
+            for info in paginator.next_items():
+                Sandbox.kill(info.sandbox_id)
+    except Exception as e:  # cleanup must not mask the real results
+        print(f"cleanup of run {RUN_ID} failed: {e}")

@@ -1,0 +1,142 @@
+"""Pause and connect, fork, snapshots: the server's VM lifecycle features.
+Marked `lifecycle` so a run can select the basic set first."""
+
+
+import pytest
+from e2b import Sandbox, SandboxException, SandboxNotFoundException, SandboxQuery, SandboxState
+
+from conftest import RUN_ID, create, wait_until
+
+pytestmark = pytest.mark.lifecycle
+
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.5; done"
+
+
+def _counter(sbx) -> int:
+    return int(sbx.files.read("/tmp/counter").strip() or 0)
+
+
+def test_pause_then_connect_keeps_processes_and_files():
+    sbx = create(metadata={"case": "pause"})
+    try:
+        sbx.files.write("/home/user/kept.txt", "before pause")
+        proc = sbx.commands.run(COUNTER, background=True, timeout=0)
+        wait_until(lambda: sbx.files.exists("/tmp/counter") and _counter(sbx) > 1, what="counter")
+        assert sbx.pause() is True
+        info = Sandbox.get_info(sbx.sandbox_id)
+        assert info.state == "paused"
+        assert Sandbox.pause(sbx.sandbox_id) is False  # 409: already paused
+        paused, _ = _all(Sandbox.list(query=SandboxQuery(metadata={"sdk_run": RUN_ID, "case": "pause"}, state=[SandboxState.PAUSED])))
+        assert [p.sandbox_id for p in paused] == [sbx.sandbox_id]
+
+        again = Sandbox.connect(sbx.sandbox_id, timeout=600)
+        assert again.get_info().state == "running"
+        assert again.files.read("/home/user/kept.txt") == "before pause"
+        assert proc.pid in [p.pid for p in again.commands.list()]
+        seen = _counter(again)
+        wait_until(lambda: _counter(again) > seen, what="counter to advance after resume")
+        # the envd token is unchanged: the old handle still works
+        assert sbx.commands.run("echo still").stdout == "still\n"
+    finally:
+        Sandbox.kill(sbx.sandbox_id)
+
+
+def _all(paginator):
+    items = []
+    while paginator.has_next:
+        items.extend(paginator.next_items())
+    return items, None
+
+
+def test_fork_children_diverge():
+    parent = create(metadata={"case": "fork"})
+    children = []
+    try:
+        parent.files.write("/home/user/origin.txt", "parent state")
+        proc = parent.commands.run(COUNTER, background=True, timeout=0)
+        wait_until(lambda: parent.files.exists("/tmp/counter"), what="counter")
+        results = parent.fork(count=3, timeout=600)
+        assert len(results) == 3
+        errors = [r for r in results if isinstance(r, Exception)]
+        assert not errors, errors
+        children = results
+        ids = {c.sandbox_id for c in children}
+        assert len(ids) == 3 and parent.sandbox_id not in ids
+        for n, child in enumerate(children):
+            assert child.files.read("/home/user/origin.txt") == "parent state"
+            # the running process came along
+            assert proc.pid in [p.pid for p in child.commands.list()]
+            child.files.write("/home/user/who.txt", f"child {n}")
+            child.commands.run(f"echo {n} > /tmp/only-in-child-{n}")
+        for n, child in enumerate(children):
+            assert child.files.read("/home/user/who.txt") == f"child {n}"
+            for m in range(3):
+                assert child.files.exists(f"/tmp/only-in-child-{m}") is (m == n)
+        assert parent.files.exists("/home/user/who.txt") is False
+        assert parent.get_info().state == "running"
+        # the parent keeps running its own process
+        seen = _counter(parent)
+        wait_until(lambda: _counter(parent) > seen, what="parent counter to advance")
+        for child in children:
+            assert child.get_info().state == "running"
+    finally:
+        for c in children:
+            if not isinstance(c, Exception):
+                c.kill()
+        parent.kill()
+
+
+def test_fork_of_paused_sandbox_is_refused():
+    sbx = create(metadata={"case": "fork-paused"})
+    try:
+        assert sbx.pause() is True
+        try:
+            results = Sandbox.fork(sbx.sandbox_id, count=1)
+        except SandboxException:
+            return
+        started = [r for r in results if not isinstance(r, Exception)]
+        for r in started:
+            r.kill()
+        assert not started, "fork of a paused sandbox started a child"
+    finally:
+        Sandbox.kill(sbx.sandbox_id)
+
+
+def test_fork_of_unknown_sandbox():
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.fork("sfnosuchsandbox0000", count=1)
+
+
+def test_snapshot_then_create_from_it():
+    src = create(metadata={"case": "snapshot"})
+    made = None
+    snap = None
+    try:
+        src.files.write("/home/user/snap.txt", "in the snapshot")
+        snap = src.create_snapshot()
+        assert snap.snapshot_id
+        # the source keeps running and can diverge
+        assert src.get_info().state == "running"
+        src.files.write("/home/user/snap.txt", "changed after")
+        listed = []
+        p = src.list_snapshots()
+        while p.has_next:
+            listed.extend(p.next_items())
+        assert snap.snapshot_id in [s.snapshot_id for s in listed]
+
+        made = Sandbox.create(snap.snapshot_id, timeout=600, metadata={"sdk_run": RUN_ID})
+        assert made.sandbox_id != src.sandbox_id
+        assert made.files.read("/home/user/snap.txt") == "in the snapshot"
+        assert src.files.read("/home/user/snap.txt") == "changed after"
+    finally:
+        if made is not None:
+            made.kill()
+        src.kill()
+        if snap is not None:
+            assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+            assert Sandbox.delete_snapshot(snap.snapshot_id) is False
+
+
+def test_pause_of_unknown_sandbox():
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.pause("sfnosuchsandbox0000")
