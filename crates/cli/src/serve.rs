@@ -133,7 +133,9 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
         .arg(image.mem_mib.to_string())
         .arg("--in-lab");
     eprintln!(
-        "sandfork serve: this host's KVM cannot boot Linux; running in the KVM lab (emulated, slow), port {port} forwarded"
+        "sandfork serve: this host's KVM cannot boot Linux; running in the KVM lab (emulated, slow), \
+         reachable at http://{} (the lab's own address below is forwarded there)",
+        args.listen
     );
     let status = cmd.status().context("running the KVM lab")?;
     Ok(ExitCode::from(status.code().unwrap_or(1) as u8))
