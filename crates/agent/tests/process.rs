@@ -458,6 +458,22 @@ fn lifetime_deadline_kills_the_process_even_without_a_client() {
     std::thread::sleep(Duration::from_millis(2500));
     let run = start_connect(&agent, json!({"process": {"pid": pid}}));
     assert_eq!(run.end["status"], "signal: killed");
+
+    // Killed at its deadline, a process leaves List at once, even while an
+    // orphaned child of it still holds its output open.
+    let (pid, live) = start_bg(
+        &agent,
+        &[("connect-timeout-ms", "1000")],
+        sh("sleep 30; echo late"),
+    );
+    drop(live);
+    std::thread::sleep(Duration::from_millis(1400));
+    let listed = unary_ok(&agent, "List", json!({}));
+    let pids: Vec<u64> = listed["processes"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|p| p["pid"].as_u64()).collect())
+        .unwrap_or_default();
+    assert!(!pids.contains(&u64::from(pid)), "{listed}");
 }
 
 #[test]

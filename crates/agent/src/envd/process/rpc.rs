@@ -237,6 +237,7 @@ async fn supervise(
         }
         None => status_rx.await.ok(),
     };
+    proc.exited.store(true, Ordering::Relaxed);
     let drain_until = Instant::now() + EOF_GRACE;
     for mut r in readers {
         if tokio::time::timeout_at(drain_until, &mut r).await.is_err() {

@@ -34,6 +34,9 @@ pub struct Proc {
     pub pty: Option<Master>,
     /// The `connect-timeout-ms` lifetime of `Start` ran out and killed it.
     pub killed_by_deadline: AtomicBool,
+    /// The process has exited (its output may still be draining): List no
+    /// longer shows it, as envd does not.
+    pub exited: AtomicBool,
 }
 
 impl Proc {
@@ -54,6 +57,7 @@ impl Proc {
             stdin: tokio::sync::Mutex::new(stdin),
             pty,
             killed_by_deadline: AtomicBool::new(false),
+            exited: AtomicBool::new(false),
         }
     }
 
@@ -142,7 +146,12 @@ impl ProcessTable {
     /// Running processes, by pid.
     pub fn list(&self) -> Vec<ProcessInfo> {
         let t = self.lock();
-        let mut out: Vec<ProcessInfo> = t.live.values().map(|p| p.info()).collect();
+        let mut out: Vec<ProcessInfo> = t
+            .live
+            .values()
+            .filter(|p| !p.exited.load(std::sync::atomic::Ordering::Relaxed))
+            .map(|p| p.info())
+            .collect();
         out.sort_by_key(|p| p.pid);
         out
     }
