@@ -1,6 +1,8 @@
 #!/bin/bash
-# The main job: builds everything and boots a microVM to its guest agent
-# (inside the KVM lab when this host's /dev/kvm cannot boot Linux).
+# The main job: builds everything, then runs a sandfork node: `sandfork serve`
+# on ${SANDFORK_LISTEN:-127.0.0.1:3000} with the `base` template, reachable by
+# the unmodified E2B SDKs (inside the KVM lab, with the port forwarded, when
+# this host's /dev/kvm cannot boot Linux). Extra arguments go to `serve`.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -8,4 +10,4 @@ scripts/build.sh
 set -a
 . target/sandfork.env
 set +a
-exec target/debug/sandfork up "$@"
+exec target/debug/sandfork serve --listen "${SANDFORK_LISTEN:-127.0.0.1:3000}" "$@"
