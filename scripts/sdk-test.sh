@@ -155,7 +155,8 @@ start_server() {
     local cmd=(target/debug/sandfork serve --listen "127.0.0.1:$port" --data-dir "$logdir/data" ${SDK_SERVE_ARGS:-})
     # serve re-execs itself into the KVM lab when /dev/kvm cannot boot Linux:
     # one lab at a time on the machine, so hold its lock while it runs.
-    if [[ $("$lab" detect | sed -n 1p) != hardware* ]]; then
+    # (SANDFORK_LAB_LOCKED: the caller, scripts/test.sh, holds it already.)
+    if [[ -z ${SANDFORK_LAB_LOCKED:-} && $("$lab" detect | sed -n 1p) != hardware* ]]; then
         log "no hardware KVM: the server runs in the lab; waiting for the lab lock"
         cmd=(flock /tmp/sandfork-lab.lock "${cmd[@]}")
     fi

@@ -30,6 +30,12 @@ for line in sys.stdin:
 [[ ${#lab_tests[@]} -gt 0 ]] || { echo "no lab test binaries found" >&2; exit 1; }
 
 lab=target/debug/sandfork-lab
+# One KVM lab at a time on a machine (two at once on a small host lose
+# guests): hold the lab lock for everything below; sdk-test.sh sees that.
+exec 9>/tmp/sandfork-lab.lock
+echo "== waiting for the lab lock" >&2
+flock 9
+export SANDFORK_LAB_LOCKED=1
 # The lab tooling's own tests boot QEMU on this host.
 cargo test -p sandfork-lab --quiet -- --ignored --test-threads=1
 
