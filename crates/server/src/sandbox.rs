@@ -26,6 +26,9 @@ const AGENT_TIMEOUT: Duration = Duration::from_secs(120);
 const REAP_EVERY: Duration = Duration::from_millis(500);
 const ROOT_LAYER: &str = "root.layer";
 
+mod snapshot;
+pub use snapshot::SnapshotParams;
+
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
     #[error("sandbox {0} not found")]
@@ -36,6 +39,12 @@ pub enum SandboxError {
     AtCapacity { running: usize },
     #[error("sandbox {id} is {state}")]
     Conflict { id: String, state: &'static str },
+    #[error("snapshot {id} is in use by {users}")]
+    InUse { id: String, users: String },
+    #[error("{0}")]
+    Invalid(String),
+    #[error("a snapshot named {0} exists")]
+    NameTaken(String),
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error("{what}: {source}")]
@@ -86,6 +95,9 @@ pub struct Manager {
     changing: Mutex<HashSet<String>>,
     /// Creates under way, counted against capacity with the running ones.
     creating: AtomicUsize,
+    /// Templates creates are restoring right now (not yet recorded in a
+    /// sandbox): a delete waits for them to finish.
+    pins: Mutex<HashMap<String, usize>>,
 }
 
 impl Manager {
@@ -103,6 +115,7 @@ impl Manager {
             live: Mutex::new(HashMap::new()),
             changing: Mutex::new(HashSet::new()),
             creating: AtomicUsize::new(0),
+            pins: Mutex::new(HashMap::new()),
         })
     }
 
@@ -187,18 +200,16 @@ impl Manager {
     /// Restores the template into a pooled VMM with a fresh root layer,
     /// initialises its agent and records the sandbox as running.
     pub async fn create(&self, params: CreateParams) -> Result<SandboxRecord, SandboxError> {
-        if params.template_id != self.template.id {
-            return Err(SandboxError::TemplateNotFound(params.template_id));
-        }
         let running = self.running();
         if running >= self.config.max_sandboxes {
             return Err(SandboxError::AtCapacity { running });
         }
+        let (template, _pin) = self.pin_template(&params.template_id)?;
         self.creating.fetch_add(1, Ordering::SeqCst);
         let id = ids::sandbox_id().map_err(io("generating a sandbox id"));
         let result = match id {
             Ok(id) => {
-                let r = self.create_inner(&id, params).await;
+                let r = self.create_inner(&id, &template, params).await;
                 if r.is_err() {
                     let _ = std::fs::remove_dir_all(self.sandbox_dir(&id));
                 }
@@ -213,16 +224,17 @@ impl Manager {
     async fn create_inner(
         &self,
         id: &str,
+        template: &TemplateRecord,
         params: CreateParams,
     ) -> Result<SandboxRecord, SandboxError> {
         let dir = self.sandbox_dir(id);
         std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
         let root = dir.join(ROOT_LAYER);
-        let (base, top) = (self.template.root_layer.clone(), root.clone());
+        let (base, top) = (template.root_layer.clone(), root.clone());
         tokio::task::spawn_blocking(move || LayeredDisk::create(&base, &top).map(drop)).await??;
 
         let vm = self
-            .restore(&self.template.snapshot, &self.template.mem, &root, None)
+            .restore(&template.snapshot, &template.mem, &root, None)
             .await?;
 
         let access_token = if params.secure {
@@ -230,30 +242,42 @@ impl Manager {
         } else {
             None
         };
+        // A snapshot's environment stays; the create's own variables win.
+        let mut env_vars = template.env_vars.clone();
+        env_vars.extend(params.env_vars);
         let mut init = AgentInit::after_restore()?;
         init.access_token = access_token.clone();
-        init.env_vars = Some(params.env_vars.clone());
-        vm.agent().init(&init).await?;
+        init.env_vars = Some(env_vars.clone());
+        // A snapshot's agent still holds its source's token until this init.
+        vm.agent()
+            .with_access_token(template.agent_token.as_deref())
+            .init(&init)
+            .await?;
 
+        let mut uses_snapshots = template.uses_snapshots.clone();
+        if template.is_snapshot() {
+            uses_snapshots.push(template.id.clone());
+        }
         let started = now_ms();
         let record = SandboxRecord {
             id: id.to_owned(),
-            template_id: self.template.id.clone(),
-            alias: Some(self.template.id.clone()),
+            template_id: template.id.clone(),
+            alias: Some(template.names.first().unwrap_or(&template.id).clone()),
             metadata: params.metadata,
-            env_vars: params.env_vars,
+            env_vars,
             access_token,
             started_at_ms: started,
             end_at_ms: started + params.timeout.as_millis() as u64,
             state: SandboxState::Running,
-            cpu_count: u32::from(self.template.vcpus),
-            memory_mb: self.template.mem_mib,
-            disk_size_mb: self.template.disk_size_mb,
+            cpu_count: u32::from(template.vcpus),
+            memory_mb: template.mem_mib,
+            disk_size_mb: template.disk_size_mb,
             auto_pause: params.auto_pause,
             pause_generation: 0,
             snapshot: None,
             root_layer: None,
             has_dependents: false,
+            uses_snapshots,
         };
         self.store.put_sandbox(&record)?;
         self.live().insert(id.to_owned(), Live { vm });
@@ -567,6 +591,7 @@ impl Manager {
                 snapshot: None,
                 root_layer: root,
                 has_dependents: false,
+                // and the parent's `uses_snapshots`: its memory is below this fork's
                 ..parent.clone()
             };
             self.store.put_sandbox(&record)?;

@@ -193,6 +193,7 @@ mod tests {
             snapshot: None,
             root_layer: None,
             has_dependents: false,
+            uses_snapshots: Vec::new(),
         }
     }
 
