@@ -76,6 +76,7 @@ impl Server {
         let manager = sandbox::Manager::new(config.clone(), store, pool, template);
         manager.recover();
         manager.clone().start_reaper();
+        manager.clone().start_observer();
         Ok(Server {
             state: Arc::new(api::AppState { manager, keys }),
             api_key_file,

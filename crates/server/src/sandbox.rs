@@ -26,7 +26,9 @@ const AGENT_TIMEOUT: Duration = Duration::from_secs(120);
 const REAP_EVERY: Duration = Duration::from_millis(500);
 const ROOT_LAYER: &str = "root.layer";
 
+mod observe;
 mod snapshot;
+pub use observe::{Level, LogLine, Sample};
 pub use snapshot::SnapshotParams;
 
 #[derive(Debug, thiserror::Error)]
@@ -98,6 +100,8 @@ pub struct Manager {
     /// Templates creates are restoring right now (not yet recorded in a
     /// sandbox): a delete waits for them to finish.
     pins: Mutex<HashMap<String, usize>>,
+    /// Metrics and console lines seen, per sandbox.
+    observed: Mutex<HashMap<String, observe::Observed>>,
 }
 
 impl Manager {
@@ -116,6 +120,7 @@ impl Manager {
             changing: Mutex::new(HashSet::new()),
             creating: AtomicUsize::new(0),
             pins: Mutex::new(HashMap::new()),
+            observed: Mutex::new(HashMap::new()),
         })
     }
 
@@ -626,6 +631,7 @@ impl Manager {
         // Dropping the process kills it; then its files can go, unless forks
         // still read them.
         drop(live);
+        self.forget_observed(id);
         if record.is_some_and(|r| r.has_dependents) {
             return Ok(());
         }

@@ -728,3 +728,55 @@ async fn create_from_an_unknown_snapshot_is_not_found() {
         StatusCode::NOT_FOUND,
     );
 }
+
+#[tokio::test]
+async fn metrics_and_logs_answer_by_sandbox_and_check_their_query() {
+    let node = node(&[record("held", now_ms(), SandboxState::Paused, "x")]);
+    for uri in [
+        "/sandboxes/nosuch/metrics",
+        "/sandboxes/nosuch/logs",
+        "/v2/sandboxes/nosuch/logs",
+        "/sandboxes/NO..pe/metrics",
+    ] {
+        assert_error(
+            &call(&node, authed("GET", uri, "")).await,
+            StatusCode::NOT_FOUND,
+        );
+    }
+    for uri in [
+        "/sandboxes/held/metrics?start=x",
+        "/sandboxes/held/metrics?start=9&end=8",
+        "/sandboxes/held/logs?limit=0",
+        "/v2/sandboxes/held/logs?direction=sideways",
+        "/v2/sandboxes/held/logs?level=loud",
+    ] {
+        assert_error(
+            &call(&node, authed("GET", uri, "")).await,
+            StatusCode::BAD_REQUEST,
+        );
+    }
+    // A paused sandbox that was never watched: nothing yet, in E2B's shapes.
+    let m = call(
+        &node,
+        authed("GET", "/sandboxes/held/metrics?start=1&end=2", ""),
+    )
+    .await;
+    assert_eq!(
+        (m.status, m.json.clone()),
+        (StatusCode::OK, serde_json::json!([]))
+    );
+    let l = call(&node, authed("GET", "/sandboxes/held/logs", "")).await;
+    assert_eq!(l.status, StatusCode::OK);
+    assert_eq!(l.json, serde_json::json!({"logs": [], "logEntries": []}));
+    let l = call(
+        &node,
+        authed("GET", "/v2/sandboxes/held/logs?level=warn", ""),
+    )
+    .await;
+    assert_eq!(l.json, serde_json::json!({"logs": []}));
+    let unauthed = Request::builder()
+        .uri("/sandboxes/held/metrics")
+        .body(Body::empty())
+        .unwrap();
+    assert_error(&call(&node, unauthed).await, StatusCode::UNAUTHORIZED);
+}

@@ -458,6 +458,48 @@ async fn snapshot_create_from_it_and_delete(
     ];
     let (code, out) = run(addr, &made_routing, "cat /root/snap.txt /tmp/snap-mem").await;
     assert_eq!((code, out.as_str()), (0, "on-disk\nin-memory\n"));
+
+    // Metrics from the agent, and the console with the agent's log.
+    let metrics = http(
+        addr,
+        "GET",
+        &format!("/sandboxes/{made_id}/metrics"),
+        auth,
+        "",
+    )
+    .await;
+    assert_eq!(metrics.status, 200, "{:?}", metrics.body);
+    let latest = metrics
+        .json()
+        .as_array()
+        .unwrap()
+        .last()
+        .cloned()
+        .expect("a sample");
+    assert!(latest["memTotal"].as_u64().unwrap() > 0, "{latest}");
+    assert!(latest["diskTotal"].as_u64().unwrap() > 0, "{latest}");
+    assert!(latest["cpuCount"].as_u64().unwrap() >= 1, "{latest}");
+    let logs = http(
+        addr,
+        "GET",
+        &format!("/v2/sandboxes/{made_id}/logs"),
+        auth,
+        "",
+    )
+    .await;
+    assert_eq!(logs.status, 200, "{:?}", logs.body);
+    let logs = logs.json();
+    // The agent logs each /init to the console (the create's, here).
+    assert!(
+        logs["logs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|l| l["message"] == "/init applied"
+                && l["fields"]["source"] == "agent"
+                && l["level"] == "info"),
+        "{logs}"
+    );
     let (_, out) = run(addr, &src_routing, "cat /root/snap.txt").await;
     assert_eq!(out, "changed\n");
     // The new sandbox pauses and resumes on top of the snapshot's memory.

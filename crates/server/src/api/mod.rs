@@ -3,6 +3,7 @@
 
 mod error;
 mod list;
+mod observe;
 mod sandboxes;
 mod snapshots;
 
@@ -51,6 +52,9 @@ pub fn router(state: Shared) -> Router {
         .route("/sandboxes/{id}/fork", post(sandboxes::fork))
         .route("/sandboxes/{id}/snapshots", post(snapshots::create))
         .route("/snapshots", get(snapshots::list))
+        .route("/sandboxes/{id}/metrics", get(observe::metrics))
+        .route("/sandboxes/{id}/logs", get(observe::logs_v1))
+        .route("/v2/sandboxes/{id}/logs", get(observe::logs_v2))
         .route("/templates/{id}", delete(snapshots::delete))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
