@@ -26,8 +26,10 @@ const AGENT_TIMEOUT: Duration = Duration::from_secs(120);
 const REAP_EVERY: Duration = Duration::from_millis(500);
 const ROOT_LAYER: &str = "root.layer";
 
+mod gc;
 mod observe;
 mod snapshot;
+pub use gc::GcStats;
 pub use observe::{Level, LogLine, Sample};
 pub use snapshot::SnapshotParams;
 
@@ -102,6 +104,9 @@ pub struct Manager {
     pins: Mutex<HashMap<String, usize>>,
     /// Metrics and console lines seen, per sandbox.
     observed: Mutex<HashMap<String, observe::Observed>>,
+    /// Held shared by every change that writes files before its record says
+    /// so; the garbage collector runs only when it can hold it alone.
+    activity: tokio::sync::RwLock<()>,
 }
 
 impl Manager {
@@ -121,6 +126,7 @@ impl Manager {
             creating: AtomicUsize::new(0),
             pins: Mutex::new(HashMap::new()),
             observed: Mutex::new(HashMap::new()),
+            activity: tokio::sync::RwLock::new(()),
         })
     }
 
@@ -130,6 +136,10 @@ impl Manager {
 
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
     }
 
     pub fn template(&self) -> &TemplateRecord {
@@ -205,6 +215,7 @@ impl Manager {
     /// Restores the template into a pooled VMM with a fresh root layer,
     /// initialises its agent and records the sandbox as running.
     pub async fn create(&self, params: CreateParams) -> Result<SandboxRecord, SandboxError> {
+        let _busy = self.activity.read().await;
         let running = self.running();
         if running >= self.config.max_sandboxes {
             return Err(SandboxError::AtCapacity { running });
@@ -283,6 +294,12 @@ impl Manager {
             root_layer: None,
             has_dependents: false,
             uses_snapshots,
+            uses_dirs: template
+                .uses_dirs
+                .iter()
+                .cloned()
+                .chain([dir.clone()])
+                .collect(),
         };
         self.store.put_sandbox(&record)?;
         self.live().insert(id.to_owned(), Live { vm });
@@ -337,6 +354,7 @@ impl Manager {
     /// its directory (a diff over what it was restored from), its disk
     /// flushed, its VMM stopped; the store says `paused` once all is on disk.
     pub async fn pause(&self, id: &str) -> Result<SandboxRecord, SandboxError> {
+        let _busy = self.activity.read().await;
         let record = self.get(id)?;
         if record.state == SandboxState::Paused {
             return Err(SandboxError::Conflict {
@@ -410,6 +428,7 @@ impl Manager {
                 .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
             return Ok((r, false));
         }
+        let _busy = self.activity.read().await;
         let _claim = self.claim(id).ok_or_else(|| SandboxError::Conflict {
             id: id.to_owned(),
             state: "changing state",
@@ -462,6 +481,7 @@ impl Manager {
         count: u32,
         timeout: Duration,
     ) -> Result<Vec<Result<SandboxRecord, SandboxError>>, SandboxError> {
+        let _busy = self.activity.read().await;
         let parent = self.get(id)?;
         if parent.state != SandboxState::Running {
             return Err(SandboxError::Conflict {
@@ -515,10 +535,15 @@ impl Manager {
         // The parent now writes to the fork's layer 0 and its old layer is
         // sealed under every child: its directory must outlive it.
         let parent_root = fork_dir.join(format!("{}.0.layer", self.template.root_drive_id));
-        self.store.update_sandbox(id, |s| {
+        let Some(parent) = self.store.update_sandbox(id, |s| {
             s.root_layer = Some(parent_root);
             s.has_dependents = true;
-        })?;
+            s.uses_dirs.push(fork_dir.clone());
+        })?
+        else {
+            self.creating.fetch_sub(count as usize, Ordering::SeqCst);
+            return Err(SandboxError::NotFound(id.to_owned()));
+        };
 
         let mut tasks = tokio::task::JoinSet::new();
         for index in 0..count as usize {
@@ -596,6 +621,12 @@ impl Manager {
                 snapshot: None,
                 root_layer: root,
                 has_dependents: false,
+                uses_dirs: parent
+                    .uses_dirs
+                    .iter()
+                    .cloned()
+                    .chain([dir.clone()])
+                    .collect(),
                 // and the parent's `uses_snapshots`: its memory is below this fork's
                 ..parent.clone()
             };

@@ -81,6 +81,11 @@ pub struct SandboxRecord {
     /// them may be deleted while it exists.
     #[serde(default)]
     pub uses_snapshots: Vec<String>,
+    /// Directories under `sandboxes/` and `forks/` holding files its memory
+    /// or disk stacks on, its own included; the garbage collector keeps these.
+    /// Empty only in records from before it existed.
+    #[serde(default)]
+    pub uses_dirs: Vec<PathBuf>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -121,6 +126,9 @@ pub struct TemplateRecord {
     /// Other snapshots whose files this one stacks on.
     #[serde(default)]
     pub uses_snapshots: Vec<String>,
+    /// A snapshot's source's `uses_dirs` (see [`SandboxRecord::uses_dirs`]).
+    #[serde(default)]
+    pub uses_dirs: Vec<PathBuf>,
 }
 
 impl TemplateRecord {
@@ -307,6 +315,7 @@ mod tests {
             root_layer: None,
             has_dependents: false,
             uses_snapshots: Vec::new(),
+            uses_dirs: Vec::new(),
         }
     }
 
@@ -360,6 +369,7 @@ mod tests {
             agent_token: None,
             env_vars: BTreeMap::new(),
             uses_snapshots: Vec::new(),
+            uses_dirs: Vec::new(),
         };
         store.put_template(&t).unwrap();
         assert_eq!(store.template("base").unwrap(), Some(t.clone()));

@@ -127,6 +127,7 @@ async fn build(config: &Config, pool: &Pool, id: &str) -> Result<TemplateRecord,
         agent_token: None,
         env_vars: Default::default(),
         uses_snapshots: Vec::new(),
+        uses_dirs: Vec::new(),
     })
 }
 

@@ -46,6 +46,7 @@ fn record(id: &str, started: u64, state: SandboxState, team: &str) -> SandboxRec
         root_layer: None,
         has_dependents: false,
         uses_snapshots: Vec::new(),
+        uses_dirs: Vec::new(),
     }
 }
 
@@ -77,6 +78,7 @@ fn snapshot(data: &std::path::Path, id: &str, source: &str, created: u64) -> Tem
         agent_token: None,
         env_vars: BTreeMap::new(),
         uses_snapshots: Vec::new(),
+        uses_dirs: Vec::new(),
     }
 }
 
@@ -124,6 +126,7 @@ fn node_with(
         agent_token: None,
         env_vars: BTreeMap::new(),
         uses_snapshots: Vec::new(),
+        uses_dirs: Vec::new(),
     };
     let pool = Pool::start(config.vmm.clone(), 0);
     let manager = Manager::new(config, store, pool, template);

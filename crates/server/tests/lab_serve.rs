@@ -143,6 +143,7 @@ async fn create_run_read_list_kill_through_one_port() {
         .unwrap()
         .trim()
         .to_owned();
+    let manager = node.state.manager.clone();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(node.serve(listener, std::future::pending()));
@@ -376,6 +377,21 @@ async fn create_run_read_list_kill_through_one_port() {
     assert_eq!(health.status, 502);
 
     snapshot_create_from_it_and_delete(addr, &auth, data.path(), &id2, &token2).await;
+
+    // Everything is gone: what forks and the snapshot kept is garbage now.
+    let kept: Vec<_> = ["sandboxes", "forks"]
+        .iter()
+        .flat_map(|d| std::fs::read_dir(data.path().join(d)).unwrap())
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert!(!kept.is_empty(), "the fork and the snapshot kept nothing");
+    let gc = manager.collect_garbage().await.unwrap();
+    assert_eq!(gc.skipped, None);
+    let mut removed = gc.dirs.clone();
+    removed.sort();
+    let mut kept = kept;
+    kept.sort();
+    assert_eq!(removed, kept);
 }
 
 /// Snapshot the running `src`, create a sandbox from the snapshot (memory and

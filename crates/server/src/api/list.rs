@@ -194,6 +194,7 @@ mod tests {
             root_layer: None,
             has_dependents: false,
             uses_snapshots: Vec::new(),
+            uses_dirs: Vec::new(),
         }
     }
 

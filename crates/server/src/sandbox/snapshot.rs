@@ -105,6 +105,7 @@ impl Manager {
         id: &str,
         params: SnapshotParams,
     ) -> Result<TemplateRecord, SandboxError> {
+        let _busy = self.activity.read().await;
         let source = self.get(id)?;
         if let Some(name) = &params.name {
             check_name(name)?;
@@ -211,6 +212,7 @@ impl Manager {
             agent_token: source.access_token.clone(),
             env_vars: source.env_vars.clone(),
             uses_snapshots,
+            uses_dirs: source.uses_dirs.clone(),
         };
         self.store.put_template(&record)?;
         Ok(record)
