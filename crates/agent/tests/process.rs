@@ -473,7 +473,7 @@ fn lifetime_deadline_kills_the_process_even_without_a_client() {
         .as_array()
         .map(|a| a.iter().filter_map(|p| p["pid"].as_u64()).collect())
         .unwrap_or_default();
-    assert!(!pids.contains(&u64::from(pid)), "{listed}");
+    assert!(!pids.contains(&pid), "{listed}");
 }
 
 #[test]
