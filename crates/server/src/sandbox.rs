@@ -653,6 +653,8 @@ impl Manager {
 
     /// Stops the sandbox's VMM and removes its files and record.
     pub async fn kill(&self, id: &str) -> Result<(), SandboxError> {
+        // The collector must not see the record and then miss its files.
+        let _busy = self.activity.read().await;
         let live = self.live().remove(id);
         let record = self.store.sandbox(id)?;
         let existed = self.store.remove_sandbox(id)?;

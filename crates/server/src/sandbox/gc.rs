@@ -116,15 +116,18 @@ impl Manager {
             let candidates: Vec<PathBuf> = kept.iter().flat_map(|d| layers_in(d)).collect();
             // A top that is missing (its sandbox broken) would hide what its
             // chain uses: then no layer is judged unused.
-            if tops.iter().all(|t| t.is_file()) {
+            if let Some(missing) = tops.iter().find(|t| !t.is_file()) {
+                tracing::warn!(
+                    "gc: root layer {} is missing; keeping every layer",
+                    missing.display()
+                );
+            } else {
                 for layer in disk_layers::unreferenced(&candidates, &tops)? {
                     match std::fs::remove_file(&layer) {
                         Ok(()) => stats.layers.push(layer),
                         Err(e) => tracing::warn!("gc: removing {}: {e}", layer.display()),
                     }
                 }
-            } else {
-                tracing::warn!("gc: a sandbox's root layer is missing; keeping every layer");
             }
             Ok(stats)
         })
