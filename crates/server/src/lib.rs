@@ -75,7 +75,17 @@ impl Server {
         let template = template::ensure_base(&config, &store, &pool).await?;
         let manager = sandbox::Manager::new(config.clone(), store, pool, template);
         manager.recover();
+        match manager.collect_garbage().await {
+            Ok(s) => tracing::info!(
+                "gc at start: removed {} directories and {} disk layers",
+                s.dirs.len(),
+                s.layers.len()
+            ),
+            Err(e) => tracing::warn!("gc at start: {e}"),
+        }
+        manager.clone().start_gc();
         manager.clone().start_reaper();
+        manager.clone().start_observer();
         Ok(Server {
             state: Arc::new(api::AppState { manager, keys }),
             api_key_file,

@@ -26,6 +26,13 @@ const AGENT_TIMEOUT: Duration = Duration::from_secs(120);
 const REAP_EVERY: Duration = Duration::from_millis(500);
 const ROOT_LAYER: &str = "root.layer";
 
+mod gc;
+mod observe;
+mod snapshot;
+pub use gc::GcStats;
+pub use observe::{Level, LogLine, Sample};
+pub use snapshot::SnapshotParams;
+
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
     #[error("sandbox {0} not found")]
@@ -36,6 +43,12 @@ pub enum SandboxError {
     AtCapacity { running: usize },
     #[error("sandbox {id} is {state}")]
     Conflict { id: String, state: &'static str },
+    #[error("snapshot {id} is in use by {users}")]
+    InUse { id: String, users: String },
+    #[error("{0}")]
+    Invalid(String),
+    #[error("a snapshot named {0} exists")]
+    NameTaken(String),
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error("{what}: {source}")]
@@ -86,6 +99,14 @@ pub struct Manager {
     changing: Mutex<HashSet<String>>,
     /// Creates under way, counted against capacity with the running ones.
     creating: AtomicUsize,
+    /// Templates creates are restoring right now (not yet recorded in a
+    /// sandbox): a delete waits for them to finish.
+    pins: Mutex<HashMap<String, usize>>,
+    /// Metrics and console lines seen, per sandbox.
+    observed: Mutex<HashMap<String, observe::Observed>>,
+    /// Held shared by every change that writes files before its record says
+    /// so; the garbage collector runs only when it can hold it alone.
+    activity: tokio::sync::RwLock<()>,
 }
 
 impl Manager {
@@ -103,6 +124,9 @@ impl Manager {
             live: Mutex::new(HashMap::new()),
             changing: Mutex::new(HashSet::new()),
             creating: AtomicUsize::new(0),
+            pins: Mutex::new(HashMap::new()),
+            observed: Mutex::new(HashMap::new()),
+            activity: tokio::sync::RwLock::new(()),
         })
     }
 
@@ -112,6 +136,10 @@ impl Manager {
 
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
     }
 
     pub fn template(&self) -> &TemplateRecord {
@@ -187,18 +215,17 @@ impl Manager {
     /// Restores the template into a pooled VMM with a fresh root layer,
     /// initialises its agent and records the sandbox as running.
     pub async fn create(&self, params: CreateParams) -> Result<SandboxRecord, SandboxError> {
-        if params.template_id != self.template.id {
-            return Err(SandboxError::TemplateNotFound(params.template_id));
-        }
+        let _busy = self.activity.read().await;
         let running = self.running();
         if running >= self.config.max_sandboxes {
             return Err(SandboxError::AtCapacity { running });
         }
+        let (template, _pin) = self.pin_template(&params.template_id)?;
         self.creating.fetch_add(1, Ordering::SeqCst);
         let id = ids::sandbox_id().map_err(io("generating a sandbox id"));
         let result = match id {
             Ok(id) => {
-                let r = self.create_inner(&id, params).await;
+                let r = self.create_inner(&id, &template, params).await;
                 if r.is_err() {
                     let _ = std::fs::remove_dir_all(self.sandbox_dir(&id));
                 }
@@ -213,16 +240,17 @@ impl Manager {
     async fn create_inner(
         &self,
         id: &str,
+        template: &TemplateRecord,
         params: CreateParams,
     ) -> Result<SandboxRecord, SandboxError> {
         let dir = self.sandbox_dir(id);
         std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
         let root = dir.join(ROOT_LAYER);
-        let (base, top) = (self.template.root_layer.clone(), root.clone());
+        let (base, top) = (template.root_layer.clone(), root.clone());
         tokio::task::spawn_blocking(move || LayeredDisk::create(&base, &top).map(drop)).await??;
 
         let vm = self
-            .restore(&self.template.snapshot, &self.template.mem, &root, None)
+            .restore(&template.snapshot, &template.mem, &root, None)
             .await?;
 
         let access_token = if params.secure {
@@ -230,30 +258,48 @@ impl Manager {
         } else {
             None
         };
+        // A snapshot's environment stays; the create's own variables win.
+        let mut env_vars = template.env_vars.clone();
+        env_vars.extend(params.env_vars);
         let mut init = AgentInit::after_restore()?;
         init.access_token = access_token.clone();
-        init.env_vars = Some(params.env_vars.clone());
-        vm.agent().init(&init).await?;
+        init.env_vars = Some(env_vars.clone());
+        // A snapshot's agent still holds its source's token until this init.
+        vm.agent()
+            .with_access_token(template.agent_token.as_deref())
+            .init(&init)
+            .await?;
 
+        let mut uses_snapshots = template.uses_snapshots.clone();
+        if template.is_snapshot() {
+            uses_snapshots.push(template.id.clone());
+        }
         let started = now_ms();
         let record = SandboxRecord {
             id: id.to_owned(),
-            template_id: self.template.id.clone(),
-            alias: Some(self.template.id.clone()),
+            template_id: template.id.clone(),
+            alias: Some(template.names.first().unwrap_or(&template.id).clone()),
             metadata: params.metadata,
-            env_vars: params.env_vars,
+            env_vars,
             access_token,
             started_at_ms: started,
             end_at_ms: started + params.timeout.as_millis() as u64,
             state: SandboxState::Running,
-            cpu_count: u32::from(self.template.vcpus),
-            memory_mb: self.template.mem_mib,
-            disk_size_mb: self.template.disk_size_mb,
+            cpu_count: u32::from(template.vcpus),
+            memory_mb: template.mem_mib,
+            disk_size_mb: template.disk_size_mb,
             auto_pause: params.auto_pause,
             pause_generation: 0,
             snapshot: None,
             root_layer: None,
             has_dependents: false,
+            uses_snapshots,
+            uses_dirs: template
+                .uses_dirs
+                .iter()
+                .cloned()
+                .chain([dir.clone()])
+                .collect(),
         };
         self.store.put_sandbox(&record)?;
         self.live().insert(id.to_owned(), Live { vm });
@@ -308,6 +354,7 @@ impl Manager {
     /// its directory (a diff over what it was restored from), its disk
     /// flushed, its VMM stopped; the store says `paused` once all is on disk.
     pub async fn pause(&self, id: &str) -> Result<SandboxRecord, SandboxError> {
+        let _busy = self.activity.read().await;
         let record = self.get(id)?;
         if record.state == SandboxState::Paused {
             return Err(SandboxError::Conflict {
@@ -381,6 +428,7 @@ impl Manager {
                 .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
             return Ok((r, false));
         }
+        let _busy = self.activity.read().await;
         let _claim = self.claim(id).ok_or_else(|| SandboxError::Conflict {
             id: id.to_owned(),
             state: "changing state",
@@ -433,6 +481,7 @@ impl Manager {
         count: u32,
         timeout: Duration,
     ) -> Result<Vec<Result<SandboxRecord, SandboxError>>, SandboxError> {
+        let _busy = self.activity.read().await;
         let parent = self.get(id)?;
         if parent.state != SandboxState::Running {
             return Err(SandboxError::Conflict {
@@ -486,10 +535,15 @@ impl Manager {
         // The parent now writes to the fork's layer 0 and its old layer is
         // sealed under every child: its directory must outlive it.
         let parent_root = fork_dir.join(format!("{}.0.layer", self.template.root_drive_id));
-        self.store.update_sandbox(id, |s| {
+        let Some(parent) = self.store.update_sandbox(id, |s| {
             s.root_layer = Some(parent_root);
             s.has_dependents = true;
-        })?;
+            s.uses_dirs.push(fork_dir.clone());
+        })?
+        else {
+            self.creating.fetch_sub(count as usize, Ordering::SeqCst);
+            return Err(SandboxError::NotFound(id.to_owned()));
+        };
 
         let mut tasks = tokio::task::JoinSet::new();
         for index in 0..count as usize {
@@ -567,6 +621,13 @@ impl Manager {
                 snapshot: None,
                 root_layer: root,
                 has_dependents: false,
+                uses_dirs: parent
+                    .uses_dirs
+                    .iter()
+                    .cloned()
+                    .chain([dir.clone()])
+                    .collect(),
+                // and the parent's `uses_snapshots`: its memory is below this fork's
                 ..parent.clone()
             };
             self.store.put_sandbox(&record)?;
@@ -592,6 +653,8 @@ impl Manager {
 
     /// Stops the sandbox's VMM and removes its files and record.
     pub async fn kill(&self, id: &str) -> Result<(), SandboxError> {
+        // The collector must not see the record and then miss its files.
+        let _busy = self.activity.read().await;
         let live = self.live().remove(id);
         let record = self.store.sandbox(id)?;
         let existed = self.store.remove_sandbox(id)?;
@@ -601,6 +664,7 @@ impl Manager {
         // Dropping the process kills it; then its files can go, unless forks
         // still read them.
         drop(live);
+        self.forget_observed(id);
         if record.is_some_and(|r| r.has_dependents) {
             return Ok(());
         }

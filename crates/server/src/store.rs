@@ -77,6 +77,15 @@ pub struct SandboxRecord {
     /// layer, after a fork): a kill leaves the directory in place.
     #[serde(default)]
     pub has_dependents: bool,
+    /// Snapshots whose files this sandbox's memory or disk stacks on: none of
+    /// them may be deleted while it exists.
+    #[serde(default)]
+    pub uses_snapshots: Vec<String>,
+    /// Directories under `sandboxes/` and `forks/` holding files its memory
+    /// or disk stacks on, its own included; the garbage collector keeps these.
+    /// Empty only in records from before it existed.
+    #[serde(default)]
+    pub uses_dirs: Vec<PathBuf>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -102,6 +111,30 @@ pub struct TemplateRecord {
     pub mem_mib: u64,
     pub disk_size_mb: u64,
     pub created_at_ms: u64,
+    /// Set for a snapshot: the sandbox it was taken from.
+    #[serde(default)]
+    pub source_sandbox: Option<String>,
+    /// A snapshot's names (the `name` it was given, if any).
+    #[serde(default)]
+    pub names: Vec<String>,
+    /// The envd access token the snapshot's agent holds (its source's).
+    #[serde(default)]
+    pub agent_token: Option<String>,
+    /// The source's sandbox-wide environment, kept by sandboxes made from it.
+    #[serde(default)]
+    pub env_vars: BTreeMap<String, String>,
+    /// Other snapshots whose files this one stacks on.
+    #[serde(default)]
+    pub uses_snapshots: Vec<String>,
+    /// A snapshot's source's `uses_dirs` (see [`SandboxRecord::uses_dirs`]).
+    #[serde(default)]
+    pub uses_dirs: Vec<PathBuf>,
+}
+
+impl TemplateRecord {
+    pub fn is_snapshot(&self) -> bool {
+        self.source_sandbox.is_some()
+    }
 }
 
 pub struct Store {
@@ -233,6 +266,13 @@ impl Store {
         self.remove(TEMPLATES, id)
     }
 
+    pub fn templates(&self) -> Result<Vec<TemplateRecord>, StoreError> {
+        self.all(TEMPLATES)?
+            .iter()
+            .map(|b| decode(b, "template"))
+            .collect()
+    }
+
     pub fn put_meta(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
         self.put(META, key, value)
     }
@@ -274,6 +314,8 @@ mod tests {
             snapshot: None,
             root_layer: None,
             has_dependents: false,
+            uses_snapshots: Vec::new(),
+            uses_dirs: Vec::new(),
         }
     }
 
@@ -322,9 +364,16 @@ mod tests {
             mem_mib: 256,
             disk_size_mb: 2048,
             created_at_ms: 5,
+            source_sandbox: None,
+            names: Vec::new(),
+            agent_token: None,
+            env_vars: BTreeMap::new(),
+            uses_snapshots: Vec::new(),
+            uses_dirs: Vec::new(),
         };
         store.put_template(&t).unwrap();
-        assert_eq!(store.template("base").unwrap(), Some(t));
+        assert_eq!(store.template("base").unwrap(), Some(t.clone()));
+        assert_eq!(store.templates().unwrap(), vec![t]);
         assert!(store.remove_template("base").unwrap());
         assert_eq!(store.template("base").unwrap(), None);
     }

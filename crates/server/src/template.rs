@@ -122,6 +122,12 @@ async fn build(config: &Config, pool: &Pool, id: &str) -> Result<TemplateRecord,
         mem_mib: config.mem_mib,
         disk_size_mb,
         created_at_ms: now_ms(),
+        source_sandbox: None,
+        names: Vec::new(),
+        agent_token: None,
+        env_vars: Default::default(),
+        uses_snapshots: Vec::new(),
+        uses_dirs: Vec::new(),
     })
 }
 

@@ -23,7 +23,7 @@ const KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
 struct Node {
     app: axum::Router,
     manager: Arc<Manager>,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 fn record(id: &str, started: u64, state: SandboxState, team: &str) -> SandboxRecord {
@@ -45,12 +45,49 @@ fn record(id: &str, started: u64, state: SandboxState, team: &str) -> SandboxRec
         snapshot: None,
         root_layer: None,
         has_dependents: false,
+        uses_snapshots: Vec::new(),
+        uses_dirs: Vec::new(),
     }
 }
 
 /// A node whose store holds `records`; its VMM binary does not exist, so
 /// nothing here can start a microVM.
 fn node(records: &[SandboxRecord]) -> Node {
+    node_with(records, &[])
+}
+
+/// A snapshot record `id` taken from `source` at `created`, with files in
+/// `<data>/templates/<id>/`.
+fn snapshot(data: &std::path::Path, id: &str, source: &str, created: u64) -> TemplateRecord {
+    let dir = data.join("templates").join(id);
+    TemplateRecord {
+        id: id.into(),
+        snapshot: dir.join("vm.state"),
+        mem: dir.join("vm.mem"),
+        root_layer: data.join("sandboxes").join(source).join("root.layer"),
+        dir,
+        root_drive_id: "rootfs".into(),
+        kernel: "/nonexistent/vmlinux".into(),
+        rootfs: "/nonexistent/rootfs.ext4".into(),
+        vcpus: 1,
+        mem_mib: 256,
+        disk_size_mb: 2048,
+        created_at_ms: created,
+        source_sandbox: Some(source.into()),
+        names: Vec::new(),
+        agent_token: None,
+        env_vars: BTreeMap::new(),
+        uses_snapshots: Vec::new(),
+        uses_dirs: Vec::new(),
+    }
+}
+
+/// Like [`node`], with templates in the store too (made by `templates`
+/// from the data directory).
+fn node_with(
+    records: &[SandboxRecord],
+    templates: &[&dyn Fn(&std::path::Path) -> TemplateRecord],
+) -> Node {
     let dir = tempfile::tempdir().unwrap();
     let mut config = Config::new(
         "127.0.0.1:0".parse().unwrap(),
@@ -65,6 +102,12 @@ fn node(records: &[SandboxRecord]) -> Node {
     for r in records {
         store.put_sandbox(r).unwrap();
     }
+    for make in templates {
+        let t = make(dir.path());
+        std::fs::create_dir_all(&t.dir).unwrap();
+        std::fs::write(&t.snapshot, b"state").unwrap();
+        store.put_template(&t).unwrap();
+    }
     let template = TemplateRecord {
         id: "base".into(),
         dir: dir.path().join("templates/base"),
@@ -78,6 +121,12 @@ fn node(records: &[SandboxRecord]) -> Node {
         mem_mib: 256,
         disk_size_mb: 2048,
         created_at_ms: 0,
+        source_sandbox: None,
+        names: Vec::new(),
+        agent_token: None,
+        env_vars: BTreeMap::new(),
+        uses_snapshots: Vec::new(),
+        uses_dirs: Vec::new(),
     };
     let pool = Pool::start(config.vmm.clone(), 0);
     let manager = Manager::new(config, store, pool, template);
@@ -88,7 +137,7 @@ fn node(records: &[SandboxRecord]) -> Node {
     Node {
         app: router(state),
         manager,
-        _dir: dir,
+        dir,
     }
 }
 
@@ -505,4 +554,232 @@ async fn fork_validates_and_needs_a_running_sandbox() {
         .await,
         StatusCode::CONFLICT,
     );
+}
+
+#[tokio::test]
+async fn snapshot_create_validates_and_needs_a_running_sandbox() {
+    let now = now_ms();
+    let node = node(&[record("held", now, SandboxState::Paused, "x")]);
+    for uri in ["/sandboxes/nosuch/snapshots", "/sandboxes/NO..pe/snapshots"] {
+        assert_error(
+            &call(&node, authed("POST", uri, "{}")).await,
+            StatusCode::NOT_FOUND,
+        );
+    }
+    for body in [
+        r#"{"memory":false}"#,
+        r#"{"name":"has space"}"#,
+        r#"{"name":"a:b"}"#,
+        r#"{"name":7}"#,
+        "{",
+    ] {
+        assert_error(
+            &call(&node, authed("POST", "/sandboxes/held/snapshots", body)).await,
+            StatusCode::BAD_REQUEST,
+        );
+    }
+    assert_error(
+        &call(&node, authed("POST", "/sandboxes/held/snapshots", "{}")).await,
+        StatusCode::CONFLICT,
+    );
+    let unauthed = Request::builder()
+        .method("POST")
+        .uri("/sandboxes/held/snapshots")
+        .body(Body::empty())
+        .unwrap();
+    assert_error(&call(&node, unauthed).await, StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test]
+async fn snapshots_are_listed_newest_first_filtered_and_paged() {
+    let node = node_with(
+        &[],
+        &[
+            &|d| snapshot(d, "snapa", "src1", 1_000),
+            &|d| TemplateRecord {
+                names: vec!["team/named".into()],
+                ..snapshot(d, "snapb", "src2", 2_000)
+            },
+            &|d| snapshot(d, "snapc", "src1", 3_000),
+        ],
+    );
+    let all = call(&node, authed("GET", "/snapshots", "")).await;
+    assert_eq!(all.status, StatusCode::OK, "{}", all.json);
+    let ids: Vec<&str> = all
+        .json
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["snapshotID"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["snapc", "snapb", "snapa"]);
+    assert_eq!(all.json[1]["names"], serde_json::json!(["team/named"]));
+    assert_eq!(all.json[0]["names"], serde_json::json!([]));
+    assert_eq!(all.json[0]["sandboxID"], "src1");
+    assert!(all.headers.get("x-next-token").is_none());
+
+    let src1 = call(&node, authed("GET", "/snapshots?sandboxID=src1", "")).await;
+    assert_eq!(src1.json.as_array().unwrap().len(), 2);
+    let named = call(&node, authed("GET", "/snapshots?name=team%2Fnamed", "")).await;
+    assert_eq!(named.json[0]["snapshotID"], "snapb");
+    assert_eq!(named.json.as_array().unwrap().len(), 1);
+
+    let mut seen = Vec::new();
+    let mut uri = "/snapshots?limit=2".to_owned();
+    loop {
+        let page = call(&node, authed("GET", &uri, "")).await;
+        assert_eq!(page.status, StatusCode::OK, "{}", page.json);
+        for s in page.json.as_array().unwrap() {
+            seen.push(s["snapshotID"].as_str().unwrap().to_owned());
+        }
+        match page.headers.get("x-next-token") {
+            Some(t) => uri = format!("/snapshots?limit=2&nextToken={}", t.to_str().unwrap()),
+            None => break,
+        }
+    }
+    assert_eq!(seen, ["snapc", "snapb", "snapa"]);
+    for bad in ["/snapshots?limit=0", "/snapshots?nextToken=x"] {
+        assert_error(
+            &call(&node, authed("GET", bad, "")).await,
+            StatusCode::BAD_REQUEST,
+        );
+    }
+}
+
+#[tokio::test]
+async fn snapshot_delete_is_refused_while_used_and_removes_its_files() {
+    let now = now_ms();
+    let made = SandboxRecord {
+        template_id: "snapa".into(),
+        uses_snapshots: vec!["snapa".into()],
+        ..record("made", now, SandboxState::Paused, "x")
+    };
+    // The source runs on the snapshot's memory until it goes.
+    let source = SandboxRecord {
+        uses_snapshots: vec!["snapb".into()],
+        ..record("src1", now, SandboxState::Running, "x")
+    };
+    let node = node_with(
+        &[made, source],
+        &[
+            &|d| snapshot(d, "snapa", "src0", 1_000),
+            &|d| snapshot(d, "snapb", "src1", 2_000),
+            // snapc was taken from a sandbox made from snapd
+            &|d| TemplateRecord {
+                uses_snapshots: vec!["snapd".into()],
+                ..snapshot(d, "snapc", "src3", 3_000)
+            },
+            &|d| TemplateRecord {
+                names: vec!["team/named".into()],
+                ..snapshot(d, "snapd", "src4", 4_000)
+            },
+        ],
+    );
+    assert_error(
+        &call(&node, authed("DELETE", "/templates/nosuch", "")).await,
+        StatusCode::NOT_FOUND,
+    );
+    assert_error(
+        &call(&node, authed("DELETE", "/templates/base", "")).await,
+        StatusCode::BAD_REQUEST,
+    );
+    for (id, user) in [
+        ("snapa", "sandbox made"),
+        ("snapb", "sandbox src1"),
+        ("team%2Fnamed%3Adefault", "snapshot snapc"),
+    ] {
+        let refused = call(&node, authed("DELETE", &format!("/templates/{id}"), "")).await;
+        assert_error(&refused, StatusCode::CONFLICT);
+        let message = refused.json["message"].as_str().unwrap();
+        assert!(message.contains(user), "{id}: {message}");
+    }
+
+    node.manager.kill("made").await.unwrap();
+    let dir = node.dir.path().join("templates/snapa");
+    assert!(dir.is_dir());
+    let gone = call(&node, authed("DELETE", "/templates/snapa:default", "")).await;
+    assert_eq!(gone.status, StatusCode::NO_CONTENT, "{}", gone.json);
+    assert!(!dir.exists());
+    assert_error(
+        &call(&node, authed("DELETE", "/templates/snapa", "")).await,
+        StatusCode::NOT_FOUND,
+    );
+
+    // snapc first, then the snapshot it stacked on, by name
+    let c = call(&node, authed("DELETE", "/templates/snapc", "")).await;
+    assert_eq!(c.status, StatusCode::NO_CONTENT, "{}", c.json);
+    let d = call(&node, authed("DELETE", "/templates/team%2Fnamed", "")).await;
+    assert_eq!(d.status, StatusCode::NO_CONTENT, "{}", d.json);
+    let left = call(&node, authed("GET", "/snapshots", "")).await;
+    assert_eq!(left.json.as_array().unwrap().len(), 1);
+    assert_eq!(left.json[0]["snapshotID"], "snapb");
+}
+
+#[tokio::test]
+async fn create_from_an_unknown_snapshot_is_not_found() {
+    let node = node(&[]);
+    assert_error(
+        &call(
+            &node,
+            authed(
+                "POST",
+                "/v2/sandboxes",
+                r#"{"templateID":"nosuch:default"}"#,
+            ),
+        )
+        .await,
+        StatusCode::NOT_FOUND,
+    );
+}
+
+#[tokio::test]
+async fn metrics_and_logs_answer_by_sandbox_and_check_their_query() {
+    let node = node(&[record("held", now_ms(), SandboxState::Paused, "x")]);
+    for uri in [
+        "/sandboxes/nosuch/metrics",
+        "/sandboxes/nosuch/logs",
+        "/v2/sandboxes/nosuch/logs",
+        "/sandboxes/NO..pe/metrics",
+    ] {
+        assert_error(
+            &call(&node, authed("GET", uri, "")).await,
+            StatusCode::NOT_FOUND,
+        );
+    }
+    for uri in [
+        "/sandboxes/held/metrics?start=x",
+        "/sandboxes/held/metrics?start=9&end=8",
+        "/sandboxes/held/logs?limit=0",
+        "/v2/sandboxes/held/logs?direction=sideways",
+        "/v2/sandboxes/held/logs?level=loud",
+    ] {
+        assert_error(
+            &call(&node, authed("GET", uri, "")).await,
+            StatusCode::BAD_REQUEST,
+        );
+    }
+    // A paused sandbox that was never watched: nothing yet, in E2B's shapes.
+    let m = call(
+        &node,
+        authed("GET", "/sandboxes/held/metrics?start=1&end=2", ""),
+    )
+    .await;
+    assert_eq!(
+        (m.status, m.json.clone()),
+        (StatusCode::OK, serde_json::json!([]))
+    );
+    let l = call(&node, authed("GET", "/sandboxes/held/logs", "")).await;
+    assert_eq!(l.status, StatusCode::OK);
+    assert_eq!(l.json, serde_json::json!({"logs": [], "logEntries": []}));
+    let l = call(
+        &node,
+        authed("GET", "/v2/sandboxes/held/logs?level=warn", ""),
+    )
+    .await;
+    assert_eq!(l.json, serde_json::json!({"logs": []}));
+    let unauthed = Request::builder()
+        .uri("/sandboxes/held/metrics")
+        .body(Body::empty())
+        .unwrap();
+    assert_error(&call(&node, unauthed).await, StatusCode::UNAUTHORIZED);
 }

@@ -1,6 +1,7 @@
 //! Lab test: the real server with the real kernel and image. Create a
 //! sandbox over HTTP, run a command and move files through the envd proxy
-//! (header and host-name routing), list, pause and resume, fork, kill.
+//! (header and host-name routing), list, pause and resume, fork, kill,
+//! snapshot and create from it.
 //!
 //! Needs KVM that boots Linux and `SANDFORK_KERNEL`/`SANDFORK_ROOTFS`
 //! (see README "Tests"); `sandfork-vmm` is taken from `SANDFORK_VMM` or
@@ -142,6 +143,7 @@ async fn create_run_read_list_kill_through_one_port() {
         .unwrap()
         .trim()
         .to_owned();
+    let manager = node.state.manager.clone();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(node.serve(listener, std::future::pending()));
@@ -365,7 +367,7 @@ async fn create_run_read_list_kill_through_one_port() {
     let (_, out) = run(addr, &r, "cat /root/on-disk").await;
     assert_eq!(out, "child0\n");
 
-    for sandbox in [&children[0].0, &children[1].0, &id2] {
+    for sandbox in [&children[0].0, &children[1].0] {
         let killed = http(addr, "DELETE", &format!("/sandboxes/{sandbox}"), &auth, "").await;
         assert_eq!(killed.status, 204);
     }
@@ -373,5 +375,186 @@ async fn create_run_read_list_kill_through_one_port() {
     assert_eq!(gone.status, 404);
     let health = http(addr, "GET", "/health", &routing, "").await;
     assert_eq!(health.status, 502);
-    assert!(!data.path().join("sandboxes").join(&id2).exists());
+
+    snapshot_create_from_it_and_delete(addr, &auth, data.path(), &id2, &token2).await;
+
+    // Everything is gone: what forks and the snapshot kept is garbage now.
+    let kept: Vec<_> = ["sandboxes", "forks"]
+        .iter()
+        .flat_map(|d| std::fs::read_dir(data.path().join(d)).unwrap())
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert!(!kept.is_empty(), "the fork and the snapshot kept nothing");
+    eprintln!("kept after every kill: {kept:?}");
+    // (The node's own periodic collection may have got there first.)
+    let gc = manager.collect_garbage().await.unwrap();
+    assert_eq!(gc.skipped, None);
+    for d in ["sandboxes", "forks"] {
+        let left: Vec<_> = std::fs::read_dir(data.path().join(d)).unwrap().collect();
+        assert!(left.is_empty(), "{d}: {left:?}");
+    }
+}
+
+/// Snapshot the running `src`, create a sandbox from the snapshot (memory and
+/// disk as they were), see the delete refused while either uses it, then
+/// kill both and delete it.
+async fn snapshot_create_from_it_and_delete(
+    addr: std::net::SocketAddr,
+    auth: &[(&str, &str)],
+    data: &std::path::Path,
+    src: &str,
+    src_token: &str,
+) {
+    let src_routing = [("e2b-sandbox-id", src), ("x-access-token", src_token)];
+    let (code, _) = run(
+        addr,
+        &src_routing,
+        "echo on-disk > /root/snap.txt && echo in-memory > /tmp/snap-mem && sync",
+    )
+    .await;
+    assert_eq!(code, 0);
+    let t = Instant::now();
+    let taken = http(
+        addr,
+        "POST",
+        &format!("/sandboxes/{src}/snapshots"),
+        auth,
+        r#"{"name":"lab-snap"}"#,
+    )
+    .await;
+    eprintln!("snapshot answered in {:?}", t.elapsed());
+    assert_eq!(taken.status, 201, "{:?}", taken.body);
+    let snap = taken.json();
+    let snap_id = snap["snapshotID"].as_str().unwrap().to_owned();
+    assert_eq!(snap["names"], json!(["lab-snap"]));
+    assert!(
+        data.join("templates")
+            .join(&snap_id)
+            .join("vm.state")
+            .is_file()
+    );
+
+    // The source runs on and diverges.
+    let (code, out) = run(
+        addr,
+        &src_routing,
+        "cat /root/snap.txt; echo changed > /root/snap.txt",
+    )
+    .await;
+    assert_eq!((code, out.as_str()), (0, "on-disk\n"));
+    let listed = http(
+        addr,
+        "GET",
+        &format!("/snapshots?sandboxID={src}"),
+        auth,
+        "",
+    )
+    .await;
+    assert_eq!(listed.status, 200);
+    assert_eq!(listed.json()[0]["snapshotID"], snap_id.as_str());
+
+    let t = Instant::now();
+    let made = http(
+        addr,
+        "POST",
+        "/v2/sandboxes",
+        auth,
+        json!({"templateID": snap_id, "timeout": 120}).to_string(),
+    )
+    .await;
+    eprintln!("create from the snapshot answered in {:?}", t.elapsed());
+    assert_eq!(made.status, 201, "{:?}", made.body);
+    let made = made.json();
+    assert_eq!(made["templateID"], snap_id.as_str());
+    let made_id = made["sandboxID"].as_str().unwrap().to_owned();
+    let made_token = made["envdAccessToken"].as_str().unwrap().to_owned();
+    assert_ne!(made_token, src_token);
+    let made_routing = [
+        ("e2b-sandbox-id", made_id.as_str()),
+        ("x-access-token", made_token.as_str()),
+    ];
+    let (code, out) = run(addr, &made_routing, "cat /root/snap.txt /tmp/snap-mem").await;
+    assert_eq!((code, out.as_str()), (0, "on-disk\nin-memory\n"));
+
+    // Metrics from the agent, and the console with the agent's log.
+    let metrics = http(
+        addr,
+        "GET",
+        &format!("/sandboxes/{made_id}/metrics"),
+        auth,
+        "",
+    )
+    .await;
+    assert_eq!(metrics.status, 200, "{:?}", metrics.body);
+    let latest = metrics
+        .json()
+        .as_array()
+        .unwrap()
+        .last()
+        .cloned()
+        .expect("a sample");
+    assert!(latest["memTotal"].as_u64().unwrap() > 0, "{latest}");
+    assert!(latest["diskTotal"].as_u64().unwrap() > 0, "{latest}");
+    assert!(latest["cpuCount"].as_u64().unwrap() >= 1, "{latest}");
+    let logs = http(
+        addr,
+        "GET",
+        &format!("/v2/sandboxes/{made_id}/logs"),
+        auth,
+        "",
+    )
+    .await;
+    assert_eq!(logs.status, 200, "{:?}", logs.body);
+    let logs = logs.json();
+    // The agent logs each /init to the console (the create's, here).
+    assert!(
+        logs["logs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|l| l["message"] == "/init applied"
+                && l["fields"]["source"] == "agent"
+                && l["level"] == "info"),
+        "{logs}"
+    );
+    let (_, out) = run(addr, &src_routing, "cat /root/snap.txt").await;
+    assert_eq!(out, "changed\n");
+    // The new sandbox pauses and resumes on top of the snapshot's memory.
+    let paused = http(
+        addr,
+        "POST",
+        &format!("/sandboxes/{made_id}/pause"),
+        auth,
+        "",
+    )
+    .await;
+    assert_eq!(paused.status, 204, "{:?}", paused.body);
+    let resumed = http(
+        addr,
+        "POST",
+        &format!("/sandboxes/{made_id}/connect"),
+        auth,
+        "{}",
+    )
+    .await;
+    assert_eq!(resumed.status, 201, "{:?}", resumed.body);
+    let (_, out) = run(addr, &made_routing, "cat /tmp/snap-mem").await;
+    assert_eq!(out, "in-memory\n");
+
+    // By name, with E2B's tag, as the SDKs send it.
+    let path = "/templates/lab-snap%3Adefault";
+    let refused = http(addr, "DELETE", path, auth, "").await;
+    assert_eq!(refused.status, 409, "{:?}", refused.body);
+    let killed = http(addr, "DELETE", &format!("/sandboxes/{made_id}"), auth, "").await;
+    assert_eq!(killed.status, 204);
+    assert!(!data.join("sandboxes").join(&made_id).exists());
+    // The source still runs on the snapshot's memory.
+    let refused = http(addr, "DELETE", path, auth, "").await;
+    assert_eq!(refused.status, 409, "{:?}", refused.body);
+    let killed = http(addr, "DELETE", &format!("/sandboxes/{src}"), auth, "").await;
+    assert_eq!(killed.status, 204);
+    let deleted = http(addr, "DELETE", path, auth, "").await;
+    assert_eq!(deleted.status, 204, "{:?}", deleted.body);
+    assert!(!data.join("templates").join(&snap_id).exists());
+    assert_eq!(http(addr, "DELETE", path, auth, "").await.status, 404);
 }

@@ -14,7 +14,7 @@ use envd_proto::process::{
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
 use hyper_util::rt::TokioIo;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::process::AGENT_PORT;
 use crate::vsock_connect::{self, VsockConnectError};
@@ -94,6 +94,25 @@ fn query_escape(value: &str) -> String {
             _ => format!("%{b:02X}"),
         })
         .collect()
+}
+
+/// One reading of the guest's `GET /metrics` (envd's field names).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct AgentMetrics {
+    /// Unix seconds, by the guest's clock.
+    pub ts: i64,
+    pub cpu_count: u32,
+    pub cpu_used_pct: f32,
+    /// Bytes.
+    pub mem_total: u64,
+    pub mem_used: u64,
+    #[serde(default)]
+    pub mem_cache: u64,
+    /// Bytes of the root filesystem.
+    #[serde(default)]
+    pub disk_used: u64,
+    #[serde(default)]
+    pub disk_total: u64,
 }
 
 /// What a command did.
@@ -224,6 +243,25 @@ impl AgentClient {
             });
         }
         Ok(reply)
+    }
+
+    /// `GET /metrics`: the guest's CPU, memory and root-disk use now.
+    pub async fn metrics(&self) -> Result<AgentMetrics, AgentError> {
+        let path = "/metrics";
+        let (status, reply) = self
+            .send(hyper::Method::GET, path, "application/json", Bytes::new())
+            .await?;
+        if status != 200 {
+            return Err(AgentError::Status {
+                path: path.into(),
+                status,
+                body: String::from_utf8_lossy(&reply).into(),
+            });
+        }
+        serde_json::from_slice(&reply).map_err(|e| AgentError::Malformed {
+            path: path.into(),
+            reason: e.to_string(),
+        })
     }
 
     /// `POST /init`.

@@ -36,7 +36,10 @@ impl From<SandboxError> for ApiError {
         let status = match &e {
             SandboxError::NotFound(_) | SandboxError::TemplateNotFound(_) => StatusCode::NOT_FOUND,
             SandboxError::AtCapacity { .. } => StatusCode::TOO_MANY_REQUESTS,
-            SandboxError::Conflict { .. } => StatusCode::CONFLICT,
+            SandboxError::Conflict { .. }
+            | SandboxError::InUse { .. }
+            | SandboxError::NameTaken(_) => StatusCode::CONFLICT,
+            SandboxError::Invalid(_) => StatusCode::BAD_REQUEST,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
         if status == StatusCode::INTERNAL_SERVER_ERROR {

@@ -193,6 +193,8 @@ mod tests {
             snapshot: None,
             root_layer: None,
             has_dependents: false,
+            uses_snapshots: Vec::new(),
+            uses_dirs: Vec::new(),
         }
     }
 

@@ -3,7 +3,9 @@
 
 mod error;
 mod list;
+mod observe;
 mod sandboxes;
+mod snapshots;
 
 use std::sync::Arc;
 
@@ -12,7 +14,7 @@ use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 
 pub use error::ApiError;
 pub use list::{ListQuery, decode_metadata_filter};
@@ -48,6 +50,12 @@ pub fn router(state: Shared) -> Router {
         .route("/sandboxes/{id}/connect", post(sandboxes::connect))
         .route("/v2/sandboxes/{id}/connect", post(sandboxes::connect))
         .route("/sandboxes/{id}/fork", post(sandboxes::fork))
+        .route("/sandboxes/{id}/snapshots", post(snapshots::create))
+        .route("/snapshots", get(snapshots::list))
+        .route("/sandboxes/{id}/metrics", get(observe::metrics))
+        .route("/sandboxes/{id}/logs", get(observe::logs_v1))
+        .route("/v2/sandboxes/{id}/logs", get(observe::logs_v2))
+        .route("/templates/{id}", delete(snapshots::delete))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,

@@ -26,7 +26,7 @@ const V2_DEFAULT_TIMEOUT: i64 = 300;
 /// v1's spec default (v1 SDKs always send one).
 const V1_DEFAULT_TIMEOUT: i64 = 15;
 
-fn parse_body<T: DeserializeOwned + Default>(body: &Bytes) -> Result<T, ApiError> {
+pub(super) fn parse_body<T: DeserializeOwned + Default>(body: &Bytes) -> Result<T, ApiError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(T::default());
     }
@@ -144,7 +144,7 @@ pub async fn create_v2(State(state): State<Shared>, body: Bytes) -> Result<Respo
     create(state, body, true).await
 }
 
-fn check_id(id: &str) -> Result<(), ApiError> {
+pub(super) fn check_id(id: &str) -> Result<(), ApiError> {
     if ids::is_sandbox_id(id) {
         Ok(())
     } else {

@@ -1,0 +1,166 @@
+//! Snapshot routes: `POST /sandboxes/{id}/snapshots`, `GET /snapshots`,
+//! `DELETE /templates/{id}`.
+
+use std::time::{Duration, UNIX_EPOCH};
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderValue, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::list::MAX_LIMIT;
+use super::sandboxes::{check_id, parse_body};
+use super::{ApiError, Shared};
+use crate::sandbox::SnapshotParams;
+use crate::store::TemplateRecord;
+
+/// E2B's SnapshotInfo (`snapshotID`, `names`), plus where it came from.
+pub fn snapshot_json(t: &TemplateRecord) -> Value {
+    json!({
+        "snapshotID": t.id,
+        "names": t.names,
+        "sandboxID": t.source_sandbox,
+        "createdAt": humantime::format_rfc3339_millis(
+            UNIX_EPOCH + Duration::from_millis(t.created_at_ms)
+        )
+        .to_string(),
+    })
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct NewSnapshot {
+    name: Option<String>,
+    /// `false` asks for a filesystem-only snapshot, which this node does not take.
+    memory: Option<bool>,
+}
+
+/// `POST /sandboxes/{id}/snapshots`: 201 with the SnapshotInfo; the sandbox
+/// runs on. 404 unknown sandbox, 409 paused or changing state or name taken.
+pub async fn create(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    check_id(&id)?;
+    let req: NewSnapshot = parse_body(&body)?;
+    if req.memory == Some(false) {
+        return Err(ApiError::bad_request(
+            "filesystem-only snapshots are not supported: snapshots keep memory",
+        ));
+    }
+    let params = SnapshotParams {
+        name: req.name.filter(|n| !n.is_empty()),
+    };
+    let record = state.manager.snapshot(&id, params).await?;
+    Ok((StatusCode::CREATED, Json(snapshot_json(&record))).into_response())
+}
+
+#[derive(Debug, Default, PartialEq, Eq)]
+struct SnapshotQuery {
+    sandbox: Option<String>,
+    name: Option<String>,
+    limit: usize,
+    /// (created at, id) of the last snapshot of the previous page.
+    next: Option<(u64, String)>,
+}
+
+fn parse_query(raw: Option<&str>) -> Result<SnapshotQuery, ApiError> {
+    let mut q = SnapshotQuery {
+        limit: MAX_LIMIT,
+        ..SnapshotQuery::default()
+    };
+    for (key, value) in form_urlencoded::parse(raw.unwrap_or("").as_bytes()) {
+        if value.is_empty() {
+            continue;
+        }
+        match key.as_ref() {
+            "sandboxID" => q.sandbox = Some(value.into_owned()),
+            "name" => q.name = Some(value.into_owned()),
+            "limit" => {
+                q.limit = value
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| (1..=MAX_LIMIT).contains(n))
+                    .ok_or_else(|| {
+                        ApiError::bad_request(format!(
+                            "limit must be a whole number from 1 to {MAX_LIMIT}"
+                        ))
+                    })?
+            }
+            "nextToken" => {
+                q.next = Some(
+                    value
+                        .split_once('.')
+                        .and_then(|(ms, id)| Some((ms.parse().ok()?, id.to_owned())))
+                        .ok_or_else(|| ApiError::bad_request("nextToken is malformed"))?,
+                )
+            }
+            _ => {}
+        }
+    }
+    Ok(q)
+}
+
+/// `GET /snapshots`: newest first, `x-next-token` when more follow.
+pub async fn list(State(state): State<Shared>, uri: Uri) -> Result<Response, ApiError> {
+    let q = parse_query(uri.query())?;
+    let mut all = state
+        .manager
+        .snapshots(q.sandbox.as_deref(), q.name.as_deref())?;
+    all.reverse();
+    if let Some((ms, id)) = &q.next {
+        all.retain(|t| (t.created_at_ms, &t.id) < (*ms, id));
+    }
+    let next = (all.len() > q.limit).then(|| {
+        let last = &all[q.limit - 1];
+        format!("{}.{}", last.created_at_ms, last.id)
+    });
+    all.truncate(q.limit);
+    let body: Vec<Value> = all.iter().map(snapshot_json).collect();
+    let mut response = Json(body).into_response();
+    if let Some(token) = next.and_then(|t| HeaderValue::from_str(&t).ok()) {
+        response.headers_mut().insert("x-next-token", token);
+    }
+    Ok(response)
+}
+
+/// `DELETE /templates/{id}` (a snapshot's id or name): 204; 404 unknown;
+/// 409 while sandboxes or snapshots use it; 400 for the base template.
+pub async fn delete(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    state.manager.delete_template(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_is_parsed_and_checked() {
+        let q = parse_query(Some("sandboxID=abc&name=n%2Fx&limit=5&nextToken=12.zz")).unwrap();
+        assert_eq!(
+            q,
+            SnapshotQuery {
+                sandbox: Some("abc".into()),
+                name: Some("n/x".into()),
+                limit: 5,
+                next: Some((12, "zz".into())),
+            }
+        );
+        assert_eq!(parse_query(None).unwrap().limit, MAX_LIMIT);
+        assert_eq!(parse_query(Some("limit=")).unwrap().limit, MAX_LIMIT);
+        for bad in ["limit=0", "limit=101", "limit=x", "nextToken=nodot"] {
+            assert_eq!(
+                parse_query(Some(bad)).unwrap_err().status,
+                StatusCode::BAD_REQUEST,
+                "{bad}"
+            );
+        }
+    }
+}

@@ -1,0 +1,136 @@
+//! Garbage collection of files no sandbox or snapshot needs any more: the
+//! directories of killed sandboxes and of forks whose every user is gone
+//! (kept at kill time because others stacked on them), and, inside the
+//! directories still used, disk layers no live chain reads (a killed fork
+//! child's or parent's top layer).
+//!
+//! What is used comes from the records: each sandbox and snapshot lists the
+//! directories its memory and disk stack on (`uses_dirs`), and its current
+//! root layer is the top of a disk chain. Pause generations inside a used
+//! directory are left alone: which of them a diff snapshot still maps is only
+//! in the VMM's state file.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::{Manager, SandboxError};
+
+/// How often the collector looks.
+pub const GC_EVERY: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GcStats {
+    /// Whole directories removed.
+    pub dirs: Vec<PathBuf>,
+    /// Disk layers removed from directories still in use.
+    pub layers: Vec<PathBuf>,
+    /// Why nothing was collected, when nothing was.
+    pub skipped: Option<&'static str>,
+}
+
+fn entries(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|rd| rd.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default()
+}
+
+/// `*.layer` files in `dir` and its subdirectories (a snapshot's `snap-*`).
+fn layers_in(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for p in entries(dir) {
+        if p.is_dir() {
+            out.extend(layers_in(&p));
+        } else if p.extension().is_some_and(|e| e == "layer") {
+            out.push(p);
+        }
+    }
+    out
+}
+
+impl Manager {
+    /// Collects every [`GC_EVERY`].
+    pub fn start_gc(self: std::sync::Arc<Self>) {
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(GC_EVERY).await;
+                match self.collect_garbage().await {
+                    Ok(s) if !s.dirs.is_empty() || !s.layers.is_empty() => tracing::info!(
+                        "gc: removed {} directories and {} disk layers",
+                        s.dirs.len(),
+                        s.layers.len()
+                    ),
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!("gc: {e}"),
+                }
+            }
+        });
+    }
+
+    /// Removes what nothing uses; skipped while anything is changing.
+    pub async fn collect_garbage(&self) -> Result<GcStats, SandboxError> {
+        let Ok(_alone) = self.activity.try_write() else {
+            return Ok(GcStats {
+                skipped: Some("sandboxes are changing"),
+                ..GcStats::default()
+            });
+        };
+        let sandboxes = self.store.sandboxes()?;
+        let templates = self.store.templates()?;
+        // Records from before `uses_dirs` cannot say what they need.
+        if sandboxes.iter().any(|s| s.uses_dirs.is_empty())
+            || templates
+                .iter()
+                .any(|t| t.is_snapshot() && t.uses_dirs.is_empty())
+        {
+            return Ok(GcStats {
+                skipped: Some("records from an older version"),
+                ..GcStats::default()
+            });
+        }
+        let used: BTreeSet<PathBuf> = sandboxes
+            .iter()
+            .flat_map(|s| s.uses_dirs.iter())
+            .chain(templates.iter().flat_map(|t| t.uses_dirs.iter()))
+            .cloned()
+            .collect();
+        let mut tops: Vec<PathBuf> = sandboxes.iter().map(|s| self.root_layer(s)).collect();
+        tops.extend(templates.iter().map(|t| t.root_layer.clone()));
+        let roots = [
+            self.config.sandboxes_dir(),
+            self.config.data_dir.join("forks"),
+        ];
+        tokio::task::spawn_blocking(move || -> Result<GcStats, SandboxError> {
+            let mut stats = GcStats::default();
+            let mut kept = Vec::new();
+            for dir in roots.iter().flat_map(|r| entries(r)) {
+                if !dir.is_dir() || used.contains(&dir) {
+                    kept.push(dir);
+                    continue;
+                }
+                match std::fs::remove_dir_all(&dir) {
+                    Ok(()) => stats.dirs.push(dir),
+                    Err(e) => tracing::warn!("gc: removing {}: {e}", dir.display()),
+                }
+            }
+            let candidates: Vec<PathBuf> = kept.iter().flat_map(|d| layers_in(d)).collect();
+            // A top that is missing (its sandbox broken) would hide what its
+            // chain uses: then no layer is judged unused.
+            if let Some(missing) = tops.iter().find(|t| !t.is_file()) {
+                tracing::warn!(
+                    "gc: root layer {} is missing; keeping every layer",
+                    missing.display()
+                );
+            } else {
+                for layer in disk_layers::unreferenced(&candidates, &tops)? {
+                    match std::fs::remove_file(&layer) {
+                        Ok(()) => stats.layers.push(layer),
+                        Err(e) => tracing::warn!("gc: removing {}: {e}", layer.display()),
+                    }
+                }
+            }
+            Ok(stats)
+        })
+        .await?
+    }
+}

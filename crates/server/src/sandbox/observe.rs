@@ -1,0 +1,322 @@
+//! What the node watches of each sandbox: metrics sampled from its agent's
+//! `GET /metrics` and its guest console (kernel lines and the agent's log,
+//! `sandfork-agent: ...`), stamped with the time the node read them. Kept in
+//! memory, bounded, for `GET /sandboxes/{id}/metrics` and the logs routes.
+
+use std::collections::VecDeque;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use vmm_api::agent_client::AgentMetrics;
+
+use super::Manager;
+use crate::template::now_ms;
+
+/// How often running sandboxes are sampled.
+const SAMPLE_EVERY: Duration = Duration::from_secs(5);
+/// An agent that does not answer this fast is skipped this round.
+const SAMPLE_TIMEOUT: Duration = Duration::from_secs(3);
+/// Samples kept per sandbox (an hour at [`SAMPLE_EVERY`]).
+const MAX_SAMPLES: usize = 720;
+const MAX_LINES: usize = 10_000;
+/// Longer console lines are cut.
+const MAX_LINE: usize = 4096;
+/// Console bytes read per look, so a flood cannot stall the node.
+const MAX_READ: u64 = 1 << 20;
+const AGENT_PREFIX: &str = "sandfork-agent:";
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    pub at_ms: u64,
+    pub metrics: AgentMetrics,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    Debug,
+    Info,
+    Warn,
+    Error,
+}
+
+impl Level {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Level::Debug => "debug",
+            Level::Info => "info",
+            Level::Warn => "warn",
+            Level::Error => "error",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Level> {
+        Some(match s {
+            "debug" => Level::Debug,
+            "info" => Level::Info,
+            "warn" => Level::Warn,
+            "error" => Level::Error,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogLine {
+    pub at_ms: u64,
+    pub level: Level,
+    /// `agent` for the guest agent's own log, `console` for the rest.
+    pub source: &'static str,
+    pub message: String,
+}
+
+/// Classifies one console line: the agent's log lines carry its prefix and,
+/// below info, their level (see the agent's `console_log`).
+pub fn classify(line: &str, at_ms: u64) -> LogLine {
+    let Some(rest) = line.strip_prefix(AGENT_PREFIX) else {
+        return LogLine {
+            at_ms,
+            level: Level::Info,
+            source: "console",
+            message: line.to_owned(),
+        };
+    };
+    let rest = rest.trim_start();
+    let (level, message) = [
+        ("error: ", Level::Error),
+        ("warn: ", Level::Warn),
+        ("debug: ", Level::Debug),
+        ("trace: ", Level::Debug),
+    ]
+    .iter()
+    .find_map(|(p, l)| rest.strip_prefix(p).map(|m| (*l, m)))
+    .unwrap_or((Level::Info, rest));
+    LogLine {
+        at_ms,
+        level,
+        source: "agent",
+        message: message.to_owned(),
+    }
+}
+
+/// One sandbox's history.
+#[derive(Debug, Default)]
+pub struct Observed {
+    pub samples: VecDeque<Sample>,
+    pub lines: VecDeque<LogLine>,
+    /// The console file being followed (a resume starts a new one) and how
+    /// far it was read; an unfinished last line waits in `partial`.
+    console: Option<PathBuf>,
+    offset: u64,
+    partial: Vec<u8>,
+}
+
+impl Observed {
+    pub fn push_sample(&mut self, sample: Sample) {
+        if self.samples.len() == MAX_SAMPLES {
+            self.samples.pop_front();
+        }
+        self.samples.push_back(sample);
+    }
+
+    fn push_line(&mut self, bytes: &[u8], at_ms: u64) {
+        let mut text = String::from_utf8_lossy(bytes).into_owned();
+        if text.ends_with('\r') {
+            text.pop();
+        }
+        if text.is_empty() {
+            return;
+        }
+        if text.len() > MAX_LINE {
+            let mut cut = MAX_LINE;
+            while !text.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            text.truncate(cut);
+        }
+        if self.lines.len() == MAX_LINES {
+            self.lines.pop_front();
+        }
+        self.lines.push_back(classify(&text, at_ms));
+    }
+
+    /// Reads what `console` gained since the last look.
+    pub fn follow(&mut self, console: &Path, at_ms: u64) {
+        if self.console.as_deref() != Some(console) {
+            self.console = Some(console.to_owned());
+            self.offset = 0;
+            self.partial.clear();
+        }
+        let Ok(mut file) = std::fs::File::open(console) else {
+            return;
+        };
+        if file.seek(SeekFrom::Start(self.offset)).is_err() {
+            return;
+        }
+        let mut buf = Vec::new();
+        let Ok(n) = file.take(MAX_READ).read_to_end(&mut buf) else {
+            return;
+        };
+        self.offset += n as u64;
+        self.partial.extend_from_slice(&buf);
+        let mut start = 0;
+        let pending = std::mem::take(&mut self.partial);
+        for (i, b) in pending.iter().enumerate() {
+            if *b == b'\n' {
+                self.push_line(&pending[start..i], at_ms);
+                start = i + 1;
+            }
+        }
+        let rest = &pending[start..];
+        if rest.len() >= MAX_LINE {
+            self.push_line(rest, at_ms);
+        } else {
+            self.partial = rest.to_vec();
+        }
+    }
+}
+
+impl Manager {
+    fn observed(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, Observed>> {
+        self.observed.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Samples every running sandbox every [`SAMPLE_EVERY`].
+    pub fn start_observer(self: Arc<Self>) {
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(SAMPLE_EVERY).await;
+                let ids: Vec<String> = self.live().keys().cloned().collect();
+                for id in ids {
+                    self.observe(&id).await;
+                }
+            }
+        });
+    }
+
+    /// Reads a running sandbox's new console lines and one metrics sample.
+    pub async fn observe(&self, id: &str) {
+        let token = self
+            .store
+            .sandbox(id)
+            .ok()
+            .flatten()
+            .and_then(|r| r.access_token);
+        let Some((console, agent)) = self.live().get(id).map(|l| {
+            (
+                l.vm.dir().join("console.log"),
+                l.vm.agent()
+                    .with_access_token(token.as_deref())
+                    .with_timeout(SAMPLE_TIMEOUT),
+            )
+        }) else {
+            return;
+        };
+        self.observed()
+            .entry(id.to_owned())
+            .or_default()
+            .follow(&console, now_ms());
+        match agent.metrics().await {
+            Ok(metrics) => {
+                // Not for a sandbox killed meanwhile.
+                if self.live().contains_key(id) {
+                    self.observed()
+                        .entry(id.to_owned())
+                        .or_default()
+                        .push_sample(Sample {
+                            at_ms: now_ms(),
+                            metrics,
+                        });
+                }
+            }
+            Err(e) => tracing::debug!("sandbox {id}: metrics: {e}"),
+        }
+    }
+
+    /// Samples taken from `from_ms` to `to_ms`, oldest first.
+    pub fn samples(&self, id: &str, from_ms: u64, to_ms: u64) -> Vec<Sample> {
+        self.observed().get(id).map_or_else(Vec::new, |o| {
+            o.samples
+                .iter()
+                .filter(|s| (from_ms..=to_ms).contains(&s.at_ms))
+                .cloned()
+                .collect()
+        })
+    }
+
+    /// The console lines kept for `id`, oldest first.
+    pub fn log_lines(&self, id: &str) -> Vec<LogLine> {
+        self.observed()
+            .get(id)
+            .map_or_else(Vec::new, |o| o.lines.iter().cloned().collect())
+    }
+
+    pub(super) fn forget_observed(&self, id: &str) {
+        self.observed().remove(id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn agent_lines_are_told_from_console_lines_with_their_level() {
+        let l = classify("sandfork-agent: warn: disk almost full", 5);
+        assert_eq!(
+            (l.level, l.source, l.message.as_str(), l.at_ms),
+            (Level::Warn, "agent", "disk almost full", 5)
+        );
+        let l = classify("sandfork-agent: serving envd", 5);
+        assert_eq!((l.level, l.source), (Level::Info, "agent"));
+        assert_eq!(l.message, "serving envd");
+        let l = classify("[    0.1] Linux version 6.1", 5);
+        assert_eq!((l.level, l.source), (Level::Info, "console"));
+        assert_eq!(Level::parse("error"), Some(Level::Error));
+        assert_eq!(Level::parse("loud"), None);
+        assert!(Level::Warn > Level::Info);
+    }
+
+    #[test]
+    fn the_console_is_followed_line_by_line_across_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = dir.path().join("a.log");
+        std::fs::write(&first, "one\ntw").unwrap();
+        let mut o = Observed::default();
+        o.follow(&first, 1);
+        assert_eq!(o.lines.len(), 1);
+        std::fs::write(&first, "one\ntwo\r\n\nthree\n").unwrap();
+        o.follow(&first, 2);
+        let got: Vec<(&str, u64)> = o
+            .lines
+            .iter()
+            .map(|l| (l.message.as_str(), l.at_ms))
+            .collect();
+        assert_eq!(got, [("one", 1), ("two", 2), ("three", 2)]);
+        // A resumed sandbox writes a new console from its start.
+        let second = dir.path().join("b.log");
+        std::fs::write(&second, "four\n").unwrap();
+        o.follow(&second, 3);
+        assert_eq!(o.lines.back().unwrap().message, "four");
+        assert_eq!(o.lines.len(), 4);
+        o.follow(&dir.path().join("missing.log"), 4);
+        assert_eq!(o.lines.len(), 4);
+    }
+
+    #[test]
+    fn history_is_bounded() {
+        let mut o = Observed::default();
+        for i in 0..MAX_SAMPLES + 5 {
+            o.push_sample(Sample {
+                at_ms: i as u64,
+                metrics: AgentMetrics::default(),
+            });
+        }
+        assert_eq!(o.samples.len(), MAX_SAMPLES);
+        assert_eq!(o.samples.front().unwrap().at_ms, 5);
+        let long = "x".repeat(MAX_LINE * 2);
+        o.push_line(long.as_bytes(), 0);
+        assert_eq!(o.lines.back().unwrap().message.len(), MAX_LINE);
+    }
+}
