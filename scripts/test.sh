@@ -71,6 +71,5 @@ done
 
 echo "== E2B SDK suites against sandfork serve" >&2
 # The real e2b Python and JS SDKs against a real server on real microVMs
-# (inside the lab here). The lifecycle suites (pause, fork, snapshots) are run
-# by hand until snapshots land: scripts/sdk-test.sh --no-build
-scripts/sdk-test.sh --no-build --only-basic
+# (inside the lab here): the basic suites, then pause, fork and snapshots.
+scripts/sdk-test.sh --no-build
