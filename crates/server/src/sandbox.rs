@@ -340,14 +340,20 @@ impl Manager {
         Ok(vm)
     }
 
-    /// Marks `id` as changing state for the guard's lifetime; None when it
-    /// already is.
-    fn claim(&self, id: &str) -> Option<Claim<'_>> {
+    /// Marks `id` as changing state for the guard's lifetime; a conflict when
+    /// it already is.
+    fn claim(&self, id: &str) -> Result<Claim<'_>, SandboxError> {
         let mut changing = self.changing.lock().unwrap_or_else(|p| p.into_inner());
-        changing.insert(id.to_owned()).then(|| Claim {
-            manager: self,
-            id: id.to_owned(),
-        })
+        changing
+            .insert(id.to_owned())
+            .then(|| Claim {
+                manager: self,
+                id: id.to_owned(),
+            })
+            .ok_or_else(|| SandboxError::Conflict {
+                id: id.to_owned(),
+                state: "changing state",
+            })
     }
 
     /// Pauses a running sandbox: its memory and devices into a snapshot in
@@ -362,10 +368,7 @@ impl Manager {
                 state: "already paused",
             });
         }
-        let _claim = self.claim(id).ok_or_else(|| SandboxError::Conflict {
-            id: id.to_owned(),
-            state: "changing state",
-        })?;
+        let _claim = self.claim(id)?;
         // Out of the map while pausing: the proxy answers "not found" meanwhile.
         let Some(live) = self.live().remove(id) else {
             return Err(SandboxError::NotFound(id.to_owned()));
@@ -429,10 +432,7 @@ impl Manager {
             return Ok((r, false));
         }
         let _busy = self.activity.read().await;
-        let _claim = self.claim(id).ok_or_else(|| SandboxError::Conflict {
-            id: id.to_owned(),
-            state: "changing state",
-        })?;
+        let _claim = self.claim(id)?;
         let Some(snapshot) = record.snapshot.clone() else {
             return Err(SandboxError::NotFound(id.to_owned()));
         };
@@ -489,10 +489,7 @@ impl Manager {
                 state: "paused",
             });
         }
-        let _claim = self.claim(id).ok_or_else(|| SandboxError::Conflict {
-            id: id.to_owned(),
-            state: "changing state",
-        })?;
+        let _claim = self.claim(id)?;
         let running = self.running();
         if running + count as usize > self.config.max_sandboxes {
             return Err(SandboxError::AtCapacity { running });

@@ -119,10 +119,7 @@ impl Manager {
                 state: "paused",
             });
         }
-        let _claim = self.claim(id).ok_or_else(|| SandboxError::Conflict {
-            id: id.to_owned(),
-            state: "changing state",
-        })?;
+        let _claim = self.claim(id)?;
         let api = {
             let live = self.live();
             let Some(l) = live.get(id) else {
