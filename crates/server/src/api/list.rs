@@ -12,6 +12,19 @@ use crate::store::{SandboxRecord, SandboxState};
 /// E2B's default and largest page.
 pub const MAX_LIMIT: usize = 100;
 
+/// A page size: a whole number from 1 to [`MAX_LIMIT`].
+pub fn parse_limit(value: &str) -> Result<usize, ApiError> {
+    value
+        .parse::<usize>()
+        .ok()
+        .filter(|n| (1..=MAX_LIMIT).contains(n))
+        .ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "limit must be a whole number from 1 to {MAX_LIMIT}"
+            ))
+        })
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ListQuery {
     pub metadata: BTreeMap<String, String>,
@@ -89,17 +102,7 @@ impl ListQuery {
                         });
                     }
                 }
-                "limit" => {
-                    q.limit = value
-                        .parse::<usize>()
-                        .ok()
-                        .filter(|n| (1..=MAX_LIMIT).contains(n))
-                        .ok_or_else(|| {
-                            ApiError::bad_request(format!(
-                                "limit must be a whole number from 1 to {MAX_LIMIT}"
-                            ))
-                        })?
-                }
+                "limit" => q.limit = parse_limit(&value)?,
                 "nextToken" if !value.is_empty() => q.next_token = Some(parse_token(&value)?),
                 "startedAfter" if !value.is_empty() => {
                     let t = humantime::parse_rfc3339_weak(&value).map_err(|_| {

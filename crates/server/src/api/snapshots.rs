@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::list::MAX_LIMIT;
+use super::list::{MAX_LIMIT, parse_limit};
 use super::sandboxes::{check_id, parse_body};
 use super::{ApiError, Shared};
 use crate::sandbox::SnapshotParams;
@@ -79,17 +79,7 @@ fn parse_query(raw: Option<&str>) -> Result<SnapshotQuery, ApiError> {
         match key.as_ref() {
             "sandboxID" => q.sandbox = Some(value.into_owned()),
             "name" => q.name = Some(value.into_owned()),
-            "limit" => {
-                q.limit = value
-                    .parse::<usize>()
-                    .ok()
-                    .filter(|n| (1..=MAX_LIMIT).contains(n))
-                    .ok_or_else(|| {
-                        ApiError::bad_request(format!(
-                            "limit must be a whole number from 1 to {MAX_LIMIT}"
-                        ))
-                    })?
-            }
+            "limit" => q.limit = parse_limit(&value)?,
             "nextToken" => {
                 q.next = Some(
                     value
