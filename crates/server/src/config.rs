@@ -5,6 +5,8 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use sha2::{Digest, Sha256};
+
 /// The node's settings (the `serve` command fills them from flags and the
 /// `SANDFORK_KERNEL`, `SANDFORK_ROOTFS` and `SANDFORK_VMM` variables).
 #[derive(Debug, Clone)]
@@ -24,9 +26,13 @@ pub struct Config {
     pub max_sandboxes: usize,
     /// The longest lifetime a create or timeout may ask for.
     pub max_timeout: Duration,
+    /// Where VMM processes keep their sockets and logs; `None` for a
+    /// directory under `/run/sandfork` named for the data dir (see [`Config::run_dir`]).
+    pub run_dir: Option<PathBuf>,
 }
 
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/sandfork";
+pub const DEFAULT_RUN_ROOT: &str = "/run/sandfork";
 
 impl Config {
     pub fn new(listen: SocketAddr, kernel: PathBuf, rootfs: PathBuf, vmm: PathBuf) -> Config {
@@ -41,6 +47,7 @@ impl Config {
             mem_mib: 256,
             max_sandboxes: 64,
             max_timeout: Duration::from_secs(24 * 3600),
+            run_dir: None,
         }
     }
 
@@ -50,5 +57,18 @@ impl Config {
 
     pub fn templates_dir(&self) -> PathBuf {
         self.data_dir.join("templates")
+    }
+
+    /// The VMMs' directories. Not in the data dir: they hold Unix sockets
+    /// (short paths, a local file system) and live exactly as long as the
+    /// processes, which a reboot ends, as it empties `/run`. Named for the
+    /// data dir so that two nodes on one host never adopt each other's VMMs.
+    pub fn run_dir(&self) -> PathBuf {
+        if let Some(dir) = &self.run_dir {
+            return dir.clone();
+        }
+        let data = std::fs::canonicalize(&self.data_dir).unwrap_or_else(|_| self.data_dir.clone());
+        let digest = Sha256::digest(data.as_os_str().as_encoded_bytes());
+        PathBuf::from(DEFAULT_RUN_ROOT).join(crate::ids::hex(&digest[..8]))
     }
 }

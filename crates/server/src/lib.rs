@@ -59,6 +59,7 @@ impl Server {
             config.data_dir.clone(),
             config.sandboxes_dir(),
             config.templates_dir(),
+            config.run_dir(),
         ] {
             std::fs::create_dir_all(&dir).map_err(|source| ServerError::Io {
                 what: "creating",
@@ -71,10 +72,13 @@ impl Server {
             .ok()
             .filter(|k| !k.is_empty());
         let (keys, api_key_file) = auth::setup(&store, &config.data_dir, env_key.as_deref())?;
-        let pool = pool::Pool::start(config.vmm.clone(), config.pool_size);
+        // Before the pool starts VMMs there: what no running sandbox owns is
+        // from a server that stopped (its pool, a create it did not finish).
+        sandbox::reclaim_run_dir(&config.run_dir(), &store);
+        let pool = pool::Pool::start(config.vmm.clone(), config.run_dir(), config.pool_size);
         let template = template::ensure_base(&config, &store, &pool).await?;
         let manager = sandbox::Manager::new(config.clone(), store, pool, template);
-        manager.recover();
+        manager.recover().await;
         match manager.collect_garbage().await {
             Ok(s) => tracing::info!(
                 "gc at start: removed {} directories and {} disk layers",
@@ -92,14 +96,18 @@ impl Server {
         })
     }
 
-    /// Serves on `listener` until `shutdown` completes.
+    /// Serves on `listener` until `shutdown` completes; running sandboxes
+    /// then keep running for the next start to adopt.
     pub async fn serve(
         self,
         listener: tokio::net::TcpListener,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
-        axum::serve(listener, api::router(self.state))
+        let manager = self.state.manager.clone();
+        let served = axum::serve(listener, api::router(self.state))
             .with_graceful_shutdown(shutdown)
-            .await
+            .await;
+        manager.shutdown();
+        served
     }
 }

@@ -1,7 +1,10 @@
 //! A warm pool of started `sandfork-vmm` processes waiting on their API
 //! socket, so a create only pays for the snapshot load, not the process start.
+//! Every VMM gets its own directory under the node's run dir, where a later
+//! server can find (and adopt or stop) it.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -10,19 +13,23 @@ use vmm_api::process::{ProcessError, VmmProcess};
 
 pub struct Pool {
     binary: PathBuf,
+    run_dir: PathBuf,
     size: usize,
     idle: Mutex<Vec<VmmProcess>>,
     wake: Notify,
+    closed: AtomicBool,
 }
 
 impl Pool {
     /// Creates the pool and starts filling it in the background.
-    pub fn start(binary: PathBuf, size: usize) -> Arc<Pool> {
+    pub fn start(binary: PathBuf, run_dir: PathBuf, size: usize) -> Arc<Pool> {
         let pool = Arc::new(Pool {
             binary,
+            run_dir,
             size,
             idle: Mutex::new(Vec::new()),
             wake: Notify::new(),
+            closed: AtomicBool::new(false),
         });
         if size > 0 {
             tokio::spawn(pool.clone().refill());
@@ -45,14 +52,32 @@ impl Pool {
         self.wake.notify_one();
         match pooled {
             Some(vm) => Ok(vm),
-            None => VmmProcess::spawn(&self.binary).await,
+            None => self.spawn().await,
         }
     }
 
+    async fn spawn(&self) -> Result<VmmProcess, ProcessError> {
+        let name = crate::ids::random_bytes(8).map_err(|source| ProcessError::Io {
+            what: "naming a VMM directory",
+            source,
+        })?;
+        let dir = self.run_dir.join(format!("vmm-{}", crate::ids::hex(&name)));
+        VmmProcess::spawn_in(&self.binary, dir).await
+    }
+
+    /// Stops the idle VMMs and refilling (at shutdown).
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        self.wake.notify_one();
+        self.idle().clear();
+    }
+
     async fn refill(self: Arc<Self>) {
-        loop {
-            while self.idle().len() < self.size {
-                match VmmProcess::spawn(&self.binary).await {
+        while !self.closed.load(Ordering::SeqCst) {
+            while self.idle().len() < self.size && !self.closed.load(Ordering::SeqCst) {
+                match self.spawn().await {
+                    // Closed meanwhile: dropping it stops it.
+                    Ok(vm) if self.closed.load(Ordering::SeqCst) => drop(vm),
                     Ok(vm) => self.idle().push(vm),
                     Err(e) => {
                         tracing::warn!("warm pool: starting a VMM: {e}");

@@ -2,15 +2,15 @@
 //! get, list, kill, timeouts. Records live in the store; running VMMs here.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use disk_layers::LayeredDisk;
 use vmm_api::agent_client::{AgentError, AgentInit};
-use vmm_api::process::{ProcessError, VmmProcess};
-use vmm_api::{DriveOverride, SnapshotLoadParams, SnapshotType, VsockOverride};
+use vmm_api::process::{ProcessError, ProcessIdentity, VmmProcess};
+use vmm_api::{DriveOverride, InstanceState, SnapshotLoadParams, SnapshotType, VsockOverride};
 
 use crate::config::Config;
 use crate::ids;
@@ -22,6 +22,8 @@ use crate::template::now_ms;
 
 /// A restored guest answers within this (lab times included).
 const AGENT_TIMEOUT: Duration = Duration::from_secs(120);
+/// An adopted VMM's guest answered before the restart: it gets less time.
+const ADOPT_AGENT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often expired sandboxes are looked for.
 const REAP_EVERY: Duration = Duration::from_millis(500);
 const ROOT_LAYER: &str = "root.layer";
@@ -70,6 +72,40 @@ pub enum SandboxError {
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SandboxError {
     let what = what.into();
     move |source| SandboxError::Io { what, source }
+}
+
+/// Stops and removes every VMM directory in `run_dir` that no sandbox
+/// recorded as running owns. Run at start, before anything spawns there.
+pub fn reclaim_run_dir(run_dir: &Path, store: &Store) {
+    let owned: HashSet<PathBuf> = match store.sandboxes() {
+        Ok(all) => all
+            .into_iter()
+            .filter(|s| s.state == SandboxState::Running)
+            .filter_map(|s| s.vmm_dir)
+            .collect(),
+        Err(e) => {
+            // Without the records nothing can be told apart: leave it all.
+            tracing::warn!("reclaiming VMM directories: {e}");
+            return;
+        }
+    };
+    let Ok(entries) = std::fs::read_dir(run_dir) else {
+        return;
+    };
+    for dir in entries.flatten().map(|e| e.path()) {
+        if owned.contains(&dir) {
+            continue;
+        }
+        if let Some(process) = ProcessIdentity::read(&dir)
+            && process.is_alive()
+        {
+            tracing::info!("stopping VMM pid {} left in {}", process.pid, dir.display());
+            process.kill();
+        }
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            tracing::warn!("removing {}: {e}", dir.display());
+        }
+    }
 }
 
 /// What a create asks for (already validated by the API).
@@ -150,9 +186,10 @@ impl Manager {
         self.config.sandboxes_dir().join(id)
     }
 
-    /// After a restart: running sandboxes lost their VMMs with the old
-    /// process, so their records and files go (adoption comes later).
-    pub fn recover(&self) {
+    /// After a restart: adopts the VMM of every sandbox recorded as running
+    /// (resuming one a pause or fork left paused); a sandbox whose VMM is gone
+    /// or does not answer is removed, as a kill would.
+    pub async fn recover(&self) {
         let records = match self.store.sandboxes() {
             Ok(r) => r,
             Err(e) => {
@@ -161,12 +198,66 @@ impl Manager {
             }
         };
         for r in records {
-            if r.state == SandboxState::Running && !self.live().contains_key(&r.id) {
-                tracing::info!("sandbox {}: its VMM is gone; removing it", r.id);
-                let _ = self.store.remove_sandbox(&r.id);
-                let _ = std::fs::remove_dir_all(self.sandbox_dir(&r.id));
+            if r.state != SandboxState::Running || self.live().contains_key(&r.id) {
+                continue;
+            }
+            match self.adopt(&r).await {
+                Ok(vm) => {
+                    tracing::info!("sandbox {}: adopted its VMM (pid {})", r.id, vm.pid());
+                    self.live().insert(r.id.clone(), Live { vm });
+                }
+                Err(e) => {
+                    tracing::warn!("sandbox {}: cannot adopt its VMM ({e}); removing it", r.id);
+                    let _ = self.store.remove_sandbox(&r.id);
+                    if let Some(dir) = &r.vmm_dir {
+                        // It may run without answering: stop it first.
+                        if let Some(process) = ProcessIdentity::read(dir) {
+                            process.kill();
+                        }
+                        let _ = std::fs::remove_dir_all(dir);
+                    }
+                    if !r.has_dependents {
+                        let _ = std::fs::remove_dir_all(self.sandbox_dir(&r.id));
+                    }
+                }
             }
         }
+    }
+
+    async fn adopt(&self, record: &SandboxRecord) -> Result<VmmProcess, SandboxError> {
+        let dir = record
+            .vmm_dir
+            .as_deref()
+            .ok_or_else(|| SandboxError::Invalid("no VMM directory recorded".into()))?;
+        let mut vm = VmmProcess::adopt(dir).await?;
+        let info = vm
+            .api()
+            .get_instance_info()
+            .await
+            .map_err(ProcessError::from)?;
+        match info.state {
+            InstanceState::Running => {}
+            InstanceState::Paused => vm.api().resume().await.map_err(ProcessError::from)?,
+            InstanceState::NotStarted => {
+                return Err(SandboxError::Invalid("its VMM has no guest".into()));
+            }
+        }
+        vm.wait_for_agent(ADOPT_AGENT_TIMEOUT).await?;
+        Ok(vm)
+    }
+
+    /// At shutdown: lets running sandboxes' VMMs run on, for the next start
+    /// to adopt, and stops the warm pool's.
+    pub fn shutdown(&self) {
+        let live: Vec<(String, Live)> = self.live().drain().collect();
+        tracing::info!(
+            "shutting down: {} running sandboxes keep running for the next start to adopt",
+            live.len()
+        );
+        for (_, l) in live {
+            l.vm.release();
+        }
+        self.pool.close();
     }
 
     /// Kills sandboxes whose time is up, every [`REAP_EVERY`].
@@ -300,6 +391,7 @@ impl Manager {
                 .cloned()
                 .chain([dir.clone()])
                 .collect(),
+            vmm_dir: Some(vm.dir().to_owned()),
         };
         self.store.put_sandbox(&record)?;
         self.live().insert(id.to_owned(), Live { vm });
@@ -411,6 +503,7 @@ impl Manager {
                 s.state = SandboxState::Paused;
                 s.pause_generation = generation;
                 s.snapshot = Some(snapshot);
+                s.vmm_dir = None;
             })?
             .ok_or_else(|| SandboxError::NotFound(id.to_owned()))
     }
@@ -456,6 +549,7 @@ impl Manager {
             .update_sandbox(id, |s| {
                 s.state = SandboxState::Running;
                 s.end_at_ms = end;
+                s.vmm_dir = Some(vm.dir().to_owned());
             })?
             .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
         self.live().insert(id.to_owned(), Live { vm });
@@ -624,6 +718,7 @@ impl Manager {
                     .cloned()
                     .chain([dir.clone()])
                     .collect(),
+                vmm_dir: Some(vm.dir().to_owned()),
                 // and the parent's `uses_snapshots`: its memory is below this fork's
                 ..parent.clone()
             };

@@ -86,6 +86,10 @@ pub struct SandboxRecord {
     /// Empty only in records from before it existed.
     #[serde(default)]
     pub uses_dirs: Vec<PathBuf>,
+    /// A running sandbox's VMM directory (under the node's run dir), where
+    /// a restarted server finds the process to adopt.
+    #[serde(default)]
+    pub vmm_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -316,6 +320,7 @@ mod tests {
             has_dependents: false,
             uses_snapshots: Vec::new(),
             uses_dirs: Vec::new(),
+            vmm_dir: None,
         }
     }
 

@@ -47,6 +47,7 @@ fn record(id: &str, started: u64, state: SandboxState, team: &str) -> SandboxRec
         has_dependents: false,
         uses_snapshots: Vec::new(),
         uses_dirs: Vec::new(),
+        vmm_dir: None,
     }
 }
 
@@ -128,7 +129,7 @@ fn node_with(
         uses_snapshots: Vec::new(),
         uses_dirs: Vec::new(),
     };
-    let pool = Pool::start(config.vmm.clone(), 0);
+    let pool = Pool::start(config.vmm.clone(), config.run_dir(), 0);
     let manager = Manager::new(config, store, pool, template);
     let state = Arc::new(AppState {
         manager: manager.clone(),

@@ -32,6 +32,7 @@ fn record(id: &str, root: &Path, uses: &[&Path]) -> SandboxRecord {
         has_dependents: false,
         uses_snapshots: Vec::new(),
         uses_dirs: uses.iter().map(|p| p.to_path_buf()).collect(),
+        vmm_dir: None,
     }
 }
 
@@ -91,7 +92,7 @@ fn setup(records: impl FnOnce(&Path) -> Vec<SandboxRecord>) -> Setup {
         uses_dirs: Vec::new(),
     };
     store.put_template(&template).unwrap();
-    let pool = Pool::start(config.vmm.clone(), 0);
+    let pool = Pool::start(config.vmm.clone(), config.run_dir(), 0);
     let manager = Manager::new(config, store, pool, template);
     Setup {
         _tmp: tmp,

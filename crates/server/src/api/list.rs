@@ -198,6 +198,7 @@ mod tests {
             has_dependents: false,
             uses_snapshots: Vec::new(),
             uses_dirs: Vec::new(),
+            vmm_dir: None,
         }
     }
 

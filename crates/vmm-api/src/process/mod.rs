@@ -2,10 +2,14 @@
 //! API socket: spawn it, configure and boot a guest, wait for the guest
 //! agent, stop it. Shared by the CLI, benchmarks and the VMM's lab tests.
 
+mod identity;
+
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
+
+pub use identity::ProcessIdentity;
 
 use crate::agent_client::AgentClient;
 use crate::{
@@ -34,6 +38,8 @@ pub enum ProcessError {
     },
     #[error(transparent)]
     Api(#[from] ClientError),
+    #[error("no VMM to adopt in {dir}: {reason}")]
+    NotAdoptable { dir: PathBuf, reason: &'static str },
     #[error("the VMM exited ({status}) before the guest agent answered\n{logs}")]
     ExitedEarly { status: ExitStatus, logs: String },
     #[error("{what} did not happen within {waited:?}\n{logs}")]
@@ -58,41 +64,135 @@ pub struct GuestSpec {
     pub vsock: bool,
 }
 
-/// A running VMM process with its API socket, console and log in a private
-/// temporary directory. Dropping it kills the process.
+/// A running VMM process with its API socket, console and log in its own
+/// directory. Dropping it kills the process (see [`VmmProcess::release`]).
 pub struct VmmProcess {
-    child: Child,
-    dir: tempfile::TempDir,
+    process: Process,
+    dir: VmDir,
     api: VmmClient,
+    /// Set by [`VmmProcess::release`]: dropping leaves process and directory.
+    released: bool,
+}
+
+/// The VMM as this process knows it: a child it started, or one a previous
+/// server started and this one adopted (not a child: it cannot be waited for).
+enum Process {
+    Child(Child),
+    Adopted(ProcessIdentity),
+}
+
+enum VmDir {
+    /// Removed with the handle.
+    Temporary(tempfile::TempDir),
+    /// Kept: the process may outlive this handle and be adopted from it.
+    Kept(PathBuf),
+}
+
+impl VmDir {
+    fn path(&self) -> &Path {
+        match self {
+            VmDir::Temporary(t) => t.path(),
+            VmDir::Kept(p) => p,
+        }
+    }
 }
 
 impl VmmProcess {
-    /// Starts `binary --api-sock <dir>/api.sock` and waits for its socket.
+    /// Starts `binary --api-sock <dir>/api.sock` in a private temporary
+    /// directory and waits for its socket.
     pub async fn spawn(binary: &Path) -> Result<Self, ProcessError> {
+        let dir = tempfile::tempdir().map_err(|source| ProcessError::Io {
+            what: "creating the VM directory",
+            source,
+        })?;
+        Self::start(binary, VmDir::Temporary(dir)).await
+    }
+
+    /// Starts the VMM in `dir` (created; it must not exist), in its own
+    /// process group so that signals to this process's group (a terminal's
+    /// Ctrl+C) leave it running, and records its identity there so that a
+    /// later process can [`adopt`](Self::adopt) it.
+    pub async fn spawn_in(binary: &Path, dir: PathBuf) -> Result<Self, ProcessError> {
+        std::fs::create_dir(&dir).map_err(|source| ProcessError::Io {
+            what: "creating the VM directory",
+            source,
+        })?;
+        let vm = Self::start(binary, VmDir::Kept(dir.clone())).await;
+        if vm.is_err() {
+            // A handle dropped half-started has killed the process already.
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        vm
+    }
+
+    async fn start(binary: &Path, dir: VmDir) -> Result<Self, ProcessError> {
         let io = |what| move |source| ProcessError::Io { what, source };
-        let dir = tempfile::tempdir().map_err(io("creating the VM directory"))?;
-        let api_sock = dir.path().join("api.sock");
-        let child = Command::new(binary)
+        let path = dir.path().to_owned();
+        let api_sock = path.join("api.sock");
+        let mut command = Command::new(binary);
+        command
             .arg("--api-sock")
             .arg(&api_sock)
             .stdin(Stdio::null())
-            .stdout(
-                File::create(dir.path().join("console.log"))
-                    .map_err(io("creating the console log"))?,
-            )
-            .stderr(File::create(dir.path().join("vmm.log")).map_err(io("creating the VMM log"))?)
-            .spawn()
-            .map_err(|source| ProcessError::Spawn {
-                binary: binary.display().to_string(),
-                source,
-            })?;
+            .stdout(File::create(path.join("console.log")).map_err(io("creating the console log"))?)
+            .stderr(File::create(path.join("vmm.log")).map_err(io("creating the VMM log"))?);
+        if matches!(dir, VmDir::Kept(_)) {
+            std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        }
+        let child = command.spawn().map_err(|source| ProcessError::Spawn {
+            binary: binary.display().to_string(),
+            source,
+        })?;
+        let kept = matches!(dir, VmDir::Kept(_));
         let vm = VmmProcess {
-            child,
+            process: Process::Child(child),
             api: VmmClient::new(&api_sock),
             dir,
+            released: false,
         };
+        if kept {
+            let identity = ProcessIdentity::of(vm.pid()).ok_or(ProcessError::NotAdoptable {
+                dir: path.clone(),
+                reason: "the VMM exited at once",
+            })?;
+            identity
+                .write(&path)
+                .map_err(io("recording the VMM's identity"))?;
+        }
         vm.api.wait_for_socket(Duration::from_secs(10)).await?;
         Ok(vm)
+    }
+
+    /// Takes over the VMM a previous process started in `dir` with
+    /// [`spawn_in`](Self::spawn_in), if that very process still runs and
+    /// answers on its API socket.
+    pub async fn adopt(dir: &Path) -> Result<Self, ProcessError> {
+        let not = |reason| ProcessError::NotAdoptable {
+            dir: dir.to_owned(),
+            reason,
+        };
+        let identity = ProcessIdentity::read(dir).ok_or_else(|| not("no identity file"))?;
+        if !identity.is_alive() {
+            return Err(not("its process is gone"));
+        }
+        let api =
+            VmmClient::new(dir.join("api.sock")).with_request_timeout(Duration::from_secs(10));
+        let vm = VmmProcess {
+            process: Process::Adopted(identity),
+            api,
+            dir: VmDir::Kept(dir.to_owned()),
+            released: false,
+        };
+        vm.api.get_instance_info().await?;
+        Ok(vm)
+    }
+
+    /// Lets go of the VMM without stopping it: it keeps running and its
+    /// directory stays, for a later [`adopt`](Self::adopt). A VMM in a
+    /// temporary directory (from [`spawn`](Self::spawn)) cannot outlive its
+    /// handle and is killed instead.
+    pub fn release(mut self) {
+        self.released = matches!(self.dir, VmDir::Kept(_));
     }
 
     pub fn api(&self) -> &VmmClient {
@@ -104,7 +204,10 @@ impl VmmProcess {
     }
 
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        match &self.process {
+            Process::Child(c) => c.id(),
+            Process::Adopted(id) => id.pid,
+        }
     }
 
     pub fn vsock_path(&self) -> PathBuf {
@@ -261,11 +364,21 @@ impl VmmProcess {
         }
     }
 
+    /// The exit status once the VMM has ended; an adopted VMM's status is
+    /// not ours to read, so it reports success once it is gone.
     fn try_wait(&mut self) -> Result<Option<ExitStatus>, ProcessError> {
-        self.child.try_wait().map_err(|source| ProcessError::Io {
-            what: "checking the VMM process",
-            source,
-        })
+        match &mut self.process {
+            Process::Child(c) => c.try_wait().map_err(|source| ProcessError::Io {
+                what: "checking the VMM process",
+                source,
+            }),
+            Process::Adopted(id) => Ok((!id.is_alive()).then(ExitStatus::default)),
+        }
+    }
+
+    /// Whether the VMM process still runs.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.try_wait(), Ok(None))
     }
 
     /// Waits for the VMM process to end by itself.
@@ -297,15 +410,27 @@ impl VmmProcess {
     }
 
     fn kill(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
+        match &mut self.process {
+            Process::Child(c) => {
+                if let Ok(None) = c.try_wait() {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+            }
+            // Its parent (init or a subreaper) reaps it.
+            Process::Adopted(id) => id.kill(),
         }
     }
 }
 
 impl Drop for VmmProcess {
     fn drop(&mut self) {
+        if self.released {
+            return;
+        }
         self.kill();
+        if let VmDir::Kept(dir) = &self.dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 }

@@ -1,0 +1,312 @@
+//! Lab test: `sandfork serve` killed (SIGKILL) and stopped (SIGTERM) while
+//! sandboxes run and are paused. The next start adopts the running
+//! sandboxes' VMMs (their processes and files go on), keeps the paused ones,
+//! drops a sandbox whose VMM died meanwhile, and stops the old warm pool's
+//! VMMs; a kill and a clean stop leave no process and no directory behind.
+//!
+//! Needs KVM that boots Linux, `SANDFORK_KERNEL`/`SANDFORK_ROOTFS`, and the
+//! `sandfork` and `sandfork-vmm` binaries next to the test binary's directory.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{http, run, vmm_binary};
+use serde_json::{Value, json};
+use server::config::Config;
+use server::store::{SandboxState, Store};
+use vmm_api::process::ProcessIdentity;
+
+struct Node {
+    addr: SocketAddr,
+    data: PathBuf,
+    key: String,
+    server: Option<Child>,
+    starts: u32,
+}
+
+impl Node {
+    fn start(&mut self) {
+        self.starts += 1;
+        let log = std::fs::File::create(self.data.join(format!("serve-{}.log", self.starts)))
+            .expect("creating the server log");
+        let sandfork = vmm_binary().with_file_name("sandfork");
+        let child = Command::new(&sandfork)
+            .args(["serve", "--in-lab", "--pool-size", "1", "--listen"])
+            .arg(self.addr.to_string())
+            .arg("--data-dir")
+            .arg(&self.data)
+            .env("SANDFORK_API_KEY", &self.key)
+            .env("SANDFORK_VMM", vmm_binary())
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {}: {e}", sandfork.display()));
+        self.server = Some(child);
+    }
+
+    async fn wait_up(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(600);
+        loop {
+            if tokio::net::TcpStream::connect(self.addr).await.is_ok()
+                && http(self.addr, "GET", "/health", &[], "").await.status == 204
+            {
+                return;
+            }
+            if let Some(status) = self.server.as_mut().unwrap().try_wait().unwrap() {
+                panic!("the server exited ({status}):\n{}", self.log());
+            }
+            assert!(Instant::now() < deadline, "no /health:\n{}", self.log());
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.data.join(format!("serve-{}.log", self.starts)))
+            .unwrap_or_default()
+    }
+
+    /// SIGKILL: the server gets no chance to do anything.
+    fn crash(&mut self) {
+        let mut server = self.server.take().unwrap();
+        server.kill().unwrap();
+        server.wait().unwrap();
+    }
+
+    /// SIGTERM, as a service manager stops it.
+    fn stop(&mut self) {
+        let mut server = self.server.take().unwrap();
+        let status = Command::new("kill")
+            .args(["-TERM", &server.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = server.try_wait().unwrap() {
+                assert!(
+                    status.success(),
+                    "the server's exit: {status}\n{}",
+                    self.log()
+                );
+                return;
+            }
+            assert!(Instant::now() < deadline, "no exit after SIGTERM");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    async fn call(&self, method: &str, path: &str, body: Value) -> (u16, Value) {
+        let headers = [
+            ("x-api-key", self.key.as_str()),
+            ("content-type", "application/json"),
+        ];
+        let a = http(self.addr, method, path, &headers, body.to_string()).await;
+        let json = if a.body.is_empty() {
+            Value::Null
+        } else {
+            a.json()
+        };
+        (a.status, json)
+    }
+
+    async fn create(&self) -> (String, String) {
+        let (status, s) = self
+            .call(
+                "POST",
+                "/v2/sandboxes",
+                json!({"templateID": "base", "timeout": 900, "secure": true}),
+            )
+            .await;
+        assert_eq!(status, 201, "{s}\n{}", self.log());
+        (
+            s["sandboxID"].as_str().unwrap().to_owned(),
+            s["envdAccessToken"].as_str().unwrap().to_owned(),
+        )
+    }
+
+    async fn sh(&self, (id, token): &(String, String), command: &str) -> (i32, String) {
+        let routing = [
+            ("e2b-sandbox-id", id.as_str()),
+            ("e2b-sandbox-port", "49983"),
+            ("x-access-token", token.as_str()),
+        ];
+        run(self.addr, &routing, command).await
+    }
+
+    async fn state(&self, id: &str) -> Option<String> {
+        let (status, s) = self
+            .call("GET", &format!("/sandboxes/{id}"), json!({}))
+            .await;
+        match status {
+            200 => Some(s["state"].as_str().unwrap().to_owned()),
+            404 => None,
+            other => panic!("GET /sandboxes/{id}: {other} {s}"),
+        }
+    }
+}
+
+/// The VMM a running sandbox's record names (read while the server is down:
+/// the store is open in one process at a time).
+fn vmm_of(data: &Path, id: &str) -> (PathBuf, ProcessIdentity) {
+    let store = Store::open(&data.join("sandfork.redb")).unwrap();
+    let record = store.sandbox(id).unwrap().expect("a record");
+    assert_eq!(record.state, SandboxState::Running);
+    let dir = record.vmm_dir.expect("a VMM directory");
+    let identity = ProcessIdentity::read(&dir).expect("an identity file");
+    (dir, identity)
+}
+
+fn wait_dead(process: &ProcessIdentity) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while process.is_alive() {
+        assert!(Instant::now() < deadline, "pid {} still runs", process.pid);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn entries(dir: &Path) -> Vec<PathBuf> {
+    let mut all: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    all.sort();
+    all
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab: boots microVMs"]
+async fn a_restarted_server_adopts_running_sandboxes_and_keeps_paused_ones() {
+    let scratch = tempfile::tempdir().unwrap();
+    let data = scratch.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut node = Node {
+        addr: SocketAddr::from(([127, 0, 0, 1], port)),
+        data: data.clone(),
+        key: format!("e2b_{}", "5a".repeat(16)),
+        server: None,
+        starts: 0,
+    };
+    let run_dir = {
+        let mut c = Config::new(node.addr, "k".into(), "r".into(), "v".into());
+        c.data_dir = data.clone();
+        c.run_dir()
+    };
+    node.start();
+    node.wait_up().await;
+
+    // running: a file and a background process
+    let kept = node.create().await;
+    let (code, _) = node
+        .sh(
+            &kept,
+            "echo kept > /root/kept.txt && setsid sleep 4242 </dev/null >/dev/null 2>&1 &",
+        )
+        .await;
+    assert_eq!(code, 0);
+    // paused: a file
+    let paused = node.create().await;
+    assert_eq!(node.sh(&paused, "echo paused > /root/p.txt").await.0, 0);
+    let (status, body) = node
+        .call("POST", &format!("/sandboxes/{}/pause", paused.0), json!({}))
+        .await;
+    assert_eq!(status, 204, "{body}");
+    // running, but its VMM dies while the server is down
+    let lost = node.create().await;
+
+    node.crash();
+    let (kept_dir, kept_vmm) = vmm_of(&data, &kept.0);
+    let (lost_dir, lost_vmm) = vmm_of(&data, &lost.0);
+    assert!(
+        kept_vmm.is_alive(),
+        "a server crash leaves its VMMs running"
+    );
+    let old_pool: Vec<(PathBuf, ProcessIdentity)> = entries(&run_dir)
+        .into_iter()
+        .filter(|d| *d != kept_dir && *d != lost_dir)
+        .filter_map(|d| ProcessIdentity::read(&d).map(|p| (d, p)))
+        .collect();
+    assert!(!old_pool.is_empty(), "the warm pool had a VMM");
+    lost_vmm.kill();
+    wait_dead(&lost_vmm);
+
+    let t0 = Instant::now();
+    node.start();
+    node.wait_up().await;
+    eprintln!("restart after a crash: serving in {:?}", t0.elapsed());
+    assert_eq!(node.state(&kept.0).await.as_deref(), Some("running"));
+    let (code, out) = node
+        .sh(
+            &kept,
+            "cat /root/kept.txt && pgrep -x sleep >/dev/null && echo sleeping",
+        )
+        .await;
+    assert_eq!((code, out.as_str()), (0, "kept\nsleeping\n"));
+    assert!(kept_vmm.is_alive(), "the same VMM process, adopted");
+    assert_eq!(node.state(&paused.0).await.as_deref(), Some("paused"));
+    assert_eq!(
+        node.state(&lost.0).await,
+        None,
+        "a sandbox whose VMM died is gone"
+    );
+    assert!(!lost_dir.exists());
+    for (dir, process) in &old_pool {
+        wait_dead(process);
+        assert!(!dir.exists(), "{} left behind", dir.display());
+    }
+
+    // resume the paused one after the restart: its file is there
+    let (status, body) = node
+        .call(
+            "POST",
+            &format!("/sandboxes/{}/connect", paused.0),
+            json!({"timeout": 900}),
+        )
+        .await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(
+        node.sh(&paused, "cat /root/p.txt").await,
+        (0, "paused\n".into())
+    );
+
+    // a clean stop: both running sandboxes keep running and are adopted
+    node.stop();
+    let (_, resumed_vmm) = vmm_of(&data, &paused.0);
+    assert!(kept_vmm.is_alive() && resumed_vmm.is_alive());
+    node.start();
+    node.wait_up().await;
+    for sandbox in [&kept, &paused] {
+        assert_eq!(node.state(&sandbox.0).await.as_deref(), Some("running"));
+        assert_eq!(node.sh(sandbox, "echo up").await, (0, "up\n".into()));
+    }
+
+    // kills stop the adopted VMMs; a clean stop then leaves nothing running
+    for (sandbox, vmm) in [(&kept, &kept_vmm), (&paused, &resumed_vmm)] {
+        let (status, body) = node
+            .call("DELETE", &format!("/sandboxes/{}", sandbox.0), json!({}))
+            .await;
+        assert_eq!(status, 204, "{body}");
+        wait_dead(vmm);
+    }
+    let pool: Vec<ProcessIdentity> = entries(&run_dir)
+        .iter()
+        .filter_map(|d| ProcessIdentity::read(d))
+        .collect();
+    node.stop();
+    for process in &pool {
+        wait_dead(process);
+    }
+    assert_eq!(
+        entries(&run_dir),
+        Vec::<PathBuf>::new(),
+        "the run dir is empty"
+    );
+}
