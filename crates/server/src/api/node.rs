@@ -10,7 +10,9 @@
 //! ```
 //!
 //! `used` counts running sandboxes and those starting (create, resume, fork
-//! children under way); paused ones hold none. Memory is in MiB (E2B's
+//! children under way); paused ones hold none. `starting` is what holds
+//! capacity without a VMM serving yet (and, for a moment, a sandbox being
+//! paused). Memory is in MiB (E2B's
 //! `memoryMB` means MiB too). `diskMB.free` is what the data directory's
 //! filesystem has available beyond `minFree`, which sandboxes never use.
 
