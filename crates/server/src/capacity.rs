@@ -360,8 +360,9 @@ impl Capacity {
 
     /// Holds `ask` without checking the limits: for sandboxes that already
     /// run (adopted after a restart), which must be counted even when the
-    /// node's limits shrank.
+    /// node's limits shrank. No disk room is held (nothing is being written).
     pub fn hold(self: &Arc<Self>, ask: Ask) -> Reservation {
+        let ask = Ask { disk_mib: 0, ..ask };
         self.held_lock().add(ask);
         Reservation {
             capacity: self.clone(),
@@ -702,8 +703,9 @@ mod tests {
     #[test]
     fn hold_counts_without_checking() {
         let cap = node(1, 100, 1);
-        let a = cap.hold(guest(4, 400));
+        let a = cap.hold(Ask::sandbox(4, 400));
         assert_eq!(cap.held().vcpus, 4);
+        assert_eq!(cap.held().disk_mib, 0);
         assert!(cap.reserve(guest(1, 1), "a sandbox").is_err());
         drop(a);
         cap.reserve(guest(1, 1), "a sandbox").unwrap();
