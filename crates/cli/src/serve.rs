@@ -8,6 +8,9 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use sandfork_lab::Environment;
+use server::capacity::{
+    CapacityConfig, DEFAULT_MEMORY_OVERCOMMIT, DEFAULT_MIN_FREE_DISK_MIB, DEFAULT_VCPU_OVERCOMMIT,
+};
 use server::config::{Config, DEFAULT_DATA_DIR};
 
 use crate::{ImageArgs, sibling_binary};
@@ -30,7 +33,76 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 4096)]
     lab_memory: u32,
     #[command(flatten)]
+    capacity: CapacityArgs,
+    #[command(flatten)]
     image: ImageArgs,
+}
+
+/// What sandboxes may use of the node; beyond it creates, resumes and forks
+/// answer 503 (see `GET /v1/node`).
+#[derive(clap::Args)]
+struct CapacityArgs {
+    /// Memory for sandboxes in MiB [default: the host's MemTotal minus
+    /// --reserve-memory-mib]. Not a guest's size (that is --mem-mib).
+    #[arg(long, value_name = "MIB")]
+    node_memory_mib: Option<u64>,
+    /// Memory kept for the host [default: the larger of 1024 MiB and 10 %].
+    #[arg(long, value_name = "MIB")]
+    reserve_memory_mib: Option<u64>,
+    /// Guest memory reserved per MiB of node memory; at 1 every guest may
+    /// touch all its memory. Restores and forks share memory copy-on-write,
+    /// so real use is lower: raise it to fit more idle sandboxes.
+    #[arg(long, value_name = "RATIO", default_value_t = DEFAULT_MEMORY_OVERCOMMIT, value_parser = ratio)]
+    memory_overcommit: f64,
+    /// vCPUs for sandboxes before overcommit [default: the host's CPUs].
+    #[arg(long, value_name = "N")]
+    node_vcpus: Option<u64>,
+    /// Guest vCPUs per node vCPU (idle sandboxes use next to no CPU).
+    #[arg(long, value_name = "RATIO", default_value_t = DEFAULT_VCPU_OVERCOMMIT, value_parser = ratio)]
+    vcpu_overcommit: f64,
+    /// Disk space on the data dir's filesystem that sandboxes never use.
+    #[arg(long, value_name = "MIB", default_value_t = DEFAULT_MIN_FREE_DISK_MIB)]
+    min_free_disk_mib: u64,
+}
+
+impl CapacityArgs {
+    fn config(&self) -> CapacityConfig {
+        CapacityConfig {
+            memory_mib: self.node_memory_mib,
+            reserve_memory_mib: self.reserve_memory_mib,
+            memory_overcommit: self.memory_overcommit,
+            vcpus: self.node_vcpus,
+            vcpu_overcommit: self.vcpu_overcommit,
+            min_free_disk_mib: self.min_free_disk_mib,
+        }
+    }
+
+    /// The same flags, for the `serve` run inside the lab.
+    fn to_args(&self) -> Vec<String> {
+        let mut args = vec![
+            format!("--memory-overcommit={}", self.memory_overcommit),
+            format!("--vcpu-overcommit={}", self.vcpu_overcommit),
+            format!("--min-free-disk-mib={}", self.min_free_disk_mib),
+        ];
+        let optional = [
+            ("node-memory-mib", self.node_memory_mib),
+            ("reserve-memory-mib", self.reserve_memory_mib),
+            ("node-vcpus", self.node_vcpus),
+        ];
+        for (name, value) in optional {
+            if let Some(v) = value {
+                args.push(format!("--{name}={v}"));
+            }
+        }
+        args
+    }
+}
+
+fn ratio(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(r) if r.is_finite() && r > 0.0 => Ok(r),
+        _ => Err(format!("{s:?} is not a positive number")),
+    }
 }
 
 pub fn run(args: ServeArgs) -> Result<ExitCode> {
@@ -61,6 +133,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     config.data_dir = args.data_dir.clone();
     config.pool_size = args.pool_size;
     config.max_sandboxes = args.max_sandboxes;
+    config.capacity = args.capacity.config();
     config.vcpus = args.image.vcpus;
     config.mem_mib = args.image.mem_mib;
     // Bind first: a taken port fails before the template is built.
@@ -121,6 +194,7 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
         .arg(args.pool_size.to_string())
         .arg("--max-sandboxes")
         .arg(args.max_sandboxes.to_string())
+        .args(args.capacity.to_args())
         .arg("--kernel")
         .arg(&image.kernel)
         .arg("--rootfs")
@@ -139,4 +213,61 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
     );
     let status = cmd.status().context("running the KVM lab")?;
     Ok(ExitCode::from(status.code().unwrap_or(1) as u8))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        capacity: CapacityArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<CapacityArgs, clap::Error> {
+        Flags::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))
+            .map(|f| f.capacity)
+    }
+
+    #[test]
+    fn capacity_flags_reach_the_config_and_the_lab() {
+        assert_eq!(parse(&[]).unwrap().config(), CapacityConfig::default());
+        let args = parse(&[
+            "--node-memory-mib",
+            "600",
+            "--memory-overcommit",
+            "1.5",
+            "--node-vcpus",
+            "2",
+            "--min-free-disk-mib",
+            "10",
+        ])
+        .unwrap();
+        let config = args.config();
+        assert_eq!(config.memory_mib, Some(600));
+        assert_eq!(config.memory_overcommit, 1.5);
+        assert_eq!(config.vcpus, Some(2));
+        assert_eq!(config.reserve_memory_mib, None);
+        assert_eq!(config.min_free_disk_mib, 10);
+        // What the lab's `serve` gets parses to the same.
+        let again = args.to_args();
+        let again: Vec<&str> = again.iter().map(String::as_str).collect();
+        assert_eq!(parse(&again).unwrap().config(), config);
+    }
+
+    #[test]
+    fn ratios_must_be_positive_numbers() {
+        for bad in ["0", "-1", "NaN", "inf", "x"] {
+            assert!(parse(&["--vcpu-overcommit", bad]).is_err(), "{bad}");
+        }
+        assert_eq!(
+            parse(&["--vcpu-overcommit", "0.5"])
+                .unwrap()
+                .vcpu_overcommit,
+            0.5
+        );
+    }
 }

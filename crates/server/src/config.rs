@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
+use crate::capacity::CapacityConfig;
+
 /// The node's settings (the `serve` command fills them from flags and the
 /// `SANDFORK_KERNEL`, `SANDFORK_ROOTFS` and `SANDFORK_VMM` variables).
 #[derive(Debug, Clone)]
@@ -24,6 +26,8 @@ pub struct Config {
     pub mem_mib: u64,
     /// Running sandboxes at most; a create beyond it answers 429.
     pub max_sandboxes: usize,
+    /// vCPUs, memory and disk sandboxes may use; beyond it answers 503.
+    pub capacity: CapacityConfig,
     /// The longest lifetime a create or timeout may ask for.
     pub max_timeout: Duration,
     /// Where VMM processes keep their sockets and logs; `None` for a
@@ -46,6 +50,7 @@ impl Config {
             vcpus: 1,
             mem_mib: 256,
             max_sandboxes: 64,
+            capacity: CapacityConfig::default(),
             max_timeout: Duration::from_secs(24 * 3600),
             run_dir: None,
         }

@@ -6,6 +6,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod capacity;
 pub mod config;
 pub mod ids;
 pub mod pool;

@@ -3,7 +3,6 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -12,6 +11,7 @@ use vmm_api::agent_client::{AgentError, AgentInit};
 use vmm_api::process::{ProcessError, ProcessIdentity, VmmProcess};
 use vmm_api::{DriveOverride, InstanceState, SnapshotLoadParams, SnapshotType, VsockOverride};
 
+use crate::capacity::{Ask, Capacity, CapacityError, Limits, Reservation, Shortage};
 use crate::config::Config;
 use crate::ids;
 use crate::pool::Pool;
@@ -41,8 +41,18 @@ pub enum SandboxError {
     NotFound(String),
     #[error("template {0} not found")]
     TemplateNotFound(String),
-    #[error("{running} sandboxes are running, the most this node takes")]
-    AtCapacity { running: usize },
+    #[error(
+        "this node runs at most {max} sandboxes: {running} are running or starting, \
+         {asked} more asked for"
+    )]
+    AtCapacity {
+        running: usize,
+        asked: usize,
+        max: usize,
+    },
+    /// Not enough vCPUs, memory or disk (503; the count limit is 429).
+    #[error(transparent)]
+    OverCapacity(#[from] Shortage),
     #[error("sandbox {id} is {state}")]
     Conflict { id: String, state: &'static str },
     #[error("snapshot {id} is in use by {users}")]
@@ -67,6 +77,27 @@ pub enum SandboxError {
     Agent(#[from] AgentError),
     #[error("a blocking task failed: {0}")]
     Join(#[from] tokio::task::JoinError),
+}
+
+impl From<CapacityError> for SandboxError {
+    fn from(e: CapacityError) -> SandboxError {
+        match e {
+            CapacityError::TooMany {
+                running,
+                asked,
+                max,
+            } => SandboxError::AtCapacity {
+                running,
+                asked,
+                max,
+            },
+            CapacityError::Short(s) => SandboxError::OverCapacity(s),
+            CapacityError::Disk { path, source } => SandboxError::Io {
+                what: format!("reading the free space of {}", path.display()),
+                source,
+            },
+        }
+    }
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SandboxError {
@@ -120,9 +151,11 @@ pub struct CreateParams {
     pub auto_pause: bool,
 }
 
-/// A running sandbox's VMM.
+/// A running sandbox's VMM and the capacity it holds (given back when
+/// this drops: kill, pause).
 struct Live {
     vm: VmmProcess,
+    _slot: Reservation,
 }
 
 pub struct Manager {
@@ -133,8 +166,9 @@ pub struct Manager {
     live: Mutex<HashMap<String, Live>>,
     /// Sandboxes being paused or resumed: a second change waits its turn (409).
     changing: Mutex<HashSet<String>>,
-    /// Creates under way, counted against capacity with the running ones.
-    creating: AtomicUsize,
+    /// vCPUs, memory and slots held by running sandboxes and by creates,
+    /// resumes and fork children under way.
+    capacity: Arc<Capacity>,
     /// Templates creates are restoring right now (not yet recorded in a
     /// sandbox): a delete waits for them to finish.
     pins: Mutex<HashMap<String, usize>>,
@@ -152,6 +186,15 @@ impl Manager {
         pool: Arc<Pool>,
         template: TemplateRecord,
     ) -> Arc<Manager> {
+        let limits = Limits::detect(&config.capacity, config.max_sandboxes);
+        tracing::info!(
+            "capacity: {} vCPUs, {} MiB of memory, {} sandboxes, {} MiB of disk kept free",
+            limits.vcpus,
+            limits.memory_mib,
+            limits.sandboxes,
+            limits.min_free_disk_mib
+        );
+        let capacity = Capacity::new(limits, config.data_dir.clone());
         Arc::new(Manager {
             config,
             store,
@@ -159,7 +202,7 @@ impl Manager {
             template,
             live: Mutex::new(HashMap::new()),
             changing: Mutex::new(HashSet::new()),
-            creating: AtomicUsize::new(0),
+            capacity,
             pins: Mutex::new(HashMap::new()),
             observed: Mutex::new(HashMap::new()),
             activity: tokio::sync::RwLock::new(()),
@@ -180,6 +223,15 @@ impl Manager {
 
     pub fn template(&self) -> &TemplateRecord {
         &self.template
+    }
+
+    pub fn capacity(&self) -> &Arc<Capacity> {
+        &self.capacity
+    }
+
+    /// Running sandboxes (VMMs up).
+    pub fn live_count(&self) -> usize {
+        self.live().len()
     }
 
     fn sandbox_dir(&self, id: &str) -> PathBuf {
@@ -204,7 +256,11 @@ impl Manager {
             match self.adopt(&r).await {
                 Ok(vm) => {
                     tracing::info!("sandbox {}: adopted its VMM (pid {})", r.id, vm.pid());
-                    self.live().insert(r.id.clone(), Live { vm });
+                    // Already running: it holds its share whatever the limits are now.
+                    let slot = self
+                        .capacity
+                        .hold(Ask::sandbox(u64::from(r.cpu_count), r.memory_mb));
+                    self.live().insert(r.id.clone(), Live { vm, _slot: slot });
                 }
                 Err(e) => {
                     tracing::warn!("sandbox {}: cannot adopt its VMM ({e}); removing it", r.id);
@@ -299,33 +355,27 @@ impl Manager {
         }
     }
 
-    fn running(&self) -> usize {
-        self.live().len() + self.creating.load(Ordering::SeqCst)
-    }
-
     /// Restores the template into a pooled VMM with a fresh root layer,
     /// initialises its agent and records the sandbox as running.
     pub async fn create(&self, params: CreateParams) -> Result<SandboxRecord, SandboxError> {
         let _busy = self.activity.read().await;
-        let running = self.running();
-        if running >= self.config.max_sandboxes {
-            return Err(SandboxError::AtCapacity { running });
-        }
         let (template, _pin) = self.pin_template(&params.template_id)?;
-        self.creating.fetch_add(1, Ordering::SeqCst);
+        // Held before the slow restore; given back if the create fails.
+        let slot = self.capacity.reserve(
+            Ask::sandbox(u64::from(template.vcpus), template.mem_mib),
+            "a sandbox",
+        )?;
         let id = ids::sandbox_id().map_err(io("generating a sandbox id"));
-        let result = match id {
+        match id {
             Ok(id) => {
-                let r = self.create_inner(&id, &template, params).await;
+                let r = self.create_inner(&id, &template, params, slot).await;
                 if r.is_err() {
                     let _ = std::fs::remove_dir_all(self.sandbox_dir(&id));
                 }
                 r
             }
             Err(e) => Err(e),
-        };
-        self.creating.fetch_sub(1, Ordering::SeqCst);
-        result
+        }
     }
 
     async fn create_inner(
@@ -333,6 +383,7 @@ impl Manager {
         id: &str,
         template: &TemplateRecord,
         params: CreateParams,
+        mut slot: Reservation,
     ) -> Result<SandboxRecord, SandboxError> {
         let dir = self.sandbox_dir(id);
         std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
@@ -394,7 +445,8 @@ impl Manager {
             vmm_dir: Some(vm.dir().to_owned()),
         };
         self.store.put_sandbox(&record)?;
-        self.live().insert(id.to_owned(), Live { vm });
+        slot.settle_disk();
+        self.live().insert(id.to_owned(), Live { vm, _slot: slot });
         Ok(record)
     }
 
@@ -529,11 +581,10 @@ impl Manager {
         let Some(snapshot) = record.snapshot.clone() else {
             return Err(SandboxError::NotFound(id.to_owned()));
         };
-        let running = self.running();
-        if running >= self.config.max_sandboxes {
-            return Err(SandboxError::AtCapacity { running });
-        }
-        self.creating.fetch_add(1, Ordering::SeqCst);
+        let mut slot = self.capacity.reserve(
+            Ask::sandbox(u64::from(record.cpu_count), record.memory_mb),
+            &format!("resuming sandbox {id}"),
+        )?;
         let restored = self
             .restore(
                 &snapshot.state,
@@ -542,7 +593,6 @@ impl Manager {
                 Some((&AgentInit::after_restore()?, record.access_token.as_deref())),
             )
             .await;
-        self.creating.fetch_sub(1, Ordering::SeqCst);
         let vm = restored?;
         let r = self
             .store
@@ -552,7 +602,8 @@ impl Manager {
                 s.vmm_dir = Some(vm.dir().to_owned());
             })?
             .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
-        self.live().insert(id.to_owned(), Live { vm });
+        slot.settle_disk();
+        self.live().insert(id.to_owned(), Live { vm, _slot: slot });
         Ok((r, true))
     }
 
@@ -584,10 +635,24 @@ impl Manager {
             });
         }
         let _claim = self.claim(id)?;
-        let running = self.running();
-        if running + count as usize > self.config.max_sandboxes {
-            return Err(SandboxError::AtCapacity { running });
-        }
+        // All children or none: they come from one freeze of the parent, and
+        // a caller asking for N should not get fewer that happened to fit.
+        // Disk: the frozen memory, then a pause per child.
+        let child = Ask::sandbox(u64::from(parent.cpu_count), parent.memory_mb);
+        let mut slots = self.capacity.reserve(
+            Ask {
+                disk_mib: parent.memory_mb.saturating_mul(u64::from(count) + 1),
+                ..child.times(u64::from(count))
+            },
+            &format!(
+                "a fork of {count} {}",
+                if count == 1 { "child" } else { "children" }
+            ),
+        )?;
+        let child = Ask {
+            disk_mib: 0,
+            ..child
+        };
         // The fork's files (frozen memory, state, every new root layer) are
         // shared by parent and children, so they live outside any one
         // sandbox's directory.
@@ -606,7 +671,6 @@ impl Manager {
             // The VMM client needs no lock held across the await: clone it out.
             l.vm.api().clone()
         };
-        self.creating.fetch_add(count as usize, Ordering::SeqCst);
         let forked = info
             .fork(&vmm_api::ForkParams {
                 snapshot_path: fork_dir.join("fork.state").display().to_string(),
@@ -618,7 +682,6 @@ impl Manager {
         let info = match forked {
             Ok(info) => info,
             Err(e) => {
-                self.creating.fetch_sub(count as usize, Ordering::SeqCst);
                 let _ = std::fs::remove_dir_all(&fork_dir);
                 return Err(ProcessError::from(e).into());
             }
@@ -632,7 +695,6 @@ impl Manager {
             s.uses_dirs.push(fork_dir.clone());
         })?
         else {
-            self.creating.fetch_sub(count as usize, Ordering::SeqCst);
             return Err(SandboxError::NotFound(id.to_owned()));
         };
 
@@ -640,9 +702,11 @@ impl Manager {
         for index in 0..count as usize {
             let manager = self.clone();
             let (info, parent) = (info.clone(), parent.clone());
+            let slot = slots.split(child);
             tasks.spawn(async move {
-                let r = manager.fork_child(&parent, &info, index, timeout).await;
-                manager.creating.fetch_sub(1, Ordering::SeqCst);
+                let r = manager
+                    .fork_child(&parent, &info, index, timeout, slot)
+                    .await;
                 (index, r)
             });
         }
@@ -673,6 +737,7 @@ impl Manager {
         info: &vmm_api::ForkInfo,
         index: usize,
         timeout: Duration,
+        slot: Reservation,
     ) -> Result<SandboxRecord, SandboxError> {
         let id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
         let dir = self.sandbox_dir(&id);
@@ -723,7 +788,7 @@ impl Manager {
                 ..parent.clone()
             };
             self.store.put_sandbox(&record)?;
-            self.live().insert(id.clone(), Live { vm });
+            self.live().insert(id.clone(), Live { vm, _slot: slot });
             Ok(record)
         }
         .await;

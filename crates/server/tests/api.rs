@@ -14,7 +14,7 @@ use server::auth::ApiKeys;
 use server::config::Config;
 use server::pool::Pool;
 use server::sandbox::Manager;
-use server::store::{SandboxRecord, SandboxState, Store, TemplateRecord};
+use server::store::{PausedSnapshot, SandboxRecord, SandboxState, Store, TemplateRecord};
 use server::template::now_ms;
 use tower::ServiceExt;
 
@@ -89,6 +89,15 @@ fn node_with(
     records: &[SandboxRecord],
     templates: &[&dyn Fn(&std::path::Path) -> TemplateRecord],
 ) -> Node {
+    node_configured(records, templates, |_| {})
+}
+
+/// Like [`node_with`], with `configure` applied to the node's config.
+fn node_configured(
+    records: &[SandboxRecord],
+    templates: &[&dyn Fn(&std::path::Path) -> TemplateRecord],
+    configure: impl FnOnce(&mut Config),
+) -> Node {
     let dir = tempfile::tempdir().unwrap();
     let mut config = Config::new(
         "127.0.0.1:0".parse().unwrap(),
@@ -98,6 +107,7 @@ fn node_with(
     );
     config.data_dir = dir.path().to_owned();
     config.pool_size = 0;
+    configure(&mut config);
     std::fs::create_dir_all(config.sandboxes_dir()).unwrap();
     let store = Store::open(&dir.path().join("s.redb")).unwrap();
     for r in records {
@@ -783,4 +793,201 @@ async fn metrics_and_logs_answer_by_sandbox_and_check_their_query() {
         .body(Body::empty())
         .unwrap();
     assert_error(&call(&node, unauthed).await, StatusCode::UNAUTHORIZED);
+}
+
+/// A node with room for `memory_mib` of sandboxes and 2 vCPUs, holding a
+/// running sandbox `run` and a paused one `held` (records only: they hold
+/// no capacity, since no VMM of theirs runs here).
+fn small_node(configure: impl FnOnce(&mut Config)) -> Node {
+    let now = now_ms();
+    let held = SandboxRecord {
+        snapshot: Some(PausedSnapshot {
+            state: "/nonexistent/pause-1.state".into(),
+            mem: "/nonexistent/pause-1.mem".into(),
+        }),
+        ..record("held", now, SandboxState::Paused, "x")
+    };
+    node_configured(
+        &[record("run", now, SandboxState::Running, "x"), held],
+        &[],
+        |c| {
+            c.capacity.vcpus = Some(2);
+            c.capacity.vcpu_overcommit = 1.0;
+            c.capacity.memory_mib = Some(600);
+            c.max_sandboxes = 5;
+            configure(c)
+        },
+    )
+}
+
+async fn node_info(node: &Node) -> Value {
+    let a = call(node, authed("GET", "/v1/node", "")).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.json);
+    a.json
+}
+
+fn assert_holds_nothing(info: &Value) {
+    assert_eq!(info["vcpus"]["used"], 0, "{info}");
+    assert_eq!(info["memoryMB"]["used"], 0, "{info}");
+    assert_eq!(info["sandboxes"]["starting"], 0, "{info}");
+}
+
+#[tokio::test]
+async fn node_reports_capacity_and_use() {
+    let node = small_node(|c| c.capacity.min_free_disk_mib = 100);
+    let unauthed = Request::get("/v1/node").body(Body::empty()).unwrap();
+    assert_error(&call(&node, unauthed).await, StatusCode::UNAUTHORIZED);
+    let info = node_info(&node).await;
+    assert_eq!(info["vcpus"]["total"], 2);
+    assert_eq!(info["vcpus"]["free"], 2);
+    assert_eq!(info["memoryMB"]["total"], 600);
+    assert_eq!(info["memoryMB"]["free"], 600);
+    assert_holds_nothing(&info);
+    assert_eq!(info["sandboxes"]["running"], 1);
+    assert_eq!(info["sandboxes"]["paused"], 1);
+    assert_eq!(info["sandboxes"]["max"], 5);
+    assert_eq!(info["diskMB"]["minFree"], 100);
+    let (total, free) = (
+        info["diskMB"]["total"].as_u64().unwrap(),
+        info["diskMB"]["free"].as_u64().unwrap(),
+    );
+    assert!(total > 0 && free < total, "{info}");
+    assert_eq!(info["version"], env!("CARGO_PKG_VERSION"));
+    assert_eq!(info["envdVersion"], envd_proto::ENVD_VERSION);
+}
+
+#[tokio::test]
+async fn over_capacity_answers_503_saying_what_and_holds_nothing() {
+    // 200 MiB: not one 256 MiB sandbox fits.
+    let node = small_node(|c| c.capacity.memory_mib = Some(200));
+    let a = call(
+        &node,
+        authed("POST", "/v2/sandboxes", r#"{"templateID":"base"}"#),
+    )
+    .await;
+    assert_error(&a, StatusCode::SERVICE_UNAVAILABLE);
+    let message = a.json["message"].as_str().unwrap();
+    assert!(
+        message.contains("not enough memory for a sandbox: it needs 256 MiB, 200 MiB of the node's 200 MiB are free"),
+        "{message}"
+    );
+    let a = call(
+        &node,
+        authed("POST", "/sandboxes/held/resume", r#"{"timeout":60}"#),
+    )
+    .await;
+    assert_error(&a, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        a.json["message"]
+            .as_str()
+            .unwrap()
+            .contains("for resuming sandbox held: it needs 256 MiB"),
+        "{}",
+        a.json
+    );
+    // A fork that does not fit is refused whole, before anything starts.
+    let a = call(
+        &node,
+        authed("POST", "/sandboxes/run/fork", r#"{"count":3}"#),
+    )
+    .await;
+    assert_error(&a, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        a.json["message"]
+            .as_str()
+            .unwrap()
+            .contains("not enough vCPUs for a fork of 3 children: it needs 3 vCPUs, 2 vCPUs of the node's 2 vCPUs are free"),
+        "{}",
+        a.json
+    );
+    let info = node_info(&node).await;
+    assert_holds_nothing(&info);
+    assert_eq!(info["sandboxes"]["paused"], 1);
+    assert_eq!(
+        node.manager.get("held").unwrap().state,
+        SandboxState::Paused
+    );
+    assert!(std::fs::read_dir(node.dir.path().join("forks")).is_err());
+}
+
+#[tokio::test]
+async fn the_count_limit_stays_429() {
+    let node = small_node(|c| c.max_sandboxes = 0);
+    let a = call(&node, authed("POST", "/v2/sandboxes", "{}")).await;
+    assert_error(&a, StatusCode::TOO_MANY_REQUESTS);
+    assert!(
+        a.json["message"]
+            .as_str()
+            .unwrap()
+            .contains("at most 0 sandboxes"),
+        "{}",
+        a.json
+    );
+}
+
+#[tokio::test]
+async fn too_little_disk_answers_503() {
+    let node = small_node(|c| c.capacity.min_free_disk_mib = u64::MAX / 2);
+    let a = call(&node, authed("POST", "/v2/sandboxes", "{}")).await;
+    assert_error(&a, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        a.json["message"]
+            .as_str()
+            .unwrap()
+            .contains("not enough disk space for a sandbox: it needs 256 MiB free"),
+        "{}",
+        a.json
+    );
+    let a = call(&node, authed("POST", "/sandboxes/run/snapshots", "{}")).await;
+    assert_error(&a, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        a.json["message"]
+            .as_str()
+            .unwrap()
+            .contains("disk space for a snapshot of sandbox run"),
+        "{}",
+        a.json
+    );
+    assert_holds_nothing(&node_info(&node).await);
+}
+
+#[tokio::test]
+async fn creates_and_forks_that_fail_give_their_reservation_back() {
+    // Room enough: these get past the check, then fail (no VMM, no template
+    // files here) and must hand back what they reserved.
+    let node = small_node(|c| {
+        c.capacity.vcpus = Some(8);
+        c.capacity.memory_mib = Some(4096);
+    });
+    let mut creates = tokio::task::JoinSet::new();
+    for _ in 0..4 {
+        let app = node.app.clone();
+        creates.spawn(async move {
+            let req = authed("POST", "/v2/sandboxes", "{}");
+            app.oneshot(req).await.unwrap().status()
+        });
+    }
+    for status in creates.join_all().await {
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    }
+    // `run` is a record whose VMM does not run here: the fork reserves, then
+    // finds no VMM to fork.
+    let a = call(
+        &node,
+        authed("POST", "/sandboxes/run/fork", r#"{"count":2}"#),
+    )
+    .await;
+    assert_error(&a, StatusCode::NOT_FOUND);
+    // A resume reserves, then finds no VMM binary to restore into.
+    let a = call(
+        &node,
+        authed("POST", "/sandboxes/held/resume", r#"{"timeout":60}"#),
+    )
+    .await;
+    assert_error(&a, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(
+        node.manager.get("held").unwrap().state,
+        SandboxState::Paused
+    );
+    assert_holds_nothing(&node_info(&node).await);
 }

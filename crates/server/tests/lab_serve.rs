@@ -11,7 +11,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{http, run, vmm_binary};
+use common::{Answer, http, run, vmm_binary};
 use serde_json::json;
 use server::config::Config;
 
@@ -454,4 +454,148 @@ async fn snapshot_create_from_it_and_delete(
     assert_eq!(deleted.status, 204, "{:?}", deleted.body);
     assert!(!data.join("templates").join(&snap_id).exists());
     assert_eq!(http(addr, "DELETE", path, auth, "").await.status, 404);
+}
+
+/// A node with room for exactly two base sandboxes (600 MiB, 256 MiB each):
+/// the third create is refused with 503 and says why, a fork that does not
+/// fit is refused whole and holds nothing, a kill or a pause makes room, a
+/// resume that does not fit is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab: boots microVMs"]
+async fn capacity_refuses_with_503_and_kill_or_pause_makes_room() {
+    let data = tempfile::tempdir().unwrap();
+    let mut config = Config::new(
+        "127.0.0.1:0".parse().unwrap(),
+        std::env::var("SANDFORK_KERNEL")
+            .expect("SANDFORK_KERNEL")
+            .into(),
+        std::env::var("SANDFORK_ROOTFS")
+            .expect("SANDFORK_ROOTFS")
+            .into(),
+        vmm_binary(),
+    );
+    config.data_dir = data.path().to_owned();
+    config.pool_size = 2;
+    config.mem_mib = 256;
+    config.capacity.memory_mib = Some(600);
+    let node = server::Server::start(config)
+        .await
+        .expect("starting the server");
+    let key = std::fs::read_to_string(node.api_key_file.clone().unwrap())
+        .unwrap()
+        .trim()
+        .to_owned();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(node.serve(listener, std::future::pending()));
+    let auth = [
+        ("x-api-key", key.as_str()),
+        ("content-type", "application/json"),
+    ];
+    let create = || http(addr, "POST", "/v2/sandboxes", &auth, r#"{"timeout":600}"#);
+    let created = |a: Answer| {
+        assert_eq!(a.status, 201, "{:?}", a.body);
+        a.json()["sandboxID"].as_str().unwrap().to_owned()
+    };
+    let node_info = || async {
+        let a = http(addr, "GET", "/v1/node", &auth, "").await;
+        assert_eq!(a.status, 200, "{:?}", a.body);
+        a.json()
+    };
+
+    let a = created(create().await);
+    let b = created(create().await);
+    let third = create().await;
+    assert_eq!(third.status, 503, "{:?}", third.body);
+    let err = third.json();
+    assert_eq!(err["code"], 503);
+    assert_eq!(
+        err["message"],
+        "node over capacity: not enough memory for a sandbox: it needs 256 MiB, \
+         88 MiB of the node's 600 MiB are free; kill or pause sandboxes to make room"
+    );
+    let info = node_info().await;
+    assert_eq!(info["memoryMB"]["used"], 512, "{info}");
+    assert_eq!(info["sandboxes"]["running"], 2, "{info}");
+
+    // A fork of one child does not fit either: refused before the parent is
+    // frozen, nothing held after.
+    let forked = http(
+        addr,
+        "POST",
+        &format!("/sandboxes/{a}/fork"),
+        &auth,
+        r#"{"count":1}"#,
+    )
+    .await;
+    assert_eq!(forked.status, 503, "{:?}", forked.body);
+    assert!(
+        forked.json()["message"]
+            .as_str()
+            .unwrap()
+            .contains("for a fork of 1 child: it needs 256 MiB"),
+        "{:?}",
+        forked.body
+    );
+    let info = node_info().await;
+    assert_eq!(info["memoryMB"]["used"], 512, "{info}");
+    assert_eq!(info["vcpus"]["used"], 2, "{info}");
+    assert_eq!(info["sandboxes"]["starting"], 0, "{info}");
+    assert!(
+        std::fs::read_dir(data.path().join("forks")).map_or(true, |mut d| d.next().is_none()),
+        "a refused fork wrote files"
+    );
+
+    // A kill makes room.
+    let killed = http(addr, "DELETE", &format!("/sandboxes/{b}"), &auth, "").await;
+    assert_eq!(killed.status, 204);
+    assert_eq!(node_info().await["memoryMB"]["used"], 256);
+    let c = created(create().await);
+
+    // So does a pause; the paused sandbox cannot come back while the node
+    // is full.
+    let paused = http(addr, "POST", &format!("/sandboxes/{a}/pause"), &auth, "{}").await;
+    assert_eq!(paused.status, 204, "{:?}", paused.body);
+    let info = node_info().await;
+    assert_eq!(info["memoryMB"]["used"], 256, "{info}");
+    assert_eq!(info["sandboxes"]["paused"], 1, "{info}");
+    let d = created(create().await);
+    let resumed = http(
+        addr,
+        "POST",
+        &format!("/sandboxes/{a}/connect"),
+        &auth,
+        r#"{"timeout":60}"#,
+    )
+    .await;
+    assert_eq!(resumed.status, 503, "{:?}", resumed.body);
+    assert!(
+        resumed.json()["message"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("for resuming sandbox {a}")),
+        "{:?}",
+        resumed.body
+    );
+    // With room again it resumes.
+    let killed = http(addr, "DELETE", &format!("/sandboxes/{d}"), &auth, "").await;
+    assert_eq!(killed.status, 204);
+    let resumed = http(
+        addr,
+        "POST",
+        &format!("/sandboxes/{a}/connect"),
+        &auth,
+        r#"{"timeout":60}"#,
+    )
+    .await;
+    assert_eq!(resumed.status, 201, "{:?}", resumed.body);
+
+    for id in [&a, &c] {
+        let killed = http(addr, "DELETE", &format!("/sandboxes/{id}"), &auth, "").await;
+        assert_eq!(killed.status, 204);
+    }
+    let info = node_info().await;
+    assert_eq!(info["memoryMB"]["used"], 0, "{info}");
+    assert_eq!(info["vcpus"]["used"], 0, "{info}");
+    assert_eq!(info["sandboxes"]["running"], 0, "{info}");
 }

@@ -1,4 +1,5 @@
-"""Bad input: unknown template or sandbox, wrong key, malformed bodies."""
+"""Bad input: unknown template or sandbox, wrong key, malformed bodies, a
+fork beyond the node's capacity."""
 
 import httpx
 import pytest
@@ -8,6 +9,7 @@ from e2b import (
     Sandbox,
     SandboxException,
     SandboxNotFoundException,
+    ServiceBusyException,
 )
 
 from conftest import API_URL, TEMPLATE
@@ -128,3 +130,30 @@ def test_envd_for_unknown_sandbox(sandbox):
     )
     assert r.status_code == 502, f"{r.status_code} {r.text}"
     assert "was not found" in r.text
+
+
+FORK_MAX = 20
+
+
+def test_fork_beyond_node_capacity_is_refused_whole(api, sandbox):
+    # A fork of 20 children that needs more memory or vCPUs than the whole
+    # node has can never fit: refused with 503 before anything starts, so it
+    # takes nothing from the other tests sharing this server. Where the node
+    # could hold 20 children the test would start them: skipped instead.
+    detail = api.get(f"/sandboxes/{sandbox.sandbox_id}").json()
+    before = api.get("/v1/node").json()
+    if (
+        FORK_MAX * detail["memoryMB"] <= before["memoryMB"]["total"]
+        and FORK_MAX * detail["cpuCount"] <= before["vcpus"]["total"]
+    ):
+        pytest.skip(f"this node has room for {FORK_MAX} children: {before}")
+    with pytest.raises(ServiceBusyException) as e:
+        sandbox.fork(count=FORK_MAX, timeout=60)
+    message = str(e.value)
+    assert "over capacity" in message and f"a fork of {FORK_MAX} children" in message, message
+    after = api.get("/v1/node").json()
+    # Nothing held (sandboxes of other tests may have ended meanwhile).
+    assert after["memoryMB"]["used"] <= before["memoryMB"]["used"], (before, after)
+    assert after["vcpus"]["used"] <= before["vcpus"]["used"], (before, after)
+    assert after["sandboxes"]["starting"] == 0, after
+    assert sandbox.is_running()

@@ -36,6 +36,7 @@ impl From<SandboxError> for ApiError {
         let status = match &e {
             SandboxError::NotFound(_) | SandboxError::TemplateNotFound(_) => StatusCode::NOT_FOUND,
             SandboxError::AtCapacity { .. } => StatusCode::TOO_MANY_REQUESTS,
+            SandboxError::OverCapacity(_) => StatusCode::SERVICE_UNAVAILABLE,
             SandboxError::Conflict { .. }
             | SandboxError::InUse { .. }
             | SandboxError::NameTaken(_) => StatusCode::CONFLICT,

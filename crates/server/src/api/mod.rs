@@ -3,6 +3,7 @@
 
 mod error;
 mod list;
+mod node;
 mod observe;
 mod sandboxes;
 mod snapshots;
@@ -56,6 +57,7 @@ pub fn router(state: Shared) -> Router {
         .route("/sandboxes/{id}/logs", get(observe::logs_v1))
         .route("/v2/sandboxes/{id}/logs", get(observe::logs_v2))
         .route("/templates/{id}", delete(snapshots::delete))
+        .route("/v1/node", get(node::node))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,

@@ -15,6 +15,7 @@ use vmm_api::ForkParams;
 use vmm_api::process::ProcessError;
 
 use super::{Manager, SandboxError, io};
+use crate::capacity::Ask;
 use crate::ids;
 use crate::store::{SandboxState, TemplateRecord};
 use crate::template::{self, now_ms};
@@ -120,6 +121,14 @@ impl Manager {
             });
         }
         let _claim = self.claim(id)?;
+        // Room for the memory file it writes (held while it is written).
+        let _room = self.capacity.reserve(
+            Ask {
+                disk_mib: source.memory_mb,
+                ..Ask::default()
+            },
+            &format!("a snapshot of sandbox {id}"),
+        )?;
         let api = {
             let live = self.live();
             let Some(l) = live.get(id) else {

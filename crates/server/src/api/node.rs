@@ -1,0 +1,62 @@
+//! `GET /v1/node` (a sandfork extension): the node's capacity and what is
+//! in use, for `sandfork status` and for operators.
+//!
+//! ```json
+//! {"vcpus": {"total": 32, "used": 2, "free": 30},
+//!  "memoryMB": {"total": 3000, "used": 512, "free": 2488},
+//!  "diskMB": {"total": 250000, "free": 30000, "minFree": 1024},
+//!  "sandboxes": {"running": 2, "paused": 1, "starting": 0, "max": 64},
+//!  "version": "0.1.0", "envdVersion": "0.5.7"}
+//! ```
+//!
+//! `used` counts running sandboxes and those starting (create, resume, fork
+//! children under way); paused ones hold none. `starting` is what holds
+//! capacity without a VMM serving yet (and, for a moment, a sandbox being
+//! paused). Memory is in MiB (E2B's
+//! `memoryMB` means MiB too). `diskMB.free` is what the data directory's
+//! filesystem has available beyond `minFree`, which sandboxes never use.
+
+use axum::Json;
+use axum::extract::State;
+use serde_json::{Value, json};
+
+use super::{ApiError, Shared};
+use crate::store::SandboxState;
+
+pub async fn node(State(state): State<Shared>) -> Result<Json<Value>, ApiError> {
+    let manager = &state.manager;
+    let capacity = manager.capacity();
+    let limits = capacity.limits();
+    let held = capacity.held();
+    let disk = capacity
+        .disk()
+        .map_err(crate::sandbox::SandboxError::from)?;
+    let records = manager.list()?;
+    let count = |s: SandboxState| records.iter().filter(|r| r.state == s).count();
+    let live = manager.live_count();
+    Ok(Json(json!({
+        "vcpus": {
+            "total": limits.vcpus,
+            "used": held.vcpus,
+            "free": limits.vcpus.saturating_sub(held.vcpus),
+        },
+        "memoryMB": {
+            "total": limits.memory_mib,
+            "used": held.memory_mib,
+            "free": limits.memory_mib.saturating_sub(held.memory_mib),
+        },
+        "diskMB": {
+            "total": disk.total_mib,
+            "free": disk.available_mib.saturating_sub(limits.min_free_disk_mib),
+            "minFree": limits.min_free_disk_mib,
+        },
+        "sandboxes": {
+            "running": count(SandboxState::Running),
+            "paused": count(SandboxState::Paused),
+            "starting": held.sandboxes.saturating_sub(live),
+            "max": limits.sandboxes,
+        },
+        "version": env!("CARGO_PKG_VERSION"),
+        "envdVersion": envd_proto::ENVD_VERSION,
+    })))
+}

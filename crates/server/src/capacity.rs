@@ -1,0 +1,713 @@
+//! Node capacity: how many vCPUs, how much memory and disk sandboxes may use,
+//! and the reservations running sandboxes hold against it.
+//!
+//! - **vCPUs**: host CPUs (or `vcpus`) × `vcpu_overcommit`. Idle sandboxes
+//!   use next to no CPU, so the default ratio is generous.
+//! - **Memory**: host `MemTotal` minus a reserve for the host (or
+//!   `memory_mib`) × `memory_overcommit`. At the default ratio of 1.0 every
+//!   guest may touch all of its memory and the host still does not run out;
+//!   restores and forks share memory copy-on-write, so real use is far lower
+//!   and a node that knows its load may raise the ratio.
+//! - **Disk**: not reserved (a sandbox's disk use is not known in advance)
+//!   but checked: an operation that starts or snapshots sandboxes needs room
+//!   for one memory snapshot per sandbox (its memory size: what a pause or a
+//!   snapshot writes at most) beyond `min_free_disk_mib`, counting what the
+//!   operations under way asked for too.
+//!
+//! Each running sandbox, and each create, resume or fork child under way,
+//! holds a [`Reservation`] of its vCPUs and memory (and one of the node's
+//! `max_sandboxes` slots): taken before the slow restore, given back when it
+//! drops (failure, kill, pause). Paused sandboxes hold nothing.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use serde::Serialize;
+
+/// Memory kept for the host when no reserve is configured: the larger of
+/// this and [`DEFAULT_RESERVE_PERCENT`] of `MemTotal`.
+pub const DEFAULT_RESERVE_MEMORY_MIB: u64 = 1024;
+pub const DEFAULT_RESERVE_PERCENT: u64 = 10;
+/// The lab has one CPU and forks of 16 one-vCPU children (plus their
+/// parent and others) must fit.
+pub const DEFAULT_VCPU_OVERCOMMIT: f64 = 32.0;
+pub const DEFAULT_MEMORY_OVERCOMMIT: f64 = 1.0;
+pub const DEFAULT_MIN_FREE_DISK_MIB: u64 = 1024;
+
+/// How the node's capacity is set (the `serve` flags).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CapacityConfig {
+    /// Memory for sandboxes in MiB before overcommit, instead of the host's
+    /// `MemTotal` minus the reserve.
+    pub memory_mib: Option<u64>,
+    /// Memory kept for the host (default: the larger of 1 GiB and 10 %).
+    pub reserve_memory_mib: Option<u64>,
+    pub memory_overcommit: f64,
+    /// vCPUs before overcommit, instead of the host's CPUs.
+    pub vcpus: Option<u64>,
+    pub vcpu_overcommit: f64,
+    /// Disk space on the data directory's filesystem no sandbox may use.
+    pub min_free_disk_mib: u64,
+}
+
+impl Default for CapacityConfig {
+    fn default() -> CapacityConfig {
+        CapacityConfig {
+            memory_mib: None,
+            reserve_memory_mib: None,
+            memory_overcommit: DEFAULT_MEMORY_OVERCOMMIT,
+            vcpus: None,
+            vcpu_overcommit: DEFAULT_VCPU_OVERCOMMIT,
+            min_free_disk_mib: DEFAULT_MIN_FREE_DISK_MIB,
+        }
+    }
+}
+
+/// What the node lets sandboxes use, computed once at start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Limits {
+    pub vcpus: u64,
+    pub memory_mib: u64,
+    pub sandboxes: usize,
+    pub min_free_disk_mib: u64,
+}
+
+impl Limits {
+    /// From the host (`/proc/meminfo`, the CPUs this process may run on)
+    /// and the overrides in `config`.
+    pub fn detect(config: &CapacityConfig, max_sandboxes: usize) -> Limits {
+        let memory = config
+            .memory_mib
+            .unwrap_or_else(|| match host_memory_mib() {
+                Ok(total) => {
+                    let reserve = config.reserve_memory_mib.unwrap_or_else(|| {
+                        DEFAULT_RESERVE_MEMORY_MIB.max(total * DEFAULT_RESERVE_PERCENT / 100)
+                    });
+                    total.saturating_sub(reserve)
+                }
+                Err(e) => {
+                    // Without it nothing can be promised; refuse nothing either.
+                    tracing::warn!("reading /proc/meminfo: {e}; memory is not limited");
+                    u64::MAX
+                }
+            });
+        let cpus = config
+            .vcpus
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u64));
+        Limits {
+            vcpus: scale(cpus, config.vcpu_overcommit),
+            memory_mib: scale(memory, config.memory_overcommit),
+            sandboxes: max_sandboxes,
+            min_free_disk_mib: config.min_free_disk_mib,
+        }
+    }
+}
+
+/// `value × ratio`, rounded down; a ratio that is not a positive number is 1.
+fn scale(value: u64, ratio: f64) -> u64 {
+    if value == u64::MAX {
+        return value;
+    }
+    let ratio = if ratio.is_finite() && ratio > 0.0 {
+        ratio
+    } else {
+        tracing::warn!("overcommit ratio {ratio} is not a positive number; using 1");
+        1.0
+    };
+    // `as` saturates: a huge product is u64::MAX, not a wrap.
+    (value as f64 * ratio).floor() as u64
+}
+
+/// The host's `MemTotal` in MiB.
+pub fn host_memory_mib() -> std::io::Result<u64> {
+    parse_mem_total(&std::fs::read_to_string("/proc/meminfo")?)
+        .ok_or_else(|| std::io::Error::other("no MemTotal line"))
+}
+
+fn parse_mem_total(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line
+        .trim_start_matches("MemTotal:")
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib / 1024)
+}
+
+/// The data directory's filesystem, in MiB.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct DiskSpace {
+    pub total_mib: u64,
+    /// Available to unprivileged users (`f_bavail`).
+    pub available_mib: u64,
+}
+
+impl DiskSpace {
+    pub fn of(path: &std::path::Path) -> std::io::Result<DiskSpace> {
+        let st = rustix::fs::statvfs(path).map_err(std::io::Error::from)?;
+        let mib = |blocks: u64| blocks.saturating_mul(st.f_frsize) / (1024 * 1024);
+        Ok(DiskSpace {
+            total_mib: mib(st.f_blocks),
+            available_mib: mib(st.f_bavail),
+        })
+    }
+}
+
+/// An amount of each resource: asked for, held, or in use.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Ask {
+    /// Slots counted against `max_sandboxes`.
+    pub sandboxes: usize,
+    pub vcpus: u64,
+    pub memory_mib: u64,
+    /// Disk the operation needs free while it runs (not held after).
+    pub disk_mib: u64,
+}
+
+impl Ask {
+    /// One sandbox of `vcpus` and `memory_mib`, with room for its memory snapshot.
+    pub fn sandbox(vcpus: u64, memory_mib: u64) -> Ask {
+        Ask {
+            sandboxes: 1,
+            vcpus,
+            memory_mib,
+            disk_mib: memory_mib,
+        }
+    }
+
+    /// `n` of these.
+    pub fn times(self, n: u64) -> Ask {
+        Ask {
+            sandboxes: self.sandboxes.saturating_mul(n as usize),
+            vcpus: self.vcpus.saturating_mul(n),
+            memory_mib: self.memory_mib.saturating_mul(n),
+            disk_mib: self.disk_mib.saturating_mul(n),
+        }
+    }
+
+    fn add(&mut self, o: Ask) {
+        self.sandboxes = self.sandboxes.saturating_add(o.sandboxes);
+        self.vcpus = self.vcpus.saturating_add(o.vcpus);
+        self.memory_mib = self.memory_mib.saturating_add(o.memory_mib);
+        self.disk_mib = self.disk_mib.saturating_add(o.disk_mib);
+    }
+
+    fn sub(&mut self, o: Ask) {
+        self.sandboxes = self.sandboxes.saturating_sub(o.sandboxes);
+        self.vcpus = self.vcpus.saturating_sub(o.vcpus);
+        self.memory_mib = self.memory_mib.saturating_sub(o.memory_mib);
+        self.disk_mib = self.disk_mib.saturating_sub(o.disk_mib);
+    }
+
+    /// Each resource of `self`, at most `o`'s.
+    fn min(self, o: Ask) -> Ask {
+        Ask {
+            sandboxes: self.sandboxes.min(o.sandboxes),
+            vcpus: self.vcpus.min(o.vcpus),
+            memory_mib: self.memory_mib.min(o.memory_mib),
+            disk_mib: self.disk_mib.min(o.disk_mib),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resource {
+    Vcpus,
+    Memory,
+    Disk,
+}
+
+impl Resource {
+    fn unit(self) -> &'static str {
+        match self {
+            Resource::Vcpus => "vCPUs",
+            Resource::Memory | Resource::Disk => "MiB",
+        }
+    }
+}
+
+impl std::fmt::Display for Resource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Resource::Vcpus => "vCPUs",
+            Resource::Memory => "memory",
+            Resource::Disk => "disk space",
+        })
+    }
+}
+
+/// Not enough of one resource for an operation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shortage {
+    pub resource: Resource,
+    /// What is asked for: "a sandbox", "a fork of 4 children", ...
+    pub what: String,
+    pub asked: u64,
+    pub free: u64,
+    pub total: u64,
+}
+
+impl std::fmt::Display for Shortage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Shortage {
+            resource,
+            what,
+            asked,
+            free,
+            total,
+        } = self;
+        let unit = resource.unit();
+        write!(
+            f,
+            "node over capacity: not enough {resource} for {what}: it needs {asked} {unit}"
+        )?;
+        if *resource == Resource::Disk {
+            write!(
+                f,
+                " free (room for its memory snapshots), {free} {unit} are free \
+                 of {total} {unit} beyond what the node keeps free"
+            )
+        } else {
+            write!(
+                f,
+                ", {free} {unit} of the node's {total} {unit} are free; \
+                 kill or pause sandboxes to make room"
+            )
+        }
+    }
+}
+
+impl std::error::Error for Shortage {}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CapacityError {
+    /// The node's count limit (`max_sandboxes`).
+    #[error(
+        "this node runs at most {max} sandboxes: {running} are running or starting, \
+         {asked} more asked for"
+    )]
+    TooMany {
+        running: usize,
+        asked: usize,
+        max: usize,
+    },
+    #[error(transparent)]
+    Short(#[from] Shortage),
+    #[error("reading the free space of {path}: {source}")]
+    Disk {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The node's limits and what reservations hold of them.
+#[derive(Debug)]
+pub struct Capacity {
+    limits: Limits,
+    /// Its filesystem is where snapshots and disk layers go.
+    data_dir: PathBuf,
+    held: Mutex<Ask>,
+}
+
+impl Capacity {
+    pub fn new(limits: Limits, data_dir: PathBuf) -> Arc<Capacity> {
+        Arc::new(Capacity {
+            limits,
+            data_dir,
+            held: Mutex::new(Ask::default()),
+        })
+    }
+
+    fn held_lock(&self) -> MutexGuard<'_, Ask> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// What all reservations hold now (`disk_mib`: asked by operations under way).
+    pub fn held(&self) -> Ask {
+        *self.held_lock()
+    }
+
+    pub fn disk(&self) -> Result<DiskSpace, CapacityError> {
+        DiskSpace::of(&self.data_dir).map_err(|source| CapacityError::Disk {
+            path: self.data_dir.clone(),
+            source,
+        })
+    }
+
+    /// Reserves `ask` for `what` (named in the error), all or nothing.
+    pub fn reserve(self: &Arc<Self>, ask: Ask, what: &str) -> Result<Reservation, CapacityError> {
+        // Read outside the lock: it is a syscall, on a network filesystem in the lab.
+        let disk = if ask.disk_mib > 0 {
+            Some(self.disk()?)
+        } else {
+            None
+        };
+        let mut held = self.held_lock();
+        check(&self.limits, &held, &ask, disk, what)?;
+        held.add(ask);
+        Ok(Reservation {
+            capacity: self.clone(),
+            held: ask,
+        })
+    }
+
+    /// Holds `ask` without checking the limits: for sandboxes that already
+    /// run (adopted after a restart), which must be counted even when the
+    /// node's limits shrank. No disk room is held (nothing is being written).
+    pub fn hold(self: &Arc<Self>, ask: Ask) -> Reservation {
+        let ask = Ask { disk_mib: 0, ..ask };
+        self.held_lock().add(ask);
+        Reservation {
+            capacity: self.clone(),
+            held: ask,
+        }
+    }
+}
+
+/// Whether `ask` fits beside `held`; the first resource short, else.
+fn check(
+    limits: &Limits,
+    held: &Ask,
+    ask: &Ask,
+    disk: Option<DiskSpace>,
+    what: &str,
+) -> Result<(), CapacityError> {
+    if held.sandboxes.saturating_add(ask.sandboxes) > limits.sandboxes {
+        return Err(CapacityError::TooMany {
+            running: held.sandboxes,
+            asked: ask.sandboxes,
+            max: limits.sandboxes,
+        });
+    }
+    let short = |resource, asked: u64, held: u64, total: u64| {
+        let free = total.saturating_sub(held);
+        (asked > free).then(|| Shortage {
+            resource,
+            what: what.to_owned(),
+            asked,
+            free,
+            total,
+        })
+    };
+    let shortage = short(Resource::Vcpus, ask.vcpus, held.vcpus, limits.vcpus)
+        .or_else(|| {
+            short(
+                Resource::Memory,
+                ask.memory_mib,
+                held.memory_mib,
+                limits.memory_mib,
+            )
+        })
+        .or_else(|| {
+            let disk = disk?;
+            let usable = disk.available_mib.saturating_sub(limits.min_free_disk_mib);
+            short(Resource::Disk, ask.disk_mib, held.disk_mib, usable).map(|mut s| {
+                s.total = disk.total_mib.saturating_sub(limits.min_free_disk_mib);
+                s
+            })
+        });
+    match shortage {
+        Some(s) => Err(s.into()),
+        None => Ok(()),
+    }
+}
+
+/// Resources held for a sandbox (or an operation); given back on drop.
+#[derive(Debug)]
+pub struct Reservation {
+    capacity: Arc<Capacity>,
+    held: Ask,
+}
+
+impl Reservation {
+    pub fn held(&self) -> Ask {
+        self.held
+    }
+
+    /// Moves `part` (at most what this holds) into a reservation of its own.
+    pub fn split(&mut self, part: Ask) -> Reservation {
+        let part = part.min(self.held);
+        self.held.sub(part);
+        Reservation {
+            capacity: self.capacity.clone(),
+            held: part,
+        }
+    }
+
+    /// Gives back the disk room asked for: the operation's files are written.
+    pub fn settle_disk(&mut self) {
+        let disk = Ask {
+            disk_mib: self.held.disk_mib,
+            ..Ask::default()
+        };
+        drop(self.split(disk));
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.capacity.held_lock().sub(self.held);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(vcpus: u64, memory_mib: u64, sandboxes: usize) -> Limits {
+        Limits {
+            vcpus,
+            memory_mib,
+            sandboxes,
+            min_free_disk_mib: 0,
+        }
+    }
+
+    fn node(vcpus: u64, memory_mib: u64, sandboxes: usize) -> Arc<Capacity> {
+        let dir = std::env::temp_dir();
+        Capacity::new(limits(vcpus, memory_mib, sandboxes), dir)
+    }
+
+    /// A sandbox that asks for no disk room (the tests of disk give it).
+    fn guest(vcpus: u64, memory_mib: u64) -> Ask {
+        Ask {
+            disk_mib: 0,
+            ..Ask::sandbox(vcpus, memory_mib)
+        }
+    }
+
+    fn shortage(e: CapacityError) -> Shortage {
+        match e {
+            CapacityError::Short(s) => s,
+            other => panic!("not a shortage: {other}"),
+        }
+    }
+
+    #[test]
+    fn meminfo_total_is_read_in_mib() {
+        let text = "MemTotal:       24592684 kB\nMemFree:  100 kB\n";
+        assert_eq!(parse_mem_total(text), Some(24016));
+        assert_eq!(parse_mem_total("MemFree: 1 kB\n"), None);
+        assert_eq!(parse_mem_total("MemTotal: lots kB\n"), None);
+        assert!(host_memory_mib().unwrap() > 0);
+    }
+
+    #[test]
+    fn limits_apply_overrides_and_ratios() {
+        let config = CapacityConfig {
+            memory_mib: Some(600),
+            vcpus: Some(2),
+            vcpu_overcommit: 1.5,
+            memory_overcommit: 2.0,
+            ..CapacityConfig::default()
+        };
+        let l = Limits::detect(&config, 7);
+        assert_eq!((l.vcpus, l.memory_mib, l.sandboxes), (3, 1200, 7));
+        // From the host: MemTotal minus the default reserve, at ratio 1.
+        let host = host_memory_mib().unwrap();
+        let l = Limits::detect(&CapacityConfig::default(), 64);
+        let reserve = DEFAULT_RESERVE_MEMORY_MIB.max(host / 10);
+        assert_eq!(l.memory_mib, host.saturating_sub(reserve));
+        let cpus = std::thread::available_parallelism().unwrap().get() as u64;
+        assert_eq!(l.vcpus, cpus * 32);
+        let l = Limits::detect(
+            &CapacityConfig {
+                reserve_memory_mib: Some(0),
+                ..CapacityConfig::default()
+            },
+            64,
+        );
+        assert_eq!(l.memory_mib, host);
+        assert_eq!(scale(10, f64::NAN), 10);
+        assert_eq!(scale(10, 0.25), 2);
+        assert_eq!(scale(u64::MAX, 2.0), u64::MAX);
+    }
+
+    #[test]
+    fn reservations_are_given_back_on_drop() {
+        let cap = node(4, 600, 10);
+        let a = cap.reserve(guest(1, 256), "a sandbox").unwrap();
+        let b = cap.reserve(guest(1, 256), "a sandbox").unwrap();
+        let e = shortage(cap.reserve(guest(1, 256), "a sandbox").unwrap_err());
+        assert_eq!(
+            (e.resource, e.asked, e.free, e.total),
+            (Resource::Memory, 256, 88, 600)
+        );
+        assert_eq!(cap.held().memory_mib, 512);
+        drop(a);
+        assert_eq!(cap.held().memory_mib, 256);
+        let c = cap.reserve(guest(1, 256), "a sandbox").unwrap();
+        drop((b, c));
+        assert_eq!(cap.held(), Ask::default());
+    }
+
+    #[test]
+    fn the_count_limit_comes_first_and_is_its_own_error() {
+        let cap = node(1, 100, 1);
+        let _a = cap.reserve(guest(1, 100), "a sandbox").unwrap();
+        match cap.reserve(guest(1, 100), "a sandbox").unwrap_err() {
+            CapacityError::TooMany {
+                running: 1,
+                asked: 1,
+                max: 1,
+            } => {}
+            other => panic!("{other}"),
+        }
+    }
+
+    #[test]
+    fn vcpus_are_checked() {
+        let cap = node(2, 10_000, 10);
+        let _a = cap.reserve(guest(2, 1), "a sandbox").unwrap();
+        let e = shortage(cap.reserve(guest(1, 1), "a sandbox").unwrap_err());
+        assert_eq!(
+            (e.resource, e.asked, e.free, e.total),
+            (Resource::Vcpus, 1, 0, 2)
+        );
+    }
+
+    #[test]
+    fn concurrent_reservations_never_exceed_the_limit() {
+        let cap = node(1000, 1000, 1000);
+        let granted = std::sync::Mutex::new(Vec::new());
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| {
+                    for _ in 0..50 {
+                        if let Ok(r) = cap.reserve(guest(1, 7), "a sandbox") {
+                            assert!(cap.held().memory_mib <= 1000);
+                            granted.lock().unwrap().push(r);
+                        }
+                    }
+                });
+            }
+        });
+        let granted = granted.into_inner().unwrap();
+        // 1000 / 7: exactly as many as fit, never one more.
+        assert_eq!(granted.len(), 142);
+        assert_eq!(cap.held().memory_mib, 142 * 7);
+        // Released from many threads too.
+        std::thread::scope(|s| {
+            let mut granted = granted;
+            while !granted.is_empty() {
+                let chunk: Vec<_> = granted.drain(..granted.len().min(20)).collect();
+                s.spawn(move || drop(chunk));
+            }
+        });
+        assert_eq!(cap.held(), Ask::default());
+    }
+
+    #[test]
+    fn a_fork_is_reserved_whole_and_split_per_child() {
+        let cap = node(100, 1000, 100);
+        let _parent = cap.reserve(guest(1, 256), "a sandbox").unwrap();
+        // 4 × 256 does not fit beside the parent: nothing is taken.
+        let e = shortage(
+            cap.reserve(guest(1, 256).times(4), "a fork of 4 children")
+                .unwrap_err(),
+        );
+        assert_eq!((e.asked, e.free), (1024, 744));
+        assert_eq!(cap.held().memory_mib, 256);
+        let mut all = cap
+            .reserve(guest(1, 256).times(2), "a fork of 2 children")
+            .unwrap();
+        let one = all.split(guest(1, 256));
+        let two = all.split(guest(1, 256));
+        assert_eq!(all.held(), Ask::default());
+        drop(all);
+        assert_eq!(cap.held().memory_mib, 768);
+        // A child that fails gives its share back; the other keeps it.
+        drop(one);
+        assert_eq!(cap.held().memory_mib, 512);
+        assert_eq!(cap.held().sandboxes, 2);
+        drop(two);
+        // Splitting more than is held takes only what is there.
+        let mut r = cap.reserve(guest(1, 10), "a sandbox").unwrap();
+        let big = r.split(guest(5, 500));
+        assert_eq!(big.held(), guest(1, 10));
+    }
+
+    #[test]
+    fn disk_needs_room_beyond_the_minimum_and_the_operations_under_way() {
+        let l = Limits {
+            min_free_disk_mib: 1000,
+            ..limits(10, 10_000, 10)
+        };
+        let disk = Some(DiskSpace {
+            total_mib: 10_000,
+            available_mib: 1600,
+        });
+        let ask = Ask::sandbox(1, 256);
+        check(&l, &Ask::default(), &ask, disk, "a sandbox").unwrap();
+        let under_way = Ask {
+            disk_mib: 400,
+            ..Ask::default()
+        };
+        let e = shortage(check(&l, &under_way, &ask, disk, "a sandbox").unwrap_err());
+        assert_eq!(
+            (e.resource, e.asked, e.free, e.total),
+            (Resource::Disk, 256, 200, 9000)
+        );
+        // No disk asked for: no disk read, no disk check.
+        check(&l, &under_way, &guest(1, 256), None, "a sandbox").unwrap();
+    }
+
+    #[test]
+    fn disk_room_is_held_only_while_the_operation_runs() {
+        let cap = node(10, 10_000, 10);
+        let mut r = cap.reserve(Ask::sandbox(1, 256), "a sandbox").unwrap();
+        assert_eq!(cap.held().disk_mib, 256);
+        r.settle_disk();
+        assert_eq!(cap.held().disk_mib, 0);
+        assert_eq!(cap.held().memory_mib, 256);
+        // The real filesystem answers.
+        let d = cap.disk().unwrap();
+        assert!(d.total_mib > 0 && d.available_mib <= d.total_mib);
+    }
+
+    #[test]
+    fn messages_say_what_how_much_and_what_is_free() {
+        let cap = node(16, 600, 10);
+        let _a = cap.reserve(guest(1, 512), "a sandbox").unwrap();
+        let e = cap
+            .reserve(guest(1, 256).times(2), "a fork of 2 children")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "node over capacity: not enough memory for a fork of 2 children: it needs 512 MiB, \
+             88 MiB of the node's 600 MiB are free; kill or pause sandboxes to make room"
+        );
+        let disk = Shortage {
+            resource: Resource::Disk,
+            what: "a sandbox".into(),
+            asked: 256,
+            free: 10,
+            total: 9000,
+        }
+        .to_string();
+        assert!(
+            disk.contains("not enough disk space for a sandbox: it needs 256 MiB free"),
+            "{disk}"
+        );
+        assert!(disk.contains("10 MiB are free of 9000 MiB"), "{disk}");
+    }
+
+    #[test]
+    fn hold_counts_without_checking() {
+        let cap = node(1, 100, 1);
+        let a = cap.hold(Ask::sandbox(4, 400));
+        assert_eq!(cap.held().vcpus, 4);
+        assert_eq!(cap.held().disk_mib, 0);
+        assert!(cap.reserve(guest(1, 1), "a sandbox").is_err());
+        drop(a);
+        cap.reserve(guest(1, 1), "a sandbox").unwrap();
+    }
+}
