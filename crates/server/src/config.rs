@@ -24,6 +24,12 @@ pub struct Config {
     pub max_sandboxes: usize,
     /// The longest lifetime a create or timeout may ask for.
     pub max_timeout: Duration,
+    /// The static guest agent binary that template builds install as init
+    /// (`SANDFORK_AGENT`); without it `POST /templates` answers 503.
+    pub agent: Option<PathBuf>,
+    /// Where template builds cache root filesystems (and the base tree);
+    /// `$SANDFORK_CACHE` or `/var/cache/sandfork` when None.
+    pub build_cache: Option<PathBuf>,
 }
 
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/sandfork";
@@ -41,6 +47,8 @@ impl Config {
             mem_mib: 256,
             max_sandboxes: 64,
             max_timeout: Duration::from_secs(24 * 3600),
+            agent: None,
+            build_cache: None,
         }
     }
 

@@ -43,12 +43,14 @@ pub enum SandboxError {
     AtCapacity { running: usize },
     #[error("sandbox {id} is {state}")]
     Conflict { id: String, state: &'static str },
-    #[error("snapshot {id} is in use by {users}")]
+    #[error("template {id} is in use by {users}")]
     InUse { id: String, users: String },
     #[error("{0}")]
     Invalid(String),
-    #[error("a snapshot named {0} exists")]
+    #[error("a template or snapshot named {0} exists")]
     NameTaken(String),
+    #[error("{0}")]
+    Unavailable(String),
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error("{what}: {source}")]
@@ -140,6 +142,10 @@ impl Manager {
 
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
     }
 
     pub fn template(&self) -> &TemplateRecord {
@@ -271,7 +277,8 @@ impl Manager {
             .await?;
 
         let mut uses_snapshots = template.uses_snapshots.clone();
-        if template.is_snapshot() {
+        // Its memory maps the template's file: only base is never deleted.
+        if template.id != self.template.id {
             uses_snapshots.push(template.id.clone());
         }
         let started = now_ms();

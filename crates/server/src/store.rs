@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 const SANDBOXES: TableDefinition<&str, &[u8]> = TableDefinition::new("sandboxes");
 const TEMPLATES: TableDefinition<&str, &[u8]> = TableDefinition::new("templates");
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
+const BUILDS: TableDefinition<&str, &[u8]> = TableDefinition::new("builds");
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -137,6 +138,45 @@ impl TemplateRecord {
     }
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BuildStatus {
+    Building,
+    Ready,
+    Error,
+}
+
+impl BuildStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BuildStatus::Building => "building",
+            BuildStatus::Ready => "ready",
+            BuildStatus::Error => "error",
+        }
+    }
+}
+
+/// A template build (`POST /templates`), keyed by the template id it makes.
+/// The template's own record is written only when the build is ready, in the
+/// same transaction that marks it so.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BuildRecord {
+    pub template_id: String,
+    pub build_id: String,
+    pub name: String,
+    /// What it is built from, for people (`debian packages jq, curl`).
+    pub source: String,
+    pub vcpus: u8,
+    pub mem_mib: u64,
+    pub status: BuildStatus,
+    /// Why it failed, when it did.
+    pub reason: Option<String>,
+    pub started_at_ms: u64,
+    pub finished_at_ms: Option<u64>,
+    /// The build's log (its tail, when long); written when it ends.
+    pub log: Vec<String>,
+}
+
 pub struct Store {
     db: redb::Database,
 }
@@ -146,7 +186,7 @@ impl Store {
     pub fn open(path: &Path) -> Result<Store, StoreError> {
         let db = redb::Database::create(path).map_err(db_err)?;
         let tx = db.begin_write().map_err(db_err)?;
-        for table in [SANDBOXES, TEMPLATES, META] {
+        for table in [SANDBOXES, TEMPLATES, META, BUILDS] {
             tx.open_table(table).map_err(db_err)?;
         }
         tx.commit().map_err(db_err)?;
@@ -271,6 +311,42 @@ impl Store {
             .iter()
             .map(|b| decode(b, "template"))
             .collect()
+    }
+
+    pub fn put_build(&self, b: &BuildRecord) -> Result<(), StoreError> {
+        self.put(BUILDS, &b.template_id, &encode(b))
+    }
+
+    pub fn build(&self, template_id: &str) -> Result<Option<BuildRecord>, StoreError> {
+        self.get(BUILDS, template_id)?
+            .map(|b| decode(&b, "build"))
+            .transpose()
+    }
+
+    pub fn builds(&self) -> Result<Vec<BuildRecord>, StoreError> {
+        self.all(BUILDS)?
+            .iter()
+            .map(|b| decode(b, "build"))
+            .collect()
+    }
+
+    pub fn remove_build(&self, template_id: &str) -> Result<bool, StoreError> {
+        self.remove(BUILDS, template_id)
+    }
+
+    /// Records a finished build and its template in one transaction, so a
+    /// crash leaves either both or neither.
+    pub fn finish_build(&self, t: &TemplateRecord, b: &BuildRecord) -> Result<(), StoreError> {
+        let tx = self.db.begin_write().map_err(db_err)?;
+        tx.open_table(TEMPLATES)
+            .map_err(db_err)?
+            .insert(t.id.as_str(), encode(t).as_slice())
+            .map_err(db_err)?;
+        tx.open_table(BUILDS)
+            .map_err(db_err)?
+            .insert(b.template_id.as_str(), encode(b).as_slice())
+            .map_err(db_err)?;
+        tx.commit().map_err(db_err)
     }
 
     pub fn put_meta(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
