@@ -424,6 +424,61 @@ mod tests {
     }
 
     #[test]
+    fn a_build_and_its_template_are_recorded_together() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("s.redb")).unwrap();
+        let mut b = BuildRecord {
+            template_id: "t1".into(),
+            build_id: "b1".into(),
+            name: "jq".into(),
+            source: "debian packages jq".into(),
+            vcpus: 1,
+            mem_mib: 256,
+            status: BuildStatus::Building,
+            reason: None,
+            started_at_ms: 1,
+            finished_at_ms: None,
+            log: Vec::new(),
+        };
+        store.put_build(&b).unwrap();
+        assert_eq!(store.template("t1").unwrap(), None);
+        b.status = BuildStatus::Ready;
+        let t = TemplateRecord {
+            id: "t1".into(),
+            names: vec!["jq".into()],
+            ..base_template()
+        };
+        store.finish_build(&t, &b).unwrap();
+        assert_eq!(store.template("t1").unwrap(), Some(t));
+        assert_eq!(store.builds().unwrap(), vec![b]);
+        assert!(store.remove_build("t1").unwrap());
+        assert_eq!(store.build("t1").unwrap(), None);
+    }
+
+    fn base_template() -> TemplateRecord {
+        TemplateRecord {
+            id: "base".into(),
+            dir: "/t".into(),
+            snapshot: "/t/vm.state".into(),
+            mem: "/t/vm.mem".into(),
+            root_layer: "/t/root.layer".into(),
+            root_drive_id: "rootfs".into(),
+            kernel: "/k".into(),
+            rootfs: "/r".into(),
+            vcpus: 1,
+            mem_mib: 256,
+            disk_size_mb: 2048,
+            created_at_ms: 5,
+            source_sandbox: None,
+            names: Vec::new(),
+            agent_token: None,
+            env_vars: BTreeMap::new(),
+            uses_snapshots: Vec::new(),
+            uses_dirs: Vec::new(),
+        }
+    }
+
+    #[test]
     fn templates_round_trip() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("s.redb")).unwrap();

@@ -644,18 +644,7 @@ async fn template_from_an_oci_image_with_start_and_ready_commands() {
     let started = started.json();
     let id = started["templateID"].as_str().unwrap().to_owned();
     let build = started["buildID"].as_str().unwrap().to_owned();
-    let status_path = format!("/templates/{id}/builds/{build}/status");
-    let status = loop {
-        let s = http(addr, "GET", &status_path, &auth, "").await.json();
-        if s["status"] != "building" {
-            break s;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(900),
-            "still building: {s}"
-        );
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    };
+    let status = wait_for_build(addr, &auth, &id, &build).await;
     eprintln!(
         "template built in {:?} (lab: emulated); log:\n{}",
         t0.elapsed(),
@@ -721,11 +710,64 @@ async fn template_from_an_oci_image_with_start_and_ready_commands() {
     // The kernel keeps some for itself: more than base's 256 MiB, at most 384.
     assert!(kib > 300 * 1024 && kib <= 384 * 1024, "{meminfo}");
 
+    // A template from the running sandbox: its start and ready commands run
+    // in it, then it is snapshotted (and runs on).
+    let t = Instant::now();
+    let live = http(
+        addr,
+        "POST",
+        "/templates",
+        &auth,
+        json!({
+            "name": "lab-bb-live",
+            "from": {"sandbox": sid},
+            "start_cmd": "echo live > /tmp/live; exec sleep 86401",
+            "ready_cmd": "test -s /tmp/live",
+        })
+        .to_string(),
+    )
+    .await;
+    assert_eq!(live.status, 202, "{:?}", live.body);
+    let live = live.json();
+    let live_id = live["templateID"].as_str().unwrap().to_owned();
+    let status = wait_for_build(addr, &auth, &live_id, live["buildID"].as_str().unwrap()).await;
+    assert_eq!(status["status"], "ready", "{status}");
+    eprintln!("template from a sandbox built in {:?}", t.elapsed());
+    let made = http(
+        addr,
+        "POST",
+        "/v2/sandboxes",
+        &auth,
+        json!({"templateID": "lab-bb-live", "timeout": 300}).to_string(),
+    )
+    .await;
+    assert_eq!(made.status, 201, "{:?}", made.body);
+    let made = made.json();
+    let sid2 = made["sandboxID"].as_str().unwrap().to_owned();
+    let token2 = made["envdAccessToken"].as_str().unwrap().to_owned();
+    let routing2 = [
+        ("e2b-sandbox-id", sid2.as_str()),
+        ("x-access-token", token2.as_str()),
+    ];
+    let (code, out) = run_in(addr, &routing2, "/bin/sh", "cat /tmp/live /etc/marker").await;
+    assert_eq!((code, out), (0, format!("live\n{}", common::MARKER)));
+    // Both start commands run: the image template's and the sandbox's.
+    let (_, pids) = run_in(addr, &routing2, "/bin/sh", "pidof sleep").await;
+    assert_eq!(pids.split_whitespace().count(), 2, "{pids}");
+    let killed = http(addr, "DELETE", &format!("/sandboxes/{sid2}"), &auth, "").await;
+    assert_eq!(killed.status, 204);
+
     let refused = http(addr, "DELETE", "/templates/lab-bb", &auth, "").await;
     assert_eq!(refused.status, 409, "{:?}", refused.body);
     assert!(String::from_utf8_lossy(&refused.body).contains(&sid));
     let killed = http(addr, "DELETE", &format!("/sandboxes/{sid}"), &auth, "").await;
     assert_eq!(killed.status, 204);
+    // The snapshot's memory stacks on the template's.
+    let refused = http(addr, "DELETE", "/templates/lab-bb", &auth, "").await;
+    assert_eq!(refused.status, 409, "{:?}", refused.body);
+    assert!(String::from_utf8_lossy(&refused.body).contains(&live_id));
+    let deleted = http(addr, "DELETE", "/templates/lab-bb-live", &auth, "").await;
+    assert_eq!(deleted.status, 204, "{:?}", deleted.body);
     let deleted = http(addr, "DELETE", "/templates/lab-bb", &auth, "").await;
     assert_eq!(deleted.status, 204, "{:?}", deleted.body);
     assert!(!data.path().join("templates").join(&id).exists());
@@ -738,4 +780,26 @@ async fn template_from_an_oci_image_with_start_and_ready_commands() {
     )
     .await;
     assert_eq!(gone.status, 404);
+}
+
+/// Polls a template build's status until it is no longer `building`.
+async fn wait_for_build(
+    addr: std::net::SocketAddr,
+    auth: &[(&str, &str)],
+    id: &str,
+    build: &str,
+) -> Value {
+    let path = format!("/templates/{id}/builds/{build}/status");
+    let t0 = Instant::now();
+    loop {
+        let s = http(addr, "GET", &path, auth, "").await.json();
+        if s["status"] != "building" {
+            return s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(900),
+            "still building: {s}"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
 }
