@@ -28,6 +28,7 @@ cat >target/sandfork.env <<ENV
 SANDFORK_KERNEL=$kernel
 SANDFORK_ROOTFS=$rootfs
 SANDFORK_VMM=$root/target/debug/sandfork-vmm
+SANDFORK_AGENT=$agent
 ENV
 log "kernel $kernel"
 log "rootfs $rootfs"

@@ -29,6 +29,10 @@ pub struct ServeArgs {
     /// Running sandboxes at most (creates beyond answer 429).
     #[arg(long, default_value_t = 64)]
     max_sandboxes: usize,
+    /// The static guest agent that template builds install as init
+    /// (without it `POST /templates` answers 503 for image sources).
+    #[arg(long, env = "SANDFORK_AGENT")]
+    agent: Option<PathBuf>,
     /// Memory of the KVM lab machine in MiB, when one is needed.
     #[arg(long, default_value_t = 4096)]
     lab_memory: u32,
@@ -136,6 +140,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     config.capacity = args.capacity.config();
     config.vcpus = args.image.vcpus;
     config.mem_mib = args.image.mem_mib;
+    config.agent = args.agent.clone();
     // Bind first: a taken port fails before the template is built.
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -182,8 +187,18 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
         .arg("--forward")
         .arg(format!("{}:{port}:{port}", args.listen.ip()))
         .arg("--rw")
-        .arg(&data_dir)
-        .arg("--")
+        .arg(&data_dir);
+    // Template builds write their cache (the base tree, built root
+    // filesystems) there; the lab's host root is read-only.
+    let cache = std::env::var_os("SANDFORK_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/cache/sandfork"));
+    if let Ok(cache) = std::fs::canonicalize(&cache)
+        && !data_dir.starts_with(&cache)
+    {
+        cmd.arg("--rw").arg(cache);
+    }
+    cmd.arg("--")
         .arg(std::env::current_exe()?)
         .arg("serve")
         .arg("--listen")
@@ -206,6 +221,9 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
         .arg("--mem-mib")
         .arg(image.mem_mib.to_string())
         .arg("--in-lab");
+    if let Some(agent) = &args.agent {
+        cmd.arg("--agent").arg(agent);
+    }
     eprintln!(
         "sandfork serve: this host's KVM cannot boot Linux; running in the KVM lab (emulated, slow), \
          reachable at http://{} (the lab's own address below is forwarded there)",

@@ -33,6 +33,12 @@ pub struct Config {
     /// Where VMM processes keep their sockets and logs; `None` for a
     /// directory under `/run/sandfork` named for the data dir (see [`Config::run_dir`]).
     pub run_dir: Option<PathBuf>,
+    /// The static guest agent binary that template builds install as init
+    /// (`SANDFORK_AGENT`); without it `POST /templates` answers 503.
+    pub agent: Option<PathBuf>,
+    /// Where template builds cache root filesystems (and the base tree);
+    /// `$SANDFORK_CACHE` or `/var/cache/sandfork` when None.
+    pub build_cache: Option<PathBuf>,
 }
 
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/sandfork";
@@ -53,6 +59,8 @@ impl Config {
             capacity: CapacityConfig::default(),
             max_timeout: Duration::from_secs(24 * 3600),
             run_dir: None,
+            agent: None,
+            build_cache: None,
         }
     }
 

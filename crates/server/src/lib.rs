@@ -80,6 +80,10 @@ impl Server {
         let template = template::ensure_base(&config, &store, &pool).await?;
         let manager = sandbox::Manager::new(config.clone(), store, pool, template);
         manager.recover().await;
+        let templates = template::Templates::new(manager.clone());
+        if let Err(e) = templates.recover() {
+            tracing::warn!("recovering template builds: {e}");
+        }
         match manager.collect_garbage().await {
             Ok(s) => tracing::info!(
                 "gc at start: removed {} directories and {} disk layers",
@@ -92,7 +96,11 @@ impl Server {
         manager.clone().start_reaper();
         manager.clone().start_observer();
         Ok(Server {
-            state: Arc::new(api::AppState { manager, keys }),
+            state: Arc::new(api::AppState {
+                manager,
+                templates,
+                keys,
+            }),
             api_key_file,
         })
     }

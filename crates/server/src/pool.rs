@@ -61,6 +61,10 @@ impl Pool {
             what: "naming a VMM directory",
             source,
         })?;
+        std::fs::create_dir_all(&self.run_dir).map_err(|source| ProcessError::Io {
+            what: "creating the run directory",
+            source,
+        })?;
         let dir = self.run_dir.join(format!("vmm-{}", crate::ids::hex(&name)));
         VmmProcess::spawn_in(&self.binary, dir).await
     }

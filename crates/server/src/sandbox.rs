@@ -55,12 +55,14 @@ pub enum SandboxError {
     OverCapacity(#[from] Shortage),
     #[error("sandbox {id} is {state}")]
     Conflict { id: String, state: &'static str },
-    #[error("snapshot {id} is in use by {users}")]
+    #[error("template {id} is in use by {users}")]
     InUse { id: String, users: String },
     #[error("{0}")]
     Invalid(String),
-    #[error("a snapshot named {0} exists")]
+    #[error("a template or snapshot named {0} exists")]
     NameTaken(String),
+    #[error("{0}")]
+    Unavailable(String),
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error("{what}: {source}")]
@@ -219,6 +221,10 @@ impl Manager {
 
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
     }
 
     pub fn template(&self) -> &TemplateRecord {
@@ -413,7 +419,8 @@ impl Manager {
             .await?;
 
         let mut uses_snapshots = template.uses_snapshots.clone();
-        if template.is_snapshot() {
+        // Its memory maps the template's file: only base is never deleted.
+        if template.id != self.template.id {
             uses_snapshots.push(template.id.clone());
         }
         let started = now_ms();

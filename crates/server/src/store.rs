@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 const SANDBOXES: TableDefinition<&str, &[u8]> = TableDefinition::new("sandboxes");
 const TEMPLATES: TableDefinition<&str, &[u8]> = TableDefinition::new("templates");
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
+const BUILDS: TableDefinition<&str, &[u8]> = TableDefinition::new("builds");
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -141,6 +142,45 @@ impl TemplateRecord {
     }
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BuildStatus {
+    Building,
+    Ready,
+    Error,
+}
+
+impl BuildStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BuildStatus::Building => "building",
+            BuildStatus::Ready => "ready",
+            BuildStatus::Error => "error",
+        }
+    }
+}
+
+/// A template build (`POST /templates`), keyed by the template id it makes.
+/// The template's own record is written only when the build is ready, in the
+/// same transaction that marks it so.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BuildRecord {
+    pub template_id: String,
+    pub build_id: String,
+    pub name: String,
+    /// What it is built from, for people (`debian packages jq, curl`).
+    pub source: String,
+    pub vcpus: u8,
+    pub mem_mib: u64,
+    pub status: BuildStatus,
+    /// Why it failed, when it did.
+    pub reason: Option<String>,
+    pub started_at_ms: u64,
+    pub finished_at_ms: Option<u64>,
+    /// The build's log (its tail, when long); written when it ends.
+    pub log: Vec<String>,
+}
+
 pub struct Store {
     db: redb::Database,
 }
@@ -150,7 +190,7 @@ impl Store {
     pub fn open(path: &Path) -> Result<Store, StoreError> {
         let db = redb::Database::create(path).map_err(db_err)?;
         let tx = db.begin_write().map_err(db_err)?;
-        for table in [SANDBOXES, TEMPLATES, META] {
+        for table in [SANDBOXES, TEMPLATES, META, BUILDS] {
             tx.open_table(table).map_err(db_err)?;
         }
         tx.commit().map_err(db_err)?;
@@ -277,6 +317,42 @@ impl Store {
             .collect()
     }
 
+    pub fn put_build(&self, b: &BuildRecord) -> Result<(), StoreError> {
+        self.put(BUILDS, &b.template_id, &encode(b))
+    }
+
+    pub fn build(&self, template_id: &str) -> Result<Option<BuildRecord>, StoreError> {
+        self.get(BUILDS, template_id)?
+            .map(|b| decode(&b, "build"))
+            .transpose()
+    }
+
+    pub fn builds(&self) -> Result<Vec<BuildRecord>, StoreError> {
+        self.all(BUILDS)?
+            .iter()
+            .map(|b| decode(b, "build"))
+            .collect()
+    }
+
+    pub fn remove_build(&self, template_id: &str) -> Result<bool, StoreError> {
+        self.remove(BUILDS, template_id)
+    }
+
+    /// Records a finished build and its template in one transaction, so a
+    /// crash leaves either both or neither.
+    pub fn finish_build(&self, t: &TemplateRecord, b: &BuildRecord) -> Result<(), StoreError> {
+        let tx = self.db.begin_write().map_err(db_err)?;
+        tx.open_table(TEMPLATES)
+            .map_err(db_err)?
+            .insert(t.id.as_str(), encode(t).as_slice())
+            .map_err(db_err)?;
+        tx.open_table(BUILDS)
+            .map_err(db_err)?
+            .insert(b.template_id.as_str(), encode(b).as_slice())
+            .map_err(db_err)?;
+        tx.commit().map_err(db_err)
+    }
+
     pub fn put_meta(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
         self.put(META, key, value)
     }
@@ -350,6 +426,61 @@ mod tests {
         assert_eq!(all[0].state, SandboxState::Paused);
         assert_eq!(store.meta("k").unwrap().as_deref(), Some(&b"v"[..]));
         assert_eq!(store.sandbox("a").unwrap(), None);
+    }
+
+    #[test]
+    fn a_build_and_its_template_are_recorded_together() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("s.redb")).unwrap();
+        let mut b = BuildRecord {
+            template_id: "t1".into(),
+            build_id: "b1".into(),
+            name: "jq".into(),
+            source: "debian packages jq".into(),
+            vcpus: 1,
+            mem_mib: 256,
+            status: BuildStatus::Building,
+            reason: None,
+            started_at_ms: 1,
+            finished_at_ms: None,
+            log: Vec::new(),
+        };
+        store.put_build(&b).unwrap();
+        assert_eq!(store.template("t1").unwrap(), None);
+        b.status = BuildStatus::Ready;
+        let t = TemplateRecord {
+            id: "t1".into(),
+            names: vec!["jq".into()],
+            ..base_template()
+        };
+        store.finish_build(&t, &b).unwrap();
+        assert_eq!(store.template("t1").unwrap(), Some(t));
+        assert_eq!(store.builds().unwrap(), vec![b]);
+        assert!(store.remove_build("t1").unwrap());
+        assert_eq!(store.build("t1").unwrap(), None);
+    }
+
+    fn base_template() -> TemplateRecord {
+        TemplateRecord {
+            id: "base".into(),
+            dir: "/t".into(),
+            snapshot: "/t/vm.state".into(),
+            mem: "/t/vm.mem".into(),
+            root_layer: "/t/root.layer".into(),
+            root_drive_id: "rootfs".into(),
+            kernel: "/k".into(),
+            rootfs: "/r".into(),
+            vcpus: 1,
+            mem_mib: 256,
+            disk_size_mb: 2048,
+            created_at_ms: 5,
+            source_sandbox: None,
+            names: Vec::new(),
+            agent_token: None,
+            env_vars: BTreeMap::new(),
+            uses_snapshots: Vec::new(),
+            uses_dirs: Vec::new(),
+        }
     }
 
     #[test]

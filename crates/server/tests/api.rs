@@ -14,15 +14,20 @@ use server::auth::ApiKeys;
 use server::config::Config;
 use server::pool::Pool;
 use server::sandbox::Manager;
-use server::store::{PausedSnapshot, SandboxRecord, SandboxState, Store, TemplateRecord};
-use server::template::now_ms;
+use server::store::{
+    BuildRecord, BuildStatus, PausedSnapshot, SandboxRecord, SandboxState, Store, TemplateRecord,
+};
+use server::template::{Templates, now_ms};
 use tower::ServiceExt;
+
+mod common;
 
 const KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
 
 struct Node {
     app: axum::Router,
     manager: Arc<Manager>,
+    templates: Arc<Templates>,
     dir: tempfile::TempDir,
 }
 
@@ -89,14 +94,14 @@ fn node_with(
     records: &[SandboxRecord],
     templates: &[&dyn Fn(&std::path::Path) -> TemplateRecord],
 ) -> Node {
-    node_configured(records, templates, |_| {})
+    node_configured(records, templates, |_, _| ())
 }
 
-/// Like [`node_with`], with `configure` applied to the node's config.
+/// Like [`node_with`], with `setup` changing the config and the store first.
 fn node_configured(
     records: &[SandboxRecord],
     templates: &[&dyn Fn(&std::path::Path) -> TemplateRecord],
-    configure: impl FnOnce(&mut Config),
+    setup: impl FnOnce(&mut Config, &Store),
 ) -> Node {
     let dir = tempfile::tempdir().unwrap();
     let mut config = Config::new(
@@ -106,8 +111,8 @@ fn node_configured(
         "/nonexistent/sandfork-vmm".into(),
     );
     config.data_dir = dir.path().to_owned();
+    config.run_dir = Some(dir.path().join("run"));
     config.pool_size = 0;
-    configure(&mut config);
     std::fs::create_dir_all(config.sandboxes_dir()).unwrap();
     let store = Store::open(&dir.path().join("s.redb")).unwrap();
     for r in records {
@@ -139,15 +144,19 @@ fn node_configured(
         uses_snapshots: Vec::new(),
         uses_dirs: Vec::new(),
     };
+    setup(&mut config, &store);
     let pool = Pool::start(config.vmm.clone(), config.run_dir(), 0);
     let manager = Manager::new(config, store, pool, template);
+    let templates = Templates::new(manager.clone());
     let state = Arc::new(AppState {
         manager: manager.clone(),
+        templates: templates.clone(),
         keys: ApiKeys::for_key(KEY),
     });
     Node {
         app: router(state),
         manager,
+        templates,
         dir,
     }
 }
@@ -810,7 +819,7 @@ fn small_node(configure: impl FnOnce(&mut Config)) -> Node {
     node_configured(
         &[record("run", now, SandboxState::Running, "x"), held],
         &[],
-        |c| {
+        |c, _| {
             c.capacity.vcpus = Some(2);
             c.capacity.vcpu_overcommit = 1.0;
             c.capacity.memory_mib = Some(600);
@@ -958,6 +967,8 @@ async fn creates_and_forks_that_fail_give_their_reservation_back() {
     let node = small_node(|c| {
         c.capacity.vcpus = Some(8);
         c.capacity.memory_mib = Some(4096);
+        // nor by the host's free disk (this is not a disk test)
+        c.capacity.min_free_disk_mib = 0;
     });
     let mut creates = tokio::task::JoinSet::new();
     for _ in 0..4 {
@@ -990,4 +1001,431 @@ async fn creates_and_forks_that_fail_give_their_reservation_back() {
         SandboxState::Paused
     );
     assert_holds_nothing(&node_info(&node).await);
+}
+
+/// A template built from an image (not a snapshot), with files in
+/// `<data>/templates/<id>/` and the name `name`.
+fn built(data: &std::path::Path, id: &str, name: &str, created: u64) -> TemplateRecord {
+    let dir = data.join("templates").join(id);
+    TemplateRecord {
+        root_layer: dir.join("root.layer"),
+        source_sandbox: None,
+        names: vec![name.into()],
+        vcpus: 2,
+        mem_mib: 512,
+        ..snapshot(data, id, "unused", created)
+    }
+}
+
+fn build_record(id: &str, name: &str, status: BuildStatus, started: u64) -> BuildRecord {
+    BuildRecord {
+        template_id: id.into(),
+        build_id: format!("build-{id}"),
+        name: name.into(),
+        source: "debian packages jq".into(),
+        vcpus: 1,
+        mem_mib: 256,
+        status,
+        reason: (status == BuildStatus::Error).then(|| "apt failed".into()),
+        started_at_ms: started,
+        finished_at_ms: None,
+        log: vec!["line 1".into(), "line 2".into()],
+    }
+}
+
+#[tokio::test]
+async fn template_builds_check_their_input() {
+    let paused = record("sleepy", now_ms(), SandboxState::Paused, "x");
+    let running = record("awake", now_ms(), SandboxState::Running, "x");
+    let node = node_configured(
+        &[paused, running],
+        &[&|d| built(d, "tpl1", "taken", 1)],
+        |c, _| c.agent = Some(common::BUSYBOX.into()),
+    );
+    let empty_dir = node.dir.path().join("empty");
+    std::fs::create_dir_all(&empty_dir).unwrap();
+    let post = |body: String| authed("POST", "/templates", &body);
+    let cases: Vec<(String, StatusCode, &str)> = vec![
+        ("{}".into(), StatusCode::BAD_REQUEST, "name"),
+        (
+            r#"{"name":"x"}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "exactly one",
+        ),
+        (
+            r#"{"name":"Bad Name","from":{"debian_packages":["jq"]}}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "lowercase",
+        ),
+        (
+            r#"{"name":"x","from":{"debian_packages":[]}}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "at least one",
+        ),
+        (
+            r#"{"name":"x","from":{"debian_packages":["jq;rm"]}}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "jq;rm",
+        ),
+        (
+            r#"{"name":"x","from":{"oci_layout":"rel/dir"}}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "absolute",
+        ),
+        (
+            r#"{"name":"x","from":{"oci_layout":"/nonexistent/img"}}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "no such file",
+        ),
+        (
+            format!(
+                r#"{{"name":"x","from":{{"oci_layout":"{}"}}}}"#,
+                empty_dir.display()
+            ),
+            StatusCode::BAD_REQUEST,
+            "index.json",
+        ),
+        (
+            format!(
+                r#"{{"name":"x","from":{{"docker_archive":"{}"}}}}"#,
+                empty_dir.display()
+            ),
+            StatusCode::BAD_REQUEST,
+            "not a file",
+        ),
+        (
+            r#"{"name":"x","from":{"sandbox":"nosuch"}}"#.into(),
+            StatusCode::NOT_FOUND,
+            "nosuch",
+        ),
+        (
+            r#"{"name":"x","from":{"sandbox":"sleepy"}}"#.into(),
+            StatusCode::CONFLICT,
+            "paused",
+        ),
+        (
+            r#"{"name":"x","from":{"sandbox":"awake"},"memory_mb":512}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "keeps",
+        ),
+        (
+            r#"{"name":"x","from":{"debian_packages":["jq"]},"vcpus":0}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "vcpus",
+        ),
+        (
+            r#"{"name":"x","from":{"debian_packages":["jq"]},"memory_mb":100000}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "memory_mb",
+        ),
+        (
+            r#"{"name":"taken","from":{"debian_packages":["jq"]}}"#.into(),
+            StatusCode::CONFLICT,
+            "taken",
+        ),
+        (
+            r#"{"name":"base","from":{"debian_packages":["jq"]}}"#.into(),
+            StatusCode::CONFLICT,
+            "base",
+        ),
+    ];
+    for (body, status, says) in cases {
+        let a = call(&node, post(body.clone())).await;
+        assert_error(&a, status);
+        let message = a.json["message"].as_str().unwrap();
+        assert!(message.contains(says), "{body}: {message}");
+    }
+    // Nothing was recorded by any of them.
+    assert!(node.manager.store().builds().unwrap().is_empty());
+
+    // Without an agent binary the node cannot build images.
+    let no_agent = node_with(&[], &[]);
+    let layout_dir = tempfile::tempdir().unwrap();
+    let layout = common::busybox_oci_layout(layout_dir.path());
+    let a = call(
+        &no_agent,
+        post(format!(
+            r#"{{"name":"x","from":{{"oci_layout":"{}"}}}}"#,
+            layout.display()
+        )),
+    )
+    .await;
+    assert_error(&a, StatusCode::SERVICE_UNAVAILABLE);
+}
+
+/// Polls the build's status until it is no longer `building`.
+async fn wait_for_build(node: &Node, id: &str, build: &str) -> Value {
+    let uri = format!("/templates/{id}/builds/{build}/status");
+    for _ in 0..600 {
+        let a = call(node, authed("GET", &uri, "")).await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.json);
+        if a.json["status"] != "building" {
+            return a.json;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    panic!("build {id} still building after a minute");
+}
+
+/// The real builder makes the image's root filesystem on the host; booting
+/// it fails here (no VMM), and the build says so with its log.
+#[tokio::test]
+async fn an_image_build_that_cannot_boot_ends_in_error_with_its_log() {
+    let cache = tempfile::tempdir().unwrap();
+    let layout_dir = tempfile::tempdir().unwrap();
+    let layout = common::busybox_oci_layout(layout_dir.path());
+    let node = node_configured(&[], &[], |c, _| {
+        c.agent = Some(common::BUSYBOX.into());
+        c.build_cache = Some(cache.path().to_owned());
+    });
+    let body = format!(
+        r#"{{"name":"bb","from":{{"oci_layout":"{}"}},"start_cmd":"sleep 1000","memory_mb":384}}"#,
+        layout.display()
+    );
+    let a = call(&node, authed("POST", "/templates", &body)).await;
+    assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.json);
+    assert_eq!(a.json["status"], "building");
+    assert_eq!(a.json["names"], serde_json::json!(["bb"]));
+    let id = a.json["templateID"].as_str().unwrap().to_owned();
+    let build = a.json["buildID"].as_str().unwrap().to_owned();
+
+    // While it builds the name is taken.
+    let again = call(&node, authed("POST", "/templates", &body)).await;
+    let listed = call(&node, authed("GET", "/templates", "")).await;
+    let mine = listed
+        .json
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["templateID"] == id.as_str())
+        .cloned()
+        .unwrap();
+    assert_eq!(mine["memoryMB"], 384);
+    if mine["buildStatus"] == "building" {
+        assert_error(&again, StatusCode::CONFLICT);
+        assert_error(
+            &call(&node, authed("DELETE", &format!("/templates/{id}"), "")).await,
+            StatusCode::CONFLICT,
+        );
+    }
+
+    let status = wait_for_build(&node, &id, &build).await;
+    assert_eq!(status["status"], "error", "{status}");
+    let reason = status["reason"]["message"].as_str().unwrap();
+    assert!(
+        reason.contains("VMM") || reason.contains("sandfork-vmm"),
+        "{reason}"
+    );
+    let logs: Vec<&str> = status["logs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l.as_str().unwrap())
+        .collect();
+    assert!(
+        logs.iter()
+            .any(|l| l.contains("building the root filesystem")),
+        "{logs:?}"
+    );
+    assert!(
+        logs.iter().any(|l| l.starts_with("root filesystem ")),
+        "{logs:?}"
+    );
+    assert!(logs.last().unwrap().starts_with("error: "), "{logs:?}");
+    // The image is in the build cache; no template files are left behind.
+    let cached: Vec<_> = std::fs::read_dir(cache.path().join("templates"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().join("rootfs.ext4").is_file())
+        .collect();
+    assert_eq!(cached.len(), 1);
+    let leftovers: Vec<_> = std::fs::read_dir(node.dir.path().join("templates"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    // The offset skips lines; a wrong build id is not found.
+    let skipped = call(
+        &node,
+        authed(
+            "GET",
+            &format!("/templates/{id}/builds/{build}/status?logsOffset=1"),
+            "",
+        ),
+    )
+    .await;
+    assert_eq!(
+        skipped.json["logs"].as_array().unwrap().len(),
+        logs.len() - 1
+    );
+    assert_error(
+        &call(
+            &node,
+            authed("GET", &format!("/templates/{id}/builds/other/status"), ""),
+        )
+        .await,
+        StatusCode::NOT_FOUND,
+    );
+    assert!(node.manager.store().template(&id).unwrap().is_none());
+
+    // A failed build does not hold its name, and goes when deleted.
+    let gone = call(&node, authed("DELETE", "/templates/bb", "")).await;
+    assert_eq!(gone.status, StatusCode::NO_CONTENT, "{}", gone.json);
+    assert!(node.manager.store().build(&id).unwrap().is_none());
+    assert_error(
+        &call(
+            &node,
+            authed("GET", &format!("/templates/{id}/builds/{build}/status"), ""),
+        )
+        .await,
+        StatusCode::NOT_FOUND,
+    );
+}
+
+#[tokio::test]
+async fn templates_are_listed_and_deleted_unless_used() {
+    let user = SandboxRecord {
+        template_id: "tpl1".into(),
+        uses_snapshots: vec!["tpl1".into()],
+        ..record("user1", now_ms(), SandboxState::Paused, "x")
+    };
+    let node = node_configured(
+        &[user],
+        &[&|d| built(d, "tpl1", "web", 2_000), &|d| {
+            snapshot(d, "snap1", "src", 1_000)
+        }],
+        |_, store| {
+            store
+                .put_build(&build_record("tpl1", "web", BuildStatus::Ready, 1_500))
+                .unwrap();
+            store
+                .put_build(&build_record("tpl2", "slow", BuildStatus::Building, 3_000))
+                .unwrap();
+            store
+                .put_build(&build_record("tpl3", "broken", BuildStatus::Error, 4_000))
+                .unwrap();
+        },
+    );
+    let a = call(&node, authed("GET", "/templates", "")).await;
+    assert_eq!(a.status, StatusCode::OK);
+    let all = a.json.as_array().unwrap();
+    let row = |i: usize| {
+        let t = &all[i];
+        (
+            t["templateID"].as_str().unwrap(),
+            t["kind"].as_str().unwrap(),
+            t["buildStatus"].as_str().unwrap(),
+        )
+    };
+    assert_eq!(
+        (0..all.len()).map(row).collect::<Vec<_>>(),
+        [
+            ("base", "base", "ready"),
+            ("snap1", "snapshot", "ready"),
+            ("tpl1", "built", "ready"),
+            ("tpl2", "built", "building"),
+            ("tpl3", "built", "error")
+        ]
+    );
+    let web = &all[2];
+    assert_eq!(web["names"], serde_json::json!(["web"]));
+    assert_eq!(web["aliases"], serde_json::json!(["web"]));
+    assert_eq!(
+        (web["cpuCount"].as_u64(), web["memoryMB"].as_u64()),
+        (Some(2), Some(512))
+    );
+    assert_eq!(web["buildID"], "build-tpl1");
+    assert!(
+        web["createdAt"]
+            .as_str()
+            .unwrap()
+            .starts_with("1970-01-01T00:00:02")
+    );
+    let one = call(&node, authed("GET", "/templates/web", "")).await;
+    assert_eq!(one.json["templateID"], "tpl1");
+    assert_error(
+        &call(&node, authed("GET", "/templates/nosuch", "")).await,
+        StatusCode::NOT_FOUND,
+    );
+    let s = call(
+        &node,
+        authed("GET", "/templates/tpl3/builds/build-tpl3/status", ""),
+    )
+    .await;
+    assert_eq!(
+        (
+            s.json["status"].as_str(),
+            s.json["reason"]["message"].as_str()
+        ),
+        (Some("error"), Some("apt failed"))
+    );
+    assert_eq!(s.json["logs"], serde_json::json!(["line 1", "line 2"]));
+
+    assert_error(
+        &call(&node, authed("DELETE", "/templates/base", "")).await,
+        StatusCode::BAD_REQUEST,
+    );
+    let building = call(&node, authed("DELETE", "/templates/slow", "")).await;
+    assert_error(&building, StatusCode::CONFLICT);
+    assert!(building.json["message"].as_str().unwrap().contains("build"));
+    let used = call(&node, authed("DELETE", "/templates/web", "")).await;
+    assert_error(&used, StatusCode::CONFLICT);
+    assert!(
+        used.json["message"]
+            .as_str()
+            .unwrap()
+            .contains("sandbox user1"),
+        "{}",
+        used.json
+    );
+
+    node.manager.kill("user1").await.unwrap();
+    let dir = node.dir.path().join("templates/tpl1");
+    assert!(dir.is_dir());
+    let gone = call(&node, authed("DELETE", "/templates/web", "")).await;
+    assert_eq!(gone.status, StatusCode::NO_CONTENT, "{}", gone.json);
+    assert!(!dir.exists());
+    assert!(node.manager.store().build("tpl1").unwrap().is_none());
+    let broken = call(&node, authed("DELETE", "/templates/tpl3", "")).await;
+    assert_eq!(broken.status, StatusCode::NO_CONTENT);
+    let left: Vec<String> = call(&node, authed("GET", "/templates", ""))
+        .await
+        .json
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["templateID"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(left, ["base", "snap1", "tpl2"]);
+}
+
+#[tokio::test]
+async fn builds_a_restart_interrupted_are_marked_error_and_their_files_go() {
+    let node = node_configured(&[], &[&|d| built(d, "done1", "done", 1)], |c, store| {
+        store
+            .put_build(&build_record("done1", "done", BuildStatus::Building, 1))
+            .unwrap();
+        store
+            .put_build(&build_record("cut1", "cut", BuildStatus::Building, 2))
+            .unwrap();
+        let t = c.templates_dir();
+        for d in [".build-cut1-0a0b", "cut1"] {
+            std::fs::create_dir_all(t.join(d)).unwrap();
+            std::fs::write(t.join(d).join("vm.mem"), b"x").unwrap();
+        }
+    });
+    node.templates.recover().unwrap();
+    let store = node.manager.store();
+    assert_eq!(
+        store.build("done1").unwrap().unwrap().status,
+        BuildStatus::Ready
+    );
+    let cut = store.build("cut1").unwrap().unwrap();
+    assert_eq!(cut.status, BuildStatus::Error);
+    assert!(cut.reason.unwrap().contains("restart"));
+    let t = node.dir.path().join("templates");
+    assert!(!t.join(".build-cut1-0a0b").exists());
+    assert!(!t.join("cut1").exists());
+    assert!(t.join("done1").is_dir());
 }

@@ -9,10 +9,11 @@
 
 mod common;
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::{Answer, http, run, vmm_binary};
-use serde_json::json;
+use common::{Answer, http, run, run_in, vmm_binary};
+use serde_json::{Value, json};
 use server::config::Config;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -598,4 +599,237 @@ async fn capacity_refuses_with_503_and_kill_or_pause_makes_room() {
     assert_eq!(info["memoryMB"]["used"], 0, "{info}");
     assert_eq!(info["vcpus"]["used"], 0, "{info}");
     assert_eq!(info["sandboxes"]["running"], 0, "{info}");
+}
+
+/// The static guest agent: `SANDFORK_AGENT`, or the release build next to
+/// this test's target directory.
+fn agent_binary() -> PathBuf {
+    if let Ok(p) = std::env::var("SANDFORK_AGENT") {
+        return p.into();
+    }
+    // target/debug/deps/<test> -> target/x86_64-unknown-linux-gnu/release/sandfork-agent
+    let exe = std::env::current_exe().unwrap();
+    exe.ancestors()
+        .nth(3)
+        .unwrap()
+        .join("x86_64-unknown-linux-gnu/release/sandfork-agent")
+}
+
+/// Build a template from a small OCI image with a start and a ready command
+/// and more memory than base; create a sandbox from it by name and find the
+/// image's file and environment, the start command's process running and
+/// the memory; the delete refused while the sandbox runs, then done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab: boots microVMs"]
+async fn template_from_an_oci_image_with_start_and_ready_commands() {
+    let data = tempfile::tempdir().unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let mut config = Config::new(
+        "127.0.0.1:0".parse().unwrap(),
+        std::env::var("SANDFORK_KERNEL")
+            .expect("SANDFORK_KERNEL")
+            .into(),
+        std::env::var("SANDFORK_ROOTFS")
+            .expect("SANDFORK_ROOTFS")
+            .into(),
+        vmm_binary(),
+    );
+    config.data_dir = data.path().to_owned();
+    config.pool_size = 1;
+    config.agent = Some(agent_binary());
+    config.build_cache = Some(scratch.path().join("cache"));
+    let node = server::Server::start(config)
+        .await
+        .expect("starting the server");
+    let key = std::fs::read_to_string(node.api_key_file.clone().unwrap())
+        .unwrap()
+        .trim()
+        .to_owned();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(node.serve(listener, std::future::pending()));
+    let auth = [
+        ("x-api-key", key.as_str()),
+        ("content-type", "application/json"),
+    ];
+
+    let layout = common::busybox_oci_layout(scratch.path());
+    let t0 = Instant::now();
+    let started = http(
+        addr,
+        "POST",
+        "/templates",
+        &auth,
+        json!({
+            "name": "lab-bb",
+            "from": {"oci_layout": layout},
+            "start_cmd": "echo \"$GREETING in $(pwd)\" > /tmp/started; exec sleep 86400",
+            "ready_cmd": "test -s /tmp/started",
+            "memory_mb": 384,
+        })
+        .to_string(),
+    )
+    .await;
+    assert_eq!(started.status, 202, "{:?}", started.body);
+    let started = started.json();
+    let id = started["templateID"].as_str().unwrap().to_owned();
+    let build = started["buildID"].as_str().unwrap().to_owned();
+    let status = wait_for_build(addr, &auth, &id, &build).await;
+    eprintln!(
+        "template built in {:?} (lab: emulated); log:\n{}",
+        t0.elapsed(),
+        status["logs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l.as_str().unwrap())
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert_eq!(status["status"], "ready", "{status}");
+    let listed = http(addr, "GET", "/templates/lab-bb", &auth, "")
+        .await
+        .json();
+    assert_eq!(listed["templateID"], id.as_str());
+    assert_eq!(listed["memoryMB"], 384);
+    assert_eq!(listed["buildStatus"], "ready");
+
+    let t = Instant::now();
+    let made = http(
+        addr,
+        "POST",
+        "/v2/sandboxes",
+        &auth,
+        json!({"templateID": "lab-bb", "timeout": 300}).to_string(),
+    )
+    .await;
+    eprintln!("create from the template answered in {:?}", t.elapsed());
+    assert_eq!(made.status, 201, "{:?}", made.body);
+    let made = made.json();
+    assert_eq!(made["templateID"], id.as_str());
+    assert_eq!(made["alias"], "lab-bb");
+    let sid = made["sandboxID"].as_str().unwrap().to_owned();
+    let token = made["envdAccessToken"].as_str().unwrap().to_owned();
+    let detail = http(addr, "GET", &format!("/sandboxes/{sid}"), &auth, "")
+        .await
+        .json();
+    assert_eq!(detail["memoryMB"], 384);
+    let routing = [
+        ("e2b-sandbox-id", sid.as_str()),
+        ("x-access-token", token.as_str()),
+    ];
+    let sh = |cmd: &'static str| run_in(addr, &routing, "/bin/sh", cmd);
+    assert_eq!(sh("cat /etc/marker").await, (0, common::MARKER.to_owned()));
+    assert_eq!(
+        sh("cat /tmp/started").await,
+        (0, "hello from the image in /srv\n".to_owned())
+    );
+    assert_eq!(
+        sh("echo $GREETING").await,
+        (0, "hello from the image\n".to_owned())
+    );
+    let (code, pids) = sh("pidof sleep").await;
+    assert_eq!(code, 0, "the start command is not running");
+    assert!(!pids.trim().is_empty());
+    let (_, meminfo) = sh("grep MemTotal /proc/meminfo").await;
+    let kib: u64 = meminfo
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{meminfo}"));
+    // The kernel keeps some for itself: more than base's 256 MiB, at most 384.
+    assert!(kib > 300 * 1024 && kib <= 384 * 1024, "{meminfo}");
+
+    // A template from the running sandbox: its start and ready commands run
+    // in it, then it is snapshotted (and runs on).
+    let t = Instant::now();
+    let live = http(
+        addr,
+        "POST",
+        "/templates",
+        &auth,
+        json!({
+            "name": "lab-bb-live",
+            "from": {"sandbox": sid},
+            "start_cmd": "echo live > /tmp/live; exec sleep 86401",
+            "ready_cmd": "test -s /tmp/live",
+        })
+        .to_string(),
+    )
+    .await;
+    assert_eq!(live.status, 202, "{:?}", live.body);
+    let live = live.json();
+    let live_id = live["templateID"].as_str().unwrap().to_owned();
+    let status = wait_for_build(addr, &auth, &live_id, live["buildID"].as_str().unwrap()).await;
+    assert_eq!(status["status"], "ready", "{status}");
+    eprintln!("template from a sandbox built in {:?}", t.elapsed());
+    let made = http(
+        addr,
+        "POST",
+        "/v2/sandboxes",
+        &auth,
+        json!({"templateID": "lab-bb-live", "timeout": 300}).to_string(),
+    )
+    .await;
+    assert_eq!(made.status, 201, "{:?}", made.body);
+    let made = made.json();
+    let sid2 = made["sandboxID"].as_str().unwrap().to_owned();
+    let token2 = made["envdAccessToken"].as_str().unwrap().to_owned();
+    let routing2 = [
+        ("e2b-sandbox-id", sid2.as_str()),
+        ("x-access-token", token2.as_str()),
+    ];
+    let (code, out) = run_in(addr, &routing2, "/bin/sh", "cat /tmp/live /etc/marker").await;
+    assert_eq!((code, out), (0, format!("live\n{}", common::MARKER)));
+    // Both start commands run: the image template's and the sandbox's.
+    let (_, pids) = run_in(addr, &routing2, "/bin/sh", "pidof sleep").await;
+    assert_eq!(pids.split_whitespace().count(), 2, "{pids}");
+    let killed = http(addr, "DELETE", &format!("/sandboxes/{sid2}"), &auth, "").await;
+    assert_eq!(killed.status, 204);
+
+    let refused = http(addr, "DELETE", "/templates/lab-bb", &auth, "").await;
+    assert_eq!(refused.status, 409, "{:?}", refused.body);
+    assert!(String::from_utf8_lossy(&refused.body).contains(&sid));
+    let killed = http(addr, "DELETE", &format!("/sandboxes/{sid}"), &auth, "").await;
+    assert_eq!(killed.status, 204);
+    // The snapshot's memory stacks on the template's.
+    let refused = http(addr, "DELETE", "/templates/lab-bb", &auth, "").await;
+    assert_eq!(refused.status, 409, "{:?}", refused.body);
+    assert!(String::from_utf8_lossy(&refused.body).contains(&live_id));
+    let deleted = http(addr, "DELETE", "/templates/lab-bb-live", &auth, "").await;
+    assert_eq!(deleted.status, 204, "{:?}", deleted.body);
+    let deleted = http(addr, "DELETE", "/templates/lab-bb", &auth, "").await;
+    assert_eq!(deleted.status, 204, "{:?}", deleted.body);
+    assert!(!data.path().join("templates").join(&id).exists());
+    let gone = http(
+        addr,
+        "POST",
+        "/v2/sandboxes",
+        &auth,
+        r#"{"templateID":"lab-bb"}"#,
+    )
+    .await;
+    assert_eq!(gone.status, 404);
+}
+
+/// Polls a template build's status until it is no longer `building`.
+async fn wait_for_build(
+    addr: std::net::SocketAddr,
+    auth: &[(&str, &str)],
+    id: &str,
+    build: &str,
+) -> Value {
+    let path = format!("/templates/{id}/builds/{build}/status");
+    let t0 = Instant::now();
+    loop {
+        let s = http(addr, "GET", &path, auth, "").await.json();
+        if s["status"] != "building" {
+            return s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(900),
+            "still building: {s}"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
 }

@@ -11,7 +11,7 @@ use crate::run;
 
 /// Checks the names and returns them sorted and deduplicated (the cache key
 /// must not depend on their order).
-pub(crate) fn normalize(packages: &[String]) -> Result<Vec<String>> {
+pub fn normalize(packages: &[String]) -> Result<Vec<String>> {
     let mut out = Vec::with_capacity(packages.len());
     for p in packages {
         let p = p.trim();

@@ -30,6 +30,7 @@ use std::process::Command;
 
 use serde::{Deserialize, Serialize};
 
+pub use debian::normalize as normalize_packages;
 pub use error::{BuildError, Result};
 pub use layers::{Layer, apply_layers};
 pub use oci::OciImage;

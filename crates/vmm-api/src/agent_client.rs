@@ -280,14 +280,20 @@ impl AgentClient {
 
     /// Runs `command` under `bash -c` as root and waits for it to end.
     pub async fn run(&self, command: &str) -> Result<CommandOutput, AgentError> {
+        self.run_argv("/bin/bash", &["-c", command]).await
+    }
+
+    /// Runs `cmd` with `args` as root and waits for it to end (for images
+    /// without bash: `run_argv("/bin/sh", &["-c", ...])`).
+    pub async fn run_argv(&self, cmd: &str, args: &[&str]) -> Result<CommandOutput, AgentError> {
         let malformed = |reason: String| AgentError::Malformed {
             path: PATH_START.into(),
             reason,
         };
         let request = StartRequest {
             process: ProcessConfig {
-                cmd: "/bin/bash".into(),
-                args: vec!["-c".into(), command.into()],
+                cmd: cmd.into(),
+                args: args.iter().map(|a| (*a).to_owned()).collect(),
                 ..Default::default()
             },
             stdin: Some(false),

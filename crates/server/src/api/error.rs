@@ -41,6 +41,7 @@ impl From<SandboxError> for ApiError {
             | SandboxError::InUse { .. }
             | SandboxError::NameTaken(_) => StatusCode::CONFLICT,
             SandboxError::Invalid(_) => StatusCode::BAD_REQUEST,
+            SandboxError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
         if status == StatusCode::INTERNAL_SERVER_ERROR {

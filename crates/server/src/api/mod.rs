@@ -7,6 +7,7 @@ mod node;
 mod observe;
 mod sandboxes;
 mod snapshots;
+mod templates;
 
 use std::sync::Arc;
 
@@ -15,16 +16,18 @@ use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
+use axum::routing::{get, post};
 
 pub use error::ApiError;
 pub use list::{ListQuery, decode_metadata_filter};
 
 use crate::auth::{self, ApiKeys};
 use crate::sandbox::Manager;
+use crate::template::Templates;
 
 pub struct AppState {
     pub manager: Arc<Manager>,
+    pub templates: Arc<Templates>,
     pub keys: ApiKeys,
 }
 
@@ -56,8 +59,16 @@ pub fn router(state: Shared) -> Router {
         .route("/sandboxes/{id}/metrics", get(observe::metrics))
         .route("/sandboxes/{id}/logs", get(observe::logs_v1))
         .route("/v2/sandboxes/{id}/logs", get(observe::logs_v2))
-        .route("/templates/{id}", delete(snapshots::delete))
         .route("/v1/node", get(node::node))
+        .route("/templates", post(templates::create).get(templates::list))
+        .route(
+            "/templates/{id}",
+            get(templates::get_one).delete(templates::delete),
+        )
+        .route(
+            "/templates/{id}/builds/{build_id}/status",
+            get(templates::build_status),
+        )
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,

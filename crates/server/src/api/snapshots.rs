@@ -1,5 +1,5 @@
-//! Snapshot routes: `POST /sandboxes/{id}/snapshots`, `GET /snapshots`,
-//! `DELETE /templates/{id}`.
+//! Snapshot routes: `POST /sandboxes/{id}/snapshots`, `GET /snapshots`
+//! (deleting one is `DELETE /templates/{id}`, in `templates.rs`).
 
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -53,6 +53,7 @@ pub async fn create(
     }
     let params = SnapshotParams {
         name: req.name.filter(|n| !n.is_empty()),
+        id: None,
     };
     let record = state.manager.snapshot(&id, params).await?;
     Ok((StatusCode::CREATED, Json(snapshot_json(&record))).into_response())
@@ -115,16 +116,6 @@ pub async fn list(State(state): State<Shared>, uri: Uri) -> Result<Response, Api
         response.headers_mut().insert("x-next-token", token);
     }
     Ok(response)
-}
-
-/// `DELETE /templates/{id}` (a snapshot's id or name): 204; 404 unknown;
-/// 409 while sandboxes or snapshots use it; 400 for the base template.
-pub async fn delete(
-    State(state): State<Shared>,
-    Path(id): Path<String>,
-) -> Result<StatusCode, ApiError> {
-    state.manager.delete_template(&id).await?;
-    Ok(StatusCode::NO_CONTENT)
 }
 
 #[cfg(test)]

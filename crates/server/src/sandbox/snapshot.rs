@@ -31,6 +31,8 @@ const MAX_NAME: usize = 128;
 #[derive(Debug, Clone, Default)]
 pub struct SnapshotParams {
     pub name: Option<String>,
+    /// The snapshot's id, when the caller chose it (a template build).
+    pub id: Option<String>,
 }
 
 /// Names: letters, digits and `._-/`, so they fit in a URL path segment.
@@ -137,7 +139,10 @@ impl Manager {
             l.vm.api().clone()
         };
 
-        let snap_id = ids::sandbox_id().map_err(io("generating a snapshot id"))?;
+        let snap_id = match params.id {
+            Some(id) => id,
+            None => ids::sandbox_id().map_err(io("generating a snapshot id"))?,
+        };
         // Written in place, not renamed: the state names its memory files by path.
         let dir = self.config.templates_dir().join(&snap_id);
         // The source's next root layer (and the unused child's) go here.
@@ -244,14 +249,15 @@ impl Manager {
         Ok(all)
     }
 
-    /// Deletes a snapshot and its files; refused while a sandbox or another
-    /// snapshot stacks on it, and for the base template.
-    pub async fn delete_template(&self, id_or_name: &str) -> Result<(), SandboxError> {
+    /// Deletes a snapshot or built template and its files; refused while a
+    /// sandbox or snapshot stacks on it, and for the base template. Returns
+    /// the template's id.
+    pub async fn delete_template(&self, id_or_name: &str) -> Result<String, SandboxError> {
         let template = {
             // Held so no create pins it between the check and the removal.
             let pins = self.pins.lock().unwrap_or_else(|p| p.into_inner());
             let template = self.resolve_template(id_or_name)?;
-            if !template.is_snapshot() {
+            if template.id == self.template.id {
                 return Err(SandboxError::Invalid(format!(
                     "template {} is the node's built-in template and is not deleted",
                     template.id
@@ -283,7 +289,7 @@ impl Manager {
             self.store.remove_template(&template.id)?;
             template
         };
-        // The disk layer stays: it lives in the source's directory.
+        // A snapshot's disk layer stays: it lives in the source's directory.
         let dir = template.dir.clone();
         let templates = self.config.templates_dir();
         if dir.parent() == Some(templates.as_path()) && template.id != template::BASE {
@@ -296,7 +302,7 @@ impl Manager {
             })
             .await?;
         }
-        Ok(())
+        Ok(template.id)
     }
 }
 

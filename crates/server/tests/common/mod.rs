@@ -12,6 +12,10 @@ use hyper::Request;
 use hyper_util::rt::TokioIo;
 use serde_json::Value;
 
+mod oci;
+#[allow(unused_imports)] // each test binary uses its own part
+pub use oci::{BUSYBOX, MARKER, busybox_oci_layout};
+
 pub fn vmm_binary() -> PathBuf {
     if let Ok(p) = std::env::var("SANDFORK_VMM") {
         return p.into();
@@ -77,9 +81,19 @@ pub async fn run(
     routing: &[(&str, &str)],
     command: &str,
 ) -> (i32, String) {
+    run_in(addr, routing, "/bin/bash", command).await
+}
+
+/// [`run`] under `shell` (images without bash have `/bin/sh`).
+pub async fn run_in(
+    addr: std::net::SocketAddr,
+    routing: &[(&str, &str)],
+    shell: &str,
+    command: &str,
+) -> (i32, String) {
     let start = StartRequest {
         process: ProcessConfig {
-            cmd: "/bin/bash".into(),
+            cmd: shell.into(),
             args: vec!["-c".into(), command.into()],
             ..Default::default()
         },

@@ -1,0 +1,267 @@
+//! Template routes (sandfork's; E2B's own build routes are not served):
+//! `POST /templates` (202, the build runs on), `GET /templates`,
+//! `GET /templates/{id}`, `GET /templates/{id}/builds/{buildID}/status`,
+//! `DELETE /templates/{id}`. JSON in E2B's camelCase.
+
+use std::path::PathBuf;
+use std::time::{Duration, UNIX_EPOCH};
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::sandboxes::parse_body;
+use super::{ApiError, Shared};
+use crate::store::BuildStatus;
+use crate::template::build::{MAX_MEM_MIB, MAX_VCPUS, MIN_MEM_MIB, TemplateInfo};
+use crate::template::{BuildParams, BuildSource};
+
+fn rfc3339(ms: u64) -> String {
+    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+}
+
+/// A template as `GET /templates` lists it (E2B's Template fields, plus
+/// `kind` and `source`).
+pub fn template_json(t: &TemplateInfo) -> Value {
+    json!({
+        "templateID": t.id,
+        "buildID": t.build_id,
+        "names": t.names,
+        "aliases": t.names,
+        "kind": t.kind,
+        "source": t.source,
+        "cpuCount": t.vcpus,
+        "memoryMB": t.mem_mib,
+        "diskSizeMB": t.disk_size_mb,
+        "createdAt": rfc3339(t.created_at_ms),
+        "buildStatus": t.status.as_str(),
+        "public": false,
+        "envdVersion": envd_proto::ENVD_VERSION,
+    })
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NewTemplate {
+    name: Option<String>,
+    from: Option<From>,
+    #[serde(alias = "startCmd")]
+    start_cmd: Option<String>,
+    #[serde(alias = "readyCmd")]
+    ready_cmd: Option<String>,
+    #[serde(alias = "cpuCount")]
+    vcpus: Option<i64>,
+    #[serde(alias = "memoryMB")]
+    memory_mb: Option<i64>,
+}
+
+/// Exactly one of these.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct From {
+    #[serde(alias = "debianPackages")]
+    debian_packages: Option<Vec<String>>,
+    #[serde(alias = "ociLayout")]
+    oci_layout: Option<PathBuf>,
+    #[serde(alias = "dockerArchive")]
+    docker_archive: Option<PathBuf>,
+    sandbox: Option<String>,
+}
+
+const FROM_ONE: &str =
+    "from must hold exactly one of debian_packages, oci_layout, docker_archive, sandbox";
+
+fn parse_new(body: &Bytes) -> Result<BuildParams, ApiError> {
+    let req: NewTemplate = parse_body(body)?;
+    let name = req
+        .name
+        .ok_or_else(|| ApiError::bad_request("name is required"))?;
+    let from = req.from.ok_or_else(|| ApiError::bad_request(FROM_ONE))?;
+    let mut sources = Vec::new();
+    if let Some(p) = from.debian_packages {
+        sources.push(BuildSource::DebianPackages(p));
+    }
+    if let Some(p) = from.oci_layout {
+        sources.push(BuildSource::OciLayout(p));
+    }
+    if let Some(p) = from.docker_archive {
+        sources.push(BuildSource::DockerArchive(p));
+    }
+    if let Some(id) = from.sandbox {
+        sources.push(BuildSource::Sandbox(id));
+    }
+    let [source] =
+        <[BuildSource; 1]>::try_from(sources).map_err(|_| ApiError::bad_request(FROM_ONE))?;
+    let vcpus = req
+        .vcpus
+        .map(|v| {
+            u8::try_from(v)
+                .ok()
+                .filter(|v| (1..=MAX_VCPUS).contains(v))
+                .ok_or_else(|| ApiError::bad_request(format!("vcpus must be 1 to {MAX_VCPUS}")))
+        })
+        .transpose()?;
+    let mem_mib = req
+        .memory_mb
+        .map(|v| {
+            u64::try_from(v)
+                .ok()
+                .filter(|v| (MIN_MEM_MIB..=MAX_MEM_MIB).contains(v))
+                .ok_or_else(|| {
+                    ApiError::bad_request(format!(
+                        "memory_mb must be {MIN_MEM_MIB} to {MAX_MEM_MIB}"
+                    ))
+                })
+        })
+        .transpose()?;
+    Ok(BuildParams {
+        name,
+        source,
+        start_cmd: req.start_cmd,
+        ready_cmd: req.ready_cmd,
+        vcpus,
+        mem_mib,
+    })
+}
+
+/// `POST /templates`: 202 `{templateID, buildID, names, status: "building"}`;
+/// 400 bad input, 404 unknown sandbox, 409 name taken or sandbox paused, 503
+/// when the node cannot build.
+pub async fn create(State(state): State<Shared>, body: Bytes) -> Result<Response, ApiError> {
+    let params = parse_new(&body)?;
+    let build = state.templates.start(params)?;
+    let body = json!({
+        "templateID": build.template_id,
+        "buildID": build.build_id,
+        "names": [build.name],
+        "status": build.status.as_str(),
+    });
+    Ok((StatusCode::ACCEPTED, Json(body)).into_response())
+}
+
+/// `GET /templates`: base first, then the others oldest first.
+pub async fn list(State(state): State<Shared>) -> Result<Response, ApiError> {
+    let all = state.templates.list()?;
+    let body: Vec<Value> = all.iter().map(template_json).collect();
+    Ok(Json(body).into_response())
+}
+
+/// `GET /templates/{id}` (id or name).
+pub async fn get_one(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let all = state.templates.list()?;
+    let found = all
+        .iter()
+        .find(|t| t.id == id)
+        .or_else(|| all.iter().rev().find(|t| t.names.contains(&id)))
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("template {id} not found")))?;
+    Ok(Json(template_json(found)).into_response())
+}
+
+fn logs_offset(query: Option<&str>) -> Result<usize, ApiError> {
+    for (key, value) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+        if key == "logsOffset" && !value.is_empty() {
+            return value
+                .parse()
+                .map_err(|_| ApiError::bad_request("logsOffset must be a whole number"));
+        }
+    }
+    Ok(0)
+}
+
+/// `GET /templates/{id}/builds/{buildID}/status` (`logsOffset`: skip that
+/// many log lines): `{templateID, buildID, status, logs, reason}` where
+/// `reason` is `{"message"}` for a failed build, else null.
+pub async fn build_status(
+    State(state): State<Shared>,
+    Path((id, build_id)): Path<(String, String)>,
+    uri: Uri,
+) -> Result<Response, ApiError> {
+    let offset = logs_offset(uri.query())?;
+    let (build, logs) = state.templates.status(&id, offset)?;
+    if build.build_id != build_id {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("template {id} has no build {build_id}"),
+        ));
+    }
+    let reason = match (&build.status, &build.reason) {
+        (BuildStatus::Error, Some(r)) => json!({"message": r}),
+        _ => Value::Null,
+    };
+    Ok(Json(json!({
+        "templateID": build.template_id,
+        "buildID": build.build_id,
+        "names": [build.name],
+        "status": build.status.as_str(),
+        "logs": logs,
+        "reason": reason,
+        "startedAt": rfc3339(build.started_at_ms),
+        "finishedAt": build.finished_at_ms.map(rfc3339),
+    }))
+    .into_response())
+}
+
+/// `DELETE /templates/{id}` (id or name; a snapshot's `:default` tag
+/// allowed): 204; 404 unknown; 409 while it builds or sandboxes or snapshots
+/// use it; 400 for the base template.
+pub async fn delete(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    state.templates.delete(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<BuildParams, ApiError> {
+        parse_new(&Bytes::from(s.to_owned()))
+    }
+
+    #[test]
+    fn requests_are_parsed_and_checked() {
+        let p = parse(
+            r#"{"name":"t","from":{"debian_packages":["jq"]},"startCmd":"x","memory_mb":512}"#,
+        )
+        .unwrap();
+        assert_eq!(p.source, BuildSource::DebianPackages(vec!["jq".into()]));
+        assert_eq!((p.start_cmd.as_deref(), p.mem_mib), (Some("x"), Some(512)));
+        let p = parse(r#"{"name":"t","from":{"sandbox":"abc"}}"#).unwrap();
+        assert_eq!(p.source, BuildSource::Sandbox("abc".into()));
+        for bad in [
+            "",
+            "[]",
+            r#"{"from":{"sandbox":"a"}}"#,
+            r#"{"name":"t"}"#,
+            r#"{"name":"t","from":{}}"#,
+            r#"{"name":"t","from":{"sandbox":"a","oci_layout":"/x"}}"#,
+            r#"{"name":"t","from":{"image":"x"}}"#,
+            r#"{"name":"t","from":{"sandbox":"a"},"vcpus":0}"#,
+            r#"{"name":"t","from":{"sandbox":"a"},"vcpus":300}"#,
+            r#"{"name":"t","from":{"sandbox":"a"},"memory_mb":64}"#,
+            r#"{"name":"t","from":{"sandbox":"a"},"cmd":"x"}"#,
+        ] {
+            assert_eq!(
+                parse(bad).unwrap_err().status,
+                StatusCode::BAD_REQUEST,
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn logs_offset_is_parsed() {
+        assert_eq!(logs_offset(None).unwrap(), 0);
+        assert_eq!(logs_offset(Some("logsOffset=7")).unwrap(), 7);
+        assert!(logs_offset(Some("logsOffset=-1")).is_err());
+    }
+}

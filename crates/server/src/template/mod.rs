@@ -1,0 +1,105 @@
+//! Templates: snapshots every sandbox restores. The `base` template is the
+//! base image booted once with a writable layered root disk, snapshotted at a
+//! serving agent, its root layer sealed; every sandbox restores that snapshot
+//! with its own layer stacked on the seal. Built templates ([`build`]) are
+//! made the same way from a root filesystem built by `template-build`.
+
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use vmm_api::agent_client::AgentError;
+use vmm_api::process::ProcessError;
+
+use crate::config::Config;
+use crate::pool::Pool;
+use crate::store::{Store, StoreError, TemplateRecord};
+
+mod boot;
+pub mod build;
+
+pub use boot::{BootSpec, Prepare};
+pub use build::{BuildParams, BuildSource, Templates};
+
+pub const BASE: &str = "base";
+pub const ROOT_DRIVE: &str = "rootfs";
+
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the template's root disk: {0}")]
+    Disk(#[from] disk_layers::Error),
+    #[error("booting the template: {0}")]
+    Vmm(#[from] ProcessError),
+    #[error("the template's guest agent: {0}")]
+    Agent(#[from] AgentError),
+    #[error("the start command: {0}")]
+    StartCommand(String),
+    #[error("the ready command: {0}")]
+    NotReady(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("a blocking task failed: {0}")]
+    Join(#[from] tokio::task::JoinError),
+}
+
+fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> TemplateError {
+    let path = path.to_owned();
+    move |source| TemplateError::Io { what, path, source }
+}
+
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The stored `base` template when it is whole and built from the configured
+/// kernel, image and machine size; otherwise builds it (and records it).
+pub async fn ensure_base(
+    config: &Config,
+    store: &Store,
+    pool: &Pool,
+) -> Result<TemplateRecord, TemplateError> {
+    if let Some(t) = store.template(BASE)? {
+        let same_inputs = t.kernel == config.kernel
+            && t.rootfs == config.rootfs
+            && t.vcpus == config.vcpus
+            && t.mem_mib == config.mem_mib;
+        let whole = [&t.snapshot, &t.mem, &t.root_layer]
+            .iter()
+            .all(|p| p.is_file());
+        if same_inputs && whole {
+            return Ok(t);
+        }
+        tracing::info!("template {BASE}: rebuilding (inputs changed or files missing)");
+    }
+    let started = std::time::Instant::now();
+    let spec = BootSpec {
+        rootfs: config.rootfs.clone(),
+        vcpus: config.vcpus,
+        mem_mib: config.mem_mib,
+        prepare: Prepare::default(),
+    };
+    let record = boot::build(config, pool, BASE, &spec, &|line| {
+        tracing::info!("template {BASE}: {line}")
+    })
+    .await?;
+    store.put_template(&record)?;
+    tracing::info!(
+        "template {BASE}: built in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(record)
+}
+
+pub fn sync_dir(dir: &Path) -> Result<(), TemplateError> {
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io("syncing", dir))
+}
