@@ -852,6 +852,25 @@ impl Manager {
             .ok_or_else(|| SandboxError::NotFound(id.to_owned()))
     }
 
+    /// Keeps a running sandbox alive at least `timeout` from now; a paused
+    /// one is a conflict (it has no clock running).
+    pub fn extend_timeout(
+        &self,
+        id: &str,
+        timeout: Duration,
+    ) -> Result<SandboxRecord, SandboxError> {
+        if self.get(id)?.state != SandboxState::Running {
+            return Err(SandboxError::Conflict {
+                id: id.to_owned(),
+                state: "paused",
+            });
+        }
+        let end = now_ms() + timeout.as_millis() as u64;
+        self.store
+            .update_sandbox(id, |s| s.end_at_ms = s.end_at_ms.max(end))?
+            .ok_or_else(|| SandboxError::NotFound(id.to_owned()))
+    }
+
     /// Running sandboxes with an access token: (id, token), for the proxy's
     /// fallbacks when a request names no sandbox.
     pub fn running_tokens(&self) -> Vec<(String, String)> {

@@ -439,6 +439,47 @@ async fn timeout_moves_the_end_and_expiry_kills() {
 }
 
 #[tokio::test]
+async fn refreshes_extend_but_never_shorten() {
+    let now = now_ms();
+    let node = node(&[
+        record("abc", now, SandboxState::Running, "x"),
+        record("held", now, SandboxState::Paused, "x"),
+    ]);
+    node.manager
+        .set_timeout("abc", std::time::Duration::from_secs(10))
+        .unwrap();
+    let refresh = |body: &'static str| authed("POST", "/sandboxes/abc/refreshes", body);
+    assert_eq!(
+        call(&node, refresh(r#"{"duration":600}"#)).await.status,
+        StatusCode::NO_CONTENT
+    );
+    let end = node.manager.get("abc").unwrap().end_at_ms;
+    assert!(end >= now + 599_000, "{end} vs {now}");
+    // a shorter refresh leaves the later end
+    assert_eq!(
+        call(&node, refresh(r#"{"duration":5}"#)).await.status,
+        StatusCode::NO_CONTENT
+    );
+    assert_eq!(node.manager.get("abc").unwrap().end_at_ms, end);
+    for body in [
+        r#"{"duration":3601}"#,
+        r#"{"duration":-1}"#,
+        r#"{"time":5}"#,
+        "nonsense",
+    ] {
+        assert_error(&call(&node, refresh(body)).await, StatusCode::BAD_REQUEST);
+    }
+    assert_error(
+        &call(&node, authed("POST", "/sandboxes/nosuch/refreshes", "{}")).await,
+        StatusCode::NOT_FOUND,
+    );
+    assert_error(
+        &call(&node, authed("POST", "/sandboxes/held/refreshes", "{}")).await,
+        StatusCode::CONFLICT,
+    );
+}
+
+#[tokio::test]
 async fn kill_removes_the_sandbox() {
     let node = node(&[record("abc", 1, SandboxState::Running, "x")]);
     let a = call(&node, authed("DELETE", "/sandboxes/abc", "")).await;
@@ -778,6 +819,38 @@ async fn metrics_and_logs_answer_by_sandbox_and_check_their_query() {
             StatusCode::BAD_REQUEST,
         );
     }
+    for uri in [
+        "/sandboxes/metrics",
+        "/sandboxes/metrics?sandbox_ids=",
+        "/sandboxes/metrics?sandbox_ids=,",
+    ] {
+        assert_error(
+            &call(&node, authed("GET", uri, "")).await,
+            StatusCode::BAD_REQUEST,
+        );
+    }
+    let many = format!(
+        "/sandboxes/metrics?sandbox_ids={}",
+        vec!["a"; 101].join(",")
+    );
+    assert_error(
+        &call(&node, authed("GET", &many, "")).await,
+        StatusCode::BAD_REQUEST,
+    );
+    // Unknown and never-sampled sandboxes are left out, not an error.
+    let m = call(
+        &node,
+        authed(
+            "GET",
+            "/sandboxes/metrics?sandbox_ids=held,nosuch,NO..pe",
+            "",
+        ),
+    )
+    .await;
+    assert_eq!(
+        (m.status, m.json.clone()),
+        (StatusCode::OK, serde_json::json!({"sandboxes": {}}))
+    );
     // A paused sandbox that was never watched: nothing yet, in E2B's shapes.
     let m = call(
         &node,

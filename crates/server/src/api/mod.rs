@@ -49,6 +49,8 @@ pub fn router(state: Shared) -> Router {
             get(sandboxes::get_one).delete(sandboxes::kill),
         )
         .route("/sandboxes/{id}/timeout", post(sandboxes::set_timeout))
+        .route("/sandboxes/{id}/refreshes", post(sandboxes::refresh))
+        .route("/sandboxes/metrics", get(observe::metrics_batch))
         .route("/sandboxes/{id}/pause", post(sandboxes::pause))
         .route("/sandboxes/{id}/resume", post(sandboxes::resume))
         .route("/sandboxes/{id}/connect", post(sandboxes::connect))

@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 
 use super::sandboxes::check_id;
 use super::{ApiError, Shared};
-use crate::sandbox::{Level, LogLine};
+use crate::sandbox::{Level, LogLine, Sample};
 use crate::store::SandboxState;
 use crate::template::now_ms;
 
@@ -71,24 +71,70 @@ pub async fn metrics(
     let (from, to) = metrics_range(&uri)?;
     refresh(&state, &id).await?;
     let samples = state.manager.samples(&id, from, to);
-    let body = samples
-        .iter()
-        .map(|s| {
-            let m = &s.metrics;
-            json!({
-                "timestamp": rfc3339(s.at_ms),
-                "timestampUnix": s.at_ms / 1000,
-                "cpuCount": m.cpu_count,
-                "cpuUsedPct": m.cpu_used_pct,
-                "memUsed": m.mem_used,
-                "memTotal": m.mem_total,
-                "memCache": m.mem_cache,
-                "diskUsed": m.disk_used,
-                "diskTotal": m.disk_total,
-            })
+    Ok(Json(Value::Array(samples.iter().map(metric).collect())))
+}
+
+/// E2B's SandboxMetric.
+fn metric(s: &Sample) -> Value {
+    let m = &s.metrics;
+    json!({
+        "timestamp": rfc3339(s.at_ms),
+        "timestampUnix": s.at_ms / 1000,
+        "cpuCount": m.cpu_count,
+        "cpuUsedPct": m.cpu_used_pct,
+        "memUsed": m.mem_used,
+        "memTotal": m.mem_total,
+        "memCache": m.mem_cache,
+        "diskUsed": m.disk_used,
+        "diskTotal": m.disk_total,
+    })
+}
+
+/// Most sandboxes one batch metrics request may name.
+const MAX_BATCH: usize = 100;
+
+/// `GET /sandboxes/metrics?sandbox_ids=a,b`: the latest sample of each named
+/// sandbox that has one, `{"sandboxes": {id: SandboxMetric}}`. Unknown (or
+/// impossible) ids
+/// are left out, as E2B does, rather than failing the whole batch.
+pub async fn metrics_batch(State(state): State<Shared>, uri: Uri) -> Result<Json<Value>, ApiError> {
+    let ids: Vec<String> = query(&uri)
+        .into_iter()
+        .filter(|(k, _)| k == "sandbox_ids")
+        .flat_map(|(_, v)| {
+            v.split(',')
+                .map(str::trim)
+                .filter(|id| !id.is_empty())
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
         })
         .collect();
-    Ok(Json(Value::Array(body)))
+    if ids.is_empty() {
+        return Err(ApiError::bad_request(
+            "sandbox_ids is required: a comma-separated list of sandbox ids",
+        ));
+    }
+    if ids.len() > MAX_BATCH {
+        return Err(ApiError::bad_request(format!(
+            "sandbox_ids names {} sandboxes; at most {MAX_BATCH}",
+            ids.len()
+        )));
+    }
+    let mut out = serde_json::Map::new();
+    for id in ids {
+        if check_id(&id).is_err() {
+            continue;
+        }
+        match state.manager.get(&id) {
+            Ok(r) if r.state == SandboxState::Running => state.manager.observe(&id).await,
+            Ok(_) => {}
+            Err(_) => continue,
+        }
+        if let Some(last) = state.manager.samples(&id, 0, u64::MAX).last() {
+            out.insert(id, metric(last));
+        }
+    }
+    Ok(Json(json!({ "sandboxes": out })))
 }
 
 fn entry(l: &LogLine) -> Value {

@@ -218,6 +218,36 @@ pub async fn set_timeout(
 }
 
 #[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Refresh {
+    duration: Option<u64>,
+}
+
+/// Longest extension one refresh may ask for (E2B's limit).
+const MAX_REFRESH_SECS: u64 = 3600;
+
+/// `POST /sandboxes/{id}/refreshes` `{"duration": s}`: keeps a running
+/// sandbox alive at least `duration` more seconds (never shortens it); 204.
+pub async fn refresh(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<StatusCode, ApiError> {
+    check_id(&id)?;
+    let req: Refresh = parse_body(&body)?;
+    let secs = req.duration.unwrap_or(0);
+    if secs > MAX_REFRESH_SECS {
+        return Err(ApiError::bad_request(format!(
+            "duration must be at most {MAX_REFRESH_SECS} seconds"
+        )));
+    }
+    state
+        .manager
+        .extend_timeout(&id, std::time::Duration::from_secs(secs))?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Default, Deserialize)]
 struct PauseBody {
     /// `false` asks for a filesystem-only pause; memory is always kept here.
     #[allow(dead_code)]
