@@ -12,8 +12,9 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use serde_json::Value;
-use tokio::process::{Child, Command};
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, ChildStderr, Command};
 
 use crate::launcher::GuestImage;
 
@@ -48,7 +49,7 @@ impl SdkBench<'_> {
             "bench: sdk: sandfork serve (pid {server_pid}) at {url}, log {}",
             log_path.display()
         );
-        let script_run = Command::new(self.python)
+        let mut script = Command::new(self.python)
             .arg(&script)
             .arg("--server-pid")
             .arg(server_pid.to_string())
@@ -63,11 +64,13 @@ impl SdkBench<'_> {
             .env("E2B_API_KEY", &key)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(Stdio::piped())
             .kill_on_drop(true)
-            .output();
+            .spawn()
+            .context("running the SDK bench script")?;
+        let progress = relay(script.stderr.take().context("the script's stderr")?);
         let output = tokio::select! {
-            output = script_run => output.context("running the SDK bench script")?,
+            output = script.wait_with_output() => output.context("running the SDK bench script")?,
             status = server.wait() => {
                 bail!(
                     "sandfork serve exited ({}) during the SDK bench; its log ends:\n{}",
@@ -77,14 +80,19 @@ impl SdkBench<'_> {
             }
         };
         stop(&mut server).await?;
+        let script_tail = progress.await.unwrap_or_default();
         if !output.status.success() {
             bail!(
-                "the SDK bench script failed ({}); the server's log ends:\n{}",
+                "the SDK bench script failed ({}):\n{}\nthe server's log ends:\n{}",
                 output.status,
+                script_tail,
                 log_tail(&log_path)
             );
         }
-        parse_report(&output.stdout)
+        let mut report = parse_report(&output.stdout)?;
+        let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+        report["sdk_detail"]["server_log_problems"] = log_problems(&log);
+        Ok(report)
     }
 
     fn start_server(&self, dir: &Path, port: u16, key: &str, log: &Path) -> Result<Child> {
@@ -121,6 +129,24 @@ impl SdkBench<'_> {
     }
 }
 
+/// Passes the script's progress on to our stderr line by line and returns its
+/// last lines, which hold the traceback when it fails.
+fn relay(stderr: ChildStderr) -> tokio::task::JoinHandle<String> {
+    const KEPT: usize = 40;
+    tokio::spawn(async move {
+        let mut tail = std::collections::VecDeque::with_capacity(KEPT);
+        let mut lines = BufReader::new(stderr).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            eprintln!("{line}");
+            if tail.len() == KEPT {
+                tail.pop_front();
+            }
+            tail.push_back(line);
+        }
+        Vec::from(tail).join("\n")
+    })
+}
+
 /// Ends the server as its users would (SIGTERM), killing it if it hangs.
 async fn stop(server: &mut Child) -> Result<()> {
     if let Some(pid) = server.id() {
@@ -150,6 +176,43 @@ fn parse_report(stdout: &[u8]) -> Result<Value> {
         bail!("the SDK bench script printed {value}, not an object");
     }
     Ok(value)
+}
+
+/// The server's warnings and errors during the bench: their number and the
+/// first few, so a figure that hides a misbehaving server says so.
+fn log_problems(log: &str) -> Value {
+    const KEPT: usize = 10;
+    let problems: Vec<String> = log
+        .lines()
+        .map(strip_ansi)
+        .filter(|l| {
+            l.split_whitespace()
+                .take(3)
+                .any(|w| w == "WARN" || w == "ERROR")
+        })
+        .collect();
+    json!({
+        "count": problems.len(),
+        "first": &problems[..problems.len().min(KEPT)],
+    })
+}
+
+/// The log without terminal colour sequences (`ESC [ ... m`).
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 fn free_port() -> Result<u16> {
@@ -218,6 +281,25 @@ mod tests {
         assert!(parse_report(b"[1, 2]").is_err());
         assert!(parse_report(b"Traceback (most recent call last):").is_err());
         assert!(parse_report(b"").is_err());
+    }
+
+    #[test]
+    fn server_warnings_and_errors_are_picked_from_its_log() {
+        let log = "\u{1b}[2m2026-11-30T04:30:01Z\u{1b}[0m \u{1b}[32m INFO\u{1b}[0m server: up\n\
+                   2026-11-30T04:30:02Z \u{1b}[33m WARN\u{1b}[0m server::pool: warm pool: starting a VMM: gone\n\
+                   2026-11-30T04:30:03Z ERROR server: fork failed\n\
+                   2026-11-30T04:30:04Z  INFO server: the word WARN later on is no warning\n";
+        let p = log_problems(log);
+        assert_eq!(p["count"], 2);
+        assert_eq!(
+            p["first"][0],
+            "2026-11-30T04:30:02Z  WARN server::pool: warm pool: starting a VMM: gone"
+        );
+        assert_eq!(
+            p["first"][1],
+            "2026-11-30T04:30:03Z ERROR server: fork failed"
+        );
+        assert_eq!(log_problems("")["count"], 0);
     }
 
     #[test]
