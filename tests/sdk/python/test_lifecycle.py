@@ -128,6 +128,10 @@ def test_snapshot_then_create_from_it():
         assert made.sandbox_id != src.sandbox_id
         assert made.files.read("/home/user/snap.txt") == "in the snapshot"
         assert src.files.read("/home/user/snap.txt") == "changed after"
+        # a sandbox restored from it stacks on its files: the delete is refused (409)
+        with pytest.raises(SandboxException, match="in use"):
+            Sandbox.delete_snapshot(snap.snapshot_id)
+        assert snap.snapshot_id in [s.snapshot_id for s in src.list_snapshots().next_items()]
     finally:
         if made is not None:
             made.kill()
