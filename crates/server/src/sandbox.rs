@@ -2,14 +2,14 @@
 //! get, list, kill, timeouts. Records live in the store; running VMMs here.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use disk_layers::LayeredDisk;
 use vmm_api::agent_client::{AgentError, AgentInit};
-use vmm_api::process::{ProcessError, ProcessIdentity, VmmProcess};
-use vmm_api::{DriveOverride, InstanceState, SnapshotLoadParams, SnapshotType, VsockOverride};
+use vmm_api::process::{ProcessError, VmmProcess};
+use vmm_api::{DriveOverride, SnapshotLoadParams, SnapshotType, VsockOverride};
 
 use crate::capacity::{Ask, Capacity, CapacityError, Limits, Reservation, Shortage};
 use crate::config::Config;
@@ -28,11 +28,14 @@ const ADOPT_AGENT_TIMEOUT: Duration = Duration::from_secs(30);
 const REAP_EVERY: Duration = Duration::from_millis(500);
 const ROOT_LAYER: &str = "root.layer";
 
+mod fork;
 mod gc;
 mod observe;
+mod recover;
 mod snapshot;
 pub use gc::GcStats;
 pub use observe::{Level, LogLine, Sample};
+pub use recover::reclaim_run_dir;
 pub use snapshot::SnapshotParams;
 
 #[derive(Debug, thiserror::Error)]
@@ -105,40 +108,6 @@ impl From<CapacityError> for SandboxError {
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SandboxError {
     let what = what.into();
     move |source| SandboxError::Io { what, source }
-}
-
-/// Stops and removes every VMM directory in `run_dir` that no sandbox
-/// recorded as running owns. Run at start, before anything spawns there.
-pub fn reclaim_run_dir(run_dir: &Path, store: &Store) {
-    let owned: HashSet<PathBuf> = match store.sandboxes() {
-        Ok(all) => all
-            .into_iter()
-            .filter(|s| s.state == SandboxState::Running)
-            .filter_map(|s| s.vmm_dir)
-            .collect(),
-        Err(e) => {
-            // Without the records nothing can be told apart: leave it all.
-            tracing::warn!("reclaiming VMM directories: {e}");
-            return;
-        }
-    };
-    let Ok(entries) = std::fs::read_dir(run_dir) else {
-        return;
-    };
-    for dir in entries.flatten().map(|e| e.path()) {
-        if owned.contains(&dir) {
-            continue;
-        }
-        if let Some(process) = ProcessIdentity::read(&dir)
-            && process.is_alive()
-        {
-            tracing::info!("stopping VMM pid {} left in {}", process.pid, dir.display());
-            process.kill();
-        }
-        if let Err(e) = std::fs::remove_dir_all(&dir) {
-            tracing::warn!("removing {}: {e}", dir.display());
-        }
-    }
 }
 
 /// What a create asks for (already validated by the API).
@@ -242,84 +211,6 @@ impl Manager {
 
     fn sandbox_dir(&self, id: &str) -> PathBuf {
         self.config.sandboxes_dir().join(id)
-    }
-
-    /// After a restart: adopts the VMM of every sandbox recorded as running
-    /// (resuming one a pause or fork left paused); a sandbox whose VMM is gone
-    /// or does not answer is removed, as a kill would.
-    pub async fn recover(&self) {
-        let records = match self.store.sandboxes() {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::warn!("recovering sandboxes: {e}");
-                return;
-            }
-        };
-        for r in records {
-            if r.state != SandboxState::Running || self.live().contains_key(&r.id) {
-                continue;
-            }
-            match self.adopt(&r).await {
-                Ok(vm) => {
-                    tracing::info!("sandbox {}: adopted its VMM (pid {})", r.id, vm.pid());
-                    // Already running: it holds its share whatever the limits are now.
-                    let slot = self
-                        .capacity
-                        .hold(Ask::sandbox(u64::from(r.cpu_count), r.memory_mb));
-                    self.live().insert(r.id.clone(), Live { vm, _slot: slot });
-                }
-                Err(e) => {
-                    tracing::warn!("sandbox {}: cannot adopt its VMM ({e}); removing it", r.id);
-                    let _ = self.store.remove_sandbox(&r.id);
-                    if let Some(dir) = &r.vmm_dir {
-                        // It may run without answering: stop it first.
-                        if let Some(process) = ProcessIdentity::read(dir) {
-                            process.kill();
-                        }
-                        let _ = std::fs::remove_dir_all(dir);
-                    }
-                    if !r.has_dependents {
-                        let _ = std::fs::remove_dir_all(self.sandbox_dir(&r.id));
-                    }
-                }
-            }
-        }
-    }
-
-    async fn adopt(&self, record: &SandboxRecord) -> Result<VmmProcess, SandboxError> {
-        let dir = record
-            .vmm_dir
-            .as_deref()
-            .ok_or_else(|| SandboxError::Invalid("no VMM directory recorded".into()))?;
-        let mut vm = VmmProcess::adopt(dir).await?;
-        let info = vm
-            .api()
-            .get_instance_info()
-            .await
-            .map_err(ProcessError::from)?;
-        match info.state {
-            InstanceState::Running => {}
-            InstanceState::Paused => vm.api().resume().await.map_err(ProcessError::from)?,
-            InstanceState::NotStarted => {
-                return Err(SandboxError::Invalid("its VMM has no guest".into()));
-            }
-        }
-        vm.wait_for_agent(ADOPT_AGENT_TIMEOUT).await?;
-        Ok(vm)
-    }
-
-    /// At shutdown: lets running sandboxes' VMMs run on, for the next start
-    /// to adopt, and stops the warm pool's.
-    pub fn shutdown(&self) {
-        let live: Vec<(String, Live)> = self.live().drain().collect();
-        tracing::info!(
-            "shutting down: {} running sandboxes keep running for the next start to adopt",
-            live.len()
-        );
-        for (_, l) in live {
-            l.vm.release();
-        }
-        self.pool.close();
     }
 
     /// Kills sandboxes whose time is up, every [`REAP_EVERY`].
@@ -620,189 +511,6 @@ impl Manager {
             .root_layer
             .clone()
             .unwrap_or_else(|| self.sandbox_dir(&record.id).join(ROOT_LAYER))
-    }
-
-    /// Forks a running sandbox into `count` new ones that continue from its
-    /// current memory and disk (sandfork's `PUT /fork`: memory frozen once
-    /// and shared copy-on-write, the disk sealed and branched). The parent
-    /// runs on. Each child gets its own access token, `timeout` and the
-    /// parent's metadata; one result per child.
-    pub async fn fork(
-        self: &Arc<Self>,
-        id: &str,
-        count: u32,
-        timeout: Duration,
-    ) -> Result<Vec<Result<SandboxRecord, SandboxError>>, SandboxError> {
-        let _busy = self.activity.read().await;
-        let parent = self.get(id)?;
-        if parent.state != SandboxState::Running {
-            return Err(SandboxError::Conflict {
-                id: id.to_owned(),
-                state: "paused",
-            });
-        }
-        let _claim = self.claim(id)?;
-        // All children or none: they come from one freeze of the parent, and
-        // a caller asking for N should not get fewer that happened to fit.
-        // Disk: the frozen memory, then a pause per child.
-        let child = Ask::sandbox(u64::from(parent.cpu_count), parent.memory_mb);
-        let mut slots = self.capacity.reserve(
-            Ask {
-                disk_mib: parent.memory_mb.saturating_mul(u64::from(count) + 1),
-                ..child.times(u64::from(count))
-            },
-            &format!(
-                "a fork of {count} {}",
-                if count == 1 { "child" } else { "children" }
-            ),
-        )?;
-        let child = Ask {
-            disk_mib: 0,
-            ..child
-        };
-        // The fork's files (frozen memory, state, every new root layer) are
-        // shared by parent and children, so they live outside any one
-        // sandbox's directory.
-        let fork_dir = self
-            .config
-            .data_dir
-            .join("forks")
-            .join(ids::sandbox_id().map_err(io("generating a fork id"))?);
-        std::fs::create_dir_all(&fork_dir)
-            .map_err(io(format!("creating {}", fork_dir.display())))?;
-        let info = {
-            let live = self.live();
-            let Some(l) = live.get(id) else {
-                return Err(SandboxError::NotFound(id.to_owned()));
-            };
-            // The VMM client needs no lock held across the await: clone it out.
-            l.vm.api().clone()
-        };
-        let forked = info
-            .fork(&vmm_api::ForkParams {
-                snapshot_path: fork_dir.join("fork.state").display().to_string(),
-                mem_file_path: fork_dir.join("fork.mem").display().to_string(),
-                disk_dir: fork_dir.display().to_string(),
-                children: count,
-            })
-            .await;
-        let info = match forked {
-            Ok(info) => info,
-            Err(e) => {
-                let _ = std::fs::remove_dir_all(&fork_dir);
-                return Err(ProcessError::from(e).into());
-            }
-        };
-        // The parent now writes to the fork's layer 0 and its old layer is
-        // sealed under every child: its directory must outlive it.
-        let parent_root = fork_dir.join(format!("{}.0.layer", self.template.root_drive_id));
-        let Some(parent) = self.store.update_sandbox(id, |s| {
-            s.root_layer = Some(parent_root);
-            s.has_dependents = true;
-            s.uses_dirs.push(fork_dir.clone());
-        })?
-        else {
-            return Err(SandboxError::NotFound(id.to_owned()));
-        };
-
-        let mut tasks = tokio::task::JoinSet::new();
-        for index in 0..count as usize {
-            let manager = self.clone();
-            let (info, parent) = (info.clone(), parent.clone());
-            let slot = slots.split(child);
-            tasks.spawn(async move {
-                let r = manager
-                    .fork_child(&parent, &info, index, timeout, slot)
-                    .await;
-                (index, r)
-            });
-        }
-        let mut results: Vec<Option<Result<SandboxRecord, SandboxError>>> =
-            (0..count).map(|_| None).collect();
-        while let Some(done) = tasks.join_next().await {
-            match done {
-                Ok((index, r)) => results[index] = Some(r),
-                Err(e) => tracing::error!("a fork child task failed: {e}"),
-            }
-        }
-        Ok(results
-            .into_iter()
-            .map(|r| {
-                r.unwrap_or_else(|| {
-                    Err(SandboxError::Io {
-                        what: "starting a fork child".into(),
-                        source: std::io::Error::other("its task ended early"),
-                    })
-                })
-            })
-            .collect())
-    }
-
-    async fn fork_child(
-        &self,
-        parent: &SandboxRecord,
-        info: &vmm_api::ForkInfo,
-        index: usize,
-        timeout: Duration,
-        slot: Reservation,
-    ) -> Result<SandboxRecord, SandboxError> {
-        let id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
-        let dir = self.sandbox_dir(&id);
-        std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
-        let result = async {
-            let mut vm = self.pool.take().await?;
-            vm.load_fork_child(info, index).await?;
-            vm.wait_for_agent(AGENT_TIMEOUT).await?;
-            let access_token = match parent.access_token {
-                Some(_) => Some(ids::token().map_err(io("generating an access token"))?),
-                None => None,
-            };
-            let mut init = AgentInit::after_restore()?;
-            init.access_token = access_token.clone();
-            // The child's agent still holds the parent's token until this init.
-            vm.agent()
-                .with_access_token(parent.access_token.as_deref())
-                .init(&init)
-                .await?;
-            let root = info
-                .children
-                .get(index)
-                .and_then(|drives| {
-                    drives
-                        .iter()
-                        .find(|d| d.drive_id == self.template.root_drive_id)
-                })
-                .map(|d| PathBuf::from(&d.path_on_host));
-            let started = now_ms();
-            let record = SandboxRecord {
-                id: id.clone(),
-                access_token,
-                started_at_ms: started,
-                end_at_ms: started + timeout.as_millis() as u64,
-                state: SandboxState::Running,
-                pause_generation: 0,
-                snapshot: None,
-                root_layer: root,
-                has_dependents: false,
-                uses_dirs: parent
-                    .uses_dirs
-                    .iter()
-                    .cloned()
-                    .chain([dir.clone()])
-                    .collect(),
-                vmm_dir: Some(vm.dir().to_owned()),
-                // and the parent's `uses_snapshots`: its memory is below this fork's
-                ..parent.clone()
-            };
-            self.store.put_sandbox(&record)?;
-            self.live().insert(id.clone(), Live { vm, _slot: slot });
-            Ok(record)
-        }
-        .await;
-        if result.is_err() {
-            let _ = std::fs::remove_dir_all(&dir);
-        }
-        result
     }
 
     pub fn get(&self, id: &str) -> Result<SandboxRecord, SandboxError> {

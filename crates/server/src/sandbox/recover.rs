@@ -1,0 +1,128 @@
+//! Restarts: running sandboxes' VMMs outlive the server (each in its own
+//! directory under the node's run dir, its identity recorded there), are
+//! released at shutdown and adopted at the next start; VMMs no sandbox owns
+//! are stopped.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+use vmm_api::InstanceState;
+use vmm_api::process::{ProcessError, ProcessIdentity, VmmProcess};
+
+use super::{ADOPT_AGENT_TIMEOUT, Live, Manager, SandboxError};
+use crate::capacity::Ask;
+use crate::store::{SandboxRecord, SandboxState, Store};
+
+/// Stops and removes every VMM directory in `run_dir` that no sandbox
+/// recorded as running owns. Run at start, before anything spawns there.
+pub fn reclaim_run_dir(run_dir: &Path, store: &Store) {
+    let owned: HashSet<PathBuf> = match store.sandboxes() {
+        Ok(all) => all
+            .into_iter()
+            .filter(|s| s.state == SandboxState::Running)
+            .filter_map(|s| s.vmm_dir)
+            .collect(),
+        Err(e) => {
+            // Without the records nothing can be told apart: leave it all.
+            tracing::warn!("reclaiming VMM directories: {e}");
+            return;
+        }
+    };
+    let Ok(entries) = std::fs::read_dir(run_dir) else {
+        return;
+    };
+    for dir in entries.flatten().map(|e| e.path()) {
+        if owned.contains(&dir) {
+            continue;
+        }
+        if let Some(process) = ProcessIdentity::read(&dir)
+            && process.is_alive()
+        {
+            tracing::info!("stopping VMM pid {} left in {}", process.pid, dir.display());
+            process.kill();
+        }
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            tracing::warn!("removing {}: {e}", dir.display());
+        }
+    }
+}
+
+impl Manager {
+    /// After a restart: adopts the VMM of every sandbox recorded as running
+    /// (resuming one a pause or fork left paused); a sandbox whose VMM is gone
+    /// or does not answer is removed, as a kill would.
+    pub async fn recover(&self) {
+        let records = match self.store.sandboxes() {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!("recovering sandboxes: {e}");
+                return;
+            }
+        };
+        for r in records {
+            if r.state != SandboxState::Running || self.live().contains_key(&r.id) {
+                continue;
+            }
+            match self.adopt(&r).await {
+                Ok(vm) => {
+                    tracing::info!("sandbox {}: adopted its VMM (pid {})", r.id, vm.pid());
+                    // Already running: it holds its share whatever the limits are now.
+                    let slot = self
+                        .capacity
+                        .hold(Ask::sandbox(u64::from(r.cpu_count), r.memory_mb));
+                    self.live().insert(r.id.clone(), Live { vm, _slot: slot });
+                }
+                Err(e) => {
+                    tracing::warn!("sandbox {}: cannot adopt its VMM ({e}); removing it", r.id);
+                    let _ = self.store.remove_sandbox(&r.id);
+                    if let Some(dir) = &r.vmm_dir {
+                        // It may run without answering: stop it first.
+                        if let Some(process) = ProcessIdentity::read(dir) {
+                            process.kill();
+                        }
+                        let _ = std::fs::remove_dir_all(dir);
+                    }
+                    if !r.has_dependents {
+                        let _ = std::fs::remove_dir_all(self.sandbox_dir(&r.id));
+                    }
+                }
+            }
+        }
+    }
+
+    async fn adopt(&self, record: &SandboxRecord) -> Result<VmmProcess, SandboxError> {
+        let dir = record
+            .vmm_dir
+            .as_deref()
+            .ok_or_else(|| SandboxError::Invalid("no VMM directory recorded".into()))?;
+        let mut vm = VmmProcess::adopt(dir).await?;
+        let info = vm
+            .api()
+            .get_instance_info()
+            .await
+            .map_err(ProcessError::from)?;
+        match info.state {
+            InstanceState::Running => {}
+            InstanceState::Paused => vm.api().resume().await.map_err(ProcessError::from)?,
+            InstanceState::NotStarted => {
+                return Err(SandboxError::Invalid("its VMM has no guest".into()));
+            }
+        }
+        vm.wait_for_agent(ADOPT_AGENT_TIMEOUT).await?;
+        Ok(vm)
+    }
+
+    /// At shutdown: lets running sandboxes' VMMs run on, for the next start
+    /// to adopt, and stops the warm pool's.
+    pub fn shutdown(&self) {
+        let live: Vec<(String, Live)> = self.live().drain().collect();
+        tracing::info!(
+            "shutting down: {} running sandboxes keep running for the next start to adopt",
+            live.len()
+        );
+        for (_, l) in live {
+            l.vm.release();
+        }
+        self.pool.close();
+    }
+}
