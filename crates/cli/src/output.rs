@@ -21,29 +21,31 @@ pub fn print_json(value: &Value) -> anyhow::Result<()> {
 
 /// Columns padded to their widest cell, two spaces apart.
 pub fn print_table(header: &[&str], rows: &[Vec<String>]) -> anyhow::Result<()> {
+    std::io::stdout()
+        .lock()
+        .write_all(table(header, rows).as_bytes())?;
+    Ok(())
+}
+
+pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
     for row in rows {
         for (w, cell) in widths.iter_mut().zip(row) {
             *w = (*w).max(cell.chars().count());
         }
     }
-    let mut out = std::io::stdout().lock();
     let line = |cells: Vec<&str>| {
         let mut s = String::new();
-        for (i, (cell, w)) in cells.iter().zip(&widths).enumerate() {
-            if i + 1 == cells.len() {
-                s.push_str(cell);
-            } else {
-                s.push_str(&format!("{cell:<w$}  "));
-            }
+        for (cell, w) in cells.iter().zip(&widths) {
+            s.push_str(&format!("{cell:<w$}  "));
         }
-        s.trim_end().to_owned()
+        s.trim_end().to_owned() + "\n"
     };
-    writeln!(out, "{}", line(header.to_vec()))?;
+    let mut out = line(header.to_vec());
     for row in rows {
-        writeln!(out, "{}", line(row.iter().map(String::as_str).collect()))?;
+        out.push_str(&line(row.iter().map(String::as_str).collect()));
     }
-    Ok(())
+    out
 }
 
 /// A string field, "" when absent.
@@ -77,6 +79,18 @@ pub fn short(d: Duration) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tables_align_columns() {
+        let rows = vec![
+            vec!["abc".to_owned(), "running".to_owned(), "".to_owned()],
+            vec!["d".to_owned(), "paused".to_owned(), "k=v".to_owned()],
+        ];
+        assert_eq!(
+            table(&["ID", "STATE", "METADATA"], &rows),
+            "ID   STATE    METADATA\nabc  running\nd    paused   k=v\n"
+        );
+    }
 
     #[test]
     fn durations_are_short() {
