@@ -237,7 +237,7 @@ fn pause_resume_fork_snapshot() {
     let cli = node();
     let id = create(&cli, &["--metadata", "suite=cli"]);
     let mut cleanup = Cleanup(&cli, vec![id.clone()]);
-    cli.run(&["exec", &id, "--", "sh", "-c", "echo parent > /root/mark"])
+    cli.run(&["exec", &id, "--", "sh", "-c", "echo parent > ~/mark"])
         .ok();
 
     assert_eq!(cli.run(&["pause", &id]).ok(), format!("{id}\n"));
@@ -256,7 +256,7 @@ fn pause_resume_fork_snapshot() {
     let line = cli.run(&["resume", &id]).one_line_error(1).to_owned();
     assert!(line.contains("already running"), "{line}");
     assert_eq!(
-        cli.run(&["exec", &id, "--", "cat", "/root/mark"]).ok(),
+        cli.run(&["exec", &id, "--", "sh", "-c", "cat ~/mark"]).ok(),
         "parent\n"
     );
 
@@ -267,7 +267,7 @@ fn pause_resume_fork_snapshot() {
     assert_eq!(children.len(), 2, "{}", r.stdout);
     for (i, c) in children.iter().enumerate() {
         assert_eq!(
-            cli.run(&["exec", c, "--", "cat", "/root/mark"]).ok(),
+            cli.run(&["exec", c, "--", "sh", "-c", "cat ~/mark"]).ok(),
             "parent\n"
         );
         cli.run(&[
@@ -276,12 +276,12 @@ fn pause_resume_fork_snapshot() {
             "--",
             "sh",
             "-c",
-            &format!("echo child{i} > /root/mark"),
+            &format!("echo child{i} > ~/mark"),
         ])
         .ok();
     }
     assert_eq!(
-        cli.run(&["exec", &id, "--", "cat", "/root/mark"]).ok(),
+        cli.run(&["exec", &id, "--", "sh", "-c", "cat ~/mark"]).ok(),
         "parent\n"
     );
     // --json: the node's answer, one {"sandbox": ...} per child.
@@ -293,7 +293,7 @@ fn pause_resume_fork_snapshot() {
         .to_owned();
     cleanup.1.push(grandchild.clone());
     assert_eq!(
-        cli.run(&["exec", &grandchild, "--", "cat", "/root/mark"])
+        cli.run(&["exec", &grandchild, "--", "sh", "-c", "cat ~/mark"])
             .ok(),
         "child0\n"
     );
@@ -306,7 +306,8 @@ fn pause_resume_fork_snapshot() {
     let from = create(&cli, &[&name]);
     cleanup.1.push(from.clone());
     assert_eq!(
-        cli.run(&["exec", &from, "--", "cat", "/root/mark"]).ok(),
+        cli.run(&["exec", &from, "--", "sh", "-c", "cat ~/mark"])
+            .ok(),
         "parent\n"
     );
     let line = cli
@@ -478,7 +479,7 @@ fn template_build_from_a_sandbox_ls_rm() {
         "--",
         "sh",
         "-c",
-        "echo built > /root/from-template",
+        "echo built > ~/from-template",
     ])
     .ok();
     let name = format!("cli-tmpl-{}", std::process::id());
@@ -513,7 +514,7 @@ fn template_build_from_a_sandbox_ls_rm() {
     let from = create(&cli, &[&name]);
     cleanup.1.push(from.clone());
     assert_eq!(
-        cli.run(&["exec", &from, "--", "cat", "/root/from-template"])
+        cli.run(&["exec", &from, "--", "sh", "-c", "cat ~/from-template"])
             .ok(),
         "built\n"
     );
@@ -533,6 +534,8 @@ fn template_build_from_a_sandbox_ls_rm() {
         .to_owned();
     assert!(line.contains("no sandbox nosuchsandbox0"), "{line}");
 }
+
+static SESSIONS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// tmux drives `sandfork run` on a real pseudo-terminal.
 struct Tmux {
@@ -608,7 +611,7 @@ impl Tmux {
             socket: format!(
                 "sandfork-cli-test-{}-{}",
                 std::process::id(),
-                exit_file.display().to_string().len()
+                SESSIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
             ),
         };
         let started = tmux.cmd(&[
@@ -731,4 +734,43 @@ fn exec_tty_attaches_to_an_existing_sandbox() {
     assert_eq!(tmux.wait_exit(&exit_file), "3");
     // The sandbox runs on.
     assert!(ls_ids(&cli, &["--state", "running"]).contains(&id));
+}
+
+#[test]
+#[ignore = "lab: needs a node (scripts/cli-test.sh)"]
+fn tables_and_summaries_on_a_terminal() {
+    let cli = node();
+    let id = create(&cli, &["--metadata", "suite=cli-table"]);
+    let _cleanup = Cleanup(&cli, vec![id.clone()]);
+    let dir = tempfile::tempdir().unwrap();
+
+    let exit_file = dir.path().join("ls");
+    let tmux = Tmux::start(&cli, &["ls", "--metadata", "suite=cli-table"], &exit_file);
+    assert_eq!(tmux.wait_exit(&exit_file), "0");
+    let screen = tmux.screen();
+    let mut lines = screen.lines().filter(|l| !l.trim().is_empty());
+    let header: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+    assert_eq!(
+        header,
+        [
+            "ID", "TEMPLATE", "STATE", "STARTED", "ENDS", "CPU/MEM", "METADATA"
+        ]
+    );
+    let row: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+    assert_eq!(row[0], id);
+    assert_eq!(&row[1..3], ["base", "running"]);
+    assert_eq!(row.last(), Some(&"suite=cli-table"));
+    drop(tmux);
+
+    let exit_file = dir.path().join("status");
+    let tmux = Tmux::start(&cli, &["status"], &exit_file);
+    assert_eq!(tmux.wait_exit(&exit_file), "0");
+    let screen = tmux.screen();
+    for start in ["node ", "sandboxes ", "vCPUs ", "memory ", "disk "] {
+        assert!(
+            screen.lines().any(|l| l.starts_with(start)),
+            "{start}:\n{screen}"
+        );
+    }
+    assert!(screen.contains("running,"), "{screen}");
 }
