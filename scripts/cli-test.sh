@@ -66,7 +66,7 @@ trap stop_server EXIT
 logdir=$target/cli-test
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 key=e2b_$(od -An -N20 -tx1 /dev/urandom | tr -d ' \n')
-rm -rf "$logdir/data"
+rm -rf "$logdir/data" "$logdir/scratch"
 mkdir -p "$logdir/data"
 # shellcheck disable=SC2206 # CLI_SERVE_ARGS is a list of words
 cmd=("$target/debug/sandfork" serve --listen "127.0.0.1:$port" --data-dir "$logdir/data" ${CLI_SERVE_ARGS:-})
@@ -90,7 +90,8 @@ done
 log "node up at $url"
 
 status=0
-SANDFORK_API_URL=$url SANDFORK_API_KEY=$key \
+# Files the node reads by path (OCI layouts) go where the lab sees them.
+SANDFORK_API_URL=$url SANDFORK_API_KEY=$key CLI_TEST_SCRATCH=$logdir/scratch \
     "$test_bin" --ignored --test-threads=1 "${filters[@]}" || status=$?
 stop_server
 if ((status)); then

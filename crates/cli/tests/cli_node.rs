@@ -774,3 +774,63 @@ fn tables_and_summaries_on_a_terminal() {
     }
     assert!(screen.contains("running,"), "{screen}");
 }
+
+// The server tests' busybox image layout, shared rather than copied.
+#[path = "../../server/tests/common/oci.rs"]
+mod oci;
+
+#[test]
+#[ignore = "lab: needs a node (scripts/cli-test.sh)"]
+fn template_build_from_an_oci_layout_streams_its_log() {
+    let cli = node();
+    // The node reads the layout by path: outside /tmp, which the lab does
+    // not share (scripts/cli-test.sh names a directory it does share).
+    let scratch = std::env::var_os("CLI_TEST_SCRATCH").map(std::path::PathBuf::from);
+    let dir = match &scratch {
+        Some(d) => {
+            std::fs::create_dir_all(d).unwrap();
+            tempfile::tempdir_in(d).unwrap()
+        }
+        None => tempfile::tempdir().unwrap(),
+    };
+    let layout = oci::busybox_oci_layout(dir.path());
+    let name = format!("cli-oci-{}", std::process::id());
+    let r = cli.run(&[
+        "template",
+        "build",
+        &name,
+        "--oci-layout",
+        layout.to_str().unwrap(),
+        "--start-cmd",
+        "sleep 100000",
+        "--ready-cmd",
+        "test -f /etc/marker",
+        "--memory-mb",
+        "256",
+    ]);
+    let template = r.ok().trim().to_owned();
+    // The build's own log came through, between the first and last lines.
+    let log: Vec<&str> = r.stderr.lines().collect();
+    assert!(log.len() > 2, "{}", r.stderr);
+    assert!(
+        log[0].starts_with(&format!("building {name}")),
+        "{}",
+        r.stderr
+    );
+    assert!(log.last().unwrap().starts_with(&format!("built {name}")));
+
+    let id = create(&cli, &[&name]);
+    let cleanup = Cleanup(&cli, vec![id.clone()]);
+    let r = cli.run(&["exec", &id, "--user", "root", "--", "cat", "/etc/marker"]);
+    assert_eq!(r.ok(), oci::MARKER);
+    let r = cli.run(&["exec", &id, "--user", "root", "--", "pidof", "sleep"]);
+    assert!(
+        !r.ok().trim().is_empty(),
+        "the start command is not running"
+    );
+    drop(cleanup);
+    assert_eq!(
+        cli.run(&["template", "rm", &template]).ok(),
+        format!("{template}\n")
+    );
+}
