@@ -210,6 +210,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
+    if !matches!(
+        cli.command,
+        Command::Up { .. } | Command::Bench { .. } | Command::Serve(_)
+    ) {
+        output::default_sigpipe();
+    }
     match cli.command {
         Command::Up { image } => {
             if let Some(code) = run_in_lab_if_needed(&image)? {

@@ -6,6 +6,14 @@ use std::time::{Duration, SystemTime};
 
 use serde_json::Value;
 
+/// Lets SIGPIPE end the program, as it does other Unix tools: a client
+/// command piped into `head` stops quietly instead of failing on a write.
+pub fn default_sigpipe() {
+    use nix::sys::signal::{SigHandler, Signal, signal};
+    // SAFETY: installs the default disposition, no handler code runs.
+    let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) };
+}
+
 /// Whether to print JSON: asked for, or stdout is a pipe or file.
 pub fn wants_json(flag: bool) -> bool {
     flag || !std::io::stdout().is_terminal()

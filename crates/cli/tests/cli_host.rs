@@ -251,3 +251,23 @@ fn cp_needs_exactly_one_sandbox_side_and_run_a_terminal() {
     let line = cli.run(&["run"]).one_line_error(1).to_owned();
     assert!(line.contains("a shell needs a terminal"), "{line}");
 }
+
+#[test]
+fn output_into_a_closed_pipe_ends_quietly() {
+    // As `sandfork ls | head -n1` can: the reader is gone before the write.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = Cli::new()
+        .command(&["completions", "bash"])
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{out:?}");
+    assert!(
+        out.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
