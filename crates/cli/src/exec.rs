@@ -6,9 +6,12 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use anyhow::Result;
+use bytes::Bytes;
+use envd_proto::json::B64;
 use envd_proto::process::{
-    DataEvent, PATH_SEND_SIGNAL, ProcessConfig, ProcessEvent, ProcessSelector, SendSignalRequest,
-    SendSignalResponse, Signal, StartRequest,
+    CloseStdinRequest, CloseStdinResponse, DataEvent, PATH_CLOSE_STDIN, PATH_SEND_INPUT,
+    PATH_SEND_SIGNAL, ProcessConfig, ProcessEvent, ProcessInput, ProcessSelector, SendInputRequest,
+    SendInputResponse, SendSignalRequest, SendSignalResponse, Signal, StartRequest,
 };
 
 use crate::client::Node;
@@ -17,7 +20,7 @@ use crate::sandboxes::key_value;
 
 #[derive(clap::Args)]
 #[command(
-    after_help = "Examples:\n  sandfork exec $id -- uname -a\n  sandfork exec $id --cwd /tmp -e DEBUG=1 -- sh -c 'ls | wc -l'\n  sandfork exec $id --user root -- apt-get install -y jq\n\nThe exit code is the command's (255 when a signal ended it)."
+    after_help = "Examples:\n  sandfork exec $id -- uname -a\n  sandfork exec $id --cwd /tmp -e DEBUG=1 -- sh -c 'ls | wc -l'\n  sandfork exec $id --user root -- apt-get install -y jq\n  tar c src | sandfork exec -i $id -- tar x -C /tmp\n  sandfork exec -t $id -- bash\n\nThe exit code is the command's (255 when a signal ended it)."
 )]
 pub struct ExecArgs {
     id: String,
@@ -33,9 +36,12 @@ pub struct ExecArgs {
     /// Environment variables (repeatable).
     #[arg(long, short, value_name = "KEY=VALUE", value_parser = key_value)]
     env: Vec<(String, String)>,
+    /// Pass this program's standard input to the command (until EOF).
+    #[arg(long, short = 'i')]
+    interactive: bool,
     /// Attach this terminal over a pseudo-terminal (for shells and
-    /// full-screen programs; `-i` means the same).
-    #[arg(long, short = 't', visible_short_alias = 'i')]
+    /// full-screen programs; input is passed too).
+    #[arg(long, short = 't')]
     tty: bool,
 }
 
@@ -60,7 +66,7 @@ pub async fn run(args: ExecArgs) -> Result<ExitCode> {
     }
     let start = StartRequest {
         process,
-        stdin: Some(false),
+        stdin: Some(args.interactive),
         ..Default::default()
     };
     let mut stream = sandbox.start(&start).await?;
@@ -91,7 +97,12 @@ pub async fn run(args: ExecArgs) -> Result<ExitCode> {
             anyhow::bail!("the process stream ended without the command's exit status");
         };
         match event {
-            ProcessEvent::Start(s) => pid = Some(s.pid),
+            ProcessEvent::Start(s) => {
+                pid = Some(s.pid);
+                if args.interactive {
+                    tokio::spawn(forward_stdin(sandbox.clone(), s.pid));
+                }
+            }
             ProcessEvent::Data(DataEvent::Stdout(b) | DataEvent::Pty(b)) => {
                 let mut out = std::io::stdout().lock();
                 out.write_all(&b.0)?;
@@ -110,5 +121,36 @@ pub async fn run(args: ExecArgs) -> Result<ExitCode> {
             }
             ProcessEvent::Keepalive(_) => {}
         }
+    }
+}
+
+/// Sends standard input to the process as it is read, then closes its
+/// stdin at EOF. A failure ends the forwarding with a message; the process
+/// still runs to its end.
+async fn forward_stdin(sandbox: Sandbox, pid: u32) {
+    if let Err(e) = try_forward_stdin(&sandbox, pid).await {
+        eprintln!("sandfork: error: passing input: {e}");
+    }
+}
+
+async fn try_forward_stdin(sandbox: &Sandbox, pid: u32) -> Result<()> {
+    use tokio::io::AsyncReadExt;
+    let mut stdin = tokio::io::stdin();
+    let mut conn = sandbox.connect().await?;
+    let process = ProcessSelector::Pid(pid);
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = stdin.read(&mut buf).await?;
+        if n == 0 {
+            let _: CloseStdinResponse = sandbox
+                .unary(&mut conn, PATH_CLOSE_STDIN, &CloseStdinRequest { process })
+                .await?;
+            return Ok(());
+        }
+        let req = SendInputRequest {
+            process: process.clone(),
+            input: Some(ProcessInput::Stdin(B64(Bytes::copy_from_slice(&buf[..n])))),
+        };
+        let _: SendInputResponse = sandbox.unary(&mut conn, PATH_SEND_INPUT, &req).await?;
     }
 }

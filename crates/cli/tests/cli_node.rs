@@ -145,6 +145,13 @@ fn create_exec_ls_rm() {
     let r = cli.run(&["exec", &id, "--", "/no/such/program"]);
     assert_eq!(r.code, 1);
     assert!(r.stderr.contains("sandfork: error:"), "{}", r.stderr);
+    // -i: standard input goes to the command until EOF; without it the
+    // command's stdin is empty.
+    let input: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+    let r = cli.run_with_input(&["exec", "-i", &id, "--", "wc", "-c"], &input);
+    assert_eq!(r.ok().trim(), "200000");
+    let r = cli.run_with_input(&["exec", &id, "--", "wc", "-c"], b"not passed");
+    assert_eq!(r.ok().trim(), "0");
     // Output arrives while the command runs, not at its end.
     let mut child = cli
         .command(&[
