@@ -35,7 +35,8 @@ set -a
 . target/sandfork.env
 set +a
 target=${CARGO_TARGET_DIR:-$root/target}
-command -v tmux >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q tmux >&2
+# The interactive shell tests drive a terminal with tmux (scripts/deps.sh).
+command -v tmux >/dev/null || die "tmux is missing: run scripts/deps.sh"
 
 # Built before the node starts: the lab takes a CPU of its own.
 log "building the CLI and its node tests"
