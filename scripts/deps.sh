@@ -15,7 +15,7 @@ packages=(
     # running guests under QEMU (checks, KVM lab) and a static placeholder agent
     qemu-system-x86 busybox-static
     # tooling and tests
-    python3 git pkg-config ca-certificates
+    python3 git pkg-config ca-certificates tmux
 )
 
 # One dpkg-query for all of them; unknown packages print nothing.

@@ -73,3 +73,8 @@ echo "== E2B SDK suites against sandfork serve" >&2
 # The real e2b Python and JS SDKs against a real server on real microVMs
 # (inside the lab here): the basic suites, then pause, fork and snapshots.
 scripts/sdk-test.sh --no-build
+
+echo "== the sandfork CLI against sandfork serve" >&2
+# Every client command through the real binary against one real node,
+# the interactive shell through tmux.
+scripts/cli-test.sh --no-build

@@ -1,21 +1,36 @@
 //! `sandfork`: the command line of a sandfork node.
 
+mod auth;
 mod bench;
+mod client;
+mod completions;
+mod cp;
+mod exec;
 mod launcher;
+mod logs;
+mod output;
+mod run;
+mod sandboxes;
 mod serve;
+mod status;
+mod template;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 use launcher::GuestImage;
 use sandfork_lab::Environment;
 
 #[derive(Parser)]
-#[command(version, about = "sandfork: branching agent sandboxes on KVM microVMs")]
+#[command(
+    version,
+    about = "sandfork: branching agent sandboxes on KVM microVMs",
+    after_help = "Quick start:\n  sandfork serve &                       # a node on 127.0.0.1:3000\n  sandfork auth login --key $(cat /var/lib/sandfork/api-key)\n  sandfork run                           # a shell in a new sandbox\n  id=$(sandfork create)\n  sandfork exec $id -- uname -a\n  sandfork fork $id -n 3\n  sandfork ls\n\nThe node and key come from SANDFORK_API_URL and SANDFORK_API_KEY, else the\nconfig file `sandfork auth login` writes, else E2B_API_URL and E2B_API_KEY."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -82,6 +97,40 @@ enum Command {
     ///
     /// Example: sandfork serve --listen 127.0.0.1:3000
     Serve(serve::ServeArgs),
+    /// Save or show the node's URL and API key.
+    #[command(subcommand)]
+    Auth(auth::AuthCommand),
+    /// The node's capacity and how many sandboxes run.
+    Status(status::StatusArgs),
+    /// List sandboxes (a table on a terminal, JSON otherwise).
+    Ls(sandboxes::LsArgs),
+    /// Create a sandbox and print its id.
+    Create(sandboxes::CreateArgs),
+    /// Create a sandbox and open a shell in it.
+    Run(run::RunArgs),
+    /// Run a command in a sandbox; exits with its exit code.
+    Exec(exec::ExecArgs),
+    /// Pause sandboxes (memory and disk kept; they use no CPU or memory).
+    Pause(sandboxes::IdsArgs),
+    /// Resume paused sandboxes.
+    Resume(sandboxes::ResumeArgs),
+    /// Fork a running sandbox into N children; prints their ids.
+    Fork(sandboxes::ForkArgs),
+    /// Snapshot a running sandbox; prints the snapshot's id.
+    Snapshot(sandboxes::SnapshotArgs),
+    /// Set how long from now a sandbox may run.
+    Timeout(sandboxes::TimeoutArgs),
+    /// Kill and remove sandboxes.
+    Rm(sandboxes::IdsArgs),
+    /// Print a sandbox's log (console and agent).
+    Logs(logs::LogsArgs),
+    /// Copy a file to or from a sandbox (ID:/path on one side).
+    Cp(cp::CpArgs),
+    /// Build, list and remove templates.
+    #[command(subcommand)]
+    Template(template::TemplateCommand),
+    /// Print a shell completion script.
+    Completions(completions::CompletionsArgs),
 }
 
 pub(crate) fn sibling_binary(name: &str) -> Result<PathBuf> {
@@ -181,6 +230,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
+    if !matches!(
+        cli.command,
+        Command::Up { .. } | Command::Bench { .. } | Command::Serve(_)
+    ) {
+        output::default_sigpipe();
+    }
     match cli.command {
         Command::Up { image } => {
             if let Some(code) = run_in_lab_if_needed(&image, &[])? {
@@ -235,6 +290,22 @@ fn run(cli: Cli) -> Result<ExitCode> {
             println!("{}", serde_json::to_string(&report)?);
         }
         Command::Serve(args) => return serve::run(args),
+        Command::Auth(cmd) => return runtime.block_on(auth::run(cmd)),
+        Command::Status(args) => return runtime.block_on(status::run(args)),
+        Command::Ls(args) => return runtime.block_on(sandboxes::ls(args)),
+        Command::Create(args) => return runtime.block_on(sandboxes::create(args)),
+        Command::Run(args) => return runtime.block_on(run::run(args)),
+        Command::Exec(args) => return runtime.block_on(exec::run(args)),
+        Command::Pause(args) => return runtime.block_on(sandboxes::pause(args)),
+        Command::Resume(args) => return runtime.block_on(sandboxes::resume(args)),
+        Command::Fork(args) => return runtime.block_on(sandboxes::fork(args)),
+        Command::Snapshot(args) => return runtime.block_on(sandboxes::snapshot(args)),
+        Command::Timeout(args) => return runtime.block_on(sandboxes::timeout(args)),
+        Command::Rm(args) => return runtime.block_on(sandboxes::rm(args)),
+        Command::Logs(args) => return runtime.block_on(logs::run(args)),
+        Command::Cp(args) => return runtime.block_on(cp::run(args)),
+        Command::Template(cmd) => return runtime.block_on(template::run(cmd)),
+        Command::Completions(args) => return Ok(completions::run(args, Cli::command())),
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -1,0 +1,102 @@
+#!/bin/bash
+# The sandfork CLI against a real node: builds the CLI's node tests, starts
+# `sandfork serve` on a free local port with a fresh API key and data dir
+# (in the KVM lab, under the lab lock, where /dev/kvm cannot boot Linux),
+# runs crates/cli/tests/cli_node.rs (its `lab:` tests, one node for all)
+# with SANDFORK_API_URL and SANDFORK_API_KEY, and stops the node.
+#
+# Usage: scripts/cli-test.sh [--no-build] [TEST-FILTER...]
+#   --no-build  do not run scripts/build.sh (target/sandfork.env must exist)
+# Env: CARGO_TARGET_DIR (default target), CLI_SERVE_ARGS (extra `sandfork
+#      serve` arguments), SANDFORK_LAB_LOCKED (the caller holds the lab lock).
+# Out: the node's log in $target/cli-test/serve.log.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+log() { echo "cli-test: $*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+build=1
+filters=()
+while (($#)); do
+    case $1 in
+        --no-build) build=0; shift ;;
+        -h | --help) sed -n '2,/^set -e/p' "${BASH_SOURCE[0]}" | sed -n 's/^# \{0,1\}//p'; exit 0 ;;
+        *) filters+=("$1"); shift ;;
+    esac
+done
+
+if ((build)); then
+    scripts/build.sh
+fi
+[[ -f target/sandfork.env ]] || die "target/sandfork.env missing (run scripts/build.sh)"
+set -a
+. target/sandfork.env
+set +a
+target=${CARGO_TARGET_DIR:-$root/target}
+# The interactive shell tests drive a terminal with tmux (scripts/deps.sh).
+command -v tmux >/dev/null || die "tmux is missing: run scripts/deps.sh"
+
+# Built before the node starts: the lab takes a CPU of its own.
+log "building the CLI and its node tests"
+cargo build -p sandfork -p sandfork-lab --quiet
+test_bin=$(cargo test -p sandfork --test cli_node --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cli_node":
+        print(m["executable"])')
+[[ -x $test_bin ]] || die "the cli_node test binary was not built"
+
+serve_pid=''
+stop_server() {
+    [[ -n $serve_pid ]] || return 0
+    log "stopping the node (pid $serve_pid)"
+    kill -TERM -- "-$serve_pid" 2>/dev/null || true
+    for _ in $(seq 60); do
+        kill -0 "$serve_pid" 2>/dev/null || break
+        sleep 0.5
+    done
+    kill -KILL -- "-$serve_pid" 2>/dev/null || true
+    wait "$serve_pid" 2>/dev/null || true
+    serve_pid=''
+}
+trap stop_server EXIT
+
+logdir=$target/cli-test
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+key=e2b_$(od -An -N20 -tx1 /dev/urandom | tr -d ' \n')
+rm -rf "$logdir/data" "$logdir/scratch"
+mkdir -p "$logdir/data"
+# shellcheck disable=SC2206 # CLI_SERVE_ARGS is a list of words
+cmd=("$target/debug/sandfork" serve --listen "127.0.0.1:$port" --data-dir "$logdir/data" ${CLI_SERVE_ARGS:-})
+if [[ -z ${SANDFORK_LAB_LOCKED:-} && $("$target/debug/sandfork-lab" detect | sed -n 1p) != hardware* ]]; then
+    log "no hardware KVM: the node runs in the lab; waiting for the lab lock"
+    cmd=(flock /tmp/sandfork-lab.lock "${cmd[@]}")
+fi
+log "starting: ${cmd[*]} (log: $logdir/serve.log)"
+SANDFORK_API_KEY=$key setsid "${cmd[@]}" >"$logdir/serve.log" 2>&1 &
+serve_pid=$!
+url=http://127.0.0.1:$port
+deadline=$((SECONDS + 900))
+until python3 - "$url/health" <<'PY' 2>/dev/null; do
+import sys, urllib.request
+sys.exit(0 if urllib.request.urlopen(sys.argv[1], timeout=5).status < 300 else 1)
+PY
+    kill -0 "$serve_pid" 2>/dev/null || { tail -n 40 "$logdir/serve.log" >&2; die "the node exited"; }
+    ((SECONDS < deadline)) || { tail -n 40 "$logdir/serve.log" >&2; die "no /health after 900 s"; }
+    sleep 1
+done
+log "node up at $url"
+
+status=0
+# Files the node reads by path (OCI layouts) go where the lab sees them.
+SANDFORK_API_URL=$url SANDFORK_API_KEY=$key CLI_TEST_SCRATCH=$logdir/scratch \
+    "$test_bin" --ignored --test-threads=1 "${filters[@]}" || status=$?
+stop_server
+if ((status)); then
+    tail -n 40 "$logdir/serve.log" >&2
+    die "CLI node tests failed"
+fi
+log "CLI node tests passed"
