@@ -287,6 +287,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 }),
             };
             let report = runtime.block_on(plan.run())?;
+            // The summary for people (on stderr, which reaches the terminal
+            // through the lab too); the JSON on stdout for machines.
+            eprint!("{}", bench::summary::summary(&report));
             println!("{}", serde_json::to_string(&report)?);
         }
         Command::Serve(args) => return serve::run(args),

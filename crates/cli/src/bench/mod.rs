@@ -5,6 +5,7 @@
 
 pub mod sdk;
 mod snapshot;
+pub mod summary;
 
 use std::path::Path;
 use std::time::Duration;

@@ -1,0 +1,101 @@
+//! A readable summary of a bench report, for people at a terminal (the
+//! JSON on stdout stays the record).
+
+use serde_json::Value;
+
+/// One line per headline figure present in `report`: its value, and
+/// Firecracker's with the ratio where the report has a reference.
+pub fn summary(report: &Value) -> String {
+    let mut out = String::new();
+    if let Some(env) = report["environment"].as_str() {
+        out.push_str(&format!("sandfork bench ({env})\n"));
+    }
+    let reference = &report["reference"];
+    for (key, unit) in [
+        ("boot_to_agent_ms", "ms"),
+        ("pause_ms", "ms"),
+        ("snapshot_full_ms", "ms"),
+        ("snapshot_diff_ms", "ms"),
+        ("restore_load_ms", "ms"),
+        ("restore_to_agent_ms", "ms"),
+        ("fork1_ms", "ms"),
+        ("fork16_ms", "ms"),
+        ("child_private_mib", "MiB"),
+        ("idle_children_per_24gib", ""),
+        ("sdk_create_to_first_command_ms", "ms"),
+        ("sdk_fork16_ms", "ms"),
+        ("sdk_creates_per_s_4way", "/s"),
+        ("idle_sandbox_mib", "MiB"),
+        ("idle_sandboxes_per_24gib", ""),
+    ] {
+        let value = &report[key];
+        let shown = match (value.as_f64(), value["p50"].as_f64()) {
+            (Some(v), _) => format!("{} {unit}", number(v)),
+            (None, Some(p50)) => format!(
+                "p50 {} {unit}, p95 {} {unit}",
+                number(p50),
+                value["p95"].as_f64().map_or("?".into(), number)
+            ),
+            _ if value.is_null() && report.get(key).is_some() => "failed".into(),
+            _ => continue,
+        };
+        let mut line = format!("  {key:<32} {}", shown.trim_end());
+        if let Some(fc) = reference[key].as_f64() {
+            let ratio_key = format!("{}_ratio_vs_reference", key.trim_end_matches("_ms"));
+            line.push_str(&format!("   (Firecracker {} {unit}", number(fc)));
+            if let Some(r) = report[ratio_key.as_str()].as_f64() {
+                line.push_str(&format!(", ratio {r:.2}"));
+            }
+            line.push(')');
+        }
+        out.push_str(&line);
+        out.push('\n');
+    }
+    if let Some(note) = report["note"].as_str() {
+        out.push_str(&format!("  note: {note}\n"));
+    }
+    out
+}
+
+fn number(v: f64) -> String {
+    if v.abs() >= 100.0 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.2}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn shows_figures_references_percentiles_and_failures() {
+        let report = json!({
+            "environment": "lab",
+            "pause_ms": 33.94,
+            "pause_ratio_vs_reference": 3.29,
+            "restore_to_agent_ms": 369.2,
+            "sdk_create_to_first_command_ms": {"p50": 2130.6, "p95": 2779.7},
+            "sdk_fork16_ms": null,
+            "reference": {"pause_ms": 10.31, "restore_to_agent_ms": 248.0},
+            "note": "emulated"
+        });
+        let text = summary(&report);
+        assert_eq!(
+            text,
+            "sandfork bench (lab)\n\
+             \x20 pause_ms                         33.94 ms   (Firecracker 10.31 ms, ratio 3.29)\n\
+             \x20 restore_to_agent_ms              369 ms   (Firecracker 248 ms)\n\
+             \x20 sdk_create_to_first_command_ms   p50 2131 ms, p95 2780 ms\n\
+             \x20 sdk_fork16_ms                    failed\n\
+             \x20 note: emulated\n"
+        );
+    }
+
+    #[test]
+    fn leaves_out_what_was_not_measured() {
+        assert_eq!(summary(&json!({})), "");
+    }
+}
