@@ -100,9 +100,6 @@ pub struct Builder {
     scratch: Option<PathBuf>,
 }
 
-/// `statfs` type of 9p filesystems (`V9FS_MAGIC` in the kernel).
-const V9FS_MAGIC: u64 = 0x0102_1997;
-
 impl Builder {
     /// A builder installing `agent` (the static guest agent binary), caching
     /// under `$SANDFORK_CACHE` (default `/var/cache/sandfork`), working in
@@ -364,7 +361,59 @@ const WORK_PREFIX: &str = ".work-";
 
 /// Whether `path` is on a 9p filesystem.
 fn is_9p(path: &Path) -> bool {
-    nix::sys::statfs::statfs(path).is_ok_and(|st| st.filesystem_type().0 as u64 == V9FS_MAGIC)
+    // Not statfs: over 9p2000.L it reports the type of the server's
+    // filesystem. The mount table says what the path is mounted as.
+    let Ok(path) = fs::canonicalize(path) else {
+        return false;
+    };
+    let table = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    mount_type(&table, &path).is_some_and(|t| t == "9p")
+}
+
+/// The filesystem type of the mount holding `path` (canonical) in a
+/// `/proc/self/mountinfo` table: the last of the longest mount points that
+/// contain it.
+fn mount_type<'a>(mountinfo: &'a str, path: &Path) -> Option<&'a str> {
+    let mut best: Option<(usize, &str)> = None;
+    for line in mountinfo.lines() {
+        let mut fields = line.split(' ');
+        let Some(point) = fields.nth(4) else {
+            continue;
+        };
+        let Some(fstype) = line.split(" - ").nth(1).and_then(|r| r.split(' ').next()) else {
+            continue;
+        };
+        let point = unescape_octal(point);
+        let len = Path::new(&point).components().count();
+        if path.starts_with(&point) && best.is_none_or(|(l, _)| len >= l) {
+            best = Some((len, fstype));
+        }
+    }
+    best.map(|(_, t)| t)
+}
+
+/// Undoes mountinfo's `\NNN` escapes (space, tab, newline, backslash).
+fn unescape_octal(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let code = b
+            .get(i + 1..i + 4)
+            .filter(|d| b[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)))
+            .map(|d| d.iter().fold(0u32, |n, c| n * 8 + u32::from(c - b'0')));
+        match code {
+            Some(c) => {
+                out.push(c as u8);
+                i += 4;
+            }
+            None => {
+                out.push(b[i]);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Removes work directories of `key` left by builds whose process is gone
@@ -470,5 +519,36 @@ fn remove_tree(path: &Path) -> Result<()> {
             .map_err(|e| BuildError::io(format!("removing {}", path.display()), e)),
         Ok(_) => fs::remove_file(path)
             .map_err(|e| BuildError::io(format!("removing {}", path.display()), e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_mount_holding_a_path_is_found() {
+        let table = "\
+22 27 0:21 / /proc rw,relatime - proc proc rw
+27 1 254:0 / / rw,relatime - ext4 /dev/vda rw
+40 27 0:40 / /tmp rw - tmpfs tmpfs rw
+41 27 0:41 / /var/cache/sandfork ro - 9p hostroot ro
+42 41 0:42 / /var/cache/sandfork/lab\\040rw rw - 9p rw0 rw
+43 27 0:43 / /var/cache/sandfork/lab rw - tmpfs tmpfs rw
+";
+        let t = |p: &str| mount_type(table, Path::new(p));
+        assert_eq!(t("/var/cache/sandfork/lab rw/x"), Some("9p"));
+        assert_eq!(t("/var/cache/sandfork/lab/x"), Some("tmpfs"));
+        assert_eq!(t("/var/cache/sandfork/labx"), Some("9p"));
+        assert_eq!(t("/var/cache/sandfork"), Some("9p"));
+        assert_eq!(t("/tmp/a"), Some("tmpfs"));
+        assert_eq!(t("/tmpfoo"), Some("ext4"));
+        assert_eq!(t("/"), Some("ext4"));
+        assert_eq!(unescape_octal(r"a\040b\134c\09"), "a b\\c\\09");
+    }
+
+    #[test]
+    fn nine_p_is_not_this_hosts_tmp() {
+        assert!(!is_9p(&std::env::temp_dir()));
     }
 }
