@@ -30,6 +30,10 @@ for line in sys.stdin:
 [[ ${#lab_tests[@]} -gt 0 ]] || { echo "no lab test binaries found" >&2; exit 1; }
 
 lab=target/debug/sandfork-lab
+# A directory shared read-write with the lab over 9p, as `sandfork serve`'s
+# cache and data dir are there (lab tests that need such a share use it).
+export SANDFORK_LAB_RW_DIR=${SANDFORK_CACHE:-/var/cache/sandfork}/lab-rw
+mkdir -p "$SANDFORK_LAB_RW_DIR"
 # One KVM lab at a time on a machine (two at once on a small host lose
 # guests): hold the lab lock for everything below; sdk-test.sh sees that.
 exec 9>/tmp/sandfork-lab.lock
@@ -46,7 +50,7 @@ run_lab_tests() {
     else
         # One lab vCPU: QEMU's multi-threaded TCG with nested SVM has been
         # seen to lose a guest early in boot; single-threaded TCG is steadier.
-        "$lab" run --cpus 1 --timeout 900 -- "$@"
+        "$lab" run --cpus 1 --timeout 900 --rw "$SANDFORK_LAB_RW_DIR" -- "$@"
     fi
 }
 

@@ -2,8 +2,12 @@
 # Build a sandfork guest root filesystem: Debian bookworm (debootstrap
 # minbase + images/rootfs/packages.txt) with the guest agent as /sbin/init,
 # as a sparse ext4 image. Two cache levels, both content-addressed:
-#   $SANDFORK_CACHE/rootfs-base/<key>/tree/       debootstrapped tree
+#   $SANDFORK_CACHE/rootfs-base/<key>/tree.tar    debootstrapped tree, as a tar
 #   $SANDFORK_CACHE/rootfs/<key>/rootfs.ext4      final image with the agent
+# The base is kept as a tarball, not a directory, so that a cache which cannot
+# hold device nodes (a 9p share, as in the KVM lab) can still hold it, and it
+# is read in one sequential stream there. Trees are unpacked and worked on in a
+# scratch directory (SANDFORK_BUILD_SCRATCH) that must be a local filesystem.
 #
 # Usage: images/rootfs/build.sh --agent PATH [--out PATH] [--size SIZE]
 #   --agent  static guest agent binary, installed as /usr/local/sbin/sandfork-agent
@@ -11,9 +15,12 @@
 #   --size   image size for truncate(1), default 2G (sparse: free space for the
 #            sandbox, no host disk until written)
 #   --base-only  only make sure the debootstrapped base tree is built and
-#            print its cache directory (used by crates/template-build)
+#            print its cache directory, holding tree.tar (used by
+#            crates/template-build)
 # Env: SANDFORK_CACHE (default /var/cache/sandfork),
-#      SANDFORK_DEBIAN_MIRROR (default: from this machine's apt sources)
+#      SANDFORK_BUILD_SCRATCH (where trees are made; default: next to the
+#        cache entries), SANDFORK_DEBIAN_MIRROR (default: from this machine's
+#        apt sources)
 # Out: the absolute path of the image on the last stdout line; progress on
 #      stderr.
 set -euo pipefail
@@ -21,6 +28,7 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 self=$here/build.sh
 cache=${SANDFORK_CACHE:-/var/cache/sandfork}
+scratch=${SANDFORK_BUILD_SCRATCH:-}
 agent='' out='' size=2G base_only=0
 
 log() { echo "rootfs: $*" >&2; }
@@ -60,23 +68,60 @@ base_key=$( {
 } | sha256sum | cut -c1-16)
 base=$cache/rootfs-base/$base_key
 
-build_base() {
-    local dir=$cache/rootfs-base tmp start
-    start=$(date +%s)
+# A fresh scratch directory for KEY's tree (removed at exit).
+scratch_dir() {
+    local dir=${scratch:-$1}
+    mkdir -p "$dir"
+    rm -rf "$dir/.tree-$2".*
+    mktemp -d "$dir/.tree-$2.XXXXXX"
+}
+
+# The options that keep owners (numerically), modes, xattrs (file
+# capabilities) and hard links, both ways.
+tar_opts=(--numeric-owner --xattrs --xattrs-include='*')
+
+# Pack the tree DIR into the base entry: tree.tar, and the files in FILES_DIR.
+store_base() {
+    local tree=$1 files=$2 dir=$cache/rootfs-base tmp
     rm -rf "$dir/.tmp-$base_key".*
     tmp=$(mktemp -d "$dir/.tmp-$base_key.XXXXXX")
-    # shellcheck disable=SC2064 # expand $tmp now
-    trap "rm -rf '$tmp'" EXIT
-    SANDFORK_DEB_CACHE=$cache/debootstrap-debs "$here/base.sh" "$tmp"
+    tar --create --file="$tmp/tree.tar" "${tar_opts[@]}" -C "$tree" .
+    cp "$files"/manifest.txt "$files"/debootstrap.log "$tmp/"
     chmod 0755 "$tmp"
-    mv -T "$tmp" "$base"
+    # An entry with a tree/ but no tree.tar was made by an earlier version of
+    # this script: add the tarball and leave the tree for whoever still uses it.
+    if [[ -d $base ]]; then
+        mv "$tmp/tree.tar" "$base/tree.tar"
+        rm -rf "$tmp"
+    else
+        mv -T "$tmp" "$base"
+    fi
+}
+
+build_base() {
+    local start work
+    start=$(date +%s)
+    work=$(scratch_dir "$cache/rootfs-base" "$base_key")
+    # shellcheck disable=SC2064 # expand $work now
+    trap "rm -rf '$work'" EXIT
+    SANDFORK_DEB_CACHE=$cache/debootstrap-debs "$here/base.sh" "$work"
+    chmod 0755 "$work/tree"
+    store_base "$work/tree" "$work"
+    rm -rf "$work"
     trap - EXIT
     log "base $base_key built in $(($(date +%s) - start)) s"
 }
 
-if [[ ! -d $base/tree ]]; then
+if [[ ! -f $base/tree.tar ]]; then
     lock "$cache/rootfs-base" "$base_key"
-    [[ -d $base/tree ]] || build_base
+    if [[ -f $base/tree.tar ]]; then
+        :
+    elif [[ -d $base/tree && -f $base/manifest.txt ]]; then
+        log "packing the base tree $base/tree into tree.tar"
+        store_base "$base/tree" "$base"
+    else
+        build_base
+    fi
     exec 9>&-
 else
     log "base cached: $base"
@@ -103,12 +148,11 @@ build_image() {
     start=$(date +%s)
     rm -rf "$dir/.tmp-$key".*
     tmp=$(mktemp -d "$dir/.tmp-$key.XXXXXX")
+    local t
+    t=$(scratch_dir "$cache/rootfs" "$key")
     # shellcheck disable=SC2064
-    trap "rm -rf '$tmp'" EXIT
-    local t=$tmp/tree
-    # Hard links, not a copy: the base stays untouched because finish.sh
-    # replaces every file it changes (rm, then written), never edits in place.
-    cp -al "$base/tree" "$t"
+    trap "rm -rf '$tmp' '$t'" EXIT
+    tar --extract --file="$base/tree.tar" "${tar_opts[@]}" -C "$t"
     "$here/finish.sh" --agent "$agent" --tree "$t" --image "$tmp/rootfs.ext4" --size "$size" --key "$key"
     rm -rf "$t"
     chmod 0755 "$tmp"

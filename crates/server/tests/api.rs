@@ -1226,6 +1226,34 @@ async fn template_builds_check_their_input() {
     assert_error(&a, StatusCode::SERVICE_UNAVAILABLE);
 }
 
+/// An image build boots a VM: one that does not fit in the node's memory or
+/// vCPUs is refused with 503 like a sandbox, and nothing is recorded or held.
+#[tokio::test]
+async fn a_template_build_that_does_not_fit_answers_503() {
+    let node = small_node(|c| {
+        c.capacity.memory_mib = Some(200);
+        c.agent = Some(common::BUSYBOX.into());
+    });
+    let body = r#"{"name":"x","from":{"debian_packages":["jq"]}}"#;
+    let a = call(&node, authed("POST", "/templates", body)).await;
+    assert_error(&a, StatusCode::SERVICE_UNAVAILABLE);
+    let message = a.json["message"].as_str().unwrap();
+    assert!(
+        message.contains("not enough memory for a template build: it needs 256 MiB, 200 MiB"),
+        "{message}"
+    );
+    let body = r#"{"name":"x","from":{"debian_packages":["jq"]},"vcpus":3,"memory_mb":128}"#;
+    let a = call(&node, authed("POST", "/templates", body)).await;
+    assert_error(&a, StatusCode::SERVICE_UNAVAILABLE);
+    let message = a.json["message"].as_str().unwrap();
+    assert!(
+        message.contains("not enough vCPUs for a template build: it needs 3 vCPUs"),
+        "{message}"
+    );
+    assert!(node.manager.store().builds().unwrap().is_empty());
+    assert_holds_nothing(&node_info(&node).await);
+}
+
 /// Polls the build's status until it is no longer `building`.
 async fn wait_for_build(node: &Node, id: &str, build: &str) -> Value {
     let uri = format!("/templates/{id}/builds/{build}/status");
@@ -1275,6 +1303,13 @@ async fn an_image_build_that_cannot_boot_ends_in_error_with_its_log() {
         .unwrap();
     assert_eq!(mine["memoryMB"], 384);
     if mine["buildStatus"] == "building" {
+        // Its VM's memory and vCPUs are held while it builds.
+        let info = node_info(&node).await;
+        if info["memoryMB"]["used"] != 0 {
+            assert_eq!(info["memoryMB"]["used"], 384, "{info}");
+            assert_eq!(info["vcpus"]["used"], 1, "{info}");
+            assert_eq!(info["sandboxes"]["starting"], 0, "{info}");
+        }
         assert_error(&again, StatusCode::CONFLICT);
         assert_error(
             &call(&node, authed("DELETE", &format!("/templates/{id}"), "")).await,
@@ -1289,6 +1324,8 @@ async fn an_image_build_that_cannot_boot_ends_in_error_with_its_log() {
         reason.contains("VMM") || reason.contains("sandfork-vmm"),
         "{reason}"
     );
+    // The failed build gave its room back.
+    assert_holds_nothing(&node_info(&node).await);
     let logs: Vec<&str> = status["logs"]
         .as_array()
         .unwrap()

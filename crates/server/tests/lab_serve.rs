@@ -812,6 +812,145 @@ async fn template_from_an_oci_image_with_start_and_ready_commands() {
     assert_eq!(gone.status, 404);
 }
 
+/// Build a template from Debian packages (`jq`) as `sandfork serve` does in
+/// the lab: its build cache on a 9p share (which holds no device nodes and is
+/// slow for many small files), so the tree is made in local scratch and only
+/// the image goes to the cache; the base tarball comes from the shared cache
+/// (built by `scripts/build.sh`), apt reaches the mirror from the lab. Then a
+/// sandbox from it runs `jq`.
+///
+/// Needs `SANDFORK_LAB_RW_DIR`: a directory shared read-write with the lab
+/// (scripts/test.sh passes one). Slow: minutes in the lab.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab: boots microVMs, installs Debian packages"]
+async fn template_from_debian_packages() {
+    let shared_dir = std::env::var_os("SANDFORK_LAB_RW_DIR")
+        .map(PathBuf::from)
+        .expect(
+            "SANDFORK_LAB_RW_DIR: a directory shared read-write with the lab, as serve's cache is \
+         (sandfork-lab run --rw DIR; scripts/test.sh passes one)",
+        );
+    let base_cache = std::env::var_os("SANDFORK_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/cache/sandfork"));
+    let data = tempfile::tempdir().unwrap();
+    let cache = tempfile::Builder::new()
+        .prefix("template-cache-")
+        .tempdir_in(&shared_dir)
+        .expect("a build cache in SANDFORK_LAB_RW_DIR");
+    // The base tarball of the machine's cache, without copying it.
+    std::os::unix::fs::symlink(
+        base_cache.join("rootfs-base"),
+        cache.path().join("rootfs-base"),
+    )
+    .unwrap();
+    let mut config = Config::new(
+        "127.0.0.1:0".parse().unwrap(),
+        std::env::var("SANDFORK_KERNEL")
+            .expect("SANDFORK_KERNEL")
+            .into(),
+        std::env::var("SANDFORK_ROOTFS")
+            .expect("SANDFORK_ROOTFS")
+            .into(),
+        vmm_binary(),
+    );
+    config.data_dir = data.path().to_owned();
+    config.pool_size = 1;
+    config.agent = Some(agent_binary());
+    config.build_cache = Some(cache.path().to_owned());
+    let node = server::Server::start(config)
+        .await
+        .expect("starting the server");
+    let key = std::fs::read_to_string(node.api_key_file.clone().unwrap())
+        .unwrap()
+        .trim()
+        .to_owned();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(node.serve(listener, std::future::pending()));
+    let auth = [
+        ("x-api-key", key.as_str()),
+        ("content-type", "application/json"),
+    ];
+
+    let t0 = Instant::now();
+    let started = http(
+        addr,
+        "POST",
+        "/templates",
+        &auth,
+        json!({"name": "lab-jq", "from": {"debian_packages": ["jq"]}}).to_string(),
+    )
+    .await;
+    assert_eq!(started.status, 202, "{:?}", started.body);
+    let started = started.json();
+    let id = started["templateID"].as_str().unwrap().to_owned();
+    let build = started["buildID"].as_str().unwrap().to_owned();
+    let status = wait_for_build(addr, &auth, &id, &build).await;
+    let logs: Vec<&str> = status["logs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l.as_str().unwrap())
+        .collect();
+    eprintln!(
+        "debian template built in {:?} (lab: emulated); log (apt's lines left out):\n{}",
+        t0.elapsed(),
+        logs.iter()
+            .filter(|l| !l.starts_with("Get:")
+                && !l.starts_with("Selecting")
+                && !l.starts_with("Preparing")
+                && !l.starts_with("Unpacking")
+                && !l.starts_with("Setting up"))
+            .copied()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert_eq!(status["status"], "ready", "{status}");
+    // Made in local scratch, not in the share; only the image went there.
+    assert!(
+        logs.iter().any(|l| l.starts_with("working in /tmp/")),
+        "{logs:?}"
+    );
+    assert!(
+        logs.iter()
+            .any(|l| l.starts_with("copying the image into the cache")),
+        "{logs:?}"
+    );
+
+    let made = http(
+        addr,
+        "POST",
+        "/v2/sandboxes",
+        &auth,
+        json!({"templateID": "lab-jq", "timeout": 300}).to_string(),
+    )
+    .await;
+    assert_eq!(made.status, 201, "{:?}", made.body);
+    let made = made.json();
+    let sid = made["sandboxID"].as_str().unwrap().to_owned();
+    let token = made["envdAccessToken"].as_str().unwrap().to_owned();
+    let routing = [
+        ("e2b-sandbox-id", sid.as_str()),
+        ("x-access-token", token.as_str()),
+    ];
+    let (code, version) = run_in(addr, &routing, "/bin/sh", "jq --version").await;
+    assert_eq!(code, 0, "{version}");
+    assert!(version.starts_with("jq-1."), "{version}");
+    let (code, out) = run_in(
+        addr,
+        &routing,
+        "/bin/sh",
+        "echo '{\"a\":[1,2]}' | jq -c '.a | add'",
+    )
+    .await;
+    assert_eq!((code, out.as_str()), (0, "3\n"));
+    let killed = http(addr, "DELETE", &format!("/sandboxes/{sid}"), &auth, "").await;
+    assert_eq!(killed.status, 204);
+    let deleted = http(addr, "DELETE", "/templates/lab-jq", &auth, "").await;
+    assert_eq!(deleted.status, 204, "{:?}", deleted.body);
+}
+
 /// Polls a template build's status until it is no longer `building`.
 async fn wait_for_build(
     addr: std::net::SocketAddr,

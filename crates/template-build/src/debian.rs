@@ -1,6 +1,8 @@
-//! Debian-package templates: a copy of the cached base tree with more
-//! packages installed by apt in a chroot (in a private mount namespace, so
-//! the /proc and /dev mounts it needs vanish with it).
+//! Debian-package templates: the cached base tarball unpacked into the
+//! scratch directory, with more packages installed by apt in a chroot (in a
+//! private mount namespace, so the /proc and /dev mounts it needs vanish with
+//! it). apt resolves and reaches the mirror as the host does: the host's
+//! `/etc/resolv.conf` and its apt proxy settings are used for the build.
 
 use std::fs;
 use std::path::Path;
@@ -42,6 +44,37 @@ pub fn normalize(packages: &[String]) -> Result<Vec<String>> {
     Ok(out)
 }
 
+/// apt settings for the build only, removed after it.
+const BUILD_APT_CONF: &str = "etc/apt/apt.conf.d/00sandfork-build";
+
+/// The host's apt proxy settings (`Acquire::http::Proxy` and the like), as
+/// apt.conf lines; empty without any. Proxy environment variables reach apt
+/// in the chroot by themselves.
+fn host_apt_proxy() -> String {
+    let Ok(out) = Command::new("apt-config").arg("dump").output() else {
+        return String::new();
+    };
+    proxy_lines(&String::from_utf8_lossy(&out.stdout))
+}
+
+/// The proxy lines of an `apt-config dump`.
+fn proxy_lines(dump: &str) -> String {
+    dump.lines()
+        .filter(|l| {
+            let name = l.split_whitespace().next().unwrap_or("");
+            let lower = name.to_ascii_lowercase();
+            [
+                "acquire::http::proxy",
+                "acquire::https::proxy",
+                "acquire::ftp::proxy",
+            ]
+            .iter()
+            .any(|p| lower == *p || lower.starts_with(&format!("{p}::")))
+        })
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
+
 /// The package apt could not find, from its error lines.
 fn missing_package(lines: &[String]) -> Option<String> {
     for l in lines {
@@ -64,24 +97,33 @@ fn missing_package(lines: &[String]) -> Option<String> {
     None
 }
 
-/// Copies `base` to `tree` and installs `packages` into it.
+/// Unpacks the base tarball `base` into `tree` and installs `packages` into it.
 pub(crate) fn install(
     base: &Path,
     tree: &Path,
     packages: &[String],
     log: &mut dyn FnMut(&str),
 ) -> Result<()> {
-    log(&format!("copying the base tree {}", base.display()));
-    // a real copy: apt rewrites files in place, hard links would change the base
+    log(&format!("unpacking the base tree {}", base.display()));
+    let start = std::time::Instant::now();
+    fs::create_dir_all(tree)
+        .map_err(|e| BuildError::io(format!("creating {}", tree.display()), e))?;
+    // the same options images/rootfs/build.sh packs it with: owners, modes,
+    // xattrs (file capabilities), hard links and device nodes as they were
     run::run_ok(
-        "copying the base tree",
-        Command::new("cp")
-            .arg("-a")
-            .arg("--reflink=auto")
+        "unpacking the base tree",
+        Command::new("tar")
+            .arg("--extract")
+            .arg("--file")
             .arg(base)
+            .args(["--numeric-owner", "--xattrs", "--xattrs-include=*", "-C"])
             .arg(tree),
         log,
     )?;
+    log(&format!(
+        "base tree unpacked in {:.1} s",
+        start.elapsed().as_secs_f64()
+    ));
     let put = |rel: &str, text: &[u8], mode: u32| -> Result<()> {
         use std::os::unix::fs::PermissionsExt;
         let p = tree.join(rel);
@@ -95,6 +137,12 @@ pub(crate) fn install(
     // the build resolves names like the host (finish.sh puts the sandbox's back)
     let resolv = fs::read("/etc/resolv.conf").unwrap_or_default();
     put("etc/resolv.conf", &resolv, 0o644)?;
+    // and goes through the host's apt proxy, if it has one
+    let proxy = host_apt_proxy();
+    if !proxy.is_empty() {
+        log("using the host's apt proxy settings");
+    }
+    put(BUILD_APT_CONF, proxy.as_bytes(), 0o644)?;
 
     log(&format!("apt-get install {}", packages.join(" ")));
     let script = r#"set -e
@@ -136,6 +184,8 @@ chroot "$t" apt-get clean
     }
     fs::remove_file(tree.join("usr/sbin/policy-rc.d"))
         .map_err(|e| BuildError::io("removing policy-rc.d", e))?;
+    fs::remove_file(tree.join(BUILD_APT_CONF))
+        .map_err(|e| BuildError::io("removing the build's apt settings", e))?;
     let lists = tree.join("var/lib/apt/lists");
     if let Ok(rd) = fs::read_dir(&lists) {
         for e in rd.flatten() {
@@ -167,6 +217,22 @@ mod tests {
                 "{bad:?}"
             );
         }
+    }
+
+    #[test]
+    fn proxy_settings_are_taken_from_the_apt_config() {
+        let dump = "APT \"\";\nAPT::Architecture \"amd64\";\n\
+            Acquire::http::Proxy \"http://proxy.test:3128\";\n\
+            Acquire::http::Proxy::mirror.test \"DIRECT\";\n\
+            Acquire::https::Proxy \"http://proxy.test:3128\";\n\
+            Acquire::Check-Valid-Until \"false\";\n";
+        assert_eq!(
+            proxy_lines(dump),
+            "Acquire::http::Proxy \"http://proxy.test:3128\";\n\
+             Acquire::http::Proxy::mirror.test \"DIRECT\";\n\
+             Acquire::https::Proxy \"http://proxy.test:3128\";\n"
+        );
+        assert_eq!(proxy_lines("APT::Architecture \"amd64\";\n"), "");
     }
 
     #[test]

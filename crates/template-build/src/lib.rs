@@ -8,6 +8,19 @@
 //! --base-only`, `finish.sh`), built into this library; OCI layers are applied
 //! here, with whiteouts, owners and modes. Builds run as root.
 //!
+//! Where the work happens: trees (the unpacked base, apt's changes, OCI
+//! layers) and the image made from them live in a *scratch* directory, and
+//! only the finished `rootfs.ext4` and `template.json` go into the cache, as a
+//! temporary entry renamed into place. The scratch directory must be a local
+//! filesystem that holds device nodes, owners and xattrs; the cache need not
+//! (in the KVM lab it is a 9p share, which can hold none of those and is slow
+//! for many small files). By default the scratch is the cache itself (no
+//! copy of the image), or the system's temporary directory when the cache is
+//! on 9p; `SANDFORK_BUILD_SCRATCH` or [`Builder::scratch_dir`] choose another.
+//! The base tree is cached as one tarball (`rootfs-base/<key>/tree.tar`) for
+//! the same reason: a tarball survives any filesystem and is read in one
+//! sequential stream.
+//!
 //! ```no_run
 //! use template_build::{Builder, Source};
 //! let builder = Builder::new("/path/to/sandfork-agent");
@@ -83,12 +96,15 @@ pub struct Builder {
     cache: PathBuf,
     agent: PathBuf,
     image_size: u64,
+    /// Where trees and images are made; see [`Builder::scratch_dir`].
+    scratch: Option<PathBuf>,
 }
 
 impl Builder {
     /// A builder installing `agent` (the static guest agent binary), caching
-    /// under `$SANDFORK_CACHE` (default `/var/cache/sandfork`), with images
-    /// of at least 2 GiB (sparse).
+    /// under `$SANDFORK_CACHE` (default `/var/cache/sandfork`), working in
+    /// `$SANDFORK_BUILD_SCRATCH` when set, with images of at least 2 GiB
+    /// (sparse).
     pub fn new(agent: impl Into<PathBuf>) -> Builder {
         let cache = std::env::var_os("SANDFORK_CACHE")
             .map(PathBuf::from)
@@ -97,6 +113,31 @@ impl Builder {
             cache,
             agent: agent.into(),
             image_size: 2048 * MIB,
+            scratch: std::env::var_os("SANDFORK_BUILD_SCRATCH")
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from),
+        }
+    }
+
+    /// Makes trees and images under `dir` (a local filesystem with room for
+    /// a root tree and its image, about 1 GiB for the base with a few
+    /// packages) instead of the default: the cache, or the system's
+    /// temporary directory when the cache is on 9p.
+    pub fn scratch_dir(mut self, dir: impl Into<PathBuf>) -> Builder {
+        self.scratch = Some(dir.into());
+        self
+    }
+
+    /// The directory builds work in (see [`Builder::scratch_dir`]).
+    pub fn scratch_root(&self) -> PathBuf {
+        if let Some(dir) = &self.scratch {
+            return dir.clone();
+        }
+        let templates = self.templates_dir();
+        if is_9p(&templates) {
+            std::env::temp_dir().join("sandfork-build")
+        } else {
+            templates
         }
     }
 
@@ -146,17 +187,17 @@ impl Builder {
                     "{common}debian {base_key}\n{}\n",
                     packages.join("\n")
                 ));
-                self.cached_or(&key, log, |tmp, log| {
-                    let tree = tmp.join("tree");
-                    debian::install(&base.join("tree"), &tree, &packages, log)?;
+                self.cached_or(&key, log, |work, log| {
+                    let tree = work.join("tree");
+                    debian::install(&base.join("tree.tar"), &tree, &packages, log)?;
                     Ok((tree, ImageConfig::default()))
                 })
             }
             Source::OciLayout(path) => {
                 let image = OciImage::open_layout(path)?;
                 let key = key_of(&format!("{common}{}\n", image.key));
-                self.cached_or(&key, log, |tmp, log| {
-                    let tree = tmp.join("tree");
+                self.cached_or(&key, log, |work, log| {
+                    let tree = work.join("tree");
                     make_root(&tree)?;
                     apply_layers(&tree, &image.layers, log)?;
                     Ok((tree, image.config.clone()))
@@ -167,11 +208,11 @@ impl Builder {
                 let sum = oci::hash_file(path)
                     .map_err(|e| BuildError::unreadable(path, e.to_string()))?;
                 let key = key_of(&format!("{common}docker-archive {sum}\n"));
-                self.cached_or(&key, log, |tmp, log| {
-                    let scratch = tmp.join("archive");
+                self.cached_or(&key, log, |work, log| {
+                    let scratch = work.join("archive");
                     make_root(&scratch)?;
                     let image = OciImage::open_docker_archive(path, &scratch, sum.clone())?;
-                    let tree = tmp.join("tree");
+                    let tree = work.join("tree");
                     make_root(&tree)?;
                     apply_layers(&tree, &image.layers, log)?;
                     fs::remove_dir_all(&scratch)
@@ -182,18 +223,21 @@ impl Builder {
         }
     }
 
-    /// The cached base tree's entry directory (`<entry>/tree`), built by
-    /// `images/rootfs/build.sh --base-only` when missing.
+    /// The cached base tree's entry directory (`<entry>/tree.tar`), built by
+    /// `images/rootfs/build.sh --base-only` (in the scratch directory) when
+    /// missing.
     fn base_tree(&self, scripts: &Path, log: &mut dyn FnMut(&str)) -> Result<PathBuf> {
         let mut cmd = Command::new(scripts.join("build.sh"));
-        cmd.arg("--base-only").env("SANDFORK_CACHE", &self.cache);
+        cmd.arg("--base-only")
+            .env("SANDFORK_CACHE", &self.cache)
+            .env("SANDFORK_BUILD_SCRATCH", self.scratch_root());
         let out = run::run_ok(
             "building the base tree (images/rootfs/build.sh --base-only)",
             &mut cmd,
             log,
         )?;
         let dir = out.tail.back().map(PathBuf::from).unwrap_or_default();
-        if !dir.join("tree").is_dir() {
+        if !dir.join("tree.tar").is_file() {
             return Err(BuildError::Command {
                 what: "build.sh --base-only".into(),
                 status: "no base tree printed".into(),
@@ -204,8 +248,9 @@ impl Builder {
     }
 
     /// Returns the cached template `key`, or makes it: `make` fills a tree in
-    /// the scratch directory it is given, then the tree is finished into an
-    /// image and the entry renamed into place.
+    /// the work directory it is given (under the scratch directory), the tree
+    /// is finished into an image there, and the image moved into a temporary
+    /// entry in the cache that is renamed into place.
     fn cached_or(
         &self,
         key: &str,
@@ -237,7 +282,16 @@ impl Builder {
         remove_tree(&tmp)?;
         fs::create_dir(&tmp)
             .map_err(|e| BuildError::io(format!("creating {}", tmp.display()), e))?;
-        let result = self.make_entry(key, &tmp, &entry, log, make);
+        let scratch = self.scratch_root();
+        fs::create_dir_all(&scratch)
+            .map_err(|e| BuildError::io(format!("creating {}", scratch.display()), e))?;
+        remove_stale_work(&scratch, key);
+        let work = scratch.join(format!("{WORK_PREFIX}{key}-{}", std::process::id()));
+        remove_tree(&work)?;
+        make_root(&work)?;
+        log(&format!("working in {}", work.display()));
+        let result = self.make_entry(key, &work, &tmp, &entry, log, make);
+        let _ = remove_tree(&work);
         if result.is_err() {
             let _ = remove_tree(&tmp);
         }
@@ -252,12 +306,13 @@ impl Builder {
     fn make_entry(
         &self,
         key: &str,
+        work: &Path,
         tmp: &Path,
         entry: &Path,
         log: &mut dyn FnMut(&str),
         make: impl FnOnce(&Path, &mut dyn FnMut(&str)) -> Result<(PathBuf, ImageConfig)>,
     ) -> Result<Template> {
-        let (tree, config) = make(tmp, log)?;
+        let (tree, config) = make(work, log)?;
         let used = tree_bytes(&tree)?;
         // room for the tree and ext4's own structures, plus free space
         let size = self
@@ -269,20 +324,21 @@ impl Builder {
             size / MIB
         ));
         let scripts = scripts::materialize(&self.templates_dir())?;
-        let image = tmp.join("rootfs.ext4");
+        let made = work.join("rootfs.ext4");
         let mut cmd = Command::new(scripts.join("finish.sh"));
         cmd.arg("--agent")
             .arg(&self.agent)
             .arg("--tree")
             .arg(&tree)
             .arg("--image")
-            .arg(&image)
+            .arg(&made)
             .arg("--size")
             .arg(size.to_string())
             .arg("--key")
             .arg(key);
         run::run_ok("making the ext4 image (finish.sh)", &mut cmd, log)?;
         remove_tree(&tree)?;
+        move_image(&made, &tmp.join("rootfs.ext4"), log)?;
         let template = Template {
             key: key.to_owned(),
             rootfs: entry.join("rootfs.ext4"),
@@ -298,6 +354,117 @@ impl Builder {
             .map_err(|e| BuildError::io(format!("renaming to {}", entry.display()), e))?;
         Ok(template)
     }
+}
+
+/// Prefix of work directories under the scratch directory.
+const WORK_PREFIX: &str = ".work-";
+
+/// Whether `path` is on a 9p filesystem.
+fn is_9p(path: &Path) -> bool {
+    // Not statfs: over 9p2000.L it reports the type of the server's
+    // filesystem. The mount table says what the path is mounted as.
+    let Ok(path) = fs::canonicalize(path) else {
+        return false;
+    };
+    let table = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    mount_type(&table, &path).is_some_and(|t| t == "9p")
+}
+
+/// The filesystem type of the mount holding `path` (canonical) in a
+/// `/proc/self/mountinfo` table: the last of the longest mount points that
+/// contain it.
+fn mount_type<'a>(mountinfo: &'a str, path: &Path) -> Option<&'a str> {
+    let mut best: Option<(usize, &str)> = None;
+    for line in mountinfo.lines() {
+        let mut fields = line.split(' ');
+        let Some(point) = fields.nth(4) else {
+            continue;
+        };
+        let Some(fstype) = line.split(" - ").nth(1).and_then(|r| r.split(' ').next()) else {
+            continue;
+        };
+        let point = unescape_octal(point);
+        let len = Path::new(&point).components().count();
+        if path.starts_with(&point) && best.is_none_or(|(l, _)| len >= l) {
+            best = Some((len, fstype));
+        }
+    }
+    best.map(|(_, t)| t)
+}
+
+/// Undoes mountinfo's `\NNN` escapes (space, tab, newline, backslash).
+fn unescape_octal(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let code = b
+            .get(i + 1..i + 4)
+            .filter(|d| b[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)))
+            .map(|d| d.iter().fold(0u32, |n, c| n * 8 + u32::from(c - b'0')));
+        match code {
+            Some(c) => {
+                out.push(c as u8);
+                i += 4;
+            }
+            None => {
+                out.push(b[i]);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Removes work directories of `key` left by builds whose process is gone
+/// (a crash, a kill); those of running processes (another cache sharing the
+/// scratch directory) stay.
+fn remove_stale_work(scratch: &Path, key: &str) {
+    let prefix = format!("{WORK_PREFIX}{key}-");
+    for e in fs::read_dir(scratch).into_iter().flatten().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name.strip_prefix(&prefix) else {
+            continue;
+        };
+        if !Path::new("/proc").join(pid).exists() {
+            let _ = remove_tree(&e.path());
+        }
+    }
+}
+
+/// Moves the finished image into the cache: a rename on the same
+/// filesystem, else a sparse copy (the scratch directory is local, the cache
+/// may be a share).
+fn move_image(from: &Path, to: &Path, log: &mut dyn FnMut(&str)) -> Result<()> {
+    match fs::rename(from, to) {
+        Ok(()) => return Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {}
+        Err(e) => {
+            return Err(BuildError::io(
+                format!("moving the image to {}", to.display()),
+                e,
+            ));
+        }
+    }
+    log(&format!(
+        "copying the image into the cache {}",
+        to.display()
+    ));
+    let start = std::time::Instant::now();
+    run::run_ok(
+        "copying the image into the cache",
+        Command::new("cp").arg("--sparse=always").arg(from).arg(to),
+        log,
+    )?;
+    fs::File::open(to)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| BuildError::io(format!("syncing {}", to.display()), e))?;
+    remove_tree(from)?;
+    log(&format!(
+        "image copied in {:.1} s",
+        start.elapsed().as_secs_f64()
+    ));
+    Ok(())
 }
 
 fn key_of(text: &str) -> String {
@@ -352,5 +519,36 @@ fn remove_tree(path: &Path) -> Result<()> {
             .map_err(|e| BuildError::io(format!("removing {}", path.display()), e)),
         Ok(_) => fs::remove_file(path)
             .map_err(|e| BuildError::io(format!("removing {}", path.display()), e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_mount_holding_a_path_is_found() {
+        let table = "\
+22 27 0:21 / /proc rw,relatime - proc proc rw
+27 1 254:0 / / rw,relatime - ext4 /dev/vda rw
+40 27 0:40 / /tmp rw - tmpfs tmpfs rw
+41 27 0:41 / /var/cache/sandfork ro - 9p hostroot ro
+42 41 0:42 / /var/cache/sandfork/lab\\040rw rw - 9p rw0 rw
+43 27 0:43 / /var/cache/sandfork/lab rw - tmpfs tmpfs rw
+";
+        let t = |p: &str| mount_type(table, Path::new(p));
+        assert_eq!(t("/var/cache/sandfork/lab rw/x"), Some("9p"));
+        assert_eq!(t("/var/cache/sandfork/lab/x"), Some("tmpfs"));
+        assert_eq!(t("/var/cache/sandfork/labx"), Some("9p"));
+        assert_eq!(t("/var/cache/sandfork"), Some("9p"));
+        assert_eq!(t("/tmp/a"), Some("tmpfs"));
+        assert_eq!(t("/tmpfoo"), Some("ext4"));
+        assert_eq!(t("/"), Some("ext4"));
+        assert_eq!(unescape_octal(r"a\040b\134c\09"), "a b\\c\\09");
+    }
+
+    #[test]
+    fn nine_p_is_not_this_hosts_tmp() {
+        assert!(!is_9p(&std::env::temp_dir()));
     }
 }

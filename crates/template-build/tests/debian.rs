@@ -4,23 +4,51 @@
 
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use template_build::{BuildError, Builder, Source};
 
-fn builder(dir: &std::path::Path) -> Builder {
+/// A builder with a cache of its own in `dir` (so templates are built, not
+/// found from an earlier run) whose base is the machine's, made by
+/// images/rootfs/build.sh, and scratch in `scratch`.
+fn builder(dir: &Path, scratch: &Path) -> Builder {
     let agent = dir.join("agent");
     fs::write(&agent, b"#!/bin/sh\nexit 0\n").unwrap();
     fs::set_permissions(&agent, fs::Permissions::from_mode(0o755)).unwrap();
-    // the shared cache: the base tree is reused from images/rootfs/build.sh
-    Builder::new(agent)
+    let shared = std::env::var_os("SANDFORK_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/cache/sandfork"));
+    let cache = dir.join("cache");
+    fs::create_dir(&cache).unwrap();
+    std::os::unix::fs::symlink(shared.join("rootfs-base"), cache.join("rootfs-base")).unwrap();
+    Builder::new(agent).cache_dir(cache).scratch_dir(scratch)
+}
+
+/// Scratch on another filesystem than the cache when the machine has one
+/// (tmpfs), as in the lab, so the image is copied into the cache.
+fn scratch() -> tempfile::TempDir {
+    match tempfile::tempdir_in("/dev/shm") {
+        Ok(d) => d,
+        Err(_) => tempfile::tempdir().unwrap(),
+    }
+}
+
+fn debugfs(image: &Path, request: &str) -> String {
+    let out = Command::new("debugfs")
+        .args(["-R", request])
+        .arg(image)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 #[test]
 #[ignore = "slow: needs the base tree and the Debian mirror"]
 fn debian_packages_are_installed_over_the_base() {
     let tmp = tempfile::tempdir().unwrap();
-    let b = builder(tmp.path());
+    let scratch = scratch();
+    let b = builder(tmp.path(), scratch.path());
     let mut lines = Vec::new();
     let t = b
         .build(&Source::DebianPackages(vec!["jq".into()]), &mut |l| {
@@ -28,30 +56,34 @@ fn debian_packages_are_installed_over_the_base() {
             lines.push(l.to_owned())
         })
         .unwrap();
+    assert!(!t.cached);
     assert!(lines.iter().any(|l| l.contains("apt-get install")));
-    let out = Command::new("debugfs")
-        .args(["-R", "stat /usr/bin/jq"])
-        .arg(&t.rootfs)
-        .output()
-        .unwrap();
-    let stat = String::from_utf8_lossy(&out.stdout);
+    assert!(t.rootfs.starts_with(tmp.path().join("cache/templates")));
+    let stat = debugfs(&t.rootfs, "stat /usr/bin/jq");
     assert!(
         stat.contains("Type: regular"),
         "jq missing from the image: {stat}"
     );
-    // the base's accounts are there, apt's lists and the build's policy are not
-    let out = Command::new("debugfs")
-        .args(["-R", "cat /etc/passwd"])
-        .arg(&t.rootfs)
-        .output()
-        .unwrap();
-    assert!(String::from_utf8_lossy(&out.stdout).contains("user:x:1000:1000"));
-    let out = Command::new("debugfs")
-        .args(["-R", "stat /usr/sbin/policy-rc.d"])
-        .arg(&t.rootfs)
-        .output()
-        .unwrap();
-    assert!(!String::from_utf8_lossy(&out.stdout).contains("Type:"));
+    // the base's accounts are there, apt's lists and the build's files are not
+    assert!(debugfs(&t.rootfs, "cat /etc/passwd").contains("user:x:1000:1000"));
+    for gone in [
+        "/usr/sbin/policy-rc.d",
+        "/etc/apt/apt.conf.d/00sandfork-build",
+    ] {
+        assert!(
+            !debugfs(&t.rootfs, &format!("stat {gone}")).contains("Type:"),
+            "{gone} left in the image"
+        );
+    }
+    // the base tarball kept device nodes and file capabilities
+    assert!(debugfs(&t.rootfs, "stat /dev/null").contains("Type: character special"));
+    assert!(
+        debugfs(&t.rootfs, "ea_list /usr/bin/ping").contains("security.capability"),
+        "ping lost its capability"
+    );
+    // nothing is left in the scratch directory
+    let left: Vec<_> = fs::read_dir(scratch.path()).unwrap().flatten().collect();
+    assert!(left.is_empty(), "{left:?}");
     let again = b
         .build(
             &Source::DebianPackages(vec!["jq".into(), "jq".into()]),
@@ -65,7 +97,8 @@ fn debian_packages_are_installed_over_the_base() {
 #[ignore = "slow: needs the base tree and the Debian mirror"]
 fn a_missing_package_is_named() {
     let tmp = tempfile::tempdir().unwrap();
-    let err = builder(tmp.path())
+    let scratch = scratch();
+    let err = builder(tmp.path(), scratch.path())
         .build(
             &Source::DebianPackages(vec!["sandfork-no-such-package".into()]),
             &mut |_| {},

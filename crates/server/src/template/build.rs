@@ -4,6 +4,12 @@
 //! ([`super::boot`]); or a running sandbox snapshotted after its start and
 //! ready commands ran in it.
 //!
+//! A build from an image holds its VM's vCPUs and memory (and disk room for
+//! its memory snapshot) in the node's capacity from the request until the
+//! template is snapshotted: a build that does not fit is refused with 503
+//! like a sandbox, and one accepted is not starved by creates while its root
+//! filesystem is made. It is not a sandbox: it takes none of `max_sandboxes`.
+//!
 //! A build is recorded (`building`) before it starts; the template's record
 //! is written with the build's `ready` in one transaction, so a crash
 //! leaves no half-registered template. A build a restart interrupted is
@@ -17,6 +23,7 @@ use vmm_api::agent_client::AgentClient;
 
 use super::boot::{self, BootSpec, Prepare, SCRATCH_PREFIX};
 use super::now_ms;
+use crate::capacity::{Ask, Reservation};
 use crate::ids;
 use crate::sandbox::{Manager, SandboxError, SnapshotParams};
 use crate::store::{BuildRecord, BuildStatus, SandboxState, TemplateRecord};
@@ -276,6 +283,18 @@ impl Templates {
             }
             _ => (mem_mib, vcpus),
         };
+        // The VM an image build boots; a build from a sandbox boots none (its
+        // snapshot reserves its own disk room).
+        let room = match &params.source {
+            BuildSource::Sandbox(_) => None,
+            _ => Some(self.manager.capacity().reserve(
+                Ask {
+                    sandboxes: 0,
+                    ..Ask::sandbox(u64::from(vcpus), mem_mib)
+                },
+                "a template build",
+            )?),
+        };
 
         let record = {
             // Held across the name check and the record: one name, one build.
@@ -314,11 +333,16 @@ impl Templates {
             record.name,
             record.source
         );
-        tokio::spawn(self.clone().run(record.clone(), params));
+        tokio::spawn(self.clone().run(record.clone(), params, room));
         Ok(record)
     }
 
-    async fn run(self: Arc<Self>, mut record: BuildRecord, params: BuildParams) {
+    async fn run(
+        self: Arc<Self>,
+        mut record: BuildRecord,
+        params: BuildParams,
+        room: Option<Reservation>,
+    ) {
         let id = record.template_id.clone();
         let log = self.running().get(&id).cloned().unwrap_or_default();
         let started = std::time::Instant::now();
@@ -329,6 +353,8 @@ impl Templates {
             }
             _ => self.build_from_image(&record, &params, &log).await,
         };
+        // The build's VM is gone (snapshotted or failed).
+        drop(room);
         record.finished_at_ms = Some(now_ms());
         let store = self.manager.store();
         let written = match result {
