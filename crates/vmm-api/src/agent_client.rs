@@ -130,6 +130,8 @@ pub struct AgentClient {
     timeout: Duration,
     /// Sent as `X-Access-Token` (a secured agent asks for it, `/init` included).
     access_token: Option<String>,
+    /// Who commands and file calls run as (envd's Basic-auth user name).
+    user: String,
 }
 
 impl AgentClient {
@@ -138,7 +140,14 @@ impl AgentClient {
             uds: uds.to_owned(),
             timeout: Duration::from_secs(60),
             access_token: None,
+            user: "root".into(),
         }
+    }
+
+    /// Runs commands as `user` instead of root (file calls stay root's).
+    pub fn with_user(mut self, user: &str) -> Self {
+        self.user = user.to_owned();
+        self
     }
 
     /// Presents `token` on every request (the agent's access token, once set).
@@ -170,10 +179,10 @@ impl AgentClient {
         body: Bytes,
     ) -> Result<(u16, Bytes), AgentError> {
         use base64::Engine;
-        // envd takes the user from the Basic-auth user name; the host acts as root.
-        let root = format!(
+        // envd takes the user from the Basic-auth user name.
+        let basic = format!(
             "Basic {}",
-            base64::engine::general_purpose::STANDARD.encode("root:")
+            base64::engine::general_purpose::STANDARD.encode(format!("{}:", self.user))
         );
         let exchange = async {
             let stream = vsock_connect::connect(&self.uds, AGENT_PORT).await?;
@@ -190,7 +199,7 @@ impl AgentClient {
                 .header("host", "agent")
                 .header("content-type", content_type)
                 .header("connect-protocol-version", "1")
-                .header("authorization", &root)
+                .header("authorization", &basic)
                 .body(Full::new(body))
                 .map_err(|e| AgentError::Request(e.to_string()))?;
             let response = sender.send_request(request).await?;
@@ -278,12 +287,12 @@ impl AgentClient {
         Ok(())
     }
 
-    /// Runs `command` under `bash -c` as root and waits for it to end.
+    /// Runs `command` under `bash -c` as root (see [`Self::with_user`]) and waits for it to end.
     pub async fn run(&self, command: &str) -> Result<CommandOutput, AgentError> {
         self.run_argv("/bin/bash", &["-c", command]).await
     }
 
-    /// Runs `cmd` with `args` as root and waits for it to end (for images
+    /// Runs `cmd` with `args` as root (see [`Self::with_user`]) and waits for it to end (for images
     /// without bash: `run_argv("/bin/sh", &["-c", ...])`).
     pub async fn run_argv(&self, cmd: &str, args: &[&str]) -> Result<CommandOutput, AgentError> {
         let malformed = |reason: String| AgentError::Malformed {
