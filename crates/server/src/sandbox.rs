@@ -33,6 +33,8 @@ mod gc;
 mod observe;
 mod recover;
 mod snapshot;
+#[cfg(test)]
+mod tests;
 pub use gc::GcStats;
 pub use observe::{Level, LogLine, Sample};
 pub use recover::reclaim_run_dir;
@@ -403,6 +405,8 @@ impl Manager {
     /// flushed, its VMM stopped; the store says `paused` once all is on disk.
     pub async fn pause(&self, id: &str) -> Result<SandboxRecord, SandboxError> {
         let _busy = self.activity.read().await;
+        // Read under the claim: a change that just ended has recorded its state.
+        let _claim = self.claim(id)?;
         let record = self.get(id)?;
         if record.state == SandboxState::Paused {
             return Err(SandboxError::Conflict {
@@ -410,7 +414,6 @@ impl Manager {
                 state: "already paused",
             });
         }
-        let _claim = self.claim(id)?;
         // Out of the map while pausing: the proxy answers "not found" meanwhile.
         let Some(live) = self.live().remove(id) else {
             return Err(SandboxError::NotFound(id.to_owned()));
@@ -465,17 +468,18 @@ impl Manager {
         id: &str,
         timeout: Duration,
     ) -> Result<(SandboxRecord, bool), SandboxError> {
-        let record = self.get(id)?;
         let end = now_ms() + timeout.as_millis() as u64;
-        if record.state == SandboxState::Running {
-            let r = self
-                .store
-                .update_sandbox(id, |s| s.end_at_ms = s.end_at_ms.max(end))?
-                .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
-            return Ok((r, false));
+        if self.get(id)?.state == SandboxState::Running {
+            return Ok((self.extend_to(id, end)?, false));
         }
         let _busy = self.activity.read().await;
         let _claim = self.claim(id)?;
+        // Read again under the claim: a resume that ran meanwhile has restored
+        // it, and a second restore would run two VMMs on one root layer.
+        let record = self.get(id)?;
+        if record.state == SandboxState::Running {
+            return Ok((self.extend_to(id, end)?, false));
+        }
         let Some(snapshot) = record.snapshot.clone() else {
             return Err(SandboxError::NotFound(id.to_owned()));
         };
@@ -573,9 +577,13 @@ impl Manager {
                 state: "paused",
             });
         }
-        let end = now_ms() + timeout.as_millis() as u64;
+        self.extend_to(id, now_ms() + timeout.as_millis() as u64)
+    }
+
+    /// Moves the sandbox's end to `end_ms` unless it ends later already.
+    fn extend_to(&self, id: &str, end_ms: u64) -> Result<SandboxRecord, SandboxError> {
         self.store
-            .update_sandbox(id, |s| s.end_at_ms = s.end_at_ms.max(end))?
+            .update_sandbox(id, |s| s.end_at_ms = s.end_at_ms.max(end_ms))?
             .ok_or_else(|| SandboxError::NotFound(id.to_owned()))
     }
 

@@ -11,7 +11,7 @@ use envd_proto::envelope::{self, DEFAULT_MAX_MESSAGE, FLAG_NONE};
 use envd_proto::process::{
     DataEvent, PATH_START, ProcessConfig, ProcessEvent, StartRequest, StartResponse,
 };
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, Limited};
 use hyper::Request;
 use hyper_util::rt::TokioIo;
 use serde::{Deserialize, Serialize};
@@ -21,6 +21,9 @@ use crate::vsock_connect::{self, VsockConnectError};
 
 /// Random bytes handed to a guest on init, to reseed its kernel RNG.
 pub const ENTROPY_BYTES: usize = 64;
+/// The largest answer read from a guest agent: the guest is not trusted
+/// with the host's memory.
+pub const MAX_REPLY: usize = 16 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -42,6 +45,8 @@ pub enum AgentError {
     Entropy(#[source] std::io::Error),
     #[error("no answer from the guest agent within {0:?}")]
     Timeout(Duration),
+    #[error("the guest agent's answer to {path} is larger than {max} bytes")]
+    TooLarge { path: String, max: usize },
 }
 
 /// The `POST /init` body: E2B's fields plus sandfork's `entropy`.
@@ -204,7 +209,17 @@ impl AgentClient {
                 .map_err(|e| AgentError::Request(e.to_string()))?;
             let response = sender.send_request(request).await?;
             let status = response.status().as_u16();
-            let body = response.into_body().collect().await?.to_bytes();
+            let body = Limited::new(response.into_body(), MAX_REPLY)
+                .collect()
+                .await
+                .map_err(|e| match e.downcast::<hyper::Error>() {
+                    Ok(e) => AgentError::Http(*e),
+                    Err(_) => AgentError::TooLarge {
+                        path: path.to_owned(),
+                        max: MAX_REPLY,
+                    },
+                })?
+                .to_bytes();
             Ok((status, body))
         };
         tokio::time::timeout(self.timeout, exchange)
@@ -354,5 +369,22 @@ impl AgentClient {
             return Err(malformed("the stream has no end event".into()));
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_endless_answer_is_cut_off() {
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("vsock.sock");
+        crate::hostile_guest::serve(
+            &uds,
+            b"HTTP/1.1 200 OK\r\ncontent-length: 100000000\r\n\r\n",
+        );
+        let e = AgentClient::new(&uds).metrics().await.unwrap_err();
+        assert!(matches!(e, AgentError::TooLarge { .. }), "{e}");
     }
 }

@@ -14,6 +14,8 @@ mod client;
 mod drive;
 mod error;
 mod fork;
+#[cfg(test)]
+mod hostile_guest;
 mod instance_info;
 mod machine_config;
 pub mod process;

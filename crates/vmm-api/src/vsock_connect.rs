@@ -69,6 +69,9 @@ pub async fn connect(uds_path: &Path, port: u32) -> Result<UnixStream, VsockConn
     }
 }
 
+/// The longest status line read from a health check.
+const MAX_STATUS_LINE: u64 = 256;
+
 /// Asks the guest agent on `port` for `GET /health` and returns the HTTP
 /// status code it answered with.
 pub async fn agent_health(
@@ -84,7 +87,8 @@ pub async fn agent_health(
             .await
             .map_err(io)?;
         let mut status_line = String::new();
-        BufReader::new(stream)
+        // A guest that never ends its line must not fill the host's memory.
+        BufReader::new(stream.take(MAX_STATUS_LINE))
             .read_line(&mut status_line)
             .await
             .map_err(io)?;
@@ -97,4 +101,20 @@ pub async fn agent_health(
     tokio::time::timeout(timeout, exchange)
         .await
         .map_err(|_| VsockConnectError::Timeout(port, timeout))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_health_answer_without_a_line_end_is_cut_off() {
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("vsock.sock");
+        crate::hostile_guest::serve(&uds, b"HTTP/1.1 200");
+        let e = agent_health(&uds, 1, Duration::from_secs(5))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, VsockConnectError::BadHttp(_)), "{e}");
+    }
 }

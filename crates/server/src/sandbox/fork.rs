@@ -28,6 +28,8 @@ impl Manager {
         timeout: Duration,
     ) -> Result<Vec<Result<SandboxRecord, SandboxError>>, SandboxError> {
         let _busy = self.activity.read().await;
+        // Read under the claim: a pause that just ended has recorded it.
+        let _claim = self.claim(id)?;
         let parent = self.get(id)?;
         if parent.state != SandboxState::Running {
             return Err(SandboxError::Conflict {
@@ -35,7 +37,6 @@ impl Manager {
                 state: "paused",
             });
         }
-        let _claim = self.claim(id)?;
         // All children or none: they come from one freeze of the parent, and
         // a caller asking for N should not get fewer that happened to fit.
         // Disk: the frozen memory, then a pause per child.
