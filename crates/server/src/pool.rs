@@ -48,11 +48,17 @@ impl Pool {
     /// A started VMM with nothing loaded: from the pool, or started now when
     /// the pool is empty.
     pub async fn take(&self) -> Result<VmmProcess, ProcessError> {
-        let pooled = self.idle().pop();
-        self.wake.notify_one();
-        match pooled {
-            Some(vm) => Ok(vm),
-            None => self.spawn().await,
+        loop {
+            let pooled = self.idle().pop();
+            self.wake.notify_one();
+            let Some(mut vm) = pooled else {
+                return self.spawn().await;
+            };
+            if vm.is_running() {
+                return Ok(vm);
+            }
+            // Dropping it removes its directory.
+            tracing::warn!("warm pool: VMM pid {} had exited; dropped", vm.pid());
         }
     }
 

@@ -1,0 +1,63 @@
+//! The warm pool with the real VMM binary (its API serves without a guest,
+//! so this runs on any host): VMMs wait in the node's run dir, a dead one is
+//! never handed out, closing stops them.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::vmm_binary;
+use server::pool::Pool;
+use vmm_api::process::ProcessIdentity;
+
+fn vmm_dirs(run_dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(run_dir)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_pooled_vmm_is_replaced_and_close_stops_the_rest() {
+    let scratch = tempfile::tempdir().unwrap();
+    let run_dir = scratch.path().join("run");
+    let pool = Pool::start(vmm_binary(), run_dir.clone(), 1);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while pool.idle_count() < 1 {
+        assert!(Instant::now() < deadline, "the pool never filled");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let dirs = vmm_dirs(&run_dir);
+    assert_eq!(dirs.len(), 1, "{dirs:?}");
+    let dead = ProcessIdentity::read(&dirs[0]).expect("an identity file");
+    dead.kill();
+    while dead.is_alive() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let mut vm = pool.take().await.expect("a VMM");
+    assert_ne!(vm.pid(), dead.pid, "the dead VMM was handed out");
+    assert!(vm.is_running());
+    vm.api().get_instance_info().await.expect("it answers");
+    assert!(!dirs[0].exists(), "the dead VMM's directory is removed");
+
+    // Refilled meanwhile; closing stops the idle ones.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while pool.idle_count() < 1 {
+        assert!(Instant::now() < deadline, "the pool never refilled");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let idle: Vec<ProcessIdentity> = vmm_dirs(&run_dir)
+        .iter()
+        .filter(|d| **d != vm.dir())
+        .filter_map(|d| ProcessIdentity::read(d))
+        .collect();
+    pool.close();
+    for p in &idle {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while p.is_alive() {
+            assert!(Instant::now() < deadline, "pid {} survived close", p.pid);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert_eq!(vmm_dirs(&run_dir), vec![vm.dir().to_owned()]);
+}
