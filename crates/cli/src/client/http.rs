@@ -176,19 +176,43 @@ pub fn io_reason(e: &std::io::Error) -> String {
     }
 }
 
-/// The whole body of an answer.
+/// The most an answer read whole may hold: control-plane JSON and envd's
+/// unary answers are far smaller; file contents are streamed, not read whole.
+pub const MAX_BODY: usize = 64 << 20;
+
+/// The whole body of an answer (at most [`MAX_BODY`]: some are proxied from
+/// a guest, which may send without end).
 pub async fn read_body(url: &str, response: Response<Incoming>) -> Result<Bytes, NodeError> {
-    Ok(response
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| NodeError::Connection(url.to_owned(), e.to_string()))?
-        .to_bytes())
+    read_limited(url, response.into_body(), MAX_BODY).await
+}
+
+async fn read_limited<B>(url: &str, body: B, max: usize) -> Result<Bytes, NodeError>
+where
+    B: hyper::body::Body<Data = Bytes>,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    match http_body_util::Limited::new(body, max).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(NodeError::Malformed {
+            what: url.to_owned(),
+            reason: format!("the answer is larger than {} MiB", max >> 20),
+        }),
+        Err(e) => Err(NodeError::Connection(url.to_owned(), e.to_string())),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn answers_are_read_whole_only_up_to_the_limit() {
+        let small = full(vec![7u8; 1024]);
+        assert_eq!(read_limited("u", small, 4096).await.unwrap().len(), 1024);
+        let big = full(vec![7u8; 8192]);
+        let err = read_limited("u", big, 4096).await.unwrap_err();
+        assert!(err.to_string().contains("larger than"), "{err}");
+    }
 
     #[test]
     fn parses_node_urls() {
