@@ -7,6 +7,7 @@ use std::sync::mpsc;
 
 use clap::Parser;
 use vmm::controller::{Controller, ControllerEvent, Reply};
+use vmm::devices::legacy::console_budget::ConsoleBudget;
 
 #[derive(Parser)]
 #[command(version, about)]
@@ -23,6 +24,10 @@ struct Args {
     /// An identifier for this microVM, reported by `GET /`.
     #[arg(long, default_value = "anonymous-instance")]
     id: String,
+    /// The most guest console output passed to standard output, in MiB;
+    /// the rest is dropped (0: none passes).
+    #[arg(long, default_value_t = 64)]
+    console_limit_mib: u64,
 }
 
 fn main() -> ExitCode {
@@ -47,7 +52,8 @@ fn run(args: Args) -> anyhow::Result<ExitCode> {
     use anyhow::Context;
 
     let (events_tx, events_rx) = mpsc::channel();
-    let mut controller = Controller::new(args.id, events_tx.clone(), Box::new(std::io::stdout()));
+    let console = ConsoleBudget::new(std::io::stdout(), args.console_limit_mib << 20);
+    let mut controller = Controller::new(args.id, events_tx.clone(), Box::new(console));
 
     let api = if args.no_api {
         None

@@ -1,5 +1,6 @@
 //! Legacy PC devices on the port I/O bus.
 
+pub mod console_budget;
 pub mod i8042;
 pub mod serial;
 
