@@ -229,8 +229,11 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
          reachable at http://{} (the lab's own address below is forwarded there)",
         args.listen
     );
-    let status = cmd.status().context("running the KVM lab")?;
-    Ok(ExitCode::from(status.code().unwrap_or(1) as u8))
+    // Become the lab runner, so that a signal to this process (a service
+    // manager's SIGTERM, `kill PID`) reaches the lab and its QEMU; a
+    // child left behind would keep serving with nobody to stop it.
+    let error = std::os::unix::process::CommandExt::exec(&mut cmd);
+    Err(error).context("running the KVM lab")
 }
 
 #[cfg(test)]
