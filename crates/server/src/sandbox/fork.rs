@@ -39,11 +39,13 @@ impl Manager {
         }
         // All children or none: they come from one freeze of the parent, and
         // a caller asking for N should not get fewer that happened to fit.
-        // Disk: the frozen memory, then a pause per child.
+        // Disk: the frozen memory, and room for a pause as a create checks
+        // (the children share the frozen memory; their pauses later write
+        // what each changed, as any sandbox's do).
         let child = Ask::sandbox(u64::from(parent.cpu_count), parent.memory_mb);
         let mut slots = self.capacity.reserve(
             Ask {
-                disk_mib: parent.memory_mb.saturating_mul(u64::from(count) + 1),
+                disk_mib: parent.memory_mb.saturating_mul(2),
                 ..child.times(u64::from(count))
             },
             &format!(
