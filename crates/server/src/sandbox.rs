@@ -112,6 +112,20 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SandboxError {
     move |source| SandboxError::Io { what, source }
 }
 
+/// fsyncs each of `files` (files or directories) off the async threads:
+/// before a record names them, they must be on disk.
+async fn sync_files(files: Vec<PathBuf>) -> Result<(), SandboxError> {
+    tokio::task::spawn_blocking(move || -> Result<(), SandboxError> {
+        for f in files {
+            std::fs::File::open(&f)
+                .and_then(|f| f.sync_all())
+                .map_err(io(format!("syncing {}", f.display())))?;
+        }
+        Ok(())
+    })
+    .await?
+}
+
 /// What a create asks for (already validated by the API).
 #[derive(Debug, Clone, Default)]
 pub struct CreateParams {
@@ -436,21 +450,13 @@ impl Manager {
             return Err(e.into());
         }
         drop(live);
-        let files = [
+        let files = vec![
             snapshot.state.clone(),
             snapshot.mem.clone(),
             self.root_layer(&record),
             dir.clone(),
         ];
-        tokio::task::spawn_blocking(move || -> Result<(), SandboxError> {
-            for f in files {
-                std::fs::File::open(&f)
-                    .and_then(|f| f.sync_all())
-                    .map_err(io(format!("syncing {}", f.display())))?;
-            }
-            Ok(())
-        })
-        .await??;
+        sync_files(files).await?;
         self.store
             .update_sandbox(id, |s| {
                 s.state = SandboxState::Paused;

@@ -487,26 +487,7 @@ mod tests {
     fn templates_round_trip() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("s.redb")).unwrap();
-        let t = TemplateRecord {
-            id: "base".into(),
-            dir: "/t".into(),
-            snapshot: "/t/vm.state".into(),
-            mem: "/t/vm.mem".into(),
-            root_layer: "/t/root.layer".into(),
-            root_drive_id: "rootfs".into(),
-            kernel: "/k".into(),
-            rootfs: "/r".into(),
-            vcpus: 1,
-            mem_mib: 256,
-            disk_size_mb: 2048,
-            created_at_ms: 5,
-            source_sandbox: None,
-            names: Vec::new(),
-            agent_token: None,
-            env_vars: BTreeMap::new(),
-            uses_snapshots: Vec::new(),
-            uses_dirs: Vec::new(),
-        };
+        let t = base_template();
         store.put_template(&t).unwrap();
         assert_eq!(store.template("base").unwrap(), Some(t.clone()));
         assert_eq!(store.templates().unwrap(), vec![t]);

@@ -14,7 +14,7 @@
 use vmm_api::ForkParams;
 use vmm_api::process::ProcessError;
 
-use super::{Manager, SandboxError, io};
+use super::{Manager, SandboxError, io, sync_files};
 use crate::capacity::Ask;
 use crate::ids;
 use crate::store::{SandboxState, TemplateRecord};
@@ -174,7 +174,7 @@ impl Manager {
         for d in info.children.iter().flatten() {
             let _ = std::fs::remove_file(&d.path_on_host);
         }
-        let files = [
+        let files = vec![
             dir.join(STATE),
             dir.join(MEM),
             sealed.clone(),
@@ -183,15 +183,7 @@ impl Manager {
             disk_dir.clone(),
             self.config.templates_dir(),
         ];
-        tokio::task::spawn_blocking(move || -> Result<(), SandboxError> {
-            for f in files {
-                std::fs::File::open(&f)
-                    .and_then(|f| f.sync_all())
-                    .map_err(io(format!("syncing {}", f.display())))?;
-            }
-            Ok(())
-        })
-        .await??;
+        sync_files(files).await?;
 
         // The source now writes to its new layer, its memory runs on the
         // snapshot's file, and its directory holds the snapshot's disk.
