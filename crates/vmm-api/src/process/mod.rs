@@ -378,7 +378,10 @@ impl VmmProcess {
 
     /// Whether the VMM process still runs.
     pub fn is_running(&mut self) -> bool {
-        matches!(self.try_wait(), Ok(None))
+        // After a SIGKILL the leader thread turns zombie before the other
+        // threads are gone, and until then the child cannot be waited for:
+        // a zombie leader already means dying.
+        matches!(self.try_wait(), Ok(None)) && ProcessIdentity::of(self.pid()).is_some()
     }
 
     /// Waits for the VMM process to end by itself.
