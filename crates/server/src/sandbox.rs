@@ -449,22 +449,39 @@ impl Manager {
             self.live().insert(id.to_owned(), live);
             return Err(e.into());
         }
-        drop(live);
+        // The VMM stays (paused) until the record says paused: a pause that
+        // cannot be committed resumes the sandbox instead of stranding it.
         let files = vec![
             snapshot.state.clone(),
             snapshot.mem.clone(),
             self.root_layer(&record),
             dir.clone(),
         ];
-        sync_files(files).await?;
-        self.store
-            .update_sandbox(id, |s| {
-                s.state = SandboxState::Paused;
-                s.pause_generation = generation;
-                s.snapshot = Some(snapshot);
-                s.vmm_dir = None;
-            })?
-            .ok_or_else(|| SandboxError::NotFound(id.to_owned()))
+        let committed = match sync_files(files).await {
+            Ok(()) => self
+                .store
+                .update_sandbox(id, |s| {
+                    s.state = SandboxState::Paused;
+                    s.pause_generation = generation;
+                    s.snapshot = Some(snapshot);
+                    s.vmm_dir = None;
+                })
+                .map_err(SandboxError::from),
+            Err(e) => Err(e),
+        };
+        match committed {
+            Ok(Some(paused)) => {
+                drop(live);
+                Ok(paused)
+            }
+            Ok(None) => Err(SandboxError::NotFound(id.to_owned())),
+            Err(e) => {
+                tracing::warn!("sandbox {id}: pause not committed ({e}); resuming it");
+                let _ = live.vm.api().resume().await;
+                self.live().insert(id.to_owned(), live);
+                Err(e)
+            }
+        }
     }
 
     /// Resumes a paused sandbox for `timeout`; returns it and whether it was

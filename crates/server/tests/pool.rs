@@ -61,3 +61,41 @@ async fn a_dead_pooled_vmm_is_replaced_and_close_stops_the_rest() {
     }
     assert_eq!(vmm_dirs(&run_dir), vec![vm.dir().to_owned()]);
 }
+
+/// A server that crashed between starting a VMM and recording its identity
+/// left a directory without `vmm.pid`: the next start still finds the VMM
+/// (by its socket argument) and stops it, and leaves owned VMMs alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reclaim_stops_a_vmm_whose_identity_was_never_recorded() {
+    let scratch = tempfile::tempdir().unwrap();
+    let run_dir = scratch.path().join("run");
+    let unrecorded = run_dir.join("vmm-unrecorded");
+    std::fs::create_dir_all(&unrecorded).unwrap();
+    let mut orphan = std::process::Command::new(vmm_binary())
+        .arg("--api-sock")
+        .arg(unrecorded.join("api.sock"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !unrecorded.join("api.sock").exists() {
+        assert!(Instant::now() < deadline, "the VMM never bound its socket");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(ProcessIdentity::read(&unrecorded).is_none());
+
+    let store = server::store::Store::open(&scratch.path().join("store.redb")).unwrap();
+    server::sandbox::reclaim_run_dir(&run_dir, &store);
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = orphan.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the unrecorded VMM survived");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(!status.success(), "{status}");
+    assert!(!unrecorded.exists(), "its directory is removed");
+}

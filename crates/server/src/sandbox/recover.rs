@@ -35,9 +35,13 @@ pub fn reclaim_run_dir(run_dir: &Path, store: &Store) {
         if owned.contains(&dir) {
             continue;
         }
-        if let Some(process) = ProcessIdentity::read(&dir)
-            && process.is_alive()
-        {
+        // A VMM whose starter crashed before writing its identity file is
+        // found by its socket argument.
+        let recorded = ProcessIdentity::read(&dir).filter(|p| p.is_alive());
+        let by_socket = ProcessIdentity::started_with_arg(dir.join("api.sock").as_os_str())
+            .into_iter()
+            .filter(|p| Some(*p) != recorded);
+        for process in recorded.into_iter().chain(by_socket) {
             tracing::info!("stopping VMM pid {} left in {}", process.pid, dir.display());
             process.kill();
         }

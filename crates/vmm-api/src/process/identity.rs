@@ -2,12 +2,13 @@
 //! can find it again: its pid and the kernel's start time for that pid, which
 //! together name one process even after the pid is reused.
 
+use std::ffi::OsStr;
 use std::fs;
 use std::io;
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
+use rustix::process::{Pid, PidfdFlags, Signal, pidfd_open, pidfd_send_signal};
 
 const FILE: &str = "vmm.pid";
 
@@ -36,11 +37,37 @@ impl ProcessIdentity {
 
     /// SIGKILLs this process if it still runs (never a process that reused its pid).
     pub fn kill(&self) {
-        if self.is_alive()
-            && let Ok(pid) = i32::try_from(self.pid)
-        {
-            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        let Some(pid) = i32::try_from(self.pid).ok().and_then(Pid::from_raw) else {
+            return;
+        };
+        // The pidfd names whichever process has the pid now; if that one has
+        // our start time after the open, it is ours (a reused pid cannot
+        // carry an older start time), and the signal goes to it even if it
+        // exits meanwhile and the pid is reused again.
+        let Ok(pidfd) = pidfd_open(pid, PidfdFlags::empty()) else {
+            return;
+        };
+        if self.is_alive() {
+            let _ = pidfd_send_signal(&pidfd, Signal::KILL);
         }
+    }
+
+    /// The live processes started with `arg` among their arguments: a VMM
+    /// started with `--api-sock <dir>/api.sock` whose starter crashed before
+    /// recording its identity is still found by its socket path.
+    pub fn started_with_arg(arg: &OsStr) -> Vec<ProcessIdentity> {
+        let Ok(entries) = fs::read_dir("/proc") else {
+            return Vec::new();
+        };
+        entries
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|pid| {
+                fs::read(format!("/proc/{pid}/cmdline"))
+                    .is_ok_and(|cmdline| cmdline.split(|b| *b == 0).any(|a| a == arg.as_bytes()))
+            })
+            .filter_map(ProcessIdentity::of)
+            .collect()
     }
 
     pub(crate) fn write(&self, dir: &Path) -> io::Result<()> {
@@ -106,6 +133,33 @@ mod tests {
         assert_eq!(ProcessIdentity::read(dir.path()), Some(id));
         fs::write(dir.path().join(FILE), "17").unwrap();
         assert_eq!(ProcessIdentity::read(dir.path()), None);
+    }
+
+    #[test]
+    fn finds_a_process_by_an_argument() {
+        let marker = format!("/nonexistent/sandfork-test-{}", std::process::id());
+        // `$0` is the marker; the `:` keeps the shell from exec'ing sleep.
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", "sleep 30; :", &marker])
+            .spawn()
+            .unwrap();
+        let child_id = ProcessIdentity::of(child.id()).unwrap();
+        // Until the exec the child's arguments are still this test's.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let found = loop {
+            let found = ProcessIdentity::started_with_arg(OsStr::new(&marker));
+            if !found.is_empty() || std::time::Instant::now() > deadline {
+                break found;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        };
+        let _ = child.kill();
+        let _ = child.wait();
+        assert_eq!(found, vec![child_id]);
+        assert!(
+            ProcessIdentity::started_with_arg(OsStr::new("/nonexistent/never-an-argument"))
+                .is_empty()
+        );
     }
 
     #[test]
