@@ -49,52 +49,18 @@ for line in sys.stdin:
         print(m["executable"])')
 [[ -x $test_bin ]] || die "the cli_node test binary was not built"
 
-serve_pid=''
-stop_server() {
-    [[ -n $serve_pid ]] || return 0
-    log "stopping the node (pid $serve_pid)"
-    kill -TERM -- "-$serve_pid" 2>/dev/null || true
-    for _ in $(seq 60); do
-        kill -0 "$serve_pid" 2>/dev/null || break
-        sleep 0.5
-    done
-    kill -KILL -- "-$serve_pid" 2>/dev/null || true
-    wait "$serve_pid" 2>/dev/null || true
-    serve_pid=''
-}
-trap stop_server EXIT
-
+. scripts/node.sh
+trap stop_node EXIT
 logdir=$target/cli-test
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-key=e2b_$(od -An -N20 -tx1 /dev/urandom | tr -d ' \n')
-rm -rf "$logdir/data" "$logdir/scratch"
-mkdir -p "$logdir/data"
-# shellcheck disable=SC2206 # CLI_SERVE_ARGS is a list of words
-cmd=("$target/debug/sandfork" serve --listen "127.0.0.1:$port" --data-dir "$logdir/data" ${CLI_SERVE_ARGS:-})
-if [[ -z ${SANDFORK_LAB_LOCKED:-} && $("$target/debug/sandfork-lab" detect | sed -n 1p) != hardware* ]]; then
-    log "no hardware KVM: the node runs in the lab; waiting for the lab lock"
-    cmd=(flock /tmp/sandfork-lab.lock "${cmd[@]}")
-fi
-log "starting: ${cmd[*]} (log: $logdir/serve.log)"
-SANDFORK_API_KEY=$key setsid "${cmd[@]}" >"$logdir/serve.log" 2>&1 &
-serve_pid=$!
-url=http://127.0.0.1:$port
-deadline=$((SECONDS + 900))
-until python3 - "$url/health" <<'PY' 2>/dev/null; do
-import sys, urllib.request
-sys.exit(0 if urllib.request.urlopen(sys.argv[1], timeout=5).status < 300 else 1)
-PY
-    kill -0 "$serve_pid" 2>/dev/null || { tail -n 40 "$logdir/serve.log" >&2; die "the node exited"; }
-    ((SECONDS < deadline)) || { tail -n 40 "$logdir/serve.log" >&2; die "no /health after 900 s"; }
-    sleep 1
-done
-log "node up at $url"
+rm -rf "$logdir/scratch"
+# shellcheck disable=SC2086 # CLI_SERVE_ARGS is a list of words
+start_node "$target/debug/sandfork" "$logdir" ${CLI_SERVE_ARGS:-}
 
 status=0
 # Files the node reads by path (OCI layouts) go where the lab sees them.
-SANDFORK_API_URL=$url SANDFORK_API_KEY=$key CLI_TEST_SCRATCH=$logdir/scratch \
+SANDFORK_API_URL=$node_url SANDFORK_API_KEY=$node_key CLI_TEST_SCRATCH=$logdir/scratch \
     "$test_bin" --ignored --test-threads=1 "${filters[@]}" || status=$?
-stop_server
+stop_node
 if ((status)); then
     tail -n 40 "$logdir/serve.log" >&2
     die "CLI node tests failed"

@@ -44,52 +44,13 @@ case $suite in all | python | js) ;; *) die "--suite must be python or js" ;; es
 . scripts/sdk-setup.sh
 
 # --- the server ------------------------------------------------------------
-serve_pid=''
-stop_server() {
-    [[ -n $serve_pid ]] || return 0
-    log "stopping the server (pid $serve_pid)"
-    kill -TERM -- "-$serve_pid" 2>/dev/null || true
-    for _ in $(seq 60); do
-        kill -0 "$serve_pid" 2>/dev/null || break
-        sleep 0.5
-    done
-    kill -KILL -- "-$serve_pid" 2>/dev/null || true
-    wait "$serve_pid" 2>/dev/null || true
-    serve_pid=''
-}
-trap stop_server EXIT
+. scripts/node.sh
+trap stop_node EXIT
 
 start_server() {
-    local port key lab=target/debug/sandfork-lab logdir=target/sdk-test
-    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-    key=e2b_$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
-    # a fresh store each run: no sandboxes or keys from earlier runs
-    rm -rf "$logdir/data"
-    mkdir -p "$logdir/data"
-    # shellcheck disable=SC2206 # SDK_SERVE_ARGS is a list of words
-    local cmd=(target/debug/sandfork serve --listen "127.0.0.1:$port" --data-dir "$logdir/data" ${SDK_SERVE_ARGS:-})
-    # serve re-execs itself into the KVM lab when /dev/kvm cannot boot Linux:
-    # one lab at a time on the machine, so hold its lock while it runs.
-    # (SANDFORK_LAB_LOCKED: the caller, scripts/test.sh, holds it already.)
-    if [[ -z ${SANDFORK_LAB_LOCKED:-} && $("$lab" detect | sed -n 1p) != hardware* ]]; then
-        log "no hardware KVM: the server runs in the lab; waiting for the lab lock"
-        cmd=(flock /tmp/sandfork-lab.lock "${cmd[@]}")
-    fi
-    log "starting: ${cmd[*]} (log: $logdir/serve.log)"
-    # its own process group, so that stopping it reaches the lab it started
-    SANDFORK_API_KEY=$key setsid "${cmd[@]}" >"$logdir/serve.log" 2>&1 &
-    serve_pid=$!
-    export E2B_API_URL=http://127.0.0.1:$port E2B_SANDBOX_URL=http://127.0.0.1:$port E2B_API_KEY=$key
-    local deadline=$((SECONDS + 900))
-    until python3 - "$E2B_API_URL/health" <<'PY' 2>/dev/null; do
-import sys, urllib.request
-sys.exit(0 if urllib.request.urlopen(sys.argv[1], timeout=5).status < 300 else 1)
-PY
-        kill -0 "$serve_pid" 2>/dev/null || { tail -n 40 "$logdir/serve.log" >&2; die "the server exited"; }
-        ((SECONDS < deadline)) || { tail -n 40 "$logdir/serve.log" >&2; die "no /health after 900 s"; }
-        sleep 1
-    done
-    log "server up at $E2B_API_URL"
+    # shellcheck disable=SC2086 # SDK_SERVE_ARGS is a list of words
+    start_node target/debug/sandfork target/sdk-test ${SDK_SERVE_ARGS:-}
+    export E2B_API_URL=$node_url E2B_SANDBOX_URL=$node_url E2B_API_KEY=$node_key
 }
 
 # --- run -------------------------------------------------------------------
@@ -133,7 +94,7 @@ if [[ $suite != python ]]; then
     ((only_basic)) || run "js lifecycle" nodetest lifecycle
 fi
 
-stop_server
+stop_node
 if ((${#failed[@]})); then
     log "failed: ${failed[*]}"
     exit 1

@@ -1,0 +1,59 @@
+# Sourced by the scripts that test against a real node (sdk-test.sh,
+# cli-test.sh): start_node starts `sandfork serve` on a free local port with a
+# fresh API key and data dir and waits for /health; stop_node stops it (and
+# the lab it runs in). The caller defines log and die.
+#
+#   start_node BINARY LOGDIR [SERVE-ARG...]
+#     sets node_url, node_key and node_pid; the log is LOGDIR/serve.log, the
+#     store LOGDIR/data (emptied first). Where /dev/kvm cannot boot Linux,
+#     serve re-runs itself in the KVM lab: one lab at a time on the machine,
+#     so the lab lock is held while it runs (unless SANDFORK_LAB_LOCKED says
+#     the caller, scripts/test.sh, holds it already).
+#   stop_node
+#     SIGTERM to the node's process group, SIGKILL after 30 s.
+
+node_pid=''
+
+stop_node() {
+    [[ -n $node_pid ]] || return 0
+    log "stopping the node (pid $node_pid)"
+    kill -TERM -- "-$node_pid" 2>/dev/null || true
+    for _ in $(seq 60); do
+        kill -0 "$node_pid" 2>/dev/null || break
+        sleep 0.5
+    done
+    kill -KILL -- "-$node_pid" 2>/dev/null || true
+    wait "$node_pid" 2>/dev/null || true
+    node_pid=''
+}
+
+start_node() {
+    local binary=$1 logdir=$2
+    shift 2
+    local port lab
+    lab=$(dirname "$binary")/sandfork-lab
+    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    node_key=e2b_$(od -An -N20 -tx1 /dev/urandom | tr -d ' \n')
+    rm -rf "$logdir/data"
+    mkdir -p "$logdir/data"
+    local cmd=("$binary" serve --listen "127.0.0.1:$port" --data-dir "$logdir/data" "$@")
+    if [[ -z ${SANDFORK_LAB_LOCKED:-} && $("$lab" detect | sed -n 1p) != hardware* ]]; then
+        log "no hardware KVM: the node runs in the lab; waiting for the lab lock"
+        cmd=(flock /tmp/sandfork-lab.lock "${cmd[@]}")
+    fi
+    log "starting: ${cmd[*]} (log: $logdir/serve.log)"
+    # its own process group, so that stopping it reaches the lab it started
+    SANDFORK_API_KEY=$node_key setsid "${cmd[@]}" >"$logdir/serve.log" 2>&1 &
+    node_pid=$!
+    node_url=http://127.0.0.1:$port
+    local deadline=$((SECONDS + 900))
+    until python3 - "$node_url/health" <<'PY' 2>/dev/null; do
+import sys, urllib.request
+sys.exit(0 if urllib.request.urlopen(sys.argv[1], timeout=5).status < 300 else 1)
+PY
+        kill -0 "$node_pid" 2>/dev/null || { tail -n 40 "$logdir/serve.log" >&2; die "the node exited"; }
+        ((SECONDS < deadline)) || { tail -n 40 "$logdir/serve.log" >&2; die "no /health after 900 s"; }
+        sleep 1
+    done
+    log "node up at $node_url"
+}
