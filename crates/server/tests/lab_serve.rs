@@ -12,7 +12,7 @@ mod common;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::{Answer, http, run, run_in, vmm_binary};
+use common::{Answer, Created, http, run, run_in, vmm_binary};
 use serde_json::{Value, json};
 use server::config::Config;
 
@@ -53,21 +53,14 @@ async fn create_run_read_list_kill_through_one_port() {
         ("content-type", "application/json"),
     ];
     let t0 = Instant::now();
-    let created = http(
+    let Created { id, token, answer } = common::create(
         addr,
-        "POST",
-        "/v2/sandboxes",
         &auth,
-        json!({"templateID": "base", "timeout": 120, "metadata": {"k": "v"}, "envVars": {"A": "1"}})
-            .to_string(),
+        json!({"templateID": "base", "timeout": 120, "metadata": {"k": "v"}, "envVars": {"A": "1"}}),
     )
     .await;
     let create_took = t0.elapsed();
-    assert_eq!(created.status, 201, "{:?}", created.body);
-    let sandbox = created.json();
-    let id = sandbox["sandboxID"].as_str().unwrap().to_owned();
-    let token = sandbox["envdAccessToken"].as_str().unwrap().to_owned();
-    assert_eq!(sandbox["envdVersion"], envd_proto::ENVD_VERSION);
+    assert_eq!(answer["envdVersion"], envd_proto::ENVD_VERSION);
     assert!(
         data.path()
             .join("sandboxes")
@@ -352,25 +345,12 @@ async fn snapshot_create_from_it_and_delete(
     assert_eq!(listed.json()[0]["snapshotID"], snap_id.as_str());
 
     let t = Instant::now();
-    let made = http(
-        addr,
-        "POST",
-        "/v2/sandboxes",
-        auth,
-        json!({"templateID": snap_id, "timeout": 120}).to_string(),
-    )
-    .await;
+    let made = common::create(addr, auth, json!({"templateID": snap_id, "timeout": 120})).await;
     eprintln!("create from the snapshot answered in {:?}", t.elapsed());
-    assert_eq!(made.status, 201, "{:?}", made.body);
-    let made = made.json();
-    assert_eq!(made["templateID"], snap_id.as_str());
-    let made_id = made["sandboxID"].as_str().unwrap().to_owned();
-    let made_token = made["envdAccessToken"].as_str().unwrap().to_owned();
-    assert_ne!(made_token, src_token);
-    let made_routing = [
-        ("e2b-sandbox-id", made_id.as_str()),
-        ("x-access-token", made_token.as_str()),
-    ];
+    assert_eq!(made.answer["templateID"], snap_id.as_str());
+    assert_ne!(made.token, src_token);
+    let made_id = made.id.clone();
+    let made_routing = made.routing();
     let (code, out) = run(addr, &made_routing, "cat /root/snap.txt /tmp/snap-mem").await;
     assert_eq!((code, out.as_str()), (0, "on-disk\nin-memory\n"));
 
@@ -695,29 +675,16 @@ async fn template_from_an_oci_image_with_start_and_ready_commands() {
     assert_eq!(listed["buildStatus"], "ready");
 
     let t = Instant::now();
-    let made = http(
-        addr,
-        "POST",
-        "/v2/sandboxes",
-        &auth,
-        json!({"templateID": "lab-bb", "timeout": 300}).to_string(),
-    )
-    .await;
+    let made = common::create(addr, &auth, json!({"templateID": "lab-bb", "timeout": 300})).await;
     eprintln!("create from the template answered in {:?}", t.elapsed());
-    assert_eq!(made.status, 201, "{:?}", made.body);
-    let made = made.json();
-    assert_eq!(made["templateID"], id.as_str());
-    assert_eq!(made["alias"], "lab-bb");
-    let sid = made["sandboxID"].as_str().unwrap().to_owned();
-    let token = made["envdAccessToken"].as_str().unwrap().to_owned();
+    assert_eq!(made.answer["templateID"], id.as_str());
+    assert_eq!(made.answer["alias"], "lab-bb");
+    let sid = made.id.clone();
     let detail = http(addr, "GET", &format!("/sandboxes/{sid}"), &auth, "")
         .await
         .json();
     assert_eq!(detail["memoryMB"], 384);
-    let routing = [
-        ("e2b-sandbox-id", sid.as_str()),
-        ("x-access-token", token.as_str()),
-    ];
+    let routing = made.routing();
     let sh = |cmd: &'static str| run_in(addr, &routing, "/bin/sh", cmd);
     assert_eq!(sh("cat /etc/marker").await, (0, common::MARKER.to_owned()));
     assert_eq!(
@@ -763,22 +730,14 @@ async fn template_from_an_oci_image_with_start_and_ready_commands() {
     let status = wait_for_build(addr, &auth, &live_id, live["buildID"].as_str().unwrap()).await;
     assert_eq!(status["status"], "ready", "{status}");
     eprintln!("template from a sandbox built in {:?}", t.elapsed());
-    let made = http(
+    let made2 = common::create(
         addr,
-        "POST",
-        "/v2/sandboxes",
         &auth,
-        json!({"templateID": "lab-bb-live", "timeout": 300}).to_string(),
+        json!({"templateID": "lab-bb-live", "timeout": 300}),
     )
     .await;
-    assert_eq!(made.status, 201, "{:?}", made.body);
-    let made = made.json();
-    let sid2 = made["sandboxID"].as_str().unwrap().to_owned();
-    let token2 = made["envdAccessToken"].as_str().unwrap().to_owned();
-    let routing2 = [
-        ("e2b-sandbox-id", sid2.as_str()),
-        ("x-access-token", token2.as_str()),
-    ];
+    let sid2 = made2.id.clone();
+    let routing2 = made2.routing();
     let (code, out) = run_in(addr, &routing2, "/bin/sh", "cat /tmp/live /etc/marker").await;
     assert_eq!((code, out), (0, format!("live\n{}", common::MARKER)));
     // Both start commands run: the image template's and the sandbox's.
@@ -918,22 +877,9 @@ async fn template_from_debian_packages() {
         "{logs:?}"
     );
 
-    let made = http(
-        addr,
-        "POST",
-        "/v2/sandboxes",
-        &auth,
-        json!({"templateID": "lab-jq", "timeout": 300}).to_string(),
-    )
-    .await;
-    assert_eq!(made.status, 201, "{:?}", made.body);
-    let made = made.json();
-    let sid = made["sandboxID"].as_str().unwrap().to_owned();
-    let token = made["envdAccessToken"].as_str().unwrap().to_owned();
-    let routing = [
-        ("e2b-sandbox-id", sid.as_str()),
-        ("x-access-token", token.as_str()),
-    ];
+    let made = common::create(addr, &auth, json!({"templateID": "lab-jq", "timeout": 300})).await;
+    let sid = made.id.clone();
+    let routing = made.routing();
     let (code, version) = run_in(addr, &routing, "/bin/sh", "jq --version").await;
     assert_eq!(code, 0, "{version}");
     assert!(version.starts_with("jq-1."), "{version}");

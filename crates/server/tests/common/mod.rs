@@ -128,3 +128,32 @@ pub async fn run_in(
     }
     (code.expect("no end event"), out)
 }
+
+/// A sandbox a test created: the create's answer, and what routes envd
+/// requests to it through the node's proxy.
+pub struct Created {
+    pub id: String,
+    pub token: String,
+    pub answer: Value,
+}
+
+impl Created {
+    pub fn routing(&self) -> [(&'static str, &str); 2] {
+        [
+            ("e2b-sandbox-id", self.id.as_str()),
+            ("x-access-token", self.token.as_str()),
+        ]
+    }
+}
+
+/// `POST /v2/sandboxes` with `body`; the create must succeed.
+pub async fn create(addr: std::net::SocketAddr, auth: &[(&str, &str)], body: Value) -> Created {
+    let made = http(addr, "POST", "/v2/sandboxes", auth, body.to_string()).await;
+    assert_eq!(made.status, 201, "{:?}", made.body);
+    let answer = made.json();
+    Created {
+        id: answer["sandboxID"].as_str().unwrap().to_owned(),
+        token: answer["envdAccessToken"].as_str().unwrap().to_owned(),
+        answer,
+    }
+}
