@@ -29,9 +29,10 @@ fn db_err(e: impl Into<redb::Error>) -> StoreError {
     StoreError::Db(e.into())
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SandboxState {
+    #[default]
     Running,
     Paused,
 }
@@ -46,7 +47,7 @@ impl SandboxState {
 }
 
 /// One sandbox as the node remembers it. Times are unix milliseconds.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SandboxRecord {
     pub id: String,
     pub template_id: String,
@@ -100,7 +101,7 @@ pub struct PausedSnapshot {
 }
 
 /// A template ready to restore: its full snapshot and sealed root layer.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TemplateRecord {
     pub id: String,
     pub dir: PathBuf,
@@ -381,7 +382,6 @@ mod tests {
             template_id: "base".into(),
             alias: Some("base".into()),
             metadata: BTreeMap::from([("k".into(), "v".into())]),
-            env_vars: BTreeMap::new(),
             access_token: Some("tok".into()),
             started_at_ms: started,
             end_at_ms: started + 300_000,
@@ -389,14 +389,7 @@ mod tests {
             cpu_count: 1,
             memory_mb: 256,
             disk_size_mb: 2048,
-            auto_pause: false,
-            pause_generation: 0,
-            snapshot: None,
-            root_layer: None,
-            has_dependents: false,
-            uses_snapshots: Vec::new(),
-            uses_dirs: Vec::new(),
-            vmm_dir: None,
+            ..Default::default()
         }
     }
 
@@ -474,12 +467,7 @@ mod tests {
             mem_mib: 256,
             disk_size_mb: 2048,
             created_at_ms: 5,
-            source_sandbox: None,
-            names: Vec::new(),
-            agent_token: None,
-            env_vars: BTreeMap::new(),
-            uses_snapshots: Vec::new(),
-            uses_dirs: Vec::new(),
+            ..Default::default()
         }
     }
 

@@ -37,7 +37,6 @@ fn record(id: &str, started: u64, state: SandboxState, team: &str) -> SandboxRec
         template_id: "base".into(),
         alias: Some("base".into()),
         metadata: BTreeMap::from([("team".into(), team.into())]),
-        env_vars: BTreeMap::new(),
         access_token: Some(format!("tok-{id}")),
         started_at_ms: started,
         end_at_ms: started + 3_600_000,
@@ -45,14 +44,7 @@ fn record(id: &str, started: u64, state: SandboxState, team: &str) -> SandboxRec
         cpu_count: 1,
         memory_mb: 256,
         disk_size_mb: 2048,
-        auto_pause: false,
-        pause_generation: 0,
-        snapshot: None,
-        root_layer: None,
-        has_dependents: false,
-        uses_snapshots: Vec::new(),
-        uses_dirs: Vec::new(),
-        vmm_dir: None,
+        ..Default::default()
     }
 }
 
@@ -80,11 +72,7 @@ fn snapshot(data: &std::path::Path, id: &str, source: &str, created: u64) -> Tem
         disk_size_mb: 2048,
         created_at_ms: created,
         source_sandbox: Some(source.into()),
-        names: Vec::new(),
-        agent_token: None,
-        env_vars: BTreeMap::new(),
-        uses_snapshots: Vec::new(),
-        uses_dirs: Vec::new(),
+        ..Default::default()
     }
 }
 
@@ -136,13 +124,7 @@ fn node_configured(
         vcpus: 1,
         mem_mib: 256,
         disk_size_mb: 2048,
-        created_at_ms: 0,
-        source_sandbox: None,
-        names: Vec::new(),
-        agent_token: None,
-        env_vars: BTreeMap::new(),
-        uses_snapshots: Vec::new(),
-        uses_dirs: Vec::new(),
+        ..Default::default()
     };
     setup(&mut config, &store);
     let pool = Pool::start(config.vmm.clone(), config.run_dir(), 0);

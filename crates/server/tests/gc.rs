@@ -1,7 +1,6 @@
 //! The garbage collector on real files: real layered disks (a base template,
 //! a sandbox forked into children, orphans), records in the real store.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -15,24 +14,15 @@ fn record(id: &str, root: &Path, uses: &[&Path]) -> SandboxRecord {
     SandboxRecord {
         id: id.into(),
         template_id: "base".into(),
-        alias: None,
-        metadata: BTreeMap::new(),
-        env_vars: BTreeMap::new(),
-        access_token: None,
         started_at_ms: 1,
         end_at_ms: u64::MAX,
         state: SandboxState::Paused,
         cpu_count: 1,
         memory_mb: 256,
         disk_size_mb: 1,
-        auto_pause: false,
-        pause_generation: 0,
-        snapshot: None,
         root_layer: Some(root.to_owned()),
-        has_dependents: false,
-        uses_snapshots: Vec::new(),
         uses_dirs: uses.iter().map(|p| p.to_path_buf()).collect(),
-        vmm_dir: None,
+        ..Default::default()
     }
 }
 
@@ -83,13 +73,7 @@ fn setup(records: impl FnOnce(&Path) -> Vec<SandboxRecord>) -> Setup {
         vcpus: 1,
         mem_mib: 256,
         disk_size_mb: 1,
-        created_at_ms: 0,
-        source_sandbox: None,
-        names: Vec::new(),
-        agent_token: None,
-        env_vars: BTreeMap::new(),
-        uses_snapshots: Vec::new(),
-        uses_dirs: Vec::new(),
+        ..Default::default()
     };
     store.put_template(&template).unwrap();
     let pool = Pool::start(config.vmm.clone(), config.run_dir(), 0);

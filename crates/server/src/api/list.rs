@@ -183,22 +183,13 @@ mod tests {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
-            env_vars: BTreeMap::new(),
-            access_token: None,
             started_at_ms: started,
             end_at_ms: started + 1000,
             state,
             cpu_count: 1,
             memory_mb: 256,
             disk_size_mb: 2048,
-            auto_pause: false,
-            pause_generation: 0,
-            snapshot: None,
-            root_layer: None,
-            has_dependents: false,
-            uses_snapshots: Vec::new(),
-            uses_dirs: Vec::new(),
-            vmm_dir: None,
+            ..Default::default()
         }
     }
 

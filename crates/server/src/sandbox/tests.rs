@@ -2,7 +2,6 @@
 //! a real store and a pool whose VMM binary does not exist, so that any
 //! restore fails at once.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,27 +16,19 @@ fn paused(data: &std::path::Path) -> SandboxRecord {
     SandboxRecord {
         id: ID.into(),
         template_id: "base".into(),
-        alias: None,
-        metadata: BTreeMap::new(),
-        env_vars: BTreeMap::new(),
-        access_token: None,
         started_at_ms: 1,
         end_at_ms: 2,
         state: SandboxState::Paused,
         cpu_count: 1,
         memory_mb: 128,
         disk_size_mb: 1,
-        auto_pause: false,
         pause_generation: 1,
         snapshot: Some(PausedSnapshot {
             state: data.join("pause-1.state"),
             mem: data.join("pause-1.mem"),
         }),
-        root_layer: None,
-        has_dependents: false,
-        uses_snapshots: Vec::new(),
         uses_dirs: vec![data.join("sandboxes").join(ID)],
-        vmm_dir: None,
+        ..Default::default()
     }
 }
 
@@ -66,13 +57,7 @@ fn manager(data: &std::path::Path) -> Arc<Manager> {
         vcpus: 1,
         mem_mib: 128,
         disk_size_mb: 1,
-        created_at_ms: 0,
-        source_sandbox: None,
-        names: Vec::new(),
-        agent_token: None,
-        env_vars: BTreeMap::new(),
-        uses_snapshots: Vec::new(),
-        uses_dirs: Vec::new(),
+        ..Default::default()
     };
     let pool = Pool::start(config.vmm.clone(), data.join("run"), 0);
     Manager::new(config, store, pool, template)
