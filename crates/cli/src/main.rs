@@ -15,7 +15,7 @@ mod serve;
 mod status;
 mod template;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -92,12 +92,10 @@ enum Command {
         /// creates].
         #[arg(long, env = "SANDFORK_SDK_PYTHON")]
         sdk_python: Option<PathBuf>,
-        /// Where the SDK bench's node keeps its data (snapshots, disk
-        /// layers) [default: a temporary directory; when the bench runs in
-        /// the KVM lab, one on the host's disk shared into it, as the lab's
-        /// own /tmp is a small tmpfs].
-        #[arg(long, env = "SANDFORK_BENCH_SCRATCH")]
-        scratch: Option<PathBuf>,
+        /// Memory of the KVM lab machine in MiB, when the bench runs in one:
+        /// its /tmp (half of it, a tmpfs) holds the bench node's data.
+        #[arg(long, default_value_t = 8192)]
+        lab_memory: u32,
     },
     /// Serve the E2B-compatible API and the envd proxy on one port.
     ///
@@ -176,9 +174,9 @@ impl ImageArgs {
 fn run_in_lab_if_needed(
     image: &ImageArgs,
     envs: &[(&str, &std::ffi::OsStr)],
-    rw_dirs: &[&Path],
+    lab_args: &[&str],
 ) -> Result<Option<ExitCode>> {
-    if !needs_lab(image) {
+    if image.in_lab || environment(image) == Environment::Hardware {
         return Ok(None);
     }
     let lab = sibling_binary("sandfork-lab")?;
@@ -189,9 +187,7 @@ fn run_in_lab_if_needed(
         .arg("1")
         .arg("--timeout")
         .arg("3600");
-    for dir in rw_dirs {
-        cmd.arg("--rw").arg(dir);
-    }
+    cmd.args(lab_args);
     cmd.arg("--").arg(std::env::current_exe()?);
     cmd.args(std::env::args_os().skip(1));
     cmd.arg("--in-lab");
@@ -200,11 +196,6 @@ fn run_in_lab_if_needed(
         .envs(envs.iter().copied());
     let status = cmd.status().context("running the KVM lab")?;
     Ok(Some(ExitCode::from(status.code().unwrap_or(1) as u8)))
-}
-
-/// Whether this command must be re-run in the KVM lab to boot microVMs.
-fn needs_lab(image: &ImageArgs) -> bool {
-    !image.in_lab && environment(image) != Environment::Hardware
 }
 
 /// Where this command's microVMs run: in the lab when it was re-run there,
@@ -266,7 +257,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             no_sdk,
             sdk_runs,
             sdk_python,
-            scratch,
+            lab_memory,
         } => {
             if runs == 0 || sdk_runs == 0 {
                 bail!("--runs and --sdk-runs must be at least 1");
@@ -278,30 +269,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 true => Some(bench::sdk::python(sdk_python)?),
                 false => None,
             };
-            // The lab's /tmp (a 2 GiB tmpfs) cannot hold a node's snapshots
-            // and disk layers: the node keeps them on the host's disk.
-            let host_scratch = match scratch.is_none() && sdk_python.is_some() && needs_lab(&image)
-            {
-                true => Some(
-                    tempfile::Builder::new()
-                        .prefix("sandfork-bench-")
-                        .tempdir()
-                        .context("creating the SDK bench's scratch directory")?,
-                ),
-                false => None,
-            };
-            let scratch = scratch.or_else(|| host_scratch.as_ref().map(|d| d.path().to_owned()));
-            let mut envs: Vec<(&str, &std::ffi::OsStr)> = sdk_python
+            let envs: Vec<(&str, &std::ffi::OsStr)> = sdk_python
                 .iter()
                 .map(|p| ("SANDFORK_SDK_PYTHON", p.as_os_str()))
                 .collect();
-            envs.extend(
-                scratch
-                    .iter()
-                    .map(|d| ("SANDFORK_BENCH_SCRATCH", d.as_os_str())),
-            );
-            let rw: Vec<&Path> = scratch.iter().map(PathBuf::as_path).collect();
-            if let Some(code) = run_in_lab_if_needed(&image, &envs, &rw)? {
+            let lab_memory = lab_memory.to_string();
+            if let Some(code) = run_in_lab_if_needed(&image, &envs, &["--memory", &lab_memory])? {
                 return Ok(code);
             }
             let vmm = image.vmm()?;
@@ -319,7 +292,6 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     vmm: &vmm,
                     image: &guest,
                     runs: sdk_runs,
-                    scratch: scratch.as_deref(),
                 }),
             };
             let report = runtime.block_on(plan.run())?;

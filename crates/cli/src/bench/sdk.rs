@@ -33,20 +33,11 @@ pub struct SdkBench<'a> {
     pub image: &'a GuestImage,
     /// Sequential creates measured to their first command result.
     pub runs: usize,
-    /// The directory the bench's files and node data go under (a temporary
-    /// directory when None).
-    pub scratch: Option<&'a Path>,
 }
 
 impl SdkBench<'_> {
     pub async fn measure(&self) -> Result<Value> {
-        let mut dir = tempfile::Builder::new();
-        dir.prefix("sdk-bench-");
-        let dir = match self.scratch {
-            Some(scratch) => dir.tempdir_in(scratch),
-            None => dir.tempdir(),
-        }
-        .context("creating the SDK bench directory")?;
+        let dir = tempfile::tempdir().context("creating the SDK bench directory")?;
         let script = dir.path().join("sdk_bench.py");
         std::fs::write(&script, SCRIPT).context("writing the SDK bench script")?;
         let log_path = dir.path().join("serve.log");
