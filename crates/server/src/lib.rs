@@ -100,6 +100,7 @@ impl Server {
                 manager,
                 templates,
                 keys,
+                guests: Default::default(),
             }),
             api_key_file,
         })

@@ -9,12 +9,14 @@ use axum::http::header::{self, HeaderMap, HeaderName};
 use axum::http::{StatusCode, Uri};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use hyper_util::rt::TokioIo;
 use vmm_api::process::AGENT_PORT;
-use vmm_api::vsock_connect::{self, VsockConnectError};
+use vmm_api::vsock_connect::VsockConnectError;
 
 use crate::api::Shared;
 use crate::ids;
+
+mod connections;
+pub use connections::{ForwardError, GuestConnections};
 
 pub const SANDBOX_ID_HEADER: &str = "e2b-sandbox-id";
 pub const SANDBOX_PORT_HEADER: &str = "e2b-sandbox-port";
@@ -232,21 +234,6 @@ async fn forward(state: &Shared, id: &str, port: u32, mut req: Request) -> Respo
     let Some(uds) = state.manager.vsock_path(id) else {
         return not_found(id);
     };
-    let stream = match vsock_connect::connect(&uds, port).await {
-        Ok(s) => s,
-        Err(VsockConnectError::Connect { .. }) => return not_found(id),
-        Err(e) => return port_closed(id, port, &e.to_string()),
-    };
-    let (mut sender, connection) =
-        match hyper::client::conn::http1::handshake(TokioIo::new(stream)).await {
-            Ok(pair) => pair,
-            Err(e) => return port_closed(id, port, &e.to_string()),
-        };
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::debug!("proxied connection: {e}");
-        }
-    });
     // Origin form towards the guest; the body goes on as it arrives.
     let path = req
         .uri()
@@ -256,12 +243,13 @@ async fn forward(state: &Shared, id: &str, port: u32, mut req: Request) -> Respo
         .unwrap_or_else(|_| Uri::from_static("/"));
     *req.uri_mut() = path;
     strip_hop_by_hop(req.headers_mut());
-    match sender.send_request(req).await {
+    match state.guests.send(&uds, port, req).await {
         Ok(response) => {
             let (mut parts, body) = response.into_parts();
             strip_hop_by_hop(&mut parts.headers);
             Response::from_parts(parts, Body::new(body))
         }
+        Err(ForwardError::Connect(VsockConnectError::Connect { .. })) => not_found(id),
         Err(e) => port_closed(id, port, &e.to_string()),
     }
 }

@@ -134,6 +134,7 @@ fn node_configured(
         manager: manager.clone(),
         templates: templates.clone(),
         keys: ApiKeys::for_key(KEY),
+        guests: Default::default(),
     });
     Node {
         app: router(state),

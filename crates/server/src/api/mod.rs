@@ -29,6 +29,8 @@ pub struct AppState {
     pub manager: Arc<Manager>,
     pub templates: Arc<Templates>,
     pub keys: ApiKeys,
+    /// Open connections to guests' ports, reused by the envd proxy.
+    pub guests: crate::proxy::GuestConnections,
 }
 
 pub type Shared = Arc<AppState>;

@@ -1,0 +1,309 @@
+//! HTTP/1 connections to guest ports, kept open between proxied requests:
+//! each new one costs a vsock handshake through the VMM and an accept in the
+//! guest, which an SDK would otherwise pay on every call.
+//!
+//! Connections are keyed by the VMM's vsock socket (not the sandbox id), so a
+//! sandbox that was paused and resumed never gets its old VMM's connections.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::Request;
+use hyper::client::conn::http1::SendRequest;
+use hyper_util::rt::TokioIo;
+use vmm_api::vsock_connect::{self, VsockConnectError};
+
+/// Idle connections kept per guest port; more are closed when they finish.
+const IDLE_PER_PORT: usize = 8;
+/// Every this many kept connections, those of gone VMMs are forgotten.
+const SWEEP_EVERY: u32 = 256;
+/// How long a kept connection is used for after its last request started.
+/// The guest agent closes connections idle for 30 s; a request sent as it
+/// closes one would be lost, so ours are dropped well before.
+const IDLE_LIMIT: Duration = Duration::from_secs(15);
+
+type Key = (PathBuf, u32);
+
+struct Kept {
+    sender: SendRequest<Body>,
+    used: Instant,
+}
+
+impl Kept {
+    fn usable(&self, limit: Duration) -> bool {
+        !self.sender.is_closed() && self.used.elapsed() < limit
+    }
+}
+
+pub struct GuestConnections {
+    idle: Mutex<HashMap<Key, Vec<Kept>>>,
+    puts: AtomicU32,
+    idle_limit: Duration,
+}
+
+impl Default for GuestConnections {
+    fn default() -> Self {
+        Self::with_idle_limit(IDLE_LIMIT)
+    }
+}
+
+/// Why a request did not reach the guest.
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    #[error(transparent)]
+    Connect(#[from] VsockConnectError),
+    #[error("{0}")]
+    Http(#[from] hyper::Error),
+}
+
+impl GuestConnections {
+    fn with_idle_limit(idle_limit: Duration) -> Self {
+        GuestConnections {
+            idle: Mutex::default(),
+            puts: AtomicU32::new(0),
+            idle_limit,
+        }
+    }
+
+    /// Sends `req` to `port` behind the vsock socket `uds`, on an idle
+    /// connection when one is ready, else on a new one.
+    pub async fn send(
+        &self,
+        uds: &Path,
+        port: u32,
+        mut req: Request,
+    ) -> Result<hyper::Response<hyper::body::Incoming>, ForwardError> {
+        let key = (uds.to_owned(), port);
+        while let Some(mut sender) = self.take_idle(&key) {
+            let replay = replayable(&req);
+            match sender.try_send_request(req).await {
+                Ok(response) => {
+                    self.put_back(key, sender);
+                    return Ok(response);
+                }
+                // The guest closed it as we took it. Not sent: safe to send
+                // again, even a POST. Sent: only a request without effects
+                // or body can go again; for the rest the guest may have
+                // acted on it, and the caller gets the error.
+                Err(mut e) => match (e.take_message(), replay) {
+                    (Some(unsent), _) => req = unsent,
+                    (None, Some(again)) => req = again,
+                    (None, None) => return Err(e.into_error().into()),
+                },
+            }
+        }
+        let stream = vsock_connect::connect(uds, port).await?;
+        let (mut sender, connection) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!("proxied connection: {e}");
+            }
+        });
+        let response = sender.send_request(req).await?;
+        self.put_back(key, sender);
+        Ok(response)
+    }
+
+    /// A connection of `key` ready for a request. Busy ones (a response
+    /// still streaming) stay; closed and stale ones go.
+    fn take_idle(&self, key: &Key) -> Option<SendRequest<Body>> {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        let kept = idle.get_mut(key)?;
+        kept.retain(|k| k.usable(self.idle_limit));
+        let ready = kept.iter().position(|k| k.sender.is_ready());
+        let taken = ready.map(|i| kept.swap_remove(i).sender);
+        if kept.is_empty() {
+            idle.remove(key);
+        }
+        taken
+    }
+
+    /// Keeps `sender` for later requests (it becomes ready once the response
+    /// it carries has been read to the end), and now and then forgets the
+    /// connections of VMMs that are gone.
+    fn put_back(&self, key: Key, sender: SendRequest<Body>) {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        if self
+            .puts
+            .fetch_add(1, Ordering::Relaxed)
+            .is_multiple_of(SWEEP_EVERY)
+        {
+            idle.retain(|_, kept| {
+                kept.retain(|k| k.usable(self.idle_limit));
+                !kept.is_empty()
+            });
+        }
+        let kept = idle.entry(key).or_default();
+        if kept.len() < IDLE_PER_PORT {
+            kept.push(Kept {
+                sender,
+                used: Instant::now(),
+            });
+        }
+    }
+
+    /// Connections kept, open or not (for tests).
+    pub fn kept(&self) -> usize {
+        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        idle.values().map(Vec::len).sum()
+    }
+}
+
+/// A copy of `req` to send again if a kept connection fails under it: only
+/// for a safe method (RFC 9110) without a body.
+fn replayable(req: &Request) -> Option<Request> {
+    use hyper::body::Body as _;
+    let safe = matches!(
+        *req.method(),
+        hyper::Method::GET | hyper::Method::HEAD | hyper::Method::OPTIONS
+    );
+    if !safe || req.body().size_hint().exact() != Some(0) {
+        return None;
+    }
+    let mut copy = Request::new(Body::empty());
+    *copy.method_mut() = req.method().clone();
+    *copy.uri_mut() = req.uri().clone();
+    *copy.version_mut() = req.version();
+    *copy.headers_mut() = req.headers().clone();
+    Some(copy)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicUsize;
+
+    use http_body_util::BodyExt;
+    use hyper::service::service_fn;
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    use tokio::net::UnixListener;
+    use tokio::sync::Notify;
+
+    use super::*;
+
+    /// A VMM's vsock socket with an HTTP server behind the handshake that
+    /// answers each request with its path; counts the connections, and ends
+    /// them all (as a vsock reset does) when `reset` is notified.
+    struct FakeGuest {
+        uds: PathBuf,
+        accepted: Arc<AtomicUsize>,
+        reset: Arc<Notify>,
+    }
+
+    impl FakeGuest {
+        fn start(dir: &Path) -> FakeGuest {
+            let uds = dir.join("vsock.sock");
+            let listener = UnixListener::bind(&uds).unwrap();
+            let accepted = Arc::new(AtomicUsize::new(0));
+            let reset = Arc::new(Notify::new());
+            let (count, ends) = (accepted.clone(), reset.clone());
+            tokio::spawn(async move {
+                while let Ok((stream, _)) = listener.accept().await {
+                    count.fetch_add(1, Ordering::SeqCst);
+                    let ends = ends.clone();
+                    tokio::spawn(async move {
+                        let mut stream = BufReader::new(stream);
+                        let mut line = String::new();
+                        stream.read_line(&mut line).await.unwrap();
+                        assert_eq!(line, "CONNECT 49983\n");
+                        stream
+                            .get_mut()
+                            .write_all(b"OK 1073741824\n")
+                            .await
+                            .unwrap();
+                        let answer =
+                            service_fn(|req: hyper::Request<hyper::body::Incoming>| async move {
+                                Ok::<_, Infallible>(hyper::Response::new(Body::from(
+                                    req.uri().path().to_owned(),
+                                )))
+                            });
+                        let serve = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(TokioIo::new(stream.into_inner()), answer);
+                        tokio::select! {
+                            _ = serve => {}
+                            () = ends.notified() => {}
+                        }
+                    });
+                }
+            });
+            FakeGuest {
+                uds,
+                accepted,
+                reset,
+            }
+        }
+
+        fn accepted(&self) -> usize {
+            self.accepted.load(Ordering::SeqCst)
+        }
+    }
+
+    fn get(path: &str) -> Request {
+        Request::builder()
+            .uri(path)
+            .header("host", "guest")
+            .body(Body::empty())
+            .unwrap()
+    }
+
+    async fn fetch(guests: &GuestConnections, uds: &Path, path: &str) -> String {
+        let response = guests.send(uds, 49983, get(path)).await.unwrap();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        String::from_utf8(bytes.to_vec()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn sequential_requests_share_one_connection_and_concurrent_ones_do_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let guest = FakeGuest::start(dir.path());
+        let guests = GuestConnections::default();
+        for i in 0..3 {
+            assert_eq!(
+                fetch(&guests, &guest.uds, &format!("/r{i}")).await,
+                format!("/r{i}")
+            );
+        }
+        assert_eq!(guest.accepted(), 1);
+
+        // A request waiting for its answer keeps its connection busy.
+        let (slow, quick) = tokio::join!(
+            fetch(&guests, &guest.uds, "/slow"),
+            fetch(&guests, &guest.uds, "/quick")
+        );
+        assert_eq!((slow.as_str(), quick.as_str()), ("/slow", "/quick"));
+        assert_eq!(guest.accepted(), 2);
+        assert_eq!(guests.kept(), 2);
+    }
+
+    #[tokio::test]
+    async fn connections_the_guest_ended_are_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let guest = FakeGuest::start(dir.path());
+        let guests = GuestConnections::default();
+        for round in 1..=20 {
+            assert_eq!(fetch(&guests, &guest.uds, "/x").await, "/x");
+            guest.reset.notify_waiters();
+            // No pause: the next request may find the connection closing.
+            assert_eq!(fetch(&guests, &guest.uds, "/y").await, "/y");
+            assert_eq!(guest.accepted(), 2 * round);
+            guest.reset.notify_waiters();
+        }
+    }
+
+    #[tokio::test]
+    async fn stale_connections_are_not_reused() {
+        let dir = tempfile::tempdir().unwrap();
+        let guest = FakeGuest::start(dir.path());
+        let guests = GuestConnections::with_idle_limit(Duration::from_millis(50));
+        assert_eq!(fetch(&guests, &guest.uds, "/x").await, "/x");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(fetch(&guests, &guest.uds, "/y").await, "/y");
+        assert_eq!(guest.accepted(), 2);
+    }
+}
