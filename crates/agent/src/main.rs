@@ -13,6 +13,7 @@ mod pid1;
 mod reaper;
 mod server;
 mod shutdown;
+mod tcp_forward;
 mod vsock;
 
 use std::panic::AssertUnwindSafe;
@@ -123,6 +124,16 @@ async fn run(args: Args, pid1: Option<Pid1Kind>) -> anyhow::Result<()> {
                 log::warn!("no AF_VSOCK in this kernel; not listening on vsock")
             }
             Err(e) => log::error!("vsock port {port}: {e}"),
+        }
+        // The host's way to servers in the guest (`<port>-<id>.<domain>`).
+        let forward_port = envd_proto::tcp_forward::VSOCK_PORT;
+        match vsock::VsockListener::bind(forward_port) {
+            Ok(listener) => {
+                log::info!("forwarding TCP from vsock port {forward_port}");
+                tokio::spawn(tcp_forward::serve(listener));
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EAFNOSUPPORT) => {}
+            Err(e) => log::error!("vsock port {forward_port}: {e}"),
         }
     }
     if !serving {

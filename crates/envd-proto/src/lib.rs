@@ -10,6 +10,7 @@ pub mod error;
 pub mod filesystem;
 pub mod json;
 pub mod process;
+pub mod tcp_forward;
 
 pub use envelope::{Decoder, Envelope, EnvelopeError};
 pub use error::{Code, ConnectError, EndStream};

@@ -80,6 +80,7 @@ async fn create_run_read_list_kill_through_one_port() {
     eprintln!(
         "create answered in {create_took:?}; create to first command result {first_command:?} (lab: emulated)"
     );
+    guest_servers_are_reached_by_port_host_names(addr, &routing, &id).await;
 
     // envd enforces the access token the server gave it.
     let no_token = http(
@@ -769,6 +770,39 @@ async fn template_from_an_oci_image_with_start_and_ready_commands() {
     )
     .await;
     assert_eq!(gone.status, 404);
+}
+
+/// A server the sandbox runs on a TCP port answers at `<port>-<id>.<domain>`
+/// (through the agent's forwarder); a port nothing listens on is E2B's 502.
+async fn guest_servers_are_reached_by_port_host_names(
+    addr: std::net::SocketAddr,
+    routing: &[(&str, &str)],
+    id: &str,
+) {
+    let (code, out) = run(
+        addr,
+        routing,
+        "mkdir -p /srv && echo served > /srv/page.txt && \
+         setsid python3 -m http.server 8000 --bind 127.0.0.1 --directory /srv </dev/null >/dev/null 2>&1 & \
+         for i in $(seq 100); do (echo > /dev/tcp/127.0.0.1/8000) 2>/dev/null && exit 0; sleep 0.2; done; exit 1",
+    )
+    .await;
+    assert_eq!(code, 0, "the guest's server never listened: {out}");
+    let host = format!("8000-{id}.sandfork.test");
+    for _ in 0..3 {
+        let page = http(addr, "GET", "/page.txt", &[("host", host.as_str())], "").await;
+        assert_eq!(page.status, 200, "{:?}", page.body);
+        assert_eq!(&page.body[..], b"served\n");
+    }
+    let by_header = [("e2b-sandbox-id", id), ("e2b-sandbox-port", "8000")];
+    let page = http(addr, "GET", "/page.txt", &by_header, "").await;
+    assert_eq!((page.status, &page.body[..]), (200, &b"served\n"[..]));
+
+    let closed = format!("8001-{id}.sandfork.test");
+    let refused = http(addr, "GET", "/", &[("host", closed.as_str())], "").await;
+    assert_eq!(refused.status, 502, "{:?}", refused.body);
+    let message = refused.json()["message"].as_str().unwrap().to_owned();
+    assert!(message.contains("port is not open"), "{message}");
 }
 
 /// Build a template from Debian packages (`jq`) as `sandfork serve` does in

@@ -8,6 +8,8 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 
+use envd_proto::tcp_forward;
+
 #[derive(Debug, thiserror::Error)]
 pub enum VsockConnectError {
     #[error("connecting to vsock socket {path}: {source}")]
@@ -30,6 +32,8 @@ pub enum VsockConnectError {
     Timeout(u32, Duration),
     #[error("malformed HTTP answer from the guest agent: {0:?}")]
     BadHttp(String),
+    #[error("the guest's TCP {port} is not open: {reason}")]
+    TcpRefused { port: u32, reason: String },
 }
 
 /// Opens a stream to `port` in the guest behind the vsock socket `uds_path`.
@@ -66,6 +70,45 @@ pub async fn connect(uds_path: &Path, port: u32) -> Result<UnixStream, VsockConn
     match reply.strip_prefix("OK ").map(|p| p.trim().parse::<u32>()) {
         Some(Ok(_)) => Ok(stream),
         _ => Err(VsockConnectError::BadReply(reply)),
+    }
+}
+
+/// Opens a stream to TCP `port` on the guest's loopback, through the guest
+/// agent's forwarder (see `envd_proto::tcp_forward`).
+pub async fn connect_guest_tcp(
+    uds_path: &Path,
+    port: u16,
+) -> Result<UnixStream, VsockConnectError> {
+    let vsock_port = tcp_forward::VSOCK_PORT;
+    let mut stream = connect(uds_path, vsock_port).await?;
+    let io = |source| VsockConnectError::Io {
+        port: vsock_port,
+        source,
+    };
+    stream
+        .write_all(tcp_forward::request(port).as_bytes())
+        .await
+        .map_err(io)?;
+    let mut line = Vec::new();
+    loop {
+        match stream.read_u8().await.map_err(io)? {
+            b'\n' => break,
+            _ if line.len() == tcp_forward::MAX_LINE => {
+                return Err(VsockConnectError::BadReply(
+                    String::from_utf8_lossy(&line).into(),
+                ));
+            }
+            byte => line.push(byte),
+        }
+    }
+    let line = String::from_utf8_lossy(&line).into_owned();
+    match tcp_forward::Reply::parse(&line) {
+        Some(tcp_forward::Reply::Connected) => Ok(stream),
+        Some(tcp_forward::Reply::Refused(reason)) => Err(VsockConnectError::TcpRefused {
+            port: port.into(),
+            reason,
+        }),
+        None => Err(VsockConnectError::BadReply(line)),
     }
 }
 

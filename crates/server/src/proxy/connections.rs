@@ -15,6 +15,7 @@ use axum::body::Body;
 use axum::extract::Request;
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
+use vmm_api::process::AGENT_PORT;
 use vmm_api::vsock_connect::{self, VsockConnectError};
 
 /// Idle connections kept per guest port; more are closed when they finish.
@@ -96,7 +97,7 @@ impl GuestConnections {
                 },
             }
         }
-        let stream = vsock_connect::connect(uds, port).await?;
+        let stream = open(uds, port).await?;
         let (mut sender, connection) =
             hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
         tokio::spawn(async move {
@@ -151,6 +152,21 @@ impl GuestConnections {
     pub fn kept(&self) -> usize {
         let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
         idle.values().map(Vec::len).sum()
+    }
+}
+
+/// A new stream to a guest port: envd's vsock port directly, any other
+/// through the agent's TCP forwarder (servers in the guest listen on TCP).
+async fn open(uds: &Path, port: u32) -> Result<tokio::net::UnixStream, VsockConnectError> {
+    if port == AGENT_PORT {
+        return vsock_connect::connect(uds, port).await;
+    }
+    match u16::try_from(port) {
+        Ok(tcp) => vsock_connect::connect_guest_tcp(uds, tcp).await,
+        Err(_) => Err(VsockConnectError::TcpRefused {
+            port,
+            reason: "not a TCP port".into(),
+        }),
     }
 }
 

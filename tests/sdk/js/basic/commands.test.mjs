@@ -1,5 +1,6 @@
 // commands.run and a PTY session on one sandbox.
 import assert from 'node:assert/strict'
+import http from 'node:http'
 import { after, before, describe, test } from 'node:test'
 import { CommandExitError, TimeoutError } from 'e2b'
 import { SLOW, create, reapRun, waitUntil } from '../helpers.mjs'
@@ -101,6 +102,49 @@ describe('pty', SLOW, () => {
       assert.equal(r.exitCode, 0)
     } finally {
       await sbx.pty.kill(h.pid).catch(() => {})
+    }
+  })
+})
+
+// GET `path` from the node with `host` as the Host header: getHost names
+// E2B's domain, and the node routes by the Host header as E2B's proxy does.
+// (fetch may not set Host; node:http may.)
+function getVia(host, path) {
+  const node = new URL(process.env.E2B_SANDBOX_URL)
+  return new Promise((resolve, reject) => {
+    const req = http.request(
+      { hostname: node.hostname, port: node.port, path, headers: { host } },
+      (res) => {
+        let body = ''
+        res.setEncoding('utf8')
+        res.on('data', (d) => (body += d))
+        res.on('end', () => resolve({ status: res.statusCode, body }))
+      },
+    )
+    req.on('error', reject)
+    req.end()
+  })
+}
+
+describe('ports', SLOW, () => {
+  test('a server in the sandbox answers at getHost(port)', async () => {
+    await sbx.files.write('/tmp/www-js/index.html', 'hello from js\n')
+    const server = await sbx.commands.run('python3 -m http.server 8090 --directory /tmp/www-js', {
+      background: true,
+    })
+    try {
+      const host = sbx.getHost(8090)
+      assert.ok(host.startsWith(`8090-${sbx.sandboxId}.`), host)
+      const page = await waitUntil(async () => {
+        const r = await getVia(host, '/index.html').catch(() => null)
+        return r?.status === 200 ? r : null
+      }, "the sandbox's server")
+      assert.equal(page.body, 'hello from js\n')
+      const closed = await getVia(sbx.getHost(8091), '/')
+      assert.equal(closed.status, 502)
+      assert.match(JSON.parse(closed.body).message, /port is not open/)
+    } finally {
+      await server.kill()
     }
   })
 })
