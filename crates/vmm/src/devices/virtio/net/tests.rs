@@ -383,3 +383,34 @@ fn reset_keeps_the_backend_for_a_new_activation() {
     h.send(&data);
     assert_eq!(h.host_recv(), frame(&data));
 }
+
+#[test]
+fn a_vanished_host_end_costs_frames_not_the_worker() {
+    let mut h = Harness::new();
+    // The peer closes: writes fail, reads find nothing.
+    drop(std::mem::replace(
+        &mut h.host,
+        UnixDatagram::unbound().unwrap(),
+    ));
+    h.post_rx(1526);
+    let head = h.send(&payload(64, 9));
+    assert_eq!(wait_used(&mut h.tx), (head, 0));
+    assert_eq!(h.counter(|c| &c.tx_dropped), 1);
+    assert_unused(&mut h.rx);
+    // The worker still answers (it is not stuck in a read loop).
+    h.net.pause();
+    assert_eq!(h.net.queue_states().len(), 2);
+}
+
+#[test]
+fn runt_frames_from_the_host_are_dropped() {
+    let mut h = Harness::new();
+    h.host.send(&[]).unwrap();
+    h.host.send(&[0; VNET_HDR_LEN - 1]).unwrap();
+    let data = payload(100, 10);
+    h.host.send(&frame(&data)).unwrap();
+    let (_, addr) = h.post_rx(1526);
+    assert_eq!(wait_used(&mut h.rx).1 as usize, VNET_HDR_LEN + 100);
+    assert_eq!(h.read(addr + VNET_HDR_LEN as u64, 100), data);
+    assert_eq!(h.counter(|c| &c.rx_dropped), 2);
+}

@@ -5,7 +5,7 @@
 //! RX: a frame is read from the backend only into a buffer of our own, and is held
 //! there while the guest has no receive buffer; the backend is then taken out of the
 //! epoll set until the guest notifies the RX queue, so a busy backend cannot spin
-//! the thread. A chain the device cannot use (device-readable buffers on RX,
+//! the thread (a failing one is taken out the same way). A chain the device cannot use (device-readable buffers on RX,
 //! device-writable on TX, too small, outside guest memory) costs its frame, which is
 //! counted, and the chain goes back to the guest as used.
 
@@ -183,8 +183,8 @@ impl Worker {
     /// guest once if it used buffers.
     fn process(&mut self, epoll: &Epoll) {
         let tx_used = self.process_tx();
-        let (rx_used, rx_starved) = self.process_rx();
-        self.watch_backend(epoll, !rx_starved);
+        let (rx_used, rx_stalled) = self.process_rx();
+        self.watch_backend(epoll, !rx_stalled);
         let mut needed = false;
         for (used, queue) in [(rx_used, &mut self.rx.queue), (tx_used, &mut self.tx.queue)] {
             // When in doubt, interrupt: a spurious one is harmless, a lost one hangs.
@@ -195,19 +195,22 @@ impl Worker {
         }
     }
 
+    /// Adds the backend to the epoll set or takes it out. Out, not just masked:
+    /// epoll reports errors and hang-ups even for an empty mask, and a tap whose
+    /// interface was deleted reports an error for good.
     fn watch_backend(&mut self, epoll: &Epoll, watch: bool) {
         if watch == self.backend_watched {
             return;
         }
-        let events = if watch {
-            EventSet::IN
+        let op = if watch {
+            ControlOperation::Add
         } else {
-            EventSet::empty()
+            ControlOperation::Delete
         };
         match epoll.ctl(
-            ControlOperation::Modify,
+            op,
             self.backend.as_raw_fd(),
-            EpollEvent::new(events, TOKEN_BACKEND),
+            EpollEvent::new(EventSet::IN, TOKEN_BACKEND),
         ) {
             Ok(()) => self.backend_watched = watch,
             Err(e) => log::error!("net: cannot change the backend's epoll interest: {e}"),
@@ -246,7 +249,9 @@ impl Worker {
     }
 
     /// Delivers frames from the backend while the guest has buffers. Returns whether
-    /// any chain was used, and whether a frame now waits for a buffer.
+    /// any chain was used, and whether to stop watching the backend until the guest
+    /// next notifies the RX queue: a frame waits for a buffer, or the backend failed
+    /// (retrying at once would spin).
     fn process_rx(&mut self) -> (bool, bool) {
         let mut used = false;
         loop {
@@ -261,7 +266,7 @@ impl Worker {
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                     Err(e) => {
                         log::warn!("net: reading from the backend: {e}");
-                        return (used, false);
+                        return (used, true);
                     }
                 }
             }
