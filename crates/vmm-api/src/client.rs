@@ -23,6 +23,7 @@ use crate::drive::{Drive, PartialDrive};
 use crate::error::ApiError;
 use crate::instance_info::InstanceInfo;
 use crate::machine_config::{MachineConfig, MachineConfigUpdate};
+use crate::network_interface::NetworkInterface;
 use crate::snapshot::{SnapshotCreateParams, SnapshotLoadParams};
 use crate::validation::validate_resource_id;
 use crate::vm_config::VmConfig;
@@ -159,6 +160,13 @@ impl VmmClient {
 
     pub async fn put_vsock(&self, vsock: &Vsock) -> Result<(), ClientError> {
         self.send_json(Method::PUT, "/vsock", vsock).await
+    }
+
+    pub async fn put_network_interface(&self, net: &NetworkInterface) -> Result<(), ClientError> {
+        validate_resource_id("iface_id", &net.iface_id)
+            .map_err(|e| ClientError::InvalidRequest(e.to_string()))?;
+        let path = format!("/network-interfaces/{}", net.iface_id);
+        self.send_json(Method::PUT, &path, net).await
     }
 
     pub async fn instance_start(&self) -> Result<(), ClientError> {

@@ -18,6 +18,7 @@ mod fork;
 mod hostile_guest;
 mod instance_info;
 mod machine_config;
+mod network_interface;
 pub mod process;
 mod snapshot;
 mod validation;
@@ -38,6 +39,7 @@ pub use machine_config::{
     CpuTemplate, DEFAULT_MEM_SIZE_MIB, HugePages, MAX_MEM_SIZE_MIB, MAX_VCPUS, MachineConfig,
     MachineConfigUpdate,
 };
+pub use network_interface::{NetworkInterface, parse_mac};
 pub use snapshot::{
     MemBackend, MemBackendType, NetworkOverride, SnapshotCreateParams, SnapshotLoadParams,
     SnapshotType, VsockOverride,

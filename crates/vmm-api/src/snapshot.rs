@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::fork::DriveOverride;
+use crate::network_interface::validate_host_dev_name;
 use crate::validation::{ValidationError, validate_path, validate_resource_id};
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -139,8 +140,18 @@ impl SnapshotLoadParams {
             (Some(b), None) => validate_path("mem_backend.backend_path", &b.backend_path)?,
             (None, Some(p)) => validate_path("mem_file_path", p)?,
         }
-        for o in &self.network_overrides {
+        for (i, o) in self.network_overrides.iter().enumerate() {
             validate_resource_id("network_overrides.iface_id", &o.iface_id)?;
+            validate_host_dev_name("network_overrides.host_dev_name", &o.host_dev_name)?;
+            if self.network_overrides[..i]
+                .iter()
+                .any(|p| p.iface_id == o.iface_id)
+            {
+                return Err(ValidationError::new(format!(
+                    "network_overrides: {} is named twice",
+                    o.iface_id
+                )));
+            }
         }
         if let Some(v) = &self.vsock_override {
             validate_path("vsock_override.uds_path", &v.uds_path)?;
@@ -262,6 +273,20 @@ mod tests {
             r#"{"snapshot_path": "/s", "mem_backend": {"backend_type": "Tmpfs", "backend_path": "/m"}}"#
         )
         .is_err());
+        let mut p = SnapshotLoadParams::from_file("/s", "/m", false);
+        let over = |iface: &str, tap: &str| NetworkOverride {
+            iface_id: iface.into(),
+            host_dev_name: tap.into(),
+        };
+        p.network_overrides = vec![over("eth0", "tap1"), over("eth0", "tap2")];
+        assert!(p.validate().unwrap_err().to_string().contains("twice"));
+        p.network_overrides = vec![over("eth0", "tap/1")];
+        assert!(
+            p.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("host_dev_name")
+        );
     }
 
     #[test]

@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 use crate::boot_source::BootSource;
 use crate::drive::Drive;
 use crate::machine_config::MachineConfig;
+use crate::network_interface::NetworkInterface;
 use crate::validation::ValidationError;
 use crate::vsock::Vsock;
 
@@ -33,18 +34,19 @@ pub struct VmConfig {
     pub machine_config: Option<MachineConfig>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vsock: Option<Vsock>,
+    #[serde(
+        rename = "network-interfaces",
+        default,
+        deserialize_with = "null_as_empty",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub network_interfaces: Vec<NetworkInterface>,
 
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub logger: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metrics: Option<serde_json::Value>,
 
-    #[serde(
-        rename = "network-interfaces",
-        default,
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub network_interfaces: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub balloon: Option<serde_json::Value>,
     #[serde(
@@ -116,8 +118,24 @@ impl VmConfig {
         if let Some(v) = &self.vsock {
             v.validate()?;
         }
+        for (i, net) in self.network_interfaces.iter().enumerate() {
+            net.validate()
+                .map_err(|e| ValidationError::new(format!("network-interfaces[{i}]: {e}")))?;
+            let earlier = &self.network_interfaces[..i];
+            if earlier.iter().any(|n| n.iface_id == net.iface_id) {
+                return Err(ValidationError::new(format!(
+                    "network-interfaces[{i}]: duplicate iface_id {:?}",
+                    net.iface_id
+                )));
+            }
+            if earlier.iter().any(|n| n.host_dev_name == net.host_dev_name) {
+                return Err(ValidationError::new(format!(
+                    "network-interfaces[{i}]: tap {:?} is already used by another interface",
+                    net.host_dev_name
+                )));
+            }
+        }
         let unsupported = [
-            ("network-interfaces", &self.network_interfaces),
             ("balloon", &self.balloon),
             ("mmds-config", &self.mmds_config),
             ("entropy", &self.entropy),
@@ -135,6 +153,15 @@ impl VmConfig {
         }
         Ok(())
     }
+}
+
+/// Firecracker's `GET /vm/config` may give an absent list as `null`.
+fn null_as_empty<'de, D, T>(de: D) -> Result<Vec<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Ok(Option::<Vec<T>>::deserialize(de)?.unwrap_or_default())
 }
 
 fn configures_something(value: Option<&serde_json::Value>) -> bool {
@@ -156,7 +183,7 @@ mod tests {
         ],
         "machine-config": {"vcpu_count": 2, "mem_size_mib": 1024, "smt": false},
         "vsock": {"guest_cid": 3, "uds_path": "/tmp/v.sock"},
-        "network-interfaces": [],
+        "network-interfaces": null,
         "balloon": null,
         "logger": {"log_path": "/tmp/fc.log", "level": "Debug"}
     }"#;
@@ -169,6 +196,20 @@ mod tests {
         assert_eq!(c.drives.len(), 1);
         assert_eq!(c.machine_config.as_ref().unwrap().vcpu_count, 2);
         assert_eq!(c.vsock.as_ref().unwrap().guest_cid, 3);
+        assert!(c.network_interfaces.is_empty());
+
+        let with_net = FIRECRACKER_FILE.replace(
+            r#""network-interfaces": null"#,
+            r#""network-interfaces": [{"iface_id": "eth0", "host_dev_name": "tap0", "guest_mac": "06:00:AC:10:00:02"}]"#,
+        );
+        let c = VmConfig::from_json(&with_net).unwrap();
+        c.validate().unwrap();
+        assert_eq!(
+            c.network_interfaces[0].mac(),
+            Some([6, 0, 0xac, 0x10, 0, 2])
+        );
+        let again = serde_json::to_value(&c).unwrap();
+        assert_eq!(again["network-interfaces"][0]["host_dev_name"], "tap0");
     }
 
     #[test]
@@ -204,14 +245,21 @@ mod tests {
         );
 
         let mut c = VmConfig::from_json(FIRECRACKER_FILE).unwrap();
-        c.network_interfaces =
-            Some(serde_json::json!([{"iface_id": "eth0", "host_dev_name": "tap0"}]));
+        c.network_interfaces = vec![
+            NetworkInterface::new("eth0", "tap0", Some("06:00:00:00:00:01")),
+            NetworkInterface::new("eth1", "tap0", None),
+        ];
+        let err = c.validate().unwrap_err().to_string();
         assert!(
-            c.validate()
-                .unwrap_err()
-                .to_string()
-                .contains("network-interfaces")
+            err.contains("network-interfaces[1]") && err.contains("tap0"),
+            "{err}"
         );
+        c.network_interfaces[1].iface_id = "eth0".into();
+        assert!(c.validate().unwrap_err().to_string().contains("duplicate"));
+        c.network_interfaces[1] = NetworkInterface::new("eth1", "tap1", Some("bad"));
+        assert!(c.validate().unwrap_err().to_string().contains("guest_mac"));
+        c.network_interfaces.pop();
+        c.validate().unwrap();
 
         let mut c = VmConfig::from_json(FIRECRACKER_FILE).unwrap();
         c.drives.push(c.drives[0].clone());

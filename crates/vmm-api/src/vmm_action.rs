@@ -6,6 +6,7 @@ use crate::drive::{Drive, PartialDrive};
 use crate::fork::{ForkInfo, ForkParams};
 use crate::instance_info::InstanceInfo;
 use crate::machine_config::{MachineConfig, MachineConfigUpdate};
+use crate::network_interface::NetworkInterface;
 use crate::snapshot::{SnapshotCreateParams, SnapshotLoadParams};
 use crate::validation::ValidationError;
 use crate::vm_config::VmConfig;
@@ -34,6 +35,8 @@ pub enum VmmAction {
     PatchDrive(PartialDrive),
     /// `PUT /vsock`
     PutVsock(Vsock),
+    /// `PUT /network-interfaces/{iface_id}` (path id already checked to equal `iface_id`)
+    PutNetworkInterface(NetworkInterface),
     /// `PUT /actions` `InstanceStart`
     InstanceStart,
     /// `PUT /actions` `SendCtrlAltDel`

@@ -17,6 +17,7 @@ use crate::device_manager::mmio::MmioDeviceManager;
 use crate::device_manager::{DeviceManagerError, legacy};
 use crate::devices::bus::Bus;
 use crate::devices::virtio::block::{Block, BlockConfig};
+use crate::devices::virtio::net::{Net, NetConfig};
 use crate::devices::virtio::vsock::Vsock;
 use crate::snapshot::MicrovmState;
 use crate::vmm::{VmEvent, VmParts, Vmm};
@@ -37,6 +38,8 @@ pub struct MicrovmSpec {
     pub mem_size_mib: u64,
     pub drives: Vec<BlockConfig>,
     pub vsock: Option<VsockSpec>,
+    /// Network interfaces, in order (the first is the guest's eth0).
+    pub nets: Vec<NetConfig>,
     /// Where the guest's serial console goes.
     pub console: Box<dyn Write + Send>,
 }
@@ -72,6 +75,8 @@ pub enum BuildError {
     Block(#[from] crate::devices::virtio::block::BlockError),
     #[error("vsock: {0}")]
     Vsock(#[from] crate::devices::virtio::vsock::VsockError),
+    #[error("{0}")]
+    Net(#[from] crate::devices::virtio::net::NetError),
     #[error("boot parameters: {0}")]
     BootParams(#[from] boot_params::BootParamsError),
     #[error("boot page tables: {0}")]
@@ -154,6 +159,10 @@ pub fn build_and_boot(
     if let Some(vsock) = spec.vsock {
         let device = Vsock::new(vsock.guest_cid, vsock.uds_path)?;
         mmio.attach(&vm, mem, &mut mmio_bus, Box::new(device))?;
+    }
+    // After the others, so adding a network leaves their windows and lines as they were.
+    for net in spec.nets {
+        mmio.attach(&vm, mem, &mut mmio_bus, Box::new(Net::new(net)?))?;
     }
 
     let cmdline = kernel_cmdline(

@@ -9,13 +9,14 @@ use std::sync::{Arc, Mutex};
 
 use vmm_api::{
     BootSource, Drive, DriveOverride, ForkInfo, ForkParams, InstanceInfo, InstanceState,
-    MachineConfig, MemBackendType, SnapshotCreateParams, SnapshotLoadParams, SnapshotType,
-    VmConfig, VmmAction, VmmActionError, VmmData, Vsock,
+    MachineConfig, MemBackendType, NetworkInterface, SnapshotCreateParams, SnapshotLoadParams,
+    SnapshotType, VmConfig, VmmAction, VmmActionError, VmmData, Vsock,
 };
 
 use crate::builder::{self, MicrovmSpec, RestoreSpec, VsockSpec};
 use crate::device_manager::mmio::DeviceOverrides;
 use crate::devices::virtio::block::BlockConfig;
+use crate::devices::virtio::net::{NetConfig, Tap};
 use crate::snapshot::{ForkRequest, MicrovmState, SnapshotRequest, format};
 use crate::vmm::{VmEvent, VmExit, VmState, Vmm};
 use crate::vstate::memory::MemorySnapshotKind;
@@ -143,6 +144,9 @@ impl Controller {
         if let Some(vsock) = config.vsock.clone() {
             self.handle(VmmAction::PutVsock(vsock))?;
         }
+        for net in config.network_interfaces.iter().cloned() {
+            self.handle(VmmAction::PutNetworkInterface(net))?;
+        }
         self.handle(VmmAction::InstanceStart).map(|_| ())
     }
 
@@ -180,6 +184,10 @@ impl Controller {
             VmmAction::PutVsock(vsock) => {
                 self.pre_boot()?;
                 self.put_vsock(vsock)
+            }
+            VmmAction::PutNetworkInterface(net) => {
+                self.pre_boot()?;
+                self.put_network_interface(net)
             }
             VmmAction::InstanceStart => {
                 self.pre_boot()?;
@@ -282,6 +290,29 @@ impl Controller {
         Ok(VmmData::Empty)
     }
 
+    fn put_network_interface(&mut self, net: NetworkInterface) -> Result<VmmData, VmmActionError> {
+        net.validate()?;
+        let nets = &mut self.config.network_interfaces;
+        if nets
+            .iter()
+            .any(|n| n.host_dev_name == net.host_dev_name && n.iface_id != net.iface_id)
+        {
+            return Err(bad(format!(
+                "tap {} is already used by another network interface",
+                net.host_dev_name
+            )));
+        }
+        // Attach once now, so a tap that cannot be used fails this request
+        // rather than the start; the device attaches again at start.
+        Tap::open(&net.host_dev_name)
+            .map_err(|e| bad(format!("network interface {}: {e}", net.iface_id)))?;
+        match nets.iter_mut().find(|n| n.iface_id == net.iface_id) {
+            Some(existing) => *existing = net,
+            None => nets.push(net),
+        }
+        Ok(VmmData::Empty)
+    }
+
     /// Kernel parameters for the root drive, if there is one.
     fn root_args(&self) -> Vec<String> {
         let Some(root) = self.config.drives.iter().find(|d| d.is_root_device) else {
@@ -371,6 +402,7 @@ impl Controller {
         if self.config.boot_source.is_some()
             || !self.config.drives.is_empty()
             || self.config.vsock.is_some()
+            || !self.config.network_interfaces.is_empty()
         {
             return Err(bad(
                 "Loading a microVM snapshot not allowed after configuring boot-specific resources.",
@@ -383,9 +415,6 @@ impl Controller {
             return Err(bad(
                 "the Uffd memory backend is not supported: use File (memory is mapped copy-on-write)",
             ));
-        }
-        if !params.network_overrides.is_empty() {
-            return Err(bad("network_overrides: this VMM has no network devices"));
         }
         let state: MicrovmState = format::read(Path::new(&params.snapshot_path))
             .map_err(|e| bad(format!("Cannot load the snapshot: {e}")))?;
@@ -402,6 +431,11 @@ impl Controller {
                     .drive_overrides
                     .iter()
                     .map(|d| (d.drive_id.clone(), PathBuf::from(&d.path_on_host)))
+                    .collect(),
+                taps: params
+                    .network_overrides
+                    .iter()
+                    .map(|n| (n.iface_id.clone(), n.host_dev_name.clone()))
                     .collect(),
             },
             resume: params.resume_vm,
@@ -453,6 +487,16 @@ impl Controller {
                 guest_cid: u64::from(v.guest_cid),
                 uds_path: PathBuf::from(&v.uds_path),
             }),
+            nets: self
+                .config
+                .network_interfaces
+                .iter()
+                .map(|n| NetConfig {
+                    iface_id: n.iface_id.clone(),
+                    host_dev_name: n.host_dev_name.clone(),
+                    guest_mac: n.mac(),
+                })
+                .collect(),
             console: Box::new(self.console.clone()),
         };
         let vmm = builder::build_and_boot(spec, self.on_event())

@@ -127,6 +127,12 @@ impl Vmm {
     /// seals its writable disks with a new layer for itself and each child,
     /// and writes the state the children load. A running VM runs on after.
     pub fn fork(&mut self, request: &ForkRequest) -> Result<ForkOutcome, SnapshotError> {
+        if self
+            .mmio
+            .has_device(virtio_bindings::virtio_ids::VIRTIO_ID_NET)
+        {
+            return Err(SnapshotError::ForkWithNetwork);
+        }
         let watch = Stopwatch::start();
         let was_running = self.state == VmState::Running;
         if was_running {

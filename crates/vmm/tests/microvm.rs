@@ -6,8 +6,8 @@ mod common;
 use std::time::Duration;
 
 use common::{AGENT_PORT, Boot, TestVm, bash_init};
-use vmm_api::InstanceState;
 use vmm_api::vsock_connect::{VsockConnectError, agent_health};
+use vmm_api::{InstanceState, NetworkInterface};
 
 #[tokio::test]
 #[ignore = "lab: boots a microVM"]
@@ -237,5 +237,94 @@ async fn the_agent_serves_envd_over_vsock() {
     assert!(
         guest_now.abs_diff(host_now) <= 5,
         "{guest_now} vs {host_now}"
+    );
+}
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM with a network interface on a tap"]
+async fn a_guest_on_a_tap_pings_the_host_and_talks_tcp() {
+    let tap = common::HostTap::create("sfk0");
+    let mut vm = TestVm::spawn().await;
+    vm.configure(&Boot::default()).await;
+    let api = vm.api().clone();
+
+    // Refused before boot with a message that names the problem.
+    let bad_mac = NetworkInterface::new("eth0", &tap.name, Some("06:00:ac:10:00"));
+    let err = api.put_network_interface(&bad_mac).await.unwrap_err();
+    assert!(err.to_string().contains("guest_mac"), "{err}");
+    let not_a_tap = NetworkInterface::new("eth0", "lo", None);
+    let err = api.put_network_interface(&not_a_tap).await.unwrap_err();
+    assert!(err.to_string().contains("cannot attach to tap lo"), "{err}");
+
+    let net = NetworkInterface::new("eth0", &tap.name, Some(common::GUEST_MAC));
+    api.put_network_interface(&net).await.unwrap();
+    let config = api.get_vm_config().await.unwrap();
+    assert_eq!(config.network_interfaces, vec![net.clone()]);
+    api.instance_start().await.unwrap();
+    vm.wait_for_agent().await;
+
+    let err = api.put_network_interface(&net).await.unwrap_err();
+    assert!(
+        err.to_string().contains("not supported after starting"),
+        "{err}"
+    );
+
+    let agent = vm.vm().agent();
+    let stdout = common::guest_net_up_and_ping(&agent).await;
+    assert!(stdout.starts_with(common::GUEST_MAC), "{stdout}");
+    common::tcp_exchange(&agent).await;
+    guest_to_host_throughput(&agent, 32).await;
+
+    // Children of a fork would share one tap.
+    let forks = tempfile::tempdir().unwrap();
+    let err = vm.vm().fork(forks.path(), 1).await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("network interface cannot be forked"),
+        "{err}"
+    );
+    // The refusal left the VM running.
+    common::tcp_exchange(&agent).await;
+}
+
+/// Streams `mib` MiB from the guest to the host over TCP; prints the rate.
+async fn guest_to_host_throughput(agent: &vmm_api::agent_client::AgentClient, mib: usize) {
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind((common::HOST_IP, 0))
+        .await
+        .unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let host = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let mut buf = vec![0u8; 1 << 16];
+        let (mut total, mut first) = (0usize, None);
+        loop {
+            let n = stream.read(&mut buf).await.unwrap();
+            if n == 0 {
+                break;
+            }
+            first.get_or_insert_with(std::time::Instant::now);
+            total += n;
+        }
+        (total, first.map(|t| t.elapsed()))
+    });
+    let script = format!(
+        "import socket\n\
+         s = socket.create_connection(('{}', {port}), timeout=120)\n\
+         buf = b'x' * 65536\n\
+         for _ in range({}):\n\
+         \x20   s.sendall(buf)\n\
+         s.close()\n",
+        common::HOST_IP,
+        mib * 16
+    );
+    let out = agent.run_argv("python3", &["-c", &script]).await.unwrap();
+    assert_eq!(out.exit_code, 0, "{out:?}");
+    let (total, took) = host.await.unwrap();
+    assert_eq!(total, mib << 20);
+    let took = took.unwrap();
+    eprintln!(
+        "guest -> host TCP over virtio-net/tap: {mib} MiB in {took:?} = {:.1} MiB/s (emulated lab)",
+        mib as f64 / took.as_secs_f64()
     );
 }

@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 
 use common::{AGENT_PORT, Boot, TestVm, bash_init};
 use vmm_api::vsock_connect::agent_health;
-use vmm_api::{InstanceState, SnapshotType};
+use vmm_api::{
+    InstanceState, NetworkInterface, NetworkOverride, SnapshotLoadParams, SnapshotType,
+    VsockOverride,
+};
 
 /// A guest whose init counts, printing each number on the console and keeping
 /// the last one in a file in guest memory (tmpfs).
@@ -423,4 +426,73 @@ async fn forks_of_a_running_vm_continue_diverge_and_share_memory() {
         .await,
         "child1"
     );
+}
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM with a network interface on a tap"]
+async fn a_networked_guest_restored_onto_another_tap_still_reaches_the_host() {
+    let snapshots = tempfile::tempdir().unwrap();
+    let first_tap = common::HostTap::create("sfk0");
+    let mut source = TestVm::spawn().await;
+    source.configure(&Boot::default()).await;
+    source
+        .api()
+        .put_network_interface(&NetworkInterface::new(
+            "eth0",
+            &first_tap.name,
+            Some(common::GUEST_MAC),
+        ))
+        .await
+        .unwrap();
+    source.api().instance_start().await.unwrap();
+    source.wait_for_agent().await;
+    common::guest_net_up_and_ping(&source.vm().agent()).await;
+    snapshot(&source, SnapshotType::Full, snapshots.path(), "net").await;
+    drop(source);
+    drop(first_tap);
+
+    let state = snapshots.path().join("net.state");
+    let mem = snapshots.path().join("net.mem");
+    let second_tap = common::HostTap::create("sfk1");
+    let mut restored = TestVm::spawn().await;
+    let mut params =
+        SnapshotLoadParams::from_file(state.display().to_string(), mem.display().to_string(), true);
+    params.vsock_override = Some(VsockOverride {
+        uds_path: restored.vsock_path().display().to_string(),
+    });
+    // An override for an interface the snapshot does not have is refused.
+    params.network_overrides = vec![NetworkOverride {
+        iface_id: "eth9".into(),
+        host_dev_name: second_tap.name.clone(),
+    }];
+    let err = restored.api().load_snapshot(&params).await.unwrap_err();
+    assert!(
+        err.to_string().contains("no such network interface"),
+        "{err}"
+    );
+
+    params.network_overrides[0].iface_id = "eth0".into();
+    restored
+        .api()
+        .load_snapshot(&params)
+        .await
+        .unwrap_or_else(|e| panic!("load: {e}\n{}", restored.logs()));
+    restored.wait_for_agent().await;
+    let agent = restored.vm().agent();
+    agent
+        .init(&vmm_api::agent_client::AgentInit::after_restore().unwrap())
+        .await
+        .unwrap();
+    // eth0 kept its address and MAC; it now reaches the host through sfk1.
+    let out = agent
+        .run(&format!(
+            "cat /sys/class/net/eth0/address && ping -c 3 -W 10 {}",
+            common::HOST_IP
+        ))
+        .await
+        .unwrap();
+    assert_eq!(out.exit_code, 0, "{out:?}\n{}", restored.logs());
+    assert!(out.stdout.starts_with(common::GUEST_MAC), "{out:?}");
+    assert!(out.stdout.contains("3 received"), "{out:?}");
+    common::tcp_exchange(&agent).await;
 }

@@ -10,8 +10,8 @@ use axum::routing::{get, patch, put};
 use tokio::sync::oneshot;
 use vmm_api::{
     ActionType, BootSource, Drive, ForkParams, InstanceActionInfo, MachineConfig,
-    MachineConfigUpdate, PartialDrive, SnapshotCreateParams, SnapshotLoadParams, ValidationError,
-    Vm, VmState, VmmAction, Vsock, validate_resource_id,
+    MachineConfigUpdate, NetworkInterface, PartialDrive, SnapshotCreateParams, SnapshotLoadParams,
+    ValidationError, Vm, VmState, VmmAction, Vsock, validate_resource_id,
 };
 
 use super::channel::{ApiRequest, ApiRequestSender};
@@ -30,6 +30,7 @@ pub(super) fn router(sender: ApiRequestSender) -> Router {
         .route("/boot-source", put(put_boot_source))
         .route("/drives/{drive_id}", put(put_drive).patch(patch_drive))
         .route("/vsock", put(put_vsock))
+        .route("/network-interfaces/{iface_id}", put(put_network_interface))
         .route("/actions", put(put_action))
         .route("/vm", patch(patch_vm))
         .route("/vm/config", get(get_vm_config))
@@ -159,12 +160,12 @@ async fn put_drive(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let path_id = match checked_path_id(path) {
+    let path_id = match checked_path_id(path, "drive_id") {
         Ok(id) => id,
         Err(e) => return bad_request(e.message),
     };
     let check = |d: &Drive| {
-        same_id(&path_id, &d.drive_id)?;
+        same_id("drive_id", &path_id, &d.drive_id)?;
         d.validate()
     };
     match parse_body::<Drive>(&headers, body, check).await {
@@ -179,12 +180,12 @@ async fn patch_drive(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let path_id = match checked_path_id(path) {
+    let path_id = match checked_path_id(path, "drive_id") {
         Ok(id) => id,
         Err(e) => return bad_request(e.message),
     };
     let check = |d: &PartialDrive| {
-        same_id(&path_id, &d.drive_id)?;
+        same_id("drive_id", &path_id, &d.drive_id)?;
         d.validate()
     };
     match parse_body::<PartialDrive>(&headers, body, check).await {
@@ -193,19 +194,42 @@ async fn patch_drive(
     }
 }
 
-fn checked_path_id(path: Result<Path<String>, PathRejection>) -> Result<String, ValidationError> {
+async fn put_network_interface(
+    State(sender): State<ApiRequestSender>,
+    path: Result<Path<String>, PathRejection>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let path_id = match checked_path_id(path, "iface_id") {
+        Ok(id) => id,
+        Err(e) => return bad_request(e.message),
+    };
+    let check = |n: &NetworkInterface| {
+        same_id("iface_id", &path_id, &n.iface_id)?;
+        n.validate()
+    };
+    match parse_body::<NetworkInterface>(&headers, body, check).await {
+        Ok(net) => dispatch(&sender, VmmAction::PutNetworkInterface(net)).await,
+        Err(response) => response,
+    }
+}
+
+fn checked_path_id(
+    path: Result<Path<String>, PathRejection>,
+    field: &str,
+) -> Result<String, ValidationError> {
     let Path(id) =
-        path.map_err(|e| ValidationError::new(format!("invalid drive id in path: {e}")))?;
-    validate_resource_id("drive_id", &id)?;
+        path.map_err(|e| ValidationError::new(format!("invalid {field} in path: {e}")))?;
+    validate_resource_id(field, &id)?;
     Ok(id)
 }
 
-fn same_id(path_id: &str, body_id: &str) -> Result<(), ValidationError> {
+fn same_id(field: &str, path_id: &str, body_id: &str) -> Result<(), ValidationError> {
     if path_id == body_id {
         Ok(())
     } else {
         Err(ValidationError::new(format!(
-            "the drive_id in the path ({path_id:?}) differs from the one in the body ({body_id:?})"
+            "the {field} in the path ({path_id:?}) differs from the one in the body ({body_id:?})"
         )))
     }
 }

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use vmm_api::{
     BootSource, ClientError, Drive, InstanceInfo, InstanceState, MachineConfig,
-    MachineConfigUpdate, PartialDrive, SnapshotCreateParams, SnapshotLoadParams, SnapshotType,
-    VmConfig, VmmAction, VmmActionError, VmmClient, VmmData, Vsock,
+    MachineConfigUpdate, NetworkInterface, PartialDrive, SnapshotCreateParams, SnapshotLoadParams,
+    SnapshotType, VmConfig, VmmAction, VmmActionError, VmmClient, VmmData, Vsock,
 };
 
 use super::{ApiRequestReceiver, ApiServerError, ApiServerHandle, spawn_api_server};
@@ -80,6 +80,7 @@ struct ControllerState {
     boot: Option<BootSource>,
     drives: Vec<Drive>,
     vsock: Option<Vsock>,
+    nets: Vec<NetworkInterface>,
     state: Option<InstanceState>,
 }
 
@@ -131,6 +132,7 @@ fn answer(vm: &mut ControllerState, action: VmmAction) -> Result<VmmData, VmmAct
             drives: vm.drives.clone(),
             machine_config: Some(vm.machine.clone()),
             vsock: vm.vsock.clone(),
+            network_interfaces: vm.nets.clone(),
             ..Default::default()
         }))),
         VmmAction::PutMachineConfig(m) => {
@@ -169,6 +171,12 @@ fn answer(vm: &mut ControllerState, action: VmmAction) -> Result<VmmData, VmmAct
         VmmAction::PutVsock(v) => {
             pre_boot("PUT /vsock")?;
             vm.vsock = Some(v);
+            Ok(VmmData::Empty)
+        }
+        VmmAction::PutNetworkInterface(n) => {
+            pre_boot("PUT /network-interfaces")?;
+            vm.nets.retain(|x| x.iface_id != n.iface_id);
+            vm.nets.push(n);
             Ok(VmmData::Empty)
         }
         VmmAction::InstanceStart => {
@@ -261,6 +269,7 @@ async fn client_drives_every_route() {
     };
     let drive = Drive::new("rootfs", "/img/rootfs.ext4", true, false);
     let vsock = Vsock::new(3, "/tmp/v.sock");
+    let net = NetworkInterface::new("eth0", "tap0", Some("06:00:AC:10:00:02"));
     let update = MachineConfigUpdate {
         mem_size_mib: Some(512),
         ..Default::default()
@@ -270,6 +279,7 @@ async fn client_drives_every_route() {
     c.put_boot_source(&boot).await.unwrap();
     c.put_drive(&drive).await.unwrap();
     c.put_vsock(&vsock).await.unwrap();
+    c.put_network_interface(&net).await.unwrap();
     assert_eq!(c.get_machine_config().await.unwrap().mem_size_mib, 512);
 
     c.instance_start().await.unwrap();
@@ -298,6 +308,7 @@ async fn client_drives_every_route() {
     assert_eq!(config.boot_source.as_ref(), Some(&boot));
     assert_eq!(config.drives[0].path_on_host, "/img/other.ext4");
     assert_eq!(config.vsock.as_ref(), Some(&vsock));
+    assert_eq!(config.network_interfaces, vec![net.clone()]);
 
     let mut expect_machine = machine.clone();
     expect_machine.mem_size_mib = 512;
@@ -313,6 +324,7 @@ async fn client_drives_every_route() {
             VmmAction::PutBootSource(boot),
             VmmAction::PutDrive(drive),
             VmmAction::PutVsock(vsock),
+            VmmAction::PutNetworkInterface(net),
             VmmAction::GetMachineConfig,
             VmmAction::InstanceStart,
             VmmAction::Pause,
@@ -490,6 +502,30 @@ fn malformed_bodies_are_400_with_the_parse_error() {
             r#"{"kernel_image_path": ""}"#,
             "kernel_image_path must not be empty",
         ),
+        (
+            "PUT",
+            "/network-interfaces/eth0",
+            r#"{"iface_id": "eth1", "host_dev_name": "tap0"}"#,
+            "the iface_id in the path (\"eth0\") differs from the one in the body (\"eth1\")",
+        ),
+        (
+            "PUT",
+            "/network-interfaces/eth0",
+            r#"{"iface_id": "eth0", "host_dev_name": "tap0", "guest_mac": "06:00:AC:10:00"}"#,
+            "guest_mac \"06:00:AC:10:00\" is invalid",
+        ),
+        (
+            "PUT",
+            "/network-interfaces/eth0",
+            r#"{"iface_id": "eth0"}"#,
+            "missing field `host_dev_name`",
+        ),
+        (
+            "PUT",
+            "/network-interfaces/eth.0",
+            r#"{"iface_id": "eth.0", "host_dev_name": "tap0"}"#,
+            "iface_id \"eth.0\" is invalid",
+        ),
     ];
     for (method, path, body, want) in cases {
         let (status, head, resp) = raw_http(&vmm.socket, &request(method, path, "", body));
@@ -523,10 +559,16 @@ fn unknown_routes_and_wrong_methods_are_400_like_firecracker() {
             "/drives/rootfs",
             "Invalid request method and/or path: GET /drives/rootfs",
         ),
+        // Firecracker's PATCH updates rate limiters, which sandfork does not have.
+        (
+            "PATCH",
+            "/network-interfaces/eth0",
+            "Invalid request method and/or path: PATCH /network-interfaces/eth0",
+        ),
         (
             "PUT",
-            "/network-interfaces/eth0",
-            "Invalid request method and/or path: PUT /network-interfaces/eth0",
+            "/balloon",
+            "Invalid request method and/or path: PUT /balloon",
         ),
     ];
     for (method, path, want) in cases {

@@ -16,6 +16,7 @@ use crate::devices::virtio::block::{Block, BlockConfig};
 use crate::devices::virtio::mmio::{
     MmioInterrupt, MmioTransport, MmioTransportState, QUEUE_NOTIFY_OFFSET,
 };
+use crate::devices::virtio::net::{Net, NetConfig};
 use crate::devices::virtio::persist::VirtioDeviceConfig;
 use crate::devices::virtio::vsock::Vsock;
 use crate::devices::virtio::{DiskBranch, VirtioDevice};
@@ -49,12 +50,14 @@ pub struct MmioDeviceState {
     pub transport: MmioTransportState,
 }
 
-/// Paths a restored VM uses instead of the snapshot's: its own vsock socket
-/// and its own disk files (by drive id).
+/// Paths a restored VM uses instead of the snapshot's: its own vsock socket,
+/// its own disk files (by drive id) and its own taps (by interface id).
 #[derive(Clone, Debug, Default)]
 pub struct DeviceOverrides {
     pub vsock_uds_path: Option<std::path::PathBuf>,
     pub drive_paths: Vec<(String, std::path::PathBuf)>,
+    /// `(iface_id, host_dev_name)`.
+    pub taps: Vec<(String, String)>,
 }
 
 #[derive(Default)]
@@ -132,6 +135,16 @@ impl MmioDeviceManager {
         states: &[MmioDeviceState],
         overrides: &DeviceOverrides,
     ) -> Result<Self, DeviceManagerError> {
+        for (iface, _) in &overrides.taps {
+            let known = states.iter().any(|s| {
+                matches!(&s.config, VirtioDeviceConfig::Net { iface_id, .. } if iface_id == iface)
+            });
+            if !known {
+                return Err(DeviceManagerError::State(format!(
+                    "network override for {iface}: the snapshot has no such network interface"
+                )));
+            }
+        }
         let mut manager = MmioDeviceManager::default();
         for state in states {
             let valid_slot = state
@@ -179,6 +192,25 @@ impl MmioDeviceManager {
                     Box::new(
                         Vsock::new(*guest_cid, uds)
                             .map_err(|e| DeviceManagerError::State(format!("vsock: {e}")))?,
+                    )
+                }
+                VirtioDeviceConfig::Net {
+                    iface_id,
+                    host_dev_name,
+                    guest_mac,
+                } => {
+                    let host_dev_name = overrides
+                        .taps
+                        .iter()
+                        .find(|(iface, _)| iface == iface_id)
+                        .map_or_else(|| host_dev_name.clone(), |(_, tap)| tap.clone());
+                    Box::new(
+                        Net::new(NetConfig {
+                            iface_id: iface_id.clone(),
+                            host_dev_name,
+                            guest_mac: *guest_mac,
+                        })
+                        .map_err(|e| DeviceManagerError::State(e.to_string()))?,
                     )
                 }
             };
@@ -259,6 +291,13 @@ impl MmioDeviceManager {
                 .device()
                 .on_restored();
         }
+    }
+
+    /// Whether any device is of virtio type `device_type`.
+    pub fn has_device(&self, device_type: u32) -> bool {
+        self.transports
+            .iter()
+            .any(|t| t.lock().unwrap_or_else(|e| e.into_inner()).device_type() == device_type)
     }
 
     pub fn slots(&self) -> &[MmioSlot] {

@@ -195,3 +195,102 @@ pub fn bash_init(script: &str) -> String {
 pub fn write_file(path: &Path, bytes: &[u8]) {
     std::fs::write(path, bytes).unwrap();
 }
+
+/// The host's end of a guest network: a persistent tap with an address, up; deleted
+/// on drop. Taps get one fixed host MAC, so a guest restored onto another tap finds
+/// the host at the address its ARP cache already holds.
+pub struct HostTap {
+    pub name: String,
+}
+
+pub const HOST_TAP_MAC: &str = "02:5f:00:00:00:01";
+/// The host's address on every test tap, and the guest's.
+pub const HOST_IP: &str = "172.16.0.1";
+pub const GUEST_IP: &str = "172.16.0.2";
+pub const GUEST_MAC: &str = "06:00:ac:10:00:02";
+
+fn ip(args: &[&str]) {
+    let status = std::process::Command::new("ip")
+        .args(args)
+        .status()
+        .expect("running ip");
+    assert!(status.success(), "ip {}: {status}", args.join(" "));
+}
+
+impl HostTap {
+    pub fn create(name: &str) -> HostTap {
+        // A tap left by an earlier, killed run would make `add` fail.
+        let _ = std::process::Command::new("ip")
+            .args(["link", "del", name])
+            .stderr(std::process::Stdio::null())
+            .status();
+        ip(&["tuntap", "add", "dev", name, "mode", "tap"]);
+        let tap = HostTap {
+            name: name.to_owned(),
+        };
+        ip(&["link", "set", "dev", name, "address", HOST_TAP_MAC]);
+        ip(&["addr", "add", &format!("{HOST_IP}/30"), "dev", name]);
+        ip(&["link", "set", name, "up"]);
+        tap
+    }
+}
+
+impl Drop for HostTap {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["link", "del", &self.name])
+            .status();
+    }
+}
+
+/// Sends `payload` from the guest to a listener in this process over TCP and back
+/// the other way; checks the exact bytes both ways.
+pub async fn tcp_exchange(agent: &vmm_api::agent_client::AgentClient) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind((HOST_IP, 0)).await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let host = tokio::spawn(async move {
+        let (mut stream, peer) = listener.accept().await.unwrap();
+        let mut got = Vec::new();
+        stream.read_to_end(&mut got).await.unwrap();
+        stream.write_all(b"hello from the host").await.unwrap();
+        stream.shutdown().await.unwrap();
+        (got, peer)
+    });
+    let script = format!(
+        "import socket\n\
+         s = socket.create_connection(('{HOST_IP}', {port}), timeout=60)\n\
+         s.sendall(b'hello from the guest')\n\
+         s.shutdown(socket.SHUT_WR)\n\
+         data = b''\n\
+         while True:\n\
+         \x20   chunk = s.recv(4096)\n\
+         \x20   if not chunk:\n\
+         \x20       break\n\
+         \x20   data += chunk\n\
+         print(data.decode())\n"
+    );
+    let out = agent.run_argv("python3", &["-c", &script]).await.unwrap();
+    assert_eq!(out.exit_code, 0, "{out:?}");
+    assert_eq!(out.stdout, "hello from the host\n");
+    let (got, peer) = tokio::time::timeout(Duration::from_secs(60), host)
+        .await
+        .expect("the host side finished")
+        .unwrap();
+    assert_eq!(got, b"hello from the guest");
+    assert_eq!(peer.ip().to_string(), GUEST_IP);
+}
+
+/// Brings the guest's eth0 up with [`GUEST_IP`] and pings the host three times.
+pub async fn guest_net_up_and_ping(agent: &vmm_api::agent_client::AgentClient) -> String {
+    let out = agent
+        .run(&format!(
+            "ip addr add {GUEST_IP}/30 dev eth0 && ip link set eth0 up && \
+             cat /sys/class/net/eth0/address && ping -c 3 -W 10 {HOST_IP}"
+        ))
+        .await
+        .unwrap();
+    assert_eq!(out.exit_code, 0, "{out:?}");
+    assert!(out.stdout.contains("3 received"), "{out:?}");
+    out.stdout
+}

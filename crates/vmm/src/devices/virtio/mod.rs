@@ -3,6 +3,7 @@
 pub mod block;
 pub mod device;
 pub mod mmio;
+pub mod net;
 pub mod persist;
 pub mod vsock;
 

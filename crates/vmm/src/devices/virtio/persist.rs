@@ -64,4 +64,10 @@ pub enum VirtioDeviceConfig {
         guest_cid: u64,
         uds_path: PathBuf,
     },
+    /// The tap is opened again by name (or by the restore's network override).
+    Net {
+        iface_id: String,
+        host_dev_name: String,
+        guest_mac: Option<[u8; 6]>,
+    },
 }

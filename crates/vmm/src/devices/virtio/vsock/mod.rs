@@ -21,7 +21,7 @@ pub mod unix;
 pub mod worker;
 
 #[cfg(test)]
-mod test_driver;
+pub(crate) mod test_driver;
 #[cfg(test)]
 mod tests;
 

@@ -1,0 +1,259 @@
+//! The virtio-net device model: features, configuration space (the MAC), and the
+//! worker's lifecycle (activation, pause for snapshots, reset).
+
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_bindings::virtio_ids::VIRTIO_ID_NET;
+use virtio_bindings::virtio_net::VIRTIO_NET_F_MAC;
+use virtio_queue::{QueueState, QueueT};
+
+use super::backend::FrameBackend;
+use super::tap::{Tap, TapError};
+use super::worker::{Worker, WorkerHandle};
+use crate::devices::virtio::persist::VirtioDeviceConfig;
+use crate::devices::virtio::{ActivateError, ActivatedQueue, VirtioDevice, VirtioInterrupt};
+use crate::vstate::memory::GuestMemory;
+
+/// Receive and transmit queues.
+pub const QUEUE_SIZE: u16 = 256;
+const QUEUE_SIZES: [u16; 2] = [QUEUE_SIZE, QUEUE_SIZE];
+
+/// An Ethernet address.
+pub type MacAddr = [u8; 6];
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    #[error("network interface {iface_id}: {source}")]
+    Tap {
+        iface_id: String,
+        #[source]
+        source: TapError,
+    },
+}
+
+/// What a network interface is made of.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NetConfig {
+    /// The interface's name in the API; also its worker thread's name.
+    pub iface_id: String,
+    /// The host tap it is attached to.
+    pub host_dev_name: String,
+    /// Offered to the guest with `VIRTIO_NET_F_MAC`; without it the guest picks one.
+    pub guest_mac: Option<MacAddr>,
+}
+
+/// Frames and drops, for tests and logs.
+#[derive(Debug, Default)]
+pub struct NetCounters {
+    pub rx_frames: AtomicU64,
+    pub rx_bytes: AtomicU64,
+    /// Frames from the backend no guest buffer could take (malformed or too small).
+    pub rx_dropped: AtomicU64,
+    pub tx_frames: AtomicU64,
+    pub tx_bytes: AtomicU64,
+    /// Guest frames not sent: a malformed chain or a backend error.
+    pub tx_dropped: AtomicU64,
+}
+
+impl NetCounters {
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+/// A virtio-net device with one queue pair and a frame backend (a tap in a VM).
+pub struct Net {
+    config: NetConfig,
+    /// Owned here until activation, and again after a reset.
+    backend: Option<Box<dyn FrameBackend>>,
+    avail_features: u64,
+    acked_features: u64,
+    counters: Arc<NetCounters>,
+    worker: Option<WorkerHandle>,
+    /// The worker while paused for a snapshot.
+    parked: Option<Worker>,
+}
+
+impl Net {
+    /// Opens the tap `config.host_dev_name` and builds the device on it.
+    pub fn new(config: NetConfig) -> Result<Net, NetError> {
+        let tap = Tap::open(&config.host_dev_name).map_err(|source| NetError::Tap {
+            iface_id: config.iface_id.clone(),
+            source,
+        })?;
+        Ok(Self::with_backend(config, Box::new(tap)))
+    }
+
+    /// Builds the device on any frame backend (a socket in tests).
+    pub fn with_backend(config: NetConfig, backend: Box<dyn FrameBackend>) -> Net {
+        let mut avail_features = 1u64 << VIRTIO_F_VERSION_1;
+        if config.guest_mac.is_some() {
+            avail_features |= 1 << VIRTIO_NET_F_MAC;
+        }
+        Net {
+            config,
+            backend: Some(backend),
+            avail_features,
+            acked_features: 0,
+            counters: Arc::new(NetCounters::default()),
+            worker: None,
+            parked: None,
+        }
+    }
+
+    pub fn config(&self) -> &NetConfig {
+        &self.config
+    }
+
+    pub fn counters(&self) -> Arc<NetCounters> {
+        self.counters.clone()
+    }
+
+    pub fn is_activated(&self) -> bool {
+        self.worker.is_some() || self.parked.is_some()
+    }
+
+    fn worker_name(&self) -> String {
+        format!("net-{}", self.config.iface_id)
+    }
+
+    /// Stops the worker and takes the backend back from it.
+    fn stop_worker(&mut self) {
+        let worker = match self.worker.take() {
+            Some(handle) => handle.stop(),
+            None => self.parked.take(),
+        };
+        self.parked = None;
+        if let Some(worker) = worker {
+            self.backend = Some(worker.into_backend());
+        }
+    }
+
+    fn spawn(&self, worker: Worker) -> io::Result<WorkerHandle> {
+        WorkerHandle::spawn(self.worker_name(), worker)
+    }
+}
+
+impl VirtioDevice for Net {
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_NET
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &QUEUE_SIZES
+    }
+
+    fn avail_features(&self) -> u64 {
+        self.avail_features
+    }
+
+    fn set_acked_features(&mut self, acked: u64) {
+        self.acked_features = acked & self.avail_features;
+    }
+
+    /// `struct virtio_net_config` up to the MAC; `status` and later fields belong to
+    /// features not offered and read as 0.
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        let mac = self.config.guest_mac.unwrap_or_default();
+        for (i, byte) in data.iter_mut().enumerate() {
+            *byte = offset
+                .checked_add(i as u64)
+                .and_then(|at| usize::try_from(at).ok())
+                .and_then(|at| mac.get(at).copied())
+                .unwrap_or(0);
+        }
+    }
+
+    fn activate(
+        &mut self,
+        mem: GuestMemory,
+        interrupt: Arc<dyn VirtioInterrupt>,
+        queues: Vec<ActivatedQueue>,
+    ) -> Result<(), ActivateError> {
+        if self.is_activated() {
+            return Err(ActivateError::Other(format!(
+                "network interface {} is already active",
+                self.config.iface_id
+            )));
+        }
+        let [rx, tx]: [ActivatedQueue; 2] =
+            queues
+                .try_into()
+                .map_err(|q: Vec<_>| ActivateError::QueueCount {
+                    expected: QUEUE_SIZES.len(),
+                    got: q.len(),
+                })?;
+        if !rx.queue.is_valid(&mem) || !tx.queue.is_valid(&mem) {
+            return Err(ActivateError::Other(format!(
+                "network interface {}: a queue does not fit in guest memory",
+                self.config.iface_id
+            )));
+        }
+        let backend = self.backend.take().ok_or_else(|| {
+            ActivateError::Other(format!(
+                "network interface {} has lost its backend",
+                self.config.iface_id
+            ))
+        })?;
+        let worker = Worker::new(mem, interrupt, rx, tx, backend, self.counters.clone());
+        match self.spawn(worker) {
+            Ok(handle) => {
+                self.worker = Some(handle);
+                Ok(())
+            }
+            Err(e) => Err(ActivateError::Worker(e)),
+        }
+    }
+
+    fn reset(&mut self) -> bool {
+        self.stop_worker();
+        self.acked_features = 0;
+        // The backend survives only if the worker handed it back.
+        self.backend.is_some()
+    }
+
+    fn acked_features(&self) -> u64 {
+        self.acked_features
+    }
+
+    fn queue_states(&self) -> Vec<QueueState> {
+        self.parked
+            .as_ref()
+            .map(Worker::queue_states)
+            .unwrap_or_default()
+    }
+
+    fn snapshot_config(&self) -> Option<VirtioDeviceConfig> {
+        Some(VirtioDeviceConfig::Net {
+            iface_id: self.config.iface_id.clone(),
+            host_dev_name: self.config.host_dev_name.clone(),
+            guest_mac: self.config.guest_mac,
+        })
+    }
+
+    fn pause(&mut self) {
+        if let Some(handle) = self.worker.take() {
+            self.parked = handle.stop();
+        }
+    }
+
+    fn resume(&mut self) -> Result<(), ActivateError> {
+        if let Some(worker) = self.parked.take() {
+            self.worker = Some(self.spawn(worker).map_err(ActivateError::Worker)?);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        self.stop_worker();
+    }
+}

@@ -1,0 +1,30 @@
+//! virtio-net (device ID 1) with a host tap device as its backend, as in Firecracker.
+//!
+//! The guest sees one receive and one transmit queue and, when a MAC is configured,
+//! `VIRTIO_NET_F_MAC`; no offloads, no control queue, no mergeable buffers. Every frame
+//! carries the 12-byte `virtio_net_hdr_v1`, and the tap is opened with `IFF_VNET_HDR`
+//! and that header size, so headers pass between guest and tap unchanged.
+//!
+//! - [`device`]: the device model, its features, configuration space and lifecycle.
+//! - [`backend`]: the frame backend the worker moves frames to and from.
+//! - [`tap`]: that backend on a Linux tap device.
+//! - `worker`: the thread that services both queues and the backend.
+
+pub mod backend;
+pub mod device;
+pub mod tap;
+mod worker;
+
+#[cfg(test)]
+mod tests;
+
+pub use backend::FrameBackend;
+pub use device::{MacAddr, Net, NetConfig, NetCounters, NetError};
+pub use tap::{Tap, TapError};
+
+/// The virtio-net header of a `VIRTIO_F_VERSION_1` device: `struct virtio_net_hdr_v1`.
+pub const VNET_HDR_LEN: usize = 12;
+
+/// The largest frame the device moves, header included: a 64 KiB IP packet in an
+/// Ethernet frame with a VLAN tag (the largest the guest can send at its maximum MTU).
+pub const MAX_FRAME_LEN: usize = VNET_HDR_LEN + 65550;
