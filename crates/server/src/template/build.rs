@@ -366,7 +366,10 @@ impl Templates {
                 record.status = BuildStatus::Ready;
                 record.log = log.lines_from(0);
                 match template {
-                    Some(t) => store.finish_build(&t, &record),
+                    // Unrecorded, its files would be no one's until a restart.
+                    Some(t) => store.finish_build(&t, &record).inspect_err(|_| {
+                        let _ = std::fs::remove_dir_all(&t.dir);
+                    }),
                     None => store.put_build(&record),
                 }
             }
@@ -390,7 +393,13 @@ impl Templates {
                     .map(|r| format!(": {r}"))
                     .unwrap_or_default()
             ),
-            Err(e) => tracing::error!("template {id}: recording its build: {e}"),
+            Err(e) => {
+                tracing::error!("template {id}: recording its build: {e}");
+                // Say so in the build's status if the store takes anything.
+                record.status = BuildStatus::Error;
+                record.reason = Some(format!("recording the build: {e}"));
+                let _ = store.put_build(&record);
+            }
         }
         self.running().remove(&id);
     }
