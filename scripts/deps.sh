@@ -16,6 +16,8 @@ packages=(
     qemu-system-x86 busybox-static
     # tooling and tests
     python3 git pkg-config ca-certificates tmux
+    # taps for the network device's lab tests (ip tuntap)
+    iproute2
 )
 
 # One dpkg-query for all of them; unknown packages print nothing.
