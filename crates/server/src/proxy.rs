@@ -5,10 +5,11 @@
 
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::header::{self, HeaderMap, HeaderName};
+use axum::http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use axum::http::{StatusCode, Uri};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use hyper_util::rt::TokioIo;
 use vmm_api::process::AGENT_PORT;
 use vmm_api::vsock_connect::VsockConnectError;
 
@@ -242,16 +243,69 @@ async fn forward(state: &Shared, id: &str, port: u32, mut req: Request) -> Respo
         .parse()
         .unwrap_or_else(|_| Uri::from_static("/"));
     *req.uri_mut() = path;
+    let upgrade = requested_upgrade(req.headers());
+    let client = upgrade.is_some().then(|| hyper::upgrade::on(&mut req));
     strip_hop_by_hop(req.headers_mut());
+    if let Some(protocol) = upgrade {
+        keep_upgrade(req.headers_mut(), protocol);
+    }
     match state.guests.send(&uds, port, req).await {
-        Ok(response) => {
+        Ok(mut response) => {
+            let switched = response.status() == StatusCode::SWITCHING_PROTOCOLS;
+            let upgraded = match client {
+                Some(client) if switched => {
+                    splice_upgrades(client, hyper::upgrade::on(&mut response));
+                    requested_upgrade(response.headers())
+                }
+                _ => None,
+            };
             let (mut parts, body) = response.into_parts();
             strip_hop_by_hop(&mut parts.headers);
+            if let Some(protocol) = upgraded {
+                keep_upgrade(&mut parts.headers, protocol);
+            }
             Response::from_parts(parts, Body::new(body))
         }
         Err(ForwardError::Connect(VsockConnectError::Connect { .. })) => not_found(id),
         Err(e) => port_closed(id, port, &e.to_string()),
     }
+}
+
+/// The protocol a message asks to switch to (`Connection: upgrade` and an
+/// `Upgrade` header), e.g. a WebSocket handshake.
+fn requested_upgrade(headers: &HeaderMap) -> Option<HeaderValue> {
+    let asks = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
+    asks.then(|| headers.get(header::UPGRADE).cloned())
+        .flatten()
+}
+
+/// Puts back the two hop-by-hop headers an upgrade needs on the next hop.
+fn keep_upgrade(headers: &mut HeaderMap, protocol: HeaderValue) {
+    headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    headers.insert(header::UPGRADE, protocol);
+}
+
+/// Once both sides have switched protocols, copies bytes between the client
+/// and the guest until both are done.
+fn splice_upgrades(client: hyper::upgrade::OnUpgrade, guest: hyper::upgrade::OnUpgrade) {
+    tokio::spawn(async move {
+        let (client, guest) = match (client.await, guest.await) {
+            (Ok(c), Ok(g)) => (c, g),
+            (Err(e), _) | (_, Err(e)) => {
+                tracing::debug!("proxied upgrade: {e}");
+                return;
+            }
+        };
+        let (mut client, mut guest) = (TokioIo::new(client), TokioIo::new(guest));
+        if let Err(e) = tokio::io::copy_bidirectional(&mut client, &mut guest).await {
+            tracing::debug!("proxied upgraded stream: {e}");
+        }
+    });
 }
 
 #[cfg(test)]
@@ -443,5 +497,21 @@ mod tests {
         let mut names: Vec<_> = h.keys().map(|k| k.as_str().to_owned()).collect();
         names.sort();
         assert_eq!(names, ["content-type", "x-access-token"]);
+    }
+
+    #[test]
+    fn upgrades_are_recognised() {
+        let ws = headers(&[
+            ("connection", "keep-alive, Upgrade"),
+            ("upgrade", "websocket"),
+        ]);
+        assert_eq!(requested_upgrade(&ws).unwrap(), "websocket");
+        let no_protocol = headers(&[("connection", "upgrade")]);
+        assert_eq!(requested_upgrade(&no_protocol), None);
+        let not_asked = headers(&[("upgrade", "websocket")]);
+        assert_eq!(requested_upgrade(&not_asked), None);
+        let mut kept = HeaderMap::new();
+        keep_upgrade(&mut kept, HeaderValue::from_static("websocket"));
+        assert_eq!(requested_upgrade(&kept).unwrap(), "websocket");
     }
 }

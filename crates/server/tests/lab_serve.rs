@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use common::{Answer, Created, http, run, run_in, vmm_binary};
 use serde_json::{Value, json};
 use server::config::Config;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab: boots microVMs"]
@@ -797,6 +798,57 @@ async fn guest_servers_are_reached_by_port_host_names(
     let by_header = [("e2b-sandbox-id", id), ("e2b-sandbox-port", "8000")];
     let page = http(addr, "GET", "/page.txt", &by_header, "").await;
     assert_eq!((page.status, &page.body[..]), (200, &b"served\n"[..]));
+
+    // A protocol switch (as a WebSocket's) goes through to the guest.
+    let (code, out) = run(
+        addr,
+        routing,
+        r#"cat > /srv/echo.py <<'PY'
+import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 8002))
+s.listen()
+while True:
+    c, _ = s.accept()
+    head = b""
+    # (The readiness probe below connects and closes without a request.)
+    while b"\r\n\r\n" not in head and (part := c.recv(1024)):
+        head += part
+    if b"\r\n\r\n" in head:
+        c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
+        while data := c.recv(1024):
+            c.sendall(data)
+    c.close()
+PY
+setsid python3 /srv/echo.py </dev/null >/dev/null 2>&1 &
+for i in $(seq 100); do (echo > /dev/tcp/127.0.0.1/8002) 2>/dev/null && exit 0; sleep 0.2; done; exit 1"#,
+    )
+    .await;
+    assert_eq!(code, 0, "the guest's echo server never listened: {out}");
+    let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let ask = format!(
+        "GET /echo HTTP/1.1\r\nHost: 8002-{id}.sandfork.test\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n"
+    );
+    client.write_all(ask.as_bytes()).await.unwrap();
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        head.push(client.read_u8().await.unwrap());
+    }
+    let head = String::from_utf8_lossy(&head).into_owned();
+    if !head.starts_with("HTTP/1.1 101") {
+        let mut body = vec![0u8; 4096];
+        let n = client.read(&mut body).await.unwrap_or(0);
+        panic!("{head}{}", String::from_utf8_lossy(&body[..n]));
+    }
+    assert!(
+        head.to_ascii_lowercase().contains("upgrade: echo"),
+        "{head}"
+    );
+    client.write_all(b"ping through the upgrade").await.unwrap();
+    let mut echoed = [0u8; 24];
+    client.read_exact(&mut echoed).await.unwrap();
+    assert_eq!(&echoed, b"ping through the upgrade");
 
     let closed = format!("8001-{id}.sandfork.test");
     let refused = http(addr, "GET", "/", &[("host", closed.as_str())], "").await;

@@ -101,7 +101,9 @@ impl GuestConnections {
         let (mut sender, connection) =
             hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
         tokio::spawn(async move {
-            if let Err(e) = connection.await {
+            // With upgrades: a 101 answer hands the stream to the proxy
+            // (WebSockets and the like) instead of closing it.
+            if let Err(e) = connection.with_upgrades().await {
                 tracing::debug!("proxied connection: {e}");
             }
         });
@@ -197,7 +199,7 @@ mod tests {
 
     use http_body_util::BodyExt;
     use hyper::service::service_fn;
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
     use tokio::net::UnixListener;
     use tokio::sync::Notify;
 
@@ -233,14 +235,9 @@ mod tests {
                             .write_all(b"OK 1073741824\n")
                             .await
                             .unwrap();
-                        let answer =
-                            service_fn(|req: hyper::Request<hyper::body::Incoming>| async move {
-                                Ok::<_, Infallible>(hyper::Response::new(Body::from(
-                                    req.uri().path().to_owned(),
-                                )))
-                            });
                         let serve = hyper::server::conn::http1::Builder::new()
-                            .serve_connection(TokioIo::new(stream.into_inner()), answer);
+                            .serve_connection(TokioIo::new(stream.into_inner()), service_fn(answer))
+                            .with_upgrades();
                         tokio::select! {
                             _ = serve => {}
                             () = ends.notified() => {}
@@ -258,6 +255,37 @@ mod tests {
         fn accepted(&self) -> usize {
             self.accepted.load(Ordering::SeqCst)
         }
+    }
+
+    /// The fake guest's answers: its path; `/slow` after 200 ms; `/echo`
+    /// switches protocols and echoes what comes.
+    async fn answer(
+        mut req: hyper::Request<hyper::body::Incoming>,
+    ) -> Result<hyper::Response<Body>, Infallible> {
+        match req.uri().path() {
+            "/slow" => tokio::time::sleep(Duration::from_millis(200)).await,
+            "/echo" => {
+                let upgrade = hyper::upgrade::on(&mut req);
+                tokio::spawn(async move {
+                    let mut io = TokioIo::new(upgrade.await.unwrap());
+                    let mut buf = [0u8; 64];
+                    while let Ok(n @ 1..) = io.read(&mut buf).await {
+                        io.write_all(&buf[..n]).await.unwrap();
+                    }
+                });
+                let switched = hyper::Response::builder()
+                    .status(101)
+                    .header("connection", "upgrade")
+                    .header("upgrade", "echo")
+                    .body(Body::empty())
+                    .unwrap();
+                return Ok(switched);
+            }
+            _ => {}
+        }
+        Ok(hyper::Response::new(Body::from(
+            req.uri().path().to_owned(),
+        )))
     }
 
     fn get(path: &str) -> Request {
@@ -320,6 +348,30 @@ mod tests {
         assert_eq!(fetch(&guests, &guest.uds, "/x").await, "/x");
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(fetch(&guests, &guest.uds, "/y").await, "/y");
+        assert_eq!(guest.accepted(), 2);
+    }
+
+    #[tokio::test]
+    async fn an_upgraded_connection_carries_the_stream_and_is_not_reused() {
+        let dir = tempfile::tempdir().unwrap();
+        let guest = FakeGuest::start(dir.path());
+        let guests = GuestConnections::default();
+        let req = Request::builder()
+            .uri("/echo")
+            .header("host", "guest")
+            .header("connection", "upgrade")
+            .header("upgrade", "echo")
+            .body(Body::empty())
+            .unwrap();
+        let mut switched = guests.send(&guest.uds, 49983, req).await.unwrap();
+        assert_eq!(switched.status(), 101);
+        let mut io = TokioIo::new(hyper::upgrade::on(&mut switched).await.unwrap());
+        io.write_all(b"over the upgrade").await.unwrap();
+        let mut echoed = [0u8; 16];
+        io.read_exact(&mut echoed).await.unwrap();
+        assert_eq!(&echoed, b"over the upgrade");
+        // The next request needs a connection of its own.
+        assert_eq!(fetch(&guests, &guest.uds, "/after").await, "/after");
         assert_eq!(guest.accepted(), 2);
     }
 }
