@@ -128,6 +128,10 @@ impl TestVm {
         self.vm.api()
     }
 
+    pub fn pid(&self) -> u32 {
+        self.vm.pid()
+    }
+
     pub fn vm(&self) -> &VmmProcess {
         &self.vm
     }
