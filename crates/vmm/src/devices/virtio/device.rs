@@ -15,6 +15,19 @@ use vmm_sys_util::eventfd::EventFd;
 use super::persist::VirtioDeviceConfig;
 use crate::vstate::memory::GuestMemory;
 
+/// Copies `data.len()` bytes of a configuration space from `offset`; bytes
+/// past its end (or an offset no slice can reach) read as 0, as the virtio
+/// spec has a driver see fields of features not offered.
+pub fn read_config_space(space: &[u8], offset: u64, data: &mut [u8]) {
+    for (i, byte) in data.iter_mut().enumerate() {
+        *byte = offset
+            .checked_add(i as u64)
+            .and_then(|at| usize::try_from(at).ok())
+            .and_then(|at| space.get(at).copied())
+            .unwrap_or(0);
+    }
+}
+
 /// The reason a device raises its interrupt line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum VirtioInterruptType {

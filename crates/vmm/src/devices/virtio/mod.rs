@@ -9,4 +9,5 @@ pub mod vsock;
 
 pub use device::{
     ActivateError, ActivatedQueue, DiskBranch, VirtioDevice, VirtioInterrupt, VirtioInterruptType,
+    read_config_space,
 };

@@ -18,7 +18,7 @@ use crate::devices::virtio::persist::VirtioDeviceConfig;
 use super::disk::{BlockError, Disk, SECTOR_SIZE};
 use super::worker::{self, Worker, WorkerHandle};
 use crate::devices::virtio::{
-    ActivateError, ActivatedQueue, DiskBranch, VirtioDevice, VirtioInterrupt,
+    ActivateError, ActivatedQueue, DiskBranch, VirtioDevice, VirtioInterrupt, read_config_space,
 };
 use crate::vstate::memory::GuestMemory;
 
@@ -170,13 +170,7 @@ impl VirtioDevice for Block {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        for (i, byte) in data.iter_mut().enumerate() {
-            *byte = offset
-                .checked_add(i as u64)
-                .and_then(|at| usize::try_from(at).ok())
-                .and_then(|at| self.config_space.get(at).copied())
-                .unwrap_or(0);
-        }
+        read_config_space(&self.config_space, offset, data);
     }
 
     fn activate(

@@ -14,7 +14,9 @@ use super::backend::FrameBackend;
 use super::tap::{Tap, TapError};
 use super::worker::{Worker, WorkerHandle};
 use crate::devices::virtio::persist::VirtioDeviceConfig;
-use crate::devices::virtio::{ActivateError, ActivatedQueue, VirtioDevice, VirtioInterrupt};
+use crate::devices::virtio::{
+    ActivateError, ActivatedQueue, VirtioDevice, VirtioInterrupt, read_config_space,
+};
 use crate::vstate::memory::GuestMemory;
 
 /// Receive and transmit queues.
@@ -161,14 +163,7 @@ impl VirtioDevice for Net {
     /// `struct virtio_net_config` up to the MAC; `status` and later fields belong to
     /// features not offered and read as 0.
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        let mac = self.config.guest_mac.unwrap_or_default();
-        for (i, byte) in data.iter_mut().enumerate() {
-            *byte = offset
-                .checked_add(i as u64)
-                .and_then(|at| usize::try_from(at).ok())
-                .and_then(|at| mac.get(at).copied())
-                .unwrap_or(0);
-        }
+        read_config_space(&self.config.guest_mac.unwrap_or_default(), offset, data);
     }
 
     fn activate(

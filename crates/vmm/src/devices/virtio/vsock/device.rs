@@ -17,7 +17,9 @@ use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use super::muxer::Muxer;
 use super::worker::Worker;
 use crate::devices::virtio::persist::VirtioDeviceConfig;
-use crate::devices::virtio::{ActivateError, ActivatedQueue, VirtioDevice, VirtioInterrupt};
+use crate::devices::virtio::{
+    ActivateError, ActivatedQueue, VirtioDevice, VirtioInterrupt, read_config_space,
+};
 use crate::vstate::memory::GuestMemory;
 
 /// rx, tx and event queues.
@@ -201,14 +203,7 @@ impl VirtioDevice for Vsock {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        let config = self.guest_cid.to_le_bytes();
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = usize::try_from(offset)
-                .ok()
-                .and_then(|o| o.checked_add(i))
-                .and_then(|o| config.get(o).copied())
-                .unwrap_or(0);
-        }
+        read_config_space(&self.guest_cid.to_le_bytes(), offset, data);
     }
 
     fn activate(
