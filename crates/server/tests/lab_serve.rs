@@ -21,38 +21,14 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 #[ignore = "lab: boots microVMs"]
 async fn create_run_read_list_kill_through_one_port() {
     let data = tempfile::tempdir().unwrap();
-    let mut config = Config::new(
-        "127.0.0.1:0".parse().unwrap(),
-        std::env::var("SANDFORK_KERNEL")
-            .expect("SANDFORK_KERNEL")
-            .into(),
-        std::env::var("SANDFORK_ROOTFS")
-            .expect("SANDFORK_ROOTFS")
-            .into(),
-        vmm_binary(),
-    );
-    config.data_dir = data.path().to_owned();
-    config.pool_size = 2;
+    let config = lab_config(data.path(), 2);
     let started = Instant::now();
-    let node = server::Server::start(config)
-        .await
-        .expect("starting the server");
+    let node = serve(config).await;
+    let (addr, auth, manager) = (node.addr, node.auth(), node.manager.clone());
     eprintln!("server up (template built) in {:?}", started.elapsed());
-    let key = std::fs::read_to_string(node.api_key_file.clone().unwrap())
-        .unwrap()
-        .trim()
-        .to_owned();
-    let manager = node.state.manager.clone();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(node.serve(listener, std::future::pending()));
     // Let the pool fill, as it would on a node that has been up a while.
     tokio::time::sleep(Duration::from_secs(3)).await;
 
-    let auth = [
-        ("x-api-key", key.as_str()),
-        ("content-type", "application/json"),
-    ];
     let t0 = Instant::now();
     let Created { id, token, answer } = common::create(
         addr,
@@ -447,34 +423,11 @@ async fn snapshot_create_from_it_and_delete(
 #[ignore = "lab: boots microVMs"]
 async fn capacity_refuses_with_503_and_kill_or_pause_makes_room() {
     let data = tempfile::tempdir().unwrap();
-    let mut config = Config::new(
-        "127.0.0.1:0".parse().unwrap(),
-        std::env::var("SANDFORK_KERNEL")
-            .expect("SANDFORK_KERNEL")
-            .into(),
-        std::env::var("SANDFORK_ROOTFS")
-            .expect("SANDFORK_ROOTFS")
-            .into(),
-        vmm_binary(),
-    );
-    config.data_dir = data.path().to_owned();
-    config.pool_size = 2;
+    let mut config = lab_config(data.path(), 2);
     config.mem_mib = 256;
     config.capacity.memory_mib = Some(600);
-    let node = server::Server::start(config)
-        .await
-        .expect("starting the server");
-    let key = std::fs::read_to_string(node.api_key_file.clone().unwrap())
-        .unwrap()
-        .trim()
-        .to_owned();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(node.serve(listener, std::future::pending()));
-    let auth = [
-        ("x-api-key", key.as_str()),
-        ("content-type", "application/json"),
-    ];
+    let node = serve(config).await;
+    let (addr, auth) = (node.addr, node.auth());
     let create = || http(addr, "POST", "/v2/sandboxes", &auth, r#"{"timeout":600}"#);
     let created = |a: Answer| {
         assert_eq!(a.status, 201, "{:?}", a.body);
@@ -606,34 +559,11 @@ fn agent_binary() -> PathBuf {
 async fn template_from_an_oci_image_with_start_and_ready_commands() {
     let data = tempfile::tempdir().unwrap();
     let scratch = tempfile::tempdir().unwrap();
-    let mut config = Config::new(
-        "127.0.0.1:0".parse().unwrap(),
-        std::env::var("SANDFORK_KERNEL")
-            .expect("SANDFORK_KERNEL")
-            .into(),
-        std::env::var("SANDFORK_ROOTFS")
-            .expect("SANDFORK_ROOTFS")
-            .into(),
-        vmm_binary(),
-    );
-    config.data_dir = data.path().to_owned();
-    config.pool_size = 1;
+    let mut config = lab_config(data.path(), 1);
     config.agent = Some(agent_binary());
     config.build_cache = Some(scratch.path().join("cache"));
-    let node = server::Server::start(config)
-        .await
-        .expect("starting the server");
-    let key = std::fs::read_to_string(node.api_key_file.clone().unwrap())
-        .unwrap()
-        .trim()
-        .to_owned();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(node.serve(listener, std::future::pending()));
-    let auth = [
-        ("x-api-key", key.as_str()),
-        ("content-type", "application/json"),
-    ];
+    let node = serve(config).await;
+    let (addr, auth) = (node.addr, node.auth());
 
     let layout = common::busybox_oci_layout(scratch.path());
     let t0 = Instant::now();
@@ -889,34 +819,11 @@ async fn template_from_debian_packages() {
         cache.path().join("rootfs-base"),
     )
     .unwrap();
-    let mut config = Config::new(
-        "127.0.0.1:0".parse().unwrap(),
-        std::env::var("SANDFORK_KERNEL")
-            .expect("SANDFORK_KERNEL")
-            .into(),
-        std::env::var("SANDFORK_ROOTFS")
-            .expect("SANDFORK_ROOTFS")
-            .into(),
-        vmm_binary(),
-    );
-    config.data_dir = data.path().to_owned();
-    config.pool_size = 1;
+    let mut config = lab_config(data.path(), 1);
     config.agent = Some(agent_binary());
     config.build_cache = Some(cache.path().to_owned());
-    let node = server::Server::start(config)
-        .await
-        .expect("starting the server");
-    let key = std::fs::read_to_string(node.api_key_file.clone().unwrap())
-        .unwrap()
-        .trim()
-        .to_owned();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(node.serve(listener, std::future::pending()));
-    let auth = [
-        ("x-api-key", key.as_str()),
-        ("content-type", "application/json"),
-    ];
+    let node = serve(config).await;
+    let (addr, auth) = (node.addr, node.auth());
 
     let t0 = Instant::now();
     let started = http(
@@ -1003,4 +910,52 @@ async fn wait_for_build(
         );
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
+}
+
+/// A node's config for the lab: the kernel and image from the environment,
+/// its data in `data`, `pool_size` warm VMMs.
+fn lab_config(data: &std::path::Path, pool_size: usize) -> Config {
+    let env = |name| std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set"));
+    let mut config = Config::new(
+        "127.0.0.1:0".parse().unwrap(),
+        env("SANDFORK_KERNEL").into(),
+        env("SANDFORK_ROOTFS").into(),
+        vmm_binary(),
+    );
+    config.data_dir = data.to_owned();
+    config.pool_size = pool_size;
+    config
+}
+
+/// A started node serving on a free local port.
+struct Serving {
+    addr: std::net::SocketAddr,
+    key: String,
+    manager: std::sync::Arc<server::sandbox::Manager>,
+}
+
+impl Serving {
+    /// Headers of an authenticated JSON request to the control plane.
+    fn auth(&self) -> [(&'static str, &str); 2] {
+        [
+            ("x-api-key", self.key.as_str()),
+            ("content-type", "application/json"),
+        ]
+    }
+}
+
+/// Starts a node (building its base template) and serves it in the background.
+async fn serve(config: Config) -> Serving {
+    let node = server::Server::start(config)
+        .await
+        .expect("starting the server");
+    let key = std::fs::read_to_string(node.api_key_file.clone().unwrap())
+        .unwrap()
+        .trim()
+        .to_owned();
+    let manager = node.state.manager.clone();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(node.serve(listener, std::future::pending()));
+    Serving { addr, key, manager }
 }
