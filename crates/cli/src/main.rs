@@ -13,6 +13,7 @@ mod run;
 mod sandboxes;
 mod serve;
 mod status;
+mod stress;
 mod template;
 
 use std::path::PathBuf;
@@ -97,6 +98,33 @@ enum Command {
         #[arg(long, default_value_t = 8192)]
         lab_memory: u32,
     },
+    /// Boot, restore, fork and run two VMs at once, many times, each bounded;
+    /// count failures and hangs, with diagnostics for each. One JSON object
+    /// on stdout; exits 1 when any trial failed or hung.
+    ///
+    /// Example: sandfork stress --boots 20 --restores 20 --forks 20 --two-vm 20
+    Stress {
+        #[command(flatten)]
+        image: ImageArgs,
+        #[arg(long, default_value_t = 10)]
+        boots: usize,
+        #[arg(long, default_value_t = 10)]
+        restores: usize,
+        /// Forks of a restored VM, each into --fork-children children.
+        #[arg(long, default_value_t = 10)]
+        forks: usize,
+        #[arg(long, default_value_t = 4)]
+        fork_children: usize,
+        /// Runs of two two-vCPU VMs booted at once.
+        #[arg(long, default_value_t = 10)]
+        two_vm: usize,
+        /// Seconds any one wait (agent, exit) may take before it counts as a hang.
+        #[arg(long, default_value_t = 120)]
+        bound: u64,
+        /// Threads that keep the host's CPUs busy meanwhile (outside the lab).
+        #[arg(long, default_value_t = 0)]
+        host_load: usize,
+    },
     /// Serve the E2B-compatible API and the envd proxy on one port.
     ///
     /// Example: sandfork serve --listen 127.0.0.1:3000
@@ -168,6 +196,9 @@ impl ImageArgs {
     }
 }
 
+/// How long `up` and `bench` may run in the lab.
+const LAB_TIMEOUT: Duration = Duration::from_secs(3600);
+
 /// Re-runs this very command inside the KVM lab when the host cannot boot
 /// Linux guests, with `envs` added; returns None when the command should run
 /// here.
@@ -175,6 +206,7 @@ fn run_in_lab_if_needed(
     image: &ImageArgs,
     envs: &[(&str, &std::ffi::OsStr)],
     lab_args: &[&str],
+    timeout: Duration,
 ) -> Result<Option<ExitCode>> {
     if image.in_lab || environment(image) == Environment::Hardware {
         return Ok(None);
@@ -186,7 +218,7 @@ fn run_in_lab_if_needed(
         .arg("--cpus")
         .arg("1")
         .arg("--timeout")
-        .arg("3600");
+        .arg(timeout.as_secs().to_string());
     cmd.args(lab_args);
     cmd.arg("--").arg(std::env::current_exe()?);
     cmd.args(std::env::args_os().skip(1));
@@ -238,13 +270,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
         .build()?;
     if !matches!(
         cli.command,
-        Command::Up { .. } | Command::Bench { .. } | Command::Serve(_)
+        Command::Up { .. } | Command::Bench { .. } | Command::Stress { .. } | Command::Serve(_)
     ) {
         output::default_sigpipe();
     }
     match cli.command {
         Command::Up { image } => {
-            if let Some(code) = run_in_lab_if_needed(&image, &[], &[])? {
+            if let Some(code) = run_in_lab_if_needed(&image, &[], &[], LAB_TIMEOUT)? {
                 return Ok(code);
             }
             runtime.block_on(up(&image))?;
@@ -274,7 +306,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 .map(|p| ("SANDFORK_SDK_PYTHON", p.as_os_str()))
                 .collect();
             let lab_memory = lab_memory.to_string();
-            if let Some(code) = run_in_lab_if_needed(&image, &envs, &["--memory", &lab_memory])? {
+            if let Some(code) =
+                run_in_lab_if_needed(&image, &envs, &["--memory", &lab_memory], LAB_TIMEOUT)?
+            {
                 return Ok(code);
             }
             let vmm = image.vmm()?;
@@ -299,6 +333,49 @@ fn run(cli: Cli) -> Result<ExitCode> {
             // through the lab too); the JSON on stdout for machines.
             eprint!("{}", bench::summary::summary(&report));
             println!("{}", serde_json::to_string(&report)?);
+        }
+        Command::Stress {
+            image,
+            boots,
+            restores,
+            forks,
+            fork_children,
+            two_vm,
+            bound,
+            host_load,
+        } => {
+            let bound = Duration::from_secs(bound.max(1));
+            if !image.in_lab {
+                stress::load_host(host_load);
+            }
+            // Room for every trial to use its whole bound twice, and the snapshot.
+            let trials = (boots + restores + forks + two_vm + 1) as u32;
+            if let Some(code) = run_in_lab_if_needed(&image, &[], &[], bound * 2 * trials)? {
+                return Ok(code);
+            }
+            let vmm = image.vmm()?;
+            let guest = image.guest();
+            let plan = stress::Plan {
+                vmm: &vmm,
+                image: &guest,
+                boots,
+                restores,
+                forks,
+                fork_children,
+                two_vm,
+                bound,
+            };
+            let mut report = runtime.block_on(plan.run())?;
+            report["environment"] = serde_json::json!(environment(&image).to_string());
+            report["host_load_threads"] = serde_json::json!(host_load);
+            eprintln!(
+                "stress: {} trials, {} failed or hung",
+                report["runs"], report["bad"]
+            );
+            println!("{}", serde_json::to_string(&report)?);
+            if report["bad"].as_u64() != Some(0) {
+                return Ok(ExitCode::from(1));
+            }
         }
         Command::Serve(args) => return serve::run(args),
         Command::Auth(cmd) => return runtime.block_on(auth::run(cmd)),

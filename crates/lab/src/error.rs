@@ -51,8 +51,13 @@ pub enum LabError {
         "working directory {cwd} does not exist inside the lab (the host root is shared read-only as it is; /tmp and /run are fresh unless shared read-write)"
     )]
     NoWorkingDir { cwd: PathBuf },
-    #[error("the lab timed out after {:.1} s and was killed", .after.as_secs_f64())]
-    Timeout { after: Duration },
+    #[error("the lab timed out after {:.1} s and was killed{}", .after.as_secs_f64(), describe_timeout(.diagnostics, .console_tail))]
+    Timeout {
+        after: Duration,
+        /// What the machine's init reported just before (kernel messages, threads).
+        diagnostics: String,
+        console_tail: String,
+    },
     #[error("the lab was killed before the command finished")]
     Killed,
     #[error("the lab's init failed: {0}")]
@@ -76,6 +81,15 @@ fn describe_logs(qemu_stderr: &str, console_tail: &str) -> String {
         s.push_str(console_tail.trim_end());
     }
     s
+}
+
+fn describe_timeout(diagnostics: &str, console_tail: &str) -> String {
+    let mut s = String::new();
+    if !diagnostics.trim().is_empty() {
+        s.push_str("\nthe lab's state just before:\n");
+        s.push_str(diagnostics.trim_end());
+    }
+    s + &describe_logs("", console_tail)
 }
 
 impl LabError {

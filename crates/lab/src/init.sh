@@ -35,13 +35,43 @@ port() {
 i=0
 while :; do
     out=$(port sandfork.stdout) && err=$(port sandfork.stderr) &&
-        status=$(port sandfork.status) && [ -e "$out" ] && [ -e "$err" ] && [ -e "$status" ] && break
+        status=$(port sandfork.status) && diag=$(port sandfork.diag) &&
+        [ -e "$out" ] && [ -e "$err" ] && [ -e "$status" ] && [ -e "$diag" ] && break
     status=
     i=$((i + 1))
     [ $i -gt 400 ] && fail "virtio-serial ports did not appear"
     sleep 0.05
 done
 exec 3>"$status"
+
+# The machine's state, asked for by the host when the command overruns its
+# timeout: the kernel's messages (nested KVM reports there), memory, and
+# every thread with its state and the kernel function it waits in.
+diagnose() {
+    echo "--- lab: load $(cat /proc/loadavg), uptime $(cut -d' ' -f1 /proc/uptime) s"
+    grep -E '^(MemTotal|MemAvailable|Shmem):' /proc/meminfo | tr -s ' ' | tr '\n' ' '
+    echo
+    echo "--- lab kernel messages (tail)"
+    dmesg | tail -n 60
+    echo "--- lab threads (pid/tid, name, state, wait channel)"
+    for t in /proc/[0-9]*/task/[0-9]*; do
+        # Shell built-ins only: a fork per thread is slow under emulation.
+        read -r stat <"$t/stat" 2>/dev/null || continue
+        read -r comm <"$t/comm"
+        wchan=
+        read -r wchan <"$t/wchan"
+        state=${stat##*) }
+        echo "${t#/proc/} $comm ${state%% *} ${wchan:--}"
+    done | grep -vE ' (kworker|ksoftirqd|migration|cpuhp|rcu_|idle_inject)' | head -n 300
+}
+(
+    exec 4<>"$diag"
+    echo SANDFORK-DIAG-READY >&4
+    while read -r request <&4; do
+        [ "$request" = diag ] && diagnose >&4 2>&1
+        echo SANDFORK-DIAG-END >&4
+    done
+) &
 
 job=
 for a in $(cat /proc/cmdline); do

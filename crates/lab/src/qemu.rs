@@ -10,6 +10,8 @@ pub const QEMU: &str = "qemu-system-x86_64";
 pub const PORT_STDOUT: &str = "sandfork.stdout";
 pub const PORT_STDERR: &str = "sandfork.stderr";
 pub const PORT_STATUS: &str = "sandfork.status";
+/// Asked on a timeout, init answers there with the machine's state.
+pub const PORT_DIAG: &str = "sandfork.diag";
 
 /// Everything one QEMU invocation needs besides the config.
 pub struct MachineFiles<'a> {
@@ -22,6 +24,9 @@ pub struct MachineFiles<'a> {
     pub stdout_sock: &'a Path,
     pub stderr_sock: &'a Path,
     pub status_sock: &'a Path,
+    pub diag_sock: &'a Path,
+    /// QEMU's human monitor, a server socket (for the emulated CPU's state).
+    pub monitor_sock: &'a Path,
     /// Read-write shares as (9p tag, host directory).
     pub rw_shares: &'a [(String, PathBuf)],
 }
@@ -87,11 +92,16 @@ pub fn qemu_args(config: &LabConfig, files: &MachineFiles<'_>) -> Vec<String> {
         ));
     }
     push(&["-netdev", &netdev, "-device", "virtio-net-pci,netdev=net0"]);
+    push(&[
+        "-monitor",
+        &format!("unix:{},server=on,wait=off", esc(files.monitor_sock)),
+    ]);
     push(&["-device", "virtio-serial-pci,id=vser0"]);
     for (id, sock, name) in [
         ("out", files.stdout_sock, PORT_STDOUT),
         ("err", files.stderr_sock, PORT_STDERR),
         ("status", files.status_sock, PORT_STATUS),
+        ("diag", files.diag_sock, PORT_DIAG),
     ] {
         push(&[
             "-chardev",
@@ -128,6 +138,8 @@ mod tests {
             stdout_sock: Path::new("/tmp/sandfork-lab-x/out.sock"),
             stderr_sock: Path::new("/tmp/sandfork-lab-x/err.sock"),
             status_sock: Path::new("/tmp/sandfork-lab-x/status.sock"),
+            diag_sock: Path::new("/tmp/sandfork-lab-x/diag.sock"),
+            monitor_sock: Path::new("/tmp/sandfork-lab-x/monitor.sock"),
             rw_shares: &shares,
         };
         let a = qemu_args(&config, &files);
@@ -148,8 +160,12 @@ mod tests {
         assert!(virtfs[0].contains("path=/,") && virtfs[0].contains("readonly=on"));
         assert!(virtfs[1].starts_with("local,path=/work/a,,b,mount_tag=rw0,"));
         assert!(after("-append")[0].contains("sandfork.job=/tmp/sandfork-lab-x "));
+        assert_eq!(
+            after("-monitor"),
+            ["unix:/tmp/sandfork-lab-x/monitor.sock,server=on,wait=off"]
+        );
         let ports = after("-device");
-        for name in [PORT_STDOUT, PORT_STDERR, PORT_STATUS] {
+        for name in [PORT_STDOUT, PORT_STDERR, PORT_STATUS, PORT_DIAG] {
             assert!(ports.iter().any(|d| d.ends_with(&format!("name={name}"))));
         }
     }

@@ -18,6 +18,15 @@ use crate::qemu::{MachineFiles, QEMU, qemu_args};
 /// How long QEMU may take to power off after the command has ended.
 const POWEROFF_GRACE: Duration = Duration::from_secs(30);
 const POLL: Duration = Duration::from_millis(50);
+/// How long the machine may take to report its state on a timeout, and how
+/// much of it is kept.
+const DIAG_TIMEOUT: Duration = Duration::from_secs(30);
+const DIAG_MAX_BYTES: usize = 256 * 1024;
+/// QEMU's monitor has said all it will when it has been quiet this long.
+const MONITOR_QUIET: Duration = Duration::from_secs(2);
+/// The lines init starts serving diagnostics with, and ends a report with.
+const DIAG_READY: &str = "SANDFORK-DIAG-READY";
+const DIAG_END: &str = "SANDFORK-DIAG-END";
 
 /// Directories the lab mounts afresh, hiding the host's.
 const FRESH_INSIDE: [&str; 2] = ["/tmp", "/run"];
@@ -150,6 +159,7 @@ impl Lab {
         let (out_path, out_l) = sock("out.sock")?;
         let (err_path, err_l) = sock("err.sock")?;
         let (status_path, status_l) = sock("status.sock")?;
+        let (diag_path, diag_l) = sock("diag.sock")?;
         let console_log = config
             .console_log
             .clone()
@@ -168,6 +178,8 @@ impl Lab {
                 stdout_sock: &out_path,
                 stderr_sock: &err_path,
                 status_sock: &status_path,
+                diag_sock: &diag_path,
+                monitor_sock: &dir.join("monitor.sock"),
                 rw_shares: &shares,
             },
         );
@@ -215,13 +227,28 @@ impl Lab {
                 }
             }
         });
+        // QEMU connects at start; init says when it serves the port, and
+        // the connection is kept for a timeout.
+        let (diag_tx, diag) = mpsc::channel();
+        std::thread::spawn(move || {
+            let Ok((stream, _)) = diag_l.accept() else {
+                return;
+            };
+            let mut ready = String::new();
+            if BufReader::new(&stream).read_line(&mut ready).is_ok()
+                && ready.trim_end() == DIAG_READY
+            {
+                let _ = diag_tx.send(stream);
+            }
+        });
         let stdout_thread = spawn_copier(out_l, config.output, Sink::Stdout);
         let stderr_thread = spawn_copier(err_l, config.output, Sink::Stderr);
 
         Ok(LabChild {
             qemu,
             run_dir: Some(run_dir),
-            sockets: vec![out_path, err_path, status_path],
+            sockets: vec![out_path, err_path, status_path, diag_path],
+            diag,
             stdout_thread: Some(stdout_thread),
             stderr_thread: Some(stderr_thread),
             status_thread: Some(status_thread),
@@ -285,6 +312,7 @@ pub struct LabChild {
     stdout_thread: Option<JoinHandle<Vec<u8>>>,
     stderr_thread: Option<JoinHandle<Vec<u8>>>,
     status_thread: Option<JoinHandle<()>>,
+    diag: Receiver<UnixStream>,
     status_rx: Receiver<String>,
     status: GuestStatus,
     started: Instant,
@@ -321,6 +349,7 @@ impl LabChild {
     /// there is none.
     pub fn wait(mut self) -> Result<LabOutput> {
         let mut timed_out = false;
+        let mut diagnostics = String::new();
         let mut exit_seen: Option<Instant> = None;
         loop {
             if let Some(st) = self
@@ -335,6 +364,7 @@ impl LabChild {
                 && self.started.elapsed() >= t
             {
                 timed_out = true;
+                diagnostics = self.diagnose();
                 self.stop_qemu()?;
                 break;
             }
@@ -382,6 +412,8 @@ impl LabChild {
         if timed_out {
             return Err(LabError::Timeout {
                 after: self.started.elapsed(),
+                diagnostics,
+                console_tail: tail(&self.console_log, 25),
             });
         }
         if self.killed {
@@ -395,6 +427,78 @@ impl LabChild {
             qemu_stderr: std::fs::read_to_string(&self.qemu_stderr).unwrap_or_default(),
             console_tail: tail(&self.console_log, 25),
         })
+    }
+
+    /// The machine's state: what its init reports (kernel messages,
+    /// threads) and, from QEMU's monitor, the emulated CPU's registers (a
+    /// machine whose init cannot answer is stuck below it: in its kernel or
+    /// in the emulator).
+    fn diagnose(&mut self) -> String {
+        let guest = self.guest_diagnostics();
+        let cpu = self.monitor(&["info registers", "info cpus"]);
+        format!("{guest}--- lab CPU (QEMU monitor)\n{cpu}")
+    }
+
+    /// Sends commands to QEMU's human monitor and returns what it printed
+    /// until it went quiet.
+    fn monitor(&self, commands: &[&str]) -> String {
+        let Some(dir) = self.run_dir.as_ref().map(|d| d.path().join("monitor.sock")) else {
+            return "(no monitor)\n".into();
+        };
+        let mut stream = match UnixStream::connect(&dir) {
+            Ok(s) => s,
+            Err(e) => return format!("(cannot reach QEMU's monitor: {e})\n"),
+        };
+        let _ = stream.set_read_timeout(Some(MONITOR_QUIET));
+        for c in commands {
+            let _ = stream.write_all(format!("{c}\n").as_bytes());
+        }
+        let mut out = Vec::new();
+        let mut buf = [0u8; 4096];
+        let deadline = Instant::now() + DIAG_TIMEOUT;
+        while let Ok(n) = stream.read(&mut buf) {
+            if n == 0 || Instant::now() >= deadline || out.len() > DIAG_MAX_BYTES {
+                break;
+            }
+            out.extend_from_slice(&buf[..n]);
+        }
+        // The monitor echoes input with terminal escapes; keep the text.
+        String::from_utf8_lossy(&out)
+            .replace("\r", "")
+            .chars()
+            .filter(|c| !c.is_control() || *c == '\n')
+            .collect()
+    }
+
+    /// Asks the machine's init for its state (kernel messages, threads);
+    /// at most [`DIAG_TIMEOUT`], and says so when it does not answer.
+    fn guest_diagnostics(&mut self) -> String {
+        let Ok(stream) = self.diag.try_recv() else {
+            return "(the lab's init was not serving diagnostics yet)".into();
+        };
+        let deadline = Instant::now() + DIAG_TIMEOUT;
+        let mut report = String::new();
+        let asked = stream
+            .set_read_timeout(Some(DIAG_TIMEOUT))
+            .and_then(|()| (&stream).write_all(b"diag\n"));
+        if let Err(e) = asked {
+            return format!("(cannot ask the lab for diagnostics: {e})");
+        }
+        for line in BufReader::new(&stream).lines() {
+            match line {
+                Ok(line) if line == DIAG_END => return report,
+                Ok(line) => {
+                    report.push_str(&line);
+                    report.push('\n');
+                }
+                Err(_) => break,
+            }
+            if Instant::now() >= deadline || report.len() > DIAG_MAX_BYTES {
+                break;
+            }
+        }
+        report.push_str("(the lab's diagnostics were cut short)\n");
+        report
     }
 
     fn stop_qemu(&mut self) -> Result<()> {

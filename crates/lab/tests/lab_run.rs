@@ -222,8 +222,38 @@ fn missing_command_and_timeout_are_errors() {
     };
     let started = Instant::now();
     match lab.run(&config, &argv(&["sleep", "1000"])) {
-        Err(LabError::Timeout { after }) => assert!(after >= Duration::from_secs(3)),
+        Err(LabError::Timeout { after, .. }) => assert!(after >= Duration::from_secs(3)),
         other => panic!("expected Timeout, got {other:?}"),
     }
     assert!(started.elapsed() < Duration::from_secs(30));
+}
+
+#[test]
+#[ignore = "lab: boots QEMU"]
+fn a_timeout_reports_the_machines_kernel_messages_and_threads() {
+    let _one = ONE_MACHINE.lock().unwrap_or_else(|e| e.into_inner());
+    let config = LabConfig {
+        timeout: Some(Duration::from_secs(40)),
+        ..captured()
+    };
+    // The command is up long before the timeout: a stuck job, as a hung test is.
+    let script = "echo sandfork-stuck-job >/dev/kmsg; exec sleep 1000";
+    let err = lab()
+        .run(&config, &argv(&["sh", "-c", script]))
+        .expect_err("the job overruns its timeout");
+    let LabError::Timeout { diagnostics, .. } = &err else {
+        panic!("expected Timeout, got {err:?}");
+    };
+    let message = err.to_string();
+    for part in ["lab kernel messages", "sandfork-stuck-job", "MemAvailable"] {
+        assert!(diagnostics.contains(part), "no {part:?} in:\n{message}");
+    }
+    // The job's thread, asleep in the kernel, with where it waits.
+    assert!(
+        diagnostics
+            .lines()
+            .any(|l| l.contains(" sleep S ") && !l.ends_with(" -")),
+        "no sleeping job thread in:\n{message}"
+    );
+    assert!(message.contains("the lab's state just before"), "{message}");
 }

@@ -124,6 +124,11 @@ impl VmmClient {
         self.get_json("/").await
     }
 
+    /// What each vCPU thread is doing (sandfork extension), for diagnostics.
+    pub async fn get_vcpus(&self) -> Result<Vec<crate::VcpuReport>, ClientError> {
+        self.get_json("/vcpus").await
+    }
+
     pub async fn get_machine_config(&self) -> Result<MachineConfig, ClientError> {
         self.get_json("/machine-config").await
     }

@@ -22,6 +22,7 @@ mod network_interface;
 pub mod process;
 mod snapshot;
 mod validation;
+mod vcpus;
 mod vm_config;
 mod vm_state;
 mod vmm_action;
@@ -45,6 +46,7 @@ pub use snapshot::{
     SnapshotType, VsockOverride,
 };
 pub use validation::{ValidationError, validate_resource_id};
+pub use vcpus::{VcpuPhase, VcpuReport};
 pub use vm_config::VmConfig;
 pub use vm_state::{Vm, VmState};
 pub use vmm_action::{VmmAction, VmmActionError, VmmData, VmmErrorKind};

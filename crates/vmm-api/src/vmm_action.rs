@@ -9,6 +9,7 @@ use crate::machine_config::{MachineConfig, MachineConfigUpdate};
 use crate::network_interface::NetworkInterface;
 use crate::snapshot::{SnapshotCreateParams, SnapshotLoadParams};
 use crate::validation::ValidationError;
+use crate::vcpus::VcpuReport;
 use crate::vm_config::VmConfig;
 use crate::vsock::Vsock;
 
@@ -53,6 +54,8 @@ pub enum VmmAction {
     LoadSnapshot(SnapshotLoadParams),
     /// `PUT /fork` (sandfork extension)
     Fork(ForkParams),
+    /// `GET /vcpus` (sandfork extension)
+    GetVcpus,
 }
 
 /// A successful answer. `Empty` becomes `204 No Content`, the others `200` with JSON.
@@ -63,6 +66,7 @@ pub enum VmmData {
     MachineConfig(MachineConfig),
     VmConfig(Box<VmConfig>),
     Fork(ForkInfo),
+    Vcpus(Vec<VcpuReport>),
 }
 
 /// How a failed action maps onto HTTP.

@@ -210,6 +210,7 @@ impl Controller {
                     .map_err(|e| VmmActionError::internal(format!("resuming the VM: {e}")))?;
                 Ok(VmmData::Empty)
             }
+            VmmAction::GetVcpus => Ok(VmmData::Vcpus(self.running_vmm()?.vcpu_reports())),
             VmmAction::CreateSnapshot(params) => self.create_snapshot(&params),
             VmmAction::Fork(params) => self.fork(&params),
             VmmAction::LoadSnapshot(params) => {

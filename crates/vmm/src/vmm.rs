@@ -13,6 +13,10 @@ use crate::vstate::memory::{GuestMemory, GuestRam, MemorySnapshotKind};
 use crate::vstate::vcpu::{VcpuError, VcpuExitReason, VcpuHandle};
 use crate::vstate::vm::Vm;
 
+/// How long a vCPU thread may take to answer a diagnostics kick: short, as
+/// a thread that does not answer at once is what a report is for.
+const VCPU_REPORT_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// Why a VM must stop, reported from vCPU and device threads.
 #[derive(Debug)]
 pub enum VmEvent {
@@ -234,6 +238,14 @@ impl Vmm {
         }
         self.state = VmState::Running;
         Ok(())
+    }
+
+    /// What every vCPU thread is doing (see [`VcpuHandle::report`]).
+    pub fn vcpu_reports(&self) -> Vec<vmm_api::VcpuReport> {
+        self.vcpus
+            .iter()
+            .map(|v| v.report(VCPU_REPORT_TIMEOUT))
+            .collect()
     }
 
     /// Presses Ctrl+Alt+Del on the guest's keyboard.

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::{AGENT_PORT, Boot, TestVm, bash_init};
 use vmm_api::vsock_connect::{VsockConnectError, agent_health};
-use vmm_api::{InstanceState, NetworkInterface};
+use vmm_api::{InstanceState, NetworkInterface, VcpuPhase};
 
 #[tokio::test]
 #[ignore = "lab: boots a microVM"]
@@ -52,6 +52,61 @@ async fn two_vms_with_two_vcpus_run_at_once() {
             vm.logs()
         );
     }
+}
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM"]
+async fn a_guest_that_stops_answering_is_diagnosed() {
+    let mut vm = TestVm::spawn().await;
+    vm.boot(&Boot {
+        vcpus: 2,
+        ..Boot::default()
+    })
+    .await;
+    vm.wait_for_agent().await;
+
+    // Running: each vCPU thread answers its kick with where it is.
+    let running = vm.api().get_vcpus().await.unwrap();
+    assert_eq!(running.len(), 2, "{running:?}");
+    for (i, vcpu) in running.iter().enumerate() {
+        assert_eq!(usize::from(vcpu.id), i);
+        assert!(
+            matches!(vcpu.phase, VcpuPhase::InGuest | VcpuPhase::InVmm),
+            "{vcpu}"
+        );
+        assert!(vcpu.exits > 0, "{vcpu}");
+        assert!(
+            vcpu.registers.as_deref().unwrap_or("").contains("rip="),
+            "{vcpu}"
+        );
+        assert!(vcpu.mp_state.is_some(), "{vcpu}");
+    }
+
+    // The debug hook: the guest stopped under the agent, as a hung guest
+    // looks from the host. The bounded wait fails with the diagnostics.
+    vm.api().pause().await.unwrap();
+    let err = vm
+        .wait_for_agent_within(Duration::from_secs(5))
+        .await
+        .expect_err("a paused guest's agent does not answer")
+        .to_string();
+    let last_console_line = vm.console().lines().last().unwrap_or_default().to_owned();
+    for part in [
+        "the guest agent's health check did not happen within 5s",
+        "--- console (tail) ---",
+        last_console_line.as_str(),
+        "--- vmm log (tail) ---",
+        "vcpu0: Paused",
+        "vcpu1: Paused",
+        "--- VMM threads",
+        " vcpu1 ",
+        "--- host kernel messages (tail) ---",
+        "--- end of diagnostics ---",
+    ] {
+        assert!(err.contains(part), "no {part:?} in:\n{err}");
+    }
+    // Paused vCPUs still answer with their registers.
+    assert!(err.contains("mp_state"), "{err}");
 }
 
 #[tokio::test]

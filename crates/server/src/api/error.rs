@@ -44,9 +44,36 @@ impl From<SandboxError> for ApiError {
             SandboxError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
+        let message = e.to_string();
         if status == StatusCode::INTERNAL_SERVER_ERROR {
-            tracing::error!("{e}");
+            // The whole error, with a stuck guest's diagnostics (console,
+            // VMM threads, host kernel messages), is for the node's log;
+            // the client gets what failed, not the host's insides.
+            tracing::error!("{message}");
+            let first = message.lines().next().unwrap_or_default();
+            return ApiError::new(status, format!("{first} (details in the node's log)"));
         }
-        ApiError::new(status, e.to_string())
+        ApiError::new(status, message)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_internal_error_answers_its_first_line_and_logs_the_rest() {
+        let e = SandboxError::Unavailable("unused".into());
+        assert_eq!(ApiError::from(e).message, "unused");
+        let stuck = SandboxError::Io {
+            what: "the agent did not answer\n--- host kernel messages ---\nsecret".into(),
+            source: std::io::Error::other("timed out"),
+        };
+        let answer = ApiError::from(stuck);
+        assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(
+            answer.message,
+            "the agent did not answer (details in the node's log)"
+        );
     }
 }

@@ -2,6 +2,7 @@
 //! API socket: spawn it, configure and boot a guest, wait for the guest
 //! agent, stop it. Shared by the CLI, benchmarks and the VMM's lab tests.
 
+pub mod diagnostics;
 mod identity;
 
 use std::fs::File;
@@ -222,6 +223,12 @@ impl VmmProcess {
         std::fs::read_to_string(self.dir.path().join("vmm.log")).unwrap_or_default()
     }
 
+    /// What the VMM and its host look like now, for a guest that stopped
+    /// answering (see [`diagnostics`]).
+    pub async fn diagnostics(&self) -> String {
+        diagnostics::diagnose(self.dir(), self.pid(), &self.api).await
+    }
+
     /// The guest console and the VMM's own log, for error messages.
     pub fn logs(&self) -> String {
         format!(
@@ -357,7 +364,7 @@ impl VmmProcess {
                 return Err(ProcessError::Timeout {
                     what: "the guest agent's health check",
                     waited: timeout,
-                    logs: self.logs(),
+                    logs: self.diagnostics().await,
                 });
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -395,7 +402,7 @@ impl VmmProcess {
                 return Err(ProcessError::Timeout {
                     what: "the VMM's exit",
                     waited: timeout,
-                    logs: self.logs(),
+                    logs: self.diagnostics().await,
                 });
             }
             tokio::time::sleep(Duration::from_millis(20)).await;

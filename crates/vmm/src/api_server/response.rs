@@ -29,5 +29,6 @@ pub(super) fn from_data(data: VmmData) -> Response {
         VmmData::MachineConfig(config) => Json(config).into_response(),
         VmmData::VmConfig(config) => Json(config).into_response(),
         VmmData::Fork(info) => Json(info).into_response(),
+        VmmData::Vcpus(vcpus) => Json(vcpus).into_response(),
     }
 }

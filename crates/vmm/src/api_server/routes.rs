@@ -37,6 +37,7 @@ pub(super) fn router(sender: ApiRequestSender) -> Router {
         .route("/snapshot/create", put(create_snapshot))
         .route("/snapshot/load", put(load_snapshot))
         .route("/fork", put(fork))
+        .route("/vcpus", get(get_vcpus))
         // Firecracker answers both an unknown path and a wrong method with 400.
         .fallback(invalid_method_or_path)
         .method_not_allowed_fallback(invalid_method_or_path)
@@ -144,6 +145,10 @@ body_route!(
 
 async fn get_instance_info(State(sender): State<ApiRequestSender>) -> Response {
     dispatch(&sender, VmmAction::GetInstanceInfo).await
+}
+
+async fn get_vcpus(State(sender): State<ApiRequestSender>) -> Response {
+    dispatch(&sender, VmmAction::GetVcpus).await
 }
 
 async fn get_machine_config(State(sender): State<ApiRequestSender>) -> Response {

@@ -207,6 +207,7 @@ fn answer(vm: &mut ControllerState, action: VmmAction) -> Result<VmmData, VmmAct
             paused_us: 1,
         })),
         VmmAction::LoadSnapshot(_) => Err(VmmActionError::internal("cannot map memory file")),
+        VmmAction::GetVcpus => Ok(VmmData::Vcpus(Vec::new())),
     }
 }
 

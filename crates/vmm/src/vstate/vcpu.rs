@@ -7,12 +7,14 @@
 //! are reported through a callback.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvm_bindings::{KVM_MAX_CPUID_ENTRIES, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
 use kvm_ioctls::{VcpuExit, VcpuFd};
+use vmm_api::{VcpuPhase, VcpuReport};
 use vmm_sys_util::signal::{Killable, register_signal_handler};
 
 use super::vcpu_state::{VcpuState, VcpuStateError};
@@ -43,6 +45,8 @@ enum VcpuRequest {
     Resume,
     /// Capture the state (only served while paused) of these MSRs.
     Save(Arc<Vec<u32>>),
+    /// Read where the vCPU is, for diagnostics, and go on.
+    Describe,
     Exit,
 }
 
@@ -53,6 +57,104 @@ enum VcpuResponse {
     Saved(Box<Result<VcpuState, VcpuStateError>>),
     /// A save was asked of a running vCPU.
     NotPaused,
+    /// `(mp_state, registers)`.
+    Described(String, String),
+}
+
+/// The kinds of `KVM_RUN` returns [`VcpuActivity`] records.
+const EXIT_KINDS: [&str; 11] = [
+    "none",
+    "io_in",
+    "io_out",
+    "mmio_read",
+    "mmio_write",
+    "hlt",
+    "shutdown",
+    "system_event",
+    "fail_entry",
+    "interrupted",
+    "other",
+];
+
+fn exit_kind(exit: &Result<VcpuExit<'_>, kvm_ioctls::Error>) -> u8 {
+    match exit {
+        Ok(VcpuExit::IoIn(..)) => 1,
+        Ok(VcpuExit::IoOut(..)) => 2,
+        Ok(VcpuExit::MmioRead(..)) => 3,
+        Ok(VcpuExit::MmioWrite(..)) => 4,
+        Ok(VcpuExit::Hlt) => 5,
+        Ok(VcpuExit::Shutdown) => 6,
+        Ok(VcpuExit::SystemEvent(..)) => 7,
+        Ok(VcpuExit::FailEntry(..)) => 8,
+        Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => 9,
+        _ => 10,
+    }
+}
+
+/// What a vCPU thread is doing, kept by the thread in atomics so another
+/// thread can read it without stopping the vCPU (a few relaxed stores per
+/// exit).
+struct VcpuActivity {
+    started: Instant,
+    phase: AtomicU8,
+    exits: AtomicU64,
+    last_exit: AtomicU8,
+    /// Milliseconds after `started`, plus one (0: no exit yet).
+    last_exit_at: AtomicU64,
+}
+
+impl VcpuActivity {
+    fn new(paused: bool) -> Self {
+        let phase = if paused {
+            VcpuPhase::Paused
+        } else {
+            VcpuPhase::InVmm
+        };
+        VcpuActivity {
+            started: Instant::now(),
+            phase: AtomicU8::new(phase as u8),
+            exits: AtomicU64::new(0),
+            last_exit: AtomicU8::new(0),
+            last_exit_at: AtomicU64::new(0),
+        }
+    }
+
+    fn set_phase(&self, phase: VcpuPhase) {
+        self.phase.store(phase as u8, Ordering::Relaxed);
+    }
+
+    fn phase(&self) -> VcpuPhase {
+        match self.phase.load(Ordering::Relaxed) {
+            x if x == VcpuPhase::InGuest as u8 => VcpuPhase::InGuest,
+            x if x == VcpuPhase::Paused as u8 => VcpuPhase::Paused,
+            x if x == VcpuPhase::Exited as u8 => VcpuPhase::Exited,
+            _ => VcpuPhase::InVmm,
+        }
+    }
+
+    fn record_exit(&self, kind: u8) {
+        self.set_phase(VcpuPhase::InVmm);
+        self.exits.fetch_add(1, Ordering::Relaxed);
+        self.last_exit.store(kind, Ordering::Relaxed);
+        let at = self.started.elapsed().as_millis() as u64 + 1;
+        self.last_exit_at.store(at, Ordering::Relaxed);
+    }
+
+    fn report(&self, id: u8) -> VcpuReport {
+        let at = self.last_exit_at.load(Ordering::Relaxed);
+        let kind = usize::from(self.last_exit.load(Ordering::Relaxed));
+        VcpuReport {
+            id,
+            phase: self.phase(),
+            exits: self.exits.load(Ordering::Relaxed),
+            last_exit: EXIT_KINDS.get(kind).unwrap_or(&"other").to_string(),
+            ms_since_last_exit: (at > 0)
+                .then(|| (self.started.elapsed().as_millis() as u64 + 1).saturating_sub(at)),
+            mp_state: None,
+            registers: None,
+            error: None,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -170,13 +272,16 @@ impl Vcpu {
         let id = self.id;
         let (request_tx, request_rx) = mpsc::channel();
         let (response_tx, response_rx) = mpsc::channel();
+        let activity = Arc::new(VcpuActivity::new(paused));
+        let thread_activity = activity.clone();
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{id}"))
             .spawn(move || {
-                if paused && !self.stay_paused(&request_rx, &response_tx) {
+                let activity = &thread_activity;
+                if paused && !self.stay_paused(&request_rx, &response_tx, activity) {
                     return;
                 }
-                self.run_loop(&request_rx, &response_tx)
+                self.run_loop(&request_rx, &response_tx, activity)
             })
             .map_err(VcpuError::Spawn)?;
         Ok(VcpuHandle {
@@ -184,25 +289,32 @@ impl Vcpu {
             thread: Some(thread),
             requests: request_tx,
             responses: response_rx,
+            activity,
         })
     }
 
-    fn run_loop(mut self, requests: &Receiver<VcpuRequest>, responses: &Sender<VcpuResponse>) {
+    fn run_loop(
+        mut self,
+        requests: &Receiver<VcpuRequest>,
+        responses: &Sender<VcpuResponse>,
+        activity: &VcpuActivity,
+    ) {
         loop {
-            let exit = match self.run_once() {
+            let exit = match self.run_once(activity) {
                 Ok(None) => continue,
                 Ok(Some(reason)) => Some(reason),
                 Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => None,
                 Err(e) => Some(VcpuExitReason::Error(format!("KVM_RUN failed: {e}"))),
             };
             if let Some(reason) = exit {
+                activity.set_phase(VcpuPhase::Exited);
                 (self.on_exit)(self.id, reason);
                 // Stay parked until told to go, so the VMM can still join us.
                 while !matches!(requests.recv(), Ok(VcpuRequest::Exit) | Err(_)) {}
                 return;
             }
             // Kicked: serve every pending request before running again.
-            if !self.serve_requests(requests, responses) {
+            if !self.serve_requests(requests, responses, activity) {
                 return;
             }
         }
@@ -213,6 +325,7 @@ impl Vcpu {
         &self,
         requests: &Receiver<VcpuRequest>,
         responses: &Sender<VcpuResponse>,
+        activity: &VcpuActivity,
     ) -> bool {
         while let Ok(request) = requests.try_recv() {
             match request {
@@ -223,9 +336,12 @@ impl Vcpu {
                 VcpuRequest::Save(_) => {
                     let _ = responses.send(VcpuResponse::NotPaused);
                 }
+                VcpuRequest::Describe => {
+                    let _ = responses.send(self.describe());
+                }
                 VcpuRequest::Pause => {
                     let _ = responses.send(VcpuResponse::Paused);
-                    if !self.stay_paused(requests, responses) {
+                    if !self.stay_paused(requests, responses, activity) {
                         return false;
                     }
                 }
@@ -240,12 +356,18 @@ impl Vcpu {
         &self,
         requests: &Receiver<VcpuRequest>,
         responses: &Sender<VcpuResponse>,
+        activity: &VcpuActivity,
     ) -> bool {
+        activity.set_phase(VcpuPhase::Paused);
         loop {
             match requests.recv() {
                 Ok(VcpuRequest::Resume) => {
+                    activity.set_phase(VcpuPhase::InVmm);
                     let _ = responses.send(VcpuResponse::Resumed);
                     return true;
+                }
+                Ok(VcpuRequest::Describe) => {
+                    let _ = responses.send(self.describe());
                 }
                 Ok(VcpuRequest::Pause) => {
                     let _ = responses.send(VcpuResponse::Paused);
@@ -257,6 +379,22 @@ impl Vcpu {
                 Ok(VcpuRequest::Exit) | Err(_) => return false,
             }
         }
+    }
+
+    /// KVM's multiprocessing state and the registers, for diagnostics.
+    fn describe(&self) -> VcpuResponse {
+        let mp_state = match self.fd.get_mp_state() {
+            Ok(mp) => match mp.mp_state {
+                kvm_bindings::KVM_MP_STATE_RUNNABLE => "runnable".to_string(),
+                kvm_bindings::KVM_MP_STATE_UNINITIALIZED => "uninitialized".to_string(),
+                kvm_bindings::KVM_MP_STATE_INIT_RECEIVED => "init_received".to_string(),
+                kvm_bindings::KVM_MP_STATE_HALTED => "halted".to_string(),
+                kvm_bindings::KVM_MP_STATE_SIPI_RECEIVED => "sipi_received".to_string(),
+                other => format!("{other}"),
+            },
+            Err(e) => format!("unreadable: {e}"),
+        };
+        VcpuResponse::Described(mp_state, self.describe_state())
     }
 
     /// The registers that tell where a dying guest was, for the log.
@@ -271,8 +409,14 @@ impl Vcpu {
     }
 
     /// Runs the guest until one exit; `Some` when the VM must stop.
-    fn run_once(&mut self) -> Result<Option<VcpuExitReason>, kvm_ioctls::Error> {
-        let exit = match self.fd.run()? {
+    fn run_once(
+        &mut self,
+        activity: &VcpuActivity,
+    ) -> Result<Option<VcpuExitReason>, kvm_ioctls::Error> {
+        activity.set_phase(VcpuPhase::InGuest);
+        let exit = self.fd.run();
+        activity.record_exit(exit_kind(&exit));
+        let exit = match exit? {
             VcpuExit::IoIn(port, data) => {
                 // Unclaimed ports read as zero, as on Firecracker; 0xff would make
                 // Linux spin on the (absent) CMOS clock's update-in-progress bit.
@@ -324,6 +468,7 @@ pub struct VcpuHandle {
     thread: Option<JoinHandle<()>>,
     requests: Sender<VcpuRequest>,
     responses: Receiver<VcpuResponse>,
+    activity: Arc<VcpuActivity>,
 }
 
 /// How long a vCPU may take to acknowledge a request.
@@ -346,10 +491,19 @@ impl VcpuHandle {
         request: VcpuRequest,
         accept: impl Fn(VcpuResponse) -> Option<Result<T, VcpuError>>,
     ) -> Result<T, VcpuError> {
+        self.request_within(request, RESPONSE_TIMEOUT, accept)
+    }
+
+    fn request_within<T>(
+        &self,
+        request: VcpuRequest,
+        timeout: Duration,
+        accept: impl Fn(VcpuResponse) -> Option<Result<T, VcpuError>>,
+    ) -> Result<T, VcpuError> {
         self.requests
             .send(request)
             .map_err(|_| VcpuError::Gone(self.id))?;
-        let deadline = Instant::now() + RESPONSE_TIMEOUT;
+        let deadline = Instant::now() + timeout;
         loop {
             self.kick();
             match self.responses.recv_timeout(KICK_INTERVAL) {
@@ -360,7 +514,7 @@ impl VcpuHandle {
                 }
                 Err(RecvTimeoutError::Disconnected) => return Err(VcpuError::Gone(self.id)),
                 Err(RecvTimeoutError::Timeout) if Instant::now() >= deadline => {
-                    return Err(VcpuError::Timeout(self.id, RESPONSE_TIMEOUT));
+                    return Err(VcpuError::Timeout(self.id, timeout));
                 }
                 Err(RecvTimeoutError::Timeout) => {}
             }
@@ -388,6 +542,27 @@ impl VcpuHandle {
             VcpuResponse::NotPaused => Some(Err(VcpuError::NotPaused(id))),
             _ => None,
         })
+    }
+
+    /// What the vCPU is doing: its thread's counters, and its registers
+    /// when the thread answers a kick within `timeout` (an exited vCPU does
+    /// not). A stale answer to an earlier, timed-out describe is skipped.
+    pub fn report(&self, timeout: Duration) -> VcpuReport {
+        let mut report = self.activity.report(self.id);
+        if report.phase == VcpuPhase::Exited {
+            return report;
+        }
+        match self.request_within(VcpuRequest::Describe, timeout, |r| match r {
+            VcpuResponse::Described(mp, regs) => Some(Ok((mp, regs))),
+            _ => None,
+        }) {
+            Ok((mp_state, registers)) => {
+                report.mp_state = Some(mp_state);
+                report.registers = Some(registers);
+            }
+            Err(e) => report.error = Some(e.to_string()),
+        }
+        report
     }
 
     /// Ends the thread and waits for it.

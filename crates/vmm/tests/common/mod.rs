@@ -7,13 +7,14 @@
 
 #![allow(dead_code)]
 
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use vmm_api::process::{GuestSpec, VmmProcess};
+use vmm_api::process::{GuestSpec, VmmProcess, diagnostics};
 use vmm_api::{Drive, VmmClient};
 
 #[allow(unused_imports)]
@@ -45,7 +46,7 @@ pub struct TestVm {
     finished: Arc<AtomicBool>,
 }
 
-fn start_watchdog(dir: PathBuf) -> Arc<AtomicBool> {
+fn start_watchdog(dir: PathBuf, pid: u32) -> Arc<AtomicBool> {
     let finished = Arc::new(AtomicBool::new(false));
     let flag = finished.clone();
     std::thread::spawn(move || {
@@ -56,12 +57,21 @@ fn start_watchdog(dir: PathBuf) -> Arc<AtomicBool> {
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        let read = |name| std::fs::read_to_string(dir.join(name)).unwrap_or_default();
-        eprintln!(
-            "watchdog: test stuck for {WATCHDOG:?}\n--- console ---\n{}\n--- vmm ---\n{}",
-            read("console.log"),
-            read("vmm.log")
+        let api = VmmClient::new(dir.join("api.sock"));
+        let report = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map(|rt| rt.block_on(diagnostics::diagnose(&dir, pid, &api)))
+            .unwrap_or_else(|e| format!("(no diagnostics: {e})"));
+        // Straight to the process's stderr: the test harness captures what a
+        // test's threads print with eprintln!, and exit() would discard it.
+        let mut stderr = std::io::stderr().lock();
+        let _ = writeln!(
+            stderr,
+            "watchdog: a test is stuck after {WATCHDOG:?} with VMM {pid} in {}\n{report}",
+            dir.display()
         );
+        let _ = stderr.flush();
         std::process::exit(101);
     });
     finished
@@ -120,7 +130,7 @@ impl TestVm {
         let vm = VmmProcess::spawn(Path::new(env!("CARGO_BIN_EXE_sandfork-vmm")))
             .await
             .expect("spawning sandfork-vmm");
-        let finished = start_watchdog(vm.dir().to_owned());
+        let finished = start_watchdog(vm.dir().to_owned(), vm.pid());
         TestVm { vm, finished }
     }
 
@@ -159,6 +169,14 @@ impl TestVm {
             Ok(took) => took,
             Err(e) => panic!("{e}"),
         }
+    }
+
+    /// Polls the agent's health check for at most `timeout`.
+    pub async fn wait_for_agent_within(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<Duration, vmm_api::process::ProcessError> {
+        self.vm.wait_for_agent(timeout).await
     }
 
     /// Waits for the VMM process to end.
