@@ -73,6 +73,11 @@ for t in "${lab_tests[@]}"; do
     fi
 done
 
+echo "== stress: boots, restores, forks and two-VM runs, each bounded" >&2
+# The short version of `sandfork stress` (README, "Hangs"): any hang or
+# failure fails the suite, with the VMs' diagnostics.
+target/debug/sandfork stress --boots 2 --restores 2 --forks 2 --two-vm 2 >/dev/null
+
 echo "== E2B SDK suites against sandfork serve" >&2
 # The real e2b Python and JS SDKs against a real server on real microVMs
 # (inside the lab here): the basic suites, then pause, fork and snapshots.

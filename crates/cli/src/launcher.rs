@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use vmm_api::Drive;
+use vmm_api::agent_client::AgentInit;
 use vmm_api::process::{GuestSpec, VmmProcess};
 
 /// What to boot.
@@ -52,4 +53,12 @@ pub async fn boot_to_agent(
     let mut vm = launch(vmm_binary, image).await?;
     let took = vm.wait_for_agent(timeout).await?;
     Ok((vm, took))
+}
+
+/// Waits for a restored guest's agent and initialises it (clock, entropy),
+/// as every restore or fork must before the guest serves anything.
+pub async fn ready_after_restore(vm: &mut VmmProcess, timeout: Duration) -> Result<()> {
+    vm.wait_for_agent(timeout).await?;
+    vm.agent().init(&AgentInit::after_restore()?).await?;
+    Ok(())
 }

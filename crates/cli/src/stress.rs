@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 use vmm_api::SnapshotType;
-use vmm_api::agent_client::AgentInit;
 use vmm_api::process::{ProcessError, VmmProcess, diagnostics};
 use vmm_api::{ClientError, VmmClient};
 
@@ -98,11 +97,8 @@ fn is_hang(e: &anyhow::Error) -> bool {
     })
 }
 
-/// Waits for a restored guest's agent and initialises it.
 async fn ready(vm: &mut VmmProcess, bound: Duration) -> Result<()> {
-    vm.wait_for_agent(bound).await?;
-    vm.agent().init(&AgentInit::after_restore()?).await?;
-    Ok(())
+    launcher::ready_after_restore(vm, bound).await
 }
 
 /// Runs `echo <word>` in the guest and checks the answer.

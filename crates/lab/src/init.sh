@@ -52,7 +52,7 @@ diagnose() {
     grep -E '^(MemTotal|MemAvailable|Shmem):' /proc/meminfo | tr -s ' ' | tr '\n' ' '
     echo
     echo "--- lab kernel messages (tail)"
-    dmesg | tail -n 60
+    dmesg | tail -n 150
     echo "--- lab threads (pid/tid, name, state, wait channel)"
     for t in /proc/[0-9]*/task/[0-9]*; do
         # Shell built-ins only: a fork per thread is slow under emulation.

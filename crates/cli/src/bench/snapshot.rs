@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use serde_json::{Value, json};
 use vmm_api::SnapshotType;
-use vmm_api::agent_client::AgentInit;
 use vmm_api::process::VmmProcess;
 
 use super::median;
@@ -28,12 +27,8 @@ async fn timed<T>(f: impl std::future::Future<Output = Result<T>>) -> Result<(T,
     Ok((value, ms(start.elapsed())))
 }
 
-/// Waits for a restored guest's agent and initialises it (clock, entropy),
-/// as every restore or fork must before the guest serves anything.
 async fn ready(vm: &mut VmmProcess) -> Result<()> {
-    vm.wait_for_agent(AGENT_TIMEOUT).await?;
-    vm.agent().init(&AgentInit::after_restore()?).await?;
-    Ok(())
+    launcher::ready_after_restore(vm, AGENT_TIMEOUT).await
 }
 
 /// Private resident memory of a process, in MiB (`/proc/<pid>/smaps_rollup`).

@@ -15,8 +15,8 @@ use crate::VmmClient;
 
 /// Lines kept of the console and of the VMM's log.
 const LOG_LINES: usize = 40;
-/// Kernel messages kept.
-const KERNEL_LINES: usize = 30;
+/// Kernel messages kept: enough for a whole oops with its stack.
+pub const KERNEL_LINES: usize = 120;
 /// How long the VMM may take to report its vCPUs.
 const VCPU_REPORT_TIMEOUT: Duration = Duration::from_secs(3);
 

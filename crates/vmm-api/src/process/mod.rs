@@ -424,13 +424,41 @@ impl VmmProcess {
             Process::Child(c) => {
                 if let Ok(None) = c.try_wait() {
                     let _ = c.kill();
-                    let _ = c.wait();
+                    reap_within(c, KILL_REAP_TIMEOUT, self.dir.path());
                 }
             }
             // Its parent (init or a subreaper) reaps it.
             Process::Adopted(id) => id.kill(),
         }
     }
+}
+
+/// How long a killed VMM may take to be gone before its caller stops
+/// waiting for it (and says so): a process stuck in the kernel on its way
+/// out must not hang whoever dropped its handle.
+const KILL_REAP_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Waits for a killed child to end, at most `timeout`; a child that does
+/// not is reported on stderr, with what its threads wait for, and left to
+/// be reaped when this process ends.
+fn reap_within(child: &mut Child, timeout: Duration, dir: &Path) {
+    let start = Instant::now();
+    while start.elapsed() < timeout {
+        if !matches!(child.try_wait(), Ok(None)) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    use std::io::Write as _;
+    let pid = child.id();
+    let _ = writeln!(
+        std::io::stderr(),
+        "vmm-api: VMM {pid} ({}) still exists {timeout:?} after SIGKILL; its threads:\n{}\
+         --- host kernel messages (tail) ---\n{}",
+        dir.display(),
+        diagnostics::threads(pid),
+        diagnostics::kernel_messages(diagnostics::KERNEL_LINES),
+    );
 }
 
 impl Drop for VmmProcess {
