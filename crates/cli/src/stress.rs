@@ -389,3 +389,47 @@ pub fn load_host(threads: usize) {
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn waits_that_ran_out_are_hangs_wrong_answers_are_failures() {
+        let timeout = anyhow::Error::from(ProcessError::Timeout {
+            what: "the guest agent's health check",
+            waited: Duration::from_secs(1),
+            logs: String::new(),
+        })
+        .context("restoring");
+        assert!(is_hang(&timeout));
+        let no_answer = anyhow::Error::from(vmm_api::agent_client::AgentError::Timeout(
+            Duration::from_secs(1),
+        ));
+        assert!(is_hang(&no_answer));
+        assert!(!is_hang(&anyhow::anyhow!("the guest answered \"\"")));
+    }
+
+    #[test]
+    fn a_tally_counts_each_outcome_and_times_only_good_trials() {
+        let mut t = Tally::default();
+        t.add(Outcome::Ok, 30.0);
+        t.add(Outcome::Ok, 10.0);
+        t.add(Outcome::Ok, 20.0);
+        t.add(Outcome::Hung("no result within 4s\ndetails".into()), 4000.0);
+        t.add(Outcome::Failed("wrong answer".into()), 5.0);
+        let j = t.json();
+        assert_eq!(
+            (
+                j["runs"].as_u64(),
+                j["ok"].as_u64(),
+                j["hung"].as_u64(),
+                j["failed"].as_u64()
+            ),
+            (Some(5), Some(3), Some(1), Some(1))
+        );
+        assert_eq!(j["ok_ms_p50"].as_f64(), Some(20.0));
+        assert_eq!(j["ok_ms_max"].as_f64(), Some(30.0));
+        assert_eq!(j["errors"], json!(["no result within 4s", "wrong answer"]));
+    }
+}
