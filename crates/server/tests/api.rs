@@ -569,6 +569,33 @@ async fn pause_resume_and_connect_answer_by_state() {
 }
 
 #[tokio::test]
+async fn diagnostics_need_a_sandbox_whose_vmm_runs_here() {
+    let now = now_ms();
+    let node = node(&[
+        record("run", now, SandboxState::Running, "x"),
+        record("held", now, SandboxState::Paused, "x"),
+    ]);
+    let diagnose = |id: &str| authed("GET", &format!("/v1/sandboxes/{id}/diagnostics"), "");
+    assert_error(
+        &call(&node, diagnose("nosuch")).await,
+        StatusCode::NOT_FOUND,
+    );
+    let paused = call(&node, diagnose("held")).await;
+    assert_error(&paused, StatusCode::CONFLICT);
+    assert!(paused.json["message"].as_str().unwrap().contains("paused"));
+    // A record that says running, with no VMM of it on this node.
+    assert_error(&call(&node, diagnose("run")).await, StatusCode::CONFLICT);
+    let unauthenticated = Request::builder()
+        .uri("/v1/sandboxes/run/diagnostics")
+        .body(Body::empty())
+        .unwrap();
+    assert_error(
+        &call(&node, unauthenticated).await,
+        StatusCode::UNAUTHORIZED,
+    );
+}
+
+#[tokio::test]
 async fn fork_validates_and_needs_a_running_sandbox() {
     let now = now_ms();
     let node = node(&[

@@ -134,6 +134,26 @@ async fn create_run_read_list_kill_through_one_port() {
     // state) and disk come back, the access token stays.
     let (code, _) = run(addr, &routing, "echo kept > /tmp/in-memory").await;
     assert_eq!(code, 0);
+    // What the operator sees of a sandbox that stops answering.
+    let diagnostics = http(
+        addr,
+        "GET",
+        &format!("/v1/sandboxes/{id}/diagnostics"),
+        &auth,
+        "",
+    )
+    .await;
+    assert_eq!(diagnostics.status, 200, "{:?}", diagnostics.body);
+    let text = String::from_utf8_lossy(&diagnostics.body);
+    for part in [
+        "--- console (tail) ---",
+        "--- vCPUs ---",
+        "vcpu0: ",
+        "rip=",
+        "--- VMM threads",
+    ] {
+        assert!(text.contains(part), "no {part:?} in:\n{text}");
+    }
     let t = Instant::now();
     let paused = http(addr, "POST", &format!("/sandboxes/{id}/pause"), &auth, "{}").await;
     assert_eq!(paused.status, 204, "{:?}", paused.body);

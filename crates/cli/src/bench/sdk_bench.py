@@ -25,6 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 SANDBOX_TTL_S = 3600
 # Slow in the lab: one emulated CPU restores every VM.
 REQUEST_TIMEOUT_S = 900.0
+# A sandbox whose `echo` has not answered in this long is stuck, not slow
+# (creates answer in seconds in the lab): the bench says so with the node's
+# diagnostics of it instead of waiting out REQUEST_TIMEOUT_S.
+ANSWER_TIMEOUT_S = 300.0
 # Concurrent creators of the throughput phase (`sdk_creates_per_s_4way`).
 CONCURRENCY = 4
 
@@ -167,7 +171,17 @@ class Bench:
         )
 
     def answer(self, sbx):
-        result = sbx.commands.run("echo ready", request_timeout=REQUEST_TIMEOUT_S)
+        try:
+            result = sbx.commands.run(
+                "echo ready", timeout=ANSWER_TIMEOUT_S, request_timeout=ANSWER_TIMEOUT_S
+            )
+        except Exception as e:
+            log(
+                f"{sbx.sandbox_id} did not answer `echo ready` within {ANSWER_TIMEOUT_S:.0f} s"
+                f" ({type(e).__name__}: {e}); the node's diagnostics of it:\n"
+                f"{node_diagnostics(sbx.sandbox_id)}"
+            )
+            raise
         if result.stdout.strip() != "ready":
             raise RuntimeError(f"{sbx.sandbox_id} answered {result.stdout!r}")
 
@@ -361,6 +375,18 @@ def _sdk_version():
     from importlib.metadata import version
 
     return version("e2b")
+
+
+def node_diagnostics(sandbox_id):
+    """The node's view of a running sandbox's VMM (sandfork's own route)."""
+    import httpx
+
+    url = f"{os.environ['E2B_API_URL']}/v1/sandboxes/{sandbox_id}/diagnostics"
+    try:
+        answer = httpx.get(url, headers={"X-API-KEY": os.environ["E2B_API_KEY"]}, timeout=60)
+        return answer.text
+    except httpx.HTTPError as e:
+        return f"(no diagnostics: {e})"
 
 
 def wait_for_health(url, timeout_s):

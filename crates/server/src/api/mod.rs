@@ -64,6 +64,7 @@ pub fn router(state: Shared) -> Router {
         .route("/sandboxes/{id}/logs", get(observe::logs_v1))
         .route("/v2/sandboxes/{id}/logs", get(observe::logs_v2))
         .route("/v1/node", get(node::node))
+        .route("/v1/sandboxes/{id}/diagnostics", get(observe::diagnostics))
         .route("/templates", post(templates::create).get(templates::list))
         .route(
             "/templates/{id}",

@@ -6,7 +6,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use axum::Json;
 use axum::extract::{Path, State};
-use axum::http::Uri;
+use axum::http::{StatusCode, Uri};
 use serde_json::{Value, json};
 
 use super::sandboxes::check_id;
@@ -42,6 +42,30 @@ async fn refresh(state: &Shared, id: &str) -> Result<(), ApiError> {
         state.manager.observe(id).await;
     }
     Ok(())
+}
+
+/// `GET /v1/sandboxes/{id}/diagnostics` (sandfork's own, for the node's
+/// operator): a running sandbox's VMM diagnostics as text; 404 unknown, 409
+/// when no VMM of it runs.
+pub async fn diagnostics(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+) -> Result<String, ApiError> {
+    check_id(&id)?;
+    let record = state.manager.get(&id)?;
+    let not_running = || {
+        ApiError::new(
+            StatusCode::CONFLICT,
+            format!(
+                "sandbox {id} is {}: no VMM to diagnose",
+                record.state.as_str()
+            ),
+        )
+    };
+    if record.state != SandboxState::Running {
+        return Err(not_running());
+    }
+    state.manager.diagnostics(&id).await.ok_or_else(not_running)
 }
 
 /// `start` and `end` in unix seconds (both optional, both inclusive).

@@ -234,6 +234,17 @@ impl Manager {
         }
     }
 
+    /// What a running sandbox's VMM looks like now (console and VMM log
+    /// tails, vCPUs, threads, the host kernel's messages), for a sandbox
+    /// that stopped answering; None when no VMM of it runs here.
+    pub async fn diagnostics(&self, id: &str) -> Option<String> {
+        let (dir, pid, api) = self
+            .live()
+            .get(id)
+            .map(|l| (l.vm.dir().to_owned(), l.vm.pid(), l.vm.api().clone()))?;
+        Some(vmm_api::process::diagnostics::diagnose(&dir, pid, &api).await)
+    }
+
     /// Samples taken from `from_ms` to `to_ms`, oldest first.
     pub fn samples(&self, id: &str, from_ms: u64, to_ms: u64) -> Vec<Sample> {
         self.observed().get(id).map_or_else(Vec::new, |o| {
