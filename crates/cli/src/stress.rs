@@ -204,7 +204,10 @@ impl Plan<'_> {
                 Kind::TwoVm => self.two_vm(&witness).await,
             }
         };
-        let result = tokio::time::timeout(self.bound * 2, work).await;
+        // Polled through a reference, so that a trial cut off still holds
+        // its VMs (dropping it kills them) while they are diagnosed.
+        let mut work = std::pin::pin!(work);
+        let result = tokio::time::timeout(self.bound * 2, &mut work).await;
         let took = start.elapsed();
         let outcome = match result {
             Ok(Ok(())) => Outcome::Ok,
@@ -228,6 +231,7 @@ impl Plan<'_> {
                 witness.diagnose().await
             )),
         };
+        drop(work);
         (outcome, took)
     }
 

@@ -73,6 +73,21 @@ diagnose() {
     done
 ) &
 
+# A machine that stood still (the emulator did not run it, or its kernel
+# could not take a timer interrupt) says so in its kernel log, where every
+# diagnostics report looks: a 5 s sleep that took far longer.
+(
+    read -r up _ </proc/uptime
+    last=${up%.*}
+    while sleep 5; do
+        read -r up _ </proc/uptime
+        now=${up%.*}
+        [ $((now - last)) -gt 35 ] &&
+            echo "sandfork-lab: this machine stood still for about $((now - last - 5)) s" >/dev/kmsg
+        last=$now
+    done
+) &
+
 job=
 for a in $(cat /proc/cmdline); do
     case "$a" in
