@@ -204,8 +204,9 @@ impl Plan<'_> {
                 Kind::TwoVm => self.two_vm(&witness).await,
             }
         };
-        // Polled through a reference, so that a trial cut off still holds
-        // its VMs (dropping it kills them) while they are diagnosed.
+        // Polled through a pinned reference, so that a trial cut off still
+        // holds its VMs (dropping it kills them) while they are diagnosed;
+        // it is dropped when this function returns.
         let mut work = std::pin::pin!(work);
         let result = tokio::time::timeout(self.bound * 2, &mut work).await;
         let took = start.elapsed();
@@ -231,7 +232,6 @@ impl Plan<'_> {
                 witness.diagnose().await
             )),
         };
-        drop(work);
         (outcome, took)
     }
 
