@@ -462,12 +462,21 @@ impl LabChild {
             }
             out.extend_from_slice(&buf[..n]);
         }
-        // The monitor echoes input with terminal escapes; keep the text.
+        // Leave out the monitor's echo of what was typed (with terminal
+        // escapes) and the floating-point and vector registers.
         String::from_utf8_lossy(&out)
-            .replace("\r", "")
-            .chars()
-            .filter(|c| !c.is_control() || *c == '\n')
-            .collect()
+            .lines()
+            .map(|l| l.trim_end_matches('\r'))
+            .filter(|l| {
+                !["(qemu)", "FCW=", "FPR", "YMM", "XMM", "DR"]
+                    .iter()
+                    .any(|p| l.starts_with(p))
+            })
+            .fold(String::new(), |mut text, l| {
+                text.push_str(l);
+                text.push('\n');
+                text
+            })
     }
 
     /// Asks the machine's init for its state (kernel messages, threads);
