@@ -6,7 +6,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from e2b import Sandbox, SandboxNotFoundException, SandboxQuery, SandboxState
 
-from conftest import RUN_ID, create
+from conftest import RUN_ID, create, wait_until
 
 
 def _all(paginator):
@@ -112,8 +112,17 @@ def test_set_timeout_zero_ends_now():
     try:
         sbx.set_timeout(0)
         assert _gone_soon(sbx), "set_timeout(0) left the sandbox running"
-        with pytest.raises(SandboxNotFoundException):
-            Sandbox.get_info(sbx.sandbox_id)
+
+        # Its record goes when the kill has finished, a moment after envd
+        # stops answering.
+        def not_found():
+            try:
+                Sandbox.get_info(sbx.sandbox_id)
+                return False
+            except SandboxNotFoundException:
+                return True
+
+        wait_until(not_found, timeout=30, what="the ended sandbox to be not found")
     finally:
         Sandbox.kill(sbx.sandbox_id)
 

@@ -8,7 +8,7 @@ import {
   SandboxError,
   SandboxNotFoundError,
 } from 'e2b'
-import { API_URL, RUN_ID, SLOW, TEMPLATE, create, listAll, reapRun } from '../helpers.mjs'
+import { API_URL, RUN_ID, SLOW, TEMPLATE, create, listAll, reapRun, waitUntil } from '../helpers.mjs'
 
 const MISSING = 'sfnosuchsandbox0000'
 
@@ -74,7 +74,13 @@ describe('E2B timeout and validation semantics', SLOW, () => {
     try {
       await sbx.setTimeout(0)
       assert.equal(await gone(sbx), true, 'setTimeout(0) left it running')
-      await assert.rejects(Sandbox.getInfo(sbx.sandboxId), SandboxNotFoundError)
+      // Its record goes when the kill has finished, a moment after envd stops
+      // answering.
+      await waitUntil(
+        () => Sandbox.getInfo(sbx.sandboxId).then(() => false, (e) => e instanceof SandboxNotFoundError),
+        'the ended sandbox to be not found',
+        30_000,
+      )
     } finally {
       await Sandbox.kill(sbx.sandboxId)
     }
