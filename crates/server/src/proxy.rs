@@ -168,6 +168,14 @@ pub fn find_unrouted(
         .map(|(id, _)| id)
 }
 
+/// `/files` with a `signature` and no `X-Access-Token`: a signed file URL.
+fn is_signed_files_request(headers: &HeaderMap, uri: &Uri) -> bool {
+    uri.path() == "/files"
+        && !headers.contains_key("x-access-token")
+        && form_urlencoded::parse(uri.query().unwrap_or("").as_bytes())
+            .any(|(k, v)| k == "signature" && !v.is_empty())
+}
+
 /// Middleware in front of every route: proxies sandbox traffic, passes the rest on.
 pub async fn dispatch(State(state): State<Shared>, req: Request, next: Next) -> Response {
     match route(req.headers(), req.uri()) {
@@ -177,6 +185,13 @@ pub async fn dispatch(State(state): State<Shared>, req: Request, next: Next) -> 
                 state.manager.running_tokens()
             }) {
                 Some(id) => forward(&state, &id, AGENT_PORT, req).await,
+                // A signed file URL no running sandbox signed: envd's answer
+                // to a wrong signature (clients compare the text), not the
+                // node's "no such route".
+                None if is_signed_files_request(req.headers(), req.uri()) => {
+                    let body = serde_json::json!({"code": 401, "message": "invalid signature"});
+                    (StatusCode::UNAUTHORIZED, axum::Json(body)).into_response()
+                }
                 None => next.run(req).await,
             }
         }

@@ -239,7 +239,6 @@ async fn create_validates_its_body() {
         ("/v2/sandboxes", "[]"),
         ("/v2/sandboxes", r#"{"timeout":"long"}"#),
         ("/v2/sandboxes", r#"{"metadata":{"k":1}}"#),
-        ("/v2/sandboxes", r#"{"timeout":0}"#),
         ("/v2/sandboxes", r#"{"timeout":-5}"#),
         ("/sandboxes", r#"{"templateID":"base","timeout":99999999}"#),
         ("/sandboxes", r#"{"envVars":"A=1"}"#),
@@ -411,6 +410,17 @@ async fn timeout_moves_the_end_and_expiry_kills() {
             StatusCode::BAD_REQUEST,
         );
     }
+    // Above the maximum is clamped to it (E2B clamps to the plan's longest
+    // lifetime), not refused.
+    let a = call(
+        &node,
+        authed("POST", "/sandboxes/abc/timeout", r#"{"timeout":99999999}"#),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::NO_CONTENT);
+    let end = node.manager.get("abc").unwrap().end_at_ms;
+    assert!(end <= now_ms() + 24 * 3_600_000, "{end}");
+    assert!(end >= now + 24 * 3_600_000 - 60_000, "{end}");
     // Not yet expired: the reaper leaves it.
     node.manager.reap_expired().await;
     assert!(node.manager.get("abc").is_ok());
@@ -419,6 +429,128 @@ async fn timeout_moves_the_end_and_expiry_kills() {
         .unwrap();
     node.manager.reap_expired().await;
     assert!(node.manager.get("abc").is_err());
+}
+
+#[tokio::test]
+async fn timeout_zero_ends_the_sandbox_now() {
+    let now = now_ms();
+    let node = node(&[record("abc", now, SandboxState::Running, "x")]);
+    let a = call(
+        &node,
+        authed("POST", "/sandboxes/abc/timeout", r#"{"timeout":0}"#),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::NO_CONTENT, "{}", a.json);
+    // E2B ends it at once: no waiting for the reaper's tick (the handler
+    // starts a reap; give it a moment).
+    for _ in 0..100 {
+        if node.manager.get("abc").is_err() {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    panic!("timeout 0 left the sandbox running");
+}
+
+#[tokio::test]
+async fn malformed_requests_are_400_never_auth_errors() {
+    let now = now_ms();
+    let node = node(&[record("abc", now, SandboxState::Running, "x")]);
+    for (method, uri) in [
+        ("POST", "/sandboxes"),
+        ("POST", "/v2/sandboxes"),
+        ("POST", "/sandboxes/abc/timeout"),
+        ("POST", "/sandboxes/abc/refreshes"),
+        ("POST", "/sandboxes/abc/pause"),
+        ("POST", "/sandboxes/abc/resume"),
+        ("POST", "/sandboxes/abc/connect"),
+        ("POST", "/v2/sandboxes/abc/connect"),
+        ("POST", "/sandboxes/abc/fork"),
+        ("POST", "/sandboxes/abc/snapshots"),
+        ("POST", "/templates"),
+    ] {
+        let a = call(&node, authed(method, uri, "{not json")).await;
+        assert_error(&a, StatusCode::BAD_REQUEST);
+    }
+    for uri in [
+        "/v2/sandboxes?limit=0",
+        "/v2/sandboxes?state=gone",
+        "/v2/sandboxes?startedAfter=yesterday",
+        "/v2/sandboxes?order=up",
+        "/v2/sandboxes?nextToken=x",
+    ] {
+        assert_error(
+            &call(&node, authed("GET", uri, "")).await,
+            StatusCode::BAD_REQUEST,
+        );
+    }
+    // Fork's bounds in E2B's order and words (the SDKs map 400 to an
+    // invalid-argument error; a 401 read as a bad key).
+    for (body, message) in [
+        (r#"{"count":0}"#, "Count must be at least 1"),
+        (r#"{"count":-1}"#, "Count must be at least 1"),
+        (r#"{"count":21}"#, "Count cannot be greater than 20"),
+        (
+            r#"{"count":0,"timeout":0}"#,
+            "Timeout must be greater than 0",
+        ),
+    ] {
+        let a = call(&node, authed("POST", "/sandboxes/abc/fork", body)).await;
+        assert_error(&a, StatusCode::BAD_REQUEST);
+        assert_eq!(a.json["message"], message, "{body}");
+    }
+    // Also for a sandbox that does not exist: the body is checked first.
+    let a = call(
+        &node,
+        authed("POST", "/sandboxes/nosuch/fork", r#"{"count":0}"#),
+    )
+    .await;
+    assert_error(&a, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn a_file_url_no_sandbox_signed_is_envds_invalid_signature() {
+    let node = node(&[record("abc", now_ms(), SandboxState::Running, "x")]);
+    for method in ["GET", "POST"] {
+        let req = Request::builder()
+            .method(method)
+            .uri("/files?path=%2Fhome%2Fuser%2Fa&signature=v1_wrong")
+            .body(Body::empty())
+            .unwrap();
+        let a = call(&node, req).await;
+        assert_error(&a, StatusCode::UNAUTHORIZED);
+        assert_eq!(a.json["message"], "invalid signature");
+    }
+}
+
+#[tokio::test]
+async fn list_reads_started_after_as_the_sdks_send_it() {
+    let node = node(&[
+        record("old", 1_767_225_600_000, SandboxState::Running, "x"),
+        record(
+            "new",
+            1_767_225_600_000 + 60_000,
+            SandboxState::Running,
+            "x",
+        ),
+    ]);
+    for query in [
+        // JS: toISOString()
+        "startedAfter=2026-01-01T00%3A00%3A30.000Z",
+        // Python: astimezone().isoformat(), microseconds and an offset
+        "startedAfter=2026-01-01T01%3A00%3A30.000000%2B01%3A00",
+    ] {
+        let a = call(&node, authed("GET", &format!("/v2/sandboxes?{query}"), "")).await;
+        assert_eq!(a.status, StatusCode::OK, "{query}: {}", a.json);
+        let ids: Vec<_> = a
+            .json
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i["sandboxID"].clone())
+            .collect();
+        assert_eq!(ids, ["new"], "{query}");
+    }
 }
 
 #[tokio::test]

@@ -157,3 +157,26 @@ def test_fork_beyond_node_capacity_is_refused_whole(api, sandbox):
     assert after["vcpus"]["used"] <= before["vcpus"]["used"], (before, after)
     assert after["sandboxes"]["starting"] == 0, after
     assert sandbox.is_running()
+
+
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        (b'{"count": 0}', "Count must be at least 1"),
+        (b'{"count": -2}', "Count must be at least 1"),
+        (b'{"count": 21}', "Count cannot be greater than 20"),
+        (b'{"timeout": 0}', "Timeout must be greater than 0"),
+        (b"{not json", None),
+    ],
+)
+def test_malformed_fork_is_400_not_an_auth_error(api, sandbox, body, message):
+    # The Python SDK checks count itself; the wire is what other clients see.
+    r = api.post(
+        f"/sandboxes/{sandbox.sandbox_id}/fork",
+        content=body,
+        headers={"Content-Type": "application/json"},
+    )
+    assert r.status_code == 400, f"{body!r}: {r.status_code} {r.text}"
+    err = _error_body(r)
+    if message:
+        assert err["message"] == message, err

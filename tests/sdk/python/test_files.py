@@ -4,6 +4,7 @@ watch_dir, signed URLs, and a 50 MB upload and download."""
 import hashlib
 import io
 import os
+import time
 
 import httpx
 import pytest
@@ -137,3 +138,36 @@ def test_large_file_upload_and_download(sandbox):
     sandbox.files.write(path, data[: 8 * 1024 * 1024])
     assert sandbox.files.get_info(path).size == 8 * 1024 * 1024
     sandbox.files.remove(path)
+
+
+def test_get_info_of_a_symlink_reports_its_target(sandbox):
+    # E2B's envd: a link to a file is a FILE with symlink_target set.
+    sandbox.files.write(f"{BASE}/links/target.txt", "t")
+    sandbox.commands.run(f"ln -sf {BASE}/links/target.txt {BASE}/links/link")
+    info = sandbox.files.get_info(f"{BASE}/links/link")
+    assert info.type == FileType.FILE, info
+    assert info.symlink_target == f"{BASE}/links/target.txt", info
+    assert info.name == "link"
+    listed = {e.name: e for e in sandbox.files.list(f"{BASE}/links")}
+    assert listed["link"].type == FileType.FILE
+    assert listed["link"].symlink_target == f"{BASE}/links/target.txt"
+
+
+def test_remove_of_a_missing_path_succeeds(sandbox):
+    # E2B's envd removes with os.RemoveAll: nothing there is no error.
+    sandbox.files.remove(f"{BASE}/never-existed")
+    sandbox.files.remove(f"{BASE}/never/existed/either")
+
+
+def test_signed_url_errors_are_envds_texts(sandbox):
+    sandbox.files.write(f"{BASE}/signed-err.txt", "x")
+    down = sandbox.download_url(f"{BASE}/signed-err.txt", use_signature_expiration=1)
+    time.sleep(2.5)
+    r = httpx.get(down, timeout=120)
+    assert r.status_code == 401, r.text
+    assert r.json()["message"] == "signature is already expired"
+    good = sandbox.download_url(f"{BASE}/signed-err.txt")
+    wrong = good.replace("signature=v1_", "signature=v1_x")
+    r = httpx.get(wrong, timeout=120)
+    assert r.status_code == 401, r.text
+    assert r.json()["message"] == "invalid signature"

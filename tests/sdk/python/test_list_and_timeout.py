@@ -6,7 +6,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from e2b import Sandbox, SandboxNotFoundException, SandboxQuery, SandboxState
 
-from conftest import RUN_ID, create
+from conftest import RUN_ID, create, wait_until
 
 
 def _all(paginator):
@@ -96,3 +96,85 @@ def test_set_timeout_moves_end_and_expiry_kills():
         assert items == []
     finally:
         Sandbox.kill(sbx.sandbox_id)
+
+
+def _gone_soon(sbx, within=30):
+    """True once the sandbox no longer runs (E2B ends it at once)."""
+    deadline = time.monotonic() + within
+    while sbx.is_running() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return not sbx.is_running()
+
+
+def test_set_timeout_zero_ends_now():
+    # E2B: 0 is "end now", not an invalid timeout.
+    sbx = create(metadata={"case": "timeout-zero"})
+    try:
+        sbx.set_timeout(0)
+        assert _gone_soon(sbx), "set_timeout(0) left the sandbox running"
+
+        # Its record goes when the kill has finished, a moment after envd
+        # stops answering.
+        def not_found():
+            try:
+                Sandbox.get_info(sbx.sandbox_id)
+                return False
+            except SandboxNotFoundException:
+                return True
+
+        wait_until(not_found, timeout=30, what="the ended sandbox to be not found")
+    finally:
+        Sandbox.kill(sbx.sandbox_id)
+
+
+def test_set_timeout_zero_with_auto_pause_pauses_now():
+    sbx = create(metadata={"case": "timeout-zero-pause"}, lifecycle={"on_timeout": "pause"})
+    try:
+        sbx.set_timeout(0)
+        deadline = time.monotonic() + 120
+        state = None
+        while time.monotonic() < deadline:
+            state = Sandbox.get_info(sbx.sandbox_id).state
+            if state == SandboxState.PAUSED:
+                break
+            time.sleep(1)
+        assert state == SandboxState.PAUSED, f"state {state} after set_timeout(0) with auto-pause"
+    finally:
+        Sandbox.kill(sbx.sandbox_id)
+
+
+def test_create_with_timeout_zero_ends_at_once():
+    sbx = create(metadata={"case": "create-timeout-zero"}, timeout=0)
+    try:
+        assert _gone_soon(sbx), "a sandbox created with timeout=0 kept running"
+    finally:
+        Sandbox.kill(sbx.sandbox_id)
+
+
+def test_set_timeout_above_the_maximum_is_clamped(sandbox):
+    sandbox.set_timeout(10 * 24 * 3600)
+    end = sandbox.get_info().end_at
+    assert end <= datetime.now(timezone.utc) + timedelta(hours=24, minutes=1)
+    sandbox.set_timeout(600)
+
+
+def test_list_started_after(three):
+    meta = {"sdk_run": RUN_ID, "case": "list"}
+    earliest = min(Sandbox.get_info(b.sandbox_id).started_at for b in three)
+    # The SDK sends astimezone().isoformat(): microseconds and a UTC offset;
+    # a naive time is local, an aware one may be in any zone.
+    for after in (
+        earliest - timedelta(seconds=1),
+        (earliest - timedelta(seconds=1)).astimezone(timezone(timedelta(hours=5, minutes=30))),
+        datetime.now() - timedelta(days=1),
+    ):
+        items, _ = _all(Sandbox.list(query=SandboxQuery(metadata=meta, started_after=after)))
+        assert len(items) == 3, f"started_after={after!r} gave {len(items)}"
+    later, _ = _all(
+        Sandbox.list(
+            query=SandboxQuery(metadata=meta, started_after=datetime.now(timezone.utc) + timedelta(hours=1))
+        )
+    )
+    assert later == []
+    by_template, _ = _all(Sandbox.list(query=SandboxQuery(metadata=meta, template="base")))
+    assert len(by_template) == 3

@@ -56,19 +56,20 @@ pub async fn require_token(State(envd): State<Envd>, req: Request, next: Next) -
     let Some(token) = envd.sandbox.access_token() else {
         return next.run(req).await;
     };
-    let ok = match rule(req.method(), req.uri().path()) {
-        Rule::Open => true,
-        Rule::IfPresent => {
-            !req.headers().contains_key(HEADER) || header_token_matches(req.headers(), &token)
+    // The refusals are worded as E2B's envd words them (clients compare them).
+    match rule(req.method(), req.uri().path()) {
+        Rule::Open => next.run(req).await,
+        Rule::IfPresent
+            if req.headers().contains_key(HEADER)
+                && !header_token_matches(req.headers(), &token) =>
+        {
+            unauthorized("access token present in header but does not match")
         }
-        Rule::Required => header_token_matches(req.headers(), &token),
-    };
-    if ok {
-        next.run(req).await
-    } else if req.headers().contains_key(HEADER) {
-        unauthorized("invalid access token")
-    } else {
-        unauthorized("missing access token")
+        Rule::IfPresent => next.run(req).await,
+        Rule::Required if header_token_matches(req.headers(), &token) => next.run(req).await,
+        Rule::Required => unauthorized(
+            "unauthorized access, please provide a valid access token or method signing if supported",
+        ),
     }
 }
 

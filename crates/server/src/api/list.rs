@@ -32,6 +32,7 @@ pub struct ListQuery {
     pub states: Vec<SandboxState>,
     pub limit: usize,
     pub next_token: Option<(u64, String)>,
+    /// Sandboxes started at or after this time (the SDKs' documented meaning).
     pub started_after_ms: Option<u64>,
     pub template: Option<String>,
     pub descending: bool,
@@ -72,6 +73,36 @@ pub fn decode_metadata_filter(value: &str) -> Result<BTreeMap<String, String>, A
     Ok(out)
 }
 
+/// Milliseconds since the epoch of an RFC 3339 time as the SDKs send it:
+/// JS `toISOString()` (`...T09:40:00.123Z`), Python `astimezone().isoformat()`
+/// (`...T10:40:00.123456+01:00`, microseconds and the local offset). A `+`
+/// that reached us unescaped was decoded to a space; it is read as `+`. A
+/// time with no offset is taken as UTC.
+pub fn parse_time_ms(value: &str) -> Option<u64> {
+    let value = value.trim();
+    // The offset, if any, follows the time part (after the date's `T`).
+    let time_at = value.find(['T', 't', ' '])?;
+    let (local, offset_secs) = match value[time_at + 1..].find(['+', '-', ' ']) {
+        Some(i) => {
+            let at = time_at + 1 + i;
+            let sign: i64 = if &value[at..=at] == "-" { -1 } else { 1 };
+            let digits: String = value[at + 1..].chars().filter(|c| *c != ':').collect();
+            if digits.len() != 4 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            let (h, m): (i64, i64) = (digits[..2].parse().ok()?, digits[2..].parse().ok()?);
+            if h > 23 || m > 59 {
+                return None;
+            }
+            (&value[..at], sign * (h * 3600 + m * 60))
+        }
+        None => (value, 0),
+    };
+    let local = humantime::parse_rfc3339_weak(local.trim_end_matches(['Z', 'z'])).ok()?;
+    let local_ms = local.duration_since(UNIX_EPOCH).ok()?.as_millis() as i64;
+    u64::try_from(local_ms - offset_secs * 1000).ok()
+}
+
 fn token(r: &SandboxRecord) -> String {
     format!("{}.{}", r.started_at_ms, r.id)
 }
@@ -105,13 +136,11 @@ impl ListQuery {
                 "limit" => q.limit = parse_limit(&value)?,
                 "nextToken" if !value.is_empty() => q.next_token = Some(parse_token(&value)?),
                 "startedAfter" if !value.is_empty() => {
-                    let t = humantime::parse_rfc3339_weak(&value).map_err(|_| {
-                        ApiError::bad_request("startedAfter is not an RFC 3339 time")
-                    })?;
-                    q.started_after_ms = Some(
-                        t.duration_since(UNIX_EPOCH)
-                            .map_or(0, |d| d.as_millis() as u64),
-                    );
+                    q.started_after_ms = Some(parse_time_ms(&value).ok_or_else(|| {
+                        ApiError::bad_request(format!(
+                            "startedAfter {value:?} is not an RFC 3339 time"
+                        ))
+                    })?);
                 }
                 "template" if !value.is_empty() => q.template = Some(value.into_owned()),
                 "order" => {
@@ -138,7 +167,7 @@ impl ListQuery {
                 .metadata
                 .iter()
                 .all(|(k, v)| r.metadata.get(k) == Some(v))
-            && self.started_after_ms.is_none_or(|t| r.started_at_ms > t)
+            && self.started_after_ms.is_none_or(|t| r.started_at_ms >= t)
             && self
                 .template
                 .as_ref()
@@ -194,6 +223,38 @@ mod tests {
     }
 
     #[test]
+    fn started_after_reads_the_times_both_sdks_send() {
+        // 2026-01-01T00:00:00Z
+        let base = 1_767_225_600_000;
+        for (text, ms) in [
+            ("2026-01-01T00:00:00.123Z", base + 123),
+            ("2026-01-01T00:00:00Z", base),
+            ("2026-01-01T01:00:00.123456+01:00", base + 123),
+            ("2025-12-31T19:30:00-04:30", base),
+            ("2026-01-01T00:00:00.5+0000", base + 500),
+            // an unescaped `+` the query decoding made a space
+            ("2026-01-01T02:00:00 02:00", base),
+            ("2026-01-01T00:00:00", base),
+        ] {
+            assert_eq!(parse_time_ms(text), Some(ms), "{text}");
+        }
+        for bad in [
+            "yesterday",
+            "2026-01-01T00:00:00+1",
+            "2026-01-01T00:00:00+25:00",
+            "",
+        ] {
+            assert_eq!(parse_time_ms(bad), None, "{bad}");
+        }
+        // Through the query, as Python's httpx encodes it.
+        let q = ListQuery::parse(Some(
+            "startedAfter=2026-01-01T01%3A00%3A00.000001%2B01%3A00",
+        ))
+        .unwrap();
+        assert_eq!(q.started_after_ms, Some(base));
+    }
+
+    #[test]
     fn metadata_filter_is_decoded_the_way_e2b_does() {
         // What the Python SDK sends for {"k": "v w"}: `metadata=k%3Dv%252520w`.
         let q = ListQuery::parse(Some("metadata=k%3Dv%252520w")).unwrap();
@@ -240,7 +301,10 @@ mod tests {
         assert_eq!(next, None);
         let q = ListQuery::parse(Some("template=other")).unwrap();
         assert!(q.page(all.clone()).0.is_empty());
+        // "at or after", as the SDKs document it.
         let q = ListQuery::parse(Some("startedAfter=1970-01-01T00:00:00.001Z")).unwrap();
+        assert_eq!(q.page(all.clone()).0.len(), 3);
+        let q = ListQuery::parse(Some("startedAfter=1970-01-01T00:00:00.002Z")).unwrap();
         assert_eq!(q.page(all).0.len(), 2);
     }
 

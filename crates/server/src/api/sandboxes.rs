@@ -38,20 +38,50 @@ fn rfc3339(ms: u64) -> String {
     humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
 }
 
+/// A sandbox lifetime as create and `POST /sandboxes/{id}/timeout` take it:
+/// 0 is allowed and means "end now" (E2B: the sandbox is killed, or paused
+/// with `autoPause`, as soon as the timeout reaper sees it); negative is a
+/// 400 (the spec's minimum is 0).
+fn lifetime_secs(value: i64) -> Result<Duration, ApiError> {
+    u64::try_from(value)
+        .map(Duration::from_secs)
+        .map_err(|_| ApiError::bad_request("Timeout must be greater than or equal to 0"))
+}
+
+/// The lifetime a create asks for: above the node's maximum is E2B's 400.
+fn create_timeout(value: i64, max: Duration) -> Result<Duration, ApiError> {
+    let t = lifetime_secs(value)?;
+    if t > max {
+        return Err(ApiError::bad_request(format!(
+            "Timeout cannot be greater than {} hours",
+            max.as_secs() / 3600
+        )));
+    }
+    Ok(t)
+}
+
+/// The timeout of fork, resume and connect: E2B refuses 0 and below there
+/// ("Timeout must be greater than 0"), as a child or a resumed sandbox that
+/// ends at once is never what a caller means.
 fn timeout_secs(value: i64, max: Duration) -> Result<Duration, ApiError> {
     if value <= 0 {
-        return Err(ApiError::bad_request(
-            "timeout must be a positive number of seconds",
-        ));
+        return Err(ApiError::bad_request("Timeout must be greater than 0"));
     }
     let t = Duration::from_secs(value as u64);
     if t > max {
         return Err(ApiError::bad_request(format!(
-            "timeout must be at most {} seconds",
-            max.as_secs()
+            "Timeout cannot be greater than {} hours",
+            max.as_secs() / 3600
         )));
     }
     Ok(t)
+}
+
+/// Ends sandboxes whose time is up now rather than at the reaper's next
+/// tick, after a request that may have ended one (timeout 0).
+fn reap_soon(state: &Shared) {
+    let manager = state.manager.clone();
+    tokio::spawn(async move { manager.reap_expired().await });
 }
 
 /// The Sandbox object of create, connect and resume answers.
@@ -126,13 +156,17 @@ async fn create(state: Shared, body: Bytes, v2: bool) -> Result<Response, ApiErr
         .unwrap_or_else(|| template::BASE.to_owned());
     let params = CreateParams {
         template_id,
-        timeout: timeout_secs(req.timeout.unwrap_or(default_timeout), max)?,
+        timeout: create_timeout(req.timeout.unwrap_or(default_timeout), max)?,
         metadata: req.metadata.unwrap_or_default(),
         env_vars: req.env_vars.unwrap_or_default(),
         secure: v2 || req.secure.unwrap_or(false),
         auto_pause: req.auto_pause.unwrap_or(false),
     };
+    let ends_now = params.timeout.is_zero();
     let record = state.manager.create(params).await?;
+    if ends_now {
+        reap_soon(&state);
+    }
     Ok((StatusCode::CREATED, Json(sandbox_json(&record))).into_response())
 }
 
@@ -212,8 +246,13 @@ pub async fn set_timeout(
     let secs = req
         .timeout
         .ok_or_else(|| ApiError::bad_request("timeout is required"))?;
-    let timeout = timeout_secs(secs, state.manager.config().max_timeout)?;
+    // Above the node's maximum is clamped to it, as E2B clamps to the
+    // team's longest sandbox lifetime (no error).
+    let timeout = lifetime_secs(secs)?.min(state.manager.config().max_timeout);
     state.manager.set_timeout(&id, timeout)?;
+    if timeout.is_zero() {
+        reap_soon(&state);
+    }
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -225,9 +264,12 @@ struct Refresh {
 
 /// Longest extension one refresh may ask for (E2B's limit).
 const MAX_REFRESH_SECS: u64 = 3600;
+/// E2B's default and shortest refresh (its default sandbox timeout).
+const MIN_REFRESH_SECS: u64 = 15;
 
 /// `POST /sandboxes/{id}/refreshes` `{"duration": s}`: keeps a running
-/// sandbox alive at least `duration` more seconds (never shortens it); 204.
+/// sandbox alive at least `duration` more seconds (never shortens it; at
+/// least 15, E2B's floor, which is also its default); 204.
 pub async fn refresh(
     State(state): State<Shared>,
     Path(id): Path<String>,
@@ -235,7 +277,7 @@ pub async fn refresh(
 ) -> Result<StatusCode, ApiError> {
     check_id(&id)?;
     let req: Refresh = parse_body(&body)?;
-    let secs = req.duration.unwrap_or(0);
+    let secs = req.duration.unwrap_or(MIN_REFRESH_SECS);
     if secs > MAX_REFRESH_SECS {
         return Err(ApiError::bad_request(format!(
             "duration must be at most {MAX_REFRESH_SECS} seconds"
@@ -243,7 +285,7 @@ pub async fn refresh(
     }
     state
         .manager
-        .extend_timeout(&id, std::time::Duration::from_secs(secs))?;
+        .extend_timeout(&id, Duration::from_secs(secs.max(MIN_REFRESH_SECS)))?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -344,16 +386,20 @@ pub async fn fork(
 ) -> Result<Response, ApiError> {
     check_id(&id)?;
     let req: ForkBody = parse_body(&body)?;
-    let count = req.count.unwrap_or(1);
-    if !(1..=MAX_FORK_COUNT).contains(&count) {
-        return Err(ApiError::bad_request(format!(
-            "count must be from 1 to {MAX_FORK_COUNT}"
-        )));
-    }
+    // E2B's order and texts: the timeout, then the count, then the sandbox.
     let timeout = timeout_secs(
         req.timeout.unwrap_or(V2_DEFAULT_TIMEOUT),
         state.manager.config().max_timeout,
     )?;
+    let count = req.count.unwrap_or(1);
+    if count < 1 {
+        return Err(ApiError::bad_request("Count must be at least 1"));
+    }
+    if count > MAX_FORK_COUNT {
+        return Err(ApiError::bad_request(format!(
+            "Count cannot be greater than {MAX_FORK_COUNT}"
+        )));
+    }
     let results = state.manager.fork(&id, count as u32, timeout).await?;
     let body: Vec<Value> = results
         .into_iter()

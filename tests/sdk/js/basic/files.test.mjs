@@ -47,6 +47,34 @@ describe('files', SLOW, () => {
     assert.equal(await sbx.files.exists(d), false)
   })
 
+  test('write several files in one call (one multipart upload)', async () => {
+    const d = `${BASE}/many`
+    const infos = await sbx.files.write([
+      { path: `${d}/one.txt`, data: 'one' },
+      { path: `${d}/deeper/two.bin`, data: new Uint8Array([0, 1, 2, 255]).buffer },
+      { path: 'relative-js.txt', data: 'home' },
+    ])
+    assert.deepEqual(
+      infos.map((i) => i.path),
+      [`${d}/one.txt`, `${d}/deeper/two.bin`, '/home/user/relative-js.txt'],
+    )
+    assert.equal(await sbx.files.read(`${d}/one.txt`), 'one')
+    assert.deepEqual(
+      await sbx.files.read(`${d}/deeper/two.bin`, { format: 'bytes' }),
+      new Uint8Array([0, 1, 2, 255]),
+    )
+    assert.equal(await sbx.files.read('/home/user/relative-js.txt'), 'home')
+  })
+
+  test('getInfo of a symlink, remove of a missing path', async () => {
+    await sbx.files.write(`${BASE}/links/target.txt`, 't')
+    await sbx.commands.run(`ln -sf ${BASE}/links/target.txt ${BASE}/links/link`)
+    const info = await sbx.files.getInfo(`${BASE}/links/link`)
+    assert.equal(info.type, FileType.FILE)
+    assert.equal(info.symlinkTarget, `${BASE}/links/target.txt`)
+    await sbx.files.remove(`${BASE}/never-existed`)
+  })
+
   test('watchDir', async () => {
     const d = `${BASE}/watched`
     await sbx.files.makeDir(d)

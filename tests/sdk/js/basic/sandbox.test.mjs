@@ -8,7 +8,7 @@ import {
   SandboxError,
   SandboxNotFoundError,
 } from 'e2b'
-import { API_URL, RUN_ID, SLOW, TEMPLATE, create, listAll, reapRun } from '../helpers.mjs'
+import { API_URL, RUN_ID, SLOW, TEMPLATE, create, listAll, reapRun, waitUntil } from '../helpers.mjs'
 
 const MISSING = 'sfnosuchsandbox0000'
 
@@ -56,6 +56,69 @@ describe('create and info', SLOW, () => {
       await assert.rejects(Sandbox.getInfo(sbx.sandboxId), SandboxNotFoundError)
     } finally {
       await Sandbox.kill(sbx.sandboxId)
+    }
+  })
+})
+
+describe('E2B timeout and validation semantics', SLOW, () => {
+  const gone = async (sbx, ms = 30_000) => {
+    const deadline = Date.now() + ms
+    while ((await sbx.isRunning()) && Date.now() < deadline) {
+      await new Promise((r) => setTimeout(r, 500))
+    }
+    return !(await sbx.isRunning())
+  }
+
+  test('setTimeout(0) ends the sandbox now', SLOW, async () => {
+    const sbx = await create({ metadata: { case: 'timeout-zero' } })
+    try {
+      await sbx.setTimeout(0)
+      assert.equal(await gone(sbx), true, 'setTimeout(0) left it running')
+      // Its record goes when the kill has finished, a moment after envd stops
+      // answering.
+      await waitUntil(
+        () => Sandbox.getInfo(sbx.sandboxId).then(() => false, (e) => e instanceof SandboxNotFoundError),
+        'the ended sandbox to be not found',
+        30_000,
+      )
+    } finally {
+      await Sandbox.kill(sbx.sandboxId)
+    }
+  })
+
+  test('a fork count below 1 is a 400, not an auth error', SLOW, async () => {
+    const sbx = await create({ metadata: { case: 'fork-count' } })
+    try {
+      for (const count of [0, -1]) {
+        await assert.rejects(
+          Sandbox.fork(sbx.sandboxId, { count }),
+          (e) =>
+            e instanceof SandboxError &&
+            !(e instanceof AuthenticationError) &&
+            e.message.includes('Count must be at least 1'),
+        )
+      }
+    } finally {
+      await sbx.kill()
+    }
+  })
+
+  test('list with startedAfter', SLOW, async () => {
+    const before = new Date(Date.now() - 1000)
+    const sbx = await create({ metadata: { case: 'started-after' } })
+    try {
+      const meta = { sdk_run: RUN_ID, case: 'started-after' }
+      const after = await listAll({ query: { metadata: meta, startedAfter: before } })
+      assert.deepEqual(
+        after.items.map((i) => i.sandboxId),
+        [sbx.sandboxId],
+      )
+      const later = await listAll({
+        query: { metadata: meta, startedAfter: new Date(Date.now() + 3_600_000) },
+      })
+      assert.equal(later.items.length, 0)
+    } finally {
+      await sbx.kill()
     }
   })
 })

@@ -20,13 +20,14 @@ impl Operation {
     }
 }
 
+/// The texts are E2B envd's own: clients compare them.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SignatureError {
-    #[error("missing signature")]
+    #[error("missing signature query parameter")]
     Missing,
     #[error("invalid signature")]
     Invalid,
-    #[error("signature expired")]
+    #[error("signature is already expired")]
     Expired,
     #[error("invalid signature expiration")]
     BadExpiration,

@@ -64,8 +64,8 @@ pub fn entry_info(path: &Path, names: &mut Names) -> io::Result<EntryInfo> {
 pub fn entry_from_metadata(path: &Path, md: &Metadata, names: &mut Names) -> EntryInfo {
     let is_symlink = md.file_type().is_symlink();
     let (file_type, symlink_target) = if is_symlink {
-        // The SDK shows a symlink as such (isSymlink) and uses `type` for what it
-        // points to; a dangling link stays FILE_TYPE_SYMLINK.
+        // E2B's envd answers a link with its target's type and the target in
+        // `symlinkTarget`; a dangling link stays FILE_TYPE_SYMLINK.
         let target_type = std::fs::metadata(path)
             .map(|t| kind(&t))
             .unwrap_or(FileType::Symlink);
@@ -93,7 +93,9 @@ pub fn entry_from_metadata(path: &Path, md: &Metadata, names: &mut Names) -> Ent
         } else {
             read_metadata(path)
         },
-        is_symlink,
+        // E2B's envd never sets isSymlink (newer than its proto); an SDK that
+        // sees it shows the link as SYMLINK instead of its target's type.
+        is_symlink: false,
     }
 }
 
@@ -314,7 +316,8 @@ mod tests {
         let link = dir.path().join("link");
         std::os::unix::fs::symlink(&f, &link).unwrap();
         let l = entry_info(&link, &mut names).unwrap();
-        assert!(l.is_symlink);
+        // As E2B's envd: the target's type, the target, and no isSymlink.
+        assert!(!l.is_symlink);
         assert_eq!(l.file_type, FileType::File);
         assert_eq!(l.name, "link");
         assert!(l.permissions.starts_with('l'));

@@ -105,9 +105,15 @@ fn walk(
     Ok(())
 }
 
-/// Removes a file, a symlink (not its target) or a whole directory tree.
+/// Removes a file, a symlink (not its target) or a whole directory tree. A
+/// path that is not there is removed already: E2B's envd (`os.RemoveAll`)
+/// answers success, and clients rely on it to clean up unconditionally.
 pub fn remove(path: &Path) -> Result<(), FsError> {
-    let md = std::fs::symlink_metadata(path).map_err(|e| FsError::io("stat", path, &e))?;
+    let md = match std::fs::symlink_metadata(path) {
+        Ok(md) => md,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(FsError::io("stat", path, &e)),
+    };
     let removed = if md.is_dir() {
         std::fs::remove_dir_all(path)
     } else {
@@ -194,10 +200,8 @@ mod tests {
         );
         remove(&t.path().join("new")).unwrap();
         assert!(!t.path().join("new").exists());
-        assert_eq!(
-            remove(&t.path().join("new")).unwrap_err().kind,
-            FsErrorKind::NotFound
-        );
+        // Already gone is success, as on E2B.
+        remove(&t.path().join("new")).unwrap();
         // Removing a symlink leaves its target.
         std::fs::write(t.path().join("target"), b"").unwrap();
         std::os::unix::fs::symlink(t.path().join("target"), t.path().join("l")).unwrap();
