@@ -54,13 +54,15 @@ run_lab_tests() {
     fi
 }
 
-# The lab's emulator now and then stands the whole lab machine still for
-# minutes while a two-vCPU guest runs (README, "Hangs": `sandfork stress`
-# measured 1 bad trial in 184 on an idle host, a two-vCPU run each time; the
-# machine's kernel log says "stood still"). A test caught in one fails or
-# overruns with diagnostics; re-run only the tests that failed, once: a real
-# defect fails twice and still fails the suite. A run that ended without
-# naming failures (a lab timeout, the watchdog) is re-run whole.
+# The lab's nested KVM now and then livelocks while a two-vCPU guest runs:
+# the lab machine's kernel reports a soft lockup of the guest's second vCPU
+# thread inside KVM_RUN, and the whole machine stands still for minutes
+# (README, "Hangs"). `sandfork stress` measured it in 2 of 104 two-vCPU
+# trials and 0 of 191 one-vCPU ones (1 of 192 trials on an idle host, 1 of
+# 103 on a loaded one). A test caught in one fails or overruns with
+# diagnostics; re-run only the tests that failed, once: a real defect fails
+# twice and still fails the suite. A run that ended without naming failures
+# (a lab timeout, the watchdog) is re-run whole.
 for t in "${lab_tests[@]}"; do
     log=$(mktemp)
     if run_lab_tests "$t" --ignored --test-threads=1 2>&1 | tee "$log"; [[ ${PIPESTATUS[0]} -eq 0 ]]; then
