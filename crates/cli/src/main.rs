@@ -106,24 +106,8 @@ enum Command {
     Stress {
         #[command(flatten)]
         image: ImageArgs,
-        #[arg(long, default_value_t = 10)]
-        boots: usize,
-        #[arg(long, default_value_t = 10)]
-        restores: usize,
-        /// Forks of a restored VM, each into --fork-children children.
-        #[arg(long, default_value_t = 10)]
-        forks: usize,
-        #[arg(long, default_value_t = 4)]
-        fork_children: usize,
-        /// Runs of two two-vCPU VMs booted at once.
-        #[arg(long, default_value_t = 10)]
-        two_vm: usize,
-        /// Seconds any one wait (agent, exit) may take before it counts as a hang.
-        #[arg(long, default_value_t = 120)]
-        bound: u64,
-        /// Threads that keep the host's CPUs busy meanwhile (outside the lab).
-        #[arg(long, default_value_t = 0)]
-        host_load: usize,
+        #[command(flatten)]
+        args: stress::StressArgs,
     },
     /// Serve the E2B-compatible API and the envd proxy on one port.
     ///
@@ -334,23 +318,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
             eprint!("{}", bench::summary::summary(&report));
             println!("{}", serde_json::to_string(&report)?);
         }
-        Command::Stress {
-            image,
-            boots,
-            restores,
-            forks,
-            fork_children,
-            two_vm,
-            bound,
-            host_load,
-        } => {
-            let bound = Duration::from_secs(bound.max(1));
+        Command::Stress { image, args } => {
             if !image.in_lab {
-                stress::load_host(host_load);
+                stress::load_host(args.host_load);
             }
-            // Room for every trial to use its whole bound twice, and the snapshot.
-            let trials = (boots + restores + forks + two_vm + 1) as u32;
-            if let Some(code) = run_in_lab_if_needed(&image, &[], &[], bound * 2 * trials)? {
+            if let Some(code) = run_in_lab_if_needed(&image, &[], &[], args.longest_run())? {
                 return Ok(code);
             }
             let vmm = image.vmm()?;
@@ -358,16 +330,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let plan = stress::Plan {
                 vmm: &vmm,
                 image: &guest,
-                boots,
-                restores,
-                forks,
-                fork_children,
-                two_vm,
-                bound,
+                args: &args,
             };
             let mut report = runtime.block_on(plan.run())?;
             report["environment"] = serde_json::json!(environment(&image).to_string());
-            report["host_load_threads"] = serde_json::json!(host_load);
             eprintln!(
                 "stress: {} trials, {} failed or hung",
                 report["runs"], report["bad"]

@@ -19,15 +19,45 @@ use crate::bench::median;
 use crate::launcher::{self, GuestImage};
 
 /// How many trials of each kind, and how long each may take.
+#[derive(clap::Args)]
+pub struct StressArgs {
+    #[arg(long, default_value_t = 10)]
+    pub boots: usize,
+    #[arg(long, default_value_t = 10)]
+    pub restores: usize,
+    /// Forks of a restored VM, each into --fork-children children.
+    #[arg(long, default_value_t = 10)]
+    pub forks: usize,
+    #[arg(long, default_value_t = 4)]
+    pub fork_children: usize,
+    /// Runs of two two-vCPU VMs booted at once.
+    #[arg(long, default_value_t = 10)]
+    pub two_vm: usize,
+    /// Seconds any one wait (agent, exit) may take before it counts as a hang.
+    #[arg(long, default_value_t = 120)]
+    pub bound: u64,
+    /// Threads that keep the host's CPUs busy meanwhile (outside the lab).
+    #[arg(long, default_value_t = 0)]
+    pub host_load: usize,
+}
+
+impl StressArgs {
+    pub fn bound(&self) -> Duration {
+        Duration::from_secs(self.bound.max(1))
+    }
+
+    /// Room for every trial to use its whole bound twice, and the snapshot.
+    pub fn longest_run(&self) -> Duration {
+        let trials = self.boots + self.restores + self.forks + self.two_vm + 1;
+        self.bound() * 2 * trials as u32
+    }
+}
+
+/// One stress run: what to boot, and the trials.
 pub struct Plan<'a> {
     pub vmm: &'a Path,
     pub image: &'a GuestImage,
-    pub boots: usize,
-    pub restores: usize,
-    pub forks: usize,
-    pub fork_children: usize,
-    pub two_vm: usize,
-    pub bound: Duration,
+    pub args: &'a StressArgs,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -125,9 +155,9 @@ impl Plan<'_> {
     async fn boot(&self, witness: &Witness) -> Result<()> {
         let mut vm = launcher::launch(self.vmm, self.image).await?;
         witness.watch(&vm);
-        vm.wait_for_agent(self.bound).await?;
+        vm.wait_for_agent(self.args.bound()).await?;
         answers(&vm, "booted").await?;
-        shut_down(&mut vm, self.bound).await
+        shut_down(&mut vm, self.args.bound()).await
     }
 
     async fn restore(&self, snapshot: &Snapshot, witness: &Witness) -> Result<()> {
@@ -135,7 +165,7 @@ impl Plan<'_> {
         witness.watch(&vm);
         vm.load_snapshot(&snapshot.state, &snapshot.mem, true)
             .await?;
-        ready(&mut vm, self.bound).await?;
+        ready(&mut vm, self.args.bound()).await?;
         answers(&vm, "restored").await
     }
 
@@ -145,20 +175,22 @@ impl Plan<'_> {
         parent
             .load_snapshot(&snapshot.state, &snapshot.mem, true)
             .await?;
-        ready(&mut parent, self.bound).await?;
-        let mut children = Vec::with_capacity(self.fork_children);
-        for _ in 0..self.fork_children {
+        ready(&mut parent, self.args.bound()).await?;
+        let mut children = Vec::with_capacity(self.args.fork_children);
+        for _ in 0..self.args.fork_children {
             let child = VmmProcess::spawn(self.vmm).await?;
             witness.watch(&child);
             children.push(child);
         }
         let dir = tempfile::tempdir()?;
-        let info = parent.fork(dir.path(), self.fork_children as u32).await?;
+        let info = parent
+            .fork(dir.path(), self.args.fork_children as u32)
+            .await?;
         let loads = children.iter_mut().enumerate().map(|(i, child)| {
             let info = &info;
             async move {
                 child.load_fork_child(info, i).await?;
-                ready(child, self.bound).await?;
+                ready(child, self.args.bound()).await?;
                 answers(child, &format!("child{i}")).await
             }
         });
@@ -177,7 +209,10 @@ impl Plan<'_> {
         witness.watch(&a);
         let mut b = launcher::launch(self.vmm, &image).await?;
         witness.watch(&b);
-        let (ra, rb) = tokio::join!(a.wait_for_agent(self.bound), b.wait_for_agent(self.bound));
+        let (ra, rb) = tokio::join!(
+            a.wait_for_agent(self.args.bound()),
+            b.wait_for_agent(self.args.bound())
+        );
         ra?;
         rb?;
         for vm in [&a, &b] {
@@ -186,7 +221,10 @@ impl Plan<'_> {
                 bail!("a two-vCPU guest counts {:?} CPUs", out.stdout.trim());
             }
         }
-        let (sa, sb) = tokio::join!(shut_down(&mut a, self.bound), shut_down(&mut b, self.bound));
+        let (sa, sb) = tokio::join!(
+            shut_down(&mut a, self.args.bound()),
+            shut_down(&mut b, self.args.bound())
+        );
         sa.and(sb)
     }
 
@@ -208,7 +246,7 @@ impl Plan<'_> {
         // holds its VMs (dropping it kills them) while they are diagnosed;
         // it is dropped when this function returns.
         let mut work = std::pin::pin!(work);
-        let result = tokio::time::timeout(self.bound * 2, &mut work).await;
+        let result = tokio::time::timeout(self.args.bound() * 2, &mut work).await;
         let took = start.elapsed();
         let outcome = match result {
             Ok(Ok(())) => Outcome::Ok,
@@ -228,7 +266,7 @@ impl Plan<'_> {
             }
             Err(_) => Outcome::Hung(format!(
                 "no result within {:?}\n{}",
-                self.bound * 2,
+                self.args.bound() * 2,
                 witness.diagnose().await
             )),
         };
@@ -236,7 +274,7 @@ impl Plan<'_> {
     }
 
     pub async fn run(&self) -> Result<Value> {
-        if self.fork_children == 0 {
+        if self.args.fork_children == 0 {
             bail!("--fork-children must be at least 1");
         }
         let dir = tempfile::tempdir()?;
@@ -247,20 +285,17 @@ impl Plan<'_> {
             .into_iter()
             .map(|k| (k, Tally::default()))
             .collect();
-        let rounds = self
-            .boots
-            .max(self.restores)
-            .max(self.forks)
-            .max(self.two_vm);
+        let a = self.args;
+        let rounds = a.boots.max(a.restores).max(a.forks).max(a.two_vm);
         // Kinds interleaved round by round, so trouble that comes and goes
         // with time spreads over all of them.
         for round in 0..rounds {
             for (kind, counts) in &mut tally {
                 let wanted = match kind {
-                    Kind::Boot => self.boots,
-                    Kind::Restore => self.restores,
-                    Kind::Fork => self.forks,
-                    Kind::TwoVm => self.two_vm,
+                    Kind::Boot => a.boots,
+                    Kind::Restore => a.restores,
+                    Kind::Fork => a.forks,
+                    Kind::TwoVm => a.two_vm,
                 };
                 if round >= wanted {
                     continue;
@@ -287,7 +322,10 @@ impl Plan<'_> {
                 counts.add(outcome, ms);
             }
         }
-        let mut report = json!({ "bound_s": self.bound.as_secs() });
+        let mut report = json!({
+            "bound_s": self.args.bound().as_secs(),
+            "host_load_threads": self.args.host_load,
+        });
         let (mut runs, mut bad) = (0, 0);
         for (kind, counts) in tally {
             runs += counts.runs();
@@ -313,7 +351,7 @@ struct Snapshot {
 
 impl Snapshot {
     async fn make(plan: &Plan<'_>, dir: &Path) -> Result<Snapshot> {
-        let (vm, _) = launcher::boot_to_agent(plan.vmm, plan.image, plan.bound).await?;
+        let (vm, _) = launcher::boot_to_agent(plan.vmm, plan.image, plan.args.bound()).await?;
         // Let the guest settle, as a template is snapshotted idle.
         tokio::time::sleep(Duration::from_secs(2)).await;
         let snapshot = Snapshot {
