@@ -67,14 +67,7 @@ fn timeout_secs(value: i64, max: Duration) -> Result<Duration, ApiError> {
     if value <= 0 {
         return Err(ApiError::bad_request("Timeout must be greater than 0"));
     }
-    let t = Duration::from_secs(value as u64);
-    if t > max {
-        return Err(ApiError::bad_request(format!(
-            "Timeout cannot be greater than {} hours",
-            max.as_secs() / 3600
-        )));
-    }
-    Ok(t)
+    create_timeout(value, max)
 }
 
 /// Ends sandboxes whose time is up now rather than at the reaper's next
