@@ -7,7 +7,7 @@
 use std::net::SocketAddr;
 
 /// The vsock port envd listens on; the host's envd proxy connects here.
-pub const DEFAULT_VSOCK_PORT: u32 = 49983;
+pub const DEFAULT_VSOCK_PORT: u32 = envd_proto::PORT;
 
 pub const USAGE: &str = "\
 usage: sandfork-agent [--listen-tcp ADDR:PORT] [--vsock-port PORT] [--no-vsock]

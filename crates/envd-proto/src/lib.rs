@@ -22,6 +22,10 @@ pub use error::{Code, ConnectError, EndStream};
 /// mount flag) is implemented. Later envd releases add no client-side gates.
 pub const ENVD_VERSION: &str = "0.6.4";
 
+/// The port envd serves on, in the guest: E2B's `E2b-Sandbox-Port` for envd
+/// traffic and the vsock port the host reaches the guest agent on.
+pub const PORT: u32 = 49983;
+
 /// Content type of unary Connect requests and responses (JSON codec).
 pub const CONTENT_TYPE_UNARY: &str = "application/json";
 /// Content type of streaming Connect requests and responses. Responses must use

@@ -71,6 +71,12 @@ impl ApiKeys {
     }
 }
 
+/// Whether two secrets are equal, in time that depends only on their
+/// lengths (a token's length is not secret: they are all one length).
+pub fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 /// Decides the accepted key. `env_key` (`SANDFORK_API_KEY`) wins; else the
 /// stored hash; else a new key is generated, written to `<data_dir>/api-key`
 /// (0600, written then renamed) and its hash stored. Returns the key file's

@@ -321,6 +321,19 @@ impl Capacity {
         })
     }
 
+    /// The node's capacity as `config` and the host allow (logged).
+    pub fn for_config(config: &crate::config::Config) -> Arc<Capacity> {
+        let limits = Limits::detect(&config.capacity, config.max_sandboxes);
+        tracing::info!(
+            "capacity: {} vCPUs, {} MiB of memory, {} sandboxes, {} MiB of disk kept free",
+            limits.vcpus,
+            limits.memory_mib,
+            limits.sandboxes,
+            limits.min_free_disk_mib
+        );
+        Capacity::new(limits, config.data_dir.clone())
+    }
+
     fn held_lock(&self) -> MutexGuard<'_, Ask> {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -6,6 +6,9 @@ use std::io::Read;
 /// is one DNS label with no `-` (host names are `<port>-<id>.<domain>`).
 pub const SANDBOX_ID_LEN: usize = 20;
 
+/// The id of the node's built-in template.
+pub const BASE_TEMPLATE: &str = "base";
+
 pub fn random_bytes(n: usize) -> std::io::Result<Vec<u8>> {
     let mut buf = vec![0u8; n];
     std::fs::File::open("/dev/urandom")?.read_exact(&mut buf)?;

@@ -7,8 +7,10 @@
 pub mod api;
 pub mod auth;
 pub mod capacity;
+pub mod clock;
 pub mod config;
 pub mod ids;
+pub mod launch;
 pub mod pool;
 pub mod proxy;
 pub mod sandbox;
@@ -77,8 +79,10 @@ impl Server {
         // from a server that stopped (its pool, a create it did not finish).
         sandbox::reclaim_run_dir(&config.run_dir(), &store);
         let pool = pool::Pool::start(config.vmm.clone(), config.run_dir(), config.pool_size);
-        let template = template::ensure_base(&config, &store, &pool).await?;
-        let manager = sandbox::Manager::new(config.clone(), store, pool, template);
+        let capacity = capacity::Capacity::for_config(&config);
+        let template = template::ensure_base(&config, &store, &pool, &capacity).await?;
+        let manager =
+            sandbox::Manager::with_capacity(config.clone(), store, pool, capacity, template);
         manager.recover().await;
         let templates = template::Templates::new(manager.clone());
         if let Err(e) = templates.recover() {

@@ -10,7 +10,6 @@ use axum::http::{StatusCode, Uri};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use hyper_util::rt::TokioIo;
-use vmm_api::process::AGENT_PORT;
 use vmm_api::vsock_connect::VsockConnectError;
 
 use crate::api::Shared;
@@ -89,7 +88,7 @@ pub fn route(headers: &HeaderMap, uri: &Uri) -> Route {
         .get(SANDBOX_PORT_HEADER)
         .and_then(|v| v.to_str().ok())
         .and_then(|p| p.trim().parse().ok())
-        .unwrap_or(AGENT_PORT);
+        .unwrap_or(envd_proto::PORT);
     Route::Sandbox {
         id: id.trim().to_owned(),
         port,
@@ -129,6 +128,37 @@ pub fn file_signature(
     )
 }
 
+/// How the proxy finds a sandbox by its access token: the manager's
+/// in-memory index (a list in tests).
+pub trait SandboxTokens {
+    /// The sandbox taking traffic whose access token is `token`.
+    fn by_token(&self, token: &str) -> Option<String>;
+    /// Every sandbox taking traffic with a token: (id, token).
+    fn all(&self) -> Vec<(String, String)>;
+}
+
+impl SandboxTokens for crate::sandbox::Manager {
+    fn by_token(&self, token: &str) -> Option<String> {
+        self.serving_by_token(token)
+    }
+
+    fn all(&self) -> Vec<(String, String)> {
+        self.serving_tokens()
+    }
+}
+
+impl SandboxTokens for [(String, String)] {
+    fn by_token(&self, token: &str) -> Option<String> {
+        self.iter()
+            .find(|(_, t)| crate::auth::same_secret(t.as_bytes(), token.as_bytes()))
+            .map(|(id, _)| id.clone())
+    }
+
+    fn all(&self) -> Vec<(String, String)> {
+        self.to_vec()
+    }
+}
+
 /// For requests with no routing (older SDKs after `connect`, signed file
 /// URLs under `E2B_SANDBOX_URL`): the sandbox whose access token the request
 /// carries, or whose token signs its `/files` URL.
@@ -136,7 +166,7 @@ pub fn find_unrouted(
     headers: &HeaderMap,
     method: &axum::http::Method,
     uri: &Uri,
-    tokens: impl FnOnce() -> Vec<(String, String)>,
+    tokens: &(impl SandboxTokens + ?Sized),
 ) -> Option<String> {
     if !is_envd_path(uri.path()) {
         return None;
@@ -150,17 +180,14 @@ pub fn find_unrouted(
     if header_token.is_none() && (uri.path() != "/files" || signature.is_none()) {
         return None;
     }
-    let tokens = tokens();
     if let Some(t) = header_token {
-        return tokens
-            .into_iter()
-            .find(|(_, tok)| tok == t)
-            .map(|(id, _)| id);
+        return tokens.by_token(t);
     }
     let (path, username) = (get("path").unwrap_or(""), get("username").unwrap_or(""));
     let expiration = get("signature_expiration").filter(|e| !e.is_empty());
     let write = method == axum::http::Method::POST;
     tokens
+        .all()
         .into_iter()
         .find(|(_, tok)| {
             Some(file_signature(path, write, username, tok, expiration).as_str()) == signature
@@ -181,10 +208,8 @@ pub async fn dispatch(State(state): State<Shared>, req: Request, next: Next) -> 
     match route(req.headers(), req.uri()) {
         Route::Sandbox { id, port } => forward(&state, &id, port, req).await,
         Route::ControlPlane => {
-            match find_unrouted(req.headers(), req.method(), req.uri(), || {
-                state.manager.running_tokens()
-            }) {
-                Some(id) => forward(&state, &id, AGENT_PORT, req).await,
+            match find_unrouted(req.headers(), req.method(), req.uri(), &*state.manager) {
+                Some(id) => forward(&state, &id, envd_proto::PORT, req).await,
                 // A signed file URL no running sandbox signed: envd's answer
                 // to a wrong signature (clients compare the text), not the
                 // node's "no such route".
@@ -434,12 +459,10 @@ mod tests {
 
     #[test]
     fn unrouted_requests_are_found_by_token_or_signature() {
-        let tokens = || {
-            vec![
-                ("aaa".to_string(), "ta".to_string()),
-                ("bbb".to_string(), "tb".to_string()),
-            ]
-        };
+        let tokens = &[
+            ("aaa".to_string(), "ta".to_string()),
+            ("bbb".to_string(), "tb".to_string()),
+        ][..];
         let get = axum::http::Method::GET;
         let post = axum::http::Method::POST;
         let uri = |s: &str| s.parse::<Uri>().unwrap();

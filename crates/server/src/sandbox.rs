@@ -1,24 +1,26 @@
 //! The sandbox manager: create (restore the template into a pooled VMM),
 //! get, list, kill, timeouts. Records live in the store; running VMMs here.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use disk_layers::LayeredDisk;
+use vmm_api::DriveOverride;
+use vmm_api::SnapshotType;
 use vmm_api::agent_client::{AgentError, AgentInit};
-use vmm_api::process::{ProcessError, VmmProcess};
-use vmm_api::{DriveOverride, SnapshotLoadParams, SnapshotType, VsockOverride};
+use vmm_api::process::{ProcessError, Restore};
 
-use crate::capacity::{Ask, Capacity, CapacityError, Limits, Reservation, Shortage};
+use crate::capacity::{Ask, Capacity, CapacityError, Reservation, Shortage};
+use crate::clock::now_ms;
 use crate::config::Config;
 use crate::ids;
+use crate::launch::{self, Guest, Launched, Plan, Ready};
 use crate::pool::Pool;
 use crate::store::{
     PausedSnapshot, SandboxRecord, SandboxState, Store, StoreError, TemplateRecord,
 };
-use crate::template::now_ms;
 
 /// A restored guest answers within this (lab times included).
 const AGENT_TIMEOUT: Duration = Duration::from_secs(120);
@@ -30,12 +32,15 @@ const ROOT_LAYER: &str = "root.layer";
 
 mod fork;
 mod gc;
+mod live;
 mod observe;
 mod recover;
 mod snapshot;
 #[cfg(test)]
 mod tests;
 pub use gc::GcStats;
+pub use live::Phase;
+use live::{Registry, Sandbox};
 pub use observe::{Level, LogLine, Sample};
 pub use recover::reclaim_run_dir;
 pub use snapshot::SnapshotParams;
@@ -138,66 +143,79 @@ pub struct CreateParams {
     pub auto_pause: bool,
 }
 
-/// A running sandbox's VMM and the capacity it holds (given back when
-/// this drops: kill, pause).
-struct Live {
-    vm: VmmProcess,
-    _slot: Reservation,
-}
-
 pub struct Manager {
     config: Config,
     store: Store,
     pool: Arc<Pool>,
     template: TemplateRecord,
-    live: Mutex<HashMap<String, Live>>,
-    /// Sandboxes being paused or resumed: a second change waits its turn (409).
-    changing: Mutex<HashSet<String>>,
+    /// Every sandbox of this node, running or paused (see [`live`]).
+    registry: Mutex<Registry>,
     /// vCPUs, memory and slots held by running sandboxes and by creates,
     /// resumes and fork children under way.
     capacity: Arc<Capacity>,
     /// Templates creates are restoring right now (not yet recorded in a
     /// sandbox): a delete waits for them to finish.
     pins: Mutex<HashMap<String, usize>>,
-    /// Metrics and console lines seen, per sandbox.
-    observed: Mutex<HashMap<String, observe::Observed>>,
     /// Held shared by every change that writes files before its record says
     /// so; the garbage collector runs only when it can hold it alone.
     activity: tokio::sync::RwLock<()>,
 }
 
 impl Manager {
+    /// A manager with the capacity `config` and the host allow.
     pub fn new(
         config: Config,
         store: Store,
         pool: Arc<Pool>,
         template: TemplateRecord,
     ) -> Arc<Manager> {
-        let limits = Limits::detect(&config.capacity, config.max_sandboxes);
-        tracing::info!(
-            "capacity: {} vCPUs, {} MiB of memory, {} sandboxes, {} MiB of disk kept free",
-            limits.vcpus,
-            limits.memory_mib,
-            limits.sandboxes,
-            limits.min_free_disk_mib
-        );
-        let capacity = Capacity::new(limits, config.data_dir.clone());
+        let capacity = Capacity::for_config(&config);
+        Manager::with_capacity(config, store, pool, capacity, template)
+    }
+
+    /// A manager whose sandboxes draw on `capacity` (shared with what
+    /// launched guests before it, such as the base template's build).
+    pub fn with_capacity(
+        config: Config,
+        store: Store,
+        pool: Arc<Pool>,
+        capacity: Arc<Capacity>,
+        template: TemplateRecord,
+    ) -> Arc<Manager> {
         Arc::new(Manager {
             config,
             store,
             pool,
             template,
-            live: Mutex::new(HashMap::new()),
-            changing: Mutex::new(HashSet::new()),
+            registry: Mutex::new(Registry::default()),
             capacity,
             pins: Mutex::new(HashMap::new()),
-            observed: Mutex::new(HashMap::new()),
             activity: tokio::sync::RwLock::new(()),
         })
     }
 
-    fn live(&self) -> std::sync::MutexGuard<'_, HashMap<String, Live>> {
-        self.live.lock().unwrap_or_else(|p| p.into_inner())
+    fn registry(&self) -> std::sync::MutexGuard<'_, Registry> {
+        self.registry.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The sandbox `id` of this node. One recorded but not registered yet
+    /// (recorded by hand, or read before [`Manager::recover`] got to it) is
+    /// registered in its recorded state, without a VMM: a kill removes the
+    /// record before it leaves the registry, so none comes back this way.
+    fn sandbox(&self, id: &str) -> Result<Arc<Sandbox>, SandboxError> {
+        if let Some(sandbox) = self.registry().get(id) {
+            return Ok(sandbox);
+        }
+        let record = self.get(id)?;
+        let phase = match record.state {
+            SandboxState::Running => Phase::Running,
+            SandboxState::Paused => Phase::Paused,
+        };
+        let mut registry = self.registry();
+        registry.insert(Sandbox::new(record.id, record.access_token, phase));
+        registry
+            .get(id)
+            .ok_or_else(|| SandboxError::NotFound(id.to_owned()))
     }
 
     pub fn config(&self) -> &Config {
@@ -220,9 +238,18 @@ impl Manager {
         &self.capacity
     }
 
-    /// Running sandboxes (VMMs up).
+    /// Sandboxes with a VMM up (running, or changing with one).
     pub fn live_count(&self) -> usize {
-        self.live().len()
+        self.registry()
+            .all()
+            .iter()
+            .filter(|s| s.probe().is_some())
+            .count()
+    }
+
+    /// The phase of sandbox `id` on this node.
+    pub fn phase(&self, id: &str) -> Option<Phase> {
+        self.registry().get(id).map(|s| s.phase())
     }
 
     fn sandbox_dir(&self, id: &str) -> PathBuf {
@@ -268,27 +295,59 @@ impl Manager {
         }
     }
 
+    /// Launches `plan` as the guest of the new sandbox `id` (in the registry
+    /// while it starts, so a kill waits for it) and records it with
+    /// `record` once it is up: the one place a new sandbox comes to be
+    /// (creates and fork children).
+    async fn start_sandbox(
+        &self,
+        plan: Plan,
+        record: impl FnOnce(&Launched) -> SandboxRecord,
+        token: Option<String>,
+        id: &str,
+    ) -> Result<SandboxRecord, SandboxError> {
+        let sandbox = Sandbox::new(id.to_owned(), token, Phase::Starting);
+        let mut guest = sandbox.guest.lock().await;
+        if !self.registry().insert(sandbox.clone()) {
+            return Err(SandboxError::Invalid(format!("sandbox id {id} is taken")));
+        }
+        let started = async {
+            let mut launched = launch::launch(&self.pool, plan).await?;
+            let record = record(&launched);
+            self.store.put_sandbox(&record)?;
+            launched.settle_disk();
+            Ok::<_, SandboxError>((launched, record))
+        }
+        .await;
+        match started {
+            Ok((launched, record)) => {
+                sandbox.run(&mut guest, launched)?;
+                Ok(record)
+            }
+            Err(e) => {
+                self.registry().remove(id);
+                sandbox.set_phase(Phase::Gone)?;
+                Err(e)
+            }
+        }
+    }
+
     /// Restores the template into a pooled VMM with a fresh root layer,
     /// initialises its agent and records the sandbox as running.
     pub async fn create(&self, params: CreateParams) -> Result<SandboxRecord, SandboxError> {
         let _busy = self.activity.read().await;
         let (template, _pin) = self.pin_template(&params.template_id)?;
         // Held before the slow restore; given back if the create fails.
-        let slot = self.capacity.reserve(
+        let hold = self.capacity.reserve(
             Ask::sandbox(u64::from(template.vcpus), template.mem_mib),
             "a sandbox",
         )?;
-        let id = ids::sandbox_id().map_err(io("generating a sandbox id"));
-        match id {
-            Ok(id) => {
-                let r = self.create_inner(&id, &template, params, slot).await;
-                if r.is_err() {
-                    let _ = std::fs::remove_dir_all(self.sandbox_dir(&id));
-                }
-                r
-            }
-            Err(e) => Err(e),
+        let id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
+        let r = self.create_inner(&id, &template, params, hold).await;
+        if r.is_err() {
+            let _ = std::fs::remove_dir_all(self.sandbox_dir(&id));
         }
+        r
     }
 
     async fn create_inner(
@@ -296,17 +355,13 @@ impl Manager {
         id: &str,
         template: &TemplateRecord,
         params: CreateParams,
-        mut slot: Reservation,
+        hold: Reservation,
     ) -> Result<SandboxRecord, SandboxError> {
         let dir = self.sandbox_dir(id);
         std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
         let root = dir.join(ROOT_LAYER);
         let (base, top) = (template.root_layer.clone(), root.clone());
         tokio::task::spawn_blocking(move || LayeredDisk::create(&base, &top).map(drop)).await??;
-
-        let vm = self
-            .restore(&template.snapshot, &template.mem, &root, None)
-            .await?;
 
         let access_token = if params.secure {
             Some(ids::token().map_err(io("generating an access token"))?)
@@ -319,99 +374,71 @@ impl Manager {
         let mut init = AgentInit::after_restore()?;
         init.access_token = access_token.clone();
         init.env_vars = Some(env_vars.clone());
-        // A snapshot's agent still holds its source's token until this init.
-        vm.agent()
-            .with_access_token(template.agent_token.as_deref())
-            .init(&init)
-            .await?;
+        let plan = Plan {
+            guest: Guest::Restore(self.restore_onto(&template.snapshot, &template.mem, &root)),
+            // A snapshot's agent still holds its source's token until this init.
+            ready: Ready::Init {
+                init: Box::new(init),
+                token: template.agent_token.clone(),
+            },
+            hold,
+            timeout: AGENT_TIMEOUT,
+        };
 
         let mut uses_snapshots = template.uses_snapshots.clone();
         // Its memory maps the template's file: only base is never deleted.
         if template.id != self.template.id {
             uses_snapshots.push(template.id.clone());
         }
-        let started = now_ms();
-        let record = SandboxRecord {
-            id: id.to_owned(),
-            template_id: template.id.clone(),
-            alias: Some(template.names.first().unwrap_or(&template.id).clone()),
-            metadata: params.metadata,
-            env_vars,
-            access_token,
-            started_at_ms: started,
-            end_at_ms: started + params.timeout.as_millis() as u64,
-            state: SandboxState::Running,
-            cpu_count: u32::from(template.vcpus),
-            memory_mb: template.mem_mib,
-            disk_size_mb: template.disk_size_mb,
-            auto_pause: params.auto_pause,
-            pause_generation: 0,
-            snapshot: None,
-            root_layer: None,
-            has_dependents: false,
-            uses_snapshots,
-            uses_dirs: template
-                .uses_dirs
-                .iter()
-                .cloned()
-                .chain([dir.clone()])
-                .collect(),
-            vmm_dir: Some(vm.dir().to_owned()),
+        let record = |launched: &Launched| {
+            let started = now_ms();
+            SandboxRecord {
+                id: id.to_owned(),
+                template_id: template.id.clone(),
+                alias: Some(template.names.first().unwrap_or(&template.id).clone()),
+                metadata: params.metadata,
+                env_vars,
+                access_token: access_token.clone(),
+                started_at_ms: started,
+                end_at_ms: started + params.timeout.as_millis() as u64,
+                state: SandboxState::Running,
+                cpu_count: u32::from(template.vcpus),
+                memory_mb: template.mem_mib,
+                disk_size_mb: template.disk_size_mb,
+                auto_pause: params.auto_pause,
+                pause_generation: 0,
+                snapshot: None,
+                root_layer: None,
+                has_dependents: false,
+                uses_snapshots,
+                uses_dirs: template
+                    .uses_dirs
+                    .iter()
+                    .cloned()
+                    .chain([dir.clone()])
+                    .collect(),
+                vmm_dir: Some(launched.vm.dir().to_owned()),
+            }
         };
-        self.store.put_sandbox(&record)?;
-        slot.settle_disk();
-        self.live().insert(id.to_owned(), Live { vm, _slot: slot });
-        Ok(record)
+        self.start_sandbox(plan, record, access_token.clone(), id)
+            .await
     }
 
-    /// Loads a snapshot into a pooled VMM with `root` as its root disk and
-    /// waits for the agent; with `init`, initialises it, presenting the
-    /// agent's current access token (else the caller does).
-    async fn restore(
+    /// A snapshot restored with `root` as the root disk.
+    fn restore_onto(
         &self,
         state: &std::path::Path,
         mem: &std::path::Path,
         root: &std::path::Path,
-        init: Option<(&AgentInit, Option<&str>)>,
-    ) -> Result<VmmProcess, SandboxError> {
-        let mut vm = self.pool.take().await?;
-        let mut load = SnapshotLoadParams::from_file(
-            state.display().to_string(),
-            mem.display().to_string(),
-            true,
-        );
-        load.vsock_override = Some(VsockOverride {
-            uds_path: vm.vsock_path().display().to_string(),
-        });
-        load.drive_overrides = vec![DriveOverride {
-            drive_id: self.template.root_drive_id.clone(),
-            path_on_host: root.display().to_string(),
-        }];
-        vm.api()
-            .load_snapshot(&load)
-            .await
-            .map_err(ProcessError::from)?;
-        vm.wait_for_agent(AGENT_TIMEOUT).await?;
-        if let Some((init, token)) = init {
-            vm.agent().with_access_token(token).init(init).await?;
+    ) -> Restore {
+        Restore {
+            state: state.to_owned(),
+            mem: mem.to_owned(),
+            drives: vec![DriveOverride {
+                drive_id: self.template.root_drive_id.clone(),
+                path_on_host: root.display().to_string(),
+            }],
         }
-        Ok(vm)
-    }
-
-    /// Marks `id` as changing state for the guard's lifetime; a conflict when
-    /// it already is.
-    fn claim(&self, id: &str) -> Result<Claim<'_>, SandboxError> {
-        let mut changing = self.changing.lock().unwrap_or_else(|p| p.into_inner());
-        changing
-            .insert(id.to_owned())
-            .then(|| Claim {
-                manager: self,
-                id: id.to_owned(),
-            })
-            .ok_or_else(|| SandboxError::Conflict {
-                id: id.to_owned(),
-                state: "changing state",
-            })
     }
 
     /// Pauses a running sandbox: its memory and devices into a snapshot in
@@ -419,19 +446,26 @@ impl Manager {
     /// flushed, its VMM stopped; the store says `paused` once all is on disk.
     pub async fn pause(&self, id: &str) -> Result<SandboxRecord, SandboxError> {
         let _busy = self.activity.read().await;
-        // Read under the claim: a change that just ended has recorded its state.
-        let _claim = self.claim(id)?;
-        let record = self.get(id)?;
-        if record.state == SandboxState::Paused {
-            return Err(SandboxError::Conflict {
-                id: id.to_owned(),
-                state: "already paused",
-            });
-        }
-        // Out of the map while pausing: the proxy answers "not found" meanwhile.
-        let Some(live) = self.live().remove(id) else {
-            return Err(SandboxError::NotFound(id.to_owned()));
+        let sandbox = self.sandbox(id)?;
+        let Ok(mut guest) = sandbox.guest.try_lock() else {
+            return Err(live::busy(id));
         };
+        match sandbox.phase() {
+            Phase::Running => {}
+            Phase::Paused => {
+                return Err(SandboxError::Conflict {
+                    id: id.to_owned(),
+                    state: "already paused",
+                });
+            }
+            other => return Err(other.refusal(id)),
+        }
+        let record = self.get(id)?;
+        let Some(launched) = guest.as_ref() else {
+            return Err(Phase::Gone.refusal(id));
+        };
+        // The proxy answers "not found" while it pauses.
+        sandbox.set_phase(Phase::Pausing)?;
         let dir = self.sandbox_dir(id);
         let generation = record.pause_generation + 1;
         let snapshot = PausedSnapshot {
@@ -440,13 +474,13 @@ impl Manager {
         };
         // Pausing the devices flushes the root layer (see the VMM's block
         // device), so disk and memory agree.
-        if let Err(e) = live
+        if let Err(e) = launched
             .vm
             .snapshot(SnapshotType::Diff, &snapshot.state, &snapshot.mem)
             .await
         {
-            let _ = live.vm.api().resume().await;
-            self.live().insert(id.to_owned(), live);
+            let _ = launched.vm.resume().await;
+            sandbox.set_phase(Phase::Running)?;
             return Err(e.into());
         }
         // The VMM stays (paused) until the record says paused: a pause that
@@ -471,65 +505,89 @@ impl Manager {
         };
         match committed {
             Ok(Some(paused)) => {
-                drop(live);
+                sandbox.set_phase(Phase::Paused)?;
+                if let Some(launched) = guest.take() {
+                    launched.stop().await;
+                }
                 Ok(paused)
             }
             Ok(None) => Err(SandboxError::NotFound(id.to_owned())),
             Err(e) => {
                 tracing::warn!("sandbox {id}: pause not committed ({e}); resuming it");
-                let _ = live.vm.api().resume().await;
-                self.live().insert(id.to_owned(), live);
+                let _ = launched.vm.resume().await;
+                sandbox.set_phase(Phase::Running)?;
                 Err(e)
             }
         }
     }
 
     /// Resumes a paused sandbox for `timeout`; returns it and whether it was
-    /// paused. A running sandbox only has its timeout extended (never shortened).
+    /// paused. A running sandbox only has its timeout extended (never
+    /// shortened). A resume waits for a change under way, so two resumes
+    /// restore once.
     pub async fn resume(
         &self,
         id: &str,
         timeout: Duration,
     ) -> Result<(SandboxRecord, bool), SandboxError> {
         let end = now_ms() + timeout.as_millis() as u64;
-        if self.get(id)?.state == SandboxState::Running {
+        let sandbox = self.sandbox(id)?;
+        if sandbox.phase() == Phase::Running {
             return Ok((self.extend_to(id, end)?, false));
         }
         let _busy = self.activity.read().await;
-        let _claim = self.claim(id)?;
-        // Read again under the claim: a resume that ran meanwhile has restored
-        // it, and a second restore would run two VMMs on one root layer.
-        let record = self.get(id)?;
-        if record.state == SandboxState::Running {
-            return Ok((self.extend_to(id, end)?, false));
+        let mut guest = sandbox.guest.lock().await;
+        match sandbox.phase() {
+            Phase::Running => return Ok((self.extend_to(id, end)?, false)),
+            Phase::Paused => {}
+            other => return Err(other.refusal(id)),
         }
+        let record = self.get(id)?;
         let Some(snapshot) = record.snapshot.clone() else {
             return Err(SandboxError::NotFound(id.to_owned()));
         };
-        let mut slot = self.capacity.reserve(
-            Ask::sandbox(u64::from(record.cpu_count), record.memory_mb),
-            &format!("resuming sandbox {id}"),
-        )?;
-        let restored = self
-            .restore(
-                &snapshot.state,
-                &snapshot.mem,
-                &self.root_layer(&record),
-                Some((&AgentInit::after_restore()?, record.access_token.as_deref())),
-            )
-            .await;
-        let vm = restored?;
-        let r = self
-            .store
-            .update_sandbox(id, |s| {
-                s.state = SandboxState::Running;
-                s.end_at_ms = end;
-                s.vmm_dir = Some(vm.dir().to_owned());
-            })?
-            .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
-        slot.settle_disk();
-        self.live().insert(id.to_owned(), Live { vm, _slot: slot });
-        Ok((r, true))
+        sandbox.set_phase(Phase::Resuming)?;
+        let restored = async {
+            let hold = self.capacity.reserve(
+                Ask::sandbox(u64::from(record.cpu_count), record.memory_mb),
+                &format!("resuming sandbox {id}"),
+            )?;
+            let plan = Plan {
+                guest: Guest::Restore(self.restore_onto(
+                    &snapshot.state,
+                    &snapshot.mem,
+                    &self.root_layer(&record),
+                )),
+                ready: Ready::Init {
+                    init: Box::new(AgentInit::after_restore()?),
+                    token: record.access_token.clone(),
+                },
+                hold,
+                timeout: AGENT_TIMEOUT,
+            };
+            let mut launched = launch::launch(&self.pool, plan).await?;
+            let r = self
+                .store
+                .update_sandbox(id, |s| {
+                    s.state = SandboxState::Running;
+                    s.end_at_ms = end;
+                    s.vmm_dir = Some(launched.vm.dir().to_owned());
+                })?
+                .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
+            launched.settle_disk();
+            Ok::<_, SandboxError>((launched, r))
+        }
+        .await;
+        match restored {
+            Ok((launched, r)) => {
+                sandbox.run(&mut guest, launched)?;
+                Ok((r, true))
+            }
+            Err(e) => {
+                sandbox.set_phase(Phase::Paused)?;
+                Err(e)
+            }
+        }
     }
 
     /// The writable layer of a sandbox's root disk.
@@ -550,20 +608,40 @@ impl Manager {
         Ok(self.store.sandboxes()?)
     }
 
-    /// Stops the sandbox's VMM and removes its files and record.
+    /// Stops the sandbox's VMM and removes its files and record; waits for
+    /// a change under way to end first.
     pub async fn kill(&self, id: &str) -> Result<(), SandboxError> {
         // The collector must not see the record and then miss its files.
         let _busy = self.activity.read().await;
-        let live = self.live().remove(id);
-        let record = self.store.sandbox(id)?;
-        let existed = self.store.remove_sandbox(id)?;
-        if live.is_none() && !existed {
+        let sandbox = self.registry().get(id);
+        let mut guest = match &sandbox {
+            Some(s) => Some(s.guest.lock().await),
+            None => None,
+        };
+        let mut launched = None;
+        if let (Some(sandbox), Some(guest)) = (&sandbox, guest.as_mut()) {
+            if sandbox.phase() == Phase::Gone {
+                return Err(SandboxError::NotFound(id.to_owned()));
+            }
+            sandbox.set_phase(Phase::Stopping)?;
+            launched = guest.take();
+        }
+        let record = self.store.sandbox(id);
+        let existed = self.store.remove_sandbox(id);
+        if let Some(sandbox) = &sandbox {
+            self.registry().remove(id);
+            sandbox.set_phase(Phase::Gone)?;
+        }
+        drop(guest);
+        // Stopping the process first; then its files can go, unless forks
+        // still read them.
+        if let Some(launched) = launched {
+            launched.stop().await;
+        }
+        let (record, existed) = (record?, existed?);
+        if sandbox.is_none() && !existed {
             return Err(SandboxError::NotFound(id.to_owned()));
         }
-        // Dropping the process kills it; then its files can go, unless forks
-        // still read them.
-        drop(live);
-        self.forget_observed(id);
         if record.is_some_and(|r| r.has_dependents) {
             return Ok(());
         }
@@ -610,37 +688,25 @@ impl Manager {
             .ok_or_else(|| SandboxError::NotFound(id.to_owned()))
     }
 
-    /// Running sandboxes with an access token: (id, token), for the proxy's
-    /// fallbacks when a request names no sandbox.
-    pub fn running_tokens(&self) -> Vec<(String, String)> {
-        let live: HashSet<String> = self.live().keys().cloned().collect();
-        self.store
-            .sandboxes()
-            .unwrap_or_default()
+    /// Sandboxes taking traffic with an access token: (id, token), for the
+    /// proxy's signed-URL fallback when a request names no sandbox.
+    pub fn serving_tokens(&self) -> Vec<(String, String)> {
+        self.registry()
+            .all()
             .into_iter()
-            .filter(|r| live.contains(&r.id))
-            .filter_map(|r| Some((r.id, r.access_token?)))
+            .filter(|s| s.phase().serves())
+            .filter_map(|s| Some((s.id.clone(), s.token.clone()?)))
             .collect()
     }
 
-    /// The vsock socket of a running sandbox, for the envd proxy.
-    pub fn vsock_path(&self, id: &str) -> Option<PathBuf> {
-        self.live().get(id).map(|l| l.vm.vsock_path())
+    /// The sandbox taking traffic whose access token is `token`.
+    pub fn serving_by_token(&self, token: &str) -> Option<String> {
+        let sandbox = self.registry().by_token(token)?;
+        sandbox.phase().serves().then(|| sandbox.id.clone())
     }
-}
 
-/// A sandbox marked as changing state; unmarked on drop.
-struct Claim<'a> {
-    manager: &'a Manager,
-    id: String,
-}
-
-impl Drop for Claim<'_> {
-    fn drop(&mut self) {
-        self.manager
-            .changing
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&self.id);
+    /// The vsock socket of a sandbox taking traffic, for the envd proxy.
+    pub fn vsock_path(&self, id: &str) -> Option<PathBuf> {
+        self.registry().get(id)?.serving_vsock()
     }
 }

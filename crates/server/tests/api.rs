@@ -11,13 +11,14 @@ use http_body_util::BodyExt;
 use serde_json::Value;
 use server::api::{AppState, router};
 use server::auth::ApiKeys;
+use server::clock::now_ms;
 use server::config::Config;
 use server::pool::Pool;
 use server::sandbox::Manager;
 use server::store::{
     BuildRecord, BuildStatus, PausedSnapshot, SandboxRecord, SandboxState, Store, TemplateRecord,
 };
-use server::template::{Templates, now_ms};
+use server::template::Templates;
 use tower::ServiceExt;
 
 mod common;

@@ -16,7 +16,6 @@ use hyper::Request;
 use hyper_util::rt::TokioIo;
 use serde::{Deserialize, Serialize};
 
-use crate::process::AGENT_PORT;
 use crate::vsock_connect::{self, VsockConnectError};
 
 /// Random bytes handed to a guest on init, to reseed its kernel RNG.
@@ -86,6 +85,27 @@ impl AgentInit {
             default_user: None,
         })
     }
+
+    /// This init with its clock read again, if it sets one: an init sent
+    /// after a wait must not set the guest's clock to when it was made.
+    pub fn restamped(&self) -> AgentInit {
+        let mut init = self.clone();
+        if init.timestamp.is_some() {
+            init.timestamp = Some(humantime::format_rfc3339_nanos(SystemTime::now()).to_string());
+        }
+        init
+    }
+}
+
+fn init_answer(status: u16, reply: &[u8]) -> Result<(), AgentError> {
+    if (200..300).contains(&status) {
+        return Ok(());
+    }
+    Err(AgentError::Status {
+        path: "/init".into(),
+        status,
+        body: String::from_utf8_lossy(reply).into(),
+    })
 }
 
 /// Percent-encodes a query value (everything but unreserved characters and `/`).
@@ -183,48 +203,61 @@ impl AgentClient {
         content_type: &str,
         body: Bytes,
     ) -> Result<(u16, Bytes), AgentError> {
+        let exchange = async {
+            let stream = vsock_connect::connect(&self.uds, envd_proto::PORT).await?;
+            self.exchange(stream, method, path, content_type, body)
+                .await
+        };
+        tokio::time::timeout(self.timeout, exchange)
+            .await
+            .map_err(|_| AgentError::Timeout(self.timeout))?
+    }
+
+    /// One request on a stream already connected to the agent.
+    async fn exchange(
+        &self,
+        stream: tokio::net::UnixStream,
+        method: hyper::Method,
+        path: &str,
+        content_type: &str,
+        body: Bytes,
+    ) -> Result<(u16, Bytes), AgentError> {
         use base64::Engine;
         // envd takes the user from the Basic-auth user name.
         let basic = format!(
             "Basic {}",
             base64::engine::general_purpose::STANDARD.encode(format!("{}:", self.user))
         );
-        let exchange = async {
-            let stream = vsock_connect::connect(&self.uds, AGENT_PORT).await?;
-            let (mut sender, connection) =
-                hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-            tokio::spawn(connection);
-            let mut request = Request::builder();
-            if let Some(token) = &self.access_token {
-                request = request.header("x-access-token", token);
-            }
-            let request = request
-                .method(method)
-                .uri(path)
-                .header("host", "agent")
-                .header("content-type", content_type)
-                .header("connect-protocol-version", "1")
-                .header("authorization", &basic)
-                .body(Full::new(body))
-                .map_err(|e| AgentError::Request(e.to_string()))?;
-            let response = sender.send_request(request).await?;
-            let status = response.status().as_u16();
-            let body = Limited::new(response.into_body(), MAX_REPLY)
-                .collect()
-                .await
-                .map_err(|e| match e.downcast::<hyper::Error>() {
-                    Ok(e) => AgentError::Http(*e),
-                    Err(_) => AgentError::TooLarge {
-                        path: path.to_owned(),
-                        max: MAX_REPLY,
-                    },
-                })?
-                .to_bytes();
-            Ok((status, body))
-        };
-        tokio::time::timeout(self.timeout, exchange)
+        let (mut sender, connection) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        tokio::spawn(connection);
+        let mut request = Request::builder();
+        if let Some(token) = &self.access_token {
+            request = request.header("x-access-token", token);
+        }
+        let request = request
+            .method(method)
+            .uri(path)
+            .header("host", "agent")
+            .header("content-type", content_type)
+            .header("connect-protocol-version", "1")
+            .header("authorization", &basic)
+            .body(Full::new(body))
+            .map_err(|e| AgentError::Request(e.to_string()))?;
+        let response = sender.send_request(request).await?;
+        let status = response.status().as_u16();
+        let body = Limited::new(response.into_body(), MAX_REPLY)
+            .collect()
             .await
-            .map_err(|_| AgentError::Timeout(self.timeout))?
+            .map_err(|e| match e.downcast::<hyper::Error>() {
+                Ok(e) => AgentError::Http(*e),
+                Err(_) => AgentError::TooLarge {
+                    path: path.to_owned(),
+                    max: MAX_REPLY,
+                },
+            })?
+            .to_bytes();
+        Ok((status, body))
     }
 
     /// Writes `bytes` to `path` in the guest (`POST /files`, octet-stream), as root.
@@ -292,14 +325,33 @@ impl AgentClient {
     pub async fn init(&self, init: &AgentInit) -> Result<(), AgentError> {
         let body = serde_json::to_vec(init).map_err(|e| AgentError::Request(e.to_string()))?;
         let (status, reply) = self.post("/init", "application/json", body.into()).await?;
-        if !(200..300).contains(&status) {
-            return Err(AgentError::Status {
-                path: "/init".into(),
-                status,
-                body: String::from_utf8_lossy(&reply).into(),
-            });
-        }
-        Ok(())
+        init_answer(status, &reply)
+    }
+
+    /// `POST /init` on `stream`, already connected to the agent (see
+    /// `VmmProcess::init_agent`, whose connection is the readiness probe).
+    pub async fn init_over(
+        &self,
+        stream: tokio::net::UnixStream,
+        init: &AgentInit,
+    ) -> Result<(), AgentError> {
+        let body = serde_json::to_vec(init).map_err(|e| AgentError::Request(e.to_string()))?;
+        let exchange = self.exchange(
+            stream,
+            hyper::Method::POST,
+            "/init",
+            "application/json",
+            body.into(),
+        );
+        let (status, reply) = tokio::time::timeout(self.timeout, exchange)
+            .await
+            .map_err(|_| AgentError::Timeout(self.timeout))??;
+        init_answer(status, &reply)
+    }
+
+    /// The vsock socket this client connects through.
+    pub fn uds(&self) -> &Path {
+        &self.uds
     }
 
     /// Runs `command` under `bash -c` as root (see [`Self::with_user`]) and waits for it to end.

@@ -58,6 +58,10 @@ pub struct DriveOverride {
 pub struct ForkInfo {
     pub snapshot_path: String,
     pub mem_file_path: String,
+    /// The disks the forked VM itself writes to from now on (its old layers
+    /// are sealed under every child): the caller records these, never
+    /// re-derives their names.
+    pub parent: Vec<DriveOverride>,
     /// Per child, in order: the disks to load it with.
     pub children: Vec<Vec<DriveOverride>>,
     /// How long the VM was stopped, in microseconds.

@@ -378,22 +378,20 @@ impl Controller {
             outcome.paused,
             outcome.memory_bytes
         );
+        let overrides = |drives: Vec<(String, PathBuf)>| -> Vec<DriveOverride> {
+            drives
+                .into_iter()
+                .map(|(drive_id, path)| DriveOverride {
+                    drive_id,
+                    path_on_host: path.display().to_string(),
+                })
+                .collect()
+        };
         Ok(VmmData::Fork(ForkInfo {
             snapshot_path: params.snapshot_path.clone(),
             mem_file_path: params.mem_file_path.clone(),
-            children: outcome
-                .children
-                .into_iter()
-                .map(|drives| {
-                    drives
-                        .into_iter()
-                        .map(|(drive_id, path)| DriveOverride {
-                            drive_id,
-                            path_on_host: path.display().to_string(),
-                        })
-                        .collect()
-                })
-                .collect(),
+            parent: overrides(outcome.parent),
+            children: outcome.children.into_iter().map(overrides).collect(),
             paused_us: outcome.paused.as_micros() as u64,
         }))
     }

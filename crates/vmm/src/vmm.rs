@@ -147,21 +147,16 @@ impl Vmm {
         let devices = self.mmio.resume();
         let vcpus = if was_running { self.resume() } else { Ok(()) };
         let paused = watch.stats(0).total;
-        let (children, memory_bytes) = forked?;
+        let mut outcome = forked?;
         devices?;
         vcpus?;
-        Ok(ForkOutcome {
-            children,
-            paused,
-            memory_bytes,
-        })
+        outcome.paused = paused;
+        Ok(outcome)
     }
 
-    #[allow(clippy::type_complexity)]
-    fn fork_paused(
-        &mut self,
-        request: &ForkRequest,
-    ) -> Result<(Vec<Vec<(String, std::path::PathBuf)>>, u64), SnapshotError> {
+    /// The fork's work while everything holds still; the caller fills in
+    /// how long that was.
+    fn fork_paused(&mut self, request: &ForkRequest) -> Result<ForkOutcome, SnapshotError> {
         // Fork from the last snapshot's layers when there are any: only the
         // pages written since then are new.
         let kind = if self.ram.state().layers.is_empty() {
@@ -183,7 +178,17 @@ impl Vmm {
                     .collect()
             })
             .collect();
-        Ok((children, written))
+        let parent = branches
+            .into_iter()
+            .map(|b| (b.drive_id, b.parent))
+            .collect();
+        let outcome = ForkOutcome {
+            parent,
+            children,
+            paused: std::time::Duration::ZERO,
+            memory_bytes: written,
+        };
+        Ok(outcome)
     }
 
     fn capture_and_write(&mut self, request: &SnapshotRequest) -> Result<u64, SnapshotError> {

@@ -308,6 +308,18 @@ async fn fork_children(parent: &TestVm, dir: &Path, n: u32) -> Vec<TestVm> {
         .await
         .unwrap_or_else(|e| panic!("fork: {e}\n{}", parent.logs()));
     eprintln!("fork of {n}: parent paused {} us", fork.paused_us);
+    // The answer names the layers the parent writes to now, beside the
+    // children's: callers record them instead of guessing their names.
+    let drives =
+        |d: &[vmm_api::DriveOverride]| d.iter().map(|d| d.drive_id.clone()).collect::<Vec<_>>();
+    assert!(!fork.parent.is_empty(), "{fork:?}");
+    for d in &fork.parent {
+        let layer = Path::new(&d.path_on_host);
+        assert!(layer.starts_with(dir) && layer.is_file(), "{d:?}");
+    }
+    for child in &fork.children {
+        assert_eq!(drives(child), drives(&fork.parent));
+    }
     for (i, child) in pool.iter_mut().enumerate() {
         child.vm().load_fork_child(&fork, i).await.unwrap();
         child.wait_for_agent().await;

@@ -17,9 +17,6 @@ use serde::de::DeserializeOwned;
 use super::http::{Body, Conn, full, read_body};
 use super::{Node, NodeError, SandboxInfo, escape};
 
-/// The port envd listens on in every sandbox.
-pub const ENVD_PORT: u16 = 49983;
-
 /// A running sandbox's agent.
 #[derive(Clone)]
 pub struct Sandbox {
@@ -54,7 +51,7 @@ impl Sandbox {
             .endpoint
             .request(method, path)
             .header("e2b-sandbox-id", &self.id)
-            .header("e2b-sandbox-port", ENVD_PORT.to_string());
+            .header("e2b-sandbox-port", envd_proto::PORT.to_string());
         if let Some(token) = &self.token {
             req = req.header("x-access-token", token);
         }

@@ -11,9 +11,9 @@ use serde_json::{Value, json};
 
 use super::sandboxes::check_id;
 use super::{ApiError, Shared};
+use crate::clock::now_ms;
 use crate::sandbox::{Level, LogLine, Sample};
 use crate::store::SandboxState;
-use crate::template::now_ms;
 
 /// Most log entries one answer holds (E2B's default and limit).
 pub const MAX_LOGS: usize = 1000;

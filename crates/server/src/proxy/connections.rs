@@ -15,7 +15,6 @@ use axum::body::Body;
 use axum::extract::Request;
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
-use vmm_api::process::AGENT_PORT;
 use vmm_api::vsock_connect::{self, VsockConnectError};
 
 /// Idle connections kept per guest port; more are closed when they finish.
@@ -160,7 +159,7 @@ impl GuestConnections {
 /// A new stream to a guest port: envd's vsock port directly, any other
 /// through the agent's TCP forwarder (servers in the guest listen on TCP).
 async fn open(uds: &Path, port: u32) -> Result<tokio::net::UnixStream, VsockConnectError> {
-    if port == AGENT_PORT {
+    if port == envd_proto::PORT {
         return vsock_connect::connect(uds, port).await;
     }
     match u16::try_from(port) {

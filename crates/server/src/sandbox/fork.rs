@@ -6,14 +6,30 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use vmm_api::ForkInfo;
 use vmm_api::agent_client::AgentInit;
-use vmm_api::process::ProcessError;
+use vmm_api::process::Restore;
 
-use super::{AGENT_TIMEOUT, Live, Manager, SandboxError, io};
+use super::live::{self, Phase};
+use super::{AGENT_TIMEOUT, Manager, SandboxError, io};
 use crate::capacity::{Ask, Reservation};
+use crate::clock::now_ms;
 use crate::ids;
+use crate::launch::{Guest, Plan, Ready};
 use crate::store::{SandboxRecord, SandboxState};
-use crate::template::now_ms;
+
+/// The layer a fork answer says drive `drive` of the forked VM writes to now.
+pub(super) fn new_layer(info: &ForkInfo, drive: &str) -> Result<PathBuf, SandboxError> {
+    info.parent
+        .iter()
+        .find(|d| d.drive_id == drive)
+        .map(|d| PathBuf::from(&d.path_on_host))
+        .ok_or_else(|| {
+            SandboxError::Invalid(format!(
+                "the VMM's fork answer names no new layer for drive {drive}"
+            ))
+        })
+}
 
 impl Manager {
     /// Forks a running sandbox into `count` new ones that continue from its
@@ -28,15 +44,14 @@ impl Manager {
         timeout: Duration,
     ) -> Result<Vec<Result<SandboxRecord, SandboxError>>, SandboxError> {
         let _busy = self.activity.read().await;
-        // Read under the claim: a pause that just ended has recorded it.
-        let _claim = self.claim(id)?;
-        let parent = self.get(id)?;
-        if parent.state != SandboxState::Running {
-            return Err(SandboxError::Conflict {
-                id: id.to_owned(),
-                state: "paused",
-            });
+        let sandbox = self.sandbox(id)?;
+        let Ok(guest) = sandbox.guest.try_lock() else {
+            return Err(live::busy(id));
+        };
+        if sandbox.phase() != Phase::Running {
+            return Err(sandbox.phase().refusal(id));
         }
+        let parent = self.get(id)?;
         // All children or none: they come from one freeze of the parent, and
         // a caller asking for N should not get fewer that happened to fit.
         // Disk: the frozen memory, and room for a pause as a create checks
@@ -57,6 +72,9 @@ impl Manager {
             disk_mib: 0,
             ..child
         };
+        let Some(launched) = guest.as_ref() else {
+            return Err(Phase::Gone.refusal(id));
+        };
         // The fork's files (frozen memory, state, every new root layer) are
         // shared by parent and children, so they live outside any one
         // sandbox's directory.
@@ -67,40 +85,32 @@ impl Manager {
             .join(ids::sandbox_id().map_err(io("generating a fork id"))?);
         std::fs::create_dir_all(&fork_dir)
             .map_err(io(format!("creating {}", fork_dir.display())))?;
-        let info = {
-            let live = self.live();
-            let Some(l) = live.get(id) else {
-                return Err(SandboxError::NotFound(id.to_owned()));
-            };
-            // The VMM client needs no lock held across the await: clone it out.
-            l.vm.api().clone()
-        };
-        let forked = info
-            .fork(&vmm_api::ForkParams {
-                snapshot_path: fork_dir.join("fork.state").display().to_string(),
-                mem_file_path: fork_dir.join("fork.mem").display().to_string(),
-                disk_dir: fork_dir.display().to_string(),
-                children: count,
-            })
-            .await;
-        let info = match forked {
-            Ok(info) => info,
+        sandbox.set_phase(Phase::Forking)?;
+        let forked = launched.vm.fork(&fork_dir, count).await;
+        sandbox.set_phase(Phase::Running)?;
+        let recorded = forked.map_err(SandboxError::from).and_then(|info| {
+            // The parent now writes to its new layer and its old one is
+            // sealed under every child: its directory must outlive it.
+            let parent_root = new_layer(&info, &self.template.root_drive_id)?;
+            let parent = self
+                .store
+                .update_sandbox(id, |s| {
+                    s.root_layer = Some(parent_root);
+                    s.has_dependents = true;
+                    s.uses_dirs.push(fork_dir.clone());
+                })?
+                .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
+            Ok((info, parent))
+        });
+        let (info, parent) = match recorded {
+            Ok(r) => r,
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&fork_dir);
-                return Err(ProcessError::from(e).into());
+                return Err(e);
             }
         };
-        // The parent now writes to the fork's layer 0 and its old layer is
-        // sealed under every child: its directory must outlive it.
-        let parent_root = fork_dir.join(format!("{}.0.layer", self.template.root_drive_id));
-        let Some(parent) = self.store.update_sandbox(id, |s| {
-            s.root_layer = Some(parent_root);
-            s.has_dependents = true;
-            s.uses_dirs.push(fork_dir.clone());
-        })?
-        else {
-            return Err(SandboxError::NotFound(id.to_owned()));
-        };
+        // The children start without the parent: it may change meanwhile.
+        drop(guest);
 
         let mut tasks = tokio::task::JoinSet::new();
         for index in 0..count as usize {
@@ -138,62 +148,64 @@ impl Manager {
     async fn fork_child(
         &self,
         parent: &SandboxRecord,
-        info: &vmm_api::ForkInfo,
+        info: &ForkInfo,
         index: usize,
         timeout: Duration,
-        slot: Reservation,
+        hold: Reservation,
     ) -> Result<SandboxRecord, SandboxError> {
         let id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
         let dir = self.sandbox_dir(&id);
         std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
         let result = async {
-            let mut vm = self.pool.take().await?;
-            vm.load_fork_child(info, index).await?;
-            vm.wait_for_agent(AGENT_TIMEOUT).await?;
+            let restore = Restore::fork_child(info, index).ok_or_else(|| {
+                SandboxError::Invalid(format!("the VMM's fork answer has no child {index}"))
+            })?;
             let access_token = match parent.access_token {
                 Some(_) => Some(ids::token().map_err(io("generating an access token"))?),
                 None => None,
             };
             let mut init = AgentInit::after_restore()?;
             init.access_token = access_token.clone();
-            // The child's agent still holds the parent's token until this init.
-            vm.agent()
-                .with_access_token(parent.access_token.as_deref())
-                .init(&init)
-                .await?;
-            let root = info
-                .children
-                .get(index)
-                .and_then(|drives| {
-                    drives
-                        .iter()
-                        .find(|d| d.drive_id == self.template.root_drive_id)
-                })
+            let root = restore
+                .drives
+                .iter()
+                .find(|d| d.drive_id == self.template.root_drive_id)
                 .map(|d| PathBuf::from(&d.path_on_host));
-            let started = now_ms();
-            let record = SandboxRecord {
-                id: id.clone(),
-                access_token,
-                started_at_ms: started,
-                end_at_ms: started + timeout.as_millis() as u64,
-                state: SandboxState::Running,
-                pause_generation: 0,
-                snapshot: None,
-                root_layer: root,
-                has_dependents: false,
-                uses_dirs: parent
-                    .uses_dirs
-                    .iter()
-                    .cloned()
-                    .chain([dir.clone()])
-                    .collect(),
-                vmm_dir: Some(vm.dir().to_owned()),
-                // and the parent's `uses_snapshots`: its memory is below this fork's
-                ..parent.clone()
+            let plan = Plan {
+                guest: Guest::Restore(restore),
+                // The child's agent still holds the parent's token until this init.
+                ready: Ready::Init {
+                    init: Box::new(init),
+                    token: parent.access_token.clone(),
+                },
+                hold,
+                timeout: AGENT_TIMEOUT,
             };
-            self.store.put_sandbox(&record)?;
-            self.live().insert(id.clone(), Live { vm, _slot: slot });
-            Ok(record)
+            let record = |launched: &crate::launch::Launched| {
+                let started = now_ms();
+                SandboxRecord {
+                    id: id.clone(),
+                    access_token: access_token.clone(),
+                    started_at_ms: started,
+                    end_at_ms: started + timeout.as_millis() as u64,
+                    state: SandboxState::Running,
+                    pause_generation: 0,
+                    snapshot: None,
+                    root_layer: root,
+                    has_dependents: false,
+                    uses_dirs: parent
+                        .uses_dirs
+                        .iter()
+                        .cloned()
+                        .chain([dir.clone()])
+                        .collect(),
+                    vmm_dir: Some(launched.vm.dir().to_owned()),
+                    // and the parent's `uses_snapshots`: its memory is below this fork's
+                    ..parent.clone()
+                }
+            };
+            self.start_sandbox(plan, record, access_token.clone(), &id)
+                .await
         }
         .await;
         if result.is_err() {

@@ -12,7 +12,7 @@ use std::time::Duration;
 use vmm_api::agent_client::AgentMetrics;
 
 use super::Manager;
-use crate::template::now_ms;
+use crate::clock::now_ms;
 
 /// How often running sandboxes are sampled.
 const SAMPLE_EVERY: Duration = Duration::from_secs(5);
@@ -178,17 +178,19 @@ impl Observed {
 }
 
 impl Manager {
-    fn observed(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, Observed>> {
-        self.observed.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// Samples every running sandbox every [`SAMPLE_EVERY`].
     pub fn start_observer(self: Arc<Self>) {
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(SAMPLE_EVERY).await;
-                let ids: Vec<String> = self.live().keys().cloned().collect();
-                for id in ids {
+                let serving: Vec<String> = self
+                    .registry()
+                    .all()
+                    .into_iter()
+                    .filter(|s| s.phase().serves())
+                    .map(|s| s.id.clone())
+                    .collect();
+                for id in serving {
                     self.observe(&id).await;
                 }
             }
@@ -197,39 +199,22 @@ impl Manager {
 
     /// Reads a running sandbox's new console lines and one metrics sample.
     pub async fn observe(&self, id: &str) {
-        let token = self
-            .store
-            .sandbox(id)
-            .ok()
-            .flatten()
-            .and_then(|r| r.access_token);
-        let Some((console, agent)) = self.live().get(id).map(|l| {
-            (
-                l.vm.dir().join("console.log"),
-                l.vm.agent()
-                    .with_access_token(token.as_deref())
-                    .with_timeout(SAMPLE_TIMEOUT),
-            )
-        }) else {
+        let Some(sandbox) = self.registry().get(id) else {
             return;
         };
-        self.observed()
-            .entry(id.to_owned())
-            .or_default()
-            .follow(&console, now_ms());
+        let Some(vmm) = sandbox.probe() else {
+            return;
+        };
+        sandbox.observed().follow(&vmm.console_path(), now_ms());
+        let agent = vmm
+            .agent()
+            .with_access_token(sandbox.token.as_deref())
+            .with_timeout(SAMPLE_TIMEOUT);
         match agent.metrics().await {
-            Ok(metrics) => {
-                // Not for a sandbox killed meanwhile.
-                if self.live().contains_key(id) {
-                    self.observed()
-                        .entry(id.to_owned())
-                        .or_default()
-                        .push_sample(Sample {
-                            at_ms: now_ms(),
-                            metrics,
-                        });
-                }
-            }
+            Ok(metrics) => sandbox.observed().push_sample(Sample {
+                at_ms: now_ms(),
+                metrics,
+            }),
             Err(e) => tracing::debug!("sandbox {id}: metrics: {e}"),
         }
     }
@@ -238,17 +223,15 @@ impl Manager {
     /// tails, vCPUs, threads, the host kernel's messages), for a sandbox
     /// that stopped answering; None when no VMM of it runs here.
     pub async fn diagnostics(&self, id: &str) -> Option<String> {
-        let (dir, pid, api) = self
-            .live()
-            .get(id)
-            .map(|l| (l.vm.dir().to_owned(), l.vm.pid(), l.vm.api().clone()))?;
-        Some(vmm_api::process::diagnostics::diagnose(&dir, pid, &api).await)
+        let vmm = self.registry().get(id)?.probe()?;
+        Some(vmm.diagnostics().await)
     }
 
     /// Samples taken from `from_ms` to `to_ms`, oldest first.
     pub fn samples(&self, id: &str, from_ms: u64, to_ms: u64) -> Vec<Sample> {
-        self.observed().get(id).map_or_else(Vec::new, |o| {
-            o.samples
+        self.registry().get(id).map_or_else(Vec::new, |s| {
+            s.observed()
+                .samples
                 .iter()
                 .filter(|s| (from_ms..=to_ms).contains(&s.at_ms))
                 .cloned()
@@ -258,13 +241,9 @@ impl Manager {
 
     /// The console lines kept for `id`, oldest first.
     pub fn log_lines(&self, id: &str) -> Vec<LogLine> {
-        self.observed()
+        self.registry()
             .get(id)
-            .map_or_else(Vec::new, |o| o.lines.iter().cloned().collect())
-    }
-
-    pub(super) fn forget_observed(&self, id: &str) {
-        self.observed().remove(id);
+            .map_or_else(Vec::new, |s| s.observed().lines.iter().cloned().collect())
     }
 }
 

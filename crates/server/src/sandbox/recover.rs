@@ -7,10 +7,12 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use vmm_api::InstanceState;
-use vmm_api::process::{ProcessError, ProcessIdentity, VmmProcess};
+use vmm_api::process::{ProcessIdentity, VmmProcess};
 
-use super::{ADOPT_AGENT_TIMEOUT, Live, Manager, SandboxError};
+use super::live::{Phase, Sandbox};
+use super::{ADOPT_AGENT_TIMEOUT, Manager, SandboxError};
 use crate::capacity::Ask;
+use crate::launch::Launched;
 use crate::store::{SandboxRecord, SandboxState, Store};
 
 /// Stops and removes every VMM directory in `run_dir` that no sandbox
@@ -52,9 +54,10 @@ pub fn reclaim_run_dir(run_dir: &Path, store: &Store) {
 }
 
 impl Manager {
-    /// After a restart: adopts the VMM of every sandbox recorded as running
-    /// (resuming one a pause or fork left paused); a sandbox whose VMM is gone
-    /// or does not answer is removed, as a kill would.
+    /// After a restart: registers every sandbox recorded, adopting the VMM
+    /// of each one recorded as running (resuming one a pause or fork left
+    /// paused); a sandbox whose VMM is gone or does not answer is removed,
+    /// as a kill would.
     pub async fn recover(&self) {
         let records = match self.store.sandboxes() {
             Ok(r) => r,
@@ -64,17 +67,29 @@ impl Manager {
             }
         };
         for r in records {
-            if r.state != SandboxState::Running || self.live().contains_key(&r.id) {
+            if self.registry().contains(&r.id) {
+                continue;
+            }
+            if r.state == SandboxState::Paused {
+                let sandbox = Sandbox::new(r.id.clone(), r.access_token.clone(), Phase::Paused);
+                self.registry().insert(sandbox);
                 continue;
             }
             match self.adopt(&r).await {
                 Ok(vm) => {
                     tracing::info!("sandbox {}: adopted its VMM (pid {})", r.id, vm.pid());
                     // Already running: it holds its share whatever the limits are now.
-                    let slot = self
+                    let hold = self
                         .capacity
                         .hold(Ask::sandbox(u64::from(r.cpu_count), r.memory_mb));
-                    self.live().insert(r.id.clone(), Live { vm, _slot: slot });
+                    let sandbox =
+                        Sandbox::new(r.id.clone(), r.access_token.clone(), Phase::Starting);
+                    let mut guest = sandbox.guest.lock().await;
+                    if let Err(e) = sandbox.run(&mut guest, Launched::adopted(vm, hold)) {
+                        tracing::warn!("sandbox {}: {e}", r.id);
+                    }
+                    drop(guest);
+                    self.registry().insert(sandbox);
                 }
                 Err(e) => {
                     tracing::warn!("sandbox {}: cannot adopt its VMM ({e}); removing it", r.id);
@@ -100,14 +115,9 @@ impl Manager {
             .as_deref()
             .ok_or_else(|| SandboxError::Invalid("no VMM directory recorded".into()))?;
         let mut vm = VmmProcess::adopt(dir).await?;
-        let info = vm
-            .api()
-            .get_instance_info()
-            .await
-            .map_err(ProcessError::from)?;
-        match info.state {
+        match vm.instance_state().await? {
             InstanceState::Running => {}
-            InstanceState::Paused => vm.api().resume().await.map_err(ProcessError::from)?,
+            InstanceState::Paused => vm.resume().await?,
             InstanceState::NotStarted => {
                 return Err(SandboxError::Invalid("its VMM has no guest".into()));
             }
@@ -117,16 +127,23 @@ impl Manager {
     }
 
     /// At shutdown: lets running sandboxes' VMMs run on, for the next start
-    /// to adopt, and stops the warm pool's.
+    /// to adopt, and stops the warm pool's. A sandbox in the middle of a
+    /// change keeps its VMM until this process ends; the next start adopts
+    /// or stops it by its record.
     pub fn shutdown(&self) {
-        let live: Vec<(String, Live)> = self.live().drain().collect();
-        tracing::info!(
-            "shutting down: {} running sandboxes keep running for the next start to adopt",
-            live.len()
-        );
-        for (_, l) in live {
-            l.vm.release();
+        let all = self.registry().all();
+        let mut kept = 0;
+        for sandbox in all {
+            if let Ok(mut guest) = sandbox.guest.try_lock()
+                && let Some(launched) = guest.take()
+            {
+                launched.release();
+                kept += 1;
+            }
         }
+        tracing::info!(
+            "shutting down: {kept} running sandboxes keep running for the next start to adopt"
+        );
         self.pool.close();
     }
 }

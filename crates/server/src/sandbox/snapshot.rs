@@ -12,13 +12,13 @@
 //! (`uses_snapshots`) and a snapshot in use is never deleted.
 
 use vmm_api::ForkParams;
-use vmm_api::process::ProcessError;
 
+use super::live::{self, Phase};
 use super::{Manager, SandboxError, io, sync_files};
 use crate::capacity::Ask;
+use crate::clock::now_ms;
 use crate::ids;
 use crate::store::{SandboxState, TemplateRecord};
-use crate::template::{self, now_ms};
 
 const STATE: &str = "vm.state";
 const MEM: &str = "vm.mem";
@@ -122,7 +122,13 @@ impl Manager {
                 state: "paused",
             });
         }
-        let _claim = self.claim(id)?;
+        let sandbox = self.sandbox(id)?;
+        let Ok(guest) = sandbox.guest.try_lock() else {
+            return Err(live::busy(id));
+        };
+        if sandbox.phase() != Phase::Running {
+            return Err(sandbox.phase().refusal(id));
+        }
         // Room for the memory file it writes (held while it is written).
         let _room = self.capacity.reserve(
             Ask {
@@ -131,12 +137,8 @@ impl Manager {
             },
             &format!("a snapshot of sandbox {id}"),
         )?;
-        let api = {
-            let live = self.live();
-            let Some(l) = live.get(id) else {
-                return Err(SandboxError::NotFound(id.to_owned()));
-            };
-            l.vm.api().clone()
+        let Some(launched) = guest.as_ref() else {
+            return Err(Phase::Gone.refusal(id));
         };
 
         let snap_id = match params.id {
@@ -151,24 +153,29 @@ impl Manager {
             std::fs::create_dir_all(d).map_err(io(format!("creating {}", d.display())))?;
         }
         let sealed = self.root_layer(&source);
-        let forked = api
-            .fork(&ForkParams {
+        sandbox.set_phase(Phase::Forking)?;
+        let forked = launched
+            .vm
+            .fork_with(&ForkParams {
                 snapshot_path: dir.join(STATE).display().to_string(),
                 mem_file_path: dir.join(MEM).display().to_string(),
                 disk_dir: disk_dir.display().to_string(),
                 children: 1,
             })
             .await;
-        let info = match forked {
-            Ok(info) => info,
+        sandbox.set_phase(Phase::Running)?;
+        let drive = &self.template.root_drive_id;
+        let new_root = forked
+            .map_err(SandboxError::from)
+            .and_then(|info| Ok((super::fork::new_layer(&info, drive)?, info)));
+        let (new_root, info) = match new_root {
+            Ok(r) => r,
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&dir);
                 let _ = std::fs::remove_dir_all(&disk_dir);
-                return Err(ProcessError::from(e).into());
+                return Err(e);
             }
         };
-        let drive = &self.template.root_drive_id;
-        let new_root = disk_dir.join(format!("{drive}.0.layer"));
         // Every create stacks its own layer on the sealed one: the child's
         // layer is never used.
         for d in info.children.iter().flatten() {
@@ -284,7 +291,7 @@ impl Manager {
         // A snapshot's disk layer stays: it lives in the source's directory.
         let dir = template.dir.clone();
         let templates = self.config.templates_dir();
-        if dir.parent() == Some(templates.as_path()) && template.id != template::BASE {
+        if dir.parent() == Some(templates.as_path()) && template.id != ids::BASE_TEMPLATE {
             tokio::task::spawn_blocking(move || {
                 if let Err(e) = std::fs::remove_dir_all(&dir)
                     && e.kind() != std::io::ErrorKind::NotFound

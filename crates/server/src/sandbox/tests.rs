@@ -1,11 +1,12 @@
 //! The manager's state changes against interleavings no lab is needed for:
-//! a real store and a pool whose VMM binary does not exist, so that any
-//! restore fails at once.
+//! a real store and the real VMM binary, which starts on this host but
+//! refuses the paused sandbox's snapshot (its files hold no snapshot), so
+//! that every restore fails, after the VMM process ran.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::Manager;
+use super::{Manager, Phase, SandboxError};
 use crate::config::Config;
 use crate::pool::Pool;
 use crate::store::{PausedSnapshot, SandboxRecord, SandboxState, Store, TemplateRecord};
@@ -32,19 +33,45 @@ fn paused(data: &std::path::Path) -> SandboxRecord {
     }
 }
 
+/// target/debug/sandfork-vmm, next to this test's directory (`cargo test
+/// --workspace` builds it), or `SANDFORK_VMM`.
+fn vmm_binary() -> std::path::PathBuf {
+    let path = std::env::var_os("SANDFORK_VMM").map_or_else(
+        || {
+            let exe = std::env::current_exe().unwrap();
+            exe.parent().unwrap().parent().unwrap().join("sandfork-vmm")
+        },
+        Into::into,
+    );
+    assert!(
+        path.is_file(),
+        "{} is missing: build it first (cargo build -p sandfork-vmm)",
+        path.display()
+    );
+    path
+}
+
 fn manager(data: &std::path::Path) -> Arc<Manager> {
     let mut config = Config::new(
         "127.0.0.1:0".parse().unwrap(),
         "/nonexistent/vmlinux".into(),
         data.join("rootfs.raw"),
-        "/nonexistent/sandfork-vmm".into(),
+        vmm_binary(),
     );
+    // Room for exactly one running copy of the sandbox: a second restore
+    // while one is under way would be refused for capacity.
+    config.capacity.memory_mib = Some(128);
+    config.capacity.vcpus = Some(1);
     config.data_dir = data.to_owned();
     config.run_dir = Some(data.join("run"));
     config.pool_size = 0;
     config.capacity.min_free_disk_mib = 0;
     let store = Store::open(&data.join("s.redb")).unwrap();
     store.put_sandbox(&paused(data)).unwrap();
+    std::fs::create_dir_all(data.join("sandboxes").join(ID)).unwrap();
+    for f in ["pause-1.state", "pause-1.mem"] {
+        std::fs::write(data.join(f), b"not a snapshot").unwrap();
+    }
     let template = TemplateRecord {
         id: "base".into(),
         dir: data.join("templates/base"),
@@ -63,32 +90,123 @@ fn manager(data: &std::path::Path) -> Arc<Manager> {
     Manager::new(config, store, pool, template)
 }
 
-/// Two resumes of one paused sandbox: the second, which read the record
-/// before the first finished, must not restore it again (two VMMs would
-/// write one root layer); it finds it running and only extends its time.
-#[tokio::test]
-async fn a_resume_that_waited_finds_the_sandbox_running() {
+/// What each of many tasks got from one change.
+#[derive(Debug, Default)]
+struct Outcomes {
+    ok: usize,
+    not_found: usize,
+    conflict: usize,
+    restore_failed: usize,
+    over_capacity: usize,
+    other: Vec<String>,
+}
+
+impl Outcomes {
+    fn count<T>(&mut self, r: Result<T, SandboxError>) {
+        match r {
+            Ok(_) => self.ok += 1,
+            Err(SandboxError::NotFound(_)) => self.not_found += 1,
+            Err(SandboxError::Conflict { .. }) => self.conflict += 1,
+            Err(SandboxError::Vmm(_)) => self.restore_failed += 1,
+            Err(SandboxError::OverCapacity(_) | SandboxError::AtCapacity { .. }) => {
+                self.over_capacity += 1
+            }
+            Err(e) => self.other.push(e.to_string()),
+        }
+    }
+}
+
+/// VMM directories left in the run dir (each a VMM process that ran).
+fn vmm_dirs(data: &std::path::Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(data.join("run"))
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default()
+}
+
+/// Many tasks pause, resume and kill one paused sandbox at once: the
+/// sandbox's state machine lets one change run at a time, so no two
+/// restores overlap (a second would be refused for capacity, the node
+/// holding room for one), no record is stranded in a state it is not in,
+/// and no VMM outlives its failed restore; the kill that wins removes
+/// everything, and the changes after it find nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_pauses_resumes_and_kills_change_one_sandbox_at_a_time() {
     let tmp = tempfile::tempdir().unwrap();
     let m = manager(tmp.path());
-    // Hold the second resume before its claim, as a first resume's would.
-    let busy = m.activity.write().await;
-    let second = tokio::spawn({
+
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..16 {
         let m = m.clone();
-        async move { m.resume(ID, Duration::from_secs(60)).await }
-    });
-    for _ in 0..10 {
-        tokio::task::yield_now().await;
+        tasks.spawn(async move {
+            if i % 2 == 0 {
+                (
+                    "resume",
+                    m.resume(ID, Duration::from_secs(60)).await.map(drop),
+                )
+            } else {
+                ("pause", m.pause(ID).await.map(drop))
+            }
+        });
     }
-    // The first resume has restored it meanwhile.
-    m.store
-        .update_sandbox(ID, |s| {
-            s.state = SandboxState::Running;
-            s.vmm_dir = Some(tmp.path().join("run/vmm-1"));
-        })
-        .unwrap();
-    drop(busy);
-    let (r, resumed) = second.await.unwrap().expect("no second restore");
-    assert!(!resumed);
-    assert_eq!(r.state, SandboxState::Running);
-    assert!(r.end_at_ms > 2, "its time was extended");
+    let (mut resumes, mut pauses) = (Outcomes::default(), Outcomes::default());
+    while let Some(done) = tasks.join_next().await {
+        let (op, r) = done.unwrap();
+        match op {
+            "resume" => resumes.count(r),
+            _ => pauses.count(r),
+        }
+    }
+    // Every resume waited its turn and tried its own restore; none ran
+    // beside another.
+    assert_eq!(resumes.restore_failed, 8, "{resumes:?}");
+    assert_eq!(resumes.over_capacity, 0, "{resumes:?}");
+    // A paused sandbox is not paused again.
+    assert_eq!(pauses.conflict, 8, "{pauses:?}");
+    assert!(resumes.other.is_empty() && pauses.other.is_empty());
+    let record = m.get(ID).unwrap();
+    assert_eq!(record.state, SandboxState::Paused);
+    assert!(record.vmm_dir.is_none());
+    assert_eq!(m.phase(ID), Some(Phase::Paused));
+    assert!(
+        vmm_dirs(tmp.path()).is_empty(),
+        "{:?}",
+        vmm_dirs(tmp.path())
+    );
+    assert_eq!(m.capacity().held(), crate::capacity::Ask::default());
+
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..12 {
+        let m = m.clone();
+        tasks.spawn(async move {
+            match i % 3 {
+                0 => ("kill", m.kill(ID).await),
+                1 => ("pause", m.pause(ID).await.map(drop)),
+                _ => (
+                    "resume",
+                    m.resume(ID, Duration::from_secs(60)).await.map(drop),
+                ),
+            }
+        });
+    }
+    let (mut kills, mut others) = (Outcomes::default(), Outcomes::default());
+    while let Some(done) = tasks.join_next().await {
+        let (op, r) = done.unwrap();
+        if op == "kill" {
+            kills.count(r);
+        } else {
+            others.count(r);
+        }
+    }
+    assert_eq!((kills.ok, kills.not_found), (1, 3), "{kills:?}");
+    assert_eq!(others.over_capacity, 0, "{others:?}");
+    assert!(others.other.is_empty(), "{others:?}");
+    assert!(matches!(m.get(ID), Err(SandboxError::NotFound(_))));
+    assert_eq!(m.phase(ID), None);
+    assert!(!tmp.path().join("sandboxes").join(ID).exists());
+    assert!(
+        vmm_dirs(tmp.path()).is_empty(),
+        "{:?}",
+        vmm_dirs(tmp.path())
+    );
+    assert_eq!(m.capacity().held(), crate::capacity::Ask::default());
 }

@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use disk_layers::LayeredDisk;
@@ -13,9 +14,12 @@ use vmm_api::agent_client::{AgentClient, AgentInit};
 use vmm_api::process::GuestSpec;
 use vmm_api::{Drive, SnapshotType};
 
-use super::{ROOT_DRIVE, TemplateError, io, now_ms, sync_dir};
+use super::{ROOT_DRIVE, TemplateError, io, sync_dir};
+use crate::capacity::{Ask, Capacity};
+use crate::clock::now_ms;
 use crate::config::Config;
 use crate::ids;
+use crate::launch::{self, Guest, Plan, Ready};
 use crate::pool::Pool;
 use crate::store::TemplateRecord;
 
@@ -176,6 +180,7 @@ async fn warm_up(agent: &AgentClient, log: &(dyn Fn(&str) + Sync)) {
 pub async fn build(
     config: &Config,
     pool: &Pool,
+    capacity: &Arc<Capacity>,
     id: &str,
     spec: &BootSpec,
     log: &(dyn Fn(&str) + Sync),
@@ -186,7 +191,7 @@ pub async fn build(
         ids::hex(&ids::random_bytes(4).map_err(io("reading random bytes", &parent))?)
     ));
     std::fs::create_dir_all(&scratch).map_err(io("creating", &scratch))?;
-    let result = build_in(config, pool, spec, &scratch, log).await;
+    let result = build_in(config, pool, capacity, spec, &scratch, log).await;
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&scratch);
     }
@@ -227,6 +232,7 @@ pub async fn build(
 async fn build_in(
     config: &Config,
     pool: &Pool,
+    capacity: &Arc<Capacity>,
     spec: &BootSpec,
     dir: &Path,
     log: &(dyn Fn(&str) + Sync),
@@ -237,36 +243,44 @@ async fn build_in(
         tokio::task::spawn_blocking(move || LayeredDisk::create(&rootfs, &top).map(|d| d.len()))
             .await??;
 
-    let mut vm = pool.take().await?;
     log(&format!(
         "booting {} with {} vCPU and {} MiB",
         spec.rootfs.display(),
         spec.vcpus,
         spec.mem_mib
     ));
-    vm.boot(&GuestSpec {
-        kernel: config.kernel.clone(),
-        boot_args: Some(BOOT_ARGS.into()),
-        vcpus: spec.vcpus,
-        mem_mib: spec.mem_mib,
-        drives: vec![Drive::new(
-            ROOT_DRIVE,
-            root.display().to_string(),
-            true,
-            false,
-        )],
-        vsock: true,
-    })
-    .await?;
-    let took = vm.wait_for_agent(BOOT_TIMEOUT).await?;
-    log(&format!("agent up {:.1} s after start", took.as_secs_f64()));
+    let plan = Plan {
+        guest: Guest::Boot(GuestSpec {
+            kernel: config.kernel.clone(),
+            boot_args: Some(BOOT_ARGS.into()),
+            vcpus: spec.vcpus,
+            mem_mib: spec.mem_mib,
+            drives: vec![Drive::new(
+                ROOT_DRIVE,
+                root.display().to_string(),
+                true,
+                false,
+            )],
+            vsock: true,
+        }),
+        ready: Ready::Health,
+        // A build's guest uses the node like a sandbox's; it is counted, not refused.
+        hold: capacity.hold(Ask::sandbox(u64::from(spec.vcpus), spec.mem_mib)),
+        timeout: BOOT_TIMEOUT,
+    };
+    let launched = launch::launch(pool, plan).await?;
+    let vm = &launched.vm;
+    log(&format!(
+        "agent up {:.1} s after start",
+        launched.ready_after.as_secs_f64()
+    ));
     spec.prepare.run(&vm.agent(), log).await?;
     warm_up(&vm.agent(), log).await;
     // Pausing parks the disk worker and flushes the root layer, so the
     // snapshot's memory and the layer agree.
     vm.snapshot(SnapshotType::Full, &dir.join(SNAPSHOT), &dir.join(MEM))
         .await?;
-    drop(vm);
+    launched.stop().await;
     log("snapshot taken; sealing the root layer");
 
     // Seal the root layer: branching it once seals it; the branch is not needed.

@@ -22,8 +22,8 @@ use std::sync::{Arc, Mutex};
 use vmm_api::agent_client::AgentClient;
 
 use super::boot::{self, BootSpec, Prepare, SCRATCH_PREFIX};
-use super::now_ms;
 use crate::capacity::{Ask, Reservation};
+use crate::clock::now_ms;
 use crate::ids;
 use crate::sandbox::{Manager, SandboxError, SnapshotParams};
 use crate::store::{BuildRecord, BuildStatus, SandboxState, TemplateRecord};
@@ -454,7 +454,8 @@ impl Templates {
         };
         let pool = self.manager.pool();
         let push = |line: &str| log.push(line);
-        let mut template = boot::build(config, pool, &record.template_id, &spec, &push)
+        let capacity = self.manager.capacity();
+        let mut template = boot::build(config, pool, capacity, &record.template_id, &spec, &push)
             .await
             .map_err(|e| e.to_string())?;
         template.names = vec![record.name.clone()];

@@ -5,11 +5,12 @@
 //! made the same way from a root filesystem built by `template-build`.
 
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::Arc;
 
 use vmm_api::agent_client::AgentError;
 use vmm_api::process::ProcessError;
 
+use crate::capacity::Capacity;
 use crate::config::Config;
 use crate::pool::Pool;
 use crate::store::{Store, StoreError, TemplateRecord};
@@ -20,7 +21,7 @@ pub mod build;
 pub use boot::{BootSpec, Prepare};
 pub use build::{BuildParams, BuildSource, Templates};
 
-pub const BASE: &str = "base";
+pub const BASE: &str = crate::ids::BASE_TEMPLATE;
 pub const ROOT_DRIVE: &str = "rootfs";
 
 #[derive(Debug, thiserror::Error)]
@@ -53,18 +54,13 @@ fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Templat
     move |source| TemplateError::Io { what, path, source }
 }
 
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
 /// The stored `base` template when it is whole and built from the configured
 /// kernel, image and machine size; otherwise builds it (and records it).
 pub async fn ensure_base(
     config: &Config,
     store: &Store,
     pool: &Pool,
+    capacity: &Arc<Capacity>,
 ) -> Result<TemplateRecord, TemplateError> {
     if let Some(t) = store.template(BASE)? {
         let same_inputs = t.kernel == config.kernel
@@ -86,7 +82,7 @@ pub async fn ensure_base(
         mem_mib: config.mem_mib,
         prepare: Prepare::default(),
     };
-    let record = boot::build(config, pool, BASE, &spec, &|line| {
+    let record = boot::build(config, pool, capacity, BASE, &spec, &|line| {
         tracing::info!("template {BASE}: {line}")
     })
     .await?;

@@ -12,14 +12,19 @@ use std::time::{Duration, Instant};
 
 pub use identity::ProcessIdentity;
 
-use crate::agent_client::AgentClient;
+use crate::agent_client::{AgentClient, AgentError, AgentInit};
 use crate::{
-    BootSource, ClientError, Drive, ForkInfo, ForkParams, MachineConfig, SnapshotCreateParams,
-    SnapshotLoadParams, SnapshotType, VmmClient, Vsock, VsockOverride,
+    BootSource, ClientError, Drive, DriveOverride, ForkInfo, ForkParams, InstanceState,
+    MachineConfig, SnapshotCreateParams, SnapshotLoadParams, SnapshotType, VmmClient, Vsock,
+    VsockOverride,
 };
 
-/// The guest agent's port (E2B's envd port).
-pub const AGENT_PORT: u32 = 49983;
+/// The guest agent's vsock port (E2B's envd port, defined in `envd_proto`).
+pub use envd_proto::PORT as AGENT_PORT;
+/// How often a guest agent that is not up yet is asked again.
+const READY_POLL: Duration = Duration::from_millis(5);
+/// One attempt to reach a starting guest's agent.
+const READY_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// The guest CID every VM gets: each VM has its own vsock device and socket.
 const GUEST_CID: u32 = 3;
 
@@ -39,6 +44,8 @@ pub enum ProcessError {
     },
     #[error(transparent)]
     Api(#[from] ClientError),
+    #[error("the guest agent: {0}")]
+    Agent(#[from] AgentError),
     #[error("no VMM to adopt in {dir}: {reason}")]
     NotAdoptable { dir: PathBuf, reason: &'static str },
     #[error("the VMM exited ({status}) before the guest agent answered\n{logs}")]
@@ -64,6 +71,69 @@ pub struct GuestSpec {
     /// Give the guest a vsock device (socket in the process's directory).
     pub vsock: bool,
 }
+
+/// A snapshot to load into a fresh VMM: its state and memory files and the
+/// disks to use instead of those it names (a sandbox's own root layer, a fork
+/// child's layers). The guest's vsock socket always moves into the loading
+/// VMM's directory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Restore {
+    pub state: PathBuf,
+    pub mem: PathBuf,
+    pub drives: Vec<DriveOverride>,
+}
+
+impl Restore {
+    /// Child `index` of `fork`, with its own disk layers.
+    pub fn fork_child(fork: &ForkInfo, index: usize) -> Option<Restore> {
+        Some(Restore {
+            state: PathBuf::from(&fork.snapshot_path),
+            mem: PathBuf::from(&fork.mem_file_path),
+            drives: fork.children.get(index)?.clone(),
+        })
+    }
+}
+
+/// What can be read of a VMM without owning its handle: its directory, pid
+/// and API socket, for observers and diagnostics while another task drives
+/// the VMM (pausing it, forking it).
+#[derive(Clone, Debug)]
+pub struct VmmProbe {
+    dir: PathBuf,
+    pid: u32,
+    api: VmmClient,
+}
+
+impl VmmProbe {
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    pub fn vsock_path(&self) -> PathBuf {
+        self.dir.join(VSOCK_SOCKET)
+    }
+
+    pub fn console_path(&self) -> PathBuf {
+        self.dir.join(CONSOLE_LOG)
+    }
+
+    /// A client of the VM's guest agent.
+    pub fn agent(&self) -> AgentClient {
+        AgentClient::new(&self.vsock_path())
+    }
+
+    /// See [`VmmProcess::diagnostics`].
+    pub async fn diagnostics(&self) -> String {
+        diagnostics::diagnose(&self.dir, self.pid, &self.api).await
+    }
+}
+
+const VSOCK_SOCKET: &str = "vsock.sock";
+const CONSOLE_LOG: &str = "console.log";
 
 /// A running VMM process with its API socket, console and log in its own
 /// directory. Dropping it kills the process (see [`VmmProcess::release`]).
@@ -135,7 +205,7 @@ impl VmmProcess {
             .arg("--api-sock")
             .arg(&api_sock)
             .stdin(Stdio::null())
-            .stdout(File::create(path.join("console.log")).map_err(io("creating the console log"))?)
+            .stdout(File::create(path.join(CONSOLE_LOG)).map_err(io("creating the console log"))?)
             .stderr(File::create(path.join("vmm.log")).map_err(io("creating the VMM log"))?);
         if matches!(dir, VmDir::Kept(_)) {
             std::os::unix::process::CommandExt::process_group(&mut command, 0);
@@ -212,11 +282,20 @@ impl VmmProcess {
     }
 
     pub fn vsock_path(&self) -> PathBuf {
-        self.dir.path().join("vsock.sock")
+        self.dir.path().join(VSOCK_SOCKET)
     }
 
     pub fn console(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("console.log")).unwrap_or_default()
+        std::fs::read_to_string(self.dir.path().join(CONSOLE_LOG)).unwrap_or_default()
+    }
+
+    /// A probe of this VMM for others to read it by.
+    pub fn probe(&self) -> VmmProbe {
+        VmmProbe {
+            dir: self.dir().to_owned(),
+            pid: self.pid(),
+            api: self.api.clone(),
+        }
     }
 
     pub fn vmm_log(&self) -> String {
@@ -298,14 +377,29 @@ impl VmmProcess {
         mem: &Path,
         resume: bool,
     ) -> Result<(), ProcessError> {
+        let plan = Restore {
+            state: state.to_owned(),
+            mem: mem.to_owned(),
+            drives: Vec::new(),
+        };
+        self.load(&plan, resume).await
+    }
+
+    /// Loads `plan` into this (fresh) VMM and starts the guest.
+    pub async fn restore(&self, plan: &Restore) -> Result<(), ProcessError> {
+        self.load(plan, true).await
+    }
+
+    async fn load(&self, plan: &Restore, resume: bool) -> Result<(), ProcessError> {
         let mut params = SnapshotLoadParams::from_file(
-            state.display().to_string(),
-            mem.display().to_string(),
+            plan.state.display().to_string(),
+            plan.mem.display().to_string(),
             resume,
         );
         params.vsock_override = Some(VsockOverride {
             uds_path: self.vsock_path().display().to_string(),
         });
+        params.drive_overrides = plan.drives.clone();
         self.api.load_snapshot(&params).await?;
         Ok(())
     }
@@ -313,27 +407,38 @@ impl VmmProcess {
     /// Forks the VM (sandfork's `PUT /fork`) into `children`, with the state,
     /// the frozen memory and the new disk layers in `dir`.
     pub async fn fork(&self, dir: &Path, children: u32) -> Result<ForkInfo, ProcessError> {
-        Ok(self
-            .api
-            .fork(&ForkParams {
-                snapshot_path: dir.join("fork.state").display().to_string(),
-                mem_file_path: dir.join("fork.mem").display().to_string(),
-                disk_dir: dir.display().to_string(),
-                children,
-            })
-            .await?)
+        self.fork_with(&ForkParams {
+            snapshot_path: dir.join("fork.state").display().to_string(),
+            mem_file_path: dir.join("fork.mem").display().to_string(),
+            disk_dir: dir.display().to_string(),
+            children,
+        })
+        .await
+    }
+
+    /// Forks the VM with the files where `params` puts them.
+    pub async fn fork_with(&self, params: &ForkParams) -> Result<ForkInfo, ProcessError> {
+        Ok(self.api.fork(params).await?)
     }
 
     /// Loads child `index` of a fork into this (fresh) VMM and resumes it.
     pub async fn load_fork_child(&self, fork: &ForkInfo, index: usize) -> Result<(), ProcessError> {
-        let mut params =
-            SnapshotLoadParams::from_file(&fork.snapshot_path, &fork.mem_file_path, true);
-        params.vsock_override = Some(VsockOverride {
-            uds_path: self.vsock_path().display().to_string(),
+        let plan = Restore::fork_child(fork, index).unwrap_or_else(|| Restore {
+            state: PathBuf::from(&fork.snapshot_path),
+            mem: PathBuf::from(&fork.mem_file_path),
+            drives: Vec::new(),
         });
-        params.drive_overrides = fork.children.get(index).cloned().unwrap_or_default();
-        self.api.load_snapshot(&params).await?;
-        Ok(())
+        self.restore(&plan).await
+    }
+
+    /// Lets a paused guest run again.
+    pub async fn resume(&self) -> Result<(), ProcessError> {
+        Ok(self.api.resume().await?)
+    }
+
+    /// Whether the VMM has a guest and whether it runs.
+    pub async fn instance_state(&self) -> Result<InstanceState, ProcessError> {
+        Ok(self.api.get_instance_info().await?.state)
     }
 
     /// A client of this VM's guest agent.
@@ -367,7 +472,46 @@ impl VmmProcess {
                     logs: self.diagnostics().await,
                 });
             }
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            tokio::time::sleep(READY_POLL).await;
+        }
+    }
+
+    /// Initialises the guest agent with `init` (`POST /init`, presenting the
+    /// agent's current access token `token`) as soon as it answers: the init
+    /// is the readiness probe, one vsock connection where a health poll and
+    /// then an init took two. The connection is retried until the guest
+    /// accepts it (it is still starting); once it is open the init is sent
+    /// once, and its answer is final (a retried init could meet the new
+    /// token it had already set).
+    /// Returns the time taken.
+    pub async fn init_agent(
+        &mut self,
+        init: &AgentInit,
+        token: Option<&str>,
+        timeout: Duration,
+    ) -> Result<Duration, ProcessError> {
+        let start = Instant::now();
+        let agent = self.agent().with_access_token(token);
+        loop {
+            let connect = crate::vsock_connect::connect(agent.uds(), AGENT_PORT);
+            if let Ok(Ok(stream)) = tokio::time::timeout(READY_CONNECT_TIMEOUT, connect).await {
+                agent.init_over(stream, &init.restamped()).await?;
+                return Ok(start.elapsed());
+            }
+            if let Some(status) = self.try_wait()? {
+                return Err(ProcessError::ExitedEarly {
+                    status,
+                    logs: self.logs(),
+                });
+            }
+            if start.elapsed() > timeout {
+                return Err(ProcessError::Timeout {
+                    what: "the guest agent's init",
+                    waited: timeout,
+                    logs: self.diagnostics().await,
+                });
+            }
+            tokio::time::sleep(READY_POLL).await;
         }
     }
 

@@ -203,6 +203,7 @@ fn answer(vm: &mut ControllerState, action: VmmAction) -> Result<VmmData, VmmAct
         VmmAction::Fork(p) => Ok(VmmData::Fork(vmm_api::ForkInfo {
             snapshot_path: p.snapshot_path,
             mem_file_path: p.mem_file_path,
+            parent: Vec::new(),
             children: vec![Vec::new(); p.children as usize],
             paused_us: 1,
         })),

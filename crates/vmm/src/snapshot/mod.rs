@@ -46,9 +46,13 @@ pub struct ForkRequest {
     pub children: usize,
 }
 
-/// What a fork made: the disks of each child, and how long the VM stood still.
+/// What a fork made: the VM's own new disks and each child's, and how long
+/// the VM stood still.
 #[derive(Clone, Debug)]
 pub struct ForkOutcome {
+    /// (drive id, layer) the forked VM writes to from now on.
+    pub parent: Vec<(String, PathBuf)>,
+    /// Per child: (drive id, layer) it loads with.
     pub children: Vec<Vec<(String, PathBuf)>>,
     pub paused: Duration,
     pub memory_bytes: u64,

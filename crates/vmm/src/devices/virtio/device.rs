@@ -63,6 +63,8 @@ pub enum ActivateError {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DiskBranch {
     pub drive_id: String,
+    /// The layer the VM itself writes to from now on.
+    pub parent: PathBuf,
     /// One writable layer per child, in order.
     pub children: Vec<PathBuf>,
 }

@@ -248,11 +248,12 @@ impl VirtioDevice for Block {
         self.disk
             .branch(&continue_at, &child_layers)
             .map_err(|e| e.to_string())?;
-        self.config.path = continue_at;
+        self.config.path = continue_at.clone();
         // Forks of forks stack layers; keep this disk's chain short.
         drop(self.disk.compact_in_background());
         Ok(Some(DiskBranch {
             drive_id: self.config.id.clone(),
+            parent: continue_at,
             children: child_layers,
         }))
     }
