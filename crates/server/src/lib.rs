@@ -14,6 +14,7 @@ pub mod launch;
 pub mod pool;
 pub mod proxy;
 pub mod sandbox;
+pub mod state;
 pub mod store;
 pub mod template;
 

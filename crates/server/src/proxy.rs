@@ -12,8 +12,8 @@ use axum::response::{IntoResponse, Response};
 use hyper_util::rt::TokioIo;
 use vmm_api::vsock_connect::VsockConnectError;
 
-use crate::api::Shared;
 use crate::ids;
+use crate::state::Shared;
 
 mod connections;
 pub use connections::{ForwardError, GuestConnections};

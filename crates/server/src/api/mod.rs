@@ -9,8 +9,6 @@ mod sandboxes;
 mod snapshots;
 mod templates;
 
-use std::sync::Arc;
-
 use axum::Router;
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
@@ -21,19 +19,8 @@ use axum::routing::{get, post};
 pub use error::ApiError;
 pub use list::{ListQuery, decode_metadata_filter};
 
-use crate::auth::{self, ApiKeys};
-use crate::sandbox::Manager;
-use crate::template::Templates;
-
-pub struct AppState {
-    pub manager: Arc<Manager>,
-    pub templates: Arc<Templates>,
-    pub keys: ApiKeys,
-    /// Open connections to guests' ports, reused by the envd proxy.
-    pub guests: crate::proxy::GuestConnections,
-}
-
-pub type Shared = Arc<AppState>;
+use crate::auth;
+pub use crate::state::{AppState, Shared};
 
 /// Every route of the node on one listener.
 pub fn router(state: Shared) -> Router {
