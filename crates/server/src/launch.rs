@@ -90,20 +90,30 @@ impl Launched {
     }
 }
 
-/// Starts `plan`'s guest in a pooled VMM and waits until it is ready.
+/// Starts `plan`'s guest in a pooled VMM and waits until it is ready. A
+/// VMM that fails to start its guest is stopped off the async threads.
 pub async fn launch(pool: &Pool, plan: Plan) -> Result<Launched, ProcessError> {
     let mut vm = pool.take().await?;
+    match start(&mut vm, &plan).await {
+        Ok(ready_after) => Ok(Launched {
+            vm,
+            hold: plan.hold,
+            ready_after,
+        }),
+        Err(e) => {
+            let _ = tokio::task::spawn_blocking(move || drop(vm)).await;
+            Err(e)
+        }
+    }
+}
+
+async fn start(vm: &mut VmmProcess, plan: &Plan) -> Result<Duration, ProcessError> {
     match &plan.guest {
         Guest::Restore(restore) => vm.restore(restore).await?,
         Guest::Boot(spec) => vm.boot(spec).await?,
     }
-    let ready_after = match &plan.ready {
-        Ready::Init { init, token } => vm.init_agent(init, token.as_deref(), plan.timeout).await?,
-        Ready::Health => vm.wait_for_agent(plan.timeout).await?,
-    };
-    Ok(Launched {
-        vm,
-        hold: plan.hold,
-        ready_after,
-    })
+    match &plan.ready {
+        Ready::Init { init, token } => vm.init_agent(init, token.as_deref(), plan.timeout).await,
+        Ready::Health => vm.wait_for_agent(plan.timeout).await,
+    }
 }

@@ -177,18 +177,20 @@ async fn create_run_read_list_kill_through_one_port() {
     eprintln!("resume took {:?}", t.elapsed());
     let (code, out) = run(addr, &routing, "cat /tmp/in-memory /root/on-disk").await;
     assert_eq!((code, out.as_str()), (0, "kept\nx\n"));
-    // A second pause stacks on the first.
+    // A second pause stacks on the first. Three clients connect at once:
+    // one restores it (201), the others wait for that and find it running
+    // (200); one VMM runs it after.
+    let live_before = manager.live_count();
     let paused = http(addr, "POST", &format!("/sandboxes/{id}/pause"), &auth, "{}").await;
     assert_eq!(paused.status, 204, "{:?}", paused.body);
-    let resumed = http(
-        addr,
-        "POST",
-        &format!("/sandboxes/{id}/connect"),
-        &auth,
-        "{}",
-    )
-    .await;
-    assert_eq!(resumed.status, 201, "{:?}", resumed.body);
+    assert_eq!(manager.live_count(), live_before - 1);
+    let connect_path = format!("/sandboxes/{id}/connect");
+    let connect = || http(addr, "POST", &connect_path, &auth, "{}");
+    let answers = tokio::join!(connect(), connect(), connect());
+    let mut statuses = [answers.0.status, answers.1.status, answers.2.status];
+    statuses.sort();
+    assert_eq!(statuses, [200, 200, 201], "{:?}", answers.0.body);
+    assert_eq!(manager.live_count(), live_before);
     let (_, out) = run(addr, &routing, "cat /tmp/in-memory").await;
     assert_eq!(out, "kept\n");
 
