@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use anyhow::Result;
 use vmm_api::Drive;
-use vmm_api::agent_client::AgentInit;
-use vmm_api::process::{GuestSpec, VmmProcess};
+use vmm_driver::agent_client::AgentInit;
+use vmm_driver::process::{GuestSpec, VmmProcess};
 
 /// What to boot.
 #[derive(Clone, Debug)]

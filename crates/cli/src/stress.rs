@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 use vmm_api::SnapshotType;
-use vmm_api::process::{ProcessError, VmmProcess, diagnostics};
-use vmm_api::{ClientError, VmmClient};
+use vmm_driver::process::{ProcessError, VmmProcess, diagnostics};
+use vmm_driver::{ClientError, VmmClient};
 
 use crate::bench::median;
 use crate::launcher::{self, GuestImage};
@@ -121,8 +121,8 @@ fn is_hang(e: &anyhow::Error) -> bool {
             cause.downcast_ref::<ClientError>(),
             Some(ClientError::NoAnswer { .. } | ClientError::Timeout { .. })
         ) || matches!(
-            cause.downcast_ref::<vmm_api::agent_client::AgentError>(),
-            Some(vmm_api::agent_client::AgentError::Timeout(_))
+            cause.downcast_ref::<vmm_driver::agent_client::AgentError>(),
+            Some(vmm_driver::agent_client::AgentError::Timeout(_))
         )
     })
 }
@@ -445,7 +445,7 @@ mod tests {
         })
         .context("restoring");
         assert!(is_hang(&timeout));
-        let no_answer = anyhow::Error::from(vmm_api::agent_client::AgentError::Timeout(
+        let no_answer = anyhow::Error::from(vmm_driver::agent_client::AgentError::Timeout(
             Duration::from_secs(1),
         ));
         assert!(is_hang(&no_answer));

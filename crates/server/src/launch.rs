@@ -7,8 +7,8 @@
 
 use std::time::Duration;
 
-use vmm_api::agent_client::AgentInit;
-use vmm_api::process::{GuestSpec, ProcessError, Restore, VmmProbe, VmmProcess};
+use vmm_driver::agent_client::AgentInit;
+use vmm_driver::process::{GuestSpec, ProcessError, Restore, VmmProbe, VmmProcess};
 
 use crate::capacity::Reservation;
 use crate::pool::Pool;

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::Notify;
-use vmm_api::process::{ProcessError, VmmProcess};
+use vmm_driver::process::{ProcessError, VmmProcess};
 
 pub struct Pool {
     binary: PathBuf,

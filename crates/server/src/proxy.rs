@@ -10,7 +10,7 @@ use axum::http::{StatusCode, Uri};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use hyper_util::rt::TokioIo;
-use vmm_api::vsock_connect::VsockConnectError;
+use vmm_driver::vsock_connect::VsockConnectError;
 
 use crate::ids;
 use crate::state::Shared;

@@ -9,8 +9,8 @@ use std::time::Duration;
 use disk_layers::LayeredDisk;
 use vmm_api::DriveOverride;
 use vmm_api::SnapshotType;
-use vmm_api::agent_client::{AgentError, AgentInit};
-use vmm_api::process::{ProcessError, Restore};
+use vmm_driver::agent_client::{AgentError, AgentInit};
+use vmm_driver::process::{ProcessError, Restore};
 
 use crate::capacity::{Ask, Capacity, CapacityError, Reservation, Shortage};
 use crate::clock::now_ms;

@@ -18,7 +18,7 @@ use common::{http, run, vmm_binary};
 use serde_json::{Value, json};
 use server::config::Config;
 use server::store::{SandboxState, Store};
-use vmm_api::process::ProcessIdentity;
+use vmm_driver::process::ProcessIdentity;
 
 struct Node {
     addr: SocketAddr,

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::vmm_binary;
 use server::pool::Pool;
-use vmm_api::process::ProcessIdentity;
+use vmm_driver::process::ProcessIdentity;
 
 fn vmm_dirs(run_dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     std::fs::read_dir(run_dir)

@@ -1,6 +1,6 @@
-//! Firecracker-compatible API types, the action interface between sandfork's API server
-//! and its VMM controller, and a client that drives sandfork's VMM or a real Firecracker
-//! over the API socket.
+//! Firecracker-compatible API types and the action interface between sandfork's API
+//! server and its VMM controller: what the VMM needs. The host side (a client, a VMM
+//! process, vsock, the guest agent's client) is `vmm_driver`.
 //!
 //! JSON field names follow Firecracker's API exactly. Request bodies reject unknown
 //! fields, as Firecracker does; fields Firecracker accepts but sandfork does not
@@ -8,18 +8,13 @@
 //! `validate`, so the message names the field.
 
 mod action;
-pub mod agent_client;
 mod boot_source;
-mod client;
 mod drive;
 mod error;
 mod fork;
-#[cfg(test)]
-mod hostile_guest;
 mod instance_info;
 mod machine_config;
 mod network_interface;
-pub mod process;
 mod snapshot;
 mod validation;
 mod vcpus;
@@ -27,11 +22,9 @@ mod vm_config;
 mod vm_state;
 mod vmm_action;
 mod vsock;
-pub mod vsock_connect;
 
 pub use action::{ActionType, InstanceActionInfo};
 pub use boot_source::BootSource;
-pub use client::{ClientError, RawResponse, VmmClient};
 pub use drive::{CacheType, Drive, IoEngine, PartialDrive};
 pub use error::ApiError;
 pub use fork::{DriveOverride, ForkInfo, ForkParams, MAX_FORK_CHILDREN};
@@ -51,6 +44,3 @@ pub use vm_config::VmConfig;
 pub use vm_state::{Vm, VmState};
 pub use vmm_action::{VmmAction, VmmActionError, VmmData, VmmErrorKind};
 pub use vsock::Vsock;
-
-/// Re-exported so callers of [`VmmClient::request`] need not depend on hyper.
-pub use hyper::Method;

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use vmm_api::InstanceState;
-use vmm_api::process::{ProcessError, ProcessIdentity, VmmProcess};
+use vmm_driver::process::{ProcessError, ProcessIdentity, VmmProcess};
 
 fn binary() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_sandfork-vmm"))

@@ -6,7 +6,8 @@ mod common;
 use std::process::{Command, Stdio};
 
 use common::TestVm;
-use vmm_api::{BootSource, ClientError, Drive, MachineConfig, Vsock};
+use vmm_api::{BootSource, Drive, MachineConfig, Vsock};
+use vmm_driver::ClientError;
 
 fn fault(result: Result<(), ClientError>) -> String {
     match result {
@@ -108,7 +109,11 @@ async fn malformed_json_is_refused_and_the_server_keeps_serving() {
     ] {
         let response = vm
             .api()
-            .request(vmm_api::Method::PUT, "/machine-config", Some(body.to_vec()))
+            .request(
+                vmm_driver::Method::PUT,
+                "/machine-config",
+                Some(body.to_vec()),
+            )
             .await
             .unwrap();
         assert_eq!(response.status, 400);

@@ -6,8 +6,8 @@ mod common;
 use std::time::Duration;
 
 use common::{AGENT_PORT, Boot, TestVm, bash_init};
-use vmm_api::vsock_connect::{VsockConnectError, agent_health};
 use vmm_api::{InstanceState, NetworkInterface, VcpuPhase};
+use vmm_driver::vsock_connect::{VsockConnectError, agent_health};
 
 #[tokio::test]
 #[ignore = "lab: boots a microVM"]
@@ -212,7 +212,7 @@ async fn bad_requests_after_start_and_to_unheard_ports_fail_cleanly() {
     let err = vm.api().instance_start().await.unwrap_err().to_string();
     assert!(err.contains("not supported after starting"), "{err}");
 
-    let refused = vmm_api::vsock_connect::connect(&vm.vsock_path(), 4242).await;
+    let refused = vmm_driver::vsock_connect::connect(&vm.vsock_path(), 4242).await;
     assert!(
         matches!(refused, Err(VsockConnectError::Refused(4242))),
         "{refused:?}"
@@ -271,7 +271,7 @@ async fn the_agent_serves_envd_over_vsock() {
 
     // Init sets the guest's wall clock.
     agent
-        .init(&vmm_api::agent_client::AgentInit::after_restore().unwrap())
+        .init(&vmm_driver::agent_client::AgentInit::after_restore().unwrap())
         .await
         .unwrap();
     let guest_now: u64 = agent
@@ -340,7 +340,7 @@ async fn a_guest_on_a_tap_pings_the_host_and_talks_tcp() {
 }
 
 /// Streams `mib` MiB from the guest to the host over TCP; prints the rate.
-async fn guest_to_host_throughput(agent: &vmm_api::agent_client::AgentClient, mib: usize) {
+async fn guest_to_host_throughput(agent: &vmm_driver::agent_client::AgentClient, mib: usize) {
     use tokio::io::AsyncReadExt;
     let listener = tokio::net::TcpListener::bind((common::HOST_IP, 0))
         .await

@@ -7,11 +7,11 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::{AGENT_PORT, Boot, TestVm, bash_init};
-use vmm_api::vsock_connect::agent_health;
 use vmm_api::{
     InstanceState, NetworkInterface, NetworkOverride, SnapshotLoadParams, SnapshotType,
     VsockOverride,
 };
+use vmm_driver::vsock_connect::agent_health;
 
 /// A guest whose init counts, printing each number on the console and keeping
 /// the last one in a file in guest memory (tmpfs).
@@ -326,7 +326,7 @@ async fn fork_children(parent: &TestVm, dir: &Path, n: u32) -> Vec<TestVm> {
         child
             .vm()
             .agent()
-            .init(&vmm_api::agent_client::AgentInit::after_restore().unwrap())
+            .init(&vmm_driver::agent_client::AgentInit::after_restore().unwrap())
             .await
             .unwrap();
     }
@@ -492,7 +492,7 @@ async fn a_networked_guest_restored_onto_another_tap_still_reaches_the_host() {
     restored.wait_for_agent().await;
     let agent = restored.vm().agent();
     agent
-        .init(&vmm_api::agent_client::AgentInit::after_restore().unwrap())
+        .init(&vmm_driver::agent_client::AgentInit::after_restore().unwrap())
         .await
         .unwrap();
     // eth0 kept its address and MAC; it now reaches the host through sfk1.

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use serde_json::{Value, json};
 use vmm_api::SnapshotType;
-use vmm_api::process::VmmProcess;
+use vmm_driver::process::VmmProcess;
 
 use super::median;
 use crate::launcher::{self, GuestImage};

@@ -15,7 +15,7 @@ use axum::body::Body;
 use axum::extract::Request;
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
-use vmm_api::vsock_connect::{self, VsockConnectError};
+use vmm_driver::vsock_connect::{self, VsockConnectError};
 
 /// Idle connections kept per guest port; more are closed when they finish.
 const IDLE_PER_PORT: usize = 8;

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use vmm_api::ForkInfo;
-use vmm_api::agent_client::AgentInit;
-use vmm_api::process::Restore;
+use vmm_driver::agent_client::AgentInit;
+use vmm_driver::process::Restore;
 
 use super::live::{self, Phase};
 use super::{AGENT_TIMEOUT, Manager, SandboxError, io};

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use vmm_api::process::VmmProbe;
+use vmm_driver::process::VmmProbe;
 
 use super::SandboxError;
 use super::observe::Observed;

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use vmm_api::agent_client::AgentMetrics;
+use vmm_driver::agent_client::AgentMetrics;
 
 use super::Manager;
 use crate::clock::now_ms;

@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use vmm_api::InstanceState;
-use vmm_api::process::{ProcessIdentity, VmmProcess};
+use vmm_driver::process::{ProcessIdentity, VmmProcess};
 
 use super::live::{Phase, Sandbox};
 use super::{ADOPT_AGENT_TIMEOUT, Manager, SandboxError};

@@ -10,9 +10,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use disk_layers::LayeredDisk;
-use vmm_api::agent_client::{AgentClient, AgentInit};
-use vmm_api::process::GuestSpec;
 use vmm_api::{Drive, SnapshotType};
+use vmm_driver::agent_client::{AgentClient, AgentInit};
+use vmm_driver::process::GuestSpec;
 
 use super::{ROOT_DRIVE, TemplateError, io, sync_dir};
 use crate::capacity::{Ask, Capacity};

@@ -19,7 +19,7 @@ use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use vmm_api::agent_client::AgentClient;
+use vmm_driver::agent_client::AgentClient;
 
 use super::boot::{self, BootSpec, Prepare, SCRATCH_PREFIX};
 use crate::capacity::{Ask, Reservation};

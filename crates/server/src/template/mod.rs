@@ -7,8 +7,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use vmm_api::agent_client::AgentError;
-use vmm_api::process::ProcessError;
+use vmm_driver::agent_client::AgentError;
+use vmm_driver::process::ProcessError;
 
 use crate::capacity::Capacity;
 use crate::config::Config;

@@ -12,10 +12,11 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use vmm_api::{
-    BootSource, ClientError, Drive, InstanceInfo, InstanceState, MachineConfig,
-    MachineConfigUpdate, NetworkInterface, PartialDrive, SnapshotCreateParams, SnapshotLoadParams,
-    SnapshotType, VmConfig, VmmAction, VmmActionError, VmmClient, VmmData, Vsock,
+    BootSource, Drive, InstanceInfo, InstanceState, MachineConfig, MachineConfigUpdate,
+    NetworkInterface, PartialDrive, SnapshotCreateParams, SnapshotLoadParams, SnapshotType,
+    VmConfig, VmmAction, VmmActionError, VmmData, Vsock,
 };
+use vmm_driver::{ClientError, VmmClient};
 
 use super::{ApiRequestReceiver, ApiServerError, ApiServerHandle, spawn_api_server};
 

@@ -14,11 +14,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use vmm_api::process::{GuestSpec, VmmProcess, diagnostics};
-use vmm_api::{Drive, VmmClient};
+use vmm_api::Drive;
+use vmm_driver::VmmClient;
+use vmm_driver::process::{GuestSpec, VmmProcess, diagnostics};
 
 #[allow(unused_imports)]
-pub use vmm_api::process::AGENT_PORT;
+pub use vmm_driver::process::AGENT_PORT;
 
 /// Lab times are emulated and slow: leave generous room.
 pub const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
@@ -175,7 +176,7 @@ impl TestVm {
     pub async fn wait_for_agent_within(
         &mut self,
         timeout: Duration,
-    ) -> Result<Duration, vmm_api::process::ProcessError> {
+    ) -> Result<Duration, vmm_driver::process::ProcessError> {
         self.vm.wait_for_agent(timeout).await
     }
 
@@ -267,7 +268,7 @@ impl Drop for HostTap {
 
 /// Sends `payload` from the guest to a listener in this process over TCP and back
 /// the other way; checks the exact bytes both ways.
-pub async fn tcp_exchange(agent: &vmm_api::agent_client::AgentClient) {
+pub async fn tcp_exchange(agent: &vmm_driver::agent_client::AgentClient) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind((HOST_IP, 0)).await.unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -304,7 +305,7 @@ pub async fn tcp_exchange(agent: &vmm_api::agent_client::AgentClient) {
 }
 
 /// Brings the guest's eth0 up with [`GUEST_IP`] and pings the host three times.
-pub async fn guest_net_up_and_ping(agent: &vmm_api::agent_client::AgentClient) -> String {
+pub async fn guest_net_up_and_ping(agent: &vmm_driver::agent_client::AgentClient) -> String {
     let out = agent
         .run(&format!(
             "ip addr add {GUEST_IP}/30 dev eth0 && ip link set eth0 up && \

@@ -12,12 +12,13 @@ use std::time::{Duration, Instant};
 
 pub use identity::ProcessIdentity;
 
-use crate::agent_client::{AgentClient, AgentError, AgentInit};
-use crate::{
-    BootSource, ClientError, Drive, DriveOverride, ForkInfo, ForkParams, InstanceState,
-    MachineConfig, SnapshotCreateParams, SnapshotLoadParams, SnapshotType, VmmClient, Vsock,
-    VsockOverride,
+use vmm_api::{
+    BootSource, Drive, DriveOverride, ForkInfo, ForkParams, InstanceState, MachineConfig,
+    SnapshotCreateParams, SnapshotLoadParams, SnapshotType, Vsock, VsockOverride,
 };
+
+use crate::agent_client::{AgentClient, AgentError, AgentInit};
+use crate::{ClientError, VmmClient};
 
 /// The guest agent's vsock port (E2B's envd port, defined in `envd_proto`).
 pub use envd_proto::PORT as AGENT_PORT;

@@ -17,18 +17,11 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::net::UnixStream;
 
-use crate::action::{ActionType, InstanceActionInfo};
-use crate::boot_source::BootSource;
-use crate::drive::{Drive, PartialDrive};
-use crate::error::ApiError;
-use crate::instance_info::InstanceInfo;
-use crate::machine_config::{MachineConfig, MachineConfigUpdate};
-use crate::network_interface::NetworkInterface;
-use crate::snapshot::{SnapshotCreateParams, SnapshotLoadParams};
-use crate::validation::validate_resource_id;
-use crate::vm_config::VmConfig;
-use crate::vm_state::{Vm, VmState};
-use crate::vsock::Vsock;
+use vmm_api::{
+    ActionType, ApiError, BootSource, Drive, InstanceActionInfo, InstanceInfo, MachineConfig,
+    MachineConfigUpdate, NetworkInterface, PartialDrive, SnapshotCreateParams, SnapshotLoadParams,
+    Vm, VmConfig, VmState, Vsock, validate_resource_id,
+};
 
 /// How often [`VmmClient::wait_for_socket`] retries.
 const SOCKET_POLL_INTERVAL: Duration = Duration::from_millis(2);
@@ -125,7 +118,7 @@ impl VmmClient {
     }
 
     /// What each vCPU thread is doing (sandfork extension), for diagnostics.
-    pub async fn get_vcpus(&self) -> Result<Vec<crate::VcpuReport>, ClientError> {
+    pub async fn get_vcpus(&self) -> Result<Vec<vmm_api::VcpuReport>, ClientError> {
         self.get_json("/vcpus").await
     }
 
@@ -200,7 +193,10 @@ impl VmmClient {
     }
 
     /// `PUT /fork` (sandfork's extension; Firecracker answers 400).
-    pub async fn fork(&self, params: &crate::ForkParams) -> Result<crate::ForkInfo, ClientError> {
+    pub async fn fork(
+        &self,
+        params: &vmm_api::ForkParams,
+    ) -> Result<vmm_api::ForkInfo, ClientError> {
         let body = serde_json::to_vec(params)?;
         let resp = self.checked(Method::PUT, "/fork", Some(body)).await?;
         Ok(serde_json::from_slice(&resp.body)?)
