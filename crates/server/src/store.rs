@@ -10,6 +10,9 @@ use serde::{Deserialize, Serialize};
 
 const SANDBOXES: TableDefinition<&str, &[u8]> = TableDefinition::new("sandboxes");
 const TEMPLATES: TableDefinition<&str, &[u8]> = TableDefinition::new("templates");
+/// Templates deleted while something still stacked on them: out of every
+/// lookup, kept until the garbage collector finds nothing using them.
+const RETIRED: TableDefinition<&str, &[u8]> = TableDefinition::new("retired_templates");
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const BUILDS: TableDefinition<&str, &[u8]> = TableDefinition::new("builds");
 
@@ -191,7 +194,7 @@ impl Store {
     pub fn open(path: &Path) -> Result<Store, StoreError> {
         let db = redb::Database::create(path).map_err(db_err)?;
         let tx = db.begin_write().map_err(db_err)?;
-        for table in [SANDBOXES, TEMPLATES, META, BUILDS] {
+        for table in [SANDBOXES, TEMPLATES, RETIRED, META, BUILDS] {
             tx.open_table(table).map_err(db_err)?;
         }
         tx.commit().map_err(db_err)?;
@@ -326,6 +329,32 @@ impl Store {
         self.get(BUILDS, template_id)?
             .map(|b| decode(&b, "build"))
             .transpose()
+    }
+
+    /// Moves a template out of every lookup into the retired ones, in one
+    /// transaction: its name is free at once, its files stay for its users.
+    pub fn retire_template(&self, t: &TemplateRecord) -> Result<(), StoreError> {
+        let tx = self.db.begin_write().map_err(db_err)?;
+        tx.open_table(TEMPLATES)
+            .map_err(db_err)?
+            .remove(t.id.as_str())
+            .map_err(db_err)?;
+        tx.open_table(RETIRED)
+            .map_err(db_err)?
+            .insert(t.id.as_str(), encode(t).as_slice())
+            .map_err(db_err)?;
+        tx.commit().map_err(db_err)
+    }
+
+    pub fn retired_templates(&self) -> Result<Vec<TemplateRecord>, StoreError> {
+        self.all(RETIRED)?
+            .iter()
+            .map(|b| decode(b, "retired template"))
+            .collect()
+    }
+
+    pub fn remove_retired_template(&self, id: &str) -> Result<bool, StoreError> {
+        self.remove(RETIRED, id)
     }
 
     pub fn builds(&self) -> Result<Vec<BuildRecord>, StoreError> {

@@ -267,7 +267,7 @@ async fn create_run_read_list_kill_through_one_port() {
     let health = http(addr, "GET", "/health", &routing, "").await;
     assert_eq!(health.status, 502);
 
-    snapshot_create_from_it_and_delete(addr, &auth, data.path(), &id2, &token2).await;
+    let snap_id = snapshot_create_from_it_and_delete(addr, &auth, data.path(), &id2, &token2).await;
 
     // Everything is gone: what forks and the snapshot kept is garbage now.
     let kept: Vec<_> = ["sandboxes", "forks"]
@@ -280,6 +280,10 @@ async fn create_run_read_list_kill_through_one_port() {
     // (The node's own periodic collection may have got there first.)
     let gc = manager.collect_garbage().await.unwrap();
     assert_eq!(gc.skipped, None);
+    assert!(
+        !data.path().join("templates").join(&snap_id).exists(),
+        "{gc:?}"
+    );
     for d in ["sandboxes", "forks"] {
         let left: Vec<_> = std::fs::read_dir(data.path().join(d)).unwrap().collect();
         assert!(left.is_empty(), "{d}: {left:?}");
@@ -287,15 +291,16 @@ async fn create_run_read_list_kill_through_one_port() {
 }
 
 /// Snapshot the running `src`, create a sandbox from the snapshot (memory and
-/// disk as they were), see the delete refused while either uses it, then
-/// kill both and delete it.
+/// disk as they were), delete the snapshot while both run on it (its files
+/// stay), then kill both; returns the snapshot's id (its files are the
+/// collector's to remove).
 async fn snapshot_create_from_it_and_delete(
     addr: std::net::SocketAddr,
     auth: &[(&str, &str)],
     data: &std::path::Path,
     src: &str,
     src_token: &str,
-) {
+) -> String {
     let src_routing = [("e2b-sandbox-id", src), ("x-access-token", src_token)];
     let (code, _) = run(
         addr,
@@ -419,22 +424,39 @@ async fn snapshot_create_from_it_and_delete(
     let (_, out) = run(addr, &made_routing, "cat /tmp/snap-mem").await;
     assert_eq!(out, "in-memory\n");
 
-    // By name, with E2B's tag, as the SDKs send it.
+    // By name, with E2B's tag, as the SDKs send it. As on E2B the delete
+    // succeeds while sandboxes run on the snapshot's files: the name is gone
+    // at once, the files stay for them (the collector removes them after).
     let path = "/templates/lab-snap%3Adefault";
-    let refused = http(addr, "DELETE", path, auth, "").await;
-    assert_eq!(refused.status, 409, "{:?}", refused.body);
+    let deleted = http(addr, "DELETE", path, auth, "").await;
+    assert_eq!(deleted.status, 204, "{:?}", deleted.body);
+    assert_eq!(http(addr, "DELETE", path, auth, "").await.status, 404);
+    let gone = http(
+        addr,
+        "POST",
+        "/v2/sandboxes",
+        auth,
+        r#"{"templateID":"lab-snap"}"#,
+    )
+    .await;
+    assert_eq!(gone.status, 404, "{:?}", gone.body);
+    assert!(
+        data.join("templates")
+            .join(&snap_id)
+            .join("vm.mem")
+            .is_file()
+    );
+    let (_, out) = run(addr, &made_routing, "cat /tmp/snap-mem").await;
+    assert_eq!(out, "in-memory\n");
     let killed = http(addr, "DELETE", &format!("/sandboxes/{made_id}"), auth, "").await;
     assert_eq!(killed.status, 204);
     assert!(!data.join("sandboxes").join(&made_id).exists());
     // The source still runs on the snapshot's memory.
-    let refused = http(addr, "DELETE", path, auth, "").await;
-    assert_eq!(refused.status, 409, "{:?}", refused.body);
+    let (code, _) = run(addr, &src_routing, "true").await;
+    assert_eq!(code, 0);
     let killed = http(addr, "DELETE", &format!("/sandboxes/{src}"), auth, "").await;
     assert_eq!(killed.status, 204);
-    let deleted = http(addr, "DELETE", path, auth, "").await;
-    assert_eq!(deleted.status, 204, "{:?}", deleted.body);
-    assert!(!data.join("templates").join(&snap_id).exists());
-    assert_eq!(http(addr, "DELETE", path, auth, "").await.status, 404);
+    snap_id
 }
 
 /// A node with room for exactly two base sandboxes (600 MiB, 256 MiB each):
@@ -575,7 +597,7 @@ fn agent_binary() -> PathBuf {
 /// Build a template from a small OCI image with a start and a ready command
 /// and more memory than base; create a sandbox from it by name and find the
 /// image's file and environment, the start command's process running and
-/// the memory; the delete refused while the sandbox runs, then done.
+/// the memory; deleted while the sandbox runs, its files kept until then.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab: boots microVMs"]
 async fn template_from_an_oci_image_with_start_and_ready_commands() {
@@ -700,20 +722,11 @@ async fn template_from_an_oci_image_with_start_and_ready_commands() {
     let killed = http(addr, "DELETE", &format!("/sandboxes/{sid2}"), &auth, "").await;
     assert_eq!(killed.status, 204);
 
-    let refused = http(addr, "DELETE", "/templates/lab-bb", &auth, "").await;
-    assert_eq!(refused.status, 409, "{:?}", refused.body);
-    assert!(String::from_utf8_lossy(&refused.body).contains(&sid));
-    let killed = http(addr, "DELETE", &format!("/sandboxes/{sid}"), &auth, "").await;
-    assert_eq!(killed.status, 204);
-    // The snapshot's memory stacks on the template's.
-    let refused = http(addr, "DELETE", "/templates/lab-bb", &auth, "").await;
-    assert_eq!(refused.status, 409, "{:?}", refused.body);
-    assert!(String::from_utf8_lossy(&refused.body).contains(&live_id));
-    let deleted = http(addr, "DELETE", "/templates/lab-bb-live", &auth, "").await;
-    assert_eq!(deleted.status, 204, "{:?}", deleted.body);
+    // Deleted while a sandbox runs on it and a snapshot stacks on its
+    // memory: the name is gone at once (E2B's semantics), the sandbox runs
+    // on, the files stay until nothing uses them.
     let deleted = http(addr, "DELETE", "/templates/lab-bb", &auth, "").await;
     assert_eq!(deleted.status, 204, "{:?}", deleted.body);
-    assert!(!data.path().join("templates").join(&id).exists());
     let gone = http(
         addr,
         "POST",
@@ -723,6 +736,24 @@ async fn template_from_an_oci_image_with_start_and_ready_commands() {
     )
     .await;
     assert_eq!(gone.status, 404);
+    assert_eq!(
+        http(addr, "DELETE", "/templates/lab-bb", &auth, "")
+            .await
+            .status,
+        404
+    );
+    assert_eq!(sh("cat /etc/marker").await, (0, common::MARKER.to_owned()));
+    let killed = http(addr, "DELETE", &format!("/sandboxes/{sid}"), &auth, "").await;
+    assert_eq!(killed.status, 204);
+    // The snapshot's memory stacks on the template's: kept for it.
+    let gc = node.manager.collect_garbage().await.unwrap();
+    assert!(data.path().join("templates").join(&id).exists(), "{gc:?}");
+    let deleted = http(addr, "DELETE", "/templates/lab-bb-live", &auth, "").await;
+    assert_eq!(deleted.status, 204, "{:?}", deleted.body);
+    assert!(!data.path().join("templates").join(&live_id).exists());
+    let gc = node.manager.collect_garbage().await.unwrap();
+    assert_eq!(gc.skipped, None);
+    assert!(!data.path().join("templates").join(&id).exists(), "{gc:?}");
 }
 
 /// A server the sandbox runs on a TCP port answers at `<port>-<id>.<domain>`

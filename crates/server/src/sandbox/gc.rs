@@ -25,6 +25,8 @@ pub struct GcStats {
     pub dirs: Vec<PathBuf>,
     /// Disk layers removed from directories still in use.
     pub layers: Vec<PathBuf>,
+    /// Deleted templates whose last user went, removed with their files.
+    pub templates: Vec<String>,
     /// Why nothing was collected, when nothing was.
     pub skipped: Option<&'static str>,
 }
@@ -55,11 +57,18 @@ impl Manager {
             loop {
                 tokio::time::sleep(GC_EVERY).await;
                 match self.collect_garbage().await {
-                    Ok(s) if !s.dirs.is_empty() || !s.layers.is_empty() => tracing::info!(
-                        "gc: removed {} directories and {} disk layers",
-                        s.dirs.len(),
-                        s.layers.len()
-                    ),
+                    Ok(s)
+                        if !s.dirs.is_empty()
+                            || !s.layers.is_empty()
+                            || !s.templates.is_empty() =>
+                    {
+                        tracing::info!(
+                            "gc: removed {} directories, {} disk layers and {} deleted templates",
+                            s.dirs.len(),
+                            s.layers.len(),
+                            s.templates.len()
+                        )
+                    }
                     Ok(_) => {}
                     Err(e) => tracing::warn!("gc: {e}"),
                 }
@@ -76,7 +85,23 @@ impl Manager {
             });
         };
         let sandboxes = self.store.sandboxes()?;
-        let templates = self.store.templates()?;
+        let mut templates = self.store.templates()?;
+        // Deleted templates stay while something stacks on them; the rest
+        // go now, and what they held is judged with them gone.
+        let mut removed = Vec::new();
+        for t in self.store.retired_templates()? {
+            let unused = {
+                let pins = self.pins.lock().unwrap_or_else(|p| p.into_inner());
+                self.template_users(&t.id, &pins)?.is_empty()
+            };
+            if unused {
+                self.store.remove_retired_template(&t.id)?;
+                self.remove_template_files(&t).await?;
+                removed.push(t.id);
+            } else {
+                templates.push(t);
+            }
+        }
         // Records from before `uses_dirs` cannot say what they need.
         if sandboxes.iter().any(|s| s.uses_dirs.is_empty())
             || templates
@@ -85,6 +110,7 @@ impl Manager {
         {
             return Ok(GcStats {
                 skipped: Some("records from an older version"),
+                templates: removed,
                 ..GcStats::default()
             });
         }
@@ -101,7 +127,10 @@ impl Manager {
             self.config.data_dir.join("forks"),
         ];
         tokio::task::spawn_blocking(move || -> Result<GcStats, SandboxError> {
-            let mut stats = GcStats::default();
+            let mut stats = GcStats {
+                templates: removed,
+                ..GcStats::default()
+            };
             let mut kept = Vec::new();
             for dir in roots.iter().flat_map(|r| entries(r)) {
                 if !dir.is_dir() || used.contains(&dir) {

@@ -11,6 +11,8 @@
 //! every sandbox and snapshot records the snapshots it stacks on
 //! (`uses_snapshots`) and a snapshot in use is never deleted.
 
+use std::collections::HashMap;
+
 use vmm_api::ForkParams;
 
 use super::live::{self, Phase};
@@ -248,11 +250,13 @@ impl Manager {
         Ok(all)
     }
 
-    /// Deletes a snapshot or built template and its files; refused while a
-    /// sandbox or snapshot stacks on it, and for the base template. Returns
-    /// the template's id.
+    /// Deletes a snapshot or built template: its id and names are gone from
+    /// every lookup at once, also while sandboxes or snapshots still stack on
+    /// its files (E2B's semantics: they run on unaffected). Its files go now
+    /// when nothing uses them, else once the garbage collector finds its last
+    /// user gone. The base template is not deleted. Returns the template's id.
     pub async fn delete_template(&self, id_or_name: &str) -> Result<String, SandboxError> {
-        let template = {
+        let (template, users) = {
             // Held so no create pins it between the check and the removal.
             let pins = self.pins.lock().unwrap_or_else(|p| p.into_inner());
             let template = self.resolve_template(id_or_name)?;
@@ -262,33 +266,62 @@ impl Manager {
                     template.id
                 )));
             }
-            let mut users: Vec<String> = self
-                .store
-                .sandboxes()?
-                .into_iter()
-                .filter(|s| s.template_id == template.id || s.uses_snapshots.contains(&template.id))
-                .map(|s| format!("sandbox {}", s.id))
-                .collect();
-            users.extend(
-                self.store
-                    .templates()?
-                    .into_iter()
-                    .filter(|t| t.uses_snapshots.contains(&template.id))
-                    .map(|t| format!("snapshot {}", t.id)),
-            );
-            if pins.contains_key(&template.id) {
-                users.push("a sandbox being created".into());
+            let users = self.template_users(&template.id, &pins)?;
+            if users.is_empty() {
+                self.store.remove_template(&template.id)?;
+            } else {
+                self.store.retire_template(&template)?;
             }
-            if !users.is_empty() {
-                return Err(SandboxError::InUse {
-                    id: template.id,
-                    users: users.join(", "),
-                });
-            }
-            self.store.remove_template(&template.id)?;
-            template
+            (template, users)
         };
-        // A snapshot's disk layer stays: it lives in the source's directory.
+        if users.is_empty() {
+            self.remove_template_files(&template).await?;
+        } else {
+            tracing::info!(
+                "template {}: deleted; its files stay while {} use them",
+                template.id,
+                users.join(", ")
+            );
+        }
+        Ok(template.id)
+    }
+
+    /// Who stacks on template `id`'s files: sandboxes made from it or
+    /// stacking on it, snapshots (deleted ones too) stacking on it, creates
+    /// restoring it right now (`pins`, held by the caller).
+    pub(super) fn template_users(
+        &self,
+        id: &str,
+        pins: &HashMap<String, usize>,
+    ) -> Result<Vec<String>, SandboxError> {
+        let mut users: Vec<String> = self
+            .store
+            .sandboxes()?
+            .into_iter()
+            .filter(|s| s.template_id == id || s.uses_snapshots.iter().any(|u| u == id))
+            .map(|s| format!("sandbox {}", s.id))
+            .collect();
+        let templates = self.store.templates()?;
+        let retired = self.store.retired_templates()?;
+        users.extend(
+            templates
+                .iter()
+                .chain(&retired)
+                .filter(|t| t.id != id && t.uses_snapshots.iter().any(|u| u == id))
+                .map(|t| format!("snapshot {}", t.id)),
+        );
+        if pins.contains_key(id) {
+            users.push("a sandbox being created".into());
+        }
+        Ok(users)
+    }
+
+    /// Removes a deleted template's directory (a snapshot's disk layer stays:
+    /// it lives in the source's directory, which the collector judges).
+    pub(super) async fn remove_template_files(
+        &self,
+        template: &TemplateRecord,
+    ) -> Result<(), SandboxError> {
         let dir = template.dir.clone();
         let templates = self.config.templates_dir();
         if dir.parent() == Some(templates.as_path()) && template.id != ids::BASE_TEMPLATE {
@@ -301,7 +334,7 @@ impl Manager {
             })
             .await?;
         }
-        Ok(template.id)
+        Ok(())
     }
 }
 
