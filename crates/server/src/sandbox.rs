@@ -7,10 +7,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use disk_layers::LayeredDisk;
-use vmm_api::DriveOverride;
-use vmm_api::SnapshotType;
+use vmm_api::{Drive, DriveOverride, SnapshotType};
 use vmm_driver::agent_client::{AgentError, AgentInit};
-use vmm_driver::process::{ProcessError, Restore};
+use vmm_driver::process::{GuestSpec, ProcessError, Restore};
 
 use crate::capacity::{Ask, Capacity, CapacityError, Reservation, Shortage};
 use crate::clock::now_ms;
@@ -24,6 +23,13 @@ use crate::store::{
 
 /// A restored guest answers within this (lab times included).
 const AGENT_TIMEOUT: Duration = Duration::from_secs(120);
+/// A cold boot in the lab takes tens of seconds.
+const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long a guest agent may take to flush the guest's disk before a
+/// filesystem-only pause, or to answer before a pause that asks for it.
+const GUEST_CHECK_TIMEOUT: Duration = Duration::from_secs(30);
+/// A pause that asks for a healthy guest waits this long for its answer.
+const HEALTH_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 /// An adopted VMM's guest answered before the restart: it gets less time.
 const ADOPT_AGENT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often expired sandboxes are looked for.
@@ -141,6 +147,29 @@ pub struct CreateParams {
     /// Give the sandbox an envd access token and have envd require it.
     pub secure: bool,
     pub auto_pause: bool,
+    /// The timeout's pause keeps the memory (else the filesystem only).
+    pub auto_pause_memory: bool,
+}
+
+/// What a pause keeps (E2B's pause `memory` and `autoPauseMemory`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PauseMode {
+    /// Memory and devices in a snapshot, the disk flushed: the resume
+    /// continues where it stopped.
+    Full,
+    /// The disk only, flushed by the guest first: the resume cold-boots the
+    /// kernel on it (processes and memory are gone).
+    Filesystem,
+}
+
+/// How a resume brings a paused sandbox back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResumeMode {
+    /// From its memory snapshot when it has one, else cold.
+    Restore,
+    /// Cold-boots from its disk, whatever memory it kept (E2B's connect
+    /// with `memory: false`).
+    Reboot,
 }
 
 pub struct Manager {
@@ -268,11 +297,17 @@ impl Manager {
 
     pub async fn reap_expired(&self) {
         let now = now_ms();
-        let expired: Vec<(String, bool)> = match self.store.sandboxes() {
+        let expired: Vec<(String, Option<PauseMode>)> = match self.store.sandboxes() {
             Ok(all) => all
                 .into_iter()
                 .filter(|s| s.state == SandboxState::Running && s.end_at_ms <= now)
-                .map(|s| (s.id, s.auto_pause))
+                .map(|s| {
+                    let mode = match s.auto_pause_memory {
+                        true => PauseMode::Full,
+                        false => PauseMode::Filesystem,
+                    };
+                    (s.id, s.auto_pause.then_some(mode))
+                })
                 .collect(),
             Err(e) => {
                 tracing::warn!("looking for expired sandboxes: {e}");
@@ -280,9 +315,9 @@ impl Manager {
             }
         };
         for (id, auto_pause) in expired {
-            if auto_pause {
-                tracing::info!("sandbox {id}: timeout reached, pausing it");
-                match self.pause(&id).await {
+            if let Some(mode) = auto_pause {
+                tracing::info!("sandbox {id}: timeout reached, pausing it ({mode:?})");
+                match self.pause(&id, mode).await {
                     Ok(_) | Err(SandboxError::Conflict { .. }) => continue,
                     Err(e) => tracing::warn!("sandbox {id}: pausing at timeout: {e}; killing it"),
                 }
@@ -406,8 +441,10 @@ impl Manager {
                 memory_mb: template.mem_mib,
                 disk_size_mb: template.disk_size_mb,
                 auto_pause: params.auto_pause,
+                auto_pause_memory: params.auto_pause_memory,
                 pause_generation: 0,
                 snapshot: None,
+                cold_booted: false,
                 root_layer: None,
                 has_dependents: false,
                 uses_snapshots,
@@ -441,10 +478,12 @@ impl Manager {
         }
     }
 
-    /// Pauses a running sandbox: its memory and devices into a snapshot in
-    /// its directory (a diff over what it was restored from), its disk
-    /// flushed, its VMM stopped; the store says `paused` once all is on disk.
-    pub async fn pause(&self, id: &str) -> Result<SandboxRecord, SandboxError> {
+    /// Pauses a running sandbox. [`PauseMode::Full`]: its memory and devices
+    /// into a snapshot in its directory (a diff over what it was restored
+    /// from), its disk flushed; [`PauseMode::Filesystem`]: its guest flushes
+    /// its disk, and nothing else is kept. Then its VMM stops; the store says
+    /// `paused` once all is on disk.
+    pub async fn pause(&self, id: &str, mode: PauseMode) -> Result<SandboxRecord, SandboxError> {
         let _busy = self.activity.read().await;
         let sandbox = self.sandbox(id)?;
         let Ok(mut guest) = sandbox.guest.try_lock() else {
@@ -468,36 +507,32 @@ impl Manager {
         sandbox.set_phase(Phase::Pausing)?;
         let dir = self.sandbox_dir(id);
         let generation = record.pause_generation + 1;
-        let snapshot = PausedSnapshot {
-            state: dir.join(format!("pause-{generation}.state")),
-            mem: dir.join(format!("pause-{generation}.mem")),
+        let written = match mode {
+            PauseMode::Full => self.write_memory(&record, launched, generation).await,
+            PauseMode::Filesystem => self.flush_guest_disk(&record, launched).await,
         };
-        // Pausing the devices flushes the root layer (see the VMM's block
-        // device), so disk and memory agree.
-        if let Err(e) = launched
-            .vm
-            .snapshot(SnapshotType::Diff, &snapshot.state, &snapshot.mem)
-            .await
-        {
-            let _ = launched.vm.resume().await;
-            sandbox.set_phase(Phase::Running)?;
-            return Err(e.into());
-        }
+        let snapshot = match written {
+            Ok(snapshot) => snapshot,
+            Err(e) => {
+                let _ = launched.vm.resume().await;
+                sandbox.set_phase(Phase::Running)?;
+                return Err(e);
+            }
+        };
         // The VMM stays (paused) until the record says paused: a pause that
         // cannot be committed resumes the sandbox instead of stranding it.
-        let files = vec![
-            snapshot.state.clone(),
-            snapshot.mem.clone(),
-            self.root_layer(&record),
-            dir.clone(),
-        ];
+        let mut files = vec![self.root_layer(&record), dir.clone()];
+        if let Some(s) = &snapshot {
+            files.extend([s.state.clone(), s.mem.clone()]);
+        }
         let committed = match sync_files(files).await {
             Ok(()) => self
                 .store
                 .update_sandbox(id, |s| {
                     s.state = SandboxState::Paused;
                     s.pause_generation = generation;
-                    s.snapshot = Some(snapshot);
+                    s.snapshot = snapshot;
+                    s.cold_booted = false;
                     s.vmm_dir = None;
                 })
                 .map_err(SandboxError::from),
@@ -521,14 +556,75 @@ impl Manager {
         }
     }
 
+    /// A full pause's snapshot of a running guest, which stays paused:
+    /// pausing the devices flushes the root layer (see the VMM's block
+    /// device), so disk and memory agree.
+    async fn write_memory(
+        &self,
+        record: &SandboxRecord,
+        launched: &Launched,
+        generation: u32,
+    ) -> Result<Option<PausedSnapshot>, SandboxError> {
+        let dir = self.sandbox_dir(&record.id);
+        let snapshot = PausedSnapshot {
+            state: dir.join(format!("pause-{generation}.state")),
+            mem: dir.join(format!("pause-{generation}.mem")),
+        };
+        // A cold-booted guest's memory is in no file: all of it is written.
+        let kind = match record.cold_booted {
+            true => SnapshotType::Full,
+            false => SnapshotType::Diff,
+        };
+        launched
+            .vm
+            .snapshot(kind, &snapshot.state, &snapshot.mem)
+            .await?;
+        Ok(Some(snapshot))
+    }
+
+    /// A filesystem-only pause: the guest writes back what its page cache
+    /// holds (its agent must answer), then the VM stops; the VMM's pause
+    /// flushes the root layer.
+    async fn flush_guest_disk(
+        &self,
+        record: &SandboxRecord,
+        launched: &Launched,
+    ) -> Result<Option<PausedSnapshot>, SandboxError> {
+        let agent = launched
+            .vm
+            .agent()
+            .with_access_token(record.access_token.as_deref())
+            .with_timeout(GUEST_CHECK_TIMEOUT);
+        let synced = agent.run_argv("/bin/sh", &["-c", "sync"]).await;
+        match synced {
+            Ok(out) if out.exit_code == 0 => {}
+            Ok(out) => {
+                return Err(SandboxError::Unavailable(format!(
+                    "a filesystem-only pause needs the guest to flush its disk; `sync` exited {}: {}",
+                    out.exit_code,
+                    out.stderr.trim()
+                )));
+            }
+            Err(e) => {
+                return Err(SandboxError::Unavailable(format!(
+                    "a filesystem-only pause needs the guest agent to answer: {e}"
+                )));
+            }
+        }
+        launched.vm.pause().await?;
+        Ok(None)
+    }
+
     /// Resumes a paused sandbox for `timeout`; returns it and whether it was
     /// paused. A running sandbox only has its timeout extended (never
     /// shortened). A resume waits for a change under way, so two resumes
-    /// restore once.
+    /// restore once. One paused without memory, or resumed with
+    /// [`ResumeMode::Reboot`], cold-boots on its disk.
     pub async fn resume(
         &self,
         id: &str,
         timeout: Duration,
+        mode: ResumeMode,
     ) -> Result<(SandboxRecord, bool), SandboxError> {
         let end = now_ms() + timeout.as_millis() as u64;
         let sandbox = self.sandbox(id)?;
@@ -543,8 +639,9 @@ impl Manager {
             other => return Err(other.refusal(id)),
         }
         let record = self.get(id)?;
-        let Some(snapshot) = record.snapshot.clone() else {
-            return Err(SandboxError::NotFound(id.to_owned()));
+        let restore = match mode {
+            ResumeMode::Restore => record.snapshot.clone(),
+            ResumeMode::Reboot => None,
         };
         sandbox.set_phase(Phase::Resuming)?;
         let restored = async {
@@ -552,18 +649,18 @@ impl Manager {
                 Ask::sandbox(u64::from(record.cpu_count), record.memory_mb),
                 &format!("resuming sandbox {id}"),
             )?;
-            let plan = Plan {
-                guest: Guest::Restore(self.restore_onto(
-                    &snapshot.state,
-                    &snapshot.mem,
-                    &self.root_layer(&record),
-                )),
-                ready: Ready::Init {
-                    init: Box::new(AgentInit::after_restore()?),
-                    token: record.access_token.clone(),
+            let root = self.root_layer(&record);
+            let plan = match &restore {
+                Some(snapshot) => Plan {
+                    guest: Guest::Restore(self.restore_onto(&snapshot.state, &snapshot.mem, &root)),
+                    ready: Ready::Init {
+                        init: Box::new(AgentInit::after_restore()?),
+                        token: record.access_token.clone(),
+                    },
+                    hold,
+                    timeout: AGENT_TIMEOUT,
                 },
-                hold,
-                timeout: AGENT_TIMEOUT,
+                None => self.cold_boot(&record, &root, hold)?,
             };
             let mut launched = launch::launch(&self.pool, plan).await?;
             let r = self
@@ -571,6 +668,7 @@ impl Manager {
                 .update_sandbox(id, |s| {
                     s.state = SandboxState::Running;
                     s.end_at_ms = end;
+                    s.cold_booted = restore.is_none();
                     s.vmm_dir = Some(launched.vm.dir().to_owned());
                 })?
                 .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
@@ -588,6 +686,43 @@ impl Manager {
                 Err(e)
             }
         }
+    }
+
+    /// The plan that boots the node's kernel on a sandbox's disk: a fresh
+    /// guest whose agent gets the sandbox's token and environment.
+    fn cold_boot(
+        &self,
+        record: &SandboxRecord,
+        root: &std::path::Path,
+        hold: Reservation,
+    ) -> Result<Plan, SandboxError> {
+        let vcpus = u8::try_from(record.cpu_count)
+            .map_err(|_| SandboxError::Invalid(format!("{} vCPUs", record.cpu_count)))?;
+        let mut init = AgentInit::after_restore()?;
+        init.access_token = record.access_token.clone();
+        init.env_vars = Some(record.env_vars.clone());
+        Ok(Plan {
+            guest: Guest::Boot(GuestSpec {
+                kernel: self.template.kernel.clone(),
+                boot_args: Some(launch::BOOT_ARGS.into()),
+                vcpus,
+                mem_mib: record.memory_mb,
+                drives: vec![Drive::new(
+                    self.template.root_drive_id.clone(),
+                    root.display().to_string(),
+                    true,
+                    false,
+                )],
+                vsock: true,
+            }),
+            // A booted agent has no token until this init.
+            ready: Ready::Init {
+                init: Box::new(init),
+                token: None,
+            },
+            hold,
+            timeout: BOOT_TIMEOUT,
+        })
     }
 
     /// The writable layer of a sandbox's root disk.
@@ -703,6 +838,17 @@ impl Manager {
     pub fn serving_by_token(&self, token: &str) -> Option<String> {
         let sandbox = self.registry().by_token(token)?;
         sandbox.phase().serves().then(|| sandbox.id.clone())
+    }
+
+    /// Whether a running sandbox's guest agent answers its health check now.
+    pub async fn guest_answers(&self, id: &str) -> bool {
+        let Some(vsock) = self.vsock_path(id) else {
+            return false;
+        };
+        let probe =
+            vmm_driver::vsock_connect::agent_health(&vsock, envd_proto::PORT, HEALTH_CHECK_TIMEOUT)
+                .await;
+        matches!(probe, Ok(204))
     }
 
     /// The vsock socket of a sandbox taking traffic, for the envd proxy.

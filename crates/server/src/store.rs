@@ -67,13 +67,22 @@ pub struct SandboxRecord {
     pub disk_size_mb: u64,
     /// Pause instead of kill at the end of the timeout.
     pub auto_pause: bool,
+    /// That pause keeps the memory (E2B's `autoPauseMemory`; false: the
+    /// filesystem only, and the resume cold-boots).
+    #[serde(default = "yes")]
+    pub auto_pause_memory: bool,
     /// Pauses so far: each writes its own snapshot files (a diff snapshot
     /// maps the earlier ones below it).
     #[serde(default)]
     pub pause_generation: u32,
-    /// The snapshot a paused sandbox resumes from.
+    /// The snapshot a paused sandbox resumes from; none for one paused
+    /// filesystem-only (its resume cold-boots the kernel on its disk).
     #[serde(default)]
     pub snapshot: Option<PausedSnapshot>,
+    /// The running guest was cold-booted (its memory is no snapshot's, so
+    /// its next pause writes all of it rather than a diff).
+    #[serde(default)]
+    pub cold_booted: bool,
     /// The root disk's writable layer when it is not `root.layer` in the
     /// sandbox's directory (after a fork, in the fork's directory).
     #[serde(default)]
@@ -95,6 +104,10 @@ pub struct SandboxRecord {
     /// a restarted server finds the process to adopt.
     #[serde(default)]
     pub vmm_dir: Option<PathBuf>,
+}
+
+fn yes() -> bool {
+    true
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

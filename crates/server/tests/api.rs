@@ -665,6 +665,34 @@ async fn pause_resume_and_connect_answer_by_state() {
         &call(&node, authed("POST", "/sandboxes/held/pause", "{}")).await,
         StatusCode::CONFLICT,
     );
+    // Whatever it would keep; a malformed mode is the caller's error.
+    assert_error(
+        &call(
+            &node,
+            authed("POST", "/sandboxes/held/pause", r#"{"memory":false}"#),
+        )
+        .await,
+        StatusCode::CONFLICT,
+    );
+    assert_error(
+        &call(
+            &node,
+            authed("POST", "/sandboxes/held/pause", r#"{"memory":"no"}"#),
+        )
+        .await,
+        StatusCode::BAD_REQUEST,
+    );
+    // A reboot asked of a running sandbox only extends it (E2B: a no-op).
+    let a = call(
+        &node,
+        authed(
+            "POST",
+            "/v2/sandboxes/run/connect",
+            r#"{"timeout":60,"memory":false}"#,
+        ),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.json);
     // The old resume route refuses a running sandbox.
     assert_error(
         &call(

@@ -247,6 +247,7 @@ async fn create_run_read_list_kill_through_one_port() {
     }
     let (_, out) = run(addr, &routing, "cat /root/on-disk").await;
     assert_eq!(out, "before-fork\n");
+    filesystem_only_pause_and_cold_resume(addr, &auth, &routing, &manager, &id).await;
     // Killing the parent leaves its children working.
     let killed = http(addr, "DELETE", &format!("/sandboxes/{id}"), &auth, "").await;
     assert_eq!(killed.status, 204);
@@ -288,6 +289,70 @@ async fn create_run_read_list_kill_through_one_port() {
         let left: Vec<_> = std::fs::read_dir(data.path().join(d)).unwrap().collect();
         assert!(left.is_empty(), "{d}: {left:?}");
     }
+}
+
+/// E2B's pause with `memory: false`: the disk stays, memory does not, and
+/// the resume cold-boots the kernel on the disk with the sandbox's token and
+/// environment; a full pause of that guest keeps its memory again; a connect
+/// with `memory: false` cold-boots even a sandbox that kept its memory.
+async fn filesystem_only_pause_and_cold_resume(
+    addr: std::net::SocketAddr,
+    auth: &[(&str, &str)],
+    routing: &[(&str, &str)],
+    manager: &server::sandbox::Manager,
+    id: &str,
+) {
+    let (pause_path, connect_path) = (
+        format!("/sandboxes/{id}/pause"),
+        format!("/sandboxes/{id}/connect"),
+    );
+    let pause = |body: &'static str| http(addr, "POST", &pause_path, auth, body);
+    let connect = |body: &'static str| http(addr, "POST", &connect_path, auth, body);
+    let (code, _) = run(
+        addr,
+        routing,
+        "echo fs-kept > /root/fs-only && echo gone > /tmp/in-memory && sync",
+    )
+    .await;
+    assert_eq!(code, 0);
+    let t = Instant::now();
+    let paused = pause(r#"{"memory":false}"#).await;
+    assert_eq!(paused.status, 204, "{:?}", paused.body);
+    eprintln!("filesystem-only pause took {:?}", t.elapsed());
+    assert!(manager.get(id).unwrap().snapshot.is_none());
+    let t = Instant::now();
+    let resumed = connect("{}").await;
+    assert_eq!(resumed.status, 201, "{:?}", resumed.body);
+    eprintln!("cold resume took {:?} (lab: emulated)", t.elapsed());
+    let after_boot =
+        "cat /root/fs-only /root/on-disk; test -e /tmp/in-memory || echo no-memory; echo $A";
+    let (code, out) = run(addr, routing, after_boot).await;
+    assert_eq!(
+        (code, out.as_str()),
+        (0, "fs-kept\nbefore-fork\nno-memory\n1\n")
+    );
+
+    // The cold-booted guest's memory is in no file: its pause writes all of it.
+    let (code, _) = run(addr, routing, "echo warm > /tmp/in-memory").await;
+    assert_eq!(code, 0);
+    let paused = pause("{}").await;
+    assert_eq!(paused.status, 204, "{:?}", paused.body);
+    assert!(manager.get(id).unwrap().snapshot.is_some());
+    let resumed = connect("{}").await;
+    assert_eq!(resumed.status, 201, "{:?}", resumed.body);
+    let (_, out) = run(addr, routing, "cat /tmp/in-memory").await;
+    assert_eq!(out, "warm\n");
+
+    // E2B's `on_resume="reboot"`: memory kept, but not used.
+    let paused = pause("{}").await;
+    assert_eq!(paused.status, 204, "{:?}", paused.body);
+    let resumed = connect(r#"{"memory":false}"#).await;
+    assert_eq!(resumed.status, 201, "{:?}", resumed.body);
+    let (code, out) = run(addr, routing, after_boot).await;
+    assert_eq!(
+        (code, out.as_str()),
+        (0, "fs-kept\nbefore-fork\nno-memory\n1\n")
+    );
 }
 
 /// Snapshot the running `src`, create a sandbox from the snapshot (memory and

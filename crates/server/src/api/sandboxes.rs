@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 use super::list::ListQuery;
 use super::{ApiError, Shared};
 use crate::ids;
-use crate::sandbox::CreateParams;
+use crate::sandbox::{CreateParams, PauseMode, Phase, ResumeMode};
 use crate::store::{SandboxRecord, SandboxState};
 use crate::template;
 
@@ -133,6 +133,9 @@ struct NewSandbox {
     allow_internet_access: Option<bool>,
     #[serde(rename = "autoPause")]
     auto_pause: Option<bool>,
+    /// `false`: the timeout's pause keeps the filesystem only.
+    #[serde(rename = "autoPauseMemory")]
+    auto_pause_memory: Option<bool>,
 }
 
 async fn create(state: Shared, body: Bytes, v2: bool) -> Result<Response, ApiError> {
@@ -154,6 +157,7 @@ async fn create(state: Shared, body: Bytes, v2: bool) -> Result<Response, ApiErr
         env_vars: req.env_vars.unwrap_or_default(),
         secure: v2 || req.secure.unwrap_or(false),
         auto_pause: req.auto_pause.unwrap_or(false),
+        auto_pause_memory: req.auto_pause_memory.unwrap_or(true),
     };
     let ends_now = params.timeout.is_zero();
     let record = state.manager.create(params).await?;
@@ -284,11 +288,11 @@ pub async fn refresh(
 
 #[derive(Debug, Default, Deserialize)]
 struct PauseBody {
-    /// `false` asks for a filesystem-only pause; memory is always kept here.
-    #[allow(dead_code)]
+    /// `false` asks for a filesystem-only pause (E2B's default: true).
     memory: Option<bool>,
+    /// Refuse (503) a memory pause while the guest agent does not answer; a
+    /// filesystem-only pause always needs it to answer.
     #[serde(rename = "requireHealthyGuest")]
-    #[allow(dead_code)]
     require_healthy_guest: Option<bool>,
 }
 
@@ -299,16 +303,30 @@ pub async fn pause(
     body: Bytes,
 ) -> Result<StatusCode, ApiError> {
     check_id(&id)?;
-    let _: PauseBody = parse_body(&body)?;
-    state.manager.pause(&id).await?;
+    let req: PauseBody = parse_body(&body)?;
+    let mode = match req.memory.unwrap_or(true) {
+        true => PauseMode::Full,
+        false => PauseMode::Filesystem,
+    };
+    if mode == PauseMode::Full
+        && req.require_healthy_guest == Some(true)
+        && state.manager.phase(&id) == Some(Phase::Running)
+        && !state.manager.guest_answers(&id).await
+    {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("sandbox {id}: its guest agent does not answer; it was not paused"),
+        ));
+    }
+    state.manager.pause(&id, mode).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 #[derive(Debug, Default, Deserialize)]
 struct ConnectBody {
     timeout: Option<i64>,
-    /// `false` asks for a cold boot from disk; memory is always restored here.
-    #[allow(dead_code)]
+    /// `false`: a paused sandbox cold-boots from its disk, whatever memory
+    /// it kept (E2B's `on_resume="reboot"`).
     memory: Option<bool>,
     #[serde(rename = "autoPause")]
     #[allow(dead_code)]
@@ -333,7 +351,11 @@ async fn resume_or_connect(
             format!("sandbox {id} is already running"),
         ));
     }
-    let (record, resumed) = state.manager.resume(&id, timeout).await?;
+    let mode = match req.memory.unwrap_or(true) {
+        true => ResumeMode::Restore,
+        false => ResumeMode::Reboot,
+    };
+    let (record, resumed) = state.manager.resume(&id, timeout, mode).await?;
     let status = if resumed {
         StatusCode::CREATED
     } else {

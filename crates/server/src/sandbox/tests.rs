@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Manager, Phase, SandboxError};
+use super::{Manager, PauseMode, Phase, ResumeMode, SandboxError};
 use crate::config::Config;
 use crate::pool::Pool;
 use crate::store::{PausedSnapshot, SandboxRecord, SandboxState, Store, TemplateRecord};
@@ -141,10 +141,12 @@ async fn concurrent_pauses_resumes_and_kills_change_one_sandbox_at_a_time() {
             if i % 2 == 0 {
                 (
                     "resume",
-                    m.resume(ID, Duration::from_secs(60)).await.map(drop),
+                    m.resume(ID, Duration::from_secs(60), ResumeMode::Restore)
+                        .await
+                        .map(drop),
                 )
             } else {
-                ("pause", m.pause(ID).await.map(drop))
+                ("pause", m.pause(ID, PauseMode::Full).await.map(drop))
             }
         });
     }
@@ -180,10 +182,12 @@ async fn concurrent_pauses_resumes_and_kills_change_one_sandbox_at_a_time() {
         tasks.spawn(async move {
             match i % 3 {
                 0 => ("kill", m.kill(ID).await),
-                1 => ("pause", m.pause(ID).await.map(drop)),
+                1 => ("pause", m.pause(ID, PauseMode::Full).await.map(drop)),
                 _ => (
                     "resume",
-                    m.resume(ID, Duration::from_secs(60)).await.map(drop),
+                    m.resume(ID, Duration::from_secs(60), ResumeMode::Restore)
+                        .await
+                        .map(drop),
                 ),
             }
         });

@@ -19,7 +19,7 @@ use crate::capacity::{Ask, Capacity};
 use crate::clock::now_ms;
 use crate::config::Config;
 use crate::ids;
-use crate::launch::{self, Guest, Plan, Ready};
+use crate::launch::{self, BOOT_ARGS, Guest, Plan, Ready};
 use crate::pool::Pool;
 use crate::store::TemplateRecord;
 
@@ -28,9 +28,6 @@ const MEM: &str = "vm.mem";
 const ROOT_LAYER: &str = "root.layer";
 /// A cold boot in the lab takes tens of seconds.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
-/// Quiet console: its output costs boot time.
-const BOOT_ARGS: &str = "console=ttyS0 reboot=k panic=1 pci=off nomodule i8042.noaux \
-    i8042.nomux i8042.nopnp i8042.dumbkbd quiet";
 /// How long the ready command may take to pass.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(300);
 const READY_EVERY: Duration = Duration::from_secs(1);

@@ -432,6 +432,11 @@ impl VmmProcess {
         self.restore(&plan).await
     }
 
+    /// Stops the guest's vCPUs (the devices finish what they were given).
+    pub async fn pause(&self) -> Result<(), ProcessError> {
+        Ok(self.api.pause().await?)
+    }
+
     /// Lets a paused guest run again.
     pub async fn resume(&self) -> Result<(), ProcessError> {
         Ok(self.api.resume().await?)
@@ -480,11 +485,13 @@ impl VmmProcess {
     /// Initialises the guest agent with `init` (`POST /init`, presenting the
     /// agent's current access token `token`) as soon as it answers: the init
     /// is the readiness probe, one vsock connection where a health poll and
-    /// then an init took two. The connection is retried until the guest
-    /// accepts it (it is still starting); once it is open the init is sent
-    /// once, and its answer is final (a retried init could meet the new
-    /// token it had already set).
-    /// Returns the time taken.
+    /// then an init took two. Retried while the guest does not take the
+    /// connection (it is still starting) or drops it before answering (a
+    /// restored guest resets the connections it had, and one it accepted
+    /// just then may be among them). An init that was applied before its
+    /// answer was lost leaves the agent holding the new token: the retry
+    /// refused for the old one presents the new one. Any other answer of the
+    /// agent is final. Returns the time taken.
     pub async fn init_agent(
         &mut self,
         init: &AgentInit,
@@ -492,12 +499,25 @@ impl VmmProcess {
         timeout: Duration,
     ) -> Result<Duration, ProcessError> {
         let start = Instant::now();
-        let agent = self.agent().with_access_token(token);
+        let mut presented = token.map(str::to_owned);
+        let mut maybe_applied = false;
         loop {
+            let agent = self.agent().with_access_token(presented.as_deref());
             let connect = crate::vsock_connect::connect(agent.uds(), AGENT_PORT);
             if let Ok(Ok(stream)) = tokio::time::timeout(READY_CONNECT_TIMEOUT, connect).await {
-                agent.init_over(stream, &init.restamped()).await?;
-                return Ok(start.elapsed());
+                match agent.init_over(stream, &init.restamped()).await {
+                    Ok(()) => return Ok(start.elapsed()),
+                    Err(AgentError::Http(_) | AgentError::Timeout(_)) => maybe_applied = true,
+                    Err(AgentError::Status { status: 401, .. })
+                        if maybe_applied
+                            && init.access_token.is_some()
+                            && presented != init.access_token =>
+                    {
+                        presented.clone_from(&init.access_token);
+                        continue;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
             }
             if let Some(status) = self.try_wait()? {
                 return Err(ProcessError::ExitedEarly {
