@@ -41,6 +41,28 @@ def test_pause_then_connect_keeps_processes_and_files():
         Sandbox.kill(sbx.sandbox_id)
 
 
+def test_filesystem_only_pause_keeps_files_and_cold_boots_on_connect():
+    sbx = create(metadata={"case": "pause-fs"})
+    try:
+        sbx.files.write("/home/user/kept.txt", "on disk")
+        sbx.files.write("/tmp/in-memory.txt", "in tmpfs")
+        proc = sbx.commands.run(COUNTER, background=True, timeout=0)
+        wait_until(lambda: sbx.files.exists("/tmp/counter"), what="counter")
+        assert sbx.pause(mode="filesystem") is True
+        assert Sandbox.get_info(sbx.sandbox_id).state == "paused"
+
+        again = Sandbox.connect(sbx.sandbox_id, timeout=600)
+        assert again.get_info().state == "running"
+        # the disk is kept; memory, tmpfs and processes are not (a cold boot)
+        assert again.files.read("/home/user/kept.txt") == "on disk"
+        assert not again.files.exists("/tmp/in-memory.txt")
+        assert proc.pid not in [p.pid for p in again.commands.list()]
+        # the same envd token still opens it
+        assert sbx.commands.run("echo still").stdout == "still\n"
+    finally:
+        Sandbox.kill(sbx.sandbox_id)
+
+
 def _all(paginator):
     items = []
     while paginator.has_next:
