@@ -318,6 +318,81 @@ mod tests {
         assert_eq!(slot.cmdline_param(), "virtio_mmio.device=4K@0xd0001000:6");
     }
 
+    /// One device of each kind, as a snapshot file stores them.
+    fn sample_states() -> Vec<MmioDeviceState> {
+        let transport = MmioTransportState {
+            queue_select: 1,
+            device_features_select: 0,
+            driver_features_select: 1,
+            driver_features: 1 << 32,
+            acked_features: 1 << 32,
+            status: 15,
+            activated: true,
+            interrupt_status: 1,
+            queues: vec![crate::devices::virtio::persist::QueueSnapshot {
+                max_size: 256,
+                next_avail: 7,
+                next_used: 7,
+                event_idx_enabled: true,
+                size: 256,
+                ready: true,
+                desc_table: 0x1000,
+                avail_ring: 0x2000,
+                used_ring: 0x3000,
+            }],
+        };
+        let slot = |i: u64| MmioSlot {
+            base: MMIO_DEVICES_START + i * MMIO_DEVICE_SIZE,
+            irq: IRQ_BASE + i as u32,
+        };
+        vec![
+            MmioDeviceState {
+                slot: slot(0),
+                config: VirtioDeviceConfig::Block {
+                    id: "rootfs".into(),
+                    path: "/r.ext4".into(),
+                    read_only: true,
+                },
+                transport: transport.clone(),
+            },
+            MmioDeviceState {
+                slot: slot(1),
+                config: VirtioDeviceConfig::Vsock {
+                    guest_cid: 3,
+                    uds_path: "/v.sock".into(),
+                },
+                transport: transport.clone(),
+            },
+            MmioDeviceState {
+                slot: slot(2),
+                config: VirtioDeviceConfig::Net {
+                    iface_id: "eth0".into(),
+                    host_dev_name: "tap0".into(),
+                    guest_mac: Some([2, 0, 0, 0, 0, 1]),
+                },
+                transport,
+            },
+        ]
+    }
+
+    /// The bytes snapshot files hold for these devices: a change to the
+    /// device state types must keep them, or bump the format version.
+    const SAMPLE_STATES_POSTCARD: &str = concat!(
+        "03808080800d050006726f6f746673072f722e6578743401010001808080801080808080100f0101",
+        "01800207070180020180208040806080a080800d060103072f762e736f636b010001808080801080",
+        "808080100f010101800207070180020180208040806080c080800d07020465746830047461703001",
+        "020000000001010001808080801080808080100f0101018002070701800201802080408060",
+    );
+
+    #[test]
+    fn device_states_keep_their_snapshot_encoding() {
+        let bytes = postcard::to_stdvec(&sample_states()).unwrap();
+        let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex, SAMPLE_STATES_POSTCARD);
+        let back: Vec<MmioDeviceState> = postcard::from_bytes(&bytes).unwrap();
+        assert_eq!(back, sample_states());
+    }
+
     #[test]
     fn slots_run_out_with_the_ioapic_pins() {
         let mut manager = MmioDeviceManager::default();
