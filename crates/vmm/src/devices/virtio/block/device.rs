@@ -13,10 +13,9 @@ use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueState, QueueT};
 
-use crate::devices::virtio::persist::VirtioDeviceConfig;
-
 use super::disk::{BlockError, Disk, SECTOR_SIZE};
 use super::worker::{self, Worker, WorkerHandle};
+use crate::devices::virtio::persist::SavedDevice;
 use crate::devices::virtio::{
     ActivateError, ActivatedQueue, DiskBranch, VirtioDevice, VirtioInterrupt, read_config_space,
 };
@@ -257,12 +256,8 @@ impl VirtioDevice for Block {
         }))
     }
 
-    fn snapshot_config(&self) -> Option<VirtioDeviceConfig> {
-        Some(VirtioDeviceConfig::Block {
-            id: self.config.id.clone(),
-            path: self.config.path.clone(),
-            read_only: self.config.read_only,
-        })
+    fn snapshot(&self) -> Option<SavedDevice> {
+        Some(SavedDevice::Block(Block::save(self)))
     }
 
     fn pause(&mut self) {

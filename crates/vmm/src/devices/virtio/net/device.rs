@@ -13,7 +13,7 @@ use virtio_queue::{QueueState, QueueT};
 use super::backend::FrameBackend;
 use super::tap::{Tap, TapError};
 use super::worker::{Worker, WorkerHandle};
-use crate::devices::virtio::persist::VirtioDeviceConfig;
+use crate::devices::virtio::persist::SavedDevice;
 use crate::devices::virtio::{
     ActivateError, ActivatedQueue, VirtioDevice, VirtioInterrupt, read_config_space,
 };
@@ -225,12 +225,8 @@ impl VirtioDevice for Net {
             .unwrap_or_default()
     }
 
-    fn snapshot_config(&self) -> Option<VirtioDeviceConfig> {
-        Some(VirtioDeviceConfig::Net {
-            iface_id: self.config.iface_id.clone(),
-            host_dev_name: self.config.host_dev_name.clone(),
-            guest_mac: self.config.guest_mac,
-        })
+    fn snapshot(&self) -> Option<SavedDevice> {
+        Some(SavedDevice::Net(Net::save(self)))
     }
 
     fn pause(&mut self) {

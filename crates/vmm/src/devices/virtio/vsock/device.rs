@@ -16,7 +16,7 @@ use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use super::muxer::Muxer;
 use super::worker::Worker;
-use crate::devices::virtio::persist::VirtioDeviceConfig;
+use crate::devices::virtio::persist::SavedDevice;
 use crate::devices::virtio::{
     ActivateError, ActivatedQueue, VirtioDevice, VirtioInterrupt, read_config_space,
 };
@@ -248,11 +248,8 @@ impl VirtioDevice for Vsock {
             .unwrap_or_default()
     }
 
-    fn snapshot_config(&self) -> Option<VirtioDeviceConfig> {
-        Some(VirtioDeviceConfig::Vsock {
-            guest_cid: self.guest_cid,
-            uds_path: self.uds_path.clone(),
-        })
+    fn snapshot(&self) -> Option<SavedDevice> {
+        Some(SavedDevice::Vsock(Vsock::save(self)))
     }
 
     /// The host sides of the guest's connections did not survive the restore:
