@@ -118,14 +118,14 @@ impl Worker {
             if queue.event_idx_enabled()
                 && let Err(e) = queue.disable_notification(&self.mem)
             {
-                tracing::warn!("block queue: {e}");
+                crate::warn_limited!("block queue: {e}");
                 break;
             }
             while let Some(chain) = queue.pop_descriptor_chain(&self.mem) {
                 let head = chain.head_index();
                 let written = self.handle(request::parse(chain));
                 if let Err(e) = queue.add_used(&self.mem, head, written) {
-                    tracing::warn!("block queue: cannot return descriptor {head}: {e}");
+                    crate::warn_limited!("block queue: cannot return descriptor {head}: {e}");
                 }
                 used_any = true;
                 if stop.requested() {
@@ -140,7 +140,7 @@ impl Worker {
                 Ok(true) => continue,
                 Ok(false) => break,
                 Err(e) => {
-                    tracing::warn!("block queue: {e}");
+                    crate::warn_limited!("block queue: {e}");
                     break;
                 }
             }
@@ -153,7 +153,7 @@ impl Worker {
             Ok(true) | Err(_) => {
                 // When in doubt, interrupt: a spurious one is harmless, a lost one hangs I/O.
                 if let Err(e) = self.interrupt.trigger(VirtioInterruptType::Queue) {
-                    tracing::error!("block queue: cannot raise the interrupt: {e}");
+                    crate::error_limited!("block queue: cannot raise the interrupt: {e}");
                 }
             }
         }
@@ -180,7 +180,7 @@ impl Worker {
         // Status codes are below 256.
         let byte = status as u8;
         if let Err(e) = self.mem.write_obj(byte, status_addr) {
-            tracing::warn!("block request: cannot write the status: {e}");
+            crate::warn_limited!("block request: cannot write the status: {e}");
             return data_written;
         }
         data_written.saturating_add(1)
@@ -212,7 +212,7 @@ impl Worker {
                         disk.write_from_guest(&self.mem, seg.addr, seg.len as usize, offset)
                     };
                     if let Err(e) = result {
-                        tracing::warn!("block I/O at byte {offset} failed: {e}");
+                        crate::warn_limited!("block I/O at byte {offset} failed: {e}");
                         return (VIRTIO_BLK_S_IOERR, 0);
                     }
                     offset += u64::from(seg.len);
@@ -228,7 +228,7 @@ impl Worker {
                 match disk.flush() {
                     Ok(()) => (VIRTIO_BLK_S_OK, 0),
                     Err(e) => {
-                        tracing::warn!("block flush failed: {e}");
+                        crate::warn_limited!("block flush failed: {e}");
                         (VIRTIO_BLK_S_IOERR, 0)
                     }
                 }

@@ -122,7 +122,7 @@ impl DeviceWorker for Worker {
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    log::error!("net: epoll_wait failed, stopping the device: {e}");
+                    tracing::error!("net: epoll_wait failed, stopping the device: {e}");
                     return self;
                 }
             };
@@ -153,7 +153,7 @@ impl Worker {
             needed |= used && queue.needs_notification(&self.mem).unwrap_or(true);
         }
         if needed && let Err(e) = self.interrupt.trigger(VirtioInterruptType::Queue) {
-            log::warn!("net: cannot interrupt the guest: {e}");
+            crate::warn_limited!("net: cannot interrupt the guest: {e}");
         }
     }
 
@@ -175,7 +175,7 @@ impl Worker {
             EpollEvent::new(EventSet::IN, TOKEN_BACKEND),
         ) {
             Ok(()) => self.backend_watched = watch,
-            Err(e) => log::error!("net: cannot change the backend's epoll interest: {e}"),
+            Err(e) => crate::error_limited!("net: cannot change the backend's epoll interest: {e}"),
         }
     }
 
@@ -192,18 +192,18 @@ impl Worker {
                             NetCounters::add(&self.counters.tx_bytes, (len - VNET_HDR_LEN) as u64);
                         }
                         Err(e) => {
-                            log::debug!("net: the backend refused a frame: {e}");
+                            tracing::debug!("net: the backend refused a frame: {e}");
                             NetCounters::add(&self.counters.tx_dropped, 1);
                         }
                     }
                 }
                 Ok(_) | Err(_) => {
-                    log::debug!("net: dropping a malformed TX chain");
+                    tracing::debug!("net: dropping a malformed TX chain");
                     NetCounters::add(&self.counters.tx_dropped, 1);
                 }
             }
             if let Err(e) = self.tx.queue.add_used(&self.mem, head, 0) {
-                log::warn!("net: TX add_used: {e}");
+                crate::warn_limited!("net: TX add_used: {e}");
             }
             used = true;
         }
@@ -227,7 +227,7 @@ impl Worker {
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => return (used, false),
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                     Err(e) => {
-                        log::warn!("net: reading from the backend: {e}");
+                        crate::warn_limited!("net: reading from the backend: {e}");
                         return (used, true);
                     }
                 }
@@ -249,13 +249,13 @@ impl Worker {
                     len as u32
                 }
                 Err(e) => {
-                    log::debug!("net: dropping a {len}-byte frame, RX chain unusable: {e:?}");
+                    tracing::debug!("net: dropping a {len}-byte frame, RX chain unusable: {e:?}");
                     NetCounters::add(&self.counters.rx_dropped, 1);
                     0
                 }
             };
             if let Err(e) = self.rx.queue.add_used(&self.mem, head, written) {
-                log::warn!("net: RX add_used: {e}");
+                crate::warn_limited!("net: RX add_used: {e}");
             }
             used = true;
         }

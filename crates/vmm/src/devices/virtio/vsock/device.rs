@@ -118,7 +118,7 @@ impl Vsock {
     pub fn send_transport_reset(&self) {
         self.reset_requested.store(true, Ordering::SeqCst);
         if let Err(e) = self.reset_evt.write(1) {
-            log::warn!("vsock: cannot signal a transport reset: {e}");
+            tracing::warn!("vsock: cannot signal a transport reset: {e}");
         }
     }
 

@@ -107,7 +107,7 @@ impl DeviceWorker for Worker {
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    log::error!("vsock: epoll_wait failed, stopping the device: {e}");
+                    tracing::error!("vsock: epoll_wait failed, stopping the device: {e}");
                     return self;
                 }
             };
@@ -163,7 +163,7 @@ impl Worker {
             needed |= q.queue.needs_notification(&self.mem).unwrap_or(true);
         }
         if needed && let Err(e) = self.interrupt.trigger(VirtioInterruptType::Queue) {
-            log::warn!("vsock: cannot interrupt the guest: {e}");
+            crate::warn_limited!("vsock: cannot interrupt the guest: {e}");
         }
     }
 
@@ -184,10 +184,10 @@ impl Worker {
                     };
                     self.muxer.guest_packet(&hdr, &self.tx_data[..len], now);
                 }
-                Err(e) => log::debug!("vsock: dropping a malformed TX packet: {e}"),
+                Err(e) => tracing::debug!("vsock: dropping a malformed TX packet: {e}"),
             }
             if let Err(e) = self.tx.queue.add_used(&self.mem, head, 0) {
-                log::warn!("vsock: TX add_used: {e}");
+                crate::warn_limited!("vsock: TX add_used: {e}");
             }
             used = true;
         }
@@ -212,12 +212,12 @@ impl Worker {
                     }
                 },
                 Err(e) => {
-                    log::debug!("vsock: unusable RX buffer: {e}");
+                    tracing::debug!("vsock: unusable RX buffer: {e}");
                     0
                 }
             };
             if let Err(e) = self.rx.queue.add_used(&self.mem, head, len) {
-                log::warn!("vsock: RX add_used: {e}");
+                crate::warn_limited!("vsock: RX add_used: {e}");
             }
             used = true;
         }
@@ -246,7 +246,7 @@ impl Worker {
             self.event_pending = false;
         }
         if let Err(e) = self.event.queue.add_used(&self.mem, head, len) {
-            log::warn!("vsock: event queue add_used: {e}");
+            crate::warn_limited!("vsock: event queue add_used: {e}");
         }
         true
     }
