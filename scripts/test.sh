@@ -20,6 +20,9 @@ cargo clippy --workspace --all-targets --quiet -- -D warnings
 # scripts/deps.sh installs). A script hashed into a cache key keeps its
 # directives in a .shellcheckrc beside it, so they rebuild nothing.
 shellcheck scripts/*.sh images/*/*.sh crates/lab/src/init.sh
+# Dependency licences, bans and sources against deny.toml, offline; the
+# advisory database needs a download: `scripts/deny.sh --advisories`.
+scripts/deny.sh
 
 echo "== fast tests" >&2
 cargo test --workspace --quiet
