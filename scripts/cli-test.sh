@@ -32,6 +32,7 @@ if ((build)); then
 fi
 [[ -f target/sandfork.env ]] || die "target/sandfork.env missing (run scripts/build.sh)"
 set -a
+# shellcheck source=/dev/null  # written by scripts/build.sh
 . target/sandfork.env
 set +a
 target=${CARGO_TARGET_DIR:-$root/target}

@@ -14,8 +14,8 @@ packages=(
     debootstrap e2fsprogs util-linux
     # running guests under QEMU (checks, KVM lab) and a static placeholder agent
     qemu-system-x86 busybox-static
-    # tooling and tests
-    python3 git pkg-config ca-certificates tmux
+    # tooling and tests (shellcheck: scripts/test.sh lints the shell scripts)
+    python3 git pkg-config ca-certificates tmux shellcheck
     # taps for the network device's lab tests (ip tuntap)
     iproute2
 )

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by the scripts that test against a real node (sdk-test.sh,
 # cli-test.sh): start_node starts `sandfork serve` on a free local port with a
 # fresh API key and data dir and waits for /health; stop_node stops it (and

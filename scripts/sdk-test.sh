@@ -60,6 +60,7 @@ fi
 if [[ -z $server ]]; then
     [[ -f target/sandfork.env ]] || die "target/sandfork.env missing (run scripts/build.sh)"
     set -a
+    # shellcheck source=/dev/null  # written by scripts/build.sh
     . target/sandfork.env
     set +a
 fi

@@ -9,12 +9,20 @@ cd "$root"
 
 scripts/build.sh
 set -a
+# shellcheck source=/dev/null  # written by scripts/build.sh
 . target/sandfork.env
 set +a
 
 echo "== format and lints" >&2
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
+# Every shell script, including the lab's init, through shellcheck (which
+# scripts/deps.sh installs). A script hashed into a cache key keeps its
+# directives in a .shellcheckrc beside it, so they rebuild nothing.
+shellcheck scripts/*.sh images/*/*.sh crates/lab/src/init.sh
+# Dependency licences, bans and sources against deny.toml, offline; the
+# advisory database needs a download: `scripts/deny.sh --advisories`.
+scripts/deny.sh
 
 echo "== fast tests" >&2
 cargo test --workspace --quiet

@@ -8,6 +8,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 scripts/build.sh
 set -a
+# shellcheck source=/dev/null  # written by scripts/build.sh
 . target/sandfork.env
 set +a
 exec target/debug/sandfork serve --listen "${SANDFORK_LISTEN:-127.0.0.1:3000}" "$@"

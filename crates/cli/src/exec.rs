@@ -17,6 +17,7 @@ use envd_proto::process::{
 use crate::client::Node;
 use crate::client::envd::Sandbox;
 use crate::sandboxes::key_value;
+use crate::session::exit_code;
 
 #[derive(clap::Args)]
 #[command(
@@ -45,12 +46,6 @@ pub struct ExecArgs {
     tty: bool,
 }
 
-/// The process's exit code as this program's: 0-255 as is, 255 otherwise
-/// (ended by a signal).
-pub fn exit_code(code: i32) -> ExitCode {
-    ExitCode::from(u8::try_from(code).unwrap_or(255))
-}
-
 pub async fn run(args: ExecArgs) -> Result<ExitCode> {
     let node = Node::from_config()?;
     let sandbox = Sandbox::open(&node, &args.id, args.user.clone()).await?;
@@ -62,7 +57,7 @@ pub async fn run(args: ExecArgs) -> Result<ExitCode> {
         cwd: args.cwd,
     };
     if args.tty {
-        return crate::run::attach(sandbox, process).await;
+        return crate::session::attach(sandbox, process).await;
     }
     let start = StartRequest {
         process,

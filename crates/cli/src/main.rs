@@ -12,6 +12,7 @@ mod output;
 mod run;
 mod sandboxes;
 mod serve;
+mod session;
 mod status;
 mod stress;
 mod template;

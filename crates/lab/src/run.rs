@@ -189,9 +189,9 @@ impl Lab {
             .stdout(Stdio::null())
             .stderr(qemu_stderr);
         if config.die_with_parent {
+            let parent = std::process::id();
             // SAFETY: the closure runs between fork and exec and only calls
             // prctl and getppid, which are async-signal-safe and allocate nothing.
-            let parent = std::process::id();
             unsafe {
                 cmd.pre_exec(move || {
                     if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {

@@ -344,7 +344,7 @@ impl Controller {
             .running_vmm()?
             .snapshot(&request)
             .map_err(|e| bad(format!("Cannot create the snapshot: {e}")))?;
-        log::info!(
+        tracing::info!(
             "snapshot {} written in {:?} ({} bytes of memory)",
             params.snapshot_path,
             stats.total,
@@ -372,7 +372,7 @@ impl Controller {
             .running_vmm()?
             .fork(&request)
             .map_err(|e| bad(format!("Cannot fork the microVM: {e}")))?;
-        log::info!(
+        tracing::info!(
             "forked into {} children; paused {:?}, {} bytes of memory written",
             params.children,
             outcome.paused,

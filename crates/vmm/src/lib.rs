@@ -6,6 +6,7 @@ pub mod builder;
 pub mod controller;
 pub mod device_manager;
 pub mod devices;
+pub mod rate_limited;
 pub mod snapshot;
 pub mod vmm;
 pub mod vstate;

@@ -12,7 +12,7 @@ use axum::middleware::Next;
 use axum::response::Response;
 
 use super::Envd;
-use super::state::json_error;
+use super::response::json_error;
 
 pub const HEADER: &str = "x-access-token";
 

@@ -12,6 +12,7 @@ pub mod files;
 pub mod filesystem;
 pub mod metrics;
 pub mod process;
+pub mod response;
 pub mod state;
 pub mod user;
 

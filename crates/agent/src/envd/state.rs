@@ -12,6 +12,7 @@ use serde::Deserialize;
 
 use super::Envd;
 use super::auth;
+use super::response::json_error;
 
 /// What `/init` configures. Read often, written rarely.
 #[derive(Debug, Clone, Default)]
@@ -135,10 +136,4 @@ pub async fn init(
 /// `GET /envs`: the sandbox-wide environment variables as a JSON object.
 pub async fn envs(State(envd): State<Envd>) -> Json<BTreeMap<String, String>> {
     Json(envd.sandbox.settings().env_vars)
-}
-
-/// envd's plain-HTTP error shape: `{"code":<status>,"message":"..."}`.
-pub fn json_error(status: StatusCode, message: &str) -> Response {
-    let body = serde_json::json!({ "code": status.as_u16(), "message": message });
-    (status, Json(body)).into_response()
 }

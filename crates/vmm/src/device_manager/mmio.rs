@@ -12,13 +12,11 @@ use crate::arch::x86_64::layout::{
     IRQ_BASE, IRQ_MAX, MMIO_DEVICE_SIZE, MMIO_DEVICES_MAX, MMIO_DEVICES_START,
 };
 use crate::devices::bus::Bus;
-use crate::devices::virtio::block::{Block, BlockConfig};
 use crate::devices::virtio::mmio::{
     MmioInterrupt, MmioTransport, MmioTransportState, QUEUE_NOTIFY_OFFSET,
 };
-use crate::devices::virtio::net::{Net, NetConfig};
-use crate::devices::virtio::persist::VirtioDeviceConfig;
-use crate::devices::virtio::vsock::Vsock;
+pub use crate::devices::virtio::persist::DeviceOverrides;
+use crate::devices::virtio::persist::SavedDevice;
 use crate::devices::virtio::{DiskBranch, VirtioDevice};
 use crate::vstate::memory::GuestMemory;
 use crate::vstate::vm::Vm;
@@ -46,18 +44,8 @@ impl MmioSlot {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MmioDeviceState {
     pub slot: MmioSlot,
-    pub config: VirtioDeviceConfig,
+    pub config: SavedDevice,
     pub transport: MmioTransportState,
-}
-
-/// Paths a restored VM uses instead of the snapshot's: its own vsock socket,
-/// its own disk files (by drive id) and its own taps (by interface id).
-#[derive(Clone, Debug, Default)]
-pub struct DeviceOverrides {
-    pub vsock_uds_path: Option<std::path::PathBuf>,
-    pub drive_paths: Vec<(String, std::path::PathBuf)>,
-    /// `(iface_id, host_dev_name)`.
-    pub taps: Vec<(String, String)>,
 }
 
 #[derive(Default)]
@@ -136,9 +124,9 @@ impl MmioDeviceManager {
         overrides: &DeviceOverrides,
     ) -> Result<Self, DeviceManagerError> {
         for (iface, _) in &overrides.taps {
-            let known = states.iter().any(|s| {
-                matches!(&s.config, VirtioDeviceConfig::Net { iface_id, .. } if iface_id == iface)
-            });
+            let known = states
+                .iter()
+                .any(|s| s.config.iface_id() == Some(iface.as_str()));
             if !known {
                 return Err(DeviceManagerError::State(format!(
                     "network override for {iface}: the snapshot has no such network interface"
@@ -161,59 +149,10 @@ impl MmioDeviceManager {
                     state.slot.base, state.slot.irq
                 )));
             }
-            let device: Box<dyn VirtioDevice> = match &state.config {
-                VirtioDeviceConfig::Block {
-                    id,
-                    path,
-                    read_only,
-                } => {
-                    let path = overrides
-                        .drive_paths
-                        .iter()
-                        .find(|(drive, _)| drive == id)
-                        .map_or_else(|| path.clone(), |(_, p)| p.clone());
-                    Box::new(
-                        Block::new(BlockConfig {
-                            id: id.clone(),
-                            path,
-                            read_only: *read_only,
-                        })
-                        .map_err(|e| DeviceManagerError::State(format!("drive {id}: {e}")))?,
-                    )
-                }
-                VirtioDeviceConfig::Vsock {
-                    guest_cid,
-                    uds_path,
-                } => {
-                    let uds = overrides
-                        .vsock_uds_path
-                        .clone()
-                        .unwrap_or_else(|| uds_path.clone());
-                    Box::new(
-                        Vsock::new(*guest_cid, uds)
-                            .map_err(|e| DeviceManagerError::State(format!("vsock: {e}")))?,
-                    )
-                }
-                VirtioDeviceConfig::Net {
-                    iface_id,
-                    host_dev_name,
-                    guest_mac,
-                } => {
-                    let host_dev_name = overrides
-                        .taps
-                        .iter()
-                        .find(|(iface, _)| iface == iface_id)
-                        .map_or_else(|| host_dev_name.clone(), |(_, tap)| tap.clone());
-                    Box::new(
-                        Net::new(NetConfig {
-                            iface_id: iface_id.clone(),
-                            host_dev_name,
-                            guest_mac: *guest_mac,
-                        })
-                        .map_err(|e| DeviceManagerError::State(e.to_string()))?,
-                    )
-                }
-            };
+            let device = state
+                .config
+                .restore(overrides)
+                .map_err(DeviceManagerError::Restore)?;
             let transport = manager.attach_at(vm, mem, mmio_bus, device, state.slot.clone())?;
             transport
                 .lock()
@@ -230,7 +169,7 @@ impl MmioDeviceManager {
             .zip(&self.transports)
             .map(|(slot, transport)| {
                 let t = transport.lock().unwrap_or_else(|e| e.into_inner());
-                let config = t.device().snapshot_config().ok_or_else(|| {
+                let config = t.device().snapshot().ok_or_else(|| {
                     DeviceManagerError::State(format!(
                         "virtio device {} cannot be snapshotted",
                         t.device_type()
@@ -308,6 +247,9 @@ impl MmioDeviceManager {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::virtio::block::SavedBlock;
+    use crate::devices::virtio::net::SavedNet;
+    use crate::devices::virtio::vsock::SavedVsock;
 
     #[test]
     fn cmdline_names_window_and_line() {
@@ -316,6 +258,81 @@ mod tests {
             irq: 6,
         };
         assert_eq!(slot.cmdline_param(), "virtio_mmio.device=4K@0xd0001000:6");
+    }
+
+    /// One device of each kind, as a snapshot file stores them.
+    fn sample_states() -> Vec<MmioDeviceState> {
+        let transport = MmioTransportState {
+            queue_select: 1,
+            device_features_select: 0,
+            driver_features_select: 1,
+            driver_features: 1 << 32,
+            acked_features: 1 << 32,
+            status: 15,
+            activated: true,
+            interrupt_status: 1,
+            queues: vec![crate::devices::virtio::persist::QueueSnapshot {
+                max_size: 256,
+                next_avail: 7,
+                next_used: 7,
+                event_idx_enabled: true,
+                size: 256,
+                ready: true,
+                desc_table: 0x1000,
+                avail_ring: 0x2000,
+                used_ring: 0x3000,
+            }],
+        };
+        let slot = |i: u64| MmioSlot {
+            base: MMIO_DEVICES_START + i * MMIO_DEVICE_SIZE,
+            irq: IRQ_BASE + i as u32,
+        };
+        vec![
+            MmioDeviceState {
+                slot: slot(0),
+                config: SavedDevice::Block(SavedBlock {
+                    id: "rootfs".into(),
+                    path: "/r.ext4".into(),
+                    read_only: true,
+                }),
+                transport: transport.clone(),
+            },
+            MmioDeviceState {
+                slot: slot(1),
+                config: SavedDevice::Vsock(SavedVsock {
+                    guest_cid: 3,
+                    uds_path: "/v.sock".into(),
+                }),
+                transport: transport.clone(),
+            },
+            MmioDeviceState {
+                slot: slot(2),
+                config: SavedDevice::Net(SavedNet {
+                    iface_id: "eth0".into(),
+                    host_dev_name: "tap0".into(),
+                    guest_mac: Some([2, 0, 0, 0, 0, 1]),
+                }),
+                transport,
+            },
+        ]
+    }
+
+    /// The bytes snapshot files hold for these devices: a change to the
+    /// device state types must keep them, or bump the format version.
+    const SAMPLE_STATES_POSTCARD: &str = concat!(
+        "03808080800d050006726f6f746673072f722e6578743401010001808080801080808080100f0101",
+        "01800207070180020180208040806080a080800d060103072f762e736f636b010001808080801080",
+        "808080100f010101800207070180020180208040806080c080800d07020465746830047461703001",
+        "020000000001010001808080801080808080100f0101018002070701800201802080408060",
+    );
+
+    #[test]
+    fn device_states_keep_their_snapshot_encoding() {
+        let bytes = postcard::to_stdvec(&sample_states()).unwrap();
+        let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex, SAMPLE_STATES_POSTCARD);
+        let back: Vec<MmioDeviceState> = postcard::from_bytes(&bytes).unwrap();
+        assert_eq!(back, sample_states());
     }
 
     #[test]

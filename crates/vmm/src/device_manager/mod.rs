@@ -20,6 +20,10 @@ pub enum DeviceManagerError {
     OutOfMmioSpace,
     #[error("restoring device state: {0}")]
     State(String),
+    /// Not a `#[source]`: the message already holds the device's error, as
+    /// the `State` text it replaces did.
+    #[error("restoring device state: {0}")]
+    Restore(crate::devices::virtio::persist::RestoreError),
     #[error("setting up the virtio-mmio transport: {0}")]
     Transport(#[from] crate::devices::virtio::mmio::MmioError),
 }

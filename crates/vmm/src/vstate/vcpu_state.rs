@@ -61,7 +61,7 @@ pub fn saveable_msrs(kvm_fd: &Kvm, vcpu: &VcpuFd) -> Result<Vec<u32>, VcpuStateE
         // KVM stops at the first MSR it cannot read: skip that one.
         let consumed = (read.len() + 1).min(batch.len());
         if read.len() < batch.len() {
-            log::debug!("MSR {:#x} is not readable; not saved", batch[read.len()]);
+            tracing::debug!("MSR {:#x} is not readable; not saved", batch[read.len()]);
         }
         pending = &pending[consumed..];
     }
@@ -165,7 +165,7 @@ impl VcpuState {
                 }
                 // Saved on a host that allowed it; this one refuses it. The guest
                 // keeps KVM's value, which is what a migration to this host gives.
-                log::warn!("MSR {:#x} could not be restored", pending[set].index);
+                tracing::warn!("MSR {:#x} could not be restored", pending[set].index);
                 pending = &pending[set + 1..];
             }
         }

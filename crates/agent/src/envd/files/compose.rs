@@ -15,7 +15,7 @@ use crate::envd::Envd;
 use crate::envd::filesystem::as_user::{Creds, run_as};
 use crate::envd::filesystem::error::FsError;
 use crate::envd::filesystem::ops::{create_dirs, stat};
-use crate::envd::state::json_error;
+use crate::envd::response::json_error;
 
 pub async fn compose(State(envd): State<Envd>, headers: HeaderMap, body: Bytes) -> Response {
     let req: ComposeRequest = match serde_json::from_slice(&body) {

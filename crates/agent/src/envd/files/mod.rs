@@ -19,7 +19,7 @@ use serde::Deserialize;
 use super::Envd;
 use super::auth;
 use super::filesystem::error::FsError;
-use super::state::json_error;
+use super::response::json_error;
 use super::user::{self, User};
 use signature::Operation;
 

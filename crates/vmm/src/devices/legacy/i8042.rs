@@ -134,7 +134,7 @@ impl I8042Device {
         if self.control & CTRL_KBD_INT != 0
             && let Err(e) = self.interrupt.trigger()
         {
-            log::warn!("i8042 interrupt failed: {e}");
+            crate::warn_limited!("i8042 interrupt failed: {e}");
         }
     }
 

@@ -149,7 +149,7 @@ impl BusDevice for SerialDevice {
         if let (Ok(offset), [byte]) = (u8::try_from(offset), data)
             && let Err(e) = self.serial.write(offset, *byte)
         {
-            log::warn!("serial write failed: {e}");
+            crate::warn_limited!("serial write failed: {e}");
         }
     }
 }

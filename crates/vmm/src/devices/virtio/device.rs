@@ -12,7 +12,7 @@ use std::sync::Arc;
 use virtio_queue::{Queue, QueueState};
 use vmm_sys_util::eventfd::EventFd;
 
-use super::persist::VirtioDeviceConfig;
+use super::persist::SavedDevice;
 use crate::vstate::memory::GuestMemory;
 
 /// Copies `data.len()` bytes of a configuration space from `offset`; bytes
@@ -112,9 +112,9 @@ pub trait VirtioDevice: Send {
         Vec::new()
     }
 
-    /// How to recreate this device on restore; `None` if it cannot be
-    /// snapshotted.
-    fn snapshot_config(&self) -> Option<VirtioDeviceConfig> {
+    /// What a snapshot saves to recreate this device on restore (see its
+    /// `persist.rs`); `None` if it cannot be snapshotted.
+    fn snapshot(&self) -> Option<SavedDevice> {
         None
     }
 

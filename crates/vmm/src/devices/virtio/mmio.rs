@@ -302,7 +302,7 @@ impl MmioTransport {
             .iter()
             .all(|q| q.ready() && q.is_valid(&self.mem));
         if !queues_valid {
-            log::warn!(
+            crate::warn_limited!(
                 "virtio device {}: driver set DRIVER_OK with invalid queues",
                 self.device_type()
             );
@@ -314,7 +314,7 @@ impl MmioTransport {
             match evt.try_clone() {
                 Ok(notify) => activated.push(ActivatedQueue { queue, notify }),
                 Err(e) => {
-                    log::error!("virtio device: cloning a queue eventfd: {e}");
+                    crate::error_limited!("virtio device: cloning a queue eventfd: {e}");
                     self.status |= VIRTIO_CONFIG_S_FAILED;
                     return;
                 }
@@ -324,7 +324,7 @@ impl MmioTransport {
         match self.device.activate(self.mem.clone(), interrupt, activated) {
             Ok(()) => self.activated = true,
             Err(e) => {
-                log::error!(
+                crate::error_limited!(
                     "virtio device {}: activation failed: {e}",
                     self.device_type()
                 );
@@ -336,7 +336,7 @@ impl MmioTransport {
     fn reset(&mut self) {
         if self.activated {
             if !self.device.reset() {
-                log::warn!("virtio device {} cannot be reset", self.device_type());
+                crate::warn_limited!("virtio device {} cannot be reset", self.device_type());
                 self.status |= VIRTIO_CONFIG_S_FAILED;
                 return;
             }
@@ -345,7 +345,7 @@ impl MmioTransport {
         match new_queues(self.device.queue_max_sizes()) {
             Ok(queues) => self.queues = queues,
             Err(e) => {
-                log::error!("virtio reset: {e}");
+                crate::error_limited!("virtio reset: {e}");
                 self.status |= VIRTIO_CONFIG_S_FAILED;
                 return;
             }

@@ -1,4 +1,5 @@
-//! Virtio devices and their MMIO transport.
+//! Virtio devices and their MMIO transport; [`worker`] is the thread helper
+//! every device runs its queues on.
 
 pub mod block;
 pub mod device;
@@ -6,6 +7,7 @@ pub mod mmio;
 pub mod net;
 pub mod persist;
 pub mod vsock;
+pub mod worker;
 
 pub use device::{
     ActivateError, ActivatedQueue, DiskBranch, VirtioDevice, VirtioInterrupt, VirtioInterruptType,

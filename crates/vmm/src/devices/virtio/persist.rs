@@ -1,9 +1,17 @@
-//! What a snapshot records of virtio devices, in serializable form.
+//! What a snapshot records of virtio devices, in serializable form: the
+//! queues (the transport's part) and which device each is, whose state and
+//! restore live beside it (`block/persist.rs`, `net/persist.rs`,
+//! `vsock/persist.rs`).
 
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 use virtio_queue::QueueState;
+
+use super::VirtioDevice;
+use super::block::{BlockError, SavedBlock};
+use super::net::{NetError, SavedNet};
+use super::vsock::{SavedVsock, VsockError};
 
 /// A virtqueue's state (virtio-queue's `QueueState`, which is not serializable).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -51,23 +59,66 @@ impl From<&QueueSnapshot> for QueueState {
     }
 }
 
+/// Paths a restored VM uses instead of the snapshot's: its own vsock socket,
+/// its own disk files (by drive id) and its own taps (by interface id).
+#[derive(Clone, Debug, Default)]
+pub struct DeviceOverrides {
+    pub vsock_uds_path: Option<PathBuf>,
+    pub drive_paths: Vec<(String, PathBuf)>,
+    /// `(iface_id, host_dev_name)`.
+    pub taps: Vec<(String, String)>,
+}
+
 /// What recreates a device model on restore: its configuration, not its
 /// activity (queues and features are the transport's part of the state).
+/// Each kind's state and restore live beside the device (`<kind>/persist.rs`);
+/// this only dispatches. The variant order is the snapshot file's.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum VirtioDeviceConfig {
+pub enum SavedDevice {
+    Block(SavedBlock),
+    Vsock(SavedVsock),
+    Net(SavedNet),
+}
+
+/// Why a device of a snapshot could not be recreated.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    #[error("drive {id}: {source}")]
     Block {
         id: String,
-        path: PathBuf,
-        read_only: bool,
+        /// Boxed: a block error is large, and this travels up every restore.
+        #[source]
+        source: Box<BlockError>,
     },
-    Vsock {
-        guest_cid: u64,
-        uds_path: PathBuf,
-    },
-    /// The tap is opened again by name (or by the restore's network override).
-    Net {
-        iface_id: String,
-        host_dev_name: String,
-        guest_mac: Option<[u8; 6]>,
-    },
+    #[error("vsock: {0}")]
+    Vsock(#[source] VsockError),
+    #[error(transparent)]
+    Net(NetError),
+}
+
+impl SavedDevice {
+    /// The network interface this is, if it is one.
+    pub fn iface_id(&self) -> Option<&str> {
+        match self {
+            SavedDevice::Net(net) => Some(&net.iface_id),
+            _ => None,
+        }
+    }
+
+    /// Recreates the device, with the restore's paths where it gives them.
+    pub fn restore(
+        &self,
+        overrides: &DeviceOverrides,
+    ) -> Result<Box<dyn VirtioDevice>, RestoreError> {
+        Ok(match self {
+            SavedDevice::Block(b) => {
+                Box::new(b.restore(overrides).map_err(|source| RestoreError::Block {
+                    id: b.id.clone(),
+                    source: Box::new(source),
+                })?)
+            }
+            SavedDevice::Vsock(v) => Box::new(v.restore(overrides).map_err(RestoreError::Vsock)?),
+            SavedDevice::Net(n) => Box::new(n.restore(overrides).map_err(RestoreError::Net)?),
+        })
+    }
 }

@@ -379,7 +379,9 @@ impl GuestRam {
         };
         let full = kind == MemorySnapshotKind::Full || layer_count >= MAX_LAYERS;
         if kind == MemorySnapshotKind::Diff && full {
-            log::info!("memory has {layer_count} layers; writing a full image instead of a diff");
+            tracing::info!(
+                "memory has {layer_count} layers; writing a full image instead of a diff"
+            );
         }
         let ranges = if full {
             self.populated_ranges()?

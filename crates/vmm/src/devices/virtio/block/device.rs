@@ -13,10 +13,10 @@ use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueState, QueueT};
 
-use crate::devices::virtio::persist::VirtioDeviceConfig;
-
 use super::disk::{BlockError, Disk, SECTOR_SIZE};
-use super::worker::{self, Worker, WorkerHandle};
+use super::worker::{self, Worker};
+use crate::devices::virtio::persist::SavedDevice;
+use crate::devices::virtio::worker::{StopSignal, WorkerThread};
 use crate::devices::virtio::{
     ActivateError, ActivatedQueue, DiskBranch, VirtioDevice, VirtioInterrupt, read_config_space,
 };
@@ -65,9 +65,7 @@ pub struct Block {
     config_space: [u8; CONFIG_SPACE_LEN],
     /// Shared with the worker while active, so the queue state stays readable.
     queue: Option<Arc<Mutex<Queue>>>,
-    worker: Option<WorkerHandle>,
-    /// The worker while paused for a snapshot.
-    parked: Option<Worker>,
+    worker: Option<WorkerThread<Worker>>,
 }
 
 impl Block {
@@ -100,7 +98,6 @@ impl Block {
             config_space,
             queue: None,
             worker: None,
-            parked: None,
         })
     }
 
@@ -122,7 +119,7 @@ impl Block {
     }
 
     pub fn is_activated(&self) -> bool {
-        self.worker.is_some() || self.parked.is_some()
+        self.worker.as_ref().is_some_and(WorkerThread::is_alive)
     }
 
     fn worker_name(&self) -> String {
@@ -146,7 +143,6 @@ impl Block {
         if let Some(worker) = self.worker.take() {
             worker.stop();
         }
-        self.parked = None;
         self.queue = None;
     }
 }
@@ -204,20 +200,21 @@ impl VirtioDevice for Block {
         queue.set_event_idx(self.acked_features & (1 << VIRTIO_RING_F_EVENT_IDX) != 0);
 
         let queue = Arc::new(Mutex::new(queue));
-        let handle = WorkerHandle::spawn(
-            self.worker_name(),
-            Worker {
-                disk: self.disk.clone(),
-                drive_id: worker::drive_id(&self.config.id),
-                mem,
-                queue: queue.clone(),
-                notify,
-                interrupt,
-            },
+        let stop = StopSignal::new().map_err(ActivateError::Worker)?;
+        let worker = Worker::new(
+            self.disk.clone(),
+            worker::drive_id(&self.config.id),
+            mem,
+            queue.clone(),
+            notify,
+            interrupt,
+            &stop,
         )
         .map_err(ActivateError::Worker)?;
+        let thread =
+            WorkerThread::spawn(self.worker_name(), stop, worker).map_err(ActivateError::Worker)?;
         self.queue = Some(queue);
-        self.worker = Some(handle);
+        self.worker = Some(thread);
         Ok(())
     }
 
@@ -258,17 +255,13 @@ impl VirtioDevice for Block {
         }))
     }
 
-    fn snapshot_config(&self) -> Option<VirtioDeviceConfig> {
-        Some(VirtioDeviceConfig::Block {
-            id: self.config.id.clone(),
-            path: self.config.path.clone(),
-            read_only: self.config.read_only,
-        })
+    fn snapshot(&self) -> Option<SavedDevice> {
+        Some(SavedDevice::Block(Block::save(self)))
     }
 
     fn pause(&mut self) {
-        if let Some(handle) = self.worker.take() {
-            self.parked = handle.stop();
+        if let Some(worker) = &mut self.worker {
+            worker.park();
         }
         // A snapshot taken now must find on disk every write the guest saw
         // complete (a layered disk records its new clusters only on flush),
@@ -281,10 +274,8 @@ impl VirtioDevice for Block {
     }
 
     fn resume(&mut self) -> Result<(), ActivateError> {
-        if let Some(worker) = self.parked.take() {
-            let handle =
-                WorkerHandle::spawn(self.worker_name(), worker).map_err(ActivateError::Worker)?;
-            self.worker = Some(handle);
+        if let Some(worker) = &mut self.worker {
+            worker.unpark().map_err(ActivateError::Worker)?;
         }
         Ok(())
     }

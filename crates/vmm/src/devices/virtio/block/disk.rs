@@ -225,17 +225,22 @@ impl Disk {
                 let folded = disk_layers::compact(&sealed, usize::MAX);
                 match (&disk.backend, folded) {
                     (Backend::Layered(layered), Ok(stats)) => match layered.reload_chain() {
-                        Ok(()) => log::info!(
+                        Ok(()) => tracing::info!(
                             "disk {}: folded {} layers ({} bytes)",
                             sealed.display(),
                             stats.merged_layers,
                             stats.bytes
                         ),
                         Err(e) => {
-                            log::warn!("disk {}: reloading after compaction: {e}", sealed.display())
+                            tracing::warn!(
+                                "disk {}: reloading after compaction: {e}",
+                                sealed.display()
+                            )
                         }
                     },
-                    (_, Err(e)) => log::warn!("disk {}: compaction failed: {e}", sealed.display()),
+                    (_, Err(e)) => {
+                        tracing::warn!("disk {}: compaction failed: {e}", sealed.display())
+                    }
                     _ => {}
                 }
                 disk.compacting.store(false, Ordering::SeqCst);
@@ -243,7 +248,7 @@ impl Disk {
         match spawned {
             Ok(handle) => Some(handle),
             Err(e) => {
-                log::warn!("cannot start a disk compaction: {e}");
+                tracing::warn!("cannot start a disk compaction: {e}");
                 self.compacting.store(false, Ordering::SeqCst);
                 None
             }

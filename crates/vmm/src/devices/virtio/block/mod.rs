@@ -2,11 +2,13 @@
 //!
 //! - [`device`]: the device model, its features and configuration space.
 //! - [`disk`]: opening the image and positioned I/O between it and guest memory.
+//! - [`persist`]: what a snapshot saves of the drive, and its restore.
 //! - [`request`]: parsing a request out of a descriptor chain.
 //! - `worker`: the thread that services the request queue.
 
 pub mod device;
 pub mod disk;
+pub mod persist;
 pub mod request;
 mod worker;
 
@@ -17,3 +19,4 @@ mod tests;
 
 pub use device::{Block, BlockConfig, BlockState, CONFIG_SPACE_LEN, QUEUE_SIZE};
 pub use disk::{BlockError, SECTOR_SIZE};
+pub use persist::SavedBlock;

@@ -1,11 +1,9 @@
 //! The thread that services a virtio-blk request queue: an epoll loop over the
-//! queue's notify EventFd and a kill EventFd, doing the I/O synchronously.
+//! queue's notify EventFd and the stop signal, doing the I/O synchronously.
 
 use std::io;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP,
@@ -13,15 +11,16 @@ use virtio_bindings::virtio_blk::{
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
-use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+use vmm_sys_util::eventfd::EventFd;
 
 use super::disk::{Disk, SECTOR_SIZE};
 use super::request::{self, Request, RequestType};
+use crate::devices::virtio::worker::{DeviceWorker, StopSignal};
 use crate::devices::virtio::{VirtioInterrupt, VirtioInterruptType};
 use crate::vstate::memory::GuestMemory;
 
 const QUEUE_TOKEN: u64 = 0;
-const KILL_TOKEN: u64 = 1;
+const STOP_TOKEN: u64 = 1;
 
 /// The drive ID answered to GET_ID: the first 20 bytes of the id, NUL-padded.
 pub type DriveId = [u8; VIRTIO_BLK_ID_BYTES as usize];
@@ -34,79 +33,53 @@ pub struct Worker {
     pub queue: Arc<Mutex<Queue>>,
     pub notify: EventFd,
     pub interrupt: Arc<dyn VirtioInterrupt>,
+    /// The queue's notifications and the stop signal.
+    epoll: Epoll,
 }
 
-/// A running worker; stopping it joins the thread and hands the worker back.
-pub struct WorkerHandle {
-    kill: EventFd,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<Worker>>,
-}
-
-impl WorkerHandle {
-    /// Starts `worker` on a thread called `name`.
-    pub fn spawn(name: String, worker: Worker) -> io::Result<WorkerHandle> {
-        let kill = EventFd::new(EFD_NONBLOCK)?;
-        let stop = Arc::new(AtomicBool::new(false));
+impl Worker {
+    /// A worker for `queue`, woken by `notify` and by `stop`.
+    pub fn new(
+        disk: Arc<Disk>,
+        drive_id: DriveId,
+        mem: GuestMemory,
+        queue: Arc<Mutex<Queue>>,
+        notify: EventFd,
+        interrupt: Arc<dyn VirtioInterrupt>,
+        stop: &StopSignal,
+    ) -> io::Result<Worker> {
         let epoll = Epoll::new()?;
         epoll.ctl(
             ControlOperation::Add,
-            worker.notify.as_raw_fd(),
+            notify.as_raw_fd(),
             EpollEvent::new(EventSet::IN, QUEUE_TOKEN),
         )?;
         epoll.ctl(
             ControlOperation::Add,
-            kill.as_raw_fd(),
-            EpollEvent::new(EventSet::IN, KILL_TOKEN),
+            stop.as_raw_fd(),
+            EpollEvent::new(EventSet::IN, STOP_TOKEN),
         )?;
-        let thread_stop = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name(name)
-            .spawn(move || worker.run(&epoll, &thread_stop))?;
-        Ok(WorkerHandle {
-            kill,
-            stop,
-            thread: Some(thread),
+        Ok(Worker {
+            disk,
+            drive_id,
+            mem,
+            queue,
+            notify,
+            interrupt,
+            epoll,
         })
     }
-
-    /// Stops the thread and waits for it; any request it is doing completes
-    /// first, and requests not yet started stay in the queue. Returns the
-    /// worker, to be started again, unless its thread panicked.
-    pub fn stop(mut self) -> Option<Worker> {
-        self.shut_down()
-    }
-
-    fn shut_down(&mut self) -> Option<Worker> {
-        let thread = self.thread.take()?;
-        self.stop.store(true, Ordering::Release);
-        if let Err(e) = self.kill.write(1) {
-            // The flag alone still stops it at its next wake-up.
-            tracing::error!("cannot signal the block worker to stop: {e}");
-        }
-        match thread.join() {
-            Ok(worker) => Some(worker),
-            Err(_) => {
-                tracing::error!("the block worker panicked");
-                None
-            }
-        }
-    }
 }
 
-impl Drop for WorkerHandle {
-    fn drop(&mut self) {
-        let _ = self.shut_down();
-    }
-}
-
-impl Worker {
-    fn run(self, epoll: &Epoll, stop: &AtomicBool) -> Self {
+impl DeviceWorker for Worker {
+    /// Any request it is doing completes before it stops; requests not yet
+    /// started stay in the queue.
+    fn run(self, stop: &StopSignal) -> Self {
         let mut events = [EpollEvent::default(); 2];
         // The driver may have queued requests before DRIVER_OK without a kick.
         self.process_queue(stop);
-        while !stop.load(Ordering::Acquire) {
-            let n = match epoll.wait(-1, &mut events) {
+        while !stop.requested() {
+            let n = match self.epoll.wait(-1, &mut events) {
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
@@ -127,7 +100,9 @@ impl Worker {
         }
         self
     }
+}
 
+impl Worker {
     fn lock_queue(&self) -> MutexGuard<'_, Queue> {
         // A poisoned lock only means another holder panicked; the queue state is
         // plain data and still consistent between requests.
@@ -136,28 +111,28 @@ impl Worker {
 
     /// Completes every available request, then raises the interrupt if the driver
     /// wants one.
-    pub fn process_queue(&self, stop: &AtomicBool) {
+    pub fn process_queue(&self, stop: &StopSignal) {
         let mut queue = self.lock_queue();
         let mut used_any = false;
         loop {
             if queue.event_idx_enabled()
                 && let Err(e) = queue.disable_notification(&self.mem)
             {
-                tracing::warn!("block queue: {e}");
+                crate::warn_limited!("block queue: {e}");
                 break;
             }
             while let Some(chain) = queue.pop_descriptor_chain(&self.mem) {
                 let head = chain.head_index();
                 let written = self.handle(request::parse(chain));
                 if let Err(e) = queue.add_used(&self.mem, head, written) {
-                    tracing::warn!("block queue: cannot return descriptor {head}: {e}");
+                    crate::warn_limited!("block queue: cannot return descriptor {head}: {e}");
                 }
                 used_any = true;
-                if stop.load(Ordering::Acquire) {
+                if stop.requested() {
                     break;
                 }
             }
-            if !queue.event_idx_enabled() || stop.load(Ordering::Acquire) {
+            if !queue.event_idx_enabled() || stop.requested() {
                 break;
             }
             // Re-enabling reports whether requests arrived meanwhile.
@@ -165,7 +140,7 @@ impl Worker {
                 Ok(true) => continue,
                 Ok(false) => break,
                 Err(e) => {
-                    tracing::warn!("block queue: {e}");
+                    crate::warn_limited!("block queue: {e}");
                     break;
                 }
             }
@@ -178,7 +153,7 @@ impl Worker {
             Ok(true) | Err(_) => {
                 // When in doubt, interrupt: a spurious one is harmless, a lost one hangs I/O.
                 if let Err(e) = self.interrupt.trigger(VirtioInterruptType::Queue) {
-                    tracing::error!("block queue: cannot raise the interrupt: {e}");
+                    crate::error_limited!("block queue: cannot raise the interrupt: {e}");
                 }
             }
         }
@@ -205,7 +180,7 @@ impl Worker {
         // Status codes are below 256.
         let byte = status as u8;
         if let Err(e) = self.mem.write_obj(byte, status_addr) {
-            tracing::warn!("block request: cannot write the status: {e}");
+            crate::warn_limited!("block request: cannot write the status: {e}");
             return data_written;
         }
         data_written.saturating_add(1)
@@ -237,7 +212,7 @@ impl Worker {
                         disk.write_from_guest(&self.mem, seg.addr, seg.len as usize, offset)
                     };
                     if let Err(e) = result {
-                        tracing::warn!("block I/O at byte {offset} failed: {e}");
+                        crate::warn_limited!("block I/O at byte {offset} failed: {e}");
                         return (VIRTIO_BLK_S_IOERR, 0);
                     }
                     offset += u64::from(seg.len);
@@ -253,7 +228,7 @@ impl Worker {
                 match disk.flush() {
                     Ok(()) => (VIRTIO_BLK_S_OK, 0),
                     Err(e) => {
-                        tracing::warn!("block flush failed: {e}");
+                        crate::warn_limited!("block flush failed: {e}");
                         (VIRTIO_BLK_S_IOERR, 0)
                     }
                 }

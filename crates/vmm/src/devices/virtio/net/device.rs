@@ -1,9 +1,7 @@
 //! The virtio-net device model: features, configuration space (the MAC), and the
 //! worker's lifecycle (activation, pause for snapshots, reset).
 
-use std::io;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_NET;
@@ -11,9 +9,11 @@ use virtio_bindings::virtio_net::VIRTIO_NET_F_MAC;
 use virtio_queue::{QueueState, QueueT};
 
 use super::backend::FrameBackend;
+use super::metrics::NetCounters;
 use super::tap::{Tap, TapError};
-use super::worker::{Worker, WorkerHandle};
-use crate::devices::virtio::persist::VirtioDeviceConfig;
+use super::worker::Worker;
+use crate::devices::virtio::persist::SavedDevice;
+use crate::devices::virtio::worker::{StopSignal, WorkerThread};
 use crate::devices::virtio::{
     ActivateError, ActivatedQueue, VirtioDevice, VirtioInterrupt, read_config_space,
 };
@@ -47,29 +47,6 @@ pub struct NetConfig {
     pub guest_mac: Option<MacAddr>,
 }
 
-/// Frames and drops, for tests and logs.
-#[derive(Debug, Default)]
-pub struct NetCounters {
-    pub rx_frames: AtomicU64,
-    pub rx_bytes: AtomicU64,
-    /// Frames from the backend no guest buffer could take (malformed or too small).
-    pub rx_dropped: AtomicU64,
-    pub tx_frames: AtomicU64,
-    pub tx_bytes: AtomicU64,
-    /// Guest frames not sent: a malformed chain or a backend error.
-    pub tx_dropped: AtomicU64,
-}
-
-impl NetCounters {
-    pub fn get(counter: &AtomicU64) -> u64 {
-        counter.load(Ordering::Relaxed)
-    }
-
-    pub(super) fn add(counter: &AtomicU64, n: u64) {
-        counter.fetch_add(n, Ordering::Relaxed);
-    }
-}
-
 /// A virtio-net device with one queue pair and a frame backend (a tap in a VM).
 pub struct Net {
     config: NetConfig,
@@ -78,9 +55,7 @@ pub struct Net {
     avail_features: u64,
     acked_features: u64,
     counters: Arc<NetCounters>,
-    worker: Option<WorkerHandle>,
-    /// The worker while paused for a snapshot.
-    parked: Option<Worker>,
+    worker: Option<WorkerThread<Worker>>,
 }
 
 impl Net {
@@ -106,7 +81,6 @@ impl Net {
             acked_features: 0,
             counters: Arc::new(NetCounters::default()),
             worker: None,
-            parked: None,
         }
     }
 
@@ -119,7 +93,7 @@ impl Net {
     }
 
     pub fn is_activated(&self) -> bool {
-        self.worker.is_some() || self.parked.is_some()
+        self.worker.as_ref().is_some_and(WorkerThread::is_alive)
     }
 
     fn worker_name(&self) -> String {
@@ -128,18 +102,9 @@ impl Net {
 
     /// Stops the worker and takes the backend back from it.
     fn stop_worker(&mut self) {
-        let worker = match self.worker.take() {
-            Some(handle) => handle.stop(),
-            None => self.parked.take(),
-        };
-        self.parked = None;
-        if let Some(worker) = worker {
+        if let Some(worker) = self.worker.take().and_then(WorkerThread::stop) {
             self.backend = Some(worker.into_backend());
         }
-    }
-
-    fn spawn(&self, worker: Worker) -> io::Result<WorkerHandle> {
-        WorkerHandle::spawn(self.worker_name(), worker)
     }
 }
 
@@ -197,14 +162,21 @@ impl VirtioDevice for Net {
                 self.config.iface_id
             ))
         })?;
-        let worker = Worker::new(mem, interrupt, rx, tx, backend, self.counters.clone());
-        match self.spawn(worker) {
-            Ok(handle) => {
-                self.worker = Some(handle);
-                Ok(())
-            }
-            Err(e) => Err(ActivateError::Worker(e)),
-        }
+        let stop = StopSignal::new().map_err(ActivateError::Worker)?;
+        let worker = Worker::new(
+            mem,
+            interrupt,
+            rx,
+            tx,
+            backend,
+            self.counters.clone(),
+            &stop,
+        )
+        .map_err(ActivateError::Worker)?;
+        let thread =
+            WorkerThread::spawn(self.worker_name(), stop, worker).map_err(ActivateError::Worker)?;
+        self.worker = Some(thread);
+        Ok(())
     }
 
     fn reset(&mut self) -> bool {
@@ -219,36 +191,27 @@ impl VirtioDevice for Net {
     }
 
     fn queue_states(&self) -> Vec<QueueState> {
-        self.parked
+        self.worker
             .as_ref()
+            .and_then(WorkerThread::parked)
             .map(Worker::queue_states)
             .unwrap_or_default()
     }
 
-    fn snapshot_config(&self) -> Option<VirtioDeviceConfig> {
-        Some(VirtioDeviceConfig::Net {
-            iface_id: self.config.iface_id.clone(),
-            host_dev_name: self.config.host_dev_name.clone(),
-            guest_mac: self.config.guest_mac,
-        })
+    fn snapshot(&self) -> Option<SavedDevice> {
+        Some(SavedDevice::Net(Net::save(self)))
     }
 
     fn pause(&mut self) {
-        if let Some(handle) = self.worker.take() {
-            self.parked = handle.stop();
+        if let Some(worker) = &mut self.worker {
+            worker.park();
         }
     }
 
     fn resume(&mut self) -> Result<(), ActivateError> {
-        if let Some(worker) = self.parked.take() {
-            self.worker = Some(self.spawn(worker).map_err(ActivateError::Worker)?);
+        if let Some(worker) = &mut self.worker {
+            worker.unpark().map_err(ActivateError::Worker)?;
         }
         Ok(())
-    }
-}
-
-impl Drop for Net {
-    fn drop(&mut self) {
-        self.stop_worker();
     }
 }

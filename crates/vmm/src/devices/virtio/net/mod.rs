@@ -7,11 +7,15 @@
 //!
 //! - [`device`]: the device model, its features, configuration space and lifecycle.
 //! - [`backend`]: the frame backend the worker moves frames to and from.
+//! - [`metrics`]: its frame and drop counters.
+//! - [`persist`]: what a snapshot saves of the interface, and its restore.
 //! - [`tap`]: that backend on a Linux tap device.
 //! - `worker`: the thread that services both queues and the backend.
 
 pub mod backend;
 pub mod device;
+pub mod metrics;
+pub mod persist;
 pub mod tap;
 mod worker;
 
@@ -19,7 +23,9 @@ mod worker;
 mod tests;
 
 pub use backend::FrameBackend;
-pub use device::{MacAddr, Net, NetConfig, NetCounters, NetError};
+pub use device::{MacAddr, Net, NetConfig, NetError};
+pub use metrics::NetCounters;
+pub use persist::SavedNet;
 pub use tap::{Tap, TapError};
 
 /// The virtio-net header of a `VIRTIO_F_VERSION_1` device: `struct virtio_net_hdr_v1`.

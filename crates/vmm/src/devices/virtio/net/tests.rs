@@ -12,7 +12,7 @@ use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use super::{MacAddr, Net, NetConfig, NetCounters, NetError, VNET_HDR_LEN};
-use crate::devices::virtio::persist::VirtioDeviceConfig;
+use crate::devices::virtio::persist::SavedDevice;
 use crate::devices::virtio::vsock::test_driver::GuestQueue;
 use crate::devices::virtio::{ActivatedQueue, VirtioDevice, VirtioInterrupt, VirtioInterruptType};
 use crate::vstate::memory::GuestMemory;
@@ -197,12 +197,12 @@ fn features_and_config_space_follow_the_mac() {
     without.set_acked_features(u64::MAX);
     assert_eq!(without.acked_features(), 1 << VIRTIO_F_VERSION_1);
     assert_eq!(
-        without.snapshot_config(),
-        Some(VirtioDeviceConfig::Net {
+        without.snapshot(),
+        Some(SavedDevice::Net(super::SavedNet {
             iface_id: "eth0".into(),
             host_dev_name: "tap0".into(),
             guest_mac: None,
-        })
+        }))
     );
 }
 

@@ -1,5 +1,5 @@
 //! The thread that moves frames: an epoll loop over both queues' notifications, the
-//! backend and a kill switch.
+//! backend and the stop signal.
 //!
 //! TX: every available chain is gathered into one frame and written to the backend.
 //! RX: a frame is read from the backend only into a buffer of our own, and is held
@@ -12,23 +12,22 @@
 use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
 use virtio_queue::{DescriptorChain, QueueState, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
-use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use super::backend::FrameBackend;
-use super::device::NetCounters;
+use super::metrics::NetCounters;
 use super::{MAX_FRAME_LEN, VNET_HDR_LEN};
+use crate::devices::virtio::worker::{DeviceWorker, StopSignal};
 use crate::devices::virtio::{ActivatedQueue, VirtioInterrupt, VirtioInterruptType};
 use crate::vstate::memory::GuestMemory;
 
 const TOKEN_RX: u64 = 0;
 const TOKEN_TX: u64 = 1;
 const TOKEN_BACKEND: u64 = 2;
-const TOKEN_KILL: u64 = 3;
+const TOKEN_STOP: u64 = 3;
 
 /// Offset of `num_buffers` in `virtio_net_hdr_v1`.
 const NUM_BUFFERS_AT: usize = 10;
@@ -48,67 +47,11 @@ pub struct Worker {
     tx_frame: Vec<u8>,
     /// The descriptors of the chain being filled (reused to avoid allocations).
     segments: Vec<(GuestAddress, usize)>,
+    /// Both queues' notifications, the backend (while watched) and the stop
+    /// signal.
+    epoll: Epoll,
     /// Whether the epoll set currently watches the backend.
     backend_watched: bool,
-}
-
-/// A running worker; stopping it joins the thread and hands the worker back.
-pub struct WorkerHandle {
-    kill: EventFd,
-    thread: Option<JoinHandle<Worker>>,
-}
-
-impl WorkerHandle {
-    pub fn spawn(name: String, worker: Worker) -> io::Result<WorkerHandle> {
-        let kill = EventFd::new(EFD_NONBLOCK)?;
-        let epoll = Epoll::new()?;
-        let add = |fd: i32, token| {
-            epoll.ctl(
-                ControlOperation::Add,
-                fd,
-                EpollEvent::new(EventSet::IN, token),
-            )
-        };
-        add(worker.rx.notify.as_raw_fd(), TOKEN_RX)?;
-        add(worker.tx.notify.as_raw_fd(), TOKEN_TX)?;
-        add(worker.backend.as_raw_fd(), TOKEN_BACKEND)?;
-        add(kill.as_raw_fd(), TOKEN_KILL)?;
-        let mut worker = worker;
-        worker.backend_watched = true;
-        let thread = std::thread::Builder::new()
-            .name(name)
-            .spawn(move || worker.run(&epoll))?;
-        Ok(WorkerHandle {
-            kill,
-            thread: Some(thread),
-        })
-    }
-
-    /// Stops the thread after the frame it is moving; returns the worker unless its
-    /// thread panicked.
-    pub fn stop(mut self) -> Option<Worker> {
-        self.shut_down()
-    }
-
-    fn shut_down(&mut self) -> Option<Worker> {
-        let thread = self.thread.take()?;
-        if let Err(e) = self.kill.write(1) {
-            log::error!("net: cannot signal the worker to stop: {e}");
-        }
-        match thread.join() {
-            Ok(worker) => Some(worker),
-            Err(_) => {
-                log::error!("net: the worker thread panicked");
-                None
-            }
-        }
-    }
-}
-
-impl Drop for WorkerHandle {
-    fn drop(&mut self) {
-        let _ = self.shut_down();
-    }
 }
 
 /// Why a chain could not carry a frame.
@@ -128,8 +71,21 @@ impl Worker {
         tx: ActivatedQueue,
         backend: Box<dyn FrameBackend>,
         counters: Arc<NetCounters>,
-    ) -> Worker {
-        Worker {
+        stop: &StopSignal,
+    ) -> io::Result<Worker> {
+        let epoll = Epoll::new()?;
+        let add = |fd: i32, token| {
+            epoll.ctl(
+                ControlOperation::Add,
+                fd,
+                EpollEvent::new(EventSet::IN, token),
+            )
+        };
+        add(rx.notify.as_raw_fd(), TOKEN_RX)?;
+        add(tx.notify.as_raw_fd(), TOKEN_TX)?;
+        add(backend.as_raw_fd(), TOKEN_BACKEND)?;
+        add(stop.as_raw_fd(), TOKEN_STOP)?;
+        Ok(Worker {
             mem,
             interrupt,
             rx,
@@ -140,8 +96,9 @@ impl Worker {
             rx_len: 0,
             tx_frame: vec![0; MAX_FRAME_LEN],
             segments: Vec::new(),
-            backend_watched: false,
-        }
+            epoll,
+            backend_watched: true,
+        })
     }
 
     pub fn into_backend(self) -> Box<dyn FrameBackend> {
@@ -152,17 +109,20 @@ impl Worker {
     pub fn queue_states(&self) -> Vec<QueueState> {
         vec![self.rx.queue.state(), self.tx.queue.state()]
     }
+}
 
-    fn run(mut self, epoll: &Epoll) -> Self {
+impl DeviceWorker for Worker {
+    /// Stops after the frame it is moving.
+    fn run(mut self, _stop: &StopSignal) -> Self {
         let mut events = [EpollEvent::default(); 4];
         // The guest may have queued buffers before activation (or before a pause).
-        self.process(epoll);
+        self.process();
         loop {
-            let n = match epoll.wait(-1, &mut events) {
+            let n = match self.epoll.wait(-1, &mut events) {
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    log::error!("net: epoll_wait failed, stopping the device: {e}");
+                    tracing::error!("net: epoll_wait failed, stopping the device: {e}");
                     return self;
                 }
             };
@@ -171,34 +131,36 @@ impl Worker {
                     // Clearing the counter; an empty one is a spurious wake-up.
                     TOKEN_RX => drop(self.rx.notify.read()),
                     TOKEN_TX => drop(self.tx.notify.read()),
-                    TOKEN_KILL => return self,
+                    TOKEN_STOP => return self,
                     _ => {}
                 }
             }
-            self.process(epoll);
+            self.process();
         }
     }
+}
 
+impl Worker {
     /// Moves frames both ways until neither side can go on, then interrupts the
     /// guest once if it used buffers.
-    fn process(&mut self, epoll: &Epoll) {
+    fn process(&mut self) {
         let tx_used = self.process_tx();
         let (rx_used, rx_stalled) = self.process_rx();
-        self.watch_backend(epoll, !rx_stalled);
+        self.watch_backend(!rx_stalled);
         let mut needed = false;
         for (used, queue) in [(rx_used, &mut self.rx.queue), (tx_used, &mut self.tx.queue)] {
             // When in doubt, interrupt: a spurious one is harmless, a lost one hangs.
             needed |= used && queue.needs_notification(&self.mem).unwrap_or(true);
         }
         if needed && let Err(e) = self.interrupt.trigger(VirtioInterruptType::Queue) {
-            log::warn!("net: cannot interrupt the guest: {e}");
+            crate::warn_limited!("net: cannot interrupt the guest: {e}");
         }
     }
 
     /// Adds the backend to the epoll set or takes it out. Out, not just masked:
     /// epoll reports errors and hang-ups even for an empty mask, and a tap whose
     /// interface was deleted reports an error for good.
-    fn watch_backend(&mut self, epoll: &Epoll, watch: bool) {
+    fn watch_backend(&mut self, watch: bool) {
         if watch == self.backend_watched {
             return;
         }
@@ -207,13 +169,13 @@ impl Worker {
         } else {
             ControlOperation::Delete
         };
-        match epoll.ctl(
+        match self.epoll.ctl(
             op,
             self.backend.as_raw_fd(),
             EpollEvent::new(EventSet::IN, TOKEN_BACKEND),
         ) {
             Ok(()) => self.backend_watched = watch,
-            Err(e) => log::error!("net: cannot change the backend's epoll interest: {e}"),
+            Err(e) => crate::error_limited!("net: cannot change the backend's epoll interest: {e}"),
         }
     }
 
@@ -230,18 +192,18 @@ impl Worker {
                             NetCounters::add(&self.counters.tx_bytes, (len - VNET_HDR_LEN) as u64);
                         }
                         Err(e) => {
-                            log::debug!("net: the backend refused a frame: {e}");
+                            tracing::debug!("net: the backend refused a frame: {e}");
                             NetCounters::add(&self.counters.tx_dropped, 1);
                         }
                     }
                 }
                 Ok(_) | Err(_) => {
-                    log::debug!("net: dropping a malformed TX chain");
+                    tracing::debug!("net: dropping a malformed TX chain");
                     NetCounters::add(&self.counters.tx_dropped, 1);
                 }
             }
             if let Err(e) = self.tx.queue.add_used(&self.mem, head, 0) {
-                log::warn!("net: TX add_used: {e}");
+                crate::warn_limited!("net: TX add_used: {e}");
             }
             used = true;
         }
@@ -265,7 +227,7 @@ impl Worker {
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => return (used, false),
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                     Err(e) => {
-                        log::warn!("net: reading from the backend: {e}");
+                        crate::warn_limited!("net: reading from the backend: {e}");
                         return (used, true);
                     }
                 }
@@ -287,13 +249,13 @@ impl Worker {
                     len as u32
                 }
                 Err(e) => {
-                    log::debug!("net: dropping a {len}-byte frame, RX chain unusable: {e:?}");
+                    tracing::debug!("net: dropping a {len}-byte frame, RX chain unusable: {e:?}");
                     NetCounters::add(&self.counters.rx_dropped, 1);
                     0
                 }
             };
             if let Err(e) = self.rx.queue.add_used(&self.mem, head, written) {
-                log::warn!("net: RX add_used: {e}");
+                crate::warn_limited!("net: RX add_used: {e}");
             }
             used = true;
         }

@@ -6,7 +6,6 @@ use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
@@ -16,7 +15,8 @@ use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use super::muxer::Muxer;
 use super::worker::Worker;
-use crate::devices::virtio::persist::VirtioDeviceConfig;
+use crate::devices::virtio::persist::SavedDevice;
+use crate::devices::virtio::worker::{StopSignal, WorkerThread};
 use crate::devices::virtio::{
     ActivateError, ActivatedQueue, VirtioDevice, VirtioInterrupt, read_config_space,
 };
@@ -43,25 +43,6 @@ pub enum VsockError {
     Setup(#[source] io::Error),
 }
 
-struct WorkerHandle {
-    kill: EventFd,
-    thread: JoinHandle<Worker>,
-}
-
-impl WorkerHandle {
-    /// Stops the thread; returns the worker unless it panicked.
-    fn stop(self) -> Option<Worker> {
-        let _ = self.kill.write(1);
-        match self.thread.join() {
-            Ok(worker) => Some(worker),
-            Err(_) => {
-                log::error!("vsock: the worker thread panicked");
-                None
-            }
-        }
-    }
-}
-
 /// A virtio-vsock device whose host side is a Unix socket, as in Firecracker:
 ///
 /// - a host process connects to `uds_path`, writes `CONNECT <port>\n`, reads
@@ -75,9 +56,8 @@ pub struct Vsock {
     connect_timeout: Duration,
     reset_evt: EventFd,
     reset_requested: Arc<AtomicBool>,
-    worker: Option<WorkerHandle>,
-    /// The worker while paused for a snapshot, with its connections.
-    parked: Option<(Worker, EventFd)>,
+    /// Parked with its connections while paused for a snapshot.
+    worker: Option<WorkerThread<Worker>>,
 }
 
 impl Vsock {
@@ -111,7 +91,6 @@ impl Vsock {
             reset_evt,
             reset_requested: Arc::new(AtomicBool::new(false)),
             worker: None,
-            parked: None,
         })
     }
 
@@ -139,7 +118,7 @@ impl Vsock {
     pub fn send_transport_reset(&self) {
         self.reset_requested.store(true, Ordering::SeqCst);
         if let Err(e) = self.reset_evt.write(1) {
-            log::warn!("vsock: cannot signal a transport reset: {e}");
+            tracing::warn!("vsock: cannot signal a transport reset: {e}");
         }
     }
 
@@ -147,14 +126,6 @@ impl Vsock {
         if let Some(w) = self.worker.take() {
             w.stop();
         }
-        self.parked = None;
-    }
-
-    fn spawn(worker: Worker, kill: EventFd) -> io::Result<WorkerHandle> {
-        let thread = std::thread::Builder::new()
-            .name("vsock".into())
-            .spawn(move || worker.run())?;
-        Ok(WorkerHandle { kill, thread })
     }
 
     fn start_worker(
@@ -162,8 +133,8 @@ impl Vsock {
         mem: GuestMemory,
         interrupt: Arc<dyn VirtioInterrupt>,
         queues: [ActivatedQueue; 3],
-    ) -> io::Result<WorkerHandle> {
-        let kill = EventFd::new(EFD_NONBLOCK)?;
+    ) -> io::Result<WorkerThread<Worker>> {
+        let stop = StopSignal::new()?;
         // The worker gets its own descriptor for the listener; the device keeps one so
         // the socket outlives resets.
         let muxer = Muxer::new(
@@ -176,12 +147,12 @@ impl Vsock {
             mem,
             interrupt,
             queues,
-            kill.try_clone()?,
+            &stop,
             self.reset_evt.try_clone()?,
             self.reset_requested.clone(),
             muxer,
         )?;
-        Self::spawn(worker, kill)
+        WorkerThread::spawn("vsock".into(), stop, worker)
     }
 }
 
@@ -212,7 +183,7 @@ impl VirtioDevice for Vsock {
         interrupt: Arc<dyn VirtioInterrupt>,
         queues: Vec<ActivatedQueue>,
     ) -> Result<(), ActivateError> {
-        if self.worker.is_some() || self.parked.is_some() {
+        if self.worker.as_ref().is_some_and(WorkerThread::is_alive) {
             return Err(ActivateError::Other(
                 "the vsock device is already active".into(),
             ));
@@ -242,17 +213,15 @@ impl VirtioDevice for Vsock {
     }
 
     fn queue_states(&self) -> Vec<QueueState> {
-        self.parked
+        self.worker
             .as_ref()
-            .map(|(w, _)| w.queue_states())
+            .and_then(WorkerThread::parked)
+            .map(Worker::queue_states)
             .unwrap_or_default()
     }
 
-    fn snapshot_config(&self) -> Option<VirtioDeviceConfig> {
-        Some(VirtioDeviceConfig::Vsock {
-            guest_cid: self.guest_cid,
-            uds_path: self.uds_path.clone(),
-        })
+    fn snapshot(&self) -> Option<SavedDevice> {
+        Some(SavedDevice::Vsock(Vsock::save(self)))
     }
 
     /// The host sides of the guest's connections did not survive the restore:
@@ -262,19 +231,14 @@ impl VirtioDevice for Vsock {
     }
 
     fn pause(&mut self) {
-        if let Some(handle) = self.worker.take() {
-            let kill = handle.kill.try_clone();
-            match (handle.stop(), kill) {
-                (Some(worker), Ok(kill)) => self.parked = Some((worker, kill)),
-                (Some(_), Err(e)) => log::error!("vsock: cannot keep the worker: {e}"),
-                (None, _) => {}
-            }
+        if let Some(worker) = &mut self.worker {
+            worker.park();
         }
     }
 
     fn resume(&mut self) -> Result<(), ActivateError> {
-        if let Some((worker, kill)) = self.parked.take() {
-            self.worker = Some(Self::spawn(worker, kill).map_err(ActivateError::Worker)?);
+        if let Some(worker) = &mut self.worker {
+            worker.unpark().map_err(ActivateError::Worker)?;
         }
         Ok(())
     }

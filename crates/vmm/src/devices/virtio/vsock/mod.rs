@@ -11,12 +11,14 @@
 //!
 //! Layout: [`device`] is the virtio device model, [`worker`] its epoll thread, [`muxer`]
 //! the connection table, [`connection`] one connection's state machine and credit
-//! accounting, [`unix`] the host-side handshake, [`packet`] protocol constants.
+//! accounting, [`unix`] the host-side handshake, [`packet`] protocol constants,
+//! [`persist`] what a snapshot saves of the device.
 
 pub mod connection;
 pub mod device;
 pub mod muxer;
 pub mod packet;
+pub mod persist;
 pub mod unix;
 pub mod worker;
 
@@ -26,3 +28,4 @@ pub(crate) mod test_driver;
 mod tests;
 
 pub use device::{DEFAULT_CONNECT_TIMEOUT, Vsock, VsockError};
+pub use persist::SavedVsock;

@@ -123,12 +123,12 @@ impl Muxer {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) => {
-                    log::warn!("vsock: accept on {}: {e}", self.uds_path.display());
+                    crate::warn_limited!("vsock: accept on {}: {e}", self.uds_path.display());
                     return;
                 }
             };
             if self.handshakes.len() >= MAX_HANDSHAKES || self.conns.len() >= MAX_CONNECTIONS {
-                log::warn!("vsock: too many host connections, refusing one");
+                crate::warn_limited!("vsock: too many host connections, refusing one");
                 continue;
             }
             if stream.set_nonblocking(true).is_err() {
@@ -137,7 +137,7 @@ impl Muxer {
             let fd = stream.as_raw_fd();
             let ev = EpollEvent::new(EventSet::IN, TOKEN_FD_BASE + fd as u64);
             if let Err(e) = self.epoll.ctl(ControlOperation::Add, fd, ev) {
-                log::warn!("vsock: cannot watch a host stream: {e}");
+                crate::warn_limited!("vsock: cannot watch a host stream: {e}");
                 continue;
             }
             self.handshakes
@@ -175,7 +175,7 @@ impl Muxer {
         let (port, leftover) = match hs.read_more() {
             HandshakeStep::Pending => return,
             HandshakeStep::Failed => {
-                log::debug!("vsock: malformed or abandoned host handshake");
+                tracing::debug!("vsock: malformed or abandoned host handshake");
                 self.drop_handshake(fd);
                 return;
             }
@@ -214,7 +214,7 @@ impl Muxer {
     /// Routes one packet from the guest's TX queue.
     pub fn guest_packet(&mut self, hdr: &Header, data: &[u8], now: Instant) {
         if hdr.src_cid != self.guest_cid {
-            log::debug!(
+            tracing::debug!(
                 "vsock: dropping a guest packet with source CID {}",
                 hdr.src_cid
             );
@@ -252,7 +252,7 @@ impl Muxer {
 
     fn guest_connect(&mut self, key: ConnKey, hdr: &Header, now: Instant) {
         if self.conns.len() >= MAX_CONNECTIONS {
-            log::warn!(
+            crate::warn_limited!(
                 "vsock: too many connections, refusing guest port {}",
                 key.peer_port
             );
@@ -263,7 +263,7 @@ impl Muxer {
         let stream = match connect_nonblocking(&path) {
             Ok(s) => s,
             Err(e) => {
-                log::debug!("vsock: guest connect to {}: {e}", path.display());
+                tracing::debug!("vsock: guest connect to {}: {e}", path.display());
                 self.push_control(hdr.rst_reply());
                 return;
             }
@@ -299,7 +299,7 @@ impl Muxer {
                 TOKEN_FD_BASE + fd as u64,
             );
             if let Err(e) = self.epoll.ctl(op, fd, ev) {
-                log::warn!("vsock: epoll update for port {}: {e}", key.local_port);
+                crate::warn_limited!("vsock: epoll update for port {}: {e}", key.local_port);
                 self.kill(key, true);
                 return;
             }
@@ -383,7 +383,7 @@ impl Muxer {
             .map(|(&fd, _)| fd)
             .collect();
         for fd in late {
-            log::debug!("vsock: host handshake timed out");
+            tracing::debug!("vsock: host handshake timed out");
             self.drop_handshake(fd);
         }
         let late: Vec<ConnKey> = self

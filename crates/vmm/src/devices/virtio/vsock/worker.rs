@@ -1,5 +1,5 @@
 //! The device's I/O thread: one epoll loop over the queue notifications, the device
-//! socket, every host stream, the transport-reset request and the kill switch.
+//! socket, every host stream, the transport-reset request and the stop signal.
 
 use std::io;
 use std::os::fd::AsRawFd;
@@ -15,13 +15,14 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::muxer::{Muxer, TOKEN_FD_BASE, TOKEN_LISTENER};
 use super::packet::{EVENT_TRANSPORT_RESET, Header, MAX_PKT_DATA};
+use crate::devices::virtio::worker::{DeviceWorker, StopSignal};
 use crate::devices::virtio::{ActivatedQueue, VirtioInterrupt, VirtioInterruptType};
 use crate::vstate::memory::GuestMemory;
 
 const TOKEN_RX: u64 = 0;
 const TOKEN_TX: u64 = 1;
 const TOKEN_EVENT: u64 = 2;
-const TOKEN_KILL: u64 = 3;
+const TOKEN_STOP: u64 = 3;
 const TOKEN_RESET: u64 = 4;
 
 pub struct Worker {
@@ -30,7 +31,6 @@ pub struct Worker {
     pub rx: ActivatedQueue,
     pub tx: ActivatedQueue,
     pub event: ActivatedQueue,
-    pub kill: EventFd,
     pub reset_evt: EventFd,
     pub reset_requested: Arc<AtomicBool>,
     pub muxer: Muxer,
@@ -45,7 +45,7 @@ impl Worker {
         mem: GuestMemory,
         interrupt: Arc<dyn VirtioInterrupt>,
         [rx, tx, event]: [ActivatedQueue; 3],
-        kill: EventFd,
+        stop: &StopSignal,
         reset_evt: EventFd,
         reset_requested: Arc<AtomicBool>,
         muxer: Muxer,
@@ -60,15 +60,18 @@ impl Worker {
         add(&rx.notify, TOKEN_RX)?;
         add(&tx.notify, TOKEN_TX)?;
         add(&event.notify, TOKEN_EVENT)?;
-        add(&kill, TOKEN_KILL)?;
         add(&reset_evt, TOKEN_RESET)?;
+        muxer.epoll.ctl(
+            ControlOperation::Add,
+            stop.as_raw_fd(),
+            EpollEvent::new(EventSet::IN, TOKEN_STOP),
+        )?;
         Ok(Self {
             mem,
             interrupt,
             rx,
             tx,
             event,
-            kill,
             reset_evt,
             reset_requested,
             muxer,
@@ -77,9 +80,19 @@ impl Worker {
         })
     }
 
-    /// Serves until the kill switch; returns itself, connections and queues
-    /// intact, so the device can start it again.
-    pub fn run(mut self) -> Self {
+    /// The rx, tx and event queues' state.
+    pub fn queue_states(&self) -> Vec<virtio_queue::QueueState> {
+        [&self.rx, &self.tx, &self.event]
+            .iter()
+            .map(|q| q.queue.state())
+            .collect()
+    }
+}
+
+impl DeviceWorker for Worker {
+    /// Serves until stopped; returns itself, connections and queues intact,
+    /// so the device can start it again.
+    fn run(mut self, _stop: &StopSignal) -> Self {
         let mut events = vec![EpollEvent::default(); 64];
         loop {
             let timeout = match self.muxer.next_deadline() {
@@ -94,7 +107,7 @@ impl Worker {
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    log::error!("vsock: epoll_wait failed, stopping the device: {e}");
+                    tracing::error!("vsock: epoll_wait failed, stopping the device: {e}");
                     return self;
                 }
             };
@@ -104,10 +117,7 @@ impl Worker {
                     TOKEN_RX => drain(&self.rx.notify),
                     TOKEN_TX => drain(&self.tx.notify),
                     TOKEN_EVENT => drain(&self.event.notify),
-                    TOKEN_KILL => {
-                        drain(&self.kill);
-                        return self;
-                    }
+                    TOKEN_STOP => return self,
                     TOKEN_RESET => {
                         drain(&self.reset_evt);
                         if self.reset_requested.swap(false, Ordering::SeqCst) {
@@ -127,15 +137,9 @@ impl Worker {
             self.process_queues(now);
         }
     }
+}
 
-    /// The rx, tx and event queues' state.
-    pub fn queue_states(&self) -> Vec<virtio_queue::QueueState> {
-        [&self.rx, &self.tx, &self.event]
-            .iter()
-            .map(|q| q.queue.state())
-            .collect()
-    }
-
+impl Worker {
     /// Runs the queues until neither makes progress, then interrupts the guest once.
     fn process_queues(&mut self, now: Instant) {
         let mut used = false;
@@ -159,7 +163,7 @@ impl Worker {
             needed |= q.queue.needs_notification(&self.mem).unwrap_or(true);
         }
         if needed && let Err(e) = self.interrupt.trigger(VirtioInterruptType::Queue) {
-            log::warn!("vsock: cannot interrupt the guest: {e}");
+            crate::warn_limited!("vsock: cannot interrupt the guest: {e}");
         }
     }
 
@@ -180,10 +184,10 @@ impl Worker {
                     };
                     self.muxer.guest_packet(&hdr, &self.tx_data[..len], now);
                 }
-                Err(e) => log::debug!("vsock: dropping a malformed TX packet: {e}"),
+                Err(e) => tracing::debug!("vsock: dropping a malformed TX packet: {e}"),
             }
             if let Err(e) = self.tx.queue.add_used(&self.mem, head, 0) {
-                log::warn!("vsock: TX add_used: {e}");
+                crate::warn_limited!("vsock: TX add_used: {e}");
             }
             used = true;
         }
@@ -208,12 +212,12 @@ impl Worker {
                     }
                 },
                 Err(e) => {
-                    log::debug!("vsock: unusable RX buffer: {e}");
+                    tracing::debug!("vsock: unusable RX buffer: {e}");
                     0
                 }
             };
             if let Err(e) = self.rx.queue.add_used(&self.mem, head, len) {
-                log::warn!("vsock: RX add_used: {e}");
+                crate::warn_limited!("vsock: RX add_used: {e}");
             }
             used = true;
         }
@@ -242,7 +246,7 @@ impl Worker {
             self.event_pending = false;
         }
         if let Err(e) = self.event.queue.add_used(&self.mem, head, len) {
-            log::warn!("vsock: event queue add_used: {e}");
+            crate::warn_limited!("vsock: event queue add_used: {e}");
         }
         true
     }
