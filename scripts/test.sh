@@ -48,8 +48,9 @@ run_lab_tests() {
     if [[ $("$lab" detect | head -n1) == hardware* ]]; then
         "$@"
     else
-        # One lab vCPU: QEMU's multi-threaded TCG with nested SVM has been
-        # seen to lose a guest early in boot; single-threaded TCG is steadier.
+        # One lab CPU: with two, guests are lost early in boot, with QEMU's
+        # multi-threaded TCG and with single-threaded TCG alike (2 of 2 runs
+        # of `--cpus 2 --tcg-threads single`; README, "Hangs").
         "$lab" run --cpus 1 --timeout 900 --rw "$SANDFORK_LAB_RW_DIR" -- "$@"
     fi
 }
@@ -59,7 +60,8 @@ run_lab_tests() {
 # thread inside KVM_RUN, and the whole machine stands still for minutes
 # (README, "Hangs"). `sandfork stress` measured it in 2 of 104 two-vCPU
 # trials and 0 of 191 one-vCPU ones (1 of 192 trials on an idle host, 1 of
-# 103 on a loaded one). A test caught in one fails or overruns with
+# 103 on a loaded one); a two-CPU lab does not remove it (it loses guests
+# early in boot instead). A test caught in one fails or overruns with
 # diagnostics; re-run only the tests that failed, once: a real defect fails
 # twice and still fails the suite. A run that ended without naming failures
 # (a lab timeout, the watchdog) is re-run whole.
