@@ -48,9 +48,9 @@ run_lab_tests() {
     if [[ $("$lab" detect | head -n1) == hardware* ]]; then
         "$@"
     else
-        # One lab CPU: with two, guests are lost early in boot, with QEMU's
-        # multi-threaded TCG and with single-threaded TCG alike (2 of 2 runs
-        # of `--cpus 2 --tcg-threads single`; README, "Hangs").
+        # One lab CPU, QEMU's default multi-threaded TCG: guests are lost
+        # early in boot with two CPUs (either TCG mode) and with
+        # single-threaded TCG (README, "Hangs").
         "$lab" run --cpus 1 --timeout 900 --rw "$SANDFORK_LAB_RW_DIR" -- "$@"
     fi
 }
