@@ -60,11 +60,12 @@ run_lab_tests() {
 # thread inside KVM_RUN, and the whole machine stands still for minutes
 # (README, "Hangs"). `sandfork stress` measured it in 2 of 104 two-vCPU
 # trials and 0 of 191 one-vCPU ones (1 of 192 trials on an idle host, 1 of
-# 103 on a loaded one); a two-CPU lab does not remove it (it loses guests
-# early in boot instead). A test caught in one fails or overruns with
-# diagnostics; re-run only the tests that failed, once: a real defect fails
-# twice and still fails the suite. A run that ended without naming failures
-# (a lab timeout, the watchdog) is re-run whole.
+# 103 on a loaded one); neither a two-CPU lab nor single-threaded TCG
+# removes it: each lost a guest in its first three boots, in 4 of 4 runs.
+# A test caught in one fails or overruns with diagnostics; re-run only the
+# tests that failed, once: a real defect fails twice and still fails the
+# suite. A run that ended without naming failures (a lab timeout, the
+# watchdog) is re-run whole.
 for t in "${lab_tests[@]}"; do
     log=$(mktemp)
     if run_lab_tests "$t" --ignored --test-threads=1 2>&1 | tee "$log"; [[ ${PIPESTATUS[0]} -eq 0 ]]; then
