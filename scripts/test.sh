@@ -60,8 +60,9 @@ run_lab_tests() {
 # thread inside KVM_RUN, and the whole machine stands still for minutes
 # (README, "Hangs"). `sandfork stress` measured it in 2 of 104 two-vCPU
 # trials and 0 of 191 one-vCPU ones (1 of 192 trials on an idle host, 1 of
-# 103 on a loaded one); neither a two-CPU lab nor single-threaded TCG
-# removes it: each lost a guest within its first five boots, 4 of 4 runs.
+# 103 on a loaded one); neither a two-CPU lab, single-threaded TCG nor
+# kvm_amd vgif=0 removes it: each lost a guest within its first five
+# boots, 5 of 5 runs.
 # A test caught in one fails or overruns with diagnostics; re-run only the
 # tests that failed, once: a real defect fails twice and still fails the
 # suite. A run that ended without naming failures (a lab timeout, the
