@@ -56,8 +56,9 @@ run_lab_tests() {
     if [[ $("$lab" detect | head -n1) == hardware* ]]; then
         "$@"
     else
-        # One lab vCPU: QEMU's multi-threaded TCG with nested SVM has been
-        # seen to lose a guest early in boot; single-threaded TCG is steadier.
+        # One lab CPU, QEMU's default multi-threaded TCG: guests are lost
+        # early in boot with two CPUs (either TCG mode) and with
+        # single-threaded TCG (README, "Hangs").
         "$lab" run --cpus 1 --timeout 900 --rw "$SANDFORK_LAB_RW_DIR" -- "$@"
     fi
 }
@@ -67,10 +68,13 @@ run_lab_tests() {
 # thread inside KVM_RUN, and the whole machine stands still for minutes
 # (README, "Hangs"). `sandfork stress` measured it in 2 of 104 two-vCPU
 # trials and 0 of 191 one-vCPU ones (1 of 192 trials on an idle host, 1 of
-# 103 on a loaded one). A test caught in one fails or overruns with
-# diagnostics; re-run only the tests that failed, once: a real defect fails
-# twice and still fails the suite. A run that ended without naming failures
-# (a lab timeout, the watchdog) is re-run whole.
+# 103 on a loaded one); neither a two-CPU lab, single-threaded TCG nor
+# kvm_amd vgif=0 removes it: each lost a guest within its first five
+# boots, 5 of 5 runs.
+# A test caught in one fails or overruns with diagnostics; re-run only the
+# tests that failed, once: a real defect fails twice and still fails the
+# suite. A run that ended without naming failures (a lab timeout, the
+# watchdog) is re-run whole.
 for t in "${lab_tests[@]}"; do
     log=$(mktemp)
     if run_lab_tests "$t" --ignored --test-threads=1 2>&1 | tee "$log"; [[ ${PIPESTATUS[0]} -eq 0 ]]; then

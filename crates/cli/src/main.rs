@@ -339,6 +339,19 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 "stress: {} trials, {} failed or hung",
                 report["runs"], report["bad"]
             );
+            if image.in_lab {
+                // The lab machine's kernel log is this run's alone: its stall
+                // reports count stalls that no trial overran, too.
+                let stalls = stress::lab_stalls();
+                eprintln!(
+                    "stress: lab stall reports: {} soft lockups, {} long clocksource readouts, {} RCU stalls, {} stood still",
+                    stalls["soft_lockup"],
+                    stalls["long_readout"],
+                    stalls["rcu_stall"],
+                    stalls["stood_still"]
+                );
+                report["lab_stalls"] = stalls;
+            }
             println!("{}", serde_json::to_string(&report)?);
             if report["bad"].as_u64() != Some(0) {
                 return Ok(ExitCode::from(1));

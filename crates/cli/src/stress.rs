@@ -419,6 +419,40 @@ fn first_line(text: &str) -> String {
     text.lines().next().unwrap_or_default().to_owned()
 }
 
+/// What the kernel log says about machine-wide stalls: the lab's nested-KVM
+/// livelock (README, "Hangs") shows there as a soft lockup of a vCPU thread,
+/// a clocksource readout that took minutes, an RCU stall or init's "stood
+/// still" line, also when it was too short for any trial to overrun.
+const STALL_SIGNS: [(&str, &str); 4] = [
+    ("soft_lockup", "soft lockup"),
+    ("long_readout", "Long readout interval"),
+    ("rcu_stall", "detected stall"),
+    ("stood_still", "stood still"),
+];
+
+/// The stall reports in `log`, counted by kind, with their lines.
+pub fn stalls_in(log: &str) -> Value {
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| STALL_SIGNS.iter().any(|(_, sign)| l.contains(sign)))
+        .collect();
+    let mut report = json!({ "lines": lines });
+    for (kind, sign) in STALL_SIGNS {
+        report[kind] = json!(lines.iter().filter(|l| l.contains(sign)).count());
+    }
+    report
+}
+
+/// Kernel messages read for [`lab_stalls`]: more than a lab run's machine
+/// logs (its ring buffer holds a few thousand).
+const KERNEL_LOG_LINES: usize = 20_000;
+
+/// The stall reports of this machine's kernel since it booted: in the lab
+/// that is one run's own machine, so they belong to this run.
+pub fn lab_stalls() -> Value {
+    stalls_in(&diagnostics::kernel_messages(KERNEL_LOG_LINES))
+}
+
 /// `threads` threads that spin until the process ends: a host kept busy,
 /// as CI machines are while other jobs build.
 pub fn load_host(threads: usize) {
@@ -450,6 +484,26 @@ mod tests {
         ));
         assert!(is_hang(&no_answer));
         assert!(!is_hang(&anyhow::anyhow!("the guest answered \"\"")));
+    }
+
+    #[test]
+    fn stall_reports_are_counted_by_kind() {
+        let log = "[  1.0] kvm: Nested Virtualization enabled\n\
+                   [576.1] watchdog: BUG: soft lockup - CPU#0 stuck for 107s! [vcpu1:900]\n\
+                   [576.2] clocksource: Long readout interval, skipping watchdog check\n\
+                   [576.3] sandfork-lab: this machine stood still for about 112 s\n";
+        let r = stalls_in(log);
+        assert_eq!(
+            (
+                r["soft_lockup"].as_u64(),
+                r["long_readout"].as_u64(),
+                r["rcu_stall"].as_u64(),
+                r["stood_still"].as_u64()
+            ),
+            (Some(1), Some(1), Some(0), Some(1))
+        );
+        assert_eq!(r["lines"].as_array().map(Vec::len), Some(3));
+        assert_eq!(stalls_in("")["soft_lockup"], json!(0));
     }
 
     #[test]

@@ -91,12 +91,39 @@ impl RootCache {
     }
 }
 
+/// How QEMU's TCG runs the machine's vCPUs (`-accel tcg,thread=...`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TcgThreads {
+    /// Every vCPU on one host thread, in turn.
+    Single,
+    /// One host thread per vCPU (QEMU's default for x86 on x86).
+    #[default]
+    Multi,
+}
+
+impl TcgThreads {
+    pub(crate) fn as_qemu(self) -> &'static str {
+        match self {
+            TcgThreads::Single => "single",
+            TcgThreads::Multi => "multi",
+        }
+    }
+}
+
 /// One run's settings. `Default` gives 4096 MiB, 2 vCPUs, no forwards, the
 /// host's selected variables, the current directory, no time limit.
 #[derive(Debug, Clone)]
 pub struct LabConfig {
     pub memory_mib: u32,
     pub cpus: u32,
+    pub tcg_threads: TcgThreads,
+    /// QEMU's instruction counting (`-icount shift=auto`): the machine's
+    /// clocks follow the instructions it ran, and its timers are served
+    /// by the vCPU thread itself (needs [`TcgThreads::Single`]).
+    pub icount: bool,
+    /// Added to the machine's kernel command line; `MODULE.PARAM=VALUE`
+    /// ones are also given to that module when init loads it.
+    pub kernel_args: Vec<String>,
     pub forwards: Vec<PortForward>,
     /// Set inside the lab after the inherited ones, so they win.
     pub env: Vec<(String, String)>,
@@ -123,6 +150,9 @@ impl Default for LabConfig {
         LabConfig {
             memory_mib: 4096,
             cpus: 2,
+            tcg_threads: TcgThreads::default(),
+            icount: false,
+            kernel_args: Vec::new(),
             forwards: Vec::new(),
             env: Vec::new(),
             inherit_env: true,

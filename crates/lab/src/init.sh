@@ -21,8 +21,18 @@ fail() {
     poweroff -f
 }
 
+# A module's parameters from the kernel command line (`kvm_amd.vgif=0`), as
+# modprobe passes them: insmod alone does not read the command line.
+read -r cmdline </proc/cmdline
+params() {
+    name=$(echo "${1%.ko}" | tr - _)
+    for a in $cmdline; do
+        case "$a" in "$name".*=*) echo "${a#"$name".}" ;; esac
+    done
+}
 while read -r m; do
-    insmod "/lib/modules/$m" || say "insmod $m failed"
+    # shellcheck disable=SC2046 # one word per parameter
+    insmod "/lib/modules/$m" $(params "$m") || say "insmod $m failed"
 done </lib/modules/order
 
 # Ports appear asynchronously once the host has announced them.
@@ -75,21 +85,22 @@ diagnose() {
 
 # A machine that stood still (the emulator did not run it, or its kernel
 # could not take a timer interrupt) says so in its kernel log, where every
-# diagnostics report looks: a 5 s sleep that took far longer.
+# diagnostics report and `sandfork stress` look: a 5 s sleep that took over
+# 20 s (a busy lab makes it take at most a second or two more).
 (
     read -r up _ </proc/uptime
     last=${up%.*}
     while sleep 5; do
         read -r up _ </proc/uptime
         now=${up%.*}
-        [ $((now - last)) -gt 35 ] &&
+        [ $((now - last)) -gt 20 ] &&
             echo "sandfork-lab: this machine stood still for about $((now - last - 5)) s" >/dev/kmsg
         last=$now
     done
 ) &
 
 job=
-for a in $(cat /proc/cmdline); do
+for a in $cmdline; do
     case "$a" in
     sandfork.job=*) job=${a#sandfork.job=} ;;
     sandfork.root_cache=*) root_cache=${a#sandfork.root_cache=} ;;

@@ -27,7 +27,8 @@ mod qemu;
 mod run;
 
 pub use config::{
-    LabConfig, OutputMode, PASSED_HOST_VARS, PortForward, RootCache, effective_env, parse_env,
+    LabConfig, OutputMode, PASSED_HOST_VARS, PortForward, RootCache, TcgThreads, effective_env,
+    parse_env,
 };
 pub use detect::{Detection, Environment, detect, detect_from};
 pub use error::{LabError, Result};

@@ -38,18 +38,32 @@ fn esc(p: &Path) -> String {
 
 /// The kernel command line. `quiet loglevel=0` keeps the console to init's
 /// own messages and panics; `panic=-1` with `-no-reboot` ends QEMU on a panic.
-pub fn kernel_cmdline(job_dir: &Path, root_cache: RootCache) -> String {
-    format!(
+/// `extra` comes last, so it can override what comes before.
+pub fn kernel_cmdline(job_dir: &Path, root_cache: RootCache, extra: &[String]) -> String {
+    let mut line = format!(
         "console=ttyS0 quiet loglevel=0 panic=-1 sandfork.job={} sandfork.root_cache={}",
         job_dir.display(),
         root_cache.as_9p()
-    )
+    );
+    for arg in extra {
+        line.push(' ');
+        line.push_str(arg);
+    }
+    line
 }
 
 pub fn qemu_args(config: &LabConfig, files: &MachineFiles<'_>) -> Vec<String> {
     let mut a: Vec<String> = Vec::new();
     let mut push = |xs: &[&str]| a.extend(xs.iter().map(|s| s.to_string()));
-    push(&["-accel", "tcg", "-cpu", "max,+svm,+npt"]);
+    push(&[
+        "-accel",
+        &format!("tcg,thread={}", config.tcg_threads.as_qemu()),
+        "-cpu",
+        "max,+svm,+npt",
+    ]);
+    if config.icount {
+        push(&["-icount", "shift=auto"]);
+    }
     push(&["-m", &config.memory_mib.to_string()]);
     push(&["-smp", &config.cpus.to_string()]);
     push(&[
@@ -61,7 +75,10 @@ pub fn qemu_args(config: &LabConfig, files: &MachineFiles<'_>) -> Vec<String> {
     ]);
     push(&["-kernel", &files.kernel.to_string_lossy()]);
     push(&["-initrd", &files.initramfs.to_string_lossy()]);
-    push(&["-append", &kernel_cmdline(files.job_dir, config.root_cache)]);
+    push(&[
+        "-append",
+        &kernel_cmdline(files.job_dir, config.root_cache, &config.kernel_args),
+    ]);
     push(&[
         "-chardev",
         &format!("file,id=console,path={}", esc(files.console_log)),
@@ -116,13 +133,15 @@ pub fn qemu_args(config: &LabConfig, files: &MachineFiles<'_>) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::PortForward;
+    use crate::config::{PortForward, TcgThreads};
 
     #[test]
     fn args_carry_the_config() {
         let config = LabConfig {
             memory_mib: 2048,
             cpus: 1,
+            tcg_threads: TcgThreads::Single,
+            kernel_args: vec!["kvm_amd.vgif=0".into()],
             forwards: vec![
                 "8080:80".parse::<PortForward>().unwrap(),
                 "0.0.0.0:2222:22".parse().unwrap(),
@@ -152,6 +171,8 @@ mod tests {
         assert_eq!(after("-m"), ["2048"]);
         assert_eq!(after("-smp"), ["1"]);
         assert_eq!(after("-cpu"), ["max,+svm,+npt"]);
+        assert_eq!(after("-accel"), ["tcg,thread=single"]);
+        assert!(after("-append")[0].ends_with(" kvm_amd.vgif=0"));
         assert_eq!(
             after("-netdev"),
             ["user,id=net0,hostfwd=tcp:127.0.0.1:8080-:80,hostfwd=tcp:0.0.0.0:2222-:22"]

@@ -9,7 +9,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::config::{LabConfig, OutputMode, check_rw_dir, effective_env};
+use crate::config::{LabConfig, OutputMode, TcgThreads, check_rw_dir, effective_env};
 use crate::error::{LabError, Result};
 use crate::job::{GuestStatus, job_script};
 use crate::prepare::{LabPaths, prepare};
@@ -105,6 +105,11 @@ impl Lab {
         if config.cpus == 0 || config.memory_mib < 256 {
             return Err(LabError::BadConfig(
                 "the lab needs at least 1 vCPU and 256 MiB".into(),
+            ));
+        }
+        if config.icount && config.tcg_threads == TcgThreads::Multi {
+            return Err(LabError::BadConfig(
+                "instruction counting (icount) needs single-threaded TCG".into(),
             ));
         }
         let cwd = match &config.cwd {

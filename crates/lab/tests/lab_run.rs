@@ -6,7 +6,9 @@ use std::net::{Ipv4Addr, TcpListener, TcpStream};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use sandfork_lab::{Lab, LabConfig, LabError, OutputMode, PortForward, default_cache_dir};
+use sandfork_lab::{
+    Lab, LabConfig, LabError, OutputMode, PortForward, TcgThreads, default_cache_dir,
+};
 
 /// Each machine takes a host core per vCPU: one at a time.
 static ONE_MACHINE: Mutex<()> = Mutex::new(());
@@ -256,4 +258,31 @@ fn a_timeout_reports_the_machines_kernel_messages_and_threads() {
         "no sleeping job thread in:\n{message}"
     );
     assert!(message.contains("the lab's state just before"), "{message}");
+}
+
+/// `MODULE.PARAM=VALUE` on the lab kernel's command line reaches that module
+/// when init loads it, as modprobe would pass it (insmod does not).
+#[test]
+#[ignore = "lab: boots QEMU"]
+fn module_parameters_on_the_kernel_command_line_reach_the_module() {
+    let _one = ONE_MACHINE.lock().unwrap_or_else(|e| e.into_inner());
+    let config = LabConfig {
+        cpus: 1,
+        tcg_threads: TcgThreads::Single,
+        kernel_args: vec!["kvm_amd.vgif=0".into()],
+        ..captured()
+    };
+    let out = lab()
+        .run(
+            &config,
+            &argv(&["cat", "/sys/module/kvm_amd/parameters/vgif"]),
+        )
+        .expect("run");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        (out.code, stdout.trim()),
+        (0, "0"),
+        "stderr: {:?}",
+        out.stderr
+    );
 }

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
-use sandfork_lab::{Lab, LabConfig, LabError, PortForward, RootCache, detect, parse_env};
+use sandfork_lab::{
+    Lab, LabConfig, LabError, PortForward, RootCache, TcgThreads, detect, parse_env,
+};
 
 /// Exit codes of `run` when the command itself gave none (as timeout(1) and env(1)).
 const EXIT_LAB_FAILED: u8 = 125;
@@ -50,6 +52,12 @@ enum CacheArg {
     None,
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum TcgThreadsArg {
+    Single,
+    Multi,
+}
+
 #[derive(clap::Args)]
 struct RunArgs {
     /// Memory of the lab machine in MiB.
@@ -58,6 +66,18 @@ struct RunArgs {
     /// vCPUs of the lab machine (TCG uses one host core each).
     #[arg(long, default_value_t = 2)]
     cpus: u32,
+    /// How QEMU runs the vCPUs: all on one host thread, or one thread each.
+    #[arg(long, value_enum, default_value = "multi")]
+    tcg_threads: TcgThreadsArg,
+    /// Count instructions (QEMU -icount shift=auto): clocks follow the
+    /// instructions run, timers are served by the vCPU thread (needs
+    /// --tcg-threads single).
+    #[arg(long)]
+    icount: bool,
+    /// Add to the lab kernel's command line (repeatable); MODULE.PARAM=VALUE
+    /// ones also go to that module when it is loaded (e.g. kvm_amd.vgif=0).
+    #[arg(long = "kernel-arg", value_name = "ARG")]
+    kernel_args: Vec<String>,
     /// Forward a host TCP port into the lab: [ADDR:]HOSTPORT:GUESTPORT (ADDR defaults to 127.0.0.1).
     #[arg(long = "forward", value_name = "[ADDR:]HOSTPORT:GUESTPORT")]
     forwards: Vec<PortForward>,
@@ -130,6 +150,12 @@ fn run(cache_dir: &std::path::Path, args: RunArgs) -> anyhow::Result<ExitCode> {
     let config = LabConfig {
         memory_mib: args.memory,
         cpus: args.cpus,
+        tcg_threads: match args.tcg_threads {
+            TcgThreadsArg::Single => TcgThreads::Single,
+            TcgThreadsArg::Multi => TcgThreads::Multi,
+        },
+        kernel_args: args.kernel_args,
+        icount: args.icount,
         forwards: args.forwards,
         env: args.env,
         inherit_env: !args.clean_env,
