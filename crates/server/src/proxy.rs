@@ -16,6 +16,7 @@ use crate::ids;
 use crate::state::Shared;
 
 mod connections;
+mod stream_end;
 pub use connections::{ForwardError, GuestConnections};
 
 pub const SANDBOX_ID_HEADER: &str = "e2b-sandbox-id";
@@ -304,11 +305,26 @@ async fn forward(state: &Shared, id: &str, port: u32, mut req: Request) -> Respo
             if let Some(protocol) = upgraded {
                 keep_upgrade(&mut parts.headers, protocol);
             }
-            Response::from_parts(parts, Body::new(body))
+            let body = if is_connect_stream(&parts) {
+                Body::new(stream_end::EndedStream::new(body, id))
+            } else {
+                Body::new(body)
+            };
+            Response::from_parts(parts, body)
         }
         Err(ForwardError::Connect(VsockConnectError::Connect { .. })) => not_found(id),
         Err(e) => port_closed(id, port, &e.to_string()),
     }
+}
+
+/// A Connect server-stream answer (process output, directory watches): one
+/// that must end with an end-stream envelope.
+fn is_connect_stream(parts: &axum::http::response::Parts) -> bool {
+    parts.status == StatusCode::OK
+        && parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .is_some_and(|v| v.as_bytes().starts_with(b"application/connect+"))
 }
 
 /// The protocol a message asks to switch to (`Connection: upgrade` and an
