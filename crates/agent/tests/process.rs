@@ -142,6 +142,29 @@ fn long_running_output_streams_as_it_is_produced() {
     assert!(ticks[2].0 >= Duration::from_secs(2), "{ticks:?}");
 }
 
+/// A stream lasts as long as its command: past the agent's 30 s header-read
+/// timeout (it bounds only the wait for a request), across a silent stretch
+/// that keepalives fill, with bulk output on both sides of it.
+#[test]
+fn a_stream_outlives_the_agents_connection_timeouts() {
+    let agent = Agent::start();
+    let started = Instant::now();
+    let run = start(
+        &agent,
+        &[
+            ("keepalive-ping-interval", "5"),
+            ("connect-timeout-ms", "120000"),
+        ],
+        sh("echo before; seq 1 20000; sleep 36; echo after; seq 1 20000"),
+    );
+    assert!(started.elapsed() >= Duration::from_secs(36));
+    assert_eq!(run.end["status"], "exit status 0", "{run:?}");
+    assert_eq!(run.trailer, json!({}));
+    assert!(run.keepalives >= 5, "{run:?}");
+    let seq: String = (1..=20000).map(|i| format!("{i}\n")).collect();
+    assert_eq!(run.stdout(), format!("before\n{seq}after\n{seq}"));
+}
+
 #[test]
 fn env_and_cwd() {
     let agent = Agent::start();

@@ -113,3 +113,36 @@ def test_timeout_raises_and_kills(sandbox):
     # The deadline is the process lifetime: it must be gone, not orphaned.
     procs = sandbox.commands.list()
     assert not [p for p in procs if "sleep 60" in " ".join([p.cmd, *p.args])]
+
+
+# Longer than every bound on the way (the node's kept guest connections, 15 s;
+# the agent's header-read timeout, 30 s; the SDK's keepalive interval, 50 s,
+# and the default command timeout, 60 s): the stream must last as long as the
+# command's own timeout allows, across a silent stretch and bulk output.
+LONG_STREAM = (
+    "for i in $(seq 1 30); do echo tick-$i; seq 1 2000; sleep 1; done; "
+    "echo quiet >&2; sleep 65; "
+    "for i in $(seq 31 60); do echo tick-$i; seq 1 2000; sleep 1; done; "
+    "echo finished"
+)
+
+
+def test_long_streaming_command_runs_to_its_end(sandbox, api):
+    started = time.monotonic()
+    chunks = []
+    try:
+        r = sandbox.commands.run(LONG_STREAM, timeout=600, on_stdout=chunks.append)
+    except Exception:
+        # What the node saw of the sandbox when the stream broke.
+        sid = sandbox.sandbox_id
+        print(api.get(f"/v1/sandboxes/{sid}/diagnostics").text[-20000:])
+        print(api.get(f"/sandboxes/{sid}/logs").text[-20000:])
+        raise
+    assert time.monotonic() - started > 120
+    assert r.exit_code == 0
+    assert r.stderr == "quiet\n"
+    ticks = [line for line in r.stdout.splitlines() if line.startswith("tick-")]
+    assert ticks == [f"tick-{i}" for i in range(1, 61)]
+    assert r.stdout.count("\n2000\n") == 60
+    assert r.stdout.endswith("finished\n")
+    assert "".join(chunks) == r.stdout

@@ -263,6 +263,7 @@ mod tests {
     ) -> Result<hyper::Response<Body>, Infallible> {
         match req.uri().path() {
             "/slow" => tokio::time::sleep(Duration::from_millis(200)).await,
+            "/stream" => return Ok(hyper::Response::new(Body::new(Ticks::new()))),
             "/echo" => {
                 let upgrade = hyper::upgrade::on(&mut req);
                 tokio::spawn(async move {
@@ -285,6 +286,41 @@ mod tests {
         Ok(hyper::Response::new(Body::from(
             req.uri().path().to_owned(),
         )))
+    }
+
+    /// A response body of 10 chunks, one every 30 ms.
+    struct Ticks {
+        sent: u32,
+        sleep: std::pin::Pin<Box<tokio::time::Sleep>>,
+    }
+
+    impl Ticks {
+        fn new() -> Self {
+            Ticks {
+                sent: 0,
+                sleep: Box::pin(tokio::time::sleep(Duration::from_millis(30))),
+            }
+        }
+    }
+
+    impl hyper::body::Body for Ticks {
+        type Data = bytes::Bytes;
+        type Error = Infallible;
+
+        fn poll_frame(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, Infallible>>> {
+            if self.sent == 10 {
+                return std::task::Poll::Ready(None);
+            }
+            std::task::ready!(self.sleep.as_mut().poll(cx));
+            self.sent += 1;
+            let next = tokio::time::Instant::now() + Duration::from_millis(30);
+            self.sleep.as_mut().reset(next);
+            let tick = format!("tick{};", self.sent);
+            std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(tick.into()))))
+        }
     }
 
     fn get(path: &str) -> Request {
@@ -348,6 +384,29 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(fetch(&guests, &guest.uds, "/y").await, "/y");
         assert_eq!(guest.accepted(), 2);
+    }
+
+    /// A response that streams for longer than the kept-connection limit is
+    /// not cut when the pool forgets its connection meanwhile (other requests
+    /// purge stale entries, dropping the busy connection's sender).
+    #[tokio::test]
+    async fn a_stream_outlives_the_idle_limit_of_its_connection() {
+        let dir = tempfile::tempdir().unwrap();
+        let guest = FakeGuest::start(dir.path());
+        let guests = GuestConnections::with_idle_limit(Duration::from_millis(50));
+        let stream = fetch(&guests, &guest.uds, "/stream");
+        let others = async {
+            for i in 0..5 {
+                tokio::time::sleep(Duration::from_millis(60)).await;
+                assert_eq!(
+                    fetch(&guests, &guest.uds, &format!("/o{i}")).await,
+                    format!("/o{i}")
+                );
+            }
+        };
+        let (streamed, ()) = tokio::join!(stream, others);
+        let want: String = (1..=10).map(|i| format!("tick{i};")).collect();
+        assert_eq!(streamed, want);
     }
 
     #[tokio::test]

@@ -71,6 +71,29 @@ describe('commands', SLOW, () => {
     assert.equal((await h.wait()).stdout, 'one\ntwo\n')
   })
 
+  // Longer than every bound on the way (the node's kept guest connections,
+  // 15 s; the agent's header-read timeout, 30 s; the SDK's keepalive
+  // interval, 50 s; the default command timeout, 60 s), with a silent stretch.
+  test('a long streaming command runs to its end', SLOW, async () => {
+    const started = Date.now()
+    const r = await sbx.commands.run(
+      'for i in $(seq 1 30); do echo tick-$i; seq 1 2000; sleep 1; done; ' +
+        'echo quiet >&2; sleep 65; ' +
+        'for i in $(seq 31 60); do echo tick-$i; seq 1 2000; sleep 1; done; echo finished',
+      { timeoutMs: 600_000 },
+    )
+    assert.ok(Date.now() - started > 120_000)
+    assert.equal(r.exitCode, 0)
+    assert.equal(r.stderr, 'quiet\n')
+    const ticks = r.stdout.split('\n').filter((l) => l.startsWith('tick-'))
+    assert.deepEqual(
+      ticks,
+      Array.from({ length: 60 }, (_, i) => `tick-${i + 1}`),
+    )
+    assert.equal(r.stdout.split('\n2000\n').length - 1, 60)
+    assert.ok(r.stdout.endsWith('finished\n'))
+  })
+
   test('timeout rejects with TimeoutError', async () => {
     const start = Date.now()
     await assert.rejects(sbx.commands.run('sleep 60', { timeoutMs: 3_000 }), TimeoutError)
