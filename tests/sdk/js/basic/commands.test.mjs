@@ -129,6 +129,32 @@ describe('pty', SLOW, () => {
   })
 })
 
+describe('pty reconnect', SLOW, () => {
+  test('connect after the first handle went away gets the output from then on', SLOW, async () => {
+    const first = await sbx.pty.create({ cols: 80, rows: 24, timeoutMs: 0, onData: () => {} })
+    const pid = first.pid
+    await first.disconnect()
+    const chunks = []
+    const text = () => Buffer.concat(chunks).toString('utf8')
+    const again = await sbx.pty.connect(pid, {
+      timeoutMs: 0,
+      onData: (d) => chunks.push(Buffer.from(d)),
+    })
+    try {
+      const enc = new TextEncoder()
+      // The echo shows the line as typed; only the command prints the value.
+      await sbx.pty.sendInput(pid, enc.encode('echo again-$((6*7))\n'))
+      await waitUntil(() => text().includes('again-42'), "the command's output")
+      await sbx.pty.sendInput(pid, enc.encode('sleep 1; echo later-$((2*3))\n'))
+      await waitUntil(() => text().includes('later-6'), 'output after a pause')
+      await sbx.pty.sendInput(pid, enc.encode('exit 0\n'))
+      assert.equal((await again.wait()).exitCode, 0)
+    } finally {
+      await sbx.pty.kill(pid).catch(() => {})
+    }
+  })
+})
+
 // GET `path` from the node with `host` as the Host header: getHost names
 // E2B's domain, and the node routes by the Host header as E2B's proxy does.
 // (fetch may not set Host; node:http may.)
