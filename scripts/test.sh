@@ -68,7 +68,8 @@ run_lab_tests() {
 # thread inside KVM_RUN, and the whole machine stands still for minutes
 # (README, "Hangs"). `sandfork stress` measured it in 2 of 104 two-vCPU
 # trials and 0 of 191 one-vCPU ones (1 of 192 trials on an idle host, 1 of
-# 103 on a loaded one); neither a two-CPU lab, single-threaded TCG nor
+# 103 on a loaded one), and a CI run once saw it with a one-vCPU guest
+# (vcpu0 stuck 288 s); neither a two-CPU lab, single-threaded TCG nor
 # kvm_amd vgif=0 removes it: each lost a guest within its first five
 # boots, 5 of 5 runs.
 # A test caught in one fails or overruns with diagnostics; re-run only the
