@@ -191,6 +191,8 @@ impl Manager {
                     state: SandboxState::Running,
                     pause_generation: 0,
                     snapshot: None,
+                    // Its memory is the fork's file, whatever the parent's was.
+                    cold_booted: false,
                     root_layer: root,
                     has_dependents: false,
                     uses_dirs: parent

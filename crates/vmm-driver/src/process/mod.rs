@@ -465,19 +465,8 @@ impl VmmProcess {
             if let Ok(204) = probe {
                 return Ok(start.elapsed());
             }
-            if let Some(status) = self.try_wait()? {
-                return Err(ProcessError::ExitedEarly {
-                    status,
-                    logs: self.logs(),
-                });
-            }
-            if start.elapsed() > timeout {
-                return Err(ProcessError::Timeout {
-                    what: "the guest agent's health check",
-                    waited: timeout,
-                    logs: self.diagnostics().await,
-                });
-            }
+            self.still_waiting(start, timeout, "the guest agent's health check")
+                .await?;
             tokio::time::sleep(READY_POLL).await;
         }
     }
@@ -519,21 +508,35 @@ impl VmmProcess {
                     Err(e) => return Err(e.into()),
                 }
             }
-            if let Some(status) = self.try_wait()? {
-                return Err(ProcessError::ExitedEarly {
-                    status,
-                    logs: self.logs(),
-                });
-            }
-            if start.elapsed() > timeout {
-                return Err(ProcessError::Timeout {
-                    what: "the guest agent's init",
-                    waited: timeout,
-                    logs: self.diagnostics().await,
-                });
-            }
+            self.still_waiting(start, timeout, "the guest agent's init")
+                .await?;
             tokio::time::sleep(READY_POLL).await;
         }
+    }
+
+    /// Between two tries of a wait for the guest: an error once the VMM has
+    /// exited or `timeout` has passed since `start` (with the VMM's
+    /// diagnostics), else nothing.
+    async fn still_waiting(
+        &mut self,
+        start: Instant,
+        timeout: Duration,
+        what: &'static str,
+    ) -> Result<(), ProcessError> {
+        if let Some(status) = self.try_wait()? {
+            return Err(ProcessError::ExitedEarly {
+                status,
+                logs: self.logs(),
+            });
+        }
+        if start.elapsed() > timeout {
+            return Err(ProcessError::Timeout {
+                what,
+                waited: timeout,
+                logs: self.diagnostics().await,
+            });
+        }
+        Ok(())
     }
 
     /// The exit status once the VMM has ended; an adopted VMM's status is
