@@ -143,6 +143,9 @@ pub struct LabConfig {
     /// (PR_SET_PDEATHSIG), so a killed caller leaves no machine behind. Only
     /// for callers that spawn from a thread outliving the run, e.g. `main`.
     pub die_with_parent: bool,
+    /// Nudge the emulator when the machine's heartbeat stops (see
+    /// `stall.rs`); false only reports the stalls.
+    pub nudge_stalls: bool,
 }
 
 impl Default for LabConfig {
@@ -163,6 +166,7 @@ impl Default for LabConfig {
             root_cache: RootCache::Loose,
             console_log: None,
             die_with_parent: false,
+            nudge_stalls: true,
         }
     }
 }

@@ -25,6 +25,7 @@ mod modules;
 mod prepare;
 mod qemu;
 mod run;
+mod stall;
 
 pub use config::{
     LabConfig, OutputMode, PASSED_HOST_VARS, PortForward, RootCache, TcgThreads, effective_env,

@@ -14,6 +14,7 @@ use crate::error::{LabError, Result};
 use crate::job::{GuestStatus, job_script};
 use crate::prepare::{LabPaths, prepare};
 use crate::qemu::{MachineFiles, QEMU, qemu_args};
+use crate::stall::{BEAT, StallEvent, StallWatch};
 
 /// How long QEMU may take to power off after the command has ended.
 const POWEROFF_GRACE: Duration = Duration::from_secs(30);
@@ -259,6 +260,7 @@ impl Lab {
             status_thread: Some(status_thread),
             status_rx,
             status: GuestStatus::default(),
+            stall: StallWatch::new(config.nudge_stalls),
             started: Instant::now(),
             timeout: config.timeout,
             killed: false,
@@ -320,6 +322,7 @@ pub struct LabChild {
     diag: Receiver<UnixStream>,
     status_rx: Receiver<String>,
     status: GuestStatus,
+    stall: StallWatch,
     started: Instant,
     timeout: Option<Duration>,
     killed: bool,
@@ -381,15 +384,32 @@ impl LabChild {
                 break;
             }
             match self.status_rx.recv_timeout(POLL) {
+                Ok(line) if line.trim_end() == BEAT => {
+                    if let Some(event) = self.stall.beat(Instant::now()) {
+                        eprintln!("{event}");
+                    }
+                }
                 Ok(line) => self.status.take_line(&line),
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => std::thread::sleep(POLL),
+            }
+            if let Some(event) = self.stall.poll(Instant::now()) {
+                eprintln!("{event}");
+                if let StallEvent::Stalled {
+                    nudge: Some(nudge), ..
+                } = event
+                {
+                    self.monitor(nudge.monitor_commands());
+                }
             }
             if self.status.exit_code.is_some() && exit_seen.is_none() {
                 exit_seen = Some(Instant::now());
             }
         }
         let (stdout, stderr) = self.join_readers();
+        if let Some(summary) = self.stall.summary() {
+            eprintln!("{summary}");
+        }
         while let Ok(line) = self.status_rx.try_recv() {
             self.status.take_line(&line);
         }
