@@ -1,0 +1,59 @@
+//! nftables programmed in process over netlink (no libnftnl/libmnl, no `nft` binary): the
+//! wire encoding, the expressions used, and the two tables (slot and host).
+
+pub mod expr;
+pub mod host_table;
+pub mod rules;
+pub mod slot_table;
+pub mod wire;
+
+use nix::sys::socket::SockProtocol;
+
+use crate::error::Result;
+use crate::netlink::NlSocket;
+use wire::Batch;
+
+/// An nf_tables netlink socket in one network namespace.
+pub(crate) struct Nft {
+    sock: NlSocket,
+}
+
+impl Nft {
+    /// A socket in the calling thread's network namespace.
+    pub fn open() -> Result<Self> {
+        Ok(Nft {
+            sock: NlSocket::open(SockProtocol::NetlinkNetFilter)?,
+        })
+    }
+
+    /// Commits what `fill` adds as one transaction: all of it or, on an error, none of it.
+    pub fn commit(&mut self, what: &'static str, fill: impl FnOnce(&mut Batch)) -> Result<()> {
+        let mut batch = Batch::new(self.sock.next_seq());
+        fill(&mut batch);
+        let (bytes, acks, next) = batch.finish();
+        self.sock.set_seq(next);
+        self.sock.transact(&bytes, &acks, what)
+    }
+}
+
+impl Nft {
+    /// Deletes every conntrack entry of the namespace (a recycled slot keeps no state of the
+    /// sandbox before it).
+    pub fn flush_conntrack(&mut self) -> Result<()> {
+        const NFNL_SUBSYS_CTNETLINK: u16 = 1;
+        const IPCTNL_MSG_CT_DELETE: u16 = 2;
+        let seq = self.sock.next_seq();
+        let mut m = Vec::with_capacity(20);
+        m.extend_from_slice(&20u32.to_ne_bytes());
+        m.extend_from_slice(&((NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_DELETE).to_ne_bytes());
+        m.extend_from_slice(&((libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16).to_ne_bytes());
+        m.extend_from_slice(&seq.to_ne_bytes());
+        m.extend_from_slice(&0u32.to_ne_bytes());
+        m.extend_from_slice(&[libc::AF_INET as u8, 0, 0, 0]);
+        match self.sock.transact(&m, &[seq], "flush conntrack") {
+            // No conntrack module loaded or nothing tracked yet.
+            Err(e) if e.errno() == Some(libc::ENOENT) => Ok(()),
+            r => r,
+        }
+    }
+}

@@ -1,0 +1,101 @@
+//! The slot's table `inet sf`, inside its namespace: anti-spoofing on the tap, NAT between the
+//! guest address and the slot's host address, the egress policy, and no access to the slot
+//! namespace itself.
+
+use std::net::Ipv4Addr;
+
+use super::expr::NatKind;
+use super::rules::*;
+use crate::plan::{Cidr4, GUEST_IP, GUEST_MAC, SLOT_VETH_NAME, TAP_NAME};
+use crate::policy::EgressPolicy;
+
+pub const TABLE: &str = "sf";
+/// The regular chain holding the user's allow and deny rules; a policy replace rewrites it.
+pub const USER_CHAIN: &str = "user";
+const ALWAYS_DENY_CHAIN: &str = "always_deny";
+
+/// The whole slot table for host address `host_ip`, with `policy`.
+pub fn table(host_ip: Ipv4Addr, always_deny: &[Cidr4], policy: &EgressPolicy) -> Table {
+    let base = |hook, priority, kind| Some(BaseChain { hook, priority, kind });
+    let chains = vec![
+        // Before conntrack (-200): a spoofed frame never creates state.
+        Chain { name: "guard", base: base(Hook::Prerouting, -300, "filter") },
+        Chain { name: "pre_nat", base: base(Hook::Prerouting, -100, "nat") },
+        Chain { name: "egress", base: base(Hook::Forward, 0, "filter") },
+        Chain { name: "to_slot", base: base(Hook::Input, 0, "filter") },
+        Chain { name: "post_nat", base: base(Hook::Postrouting, 100, "nat") },
+        Chain { name: ALWAYS_DENY_CHAIN, base: None },
+        Chain { name: USER_CHAIN, base: None },
+    ];
+    let mut rules = vec![
+        // Only the guest's MAC and IPv4 address may leave the tap; no IPv6 at all.
+        Rule::new("guard", [iif(TAP_NAME), ether_saddr_not(GUEST_MAC)], drop()),
+        Rule::new("guard", [iif(TAP_NAME), ipv6()], drop()),
+        Rule::new("guard", [iif(TAP_NAME), ip_saddr_not(GUEST_IP)], drop()),
+        Rule::new("guard", [ipv6()], drop()),
+        Rule::new("pre_nat", [iif(SLOT_VETH_NAME), ip_daddr(host_ip)], nat_to(NatKind::Dnat, GUEST_IP)),
+        Rule::new("post_nat", [oif(SLOT_VETH_NAME), ip_saddr_in(Cidr4::host(GUEST_IP))], nat_to(NatKind::Snat, host_ip)),
+        // Egress: only what the guest starts is policed; answers to it pass.
+        Rule::new("egress", [not_iif(TAP_NAME)], accept()),
+        Rule::new("egress", [established()], accept()),
+        Rule::new("egress", [], jump(ALWAYS_DENY_CHAIN)),
+        Rule::new("egress", [], jump(USER_CHAIN)),
+        // The guest may answer but not connect to anything in the slot namespace.
+        Rule::new("to_slot", [iif(TAP_NAME), established()], accept()),
+        Rule::new("to_slot", [iif(TAP_NAME)], drop()),
+    ];
+    for c in always_deny {
+        rules.push(Rule::new(ALWAYS_DENY_CHAIN, [ip_daddr_in(*c)], reject()));
+    }
+    rules.extend(user_rules(policy));
+    Table { name: TABLE, chains, rules }
+}
+
+/// The user chain's rules: allows first (allow beats deny), then denies; the rest falls
+/// through to the egress chain's accept.
+pub fn user_rules(policy: &EgressPolicy) -> Vec<Rule> {
+    let mut v = Vec::new();
+    for c in &policy.allow {
+        v.push(Rule::new(USER_CHAIN, [ip_daddr_in(*c)], accept()));
+    }
+    for c in &policy.deny {
+        v.push(Rule::new(USER_CHAIN, [ip_daddr_in(*c)], reject()));
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::expr::{Expr, Verdict};
+    use super::*;
+    use crate::policy::{ALL_TRAFFIC, always_deny};
+
+    #[test]
+    fn egress_order_is_always_deny_then_user() {
+        let t = table("10.11.0.1".parse().unwrap(), &always_deny(&[]), &EgressPolicy::default());
+        let egress: Vec<&Rule> = t.rules.iter().filter(|r| r.chain == "egress").collect();
+        assert_eq!(egress.len(), 4);
+        assert_eq!(egress[2].exprs.last(), Some(&Expr::Verdict(Verdict::Jump(ALWAYS_DENY_CHAIN.into()))));
+        assert_eq!(egress[3].exprs.last(), Some(&Expr::Verdict(Verdict::Jump(USER_CHAIN.into()))));
+        assert_eq!(t.rules.iter().filter(|r| r.chain == ALWAYS_DENY_CHAIN).count(), 10);
+        assert_eq!(t.rules.iter().filter(|r| r.chain == USER_CHAIN).count(), 0);
+    }
+
+    #[test]
+    fn user_rules_put_allow_before_deny() {
+        let p = EgressPolicy::from_e2b(None, &["203.0.113.10".into()], &[ALL_TRAFFIC.into()]).unwrap();
+        let r = user_rules(&p);
+        assert_eq!(r.len(), 2);
+        assert_eq!(r[0].exprs.last(), Some(&Expr::Verdict(Verdict::Accept)));
+        assert_eq!(r[1].exprs.last(), Some(&Expr::RejectAdminProhibited));
+    }
+
+    #[test]
+    fn nat_uses_slot_host_ip() {
+        let t = table("10.11.0.7".parse().unwrap(), &[], &EgressPolicy::default());
+        let snat = t.rules.iter().find(|r| r.chain == "post_nat").unwrap();
+        assert!(snat.exprs.contains(&Expr::Load(vec![10, 11, 0, 7])));
+        let dnat = t.rules.iter().find(|r| r.chain == "pre_nat").unwrap();
+        assert!(dnat.exprs.contains(&Expr::Load(GUEST_IP.octets().to_vec())));
+    }
+}

@@ -1,0 +1,166 @@
+//! One slot: its namespace, veth, tap and table; made, re-policed, reset and removed.
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::PathBuf;
+
+use crate::error::Result;
+use crate::host::Host;
+use crate::netns;
+use crate::nft::{Nft, rules, slot_table};
+use crate::plan::{
+    GATEWAY_IP, GUEST_IP, GUEST_MAC, GUEST_PREFIX_LEN, MTU, SLOT_VETH_NAME, SlotAddrs, TAP_MAC,
+    TAP_NAME,
+};
+use crate::policy::EgressPolicy;
+use crate::rtnl::Rtnl;
+
+/// A ready network slot. Dropping it leaves the slot in place (it is anchored); give it back to
+/// the pool to recycle or remove it.
+#[derive(Debug)]
+pub struct Slot {
+    addrs: SlotAddrs,
+    ns: OwnedFd,
+    anchor: PathBuf,
+    policy: EgressPolicy,
+}
+
+impl Slot {
+    pub fn id(&self) -> u32 {
+        self.addrs.id
+    }
+
+    /// Addresses and names of the slot; `host_ip` is where the node reaches the guest.
+    pub fn addrs(&self) -> &SlotAddrs {
+        &self.addrs
+    }
+
+    /// The slot's network namespace: `setns(fd, CLONE_NEWNET)` before spawning the VMM.
+    pub fn netns(&self) -> BorrowedFd<'_> {
+        self.ns.as_fd()
+    }
+
+    /// The anchor file (the namespace for `nsenter --net=`).
+    pub fn anchor(&self) -> &std::path::Path {
+        &self.anchor
+    }
+
+    /// The policy in force.
+    pub fn policy(&self) -> &EgressPolicy {
+        &self.policy
+    }
+
+    /// Runs `f` on a thread inside the slot namespace (opening its tap, for one).
+    pub fn run_in<T: Send>(&self, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+        netns::run_in(&self.ns, f)
+    }
+}
+
+/// Makes slot `id` with the default policy.
+pub(crate) fn create(host: &Host, id: u32) -> Result<Slot> {
+    let addrs = host.plan.slot(id)?;
+    let anchor = host.anchor_dir.join(&addrs.anchor);
+    let policy = EgressPolicy::default();
+    let ((), ns) = netns::create_anchored(&anchor, |_own| {
+        // IPv6 off for every link made from here on, before any is made.
+        if std::path::Path::new("/proc/sys/net/ipv6").exists() {
+            netns::sysctl("net/ipv6/conf/all/disable_ipv6", "1")?;
+            netns::sysctl("net/ipv6/conf/default/disable_ipv6", "1")?;
+        }
+        netns::sysctl("net/ipv4/ip_forward", "1")?;
+        let mut rt = Rtnl::open()?;
+        rt.set_up(1, None)?; // lo is always index 1 in a new namespace
+        rt.add_veth(SLOT_VETH_NAME, &addrs.host_veth, host.ns.as_fd(), MTU)?;
+        let eth0 = rt.index(SLOT_VETH_NAME)?;
+        rt.add_addr(eth0, addrs.veth_slot_ip, 31)?;
+        rt.set_up(eth0, None)?;
+        rt.add_route(
+            "0.0.0.0/0".parse().expect("valid"),
+            Some(addrs.veth_host_ip),
+            eth0,
+        )?;
+
+        crate::tap::create_persistent_tap(TAP_NAME)?;
+        let tap = rt.index(TAP_NAME)?;
+        rt.add_addr(tap, GATEWAY_IP, GUEST_PREFIX_LEN)?;
+        rt.set_up(tap, Some(TAP_MAC))?;
+        rt.add_permanent_neighbour(tap, GUEST_IP, GUEST_MAC)?;
+
+        let table = slot_table::table(addrs.host_ip, &host.always_deny, &policy);
+        Nft::open()?.commit("slot table", |b| rules::replace_table(b, &table))?;
+
+        // The host end, from this thread through the host namespace's socket.
+        let mut hr = host.rtnl.lock().expect("host rtnl");
+        let veth = hr.index(&addrs.host_veth)?;
+        hr.add_addr(veth, addrs.veth_host_ip, 31)?;
+        hr.set_up(veth, None)?;
+        hr.add_route(crate::plan::Cidr4::host(addrs.host_ip), Some(addrs.veth_slot_ip), veth)?;
+        Ok(())
+    })?;
+    Ok(Slot {
+        addrs,
+        ns,
+        anchor,
+        policy,
+    })
+}
+
+/// Takes over a slot that exists since before a restart; its table is rewritten with
+/// `policy` (the stored one), so nothing older survives.
+pub(crate) fn adopt(host: &Host, id: u32, policy: EgressPolicy) -> Result<Slot> {
+    let addrs = host.plan.slot(id)?;
+    let anchor = host.anchor_dir.join(&addrs.anchor);
+    let ns = netns::open(&anchor)?;
+    let table = slot_table::table(addrs.host_ip, &host.always_deny, &policy);
+    netns::run_in(&ns, || Nft::open()?.commit("slot table", |b| rules::replace_table(b, &table)))?;
+    Ok(Slot {
+        addrs,
+        ns,
+        anchor,
+        policy,
+    })
+}
+
+/// Replaces the slot's user rules with `policy`'s, in one transaction.
+pub(crate) fn set_policy(slot: &mut Slot, policy: EgressPolicy) -> Result<()> {
+    let user = slot_table::user_rules(&policy);
+    netns::run_in(&slot.ns, || {
+        Nft::open()?.commit("replace policy", |b| {
+            rules::replace_chain(b, slot_table::TABLE, slot_table::USER_CHAIN, &user)
+        })
+    })?;
+    slot.policy = policy;
+    Ok(())
+}
+
+/// Resets a returned slot for its next sandbox: default policy, no conntrack state.
+pub(crate) fn reset(slot: &mut Slot) -> Result<()> {
+    let user = slot_table::user_rules(&EgressPolicy::default());
+    netns::run_in(&slot.ns, || {
+        let mut nft = Nft::open()?;
+        nft.commit("reset policy", |b| {
+            rules::replace_chain(b, slot_table::TABLE, slot_table::USER_CHAIN, &user)
+        })?;
+        nft.flush_conntrack()
+    })?;
+    slot.policy = EgressPolicy::default();
+    Ok(())
+}
+
+/// Removes the slot: host veth (its peer and routes go with it), then the anchor; the
+/// namespace is freed when its last user (a VMM still in it) is gone.
+pub(crate) fn remove(host: &Host, slot: Slot) -> Result<()> {
+    remove_parts(host, &slot.addrs)
+}
+
+/// Removes whatever of slot `addrs` exists: used for stale slots found at start too.
+pub(crate) fn remove_parts(host: &Host, addrs: &SlotAddrs) -> Result<()> {
+    {
+        let mut hr = host.rtnl.lock().expect("host rtnl");
+        match hr.index(&addrs.host_veth) {
+            Ok(i) => hr.del_link(i)?,
+            Err(e) if e.errno() == Some(libc::ENODEV) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    netns::remove_anchor(&host.anchor_dir.join(&addrs.anchor))
+}
