@@ -15,7 +15,7 @@ pub mod bench;
 mod error;
 mod host;
 mod netlink;
-mod netns;
+pub mod netns;
 pub mod nft;
 pub mod plan;
 pub mod policy;

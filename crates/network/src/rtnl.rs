@@ -10,6 +10,7 @@ use netlink_packet_core::{
 };
 use netlink_packet_route::address::{AddressAttribute, AddressMessage};
 use netlink_packet_route::link::{
+    AfSpecInet6, AfSpecUnspec, In6AddrGenMode,
     InfoData, InfoKind, InfoVeth, LinkAttribute, LinkFlags, LinkInfo, LinkMessage,
 };
 use netlink_packet_route::neighbour::{
@@ -136,6 +137,16 @@ impl Rtnl {
             msg.attributes.push(LinkAttribute::Address(mac.to_vec()));
         }
         self.request(RouteNetlinkMessage::SetLink(msg), 0, "set link up")
+    }
+
+    /// No IPv6 addresses generated on link `index` (set before it goes up: no link-local).
+    pub fn no_ipv6_addrs(&mut self, index: u32) -> Result<()> {
+        let mut msg = LinkMessage::default();
+        msg.header.index = index;
+        msg.attributes = vec![LinkAttribute::AfSpecUnspec(vec![AfSpecUnspec::Inet6(vec![
+            AfSpecInet6::AddrGenMode(In6AddrGenMode::None),
+        ])])];
+        self.request(RouteNetlinkMessage::SetLink(msg), 0, "addrgenmode none")
     }
 
     /// Deletes link `index` (a veth's peer goes with it).

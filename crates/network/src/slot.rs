@@ -91,6 +91,12 @@ pub(crate) fn create(host: &Host, id: u32) -> Result<Slot> {
         // The host end, from this thread through the host namespace's socket.
         let mut hr = host.rtnl.lock().expect("host rtnl");
         let veth = hr.index(&addrs.host_veth)?;
+        if let Err(e) = hr.no_ipv6_addrs(veth) {
+            // A host without IPv6 has nothing to turn off.
+            if e.errno() != Some(libc::EAFNOSUPPORT) {
+                return Err(e);
+            }
+        }
         hr.add_addr(veth, addrs.veth_host_ip, 31)?;
         hr.set_up(veth, None)?;
         hr.add_route(crate::plan::Cidr4::host(addrs.host_ip), Some(addrs.veth_slot_ip), veth)?;

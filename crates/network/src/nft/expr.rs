@@ -176,7 +176,7 @@ impl Expr {
                 a.be32(1, 2).u8(2, 3); // TYPE = ICMPX_UNREACH, ICMP_CODE = ADMIN_PROHIBITED
             }
             Expr::RtTcpMss => {
-                a.be32(1, NFT_REG_1).be32(2, 4); // DREG, KEY = TCPMSS
+                a.be32(1, NFT_REG_1).be32(2, 3); // DREG, KEY = NFT_RT_TCPMSS
             }
             Expr::SetTcpMss => {
                 a.u8(2, 2) // TYPE = TCPOPT_MAXSEG
