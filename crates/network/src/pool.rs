@@ -36,6 +36,8 @@ struct State {
     /// Ids with no slot made (lowest first).
     unmade: Vec<u32>,
     in_use: HashSet<u32>,
+    /// Slots the worker is making or resetting right now.
+    busy: usize,
     stop: bool,
     /// Errors the worker met, for the server's log; the worker retries later.
     last_error: Option<String>,
@@ -157,21 +159,25 @@ impl Pool {
         }
         let got = {
             let mut st = self.inner.lock();
-            let got = if let Some(s) = st.ready.pop_front() {
-                Got::Ready(s)
-            } else if let Some(s) = st.returned.pop_front() {
-                Got::Returned(s)
-            } else if let Some(id) = st.unmade.pop() {
-                Got::Make(id)
-            } else {
-                return Err(Error::Exhausted(self.inner.host.plan.slots));
+            let got = loop {
+                if let Some(s) = st.ready.pop_front() {
+                    break Got::Ready(s);
+                } else if let Some(s) = st.returned.pop_front() {
+                    break Got::Returned(s);
+                } else if let Some(id) = st.unmade.pop() {
+                    break Got::Make(id);
+                } else if st.busy == 0 {
+                    return Err(Error::Exhausted(self.inner.host.plan.slots));
+                }
+                // The worker holds the last slot(s): wait for it rather than fail.
+                st = self.inner.wake.wait(st).expect("pool state");
             };
             let id = match &got {
                 Got::Ready(s) | Got::Returned(s) => s.id(),
                 Got::Make(id) => *id,
             };
             st.in_use.insert(id);
-            self.inner.wake.notify_one();
+            self.inner.wake.notify_all();
             got
         };
         let mut slot = match got {
@@ -210,7 +216,7 @@ impl Pool {
             Some(s) => st.returned.push_back(s),
             None => st.unmade.push(id),
         }
-        self.inner.wake.notify_one();
+        self.inner.wake.notify_all();
     }
 
     /// Replaces a slot's policy in one transaction (`PUT /sandboxes/{id}/network`).
@@ -223,7 +229,7 @@ impl Pool {
         let mut st = self.inner.lock();
         st.in_use.remove(&slot.id());
         st.returned.push_back(slot);
-        self.inner.wake.notify_one();
+        self.inner.wake.notify_all();
     }
 
     /// Removes a slot for good (its id can be made again later).
@@ -322,11 +328,13 @@ fn worker(inner: &Inner) {
                     return;
                 }
                 if let Some(s) = st.returned.pop_front() {
+                    st.busy += 1;
                     break Job::Reset(s);
                 }
                 if st.ready.len() < inner.ready_target
                     && let Some(id) = st.unmade.pop()
                 {
+                    st.busy += 1;
                     break Job::Make(id);
                 }
                 st = inner.wake.wait(st).expect("pool state");
@@ -350,12 +358,14 @@ fn worker(inner: &Inner) {
             }),
         };
         let mut st = inner.lock();
+        st.busy -= 1;
         match done {
             Ok(s) => st.ready.push_back(s),
             Err((id, e)) => {
                 st.last_error = Some(format!("slot {id}: {e}"));
                 st.unmade.insert(0, id); // retried last
                 drop(st);
+                inner.wake.notify_all();
                 std::thread::sleep(std::time::Duration::from_millis(100));
                 continue;
             }

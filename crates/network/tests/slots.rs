@@ -2,10 +2,18 @@
 
 mod common;
 
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::Duration;
 
 use common::*;
-use sandfork_network::{EgressPolicy, Pool};
+use sandfork_network::nft::table_exists_in;
+use sandfork_network::policy::ALL_TRAFFIC;
+use sandfork_network::{EgressPolicy, Error, InUse, Pool};
+
+fn policy(allow_internet: Option<bool>, allow: &[&str], deny: &[&str]) -> EgressPolicy {
+    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    EgressPolicy::from_e2b(allow_internet, &s(allow), &s(deny)).unwrap()
+}
 
 #[test]
 fn guest_reaches_internet_but_not_forbidden_targets() {
@@ -13,15 +21,247 @@ fn guest_reaches_internet_but_not_forbidden_targets() {
         return;
     }
     let w = World::new();
-    let (pool, _) = Pool::start(w.pool_config(1, 8), &[]).unwrap();
+    let (pool, _) = Pool::start(w.pool_config(2, 8), &[]).unwrap();
     let slot = pool.take(&EgressPolicy::default()).unwrap();
+    let other = pool.take(&EgressPolicy::default()).unwrap();
     let g = Guest::attach(&w, "g1", &slot);
+    let _g2 = Guest::attach(&w, "g2", &other);
+    // A service of the node, on every host address.
+    let _node = Server::start(&w.host, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 80), "node");
+
     let a = g.ask(WEB_A, "hi").expect("internet reachable");
     assert!(a.starts_with("203.0.113.10 hi 198.51.100.1:"), "{a}");
     assert_eq!(g.ask(PRIVATE, "x"), None, "private range reached");
-    assert_eq!(g.ask(METADATA, "x"), None, "metadata reached");
+    assert_eq!(g.ask(METADATA, "x"), None, "metadata address reached");
+    assert_eq!(g.ask(HOST_UPLINK_IP, "x"), None, "the node's own address reached");
+    assert_eq!(g.ask(slot.addrs().veth_host_ip, "x"), None, "the node's veth end reached");
+    assert_eq!(g.ask(other.addrs().host_ip, "x"), None, "another sandbox reached");
+    assert_eq!(g.ask(sandfork_network::plan::GATEWAY_IP, "x"), None, "the slot namespace reached");
+    drop(g);
+    pool.release(slot);
+    pool.release(other);
+    pool.shutdown(true).unwrap();
+}
+
+#[test]
+fn two_slots_with_the_same_guest_address_are_told_apart() {
+    if !privileged() {
+        return;
+    }
+    let w = World::new();
+    let (pool, _) = Pool::start(w.pool_config(2, 8), &[]).unwrap();
+    let s1 = pool.take(&EgressPolicy::default()).unwrap();
+    let s2 = pool.take(&EgressPolicy::default()).unwrap();
+    let g1 = Guest::attach(&w, "g1", &s1);
+    let g2 = Guest::attach(&w, "g2", &s2);
+
+    // Egress: both at once to one server; each gets its own answer on its own connection.
+    let (a1, a2) = std::thread::scope(|s| {
+        let t1 = s.spawn(|| g1.ask(WEB_A, "one"));
+        let t2 = s.spawn(|| g2.ask(WEB_A, "two"));
+        (t1.join().unwrap(), t2.join().unwrap())
+    });
+    let (a1, a2) = (a1.expect("guest 1 online"), a2.expect("guest 2 online"));
+    assert!(a1.starts_with("203.0.113.10 one "), "{a1}");
+    assert!(a2.starts_with("203.0.113.10 two "), "{a2}");
+    let peer = |a: &str| a.rsplit(' ').next().unwrap().to_string();
+    assert_ne!(peer(&a1), peer(&a2));
+
+    // Ingress: the node reaches each guest by its slot's host address.
+    let _l1 = Server::start(&g1.ns, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 49983), "guest1");
+    let _l2 = Server::start(&g2.ns, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 49983), "guest2");
+    let r1 = ask(&w.host, SocketAddrV4::new(s1.addrs().host_ip, 49983), "ping", None).expect("slot 1 ingress");
+    let r2 = ask(&w.host, SocketAddrV4::new(s2.addrs().host_ip, 49983), "ping", None).expect("slot 2 ingress");
+    assert!(r1.starts_with("guest1 ping"), "{r1}");
+    assert!(r2.starts_with("guest2 ping"), "{r2}");
+    drop((g1, g2));
+    pool.release(s1);
+    pool.release(s2);
+    pool.shutdown(true).unwrap();
+}
+
+#[test]
+fn every_rule_kind_and_live_replace() {
+    if !privileged() {
+        return;
+    }
+    let w = World::new();
+    let (pool, _) = Pool::start(w.pool_config(1, 4), &[]).unwrap();
+    // A create with a policy: deny one IP.
+    let mut slot = pool.take(&policy(None, &[], &["203.0.113.11"])).unwrap();
+    let g = Guest::attach(&w, "g", &slot);
+    let reach = |g: &Guest| (g.ask(WEB_A, "a").is_some(), g.ask(WEB_B, "b").is_some());
+    assert_eq!(reach(&g), (true, false), "deny one IP");
+
+    let cases: &[(EgressPolicy, (bool, bool), &str)] = &[
+        (policy(None, &["203.0.113.10"], &["203.0.113.0/24"]), (true, false), "deny CIDR, allow IP wins"),
+        (policy(None, &["203.0.113.0/24"], &["203.0.113.11/32"]), (true, true), "allow CIDR beats deny IP"),
+        (policy(Some(false), &[], &[]), (false, false), "allow_internet_access=false"),
+        (policy(None, &[], &[ALL_TRAFFIC]), (false, false), "deny ALL_TRAFFIC"),
+        (policy(None, &["203.0.113.11"], &[ALL_TRAFFIC]), (false, true), "deny all, allow one"),
+        (policy(None, &["*.ok.test", "203.0.113.10"], &[ALL_TRAFFIC]), (true, false), "domain rules are kept but not enforced"),
+        (EgressPolicy::default(), (true, true), "default"),
+    ];
+    for (p, want, what) in cases {
+        pool.set_policy(&mut slot, p.clone()).unwrap();
+        assert_eq!(reach(&g), *want, "{what}");
+        assert_eq!(slot.policy(), p);
+    }
+    // No user rule opens always-deny.
+    pool.set_policy(&mut slot, policy(None, &["192.168.77.10", "169.254.0.0/16", "0.0.0.0/0"], &[])).unwrap();
+    assert_eq!(g.ask(PRIVATE, "x"), None);
+    assert_eq!(g.ask(METADATA, "x"), None);
+    assert!(g.ask(WEB_A, "x").is_some());
     drop(g);
     pool.release(slot);
     pool.shutdown(true).unwrap();
-    std::thread::sleep(Duration::from_millis(10));
+}
+
+#[test]
+fn spoofed_source_address_or_mac_is_dropped() {
+    if !privileged() {
+        return;
+    }
+    let w = World::new();
+    let (pool, _) = Pool::start(w.pool_config(1, 4), &[]).unwrap();
+    let slot = pool.take(&EgressPolicy::default()).unwrap();
+    let g = Guest::attach(&w, "g", &slot);
+    assert!(g.ask(WEB_A, "ok").is_some());
+
+    // Another source address.
+    ip(&g.path, "addr add 203.0.113.99/32 dev eth0");
+    let spoofed = ask(&g.ns, SocketAddrV4::new(WEB_A, 80), "spoof", Some(Ipv4Addr::new(203, 0, 113, 99)));
+    assert_eq!(spoofed, None, "spoofed source address got out");
+
+    // Another MAC; promiscuous, so only the slot's guard can be why nothing comes back.
+    ip(&g.path, "link set eth0 promisc on");
+    ip(&g.path, "link set eth0 address 02:fc:00:00:00:99");
+    assert_eq!(g.ask(WEB_A, "spoof"), None, "spoofed MAC got out");
+    ip(&g.path, "link set eth0 address 02:fc:00:00:00:05");
+    assert!(g.ask(WEB_A, "ok").is_some(), "the guest's own MAC works again");
+    drop(g);
+    pool.release(slot);
+    pool.shutdown(true).unwrap();
+}
+
+#[test]
+fn pool_refills_recycles_and_runs_out() {
+    if !privileged() {
+        return;
+    }
+    let w = World::new();
+    let (pool, _) = Pool::start(w.pool_config(2, 3), &[]).unwrap();
+    assert!(pool.wait_ready(2, Duration::from_secs(10)), "{:?}", pool.last_error());
+    let a = pool.take(&EgressPolicy::default()).unwrap();
+    let b = pool.take(&policy(Some(false), &[], &[])).unwrap();
+    // The third is made on the spot or by the worker; then there are none.
+    let c = pool.take(&EgressPolicy::default()).unwrap();
+    match pool.take(&EgressPolicy::default()) {
+        Err(Error::Exhausted(3)) => {}
+        other => panic!("expected Exhausted, got {other:?}"),
+    }
+    let mut ids = vec![a.id(), b.id(), c.id()];
+    ids.sort();
+    assert_eq!(ids, vec![1, 2, 3]);
+    assert_eq!(pool.counts(), (0, 3));
+
+    // A released slot comes back reset: the deny-all policy is gone.
+    let b_id = b.id();
+    pool.release(b);
+    assert!(pool.wait_ready(1, Duration::from_secs(10)));
+    let again = pool.take(&EgressPolicy::default()).unwrap();
+    assert_eq!(again.id(), b_id);
+    assert_eq!(again.policy(), &EgressPolicy::default());
+    let g = Guest::attach(&w, "g", &again);
+    assert!(g.ask(WEB_A, "back").is_some(), "a recycled slot is online with the default policy");
+    drop(g);
+    for s in [a, c, again] {
+        pool.release(s);
+    }
+    pool.shutdown(true).unwrap();
+}
+
+#[test]
+fn start_reclaims_stale_slots_and_adopts_running_ones() {
+    if !privileged() {
+        return;
+    }
+    let w = World::new();
+    let (pool, _) = Pool::start(w.pool_config(3, 8), &[]).unwrap();
+    assert!(pool.wait_ready(3, Duration::from_secs(10)));
+    let running = pool.take(&EgressPolicy::default()).unwrap();
+    let running_id = running.id();
+    let _leaked = pool.take(&EgressPolicy::default()).unwrap(); // its sandbox died in the crash
+    // A crash: the process goes without cleaning anything.
+    drop(running);
+    std::mem::forget(pool);
+    assert!(w.anchors().len() >= 3);
+
+    let stored = policy(Some(false), &[], &[]);
+    let in_use = [InUse { id: running_id, policy: stored.clone() }, InUse { id: 7, policy: EgressPolicy::default() }];
+    let (pool, rec) = Pool::start(w.pool_config(0, 8), &in_use).unwrap();
+    assert_eq!(rec.adopted.len(), 1);
+    assert_eq!(rec.missing, vec![7]);
+    assert!(!rec.removed.contains(&running_id));
+    assert!(rec.removed.len() >= 2, "{rec:?}");
+    let sfv: Vec<String> = w.host_links().into_iter().filter(|l| l.starts_with("sfv-")).collect();
+    assert_eq!(sfv, vec![format!("sfv-{running_id}")]);
+    assert_eq!(w.anchors(), vec![format!("sf-{running_id}")]);
+
+    // The adopted slot works, with its stored policy.
+    let mut slot = rec.adopted.into_iter().next().unwrap();
+    assert_eq!(slot.policy(), &stored);
+    let g = Guest::attach(&w, "g", &slot);
+    assert_eq!(g.ask(WEB_A, "x"), None);
+    pool.set_policy(&mut slot, EgressPolicy::default()).unwrap();
+    assert!(g.ask(WEB_A, "x").is_some());
+    drop(g);
+    pool.release(slot);
+    pool.shutdown(true).unwrap();
+}
+
+#[test]
+fn nothing_is_left_after_a_clean_stop() {
+    if !privileged() {
+        return;
+    }
+    let w = World::new();
+    let (pool, _) = Pool::start(w.pool_config(4, 8), &[]).unwrap();
+    assert!(pool.wait_ready(4, Duration::from_secs(10)));
+    let s = pool.take(&EgressPolicy::default()).unwrap();
+    let gone = pool.take(&EgressPolicy::default()).unwrap();
+    pool.destroy(gone).unwrap();
+    pool.release(s);
+    assert!(table_exists_in(&w.host_path, "sf_host").unwrap());
+    pool.shutdown(true).unwrap();
+    assert!(w.host_links().iter().all(|l| !l.starts_with("sfv-")), "{:?}", w.host_links());
+    assert!(w.anchors().is_empty(), "{:?}", w.anchors());
+    assert!(!table_exists_in(&w.host_path, "sf_host").unwrap());
+    let routes = ip_out(&w.host_path, "route");
+    assert!(!routes.contains("10.11.") && !routes.contains("10.12."), "{routes}");
+}
+
+#[test]
+fn start_refuses_a_clashing_route() {
+    if !privileged() {
+        return;
+    }
+    let w = World::new();
+    ip(&w.host_path, "route add 10.0.0.0/8 via 198.51.100.2");
+    let e = Pool::start(w.pool_config(0, 8), &[]).err().expect("clash refused");
+    assert!(e.to_string().contains("10.0.0.0/8"), "{e}");
+}
+
+/// `net_slot_setup_ms`: run with `--ignored --nocapture`.
+#[test]
+#[ignore]
+fn bench_net_slot_setup() {
+    if !privileged() {
+        return;
+    }
+    let w = World::new();
+    let n = 200;
+    let times = sandfork_network::bench::slot_setup_times(&w.pool_config(0, n), n).unwrap();
+    let p = |q| sandfork_network::bench::percentile_ms(&times, q);
+    println!("net_slot_setup_ms p50 {:.2} p99 {:.2} max {:.2} (n={n})", p(50), p(99), p(100));
 }

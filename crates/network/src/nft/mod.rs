@@ -57,3 +57,31 @@ impl Nft {
         }
     }
 }
+
+impl Nft {
+    /// Whether table `inet <name>` exists in the namespace.
+    pub fn table_exists(&mut self, name: &str) -> Result<bool> {
+        let seq = self.sock.next_seq();
+        let mut a = wire::Attrs::new();
+        a.str(1, name); // NFTA_TABLE_NAME
+        let attrs = a.into_bytes();
+        let mut m = Vec::new();
+        m.extend_from_slice(&((20 + attrs.len()) as u32).to_ne_bytes());
+        m.extend_from_slice(&((wire::NFNL_SUBSYS_NFTABLES << 8) | 1).to_ne_bytes()); // GETTABLE
+        m.extend_from_slice(&(libc::NLM_F_REQUEST as u16).to_ne_bytes());
+        m.extend_from_slice(&seq.to_ne_bytes());
+        m.extend_from_slice(&0u32.to_ne_bytes());
+        m.extend_from_slice(&[wire::NFPROTO_INET, 0, 0, 0]);
+        m.extend_from_slice(&attrs);
+        match self.sock.dump_one(&m, seq, "get table") {
+            Ok(_) => Ok(true),
+            Err(e) if e.errno() == Some(libc::ENOENT) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Whether table `inet <name>` exists in the namespace at `netns` (tests, diagnostics).
+pub fn table_exists_in(netns: &std::path::Path, name: &str) -> Result<bool> {
+    crate::run_in_netns(netns, || Nft::open()?.table_exists(name))
+}

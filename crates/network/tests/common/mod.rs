@@ -123,7 +123,7 @@ pub fn ask(ns: &OwnedFd, addr: SocketAddrV4, token: &str, source: Option<Ipv4Add
     let token = token.to_string();
     netns::run_in(ns, move || {
         let s = match source {
-            None => TcpStream::connect_timeout(&SocketAddr::V4(addr), Duration::from_millis(700)),
+            None => TcpStream::connect_timeout(&SocketAddr::V4(addr), Duration::from_millis(2500)),
             Some(src) => connect_from(src, addr),
         };
         let Ok(mut s) = s else { return Ok(None) };
@@ -152,7 +152,7 @@ fn connect_from(src: Ipv4Addr, dst: SocketAddrV4) -> std::io::Result<TcpStream> 
         return Err(e.into());
     }
     let mut fds = [nix::poll::PollFd::new(s.as_fd(), nix::poll::PollFlags::POLLOUT)];
-    let n = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(700u16))?;
+    let n = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(2500u16))?;
     if n == 0 {
         return Err(std::io::ErrorKind::TimedOut.into());
     }
