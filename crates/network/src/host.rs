@@ -56,7 +56,11 @@ impl Host {
     /// installs the host table.
     pub fn open(cfg: &HostConfig) -> Result<Host> {
         cfg.plan.validate()?;
-        let ns = netns::open(cfg.host_netns.as_deref().unwrap_or(Path::new("/proc/self/ns/net")))?;
+        let ns = netns::open(
+            cfg.host_netns
+                .as_deref()
+                .unwrap_or(Path::new("/proc/self/ns/net")),
+        )?;
         let anchor_dir = netns::prepare_anchor_dir(&cfg.anchor_dir)?;
         let (rtnl, uplink, own) = netns::run_in(&ns, || {
             let mut rtnl = Rtnl::open()?;
@@ -79,9 +83,11 @@ impl Host {
                 None => {
                     let oif = routes
                         .iter()
-                        .find(|(c, _)| c.len() == 0)
+                        .find(|(c, _)| c.prefix_len() == 0)
                         .and_then(|(_, oif)| *oif)
-                        .ok_or_else(|| Error::Plan("no default route: configure the uplink".into()))?;
+                        .ok_or_else(|| {
+                            Error::Plan("no default route: configure the uplink".into())
+                        })?;
                     links
                         .iter()
                         .find(|l| l.index == oif)
@@ -93,7 +99,9 @@ impl Host {
             netns::sysctl("net/ipv4/ip_forward", "1")?;
             let mut nft = Nft::open()?;
             let table = host_table::table(&uplink, cfg.plan.host_ips, &cfg.open_ports);
-            nft.commit("host table", |b| crate::nft::rules::replace_table(b, &table))?;
+            nft.commit("host table", |b| {
+                crate::nft::rules::replace_table(b, &table)
+            })?;
             Ok((rtnl, uplink, own))
         })?;
         let mut extra = cfg.extra_deny.clone();
@@ -111,7 +119,9 @@ impl Host {
     /// Removes the host table (a clean stop with no slots left).
     pub fn remove_table(&self) -> Result<()> {
         netns::run_in(&self.ns, || {
-            Nft::open()?.commit("remove host table", |b| crate::nft::rules::delete_table(b, host_table::TABLE))
+            Nft::open()?.commit("remove host table", |b| {
+                crate::nft::rules::delete_table(b, host_table::TABLE)
+            })
         })
     }
 }

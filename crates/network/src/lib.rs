@@ -32,7 +32,10 @@ pub use pool::{InUse, Pool, PoolConfig, Reclaimed};
 pub use slot::Slot;
 
 /// Runs `f` on a thread inside the network namespace at `path` (tests and tools).
-pub fn run_in_netns<T: Send>(path: &std::path::Path, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+pub fn run_in_netns<T: Send>(
+    path: &std::path::Path,
+    f: impl FnOnce() -> Result<T> + Send,
+) -> Result<T> {
     let ns = netns::open(path)?;
     netns::run_in(&ns, f)
 }

@@ -21,17 +21,26 @@ pub fn run_in<T: Send>(ns: &OwnedFd, f: impl FnOnce() -> Result<T> + Send) -> Re
             f()
         })
         .join()
-        .unwrap_or_else(|_| Err(Error::sys("namespace thread", std::io::Error::other("panicked"))))
+        .unwrap_or_else(|_| {
+            Err(Error::sys(
+                "namespace thread",
+                std::io::Error::other("panicked"),
+            ))
+        })
     })
 }
 
 /// Runs `f` on a new thread in a new network namespace, which `f` may configure; the namespace
 /// is then bind-mounted on `anchor`. Returns `f`'s value and the namespace's fd. On an error the
 /// namespace goes away with the thread (nothing anchors it).
-pub fn create_anchored<T: Send>(anchor: &Path, f: impl FnOnce(&OwnedFd) -> Result<T> + Send) -> Result<(T, OwnedFd)> {
+pub fn create_anchored<T: Send>(
+    anchor: &Path,
+    f: impl FnOnce(&OwnedFd) -> Result<T> + Send,
+) -> Result<(T, OwnedFd)> {
     thread::scope(|s| {
         s.spawn(|| {
-            unshare(CloneFlags::CLONE_NEWNET).map_err(|e| Error::sys("unshare(CLONE_NEWNET)", e))?;
+            unshare(CloneFlags::CLONE_NEWNET)
+                .map_err(|e| Error::sys("unshare(CLONE_NEWNET)", e))?;
             let own: OwnedFd = File::open("/proc/thread-self/ns/net")
                 .map_err(|e| Error::sys("open own netns", e))?
                 .into();
@@ -56,7 +65,12 @@ pub fn create_anchored<T: Send>(anchor: &Path, f: impl FnOnce(&OwnedFd) -> Resul
             Ok((value, own))
         })
         .join()
-        .unwrap_or_else(|_| Err(Error::sys("namespace thread", std::io::Error::other("panicked"))))
+        .unwrap_or_else(|_| {
+            Err(Error::sys(
+                "namespace thread",
+                std::io::Error::other("panicked"),
+            ))
+        })
     })
 }
 
@@ -89,16 +103,29 @@ pub fn prepare_anchor_dir(dir: &Path) -> Result<PathBuf> {
         .canonicalize()
         .map_err(|e| Error::sys(format!("resolve {}", dir.display()), e))?;
     if !is_mount_point(&dir)? {
-        mount(Some(&dir), &dir, None::<&str>, MsFlags::MS_BIND, None::<&str>)
-            .map_err(|e| Error::sys(format!("bind mount {}", dir.display()), e))?;
+        mount(
+            Some(&dir),
+            &dir,
+            None::<&str>,
+            MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .map_err(|e| Error::sys(format!("bind mount {}", dir.display()), e))?;
     }
-    mount(None::<&str>, &dir, None::<&str>, MsFlags::MS_PRIVATE, None::<&str>)
-        .map_err(|e| Error::sys(format!("make {} private", dir.display()), e))?;
+    mount(
+        None::<&str>,
+        &dir,
+        None::<&str>,
+        MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .map_err(|e| Error::sys(format!("make {} private", dir.display()), e))?;
     Ok(dir)
 }
 
 fn is_mount_point(dir: &Path) -> Result<bool> {
-    let info = fs::read_to_string("/proc/self/mountinfo").map_err(|e| Error::sys("read mountinfo", e))?;
+    let info =
+        fs::read_to_string("/proc/self/mountinfo").map_err(|e| Error::sys("read mountinfo", e))?;
     let want = dir.to_string_lossy();
     Ok(info.lines().any(|l| l.split(' ').nth(4) == Some(&want)))
 }
@@ -106,5 +133,6 @@ fn is_mount_point(dir: &Path) -> Result<bool> {
 /// Writes a sysctl of the calling thread's network namespace (`/proc/sys/net/...` resolves
 /// to the namespace of the thread that opens it).
 pub fn sysctl(path: &str, value: &str) -> Result<()> {
-    fs::write(format!("/proc/sys/{path}"), value).map_err(|e| Error::sys(format!("sysctl {path}"), e))
+    fs::write(format!("/proc/sys/{path}"), value)
+        .map_err(|e| Error::sys(format!("sysctl {path}"), e))
 }

@@ -66,7 +66,7 @@ impl Cidr4 {
         self.addr
     }
 
-    pub fn len(&self) -> u8 {
+    pub fn prefix_len(&self) -> u8 {
         self.len
     }
 
@@ -226,7 +226,10 @@ impl AddressPlan {
         if id == 0 || id > self.slots {
             return Err(Error::UnknownSlot(id));
         }
-        let host_ip = self.host_ips.nth(u64::from(id)).ok_or(Error::UnknownSlot(id))?;
+        let host_ip = self
+            .host_ips
+            .nth(u64::from(id))
+            .ok_or(Error::UnknownSlot(id))?;
         let veth_host_ip = self
             .veth_ips
             .nth(2 * u64::from(id))
@@ -249,7 +252,7 @@ impl AddressPlan {
     /// host's IPv4 route destinations (any table) other than ours.
     pub fn check_routes(&self, routes: &[Cidr4]) -> Result<()> {
         for r in routes {
-            if r.len() == 0 {
+            if r.prefix_len() == 0 {
                 continue; // a default route covers everything and clashes with nothing
             }
             for (what, ours) in [("host", self.host_ips), ("veth", self.veth_ips)] {
@@ -305,14 +308,24 @@ mod tests {
 
     #[test]
     fn validate_refuses_bad_plans() {
-        let mut p = AddressPlan::default();
-        p.slots = 70000;
-        assert!(p.validate().is_err());
-        let mut p = AddressPlan::default();
-        p.veth_ips = "10.11.128.0/17".parse().unwrap();
+        let d = AddressPlan::default;
+        assert!(
+            AddressPlan {
+                slots: 70000,
+                ..d()
+            }
+            .validate()
+            .is_err()
+        );
+        let p = AddressPlan {
+            veth_ips: "10.11.128.0/17".parse().unwrap(),
+            ..d()
+        };
         assert!(p.validate().unwrap_err().to_string().contains("overlaps"));
-        let mut p = AddressPlan::default();
-        p.host_ips = "169.254.0.0/16".parse().unwrap();
+        let p = AddressPlan {
+            host_ips: "169.254.0.0/16".parse().unwrap(),
+            ..d()
+        };
         assert!(p.validate().is_err());
         let p = AddressPlan {
             host_ips: "10.11.0.0/24".parse().unwrap(),
@@ -326,9 +339,14 @@ mod tests {
     #[test]
     fn route_clash_is_reported() {
         let p = AddressPlan::default();
-        p.check_routes(&["0.0.0.0/0".parse().unwrap(), "192.168.1.0/24".parse().unwrap()])
-            .unwrap();
-        let e = p.check_routes(&["10.0.0.0/8".parse().unwrap()]).unwrap_err();
+        p.check_routes(&[
+            "0.0.0.0/0".parse().unwrap(),
+            "192.168.1.0/24".parse().unwrap(),
+        ])
+        .unwrap();
+        let e = p
+            .check_routes(&["10.0.0.0/8".parse().unwrap()])
+            .unwrap_err();
         assert!(e.to_string().contains("10.0.0.0/8"), "{e}");
         assert!(p.check_routes(&["10.12.5.7/32".parse().unwrap()]).is_err());
     }
@@ -337,8 +355,19 @@ mod tests {
     fn cidr_parsing() {
         let c: Cidr4 = "10.1.2.3/8".parse().unwrap();
         assert_eq!(c.to_string(), "10.0.0.0/8");
-        assert_eq!("1.2.3.4".parse::<Cidr4>().unwrap().to_string(), "1.2.3.4/32");
-        for bad in ["", "1.2.3", "1.2.3.4/33", "1.2.3.4/", "example.com", "::1", "1.2.3.4/+8"] {
+        assert_eq!(
+            "1.2.3.4".parse::<Cidr4>().unwrap().to_string(),
+            "1.2.3.4/32"
+        );
+        for bad in [
+            "",
+            "1.2.3",
+            "1.2.3.4/33",
+            "1.2.3.4/",
+            "example.com",
+            "::1",
+            "1.2.3.4/+8",
+        ] {
             assert!(bad.parse::<Cidr4>().is_err(), "{bad}");
         }
         let all: Cidr4 = "0.0.0.0/0".parse().unwrap();

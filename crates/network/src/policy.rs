@@ -48,7 +48,8 @@ impl DomainPattern {
                 && l.len() <= 63
                 && !l.starts_with('-')
                 && !l.ends_with('-')
-                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+                && l.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
         };
         (host.len() <= 253 && host.split('.').all(label_ok)).then_some(DomainPattern(d))
     }
@@ -97,9 +98,16 @@ fn classify(s: &str) -> Option<Entry> {
     }
     let (addr, len) = s.split_once('/').unwrap_or((s, "128"));
     if let Ok(IpAddr::V6(_)) = addr.parse::<IpAddr>() {
-        return len.parse::<u8>().ok().filter(|l| *l <= 128).map(|_| Entry::V6);
+        return len
+            .parse::<u8>()
+            .ok()
+            .filter(|l| *l <= 128)
+            .map(|_| Entry::V6);
     }
-    if s.contains('/') || s.parse::<IpAddr>().is_ok() || s.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+    if s.contains('/')
+        || s.parse::<IpAddr>().is_ok()
+        || s.bytes().all(|b| b.is_ascii_digit() || b == b'.')
+    {
         return None; // a malformed address, not a domain
     }
     DomainPattern::parse(s).map(Entry::Domain)
@@ -128,12 +136,12 @@ impl EgressPolicy {
         for d in deny_out {
             match classify(d) {
                 Some(Entry::V4(c)) => {
-                    if c.len() == 32 && c.addr().is_unspecified() {
+                    if c.prefix_len() == 32 && c.addr().is_unspecified() {
                         return Err(Error::InvalidPolicy(format!(
                             "invalid denied CIDR {d}: the address must be specified"
                         )));
                     }
-                    denies_all |= c.len() == 0;
+                    denies_all |= c.prefix_len() == 0;
                     p.deny.push(c);
                 }
                 Some(Entry::V6) => {}
@@ -189,7 +197,10 @@ pub fn always_deny(extra: &[Cidr4]) -> Vec<Cidr4> {
         .map(|s| s.parse().expect("valid constant"))
         .collect();
     for c in extra {
-        if !v.iter().any(|d| d.len() <= c.len() && d.contains(c.addr())) {
+        if !v
+            .iter()
+            .any(|d| d.prefix_len() <= c.prefix_len() && d.contains(c.addr()))
+        {
             v.push(*c);
         }
     }
@@ -209,14 +220,28 @@ mod tests {
         let p = EgressPolicy::from_e2b(None, &[], &[]).unwrap();
         let ad = always_deny(&[]);
         assert!(p.permits("203.0.113.10".parse().unwrap(), &ad));
-        for ip in ["169.254.169.254", "192.168.77.10", "10.11.0.2", "127.0.0.1", "100.64.1.1", "224.0.0.1", "255.255.255.255", "0.1.2.3"] {
+        for ip in [
+            "169.254.169.254",
+            "192.168.77.10",
+            "10.11.0.2",
+            "127.0.0.1",
+            "100.64.1.1",
+            "224.0.0.1",
+            "255.255.255.255",
+            "0.1.2.3",
+        ] {
             assert!(!p.permits(ip.parse().unwrap(), &ad), "{ip}");
         }
     }
 
     #[test]
     fn allow_beats_deny_and_always_deny_beats_allow() {
-        let p = EgressPolicy::from_e2b(None, &s(&["203.0.113.10", "192.168.0.0/16"]), &s(&[ALL_TRAFFIC])).unwrap();
+        let p = EgressPolicy::from_e2b(
+            None,
+            &s(&["203.0.113.10", "192.168.0.0/16"]),
+            &s(&[ALL_TRAFFIC]),
+        )
+        .unwrap();
         let ad = always_deny(&[]);
         assert!(p.permits("203.0.113.10".parse().unwrap(), &ad));
         assert!(!p.permits("203.0.113.11".parse().unwrap(), &ad));
@@ -237,7 +262,12 @@ mod tests {
         assert_eq!(e.to_string(), ERR_DOMAINS_NEED_ALL_TRAFFIC);
         let e = EgressPolicy::from_e2b(None, &s(&["example.com"]), &s(&["1.0.0.0/8"])).unwrap_err();
         assert_eq!(e.to_string(), ERR_DOMAINS_NEED_ALL_TRAFFIC);
-        let p = EgressPolicy::from_e2b(None, &s(&["Example.com", "*.ok.test", "*"]), &s(&[ALL_TRAFFIC])).unwrap();
+        let p = EgressPolicy::from_e2b(
+            None,
+            &s(&["Example.com", "*.ok.test", "*"]),
+            &s(&[ALL_TRAFFIC]),
+        )
+        .unwrap();
         assert_eq!(p.allow_domains.len(), 3);
         assert!(EgressPolicy::from_e2b(None, &[], &s(&["0.0.0.0"])).is_err());
         assert!(EgressPolicy::from_e2b(None, &[], &s(&["example.com"])).is_err());
@@ -260,14 +290,21 @@ mod tests {
         assert!(wild.matches("b.a.ok.test"));
         assert!(!wild.matches("ok.test"));
         assert!(!wild.matches("notok.test"));
-        assert!(DomainPattern::parse("*").unwrap().matches("anything.example"));
+        assert!(
+            DomainPattern::parse("*")
+                .unwrap()
+                .matches("anything.example")
+        );
         assert!(DomainPattern::parse("-bad.test").is_none());
         assert!(DomainPattern::parse("a..b").is_none());
     }
 
     #[test]
     fn extras_join_always_deny() {
-        let ad = always_deny(&["198.51.100.1/32".parse().unwrap(), "10.1.2.3/32".parse().unwrap()]);
+        let ad = always_deny(&[
+            "198.51.100.1/32".parse().unwrap(),
+            "10.1.2.3/32".parse().unwrap(),
+        ]);
         assert_eq!(ad.len(), ALWAYS_DENY.len() + 1); // 10.1.2.3 is inside 10/8 already
     }
 }

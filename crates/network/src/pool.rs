@@ -91,7 +91,11 @@ impl Pool {
         let mut stale = HashSet::new();
         for e in fs::read_dir(&host.anchor_dir).map_err(|e| Error::sys("read anchor dir", e))? {
             let e = e.map_err(|e| Error::sys("read anchor dir", e))?;
-            if let Some(id) = e.file_name().to_str().and_then(|n| slot_id_from_name(n, ANCHOR_PREFIX)) {
+            if let Some(id) = e
+                .file_name()
+                .to_str()
+                .and_then(|n| slot_id_from_name(n, ANCHOR_PREFIX))
+            {
                 stale.insert(id);
             }
         }
@@ -115,7 +119,9 @@ impl Pool {
                         hr.del_link(i)?;
                     }
                     drop(hr);
-                    crate::netns::remove_anchor(&host.anchor_dir.join(format!("{ANCHOR_PREFIX}{id}")))?;
+                    crate::netns::remove_anchor(
+                        &host.anchor_dir.join(format!("{ANCHOR_PREFIX}{id}")),
+                    )?;
                 }
             }
             rec.removed.push(id);
@@ -258,7 +264,12 @@ impl Pool {
             if left.is_zero() {
                 return false;
             }
-            st = self.inner.wake.wait_timeout(st, left).expect("pool state").0;
+            st = self
+                .inner
+                .wake
+                .wait_timeout(st, left)
+                .expect("pool state")
+                .0;
         }
         true
     }

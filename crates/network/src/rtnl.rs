@@ -10,8 +10,8 @@ use netlink_packet_core::{
 };
 use netlink_packet_route::address::{AddressAttribute, AddressMessage};
 use netlink_packet_route::link::{
-    AfSpecInet6, AfSpecUnspec, In6AddrGenMode,
-    InfoData, InfoKind, InfoVeth, LinkAttribute, LinkFlags, LinkInfo, LinkMessage,
+    AfSpecInet6, AfSpecUnspec, In6AddrGenMode, InfoData, InfoKind, InfoVeth, LinkAttribute,
+    LinkFlags, LinkInfo, LinkMessage,
 };
 use netlink_packet_route::neighbour::{
     NeighbourAddress, NeighbourAttribute, NeighbourMessage, NeighbourState,
@@ -28,6 +28,8 @@ use crate::plan::Cidr4;
 
 pub(crate) struct Rtnl {
     sock: NlSocket,
+    /// Requests held for one send (see [`Rtnl::batch`]).
+    pending: Option<(Vec<u8>, Vec<u32>)>,
 }
 
 /// A link as a dump lists it.
@@ -42,16 +44,44 @@ impl Rtnl {
     pub fn open() -> Result<Self> {
         Ok(Rtnl {
             sock: NlSocket::open(SockProtocol::NetlinkRoute)?,
+            pending: None,
         })
     }
 
     fn request(&mut self, msg: RouteNetlinkMessage, flags: u16, what: &'static str) -> Result<()> {
         let seq = self.sock.next_seq();
         let bytes = encode(msg, flags | NLM_F_REQUEST | NLM_F_ACK, seq);
+        if let Some((buf, acks)) = &mut self.pending {
+            buf.extend_from_slice(&bytes);
+            acks.push(seq);
+            return Ok(());
+        }
         self.sock.transact(&bytes, &[seq], what)
     }
 
-    fn dump(&mut self, msg: RouteNetlinkMessage, what: &'static str) -> Result<Vec<RouteNetlinkMessage>> {
+    /// Sends the requests `f` makes in one datagram and waits for all their acks: the kernel
+    /// runs them in order, one system call instead of one each. `f` may only make requests
+    /// (no lookups), since answers come after it returns.
+    pub fn batch(
+        &mut self,
+        what: &'static str,
+        f: impl FnOnce(&mut Self) -> Result<()>,
+    ) -> Result<()> {
+        self.pending = Some((Vec::new(), Vec::new()));
+        let r = f(self);
+        let (buf, acks) = self.pending.take().expect("batch");
+        r?;
+        if acks.is_empty() {
+            return Ok(());
+        }
+        self.sock.transact(&buf, &acks, what)
+    }
+
+    fn dump(
+        &mut self,
+        msg: RouteNetlinkMessage,
+        what: &'static str,
+    ) -> Result<Vec<RouteNetlinkMessage>> {
         let seq = self.sock.next_seq();
         let bytes = encode(msg, NLM_F_REQUEST | NLM_F_DUMP, seq);
         let mut out = Vec::new();
@@ -68,7 +98,13 @@ impl Rtnl {
 
     /// A veth whose end `name` is made in this socket's namespace and whose peer `peer` is
     /// made directly in the namespace `peer_ns` (no move: a move waits for an RCU barrier).
-    pub fn add_veth(&mut self, name: &str, peer: &str, peer_ns: BorrowedFd<'_>, mtu: u32) -> Result<()> {
+    pub fn add_veth(
+        &mut self,
+        name: &str,
+        peer: &str,
+        peer_ns: BorrowedFd<'_>,
+        mtu: u32,
+    ) -> Result<()> {
         let mut peer_msg = LinkMessage::default();
         peer_msg.attributes = vec![
             LinkAttribute::IfName(peer.into()),
@@ -94,7 +130,10 @@ impl Rtnl {
     /// Every link of the namespace.
     pub fn links(&mut self) -> Result<Vec<Link>> {
         let mut out = Vec::new();
-        for m in self.dump(RouteNetlinkMessage::GetLink(LinkMessage::default()), "list links")? {
+        for m in self.dump(
+            RouteNetlinkMessage::GetLink(LinkMessage::default()),
+            "list links",
+        )? {
             if let RouteNetlinkMessage::NewLink(l) = m {
                 let name = l.attributes.iter().find_map(|a| match a {
                     LinkAttribute::IfName(n) => Some(n.clone()),
@@ -123,7 +162,10 @@ impl Rtnl {
             .map_err(|e| Error::netlink("find link", std::io::Error::other(e.to_string())))?;
         match m.payload {
             NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(l)) => Ok(l.header.index),
-            _ => Err(Error::netlink("find link", std::io::Error::other("unexpected answer"))),
+            _ => Err(Error::netlink(
+                "find link",
+                std::io::Error::other("unexpected answer"),
+            )),
         }
     }
 
@@ -143,9 +185,9 @@ impl Rtnl {
     pub fn no_ipv6_addrs(&mut self, index: u32) -> Result<()> {
         let mut msg = LinkMessage::default();
         msg.header.index = index;
-        msg.attributes = vec![LinkAttribute::AfSpecUnspec(vec![AfSpecUnspec::Inet6(vec![
-            AfSpecInet6::AddrGenMode(In6AddrGenMode::None),
-        ])])];
+        msg.attributes = vec![LinkAttribute::AfSpecUnspec(vec![AfSpecUnspec::Inet6(
+            vec![AfSpecInet6::AddrGenMode(In6AddrGenMode::None)],
+        )])];
         self.request(RouteNetlinkMessage::SetLink(msg), 0, "addrgenmode none")
     }
 
@@ -177,7 +219,7 @@ impl Rtnl {
     pub fn add_route(&mut self, dst: Cidr4, gateway: Option<Ipv4Addr>, oif: u32) -> Result<()> {
         let mut msg = RouteMessage::default();
         msg.header.address_family = AddressFamily::Inet;
-        msg.header.destination_prefix_length = dst.len();
+        msg.header.destination_prefix_length = dst.prefix_len();
         msg.header.table = RouteHeader::RT_TABLE_MAIN;
         msg.header.protocol = RouteProtocol::Static;
         msg.header.kind = RouteType::Unicast;
@@ -186,7 +228,7 @@ impl Rtnl {
         } else {
             RouteScope::Link
         };
-        if dst.len() > 0 {
+        if dst.prefix_len() > 0 {
             msg.attributes
                 .push(RouteAttribute::Destination(RouteAddress::Inet(dst.addr())));
         }
@@ -208,7 +250,9 @@ impl Rtnl {
         req.header.address_family = AddressFamily::Inet;
         let mut out = Vec::new();
         for m in self.dump(RouteNetlinkMessage::GetRoute(req), "list routes")? {
-            let RouteNetlinkMessage::NewRoute(r) = m else { continue };
+            let RouteNetlinkMessage::NewRoute(r) = m else {
+                continue;
+            };
             if r.header.kind != RouteType::Unicast {
                 continue; // local, broadcast, ...: the host's own addresses, not networks
             }
@@ -234,9 +278,12 @@ impl Rtnl {
         req.header.family = AddressFamily::Inet;
         let mut out = Vec::new();
         for m in self.dump(RouteNetlinkMessage::GetAddress(req), "list addresses")? {
-            let RouteNetlinkMessage::NewAddress(a) = m else { continue };
+            let RouteNetlinkMessage::NewAddress(a) = m else {
+                continue;
+            };
             for attr in &a.attributes {
-                if let AddressAttribute::Local(IpAddr::V4(ip)) | AddressAttribute::Address(IpAddr::V4(ip)) = attr
+                if let AddressAttribute::Local(IpAddr::V4(ip))
+                | AddressAttribute::Address(IpAddr::V4(ip)) = attr
                     && !out.contains(ip)
                 {
                     out.push(*ip);
@@ -248,7 +295,12 @@ impl Rtnl {
 
     /// A permanent neighbour entry `ip -> mac` on link `index`: ARP can never change it and
     /// the first packet to the guest after a resume needs no resolution.
-    pub fn add_permanent_neighbour(&mut self, index: u32, ip: Ipv4Addr, mac: [u8; 6]) -> Result<()> {
+    pub fn add_permanent_neighbour(
+        &mut self,
+        index: u32,
+        ip: Ipv4Addr,
+        mac: [u8; 6],
+    ) -> Result<()> {
         let mut msg = NeighbourMessage::default();
         msg.header.family = AddressFamily::Inet;
         msg.header.ifindex = index;

@@ -3,13 +3,13 @@
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::PathBuf;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::host::Host;
 use crate::netns;
 use crate::nft::{Nft, rules, slot_table};
 use crate::plan::{
-    GATEWAY_IP, GUEST_IP, GUEST_MAC, GUEST_PREFIX_LEN, MTU, SLOT_VETH_NAME, SlotAddrs, TAP_MAC,
-    TAP_NAME,
+    Cidr4, GATEWAY_IP, GUEST_IP, GUEST_MAC, GUEST_PREFIX_LEN, MTU, SLOT_VETH_NAME, SlotAddrs,
+    TAP_MAC, TAP_NAME,
 };
 use crate::policy::EgressPolicy;
 use crate::rtnl::Rtnl;
@@ -68,38 +68,45 @@ pub(crate) fn create(host: &Host, id: u32) -> Result<Slot> {
         }
         netns::sysctl("net/ipv4/ip_forward", "1")?;
         let mut rt = Rtnl::open()?;
-        rt.set_up(1, None)?; // lo is always index 1 in a new namespace
         rt.add_veth(SLOT_VETH_NAME, &addrs.host_veth, host.ns.as_fd(), MTU)?;
-        let eth0 = rt.index(SLOT_VETH_NAME)?;
-        rt.add_addr(eth0, addrs.veth_slot_ip, 31)?;
-        rt.set_up(eth0, None)?;
-        rt.add_route(
-            "0.0.0.0/0".parse().expect("valid"),
-            Some(addrs.veth_host_ip),
-            eth0,
-        )?;
-
         crate::tap::create_persistent_tap(TAP_NAME)?;
-        let tap = rt.index(TAP_NAME)?;
-        rt.add_addr(tap, GATEWAY_IP, GUEST_PREFIX_LEN)?;
-        rt.set_up(tap, Some(TAP_MAC))?;
-        rt.add_permanent_neighbour(tap, GUEST_IP, GUEST_MAC)?;
+        // Index lookups by ioctl: cheaper than a netlink GETLINK with all its attributes.
+        let eth0 = nix::net::if_::if_nametoindex(SLOT_VETH_NAME)
+            .map_err(|e| Error::sys("eth0 index", e))?;
+        let tap =
+            nix::net::if_::if_nametoindex(TAP_NAME).map_err(|e| Error::sys("tap0 index", e))?;
+        rt.batch("configure slot links", |rt| {
+            rt.set_up(1, None)?; // lo is always index 1 in a new namespace
+            rt.add_addr(eth0, addrs.veth_slot_ip, 31)?;
+            rt.set_up(eth0, None)?;
+            rt.add_route(
+                Cidr4::new(std::net::Ipv4Addr::UNSPECIFIED, 0)?,
+                Some(addrs.veth_host_ip),
+                eth0,
+            )?;
+            rt.add_addr(tap, GATEWAY_IP, GUEST_PREFIX_LEN)?;
+            rt.set_up(tap, Some(TAP_MAC))?;
+            rt.add_permanent_neighbour(tap, GUEST_IP, GUEST_MAC)
+        })?;
 
         let table = slot_table::table(addrs.host_ip, &host.always_deny, &policy);
-        Nft::open()?.commit("slot table", |b| rules::replace_table(b, &table))?;
+        Nft::open()?.commit("slot table", |b| rules::add_table(b, &table))?;
 
         // The host end, from this thread through the host namespace's socket.
         let mut hr = host.rtnl.lock().expect("host rtnl");
         let veth = hr.index(&addrs.host_veth)?;
-        if let Err(e) = hr.no_ipv6_addrs(veth) {
-            // A host without IPv6 has nothing to turn off.
-            if e.errno() != Some(libc::EAFNOSUPPORT) {
-                return Err(e);
-            }
+        let v6 = hr.no_ipv6_addrs(veth);
+        // A host without IPv6 has nothing to turn off.
+        if let Err(e) = v6
+            && e.errno() != Some(libc::EAFNOSUPPORT)
+        {
+            return Err(e);
         }
-        hr.add_addr(veth, addrs.veth_host_ip, 31)?;
-        hr.set_up(veth, None)?;
-        hr.add_route(crate::plan::Cidr4::host(addrs.host_ip), Some(addrs.veth_slot_ip), veth)?;
+        hr.batch("configure host veth", |hr| {
+            hr.add_addr(veth, addrs.veth_host_ip, 31)?;
+            hr.set_up(veth, None)?;
+            hr.add_route(Cidr4::host(addrs.host_ip), Some(addrs.veth_slot_ip), veth)
+        })?;
         Ok(())
     })?;
     Ok(Slot {
@@ -117,7 +124,9 @@ pub(crate) fn adopt(host: &Host, id: u32, policy: EgressPolicy) -> Result<Slot> 
     let anchor = host.anchor_dir.join(&addrs.anchor);
     let ns = netns::open(&anchor)?;
     let table = slot_table::table(addrs.host_ip, &host.always_deny, &policy);
-    netns::run_in(&ns, || Nft::open()?.commit("slot table", |b| rules::replace_table(b, &table)))?;
+    netns::run_in(&ns, || {
+        Nft::open()?.commit("slot table", |b| rules::replace_table(b, &table))
+    })?;
     Ok(Slot {
         addrs,
         ns,

@@ -13,7 +13,10 @@ pub const TAP_FLAGS: libc::c_int = libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_V
 
 fn ifreq(name: &str, flags: libc::c_int) -> Result<libc::ifreq> {
     if name.is_empty() || name.len() >= libc::IFNAMSIZ {
-        return Err(Error::sys(format!("tap name {name:?}"), std::io::Error::from_raw_os_error(libc::EINVAL)));
+        return Err(Error::sys(
+            format!("tap name {name:?}"),
+            std::io::Error::from_raw_os_error(libc::EINVAL),
+        ));
     }
     // SAFETY: ifreq is plain old data; all-zero is a valid value (empty name, zero union).
     let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
@@ -36,7 +39,10 @@ pub fn open_tap(name: &str) -> Result<OwnedFd> {
     // SAFETY: TUNSETIFF reads and writes an ifreq, which `req` is and outlives the call.
     let rc = unsafe { libc::ioctl(file.as_raw_fd(), libc::TUNSETIFF, &mut req) };
     if rc < 0 {
-        return Err(Error::sys(format!("TUNSETIFF {name}"), std::io::Error::last_os_error()));
+        return Err(Error::sys(
+            format!("TUNSETIFF {name}"),
+            std::io::Error::last_os_error(),
+        ));
     }
     Ok(file.into())
 }
@@ -47,7 +53,10 @@ pub fn create_persistent_tap(name: &str) -> Result<()> {
     // SAFETY: TUNSETPERSIST takes an integer argument, no memory.
     let rc = unsafe { libc::ioctl(fd.as_raw_fd(), libc::TUNSETPERSIST, 1 as libc::c_ulong) };
     if rc < 0 {
-        return Err(Error::sys(format!("TUNSETPERSIST {name}"), std::io::Error::last_os_error()));
+        return Err(Error::sys(
+            format!("TUNSETPERSIST {name}"),
+            std::io::Error::last_os_error(),
+        ));
     }
     Ok(())
 }

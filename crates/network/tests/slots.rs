@@ -27,16 +27,36 @@ fn guest_reaches_internet_but_not_forbidden_targets() {
     let g = Guest::attach(&w, "g1", &slot);
     let _g2 = Guest::attach(&w, "g2", &other);
     // A service of the node, on every host address.
-    let _node = Server::start(&w.host, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 80), "node");
+    let _node = Server::start(
+        &w.host,
+        SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 80),
+        "node",
+    );
 
     let a = g.ask(WEB_A, "hi").expect("internet reachable");
     assert!(a.starts_with("203.0.113.10 hi 198.51.100.1:"), "{a}");
     assert_eq!(g.ask(PRIVATE, "x"), None, "private range reached");
     assert_eq!(g.ask(METADATA, "x"), None, "metadata address reached");
-    assert_eq!(g.ask(HOST_UPLINK_IP, "x"), None, "the node's own address reached");
-    assert_eq!(g.ask(slot.addrs().veth_host_ip, "x"), None, "the node's veth end reached");
-    assert_eq!(g.ask(other.addrs().host_ip, "x"), None, "another sandbox reached");
-    assert_eq!(g.ask(sandfork_network::plan::GATEWAY_IP, "x"), None, "the slot namespace reached");
+    assert_eq!(
+        g.ask(HOST_UPLINK_IP, "x"),
+        None,
+        "the node's own address reached"
+    );
+    assert_eq!(
+        g.ask(slot.addrs().veth_host_ip, "x"),
+        None,
+        "the node's veth end reached"
+    );
+    assert_eq!(
+        g.ask(other.addrs().host_ip, "x"),
+        None,
+        "another sandbox reached"
+    );
+    assert_eq!(
+        g.ask(sandfork_network::plan::GATEWAY_IP, "x"),
+        None,
+        "the slot namespace reached"
+    );
     drop(g);
     pool.release(slot);
     pool.release(other);
@@ -68,10 +88,30 @@ fn two_slots_with_the_same_guest_address_are_told_apart() {
     assert_ne!(peer(&a1), peer(&a2));
 
     // Ingress: the node reaches each guest by its slot's host address.
-    let _l1 = Server::start(&g1.ns, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 49983), "guest1");
-    let _l2 = Server::start(&g2.ns, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 49983), "guest2");
-    let r1 = ask(&w.host, SocketAddrV4::new(s1.addrs().host_ip, 49983), "ping", None).expect("slot 1 ingress");
-    let r2 = ask(&w.host, SocketAddrV4::new(s2.addrs().host_ip, 49983), "ping", None).expect("slot 2 ingress");
+    let _l1 = Server::start(
+        &g1.ns,
+        SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 49983),
+        "guest1",
+    );
+    let _l2 = Server::start(
+        &g2.ns,
+        SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 49983),
+        "guest2",
+    );
+    let r1 = ask(
+        &w.host,
+        SocketAddrV4::new(s1.addrs().host_ip, 49983),
+        "ping",
+        None,
+    )
+    .expect("slot 1 ingress");
+    let r2 = ask(
+        &w.host,
+        SocketAddrV4::new(s2.addrs().host_ip, 49983),
+        "ping",
+        None,
+    )
+    .expect("slot 2 ingress");
     assert!(r1.starts_with("guest1 ping"), "{r1}");
     assert!(r2.starts_with("guest2 ping"), "{r2}");
     drop((g1, g2));
@@ -94,12 +134,36 @@ fn every_rule_kind_and_live_replace() {
     assert_eq!(reach(&g), (true, false), "deny one IP");
 
     let cases: &[(EgressPolicy, (bool, bool), &str)] = &[
-        (policy(None, &["203.0.113.10"], &["203.0.113.0/24"]), (true, false), "deny CIDR, allow IP wins"),
-        (policy(None, &["203.0.113.0/24"], &["203.0.113.11/32"]), (true, true), "allow CIDR beats deny IP"),
-        (policy(Some(false), &[], &[]), (false, false), "allow_internet_access=false"),
-        (policy(None, &[], &[ALL_TRAFFIC]), (false, false), "deny ALL_TRAFFIC"),
-        (policy(None, &["203.0.113.11"], &[ALL_TRAFFIC]), (false, true), "deny all, allow one"),
-        (policy(None, &["*.ok.test", "203.0.113.10"], &[ALL_TRAFFIC]), (true, false), "domain rules are kept but not enforced"),
+        (
+            policy(None, &["203.0.113.10"], &["203.0.113.0/24"]),
+            (true, false),
+            "deny CIDR, allow IP wins",
+        ),
+        (
+            policy(None, &["203.0.113.0/24"], &["203.0.113.11/32"]),
+            (true, true),
+            "allow CIDR beats deny IP",
+        ),
+        (
+            policy(Some(false), &[], &[]),
+            (false, false),
+            "allow_internet_access=false",
+        ),
+        (
+            policy(None, &[], &[ALL_TRAFFIC]),
+            (false, false),
+            "deny ALL_TRAFFIC",
+        ),
+        (
+            policy(None, &["203.0.113.11"], &[ALL_TRAFFIC]),
+            (false, true),
+            "deny all, allow one",
+        ),
+        (
+            policy(None, &["*.ok.test", "203.0.113.10"], &[ALL_TRAFFIC]),
+            (true, false),
+            "domain rules are kept but not enforced",
+        ),
         (EgressPolicy::default(), (true, true), "default"),
     ];
     for (p, want, what) in cases {
@@ -108,7 +172,11 @@ fn every_rule_kind_and_live_replace() {
         assert_eq!(slot.policy(), p);
     }
     // No user rule opens always-deny.
-    pool.set_policy(&mut slot, policy(None, &["192.168.77.10", "169.254.0.0/16", "0.0.0.0/0"], &[])).unwrap();
+    pool.set_policy(
+        &mut slot,
+        policy(None, &["192.168.77.10", "169.254.0.0/16", "0.0.0.0/0"], &[]),
+    )
+    .unwrap();
     assert_eq!(g.ask(PRIVATE, "x"), None);
     assert_eq!(g.ask(METADATA, "x"), None);
     assert!(g.ask(WEB_A, "x").is_some());
@@ -130,7 +198,12 @@ fn spoofed_source_address_or_mac_is_dropped() {
 
     // Another source address.
     ip(&g.path, "addr add 203.0.113.99/32 dev eth0");
-    let spoofed = ask(&g.ns, SocketAddrV4::new(WEB_A, 80), "spoof", Some(Ipv4Addr::new(203, 0, 113, 99)));
+    let spoofed = ask(
+        &g.ns,
+        SocketAddrV4::new(WEB_A, 80),
+        "spoof",
+        Some(Ipv4Addr::new(203, 0, 113, 99)),
+    );
     assert_eq!(spoofed, None, "spoofed source address got out");
 
     // Another MAC; promiscuous, so only the slot's guard can be why nothing comes back.
@@ -138,7 +211,10 @@ fn spoofed_source_address_or_mac_is_dropped() {
     ip(&g.path, "link set eth0 address 02:fc:00:00:00:99");
     assert_eq!(g.ask(WEB_A, "spoof"), None, "spoofed MAC got out");
     ip(&g.path, "link set eth0 address 02:fc:00:00:00:05");
-    assert!(g.ask(WEB_A, "ok").is_some(), "the guest's own MAC works again");
+    assert!(
+        g.ask(WEB_A, "ok").is_some(),
+        "the guest's own MAC works again"
+    );
     drop(g);
     pool.release(slot);
     pool.shutdown(true).unwrap();
@@ -151,7 +227,11 @@ fn pool_refills_recycles_and_runs_out() {
     }
     let w = World::new();
     let (pool, _) = Pool::start(w.pool_config(2, 3), &[]).unwrap();
-    assert!(pool.wait_ready(2, Duration::from_secs(10)), "{:?}", pool.last_error());
+    assert!(
+        pool.wait_ready(2, Duration::from_secs(10)),
+        "{:?}",
+        pool.last_error()
+    );
     let a = pool.take(&EgressPolicy::default()).unwrap();
     let b = pool.take(&policy(Some(false), &[], &[])).unwrap();
     // The third is made on the spot or by the worker; then there are none.
@@ -173,7 +253,10 @@ fn pool_refills_recycles_and_runs_out() {
     assert_eq!(again.id(), b_id);
     assert_eq!(again.policy(), &EgressPolicy::default());
     let g = Guest::attach(&w, "g", &again);
-    assert!(g.ask(WEB_A, "back").is_some(), "a recycled slot is online with the default policy");
+    assert!(
+        g.ask(WEB_A, "back").is_some(),
+        "a recycled slot is online with the default policy"
+    );
     drop(g);
     for s in [a, c, again] {
         pool.release(s);
@@ -198,13 +281,26 @@ fn start_reclaims_stale_slots_and_adopts_running_ones() {
     assert!(w.anchors().len() >= 3);
 
     let stored = policy(Some(false), &[], &[]);
-    let in_use = [InUse { id: running_id, policy: stored.clone() }, InUse { id: 7, policy: EgressPolicy::default() }];
+    let in_use = [
+        InUse {
+            id: running_id,
+            policy: stored.clone(),
+        },
+        InUse {
+            id: 7,
+            policy: EgressPolicy::default(),
+        },
+    ];
     let (pool, rec) = Pool::start(w.pool_config(0, 8), &in_use).unwrap();
     assert_eq!(rec.adopted.len(), 1);
     assert_eq!(rec.missing, vec![7]);
     assert!(!rec.removed.contains(&running_id));
     assert!(rec.removed.len() >= 2, "{rec:?}");
-    let sfv: Vec<String> = w.host_links().into_iter().filter(|l| l.starts_with("sfv-")).collect();
+    let sfv: Vec<String> = w
+        .host_links()
+        .into_iter()
+        .filter(|l| l.starts_with("sfv-"))
+        .collect();
     assert_eq!(sfv, vec![format!("sfv-{running_id}")]);
     assert_eq!(w.anchors(), vec![format!("sf-{running_id}")]);
 
@@ -234,11 +330,18 @@ fn nothing_is_left_after_a_clean_stop() {
     pool.release(s);
     assert!(table_exists_in(&w.host_path, "sf_host").unwrap());
     pool.shutdown(true).unwrap();
-    assert!(w.host_links().iter().all(|l| !l.starts_with("sfv-")), "{:?}", w.host_links());
+    assert!(
+        w.host_links().iter().all(|l| !l.starts_with("sfv-")),
+        "{:?}",
+        w.host_links()
+    );
     assert!(w.anchors().is_empty(), "{:?}", w.anchors());
     assert!(!table_exists_in(&w.host_path, "sf_host").unwrap());
     let routes = ip_out(&w.host_path, "route");
-    assert!(!routes.contains("10.11.") && !routes.contains("10.12."), "{routes}");
+    assert!(
+        !routes.contains("10.11.") && !routes.contains("10.12."),
+        "{routes}"
+    );
 }
 
 #[test]
@@ -248,7 +351,9 @@ fn start_refuses_a_clashing_route() {
     }
     let w = World::new();
     ip(&w.host_path, "route add 10.0.0.0/8 via 198.51.100.2");
-    let e = Pool::start(w.pool_config(0, 8), &[]).err().expect("clash refused");
+    let e = Pool::start(w.pool_config(0, 8), &[])
+        .err()
+        .expect("clash refused");
     assert!(e.to_string().contains("10.0.0.0/8"), "{e}");
 }
 
@@ -263,5 +368,10 @@ fn bench_net_slot_setup() {
     let n = 200;
     let times = sandfork_network::bench::slot_setup_times(&w.pool_config(0, n), n).unwrap();
     let p = |q| sandfork_network::bench::percentile_ms(&times, q);
-    println!("net_slot_setup_ms p50 {:.2} p99 {:.2} max {:.2} (n={n})", p(50), p(99), p(100));
+    println!(
+        "net_slot_setup_ms p50 {:.2} p99 {:.2} max {:.2} (n={n})",
+        p(50),
+        p(99),
+        p(100)
+    );
 }

@@ -55,11 +55,21 @@ pub enum Expr {
     /// Load a `meta` key into register 1.
     Meta(MetaKey),
     /// Load `len` bytes at `offset` of `base` into register 1.
-    Payload { base: Base, offset: u32, len: u32 },
+    Payload {
+        base: Base,
+        offset: u32,
+        len: u32,
+    },
     /// Register 1 = (register 1 & mask) ^ xor over `mask.len()` bytes.
-    Bitwise { mask: Vec<u8>, xor: Vec<u8> },
+    Bitwise {
+        mask: Vec<u8>,
+        xor: Vec<u8>,
+    },
     /// Compare register 1 to `data`.
-    Cmp { op: CmpOp, data: Vec<u8> },
+    Cmp {
+        op: CmpOp,
+        data: Vec<u8>,
+    },
     /// Load the conntrack state bits (host-endian u32) into register 1.
     CtState,
     /// Put `data` into register 1.

@@ -12,26 +12,73 @@ pub const TABLE: &str = "sf_host";
 /// The host table for uplink `uplink`, slot host range `host_ips`, and the node ports
 /// (protocol, port) guests may open (a DNS forwarder, later).
 pub fn table(uplink: &str, host_ips: Cidr4, open_ports: &[(u8, u16)]) -> Table {
-    let base = |hook, priority, kind| Some(BaseChain { hook, priority, kind });
+    let base = |hook, priority, kind| {
+        Some(BaseChain {
+            hook,
+            priority,
+            kind,
+        })
+    };
     let chains = vec![
-        Chain { name: "forward", base: base(Hook::Forward, 0, "filter") },
-        Chain { name: "input", base: base(Hook::Input, 0, "filter") },
-        Chain { name: "post_nat", base: base(Hook::Postrouting, 100, "nat") },
+        Chain {
+            name: "forward",
+            base: base(Hook::Forward, 0, "filter"),
+        },
+        Chain {
+            name: "input",
+            base: base(Hook::Input, 0, "filter"),
+        },
+        Chain {
+            name: "post_nat",
+            base: base(Hook::Postrouting, 100, "nat"),
+        },
     ];
     let mut rules = vec![
-        Rule::new("forward", [iif_prefix(HOST_VETH_PREFIX), tcp_syn()], clamp_mss()),
-        Rule::new("forward", [oif_prefix(HOST_VETH_PREFIX), tcp_syn()], clamp_mss()),
-        Rule::new("forward", [iif_prefix(HOST_VETH_PREFIX), oif(uplink)], accept()),
-        Rule::new("forward", [iif(uplink), oif_prefix(HOST_VETH_PREFIX), established()], accept()),
+        Rule::new(
+            "forward",
+            [iif_prefix(HOST_VETH_PREFIX), tcp_syn()],
+            clamp_mss(),
+        ),
+        Rule::new(
+            "forward",
+            [oif_prefix(HOST_VETH_PREFIX), tcp_syn()],
+            clamp_mss(),
+        ),
+        Rule::new(
+            "forward",
+            [iif_prefix(HOST_VETH_PREFIX), oif(uplink)],
+            accept(),
+        ),
+        Rule::new(
+            "forward",
+            [iif(uplink), oif_prefix(HOST_VETH_PREFIX), established()],
+            accept(),
+        ),
         // Nothing else between slots, or from elsewhere into them.
         Rule::new("forward", [iif_prefix(HOST_VETH_PREFIX)], drop()),
         Rule::new("forward", [oif_prefix(HOST_VETH_PREFIX)], drop()),
-        Rule::new("input", [iif_prefix(HOST_VETH_PREFIX), established()], accept()),
+        Rule::new(
+            "input",
+            [iif_prefix(HOST_VETH_PREFIX), established()],
+            accept(),
+        ),
     ];
     for (proto, port) in open_ports {
-        rules.push(Rule::new("input", [iif_prefix(HOST_VETH_PREFIX), dport(*proto, *port)], accept()));
+        rules.push(Rule::new(
+            "input",
+            [iif_prefix(HOST_VETH_PREFIX), dport(*proto, *port)],
+            accept(),
+        ));
     }
     rules.push(Rule::new("input", [iif_prefix(HOST_VETH_PREFIX)], drop()));
-    rules.push(Rule::new("post_nat", [oif(uplink), ip_saddr_in(host_ips)], vec![super::expr::Expr::Masquerade]));
-    Table { name: TABLE, chains, rules }
+    rules.push(Rule::new(
+        "post_nat",
+        [oif(uplink), ip_saddr_in(host_ips)],
+        vec![super::expr::Expr::Masquerade],
+    ));
+    Table {
+        name: TABLE,
+        chains,
+        rules,
+    }
 }

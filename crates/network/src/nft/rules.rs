@@ -41,7 +41,11 @@ pub struct Rule {
 }
 
 impl Rule {
-    pub fn new(chain: &'static str, matches: impl IntoIterator<Item = Vec<Expr>>, end: Vec<Expr>) -> Self {
+    pub fn new(
+        chain: &'static str,
+        matches: impl IntoIterator<Item = Vec<Expr>>,
+        end: Vec<Expr>,
+    ) -> Self {
         let mut exprs: Vec<Expr> = matches.into_iter().flatten().collect();
         exprs.extend(end);
         Rule { chain, exprs }
@@ -84,6 +88,14 @@ pub fn replace_table(batch: &mut Batch, t: &Table) {
     let create = flags(libc::NLM_F_CREATE);
     batch.push(NFT_MSG_NEWTABLE, create, NFPROTO_INET, table_attrs(t.name));
     batch.push(NFT_MSG_DELTABLE, 0, NFPROTO_INET, table_attrs(t.name));
+    add_table(batch, t);
+}
+
+/// Adds to `batch`: the table with its chains and rules, where none of that name exists (a
+/// new namespace). Unlike [`replace_table`] it deletes nothing, and a commit that deletes
+/// waits for an RCU grace period (~12 ms measured here, against <1 ms).
+pub fn add_table(batch: &mut Batch, t: &Table) {
+    let create = flags(libc::NLM_F_CREATE);
     batch.push(NFT_MSG_NEWTABLE, create, NFPROTO_INET, table_attrs(t.name));
     for c in &t.chains {
         let mut a = Attrs::new();
@@ -144,44 +156,96 @@ fn ifname(name: &str) -> Vec<u8> {
 }
 
 pub fn iif(name: &str) -> Vec<Expr> {
-    vec![Expr::Meta(MetaKey::IifName), Expr::Cmp { op: CmpOp::Eq, data: ifname(name) }]
+    vec![
+        Expr::Meta(MetaKey::IifName),
+        Expr::Cmp {
+            op: CmpOp::Eq,
+            data: ifname(name),
+        },
+    ]
 }
 
 pub fn not_iif(name: &str) -> Vec<Expr> {
-    vec![Expr::Meta(MetaKey::IifName), Expr::Cmp { op: CmpOp::Neq, data: ifname(name) }]
+    vec![
+        Expr::Meta(MetaKey::IifName),
+        Expr::Cmp {
+            op: CmpOp::Neq,
+            data: ifname(name),
+        },
+    ]
 }
 
 pub fn oif(name: &str) -> Vec<Expr> {
-    vec![Expr::Meta(MetaKey::OifName), Expr::Cmp { op: CmpOp::Eq, data: ifname(name) }]
+    vec![
+        Expr::Meta(MetaKey::OifName),
+        Expr::Cmp {
+            op: CmpOp::Eq,
+            data: ifname(name),
+        },
+    ]
 }
 
 /// Input interface name starts with `prefix` (nft's `"sfv-*"`).
 pub fn iif_prefix(prefix: &str) -> Vec<Expr> {
-    vec![Expr::Meta(MetaKey::IifName), Expr::Cmp { op: CmpOp::Eq, data: prefix.as_bytes().to_vec() }]
+    vec![
+        Expr::Meta(MetaKey::IifName),
+        Expr::Cmp {
+            op: CmpOp::Eq,
+            data: prefix.as_bytes().to_vec(),
+        },
+    ]
 }
 
 pub fn oif_prefix(prefix: &str) -> Vec<Expr> {
-    vec![Expr::Meta(MetaKey::OifName), Expr::Cmp { op: CmpOp::Eq, data: prefix.as_bytes().to_vec() }]
+    vec![
+        Expr::Meta(MetaKey::OifName),
+        Expr::Cmp {
+            op: CmpOp::Eq,
+            data: prefix.as_bytes().to_vec(),
+        },
+    ]
 }
 
 pub fn ipv4() -> Vec<Expr> {
-    vec![Expr::Meta(MetaKey::NfProto), Expr::Cmp { op: CmpOp::Eq, data: vec![NFPROTO_IPV4] }]
+    vec![
+        Expr::Meta(MetaKey::NfProto),
+        Expr::Cmp {
+            op: CmpOp::Eq,
+            data: vec![NFPROTO_IPV4],
+        },
+    ]
 }
 
 pub fn ipv6() -> Vec<Expr> {
-    vec![Expr::Meta(MetaKey::NfProto), Expr::Cmp { op: CmpOp::Eq, data: vec![NFPROTO_IPV6] }]
+    vec![
+        Expr::Meta(MetaKey::NfProto),
+        Expr::Cmp {
+            op: CmpOp::Eq,
+            data: vec![NFPROTO_IPV6],
+        },
+    ]
 }
 
 fn ip_field_in(offset: u32, c: Cidr4) -> Vec<Expr> {
     let mut v = ipv4();
-    if c.len() == 0 {
+    if c.prefix_len() == 0 {
         return v;
     }
-    v.push(Expr::Payload { base: Base::Network, offset, len: 4 });
-    if c.len() < 32 {
-        v.push(Expr::Bitwise { mask: c.mask_octets().to_vec(), xor: vec![0; 4] });
+    v.push(Expr::Payload {
+        base: Base::Network,
+        offset,
+        len: 4,
+    });
+    if c.prefix_len() < 32 {
+        v.push(Expr::Bitwise {
+            mask: c.mask_octets().to_vec(),
+            xor: vec![0; 4],
+        });
     }
-    v.push(Expr::Cmp { op: CmpOp::Eq, data: c.addr().octets().to_vec() });
+    v.push(Expr::Cmp {
+        op: CmpOp::Eq,
+        data: c.addr().octets().to_vec(),
+    });
     v
 }
 
@@ -199,8 +263,15 @@ pub fn ip_daddr(ip: Ipv4Addr) -> Vec<Expr> {
 
 pub fn ip_saddr_not(ip: Ipv4Addr) -> Vec<Expr> {
     let mut v = ipv4();
-    v.push(Expr::Payload { base: Base::Network, offset: 12, len: 4 });
-    v.push(Expr::Cmp { op: CmpOp::Neq, data: ip.octets().to_vec() });
+    v.push(Expr::Payload {
+        base: Base::Network,
+        offset: 12,
+        len: 4,
+    });
+    v.push(Expr::Cmp {
+        op: CmpOp::Neq,
+        data: ip.octets().to_vec(),
+    });
     v
 }
 
@@ -208,9 +279,19 @@ pub fn ip_saddr_not(ip: Ipv4Addr) -> Vec<Expr> {
 pub fn ether_saddr_not(mac: [u8; 6]) -> Vec<Expr> {
     vec![
         Expr::Meta(MetaKey::IifType),
-        Expr::Cmp { op: CmpOp::Eq, data: (libc::ARPHRD_ETHER).to_ne_bytes().to_vec() },
-        Expr::Payload { base: Base::Link, offset: 6, len: 6 },
-        Expr::Cmp { op: CmpOp::Neq, data: mac.to_vec() },
+        Expr::Cmp {
+            op: CmpOp::Eq,
+            data: (libc::ARPHRD_ETHER).to_ne_bytes().to_vec(),
+        },
+        Expr::Payload {
+            base: Base::Link,
+            offset: 6,
+            len: 6,
+        },
+        Expr::Cmp {
+            op: CmpOp::Neq,
+            data: mac.to_vec(),
+        },
     ]
 }
 
@@ -220,8 +301,14 @@ pub fn established() -> Vec<Expr> {
     const RELATED: u32 = 1 << 2;
     vec![
         Expr::CtState,
-        Expr::Bitwise { mask: (ESTABLISHED | RELATED).to_ne_bytes().to_vec(), xor: vec![0; 4] },
-        Expr::Cmp { op: CmpOp::Neq, data: vec![0; 4] },
+        Expr::Bitwise {
+            mask: (ESTABLISHED | RELATED).to_ne_bytes().to_vec(),
+            xor: vec![0; 4],
+        },
+        Expr::Cmp {
+            op: CmpOp::Neq,
+            data: vec![0; 4],
+        },
     ]
 }
 
@@ -229,10 +316,23 @@ pub fn established() -> Vec<Expr> {
 pub fn tcp_syn() -> Vec<Expr> {
     vec![
         Expr::Meta(MetaKey::L4Proto),
-        Expr::Cmp { op: CmpOp::Eq, data: vec![libc::IPPROTO_TCP as u8] },
-        Expr::Payload { base: Base::Transport, offset: 13, len: 1 },
-        Expr::Bitwise { mask: vec![0x02 | 0x04], xor: vec![0] },
-        Expr::Cmp { op: CmpOp::Eq, data: vec![0x02] },
+        Expr::Cmp {
+            op: CmpOp::Eq,
+            data: vec![libc::IPPROTO_TCP as u8],
+        },
+        Expr::Payload {
+            base: Base::Transport,
+            offset: 13,
+            len: 1,
+        },
+        Expr::Bitwise {
+            mask: vec![0x02 | 0x04],
+            xor: vec![0],
+        },
+        Expr::Cmp {
+            op: CmpOp::Eq,
+            data: vec![0x02],
+        },
     ]
 }
 
@@ -240,9 +340,19 @@ pub fn tcp_syn() -> Vec<Expr> {
 pub fn dport(proto: u8, port: u16) -> Vec<Expr> {
     vec![
         Expr::Meta(MetaKey::L4Proto),
-        Expr::Cmp { op: CmpOp::Eq, data: vec![proto] },
-        Expr::Payload { base: Base::Transport, offset: 2, len: 2 },
-        Expr::Cmp { op: CmpOp::Eq, data: port.to_be_bytes().to_vec() },
+        Expr::Cmp {
+            op: CmpOp::Eq,
+            data: vec![proto],
+        },
+        Expr::Payload {
+            base: Base::Transport,
+            offset: 2,
+            len: 2,
+        },
+        Expr::Cmp {
+            op: CmpOp::Eq,
+            data: port.to_be_bytes().to_vec(),
+        },
     ]
 }
 
@@ -279,8 +389,14 @@ mod tests {
     #[test]
     fn cidr_match_masks_only_when_needed() {
         let m = ip_daddr_in("10.0.0.0/8".parse().unwrap());
-        assert!(m.contains(&Expr::Bitwise { mask: vec![255, 0, 0, 0], xor: vec![0; 4] }));
-        assert!(m.contains(&Expr::Cmp { op: CmpOp::Eq, data: vec![10, 0, 0, 0] }));
+        assert!(m.contains(&Expr::Bitwise {
+            mask: vec![255, 0, 0, 0],
+            xor: vec![0; 4]
+        }));
+        assert!(m.contains(&Expr::Cmp {
+            op: CmpOp::Eq,
+            data: vec![10, 0, 0, 0]
+        }));
         let m = ip_daddr("1.2.3.4".parse().unwrap());
         assert!(!m.iter().any(|e| matches!(e, Expr::Bitwise { .. })));
         // 0.0.0.0/0 matches any IPv4 packet
@@ -291,7 +407,10 @@ mod tests {
     fn replace_table_is_one_batch() {
         let t = Table {
             name: "t",
-            chains: vec![Chain { name: "c", base: None }],
+            chains: vec![Chain {
+                name: "c",
+                base: None,
+            }],
             rules: vec![Rule::new("c", [iif("tap0")], accept())],
         };
         let mut b = Batch::new(1);

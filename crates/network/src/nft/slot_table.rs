@@ -16,16 +16,43 @@ const ALWAYS_DENY_CHAIN: &str = "always_deny";
 
 /// The whole slot table for host address `host_ip`, with `policy`.
 pub fn table(host_ip: Ipv4Addr, always_deny: &[Cidr4], policy: &EgressPolicy) -> Table {
-    let base = |hook, priority, kind| Some(BaseChain { hook, priority, kind });
+    let base = |hook, priority, kind| {
+        Some(BaseChain {
+            hook,
+            priority,
+            kind,
+        })
+    };
     let chains = vec![
         // Before conntrack (-200): a spoofed frame never creates state.
-        Chain { name: "guard", base: base(Hook::Prerouting, -300, "filter") },
-        Chain { name: "pre_nat", base: base(Hook::Prerouting, -100, "nat") },
-        Chain { name: "egress", base: base(Hook::Forward, 0, "filter") },
-        Chain { name: "to_slot", base: base(Hook::Input, 0, "filter") },
-        Chain { name: "post_nat", base: base(Hook::Postrouting, 100, "nat") },
-        Chain { name: ALWAYS_DENY_CHAIN, base: None },
-        Chain { name: USER_CHAIN, base: None },
+        Chain {
+            name: "guard",
+            base: base(Hook::Prerouting, -300, "filter"),
+        },
+        Chain {
+            name: "pre_nat",
+            base: base(Hook::Prerouting, -100, "nat"),
+        },
+        Chain {
+            name: "egress",
+            base: base(Hook::Forward, 0, "filter"),
+        },
+        Chain {
+            name: "to_slot",
+            base: base(Hook::Input, 0, "filter"),
+        },
+        Chain {
+            name: "post_nat",
+            base: base(Hook::Postrouting, 100, "nat"),
+        },
+        Chain {
+            name: ALWAYS_DENY_CHAIN,
+            base: None,
+        },
+        Chain {
+            name: USER_CHAIN,
+            base: None,
+        },
     ];
     let mut rules = vec![
         // Only the guest's MAC and IPv4 address may leave the tap; no IPv6 at all.
@@ -33,8 +60,16 @@ pub fn table(host_ip: Ipv4Addr, always_deny: &[Cidr4], policy: &EgressPolicy) ->
         Rule::new("guard", [iif(TAP_NAME), ipv6()], drop()),
         Rule::new("guard", [iif(TAP_NAME), ip_saddr_not(GUEST_IP)], drop()),
         Rule::new("guard", [ipv6()], drop()),
-        Rule::new("pre_nat", [iif(SLOT_VETH_NAME), ip_daddr(host_ip)], nat_to(NatKind::Dnat, GUEST_IP)),
-        Rule::new("post_nat", [oif(SLOT_VETH_NAME), ip_saddr_in(Cidr4::host(GUEST_IP))], nat_to(NatKind::Snat, host_ip)),
+        Rule::new(
+            "pre_nat",
+            [iif(SLOT_VETH_NAME), ip_daddr(host_ip)],
+            nat_to(NatKind::Dnat, GUEST_IP),
+        ),
+        Rule::new(
+            "post_nat",
+            [oif(SLOT_VETH_NAME), ip_saddr_in(Cidr4::host(GUEST_IP))],
+            nat_to(NatKind::Snat, host_ip),
+        ),
         // Egress: only what the guest starts is policed; answers to it pass.
         Rule::new("egress", [not_iif(TAP_NAME)], accept()),
         Rule::new("egress", [established()], accept()),
@@ -48,7 +83,11 @@ pub fn table(host_ip: Ipv4Addr, always_deny: &[Cidr4], policy: &EgressPolicy) ->
         rules.push(Rule::new(ALWAYS_DENY_CHAIN, [ip_daddr_in(*c)], reject()));
     }
     rules.extend(user_rules(policy));
-    Table { name: TABLE, chains, rules }
+    Table {
+        name: TABLE,
+        chains,
+        rules,
+    }
 }
 
 /// The user chain's rules: allows first (allow beats deny), then denies; the rest falls
@@ -72,18 +111,35 @@ mod tests {
 
     #[test]
     fn egress_order_is_always_deny_then_user() {
-        let t = table("10.11.0.1".parse().unwrap(), &always_deny(&[]), &EgressPolicy::default());
+        let t = table(
+            "10.11.0.1".parse().unwrap(),
+            &always_deny(&[]),
+            &EgressPolicy::default(),
+        );
         let egress: Vec<&Rule> = t.rules.iter().filter(|r| r.chain == "egress").collect();
         assert_eq!(egress.len(), 4);
-        assert_eq!(egress[2].exprs.last(), Some(&Expr::Verdict(Verdict::Jump(ALWAYS_DENY_CHAIN.into()))));
-        assert_eq!(egress[3].exprs.last(), Some(&Expr::Verdict(Verdict::Jump(USER_CHAIN.into()))));
-        assert_eq!(t.rules.iter().filter(|r| r.chain == ALWAYS_DENY_CHAIN).count(), 10);
+        assert_eq!(
+            egress[2].exprs.last(),
+            Some(&Expr::Verdict(Verdict::Jump(ALWAYS_DENY_CHAIN.into())))
+        );
+        assert_eq!(
+            egress[3].exprs.last(),
+            Some(&Expr::Verdict(Verdict::Jump(USER_CHAIN.into())))
+        );
+        assert_eq!(
+            t.rules
+                .iter()
+                .filter(|r| r.chain == ALWAYS_DENY_CHAIN)
+                .count(),
+            10
+        );
         assert_eq!(t.rules.iter().filter(|r| r.chain == USER_CHAIN).count(), 0);
     }
 
     #[test]
     fn user_rules_put_allow_before_deny() {
-        let p = EgressPolicy::from_e2b(None, &["203.0.113.10".into()], &[ALL_TRAFFIC.into()]).unwrap();
+        let p =
+            EgressPolicy::from_e2b(None, &["203.0.113.10".into()], &[ALL_TRAFFIC.into()]).unwrap();
         let r = user_rules(&p);
         assert_eq!(r.len(), 2);
         assert_eq!(r[0].exprs.last(), Some(&Expr::Verdict(Verdict::Accept)));

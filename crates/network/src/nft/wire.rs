@@ -60,7 +60,8 @@ impl Attrs {
     pub fn begin(&mut self, kind: u16) -> usize {
         let at = self.buf.len();
         self.buf.extend_from_slice(&[0, 0]);
-        self.buf.extend_from_slice(&(kind | NLA_F_NESTED).to_ne_bytes());
+        self.buf
+            .extend_from_slice(&(kind | NLA_F_NESTED).to_ne_bytes());
         at
     }
 
@@ -185,11 +186,17 @@ mod tests {
         assert_eq!(next, 103);
         assert_eq!(bytes.len(), 3 * 20);
         // begin: type 0x10, res_id = nftables subsystem, big-endian
-        assert_eq!(u16::from_ne_bytes([bytes[4], bytes[5]]), NFNL_MSG_BATCH_BEGIN);
+        assert_eq!(
+            u16::from_ne_bytes([bytes[4], bytes[5]]),
+            NFNL_MSG_BATCH_BEGIN
+        );
         assert_eq!(&bytes[18..20], &[0, 10]);
         // the table message: subsystem 10, message 0, family inet
         assert_eq!(u16::from_ne_bytes([bytes[24], bytes[25]]), 10 << 8);
         assert_eq!(bytes[36], NFPROTO_INET);
-        assert_eq!(u16::from_ne_bytes([bytes[44], bytes[45]]), NFNL_MSG_BATCH_END);
+        assert_eq!(
+            u16::from_ne_bytes([bytes[44], bytes[45]]),
+            NFNL_MSG_BATCH_END
+        );
     }
 }

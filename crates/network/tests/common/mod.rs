@@ -51,7 +51,11 @@ pub fn ip(ns: &Path, args: &str) {
         .args(args.split_whitespace())
         .output()
         .expect("run nsenter ip");
-    assert!(out.status.success(), "ip {args}: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "ip {args}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 pub fn ip_out(ns: &Path, args: &str) -> String {
@@ -65,7 +69,9 @@ pub fn ip_out(ns: &Path, args: &str) -> String {
 }
 
 fn new_ns(path: &Path) -> OwnedFd {
-    netns::create_anchored(path, |_| Ok(())).expect("make namespace").1
+    netns::create_anchored(path, |_| Ok(()))
+        .expect("make namespace")
+        .1
 }
 
 /// A TCP server in a namespace: answers each connection's first line with
@@ -78,7 +84,8 @@ pub struct Server {
 impl Server {
     pub fn start(ns: &OwnedFd, addr: SocketAddrV4, name: &str) -> Server {
         let listener = netns::run_in(ns, || {
-            TcpListener::bind(addr).map_err(|e| sandfork_network::Error::Plan(format!("bind {addr}: {e}")))
+            TcpListener::bind(addr)
+                .map_err(|e| sandfork_network::Error::Plan(format!("bind {addr}: {e}")))
         })
         .expect("listen");
         listener.set_nonblocking(true).unwrap();
@@ -96,7 +103,9 @@ impl Server {
                             let mut line = String::new();
                             let mut r = BufReader::new(&c);
                             if r.read_line(&mut line).is_ok() {
-                                let _ = (&c).write_all(format!("{name} {} {peer}\n", line.trim()).as_bytes());
+                                let _ = (&c).write_all(
+                                    format!("{name} {} {peer}\n", line.trim()).as_bytes(),
+                                );
                             }
                         });
                     }
@@ -104,7 +113,10 @@ impl Server {
                 }
             }
         });
-        Server { stop, thread: Some(thread) }
+        Server {
+            stop,
+            thread: Some(thread),
+        }
     }
 }
 
@@ -119,7 +131,12 @@ impl Drop for Server {
 
 /// Sends `token` to `addr` from namespace `ns` and returns the answer, or None when the
 /// connection fails or times out.
-pub fn ask(ns: &OwnedFd, addr: SocketAddrV4, token: &str, source: Option<Ipv4Addr>) -> Option<String> {
+pub fn ask(
+    ns: &OwnedFd,
+    addr: SocketAddrV4,
+    token: &str,
+    source: Option<Ipv4Addr>,
+) -> Option<String> {
     let token = token.to_string();
     netns::run_in(ns, move || {
         let s = match source {
@@ -140,7 +157,12 @@ pub fn ask(ns: &OwnedFd, addr: SocketAddrV4, token: &str, source: Option<Ipv4Add
 
 fn connect_from(src: Ipv4Addr, dst: SocketAddrV4) -> std::io::Result<TcpStream> {
     use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrIn, bind, socket};
-    let fd = socket(AddressFamily::Inet, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+    let fd = socket(
+        AddressFamily::Inet,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
     bind(fd.as_raw_fd(), &SockaddrIn::from(SocketAddrV4::new(src, 0)))?;
     let s = TcpStream::from(fd);
     // connect with a timeout: nonblocking connect, then wait for writability
@@ -151,7 +173,10 @@ fn connect_from(src: Ipv4Addr, dst: SocketAddrV4) -> std::io::Result<TcpStream> 
     {
         return Err(e.into());
     }
-    let mut fds = [nix::poll::PollFd::new(s.as_fd(), nix::poll::PollFlags::POLLOUT)];
+    let mut fds = [nix::poll::PollFd::new(
+        s.as_fd(),
+        nix::poll::PollFlags::POLLOUT,
+    )];
     let n = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(2500u16))?;
     if n == 0 {
         return Err(std::io::ErrorKind::TimedOut.into());
@@ -180,8 +205,13 @@ impl Bridge {
             threads.push(std::thread::spawn(move || {
                 let mut buf = vec![0u8; 65536];
                 while !stop.load(Ordering::Relaxed) {
-                    let mut fds = [nix::poll::PollFd::new(from.as_fd(), nix::poll::PollFlags::POLLIN)];
-                    if nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(50u8)).unwrap_or(0) == 0 {
+                    let mut fds = [nix::poll::PollFd::new(
+                        from.as_fd(),
+                        nix::poll::PollFlags::POLLIN,
+                    )];
+                    if nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(50u8)).unwrap_or(0)
+                        == 0
+                    {
                         continue;
                     }
                     match nix::unistd::read(from.as_fd(), &mut buf) {
@@ -218,15 +248,26 @@ impl Guest {
     pub fn attach(world: &World, name: &str, slot: &Slot) -> Guest {
         let path = world.dir.path().join(name);
         let ns = new_ns(&path);
-        let own = netns::run_in(&ns, || sandfork_network::tap::open_tap("eth0")).expect("guest tap");
-        let mac = GUEST_MAC.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":");
+        let own =
+            netns::run_in(&ns, || sandfork_network::tap::open_tap("eth0")).expect("guest tap");
+        let mac = GUEST_MAC
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<Vec<_>>()
+            .join(":");
         ip(&path, "link set lo up");
         ip(&path, &format!("link set eth0 address {mac}"));
         ip(&path, &format!("addr add {GUEST_IP}/30 dev eth0"));
         ip(&path, "link set eth0 up");
         ip(&path, &format!("route add default via {GATEWAY_IP}"));
-        let slot_tap = slot.run_in(|| sandfork_network::tap::open_tap(TAP_NAME)).expect("slot tap");
-        Guest { path, ns, _bridge: Bridge::start(own, slot_tap) }
+        let slot_tap = slot
+            .run_in(|| sandfork_network::tap::open_tap(TAP_NAME))
+            .expect("slot tap");
+        Guest {
+            path,
+            ns,
+            _bridge: Bridge::start(own, slot_tap),
+        }
     }
 
     pub fn ask(&self, ip: Ipv4Addr, token: &str) -> Option<String> {
@@ -259,8 +300,17 @@ impl World {
         let inet = new_ns(&inet_path);
         ip(&host_path, "link set lo up");
         ip(&inet_path, "link set lo up");
-        ip(&host_path, &format!("link add {UPLINK} type veth peer name inet0 netns {}", inet_path.display()));
-        ip(&host_path, &format!("addr add {HOST_UPLINK_IP}/24 dev {UPLINK}"));
+        ip(
+            &host_path,
+            &format!(
+                "link add {UPLINK} type veth peer name inet0 netns {}",
+                inet_path.display()
+            ),
+        );
+        ip(
+            &host_path,
+            &format!("addr add {HOST_UPLINK_IP}/24 dev {UPLINK}"),
+        );
         ip(&host_path, &format!("link set {UPLINK} up"));
         ip(&host_path, "route add default via 198.51.100.2");
         ip(&inet_path, "addr add 198.51.100.2/24 dev inet0");
@@ -272,7 +322,14 @@ impl World {
             .iter()
             .map(|a| Server::start(&inet, SocketAddrV4::new(*a, 80), &a.to_string()))
             .collect();
-        World { dir, host_path, host, inet_path, inet, _servers: servers }
+        World {
+            dir,
+            host_path,
+            host,
+            inet_path,
+            inet,
+            _servers: servers,
+        }
     }
 
     pub fn anchor_dir(&self) -> PathBuf {
@@ -284,7 +341,10 @@ impl World {
         host.host_netns = Some(self.host_path.clone());
         host.uplink = None; // found from the default route: up0
         host.plan.slots = slots;
-        PoolConfig { host, ready_target: ready }
+        PoolConfig {
+            host,
+            ready_target: ready,
+        }
     }
 
     /// Names of the host namespace's links.
@@ -299,7 +359,10 @@ impl World {
     /// Anchors left in the anchor directory.
     pub fn anchors(&self) -> Vec<String> {
         std::fs::read_dir(self.anchor_dir())
-            .map(|d| d.filter_map(|e| e.ok()?.file_name().into_string().ok()).collect())
+            .map(|d| {
+                d.filter_map(|e| e.ok()?.file_name().into_string().ok())
+                    .collect()
+            })
             .unwrap_or_default()
     }
 }
@@ -307,7 +370,11 @@ impl World {
 impl Drop for World {
     fn drop(&mut self) {
         // Anything a failed test left: unmount every anchor below the directory.
-        for e in std::fs::read_dir(self.anchor_dir()).into_iter().flatten().flatten() {
+        for e in std::fs::read_dir(self.anchor_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
             let _ = netns::remove_anchor(&e.path());
         }
         let _ = nix::mount::umount2(&self.anchor_dir(), nix::mount::MntFlags::MNT_DETACH);
