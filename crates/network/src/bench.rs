@@ -7,8 +7,9 @@ use crate::host::Host;
 use crate::pool::PoolConfig;
 use crate::slot;
 
-/// Setup times of `n` slots made one after another (then removed), sorted.
-pub fn slot_setup_times(cfg: &PoolConfig, n: u32) -> Result<Vec<Duration>> {
+/// Setup times of `n` slots made one after another (then removed), sorted; and the times of
+/// one policy replace on each (`net_policy_replace_ms`), sorted.
+pub fn slot_setup_times(cfg: &PoolConfig, n: u32) -> Result<(Vec<Duration>, Vec<Duration>)> {
     let host = Host::open(&cfg.host)?;
     let mut times = Vec::with_capacity(n as usize);
     let mut made = Vec::new();
@@ -26,13 +27,31 @@ pub fn slot_setup_times(cfg: &PoolConfig, n: u32) -> Result<Vec<Duration>> {
             }
         }
     }
+    let mut replace = Vec::with_capacity(made.len());
+    let deny = crate::policy::EgressPolicy::from_e2b(
+        None,
+        &["203.0.113.10".into()],
+        &["0.0.0.0/0".into()],
+    )?;
+    for s in &mut made {
+        if result.is_err() {
+            break;
+        }
+        let t = Instant::now();
+        if let Err(e) = slot::set_policy(s, deny.clone()) {
+            result = Err(e);
+            break;
+        }
+        replace.push(t.elapsed());
+    }
     for s in made {
         slot::remove(&host, s)?;
     }
     host.remove_table()?;
     result?;
     times.sort();
-    Ok(times)
+    replace.sort();
+    Ok((times, replace))
 }
 
 /// The `p`-th percentile (0..=100) of sorted `times`, in milliseconds.

@@ -19,6 +19,19 @@ pub struct PoolConfig {
     pub host: HostConfig,
     /// Ready slots the worker keeps (a fork burst's worth); refilled when fewer.
     pub ready_target: usize,
+    /// How long a given-back slot rests before reuse, so requests still in flight to its
+    /// host address (the proxy's) cannot reach the next sandbox (E2B waits 3 s).
+    pub release_delay: std::time::Duration,
+}
+
+impl PoolConfig {
+    pub fn new(host: HostConfig) -> Self {
+        PoolConfig {
+            host,
+            ready_target: 32,
+            release_delay: std::time::Duration::from_secs(3),
+        }
+    }
 }
 
 /// A slot still in use by a sandbox that outlived a restart, with the policy stored for it.
@@ -31,8 +44,8 @@ pub struct InUse {
 #[derive(Default)]
 struct State {
     ready: VecDeque<Slot>,
-    /// Given back, waiting for a reset.
-    returned: VecDeque<Slot>,
+    /// Given back, waiting out the drain delay, then a reset (oldest first).
+    returned: VecDeque<(Instant, Slot)>,
     /// Ids with no slot made (lowest first).
     unmade: Vec<u32>,
     in_use: HashSet<u32>,
@@ -48,6 +61,7 @@ struct Inner {
     state: Mutex<State>,
     wake: Condvar,
     ready_target: usize,
+    release_delay: std::time::Duration,
 }
 
 impl Inner {
@@ -140,6 +154,7 @@ impl Pool {
             }),
             wake: Condvar::new(),
             ready_target: cfg.ready_target,
+            release_delay: cfg.release_delay,
         });
         let w = Arc::clone(&inner);
         let worker = std::thread::Builder::new()
@@ -168,11 +183,16 @@ impl Pool {
             let got = loop {
                 if let Some(s) = st.ready.pop_front() {
                     break Got::Ready(s);
-                } else if let Some(s) = st.returned.pop_front() {
-                    break Got::Returned(s);
+                } else if st
+                    .returned
+                    .front()
+                    .is_some_and(|(t, _)| *t <= Instant::now())
+                {
+                    break Got::Returned(st.returned.pop_front().expect("front").1);
                 } else if let Some(id) = st.unmade.pop() {
                     break Got::Make(id);
                 } else if st.busy == 0 {
+                    // Slots resting after release do not count: they are not free yet.
                     return Err(Error::Exhausted(self.inner.host.plan.slots));
                 }
                 // The worker holds the last slot(s): wait for it rather than fail.
@@ -219,7 +239,7 @@ impl Pool {
         let mut st = self.inner.lock();
         st.in_use.remove(&id);
         match slot {
-            Some(s) => st.returned.push_back(s),
+            Some(s) => st.returned.push_back((Instant::now(), s)),
             None => st.unmade.push(id),
         }
         self.inner.wake.notify_all();
@@ -234,7 +254,8 @@ impl Pool {
     pub fn release(&self, slot: Slot) {
         let mut st = self.inner.lock();
         st.in_use.remove(&slot.id());
-        st.returned.push_back(slot);
+        st.returned
+            .push_back((Instant::now() + self.inner.release_delay, slot));
         self.inner.wake.notify_all();
     }
 
@@ -294,7 +315,7 @@ impl Pool {
         let (slots, none_in_use) = {
             let mut st = self.inner.lock();
             let mut v: Vec<Slot> = st.ready.drain(..).collect();
-            v.extend(st.returned.drain(..));
+            v.extend(st.returned.drain(..).map(|(_, s)| s));
             (v, st.in_use.is_empty())
         };
         let mut first_err = None;
@@ -338,9 +359,10 @@ fn worker(inner: &Inner) {
                 if st.stop {
                     return;
                 }
-                if let Some(s) = st.returned.pop_front() {
+                let now = Instant::now();
+                if st.returned.front().is_some_and(|(t, _)| *t <= now) {
                     st.busy += 1;
-                    break Job::Reset(s);
+                    break Job::Reset(st.returned.pop_front().expect("front").1);
                 }
                 if st.ready.len() < inner.ready_target
                     && let Some(id) = st.unmade.pop()
@@ -348,7 +370,13 @@ fn worker(inner: &Inner) {
                     st.busy += 1;
                     break Job::Make(id);
                 }
-                st = inner.wake.wait(st).expect("pool state");
+                st = match st.returned.front() {
+                    Some((t, _)) => {
+                        let left = t.saturating_duration_since(now);
+                        inner.wake.wait_timeout(st, left).expect("pool state").0
+                    }
+                    None => inner.wake.wait(st).expect("pool state"),
+                };
             }
         };
         let done = match job {

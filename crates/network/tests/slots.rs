@@ -265,6 +265,27 @@ fn pool_refills_recycles_and_runs_out() {
 }
 
 #[test]
+fn a_released_slot_rests_before_reuse() {
+    if !privileged() {
+        return;
+    }
+    let w = World::new();
+    let mut cfg = w.pool_config(1, 1);
+    cfg.release_delay = Duration::from_millis(400);
+    let (pool, _) = Pool::start(cfg, &[]).unwrap();
+    let s = pool.take(&EgressPolicy::default()).unwrap();
+    pool.release(s);
+    assert!(matches!(
+        pool.take(&EgressPolicy::default()),
+        Err(Error::Exhausted(1))
+    ));
+    assert!(pool.wait_ready(1, Duration::from_secs(5)));
+    let s = pool.take(&EgressPolicy::default()).unwrap();
+    pool.release(s);
+    pool.shutdown(true).unwrap();
+}
+
+#[test]
 fn start_reclaims_stale_slots_and_adopts_running_ones() {
     if !privileged() {
         return;
@@ -357,7 +378,7 @@ fn start_refuses_a_clashing_route() {
     assert!(e.to_string().contains("10.0.0.0/8"), "{e}");
 }
 
-/// `net_slot_setup_ms`: run with `--ignored --nocapture`.
+/// `net_slot_setup_ms` and `net_policy_replace_ms`: run with `--ignored --nocapture`.
 #[test]
 #[ignore]
 fn bench_net_slot_setup() {
@@ -366,12 +387,18 @@ fn bench_net_slot_setup() {
     }
     let w = World::new();
     let n = 200;
-    let times = sandfork_network::bench::slot_setup_times(&w.pool_config(0, n), n).unwrap();
-    let p = |q| sandfork_network::bench::percentile_ms(&times, q);
-    println!(
-        "net_slot_setup_ms p50 {:.2} p99 {:.2} max {:.2} (n={n})",
-        p(50),
-        p(99),
-        p(100)
-    );
+    let (setup, replace) =
+        sandfork_network::bench::slot_setup_times(&w.pool_config(0, n), n).unwrap();
+    for (key, times) in [
+        ("net_slot_setup_ms", setup),
+        ("net_policy_replace_ms", replace),
+    ] {
+        let p = |q| sandfork_network::bench::percentile_ms(&times, q);
+        println!(
+            "{key} p50 {:.2} p99 {:.2} max {:.2} (n={n})",
+            p(50),
+            p(99),
+            p(100)
+        );
+    }
 }

@@ -82,3 +82,29 @@ pub fn table(uplink: &str, host_ips: Cidr4, open_ports: &[(u8, u16)]) -> Table {
         rules,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::expr::{Expr, Verdict};
+    use super::*;
+
+    #[test]
+    fn constant_rules_with_masquerade_and_clamp() {
+        let t = table("up0", "10.11.0.0/16".parse().unwrap(), &[(17, 53)]);
+        let fwd: Vec<&Rule> = t.rules.iter().filter(|r| r.chain == "forward").collect();
+        // clamps first (no verdict), then the accepts, then the drops
+        assert!(fwd[0].exprs.ends_with(&[Expr::RtTcpMss, Expr::SetTcpMss]));
+        assert_eq!(fwd[2].exprs.last(), Some(&Expr::Verdict(Verdict::Accept)));
+        assert_eq!(fwd[5].exprs.last(), Some(&Expr::Verdict(Verdict::Drop)));
+        let input: Vec<&Rule> = t.rules.iter().filter(|r| r.chain == "input").collect();
+        assert_eq!(input.len(), 3); // established, the open port, drop
+        let nat = t.rules.iter().find(|r| r.chain == "post_nat").unwrap();
+        assert_eq!(nat.exprs.last(), Some(&Expr::Masquerade));
+        assert!(nat.exprs.contains(&Expr::Bitwise {
+            mask: vec![255, 255, 0, 0],
+            xor: vec![0; 4]
+        }));
+        // slots are matched by prefix: the rule count does not grow with them
+        assert_eq!(t.rules.len(), 10);
+    }
+}

@@ -344,6 +344,7 @@ impl World {
         PoolConfig {
             host,
             ready_target: ready,
+            release_delay: Duration::ZERO,
         }
     }
 
