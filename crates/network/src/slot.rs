@@ -1,6 +1,6 @@
 //! One slot: its namespace, veth, tap and table; made, re-policed, reset and removed.
 
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
 
 use crate::error::{Error, Result};
@@ -19,7 +19,6 @@ use crate::rtnl::Rtnl;
 #[derive(Debug)]
 pub struct Slot {
     addrs: SlotAddrs,
-    ns: OwnedFd,
     anchor: PathBuf,
     policy: EgressPolicy,
 }
@@ -34,9 +33,11 @@ impl Slot {
         &self.addrs
     }
 
-    /// The slot's network namespace: `setns(fd, CLONE_NEWNET)` before spawning the VMM.
-    pub fn netns(&self) -> BorrowedFd<'_> {
-        self.ns.as_fd()
+    /// Opens the slot's network namespace: `setns(fd, CLONE_NEWNET)` before spawning the
+    /// VMM. Slots keep no fd open (thousands of sandboxes, thousands of fds); the anchor is
+    /// opened when needed.
+    pub fn open_netns(&self) -> Result<OwnedFd> {
+        netns::open(&self.anchor)
     }
 
     /// The anchor file (the namespace for `nsenter --net=`).
@@ -51,7 +52,7 @@ impl Slot {
 
     /// Runs `f` on a thread inside the slot namespace (opening its tap, for one).
     pub fn run_in<T: Send>(&self, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
-        netns::run_in(&self.ns, f)
+        netns::run_in(&self.open_netns()?, f)
     }
 }
 
@@ -60,7 +61,7 @@ pub(crate) fn create(host: &Host, id: u32) -> Result<Slot> {
     let addrs = host.plan.slot(id)?;
     let anchor = host.anchor_dir.join(&addrs.anchor);
     let policy = EgressPolicy::default();
-    let ((), ns) = netns::create_anchored(&anchor, |_own| {
+    let ((), _ns) = netns::create_anchored(&anchor, |_own| {
         // IPv6 off for every link made from here on, before any is made.
         if std::path::Path::new("/proc/sys/net/ipv6").exists() {
             netns::sysctl("net/ipv6/conf/all/disable_ipv6", "1")?;
@@ -117,7 +118,6 @@ pub(crate) fn create(host: &Host, id: u32) -> Result<Slot> {
     })?;
     Ok(Slot {
         addrs,
-        ns,
         anchor,
         policy,
     })
@@ -135,7 +135,6 @@ pub(crate) fn adopt(host: &Host, id: u32, policy: EgressPolicy) -> Result<Slot> 
     })?;
     Ok(Slot {
         addrs,
-        ns,
         anchor,
         policy,
     })
@@ -144,7 +143,7 @@ pub(crate) fn adopt(host: &Host, id: u32, policy: EgressPolicy) -> Result<Slot> 
 /// Replaces the slot's user rules with `policy`'s, in one transaction.
 pub(crate) fn set_policy(slot: &mut Slot, policy: EgressPolicy) -> Result<()> {
     let user = slot_table::user_rules(&policy);
-    netns::run_in(&slot.ns, || {
+    netns::run_in(&slot.open_netns()?, || {
         Nft::open()?.commit("replace policy", |b| {
             rules::replace_chain(b, slot_table::TABLE, slot_table::USER_CHAIN, &user)
         })
@@ -156,7 +155,7 @@ pub(crate) fn set_policy(slot: &mut Slot, policy: EgressPolicy) -> Result<()> {
 /// Resets a returned slot for its next sandbox: default policy, no conntrack state.
 pub(crate) fn reset(slot: &mut Slot) -> Result<()> {
     let user = slot_table::user_rules(&EgressPolicy::default());
-    netns::run_in(&slot.ns, || {
+    netns::run_in(&slot.open_netns()?, || {
         let mut nft = Nft::open()?;
         nft.commit("reset policy", |b| {
             rules::replace_chain(b, slot_table::TABLE, slot_table::USER_CHAIN, &user)
