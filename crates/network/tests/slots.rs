@@ -57,6 +57,23 @@ fn guest_reaches_internet_but_not_forbidden_targets() {
         None,
         "the slot namespace reached"
     );
+    // Nobody but the node opens a connection to a guest: not the internet, even with a route.
+    let _guest_srv = Server::start(
+        &g.ns,
+        SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 8080),
+        "guest",
+    );
+    let host_ip = slot.addrs().host_ip;
+    assert!(
+        ask(&w.host, SocketAddrV4::new(host_ip, 8080), "n", None).is_some(),
+        "node to guest"
+    );
+    ip(&w.inet_path, "route add 10.11.0.0/16 via 198.51.100.1");
+    assert_eq!(
+        ask(&w.inet, SocketAddrV4::new(host_ip, 8080), "i", None),
+        None,
+        "internet to guest"
+    );
     drop(g);
     pool.release(slot);
     pool.release(other);
