@@ -49,6 +49,8 @@ pub(crate) struct Host {
     pub always_deny: Vec<Cidr4>,
     pub anchor_dir: PathBuf,
     pub uplink: String,
+    /// What the operator should know (someone else's forward chain with a drop policy).
+    pub warnings: Vec<String>,
 }
 
 impl Host {
@@ -62,7 +64,7 @@ impl Host {
                 .unwrap_or(Path::new("/proc/self/ns/net")),
         )?;
         let anchor_dir = netns::prepare_anchor_dir(&cfg.anchor_dir)?;
-        let (rtnl, uplink, own) = netns::run_in(&ns, || {
+        let (rtnl, uplink, own, warnings) = netns::run_in(&ns, || {
             let mut rtnl = Rtnl::open()?;
             let links = rtnl.links()?;
             let ours: Vec<u32> = links
@@ -102,7 +104,19 @@ impl Host {
             nft.commit("host table", |b| {
                 crate::nft::rules::replace_table(b, &table)
             })?;
-            Ok((rtnl, uplink, own))
+            let warnings = nft
+                .forward_drop_chains()?
+                .into_iter()
+                .map(|c| {
+                    let family = if c.family == crate::nft::wire::NFPROTO_INET { "inet" } else { "ip" };
+                    format!(
+                        "the forward chain {} of table {family} {} drops by default: sandboxes are \
+                         offline unless one of its rules accepts traffic from and to the sfv-* links",
+                        c.chain, c.table
+                    )
+                })
+                .collect::<Vec<String>>();
+            Ok((rtnl, uplink, own, warnings))
         })?;
         let mut extra = cfg.extra_deny.clone();
         extra.extend(own.into_iter().map(Cidr4::host));
@@ -113,6 +127,7 @@ impl Host {
             always_deny: always_deny(&extra),
             anchor_dir,
             uplink,
+            warnings,
         })
     }
 

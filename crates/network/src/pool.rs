@@ -300,6 +300,11 @@ impl Pool {
         self.inner.lock().last_error.clone()
     }
 
+    /// Problems of the host found at start, for the log (see `HostConfig`).
+    pub fn warnings(&self) -> &[String] {
+        &self.inner.host.warnings
+    }
+
     /// The uplink the host table masquerades out of.
     pub fn uplink(&self) -> &str {
         &self.inner.host.uplink

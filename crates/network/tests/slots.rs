@@ -395,6 +395,42 @@ fn start_refuses_a_clashing_route() {
     assert!(e.to_string().contains("10.0.0.0/8"), "{e}");
 }
 
+#[test]
+fn a_foreign_forward_drop_policy_is_reported() {
+    if !privileged() {
+        return;
+    }
+    use sandfork_network::nft::rules::{BaseChain, Chain, Hook, Table};
+    let w = World::new();
+    let docker_like = Table {
+        name: "fw",
+        chains: vec![Chain {
+            name: "FORWARD",
+            base: Some(BaseChain {
+                hook: Hook::Forward,
+                priority: 0,
+                kind: "filter",
+            }),
+        }],
+        rules: vec![],
+    };
+    sandfork_network::nft::install_table_in(&w.host_path, &docker_like, true).unwrap();
+    let (pool, _) = Pool::start(w.pool_config(0, 2), &[]).unwrap();
+    assert_eq!(pool.warnings().len(), 1, "{:?}", pool.warnings());
+    assert!(
+        pool.warnings()[0].contains("FORWARD"),
+        "{:?}",
+        pool.warnings()
+    );
+    pool.shutdown(true).unwrap();
+    let (pool, _) = {
+        sandfork_network::nft::install_table_in(&w.host_path, &docker_like, false).unwrap();
+        Pool::start(w.pool_config(0, 2), &[]).unwrap()
+    };
+    assert!(pool.warnings().is_empty(), "{:?}", pool.warnings());
+    pool.shutdown(true).unwrap();
+}
+
 /// `net_slot_setup_ms` and `net_policy_replace_ms`: run with `--ignored --nocapture`.
 #[test]
 #[ignore]

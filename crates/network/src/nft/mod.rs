@@ -85,3 +85,84 @@ impl Nft {
 pub fn table_exists_in(netns: &std::path::Path, name: &str) -> Result<bool> {
     crate::run_in_netns(netns, || Nft::open()?.table_exists(name))
 }
+
+/// A base chain of someone else's on the forward hook whose policy is drop (Docker's
+/// `FORWARD DROP` through iptables-nft, a firewalld zone): forwarded slot traffic dies there
+/// unless one of its rules accepts it, whatever our table says. iptables-legacy chains are
+/// not visible here.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ForwardDrop {
+    pub family: u8,
+    pub table: String,
+    pub chain: String,
+}
+
+impl Nft {
+    /// Base chains on the forward hook with a drop policy, ours excluded.
+    pub fn forward_drop_chains(&mut self) -> Result<Vec<ForwardDrop>> {
+        let seq = self.sock.next_seq();
+        let mut m = Vec::new();
+        m.extend_from_slice(&20u32.to_ne_bytes());
+        m.extend_from_slice(&((wire::NFNL_SUBSYS_NFTABLES << 8) | 4).to_ne_bytes()); // GETCHAIN
+        m.extend_from_slice(&((libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16).to_ne_bytes());
+        m.extend_from_slice(&seq.to_ne_bytes());
+        m.extend_from_slice(&0u32.to_ne_bytes());
+        m.extend_from_slice(&[0, 0, 0, 0]); // every family
+        let mut out = Vec::new();
+        for whole in self.sock.dump(&m, seq, "list chains")? {
+            let Some(family) = whole.get(16).copied() else {
+                continue;
+            };
+            if family != wire::NFPROTO_INET && family != wire::NFPROTO_IPV4 {
+                continue;
+            }
+            let (mut table, mut chain, mut hook, mut policy) = (None, None, None, None);
+            for (kind, value) in wire::parse_attrs(&whole[20.min(whole.len())..]) {
+                match kind {
+                    1 => table = wire::attr_str(value),
+                    3 => chain = wire::attr_str(value),
+                    4 => {
+                        hook = wire::parse_attrs(value)
+                            .find(|(k, _)| *k == 1)
+                            .and_then(|(_, v)| wire::attr_be32(v))
+                    }
+                    5 => policy = wire::attr_be32(value),
+                    _ => {}
+                }
+            }
+            let ours = matches!(
+                table.as_deref(),
+                Some(host_table::TABLE) | Some(slot_table::TABLE)
+            );
+            if !ours
+                && hook == Some(rules::Hook::Forward as u32)
+                && policy == Some(expr::NF_DROP as u32)
+            {
+                out.push(ForwardDrop {
+                    family,
+                    table: table.unwrap_or_default(),
+                    chain: chain.unwrap_or_default(),
+                });
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Installs `table` (replacing one of its name) in the namespace at `netns` (tests, tools).
+pub fn install_table_in(
+    netns: &std::path::Path,
+    table: &rules::Table,
+    policy_drop: bool,
+) -> Result<()> {
+    crate::run_in_netns(netns, || {
+        Nft::open()?.commit("install table", |b| {
+            rules::replace_table_with_policy(b, table, policy_drop)
+        })
+    })
+}
+
+/// The forward-drop chains of the namespace at `netns`.
+pub fn forward_drop_chains_in(netns: &std::path::Path) -> Result<Vec<ForwardDrop>> {
+    crate::run_in_netns(netns, || Nft::open()?.forward_drop_chains())
+}

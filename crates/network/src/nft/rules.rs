@@ -27,6 +27,12 @@ pub struct BaseChain {
     pub kind: &'static str,
 }
 
+impl BaseChain {
+    /// Policy of every base chain of ours: accept (we add rules, never a default drop that
+    /// would cut the host's own traffic).
+    pub const POLICY: i32 = super::expr::NF_ACCEPT;
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Chain {
     pub name: &'static str,
@@ -85,16 +91,26 @@ fn table_attrs(name: &str) -> Attrs {
 /// Adds to `batch`: the table replaced whole (created if absent, deleted, created again with
 /// its chains and rules), so the kernel swaps old for new in one commit.
 pub fn replace_table(batch: &mut Batch, t: &Table) {
+    replace_table_with_policy(batch, t, false);
+}
+
+/// [`replace_table`], with base chains whose policy is drop when `policy_drop` (only to
+/// stand in for someone else's firewall in tests).
+pub fn replace_table_with_policy(batch: &mut Batch, t: &Table, policy_drop: bool) {
     let create = flags(libc::NLM_F_CREATE);
     batch.push(NFT_MSG_NEWTABLE, create, NFPROTO_INET, table_attrs(t.name));
     batch.push(NFT_MSG_DELTABLE, 0, NFPROTO_INET, table_attrs(t.name));
-    add_table(batch, t);
+    add_table_with_policy(batch, t, policy_drop);
 }
 
 /// Adds to `batch`: the table with its chains and rules, where none of that name exists (a
 /// new namespace). Unlike [`replace_table`] it deletes nothing, and a commit that deletes
 /// waits for an RCU grace period (~12 ms measured here, against <1 ms).
 pub fn add_table(batch: &mut Batch, t: &Table) {
+    add_table_with_policy(batch, t, false);
+}
+
+fn add_table_with_policy(batch: &mut Batch, t: &Table, policy_drop: bool) {
     let create = flags(libc::NLM_F_CREATE);
     batch.push(NFT_MSG_NEWTABLE, create, NFPROTO_INET, table_attrs(t.name));
     for c in &t.chains {
@@ -105,8 +121,12 @@ pub fn add_table(batch: &mut Batch, t: &Table) {
                 a.be32(HOOK_NUM, b.hook as u32)
                     .be32(HOOK_PRIORITY, b.priority as u32);
             });
-            a.be32(CHAIN_POLICY, super::expr::NF_ACCEPT as u32)
-                .str(CHAIN_TYPE, b.kind);
+            let policy = if policy_drop {
+                super::expr::NF_DROP
+            } else {
+                BaseChain::POLICY
+            };
+            a.be32(CHAIN_POLICY, policy as u32).str(CHAIN_TYPE, b.kind);
         }
         batch.push(NFT_MSG_NEWCHAIN, create, NFPROTO_INET, a);
     }

@@ -158,6 +158,32 @@ impl Batch {
     }
 }
 
+/// The (type, value) pairs of a run of attributes; flags stripped from the type.
+pub fn parse_attrs(mut buf: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    std::iter::from_fn(move || {
+        if buf.len() < 4 {
+            return None;
+        }
+        let len = u16::from_ne_bytes([buf[0], buf[1]]) as usize;
+        let kind = u16::from_ne_bytes([buf[2], buf[3]]) & 0x3fff;
+        if len < 4 || len > buf.len() {
+            return None;
+        }
+        let value = &buf[4..len];
+        buf = &buf[align4(len).min(buf.len())..];
+        Some((kind, value))
+    })
+}
+
+pub fn attr_str(v: &[u8]) -> Option<String> {
+    let v = v.split(|b| *b == 0).next()?;
+    String::from_utf8(v.to_vec()).ok()
+}
+
+pub fn attr_be32(v: &[u8]) -> Option<u32> {
+    Some(u32::from_be_bytes(v.get(0..4)?.try_into().ok()?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -175,6 +201,21 @@ mod tests {
         // nested: header 4 + inner 8 = 12, type with NLA_F_NESTED
         assert_eq!(&b[8..12], &[12, 0, 2, 0x80]);
         assert_eq!(&b[12..20], &[8, 0, 1, 0, 0, 0, 0, 7]);
+    }
+
+    #[test]
+    fn attributes_parse_back() {
+        let mut a = Attrs::new();
+        a.str(1, "filter").nest(4, |a| {
+            a.be32(1, 2);
+        });
+        let b = a.into_bytes();
+        let v: Vec<(u16, &[u8])> = parse_attrs(&b).collect();
+        assert_eq!(v.len(), 2);
+        assert_eq!(attr_str(v[0].1).as_deref(), Some("filter"));
+        assert_eq!(v[1].0, 4);
+        let inner: Vec<_> = parse_attrs(v[1].1).collect();
+        assert_eq!(attr_be32(inner[0].1), Some(2));
     }
 
     #[test]
