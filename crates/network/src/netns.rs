@@ -136,3 +136,10 @@ pub fn sysctl(path: &str, value: &str) -> Result<()> {
     fs::write(format!("/proc/sys/{path}"), value)
         .map_err(|e| Error::sys(format!("sysctl {path}"), e))
 }
+
+/// Moves the calling thread into the network namespace `ns`. Meant for a child between fork
+/// and exec (`CommandExt::pre_exec`): the VMM then starts inside the slot and finds `tap0`
+/// there. Only a system call: safe in a forked child.
+pub fn enter(ns: std::os::fd::BorrowedFd<'_>) -> std::io::Result<()> {
+    setns(ns, CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)
+}

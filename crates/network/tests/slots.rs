@@ -396,6 +396,32 @@ fn start_refuses_a_clashing_route() {
 }
 
 #[test]
+fn a_child_process_started_in_the_slot_sees_its_tap() {
+    if !privileged() {
+        return;
+    }
+    use std::os::fd::AsFd;
+    use std::os::unix::process::CommandExt;
+    let w = World::new();
+    let (pool, _) = Pool::start(w.pool_config(1, 2), &[]).unwrap();
+    let slot = pool.take(&EgressPolicy::default()).unwrap();
+    let ns = slot.open_netns().unwrap();
+    let mut cmd = std::process::Command::new("cat");
+    cmd.arg("/proc/self/net/dev"); // follows the process's namespace (sysfs would not)
+    // SAFETY: the closure only makes the setns system call.
+    unsafe {
+        let fd = ns.as_fd().try_clone_to_owned().unwrap();
+        cmd.pre_exec(move || sandfork_network::netns::enter(fd.as_fd()));
+    }
+    let out = cmd.output().unwrap();
+    let dev = String::from_utf8_lossy(&out.stdout);
+    assert!(dev.contains("tap0:") && dev.contains("eth0:"), "{dev}");
+    assert!(!dev.contains("up0:"), "{dev}");
+    pool.release(slot);
+    pool.shutdown(true).unwrap();
+}
+
+#[test]
 fn a_foreign_forward_drop_policy_is_reported() {
     if !privileged() {
         return;
