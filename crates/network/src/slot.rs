@@ -129,6 +129,11 @@ pub(crate) fn adopt(host: &Host, id: u32, policy: EgressPolicy) -> Result<Slot> 
     let addrs = host.plan.slot(id)?;
     let anchor = host.anchor_dir.join(&addrs.anchor);
     let ns = netns::open(&anchor)?;
+    // Without its host end the slot is no use (the caller then removes what is left).
+    host.rtnl
+        .lock()
+        .expect("host rtnl")
+        .index(&addrs.host_veth)?;
     let table = slot_table::table(addrs.host_ip, &host.always_deny, &policy);
     netns::run_in(&ns, || {
         Nft::open()?.commit("slot table", |b| rules::replace_table(b, &table))

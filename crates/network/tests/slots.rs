@@ -329,9 +329,25 @@ fn start_reclaims_stale_slots_and_adopts_running_ones() {
             policy: EgressPolicy::default(),
         },
     ];
+    // A slot whose host end is gone cannot be adopted.
+    let broken = w
+        .anchors()
+        .iter()
+        .filter_map(|a| a.strip_prefix("sf-")?.parse::<u32>().ok())
+        .find(|i| *i != running_id)
+        .unwrap();
+    ip(&w.host_path, &format!("link del sfv-{broken}"));
+    let in_use = [
+        in_use[0].clone(),
+        in_use[1].clone(),
+        InUse {
+            id: broken,
+            policy: EgressPolicy::default(),
+        },
+    ];
     let (pool, rec) = Pool::start(w.pool_config(0, 8), &in_use).unwrap();
     assert_eq!(rec.adopted.len(), 1);
-    assert_eq!(rec.missing, vec![7]);
+    assert_eq!(rec.missing, vec![7, broken]);
     assert!(!rec.removed.contains(&running_id));
     assert!(rec.removed.len() >= 2, "{rec:?}");
     let sfv: Vec<String> = w
