@@ -438,6 +438,29 @@ fn a_child_process_started_in_the_slot_sees_its_tap() {
 }
 
 #[test]
+fn tcp_mss_is_clamped_to_a_smaller_uplink_mtu() {
+    if !privileged() {
+        return;
+    }
+    let w = World::new();
+    // The node's uplink takes 1400-byte packets, the guest and the internet 1500.
+    ip(&w.host_path, &format!("link set {UPLINK} mtu 1400"));
+    let (pool, _) = Pool::start(w.pool_config(1, 2), &[]).unwrap();
+    let slot = pool.take(&EgressPolicy::default()).unwrap();
+    let g = Guest::attach(&w, "g", &slot);
+    let a = g.ask(WEB_A, "mss").expect("online");
+    let mss: u32 = a
+        .strip_prefix("mss=")
+        .and_then(|m| m.parse().ok())
+        .expect(&a);
+    // 1400 - 40 bytes of headers, less TCP options; unclamped it would be 1448.
+    assert!(mss <= 1360, "server sends segments of {mss} bytes");
+    drop(g);
+    pool.release(slot);
+    pool.shutdown(true).unwrap();
+}
+
+#[test]
 fn a_foreign_forward_drop_policy_is_reported() {
     if !privileged() {
         return;

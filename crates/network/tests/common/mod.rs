@@ -103,9 +103,17 @@ impl Server {
                             let mut line = String::new();
                             let mut r = BufReader::new(&c);
                             if r.read_line(&mut line).is_ok() {
-                                let _ = (&c).write_all(
-                                    format!("{name} {} {peer}\n", line.trim()).as_bytes(),
-                                );
+                                let mut answer = format!("{name} {} {peer}\n", line.trim());
+                                if line.starts_with("mss") {
+                                    // The MSS this end sends with: the peer's SYN decided it.
+                                    let mss = nix::sys::socket::getsockopt(
+                                        &c,
+                                        nix::sys::socket::sockopt::TcpMaxSeg,
+                                    )
+                                    .unwrap_or(0);
+                                    answer = format!("mss={mss}");
+                                }
+                                let _ = (&c).write_all(answer.as_bytes());
                             }
                         });
                     }
