@@ -36,11 +36,17 @@ pub fn privileged() -> bool {
         .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
         .unwrap_or(0);
     let need = (1u64 << 12) | (1u64 << 21); // CAP_NET_ADMIN, CAP_SYS_ADMIN
-    let ok = eff & need == need && Path::new("/dev/net/tun").exists();
-    if !ok {
+    if eff & need != need || !Path::new("/dev/net/tun").exists() {
         eprintln!("skipped: needs CAP_NET_ADMIN and CAP_SYS_ADMIN and /dev/net/tun (run as root)");
+        return false;
     }
-    ok
+    // The scaffolding (not the code under test) sets up the test world with iproute2.
+    let have = |tool: &str| Command::new(tool).arg("-V").output().is_ok();
+    if !have("ip") || !have("nsenter") {
+        eprintln!("skipped: the test world needs `ip` (iproute2) and `nsenter` (util-linux)");
+        return false;
+    }
+    true
 }
 
 /// `ip ARGS` inside the namespace anchored at `ns` (test scaffolding only).
