@@ -424,6 +424,28 @@ mod tests {
     }
 
     #[test]
+    fn replace_chain_flushes_then_adds_in_one_batch() {
+        let rules = vec![
+            Rule::new(
+                "user",
+                [ip_daddr("203.0.113.10".parse().unwrap())],
+                accept(),
+            ),
+            Rule::new("user", [ipv4()], reject()),
+        ];
+        let mut b = Batch::new(1);
+        replace_chain(&mut b, "sf", "user", &rules);
+        assert_eq!(b.len(), 3); // one DELRULE for the whole chain, two NEWRULEs
+        let (bytes, acks, _) = b.finish();
+        assert_eq!(acks, vec![2, 3, 4]);
+        // the flush comes first: message type DELRULE right after the batch begin
+        assert_eq!(
+            u16::from_ne_bytes([bytes[24], bytes[25]]),
+            (10 << 8) | NFT_MSG_DELRULE
+        );
+    }
+
+    #[test]
     fn replace_table_is_one_batch() {
         let t = Table {
             name: "t",
