@@ -22,8 +22,6 @@ const SCRIPT: &str = include_str!("sdk_bench.py");
 /// VMM processes the server keeps started (its default); the script waits
 /// for the pool to be full before each phase.
 const POOL_SIZE: usize = 4;
-/// Memory overcommit for the bench's node (see `start_server`).
-const MEMORY_OVERCOMMIT: f64 = 4.0;
 const STOP_TIMEOUT: Duration = Duration::from_secs(60);
 
 pub struct SdkBench<'a> {
@@ -119,11 +117,6 @@ impl SdkBench<'_> {
             .arg(image.vcpus.to_string())
             .arg("--mem-mib")
             .arg(image.mem_mib.to_string())
-            // A parent and 16 children of 256 MiB exceed what a 4 GiB lab
-            // holds if every guest touched all its memory; idle ones share
-            // nearly all of it, which is what the bench measures.
-            .arg("--memory-overcommit")
-            .arg(MEMORY_OVERCOMMIT.to_string())
             // this process already runs where microVMs boot
             .arg("--in-lab")
             .env("SANDFORK_API_KEY", key)
