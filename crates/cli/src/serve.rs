@@ -33,9 +33,10 @@ pub struct ServeArgs {
     /// (without it `POST /templates` answers 503 for image sources).
     #[arg(long, env = "SANDFORK_AGENT")]
     agent: Option<PathBuf>,
-    /// Memory of the KVM lab machine in MiB, when one is needed.
-    #[arg(long, default_value_t = 4096)]
-    lab_memory: u32,
+    /// Memory of the KVM lab machine in MiB, when one is needed [default:
+    /// the host's MemTotal less the larger of 2 GiB and 15 %].
+    #[arg(long, value_name = "MIB")]
+    lab_memory: Option<u32>,
     #[command(flatten)]
     capacity: CapacityArgs,
     #[command(flatten)]
@@ -183,8 +184,11 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
     let image = &args.image;
     let mut cmd = std::process::Command::new(sibling_binary("sandfork-lab")?);
     // One lab vCPU: steadier under nested emulation (see scripts/test.sh).
+    let memory = args
+        .lab_memory
+        .unwrap_or_else(sandfork_lab::host_sized_memory_mib);
     cmd.args(["run", "--cpus", "1", "--memory"])
-        .arg(args.lab_memory.to_string())
+        .arg(memory.to_string())
         .arg("--forward")
         .arg(format!("{}:{port}:{port}", args.listen.ip()))
         .arg("--rw")
