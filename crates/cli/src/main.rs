@@ -108,6 +108,10 @@ enum Command {
         /// this many (0: not measured).
         #[arg(long, value_name = "N", default_value_t = 500)]
         density_max: usize,
+        /// Only these SDK phases, comma-separated: create_to_first_command,
+        /// fork16, creates_concurrent, idle, density [default: all].
+        #[arg(long, value_name = "LIST")]
+        sdk_phases: Option<String>,
         /// The whole bench at most this long: a part still running then is
         /// abandoned and the report printed with what was measured.
         #[arg(long, value_name = "SECS", default_value_t = 10_800)]
@@ -293,6 +297,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             lab_memory,
             sample_timeout,
             density_max,
+            sdk_phases,
             timeout,
         } => {
             if runs == 0 || sdk_runs == 0 {
@@ -337,6 +342,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     runs: sdk_runs,
                     sample_timeout: Duration::from_secs(sample_timeout),
                     density_max,
+                    phases: sdk_phases.as_deref(),
                 }),
                 deadline: std::time::Instant::now() + Duration::from_secs(timeout),
             };

@@ -39,13 +39,15 @@ pub struct SdkBench<'a> {
     /// `density_idle_sandboxes`: creates until the node refuses or this
     /// many (0: not measured).
     pub density_max: usize,
+    /// Only these phases of the script (comma-separated), or all.
+    pub phases: Option<&'a str>,
 }
 
 impl SdkBench<'_> {
     pub async fn measure(&self) -> Result<Value> {
         let dir = tempfile::tempdir().context("creating the SDK bench directory")?;
-        let script = dir.path().join("sdk_bench.py");
-        std::fs::write(&script, SCRIPT).context("writing the SDK bench script")?;
+        let script_path = dir.path().join("sdk_bench.py");
+        std::fs::write(&script_path, SCRIPT).context("writing the SDK bench script")?;
         let log_path = dir.path().join("serve.log");
         let port = free_port()?;
         let key = api_key()?;
@@ -58,8 +60,12 @@ impl SdkBench<'_> {
             log_path.display()
         );
         let report_file = dir.path().join("report.json");
-        let script = Command::new(self.python)
-            .arg(&script)
+        let mut script = Command::new(self.python);
+        script.arg(&script_path);
+        if let Some(phases) = self.phases {
+            script.arg("--phases").arg(phases);
+        }
+        let script = script
             .arg("--server-pid")
             .arg(server_pid.to_string())
             .arg("--vmm-exe")
