@@ -535,6 +535,9 @@ async fn capacity_refuses_with_503_and_kill_or_pause_makes_room() {
     let mut config = lab_config(data.path(), 2);
     config.mem_mib = 256;
     config.capacity.memory_mib = Some(600);
+    // A headroom of a whole guest: each sandbox is charged its 256 MiB
+    // whatever it uses (the figures below are plain sums).
+    config.capacity.memory_headroom_mib = 256;
     let node = serve(config).await;
     let (addr, auth) = (node.addr, node.auth());
     let create = || http(addr, "POST", "/v2/sandboxes", &auth, r#"{"timeout":600}"#);
