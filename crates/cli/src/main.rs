@@ -95,9 +95,27 @@ enum Command {
         #[arg(long, env = "SANDFORK_SDK_PYTHON")]
         sdk_python: Option<PathBuf>,
         /// Memory of the KVM lab machine in MiB, when the bench runs in one:
-        /// its /tmp (half of it, a tmpfs) holds the bench node's data.
-        #[arg(long, default_value_t = 8192)]
-        lab_memory: u32,
+        /// its /tmp (half of it, a tmpfs) holds the bench node's data
+        /// [default: the host's MemTotal less the larger of 2 GiB and 15 %].
+        #[arg(long, value_name = "MIB")]
+        lab_memory: Option<u32>,
+        /// Each SDK sample (a create to its first command result, a fork to
+        /// every child's) at most this long; one that overruns is recorded
+        /// as failed and the bench goes on.
+        #[arg(long, value_name = "SECS", default_value_t = 600)]
+        sample_timeout: u64,
+        /// `density_idle_sandboxes`: SDK creates until the node refuses or
+        /// this many (0: not measured).
+        #[arg(long, value_name = "N", default_value_t = 500)]
+        density_max: usize,
+        /// Only these SDK phases, comma-separated: create_to_first_command,
+        /// fork16, creates_concurrent, idle, density [default: all].
+        #[arg(long, value_name = "LIST")]
+        sdk_phases: Option<String>,
+        /// The whole bench at most this long: a part still running then is
+        /// abandoned and the report printed with what was measured.
+        #[arg(long, value_name = "SECS", default_value_t = 10_800)]
+        timeout: u64,
     },
     /// Boot, restore, fork and run two VMs at once, many times, each bounded;
     /// count failures and hangs, with diagnostics for each. One JSON object
@@ -183,6 +201,8 @@ impl ImageArgs {
 
 /// How long `up` and `bench` may run in the lab.
 const LAB_TIMEOUT: Duration = Duration::from_secs(3600);
+/// The lab's start and stop around a bench that ends at its own `--timeout`.
+const LAB_MARGIN: Duration = Duration::from_secs(600);
 
 /// Re-runs this very command inside the KVM lab when the host cannot boot
 /// Linux guests, with `envs` added; returns None when the command should run
@@ -275,6 +295,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
             sdk_runs,
             sdk_python,
             lab_memory,
+            sample_timeout,
+            density_max,
+            sdk_phases,
+            timeout,
         } => {
             if runs == 0 || sdk_runs == 0 {
                 bail!("--runs and --sdk-runs must be at least 1");
@@ -290,9 +314,14 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 .iter()
                 .map(|p| ("SANDFORK_SDK_PYTHON", p.as_os_str()))
                 .collect();
-            let lab_memory = lab_memory.to_string();
+            let lab_memory = lab_memory
+                .unwrap_or_else(sandfork_lab::host_sized_memory_mib)
+                .to_string();
+            // The lab's own bound comes after the bench's, which prints its
+            // report at its own: the lab's start and stop are the margin.
+            let lab_timeout = Duration::from_secs(timeout) + LAB_MARGIN;
             if let Some(code) =
-                run_in_lab_if_needed(&image, &envs, &["--memory", &lab_memory], LAB_TIMEOUT)?
+                run_in_lab_if_needed(&image, &envs, &["--memory", &lab_memory], lab_timeout)?
             {
                 return Ok(code);
             }
@@ -311,13 +340,20 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     vmm: &vmm,
                     image: &guest,
                     runs: sdk_runs,
+                    sample_timeout: Duration::from_secs(sample_timeout),
+                    density_max,
+                    phases: sdk_phases.as_deref(),
                 }),
+                deadline: std::time::Instant::now() + Duration::from_secs(timeout),
             };
-            let report = runtime.block_on(plan.run())?;
+            let report = runtime.block_on(plan.run());
             // The summary for people (on stderr, which reaches the terminal
-            // through the lab too); the JSON on stdout for machines.
+            // through the lab too); the JSON on stdout for machines, always.
             eprint!("{}", bench::summary::summary(&report));
             println!("{}", serde_json::to_string(&report)?);
+            if bench::failed(&report) {
+                return Ok(ExitCode::FAILURE);
+            }
         }
         Command::Stress { image, args } => {
             if !image.in_lab {

@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use sandfork_lab::Environment;
 use server::capacity::{
-    CapacityConfig, DEFAULT_MEMORY_OVERCOMMIT, DEFAULT_MIN_FREE_DISK_MIB, DEFAULT_VCPU_OVERCOMMIT,
+    CapacityConfig, DEFAULT_MEMORY_HEADROOM_MIB, DEFAULT_MIN_FREE_DISK_MIB, DEFAULT_VCPU_OVERCOMMIT,
 };
 use server::config::{Config, DEFAULT_DATA_DIR};
 
@@ -33,9 +33,10 @@ pub struct ServeArgs {
     /// (without it `POST /templates` answers 503 for image sources).
     #[arg(long, env = "SANDFORK_AGENT")]
     agent: Option<PathBuf>,
-    /// Memory of the KVM lab machine in MiB, when one is needed.
-    #[arg(long, default_value_t = 4096)]
-    lab_memory: u32,
+    /// Memory of the KVM lab machine in MiB, when one is needed [default:
+    /// the host's MemTotal less the larger of 2 GiB and 15 %].
+    #[arg(long, value_name = "MIB")]
+    lab_memory: Option<u32>,
     #[command(flatten)]
     capacity: CapacityArgs,
     #[command(flatten)]
@@ -46,18 +47,19 @@ pub struct ServeArgs {
 /// answer 503 (see `GET /v1/node`).
 #[derive(clap::Args)]
 struct CapacityArgs {
-    /// Memory for sandboxes in MiB [default: the host's MemTotal minus
+    /// Memory for sandboxes in MiB: what they really use plus their
+    /// headroom stays under it [default: the host's MemTotal minus
     /// --reserve-memory-mib]. Not a guest's size (that is --mem-mib).
     #[arg(long, value_name = "MIB")]
     node_memory_mib: Option<u64>,
     /// Memory kept for the host [default: the larger of 1024 MiB and 10 %].
     #[arg(long, value_name = "MIB")]
     reserve_memory_mib: Option<u64>,
-    /// Guest memory reserved per MiB of node memory; at 1 every guest may
-    /// touch all its memory. Restores and forks share memory copy-on-write,
-    /// so real use is lower: raise it to fit more idle sandboxes.
-    #[arg(long, value_name = "RATIO", default_value_t = DEFAULT_MEMORY_OVERCOMMIT, value_parser = ratio)]
-    memory_overcommit: f64,
+    /// Memory charged per sandbox beyond what it really uses (sampled), for
+    /// its growth; a create or fork child asks for this much. At a guest's
+    /// size every guest is counted whole.
+    #[arg(long, value_name = "MIB", default_value_t = DEFAULT_MEMORY_HEADROOM_MIB)]
+    memory_headroom_mib: u64,
     /// vCPUs for sandboxes before overcommit [default: the host's CPUs].
     #[arg(long, value_name = "N")]
     node_vcpus: Option<u64>,
@@ -74,7 +76,7 @@ impl CapacityArgs {
         CapacityConfig {
             memory_mib: self.node_memory_mib,
             reserve_memory_mib: self.reserve_memory_mib,
-            memory_overcommit: self.memory_overcommit,
+            memory_headroom_mib: self.memory_headroom_mib,
             vcpus: self.node_vcpus,
             vcpu_overcommit: self.vcpu_overcommit,
             min_free_disk_mib: self.min_free_disk_mib,
@@ -84,7 +86,7 @@ impl CapacityArgs {
     /// The same flags, for the `serve` run inside the lab.
     fn to_args(&self) -> Vec<String> {
         let mut args = vec![
-            format!("--memory-overcommit={}", self.memory_overcommit),
+            format!("--memory-headroom-mib={}", self.memory_headroom_mib),
             format!("--vcpu-overcommit={}", self.vcpu_overcommit),
             format!("--min-free-disk-mib={}", self.min_free_disk_mib),
         ];
@@ -182,8 +184,11 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
     let image = &args.image;
     let mut cmd = std::process::Command::new(sibling_binary("sandfork-lab")?);
     // One lab vCPU: steadier under nested emulation (see scripts/test.sh).
+    let memory = args
+        .lab_memory
+        .unwrap_or_else(sandfork_lab::host_sized_memory_mib);
     cmd.args(["run", "--cpus", "1", "--memory"])
-        .arg(args.lab_memory.to_string())
+        .arg(memory.to_string())
         .arg("--forward")
         .arg(format!("{}:{port}:{port}", args.listen.ip()))
         .arg("--rw")
@@ -259,8 +264,8 @@ mod tests {
         let args = parse(&[
             "--node-memory-mib",
             "600",
-            "--memory-overcommit",
-            "1.5",
+            "--memory-headroom-mib",
+            "16",
             "--node-vcpus",
             "2",
             "--min-free-disk-mib",
@@ -269,7 +274,7 @@ mod tests {
         .unwrap();
         let config = args.config();
         assert_eq!(config.memory_mib, Some(600));
-        assert_eq!(config.memory_overcommit, 1.5);
+        assert_eq!(config.memory_headroom_mib, 16);
         assert_eq!(config.vcpus, Some(2));
         assert_eq!(config.reserve_memory_mib, None);
         assert_eq!(config.min_free_disk_mib, 10);

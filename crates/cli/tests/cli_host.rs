@@ -271,3 +271,40 @@ fn output_into_a_closed_pipe_ends_quietly() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A bench whose every part fails (a VMM that does not exist, an SDK
+/// script that dies at once) still prints its JSON, with each error, and
+/// exits 1.
+#[test]
+fn a_bench_that_fails_still_prints_what_it_has() {
+    let cli = Cli::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("missing");
+    let missing = missing.to_str().unwrap();
+    let r = cli.run(&[
+        "bench",
+        "--in-lab",
+        "--kernel",
+        missing,
+        "--rootfs",
+        missing,
+        "--vmm",
+        missing,
+        "--runs",
+        "1",
+        "--sdk-python",
+        "/bin/false",
+        "--timeout",
+        "120",
+    ]);
+    assert_eq!(r.code, 1, "stdout: {}\nstderr: {}", r.stdout, r.stderr);
+    let report = r.json();
+    let errors = &report["errors"];
+    assert!(
+        errors["boot"].as_str().unwrap().contains(missing),
+        "{report}"
+    );
+    assert!(errors["snapshot"].is_string(), "{report}");
+    assert!(report["sdk_error"].is_string(), "{report}");
+    assert_eq!(report["environment"], "lab");
+}

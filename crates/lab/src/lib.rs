@@ -25,6 +25,7 @@ mod modules;
 mod prepare;
 mod qemu;
 mod run;
+mod sizing;
 mod stall;
 
 pub use config::{
@@ -36,3 +37,4 @@ pub use error::{LabError, Result};
 pub use modules::LAB_MODULES;
 pub use prepare::{LabPaths, default_cache_dir};
 pub use run::{Lab, LabChild, LabOutput};
+pub use sizing::host_sized_memory_mib;

@@ -3,11 +3,16 @@
 //!
 //! - **vCPUs**: host CPUs (or `vcpus`) × `vcpu_overcommit`. Idle sandboxes
 //!   use next to no CPU, so the default ratio is generous.
-//! - **Memory**: host `MemTotal` minus a reserve for the host (or
-//!   `memory_mib`) × `memory_overcommit`. At the default ratio of 1.0 every
-//!   guest may touch all of its memory and the host still does not run out;
-//!   restores and forks share memory copy-on-write, so real use is far lower
-//!   and a node that knows its load may raise the ratio.
+//! - **Memory**: by real use ([`memory`]). The node's ceiling is the host's
+//!   `MemTotal` minus a reserve for the host (or `memory_mib`). Each running
+//!   sandbox is charged what its VMM process really uses (Pss, sampled every
+//!   [`memory::SAMPLE_EVERY`]) plus `memory_headroom_mib` for growth, at
+//!   most its `memoryMB` beyond what the VMM itself uses; a create, resume
+//!   or fork child under way is charged the headroom until its first
+//!   sample. Restored sandboxes and fork children share the template's or
+//!   the parent's pages copy-on-write, so a fork of N children asks for N
+//!   headrooms, not N guests. A guest never uses more than its `memoryMB`
+//!   (the VMM gives it no more).
 //! - **Disk**: not reserved (a sandbox's disk use is not known in advance)
 //!   but checked: an operation that starts or snapshots sandboxes needs room
 //!   for one memory snapshot per sandbox (its memory size: what a pause or a
@@ -19,10 +24,15 @@
 //! `max_sandboxes` slots): taken before the slow restore, given back when it
 //! drops (failure, kill, pause). Paused sandboxes hold nothing.
 
+pub mod memory;
+
+use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use serde::Serialize;
+
+pub use memory::DEFAULT_MEMORY_HEADROOM_MIB;
 
 /// Memory kept for the host when no reserve is configured: the larger of
 /// this and [`DEFAULT_RESERVE_PERCENT`] of `MemTotal`.
@@ -31,18 +41,19 @@ pub const DEFAULT_RESERVE_PERCENT: u64 = 10;
 /// The lab has one CPU and forks of 16 one-vCPU children (plus their
 /// parent and others) must fit.
 pub const DEFAULT_VCPU_OVERCOMMIT: f64 = 32.0;
-pub const DEFAULT_MEMORY_OVERCOMMIT: f64 = 1.0;
 pub const DEFAULT_MIN_FREE_DISK_MIB: u64 = 1024;
 
 /// How the node's capacity is set (the `serve` flags).
 #[derive(Debug, Clone, PartialEq)]
 pub struct CapacityConfig {
-    /// Memory for sandboxes in MiB before overcommit, instead of the host's
-    /// `MemTotal` minus the reserve.
+    /// The node's memory ceiling for sandboxes in MiB, instead of the
+    /// host's `MemTotal` minus the reserve.
     pub memory_mib: Option<u64>,
     /// Memory kept for the host (default: the larger of 1 GiB and 10 %).
     pub reserve_memory_mib: Option<u64>,
-    pub memory_overcommit: f64,
+    /// Memory charged per sandbox beyond what it uses, for its growth until
+    /// the next sample (and all a starting one is charged).
+    pub memory_headroom_mib: u64,
     /// vCPUs before overcommit, instead of the host's CPUs.
     pub vcpus: Option<u64>,
     pub vcpu_overcommit: f64,
@@ -55,7 +66,7 @@ impl Default for CapacityConfig {
         CapacityConfig {
             memory_mib: None,
             reserve_memory_mib: None,
-            memory_overcommit: DEFAULT_MEMORY_OVERCOMMIT,
+            memory_headroom_mib: DEFAULT_MEMORY_HEADROOM_MIB,
             vcpus: None,
             vcpu_overcommit: DEFAULT_VCPU_OVERCOMMIT,
             min_free_disk_mib: DEFAULT_MIN_FREE_DISK_MIB,
@@ -67,7 +78,9 @@ impl Default for CapacityConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Limits {
     pub vcpus: u64,
+    /// The ceiling of what sandboxes are charged (see [`memory`]).
     pub memory_mib: u64,
+    pub memory_headroom_mib: u64,
     pub sandboxes: usize,
     pub min_free_disk_mib: u64,
 }
@@ -96,10 +109,21 @@ impl Limits {
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u64));
         Limits {
             vcpus: scale(cpus, config.vcpu_overcommit),
-            memory_mib: scale(memory, config.memory_overcommit),
+            memory_mib: memory,
+            memory_headroom_mib: config.memory_headroom_mib,
             sandboxes: max_sandboxes,
             min_free_disk_mib: config.min_free_disk_mib,
         }
+    }
+
+    /// The memory `ask` is charged before its first sample.
+    fn memory_charge(&self, ask: &Ask) -> u64 {
+        memory::charge(
+            ask.memory_mib,
+            ask.sandboxes as u64,
+            None,
+            self.memory_headroom_mib,
+        )
     }
 }
 
@@ -161,6 +185,8 @@ pub struct Ask {
     /// Slots counted against `max_sandboxes`.
     pub sandboxes: usize,
     pub vcpus: u64,
+    /// Asked for: the guests' memory size (what they may touch at most).
+    /// Held ([`Capacity::held`]): the memory they are charged (see [`memory`]).
     pub memory_mib: u64,
     /// Disk the operation needs free while it runs (not held after).
     pub disk_mib: u64,
@@ -303,38 +329,154 @@ pub enum CapacityError {
     },
 }
 
+/// One reservation's share: what it asked for, and what its VMM was last
+/// seen using once one runs for it.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    ask: Ask,
+    pid: Option<u32>,
+    used_kib: Option<u64>,
+}
+
+impl Entry {
+    fn memory_charge(&self, headroom_mib: u64) -> u64 {
+        memory::charge(
+            self.ask.memory_mib,
+            self.ask.sandboxes as u64,
+            self.used_kib.map(memory::kib_to_mib),
+            headroom_mib,
+        )
+    }
+}
+
+#[derive(Debug, Default)]
+struct Held {
+    entries: HashMap<u64, Entry>,
+    next_id: u64,
+}
+
+impl Held {
+    fn insert(&mut self, ask: Ask) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.entries.insert(
+            id,
+            Entry {
+                ask,
+                pid: None,
+                used_kib: None,
+            },
+        );
+        id
+    }
+
+    /// The sum of every entry, memory as charged.
+    fn total(&self, headroom_mib: u64) -> Ask {
+        let mut total = Ask::default();
+        for e in self.entries.values() {
+            total.add(Ask {
+                memory_mib: e.memory_charge(headroom_mib),
+                ..e.ask
+            });
+        }
+        total
+    }
+}
+
 /// The node's limits and what reservations hold of them.
 #[derive(Debug)]
 pub struct Capacity {
     limits: Limits,
     /// Its filesystem is where snapshots and disk layers go.
     data_dir: PathBuf,
-    held: Mutex<Ask>,
+    held: Mutex<Held>,
 }
 
 impl Capacity {
+    /// The node's capacity; nothing samples its memory use until
+    /// [`Capacity::start_sampler`] (the tests call [`Capacity::sample`]).
     pub fn new(limits: Limits, data_dir: PathBuf) -> Arc<Capacity> {
         Arc::new(Capacity {
             limits,
             data_dir,
-            held: Mutex::new(Ask::default()),
+            held: Mutex::new(Held::default()),
         })
     }
 
-    /// The node's capacity as `config` and the host allow (logged).
+    /// The node's capacity as `config` and the host allow (logged), its
+    /// memory use sampled.
     pub fn for_config(config: &crate::config::Config) -> Arc<Capacity> {
         let limits = Limits::detect(&config.capacity, config.max_sandboxes);
         tracing::info!(
-            "capacity: {} vCPUs, {} MiB of memory, {} sandboxes, {} MiB of disk kept free",
+            "capacity: {} vCPUs, {} MiB of memory (each sandbox charged what it uses plus \
+             {} MiB), {} sandboxes, {} MiB of disk kept free",
             limits.vcpus,
             limits.memory_mib,
+            limits.memory_headroom_mib,
             limits.sandboxes,
             limits.min_free_disk_mib
         );
-        Capacity::new(limits, config.data_dir.clone())
+        let capacity = Capacity::new(limits, config.data_dir.clone());
+        capacity.start_sampler(memory::SAMPLE_EVERY);
+        capacity
     }
 
-    fn held_lock(&self) -> MutexGuard<'_, Ask> {
+    /// Samples the VMMs' memory every `every`, on a thread of its own (the
+    /// reads are blocking), until the capacity is dropped.
+    pub fn start_sampler(self: &Arc<Self>, every: std::time::Duration) {
+        let weak: Weak<Capacity> = Arc::downgrade(self);
+        let spawned = std::thread::Builder::new()
+            .name("memory-sampler".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(every);
+                    match weak.upgrade() {
+                        Some(capacity) => capacity.sample(),
+                        None => return,
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            // Admission still works, on headrooms alone (never too generous
+            // for long: nothing sampled is charged at least the headroom).
+            tracing::warn!("starting the memory sampler: {e}; sandboxes' memory is not sampled");
+        }
+    }
+
+    /// Reads the memory every tracked VMM uses now. A VMM that cannot be
+    /// read (it just exited) keeps its last figure.
+    pub fn sample(&self) {
+        self.sample_with(memory::pss_kib);
+    }
+
+    /// [`Capacity::sample`] with `read` giving a process's use in KiB.
+    fn sample_with(&self, read: impl Fn(u32) -> std::io::Result<u64>) {
+        let pids: Vec<(u64, u32)> = self
+            .held_lock()
+            .entries
+            .iter()
+            .filter_map(|(id, e)| Some((*id, e.pid?)))
+            .collect();
+        // Read outside the lock: a smaps walk of a large VMM takes a while.
+        let read: Vec<(u64, u64)> = pids
+            .into_iter()
+            .filter_map(|(id, pid)| match read(pid) {
+                Ok(kib) => Some((id, kib)),
+                Err(e) => {
+                    tracing::debug!("reading the memory of VMM {pid}: {e}");
+                    None
+                }
+            })
+            .collect();
+        let mut held = self.held_lock();
+        for (id, kib) in read {
+            if let Some(e) = held.entries.get_mut(&id) {
+                e.used_kib = Some(kib);
+            }
+        }
+    }
+
+    fn held_lock(&self) -> MutexGuard<'_, Held> {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -342,9 +484,10 @@ impl Capacity {
         self.limits
     }
 
-    /// What all reservations hold now (`disk_mib`: asked by operations under way).
+    /// What all reservations hold now: memory as charged (real use plus
+    /// headroom), `disk_mib` asked by operations under way.
     pub fn held(&self) -> Ask {
-        *self.held_lock()
+        self.held_lock().total(self.limits.memory_headroom_mib)
     }
 
     pub fn disk(&self) -> Result<DiskSpace, CapacityError> {
@@ -363,11 +506,17 @@ impl Capacity {
             None
         };
         let mut held = self.held_lock();
-        check(&self.limits, &held, &ask, disk, what)?;
-        held.add(ask);
+        check(
+            &self.limits,
+            &held.total(self.limits.memory_headroom_mib),
+            &ask,
+            disk,
+            what,
+        )?;
+        let id = held.insert(ask);
         Ok(Reservation {
             capacity: self.clone(),
-            held: ask,
+            id,
         })
     }
 
@@ -376,15 +525,16 @@ impl Capacity {
     /// node's limits shrank. No disk room is held (nothing is being written).
     pub fn hold(self: &Arc<Self>, ask: Ask) -> Reservation {
         let ask = Ask { disk_mib: 0, ..ask };
-        self.held_lock().add(ask);
+        let id = self.held_lock().insert(ask);
         Reservation {
             capacity: self.clone(),
-            held: ask,
+            id,
         }
     }
 }
 
-/// Whether `ask` fits beside `held`; the first resource short, else.
+/// Whether `ask` fits beside `held` (memory as charged); the first resource
+/// short, else.
 fn check(
     limits: &Limits,
     held: &Ask,
@@ -413,7 +563,7 @@ fn check(
         .or_else(|| {
             short(
                 Resource::Memory,
-                ask.memory_mib,
+                limits.memory_charge(ask),
                 held.memory_mib,
                 limits.memory_mib,
             )
@@ -436,37 +586,57 @@ fn check(
 #[derive(Debug)]
 pub struct Reservation {
     capacity: Arc<Capacity>,
-    held: Ask,
+    /// Its entry in the capacity's [`Held`].
+    id: u64,
 }
 
 impl Reservation {
+    /// What it asked for (memory: the guests' size).
     pub fn held(&self) -> Ask {
-        self.held
+        self.capacity
+            .held_lock()
+            .entries
+            .get(&self.id)
+            .map_or_else(Ask::default, |e| e.ask)
     }
 
-    /// Moves `part` (at most what this holds) into a reservation of its own.
+    /// Its memory is what VMM process `pid` uses, from the next sample on.
+    pub fn track(&self, pid: u32) {
+        if let Some(e) = self.capacity.held_lock().entries.get_mut(&self.id) {
+            e.pid = Some(pid);
+        }
+    }
+
+    /// Moves `part` (at most what this holds) into a reservation of its own
+    /// (not tracked: the VMM, if any, stays with this one).
     pub fn split(&mut self, part: Ask) -> Reservation {
-        let part = part.min(self.held);
-        self.held.sub(part);
+        let mut held = self.capacity.held_lock();
+        let part = match held.entries.get_mut(&self.id) {
+            Some(e) => {
+                let part = part.min(e.ask);
+                e.ask.sub(part);
+                part
+            }
+            None => Ask::default(),
+        };
+        let id = held.insert(part);
         Reservation {
             capacity: self.capacity.clone(),
-            held: part,
+            id,
         }
     }
 
     /// Gives back the disk room asked for: the operation's files are written.
     pub fn settle_disk(&mut self) {
-        let disk = Ask {
-            disk_mib: self.held.disk_mib,
-            ..Ask::default()
-        };
-        drop(self.split(disk));
+        if let Some(e) = self.capacity.held_lock().entries.get_mut(&self.id) {
+            e.ask.disk_mib = 0;
+        }
     }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        self.capacity.held_lock().sub(self.held);
+        self.capacity.held_lock().entries.remove(&self.id);
     }
 }
 
@@ -474,10 +644,13 @@ impl Drop for Reservation {
 mod tests {
     use super::*;
 
+    /// Headroom as large as any guest: every sandbox is charged its whole
+    /// size, so what these tests count is plain sums.
     fn limits(vcpus: u64, memory_mib: u64, sandboxes: usize) -> Limits {
         Limits {
             vcpus,
             memory_mib,
+            memory_headroom_mib: u64::MAX,
             sandboxes,
             min_free_disk_mib: 0,
         }
@@ -518,16 +691,20 @@ mod tests {
             memory_mib: Some(600),
             vcpus: Some(2),
             vcpu_overcommit: 1.5,
-            memory_overcommit: 2.0,
+            memory_headroom_mib: 8,
             ..CapacityConfig::default()
         };
         let l = Limits::detect(&config, 7);
-        assert_eq!((l.vcpus, l.memory_mib, l.sandboxes), (3, 1200, 7));
-        // From the host: MemTotal minus the default reserve, at ratio 1.
+        assert_eq!(
+            (l.vcpus, l.memory_mib, l.memory_headroom_mib, l.sandboxes),
+            (3, 600, 8, 7)
+        );
+        // From the host: MemTotal minus the default reserve.
         let host = host_memory_mib().unwrap();
         let l = Limits::detect(&CapacityConfig::default(), 64);
         let reserve = DEFAULT_RESERVE_MEMORY_MIB.max(host / 10);
         assert_eq!(l.memory_mib, host.saturating_sub(reserve));
+        assert_eq!(l.memory_headroom_mib, DEFAULT_MEMORY_HEADROOM_MIB);
         let cpus = std::thread::available_parallelism().unwrap().get() as u64;
         assert_eq!(l.vcpus, cpus * 32);
         let l = Limits::detect(
@@ -722,5 +899,158 @@ mod tests {
         assert!(cap.reserve(guest(1, 1), "a sandbox").is_err());
         drop(a);
         cap.reserve(guest(1, 1), "a sandbox").unwrap();
+    }
+
+    /// A node charging real use plus `headroom` MiB per sandbox.
+    fn measured_node(memory_mib: u64, headroom: u64) -> Arc<Capacity> {
+        let l = Limits {
+            memory_headroom_mib: headroom,
+            ..limits(1000, memory_mib, 1000)
+        };
+        Capacity::new(l, std::env::temp_dir())
+    }
+
+    /// Samples as if VMM `pid` used `mib[pid]` MiB (absent: unreadable).
+    fn sample_fake(cap: &Capacity, mib: &[(u32, u64)]) {
+        cap.sample_with(|pid| {
+            mib.iter()
+                .find(|(p, _)| *p == pid)
+                .map(|(_, m)| m * 1024)
+                .ok_or_else(|| std::io::Error::other("gone"))
+        });
+    }
+
+    #[test]
+    fn memory_is_charged_by_real_use_plus_headroom() {
+        let cap = measured_node(1000, 32);
+        let a = cap.reserve(guest(1, 256), "a sandbox").unwrap();
+        // Starting: the headroom alone.
+        assert_eq!(cap.held().memory_mib, 32);
+        a.track(10);
+        assert_eq!(cap.held().memory_mib, 32, "nothing sampled yet");
+        sample_fake(&cap, &[(10, 6)]);
+        assert_eq!(cap.held().memory_mib, 38);
+        // It grows: use plus headroom, at most its size; beyond its size
+        // only what the VMM really uses.
+        sample_fake(&cap, &[(10, 240)]);
+        assert_eq!(cap.held().memory_mib, 256);
+        sample_fake(&cap, &[(10, 270)]);
+        assert_eq!(cap.held().memory_mib, 270);
+        // Unreadable (exiting): its last figure stays.
+        sample_fake(&cap, &[]);
+        assert_eq!(cap.held().memory_mib, 270);
+        // What it asked for is unchanged; its share goes with it.
+        assert_eq!(a.held(), guest(1, 256));
+        drop(a);
+        assert_eq!(cap.held(), Ask::default());
+    }
+
+    #[test]
+    fn many_idle_sandboxes_fit_where_their_sizes_would_not() {
+        // 600 MiB holds two 256 MiB guests counted whole; idle ones using
+        // 6 MiB each with 10 MiB of headroom: 37 of them.
+        let cap = measured_node(600, 10);
+        let mut running = Vec::new();
+        for pid in 0.. {
+            match cap.reserve(guest(1, 256), "a sandbox") {
+                Ok(r) => {
+                    r.track(pid);
+                    running.push(r);
+                }
+                Err(e) => {
+                    let e = shortage(e);
+                    assert_eq!((e.resource, e.asked), (Resource::Memory, 10));
+                    break;
+                }
+            }
+            let all: Vec<(u32, u64)> = (0..=pid).map(|p| (p, 6)).collect();
+            sample_fake(&cap, &all);
+        }
+        assert_eq!(running.len(), 37);
+        assert_eq!(cap.held().memory_mib, 37 * 16);
+    }
+
+    #[test]
+    fn a_fork_asks_for_a_headroom_per_child() {
+        let cap = measured_node(600, 32);
+        let parent = cap.reserve(guest(1, 256), "a sandbox").unwrap();
+        parent.track(1);
+        sample_fake(&cap, &[(1, 100)]);
+        assert_eq!(cap.held().memory_mib, 132);
+        // 16 children: 16 headrooms, not 16 guests of 256 MiB.
+        let e = cap
+            .reserve(guest(1, 256).times(16), "a fork of 16 children")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "node over capacity: not enough memory for a fork of 16 children: it needs 512 MiB, \
+             468 MiB of the node's 600 MiB are free; kill or pause sandboxes to make room"
+        );
+        let mut fork = cap
+            .reserve(guest(1, 256).times(14), "a fork of 14 children")
+            .unwrap();
+        assert_eq!(cap.held().memory_mib, 132 + 14 * 32);
+        // Each child takes its share; what is not split yet keeps its own.
+        let child = fork.split(guest(1, 256));
+        child.track(2);
+        sample_fake(&cap, &[(1, 60), (2, 40)]);
+        assert_eq!(cap.held().memory_mib, 92 + 72 + 13 * 32);
+        drop(fork);
+        assert_eq!(cap.held().memory_mib, 92 + 72);
+        drop((parent, child));
+        assert_eq!(cap.held(), Ask::default());
+    }
+
+    #[test]
+    fn a_template_build_is_charged_its_whole_size() {
+        let cap = measured_node(1000, 32);
+        let _room = cap
+            .reserve(
+                Ask {
+                    sandboxes: 0,
+                    ..guest(1, 512)
+                },
+                "a template build",
+            )
+            .unwrap();
+        assert_eq!(cap.held().memory_mib, 512);
+        let e = shortage(
+            cap.reserve(
+                Ask {
+                    sandboxes: 0,
+                    ..guest(1, 512)
+                },
+                "a template build",
+            )
+            .unwrap_err(),
+        );
+        assert_eq!((e.asked, e.free), (512, 488));
+    }
+
+    #[test]
+    fn the_sampler_reads_real_processes_and_stops_with_the_capacity() {
+        let cap = measured_node(100_000, 1);
+        let r = cap.reserve(guest(1, 100_000), "a sandbox").unwrap();
+        r.track(std::process::id());
+        cap.start_sampler(std::time::Duration::from_millis(10));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while cap.held().memory_mib <= 1 {
+            assert!(std::time::Instant::now() < deadline, "never sampled");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let own = memory::kib_to_mib(memory::pss_kib(std::process::id()).unwrap());
+        let charged = cap.held().memory_mib;
+        assert!(
+            charged > own / 2 && charged < own * 2 + 2,
+            "{charged} vs {own}"
+        );
+        // The sampler holds it only while it samples: the capacity goes.
+        let weak = Arc::downgrade(&cap);
+        drop((r, cap));
+        while weak.upgrade().is_some() {
+            assert!(std::time::Instant::now() < deadline, "the sampler keeps it");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
     }
 }

@@ -65,6 +65,7 @@ impl Launched {
     /// A VMM that was started before this process (adopted after a restart),
     /// holding `hold`.
     pub fn adopted(vm: VmmProcess, hold: Reservation) -> Launched {
+        hold.track(vm.pid());
         Launched {
             vm,
             hold,
@@ -99,6 +100,8 @@ impl Launched {
 /// VMM that fails to start its guest is stopped off the async threads.
 pub async fn launch(pool: &Pool, plan: Plan) -> Result<Launched, ProcessError> {
     let mut vm = pool.take().await?;
+    // From now on it is charged what its VMM really uses.
+    plan.hold.track(vm.pid());
     match start(&mut vm, &plan).await {
         Ok(ready_after) => Ok(Launched {
             vm,

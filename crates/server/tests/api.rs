@@ -1076,6 +1076,9 @@ fn small_node(configure: impl FnOnce(&mut Config)) -> Node {
             c.capacity.vcpus = Some(2);
             c.capacity.vcpu_overcommit = 1.0;
             c.capacity.memory_mib = Some(600);
+            // A headroom of a whole guest: each sandbox is charged its full
+            // 256 MiB, so the figures here are plain sums.
+            c.capacity.memory_headroom_mib = 256;
             c.max_sandboxes = 5;
             configure(c)
         },

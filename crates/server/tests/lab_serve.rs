@@ -535,6 +535,9 @@ async fn capacity_refuses_with_503_and_kill_or_pause_makes_room() {
     let mut config = lab_config(data.path(), 2);
     config.mem_mib = 256;
     config.capacity.memory_mib = Some(600);
+    // A headroom of a whole guest: each sandbox is charged its 256 MiB
+    // whatever it uses (the figures below are plain sums).
+    config.capacity.memory_headroom_mib = 256;
     let node = serve(config).await;
     let (addr, auth) = (node.addr, node.auth());
     let create = || http(addr, "POST", "/v2/sandboxes", &auth, r#"{"timeout":600}"#);
@@ -643,6 +646,63 @@ async fn capacity_refuses_with_503_and_kill_or_pause_makes_room() {
     assert_eq!(info["memoryMB"]["used"], 0, "{info}");
     assert_eq!(info["vcpus"]["used"], 0, "{info}");
     assert_eq!(info["sandboxes"]["running"], 0, "{info}");
+}
+
+/// Admission by real use: a node of 1200 MiB holds a 256 MiB sandbox and
+/// a fork of it into 16 children (17 guests of 256 MiB would need 4352 MiB
+/// counted whole), every child answers, and what the node charges is their
+/// sampled use plus 32 MiB of headroom each, under the ceiling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab: boots microVMs"]
+async fn a_fork_of_16_is_admitted_by_real_memory_use() {
+    let data = tempfile::tempdir().unwrap();
+    let mut config = lab_config(data.path(), 2);
+    config.mem_mib = 256;
+    config.capacity.memory_mib = Some(1200);
+    let node = serve(config).await;
+    let (addr, auth) = (node.addr, node.auth());
+    let a = http(addr, "POST", "/v2/sandboxes", &auth, r#"{"timeout":600}"#).await;
+    assert_eq!(a.status, 201, "{:?}", a.body);
+    let parent = a.json()["sandboxID"].as_str().unwrap().to_owned();
+    let forked = http(
+        addr,
+        "POST",
+        &format!("/sandboxes/{parent}/fork"),
+        &auth,
+        r#"{"count":16,"timeout":600}"#,
+    )
+    .await;
+    assert_eq!(forked.status, 201, "{:?}", forked.body);
+    let children: Vec<(String, String)> = forked
+        .json()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let s = &c["sandbox"];
+            assert!(s.is_object(), "{c}");
+            (
+                s["sandboxID"].as_str().unwrap().to_owned(),
+                s["envdAccessToken"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(children.len(), 16);
+    for (child, token) in &children {
+        let r = [
+            ("e2b-sandbox-id", child.as_str()),
+            ("x-access-token", token.as_str()),
+        ];
+        let (code, out) = run(addr, &r, "echo ready").await;
+        assert_eq!((code, out.as_str()), (0, "ready\n"), "{child}");
+    }
+    // Two samples later every VMM's use is counted.
+    tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    let info = http(addr, "GET", "/v1/node", &auth, "").await.json();
+    let used = info["memoryMB"]["used"].as_u64().unwrap();
+    eprintln!("17 sandboxes charged {used} MiB: {info}");
+    assert!(used > 17 * 32 && used <= 1200, "{info}");
+    assert_eq!(info["sandboxes"]["running"], 17, "{info}");
 }
 
 /// The static guest agent: `SANDFORK_AGENT`, or the release build next to

@@ -8,10 +8,10 @@ mod snapshot;
 pub mod summary;
 
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 
 use crate::launcher::{self, GuestImage};
 
@@ -71,17 +71,56 @@ pub struct Plan<'a> {
     pub image: &'a GuestImage,
     pub vmm_figures: Option<VmmFigures<'a>>,
     pub sdk: Option<sdk::SdkBench<'a>>,
+    /// The whole bench ends by then: a part still running is abandoned and
+    /// the report printed with what was measured.
+    pub deadline: Instant,
+}
+
+/// Parts that failed, by name, with their error.
+pub type Errors = Map<String, Value>;
+
+/// Runs `part` until the plan's deadline; its figures are merged into
+/// `report`, or its error (or overrun) recorded under `name`.
+async fn part(
+    report: &mut Value,
+    errors: &mut Errors,
+    name: &str,
+    deadline: Instant,
+    part: impl std::future::Future<Output = Result<Value>>,
+) {
+    let left = deadline.saturating_duration_since(Instant::now());
+    let error = match tokio::time::timeout(left, part).await {
+        Ok(Ok(figures)) => {
+            merge(report, figures);
+            return;
+        }
+        Ok(Err(e)) => format!("{e:#}"),
+        Err(_) => "did not finish before the bench's --timeout".to_owned(),
+    };
+    eprintln!("bench: {name} failed: {error}");
+    errors.insert(name.to_owned(), json!(error));
 }
 
 impl Plan<'_> {
-    pub async fn run(&self) -> Result<Value> {
+    /// Every part, each on its own: one that fails or overruns is recorded
+    /// in `errors` and the next runs, so the report always holds everything
+    /// measured.
+    pub async fn run(&self) -> Value {
         let mut report = json!({});
+        let mut errors = Errors::new();
         if let Some(figures) = &self.vmm_figures {
-            report = vmm_figures(self.vmm, figures.firecracker, self.image, figures.runs).await?;
+            self.vmm_figures(&mut report, &mut errors, figures).await;
             report["runs"] = json!(figures.runs);
         }
         if let Some(sdk) = &self.sdk {
-            merge(&mut report, sdk.measure().await?);
+            part(
+                &mut report,
+                &mut errors,
+                "sdk",
+                self.deadline,
+                sdk.measure(),
+            )
+            .await;
         }
         report["environment"] = json!(self.environment);
         report["guest"] = json!({"vcpus": self.image.vcpus, "mem_mib": self.image.mem_mib});
@@ -91,40 +130,156 @@ impl Plan<'_> {
                  20-50x slower than hardware KVM; compare ratios, not absolute times"
             );
         }
-        Ok(report)
+        report["errors"] = Value::Object(errors);
+        report
+    }
+
+    async fn vmm_figures(&self, report: &mut Value, errors: &mut Errors, figures: &VmmFigures<'_>) {
+        let (vmm, image, runs) = (self.vmm, self.image, figures.runs);
+        part(
+            report,
+            errors,
+            "boot",
+            self.deadline,
+            measure(vmm, image, runs),
+        )
+        .await;
+        let snapshots = snapshot::measure(vmm, image, runs);
+        part(report, errors, "snapshot", self.deadline, snapshots).await;
+        let Some(fc) = figures.firecracker else {
+            report["reference"] = Value::Null;
+            return;
+        };
+        let mut reference = json!({});
+        let boots = measure(fc, image, runs);
+        part(
+            &mut reference,
+            errors,
+            "reference_boot",
+            self.deadline,
+            boots,
+        )
+        .await;
+        let snapshots = snapshot::measure_reference(fc, image, runs);
+        part(
+            &mut reference,
+            errors,
+            "reference_snapshot",
+            self.deadline,
+            snapshots,
+        )
+        .await;
+        for key in [
+            "boot_to_agent_ms",
+            "restore_to_agent_ms",
+            "pause_ms",
+            "snapshot_full_ms",
+        ] {
+            // Only where both sides measured it.
+            if let (Some(ours), Some(theirs)) = (report[key].as_f64(), reference[key].as_f64()) {
+                let name = format!("{}_ratio_vs_reference", key.trim_end_matches("_ms"));
+                report[name] = json!(ours / theirs);
+            }
+        }
+        report["reference"] = reference;
     }
 }
 
-async fn vmm_figures(
-    vmm: &Path,
-    firecracker: Option<&Path>,
-    image: &GuestImage,
-    runs: usize,
-) -> Result<Value> {
-    let mut report = measure(vmm, image, runs).await?;
-    merge(&mut report, snapshot::measure(vmm, image, runs).await?);
-    let reference = match firecracker {
-        Some(fc) => {
-            let mut fc_report = measure(fc, image, runs).await?;
-            merge(
-                &mut fc_report,
-                snapshot::measure_reference(fc, image, runs).await?,
-            );
-            for key in [
-                "boot_to_agent_ms",
-                "restore_to_agent_ms",
-                "pause_ms",
-                "snapshot_full_ms",
-            ] {
-                let ratio = report[key].as_f64().unwrap_or(f64::NAN)
-                    / fc_report[key].as_f64().unwrap_or(f64::NAN);
-                let name = format!("{}_ratio_vs_reference", key.trim_end_matches("_ms"));
-                report[name] = json!(ratio);
-            }
-            fc_report
+/// Whether the report records a part, or a phase of the SDK bench, that
+/// failed (the exit status says so).
+pub fn failed(report: &Value) -> bool {
+    let any = |key: &str| report[key].as_object().is_some_and(|m| !m.is_empty());
+    any("errors") || any("sdk_errors") || report["sdk_error"].is_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn image() -> GuestImage {
+        GuestImage {
+            kernel: "/nonexistent/vmlinux".into(),
+            rootfs: "/nonexistent/rootfs.ext4".into(),
+            vcpus: 1,
+            mem_mib: 128,
         }
-        None => Value::Null,
-    };
-    report["reference"] = reference;
-    Ok(report)
+    }
+
+    /// A VMM that cannot even start: every part fails, each is recorded,
+    /// and the report still has everything else.
+    #[tokio::test]
+    async fn a_failing_part_is_recorded_and_the_others_run() {
+        let image = image();
+        let vmm = Path::new("/nonexistent/sandfork-vmm");
+        let plan = Plan {
+            environment: "hardware".into(),
+            vmm,
+            image: &image,
+            vmm_figures: Some(VmmFigures {
+                runs: 1,
+                firecracker: Some(Path::new("/nonexistent/firecracker")),
+            }),
+            sdk: None,
+            deadline: Instant::now() + Duration::from_secs(60),
+        };
+        let report = plan.run().await;
+        let errors = report["errors"].as_object().unwrap();
+        let names: Vec<&str> = errors.keys().map(String::as_str).collect();
+        assert_eq!(
+            names,
+            ["boot", "reference_boot", "reference_snapshot", "snapshot"]
+        );
+        assert!(
+            errors["boot"]
+                .as_str()
+                .unwrap()
+                .contains("/nonexistent/sandfork-vmm"),
+            "{errors:?}"
+        );
+        assert_eq!(report["guest"]["mem_mib"], 128);
+        assert_eq!(report["runs"], 1);
+        assert!(report.get("boot_to_agent_ratio_vs_reference").is_none());
+        assert!(failed(&report));
+    }
+
+    /// A part that never ends is abandoned at the deadline.
+    #[tokio::test]
+    async fn a_part_that_overruns_is_cut_at_the_deadline() {
+        let mut report = json!({"kept": 1});
+        let mut errors = Errors::new();
+        let deadline = Instant::now() + Duration::from_millis(50);
+        part(&mut report, &mut errors, "stuck", deadline, async {
+            std::future::pending::<()>().await;
+            Ok(json!({}))
+        })
+        .await;
+        part(&mut report, &mut errors, "late", deadline, async {
+            Ok(json!({"late": 2}))
+        })
+        .await;
+        assert!(errors["stuck"].as_str().unwrap().contains("--timeout"));
+        // Past the deadline even a quick part is not started.
+        assert!(errors.contains_key("late") || report["late"] == 2);
+        assert_eq!(report["kept"], 1);
+        part(
+            &mut report,
+            &mut errors,
+            "ok",
+            Instant::now() + Duration::from_secs(5),
+            async { Ok(json!({"figure": 3})) },
+        )
+        .await;
+        assert_eq!(report["figure"], 3);
+        assert!(!errors.contains_key("ok"));
+    }
+
+    #[test]
+    fn failures_are_errors_of_parts_or_of_sdk_phases() {
+        assert!(!failed(&json!({"errors": {}, "sdk_errors": {}})));
+        assert!(!failed(&json!({"boot_to_agent_ms": 3})));
+        assert!(failed(&json!({"errors": {"boot": "x"}})));
+        assert!(failed(
+            &json!({"errors": {}, "sdk_errors": {"fork16": "x"}})
+        ));
+    }
 }

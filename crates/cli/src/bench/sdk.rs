@@ -22,9 +22,9 @@ const SCRIPT: &str = include_str!("sdk_bench.py");
 /// VMM processes the server keeps started (its default); the script waits
 /// for the pool to be full before each phase.
 const POOL_SIZE: usize = 4;
-/// Memory overcommit for the bench's node (see `start_server`).
-const MEMORY_OVERCOMMIT: f64 = 4.0;
 const STOP_TIMEOUT: Duration = Duration::from_secs(60);
+/// `serve`'s default count limit, raised for the density phase.
+const MAX_SANDBOXES: usize = 64;
 
 pub struct SdkBench<'a> {
     /// A python with the pinned e2b package (scripts/sdk-setup.sh prints one).
@@ -33,13 +33,21 @@ pub struct SdkBench<'a> {
     pub image: &'a GuestImage,
     /// Sequential creates measured to their first command result.
     pub runs: usize,
+    /// Each sample (a create to its first answer, a fork to every child's)
+    /// at most this long; one that overruns is recorded as failed.
+    pub sample_timeout: Duration,
+    /// `density_idle_sandboxes`: creates until the node refuses or this
+    /// many (0: not measured).
+    pub density_max: usize,
+    /// Only these phases of the script (comma-separated), or all.
+    pub phases: Option<&'a str>,
 }
 
 impl SdkBench<'_> {
     pub async fn measure(&self) -> Result<Value> {
         let dir = tempfile::tempdir().context("creating the SDK bench directory")?;
-        let script = dir.path().join("sdk_bench.py");
-        std::fs::write(&script, SCRIPT).context("writing the SDK bench script")?;
+        let script_path = dir.path().join("sdk_bench.py");
+        std::fs::write(&script_path, SCRIPT).context("writing the SDK bench script")?;
         let log_path = dir.path().join("serve.log");
         let port = free_port()?;
         let key = api_key()?;
@@ -51,8 +59,13 @@ impl SdkBench<'_> {
             "bench: sdk: sandfork serve (pid {server_pid}) at {url}, log {}",
             log_path.display()
         );
-        let mut script = Command::new(self.python)
-            .arg(&script)
+        let report_file = dir.path().join("report.json");
+        let mut script = Command::new(self.python);
+        script.arg(&script_path);
+        if let Some(phases) = self.phases {
+            script.arg("--phases").arg(phases);
+        }
+        let script = script
             .arg("--server-pid")
             .arg(server_pid.to_string())
             .arg("--vmm-exe")
@@ -61,6 +74,12 @@ impl SdkBench<'_> {
             .arg(POOL_SIZE.to_string())
             .arg("--runs")
             .arg(self.runs.to_string())
+            .arg("--sample-timeout")
+            .arg(self.sample_timeout.as_secs_f64().to_string())
+            .arg("--density-max")
+            .arg(self.density_max.to_string())
+            .arg("--report-file")
+            .arg(&report_file)
             .env("E2B_API_URL", &url)
             .env("E2B_SANDBOX_URL", &url)
             .env("E2B_API_KEY", &key)
@@ -68,31 +87,32 @@ impl SdkBench<'_> {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true)
-            .spawn()
-            .context("running the SDK bench script")?;
-        let progress = relay(script.stderr.take().context("the script's stderr")?);
-        let output = tokio::select! {
-            output = script.wait_with_output() => output.context("running the SDK bench script")?,
-            status = server.wait() => {
-                bail!(
-                    "sandfork serve exited ({}) during the SDK bench; its log ends:\n{}",
-                    status?,
-                    log_tail(&log_path)
-                );
+            .spawn();
+        let mut script = match script {
+            Ok(s) => s,
+            Err(e) => {
+                stop(&mut server).await;
+                return Err(e).context("running the SDK bench script");
             }
         };
-        stop(&mut server).await?;
+        let progress = relay(script.stderr.take().context("the script's stderr")?);
+        // The script bounds every sample; this bounds the script (the
+        // caller's deadline cuts this future, which kills it on drop too).
+        let output = tokio::select! {
+            output = script.wait_with_output() => match output {
+                Ok(o) => Ok(o),
+                Err(e) => Err(format!("waiting for the SDK bench script: {e}")),
+            },
+            status = server.wait() => Err(format!(
+                "sandfork serve exited ({}) during the SDK bench",
+                status.map_or_else(|e| e.to_string(), |s| s.to_string())
+            )),
+        };
+        stop(&mut server).await;
         let script_tail = progress.await.unwrap_or_default();
-        if !output.status.success() {
-            bail!(
-                "the SDK bench script failed ({}):\n{}\nthe server's log ends:\n{}",
-                output.status,
-                script_tail,
-                log_tail(&log_path)
-            );
-        }
-        let mut report = parse_report(&output.stdout)?;
         let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+        let partial = std::fs::read(&report_file).ok();
+        let mut report = assemble(output, partial.as_deref(), &script_tail, &log);
         report["sdk_detail"]["server_log_problems"] = log_problems(&log);
         Ok(report)
     }
@@ -109,6 +129,9 @@ impl SdkBench<'_> {
             .arg(&data)
             .arg("--pool-size")
             .arg(POOL_SIZE.to_string())
+            // The density phase is bounded by memory, not by the count.
+            .arg("--max-sandboxes")
+            .arg(MAX_SANDBOXES.max(self.density_max + 32).to_string())
             .arg("--kernel")
             .arg(&image.kernel)
             .arg("--rootfs")
@@ -119,11 +142,6 @@ impl SdkBench<'_> {
             .arg(image.vcpus.to_string())
             .arg("--mem-mib")
             .arg(image.mem_mib.to_string())
-            // A parent and 16 children of 256 MiB exceed what a 4 GiB lab
-            // holds if every guest touched all its memory; idle ones share
-            // nearly all of it, which is what the bench measures.
-            .arg("--memory-overcommit")
-            .arg(MEMORY_OVERCOMMIT.to_string())
             // this process already runs where microVMs boot
             .arg("--in-lab")
             .env("SANDFORK_API_KEY", key)
@@ -155,20 +173,53 @@ fn relay(stderr: ChildStderr) -> tokio::task::JoinHandle<String> {
 }
 
 /// Ends the server as its users would (SIGTERM), killing it if it hangs.
-async fn stop(server: &mut Child) -> Result<()> {
-    if let Some(pid) = server.id() {
-        let pid = Pid::from_raw(i32::try_from(pid).context("server pid")?);
+async fn stop(server: &mut Child) {
+    if let Some(pid) = server.id().and_then(|p| i32::try_from(p).ok()) {
         // ESRCH: it has exited already.
-        let _ = kill(pid, Signal::SIGTERM);
+        let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
         if tokio::time::timeout(STOP_TIMEOUT, server.wait())
             .await
             .is_ok()
         {
-            return Ok(());
+            return;
         }
         eprintln!("bench: sdk: the server did not stop within {STOP_TIMEOUT:?}; killing it");
     }
-    server.kill().await.context("killing the server")
+    if let Err(e) = server.kill().await {
+        eprintln!("bench: sdk: killing the server: {e}");
+    }
+}
+
+/// The SDK figures from what the script left: its JSON on stdout, else the
+/// report it saved after its last phase; what went wrong in `sdk_error`,
+/// with the script's and the server's last lines.
+fn assemble(
+    output: Result<std::process::Output, String>,
+    saved: Option<&[u8]>,
+    script_tail: &str,
+    server_log: &str,
+) -> Value {
+    let (printed, failure) = match output {
+        Ok(o) => match parse_report(&o.stdout) {
+            Ok(report) => (Some(report), None),
+            Err(e) => (
+                None,
+                Some(format!("the SDK bench script failed ({}): {e:#}", o.status)),
+            ),
+        },
+        Err(e) => (None, Some(e)),
+    };
+    let Some(failure) = failure else {
+        return printed.unwrap_or_else(|| json!({}));
+    };
+    let mut report = saved
+        .and_then(|s| parse_report(s).ok())
+        .unwrap_or_else(|| json!({}));
+    eprintln!("bench: sdk: {failure}");
+    report["sdk_error"] = json!(failure);
+    report["sdk_detail"]["script_tail"] = json!(script_tail);
+    report["sdk_detail"]["server_log_tail"] = json!(tail(server_log, 40));
+    report
 }
 
 /// The script's report: one JSON object.
@@ -239,10 +290,9 @@ fn api_key() -> Result<String> {
     ))
 }
 
-fn log_tail(path: &Path) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
+fn tail(text: &str, n: usize) -> String {
     let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(40)..].join("\n")
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 /// The python to run the script with: the one given, or the venv that
@@ -290,6 +340,60 @@ mod tests {
         assert!(parse_report(b"").is_err());
     }
 
+    fn exited(code: i32, stdout: &str) -> Result<std::process::Output, String> {
+        use std::os::unix::process::ExitStatusExt;
+        Ok(std::process::Output {
+            status: std::process::ExitStatus::from_raw(code << 8),
+            stdout: stdout.as_bytes().to_vec(),
+            stderr: Vec::new(),
+        })
+    }
+
+    #[test]
+    fn what_the_script_measured_is_kept_whatever_ends_it() {
+        // It printed its report (a phase failed: it says so itself).
+        let r = assemble(
+            exited(
+                1,
+                r#"{"sdk_fork16_ms": null, "sdk_errors": {"fork16": "x"}}"#,
+            ),
+            None,
+            "",
+            "",
+        );
+        assert_eq!(r["sdk_errors"]["fork16"], "x");
+        assert!(r.get("sdk_error").is_none());
+        // It died mid-phase: the report it saved after the last phase.
+        let saved = br#"{"sdk_create_to_first_command_ms": {"p50": 5}}"#;
+        let r = assemble(
+            exited(137, ""),
+            Some(saved),
+            "Traceback ...",
+            "a\nb\nthe server's last line",
+        );
+        assert_eq!(r["sdk_create_to_first_command_ms"]["p50"], 5);
+        assert!(
+            r["sdk_error"]
+                .as_str()
+                .unwrap()
+                .contains("exit status: 137"),
+            "{r}"
+        );
+        assert_eq!(r["sdk_detail"]["script_tail"], "Traceback ...");
+        assert!(
+            r["sdk_detail"]["server_log_tail"]
+                .as_str()
+                .unwrap()
+                .ends_with("last line")
+        );
+        // The server went away, nothing saved: the error alone.
+        let r = assemble(Err("sandfork serve exited (signal 9)".into()), None, "", "");
+        assert_eq!(r["sdk_error"], "sandfork serve exited (signal 9)");
+        // A torn file (written while killed) is no report.
+        let r = assemble(Err("x".into()), Some(b"{\"a\": "), "", "");
+        assert_eq!(r.as_object().unwrap().len(), 2, "{r}");
+    }
+
     #[test]
     fn server_warnings_and_errors_are_picked_from_its_log() {
         let log = "\u{1b}[2m2026-11-30T04:30:01Z\u{1b}[0m \u{1b}[32m INFO\u{1b}[0m server: up\n\
@@ -335,5 +439,154 @@ mod tests {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
+    }
+}
+
+/// The script against a stand-in SDK (no node): a sandbox whose first
+/// command never answers is a failed sample, the bench goes on, every
+/// phase reports, and the density phase stops where the node refuses.
+#[cfg(test)]
+mod stand_in {
+    use super::SCRIPT;
+
+    /// `e2b` and `httpx` as far as the script uses them: the third sandbox
+    /// created never answers; more than five alive at once are refused.
+    const FAKE_E2B: &str = r#"
+import threading, itertools
+_lock = threading.Lock()
+_made = itertools.count(1)
+_alive = set()
+
+class ServiceBusyException(Exception):
+    pass
+
+class _Result:
+    stdout = "ready\n"
+
+class _Commands:
+    def __init__(self, n):
+        self.n = n
+    def run(self, cmd, **kw):
+        if self.n == 3:
+            threading.Event().wait()  # as a guest that stopped answering
+        return _Result()
+
+class Sandbox:
+    def __init__(self, n):
+        self.sandbox_id = f"sbx{n}"
+        self.commands = _Commands(n)
+
+    @classmethod
+    def create(cls, template, **kw):
+        with _lock:
+            if len(_alive) >= 5:
+                raise ServiceBusyException("503: node over capacity: not enough memory")
+            s = cls(next(_made))
+            _alive.add(s.sandbox_id)
+            return s
+
+    def fork(self, count, **kw):
+        return [Sandbox.create("fork") for _ in range(min(count, 2))]
+
+    def kill(self, **kw):
+        with _lock:
+            _alive.discard(self.sandbox_id)
+"#;
+    const FAKE_HTTPX: &str = r#"
+class HTTPError(Exception):
+    pass
+
+class _Answer:
+    status_code = 204
+    text = "(stand-in diagnostics)"
+    def json(self):
+        return {"memoryMB": {"total": 1}}
+
+def get(url, **kw):
+    return _Answer()
+"#;
+
+    #[test]
+    fn a_sample_that_never_answers_is_recorded_and_the_bench_goes_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let lib = dir.path().join("lib");
+        std::fs::create_dir_all(lib.join("e2b")).unwrap();
+        std::fs::create_dir_all(lib.join("e2b-0.0.1.dist-info")).unwrap();
+        std::fs::write(lib.join("e2b/__init__.py"), FAKE_E2B).unwrap();
+        std::fs::write(
+            lib.join("e2b-0.0.1.dist-info/METADATA"),
+            "Metadata-Version: 2.1\nName: e2b\nVersion: 0.0.1\n",
+        )
+        .unwrap();
+        std::fs::write(lib.join("httpx.py"), FAKE_HTTPX).unwrap();
+        let script = dir.path().join("sdk_bench.py");
+        std::fs::write(&script, SCRIPT).unwrap();
+        let report_file = dir.path().join("report.json");
+        let me = std::process::id().to_string();
+        let started = std::time::Instant::now();
+        let out = std::process::Command::new("python3")
+            .arg(&script)
+            .args(["--server-pid", &me, "--vmm-exe", "/nonexistent"])
+            .args(["--runs", "4", "--creates", "2", "--idle", "1"])
+            .args([
+                "--idle-seconds",
+                "0",
+                "--pool-size",
+                "0",
+                "--settle-seconds",
+                "0",
+            ])
+            // No VMM processes here: the node never "settles"; a warning.
+            .args(["--settle-timeout", "1"])
+            .args(["--sample-timeout", "2", "--density-max", "50"])
+            .arg("--report-file")
+            .arg(&report_file)
+            .env("PYTHONPATH", &lib)
+            .env("E2B_API_URL", "http://127.0.0.1:9")
+            .env("E2B_API_KEY", "e2b_test")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{}\n{stderr}", out.status);
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        // Three creates answered; the stuck one is a failed sample.
+        let created = &report["sdk_create_to_first_command_ms"];
+        assert_eq!(created["samples"].as_array().unwrap().len(), 3, "{report}");
+        let failed = &report["sdk_detail"]["create_to_first_command"]["failed_samples"];
+        assert_eq!(failed[0]["sample"], 2, "{report}");
+        assert!(
+            failed[0]["error"]
+                .as_str()
+                .unwrap()
+                .contains("TimeoutError"),
+            "{report}"
+        );
+        // The phases after it ran.
+        assert!(report["sdk_fork16_ms"].is_number(), "{report}");
+        assert!(report["sdk_creates_per_s_4way"].as_f64().unwrap() > 0.0);
+        assert!(report["idle_sandbox_mib"].is_number(), "{report}");
+        // Refused at the sixth: five admitted.
+        assert_eq!(report["density_idle_sandboxes"], 5, "{report}");
+        let density = &report["sdk_detail"]["density"];
+        assert!(
+            density["refused_with"]
+                .as_str()
+                .unwrap()
+                .contains("ServiceBusyException"),
+            "{report}"
+        );
+        assert_eq!(density["answered"], 5, "{report}");
+        assert!(report.get("sdk_errors").is_none(), "{report}");
+        assert!(
+            report["sdk_warnings"][0]
+                .as_str()
+                .unwrap()
+                .contains("did not settle")
+        );
+        // What it saved is what it printed.
+        let saved: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&report_file).unwrap()).unwrap();
+        assert_eq!(saved, report);
+        assert!(started.elapsed() < std::time::Duration::from_secs(60));
     }
 }

@@ -31,6 +31,11 @@ REQUEST_TIMEOUT_S = 900.0
 ANSWER_TIMEOUT_S = 300.0
 # Concurrent creators of the throughput phase (`sdk_creates_per_s_4way`).
 CONCURRENCY = 4
+KILL_TIMEOUT_S = 60.0
+# The density phase stops after this many creates that failed (rather than
+# being refused), and has this many of its sandboxes answer a command.
+DENSITY_MAX_ERRORS = 3
+DENSITY_SAMPLE = 10
 
 
 def log(msg):
@@ -153,22 +158,83 @@ def wait_settled(server_pid, vmm_exe, at_least, timeout_s=600.0, still_s=5.0):
         time.sleep(0.5)
 
 
+# --- bounded samples --------------------------------------------------------
+
+
+def describe(e):
+    return f"{type(e).__name__}: {e}"
+
+
+def bounded(fn, timeout_s, what):
+    """fn()'s result, run on a daemon thread, or TimeoutError after
+    `timeout_s`: a stuck SDK call cannot be interrupted, so it is left behind
+    (its sandbox is killed with the phase's others) and the bench goes on."""
+    box = {}
+    done = threading.Event()
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True, name=what).start()
+    if not done.wait(timeout_s):
+        raise TimeoutError(f"{what}: no result within {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def collect(n, sample, timeout_s, what):
+    """`n` results of `sample(i)`, each bounded by `timeout_s`; a sample that
+    fails or times out is recorded with its error and the others go on.
+    Returns (values, failures)."""
+    values, failures = [], []
+    for i in range(1, n + 1):
+        try:
+            values.append(bounded(lambda i=i: sample(i), timeout_s, f"{what} {i}"))
+        except Exception as e:
+            log(f"{what} {i}/{n} failed: {describe(e)}")
+            failures.append({"sample": i, "error": describe(e)})
+    return values, failures
+
+
+def is_refusal(e):
+    """The node said no for capacity (429 or 503), rather than failing."""
+    names = {c.__name__ for c in type(e).__mro__}
+    text = str(e)
+    return bool(names & {"RateLimitException", "ServiceBusyException"}) or (
+        "over capacity" in text or "runs at most" in text
+    )
+
+
 # --- the phases -----------------------------------------------------------
 
 
 class Bench:
-    def __init__(self, args):
+    def __init__(self, args, report):
         from e2b import Sandbox  # only here: --self-test runs without the SDK
 
         self.Sandbox = Sandbox
         self.args = args
         self.meta = {"sandfork_bench": secrets.token_hex(4)}
         self.opts = {"request_timeout": REQUEST_TIMEOUT_S, "retries": 0}
+        # Every sandbox created and not killed yet, so that a sample left
+        # behind by a timeout does not keep its sandbox.
+        self.created = []
+        self.lock = threading.Lock()
+        self.report = report
 
     def create(self):
-        return self.Sandbox.create(
+        sbx = self.Sandbox.create(
             self.args.template, timeout=SANDBOX_TTL_S, metadata=self.meta, **self.opts
         )
+        with self.lock:
+            self.created.append(sbx)
+        return sbx
 
     def answer(self, sbx):
         try:
@@ -178,96 +244,155 @@ class Bench:
         except Exception as e:
             log(
                 f"{sbx.sandbox_id} did not answer `echo ready` within {ANSWER_TIMEOUT_S:.0f} s"
-                f" ({type(e).__name__}: {e}); the node's diagnostics of it:\n"
+                f" ({describe(e)}); the node's diagnostics of it:\n"
                 f"{node_diagnostics(sbx.sandbox_id)}"
             )
             raise
         if result.stdout.strip() != "ready":
             raise RuntimeError(f"{sbx.sandbox_id} answered {result.stdout!r}")
 
+    def kill(self, sbx):
+        with self.lock:
+            if sbx in self.created:
+                self.created.remove(sbx)
+        try:
+            bounded(lambda: sbx.kill(request_timeout=KILL_TIMEOUT_S), KILL_TIMEOUT_S + 5, "kill")
+        except Exception as e:  # the node reaps it at its end of life
+            log(f"killing {sbx.sandbox_id}: {describe(e)}")
+
     def kill_all(self, sandboxes):
         with ThreadPoolExecutor(8) as pool:
-            list(pool.map(lambda s: s.kill(**self.opts), sandboxes))
+            list(pool.map(self.kill, sandboxes))
+
+    def cleanup(self):
+        with self.lock:
+            left = list(self.created)
+        self.kill_all(left)
 
     def settle(self, at_least=None):
+        """Waits for the warm pool to be full; a node that does not settle is
+        a warning in the report, not the end of the phase."""
         if at_least is None:
             at_least = self.args.pool_size
-        return wait_settled(self.args.server_pid, self.args.vmm_exe, at_least)
+        try:
+            return wait_settled(
+                self.args.server_pid,
+                self.args.vmm_exe,
+                at_least,
+                timeout_s=self.args.settle_timeout,
+                still_s=self.args.settle_seconds,
+            )
+        except RuntimeError as e:
+            log(str(e))
+            self.report.setdefault("sdk_warnings", []).append(str(e))
+            return len(node_pids(self.args.server_pid, self.args.vmm_exe)[1])
+
+    def sample_timeout(self):
+        return self.args.sample_timeout
 
     def create_to_first_command(self):
         # One create first, not counted: the SDK's first call imports and sets
         # up its clients (1.6 s of emulated client CPU in the lab).
-        c0, t0 = time.process_time(), time.perf_counter()
-        warm = self.create()
-        self.answer(warm)
-        warmup = {"ms": ms(time.perf_counter() - t0), "client_cpu_ms": ms(time.process_time() - c0)}
-        warm.kill(**self.opts)
-        log(f"warm-up create: {warmup['ms']:.0f} ms (not counted)")
+        def warm_up():
+            c0, t0 = time.process_time(), time.perf_counter()
+            warm = self.create()
+            self.answer(warm)
+            took = {"ms": ms(time.perf_counter() - t0), "client_cpu_ms": ms(time.process_time() - c0)}
+            self.kill(warm)
+            return took
+
+        try:
+            warmup = bounded(warm_up, self.sample_timeout(), "warm-up create")
+            log(f"warm-up create: {warmup['ms']:.0f} ms (not counted)")
+        except Exception as e:
+            warmup = {"error": describe(e)}
+            log(f"warm-up create failed: {describe(e)}")
+        self.cleanup()
         self.settle()
-        total, create_call, cpu, second = [], [], [], []
-        for run in range(1, self.args.runs + 1):
+
+        def one(run):
             c0, t0 = time.process_time(), time.perf_counter()
             sbx = self.create()
             t1 = time.perf_counter()
-            self.answer(sbx)
-            t2, c1 = time.perf_counter(), time.process_time()
-            total.append(ms(t2 - t0))
-            create_call.append(ms(t1 - t0))
-            cpu.append(ms(c1 - c0))
-            # not in the figure: what any command costs, for comparison
-            self.answer(sbx)
-            second.append(ms(time.perf_counter() - t2))
-            log(f"create {run}/{self.args.runs}: {total[-1]:.0f} ms to the first command result")
-            sbx.kill(**self.opts)
-        return summary(total), {
+            try:
+                self.answer(sbx)
+                t2, c1 = time.perf_counter(), time.process_time()
+                # not in the figure: what any command costs, for comparison
+                self.answer(sbx)
+                second = ms(time.perf_counter() - t2)
+            finally:
+                self.kill(sbx)
+            log(f"create {run}/{self.args.runs}: {ms(t2 - t0):.0f} ms to the first command result")
+            return ms(t2 - t0), ms(t1 - t0), ms(c1 - c0), second
+
+        values, failures = collect(self.args.runs, one, self.sample_timeout(), "create")
+        self.cleanup()
+        parts = list(zip(*values)) or [[], [], [], []]
+        stats = [summary(list(p)) if p else None for p in parts]
+        return {"sdk_create_to_first_command_ms": stats[0]}, {
             "warmup_not_counted": warmup,
-            "create_call_ms": summary(create_call),
-            "client_cpu_ms": summary(cpu),
-            "second_command_ms": summary(second),
+            "create_call_ms": stats[1],
+            "client_cpu_ms": stats[2],
+            "second_command_ms": stats[3],
+            "failed_samples": failures,
         }
 
     def fork(self):
         count = self.args.fork_count
-        parent = self.create()
-        self.answer(parent)
+        parent = bounded(self.create, self.sample_timeout(), "the fork's parent")
+        bounded(lambda: self.answer(parent), self.sample_timeout(), "the fork's parent")
         self.settle()
         children, errors = [], []
-        try:
+
+        def answers(child):
+            try:
+                self.answer(child)
+                return None
+            except Exception as e:  # one child's failure is a result
+                return f"{child.sandbox_id}: {e!r}"
+
+        def fork_and_answer():
             c0, t0 = time.process_time(), time.perf_counter()
             results = parent.fork(count=count, timeout=SANDBOX_TTL_S, **self.opts)
             t1 = time.perf_counter()
             for r in results:
                 (errors if isinstance(r, Exception) else children).append(r)
-            errors = [f"fork: {e!r}" for e in errors]
-
-            def answers(child):
-                try:
-                    self.answer(child)
-                    return None
-                except Exception as e:  # one child's failure is a result
-                    return f"{child.sandbox_id}: {e!r}"
-
+            with self.lock:
+                self.created.extend(c for c in children if c not in self.created)
+            errors[:] = [f"fork: {e!r}" for e in errors]
             with ThreadPoolExecutor(max(1, len(children))) as pool:
-                errors += [e for e in pool.map(answers, children) if e]
+                errors.extend(e for e in pool.map(answers, children) if e)
             t2, c1 = time.perf_counter(), time.process_time()
+            return t0, t1, t2, c1 - c0
+
+        detail = {"children": count}
+        try:
+            t0, t1, t2, cpu = bounded(fork_and_answer, self.sample_timeout(), f"fork of {count}")
             log(f"fork of {count}: {len(children)} children, all answered after {ms(t2 - t0):.0f} ms")
-            detail = {
-                "children": count,
-                "fork_call_ms": ms(t1 - t0),
-                "all_answered_ms": ms(t2 - t0),
-                "client_cpu_ms": ms(c1 - c0),
-                "errors": errors,
-            }
-            return (None if errors else ms(t2 - t0)), detail
+            detail.update(
+                fork_call_ms=ms(t1 - t0), all_answered_ms=ms(t2 - t0), client_cpu_ms=ms(cpu)
+            )
+        except Exception as e:
+            errors.append(describe(e))
+            t0 = t2 = None
         finally:
-            self.kill_all(children + [parent])
+            self.cleanup()
+        detail["errors"] = errors
+        value = None if errors else ms(t2 - t0)
+        return {"sdk_fork16_ms" if count == 16 else f"sdk_fork{count}_ms": value}, detail
 
     def creates_concurrent(self):
         total, workers = self.args.creates, CONCURRENCY
         self.settle()
-        made, latency, errors = [], [], []
+        latency, errors = [], []
         lock = threading.Lock()
         claimed = [0]
+
+        def one():
+            t0 = time.perf_counter()
+            sbx = self.create()
+            self.answer(sbx)
+            return ms(time.perf_counter() - t0)
 
         def worker():
             while True:
@@ -275,53 +400,45 @@ class Bench:
                     if claimed[0] >= total:
                         return
                     claimed[0] += 1
-                t0 = time.perf_counter()
                 try:
-                    sbx = self.create()
-                    with lock:
-                        made.append(sbx)
-                    self.answer(sbx)
+                    took = bounded(one, self.sample_timeout(), "create")
                 except Exception as e:  # counted as not created
                     with lock:
-                        errors.append(repr(e))
+                        errors.append(describe(e))
                     continue
                 with lock:
-                    latency.append(ms(time.perf_counter() - t0))
+                    latency.append(took)
 
         c0, t0 = time.process_time(), time.perf_counter()
-        threads = [threading.Thread(target=worker) for _ in range(workers)]
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(workers)]
         for t in threads:
             t.start()
         for t in threads:
+            # Each sample is bounded, so each worker ends.
             t.join()
         elapsed, c1 = time.perf_counter() - t0, time.process_time()
-        try:
-            rate = len(latency) / elapsed
-            log(f"{len(latency)}/{total} creates answered in {elapsed:.1f} s with {workers} creators")
-            detail = {
-                "concurrency": workers,
-                "creates": total,
-                "answered": len(latency),
-                "elapsed_s": round(elapsed, 2),
-                "create_to_first_command_ms": summary(latency) if latency else None,
-                "client_cpu_ms": ms(c1 - c0),
-                "errors": errors,
-            }
-            return round(rate, 3), detail
-        finally:
-            self.kill_all(made)
+        self.cleanup()
+        rate = len(latency) / elapsed
+        log(f"{len(latency)}/{total} creates answered in {elapsed:.1f} s with {workers} creators")
+        detail = {
+            "concurrency": workers,
+            "creates": total,
+            "answered": len(latency),
+            "elapsed_s": round(elapsed, 2),
+            "create_to_first_command_ms": summary(latency) if latency else None,
+            "client_cpu_ms": ms(c1 - c0),
+            "errors": errors,
+        }
+        return {"sdk_creates_per_s_4way": round(rate, 3)}, detail
 
     def idle_memory(self):
         k = self.args.idle
         baseline_vmms = self.settle()
         before = node_memory(self.args.server_pid, self.args.vmm_exe)
         avail_before = mem_available_kib()
-        sandboxes = []
         try:
-            for _ in range(k):
-                sbx = self.create()
-                sandboxes.append(sbx)
-                self.answer(sbx)
+            for i in range(k):
+                bounded(lambda: self.answer(self.create()), self.sample_timeout(), f"idle sandbox {i + 1}")
             log(f"{k} sandboxes up; idling {self.args.idle_seconds} s")
             time.sleep(self.args.idle_seconds)
             # the pool refills behind the creates: wait for it too
@@ -329,7 +446,7 @@ class Bench:
             after = node_memory(self.args.server_pid, self.args.vmm_exe)
             avail_after = mem_available_kib()
         finally:
-            self.kill_all(sandboxes)
+            self.cleanup()
         per = (after["pss_kib"] - before["pss_kib"]) / 1024.0 / k
         detail = {
             "method": "sum of Pss (/proc/<pid>/smaps_rollup) over the server, its "
@@ -347,27 +464,112 @@ class Bench:
             ),
         }
         log(f"idle sandbox: {per:.1f} MiB (Pss)")
-        return round(per, 2), detail
+        per = round(per, 2)
+        return {
+            "idle_sandbox_mib": per,
+            "idle_sandboxes_per_24gib": math.floor(24 * 1024 / per) if per > 0 else None,
+        }, detail
 
-    def run(self):
-        report, detail = {}, {
-            "sdk": "e2b (Python) " + _sdk_version(),
-            "template": self.args.template,
-            "client": "runs on the node next to the server, so the node's processes "
+    def density(self):
+        """Creates until the node refuses (or --density-max), all idle
+        --idle-seconds, then a sample of them answers a command."""
+        limit = self.args.density_max
+        baseline_vmms = self.settle()
+        before = node_memory(self.args.server_pid, self.args.vmm_exe)
+        admitted, errors, refusal = [], [], None
+        t0 = time.perf_counter()
+        try:
+            while len(admitted) < limit:
+                try:
+                    sbx = bounded(self.create, self.sample_timeout(), "density create")
+                except Exception as e:
+                    if is_refusal(e):
+                        refusal = describe(e)
+                        log(f"density: the node refused sandbox {len(admitted) + 1}: {refusal}")
+                        break
+                    errors.append(describe(e))
+                    log(f"density: create {len(admitted) + 1} failed: {describe(e)}")
+                    if len(errors) >= DENSITY_MAX_ERRORS:
+                        break
+                    continue
+                admitted.append(sbx)
+                if len(admitted) % 10 == 0:
+                    log(f"density: {len(admitted)} sandboxes admitted")
+            created_s = time.perf_counter() - t0
+            n = len(admitted)
+            log(f"density: {n} admitted; idling {self.args.idle_seconds} s")
+            time.sleep(self.args.idle_seconds)
+            sample = admitted[:: max(1, n // DENSITY_SAMPLE)][:DENSITY_SAMPLE] if n else []
+            answered, failed = collect(
+                len(sample),
+                lambda i: self.answer(sample[i - 1]),
+                self.sample_timeout(),
+                "density answer",
+            )
+            self.settle(at_least=baseline_vmms + n)
+            after = node_memory(self.args.server_pid, self.args.vmm_exe)
+            avail = mem_available_kib()
+            node = node_info()
+        finally:
+            self.cleanup()
+        per = round((after["pss_kib"] - before["pss_kib"]) / 1024.0 / n, 2) if n else None
+        log(f"density: {n} admitted, {per} MiB each (Pss), {avail // 1024} MiB available")
+        return {
+            "density_idle_sandboxes": n,
+            "density_sandbox_mib": per,
+            "density_mem_available_mib": avail // 1024,
+        }, {
+            "max": limit,
+            "refused_with": refusal,
+            "create_errors": errors,
+            "create_s": round(created_s, 1),
+            "idle_s": self.args.idle_seconds,
+            "sampled": len(sample),
+            "answered": len(answered),
+            "failed_answers": failed,
+            "node_before": before,
+            "node_after": after,
+            "node_capacity_at_end": node,
+        }
+
+    def run(self, save):
+        """Every phase, each on its own: one that fails is recorded with its
+        error and the next one runs; `save` is called after each."""
+        report = self.report
+        detail = report.setdefault("sdk_detail", {})
+        detail.update(
+            sdk="e2b (Python) " + _sdk_version(),
+            template=self.args.template,
+            client="runs on the node next to the server, so the node's processes "
             "can be read from /proc; in the lab its CPU time is emulated too "
             "(client_cpu_ms)",
-        }
-        report["sdk_create_to_first_command_ms"], detail["create_to_first_command"] = (
-            self.create_to_first_command()
         )
-        report["sdk_fork16_ms"], detail["fork16"] = self.fork()
-        report["sdk_creates_per_s_4way"], detail["creates_concurrent"] = (
-            self.creates_concurrent()
-        )
-        report["idle_sandbox_mib"], detail["idle"] = self.idle_memory()
-        per = report["idle_sandbox_mib"]
-        report["idle_sandboxes_per_24gib"] = math.floor(24 * 1024 / per) if per > 0 else None
-        report["sdk_detail"] = detail
+        phases = [
+            ("create_to_first_command", self.create_to_first_command, ["sdk_create_to_first_command_ms"]),
+            ("fork16", self.fork, [f"sdk_fork{self.args.fork_count}_ms"]),
+            ("creates_concurrent", self.creates_concurrent, ["sdk_creates_per_s_4way"]),
+            ("idle", self.idle_memory, ["idle_sandbox_mib", "idle_sandboxes_per_24gib"]),
+        ]
+        if self.args.density_max > 0:
+            phases.append(
+                ("density", self.density, ["density_idle_sandboxes", "density_sandbox_mib"])
+            )
+        only = set(self.args.phases.split(",")) if self.args.phases else None
+        for name, phase, keys in phases:
+            if only is not None and name not in only:
+                continue
+            log(f"phase {name}")
+            try:
+                values, detail[name] = phase()
+                report.update(values)
+            except Exception as e:
+                log(f"phase {name} failed: {describe(e)}")
+                for key in keys:
+                    report[key] = None
+                detail[name] = {"error": describe(e)}
+                report.setdefault("sdk_errors", {})[name] = describe(e)
+                self.cleanup()
+            save()
         return report
 
 
@@ -387,6 +589,29 @@ def node_diagnostics(sandbox_id):
         return answer.text
     except httpx.HTTPError as e:
         return f"(no diagnostics: {e})"
+
+
+def node_info():
+    """The node's capacity and use (`GET /v1/node`, sandfork's own)."""
+    import httpx
+
+    url = f"{os.environ['E2B_API_URL']}/v1/node"
+    try:
+        answer = httpx.get(url, headers={"X-API-KEY": os.environ["E2B_API_KEY"]}, timeout=60)
+        return answer.json()
+    except (httpx.HTTPError, ValueError) as e:
+        return {"error": describe(e)}
+
+
+def save_report(path, report):
+    """Writes the report so far where `sandfork bench` finds it if this
+    script dies or overruns (written whole, then renamed into place)."""
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f)
+    os.replace(tmp, path)
 
 
 def wait_for_health(url, timeout_s):
@@ -415,6 +640,46 @@ def self_test():
     mem = node_memory(os.getpid(), sys.executable)
     assert mem["pss_kib"] >= own["pss"] // 2 and mem["vmm_processes"] >= 1, mem
     assert mem_available_kib() > 0
+    # A sample that fails or never answers is recorded; the others go on.
+    stuck = threading.Event()
+
+    def sample(i):
+        if i == 2:
+            raise RuntimeError("no answer")
+        if i == 3:
+            stuck.wait(60)  # as an SDK call whose command never answers
+        return i * 10
+
+    t0 = time.monotonic()
+    values, failures = collect(4, sample, 0.5, "sample")
+    stuck.set()
+    assert values == [10, 40], values
+    assert [f["sample"] for f in failures] == [2, 3], failures
+    assert failures[0]["error"] == "RuntimeError: no answer", failures
+    assert failures[1]["error"].startswith("TimeoutError: sample 3: no result within"), failures
+    assert time.monotonic() - t0 < 10
+    try:
+        bounded(lambda: 1 / 0, 5, "x")
+        raise AssertionError("no error")
+    except ZeroDivisionError:
+        pass
+
+    class RateLimitException(Exception):
+        pass
+
+    assert is_refusal(RateLimitException("429"))
+    assert is_refusal(RuntimeError("503: node over capacity: not enough memory"))
+    assert not is_refusal(RuntimeError("connection reset"))
+    # The report so far is written whole.
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "report.json")
+        save_report(path, {"a": 1})
+        save_report(path, {"a": 2, "b": None})
+        with open(path) as f:
+            assert json.load(f) == {"a": 2, "b": None}
+        assert os.listdir(d) == ["report.json"]
     print("self-test passed")
 
 
@@ -431,16 +696,39 @@ def main():
     p.add_argument("--idle-seconds", type=float, default=30.0)
     p.add_argument("--pool-size", type=int, default=4)
     p.add_argument("--health-timeout", type=float, default=1200.0)
+    # Each sample (a create to its first answer, a fork to all answers)
+    # at most this long; one that overruns is a failed sample.
+    p.add_argument("--sample-timeout", type=float, default=600.0)
+    p.add_argument("--density-max", type=int, default=0)
+    # How long the node's VMM count must stay unchanged to count as settled.
+    p.add_argument("--settle-seconds", type=float, default=5.0)
+    p.add_argument("--settle-timeout", type=float, default=600.0)
+    p.add_argument("--phases", help="comma-separated phases to run (default: all)")
+    p.add_argument("--report-file", help="where the report so far is kept")
     args = p.parse_args()
     if args.self_test:
         self_test()
         return
     if args.server_pid is None or not args.vmm_exe:
         p.error("--server-pid and --vmm-exe are needed")
-    url = os.environ["E2B_API_URL"]
-    log(f"waiting for {url}/health (the first start builds the base template)")
-    wait_for_health(url, args.health_timeout)
-    print(json.dumps(Bench(args).run()))
+    report = {}
+
+    def save():
+        save_report(args.report_file, report)
+
+    try:
+        url = os.environ["E2B_API_URL"]
+        log(f"waiting for {url}/health (the first start builds the base template)")
+        wait_for_health(url, args.health_timeout)
+        Bench(args, report).run(save)
+    except Exception as e:
+        # Whatever was measured is still the report.
+        log(f"the SDK bench stopped: {describe(e)}")
+        report.setdefault("sdk_errors", {})["bench"] = describe(e)
+    save()
+    print(json.dumps(report), flush=True)
+    # Samples left behind by a timeout may still hold threads: do not wait.
+    os._exit(1 if report.get("sdk_errors") else 0)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ pub fn summary(report: &Value) -> String {
         ("sdk_creates_per_s_4way", "/s"),
         ("idle_sandbox_mib", "MiB"),
         ("idle_sandboxes_per_24gib", ""),
+        ("density_idle_sandboxes", ""),
+        ("density_sandbox_mib", "MiB"),
+        ("density_mem_available_mib", "MiB"),
     ] {
         let value = &report[key];
         let shown = match (value.as_f64(), value["p50"].as_f64()) {
@@ -50,6 +53,16 @@ pub fn summary(report: &Value) -> String {
         }
         out.push_str(&line);
         out.push('\n');
+    }
+    // What failed, so that a short report says why.
+    for key in ["errors", "sdk_errors"] {
+        for (part, error) in report[key].as_object().into_iter().flatten() {
+            let error = error.as_str().unwrap_or_default();
+            out.push_str(&format!("  failed: {part}: {error}\n"));
+        }
+    }
+    if let Some(error) = report["sdk_error"].as_str() {
+        out.push_str(&format!("  failed: sdk: {error}\n"));
     }
     if let Some(note) = report["note"].as_str() {
         out.push_str(&format!("  note: {note}\n"));
@@ -80,6 +93,8 @@ mod tests {
             "sdk_create_to_first_command_ms": {"p50": 2130.6, "p95": 2779.7},
             "sdk_fork16_ms": null,
             "reference": {"pause_ms": 10.31, "restore_to_agent_ms": 248.0},
+            "errors": {"reference_boot": "no such file"},
+            "sdk_errors": {"fork16": "TimeoutError: fork of 16"},
             "note": "emulated"
         });
         let text = summary(&report);
@@ -90,6 +105,8 @@ mod tests {
              \x20 restore_to_agent_ms              369 ms   (Firecracker 248 ms)\n\
              \x20 sdk_create_to_first_command_ms   p50 2131 ms, p95 2780 ms\n\
              \x20 sdk_fork16_ms                    failed\n\
+             \x20 failed: reference_boot: no such file\n\
+             \x20 failed: fork16: TimeoutError: fork of 16\n\
              \x20 note: emulated\n"
         );
     }
@@ -97,5 +114,6 @@ mod tests {
     #[test]
     fn leaves_out_what_was_not_measured() {
         assert_eq!(summary(&json!({})), "");
+        assert_eq!(summary(&json!({"errors": {}})), "");
     }
 }

@@ -59,8 +59,10 @@ fn manager(data: &std::path::Path) -> Arc<Manager> {
         vmm_binary(),
     );
     // Room for exactly one running copy of the sandbox: a second restore
-    // while one is under way would be refused for capacity.
+    // while one is under way would be refused for capacity (a headroom of
+    // its whole size: a starting sandbox is charged all of it).
     config.capacity.memory_mib = Some(128);
+    config.capacity.memory_headroom_mib = 128;
     config.capacity.vcpus = Some(1);
     config.data_dir = data.to_owned();
     config.run_dir = Some(data.join("run"));
@@ -213,4 +215,37 @@ async fn concurrent_pauses_resumes_and_kills_change_one_sandbox_at_a_time() {
         vmm_dirs(tmp.path())
     );
     assert_eq!(m.capacity().held(), crate::capacity::Ask::default());
+}
+
+/// A running sandbox's VMM (the real binary) is charged the memory it
+/// really uses, read from /proc, plus the headroom: a few MiB for an
+/// empty VMM, far below the 256 MiB its guest could touch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_vmm_is_charged_what_it_uses_plus_headroom() {
+    use crate::capacity::{Ask, Capacity, Limits, memory};
+    let tmp = tempfile::tempdir().unwrap();
+    let limits = Limits {
+        vcpus: 4,
+        memory_mib: 10_000,
+        memory_headroom_mib: 16,
+        sandboxes: 4,
+        min_free_disk_mib: 0,
+    };
+    let capacity = Capacity::new(limits, tmp.path().to_owned());
+    let pool = Pool::start(vmm_binary(), tmp.path().join("run"), 0);
+    let vm = pool.take().await.unwrap();
+    let pid = vm.pid();
+    let launched = crate::launch::Launched::adopted(vm, capacity.hold(Ask::sandbox(1, 256)));
+    capacity.sample();
+    let charged = capacity.held().memory_mib;
+    let pss = memory::kib_to_mib(memory::pss_kib(pid).unwrap());
+    assert!(pss > 0, "VMM {pid} uses no memory?");
+    // Read twice, a moment apart: an idle VMM's use barely moves.
+    assert!(
+        charged > 16 && charged.abs_diff(pss + 16) <= 2,
+        "charged {charged} MiB, the VMM uses {pss} MiB"
+    );
+    assert!(charged < 64, "{charged}");
+    launched.stop().await;
+    assert_eq!(capacity.held(), Ask::default());
 }
