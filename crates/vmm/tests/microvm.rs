@@ -326,7 +326,6 @@ async fn a_guest_on_a_tap_pings_the_host_and_talks_tcp() {
     assert!(stdout.starts_with(common::GUEST_MAC), "{stdout}");
     common::tcp_exchange(&agent).await;
     guest_to_host_throughput(&agent, 32).await;
-
 }
 
 /// Streams `mib` MiB from the guest to the host over TCP; prints the rate.

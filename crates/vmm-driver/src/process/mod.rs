@@ -177,7 +177,25 @@ impl VmmProcess {
             what: "creating the VM directory",
             source,
         })?;
-        Self::start(binary, VmDir::Temporary(dir)).await
+        Self::start(binary, VmDir::Temporary(dir), None).await
+    }
+
+    /// As [`spawn`](Self::spawn), with the VMM in the network namespace `netns`
+    /// (a `/proc/<pid>/ns/net` or a bind mount of one): the taps its network
+    /// interfaces name (`host_dev_name`, e.g. `tap0`) are looked up there. That is
+    /// how each sandbox, a restore and every fork child gets its own network with
+    /// the same guest address: one namespace per VMM, each holding a tap of the
+    /// snapshot's name.
+    pub async fn spawn_in_netns(binary: &Path, netns: &Path) -> Result<Self, ProcessError> {
+        let ns = File::open(netns).map_err(|source| ProcessError::Io {
+            what: "opening the network namespace",
+            source,
+        })?;
+        let dir = tempfile::tempdir().map_err(|source| ProcessError::Io {
+            what: "creating the VM directory",
+            source,
+        })?;
+        Self::start(binary, VmDir::Temporary(dir), Some(ns.into())).await
     }
 
     /// Starts the VMM in `dir` (created; it must not exist), in its own
@@ -189,7 +207,7 @@ impl VmmProcess {
             what: "creating the VM directory",
             source,
         })?;
-        let vm = Self::start(binary, VmDir::Kept(dir.clone())).await;
+        let vm = Self::start(binary, VmDir::Kept(dir.clone()), None).await;
         if vm.is_err() {
             // A handle dropped half-started has killed the process already.
             let _ = std::fs::remove_dir_all(&dir);
@@ -197,7 +215,11 @@ impl VmmProcess {
         vm
     }
 
-    async fn start(binary: &Path, dir: VmDir) -> Result<Self, ProcessError> {
+    async fn start(
+        binary: &Path,
+        dir: VmDir,
+        netns: Option<std::os::fd::OwnedFd>,
+    ) -> Result<Self, ProcessError> {
         let io = |what| move |source| ProcessError::Io { what, source };
         let path = dir.path().to_owned();
         let api_sock = path.join("api.sock");
@@ -210,6 +232,16 @@ impl VmmProcess {
             .stderr(File::create(path.join("vmm.log")).map_err(io("creating the VMM log"))?);
         if matches!(dir, VmDir::Kept(_)) {
             std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        }
+        if let Some(ns) = netns {
+            // The closure owns the descriptor, so it is open in the child.
+            let hook = move || {
+                nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)
+                    .map_err(std::io::Error::from)
+            };
+            // SAFETY: between fork and exec the hook makes one system call,
+            // setns(2), which is async-signal-safe; it allocates nothing.
+            unsafe { std::os::unix::process::CommandExt::pre_exec(&mut command, hook) };
         }
         let child = command.spawn().map_err(|source| ProcessError::Spawn {
             binary: binary.display().to_string(),
