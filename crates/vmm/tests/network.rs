@@ -16,14 +16,34 @@ use vmm_api::{NetworkInterface, SnapshotType};
 use vmm_driver::agent_client::{AgentClient, AgentInit};
 use vmm_driver::process::VmmProcess;
 
+const VMM: &str = env!("CARGO_BIN_EXE_sandfork-vmm");
+
 async fn spawn_in(slot: &Slot) -> TestVm {
-    let vm = VmmProcess::spawn_in_netns(
-        Path::new(env!("CARGO_BIN_EXE_sandfork-vmm")),
-        &slot.ns.path(),
-    )
-    .await
-    .expect("spawning sandfork-vmm in the slot");
+    spawn_vmm_in(Path::new(VMM), slot).await
+}
+
+async fn spawn_vmm_in(binary: &Path, slot: &Slot) -> TestVm {
+    let vm = VmmProcess::spawn_in_netns(binary, &slot.ns.path())
+        .await
+        .expect("spawning the VMM in the slot");
     TestVm::from_process(vm)
+}
+
+/// Boots a guest on `binary` in `slot` with the sandbox's network interface.
+async fn boot_in(binary: &Path, slot: &Slot) -> TestVm {
+    let mut vm = spawn_vmm_in(binary, slot).await;
+    vm.configure(&Boot::default()).await;
+    vm.api()
+        .put_network_interface(&NetworkInterface::new(
+            "eth0",
+            netns::TAP,
+            Some(netns::GUEST_MAC),
+        ))
+        .await
+        .unwrap();
+    vm.api().instance_start().await.unwrap();
+    vm.wait_for_agent().await;
+    vm
 }
 
 async fn run(agent: &AgentClient, command: &str) -> String {
@@ -122,19 +142,7 @@ async fn sandboxes_reach_the_internet_and_fork_children_each_get_their_own_slot(
     let slots: Vec<Slot> = (1..=4).map(|i| Slot::new(&internet, i)).collect();
     let work = tempfile::tempdir().unwrap();
 
-    let mut parent = spawn_in(&slots[0]).await;
-    parent.configure(&Boot::default()).await;
-    parent
-        .api()
-        .put_network_interface(&NetworkInterface::new(
-            "eth0",
-            netns::TAP,
-            Some(netns::GUEST_MAC),
-        ))
-        .await
-        .unwrap();
-    parent.api().instance_start().await.unwrap();
-    parent.wait_for_agent().await;
+    let parent = boot_in(Path::new(VMM), &slots[0]).await;
     let agent = parent.vm().agent();
 
     // The agent configured eth0 with the fixed addressing, IPv6 off.
@@ -171,10 +179,6 @@ async fn sandboxes_reach_the_internet_and_fork_children_each_get_their_own_slot(
             "{name}: {features}"
         );
     }
-    // A guest-side TSO frame goes out whole: the tap takes GSO frames.
-    let tso = run(&agent, "cat /sys/class/net/eth0/gso_max_size").await;
-    eprintln!("eth0 gso_max_size {tso}");
-
     assert_eq!(fetch(&agent).await, "hello 198.51.100.1");
     let (up, down) = guest_tcp_mib_s(&agent, &slots[0], 64).await;
     eprintln!(
@@ -236,6 +240,40 @@ async fn sandboxes_reach_the_internet_and_fork_children_each_get_their_own_slot(
     assert_eq!(fetch(&r).await, "hello 198.51.100.4");
     let (up, down) = guest_tcp_mib_s(&r, &slots[3], 32).await;
     eprintln!("after restore: guest_tcp_mib_s guest->host {up:.1} host->guest {down:.1}");
+}
+
+/// `guest_tcp_mib_s` both ways on this VMM and, when `SANDFORK_REFERENCE_VMM`
+/// names another Firecracker-API VMM binary (an older sandfork, Firecracker),
+/// on that one in the same run, with the same kernel and image: lab figures
+/// mean something only as such ratios.
+#[tokio::test]
+#[ignore = "lab: boots microVMs with a network interface in network namespaces"]
+async fn guest_tcp_throughput_against_a_reference_vmm() {
+    let internet = Internet::start();
+    let slot = Slot::new(&internet, 1);
+    let mut figures = Vec::new();
+    let reference = std::env::var_os("SANDFORK_REFERENCE_VMM");
+    let vmms = std::iter::once(("sandfork", std::path::PathBuf::from(VMM)))
+        .chain(reference.map(|r| ("reference", r.into())));
+    for (name, binary) in vmms {
+        let vm = boot_in(&binary, &slot).await;
+        let (up, down) = guest_tcp_mib_s(&vm.vm().agent(), &slot, 64).await;
+        eprintln!(
+            "{name} ({}): guest_tcp_mib_s guest->host {up:.1} host->guest {down:.1}",
+            binary.display()
+        );
+        figures.push((up, down));
+        drop(vm);
+        // The tap is free again once the VMM has gone.
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+    if let [(up, down), (ref_up, ref_down)] = figures[..] {
+        eprintln!(
+            "guest_tcp_mib_s ratio to the reference: guest->host {:.2}x host->guest {:.2}x",
+            up / ref_up,
+            down / ref_down
+        );
+    }
 }
 
 /// The fixture alone, no VM (needs root, as the tap tests do): a connection made
