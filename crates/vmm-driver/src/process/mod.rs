@@ -187,15 +187,12 @@ impl VmmProcess {
     /// the same guest address: one namespace per VMM, each holding a tap of the
     /// snapshot's name.
     pub async fn spawn_in_netns(binary: &Path, netns: &Path) -> Result<Self, ProcessError> {
-        let ns = File::open(netns).map_err(|source| ProcessError::Io {
-            what: "opening the network namespace",
-            source,
-        })?;
+        let ns = open_netns(netns)?;
         let dir = tempfile::tempdir().map_err(|source| ProcessError::Io {
             what: "creating the VM directory",
             source,
         })?;
-        Self::start(binary, VmDir::Temporary(dir), Some(ns.into())).await
+        Self::start(binary, VmDir::Temporary(dir), Some(ns)).await
     }
 
     /// Starts the VMM in `dir` (created; it must not exist), in its own
@@ -203,11 +200,31 @@ impl VmmProcess {
     /// Ctrl+C) leave it running, and records its identity there so that a
     /// later process can [`adopt`](Self::adopt) it.
     pub async fn spawn_in(binary: &Path, dir: PathBuf) -> Result<Self, ProcessError> {
+        Self::spawn_kept(binary, dir, None).await
+    }
+
+    /// [`spawn_in`](Self::spawn_in) with the VMM in the network namespace
+    /// `netns` (see [`spawn_in_netns`](Self::spawn_in_netns)): an adoptable
+    /// sandbox VMM in its slot.
+    pub async fn spawn_in_with_netns(
+        binary: &Path,
+        dir: PathBuf,
+        netns: &Path,
+    ) -> Result<Self, ProcessError> {
+        let ns = open_netns(netns)?;
+        Self::spawn_kept(binary, dir, Some(ns)).await
+    }
+
+    async fn spawn_kept(
+        binary: &Path,
+        dir: PathBuf,
+        netns: Option<std::os::fd::OwnedFd>,
+    ) -> Result<Self, ProcessError> {
         std::fs::create_dir(&dir).map_err(|source| ProcessError::Io {
             what: "creating the VM directory",
             source,
         })?;
-        let vm = Self::start(binary, VmDir::Kept(dir.clone()), None).await;
+        let vm = Self::start(binary, VmDir::Kept(dir.clone()), netns).await;
         if vm.is_err() {
             // A handle dropped half-started has killed the process already.
             let _ = std::fs::remove_dir_all(&dir);
@@ -659,6 +676,16 @@ fn reap_within(child: &mut Child, timeout: Duration, dir: &Path) {
         diagnostics::threads(pid),
         diagnostics::kernel_messages(diagnostics::KERNEL_LINES),
     );
+}
+
+/// Opens a network namespace file for `setns` in a VMM about to be spawned.
+fn open_netns(path: &Path) -> Result<std::os::fd::OwnedFd, ProcessError> {
+    File::open(path)
+        .map(Into::into)
+        .map_err(|source| ProcessError::Io {
+            what: "opening the network namespace",
+            source,
+        })
 }
 
 impl Drop for VmmProcess {
