@@ -699,3 +699,55 @@ impl Drop for VmmProcess {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stand-in VMM: listens on its `--api-sock` (all `start` waits for) and
+    /// records the network namespace it runs in.
+    const FAKE_VMM: &str = "#!/bin/sh\n\
+        readlink /proc/self/ns/net > \"$(dirname \"$2\")/netns\"\n\
+        exec python3 -c 'import socket, sys, time\n\
+s = socket.socket(socket.AF_UNIX)\n\
+s.bind(sys.argv[1]); s.listen(1); time.sleep(60)' \"$2\"\n";
+
+    /// Needs root (a new network namespace), as the tap tests do.
+    #[tokio::test]
+    async fn spawn_in_netns_starts_the_vmm_in_that_namespace() {
+        let bin_dir = tempfile::tempdir().unwrap();
+        let binary = bin_dir.path().join("fake-vmm");
+        std::fs::write(&binary, FAKE_VMM).unwrap();
+        std::fs::set_permissions(&binary, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        // A namespace held by a thread that made it, named by its /proc path.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+            let link = std::fs::read_link("/proc/thread-self/ns/net").unwrap();
+            let path = PathBuf::from(format!(
+                "/proc/{}/task/{}/ns/net",
+                std::process::id(),
+                nix::unistd::gettid()
+            ));
+            tx.send((path, link)).unwrap();
+            let _ = done_rx.recv();
+        });
+        let (path, link) = rx.recv().unwrap();
+        let vm = VmmProcess::spawn_in_netns(&binary, &path).await.unwrap();
+        let seen = std::fs::read_to_string(vm.dir().join("netns")).unwrap();
+        assert_eq!(seen.trim(), link.to_str().unwrap());
+        let here = std::fs::read_link("/proc/self/ns/net").unwrap();
+        assert_ne!(seen.trim(), here.to_str().unwrap());
+        drop(vm);
+        let _ = done_tx.send(());
+        holder.join().unwrap();
+
+        let err = VmmProcess::spawn_in_netns(&binary, Path::new("/nonexistent/ns"))
+            .await
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("network namespace"), "{err}");
+    }
+}
