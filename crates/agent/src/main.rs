@@ -7,6 +7,7 @@
 mod args;
 mod console_log;
 mod envd;
+mod guest_net;
 mod loopback;
 mod mounts;
 mod pid1;

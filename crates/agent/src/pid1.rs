@@ -1,11 +1,12 @@
 //! What the agent does at boot only when it is PID 1: console, filesystems, device
-//! symlinks, hostname, loopback, and turning ctrl-alt-del into SIGINT.
+//! symlinks, hostname, loopback, the network interface, and turning ctrl-alt-del
+//! into SIGINT.
 
 use std::path::Path;
 
 use nix::errno::Errno;
 
-use crate::{loopback, mounts};
+use crate::{guest_net, loopback, mounts};
 
 /// Where PID 1 runs. A PID 1 in a child PID namespace (a container, or the
 /// `unshare` tests) must leave the host's filesystems alone at shutdown.
@@ -39,6 +40,16 @@ pub fn setup() -> Pid1Kind {
         Ok(true) => log::debug!("loopback already up"),
         Ok(false) => log::info!("loopback up"),
         Err(e) => log::warn!("bringing up loopback: {e}"),
+    }
+    match guest_net::configure() {
+        Ok(guest_net::Outcome::NoInterface) => log::debug!("no network interface"),
+        Ok(guest_net::Outcome::Configured) => log::info!(
+            "{} up: {}/30 via {}",
+            guest_net::IFACE,
+            guest_net::GUEST_IP,
+            guest_net::GATEWAY
+        ),
+        Err(e) => log::warn!("configuring the network: {e}"),
     }
     kind
 }

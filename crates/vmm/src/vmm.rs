@@ -130,13 +130,12 @@ impl Vmm {
     /// memory (writing only what changed since its last snapshot or fork),
     /// seals its writable disks with a new layer for itself and each child,
     /// and writes the state the children load. A running VM runs on after.
+    ///
+    /// A network interface is no obstacle: each child is its own VMM process and
+    /// opens the tap the state names (`host_dev_name`) where it runs, so children
+    /// started in separate network namespaces, each holding a tap of that name,
+    /// get separate networks with the parent's guest address and MAC.
     pub fn fork(&mut self, request: &ForkRequest) -> Result<ForkOutcome, SnapshotError> {
-        if self
-            .mmio
-            .has_device(virtio_bindings::virtio_ids::VIRTIO_ID_NET)
-        {
-            return Err(SnapshotError::ForkWithNetwork);
-        }
         let watch = Stopwatch::start();
         let was_running = self.state == VmState::Running;
         if was_running {

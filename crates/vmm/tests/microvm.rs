@@ -326,17 +326,6 @@ async fn a_guest_on_a_tap_pings_the_host_and_talks_tcp() {
     assert!(stdout.starts_with(common::GUEST_MAC), "{stdout}");
     common::tcp_exchange(&agent).await;
     guest_to_host_throughput(&agent, 32).await;
-
-    // Children of a fork would share one tap.
-    let forks = tempfile::tempdir().unwrap();
-    let err = vm.vm().fork(forks.path(), 1).await.unwrap_err();
-    assert!(
-        err.to_string()
-            .contains("network interface cannot be forked"),
-        "{err}"
-    );
-    // The refusal left the VM running.
-    common::tcp_exchange(&agent).await;
 }
 
 /// Streams `mib` MiB from the guest to the host over TCP; prints the rate.

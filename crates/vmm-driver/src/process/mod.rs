@@ -177,7 +177,22 @@ impl VmmProcess {
             what: "creating the VM directory",
             source,
         })?;
-        Self::start(binary, VmDir::Temporary(dir)).await
+        Self::start(binary, VmDir::Temporary(dir), None).await
+    }
+
+    /// As [`spawn`](Self::spawn), with the VMM in the network namespace `netns`
+    /// (a `/proc/<pid>/ns/net` or a bind mount of one): the taps its network
+    /// interfaces name (`host_dev_name`, e.g. `tap0`) are looked up there. That is
+    /// how each sandbox, a restore and every fork child gets its own network with
+    /// the same guest address: one namespace per VMM, each holding a tap of the
+    /// snapshot's name.
+    pub async fn spawn_in_netns(binary: &Path, netns: &Path) -> Result<Self, ProcessError> {
+        let ns = open_netns(netns)?;
+        let dir = tempfile::tempdir().map_err(|source| ProcessError::Io {
+            what: "creating the VM directory",
+            source,
+        })?;
+        Self::start(binary, VmDir::Temporary(dir), Some(ns)).await
     }
 
     /// Starts the VMM in `dir` (created; it must not exist), in its own
@@ -185,11 +200,31 @@ impl VmmProcess {
     /// Ctrl+C) leave it running, and records its identity there so that a
     /// later process can [`adopt`](Self::adopt) it.
     pub async fn spawn_in(binary: &Path, dir: PathBuf) -> Result<Self, ProcessError> {
+        Self::spawn_kept(binary, dir, None).await
+    }
+
+    /// [`spawn_in`](Self::spawn_in) with the VMM in the network namespace
+    /// `netns` (see [`spawn_in_netns`](Self::spawn_in_netns)): an adoptable
+    /// sandbox VMM in its slot.
+    pub async fn spawn_in_with_netns(
+        binary: &Path,
+        dir: PathBuf,
+        netns: &Path,
+    ) -> Result<Self, ProcessError> {
+        let ns = open_netns(netns)?;
+        Self::spawn_kept(binary, dir, Some(ns)).await
+    }
+
+    async fn spawn_kept(
+        binary: &Path,
+        dir: PathBuf,
+        netns: Option<std::os::fd::OwnedFd>,
+    ) -> Result<Self, ProcessError> {
         std::fs::create_dir(&dir).map_err(|source| ProcessError::Io {
             what: "creating the VM directory",
             source,
         })?;
-        let vm = Self::start(binary, VmDir::Kept(dir.clone())).await;
+        let vm = Self::start(binary, VmDir::Kept(dir.clone()), netns).await;
         if vm.is_err() {
             // A handle dropped half-started has killed the process already.
             let _ = std::fs::remove_dir_all(&dir);
@@ -197,7 +232,11 @@ impl VmmProcess {
         vm
     }
 
-    async fn start(binary: &Path, dir: VmDir) -> Result<Self, ProcessError> {
+    async fn start(
+        binary: &Path,
+        dir: VmDir,
+        netns: Option<std::os::fd::OwnedFd>,
+    ) -> Result<Self, ProcessError> {
         let io = |what| move |source| ProcessError::Io { what, source };
         let path = dir.path().to_owned();
         let api_sock = path.join("api.sock");
@@ -210,6 +249,16 @@ impl VmmProcess {
             .stderr(File::create(path.join("vmm.log")).map_err(io("creating the VMM log"))?);
         if matches!(dir, VmDir::Kept(_)) {
             std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        }
+        if let Some(ns) = netns {
+            // The closure owns the descriptor, so it is open in the child.
+            let hook = move || {
+                nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)
+                    .map_err(std::io::Error::from)
+            };
+            // SAFETY: between fork and exec the hook makes one system call,
+            // setns(2), which is async-signal-safe; it allocates nothing.
+            unsafe { std::os::unix::process::CommandExt::pre_exec(&mut command, hook) };
         }
         let child = command.spawn().map_err(|source| ProcessError::Spawn {
             binary: binary.display().to_string(),
@@ -629,6 +678,16 @@ fn reap_within(child: &mut Child, timeout: Duration, dir: &Path) {
     );
 }
 
+/// Opens a network namespace file for `setns` in a VMM about to be spawned.
+fn open_netns(path: &Path) -> Result<std::os::fd::OwnedFd, ProcessError> {
+    File::open(path)
+        .map(Into::into)
+        .map_err(|source| ProcessError::Io {
+            what: "opening the network namespace",
+            source,
+        })
+}
+
 impl Drop for VmmProcess {
     fn drop(&mut self) {
         if self.released {
@@ -638,5 +697,57 @@ impl Drop for VmmProcess {
         if let VmDir::Kept(dir) = &self.dir {
             let _ = std::fs::remove_dir_all(dir);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stand-in VMM: listens on its `--api-sock` (all `start` waits for) and
+    /// records the network namespace it runs in.
+    const FAKE_VMM: &str = "#!/bin/sh\n\
+        readlink /proc/self/ns/net > \"$(dirname \"$2\")/netns\"\n\
+        exec python3 -c 'import socket, sys, time\n\
+s = socket.socket(socket.AF_UNIX)\n\
+s.bind(sys.argv[1]); s.listen(1); time.sleep(60)' \"$2\"\n";
+
+    /// Needs root (a new network namespace), as the tap tests do.
+    #[tokio::test]
+    async fn spawn_in_netns_starts_the_vmm_in_that_namespace() {
+        let bin_dir = tempfile::tempdir().unwrap();
+        let binary = bin_dir.path().join("fake-vmm");
+        std::fs::write(&binary, FAKE_VMM).unwrap();
+        std::fs::set_permissions(&binary, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        // A namespace held by a thread that made it, named by its /proc path.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+            let link = std::fs::read_link("/proc/thread-self/ns/net").unwrap();
+            let path = PathBuf::from(format!(
+                "/proc/{}/task/{}/ns/net",
+                std::process::id(),
+                nix::unistd::gettid()
+            ));
+            tx.send((path, link)).unwrap();
+            let _ = done_rx.recv();
+        });
+        let (path, link) = rx.recv().unwrap();
+        let vm = VmmProcess::spawn_in_netns(&binary, &path).await.unwrap();
+        let seen = std::fs::read_to_string(vm.dir().join("netns")).unwrap();
+        assert_eq!(seen.trim(), link.to_str().unwrap());
+        let here = std::fs::read_link("/proc/self/ns/net").unwrap();
+        assert_ne!(seen.trim(), here.to_str().unwrap());
+        drop(vm);
+        let _ = done_tx.send(());
+        holder.join().unwrap();
+
+        let err = VmmProcess::spawn_in_netns(&binary, Path::new("/nonexistent/ns"))
+            .await
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("network namespace"), "{err}");
     }
 }

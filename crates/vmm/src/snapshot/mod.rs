@@ -69,11 +69,6 @@ pub struct SnapshotStats {
 pub enum SnapshotError {
     #[error("the VM must be paused before a snapshot is taken")]
     NotPaused,
-    #[error(
-        "a VM with a network interface cannot be forked: its children would share one tap \
-         (snapshot it and restore each copy with its own tap through network_overrides)"
-    )]
-    ForkWithNetwork,
     #[error("{0}")]
     Vcpu(#[from] crate::vstate::vcpu::VcpuError),
     #[error("{0}")]

@@ -7,6 +7,8 @@
 
 #![allow(dead_code)]
 
+pub mod netns;
+
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
@@ -131,6 +133,12 @@ impl TestVm {
         let vm = VmmProcess::spawn(Path::new(env!("CARGO_BIN_EXE_sandfork-vmm")))
             .await
             .expect("spawning sandfork-vmm");
+        let finished = start_watchdog(vm.dir().to_owned(), vm.pid());
+        TestVm { vm, finished }
+    }
+
+    /// Watches a VMM process started some other way (in a network namespace).
+    pub fn from_process(vm: VmmProcess) -> TestVm {
         let finished = start_watchdog(vm.dir().to_owned(), vm.pid());
         TestVm { vm, finished }
     }

@@ -12,6 +12,13 @@ pub trait FrameBackend: AsRawFd + Send {
 
     /// Writes one whole frame.
     fn write_frame(&mut self, frame: &[u8]) -> io::Result<()>;
+
+    /// Which offloaded frames (`TUN_F_*`) the backend may hand the device, from
+    /// what the driver accepted ([`super::tap::offloads_for`]). Backends that
+    /// only pass frames on as they are need nothing.
+    fn set_offloads(&mut self, _tun_flags: libc::c_uint) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 /// A datagram socket works as a backend (message boundaries are kept): the other end

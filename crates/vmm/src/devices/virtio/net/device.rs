@@ -5,12 +5,17 @@ use std::sync::Arc;
 
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_NET;
-use virtio_bindings::virtio_net::VIRTIO_NET_F_MAC;
+use virtio_bindings::virtio_net::{
+    VIRTIO_NET_F_CSUM, VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_GUEST_TSO4, VIRTIO_NET_F_GUEST_TSO6,
+    VIRTIO_NET_F_GUEST_UFO, VIRTIO_NET_F_HOST_TSO4, VIRTIO_NET_F_HOST_TSO6, VIRTIO_NET_F_HOST_UFO,
+    VIRTIO_NET_F_MAC, VIRTIO_NET_F_MRG_RXBUF,
+};
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{QueueState, QueueT};
 
 use super::backend::FrameBackend;
 use super::metrics::NetCounters;
-use super::tap::{Tap, TapError};
+use super::tap::{Tap, TapError, offloads_for};
 use super::worker::Worker;
 use crate::devices::virtio::persist::SavedDevice;
 use crate::devices::virtio::worker::{StopSignal, WorkerThread};
@@ -22,6 +27,22 @@ use crate::vstate::memory::GuestMemory;
 /// Receive and transmit queues.
 pub const QUEUE_SIZE: u16 = 256;
 const QUEUE_SIZES: [u16; 2] = [QUEUE_SIZE, QUEUE_SIZE];
+
+/// What every interface offers, as Firecracker does: checksum and segmentation
+/// offload both ways (a tap passes the virtio-net header through, so the host
+/// kernel does the work, or none when the frame stays virtual end to end),
+/// mergeable receive buffers and event-index notification suppression.
+pub const OFFERED_FEATURES: u64 = (1 << VIRTIO_F_VERSION_1)
+    | (1 << VIRTIO_NET_F_CSUM)
+    | (1 << VIRTIO_NET_F_GUEST_CSUM)
+    | (1 << VIRTIO_NET_F_GUEST_TSO4)
+    | (1 << VIRTIO_NET_F_GUEST_TSO6)
+    | (1 << VIRTIO_NET_F_GUEST_UFO)
+    | (1 << VIRTIO_NET_F_HOST_TSO4)
+    | (1 << VIRTIO_NET_F_HOST_TSO6)
+    | (1 << VIRTIO_NET_F_HOST_UFO)
+    | (1 << VIRTIO_NET_F_MRG_RXBUF)
+    | (1 << VIRTIO_RING_F_EVENT_IDX);
 
 /// An Ethernet address.
 pub type MacAddr = [u8; 6];
@@ -70,7 +91,7 @@ impl Net {
 
     /// Builds the device on any frame backend (a socket in tests).
     pub fn with_backend(config: NetConfig, backend: Box<dyn FrameBackend>) -> Net {
-        let mut avail_features = 1u64 << VIRTIO_F_VERSION_1;
+        let mut avail_features = OFFERED_FEATURES;
         if config.guest_mac.is_some() {
             avail_features |= 1 << VIRTIO_NET_F_MAC;
         }
@@ -143,7 +164,7 @@ impl VirtioDevice for Net {
                 self.config.iface_id
             )));
         }
-        let [rx, tx]: [ActivatedQueue; 2] =
+        let [mut rx, mut tx]: [ActivatedQueue; 2] =
             queues
                 .try_into()
                 .map_err(|q: Vec<_>| ActivateError::QueueCount {
@@ -156,19 +177,32 @@ impl VirtioDevice for Net {
                 self.config.iface_id
             )));
         }
-        let backend = self.backend.take().ok_or_else(|| {
+        let acked = self.acked_features;
+        let event_idx = acked & (1 << VIRTIO_RING_F_EVENT_IDX) != 0;
+        rx.queue.set_event_idx(event_idx);
+        tx.queue.set_event_idx(event_idx);
+        let mut backend = self.backend.take().ok_or_else(|| {
             ActivateError::Other(format!(
                 "network interface {} has lost its backend",
                 self.config.iface_id
             ))
         })?;
+        // On every activation, the first boot's and a restore's alike: a restored
+        // VM has a freshly opened tap that knows nothing of the driver.
+        if let Err(e) = backend.set_offloads(offloads_for(acked)) {
+            self.backend = Some(backend);
+            return Err(ActivateError::Other(format!(
+                "network interface {}: cannot set the tap's offloads (TUNSETOFFLOAD): {e}",
+                self.config.iface_id
+            )));
+        }
         let stop = StopSignal::new().map_err(ActivateError::Worker)?;
         let worker = Worker::new(
             mem,
             interrupt,
-            rx,
-            tx,
+            [rx, tx],
             backend,
+            acked & (1 << VIRTIO_NET_F_MRG_RXBUF) != 0,
             self.counters.clone(),
             &stop,
         )
@@ -182,6 +216,12 @@ impl VirtioDevice for Net {
     fn reset(&mut self) -> bool {
         self.stop_worker();
         self.acked_features = 0;
+        // A driver that comes back may accept less: no offloaded frames until then.
+        if let Some(backend) = &mut self.backend
+            && let Err(e) = backend.set_offloads(0)
+        {
+            crate::warn_limited!("net: clearing the tap's offloads on reset: {e}");
+        }
         // The backend survives only if the worker handed it back.
         self.backend.is_some()
     }

@@ -36,6 +36,35 @@ pub enum TapError {
     },
 }
 
+/// The tap offloads (`TUN_F_*`) matching what the guest driver accepted: the tap
+/// may then hand the device partially checksummed and segmentation-offloaded
+/// frames, which only a driver that acked the `GUEST_*` features can take. What
+/// the guest sends (the `HOST_*` features) a tap with a vnet header always takes.
+pub fn offloads_for(acked_features: u64) -> libc::c_uint {
+    use virtio_bindings::virtio_net::{
+        VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_GUEST_ECN, VIRTIO_NET_F_GUEST_TSO4,
+        VIRTIO_NET_F_GUEST_TSO6, VIRTIO_NET_F_GUEST_UFO,
+    };
+    let has = |bit: u32| acked_features & (1 << bit) != 0;
+    // Every segmentation offload needs checksum offload under it (the kernel
+    // refuses TSO without TUN_F_CSUM).
+    if !has(VIRTIO_NET_F_GUEST_CSUM) {
+        return 0;
+    }
+    let mut flags = libc::TUN_F_CSUM;
+    for (bit, flag) in [
+        (VIRTIO_NET_F_GUEST_TSO4, libc::TUN_F_TSO4),
+        (VIRTIO_NET_F_GUEST_TSO6, libc::TUN_F_TSO6),
+        (VIRTIO_NET_F_GUEST_ECN, libc::TUN_F_TSO_ECN),
+        (VIRTIO_NET_F_GUEST_UFO, libc::TUN_F_UFO),
+    ] {
+        if has(bit) {
+            flags |= flag;
+        }
+    }
+    flags
+}
+
 /// `struct ifreq` as TUNSETIFF reads it: the name, then the flags in the union.
 #[repr(C)]
 struct IfReq {
@@ -135,11 +164,48 @@ impl FrameBackend for Tap {
         }
         Ok(())
     }
+
+    fn set_offloads(&mut self, tun_flags: libc::c_uint) -> io::Result<()> {
+        // SAFETY: TUNSETOFFLOAD takes its argument by value; the descriptor is an
+        // attached tap.
+        let ret = unsafe {
+            libc::ioctl(
+                self.file.as_raw_fd(),
+                libc::TUNSETOFFLOAD,
+                libc::c_ulong::from(tun_flags),
+            )
+        };
+        if ret < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn offloads_follow_the_guest_features() {
+        use virtio_bindings::virtio_net::*;
+        let bit = |b: u32| 1u64 << b;
+        assert_eq!(offloads_for(0), 0);
+        // Segmentation without checksum offload is not a valid tap setting.
+        assert_eq!(offloads_for(bit(VIRTIO_NET_F_GUEST_TSO4)), 0);
+        assert_eq!(offloads_for(bit(VIRTIO_NET_F_GUEST_CSUM)), libc::TUN_F_CSUM);
+        let all = bit(VIRTIO_NET_F_GUEST_CSUM)
+            | bit(VIRTIO_NET_F_GUEST_TSO4)
+            | bit(VIRTIO_NET_F_GUEST_TSO6)
+            | bit(VIRTIO_NET_F_GUEST_UFO)
+            // Host-side features say nothing about what the tap may send.
+            | bit(VIRTIO_NET_F_HOST_TSO4)
+            | bit(VIRTIO_NET_F_CSUM);
+        assert_eq!(
+            offloads_for(all),
+            libc::TUN_F_CSUM | libc::TUN_F_TSO4 | libc::TUN_F_TSO6 | libc::TUN_F_UFO
+        );
+    }
 
     #[test]
     fn interface_names() {
@@ -179,6 +245,10 @@ mod tests {
             tap.read_frame(&mut buf).unwrap_err().kind(),
             io::ErrorKind::WouldBlock
         );
+        // The offloads a driver with every GUEST_* feature gets, and back to none.
+        tap.set_offloads(libc::TUN_F_CSUM | libc::TUN_F_TSO4 | libc::TUN_F_TSO6 | libc::TUN_F_UFO)
+            .unwrap();
+        tap.set_offloads(0).unwrap();
         drop(tap);
         // Not a tap.
         let err = Tap::open("lo").unwrap_err();

@@ -6,12 +6,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
-use virtio_bindings::virtio_net::VIRTIO_NET_F_MAC;
+use virtio_bindings::virtio_net::{VIRTIO_NET_F_MAC, VIRTIO_NET_F_MRG_RXBUF};
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
-use super::{MacAddr, Net, NetConfig, NetCounters, NetError, VNET_HDR_LEN};
+use super::device::OFFERED_FEATURES;
+use super::{FrameBackend, MacAddr, Net, NetConfig, NetCounters, NetError, VNET_HDR_LEN};
 use crate::devices::virtio::persist::SavedDevice;
 use crate::devices::virtio::vsock::test_driver::GuestQueue;
 use crate::devices::virtio::{ActivatedQueue, VirtioDevice, VirtioInterrupt, VirtioInterruptType};
@@ -65,13 +66,56 @@ fn payload(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(7) ^ seed).collect()
 }
 
+/// A datagram backend that records the offloads the device sets.
+struct Recording {
+    socket: UnixDatagram,
+    offloads: Arc<std::sync::Mutex<Vec<libc::c_uint>>>,
+}
+
+impl std::os::fd::AsRawFd for Recording {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.socket.as_raw_fd()
+    }
+}
+
+impl FrameBackend for Recording {
+    fn read_frame(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.socket.read_frame(buf)
+    }
+
+    fn write_frame(&mut self, frame: &[u8]) -> std::io::Result<()> {
+        self.socket.write_frame(frame)
+    }
+
+    fn set_offloads(&mut self, tun_flags: libc::c_uint) -> std::io::Result<()> {
+        self.offloads.lock().unwrap().push(tun_flags);
+        Ok(())
+    }
+}
+
+/// What a driver without mergeable buffers and event index acks: each frame in
+/// one chain, an interrupt for every use.
+const PLAIN: u64 =
+    OFFERED_FEATURES & !(1 << VIRTIO_NET_F_MRG_RXBUF) & !(1 << VIRTIO_RING_F_EVENT_IDX)
+        | (1 << VIRTIO_NET_F_MAC);
+
 impl Harness {
     fn new() -> Harness {
+        Self::with_features(PLAIN).0
+    }
+
+    /// The device with `acked` features accepted; also the offloads it set.
+    fn with_features(acked: u64) -> (Harness, Arc<std::sync::Mutex<Vec<libc::c_uint>>>) {
         let (device_end, host) = UnixDatagram::pair().unwrap();
         device_end.set_nonblocking(true).unwrap();
         host.set_read_timeout(Some(WAIT)).unwrap();
-        let mut net = Net::with_backend(config(Some(MAC)), Box::new(device_end));
-        net.set_acked_features(net.avail_features());
+        let offloads = Arc::default();
+        let backend = Recording {
+            socket: device_end,
+            offloads: Arc::clone(&offloads),
+        };
+        let mut net = Net::with_backend(config(Some(MAC)), Box::new(backend));
+        net.set_acked_features(acked);
         let mem = GuestMemory::from_ranges(&[(GuestAddress(0), 0x40_0000)]).unwrap();
         let counters = net.counters();
         let mut h = Harness {
@@ -87,7 +131,7 @@ impl Harness {
             next_buf: 0x10_0000,
         };
         h.activate();
-        h
+        (h, offloads)
     }
 
     fn activate(&mut self) {
@@ -179,7 +223,7 @@ fn features_and_config_space_follow_the_mac() {
     assert_eq!(with.queue_max_sizes(), &[256, 256]);
     assert_eq!(
         with.avail_features(),
-        (1 << VIRTIO_F_VERSION_1) | (1 << VIRTIO_NET_F_MAC)
+        OFFERED_FEATURES | (1 << VIRTIO_NET_F_MAC)
     );
     let mut mac = [0u8; 6];
     with.read_config(0, &mut mac);
@@ -193,9 +237,9 @@ fn features_and_config_space_follow_the_mac() {
 
     let (a, _b) = UnixDatagram::pair().unwrap();
     let mut without = Net::with_backend(config(None), Box::new(a));
-    assert_eq!(without.avail_features(), 1 << VIRTIO_F_VERSION_1);
+    assert_eq!(without.avail_features(), OFFERED_FEATURES);
     without.set_acked_features(u64::MAX);
-    assert_eq!(without.acked_features(), 1 << VIRTIO_F_VERSION_1);
+    assert_eq!(without.acked_features(), OFFERED_FEATURES);
     assert_eq!(
         without.snapshot(),
         Some(SavedDevice::Net(super::SavedNet {
@@ -413,4 +457,115 @@ fn runt_frames_from_the_host_are_dropped() {
     assert_eq!(wait_used(&mut h.rx).1 as usize, VNET_HDR_LEN + 100);
     assert_eq!(h.read(addr + VNET_HDR_LEN as u64, 100), data);
     assert_eq!(h.counter(|c| &c.rx_dropped), 2);
+}
+
+#[test]
+fn activation_sets_the_tap_offloads_the_driver_acked_and_reset_clears_them() {
+    let (mut h, offloads) = Harness::with_features(OFFERED_FEATURES);
+    let all = libc::TUN_F_CSUM | libc::TUN_F_TSO4 | libc::TUN_F_TSO6 | libc::TUN_F_UFO;
+    assert_eq!(*offloads.lock().unwrap(), [all]);
+    assert!(h.net.reset());
+    assert_eq!(*offloads.lock().unwrap(), [all, 0]);
+    // A driver that takes no offloads gets a tap that sends it none.
+    h.net
+        .set_acked_features(PLAIN & !(1 << virtio_bindings::virtio_net::VIRTIO_NET_F_GUEST_CSUM));
+    h.rx = GuestQueue::new(&h.mem, RX_BASE, 256);
+    h.tx = GuestQueue::new(&h.mem, TX_BASE, 256);
+    h.activate();
+    assert_eq!(*offloads.lock().unwrap(), [all, 0, 0]);
+}
+
+/// Receive buffers of `len` bytes each, one per chain, as Linux posts them with
+/// mergeable buffers (page-sized there).
+fn post_rx_buffers(h: &mut Harness, n: usize, len: u32) -> Vec<(u16, u64)> {
+    (0..n).map(|_| h.post_rx(len)).collect()
+}
+
+#[test]
+fn a_mergeable_frame_fills_as_many_chains_as_it_needs_published_at_once() {
+    let (mut h, _) = Harness::with_features(OFFERED_FEATURES | (1 << VIRTIO_NET_F_MAC));
+    let bufs = post_rx_buffers(&mut h, 4, 1000);
+    // A TSO-sized frame: header + 2488 bytes over three 1000-byte chains.
+    let data = payload(2488, 11);
+    h.host.send(&frame(&data)).unwrap();
+    let used: Vec<(u16, u32)> = (0..3).map(|_| wait_used(&mut h.rx)).collect();
+    assert_eq!(
+        used,
+        [(bufs[0].0, 1000), (bufs[1].0, 1000), (bufs[2].0, 500)]
+    );
+    let first = h.read(bufs[0].1, 1000);
+    assert_eq!(&first[10..12], &3u16.to_le_bytes(), "num_buffers");
+    let mut got = first[VNET_HDR_LEN..].to_vec();
+    got.extend(h.read(bufs[1].1, 1000));
+    got.extend(h.read(bufs[2].1, 500));
+    assert_eq!(got, data);
+    // A small frame takes one chain, the fourth.
+    h.host.send(&frame(&payload(60, 12))).unwrap();
+    assert_eq!(wait_used(&mut h.rx), (bufs[3].0, 72));
+    assert_eq!(&h.read(bufs[3].1, 12)[10..12], &1u16.to_le_bytes());
+    assert_eq!(h.counter(|c| &c.rx_frames), 2);
+}
+
+#[test]
+fn a_mergeable_frame_waits_until_enough_chains_are_posted() {
+    let (mut h, _) = Harness::with_features(OFFERED_FEATURES);
+    let first = h.post_rx(1000);
+    let data = payload(1500, 13);
+    h.host.send(&frame(&data)).unwrap();
+    // One chain is not enough: it stays the guest's, nothing dropped.
+    assert_unused(&mut h.rx);
+    assert_eq!(h.counter(|c| &c.rx_dropped), 0);
+    // The device asked to hear of the next buffer past the one it looked at
+    // (avail_event, after the used ring's elements).
+    let avail_event_at = h.rx.used_ring() + 4 + 8 * 256;
+    let avail_event: u16 = h.mem.read_obj(GuestAddress(avail_event_at)).unwrap();
+    assert_eq!(u16::from_le(avail_event), 1);
+    let second = h.post_rx(1000);
+    assert_eq!(wait_used(&mut h.rx), (first.0, 1000));
+    assert_eq!(wait_used(&mut h.rx), (second.0, 512));
+    let mut got = h.read(first.1 + VNET_HDR_LEN as u64, 1000 - VNET_HDR_LEN);
+    got.extend(h.read(second.1, 512));
+    assert_eq!(got, data);
+}
+
+#[test]
+fn an_unusable_chain_costs_a_mergeable_frame_and_returns_every_chain_taken() {
+    let (mut h, _) = Harness::with_features(OFFERED_FEATURES);
+    let good = h.post_rx(1000);
+    let r = h.buf(&[], 1000);
+    let bad = h.rx.add(&[(r, 1000, false)]);
+    h.host.send(&frame(&payload(1500, 14))).unwrap();
+    assert_eq!(wait_used(&mut h.rx), (good.0, 0));
+    assert_eq!(wait_used(&mut h.rx), (bad, 0));
+    assert_eq!(h.counter(|c| &c.rx_dropped), 1);
+    // The device goes on with the next frame.
+    let next = h.post_rx(1000);
+    h.host.send(&frame(&payload(100, 15))).unwrap();
+    assert_eq!(wait_used(&mut h.rx), (next.0, 112));
+}
+
+#[test]
+fn with_event_index_the_device_interrupts_only_where_the_driver_asks() {
+    let (mut h, _) = Harness::with_features(OFFERED_FEATURES);
+    // used_event = 2: interrupt once the third buffer is used.
+    h.rx.set_used_event(2);
+    let bufs = post_rx_buffers(&mut h, 3, 1526);
+    for i in 0..2 {
+        h.host.send(&frame(&payload(100, i))).unwrap();
+        wait_used(&mut h.rx);
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(h.irq.0.load(Ordering::SeqCst), 0);
+    h.host.send(&frame(&payload(100, 2))).unwrap();
+    assert_eq!(wait_used(&mut h.rx).0, bufs[2].0);
+    let deadline = Instant::now() + WAIT;
+    while h.irq.0.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "no interrupt at used_event");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // TX with event index still sends and uses every chain.
+    let data = payload(64, 16);
+    let head = h.send(&data);
+    assert_eq!(h.host_recv(), frame(&data));
+    assert_eq!(wait_used(&mut h.tx), (head, 0));
 }

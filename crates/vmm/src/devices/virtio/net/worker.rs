@@ -5,9 +5,16 @@
 //! RX: a frame is read from the backend only into a buffer of our own, and is held
 //! there while the guest has no receive buffer; the backend is then taken out of the
 //! epoll set until the guest notifies the RX queue, so a busy backend cannot spin
-//! the thread (a failing one is taken out the same way). A chain the device cannot use (device-readable buffers on RX,
-//! device-writable on TX, too small, outside guest memory) costs its frame, which is
-//! counted, and the chain goes back to the guest as used.
+//! the thread (a failing one is taken out the same way). With mergeable buffers a
+//! frame fills as many chains as it needs (`num_buffers` in its header), all
+//! returned at once ([`super::used_batch`]); without, it must fit one chain. A chain
+//! the device cannot use (device-readable buffers on RX, device-writable on TX, too
+//! small, outside guest memory) costs its frame, which is counted, and the chain
+//! goes back to the guest as used.
+//!
+//! With `VIRTIO_RING_F_EVENT_IDX` the worker tells the driver, before it sleeps,
+//! which available index to notify at (re-checking the ring after, so a buffer
+//! posted meanwhile is not missed), and interrupts only where the driver asked.
 
 use std::io;
 use std::os::fd::AsRawFd;
@@ -19,6 +26,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use super::backend::FrameBackend;
 use super::metrics::NetCounters;
+use super::used_batch::UsedBatch;
 use super::{MAX_FRAME_LEN, VNET_HDR_LEN};
 use crate::devices::virtio::worker::{DeviceWorker, StopSignal};
 use crate::devices::virtio::{ActivatedQueue, VirtioInterrupt, VirtioInterruptType};
@@ -41,6 +49,13 @@ pub struct Worker {
     tx: ActivatedQueue,
     backend: Box<dyn FrameBackend>,
     counters: Arc<NetCounters>,
+    /// `VIRTIO_NET_F_MRG_RXBUF` was negotiated.
+    mergeable: bool,
+    /// What the RX queue used, returned to the guest in one go per frame.
+    rx_used: UsedBatch,
+    /// The chains one frame fills: `(head, capacity)`, and what it wrote in each.
+    rx_chains: Vec<(u16, usize)>,
+    rx_written: Vec<(u16, u32)>,
     /// A frame read from the backend; `rx_len` bytes of it wait for a guest buffer.
     rx_frame: Vec<u8>,
     rx_len: usize,
@@ -67,9 +82,9 @@ impl Worker {
     pub fn new(
         mem: GuestMemory,
         interrupt: Arc<dyn VirtioInterrupt>,
-        rx: ActivatedQueue,
-        tx: ActivatedQueue,
+        [rx, tx]: [ActivatedQueue; 2],
         backend: Box<dyn FrameBackend>,
+        mergeable: bool,
         counters: Arc<NetCounters>,
         stop: &StopSignal,
     ) -> io::Result<Worker> {
@@ -92,6 +107,10 @@ impl Worker {
             tx,
             backend,
             counters,
+            mergeable,
+            rx_used: UsedBatch::new(),
+            rx_chains: Vec::new(),
+            rx_written: Vec::new(),
             rx_frame: vec![0; MAX_FRAME_LEN],
             rx_len: 0,
             tx_frame: vec![0; MAX_FRAME_LEN],
@@ -147,11 +166,9 @@ impl Worker {
         let tx_used = self.process_tx();
         let (rx_used, rx_stalled) = self.process_rx();
         self.watch_backend(!rx_stalled);
-        let mut needed = false;
-        for (used, queue) in [(rx_used, &mut self.rx.queue), (tx_used, &mut self.tx.queue)] {
-            // When in doubt, interrupt: a spurious one is harmless, a lost one hangs.
-            needed |= used && queue.needs_notification(&self.mem).unwrap_or(true);
-        }
+        // When in doubt, interrupt: a spurious one is harmless, a lost one hangs.
+        let mut needed = tx_used && self.tx.queue.needs_notification(&self.mem).unwrap_or(true);
+        needed |= rx_used && self.rx_used.needs_interrupt(&self.rx.queue, &self.mem);
         if needed && let Err(e) = self.interrupt.trigger(VirtioInterruptType::Queue) {
             crate::warn_limited!("net: cannot interrupt the guest: {e}");
         }
@@ -181,6 +198,22 @@ impl Worker {
 
     /// Sends every frame the guest queued. Returns whether any chain was used.
     fn process_tx(&mut self) -> bool {
+        let mut used = false;
+        loop {
+            used |= self.drain_tx();
+            // Re-arming the notification reports chains queued meanwhile.
+            match self.tx.queue.enable_notification(&self.mem) {
+                Ok(true) => continue,
+                Ok(false) => return used,
+                Err(e) => {
+                    crate::warn_limited!("net: TX queue: {e}");
+                    return used;
+                }
+            }
+        }
+    }
+
+    fn drain_tx(&mut self) -> bool {
         let mut used = false;
         while let Some(chain) = self.tx.queue.pop_descriptor_chain(&self.mem) {
             let head = chain.head_index();
@@ -232,32 +265,128 @@ impl Worker {
                     }
                 }
             }
+            let delivered = if self.mergeable {
+                self.deliver_mergeable()
+            } else {
+                self.deliver_whole()
+            };
+            match delivered {
+                Ok(()) => used = true,
+                Err(seen) => {
+                    if self.rx_buffers_posted_since(seen) {
+                        continue;
+                    }
+                    return (used, true);
+                }
+            }
+        }
+    }
+
+    /// Asks the driver to notify once it posts past available index `seen`, and
+    /// reports whether it already has. The chains a mergeable frame could not use
+    /// are back in the ring, before `seen`: notifying from where the device
+    /// resumes (what `enable_notification` asks) would ask for a notification the
+    /// driver already passed.
+    fn rx_buffers_posted_since(&mut self, seen: u16) -> bool {
+        let resume_at = self.rx.queue.next_avail();
+        self.rx.queue.set_next_avail(seen);
+        let posted = self.rx.queue.enable_notification(&self.mem);
+        self.rx.queue.set_next_avail(resume_at);
+        posted.unwrap_or_else(|e| {
+            crate::warn_limited!("net: RX queue: {e}");
+            false
+        })
+    }
+
+    /// The waiting frame into one chain. `Err(seen)` when the guest has none
+    /// posted, with the available index looked up to.
+    fn deliver_whole(&mut self) -> Result<(), u16> {
+        let Some(chain) = self.rx.queue.pop_descriptor_chain(&self.mem) else {
+            return Err(self.rx.queue.next_avail());
+        };
+        let head = chain.head_index();
+        let len = self.rx_len;
+        self.rx_len = 0;
+        self.rx_frame[NUM_BUFFERS_AT..VNET_HDR_LEN].copy_from_slice(&1u16.to_le_bytes());
+        let written = match scatter(&self.mem, chain, &self.rx_frame[..len], &mut self.segments) {
+            Ok(()) => {
+                self.count_rx(len);
+                // A frame is below 64 KiB + header.
+                len as u32
+            }
+            Err(e) => {
+                tracing::debug!("net: dropping a {len}-byte frame, RX chain unusable: {e:?}");
+                NetCounters::add(&self.counters.rx_dropped, 1);
+                0
+            }
+        };
+        self.return_rx(&[(head, written)]);
+        Ok(())
+    }
+
+    /// The waiting frame over as many chains as it needs. `Err(seen)`, every
+    /// chain taken put back, when the guest has not posted enough yet.
+    fn deliver_mergeable(&mut self) -> Result<(), u16> {
+        let len = self.rx_len;
+        let start = self.rx.queue.next_avail();
+        self.rx_chains.clear();
+        self.segments.clear();
+        let mut capacity = 0usize;
+        let mut malformed = false;
+        while capacity < len {
             let Some(chain) = self.rx.queue.pop_descriptor_chain(&self.mem) else {
-                return (used, true);
+                let seen = self.rx.queue.next_avail();
+                self.rx.queue.set_next_avail(start);
+                return Err(seen);
             };
             let head = chain.head_index();
-            let len = self.rx_len;
-            self.rx_len = 0;
-            // No mergeable buffers: each frame fills exactly one chain.
-            self.rx_frame[NUM_BUFFERS_AT..VNET_HDR_LEN].copy_from_slice(&1u16.to_le_bytes());
-            let written = match scatter(&self.mem, chain, &self.rx_frame[..len], &mut self.segments)
-            {
-                Ok(()) => {
-                    NetCounters::add(&self.counters.rx_frames, 1);
-                    NetCounters::add(&self.counters.rx_bytes, (len - VNET_HDR_LEN) as u64);
-                    // A frame is below 64 KiB + header.
-                    len as u32
+            let mut chain_capacity = 0usize;
+            for desc in chain {
+                if !desc.is_write_only() {
+                    malformed = true;
+                    break;
                 }
-                Err(e) => {
-                    tracing::debug!("net: dropping a {len}-byte frame, RX chain unusable: {e:?}");
-                    NetCounters::add(&self.counters.rx_dropped, 1);
-                    0
-                }
-            };
-            if let Err(e) = self.rx.queue.add_used(&self.mem, head, written) {
-                crate::warn_limited!("net: RX add_used: {e}");
+                self.segments.push((desc.addr(), desc.len() as usize));
+                chain_capacity = chain_capacity.saturating_add(desc.len() as usize);
             }
-            used = true;
+            self.rx_chains.push((head, chain_capacity));
+            if malformed {
+                break;
+            }
+            capacity = capacity.saturating_add(chain_capacity);
+        }
+        self.rx_len = 0;
+        // At most one chain per queue entry: the count fits num_buffers.
+        let buffers = self.rx_chains.len() as u16;
+        self.rx_frame[NUM_BUFFERS_AT..VNET_HDR_LEN].copy_from_slice(&buffers.to_le_bytes());
+        let wrote = !malformed && write_segments(&self.mem, &self.segments, &self.rx_frame[..len]);
+        self.rx_written.clear();
+        let mut rest = if wrote { len } else { 0 };
+        for &(head, chain_capacity) in &self.rx_chains {
+            let now = rest.min(chain_capacity);
+            rest -= now;
+            self.rx_written.push((head, now as u32));
+        }
+        if wrote {
+            self.count_rx(len);
+        } else {
+            tracing::debug!("net: dropping a {len}-byte frame, an RX chain is unusable");
+            NetCounters::add(&self.counters.rx_dropped, 1);
+        }
+        let written = std::mem::take(&mut self.rx_written);
+        self.return_rx(&written);
+        self.rx_written = written;
+        Ok(())
+    }
+
+    fn count_rx(&self, len: usize) {
+        NetCounters::add(&self.counters.rx_frames, 1);
+        NetCounters::add(&self.counters.rx_bytes, (len - VNET_HDR_LEN) as u64);
+    }
+
+    fn return_rx(&mut self, used: &[(u16, u32)]) {
+        if let Err(e) = self.rx_used.publish(&mut self.rx.queue, &self.mem, used) {
+            crate::warn_limited!("net: RX used ring: {e}");
         }
     }
 }
@@ -304,15 +433,25 @@ fn scatter(
     if capacity < frame.len() {
         return Err(ChainError::Size);
     }
+    if !write_segments(mem, segments, frame) {
+        return Err(ChainError::Malformed);
+    }
+    Ok(())
+}
+
+/// Writes `frame` over `segments` in order (they hold at least its length);
+/// false if one lies outside guest memory.
+fn write_segments(mem: &GuestMemory, segments: &[(GuestAddress, usize)], frame: &[u8]) -> bool {
     let mut rest = frame;
-    for &(addr, len) in segments.iter() {
+    for &(addr, len) in segments {
         if rest.is_empty() {
             break;
         }
         let (now, later) = rest.split_at(len.min(rest.len()));
-        mem.write_slice(now, addr)
-            .map_err(|_| ChainError::Malformed)?;
+        if mem.write_slice(now, addr).is_err() {
+            return false;
+        }
         rest = later;
     }
-    Ok(())
+    true
 }

@@ -100,6 +100,18 @@ impl GuestQueue {
         head
     }
 
+    /// Where the used ring starts in guest memory.
+    pub fn used_ring(&self) -> u64 {
+        self.used.0
+    }
+
+    /// VIRTIO_RING_F_EVENT_IDX: interrupt me once the used index passes `idx`.
+    pub fn set_used_event(&mut self, idx: u16) {
+        let at = self.avail.0 + 4 + 2 * u64::from(self.size);
+        self.mem.write_obj(idx.to_le(), GuestAddress(at)).unwrap();
+        fence(Ordering::SeqCst);
+    }
+
     /// The next used chain: its head and the length the device wrote.
     pub fn pop_used(&mut self) -> Option<(u16, u32)> {
         fence(Ordering::SeqCst);
