@@ -512,6 +512,64 @@ fn polled_watchers() {
     );
 }
 
+/// What a watcher sees of an upload: envd's sequence. A new file is created,
+/// given to the user (chmod) and written; an existing one is given to the
+/// user, truncated (a write) and written.
+#[test]
+fn uploads_emit_envds_watch_events() {
+    let agent = Agent::start();
+    init_root(&agent, None);
+    let t = tempfile::tempdir().unwrap();
+    let r = rpc(&agent, "CreateWatcher", json!({"path": s(t.path())}));
+    assert_eq!(r.status, 200, "{r:?}");
+    let id = r.json()["watcherId"].as_str().unwrap().to_string();
+    let events_until = |count: usize| {
+        let mut seen: Vec<(String, String)> = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut settled = 0;
+        // At least `count`, then whatever else comes within 300 ms.
+        while seen.len() < count || settled < 6 {
+            assert!(Instant::now() < deadline, "{seen:?}");
+            std::thread::sleep(Duration::from_millis(50));
+            let r = rpc(&agent, "GetWatcherEvents", json!({"watcherId": id}));
+            let events = r.json()["events"].as_array().cloned().unwrap_or_default();
+            settled = if events.is_empty() { settled + 1 } else { 0 };
+            for e in events {
+                seen.push((
+                    e["name"].as_str().unwrap().into(),
+                    e["type"].as_str().unwrap().into(),
+                ));
+            }
+        }
+        seen
+    };
+    let upload = |data: &[u8]| {
+        let r = agent.request(
+            "POST",
+            &format!("/files?path={}", q(&t.path().join("f.txt"))),
+            &[("content-type", "application/octet-stream")],
+            data,
+        );
+        assert_eq!(r.status, 200, "{r:?}");
+    };
+    let named = |types: &[&str]| -> Vec<(String, String)> {
+        types
+            .iter()
+            .map(|ty| ("f.txt".to_string(), format!("EVENT_TYPE_{ty}")))
+            .collect()
+    };
+    upload(b"new");
+    assert_eq!(events_until(3), named(&["CREATE", "CHMOD", "WRITE"]));
+    upload(b"again");
+    // The truncation's write and the data's are one event when the kernel
+    // queued both before the watcher read them.
+    let seen = events_until(2);
+    assert!(
+        seen == named(&["CHMOD", "WRITE"]) || seen == named(&["CHMOD", "WRITE", "WRITE"]),
+        "{seen:?}"
+    );
+}
+
 fn init_root(agent: &Agent, token: Option<&str>) {
     let mut body = json!({"defaultUser": "root"});
     if let Some(t) = token {

@@ -181,8 +181,8 @@ where
     E: std::fmt::Display,
 {
     let path = user.resolve_path(raw_path);
-    let (p, md) = (path.clone(), metadata.clone());
-    let file = run_as(&Creds::from(user), move || open_for_write(&p, &md))
+    let (p, md, owner) = (path.clone(), metadata.clone(), (user.uid, user.gid));
+    let file = run_as(&Creds::from(user), move || open_for_write(&p, &md, owner))
         .await
         .map_err(|e| fs_error(&e))?;
     let mut out = BufWriter::with_capacity(WRITE_BUFFER, tokio::fs::File::from_std(file));
@@ -211,18 +211,30 @@ where
 
 /// Creates the parents, then opens `path` truncated, as the calling thread's
 /// user; replaces the file's metadata set.
+///
+/// Like envd, the file is given to `owner` (uid, gid) before it is written:
+/// an existing one before it is opened, a new one right after its creation.
+/// Watchers see what envd's see (create, chmod, then the writes); a file the
+/// user may write but cannot chown keeps its owner.
 fn open_for_write(
     path: &Path,
     metadata: &BTreeMap<String, String>,
+    (uid, gid): (u32, u32),
 ) -> Result<std::fs::File, FsError> {
     if let Some(parent) = path.parent() {
         create_dirs(parent)?;
     }
-    if std::fs::metadata(path).is_ok_and(|m| m.is_dir()) {
+    let existing = std::fs::metadata(path).ok();
+    if existing.as_ref().is_some_and(|m| m.is_dir()) {
         return Err(FsError::invalid(format!(
             "{} is a directory",
             path.display()
         )));
+    }
+    if existing.is_some()
+        && let Err(e) = std::os::unix::fs::chown(path, Some(uid), Some(gid))
+    {
+        log::debug!("chown {}: {e}", path.display());
     }
     let file = std::fs::OpenOptions::new()
         .write(true)
@@ -233,6 +245,11 @@ fn open_for_write(
         .custom_flags(libc::O_NONBLOCK)
         .open(path)
         .map_err(|e| FsError::io("open", path, &e))?;
+    if existing.is_none()
+        && let Err(e) = std::os::unix::fs::fchown(&file, Some(uid), Some(gid))
+    {
+        log::debug!("chown {}: {e}", path.display());
+    }
     // SAFETY: F_GETFL/F_SETFL on a descriptor we own.
     unsafe {
         let flags = libc::fcntl(file.as_raw_fd(), libc::F_GETFL);
@@ -311,6 +328,9 @@ mod tests {
     use crate::envd::filesystem::entry::read_metadata;
     use crate::envd::filesystem::error::FsErrorKind;
 
+    /// chown(2)'s -1: leaves the owner as it is.
+    const ME: (u32, u32) = (u32::MAX, u32::MAX);
+
     #[test]
     fn metadata_is_replaced_as_a_set() {
         let t = tempfile::tempdir().unwrap();
@@ -321,7 +341,7 @@ mod tests {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect()
         };
-        let f = open_for_write(&p, &md(&[("a", "1"), ("b", "2")]));
+        let f = open_for_write(&p, &md(&[("a", "1"), ("b", "2")]), ME);
         match f {
             Err(e) if e.message.contains("Operation not supported") => {
                 eprintln!("SKIPPED: {} has no user xattrs: {e}", t.path().display());
@@ -330,19 +350,19 @@ mod tests {
             other => drop(other.unwrap()),
         }
         assert_eq!(read_metadata(&p), md(&[("a", "1"), ("b", "2")]));
-        drop(open_for_write(&p, &md(&[("c", "3")])).unwrap());
+        drop(open_for_write(&p, &md(&[("c", "3")]), ME).unwrap());
         assert_eq!(read_metadata(&p), md(&[("c", "3")]));
-        drop(open_for_write(&p, &md(&[])).unwrap());
+        drop(open_for_write(&p, &md(&[]), ME).unwrap());
         assert!(read_metadata(&p).is_empty());
     }
 
     #[test]
     fn directories_are_not_files() {
         let t = tempfile::tempdir().unwrap();
-        let e = open_for_write(t.path(), &BTreeMap::new()).unwrap_err();
+        let e = open_for_write(t.path(), &BTreeMap::new(), ME).unwrap_err();
         assert_eq!(e.kind, FsErrorKind::InvalidArgument);
         let p = t.path().join("deep/er/f");
-        drop(open_for_write(&p, &BTreeMap::new()).unwrap());
+        drop(open_for_write(&p, &BTreeMap::new(), ME).unwrap());
         assert!(p.is_file());
     }
 }
