@@ -116,6 +116,7 @@ def test_watch_dir_write_sequence_is_envds(sandbox):
     # envd opens the new file (CREATE), chowns it to the user (CHMOD), then
     # writes it (WRITE): clients waiting for one of them see the same order.
     d = f"{BASE}/watched-seq"
+    sandbox.commands.run(f"rm -rf {d}")
     sandbox.files.make_dir(d)
     handle = sandbox.files.watch_dir(d)
     try:
@@ -140,6 +141,7 @@ def test_watch_dir_write_sequence_is_envds(sandbox):
 
 def test_recursive_watch_sees_directories_made_after_it(sandbox):
     d = f"{BASE}/watched-tree"
+    sandbox.commands.run(f"rm -rf {d}")
     sandbox.files.make_dir(d)
     handle = sandbox.files.watch_dir(d, recursive=True)
     try:

@@ -95,6 +95,7 @@ describe('files', SLOW, () => {
 
   test('watchDir: a write is create, chmod, write as on envd', async () => {
     const d = `${BASE}/watched-seq`
+    await sbx.commands.run(`rm -rf ${d}`)
     await sbx.files.makeDir(d)
     const events = []
     const h = await sbx.files.watchDir(d, (e) => events.push(e), { timeoutMs: 0 })
@@ -121,6 +122,7 @@ describe('files', SLOW, () => {
 
   test('watchDir recursive sees directories made after it', async () => {
     const d = `${BASE}/watched-tree`
+    await sbx.commands.run(`rm -rf ${d}`)
     await sbx.files.makeDir(d)
     const events = []
     const h = await sbx.files.watchDir(d, (e) => events.push(e), {
