@@ -39,7 +39,15 @@ use crate::envd::user::User;
 /// Buffer between the network and the disk, per file being written.
 const WRITE_BUFFER: usize = 1024 * 1024;
 
-type ByteStream = Pin<Box<dyn Stream<Item = io::Result<Bytes>> + Send>>;
+/// How much of a body left unread after the answer is known (a multipart
+/// epilogue, the chunked terminator, the rest of a refused upload) is still
+/// read before answering, for at most `DRAIN_TIME`. Past either the
+/// connection closes with data unread.
+const DRAIN_LIMIT: usize = 1024 * 1024;
+const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(10);
+
+type RawBody = Pin<Box<dyn Stream<Item = io::Result<Bytes>> + Send>>;
+type ByteStream<'a> = Pin<Box<dyn Stream<Item = io::Result<Bytes>> + Send + 'a>>;
 
 pub async fn post_files(
     State(envd): State<Envd>,
@@ -47,9 +55,37 @@ pub async fn post_files(
     RawQuery(raw): RawQuery,
     body: Body,
 ) -> Response {
-    match receive(&envd, &headers, raw.as_deref(), body).await {
+    let mut body: RawBody = Box::pin(body.into_data_stream().map_err(io::Error::other));
+    let received = receive(&envd, &headers, raw.as_deref(), &mut body).await;
+    // The multipart parser stops at the closing boundary, before the body's
+    // end (for a chunked body, its terminating chunk). Answering then makes
+    // hyper close a connection with bytes still unread, which the kernel turns
+    // into a reset: a client still sending its last bytes gets EPIPE or loses
+    // the answer. So the rest is read first, within a bound.
+    if tokio::time::timeout(DRAIN_TIME, drain(&mut body, DRAIN_LIMIT))
+        .await
+        .is_err()
+    {
+        log::debug!("upload: the body did not end within {DRAIN_TIME:?} of the answer");
+    }
+    match received {
         Ok(written) => Json(written).into_response(),
         Err(e) => e.into_response(),
+    }
+}
+
+/// Reads and drops `body` to its end, or until more than `limit` bytes or an
+/// error came.
+async fn drain(body: &mut RawBody, limit: usize) {
+    let mut left = limit;
+    while let Some(Ok(chunk)) = body.next().await {
+        match left.checked_sub(chunk.len()) {
+            Some(l) => left = l,
+            None => {
+                log::debug!("upload: more than {limit} bytes unread after the answer");
+                return;
+            }
+        }
     }
 }
 
@@ -57,7 +93,7 @@ async fn receive(
     envd: &Envd,
     headers: &HeaderMap,
     raw: Option<&str>,
-    body: Body,
+    body: &mut RawBody,
 ) -> Result<Vec<WrittenFile>, HttpErr> {
     let q = parse_query(raw)?;
     authorize(envd, headers, &q, Operation::Write)?;
@@ -151,8 +187,7 @@ fn metadata_headers(headers: &HeaderMap) -> Result<BTreeMap<String, String>, Htt
 }
 
 /// The request body as a byte stream, gunzipped when Content-Encoding says so.
-fn decoded_body(headers: &HeaderMap, body: Body) -> Result<ByteStream, HttpErr> {
-    let raw = body.into_data_stream().map_err(io::Error::other);
+fn decoded_body<'a>(headers: &HeaderMap, raw: &'a mut RawBody) -> Result<ByteStream<'a>, HttpErr> {
     let encoding = headers
         .get(header::CONTENT_ENCODING)
         .map(|v| v.to_str().unwrap_or("?").trim().to_ascii_lowercase());
