@@ -1113,6 +1113,115 @@ fn large_transfers_are_streamed() {
 /// Method, path, headers, body.
 type Request<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)], &'a [u8]);
 
+/// envd refuses a second part for a path one upload already wrote (400, its
+/// own text); the parts before it stay written, the later ones are not.
+#[test]
+fn one_upload_writes_a_path_once() {
+    let agent = Agent::start();
+    init_root(&agent, None);
+    let t = tempfile::tempdir().unwrap();
+    let (a, b, c) = (t.path().join("a"), t.path().join("b"), t.path().join("c"));
+    let (ct, body) = multipart(&[
+        (&s(&a), b"first"),
+        (&s(&b), b"other"),
+        (&s(&a), b"second"),
+        (&s(&c), b"later"),
+    ]);
+    let r = agent.request("POST", "/files", &[("content-type", &ct)], &body);
+    assert_eq!(r.status, 400, "{r:?}");
+    assert_eq!(
+        r.json()["message"],
+        format!(
+            "you cannot upload multiple files to the same path '{}' in one upload request, \
+             only the first specified file was uploaded",
+            s(&a)
+        )
+    );
+    assert_eq!(std::fs::read(&a).unwrap(), b"first");
+    assert_eq!(std::fs::read(&b).unwrap(), b"other");
+    assert!(!c.exists());
+}
+
+/// An empty `X-Access-Token` is no token, as on envd: a signed file URL
+/// still works with it; elsewhere it is refused as a missing token.
+#[test]
+fn an_empty_access_token_header_is_none() {
+    let agent = Agent::start();
+    let token = "tok_envd_secret";
+    init_root(&agent, Some(token));
+    let t = tempfile::tempdir().unwrap();
+    let f = t.path().join("s.txt");
+    std::fs::write(&f, b"signed").unwrap();
+    let sig = sign(&s(&f), "read", "", token, None);
+    let empty = [("x-access-token", "")];
+    let r = agent.request(
+        "GET",
+        &format!("/files?path={}&signature={}", q(&f), enc(&sig)),
+        &empty,
+        b"",
+    );
+    assert_eq!(
+        (r.status, r.body.as_slice()),
+        (200, &b"signed"[..]),
+        "{r:?}"
+    );
+    let r = agent.request("GET", &format!("/files?path={}", q(&f)), &empty, b"");
+    assert_eq!(r.status, 401);
+    assert_eq!(r.json()["message"], "missing signature query parameter");
+    let r = agent.unary(
+        &format!("{FS}/Stat"),
+        &[ROOT, empty[0]],
+        &json!({"path": s(&f)}),
+    );
+    assert_eq!(r.status, 401, "{r:?}");
+}
+
+/// Like envd, an upload makes an existing file the writing user's, also one
+/// the user may write but could not chown itself (root's, mode 0666); a file
+/// the user may not write is refused and keeps its owner.
+#[test]
+fn an_upload_gives_an_existing_file_to_the_writing_user() {
+    if !is_root() {
+        eprintln!("SKIPPED: needs root to own files for another user");
+        return;
+    }
+    let agent = Agent::start();
+    init_root(&agent, None);
+    let t = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(t.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    // SAFETY: a NUL-terminated name; the entry is read at once.
+    let nobody = unsafe { libc::getpwnam(c"nobody".as_ptr()).as_ref() }.expect("a nobody user");
+    let (uid, gid) = (nobody.pw_uid, nobody.pw_gid);
+
+    let shared = t.path().join("shared.txt");
+    std::fs::write(&shared, b"root's old content").unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let octet = [NOBODY, ("content-type", "application/octet-stream")];
+    let r = agent.request(
+        "POST",
+        &format!("/files?path={}", q(&shared)),
+        &octet,
+        b"new",
+    );
+    assert_eq!(r.status, 200, "{r:?}");
+    let md = std::fs::metadata(&shared).unwrap();
+    assert_eq!((md.uid(), md.gid()), (uid, gid));
+    assert_eq!(std::fs::read(&shared).unwrap(), b"new");
+
+    let private = t.path().join("private.txt");
+    std::fs::write(&private, b"root only").unwrap();
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let r = agent.request(
+        "POST",
+        &format!("/files?path={}", q(&private)),
+        &octet,
+        b"x",
+    );
+    assert_eq!(r.status, 403, "{r:?}");
+    assert_eq!(std::fs::metadata(&private).unwrap().uid(), 0);
+    assert_eq!(std::fs::read(&private).unwrap(), b"root only");
+}
+
 /// The multipart parser stops at the closing boundary; the agent must still read
 /// the body to its end (here the chunk's CRLF and the terminating chunk, sent
 /// late) before it answers and closes, or the close resets the connection and

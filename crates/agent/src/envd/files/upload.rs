@@ -137,6 +137,10 @@ async fn receive(
                         ));
                     }
                 };
+                let resolved = user.resolve_path(&target);
+                if let Some(e) = duplicate(&written, &resolved.to_string_lossy()) {
+                    return Err(e);
+                }
                 written.push(write_one(&user, &target, field, &metadata).await?);
             }
             if written.is_empty() {
@@ -163,6 +167,31 @@ async fn receive(
             ),
         )),
     }
+}
+
+/// envd's refusal of a second part for `path` in one upload (400, after the
+/// parts before it were written), worded as envd words it.
+fn duplicate(written: &[WrittenFile], path: &str) -> Option<HttpErr> {
+    if !written.iter().any(|w| w.path == path) {
+        return None;
+    }
+    let mut message = format!(
+        "you cannot upload multiple files to the same path '{path}' in one upload request, \
+         only the first specified file was uploaded"
+    );
+    let others: Vec<&str> = written
+        .iter()
+        .map(|w| w.path.as_str())
+        .filter(|p| *p != path)
+        .collect();
+    // envd lists the others only when there are two or more.
+    if others.len() > 1 {
+        message.push_str(&format!(
+            ", also the following files were uploaded: {}",
+            others.join(", ")
+        ));
+    }
+    Some(HttpErr::new(StatusCode::BAD_REQUEST, &message))
 }
 
 /// `X-Metadata-<Key>: value` → key (lowercased) → value.
@@ -216,10 +245,17 @@ where
     E: std::fmt::Display,
 {
     let path = user.resolve_path(raw_path);
-    let (p, md, owner) = (path.clone(), metadata.clone(), (user.uid, user.gid));
-    let file = run_as(&Creds::from(user), move || open_for_write(&p, &md, owner))
+    let (p, md) = (path.clone(), metadata.clone());
+    let (file, truncate) = run_as(&Creds::from(user), move || open_for_write(&p, &md))
         .await
         .map_err(|e| fs_error(&e))?;
+    let (p, owner) = (path.clone(), (user.uid, user.gid));
+    let file = tokio::task::spawn_blocking(move || {
+        take_for_user(&file, truncate, owner, &p).map(|()| file)
+    })
+    .await
+    .map_err(|e| fs_error(&FsError::io("open", &path, &io::Error::other(e))))?
+    .map_err(|e| fs_error(&e))?;
     let mut out = BufWriter::with_capacity(WRITE_BUFFER, tokio::fs::File::from_std(file));
     let write_err = |e: io::Error| fs_error(&FsError::io("write", &path, &e));
     while let Some(chunk) = data.next().await {
@@ -244,18 +280,15 @@ where
     })
 }
 
-/// Creates the parents, then opens `path` truncated, as the calling thread's
-/// user; replaces the file's metadata set.
-///
-/// Like envd, the file is given to `owner` (uid, gid) before it is written:
-/// an existing one before it is opened, a new one right after its creation.
-/// Watchers see what envd's see (create, chmod, then the writes); a file the
-/// user may write but cannot chown keeps its owner.
+/// Creates the parents, then opens `path` for writing, as the calling
+/// thread's user, so only what the user may write is opened; replaces the
+/// file's metadata set. An existing regular file is not truncated yet: the
+/// second value says it is to be, once it has changed hands (see
+/// [`take_for_user`]).
 fn open_for_write(
     path: &Path,
     metadata: &BTreeMap<String, String>,
-    (uid, gid): (u32, u32),
-) -> Result<std::fs::File, FsError> {
+) -> Result<(std::fs::File, bool), FsError> {
     if let Some(parent) = path.parent() {
         create_dirs(parent)?;
     }
@@ -266,25 +299,14 @@ fn open_for_write(
             path.display()
         )));
     }
-    if existing.is_some()
-        && let Err(e) = std::os::unix::fs::chown(path, Some(uid), Some(gid))
-    {
-        log::debug!("chown {}: {e}", path.display());
-    }
     let file = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
-        .truncate(true)
         .mode(0o644)
         // Never wait in open(2) for a FIFO's reader; blocking I/O after.
         .custom_flags(libc::O_NONBLOCK)
         .open(path)
         .map_err(|e| FsError::io("open", path, &e))?;
-    if existing.is_none()
-        && let Err(e) = std::os::unix::fs::fchown(&file, Some(uid), Some(gid))
-    {
-        log::debug!("chown {}: {e}", path.display());
-    }
     // SAFETY: F_GETFL/F_SETFL on a descriptor we own.
     unsafe {
         let flags = libc::fcntl(file.as_raw_fd(), libc::F_GETFL);
@@ -293,7 +315,32 @@ fn open_for_write(
         }
     }
     replace_metadata(&file, metadata).map_err(|e| FsError::io("store metadata on", path, &e))?;
-    Ok(file)
+    let truncate = existing.is_some_and(|m| m.is_file());
+    Ok((file, truncate))
+}
+
+/// Gives the opened file to `owner` (uid, gid) with the agent's own (root)
+/// credentials, then truncates it if it is to be: envd, running as root,
+/// makes an uploaded file the writing user's, even one the user could not
+/// chown (a root-owned file the user may write). The descriptor was opened as
+/// the user, so only a file the user may write changes hands; only a regular
+/// file does (never a device such as /dev/null). Chowning before the truncate
+/// and the writes keeps envd's watch events: chmod, then the writes.
+fn take_for_user(
+    file: &std::fs::File,
+    truncate: bool,
+    (uid, gid): (u32, u32),
+    path: &Path,
+) -> Result<(), FsError> {
+    let regular = file.metadata().is_ok_and(|m| m.is_file());
+    if regular && let Err(e) = std::os::unix::fs::fchown(file, Some(uid), Some(gid)) {
+        log::debug!("chown {}: {e}", path.display());
+    }
+    if truncate {
+        file.set_len(0)
+            .map_err(|e| FsError::io("truncate", path, &e))?;
+    }
+    Ok(())
 }
 
 /// Removes the file's `user.e2b.*` attributes and sets the given ones. When
@@ -363,9 +410,6 @@ mod tests {
     use crate::envd::filesystem::entry::read_metadata;
     use crate::envd::filesystem::error::FsErrorKind;
 
-    /// chown(2)'s -1: leaves the owner as it is.
-    const ME: (u32, u32) = (u32::MAX, u32::MAX);
-
     #[test]
     fn metadata_is_replaced_as_a_set() {
         let t = tempfile::tempdir().unwrap();
@@ -376,7 +420,7 @@ mod tests {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect()
         };
-        let f = open_for_write(&p, &md(&[("a", "1"), ("b", "2")]), ME);
+        let f = open_for_write(&p, &md(&[("a", "1"), ("b", "2")]));
         match f {
             Err(e) if e.message.contains("Operation not supported") => {
                 eprintln!("SKIPPED: {} has no user xattrs: {e}", t.path().display());
@@ -385,19 +429,19 @@ mod tests {
             other => drop(other.unwrap()),
         }
         assert_eq!(read_metadata(&p), md(&[("a", "1"), ("b", "2")]));
-        drop(open_for_write(&p, &md(&[("c", "3")]), ME).unwrap());
+        drop(open_for_write(&p, &md(&[("c", "3")])).unwrap());
         assert_eq!(read_metadata(&p), md(&[("c", "3")]));
-        drop(open_for_write(&p, &md(&[]), ME).unwrap());
+        drop(open_for_write(&p, &md(&[])).unwrap());
         assert!(read_metadata(&p).is_empty());
     }
 
     #[test]
     fn directories_are_not_files() {
         let t = tempfile::tempdir().unwrap();
-        let e = open_for_write(t.path(), &BTreeMap::new(), ME).unwrap_err();
+        let e = open_for_write(t.path(), &BTreeMap::new()).unwrap_err();
         assert_eq!(e.kind, FsErrorKind::InvalidArgument);
         let p = t.path().join("deep/er/f");
-        drop(open_for_write(&p, &BTreeMap::new(), ME).unwrap());
+        drop(open_for_write(&p, &BTreeMap::new()).unwrap());
         assert!(p.is_file());
     }
 }
