@@ -885,12 +885,22 @@ impl Manager {
         Ok(())
     }
 
-    /// Sets the sandbox to end `timeout` from now (shorter or longer).
+    /// Sets a running sandbox to end `timeout` from now (shorter or longer).
+    /// A paused one is not found, as on E2B, whose timeout looks only among
+    /// the sandboxes its nodes run.
     pub fn set_timeout(&self, id: &str, timeout: Duration) -> Result<SandboxRecord, SandboxError> {
         let end = now_ms() + timeout.as_millis() as u64;
-        self.store
-            .update_sandbox(id, |s| s.end_at_ms = end)?
-            .ok_or_else(|| SandboxError::NotFound(id.to_owned()))
+        let mut paused = false;
+        let updated = self.store.update_sandbox(id, |s| {
+            paused = s.state == SandboxState::Paused;
+            if !paused {
+                s.end_at_ms = end;
+            }
+        })?;
+        match updated {
+            Some(record) if !paused => Ok(record),
+            _ => Err(SandboxError::NotFound(id.to_owned())),
+        }
     }
 
     /// Keeps a running sandbox alive at least `timeout` from now; a paused
