@@ -2,8 +2,9 @@
 //! get, list, kill, timeouts. Records live in the store; running VMMs here.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use disk_layers::LayeredDisk;
@@ -188,6 +189,10 @@ pub struct Manager {
     /// Held shared by every change that writes files before its record says
     /// so; the garbage collector runs only when it can hold it alone.
     activity: tokio::sync::RwLock<()>,
+    /// Sandboxes removed because their VMM exited by itself.
+    vmm_exits: AtomicU64,
+    /// This manager, for the tasks that watch its VMMs.
+    me: Weak<Manager>,
 }
 
 impl Manager {
@@ -211,7 +216,7 @@ impl Manager {
         capacity: Arc<Capacity>,
         template: TemplateRecord,
     ) -> Arc<Manager> {
-        Arc::new(Manager {
+        Arc::new_cyclic(|me| Manager {
             config,
             store,
             pool,
@@ -220,6 +225,8 @@ impl Manager {
             capacity,
             pins: Mutex::new(HashMap::new()),
             activity: tokio::sync::RwLock::new(()),
+            vmm_exits: AtomicU64::new(0),
+            me: me.clone(),
         })
     }
 
@@ -265,6 +272,80 @@ impl Manager {
 
     pub fn capacity(&self) -> &Arc<Capacity> {
         &self.capacity
+    }
+
+    /// Sandboxes removed since the start because their VMM exited by itself.
+    pub fn vmm_exits(&self) -> u64 {
+        self.vmm_exits.load(Ordering::Relaxed)
+    }
+
+    /// Puts `launched` in as `sandbox`'s running guest (by the holder of its
+    /// `guest` lock) and watches its VMM process: one that ends while it is
+    /// still this sandbox's guest died by itself (see [`Manager::vmm_exited`]).
+    fn run_guest(
+        &self,
+        sandbox: &Sandbox,
+        guest: &mut Option<Launched>,
+        launched: Launched,
+    ) -> Result<(), SandboxError> {
+        let watch = launched.vm.exit_watch();
+        let vmm = (launched.vm.pid(), launched.vm.dir().to_owned());
+        sandbox.run(guest, launched)?;
+        match watch {
+            Ok(watch) => {
+                let (me, id) = (self.me.clone(), sandbox.id.clone());
+                tokio::spawn(async move {
+                    if let Err(e) = watch.exited().await {
+                        tracing::warn!("sandbox {id}: watching its VMM: {e}");
+                        return;
+                    }
+                    if let Some(manager) = me.upgrade() {
+                        manager.vmm_exited(&id, vmm.0, &vmm.1).await;
+                    }
+                });
+            }
+            Err(e) => tracing::warn!(
+                "sandbox {}: its VMM is not watched ({e}): an exit goes unnoticed",
+                sandbox.id
+            ),
+        }
+        Ok(())
+    }
+
+    /// The VMM (`pid` in `dir`) of sandbox `id` ended. If it is still the
+    /// sandbox's guest once no change holds the sandbox (a kill or pause
+    /// takes it out before stopping it), it died by itself: the sandbox is
+    /// removed as a kill would (record, capacity, files), as E2B's
+    /// orchestrator removes a sandbox whose VM process ended, so the API
+    /// answers 404 and the proxy 502 "not found" rather than a running
+    /// sandbox nothing serves.
+    async fn vmm_exited(&self, id: &str, pid: u32, dir: &Path) {
+        let _busy = self.activity.read().await;
+        let Some(sandbox) = self.registry().get(id) else {
+            return;
+        };
+        let mut guest = sandbox.guest.lock().await;
+        let Some(launched) = guest
+            .as_mut()
+            .filter(|l| l.vm.pid() == pid && l.vm.dir() == dir)
+        else {
+            return;
+        };
+        let status = match launched.vm.wait_exit(Duration::from_secs(1)).await {
+            Ok(status) => status.to_string(),
+            Err(_) => "status unknown".into(),
+        };
+        let log = launched.vm.vmm_log();
+        let tail: Vec<&str> = log.lines().rev().take(10).collect();
+        self.vmm_exits.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            "sandbox {id}: its VMM (pid {pid}) exited by itself ({status}); removing the sandbox. \
+             VMM log, last lines:\n{}",
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        );
+        if let Err(e) = self.remove(id, Some(&sandbox), Some(guest)).await {
+            tracing::warn!("sandbox {id}: removing it after its VMM exited: {e}");
+        }
     }
 
     /// Sandboxes with a VMM up (running, or changing with one).
@@ -356,7 +437,7 @@ impl Manager {
         .await;
         match started {
             Ok((launched, record)) => {
-                sandbox.run(&mut guest, launched)?;
+                self.run_guest(&sandbox, &mut guest, launched)?;
                 Ok(record)
             }
             Err(e) => {
@@ -678,7 +759,7 @@ impl Manager {
         .await;
         match restored {
             Ok((launched, r)) => {
-                sandbox.run(&mut guest, launched)?;
+                self.run_guest(&sandbox, &mut guest, launched)?;
                 Ok((r, true))
             }
             Err(e) => {
@@ -749,12 +830,24 @@ impl Manager {
         // The collector must not see the record and then miss its files.
         let _busy = self.activity.read().await;
         let sandbox = self.registry().get(id);
-        let mut guest = match &sandbox {
+        let guest = match &sandbox {
             Some(s) => Some(s.guest.lock().await),
             None => None,
         };
+        self.remove(id, sandbox.as_ref(), guest).await
+    }
+
+    /// What a kill does once it holds `sandbox`'s `guest` lock (and the
+    /// activity lock shared): stops the VMM, removes record, registration
+    /// and files.
+    async fn remove(
+        &self,
+        id: &str,
+        sandbox: Option<&Arc<Sandbox>>,
+        mut guest: Option<tokio::sync::MutexGuard<'_, Option<Launched>>>,
+    ) -> Result<(), SandboxError> {
         let mut launched = None;
-        if let (Some(sandbox), Some(guest)) = (&sandbox, guest.as_mut()) {
+        if let (Some(sandbox), Some(guest)) = (sandbox, guest.as_mut()) {
             if sandbox.phase() == Phase::Gone {
                 return Err(SandboxError::NotFound(id.to_owned()));
             }
@@ -763,7 +856,7 @@ impl Manager {
         }
         let record = self.store.sandbox(id);
         let existed = self.store.remove_sandbox(id);
-        if let Some(sandbox) = &sandbox {
+        if let Some(sandbox) = sandbox {
             self.registry().remove(id);
             sandbox.set_phase(Phase::Gone)?;
         }
@@ -792,12 +885,22 @@ impl Manager {
         Ok(())
     }
 
-    /// Sets the sandbox to end `timeout` from now (shorter or longer).
+    /// Sets a running sandbox to end `timeout` from now (shorter or longer).
+    /// A paused one is not found, as on E2B, whose timeout looks only among
+    /// the sandboxes its nodes run.
     pub fn set_timeout(&self, id: &str, timeout: Duration) -> Result<SandboxRecord, SandboxError> {
         let end = now_ms() + timeout.as_millis() as u64;
-        self.store
-            .update_sandbox(id, |s| s.end_at_ms = end)?
-            .ok_or_else(|| SandboxError::NotFound(id.to_owned()))
+        let mut paused = false;
+        let updated = self.store.update_sandbox(id, |s| {
+            paused = s.state == SandboxState::Paused;
+            if !paused {
+                s.end_at_ms = end;
+            }
+        })?;
+        match updated {
+            Some(record) if !paused => Ok(record),
+            _ => Err(SandboxError::NotFound(id.to_owned())),
+        }
     }
 
     /// Keeps a running sandbox alive at least `timeout` from now; a paused

@@ -272,13 +272,53 @@ async fn unknown_sandboxes_are_not_found() {
         ("GET", "/sandboxes/nosuch", ""),
         ("DELETE", "/sandboxes/nosuch", ""),
         ("POST", "/sandboxes/nosuch/timeout", r#"{"timeout":30}"#),
-        ("GET", "/sandboxes/..%2Fetc", ""),
     ] {
         assert_error(
             &call(&node, authed(method, uri, body)).await,
             StatusCode::NOT_FOUND,
         );
     }
+}
+
+/// E2B's API reads the id first: one that cannot be a sandbox id is 400
+/// "Invalid sandbox ID" on every route (was 404 here), and `<id>-<client id>`,
+/// as older SDKs send it, names `<id>`.
+#[tokio::test]
+async fn malformed_sandbox_ids_are_400_and_client_suffixes_are_dropped() {
+    let node = node(&[record("abc", now_ms(), SandboxState::Running, "x")]);
+    for (method, uri, body) in [
+        ("GET", "/sandboxes/..%2Fetc", ""),
+        ("GET", "/sandboxes/ABC!", ""),
+        ("DELETE", "/sandboxes/a-b-c", ""),
+        ("POST", "/sandboxes/a.b/timeout", r#"{"timeout":30}"#),
+        ("POST", "/sandboxes/a%20b/pause", ""),
+        ("POST", "/sandboxes/a_b/fork", "{}"),
+        ("GET", "/sandboxes/%2E%2E/logs", ""),
+    ] {
+        let a = call(&node, authed(method, uri, body)).await;
+        assert_error(&a, StatusCode::BAD_REQUEST);
+        assert_eq!(a.json["message"], "Invalid sandbox ID", "{method} {uri}");
+    }
+    let a = call(&node, authed("GET", "/sandboxes/abc-6532622b", "")).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.json);
+    assert_eq!(a.json["sandboxID"], "abc");
+}
+
+/// E2B's timeout looks only among running sandboxes: a paused one is 404
+/// (it was moved here), and its end stays as the pause left it.
+#[tokio::test]
+async fn the_timeout_of_a_paused_sandbox_is_not_found() {
+    let node = node(&[record("held", 1, SandboxState::Paused, "x")]);
+    let before = node.manager.get("held").unwrap().end_at_ms;
+    assert_error(
+        &call(
+            &node,
+            authed("POST", "/sandboxes/held/timeout", r#"{"timeout":300}"#),
+        )
+        .await,
+        StatusCode::NOT_FOUND,
+    );
+    assert_eq!(node.manager.get("held").unwrap().end_at_ms, before);
 }
 
 #[tokio::test]
@@ -490,7 +530,11 @@ async fn malformed_requests_are_400_never_auth_errors() {
     for (body, message) in [
         (r#"{"count":0}"#, "Count must be at least 1"),
         (r#"{"count":-1}"#, "Count must be at least 1"),
-        (r#"{"count":21}"#, "Count cannot be greater than 20"),
+        (r#"{"count":101}"#, "Count cannot be greater than 100"),
+        (
+            r#"{"count":64}"#,
+            "Count must be lower than the maximum number of concurrent sandboxes (64)",
+        ),
         (
             r#"{"count":0,"timeout":0}"#,
             "Timeout must be greater than 0",
@@ -769,7 +813,7 @@ async fn fork_validates_and_needs_a_running_sandbox() {
     );
     for body in [
         r#"{"count":0}"#,
-        r#"{"count":21}"#,
+        r#"{"count":101}"#,
         r#"{"count":"x"}"#,
         r#"{"timeout":-3}"#,
     ] {
@@ -792,12 +836,14 @@ async fn fork_validates_and_needs_a_running_sandbox() {
 async fn snapshot_create_validates_and_needs_a_running_sandbox() {
     let now = now_ms();
     let node = node(&[record("held", now, SandboxState::Paused, "x")]);
-    for uri in ["/sandboxes/nosuch/snapshots", "/sandboxes/NO..pe/snapshots"] {
-        assert_error(
-            &call(&node, authed("POST", uri, "{}")).await,
-            StatusCode::NOT_FOUND,
-        );
-    }
+    assert_error(
+        &call(&node, authed("POST", "/sandboxes/nosuch/snapshots", "{}")).await,
+        StatusCode::NOT_FOUND,
+    );
+    assert_error(
+        &call(&node, authed("POST", "/sandboxes/NO..pe/snapshots", "{}")).await,
+        StatusCode::BAD_REQUEST,
+    );
     for body in [
         r#"{"memory":false}"#,
         r#"{"name":"has space"}"#,
@@ -980,13 +1026,16 @@ async fn metrics_and_logs_answer_by_sandbox_and_check_their_query() {
         "/sandboxes/nosuch/metrics",
         "/sandboxes/nosuch/logs",
         "/v2/sandboxes/nosuch/logs",
-        "/sandboxes/NO..pe/metrics",
     ] {
         assert_error(
             &call(&node, authed("GET", uri, "")).await,
             StatusCode::NOT_FOUND,
         );
     }
+    assert_error(
+        &call(&node, authed("GET", "/sandboxes/NO..pe/metrics", "")).await,
+        StatusCode::BAD_REQUEST,
+    );
     for uri in [
         "/sandboxes/held/metrics?start=x",
         "/sandboxes/held/metrics?start=9&end=8",

@@ -707,6 +707,60 @@ async fn a_fork_of_16_is_admitted_by_real_memory_use() {
 
 /// The static guest agent: `SANDFORK_AGENT`, or the release build next to
 /// this test's target directory.
+/// A running sandbox whose VMM is killed from outside (as a crash or the
+/// OOM killer would) is noticed: GET answers 404 and the envd proxy 502 "not
+/// found", as E2B shows a sandbox that died, its capacity is free again and
+/// the node counts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab: boots microVMs"]
+async fn a_sandbox_whose_vmm_dies_is_removed() {
+    let data = tempfile::tempdir().unwrap();
+    let node = serve(lab_config(data.path(), 0)).await;
+    let (addr, auth) = (node.addr, node.auth());
+    let Created { id, token, .. } =
+        common::create(addr, &auth, json!({"templateID": "base", "timeout": 300})).await;
+    let routing = [
+        ("e2b-sandbox-id", id.as_str()),
+        ("e2b-sandbox-port", "49983"),
+        ("x-access-token", token.as_str()),
+    ];
+    assert_eq!(run(addr, &routing, "echo up").await, (0, "up\n".into()));
+    let vmm_dir = node.manager.get(&id).unwrap().vmm_dir.expect("a VMM dir");
+    let vmm = vmm_driver::process::ProcessIdentity::read(&vmm_dir).expect("its identity");
+    vmm.kill();
+    let killed = Instant::now();
+
+    loop {
+        let a = http(addr, "GET", &format!("/sandboxes/{id}"), &auth, "").await;
+        if a.status == 404 {
+            break;
+        }
+        assert_eq!(a.status, 200, "{:?}", a.body);
+        assert!(
+            killed.elapsed() < Duration::from_secs(60),
+            "still {:?}",
+            a.body
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("removed {:?} after the VMM's kill", killed.elapsed());
+    let health = http(addr, "GET", "/health", &routing, "").await;
+    assert_eq!(health.status, 502, "{:?}", health.body);
+    assert!(
+        health.json()["message"]
+            .as_str()
+            .unwrap()
+            .contains("was not found"),
+        "{:?}",
+        health.body
+    );
+    let info = http(addr, "GET", "/v1/node", &auth, "").await.json();
+    assert_eq!(info["sandboxes"]["vmmExited"], 1, "{info}");
+    assert_eq!(info["sandboxes"]["running"], 0, "{info}");
+    assert_eq!(info["memoryMB"]["used"], 0, "{info}");
+    assert!(!data.path().join("sandboxes").join(&id).exists());
+}
+
 fn agent_binary() -> PathBuf {
     if let Ok(p) = std::env::var("SANDFORK_AGENT") {
         return p.into();

@@ -164,7 +164,7 @@ def test_fork_beyond_node_capacity_is_refused_whole(api, sandbox):
     [
         (b'{"count": 0}', "Count must be at least 1"),
         (b'{"count": -2}', "Count must be at least 1"),
-        (b'{"count": 21}', "Count cannot be greater than 20"),
+        (b'{"count": 101}', "Count cannot be greater than 100"),
         (b'{"timeout": 0}', "Timeout must be greater than 0"),
         (b"{not json", None),
     ],

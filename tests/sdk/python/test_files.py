@@ -112,6 +112,66 @@ def test_watch_dir(sandbox):
         handle.stop()
 
 
+def test_watch_dir_write_sequence_is_envds(sandbox):
+    # envd opens the new file (CREATE), chowns it to the user (CHMOD), then
+    # writes it (WRITE): clients waiting for one of them see the same order.
+    d = f"{BASE}/watched-seq"
+    sandbox.commands.run(f"rm -rf {d}")
+    sandbox.files.make_dir(d)
+    handle = sandbox.files.watch_dir(d)
+    try:
+        sandbox.files.write(f"{d}/new.txt", "x")
+        seen = []
+
+        def got_write():
+            seen.extend(handle.get_new_events())
+            return any(e.type == FilesystemEventType.WRITE for e in seen)
+
+        wait_until(got_write, timeout=30, what="the write's events")
+        time.sleep(1)
+        seen.extend(handle.get_new_events())
+        assert [(e.name, e.type) for e in seen] == [
+            ("new.txt", FilesystemEventType.CREATE),
+            ("new.txt", FilesystemEventType.CHMOD),
+            ("new.txt", FilesystemEventType.WRITE),
+        ]
+    finally:
+        handle.stop()
+
+
+def test_recursive_watch_sees_directories_made_after_it(sandbox):
+    d = f"{BASE}/watched-tree"
+    sandbox.commands.run(f"rm -rf {d}")
+    sandbox.files.make_dir(d)
+    handle = sandbox.files.watch_dir(d, recursive=True)
+    try:
+        # The whole tree at once, before the watcher can add the new
+        # directories: their entries are reported as created (as envd does).
+        sandbox.commands.run(f"mkdir -p {d}/a/b && echo x > {d}/a/b/c.txt")
+        sandbox.commands.run(f"mkdir {d}/later")
+        time.sleep(1)
+        sandbox.commands.run(f"echo y > {d}/later/e.txt")
+        seen = []
+
+        def created(name):
+            return any(
+                e.name == name and e.type == FilesystemEventType.CREATE for e in seen
+            )
+
+        def got_all():
+            seen.extend(handle.get_new_events())
+            return created("later/e.txt") and created("a/b/c.txt")
+
+        wait_until(got_all, timeout=30, what="events in new directories")
+        for name in ["a", "a/b", "a/b/c.txt", "later", "later/e.txt"]:
+            assert created(name), (name, seen)
+        assert any(
+            e.name == "later/e.txt" and e.type == FilesystemEventType.WRITE for e in seen
+        )
+    finally:
+        handle.stop()
+
+
 def test_signed_urls(sandbox):
     # With E2B_SANDBOX_URL the URL names no sandbox: the signature is the handle.
     up = sandbox.upload_url(f"{BASE}/signed.txt")

@@ -23,6 +23,12 @@ pub fn header_token_matches(headers: &HeaderMap, token: &str) -> bool {
         .is_some_and(|v| constant_time_eq(v.as_bytes(), token.as_bytes()))
 }
 
+/// Whether the request carries a non-empty `X-Access-Token`: envd reads an
+/// empty one as none (a signed file URL then still works).
+pub fn header_present(headers: &HeaderMap) -> bool {
+    headers.get(HEADER).is_some_and(|v| !v.is_empty())
+}
+
 /// Compares without an early exit, so timing does not reveal a prefix match.
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
@@ -60,8 +66,7 @@ pub async fn require_token(State(envd): State<Envd>, req: Request, next: Next) -
     match rule(req.method(), req.uri().path()) {
         Rule::Open => next.run(req).await,
         Rule::IfPresent
-            if req.headers().contains_key(HEADER)
-                && !header_token_matches(req.headers(), &token) =>
+            if header_present(req.headers()) && !header_token_matches(req.headers(), &token) =>
         {
             unauthorized("access token present in header but does not match")
         }

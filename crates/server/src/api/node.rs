@@ -5,7 +5,7 @@
 //! {"vcpus": {"total": 32, "used": 2, "free": 30},
 //!  "memoryMB": {"total": 3000, "used": 512, "free": 2488},
 //!  "diskMB": {"total": 250000, "free": 30000, "minFree": 1024},
-//!  "sandboxes": {"running": 2, "paused": 1, "starting": 0, "max": 64},
+//!  "sandboxes": {"running": 2, "paused": 1, "starting": 0, "max": 64, "vmmExited": 0},
 //!  "version": "0.1.0", "envdVersion": "0.5.7"}
 //! ```
 //!
@@ -15,6 +15,8 @@
 //! paused). Memory is in MiB (E2B's
 //! `memoryMB` means MiB too). `diskMB.free` is what the data directory's
 //! filesystem has available beyond `minFree`, which sandboxes never use.
+//! `vmmExited` counts the sandboxes removed since the node started because
+//! their VMM process ended by itself (a crash, a kill from outside).
 
 use axum::Json;
 use axum::extract::State;
@@ -55,6 +57,7 @@ pub async fn node(State(state): State<Shared>) -> Result<Json<Value>, ApiError> 
             "paused": count(SandboxState::Paused),
             "starting": held.sandboxes.saturating_sub(live),
             "max": limits.sandboxes,
+            "vmmExited": manager.vmm_exits(),
         },
         "version": env!("CARGO_PKG_VERSION"),
         "envdVersion": envd_proto::ENVD_VERSION,

@@ -37,7 +37,7 @@ fn query(uri: &Uri) -> Vec<(String, String)> {
 
 /// Looks at the sandbox now when it runs; 404 when there is no such sandbox.
 async fn refresh(state: &Shared, id: &str) -> Result<(), ApiError> {
-    check_id(id)?;
+    let id = &check_id(id)?;
     if state.manager.get(id)?.state == SandboxState::Running {
         state.manager.observe(id).await;
     }
@@ -51,7 +51,7 @@ pub async fn diagnostics(
     State(state): State<Shared>,
     Path(id): Path<String>,
 ) -> Result<String, ApiError> {
-    check_id(&id)?;
+    let id = check_id(&id)?;
     let record = state.manager.get(&id)?;
     let not_running = || {
         ApiError::new(

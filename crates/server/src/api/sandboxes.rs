@@ -175,14 +175,18 @@ pub async fn create_v2(State(state): State<Shared>, body: Bytes) -> Result<Respo
     create(state, body, true).await
 }
 
-pub(super) fn check_id(id: &str) -> Result<(), ApiError> {
+/// The sandbox id a path names, as E2B's API reads it: `<id>-<client id>`
+/// (what older SDKs send) names `<id>`; an id that cannot be one is 400
+/// "Invalid sandbox ID", before anything is looked up.
+pub(super) fn check_id(raw: &str) -> Result<String, ApiError> {
+    let id = match raw.split('-').collect::<Vec<_>>()[..] {
+        [id, _client] => id,
+        _ => raw,
+    };
     if ids::is_sandbox_id(id) {
-        Ok(())
+        Ok(id.to_owned())
     } else {
-        Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!("sandbox {id} not found"),
-        ))
+        Err(ApiError::bad_request("Invalid sandbox ID"))
     }
 }
 
@@ -190,7 +194,7 @@ pub async fn get_one(
     State(state): State<Shared>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    check_id(&id)?;
+    let id = check_id(&id)?;
     Ok(Json(listed_json(&state.manager.get(&id)?, true)))
 }
 
@@ -223,7 +227,7 @@ pub async fn kill(
     State(state): State<Shared>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    check_id(&id)?;
+    let id = check_id(&id)?;
     state.manager.kill(&id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -238,7 +242,7 @@ pub async fn set_timeout(
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<StatusCode, ApiError> {
-    check_id(&id)?;
+    let id = check_id(&id)?;
     let req: NewTimeout = parse_body(&body)?;
     let secs = req
         .timeout
@@ -272,7 +276,7 @@ pub async fn refresh(
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<StatusCode, ApiError> {
-    check_id(&id)?;
+    let id = check_id(&id)?;
     let req: Refresh = parse_body(&body)?;
     let secs = req.duration.unwrap_or(MIN_REFRESH_SECS);
     if secs > MAX_REFRESH_SECS {
@@ -302,7 +306,7 @@ pub async fn pause(
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<StatusCode, ApiError> {
-    check_id(&id)?;
+    let id = check_id(&id)?;
     let req: PauseBody = parse_body(&body)?;
     let mode = match req.memory.unwrap_or(true) {
         true => PauseMode::Full,
@@ -339,7 +343,7 @@ async fn resume_or_connect(
     body: Bytes,
     connect: bool,
 ) -> Result<Response, ApiError> {
-    check_id(&id)?;
+    let id = check_id(&id)?;
     let req: ConnectBody = parse_body(&body)?;
     let timeout = timeout_secs(
         req.timeout.unwrap_or(V2_DEFAULT_TIMEOUT),
@@ -384,7 +388,7 @@ pub async fn resume(
 }
 
 /// The most children one fork request makes (E2B's limit).
-pub const MAX_FORK_COUNT: i64 = 20;
+pub const MAX_FORK_COUNT: i64 = 100;
 
 #[derive(Debug, Default, Deserialize)]
 struct ForkBody {
@@ -399,7 +403,7 @@ pub async fn fork(
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    check_id(&id)?;
+    let id = check_id(&id)?;
     let req: ForkBody = parse_body(&body)?;
     // E2B's order and texts: the timeout, then the count, then the sandbox.
     let timeout = timeout_secs(
@@ -413,6 +417,14 @@ pub async fn fork(
     if count > MAX_FORK_COUNT {
         return Err(ApiError::bad_request(format!(
             "Count cannot be greater than {MAX_FORK_COUNT}"
+        )));
+    }
+    // The forked sandbox keeps its slot: as many children as the node runs
+    // sandboxes could never all start (E2B checks its concurrency limit so).
+    let max = state.manager.capacity().limits().sandboxes;
+    if usize::try_from(count).is_ok_and(|c| c >= max) {
+        return Err(ApiError::bad_request(format!(
+            "Count must be lower than the maximum number of concurrent sandboxes ({max})"
         )));
     }
     let results = state.manager.fork(&id, count as u32, timeout).await?;

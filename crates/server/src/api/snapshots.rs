@@ -44,7 +44,7 @@ pub async fn create(
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    check_id(&id)?;
+    let id = check_id(&id)?;
     let req: NewSnapshot = parse_body(&body)?;
     if req.memory == Some(false) {
         return Err(ApiError::bad_request(

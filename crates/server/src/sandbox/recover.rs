@@ -85,7 +85,9 @@ impl Manager {
                     let sandbox =
                         Sandbox::new(r.id.clone(), r.access_token.clone(), Phase::Starting);
                     let mut guest = sandbox.guest.lock().await;
-                    if let Err(e) = sandbox.run(&mut guest, Launched::adopted(vm, hold)) {
+                    if let Err(e) =
+                        self.run_guest(&sandbox, &mut guest, Launched::adopted(vm, hold))
+                    {
                         tracing::warn!("sandbox {}: {e}", r.id);
                     }
                     drop(guest);

@@ -6,8 +6,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Manager, PauseMode, Phase, ResumeMode, SandboxError};
+use serde_json::Value;
+use vmm_driver::process::{ProcessIdentity, VmmProbe, VmmProcess};
+
+use super::{Manager, PauseMode, Phase, ResumeMode, Sandbox, SandboxError};
 use crate::config::Config;
+use crate::launch::Launched;
 use crate::pool::Pool;
 use crate::store::{PausedSnapshot, SandboxRecord, SandboxState, Store, TemplateRecord};
 
@@ -248,4 +252,146 @@ async fn a_real_vmm_is_charged_what_it_uses_plus_headroom() {
     assert!(charged < 64, "{charged}");
     launched.stop().await;
     assert_eq!(capacity.held(), Ask::default());
+}
+
+/// One request to the node's real router.
+async fn call(app: &axum::Router, req: axum::http::Request<axum::body::Body>) -> (u16, Value) {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    let response = app.clone().oneshot(req).await.unwrap();
+    let status = response.status().as_u16();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+}
+
+const KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
+
+fn authed(method: &str, uri: &str) -> axum::http::Request<axum::body::Body> {
+    axum::http::Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("x-api-key", KEY)
+        .body(axum::body::Body::empty())
+        .unwrap()
+}
+
+/// Gives the recorded sandbox `id` a running VMM of the real binary (no
+/// guest: its API serves without one), holding its capacity, as a launch
+/// or an adoption does.
+async fn run_vmm(m: &Arc<Manager>, data: &std::path::Path, id: &str) -> VmmProbe {
+    m.store
+        .update_sandbox(id, |s| {
+            s.state = SandboxState::Running;
+            s.end_at_ms = crate::clock::now_ms() + 600_000;
+            s.snapshot = None;
+        })
+        .unwrap()
+        .unwrap();
+    let dir = data.join("run").join(format!("vmm-{id}"));
+    std::fs::create_dir_all(data.join("run")).unwrap();
+    let vm = VmmProcess::spawn_in(&vmm_binary(), dir).await.unwrap();
+    let probe = vm.probe();
+    let hold = m
+        .capacity()
+        .reserve(crate::capacity::Ask::sandbox(1, 128), "a test")
+        .unwrap();
+    let sandbox = Sandbox::new(id.into(), None, Phase::Starting);
+    let mut guest = sandbox.guest.lock().await;
+    m.run_guest(&sandbox, &mut guest, Launched::adopted(vm, hold))
+        .unwrap();
+    drop(guest);
+    assert!(m.registry().insert(sandbox));
+    probe
+}
+
+/// A running sandbox whose VMM process is killed from outside is noticed:
+/// removed as on E2B (the API's GET answers 404, the proxy 502 "not
+/// found"), its capacity given back, its files gone, and counted on
+/// `/v1/node`; a kill through the API stops a VMM too and is not counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_whose_vmm_exits_by_itself_is_removed_and_counted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = manager(tmp.path());
+    let state = Arc::new(crate::state::AppState {
+        manager: m.clone(),
+        templates: crate::template::Templates::new(m.clone()),
+        keys: crate::auth::ApiKeys::for_key(KEY),
+        guests: Default::default(),
+    });
+    let app = crate::api::router(state);
+    let node = |app: axum::Router| async move { call(&app, authed("GET", "/v1/node")).await.1 };
+
+    // Killed through the API: its VMM ends, and that is no death.
+    let probe = run_vmm(&m, tmp.path(), ID).await;
+    assert_eq!(
+        call(&app, authed("DELETE", &format!("/sandboxes/{ID}")))
+            .await
+            .0,
+        204
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while ProcessIdentity::of(probe.pid()).is_some() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the killed VMM still runs"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(node(app.clone()).await["sandboxes"]["vmmExited"], 0);
+
+    // Killed from outside.
+    let mut record = paused(tmp.path());
+    record.id = "isecondsandboxabcdefg".into();
+    m.store.put_sandbox(&record).unwrap();
+    let id = record.id.as_str();
+    let probe = run_vmm(&m, tmp.path(), id).await;
+    let (status, got) = call(&app, authed("GET", &format!("/sandboxes/{id}"))).await;
+    assert_eq!(
+        (status, got["state"].as_str()),
+        (200, Some("running")),
+        "{got}"
+    );
+    assert_eq!(node(app.clone()).await["vcpus"]["used"], 1);
+    ProcessIdentity::of(probe.pid())
+        .expect("the VMM runs")
+        .kill();
+
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let (status, got) = call(&app, authed("GET", &format!("/sandboxes/{id}"))).await;
+        if status == 404 {
+            break;
+        }
+        assert_eq!(status, 200, "{got}");
+        assert!(std::time::Instant::now() < deadline, "still {got}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let health = axum::http::Request::get("/health")
+        .header("e2b-sandbox-id", id)
+        .header("e2b-sandbox-port", "49983")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let (status, got) = call(&app, health).await;
+    assert_eq!(status, 502, "{got}");
+    assert!(
+        got["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("was not found"),
+        "{got}"
+    );
+    let (status, list) = call(&app, authed("GET", "/v2/sandboxes")).await;
+    assert_eq!(
+        (status, list.as_array().map(Vec::len)),
+        (200, Some(0)),
+        "{list}"
+    );
+    let info = node(app.clone()).await;
+    assert_eq!(info["sandboxes"]["vmmExited"], 1, "{info}");
+    assert_eq!(info["vcpus"]["used"], 0, "{info}");
+    assert_eq!(m.capacity().held(), crate::capacity::Ask::default());
+    assert_eq!(m.phase(id), None);
+    assert!(!probe.dir().exists(), "the VMM's directory stays");
+    assert!(!tmp.path().join("sandboxes").join(id).exists());
 }

@@ -3,6 +3,7 @@
 //! agent, stop it. Shared by the CLI, benchmarks and the VMM's lab tests.
 
 pub mod diagnostics;
+mod exit;
 mod identity;
 
 use std::fs::File;
@@ -10,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+pub use exit::ExitWatch;
 pub use identity::ProcessIdentity;
 
 use vmm_api::{
@@ -337,6 +339,20 @@ impl VmmProcess {
 
     pub fn console(&self) -> String {
         std::fs::read_to_string(self.dir.path().join(CONSOLE_LOG)).unwrap_or_default()
+    }
+
+    /// A watch that resolves when this VMM process ends, however it ends
+    /// (killed by this handle, or by itself): see [`ExitWatch`].
+    pub fn exit_watch(&self) -> Result<ExitWatch, ProcessError> {
+        let identity = match &self.process {
+            // Not reaped before this handle is dropped: the pid stays its own.
+            Process::Child(_) => None,
+            Process::Adopted(id) => Some(*id),
+        };
+        ExitWatch::of(self.pid(), identity).map_err(|source| ProcessError::Io {
+            what: "watching the VMM process",
+            source,
+        })
     }
 
     /// A probe of this VMM for others to read it by.

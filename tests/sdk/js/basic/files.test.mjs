@@ -93,6 +93,62 @@ describe('files', SLOW, () => {
     }
   })
 
+  test('watchDir: a write is create, chmod, write as on envd', async () => {
+    const d = `${BASE}/watched-seq`
+    await sbx.commands.run(`rm -rf ${d}`)
+    await sbx.files.makeDir(d)
+    const events = []
+    const h = await sbx.files.watchDir(d, (e) => events.push(e), { timeoutMs: 0 })
+    try {
+      await sbx.files.write(`${d}/new.txt`, 'x')
+      await waitUntil(
+        () => events.some((e) => e.type === FilesystemEventType.WRITE),
+        'write event',
+        30_000,
+      )
+      await new Promise((r) => setTimeout(r, 1000))
+      assert.deepEqual(
+        events.map((e) => [e.name, e.type]),
+        [
+          ['new.txt', FilesystemEventType.CREATE],
+          ['new.txt', FilesystemEventType.CHMOD],
+          ['new.txt', FilesystemEventType.WRITE],
+        ],
+      )
+    } finally {
+      await h.stop()
+    }
+  })
+
+  test('watchDir recursive sees directories made after it', async () => {
+    const d = `${BASE}/watched-tree`
+    await sbx.commands.run(`rm -rf ${d}`)
+    await sbx.files.makeDir(d)
+    const events = []
+    const h = await sbx.files.watchDir(d, (e) => events.push(e), {
+      recursive: true,
+      timeoutMs: 0,
+    })
+    const created = (name) =>
+      events.some((e) => e.name === name && e.type === FilesystemEventType.CREATE)
+    try {
+      await sbx.commands.run(`mkdir -p ${d}/a/b && echo x > ${d}/a/b/c.txt`)
+      await sbx.commands.run(`mkdir ${d}/later`)
+      await new Promise((r) => setTimeout(r, 1000))
+      await sbx.commands.run(`echo y > ${d}/later/e.txt`)
+      await waitUntil(
+        () => created('later/e.txt') && created('a/b/c.txt'),
+        'events in new directories',
+        30_000,
+      )
+      for (const name of ['a', 'a/b', 'a/b/c.txt', 'later', 'later/e.txt']) {
+        assert.ok(created(name), `${name} in ${JSON.stringify(events)}`)
+      }
+    } finally {
+      await h.stop()
+    }
+  })
+
   test('50 MB upload and download', SLOW, async () => {
     const data = randomBytes(50 * 1024 * 1024)
     const digest = createHash('sha256').update(data).digest('hex')

@@ -39,7 +39,15 @@ use crate::envd::user::User;
 /// Buffer between the network and the disk, per file being written.
 const WRITE_BUFFER: usize = 1024 * 1024;
 
-type ByteStream = Pin<Box<dyn Stream<Item = io::Result<Bytes>> + Send>>;
+/// How much of a body left unread after the answer is known (a multipart
+/// epilogue, the chunked terminator, the rest of a refused upload) is still
+/// read before answering, for at most `DRAIN_TIME`. Past either the
+/// connection closes with data unread.
+const DRAIN_LIMIT: usize = 1024 * 1024;
+const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(10);
+
+type RawBody = Pin<Box<dyn Stream<Item = io::Result<Bytes>> + Send>>;
+type ByteStream<'a> = Pin<Box<dyn Stream<Item = io::Result<Bytes>> + Send + 'a>>;
 
 pub async fn post_files(
     State(envd): State<Envd>,
@@ -47,9 +55,37 @@ pub async fn post_files(
     RawQuery(raw): RawQuery,
     body: Body,
 ) -> Response {
-    match receive(&envd, &headers, raw.as_deref(), body).await {
+    let mut body: RawBody = Box::pin(body.into_data_stream().map_err(io::Error::other));
+    let received = receive(&envd, &headers, raw.as_deref(), &mut body).await;
+    // The multipart parser stops at the closing boundary, before the body's
+    // end (for a chunked body, its terminating chunk). Answering then makes
+    // hyper close a connection with bytes still unread, which the kernel turns
+    // into a reset: a client still sending its last bytes gets EPIPE or loses
+    // the answer. So the rest is read first, within a bound.
+    if tokio::time::timeout(DRAIN_TIME, drain(&mut body, DRAIN_LIMIT))
+        .await
+        .is_err()
+    {
+        log::debug!("upload: the body did not end within {DRAIN_TIME:?} of the answer");
+    }
+    match received {
         Ok(written) => Json(written).into_response(),
         Err(e) => e.into_response(),
+    }
+}
+
+/// Reads and drops `body` to its end, or until more than `limit` bytes or an
+/// error came.
+async fn drain(body: &mut RawBody, limit: usize) {
+    let mut left = limit;
+    while let Some(Ok(chunk)) = body.next().await {
+        match left.checked_sub(chunk.len()) {
+            Some(l) => left = l,
+            None => {
+                log::debug!("upload: more than {limit} bytes unread after the answer");
+                return;
+            }
+        }
     }
 }
 
@@ -57,7 +93,7 @@ async fn receive(
     envd: &Envd,
     headers: &HeaderMap,
     raw: Option<&str>,
-    body: Body,
+    body: &mut RawBody,
 ) -> Result<Vec<WrittenFile>, HttpErr> {
     let q = parse_query(raw)?;
     authorize(envd, headers, &q, Operation::Write)?;
@@ -101,6 +137,10 @@ async fn receive(
                         ));
                     }
                 };
+                let resolved = user.resolve_path(&target);
+                if let Some(e) = duplicate(&written, &resolved.to_string_lossy()) {
+                    return Err(e);
+                }
                 written.push(write_one(&user, &target, field, &metadata).await?);
             }
             if written.is_empty() {
@@ -129,6 +169,31 @@ async fn receive(
     }
 }
 
+/// envd's refusal of a second part for `path` in one upload (400, after the
+/// parts before it were written), worded as envd words it.
+fn duplicate(written: &[WrittenFile], path: &str) -> Option<HttpErr> {
+    if !written.iter().any(|w| w.path == path) {
+        return None;
+    }
+    let mut message = format!(
+        "you cannot upload multiple files to the same path '{path}' in one upload request, \
+         only the first specified file was uploaded"
+    );
+    let others: Vec<&str> = written
+        .iter()
+        .map(|w| w.path.as_str())
+        .filter(|p| *p != path)
+        .collect();
+    // envd lists the others only when there are two or more.
+    if others.len() > 1 {
+        message.push_str(&format!(
+            ", also the following files were uploaded: {}",
+            others.join(", ")
+        ));
+    }
+    Some(HttpErr::new(StatusCode::BAD_REQUEST, &message))
+}
+
 /// `X-Metadata-<Key>: value` → key (lowercased) → value.
 fn metadata_headers(headers: &HeaderMap) -> Result<BTreeMap<String, String>, HttpErr> {
     let mut out = BTreeMap::new();
@@ -151,8 +216,7 @@ fn metadata_headers(headers: &HeaderMap) -> Result<BTreeMap<String, String>, Htt
 }
 
 /// The request body as a byte stream, gunzipped when Content-Encoding says so.
-fn decoded_body(headers: &HeaderMap, body: Body) -> Result<ByteStream, HttpErr> {
-    let raw = body.into_data_stream().map_err(io::Error::other);
+fn decoded_body<'a>(headers: &HeaderMap, raw: &'a mut RawBody) -> Result<ByteStream<'a>, HttpErr> {
     let encoding = headers
         .get(header::CONTENT_ENCODING)
         .map(|v| v.to_str().unwrap_or("?").trim().to_ascii_lowercase());
@@ -182,9 +246,16 @@ where
 {
     let path = user.resolve_path(raw_path);
     let (p, md) = (path.clone(), metadata.clone());
-    let file = run_as(&Creds::from(user), move || open_for_write(&p, &md))
+    let (file, truncate) = run_as(&Creds::from(user), move || open_for_write(&p, &md))
         .await
         .map_err(|e| fs_error(&e))?;
+    let (p, owner) = (path.clone(), (user.uid, user.gid));
+    let file = tokio::task::spawn_blocking(move || {
+        take_for_user(&file, truncate, owner, &p).map(|()| file)
+    })
+    .await
+    .map_err(|e| fs_error(&FsError::io("open", &path, &io::Error::other(e))))?
+    .map_err(|e| fs_error(&e))?;
     let mut out = BufWriter::with_capacity(WRITE_BUFFER, tokio::fs::File::from_std(file));
     let write_err = |e: io::Error| fs_error(&FsError::io("write", &path, &e));
     while let Some(chunk) = data.next().await {
@@ -209,16 +280,20 @@ where
     })
 }
 
-/// Creates the parents, then opens `path` truncated, as the calling thread's
-/// user; replaces the file's metadata set.
+/// Creates the parents, then opens `path` for writing, as the calling
+/// thread's user, so only what the user may write is opened; replaces the
+/// file's metadata set. An existing regular file is not truncated yet: the
+/// second value says it is to be, once it has changed hands (see
+/// [`take_for_user`]).
 fn open_for_write(
     path: &Path,
     metadata: &BTreeMap<String, String>,
-) -> Result<std::fs::File, FsError> {
+) -> Result<(std::fs::File, bool), FsError> {
     if let Some(parent) = path.parent() {
         create_dirs(parent)?;
     }
-    if std::fs::metadata(path).is_ok_and(|m| m.is_dir()) {
+    let existing = std::fs::metadata(path).ok();
+    if existing.as_ref().is_some_and(|m| m.is_dir()) {
         return Err(FsError::invalid(format!(
             "{} is a directory",
             path.display()
@@ -227,7 +302,6 @@ fn open_for_write(
     let file = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
-        .truncate(true)
         .mode(0o644)
         // Never wait in open(2) for a FIFO's reader; blocking I/O after.
         .custom_flags(libc::O_NONBLOCK)
@@ -241,7 +315,32 @@ fn open_for_write(
         }
     }
     replace_metadata(&file, metadata).map_err(|e| FsError::io("store metadata on", path, &e))?;
-    Ok(file)
+    let truncate = existing.is_some_and(|m| m.is_file());
+    Ok((file, truncate))
+}
+
+/// Gives the opened file to `owner` (uid, gid) with the agent's own (root)
+/// credentials, then truncates it if it is to be: envd, running as root,
+/// makes an uploaded file the writing user's, even one the user could not
+/// chown (a root-owned file the user may write). The descriptor was opened as
+/// the user, so only a file the user may write changes hands; only a regular
+/// file does (never a device such as /dev/null). Chowning before the truncate
+/// and the writes keeps envd's watch events: chmod, then the writes.
+fn take_for_user(
+    file: &std::fs::File,
+    truncate: bool,
+    (uid, gid): (u32, u32),
+    path: &Path,
+) -> Result<(), FsError> {
+    let regular = file.metadata().is_ok_and(|m| m.is_file());
+    if regular && let Err(e) = std::os::unix::fs::fchown(file, Some(uid), Some(gid)) {
+        log::debug!("chown {}: {e}", path.display());
+    }
+    if truncate {
+        file.set_len(0)
+            .map_err(|e| FsError::io("truncate", path, &e))?;
+    }
+    Ok(())
 }
 
 /// Removes the file's `user.e2b.*` attributes and sets the given ones. When

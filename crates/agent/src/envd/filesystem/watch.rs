@@ -91,13 +91,20 @@ impl DirWatcher {
 
     /// Watches `rel` (relative to the root) and, when recursive, every
     /// directory below it. Only the root's failure is an error: subdirectories
-    /// can vanish or be unreadable.
-    async fn add_tree(&mut self, rel: PathBuf, is_root: bool) -> Result<(), FsError> {
+    /// can vanish or be unreadable. Returns every entry found below `rel`
+    /// (relative to the root, parents before children, names in order): for
+    /// a directory created after the watch started, whatever was made in it
+    /// before its watch was added (`mkdir -p a/b/c`, a file written at once)
+    /// has no event of its own.
+    async fn add_tree(&mut self, rel: PathBuf, is_root: bool) -> Result<Vec<PathBuf>, FsError> {
         let inotify = self.fd.get_ref().0.clone();
         let root = self.root.clone();
         let recursive = self.recursive;
-        let added = run_as(&self.creds, move || {
+        let (added, found) = run_as(&self.creds, move || {
             let mut added = Vec::new();
+            let mut found = Vec::new();
+            // A stack of directories to visit; children pushed in reverse
+            // so that they are visited in name order, depth first.
             let mut todo = vec![rel];
             while let Some(rel) = todo.pop() {
                 let abs = root.join(&rel);
@@ -114,19 +121,31 @@ impl DirWatcher {
                 if !recursive {
                     break;
                 }
-                if let Ok(read) = std::fs::read_dir(&abs) {
-                    for d in read.flatten() {
-                        if d.file_type().is_ok_and(|t| t.is_dir()) {
-                            todo.push(rel.join(d.file_name()));
-                        }
+                let Ok(read) = std::fs::read_dir(&abs) else {
+                    continue;
+                };
+                let mut entries: Vec<(PathBuf, bool)> = read
+                    .flatten()
+                    .map(|d| {
+                        let is_dir = d.file_type().is_ok_and(|t| t.is_dir());
+                        (rel.join(d.file_name()), is_dir)
+                    })
+                    .collect();
+                entries.sort();
+                let mut dirs = Vec::new();
+                for (path, is_dir) in entries {
+                    if is_dir {
+                        dirs.push(path.clone());
                     }
+                    found.push(path);
                 }
+                todo.extend(dirs.into_iter().rev());
             }
-            Ok::<_, FsError>(added)
+            Ok::<_, FsError>((added, found))
         })
         .await?;
         self.dirs.extend(added);
-        Ok(())
+        Ok(found)
     }
 
     /// Waits for the next batch of events. Returns None once the watched
@@ -206,27 +225,28 @@ impl DirWatcher {
             } else {
                 continue;
             };
-            if self.recursive
-                && event_type == EventType::Create
-                && m.contains(AddWatchFlags::IN_ISDIR)
-                && let Err(e) = self.add_tree(rel.clone(), false).await
-            {
-                log::debug!("watch {}: {e}", rel.display());
-            }
-            let name = rel.to_string_lossy().into_owned();
-            // One write(2) is one IN_MODIFY: fold a burst on the same file.
-            if let Some(last) = out.last()
-                && last.name == name
-                && last.event_type == event_type
-                && event_type == EventType::Write
-            {
-                continue;
-            }
+            // Every IN_MODIFY is a write event, as envd reports them (the
+            // kernel itself merges identical events queued unread).
             out.push(FilesystemEvent {
-                name,
+                name: rel.to_string_lossy().into_owned(),
                 event_type,
                 entry: None,
             });
+            if self.recursive
+                && event_type == EventType::Create
+                && m.contains(AddWatchFlags::IN_ISDIR)
+            {
+                match self.add_tree(rel.clone(), false).await {
+                    // What the new directory already holds is reported as
+                    // created after it (envd's watcher does the same).
+                    Ok(found) => out.extend(found.into_iter().map(|p| FilesystemEvent {
+                        name: p.to_string_lossy().into_owned(),
+                        event_type: EventType::Create,
+                        entry: None,
+                    })),
+                    Err(e) => log::debug!("watch {}: {e}", rel.display()),
+                }
+            }
         }
         if self.include_entry {
             self.attach_entries(&mut out).await;
@@ -432,6 +452,40 @@ mod tests {
         // The watch on "new" is in place once its create event has been seen.
         std::fs::write(t.path().join("new/y"), b"1").unwrap();
         collect_until(&mut w, |e| has(e, "new/y", EventType::Create)).await;
+    }
+
+    /// A tree made faster than the watcher can add watches (`mkdir -p`, a
+    /// file written at once): what the new directory holds when its watch is
+    /// added is reported as created, parents first, as envd does.
+    #[tokio::test]
+    async fn recursive_watch_reports_what_a_new_directory_already_holds() {
+        let t = tempfile::tempdir().unwrap();
+        let mut w = DirWatcher::new(t.path().into(), true, false, Creds::root())
+            .await
+            .unwrap();
+        std::fs::create_dir_all(t.path().join("a/b/c")).unwrap();
+        std::fs::write(t.path().join("a/b/f"), b"x").unwrap();
+        std::fs::write(t.path().join("a/e"), b"x").unwrap();
+        let evs = collect_until(&mut w, |e| {
+            ["a/b/c", "a/b/f", "a/e"]
+                .iter()
+                .all(|n| has(e, n, EventType::Create))
+        })
+        .await;
+        let created: Vec<&str> = evs
+            .iter()
+            .filter(|e| e.event_type == EventType::Create)
+            .map(|e| e.name.as_str())
+            .collect();
+        assert_eq!(created[0], "a", "{evs:?}");
+        let at = |n: &str| created.iter().position(|c| *c == n).unwrap();
+        assert!(
+            at("a/b") < at("a/b/c") && at("a/b") < at("a/b/f"),
+            "{evs:?}"
+        );
+        // And the new directories are watched from now on.
+        std::fs::write(t.path().join("a/b/c/later"), b"1").unwrap();
+        collect_until(&mut w, |e| has(e, "a/b/c/later", EventType::Write)).await;
     }
 
     #[tokio::test]
