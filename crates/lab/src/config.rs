@@ -144,7 +144,8 @@ pub struct LabConfig {
     /// for callers that spawn from a thread outliving the run, e.g. `main`.
     pub die_with_parent: bool,
     /// Nudge the emulator when the machine's heartbeat stops (see
-    /// `stall.rs`); false only reports the stalls.
+    /// `stall.rs`); false (the default) only reports the stalls: nudges
+    /// were seen not to end the lab's livelock.
     pub nudge_stalls: bool,
 }
 
@@ -166,7 +167,7 @@ impl Default for LabConfig {
             root_cache: RootCache::Loose,
             console_log: None,
             die_with_parent: false,
-            nudge_stalls: true,
+            nudge_stalls: false,
         }
     }
 }
