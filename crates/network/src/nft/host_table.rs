@@ -12,26 +12,10 @@ pub const TABLE: &str = "sf_host";
 /// The host table for uplink `uplink`, slot host range `host_ips`, and the node ports
 /// (protocol, port) guests may open (a DNS forwarder, later).
 pub fn table(uplink: &str, host_ips: Cidr4, open_ports: &[(u8, u16)]) -> Table {
-    let base = |hook, priority, kind| {
-        Some(BaseChain {
-            hook,
-            priority,
-            kind,
-        })
-    };
     let chains = vec![
-        Chain {
-            name: "forward",
-            base: base(Hook::Forward, 0, "filter"),
-        },
-        Chain {
-            name: "input",
-            base: base(Hook::Input, 0, "filter"),
-        },
-        Chain {
-            name: "post_nat",
-            base: base(Hook::Postrouting, 100, "nat"),
-        },
+        Chain::base("forward", Hook::Forward, 0, "filter"),
+        Chain::base("input", Hook::Input, 0, "filter"),
+        Chain::base("post_nat", Hook::Postrouting, 100, "nat"),
     ];
     let mut rules = vec![
         Rule::new(

@@ -40,6 +40,20 @@ pub struct Chain {
     pub base: Option<BaseChain>,
 }
 
+impl Chain {
+    /// A base chain on `hook` at `priority`, of `kind` ("filter" or "nat").
+    pub fn base(name: &'static str, hook: Hook, priority: i32, kind: &'static str) -> Chain {
+        Chain {
+            name,
+            base: Some(BaseChain {
+                hook,
+                priority,
+                kind,
+            }),
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Rule {
     pub chain: &'static str,

@@ -16,35 +16,13 @@ const ALWAYS_DENY_CHAIN: &str = "always_deny";
 
 /// The whole slot table for host address `host_ip`, with `policy`.
 pub fn table(host_ip: Ipv4Addr, always_deny: &[Cidr4], policy: &EgressPolicy) -> Table {
-    let base = |hook, priority, kind| {
-        Some(BaseChain {
-            hook,
-            priority,
-            kind,
-        })
-    };
     let chains = vec![
         // Before conntrack (-200): a spoofed frame never creates state.
-        Chain {
-            name: "guard",
-            base: base(Hook::Prerouting, -300, "filter"),
-        },
-        Chain {
-            name: "pre_nat",
-            base: base(Hook::Prerouting, -100, "nat"),
-        },
-        Chain {
-            name: "egress",
-            base: base(Hook::Forward, 0, "filter"),
-        },
-        Chain {
-            name: "to_slot",
-            base: base(Hook::Input, 0, "filter"),
-        },
-        Chain {
-            name: "post_nat",
-            base: base(Hook::Postrouting, 100, "nat"),
-        },
+        Chain::base("guard", Hook::Prerouting, -300, "filter"),
+        Chain::base("pre_nat", Hook::Prerouting, -100, "nat"),
+        Chain::base("egress", Hook::Forward, 0, "filter"),
+        Chain::base("to_slot", Hook::Input, 0, "filter"),
+        Chain::base("post_nat", Hook::Postrouting, 100, "nat"),
         Chain {
             name: ALWAYS_DENY_CHAIN,
             base: None,
