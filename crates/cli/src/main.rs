@@ -66,6 +66,9 @@ enum Command {
     Up {
         #[command(flatten)]
         image: ImageArgs,
+        /// Print the guest's console (its kernel's boot log) on stderr after.
+        #[arg(long)]
+        console: bool,
     },
     /// Print benchmark figures as one JSON object: the VMM's (boot, pause,
     /// snapshot, restore, fork) and the node's through the E2B Python SDK.
@@ -245,7 +248,7 @@ fn environment(image: &ImageArgs) -> Environment {
     }
 }
 
-async fn up(image: &ImageArgs) -> Result<()> {
+async fn up(image: &ImageArgs, console: bool) -> Result<()> {
     let (vm, took) =
         launcher::boot_to_agent(&image.vmm()?, &image.guest(), Duration::from_secs(300)).await?;
     println!(
@@ -253,7 +256,14 @@ async fn up(image: &ImageArgs) -> Result<()> {
         took.as_secs_f64() * 1000.0,
         environment(image)
     );
+    let console_log = vm.dir().join("console.log");
+    let console_text = console.then(|| std::fs::read_to_string(&console_log));
     vm.shutdown(Duration::from_secs(30)).await?;
+    match console_text {
+        Some(Ok(text)) => eprint!("{text}"),
+        Some(Err(e)) => bail!("reading the console log {}: {e}", console_log.display()),
+        None => {}
+    }
     println!("microVM shut down cleanly");
     Ok(())
 }
@@ -280,11 +290,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
         output::default_sigpipe();
     }
     match cli.command {
-        Command::Up { image } => {
+        Command::Up { image, console } => {
             if let Some(code) = run_in_lab_if_needed(&image, &[], &[], LAB_TIMEOUT)? {
                 return Ok(code);
             }
-            runtime.block_on(up(&image))?;
+            runtime.block_on(up(&image, console))?;
         }
         Command::Bench {
             image,
@@ -361,6 +371,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }
             if let Some(code) = run_in_lab_if_needed(&image, &[], &[], args.longest_run())? {
                 return Ok(code);
+            }
+            if let Some(kib) = args.kvm_trace {
+                let dir = vmm_driver::process::kvm_trace::enable(kib)
+                    .context("turning on the KVM trace (--kvm-trace)")?;
+                eprintln!("stress: tracing KVM events in {}", dir.display());
             }
             let vmm = image.vmm()?;
             let guest = image.guest();

@@ -39,6 +39,11 @@ pub struct StressArgs {
     /// Threads that keep the host's CPUs busy meanwhile (outside the lab).
     #[arg(long, default_value_t = 0)]
     pub host_load: usize,
+    /// Trace the KVM events of the kernel that runs the VMs (in the lab, the
+    /// lab machine's) into a ring buffer of this many KiB per CPU, so that a
+    /// hang's diagnostics show its vCPUs' last exits. Needs root.
+    #[arg(long, value_name = "KIB")]
+    pub kvm_trace: Option<u32>,
 }
 
 impl StressArgs {

@@ -9,6 +9,7 @@
 
 mod action;
 mod boot_source;
+mod devices;
 mod drive;
 mod error;
 mod fork;
@@ -25,6 +26,7 @@ mod vsock;
 
 pub use action::{ActionType, InstanceActionInfo};
 pub use boot_source::BootSource;
+pub use devices::{DeviceReport, QueueReport};
 pub use drive::{CacheType, Drive, IoEngine, PartialDrive};
 pub use error::ApiError;
 pub use fork::{DriveOverride, ForkInfo, ForkParams, MAX_FORK_CHILDREN};

@@ -2,6 +2,7 @@
 //! answered with data or an error.
 
 use crate::boot_source::BootSource;
+use crate::devices::DeviceReport;
 use crate::drive::{Drive, PartialDrive};
 use crate::fork::{ForkInfo, ForkParams};
 use crate::instance_info::InstanceInfo;
@@ -56,6 +57,8 @@ pub enum VmmAction {
     Fork(ForkParams),
     /// `GET /vcpus` (sandfork extension)
     GetVcpus,
+    /// `GET /devices` (sandfork extension)
+    GetDevices,
 }
 
 /// A successful answer. `Empty` becomes `204 No Content`, the others `200` with JSON.
@@ -67,6 +70,7 @@ pub enum VmmData {
     VmConfig(Box<VmConfig>),
     Fork(ForkInfo),
     Vcpus(Vec<VcpuReport>),
+    Devices(Vec<DeviceReport>),
 }
 
 /// How a failed action maps onto HTTP.

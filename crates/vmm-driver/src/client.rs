@@ -122,6 +122,10 @@ impl VmmClient {
         self.get_json("/vcpus").await
     }
 
+    pub async fn get_devices(&self) -> Result<Vec<vmm_api::DeviceReport>, ClientError> {
+        self.get_json("/devices").await
+    }
+
     pub async fn get_machine_config(&self) -> Result<MachineConfig, ClientError> {
         self.get_json("/machine-config").await
     }

@@ -211,6 +211,7 @@ impl Controller {
                 Ok(VmmData::Empty)
             }
             VmmAction::GetVcpus => Ok(VmmData::Vcpus(self.running_vmm()?.vcpu_reports())),
+            VmmAction::GetDevices => Ok(VmmData::Devices(self.running_vmm()?.device_reports())),
             VmmAction::CreateSnapshot(params) => self.create_snapshot(&params),
             VmmAction::Fork(params) => self.fork(&params),
             VmmAction::LoadSnapshot(params) => {

@@ -244,6 +244,11 @@ impl Vmm {
         Ok(())
     }
 
+    /// Every virtio device's transport and rings (`GET /devices`).
+    pub fn device_reports(&self) -> Vec<vmm_api::DeviceReport> {
+        self.mmio.reports()
+    }
+
     /// What every vCPU thread is doing (see [`VcpuHandle::report`]).
     pub fn vcpu_reports(&self) -> Vec<vmm_api::VcpuReport> {
         self.vcpus

@@ -2,7 +2,8 @@
 //! guest console's tail, the VMM's log, what each vCPU thread is doing,
 //! the VMM's threads as the host kernel sees them, and the host kernel's
 //! own recent messages (in the KVM lab: the lab machine's, where nested
-//! KVM reports its trouble). Every part is bounded in size and time, and a
+//! KVM reports its trouble), and the host's KVM trace of the VMM's threads
+//! when KVM events are traced. Every part is bounded in size and time, and a
 //! part that cannot be read says why instead of failing the rest.
 
 use std::fmt::Write as _;
@@ -39,8 +40,11 @@ fn tail(text: &str, n: usize) -> String {
     out
 }
 
-/// The threads of process `pid`: name, scheduler state and the kernel
-/// function a sleeping one waits in.
+/// /proc reports CPU times in USER_HZ ticks, 100 a second on x86.
+const USER_HZ: f64 = 100.0;
+
+/// The threads of process `pid`: name, scheduler state, CPU time used and
+/// the kernel function a sleeping one waits in.
 pub fn threads(pid: u32) -> String {
     let dir = format!("/proc/{pid}/task");
     let entries = match std::fs::read_dir(&dir) {
@@ -65,13 +69,29 @@ pub fn threads(pid: u32) -> String {
             .and_then(|(_, rest)| rest.split_whitespace().next())
             .unwrap_or("?")
             .to_owned();
+        // utime and stime, the 12th and 13th fields after the name.
+        let cpu_ticks: u64 = stat
+            .rsplit_once(')')
+            .map(|(_, rest)| {
+                rest.split_whitespace()
+                    .skip(11)
+                    .take(2)
+                    .filter_map(|t| t.parse::<u64>().ok())
+                    .sum()
+            })
+            .unwrap_or(0);
         let wchan = read("wchan");
         let wchan = if wchan.is_empty() || wchan == "0" {
             "-".to_owned()
         } else {
             wchan
         };
-        let _ = writeln!(out, "{tid} {:<16} {state} {wchan}", read("comm"));
+        let _ = writeln!(
+            out,
+            "{tid} {:<16} {state} {:>7.2}s {wchan}",
+            read("comm"),
+            cpu_ticks as f64 / USER_HZ
+        );
     }
     out
 }
@@ -123,6 +143,10 @@ pub fn kernel_messages(n: usize) -> String {
 
 /// Everything above for the VMM in `dir` (process `pid`, API at `api`).
 pub async fn diagnose(dir: &Path, pid: u32, api: &VmmClient) -> String {
+    // First: asking for the vCPUs' state below kicks them out of the guest.
+    let kvm_trace = super::kvm_trace::report(pid)
+        .map(|trace| format!("--- host KVM trace of the VMM's threads ---\n{trace}"))
+        .unwrap_or_default();
     let vcpus = match api
         .clone()
         .with_request_timeout(VCPU_REPORT_TIMEOUT)
@@ -136,10 +160,24 @@ pub async fn diagnose(dir: &Path, pid: u32, api: &VmmClient) -> String {
             .join("\n"),
         Err(e) => format!("(no vCPU report: {e})"),
     };
+    let devices = match api
+        .clone()
+        .with_request_timeout(VCPU_REPORT_TIMEOUT)
+        .get_devices()
+        .await
+    {
+        Ok(reports) => reports
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("\n"),
+        Err(e) => format!("(no device report: {e})"),
+    };
     format!(
         "--- console (tail) ---\n{}\n--- vmm log (tail) ---\n{}\n--- vCPUs ---\n{vcpus}\n\
-         --- VMM threads (pid {pid}: tid, name, state, wait channel) ---\n{}\
-         --- host kernel messages (tail) ---\n{}\n--- end of diagnostics ---",
+         --- virtio devices ---\n{devices}\n\
+         --- VMM threads (pid {pid}: tid, name, state, CPU time, wait channel) ---\n{}\
+         {kvm_trace}--- host kernel messages (tail) ---\n{}\n--- end of diagnostics ---",
         file_tail(&dir.join("console.log"), LOG_LINES),
         file_tail(&dir.join("vmm.log"), LOG_LINES),
         threads(pid),

@@ -5,6 +5,7 @@
 pub mod diagnostics;
 mod exit;
 mod identity;
+pub mod kvm_trace;
 
 use std::fs::File;
 use std::path::{Path, PathBuf};

@@ -30,5 +30,6 @@ pub(super) fn from_data(data: VmmData) -> Response {
         VmmData::VmConfig(config) => Json(config).into_response(),
         VmmData::Fork(info) => Json(info).into_response(),
         VmmData::Vcpus(vcpus) => Json(vcpus).into_response(),
+        VmmData::Devices(devices) => Json(devices).into_response(),
     }
 }

@@ -38,6 +38,7 @@ pub(super) fn router(sender: ApiRequestSender) -> Router {
         .route("/snapshot/load", put(load_snapshot))
         .route("/fork", put(fork))
         .route("/vcpus", get(get_vcpus))
+        .route("/devices", get(get_devices))
         // Firecracker answers both an unknown path and a wrong method with 400.
         .fallback(invalid_method_or_path)
         .method_not_allowed_fallback(invalid_method_or_path)
@@ -149,6 +150,10 @@ async fn get_instance_info(State(sender): State<ApiRequestSender>) -> Response {
 
 async fn get_vcpus(State(sender): State<ApiRequestSender>) -> Response {
     dispatch(&sender, VmmAction::GetVcpus).await
+}
+
+async fn get_devices(State(sender): State<ApiRequestSender>) -> Response {
+    dispatch(&sender, VmmAction::GetDevices).await
 }
 
 async fn get_machine_config(State(sender): State<ApiRequestSender>) -> Response {

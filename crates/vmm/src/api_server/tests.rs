@@ -210,6 +210,7 @@ fn answer(vm: &mut ControllerState, action: VmmAction) -> Result<VmmData, VmmAct
         })),
         VmmAction::LoadSnapshot(_) => Err(VmmActionError::internal("cannot map memory file")),
         VmmAction::GetVcpus => Ok(VmmData::Vcpus(Vec::new())),
+        VmmAction::GetDevices => Ok(VmmData::Devices(Vec::new())),
     }
 }
 

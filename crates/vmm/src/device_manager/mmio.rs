@@ -184,6 +184,14 @@ impl MmioDeviceManager {
             .collect()
     }
 
+    /// Every device's transport and rings as the driver sees them.
+    pub fn reports(&self) -> Vec<vmm_api::DeviceReport> {
+        self.transports
+            .iter()
+            .map(|t| t.lock().unwrap_or_else(|e| e.into_inner()).report())
+            .collect()
+    }
+
     /// Parks every device worker, so guest memory and queues hold still.
     pub fn pause(&self) {
         for t in &self.transports {

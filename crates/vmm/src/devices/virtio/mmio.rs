@@ -14,6 +14,7 @@ use virtio_bindings::virtio_config::{
 };
 use virtio_bindings::virtio_mmio::{VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING};
 use virtio_queue::{Queue, QueueState, QueueT};
+use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::device::{ActivatedQueue, VirtioDevice, VirtioInterrupt, VirtioInterruptType};
@@ -108,6 +109,51 @@ pub struct MmioTransport {
     driver_features: u64,
     status: u32,
     activated: bool,
+    /// Where the activated queues' rings are, kept for [`report`](Self::report)
+    /// after the queues moved to the device.
+    rings: Vec<Ring>,
+}
+
+/// A queue's size and ring addresses in guest memory.
+#[derive(Clone, Copy, Debug)]
+struct Ring {
+    size: u16,
+    avail: u64,
+    used: u64,
+}
+
+impl Ring {
+    fn of(queue: &Queue) -> Ring {
+        Ring {
+            size: queue.size(),
+            avail: queue.avail_ring(),
+            used: queue.used_ring(),
+        }
+    }
+
+    /// The indices and flags as guest memory holds them now (virtio 1.x
+    /// split ring: flags, idx, ring[size], then the other side's event).
+    fn report(&self, mem: &GuestMemory) -> vmm_api::QueueReport {
+        let mut error = None;
+        let mut read = |addr: u64| match mem.read_obj::<u16>(GuestAddress(addr)) {
+            Ok(v) => Some(u16::from_le(v)),
+            Err(e) => {
+                error.get_or_insert_with(|| format!("{addr:#x}: {e}"));
+                None
+            }
+        };
+        let size = u64::from(self.size);
+        vmm_api::QueueReport {
+            size: self.size,
+            avail_flags: read(self.avail),
+            avail_idx: read(self.avail + 2),
+            used_event: read(self.avail + 4 + 2 * size),
+            used_flags: read(self.used),
+            used_idx: read(self.used + 2),
+            avail_event: read(self.used + 4 + 8 * size),
+            error,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -150,7 +196,28 @@ impl MmioTransport {
             driver_features: 0,
             status: 0,
             activated: false,
+            rings: Vec::new(),
         })
+    }
+
+    /// The transport's interrupt status and each active queue's rings, as
+    /// the driver sees them (`GET /devices`).
+    pub fn report(&self) -> vmm_api::DeviceReport {
+        let rings: Vec<Ring> = if self.activated {
+            self.rings.clone()
+        } else {
+            self.queues
+                .iter()
+                .filter(|q| q.ready())
+                .map(Ring::of)
+                .collect()
+        };
+        vmm_api::DeviceReport {
+            device_type: self.device.device_type(),
+            activated: self.activated,
+            interrupt_status: self.interrupt.status.load(Ordering::SeqCst),
+            queues: rings.iter().map(|r| r.report(&self.mem)).collect(),
+        }
     }
 
     /// The registers and queues, for a snapshot; pause the device first.
@@ -309,6 +376,7 @@ impl MmioTransport {
             self.status |= VIRTIO_CONFIG_S_FAILED;
             return;
         }
+        self.rings = self.queues.iter().map(Ring::of).collect();
         let mut activated = Vec::with_capacity(self.queues.len());
         for (queue, evt) in self.queues.drain(..).zip(self.queue_evts.iter()) {
             match evt.try_clone() {
@@ -608,6 +676,32 @@ mod tests {
         assert_eq!(read(&mut restored, reg::STATUS), read(&mut t, reg::STATUS));
         assert_eq!(read(&mut restored, reg::INTERRUPT_STATUS), 1);
         assert_eq!(restored.state(), state);
+    }
+
+    #[test]
+    fn a_report_reads_the_active_rings_from_guest_memory() {
+        let (mut t, _) = transport();
+        activate(&mut t);
+        // Queue 1 (size 16): the driver made 7 buffers available, the device
+        // used 5 and raised an interrupt the driver has not acknowledged.
+        t.mem
+            .write_obj(7u16.to_le(), GuestAddress(0x21000 + 2))
+            .unwrap();
+        t.mem
+            .write_obj(5u16.to_le(), GuestAddress(0x22000 + 2))
+            .unwrap();
+        t.mem
+            .write_obj(4u16.to_le(), GuestAddress(0x21000 + 4 + 2 * 16))
+            .unwrap();
+        t.interrupt.trigger(VirtioInterruptType::Queue).unwrap();
+        let report = t.report();
+        assert!(report.activated);
+        assert_eq!(report.interrupt_status, 1);
+        assert_eq!(report.queues.len(), 2);
+        let q = &report.queues[1];
+        assert_eq!((q.size, q.avail_idx, q.used_idx), (16, Some(7), Some(5)));
+        assert_eq!(q.used_event, Some(4));
+        assert_eq!(q.error, None);
     }
 
     #[test]
