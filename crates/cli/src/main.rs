@@ -69,6 +69,10 @@ enum Command {
         /// Print the guest's console (its kernel's boot log) on stderr after.
         #[arg(long)]
         console: bool,
+        /// A shell command to run in the guest before it shuts down; its
+        /// output is printed.
+        #[arg(long, value_name = "COMMAND")]
+        run: Option<String>,
     },
     /// Print benchmark figures as one JSON object: the VMM's (boot, pause,
     /// snapshot, restore, fork) and the node's through the E2B Python SDK.
@@ -248,7 +252,7 @@ fn environment(image: &ImageArgs) -> Environment {
     }
 }
 
-async fn up(image: &ImageArgs, console: bool) -> Result<()> {
+async fn up(image: &ImageArgs, console: bool, run: Option<&str>) -> Result<()> {
     let (vm, took) =
         launcher::boot_to_agent(&image.vmm()?, &image.guest(), Duration::from_secs(300)).await?;
     println!(
@@ -256,6 +260,12 @@ async fn up(image: &ImageArgs, console: bool) -> Result<()> {
         took.as_secs_f64() * 1000.0,
         environment(image)
     );
+    if let Some(command) = run {
+        let out = vm.agent().run(command).await?;
+        print!("{}", out.stdout);
+        eprint!("{}", out.stderr);
+        println!("(exit status {})", out.exit_code);
+    }
     let console_log = vm.dir().join("console.log");
     let console_text = console.then(|| std::fs::read_to_string(&console_log));
     vm.shutdown(Duration::from_secs(30)).await?;
@@ -290,11 +300,15 @@ fn run(cli: Cli) -> Result<ExitCode> {
         output::default_sigpipe();
     }
     match cli.command {
-        Command::Up { image, console } => {
+        Command::Up {
+            image,
+            console,
+            run,
+        } => {
             if let Some(code) = run_in_lab_if_needed(&image, &[], &[], LAB_TIMEOUT)? {
                 return Ok(code);
             }
-            runtime.block_on(up(&image, console))?;
+            runtime.block_on(up(&image, console, run.as_deref()))?;
         }
         Command::Bench {
             image,

@@ -12,6 +12,7 @@ const LEAF_EXT_TOPOLOGY_V2: u32 = 0x1f;
 const EBX_CLFLUSH_SIZE_SHIFT: u32 = 8;
 const EBX_CPU_COUNT_SHIFT: u32 = 16;
 const EBX_APIC_ID_SHIFT: u32 = 24;
+const ECX_TSC_DEADLINE: u32 = 1 << 24;
 const ECX_HYPERVISOR: u32 = 1 << 31;
 const EDX_HTT: u32 = 1 << 28;
 
@@ -110,7 +111,14 @@ pub fn normalize(cpuid: &mut CpuId, id: u8, count: u8) {
                 entry.ebx = (u32::from(id) << EBX_APIC_ID_SHIFT)
                     | (u32::from(count) << EBX_CPU_COUNT_SHIFT)
                     | (8 << EBX_CLFLUSH_SIZE_SHIFT);
-                entry.ecx |= ECX_HYPERVISOR;
+                // KVM emulates the TSC-deadline timer but leaves it out of
+                // the supported CPUID. Without it the guest's LAPIC timer is
+                // calibrated against the PIT, which fails under nested
+                // emulation: the guest then ticks from the PIT at HZ,
+                // broadcasting each tick to the other vCPUs by IPI, and never
+                // goes tickless when idle. With it, each vCPU arms its own
+                // timer with one MSR write and an idle one sleeps.
+                entry.ecx |= ECX_HYPERVISOR | ECX_TSC_DEADLINE;
                 if count > 1 {
                     entry.edx |= EDX_HTT;
                 } else {
@@ -214,6 +222,7 @@ mod tests {
         assert_eq!(e[0].ebx >> 24, 3);
         assert_eq!((e[0].ebx >> 16) & 0xff, 4);
         assert_ne!(e[0].edx & EDX_HTT, 0);
+        assert_ne!(e[0].ecx & ECX_TSC_DEADLINE, 0);
         assert_eq!(e[1].edx, 3);
         assert_eq!(e[2].eax, 2);
         assert_eq!(e[2].ebx, 4);
