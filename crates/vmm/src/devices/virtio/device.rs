@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use virtio_queue::{Queue, QueueState};
+use virtio_queue::{Queue, QueueOwnedT, QueueState};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::persist::SavedDevice;
@@ -25,6 +25,22 @@ pub fn read_config_space(space: &[u8], offset: u64, data: &mut [u8]) {
             .and_then(|at| usize::try_from(at).ok())
             .and_then(|at| space.get(at).copied())
             .unwrap_or(0);
+    }
+}
+
+/// Whether the driver's available index is within reach: at most the queue
+/// size ahead of the device's. One further ahead is a broken or hostile
+/// driver; virtio-queue then hands out no chain at all, while
+/// `enable_notification` keeps answering that chains are pending, so a
+/// device that retried on that answer would spin for ever. Devices check
+/// this before retrying, and wait for the next notification instead.
+pub fn avail_ring_in_reach(queue: &mut Queue, mem: &GuestMemory, device: &str) -> bool {
+    match queue.iter(mem) {
+        Ok(_) => true,
+        Err(e) => {
+            crate::warn_limited!("{device}: the driver's available ring is unusable: {e}");
+            false
+        }
     }
 }
 

@@ -11,5 +11,5 @@ pub mod worker;
 
 pub use device::{
     ActivateError, ActivatedQueue, DiskBranch, VirtioDevice, VirtioInterrupt, VirtioInterruptType,
-    read_config_space,
+    avail_ring_in_reach, read_config_space,
 };

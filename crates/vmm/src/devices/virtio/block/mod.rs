@@ -4,13 +4,14 @@
 //! - [`disk`]: opening the image and positioned I/O between it and guest memory.
 //! - [`persist`]: what a snapshot saves of the drive, and its restore.
 //! - [`request`]: parsing a request out of a descriptor chain.
-//! - `worker`: the thread that services the request queue.
+//! - [`worker`]: the thread that services the request queue (public for the fuzz
+//!   targets, which drive it without the thread).
 
 pub mod device;
 pub mod disk;
 pub mod persist;
 pub mod request;
-mod worker;
+pub mod worker;
 
 #[cfg(test)]
 mod testing;

@@ -118,6 +118,19 @@ impl Driver {
         head
     }
 
+    /// Publishes `idx` as the available index without adding chains, as a
+    /// broken or hostile driver may.
+    pub fn set_avail_idx(&mut self, idx: u16) {
+        self.avail_idx = idx;
+        self.mem
+            .store(
+                idx.to_le(),
+                GuestAddress(Self::AVAIL + 2),
+                Ordering::Release,
+            )
+            .unwrap();
+    }
+
     /// How many used entries the device has published.
     pub fn used_idx(&self) -> u16 {
         u16::from_le(

@@ -15,7 +15,8 @@
 //! - [`persist`]: what a snapshot saves of the interface, and its restore.
 //! - [`tap`]: that backend on a Linux tap device.
 //! - `used_batch`: returning a frame's receive chains to the guest at once.
-//! - `worker`: the thread that services both queues and the backend.
+//! - [`worker`]: the thread that services both queues and the backend (public
+//!   for the fuzz targets, which drive it without the thread).
 
 pub mod backend;
 pub mod device;
@@ -23,7 +24,7 @@ pub mod metrics;
 pub mod persist;
 pub mod tap;
 mod used_batch;
-mod worker;
+pub mod worker;
 
 #[cfg(test)]
 mod tests;

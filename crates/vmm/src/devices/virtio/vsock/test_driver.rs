@@ -100,6 +100,16 @@ impl GuestQueue {
         head
     }
 
+    /// Publishes `idx` as the available index without adding chains, as a
+    /// broken or hostile driver may.
+    pub fn set_avail_idx(&mut self, idx: u16) {
+        self.avail_idx = idx;
+        self.mem
+            .write_obj(idx.to_le(), GuestAddress(self.avail.0 + 2))
+            .unwrap();
+        fence(Ordering::SeqCst);
+    }
+
     /// Where the used ring starts in guest memory.
     pub fn used_ring(&self) -> u64 {
         self.used.0

@@ -141,7 +141,7 @@ impl DeviceWorker for Worker {
 
 impl Worker {
     /// Runs the queues until neither makes progress, then interrupts the guest once.
-    fn process_queues(&mut self, now: Instant) {
+    pub fn process_queues(&mut self, now: Instant) {
         let mut used = false;
         loop {
             let tx = self.process_tx(now);
