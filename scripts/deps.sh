@@ -7,7 +7,8 @@
 set -euo pipefail
 
 packages=(
-    # kernel build (images/kernel/build.sh)
+    # kernel build (images/kernel/build.sh); build-essential's g++ also
+    # builds libFuzzer for the fuzz targets (scripts/fuzz.sh)
     linux-source-6.1 build-essential flex bison bc libelf-dev libssl-dev
     cpio xz-utils zstd
     # root filesystem images (images/rootfs/build.sh)

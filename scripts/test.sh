@@ -27,6 +27,12 @@ scripts/deny.sh
 echo "== fast tests" >&2
 cargo test --workspace --quiet
 
+echo "== fuzz targets: corpora replayed, then each fuzzed briefly" >&2
+# Every parser a guest or client reaches (README, "Fuzzing"); the fuzz crate
+# is outside the workspace, with its build cached under SANDFORK_CACHE.
+cargo fmt --check --manifest-path fuzz/Cargo.toml
+scripts/fuzz.sh
+
 echo "== microVM tests" >&2
 # Test binaries holding lab tests (marked #[ignore = "lab: ..."]).
 mapfile -t lab_tests < <(cargo test -p sandfork-vmm --test microvm --test snapshot --test network -p sandfork-server --test lab_serve --test lab_restart --no-run --message-format=json 2>/dev/null |

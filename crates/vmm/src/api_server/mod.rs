@@ -26,6 +26,8 @@ use tokio::sync::oneshot;
 
 pub use channel::{ApiRequest, ApiRequestReceiver, ApiRequestSender, api_channel};
 pub use request_body::MAX_BODY_BYTES;
+/// The routes without the socket, for serving in-process (the fuzz targets).
+pub use routes::router;
 
 /// How long shutdown lets requests in flight finish before dropping them.
 const SHUTDOWN_GRACE: Duration = Duration::from_millis(500);

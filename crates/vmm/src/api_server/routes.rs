@@ -18,7 +18,7 @@ use super::channel::{ApiRequest, ApiRequestSender};
 use super::request_body::parse_body;
 use super::response::{bad_request, fault, from_action_error, from_data};
 
-pub(super) fn router(sender: ApiRequestSender) -> Router {
+pub fn router(sender: ApiRequestSender) -> Router {
     Router::new()
         .route("/", get(get_instance_info))
         .route(
