@@ -207,7 +207,9 @@ impl vmm::devices::virtio::VirtioInterrupt for NoInterrupt {
     }
 }
 
-/// A private scratch directory for one fuzzing process (sockets, images).
+/// A private scratch directory for one fuzzing process (sockets, images),
+/// under `$SANDFORK_FUZZ_TMP` (which scripts/fuzz.sh makes and removes: the
+/// process exits without running destructors), else /dev/shm.
 pub fn scratch_dir() -> &'static std::path::Path {
     static DIR: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
     DIR.get_or_init(|| {

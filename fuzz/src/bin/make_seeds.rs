@@ -9,7 +9,6 @@ use std::path::Path;
 // The instrumented code calls into libFuzzer's coverage hooks.
 use libfuzzer_sys as _;
 
-use bytes_free::le16;
 use envd_proto::envelope::{self, FLAG_NONE};
 use envd_proto::process::{
     DataEvent, ProcessConfig, ProcessEvent, ProcessSelector, StartEvent, StartRequest,
@@ -18,11 +17,11 @@ use envd_proto::process::{
 use envd_proto::{Code, ConnectError, EndStream};
 use sandfork_fuzz::{DATA_BASE, F_INDIRECT, F_NEXT, F_WRITE, QueueInput};
 
-/// Helpers that need nothing but std.
-mod bytes_free {
-    pub fn le16(v: u16) -> [u8; 2] {
-        v.to_le_bytes()
-    }
+/// One chain of `(address, length, device-writable)` buffers.
+type Chain<'a> = &'a [(u64, u32, bool)];
+
+fn le16(v: u16) -> [u8; 2] {
+    v.to_le_bytes()
 }
 
 fn write(dir: &Path, target: &str, name: &str, bytes: &[u8]) {
@@ -116,7 +115,7 @@ fn blk_header(data: &mut Vec<u8>, at: u64, request_type: u32, sector: u64) {
 fn block(dir: &Path) {
     let h = DATA_BASE;
     let (buf, status) = (DATA_BASE + 0x1000, DATA_BASE + 0x3000);
-    let cases: [(&str, u32, &[&[(u64, u32, bool)]]); 5] = [
+    let cases: [(&str, u32, &[Chain]); 5] = [
         (
             "read",
             0,
@@ -156,8 +155,10 @@ fn block(dir: &Path) {
     }
     // An indirect table in the data area holding the whole request.
     let table = DATA_BASE + 0x100;
-    let mut q = QueueInput::default();
-    q.size_log2 = 4;
+    let mut q = QueueInput {
+        size_log2: 4,
+        ..Default::default()
+    };
     q.descs.push(sandfork_fuzz::Desc {
         addr: table,
         len: 3 * 16,
@@ -247,7 +248,6 @@ fn net(dir: &Path) {
 }
 
 /// A vsock header (virtio 1.2, 5.10.6).
-#[allow(clippy::too_many_arguments)]
 fn vsock_header(src_port: u32, dst_port: u32, len: u32, op: u16, flags: u32) -> [u8; 44] {
     let mut b = [0u8; 44];
     b[0..8].copy_from_slice(&3u64.to_le_bytes());
@@ -296,10 +296,8 @@ fn vsock(dir: &Path) {
             ]
         })
         .collect();
-    let refs = |v: &Vec<Vec<(u64, u32, bool)>>| v.iter().map(|c| c.clone()).collect::<Vec<_>>();
-    let (rx, tx) = (refs(&rx), refs(&tx_chains));
-    let rx: Vec<&[(u64, u32, bool)]> = rx.iter().map(|c| c.as_slice()).collect();
-    let tx: Vec<&[(u64, u32, bool)]> = tx.iter().map(|c| c.as_slice()).collect();
+    let rx: Vec<Chain> = rx.iter().map(Vec::as_slice).collect();
+    let tx: Vec<Chain> = tx_chains.iter().map(Vec::as_slice).collect();
     let mut out = Vec::new();
     QueueInput::chains(8, &rx).write(&mut out);
     QueueInput::chains(8, &tx).write(&mut out);
