@@ -1,12 +1,13 @@
 #!/bin/bash
 # Builds the coverage-guided fuzz targets in fuzz/ (libFuzzer, on stable Rust)
-# and runs each for a bounded time: first the committed seeds and the saved
-# corpus are replayed (a regression test of everything found before), then
-# new inputs are searched for. A crash, a timeout or a leak fails the run and
-# leaves the input under $SANDFORK_CACHE/fuzz/artifacts/<target>/.
+# and runs each for a bounded time: first the committed seeds, the inputs that
+# once failed and the saved corpus are replayed (a regression test of
+# everything found before), then new inputs are searched for. A crash, a
+# timeout or runaway memory fails the run and leaves the input under
+# $SANDFORK_CACHE/fuzz/artifacts/<target>/.
 #
 # Usage: scripts/fuzz.sh [--time SECONDS] [--jobs N] [--build-only] [--seeds] [TARGET...]
-#   --time     seconds of fuzzing per target (default 12: the short CI run;
+#   --time     seconds of fuzzing per target (default 10: the short CI run;
 #              README, "Fuzzing", has the longer one)
 #   --jobs     targets fuzzed at once (default: the number of CPUs)
 #   --seeds    rewrite fuzz/seeds/ from real messages (fuzz/src/bin/make_seeds.rs)
@@ -21,7 +22,7 @@ cd "$root"
 
 log() { echo "fuzz: $*" >&2; }
 
-time_per_target=12
+time_per_target=10
 jobs=$(nproc)
 build_only=0
 seeds=0
@@ -32,7 +33,7 @@ while (($#)); do
     --jobs) jobs=$2; shift 2 ;;
     --build-only) build_only=1; shift ;;
     --seeds) seeds=1; shift ;;
-    -h | --help) sed -n '2,17s/^# \{0,1\}//p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,18s/^# \{0,1\}//p' "$0"; exit 0 ;;
     -*) echo "fuzz: unknown option $1" >&2; exit 2 ;;
     *) targets+=("$1"); shift ;;
     esac
@@ -100,10 +101,10 @@ run_one() {
     # unit test beside the code) are replayed with the seeds.
     local replay=("fuzz/seeds/$t")
     [[ -d fuzz/regressions/$t ]] && replay+=("fuzz/regressions/$t")
-    # New finds go to the first directory, the saved corpus.
-    if ! "$out/$t" "${common[@]}" -runs=0 "${replay[@]}" "$corpus" >"$log" 2>&1 ||
-        ! "$out/$t" "${common[@]}" -max_total_time="$time_per_target" \
-            "$corpus" "${replay[@]}" >>"$log" 2>&1; then
+    # libFuzzer runs every input of the directories first (the replay), then
+    # mutates; new finds go to the first directory, the saved corpus.
+    if ! "$out/$t" "${common[@]}" -max_total_time="$time_per_target" \
+        "$corpus" "${replay[@]}" >"$log" 2>&1; then
         echo "FAIL $t"
         return
     fi
