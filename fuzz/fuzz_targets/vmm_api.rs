@@ -27,6 +27,7 @@ const ROUTES: &[&str] = &[
     "/snapshot/load",
     "/fork",
     "/vcpus",
+    "/devices",
 ];
 const METHODS: &[Method] = &[
     Method::GET,

@@ -102,18 +102,25 @@ pub struct MemoryState {
 
 impl MemoryState {
     /// Total bytes of guest RAM, which is also the size of every memory file.
+    /// Saturates: a state file's lengths may add up past `u64` (`validate`
+    /// refuses those).
     pub fn size(&self) -> u64 {
-        self.regions.iter().map(|r| r.len).sum()
+        self.regions
+            .iter()
+            .fold(0u64, |total, r| total.saturating_add(r.len))
     }
 
     fn validate(&self) -> Result<(), MemoryError> {
         let bad = |m: &str| Err(MemoryError::Layout(m.into()));
-        let mut offset = 0;
+        let mut offset = 0u64;
         for r in &self.regions {
             if r.file_offset != offset || r.len == 0 || r.len % 4096 != 0 {
                 return bad("regions are not laid out back to back in whole pages");
             }
-            offset += r.len;
+            let Some(end) = offset.checked_add(r.len) else {
+                return bad("regions end past the 64-bit range");
+            };
+            offset = end;
         }
         match self.layers.split_first() {
             Some((base, overlays))

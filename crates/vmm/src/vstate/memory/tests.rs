@@ -136,6 +136,36 @@ fn a_memory_file_of_the_wrong_size_is_refused() {
     ));
 }
 
+/// Found by the `snapshot_state` fuzz target: region lengths adding up past
+/// `u64` overflowed (a panic with overflow checks, a wrapped size without).
+#[test]
+fn region_lengths_past_u64_are_refused() {
+    let half = 1u64 << 63;
+    let state = MemoryState {
+        regions: vec![
+            RegionLayout {
+                guest_addr: 0,
+                len: half,
+                file_offset: 0,
+            },
+            RegionLayout {
+                guest_addr: half,
+                len: half,
+                file_offset: half,
+            },
+        ],
+        layers: vec![MemoryLayer {
+            path: "/nonexistent".into(),
+            ranges: None,
+        }],
+    };
+    assert_eq!(state.size(), u64::MAX);
+    assert!(matches!(
+        GuestRam::restore(&state),
+        Err(MemoryError::Layout(_))
+    ));
+}
+
 #[test]
 fn invalid_layouts_are_refused() {
     let state = MemoryState {
