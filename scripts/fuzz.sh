@@ -95,7 +95,7 @@ run_one() {
     mkdir -p "$corpus" "$artifacts" "$cache/logs"
     # Each input is small and fast; 10 s on one is a hang. A fuzzed length or
     # count the code trusts shows as memory, hence the RSS limit.
-    local common=(-timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=1024
+    local common=(-timeout=10 -rss_limit_mb=2048
         -artifact_prefix="$artifacts/" -print_final_stats=1)
     # Inputs that once failed (fuzz/regressions/<target>/, each fixed with a
     # unit test beside the code) are replayed with the seeds.
