@@ -79,6 +79,14 @@ else
 fi
 log "build: $(($(date +%s) - start)) s"
 
+# The targets' (and make_seeds') scratch files (images, sockets, a store),
+# in memory when /dev/shm is there; the processes exit without cleaning up,
+# this does.
+scratch=$(mktemp -d /dev/shm/sandfork-fuzz.XXXXXX 2>/dev/null || mktemp -d)
+export SANDFORK_FUZZ_TMP=$scratch
+results=$scratch/results
+trap 'rm -rf "$scratch"' EXIT
+
 if ((seeds)); then
     rm -rf fuzz/seeds.new
     "$out/make_seeds" fuzz/seeds.new
@@ -113,12 +121,6 @@ run_one() {
 
 log "fuzzing ${#targets[@]} targets, ${time_per_target} s each, $jobs at a time"
 start=$(date +%s)
-results=$(mktemp)
-# The targets' scratch files (images, sockets, a store), in memory when
-# /dev/shm is there; the processes exit without cleaning up, this does.
-scratch=$(mktemp -d /dev/shm/sandfork-fuzz.XXXXXX 2>/dev/null || mktemp -d)
-export SANDFORK_FUZZ_TMP=$scratch
-trap 'rm -rf "$results" "$scratch"' EXIT
 running=0
 for t in "${targets[@]}"; do
     [[ -x $out/$t ]] || { echo "fuzz: no target $t" >&2; exit 2; }
