@@ -112,12 +112,12 @@ pub fn normalize(cpuid: &mut CpuId, id: u8, count: u8) {
                     | (u32::from(count) << EBX_CPU_COUNT_SHIFT)
                     | (8 << EBX_CLFLUSH_SIZE_SHIFT);
                 // KVM emulates the TSC-deadline timer but leaves it out of
-                // the supported CPUID. Without it the guest's LAPIC timer is
-                // calibrated against the PIT, which fails under nested
-                // emulation: the guest then ticks from the PIT at HZ,
-                // broadcasting each tick to the other vCPUs by IPI, and never
-                // goes tickless when idle. With it, each vCPU arms its own
-                // timer with one MSR write and an idle one sleeps.
+                // the supported CPUID. Without it the lab's guests ticked
+                // from the PIT (clockevents broadcast device `pit`) and sent
+                // each tick to their other vCPUs by IPI, idle or not: some
+                // 300 timer interrupts a second per idle guest. With it each
+                // vCPU arms its own timer with one MSR write
+                // (`lapic-deadline`) and an idle guest takes 10-20.
                 entry.ecx |= ECX_HYPERVISOR | ECX_TSC_DEADLINE;
                 if count > 1 {
                     entry.edx |= EDX_HTT;
