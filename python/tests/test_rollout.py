@@ -27,9 +27,7 @@ async def test_runner_tree_groups_and_jsonl(no_leaks):
         if n.step == 0:
             return "echo base > /tmp/s; echo started"
         if n.step == 1:
-            # the branch index of the node this child acts from is its own
-            # path's last element only after the step: use the rng, seeded
-            # per child, to choose, and record it
+            # every child's rng has its own seed: the choices differ
             k = inp.rng.randrange(1000)
             return Action(f"echo {k} >> /tmp/s; cat /tmp/s", tokens=[k], logprobs=[-0.5])
         seen_live.append(len(live_ids()))

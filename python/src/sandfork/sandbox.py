@@ -53,16 +53,20 @@ class Sandbox(e2b.Sandbox):
         seed to ``/run/sandfork/seed``) in the guest."""
         self.commands.run(self.lineage.guest_script(), user="root", timeout=60)
 
-    def load_lineage(self) -> Lineage:
-        """Reads the guest's lineage file into ``self.lineage`` (a sandbox
-        that never had one is a root)."""
+    def read_lineage(self) -> Lineage | None:
+        """The lineage file in the guest, if there is one. A fork child or a
+        sandbox from a snapshot holds its source's until it is rewritten."""
         try:
             text = self.files.read(LINEAGE_PATH, user="root")
         except NotFoundException:
-            return self.lineage
-        found = Lineage.from_json(text)
-        # a sandbox started from a snapshot carries its source's file
-        if found.sandbox_id == self.sandbox_id:
+            return None
+        return Lineage.from_json(text)
+
+    def load_lineage(self) -> Lineage:
+        """Sets ``self.lineage`` from the guest's file when that file is this
+        sandbox's (a sandbox that never had one is a root)."""
+        found = self.read_lineage()
+        if found is not None and found.sandbox_id == self.sandbox_id:
             self.lineage = found
         return self.lineage
 
@@ -124,8 +128,8 @@ class Sandbox(e2b.Sandbox):
             # Forked by id: the children carry the parent's file, if it had one.
             parent_lineage = Lineage.root(sandbox_id)
             if started:
-                inherited = started[0].load_lineage()
-                if inherited.sandbox_id == sandbox_id:
+                inherited = started[0].read_lineage()
+                if inherited is not None and inherited.sandbox_id == sandbox_id:
                     parent_lineage = inherited
         return [
             r

@@ -51,15 +51,20 @@ class AsyncSandbox(e2b.AsyncSandbox):
         seed to ``/run/sandfork/seed``) in the guest."""
         await self.commands.run(self.lineage.guest_script(), user="root", timeout=60)
 
-    async def load_lineage(self) -> Lineage:
-        """Reads the guest's lineage file into ``self.lineage`` (a sandbox
-        that never had one is a root)."""
+    async def read_lineage(self) -> Lineage | None:
+        """The lineage file in the guest, if there is one. A fork child or a
+        sandbox from a snapshot holds its source's until it is rewritten."""
         try:
             text = await self.files.read(LINEAGE_PATH, user="root")
         except NotFoundException:
-            return self.lineage
-        found = Lineage.from_json(text)
-        if found.sandbox_id == self.sandbox_id:
+            return None
+        return Lineage.from_json(text)
+
+    async def load_lineage(self) -> Lineage:
+        """Sets ``self.lineage`` from the guest's file when that file is this
+        sandbox's (a sandbox that never had one is a root)."""
+        found = await self.read_lineage()
+        if found is not None and found.sandbox_id == self.sandbox_id:
             self.lineage = found
         return self.lineage
 
@@ -120,8 +125,8 @@ class AsyncSandbox(e2b.AsyncSandbox):
         if parent_lineage is None:
             parent_lineage = Lineage.root(sandbox_id)
             if started:
-                inherited = await started[0].load_lineage()
-                if inherited.sandbox_id == sandbox_id:
+                inherited = await started[0].read_lineage()
+                if inherited is not None and inherited.sandbox_id == sandbox_id:
                     parent_lineage = inherited
         lineage = parent_lineage
 
