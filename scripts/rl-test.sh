@@ -1,5 +1,5 @@
 #!/bin/bash
-# The sandfork Python package (python/): ruff format and lint, the tests that
+# The sandfork Python package (python/): ruff format and lint, mypy, the tests that
 # need no node, then the tests against `sandfork serve` on real microVMs
 # (inside the lab here): Sandbox/AsyncSandbox forks and checkpoints, the
 # environments and Gymnasium's checker, the branching runner.
@@ -69,9 +69,10 @@ pkg=$(git ls-files -co --exclude-standard python | grep -v '^python/tests/' | so
 ) 8>"$venv.lock"
 
 # --- lint and the tests without a node -------------------------------------
-log "== ruff"
+log "== ruff and mypy"
 "$venv/bin/python" -m ruff format --check python
 "$venv/bin/python" -m ruff check python
+(cd python && "$venv/bin/python" -m mypy)
 # from the tests' directory, so that `sandfork` is the installed package
 # shellcheck disable=SC2086 # RL_PYTEST_ARGS is a list of words
 pytest() { (cd python && "$venv/bin/python" -m pytest tests -p no:cacheprovider ${RL_PYTEST_ARGS:-} "$@"); }

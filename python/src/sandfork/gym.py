@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import string
 from collections.abc import Sequence
-from typing import Any, ClassVar, SupportsFloat
+from typing import Any, SupportsFloat
 
 import gymnasium
 from gymnasium import spaces
@@ -36,7 +36,7 @@ class SandboxGymEnv(gymnasium.Env[str, str]):
     ``options={"task": ...}``, else one of ``tasks`` picked with the reset
     seed, else ``task``), ``step(command)`` runs it."""
 
-    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"]}
+    metadata: dict[str, Any] = {"render_modes": ["ansi"]}  # noqa: RUF012 (Gymnasium's shape)
 
     def __init__(
         self,
@@ -54,8 +54,11 @@ class SandboxGymEnv(gymnasium.Env[str, str]):
         self.env = SyncSandboxEnv(config, **options)
         self.task = task
         self.tasks = list(tasks or [])
-        limit = self.env.config.max_observation_chars
-        self.observation_space = spaces.Text(max_length=limit, min_length=0, charset=CHARSET)
+        self.max_observation_chars = self.env.config.max_observation_chars
+        self.max_action_chars = max_action_chars
+        self.observation_space = spaces.Text(
+            max_length=self.max_observation_chars, min_length=0, charset=CHARSET
+        )
         self.action_space = spaces.Text(max_length=max_action_chars, min_length=1, charset=CHARSET)
         self._last = ""
 
@@ -69,7 +72,7 @@ class SandboxGymEnv(gymnasium.Env[str, str]):
         if task is None:
             task = self.task
         obs, info = self.env.reset(task, seed=seed)
-        self._last = to_charset(obs)[: self.observation_space.max_length]
+        self._last = to_charset(obs)[: self.max_observation_chars]
         return self._last, info
 
     def step(self, action: str) -> tuple[str, SupportsFloat, bool, bool, dict[str, Any]]:
@@ -93,7 +96,7 @@ class SandboxGymEnv(gymnasium.Env[str, str]):
                 self.task,
                 tasks=self.tasks,
                 render_mode=self.render_mode,
-                max_action_chars=self.action_space.max_length,
+                max_action_chars=self.max_action_chars,
                 config=self.env.config,
             )
             g.env = child

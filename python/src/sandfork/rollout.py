@@ -276,8 +276,8 @@ ScheduleFn = Callable[[Node], int]
 
 def _width(schedule: FixedSchedule | ScheduleFn | BranchSchedule, node: Node) -> int:
     if isinstance(schedule, FixedSchedule) or not hasattr(schedule, "width"):
-        return max(1, int(schedule(node)))  # type: ignore[operator]
-    return max(1, int(schedule.width(node)))  # type: ignore[union-attr]
+        return max(1, int(schedule(node)))
+    return max(1, int(schedule.width(node)))
 
 
 # --- the policy -----------------------------------------------------------

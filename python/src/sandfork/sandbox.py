@@ -87,8 +87,8 @@ class Sandbox(e2b.Sandbox):
 
     # --- fork ---------------------------------------------------------------
 
-    @class_method_variant("_cls_fork_sandbox")
-    def fork(  # type: ignore[override]
+    @class_method_variant("_cls_fork_sandbox")  # type: ignore[arg-type]
+    def fork(
         self,
         timeout: int | None = None,
         count: int | None = None,
@@ -108,7 +108,7 @@ class Sandbox(e2b.Sandbox):
         )
 
     @classmethod
-    def _cls_fork_sandbox(  # type: ignore[override]
+    def _cls_fork_sandbox(
         cls,
         sandbox_id: str,
         timeout: int | None = None,
@@ -221,7 +221,7 @@ class Sandbox(e2b.Sandbox):
     @classmethod
     def resume(cls, sandbox_id: str, timeout: int | None = None, **opts: Any) -> Self:
         """Connects to (and so resumes) a suspended sandbox, lineage included."""
-        sbx = cls.connect(sandbox_id, timeout=timeout, **opts)
+        sbx = cls._cls_connect_sandbox(sandbox_id, timeout=timeout, **opts)
         sbx.load_lineage()
         return sbx
 

@@ -85,8 +85,8 @@ class AsyncSandbox(e2b.AsyncSandbox):
 
     # --- fork ---------------------------------------------------------------
 
-    @class_method_variant("_cls_fork_sandbox")
-    async def fork(  # type: ignore[override]
+    @class_method_variant("_cls_fork_sandbox")  # type: ignore[arg-type]
+    async def fork(
         self,
         timeout: int | None = None,
         count: int | None = None,
@@ -106,7 +106,7 @@ class AsyncSandbox(e2b.AsyncSandbox):
         )
 
     @classmethod
-    async def _cls_fork_sandbox(  # type: ignore[override]
+    async def _cls_fork_sandbox(
         cls,
         sandbox_id: str,
         timeout: int | None = None,
@@ -224,7 +224,7 @@ class AsyncSandbox(e2b.AsyncSandbox):
     @classmethod
     async def resume(cls, sandbox_id: str, timeout: int | None = None, **opts: Any) -> Self:
         """Connects to (and so resumes) a suspended sandbox, lineage included."""
-        sbx = await cls.connect(sandbox_id, timeout=timeout, **opts)
+        sbx = await cls._cls_connect_sandbox(sandbox_id, timeout=timeout, **opts)
         await sbx.load_lineage()
         return sbx
 
