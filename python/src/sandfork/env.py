@@ -269,8 +269,9 @@ class SandboxEnv(_EnvBase):
     async def restore(self, checkpoint: Checkpoint) -> None:
         """Back to a checkpoint: a sandbox from its snapshot replaces this
         one, and the episode state is the checkpoint's (same seed)."""
+        cfg = self.config
         (sbx,) = await AsyncSandbox.from_checkpoint(
-            checkpoint, 1, timeout=self.config.sandbox_timeout, after_fork=None
+            checkpoint, 1, timeout=cfg.sandbox_timeout, metadata=cfg.metadata, after_fork=None
         )
         await self.close()
         self.sandbox = sbx
@@ -372,8 +373,9 @@ class SyncSandboxEnv(_EnvBase):
 
     def restore(self, checkpoint: Checkpoint) -> None:
         """Back to a checkpoint (see ``SandboxEnv.restore``)."""
+        cfg = self.config
         (sbx,) = Sandbox.from_checkpoint(
-            checkpoint, 1, timeout=self.config.sandbox_timeout, after_fork=None
+            checkpoint, 1, timeout=cfg.sandbox_timeout, metadata=cfg.metadata, after_fork=None
         )
         self.close()
         self.sandbox = sbx

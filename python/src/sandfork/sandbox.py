@@ -255,32 +255,34 @@ class Sandbox(e2b.Sandbox):
             return self.fork_all(
                 count, timeout=timeout, after_fork=after_fork, max_per_call=max_per_call
             )
+        if strategy == "replay" and replay is None:
+            raise ValueError("create-and-replay needs the commands to replay (replay=[...])")
+        # the copies carry the source's metadata, as fork children do
+        info = self.get_info()
+        metadata = dict(info.metadata or {})
         if strategy == "snapshot":
             ckpt = self.checkpoint()
             try:
                 return type(self).from_checkpoint(
-                    ckpt, count, timeout=timeout, after_fork=after_fork
+                    ckpt, count, timeout=timeout, metadata=metadata, after_fork=after_fork
                 )
             finally:
                 # the children run on unaffected
                 type(self).delete_checkpoint(ckpt)
-        if replay is None:
-            raise ValueError("create-and-replay needs the commands to replay (replay=[...])")
-        info = self.get_info()
         results: list[Self | Exception] = []
         for i in range(count):
             try:
                 sbx = type(self).create(
                     info.template_id,
                     timeout=timeout,
-                    metadata=dict(info.metadata or {}),
+                    metadata=metadata,
                     **self.connection_config.get_api_params(),
                 )
             except Exception as e:
                 results.append(e)
                 continue
             try:
-                for cmd in replay:
+                for cmd in replay or ():
                     # a command that failed the first time fails again: same state
                     with contextlib.suppress(CommandExitException):
                         sbx.commands.run(cmd, timeout=0)

@@ -256,28 +256,30 @@ class AsyncSandbox(e2b.AsyncSandbox):
             return await self.fork_all(
                 count, timeout=timeout, after_fork=after_fork, max_per_call=max_per_call
             )
+        if strategy == "replay" and replay is None:
+            raise ValueError("create-and-replay needs the commands to replay (replay=[...])")
+        # the copies carry the source's metadata, as fork children do
+        info = await self.get_info()
+        metadata = dict(info.metadata or {})
         if strategy == "snapshot":
             ckpt = await self.checkpoint()
             try:
                 return await type(self).from_checkpoint(
-                    ckpt, count, timeout=timeout, after_fork=after_fork
+                    ckpt, count, timeout=timeout, metadata=metadata, after_fork=after_fork
                 )
             finally:
                 await type(self).delete_checkpoint(ckpt)
-        if replay is None:
-            raise ValueError("create-and-replay needs the commands to replay (replay=[...])")
-        info = await self.get_info()
         api = self.connection_config.get_api_params()
 
         async def one(i: int) -> Self | Exception:
             try:
                 sbx = await type(self).create(
-                    info.template_id, timeout=timeout, metadata=dict(info.metadata or {}), **api
+                    info.template_id, timeout=timeout, metadata=metadata, **api
                 )
             except Exception as e:
                 return e
             try:
-                for cmd in replay:
+                for cmd in replay or ():
                     # a command that failed the first time fails again: same state
                     with contextlib.suppress(CommandExitException):
                         await sbx.commands.run(cmd, timeout=0)
