@@ -53,8 +53,9 @@ async def test_async_env_episode_fork_and_restore(no_leaks):
         await env.restore(ckpt)
         assert env.state.steps == 2 and env.state.seed == 5
         assert (await env.step("ls /tmp/w")).observation == "a\n"
+        assert not (await env.step("true")).truncated
         last = await env.step("true")
-        assert last.truncated and not last.terminated  # max_steps=5
+        assert last.truncated and not last.terminated and last.info["step"] == 5
         await env.sandbox.delete_checkpoint(ckpt)
     finally:
         for k in kids:
