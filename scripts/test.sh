@@ -112,3 +112,8 @@ echo "== the sandfork CLI against sandfork serve" >&2
 # Every client command through the real binary against one real node,
 # the interactive shell through tmux.
 scripts/cli-test.sh --no-build
+
+echo "== the sandfork Python package against sandfork serve" >&2
+# ruff, the pure tests, then forks, environments, Gymnasium's checker and
+# the branching runner on real microVMs.
+scripts/rl-test.sh --no-build

@@ -1,0 +1,104 @@
+#!/bin/bash
+# The sandfork Python package (python/): ruff format and lint, mypy, the tests that
+# need no node, then the tests against `sandfork serve` on real microVMs
+# (inside the lab here): Sandbox/AsyncSandbox forks and checkpoints, the
+# environments and Gymnasium's checker, the branching runner.
+#
+# Usage: scripts/rl-test.sh [--no-build] [--host-only] [--server URL]
+#   --no-build    do not run scripts/build.sh (target/sandfork.env must exist)
+#   --host-only   lint and the tests without a node only
+#   --server URL  test a server already running at URL (key in E2B_API_KEY)
+# Env: SANDFORK_CACHE (default /var/cache/sandfork): the venv is
+#      $SANDFORK_CACHE/sdk/python-rl-<hash of tests/sdk/python/requirements.txt,
+#      python/requirements-test.txt and the interpreter>; the package goes
+#      into it again whenever python/'s content hash changes.
+#      RL_PYTEST_ARGS: extra pytest arguments (e.g. "-k runner").
+# Out: the server's log in target/rl-test/serve.log.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+build=1 host_only=0 server=''
+log() { echo "rl-test: $*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+while (($#)); do
+    case $1 in
+        --no-build) build=0; shift ;;
+        --host-only) host_only=1; shift ;;
+        --server) server=${2:?--server needs a URL}; shift 2 ;;
+        -h | --help) sed -n '2,/^set -e/p' "${BASH_SOURCE[0]}" | sed -n 's/^# \{0,1\}//p'; exit 0 ;;
+        *) die "unknown argument: $1 (see --help)" ;;
+    esac
+done
+
+# cached_dir and apt_install, shared with the SDK suites
+. scripts/sdk-setup.sh
+
+# --- the venv: the SDK set plus the package's test set, then the package ----
+command -v python3 >/dev/null || apt_install python3
+python3 -c 'import venv, ensurepip' 2>/dev/null || apt_install python3-venv
+sdk_req=tests/sdk/python/requirements.txt rl_req=python/requirements-test.txt
+key=$({ cat "$sdk_req" "$rl_req"; python3 -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
+venv=$sdk_cache/python-rl-$key
+# shellcheck disable=SC2317  # called by cached_dir
+make_venv() {
+    log "creating the package's test venv ($1)"
+    python3 -m venv "$1" &&
+        "$1/bin/pip" install -q --disable-pip-version-check -r "$root/$sdk_req" -r "$root/$rl_req" >&2
+}
+cached_dir "$venv" make_venv
+if ! "$venv/bin/python" -c 'import e2b, gymnasium, pytest' 2>/dev/null; then
+    rm -rf "$venv"
+    cached_dir "$venv" make_venv
+fi
+# The package itself, keyed by the content of python/ (not by the venv):
+# reinstalled, offline and without build isolation, whenever it changes.
+pkg=$(git ls-files -co --exclude-standard python | grep -v '^python/tests/' | sort | xargs sha256sum | sha256sum | cut -c1-16)
+(
+    flock 8
+    if [[ $(cat "$venv/.sandfork-pkg" 2>/dev/null) != "$pkg" ]]; then
+        log "installing python/ ($pkg) into $venv"
+        build_dir=$(mktemp -d)
+        cp -r python/. "$build_dir/"
+        "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-index \
+            --no-build-isolation --force-reinstall "$build_dir" >&2
+        rm -rf "$build_dir"
+        echo "$pkg" >"$venv/.sandfork-pkg"
+    fi
+) 8>"$venv.lock"
+
+# --- lint and the tests without a node -------------------------------------
+log "== ruff and mypy"
+"$venv/bin/python" -m ruff format --check python
+"$venv/bin/python" -m ruff check python
+(cd python && "$venv/bin/python" -m mypy)
+# from the tests' directory, so that `sandfork` is the installed package
+# shellcheck disable=SC2086 # RL_PYTEST_ARGS is a list of words
+pytest() { (cd python && "$venv/bin/python" -m pytest tests -p no:cacheprovider ${RL_PYTEST_ARGS:-} "$@"); }
+log "== tests without a node"
+(unset E2B_API_URL E2B_SANDBOX_URL E2B_API_KEY; pytest -m 'not node')
+((host_only)) && { log "host-only: done"; exit 0; }
+
+# --- against a node ----------------------------------------------------------
+if [[ -n $server ]]; then
+    [[ -n ${E2B_API_KEY:-} ]] || die "--server needs E2B_API_KEY"
+    export E2B_API_URL=$server E2B_SANDBOX_URL=$server
+else
+    ((build)) && scripts/build.sh
+    [[ -f target/sandfork.env ]] || die "target/sandfork.env missing (run scripts/build.sh)"
+    set -a
+    # shellcheck source=/dev/null  # written by scripts/build.sh
+    . target/sandfork.env
+    set +a
+    . scripts/node.sh
+    trap stop_node EXIT
+    start_node target/debug/sandfork target/rl-test
+    export E2B_API_URL=$node_url E2B_SANDBOX_URL=$node_url E2B_API_KEY=$node_key
+fi
+log "== tests against $E2B_API_URL"
+started=$SECONDS
+pytest -m node
+log "node tests took $((SECONDS - started)) s"
+[[ -n $server ]] || stop_node
+log "passed"
