@@ -35,7 +35,7 @@ scripts/fuzz.sh
 
 echo "== microVM tests" >&2
 # Test binaries holding lab tests (marked #[ignore = "lab: ..."]).
-mapfile -t lab_tests < <(cargo test -p sandfork-vmm --test microvm --test snapshot --test network -p sandfork-server --test lab_serve --test lab_restart --no-run --message-format=json 2>/dev/null |
+mapfile -t lab_tests < <(cargo test -p sandfork-vmm --test microvm --test snapshot --test network -p sandfork-server --test lab_serve --test lab_restart --test lab_network --no-run --message-format=json 2>/dev/null |
     python3 -c 'import json,sys
 for line in sys.stdin:
     m = json.loads(line)

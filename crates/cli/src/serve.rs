@@ -37,6 +37,18 @@ pub struct ServeArgs {
     /// the host's MemTotal less the larger of 2 GiB and 15 %].
     #[arg(long, value_name = "MIB")]
     lab_memory: Option<u32>,
+    /// Sandboxes get no network (for hosts where the node cannot make
+    /// network namespaces, veths and nftables rules).
+    #[arg(long)]
+    no_network: bool,
+    /// Network slots kept ready for the next creates and fork children
+    /// (a fork burst's worth; more are made on demand).
+    #[arg(long, default_value_t = 32)]
+    ready_slots: usize,
+    /// The link sandboxes reach the internet through [default: the default
+    /// route's].
+    #[arg(long)]
+    uplink: Option<String>,
     #[command(flatten)]
     capacity: CapacityArgs,
     #[command(flatten)]
@@ -143,6 +155,10 @@ async fn serve(args: ServeArgs) -> Result<()> {
     config.vcpus = args.image.vcpus;
     config.mem_mib = args.image.mem_mib;
     config.agent = args.agent.clone();
+    config.network = (!args.no_network).then(|| server::net::NetworkConfig {
+        ready_slots: args.ready_slots,
+        uplink: args.uplink.clone(),
+    });
     // Bind first: a taken port fails before the template is built.
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -228,6 +244,13 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
         .arg("--in-lab");
     if let Some(agent) = &args.agent {
         cmd.arg("--agent").arg(agent);
+    }
+    cmd.arg("--ready-slots").arg(args.ready_slots.to_string());
+    if args.no_network {
+        cmd.arg("--no-network");
+    }
+    if let Some(uplink) = &args.uplink {
+        cmd.arg("--uplink").arg(uplink);
     }
     eprintln!(
         "sandfork serve: this host's KVM cannot boot Linux; running in the KVM lab (emulated, slow), \

@@ -39,6 +39,8 @@ pub struct Config {
     /// Where template builds cache root filesystems (and the base tree);
     /// `$SANDFORK_CACHE` or `/var/cache/sandfork` when None.
     pub build_cache: Option<PathBuf>,
+    /// How sandboxes are networked; None: they have no network (`--no-network`).
+    pub network: Option<crate::net::NetworkConfig>,
 }
 
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/sandfork";
@@ -61,6 +63,7 @@ impl Config {
             run_dir: None,
             agent: None,
             build_cache: None,
+            network: None,
         }
     }
 

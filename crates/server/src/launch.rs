@@ -7,11 +7,33 @@
 
 use std::time::Duration;
 
+use sandfork_network::EgressPolicy;
+use vmm_api::NetworkInterface;
 use vmm_driver::agent_client::AgentInit;
 use vmm_driver::process::{GuestSpec, ProcessError, Restore, VmmProbe, VmmProcess};
 
 use crate::capacity::Reservation;
+use crate::net::{self, Lease, SlotRecord};
 use crate::pool::Pool;
+
+/// Why a launch failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    #[error(transparent)]
+    Vmm(#[from] ProcessError),
+    /// No network slot (out of slots is `Exhausted`, a 503).
+    #[error("the sandbox's network: {0}")]
+    Network(#[from] net::NetError),
+}
+
+impl From<tokio::task::JoinError> for LaunchError {
+    fn from(e: tokio::task::JoinError) -> LaunchError {
+        LaunchError::Vmm(ProcessError::Io {
+            what: "a blocking task",
+            source: std::io::Error::other(e.to_string()),
+        })
+    }
+}
 
 /// The kernel command line of every cold boot (template builds, resumes of
 /// sandboxes paused without memory). Quiet console: its output costs boot time.
@@ -50,12 +72,18 @@ pub struct Plan {
     pub hold: Reservation,
     /// How long the guest may take to be ready.
     pub timeout: Duration,
+    /// The egress policy of its network slot (when the node networks its
+    /// sandboxes; every launch then runs in a slot of its own).
+    pub egress: EgressPolicy,
 }
 
 /// A started guest and what it holds; dropping it stops the VMM and gives
 /// everything back (see [`Launched::stop`] in async code).
 pub struct Launched {
     pub vm: VmmProcess,
+    /// Its network slot; dropped after `vm` (fields drop in order), so the
+    /// slot goes back only once the VMM is gone.
+    net: Option<Lease>,
     hold: Reservation,
     /// How long the guest took to be ready.
     pub ready_after: Duration,
@@ -68,9 +96,31 @@ impl Launched {
         hold.track(vm.pid());
         Launched {
             vm,
+            net: None,
             hold,
             ready_after: Duration::ZERO,
         }
+    }
+
+    /// With the network slot it ran in before the restart.
+    pub fn with_network(mut self, lease: Option<Lease>) -> Launched {
+        self.net = lease;
+        self
+    }
+
+    /// The network slot it runs in, for its record.
+    pub fn net_slot(&self) -> Option<SlotRecord> {
+        self.net.as_ref().map(Lease::record)
+    }
+
+    /// Takes its network slot out, to change its policy off the async
+    /// threads (`PUT .../network`); put it back with [`Launched::put_net`].
+    pub fn take_net(&mut self) -> Option<Lease> {
+        self.net.take()
+    }
+
+    pub fn put_net(&mut self, lease: Lease) {
+        self.net = Some(lease);
     }
 
     pub fn probe(&self) -> VmmProbe {
@@ -92,33 +142,59 @@ impl Launched {
 
     /// Leaves the VMM running for a later server to adopt (at shutdown).
     pub fn release(self) {
-        self.vm.release();
+        let Launched { vm, net, hold, .. } = self;
+        vm.release();
+        if let Some(lease) = net {
+            lease.keep();
+        }
+        drop(hold);
     }
 }
 
 /// Starts `plan`'s guest in a pooled VMM and waits until it is ready. A
 /// VMM that fails to start its guest is stopped off the async threads.
-pub async fn launch(pool: &Pool, plan: Plan) -> Result<Launched, ProcessError> {
-    let mut vm = pool.take().await?;
+pub async fn launch(pool: &Pool, plan: Plan) -> Result<Launched, LaunchError> {
+    let (mut vm, net) = pool.take_for(&plan.egress).await?;
     // From now on it is charged what its VMM really uses.
     plan.hold.track(vm.pid());
-    match start(&mut vm, &plan).await {
+    match start(&mut vm, net.is_some(), &plan).await {
         Ok(ready_after) => Ok(Launched {
             vm,
+            net,
             hold: plan.hold,
             ready_after,
         }),
         Err(e) => {
-            let _ = tokio::task::spawn_blocking(move || drop(vm)).await;
-            Err(e)
+            let _ = tokio::task::spawn_blocking(move || drop((vm, net))).await;
+            Err(e.into())
         }
     }
 }
 
-async fn start(vm: &mut VmmProcess, plan: &Plan) -> Result<Duration, ProcessError> {
+async fn start(
+    vm: &mut VmmProcess,
+    networked: bool,
+    plan: &Plan,
+) -> Result<Duration, ProcessError> {
     match &plan.guest {
+        // A snapshot names its interface's tap itself (`tap0`, found in the
+        // slot's namespace the VMM runs in).
         Guest::Restore(restore) => vm.restore(restore).await?,
-        Guest::Boot(spec) => vm.boot(spec).await?,
+        Guest::Boot(spec) => {
+            if networked {
+                // The fixed guest side of every slot: snapshots of this guest
+                // (templates) carry it, and any slot fits them.
+                let mac = net::GUEST_MAC.map(|b| format!("{b:02x}")).join(":");
+                vm.api()
+                    .put_network_interface(&NetworkInterface::new(
+                        net::GUEST_IFACE,
+                        net::TAP_NAME,
+                        Some(&mac),
+                    ))
+                    .await?;
+            }
+            vm.boot(spec).await?
+        }
     }
     match &plan.ready {
         Ready::Init { init, token } => vm.init_agent(init, token.as_deref(), plan.timeout).await,

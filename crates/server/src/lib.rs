@@ -11,6 +11,7 @@ pub mod clock;
 pub mod config;
 pub mod ids;
 pub mod launch;
+pub mod net;
 pub mod pool;
 pub mod proxy;
 pub mod sandbox;
@@ -39,6 +40,8 @@ pub enum ServerError {
     Auth(#[from] auth::AuthError),
     #[error(transparent)]
     Template(#[from] template::TemplateError),
+    #[error("sandbox networking cannot start on this host ({0}); run without it with --no-network")]
+    Network(#[from] net::NetError),
     #[error("listening on {addr}: {source}")]
     Listen {
         addr: SocketAddr,
@@ -79,7 +82,18 @@ impl Server {
         // Before the pool starts VMMs there: what no running sandbox owns is
         // from a server that stopped (its pool, a create it did not finish).
         sandbox::reclaim_run_dir(&config.run_dir(), &store);
-        let pool = pool::Pool::start(config.vmm.clone(), config.run_dir(), config.pool_size);
+        // Before the pool takes slots for its VMMs: the slots of sandboxes
+        // still running are adopted, the rest reclaimed.
+        let net = match &config.network {
+            Some(n) => Some(net::Slots::start(n, &config.run_dir(), &store)?),
+            None => None,
+        };
+        let pool = pool::Pool::start_with_network(
+            config.vmm.clone(),
+            config.run_dir(),
+            config.pool_size,
+            net,
+        );
         let capacity = capacity::Capacity::for_config(&config);
         let template = template::ensure_base(&config, &store, &pool, &capacity).await?;
         let manager =

@@ -1,28 +1,52 @@
 //! A warm pool of started `sandfork-vmm` processes waiting on their API
 //! socket, so a create only pays for the snapshot load, not the process start.
 //! Every VMM gets its own directory under the node's run dir, where a later
-//! server can find (and adopt or stop) it.
+//! server can find (and adopt or stop) it. With networking, each waits in a
+//! network slot of its own (see [`crate::net`]), so a launch only sets the
+//! slot's policy.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use sandfork_network::EgressPolicy;
 use tokio::sync::Notify;
 use vmm_driver::process::{ProcessError, VmmProcess};
+
+use crate::launch::LaunchError;
+use crate::net::{Lease, Slots};
+
+/// A pooled VMM and the slot it waits in. Fields drop in order: the VMM
+/// first, then its slot goes back.
+struct Warm {
+    vm: VmmProcess,
+    net: Option<Lease>,
+}
 
 pub struct Pool {
     binary: PathBuf,
     run_dir: PathBuf,
     size: usize,
-    idle: Mutex<Vec<VmmProcess>>,
+    idle: Mutex<Vec<Warm>>,
     wake: Notify,
     closed: AtomicBool,
+    net: Option<Arc<Slots>>,
 }
 
 impl Pool {
     /// Creates the pool and starts filling it in the background.
     pub fn start(binary: PathBuf, run_dir: PathBuf, size: usize) -> Arc<Pool> {
+        Pool::start_with_network(binary, run_dir, size, None)
+    }
+
+    /// [`Pool::start`] with every VMM in a slot of `net`.
+    pub fn start_with_network(
+        binary: PathBuf,
+        run_dir: PathBuf,
+        size: usize,
+        net: Option<Arc<Slots>>,
+    ) -> Arc<Pool> {
         let pool = Arc::new(Pool {
             binary,
             run_dir,
@@ -30,6 +54,7 @@ impl Pool {
             idle: Mutex::new(Vec::new()),
             wake: Notify::new(),
             closed: AtomicBool::new(false),
+            net,
         });
         if size > 0 {
             tokio::spawn(pool.clone().refill());
@@ -37,7 +62,7 @@ impl Pool {
         pool
     }
 
-    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<VmmProcess>> {
+    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<Warm>> {
         self.idle.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -45,24 +70,69 @@ impl Pool {
         self.idle().len()
     }
 
-    /// A started VMM with nothing loaded: from the pool, or started now when
-    /// the pool is empty.
+    /// The node's network slots, when it networks its sandboxes.
+    pub fn net(&self) -> Option<&Arc<Slots>> {
+        self.net.as_ref()
+    }
+
+    /// A started VMM with nothing loaded and outside any network slot.
     pub async fn take(&self) -> Result<VmmProcess, ProcessError> {
-        loop {
-            let pooled = self.idle().pop();
-            self.wake.notify_one();
-            let Some(mut vm) = pooled else {
-                return self.spawn().await;
-            };
-            if vm.is_running() {
-                return Ok(vm);
-            }
-            // Dropping it removes its directory.
-            tracing::warn!("warm pool: VMM pid {} had exited; dropped", vm.pid());
+        if self.net.is_some() {
+            return self.spawn(None).await;
+        }
+        match self.take_for(&EgressPolicy::default()).await {
+            Ok((vm, _)) => Ok(vm),
+            Err(LaunchError::Vmm(e)) => Err(e),
+            Err(LaunchError::Network(e)) => Err(ProcessError::Io {
+                what: "taking a network slot",
+                source: std::io::Error::other(e.to_string()),
+            }),
         }
     }
 
-    async fn spawn(&self) -> Result<VmmProcess, ProcessError> {
+    /// A started VMM with nothing loaded, in a network slot with `policy`
+    /// when the node networks its sandboxes: from the pool, or started now
+    /// when the pool is empty. Out of slots is [`sandfork_network::Error::Exhausted`].
+    pub async fn take_for(
+        &self,
+        policy: &EgressPolicy,
+    ) -> Result<(VmmProcess, Option<Lease>), LaunchError> {
+        loop {
+            let pooled = self.idle().pop();
+            self.wake.notify_one();
+            let Some(mut warm) = pooled else {
+                let lease = match &self.net {
+                    Some(net) => {
+                        let (net, policy) = (net.clone(), policy.clone());
+                        Some(tokio::task::spawn_blocking(move || net.take(&policy)).await??)
+                    }
+                    None => None,
+                };
+                let vm = self.spawn(lease.as_ref()).await?;
+                return Ok((vm, lease));
+            };
+            if !warm.vm.is_running() {
+                // Dropping it removes its directory and gives its slot back.
+                tracing::warn!("warm pool: VMM pid {} had exited; dropped", warm.vm.pid());
+                continue;
+            }
+            if warm.net.as_ref().is_some_and(|l| l.policy() != policy) {
+                let mut lease = warm.net.take().expect("checked");
+                let policy = policy.clone();
+                let (lease, set) = tokio::task::spawn_blocking(move || {
+                    let r = lease.set_policy(policy);
+                    (lease, r)
+                })
+                .await?;
+                warm.net = Some(lease);
+                set?;
+            }
+            let Warm { vm, net } = warm;
+            return Ok((vm, net));
+        }
+    }
+
+    async fn spawn(&self, net: Option<&Lease>) -> Result<VmmProcess, ProcessError> {
         let name = crate::ids::random_bytes(8).map_err(|source| ProcessError::Io {
             what: "naming a VMM directory",
             source,
@@ -72,23 +142,43 @@ impl Pool {
             source,
         })?;
         let dir = self.run_dir.join(format!("vmm-{}", crate::ids::hex(&name)));
-        VmmProcess::spawn_in(&self.binary, dir).await
+        match net {
+            Some(lease) => VmmProcess::spawn_in_with_netns(&self.binary, dir, lease.netns()).await,
+            None => VmmProcess::spawn_in(&self.binary, dir).await,
+        }
     }
 
-    /// Stops the idle VMMs and refilling (at shutdown).
+    async fn spawn_warm(&self) -> Result<Warm, LaunchError> {
+        let net = match &self.net {
+            Some(net) => {
+                let net = net.clone();
+                let policy = EgressPolicy::default();
+                Some(tokio::task::spawn_blocking(move || net.take(&policy)).await??)
+            }
+            None => None,
+        };
+        let vm = self.spawn(net.as_ref()).await?;
+        Ok(Warm { vm, net })
+    }
+
+    /// Stops the idle VMMs and refilling (at shutdown), and networking:
+    /// the slots of sandboxes left running stay for the next start.
     pub fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
         self.wake.notify_one();
         self.idle().clear();
+        if let Some(net) = &self.net {
+            net.shutdown();
+        }
     }
 
     async fn refill(self: Arc<Self>) {
         while !self.closed.load(Ordering::SeqCst) {
             while self.idle().len() < self.size && !self.closed.load(Ordering::SeqCst) {
-                match self.spawn().await {
+                match self.spawn_warm().await {
                     // Closed meanwhile: dropping it stops it.
-                    Ok(vm) if self.closed.load(Ordering::SeqCst) => drop(vm),
-                    Ok(vm) => self.idle().push(vm),
+                    Ok(warm) if self.closed.load(Ordering::SeqCst) => drop(warm),
+                    Ok(warm) => self.idle().push(warm),
                     Err(e) => {
                         tracing::warn!("warm pool: starting a VMM: {e}");
                         tokio::time::sleep(Duration::from_secs(1)).await;

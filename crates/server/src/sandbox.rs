@@ -16,7 +16,8 @@ use crate::capacity::{Ask, Capacity, CapacityError, Reservation, Shortage};
 use crate::clock::now_ms;
 use crate::config::Config;
 use crate::ids;
-use crate::launch::{self, Guest, Launched, Plan, Ready};
+use crate::launch::{self, Guest, LaunchError, Launched, Plan, Ready};
+use crate::net::SandboxNetwork;
 use crate::pool::Pool;
 use crate::store::{
     PausedSnapshot, SandboxRecord, SandboxState, Store, StoreError, TemplateRecord,
@@ -40,6 +41,7 @@ const ROOT_LAYER: &str = "root.layer";
 mod fork;
 mod gc;
 mod live;
+mod network;
 mod observe;
 mod recover;
 mod snapshot;
@@ -96,6 +98,18 @@ pub enum SandboxError {
     Agent(#[from] AgentError),
     #[error("a blocking task failed: {0}")]
     Join(#[from] tokio::task::JoinError),
+    /// Its network slot (out of slots: 503; a refused policy: 400).
+    #[error("{0}")]
+    Network(#[from] crate::net::NetError),
+}
+
+impl From<LaunchError> for SandboxError {
+    fn from(e: LaunchError) -> SandboxError {
+        match e {
+            LaunchError::Vmm(e) => SandboxError::Vmm(e),
+            LaunchError::Network(e) => SandboxError::Network(e),
+        }
+    }
 }
 
 impl From<CapacityError> for SandboxError {
@@ -150,6 +164,8 @@ pub struct CreateParams {
     pub auto_pause: bool,
     /// The timeout's pause keeps the memory (else the filesystem only).
     pub auto_pause_memory: bool,
+    /// Its network policy (validated; no slot yet).
+    pub network: SandboxNetwork,
 }
 
 /// What a pause keeps (E2B's pause `memory` and `autoPauseMemory`).
@@ -429,7 +445,8 @@ impl Manager {
         }
         let started = async {
             let mut launched = launch::launch(&self.pool, plan).await?;
-            let record = record(&launched);
+            let mut record = record(&launched);
+            record.network.slot = launched.net_slot();
             self.store.put_sandbox(&record)?;
             launched.settle_disk();
             Ok::<_, SandboxError>((launched, record))
@@ -473,6 +490,13 @@ impl Manager {
         params: CreateParams,
         hold: Reservation,
     ) -> Result<SandboxRecord, SandboxError> {
+        if template.net_abi.is_some() && self.pool.net().is_none() {
+            return Err(SandboxError::Unavailable(format!(
+                "template {} was made with a network interface and this node runs without \
+                 networking (--no-network): rebuild it here",
+                template.id
+            )));
+        }
         let dir = self.sandbox_dir(id);
         std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
         let root = dir.join(ROOT_LAYER);
@@ -499,6 +523,7 @@ impl Manager {
             },
             hold,
             timeout: AGENT_TIMEOUT,
+            egress: params.network.policy.clone(),
         };
 
         let mut uses_snapshots = template.uses_snapshots.clone();
@@ -536,6 +561,7 @@ impl Manager {
                     .chain([dir.clone()])
                     .collect(),
                 vmm_dir: Some(launched.vm.dir().to_owned()),
+                network: params.network,
             }
         };
         self.start_sandbox(plan, record, access_token.clone(), id)
@@ -615,6 +641,8 @@ impl Manager {
                     s.snapshot = snapshot;
                     s.cold_booted = false;
                     s.vmm_dir = None;
+                    // Its slot goes back with its VMM; a resume takes another.
+                    s.network.slot = None;
                 })
                 .map_err(SandboxError::from),
             Err(e) => Err(e),
@@ -740,6 +768,7 @@ impl Manager {
                     },
                     hold,
                     timeout: AGENT_TIMEOUT,
+                    egress: record.network.policy.clone(),
                 },
                 None => self.cold_boot(&record, &root, hold)?,
             };
@@ -751,6 +780,7 @@ impl Manager {
                     s.end_at_ms = end;
                     s.cold_booted = restore.is_none();
                     s.vmm_dir = Some(launched.vm.dir().to_owned());
+                    s.network.slot = launched.net_slot();
                 })?
                 .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
             launched.settle_disk();
@@ -803,6 +833,7 @@ impl Manager {
             },
             hold,
             timeout: BOOT_TIMEOUT,
+            egress: record.network.policy.clone(),
         })
     }
 

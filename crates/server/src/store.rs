@@ -104,6 +104,9 @@ pub struct SandboxRecord {
     /// a restarted server finds the process to adopt.
     #[serde(default)]
     pub vmm_dir: Option<PathBuf>,
+    /// Its network policy as E2B's API set it and, while it runs, its slot.
+    #[serde(default)]
+    pub network: crate::net::SandboxNetwork,
 }
 
 fn yes() -> bool {
@@ -151,6 +154,10 @@ pub struct TemplateRecord {
     /// A snapshot's source's `uses_dirs` (see [`SandboxRecord::uses_dirs`]).
     #[serde(default)]
     pub uses_dirs: Vec<PathBuf>,
+    /// The guest network ABI its snapshot carries (a network interface at
+    /// the fixed addresses of `sandfork_network::plan`); None: no interface.
+    #[serde(default)]
+    pub net_abi: Option<u32>,
 }
 
 impl TemplateRecord {

@@ -42,6 +42,12 @@ impl From<SandboxError> for ApiError {
             | SandboxError::NameTaken(_) => StatusCode::CONFLICT,
             SandboxError::Invalid(_) => StatusCode::BAD_REQUEST,
             SandboxError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            SandboxError::Network(crate::net::NetError::Exhausted(_)) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            SandboxError::Network(crate::net::NetError::InvalidPolicy(_)) => {
+                StatusCode::BAD_REQUEST
+            }
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
         let message = e.to_string();

@@ -3,6 +3,7 @@
 
 mod error;
 mod list;
+mod network;
 mod node;
 mod observe;
 mod sandboxes;
@@ -14,7 +15,7 @@ use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 
 pub use error::ApiError;
 pub use list::{ListQuery, decode_metadata_filter};
@@ -45,6 +46,7 @@ pub fn router(state: Shared) -> Router {
         .route("/sandboxes/{id}/connect", post(sandboxes::connect))
         .route("/v2/sandboxes/{id}/connect", post(sandboxes::connect))
         .route("/sandboxes/{id}/fork", post(sandboxes::fork))
+        .route("/sandboxes/{id}/network", put(network::update))
         .route("/sandboxes/{id}/snapshots", post(snapshots::create))
         .route("/snapshots", get(snapshots::list))
         .route("/sandboxes/{id}/metrics", get(observe::metrics))

@@ -114,6 +114,7 @@ pub fn listed_json(r: &SandboxRecord, detail: bool) -> Value {
             "onTimeout": if r.auto_pause { "pause" } else { "kill" },
             "autoResume": false,
         });
+        super::network::detail(r, &mut v);
     }
     v
 }
@@ -128,9 +129,9 @@ struct NewSandbox {
     env_vars: Option<BTreeMap<String, String>>,
     /// v1 only; v2 sandboxes are always secure.
     secure: Option<bool>,
-    /// Accepted; every sandbox has the same (no) network for now.
-    #[allow(dead_code)]
+    /// false: all egress denied (E2B's `denyOut: ["0.0.0.0/0"]`).
     allow_internet_access: Option<bool>,
+    network: Option<super::network::NetworkBody>,
     #[serde(rename = "autoPause")]
     auto_pause: Option<bool>,
     /// `false`: the timeout's pause keeps the filesystem only.
@@ -158,6 +159,7 @@ async fn create(state: Shared, body: Bytes, v2: bool) -> Result<Response, ApiErr
         secure: v2 || req.secure.unwrap_or(false),
         auto_pause: req.auto_pause.unwrap_or(false),
         auto_pause_memory: req.auto_pause_memory.unwrap_or(true),
+        network: super::network::from_create(req.allow_internet_access, req.network)?,
     };
     let ends_now = params.timeout.is_zero();
     let record = state.manager.create(params).await?;

@@ -180,6 +180,8 @@ impl Manager {
                 },
                 hold,
                 timeout: AGENT_TIMEOUT,
+                // Children keep the parent's policy (E2B's do).
+                egress: parent.network.policy.clone(),
             };
             let record = |launched: &crate::launch::Launched| {
                 let started = now_ms();

@@ -85,9 +85,16 @@ impl Manager {
                     let sandbox =
                         Sandbox::new(r.id.clone(), r.access_token.clone(), Phase::Starting);
                     let mut guest = sandbox.guest.lock().await;
-                    if let Err(e) =
-                        self.run_guest(&sandbox, &mut guest, Launched::adopted(vm, hold))
-                    {
+                    // Its network slot was adopted with the pool (if still there).
+                    let lease = r
+                        .network
+                        .slot
+                        .and_then(|s| self.pool.net()?.claim_adopted(s.id));
+                    if r.network.slot.is_some() && lease.is_none() {
+                        tracing::warn!("sandbox {}: its network slot is gone", r.id);
+                    }
+                    let launched = Launched::adopted(vm, hold).with_network(lease);
+                    if let Err(e) = self.run_guest(&sandbox, &mut guest, launched) {
                         tracing::warn!("sandbox {}: {e}", r.id);
                     }
                     drop(guest);
@@ -108,6 +115,10 @@ impl Manager {
                     }
                 }
             }
+        }
+        // Slots of sandboxes that could not be adopted go back.
+        if let Some(net) = self.pool.net() {
+            net.release_unclaimed();
         }
     }
 

@@ -225,6 +225,13 @@ impl Manager {
             env_vars: source.env_vars.clone(),
             uses_snapshots,
             uses_dirs: source.uses_dirs.clone(),
+            // Its memory has the interface its source's template gave it.
+            net_abi: self
+                .store
+                .template(&source.template_id)
+                .ok()
+                .flatten()
+                .and_then(|t| t.net_abi),
         };
         self.store.put_template(&record)?;
         Ok(record)

@@ -222,6 +222,8 @@ pub async fn build(
         env_vars: spec.prepare.env_vars.clone(),
         uses_snapshots: Vec::new(),
         uses_dirs: Vec::new(),
+        // Every launch of a networked node has the interface.
+        net_abi: pool.net().map(|_| sandfork_network::plan::NET_ABI_VERSION),
     })
 }
 
@@ -264,6 +266,7 @@ async fn build_in(
         // A build's guest uses the node like a sandbox's; it is counted, not refused.
         hold: capacity.hold(Ask::sandbox(u64::from(spec.vcpus), spec.mem_mib)),
         timeout: BOOT_TIMEOUT,
+        egress: Default::default(),
     };
     let launched = launch::launch(pool, plan).await?;
     let vm = &launched.vm;

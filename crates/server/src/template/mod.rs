@@ -47,6 +47,17 @@ pub enum TemplateError {
     Store(#[from] StoreError),
     #[error("a blocking task failed: {0}")]
     Join(#[from] tokio::task::JoinError),
+    #[error("the template's network: {0}")]
+    Network(#[from] crate::net::NetError),
+}
+
+impl From<crate::launch::LaunchError> for TemplateError {
+    fn from(e: crate::launch::LaunchError) -> TemplateError {
+        match e {
+            crate::launch::LaunchError::Vmm(e) => TemplateError::Vmm(e),
+            crate::launch::LaunchError::Network(e) => TemplateError::Network(e),
+        }
+    }
 }
 
 fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> TemplateError {
@@ -66,7 +77,10 @@ pub async fn ensure_base(
         let same_inputs = t.kernel == config.kernel
             && t.rootfs == config.rootfs
             && t.vcpus == config.vcpus
-            && t.mem_mib == config.mem_mib;
+            && t.mem_mib == config.mem_mib
+            // A snapshot with an interface needs a slot's tap, one without
+            // leaves sandboxes offline: it must match the node.
+            && t.net_abi == pool.net().map(|_| sandfork_network::plan::NET_ABI_VERSION);
         let whole = [&t.snapshot, &t.mem, &t.root_layer]
             .iter()
             .all(|p| p.is_file());

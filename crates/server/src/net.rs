@@ -1,0 +1,266 @@
+//! Sandbox networking on the node: one pool of network slots (crate
+//! `sandfork_network`: a namespace per sandbox with the tap every snapshot
+//! names, NAT and egress policy) started with the node; every launch takes a
+//! slot ([`crate::launch`]), its guest holds it as a [`Lease`] and gives it
+//! back when its VMM is gone. After a restart the slots of adopted sandboxes
+//! are adopted and the rest reclaimed.
+
+use std::collections::HashMap;
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, RwLock};
+
+use sandfork_network::{EgressPolicy, HostConfig, InUse, PoolConfig, Slot};
+use serde::{Deserialize, Serialize};
+
+pub use sandfork_network::Error as NetError;
+pub use sandfork_network::plan::{GUEST_MAC, TAP_NAME};
+
+use crate::store::{SandboxState, Store};
+
+/// The guest's interface in every VMM (and so in every snapshot).
+pub const GUEST_IFACE: &str = "eth0";
+
+/// How the node networks its sandboxes.
+#[derive(Debug, Clone)]
+pub struct NetworkConfig {
+    /// Slots kept ready ahead of need (a fork burst's worth).
+    pub ready_slots: usize,
+    /// The link toward the internet; None: the default route's.
+    pub uplink: Option<String>,
+}
+
+impl Default for NetworkConfig {
+    fn default() -> Self {
+        NetworkConfig {
+            ready_slots: 32,
+            uplink: None,
+        }
+    }
+}
+
+/// The slot a running sandbox is in, as its record keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlotRecord {
+    pub id: u32,
+    /// Where the node reaches the guest.
+    pub host_ip: Ipv4Addr,
+}
+
+/// A sandbox's network as E2B's API set it (create, `PUT .../network`),
+/// resolved into the policy its slot enforces, and the slot it runs in.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxNetwork {
+    /// `allow_internet_access` as given (None: never set).
+    #[serde(default)]
+    pub allow_internet_access: Option<bool>,
+    #[serde(default)]
+    pub allow_out: Vec<String>,
+    #[serde(default)]
+    pub deny_out: Vec<String>,
+    #[serde(default)]
+    pub policy: EgressPolicy,
+    /// While it runs with networking.
+    #[serde(default)]
+    pub slot: Option<SlotRecord>,
+}
+
+/// Where a node keeps its slots' anchors: beside its run dir, not in it (the
+/// run dir's entries are VMM directories, reclaimed by name at start).
+pub fn anchor_dir(run_dir: &std::path::Path) -> PathBuf {
+    let mut name = run_dir.as_os_str().to_owned();
+    name.push("-netns");
+    PathBuf::from(name)
+}
+
+/// The node's slot pool, shared by the warm VMM pool, every running guest's
+/// lease and the manager (policy updates).
+pub struct Slots {
+    /// None once shut down.
+    pool: RwLock<Option<sandfork_network::Pool>>,
+    /// Slots of sandboxes that ran before a restart, until recovery claims them.
+    adopted: Mutex<HashMap<u32, Slot>>,
+}
+
+impl Slots {
+    /// Starts the pool: the slots of the sandboxes `store` records as running
+    /// are adopted (their VMMs may still run in them), every other slot of
+    /// ours is removed, and the worker starts making ready ones.
+    pub fn start(
+        cfg: &NetworkConfig,
+        run_dir: &std::path::Path,
+        store: &Store,
+    ) -> Result<Arc<Slots>, NetError> {
+        let in_use: Vec<InUse> = store
+            .sandboxes()
+            .map_err(|e| NetError::Plan(format!("reading the sandboxes' slots: {e}")))?
+            .into_iter()
+            .filter(|s| s.state == SandboxState::Running)
+            .filter_map(|s| {
+                let slot = s.network.slot?;
+                Some(InUse {
+                    id: slot.id,
+                    policy: s.network.policy,
+                })
+            })
+            .collect();
+        let mut host = HostConfig::new(anchor_dir(run_dir));
+        host.uplink = cfg.uplink.clone();
+        let mut pool_cfg = PoolConfig::new(host);
+        pool_cfg.ready_target = cfg.ready_slots;
+        let (pool, reclaimed) = sandfork_network::Pool::start(pool_cfg, &in_use)?;
+        for w in pool.warnings() {
+            tracing::warn!("networking: {w}");
+        }
+        tracing::info!(
+            "networking: uplink {}, {} slots adopted, {} missing, {} stale removed",
+            pool.uplink(),
+            reclaimed.adopted.len(),
+            reclaimed.missing.len(),
+            reclaimed.removed.len()
+        );
+        Ok(Arc::new(Slots {
+            pool: RwLock::new(Some(pool)),
+            adopted: Mutex::new(reclaimed.adopted.into_iter().map(|s| (s.id(), s)).collect()),
+        }))
+    }
+
+    fn with<T>(
+        &self,
+        f: impl FnOnce(&sandfork_network::Pool) -> Result<T, NetError>,
+    ) -> Result<T, NetError> {
+        let pool = self.pool.read().unwrap_or_else(|p| p.into_inner());
+        match pool.as_ref() {
+            Some(p) => f(p),
+            None => Err(NetError::Plan("networking is shut down".into())),
+        }
+    }
+
+    /// A slot with `policy` in force; blocks (call it off the async threads).
+    pub fn take(self: &Arc<Self>, policy: &EgressPolicy) -> Result<Lease, NetError> {
+        let t0 = std::time::Instant::now();
+        let slot = self.with(|p| p.take(policy))?;
+        tracing::debug!(
+            "network slot {} taken in {:.2} ms",
+            slot.id(),
+            t0.elapsed().as_secs_f64() * 1e3
+        );
+        Ok(Lease {
+            slot: Some(slot),
+            slots: self.clone(),
+        })
+    }
+
+    /// The slot a sandbox had before the restart, if it was adopted.
+    pub fn claim_adopted(self: &Arc<Self>, id: u32) -> Option<Lease> {
+        let slot = self
+            .adopted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&id)?;
+        Some(Lease {
+            slot: Some(slot),
+            slots: self.clone(),
+        })
+    }
+
+    /// Gives back the adopted slots no sandbox claimed (after recovery).
+    pub fn release_unclaimed(&self) {
+        let left: Vec<Slot> = self
+            .adopted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain()
+            .map(|(_, s)| s)
+            .collect();
+        for slot in left {
+            tracing::info!(
+                "networking: slot {} of no adopted sandbox, released",
+                slot.id()
+            );
+            self.release(slot);
+        }
+    }
+
+    fn release(&self, slot: Slot) {
+        let pool = self.pool.read().unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = pool.as_ref() {
+            p.release(slot);
+        }
+    }
+
+    /// (ready, in use).
+    pub fn counts(&self) -> (usize, usize) {
+        self.with(|p| Ok(p.counts())).unwrap_or((0, 0))
+    }
+
+    /// Stops the pool and removes the slots no sandbox uses (a clean stop);
+    /// the slots of running sandboxes stay for the next start to adopt.
+    pub fn shutdown(&self) {
+        let pool = self.pool.write().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(p) = pool
+            && let Err(e) = p.shutdown(true)
+        {
+            tracing::warn!("networking: removing the ready slots: {e}");
+        }
+    }
+}
+
+/// A slot held by a guest: given back to the pool when dropped, which
+/// [`crate::launch::Launched`] does after its VMM is gone.
+pub struct Lease {
+    slot: Option<Slot>,
+    slots: Arc<Slots>,
+}
+
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lease").field("slot", &self.slot).finish()
+    }
+}
+
+impl Lease {
+    fn slot(&self) -> &Slot {
+        self.slot
+            .as_ref()
+            .expect("a lease holds its slot until dropped")
+    }
+
+    pub fn record(&self) -> SlotRecord {
+        let slot = self.slot();
+        SlotRecord {
+            id: slot.id(),
+            host_ip: slot.addrs().host_ip,
+        }
+    }
+
+    /// The slot's namespace, to start the VMM in.
+    pub fn netns(&self) -> &std::path::Path {
+        self.slot().anchor()
+    }
+
+    pub fn policy(&self) -> &EgressPolicy {
+        self.slot().policy()
+    }
+
+    /// Replaces the slot's policy in one transaction; blocks.
+    pub fn set_policy(&mut self, policy: EgressPolicy) -> Result<(), NetError> {
+        let slots = self.slots.clone();
+        let slot = self.slot.as_mut().expect("a lease holds its slot");
+        slots.with(|p| p.set_policy(slot, policy))
+    }
+
+    /// Keeps the slot in place for the next server (a VMM left running at
+    /// shutdown): it is adopted at the next start.
+    pub fn keep(mut self) {
+        self.slot = None;
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            self.slots.release(slot);
+        }
+    }
+}
