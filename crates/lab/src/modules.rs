@@ -20,6 +20,15 @@ pub const LAB_MODULES: &[&str] = &[
     "9p",
     "kvm_amd",
     "tun",
+    // Sandbox networking (crates/network): slot veths, NAT and egress
+    // policy in nftables (the rest of what its rules use is in nf_tables).
+    "veth",
+    "nf_tables",
+    "nft_ct",
+    "nft_nat",
+    "nft_masq",
+    "nft_chain_nat",
+    "nft_reject_inet",
 ];
 
 /// The kernel's name for a module file: `kvm-amd.ko` is `kvm_amd`.

@@ -68,6 +68,13 @@ mod tests {
     use super::*;
 
     #[test]
+    fn out_of_network_slots_is_a_503_that_says_so() {
+        let e = ApiError::from(SandboxError::Network(crate::net::NetError::Exhausted(1024)));
+        assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(e.message, "no free network slot (all 1024 in use)");
+    }
+
+    #[test]
     fn an_internal_error_answers_its_first_line_and_logs_the_rest() {
         let e = SandboxError::Unavailable("unused".into());
         assert_eq!(ApiError::from(e).message, "unused");
