@@ -23,6 +23,9 @@ pub const LAB_MODULES: &[&str] = &[
     // Sandbox networking (crates/network): slot veths, NAT and egress
     // policy in nftables (the rest of what its rules use is in nf_tables).
     "veth",
+    // libcrc32c (under nf_tables) asks the crypto API for crc32c at load;
+    // a soft dependency, not in `depends=`.
+    "crc32c_generic",
     "nf_tables",
     "nft_ct",
     "nft_nat",
