@@ -69,16 +69,13 @@ run_lab_tests() {
     fi
 }
 
-# The lab's nested KVM now and then livelocks while a two-vCPU guest runs:
-# the lab machine's kernel reports a soft lockup of the guest's second vCPU
-# thread inside KVM_RUN, and the whole machine stands still for minutes
-# (README, "Hangs"). `sandfork stress` measured it in 2 of 104 two-vCPU
-# trials and 0 of 191 one-vCPU ones (1 of 192 trials on an idle host, 1 of
-# 103 on a loaded one), and a CI run once saw it with a one-vCPU guest
-# (vcpu0 stuck 288 s); neither a two-CPU lab, single-threaded TCG nor
-# kvm_amd vgif=0 removes it: each lost a guest within its first five
-# boots, 5 of 5 runs.
-# A test caught in one fails or overruns with diagnostics; re-run only the
+# Lab guests used to be lost now and then (4 of 26 `sandfork stress`
+# trials, 4 of 13 two-VM ones, on a loaded host): the guest ticked from the
+# PIT, broadcast each tick by IPI, and on a slow lab its vCPU 0 did nothing
+# but timer interrupts (README, "Hangs"). With the TSC-deadline timer
+# offered and lost PIT ticks dropped, 0 of 35. Until CI has shown a run of
+# clean lab runs, the rule below stays.
+# A test that loses its guest fails or overruns with diagnostics; re-run the
 # tests that failed, once: a real defect fails twice and still fails the
 # suite. A run that ended without naming failures (a lab timeout, the
 # watchdog) is re-run whole.
