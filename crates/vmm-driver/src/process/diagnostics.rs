@@ -141,38 +141,27 @@ pub fn kernel_messages(n: usize) -> String {
     Vec::from(lines).join("\n")
 }
 
+/// One report per line, or why the VMM gave none.
+fn lines<T: std::fmt::Display>(reports: Result<Vec<T>, crate::ClientError>, what: &str) -> String {
+    match reports {
+        Ok(reports) => reports
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("\n"),
+        Err(e) => format!("(no {what} report: {e})"),
+    }
+}
+
 /// Everything above for the VMM in `dir` (process `pid`, API at `api`).
 pub async fn diagnose(dir: &Path, pid: u32, api: &VmmClient) -> String {
     // First: asking for the vCPUs' state below kicks them out of the guest.
     let kvm_trace = super::kvm_trace::report(pid)
         .map(|trace| format!("--- host KVM trace of the VMM's threads ---\n{trace}"))
         .unwrap_or_default();
-    let vcpus = match api
-        .clone()
-        .with_request_timeout(VCPU_REPORT_TIMEOUT)
-        .get_vcpus()
-        .await
-    {
-        Ok(reports) => reports
-            .iter()
-            .map(ToString::to_string)
-            .collect::<Vec<_>>()
-            .join("\n"),
-        Err(e) => format!("(no vCPU report: {e})"),
-    };
-    let devices = match api
-        .clone()
-        .with_request_timeout(VCPU_REPORT_TIMEOUT)
-        .get_devices()
-        .await
-    {
-        Ok(reports) => reports
-            .iter()
-            .map(ToString::to_string)
-            .collect::<Vec<_>>()
-            .join("\n"),
-        Err(e) => format!("(no device report: {e})"),
-    };
+    let api = api.clone().with_request_timeout(VCPU_REPORT_TIMEOUT);
+    let vcpus = lines(api.get_vcpus().await, "vCPU");
+    let devices = lines(api.get_devices().await, "device");
     format!(
         "--- console (tail) ---\n{}\n--- vmm log (tail) ---\n{}\n--- vCPUs ---\n{vcpus}\n\
          --- virtio devices ---\n{devices}\n\
