@@ -153,3 +153,15 @@ pub trait VirtioDevice: Send {
         Ok(())
     }
 }
+
+/// An interrupt line nobody listens to, for worker tests that only look at
+/// the rings.
+#[cfg(test)]
+pub struct NoIrq;
+
+#[cfg(test)]
+impl VirtioInterrupt for NoIrq {
+    fn trigger(&self, _kind: VirtioInterruptType) -> std::io::Result<()> {
+        Ok(())
+    }
+}

@@ -271,14 +271,7 @@ mod tests {
 
     use super::super::testing::Driver;
     use super::*;
-
-    struct NoIrq;
-
-    impl VirtioInterrupt for NoIrq {
-        fn trigger(&self, _kind: VirtioInterruptType) -> io::Result<()> {
-            Ok(())
-        }
-    }
+    use crate::devices::virtio::device::NoIrq;
 
     /// Found by the `block_request` fuzz target: with
     /// event_idx, a driver whose available index ran more than the queue

@@ -474,15 +474,8 @@ mod tests {
     use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
     use super::*;
+    use crate::devices::virtio::device::NoIrq;
     use crate::devices::virtio::vsock::test_driver::GuestQueue;
-
-    struct NoIrq;
-
-    impl VirtioInterrupt for NoIrq {
-        fn trigger(&self, _kind: VirtioInterruptType) -> io::Result<()> {
-            Ok(())
-        }
-    }
 
     /// Runs one `process` of a worker whose driver published `rx_idx` and
     /// `tx_idx` as available indices (and no chains) on queues of 16, with a
