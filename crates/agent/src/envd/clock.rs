@@ -73,17 +73,12 @@ fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
     era * 146_097 + doe - 719_468
 }
 
-/// Sets the realtime clock to `when` if it is off by more than a second (small
-/// differences are request latency, not drift).
+/// Sets the realtime clock to `when` (the host's time when it sent `/init`)
+/// when the guest's clock is wrong by it.
 pub fn set_if_off(when: SystemTime) {
-    let now = SystemTime::now();
-    let off = match when.duration_since(now) {
-        Ok(d) => d,
-        Err(e) => e.duration(),
-    };
-    if off < Duration::from_secs(1) {
+    let Some(off) = correction(SystemTime::now(), when) else {
         return;
-    }
+    };
     let Ok(since) = when.duration_since(UNIX_EPOCH) else {
         return;
     };
@@ -93,6 +88,22 @@ pub fn set_if_off(when: SystemTime) {
         Err(e) => log::warn!("cannot set the clock: {e}"),
     }
 }
+
+/// How far the guest's clock `now` is off, if `when` should replace it.
+/// `when` was read before the request left the host, so a guest clock
+/// behind it is wrong by at least that much (a restored snapshot's clock is
+/// behind by the time it lay paused), and is corrected from a millisecond on;
+/// one ahead of it may be right by the request's latency, and is corrected
+/// only past a second.
+fn correction(now: SystemTime, when: SystemTime) -> Option<Duration> {
+    match when.duration_since(now) {
+        Ok(behind) => (behind >= BEHIND_TOLERANCE).then_some(behind),
+        Err(ahead) => (ahead.duration() >= AHEAD_TOLERANCE).then(|| ahead.duration()),
+    }
+}
+
+const BEHIND_TOLERANCE: Duration = Duration::from_millis(1);
+const AHEAD_TOLERANCE: Duration = Duration::from_secs(1);
 
 #[cfg(test)]
 mod tests {
@@ -118,6 +129,18 @@ mod tests {
             Some((1_767_225_600, 123_456_789))
         );
         assert_eq!(secs("2025-12-31T23:00:00-01:00"), Some((1_767_225_600, 0)));
+    }
+
+    #[test]
+    fn corrects_a_clock_behind_from_a_millisecond_and_one_ahead_past_a_second() {
+        let when = UNIX_EPOCH + Duration::from_secs(1_767_225_600);
+        let ms = Duration::from_millis;
+        assert_eq!(correction(when, when), None);
+        assert_eq!(correction(when - ms(300), when), Some(ms(300)));
+        assert_eq!(correction(when - ms(1), when), Some(ms(1)));
+        assert_eq!(correction(when - Duration::from_micros(500), when), None);
+        assert_eq!(correction(when + ms(900), when), None);
+        assert_eq!(correction(when + ms(1500), when), Some(ms(1500)));
     }
 
     #[test]
