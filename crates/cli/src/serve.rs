@@ -149,6 +149,19 @@ async fn serve(args: ServeArgs) -> Result<()> {
         args.image.vmm()?,
     );
     config.data_dir = args.data_dir.clone();
+    // Each VMM holds descriptors in the server: the soft default (often
+    // 1024) would refuse opens long before the node's capacity.
+    match server::capacity::raise_open_files_limit() {
+        Ok(Some(n)) if n < args.max_sandboxes as u64 * server::capacity::FDS_PER_SANDBOX => {
+            eprintln!(
+                "sandfork serve: open files are limited to {n}: fewer than --max-sandboxes {} may run \
+                 (raise the hard limit, e.g. LimitNOFILE=)",
+                args.max_sandboxes
+            )
+        }
+        Ok(_) => {}
+        Err(e) => eprintln!("sandfork serve: raising the open files limit: {e}"),
+    }
     config.pool_size = args.pool_size;
     config.max_sandboxes = args.max_sandboxes;
     config.capacity = args.capacity.config();

@@ -13,12 +13,9 @@ pub const MIN_LAB_MEMORY_MIB: u64 = 1024;
 /// The lab's memory on this host, from `/proc/meminfo`'s `MemTotal`
 /// (4096 MiB when it cannot be read).
 pub fn host_sized_memory_mib() -> u32 {
-    let total = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| mem_total_mib(&m));
-    match total {
-        Some(total) => sized(total),
-        None => 4096,
+    match host_mem::mem_total_mib() {
+        Ok(total) => sized(total),
+        Err(_) => 4096,
     }
 }
 
@@ -27,17 +24,6 @@ pub fn sized(total_mib: u64) -> u32 {
     let margin = HOST_MARGIN_MIB.max(total_mib * HOST_MARGIN_PERCENT / 100);
     let lab = total_mib.saturating_sub(margin).max(MIN_LAB_MEMORY_MIB);
     u32::try_from(lab).unwrap_or(u32::MAX)
-}
-
-fn mem_total_mib(meminfo: &str) -> Option<u64> {
-    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line["MemTotal:".len()..]
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()?;
-    Some(kib / 1024)
 }
 
 #[cfg(test)]
@@ -53,11 +39,6 @@ mod tests {
         // A tiny host still gets a usable lab.
         assert_eq!(sized(1500), 1024);
         assert_eq!(sized(0), 1024);
-        assert_eq!(
-            mem_total_mib("MemFree: 1 kB\nMemTotal:  24592684 kB\n"),
-            Some(24016)
-        );
-        assert_eq!(mem_total_mib("MemTotal: x kB\n"), None);
         let here = host_sized_memory_mib();
         assert!(here >= 1024, "{here}");
     }

@@ -144,20 +144,26 @@ fn scale(value: u64, ratio: f64) -> u64 {
 
 /// The host's `MemTotal` in MiB.
 pub fn host_memory_mib() -> std::io::Result<u64> {
-    parse_mem_total(&std::fs::read_to_string("/proc/meminfo")?)
-        .ok_or_else(|| std::io::Error::other("no MemTotal line"))
+    host_mem::mem_total_mib()
 }
 
-fn parse_mem_total(meminfo: &str) -> Option<u64> {
-    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line
-        .trim_start_matches("MemTotal:")
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()?;
-    Some(kib / 1024)
+/// Descriptors the server is expected to hold per running sandbox (its VMM's
+/// API socket and pipes, the agent's vsock connections, proxied clients):
+/// only to warn when the open-files limit would run out before
+/// `max_sandboxes` do.
+pub const FDS_PER_SANDBOX: u64 = 16;
+
+/// Raises this process's soft limit of open files to its hard limit (the
+/// soft default, often 1024, is a few dozen sandboxes' worth). Returns the
+/// new soft limit (`None`: unlimited).
+pub fn raise_open_files_limit() -> std::io::Result<Option<u64>> {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut limit = getrlimit(Resource::Nofile);
+    if limit.current != limit.maximum {
+        limit.current = limit.maximum;
+        setrlimit(Resource::Nofile, limit).map_err(std::io::Error::from)?;
+    }
+    Ok(getrlimit(Resource::Nofile).current)
 }
 
 /// The data directory's filesystem, in MiB.
@@ -343,7 +349,7 @@ impl Entry {
         memory::charge(
             self.ask.memory_mib,
             self.ask.sandboxes as u64,
-            self.used_kib.map(memory::kib_to_mib),
+            self.used_kib.map(host_mem::kib_to_mib),
             headroom_mib,
         )
     }
@@ -677,12 +683,11 @@ mod tests {
     }
 
     #[test]
-    fn meminfo_total_is_read_in_mib() {
-        let text = "MemTotal:       24592684 kB\nMemFree:  100 kB\n";
-        assert_eq!(parse_mem_total(text), Some(24016));
-        assert_eq!(parse_mem_total("MemFree: 1 kB\n"), None);
-        assert_eq!(parse_mem_total("MemTotal: lots kB\n"), None);
-        assert!(host_memory_mib().unwrap() > 0);
+    fn the_open_files_limit_is_raised_to_the_hard_limit() {
+        use rustix::process::{Resource, getrlimit};
+        let hard = getrlimit(Resource::Nofile).maximum;
+        assert_eq!(raise_open_files_limit().unwrap(), hard);
+        assert_eq!(getrlimit(Resource::Nofile).current, hard);
     }
 
     #[test]
@@ -1039,7 +1044,7 @@ mod tests {
             assert!(std::time::Instant::now() < deadline, "never sampled");
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
-        let own = memory::kib_to_mib(memory::pss_kib(std::process::id()).unwrap());
+        let own = host_mem::kib_to_mib(memory::pss_kib(std::process::id()).unwrap());
         let charged = cap.held().memory_mib;
         assert!(
             charged > own / 2 && charged < own * 2 + 2,

@@ -705,6 +705,95 @@ async fn a_fork_of_16_is_admitted_by_real_memory_use() {
     assert_eq!(info["sandboxes"]["running"], 17, "{info}");
 }
 
+/// Admission by real use at the ceiling: a 600 MiB node admits three
+/// sandboxes of 512 MiB (1536 MiB counted whole) while their real use is
+/// small; once one of them really fills 200 MiB the node refuses a create
+/// with a 503 that names the figures, and killing it makes room again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab: boots microVMs"]
+async fn real_use_reaching_the_ceiling_is_refused_clearly() {
+    const CEILING: u64 = 600;
+    const FILL_MIB: u64 = 200;
+    let data = tempfile::tempdir().unwrap();
+    let mut config = lab_config(data.path(), 2);
+    config.mem_mib = 512;
+    config.capacity.memory_mib = Some(CEILING);
+    let headroom = config.capacity.memory_headroom_mib;
+    let node = serve(config).await;
+    let (addr, auth) = (node.addr, node.auth());
+    let body = serde_json::json!({ "timeout": 600 });
+    let used = || async {
+        let a = http(addr, "GET", "/v1/node", &auth, "").await;
+        assert_eq!(a.status, 200, "{:?}", a.body);
+        a.json()["memoryMB"]["used"].as_u64().unwrap()
+    };
+    // A sample is taken every 2 s: two of them count every VMM.
+    let sampled = || tokio::time::sleep(Duration::from_secs(5));
+
+    let mut sandboxes = Vec::new();
+    for _ in 0..3 {
+        sandboxes.push(common::create(addr, &auth, body.clone()).await);
+    }
+    sampled().await;
+    let before = used().await;
+    eprintln!("3 idle sandboxes of 512 MiB charged {before} MiB");
+    assert!(before + headroom <= CEILING, "no room left: {before} MiB");
+
+    // The guest really uses memory: a file in its tmpfs.
+    let filler = sandboxes.remove(0);
+    let (code, out) = run(
+        addr,
+        &filler.routing(),
+        &format!("head -c {}M /dev/zero > /tmp/fill && echo filled", FILL_MIB),
+    )
+    .await;
+    assert_eq!((code, out.as_str()), (0, "filled\n"));
+    sampled().await;
+    let after = used().await;
+    eprintln!("after filling {FILL_MIB} MiB: {after} MiB");
+    assert!(after >= before + FILL_MIB - 10, "{before} -> {after} MiB");
+
+    // Creates go on while there is room for a headroom, then are refused.
+    let mut refused = None;
+    for _ in 0..10 {
+        let a = http(addr, "POST", "/v2/sandboxes", &auth, body.to_string()).await;
+        if a.status == 503 {
+            refused = Some(a.json());
+            break;
+        }
+        assert_eq!(a.status, 201, "{:?}", a.body);
+        sampled().await;
+    }
+    let refused = refused.expect("never refused under a 600 MiB ceiling");
+    assert_eq!(refused["code"], 503, "{refused}");
+    let message = refused["message"].as_str().unwrap();
+    let prefix =
+        format!("node over capacity: not enough memory for a sandbox: it needs {headroom} MiB, ");
+    assert!(message.starts_with(&prefix), "{message}");
+    assert!(
+        message.ends_with(&format!(
+            " MiB of the node's {CEILING} MiB are free; kill or pause sandboxes to make room"
+        )),
+        "{message}"
+    );
+    let full = used().await;
+    assert!(full + headroom > CEILING, "refused at {full} MiB");
+
+    // Its memory goes with it: room for a create again.
+    let killed = http(
+        addr,
+        "DELETE",
+        &format!("/sandboxes/{}", filler.id),
+        &auth,
+        "",
+    )
+    .await;
+    assert_eq!(killed.status, 204);
+    let freed = used().await;
+    assert!(freed + FILL_MIB <= full, "{full} -> {freed} MiB");
+    common::create(addr, &auth, body).await;
+}
+
 /// The static guest agent: `SANDFORK_AGENT`, or the release build next to
 /// this test's target directory.
 /// A running sandbox whose VMM is killed from outside (as a crash or the

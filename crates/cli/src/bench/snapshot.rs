@@ -33,14 +33,9 @@ async fn ready(vm: &mut VmmProcess) -> Result<()> {
 
 /// Private resident memory of a process, in MiB (`/proc/<pid>/smaps_rollup`).
 fn private_mib(pid: u32) -> Result<f64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+    let m = host_mem::ProcessMemory::of(pid)
         .with_context(|| format!("reading the memory of process {pid}"))?;
-    let kib: u64 = text
-        .lines()
-        .filter(|l| l.starts_with("Private_Clean:") || l.starts_with("Private_Dirty:"))
-        .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .sum();
-    Ok(kib as f64 / 1024.0)
+    Ok(m.private_kib as f64 / 1024.0)
 }
 
 /// Pause and snapshots of one booted guest, then `runs` restores of the full

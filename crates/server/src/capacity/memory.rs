@@ -39,24 +39,7 @@ pub fn charge(size_mib: u64, guests: u64, used_mib: Option<u64>, headroom_mib: u
 /// The proportional set size of process `pid` in KiB
 /// (`/proc/<pid>/smaps_rollup`).
 pub fn pss_kib(pid: u32) -> std::io::Result<u64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))?;
-    parse_pss_kib(&text).ok_or_else(|| std::io::Error::other("no Pss line in smaps_rollup"))
-}
-
-fn parse_pss_kib(rollup: &str) -> Option<u64> {
-    // `Pss:` exactly: `Pss_Anon:`, `Pss_File:` and others follow it.
-    let line = rollup.lines().find(|l| l.starts_with("Pss:"))?;
-    line["Pss:".len()..]
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()
-}
-
-/// KiB to MiB, rounded up: a sandbox using anything is charged something.
-pub fn kib_to_mib(kib: u64) -> u64 {
-    kib.div_ceil(1024)
+    host_mem::ProcessMemory::of(pid).map(|m| m.pss_kib)
 }
 
 #[cfg(test)]
@@ -80,21 +63,5 @@ mod tests {
         assert_eq!(charge(1024, 0, Some(5), 32), 1024);
         // Headroom as large as a guest: the old model, every guest whole.
         assert_eq!(charge(256, 1, Some(6), u64::MAX), 256);
-    }
-
-    #[test]
-    fn pss_is_read_from_smaps_rollup() {
-        let text = "55d0c0000000-7ffd00000000 ---p 00000000 00:00 0  [rollup]\n\
-                    Rss:                5120 kB\n\
-                    Pss:                3071 kB\n\
-                    Pss_Anon:           1000 kB\n\
-                    Pss_File:           2071 kB\n";
-        assert_eq!(parse_pss_kib(text), Some(3071));
-        assert_eq!(parse_pss_kib("Pss_Anon: 10 kB\n"), None);
-        assert_eq!(parse_pss_kib("Pss: many kB\n"), None);
-        // This very process has some.
-        assert!(pss_kib(std::process::id()).unwrap() > 0);
-        assert!(pss_kib(u32::MAX).is_err());
-        assert_eq!((kib_to_mib(0), kib_to_mib(1), kib_to_mib(2048)), (0, 1, 2));
     }
 }

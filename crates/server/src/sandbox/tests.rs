@@ -242,7 +242,7 @@ async fn a_real_vmm_is_charged_what_it_uses_plus_headroom() {
     let launched = crate::launch::Launched::adopted(vm, capacity.hold(Ask::sandbox(1, 256)));
     capacity.sample();
     let charged = capacity.held().memory_mib;
-    let pss = memory::kib_to_mib(memory::pss_kib(pid).unwrap());
+    let pss = host_mem::kib_to_mib(memory::pss_kib(pid).unwrap());
     assert!(pss > 0, "VMM {pid} uses no memory?");
     // Read twice, a moment apart: an idle VMM's use barely moves.
     assert!(
