@@ -12,6 +12,7 @@
 //! Modules depend in one direction: `plan`, `policy` <- `nft` <- `host` <- `slot` <- `pool`.
 
 pub mod bench;
+pub mod dns;
 mod error;
 mod host;
 mod netlink;

@@ -1,0 +1,382 @@
+//! The node's DNS forwarder for guests: one UDP socket for the whole node (no per-slot cost:
+//! each slot only DNATs its gateway's port 53 to it), which knows a sandbox by the slot host
+//! address its queries arrive from, answers per the sandbox's policy ([`DnsAccess`]) and relays
+//! what it allows to the node's resolver. Messages are parsed with `hickory-proto`; anything
+//! that does not parse is dropped, never answered from.
+
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use hickory_proto::op::{Message, MessageType, ResponseCode};
+
+use crate::error::{Error, Result};
+use crate::policy::{DomainPattern, EgressPolicy};
+
+/// The forwarder's port on the host side (the slot DNATs the gateway's :53 here).
+pub const FORWARDER_PORT: u16 = 5353;
+/// How long a relayed query waits for the upstream's answer.
+const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3);
+/// Relays in flight at once; past it queries are dropped (the guest's resolver retries).
+const MAX_IN_FLIGHT: usize = 256;
+/// The largest UDP DNS message (EDNS may go past 512).
+const MAX_MESSAGE: usize = 4096;
+
+/// Which names a sandbox may resolve.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DnsAccess {
+    /// Any name (the sandbox may reach the internet).
+    Any,
+    /// Only names a domain rule matches (all other traffic denied).
+    Domains(Vec<DomainPattern>),
+    /// None (everything denied, no domain rule).
+    Nothing,
+}
+
+impl DnsAccess {
+    /// What `policy` lets a guest resolve: everything unless all traffic is denied, then only
+    /// the names its domain rules allow.
+    pub fn of(policy: &EgressPolicy) -> Self {
+        let denies_all = policy.deny.iter().any(|c| c.prefix_len() == 0);
+        match (denies_all, policy.allow_domains.is_empty()) {
+            (false, _) => DnsAccess::Any,
+            (true, true) => DnsAccess::Nothing,
+            (true, false) => DnsAccess::Domains(policy.allow_domains.clone()),
+        }
+    }
+
+    fn permits(&self, name: &str) -> bool {
+        match self {
+            DnsAccess::Any => true,
+            DnsAccess::Nothing => false,
+            DnsAccess::Domains(d) => d.iter().any(|p| p.matches(name)),
+        }
+    }
+}
+
+/// Maps a query's source (a slot's host address) to its sandbox's access; None: not a
+/// sandbox's, dropped.
+pub type AccessLookup = dyn Fn(Ipv4Addr) -> Option<DnsAccess> + Send + Sync;
+
+/// The first IPv4 `nameserver` of a resolv.conf text (the default upstream).
+pub fn upstream_from_resolv_conf(text: &str) -> Option<Ipv4Addr> {
+    text.lines()
+        .filter_map(|l| l.trim().strip_prefix("nameserver"))
+        .filter_map(|rest| rest.trim().parse::<Ipv4Addr>().ok())
+        .next()
+}
+
+/// What the forwarder does with one datagram.
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    /// Relay these bytes unchanged to the upstream.
+    Relay,
+    /// Answer with this message (a refusal).
+    Answer(Vec<u8>),
+    /// Not a query we can read: drop it.
+    Drop,
+}
+
+/// Decides on a datagram `bytes` from a sandbox with `access`. Only a single-question query
+/// is relayed (the name checked is the one the upstream answers for).
+fn decide(bytes: &[u8], access: &DnsAccess) -> Verdict {
+    let Ok(msg) = Message::from_vec(bytes) else {
+        return Verdict::Drop;
+    };
+    if msg.message_type() != MessageType::Query {
+        return Verdict::Drop;
+    }
+    let allowed = match msg.queries() {
+        [q] => access.permits(&q.name().to_ascii()),
+        _ => false,
+    };
+    if allowed {
+        return Verdict::Relay;
+    }
+    // REFUSED, as a resolver answers what its policy does not serve; echo the question.
+    let mut refusal = Message::error_msg(msg.id(), msg.op_code(), ResponseCode::Refused);
+    refusal.add_queries(msg.queries().to_vec());
+    refusal.set_recursion_desired(msg.recursion_desired());
+    match refusal.to_vec() {
+        Ok(v) => Verdict::Answer(v),
+        Err(_) => Verdict::Drop,
+    }
+}
+
+/// A running forwarder; stops (and joins its thread) when dropped.
+pub struct DnsForwarder {
+    local: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl DnsForwarder {
+    /// Binds `listen` and relays allowed queries to `upstream`.
+    pub fn start(
+        listen: SocketAddrV4,
+        upstream: SocketAddrV4,
+        lookup: Arc<AccessLookup>,
+    ) -> Result<Self> {
+        let sock = UdpSocket::bind(listen).map_err(|e| Error::sys("bind DNS forwarder", e))?;
+        // Wakes the loop now and then to see whether it should stop.
+        sock.set_read_timeout(Some(Duration::from_millis(200)))
+            .map_err(|e| Error::sys("DNS forwarder timeout", e))?;
+        let local = sock
+            .local_addr()
+            .map_err(|e| Error::sys("DNS forwarder address", e))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("dns-forwarder".into())
+            .spawn(move || serve(sock, upstream, lookup, stop2))
+            .map_err(|e| Error::sys("spawn DNS forwarder", e))?;
+        Ok(DnsForwarder {
+            local,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Where it listens (the port, when started on port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+}
+
+impl Drop for DnsForwarder {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve(
+    sock: UdpSocket,
+    upstream: SocketAddrV4,
+    lookup: Arc<AccessLookup>,
+    stop: Arc<AtomicBool>,
+) {
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let mut buf = [0u8; MAX_MESSAGE];
+    while !stop.load(Ordering::Relaxed) {
+        let (n, from) = match sock.recv_from(&mut buf) {
+            Ok(r) => r,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
+                ) =>
+            {
+                continue;
+            }
+            Err(e) => {
+                tracing_warn(&format!("DNS forwarder receive: {e}"));
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
+        let SocketAddr::V4(from) = from else { continue };
+        let Some(access) = lookup(*from.ip()) else {
+            continue;
+        };
+        match decide(&buf[..n], &access) {
+            Verdict::Drop => {}
+            Verdict::Answer(a) => {
+                let _ = sock.send_to(&a, from);
+            }
+            Verdict::Relay => {
+                if in_flight.fetch_add(1, Ordering::AcqRel) >= MAX_IN_FLIGHT {
+                    in_flight.fetch_sub(1, Ordering::AcqRel);
+                    continue;
+                }
+                let Ok(reply_sock) = sock.try_clone() else {
+                    in_flight.fetch_sub(1, Ordering::AcqRel);
+                    continue;
+                };
+                let query = buf[..n].to_vec();
+                let counter = in_flight.clone();
+                let spawned =
+                    std::thread::Builder::new()
+                        .name("dns-relay".into())
+                        .spawn(move || {
+                            if let Some(answer) = relay(&query, upstream) {
+                                let _ = reply_sock.send_to(&answer, from);
+                            }
+                            counter.fetch_sub(1, Ordering::AcqRel);
+                        });
+                if spawned.is_err() {
+                    in_flight.fetch_sub(1, Ordering::AcqRel);
+                }
+            }
+        }
+    }
+}
+
+/// Sends `query` to `upstream` from a fresh port and returns the answer with the query's id.
+fn relay(query: &[u8], upstream: SocketAddrV4) -> Option<Vec<u8>> {
+    let id = query.get(..2)?;
+    let s = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).ok()?;
+    s.connect(upstream).ok()?;
+    s.set_read_timeout(Some(UPSTREAM_TIMEOUT)).ok()?;
+    s.send(query).ok()?;
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    loop {
+        let n = s.recv(&mut buf).ok()?;
+        // Only the answer to this query (a connected socket only hears the upstream).
+        if buf.get(..2) == Some(id) && Message::from_vec(&buf[..n]).is_ok() {
+            buf.truncate(n);
+            return Some(buf);
+        }
+    }
+}
+
+// The crate does not depend on `tracing`; the forwarder's only complaint goes to stderr.
+fn tracing_warn(msg: &str) {
+    eprintln!("sandfork-network: {msg}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hickory_proto::op::Query;
+    use hickory_proto::rr::{Name, RData, Record, RecordType, rdata::A};
+    use std::str::FromStr;
+
+    fn query(id: u16, name: &str) -> Vec<u8> {
+        let mut m = Message::new();
+        m.set_id(id).set_recursion_desired(true);
+        m.add_query(Query::query(Name::from_str(name).unwrap(), RecordType::A));
+        m.to_vec().unwrap()
+    }
+
+    fn domains(d: &[&str]) -> DnsAccess {
+        DnsAccess::Domains(d.iter().map(|s| DomainPattern::parse(s).unwrap()).collect())
+    }
+
+    #[test]
+    fn access_follows_policy() {
+        assert_eq!(DnsAccess::of(&EgressPolicy::default()), DnsAccess::Any);
+        assert_eq!(DnsAccess::of(&EgressPolicy::deny_all()), DnsAccess::Nothing);
+        let p = EgressPolicy::from_e2b(None, &["*.ok.test".into()], &["0.0.0.0/0".into()]).unwrap();
+        assert_eq!(DnsAccess::of(&p), domains(&["*.ok.test"]));
+    }
+
+    #[test]
+    fn decide_relays_allowed_and_refuses_the_rest() {
+        let a = domains(&["allowed.test", "*.ok.test"]);
+        assert_eq!(decide(&query(1, "allowed.test."), &a), Verdict::Relay);
+        assert_eq!(decide(&query(1, "ALLOWED.test"), &a), Verdict::Relay);
+        assert_eq!(decide(&query(1, "a.ok.test."), &a), Verdict::Relay);
+        for name in ["blocked.test.", "ok.test.", "allowed.test.evil."] {
+            let Verdict::Answer(r) = decide(&query(7, name), &a) else {
+                panic!("{name} not refused");
+            };
+            let r = Message::from_vec(&r).unwrap();
+            assert_eq!(r.id(), 7);
+            assert_eq!(r.response_code(), ResponseCode::Refused);
+            assert_eq!(r.queries().len(), 1);
+        }
+        assert!(matches!(
+            decide(&query(1, "x.test."), &DnsAccess::Nothing),
+            Verdict::Answer(_)
+        ));
+        assert_eq!(
+            decide(&query(1, "x.test."), &DnsAccess::Any),
+            Verdict::Relay
+        );
+    }
+
+    #[test]
+    fn malformed_and_non_queries_are_dropped() {
+        let q = query(3, "allowed.test.");
+        for n in 0..q.len() {
+            // Every truncation: no panic, and never a relay of a cut message.
+            assert_ne!(decide(&q[..n], &DnsAccess::Any), Verdict::Relay, "len {n}");
+        }
+        let mut resp = Message::from_vec(&q).unwrap();
+        resp.set_message_type(MessageType::Response);
+        assert_eq!(
+            decide(&resp.to_vec().unwrap(), &DnsAccess::Any),
+            Verdict::Drop
+        );
+        // A pointer loop in the name.
+        let mut looped = q[..12].to_vec();
+        looped.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1]);
+        assert_eq!(decide(&looped, &DnsAccess::Any), Verdict::Drop);
+        assert_eq!(decide(&[0xff; 600], &DnsAccess::Any), Verdict::Drop);
+    }
+
+    #[test]
+    fn resolv_conf_upstream() {
+        let t = "# x\nsearch lan\nnameserver ::1\nnameserver 127.0.0.53\nnameserver 1.2.3.4\n";
+        assert_eq!(
+            upstream_from_resolv_conf(t),
+            Some(Ipv4Addr::new(127, 0, 0, 53))
+        );
+        assert_eq!(upstream_from_resolv_conf("search x\n"), None);
+    }
+
+    /// A one-record DNS server on loopback: answers every A query with 203.0.113.10.
+    fn fake_upstream() -> (SocketAddrV4, JoinHandle<()>) {
+        let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let SocketAddr::V4(addr) = s.local_addr().unwrap() else {
+            unreachable!()
+        };
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let t = std::thread::spawn(move || {
+            let mut buf = [0u8; 512];
+            while let Ok((n, from)) = s.recv_from(&mut buf) {
+                let q = Message::from_vec(&buf[..n]).unwrap();
+                let mut r = Message::new();
+                r.set_id(q.id()).set_message_type(MessageType::Response);
+                r.add_queries(q.queries().to_vec());
+                let name = q.queries()[0].name().clone();
+                r.add_answer(Record::from_rdata(
+                    name,
+                    60,
+                    RData::A(A::new(203, 0, 113, 10)),
+                ));
+                s.send_to(&r.to_vec().unwrap(), from).unwrap();
+            }
+        });
+        (addr, t)
+    }
+
+    #[test]
+    fn forwards_over_loopback_per_source_policy() {
+        let (up, _t) = fake_upstream();
+        // 127.0.0.1 stands for a slot with domain rules; other sources are nobody's.
+        let lookup: Arc<AccessLookup> = Arc::new(|ip: Ipv4Addr| {
+            (ip == Ipv4Addr::LOCALHOST).then(|| domains(&["allowed.test"]))
+        });
+        let fwd = DnsForwarder::start("127.0.0.1:0".parse().unwrap(), up, lookup).unwrap();
+        let c = UdpSocket::bind("127.0.0.1:0").unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        c.connect(fwd.local_addr()).unwrap();
+        let mut buf = [0u8; 4096];
+
+        c.send(&[0u8; 3]).unwrap(); // garbage first: the forwarder must live on
+        c.send(&query(11, "allowed.test.")).unwrap();
+        let n = c.recv(&mut buf).unwrap();
+        let r = Message::from_vec(&buf[..n]).unwrap();
+        assert_eq!(r.id(), 11);
+        assert_eq!(r.response_code(), ResponseCode::NoError);
+        let RData::A(a) = r.answers()[0].data() else {
+            panic!("{r:?}")
+        };
+        assert_eq!(a.0, Ipv4Addr::new(203, 0, 113, 10));
+
+        c.send(&query(12, "blocked.test.")).unwrap();
+        let n = c.recv(&mut buf).unwrap();
+        let r = Message::from_vec(&buf[..n]).unwrap();
+        assert_eq!((r.id(), r.response_code()), (12, ResponseCode::Refused));
+        assert!(r.answers().is_empty());
+        drop(fwd);
+    }
+}
