@@ -74,7 +74,8 @@ impl Registration {
     }
 
     /// Maps `id` to this node; false if another record exists or the node's
-    /// lease no longer holds its key.
+    /// lease no longer holds its key. Claiming again what this incarnation
+    /// already holds is true (the reconciler may have been first).
     pub async fn claim(&self, id: &str) -> Result<bool, ClusterError> {
         let route = {
             let record = self.lock();
@@ -84,7 +85,13 @@ impl Registration {
                 created_at_ms: now_ms(),
             }
         };
-        crate::claim(&mut self.cluster.client(), id, &route).await
+        if crate::claim(&mut self.cluster.client(), id, &route).await? {
+            return Ok(true);
+        }
+        let held = self.cluster.sandbox(id).await?.is_some_and(|r| {
+            r.value.node_id == route.node_id && r.value.incarnation == route.incarnation
+        });
+        Ok(held)
     }
 
     /// Removes `id` from the map if this node owns it; false if it does not
@@ -138,7 +145,7 @@ impl Registration {
     }
 
     /// Deletes the node's record and revokes its lease.
-    pub async fn leave(self) {
+    pub async fn leave(&self) {
         self.task.abort();
         let lease = self.incarnation();
         if let Err(e) = self.cluster.client().lease_revoke(lease).await {
