@@ -19,6 +19,9 @@ packages=(
     python3 git pkg-config ca-certificates tmux shellcheck
     # taps for the network device's lab tests (ip tuntap)
     iproute2
+    # the cluster layer: etcd for its tests (a member per test on loopback),
+    # protoc and the well-known-type protos for etcd-client's build script
+    etcd-server etcd-client protobuf-compiler libprotobuf-dev
 )
 
 # One dpkg-query for all of them; unknown packages print nothing.

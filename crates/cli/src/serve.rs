@@ -52,7 +52,93 @@ pub struct ServeArgs {
     #[command(flatten)]
     capacity: CapacityArgs,
     #[command(flatten)]
+    cluster: ClusterArgs,
+    #[command(flatten)]
     image: ImageArgs,
+}
+
+/// What this process is in a cluster.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Role {
+    /// The single node of today: sandboxes and API, no etcd.
+    All,
+    /// Runs sandboxes, registered in etcd (its API is what gateways call).
+    Node,
+    /// Routes the E2B API and envd traffic to the nodes; runs no VMs.
+    Gateway,
+}
+
+#[derive(clap::Args)]
+struct ClusterArgs {
+    #[arg(long, value_enum, default_value_t = Role::All)]
+    role: Role,
+    /// etcd endpoints, comma-separated (e.g. http://127.0.0.1:2379);
+    /// needed by --role node and gateway.
+    #[arg(long, env = "SANDFORK_ETCD", value_delimiter = ',')]
+    etcd: Vec<String>,
+    /// The node's name in the cluster [default: the host name and port].
+    #[arg(long)]
+    node_id: Option<String>,
+    /// The address gateways reach this node's API at [default: --listen].
+    #[arg(long)]
+    advertise: Option<SocketAddr>,
+    /// Seconds a node's registration outlives its last refresh.
+    #[arg(long, default_value_t = 10)]
+    lease_ttl_secs: u64,
+}
+
+impl ClusterArgs {
+    fn check(&self) -> Result<()> {
+        match (self.role, self.etcd.is_empty()) {
+            (Role::All, false) => anyhow::bail!(
+                "--etcd is for a cluster: pick --role node or --role gateway (--role all is one node on its own)"
+            ),
+            (Role::Node | Role::Gateway, true) => {
+                anyhow::bail!("--role node and --role gateway need --etcd")
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn node_id(&self, listen: SocketAddr) -> Result<String> {
+        let id = match &self.node_id {
+            Some(id) => id.clone(),
+            None => {
+                let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+                format!("{}-{}", host.trim(), listen.port())
+            }
+        };
+        anyhow::ensure!(
+            cluster::keyspace::is_node_id(&id),
+            "node id {id:?}: use letters, digits, '-', '_' and '.' (at most 64)"
+        );
+        Ok(id)
+    }
+
+    /// The same flags, for the `serve` run inside the lab.
+    fn to_args(&self) -> Vec<String> {
+        let mut args = vec![
+            format!(
+                "--role={}",
+                match self.role {
+                    Role::All => "all",
+                    Role::Node => "node",
+                    Role::Gateway => "gateway",
+                }
+            ),
+            format!("--lease-ttl-secs={}", self.lease_ttl_secs),
+        ];
+        if !self.etcd.is_empty() {
+            args.push(format!("--etcd={}", self.etcd.join(",")));
+        }
+        if let Some(id) = &self.node_id {
+            args.push(format!("--node-id={id}"));
+        }
+        if let Some(a) = self.advertise {
+            args.push(format!("--advertise={a}"));
+        }
+        args
+    }
 }
 
 /// What sandboxes may use of the node; beyond it creates, resumes and forks
@@ -124,7 +210,12 @@ fn ratio(s: &str) -> Result<f64, String> {
 }
 
 pub fn run(args: ServeArgs) -> Result<ExitCode> {
-    if !args.image.in_lab && sandfork_lab::detect().environment != Environment::Hardware {
+    args.cluster.check()?;
+    // A gateway runs no VMs: it needs no KVM, and so no lab.
+    if args.cluster.role != Role::Gateway
+        && !args.image.in_lab
+        && sandfork_lab::detect().environment != Environment::Hardware
+    {
         return run_in_lab(&args);
     }
     tracing_subscriber::fmt()
@@ -142,6 +233,9 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
 }
 
 async fn serve(args: ServeArgs) -> Result<()> {
+    if args.cluster.role == Role::Gateway {
+        return serve_gateway(&args).await;
+    }
     let mut config = Config::new(
         args.listen,
         args.image.kernel.clone(),
@@ -186,7 +280,59 @@ async fn serve(args: ServeArgs) -> Result<()> {
         "sandfork serve: listening on http://{0} (E2B_API_URL=http://{0} E2B_SANDBOX_URL=http://{0})",
         args.listen
     );
-    node.serve(listener, shutdown_signal()).await?;
+    if args.cluster.role == Role::All {
+        node.serve(listener, shutdown_signal()).await?;
+        return Ok(());
+    }
+    let node_id = args.cluster.node_id(args.listen)?;
+    let advertise = args.cluster.advertise.unwrap_or(args.listen);
+    anyhow::ensure!(
+        !advertise.ip().is_unspecified(),
+        "--listen {} is every address: say which one gateways use with --advertise",
+        args.listen
+    );
+    let etcd = cluster::Cluster::connect(&args.cluster.etcd)
+        .await
+        .context("connecting to etcd")?;
+    let manager = node.state.manager.clone();
+    let registration = cluster::Registration::start(
+        etcd,
+        &node_id,
+        &advertise.to_string(),
+        server::cluster::capacity(&manager),
+        std::time::Duration::from_secs(args.cluster.lease_ttl_secs.max(2)),
+    )
+    .await
+    .context("registering in etcd")?;
+    let member = std::sync::Arc::new(server::cluster::Node {
+        registration,
+        manager,
+    });
+    // Sandboxes recovered at start are mapped before the first request.
+    member.reconcile().await;
+    member.start_reconciler(std::time::Duration::from_secs(2));
+    println!("sandfork serve: node {node_id} in the cluster, reached at {advertise}");
+    let layer = member.clone();
+    node.serve_with(listener, shutdown_signal(), move |router| {
+        server::cluster::layer(router, layer)
+    })
+    .await?;
+    member.registration.leave().await;
+    Ok(())
+}
+
+async fn serve_gateway(args: &ServeArgs) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("listening on {}", args.listen))?;
+    let etcd = cluster::Cluster::connect(&args.cluster.etcd)
+        .await
+        .context("connecting to etcd")?;
+    println!(
+        "sandfork serve: gateway listening on http://{0} (E2B_API_URL=http://{0} E2B_SANDBOX_URL=http://{0})",
+        args.listen
+    );
+    server::gateway::serve(listener, etcd, shutdown_signal()).await?;
     Ok(())
 }
 
@@ -244,6 +390,7 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
         .arg("--max-sandboxes")
         .arg(args.max_sandboxes.to_string())
         .args(args.capacity.to_args())
+        .args(args.cluster.to_args())
         .arg("--kernel")
         .arg(&image.kernel)
         .arg("--rootfs")

@@ -8,7 +8,9 @@ pub mod api;
 pub mod auth;
 pub mod capacity;
 pub mod clock;
+pub mod cluster;
 pub mod config;
+pub mod gateway;
 pub mod ids;
 pub mod launch;
 pub mod net;
@@ -132,8 +134,19 @@ impl Server {
         listener: tokio::net::TcpListener,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
+        self.serve_with(listener, shutdown, |router| router).await
+    }
+
+    /// [`Server::serve`] with `wrap` around the node's routes (a cluster
+    /// node's layer, [`cluster::layer`]).
+    pub async fn serve_with(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+        wrap: impl FnOnce(axum::Router) -> axum::Router,
+    ) -> std::io::Result<()> {
         let manager = self.state.manager.clone();
-        let served = axum::serve(listener, api::router(self.state))
+        let served = axum::serve(listener, wrap(api::router(self.state)))
             .with_graceful_shutdown(shutdown)
             .await;
         manager.shutdown();

@@ -1,0 +1,154 @@
+//! The keys under `/sandfork/v1/` and their JSON records.
+//!
+//! | key | value | lifetime |
+//! |---|---|---|
+//! | `nodes/{node_id}` | [`NodeRecord`] | the node's lease |
+//! | `sandboxes/{id}` | [`SandboxRoute`] | create to kill (not lease-bound: a paused sandbox outlives its node) |
+
+use serde::{Deserialize, Serialize};
+
+pub const PREFIX: &str = "/sandfork/v1/";
+pub const NODES: &str = "/sandfork/v1/nodes/";
+pub const SANDBOXES: &str = "/sandfork/v1/sandboxes/";
+
+pub fn node_key(node_id: &str) -> String {
+    format!("{NODES}{node_id}")
+}
+
+pub fn sandbox_key(id: &str) -> String {
+    format!("{SANDBOXES}{id}")
+}
+
+/// The sandbox ID of a `sandboxes/{id}` key (None for any other key).
+pub fn sandbox_id(key: &[u8]) -> Option<&str> {
+    let id = std::str::from_utf8(key).ok()?.strip_prefix(SANDBOXES)?;
+    (!id.is_empty() && !id.contains('/')).then_some(id)
+}
+
+/// A node ID names one key segment: letters, digits, `-`, `_`, `.`.
+pub fn is_node_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+/// What a node may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct NodeCapacity {
+    pub max_sandboxes: u64,
+    pub vcpus: u64,
+    pub memory_mib: u64,
+}
+
+/// What a node holds now (rewritten only when it changes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct NodeLoad {
+    pub sandboxes: u64,
+    pub vcpus: u64,
+    pub memory_mib: u64,
+}
+
+/// `nodes/{node_id}`: a registered node, bound to its lease.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    pub node_id: String,
+    /// The lease the record is held by: a new one at each registration, so a
+    /// node that lost its lease and came back is told apart from before.
+    pub incarnation: i64,
+    /// `host:port` of the node's API and envd proxy.
+    pub api_addr: String,
+    pub capacity: NodeCapacity,
+    pub load: NodeLoad,
+}
+
+impl NodeRecord {
+    /// Placement's measure: the share of the node still free, the scarcest
+    /// of sandboxes, vCPUs and memory (0 when any is used up).
+    pub fn free_share(&self) -> f64 {
+        let share = |cap: u64, used: u64| {
+            if cap == 0 {
+                1.0
+            } else {
+                cap.saturating_sub(used) as f64 / cap as f64
+            }
+        };
+        [
+            share(self.capacity.max_sandboxes, self.load.sandboxes),
+            share(self.capacity.vcpus, self.load.vcpus),
+            share(self.capacity.memory_mib, self.load.memory_mib),
+        ]
+        .into_iter()
+        .fold(1.0, f64::min)
+    }
+}
+
+/// `sandboxes/{id}`: which node serves the sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxRoute {
+    pub node_id: String,
+    /// The owning node's incarnation when it claimed the sandbox.
+    pub incarnation: i64,
+    pub created_at_ms: u64,
+}
+
+/// Nodes in the order a create tries them: most free first, ties by ID
+/// (stable, so equal nodes are not picked at random by each gateway).
+pub fn placement_order(mut nodes: Vec<NodeRecord>) -> Vec<NodeRecord> {
+    nodes.sort_by(|a, b| {
+        b.free_share()
+            .total_cmp(&a.free_share())
+            .then_with(|| a.node_id.cmp(&b.node_id))
+    });
+    nodes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(id: &str, cap: u64, used: u64) -> NodeRecord {
+        NodeRecord {
+            node_id: id.into(),
+            incarnation: 1,
+            api_addr: "127.0.0.1:1".into(),
+            capacity: NodeCapacity {
+                max_sandboxes: cap,
+                vcpus: 8,
+                memory_mib: 4096,
+            },
+            load: NodeLoad {
+                sandboxes: used,
+                vcpus: 0,
+                memory_mib: 0,
+            },
+        }
+    }
+
+    #[test]
+    fn keys_round_trip_and_reject_other_keys() {
+        let key = sandbox_key("abc123");
+        assert_eq!(key, "/sandfork/v1/sandboxes/abc123");
+        assert_eq!(sandbox_id(key.as_bytes()), Some("abc123"));
+        assert_eq!(sandbox_id(b"/sandfork/v1/sandboxes/"), None);
+        assert_eq!(sandbox_id(b"/sandfork/v1/sandboxes/a/b"), None);
+        assert_eq!(sandbox_id(node_key("n1").as_bytes()), None);
+        assert!(is_node_id("node-1.lab"));
+        for bad in ["", "a/b", "a b", &"x".repeat(65)] {
+            assert!(!is_node_id(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn placement_prefers_the_freest_node_then_the_lowest_id() {
+        let order = placement_order(vec![node("c", 4, 3), node("b", 4, 1), node("a", 4, 1)]);
+        let ids: Vec<&str> = order.iter().map(|n| n.node_id.as_str()).collect();
+        assert_eq!(ids, ["a", "b", "c"]);
+        // The scarcest resource decides; a full node scores 0.
+        let mut full = node("d", 4, 0);
+        full.load.memory_mib = 4096;
+        assert_eq!(full.free_share(), 0.0);
+        assert_eq!(node("e", 0, 9).free_share(), 1.0);
+    }
+}

@@ -1,0 +1,173 @@
+//! The sandfork cluster layer on etcd v3: the keyspace and its records,
+//! a node's registration under a lease, and the sandbox-to-node map whose
+//! every change is a transaction checked against the record's revision and
+//! the owning node's lease (so a node whose lease is gone writes nothing).
+//!
+//! Nodes and gateways use [`Cluster`]; a node holds a [`Registration`].
+//! [`harness`] starts a real etcd member for tests.
+
+pub mod harness;
+pub mod keyspace;
+mod membership;
+
+use std::time::Duration;
+
+use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, Txn, TxnOp};
+
+pub use keyspace::{NodeCapacity, NodeLoad, NodeRecord, SandboxRoute};
+pub use membership::Registration;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("etcd: {0}")]
+    Etcd(#[from] etcd_client::Error),
+    #[error("record {key}: {source}")]
+    Record {
+        key: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("no etcd endpoints given")]
+    NoEndpoints,
+}
+
+/// A record read from etcd with the revision it was last changed at (what
+/// a transaction compares against).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Versioned<T> {
+    pub value: T,
+    pub mod_revision: i64,
+}
+
+/// A handle on the cluster's etcd (cheap to clone: one gRPC channel).
+#[derive(Clone)]
+pub struct Cluster {
+    client: Client,
+}
+
+/// How long one etcd request may take before it counts as failed (a lost
+/// quorum must not hang a create).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl Cluster {
+    pub async fn connect(endpoints: &[String]) -> Result<Cluster, ClusterError> {
+        if endpoints.is_empty() {
+            return Err(ClusterError::NoEndpoints);
+        }
+        let options = ConnectOptions::new()
+            .with_connect_timeout(REQUEST_TIMEOUT)
+            .with_timeout(REQUEST_TIMEOUT);
+        let client = Client::connect(endpoints, Some(options)).await?;
+        Ok(Cluster { client })
+    }
+
+    pub(crate) fn client(&self) -> Client {
+        self.client.clone()
+    }
+
+    /// The registered (lease-alive) nodes.
+    pub async fn nodes(&self) -> Result<Vec<NodeRecord>, ClusterError> {
+        let mut client = self.client();
+        let resp = client
+            .get(keyspace::NODES, Some(GetOptions::new().with_prefix()))
+            .await?;
+        resp.kvs()
+            .iter()
+            .map(|kv| decode(kv.key(), kv.value()))
+            .collect()
+    }
+
+    /// Where a sandbox runs, if the map has it.
+    pub async fn sandbox(&self, id: &str) -> Result<Option<Versioned<SandboxRoute>>, ClusterError> {
+        let mut client = self.client();
+        let resp = client.get(keyspace::sandbox_key(id), None).await?;
+        resp.kvs()
+            .first()
+            .map(|kv| {
+                Ok(Versioned {
+                    value: decode(kv.key(), kv.value())?,
+                    mod_revision: kv.mod_revision(),
+                })
+            })
+            .transpose()
+    }
+
+    /// The whole sandbox-to-node map, by sandbox ID.
+    pub async fn sandboxes(&self) -> Result<Vec<(String, Versioned<SandboxRoute>)>, ClusterError> {
+        let mut client = self.client();
+        let resp = client
+            .get(keyspace::SANDBOXES, Some(GetOptions::new().with_prefix()))
+            .await?;
+        resp.kvs()
+            .iter()
+            .filter_map(|kv| {
+                let id = keyspace::sandbox_id(kv.key())?;
+                Some(decode(kv.key(), kv.value()).map(|value| {
+                    (
+                        id.to_owned(),
+                        Versioned {
+                            value,
+                            mod_revision: kv.mod_revision(),
+                        },
+                    )
+                }))
+            })
+            .collect()
+    }
+}
+
+/// The fencing compare: the node's own key is still held by the lease the
+/// caller registered with (a node whose lease expired, or that re-registered
+/// since, fails it).
+fn node_holds(node_id: &str, lease: i64) -> Compare {
+    Compare::lease(keyspace::node_key(node_id), CompareOp::Equal, lease)
+}
+
+/// Claims `id` for the route's node: succeeds only if no record exists
+/// (exactly once, whoever races) and the node's lease still holds its key.
+pub(crate) async fn claim(
+    client: &mut Client,
+    id: &str,
+    route: &SandboxRoute,
+) -> Result<bool, ClusterError> {
+    let key = keyspace::sandbox_key(id);
+    let value = encode(&key, route)?;
+    let txn = Txn::new()
+        .when([
+            Compare::create_revision(key.clone(), CompareOp::Equal, 0),
+            node_holds(&route.node_id, route.incarnation),
+        ])
+        .and_then([TxnOp::put(key, value, None)]);
+    Ok(client.txn(txn).await?.succeeded())
+}
+
+/// Deletes `id`'s record if it is unchanged since `mod_revision` and its
+/// node still holds the lease it was written under.
+pub(crate) async fn release(
+    client: &mut Client,
+    id: &str,
+    seen: &Versioned<SandboxRoute>,
+) -> Result<bool, ClusterError> {
+    let key = keyspace::sandbox_key(id);
+    let txn = Txn::new()
+        .when([
+            Compare::mod_revision(key.clone(), CompareOp::Equal, seen.mod_revision),
+            node_holds(&seen.value.node_id, seen.value.incarnation),
+        ])
+        .and_then([TxnOp::delete(key, None)]);
+    Ok(client.txn(txn).await?.succeeded())
+}
+
+pub(crate) fn encode<T: serde::Serialize>(key: &str, value: &T) -> Result<Vec<u8>, ClusterError> {
+    serde_json::to_vec(value).map_err(|source| ClusterError::Record {
+        key: key.to_owned(),
+        source,
+    })
+}
+
+fn decode<T: serde::de::DeserializeOwned>(key: &[u8], value: &[u8]) -> Result<T, ClusterError> {
+    serde_json::from_slice(value).map_err(|source| ClusterError::Record {
+        key: String::from_utf8_lossy(key).into_owned(),
+        source,
+    })
+}

@@ -1,0 +1,263 @@
+//! A node's registration: its record under a lease kept alive by a task,
+//! rewritten when its load changes, made anew (a new incarnation) if the
+//! lease is lost; and the node's side of the sandbox map.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use etcd_client::{Client, PutOptions};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::keyspace::{self, NodeCapacity, NodeLoad, NodeRecord, SandboxRoute};
+use crate::{Cluster, ClusterError};
+
+/// A registered node. Dropping it stops the keep-alive (the lease then
+/// expires); [`Registration::leave`] deletes the record at once.
+pub struct Registration {
+    cluster: Cluster,
+    record: Arc<Mutex<NodeRecord>>,
+    load: watch::Sender<NodeLoad>,
+    task: JoinHandle<()>,
+}
+
+impl Registration {
+    /// Grants a lease of `ttl` and writes the node's record under it.
+    pub async fn start(
+        cluster: Cluster,
+        node_id: &str,
+        api_addr: &str,
+        capacity: NodeCapacity,
+        ttl: Duration,
+    ) -> Result<Registration, ClusterError> {
+        let mut record = NodeRecord {
+            node_id: node_id.to_owned(),
+            incarnation: 0,
+            api_addr: api_addr.to_owned(),
+            capacity,
+            load: NodeLoad::default(),
+        };
+        let mut client = cluster.client();
+        register(&mut client, &mut record, ttl).await?;
+        tracing::info!(
+            "cluster: registered node {node_id} at {api_addr} (lease {:x})",
+            record.incarnation
+        );
+        let record = Arc::new(Mutex::new(record));
+        let (load, load_rx) = watch::channel(NodeLoad::default());
+        let task = tokio::spawn(keep(client, record.clone(), load_rx, ttl));
+        Ok(Registration {
+            cluster,
+            record,
+            load,
+            task,
+        })
+    }
+
+    pub fn node_id(&self) -> String {
+        self.lock().node_id.clone()
+    }
+
+    /// The lease the node's record is held by now.
+    pub fn incarnation(&self) -> i64 {
+        self.lock().incarnation
+    }
+
+    /// Publishes the node's load (written only when it changed).
+    pub fn set_load(&self, load: NodeLoad) {
+        self.load.send_if_modified(|old| {
+            let changed = *old != load;
+            *old = load;
+            changed
+        });
+    }
+
+    /// Maps `id` to this node; false if another record exists or the node's
+    /// lease no longer holds its key. Claiming again what this incarnation
+    /// already holds is true (the reconciler may have been first).
+    pub async fn claim(&self, id: &str) -> Result<bool, ClusterError> {
+        let route = {
+            let record = self.lock();
+            SandboxRoute {
+                node_id: record.node_id.clone(),
+                incarnation: record.incarnation,
+                created_at_ms: now_ms(),
+            }
+        };
+        if crate::claim(&mut self.cluster.client(), id, &route).await? {
+            return Ok(true);
+        }
+        let held = self.cluster.sandbox(id).await?.is_some_and(|r| {
+            r.value.node_id == route.node_id && r.value.incarnation == route.incarnation
+        });
+        Ok(held)
+    }
+
+    /// Removes `id` from the map if this node owns it; false if it does not
+    /// (no record, another node's, or changed meanwhile).
+    pub async fn release(&self, id: &str) -> Result<bool, ClusterError> {
+        let Some(seen) = self.cluster.sandbox(id).await? else {
+            return Ok(false);
+        };
+        if seen.value.node_id != self.node_id() {
+            return Ok(false);
+        }
+        crate::release(&mut self.cluster.client(), id, &seen).await
+    }
+
+    /// Makes the map agree with the sandboxes the node holds: claims those
+    /// it lacks, releases this node's records of those gone. Returns how
+    /// many of each. Records of an earlier incarnation are moved to this
+    /// one (release, then claim), since only a live lease can change them.
+    pub async fn reconcile(&self, local: &[String]) -> Result<(usize, usize), ClusterError> {
+        let node_id = self.node_id();
+        let incarnation = self.incarnation();
+        let local: BTreeSet<&str> = local.iter().map(String::as_str).collect();
+        let mut client = self.cluster.client();
+        let mut mapped = BTreeSet::new();
+        let (mut claimed, mut released) = (0, 0);
+        for (id, seen) in self.cluster.sandboxes().await? {
+            if seen.value.node_id != node_id {
+                continue;
+            }
+            let current = seen.value.incarnation == incarnation;
+            if local.contains(id.as_str()) && current {
+                mapped.insert(id);
+                continue;
+            }
+            // A stale incarnation's record fails the lease compare: only a
+            // record of this one can be released by this node.
+            if current && crate::release(&mut client, &id, &seen).await? {
+                released += 1;
+            } else if !current {
+                tracing::warn!(
+                    "cluster: sandbox {id} is mapped to an earlier incarnation of this node"
+                );
+            }
+        }
+        for id in local {
+            if !mapped.contains(id) && self.claim(id).await? {
+                claimed += 1;
+            }
+        }
+        Ok((claimed, released))
+    }
+
+    /// Deletes the node's record and revokes its lease.
+    pub async fn leave(&self) {
+        self.task.abort();
+        let lease = self.incarnation();
+        if let Err(e) = self.cluster.client().lease_revoke(lease).await {
+            tracing::warn!("cluster: revoking lease {lease:x}: {e}");
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, NodeRecord> {
+        self.record.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A new lease and the record under it.
+async fn register(
+    client: &mut Client,
+    record: &mut NodeRecord,
+    ttl: Duration,
+) -> Result<(), ClusterError> {
+    let ttl = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+    record.incarnation = client.lease_grant(ttl, None).await?.id();
+    put(client, record).await
+}
+
+async fn put(client: &mut Client, record: &NodeRecord) -> Result<(), ClusterError> {
+    let key = keyspace::node_key(&record.node_id);
+    let value = crate::encode(&key, record)?;
+    client
+        .put(
+            key,
+            value,
+            Some(PutOptions::new().with_lease(record.incarnation)),
+        )
+        .await?;
+    Ok(())
+}
+
+/// Keeps the lease alive (three refreshes per TTL), rewrites the record on
+/// a load change, registers anew when etcd says the lease is gone.
+async fn keep(
+    mut client: Client,
+    record: Arc<Mutex<NodeRecord>>,
+    mut load: watch::Receiver<NodeLoad>,
+    ttl: Duration,
+) {
+    let every = (ttl / 3).max(Duration::from_millis(200));
+    let snapshot = || record.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    loop {
+        let lease = snapshot().incarnation;
+        let (mut keeper, mut stream) = match client.lease_keep_alive(lease).await {
+            Ok(k) => k,
+            Err(e) => {
+                tracing::warn!("cluster: keep-alive of lease {lease:x}: {e}");
+                tokio::time::sleep(every).await;
+                continue;
+            }
+        };
+        let mut tick = tokio::time::interval(every);
+        let lost = loop {
+            tokio::select! {
+                _ = tick.tick() => {
+                    if let Err(e) = keeper.keep_alive().await {
+                        tracing::warn!("cluster: keep-alive of lease {lease:x}: {e}");
+                        break false;
+                    }
+                    match stream.message().await {
+                        Ok(Some(r)) if r.ttl() > 0 => {}
+                        Ok(Some(_)) => break true,
+                        Ok(None) => break false,
+                        Err(e) => {
+                            tracing::warn!("cluster: keep-alive of lease {lease:x}: {e}");
+                            break false;
+                        }
+                    }
+                }
+                changed = load.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    let mut now = snapshot();
+                    now.load = *load.borrow_and_update();
+                    record.lock().unwrap_or_else(|p| p.into_inner()).load = now.load;
+                    if let Err(e) = put(&mut client, &now).await {
+                        tracing::warn!("cluster: writing the node's load: {e}");
+                    }
+                }
+            }
+        };
+        if lost {
+            let mut now = snapshot();
+            tracing::warn!(
+                "cluster: lease {:x} of node {} expired; registering again",
+                now.incarnation,
+                now.node_id
+            );
+            match register(&mut client, &mut now, ttl).await {
+                Ok(()) => *record.lock().unwrap_or_else(|p| p.into_inner()) = now,
+                Err(e) => tracing::warn!("cluster: registering again: {e}"),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}

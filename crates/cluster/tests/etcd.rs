@@ -1,0 +1,192 @@
+//! The cluster layer against a real etcd member (Debian's etcd-server, on
+//! loopback, started by the harness).
+
+use std::time::{Duration, Instant};
+
+use cluster::harness::Etcd;
+use cluster::{Cluster, NodeCapacity, NodeLoad, Registration};
+
+const CAPACITY: NodeCapacity = NodeCapacity {
+    max_sandboxes: 4,
+    vcpus: 2,
+    memory_mib: 1024,
+};
+
+async fn connect(etcd: &Etcd) -> Cluster {
+    Cluster::connect(&etcd.endpoints()).await.expect("connect")
+}
+
+async fn eventually<F: AsyncFnMut() -> bool>(what: &str, within: Duration, mut check: F) {
+    let deadline = Instant::now() + within;
+    while !check().await {
+        assert!(Instant::now() < deadline, "{what} within {within:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn nodes_register_under_a_lease_and_vanish_with_it() {
+    let etcd = Etcd::start().unwrap();
+    let cluster = connect(&etcd).await;
+    let ttl = Duration::from_secs(2);
+    let a = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
+        .await
+        .unwrap();
+    let b = Registration::start(cluster.clone(), "b", "127.0.0.1:2", CAPACITY, ttl)
+        .await
+        .unwrap();
+    assert_ne!(a.incarnation(), b.incarnation());
+    let nodes = cluster.nodes().await.unwrap();
+    let ids: Vec<&str> = nodes.iter().map(|n| n.node_id.as_str()).collect();
+    assert_eq!(ids, ["a", "b"]);
+    assert_eq!(nodes[1].api_addr, "127.0.0.1:2");
+    assert_eq!(nodes[1].capacity, CAPACITY);
+
+    // Kept alive past several TTLs.
+    tokio::time::sleep(ttl * 3).await;
+    assert_eq!(cluster.nodes().await.unwrap().len(), 2);
+
+    // Load changes reach the record.
+    let load = NodeLoad {
+        sandboxes: 3,
+        vcpus: 3,
+        memory_mib: 600,
+    };
+    b.set_load(load);
+    eventually("b's load written", Duration::from_secs(5), async || {
+        cluster
+            .nodes()
+            .await
+            .unwrap()
+            .iter()
+            .any(|n| n.load == load)
+    })
+    .await;
+
+    // A node that stops refreshing is gone within its TTL (plus etcd's
+    // lease checking); one that leaves is gone at once.
+    drop(a);
+    b.leave().await;
+    drop(b);
+    let gone = Instant::now();
+    assert!(
+        cluster
+            .nodes()
+            .await
+            .unwrap()
+            .iter()
+            .all(|n| n.node_id != "b")
+    );
+    eventually("a's record expired", ttl * 3, async || {
+        cluster.nodes().await.unwrap().is_empty()
+    })
+    .await;
+    assert!(
+        gone.elapsed() >= Duration::from_millis(500),
+        "expired at once"
+    );
+}
+
+#[tokio::test]
+async fn a_sandbox_is_claimed_once_and_released_only_by_its_owner() {
+    let etcd = Etcd::start().unwrap();
+    let cluster = connect(&etcd).await;
+    let ttl = Duration::from_secs(5);
+    let a = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
+        .await
+        .unwrap();
+    let b = Registration::start(cluster.clone(), "b", "127.0.0.1:2", CAPACITY, ttl)
+        .await
+        .unwrap();
+
+    assert!(a.claim("sbx1").await.unwrap());
+    // Exactly once: a second claim, by either node, fails.
+    assert!(!b.claim("sbx1").await.unwrap());
+    // Claiming what it already holds is no conflict for the owner.
+    assert!(a.claim("sbx1").await.unwrap());
+    let route = cluster.sandbox("sbx1").await.unwrap().unwrap();
+    assert_eq!(route.value.node_id, "a");
+    assert_eq!(route.value.incarnation, a.incarnation());
+
+    // Only the owner releases it.
+    assert!(!b.release("sbx1").await.unwrap());
+    assert!(a.release("sbx1").await.unwrap());
+    assert!(cluster.sandbox("sbx1").await.unwrap().is_none());
+    assert!(!a.release("sbx1").await.unwrap());
+
+    // Concurrent claims of one ID: one winner.
+    let (x, y) = tokio::join!(a.claim("race"), b.claim("race"));
+    assert!(x.unwrap() ^ y.unwrap());
+}
+
+#[tokio::test]
+async fn a_node_without_its_lease_changes_nothing() {
+    let etcd = Etcd::start().unwrap();
+    let cluster = connect(&etcd).await;
+    let a = Registration::start(
+        cluster.clone(),
+        "a",
+        "127.0.0.1:1",
+        CAPACITY,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    assert!(a.claim("kept").await.unwrap());
+    let seen = cluster.sandbox("kept").await.unwrap().unwrap();
+
+    // Another process takes the node's key with a new lease (the node
+    // re-registered elsewhere, or an operator replaced it): the old
+    // incarnation's writes fail the lease compare.
+    let b = Registration::start(
+        cluster.clone(),
+        "a",
+        "127.0.0.1:9",
+        CAPACITY,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    assert_ne!(a.incarnation(), b.incarnation());
+    assert!(!a.claim("new").await.unwrap());
+    assert!(cluster.sandbox("new").await.unwrap().is_none());
+    assert!(!a.release("kept").await.unwrap());
+    assert_eq!(cluster.sandbox("kept").await.unwrap(), Some(seen));
+    drop(b);
+}
+
+#[tokio::test]
+async fn reconcile_makes_the_map_match_the_node() {
+    let etcd = Etcd::start().unwrap();
+    let cluster = connect(&etcd).await;
+    let ttl = Duration::from_secs(5);
+    let a = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
+        .await
+        .unwrap();
+    let b = Registration::start(cluster.clone(), "b", "127.0.0.1:2", CAPACITY, ttl)
+        .await
+        .unwrap();
+    assert!(a.claim("gone").await.unwrap());
+    assert!(a.claim("kept").await.unwrap());
+    assert!(b.claim("theirs").await.unwrap());
+    let ids = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+
+    // a holds "kept" and "forked" now; "gone" timed out; "theirs" is b's.
+    let (claimed, released) = a
+        .reconcile(&ids(&["kept", "forked", "theirs"]))
+        .await
+        .unwrap();
+    assert_eq!((claimed, released), (1, 1));
+    let map = cluster.sandboxes().await.unwrap();
+    let owners: Vec<(&str, &str)> = map
+        .iter()
+        .map(|(id, r)| (id.as_str(), r.value.node_id.as_str()))
+        .collect();
+    assert_eq!(owners, [("forked", "a"), ("kept", "a"), ("theirs", "b")]);
+    // Nothing to do the second time.
+    let again = a
+        .reconcile(&ids(&["kept", "forked", "theirs"]))
+        .await
+        .unwrap();
+    assert_eq!(again, (0, 0));
+}

@@ -1,0 +1,322 @@
+//! The cluster gateway: stateless, serves the E2B control plane and the
+//! envd proxy for every node on one port. Each request goes to the node the
+//! etcd map names for its sandbox; a create goes to the freest node, and on
+//! to the next if that one refuses; a list gathers every node's.
+//!
+//! Sandbox traffic is told from the control plane by the node's own rules
+//! ([`crate::proxy::route`]); the owning node then routes it again.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use axum::http::{Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use cluster::{Cluster, NodeRecord, keyspace};
+use hyper_util::rt::TokioIo;
+
+use crate::api::ApiError;
+use crate::proxy::{self, Route};
+
+/// Request bodies a create may carry (metadata, env vars).
+const MAX_CREATE_BODY: usize = 1 << 20;
+/// A node's list answer.
+const MAX_LIST_ANSWER: usize = 64 << 20;
+
+pub struct Gateway {
+    cluster: Cluster,
+}
+
+/// Serves the gateway on `listener` until `shutdown` completes.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    cluster: Cluster,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(cluster))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+pub fn router(cluster: Cluster) -> Router {
+    Router::new()
+        .fallback(handle)
+        .with_state(Arc::new(Gateway { cluster }))
+}
+
+/// What a control-plane request is, for routing.
+#[derive(Debug, PartialEq, Eq)]
+enum Target {
+    Health,
+    Create,
+    List,
+    /// A request about one sandbox: its owner answers.
+    Sandbox(String),
+    /// Templates, snapshots, the node's own page: any node.
+    AnyNode,
+}
+
+fn target(method: &Method, path: &str) -> Target {
+    match (method, path) {
+        (_, "/health") => Target::Health,
+        (&Method::POST, "/sandboxes" | "/v2/sandboxes") => Target::Create,
+        (&Method::GET, "/sandboxes" | "/v2/sandboxes") => Target::List,
+        _ => {
+            let rest = ["/sandboxes/", "/v2/sandboxes/", "/v1/sandboxes/"]
+                .iter()
+                .find_map(|p| path.strip_prefix(p));
+            match rest.and_then(|r| r.split('/').next()) {
+                // `/sandboxes/metrics` is the batch of many sandboxes' metrics.
+                Some(id) if id != "metrics" && crate::ids::is_sandbox_id(id) => {
+                    Target::Sandbox(id.to_owned())
+                }
+                _ => Target::AnyNode,
+            }
+        }
+    }
+}
+
+async fn handle(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
+    let answer = match proxy::route(req.headers(), req.uri()) {
+        Route::Sandbox { id, .. } => gw.to_owner(&id, req, true).await,
+        Route::ControlPlane => match target(req.method(), req.uri().path()) {
+            Target::Health => Ok(StatusCode::NO_CONTENT.into_response()),
+            Target::Create => gw.create(req).await,
+            Target::List => gw.list(req).await,
+            Target::Sandbox(id) => gw.to_owner(&id, req, false).await,
+            Target::AnyNode => gw.to_any(req).await,
+        },
+    };
+    answer.unwrap_or_else(IntoResponse::into_response)
+}
+
+impl Gateway {
+    async fn nodes(&self) -> Result<Vec<NodeRecord>, ApiError> {
+        self.cluster.nodes().await.map_err(unavailable)
+    }
+
+    async fn to_owner(&self, id: &str, req: Request, envd: bool) -> Result<Response, ApiError> {
+        let route = self.cluster.sandbox(id).await.map_err(unavailable)?;
+        let Some(route) = route else {
+            return Ok(if envd {
+                // E2B's proxy answer (the SDKs read it as "not running").
+                let body = serde_json::json!({
+                    "sandboxId": id, "message": "The sandbox was not found", "code": 502,
+                });
+                (StatusCode::BAD_GATEWAY, axum::Json(body)).into_response()
+            } else {
+                ApiError::new(StatusCode::NOT_FOUND, format!("sandbox {id} not found"))
+                    .into_response()
+            });
+        };
+        let owner = route.value.node_id;
+        let node = self.nodes().await?.into_iter().find(|n| n.node_id == owner);
+        let Some(node) = node else {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("sandbox {id}'s node {owner} is not in the cluster"),
+            ));
+        };
+        forward(&node.api_addr, req)
+            .await
+            .map_err(|e| bad_gateway(&node, e))
+    }
+
+    /// Tries the nodes freest first; a node that refuses for capacity (429,
+    /// 503) or cannot be reached passes the create on to the next.
+    async fn create(&self, req: Request) -> Result<Response, ApiError> {
+        let (parts, body) = req.into_parts();
+        let body = axum::body::to_bytes(body, MAX_CREATE_BODY)
+            .await
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let nodes = keyspace::placement_order(self.nodes().await?);
+        let mut last = None;
+        for node in &nodes {
+            let req = rebuild(&parts.method, &parts.uri, &parts.headers, body.clone());
+            match forward(&node.api_addr, req).await {
+                Ok(r) if refused(r.status()) => {
+                    tracing::info!(
+                        "gateway: node {} refused a create: {}",
+                        node.node_id,
+                        r.status()
+                    );
+                    last = Some(r);
+                }
+                Ok(r) => return Ok(r),
+                Err(e) => {
+                    tracing::warn!("gateway: node {} unreachable: {e}", node.node_id);
+                }
+            }
+        }
+        last.ok_or_else(|| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no node in the cluster can take a sandbox",
+            )
+        })
+    }
+
+    /// Every node's list, concatenated (a node that cannot answer is left
+    /// out with a warning, not the whole list failed). Node pagination is
+    /// not carried over: each node's first page.
+    async fn list(&self, req: Request) -> Result<Response, ApiError> {
+        let (parts, _) = req.into_parts();
+        let mut all = Vec::new();
+        for node in self.nodes().await? {
+            let req = rebuild(&parts.method, &parts.uri, &parts.headers, Bytes::new());
+            let answer = match forward(&node.api_addr, req).await {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!("gateway: listing on node {}: {e}", node.node_id);
+                    continue;
+                }
+            };
+            if !answer.status().is_success() {
+                // The key is the same on every node: its refusal is the answer.
+                return Ok(answer);
+            }
+            let bytes = axum::body::to_bytes(answer.into_body(), MAX_LIST_ANSWER)
+                .await
+                .map_err(|e| bad_gateway(&node, e.to_string()))?;
+            match serde_json::from_slice::<Vec<serde_json::Value>>(&bytes) {
+                Ok(items) => all.extend(items),
+                Err(e) => tracing::warn!("gateway: node {}'s list: {e}", node.node_id),
+            }
+        }
+        Ok(axum::Json(all).into_response())
+    }
+
+    async fn to_any(&self, req: Request) -> Result<Response, ApiError> {
+        let nodes = keyspace::placement_order(self.nodes().await?);
+        let node = nodes.first().ok_or_else(|| {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no node in the cluster")
+        })?;
+        forward(&node.api_addr, req)
+            .await
+            .map_err(|e| bad_gateway(node, e))
+    }
+}
+
+fn refused(status: StatusCode) -> bool {
+    status == StatusCode::TOO_MANY_REQUESTS || status == StatusCode::SERVICE_UNAVAILABLE
+}
+
+fn unavailable(e: cluster::ClusterError) -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!("cluster state: {e}"),
+    )
+}
+
+fn bad_gateway(node: &NodeRecord, e: String) -> ApiError {
+    ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        format!("node {} at {}: {e}", node.node_id, node.api_addr),
+    )
+}
+
+fn rebuild(method: &Method, uri: &Uri, headers: &HeaderMap, body: Bytes) -> Request {
+    let mut req = Request::new(Body::from(body));
+    *req.method_mut() = method.clone();
+    *req.uri_mut() = uri.clone();
+    *req.headers_mut() = headers.clone();
+    req
+}
+
+/// Headers of one connection, not of the message.
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in HOP_BY_HOP {
+        headers.remove(*name);
+    }
+}
+
+/// Sends `req` to the node at `addr` (HTTP/1.1, a connection per request),
+/// bodies streamed both ways. The Host header stays: the node routes
+/// `<port>-<id>.<domain>` names by it.
+async fn forward(addr: &str, mut req: Request) -> Result<Response, String> {
+    let stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| format!("connecting: {e}"))?;
+    let _ = stream.set_nodelay(true);
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| format!("handshake: {e}"))?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!("gateway: node connection: {e}");
+        }
+    });
+    let path = req
+        .uri()
+        .path_and_query()
+        .map(|p| p.as_str().to_owned())
+        .unwrap_or_else(|| "/".into());
+    if !req.headers().contains_key(header::HOST)
+        && let Some(host) = req
+            .uri()
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+    {
+        req.headers_mut().insert(header::HOST, host);
+    }
+    *req.uri_mut() = path.parse().map_err(|e| format!("path: {e}"))?;
+    strip_hop_by_hop(req.headers_mut());
+    let mut answer = sender
+        .send_request(req)
+        .await
+        .map_err(|e| format!("request: {e}"))?;
+    strip_hop_by_hop(answer.headers_mut());
+    Ok(answer.map(Body::new))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_requests_are_routed_by_what_they_name() {
+        let id = "i4kfsx3gqznbsd6x0yhmw";
+        assert!(crate::ids::is_sandbox_id(id));
+        assert_eq!(target(&Method::GET, "/health"), Target::Health);
+        assert_eq!(target(&Method::POST, "/sandboxes"), Target::Create);
+        assert_eq!(target(&Method::POST, "/v2/sandboxes"), Target::Create);
+        assert_eq!(target(&Method::GET, "/v2/sandboxes"), Target::List);
+        for path in [
+            format!("/sandboxes/{id}"),
+            format!("/sandboxes/{id}/pause"),
+            format!("/v2/sandboxes/{id}/connect"),
+            format!("/v1/sandboxes/{id}/diagnostics"),
+        ] {
+            assert_eq!(
+                target(&Method::POST, &path),
+                Target::Sandbox(id.into()),
+                "{path}"
+            );
+        }
+        assert_eq!(target(&Method::GET, "/sandboxes/metrics"), Target::AnyNode);
+        assert_eq!(target(&Method::GET, "/templates"), Target::AnyNode);
+        assert_eq!(target(&Method::GET, "/v1/node"), Target::AnyNode);
+    }
+}
