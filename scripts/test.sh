@@ -114,3 +114,8 @@ echo "== the sandfork Python package against sandfork serve" >&2
 # ruff, the pure tests, then forks, environments, Gymnasium's checker and
 # the branching runner on real microVMs.
 scripts/rl-test.sh --no-build
+
+echo "== the cluster: two nodes and a gateway on a real etcd" >&2
+# Membership, placement and routing through the gateway, with the nodes'
+# sandboxes real microVMs (one lab machine for all three processes).
+scripts/cluster-test.sh --no-build
