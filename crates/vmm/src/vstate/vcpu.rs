@@ -277,6 +277,8 @@ impl Vcpu {
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{id}"))
             .spawn(move || {
+                // Before the first KVM_RUN.
+                crate::seccomp::apply_or_exit(crate::seccomp::ThreadKind::Vcpu);
                 let activity = &thread_activity;
                 if paused && !self.stay_paused(&request_rx, &response_tx, activity) {
                     return;
