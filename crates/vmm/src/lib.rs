@@ -7,6 +7,7 @@ pub mod controller;
 pub mod device_manager;
 pub mod devices;
 pub mod rate_limited;
+pub mod seccomp;
 pub mod snapshot;
 pub mod vmm;
 pub mod vstate;

@@ -28,6 +28,9 @@ struct Args {
     /// the rest is dropped (0: none passes).
     #[arg(long, default_value_t = 64)]
     console_limit_mib: u64,
+    /// Run without seccomp filters (for debugging); they are on by default.
+    #[arg(long)]
+    no_seccomp: bool,
 }
 
 fn main() -> ExitCode {
@@ -58,6 +61,19 @@ fn main() -> ExitCode {
 fn run(args: Args) -> anyhow::Result<ExitCode> {
     use anyhow::Context;
 
+    if !args.no_seccomp {
+        vmm::seccomp::enable().context("turning seccomp on")?;
+        // Debug builds only: the test hook that proves a forbidden call
+        // ends the VMM (crates/vmm/tests/microvm.rs).
+        #[cfg(debug_assertions)]
+        if let Ok(kind) = std::env::var("SANDFORK_VMM_SECCOMP_SELF_TEST") {
+            let kind = vmm::seccomp::ThreadKind::ALL
+                .into_iter()
+                .find(|k| k.name() == kind)
+                .with_context(|| format!("no thread kind {kind:?}"))?;
+            vmm::seccomp::arm_self_test(kind);
+        }
+    }
     let (events_tx, events_rx) = mpsc::channel();
     let console = ConsoleBudget::new(std::io::stdout(), args.console_limit_mib << 20);
     let mut controller = Controller::new(args.id, events_tx.clone(), Box::new(console));

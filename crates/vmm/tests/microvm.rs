@@ -369,3 +369,25 @@ async fn guest_to_host_throughput(agent: &vmm_driver::agent_client::AgentClient,
         mib as f64 / took.as_secs_f64()
     );
 }
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM"]
+async fn a_device_thread_making_a_forbidden_call_ends_the_vmm_with_status_148() {
+    // The debug-only hook (crates/vmm/src/seccomp.rs): device worker threads
+    // call uname right after their filter is in. The VMM inherits the
+    // variable at spawn; nothing else here reads the environment.
+    // SAFETY: tests in this binary run one at a time (--test-threads=1).
+    unsafe { std::env::set_var("SANDFORK_VMM_SECCOMP_SELF_TEST", "device") };
+    let mut vm = TestVm::spawn().await;
+    // SAFETY: as above.
+    unsafe { std::env::remove_var("SANDFORK_VMM_SECCOMP_SELF_TEST") };
+    // The guest may or may not get far enough to answer the boot request.
+    let _ = vm.try_boot(&Boot::default()).await;
+    let status = vm.wait_exit(common::BOOT_TIMEOUT).await;
+    assert_eq!(status.code(), Some(148), "{}", vm.logs());
+    let line = format!(
+        "forbidden system call {} in a device thread",
+        libc::SYS_uname
+    );
+    assert!(vm.vmm_log().contains(&line), "{}", vm.logs());
+}

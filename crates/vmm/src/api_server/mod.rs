@@ -83,6 +83,9 @@ pub fn spawn_api_server_with_sender(
     let thread = std::thread::Builder::new()
         .name("api".into())
         .spawn(move || {
+            // The socket is bound and the runtime built: from here on the
+            // thread only serves connections.
+            crate::seccomp::apply_or_exit(crate::seccomp::ThreadKind::Api);
             let result = runtime.block_on(serve(bound, sender, shutdown_rx));
             socket::remove(&thread_path, file_id);
             result

@@ -277,6 +277,9 @@ impl Vcpu {
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{id}"))
             .spawn(move || {
+                // No vCPU filter installed yet: a vCPU thread activates
+                // virtio devices, which spawns their workers, and a thread
+                // inherits its parent's filter (see crate::seccomp).
                 let activity = &thread_activity;
                 if paused && !self.stay_paused(&request_rx, &response_tx, activity) {
                     return;

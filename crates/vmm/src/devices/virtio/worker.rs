@@ -106,7 +106,10 @@ impl<W: DeviceWorker> WorkerThread<W> {
     fn start(name: &str, stop: Arc<StopSignal>, worker: W) -> io::Result<JoinHandle<W>> {
         std::thread::Builder::new()
             .name(name.to_owned())
-            .spawn(move || worker.run(&stop))
+            .spawn(move || {
+                crate::seccomp::apply_or_exit(crate::seccomp::ThreadKind::Device);
+                worker.run(&stop)
+            })
     }
 
     /// Whether the worker still exists (running or parked).
