@@ -247,9 +247,8 @@ fn rules(kind: ThreadKind) -> Result<Rules, seccompiler::BackendError> {
                     libc::SYS_statx,
                     libc::SYS_fcntl,
                     libc::SYS_dup,
-                    // vsock: a worker restarted from a device thread builds its
-                    // muxer there, which reads /dev/urandom (the CLI's large `cp`
-                    // hit it). To go: move that open out of the worker's path.
+                    // For now: a device thread opened a file during the CLI's
+                    // large `cp` (which code is not yet found); to go once it is.
                     libc::SYS_openat,
                     // vsock: host connections on Unix sockets
                     libc::SYS_accept4,
