@@ -11,7 +11,7 @@ use std::sync::Arc;
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
-use axum::http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use axum::http::header::{self, HeaderMap, HeaderValue};
 use axum::http::{Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use cluster::{Cluster, NodeRecord, keyspace};
@@ -225,33 +225,6 @@ fn rebuild(method: &Method, uri: &Uri, headers: &HeaderMap, body: Bytes) -> Requ
     req
 }
 
-/// Headers of one connection, not of the message.
-const HOP_BY_HOP: &[&str] = &[
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-];
-
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
-    }
-    for name in HOP_BY_HOP {
-        headers.remove(*name);
-    }
-}
-
 /// Sends `req` to the node at `addr` (HTTP/1.1, a connection per request),
 /// bodies streamed both ways. The Host header stays: the node routes
 /// `<port>-<id>.<domain>` names by it.
@@ -282,12 +255,12 @@ async fn forward(addr: &str, mut req: Request) -> Result<Response, String> {
         req.headers_mut().insert(header::HOST, host);
     }
     *req.uri_mut() = path.parse().map_err(|e| format!("path: {e}"))?;
-    strip_hop_by_hop(req.headers_mut());
+    crate::proxy::strip_hop_by_hop(req.headers_mut());
     let mut answer = sender
         .send_request(req)
         .await
         .map_err(|e| format!("request: {e}"))?;
-    strip_hop_by_hop(answer.headers_mut());
+    crate::proxy::strip_hop_by_hop(answer.headers_mut());
     Ok(answer.map(Body::new))
 }
 

@@ -245,8 +245,9 @@ fn port_closed(id: &str, port: u32, why: &str) -> Response {
     (StatusCode::BAD_GATEWAY, axum::Json(body)).into_response()
 }
 
-/// Headers that belong to one connection, not to the message.
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
+/// Headers that belong to one connection, not to the message (the envd proxy
+/// and the cluster gateway both forward).
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
