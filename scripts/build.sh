@@ -10,6 +10,7 @@ cd "$root"
 log() { echo "build: $*" >&2; }
 
 scripts/deps.sh
+. scripts/sccache.sh
 
 log "building the workspace"
 cargo build --workspace --bins --quiet

@@ -22,6 +22,9 @@ packages=(
     # the cluster layer: etcd for its tests (a member per test on loopback),
     # protoc and the well-known-type protos for etcd-client's build script
     etcd-server etcd-client protobuf-compiler libprotobuf-dev
+    # a compiler cache, so a fresh checkout reuses compiled dependencies
+    # (scripts/sccache.sh)
+    sccache
 )
 
 # One dpkg-query for all of them; unknown packages print nothing.

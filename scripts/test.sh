@@ -7,13 +7,27 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
+# Each stage's start with the time into the run, so a CI log shows where the
+# minutes go (the whole run must stay under an hour on a 2-core machine).
+stage() { printf '== %s (at %d:%02d)\n' "$*" $((SECONDS / 60)) $((SECONDS % 60)) >&2; }
+
+scripts/deps.sh
+. scripts/sccache.sh
+if [[ ${RUSTC_WRAPPER:-} == sccache ]]; then
+    # One cache server for the whole run, started before the lab lock's
+    # descriptor below exists: a server a later cargo started would inherit
+    # it and hold the lab lock after the run. Stopped when the run ends.
+    export SCCACHE_IDLE_TIMEOUT=0
+    sccache --start-server >/dev/null 2>&1 || true
+    trap 'sccache --stop-server >/dev/null 2>&1 || true' EXIT
+fi
 scripts/build.sh
 set -a
 # shellcheck source=/dev/null  # written by scripts/build.sh
 . target/sandfork.env
 set +a
 
-echo "== format and lints" >&2
+stage "format and lints"
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 # Every shell script, including the lab's init, through shellcheck (which
@@ -24,16 +38,16 @@ shellcheck scripts/*.sh images/*/*.sh crates/lab/src/init.sh
 # advisory database needs a download: `scripts/deny.sh --advisories`.
 scripts/deny.sh
 
-echo "== fast tests" >&2
+stage "fast tests"
 cargo test --workspace --quiet
 
-echo "== fuzz targets: corpora replayed, then each fuzzed briefly" >&2
+stage "fuzz targets: corpora replayed, then each fuzzed briefly"
 # Every parser a guest or client reaches (README, "Fuzzing"); the fuzz crate
 # is outside the workspace, with its build cached under SANDFORK_CACHE.
 cargo fmt --check --manifest-path fuzz/Cargo.toml
 scripts/fuzz.sh
 
-echo "== microVM tests" >&2
+stage "microVM tests"
 # Test binaries holding lab tests (marked #[ignore = "lab: ..."]).
 mapfile -t lab_tests < <(cargo test -p sandfork-vmm --test microvm --test snapshot --test network -p sandfork-server --test lab_serve --test lab_restart --test lab_network --no-run --message-format=json 2>/dev/null |
     python3 -c 'import json,sys
@@ -51,7 +65,7 @@ mkdir -p "$SANDFORK_LAB_RW_DIR"
 # One KVM lab at a time on a machine (two at once on a small host lose
 # guests): hold the lab lock for everything below; sdk-test.sh sees that.
 exec 9>/tmp/sandfork-lab.lock
-echo "== waiting for the lab lock" >&2
+stage "waiting for the lab lock"
 flock 9
 export SANDFORK_LAB_LOCKED=1
 # The lab tooling's own tests boot QEMU on this host.
@@ -85,7 +99,7 @@ for t in "${lab_tests[@]}"; do
         continue
     fi
     mapfile -t failed < <(sed -n 's/^test \([A-Za-z0-9_:]*\) \.\.\. FAILED$/\1/p' "$log")
-    echo "== re-running failed lab tests once: ${failed[*]:-all}" >&2
+    stage "re-running failed lab tests once: ${failed[*]:-all}"
     if [[ ${#failed[@]} -gt 0 ]]; then
         run_lab_tests "$t" --ignored --test-threads=1 --exact "${failed[@]}"
     else
@@ -93,29 +107,31 @@ for t in "${lab_tests[@]}"; do
     fi
 done
 
-echo "== stress: boots, restores, forks and two-VM runs, each bounded" >&2
+stage "stress: boots, restores, forks and two-VM runs, each bounded"
 # The short version of `sandfork stress` (README, "Hangs"): a hang or a
 # failure, with the VMs' diagnostics, fails the suite unless a second run
 # is clean (the same rule as above, for the same reason).
 stress() { target/debug/sandfork stress --boots 2 --restores 2 --forks 2 --two-vm 1 >/dev/null; }
-stress || { echo "== re-running the stress once" >&2; stress; }
+stress || { stage "re-running the stress once"; stress; }
 
-echo "== E2B SDK suites against sandfork serve" >&2
+stage "E2B SDK suites against sandfork serve"
 # The real e2b Python and JS SDKs against a real server on real microVMs
 # (inside the lab here): the basic suites, then pause, fork and snapshots.
 scripts/sdk-test.sh --no-build
 
-echo "== the sandfork CLI against sandfork serve" >&2
+stage "the sandfork CLI against sandfork serve"
 # Every client command through the real binary against one real node,
 # the interactive shell through tmux.
 scripts/cli-test.sh --no-build
 
-echo "== the sandfork Python package against sandfork serve" >&2
+stage "the sandfork Python package against sandfork serve"
 # ruff, the pure tests, then forks, environments, Gymnasium's checker and
 # the branching runner on real microVMs.
 scripts/rl-test.sh --no-build
 
-echo "== the cluster: two nodes and a gateway on a real etcd" >&2
+stage "the cluster: two nodes and a gateway on a real etcd"
 # Membership, placement and routing through the gateway, with the nodes'
 # sandboxes real microVMs (one lab machine for all three processes).
 scripts/cluster-test.sh --no-build
+
+stage "all passed"
