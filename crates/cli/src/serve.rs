@@ -49,6 +49,14 @@ pub struct ServeArgs {
     /// route's].
     #[arg(long)]
     uplink: Option<String>,
+    /// VMMs run without a cgroup of their own (for hosts without cgroup v2
+    /// and its cpu, memory and pids controllers).
+    #[arg(long)]
+    no_cgroups: bool,
+    /// The cgroup, under the cgroup2 mount, the node's VMM groups live in
+    /// (one more level per node, named as its run dir).
+    #[arg(long, value_name = "PATH", default_value = "sandfork")]
+    cgroup_parent: PathBuf,
     #[command(flatten)]
     capacity: CapacityArgs,
     #[command(flatten)]
@@ -266,6 +274,10 @@ async fn serve(args: ServeArgs) -> Result<()> {
         ready_slots: args.ready_slots,
         uplink: args.uplink.clone(),
     });
+    config.cgroups = (!args.no_cgroups).then(|| server::cgroups::CgroupConfig {
+        parent: args.cgroup_parent.clone(),
+        ..Default::default()
+    });
     // Bind first: a taken port fails before the template is built.
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -412,6 +424,10 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
     if let Some(uplink) = &args.uplink {
         cmd.arg("--uplink").arg(uplink);
     }
+    if args.no_cgroups {
+        cmd.arg("--no-cgroups");
+    }
+    cmd.arg("--cgroup-parent").arg(&args.cgroup_parent);
     eprintln!(
         "sandfork serve: this host's KVM cannot boot Linux; running in the KVM lab (emulated, slow), \
          reachable at http://{} (the lab's own address below is forwarded there)",

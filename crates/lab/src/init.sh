@@ -122,6 +122,8 @@ cp "/host$job/job.sh" "/host$job/mounts" /job/ || fail "cannot read the job in $
 
 mount -t proc proc /host/proc || fail "cannot mount /proc in the host root"
 mount -t sysfs sysfs /host/sys
+# cgroup v2 for the node's per-VMM groups (the lab kernel has every controller).
+mount -t cgroup2 cgroup2 /host/sys/fs/cgroup || fail "cannot mount cgroup2 in the host root"
 mount -t devtmpfs devtmpfs /host/dev || fail "cannot mount /dev in the host root"
 mkdir -p /host/dev/pts /host/dev/shm
 mount -t devpts -o gid=5,mode=620,ptmxmode=666 devpts /host/dev/pts

@@ -41,6 +41,8 @@ pub struct Config {
     pub build_cache: Option<PathBuf>,
     /// How sandboxes are networked; None: they have no network (`--no-network`).
     pub network: Option<crate::net::NetworkConfig>,
+    /// How VMMs are confined in cgroups; None: they are not (`--no-cgroups`).
+    pub cgroups: Option<crate::cgroups::CgroupConfig>,
 }
 
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/sandfork";
@@ -64,6 +66,7 @@ impl Config {
             agent: None,
             build_cache: None,
             network: None,
+            cgroups: Some(crate::cgroups::CgroupConfig::default()),
         }
     }
 

@@ -13,6 +13,7 @@ use vmm_driver::agent_client::AgentInit;
 use vmm_driver::process::{GuestSpec, ProcessError, Restore, VmmProbe, VmmProcess};
 
 use crate::capacity::Reservation;
+use crate::cgroups::SandboxGroup;
 use crate::net::{self, Lease, SlotRecord};
 use crate::pool::Pool;
 
@@ -24,6 +25,9 @@ pub enum LaunchError {
     /// No network slot (out of slots is `Exhausted`, a 503).
     #[error("the sandbox's network: {0}")]
     Network(#[from] net::NetError),
+    /// Its VMM could not be put in a cgroup of its own.
+    #[error("the sandbox's cgroup: {0}")]
+    Cgroup(#[from] cgroup::Error),
 }
 
 impl From<tokio::task::JoinError> for LaunchError {
@@ -81,6 +85,8 @@ pub struct Plan {
 /// everything back (see [`Launched::stop`] in async code).
 pub struct Launched {
     pub vm: VmmProcess,
+    /// Its cgroup, removed once the VMM is gone (fields drop in order).
+    cgroup: Option<SandboxGroup>,
     /// Its network slot; dropped after `vm` (fields drop in order), so the
     /// slot goes back only once the VMM is gone.
     net: Option<Lease>,
@@ -96,10 +102,22 @@ impl Launched {
         hold.track(vm.pid());
         Launched {
             vm,
+            cgroup: None,
             net: None,
             hold,
             ready_after: Duration::ZERO,
         }
+    }
+
+    /// With the cgroup it ran in before the restart.
+    pub fn with_cgroup(mut self, cgroup: Option<SandboxGroup>) -> Launched {
+        self.cgroup = cgroup;
+        self
+    }
+
+    /// The cgroup its VMM runs in.
+    pub fn cgroup(&self) -> Option<&std::path::Path> {
+        self.cgroup.as_ref().map(SandboxGroup::path)
     }
 
     /// With the network slot it ran in before the restart.
@@ -142,8 +160,17 @@ impl Launched {
 
     /// Leaves the VMM running for a later server to adopt (at shutdown).
     pub fn release(self) {
-        let Launched { vm, net, hold, .. } = self;
+        let Launched {
+            vm,
+            cgroup,
+            net,
+            hold,
+            ..
+        } = self;
         vm.release();
+        if let Some(group) = cgroup {
+            group.keep();
+        }
         if let Some(lease) = net {
             lease.keep();
         }
@@ -157,15 +184,25 @@ pub async fn launch(pool: &Pool, plan: Plan) -> Result<Launched, LaunchError> {
     let (mut vm, net) = pool.take_for(&plan.egress).await?;
     // From now on it is charged what its VMM really uses.
     plan.hold.track(vm.pid());
+    // Limited before the guest runs a single instruction.
+    let cgroup = match pool.cgroups().map(|c| c.confine(&vm, &plan.hold.held())) {
+        None => None,
+        Some(Ok(group)) => Some(group),
+        Some(Err(e)) => {
+            let _ = tokio::task::spawn_blocking(move || drop((vm, net))).await;
+            return Err(e.into());
+        }
+    };
     match start(&mut vm, net.is_some(), &plan).await {
         Ok(ready_after) => Ok(Launched {
             vm,
+            cgroup,
             net,
             hold: plan.hold,
             ready_after,
         }),
         Err(e) => {
-            let _ = tokio::task::spawn_blocking(move || drop((vm, net))).await;
+            let _ = tokio::task::spawn_blocking(move || drop((vm, cgroup, net))).await;
             Err(e.into())
         }
     }

@@ -7,6 +7,7 @@
 pub mod api;
 pub mod auth;
 pub mod capacity;
+pub mod cgroups;
 pub mod clock;
 pub mod cluster;
 pub mod config;
@@ -90,12 +91,17 @@ impl Server {
             Some(n) => Some(net::Slots::start(n, &config.run_dir(), &store)?),
             None => None,
         };
+        let cgroups = config
+            .cgroups
+            .as_ref()
+            .and_then(|c| cgroups::NodeCgroups::open(c, &config.run_dir()));
         let pool = pool::Pool::start_with_network(
             config.vmm.clone(),
             config.run_dir(),
             config.pool_size,
             net,
-        );
+        )
+        .with_cgroups(cgroups);
         let capacity = capacity::Capacity::for_config(&config);
         let template = template::ensure_base(&config, &store, &pool, &capacity).await?;
         let manager =

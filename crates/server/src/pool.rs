@@ -14,6 +14,7 @@ use sandfork_network::EgressPolicy;
 use tokio::sync::Notify;
 use vmm_driver::process::{ProcessError, VmmProcess};
 
+use crate::cgroups::NodeCgroups;
 use crate::launch::LaunchError;
 use crate::net::{Lease, Slots};
 
@@ -32,6 +33,8 @@ pub struct Pool {
     wake: Notify,
     closed: AtomicBool,
     net: Option<Arc<Slots>>,
+    /// Where launched VMMs are confined (set once, before the first launch).
+    cgroups: std::sync::OnceLock<Arc<NodeCgroups>>,
 }
 
 impl Pool {
@@ -55,6 +58,7 @@ impl Pool {
             wake: Notify::new(),
             closed: AtomicBool::new(false),
             net,
+            cgroups: std::sync::OnceLock::new(),
         });
         if size > 0 {
             tokio::spawn(pool.clone().refill());
@@ -70,6 +74,19 @@ impl Pool {
         self.idle().len()
     }
 
+    /// Confines every VMM it launches from now on in a cgroup of its own.
+    pub fn with_cgroups(self: Arc<Self>, cgroups: Option<Arc<NodeCgroups>>) -> Arc<Pool> {
+        if let Some(c) = cgroups {
+            let _ = self.cgroups.set(c);
+        }
+        self
+    }
+
+    /// The node's cgroups, when it confines its VMMs.
+    pub fn cgroups(&self) -> Option<&Arc<NodeCgroups>> {
+        self.cgroups.get()
+    }
+
     /// The node's network slots, when it networks its sandboxes.
     pub fn net(&self) -> Option<&Arc<Slots>> {
         self.net.as_ref()
@@ -83,6 +100,10 @@ impl Pool {
         match self.take_for(&EgressPolicy::default()).await {
             Ok((vm, _)) => Ok(vm),
             Err(LaunchError::Vmm(e)) => Err(e),
+            Err(LaunchError::Cgroup(e)) => Err(ProcessError::Io {
+                what: "confining the VMM in its cgroup",
+                source: std::io::Error::other(e.to_string()),
+            }),
             Err(LaunchError::Network(e)) => Err(ProcessError::Io {
                 what: "taking a network slot",
                 source: std::io::Error::other(e.to_string()),

@@ -101,6 +101,8 @@ pub enum SandboxError {
     /// Its network slot (out of slots: 503; a refused policy: 400).
     #[error("{0}")]
     Network(#[from] crate::net::NetError),
+    #[error("the sandbox's cgroup: {0}")]
+    Cgroup(#[from] cgroup::Error),
 }
 
 impl From<LaunchError> for SandboxError {
@@ -108,6 +110,7 @@ impl From<LaunchError> for SandboxError {
         match e {
             LaunchError::Vmm(e) => SandboxError::Vmm(e),
             LaunchError::Network(e) => SandboxError::Network(e),
+            LaunchError::Cgroup(e) => SandboxError::Cgroup(e),
         }
     }
 }

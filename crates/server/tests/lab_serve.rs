@@ -850,6 +850,109 @@ async fn a_sandbox_whose_vmm_dies_is_removed() {
     assert!(!data.path().join("sandboxes").join(&id).exists());
 }
 
+/// Every VMM runs in a cgroup v2 group of its own, limited to its sandbox
+/// (one vCPU's time, twice its 256 MiB plus the VMM's 64 MiB, a bounded
+/// thread count); a guest that fills its memory is contained by its own
+/// kernel, its VMM is not killed, and a neighbour keeps answering; a
+/// killed sandbox's group is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab: boots microVMs"]
+async fn every_vmm_runs_in_a_cgroup_limited_to_its_sandbox() {
+    let data = tempfile::tempdir().unwrap();
+    let node = serve(lab_config(data.path(), 0)).await;
+    let (addr, auth) = (node.addr, node.auth());
+    let hog = common::create(addr, &auth, json!({"templateID": "base", "timeout": 300})).await;
+    let neighbour =
+        common::create(addr, &auth, json!({"templateID": "base", "timeout": 300})).await;
+    let routing = |c: &Created| {
+        [
+            ("e2b-sandbox-id", c.id.clone()),
+            ("e2b-sandbox-port", "49983".to_owned()),
+            ("x-access-token", c.token.clone()),
+        ]
+    };
+    let group_of = |id: &str| {
+        let dir = node.manager.get(id).unwrap().vmm_dir.expect("a VMM dir");
+        let pid = vmm_driver::process::ProcessIdentity::read(&dir)
+            .expect("its identity")
+            .pid;
+        let membership = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+        let path = membership
+            .lines()
+            .find_map(|l| l.strip_prefix("0::"))
+            .unwrap_or_else(|| panic!("no cgroup v2 line in {membership:?}"));
+        PathBuf::from(format!("/sys/fs/cgroup{path}"))
+    };
+    let read = |group: &std::path::Path, file: &str| {
+        std::fs::read_to_string(group.join(file))
+            .unwrap_or_else(|e| panic!("{}/{file}: {e}", group.display()))
+            .trim()
+            .to_owned()
+    };
+    let (hog_group, neighbour_group) = (group_of(&hog.id), group_of(&neighbour.id));
+    assert_ne!(hog_group, neighbour_group);
+    assert!(
+        hog_group
+            .parent()
+            .unwrap()
+            .parent()
+            .unwrap()
+            .ends_with("sandfork"),
+        "{hog_group:?}"
+    );
+    assert_eq!(read(&hog_group, "cpu.max"), "100000 100000");
+    assert_eq!(
+        read(&hog_group, "memory.max"),
+        ((2 * 256 + 64) << 20).to_string()
+    );
+    assert_eq!(read(&hog_group, "pids.max"), "66");
+    assert_eq!(read(&hog_group, "memory.oom.group"), "1");
+    let threads: u64 = read(&hog_group, "pids.current").parse().unwrap();
+    assert!((3..=66).contains(&threads), "{threads} tasks");
+
+    // Fills the guest's memory until its own kernel stops it.
+    let hog_routing = routing(&hog);
+    let hog_routing: Vec<(&str, &str)> =
+        hog_routing.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let (code, out) = run(
+        addr,
+        &hog_routing,
+        "python3 -c 'l = [b\"x\" * (8 << 20) for _ in iter(int, 1)]' 2>&1 | tail -n 1; echo done",
+    )
+    .await;
+    assert_eq!(code, 0, "{out}");
+    assert!(out.ends_with("done\n"), "{out}");
+    let used: u64 = read(&hog_group, "memory.current").parse().unwrap();
+    let peak_oom = read(&hog_group, "memory.events");
+    eprintln!("hog: memory.current {} MiB; {peak_oom:?}", used >> 20);
+    assert!(peak_oom.contains("oom_kill 0"), "{peak_oom}");
+    assert_eq!(
+        run(addr, &hog_routing, "echo still here").await,
+        (0, "still here\n".into())
+    );
+    let neighbour_routing = routing(&neighbour);
+    let neighbour_routing: Vec<(&str, &str)> = neighbour_routing
+        .iter()
+        .map(|(k, v)| (*k, v.as_str()))
+        .collect();
+    assert_eq!(
+        run(addr, &neighbour_routing, "echo fine").await,
+        (0, "fine\n".into())
+    );
+
+    let killed = http(addr, "DELETE", &format!("/sandboxes/{}", hog.id), &auth, "").await;
+    assert_eq!(killed.status, 204, "{:?}", killed.body);
+    let started = Instant::now();
+    while hog_group.exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{hog_group:?} is still there"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(neighbour_group.exists());
+}
+
 fn agent_binary() -> PathBuf {
     if let Ok(p) = std::env::var("SANDFORK_AGENT") {
         return p.into();

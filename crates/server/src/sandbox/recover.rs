@@ -93,7 +93,15 @@ impl Manager {
                     if r.network.slot.is_some() && lease.is_none() {
                         tracing::warn!("sandbox {}: its network slot is gone", r.id);
                     }
-                    let launched = Launched::adopted(vm, hold).with_network(lease);
+                    // Its cgroup too; one started unconfined (by a server
+                    // without cgroups) is confined now.
+                    let cgroup = self
+                        .pool
+                        .cgroups()
+                        .and_then(|c| c.adopt(&vm).or_else(|| c.confine(&vm, &hold.held()).ok()));
+                    let launched = Launched::adopted(vm, hold)
+                        .with_network(lease)
+                        .with_cgroup(cgroup);
                     if let Err(e) = self.run_guest(&sandbox, &mut guest, launched) {
                         tracing::warn!("sandbox {}: {e}", r.id);
                     }

@@ -49,6 +49,8 @@ pub enum TemplateError {
     Join(#[from] tokio::task::JoinError),
     #[error("the template's network: {0}")]
     Network(#[from] crate::net::NetError),
+    #[error("the template's cgroup: {0}")]
+    Cgroup(#[from] cgroup::Error),
 }
 
 impl From<crate::launch::LaunchError> for TemplateError {
@@ -56,6 +58,7 @@ impl From<crate::launch::LaunchError> for TemplateError {
         match e {
             crate::launch::LaunchError::Vmm(e) => TemplateError::Vmm(e),
             crate::launch::LaunchError::Network(e) => TemplateError::Network(e),
+            crate::launch::LaunchError::Cgroup(e) => TemplateError::Cgroup(e),
         }
     }
 }
