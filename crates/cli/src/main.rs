@@ -138,7 +138,7 @@ enum Command {
     /// Serve the E2B-compatible API and the envd proxy on one port.
     ///
     /// Example: sandfork serve --listen 127.0.0.1:3000
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Save or show the node's URL and API key.
     #[command(subcommand)]
     Auth(auth::AuthCommand),
@@ -422,7 +422,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 return Ok(ExitCode::from(1));
             }
         }
-        Command::Serve(args) => return serve::run(args),
+        Command::Serve(args) => return serve::run(*args),
         Command::Auth(cmd) => return runtime.block_on(auth::run(cmd)),
         Command::Status(args) => return runtime.block_on(status::run(args)),
         Command::Ls(args) => return runtime.block_on(sandboxes::ls(args)),
