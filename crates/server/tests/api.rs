@@ -840,13 +840,18 @@ async fn fork_validates_and_needs_a_running_sandbox() {
     );
     // A snapshot's fork: the count and timeout first, then the snapshot;
     // a template that is no snapshot is not found.
+    let (bad, missing, nosuch) = (
+        StatusCode::BAD_REQUEST,
+        StatusCode::NOT_FOUND,
+        "/snapshots/nosuch/fork",
+    );
     for (uri, body, status) in [
-        ("/snapshots/nosuch/fork", r#"{"count":0}"#, StatusCode::BAD_REQUEST),
-        ("/snapshots/nosuch/fork", r#"{"timeout":0}"#, StatusCode::BAD_REQUEST),
-        ("/snapshots/nosuch/fork", "{not json", StatusCode::BAD_REQUEST),
-        ("/snapshots/nosuch/fork", r#"{"count":2}"#, StatusCode::NOT_FOUND),
-        ("/snapshots/team%2Fnosuch/fork", "{}", StatusCode::NOT_FOUND),
-        ("/snapshots/base/fork", "{}", StatusCode::NOT_FOUND),
+        (nosuch, r#"{"count":0}"#, bad),
+        (nosuch, r#"{"timeout":0}"#, bad),
+        (nosuch, "{not json", bad),
+        (nosuch, r#"{"count":2}"#, missing),
+        ("/snapshots/team%2Fnosuch/fork", "{}", missing),
+        ("/snapshots/base/fork", "{}", missing),
     ] {
         let a = call(&node, authed("POST", uri, body)).await;
         assert_error(&a, status);
@@ -1840,11 +1845,7 @@ async fn a_paused_fork_branches_the_disk_and_reports_each_child() {
     let old = sandboxes.join("held").join("root.layer");
     let top = held.root_layer.clone().expect("a new layer");
     assert_eq!(top.parent(), old.parent());
-    assert!(
-        disk_layers::LayeredDisk::open(&old)
-            .unwrap()
-            .is_read_only()
-    );
+    assert!(disk_layers::LayeredDisk::open(&old).unwrap().is_read_only());
     let disk = disk_layers::LayeredDisk::open(&top).unwrap();
     assert!(!disk.is_read_only());
     let mut buf = [0u8; 12];
