@@ -1,8 +1,10 @@
 #!/bin/bash
 # The sandfork Python package (python/): ruff format and lint, mypy, the tests that
 # need no node, then the tests against `sandfork serve` on real microVMs
-# (inside the lab here): Sandbox/AsyncSandbox forks and checkpoints, the
-# environments and Gymnasium's checker, the branching runner.
+# (inside the lab here): Sandbox/AsyncSandbox forks and checkpoints (forks of
+# paused sandboxes and of snapshots), the environments and Gymnasium's
+# checker, the branching runner, the adapters with mini-swe-agent and
+# skyrl-gym.
 #
 # Usage: scripts/rl-test.sh [--no-build] [--host-only] [--server URL]
 #   --no-build    do not run scripts/build.sh (target/sandfork.env must exist)
@@ -10,7 +12,8 @@
 #   --server URL  test a server already running at URL (key in E2B_API_KEY)
 # Env: SANDFORK_CACHE (default /var/cache/sandfork): the venv is
 #      $SANDFORK_CACHE/sdk/python-rl-<hash of tests/sdk/python/requirements.txt,
-#      python/requirements-test.txt and the interpreter>; the package goes
+#      python/requirements-test.txt, python/requirements-nodeps.txt and the
+#      interpreter> (the adapters' frameworks included); the package goes
 #      into it again whenever python/'s content hash changes.
 #      RL_PYTEST_ARGS: extra pytest arguments (e.g. "-k runner").
 # Out: the server's log in target/rl-test/serve.log.
@@ -39,16 +42,18 @@ done
 command -v python3 >/dev/null || apt_install python3
 python3 -c 'import venv, ensurepip' 2>/dev/null || apt_install python3-venv
 sdk_req=tests/sdk/python/requirements.txt rl_req=python/requirements-test.txt
-key=$({ cat "$sdk_req" "$rl_req"; python3 -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
+nodeps_req=python/requirements-nodeps.txt
+key=$({ cat "$sdk_req" "$rl_req" "$nodeps_req"; python3 -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
 venv=$sdk_cache/python-rl-$key
 # shellcheck disable=SC2317  # called by cached_dir
 make_venv() {
     log "creating the package's test venv ($1)"
     python3 -m venv "$1" &&
-        "$1/bin/pip" install -q --disable-pip-version-check -r "$root/$sdk_req" -r "$root/$rl_req" >&2
+        "$1/bin/pip" install -q --disable-pip-version-check -r "$root/$sdk_req" -r "$root/$rl_req" >&2 &&
+        "$1/bin/pip" install -q --disable-pip-version-check --no-deps -r "$root/$nodeps_req" >&2
 }
 cached_dir "$venv" make_venv
-if ! "$venv/bin/python" -c 'import e2b, gymnasium, pytest' 2>/dev/null; then
+if ! "$venv/bin/python" -c 'import e2b, gymnasium, pytest, skyrl_gym, importlib.metadata as m; m.version("mini-swe-agent")' 2>/dev/null; then
     rm -rf "$venv"
     cached_dir "$venv" make_venv
 fi

@@ -6,8 +6,14 @@ the end that none is left (a leak is a failure) and removes them."""
 
 import os
 import secrets
+import tempfile
 
 import pytest
+
+# mini-swe-agent prints a banner and makes a config directory on import:
+# quiet, and in a temporary directory rather than the user's.
+os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
+os.environ.setdefault("MSWEA_GLOBAL_CONFIG_DIR", tempfile.mkdtemp(prefix="sandfork-mswea-"))
 
 NODE = all(os.environ.get(v) for v in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY"))
 TEMPLATE = os.environ.get("SDK_TEST_TEMPLATE", "base")

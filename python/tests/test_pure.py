@@ -8,7 +8,7 @@ import pytest
 
 import sandfork
 from sandfork import FixedSchedule, Lineage, Node, Task, TrajectoryTree
-from sandfork._common import chunks
+from sandfork._common import chunks, fork_results, snapshot_fork_request
 from sandfork.env import format_observation
 from sandfork.rollout import normalized_advantages, write_groups_jsonl
 
@@ -152,3 +152,44 @@ def test_configure_sets_the_sdk_variables(monkeypatch):
     sandfork.configure("http://127.0.0.1:9", "k")
     assert os.environ["E2B_API_URL"] == os.environ["E2B_SANDBOX_URL"] == "http://127.0.0.1:9"
     assert (os.environ["E2B_API_KEY"], os.environ["E2B_VALIDATE_API_KEY"]) == ("k", "false")
+
+
+def test_snapshot_fork_request_quotes_the_name():
+    path, body = snapshot_fork_request("team/rl-ckpt:default", 3, 60, {"k": "v"})
+    assert path == "/snapshots/team%2Frl-ckpt%3Adefault/fork"
+    assert body == {"count": 3, "timeout": 60, "metadata": {"k": "v"}}
+    assert snapshot_fork_request("s", 1, None, None)[1] == {"count": 1}
+
+
+def test_fork_results_as_the_sdk_reads_its_own():
+    import httpx
+    from e2b import NotFoundException, RateLimitException, SandboxException
+
+    started = {
+        "sandboxID": "abc",
+        "envdVersion": "0.5.0",
+        "envdAccessToken": "tok",
+        "domain": None,
+        "trafficAccessToken": None,
+    }
+    resp = httpx.Response(
+        201,
+        json=[
+            {"sandbox": started},
+            {"error": {"code": 429, "message": "full"}},
+            {"error": {"code": 404, "message": "gone"}},
+            {},
+        ],
+    )
+    ok, limited, gone, empty = fork_results(resp, "snapshot s")
+    assert not isinstance(ok, Exception)
+    assert (ok.sandbox_id, ok.envd_access_token, ok.envd_version) == ("abc", "tok", "0.5.0")
+    assert isinstance(limited, RateLimitException)
+    assert isinstance(gone, NotFoundException)
+    assert isinstance(empty, SandboxException)
+    with pytest.raises(NotFoundException, match="no such snapshot"):
+        fork_results(httpx.Response(404, json={"code": 404, "message": "no such snapshot"}), "s")
+    with pytest.raises(SandboxException, match="Count must be at least 1"):
+        fork_results(
+            httpx.Response(400, json={"code": 400, "message": "Count must be at least 1"}), "s"
+        )

@@ -2,6 +2,7 @@
 
 import pytest
 from conftest import RUN_META, TEMPLATE
+from e2b import SandboxState
 
 from sandfork import LINEAGE_PATH, SEED_PATH, AsyncSandbox, ForkError, Lineage, Sandbox
 
@@ -14,7 +15,7 @@ def test_fork_all_lineage_and_reseed(no_leaks):
     parent = Sandbox.create(TEMPLATE, metadata=RUN_META, timeout=600)
     try:
         caps = parent.capabilities()
-        assert (caps.fork, caps.snapshot, caps.fork_from_snapshot) == (True, True, False)
+        assert (caps.fork, caps.snapshot, caps.fork_from_snapshot) == (True, True, True)
         assert caps.strategy == "fork" and 1 <= caps.max_fork_count <= 20
         parent.files.write("/home/user/origin.txt", "parent state")
         proc = parent.commands.run(COUNTER, background=True, timeout=0)
@@ -63,6 +64,7 @@ async def test_checkpoint_suspend_resume_and_replay(no_leaks):
         ckpt = await sbx.checkpoint(data={"note": "step 1"})
         assert ckpt.source_id == sbx.sandbox_id and ckpt.data == {"note": "step 1"}
         await sbx.commands.run("echo v2 > /home/user/state.txt")
+        # one call to the node: POST /snapshots/{id}/fork
         made = await AsyncSandbox.from_checkpoint(ckpt, count=2, timeout=600, metadata=RUN_META)
         assert [type(m) for m in made] == [AsyncSandbox] * 2
         for i, m in enumerate(made):
@@ -83,6 +85,20 @@ async def test_checkpoint_suspend_resume_and_replay(no_leaks):
         # suspend to storage, resume with the lineage it had
         await sbx.write_lineage()
         assert await sbx.suspend() is True
+
+        # a paused sandbox forks from its paused state (E2B's RL RFC) and
+        # stays paused; the children diverge
+        kids = await AsyncSandbox.fork(sbx.sandbox_id, count=2, timeout=600)
+        made += [k for k in kids if isinstance(k, AsyncSandbox)]
+        assert [type(k) for k in kids] == [AsyncSandbox] * 2, kids
+        for i, k in enumerate(kids):
+            assert (await k.files.read("/home/user/state.txt")) == "v2\n"
+            assert (k.lineage.parent_id, k.lineage.branch_index) == (sbx.sandbox_id, i)
+            await k.commands.run(f"echo kid{i} > /home/user/state.txt")
+        for i, k in enumerate(kids):
+            assert (await k.files.read("/home/user/state.txt")) == f"kid{i}\n"
+        assert (await AsyncSandbox.get_info(sbx.sandbox_id)).state == SandboxState.PAUSED
+
         back = await AsyncSandbox.resume(sbx.sandbox_id, timeout=600)
         assert back.lineage == sbx.lineage
         assert (await back.files.read("/home/user/state.txt")) == "v2\n"

@@ -39,6 +39,7 @@ const REAP_EVERY: Duration = Duration::from_millis(500);
 const ROOT_LAYER: &str = "root.layer";
 
 mod fork;
+mod fork_stored;
 mod gc;
 mod live;
 mod network;
@@ -47,6 +48,7 @@ mod recover;
 mod snapshot;
 #[cfg(test)]
 mod tests;
+pub use fork_stored::{ForkResults, SnapshotForkParams};
 pub use gc::GcStats;
 pub use live::Phase;
 use live::{Registry, Sandbox};

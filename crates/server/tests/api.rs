@@ -822,14 +822,40 @@ async fn fork_validates_and_needs_a_running_sandbox() {
             StatusCode::BAD_REQUEST,
         );
     }
-    assert_error(
-        &call(
-            &node,
-            authed("POST", "/sandboxes/held/fork", r#"{"count":2}"#),
-        )
-        .await,
-        StatusCode::CONFLICT,
+    // A paused sandbox forks from its paused memory: one paused without it
+    // has none to fork.
+    let a = call(
+        &node,
+        authed("POST", "/sandboxes/held/fork", r#"{"count":2}"#),
+    )
+    .await;
+    assert_error(&a, StatusCode::CONFLICT);
+    assert!(
+        a.json["message"]
+            .as_str()
+            .unwrap()
+            .contains("paused without its memory"),
+        "{}",
+        a.json
     );
+    // A snapshot's fork: the count and timeout first, then the snapshot;
+    // a template that is no snapshot is not found.
+    let (bad, missing, nosuch) = (
+        StatusCode::BAD_REQUEST,
+        StatusCode::NOT_FOUND,
+        "/snapshots/nosuch/fork",
+    );
+    for (uri, body, status) in [
+        (nosuch, r#"{"count":0}"#, bad),
+        (nosuch, r#"{"timeout":0}"#, bad),
+        (nosuch, "{not json", bad),
+        (nosuch, r#"{"count":2}"#, missing),
+        ("/snapshots/team%2Fnosuch/fork", "{}", missing),
+        ("/snapshots/base/fork", "{}", missing),
+    ] {
+        let a = call(&node, authed("POST", uri, body)).await;
+        assert_error(&a, status);
+    }
 }
 
 #[tokio::test]
@@ -1767,4 +1793,68 @@ async fn builds_a_restart_interrupted_are_marked_error_and_their_files_go() {
     assert!(!t.join(".build-cut1-0a0b").exists());
     assert!(!t.join("cut1").exists());
     assert!(t.join("done1").is_dir());
+}
+
+/// A fork of a paused sandbox seals its root layer and branches it before
+/// any child starts: the sandbox stays paused on a new layer of its own with
+/// the same content. Here no child can start (no VMM binary): each answers
+/// its error, their directories go, and nothing stays reserved.
+#[tokio::test]
+async fn a_paused_fork_branches_the_disk_and_reports_each_child() {
+    let now = now_ms();
+    let node = node_configured(&[], &[], |c, store| {
+        c.capacity.vcpus = Some(8);
+        c.capacity.memory_mib = Some(4096);
+        c.capacity.min_free_disk_mib = 0;
+        let dir = c.sandboxes_dir().join("held");
+        std::fs::create_dir_all(&dir).unwrap();
+        let base = c.data_dir.join("base.img");
+        std::fs::File::create(&base)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        let disk = disk_layers::LayeredDisk::create(&base, &dir.join("root.layer")).unwrap();
+        disk.write_at(b"paused state", 4096).unwrap();
+        disk.flush().unwrap();
+        let held = SandboxRecord {
+            snapshot: Some(PausedSnapshot {
+                state: dir.join("pause-1.state"),
+                mem: dir.join("pause-1.mem"),
+            }),
+            pause_generation: 1,
+            uses_dirs: vec![dir],
+            ..record("held", now, SandboxState::Paused, "x")
+        };
+        store.put_sandbox(&held).unwrap();
+    });
+    let a = call(
+        &node,
+        authed("POST", "/sandboxes/held/fork", r#"{"count":2}"#),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.json);
+    let results = a.json.as_array().unwrap();
+    assert_eq!(results.len(), 2);
+    for r in results {
+        assert_eq!(r["error"]["code"], 500, "{r}");
+    }
+    let held = node.manager.get("held").unwrap();
+    assert_eq!(held.state, SandboxState::Paused);
+    assert!(held.has_dependents);
+    let sandboxes = node.dir.path().join("sandboxes");
+    let old = sandboxes.join("held").join("root.layer");
+    let top = held.root_layer.clone().expect("a new layer");
+    assert_eq!(top.parent(), old.parent());
+    assert!(disk_layers::LayeredDisk::open(&old).unwrap().is_read_only());
+    let disk = disk_layers::LayeredDisk::open(&top).unwrap();
+    assert!(!disk.is_read_only());
+    let mut buf = [0u8; 12];
+    disk.read_at(&mut buf, 4096).unwrap();
+    assert_eq!(&buf, b"paused state");
+    let dirs: Vec<_> = std::fs::read_dir(&sandboxes)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(dirs, ["held"], "the failed children's directories go");
+    assert_holds_nothing(&node_info(&node).await);
 }

@@ -3,14 +3,18 @@ probes and the default fork hook."""
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
+from urllib.parse import quote
 
 import httpx
-from e2b import SandboxException
+from e2b import NotFoundException, SandboxException
+from e2b.api import SandboxCreateResponse, api_exception_from_code, handle_api_exception
 from e2b.connection_config import ConnectionConfig
+from packaging.version import Version
 
 from ._lineage import Lineage, new_seed
 
@@ -85,7 +89,10 @@ class Capabilities:
     """What a node offers for branching, found by side-effect-free probes.
 
     ``max_fork_count`` is the most children one fork call may ask for (the
-    node's limit and the SDK's, whichever is lower).
+    node's limit and the SDK's, whichever is lower). ``fork_from_snapshot``:
+    the node forks a snapshot into N sandboxes in one call
+    (``POST /snapshots/{id}/fork``); a sandfork node that does also forks
+    paused sandboxes (``Sandbox.fork(paused_id, count=n)``).
     """
 
     fork: bool
@@ -157,6 +164,89 @@ async def probe_capabilities_async(config: ConnectionConfig) -> Capabilities:
             await c.get("/snapshots", params={"limit": 1}),
             await c.post(f"/snapshots/{_PROBE_ID}/fork", json={"count": 0}),
         )
+
+
+def snapshot_fork_request(
+    snapshot_id: str,
+    count: int,
+    timeout: int | None,
+    metadata: Mapping[str, str] | None,
+) -> tuple[str, dict[str, Any]]:
+    """The path and body of ``POST /snapshots/{id}/fork`` (E2B PR infra
+    #3441's shape, served by sandfork): a name may hold ``/``."""
+    body: dict[str, Any] = {"count": count}
+    if timeout is not None:
+        body["timeout"] = timeout
+    if metadata:
+        body["metadata"] = dict(metadata)
+    return f"/snapshots/{quote(snapshot_id, safe='')}/fork", body
+
+
+def fork_results(resp: httpx.Response, source: str) -> list[SandboxCreateResponse | Exception]:
+    """A fork's answer as the e2b SDK reads its own: the call failed as a
+    whole (raised), or one started sandbox or exception per child."""
+    if resp.status_code == 404:
+        try:
+            message = str(resp.json().get("message", ""))
+        except ValueError:
+            message = ""
+        raise NotFoundException(message or f"{source} not found")
+    if resp.status_code >= 300:
+        raise handle_api_exception(resp)
+    results: list[SandboxCreateResponse | Exception] = []
+    for item in resp.json():
+        sandbox, error = item.get("sandbox"), item.get("error")
+        if error is not None or not sandbox:
+            if error is None:
+                results.append(SandboxException("Failed to start forked sandbox"))
+            elif error.get("code") == 404:
+                results.append(NotFoundException(f"404: {error.get('message')}"))
+            else:
+                results.append(api_exception_from_code(int(error["code"]), error.get("message")))
+            continue
+        results.append(
+            SandboxCreateResponse(
+                sandbox_id=sandbox["sandboxID"],
+                sandbox_domain=sandbox.get("domain"),
+                envd_version=sandbox["envdVersion"],
+                envd_access_token=sandbox.get("envdAccessToken"),
+                traffic_access_token=sandbox.get("trafficAccessToken"),
+            )
+        )
+    return results
+
+
+def child_options(
+    response: SandboxCreateResponse, params: Mapping[str, Any], logger: logging.Logger | None
+) -> dict[str, Any]:
+    """The constructor arguments of a sandbox the API just started, as the
+    e2b SDK gives its fork children."""
+    headers = {
+        "E2b-Sandbox-Id": response.sandbox_id,
+        "E2b-Sandbox-Port": str(ConnectionConfig.envd_port),
+    }
+    if response.envd_access_token is not None:
+        headers["X-Access-Token"] = response.envd_access_token
+    return {
+        "sandbox_id": response.sandbox_id,
+        "sandbox_domain": response.sandbox_domain,
+        "envd_version": Version(response.envd_version),
+        "envd_access_token": response.envd_access_token,
+        "traffic_access_token": response.traffic_access_token,
+        "connection_config": ConnectionConfig(
+            extra_sandbox_headers=headers, logger=logger, **params
+        ),
+    }
+
+
+def api_client(config: ConnectionConfig) -> httpx.Client:
+    base, headers = _probe_requests(config)
+    return httpx.Client(base_url=base, headers=headers, timeout=config.request_timeout)
+
+
+def async_api_client(config: ConnectionConfig) -> httpx.AsyncClient:
+    base, headers = _probe_requests(config)
+    return httpx.AsyncClient(base_url=base, headers=headers, timeout=config.request_timeout)
 
 
 def chunks(count: int, size: int) -> list[int]:

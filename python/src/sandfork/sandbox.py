@@ -15,6 +15,7 @@ from typing import Any
 
 import e2b
 from e2b import CommandExitException, NotFoundException
+from e2b.connection_config import ConnectionConfig
 from e2b.sandbox.utils import class_method_variant
 from typing_extensions import Self
 
@@ -24,9 +25,13 @@ from ._common import (
     Checkpoint,
     ForkError,
     Strategy,
+    api_client,
+    child_options,
     chunks,
+    fork_results,
     probe_capabilities,
     reseed,
+    snapshot_fork_request,
 )
 from ._lineage import LINEAGE_PATH, Lineage
 
@@ -184,6 +189,30 @@ class Sandbox(e2b.Sandbox):
         )
 
     @classmethod
+    def fork_snapshot(
+        cls,
+        snapshot_id: str,
+        count: int = 1,
+        *,
+        timeout: int | None = None,
+        metadata: dict[str, str] | None = None,
+        logger: logging.Logger | None = None,
+        **opts: Any,
+    ) -> list[Self | Exception]:
+        """``count`` sandboxes from a snapshot (its id or name) in one call to
+        the node (``POST /snapshots/{id}/fork``): one entry per child, a
+        sandbox or why it failed, as ``fork`` answers. No lineage is set: see
+        ``from_checkpoint``."""
+        params = cls._resolve_api_params(**opts)
+        path, body = snapshot_fork_request(snapshot_id, count, timeout, metadata)
+        with api_client(ConnectionConfig(**params)) as c:
+            responses = fork_results(c.post(path, json=body), f"snapshot {snapshot_id}")
+        return [
+            r if isinstance(r, Exception) else cls(**child_options(r, params, logger))
+            for r in responses
+        ]
+
+    @classmethod
     def from_checkpoint(
         cls,
         checkpoint: Checkpoint,
@@ -193,11 +222,31 @@ class Sandbox(e2b.Sandbox):
         metadata: dict[str, str] | None = None,
         after_fork: AfterFork | None = reseed,
         cleanup_on_error: bool = True,
+        fork: bool | None = None,
         **opts: Any,
     ) -> list[Self]:
         """``count`` sandboxes started from a checkpoint, children of its
-        source in the lineage; all of them or ``ForkError``."""
+        source in the lineage; all of them or ``ForkError``. One fork call
+        when the node forks snapshots (``fork=None`` asks it), else
+        ``count`` creates."""
+        if fork is None:
+            config = ConnectionConfig(**cls._resolve_api_params(**opts))
+            fork = probe_capabilities(config).fork_from_snapshot
         results: list[Self | Exception] = []
+        if fork:
+            try:
+                started = cls.fork_snapshot(
+                    checkpoint.snapshot_id, count, timeout=timeout, metadata=metadata, **opts
+                )
+            except Exception as e:
+                started = [e] * count
+            results = [
+                r
+                if isinstance(r, Exception)
+                else r._adopt(checkpoint.lineage.child(r.sandbox_id, i), i, after_fork)
+                for i, r in enumerate(started)
+            ]
+            return _all_or_error(checkpoint.source_id, results, cleanup_on_error)
         for i in range(count):
             try:
                 sbx = cls.create(checkpoint.snapshot_id, timeout=timeout, metadata=metadata, **opts)

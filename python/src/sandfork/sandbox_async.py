@@ -13,6 +13,7 @@ from typing import Any
 
 import e2b
 from e2b import CommandExitException, NotFoundException
+from e2b.connection_config import ConnectionConfig
 from e2b.sandbox.utils import class_method_variant
 from typing_extensions import Self
 
@@ -22,9 +23,13 @@ from ._common import (
     Checkpoint,
     ForkError,
     Strategy,
+    async_api_client,
+    child_options,
     chunks,
+    fork_results,
     probe_capabilities_async,
     reseed,
+    snapshot_fork_request,
 )
 from ._lineage import LINEAGE_PATH, Lineage
 
@@ -184,6 +189,31 @@ class AsyncSandbox(e2b.AsyncSandbox):
         )
 
     @classmethod
+    async def fork_snapshot(
+        cls,
+        snapshot_id: str,
+        count: int = 1,
+        *,
+        timeout: int | None = None,
+        metadata: dict[str, str] | None = None,
+        logger: logging.Logger | None = None,
+        **opts: Any,
+    ) -> list[Self | Exception]:
+        """``count`` sandboxes from a snapshot (its id or name) in one call to
+        the node (``POST /snapshots/{id}/fork``): one entry per child, a
+        sandbox or why it failed, as ``fork`` answers. No lineage is set: see
+        ``from_checkpoint``."""
+        params = cls._resolve_api_params(**opts)
+        path, body = snapshot_fork_request(snapshot_id, count, timeout, metadata)
+        async with async_api_client(ConnectionConfig(**params)) as c:
+            resp = await c.post(path, json=body)
+        responses = fork_results(resp, f"snapshot {snapshot_id}")
+        return [
+            r if isinstance(r, Exception) else cls(**child_options(r, params, logger))
+            for r in responses
+        ]
+
+    @classmethod
     async def from_checkpoint(
         cls,
         checkpoint: Checkpoint,
@@ -193,10 +223,31 @@ class AsyncSandbox(e2b.AsyncSandbox):
         metadata: dict[str, str] | None = None,
         after_fork: AsyncAfterFork | None = reseed,
         cleanup_on_error: bool = True,
+        fork: bool | None = None,
         **opts: Any,
     ) -> list[Self]:
         """``count`` sandboxes started from a checkpoint, children of its
-        source in the lineage; all of them or ``ForkError``."""
+        source in the lineage; all of them or ``ForkError``. One fork call
+        when the node forks snapshots (``fork=None`` asks it), else
+        ``count`` creates."""
+        if fork is None:
+            config = ConnectionConfig(**cls._resolve_api_params(**opts))
+            fork = (await probe_capabilities_async(config)).fork_from_snapshot
+        if fork:
+            try:
+                started = await cls.fork_snapshot(
+                    checkpoint.snapshot_id, count, timeout=timeout, metadata=metadata, **opts
+                )
+            except Exception as e:
+                started = [e] * count
+
+            async def adopt(i: int, r: Self | Exception) -> Self | Exception:
+                if isinstance(r, Exception):
+                    return r
+                return await r._adopt(checkpoint.lineage.child(r.sandbox_id, i), i, after_fork)
+
+            results = list(await asyncio.gather(*(adopt(i, r) for i, r in enumerate(started))))
+            return await _all_or_error(checkpoint.source_id, results, cleanup_on_error)
 
         async def one(i: int) -> Self | Exception:
             try:

@@ -49,6 +49,7 @@ pub fn router(state: Shared) -> Router {
         .route("/sandboxes/{id}/network", put(network::update))
         .route("/sandboxes/{id}/snapshots", post(snapshots::create))
         .route("/snapshots", get(snapshots::list))
+        .route("/snapshots/{id}/fork", post(snapshots::fork))
         .route("/sandboxes/{id}/metrics", get(observe::metrics))
         .route("/sandboxes/{id}/logs", get(observe::logs_v1))
         .route("/v2/sandboxes/{id}/logs", get(observe::logs_v2))

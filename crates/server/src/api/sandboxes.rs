@@ -393,21 +393,16 @@ pub async fn resume(
 pub const MAX_FORK_COUNT: i64 = 100;
 
 #[derive(Debug, Default, Deserialize)]
-struct ForkBody {
+pub(super) struct ForkBody {
     timeout: Option<i64>,
     count: Option<i64>,
+    /// A snapshot's children only (a sandbox's keep its metadata).
+    pub(super) metadata: Option<BTreeMap<String, String>>,
 }
 
-/// `POST /sandboxes/{id}/fork`: 201 with one `{"sandbox": ...}` or
-/// `{"error": {code, message}}` per child, in order.
-pub async fn fork(
-    State(state): State<Shared>,
-    Path(id): Path<String>,
-    body: Bytes,
-) -> Result<Response, ApiError> {
-    let id = check_id(&id)?;
-    let req: ForkBody = parse_body(&body)?;
-    // E2B's order and texts: the timeout, then the count, then the sandbox.
+/// A fork's timeout and count, checked in E2B's order and with its texts
+/// (the timeout, then the count; the source is looked up after).
+pub(super) fn fork_request(state: &Shared, req: &ForkBody) -> Result<(Duration, u32), ApiError> {
     let timeout = timeout_secs(
         req.timeout.unwrap_or(V2_DEFAULT_TIMEOUT),
         state.manager.config().max_timeout,
@@ -429,7 +424,29 @@ pub async fn fork(
             "Count must be lower than the maximum number of concurrent sandboxes ({max})"
         )));
     }
-    let results = state.manager.fork(&id, count as u32, timeout).await?;
+    Ok((timeout, count as u32))
+}
+
+/// `POST /sandboxes/{id}/fork`: 201 with one `{"sandbox": ...}` or
+/// `{"error": {code, message}}` per child, in order. A paused sandbox is
+/// forked from its paused state and stays paused (E2B's RL RFC, infra #3424).
+pub async fn fork(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let id = check_id(&id)?;
+    let req: ForkBody = parse_body(&body)?;
+    let (timeout, count) = fork_request(&state, &req)?;
+    let results = match state.manager.get(&id)?.state {
+        SandboxState::Paused => state.manager.fork_paused(&id, count, timeout).await?,
+        SandboxState::Running => state.manager.fork(&id, count, timeout).await?,
+    };
+    Ok(fork_answer(results))
+}
+
+/// The 201 of a fork: one `{"sandbox": ...}` or `{"error": ...}` per child.
+pub(super) fn fork_answer(results: crate::sandbox::ForkResults) -> Response {
     let body: Vec<Value> = results
         .into_iter()
         .map(|r| match r {
@@ -440,5 +457,5 @@ pub async fn fork(
             }
         })
         .collect();
-    Ok((StatusCode::CREATED, Json(body)).into_response())
+    (StatusCode::CREATED, Json(body)).into_response()
 }

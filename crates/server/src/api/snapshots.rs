@@ -1,5 +1,6 @@
-//! Snapshot routes: `POST /sandboxes/{id}/snapshots`, `GET /snapshots`
-//! (deleting one is `DELETE /templates/{id}`, in `templates.rs`).
+//! Snapshot routes: `POST /sandboxes/{id}/snapshots`, `GET /snapshots`,
+//! `POST /snapshots/{id}/fork` (deleting one is `DELETE /templates/{id}`, in
+//! `templates.rs`).
 
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -12,9 +13,9 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::list::{MAX_LIMIT, parse_limit};
-use super::sandboxes::{check_id, parse_body};
+use super::sandboxes::{ForkBody, check_id, fork_answer, fork_request, parse_body};
 use super::{ApiError, Shared};
-use crate::sandbox::SnapshotParams;
+use crate::sandbox::{SnapshotForkParams, SnapshotParams};
 use crate::store::TemplateRecord;
 
 /// E2B's SnapshotInfo (`snapshotID`, `names`), plus where it came from.
@@ -57,6 +58,26 @@ pub async fn create(
     };
     let record = state.manager.snapshot(&id, params).await?;
     Ok((StatusCode::CREATED, Json(snapshot_json(&record))).into_response())
+}
+
+/// `POST /snapshots/{id}/fork` (the shape of E2B's PR infra #3441): `count`
+/// new sandboxes from the snapshot `id` (its id or name, URL-encoded), 201
+/// with one `{"sandbox": ...}` or `{"error": ...}` per child as a sandbox's
+/// fork answers. Body `{count, timeout, metadata}`, all optional; the count
+/// and timeout are checked before the snapshot is looked up (404 unknown).
+pub async fn fork(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let req: ForkBody = parse_body(&body)?;
+    let (timeout, count) = fork_request(&state, &req)?;
+    let params = SnapshotForkParams {
+        timeout,
+        metadata: req.metadata.unwrap_or_default(),
+    };
+    let results = state.manager.fork_snapshot(&id, count, params).await?;
+    Ok(fork_answer(results))
 }
 
 #[derive(Debug, Default, PartialEq, Eq)]
