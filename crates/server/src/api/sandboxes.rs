@@ -197,7 +197,10 @@ pub async fn get_one(
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     let id = check_id(&id)?;
-    Ok(Json(listed_json(&state.manager.get(&id)?, true)))
+    let mut detail = listed_json(&state.manager.get(&id)?, true);
+    // Sandfork's: whether its guest answers (see `sandbox::observe`).
+    detail["guestUnresponsive"] = json!(state.manager.unresponsive(&id));
+    Ok(Json(detail))
 }
 
 async fn list(state: Shared, uri: Uri, v2: bool) -> Result<Response, ApiError> {
@@ -429,8 +432,9 @@ pub async fn fork(
             "Count must be lower than the maximum number of concurrent sandboxes ({max})"
         )));
     }
-    let results = state.manager.fork(&id, count as u32, timeout).await?;
-    let body: Vec<Value> = results
+    let forked = state.manager.fork(&id, count as u32, timeout).await?;
+    let body: Vec<Value> = forked
+        .children
         .into_iter()
         .map(|r| match r {
             Ok(record) => json!({"sandbox": sandbox_json(&record)}),
@@ -440,5 +444,16 @@ pub async fn fork(
             }
         })
         .collect();
-    Ok((StatusCode::CREATED, Json(body)).into_response())
+    // The body is E2B's (a list); how long the parent stopped goes beside it.
+    let paused = format!("{:.3}", forked.parent_paused.as_secs_f64() * 1000.0);
+    Ok((
+        StatusCode::CREATED,
+        [(PARENT_PAUSED_HEADER, paused)],
+        Json(body),
+    )
+        .into_response())
 }
+
+/// Sandfork's header on a fork's answer: how long the parent's guest was
+/// stopped for the freeze, in milliseconds.
+pub const PARENT_PAUSED_HEADER: &str = "sandfork-parent-paused-ms";
