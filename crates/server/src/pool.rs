@@ -155,10 +155,14 @@ impl Pool {
         }
         taken
             .into_iter()
-            .map(|r| r.unwrap_or_else(|| Err(LaunchError::Vmm(ProcessError::Io {
-                what: "starting a VMM",
-                source: std::io::Error::other("its task ended early"),
-            }))))
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(LaunchError::Vmm(ProcessError::Io {
+                        what: "starting a VMM",
+                        source: std::io::Error::other("its task ended early"),
+                    }))
+                })
+            })
             .collect()
     }
 

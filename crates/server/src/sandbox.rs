@@ -47,12 +47,12 @@ mod recover;
 mod snapshot;
 #[cfg(test)]
 mod tests;
+pub use fork::Forked;
 pub use gc::GcStats;
 pub use live::Phase;
 use live::{Registry, Sandbox};
 pub use observe::{Level, LogLine, STUCK_AFTER, Sample};
 pub use recover::reclaim_run_dir;
-pub use fork::Forked;
 pub use snapshot::SnapshotParams;
 
 #[derive(Debug, thiserror::Error)]

@@ -720,7 +720,11 @@ async fn a_fork_of_32_is_admitted_by_real_use_and_its_children_diverge() {
             (child, got)
         });
     for (n, (child, (code, out))) in futures_join_all(answers).await.into_iter().enumerate() {
-        assert_eq!((code, out.as_str()), (0, format!("parent\n{n}\n").as_str()), "{child}");
+        assert_eq!(
+            (code, out.as_str()),
+            (0, format!("parent\n{n}\n").as_str()),
+            "{child}"
+        );
     }
     eprintln!(
         "fork of {CHILDREN}: call {fork_call:?}, every child answered after {:?}, parent \
@@ -749,7 +753,9 @@ async fn a_fork_of_32_is_admitted_by_real_use_and_its_children_diverge() {
 }
 
 /// The results of `futures` run at once, in order.
-async fn futures_join_all<F: std::future::Future>(futures: impl Iterator<Item = F>) -> Vec<F::Output>
+async fn futures_join_all<F: std::future::Future>(
+    futures: impl Iterator<Item = F>,
+) -> Vec<F::Output>
 where
     F: Send + 'static,
     F::Output: Send + 'static,

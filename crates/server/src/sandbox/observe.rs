@@ -126,7 +126,9 @@ pub struct Observed {
 pub enum HealthChange {
     Same,
     /// It has not answered for `silent_ms`: now unresponsive.
-    Stuck { silent_ms: u64 },
+    Stuck {
+        silent_ms: u64,
+    },
     /// Unresponsive until this answer.
     Recovered,
 }
@@ -145,7 +147,9 @@ impl Observed {
         let since = *self.failing_since_ms.get_or_insert(at_ms);
         self.failures += 1;
         let silent_ms = at_ms.saturating_sub(since);
-        if !self.stuck && self.failures >= STUCK_PROBES && silent_ms >= STUCK_AFTER.as_millis() as u64
+        if !self.stuck
+            && self.failures >= STUCK_PROBES
+            && silent_ms >= STUCK_AFTER.as_millis() as u64
         {
             self.stuck = true;
             return HealthChange::Stuck { silent_ms };
