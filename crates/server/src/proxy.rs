@@ -612,4 +612,36 @@ mod tests {
         keep_upgrade(&mut kept, HeaderValue::from_static("websocket"));
         assert_eq!(requested_upgrade(&kept).unwrap(), "websocket");
     }
+
+    /// A request waiting on a guest ends when the guest is found
+    /// unresponsive, after a grace when it already was; never while the
+    /// guest answers or once its sandbox is gone.
+    #[tokio::test]
+    async fn waits_on_a_guest_end_when_it_is_found_unresponsive() {
+        use tokio::sync::watch;
+        let grace = Duration::from_millis(300);
+        // Found so while waiting: at once.
+        let (tx, rx) = watch::channel(false);
+        let waiting = tokio::spawn(until_unresponsive(rx, grace));
+        tokio::time::sleep(grace * 2).await;
+        assert!(!waiting.is_finished(), "ended while the guest answered");
+        tx.send_replace(true);
+        tokio::time::timeout(grace / 2, waiting)
+            .await
+            .unwrap()
+            .unwrap();
+        // Already so: after the grace, not before.
+        let started = std::time::Instant::now();
+        until_unresponsive(tx.subscribe(), grace).await;
+        assert!(started.elapsed() >= grace);
+        // The sandbox went: only the request's own connection ends it.
+        let (tx, rx) = watch::channel(false);
+        drop(tx);
+        assert!(
+            tokio::time::timeout(grace * 2, until_unresponsive(rx, grace))
+                .await
+                .is_err()
+        );
+        assert_eq!(unresponsive("sbx1").status(), StatusCode::BAD_GATEWAY);
+    }
 }

@@ -411,7 +411,8 @@ class Bench:
         detail["failed_children"] = len(errors)
         value = None if errors else ms(t2 - t0)
         figures = {f"sdk_fork{count}_ms": value}
-        if "ms" in paused:
+        # Only from a node that says it (the header is sandfork's).
+        if paused.get("ms") is not None:
             detail["parent_paused_ms"] = paused["ms"]
             figures["fork_parent_pause_ms"] = paused["ms"]
         return figures, detail
