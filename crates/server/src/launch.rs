@@ -181,7 +181,23 @@ impl Launched {
 /// Starts `plan`'s guest in a pooled VMM and waits until it is ready. A
 /// VMM that fails to start its guest is stopped off the async threads.
 pub async fn launch(pool: &Pool, plan: Plan) -> Result<Launched, LaunchError> {
-    let (mut vm, net) = pool.take_for(&plan.egress).await?;
+    launch_in(pool, None, plan).await
+}
+
+/// A VMM taken from the pool (with its network slot) before its launch.
+pub type Taken = (VmmProcess, Option<Lease>);
+
+/// [`launch`] in `vmm` when one was taken from the pool already (a fork's
+/// children get theirs before the parent freezes).
+pub async fn launch_in(
+    pool: &Pool,
+    vmm: Option<Taken>,
+    plan: Plan,
+) -> Result<Launched, LaunchError> {
+    let (mut vm, net) = match vmm {
+        Some(taken) => taken,
+        None => pool.take_for(&plan.egress).await?,
+    };
     // From now on it is charged what its VMM really uses.
     plan.hold.track(vm.pid());
     // Limited before the guest runs a single instruction.

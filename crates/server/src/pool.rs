@@ -15,7 +15,7 @@ use tokio::sync::Notify;
 use vmm_driver::process::{ProcessError, VmmProcess};
 
 use crate::cgroups::NodeCgroups;
-use crate::launch::LaunchError;
+use crate::launch::{LaunchError, Taken};
 use crate::net::{Lease, Slots};
 
 /// A pooled VMM and the slot it waits in. Fields drop in order: the VMM
@@ -151,6 +151,40 @@ impl Pool {
             let Warm { vm, net } = warm;
             return Ok((vm, net));
         }
+    }
+
+    /// `n` started VMMs for `policy` at once (a fork's children): those the
+    /// pool holds, the rest started in parallel rather than one after
+    /// another, so a fork of many does not wait for N process starts in a
+    /// row. One result per VMM asked for; a failure fails that one only.
+    pub async fn take_many(
+        self: &Arc<Self>,
+        n: usize,
+        policy: &EgressPolicy,
+    ) -> Vec<Result<Taken, LaunchError>> {
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..n {
+            let (pool, policy) = (self.clone(), policy.clone());
+            tasks.spawn(async move { (i, pool.take_for(&policy).await) });
+        }
+        let mut taken: Vec<Option<Result<_, LaunchError>>> = (0..n).map(|_| None).collect();
+        while let Some(done) = tasks.join_next().await {
+            match done {
+                Ok((i, r)) => taken[i] = Some(r),
+                Err(e) => tracing::error!("warm pool: a VMM start task failed: {e}"),
+            }
+        }
+        taken
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(LaunchError::Vmm(ProcessError::Io {
+                        what: "starting a VMM",
+                        source: std::io::Error::other("its task ended early"),
+                    }))
+                })
+            })
+            .collect()
     }
 
     async fn spawn(&self, net: Option<&Lease>) -> Result<VmmProcess, ProcessError> {

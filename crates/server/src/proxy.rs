@@ -3,6 +3,8 @@
 //! that guest port over the sandbox's vsock socket, bodies streamed both ways.
 //! Everything else is the control plane and never reaches a guest.
 
+use std::time::Duration;
+
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -291,7 +293,17 @@ async fn forward(state: &Shared, id: &str, port: u32, mut req: Request) -> Respo
     if let Some(protocol) = upgrade {
         keep_upgrade(req.headers_mut(), protocol);
     }
-    match state.guests.send(&uds, port, req).await {
+    // A guest that stopped answering ends the wait for its answer (the
+    // observer decides; see `sandbox::observe`): never a request hanging on.
+    let sent = state.guests.send(&uds, port, req);
+    let answer = match state.manager.unresponsive_watch(id) {
+        Some(stuck) => tokio::select! {
+            answer = sent => answer,
+            () = until_unresponsive(stuck, UNRESPONSIVE_GRACE) => return unresponsive(id),
+        },
+        None => sent.await,
+    };
+    match answer {
         Ok(mut response) => {
             let switched = response.status() == StatusCode::SWITCHING_PROTOCOLS;
             let upgraded = match client {
@@ -316,6 +328,37 @@ async fn forward(state: &Shared, id: &str, port: u32, mut req: Request) -> Respo
         Err(ForwardError::Connect(VsockConnectError::Connect { .. })) => not_found(id),
         Err(e) => port_closed(id, port, &e.to_string()),
     }
+}
+
+/// How long a request to a guest already found unresponsive may wait for
+/// its answer (the guest may have come back since the last probe).
+const UNRESPONSIVE_GRACE: Duration = Duration::from_secs(10);
+
+/// Resolves once the guest is unresponsive: at once plus `grace` when it is
+/// already, else when the observer finds it so; never when the sandbox goes
+/// (its connection then fails by itself).
+async fn until_unresponsive(mut stuck: tokio::sync::watch::Receiver<bool>, grace: Duration) {
+    if *stuck.borrow_and_update() {
+        tokio::time::sleep(grace).await;
+        return;
+    }
+    if stuck.wait_for(|s| *s).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// The answer for a request to a guest that stopped answering.
+fn unresponsive(id: &str) -> Response {
+    let body = serde_json::json!({
+        "sandboxId": id,
+        "message": format!(
+            "The sandbox's guest has stopped answering (no answer from its agent for at least \
+             {} s); see GET /v1/sandboxes/{id}/diagnostics",
+            crate::sandbox::STUCK_AFTER.as_secs()
+        ),
+        "code": 502,
+    });
+    (StatusCode::BAD_GATEWAY, axum::Json(body)).into_response()
 }
 
 /// A Connect server-stream answer (process output, directory watches): one
@@ -568,5 +611,37 @@ mod tests {
         let mut kept = HeaderMap::new();
         keep_upgrade(&mut kept, HeaderValue::from_static("websocket"));
         assert_eq!(requested_upgrade(&kept).unwrap(), "websocket");
+    }
+
+    /// A request waiting on a guest ends when the guest is found
+    /// unresponsive, after a grace when it already was; never while the
+    /// guest answers or once its sandbox is gone.
+    #[tokio::test]
+    async fn waits_on_a_guest_end_when_it_is_found_unresponsive() {
+        use tokio::sync::watch;
+        let grace = Duration::from_millis(300);
+        // Found so while waiting: at once.
+        let (tx, rx) = watch::channel(false);
+        let waiting = tokio::spawn(until_unresponsive(rx, grace));
+        tokio::time::sleep(grace * 2).await;
+        assert!(!waiting.is_finished(), "ended while the guest answered");
+        tx.send_replace(true);
+        tokio::time::timeout(grace / 2, waiting)
+            .await
+            .unwrap()
+            .unwrap();
+        // Already so: after the grace, not before.
+        let started = std::time::Instant::now();
+        until_unresponsive(tx.subscribe(), grace).await;
+        assert!(started.elapsed() >= grace);
+        // The sandbox went: only the request's own connection ends it.
+        let (tx, rx) = watch::channel(false);
+        drop(tx);
+        assert!(
+            tokio::time::timeout(grace * 2, until_unresponsive(rx, grace))
+                .await
+                .is_err()
+        );
+        assert_eq!(unresponsive("sbx1").status(), StatusCode::BAD_GATEWAY);
     }
 }

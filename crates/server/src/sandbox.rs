@@ -48,11 +48,12 @@ mod recover;
 mod snapshot;
 #[cfg(test)]
 mod tests;
+pub use fork::Forked;
 pub use fork_stored::{ForkResults, SnapshotForkParams};
 pub use gc::GcStats;
 pub use live::Phase;
 use live::{Registry, Sandbox};
-pub use observe::{Level, LogLine, Sample};
+pub use observe::{Level, LogLine, STUCK_AFTER, Sample};
 pub use recover::reclaim_run_dir;
 pub use snapshot::SnapshotParams;
 
@@ -438,6 +439,7 @@ impl Manager {
     /// (creates and fork children).
     async fn start_sandbox(
         &self,
+        vmm: Option<launch::Taken>,
         plan: Plan,
         record: impl FnOnce(&Launched) -> SandboxRecord,
         token: Option<String>,
@@ -449,7 +451,7 @@ impl Manager {
             return Err(SandboxError::Invalid(format!("sandbox id {id} is taken")));
         }
         let started = async {
-            let mut launched = launch::launch(&self.pool, plan).await?;
+            let mut launched = launch::launch_in(&self.pool, vmm, plan).await?;
             let mut record = record(&launched);
             record.network.slot = launched.net_slot();
             self.store.put_sandbox(&record)?;
@@ -569,7 +571,7 @@ impl Manager {
                 network: params.network,
             }
         };
-        self.start_sandbox(plan, record, access_token.clone(), id)
+        self.start_sandbox(None, plan, record, access_token.clone(), id)
             .await
     }
 

@@ -648,31 +648,48 @@ async fn capacity_refuses_with_503_and_kill_or_pause_makes_room() {
     assert_eq!(info["sandboxes"]["running"], 0, "{info}");
 }
 
-/// Admission by real use: a node of 1200 MiB holds a 256 MiB sandbox and
-/// a fork of it into 16 children (17 guests of 256 MiB would need 4352 MiB
-/// counted whole), every child answers, and what the node charges is their
-/// sampled use plus 32 MiB of headroom each, under the ceiling.
+/// A fork at fleet scale, admitted by real use: a node of 2000 MiB holds a
+/// 256 MiB sandbox and a fork of it into 32 children (33 guests of 256 MiB
+/// would need 8448 MiB counted whole). Every child answers and carries the
+/// parent's state, each then diverges on its own, the node says how long
+/// the parent was paused, and what it charges is their sampled use plus
+/// 32 MiB of headroom each, under the ceiling.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab: boots microVMs"]
-async fn a_fork_of_16_is_admitted_by_real_memory_use() {
+async fn a_fork_of_32_is_admitted_by_real_use_and_its_children_diverge() {
+    const CHILDREN: usize = 32;
+    const CEILING: u64 = 2000;
     let data = tempfile::tempdir().unwrap();
     let mut config = lab_config(data.path(), 2);
     config.mem_mib = 256;
-    config.capacity.memory_mib = Some(1200);
+    config.capacity.memory_mib = Some(CEILING);
+    // The lab has one CPU: 32 vCPUs at the default overcommit.
+    config.capacity.vcpu_overcommit = 64.0;
     let node = serve(config).await;
     let (addr, auth) = (node.addr, node.auth());
-    let a = http(addr, "POST", "/v2/sandboxes", &auth, r#"{"timeout":600}"#).await;
-    assert_eq!(a.status, 201, "{:?}", a.body);
-    let parent = a.json()["sandboxID"].as_str().unwrap().to_owned();
+    let parent = common::create(addr, &auth, json!({"timeout": 600})).await;
+    let (code, _) = run(addr, &parent.routing(), "echo parent > /tmp/origin").await;
+    assert_eq!(code, 0);
+    let started = Instant::now();
     let forked = http(
         addr,
         "POST",
-        &format!("/sandboxes/{parent}/fork"),
+        &format!("/sandboxes/{}/fork", parent.id),
         &auth,
-        r#"{"count":16,"timeout":600}"#,
+        format!(r#"{{"count":{CHILDREN},"timeout":600}}"#),
     )
     .await;
+    let fork_call = started.elapsed();
     assert_eq!(forked.status, 201, "{:?}", forked.body);
+    let paused_ms: f64 = forked.headers["sandfork-parent-paused-ms"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        paused_ms > 0.0 && paused_ms < fork_call.as_secs_f64() * 1000.0,
+        "paused {paused_ms} ms in a fork call of {fork_call:?}"
+    );
     let children: Vec<(String, String)> = forked
         .json()
         .as_array()
@@ -687,22 +704,66 @@ async fn a_fork_of_16_is_admitted_by_real_memory_use() {
             )
         })
         .collect();
-    assert_eq!(children.len(), 16);
-    for (child, token) in &children {
+    assert_eq!(children.len(), CHILDREN);
+    // Every child at once: each has the parent's file and writes its own.
+    let answers = children
+        .iter()
+        .cloned()
+        .enumerate()
+        .map(|(n, (child, token))| async move {
+            let r = [
+                ("e2b-sandbox-id", child.as_str()),
+                ("x-access-token", token.as_str()),
+            ];
+            let cmd = format!("cat /tmp/origin && echo {n} > /tmp/who && cat /tmp/who");
+            let got = run(addr, &r, &cmd).await;
+            (child, got)
+        });
+    for (n, (child, (code, out))) in futures_join_all(answers).await.into_iter().enumerate() {
+        assert_eq!(
+            (code, out.as_str()),
+            (0, format!("parent\n{n}\n").as_str()),
+            "{child}"
+        );
+    }
+    eprintln!(
+        "fork of {CHILDREN}: call {fork_call:?}, every child answered after {:?}, parent \
+         paused {paused_ms} ms",
+        started.elapsed()
+    );
+    // Each kept its own write; the parent saw none of them.
+    for (n, (child, token)) in children.iter().enumerate().step_by(7) {
         let r = [
             ("e2b-sandbox-id", child.as_str()),
             ("x-access-token", token.as_str()),
         ];
-        let (code, out) = run(addr, &r, "echo ready").await;
-        assert_eq!((code, out.as_str()), (0, "ready\n"), "{child}");
+        let (_, out) = run(addr, &r, "cat /tmp/who").await;
+        assert_eq!(out, format!("{n}\n"), "{child}");
     }
+    let (code, _) = run(addr, &parent.routing(), "test ! -e /tmp/who").await;
+    assert_eq!(code, 0, "a child's write reached the parent");
     // Two samples later every VMM's use is counted.
     tokio::time::sleep(std::time::Duration::from_secs(5)).await;
     let info = http(addr, "GET", "/v1/node", &auth, "").await.json();
     let used = info["memoryMB"]["used"].as_u64().unwrap();
-    eprintln!("17 sandboxes charged {used} MiB: {info}");
-    assert!(used > 17 * 32 && used <= 1200, "{info}");
-    assert_eq!(info["sandboxes"]["running"], 17, "{info}");
+    let guests = CHILDREN as u64 + 1;
+    eprintln!("{guests} sandboxes charged {used} MiB: {info}");
+    assert!(used > guests * 32 && used <= CEILING, "{info}");
+    assert_eq!(info["sandboxes"]["running"], guests, "{info}");
+}
+
+/// The results of `futures` run at once, in order.
+async fn futures_join_all<F>(futures: impl Iterator<Item = F>) -> Vec<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let handles: Vec<_> = futures.map(tokio::spawn).collect();
+    let mut out = Vec::with_capacity(handles.len());
+    for h in handles {
+        out.push(h.await.unwrap());
+    }
+    out
 }
 
 /// Admission by real use at the ceiling: a 600 MiB node admits three

@@ -99,3 +99,44 @@ async fn reclaim_stops_a_vmm_whose_identity_was_never_recorded() {
     assert!(!status.success(), "{status}");
     assert!(!unrecorded.exists(), "its directory is removed");
 }
+
+/// A fork's children take their VMMs at once: more than the pool holds,
+/// each a different process that answers, the pool's own handed out first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn take_many_hands_out_the_pooled_vmms_and_starts_the_rest_together() {
+    let scratch = tempfile::tempdir().unwrap();
+    let run_dir = scratch.path().join("run");
+    let pool = Pool::start(vmm_binary(), run_dir.clone(), 2);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while pool.idle_count() < 2 {
+        assert!(Instant::now() < deadline, "the pool never filled");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let pooled: Vec<u32> = vmm_dirs(&run_dir)
+        .iter()
+        .filter_map(|d| ProcessIdentity::read(d))
+        .map(|p| p.pid)
+        .collect();
+    let taken = pool
+        .take_many(6, &sandfork_network::EgressPolicy::default())
+        .await;
+    assert_eq!(taken.len(), 6);
+    let mut pids = Vec::new();
+    for t in taken {
+        let (vm, net) = t.expect("a VMM");
+        assert!(net.is_none());
+        vm.api().get_instance_info().await.expect("it answers");
+        pids.push(vm.pid());
+    }
+    let mut distinct = pids.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(distinct.len(), 6, "{pids:?}");
+    for p in pooled {
+        assert!(
+            pids.contains(&p),
+            "pooled VMM {p} was not handed out: {pids:?}"
+        );
+    }
+    pool.close();
+}

@@ -23,8 +23,10 @@ const SCRIPT: &str = include_str!("sdk_bench.py");
 /// for the pool to be full before each phase.
 const POOL_SIZE: usize = 4;
 const STOP_TIMEOUT: Duration = Duration::from_secs(60);
-/// `serve`'s default count limit, raised for the density phase.
-const MAX_SANDBOXES: usize = 64;
+/// Above `serve`'s default count limit: a fork of 100 must fit (with its
+/// parent and the warm pool), and the density phase.
+const MAX_SANDBOXES: usize = 128;
+const VCPU_OVERCOMMIT: f64 = 128.0;
 
 pub struct SdkBench<'a> {
     /// A python with the pinned e2b package (scripts/sdk-setup.sh prints one).
@@ -132,6 +134,9 @@ impl SdkBench<'_> {
             // The density phase is bounded by memory, not by the count.
             .arg("--max-sandboxes")
             .arg(MAX_SANDBOXES.max(self.density_max + 32).to_string())
+            // and vCPUs (one lab CPU is 32 at the default overcommit)
+            .arg("--vcpu-overcommit")
+            .arg(VCPU_OVERCOMMIT.to_string())
             .arg("--kernel")
             .arg(&image.kernel)
             .arg("--rootfs")
@@ -488,6 +493,12 @@ class Sandbox:
     def fork(self, count, **kw):
         return [Sandbox.create("fork") for _ in range(min(count, 2))]
 
+    @classmethod
+    def connect(cls, sandbox_id, **kw):
+        s = cls(0)
+        s.sandbox_id = sandbox_id
+        return s
+
     def kill(self, **kw):
         with _lock:
             _alive.discard(self.sandbox_id)
@@ -504,6 +515,17 @@ class _Answer:
 
 def get(url, **kw):
     return _Answer()
+
+class _Forked:
+    status_code = 201
+    text = ""
+    headers = {"sandfork-parent-paused-ms": "1.5"}
+    def json(self):
+        return [{"sandbox": {"sandboxID": f"child{i}"}} for i in range(3)]
+
+def request(method, url, **kw):
+    # POST /sandboxes/{id}/fork (the fork past the SDK's limit), DELETE
+    return _Forked() if url.endswith("/fork") else _Answer()
 "#;
 
     #[test]
@@ -563,6 +585,11 @@ def get(url, **kw):
         );
         // The phases after it ran.
         assert!(report["sdk_fork16_ms"].is_number(), "{report}");
+        // The fork past the Python SDK's limit goes over HTTP, with the
+        // parent's pause from the node's answer.
+        assert!(report["sdk_fork100_ms"].is_number(), "{report}");
+        assert_eq!(report["fork_parent_pause_ms"], 1.5, "{report}");
+        assert_eq!(report["sdk_detail"]["fork100"]["fork_call"], "http");
         assert!(report["sdk_creates_per_s_4way"].as_f64().unwrap() > 0.0);
         assert!(report["idle_sandbox_mib"].is_number(), "{report}");
         // Refused at the sixth: five admitted.

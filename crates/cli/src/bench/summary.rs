@@ -24,6 +24,8 @@ pub fn summary(report: &Value) -> String {
         ("idle_children_per_24gib", ""),
         ("sdk_create_to_first_command_ms", "ms"),
         ("sdk_fork16_ms", "ms"),
+        ("sdk_fork100_ms", "ms"),
+        ("fork_parent_pause_ms", "ms"),
         ("sdk_creates_per_s_4way", "/s"),
         ("idle_sandbox_mib", "MiB"),
         ("idle_sandboxes_per_24gib", ""),

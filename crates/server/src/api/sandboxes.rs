@@ -197,7 +197,10 @@ pub async fn get_one(
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     let id = check_id(&id)?;
-    Ok(Json(listed_json(&state.manager.get(&id)?, true)))
+    let mut detail = listed_json(&state.manager.get(&id)?, true);
+    // Sandfork's: whether its guest answers (see `sandbox::observe`).
+    detail["guestUnresponsive"] = json!(state.manager.unresponsive(&id));
+    Ok(Json(detail))
 }
 
 async fn list(state: Shared, uri: Uri, v2: bool) -> Result<Response, ApiError> {
@@ -438,15 +441,22 @@ pub async fn fork(
     let id = check_id(&id)?;
     let req: ForkBody = parse_body(&body)?;
     let (timeout, count) = fork_request(&state, &req)?;
-    let results = match state.manager.get(&id)?.state {
-        SandboxState::Paused => state.manager.fork_paused(&id, count, timeout).await?,
-        SandboxState::Running => state.manager.fork(&id, count, timeout).await?,
+    let (results, parent_paused) = match state.manager.get(&id)?.state {
+        SandboxState::Paused => (state.manager.fork_paused(&id, count, timeout).await?, None),
+        SandboxState::Running => {
+            let forked = state.manager.fork(&id, count, timeout).await?;
+            (forked.children, Some(forked.parent_paused))
+        }
     };
-    Ok(fork_answer(results))
+    Ok(fork_answer(results, parent_paused))
 }
 
-/// The 201 of a fork: one `{"sandbox": ...}` or `{"error": ...}` per child.
-pub(super) fn fork_answer(results: crate::sandbox::ForkResults) -> Response {
+/// The 201 of a fork: one `{"sandbox": ...}` or `{"error": ...}` per child,
+/// and how long a running parent stopped for the freeze.
+pub(super) fn fork_answer(
+    results: crate::sandbox::ForkResults,
+    parent_paused: Option<Duration>,
+) -> Response {
     let body: Vec<Value> = results
         .into_iter()
         .map(|r| match r {
@@ -457,5 +467,17 @@ pub(super) fn fork_answer(results: crate::sandbox::ForkResults) -> Response {
             }
         })
         .collect();
-    (StatusCode::CREATED, Json(body)).into_response()
+    // The body is E2B's (a list); how long the parent stopped goes beside it.
+    let mut answer = (StatusCode::CREATED, Json(body)).into_response();
+    if let Some(paused) = parent_paused {
+        let ms = format!("{:.3}", paused.as_secs_f64() * 1000.0);
+        if let Ok(value) = axum::http::HeaderValue::from_str(&ms) {
+            answer.headers_mut().insert(PARENT_PAUSED_HEADER, value);
+        }
+    }
+    answer
 }
+
+/// Sandfork's header on a fork's answer: how long the parent's guest was
+/// stopped for the freeze, in milliseconds.
+pub const PARENT_PAUSED_HEADER: &str = "sandfork-parent-paused-ms";

@@ -77,7 +77,7 @@ pub async fn fork(
         metadata: req.metadata.unwrap_or_default(),
     };
     let results = state.manager.fork_snapshot(&id, count, params).await?;
-    Ok(fork_answer(results))
+    Ok(fork_answer(results, None))
 }
 
 #[derive(Debug, Default, PartialEq, Eq)]

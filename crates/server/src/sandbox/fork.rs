@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use vmm_api::ForkInfo;
 use vmm_driver::agent_client::AgentInit;
@@ -15,7 +15,7 @@ use super::{AGENT_TIMEOUT, Manager, SandboxError, io};
 use crate::capacity::{Ask, Reservation};
 use crate::clock::now_ms;
 use crate::ids;
-use crate::launch::{Guest, Plan, Ready};
+use crate::launch::{Guest, Plan, Ready, Taken};
 use crate::store::{SandboxRecord, SandboxState};
 
 /// The layer a fork answer says drive `drive` of the forked VM writes to now.
@@ -31,6 +31,16 @@ pub(super) fn new_layer(info: &ForkInfo, drive: &str) -> Result<PathBuf, Sandbox
         })
 }
 
+/// What a fork made.
+#[derive(Debug)]
+pub struct Forked {
+    /// One result per child, in order.
+    pub children: Vec<Result<SandboxRecord, SandboxError>>,
+    /// How long the parent's guest was stopped (the VMM's measure of its
+    /// freeze).
+    pub parent_paused: Duration,
+}
+
 impl Manager {
     /// Forks a running sandbox into `count` new ones that continue from its
     /// current memory and disk (sandfork's `PUT /fork`: memory frozen once
@@ -42,7 +52,7 @@ impl Manager {
         id: &str,
         count: u32,
         timeout: Duration,
-    ) -> Result<Vec<Result<SandboxRecord, SandboxError>>, SandboxError> {
+    ) -> Result<Forked, SandboxError> {
         let _busy = self.activity.read().await;
         let sandbox = self.sandbox(id)?;
         let Ok(guest) = sandbox.guest.try_lock() else {
@@ -85,6 +95,15 @@ impl Manager {
             .join(ids::sandbox_id().map_err(io("generating a fork id"))?);
         std::fs::create_dir_all(&fork_dir)
             .map_err(io(format!("creating {}", fork_dir.display())))?;
+        // Every child's VMM first, from the pool or started in parallel,
+        // while the parent runs on: it then stops only for the freeze, and
+        // the children load the frozen state at once.
+        let started = Instant::now();
+        let vmms = self
+            .pool
+            .take_many(count as usize, &parent.network.policy)
+            .await;
+        let vmms_ready = started.elapsed();
         sandbox.set_phase(Phase::Forking)?;
         let forked = launched.vm.fork(&fork_dir, count).await;
         sandbox.set_phase(Phase::Running)?;
@@ -106,33 +125,49 @@ impl Manager {
             Ok(r) => r,
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&fork_dir);
+                // Stopping VMMs blocks: off the async threads.
+                let _ = tokio::task::spawn_blocking(move || drop(vmms)).await;
                 return Err(e);
             }
         };
+        let parent_paused = Duration::from_micros(info.paused_us);
+        tracing::info!(
+            "sandbox {id}: forked into {count}: the parent was paused {:.1} ms; the \
+             children's VMMs were ready after {} ms",
+            parent_paused.as_secs_f64() * 1000.0,
+            vmms_ready.as_millis()
+        );
         // The children start without the parent: it may change meanwhile.
         drop(guest);
 
+        let mut results: Vec<Option<Result<SandboxRecord, SandboxError>>> =
+            (0..count).map(|_| None).collect();
         let mut tasks = tokio::task::JoinSet::new();
-        for index in 0..count as usize {
+        for (index, vmm) in vmms.into_iter().enumerate() {
+            let slot = slots.split(child);
+            let vmm = match vmm {
+                Ok(vmm) => vmm,
+                Err(e) => {
+                    results[index] = Some(Err(e.into()));
+                    continue;
+                }
+            };
             let manager = self.clone();
             let (info, parent) = (info.clone(), parent.clone());
-            let slot = slots.split(child);
             tasks.spawn(async move {
                 let r = manager
-                    .fork_child(&parent, &info, index, timeout, slot)
+                    .fork_child(&parent, &info, index, timeout, slot, vmm)
                     .await;
                 (index, r)
             });
         }
-        let mut results: Vec<Option<Result<SandboxRecord, SandboxError>>> =
-            (0..count).map(|_| None).collect();
         while let Some(done) = tasks.join_next().await {
             match done {
                 Ok((index, r)) => results[index] = Some(r),
                 Err(e) => tracing::error!("a fork child task failed: {e}"),
             }
         }
-        Ok(results
+        let children = results
             .into_iter()
             .map(|r| {
                 r.unwrap_or_else(|| {
@@ -142,7 +177,11 @@ impl Manager {
                     })
                 })
             })
-            .collect())
+            .collect();
+        Ok(Forked {
+            children,
+            parent_paused,
+        })
     }
 
     async fn fork_child(
@@ -152,6 +191,7 @@ impl Manager {
         index: usize,
         timeout: Duration,
         hold: Reservation,
+        vmm: Taken,
     ) -> Result<SandboxRecord, SandboxError> {
         let id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
         let dir = self.sandbox_dir(&id);
@@ -208,7 +248,7 @@ impl Manager {
                     ..parent.clone()
                 }
             };
-            self.start_sandbox(plan, record, access_token.clone(), &id)
+            self.start_sandbox(Some(vmm), plan, record, access_token.clone(), &id)
                 .await
         }
         .await;

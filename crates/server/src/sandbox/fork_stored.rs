@@ -250,7 +250,7 @@ impl Manager {
                     ..parent.clone()
                 }
             };
-            self.start_sandbox(plan, record, access_token.clone(), &id)
+            self.start_sandbox(None, plan, record, access_token.clone(), &id)
                 .await
         }
         .await;

@@ -102,6 +102,10 @@ pub struct Sandbox {
     /// The running guest; held for the whole of a change.
     pub guest: tokio::sync::Mutex<Option<Launched>>,
     observed: Mutex<Observed>,
+    /// True while its guest agent has stopped answering (the observer's
+    /// probes decide; see [`super::observe`]); requests waiting on the
+    /// guest watch it so they end with an error rather than never.
+    unresponsive: tokio::sync::watch::Sender<bool>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -116,6 +120,7 @@ impl Sandbox {
             status: Mutex::new(Status { phase, probe: None }),
             guest: tokio::sync::Mutex::new(None),
             observed: Mutex::new(Observed::default()),
+            unresponsive: tokio::sync::watch::Sender::new(false),
         })
     }
 
@@ -150,6 +155,9 @@ impl Sandbox {
     ) -> Result<(), SandboxError> {
         let probe = launched.probe();
         *guest = Some(launched);
+        // A new guest (a resume's, a launch's) is judged afresh.
+        lock(&self.observed).probed(true, 0);
+        self.set_unresponsive(false);
         self.set_phase(Phase::Running)?;
         lock(&self.status).probe = Some(probe);
         Ok(())
@@ -172,6 +180,20 @@ impl Sandbox {
 
     pub fn observed(&self) -> MutexGuard<'_, Observed> {
         lock(&self.observed)
+    }
+
+    /// Whether its guest agent has stopped answering.
+    pub fn unresponsive(&self) -> bool {
+        *self.unresponsive.borrow()
+    }
+
+    pub fn set_unresponsive(&self, stuck: bool) {
+        self.unresponsive.send_replace(stuck);
+    }
+
+    /// Follows [`Sandbox::unresponsive`] (for requests waiting on the guest).
+    pub fn unresponsive_watch(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.unresponsive.subscribe()
     }
 }
 

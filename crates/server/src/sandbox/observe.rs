@@ -26,6 +26,11 @@ const MAX_LINE: usize = 4096;
 /// Console bytes read per look, so a flood cannot stall the node.
 const MAX_READ: u64 = 1 << 20;
 const AGENT_PREFIX: &str = "sandfork-agent:";
+/// A guest whose agent has answered none of this many probes in a row,
+/// over at least [`STUCK_AFTER`], is unresponsive (a slow guest, such as
+/// one of many in the emulated lab, still answers within that).
+const STUCK_PROBES: u32 = 4;
+pub const STUCK_AFTER: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sample {
@@ -110,9 +115,48 @@ pub struct Observed {
     console: Option<PathBuf>,
     offset: u64,
     partial: Vec<u8>,
+    /// Probes of its agent that failed in a row, since the first of them.
+    failures: u32,
+    failing_since_ms: Option<u64>,
+    stuck: bool,
+}
+
+/// What one probe of a guest's agent changed.
+#[derive(Debug, PartialEq, Eq)]
+pub enum HealthChange {
+    Same,
+    /// It has not answered for `silent_ms`: now unresponsive.
+    Stuck {
+        silent_ms: u64,
+    },
+    /// Unresponsive until this answer.
+    Recovered,
 }
 
 impl Observed {
+    /// Counts one probe of the agent at `at_ms`.
+    pub fn probed(&mut self, answered: bool, at_ms: u64) -> HealthChange {
+        if answered {
+            self.failures = 0;
+            self.failing_since_ms = None;
+            return match std::mem::take(&mut self.stuck) {
+                true => HealthChange::Recovered,
+                false => HealthChange::Same,
+            };
+        }
+        let since = *self.failing_since_ms.get_or_insert(at_ms);
+        self.failures += 1;
+        let silent_ms = at_ms.saturating_sub(since);
+        if !self.stuck
+            && self.failures >= STUCK_PROBES
+            && silent_ms >= STUCK_AFTER.as_millis() as u64
+        {
+            self.stuck = true;
+            return HealthChange::Stuck { silent_ms };
+        }
+        HealthChange::Same
+    }
+
     pub fn push_sample(&mut self, sample: Sample) {
         if self.samples.len() == MAX_SAMPLES {
             self.samples.pop_front();
@@ -210,13 +254,51 @@ impl Manager {
             .agent()
             .with_access_token(sandbox.token.as_deref())
             .with_timeout(SAMPLE_TIMEOUT);
-        match agent.metrics().await {
-            Ok(metrics) => sandbox.observed().push_sample(Sample {
-                at_ms: now_ms(),
-                metrics,
-            }),
-            Err(e) => tracing::debug!("sandbox {id}: metrics: {e}"),
+        // The sample is the health probe too.
+        let (answered, why) = match agent.metrics().await {
+            Ok(metrics) => {
+                sandbox.observed().push_sample(Sample {
+                    at_ms: now_ms(),
+                    metrics,
+                });
+                (true, String::new())
+            }
+            Err(e) => {
+                tracing::debug!("sandbox {id}: metrics: {e}");
+                (false, e.to_string())
+            }
+        };
+        // A change under way (a pause, a kill) may have stopped the guest.
+        if !sandbox.phase().serves() {
+            return;
         }
+        let change = sandbox.observed().probed(answered, now_ms());
+        match change {
+            HealthChange::Same => {}
+            HealthChange::Stuck { silent_ms } => {
+                tracing::warn!(
+                    "sandbox {id}: its guest agent has not answered for {} s ({why}): \
+                     unresponsive; requests to it fail until it answers again \
+                     (GET /v1/sandboxes/{id}/diagnostics shows its VMM)",
+                    silent_ms / 1000
+                );
+                sandbox.set_unresponsive(true);
+            }
+            HealthChange::Recovered => {
+                tracing::info!("sandbox {id}: its guest agent answers again");
+                sandbox.set_unresponsive(false);
+            }
+        }
+    }
+
+    /// Whether sandbox `id`'s guest has stopped answering (see [`STUCK_AFTER`]).
+    pub fn unresponsive(&self, id: &str) -> bool {
+        self.registry().get(id).is_some_and(|s| s.unresponsive())
+    }
+
+    /// Follows whether sandbox `id`'s guest has stopped answering.
+    pub fn unresponsive_watch(&self, id: &str) -> Option<tokio::sync::watch::Receiver<bool>> {
+        Some(self.registry().get(id)?.unresponsive_watch())
     }
 
     /// What a running sandbox's VMM looks like now (console and VMM log
@@ -292,6 +374,35 @@ mod tests {
         assert_eq!(o.lines.len(), 4);
         o.follow(&dir.path().join("missing.log"), 4);
         assert_eq!(o.lines.len(), 4);
+    }
+
+    #[test]
+    fn a_guest_is_unresponsive_after_probes_fail_long_enough() {
+        let mut o = Observed::default();
+        let after = STUCK_AFTER.as_millis() as u64;
+        assert_eq!(o.probed(true, 0), HealthChange::Same);
+        // Many failures in a short time: slow, not stuck.
+        for t in 0..10 {
+            assert_eq!(o.probed(false, 1000 + t), HealthChange::Same);
+        }
+        // A long silence of few probes: not yet.
+        let mut o = Observed::default();
+        assert_eq!(o.probed(false, 0), HealthChange::Same);
+        assert_eq!(o.probed(false, after), HealthChange::Same);
+        assert_eq!(o.probed(false, after + 1), HealthChange::Same);
+        assert_eq!(
+            o.probed(false, after + 2),
+            HealthChange::Stuck {
+                silent_ms: after + 2
+            }
+        );
+        // Said once; then its first answer clears it, and counting restarts.
+        assert_eq!(o.probed(false, after * 3), HealthChange::Same);
+        assert_eq!(o.probed(true, after * 3), HealthChange::Recovered);
+        assert_eq!(o.probed(true, after * 3), HealthChange::Same);
+        for t in 0..STUCK_PROBES as u64 {
+            assert_eq!(o.probed(false, after * 4 + t), HealthChange::Same);
+        }
     }
 
     #[test]
