@@ -27,7 +27,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 4)]
     pool_size: usize,
     /// Running sandboxes at most (creates beyond answer 429).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = server::config::DEFAULT_MAX_SANDBOXES)]
     max_sandboxes: usize,
     /// The static guest agent that template builds install as init
     /// (without it `POST /templates` answers 503 for image sources).

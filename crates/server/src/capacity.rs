@@ -38,9 +38,9 @@ pub use memory::DEFAULT_MEMORY_HEADROOM_MIB;
 /// this and [`DEFAULT_RESERVE_PERCENT`] of `MemTotal`.
 pub const DEFAULT_RESERVE_MEMORY_MIB: u64 = 1024;
 pub const DEFAULT_RESERVE_PERCENT: u64 = 10;
-/// The lab has one CPU and forks of 16 one-vCPU children (plus their
-/// parent and others) must fit.
-pub const DEFAULT_VCPU_OVERCOMMIT: f64 = 32.0;
+/// Idle sandboxes use next to no CPU, and a one-CPU lab must fit a fork of
+/// 100 one-vCPU children (plus their parent and others).
+pub const DEFAULT_VCPU_OVERCOMMIT: f64 = 128.0;
 pub const DEFAULT_MIN_FREE_DISK_MIB: u64 = 1024;
 
 /// How the node's capacity is set (the `serve` flags).
@@ -711,7 +711,7 @@ mod tests {
         assert_eq!(l.memory_mib, host.saturating_sub(reserve));
         assert_eq!(l.memory_headroom_mib, DEFAULT_MEMORY_HEADROOM_MIB);
         let cpus = std::thread::available_parallelism().unwrap().get() as u64;
-        assert_eq!(l.vcpus, cpus * 32);
+        assert_eq!(l.vcpus, cpus * 128);
         let l = Limits::detect(
             &CapacityConfig {
                 reserve_memory_mib: Some(0),

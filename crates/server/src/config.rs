@@ -46,6 +46,10 @@ pub struct Config {
 }
 
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/sandfork";
+/// Running sandboxes at most when not configured: memory admission is what
+/// limits a node (idle sandboxes use a few MiB each); this bounds the
+/// descriptors and threads the server holds (a fork of 100 plus others fits).
+pub const DEFAULT_MAX_SANDBOXES: usize = 1024;
 pub const DEFAULT_RUN_ROOT: &str = "/run/sandfork";
 
 impl Config {
@@ -59,7 +63,7 @@ impl Config {
             pool_size: 4,
             vcpus: 1,
             mem_mib: 256,
-            max_sandboxes: 64,
+            max_sandboxes: DEFAULT_MAX_SANDBOXES,
             capacity: CapacityConfig::default(),
             max_timeout: Duration::from_secs(24 * 3600),
             run_dir: None,

@@ -496,7 +496,12 @@ async fn timeout_zero_ends_the_sandbox_now() {
 #[tokio::test]
 async fn malformed_requests_are_400_never_auth_errors() {
     let now = now_ms();
-    let node = node(&[record("abc", now, SandboxState::Running, "x")]);
+    // A node of 64 sandboxes at most, for the fork count's bound.
+    let node = node_configured(
+        &[record("abc", now, SandboxState::Running, "x")],
+        &[],
+        |c, _| c.max_sandboxes = 64,
+    );
     for (method, uri) in [
         ("POST", "/sandboxes"),
         ("POST", "/v2/sandboxes"),

@@ -663,8 +663,6 @@ async fn a_fork_of_32_is_admitted_by_real_use_and_its_children_diverge() {
     let mut config = lab_config(data.path(), 2);
     config.mem_mib = 256;
     config.capacity.memory_mib = Some(CEILING);
-    // The lab has one CPU: 32 vCPUs at the default overcommit.
-    config.capacity.vcpu_overcommit = 64.0;
     let node = serve(config).await;
     let (addr, auth) = (node.addr, node.auth());
     let parent = common::create(addr, &auth, json!({"timeout": 600})).await;
