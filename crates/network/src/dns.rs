@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::policy::{DomainPattern, EgressPolicy};
 
 /// The forwarder's port on the host side (the slot DNATs the gateway's :53 here).
-pub const FORWARDER_PORT: u16 = 5353;
+pub use crate::plan::DNS_FORWARDER_PORT as FORWARDER_PORT;
 /// How long a relayed query waits for the upstream's answer.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3);
 /// Relays in flight at once; past it queries are dropped (the guest's resolver retries).

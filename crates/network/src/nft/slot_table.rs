@@ -6,7 +6,10 @@ use std::net::Ipv4Addr;
 
 use super::expr::NatKind;
 use super::rules::*;
-use crate::plan::{Cidr4, GUEST_IP, GUEST_MAC, SLOT_VETH_NAME, TAP_NAME};
+use crate::plan::{
+    Cidr4, DNS_FORWARDER_PORT, GATEWAY_IP, GUEST_DNS_PORT, GUEST_IP, GUEST_MAC, SLOT_VETH_NAME,
+    TAP_NAME,
+};
 use crate::policy::EgressPolicy;
 
 pub const TABLE: &str = "sf";
@@ -14,8 +17,14 @@ pub const TABLE: &str = "sf";
 pub const USER_CHAIN: &str = "user";
 const ALWAYS_DENY_CHAIN: &str = "always_deny";
 
-/// The whole slot table for host address `host_ip`, with `policy`.
-pub fn table(host_ip: Ipv4Addr, always_deny: &[Cidr4], policy: &EgressPolicy) -> Table {
+/// The whole slot table for host address `host_ip` and veth host end `veth_host_ip` (where
+/// the node's DNS forwarder listens), with `policy`.
+pub fn table(
+    host_ip: Ipv4Addr,
+    veth_host_ip: Ipv4Addr,
+    always_deny: &[Cidr4],
+    policy: &EgressPolicy,
+) -> Table {
     let chains = vec![
         // Before conntrack (-200): a spoofed frame never creates state.
         Chain::base("guard", Hook::Prerouting, -300, "filter"),
@@ -43,6 +52,18 @@ pub fn table(host_ip: Ipv4Addr, always_deny: &[Cidr4], policy: &EgressPolicy) ->
             [iif(SLOT_VETH_NAME), ip_daddr(host_ip)],
             nat_to(NatKind::Dnat, GUEST_IP),
         ),
+        // The guest's resolver (its gateway) is the node's forwarder; only UDP is served
+        // (a truncated answer's TCP retry is refused by the gateway: the slot listens on
+        // nothing).
+        Rule::new(
+            "pre_nat",
+            [
+                iif(TAP_NAME),
+                ip_daddr(GATEWAY_IP),
+                dport(libc::IPPROTO_UDP as u8, GUEST_DNS_PORT),
+            ],
+            nat_to_port(NatKind::Dnat, veth_host_ip, DNS_FORWARDER_PORT),
+        ),
         Rule::new(
             "post_nat",
             [oif(SLOT_VETH_NAME), ip_saddr_in(Cidr4::host(GUEST_IP))],
@@ -51,6 +72,17 @@ pub fn table(host_ip: Ipv4Addr, always_deny: &[Cidr4], policy: &EgressPolicy) ->
         // Egress: only what the guest starts is policed; answers to it pass.
         Rule::new("egress", [not_iif(TAP_NAME)], accept()),
         Rule::new("egress", [established()], accept()),
+        // The DNATed DNS queries, before the always-deny list (a private address) and under
+        // any user policy (the forwarder applies it to names).
+        Rule::new(
+            "egress",
+            [
+                iif(TAP_NAME),
+                ip_daddr(veth_host_ip),
+                dport(libc::IPPROTO_UDP as u8, DNS_FORWARDER_PORT),
+            ],
+            accept(),
+        ),
         Rule::new("egress", [], jump(ALWAYS_DENY_CHAIN)),
         Rule::new("egress", [], jump(USER_CHAIN)),
         // The guest may answer but not connect to anything in the slot namespace.
@@ -91,17 +123,27 @@ mod tests {
     fn egress_order_is_always_deny_then_user() {
         let t = table(
             "10.11.0.1".parse().unwrap(),
+            "10.12.0.2".parse().unwrap(),
             &always_deny(&[]),
             &EgressPolicy::default(),
         );
         let egress: Vec<&Rule> = t.rules.iter().filter(|r| r.chain == "egress").collect();
-        assert_eq!(egress.len(), 4);
+        assert_eq!(egress.len(), 5);
+        // the DNS forwarder (a private address) before the always-deny list
+        assert!(egress[2].exprs.contains(&Expr::Cmp {
+            op: super::super::expr::CmpOp::Eq,
+            data: vec![10, 12, 0, 2]
+        }));
         assert_eq!(
             egress[2].exprs.last(),
-            Some(&Expr::Verdict(Verdict::Jump(ALWAYS_DENY_CHAIN.into())))
+            Some(&Expr::Verdict(Verdict::Accept))
         );
         assert_eq!(
             egress[3].exprs.last(),
+            Some(&Expr::Verdict(Verdict::Jump(ALWAYS_DENY_CHAIN.into())))
+        );
+        assert_eq!(
+            egress[4].exprs.last(),
             Some(&Expr::Verdict(Verdict::Jump(USER_CHAIN.into())))
         );
         assert_eq!(
@@ -126,10 +168,25 @@ mod tests {
 
     #[test]
     fn nat_uses_slot_host_ip() {
-        let t = table("10.11.0.7".parse().unwrap(), &[], &EgressPolicy::default());
+        let t = table(
+            "10.11.0.7".parse().unwrap(),
+            "10.12.0.14".parse().unwrap(),
+            &[],
+            &EgressPolicy::default(),
+        );
         let snat = t.rules.iter().find(|r| r.chain == "post_nat").unwrap();
         assert!(snat.exprs.contains(&Expr::Load(vec![10, 11, 0, 7])));
-        let dnat = t.rules.iter().find(|r| r.chain == "pre_nat").unwrap();
-        assert!(dnat.exprs.contains(&Expr::Load(GUEST_IP.octets().to_vec())));
+        let dnat: Vec<&Rule> = t.rules.iter().filter(|r| r.chain == "pre_nat").collect();
+        assert!(
+            dnat[0]
+                .exprs
+                .contains(&Expr::Load(GUEST_IP.octets().to_vec()))
+        );
+        // the gateway's DNS port goes to the forwarder on the veth's host end
+        assert!(dnat[1].exprs.ends_with(&[
+            Expr::Load(vec![10, 12, 0, 14]),
+            Expr::LoadPort(DNS_FORWARDER_PORT),
+            Expr::NatPort(NatKind::Dnat)
+        ]));
     }
 }
