@@ -475,6 +475,16 @@ mod tests {
     }
 
     #[test]
+    fn dns_upstream_is_an_ipv4_with_port_53_by_default() {
+        let a = |s| parse_dns_upstream(s).map(|a| a.to_string());
+        assert_eq!(a("10.0.2.3"), Ok("10.0.2.3:53".into()));
+        assert_eq!(a("203.0.113.53:5300"), Ok("203.0.113.53:5300".into()));
+        for bad in ["", "resolver.lan", "::1", "1.2.3.4:x"] {
+            assert!(parse_dns_upstream(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn capacity_flags_reach_the_config_and_the_lab() {
         assert_eq!(parse(&[]).unwrap().config(), CapacityConfig::default());
         let args = parse(&[

@@ -28,12 +28,18 @@ def host_pip_settings() -> dict[str, str]:
     trust it (`pip config list` with its PIP_* environment): key -> value for
     index-url, extra-index-url, cert and trusted-host. Local find-links are
     left out: they would keep the sandbox from needing the network."""
-    out = subprocess.run(
-        [sys.executable, "-m", "pip", "config", "list"],
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout
+    out = ""
+    # The suite's venv may have no pip; the host's pip3 reads the same files.
+    for pip in ([sys.executable, "-m", "pip"], ["pip3"]):
+        try:
+            done = subprocess.run(
+                [*pip, "config", "list"], capture_output=True, text=True, check=False
+            )
+        except OSError:
+            continue
+        if done.returncode == 0:
+            out = done.stdout
+            break
     wanted = ("index-url", "extra-index-url", "cert", "trusted-host")
     settings: dict[str, str] = {}
     # Files first, then the environment: pip's own precedence.
