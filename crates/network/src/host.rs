@@ -37,7 +37,10 @@ impl HostConfig {
             host_netns: None,
             uplink: None,
             extra_deny: Vec::new(),
-            open_ports: vec![(libc::IPPROTO_UDP as u8, crate::plan::DNS_FORWARDER_PORT)],
+            open_ports: vec![
+                (libc::IPPROTO_UDP as u8, crate::plan::DNS_FORWARDER_PORT),
+                (libc::IPPROTO_TCP as u8, crate::plan::DNS_FORWARDER_PORT),
+            ],
         }
     }
 }

@@ -240,6 +240,11 @@ fn guests_resolve_through_the_node_forwarder_per_policy() {
         Ok(vec![DNS_ANSWER]),
         "the default policy resolves any name"
     );
+    assert_eq!(
+        resolve_tcp(&g.ns, GATEWAY_IP, "pkg.example.test."),
+        Ok(vec![DNS_ANSWER]),
+        "DNS over TCP (a truncated answer's retry)"
+    );
     // A slot the node does not know (no sandbox's) is not answered.
     assert_eq!(
         resolve(&g2.ns, GATEWAY_IP, "pkg.example.test."),
@@ -255,6 +260,10 @@ fn guests_resolve_through_the_node_forwarder_per_policy() {
         resolve(&g.ns, GATEWAY_IP, "pkg.example.test."),
         Err("Refused".into()),
         "allow_internet_access=false resolves nothing"
+    );
+    assert_eq!(
+        resolve_tcp(&g.ns, GATEWAY_IP, "pkg.example.test."),
+        Err("Refused".into())
     );
     // Nor does it get to any other DNS server directly.
     assert_eq!(

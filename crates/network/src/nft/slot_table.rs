@@ -41,6 +41,21 @@ pub fn table(
             base: None,
         },
     ];
+    const UDP: u8 = libc::IPPROTO_UDP as u8;
+    const TCP: u8 = libc::IPPROTO_TCP as u8;
+    // The DNATed DNS queries pass before the always-deny list (the forwarder is on a private
+    // address) and under any user policy (the forwarder applies it to names).
+    let to_forwarder = |proto| {
+        Rule::new(
+            "egress",
+            [
+                iif(TAP_NAME),
+                ip_daddr(veth_host_ip),
+                dport(proto, DNS_FORWARDER_PORT),
+            ],
+            accept(),
+        )
+    };
     let mut rules = vec![
         // Only the guest's MAC and IPv4 address may leave the tap; no IPv6 at all.
         Rule::new("guard", [iif(TAP_NAME), ether_saddr_not(GUEST_MAC)], drop()),
@@ -52,18 +67,6 @@ pub fn table(
             [iif(SLOT_VETH_NAME), ip_daddr(host_ip)],
             nat_to(NatKind::Dnat, GUEST_IP),
         ),
-        // The guest's resolver (its gateway) is the node's forwarder; only UDP is served
-        // (a truncated answer's TCP retry is refused by the gateway: the slot listens on
-        // nothing).
-        Rule::new(
-            "pre_nat",
-            [
-                iif(TAP_NAME),
-                ip_daddr(GATEWAY_IP),
-                dport(libc::IPPROTO_UDP as u8, GUEST_DNS_PORT),
-            ],
-            nat_to_port(NatKind::Dnat, veth_host_ip, DNS_FORWARDER_PORT),
-        ),
         Rule::new(
             "post_nat",
             [oif(SLOT_VETH_NAME), ip_saddr_in(Cidr4::host(GUEST_IP))],
@@ -72,23 +75,26 @@ pub fn table(
         // Egress: only what the guest starts is policed; answers to it pass.
         Rule::new("egress", [not_iif(TAP_NAME)], accept()),
         Rule::new("egress", [established()], accept()),
-        // The DNATed DNS queries, before the always-deny list (a private address) and under
-        // any user policy (the forwarder applies it to names).
-        Rule::new(
-            "egress",
-            [
-                iif(TAP_NAME),
-                ip_daddr(veth_host_ip),
-                dport(libc::IPPROTO_UDP as u8, DNS_FORWARDER_PORT),
-            ],
-            accept(),
-        ),
+        to_forwarder(UDP),
+        to_forwarder(TCP),
         Rule::new("egress", [], jump(ALWAYS_DENY_CHAIN)),
         Rule::new("egress", [], jump(USER_CHAIN)),
         // The guest may answer but not connect to anything in the slot namespace.
         Rule::new("to_slot", [iif(TAP_NAME), established()], accept()),
         Rule::new("to_slot", [iif(TAP_NAME)], drop()),
     ];
+    // The guest's resolver (its gateway) is the node's forwarder, over UDP and TCP.
+    for proto in [UDP, TCP] {
+        rules.push(Rule::new(
+            "pre_nat",
+            [
+                iif(TAP_NAME),
+                ip_daddr(GATEWAY_IP),
+                dport(proto, GUEST_DNS_PORT),
+            ],
+            nat_to_port(NatKind::Dnat, veth_host_ip, DNS_FORWARDER_PORT),
+        ));
+    }
     for c in always_deny {
         rules.push(Rule::new(ALWAYS_DENY_CHAIN, [ip_daddr_in(*c)], reject()));
     }
@@ -128,22 +134,21 @@ mod tests {
             &EgressPolicy::default(),
         );
         let egress: Vec<&Rule> = t.rules.iter().filter(|r| r.chain == "egress").collect();
-        assert_eq!(egress.len(), 5);
-        // the DNS forwarder (a private address) before the always-deny list
-        assert!(egress[2].exprs.contains(&Expr::Cmp {
-            op: super::super::expr::CmpOp::Eq,
-            data: vec![10, 12, 0, 2]
-        }));
+        assert_eq!(egress.len(), 6);
+        // the DNS forwarder (a private address), UDP and TCP, before the always-deny list
+        for r in &egress[2..4] {
+            assert!(r.exprs.contains(&Expr::Cmp {
+                op: super::super::expr::CmpOp::Eq,
+                data: vec![10, 12, 0, 2]
+            }));
+            assert_eq!(r.exprs.last(), Some(&Expr::Verdict(Verdict::Accept)));
+        }
         assert_eq!(
-            egress[2].exprs.last(),
-            Some(&Expr::Verdict(Verdict::Accept))
-        );
-        assert_eq!(
-            egress[3].exprs.last(),
+            egress[4].exprs.last(),
             Some(&Expr::Verdict(Verdict::Jump(ALWAYS_DENY_CHAIN.into())))
         );
         assert_eq!(
-            egress[4].exprs.last(),
+            egress[5].exprs.last(),
             Some(&Expr::Verdict(Verdict::Jump(USER_CHAIN.into())))
         );
         assert_eq!(
@@ -183,10 +188,13 @@ mod tests {
                 .contains(&Expr::Load(GUEST_IP.octets().to_vec()))
         );
         // the gateway's DNS port goes to the forwarder on the veth's host end
-        assert!(dnat[1].exprs.ends_with(&[
-            Expr::Load(vec![10, 12, 0, 14]),
-            Expr::LoadPort(DNS_FORWARDER_PORT),
-            Expr::NatPort(NatKind::Dnat)
-        ]));
+        assert_eq!(dnat.len(), 3);
+        for r in &dnat[1..] {
+            assert!(r.exprs.ends_with(&[
+                Expr::Load(vec![10, 12, 0, 14]),
+                Expr::LoadPort(DNS_FORWARDER_PORT),
+                Expr::NatPort(NatKind::Dnat)
+            ]));
+        }
     }
 }

@@ -253,40 +253,85 @@ impl Drop for Bridge {
     }
 }
 
-/// A DNS server on `ip`:53 in `ns` answering every query with one A record, [`DNS_ANSWER`];
-/// it lives as long as the test process (its thread blocks on the socket).
-pub fn dns_server(ns: &OwnedFd, ip: Ipv4Addr) {
+/// The answer of the test's DNS server to `query`: one A record, [`DNS_ANSWER`].
+fn dns_answer(query: &[u8]) -> Option<Vec<u8>> {
     use hickory_proto::op::{Message, MessageType};
     use hickory_proto::rr::{RData, Record, rdata::A};
-    let sock = netns::run_in(ns, || {
-        std::net::UdpSocket::bind((ip, 53))
-            .map_err(|e| sandfork_network::Error::Plan(format!("bind DNS: {e}")))
+    let q = Message::from_vec(query).ok()?;
+    let mut r = Message::new();
+    r.set_id(q.id()).set_message_type(MessageType::Response);
+    r.add_queries(q.queries().to_vec());
+    let q0 = q.queries().first()?;
+    r.add_answer(Record::from_rdata(
+        q0.name().clone(),
+        60,
+        RData::A(A(DNS_ANSWER)),
+    ));
+    r.to_vec().ok()
+}
+
+/// A DNS server on `ip`:53 (UDP and TCP) in `ns` answering every query with one A record,
+/// [`DNS_ANSWER`]; it lives as long as the test process (its threads block on the sockets).
+pub fn dns_server(ns: &OwnedFd, ip: Ipv4Addr) {
+    let err = |e: std::io::Error| sandfork_network::Error::Plan(format!("bind DNS: {e}"));
+    let (sock, tcp) = netns::run_in(ns, || {
+        Ok((
+            std::net::UdpSocket::bind((ip, 53)).map_err(err)?,
+            TcpListener::bind((ip, 53)).map_err(err)?,
+        ))
     })
     .expect("test DNS server");
     std::thread::spawn(move || {
         let mut buf = [0u8; 1500];
         while let Ok((n, from)) = sock.recv_from(&mut buf) {
-            let Ok(q) = Message::from_vec(&buf[..n]) else {
-                continue;
-            };
-            let mut r = Message::new();
-            r.set_id(q.id()).set_message_type(MessageType::Response);
-            r.add_queries(q.queries().to_vec());
-            if let Some(q0) = q.queries().first() {
-                r.add_answer(Record::from_rdata(
-                    q0.name().clone(),
-                    60,
-                    RData::A(A(DNS_ANSWER)),
-                ));
+            if let Some(a) = dns_answer(&buf[..n]) {
+                let _ = sock.send_to(&a, from);
             }
-            let _ = sock.send_to(&r.to_vec().unwrap(), from);
+        }
+    });
+    std::thread::spawn(move || {
+        for mut c in tcp.incoming().flatten() {
+            let _ = c.set_read_timeout(Some(Duration::from_secs(5)));
+            while let Some(q) = read_framed(&mut c) {
+                let Some(a) = dns_answer(&q) else { break };
+                if write_framed(&mut c, &a).is_err() {
+                    break;
+                }
+            }
         }
     });
 }
 
-/// Resolves `name` (an A query over UDP) from namespace `ns` through `server`:53: the
-/// addresses answered, Err(response code) for an error answer, Err("timeout") for none.
+fn read_framed(s: &mut TcpStream) -> Option<Vec<u8>> {
+    let mut len = [0u8; 2];
+    s.read_exact(&mut len).ok()?;
+    let mut msg = vec![0u8; usize::from(u16::from_be_bytes(len))];
+    s.read_exact(&mut msg).ok()?;
+    Some(msg)
+}
+
+fn write_framed(s: &mut TcpStream, msg: &[u8]) -> std::io::Result<()> {
+    let mut out = (msg.len() as u16).to_be_bytes().to_vec();
+    out.extend_from_slice(msg);
+    s.write_all(&out)
+}
+
+/// Resolves `name` (an A query, over UDP or TCP) from namespace `ns` through `server`:53:
+/// the addresses answered, Err(response code) for an error answer, Err("timeout") for none.
 pub fn resolve(ns: &OwnedFd, server: Ipv4Addr, name: &str) -> Result<Vec<Ipv4Addr>, String> {
+    resolve_over(ns, server, name, false)
+}
+
+pub fn resolve_tcp(ns: &OwnedFd, server: Ipv4Addr, name: &str) -> Result<Vec<Ipv4Addr>, String> {
+    resolve_over(ns, server, name, true)
+}
+
+fn resolve_over(
+    ns: &OwnedFd,
+    server: Ipv4Addr,
+    name: &str,
+    tcp: bool,
+) -> Result<Vec<Ipv4Addr>, String> {
     use hickory_proto::op::{Message, Query, ResponseCode};
     use hickory_proto::rr::{Name, RData, RecordType};
     use std::str::FromStr;
@@ -295,14 +340,26 @@ pub fn resolve(ns: &OwnedFd, server: Ipv4Addr, name: &str) -> Result<Vec<Ipv4Add
     m.add_query(Query::query(Name::from_str(name).unwrap(), RecordType::A));
     let query = m.to_vec().unwrap();
     netns::run_in(ns, move || {
-        let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-        s.send_to(&query, (server, 53)).unwrap();
-        let mut buf = [0u8; 1500];
-        let Ok(n) = s.recv(&mut buf) else {
+        let answer = if tcp {
+            let to = SocketAddr::from((server, 53));
+            TcpStream::connect_timeout(&to, Duration::from_secs(3))
+                .ok()
+                .and_then(|mut s| {
+                    s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+                    write_framed(&mut s, &query).ok()?;
+                    read_framed(&mut s)
+                })
+        } else {
+            let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+            s.send_to(&query, (server, 53)).unwrap();
+            let mut buf = [0u8; 1500];
+            s.recv(&mut buf).ok().map(|n| buf[..n].to_vec())
+        };
+        let Some(answer) = answer else {
             return Ok(Err("timeout".to_string()));
         };
-        let r = Message::from_vec(&buf[..n]).unwrap();
+        let r = Message::from_vec(&answer).unwrap();
         assert_eq!(r.id(), 0x5f5f);
         if r.response_code() != ResponseCode::NoError {
             return Ok(Err(format!("{:?}", r.response_code())));
