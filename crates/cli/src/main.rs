@@ -358,6 +358,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 vmm_figures: vmm_part.then_some(bench::VmmFigures {
                     runs,
                     firecracker: firecracker.as_deref(),
+                    net: true,
                 }),
                 sdk: sdk_python.as_deref().map(|python| bench::sdk::SdkBench {
                     python,

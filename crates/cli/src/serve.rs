@@ -57,12 +57,25 @@ pub struct ServeArgs {
     /// (one more level per node, named as its run dir).
     #[arg(long, value_name = "PATH", default_value = "sandfork")]
     cgroup_parent: PathBuf,
+    /// The resolver sandboxes' DNS queries are forwarded to, IP[:PORT]
+    /// [default: the first IPv4 nameserver of /etc/resolv.conf, port 53].
+    #[arg(long, value_name = "IP[:PORT]", value_parser = parse_dns_upstream)]
+    dns_upstream: Option<std::net::SocketAddrV4>,
     #[command(flatten)]
     capacity: CapacityArgs,
     #[command(flatten)]
     cluster: ClusterArgs,
     #[command(flatten)]
     image: ImageArgs,
+}
+
+/// `IP` or `IP:PORT` (port 53 by default).
+fn parse_dns_upstream(s: &str) -> Result<std::net::SocketAddrV4, String> {
+    if let Ok(ip) = s.parse::<std::net::Ipv4Addr>() {
+        return Ok(std::net::SocketAddrV4::new(ip, 53));
+    }
+    s.parse()
+        .map_err(|_| format!("{s:?} is not an IPv4 address or IPv4:port"))
 }
 
 /// What this process is in a cluster.
@@ -273,6 +286,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     config.network = (!args.no_network).then(|| server::net::NetworkConfig {
         ready_slots: args.ready_slots,
         uplink: args.uplink.clone(),
+        dns_upstream: args.dns_upstream,
     });
     config.cgroups = (!args.no_cgroups).then(|| server::cgroups::CgroupConfig {
         parent: args.cgroup_parent.clone(),
@@ -428,6 +442,9 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
         cmd.arg("--no-cgroups");
     }
     cmd.arg("--cgroup-parent").arg(&args.cgroup_parent);
+    if let Some(dns) = &args.dns_upstream {
+        cmd.arg("--dns-upstream").arg(dns.to_string());
+    }
     eprintln!(
         "sandfork serve: this host's KVM cannot boot Linux; running in the KVM lab (emulated, slow), \
          reachable at http://{} (the lab's own address below is forwarded there)",
@@ -455,6 +472,16 @@ mod tests {
     fn parse(args: &[&str]) -> Result<CapacityArgs, clap::Error> {
         Flags::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))
             .map(|f| f.capacity)
+    }
+
+    #[test]
+    fn dns_upstream_is_an_ipv4_with_port_53_by_default() {
+        let a = |s| parse_dns_upstream(s).map(|a| a.to_string());
+        assert_eq!(a("10.0.2.3"), Ok("10.0.2.3:53".into()));
+        assert_eq!(a("203.0.113.53:5300"), Ok("203.0.113.53:5300".into()));
+        for bad in ["", "resolver.lan", "::1", "1.2.3.4:x"] {
+            assert!(parse_dns_upstream(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -2,9 +2,12 @@
 //! each slot only DNATs its gateway's port 53 to it), which knows a sandbox by the slot host
 //! address its queries arrive from, answers per the sandbox's policy ([`DnsAccess`]) and relays
 //! what it allows to the node's resolver. Messages are parsed with `hickory-proto`; anything
-//! that does not parse is dropped, never answered from.
+//! that does not parse is dropped, never answered from. The same port serves DNS over TCP
+//! (what a resolver retries with when a UDP answer comes back truncated), relayed over TCP.
 
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket};
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
@@ -16,13 +19,17 @@ use crate::error::{Error, Result};
 use crate::policy::{DomainPattern, EgressPolicy};
 
 /// The forwarder's port on the host side (the slot DNATs the gateway's :53 here).
-pub const FORWARDER_PORT: u16 = 5353;
+pub use crate::plan::DNS_FORWARDER_PORT as FORWARDER_PORT;
 /// How long a relayed query waits for the upstream's answer.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3);
 /// Relays in flight at once; past it queries are dropped (the guest's resolver retries).
 const MAX_IN_FLIGHT: usize = 256;
 /// The largest UDP DNS message (EDNS may go past 512).
 const MAX_MESSAGE: usize = 4096;
+/// TCP connections from guests served at once; past it new ones are closed.
+const MAX_TCP: usize = 64;
+/// How long a guest's TCP connection may sit idle.
+const TCP_IDLE: Duration = Duration::from_secs(10);
 
 /// Which names a sandbox may resolve.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -109,7 +116,7 @@ fn decide(bytes: &[u8], access: &DnsAccess) -> Verdict {
 pub struct DnsForwarder {
     local: SocketAddr,
     stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    threads: Vec<JoinHandle<()>>,
 }
 
 impl DnsForwarder {
@@ -126,17 +133,29 @@ impl DnsForwarder {
         let local = sock
             .local_addr()
             .map_err(|e| Error::sys("DNS forwarder address", e))?;
+        // TCP on the same port (the one UDP got, when asked for port 0).
+        let tcp =
+            TcpListener::bind(local).map_err(|e| Error::sys("bind DNS forwarder (TCP)", e))?;
         let stop = Arc::new(AtomicBool::new(false));
-        let stop2 = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name("dns-forwarder".into())
-            .spawn(move || serve(sock, upstream, lookup, stop2))
-            .map_err(|e| Error::sys("spawn DNS forwarder", e))?;
-        Ok(DnsForwarder {
+        let mut fwd = DnsForwarder {
             local,
-            stop,
-            thread: Some(thread),
-        })
+            stop: stop.clone(),
+            threads: Vec::new(),
+        };
+        let (stop2, lookup2) = (stop.clone(), lookup.clone());
+        fwd.threads.push(
+            std::thread::Builder::new()
+                .name("dns-forwarder".into())
+                .spawn(move || serve(sock, upstream, lookup, stop))
+                .map_err(|e| Error::sys("spawn DNS forwarder", e))?,
+        );
+        fwd.threads.push(
+            std::thread::Builder::new()
+                .name("dns-forwarder-tcp".into())
+                .spawn(move || serve_tcp(tcp, upstream, lookup2, stop2))
+                .map_err(|e| Error::sys("spawn DNS forwarder", e))?,
+        );
+        Ok(fwd)
     }
 
     /// Where it listens (the port, when started on port 0).
@@ -148,7 +167,7 @@ impl DnsForwarder {
 impl Drop for DnsForwarder {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
+        for t in self.threads.drain(..) {
             let _ = t.join();
         }
     }
@@ -216,6 +235,90 @@ fn serve(
             }
         }
     }
+}
+
+fn serve_tcp(
+    listener: TcpListener,
+    upstream: SocketAddrV4,
+    lookup: Arc<AccessLookup>,
+    stop: Arc<AtomicBool>,
+) {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    let open = Arc::new(AtomicUsize::new(0));
+    while !stop.load(Ordering::Relaxed) {
+        // Waits at most 200 ms for a connection, to see whether it should stop.
+        let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+        if !matches!(poll(&mut fds, PollTimeout::from(200u16)), Ok(n) if n > 0) {
+            continue;
+        }
+        let Ok((conn, SocketAddr::V4(from))) = listener.accept() else {
+            continue;
+        };
+        let Some(access) = lookup(*from.ip()) else {
+            continue; // not a sandbox's: closed unanswered
+        };
+        if open.fetch_add(1, Ordering::AcqRel) >= MAX_TCP {
+            open.fetch_sub(1, Ordering::AcqRel);
+            continue;
+        }
+        let counter = open.clone();
+        let spawned = std::thread::Builder::new()
+            .name("dns-tcp".into())
+            .spawn(move || {
+                serve_tcp_conn(conn, upstream, &access);
+                counter.fetch_sub(1, Ordering::AcqRel);
+            });
+        if spawned.is_err() {
+            open.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// Answers the length-prefixed queries of one guest connection until it closes, idles or
+/// sends what is not a query.
+fn serve_tcp_conn(mut conn: TcpStream, upstream: SocketAddrV4, access: &DnsAccess) {
+    if conn.set_read_timeout(Some(TCP_IDLE)).is_err() {
+        return;
+    }
+    while let Some(query) = read_framed(&mut conn) {
+        let answer = match decide(&query, access) {
+            Verdict::Drop => return,
+            Verdict::Answer(a) => a,
+            Verdict::Relay => match relay_tcp(&query, upstream) {
+                Some(a) => a,
+                None => return,
+            },
+        };
+        if write_framed(&mut conn, &answer).is_err() {
+            return;
+        }
+    }
+}
+
+/// One DNS-over-TCP message (a 2-byte length, then the message).
+fn read_framed(s: &mut TcpStream) -> Option<Vec<u8>> {
+    let mut len = [0u8; 2];
+    s.read_exact(&mut len).ok()?;
+    let mut msg = vec![0u8; usize::from(u16::from_be_bytes(len))];
+    s.read_exact(&mut msg).ok()?;
+    Some(msg)
+}
+
+fn write_framed(s: &mut TcpStream, msg: &[u8]) -> std::io::Result<()> {
+    let len = u16::try_from(msg.len()).map_err(|_| std::io::ErrorKind::InvalidData)?;
+    let mut out = Vec::with_capacity(msg.len() + 2);
+    out.extend_from_slice(&len.to_be_bytes());
+    out.extend_from_slice(msg);
+    s.write_all(&out)
+}
+
+/// `query` to `upstream` over TCP; its answer, if it has the query's id and parses.
+fn relay_tcp(query: &[u8], upstream: SocketAddrV4) -> Option<Vec<u8>> {
+    let mut s = TcpStream::connect_timeout(&SocketAddr::V4(upstream), UPSTREAM_TIMEOUT).ok()?;
+    s.set_read_timeout(Some(UPSTREAM_TIMEOUT)).ok()?;
+    write_framed(&mut s, query).ok()?;
+    let answer = read_framed(&mut s)?;
+    (answer.get(..2) == query.get(..2) && Message::from_vec(&answer).is_ok()).then_some(answer)
 }
 
 /// Sends `query` to `upstream` from a fresh port and returns the answer with the query's id.
@@ -377,6 +480,15 @@ mod tests {
         let r = Message::from_vec(&buf[..n]).unwrap();
         assert_eq!((r.id(), r.response_code()), (12, ResponseCode::Refused));
         assert!(r.answers().is_empty());
+
+        // TCP: a refusal answered by the forwarder itself, then the connection still serves.
+        let mut t = TcpStream::connect(fwd.local_addr()).unwrap();
+        t.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        write_framed(&mut t, &query(13, "blocked.test.")).unwrap();
+        let r = Message::from_vec(&read_framed(&mut t).unwrap()).unwrap();
+        assert_eq!((r.id(), r.response_code()), (13, ResponseCode::Refused));
+        write_framed(&mut t, &[1, 2, 3]).unwrap(); // not a query: the connection closes
+        assert!(read_framed(&mut t).is_none());
         drop(fwd);
     }
 }

@@ -25,7 +25,7 @@ pub struct HostConfig {
     pub uplink: Option<String>,
     /// Always-deny additions (the operator's), on top of the fixed set and the node's addresses.
     pub extra_deny: Vec<Cidr4>,
-    /// Node ports guests may open, (IP protocol, port).
+    /// Node ports guests may open, (IP protocol, port): the DNS forwarder's by default.
     pub open_ports: Vec<(u8, u16)>,
 }
 
@@ -37,7 +37,10 @@ impl HostConfig {
             host_netns: None,
             uplink: None,
             extra_deny: Vec::new(),
-            open_ports: Vec::new(),
+            open_ports: vec![
+                (libc::IPPROTO_UDP as u8, crate::plan::DNS_FORWARDER_PORT),
+                (libc::IPPROTO_TCP as u8, crate::plan::DNS_FORWARDER_PORT),
+            ],
         }
     }
 }

@@ -34,6 +34,11 @@ pub const SLOT_VETH_NAME: &str = "eth0";
 pub const HOST_VETH_PREFIX: &str = "sfv-";
 /// Prefix of slot namespace anchors (`sf-<i>`) in the runtime directory.
 pub const ANCHOR_PREFIX: &str = "sf-";
+/// The port guests send DNS queries to (on the gateway).
+pub const GUEST_DNS_PORT: u16 = 53;
+/// The node's DNS forwarder's port on the slot veths' host ends: each slot DNATs its
+/// gateway's DNS port there, so one socket in the host namespace serves every slot.
+pub const DNS_FORWARDER_PORT: u16 = 5353;
 /// Guest MTU the tap and veths use.
 pub const MTU: u32 = 1500;
 

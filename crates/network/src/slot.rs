@@ -96,7 +96,12 @@ pub(crate) fn create(host: &Host, id: u32) -> Result<Slot> {
             rt.add_permanent_neighbour(tap, GUEST_IP, GUEST_MAC)
         })?;
 
-        let table = slot_table::table(addrs.host_ip, &host.always_deny, &policy);
+        let table = slot_table::table(
+            addrs.host_ip,
+            addrs.veth_host_ip,
+            &host.always_deny,
+            &policy,
+        );
         Nft::open()?.commit("slot table", |b| rules::add_table(b, &table))?;
 
         // The host end, from this thread through the host namespace's socket.
@@ -134,7 +139,12 @@ pub(crate) fn adopt(host: &Host, id: u32, policy: EgressPolicy) -> Result<Slot> 
         .lock()
         .expect("host rtnl")
         .index(&addrs.host_veth)?;
-    let table = slot_table::table(addrs.host_ip, &host.always_deny, &policy);
+    let table = slot_table::table(
+        addrs.host_ip,
+        addrs.veth_host_ip,
+        &host.always_deny,
+        &policy,
+    );
     netns::run_in(&ns, || {
         Nft::open()?.commit("slot table", |b| rules::replace_table(b, &table))
     })?;

@@ -2,7 +2,9 @@
 
 mod common;
 
+use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddrV4};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use common::*;
@@ -199,6 +201,100 @@ fn every_rule_kind_and_live_replace() {
     assert!(g.ask(WEB_A, "x").is_some());
     drop(g);
     pool.release(slot);
+    pool.shutdown(true).unwrap();
+}
+
+#[test]
+fn guests_resolve_through_the_node_forwarder_per_policy() {
+    use sandfork_network::dns::{AccessLookup, DnsAccess, DnsForwarder, FORWARDER_PORT};
+    use sandfork_network::plan::GATEWAY_IP;
+    if !privileged() {
+        return;
+    }
+    let w = World::new();
+    let (pool, _) = Pool::start(w.pool_config(2, 4), &[]).unwrap();
+    let mut slot = pool.take(&EgressPolicy::default()).unwrap();
+    let other = pool.take(&EgressPolicy::default()).unwrap();
+    // What the node keeps: each running slot's host address and its policy's DNS access.
+    let access: Arc<RwLock<HashMap<Ipv4Addr, DnsAccess>>> = Arc::default();
+    let set = |ip: Ipv4Addr, p: &EgressPolicy| {
+        access.write().unwrap().insert(ip, DnsAccess::of(p));
+    };
+    set(slot.addrs().host_ip, slot.policy());
+    let a2 = access.clone();
+    let lookup: Arc<AccessLookup> = Arc::new(move |ip| a2.read().unwrap().get(&ip).cloned());
+    // One socket in the host namespace for every slot, upstream the internet's server.
+    let fwd = sandfork_network::run_in_netns(&w.host_path, || {
+        DnsForwarder::start(
+            SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, FORWARDER_PORT),
+            SocketAddrV4::new(DNS_SERVER, 53),
+            lookup,
+        )
+    })
+    .unwrap();
+    let g = Guest::attach(&w, "g", &slot);
+    let g2 = Guest::attach(&w, "g2", &other);
+
+    assert_eq!(
+        resolve(&g.ns, GATEWAY_IP, "pkg.example.test."),
+        Ok(vec![DNS_ANSWER]),
+        "the default policy resolves any name"
+    );
+    assert_eq!(
+        resolve_tcp(&g.ns, GATEWAY_IP, "pkg.example.test."),
+        Ok(vec![DNS_ANSWER]),
+        "DNS over TCP (a truncated answer's retry)"
+    );
+    // A slot the node does not know (no sandbox's) is not answered.
+    assert_eq!(
+        resolve(&g2.ns, GATEWAY_IP, "pkg.example.test."),
+        Err("timeout".into())
+    );
+    // The guest reaches the forwarder only by its gateway: the veth's host end, any port.
+    assert_eq!(g.ask(slot.addrs().veth_host_ip, "x"), None);
+
+    let deny_all = policy(Some(false), &[], &[]);
+    pool.set_policy(&mut slot, deny_all.clone()).unwrap();
+    set(slot.addrs().host_ip, &deny_all);
+    assert_eq!(
+        resolve(&g.ns, GATEWAY_IP, "pkg.example.test."),
+        Err("Refused".into()),
+        "allow_internet_access=false resolves nothing"
+    );
+    assert_eq!(
+        resolve_tcp(&g.ns, GATEWAY_IP, "pkg.example.test."),
+        Err("Refused".into())
+    );
+    // Nor does it get to any other DNS server directly.
+    assert_eq!(
+        resolve(&g.ns, DNS_SERVER, "pkg.example.test."),
+        Err("timeout".into())
+    );
+
+    let domains = policy(None, &["*.ok.test"], &[ALL_TRAFFIC]);
+    pool.set_policy(&mut slot, domains.clone()).unwrap();
+    set(slot.addrs().host_ip, &domains);
+    assert_eq!(
+        resolve(&g.ns, GATEWAY_IP, "a.ok.test."),
+        Ok(vec![DNS_ANSWER])
+    );
+    assert_eq!(
+        resolve(&g.ns, GATEWAY_IP, "pkg.example.test."),
+        Err("Refused".into())
+    );
+
+    // A policy that denies the private range the forwarder sits in still resolves.
+    let deny_private = policy(None, &[], &["10.0.0.0/8"]);
+    pool.set_policy(&mut slot, deny_private.clone()).unwrap();
+    set(slot.addrs().host_ip, &deny_private);
+    assert_eq!(
+        resolve(&g.ns, GATEWAY_IP, "pkg.example.test."),
+        Ok(vec![DNS_ANSWER])
+    );
+    drop(fwd);
+    drop((g, g2));
+    pool.release(slot);
+    pool.release(other);
     pool.shutdown(true).unwrap();
 }
 

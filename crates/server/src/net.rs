@@ -3,13 +3,16 @@
 //! names, NAT and egress policy) started with the node; every launch takes a
 //! slot ([`crate::launch`]), its guest holds it as a [`Lease`] and gives it
 //! back when its VMM is gone. After a restart the slots of adopted sandboxes
-//! are adopted and the rest reclaimed.
+//! are adopted and the rest reclaimed. One DNS forwarder serves every slot's
+//! guest (each slot DNATs its gateway's port 53 to it) and answers per the
+//! policy of the lease it comes from.
 
 use std::collections::HashMap;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 
+use sandfork_network::dns::{AccessLookup, DnsAccess, DnsForwarder};
 use sandfork_network::{EgressPolicy, HostConfig, InUse, PoolConfig, Slot};
 use serde::{Deserialize, Serialize};
 
@@ -28,6 +31,9 @@ pub struct NetworkConfig {
     pub ready_slots: usize,
     /// The link toward the internet; None: the default route's.
     pub uplink: Option<String>,
+    /// Where the guests' DNS forwarder sends queries; None: the first IPv4
+    /// nameserver of the node's /etc/resolv.conf, port 53.
+    pub dns_upstream: Option<SocketAddrV4>,
 }
 
 impl Default for NetworkConfig {
@@ -35,9 +41,20 @@ impl Default for NetworkConfig {
         NetworkConfig {
             ready_slots: 32,
             uplink: None,
+            dns_upstream: None,
         }
     }
 }
+
+/// The node's resolver from its /etc/resolv.conf, port 53.
+fn default_dns_upstream() -> Option<SocketAddrV4> {
+    let text = std::fs::read_to_string("/etc/resolv.conf").ok()?;
+    sandfork_network::dns::upstream_from_resolv_conf(&text).map(|ip| SocketAddrV4::new(ip, 53))
+}
+
+/// What each leased slot's guest may resolve, by the slot's host address
+/// (the source the forwarder sees its queries from).
+type DnsTable = Arc<RwLock<HashMap<Ipv4Addr, DnsAccess>>>;
 
 /// The slot a running sandbox is in, as its record keeps it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -80,6 +97,9 @@ pub struct Slots {
     pool: RwLock<Option<sandfork_network::Pool>>,
     /// Slots of sandboxes that ran before a restart, until recovery claims them.
     adopted: Mutex<HashMap<u32, Slot>>,
+    dns: DnsTable,
+    /// None when it could not start (the node runs on, its guests resolve nothing).
+    forwarder: Mutex<Option<DnsForwarder>>,
 }
 
 impl Slots {
@@ -119,10 +139,29 @@ impl Slots {
             reclaimed.missing.len(),
             reclaimed.removed.len()
         );
+        let dns = DnsTable::default();
+        let forwarder = start_forwarder(cfg, dns.clone());
         Ok(Arc::new(Slots {
             pool: RwLock::new(Some(pool)),
             adopted: Mutex::new(reclaimed.adopted.into_iter().map(|s| (s.id(), s)).collect()),
+            dns,
+            forwarder: Mutex::new(forwarder),
         }))
+    }
+
+    fn lease(self: &Arc<Self>, slot: Slot) -> Lease {
+        self.lease_dns(&slot);
+        Lease {
+            slot: Some(slot),
+            slots: self.clone(),
+        }
+    }
+
+    fn forget_dns(&self, slot: &Slot) {
+        self.dns
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&slot.addrs().host_ip);
     }
 
     fn with<T>(
@@ -145,10 +184,7 @@ impl Slots {
             slot.id(),
             t0.elapsed().as_secs_f64() * 1e3
         );
-        Ok(Lease {
-            slot: Some(slot),
-            slots: self.clone(),
-        })
+        Ok(self.lease(slot))
     }
 
     /// The slot a sandbox had before the restart, if it was adopted.
@@ -158,10 +194,7 @@ impl Slots {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&id)?;
-        Some(Lease {
-            slot: Some(slot),
-            slots: self.clone(),
-        })
+        Some(self.lease(slot))
     }
 
     /// Gives back the adopted slots no sandbox claimed (after recovery).
@@ -183,6 +216,7 @@ impl Slots {
     }
 
     fn release(&self, slot: Slot) {
+        self.forget_dns(&slot);
         let pool = self.pool.read().unwrap_or_else(|p| p.into_inner());
         if let Some(p) = pool.as_ref() {
             p.release(slot);
@@ -197,11 +231,60 @@ impl Slots {
     /// Stops the pool and removes the slots no sandbox uses (a clean stop);
     /// the slots of running sandboxes stay for the next start to adopt.
     pub fn shutdown(&self) {
+        drop(
+            self.forwarder
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take(),
+        );
         let pool = self.pool.write().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(p) = pool
             && let Err(e) = p.shutdown(true)
         {
             tracing::warn!("networking: removing the ready slots: {e}");
+        }
+    }
+}
+
+impl Slots {
+    fn lease_dns(&self, slot: &Slot) {
+        self.dns
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(slot.addrs().host_ip, DnsAccess::of(slot.policy()));
+    }
+}
+
+/// Starts the guests' DNS forwarder on the node's side of every slot veth
+/// (it listens on all addresses; only queries from a leased slot's host
+/// address are answered). A failure is logged, not fatal: sandboxes still
+/// reach addresses, not names.
+fn start_forwarder(cfg: &NetworkConfig, dns: DnsTable) -> Option<DnsForwarder> {
+    let Some(upstream) = cfg.dns_upstream.or_else(default_dns_upstream) else {
+        tracing::warn!(
+            "networking: no IPv4 nameserver in /etc/resolv.conf and no --dns-upstream: \
+             sandboxes cannot resolve names"
+        );
+        return None;
+    };
+    let lookup: Arc<AccessLookup> = Arc::new(move |ip| {
+        dns.read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&ip)
+            .cloned()
+    });
+    let listen = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, sandfork_network::dns::FORWARDER_PORT);
+    match DnsForwarder::start(listen, upstream, lookup) {
+        Ok(f) => {
+            tracing::info!("networking: guests' DNS forwarded to {upstream}");
+            Some(f)
+        }
+        Err(e) => {
+            tracing::warn!(
+                "networking: the guests' DNS forwarder cannot start on {listen} ({e}): \
+                 sandboxes cannot resolve names"
+            );
+            None
         }
     }
 }
@@ -247,13 +330,19 @@ impl Lease {
     pub fn set_policy(&mut self, policy: EgressPolicy) -> Result<(), NetError> {
         let slots = self.slots.clone();
         let slot = self.slot.as_mut().expect("a lease holds its slot");
-        slots.with(|p| p.set_policy(slot, policy))
+        slots.with(|p| p.set_policy(slot, policy))?;
+        // After the rules: a name the new policy allows resolves once its
+        // traffic may pass, never before.
+        slots.lease_dns(slot);
+        Ok(())
     }
 
     /// Keeps the slot in place for the next server (a VMM left running at
     /// shutdown): it is adopted at the next start.
     pub fn keep(mut self) {
-        self.slot = None;
+        if let Some(slot) = self.slot.take() {
+            self.slots.forget_dns(&slot);
+        }
     }
 }
 

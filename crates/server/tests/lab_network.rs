@@ -1,8 +1,14 @@
 //! Lab test: sandbox networking through the real server. The test makes its
 //! own "internet": a network namespace on TEST-NET addresses with two web
 //! servers (203.0.113.10, .11) and a stand-in metadata server
-//! (169.254.169.254), joined to the lab's root namespace (the node's host)
-//! by a veth the node uses as its uplink. Nothing leaves the lab machine.
+//! (169.254.169.254) and a DNS server (203.0.113.53, the node's
+//! `dns_upstream`: every `*.sandfork.test` name is web server a), joined to the
+//! lab's root namespace (the node's host) by a veth the node uses as its
+//! uplink. Nothing leaves the lab machine.
+//!
+//! Sandboxes resolve names through the node's forwarder (their gateway), not
+//! with `allow_internet_access: false`, and again once `PUT .../network`
+//! opens it.
 //!
 //! Sandboxes created through the API reach it by default, not with
 //! `allow_internet_access: false`; `denyOut` is enforced, `PUT .../network`
@@ -27,6 +33,9 @@ use server::config::Config;
 const WEB_A: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
 const WEB_B: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 11);
 const METADATA: Ipv4Addr = Ipv4Addr::new(169, 254, 169, 254);
+const DNS_SERVER: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 53);
+/// The zone the test's DNS server answers (with [`WEB_A`]); other names: NXDOMAIN.
+const ZONE: &str = ".sandfork.test";
 const UPLINK: &str = "sft-up0";
 const UPLINK_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 const INTERNET_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
@@ -82,7 +91,7 @@ impl Internet {
         inside("link set lo up");
         inside(&format!("addr add {INTERNET_IP}/24 dev sft-in0"));
         inside("link set sft-in0 up");
-        for ip in [WEB_A, WEB_B, METADATA] {
+        for ip in [WEB_A, WEB_B, METADATA, DNS_SERVER] {
             inside(&format!("addr add {ip}/32 dev lo"));
         }
         inside(&format!("route add default via {UPLINK_IP}"));
@@ -92,7 +101,27 @@ impl Internet {
         for (ip, name) in [(WEB_A, "a"), (WEB_B, "b"), (METADATA, "metadata")] {
             internet.serve(ip, name);
         }
+        internet.serve_dns();
         internet
+    }
+
+    /// A minimal authoritative server on DNS_SERVER:53 (UDP): an A query
+    /// for a name in ZONE gets WEB_A, anything else NXDOMAIN (no AAAA, so a
+    /// resolver asking both still gets its answer quickly).
+    fn serve_dns(&self) {
+        let sock = sandfork_network::run_in_netns(&self.anchor, || {
+            std::net::UdpSocket::bind((DNS_SERVER, 53))
+                .map_err(|e| sandfork_network::Error::Plan(format!("bind DNS: {e}")))
+        })
+        .expect("DNS server in the internet");
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 1500];
+            while let Ok((n, from)) = sock.recv_from(&mut buf) {
+                if let Some(answer) = dns_answer(&buf[..n]) {
+                    let _ = sock.send_to(&answer, from);
+                }
+            }
+        });
     }
 
     fn serve(&self, ip: Ipv4Addr, name: &'static str) {
@@ -116,6 +145,45 @@ impl Internet {
             }
         });
     }
+}
+
+/// The answer to one DNS query (header, one question), or None for what is
+/// not one.
+fn dns_answer(q: &[u8]) -> Option<Vec<u8>> {
+    if q.len() < 12 || q[2] & 0x80 != 0 || u16::from_be_bytes([q[4], q[5]]) != 1 {
+        return None;
+    }
+    // The question's name, label by label, then type and class.
+    let mut name = String::new();
+    let mut i = 12;
+    loop {
+        let len = usize::from(*q.get(i)?);
+        i += 1;
+        if len == 0 {
+            break;
+        }
+        if len > 63 {
+            return None;
+        }
+        name.push_str(std::str::from_utf8(q.get(i..i + len)?).ok()?);
+        name.push('.');
+        i += len;
+    }
+    let qtype = u16::from_be_bytes([*q.get(i)?, *q.get(i + 1)?]);
+    let question_end = i + 4;
+    let name = name.trim_end_matches('.').to_ascii_lowercase();
+    let known = name.ends_with(ZONE);
+    let mut r = q.get(..question_end)?.to_vec();
+    r[2] = 0x84 | (q[2] & 0x01); // a response, authoritative, RD echoed
+    r[3] = if known { 0 } else { 3 }; // NOERROR or NXDOMAIN
+    r[10..12].copy_from_slice(&[0, 0]); // no additional records (drop EDNS)
+    if known && qtype == 1 {
+        r[6..8].copy_from_slice(&1u16.to_be_bytes());
+        // name: pointer to the question's; A, IN, TTL 60, 4 bytes
+        r.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1, 0, 0, 0, 60, 0, 4]);
+        r.extend_from_slice(&WEB_A.octets());
+    }
+    Some(r)
 }
 
 impl Drop for Internet {
@@ -143,6 +211,16 @@ async fn fetch(node: SocketAddr, sandbox: &Created, ip: Ipv4Addr, port: u16) -> 
     out.trim().to_owned()
 }
 
+/// The IPv4 address `name` resolves to in the guest (through its
+/// /etc/resolv.conf, so through the node's forwarder), or "" when it does not.
+async fn resolve(node: SocketAddr, sandbox: &Created, name: &str) -> String {
+    let routing = sandbox.routing();
+    let script = format!("getent ahostsv4 {name} | head -n 1 | cut -d' ' -f1; true");
+    let (code, out) = run(node, &routing, &script).await;
+    assert_eq!(code, 0, "{out}");
+    out.trim().to_owned()
+}
+
 async fn reaches(node: SocketAddr, sandbox: &Created, ip: Ipv4Addr) -> bool {
     let got = fetch(node, sandbox, ip, 80).await;
     assert!(got.is_empty() || got.starts_with("hello"), "{got}");
@@ -162,6 +240,7 @@ fn lab_config(data: &Path) -> Config {
     config.network = Some(server::net::NetworkConfig {
         ready_slots: 4,
         uplink: Some(UPLINK.into()),
+        dns_upstream: Some(std::net::SocketAddrV4::new(DNS_SERVER, 53)),
     });
     config
 }
@@ -257,6 +336,18 @@ async fn sandboxes_reach_the_internet_as_their_policy_says() {
         t.elapsed()
     );
     assert!(reaches(node.addr, &open, WEB_B).await);
+    // Names resolve through the node's forwarder to the test's DNS server,
+    // and a name resolved is a server reached.
+    assert_eq!(
+        resolve(node.addr, &open, &format!("web{ZONE}")).await,
+        WEB_A.to_string()
+    );
+    let by_name = format!(
+        "timeout 20 bash -c 'exec 3<>/dev/tcp/web{ZONE}/80 && printf \"GET / HTTP/1.0\\r\\n\\r\\n\" >&3 && cat <&3' 2>&1 | tail -n 1"
+    );
+    let (_, got) = run(node.addr, &open.routing(), &by_name).await;
+    assert_eq!(got.trim(), format!("hello a {UPLINK_IP}"));
+    assert_eq!(resolve(node.addr, &open, "elsewhere.invalid").await, "");
     for (ip, port) in [
         (UPLINK_IP, port),
         (METADATA, 80),
@@ -285,6 +376,11 @@ async fn sandboxes_reach_the_internet_as_their_policy_says() {
         .create(json!({"templateID": "base", "timeout": 600, "allow_internet_access": false}))
         .await;
     assert!(!reaches(node.addr, &closed, WEB_A).await);
+    assert_eq!(
+        resolve(node.addr, &closed, &format!("web{ZONE}")).await,
+        "",
+        "a sandbox without internet access resolved a name"
+    );
     let detail = http(
         node.addr,
         "GET",
@@ -307,6 +403,11 @@ async fn sandboxes_reach_the_internet_as_their_policy_says() {
     assert_eq!(node.put_network(&closed.id, json!({})).await, 204);
     eprintln!("PUT /network answered in {:?}", t.elapsed());
     assert!(reaches(node.addr, &closed, WEB_A).await);
+    assert_eq!(
+        resolve(node.addr, &closed, &format!("web{ZONE}")).await,
+        WEB_A.to_string(),
+        "PUT /network opened the internet but not DNS"
+    );
     assert_eq!(
         node.put_network(
             &open.id,

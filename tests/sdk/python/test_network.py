@@ -2,12 +2,91 @@
 guest address; `allow_internet_access=False` and `network={...}` are kept
 (get_info) and `update_network` replaces them; bad rules are refused. Which
 traffic passes is the lab test's part (crates/server/tests/lab_network.rs,
-against an internet of its own): this suite sends none off the machine."""
+against an internet of its own). One test goes off the machine as a user
+would: `pip install` of a small package from the package index this host's
+pip is configured for (read at run time, never written here), through the
+sandbox's slot, the node's DNS forwarder and the lab's own network."""
+
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from urllib.parse import urlsplit
 
 import pytest
 from e2b import Sandbox, SandboxException
 
 from conftest import create
+
+# A pure-Python wheel of a few kB with no dependencies.
+SMALL_PACKAGE = "six"
+
+
+def host_pip_settings() -> dict[str, str]:
+    """This host's pip configuration that tells where the index is and how to
+    trust it (`pip config list` with its PIP_* environment): key -> value for
+    index-url, extra-index-url, cert and trusted-host. Local find-links are
+    left out: they would keep the sandbox from needing the network."""
+    out = ""
+    # The suite's venv may have no pip; the host's pip3 reads the same files.
+    for pip in ([sys.executable, "-m", "pip"], ["pip3"]):
+        try:
+            done = subprocess.run(
+                [*pip, "config", "list"], capture_output=True, text=True, check=False
+            )
+        except OSError:
+            continue
+        if done.returncode == 0:
+            out = done.stdout
+            break
+    wanted = ("index-url", "extra-index-url", "cert", "trusted-host")
+    settings: dict[str, str] = {}
+    # Files first, then the environment: pip's own precedence.
+    for line in sorted(out.splitlines(), key=lambda line: line.startswith(":env:")):
+        key, _, value = line.partition("=")
+        name = key.rsplit(".", 1)[-1]
+        if name in wanted and value:
+            settings[name] = value.strip().strip("'\"")
+    return settings
+
+
+def index_host(settings: dict[str, str]) -> str:
+    url = settings.get("index-url", "https://pypi.org/simple")
+    return urlsplit(url).hostname or ""
+
+
+def test_pip_install_from_the_package_index():
+    settings = host_pip_settings()
+    host = index_host(settings)
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        pytest.skip(f"this host does not resolve its package index ({host})")
+    sbx = create()
+    try:
+        env = {"PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_CACHE_DIR": "1"}
+        for name in ("index-url", "extra-index-url", "trusted-host"):
+            if name in settings:
+                env["PIP_" + name.upper().replace("-", "_")] = settings[name]
+        cert = settings.get("cert")
+        if cert and os.path.isfile(cert):
+            # The host's trust store (it may hold the CA of a TLS-inspecting
+            # egress proxy the guest's bundle does not know).
+            with open(cert, "rb") as f:
+                sbx.files.write("/tmp/pip-ca.pem", f.read())
+            env["PIP_CERT"] = "/tmp/pip-ca.pem"
+        r = sbx.commands.run(
+            "python3 -m pip install --quiet --target /tmp/pkgs "
+            + shlex.quote(SMALL_PACKAGE)
+            + f" && PYTHONPATH=/tmp/pkgs python3 -c 'import {SMALL_PACKAGE}; print(\"ok\")'",
+            envs=env,
+            timeout=420,
+        )
+        assert r.exit_code == 0, r.stderr
+        assert r.stdout.strip().endswith("ok"), (r.stdout, r.stderr)
+    finally:
+        sbx.kill()
 
 
 def test_sandboxes_have_the_fixed_guest_network_and_keep_their_rules():

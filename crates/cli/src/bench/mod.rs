@@ -1,8 +1,10 @@
 //! `sandfork bench`: boot, snapshot, restore and fork figures of sandfork-vmm,
 //! and of a reference Firecracker on the same kernel and image when one is
-//! given (for what Firecracker can do); then the node's figures through the
+//! given (for what Firecracker can do); network slot setup (`net`); then the
+//! node's figures through the
 //! E2B Python SDK against `sandfork serve` (`sdk`).
 
+mod net;
 pub mod sdk;
 mod snapshot;
 pub mod summary;
@@ -62,6 +64,8 @@ pub enum Part {
 pub struct VmmFigures<'a> {
     pub runs: usize,
     pub firecracker: Option<&'a Path>,
+    /// Network slot setup too (`net_slot_setup_ms`; needs root).
+    pub net: bool,
 }
 
 /// What one `sandfork bench` measures.
@@ -146,6 +150,9 @@ impl Plan<'_> {
         .await;
         let snapshots = snapshot::measure(vmm, image, runs);
         part(report, errors, "snapshot", self.deadline, snapshots).await;
+        if figures.net {
+            part(report, errors, "net", self.deadline, net::measure()).await;
+        }
         let Some(fc) = figures.firecracker else {
             report["reference"] = Value::Null;
             return;
@@ -218,6 +225,7 @@ mod tests {
             vmm_figures: Some(VmmFigures {
                 runs: 1,
                 firecracker: Some(Path::new("/nonexistent/firecracker")),
+                net: false,
             }),
             sdk: None,
             deadline: Instant::now() + Duration::from_secs(60),

@@ -6,6 +6,8 @@ use super::wire::Attrs;
 // Registers: the verdict register and the first 16-byte data register.
 const NFT_REG_VERDICT: u32 = 0;
 pub const NFT_REG_1: u32 = 1;
+/// The second 16-byte data register (a NAT's port).
+pub const NFT_REG_2: u32 = 2;
 
 // Verdicts (netfilter.h / nf_tables.h).
 pub const NF_DROP: i32 = 0;
@@ -74,10 +76,15 @@ pub enum Expr {
     CtState,
     /// Put `data` into register 1.
     Load(Vec<u8>),
+    /// Put a port (network order) into register 2, for [`Expr::NatPort`].
+    LoadPort(u16),
     /// End the rule with a verdict.
     Verdict(Verdict),
     /// Source or destination NAT of IPv4 to the address in register 1.
     Nat(NatKind),
+    /// NAT to the address in register 1 and the port in register 2 (the rule must match
+    /// the layer-4 protocol: a port means nothing without one).
+    NatPort(NatKind),
     Masquerade,
     /// Reject with ICMP(v6) "administratively prohibited" (`icmpx`).
     RejectAdminProhibited,
@@ -96,8 +103,8 @@ impl Expr {
             Expr::Bitwise { .. } => "bitwise",
             Expr::Cmp { .. } => "cmp",
             Expr::CtState => "ct",
-            Expr::Load(_) | Expr::Verdict(_) => "immediate",
-            Expr::Nat(_) => "nat",
+            Expr::Load(_) | Expr::LoadPort(_) | Expr::Verdict(_) => "immediate",
+            Expr::Nat(_) | Expr::NatPort(_) => "nat",
             Expr::Masquerade => "masq",
             Expr::RejectAdminProhibited => "reject",
             Expr::RtTcpMss => "rt",
@@ -159,6 +166,10 @@ impl Expr {
                 a.be32(1, NFT_REG_1);
                 a.nest(2, |a| value(a, data));
             }
+            Expr::LoadPort(port) => {
+                a.be32(1, NFT_REG_2);
+                a.nest(2, |a| value(a, &port.to_be_bytes()));
+            }
             Expr::Verdict(v) => {
                 a.be32(1, NFT_REG_VERDICT);
                 a.nest(2, |a| {
@@ -180,6 +191,15 @@ impl Expr {
                 a.be32(1, *kind as u32) // TYPE
                     .be32(2, super::wire::NFPROTO_IPV4 as u32) // FAMILY
                     .be32(3, NFT_REG_1); // REG_ADDR_MIN
+            }
+            Expr::NatPort(kind) => {
+                const NF_NAT_RANGE_MAP_IPS: u32 = 1;
+                const NF_NAT_RANGE_PROTO_SPECIFIED: u32 = 2;
+                a.be32(1, *kind as u32) // TYPE
+                    .be32(2, super::wire::NFPROTO_IPV4 as u32) // FAMILY
+                    .be32(3, NFT_REG_1) // REG_ADDR_MIN
+                    .be32(5, NFT_REG_2) // REG_PROTO_MIN
+                    .be32(7, NF_NAT_RANGE_MAP_IPS | NF_NAT_RANGE_PROTO_SPECIFIED); // FLAGS
             }
             Expr::Masquerade => {}
             Expr::RejectAdminProhibited => {
@@ -238,6 +258,21 @@ mod tests {
         let code = (NFT_JUMP as u32).to_be_bytes();
         assert!(b.windows(4).any(|w| w == code));
         assert!(b.windows(5).any(|w| w == b"user\0"));
+    }
+
+    #[test]
+    fn nat_to_a_port_names_both_registers_and_the_flag() {
+        let mut a = Attrs::new();
+        Expr::LoadPort(5353).encode(&mut a);
+        let b = a.into_bytes();
+        // DREG 2, then DATA { VALUE 0x14e9 } (2 bytes, padded to 4)
+        assert!(b.windows(8).any(|w| w == [8, 0, 1, 0, 0, 0, 0, 2]));
+        assert!(b.windows(6).any(|w| w == [6, 0, 1, 0, 0x14, 0xe9]));
+        let mut a = Attrs::new();
+        Expr::NatPort(NatKind::Dnat).encode(&mut a);
+        let b = a.into_bytes();
+        assert!(b.windows(8).any(|w| w == [8, 0, 5, 0, 0, 0, 0, 2])); // REG_PROTO_MIN = 2
+        assert!(b.windows(8).any(|w| w == [8, 0, 7, 0, 0, 0, 0, 3])); // FLAGS
     }
 
     #[test]

@@ -412,6 +412,15 @@ pub fn nat_to(kind: super::expr::NatKind, ip: Ipv4Addr) -> Vec<Expr> {
     vec![Expr::Load(ip.octets().to_vec()), Expr::Nat(kind)]
 }
 
+/// NAT to `ip`:`port` (the rule matches the layer-4 protocol).
+pub fn nat_to_port(kind: super::expr::NatKind, ip: Ipv4Addr, port: u16) -> Vec<Expr> {
+    vec![
+        Expr::Load(ip.octets().to_vec()),
+        Expr::LoadPort(port),
+        Expr::NatPort(kind),
+    ]
+}
+
 pub fn clamp_mss() -> Vec<Expr> {
     vec![Expr::RtTcpMss, Expr::SetTcpMss]
 }

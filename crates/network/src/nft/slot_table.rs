@@ -6,7 +6,10 @@ use std::net::Ipv4Addr;
 
 use super::expr::NatKind;
 use super::rules::*;
-use crate::plan::{Cidr4, GUEST_IP, GUEST_MAC, SLOT_VETH_NAME, TAP_NAME};
+use crate::plan::{
+    Cidr4, DNS_FORWARDER_PORT, GATEWAY_IP, GUEST_DNS_PORT, GUEST_IP, GUEST_MAC, SLOT_VETH_NAME,
+    TAP_NAME,
+};
 use crate::policy::EgressPolicy;
 
 pub const TABLE: &str = "sf";
@@ -14,8 +17,14 @@ pub const TABLE: &str = "sf";
 pub const USER_CHAIN: &str = "user";
 const ALWAYS_DENY_CHAIN: &str = "always_deny";
 
-/// The whole slot table for host address `host_ip`, with `policy`.
-pub fn table(host_ip: Ipv4Addr, always_deny: &[Cidr4], policy: &EgressPolicy) -> Table {
+/// The whole slot table for host address `host_ip` and veth host end `veth_host_ip` (where
+/// the node's DNS forwarder listens), with `policy`.
+pub fn table(
+    host_ip: Ipv4Addr,
+    veth_host_ip: Ipv4Addr,
+    always_deny: &[Cidr4],
+    policy: &EgressPolicy,
+) -> Table {
     let chains = vec![
         // Before conntrack (-200): a spoofed frame never creates state.
         Chain::base("guard", Hook::Prerouting, -300, "filter"),
@@ -32,6 +41,21 @@ pub fn table(host_ip: Ipv4Addr, always_deny: &[Cidr4], policy: &EgressPolicy) ->
             base: None,
         },
     ];
+    const UDP: u8 = libc::IPPROTO_UDP as u8;
+    const TCP: u8 = libc::IPPROTO_TCP as u8;
+    // The DNATed DNS queries pass before the always-deny list (the forwarder is on a private
+    // address) and under any user policy (the forwarder applies it to names).
+    let to_forwarder = |proto| {
+        Rule::new(
+            "egress",
+            [
+                iif(TAP_NAME),
+                ip_daddr(veth_host_ip),
+                dport(proto, DNS_FORWARDER_PORT),
+            ],
+            accept(),
+        )
+    };
     let mut rules = vec![
         // Only the guest's MAC and IPv4 address may leave the tap; no IPv6 at all.
         Rule::new("guard", [iif(TAP_NAME), ether_saddr_not(GUEST_MAC)], drop()),
@@ -51,12 +75,26 @@ pub fn table(host_ip: Ipv4Addr, always_deny: &[Cidr4], policy: &EgressPolicy) ->
         // Egress: only what the guest starts is policed; answers to it pass.
         Rule::new("egress", [not_iif(TAP_NAME)], accept()),
         Rule::new("egress", [established()], accept()),
+        to_forwarder(UDP),
+        to_forwarder(TCP),
         Rule::new("egress", [], jump(ALWAYS_DENY_CHAIN)),
         Rule::new("egress", [], jump(USER_CHAIN)),
         // The guest may answer but not connect to anything in the slot namespace.
         Rule::new("to_slot", [iif(TAP_NAME), established()], accept()),
         Rule::new("to_slot", [iif(TAP_NAME)], drop()),
     ];
+    // The guest's resolver (its gateway) is the node's forwarder, over UDP and TCP.
+    for proto in [UDP, TCP] {
+        rules.push(Rule::new(
+            "pre_nat",
+            [
+                iif(TAP_NAME),
+                ip_daddr(GATEWAY_IP),
+                dport(proto, GUEST_DNS_PORT),
+            ],
+            nat_to_port(NatKind::Dnat, veth_host_ip, DNS_FORWARDER_PORT),
+        ));
+    }
     for c in always_deny {
         rules.push(Rule::new(ALWAYS_DENY_CHAIN, [ip_daddr_in(*c)], reject()));
     }
@@ -91,17 +129,26 @@ mod tests {
     fn egress_order_is_always_deny_then_user() {
         let t = table(
             "10.11.0.1".parse().unwrap(),
+            "10.12.0.2".parse().unwrap(),
             &always_deny(&[]),
             &EgressPolicy::default(),
         );
         let egress: Vec<&Rule> = t.rules.iter().filter(|r| r.chain == "egress").collect();
-        assert_eq!(egress.len(), 4);
+        assert_eq!(egress.len(), 6);
+        // the DNS forwarder (a private address), UDP and TCP, before the always-deny list
+        for r in &egress[2..4] {
+            assert!(r.exprs.contains(&Expr::Cmp {
+                op: super::super::expr::CmpOp::Eq,
+                data: vec![10, 12, 0, 2]
+            }));
+            assert_eq!(r.exprs.last(), Some(&Expr::Verdict(Verdict::Accept)));
+        }
         assert_eq!(
-            egress[2].exprs.last(),
+            egress[4].exprs.last(),
             Some(&Expr::Verdict(Verdict::Jump(ALWAYS_DENY_CHAIN.into())))
         );
         assert_eq!(
-            egress[3].exprs.last(),
+            egress[5].exprs.last(),
             Some(&Expr::Verdict(Verdict::Jump(USER_CHAIN.into())))
         );
         assert_eq!(
@@ -126,10 +173,28 @@ mod tests {
 
     #[test]
     fn nat_uses_slot_host_ip() {
-        let t = table("10.11.0.7".parse().unwrap(), &[], &EgressPolicy::default());
+        let t = table(
+            "10.11.0.7".parse().unwrap(),
+            "10.12.0.14".parse().unwrap(),
+            &[],
+            &EgressPolicy::default(),
+        );
         let snat = t.rules.iter().find(|r| r.chain == "post_nat").unwrap();
         assert!(snat.exprs.contains(&Expr::Load(vec![10, 11, 0, 7])));
-        let dnat = t.rules.iter().find(|r| r.chain == "pre_nat").unwrap();
-        assert!(dnat.exprs.contains(&Expr::Load(GUEST_IP.octets().to_vec())));
+        let dnat: Vec<&Rule> = t.rules.iter().filter(|r| r.chain == "pre_nat").collect();
+        assert!(
+            dnat[0]
+                .exprs
+                .contains(&Expr::Load(GUEST_IP.octets().to_vec()))
+        );
+        // the gateway's DNS port goes to the forwarder on the veth's host end
+        assert_eq!(dnat.len(), 3);
+        for r in &dnat[1..] {
+            assert!(r.exprs.ends_with(&[
+                Expr::Load(vec![10, 12, 0, 14]),
+                Expr::LoadPort(DNS_FORWARDER_PORT),
+                Expr::NatPort(NatKind::Dnat)
+            ]));
+        }
     }
 }

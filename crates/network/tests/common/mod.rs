@@ -24,6 +24,9 @@ pub const WEB_A: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
 pub const WEB_B: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 11);
 pub const PRIVATE: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 10);
 pub const METADATA: Ipv4Addr = Ipv4Addr::new(169, 254, 169, 254);
+/// The internet's DNS server (UDP 53): every A query is answered with [`DNS_ANSWER`].
+pub const DNS_SERVER: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 53);
+pub const DNS_ANSWER: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
 pub const UPLINK: &str = "up0";
 pub const HOST_UPLINK_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 
@@ -250,6 +253,129 @@ impl Drop for Bridge {
     }
 }
 
+/// The answer of the test's DNS server to `query`: one A record, [`DNS_ANSWER`].
+fn dns_answer(query: &[u8]) -> Option<Vec<u8>> {
+    use hickory_proto::op::{Message, MessageType};
+    use hickory_proto::rr::{RData, Record, rdata::A};
+    let q = Message::from_vec(query).ok()?;
+    let mut r = Message::new();
+    r.set_id(q.id()).set_message_type(MessageType::Response);
+    r.add_queries(q.queries().to_vec());
+    let q0 = q.queries().first()?;
+    r.add_answer(Record::from_rdata(
+        q0.name().clone(),
+        60,
+        RData::A(A(DNS_ANSWER)),
+    ));
+    r.to_vec().ok()
+}
+
+/// A DNS server on `ip`:53 (UDP and TCP) in `ns` answering every query with one A record,
+/// [`DNS_ANSWER`]; it lives as long as the test process (its threads block on the sockets).
+pub fn dns_server(ns: &OwnedFd, ip: Ipv4Addr) {
+    let err = |e: std::io::Error| sandfork_network::Error::Plan(format!("bind DNS: {e}"));
+    let (sock, tcp) = netns::run_in(ns, || {
+        Ok((
+            std::net::UdpSocket::bind((ip, 53)).map_err(err)?,
+            TcpListener::bind((ip, 53)).map_err(err)?,
+        ))
+    })
+    .expect("test DNS server");
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 1500];
+        while let Ok((n, from)) = sock.recv_from(&mut buf) {
+            if let Some(a) = dns_answer(&buf[..n]) {
+                let _ = sock.send_to(&a, from);
+            }
+        }
+    });
+    std::thread::spawn(move || {
+        for mut c in tcp.incoming().flatten() {
+            let _ = c.set_read_timeout(Some(Duration::from_secs(5)));
+            while let Some(q) = read_framed(&mut c) {
+                let Some(a) = dns_answer(&q) else { break };
+                if write_framed(&mut c, &a).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+}
+
+fn read_framed(s: &mut TcpStream) -> Option<Vec<u8>> {
+    let mut len = [0u8; 2];
+    s.read_exact(&mut len).ok()?;
+    let mut msg = vec![0u8; usize::from(u16::from_be_bytes(len))];
+    s.read_exact(&mut msg).ok()?;
+    Some(msg)
+}
+
+fn write_framed(s: &mut TcpStream, msg: &[u8]) -> std::io::Result<()> {
+    let mut out = (msg.len() as u16).to_be_bytes().to_vec();
+    out.extend_from_slice(msg);
+    s.write_all(&out)
+}
+
+/// Resolves `name` (an A query, over UDP or TCP) from namespace `ns` through `server`:53:
+/// the addresses answered, Err(response code) for an error answer, Err("timeout") for none.
+pub fn resolve(ns: &OwnedFd, server: Ipv4Addr, name: &str) -> Result<Vec<Ipv4Addr>, String> {
+    resolve_over(ns, server, name, false)
+}
+
+pub fn resolve_tcp(ns: &OwnedFd, server: Ipv4Addr, name: &str) -> Result<Vec<Ipv4Addr>, String> {
+    resolve_over(ns, server, name, true)
+}
+
+fn resolve_over(
+    ns: &OwnedFd,
+    server: Ipv4Addr,
+    name: &str,
+    tcp: bool,
+) -> Result<Vec<Ipv4Addr>, String> {
+    use hickory_proto::op::{Message, Query, ResponseCode};
+    use hickory_proto::rr::{Name, RData, RecordType};
+    use std::str::FromStr;
+    let mut m = Message::new();
+    m.set_id(0x5f5f).set_recursion_desired(true);
+    m.add_query(Query::query(Name::from_str(name).unwrap(), RecordType::A));
+    let query = m.to_vec().unwrap();
+    netns::run_in(ns, move || {
+        let answer = if tcp {
+            let to = SocketAddr::from((server, 53));
+            TcpStream::connect_timeout(&to, Duration::from_secs(3))
+                .ok()
+                .and_then(|mut s| {
+                    s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+                    write_framed(&mut s, &query).ok()?;
+                    read_framed(&mut s)
+                })
+        } else {
+            let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+            s.send_to(&query, (server, 53)).unwrap();
+            let mut buf = [0u8; 1500];
+            s.recv(&mut buf).ok().map(|n| buf[..n].to_vec())
+        };
+        let Some(answer) = answer else {
+            return Ok(Err("timeout".to_string()));
+        };
+        let r = Message::from_vec(&answer).unwrap();
+        assert_eq!(r.id(), 0x5f5f);
+        if r.response_code() != ResponseCode::NoError {
+            return Ok(Err(format!("{:?}", r.response_code())));
+        }
+        Ok(Ok(r
+            .answers()
+            .iter()
+            .filter_map(|a| match a.data() {
+                RData::A(a) => Some(a.0),
+                _ => None,
+            })
+            .collect()))
+    })
+    .unwrap()
+}
+
 /// A guest stand-in: a namespace with `eth0` (a tap) at the guest address and MAC, bridged to
 /// the slot's `tap0`.
 pub struct Guest {
@@ -329,9 +455,10 @@ impl World {
         ip(&host_path, "route add default via 198.51.100.2");
         ip(&inet_path, "addr add 198.51.100.2/24 dev inet0");
         ip(&inet_path, "link set inet0 up");
-        for a in [WEB_A, WEB_B, PRIVATE, METADATA] {
+        for a in [WEB_A, WEB_B, PRIVATE, METADATA, DNS_SERVER] {
             ip(&inet_path, &format!("addr add {a}/32 dev lo"));
         }
+        dns_server(&inet, DNS_SERVER);
         let servers = [WEB_A, WEB_B, PRIVATE, METADATA]
             .iter()
             .map(|a| Server::start(&inet, SocketAddrV4::new(*a, 80), &a.to_string()))
