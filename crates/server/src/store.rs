@@ -203,6 +203,9 @@ pub struct BuildRecord {
     pub finished_at_ms: Option<u64>,
     /// The build's log (its tail, when long); written when it ends.
     pub log: Vec<String>,
+    /// E2B's step that failed (`base`, `1`..., `finalize`), when known.
+    #[serde(default)]
+    pub reason_step: Option<String>,
 }
 
 pub struct Store {
@@ -486,6 +489,7 @@ mod tests {
             started_at_ms: 1,
             finished_at_ms: None,
             log: Vec::new(),
+            reason_step: None,
         };
         store.put_build(&b).unwrap();
         assert_eq!(store.template("t1").unwrap(), None);

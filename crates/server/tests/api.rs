@@ -1366,6 +1366,7 @@ fn build_record(id: &str, name: &str, status: BuildStatus, started: u64) -> Buil
         started_at_ms: started,
         finished_at_ms: None,
         log: vec!["line 1".into(), "line 2".into()],
+        reason_step: None,
     }
 }
 

@@ -9,6 +9,7 @@ mod observe;
 mod sandboxes;
 mod snapshots;
 mod templates;
+mod templates_e2b;
 
 use axum::Router;
 use axum::extract::{Request, State};
@@ -64,12 +65,28 @@ pub fn router(state: Shared) -> Router {
             "/templates/{id}/builds/{build_id}/status",
             get(templates::build_status),
         )
+        .route("/v3/templates", post(templates_e2b::request_build))
+        .route(
+            "/templates/{id}/files/{hash}",
+            get(templates_e2b::file_link),
+        )
+        .route(
+            "/v2/templates/{id}/builds/{build_id}",
+            post(templates_e2b::start_build),
+        )
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,
         ));
     Router::new()
         .route("/health", get(health))
+        // An upload link carries its own credential (no API key).
+        .route(
+            "/e2b-files/{token}",
+            put(templates_e2b::upload).layer(axum::extract::DefaultBodyLimit::max(
+                crate::template::e2b_build::MAX_UPLOAD,
+            )),
+        )
         .merge(control)
         .fallback(unknown_route)
         .layer(middleware::from_fn_with_state(

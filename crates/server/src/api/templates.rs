@@ -1,4 +1,5 @@
-//! Template routes (sandfork's; E2B's own build routes are not served):
+//! Template routes (sandfork's; E2B's build routes are in
+//! [`super::templates_e2b`], and share the status route):
 //! `POST /templates` (202, the build runs on), `GET /templates`,
 //! `GET /templates/{id}`, `GET /templates/{id}/builds/{buildID}/status`,
 //! `DELETE /templates/{id}`. JSON in E2B's camelCase.
@@ -125,6 +126,7 @@ fn parse_new(body: &Bytes) -> Result<BuildParams, ApiError> {
         ready_cmd: req.ready_cmd,
         vcpus,
         mem_mib,
+        ids: None,
     })
 }
 
@@ -176,14 +178,29 @@ fn logs_offset(query: Option<&str>) -> Result<usize, ApiError> {
 }
 
 /// `GET /templates/{id}/builds/{buildID}/status` (`logsOffset`: skip that
-/// many log lines): `{templateID, buildID, status, logs, reason}` where
-/// `reason` is `{"message"}` for a failed build, else null.
+/// many log lines): `{templateID, buildID, status, logs, logEntries,
+/// reason}` where `reason` is `{"message", "step"?}` for a failed build
+/// (`step`: E2B's failing step, `base`, `1`... or `finalize`), else absent.
+/// Past the last line the page is empty (the E2B SDK polls until it is).
 pub async fn build_status(
     State(state): State<Shared>,
     Path((id, build_id)): Path<(String, String)>,
     uri: Uri,
 ) -> Result<Response, ApiError> {
     let offset = logs_offset(uri.query())?;
+    if let Some(w) = state.templates.e2b().waiting(&id)
+        && w.build_id == build_id
+    {
+        return Ok(Json(json!({
+            "templateID": id,
+            "buildID": build_id,
+            "names": [w.name],
+            "status": "waiting",
+            "logs": [],
+            "logEntries": [],
+        }))
+        .into_response());
+    }
     let (build, logs) = state.templates.status(&id, offset)?;
     if build.build_id != build_id {
         return Err(ApiError::new(
@@ -192,20 +209,40 @@ pub async fn build_status(
         ));
     }
     let reason = match (&build.status, &build.reason) {
-        (BuildStatus::Error, Some(r)) => json!({"message": r}),
+        (BuildStatus::Error, Some(r)) => match &build.reason_step {
+            Some(step) => json!({"message": r, "step": step}),
+            None => json!({"message": r}),
+        },
         _ => Value::Null,
     };
-    Ok(Json(json!({
+    let at = rfc3339(build.finished_at_ms.unwrap_or(build.started_at_ms));
+    let entries: Vec<Value> = logs.iter().map(|l| log_entry(l, &at)).collect();
+    let mut body = json!({
         "templateID": build.template_id,
         "buildID": build.build_id,
         "names": [build.name],
         "status": build.status.as_str(),
         "logs": logs,
-        "reason": reason,
+        "logEntries": entries,
         "startedAt": rfc3339(build.started_at_ms),
         "finishedAt": build.finished_at_ms.map(rfc3339),
-    }))
-    .into_response())
+    });
+    // E2B's SDK parses a present `reason` as an object: absent, not null.
+    if !reason.is_null() {
+        body["reason"] = reason;
+    }
+    Ok(Json(body).into_response())
+}
+
+/// A log line as E2B's `BuildLogEntry` (the lines carry no time of their
+/// own: `at` is the build's).
+fn log_entry(line: &str, at: &str) -> Value {
+    let level = if line.starts_with("error: ") {
+        "error"
+    } else {
+        "info"
+    };
+    json!({"timestamp": at, "level": level, "message": line})
 }
 
 /// `DELETE /templates/{id}` (id or name; a snapshot's `:default` tag

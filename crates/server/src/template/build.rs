@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex};
 use vmm_driver::agent_client::AgentClient;
 
 use super::boot::{self, BootSpec, Prepare, SCRATCH_PREFIX};
+use super::e2b_build::{E2bState, Failure, StepsPlan};
 use crate::capacity::{Ask, Reservation};
 use crate::clock::now_ms;
 use crate::ids;
@@ -44,6 +45,8 @@ pub enum BuildSource {
     DockerArchive(PathBuf),
     /// A running sandbox, snapshotted.
     Sandbox(String),
+    /// E2B's build steps, run in a sandbox of a template ([`super::e2b_build`]).
+    Steps(StepsPlan),
 }
 
 impl BuildSource {
@@ -53,6 +56,7 @@ impl BuildSource {
             BuildSource::OciLayout(p) => format!("oci layout {}", p.display()),
             BuildSource::DockerArchive(p) => format!("docker archive {}", p.display()),
             BuildSource::Sandbox(id) => format!("sandbox {id}"),
+            BuildSource::Steps(p) => format!("template {} and {} steps", p.base, p.steps.len()),
         }
     }
 }
@@ -66,6 +70,9 @@ pub struct BuildParams {
     pub ready_cmd: Option<String>,
     pub vcpus: Option<u8>,
     pub mem_mib: Option<u64>,
+    /// The template and build ids, when already handed out (E2B's
+    /// `POST /v3/templates` names them before the build starts).
+    pub ids: Option<(String, String)>,
 }
 
 /// One template as listed: built, base, snapshot, or a build without a
@@ -87,12 +94,12 @@ pub struct TemplateInfo {
 
 /// A build's log lines, numbered from its first line even after old ones go.
 #[derive(Default)]
-struct BuildLog {
+pub(super) struct BuildLog {
     inner: Mutex<(usize, VecDeque<String>)>,
 }
 
 impl BuildLog {
-    fn push(&self, line: &str) {
+    pub(super) fn push(&self, line: &str) {
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         if g.1.len() == LOG_LINES {
             g.1.pop_front();
@@ -133,7 +140,7 @@ pub fn check_name(name: &str) -> Result<(), SandboxError> {
     }
 }
 
-fn uuid() -> Result<String, SandboxError> {
+pub fn uuid() -> Result<String, SandboxError> {
     let b = ids::random_bytes(16).map_err(|source| SandboxError::Io {
         what: "generating a build id".into(),
         source,
@@ -158,14 +165,26 @@ pub struct Templates {
     manager: Arc<Manager>,
     /// Builds under way, by template id: their live logs.
     running: Mutex<HashMap<String, Arc<BuildLog>>>,
+    /// E2B's waiting builds and uploads.
+    e2b: E2bState,
 }
 
 impl Templates {
     pub fn new(manager: Arc<Manager>) -> Arc<Templates> {
+        let e2b = E2bState::new(&manager.config().data_dir);
         Arc::new(Templates {
             manager,
             running: Mutex::new(HashMap::new()),
+            e2b,
         })
+    }
+
+    pub(super) fn manager(&self) -> &Arc<Manager> {
+        &self.manager
+    }
+
+    pub fn e2b(&self) -> &E2bState {
+        &self.e2b
     }
 
     fn running(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<BuildLog>>> {
@@ -243,6 +262,10 @@ impl Templates {
                     )));
                 }
             }
+            BuildSource::Steps(plan) => {
+                let base = self.manager.resolve_template(&plan.base)?;
+                plan.base = base.id;
+            }
             BuildSource::Sandbox(id) => {
                 let s = self.manager.get(id)?;
                 if s.state != SandboxState::Running {
@@ -258,7 +281,11 @@ impl Templates {
                 }
             }
         }
-        if !matches!(params.source, BuildSource::Sandbox(_)) && config.agent.is_none() {
+        if !matches!(
+            params.source,
+            BuildSource::Sandbox(_) | BuildSource::Steps(_)
+        ) && config.agent.is_none()
+        {
             return Err(SandboxError::Unavailable(
                 "this node has no guest agent binary to build templates with (SANDFORK_AGENT)"
                     .into(),
@@ -281,12 +308,17 @@ impl Templates {
                 let s = self.manager.get(id)?;
                 (s.memory_mb, u8::try_from(s.cpu_count).unwrap_or(vcpus))
             }
+            // A sandbox of the base keeps the base's machine.
+            BuildSource::Steps(plan) => {
+                let t = self.manager.resolve_template(&plan.base)?;
+                (t.mem_mib, t.vcpus)
+            }
             _ => (mem_mib, vcpus),
         };
         // The VM an image build boots; a build from a sandbox boots none (its
         // snapshot reserves its own disk room).
         let room = match &params.source {
-            BuildSource::Sandbox(_) => None,
+            BuildSource::Sandbox(_) | BuildSource::Steps(_) => None,
             _ => Some(self.manager.capacity().reserve(
                 Ask {
                     sandboxes: 0,
@@ -307,12 +339,19 @@ impl Templates {
             if building || self.manager.resolve_template(&params.name).is_ok() {
                 return Err(SandboxError::NameTaken(params.name.clone()));
             }
+            let (template_id, build_id) = match params.ids.clone() {
+                Some(ids) => ids,
+                None => (
+                    ids::sandbox_id().map_err(|source| SandboxError::Io {
+                        what: "generating a template id".into(),
+                        source,
+                    })?,
+                    uuid()?,
+                ),
+            };
             let record = BuildRecord {
-                template_id: ids::sandbox_id().map_err(|source| SandboxError::Io {
-                    what: "generating a template id".into(),
-                    source,
-                })?,
-                build_id: uuid()?,
+                template_id,
+                build_id,
                 name: params.name.clone(),
                 source: params.source.describe(),
                 vcpus,
@@ -322,6 +361,7 @@ impl Templates {
                 started_at_ms: now_ms(),
                 finished_at_ms: None,
                 log: Vec::new(),
+                reason_step: None,
             };
             store.put_build(&record)?;
             running.insert(record.template_id.clone(), Arc::default());
@@ -346,12 +386,26 @@ impl Templates {
         let id = record.template_id.clone();
         let log = self.running().get(&id).cloned().unwrap_or_default();
         let started = std::time::Instant::now();
-        let result = match &params.source {
-            BuildSource::Sandbox(sandbox) => {
-                self.build_from_sandbox(&record, sandbox, &params, &log)
-                    .await
+        let result: Result<_, Failure> = match &params.source {
+            BuildSource::Sandbox(sandbox) => self
+                .build_from_sandbox(&record, sandbox, &params, &log)
+                .await
+                .map_err(Failure::from),
+            BuildSource::Steps(plan) => {
+                self.build_from_steps(
+                    &record.template_id,
+                    &record.name,
+                    plan,
+                    params.start_cmd.clone(),
+                    params.ready_cmd.clone(),
+                    &log,
+                )
+                .await
             }
-            _ => self.build_from_image(&record, &params, &log).await,
+            _ => self
+                .build_from_image(&record, &params, &log)
+                .await
+                .map_err(Failure::from),
         };
         // The build's VM is gone (snapshotted or failed).
         drop(room);
@@ -373,10 +427,14 @@ impl Templates {
                     None => store.put_build(&record),
                 }
             }
-            Err(reason) => {
+            Err(Failure {
+                step,
+                message: reason,
+            }) => {
                 log.push(&format!("error: {reason}"));
                 record.status = BuildStatus::Error;
                 record.reason = Some(reason);
+                record.reason_step = step;
                 record.log = log.lines_from(0);
                 store.put_build(&record)
             }
@@ -422,7 +480,9 @@ impl Templates {
             BuildSource::DebianPackages(p) => template_build::Source::DebianPackages(p.clone()),
             BuildSource::OciLayout(p) => template_build::Source::OciLayout(p.clone()),
             BuildSource::DockerArchive(p) => template_build::Source::DockerArchive(p.clone()),
-            BuildSource::Sandbox(_) => return Err("not an image source".into()),
+            BuildSource::Sandbox(_) | BuildSource::Steps(_) => {
+                return Err("not an image source".into());
+            }
         };
         log.push(&format!(
             "building the root filesystem from {}",
