@@ -162,10 +162,18 @@ impl Pool {
         n: usize,
         policy: &EgressPolicy,
     ) -> Vec<Result<Taken, LaunchError>> {
+        // Started a few at a time per host CPU: a hundred processes started
+        // at once on a small (or emulated) host each miss their own start
+        // deadline, while the same work in waves finishes.
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let starts = Arc::new(tokio::sync::Semaphore::new((2 * cpus).max(4)));
         let mut tasks = tokio::task::JoinSet::new();
         for i in 0..n {
-            let (pool, policy) = (self.clone(), policy.clone());
-            tasks.spawn(async move { (i, pool.take_for(&policy).await) });
+            let (pool, policy, starts) = (self.clone(), policy.clone(), starts.clone());
+            tasks.spawn(async move {
+                let _start = starts.acquire_owned().await;
+                (i, pool.take_for(&policy).await)
+            });
         }
         let mut taken: Vec<Option<Result<_, LaunchError>>> = (0..n).map(|_| None).collect();
         while let Some(done) = tasks.join_next().await {
