@@ -105,7 +105,12 @@ pub struct Sent {
 
 /// Reads chunk `index` of `file`: None when it holds only zeros (a hole is
 /// skipped without reading it).
-fn read_chunk(file: &File, path: &Path, index: u64, len: u64) -> Result<Option<Vec<u8>>, FileError> {
+fn read_chunk(
+    file: &File,
+    path: &Path,
+    index: u64,
+    len: u64,
+) -> Result<Option<Vec<u8>>, FileError> {
     let start = index * CHUNK;
     let end = (start + CHUNK).min(len);
     match rustix::fs::seek(file, rustix::fs::SeekFrom::Data(start)) {
@@ -122,7 +127,10 @@ fn read_chunk(file: &File, path: &Path, index: u64, len: u64) -> Result<Option<V
 /// Stores the file at `path`: each chunk not in the store yet is sent.
 pub async fn upload(store: &ObjectStore, path: &Path) -> Result<(StoredFile, Sent), FileError> {
     let file = Arc::new(File::open(path).map_err(io("opening", path))?);
-    let len = file.metadata().map_err(io("reading the size of", path))?.len();
+    let len = file
+        .metadata()
+        .map_err(io("reading the size of", path))?
+        .len();
     let count = len.div_ceil(CHUNK);
     let mut chunks = Vec::with_capacity(count as usize);
     let mut tasks: JoinSet<Result<Option<u64>, FileError>> = JoinSet::new();
@@ -172,7 +180,11 @@ pub async fn upload(store: &ObjectStore, path: &Path) -> Result<(StoredFile, Sen
 
 /// Writes the stored file to `to` (through a temporary sibling renamed into
 /// place, so `to` is whole or absent), each chunk checked against its digest.
-pub async fn download(store: &ObjectStore, stored: &StoredFile, to: &Path) -> Result<(), FileError> {
+pub async fn download(
+    store: &ObjectStore,
+    stored: &StoredFile,
+    to: &Path,
+) -> Result<(), FileError> {
     let mut name = to.file_name().unwrap_or_default().to_owned();
     name.push(".part");
     let tmp = to.with_file_name(name);
@@ -220,7 +232,11 @@ pub async fn download(store: &ObjectStore, stored: &StoredFile, to: &Path) -> Re
 }
 
 /// Stores `value` as JSON under `key`.
-pub async fn put_json<T: Serialize>(store: &ObjectStore, key: &str, value: &T) -> Result<(), ObjectError> {
+pub async fn put_json<T: Serialize>(
+    store: &ObjectStore,
+    key: &str,
+    value: &T,
+) -> Result<(), ObjectError> {
     let bytes = serde_json::to_vec(value).map_err(|e| ObjectError::Http {
         url: key.to_owned(),
         reason: format!("encoding: {e}"),

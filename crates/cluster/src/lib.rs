@@ -17,8 +17,8 @@ use std::time::Duration;
 use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, Txn, TxnOp};
 
 pub use keyspace::{DurablePause, NodeCapacity, NodeLoad, NodeRecord, SandboxRoute};
-pub use objects::ObjectStore;
 pub use membership::Registration;
+pub use objects::ObjectStore;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {

@@ -73,11 +73,15 @@ impl ObjectStore {
         };
         let parsed = url::Url::parse(url).map_err(|e| bad(&e.to_string()))?;
         if parsed.scheme() != "http" {
-            return Err(bad("only http:// is supported (a store on the cluster's network)"));
+            return Err(bad(
+                "only http:// is supported (a store on the cluster's network)",
+            ));
         }
         let name = parsed.path().trim_matches('/').to_owned();
         if name.is_empty() || name.contains('/') {
-            return Err(bad("give the bucket as the URL's path: http://host:port/bucket"));
+            return Err(bad(
+                "give the bucket as the URL's path: http://host:port/bucket",
+            ));
         }
         let mut endpoint = parsed.clone();
         endpoint.set_path("/");
@@ -218,10 +222,7 @@ mod tests {
             "ftp://h/b",
             "not a url",
         ] {
-            assert!(
-                ObjectStore::new(bad, None, "r".into()).is_err(),
-                "{bad}"
-            );
+            assert!(ObjectStore::new(bad, None, "r".into()).is_err(), "{bad}");
         }
     }
 }

@@ -222,7 +222,12 @@ async fn a_durable_pause_moves_only_once_its_node_is_gone() {
     let a_incarnation = a.incarnation();
     drop(a);
     eventually("a's lease ends", Duration::from_secs(10), async || {
-        !cluster.nodes().await.unwrap().iter().any(|n| n.node_id == "a")
+        !cluster
+            .nodes()
+            .await
+            .unwrap()
+            .iter()
+            .any(|n| n.node_id == "a")
     })
     .await;
     // Two nodes race for it: one wins, with the pause kept.
@@ -237,5 +242,14 @@ async fn a_durable_pause_moves_only_once_its_node_is_gone() {
     // The new owner resumes it: no longer durably paused.
     let owner = if moved.value.node_id == "b" { &b } else { &c };
     assert!(owner.set_paused("p", None).await.unwrap());
-    assert!(cluster.sandbox("p").await.unwrap().unwrap().value.paused.is_none());
+    assert!(
+        cluster
+            .sandbox("p")
+            .await
+            .unwrap()
+            .unwrap()
+            .value
+            .paused
+            .is_none()
+    );
 }

@@ -42,10 +42,15 @@ async fn files_round_trip_and_shared_chunks_are_stored_once() {
     assert_eq!(std::fs::read(&back).unwrap(), std::fs::read(&path).unwrap());
 
     // JSON objects, and what is missing.
-    files::put_json(&store, "manifests/x.json", &stored).await.unwrap();
-    let read: Option<files::StoredFile> = files::get_json(&store, "manifests/x.json").await.unwrap();
+    files::put_json(&store, "manifests/x.json", &stored)
+        .await
+        .unwrap();
+    let read: Option<files::StoredFile> =
+        files::get_json(&store, "manifests/x.json").await.unwrap();
     assert_eq!(read, Some(stored.clone()));
-    let none: Option<files::StoredFile> = files::get_json(&store, "manifests/none.json").await.unwrap();
+    let none: Option<files::StoredFile> = files::get_json(&store, "manifests/none.json")
+        .await
+        .unwrap();
     assert!(none.is_none());
     let mut broken = stored.clone();
     broken.chunks[0] = Some("00".repeat(32));

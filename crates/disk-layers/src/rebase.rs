@@ -48,7 +48,11 @@ mod tests {
         drop(branched);
         drop(disk);
         // Copy every file elsewhere, under other names.
-        for (from, to) in [("base.raw", "raw-copy"), ("l1", "sealed-copy"), ("l2", "top")] {
+        for (from, to) in [
+            ("base.raw", "raw-copy"),
+            ("l1", "sealed-copy"),
+            ("l2", "top"),
+        ] {
             std::fs::copy(a.join(from), b.join(to)).unwrap();
         }
         std::fs::remove_dir_all(&a).unwrap();

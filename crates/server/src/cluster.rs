@@ -124,9 +124,7 @@ fn change(method: &Method, path: &str) -> Change {
             };
             match rest.split_once('/') {
                 Some((id, "pause")) if !id.is_empty() => Change::Pause(id.to_owned()),
-                Some((id, "resume" | "connect")) if !id.is_empty() => {
-                    Change::Resume(id.to_owned())
-                }
+                Some((id, "resume" | "connect")) if !id.is_empty() => Change::Resume(id.to_owned()),
                 _ => Change::None,
             }
         }
@@ -144,8 +142,11 @@ async fn track(State(node): State<Arc<Node>>, req: Request, next: Next) -> Respo
             .get(crate::auth::HEADER)
             .and_then(|v| v.to_str().ok());
         if !key.is_some_and(|k| node.keys.accepts(k)) {
-            return ApiError::new(StatusCode::UNAUTHORIZED, "missing or invalid X-API-KEY header")
-                .into_response();
+            return ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "missing or invalid X-API-KEY header",
+            )
+            .into_response();
         }
         if let Err(e) = take_in(&node, id).await {
             return e.into_response();
@@ -188,7 +189,9 @@ async fn store_pause(node: &Node, id: &str, mut response: Response) -> Response 
             Ok(pause) => match node.registration.set_paused(id, Some(pause)).await {
                 Ok(true) => true,
                 Ok(false) => {
-                    tracing::warn!("cluster: sandbox {id}: stored, but its route is not this node's");
+                    tracing::warn!(
+                        "cluster: sandbox {id}: stored, but its route is not this node's"
+                    );
                     false
                 }
                 Err(e) => {
@@ -244,17 +247,26 @@ async fn take_in(node: &Node, id: &str) -> Result<(), ApiError> {
     if node.manager.get(id).is_ok() {
         tracing::info!("cluster: sandbox {id}: dropping this node's old copy before taking it in");
         if let Err(e) = node.manager.kill(id).await {
-            return Err(unavailable(format!("sandbox {id}: dropping the old copy: {e}")));
+            return Err(unavailable(format!(
+                "sandbox {id}: dropping the old copy: {e}"
+            )));
         }
     }
     durable
         .take_in(&node.manager, id, &pause)
         .await
-        .map_err(|e| unavailable(format!("sandbox {id}: taking it in from the object store: {e}")))?;
+        .map_err(|e| {
+            unavailable(format!(
+                "sandbox {id}: taking it in from the object store: {e}"
+            ))
+        })?;
     let moved = node.registration.take_over(id, &seen).await;
     match moved {
         Ok(true) => {
-            tracing::info!("cluster: sandbox {id}: moved here from node {}", seen.value.node_id);
+            tracing::info!(
+                "cluster: sandbox {id}: moved here from node {}",
+                seen.value.node_id
+            );
             Ok(())
         }
         refused => {
@@ -329,9 +341,15 @@ mod tests {
         assert!(
             matches!(change(&Method::DELETE, "/sandboxes/abc"), Change::Kill(id) if id == "abc")
         );
-        assert!(matches!(change(&Method::POST, "/sandboxes/abc/pause"), Change::Pause(id) if id == "abc"));
-        assert!(matches!(change(&Method::POST, "/sandboxes/abc/resume"), Change::Resume(id) if id == "abc"));
-        assert!(matches!(change(&Method::POST, "/v2/sandboxes/abc/connect"), Change::Resume(id) if id == "abc"));
+        assert!(
+            matches!(change(&Method::POST, "/sandboxes/abc/pause"), Change::Pause(id) if id == "abc")
+        );
+        assert!(
+            matches!(change(&Method::POST, "/sandboxes/abc/resume"), Change::Resume(id) if id == "abc")
+        );
+        assert!(
+            matches!(change(&Method::POST, "/v2/sandboxes/abc/connect"), Change::Resume(id) if id == "abc")
+        );
         for (m, p) in [
             (Method::DELETE, "/sandboxes/"),
             (Method::DELETE, "/sandboxes/a/b"),

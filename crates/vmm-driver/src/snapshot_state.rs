@@ -151,7 +151,10 @@ mod tests {
     fn memory_files_are_read_and_renamed_the_rest_kept() {
         let dir = tempfile::tempdir().unwrap();
         let (from, to) = (dir.path().join("a.state"), dir.path().join("b.state"));
-        state_file(&from, &["/n1/templates/base/vm.mem", "/n1/sandboxes/x/pause-1.mem"]);
+        state_file(
+            &from,
+            &["/n1/templates/base/vm.mem", "/n1/sandboxes/x/pause-1.mem"],
+        );
         assert_eq!(
             memory_files(&from).unwrap(),
             [
@@ -175,6 +178,9 @@ mod tests {
         let last = bad.len() - 1;
         bad[last] ^= 1;
         std::fs::write(&from, bad).unwrap();
-        assert!(matches!(memory_files(&from), Err(StateFileError::Corrupt(_))));
+        assert!(matches!(
+            memory_files(&from),
+            Err(StateFileError::Corrupt(_))
+        ));
     }
 }

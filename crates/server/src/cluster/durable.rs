@@ -177,7 +177,10 @@ impl Durable {
 
     /// Uploads a file that does not change once written, unless this node
     /// stored it before (same path, size and modification time).
-    async fn upload_immutable(&self, path: &Path) -> Result<(StoredFile, files::Sent), DurableError> {
+    async fn upload_immutable(
+        &self,
+        path: &Path,
+    ) -> Result<(StoredFile, files::Sent), DurableError> {
         let meta = std::fs::metadata(path).map_err(|e| FileError::Io {
             what: "reading",
             path: path.to_owned(),
@@ -317,7 +320,11 @@ impl Durable {
 
     /// The cached copy of `stored`, fetched if missing; a layer's copy
     /// names `parent` as its parent.
-    async fn cached(&self, stored: &StoredFile, parent: Option<&Path>) -> Result<PathBuf, DurableError> {
+    async fn cached(
+        &self,
+        stored: &StoredFile,
+        parent: Option<&Path>,
+    ) -> Result<PathBuf, DurableError> {
         let path = self.cache_dir.join(stored.digest());
         if path.is_file() {
             return Ok(path);
