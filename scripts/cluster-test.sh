@@ -145,7 +145,9 @@ grep -qi '^x-sandfork-durable: true' "$work/pause.headers" || die "the pause of 
 pause_s=$((SECONDS - t_pause))
 route=$(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --print-value-only "/sandfork/v1/sandboxes/$c")
 grep -q '"paused"' <<<"$route" || die "the route of $c records no durable pause: $route"
-log "$c paused on $from and stored in $pause_s s; killing $from (SIGKILL) and removing its data"
+# A sandbox running on the same node (created there directly) is lost with it.
+d=$(SANDFORK_API_URL=http://127.0.0.1:${ports[${from#n} - 1]} "$bin" create) || die "create on $from"
+log "$c paused on $from and stored in $pause_s s, $d running there; killing $from (SIGKILL) and removing its data"
 kill -9 "${node_pid[$from]}"
 rm -rf "${work:?}/$from"
 # Its lease ends within the TTL (3 s); until then the gateway routes to it.
@@ -154,6 +156,15 @@ while ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --keys-only "/sandf
     ((SECONDS - start < 30)) || die "node $from is still registered"
     sleep 0.5
 done
+# The running one is lost: a clear answer, and a kill forgets it.
+lost=$(curl -s -H "X-API-Key: $SANDFORK_API_KEY" -w ' %{http_code}' "$SANDFORK_API_URL/sandboxes/$d")
+[[ $lost == *lost*" 410" ]] || die "sandbox $d on the dead node: $lost"
+"$bin" nodes --json | python3 -c 'import json, sys
+lost = [o["sandboxID"] for o in json.load(sys.stdin)["withoutNode"] if o["state"] == "lost"]
+sys.exit(sys.argv[1] not in lost)' "$d" || die "sandfork nodes does not show $d lost: $("$bin" nodes --json)"
+"$bin" rm "$d" || die "kill the lost $d"
+[[ -z $(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --keys-only "/sandfork/v1/sandboxes/$d") ]] ||
+    die "the lost $d is still mapped"
 t_resume=$SECONDS
 "$bin" resume "$c" || die "resuming $c through the gateway after its node died"
 resume_s=$((SECONDS - t_resume))

@@ -119,6 +119,30 @@ impl Cluster {
     }
 }
 
+impl Cluster {
+    /// Deletes `id`'s record if it is unchanged since `seen` and its node
+    /// no longer holds the lease it claimed under (a sandbox lost with its
+    /// node, or paused on a node that is gone, being killed).
+    pub async fn forget_orphan(
+        &self,
+        id: &str,
+        seen: &Versioned<SandboxRoute>,
+    ) -> Result<bool, ClusterError> {
+        let key = keyspace::sandbox_key(id);
+        let txn = Txn::new()
+            .when([
+                Compare::mod_revision(key.clone(), CompareOp::Equal, seen.mod_revision),
+                Compare::lease(
+                    keyspace::node_key(&seen.value.node_id),
+                    CompareOp::NotEqual,
+                    seen.value.incarnation,
+                ),
+            ])
+            .and_then([TxnOp::delete(key, None)]);
+        Ok(self.client().txn(txn).await?.succeeded())
+    }
+}
+
 /// The fencing compare: the node's own key is still held by the lease the
 /// caller registered with (a node whose lease expired, or that re-registered
 /// since, fails it).

@@ -120,6 +120,17 @@ impl Gateway {
             if route.value.paused.is_some() && resumes(req.method(), req.uri().path()) {
                 return self.resume_elsewhere(id, nodes, req).await;
             }
+            if !envd && req.method() == Method::DELETE && req.uri().path().ends_with(id) {
+                // A kill of what its gone node held: its record goes.
+                return match self.cluster.forget_orphan(id, &route).await {
+                    Ok(true) => Ok(StatusCode::NO_CONTENT.into_response()),
+                    Ok(false) => Err(ApiError::new(
+                        StatusCode::CONFLICT,
+                        format!("sandbox {id} changed meanwhile; try again"),
+                    )),
+                    Err(e) => Err(unavailable(e)),
+                };
+            }
             return Err(gone(id, &owner, route.value.paused.is_some(), envd));
         };
         forward(&node.api_addr, req)
