@@ -126,6 +126,17 @@ fn read_chunk(
 
 /// Stores the file at `path`: each chunk not in the store yet is sent.
 pub async fn upload(store: &ObjectStore, path: &Path) -> Result<(StoredFile, Sent), FileError> {
+    upload_ranges(store, path, None).await
+}
+
+/// [`upload`], where only the chunks meeting `used` (byte ranges, sorted)
+/// are read when given: the rest is stored as zeros (a disk layer's
+/// unallocated clusters, the pages a memory overlay does not cover).
+pub async fn upload_ranges(
+    store: &ObjectStore,
+    path: &Path,
+    used: Option<&[(u64, u64)]>,
+) -> Result<(StoredFile, Sent), FileError> {
     let file = Arc::new(File::open(path).map_err(io("opening", path))?);
     let len = file
         .metadata()
@@ -136,6 +147,13 @@ pub async fn upload(store: &ObjectStore, path: &Path) -> Result<(StoredFile, Sen
     let mut tasks: JoinSet<Result<Option<u64>, FileError>> = JoinSet::new();
     let mut sent = Sent::default();
     for index in 0..count {
+        let (start, end) = (index * CHUNK, (index + 1) * CHUNK);
+        if let Some(used) = used
+            && !used.iter().any(|&(a, b)| a < end && b > start)
+        {
+            chunks.push(None);
+            continue;
+        }
         let (f, p) = (file.clone(), path.to_owned());
         let read = tokio::task::spawn_blocking(move || {
             let data = read_chunk(&f, &p, index, len)?;

@@ -75,4 +75,4 @@ pub use compact::{CompactStats, chain_files, compact, compact_temp_path, unrefer
 pub use disk::{DEFAULT_CLUSTER_SIZE, LayeredDisk};
 pub use error::{Error, Result};
 pub use layer::is_layer;
-pub use rebase::set_parent_path;
+pub use rebase::{set_parent_path, used_ranges};

@@ -28,6 +28,30 @@ pub fn set_parent_path(layer: &Path, parent: &Path) -> Result<()> {
     file.write_header(header)
 }
 
+/// The byte ranges of the layer file at `layer` that its content is in:
+/// the headers and bitmap, and each allocated cluster (adjacent ones
+/// merged). The rest is never read, so a copy may leave it out (zeros).
+pub fn used_ranges(layer: &Path) -> Result<Vec<(u64, u64)>> {
+    let file = LayerFile::open(layer, false)?;
+    let layout = file.layout;
+    let mut ranges: Vec<(u64, u64)> = vec![(0, layout.data_start)];
+    for (w, word) in file.bitmap.iter().enumerate() {
+        let mut bits = *word;
+        while bits != 0 {
+            let bit = u64::from(bits.trailing_zeros());
+            bits &= bits - 1;
+            let cluster = w as u64 * 64 + bit;
+            let start = layout.cluster_offset(cluster);
+            let end = start + layout.cluster_size;
+            match ranges.last_mut() {
+                Some(last) if last.1 == start => last.1 = end,
+                _ => ranges.push((start, end)),
+            }
+        }
+    }
+    Ok(ranges)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -66,6 +90,12 @@ mod tests {
         moved.read_at(&mut buf, 0).unwrap();
         assert_eq!(buf, [7; 4096]);
         drop(moved);
+        // Only the header, bitmap and written cluster matter.
+        let used = used_ranges(&b.join("top")).unwrap();
+        assert_eq!(used.len(), 1);
+        let sealed = used_ranges(&b.join("sealed-copy")).unwrap();
+        assert_eq!(sealed.len(), 2);
+        assert_eq!(sealed[1].1 - sealed[1].0, 4096);
         // A parent of another identity is still refused.
         std::fs::write(b.join("other.raw"), vec![0u8; 2 << 20]).unwrap();
         set_parent_path(&b.join("sealed-copy"), &b.join("other.raw")).unwrap();

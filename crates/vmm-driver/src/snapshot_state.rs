@@ -83,7 +83,20 @@ fn read(path: &Path) -> Result<(Head, Vec<u8>), StateFileError> {
 
 /// The memory files the state at `path` maps, base first.
 pub fn memory_files(path: &Path) -> Result<Vec<PathBuf>, StateFileError> {
-    Ok(read(path)?.0.layers.into_iter().map(|l| l.path).collect())
+    Ok(memory_layers(path)?.into_iter().map(|(p, _)| p).collect())
+}
+
+/// The memory files the state at `path` maps, base first, each with the
+/// byte ranges of it the state reads (None: all of it, the base).
+pub type MemoryLayer = (PathBuf, Option<Vec<(u64, u64)>>);
+
+pub fn memory_layers(path: &Path) -> Result<Vec<MemoryLayer>, StateFileError> {
+    Ok(read(path)?
+        .0
+        .layers
+        .into_iter()
+        .map(|l| (l.path, l.ranges))
+        .collect())
 }
 
 /// Writes to `to` the state at `from` with its memory files renamed to

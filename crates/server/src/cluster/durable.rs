@@ -148,17 +148,22 @@ impl Durable {
             None => None,
         };
         let mut memory = Vec::new();
-        for p in &files.memory {
-            let (stored, sent) = self.upload_immutable(p).await?;
+        for (p, ranges) in &files.memory {
+            let (stored, sent) = self.upload_immutable(p, ranges.as_deref()).await?;
             add(sent);
             memory.push(stored);
         }
         let mut disk = Vec::new();
         for (i, p) in files.disk.iter().enumerate() {
             // Its own top layer changes with every run; the sealed ones never.
+            let used = disk_layers::used_ranges(p).map_err(|e| DurableError::Relocate {
+                what: "reading the layer",
+                path: p.clone(),
+                reason: e.to_string(),
+            })?;
             let (stored, sent) = match i {
-                0 => files::upload(&self.store, p).await?,
-                _ => self.upload_immutable(p).await?,
+                0 => files::upload_ranges(&self.store, p, Some(&used)).await?,
+                _ => self.upload_immutable(p, Some(&used)).await?,
             };
             add(sent);
             disk.push(stored);
@@ -180,6 +185,7 @@ impl Durable {
     async fn upload_immutable(
         &self,
         path: &Path,
+        used: Option<&[(u64, u64)]>,
     ) -> Result<(StoredFile, files::Sent), DurableError> {
         let meta = std::fs::metadata(path).map_err(|e| FileError::Io {
             what: "reading",
@@ -196,7 +202,7 @@ impl Durable {
                 return Ok((s.stored.clone(), files::Sent::default()));
             }
         }
-        let (stored, sent) = files::upload(&self.store, path).await?;
+        let (stored, sent) = files::upload_ranges(&self.store, path, used).await?;
         self.sent.lock().unwrap_or_else(|p| p.into_inner()).insert(
             path.to_owned(),
             Sent {

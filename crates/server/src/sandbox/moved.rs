@@ -15,8 +15,9 @@ pub struct PausedFiles {
     pub record: SandboxRecord,
     /// Its VMM state, when it was paused with its memory.
     pub state: Option<PathBuf>,
-    /// The memory files the state maps, base first.
-    pub memory: Vec<PathBuf>,
+    /// The memory files the state maps, base first, with the byte ranges
+    /// it reads of each (None: all).
+    pub memory: Vec<vmm_driver::snapshot_state::MemoryLayer>,
     /// Its root disk's layers, its own writable one first; the raw image
     /// below them is not among them (see `raw_base`).
     pub disk: Vec<PathBuf>,
@@ -45,7 +46,7 @@ impl Manager {
         let top = self.root_layer(&record);
         let files = tokio::task::spawn_blocking(move || -> Result<PausedFiles, SandboxError> {
             let memory = match &record.snapshot {
-                Some(s) => vmm_driver::snapshot_state::memory_files(&s.state)
+                Some(s) => vmm_driver::snapshot_state::memory_layers(&s.state)
                     .map_err(|e| SandboxError::Unavailable(e.to_string()))?,
                 None => Vec::new(),
             };
