@@ -134,9 +134,10 @@ log "PASS: create, exec, ls and kill through the gateway on 2 nodes"
 # --- a durable pause survives its node ---------------------------------------
 t0=$SECONDS
 c=$("$bin" create --timeout 900) || die "create for the pause"
-"$bin" exec "$c" -- sh -c 'echo kept > /root/kept.txt && setsid sh -c "while :; do date +%s%N > /root/tick; sleep 0.2; done" </dev/null >/dev/null 2>&1 & echo $! > /root/loop.pid' ||
+# (in the guest user's home: commands run as E2B's `user`)
+"$bin" exec "$c" -- sh -c 'cd && echo kept > kept.txt && setsid sh -c "while :; do date +%s%N > ~/tick; sleep 0.2; done" </dev/null >/dev/null 2>&1 & echo $! > ~/loop.pid' ||
     die "starting a process in $c"
-loop=$("$bin" exec "$c" -- sh -c 'sleep 1; cat /root/loop.pid') || die "reading the loop's pid"
+loop=$("$bin" exec "$c" -- sh -c 'sleep 1; cat ~/loop.pid') || die "reading the loop's pid"
 from=$(owner "$c")
 t_pause=$SECONDS
 curl -sf -X POST -H "X-API-Key: $SANDFORK_API_KEY" -H 'Content-Type: application/json' -d '{}' \
@@ -170,12 +171,12 @@ t_resume=$SECONDS
 resume_s=$((SECONDS - t_resume))
 to=$(owner "$c")
 [[ $to != "$from" ]] || die "$c still on $from"
-[[ $("$bin" exec "$c" -- cat /root/kept.txt) == kept ]] || die "the file in $c is gone"
+[[ $("$bin" exec "$c" -- sh -c 'cat ~/kept.txt') == kept ]] || die "the file in $c is gone"
 still=$("$bin" exec "$c" -- sh -c "kill -0 $loop && echo alive") || die "looking for the loop in $c"
 [[ $still == alive ]] || die "the process $loop in $c is gone"
-a1=$("$bin" exec "$c" -- cat /root/tick)
+a1=$("$bin" exec "$c" -- sh -c 'cat ~/tick')
 sleep 1
-a2=$("$bin" exec "$c" -- cat /root/tick)
+a2=$("$bin" exec "$c" -- sh -c 'cat ~/tick')
 ((a2 > a1)) || die "the process in $c does not run on ($a1, then $a2)"
 "$bin" rm "$c" || die "kill $c"
 log "PASS: $c paused on $from (stored in $pause_s s), $from killed, resumed on $to in $resume_s s with its file and process ($((SECONDS - t0)) s in all)"
