@@ -158,7 +158,8 @@ kill -9 "${node_pid[$from]}"
 rm -rf "${work:?}/$from"
 # Its lease ends within the TTL (3 s); until then the gateway routes to it.
 start=$SECONDS
-while ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --keys-only "/sandfork/v1/nodes/$from" | grep -q .; do
+# (not `| grep -q`: under pipefail its early exit fails etcdctl and the loop)
+while [[ -n $(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --keys-only "/sandfork/v1/nodes/$from") ]]; do
     ((SECONDS - start < 30)) || die "node $from is still registered"
     sleep 0.5
 done
