@@ -3,7 +3,11 @@
 # loopback inside the KVM lab (one lab machine; the nodes' sandboxes are
 # real microVMs, run with --no-network since two nodes on one host would
 # take the same network slot names and ranges). Through the gateway: create,
-# run a command, list, kill; and both nodes registered.
+# run a command, list, kill; and both nodes registered. Then, with an S3
+# server (SeaweedFS's weed, from scripts/deps.sh) as the object store: a
+# sandbox paused on its node, that node killed with SIGKILL and its data
+# dir removed, resumed through the gateway on the other node with its files
+# and a running process intact.
 #
 # Usage: scripts/cluster-test.sh [--no-build]
 # Env: CARGO_TARGET_DIR (default target), SANDFORK_LAB_LOCKED (the caller
@@ -43,7 +47,7 @@ pids=()
 cleanup() {
     for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
     wait 2>/dev/null || true
-    rm -rf "$work/n1" "$work/n2" "$work/etcd"
+    rm -rf "$work/n1" "$work/n2" "$work/etcd" "$work/weed"
 }
 trap cleanup EXIT
 bin=$target/debug/sandfork
@@ -54,14 +58,36 @@ etcd --name=t --data-dir="$work/etcd" \
     --listen-peer-urls="http://127.0.0.1:$(free_port)" >"$work/etcd.log" 2>&1 &
 pids+=($!)
 export SANDFORK_ETCD=http://127.0.0.1:$etcd_port
+# The object store, up before the nodes (each makes sure of its bucket).
+# Every gRPC port is given: weed's default (port + 10000) may not exist.
+s3_port=$(free_port)
+weed_args=(server -dir="$work/weed" -ip=127.0.0.1 -ip.bind=127.0.0.1 -s3
+    -master.volumeSizeLimitMB=64 -volume.max=16)
+for service in master volume filer s3; do
+    port=$(free_port)
+    [[ $service == s3 ]] && port=$s3_port
+    weed_args+=("-$service.port=$port" "-$service.port.grpc=$(free_port)")
+done
+mkdir -p "$work/weed"
+weed "${weed_args[@]}" >"$work/weed.log" 2>&1 &
+pids+=($!)
+start=$SECONDS
+until [[ $(curl -s -o /dev/null -w '%{http_code}' -X PUT "http://127.0.0.1:$s3_port/sandfork") =~ ^(200|409)$ ]]; do
+    ((SECONDS - start < 120)) || { tail -n 30 "$work/weed.log" >&2; die "the S3 server did not start"; }
+    sleep 0.5
+done
+log "S3 server up in $((SECONDS - start)) s"
+export SANDFORK_S3=http://127.0.0.1:$s3_port/sandfork
 export SANDFORK_API_KEY=sandfork_cluster_test_$RANDOM$RANDOM
 ports=()
+declare -A node_pid=()
 for n in 1 2; do
     port=$(free_port)
     ports+=("$port")
     "$bin" serve --in-lab --role node --node-id "n$n" --listen "127.0.0.1:$port" \
         --data-dir "$work/n$n" --no-network --pool-size 1 --lease-ttl-secs 3 >"$work/n$n.log" 2>&1 &
     pids+=($!)
+    node_pid[n$n]=$!
 done
 gw=$(free_port)
 "$bin" serve --role gateway --listen "127.0.0.1:$gw" >"$work/gw.log" 2>&1 &
@@ -99,8 +125,64 @@ grep -q "$a" <<<"$listed" || die "ls through the gateway lacks $a: $listed"
 grep -q "$b" <<<"$listed" || die "ls through the gateway lacks $b: $listed"
 "$bin" rm "$a" || die "kill $a"
 "$bin" rm "$b" || die "kill $b"
-[[ -z $(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --prefix --keys-only /sandfork/v1/sandboxes/) ]] ||
-    die "records left after the kills"
+# A node's 2 s reconcile may claim a sandbox it listed just before the
+# kill; its next pass releases it again.
+start=$SECONDS
+until [[ -z $(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --prefix --keys-only /sandfork/v1/sandboxes/) ]]; do
+    ((SECONDS - start < 10)) || die "records left after the kills"
+    sleep 0.5
+done
 listed=$("$bin" ls)
 ! grep -q "$a" <<<"$listed" || die "$a still listed after its kill"
 log "PASS: create, exec, ls and kill through the gateway on 2 nodes"
+
+# --- a durable pause survives its node ---------------------------------------
+t0=$SECONDS
+c=$("$bin" create --timeout 900) || die "create for the pause"
+# (in the guest user's home: commands run as E2B's `user`)
+"$bin" exec "$c" -- sh -c 'cd && echo kept > kept.txt && setsid sh -c "while :; do date +%s%N > ~/tick; sleep 0.2; done" </dev/null >/dev/null 2>&1 & echo $! > ~/loop.pid' ||
+    die "starting a process in $c"
+loop=$("$bin" exec "$c" -- sh -c 'sleep 1; cat ~/loop.pid') || die "reading the loop's pid"
+from=$(owner "$c")
+t_pause=$SECONDS
+curl -sf -X POST -H "X-API-Key: $SANDFORK_API_KEY" -H 'Content-Type: application/json' -d '{}' \
+    -D "$work/pause.headers" "$SANDFORK_API_URL/sandboxes/$c/pause" >/dev/null || die "pausing $c"
+grep -qi '^x-sandfork-durable: true' "$work/pause.headers" || die "the pause of $c is not durable: $(cat "$work/pause.headers")"
+pause_s=$((SECONDS - t_pause))
+route=$(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --print-value-only "/sandfork/v1/sandboxes/$c")
+grep -q '"paused"' <<<"$route" || die "the route of $c records no durable pause: $route"
+# A sandbox running on the same node (created there directly) is lost with it.
+d=$(SANDFORK_API_URL=http://127.0.0.1:${ports[${from#n} - 1]} "$bin" create) || die "create on $from"
+log "$c paused on $from and stored in $pause_s s, $d running there; killing $from (SIGKILL) and removing its data"
+kill -9 "${node_pid[$from]}"
+rm -rf "${work:?}/$from"
+# Its lease ends within the TTL (3 s); until then the gateway routes to it.
+start=$SECONDS
+# (not `| grep -q`: under pipefail its early exit fails etcdctl and the loop)
+while [[ -n $(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --keys-only "/sandfork/v1/nodes/$from") ]]; do
+    ((SECONDS - start < 30)) || die "node $from is still registered"
+    sleep 0.5
+done
+# The running one is lost: a clear answer, and a kill forgets it.
+lost=$(curl -s -H "X-API-Key: $SANDFORK_API_KEY" -w ' %{http_code}' "$SANDFORK_API_URL/sandboxes/$d")
+[[ $lost == *lost*" 410" ]] || die "sandbox $d on the dead node: $lost"
+"$bin" nodes --json | python3 -c 'import json, sys
+lost = [o["sandboxID"] for o in json.load(sys.stdin)["withoutNode"] if o["state"] == "lost"]
+sys.exit(sys.argv[1] not in lost)' "$d" || die "sandfork nodes does not show $d lost: $("$bin" nodes --json)"
+"$bin" rm "$d" || die "kill the lost $d"
+[[ -z $(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --keys-only "/sandfork/v1/sandboxes/$d") ]] ||
+    die "the lost $d is still mapped"
+t_resume=$SECONDS
+"$bin" resume "$c" || die "resuming $c through the gateway after its node died"
+resume_s=$((SECONDS - t_resume))
+to=$(owner "$c")
+[[ $to != "$from" ]] || die "$c still on $from"
+[[ $("$bin" exec "$c" -- sh -c 'cat ~/kept.txt') == kept ]] || die "the file in $c is gone"
+still=$("$bin" exec "$c" -- sh -c "kill -0 $loop && echo alive") || die "looking for the loop in $c"
+[[ $still == alive ]] || die "the process $loop in $c is gone"
+a1=$("$bin" exec "$c" -- sh -c 'cat ~/tick')
+sleep 1
+a2=$("$bin" exec "$c" -- sh -c 'cat ~/tick')
+((a2 > a1)) || die "the process in $c does not run on ($a1, then $a2)"
+"$bin" rm "$c" || die "kill $c"
+log "PASS: $c paused on $from (stored in $pause_s s), $from killed, resumed on $to in $resume_s s with its file and process ($((SECONDS - t0)) s in all)"

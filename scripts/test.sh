@@ -129,7 +129,7 @@ stage "the sandfork Python package against sandfork serve"
 # the branching runner on real microVMs.
 scripts/rl-test.sh --no-build
 
-stage "the cluster: two nodes and a gateway on a real etcd"
+stage "the cluster: two nodes and a gateway on a real etcd and S3 (a pause resumed on the other node)"
 # Membership, placement and routing through the gateway, with the nodes'
 # sandboxes real microVMs (one lab machine for all three processes).
 scripts/cluster-test.sh --no-build

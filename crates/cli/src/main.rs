@@ -8,6 +8,7 @@ mod cp;
 mod exec;
 mod launcher;
 mod logs;
+mod nodes;
 mod output;
 mod run;
 mod sandboxes;
@@ -144,6 +145,8 @@ enum Command {
     Auth(auth::AuthCommand),
     /// The node's capacity and how many sandboxes run.
     Status(status::StatusArgs),
+    /// A cluster's nodes and where its sandboxes are (read from etcd).
+    Nodes(nodes::NodesArgs),
     /// List sandboxes (a table on a terminal, JSON otherwise).
     Ls(sandboxes::LsArgs),
     /// Create a sandbox and print its id.
@@ -426,6 +429,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Serve(args) => return serve::run(*args),
         Command::Auth(cmd) => return runtime.block_on(auth::run(cmd)),
         Command::Status(args) => return runtime.block_on(status::run(args)),
+        Command::Nodes(args) => return runtime.block_on(nodes::run(args)),
         Command::Ls(args) => return runtime.block_on(sandboxes::ls(args)),
         Command::Create(args) => return runtime.block_on(sandboxes::create(args)),
         Command::Run(args) => return runtime.block_on(run::run(args)),

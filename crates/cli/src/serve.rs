@@ -106,6 +106,11 @@ struct ClusterArgs {
     /// Seconds a node's registration outlives its last refresh.
     #[arg(long, default_value_t = 10)]
     lease_ttl_secs: u64,
+    /// The cluster's object store, `http://HOST:PORT/BUCKET` (S3-compatible;
+    /// credentials from SANDFORK_S3_ACCESS_KEY and SANDFORK_S3_SECRET_KEY):
+    /// a node stores each pause there, so another node can resume it.
+    #[arg(long, env = "SANDFORK_S3")]
+    s3: Option<String>,
 }
 
 impl ClusterArgs {
@@ -116,6 +121,9 @@ impl ClusterArgs {
             ),
             (Role::Node | Role::Gateway, true) => {
                 anyhow::bail!("--role node and --role gateway need --etcd")
+            }
+            (Role::All, true) if self.s3.is_some() => {
+                anyhow::bail!("--s3 is for a cluster node (--role node)")
             }
             _ => Ok(()),
         }
@@ -157,6 +165,9 @@ impl ClusterArgs {
         }
         if let Some(a) = self.advertise {
             args.push(format!("--advertise={a}"));
+        }
+        if let Some(s3) = &self.s3 {
+            args.push(format!("--s3={s3}"));
         }
         args
     }
@@ -330,9 +341,26 @@ async fn serve(args: ServeArgs) -> Result<()> {
     )
     .await
     .context("registering in etcd")?;
+    let durable = match &args.cluster.s3 {
+        Some(url) => {
+            let store = cluster::ObjectStore::from_url(url)?;
+            store
+                .ensure_bucket()
+                .await
+                .with_context(|| format!("the object store {url}"))?;
+            Some(server::cluster::durable::Durable::new(
+                store,
+                &node_id,
+                &manager.config().data_dir,
+            ))
+        }
+        None => None,
+    };
     let member = std::sync::Arc::new(server::cluster::Node {
         registration,
         manager,
+        keys: node.state.keys.clone(),
+        durable,
     });
     // Sandboxes recovered at start are mapped before the first request.
     member.reconcile().await;

@@ -91,6 +91,18 @@ pub struct SandboxRoute {
     /// The owning node's incarnation when it claimed the sandbox.
     pub incarnation: i64,
     pub created_at_ms: u64,
+    /// Set while the sandbox is paused with its snapshot in the object
+    /// store: another node can resume it if its own is gone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused: Option<DurablePause>,
+}
+
+/// A pause whose snapshot is in the object store.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DurablePause {
+    /// The object holding the pause's description (record and files).
+    pub manifest: String,
+    pub generation: u32,
 }
 
 /// Nodes in the order a create tries them: most free first, ties by ID

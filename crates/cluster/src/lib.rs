@@ -6,16 +6,19 @@
 //! Nodes and gateways use [`Cluster`]; a node holds a [`Registration`].
 //! [`harness`] starts a real etcd member for tests.
 
+pub mod files;
 pub mod harness;
 pub mod keyspace;
 mod membership;
+pub mod objects;
 
 use std::time::Duration;
 
 use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, Txn, TxnOp};
 
-pub use keyspace::{NodeCapacity, NodeLoad, NodeRecord, SandboxRoute};
+pub use keyspace::{DurablePause, NodeCapacity, NodeLoad, NodeRecord, SandboxRoute};
 pub use membership::Registration;
+pub use objects::ObjectStore;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
@@ -116,6 +119,30 @@ impl Cluster {
     }
 }
 
+impl Cluster {
+    /// Deletes `id`'s record if it is unchanged since `seen` and its node
+    /// no longer holds the lease it claimed under (a sandbox lost with its
+    /// node, or paused on a node that is gone, being killed).
+    pub async fn forget_orphan(
+        &self,
+        id: &str,
+        seen: &Versioned<SandboxRoute>,
+    ) -> Result<bool, ClusterError> {
+        let key = keyspace::sandbox_key(id);
+        let txn = Txn::new()
+            .when([
+                Compare::mod_revision(key.clone(), CompareOp::Equal, seen.mod_revision),
+                Compare::lease(
+                    keyspace::node_key(&seen.value.node_id),
+                    CompareOp::NotEqual,
+                    seen.value.incarnation,
+                ),
+            ])
+            .and_then([TxnOp::delete(key, None)]);
+        Ok(self.client().txn(txn).await?.succeeded())
+    }
+}
+
 /// The fencing compare: the node's own key is still held by the lease the
 /// caller registered with (a node whose lease expired, or that re-registered
 /// since, fails it).
@@ -155,6 +182,51 @@ pub(crate) async fn release(
             node_holds(&seen.value.node_id, seen.value.incarnation),
         ])
         .and_then([TxnOp::delete(key, None)]);
+    Ok(client.txn(txn).await?.succeeded())
+}
+
+/// Rewrites `id`'s record as `route` if it is unchanged since `seen` and
+/// its node (the one `seen` names) still holds its lease.
+pub(crate) async fn update(
+    client: &mut Client,
+    id: &str,
+    seen: &Versioned<SandboxRoute>,
+    route: &SandboxRoute,
+) -> Result<bool, ClusterError> {
+    let key = keyspace::sandbox_key(id);
+    let value = encode(&key, route)?;
+    let txn = Txn::new()
+        .when([
+            Compare::mod_revision(key.clone(), CompareOp::Equal, seen.mod_revision),
+            node_holds(&seen.value.node_id, seen.value.incarnation),
+        ])
+        .and_then([TxnOp::put(key, value, None)]);
+    Ok(client.txn(txn).await?.succeeded())
+}
+
+/// Moves `id` to `route`'s node: only if the record is unchanged since
+/// `seen`, the node it names no longer holds the lease it claimed under
+/// (gone, or registered anew), and the new node holds its own.
+pub(crate) async fn take_over(
+    client: &mut Client,
+    id: &str,
+    seen: &Versioned<SandboxRoute>,
+    route: &SandboxRoute,
+) -> Result<bool, ClusterError> {
+    let key = keyspace::sandbox_key(id);
+    let value = encode(&key, route)?;
+    let txn = Txn::new()
+        .when([
+            Compare::mod_revision(key.clone(), CompareOp::Equal, seen.mod_revision),
+            // A missing key compares as lease 0.
+            Compare::lease(
+                keyspace::node_key(&seen.value.node_id),
+                CompareOp::NotEqual,
+                seen.value.incarnation,
+            ),
+            node_holds(&route.node_id, route.incarnation),
+        ])
+        .and_then([TxnOp::put(key, value, None)]);
     Ok(client.txn(txn).await?.succeeded())
 }
 

@@ -83,6 +83,7 @@ impl Registration {
                 node_id: record.node_id.clone(),
                 incarnation: record.incarnation,
                 created_at_ms: now_ms(),
+                paused: None,
             }
         };
         if crate::claim(&mut self.cluster.client(), id, &route).await? {
@@ -104,6 +105,57 @@ impl Registration {
             return Ok(false);
         }
         crate::release(&mut self.cluster.client(), id, &seen).await
+    }
+
+    /// Records that `id`, which this node owns, is paused with its snapshot
+    /// in the object store (Some), or not (None: running, or paused only
+    /// here). False if the node does not own it (any more).
+    pub async fn set_paused(
+        &self,
+        id: &str,
+        paused: Option<crate::DurablePause>,
+    ) -> Result<bool, ClusterError> {
+        let Some(seen) = self.cluster.sandbox(id).await? else {
+            return Ok(false);
+        };
+        let (node_id, incarnation) = {
+            let record = self.lock();
+            (record.node_id.clone(), record.incarnation)
+        };
+        if seen.value.node_id != node_id || seen.value.incarnation != incarnation {
+            return Ok(false);
+        }
+        if seen.value.paused == paused {
+            return Ok(true);
+        }
+        let route = SandboxRoute {
+            paused,
+            ..seen.value.clone()
+        };
+        crate::update(&mut self.cluster.client(), id, &seen, &route).await
+    }
+
+    /// Moves `id`, durably paused on a node that is gone, to this node: true
+    /// if this node now owns it (keeping its `paused`), false if the record
+    /// changed since `seen` or its node still holds the lease it had.
+    pub async fn take_over(
+        &self,
+        id: &str,
+        seen: &crate::Versioned<SandboxRoute>,
+    ) -> Result<bool, ClusterError> {
+        let route = {
+            let record = self.lock();
+            SandboxRoute {
+                node_id: record.node_id.clone(),
+                incarnation: record.incarnation,
+                ..seen.value.clone()
+            }
+        };
+        crate::take_over(&mut self.cluster.client(), id, seen, &route).await
+    }
+
+    pub fn cluster(&self) -> &Cluster {
+        &self.cluster
     }
 
     /// Makes the map agree with the sandboxes the node holds: claims those

@@ -190,3 +190,66 @@ async fn reconcile_makes_the_map_match_the_node() {
         .unwrap();
     assert_eq!(again, (0, 0));
 }
+
+#[tokio::test]
+async fn a_durable_pause_moves_only_once_its_node_is_gone() {
+    let etcd = Etcd::start().unwrap();
+    let cluster = connect(&etcd).await;
+    let ttl = Duration::from_secs(2);
+    let a = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
+        .await
+        .unwrap();
+    let b = Registration::start(cluster.clone(), "b", "127.0.0.1:2", CAPACITY, ttl)
+        .await
+        .unwrap();
+    let c = Registration::start(cluster.clone(), "c", "127.0.0.1:3", CAPACITY, ttl)
+        .await
+        .unwrap();
+    assert!(a.claim("p").await.unwrap());
+    let pause = cluster::DurablePause {
+        manifest: "sandboxes/p/1.json".into(),
+        generation: 1,
+    };
+    // Only the owner records its pause.
+    assert!(!b.set_paused("p", Some(pause.clone())).await.unwrap());
+    assert!(a.set_paused("p", Some(pause.clone())).await.unwrap());
+    let seen = cluster.sandbox("p").await.unwrap().unwrap();
+    assert_eq!(seen.value.paused.as_ref(), Some(&pause));
+
+    // While its node lives, nobody takes it.
+    assert!(!b.take_over("p", &seen).await.unwrap());
+
+    let a_incarnation = a.incarnation();
+    drop(a);
+    eventually("a's lease ends", Duration::from_secs(10), async || {
+        !cluster
+            .nodes()
+            .await
+            .unwrap()
+            .iter()
+            .any(|n| n.node_id == "a")
+    })
+    .await;
+    // Two nodes race for it: one wins, with the pause kept.
+    let (x, y) = tokio::join!(b.take_over("p", &seen), c.take_over("p", &seen));
+    assert!(x.unwrap() ^ y.unwrap());
+    let moved = cluster.sandbox("p").await.unwrap().unwrap();
+    assert_ne!(moved.value.node_id, "a");
+    assert_ne!(moved.value.incarnation, a_incarnation);
+    assert_eq!(moved.value.paused, Some(pause));
+    // A stale view changes nothing.
+    assert!(!b.take_over("p", &seen).await.unwrap());
+    // The new owner resumes it: no longer durably paused.
+    let owner = if moved.value.node_id == "b" { &b } else { &c };
+    assert!(owner.set_paused("p", None).await.unwrap());
+    assert!(
+        cluster
+            .sandbox("p")
+            .await
+            .unwrap()
+            .unwrap()
+            .value
+            .paused
+            .is_none()
+    );
+}

@@ -68,9 +68,11 @@ mod disk;
 mod error;
 pub mod format;
 mod layer;
+mod rebase;
 
 pub use chain::MAX_DEPTH;
 pub use compact::{CompactStats, chain_files, compact, compact_temp_path, unreferenced};
 pub use disk::{DEFAULT_CLUSTER_SIZE, LayeredDisk};
 pub use error::{Error, Result};
 pub use layer::is_layer;
+pub use rebase::{set_parent_path, used_ranges};

@@ -78,7 +78,9 @@ fn target(method: &Method, path: &str) -> Target {
     }
 }
 
-async fn handle(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
+async fn handle(State(gw): State<Arc<Gateway>>, mut req: Request) -> Response {
+    // Only a gateway asks a node to take a sandbox in.
+    req.headers_mut().remove(crate::cluster::TAKE_IN_HEADER);
     let answer = match proxy::route(req.headers(), req.uri()) {
         Route::Sandbox { id, .. } => gw.to_owner(&id, req, true).await,
         Route::ControlPlane => match target(req.method(), req.uri().path()) {
@@ -111,17 +113,72 @@ impl Gateway {
                     .into_response()
             });
         };
-        let owner = route.value.node_id;
-        let node = self.nodes().await?.into_iter().find(|n| n.node_id == owner);
+        let owner = route.value.node_id.clone();
+        let nodes = self.nodes().await?;
+        let node = nodes.iter().find(|n| n.node_id == owner).cloned();
         let Some(node) = node else {
-            return Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("sandbox {id}'s node {owner} is not in the cluster"),
-            ));
+            if route.value.paused.is_some() && resumes(req.method(), req.uri().path()) {
+                return self.resume_elsewhere(id, nodes, req).await;
+            }
+            if !envd && req.method() == Method::DELETE && req.uri().path().ends_with(id) {
+                // A kill of what its gone node held: its record goes.
+                return match self.cluster.forget_orphan(id, &route).await {
+                    Ok(true) => Ok(StatusCode::NO_CONTENT.into_response()),
+                    Ok(false) => Err(ApiError::new(
+                        StatusCode::CONFLICT,
+                        format!("sandbox {id} changed meanwhile; try again"),
+                    )),
+                    Err(e) => Err(unavailable(e)),
+                };
+            }
+            return Err(gone(id, &owner, route.value.paused.is_some(), envd));
         };
         forward(&node.api_addr, req)
             .await
             .map_err(|e| bad_gateway(&node, e))
+    }
+
+    /// Resumes a sandbox paused in the object store whose node is gone on
+    /// the freest node that takes it in.
+    async fn resume_elsewhere(
+        &self,
+        id: &str,
+        nodes: Vec<NodeRecord>,
+        req: Request,
+    ) -> Result<Response, ApiError> {
+        let (parts, body) = req.into_parts();
+        let body = axum::body::to_bytes(body, MAX_CREATE_BODY)
+            .await
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let mut last = None;
+        for node in keyspace::placement_order(nodes) {
+            let mut req = rebuild(&parts.method, &parts.uri, &parts.headers, body.clone());
+            req.headers_mut().insert(
+                crate::cluster::TAKE_IN_HEADER,
+                HeaderValue::from_static("1"),
+            );
+            match forward(&node.api_addr, req).await {
+                Ok(r) if refused(r.status()) => {
+                    tracing::info!(
+                        "gateway: node {} did not take sandbox {id} in: {}",
+                        node.node_id,
+                        r.status()
+                    );
+                    last = Some(r);
+                }
+                Ok(r) => {
+                    tracing::info!("gateway: sandbox {id} resumed on node {}", node.node_id);
+                    return Ok(r);
+                }
+                Err(e) => tracing::warn!("gateway: node {} unreachable: {e}", node.node_id),
+            }
+        }
+        last.ok_or_else(|| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("no node in the cluster can resume sandbox {id}"),
+            )
+        })
     }
 
     /// Tries the nodes freest first; a node that refuses for capacity (429,
@@ -197,6 +254,33 @@ impl Gateway {
             .await
             .map_err(|e| bad_gateway(node, e))
     }
+}
+
+/// A resume or connect (what brings a paused sandbox back).
+fn resumes(method: &Method, path: &str) -> bool {
+    *method == Method::POST && (path.ends_with("/resume") || path.ends_with("/connect"))
+}
+
+/// The answer for a sandbox whose node is gone: paused in the object store,
+/// a resume brings it back elsewhere; otherwise it was running (or paused
+/// only there) and is lost with its node.
+fn gone(id: &str, owner: &str, durable: bool, envd: bool) -> ApiError {
+    let message = if durable {
+        format!(
+            "sandbox {id} is paused and its node {owner} is gone: resume it to run it on another node"
+        )
+    } else {
+        format!(
+            "sandbox {id} is lost: its node {owner} left the cluster while it ran (or held its only pause)"
+        )
+    };
+    let status = match (durable, envd) {
+        // As for a paused sandbox on one node.
+        (true, true) => StatusCode::BAD_GATEWAY,
+        (true, false) => StatusCode::CONFLICT,
+        (false, _) => StatusCode::GONE,
+    };
+    ApiError::new(status, message)
 }
 
 fn refused(status: StatusCode) -> bool {

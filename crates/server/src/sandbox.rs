@@ -36,12 +36,13 @@ const HEALTH_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 const ADOPT_AGENT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often expired sandboxes are looked for.
 const REAP_EVERY: Duration = Duration::from_millis(500);
-const ROOT_LAYER: &str = "root.layer";
+pub const ROOT_LAYER: &str = "root.layer";
 
 mod fork;
 mod fork_stored;
 mod gc;
 mod live;
+mod moved;
 mod network;
 mod observe;
 mod recover;
@@ -53,6 +54,7 @@ pub use fork_stored::{ForkResults, SnapshotForkParams};
 pub use gc::GcStats;
 pub use live::Phase;
 use live::{Registry, Sandbox};
+pub use moved::{PausedFiles, adopted_record};
 pub use observe::{Level, LogLine, STUCK_AFTER, Sample};
 pub use recover::reclaim_run_dir;
 pub use snapshot::SnapshotParams;

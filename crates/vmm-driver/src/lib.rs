@@ -10,6 +10,7 @@ mod client;
 #[cfg(test)]
 mod hostile_guest;
 pub mod process;
+pub mod snapshot_state;
 pub mod vsock_connect;
 
 pub use client::{ClientError, RawResponse, VmmClient};

@@ -1,0 +1,358 @@
+//! Durable pauses: a node of a cluster with an object store writes each
+//! paused sandbox there (its record, VMM state, memory files and disk
+//! layers), so that any node can resume it once its own is gone.
+//!
+//! Files go in content-addressed ([`cluster::files`]): what many pauses
+//! share (a template's memory and sealed layers, earlier pauses' memory)
+//! is stored once, and a node remembers what it sent (by path, size and
+//! modification time) so it does not read it again. The pause's
+//! description, a [`Manifest`], goes under `sandboxes/<id>/<generation>.json`.
+//!
+//! A node taking a sandbox in fetches what it lacks: shared files into
+//! `<data dir>/cluster-cache/<content digest>` (kept for the next sandbox
+//! of the same template), the sandbox's own writable disk layer and state
+//! into its directory. The copies name where they landed: each layer's
+//! parent path is set to the copy below it (the raw image at the bottom is
+//! the node's own, which must be the same image), and the state's memory
+//! files to the cached copies.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Instant, SystemTime};
+
+use cluster::files::{self, FileError, StoredFile};
+use cluster::{DurablePause, ObjectStore};
+use serde::{Deserialize, Serialize};
+
+use crate::sandbox::{Manager, PausedFiles, ROOT_LAYER, SandboxError, adopted_record};
+use crate::store::SandboxRecord;
+
+const MANIFEST_VERSION: u32 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DurableError {
+    #[error(transparent)]
+    Files(#[from] FileError),
+    #[error(transparent)]
+    Store(#[from] cluster::objects::ObjectError),
+    #[error(transparent)]
+    Sandbox(#[from] SandboxError),
+    #[error("the pause {0} is not in the object store")]
+    NoManifest(String),
+    #[error("{0}")]
+    Incompatible(String),
+    #[error("{what} {}: {reason}", path.display())]
+    Relocate {
+        what: &'static str,
+        path: PathBuf,
+        reason: String,
+    },
+}
+
+/// A paused sandbox as stored.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Manifest {
+    pub version: u32,
+    /// The node that paused it.
+    pub node_id: String,
+    pub record: SandboxRecord,
+    pub state: Option<StoredFile>,
+    /// Base first.
+    pub memory: Vec<StoredFile>,
+    /// Its own writable layer first.
+    pub disk: Vec<StoredFile>,
+    /// The size of the raw image below the layers (the node's root image).
+    pub raw_base_size: Option<u64>,
+}
+
+pub fn manifest_key(id: &str, generation: u32) -> String {
+    format!("sandboxes/{id}/{generation}.json")
+}
+
+/// A file sent before: its identity then, and what it became.
+struct Sent {
+    len: u64,
+    modified: Option<SystemTime>,
+    stored: StoredFile,
+}
+
+pub struct Durable {
+    store: ObjectStore,
+    node_id: String,
+    cache_dir: PathBuf,
+    /// Immutable files (memory files, sealed layers) already stored.
+    sent: Mutex<HashMap<PathBuf, Sent>>,
+    /// One cache fill at a time (two takes of one template share files).
+    filling: tokio::sync::Mutex<()>,
+}
+
+impl Durable {
+    pub fn new(store: ObjectStore, node_id: &str, data_dir: &Path) -> Durable {
+        Durable {
+            store,
+            node_id: node_id.to_owned(),
+            cache_dir: data_dir.join("cluster-cache"),
+            sent: Mutex::new(HashMap::new()),
+            filling: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    pub fn store(&self) -> &ObjectStore {
+        &self.store
+    }
+
+    /// Stores paused sandbox `id`; returns what its route records.
+    pub async fn store_pause(
+        &self,
+        manager: &Manager,
+        id: &str,
+    ) -> Result<DurablePause, DurableError> {
+        let started = Instant::now();
+        let stored = manager
+            .with_paused_files(id, async |files: &PausedFiles| {
+                self.store_files(files).await
+            })
+            .await??;
+        let (manifest, sent) = stored;
+        let pause = DurablePause {
+            manifest: manifest_key(id, manifest.record.pause_generation),
+            generation: manifest.record.pause_generation,
+        };
+        files::put_json(&self.store, &pause.manifest, &manifest).await?;
+        tracing::info!(
+            "cluster: sandbox {id}: pause {} stored in {:.1} s ({} chunks, {} MiB sent)",
+            pause.generation,
+            started.elapsed().as_secs_f64(),
+            sent.chunks,
+            sent.bytes >> 20
+        );
+        Ok(pause)
+    }
+
+    async fn store_files(
+        &self,
+        files: &PausedFiles,
+    ) -> Result<(Manifest, files::Sent), DurableError> {
+        let mut total = files::Sent::default();
+        let mut add = |s: files::Sent| {
+            total.chunks += s.chunks;
+            total.bytes += s.bytes;
+        };
+        let state = match &files.state {
+            Some(p) => {
+                let (stored, sent) = files::upload(&self.store, p).await?;
+                add(sent);
+                Some(stored)
+            }
+            None => None,
+        };
+        let mut memory = Vec::new();
+        for (p, ranges) in &files.memory {
+            let (stored, sent) = self.upload_immutable(p, ranges.as_deref()).await?;
+            add(sent);
+            memory.push(stored);
+        }
+        let mut disk = Vec::new();
+        for (i, p) in files.disk.iter().enumerate() {
+            // Its own top layer changes with every run; the sealed ones never.
+            let used = disk_layers::used_ranges(p).map_err(|e| DurableError::Relocate {
+                what: "reading the layer",
+                path: p.clone(),
+                reason: e.to_string(),
+            })?;
+            let (stored, sent) = match i {
+                0 => files::upload_ranges(&self.store, p, Some(&used)).await?,
+                _ => self.upload_immutable(p, Some(&used)).await?,
+            };
+            add(sent);
+            disk.push(stored);
+        }
+        let manifest = Manifest {
+            version: MANIFEST_VERSION,
+            node_id: self.node_id.clone(),
+            record: files.record.clone(),
+            state,
+            memory,
+            disk,
+            raw_base_size: files.raw_base.as_ref().map(|(_, size)| *size),
+        };
+        Ok((manifest, total))
+    }
+
+    /// Uploads a file that does not change once written, unless this node
+    /// stored it before (same path, size and modification time).
+    async fn upload_immutable(
+        &self,
+        path: &Path,
+        used: Option<&[(u64, u64)]>,
+    ) -> Result<(StoredFile, files::Sent), DurableError> {
+        let meta = std::fs::metadata(path).map_err(|e| FileError::Io {
+            what: "reading",
+            path: path.to_owned(),
+            source: e,
+        })?;
+        let (len, modified) = (meta.len(), meta.modified().ok());
+        {
+            let sent = self.sent.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(s) = sent.get(path)
+                && s.len == len
+                && s.modified == modified
+            {
+                return Ok((s.stored.clone(), files::Sent::default()));
+            }
+        }
+        let (stored, sent) = files::upload_ranges(&self.store, path, used).await?;
+        self.sent.lock().unwrap_or_else(|p| p.into_inner()).insert(
+            path.to_owned(),
+            Sent {
+                len,
+                modified,
+                stored: stored.clone(),
+            },
+        );
+        Ok((stored, sent))
+    }
+
+    /// Takes in the paused sandbox `id` that `pause` describes: its files
+    /// fetched and made to name their new places, its record kept paused.
+    pub async fn take_in(
+        &self,
+        manager: &Manager,
+        id: &str,
+        pause: &DurablePause,
+    ) -> Result<SandboxRecord, DurableError> {
+        let started = Instant::now();
+        let manifest: Manifest = files::get_json(&self.store, &pause.manifest)
+            .await?
+            .ok_or_else(|| DurableError::NoManifest(pause.manifest.clone()))?;
+        if manifest.version != MANIFEST_VERSION || manifest.record.id != id {
+            return Err(DurableError::Incompatible(format!(
+                "{} is not a version {MANIFEST_VERSION} pause of sandbox {id}",
+                pause.manifest
+            )));
+        }
+        let rootfs = manager.config().rootfs.clone();
+        if let Some(size) = manifest.raw_base_size {
+            let here = std::fs::metadata(&rootfs).map(|m| m.len()).ok();
+            if here != Some(size) {
+                return Err(DurableError::Incompatible(format!(
+                    "sandbox {id}'s disk stacks on a {size}-byte root image; this node's {} is {here:?} bytes (nodes must run the same image)",
+                    rootfs.display()
+                )));
+            }
+        }
+        std::fs::create_dir_all(&self.cache_dir).map_err(|e| FileError::Io {
+            what: "creating",
+            path: self.cache_dir.clone(),
+            source: e,
+        })?;
+        let mut failure = None;
+        let record = manager
+            .adopt_paused(id, async |dir: &Path| {
+                match self.place(&manifest, dir, &rootfs).await {
+                    Ok(r) => Ok(r),
+                    Err(e) => {
+                        let shown = e.to_string();
+                        failure = Some(e);
+                        Err(SandboxError::Unavailable(shown))
+                    }
+                }
+            })
+            .await;
+        let record = match (record, failure) {
+            (Ok(r), _) => r,
+            (Err(_), Some(e)) => return Err(e),
+            (Err(e), None) => return Err(e.into()),
+        };
+        tracing::info!(
+            "cluster: sandbox {id}: taken in from node {} (pause {}) in {:.1} s",
+            manifest.node_id,
+            pause.generation,
+            started.elapsed().as_secs_f64()
+        );
+        Ok(record)
+    }
+
+    /// Writes the sandbox's files: shared ones into the cache, its own
+    /// into `dir`; returns its record for this node.
+    async fn place(
+        &self,
+        manifest: &Manifest,
+        dir: &Path,
+        rootfs: &Path,
+    ) -> Result<SandboxRecord, DurableError> {
+        let _filling = self.filling.lock().await;
+        // Disk, bottom up: each copy names the one below it.
+        let mut parent = rootfs.to_owned();
+        for stored in manifest.disk.iter().skip(1).rev() {
+            parent = self.cached(stored, Some(&parent)).await?;
+        }
+        let top = manifest
+            .disk
+            .first()
+            .ok_or_else(|| DurableError::Incompatible("the pause has no disk".into()))?;
+        let root = dir.join(ROOT_LAYER);
+        files::download(&self.store, top, &root).await?;
+        set_parent(&root, &parent)?;
+
+        let mut memory = Vec::new();
+        for stored in &manifest.memory {
+            memory.push(self.cached(stored, None).await?);
+        }
+        let state = match &manifest.state {
+            Some(stored) => {
+                let generation = manifest.record.pause_generation;
+                let original = dir.join(format!("pause-{generation}.state.moved"));
+                let state = dir.join(format!("pause-{generation}.state"));
+                files::download(&self.store, stored, &original).await?;
+                vmm_driver::snapshot_state::relocate(&original, &state, &memory).map_err(|e| {
+                    DurableError::Relocate {
+                        what: "relocating the state",
+                        path: state.clone(),
+                        reason: e.to_string(),
+                    }
+                })?;
+                let _ = std::fs::remove_file(&original);
+                let top_memory = memory.last().cloned().ok_or_else(|| {
+                    DurableError::Incompatible("the pause's state maps no memory".into())
+                })?;
+                Some((state, top_memory))
+            }
+            None => None,
+        };
+        Ok(adopted_record(manifest.record.clone(), dir, state))
+    }
+
+    /// The cached copy of `stored`, fetched if missing; a layer's copy
+    /// names `parent` as its parent.
+    async fn cached(
+        &self,
+        stored: &StoredFile,
+        parent: Option<&Path>,
+    ) -> Result<PathBuf, DurableError> {
+        let path = self.cache_dir.join(stored.digest());
+        if path.is_file() {
+            return Ok(path);
+        }
+        let fetching = path.with_extension("fetching");
+        files::download(&self.store, stored, &fetching).await?;
+        if let Some(parent) = parent {
+            set_parent(&fetching, parent)?;
+        }
+        std::fs::rename(&fetching, &path).map_err(|e| FileError::Io {
+            what: "renaming",
+            path: fetching.clone(),
+            source: e,
+        })?;
+        Ok(path)
+    }
+}
+
+fn set_parent(layer: &Path, parent: &Path) -> Result<(), DurableError> {
+    disk_layers::set_parent_path(layer, parent).map_err(|e| DurableError::Relocate {
+        what: "setting the parent of",
+        path: layer.to_owned(),
+        reason: e.to_string(),
+    })
+}
