@@ -108,19 +108,27 @@ def test_fork_children_diverge():
         parent.kill()
 
 
-def test_fork_of_paused_sandbox_is_refused():
+def test_fork_of_paused_sandbox_branches_it_and_it_stays_paused():
     sbx = create(metadata={"case": "fork-paused"})
+    children: list = []
     try:
+        sbx.files.write("/home/user/before.txt", "paused state")
         assert sbx.pause() is True
-        try:
-            results = Sandbox.fork(sbx.sandbox_id, count=1)
-        except SandboxException:
-            return
-        started = [r for r in results if not isinstance(r, Exception)]
-        for r in started:
-            r.kill()
-        assert not started, "fork of a paused sandbox started a child"
+        results = Sandbox.fork(sbx.sandbox_id, count=2)
+        children = [r for r in results if not isinstance(r, Exception)]
+        assert len(children) == 2, results
+        for n, child in enumerate(children):
+            assert child.files.read("/home/user/before.txt") == "paused state"
+            child.files.write("/home/user/who.txt", str(n))
+        for n, child in enumerate(children):
+            assert child.files.read("/home/user/who.txt") == str(n)
+        assert Sandbox.get_info(sbx.sandbox_id).state == "paused"
+        resumed = Sandbox.connect(sbx.sandbox_id)
+        assert resumed.files.read("/home/user/before.txt") == "paused state"
+        assert resumed.files.exists("/home/user/who.txt") is False
     finally:
+        for c in children:
+            c.kill()
         Sandbox.kill(sbx.sandbox_id)
 
 

@@ -1,7 +1,7 @@
 // Pause and connect, fork, snapshots: the server's VM lifecycle features.
 import assert from 'node:assert/strict'
 import { after, describe, test } from 'node:test'
-import { Sandbox, SandboxError } from 'e2b'
+import { Sandbox } from 'e2b'
 import { RUN_ID, SLOW, create, reapRun, waitUntil } from '../helpers.mjs'
 
 const COUNTER = 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.5; done'
@@ -52,21 +52,28 @@ describe('lifecycle', SLOW, () => {
     }
   })
 
-  test('fork of a paused sandbox is refused', SLOW, async () => {
+  test('fork of a paused sandbox branches it and it stays paused', SLOW, async () => {
     const sbx = await create({ metadata: { case: 'fork-paused' } })
+    let children = []
     try {
+      await sbx.files.write('/home/user/before.txt', 'paused state')
       assert.equal(await sbx.pause(), true)
-      let results = []
-      try {
-        results = await Sandbox.fork(sbx.sandboxId, { count: 1 })
-      } catch (e) {
-        assert.ok(e instanceof SandboxError, String(e))
-        return
+      const results = await Sandbox.fork(sbx.sandboxId, { count: 2 })
+      children = results.filter((r) => !(r instanceof Error))
+      assert.equal(children.length, 2, String(results))
+      for (const [n, child] of children.entries()) {
+        assert.equal(await child.files.read('/home/user/before.txt'), 'paused state')
+        await child.files.write('/home/user/who.txt', String(n))
       }
-      const started = results.filter((r) => !(r instanceof Error))
-      await Promise.all(started.map((r) => r.kill()))
-      assert.equal(started.length, 0, 'fork of a paused sandbox started a child')
+      for (const [n, child] of children.entries()) {
+        assert.equal(await child.files.read('/home/user/who.txt'), String(n))
+      }
+      assert.equal((await Sandbox.getInfo(sbx.sandboxId)).state, 'paused')
+      const resumed = await Sandbox.connect(sbx.sandboxId)
+      assert.equal(await resumed.files.read('/home/user/before.txt'), 'paused state')
+      assert.equal(await resumed.files.exists('/home/user/who.txt'), false)
     } finally {
+      await Promise.all(children.map((c) => c.kill().catch(() => {})))
       await Sandbox.kill(sbx.sandboxId)
     }
   })
