@@ -81,37 +81,10 @@ pub const BOOT_MOUNTS: &[MountSpec] = &[
 
 /// Mount points listed in a mountinfo text, in the order they appear (mount order).
 pub fn parse_mountinfo(text: &str) -> Vec<String> {
-    text.lines()
-        .filter_map(|line| line.split(' ').nth(4))
-        .map(unescape_octal)
+    cgroup::mountinfo::parse(text)
+        .into_iter()
+        .map(|m| m.point)
         .collect()
-}
-
-/// mountinfo escapes space, tab, newline and backslash as `\ooo`.
-fn unescape_octal(field: &str) -> String {
-    let bytes = field.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'\\'
-            && i + 3 < bytes.len()
-            && bytes[i + 1..i + 4]
-                .iter()
-                .all(|b| (b'0'..=b'7').contains(b))
-        {
-            let v = bytes[i + 1..i + 4]
-                .iter()
-                .fold(0u32, |acc, b| acc * 8 + u32::from(b - b'0'));
-            if let Ok(b) = u8::try_from(v) {
-                out.push(b);
-                i += 4;
-                continue;
-            }
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Current mount points, or empty when /proc is not mounted yet.
@@ -225,13 +198,5 @@ mod tests {
             parse_mountinfo(text),
             vec!["/", "/dev", "/mnt/with space", "/mnt/back\\slash"]
         );
-    }
-
-    #[test]
-    fn unescape_leaves_malformed_escapes_alone() {
-        assert_eq!(unescape_octal("a\\09"), "a\\09");
-        assert_eq!(unescape_octal("end\\04"), "end\\04");
-        assert_eq!(unescape_octal("\\777x"), "\\777x");
-        assert_eq!(unescape_octal("\\011"), "\t");
     }
 }

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 mod group;
 mod limits;
 mod mount;
+pub mod mountinfo;
 
 pub use group::{Group, Usage};
 pub use limits::Limits;

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use crate::{Result, io_err};
+use crate::{Result, io_err, mountinfo};
 
 /// The mount point of the first cgroup2 file system (on a unified host
 /// `/sys/fs/cgroup`; on a hybrid one often `/sys/fs/cgroup/unified`).
@@ -12,41 +12,11 @@ pub fn cgroup2_mount() -> Result<Option<PathBuf>> {
     Ok(find_cgroup2(&text))
 }
 
-/// `mountinfo` lines: `ID PARENT MAJ:MIN ROOT MOUNT-POINT OPTIONS [TAGS...] - TYPE SOURCE SUPER-OPTIONS`.
-fn find_cgroup2(mountinfo: &str) -> Option<PathBuf> {
-    mountinfo.lines().find_map(|line| {
-        let (mount, fs) = line.split_once(" - ")?;
-        let fs_type = fs.split_whitespace().next()?;
-        let point = mount.split_whitespace().nth(4)?;
-        (fs_type == "cgroup2").then(|| PathBuf::from(unescape(point)))
-    })
-}
-
-/// The kernel writes space, tab, newline and backslash in paths as `\ooo`.
-fn unescape(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'\\'
-            && i + 3 < bytes.len()
-            && bytes[i + 1..i + 4]
-                .iter()
-                .all(|b| (b'0'..=b'7').contains(b))
-        {
-            let v = bytes[i + 1..i + 4]
-                .iter()
-                .fold(0u32, |v, b| v * 8 + u32::from(b - b'0'));
-            if let Ok(b) = u8::try_from(v) {
-                out.push(b);
-                i += 4;
-                continue;
-            }
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
+fn find_cgroup2(text: &str) -> Option<PathBuf> {
+    mountinfo::parse(text)
+        .into_iter()
+        .find(|m| m.fs_type == "cgroup2")
+        .map(|m| PathBuf::from(m.point))
 }
 
 #[cfg(test)]
@@ -78,6 +48,5 @@ mod tests {
     fn escaped_mount_points_are_decoded() {
         let line = "30 29 0:27 / /mnt/my\\040cgroups rw shared:10 - cgroup2 cgroup2 rw\n";
         assert_eq!(find_cgroup2(line), Some(PathBuf::from("/mnt/my cgroups")));
-        assert_eq!(unescape("a\\134b\\0"), "a\\b\\0");
     }
 }
