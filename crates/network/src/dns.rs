@@ -296,7 +296,7 @@ fn serve_tcp_conn(mut conn: TcpStream, upstream: SocketAddrV4, access: &DnsAcces
 }
 
 /// One DNS-over-TCP message (a 2-byte length, then the message).
-fn read_framed(s: &mut TcpStream) -> Option<Vec<u8>> {
+pub fn read_framed(s: &mut TcpStream) -> Option<Vec<u8>> {
     let mut len = [0u8; 2];
     s.read_exact(&mut len).ok()?;
     let mut msg = vec![0u8; usize::from(u16::from_be_bytes(len))];
@@ -304,7 +304,8 @@ fn read_framed(s: &mut TcpStream) -> Option<Vec<u8>> {
     Some(msg)
 }
 
-fn write_framed(s: &mut TcpStream, msg: &[u8]) -> std::io::Result<()> {
+/// Sends `msg` as one DNS-over-TCP message (refused past 65 535 bytes).
+pub fn write_framed(s: &mut TcpStream, msg: &[u8]) -> std::io::Result<()> {
     let len = u16::try_from(msg.len()).map_err(|_| std::io::ErrorKind::InvalidData)?;
     let mut out = Vec::with_capacity(msg.len() + 2);
     out.extend_from_slice(&len.to_be_bytes());

@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use sandfork_network::dns::{read_framed, write_framed};
 use sandfork_network::netns;
 use sandfork_network::plan::{GATEWAY_IP, GUEST_IP, GUEST_MAC, TAP_NAME};
 use sandfork_network::{HostConfig, PoolConfig, Slot};
@@ -300,20 +301,6 @@ pub fn dns_server(ns: &OwnedFd, ip: Ipv4Addr) {
             }
         }
     });
-}
-
-fn read_framed(s: &mut TcpStream) -> Option<Vec<u8>> {
-    let mut len = [0u8; 2];
-    s.read_exact(&mut len).ok()?;
-    let mut msg = vec![0u8; usize::from(u16::from_be_bytes(len))];
-    s.read_exact(&mut msg).ok()?;
-    Some(msg)
-}
-
-fn write_framed(s: &mut TcpStream, msg: &[u8]) -> std::io::Result<()> {
-    let mut out = (msg.len() as u16).to_be_bytes().to_vec();
-    out.extend_from_slice(msg);
-    s.write_all(&out)
 }
 
 /// Resolves `name` (an A query, over UDP or TCP) from namespace `ns` through `server`:53:
