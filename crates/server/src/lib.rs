@@ -100,8 +100,8 @@ impl Server {
             config.run_dir(),
             config.pool_size,
             net,
-        )
-        .with_cgroups(cgroups);
+            cgroups,
+        );
         let capacity = capacity::Capacity::for_config(&config);
         let template = template::ensure_base(&config, &store, &pool, &capacity).await?;
         let manager =

@@ -34,21 +34,24 @@ pub struct Pool {
     closed: AtomicBool,
     net: Option<Arc<Slots>>,
     /// Where launched VMMs are confined (set once, before the first launch).
-    cgroups: std::sync::OnceLock<Arc<NodeCgroups>>,
+    /// Where launched VMMs are confined, when the node confines them.
+    cgroups: Option<Arc<NodeCgroups>>,
 }
 
 impl Pool {
     /// Creates the pool and starts filling it in the background.
     pub fn start(binary: PathBuf, run_dir: PathBuf, size: usize) -> Arc<Pool> {
-        Pool::start_with_network(binary, run_dir, size, None)
+        Pool::start_with_network(binary, run_dir, size, None, None)
     }
 
-    /// [`Pool::start`] with every VMM in a slot of `net`.
+    /// [`Pool::start`] with every VMM in a slot of `net`, and every VMM it
+    /// launches confined in a cgroup of its own under `cgroups`.
     pub fn start_with_network(
         binary: PathBuf,
         run_dir: PathBuf,
         size: usize,
         net: Option<Arc<Slots>>,
+        cgroups: Option<Arc<NodeCgroups>>,
     ) -> Arc<Pool> {
         let pool = Arc::new(Pool {
             binary,
@@ -58,7 +61,7 @@ impl Pool {
             wake: Notify::new(),
             closed: AtomicBool::new(false),
             net,
-            cgroups: std::sync::OnceLock::new(),
+            cgroups,
         });
         if size > 0 {
             tokio::spawn(pool.clone().refill());
@@ -74,17 +77,9 @@ impl Pool {
         self.idle().len()
     }
 
-    /// Confines every VMM it launches from now on in a cgroup of its own.
-    pub fn with_cgroups(self: Arc<Self>, cgroups: Option<Arc<NodeCgroups>>) -> Arc<Pool> {
-        if let Some(c) = cgroups {
-            let _ = self.cgroups.set(c);
-        }
-        self
-    }
-
     /// The node's cgroups, when it confines its VMMs.
     pub fn cgroups(&self) -> Option<&Arc<NodeCgroups>> {
-        self.cgroups.get()
+        self.cgroups.as_ref()
     }
 
     /// The node's network slots, when it networks its sandboxes.
