@@ -70,10 +70,13 @@ impl Cluster {
 
     /// The registered (lease-alive) nodes.
     pub async fn nodes(&self) -> Result<Vec<NodeRecord>, ClusterError> {
-        let resp = retried(async || {
-            self.client()
-                .get(keyspace::NODES, Some(GetOptions::new().with_prefix()))
-                .await
+        let resp = retried(|| {
+            let mut client = self.client();
+            async move {
+                client
+                    .get(keyspace::NODES, Some(GetOptions::new().with_prefix()))
+                    .await
+            }
         })
         .await?;
         resp.kvs()
@@ -85,7 +88,11 @@ impl Cluster {
     /// Where a sandbox runs, if the map has it.
     pub async fn sandbox(&self, id: &str) -> Result<Option<Versioned<SandboxRoute>>, ClusterError> {
         let key = keyspace::sandbox_key(id);
-        let resp = retried(async || self.client().get(key.as_str(), None).await).await?;
+        let resp = retried(|| {
+            let (mut client, key) = (self.client(), key.clone());
+            async move { client.get(key, None).await }
+        })
+        .await?;
         resp.kvs()
             .first()
             .map(|kv| {
@@ -99,10 +106,13 @@ impl Cluster {
 
     /// The whole sandbox-to-node map, by sandbox ID.
     pub async fn sandboxes(&self) -> Result<Vec<(String, Versioned<SandboxRoute>)>, ClusterError> {
-        let resp = retried(async || {
-            self.client()
-                .get(keyspace::SANDBOXES, Some(GetOptions::new().with_prefix()))
-                .await
+        let resp = retried(|| {
+            let mut client = self.client();
+            async move {
+                client
+                    .get(keyspace::SANDBOXES, Some(GetOptions::new().with_prefix()))
+                    .await
+            }
         })
         .await?;
         resp.kvs()
@@ -143,9 +153,7 @@ impl Cluster {
                 ),
             ])
             .and_then([TxnOp::delete(key, None)]);
-        Ok(retried(async || self.client().txn(txn.clone()).await)
-            .await?
-            .succeeded())
+        Ok(send_txn(&mut self.client(), txn).await?)
     }
 }
 
@@ -171,9 +179,7 @@ pub(crate) async fn claim(
             node_holds(&route.node_id, route.incarnation),
         ])
         .and_then([TxnOp::put(key, value, None)]);
-    Ok(retried(async || client.txn(txn.clone()).await)
-        .await?
-        .succeeded())
+    send_txn(client, txn).await
 }
 
 /// Deletes `id`'s record if it is unchanged since `mod_revision` and its
@@ -190,9 +196,7 @@ pub(crate) async fn release(
             node_holds(&seen.value.node_id, seen.value.incarnation),
         ])
         .and_then([TxnOp::delete(key, None)]);
-    Ok(retried(async || client.txn(txn.clone()).await)
-        .await?
-        .succeeded())
+    send_txn(client, txn).await
 }
 
 /// Rewrites `id`'s record as `route` if it is unchanged since `seen` and
@@ -211,9 +215,7 @@ pub(crate) async fn update(
             node_holds(&seen.value.node_id, seen.value.incarnation),
         ])
         .and_then([TxnOp::put(key, value, None)]);
-    Ok(retried(async || client.txn(txn.clone()).await)
-        .await?
-        .succeeded())
+    send_txn(client, txn).await
 }
 
 /// Moves `id` to `route`'s node: only if the record is unchanged since
@@ -239,9 +241,7 @@ pub(crate) async fn take_over(
             node_holds(&route.node_id, route.incarnation),
         ])
         .and_then([TxnOp::put(key, value, None)]);
-    Ok(retried(async || client.txn(txn.clone()).await)
-        .await?
-        .succeeded())
+    send_txn(client, txn).await
 }
 
 /// etcd-client balances requests over every endpoint and goes on choosing
@@ -250,9 +250,11 @@ pub(crate) async fn take_over(
 /// member. Safe for transactions too: each is conditional on the record's
 /// revision or absence, so one that did apply before its answer was lost
 /// fails its compare the second time instead of applying twice.
-async fn retried<T>(
-    mut request: impl AsyncFnMut() -> Result<T, etcd_client::Error>,
-) -> Result<T, etcd_client::Error> {
+async fn retried<T, F, Fut>(mut request: F) -> Result<T, etcd_client::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
+{
     const ATTEMPTS: u32 = 4;
     let mut attempt = 1;
     loop {
@@ -267,6 +269,16 @@ async fn retried<T>(
             answer => return answer,
         }
     }
+}
+
+/// Sends a conditional transaction (see [`retried`]): whether it applied.
+async fn send_txn(client: &mut Client, txn: Txn) -> Result<bool, ClusterError> {
+    let response = retried(|| {
+        let (mut client, txn) = (client.clone(), txn.clone());
+        async move { client.txn(txn).await }
+    })
+    .await?;
+    Ok(response.succeeded())
 }
 
 pub(crate) fn encode<T: serde::Serialize>(key: &str, value: &T) -> Result<Vec<u8>, ClusterError> {
