@@ -60,7 +60,10 @@ fn deployment_files_use_only_flags_serve_has() {
         }
     }
     // Both units and both manifests say --role and --listen at least.
-    assert!(checked >= 8, "only {checked} flags found: is deploy/ there?");
+    assert!(
+        checked >= 8,
+        "only {checked} flags found: is deploy/ there?"
+    );
 }
 
 #[test]

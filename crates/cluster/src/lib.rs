@@ -153,7 +153,7 @@ impl Cluster {
                 ),
             ])
             .and_then([TxnOp::delete(key, None)]);
-        Ok(send_txn(&mut self.client(), txn).await?)
+        send_txn(&mut self.client(), txn).await
     }
 }
 

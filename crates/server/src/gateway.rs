@@ -1,7 +1,10 @@
 //! The cluster gateway: stateless, serves the E2B control plane and the
 //! envd proxy for every node on one port. Each request goes to the node the
 //! etcd map names for its sandbox; a create goes to the freest node, and on
-//! to the next if that one refuses; a list gathers every node's.
+//! to the next if that one refuses or lacks its template; a request naming a
+//! snapshot or template goes to the node that has it (the first not to
+//! answer 404: they are not in the object store yet); a list gathers every
+//! node's.
 //!
 //! Sandbox traffic is told from the control plane by the node's own rules
 //! ([`crate::proxy::route`]); the owning node then routes it again.
@@ -54,7 +57,11 @@ enum Target {
     List,
     /// A request about one sandbox: its owner answers.
     Sandbox(String),
-    /// Templates, snapshots, the node's own page: any node.
+    /// A list of node-local things (snapshots, templates): every node's.
+    Gather,
+    /// A request naming a snapshot or template: the node holding it.
+    Holder,
+    /// New template builds, the node's own page: any node.
     AnyNode,
 }
 
@@ -63,6 +70,13 @@ fn target(method: &Method, path: &str) -> Target {
         (_, "/health") => Target::Health,
         (&Method::POST, "/sandboxes" | "/v2/sandboxes") => Target::Create,
         (&Method::GET, "/sandboxes" | "/v2/sandboxes") => Target::List,
+        (&Method::GET, "/snapshots" | "/templates") => Target::Gather,
+        _ if ["/snapshots/", "/templates/", "/v2/templates/"]
+            .iter()
+            .any(|p| path.starts_with(p)) =>
+        {
+            Target::Holder
+        }
         _ => {
             let rest = ["/sandboxes/", "/v2/sandboxes/", "/v1/sandboxes/"]
                 .iter()
@@ -86,7 +100,9 @@ async fn handle(State(gw): State<Arc<Gateway>>, mut req: Request) -> Response {
         Route::ControlPlane => match target(req.method(), req.uri().path()) {
             Target::Health => Ok(StatusCode::NO_CONTENT.into_response()),
             Target::Create => gw.create(req).await,
-            Target::List => gw.list(req).await,
+            Target::List => gw.list(req, None).await,
+            Target::Gather => gw.list(req, Some(&["templateID", "snapshotID"])).await,
+            Target::Holder => gw.to_holder(req).await,
             Target::Sandbox(id) => gw.to_owner(&id, req, false).await,
             Target::AnyNode => gw.to_any(req).await,
         },
@@ -182,7 +198,8 @@ impl Gateway {
     }
 
     /// Tries the nodes freest first; a node that refuses for capacity (429,
-    /// 503) or cannot be reached passes the create on to the next.
+    /// 503), lacks the template (404) or cannot be reached passes the create
+    /// on to the next.
     async fn create(&self, req: Request) -> Result<Response, ApiError> {
         let (parts, body) = req.into_parts();
         let body = axum::body::to_bytes(body, MAX_CREATE_BODY)
@@ -193,7 +210,7 @@ impl Gateway {
         for node in &nodes {
             let req = rebuild(&parts.method, &parts.uri, &parts.headers, body.clone());
             match forward(&node.api_addr, req).await {
-                Ok(r) if refused(r.status()) => {
+                Ok(r) if refused(r.status()) || r.status() == StatusCode::NOT_FOUND => {
                     tracing::info!(
                         "gateway: node {} refused a create: {}",
                         node.node_id,
@@ -217,10 +234,17 @@ impl Gateway {
 
     /// Every node's list, concatenated (a node that cannot answer is left
     /// out with a warning, not the whole list failed). Node pagination is
-    /// not carried over: each node's first page.
-    async fn list(&self, req: Request) -> Result<Response, ApiError> {
+    /// not carried over: each node's first page. Items whose first present
+    /// field of `unique_by` repeats an earlier one's are listed once (every
+    /// node has the base template).
+    async fn list(
+        &self,
+        req: Request,
+        unique_by: Option<&'static [&'static str]>,
+    ) -> Result<Response, ApiError> {
         let (parts, _) = req.into_parts();
         let mut all = Vec::new();
+        let mut seen = std::collections::HashSet::new();
         for node in self.nodes().await? {
             let req = rebuild(&parts.method, &parts.uri, &parts.headers, Bytes::new());
             let answer = match forward(&node.api_addr, req).await {
@@ -238,11 +262,38 @@ impl Gateway {
                 .await
                 .map_err(|e| bad_gateway(&node, e.to_string()))?;
             match serde_json::from_slice::<Vec<serde_json::Value>>(&bytes) {
-                Ok(items) => all.extend(items),
+                Ok(items) => {
+                    for item in items {
+                        let first = unique_by.and_then(|fields| unique_key(&item, fields));
+                        if first.is_none_or(|key| seen.insert(key)) {
+                            all.push(item);
+                        }
+                    }
+                }
                 Err(e) => tracing::warn!("gateway: node {}'s list: {e}", node.node_id),
             }
         }
         Ok(axum::Json(all).into_response())
+    }
+
+    /// Asks the nodes in turn until one does not answer 404: snapshots and
+    /// templates live on the node that made them. A node that cannot be
+    /// reached is passed over.
+    async fn to_holder(&self, req: Request) -> Result<Response, ApiError> {
+        let (parts, body) = req.into_parts();
+        let body = axum::body::to_bytes(body, MAX_CREATE_BODY)
+            .await
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let mut last = None;
+        for node in keyspace::placement_order(self.nodes().await?) {
+            let req = rebuild(&parts.method, &parts.uri, &parts.headers, body.clone());
+            match forward(&node.api_addr, req).await {
+                Ok(r) if r.status() == StatusCode::NOT_FOUND => last = Some(r),
+                Ok(r) => return Ok(r),
+                Err(e) => tracing::warn!("gateway: node {} unreachable: {e}", node.node_id),
+            }
+        }
+        last.ok_or_else(|| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no node in the cluster"))
     }
 
     async fn to_any(&self, req: Request) -> Result<Response, ApiError> {
@@ -254,6 +305,15 @@ impl Gateway {
             .await
             .map_err(|e| bad_gateway(node, e))
     }
+}
+
+/// The value of the first of `fields` that `item` has, as a string.
+fn unique_key(item: &serde_json::Value, fields: &[&str]) -> Option<String> {
+    fields
+        .iter()
+        .find_map(|f| item.get(f))
+        .and_then(|v| v.as_str())
+        .map(str::to_owned)
 }
 
 /// A resume or connect (what brings a paused sandbox back).
@@ -373,7 +433,16 @@ mod tests {
             );
         }
         assert_eq!(target(&Method::GET, "/sandboxes/metrics"), Target::AnyNode);
-        assert_eq!(target(&Method::GET, "/templates"), Target::AnyNode);
+        assert_eq!(target(&Method::GET, "/templates"), Target::Gather);
+        assert_eq!(target(&Method::GET, "/snapshots"), Target::Gather);
+        assert_eq!(target(&Method::POST, "/snapshots/s1/fork"), Target::Holder);
+        assert_eq!(target(&Method::GET, "/templates/base"), Target::Holder);
+        assert_eq!(
+            target(&Method::POST, "/v2/templates/t1/builds/b1"),
+            Target::Holder
+        );
+        assert_eq!(target(&Method::POST, "/templates"), Target::AnyNode);
+        assert_eq!(target(&Method::POST, "/v3/templates"), Target::AnyNode);
         assert_eq!(target(&Method::GET, "/v1/node"), Target::AnyNode);
     }
 }
