@@ -11,6 +11,7 @@ pub mod harness;
 pub mod keyspace;
 mod membership;
 pub mod objects;
+pub mod view;
 
 use std::time::Duration;
 
@@ -19,6 +20,7 @@ use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, Txn, T
 pub use keyspace::{DurablePause, NodeCapacity, NodeLoad, NodeRecord, SandboxRoute};
 pub use membership::Registration;
 pub use objects::ObjectStore;
+pub use view::View;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {

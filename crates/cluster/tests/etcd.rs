@@ -387,3 +387,57 @@ async fn without_a_quorum_requests_fail_in_bounded_time_and_work_once_it_returns
     })
     .await;
 }
+
+#[tokio::test]
+async fn the_view_follows_nodes_and_routes_as_they_change() {
+    let etcd = Etcd::start().unwrap();
+    let cluster = connect(&etcd).await;
+    let ttl = Duration::from_secs(5);
+    let a = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
+        .await
+        .unwrap();
+    assert!(a.claim("early").await.unwrap());
+
+    // What was there before it started, loaded.
+    let view = cluster::View::start(cluster.clone());
+    eventually("the view in step", Duration::from_secs(5), async || {
+        view.in_step()
+    })
+    .await;
+    assert_eq!(view.nodes().unwrap().len(), 1);
+    assert_eq!(view.sandbox("early").unwrap().value.node_id, "a");
+    assert!(view.sandbox("unknown").is_none());
+
+    // Changes after, followed: a second node, a claim, a load, a release.
+    let b = Registration::start(cluster.clone(), "b", "127.0.0.1:2", CAPACITY, ttl)
+        .await
+        .unwrap();
+    assert!(b.claim("later").await.unwrap());
+    let load = NodeLoad {
+        sandboxes: 1,
+        vcpus: 1,
+        memory_mib: 64,
+    };
+    b.set_load(load);
+    assert!(a.release("early").await.unwrap());
+    eventually("the view follows", Duration::from_secs(5), async || {
+        let nodes = view.nodes().unwrap_or_default();
+        nodes.len() == 2
+            && nodes[1].load == load
+            && view.sandbox("early").is_none()
+            && view
+                .sandbox("later")
+                .is_some_and(|r| r.value.node_id == "b")
+    })
+    .await;
+    // Its revisions are etcd's: a transaction checked against one applies.
+    let seen = view.sandbox("later").unwrap();
+    assert_eq!(cluster.sandbox("later").await.unwrap(), Some(seen));
+
+    // A node leaving is gone from it too.
+    b.leave().await;
+    eventually("b gone from the view", Duration::from_secs(5), async || {
+        view.nodes().is_some_and(|n| n.len() == 1)
+    })
+    .await;
+}

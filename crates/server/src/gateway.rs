@@ -17,7 +17,7 @@ use axum::extract::{Request, State};
 use axum::http::header::{self, HeaderMap, HeaderValue};
 use axum::http::{Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use cluster::{Cluster, NodeRecord, keyspace};
+use cluster::{Cluster, NodeRecord, SandboxRoute, Versioned, View, keyspace};
 use hyper_util::rt::TokioIo;
 
 use crate::api::ApiError;
@@ -30,9 +30,13 @@ const MAX_LIST_ANSWER: usize = 64 << 20;
 
 pub struct Gateway {
     cluster: Cluster,
+    /// Nodes and routes as a watch keeps them (etcd is asked when it
+    /// lacks an answer).
+    view: View,
 }
 
-/// Serves the gateway on `listener` until `shutdown` completes.
+/// Serves the gateway on `listener` until `shutdown` completes (in a
+/// runtime: it starts the etcd watch).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     cluster: Cluster,
@@ -44,9 +48,10 @@ pub async fn serve(
 }
 
 pub fn router(cluster: Cluster) -> Router {
+    let view = View::start(cluster.clone());
     Router::new()
         .fallback(handle)
-        .with_state(Arc::new(Gateway { cluster }))
+        .with_state(Arc::new(Gateway { cluster, view }))
 }
 
 /// What a control-plane request is, for routing.
@@ -112,11 +117,23 @@ async fn handle(State(gw): State<Arc<Gateway>>, mut req: Request) -> Response {
 
 impl Gateway {
     async fn nodes(&self) -> Result<Vec<NodeRecord>, ApiError> {
-        self.cluster.nodes().await.map_err(unavailable)
+        match self.view.nodes() {
+            Some(nodes) => Ok(nodes),
+            None => self.cluster.nodes().await.map_err(unavailable),
+        }
+    }
+
+    /// `id`'s route: the watch's copy, else etcd's (a claim made a moment
+    /// ago through another gateway may not have reached the watch).
+    async fn route(&self, id: &str) -> Result<Option<Versioned<SandboxRoute>>, ApiError> {
+        match self.view.sandbox(id) {
+            Some(route) => Ok(Some(route)),
+            None => self.cluster.sandbox(id).await.map_err(unavailable),
+        }
     }
 
     async fn to_owner(&self, id: &str, req: Request, envd: bool) -> Result<Response, ApiError> {
-        let route = self.cluster.sandbox(id).await.map_err(unavailable)?;
+        let route = self.route(id).await?;
         let Some(route) = route else {
             return Ok(if envd {
                 // E2B's proxy answer (the SDKs read it as "not running").
