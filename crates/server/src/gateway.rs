@@ -9,7 +9,8 @@
 //! Sandbox traffic is told from the control plane by the node's own rules
 //! ([`crate::proxy::route`]); the owning node then routes it again.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -33,6 +34,59 @@ pub struct Gateway {
     /// Nodes and routes as a watch keeps them (etcd is asked when it
     /// lacks an answer).
     view: View,
+    placements: Placements,
+}
+
+/// How long a create this gateway placed counts against its node beyond
+/// the load the node published (which follows its answer within moments).
+const PLACED_COUNTS_FOR: Duration = Duration::from_secs(2);
+
+/// The creates this gateway sent to each node and that its published load
+/// may not show yet: those in flight, and those answered lately. Counted in
+/// placement so that a burst through one gateway spreads over the nodes.
+#[derive(Default)]
+struct Placements {
+    /// (node, when it answered; None while in flight)
+    entries: Mutex<Vec<(String, Option<Instant>, u64)>>,
+    next_ticket: std::sync::atomic::AtomicU64,
+}
+
+impl Placements {
+    /// Adds this gateway's recent and in-flight creates to each node's
+    /// sandbox count.
+    fn count_into(&self, nodes: &mut [NodeRecord]) {
+        let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        entries.retain(|(_, answered, _)| answered.is_none_or(|t| t.elapsed() < PLACED_COUNTS_FOR));
+        for node in nodes {
+            let mine = entries
+                .iter()
+                .filter(|(n, _, _)| *n == node.node_id)
+                .count();
+            node.load.sandboxes += mine as u64;
+        }
+    }
+
+    /// A create on its way to `node_id`.
+    fn start(&self, node_id: &str) -> u64 {
+        let ticket = self
+            .next_ticket
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        entries.push((node_id.to_owned(), None, ticket));
+        ticket
+    }
+
+    /// The create `ticket` answered: kept for a while if it made a sandbox.
+    fn finish(&self, ticket: u64, made: bool) {
+        let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        if made {
+            if let Some(entry) = entries.iter_mut().find(|(_, _, t)| *t == ticket) {
+                entry.1 = Some(Instant::now());
+            }
+        } else {
+            entries.retain(|(_, _, t)| *t != ticket);
+        }
+    }
 }
 
 /// Serves the gateway on `listener` until `shutdown` completes (in a
@@ -49,9 +103,11 @@ pub async fn serve(
 
 pub fn router(cluster: Cluster) -> Router {
     let view = View::start(cluster.clone());
-    Router::new()
-        .fallback(handle)
-        .with_state(Arc::new(Gateway { cluster, view }))
+    Router::new().fallback(handle).with_state(Arc::new(Gateway {
+        cluster,
+        view,
+        placements: Placements::default(),
+    }))
 }
 
 /// What a control-plane request is, for routing.
@@ -222,11 +278,17 @@ impl Gateway {
         let body = axum::body::to_bytes(body, MAX_CREATE_BODY)
             .await
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
-        let nodes = keyspace::placement_order(self.nodes().await?);
+        let mut nodes = self.nodes().await?;
+        self.placements.count_into(&mut nodes);
+        let nodes = keyspace::placement_order(nodes);
         let mut last = None;
         for node in &nodes {
             let req = rebuild(&parts.method, &parts.uri, &parts.headers, body.clone());
-            match forward(&node.api_addr, req).await {
+            let ticket = self.placements.start(&node.node_id);
+            let answer = forward(&node.api_addr, req).await;
+            let made = answer.as_ref().is_ok_and(|r| r.status().is_success());
+            self.placements.finish(ticket, made);
+            match answer {
                 Ok(r) if refused(r.status()) || r.status() == StatusCode::NOT_FOUND => {
                     tracing::info!(
                         "gateway: node {} refused a create: {}",
@@ -428,6 +490,48 @@ async fn forward(addr: &str, mut req: Request) -> Result<Response, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn node(id: &str) -> NodeRecord {
+        NodeRecord {
+            node_id: id.into(),
+            incarnation: 1,
+            api_addr: "127.0.0.1:1".into(),
+            capacity: cluster::NodeCapacity {
+                max_sandboxes: 10,
+                vcpus: 10,
+                memory_mib: 10_000,
+            },
+            load: cluster::NodeLoad::default(),
+        }
+    }
+
+    #[test]
+    fn creates_in_flight_and_just_placed_count_against_their_node() {
+        let placements = Placements::default();
+        let order = |placements: &Placements| {
+            let mut nodes = vec![node("a"), node("b")];
+            placements.count_into(&mut nodes);
+            keyspace::placement_order(nodes)
+                .into_iter()
+                .map(|n| n.node_id)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(order(&placements), ["a", "b"]);
+        // One in flight to a: the next goes to b.
+        let first = placements.start("a");
+        assert_eq!(order(&placements), ["b", "a"]);
+        // Answered with a sandbox: a still counts it for a while.
+        placements.finish(first, true);
+        assert_eq!(order(&placements), ["b", "a"]);
+        // One refused counts no more.
+        let refused = placements.start("b");
+        placements.finish(refused, false);
+        assert_eq!(order(&placements), ["b", "a"]);
+        // After the window, the node's own figure is what counts.
+        placements.entries.lock().unwrap()[0].1 =
+            Some(Instant::now() - PLACED_COUNTS_FOR - Duration::from_millis(1));
+        assert_eq!(order(&placements), ["a", "b"]);
+    }
 
     #[test]
     fn control_requests_are_routed_by_what_they_name() {
