@@ -521,21 +521,21 @@ async fn connects(
     port: u16,
 ) -> bool {
     let from = from.map(|f| f.to_string()).unwrap_or_default();
-    let script = format!(
-        "python3 - '{from}' {ip} {port} <<'PY'\n\
-import socket, sys\n\
-s = socket.socket()\n\
-s.settimeout(5)\n\
-try:\n\
-    if sys.argv[1]:\n\
-        s.bind((sys.argv[1], 0))\n\
-    s.connect((sys.argv[2], int(sys.argv[3])))\n\
-    s.sendall(b'GET / HTTP/1.0\\r\\n\\r\\n')\n\
-    print('answered' if s.recv(64) else '')\n\
-except OSError:\n\
-    print('')\n\
-PY"
-    );
+    let python = [
+        "import socket, sys",
+        "s = socket.socket()",
+        "s.settimeout(5)",
+        "try:",
+        "    if sys.argv[1]:",
+        "        s.bind((sys.argv[1], 0))",
+        "    s.connect((sys.argv[2], int(sys.argv[3])))",
+        "    s.sendall(b'GET / HTTP/1.0\\r\\n\\r\\n')",
+        "    print('answered' if s.recv(64) else '')",
+        "except OSError:",
+        "    print('')",
+    ]
+    .join("\n");
+    let script = format!("python3 - '{from}' {ip} {port} <<'PY'\n{python}\nPY");
     let (code, out) = run(node, &sandbox.routing(), &script).await;
     assert_eq!(code, 0, "{out}");
     out.trim() == "answered"
@@ -559,9 +559,11 @@ fn host_network_state(anchors: &Path) -> (Vec<String>, Vec<String>, String, bool
         .collect();
     let netns = Command::new("ip").args(["netns", "list"]).output().unwrap();
     let netns = String::from_utf8_lossy(&netns.stdout).into_owned();
-    let table = sandfork_network::nft::Nft::open()
-        .and_then(|mut n| n.table_exists(sandfork_network::nft::host_table::TABLE))
-        .unwrap();
+    let table = sandfork_network::nft::table_exists_in(
+        Path::new("/proc/self/ns/net"),
+        sandfork_network::nft::host_table::TABLE,
+    )
+    .unwrap();
     (links, mounts, netns, table)
 }
 
@@ -594,6 +596,120 @@ fn host_ips() -> Vec<Ipv4Addr> {
         .collect()
 }
 
+/// `sandfork serve` as a process with the test internet as its uplink (a
+/// restart is a new process on the same data dir; the store is open in one
+/// process at a time), on every address of the host, as a node would be.
+struct Served {
+    addr: SocketAddr,
+    data: PathBuf,
+    key: String,
+    server: Option<std::process::Child>,
+    starts: u32,
+}
+
+impl Served {
+    fn new(data: &Path) -> Served {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        Served {
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            data: data.to_owned(),
+            key: format!("e2b_{}", "6b".repeat(16)),
+            server: None,
+            starts: 0,
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.data.join(format!("serve-{}.log", self.starts)))
+            .unwrap_or_default()
+    }
+
+    async fn start(&mut self) {
+        self.starts += 1;
+        let log =
+            std::fs::File::create(self.data.join(format!("serve-{}.log", self.starts))).unwrap();
+        let sandfork = vmm_binary().with_file_name("sandfork");
+        let child = Command::new(&sandfork)
+            .args([
+                "serve",
+                "--in-lab",
+                "--pool-size",
+                "2",
+                "--ready-slots",
+                "4",
+            ])
+            .args([
+                "--uplink",
+                UPLINK,
+                "--dns-upstream",
+                &DNS_SERVER.to_string(),
+            ])
+            .arg("--listen")
+            .arg(format!("0.0.0.0:{}", self.addr.port()))
+            .arg("--data-dir")
+            .arg(&self.data)
+            .env("SANDFORK_API_KEY", &self.key)
+            .env("SANDFORK_VMM", vmm_binary())
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {}: {e}", sandfork.display()));
+        self.server = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(600);
+        loop {
+            if tokio::net::TcpStream::connect(self.addr).await.is_ok()
+                && http(self.addr, "GET", "/health", &[], "").await.status == 204
+            {
+                return;
+            }
+            if let Some(status) = self.server.as_mut().unwrap().try_wait().unwrap() {
+                panic!("the server exited ({status}):\n{}", self.log());
+            }
+            assert!(Instant::now() < deadline, "no /health:\n{}", self.log());
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// SIGTERM, as a service manager stops it; running sandboxes stay.
+    fn stop(&mut self) {
+        let mut server = self.server.take().unwrap();
+        let status = Command::new("kill")
+            .args(["-TERM", &server.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = server.try_wait().unwrap() {
+                assert!(
+                    status.success(),
+                    "the server's exit: {status}\n{}",
+                    self.log()
+                );
+                return;
+            }
+            assert!(Instant::now() < deadline, "no exit after SIGTERM");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn auth(&self) -> [(&'static str, &str); 2] {
+        [
+            ("x-api-key", self.key.as_str()),
+            ("content-type", "application/json"),
+        ]
+    }
+
+    async fn create(&self, body: serde_json::Value) -> Created {
+        common::create(self.addr, &self.auth(), body).await
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab: boots microVMs, makes network namespaces, restarts the node"]
 async fn guests_cannot_spoof_or_reach_the_node_or_each_other_and_keep_their_network_over_a_restart()
@@ -604,7 +720,8 @@ async fn guests_cannot_spoof_or_reach_the_node_or_each_other_and_keep_their_netw
     let anchors = server::net::anchor_dir(&lab_config(data.path()).run_dir());
     let before = host_network_state(&anchors);
     let t = Instant::now();
-    let node = Node::start(lab_config(data.path())).await;
+    let mut node = Served::new(data.path());
+    node.start().await;
     eprintln!("server up in {:?}", t.elapsed());
     let port = node.addr.port();
     let body = json!({"templateID": "base", "timeout": 600});
@@ -665,15 +782,26 @@ async fn guests_cannot_spoof_or_reach_the_node_or_each_other_and_keep_their_netw
         node.addr,
         &b.routing(),
         "mkdir -p /tmp/www && echo b > /tmp/www/index.html && \
-         (setsid python3 -m http.server 8000 --directory /tmp/www >/dev/null 2>&1 &) && sleep 2",
+         setsid python3 -m http.server 8000 --directory /tmp/www </dev/null >/dev/null 2>&1 & \
+         for i in $(seq 300); do (echo > /dev/tcp/127.0.0.1/8000) 2>/dev/null && exit 0; sleep 0.2; done; exit 1",
     )
     .await;
-    assert_eq!(code, 0, "{out}");
+    assert_eq!(code, 0, "b's server never listened: {out}");
     let served: Vec<Ipv4Addr> = slot_host_ips()
         .into_iter()
         .filter(|ip| host_reaches(SocketAddr::from((*ip, 8000))))
         .collect();
-    assert_eq!(served.len(), 1, "b's server from the node: {served:?}");
+    let routes = Command::new("ip")
+        .args(["-4", "-o", "route"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        served.len(),
+        1,
+        "b's server from the node: {served:?}; slot addresses {:?}; routes:\n{}",
+        slot_host_ips(),
+        String::from_utf8_lossy(&routes.stdout)
+    );
     assert!(
         !connects(node.addr, &a, None, served[0], 8000).await,
         "a reached b at {}",
@@ -693,9 +821,9 @@ async fn guests_cannot_spoof_or_reach_the_node_or_each_other_and_keep_their_netw
     }
 
     // A restart with both running: adopted, still online, still guarded.
-    node.stop().await;
+    node.stop();
     let t = Instant::now();
-    let node = Node::start(lab_config(data.path())).await;
+    node.start().await;
     eprintln!("server restarted (sandboxes adopted) in {:?}", t.elapsed());
     for s in [&a, &b] {
         assert!(
@@ -714,7 +842,16 @@ async fn guests_cannot_spoof_or_reach_the_node_or_each_other_and_keep_their_netw
         "ip addr add 169.254.0.25/32 dev eth0",
     )
     .await;
-    assert!(!connects(node.addr, &a, Some(Ipv4Addr::new(169, 254, 0, 25)), WEB_A, 80).await);
+    assert!(
+        !connects(
+            node.addr,
+            &a,
+            Some(Ipv4Addr::new(169, 254, 0, 25)),
+            WEB_A,
+            80
+        )
+        .await
+    );
 
     for s in [&a, &b] {
         let gone = http(
@@ -727,7 +864,7 @@ async fn guests_cannot_spoof_or_reach_the_node_or_each_other_and_keep_their_netw
         .await;
         assert_eq!(gone.status, 204);
     }
-    node.stop().await;
+    node.stop();
     // Kills and a clean stop: the host as it was.
     assert_eq!(host_network_state(&anchors), before);
 }

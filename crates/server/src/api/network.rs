@@ -171,7 +171,10 @@ mod tests {
                 r#"{"allowOut":["example.com"],"denyOut":["0.0.0.0/0"]}"#,
                 "egress proxy",
             ),
-            (r#"{"maskRequestHost":"a:b:c"}"#, "mask request host is not valid"),
+            (
+                r#"{"maskRequestHost":"a:b:c"}"#,
+                "mask request host is not valid",
+            ),
             (r#"{"rules":{"a.com":[]}}"#, "rules"),
             (r#"{"egressProxy":{"address":"x"}}"#, "egressProxy"),
         ];
@@ -208,9 +211,16 @@ mod tests {
                    "maskRequestHost": "${PORT}-app.test"})
         );
         // The token is the Sandbox object's, never the detail's.
-        assert!(!v.to_string().contains(
-            record.network.ingress.traffic_access_token.as_deref().unwrap()
-        ));
+        assert!(
+            !v.to_string().contains(
+                record
+                    .network
+                    .ingress
+                    .traffic_access_token
+                    .as_deref()
+                    .unwrap()
+            )
+        );
         let mut v = json!({});
         detail(&SandboxRecord::default(), &mut v);
         assert_eq!(v["network"]["allowPublicTraffic"], true);

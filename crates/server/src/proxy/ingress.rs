@@ -196,7 +196,9 @@ mod tests {
         let token = private.traffic_access_token.clone().unwrap();
         assert_eq!(token.len(), 64);
         assert_ne!(
-            Ingress::new(Some(false), None).unwrap().traffic_access_token,
+            Ingress::new(Some(false), None)
+                .unwrap()
+                .traffic_access_token,
             Some(token.clone())
         );
         assert_eq!(private.admit(&HeaderMap::new()), Err(Refusal::Missing));

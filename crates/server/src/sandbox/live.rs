@@ -299,8 +299,18 @@ mod tests {
             Ingress::default(),
             Phase::Running
         )));
-        assert!(!r.insert(Sandbox::new("a".into(), None, Ingress::default(), Phase::Running)));
-        assert!(r.insert(Sandbox::new("b".into(), None, Ingress::default(), Phase::Running)));
+        assert!(!r.insert(Sandbox::new(
+            "a".into(),
+            None,
+            Ingress::default(),
+            Phase::Running
+        )));
+        assert!(r.insert(Sandbox::new(
+            "b".into(),
+            None,
+            Ingress::default(),
+            Phase::Running
+        )));
         assert_eq!(r.by_token("tok-a").map(|s| s.id.clone()), Some("a".into()));
         assert!(r.by_token("tok-").is_none() && r.by_token("").is_none());
         r.remove("a");
