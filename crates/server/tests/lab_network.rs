@@ -542,7 +542,7 @@ async fn connects(
 }
 
 /// What networking leaves on the host: slot veths, our namespace anchors
-/// (bind mounts), named namespaces, the node's nft table.
+/// (bind mounts and their files), named namespaces, the node's nft table.
 fn host_network_state(anchors: &Path) -> (Vec<String>, Vec<String>, String, bool) {
     let links = Command::new("ip").args(["-o", "link"]).output().unwrap();
     let links = String::from_utf8_lossy(&links.stdout)
@@ -550,12 +550,21 @@ fn host_network_state(anchors: &Path) -> (Vec<String>, Vec<String>, String, bool
         .filter_map(|l| l.split(':').nth(1).map(|n| n.trim().to_owned()))
         .filter(|n| n.starts_with("sfv-"))
         .collect();
-    let anchors = anchors.display().to_string();
+    // The anchor directory itself stays a private bind mount of itself
+    // once made (as `ip netns` leaves /run/netns): one per node, not per slot.
+    let inside = format!("{}/", anchors.display());
     let mounts = std::fs::read_to_string("/proc/self/mountinfo")
         .unwrap()
         .lines()
-        .filter(|l| l.contains(&anchors))
+        .filter(|l| l.split(' ').nth(4).is_some_and(|m| m.starts_with(&inside)))
         .map(str::to_owned)
+        .chain(
+            std::fs::read_dir(anchors)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.path().display().to_string()),
+        )
         .collect();
     let netns = Command::new("ip").args(["netns", "list"]).output().unwrap();
     let netns = String::from_utf8_lossy(&netns.stdout).into_owned();
