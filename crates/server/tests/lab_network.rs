@@ -16,6 +16,13 @@
 //! reaches neither the node's API nor the metadata address, a paused and
 //! resumed sandbox keeps its policy, and a clean stop leaves no slot behind.
 //!
+//! A second test runs `sandfork serve` as a process (it restarts it): a guest
+//! sending from another address or MAC gets nothing through, nor reaches
+//! another sandbox, the node on any of its addresses or the metadata address;
+//! after a restart both sandboxes are adopted and still online (and guarded),
+//! and after their kills and a clean stop the host has no slot veth, anchor
+//! or nftables table more than before.
+//!
 //! Needs what `lab_serve` needs, and `ip` (iproute2) for the test world.
 
 mod common;
