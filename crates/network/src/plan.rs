@@ -45,7 +45,8 @@ pub const DNS_FORWARDER_PORT: u16 = 5353;
 pub const EGRESS_PROXY_HTTP_PORT: u16 = 15080;
 pub const EGRESS_PROXY_TLS_PORT: u16 = 15443;
 /// The guest ports whose TCP goes through the egress proxy, and the proxy port of each.
-pub const PROXIED_PORTS: [(u16, u16); 2] = [(80, EGRESS_PROXY_HTTP_PORT), (443, EGRESS_PROXY_TLS_PORT)];
+pub const PROXIED_PORTS: [(u16, u16); 2] =
+    [(80, EGRESS_PROXY_HTTP_PORT), (443, EGRESS_PROXY_TLS_PORT)];
 /// Guest MTU the tap and veths use.
 pub const MTU: u32 = 1500;
 

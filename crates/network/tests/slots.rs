@@ -720,7 +720,10 @@ fn domain_rules_pass_web_traffic_by_host_and_sni_through_the_egress_proxy() {
     let tls_a = SocketAddrV4::new(WEB_A, 443);
     // HTTP by Host: the server sees the request line, from the node's uplink address.
     let got = text(exchange(&g, web_a, get("allowed.test")));
-    assert!(got.starts_with("203.0.113.10 GET / HTTP/1.1 198.51.100.1:"), "{got}");
+    assert!(
+        got.starts_with("203.0.113.10 GET / HTTP/1.1 198.51.100.1:"),
+        "{got}"
+    );
     let got = text(exchange(&g, web_a, get("a.wild.test:80")));
     assert!(got.starts_with("203.0.113.10 GET"), "{got}");
     for denied in ["other.test", "wild.test", "allowed.test.evil"] {
@@ -729,11 +732,19 @@ fn domain_rules_pass_web_traffic_by_host_and_sni_through_the_egress_proxy() {
     }
     // TLS by SNI, the ClientHello in one record or in many.
     assert_eq!(
-        text(exchange(&g, tls_a, sni::client_hello(Some("allowed.test"), 16384))),
+        text(exchange(
+            &g,
+            tls_a,
+            sni::client_hello(Some("allowed.test"), 16384)
+        )),
         "tls allowed.test"
     );
     assert_eq!(
-        text(exchange(&g, tls_a, sni::client_hello(Some("x.wild.test"), 50))),
+        text(exchange(
+            &g,
+            tls_a,
+            sni::client_hello(Some("x.wild.test"), 50)
+        )),
         "tls x.wild.test"
     );
     let alert = vec![21, 3, 3, 0, 2, 2, 112];
@@ -746,18 +757,19 @@ fn domain_rules_pass_web_traffic_by_host_and_sni_through_the_egress_proxy() {
     assert!(exchange(&g, tls_a, b"GET / HTTP/1.1\r\n\r\n".to_vec()).is_empty());
     assert!(exchange(&g, web_a, vec![0; 64]).is_empty());
     assert_eq!(g.ask(WEB_B, "x").map(|_| ()), None);
-    assert!(
-        exchange(
-            &g,
-            SocketAddrV4::new(WEB_A, 8080),
-            get("allowed.test")
-        )
-        .is_empty()
-    );
+    assert!(exchange(&g, SocketAddrV4::new(WEB_A, 8080), get("allowed.test")).is_empty());
     // An allowed name never opens a forbidden address.
-    let got = text(exchange(&g, SocketAddrV4::new(PRIVATE, 80), get("allowed.test")));
+    let got = text(exchange(
+        &g,
+        SocketAddrV4::new(PRIVATE, 80),
+        get("allowed.test"),
+    ));
     assert!(got.starts_with("HTTP/1.1 403"), "{got}");
-    let got = text(exchange(&g, SocketAddrV4::new(METADATA, 80), get("allowed.test")));
+    let got = text(exchange(
+        &g,
+        SocketAddrV4::new(METADATA, 80),
+        get("allowed.test"),
+    ));
     assert!(got.starts_with("HTTP/1.1 403"), "{got}");
     // The guest cannot use the proxy's ports directly as a way out either.
     let direct = SocketAddrV4::new(slot.addrs().veth_host_ip, EGRESS_PROXY_HTTP_PORT);

@@ -261,19 +261,16 @@ impl Slots {
 
 impl Slots {
     fn lease_dns(&self, slot: &Slot) {
-        self.dns
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(
-                slot.addrs().host_ip,
-                Leased {
-                    dns: DnsAccess::of(slot.policy()),
-                    proxy: ProxyTarget {
-                        policy: slot.policy().clone(),
-                        netns: slot.anchor().to_owned(),
-                    },
+        self.dns.write().unwrap_or_else(|p| p.into_inner()).insert(
+            slot.addrs().host_ip,
+            Leased {
+                dns: DnsAccess::of(slot.policy()),
+                proxy: ProxyTarget {
+                    policy: slot.policy().clone(),
+                    netns: slot.anchor().to_owned(),
                 },
-            );
+            },
+        );
     }
 }
 

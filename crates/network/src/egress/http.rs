@@ -96,7 +96,10 @@ mod tests {
             host("GET http://a.test/p?q HTTP/1.1\r\nHost: a.test\r\n\r\n"),
             some("a.test")
         );
-        assert_eq!(host("GET http://a.test:80 HTTP/1.0\r\n\r\n"), some("a.test"));
+        assert_eq!(
+            host("GET http://a.test:80 HTTP/1.0\r\n\r\n"),
+            some("a.test")
+        );
         assert_eq!(host("GET / HTTP/1.0\r\n\r\n"), Parse::Done(None));
     }
 

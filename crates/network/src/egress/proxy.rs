@@ -65,6 +65,8 @@ struct Shared {
     netns: Option<PathBuf>,
     stats: Arc<ProxyStats>,
     open: Mutex<HashMap<Ipv4Addr, usize>>,
+    /// Whether a conntrack failure was reported already.
+    warned: std::sync::atomic::AtomicBool,
 }
 
 /// A running proxy; its listeners close when it is dropped (spliced connections run on to
@@ -114,6 +116,7 @@ impl EgressProxy {
             netns,
             stats: stats.clone(),
             open: Mutex::new(HashMap::new()),
+            warned: Default::default(),
         });
         let _enter = runtime.enter();
         let mut tasks = Vec::new();
@@ -247,12 +250,22 @@ async fn decide_and_splice(
     // The guest's intended destination, from its slot's conntrack: the reply direction
     // runs from this socket's address to the slot's host address.
     let netns = target.netns.clone();
-    let original = tokio::task::spawn_blocking(move || {
-        crate::conntrack::tcp_original_in(&netns, local, peer)
-    })
-    .await;
-    let Ok(Ok((_, dst))) = original else {
-        return Outcome::Dropped;
+    let original =
+        tokio::task::spawn_blocking(move || crate::conntrack::tcp_original_in(&netns, local, peer))
+            .await;
+    let dst = match original {
+        Ok(Ok((_, dst))) => dst,
+        Ok(Err(e)) => {
+            // Once: without ctnetlink (module nf_conntrack_netlink) no connection can pass.
+            if !shared.warned.swap(true, Ordering::Relaxed) {
+                eprintln!(
+                    "sandfork-network: egress proxy: no original destination from the slot's \
+                     conntrack ({e}); is nf_conntrack_netlink loaded?"
+                );
+            }
+            return Outcome::Dropped;
+        }
+        Err(_) => return Outcome::Dropped,
     };
     let head = tokio::time::timeout(HEAD_TIMEOUT, read_head(conn, kind)).await;
     let Ok(Some((head, host))) = head else {
