@@ -487,14 +487,23 @@ fn server_api(dir: &Path) {
 /// cut into small ones, with and without a name) and HTTP request heads.
 fn egress(dir: &Path) {
     use sandfork_network::egress::sni::client_hello;
-    write(dir, "egress_heads", "hello", &client_hello(Some("allowed.test"), 16384));
-    write(dir, "egress_heads", "hello-split", &client_hello(Some("a.wild.test"), 20));
-    write(dir, "egress_heads", "hello-no-name", &client_hello(None, 16384));
-    for (name, head) in [
-        ("get", "GET / HTTP/1.1\r\nHost: allowed.test\r\nAccept: */*\r\n\r\n"),
-        ("absolute", "GET http://a.test:80/x HTTP/1.1\r\nHost: a.test\r\n\r\n"),
+    let hellos = [
+        ("hello", client_hello(Some("allowed.test"), 16384)),
+        ("hello-split", client_hello(Some("a.wild.test"), 20)),
+        ("hello-no-name", client_hello(None, 16384)),
+    ];
+    for (name, hello) in hellos {
+        write(dir, "egress_heads", name, &hello);
+    }
+    let heads = [
+        ("get", "GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n"),
+        (
+            "absolute",
+            "GET http://a.test/x HTTP/1.1\r\nHost: a.test\r\n\r\n",
+        ),
         ("no-host", "GET / HTTP/1.0\r\n\r\n"),
-    ] {
+    ];
+    for (name, head) in heads {
         write(dir, "egress_heads", name, head.as_bytes());
     }
 }
