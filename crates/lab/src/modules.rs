@@ -32,6 +32,8 @@ pub const LAB_MODULES: &[&str] = &[
     "nft_masq",
     "nft_chain_nat",
     "nft_reject_inet",
+    // The egress proxy asks a slot's conntrack where a connection was going.
+    "nf_conntrack_netlink",
 ];
 
 /// The kernel's name for a module file: `kvm-amd.ko` is `kvm_amd`.

@@ -25,7 +25,8 @@ pub struct HostConfig {
     pub uplink: Option<String>,
     /// Always-deny additions (the operator's), on top of the fixed set and the node's addresses.
     pub extra_deny: Vec<Cidr4>,
-    /// Node ports guests may open, (IP protocol, port): the DNS forwarder's by default.
+    /// Node ports guests may open, (IP protocol, port): the DNS forwarder's and the egress
+    /// proxy's by default.
     pub open_ports: Vec<(u8, u16)>,
 }
 
@@ -40,6 +41,8 @@ impl HostConfig {
             open_ports: vec![
                 (libc::IPPROTO_UDP as u8, crate::plan::DNS_FORWARDER_PORT),
                 (libc::IPPROTO_TCP as u8, crate::plan::DNS_FORWARDER_PORT),
+                (libc::IPPROTO_TCP as u8, crate::plan::EGRESS_PROXY_HTTP_PORT),
+                (libc::IPPROTO_TCP as u8, crate::plan::EGRESS_PROXY_TLS_PORT),
             ],
         }
     }

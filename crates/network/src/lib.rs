@@ -9,10 +9,15 @@
 //! with `netlink-packet-route` messages, nftables with a small encoder of our own ([`nft`]).
 //! [`Pool`] keeps slots ready ahead of need.
 //!
+//! Guests' DNS goes to the node's forwarder ([`dns`]); with domain rules their web traffic
+//! goes through the node's egress proxy ([`egress`]).
+//!
 //! Modules depend in one direction: `plan`, `policy` <- `nft` <- `host` <- `slot` <- `pool`.
 
 pub mod bench;
+pub mod conntrack;
 pub mod dns;
+pub mod egress;
 mod error;
 mod host;
 mod netlink;

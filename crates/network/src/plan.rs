@@ -41,6 +41,14 @@ pub const GUEST_DNS_PORT: u16 = 53;
 /// In IANA's dynamic range (never assigned, so no mDNS clash as 5353 had) and above
 /// Linux's default ephemeral ports (32768-60999), so no outgoing socket holds it.
 pub const DNS_FORWARDER_PORT: u16 = 61053;
+/// The node's egress proxy ports on the host side: the slot of a sandbox with domain rules
+/// DNATs the guest's TCP to port 80 to the first (HTTP, checked by Host) and to port 443 to
+/// the second (TLS, checked by SNI).
+pub const EGRESS_PROXY_HTTP_PORT: u16 = 15080;
+pub const EGRESS_PROXY_TLS_PORT: u16 = 15443;
+/// The guest ports whose TCP goes through the egress proxy, and the proxy port of each.
+pub const PROXIED_PORTS: [(u16, u16); 2] =
+    [(80, EGRESS_PROXY_HTTP_PORT), (443, EGRESS_PROXY_TLS_PORT)];
 /// Guest MTU the tap and veths use.
 pub const MTU: u32 = 1500;
 

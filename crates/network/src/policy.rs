@@ -79,8 +79,9 @@ pub struct EgressPolicy {
     /// Allowed networks: beat `deny`, never always-deny.
     pub allow: Vec<Cidr4>,
     pub deny: Vec<Cidr4>,
-    /// Domain rules for the egress proxy (only with `0.0.0.0/0` denied). Not enforced yet:
-    /// with the kernel rules alone a slot with domain rules reaches only its allowed CIDRs.
+    /// Domain rules (only with `0.0.0.0/0` denied): the slot sends the guest's TCP to ports
+    /// 80 and 443 through the node's egress proxy, which checks the request's Host or the
+    /// TLS SNI against them ([`EgressPolicy::permits_named`]).
     pub allow_domains: Vec<DomainPattern>,
 }
 
@@ -186,6 +187,32 @@ impl EgressPolicy {
             return true;
         }
         !self.deny.iter().any(|c| c.contains(ip))
+    }
+}
+
+impl EgressPolicy {
+    /// Whether the slot sends web traffic through the egress proxy (it has domain rules).
+    pub fn proxied(&self) -> bool {
+        !self.allow_domains.is_empty()
+    }
+
+    /// The egress proxy's decision for a connection to `dst` whose request names `host` (the
+    /// HTTP Host or the TLS SNI; None when it names none): never an always-deny address;
+    /// an allowed CIDR or a matching domain rule lets it through (allow beats deny); else
+    /// the deny rules decide, as for any other traffic.
+    pub fn permits_named(&self, dst: Ipv4Addr, host: Option<&str>, always_deny: &[Cidr4]) -> bool {
+        if always_deny.iter().any(|c| c.contains(dst)) {
+            return false;
+        }
+        if self.allow.iter().any(|c| c.contains(dst)) {
+            return true;
+        }
+        if let Some(h) = host
+            && self.allow_domains.iter().any(|p| p.matches(h))
+        {
+            return true;
+        }
+        !self.deny.iter().any(|c| c.contains(dst))
     }
 }
 
@@ -297,6 +324,37 @@ mod tests {
         );
         assert!(DomainPattern::parse("-bad.test").is_none());
         assert!(DomainPattern::parse("a..b").is_none());
+    }
+
+    #[test]
+    fn the_proxy_decides_by_name_address_and_always_deny() {
+        let p = EgressPolicy::from_e2b(
+            None,
+            &s(&["allowed.test", "*.wild.test", "198.51.100.7"]),
+            &s(&[ALL_TRAFFIC]),
+        )
+        .unwrap();
+        assert!(p.proxied());
+        assert!(!EgressPolicy::default().proxied());
+        let ad = always_deny(&[]);
+        let public: Ipv4Addr = "203.0.113.10".parse().unwrap();
+        assert!(p.permits_named(public, Some("allowed.test"), &ad));
+        assert!(p.permits_named(public, Some("a.wild.test"), &ad));
+        assert!(!p.permits_named(public, Some("wild.test"), &ad));
+        assert!(!p.permits_named(public, Some("other.test"), &ad));
+        assert!(!p.permits_named(public, None, &ad));
+        // An allowed address needs no name; an always-denied one is never reached by name.
+        assert!(p.permits_named("198.51.100.7".parse().unwrap(), None, &ad));
+        for ip in ["10.11.0.3", "169.254.169.254", "127.0.0.1", "192.168.1.1"] {
+            assert!(
+                !p.permits_named(ip.parse().unwrap(), Some("allowed.test"), &ad),
+                "{ip}"
+            );
+        }
+        // `*` allows any name, still not the forbidden ranges.
+        let any = EgressPolicy::from_e2b(None, &s(&["*"]), &s(&[ALL_TRAFFIC])).unwrap();
+        assert!(any.permits_named(public, Some("whatever.example"), &ad));
+        assert!(!any.permits_named(public, None, &ad));
     }
 
     #[test]

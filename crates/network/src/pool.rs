@@ -305,6 +305,11 @@ impl Pool {
         &self.inner.host.warnings
     }
 
+    /// The destinations no policy opens (the egress proxy checks them too).
+    pub fn always_deny(&self) -> &[crate::plan::Cidr4] {
+        &self.inner.host.always_deny
+    }
+
     /// The uplink the host table masquerades out of.
     pub fn uplink(&self) -> &str {
         &self.inner.host.uplink

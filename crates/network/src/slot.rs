@@ -155,13 +155,19 @@ pub(crate) fn adopt(host: &Host, id: u32, policy: EgressPolicy) -> Result<Slot> 
     })
 }
 
-/// Replaces the slot's user rules with `policy`'s, in one transaction.
+/// Adds to `b`: the slot's user and proxy chains replaced with `policy`'s.
+fn replace_policy(b: &mut crate::nft::wire::Batch, addrs: &SlotAddrs, policy: &EgressPolicy) {
+    let user = slot_table::user_rules(policy);
+    let proxy = slot_table::proxy_rules(policy, addrs.veth_host_ip);
+    rules::replace_chain(b, slot_table::TABLE, slot_table::USER_CHAIN, &user);
+    rules::replace_chain(b, slot_table::TABLE, slot_table::PROXY_CHAIN, &proxy);
+}
+
+/// Replaces the slot's policy (user rules, proxy redirects) in one transaction.
 pub(crate) fn set_policy(slot: &mut Slot, policy: EgressPolicy) -> Result<()> {
-    let user = slot_table::user_rules(&policy);
+    let addrs = slot.addrs.clone();
     netns::run_in(&slot.open_netns()?, || {
-        Nft::open()?.commit("replace policy", |b| {
-            rules::replace_chain(b, slot_table::TABLE, slot_table::USER_CHAIN, &user)
-        })
+        Nft::open()?.commit("replace policy", |b| replace_policy(b, &addrs, &policy))
     })?;
     slot.policy = policy;
     Ok(())
@@ -169,11 +175,11 @@ pub(crate) fn set_policy(slot: &mut Slot, policy: EgressPolicy) -> Result<()> {
 
 /// Resets a returned slot for its next sandbox: default policy, no conntrack state.
 pub(crate) fn reset(slot: &mut Slot) -> Result<()> {
-    let user = slot_table::user_rules(&EgressPolicy::default());
+    let addrs = slot.addrs.clone();
     netns::run_in(&slot.open_netns()?, || {
         let mut nft = Nft::open()?;
         nft.commit("reset policy", |b| {
-            rules::replace_chain(b, slot_table::TABLE, slot_table::USER_CHAIN, &user)
+            replace_policy(b, &addrs, &EgressPolicy::default())
         })?;
         nft.flush_conntrack()
     })?;

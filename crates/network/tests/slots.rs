@@ -181,7 +181,8 @@ fn every_rule_kind_and_live_replace() {
         (
             policy(None, &["*.ok.test", "203.0.113.10"], &[ALL_TRAFFIC]),
             (true, false),
-            "domain rules are kept but not enforced",
+            "domain rules: an allowed CIDR stays on the kernel path, the rest goes to the \
+             egress proxy (none runs here)",
         ),
         (EgressPolicy::default(), (true, true), "default"),
     ];
@@ -615,4 +616,211 @@ fn bench_net_slot_setup() {
             p(100)
         );
     }
+}
+
+/// Sends `bytes` from the guest to `addr` and returns all it answers before closing (empty
+/// when the connection fails or is closed unanswered).
+fn exchange(g: &Guest, addr: SocketAddrV4, bytes: Vec<u8>) -> Vec<u8> {
+    use std::io::{Read, Write};
+    sandfork_network::netns::run_in(&g.ns, move || {
+        let Ok(mut s) =
+            std::net::TcpStream::connect_timeout(&addr.into(), Duration::from_millis(2500))
+        else {
+            return Ok(Vec::new());
+        };
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let _ = s.write_all(&bytes);
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        Ok(out)
+    })
+    .unwrap()
+}
+
+/// A stand-in TLS server on `addr` in the internet: reads a ClientHello and answers
+/// `tls <sni>` (no handshake: only what reached it matters).
+fn tls_server(w: &World, addr: SocketAddrV4) {
+    use sandfork_network::egress::{Parse, sni};
+    use std::io::{Read, Write};
+    let l = sandfork_network::netns::run_in(&w.inet, || {
+        std::net::TcpListener::bind(addr).map_err(|e| Error::Plan(e.to_string()))
+    })
+    .unwrap();
+    std::thread::spawn(move || {
+        for mut c in l.incoming().flatten() {
+            std::thread::spawn(move || {
+                c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                while let Ok(n) = c.read(&mut chunk) {
+                    if n == 0 {
+                        break;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    match sni::server_name(&buf) {
+                        Parse::NeedMore => continue,
+                        Parse::Done(name) => {
+                            let _ = write!(c, "tls {}", name.unwrap_or_default());
+                        }
+                        Parse::Invalid => {}
+                    }
+                    break;
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn domain_rules_pass_web_traffic_by_host_and_sni_through_the_egress_proxy() {
+    use sandfork_network::egress::{EgressProxy, ProxyTarget, TargetLookup, sni};
+    use sandfork_network::plan::{EGRESS_PROXY_HTTP_PORT, EGRESS_PROXY_TLS_PORT};
+    use std::sync::atomic::Ordering;
+    if !privileged() {
+        return;
+    }
+    let w = World::new();
+    tls_server(&w, SocketAddrV4::new(WEB_A, 443));
+    let (pool, _) = Pool::start(w.pool_config(1, 4), &[]).unwrap();
+    let domains = policy(None, &["allowed.test", "*.wild.test"], &[ALL_TRAFFIC]);
+    let mut slot = pool.take(&domains).unwrap();
+    let g = Guest::attach(&w, "g", &slot);
+    // What the node keeps: each running slot's policy and namespace by its host address.
+    let table: Arc<RwLock<HashMap<Ipv4Addr, ProxyTarget>>> = Arc::default();
+    let set = |slot: &sandfork_network::Slot| {
+        table.write().unwrap().insert(
+            slot.addrs().host_ip,
+            ProxyTarget {
+                policy: slot.policy().clone(),
+                netns: slot.anchor().to_owned(),
+            },
+        );
+    };
+    set(&slot);
+    let t2 = table.clone();
+    let lookup: Arc<TargetLookup> = Arc::new(move |ip| t2.read().unwrap().get(&ip).cloned());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let _in_rt = rt.enter();
+    let proxy = EgressProxy::start(
+        SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, EGRESS_PROXY_HTTP_PORT),
+        SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, EGRESS_PROXY_TLS_PORT),
+        lookup,
+        sandfork_network::policy::always_deny(&[]),
+        Some(w.host_path.clone()),
+    )
+    .unwrap();
+
+    let get = |host: &str| format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n").into_bytes();
+    let text = |b: Vec<u8>| String::from_utf8_lossy(&b).into_owned();
+    let web_a = SocketAddrV4::new(WEB_A, 80);
+    let tls_a = SocketAddrV4::new(WEB_A, 443);
+    // HTTP by Host: the server sees the request line, from the node's uplink address.
+    let got = text(exchange(&g, web_a, get("allowed.test")));
+    assert!(
+        got.starts_with("203.0.113.10 GET / HTTP/1.1 198.51.100.1:"),
+        "{got}"
+    );
+    let got = text(exchange(&g, web_a, get("a.wild.test:80")));
+    assert!(got.starts_with("203.0.113.10 GET"), "{got}");
+    for denied in ["other.test", "wild.test", "allowed.test.evil"] {
+        let got = text(exchange(&g, web_a, get(denied)));
+        assert!(got.starts_with("HTTP/1.1 403 Forbidden"), "{denied}: {got}");
+    }
+    // TLS by SNI, the ClientHello in one record or in many.
+    assert_eq!(
+        text(exchange(
+            &g,
+            tls_a,
+            sni::client_hello(Some("allowed.test"), 16384)
+        )),
+        "tls allowed.test"
+    );
+    assert_eq!(
+        text(exchange(
+            &g,
+            tls_a,
+            sni::client_hello(Some("x.wild.test"), 50)
+        )),
+        "tls x.wild.test"
+    );
+    let alert = vec![21, 3, 3, 0, 2, 2, 112];
+    assert_eq!(
+        exchange(&g, tls_a, sni::client_hello(Some("other.test"), 16384)),
+        alert
+    );
+    assert_eq!(exchange(&g, tls_a, sni::client_hello(None, 16384)), alert);
+    // Garbage is closed unanswered; other ports stay on the kernel's rules (denied).
+    assert!(exchange(&g, tls_a, b"GET / HTTP/1.1\r\n\r\n".to_vec()).is_empty());
+    assert!(exchange(&g, web_a, vec![0; 64]).is_empty());
+    assert_eq!(g.ask(WEB_B, "x").map(|_| ()), None);
+    assert!(exchange(&g, SocketAddrV4::new(WEB_A, 8080), get("allowed.test")).is_empty());
+    // An allowed name never opens a forbidden address.
+    let got = text(exchange(
+        &g,
+        SocketAddrV4::new(PRIVATE, 80),
+        get("allowed.test"),
+    ));
+    assert!(got.starts_with("HTTP/1.1 403"), "{got}");
+    let got = text(exchange(
+        &g,
+        SocketAddrV4::new(METADATA, 80),
+        get("allowed.test"),
+    ));
+    assert!(got.starts_with("HTTP/1.1 403"), "{got}");
+    // The guest cannot use the proxy's ports directly as a way out either.
+    let direct = SocketAddrV4::new(slot.addrs().veth_host_ip, EGRESS_PROXY_HTTP_PORT);
+    let got = text(exchange(&g, direct, get("allowed.test")));
+    assert!(got.is_empty() || got.starts_with("HTTP/1.1 403"), "{got}");
+
+    // What the proxy costs a connection (conntrack lookup, head read, dial): fetches by
+    // name through it against the same fetches of an allowed address (kernel path).
+    let timed = |g: &Guest, n: u32| {
+        let t = std::time::Instant::now();
+        for _ in 0..n {
+            let got = text(exchange(g, web_a, get("allowed.test")));
+            assert!(got.starts_with("203.0.113.10 GET"), "{got}");
+        }
+        t.elapsed().as_secs_f64() * 1e3 / f64::from(n)
+    };
+    let proxied_ms = timed(&g, 20);
+    pool.set_policy(
+        &mut slot,
+        policy(None, &["allowed.test", "203.0.113.10"], &[ALL_TRAFFIC]),
+    )
+    .unwrap();
+    set(&slot);
+    let direct_ms = timed(&g, 20);
+    eprintln!("HTTP fetch: {proxied_ms:.2} ms through the egress proxy, {direct_ms:.2} ms direct");
+
+    // A policy replaced live: the new name passes, the old one no longer.
+    let replaced = policy(None, &["other.test"], &[ALL_TRAFFIC]);
+    pool.set_policy(&mut slot, replaced).unwrap();
+    set(&slot);
+    let got = text(exchange(&g, web_a, get("other.test")));
+    assert!(got.starts_with("203.0.113.10 GET"), "{got}");
+    let got = text(exchange(&g, web_a, get("allowed.test")));
+    assert!(got.starts_with("HTTP/1.1 403"), "{got}");
+    // Without domain rules the proxy is out of the path: the kernel's rules decide.
+    pool.set_policy(&mut slot, policy(None, &[], &["203.0.113.11"]))
+        .unwrap();
+    set(&slot);
+    assert!(g.ask(WEB_A, "plain").unwrap().contains("plain"));
+    assert_eq!(g.ask(WEB_B, "plain"), None);
+    let stats = proxy.stats();
+    eprintln!(
+        "proxy: {} allowed, {} denied, {} dropped, {} unreachable",
+        stats.allowed.load(Ordering::Relaxed),
+        stats.denied.load(Ordering::Relaxed),
+        stats.dropped.load(Ordering::Relaxed),
+        stats.unreachable.load(Ordering::Relaxed)
+    );
+    assert_eq!(stats.allowed.load(Ordering::Relaxed), 5 + 20);
+    drop(proxy);
+    drop(g);
+    pool.release(slot);
+    pool.shutdown(true).unwrap();
 }

@@ -5,7 +5,8 @@
 //! back when its VMM is gone. After a restart the slots of adopted sandboxes
 //! are adopted and the rest reclaimed. One DNS forwarder serves every slot's
 //! guest (each slot DNATs its gateway's port 53 to it) and answers per the
-//! policy of the lease it comes from.
+//! policy of the lease it comes from. Likewise one egress proxy serves the
+//! web traffic of every slot whose policy has domain rules.
 
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddrV4};
@@ -13,6 +14,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 
 use sandfork_network::dns::{AccessLookup, DnsAccess, DnsForwarder};
+use sandfork_network::egress::{EgressProxy, ProxyTarget, TargetLookup};
 use sandfork_network::{EgressPolicy, HostConfig, InUse, PoolConfig, Slot};
 use serde::{Deserialize, Serialize};
 
@@ -52,9 +54,15 @@ fn default_dns_upstream() -> Option<SocketAddrV4> {
     sandfork_network::dns::upstream_from_resolv_conf(&text).map(|ip| SocketAddrV4::new(ip, 53))
 }
 
-/// What each leased slot's guest may resolve, by the slot's host address
-/// (the source the forwarder sees its queries from).
-type DnsTable = Arc<RwLock<HashMap<Ipv4Addr, DnsAccess>>>;
+/// What each leased slot's guest may resolve and reach by name, by the slot's
+/// host address (the source the forwarder and the egress proxy see).
+type DnsTable = Arc<RwLock<HashMap<Ipv4Addr, Leased>>>;
+
+#[derive(Clone)]
+struct Leased {
+    dns: DnsAccess,
+    proxy: ProxyTarget,
+}
 
 /// The slot a running sandbox is in, as its record keeps it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -104,6 +112,8 @@ pub struct Slots {
     dns: DnsTable,
     /// None when it could not start (the node runs on, its guests resolve nothing).
     forwarder: Mutex<Option<DnsForwarder>>,
+    /// None when it could not start (web traffic of domain rules is refused).
+    egress: Mutex<Option<EgressProxy>>,
 }
 
 impl Slots {
@@ -145,11 +155,13 @@ impl Slots {
         );
         let dns = DnsTable::default();
         let forwarder = start_forwarder(cfg, dns.clone());
+        let egress = start_egress_proxy(dns.clone(), pool.always_deny().to_vec());
         Ok(Arc::new(Slots {
             pool: RwLock::new(Some(pool)),
             adopted: Mutex::new(reclaimed.adopted.into_iter().map(|s| (s.id(), s)).collect()),
             dns,
             forwarder: Mutex::new(forwarder),
+            egress: Mutex::new(egress),
         }))
     }
 
@@ -241,6 +253,7 @@ impl Slots {
                 .unwrap_or_else(|p| p.into_inner())
                 .take(),
         );
+        drop(self.egress.lock().unwrap_or_else(|p| p.into_inner()).take());
         let pool = self.pool.write().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(p) = pool
             && let Err(e) = p.shutdown(true)
@@ -252,10 +265,56 @@ impl Slots {
 
 impl Slots {
     fn lease_dns(&self, slot: &Slot) {
-        self.dns
-            .write()
+        self.dns.write().unwrap_or_else(|p| p.into_inner()).insert(
+            slot.addrs().host_ip,
+            Leased {
+                dns: DnsAccess::of(slot.policy()),
+                proxy: ProxyTarget {
+                    policy: slot.policy().clone(),
+                    netns: slot.anchor().to_owned(),
+                },
+            },
+        );
+    }
+}
+
+/// Starts the egress proxy on the node's side of every slot veth (all
+/// addresses; only connections from a leased slot's host address are served).
+/// A failure is logged, not fatal: domain rules then let no web traffic out.
+fn start_egress_proxy(
+    leases: DnsTable,
+    always_deny: Vec<sandfork_network::Cidr4>,
+) -> Option<EgressProxy> {
+    use sandfork_network::plan::{EGRESS_PROXY_HTTP_PORT, EGRESS_PROXY_TLS_PORT};
+    let lookup: Arc<TargetLookup> = Arc::new(move |ip| {
+        leases
+            .read()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(slot.addrs().host_ip, DnsAccess::of(slot.policy()));
+            .get(&ip)
+            .map(|l| l.proxy.clone())
+    });
+    let any = |port| SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port);
+    match EgressProxy::start(
+        any(EGRESS_PROXY_HTTP_PORT),
+        any(EGRESS_PROXY_TLS_PORT),
+        lookup,
+        always_deny,
+        None,
+    ) {
+        Ok(p) => {
+            tracing::info!(
+                "networking: egress proxy for domain rules on ports {EGRESS_PROXY_HTTP_PORT} \
+                 (HTTP) and {EGRESS_PROXY_TLS_PORT} (TLS)"
+            );
+            Some(p)
+        }
+        Err(e) => {
+            tracing::warn!(
+                "networking: the egress proxy cannot start ({e}): sandboxes with domain rules \
+                 reach no web server by name"
+            );
+            None
+        }
     }
 }
 
@@ -275,7 +334,7 @@ fn start_forwarder(cfg: &NetworkConfig, dns: DnsTable) -> Option<DnsForwarder> {
         dns.read()
             .unwrap_or_else(|p| p.into_inner())
             .get(&ip)
-            .cloned()
+            .map(|l| l.dns.clone())
     });
     let listen = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, sandfork_network::dns::FORWARDER_PORT);
     match DnsForwarder::start(listen, upstream, lookup) {

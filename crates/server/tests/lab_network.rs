@@ -23,6 +23,11 @@
 //! and after their kills and a clean stop the host has no slot veth, anchor
 //! or nftables table more than before.
 //!
+//! Domain rules (`allowOut` names with all else denied) go through the node's
+//! egress proxy: a TLS server in the same internet (openssl's certificate,
+//! the host's Python) tells which SNI reached it; names are allowed by Host
+//! and SNI, wildcards too, refused otherwise, replaced live, kept by a fork.
+//!
 //! Needs what `lab_serve` needs, and `ip` (iproute2) for the test world.
 
 mod common;
@@ -883,4 +888,224 @@ async fn guests_cannot_spoof_or_reach_the_node_or_each_other_and_keep_their_netw
     node.stop();
     // Kills and a clean stop: the host as it was.
     assert_eq!(host_network_state(&anchors), before);
+}
+
+/// A TLS server in the test's internet on `ip`:443 with a certificate for
+/// every name of [`ZONE`] (made by `openssl`, served by the host's Python):
+/// answers any request with `hello tls <the SNI it was sent>`. Killed when
+/// dropped.
+struct TlsServer(std::process::Child);
+
+impl TlsServer {
+    const SCRIPT: &'static str = r#"
+import socket, ssl, sys, threading
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(sys.argv[1], sys.argv[2])
+seen = {}
+ctx.sni_callback = lambda s, name, c: seen.__setitem__(id(s), name)
+srv = socket.create_server((sys.argv[3], 443))
+def serve(c):
+    try:
+        with ctx.wrap_socket(c, server_side=True) as t:
+            t.settimeout(10)
+            t.recv(4096)
+            body = "hello tls %s\n" % seen.pop(id(t), None)
+            t.sendall(("HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)).encode())
+    except Exception:
+        pass
+while True:
+    c, _ = srv.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"#;
+
+    fn start(internet: &Internet, ip: Ipv4Addr, dir: &Path) -> TlsServer {
+        let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
+        sh(&[
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            &format!("/CN=sandfork{ZONE}"),
+            "-addext",
+            &format!("subjectAltName=DNS:*{ZONE},DNS:*.wild{ZONE}"),
+            "-keyout",
+            &key.display().to_string(),
+            "-out",
+            &cert.display().to_string(),
+        ]);
+        let child = Command::new("nsenter")
+            .arg(format!("--net={}", internet.anchor.display()))
+            .args(["/usr/bin/python3", "-c", Self::SCRIPT])
+            .arg(&cert)
+            .arg(&key)
+            .arg(ip.to_string())
+            .spawn()
+            .expect("the TLS server");
+        let server = TlsServer(child);
+        let t = Instant::now();
+        while !host_reaches(SocketAddr::from((ip, 443))) {
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "the TLS server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        server
+    }
+}
+
+impl Drop for TlsServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// What `curl` in the guest gets from `url` (body only, certificate not
+/// checked), "" when it fails; `to` pins the name to an address instead of
+/// the guest's DNS (which refuses names the rules do not allow).
+async fn curl(node: SocketAddr, sandbox: &Created, url: &str, to: Option<Ipv4Addr>) -> String {
+    let pin = to
+        .map(|ip| {
+            let rest = url.split("://").nth(1).unwrap_or("");
+            let host = rest.split('/').next().unwrap_or("");
+            let port = if url.starts_with("https") { 443 } else { 80 };
+            format!("--resolve {host}:{port}:{ip}")
+        })
+        .unwrap_or_default();
+    let script = format!("curl -sk --max-time 20 {pin} {url} 2>/dev/null; true");
+    let (code, out) = run(node, &sandbox.routing(), &script).await;
+    assert_eq!(code, 0, "{out}");
+    out.trim().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab: boots microVMs, makes network namespaces"]
+async fn domain_rules_let_web_traffic_out_by_host_and_sni() {
+    let world = tempfile::tempdir().unwrap();
+    let internet = Internet::make(&world.path().join("internet"));
+    let _tls = TlsServer::start(&internet, WEB_A, world.path());
+    let data = tempfile::tempdir().unwrap();
+    let node = Node::start(lab_config(data.path())).await;
+    let name = |n: &str| format!("{n}{ZONE}");
+    let (allowed, other) = (name("allowed"), name("other"));
+    let sbx = node
+        .create(json!({"templateID": "base", "timeout": 600, "network": {
+            "allowOut": [allowed, format!("*.wild{ZONE}")],
+            "denyOut": ["0.0.0.0/0"]}}))
+        .await;
+    let t = Instant::now();
+    assert_eq!(
+        curl(node.addr, &sbx, &format!("https://{allowed}/"), None).await,
+        format!("hello tls {allowed}")
+    );
+    eprintln!(
+        "first HTTPS fetch through the egress proxy in {:?}",
+        t.elapsed()
+    );
+    assert_eq!(
+        curl(node.addr, &sbx, &format!("http://{allowed}/"), None).await,
+        format!("hello a {UPLINK_IP}")
+    );
+    let wild = name("x.wild");
+    assert_eq!(
+        curl(node.addr, &sbx, &format!("https://{wild}/"), None).await,
+        format!("hello tls {wild}")
+    );
+    // Names the rules do not allow: not resolved, and refused by name even
+    // at an address that serves an allowed one.
+    assert_eq!(resolve(node.addr, &sbx, &other).await, "");
+    for denied in [other.as_str(), &name("wild")] {
+        let https = curl(node.addr, &sbx, &format!("https://{denied}/"), Some(WEB_A)).await;
+        assert_eq!(https, "", "{denied} over TLS");
+        let http_ = curl(node.addr, &sbx, &format!("http://{denied}/"), Some(WEB_A)).await;
+        assert!(
+            http_.contains("do not allow"),
+            "{denied} over HTTP: {http_}"
+        );
+    }
+    // A request naming no host is refused too.
+    let nameless = fetch(node.addr, &sbx, WEB_B, 80).await;
+    assert!(nameless.contains("do not allow"), "{nameless}");
+    let detail = http(
+        node.addr,
+        "GET",
+        &format!("/sandboxes/{}", sbx.id),
+        &node.auth(),
+        "",
+    )
+    .await
+    .json();
+    assert_eq!(
+        detail["network"]["allowOut"],
+        json!([allowed, format!("*.wild{ZONE}")]),
+        "{detail}"
+    );
+
+    // Replaced live: the other name passes, the first no longer.
+    assert_eq!(
+        node.put_network(
+            &sbx.id,
+            json!({"allowOut": [other], "denyOut": ["0.0.0.0/0"]})
+        )
+        .await,
+        204
+    );
+    assert_eq!(
+        curl(node.addr, &sbx, &format!("https://{other}/"), None).await,
+        format!("hello tls {other}")
+    );
+    assert_eq!(
+        curl(node.addr, &sbx, &format!("https://{allowed}/"), Some(WEB_A)).await,
+        ""
+    );
+    // A fork child keeps the rules in its own slot.
+    let forked = http(
+        node.addr,
+        "POST",
+        &format!("/sandboxes/{}/fork", sbx.id),
+        &node.auth(),
+        r#"{"count":1,"timeout":600}"#,
+    )
+    .await;
+    assert_eq!(forked.status, 201, "{:?}", forked.body);
+    let c = &forked.json()[0];
+    let child = Created {
+        id: c["sandbox"]["sandboxID"].as_str().unwrap().to_owned(),
+        token: c["sandbox"]["envdAccessToken"].as_str().unwrap().to_owned(),
+        answer: c.clone(),
+    };
+    assert_eq!(
+        curl(node.addr, &child, &format!("https://{other}/"), None).await,
+        format!("hello tls {other}")
+    );
+    assert_eq!(
+        curl(
+            node.addr,
+            &child,
+            &format!("http://{allowed}/"),
+            Some(WEB_A)
+        )
+        .await,
+        format!("sandfork: this sandbox's network rules do not allow {allowed}")
+    );
+    for s in [&child, &sbx] {
+        let gone = http(
+            node.addr,
+            "DELETE",
+            &format!("/sandboxes/{}", s.id),
+            &node.auth(),
+            "",
+        )
+        .await;
+        assert_eq!(gone.status, 204);
+    }
+    node.stop().await;
 }

@@ -483,6 +483,31 @@ fn server_api(dir: &Path) {
     }
 }
 
+/// What a guest sends the egress proxy first: ClientHellos (one record, and
+/// cut into small ones, with and without a name) and HTTP request heads.
+fn egress(dir: &Path) {
+    use sandfork_network::egress::sni::client_hello;
+    let hellos = [
+        ("hello", client_hello(Some("allowed.test"), 16384)),
+        ("hello-split", client_hello(Some("a.wild.test"), 20)),
+        ("hello-no-name", client_hello(None, 16384)),
+    ];
+    for (name, hello) in hellos {
+        write(dir, "egress_heads", name, &hello);
+    }
+    let heads = [
+        ("get", "GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n"),
+        (
+            "absolute",
+            "GET http://a.test/x HTTP/1.1\r\nHost: a.test\r\n\r\n",
+        ),
+        ("no-host", "GET / HTTP/1.0\r\n\r\n"),
+    ];
+    for (name, head) in heads {
+        write(dir, "egress_heads", name, head.as_bytes());
+    }
+}
+
 fn main() {
     let dir = std::env::args_os()
         .nth(1)
@@ -498,4 +523,5 @@ fn main() {
     mmio(dir);
     vmm_api(dir);
     server_api(dir);
+    egress(dir);
 }

@@ -2,7 +2,8 @@
 guest address; `allow_internet_access=False` and `network={...}` are kept
 (get_info) and `update_network` replaces them; bad rules are refused. Which
 traffic passes is the lab test's part (crates/server/tests/lab_network.rs,
-against an internet of its own). One test goes off the machine as a user
+against an internet of its own); domain rules are checked here only by what
+the node answers itself (names refused, the egress proxy's 403). One test goes off the machine as a user
 would: `pip install` of a small package from the package index this host's
 pip is configured for (read at run time, never written here), through the
 sandbox's slot, the node's DNS forwarder and the lab's own network."""
@@ -15,7 +16,7 @@ import sys
 from urllib.parse import urlsplit
 
 import pytest
-from e2b import Sandbox, SandboxException
+from e2b import ALL_TRAFFIC, Sandbox, SandboxException
 
 from conftest import create
 
@@ -116,3 +117,28 @@ def test_bad_network_rules_are_refused():
     with pytest.raises(SandboxException) as e:
         create(network={"allow_out": ["example.com"]}, timeout=60)
     assert "ALL_TRAFFIC" in str(e.value)
+
+
+def test_domain_rules_are_kept_and_other_names_refused_by_the_node():
+    allowed = ["allowed.sandfork.test", "*.wild.sandfork.test"]
+    sbx = create(network={"allow_out": allowed, "deny_out": [ALL_TRAFFIC]})
+    try:
+        info = sbx.get_info()
+        assert info.network is not None
+        assert info.network.get("allow_out") == allowed, info.network
+        # The node's DNS forwarder resolves only allowed names.
+        r = sbx.commands.run("getent hosts other.sandfork.test; echo rc=$?")
+        assert not r.stdout.strip().endswith("rc=0"), r.stdout
+        # The egress proxy refuses another name itself: the address
+        # (TEST-NET-1) is never dialled, nothing leaves the node.
+        r = sbx.commands.run(
+            "curl -s -m 20 -H 'Host: other.sandfork.test' http://192.0.2.1/; true"
+        )
+        assert "do not allow other.sandfork.test" in r.stdout, (r.stdout, r.stderr)
+        r = sbx.commands.run(
+            "curl -sk -m 20 --resolve other.sandfork.test:443:192.0.2.1 "
+            "https://other.sandfork.test/ >/dev/null; echo rc=$?"
+        )
+        assert r.stdout.strip() not in ("", "rc=0"), r.stdout  # the TLS handshake fails
+    finally:
+        sbx.kill()

@@ -7,14 +7,17 @@ use std::net::Ipv4Addr;
 use super::expr::NatKind;
 use super::rules::*;
 use crate::plan::{
-    Cidr4, DNS_FORWARDER_PORT, GATEWAY_IP, GUEST_DNS_PORT, GUEST_IP, GUEST_MAC, SLOT_VETH_NAME,
-    TAP_NAME,
+    Cidr4, DNS_FORWARDER_PORT, GATEWAY_IP, GUEST_DNS_PORT, GUEST_IP, GUEST_MAC, PROXIED_PORTS,
+    SLOT_VETH_NAME, TAP_NAME,
 };
 use crate::policy::EgressPolicy;
 
 pub const TABLE: &str = "sf";
 /// The regular chain holding the user's allow and deny rules; a policy replace rewrites it.
 pub const USER_CHAIN: &str = "user";
+/// The regular (NAT) chain sending web traffic to the egress proxy when the policy has
+/// domain rules; a policy replace rewrites it with the user chain.
+pub const PROXY_CHAIN: &str = "web_proxy";
 const ALWAYS_DENY_CHAIN: &str = "always_deny";
 
 /// The whole slot table for host address `host_ip` and veth host end `veth_host_ip` (where
@@ -40,6 +43,10 @@ pub fn table(
             name: USER_CHAIN,
             base: None,
         },
+        Chain {
+            name: PROXY_CHAIN,
+            base: None,
+        },
     ];
     const UDP: u8 = libc::IPPROTO_UDP as u8;
     const TCP: u8 = libc::IPPROTO_TCP as u8;
@@ -53,6 +60,13 @@ pub fn table(
                 ip_daddr(veth_host_ip),
                 dport(proto, DNS_FORWARDER_PORT),
             ],
+            accept(),
+        )
+    };
+    let to_proxy = |port| {
+        Rule::new(
+            "egress",
+            [iif(TAP_NAME), ip_daddr(veth_host_ip), dport(TCP, port)],
             accept(),
         )
     };
@@ -77,6 +91,10 @@ pub fn table(
         Rule::new("egress", [established()], accept()),
         to_forwarder(UDP),
         to_forwarder(TCP),
+        // Likewise the connections the proxy chain DNATed to the egress proxy (it applies the
+        // policy and the always-deny list to their original destinations).
+        to_proxy(crate::plan::EGRESS_PROXY_HTTP_PORT),
+        to_proxy(crate::plan::EGRESS_PROXY_TLS_PORT),
         Rule::new("egress", [], jump(ALWAYS_DENY_CHAIN)),
         Rule::new("egress", [], jump(USER_CHAIN)),
         // The guest may answer but not connect to anything in the slot namespace.
@@ -95,10 +113,12 @@ pub fn table(
             nat_to_port(NatKind::Dnat, veth_host_ip, DNS_FORWARDER_PORT),
         ));
     }
+    rules.push(Rule::new("pre_nat", [iif(TAP_NAME)], jump(PROXY_CHAIN)));
     for c in always_deny {
         rules.push(Rule::new(ALWAYS_DENY_CHAIN, [ip_daddr_in(*c)], reject()));
     }
     rules.extend(user_rules(policy));
+    rules.extend(proxy_rules(policy, veth_host_ip));
     Table {
         name: TABLE,
         chains,
@@ -119,6 +139,27 @@ pub fn user_rules(policy: &EgressPolicy) -> Vec<Rule> {
     v
 }
 
+/// The proxy chain's rules: empty without domain rules; with them, allowed CIDRs keep the
+/// kernel path and the guest's other TCP to ports 80 and 443 is DNATed to the egress proxy
+/// on the veth's host end (the first packet of a connection only: NAT chains see no other).
+pub fn proxy_rules(policy: &EgressPolicy, veth_host_ip: Ipv4Addr) -> Vec<Rule> {
+    if !policy.proxied() {
+        return Vec::new();
+    }
+    let mut v = Vec::new();
+    for c in &policy.allow {
+        v.push(Rule::new(PROXY_CHAIN, [ip_daddr_in(*c)], accept()));
+    }
+    for (guest_port, proxy_port) in PROXIED_PORTS {
+        v.push(Rule::new(
+            PROXY_CHAIN,
+            [dport(libc::IPPROTO_TCP as u8, guest_port)],
+            nat_to_port(NatKind::Dnat, veth_host_ip, proxy_port),
+        ));
+    }
+    v
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::expr::{Expr, Verdict};
@@ -134,9 +175,10 @@ mod tests {
             &EgressPolicy::default(),
         );
         let egress: Vec<&Rule> = t.rules.iter().filter(|r| r.chain == "egress").collect();
-        assert_eq!(egress.len(), 6);
-        // the DNS forwarder (a private address), UDP and TCP, before the always-deny list
-        for r in &egress[2..4] {
+        assert_eq!(egress.len(), 8);
+        // the DNS forwarder (a private address), UDP and TCP, and the egress proxy's two
+        // ports, before the always-deny list
+        for r in &egress[2..6] {
             assert!(r.exprs.contains(&Expr::Cmp {
                 op: super::super::expr::CmpOp::Eq,
                 data: vec![10, 12, 0, 2]
@@ -144,11 +186,11 @@ mod tests {
             assert_eq!(r.exprs.last(), Some(&Expr::Verdict(Verdict::Accept)));
         }
         assert_eq!(
-            egress[4].exprs.last(),
+            egress[6].exprs.last(),
             Some(&Expr::Verdict(Verdict::Jump(ALWAYS_DENY_CHAIN.into())))
         );
         assert_eq!(
-            egress[5].exprs.last(),
+            egress[7].exprs.last(),
             Some(&Expr::Verdict(Verdict::Jump(USER_CHAIN.into())))
         );
         assert_eq!(
@@ -159,6 +201,34 @@ mod tests {
             10
         );
         assert_eq!(t.rules.iter().filter(|r| r.chain == USER_CHAIN).count(), 0);
+        assert_eq!(t.rules.iter().filter(|r| r.chain == PROXY_CHAIN).count(), 0);
+    }
+
+    #[test]
+    fn domain_rules_send_web_ports_to_the_proxy_but_not_allowed_cidrs() {
+        let p = EgressPolicy::from_e2b(
+            None,
+            &["allowed.test".into(), "203.0.113.10".into()],
+            &[ALL_TRAFFIC.into()],
+        )
+        .unwrap();
+        let veth: Ipv4Addr = "10.12.0.2".parse().unwrap();
+        let r = proxy_rules(&p, veth);
+        assert_eq!(r.len(), 3);
+        assert_eq!(r[0].exprs.last(), Some(&Expr::Verdict(Verdict::Accept)));
+        for (rule, (guest, proxy)) in r[1..].iter().zip(PROXIED_PORTS) {
+            assert!(rule.exprs.contains(&Expr::Cmp {
+                op: super::super::expr::CmpOp::Eq,
+                data: guest.to_be_bytes().to_vec()
+            }));
+            assert!(rule.exprs.ends_with(&[
+                Expr::Load(veth.octets().to_vec()),
+                Expr::LoadPort(proxy),
+                Expr::NatPort(NatKind::Dnat)
+            ]));
+        }
+        // the user chain still rejects the rest: allow, then deny all
+        assert_eq!(user_rules(&p).len(), 2);
     }
 
     #[test]
@@ -187,9 +257,10 @@ mod tests {
                 .exprs
                 .contains(&Expr::Load(GUEST_IP.octets().to_vec()))
         );
-        // the gateway's DNS port goes to the forwarder on the veth's host end
-        assert_eq!(dnat.len(), 3);
-        for r in &dnat[1..] {
+        // the gateway's DNS port goes to the forwarder on the veth's host end, then the jump
+        // to the proxy chain
+        assert_eq!(dnat.len(), 4);
+        for r in &dnat[1..3] {
             assert!(r.exprs.ends_with(&[
                 Expr::Load(vec![10, 12, 0, 14]),
                 Expr::LoadPort(DNS_FORWARDER_PORT),

@@ -63,14 +63,9 @@ fn resolve(
     allow_out: Vec<String>,
     deny_out: Vec<String>,
 ) -> Result<SandboxNetwork, ApiError> {
+    // Domain names pass too (with all traffic denied): the egress proxy enforces them.
     let policy = EgressPolicy::from_e2b(allow_internet_access, &allow_out, &deny_out)
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
-    if !policy.allow_domains.is_empty() {
-        return Err(ApiError::bad_request(
-            "domain names in network.allowOut are not supported by this node yet (it has no \
-             egress proxy): allow IP addresses or CIDRs",
-        ));
-    }
     Ok(SandboxNetwork {
         allow_internet_access,
         allow_out,
@@ -164,12 +159,25 @@ mod tests {
         .unwrap();
         assert_eq!(n.policy.allow.len(), 1);
         assert_eq!(n.deny_out, ["0.0.0.0/0"]);
+        let n = from_create(
+            None,
+            Some(body(
+                r#"{"allowOut":["allowed.test","*.wild.test"],"denyOut":["0.0.0.0/0"]}"#,
+            )),
+        )
+        .unwrap();
+        assert_eq!(n.policy.allow_domains.len(), 2);
+        assert!(n.policy.proxied());
         let cases = [
             (r#"{"denyOut":["nonsense/99"]}"#, "invalid denied CIDR"),
             (r#"{"allowOut":["example.com"]}"#, "ALL_TRAFFIC"),
             (
-                r#"{"allowOut":["example.com"],"denyOut":["0.0.0.0/0"]}"#,
-                "egress proxy",
+                r#"{"allowOut":["example.com"],"denyOut":["10.0.0.0/8"]}"#,
+                "ALL_TRAFFIC",
+            ),
+            (
+                r#"{"allowOut":["0.0.0.0/0"],"denyOut":["example.com"]}"#,
+                "IP addresses and CIDRs only",
             ),
             (
                 r#"{"maskRequestHost":"a:b:c"}"#,
