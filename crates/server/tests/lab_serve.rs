@@ -969,6 +969,20 @@ async fn every_vmm_runs_in_a_cgroup_limited_to_its_sandbox() {
     let threads: u64 = read(&hog_group, "pids.current").parse().unwrap();
     assert!((3..=66).contains(&threads), "{threads} tasks");
 
+    let hog_pid = {
+        let dir = node
+            .manager
+            .get(&hog.id)
+            .unwrap()
+            .vmm_dir
+            .expect("a VMM dir");
+        vmm_driver::process::ProcessIdentity::read(&dir)
+            .unwrap()
+            .pid
+    };
+    let pss_mib = || host_mem::ProcessMemory::of(hog_pid).unwrap().pss_kib / 1024;
+    let idle_pss = pss_mib();
+
     // Fills the guest's memory until its own kernel stops it.
     let hog_routing = routing(&hog);
     let hog_routing: Vec<(&str, &str)> =
@@ -988,6 +1002,26 @@ async fn every_vmm_runs_in_a_cgroup_limited_to_its_sandbox() {
     assert_eq!(
         run(addr, &hog_routing, "echo still here").await,
         (0, "still here\n".into())
+    );
+    // The hog's memory, freed in the guest when its kernel ended it, goes
+    // back to the host through the balloon's free page reporting: most of
+    // what the VMM grew by leaves its Pss (what admission charges).
+    let full = used >> 20;
+    let target = full - (full.saturating_sub(idle_pss)) * 3 / 4;
+    let freed = Instant::now();
+    let mut now = pss_mib();
+    while now > target && freed.elapsed() < Duration::from_secs(60) {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        now = pss_mib();
+    }
+    eprintln!(
+        "hog VMM: Pss {idle_pss} MiB idle, memory.current {full} MiB full, \
+         Pss {now} MiB {:.1} s later",
+        freed.elapsed().as_secs_f64()
+    );
+    assert!(
+        now <= target,
+        "Pss {now} MiB, expected at most {target} MiB"
     );
     let neighbour_routing = routing(&neighbour);
     let neighbour_routing: Vec<(&str, &str)> = neighbour_routing
