@@ -26,7 +26,19 @@ const BOOT_ARGS: &str = "console=ttyS0 reboot=k panic=1 pci=off nomodule i8042.n
 /// Spawns `vmm_binary` and boots the image (read-only root, vsock); returns
 /// once the VMM has started the guest.
 pub async fn launch(vmm_binary: &Path, image: &GuestImage) -> Result<VmmProcess> {
+    launch_with(vmm_binary, image, None).await
+}
+
+/// [`launch`] with a balloon device.
+pub async fn launch_with(
+    vmm_binary: &Path,
+    image: &GuestImage,
+    balloon: Option<&vmm_api::Balloon>,
+) -> Result<VmmProcess> {
     let vm = VmmProcess::spawn(vmm_binary).await?;
+    if let Some(balloon) = balloon {
+        vm.api().put_balloon(balloon).await?;
+    }
     vm.boot(&GuestSpec {
         kernel: image.kernel.clone(),
         boot_args: Some(BOOT_ARGS.into()),

@@ -53,6 +53,12 @@ pub struct ServeArgs {
     /// and its cpu, memory and pids controllers).
     #[arg(long)]
     no_cgroups: bool,
+    /// Guests get no balloon: memory a guest frees stays with its VMM
+    /// (by default it goes back to the host, through free page reporting).
+    /// Takes effect for templates built from then on; the base template is
+    /// rebuilt when it differs.
+    #[arg(long)]
+    no_balloon: bool,
     /// The cgroup, under the cgroup2 mount, the node's VMM groups live in
     /// (one more level per node, named as its run dir).
     #[arg(long, value_name = "PATH", default_value = "sandfork")]
@@ -299,6 +305,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         uplink: args.uplink.clone(),
         dns_upstream: args.dns_upstream,
     });
+    config.balloon = !args.no_balloon;
     config.cgroups = (!args.no_cgroups).then(|| server::cgroups::CgroupConfig {
         parent: args.cgroup_parent.clone(),
         ..Default::default()
@@ -468,6 +475,9 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
     }
     if args.no_cgroups {
         cmd.arg("--no-cgroups");
+    }
+    if args.no_balloon {
+        cmd.arg("--no-balloon");
     }
     cmd.arg("--cgroup-parent").arg(&args.cgroup_parent);
     if let Some(dns) = &args.dns_upstream {

@@ -43,6 +43,8 @@ pub struct Config {
     pub network: Option<crate::net::NetworkConfig>,
     /// How VMMs are confined in cgroups; None: they are not (`--no-cgroups`).
     pub cgroups: Option<crate::cgroups::CgroupConfig>,
+    /// Guests get a balloon with free page reporting (`--no-balloon`: not).
+    pub balloon: bool,
 }
 
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/sandfork";
@@ -51,6 +53,21 @@ pub const DEFAULT_DATA_DIR: &str = "/var/lib/sandfork";
 /// descriptors and threads the server holds (a fork of 100 plus others fits).
 pub const DEFAULT_MAX_SANDBOXES: usize = 1024;
 pub const DEFAULT_RUN_ROOT: &str = "/run/sandfork";
+
+/// The balloon every guest the node boots gets: empty (the node does not
+/// take memory a guest uses), free page reporting on (memory the guest
+/// frees goes back to the host a few seconds later, and so leaves the
+/// Pss the node admits by), deflate on OOM (a later target never costs the
+/// guest a process), no statistics (an idle guest is not woken for them).
+pub fn node_balloon() -> vmm_api::Balloon {
+    vmm_api::Balloon {
+        amount_mib: 0,
+        deflate_on_oom: true,
+        stats_polling_interval_s: 0,
+        free_page_reporting: true,
+        free_page_hinting: false,
+    }
+}
 
 impl Config {
     pub fn new(listen: SocketAddr, kernel: PathBuf, rootfs: PathBuf, vmm: PathBuf) -> Config {
@@ -71,6 +88,7 @@ impl Config {
             build_cache: None,
             network: None,
             cgroups: Some(crate::cgroups::CgroupConfig::default()),
+            balloon: true,
         }
     }
 

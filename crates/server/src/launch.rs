@@ -209,7 +209,7 @@ pub async fn launch_in(
             return Err(e.into());
         }
     };
-    match start(&mut vm, net.is_some(), &plan).await {
+    match start(&mut vm, net.is_some(), pool.balloon(), &plan).await {
         Ok(ready_after) => Ok(Launched {
             vm,
             cgroup,
@@ -227,6 +227,7 @@ pub async fn launch_in(
 async fn start(
     vm: &mut VmmProcess,
     networked: bool,
+    balloon: Option<&vmm_api::Balloon>,
     plan: &Plan,
 ) -> Result<Duration, ProcessError> {
     match &plan.guest {
@@ -245,6 +246,10 @@ async fn start(
                         Some(&mac),
                     ))
                     .await?;
+            }
+            // Snapshots of this guest keep it: restores need nothing here.
+            if let Some(balloon) = balloon {
+                vm.api().put_balloon(balloon).await?;
             }
             vm.boot(spec).await?
         }

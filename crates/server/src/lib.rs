@@ -101,6 +101,7 @@ impl Server {
             config.pool_size,
             net,
             cgroups,
+            config.balloon.then(config::node_balloon),
         );
         let capacity = capacity::Capacity::for_config(&config);
         let template = template::ensure_base(&config, &store, &pool, &capacity).await?;

@@ -36,22 +36,27 @@ pub struct Pool {
     /// Where launched VMMs are confined (set once, before the first launch).
     /// Where launched VMMs are confined, when the node confines them.
     cgroups: Option<Arc<NodeCgroups>>,
+    /// The balloon every cold-booted guest gets (and so every snapshot of
+    /// one, templates included); None: `--no-balloon`.
+    balloon: Option<vmm_api::Balloon>,
 }
 
 impl Pool {
     /// Creates the pool and starts filling it in the background.
     pub fn start(binary: PathBuf, run_dir: PathBuf, size: usize) -> Arc<Pool> {
-        Pool::start_with_network(binary, run_dir, size, None, None)
+        Pool::start_with_network(binary, run_dir, size, None, None, None)
     }
 
     /// [`Pool::start`] with every VMM in a slot of `net`, and every VMM it
-    /// launches confined in a cgroup of its own under `cgroups`.
+    /// launches confined in a cgroup of its own under `cgroups`, and every
+    /// guest it boots given `balloon`.
     pub fn start_with_network(
         binary: PathBuf,
         run_dir: PathBuf,
         size: usize,
         net: Option<Arc<Slots>>,
         cgroups: Option<Arc<NodeCgroups>>,
+        balloon: Option<vmm_api::Balloon>,
     ) -> Arc<Pool> {
         let pool = Arc::new(Pool {
             binary,
@@ -62,6 +67,7 @@ impl Pool {
             closed: AtomicBool::new(false),
             net,
             cgroups,
+            balloon,
         });
         if size > 0 {
             tokio::spawn(pool.clone().refill());
@@ -80,6 +86,11 @@ impl Pool {
     /// The node's cgroups, when it confines its VMMs.
     pub fn cgroups(&self) -> Option<&Arc<NodeCgroups>> {
         self.cgroups.as_ref()
+    }
+
+    /// The balloon a booted guest gets, when the node gives guests one.
+    pub fn balloon(&self) -> Option<&vmm_api::Balloon> {
+        self.balloon.as_ref()
     }
 
     /// The node's network slots, when it networks its sandboxes.

@@ -158,6 +158,10 @@ pub struct TemplateRecord {
     /// the fixed addresses of `sandfork_network::plan`); None: no interface.
     #[serde(default)]
     pub net_abi: Option<u32>,
+    /// Its snapshot has a balloon that gives the memory its guest frees
+    /// back to the host (`serve --no-balloon` builds without).
+    #[serde(default)]
+    pub balloon: bool,
 }
 
 impl TemplateRecord {

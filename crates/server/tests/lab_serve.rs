@@ -998,6 +998,7 @@ async fn every_vmm_runs_in_a_cgroup_limited_to_its_sandbox() {
         run(addr, &neighbour_routing, "echo fine").await,
         (0, "fine\n".into())
     );
+    gives_back_what_its_guest_frees(&node, addr, &neighbour.id, &neighbour_routing).await;
 
     let killed = http(addr, "DELETE", &format!("/sandboxes/{}", hog.id), &auth, "").await;
     assert_eq!(killed.status, 204, "{:?}", killed.body);
@@ -1010,6 +1011,61 @@ async fn every_vmm_runs_in_a_cgroup_limited_to_its_sandbox() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(neighbour_group.exists());
+}
+
+/// A process in sandbox `id` holds 150 MiB, then ends: the memory its
+/// guest frees goes back to the host through the balloon every guest has
+/// (free page reporting), so most of it leaves the VMM's Pss, which is what
+/// the node's admission charges, within a bound.
+async fn gives_back_what_its_guest_frees(
+    node: &Serving,
+    addr: std::net::SocketAddr,
+    id: &str,
+    routing: &[(&str, &str)],
+) {
+    const HELD_MIB: u64 = 150;
+    let pid = {
+        let dir = node.manager.get(id).unwrap().vmm_dir.expect("a VMM dir");
+        vmm_driver::process::ProcessIdentity::read(&dir)
+            .unwrap()
+            .pid
+    };
+    let pss_mib = || host_mem::ProcessMemory::of(pid).unwrap().pss_kib / 1024;
+    let idle = pss_mib();
+    // Held until /tmp/hold goes; /tmp/full says it is all written.
+    let hold = format!(
+        "touch /tmp/hold; nohup python3 -c 'import os, time\n\
+         x = b\"x\" * ({HELD_MIB} << 20)\n\
+         open(\"/tmp/full\", \"w\").close()\n\
+         while os.path.exists(\"/tmp/hold\"): time.sleep(0.2)' >/dev/null 2>&1 &\n\
+         echo started"
+    );
+    let (code, out) = run(addr, routing, &hold).await;
+    assert_eq!((code, out.as_str()), (0, "started\n"), "{out}");
+    let started = Instant::now();
+    while run(addr, routing, "test -e /tmp/full").await.0 != 0 {
+        assert!(started.elapsed() < Duration::from_secs(60), "never held");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let full = pss_mib();
+    assert!(full >= idle + HELD_MIB * 9 / 10, "Pss {idle} -> {full} MiB");
+    assert_eq!(run(addr, routing, "rm /tmp/hold").await.0, 0);
+    let target = full - HELD_MIB * 3 / 4;
+    let freed = Instant::now();
+    let mut now = pss_mib();
+    while now > target && freed.elapsed() < Duration::from_secs(60) {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        now = pss_mib();
+    }
+    eprintln!(
+        "sandbox VMM: Pss {idle} MiB idle, {full} MiB holding {HELD_MIB} MiB, \
+         {now} MiB {:.1} s after the process ended",
+        freed.elapsed().as_secs_f64()
+    );
+    assert!(
+        now <= target,
+        "Pss {now} MiB, expected at most {target} MiB"
+    );
 }
 
 fn agent_binary() -> PathBuf {

@@ -8,6 +8,7 @@
 //! `validate`, so the message names the field.
 
 mod action;
+mod balloon;
 mod boot_source;
 mod devices;
 mod drive;
@@ -25,6 +26,7 @@ mod vmm_action;
 mod vsock;
 
 pub use action::{ActionType, InstanceActionInfo};
+pub use balloon::{Balloon, BalloonStats, BalloonStatsUpdate, BalloonUpdate};
 pub use boot_source::BootSource;
 pub use devices::{DeviceReport, QueueReport};
 pub use drive::{CacheType, Drive, IoEngine, PartialDrive};

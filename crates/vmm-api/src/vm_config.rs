@@ -2,6 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::balloon::Balloon;
 use crate::boot_source::BootSource;
 use crate::drive::Drive;
 use crate::machine_config::MachineConfig;
@@ -48,7 +49,7 @@ pub struct VmConfig {
     pub metrics: Option<serde_json::Value>,
 
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub balloon: Option<serde_json::Value>,
+    pub balloon: Option<Balloon>,
     #[serde(
         rename = "mmds-config",
         default,
@@ -135,8 +136,11 @@ impl VmConfig {
                 )));
             }
         }
+        if let Some(b) = &self.balloon {
+            b.validate()
+                .map_err(|e| ValidationError::new(format!("balloon: {e}")))?;
+        }
         let unsupported = [
-            ("balloon", &self.balloon),
             ("mmds-config", &self.mmds_config),
             ("entropy", &self.entropy),
             ("cpu-config", &self.cpu_config),

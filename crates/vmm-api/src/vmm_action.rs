@@ -1,6 +1,7 @@
 //! The interface between the API server and the VMM controller: one action per request,
 //! answered with data or an error.
 
+use crate::balloon::{Balloon, BalloonStats, BalloonStatsUpdate, BalloonUpdate};
 use crate::boot_source::BootSource;
 use crate::devices::DeviceReport;
 use crate::drive::{Drive, PartialDrive};
@@ -59,6 +60,16 @@ pub enum VmmAction {
     GetVcpus,
     /// `GET /devices` (sandfork extension)
     GetDevices,
+    /// `PUT /balloon` (before boot)
+    PutBalloon(Balloon),
+    /// `GET /balloon`
+    GetBalloon,
+    /// `PATCH /balloon`: a new target (after boot)
+    PatchBalloon(BalloonUpdate),
+    /// `GET /balloon/statistics`
+    GetBalloonStats,
+    /// `PATCH /balloon/statistics`
+    PatchBalloonStats(BalloonStatsUpdate),
 }
 
 /// A successful answer. `Empty` becomes `204 No Content`, the others `200` with JSON.
@@ -71,6 +82,8 @@ pub enum VmmData {
     Fork(ForkInfo),
     Vcpus(Vec<VcpuReport>),
     Devices(Vec<DeviceReport>),
+    Balloon(Balloon),
+    BalloonStats(Box<BalloonStats>),
 }
 
 /// How a failed action maps onto HTTP.

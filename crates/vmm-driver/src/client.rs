@@ -18,9 +18,10 @@ use serde::de::DeserializeOwned;
 use tokio::net::UnixStream;
 
 use vmm_api::{
-    ActionType, ApiError, BootSource, Drive, InstanceActionInfo, InstanceInfo, MachineConfig,
-    MachineConfigUpdate, NetworkInterface, PartialDrive, SnapshotCreateParams, SnapshotLoadParams,
-    Vm, VmConfig, VmState, Vsock, validate_resource_id,
+    ActionType, ApiError, Balloon, BalloonStats, BalloonStatsUpdate, BalloonUpdate, BootSource,
+    Drive, InstanceActionInfo, InstanceInfo, MachineConfig, MachineConfigUpdate, NetworkInterface,
+    PartialDrive, SnapshotCreateParams, SnapshotLoadParams, Vm, VmConfig, VmState, Vsock,
+    validate_resource_id,
 };
 
 /// How often [`VmmClient::wait_for_socket`] retries.
@@ -169,6 +170,33 @@ impl VmmClient {
             .map_err(|e| ClientError::InvalidRequest(e.to_string()))?;
         let path = format!("/network-interfaces/{}", net.iface_id);
         self.send_json(Method::PUT, &path, net).await
+    }
+
+    /// `PUT /balloon`, before boot.
+    pub async fn put_balloon(&self, balloon: &Balloon) -> Result<(), ClientError> {
+        self.send_json(Method::PUT, "/balloon", balloon).await
+    }
+
+    pub async fn get_balloon(&self) -> Result<Balloon, ClientError> {
+        self.get_json("/balloon").await
+    }
+
+    /// `PATCH /balloon`: a new target size.
+    pub async fn patch_balloon(&self, amount_mib: u32) -> Result<(), ClientError> {
+        self.send_json(Method::PATCH, "/balloon", &BalloonUpdate { amount_mib })
+            .await
+    }
+
+    pub async fn get_balloon_stats(&self) -> Result<BalloonStats, ClientError> {
+        self.get_json("/balloon/statistics").await
+    }
+
+    pub async fn patch_balloon_stats(&self, interval_s: u16) -> Result<(), ClientError> {
+        let update = BalloonStatsUpdate {
+            stats_polling_interval_s: interval_s,
+        };
+        self.send_json(Method::PATCH, "/balloon/statistics", &update)
+            .await
     }
 
     pub async fn instance_start(&self) -> Result<(), ClientError> {

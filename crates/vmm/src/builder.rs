@@ -16,6 +16,7 @@ use crate::device_manager::mmio::DeviceOverrides;
 use crate::device_manager::mmio::MmioDeviceManager;
 use crate::device_manager::{DeviceManagerError, legacy};
 use crate::devices::bus::Bus;
+use crate::devices::virtio::balloon::{Balloon, BalloonConfig};
 use crate::devices::virtio::block::{Block, BlockConfig};
 use crate::devices::virtio::net::{Net, NetConfig};
 use crate::devices::virtio::vsock::Vsock;
@@ -40,6 +41,7 @@ pub struct MicrovmSpec {
     pub vsock: Option<VsockSpec>,
     /// Network interfaces, in order (the first is the guest's eth0).
     pub nets: Vec<NetConfig>,
+    pub balloon: Option<BalloonConfig>,
     /// Where the guest's serial console goes.
     pub console: Box<dyn Write + Send>,
 }
@@ -77,6 +79,8 @@ pub enum BuildError {
     Vsock(#[from] crate::devices::virtio::vsock::VsockError),
     #[error("{0}")]
     Net(#[from] crate::devices::virtio::net::NetError),
+    #[error("{0}")]
+    Balloon(#[from] crate::devices::virtio::balloon::BalloonError),
     #[error("boot parameters: {0}")]
     BootParams(#[from] boot_params::BootParamsError),
     #[error("boot page tables: {0}")]
@@ -163,6 +167,9 @@ pub fn build_and_boot(
     // After the others, so adding a network leaves their windows and lines as they were.
     for net in spec.nets {
         mmio.attach(&vm, mem, &mut mmio_bus, Box::new(Net::new(net)?))?;
+    }
+    if let Some(balloon) = spec.balloon {
+        mmio.attach(&vm, mem, &mut mmio_bus, Box::new(Balloon::new(balloon)?))?;
     }
 
     let cmdline = kernel_cmdline(

@@ -8,13 +8,14 @@ use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 
 use vmm_api::{
-    BootSource, Drive, DriveOverride, ForkInfo, ForkParams, InstanceInfo, InstanceState,
+    Balloon, BootSource, Drive, DriveOverride, ForkInfo, ForkParams, InstanceInfo, InstanceState,
     MachineConfig, MemBackendType, NetworkInterface, SnapshotCreateParams, SnapshotLoadParams,
     SnapshotType, VmConfig, VmmAction, VmmActionError, VmmData, Vsock,
 };
 
 use crate::builder::{self, MicrovmSpec, RestoreSpec, VsockSpec};
 use crate::device_manager::mmio::DeviceOverrides;
+use crate::devices::virtio::balloon::{BalloonConfig, BalloonHandle};
 use crate::devices::virtio::block::BlockConfig;
 use crate::devices::virtio::net::{NetConfig, Tap};
 use crate::snapshot::{ForkRequest, MicrovmState, SnapshotRequest, format};
@@ -31,6 +32,7 @@ const NOT_AFTER_START: &str =
     "The requested operation is not supported after starting the microVM.";
 const NOT_BEFORE_START: &str =
     "The requested operation is not supported before starting the microVM.";
+const NO_BALLOON: &str = "No balloon device found.";
 
 /// The console output, shared so that a start or load that fails does not
 /// use it up.
@@ -147,6 +149,9 @@ impl Controller {
         for net in config.network_interfaces.iter().cloned() {
             self.handle(VmmAction::PutNetworkInterface(net))?;
         }
+        if let Some(balloon) = config.balloon.clone() {
+            self.handle(VmmAction::PutBalloon(balloon))?;
+        }
         self.handle(VmmAction::InstanceStart).map(|_| ())
     }
 
@@ -157,6 +162,9 @@ impl Controller {
             VmmAction::GetVmConfig => {
                 let mut config = self.config.clone();
                 config.machine_config = Some(self.machine_config());
+                if let Some(vmm) = &self.vmm {
+                    config.balloon = vmm.balloon().map(|b| b.config());
+                }
                 Ok(VmmData::VmConfig(Box::new(config)))
             }
             VmmAction::PutMachineConfig(machine) => {
@@ -212,6 +220,41 @@ impl Controller {
             }
             VmmAction::GetVcpus => Ok(VmmData::Vcpus(self.running_vmm()?.vcpu_reports())),
             VmmAction::GetDevices => Ok(VmmData::Devices(self.running_vmm()?.device_reports())),
+            VmmAction::PutBalloon(balloon) => {
+                self.pre_boot()?;
+                balloon.validate()?;
+                self.check_balloon_size(balloon.amount_mib)?;
+                self.config.balloon = Some(balloon);
+                Ok(VmmData::Empty)
+            }
+            VmmAction::GetBalloon => match &self.vmm {
+                Some(_) => Ok(VmmData::Balloon(self.balloon()?.config())),
+                None => self
+                    .config
+                    .balloon
+                    .clone()
+                    .map(VmmData::Balloon)
+                    .ok_or_else(|| bad(NO_BALLOON)),
+            },
+            VmmAction::PatchBalloon(update) => {
+                let balloon = self.balloon()?;
+                self.check_balloon_size(update.amount_mib)?;
+                balloon.set_target_mib(update.amount_mib);
+                Ok(VmmData::Empty)
+            }
+            VmmAction::GetBalloonStats => {
+                let balloon = self.balloon()?;
+                if !balloon.stats_enabled() {
+                    return Err(bad("Statistics for the balloon device are not enabled."));
+                }
+                Ok(VmmData::BalloonStats(Box::new(balloon.stats())))
+            }
+            VmmAction::PatchBalloonStats(update) => {
+                self.balloon()?
+                    .set_stats_interval(update.stats_polling_interval_s)
+                    .map_err(|e| bad(e.to_string()))?;
+                Ok(VmmData::Empty)
+            }
             VmmAction::CreateSnapshot(params) => self.create_snapshot(&params),
             VmmAction::Fork(params) => self.fork(&params),
             VmmAction::LoadSnapshot(params) => {
@@ -244,6 +287,22 @@ impl Controller {
 
     fn running_vmm(&mut self) -> Result<&mut Vmm, VmmActionError> {
         self.vmm.as_mut().ok_or_else(|| bad(NOT_BEFORE_START))
+    }
+
+    /// The running VM's balloon.
+    fn balloon(&mut self) -> Result<BalloonHandle, VmmActionError> {
+        self.running_vmm()?.balloon().ok_or_else(|| bad(NO_BALLOON))
+    }
+
+    /// A balloon cannot ask for more than the guest's memory.
+    fn check_balloon_size(&self, amount_mib: u32) -> Result<(), VmmActionError> {
+        if u64::from(amount_mib) > self.machine_config().mem_size_mib {
+            return Err(bad(format!(
+                "Amount of pages requested is too large: {amount_mib} MiB for a guest of {} MiB.",
+                self.machine_config().mem_size_mib
+            )));
+        }
+        Ok(())
     }
 
     fn put_boot_source(&mut self, boot: BootSource) -> Result<VmmData, VmmActionError> {
@@ -403,6 +462,7 @@ impl Controller {
             || !self.config.drives.is_empty()
             || self.config.vsock.is_some()
             || !self.config.network_interfaces.is_empty()
+            || self.config.balloon.is_some()
         {
             return Err(bad(
                 "Loading a microVM snapshot not allowed after configuring boot-specific resources.",
@@ -497,11 +557,21 @@ impl Controller {
                     guest_mac: n.mac(),
                 })
                 .collect(),
+            balloon: self.config.balloon.as_ref().map(balloon_config),
             console: Box::new(self.console.clone()),
         };
         let vmm = builder::build_and_boot(spec, self.on_event())
             .map_err(|e| bad(format!("Failed to start the microVM: {e}")))?;
         self.vmm = Some(vmm);
         Ok(VmmData::Empty)
+    }
+}
+
+fn balloon_config(b: &Balloon) -> BalloonConfig {
+    BalloonConfig {
+        amount_mib: b.amount_mib,
+        deflate_on_oom: b.deflate_on_oom,
+        stats_polling_interval_s: b.stats_polling_interval_s,
+        free_page_reporting: b.free_page_reporting,
     }
 }

@@ -244,6 +244,11 @@ impl Vmm {
         Ok(())
     }
 
+    /// The balloon's handle, if the VM has one.
+    pub fn balloon(&self) -> Option<crate::devices::virtio::balloon::BalloonHandle> {
+        self.mmio.balloon()
+    }
+
     /// Every virtio device's transport and rings (`GET /devices`).
     pub fn device_reports(&self) -> Vec<vmm_api::DeviceReport> {
         self.mmio.reports()

@@ -508,3 +508,165 @@ async fn a_networked_guest_restored_onto_another_tap_still_reaches_the_host() {
     assert!(out.stdout.contains("3 received"), "{out:?}");
     common::tcp_exchange(&agent).await;
 }
+
+/// The VMM process's proportional set size in MiB, as the node's admission
+/// reads it.
+fn pss_mib(vm: &TestVm) -> u64 {
+    host_mem::ProcessMemory::of(vm.pid()).unwrap().pss_kib / 1024
+}
+
+/// MiB a guest fills and frees in the balloon tests.
+const FILL_MIB: u64 = 200;
+/// How long freed memory may take to leave the VMM: the guest reports free
+/// blocks 2 s after it frees them, a few batches of 32 at a time, and the
+/// lab is emulated.
+const GIVE_BACK_WITHIN: Duration = Duration::from_secs(60);
+
+/// A 512 MiB guest, so that 200 MiB fit in a tmpfs beside the rest.
+fn roomy() -> Boot {
+    Boot {
+        mem_mib: 512,
+        ..Boot::default()
+    }
+}
+
+/// Fills a fresh tmpfs in the guest with `FILL_MIB` MiB, then removes the
+/// file and waits until the VMM's Pss falls by at least 3/4 of it, or the
+/// bound passes. Returns the Pss before, with the file, and at the end.
+async fn fill_and_free(vm: &TestVm, expect_back: bool) -> (u64, u64, u64) {
+    run(
+        vm,
+        "mkdir -p /run/fill && mount -t tmpfs -o size=300m fill /run/fill && echo ok",
+    )
+    .await;
+    // Freed guest memory from the boot settles first (it is reported too).
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let before = pss_mib(vm);
+    run(
+        vm,
+        &format!("dd if=/dev/zero of=/run/fill/f bs=1M count={FILL_MIB} 2>/dev/null && echo ok"),
+    )
+    .await;
+    let full = pss_mib(vm);
+    assert!(
+        full >= before + FILL_MIB * 9 / 10,
+        "the guest's {FILL_MIB} MiB did not reach the VMM: Pss {before} -> {full} MiB"
+    );
+    run(vm, "rm /run/fill/f && echo ok").await;
+    let freed = Instant::now();
+    let target = full - FILL_MIB * 3 / 4;
+    // Without a balloon, long enough for reports that would have come.
+    let bound = if expect_back {
+        GIVE_BACK_WITHIN
+    } else {
+        Duration::from_secs(15)
+    };
+    let mut now = pss_mib(vm);
+    while now > target && freed.elapsed() < bound {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        now = pss_mib(vm);
+    }
+    eprintln!(
+        "VMM Pss: {before} MiB before, {full} MiB with {FILL_MIB} MiB in tmpfs, \
+         {now} MiB {:.1} s after the file was removed",
+        freed.elapsed().as_secs_f64()
+    );
+    if expect_back {
+        assert!(
+            now <= target,
+            "Pss {now} MiB {GIVE_BACK_WITHIN:?} after freeing; expected at most {target} MiB"
+        );
+    }
+    (before, full, now)
+}
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM"]
+async fn memory_a_guest_frees_goes_back_to_the_host_booted_and_restored() {
+    let snapshots = tempfile::tempdir().unwrap();
+    let mut booted = TestVm::spawn().await;
+    booted.configure(&roomy()).await;
+    booted
+        .api()
+        .put_balloon(&vmm_api::Balloon {
+            amount_mib: 0,
+            deflate_on_oom: true,
+            stats_polling_interval_s: 1,
+            free_page_reporting: true,
+            free_page_hinting: false,
+        })
+        .await
+        .unwrap();
+    booted.api().instance_start().await.unwrap();
+    booted.wait_for_agent().await;
+    // Booted: guest memory is a memfd; freed pages are punched out of it.
+    fill_and_free(&booted, true).await;
+    let stats = booted.api().get_balloon_stats().await.unwrap();
+    eprintln!("booted: {stats:?}");
+    assert!(
+        stats.reported_bytes >= (FILL_MIB * 3 / 4) << 20,
+        "{stats:?}"
+    );
+    assert_eq!(
+        stats.total_memory.map(|b| b >> 20).map(|m| m > 400),
+        Some(true),
+        "{stats:?}"
+    );
+
+    // A target: the guest inflates the balloon to it and says so.
+    booted.api().patch_balloon(64).await.unwrap();
+    let started = Instant::now();
+    loop {
+        let s = booted.api().get_balloon_stats().await.unwrap();
+        if s.actual_mib == 64 {
+            assert!(s.inflated_bytes >= 60 << 20, "{s:?}");
+            break;
+        }
+        assert!(started.elapsed() < GIVE_BACK_WITHIN, "not inflated: {s:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    booted.api().patch_balloon(0).await.unwrap();
+    let started = Instant::now();
+    while booted.api().get_balloon_stats().await.unwrap().actual_mib != 0 {
+        assert!(started.elapsed() < GIVE_BACK_WITHIN, "not deflated");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Restored: memory is the snapshot's file mapped privately; freed pages
+    // drop their private copies. The balloon came with the snapshot.
+    snapshot(&booted, SnapshotType::Full, snapshots.path(), "balloon").await;
+    drop(booted);
+    let mut restored = restore(snapshots.path(), "balloon").await;
+    restored.wait_for_agent().await;
+    assert!(
+        restored
+            .api()
+            .get_balloon()
+            .await
+            .unwrap()
+            .free_page_reporting
+    );
+    fill_and_free(&restored, true).await;
+    let stats = restored.api().get_balloon_stats().await.unwrap();
+    assert!(
+        stats.reported_bytes >= (FILL_MIB * 3 / 4) << 20,
+        "{stats:?}"
+    );
+    // Its statistics go on after the restore (the guest's buffer was kept).
+    assert!(stats.free_memory.is_some(), "{stats:?}");
+}
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM"]
+async fn without_a_balloon_memory_a_guest_frees_stays_with_its_vmm() {
+    let mut vm = TestVm::spawn().await;
+    vm.boot(&roomy()).await;
+    vm.wait_for_agent().await;
+    let (_, full, end) = fill_and_free(&vm, false).await;
+    // What the balloon test gives back stays here: the comparison it needs.
+    assert!(
+        end + FILL_MIB / 2 > full,
+        "Pss {full} -> {end} MiB without a balloon"
+    );
+    assert!(vm.api().get_balloon().await.is_err());
+}

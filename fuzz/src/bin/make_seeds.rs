@@ -306,6 +306,30 @@ fn vsock(dir: &Path) {
     write(dir, "vsock_packets", "connect-send-shutdown", &out);
 }
 
+fn balloon(dir: &Path) {
+    // Inflate: 8 PFNs (two runs); deflate: the same array; statistics: free
+    // and total memory; reporting: two free blocks as a guest reports them.
+    let pfns = DATA_BASE;
+    let stats = DATA_BASE + 0x100;
+    let mut data = Vec::new();
+    for pfn in [0x50u32, 0x51, 0x52, 0x53, 0x80, 0x81, 0x82, 0x83] {
+        data.extend_from_slice(&pfn.to_le_bytes());
+    }
+    data.resize(0x100, 0);
+    for (tag, value) in [(4u16, 100u64 << 20), (5, 256 << 20)] {
+        data.extend_from_slice(&tag.to_le_bytes());
+        data.extend_from_slice(&value.to_le_bytes());
+    }
+    let mut out = Vec::new();
+    QueueInput::chains(8, &[&[(pfns, 32, false)]]).write(&mut out);
+    QueueInput::chains(8, &[&[(pfns, 32, false)]]).write(&mut out);
+    QueueInput::chains(8, &[&[(stats, 20, false)]]).write(&mut out);
+    QueueInput::chains(8, &[&[(0x6_0000, 0x1_0000, true), (0x8_0000, 0x2_0000, true)]])
+        .write(&mut out);
+    out.extend_from_slice(&data);
+    write(dir, "balloon_queues", "inflate-deflate-stats-report", &out);
+}
+
 /// An MMIO access: `op` bit 0 write, bits 2..4 width - 1, bit 6 "4 bytes".
 fn mmio_op(out: &mut Vec<u8>, write: bool, offset: u16, value: Option<u32>) {
     out.push(if write { 1 | 0x40 } else { 0x40 });
@@ -520,6 +544,7 @@ fn main() {
     virtio_queue(dir);
     net(dir);
     vsock(dir);
+    balloon(dir);
     mmio(dir);
     vmm_api(dir);
     server_api(dir);

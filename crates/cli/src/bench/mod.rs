@@ -1,9 +1,11 @@
 //! `sandfork bench`: boot, snapshot, restore and fork figures of sandfork-vmm,
 //! and of a reference Firecracker on the same kernel and image when one is
-//! given (for what Firecracker can do); network slot setup (`net`); then the
+//! given (for what Firecracker can do); memory a guest frees given back by
+//! its balloon (`balloon`); network slot setup (`net`); then the
 //! node's figures through the
 //! E2B Python SDK against `sandfork serve` (`sdk`).
 
+mod balloon;
 mod net;
 pub mod sdk;
 mod snapshot;
@@ -150,6 +152,8 @@ impl Plan<'_> {
         .await;
         let snapshots = snapshot::measure(vmm, image, runs);
         part(report, errors, "snapshot", self.deadline, snapshots).await;
+        let balloon = balloon::measure(vmm, image);
+        part(report, errors, "balloon", self.deadline, balloon).await;
         if figures.net {
             part(report, errors, "net", self.deadline, net::measure()).await;
         }
@@ -235,7 +239,13 @@ mod tests {
         let names: Vec<&str> = errors.keys().map(String::as_str).collect();
         assert_eq!(
             names,
-            ["boot", "reference_boot", "reference_snapshot", "snapshot"]
+            [
+                "balloon",
+                "boot",
+                "reference_boot",
+                "reference_snapshot",
+                "snapshot"
+            ]
         );
         assert!(
             errors["boot"]

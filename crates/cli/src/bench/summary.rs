@@ -32,6 +32,7 @@ pub fn summary(report: &Value) -> String {
         ("guest_tcp_host_to_guest_mib_s", "MiB/s"),
         ("sdk_creates_per_s_4way", "/s"),
         ("idle_sandbox_mib", "MiB"),
+        ("balloon_reclaimed_mib", "MiB"),
         ("idle_sandboxes_per_24gib", ""),
         ("density_idle_sandboxes", ""),
         ("density_sandbox_mib", "MiB"),

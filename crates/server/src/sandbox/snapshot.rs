@@ -206,6 +206,8 @@ impl Manager {
             .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
         let mut uses_snapshots = source.uses_snapshots.clone();
         uses_snapshots.retain(|s| s != &snap_id);
+        // Its memory has the devices its source's template gave it.
+        let source_template = self.store.template(&source.template_id).ok().flatten();
         let record = TemplateRecord {
             id: snap_id.clone(),
             snapshot: dir.join(STATE),
@@ -225,13 +227,8 @@ impl Manager {
             env_vars: source.env_vars.clone(),
             uses_snapshots,
             uses_dirs: source.uses_dirs.clone(),
-            // Its memory has the interface its source's template gave it.
-            net_abi: self
-                .store
-                .template(&source.template_id)
-                .ok()
-                .flatten()
-                .and_then(|t| t.net_abi),
+            net_abi: source_template.as_ref().and_then(|t| t.net_abi),
+            balloon: source_template.is_some_and(|t| t.balloon),
         };
         self.store.put_template(&record)?;
         Ok(record)

@@ -224,6 +224,7 @@ pub async fn build(
         uses_dirs: Vec::new(),
         // Every launch of a networked node has the interface.
         net_abi: pool.net().map(|_| sandfork_network::plan::NET_ABI_VERSION),
+        balloon: pool.balloon().is_some(),
     })
 }
 

@@ -84,7 +84,9 @@ pub async fn ensure_base(
             && t.mem_mib == config.mem_mib
             // A snapshot with an interface needs a slot's tap, one without
             // leaves sandboxes offline: it must match the node.
-            && t.net_abi == pool.net().map(|_| sandfork_network::plan::NET_ABI_VERSION);
+            && t.net_abi == pool.net().map(|_| sandfork_network::plan::NET_ABI_VERSION)
+            // Sandboxes get the devices their template's snapshot has.
+            && t.balloon == pool.balloon().is_some();
         let whole = [&t.snapshot, &t.mem, &t.root_layer]
             .iter()
             .all(|p| p.is_file());

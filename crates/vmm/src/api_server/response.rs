@@ -31,5 +31,7 @@ pub(super) fn from_data(data: VmmData) -> Response {
         VmmData::Fork(info) => Json(info).into_response(),
         VmmData::Vcpus(vcpus) => Json(vcpus).into_response(),
         VmmData::Devices(devices) => Json(devices).into_response(),
+        VmmData::Balloon(balloon) => Json(balloon).into_response(),
+        VmmData::BalloonStats(stats) => Json(stats).into_response(),
     }
 }

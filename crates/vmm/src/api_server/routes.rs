@@ -9,9 +9,10 @@ use axum::response::Response;
 use axum::routing::{get, patch, put};
 use tokio::sync::oneshot;
 use vmm_api::{
-    ActionType, BootSource, Drive, ForkParams, InstanceActionInfo, MachineConfig,
-    MachineConfigUpdate, NetworkInterface, PartialDrive, SnapshotCreateParams, SnapshotLoadParams,
-    ValidationError, Vm, VmState, VmmAction, Vsock, validate_resource_id,
+    ActionType, Balloon, BalloonStatsUpdate, BalloonUpdate, BootSource, Drive, ForkParams,
+    InstanceActionInfo, MachineConfig, MachineConfigUpdate, NetworkInterface, PartialDrive,
+    SnapshotCreateParams, SnapshotLoadParams, ValidationError, Vm, VmState, VmmAction, Vsock,
+    validate_resource_id,
 };
 
 use super::channel::{ApiRequest, ApiRequestSender};
@@ -39,6 +40,14 @@ pub fn router(sender: ApiRequestSender) -> Router {
         .route("/fork", put(fork))
         .route("/vcpus", get(get_vcpus))
         .route("/devices", get(get_devices))
+        .route(
+            "/balloon",
+            get(get_balloon).put(put_balloon).patch(patch_balloon),
+        )
+        .route(
+            "/balloon/statistics",
+            get(get_balloon_stats).patch(patch_balloon_stats),
+        )
         // Firecracker answers both an unknown path and a wrong method with 400.
         .fallback(invalid_method_or_path)
         .method_not_allowed_fallback(invalid_method_or_path)
@@ -143,6 +152,33 @@ body_route!(
     SnapshotLoadParams::validate,
     VmmAction::LoadSnapshot
 );
+
+body_route!(
+    put_balloon,
+    Balloon,
+    Balloon::validate,
+    VmmAction::PutBalloon
+);
+body_route!(
+    patch_balloon,
+    BalloonUpdate,
+    no_check,
+    VmmAction::PatchBalloon
+);
+body_route!(
+    patch_balloon_stats,
+    BalloonStatsUpdate,
+    no_check,
+    VmmAction::PatchBalloonStats
+);
+
+async fn get_balloon(State(sender): State<ApiRequestSender>) -> Response {
+    dispatch(&sender, VmmAction::GetBalloon).await
+}
+
+async fn get_balloon_stats(State(sender): State<ApiRequestSender>) -> Response {
+    dispatch(&sender, VmmAction::GetBalloonStats).await
+}
 
 async fn get_instance_info(State(sender): State<ApiRequestSender>) -> Response {
     dispatch(&sender, VmmAction::GetInstanceInfo).await

@@ -12,9 +12,10 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use vmm_api::{
-    BootSource, Drive, InstanceInfo, InstanceState, MachineConfig, MachineConfigUpdate,
-    NetworkInterface, PartialDrive, SnapshotCreateParams, SnapshotLoadParams, SnapshotType,
-    VmConfig, VmmAction, VmmActionError, VmmData, Vsock,
+    Balloon, BalloonStats, BalloonStatsUpdate, BalloonUpdate, BootSource, Drive, InstanceInfo,
+    InstanceState, MachineConfig, MachineConfigUpdate, NetworkInterface, PartialDrive,
+    SnapshotCreateParams, SnapshotLoadParams, SnapshotType, VmConfig, VmmAction, VmmActionError,
+    VmmData, Vsock,
 };
 use vmm_driver::{ClientError, VmmClient};
 
@@ -82,6 +83,7 @@ struct ControllerState {
     drives: Vec<Drive>,
     vsock: Option<Vsock>,
     nets: Vec<NetworkInterface>,
+    balloon: Option<Balloon>,
     state: Option<InstanceState>,
 }
 
@@ -211,6 +213,28 @@ fn answer(vm: &mut ControllerState, action: VmmAction) -> Result<VmmData, VmmAct
         VmmAction::LoadSnapshot(_) => Err(VmmActionError::internal("cannot map memory file")),
         VmmAction::GetVcpus => Ok(VmmData::Vcpus(Vec::new())),
         VmmAction::GetDevices => Ok(VmmData::Devices(Vec::new())),
+        VmmAction::PutBalloon(b) => {
+            pre_boot("PUT /balloon")?;
+            vm.balloon = Some(b);
+            Ok(VmmData::Empty)
+        }
+        VmmAction::GetBalloon => vm
+            .balloon
+            .clone()
+            .map(VmmData::Balloon)
+            .ok_or_else(|| VmmActionError::bad_request("No balloon device found.")),
+        VmmAction::PatchBalloon(u) => {
+            if let Some(b) = &mut vm.balloon {
+                b.amount_mib = u.amount_mib;
+            }
+            Ok(VmmData::Empty)
+        }
+        VmmAction::GetBalloonStats => Ok(VmmData::BalloonStats(Box::new(BalloonStats {
+            target_mib: vm.balloon.as_ref().map_or(0, |b| b.amount_mib),
+            free_memory: Some(1 << 20),
+            ..BalloonStats::default()
+        }))),
+        VmmAction::PatchBalloonStats(_) => Ok(VmmData::Empty),
     }
 }
 
@@ -285,6 +309,14 @@ async fn client_drives_every_route() {
     c.put_vsock(&vsock).await.unwrap();
     c.put_network_interface(&net).await.unwrap();
     assert_eq!(c.get_machine_config().await.unwrap().mem_size_mib, 512);
+    let balloon = Balloon {
+        amount_mib: 0,
+        deflate_on_oom: true,
+        stats_polling_interval_s: 1,
+        free_page_reporting: true,
+        free_page_hinting: false,
+    };
+    c.put_balloon(&balloon).await.unwrap();
 
     c.instance_start().await.unwrap();
     c.pause().await.unwrap();
@@ -307,6 +339,11 @@ async fn client_drives_every_route() {
         rate_limiter: None,
     };
     c.patch_drive(&patch).await.unwrap();
+    c.patch_balloon(64).await.unwrap();
+    assert_eq!(c.get_balloon().await.unwrap().amount_mib, 64);
+    let stats = c.get_balloon_stats().await.unwrap();
+    assert_eq!((stats.target_mib, stats.free_memory), (64, Some(1 << 20)));
+    c.patch_balloon_stats(5).await.unwrap();
 
     let config = c.get_vm_config().await.unwrap();
     assert_eq!(config.boot_source.as_ref(), Some(&boot));
@@ -330,6 +367,7 @@ async fn client_drives_every_route() {
             VmmAction::PutVsock(vsock),
             VmmAction::PutNetworkInterface(net),
             VmmAction::GetMachineConfig,
+            VmmAction::PutBalloon(balloon.clone()),
             VmmAction::InstanceStart,
             VmmAction::Pause,
             VmmAction::GetInstanceInfo,
@@ -338,6 +376,12 @@ async fn client_drives_every_route() {
             VmmAction::SendCtrlAltDel,
             VmmAction::FlushMetrics,
             VmmAction::PatchDrive(patch),
+            VmmAction::PatchBalloon(BalloonUpdate { amount_mib: 64 }),
+            VmmAction::GetBalloon,
+            VmmAction::GetBalloonStats,
+            VmmAction::PatchBalloonStats(BalloonStatsUpdate {
+                stats_polling_interval_s: 5,
+            }),
             VmmAction::GetVmConfig,
         ]
     );
@@ -571,8 +615,13 @@ fn unknown_routes_and_wrong_methods_are_400_like_firecracker() {
         ),
         (
             "PUT",
+            "/mmds",
+            "Invalid request method and/or path: PUT /mmds",
+        ),
+        (
+            "DELETE",
             "/balloon",
-            "Invalid request method and/or path: PUT /balloon",
+            "Invalid request method and/or path: DELETE /balloon",
         ),
     ];
     for (method, path, want) in cases {

@@ -12,6 +12,7 @@ use crate::arch::x86_64::layout::{
     IRQ_BASE, IRQ_MAX, MMIO_DEVICE_SIZE, MMIO_DEVICES_MAX, MMIO_DEVICES_START,
 };
 use crate::devices::bus::Bus;
+use crate::devices::virtio::balloon::{Balloon, BalloonHandle};
 use crate::devices::virtio::mmio::{
     MmioInterrupt, MmioTransport, MmioTransportState, QUEUE_NOTIFY_OFFSET,
 };
@@ -240,6 +241,17 @@ impl MmioDeviceManager {
         }
     }
 
+    /// The balloon's handle, if the VM has a balloon.
+    pub fn balloon(&self) -> Option<BalloonHandle> {
+        self.transports.iter().find_map(|t| {
+            let t = t.lock().unwrap_or_else(|e| e.into_inner());
+            t.device()
+                .as_any()
+                .downcast_ref::<Balloon>()
+                .map(Balloon::handle)
+        })
+    }
+
     /// Whether any device is of virtio type `device_type`.
     pub fn has_device(&self, device_type: u32) -> bool {
         self.transports
@@ -255,6 +267,7 @@ impl MmioDeviceManager {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::virtio::balloon::SavedBalloon;
     use crate::devices::virtio::block::SavedBlock;
     use crate::devices::virtio::net::SavedNet;
     use crate::devices::virtio::vsock::SavedVsock;
@@ -320,18 +333,34 @@ mod tests {
                     host_dev_name: "tap0".into(),
                     guest_mac: Some([2, 0, 0, 0, 0, 1]),
                 }),
+                transport: transport.clone(),
+            },
+            MmioDeviceState {
+                slot: slot(3),
+                config: SavedDevice::Balloon(SavedBalloon {
+                    deflate_on_oom: true,
+                    stats_polling_interval_s: 5,
+                    free_page_reporting: true,
+                    target_pages: 1024,
+                    actual_pages: 512,
+                    stats_desc: Some(3),
+                }),
                 transport,
             },
         ]
     }
 
     /// The bytes snapshot files hold for these devices: a change to the
-    /// device state types must keep them, or bump the format version.
+    /// device state types must keep them, or bump the format version. (The
+    /// balloon came later as a new last variant: the bytes of the devices
+    /// before it did not change, so older snapshots still load.)
     const SAMPLE_STATES_POSTCARD: &str = concat!(
-        "03808080800d050006726f6f746673072f722e6578743401010001808080801080808080100f0101",
+        "04808080800d050006726f6f746673072f722e6578743401010001808080801080808080100f0101",
         "01800207070180020180208040806080a080800d060103072f762e736f636b010001808080801080",
         "808080100f010101800207070180020180208040806080c080800d07020465746830047461703001",
-        "020000000001010001808080801080808080100f0101018002070701800201802080408060",
+        "020000000001010001808080801080808080100f010101800207070180020180208040806080e080",
+        "800d0803010501800880040103010001808080801080808080100f01010180020707018002018020",
+        "80408060",
     );
 
     #[test]

@@ -6,6 +6,7 @@
 //! per queue (a KVM ioeventfd), and the device raises interrupts through
 //! [`VirtioInterrupt`], so neither side blocks a vCPU.
 
+use std::any::Any;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -152,6 +153,10 @@ pub trait VirtioDevice: Send {
     fn resume(&mut self) -> Result<(), ActivateError> {
         Ok(())
     }
+
+    /// The device as its own type, for the VMM parts that drive one kind
+    /// (the API's balloon handle).
+    fn as_any(&self) -> &dyn Any;
 }
 
 /// An interrupt line nobody listens to, for worker tests that only look at

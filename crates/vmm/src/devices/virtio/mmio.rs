@@ -567,6 +567,9 @@ mod tests {
         fn queue_states(&self) -> Vec<QueueState> {
             self.0.lock().unwrap().queues.clone()
         }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
     }
 
     fn transport() -> (MmioTransport, Arc<Mutex<Probe>>) {

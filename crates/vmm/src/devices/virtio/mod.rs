@@ -1,6 +1,7 @@
 //! Virtio devices and their MMIO transport; [`worker`] is the thread helper
 //! every device runs its queues on.
 
+pub mod balloon;
 pub mod block;
 pub mod device;
 pub mod mmio;

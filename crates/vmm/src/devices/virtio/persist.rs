@@ -1,7 +1,7 @@
 //! What a snapshot records of virtio devices, in serializable form: the
 //! queues (the transport's part) and which device each is, whose state and
 //! restore live beside it (`block/persist.rs`, `net/persist.rs`,
-//! `vsock/persist.rs`).
+//! `vsock/persist.rs`, `balloon/persist.rs`).
 
 use std::path::PathBuf;
 
@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use virtio_queue::QueueState;
 
 use super::VirtioDevice;
+use super::balloon::{BalloonError, SavedBalloon};
 use super::block::{BlockError, SavedBlock};
 use super::net::{NetError, SavedNet};
 use super::vsock::{SavedVsock, VsockError};
@@ -78,6 +79,7 @@ pub enum SavedDevice {
     Block(SavedBlock),
     Vsock(SavedVsock),
     Net(SavedNet),
+    Balloon(SavedBalloon),
 }
 
 /// Why a device of a snapshot could not be recreated.
@@ -94,6 +96,8 @@ pub enum RestoreError {
     Vsock(#[source] VsockError),
     #[error(transparent)]
     Net(NetError),
+    #[error("balloon: {0}")]
+    Balloon(#[source] BalloonError),
 }
 
 impl SavedDevice {
@@ -119,6 +123,7 @@ impl SavedDevice {
             }
             SavedDevice::Vsock(v) => Box::new(v.restore(overrides).map_err(RestoreError::Vsock)?),
             SavedDevice::Net(n) => Box::new(n.restore(overrides).map_err(RestoreError::Net)?),
+            SavedDevice::Balloon(b) => Box::new(b.restore().map_err(RestoreError::Balloon)?),
         })
     }
 }

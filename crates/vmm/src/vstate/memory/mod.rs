@@ -9,6 +9,7 @@
 //! sparse file and maps them from there in turn, so a VM's memory is a stack of
 //! layers: a base file and overlays that each cover some page ranges.
 
+mod discard;
 mod file_ranges;
 mod pagemap;
 
@@ -22,6 +23,7 @@ use serde::{Deserialize, Serialize};
 use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, GuestRegionMmap};
 
+pub use discard::{DiscardError, discard};
 pub use file_ranges::Range;
 
 use crate::arch::x86_64::layout::ram_ranges;

@@ -279,6 +279,10 @@ impl VirtioDevice for Block {
         }
         Ok(())
     }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
 }
 
 #[cfg(test)]

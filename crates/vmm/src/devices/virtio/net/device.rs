@@ -254,4 +254,8 @@ impl VirtioDevice for Net {
         }
         Ok(())
     }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
 }

@@ -242,6 +242,10 @@ impl VirtioDevice for Vsock {
         }
         Ok(())
     }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
 }
 
 impl Drop for Vsock {
