@@ -43,6 +43,9 @@ pub struct Config {
     pub network: Option<crate::net::NetworkConfig>,
     /// How VMMs are confined in cgroups; None: they are not (`--no-cgroups`).
     pub cgroups: Option<crate::cgroups::CgroupConfig>,
+    /// When idle sandboxes are paused under host memory pressure; None:
+    /// never (`--no-pressure-pause`).
+    pub pressure: Option<crate::pressure::PressureConfig>,
 }
 
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/sandfork";
@@ -71,6 +74,7 @@ impl Config {
             build_cache: None,
             network: None,
             cgroups: Some(crate::cgroups::CgroupConfig::default()),
+            pressure: Some(crate::pressure::PressureConfig::default()),
         }
     }
 
