@@ -267,7 +267,7 @@ pub fn restore(
         .as_deref()
         .map(crate::vstate::memory::read_working_set)
     {
-        Some(Ok(ranges)) => ram.prefetch(&ranges),
+        Some(Ok(ranges)) => drop(ram.prefetch(&ranges)),
         Some(Err(e)) => tracing::warn!("not prefetching: {e}"),
         None => {}
     }

@@ -23,8 +23,9 @@ pub fn read_ranges(path: &Path) -> Result<Vec<Range>, MemoryError> {
 
 impl GuestRam {
     /// Populates `ranges` of guest memory on a thread of its own; returns at
-    /// once. The thread holds the memory mappings until it is done.
-    pub fn prefetch(&self, ranges: &[Range]) {
+    /// once (with the thread, unless it could not start). The thread holds
+    /// the memory mappings until it is done.
+    pub fn prefetch(&self, ranges: &[Range]) -> Option<std::thread::JoinHandle<()>> {
         let mut host = Vec::new();
         for &(start, end) in ranges {
             let mut at = start - start % PAGE_SIZE;
@@ -53,9 +54,9 @@ impl GuestRam {
                 );
                 drop(mem);
             });
-        if let Err(e) = spawned {
-            tracing::warn!("prefetch: starting its thread: {e}");
-        }
+        spawned
+            .map_err(|e| tracing::warn!("prefetch: starting its thread: {e}"))
+            .ok()
     }
 }
 
@@ -74,5 +75,49 @@ fn populate(ptr: *mut u8, len: u64) {
         // per page faults it in without changing it.
         unsafe { std::ptr::read_volatile(ptr.add(at as usize)) };
         at += PAGE_SIZE;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::FileExt;
+
+    use super::super::MemorySnapshotKind;
+    use super::*;
+
+    /// Whether the page at `host` is in this process's page tables.
+    fn present(host: *const u8) -> bool {
+        let pagemap = std::fs::File::open("/proc/self/pagemap").unwrap();
+        let mut entry = [0u8; 8];
+        pagemap
+            .read_exact_at(&mut entry, host as u64 / PAGE_SIZE * 8)
+            .unwrap();
+        u64::from_ne_bytes(entry) & (1 << 63) != 0
+    }
+
+    #[test]
+    fn a_working_set_is_populated_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut ram = GuestRam::new(16 << 20).unwrap();
+        let (state, _) = ram
+            .snapshot(MemorySnapshotKind::Full, &dir.path().join("mem"))
+            .unwrap();
+        let restored = GuestRam::restore(&state).unwrap();
+        let set = dir.path().join("working-set.json");
+        // Unaligned ends are widened to whole pages.
+        std::fs::write(&set, b"[[8192, 12289], [1048576, 1052672]]").unwrap();
+        let ranges = read_ranges(&set).unwrap();
+        restored.prefetch(&ranges).unwrap().join().unwrap();
+        let at = |offset| restored.host_range(offset).unwrap().0;
+        for page in [2u64, 3, 256] {
+            assert!(present(at(page * PAGE_SIZE)), "page {page}");
+        }
+        // Far from them (a read fault maps the cached pages of its 64 KiB
+        // around it too), nothing.
+        for page in [100u64, 1000, 3000] {
+            assert!(!present(at(page * PAGE_SIZE)), "page {page}");
+        }
+        std::fs::write(&set, b"not json").unwrap();
+        assert!(read_ranges(&set).is_err());
     }
 }
