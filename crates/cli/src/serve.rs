@@ -70,6 +70,8 @@ pub struct ServeArgs {
     #[command(flatten)]
     capacity: CapacityArgs,
     #[command(flatten)]
+    pressure: PressureArgs,
+    #[command(flatten)]
     cluster: ClusterArgs,
     #[command(flatten)]
     image: ImageArgs,
@@ -240,6 +242,69 @@ impl CapacityArgs {
     }
 }
 
+/// When the host runs short of memory, idle sandboxes are paused (least
+/// recently used first, auto-pause ones before others) rather than let the
+/// kernel's OOM killer end a VMM; each resumes on its next request.
+#[derive(clap::Args)]
+struct PressureArgs {
+    /// Never pause sandboxes for memory pressure.
+    #[arg(long)]
+    no_pressure_pause: bool,
+    /// Pause while the host's MemAvailable is below this percent of the
+    /// node's memory ceiling (--node-memory-mib, at most MemTotal).
+    #[arg(long, value_name = "PERCENT", default_value_t = server::pressure::DEFAULT_MIN_AVAILABLE_PERCENT, value_parser = percent)]
+    pressure_min_available_percent: f64,
+    /// Pause while the kernel's memory pressure (PSI `full` avg10, percent
+    /// of time all tasks stalled on memory) is above this and stalling goes on.
+    #[arg(long, value_name = "PERCENT", default_value_t = server::pressure::DEFAULT_MAX_FULL_AVG10, value_parser = percent)]
+    pressure_max_full_avg10: f64,
+    /// A sandbox is idle, and may be paused, once no request has reached it
+    /// for this many seconds.
+    #[arg(long, value_name = "SECS", default_value_t = server::pressure::DEFAULT_IDLE.as_secs())]
+    pressure_idle_secs: u64,
+    /// Pauses for memory pressure a minute at most.
+    #[arg(long, value_name = "N", default_value_t = server::pressure::DEFAULT_MAX_PAUSES_PER_MINUTE)]
+    pressure_max_pauses_per_minute: u32,
+}
+
+impl PressureArgs {
+    fn config(&self) -> Option<server::pressure::PressureConfig> {
+        (!self.no_pressure_pause).then(|| server::pressure::PressureConfig {
+            min_available_percent: self.pressure_min_available_percent,
+            max_full_avg10: self.pressure_max_full_avg10,
+            idle: std::time::Duration::from_secs(self.pressure_idle_secs),
+            max_pauses_per_minute: self.pressure_max_pauses_per_minute,
+        })
+    }
+
+    /// The same flags, for the `serve` run inside the lab.
+    fn to_args(&self) -> Vec<String> {
+        let mut args = vec![
+            format!(
+                "--pressure-min-available-percent={}",
+                self.pressure_min_available_percent
+            ),
+            format!("--pressure-max-full-avg10={}", self.pressure_max_full_avg10),
+            format!("--pressure-idle-secs={}", self.pressure_idle_secs),
+            format!(
+                "--pressure-max-pauses-per-minute={}",
+                self.pressure_max_pauses_per_minute
+            ),
+        ];
+        if self.no_pressure_pause {
+            args.push("--no-pressure-pause".into());
+        }
+        args
+    }
+}
+
+fn percent(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(p) if (0.0..=100.0).contains(&p) => Ok(p),
+        _ => Err(format!("{s:?} is not a percentage from 0 to 100")),
+    }
+}
+
 fn ratio(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(r) if r.is_finite() && r > 0.0 => Ok(r),
@@ -297,6 +362,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     config.pool_size = args.pool_size;
     config.max_sandboxes = args.max_sandboxes;
     config.capacity = args.capacity.config();
+    config.pressure = args.pressure.config();
     config.vcpus = args.image.vcpus;
     config.mem_mib = args.image.mem_mib;
     config.agent = args.agent.clone();
@@ -451,6 +517,7 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
         .arg("--max-sandboxes")
         .arg(args.max_sandboxes.to_string())
         .args(args.capacity.to_args())
+        .args(args.pressure.to_args())
         .args(args.cluster.to_args())
         .arg("--kernel")
         .arg(&image.kernel)
@@ -546,6 +613,54 @@ mod tests {
         let again = args.to_args();
         let again: Vec<&str> = again.iter().map(String::as_str).collect();
         assert_eq!(parse(&again).unwrap().config(), config);
+    }
+
+    #[derive(Parser)]
+    struct PressureFlags {
+        #[command(flatten)]
+        pressure: PressureArgs,
+    }
+
+    fn parse_pressure(args: &[&str]) -> Result<PressureArgs, clap::Error> {
+        PressureFlags::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))
+            .map(|f| f.pressure)
+    }
+
+    #[test]
+    fn pressure_flags_reach_the_config_and_the_lab() {
+        assert_eq!(
+            parse_pressure(&[]).unwrap().config(),
+            Some(server::pressure::PressureConfig::default())
+        );
+        assert_eq!(
+            parse_pressure(&["--no-pressure-pause"]).unwrap().config(),
+            None
+        );
+        let args = parse_pressure(&[
+            "--pressure-min-available-percent",
+            "12.5",
+            "--pressure-max-full-avg10",
+            "40",
+            "--pressure-idle-secs",
+            "3",
+            "--pressure-max-pauses-per-minute",
+            "5",
+        ])
+        .unwrap();
+        let config = args.config().unwrap();
+        assert_eq!(config.min_available_percent, 12.5);
+        assert_eq!(config.max_full_avg10, 40.0);
+        assert_eq!(config.idle, std::time::Duration::from_secs(3));
+        assert_eq!(config.max_pauses_per_minute, 5);
+        let again = args.to_args();
+        let again: Vec<&str> = again.iter().map(String::as_str).collect();
+        assert_eq!(parse_pressure(&again).unwrap().config(), Some(config));
+        for bad in ["-1", "101", "x"] {
+            assert!(
+                parse_pressure(&["--pressure-max-full-avg10", bad]).is_err(),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The host's memory as `/proc` reports it, read in one place for the node
-//! server (admission), the lab (its size) and the bench (memory per
-//! sandbox): `MemTotal`, and what a process really uses.
+//! server (admission, its pressure monitor), the lab (its size) and the
+//! bench (memory per sandbox): `MemTotal`, `MemAvailable`, the kernel's
+//! memory pressure ([`pressure`]) and what a process really uses.
 //!
 //! A process's real use is its proportional set size (Pss,
 //! `/proc/<pid>/smaps_rollup`): its private pages whole plus each shared
@@ -9,6 +10,9 @@
 //! all of them.
 
 use std::io;
+
+pub mod pressure;
+pub mod resident;
 
 /// The host's `MemTotal` in MiB.
 pub fn mem_total_mib() -> io::Result<u64> {
@@ -19,6 +23,19 @@ pub fn mem_total_mib() -> io::Result<u64> {
 /// `MemTotal` of a `/proc/meminfo` text, in MiB (rounded down).
 pub fn parse_mem_total_mib(meminfo: &str) -> Option<u64> {
     kib_field(meminfo, "MemTotal:").map(|kib| kib / 1024)
+}
+
+/// The host's `MemAvailable` in MiB: what the kernel estimates can be
+/// allocated without swapping (free pages plus the reclaimable caches).
+pub fn mem_available_mib() -> io::Result<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo")?;
+    parse_mem_available_mib(&text)
+        .ok_or_else(|| io::Error::other("no MemAvailable line in /proc/meminfo"))
+}
+
+/// `MemAvailable` of a `/proc/meminfo` text, in MiB (rounded down).
+pub fn parse_mem_available_mib(meminfo: &str) -> Option<u64> {
+    kib_field(meminfo, "MemAvailable:").map(|kib| kib / 1024)
 }
 
 /// The value in KiB of the line `name` (with its colon) of a `/proc` text
@@ -85,6 +102,15 @@ mod tests {
         let total = mem_total_mib().unwrap();
         let info = first_line_total_mib();
         assert!(total > 0 && total.abs_diff(info) <= 1, "{total} vs {info}");
+    }
+
+    #[test]
+    fn mem_available_is_read_in_mib() {
+        let text = "MemTotal: 24592684 kB\nMemFree: 1000 kB\nMemAvailable:   2097152 kB\n";
+        assert_eq!(parse_mem_available_mib(text), Some(2048));
+        assert_eq!(parse_mem_available_mib("MemTotal: 1 kB\n"), None);
+        let available = mem_available_mib().unwrap();
+        assert!(available > 0 && available <= mem_total_mib().unwrap());
     }
 
     /// `MemTotal` by another reading of the same file's line, as bytes, so

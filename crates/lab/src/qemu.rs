@@ -38,10 +38,12 @@ fn esc(p: &Path) -> String {
 
 /// The kernel command line. `quiet loglevel=0` keeps the console to init's
 /// own messages and panics; `panic=-1` with `-no-reboot` ends QEMU on a panic.
+/// `psi=1`: Debian's kernel tracks pressure stall information only when
+/// asked, and the node's memory pressure monitor reads it.
 /// `extra` comes last, so it can override what comes before.
 pub fn kernel_cmdline(job_dir: &Path, root_cache: RootCache, extra: &[String]) -> String {
     let mut line = format!(
-        "console=ttyS0 quiet loglevel=0 panic=-1 sandfork.job={} sandfork.root_cache={}",
+        "console=ttyS0 quiet loglevel=0 panic=-1 psi=1 sandfork.job={} sandfork.root_cache={}",
         job_dir.display(),
         root_cache.as_9p()
     );

@@ -45,6 +45,9 @@ pub struct Config {
     pub cgroups: Option<crate::cgroups::CgroupConfig>,
     /// Guests get a balloon with free page reporting (`--no-balloon`: not).
     pub balloon: bool,
+    /// When idle sandboxes are paused under host memory pressure; None:
+    /// never (`--no-pressure-pause`).
+    pub pressure: Option<crate::pressure::PressureConfig>,
 }
 
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/sandfork";
@@ -89,6 +92,7 @@ impl Config {
             network: None,
             cgroups: Some(crate::cgroups::CgroupConfig::default()),
             balloon: true,
+            pressure: Some(crate::pressure::PressureConfig::default()),
         }
     }
 

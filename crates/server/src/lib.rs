@@ -16,6 +16,7 @@ pub mod ids;
 pub mod launch;
 pub mod net;
 pub mod pool;
+pub mod pressure;
 pub mod proxy;
 pub mod sandbox;
 pub mod state;
@@ -123,6 +124,7 @@ impl Server {
         manager.clone().start_gc();
         manager.clone().start_reaper();
         manager.clone().start_observer();
+        manager.clone().start_pressure_monitor();
         Ok(Server {
             state: Arc::new(api::AppState {
                 manager,

@@ -13,6 +13,7 @@ use axum::http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use axum::http::{StatusCode, Uri};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use http_body_util::BodyExt;
 use hyper_util::rt::TokioIo;
 use vmm_driver::vsock_connect::VsockConnectError;
 
@@ -147,6 +148,7 @@ pub trait SandboxTokens {
 impl SandboxTokens for crate::sandbox::Manager {
     fn by_token(&self, token: &str) -> Option<String> {
         self.serving_by_token(token)
+            .or_else(|| self.paused_by_pressure_with_token(token))
     }
 
     fn all(&self) -> Vec<(String, String)> {
@@ -280,8 +282,18 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 async fn forward(state: &Shared, id: &str, port: u32, mut req: Request) -> Response {
-    let Some(uds) = state.manager.vsock_path(id) else {
-        return not_found(id);
+    // Counted before the guest is looked up: a memory pressure pause that
+    // starts now sees it and gives way (see `Manager::pause_for`). Held
+    // until the answer's body ends.
+    let in_use = state.manager.in_use(id);
+    let uds = match state.manager.vsock_path(id) {
+        Some(uds) => uds,
+        // Paused by the node for memory pressure: it resumes transparently.
+        None => match state.manager.wake(id).await {
+            Ok(Some(uds)) => uds,
+            Ok(None) => return not_found(id),
+            Err(e) => return not_woken(id, &e),
+        },
     };
     // The guest's own ports: a private sandbox's token, its masked host.
     if port != envd_proto::PORT
@@ -332,6 +344,11 @@ async fn forward(state: &Shared, id: &str, port: u32, mut req: Request) -> Respo
             if let Some(protocol) = upgraded {
                 keep_upgrade(&mut parts.headers, protocol);
             }
+            // The guard goes when the body does.
+            let body = body.map_frame(move |frame| {
+                let _held = &in_use;
+                frame
+            });
             let body = if is_connect_stream(&parts) {
                 Body::new(stream_end::EndedStream::new(body, id))
             } else {
@@ -342,6 +359,21 @@ async fn forward(state: &Shared, id: &str, port: u32, mut req: Request) -> Respo
         Err(ForwardError::Connect(VsockConnectError::Connect { .. })) => not_found(id),
         Err(e) => port_closed(id, port, &e.to_string()),
     }
+}
+
+/// A request to a sandbox the node paused for memory pressure that could not
+/// resume it (the node is full, its snapshot failed to load): 503, saying
+/// why, rather than "not found" (the sandbox is there).
+fn not_woken(id: &str, e: &crate::sandbox::SandboxError) -> Response {
+    tracing::warn!("sandbox {id}: resuming it for a request after a memory pressure pause: {e}");
+    let body = serde_json::json!({
+        "sandboxId": id,
+        "message": format!(
+            "The sandbox was paused by its node for memory pressure and could not be resumed: {e}"
+        ),
+        "code": 503,
+    });
+    (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response()
 }
 
 /// How long a request to a guest already found unresponsive may wait for

@@ -1,7 +1,7 @@
 //! The sandbox manager: create (restore the template into a pooled VMM),
 //! get, list, kill, timeouts. Records live in the store; running VMMs here.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -20,7 +20,7 @@ use crate::launch::{self, Guest, LaunchError, Launched, Plan, Ready};
 use crate::net::SandboxNetwork;
 use crate::pool::Pool;
 use crate::store::{
-    PausedSnapshot, SandboxRecord, SandboxState, Store, StoreError, TemplateRecord,
+    PauseReason, PausedSnapshot, SandboxRecord, SandboxState, Store, StoreError, TemplateRecord,
 };
 
 /// A restored guest answers within this (lab times included).
@@ -45,10 +45,12 @@ mod live;
 mod moved;
 mod network;
 mod observe;
+mod pressure;
 mod recover;
 mod snapshot;
 #[cfg(test)]
 mod tests;
+mod working_set;
 pub use fork::Forked;
 pub use fork_stored::{ForkResults, SnapshotForkParams};
 pub use gc::GcStats;
@@ -215,6 +217,10 @@ pub struct Manager {
     activity: tokio::sync::RwLock<()>,
     /// Sandboxes removed because their VMM exited by itself.
     vmm_exits: AtomicU64,
+    /// What the memory pressure monitor saw and did.
+    pressure: Mutex<crate::pressure::PressureStats>,
+    /// Templates whose working set a sandbox is recording now.
+    recording: Mutex<HashSet<String>>,
     /// This manager, for the tasks that watch its VMMs.
     me: Weak<Manager>,
 }
@@ -250,6 +256,8 @@ impl Manager {
             pins: Mutex::new(HashMap::new()),
             activity: tokio::sync::RwLock::new(()),
             vmm_exits: AtomicU64::new(0),
+            pressure: Mutex::default(),
+            recording: Mutex::default(),
             me: me.clone(),
         })
     }
@@ -402,27 +410,37 @@ impl Manager {
 
     pub async fn reap_expired(&self) {
         let now = now_ms();
-        let expired: Vec<(String, Option<PauseMode>)> = match self.store.sandboxes() {
-            Ok(all) => all
-                .into_iter()
-                .filter(|s| s.state == SandboxState::Running && s.end_at_ms <= now)
-                .map(|s| {
-                    let mode = match s.auto_pause_memory {
-                        true => PauseMode::Full,
-                        false => PauseMode::Filesystem,
-                    };
-                    (s.id, s.auto_pause.then_some(mode))
-                })
-                .collect(),
+        let all = match self.store.sandboxes() {
+            Ok(all) => all,
             Err(e) => {
                 tracing::warn!("looking for expired sandboxes: {e}");
                 return;
             }
         };
+        // Paused by the node, not its owner: its clock ran on, and at its
+        // end it gets what its timeout would have done.
+        for s in all.iter().filter(|s| {
+            s.state == SandboxState::Paused
+                && s.pause_reason == Some(PauseReason::MemoryPressure)
+                && s.end_at_ms <= now
+        }) {
+            self.timeout_while_paused_by_pressure(s).await;
+        }
+        let expired: Vec<(String, Option<PauseMode>)> = all
+            .into_iter()
+            .filter(|s| s.state == SandboxState::Running && s.end_at_ms <= now)
+            .map(|s| {
+                let mode = match s.auto_pause_memory {
+                    true => PauseMode::Full,
+                    false => PauseMode::Filesystem,
+                };
+                (s.id, s.auto_pause.then_some(mode))
+            })
+            .collect();
         for (id, auto_pause) in expired {
             if let Some(mode) = auto_pause {
                 tracing::info!("sandbox {id}: timeout reached, pausing it ({mode:?})");
-                match self.pause(&id, mode).await {
+                match self.pause_for(&id, mode, PauseReason::Timeout).await {
                     Ok(_) | Err(SandboxError::Conflict { .. }) => continue,
                     Err(e) => tracing::warn!("sandbox {id}: pausing at timeout: {e}; killing it"),
                 }
@@ -487,8 +505,11 @@ impl Manager {
         )?;
         let id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
         let r = self.create_inner(&id, &template, params, hold).await;
-        if r.is_err() {
-            let _ = std::fs::remove_dir_all(self.sandbox_dir(&id));
+        match &r {
+            Ok(_) => self.record_working_set(&template, &id),
+            Err(_) => {
+                let _ = std::fs::remove_dir_all(self.sandbox_dir(&id));
+            }
         }
         r
     }
@@ -525,7 +546,12 @@ impl Manager {
         init.access_token = access_token.clone();
         init.env_vars = Some(env_vars.clone());
         let plan = Plan {
-            guest: Guest::Restore(self.restore_onto(&template.snapshot, &template.mem, &root)),
+            guest: Guest::Restore(self.restore_onto(
+                &template.snapshot,
+                &template.mem,
+                &root,
+                working_set::file_of(template),
+            )),
             // A snapshot's agent still holds its source's token until this init.
             ready: Ready::Init {
                 init: Box::new(init),
@@ -573,18 +599,21 @@ impl Manager {
                     .collect(),
                 vmm_dir: Some(launched.vm.dir().to_owned()),
                 network: params.network,
+                pause_reason: None,
             }
         };
         self.start_sandbox(None, plan, record, access_token.clone(), ingress, id)
             .await
     }
 
-    /// A snapshot restored with `root` as the root disk.
+    /// A snapshot restored with `root` as the root disk, and `prefetch`, its
+    /// working set, populated after the load.
     fn restore_onto(
         &self,
         state: &std::path::Path,
         mem: &std::path::Path,
         root: &std::path::Path,
+        prefetch: Option<PathBuf>,
     ) -> Restore {
         Restore {
             state: state.to_owned(),
@@ -593,6 +622,7 @@ impl Manager {
                 drive_id: self.template.root_drive_id.clone(),
                 path_on_host: root.display().to_string(),
             }],
+            prefetch,
         }
     }
 
@@ -602,6 +632,20 @@ impl Manager {
     /// its disk, and nothing else is kept. Then its VMM stops; the store says
     /// `paused` once all is on disk.
     pub async fn pause(&self, id: &str, mode: PauseMode) -> Result<SandboxRecord, SandboxError> {
+        self.pause_for(id, mode, PauseReason::Request).await
+    }
+
+    /// [`Manager::pause`] for `reason`. A pause for memory pressure gives
+    /// way to a request that reached the sandbox meanwhile; a pause its
+    /// owner asks for of a sandbox the node paused for memory pressure
+    /// makes that pause the owner's (it stays paused, and no request
+    /// resumes it by itself any more).
+    async fn pause_for(
+        &self,
+        id: &str,
+        mode: PauseMode,
+        reason: PauseReason,
+    ) -> Result<SandboxRecord, SandboxError> {
         let _busy = self.activity.read().await;
         let sandbox = self.sandbox(id)?;
         let Ok(mut guest) = sandbox.guest.try_lock() else {
@@ -609,6 +653,22 @@ impl Manager {
         };
         match sandbox.phase() {
             Phase::Running => {}
+            Phase::Paused if reason == PauseReason::Request => {
+                let mut taken = false;
+                let record = self.store.update_sandbox(id, |s| {
+                    if s.pause_reason == Some(PauseReason::MemoryPressure) {
+                        s.pause_reason = Some(PauseReason::Request);
+                        taken = true;
+                    }
+                })?;
+                if let (true, Some(record)) = (taken, record) {
+                    return Ok(record);
+                }
+                return Err(SandboxError::Conflict {
+                    id: id.to_owned(),
+                    state: "already paused",
+                });
+            }
             Phase::Paused => {
                 return Err(SandboxError::Conflict {
                     id: id.to_owned(),
@@ -623,6 +683,12 @@ impl Manager {
         };
         // The proxy answers "not found" while it pauses.
         sandbox.set_phase(Phase::Pausing)?;
+        // Checked once no new request can reach it (the proxy counts a
+        // request before it looks for the guest): one that came first wins.
+        if reason == PauseReason::MemoryPressure && sandbox.in_flight() > 0 {
+            sandbox.set_phase(Phase::Running)?;
+            return Err(live::busy(id));
+        }
         let dir = self.sandbox_dir(id);
         let generation = record.pause_generation + 1;
         let written = match mode {
@@ -648,6 +714,7 @@ impl Manager {
                 .store
                 .update_sandbox(id, |s| {
                     s.state = SandboxState::Paused;
+                    s.pause_reason = Some(reason);
                     s.pause_generation = generation;
                     s.snapshot = snapshot;
                     s.cold_booted = false;
@@ -772,7 +839,12 @@ impl Manager {
             let root = self.root_layer(&record);
             let plan = match &restore {
                 Some(snapshot) => Plan {
-                    guest: Guest::Restore(self.restore_onto(&snapshot.state, &snapshot.mem, &root)),
+                    guest: Guest::Restore(self.restore_onto(
+                        &snapshot.state,
+                        &snapshot.mem,
+                        &root,
+                        None,
+                    )),
                     ready: Ready::Init {
                         init: Box::new(AgentInit::after_restore()?),
                         token: record.access_token.clone(),
@@ -788,6 +860,7 @@ impl Manager {
                 .store
                 .update_sandbox(id, |s| {
                     s.state = SandboxState::Running;
+                    s.pause_reason = None;
                     s.end_at_ms = end;
                     s.cold_booted = restore.is_none();
                     s.vmm_dir = Some(launched.vm.dir().to_owned());
@@ -929,12 +1002,14 @@ impl Manager {
 
     /// Sets a running sandbox to end `timeout` from now (shorter or longer).
     /// A paused one is not found, as on E2B, whose timeout looks only among
-    /// the sandboxes its nodes run.
+    /// the sandboxes its nodes run; but one the node paused for memory
+    /// pressure runs as far as its owner knows, and its clock runs on.
     pub fn set_timeout(&self, id: &str, timeout: Duration) -> Result<SandboxRecord, SandboxError> {
         let end = now_ms() + timeout.as_millis() as u64;
         let mut paused = false;
         let updated = self.store.update_sandbox(id, |s| {
-            paused = s.state == SandboxState::Paused;
+            paused = s.state == SandboxState::Paused
+                && s.pause_reason != Some(PauseReason::MemoryPressure);
             if !paused {
                 s.end_at_ms = end;
             }
@@ -952,7 +1027,10 @@ impl Manager {
         id: &str,
         timeout: Duration,
     ) -> Result<SandboxRecord, SandboxError> {
-        if self.get(id)?.state != SandboxState::Running {
+        let record = self.get(id)?;
+        if record.state != SandboxState::Running
+            && record.pause_reason != Some(PauseReason::MemoryPressure)
+        {
             return Err(SandboxError::Conflict {
                 id: id.to_owned(),
                 state: "paused",

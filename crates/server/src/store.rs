@@ -40,6 +40,29 @@ pub enum SandboxState {
     Paused,
 }
 
+/// Why a sandbox is paused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum PauseReason {
+    /// Its owner paused it (`POST /sandboxes/{id}/pause`).
+    Request,
+    /// Its timeout ended and it pauses rather than dies (`autoPause`).
+    Timeout,
+    /// The node paused it, idle, while the host ran short of memory; it
+    /// resumes on its next request with the timeout it had left.
+    MemoryPressure,
+}
+
+impl PauseReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PauseReason::Request => "request",
+            PauseReason::Timeout => "timeout",
+            PauseReason::MemoryPressure => "memoryPressure",
+        }
+    }
+}
+
 impl SandboxState {
     pub fn as_str(self) -> &'static str {
         match self {
@@ -107,6 +130,10 @@ pub struct SandboxRecord {
     /// Its network policy as E2B's API set it and, while it runs, its slot.
     #[serde(default)]
     pub network: crate::net::SandboxNetwork,
+    /// Why a paused sandbox is paused (none while it runs, and in records
+    /// from before it existed).
+    #[serde(default)]
+    pub pause_reason: Option<PauseReason>,
 }
 
 fn yes() -> bool {

@@ -16,7 +16,8 @@ use server::config::Config;
 use server::pool::Pool;
 use server::sandbox::Manager;
 use server::store::{
-    BuildRecord, BuildStatus, PausedSnapshot, SandboxRecord, SandboxState, Store, TemplateRecord,
+    BuildRecord, BuildStatus, PauseReason, PausedSnapshot, SandboxRecord, SandboxState, Store,
+    TemplateRecord,
 };
 use server::template::Templates;
 use tower::ServiceExt;
@@ -776,6 +777,102 @@ async fn pause_resume_and_connect_answer_by_state() {
             StatusCode::BAD_REQUEST,
         );
     }
+}
+
+/// A sandbox the node paused for memory pressure is `paused` with its
+/// reason; to its owner it still runs: its timeout can be set, a request
+/// (routed, or found by its token) tries to resume it (here the VMM cannot
+/// start: a 503 saying so, and it stays paused), its owner's pause makes the
+/// pause theirs (no request resumes it then), and at its end it gets what
+/// its timeout would have done.
+#[tokio::test]
+async fn a_sandbox_paused_for_memory_pressure_still_runs_for_its_owner() {
+    let now = now_ms();
+    let squeezed = |id: &str, end_at_ms: u64, auto_pause: bool| SandboxRecord {
+        end_at_ms,
+        auto_pause,
+        pause_reason: Some(PauseReason::MemoryPressure),
+        ..record(id, now, SandboxState::Paused, "x")
+    };
+    let node = node(&[
+        squeezed("squeezed", now + 3_600_000, false),
+        squeezed("over", now - 1, false),
+        squeezed("overap", now - 1, true),
+    ]);
+    let a = call(&node, authed("GET", "/sandboxes/squeezed", "")).await;
+    assert_eq!(a.json["state"], "paused", "{}", a.json);
+    assert_eq!(a.json["pauseReason"], "memoryPressure", "{}", a.json);
+    let info = call(&node, authed("GET", "/v1/node", "")).await.json;
+    assert_eq!(info["memoryPressure"]["enabled"], true, "{info}");
+    assert_eq!(info["memoryPressure"]["pausedNow"], 3, "{info}");
+
+    let a = call(
+        &node,
+        authed("POST", "/sandboxes/squeezed/timeout", r#"{"timeout":60}"#),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::NO_CONTENT, "{}", a.json);
+    let end = node.manager.get("squeezed").unwrap().end_at_ms;
+    assert!(end < now + 120_000, "{end}");
+
+    let routed = || {
+        Request::post("/process.Process/Start")
+            .header("e2b-sandbox-id", "squeezed")
+            .body(Body::from("x"))
+            .unwrap()
+    };
+    let by_token = || {
+        Request::post("/process.Process/Start")
+            .header("x-access-token", "tok-squeezed")
+            .body(Body::from("x"))
+            .unwrap()
+    };
+    for req in [routed(), by_token()] {
+        let a = call(&node, req).await;
+        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{}", a.json);
+        assert!(
+            a.json["message"]
+                .as_str()
+                .unwrap()
+                .contains("paused by its node for memory pressure and could not be resumed"),
+            "{}",
+            a.json
+        );
+        let r = node.manager.get("squeezed").unwrap();
+        assert_eq!(r.state, SandboxState::Paused);
+        assert_eq!(r.pause_reason, Some(PauseReason::MemoryPressure));
+    }
+
+    // Its owner pauses it: 204, and it stays paused, as theirs.
+    let a = call(&node, authed("POST", "/sandboxes/squeezed/pause", "{}")).await;
+    assert_eq!(a.status, StatusCode::NO_CONTENT, "{}", a.json);
+    let r = node.manager.get("squeezed").unwrap();
+    assert_eq!(r.pause_reason, Some(PauseReason::Request));
+    let a = call(&node, routed()).await;
+    assert_eq!(a.status, StatusCode::BAD_GATEWAY, "{}", a.json);
+    assert_error(
+        &call(&node, authed("POST", "/sandboxes/squeezed/pause", "{}")).await,
+        StatusCode::CONFLICT,
+    );
+    assert_error(
+        &call(
+            &node,
+            authed("POST", "/sandboxes/squeezed/timeout", r#"{"timeout":60}"#),
+        )
+        .await,
+        StatusCode::NOT_FOUND,
+    );
+
+    // Their time is up: killed, or paused as by its timeout.
+    node.manager.reap_expired().await;
+    assert!(node.manager.get("over").is_err());
+    let r = node.manager.get("overap").unwrap();
+    assert_eq!(
+        (r.state, r.pause_reason),
+        (SandboxState::Paused, Some(PauseReason::Timeout))
+    );
+    let a = call(&node, authed("GET", "/sandboxes/overap", "")).await;
+    assert_eq!(a.json["pauseReason"], "timeout", "{}", a.json);
 }
 
 #[tokio::test]

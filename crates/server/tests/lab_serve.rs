@@ -853,6 +853,188 @@ async fn real_use_reaching_the_ceiling_is_refused_clearly() {
     common::create(addr, &auth, body).await;
 }
 
+/// Under host memory pressure the node pauses idle sandboxes instead of
+/// letting the OOM killer end anything. The lab's memory is made short by a
+/// ballast in this process (it runs the node), so that guests filling
+/// 200 MiB each want more than is left; the monitor pauses the auto-pause
+/// sandbox first (although others were used less recently), then the least
+/// recently used ones (the one not filled yet that was used first), until
+/// MemAvailable is back; a request to a paused one that is still to be
+/// filled resumes it. No VMM exits, the kernel kills nothing, the node
+/// answers, and every sandbox answers a command with its files, those the
+/// node paused resuming by themselves on that request (one by `connect`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab: boots microVMs"]
+async fn memory_pressure_pauses_idle_sandboxes_and_loses_nothing() {
+    const FILL_MIB: u64 = 200;
+    const SANDBOXES: usize = 7;
+    // Pauses write memory out: on the lab's /tmp (its RAM) that frees
+    // nothing, so the node's data goes to the disk shared with the host.
+    let data = match std::env::var_os("SANDFORK_LAB_RW_DIR") {
+        Some(dir) => tempfile::tempdir_in(dir),
+        None => tempfile::tempdir(),
+    }
+    .unwrap();
+    let mut config = lab_config(data.path(), 0);
+    config.mem_mib = 512;
+    // Admission by real use lets them all in: growth is what runs short.
+    config.capacity.memory_mib = Some(4000);
+    let pressure = server::pressure::PressureConfig {
+        min_available_percent: 15.0,
+        // MemAvailable alone decides (PSI in an emulated lab is noisy).
+        max_full_avg10: 100.0,
+        idle: Duration::from_secs(3),
+        max_pauses_per_minute: 30,
+    };
+    let total = host_mem::mem_total_mib().unwrap();
+    let floor = pressure.floor_mib(4000, total);
+    config.pressure = Some(pressure);
+    let node = serve(config).await;
+    let (addr, auth) = (node.addr, node.auth());
+    let oom_kills = || {
+        let vmstat = std::fs::read_to_string("/proc/vmstat").unwrap();
+        vmstat
+            .lines()
+            .find_map(|l| l.strip_prefix("oom_kill "))
+            .map_or(0, |v| v.trim().parse::<u64>().unwrap())
+    };
+    let kills_before = oom_kills();
+
+    let mut boxes = Vec::new();
+    for i in 0..SANDBOXES {
+        let body = json!({"templateID": "base", "timeout": 900, "autoPause": i == 0});
+        let c = common::create(addr, &auth, body).await;
+        let (code, _) = run(addr, &c.routing(), &format!("echo {} > /tmp/mark", c.id)).await;
+        assert_eq!(code, 0);
+        boxes.push(c);
+    }
+    // What is left for the fills: the floor and two and a half of them.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let available = host_mem::mem_available_mib().unwrap();
+    let keep = floor + FILL_MIB * 5 / 2;
+    let ballast_mib = available.saturating_sub(keep);
+    eprintln!(
+        "MemTotal {total} MiB, MemAvailable {available} MiB with {SANDBOXES} sandboxes; \
+         floor {floor} MiB; ballast {ballast_mib} MiB"
+    );
+    let ballast = vec![1u8; (ballast_mib << 20) as usize];
+    std::hint::black_box(&ballast);
+    eprintln!(
+        "MemAvailable {} MiB after the ballast",
+        host_mem::mem_available_mib().unwrap()
+    );
+
+    // Used last in this order: the last one is the least recently used of
+    // those filled after boxes[1], the auto-pause one used after them all.
+    for c in boxes[2..].iter().rev() {
+        assert_eq!(run(addr, &c.routing(), "true").await.0, 0);
+    }
+    fill(addr, &boxes[1], FILL_MIB).await;
+    assert_eq!(run(addr, &boxes[0].routing(), "true").await.0, 0);
+    for c in &boxes[2..] {
+        fill(addr, c, FILL_MIB).await;
+    }
+    // The last fill's pressure is dealt with once its sandbox is idle too.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+
+    let info = http(addr, "GET", "/v1/node", &auth, "").await;
+    assert_eq!(info.status, 200, "{:?}", info.body);
+    let info = info.json();
+    let pressure = &info["memoryPressure"];
+    eprintln!("memoryPressure: {pressure:#}");
+    let paused: Vec<String> = pressure["recentPauses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["sandboxID"].as_str().unwrap().to_owned())
+        .collect();
+    assert!(paused.len() >= 2, "{pressure}");
+    assert_eq!(paused[0], boxes[0].id, "the auto-pause sandbox goes first");
+    assert_eq!(
+        paused[1],
+        boxes[SANDBOXES - 1].id,
+        "then the least recently used"
+    );
+    assert_eq!(info["sandboxes"]["vmmExited"], 0, "{info}");
+    assert_eq!(oom_kills(), kills_before, "the kernel killed a process");
+
+    // Paused ones say why.
+    let paused_now: Vec<&Created> = boxes
+        .iter()
+        .filter(|c| node.manager.get(&c.id).unwrap().state == server::store::SandboxState::Paused)
+        .collect();
+    assert!(!paused_now.is_empty());
+    for c in &paused_now {
+        let detail = http(addr, "GET", &format!("/sandboxes/{}", c.id), &auth, "")
+            .await
+            .json();
+        assert_eq!(detail["state"], "paused", "{detail}");
+        assert_eq!(detail["pauseReason"], "memoryPressure", "{detail}");
+    }
+    // One comes back by `connect`, the rest by their next request.
+    let connected = http(
+        addr,
+        "POST",
+        &format!("/sandboxes/{}/connect", paused_now[0].id),
+        &auth,
+        json!({"timeout": 900}).to_string(),
+    )
+    .await;
+    assert_eq!(connected.status, 201, "{:?}", connected.body);
+    for (i, c) in boxes.iter().enumerate() {
+        let started = Instant::now();
+        let (code, out) = run(
+            addr,
+            &c.routing(),
+            "cat /tmp/mark; stat -c %s /tmp/fill 2>/dev/null || echo none",
+        )
+        .await;
+        let size = if i == 0 {
+            "none".to_owned()
+        } else {
+            (FILL_MIB << 20).to_string()
+        };
+        assert_eq!((code, out), (0, format!("{}\n{size}\n", c.id)), "{}", c.id);
+        eprintln!(
+            "{} answered with its files in {:?}",
+            c.id,
+            started.elapsed()
+        );
+    }
+    let info = http(addr, "GET", "/v1/node", &auth, "").await.json();
+    eprintln!(
+        "at the end: {} paused in all, {} paused now, MemAvailable {} MiB",
+        info["memoryPressure"]["pausedTotal"],
+        info["memoryPressure"]["pausedNow"],
+        host_mem::mem_available_mib().unwrap()
+    );
+    assert_eq!(info["sandboxes"]["vmmExited"], 0, "{info}");
+    assert_eq!(oom_kills(), kills_before, "the kernel killed a process");
+    drop(ballast);
+    for c in &boxes {
+        let killed = http(addr, "DELETE", &format!("/sandboxes/{}", c.id), &auth, "").await;
+        assert_eq!(killed.status, 204, "{:?}", killed.body);
+    }
+}
+
+/// Fills `mib` MiB of the sandbox's `/tmp/fill` (its guest's memory).
+async fn fill(addr: std::net::SocketAddr, c: &Created, mib: u64) {
+    let started = Instant::now();
+    let (code, out) = run(
+        addr,
+        &c.routing(),
+        &format!("head -c {mib}M /dev/zero > /tmp/fill && echo filled"),
+    )
+    .await;
+    assert_eq!((code, out.as_str()), (0, "filled\n"));
+    eprintln!(
+        "filled {mib} MiB in {} in {:?}; MemAvailable {} MiB",
+        c.id,
+        started.elapsed(),
+        host_mem::mem_available_mib().unwrap()
+    );
+}
+
 /// The static guest agent: `SANDFORK_AGENT`, or the release build next to
 /// this test's target directory.
 /// A running sandbox whose VMM is killed from outside (as a crash or the

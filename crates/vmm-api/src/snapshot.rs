@@ -94,6 +94,10 @@ pub struct SnapshotLoadParams {
     pub drive_overrides: Vec<DriveOverride>,
     #[serde(default, skip_serializing_if = "is_false")]
     pub clock_realtime: bool,
+    /// sandfork extension: a working-set file (a JSON array of `[start,
+    /// end)` flat memory ranges) populated in the background after the load.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefetch_path: Option<String>,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -121,6 +125,7 @@ impl SnapshotLoadParams {
             vsock_override: None,
             drive_overrides: Vec::new(),
             clock_realtime: false,
+            prefetch_path: None,
         }
     }
 
@@ -139,6 +144,9 @@ impl SnapshotLoadParams {
             }
             (Some(b), None) => validate_path("mem_backend.backend_path", &b.backend_path)?,
             (None, Some(p)) => validate_path("mem_file_path", p)?,
+        }
+        if let Some(p) = &self.prefetch_path {
+            validate_path("prefetch_path", p)?;
         }
         for (i, o) in self.network_overrides.iter().enumerate() {
             validate_resource_id("network_overrides.iface_id", &o.iface_id)?;

@@ -229,6 +229,9 @@ pub struct RestoreSpec {
     /// Move the guest clock on by the time since the snapshot.
     pub advance_clock: bool,
     pub console: Box<dyn Write + Send>,
+    /// A working-set file: guest memory populated in the background after
+    /// the restore (see `vstate::memory::prefetch`).
+    pub prefetch: Option<PathBuf>,
 }
 
 /// Rebuilds a microVM from a snapshot: maps its memory copy-on-write, loads
@@ -245,6 +248,7 @@ pub fn restore(
         resume,
         advance_clock,
         console,
+        prefetch,
     } = spec;
     let count = state.vcpu_count;
     if count == 0 || count > mptable::MAX_CPUS || state.vcpus.len() != usize::from(count) {
@@ -265,6 +269,15 @@ pub fn restore(
 
     let vm = Vm::new()?;
     let ram = GuestRam::restore(&state.memory)?;
+    // A working set that cannot be read costs speed, not the restore.
+    match prefetch
+        .as_deref()
+        .map(crate::vstate::memory::read_working_set)
+    {
+        Some(Ok(ranges)) => drop(ram.prefetch(&ranges)),
+        Some(Err(e)) => tracing::warn!("not prefetching: {e}"),
+        None => {}
+    }
     let mem = ram.guest_memory();
     vm.register_memory(mem)?;
     vm.create_irqchip_and_pit()?;

@@ -501,6 +501,7 @@ impl Controller {
             resume: params.resume_vm,
             advance_clock: params.clock_realtime,
             console: Box::new(self.console.clone()),
+            prefetch: params.prefetch_path.as_ref().map(PathBuf::from),
         };
         let vmm = builder::restore(spec, self.on_event())
             .map_err(|e| bad(format!("Cannot load the snapshot: {e}")))?;

@@ -530,8 +530,9 @@ mod tests {
 mod stand_in {
     use super::SCRIPT;
 
-    /// `e2b` and `httpx` as far as the script uses them: the third sandbox
-    /// created never answers; more than five alive at once are refused.
+    /// `e2b` and `httpx` as far as the script uses them: the seventh sandbox
+    /// created (the third of the create phase, after the four of the page
+    /// fault phase) never answers; more than five alive at once are refused.
     const FAKE_E2B: &str = r#"
 import threading, itertools
 _lock = threading.Lock()
@@ -548,7 +549,7 @@ class _Commands:
     def __init__(self, n):
         self.n = n
     def run(self, cmd, **kw):
-        if self.n == 3:
+        if self.n == 7:
             threading.Event().wait()  # as a guest that stopped answering
         return _Result()
 
@@ -587,7 +588,7 @@ class _Answer:
     status_code = 204
     text = "(stand-in diagnostics)"
     def json(self):
-        return {"memoryMB": {"total": 1}}
+        return {"memoryMB": {"total": 1}, "vmmPageFaults": {"minor": 10, "major": 1}}
 
 def get(url, **kw):
     return _Answer()
@@ -625,7 +626,16 @@ def request(method, url, **kw):
         let out = std::process::Command::new("python3")
             .arg(&script)
             .args(["--server-pid", &me, "--vmm-exe", "/nonexistent"])
-            .args(["--runs", "4", "--creates", "2", "--idle", "1"])
+            .args([
+                "--runs",
+                "4",
+                "--creates",
+                "2",
+                "--creates16",
+                "4",
+                "--idle",
+                "1",
+            ])
             .args([
                 "--idle-seconds",
                 "0",
@@ -635,7 +645,7 @@ def request(method, url, **kw):
                 "0",
             ])
             // No VMM processes here: the node never "settles"; a warning.
-            .args(["--settle-timeout", "1"])
+            .args(["--settle-timeout", "1", "--working-set-settle-seconds", "0"])
             .args(["--sample-timeout", "2", "--density-max", "50"])
             // Every phase but guest_tcp's, which needs a guest's network.
             .args([
@@ -664,6 +674,10 @@ def request(method, url, **kw):
                 .contains("TimeoutError"),
             "{report}"
         );
+        // The page faults of a first command, before and after the working set.
+        let faults = &report["first_command_page_faults"];
+        assert_eq!(faults["without_prefetch"], 0, "{report}");
+        assert_eq!(faults["with_prefetch"]["p50"], 0, "{report}");
         // The phases after it ran.
         assert!(report["sdk_fork16_ms"].is_number(), "{report}");
         // The fork past the Python SDK's limit goes over HTTP, with the
@@ -672,6 +686,11 @@ def request(method, url, **kw):
         assert_eq!(report["fork_parent_pause_ms"], 1.5, "{report}");
         assert_eq!(report["sdk_detail"]["fork100"]["fork_call"], "http");
         assert!(report["sdk_creates_per_s_4way"].as_f64().unwrap() > 0.0);
+        assert!(report["sdk_creates_per_s_16way"].as_f64().unwrap() > 0.0);
+        assert_eq!(
+            report["sdk_detail"]["creates_concurrent16"]["concurrency"],
+            16
+        );
         assert!(report["idle_sandbox_mib"].is_number(), "{report}");
         // Refused at the sixth: five admitted.
         assert_eq!(report["density_idle_sandboxes"], 5, "{report}");

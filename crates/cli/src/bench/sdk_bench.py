@@ -29,8 +29,10 @@ REQUEST_TIMEOUT_S = 900.0
 # (creates answer in seconds in the lab): the bench says so with the node's
 # diagnostics of it instead of waiting out REQUEST_TIMEOUT_S.
 ANSWER_TIMEOUT_S = 300.0
-# Concurrent creators of the throughput phase (`sdk_creates_per_s_4way`).
+# Concurrent creators of the throughput phases (`sdk_creates_per_s_4way`,
+# `sdk_creates_per_s_16way`).
 CONCURRENCY = 4
+WIDE_CONCURRENCY = 16
 KILL_TIMEOUT_S = 60.0
 # The density phase stops after this many creates that failed (rather than
 # being refused), and has this many of its sandboxes answer a command.
@@ -40,6 +42,8 @@ DENSITY_SAMPLE = 10
 PYTHON_SDK_MAX_FORK = 20
 # Children answering their command at once (each a blocking SDK call).
 FORK_ANSWER_THREADS = 32
+# Creates measured with the working set prefetched.
+FAULT_SAMPLES = 3
 # Sandfork's header on a fork's answer: how long the parent was stopped.
 PARENT_PAUSED_HEADER = "sandfork-parent-paused-ms"
 # guest_tcp: MiB each way per sample, samples, the guest's sink and source
@@ -353,6 +357,63 @@ class Bench:
     def sample_timeout(self):
         return self.args.sample_timeout
 
+    def first_command_faults(self):
+        """The VMM's page faults across a sandbox's first command, before the
+        node has the template's working set (the first create of a fresh
+        node: its first command records it) and after (creates that
+        prefetch it)."""
+
+        def faults(sbx):
+            answer = _api("GET", f"/sandboxes/{sbx.sandbox_id}")
+            f = answer.json().get("vmmPageFaults")
+            if f is None:
+                raise RuntimeError(f"the node reports no vmmPageFaults: {answer.text[:300]}")
+            return f
+
+        def one(_run):
+            sbx = self.create()
+            try:
+                before = faults(sbx)
+                t0 = time.perf_counter()
+                self.answer(sbx)
+                took = ms(time.perf_counter() - t0)
+                after = faults(sbx)
+                # the node records the working set a second after the answer
+                time.sleep(self.args.working_set_settle_seconds)
+            finally:
+                self.kill(sbx)
+            return {
+                "minor": after["minor"] - before["minor"],
+                "major": after["major"] - before["major"],
+                "first_command_ms": took,
+            }
+
+        self.settle()
+        without = bounded(lambda: one(0), self.sample_timeout(), "first command (no working set)")
+        self.settle()
+        with_, failures = collect(
+            FAULT_SAMPLES, one, self.sample_timeout(), "first command (working set prefetched)"
+        )
+        self.cleanup()
+        total = lambda f: f["minor"] + f["major"]  # noqa: E731
+        log(
+            f"first command: {total(without)} faults without the working set, "
+            f"{[total(f) for f in with_]} with it"
+        )
+        return {
+            "first_command_page_faults": {
+                "without_prefetch": total(without),
+                "with_prefetch": summary([total(f) for f in with_]) if with_ else None,
+            }
+        }, {
+            "method": "minflt + majflt of the sandbox's VMM (/proc/<pid>/stat, from the "
+            "node's vmmPageFaults) just before and after its first `echo ready`; the first "
+            "create of a fresh node has no working set yet and records it",
+            "without_prefetch": without,
+            "with_prefetch": with_,
+            "failed_samples": failures,
+        }
+
     def create_to_first_command(self):
         # One create first, not counted: the SDK's first call imports and sets
         # up its clients (1.6 s of emulated client CPU in the lab).
@@ -553,7 +614,14 @@ class Bench:
         }
 
     def creates_concurrent(self):
-        total, workers = self.args.creates, CONCURRENCY
+        return self.creates_with(CONCURRENCY, self.args.creates)
+
+    def creates_concurrent16(self):
+        return self.creates_with(WIDE_CONCURRENCY, self.args.creates16)
+
+    def creates_with(self, workers, total):
+        """`total` creates by `workers` threads at once, each to its first
+        command's answer: creates a second over the whole."""
         self.settle()
         latency, errors = [], []
         lock = threading.Lock()
@@ -600,7 +668,7 @@ class Bench:
             "client_cpu_ms": ms(c1 - c0),
             "errors": errors,
         }
-        return {"sdk_creates_per_s_4way": round(rate, 3)}, detail
+        return {f"sdk_creates_per_s_{workers}way": round(rate, 3)}, detail
 
     def idle_memory(self):
         k = self.args.idle
@@ -716,6 +784,8 @@ class Bench:
             "(client_cpu_ms)",
         )
         phases = [
+            # First: on a fresh node, its first create has no working set yet.
+            ("first_command_faults", self.first_command_faults, ["first_command_page_faults"]),
             ("create_to_first_command", self.create_to_first_command, ["sdk_create_to_first_command_ms"]),
             ("fork16", self.fork, [f"sdk_fork{self.args.fork_count}_ms"]),
             ("fork100", self.fork100, ["sdk_fork100_ms", "fork_parent_pause_ms"]),
@@ -725,6 +795,7 @@ class Bench:
                 ["guest_tcp_guest_to_host_mib_s", "guest_tcp_host_to_guest_mib_s"],
             ),
             ("creates_concurrent", self.creates_concurrent, ["sdk_creates_per_s_4way"]),
+            ("creates_concurrent16", self.creates_concurrent16, ["sdk_creates_per_s_16way"]),
             ("idle", self.idle_memory, ["idle_sandbox_mib", "idle_sandboxes_per_24gib"]),
         ]
         if self.args.density_max > 0:
@@ -921,6 +992,8 @@ def main():
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--fork-count", type=int, default=16)
     p.add_argument("--creates", type=int, default=12)
+    # Two rounds of the 16 creators.
+    p.add_argument("--creates16", type=int, default=32)
     p.add_argument("--idle", type=int, default=8)
     p.add_argument("--idle-seconds", type=float, default=30.0)
     p.add_argument("--pool-size", type=int, default=4)
@@ -932,6 +1005,9 @@ def main():
     # How long the node's VMM count must stay unchanged to count as settled.
     p.add_argument("--settle-seconds", type=float, default=5.0)
     p.add_argument("--settle-timeout", type=float, default=600.0)
+    # How long the node is given to record a template's working set after
+    # the first command (it waits a second after the answer).
+    p.add_argument("--working-set-settle-seconds", type=float, default=3.0)
     p.add_argument("--phases", help="comma-separated phases to run (default: all)")
     p.add_argument("--report-file", help="where the report so far is kept")
     args = p.parse_args()

@@ -25,12 +25,14 @@ pub fn summary(report: &Value) -> String {
         ("sdk_create_to_first_command_ms", "ms"),
         ("sdk_create_to_first_command_no_network_ms", "ms"),
         ("sdk_create_networking_ratio", ""),
+        ("first_command_page_faults", ""),
         ("sdk_fork16_ms", "ms"),
         ("sdk_fork100_ms", "ms"),
         ("fork_parent_pause_ms", "ms"),
         ("guest_tcp_guest_to_host_mib_s", "MiB/s"),
         ("guest_tcp_host_to_guest_mib_s", "MiB/s"),
         ("sdk_creates_per_s_4way", "/s"),
+        ("sdk_creates_per_s_16way", "/s"),
         ("idle_sandbox_mib", "MiB"),
         ("balloon_reclaimed_mib", "MiB"),
         ("idle_sandboxes_per_24gib", ""),
@@ -40,6 +42,15 @@ pub fn summary(report: &Value) -> String {
     ] {
         let value = &report[key];
         let shown = match (value.as_f64(), value["p50"].as_f64()) {
+            _ if value.get("without_prefetch").is_some() => format!(
+                "{} without the working set, p50 {} with it",
+                value["without_prefetch"]
+                    .as_f64()
+                    .map_or("?".into(), number),
+                value["with_prefetch"]["p50"]
+                    .as_f64()
+                    .map_or("?".into(), number)
+            ),
             (Some(v), _) => format!("{} {unit}", number(v)),
             (None, Some(p50)) => format!(
                 "p50 {} {unit}, p95 {} {unit}",
@@ -98,6 +109,7 @@ mod tests {
             "pause_ratio_vs_reference": 3.29,
             "restore_to_agent_ms": 369.2,
             "sdk_create_to_first_command_ms": {"p50": 2130.6, "p95": 2779.7},
+            "first_command_page_faults": {"without_prefetch": 5012, "with_prefetch": {"p50": 801}},
             "sdk_fork16_ms": null,
             "reference": {"pause_ms": 10.31, "restore_to_agent_ms": 248.0},
             "errors": {"reference_boot": "no such file"},
@@ -111,6 +123,7 @@ mod tests {
              \x20 pause_ms                         33.94 ms   (Firecracker 10.31 ms, ratio 3.29)\n\
              \x20 restore_to_agent_ms              369 ms   (Firecracker 248 ms)\n\
              \x20 sdk_create_to_first_command_ms   p50 2131 ms, p95 2780 ms\n\
+             \x20 first_command_page_faults        5012 without the working set, p50 801 with it\n\
              \x20 sdk_fork16_ms                    failed\n\
              \x20 failed: reference_boot: no such file\n\
              \x20 failed: fork16: TimeoutError: fork of 16\n\

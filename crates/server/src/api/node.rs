@@ -6,6 +6,9 @@
 //!  "memoryMB": {"total": 3000, "used": 512, "free": 2488},
 //!  "diskMB": {"total": 250000, "free": 30000, "minFree": 1024},
 //!  "sandboxes": {"running": 2, "paused": 1, "starting": 0, "max": 64, "vmmExited": 0},
+//!  "memoryPressure": {"enabled": true, "availableMB": 2100, "psiSomeAvg10": 0.0,
+//!    "psiFullAvg10": 0.0, "floorMB": 1000, "pausing": false, "pausedTotal": 3,
+//!    "pausedNow": 1, "recentPauses": [...], ...},
 //!  "version": "0.1.0", "envdVersion": "0.5.7"}
 //! ```
 //!
@@ -17,6 +20,8 @@
 //! filesystem has available beyond `minFree`, which sandboxes never use.
 //! `vmmExited` counts the sandboxes removed since the node started because
 //! their VMM process ended by itself (a crash, a kill from outside).
+//! `memoryPressure` is the pressure monitor's last reading of the host and
+//! the idle sandboxes it paused (see [`crate::pressure`]).
 
 use axum::Json;
 use axum::extract::State;
@@ -59,6 +64,7 @@ pub async fn node(State(state): State<Shared>) -> Result<Json<Value>, ApiError> 
             "max": limits.sandboxes,
             "vmmExited": manager.vmm_exits(),
         },
+        "memoryPressure": manager.pressure_json(),
         "version": env!("CARGO_PKG_VERSION"),
         "envdVersion": envd_proto::ENVD_VERSION,
     })))

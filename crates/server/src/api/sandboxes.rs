@@ -115,6 +115,11 @@ pub fn listed_json(r: &SandboxRecord, detail: bool) -> Value {
             "autoResume": false,
         });
         super::network::detail(r, &mut v);
+        // Sandfork's: why a paused sandbox is paused (`memoryPressure`: the
+        // node paused it, and its next request resumes it).
+        if let Some(reason) = r.pause_reason.filter(|_| r.state == SandboxState::Paused) {
+            v["pauseReason"] = json!(reason.as_str());
+        }
     }
     v
 }
@@ -200,6 +205,11 @@ pub async fn get_one(
     let mut detail = listed_json(&state.manager.get(&id)?, true);
     // Sandfork's: whether its guest answers (see `sandbox::observe`).
     detail["guestUnresponsive"] = json!(state.manager.unresponsive(&id));
+    // Sandfork's: its VMM's page faults so far (while it runs), to see
+    // what a first command costs (see `sandbox::working_set`).
+    if let Some(f) = state.manager.vmm_faults(&id) {
+        detail["vmmPageFaults"] = json!({"minor": f.minor, "major": f.major});
+    }
     Ok(Json(detail))
 }
 

@@ -225,7 +225,12 @@ impl Manager {
             let mut init = AgentInit::after_restore()?;
             init.access_token = access_token.clone();
             let plan = Plan {
-                guest: Guest::Restore(self.restore_onto(&snapshot.state, &snapshot.mem, &root)),
+                guest: Guest::Restore(self.restore_onto(
+                    &snapshot.state,
+                    &snapshot.mem,
+                    &root,
+                    None,
+                )),
                 // The snapshot's agent holds the parent's token until this init.
                 ready: Ready::Init {
                     init: Box::new(init),

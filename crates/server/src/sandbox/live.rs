@@ -12,6 +12,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use vmm_driver::process::VmmProbe;
@@ -110,6 +111,21 @@ pub struct Sandbox {
     /// probes decide; see [`super::observe`]); requests waiting on the
     /// guest watch it so they end with an error rather than never.
     unresponsive: tokio::sync::watch::Sender<bool>,
+    /// Proxied requests under way (their answers' bodies included) and when
+    /// the last one ended or began: what the pressure monitor calls use.
+    in_flight: AtomicUsize,
+    last_used_ms: AtomicU64,
+}
+
+/// A proxied request to a sandbox, from its start to the end of its
+/// answer's body: the sandbox is in use while one is held.
+pub struct InUse(Arc<Sandbox>);
+
+impl Drop for InUse {
+    fn drop(&mut self) {
+        self.0.touch();
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -126,6 +142,8 @@ impl Sandbox {
             guest: tokio::sync::Mutex::new(None),
             observed: Mutex::new(Observed::default()),
             unresponsive: tokio::sync::watch::Sender::new(false),
+            in_flight: AtomicUsize::new(0),
+            last_used_ms: AtomicU64::new(crate::clock::now_ms()),
         })
     }
 
@@ -137,6 +155,28 @@ impl Sandbox {
             record.network.ingress.clone(),
             phase,
         )
+    }
+
+    /// Counts a proxied request from now until the guard drops.
+    pub fn in_use(self: &Arc<Self>) -> InUse {
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        self.touch();
+        InUse(self.clone())
+    }
+
+    /// Marks it used now.
+    pub fn touch(&self) {
+        self.last_used_ms
+            .fetch_max(crate::clock::now_ms(), Ordering::Relaxed);
+    }
+
+    /// Proxied requests under way.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::SeqCst)
+    }
+
+    pub fn last_used_ms(&self) -> u64 {
+        self.last_used_ms.load(Ordering::Relaxed)
     }
 
     pub fn phase(&self) -> Phase {
@@ -172,6 +212,7 @@ impl Sandbox {
         *guest = Some(launched);
         // A new guest (a resume's, a launch's) is judged afresh.
         lock(&self.observed).probed(true, 0);
+        self.touch();
         self.set_unresponsive(false);
         self.set_phase(Phase::Running)?;
         lock(&self.status).probe = Some(probe);
@@ -316,5 +357,19 @@ mod tests {
         r.remove("a");
         assert!(r.by_token("tok-a").is_none());
         assert!(r.contains("b") && !r.contains("a"));
+    }
+
+    #[test]
+    fn a_request_keeps_it_in_use_until_its_guard_drops() {
+        let s = Sandbox::new("a".into(), None, Default::default(), Phase::Running);
+        let started = s.last_used_ms();
+        let (one, two) = (s.in_use(), s.in_use());
+        assert_eq!(s.in_flight(), 2);
+        drop(one);
+        assert_eq!(s.in_flight(), 1);
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        drop(two);
+        assert_eq!(s.in_flight(), 0);
+        assert!(s.last_used_ms() > started);
     }
 }

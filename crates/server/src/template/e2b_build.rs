@@ -512,6 +512,9 @@ impl Templates {
             .map_err(at("base"))?;
         let sandbox = created.id.clone();
         log.push(&format!("build sandbox {sandbox}"));
+        // Its steps reach its agent directly, not through the proxy: in use
+        // for the memory pressure monitor all along.
+        let _in_use = manager.in_use(&sandbox);
         let result = self
             .run_steps(&sandbox, name, template_id, plan, start_cmd, ready_cmd, log)
             .await;

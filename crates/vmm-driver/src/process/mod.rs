@@ -85,6 +85,9 @@ pub struct Restore {
     pub state: PathBuf,
     pub mem: PathBuf,
     pub drives: Vec<DriveOverride>,
+    /// A working-set file the VMM populates after the load (sandfork's
+    /// `prefetch_path`).
+    pub prefetch: Option<PathBuf>,
 }
 
 impl Restore {
@@ -94,6 +97,7 @@ impl Restore {
             state: PathBuf::from(&fork.snapshot_path),
             mem: PathBuf::from(&fork.mem_file_path),
             drives: fork.children.get(index)?.clone(),
+            prefetch: None,
         })
     }
 }
@@ -448,6 +452,7 @@ impl VmmProcess {
             state: state.to_owned(),
             mem: mem.to_owned(),
             drives: Vec::new(),
+            prefetch: None,
         };
         self.load(&plan, resume).await
     }
@@ -467,6 +472,7 @@ impl VmmProcess {
             uds_path: self.vsock_path().display().to_string(),
         });
         params.drive_overrides = plan.drives.clone();
+        params.prefetch_path = plan.prefetch.as_ref().map(|p| p.display().to_string());
         self.api.load_snapshot(&params).await?;
         Ok(())
     }
@@ -494,6 +500,7 @@ impl VmmProcess {
             state: PathBuf::from(&fork.snapshot_path),
             mem: PathBuf::from(&fork.mem_file_path),
             drives: Vec::new(),
+            prefetch: None,
         });
         self.restore(&plan).await
     }

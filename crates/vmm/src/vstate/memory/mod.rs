@@ -12,6 +12,7 @@
 mod discard;
 mod file_ranges;
 mod pagemap;
+mod prefetch;
 
 use std::ffi::CStr;
 use std::fs::{File, OpenOptions};
@@ -27,6 +28,7 @@ pub use discard::{DiscardError, discard};
 pub use file_ranges::Range;
 
 use crate::arch::x86_64::layout::ram_ranges;
+pub use prefetch::read_ranges as read_working_set;
 
 /// Guest memory as every part of the VMM sees it.
 pub type GuestMemory = vm_memory::GuestMemoryMmap<()>;

@@ -1,0 +1,213 @@
+//! Which pages of a file a process has in its page tables: the ranges of the
+//! file (by offset) that process `pid` maps and has touched, from
+//! `/proc/<pid>/maps` and `/proc/<pid>/pagemap`. For a VMM restored from a
+//! memory file, these are the guest pages its vCPUs and devices reached: its
+//! working set (read pages map the page cache, written ones a private copy;
+//! both are present).
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+const PAGE_SIZE: u64 = 4096;
+const ENTRY_SIZE: u64 = 8;
+const PRESENT: u64 = 1 << 63;
+const SWAPPED: u64 = 1 << 62;
+/// Entries read per pagemap read (512 KiB of entries: 256 MiB of memory).
+const ENTRIES_PER_READ: u64 = 64 * 1024;
+
+/// One mapping of a `/proc/<pid>/maps` line: its addresses and the file
+/// offset it starts at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mapping {
+    pub start: u64,
+    pub end: u64,
+    pub offset: u64,
+}
+
+/// The mappings of `path` in a `maps` text (the path is the line's last
+/// field; a deleted file's ` (deleted)` suffix does not match).
+pub fn mappings_of(maps: &str, path: &Path) -> Vec<Mapping> {
+    let want = path.as_os_str().to_string_lossy();
+    maps.lines()
+        .filter_map(|line| {
+            let mut fields = line.splitn(6, ' ');
+            let range = fields.next()?;
+            let _perms = fields.next()?;
+            let offset = fields.next()?;
+            let (_dev, _inode) = (fields.next()?, fields.next()?);
+            let name = fields.next()?.trim_start();
+            if name != want {
+                return None;
+            }
+            let (start, end) = range.split_once('-')?;
+            Some(Mapping {
+                start: u64::from_str_radix(start, 16).ok()?,
+                end: u64::from_str_radix(end, 16).ok()?,
+                offset: u64::from_str_radix(offset, 16).ok()?,
+            })
+        })
+        .collect()
+}
+
+/// The byte ranges `[start, end)` of file `path` whose pages process `pid`
+/// has present (or swapped) in its mappings of the file, sorted and merged.
+pub fn resident_file_ranges(pid: u32, path: &Path) -> io::Result<Vec<(u64, u64)>> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
+    let pagemap = File::open(format!("/proc/{pid}/pagemap"))?;
+    let mut ranges = Vec::new();
+    for m in mappings_of(&maps, path) {
+        present_pages(&pagemap, m, &mut ranges)?;
+    }
+    ranges.sort_unstable();
+    Ok(merge(ranges))
+}
+
+/// Appends the file ranges of `m`'s present pages.
+fn present_pages(pagemap: &File, m: Mapping, out: &mut Vec<(u64, u64)>) -> io::Result<()> {
+    let first = m.start / PAGE_SIZE;
+    let pages = (m.end - m.start) / PAGE_SIZE;
+    let mut buf = vec![0u8; (ENTRIES_PER_READ * ENTRY_SIZE) as usize];
+    let mut page = 0;
+    while page < pages {
+        let count = (pages - page).min(ENTRIES_PER_READ);
+        let bytes = &mut buf[..(count * ENTRY_SIZE) as usize];
+        pagemap.read_exact_at(bytes, (first + page) * ENTRY_SIZE)?;
+        for (i, raw) in bytes.chunks_exact(ENTRY_SIZE as usize).enumerate() {
+            let entry = u64::from_ne_bytes(raw.try_into().unwrap_or_default());
+            if entry & (PRESENT | SWAPPED) == 0 {
+                continue;
+            }
+            let start = m.offset + (page + i as u64) * PAGE_SIZE;
+            match out.last_mut() {
+                Some(last) if last.1 == start => last.1 = start + PAGE_SIZE,
+                _ => out.push((start, start + PAGE_SIZE)),
+            }
+        }
+        page += count;
+    }
+    Ok(())
+}
+
+/// Sorted ranges with touching or overlapping ones joined.
+fn merge(sorted: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(sorted.len());
+    for (start, end) in sorted {
+        match out.last_mut() {
+            Some(last) if start <= last.1 => last.1 = last.1.max(end),
+            _ => out.push((start, end)),
+        }
+    }
+    out
+}
+
+/// A process's page faults so far (`/proc/<pid>/stat`, all its threads).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Faults {
+    pub minor: u64,
+    pub major: u64,
+}
+
+impl Faults {
+    pub fn of(pid: u32) -> io::Result<Faults> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+        Faults::parse(&stat)
+            .ok_or_else(|| io::Error::other(format!("/proc/{pid}/stat: unexpected format")))
+    }
+
+    /// From a `stat` line: fields 10 (minflt) and 12 (majflt), counted after
+    /// the command name, which may hold spaces and parentheses.
+    pub fn parse(stat: &str) -> Option<Faults> {
+        let rest = &stat[stat.rfind(')')? + 1..];
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        // After the name: state is field 3, so field N is fields[N - 3].
+        Some(Faults {
+            minor: fields.get(7)?.parse().ok()?,
+            major: fields.get(9)?.parse().ok()?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+
+    use super::*;
+
+    #[test]
+    fn mappings_of_a_file_are_found_by_its_path() {
+        let maps = "55d1faaa7000-55d1faaa9000 r--p 00000000 fe:00 247030                     /usr/bin/cat\n\
+                    7f0000000000-7f0010000000 rw-p 00200000 00:2a 99   /data/templates/base/vm mem\n\
+                    7f0020000000-7f0020001000 rw-p 00000000 00:00 0 \n";
+        assert_eq!(
+            mappings_of(maps, Path::new("/data/templates/base/vm mem")),
+            vec![Mapping {
+                start: 0x7f00_0000_0000,
+                end: 0x7f00_1000_0000,
+                offset: 0x20_0000
+            }]
+        );
+        assert!(mappings_of(maps, Path::new("/usr/bin/ca")).is_empty());
+    }
+
+    #[test]
+    fn touched_pages_of_a_mapped_file_are_its_resident_ranges() {
+        let dir = std::env::temp_dir().join(format!("resident-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("mem");
+        let mut file = File::create(&path).unwrap();
+        file.write_all(&[7u8; 16 * 4096]).unwrap();
+        let file = File::open(&path).unwrap();
+        // SAFETY: a fresh private read-only mapping of a file we own,
+        // checked for failure, unmapped below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                16 * 4096,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        let p = p.cast::<u8>();
+        // SAFETY: offsets inside the 16-page mapping.
+        unsafe {
+            std::ptr::read_volatile(p.add(4096));
+            std::ptr::read_volatile(p.add(2 * 4096 + 5));
+            std::ptr::read_volatile(p.add(9 * 4096));
+        }
+        let ranges = resident_file_ranges(std::process::id(), &path).unwrap();
+        // Readahead may map neighbours too; the touched pages are in.
+        for page in [1u64, 2, 9] {
+            let at = page * 4096;
+            assert!(
+                ranges.iter().any(|(s, e)| *s <= at && at < *e),
+                "page {page} not in {ranges:?}"
+            );
+        }
+        assert!(ranges.iter().all(|(s, e)| s < e && *e <= 16 * 4096));
+        // SAFETY: the mapping made above, used no more.
+        unsafe { libc::munmap(p.cast(), 16 * 4096) };
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn faults_are_read_after_the_command_name() {
+        let stat =
+            "1234 (a (b) c) S 1 1234 1234 0 -1 4194560 5321 0 17 0 3 1 0 0 20 0 1 0 100 1000 10";
+        assert_eq!(
+            Faults::parse(stat),
+            Some(Faults {
+                minor: 5321,
+                major: 17
+            })
+        );
+        assert_eq!(Faults::parse("garbage"), None);
+        let mine = Faults::of(std::process::id()).unwrap();
+        assert!(mine.minor > 0);
+    }
+}

@@ -1,0 +1,122 @@
+//! A template's working set: the guest memory the first command of a
+//! sandbox restored from it touches (restore, agent init, the command), so
+//! that later restores have the VMM populate it at once rather than take a
+//! page fault per page on the first command's path.
+//!
+//! Recorded once per template, from the first sandbox created from it that
+//! runs a command: a second after that command's answer ended, the pages
+//! its VMM has present in its mapping of the template's memory file
+//! (`/proc/<pid>/maps` and `pagemap`, in file offsets, which are the
+//! snapshot's flat memory offsets) go to `working-set.json` in the
+//! template's directory. Creates from a template with one pass it to the
+//! VMM's load (`prefetch_path`). Only the template's own memory file is read:
+//! for a snapshot template stacked on another, the pages of its lower
+//! layers are not in it.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{Manager, Phase};
+use crate::clock::now_ms;
+use crate::store::TemplateRecord;
+
+const FILE: &str = "working-set.json";
+/// A sandbox whose first command has not come by then records nothing.
+const WAIT_FOR_COMMAND: Duration = Duration::from_secs(600);
+/// After the first command's answer: its shell's last pages.
+const SETTLE: Duration = Duration::from_secs(1);
+const POLL: Duration = Duration::from_millis(200);
+
+/// The working-set file of `template`, when it has one.
+pub fn file_of(template: &TemplateRecord) -> Option<PathBuf> {
+    let path = template.dir.join(FILE);
+    path.exists().then_some(path)
+}
+
+impl Manager {
+    /// After a create from `template`: records its working set from sandbox
+    /// `id` when it has none and no other sandbox is recording it.
+    pub(super) fn record_working_set(&self, template: &TemplateRecord, id: &str) {
+        if file_of(template).is_some() {
+            return;
+        }
+        {
+            let mut recording = self.recording.lock().unwrap_or_else(|p| p.into_inner());
+            if !recording.insert(template.id.clone()) {
+                return;
+            }
+        }
+        let (me, id, template) = (self.me.clone(), id.to_owned(), template.clone());
+        tokio::spawn(async move {
+            let Some(manager) = me.upgrade() else {
+                return;
+            };
+            if let Err(e) = manager.record_after_first_command(&template, &id).await {
+                tracing::info!(
+                    "template {}: working set not recorded from sandbox {id}: {e}",
+                    template.id
+                );
+            }
+            let mut recording = manager.recording.lock().unwrap_or_else(|p| p.into_inner());
+            recording.remove(&template.id);
+        });
+    }
+
+    async fn record_after_first_command(
+        self: &Arc<Self>,
+        template: &TemplateRecord,
+        id: &str,
+    ) -> Result<(), String> {
+        let sandbox = self.registry().get(id).ok_or("it is gone")?;
+        let since = now_ms();
+        let deadline = tokio::time::Instant::now() + WAIT_FOR_COMMAND;
+        // Its first proxied request has come and gone.
+        while sandbox.last_used_ms() <= since || sandbox.in_flight() > 0 {
+            if tokio::time::Instant::now() > deadline {
+                return Err("no command came".into());
+            }
+            tokio::time::sleep(POLL).await;
+        }
+        tokio::time::sleep(SETTLE).await;
+        if sandbox.phase() != Phase::Running {
+            return Err("it no longer runs".into());
+        }
+        let pid = sandbox.probe().ok_or("no VMM")?.pid();
+        let mem = std::fs::canonicalize(&template.mem).map_err(|e| e.to_string())?;
+        let dir = template.dir.clone();
+        let (pages, bytes) = tokio::task::spawn_blocking(move || write(pid, &mem, &dir))
+            .await
+            .map_err(|e| e.to_string())??;
+        tracing::info!(
+            "template {}: working set recorded from sandbox {id}: {} MiB in {pages} ranges",
+            template.id,
+            bytes >> 20
+        );
+        Ok(())
+    }
+
+    /// Sandbox `id`'s VMM's page faults so far, while it runs.
+    pub fn vmm_faults(&self, id: &str) -> Option<host_mem::resident::Faults> {
+        let pid = self.registry().get(id)?.probe()?.pid();
+        host_mem::resident::Faults::of(pid).ok()
+    }
+}
+
+/// Writes the resident ranges of `mem` in process `pid` to `dir`'s working
+/// set file (whole or not at all); returns their count and bytes.
+fn write(pid: u32, mem: &Path, dir: &Path) -> Result<(usize, u64), String> {
+    let ranges =
+        host_mem::resident::resident_file_ranges(pid, mem).map_err(|e| format!("reading: {e}"))?;
+    if ranges.is_empty() {
+        return Err(format!("no page of {} is mapped", mem.display()));
+    }
+    let bytes = ranges.iter().map(|(s, e)| e - s).sum();
+    let text = serde_json::to_vec(&ranges).map_err(|e| e.to_string())?;
+    let tmp = dir.join(format!("{FILE}.tmp"));
+    std::fs::write(&tmp, text)
+        .and_then(|()| std::fs::File::open(&tmp)?.sync_all())
+        .and_then(|()| std::fs::rename(&tmp, dir.join(FILE)))
+        .map_err(|e| format!("writing {}: {e}", tmp.display()))?;
+    Ok((ranges.len(), bytes))
+}
