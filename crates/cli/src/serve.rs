@@ -57,6 +57,14 @@ pub struct ServeArgs {
     /// (one more level per node, named as its run dir).
     #[arg(long, value_name = "PATH", default_value = "sandfork")]
     cgroup_parent: PathBuf,
+    /// VMMs run unjailed: as the server's user, in its mount and PID
+    /// namespaces, with its capabilities (see README "Hardening").
+    #[arg(long)]
+    no_jail: bool,
+    /// A jailed VMM runs as uid and gid BASE + its pid (a range as wide as
+    /// the host's pid_max, used by nothing else).
+    #[arg(long, value_name = "BASE", default_value_t = server::jail::DEFAULT_UID_BASE)]
+    jail_uid_base: u32,
     /// The resolver sandboxes' DNS queries are forwarded to, IP[:PORT]
     /// [default: the first IPv4 nameserver of /etc/resolv.conf, port 53].
     #[arg(long, value_name = "IP[:PORT]", value_parser = parse_dns_upstream)]
@@ -299,6 +307,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
         uplink: args.uplink.clone(),
         dns_upstream: args.dns_upstream,
     });
+    config.jail = (!args.no_jail).then(|| server::jail::JailConfig {
+        uid_base: args.jail_uid_base,
+    });
     config.cgroups = (!args.no_cgroups).then(|| server::cgroups::CgroupConfig {
         parent: args.cgroup_parent.clone(),
         ..Default::default()
@@ -470,6 +481,11 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
         cmd.arg("--no-cgroups");
     }
     cmd.arg("--cgroup-parent").arg(&args.cgroup_parent);
+    if args.no_jail {
+        cmd.arg("--no-jail");
+    }
+    cmd.arg("--jail-uid-base")
+        .arg(args.jail_uid_base.to_string());
     if let Some(dns) = &args.dns_upstream {
         cmd.arg("--dns-upstream").arg(dns.to_string());
     }

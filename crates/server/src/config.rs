@@ -43,6 +43,8 @@ pub struct Config {
     pub network: Option<crate::net::NetworkConfig>,
     /// How VMMs are confined in cgroups; None: they are not (`--no-cgroups`).
     pub cgroups: Option<crate::cgroups::CgroupConfig>,
+    /// How VMMs are jailed; None: they run as the server (`--no-jail`).
+    pub jail: Option<crate::jail::JailConfig>,
 }
 
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/sandfork";
@@ -71,6 +73,7 @@ impl Config {
             build_cache: None,
             network: None,
             cgroups: Some(crate::cgroups::CgroupConfig::default()),
+            jail: Some(crate::jail::JailConfig::default()),
         }
     }
 

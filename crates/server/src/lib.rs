@@ -8,6 +8,7 @@ pub mod api;
 pub mod auth;
 pub mod capacity;
 pub mod cgroups;
+pub mod jail;
 pub mod clock;
 pub mod cluster;
 pub mod config;
@@ -68,9 +69,11 @@ impl Server {
         for dir in [
             config.data_dir.clone(),
             config.sandboxes_dir(),
-            config.templates_dir(),
             config.run_dir(),
-        ] {
+        ]
+        .into_iter()
+        .chain(jail::data_dirs(&config))
+        {
             std::fs::create_dir_all(&dir).map_err(|source| ServerError::Io {
                 what: "creating",
                 path: dir.clone(),
@@ -101,6 +104,11 @@ impl Server {
             config.pool_size,
             net,
             cgroups,
+            config
+                .jail
+                .as_ref()
+                .filter(|_| jail::can_jail())
+                .map(|j| jail::vmm_jail(j, &config, &store)),
         );
         let capacity = capacity::Capacity::for_config(&config);
         let template = template::ensure_base(&config, &store, &pool, &capacity).await?;
