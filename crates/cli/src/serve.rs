@@ -307,7 +307,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         uplink: args.uplink.clone(),
         dns_upstream: args.dns_upstream,
     });
-    config.jail = (!args.no_jail).then(|| server::jail::JailConfig {
+    config.jail = (!args.no_jail).then_some(server::jail::JailConfig {
         uid_base: args.jail_uid_base,
     });
     config.cgroups = (!args.no_cgroups).then(|| server::cgroups::CgroupConfig {

@@ -1085,8 +1085,14 @@ async fn every_vmm_runs_jailed_unprivileged_in_namespaces_of_its_own() {
     assert!(inside(&dir).join("vsock.sock").exists());
     assert!(!inside(&other_dir).exists(), "a neighbour's directory");
     assert!(inside(&data.path().join("templates")).is_dir());
-    assert!(!inside(&data.path().join("sandfork.redb")).exists(), "the store");
-    assert!(!inside(&data.path().join("api-key")).exists(), "the API key");
+    assert!(
+        !inside(&data.path().join("sandfork.redb")).exists(),
+        "the store"
+    );
+    assert!(
+        !inside(&data.path().join("api-key")).exists(),
+        "the API key"
+    );
     assert!(!root.join("etc").exists() && !root.join("usr/bin").exists());
     let mut devices: Vec<String> = std::fs::read_dir(root.join("dev"))
         .unwrap()
@@ -1095,7 +1101,9 @@ async fn every_vmm_runs_jailed_unprivileged_in_namespaces_of_its_own() {
     devices.sort();
     assert_eq!(devices, ["kvm", "null", "urandom"]);
     // Only its own descriptors: no socket or pipe of the server's.
-    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count();
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count();
     assert!(fds < 64, "{fds} descriptors");
 
     // Jailed, it runs, pauses (writing its snapshot where the server says)
@@ -1108,7 +1116,14 @@ async fn every_vmm_runs_jailed_unprivileged_in_namespaces_of_its_own() {
         run(addr, &routing, "echo kept > /tmp/m && echo hi").await,
         (0, "hi\n".into())
     );
-    let paused = http(addr, "POST", &format!("/sandboxes/{}/pause", one.id), &auth, "{}").await;
+    let paused = http(
+        addr,
+        "POST",
+        &format!("/sandboxes/{}/pause", one.id),
+        &auth,
+        "{}",
+    )
+    .await;
     assert_eq!(paused.status, 204, "{:?}", paused.body);
     let resumed = http(
         addr,
@@ -1119,7 +1134,10 @@ async fn every_vmm_runs_jailed_unprivileged_in_namespaces_of_its_own() {
     )
     .await;
     assert_eq!(resumed.status, 201, "{:?}", resumed.body);
-    assert_eq!(run(addr, &routing, "cat /tmp/m").await, (0, "kept\n".into()));
+    assert_eq!(
+        run(addr, &routing, "cat /tmp/m").await,
+        (0, "kept\n".into())
+    );
     let (_, resumed_pid) = vmm_of(&one.id);
     assert_ne!(resumed_pid, pid);
     let status = std::fs::read_to_string(format!("/proc/{resumed_pid}/status")).unwrap();
