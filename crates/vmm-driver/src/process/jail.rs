@@ -639,10 +639,22 @@ fn enter(p: &Prepared, fds: &Fds) -> Result<std::convert::Infallible, (u8, Errno
         )
     })
     .map_err(at(11))?;
-    nix::unistd::setgroups(&[]).map_err(at(12))?;
-    nix::unistd::setresgid(gid, gid, gid).map_err(at(12))?;
+    // The raw system calls, not libc's wrappers: in a process it believes
+    // multi-threaded (this child is a copy of one), glibc's set*id signals
+    // every thread it knows of to change too and waits for them: for ever,
+    // as they are not in this process. The calls apply to this one thread,
+    // the only one.
+    let (uid, gid) = (uid.as_raw(), gid.as_raw());
+    // SAFETY: setgroups(2) with an empty list reads no memory.
+    Errno::result(unsafe {
+        libc::syscall(libc::SYS_setgroups, 0usize, std::ptr::null::<libc::gid_t>())
+    })
+    .map_err(at(12))?;
+    // SAFETY: setresgid(2) and setresuid(2) take integers only.
+    Errno::result(unsafe { libc::syscall(libc::SYS_setresgid, gid, gid, gid) }).map_err(at(12))?;
     // Leaving uid 0 clears the permitted and effective capabilities.
-    nix::unistd::setresuid(uid, uid, uid).map_err(at(12))?;
+    // SAFETY: as above.
+    Errno::result(unsafe { libc::syscall(libc::SYS_setresuid, uid, uid, uid) }).map_err(at(12))?;
     nix::sys::prctl::set_no_new_privs().map_err(at(12))?;
 
     // Rust ignores SIGPIPE; the VMM starts with the default, as a spawn
@@ -741,6 +753,40 @@ mod spawn_tests {
             .unwrap_or_else(|| panic!("no {key} in {status}"))
             .trim()
             .to_owned()
+    }
+
+    /// Many at once from a process of many threads (blocking tasks), as the node's pool
+    /// starts them: no child may wait on a lock or thread of the server.
+    #[tokio::test]
+    async fn jailed_vmms_start_concurrently() {
+        if !nix::unistd::geteuid().is_root() || !vmm_binary().exists() {
+            eprintln!("skipped: needs root and {}", vmm_binary().display());
+            return;
+        }
+        let base = tempfile::tempdir().unwrap();
+        let jail = Jail::new(1_000_000_000, vec![], vec![], &vmm_binary());
+        let started = std::time::Instant::now();
+        let spawns = (0..16).map(|i| {
+            let (jail, dir) = (jail.clone(), base.path().join(format!("vm{i}")));
+            tokio::spawn(async move {
+                VmmProcess::spawn_jailed(&vmm_binary(), dir, None, &jail)
+                    .await
+                    .unwrap()
+            })
+        });
+        let mut vms = Vec::new();
+        for s in spawns {
+            vms.push(
+                tokio::time::timeout(std::time::Duration::from_secs(60), s)
+                    .await
+                    .unwrap()
+                    .unwrap(),
+            );
+        }
+        eprintln!("16 jailed VMMs answering after {:?}", started.elapsed());
+        for vm in &vms {
+            vm.api().get_instance_info().await.unwrap();
+        }
     }
 
     #[tokio::test]
