@@ -117,7 +117,9 @@ enum Command {
         #[arg(long, value_name = "N", default_value_t = 500)]
         density_max: usize,
         /// Only these SDK phases, comma-separated: create_to_first_command,
-        /// fork16, fork100, creates_concurrent, idle, density [default: all].
+        /// fork16, fork100, guest_tcp, creates_concurrent, idle, density,
+        /// create_no_network (the creates again on a second node started
+        /// with --no-network) [default: all].
         #[arg(long, value_name = "LIST")]
         sdk_phases: Option<String>,
         /// The whole bench at most this long: a part still running then is
