@@ -57,9 +57,14 @@ pub struct ServeArgs {
     /// (one more level per node, named as its run dir).
     #[arg(long, value_name = "PATH", default_value = "sandfork")]
     cgroup_parent: PathBuf,
+    /// Every VMM runs jailed: its own mount, PID and IPC namespaces and
+    /// root, its own uid, no capabilities (see README "Hardening"). Off by
+    /// default until the SDK, CLI and network suites have passed with it.
+    #[arg(long, overrides_with = "no_jail")]
+    jail: bool,
     /// VMMs run unjailed: as the server's user, in its mount and PID
-    /// namespaces, with its capabilities (see README "Hardening").
-    #[arg(long)]
+    /// namespaces, with its capabilities (the default for now).
+    #[arg(long, overrides_with = "jail")]
     no_jail: bool,
     /// A jailed VMM runs as uid and gid BASE + its pid (a range as wide as
     /// the host's pid_max, used by nothing else).
@@ -307,7 +312,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         uplink: args.uplink.clone(),
         dns_upstream: args.dns_upstream,
     });
-    config.jail = (!args.no_jail).then_some(server::jail::JailConfig {
+    config.jail = (args.jail && !args.no_jail).then_some(server::jail::JailConfig {
         uid_base: args.jail_uid_base,
     });
     config.cgroups = (!args.no_cgroups).then(|| server::cgroups::CgroupConfig {
@@ -481,9 +486,11 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
         cmd.arg("--no-cgroups");
     }
     cmd.arg("--cgroup-parent").arg(&args.cgroup_parent);
-    if args.no_jail {
-        cmd.arg("--no-jail");
-    }
+    cmd.arg(if args.jail && !args.no_jail {
+        "--jail"
+    } else {
+        "--no-jail"
+    });
     cmd.arg("--jail-uid-base")
         .arg(args.jail_uid_base.to_string());
     if let Some(dns) = &args.dns_upstream {
