@@ -48,6 +48,8 @@ pub struct Config {
     /// When idle sandboxes are paused under host memory pressure; None:
     /// never (`--no-pressure-pause`).
     pub pressure: Option<crate::pressure::PressureConfig>,
+    /// How VMMs are jailed; None: they run as the server (`--no-jail`).
+    pub jail: Option<crate::jail::JailConfig>,
 }
 
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/sandfork";
@@ -93,6 +95,8 @@ impl Config {
             cgroups: Some(crate::cgroups::CgroupConfig::default()),
             balloon: true,
             pressure: Some(crate::pressure::PressureConfig::default()),
+            // Off unless asked for (`serve --jail`): the jail's lab test turns it on.
+            jail: None,
         }
     }
 

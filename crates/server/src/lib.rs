@@ -13,6 +13,7 @@ pub mod cluster;
 pub mod config;
 pub mod gateway;
 pub mod ids;
+pub mod jail;
 pub mod launch;
 pub mod net;
 pub mod pool;
@@ -69,9 +70,11 @@ impl Server {
         for dir in [
             config.data_dir.clone(),
             config.sandboxes_dir(),
-            config.templates_dir(),
             config.run_dir(),
-        ] {
+        ]
+        .into_iter()
+        .chain(jail::data_dirs(&config))
+        {
             std::fs::create_dir_all(&dir).map_err(|source| ServerError::Io {
                 what: "creating",
                 path: dir.clone(),
@@ -103,6 +106,11 @@ impl Server {
             net,
             cgroups,
             config.balloon.then(config::node_balloon),
+            config
+                .jail
+                .as_ref()
+                .filter(|_| jail::can_jail())
+                .map(|j| jail::vmm_jail(j, &config, &store)),
         );
         let capacity = capacity::Capacity::for_config(&config);
         let template = template::ensure_base(&config, &store, &pool, &capacity).await?;

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use sandfork_network::EgressPolicy;
 use tokio::sync::Notify;
-use vmm_driver::process::{ProcessError, VmmProcess};
+use vmm_driver::process::{Jail, ProcessError, VmmProcess};
 
 use crate::cgroups::NodeCgroups;
 use crate::launch::{LaunchError, Taken};
@@ -33,23 +33,24 @@ pub struct Pool {
     wake: Notify,
     closed: AtomicBool,
     net: Option<Arc<Slots>>,
-    /// Where launched VMMs are confined (set once, before the first launch).
     /// Where launched VMMs are confined, when the node confines them.
     cgroups: Option<Arc<NodeCgroups>>,
     /// The balloon every cold-booted guest gets (and so every snapshot of
     /// one, templates included); None: `--no-balloon`.
     balloon: Option<vmm_api::Balloon>,
+    /// The jail every VMM starts in, when the node jails them.
+    jail: Option<Jail>,
 }
 
 impl Pool {
     /// Creates the pool and starts filling it in the background.
     pub fn start(binary: PathBuf, run_dir: PathBuf, size: usize) -> Arc<Pool> {
-        Pool::start_with_network(binary, run_dir, size, None, None, None)
+        Pool::start_with_network(binary, run_dir, size, None, None, None, None)
     }
 
-    /// [`Pool::start`] with every VMM in a slot of `net`, and every VMM it
-    /// launches confined in a cgroup of its own under `cgroups`, and every
-    /// guest it boots given `balloon`.
+    /// [`Pool::start`] with every VMM in a slot of `net`, started in `jail`,
+    /// every VMM it launches confined in a cgroup of its own under `cgroups`,
+    /// and every guest it boots given `balloon`.
     pub fn start_with_network(
         binary: PathBuf,
         run_dir: PathBuf,
@@ -57,6 +58,7 @@ impl Pool {
         net: Option<Arc<Slots>>,
         cgroups: Option<Arc<NodeCgroups>>,
         balloon: Option<vmm_api::Balloon>,
+        jail: Option<Jail>,
     ) -> Arc<Pool> {
         let pool = Arc::new(Pool {
             binary,
@@ -68,6 +70,7 @@ impl Pool {
             net,
             cgroups,
             balloon,
+            jail,
         });
         if size > 0 {
             tokio::spawn(pool.clone().refill());
@@ -211,9 +214,11 @@ impl Pool {
             source,
         })?;
         let dir = self.run_dir.join(format!("vmm-{}", crate::ids::hex(&name)));
-        match net {
-            Some(lease) => VmmProcess::spawn_in_with_netns(&self.binary, dir, lease.netns()).await,
-            None => VmmProcess::spawn_in(&self.binary, dir).await,
+        let netns = net.map(Lease::netns);
+        match (&self.jail, netns) {
+            (Some(jail), netns) => VmmProcess::spawn_jailed(&self.binary, dir, netns, jail).await,
+            (None, Some(ns)) => VmmProcess::spawn_in_with_netns(&self.binary, dir, ns).await,
+            (None, None) => VmmProcess::spawn_in(&self.binary, dir).await,
         }
     }
 

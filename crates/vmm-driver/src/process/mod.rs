@@ -5,6 +5,7 @@
 pub mod diagnostics;
 mod exit;
 mod identity;
+mod jail;
 pub mod kvm_trace;
 
 use std::fs::File;
@@ -14,6 +15,7 @@ use std::time::{Duration, Instant};
 
 pub use exit::ExitWatch;
 pub use identity::ProcessIdentity;
+pub use jail::{Jail, Limits as JailLimits};
 
 use vmm_api::{
     BootSource, Drive, DriveOverride, ForkInfo, ForkParams, InstanceState, MachineConfig,
@@ -151,12 +153,17 @@ pub struct VmmProcess {
     api: VmmClient,
     /// Set by [`VmmProcess::release`]: dropping leaves process and directory.
     released: bool,
+    /// The uid and gid of a jailed VMM: the files and directories it is
+    /// given to write become its own (see [`VmmProcess::grant`]).
+    owner: Option<(u32, u32)>,
 }
 
-/// The VMM as this process knows it: a child it started, or one a previous
-/// server started and this one adopted (not a child: it cannot be waited for).
+/// The VMM as this process knows it: a child it started (jailed or not), or
+/// one a previous server started and this one adopted (not a child: it
+/// cannot be waited for).
 enum Process {
     Child(Child),
+    Jailed(jail::JailedChild),
     Adopted(ProcessIdentity),
 }
 
@@ -208,6 +215,69 @@ impl VmmProcess {
     /// later process can [`adopt`](Self::adopt) it.
     pub async fn spawn_in(binary: &Path, dir: PathBuf) -> Result<Self, ProcessError> {
         Self::spawn_kept(binary, dir, None).await
+    }
+
+    /// [`spawn_in`](Self::spawn_in) in `jail` (see [`Jail`]), in the network
+    /// namespace `netns` if given: a node's sandbox VMM.
+    pub async fn spawn_jailed(
+        binary: &Path,
+        dir: PathBuf,
+        netns: Option<&Path>,
+        jail: &Jail,
+    ) -> Result<Self, ProcessError> {
+        let ns = netns.map(open_netns).transpose()?;
+        std::fs::create_dir(&dir).map_err(|source| ProcessError::Io {
+            what: "creating the VM directory",
+            source,
+        })?;
+        let vm = Self::start_jailed(binary, dir.clone(), ns, jail.clone()).await;
+        if vm.is_err() {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        vm
+    }
+
+    async fn start_jailed(
+        binary: &Path,
+        dir: PathBuf,
+        netns: Option<std::os::fd::OwnedFd>,
+        jail: Jail,
+    ) -> Result<Self, ProcessError> {
+        let io = |what| move |source| ProcessError::Io { what, source };
+        let api_sock = dir.join("api.sock");
+        let stdout = File::create(dir.join(CONSOLE_LOG)).map_err(io("creating the console log"))?;
+        let stderr = File::create(dir.join("vmm.log")).map_err(io("creating the VMM log"))?;
+        let (bin, at, sock) = (binary.to_owned(), dir.clone(), api_sock.clone());
+        let child = tokio::task::spawn_blocking(move || {
+            jail::spawn(&jail, &bin, &at, &sock, netns, stdout, stderr)
+                .map(|child| (child, jail.uid_base))
+        })
+        .await
+        .map_err(|e| ProcessError::Io {
+            what: "a blocking task",
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        let (child, uid_base) = child.map_err(|source| ProcessError::Spawn {
+            binary: binary.display().to_string(),
+            source,
+        })?;
+        let id = uid_base + child.id();
+        let vm = VmmProcess {
+            process: Process::Jailed(child),
+            api: VmmClient::new(&api_sock),
+            dir: VmDir::Kept(dir.clone()),
+            released: false,
+            owner: Some((id, id)),
+        };
+        let identity = ProcessIdentity::of(vm.pid()).ok_or(ProcessError::NotAdoptable {
+            dir: dir.clone(),
+            reason: "the VMM exited at once",
+        })?;
+        identity
+            .write(&dir)
+            .map_err(io("recording the VMM's identity"))?;
+        vm.api.wait_for_socket(Duration::from_secs(10)).await?;
+        Ok(vm)
     }
 
     /// [`spawn_in`](Self::spawn_in) with the VMM in the network namespace
@@ -277,6 +347,7 @@ impl VmmProcess {
             api: VmmClient::new(&api_sock),
             dir,
             released: false,
+            owner: None,
         };
         if kept {
             let identity = ProcessIdentity::of(vm.pid()).ok_or(ProcessError::NotAdoptable {
@@ -310,6 +381,7 @@ impl VmmProcess {
             api,
             dir: VmDir::Kept(dir.to_owned()),
             released: false,
+            owner: unprivileged_owner(identity.pid),
         };
         vm.api.get_instance_info().await?;
         Ok(vm)
@@ -334,8 +406,34 @@ impl VmmProcess {
     pub fn pid(&self) -> u32 {
         match &self.process {
             Process::Child(c) => c.id(),
+            Process::Jailed(c) => c.id(),
             Process::Adopted(id) => id.pid,
         }
+    }
+
+    /// The uid and gid a jailed VMM runs as (None: it runs as this process).
+    pub fn owner(&self) -> Option<(u32, u32)> {
+        self.owner
+    }
+
+    /// Makes `paths` (files it writes, directories it creates files in)
+    /// the jailed VMM's own before an API call that names them: it runs
+    /// with no capability to write the server's files. Missing paths are
+    /// skipped (the VMM creates them); nothing happens for an unjailed VMM.
+    fn grant<'a>(&self, paths: impl IntoIterator<Item = &'a Path>) -> Result<(), ProcessError> {
+        let Some((uid, gid)) = self.owner else {
+            return Ok(());
+        };
+        for path in paths {
+            match std::os::unix::fs::chown(path, Some(uid), Some(gid)) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                r => r.map_err(|source| ProcessError::Io {
+                    what: "giving the jailed VMM a path it writes",
+                    source,
+                })?,
+            }
+        }
+        Ok(())
     }
 
     pub fn vsock_path(&self) -> PathBuf {
@@ -351,7 +449,7 @@ impl VmmProcess {
     pub fn exit_watch(&self) -> Result<ExitWatch, ProcessError> {
         let identity = match &self.process {
             // Not reaped before this handle is dropped: the pid stays its own.
-            Process::Child(_) => None,
+            Process::Child(_) | Process::Jailed(_) => None,
             Process::Adopted(id) => Some(*id),
         };
         ExitWatch::of(self.pid(), identity).map_err(|source| ProcessError::Io {
@@ -390,6 +488,13 @@ impl VmmProcess {
 
     /// Configures the guest without starting it.
     pub async fn configure(&self, guest: &GuestSpec) -> Result<(), ProcessError> {
+        self.grant(
+            guest
+                .drives
+                .iter()
+                .filter(|d| d.is_read_only != Some(true))
+                .map(|d| Path::new(&d.path_on_host)),
+        )?;
         self.api
             .put_machine_config(&MachineConfig::new(guest.vcpus, guest.mem_mib))
             .await?;
@@ -429,6 +534,12 @@ impl VmmProcess {
         state: &Path,
         mem: &Path,
     ) -> Result<(), ProcessError> {
+        self.grant(
+            [state, mem]
+                .into_iter()
+                .chain(state.parent())
+                .chain(mem.parent()),
+        )?;
         self.api.pause().await?;
         self.api
             .create_snapshot(&SnapshotCreateParams {
@@ -473,6 +584,8 @@ impl VmmProcess {
         });
         params.drive_overrides = plan.drives.clone();
         params.prefetch_path = plan.prefetch.as_ref().map(|p| p.display().to_string());
+        // A restored guest writes the disks it runs on (its own layers).
+        self.grant(plan.drives.iter().map(|d| Path::new(&d.path_on_host)))?;
         self.api.load_snapshot(&params).await?;
         Ok(())
     }
@@ -491,6 +604,16 @@ impl VmmProcess {
 
     /// Forks the VM with the files where `params` puts them.
     pub async fn fork_with(&self, params: &ForkParams) -> Result<ForkInfo, ProcessError> {
+        let (state, mem) = (
+            Path::new(&params.snapshot_path),
+            Path::new(&params.mem_file_path),
+        );
+        self.grant(
+            [Path::new(&params.disk_dir)]
+                .into_iter()
+                .chain(state.parent())
+                .chain(mem.parent()),
+        )?;
         Ok(self.api.fork(params).await?)
     }
 
@@ -620,6 +743,10 @@ impl VmmProcess {
                 what: "checking the VMM process",
                 source,
             }),
+            Process::Jailed(c) => c.try_wait().map_err(|source| ProcessError::Io {
+                what: "checking the VMM process",
+                source,
+            }),
             Process::Adopted(id) => Ok((!id.is_alive()).then(ExitStatus::default)),
         }
     }
@@ -665,7 +792,15 @@ impl VmmProcess {
             Process::Child(c) => {
                 if let Ok(None) = c.try_wait() {
                     let _ = c.kill();
-                    reap_within(c, KILL_REAP_TIMEOUT, self.dir.path());
+                    let pid = c.id();
+                    reap_within(pid, || !matches!(c.try_wait(), Ok(None)), self.dir.path());
+                }
+            }
+            Process::Jailed(c) => {
+                if let Ok(None) = c.try_wait() {
+                    c.kill();
+                    let pid = c.id();
+                    reap_within(pid, || !matches!(c.try_wait(), Ok(None)), self.dir.path());
                 }
             }
             // Its parent (init or a subreaper) reaps it.
@@ -679,19 +814,20 @@ impl VmmProcess {
 /// out must not hang whoever dropped its handle.
 const KILL_REAP_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// Waits for a killed child to end, at most `timeout`; a child that does
-/// not is reported on stderr, with what its threads wait for, and left to
-/// be reaped when this process ends.
-fn reap_within(child: &mut Child, timeout: Duration, dir: &Path) {
+/// Waits for killed child `pid` to end (`reaped` reaps it if it has), at
+/// most [`KILL_REAP_TIMEOUT`]; a child that does not is reported on stderr,
+/// with what its threads wait for, and left to be reaped when this process
+/// ends.
+fn reap_within(pid: u32, mut reaped: impl FnMut() -> bool, dir: &Path) {
     let start = Instant::now();
+    let timeout = KILL_REAP_TIMEOUT;
     while start.elapsed() < timeout {
-        if !matches!(child.try_wait(), Ok(None)) {
+        if reaped() {
             return;
         }
         std::thread::sleep(Duration::from_millis(5));
     }
     use std::io::Write as _;
-    let pid = child.id();
     let _ = writeln!(
         std::io::stderr(),
         "vmm-api: VMM {pid} ({}) still exists {timeout:?} after SIGKILL; its threads:\n{}\
@@ -700,6 +836,18 @@ fn reap_within(child: &mut Child, timeout: Duration, dir: &Path) {
         diagnostics::threads(pid),
         diagnostics::kernel_messages(diagnostics::KERNEL_LINES),
     );
+}
+
+/// The uid and gid of running process `pid` when they are not root's: an
+/// adopted VMM that a previous server jailed.
+fn unprivileged_owner(pid: u32) -> Option<(u32, u32)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let first = |key: &str| -> Option<u32> {
+        let line = status.lines().find_map(|l| l.strip_prefix(key))?;
+        line.split_whitespace().next()?.parse().ok()
+    };
+    let (uid, gid) = (first("Uid:")?, first("Gid:")?);
+    (uid != 0).then_some((uid, gid))
 }
 
 /// Opens a network namespace file for `setns` in a VMM about to be spawned.
