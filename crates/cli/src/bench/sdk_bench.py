@@ -420,6 +420,17 @@ class Bench:
     def fork100(self):
         return self.fork(100)
 
+    def rl(self):
+        import rl_bench  # next to this script
+
+        counts = [int(x) for x in self.args.rl_counts.split(",")]
+        steps = [int(x) for x in self.args.rl_steps.split(",")]
+        bench = rl_bench.RlBench(
+            self, counts, steps, node_memory, mem_available_kib, fork_over_http
+        )
+        figures = bench.measure()
+        return {"rl": figures}, {"cases": len(figures["cases"])}
+
     def creates_concurrent(self):
         total, workers = self.args.creates, CONCURRENCY
         self.settle()
@@ -590,6 +601,8 @@ class Bench:
             ("creates_concurrent", self.creates_concurrent, ["sdk_creates_per_s_4way"]),
             ("idle", self.idle_memory, ["idle_sandbox_mib", "idle_sandboxes_per_24gib"]),
         ]
+        # Branching a stateful episode: fork vs snapshot vs replay (rl_bench.py).
+        phases.append(("rl", self.rl, ["rl"]))
         if self.args.density_max > 0:
             phases.append(
                 ("density", self.density, ["density_idle_sandboxes", "density_sandbox_mib"])
@@ -744,6 +757,9 @@ def self_test():
     assert is_refusal(RateLimitException("429"))
     assert is_refusal(RuntimeError("503: node over capacity: not enough memory"))
     assert not is_refusal(RuntimeError("connection reset"))
+    import rl_bench
+
+    rl_bench.self_test()
     # The report so far is written whole.
     import tempfile
 
@@ -778,6 +794,9 @@ def main():
     p.add_argument("--settle-seconds", type=float, default=5.0)
     p.add_argument("--settle-timeout", type=float, default=600.0)
     p.add_argument("--phases", help="comma-separated phases to run (default: all)")
+    # The rl phase: children per branch (N) and the steps to branch at (k).
+    p.add_argument("--rl-counts", default="4,16")
+    p.add_argument("--rl-steps", default="1,8,32")
     p.add_argument("--report-file", help="where the report so far is kept")
     args = p.parse_args()
     if args.self_test:
