@@ -342,7 +342,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 bail!("--runs and --sdk-runs must be at least 1");
             }
             for list in [&rl_counts, &rl_steps] {
-                if list.split(',').any(|x| x.trim().parse::<u32>().map_or(true, |v| v == 0)) {
+                if list
+                    .split(',')
+                    .any(|x| x.trim().parse::<u32>().map_or(true, |v| v == 0))
+                {
                     bail!("--rl-counts and --rl-steps are lists of positive numbers, not {list:?}");
                 }
             }

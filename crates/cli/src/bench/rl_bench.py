@@ -1,14 +1,17 @@
 """The `rl` phase of `sandfork bench` (`--only rl`): when does fork pay?
 
-One stateful episode runs in a parent sandbox; at step k it is branched N
-ways three ways, one after the other:
+For each N (children) and k (steps), a stateful episode runs to step k in a
+fresh parent sandbox and is branched N ways, each way on its own:
 
-  fork      `POST /sandboxes/{id}/fork` (count N), each child connected and
-            answering a command;
-  snapshot  `create_snapshot()` of the parent, then N creates from it (at
-            once, one thread each), each answering;
-  replay    N fresh creates of the parent's template (at once), each running
-            the episode's k steps again.
+  fork        `POST /sandboxes/{id}/fork` (count N), each child connected and
+              answering a command: the parent's first fork (it pays for
+              writing the parent's memory out once);
+  fork_again  a second fork of the same parent (a node returned to: only what
+              changed since is written); reported, not in the comparison;
+  snapshot    `create_snapshot()` of another fresh parent, then N creates from
+              it (at once, one thread each), each answering;
+  replay      N fresh creates of the template (at once), each running the
+              episode's k steps again.
 
 Measured per (N, k, way): the time until all N children are ready, the
 parent's pause (fork: the node's `sandfork-parent-paused-ms` header;
@@ -24,17 +27,21 @@ loop behind two FIFOs, nothing on disk) and writes a random token (the
 stand-in for a step whose result is not reproducible: a generated key, a
 timestamp, a download); every step i appends to a log, writes a file of
 i * 50 lines and adds i * i to the total. Replay reproduces all but the
-token; fork and snapshot copy it.
+token; fork and snapshot copy it. The node's first fork and snapshot (of a
+throwaway sandbox) are a warm-up, not counted.
 
 Imported by sdk_bench.py (written next to it by `sandfork bench`).
 """
 
+import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 EPISODE = "/home/user/episode"
 WAYS = ("fork", "snapshot", "replay")
+# Not a way of its own: a second fork of the same parent (not in `crossover`).
+AGAIN = "fork_again"
 
 # The background process: the total lives in the loop's variable only; a
 # request on `in` is answered on `out` (both FIFOs, so nothing is stored).
@@ -53,9 +60,11 @@ START = (
 # What a child (and the parent) sees: the total the process holds, a digest
 # of the files, and whether the recorded process is alive.
 CHECK = (
-    f"cd {EPISODE} && echo get > in && read -r v < out && echo mem=$v && "
-    "echo files=$(cat token log f_* | sha256sum | cut -c1-16) && "
-    'p=$(cat pid) && if kill -0 "$p" 2>/dev/null; then echo proc=alive; else echo proc=gone; fi'
+    f"cd {EPISODE} && "
+    'p=$(cat pid) && if kill -0 "$p" 2>/dev/null; then echo proc=alive; else echo proc=gone; fi; '
+    "echo files=$(cat token log f_* | sha256sum | cut -c1-16); "
+    # bounded: a copy without the process would wait for a reader for ever
+    "timeout 20 bash -c 'echo get > in && read -r v < out && echo mem=$v'"
 )
 
 
@@ -134,13 +143,12 @@ class RlBench:
     """The phase, on the SDK bench's helpers (`Bench`: create, answer, kill,
     settle, cleanup, the bounded samples and the node's memory)."""
 
-    def __init__(self, bench, counts, steps, node_memory, mem_available_kib, fork_over_http):
+    def __init__(self, bench, counts, steps, node_memory, mem_available_kib):
         self.b = bench
         self.counts = counts
         self.steps = sorted(steps)
         self.node_memory = node_memory
         self.mem_available_kib = mem_available_kib
-        self.fork_over_http = fork_over_http
 
     def log(self, msg):
         from sdk_bench import log
@@ -153,43 +161,90 @@ class RlBench:
     def check(self, sbx):
         return parse_check(self.run(CHECK, sbx).stdout)
 
-    def measure(self):
+    def episode(self, k):
+        """A fresh parent run to step k: (the sandbox, what it sees, ms)."""
         b = self.b
-        from sdk_bench import bounded, describe, ms
+        from sdk_bench import bounded, ms
 
-        parent = bounded(b.create, b.sample_timeout(), "the episode's parent")
+        parent = bounded(b.create, b.sample_timeout(), "an episode's parent")
         with b.lock:
             b.created.remove(parent)  # not for `cleanup`: it outlives each way
-        cases, done = [], 0
         try:
-            for k in self.steps:
-                t0 = time.perf_counter()
-                for i in range(done + 1, k + 1):
-                    out = self.run(step_command(i), parent).stdout.strip()
-                    if out != f"total={expected_total(i)}":
-                        raise RuntimeError(f"step {i} of the parent answered {out!r}")
-                done = k
-                state = self.check(parent)
-                self.log(f"parent at step {k} ({ms(time.perf_counter() - t0):.0f} ms): {state}")
-                for n in self.counts:
-                    case = {"n": n, "k": k}
-                    for way in WAYS:
-                        try:
-                            case[way] = bounded(
-                                lambda way=way: self.branch(way, parent, n, k, state),
-                                b.sample_timeout(),
-                                f"{way} of {n} at step {k}",
-                            )
-                        except Exception as e:
-                            case[way] = {"error": describe(e)}
-                        finally:
-                            b.cleanup()
-                        shown = case[way].get("ready_ms", case[way].get("error"))
-                        self.log(f"n={n} k={k} {way}: {shown}")
-                    cases.append(case)
-        finally:
+            t0 = time.perf_counter()
+            for i in range(1, k + 1):
+                out = self.run(step_command(i), parent).stdout.strip()
+                if out != f"total={expected_total(i)}":
+                    raise RuntimeError(f"step {i} of the parent answered {out!r}")
+            took = ms(time.perf_counter() - t0)
+            return parent, self.check(parent), took
+        except BaseException:
             b.kill(parent)
+            raise
+
+    def way(self, case, key, way, parent, n, k, state):
+        """One way of one case, bounded; its figures (or error) in `case`."""
+        b = self.b
+        from sdk_bench import bounded, describe
+
+        try:
+            case[key] = bounded(
+                functools.partial(self.branch, way, parent, n, k, state),
+                b.sample_timeout(),
+                f"{key} of {n} at step {k}",
+            )
+        except Exception as e:
+            case[key] = {"error": describe(e)}
+        finally:
             b.cleanup()
+        self.log(f"n={n} k={k} {key}: {case[key].get('ready_ms', case[key].get('error'))}")
+
+    def warm_up(self):
+        """The node's first fork and first snapshot, not counted: what a node
+        does once (not once per episode) is not a branch's cost."""
+        b = self.b
+        from sdk_bench import describe, ms
+
+        t0 = time.perf_counter()
+        try:
+            parent, state, _ = self.episode(1)
+            try:
+                for way in ("fork", "snapshot"):
+                    self.branch(way, parent, 1, 1, state)
+            finally:
+                b.kill(parent)
+                b.cleanup()
+            return {"ms": ms(time.perf_counter() - t0)}
+        except Exception as e:
+            self.log(f"warm-up failed: {describe(e)}")
+            return {"error": describe(e)}
+
+    def measure(self):
+        """Per (N, k): a fresh episode forked (its first branch), then forked
+        again (`fork_again`: a node returned to); another fresh episode
+        snapshotted, and the replay checked against it."""
+        b = self.b
+        warm_up = self.warm_up()
+        cases = []
+        for k in self.steps:
+            for n in self.counts:
+                case = {"n": n, "k": k}
+                for ways in (("fork", "fork_again"), ("snapshot", "replay")):
+                    try:
+                        parent, state, took = self.episode(k)
+                    except Exception as e:
+                        for key in ways:
+                            case[key] = {"error": f"the episode: {e!r}"}
+                        continue
+                    case.setdefault("episode_ms", took)
+                    self.log(f"n={n} k={k}: parent at step {k} in {took:.0f} ms: {state}")
+                    try:
+                        for key in ways:
+                            way = "fork" if key == "fork_again" else key
+                            self.way(case, key, way, parent, n, k, state)
+                    finally:
+                        b.kill(parent)
+                        b.cleanup()
+                cases.append(case)
         wins_from, losses = crossover(cases, self.counts, self.steps)
         return {
             "counts": self.counts,
@@ -197,11 +252,15 @@ class RlBench:
             "cases": cases,
             "fork_wins_from_k": wins_from,
             "fork_loses": losses,
-            "method": "one episode in a parent sandbox branched at each step k in turn; "
-            "per way: from the call until every child answered a command (replay: "
-            "ran the k steps), children checked against the parent (files digest, "
+            "warm_up_not_counted": warm_up,
+            "method": "per (N, k) a fresh episode run to step k in a parent sandbox; "
+            "fork: its first fork, fork_again: a second fork of the same parent; "
+            "snapshot on another fresh parent, replay checked against that one; per "
+            "way: from the call until every child answered a command (replay: ran "
+            "the k steps too), children checked against their parent (files digest, "
             "background process alive, its in-memory total), node memory with the "
-            "children up minus before them (warm pool settled both times), over N",
+            "children up minus before them (warm pool settled both times), over N; "
+            "the node's first fork and snapshot are a warm-up, not counted",
         }
 
     def branch(self, way, parent, n, k, state):
@@ -267,24 +326,60 @@ class RlBench:
         errors.extend(describe(r) for r in results if isinstance(r, Exception))
         return [r for r in results if not isinstance(r, Exception)]
 
-    def _connect(self, sandbox_id):
-        b = self.b
-        sbx = b.Sandbox.connect(sandbox_id, **b.opts)
-        with b.lock:
-            if sandbox_id in b.created_ids:
-                b.created_ids.remove(sandbox_id)
-            b.created.append(sbx)
-        b.answer(sbx)
-        return sbx
+    def _child(self, item, params):
+        """A fork child from the node's answer, built as the SDK's own
+        `Sandbox.fork` builds it (no further request)."""
+        from e2b.connection_config import ConnectionConfig
+        from packaging.version import Version
+
+        s = item["sandbox"]
+        headers = {
+            "E2b-Sandbox-Id": s["sandboxID"],
+            "E2b-Sandbox-Port": str(ConnectionConfig.envd_port),
+        }
+        if s.get("envdAccessToken") is not None:
+            headers["X-Access-Token"] = s["envdAccessToken"]
+        return self.b.Sandbox(
+            sandbox_id=s["sandboxID"],
+            sandbox_domain=s.get("domain"),
+            envd_version=Version(s["envdVersion"]),
+            envd_access_token=s.get("envdAccessToken"),
+            traffic_access_token=s.get("trafficAccessToken"),
+            connection_config=ConnectionConfig(extra_sandbox_headers=headers, **params),
+        )
 
     def fork(self, parent, n, errors, extra):
+        """The SDK's fork request, sent here so that the node's header with
+        the parent's pause can be read; the children then as the SDK makes
+        them."""
         b = self.b
-        results, extra["paused_ms"] = self.fork_over_http(parent.sandbox_id, n)
-        ids = [r for r in results if isinstance(r, str)]
-        errors.extend(f"fork: {r}" for r in results if not isinstance(r, str))
-        with b.lock:
-            b.created_ids.extend(ids)
-        return self._ready_all(len(ids), lambda i: self._connect(ids[i]), errors)
+        from sdk_bench import PARENT_PAUSED_HEADER, SANDBOX_TTL_S, _api
+
+        answer = _api(
+            "POST",
+            f"/sandboxes/{parent.sandbox_id}/fork",
+            json={"count": n, "timeout": SANDBOX_TTL_S},
+        )
+        if answer.status_code != 201:
+            raise RuntimeError(f"fork of {n}: {answer.status_code} {answer.text[:500]}")
+        paused = answer.headers.get(PARENT_PAUSED_HEADER)
+        extra["paused_ms"] = float(paused) if paused is not None else None
+        params = b.Sandbox._resolve_api_params(**b.opts)
+        children = []
+        for item in answer.json():
+            if "sandbox" not in item:
+                errors.append(f"fork: {item.get('error', item)}")
+                continue
+            child = self._child(item, params)
+            with b.lock:
+                b.created.append(child)
+            children.append(child)
+
+        def ready(i):
+            b.answer(children[i])
+            return children[i]
+
+        return self._ready_all(len(children), ready, errors)
 
     def snapshot(self, parent, n, errors, extra):
         b = self.b

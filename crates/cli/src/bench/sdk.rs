@@ -22,7 +22,8 @@ const SCRIPT: &str = include_str!("sdk_bench.py");
 /// The `rl` phase, imported by the script from its own directory.
 const RL_SCRIPT: &str = include_str!("rl_bench.py");
 /// The script's phases but `rl` (`--only sdk`; `--only rl` runs that one).
-pub const SDK_PHASES: &str = "create_to_first_command,fork16,fork100,creates_concurrent,idle,density";
+pub const SDK_PHASES: &str =
+    "create_to_first_command,fork16,fork100,creates_concurrent,idle,density";
 /// VMM processes the server keeps started (its default); the script waits
 /// for the pool to be full before each phase.
 const POOL_SIZE: usize = 4;

@@ -425,9 +425,7 @@ class Bench:
 
         counts = [int(x) for x in self.args.rl_counts.split(",")]
         steps = [int(x) for x in self.args.rl_steps.split(",")]
-        bench = rl_bench.RlBench(
-            self, counts, steps, node_memory, mem_available_kib, fork_over_http
-        )
+        bench = rl_bench.RlBench(self, counts, steps, node_memory, mem_available_kib)
         figures = bench.measure()
         return {"rl": figures}, {"cases": len(figures["cases"])}
 

@@ -81,8 +81,15 @@ fn rl_summary(rl: &Value, out: &mut String) {
         return;
     };
     for case in cases {
-        let mut line = format!("  rl n={:<3} k={:<3}", case["n"], case["k"]);
-        for way in ["fork", "snapshot", "replay"] {
+        let mut line = format!(
+            "  rl n={:<3} k={:<3}",
+            case["n"].to_string(),
+            case["k"].to_string()
+        );
+        for way in ["fork", "fork_again", "snapshot", "replay"] {
+            if case.get(way).is_none() {
+                continue;
+            }
             let figures = &case[way];
             let time = figures["ready_ms"]
                 .as_f64()
@@ -162,15 +169,15 @@ mod tests {
                 {"files": files, "process": 4, "memory": 4, "children": 4, "all": files == 4}})
         };
         let report = json!({"rl": {
-            "cases": [{"n": 4, "k": 8, "fork": ok(900.0, 4), "snapshot": ok(1500.0, 4),
-                       "replay": ok(1200.0, 0)},
+            "cases": [{"n": 4, "k": 8, "fork": ok(900.0, 4), "fork_again": ok(400.0, 4),
+                       "snapshot": ok(1500.0, 4), "replay": ok(1200.0, 0)},
                       {"n": 4, "k": 32, "fork": {"ready_ms": null, "error": "x"},
                        "snapshot": ok(1600.0, 4), "replay": ok(4000.0, 0)}],
             "fork_wins_from_k": {"4": null, "16": 1}
         }});
         assert_eq!(
             summary(&report),
-            "  rl n=4   k=8   fork 900 ms; snapshot 1500 ms; replay 1200 ms (differs: files)\n\
+            "  rl n=4   k=8   fork 900 ms; fork_again 400 ms; snapshot 1500 ms; replay 1200 ms (differs: files)\n\
              \x20 rl n=4   k=32  fork failed; snapshot 1600 ms; replay 4000 ms (differs: files)\n\
              \x20 rl fork fastest from: n=16: k>=1, n=4: never\n"
         );
