@@ -119,7 +119,8 @@ enum Command {
         #[arg(long, value_name = "N", default_value_t = 500)]
         density_max: usize,
         /// Only these SDK phases, comma-separated: create_to_first_command,
-        /// fork16, fork100, creates_concurrent, idle, density [default: all].
+        /// fork16, fork100, creates_concurrent, idle, rl, density [default:
+        /// all; `--only sdk` all but rl].
         #[arg(long, value_name = "LIST")]
         sdk_phases: Option<String>,
         /// The rl part: children per branch (N), comma-separated.

@@ -40,6 +40,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 EPISODE = "/home/user/episode"
 WAYS = ("fork", "snapshot", "replay")
+# How long the node's VMM count must hold still before and after a way (the
+# warm pool refilled, the children's VMMs up): 48 waits in the full phase.
+SETTLE_S = 2.0
 # Not a way of its own: a second fork of the same parent (not in `crossover`).
 AGAIN = "fork_again"
 
@@ -267,7 +270,7 @@ class RlBench:
         b = self.b
         from sdk_bench import describe, ms
 
-        baseline = b.settle()
+        baseline = b.settle(still_s=SETTLE_S)
         before = self.node_memory(b.args.server_pid, b.args.vmm_exe)
         avail_before = self.mem_available_kib()
         errors, extra = [], {}
@@ -286,7 +289,7 @@ class RlBench:
             except Exception as e:
                 errors.append(f"check {c.sandbox_id}: {describe(e)}")
                 checks.append({})
-        b.settle(at_least=baseline + len(children))
+        b.settle(at_least=baseline + len(children), still_s=SETTLE_S)
         after = self.node_memory(b.args.server_pid, b.args.vmm_exe)
         avail_after = self.mem_available_kib()
         got = max(1, len(children))

@@ -280,7 +280,7 @@ class Bench:
         for sandbox_id in ids:
             kill_over_http(sandbox_id)
 
-    def settle(self, at_least=None):
+    def settle(self, at_least=None, still_s=None):
         """Waits for the warm pool to be full; a node that does not settle is
         a warning in the report, not the end of the phase."""
         if at_least is None:
@@ -291,7 +291,7 @@ class Bench:
                 self.args.vmm_exe,
                 at_least,
                 timeout_s=self.args.settle_timeout,
-                still_s=self.args.settle_seconds,
+                still_s=self.args.settle_seconds if still_s is None else still_s,
             )
         except RuntimeError as e:
             log(str(e))
