@@ -130,6 +130,10 @@ enum Command {
         /// comma-separated.
         #[arg(long, value_name = "LIST", default_value = "1,8,32")]
         rl_steps: String,
+        /// The rl part: start no new (N, k) case after this long; the cases
+        /// left are listed as not measured [default: 0, no bound].
+        #[arg(long, value_name = "SECS", default_value_t = 0)]
+        rl_budget: u64,
         /// The whole bench at most this long: a part still running then is
         /// abandoned and the report printed with what was measured.
         #[arg(long, value_name = "SECS", default_value_t = 10_800)]
@@ -337,6 +341,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             sdk_phases,
             rl_counts,
             rl_steps,
+            rl_budget,
             timeout,
         } => {
             if runs == 0 || sdk_runs == 0 {
@@ -400,6 +405,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     phases: phases.as_deref(),
                     rl_counts: &rl_counts,
                     rl_steps: &rl_steps,
+                    rl_budget: Duration::from_secs(rl_budget),
                 }),
                 deadline: std::time::Instant::now() + Duration::from_secs(timeout),
             };

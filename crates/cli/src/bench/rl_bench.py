@@ -146,12 +146,18 @@ class RlBench:
     """The phase, on the SDK bench's helpers (`Bench`: create, answer, kill,
     settle, cleanup, the bounded samples and the node's memory)."""
 
-    def __init__(self, bench, counts, steps, node_memory, mem_available_kib):
+    def __init__(
+        self, bench, counts, steps, node_memory, mem_available_kib, progress=None, budget_s=0.0
+    ):
         self.b = bench
         self.counts = counts
         self.steps = sorted(steps)
         self.node_memory = node_memory
         self.mem_available_kib = mem_available_kib
+        # called with the cases so far after each one (the bench saves them:
+        # a phase cut short by the bench's --timeout keeps what it measured)
+        self.progress = progress or (lambda cases: None)
+        self.budget_s = budget_s
 
     def log(self, msg):
         from sdk_bench import log
@@ -226,10 +232,16 @@ class RlBench:
         again (`fork_again`: a node returned to); another fresh episode
         snapshotted, and the replay checked against it."""
         b = self.b
+        started = time.monotonic()
         warm_up = self.warm_up()
-        cases = []
-        for k in self.steps:
-            for n in self.counts:
+        cases, skipped = [], []
+        # N by N, each over every k: a phase cut by the budget still has
+        # whole rows to compare
+        for n in self.counts:
+            for k in self.steps:
+                if self.budget_s and time.monotonic() - started > self.budget_s:
+                    skipped.append({"n": n, "k": k})
+                    continue
                 case = {"n": n, "k": k}
                 for ways in (("fork", "fork_again"), ("snapshot", "replay")):
                     try:
@@ -248,6 +260,7 @@ class RlBench:
                         b.kill(parent)
                         b.cleanup()
                 cases.append(case)
+                self.progress(cases)
         wins_from, losses = crossover(cases, self.counts, self.steps)
         return {
             "counts": self.counts,
@@ -256,6 +269,8 @@ class RlBench:
             "fork_wins_from_k": wins_from,
             "fork_loses": losses,
             "warm_up_not_counted": warm_up,
+            # past --rl-budget: not measured
+            "not_measured": skipped,
             "method": "per (N, k) a fresh episode run to step k in a parent sandbox; "
             "fork: its first fork, fork_again: a second fork of the same parent; "
             "snapshot on another fresh parent, replay checked against that one; per "

@@ -52,6 +52,8 @@ pub struct SdkBench<'a> {
     /// (comma-separated).
     pub rl_counts: &'a str,
     pub rl_steps: &'a str,
+    /// No new rl case after this long (zero: no bound).
+    pub rl_budget: Duration,
 }
 
 impl SdkBench<'_> {
@@ -93,6 +95,8 @@ impl SdkBench<'_> {
             .arg(self.rl_counts)
             .arg("--rl-steps")
             .arg(self.rl_steps)
+            .arg("--rl-budget")
+            .arg(self.rl_budget.as_secs().to_string())
             .arg("--report-file")
             .arg(&report_file)
             .env("E2B_API_URL", &url)

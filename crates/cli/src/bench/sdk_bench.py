@@ -425,7 +425,19 @@ class Bench:
 
         counts = [int(x) for x in self.args.rl_counts.split(",")]
         steps = [int(x) for x in self.args.rl_steps.split(",")]
-        bench = rl_bench.RlBench(self, counts, steps, node_memory, mem_available_kib)
+        def progress(cases):
+            self.report["rl"] = {"cases": cases, "partial": True}
+            save_report(self.args.report_file, self.report)
+
+        bench = rl_bench.RlBench(
+            self,
+            counts,
+            steps,
+            node_memory,
+            mem_available_kib,
+            progress=progress,
+            budget_s=self.args.rl_budget,
+        )
         figures = bench.measure()
         return {"rl": figures}, {"cases": len(figures["cases"])}
 
@@ -795,6 +807,8 @@ def main():
     # The rl phase: children per branch (N) and the steps to branch at (k).
     p.add_argument("--rl-counts", default="4,16")
     p.add_argument("--rl-steps", default="1,8,32")
+    # No new rl case after this many seconds (0: no bound).
+    p.add_argument("--rl-budget", type=float, default=0.0)
     p.add_argument("--report-file", help="where the report so far is kept")
     args = p.parse_args()
     if args.self_test:
