@@ -123,6 +123,23 @@ done
 listed=$("$bin" ls)
 grep -q "$a" <<<"$listed" || die "ls through the gateway lacks $a: $listed"
 grep -q "$b" <<<"$listed" || die "ls through the gateway lacks $b: $listed"
+# A snapshot lives on its sandbox's node: the gateway finds it there for
+# every request naming it, whichever node is freest.
+api() { curl -s -H "X-API-Key: $SANDFORK_API_KEY" -H 'Content-Type: application/json' "$@"; }
+snap=$("$bin" snapshot "$b") || die "snapshot of $b through the gateway"
+api "$SANDFORK_API_URL/snapshots" | python3 -c 'import json, sys
+ids = [s["snapshotID"] for s in json.load(sys.stdin)]
+sys.exit(ids.count(sys.argv[1]) != 1)' "$snap" || die "the gateway's snapshot list does not show $snap once"
+for i in 1 2; do
+    answer=$(api -X POST -d '{"count": 1}' "$SANDFORK_API_URL/snapshots/$snap/fork") ||
+        die "fork of snapshot $snap through the gateway"
+    child=$(python3 -c 'import json, sys; print(json.loads(sys.argv[1])[0]["sandbox"]["sandboxID"])' "$answer") ||
+        die "fork $i of snapshot $snap: $answer"
+    [[ $(owner "$child") == "$ob" ]] || die "$child (from $snap on $ob) is on $(owner "$child")"
+    [[ $("$bin" exec "$child" -- echo "child $i") == "child $i" ]] || die "exec in $child"
+    "$bin" rm "$child" || die "kill $child"
+done
+log "PASS: snapshot $snap of $b listed once and forked twice through the gateway on its node $ob"
 "$bin" rm "$a" || die "kill $a"
 "$bin" rm "$b" || die "kill $b"
 # A node's 2 s reconcile may claim a sandbox it listed just before the

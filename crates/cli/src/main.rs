@@ -119,8 +119,9 @@ enum Command {
         #[arg(long, value_name = "N", default_value_t = 500)]
         density_max: usize,
         /// Only these SDK phases, comma-separated: create_to_first_command,
-        /// fork16, fork100, creates_concurrent, idle, rl, density [default:
-        /// all; `--only sdk` all but rl].
+        /// fork16, fork100, guest_tcp, creates_concurrent, idle, rl, density,
+        /// create_no_network (the creates again on a second node started
+        /// with --no-network) [default: all; `--only sdk` all but rl].
         #[arg(long, value_name = "LIST")]
         sdk_phases: Option<String>,
         /// The rl part: children per branch (N), comma-separated.

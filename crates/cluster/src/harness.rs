@@ -1,5 +1,5 @@
 //! Real servers for tests, on loopback, on ports free at start, their data
-//! in a temporary directory, killed on drop: an etcd member (Debian's
+//! in a temporary directory, killed on drop: etcd members (Debian's
 //! `etcd`) and an S3 server (SeaweedFS's `weed`, installed by
 //! scripts/deps.sh; `$WEED` names another binary).
 
@@ -8,10 +8,30 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// A cluster of etcd members on loopback (one for most tests, three to
+/// lose a leader or the quorum). Members can be killed and restarted on
+/// their ports and data; all are killed on drop.
 pub struct Etcd {
-    child: Child,
-    pub endpoint: String,
-    _dir: Option<tempfile::TempDir>,
+    members: Vec<Member>,
+    dir: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+struct Member {
+    name: String,
+    client_port: u16,
+    peer_port: u16,
+    child: Option<Child>,
+}
+
+impl Member {
+    fn client_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    fn peer_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.peer_port)
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -22,6 +42,10 @@ pub enum HarnessError {
     NotReady(String, PathBuf),
     #[error("the S3 server did not answer on {0} within 60 s (log in {1})")]
     S3NotReady(String, PathBuf),
+    #[error("etcd: {0}")]
+    Etcd(#[from] etcd_client::Error),
+    #[error("no running member answered as the leader")]
+    NoLeader,
 }
 
 fn free_port() -> std::io::Result<u16> {
@@ -31,60 +55,149 @@ fn free_port() -> std::io::Result<u16> {
 impl Etcd {
     /// Starts a one-member cluster in a new temporary directory.
     pub fn start() -> Result<Etcd, HarnessError> {
-        let dir = tempfile::tempdir()?;
-        let mut etcd = Etcd::start_in(dir.path())?;
-        etcd._dir = Some(dir);
+        Etcd::start_members(1)
+    }
+
+    /// Starts a cluster of `count` members in a new temporary directory.
+    pub fn start_members(count: usize) -> Result<Etcd, HarnessError> {
+        let tmp = tempfile::tempdir()?;
+        let mut etcd = Etcd::start_in(tmp.path(), count)?;
+        etcd._tmp = Some(tmp);
         Ok(etcd)
     }
 
-    /// Starts one member with its data dir and log under `dir`.
-    pub fn start_in(dir: &Path) -> Result<Etcd, HarnessError> {
-        let (client, peer) = (free_port()?, free_port()?);
-        let endpoint = format!("http://127.0.0.1:{client}");
-        let peer_url = format!("http://127.0.0.1:{peer}");
-        let log_path = dir.join("etcd.log");
-        let log = std::fs::File::create(&log_path)?;
+    /// Starts `count` members with their data dirs and logs under `dir`.
+    pub fn start_in(dir: &Path, count: usize) -> Result<Etcd, HarnessError> {
+        let mut members = Vec::with_capacity(count);
+        for i in 0..count {
+            members.push(Member {
+                name: format!("m{i}"),
+                client_port: free_port()?,
+                peer_port: free_port()?,
+                child: None,
+            });
+        }
+        let mut etcd = Etcd {
+            members,
+            dir: dir.to_owned(),
+            _tmp: None,
+        };
+        for i in 0..count {
+            etcd.spawn(i)?;
+        }
+        for i in 0..count {
+            etcd.wait_listening(i)?;
+        }
+        Ok(etcd)
+    }
+
+    /// Every member's client URL (the client fails over between them).
+    pub fn endpoints(&self) -> Vec<String> {
+        self.members.iter().map(Member::client_url).collect()
+    }
+
+    /// Kills member `i` with SIGKILL (its data stays for a restart).
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut child) = self.members[i].child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts member `i` again on its ports and data.
+    pub fn restart(&mut self, i: usize) -> Result<(), HarnessError> {
+        self.kill(i);
+        self.spawn(i)?;
+        self.wait_listening(i)
+    }
+
+    /// The index of the member that is the leader now, asked of the running
+    /// members one by one.
+    pub async fn leader(&self) -> Result<usize, HarnessError> {
+        for (i, member) in self.members.iter().enumerate() {
+            if member.child.is_none() {
+                continue;
+            }
+            let mut client = etcd_client::Client::connect([member.client_url()], None).await?;
+            let Ok(status) = client.status().await else {
+                continue;
+            };
+            let this_member = status.header().map(|h| h.member_id());
+            if status.leader() != 0 && this_member == Some(status.leader()) {
+                return Ok(i);
+            }
+        }
+        Err(HarnessError::NoLeader)
+    }
+
+    fn spawn(&mut self, i: usize) -> Result<(), HarnessError> {
+        let initial_cluster = self
+            .members
+            .iter()
+            .map(|m| format!("{}={}", m.name, m.peer_url()))
+            .collect::<Vec<_>>()
+            .join(",");
+        let member = &self.members[i];
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path(i))?;
         let child = Command::new(std::env::var_os("ETCD").unwrap_or_else(|| "etcd".into()))
-            .arg("--name=test")
-            .arg(format!("--data-dir={}", dir.join("etcd").display()))
-            .arg(format!("--listen-client-urls={endpoint}"))
-            .arg(format!("--advertise-client-urls={endpoint}"))
-            .arg(format!("--listen-peer-urls={peer_url}"))
-            .arg(format!("--initial-advertise-peer-urls={peer_url}"))
-            .arg(format!("--initial-cluster=test={peer_url}"))
+            .arg(format!("--name={}", member.name))
+            .arg(format!(
+                "--data-dir={}",
+                self.dir.join(&member.name).display()
+            ))
+            .arg(format!("--listen-client-urls={}", member.client_url()))
+            .arg(format!("--advertise-client-urls={}", member.client_url()))
+            .arg(format!("--listen-peer-urls={}", member.peer_url()))
+            .arg(format!(
+                "--initial-advertise-peer-urls={}",
+                member.peer_url()
+            ))
+            .arg(format!("--initial-cluster={initial_cluster}"))
+            .arg("--initial-cluster-token=sandfork-test")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
             .spawn()?;
-        let mut etcd = Etcd {
-            child,
-            endpoint,
-            _dir: None,
-        };
+        self.members[i].child = Some(child);
+        Ok(())
+    }
+
+    fn log_path(&self, i: usize) -> PathBuf {
+        self.dir.join(format!("{}.log", self.members[i].name))
+    }
+
+    fn wait_listening(&mut self, i: usize) -> Result<(), HarnessError> {
         let deadline = Instant::now() + Duration::from_secs(20);
-        let addr = format!("127.0.0.1:{client}");
+        let addr = format!("127.0.0.1:{}", self.members[i].client_port);
         loop {
             // Listening is not serving, but the client retries until the
-            // member elected itself; a dead child fails here instead.
+            // members elected a leader; a dead child fails here instead.
             if std::net::TcpStream::connect(&addr).is_ok() {
-                return Ok(etcd);
+                return Ok(());
             }
-            if Instant::now() > deadline || etcd.child.try_wait()?.is_some() {
-                return Err(HarnessError::NotReady(etcd.endpoint.clone(), log_path));
+            let exited = match self.members[i].child.as_mut() {
+                Some(child) => child.try_wait()?.is_some(),
+                None => true,
+            };
+            if Instant::now() > deadline || exited {
+                return Err(HarnessError::NotReady(
+                    self.members[i].client_url(),
+                    self.log_path(i),
+                ));
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-    }
-
-    pub fn endpoints(&self) -> Vec<String> {
-        vec![self.endpoint.clone()]
     }
 }
 
 impl Drop for Etcd {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        for i in 0..self.members.len() {
+            self.kill(i);
+        }
     }
 }
 

@@ -11,6 +11,7 @@ pub mod harness;
 pub mod keyspace;
 mod membership;
 pub mod objects;
+pub mod view;
 
 use std::time::Duration;
 
@@ -19,6 +20,7 @@ use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, Txn, T
 pub use keyspace::{DurablePause, NodeCapacity, NodeLoad, NodeRecord, SandboxRoute};
 pub use membership::Registration;
 pub use objects::ObjectStore;
+pub use view::View;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
@@ -70,10 +72,15 @@ impl Cluster {
 
     /// The registered (lease-alive) nodes.
     pub async fn nodes(&self) -> Result<Vec<NodeRecord>, ClusterError> {
-        let mut client = self.client();
-        let resp = client
-            .get(keyspace::NODES, Some(GetOptions::new().with_prefix()))
-            .await?;
+        let resp = retried(|| {
+            let mut client = self.client();
+            async move {
+                client
+                    .get(keyspace::NODES, Some(GetOptions::new().with_prefix()))
+                    .await
+            }
+        })
+        .await?;
         resp.kvs()
             .iter()
             .map(|kv| decode(kv.key(), kv.value()))
@@ -82,8 +89,12 @@ impl Cluster {
 
     /// Where a sandbox runs, if the map has it.
     pub async fn sandbox(&self, id: &str) -> Result<Option<Versioned<SandboxRoute>>, ClusterError> {
-        let mut client = self.client();
-        let resp = client.get(keyspace::sandbox_key(id), None).await?;
+        let key = keyspace::sandbox_key(id);
+        let resp = retried(|| {
+            let (mut client, key) = (self.client(), key.clone());
+            async move { client.get(key, None).await }
+        })
+        .await?;
         resp.kvs()
             .first()
             .map(|kv| {
@@ -97,10 +108,15 @@ impl Cluster {
 
     /// The whole sandbox-to-node map, by sandbox ID.
     pub async fn sandboxes(&self) -> Result<Vec<(String, Versioned<SandboxRoute>)>, ClusterError> {
-        let mut client = self.client();
-        let resp = client
-            .get(keyspace::SANDBOXES, Some(GetOptions::new().with_prefix()))
-            .await?;
+        let resp = retried(|| {
+            let mut client = self.client();
+            async move {
+                client
+                    .get(keyspace::SANDBOXES, Some(GetOptions::new().with_prefix()))
+                    .await
+            }
+        })
+        .await?;
         resp.kvs()
             .iter()
             .filter_map(|kv| {
@@ -139,7 +155,7 @@ impl Cluster {
                 ),
             ])
             .and_then([TxnOp::delete(key, None)]);
-        Ok(self.client().txn(txn).await?.succeeded())
+        send_txn(&mut self.client(), txn).await
     }
 }
 
@@ -165,7 +181,7 @@ pub(crate) async fn claim(
             node_holds(&route.node_id, route.incarnation),
         ])
         .and_then([TxnOp::put(key, value, None)]);
-    Ok(client.txn(txn).await?.succeeded())
+    send_txn(client, txn).await
 }
 
 /// Deletes `id`'s record if it is unchanged since `mod_revision` and its
@@ -182,7 +198,7 @@ pub(crate) async fn release(
             node_holds(&seen.value.node_id, seen.value.incarnation),
         ])
         .and_then([TxnOp::delete(key, None)]);
-    Ok(client.txn(txn).await?.succeeded())
+    send_txn(client, txn).await
 }
 
 /// Rewrites `id`'s record as `route` if it is unchanged since `seen` and
@@ -201,7 +217,7 @@ pub(crate) async fn update(
             node_holds(&seen.value.node_id, seen.value.incarnation),
         ])
         .and_then([TxnOp::put(key, value, None)]);
-    Ok(client.txn(txn).await?.succeeded())
+    send_txn(client, txn).await
 }
 
 /// Moves `id` to `route`'s node: only if the record is unchanged since
@@ -227,7 +243,44 @@ pub(crate) async fn take_over(
             node_holds(&route.node_id, route.incarnation),
         ])
         .and_then([TxnOp::put(key, value, None)]);
-    Ok(client.txn(txn).await?.succeeded())
+    send_txn(client, txn).await
+}
+
+/// etcd-client balances requests over every endpoint and goes on choosing
+/// a member that died until its reconnects fail: a request sent there fails
+/// with `Unavailable` without reaching etcd. Sent again, it finds a live
+/// member. Safe for transactions too: each is conditional on the record's
+/// revision or absence, so one that did apply before its answer was lost
+/// fails its compare the second time instead of applying twice.
+async fn retried<T, F, Fut>(mut request: F) -> Result<T, etcd_client::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
+{
+    const ATTEMPTS: u32 = 4;
+    let mut attempt = 1;
+    loop {
+        match request().await {
+            Err(etcd_client::Error::GRpcStatus(status))
+                if status.code() == tonic::Code::Unavailable && attempt < ATTEMPTS =>
+            {
+                tracing::debug!("etcd unavailable (attempt {attempt}): {}", status.message());
+                tokio::time::sleep(Duration::from_millis(100) * attempt).await;
+                attempt += 1;
+            }
+            answer => return answer,
+        }
+    }
+}
+
+/// Sends a conditional transaction (see [`retried`]): whether it applied.
+async fn send_txn(client: &mut Client, txn: Txn) -> Result<bool, ClusterError> {
+    let response = retried(|| {
+        let (mut client, txn) = (client.clone(), txn.clone());
+        async move { client.txn(txn).await }
+    })
+    .await?;
+    Ok(response.succeeded())
 }
 
 pub(crate) fn encode<T: serde::Serialize>(key: &str, value: &T) -> Result<Vec<u8>, ClusterError> {

@@ -1,6 +1,7 @@
 //! The cluster layer against a real etcd member (Debian's etcd-server, on
 //! loopback, started by the harness).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use cluster::harness::Etcd;
@@ -252,4 +253,191 @@ async fn a_durable_pause_moves_only_once_its_node_is_gone() {
             .paused
             .is_none()
     );
+}
+
+/// Claims every ID of `ids` for `node`, retrying a claim that failed (a
+/// leader election or a lost quorum answers with errors) until `within`:
+/// what each claim finally answered.
+async fn claim_all(
+    node: &Registration,
+    ids: &[String],
+    within: Duration,
+    progress: &AtomicUsize,
+) -> Vec<bool> {
+    let deadline = Instant::now() + within;
+    let mut answers = Vec::with_capacity(ids.len());
+    for id in ids {
+        let answer = loop {
+            match node.claim(id).await {
+                Ok(answer) => break answer,
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "claiming {id}: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        };
+        answers.push(answer);
+        progress.fetch_add(1, Ordering::Relaxed);
+    }
+    answers
+}
+
+#[tokio::test]
+async fn claims_racing_through_a_leader_loss_land_exactly_once() {
+    let mut etcd = Etcd::start_members(3).unwrap();
+    let cluster = connect(&etcd).await;
+    let ttl = Duration::from_secs(5);
+    let a = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
+        .await
+        .unwrap();
+    let b = Registration::start(cluster.clone(), "b", "127.0.0.1:2", CAPACITY, ttl)
+        .await
+        .unwrap();
+    let ids: Vec<String> = (0..240).map(|i| format!("sbx{i:03}")).collect();
+
+    // Both nodes claim every ID, in opposite orders so they meet in the
+    // middle, and the leader is killed a quarter into the burst.
+    let reversed: Vec<String> = ids.iter().rev().cloned().collect();
+    let old_leader = etcd.leader().await.unwrap();
+    let within = Duration::from_secs(60);
+    let progress = AtomicUsize::new(0);
+    let (by_a, by_b, ()) = tokio::join!(
+        claim_all(&a, &ids, within, &progress),
+        claim_all(&b, &reversed, within, &progress),
+        async {
+            while progress.load(Ordering::Relaxed) < ids.len() / 2 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            etcd.kill(old_leader);
+        }
+    );
+    let new_leader = etcd.leader().await.unwrap();
+    assert_ne!(new_leader, old_leader);
+
+    // Exactly one node was told yes for each ID, and the map says that node.
+    let map = cluster.sandboxes().await.unwrap();
+    assert_eq!(map.len(), ids.len());
+    for (i, (id, route)) in map.iter().enumerate() {
+        assert_eq!(id, &ids[i]);
+        let (yes_a, yes_b) = (by_a[i], by_b[ids.len() - 1 - i]);
+        assert!(yes_a ^ yes_b, "{id}: a said {yes_a}, b said {yes_b}");
+        assert_eq!(route.value.node_id, if yes_a { "a" } else { "b" }, "{id}");
+    }
+    // Both leases outlived the election.
+    assert_eq!(cluster.nodes().await.unwrap().len(), 2);
+    assert_eq!(
+        map.iter()
+            .filter(|(_, r)| r.value.incarnation == a.incarnation())
+            .count(),
+        by_a.iter().filter(|y| **y).count()
+    );
+}
+
+#[tokio::test]
+async fn without_a_quorum_requests_fail_in_bounded_time_and_work_once_it_returns() {
+    let mut etcd = Etcd::start_members(3).unwrap();
+    let cluster = connect(&etcd).await;
+    let a = Registration::start(
+        cluster.clone(),
+        "a",
+        "127.0.0.1:1",
+        CAPACITY,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    assert!(a.claim("before").await.unwrap());
+
+    etcd.kill(1);
+    etcd.kill(2);
+    let asked = Instant::now();
+    assert!(a.claim("during").await.is_err());
+    assert!(
+        asked.elapsed() < Duration::from_secs(12),
+        "a claim without quorum took {:?}",
+        asked.elapsed()
+    );
+
+    etcd.restart(1).unwrap();
+    etcd.restart(2).unwrap();
+    let by_a = claim_all(
+        &a,
+        &["during".to_owned()],
+        Duration::from_secs(60),
+        &AtomicUsize::new(0),
+    )
+    .await;
+    assert_eq!(by_a, [true]);
+    // What was acknowledged before the loss is still there.
+    assert_eq!(
+        cluster
+            .sandbox("before")
+            .await
+            .unwrap()
+            .unwrap()
+            .value
+            .node_id,
+        "a"
+    );
+    eventually("a registered", Duration::from_secs(20), async || {
+        cluster
+            .nodes()
+            .await
+            .is_ok_and(|n| n.iter().any(|n| n.node_id == "a"))
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_view_follows_nodes_and_routes_as_they_change() {
+    let etcd = Etcd::start().unwrap();
+    let cluster = connect(&etcd).await;
+    let ttl = Duration::from_secs(5);
+    let a = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
+        .await
+        .unwrap();
+    assert!(a.claim("early").await.unwrap());
+
+    // What was there before it started, loaded.
+    let view = cluster::View::start(cluster.clone());
+    eventually("the view in step", Duration::from_secs(5), async || {
+        view.in_step()
+    })
+    .await;
+    assert_eq!(view.nodes().unwrap().len(), 1);
+    assert_eq!(view.sandbox("early").unwrap().value.node_id, "a");
+    assert!(view.sandbox("unknown").is_none());
+
+    // Changes after, followed: a second node, a claim, a load, a release.
+    let b = Registration::start(cluster.clone(), "b", "127.0.0.1:2", CAPACITY, ttl)
+        .await
+        .unwrap();
+    assert!(b.claim("later").await.unwrap());
+    let load = NodeLoad {
+        sandboxes: 1,
+        vcpus: 1,
+        memory_mib: 64,
+    };
+    b.set_load(load);
+    assert!(a.release("early").await.unwrap());
+    eventually("the view follows", Duration::from_secs(5), async || {
+        let nodes = view.nodes().unwrap_or_default();
+        nodes.len() == 2
+            && nodes[1].load == load
+            && view.sandbox("early").is_none()
+            && view
+                .sandbox("later")
+                .is_some_and(|r| r.value.node_id == "b")
+    })
+    .await;
+    // Its revisions are etcd's: a transaction checked against one applies.
+    let seen = view.sandbox("later").unwrap();
+    assert_eq!(cluster.sandbox("later").await.unwrap(), Some(seen));
+
+    // A node leaving is gone from it too.
+    b.leave().await;
+    eventually("b gone from the view", Duration::from_secs(5), async || {
+        view.nodes().is_some_and(|n| n.len() == 1)
+    })
+    .await;
 }

@@ -148,6 +148,10 @@ if ip link set eth0 up 2>/dev/null; then
     ip route add default via 10.0.2.2
 fi
 
+# A node runs up to --max-sandboxes VMMs, each with a dozen descriptors: the
+# kernel's default hard limit of 4096 open files would cap it (root may raise
+# it to fs.nr_open).
+ulimit -n "$(cat /proc/sys/fs/nr_open)" 2>/dev/null || say "cannot raise the open-files limit"
 env -i /bin/chroot /host /bin/sh /run/sandfork/job.sh <"/dev/null" >"$out" 2>"$err"
 code=$?
 sync

@@ -38,7 +38,9 @@ pub const ANCHOR_PREFIX: &str = "sf-";
 pub const GUEST_DNS_PORT: u16 = 53;
 /// The node's DNS forwarder's port on the slot veths' host ends: each slot DNATs its
 /// gateway's DNS port there, so one socket in the host namespace serves every slot.
-pub const DNS_FORWARDER_PORT: u16 = 5353;
+/// In IANA's dynamic range (never assigned, so no mDNS clash as 5353 had) and above
+/// Linux's default ephemeral ports (32768-60999), so no outgoing socket holds it.
+pub const DNS_FORWARDER_PORT: u16 = 61053;
 /// Guest MTU the tap and veths use.
 pub const MTU: u32 = 1500;
 

@@ -1,12 +1,16 @@
 //! The cluster gateway: stateless, serves the E2B control plane and the
 //! envd proxy for every node on one port. Each request goes to the node the
 //! etcd map names for its sandbox; a create goes to the freest node, and on
-//! to the next if that one refuses; a list gathers every node's.
+//! to the next if that one refuses or lacks its template; a request naming a
+//! snapshot or template goes to the node that has it (the first not to
+//! answer 404: they are not in the object store yet); a list gathers every
+//! node's.
 //!
 //! Sandbox traffic is told from the control plane by the node's own rules
 //! ([`crate::proxy::route`]); the owning node then routes it again.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -14,7 +18,7 @@ use axum::extract::{Request, State};
 use axum::http::header::{self, HeaderMap, HeaderValue};
 use axum::http::{Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use cluster::{Cluster, NodeRecord, keyspace};
+use cluster::{Cluster, NodeRecord, SandboxRoute, Versioned, View, keyspace};
 use hyper_util::rt::TokioIo;
 
 use crate::api::ApiError;
@@ -27,9 +31,66 @@ const MAX_LIST_ANSWER: usize = 64 << 20;
 
 pub struct Gateway {
     cluster: Cluster,
+    /// Nodes and routes as a watch keeps them (etcd is asked when it
+    /// lacks an answer).
+    view: View,
+    placements: Placements,
 }
 
-/// Serves the gateway on `listener` until `shutdown` completes.
+/// How long a create this gateway placed counts against its node beyond
+/// the load the node published (which follows its answer within moments).
+const PLACED_COUNTS_FOR: Duration = Duration::from_secs(2);
+
+/// The creates this gateway sent to each node and that its published load
+/// may not show yet: those in flight, and those answered lately. Counted in
+/// placement so that a burst through one gateway spreads over the nodes.
+#[derive(Default)]
+struct Placements {
+    /// (node, when it answered; None while in flight)
+    entries: Mutex<Vec<(String, Option<Instant>, u64)>>,
+    next_ticket: std::sync::atomic::AtomicU64,
+}
+
+impl Placements {
+    /// Adds this gateway's recent and in-flight creates to each node's
+    /// sandbox count.
+    fn count_into(&self, nodes: &mut [NodeRecord]) {
+        let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        entries.retain(|(_, answered, _)| answered.is_none_or(|t| t.elapsed() < PLACED_COUNTS_FOR));
+        for node in nodes {
+            let mine = entries
+                .iter()
+                .filter(|(n, _, _)| *n == node.node_id)
+                .count();
+            node.load.sandboxes += mine as u64;
+        }
+    }
+
+    /// A create on its way to `node_id`.
+    fn start(&self, node_id: &str) -> u64 {
+        let ticket = self
+            .next_ticket
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        entries.push((node_id.to_owned(), None, ticket));
+        ticket
+    }
+
+    /// The create `ticket` answered: kept for a while if it made a sandbox.
+    fn finish(&self, ticket: u64, made: bool) {
+        let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        if made {
+            if let Some(entry) = entries.iter_mut().find(|(_, _, t)| *t == ticket) {
+                entry.1 = Some(Instant::now());
+            }
+        } else {
+            entries.retain(|(_, _, t)| *t != ticket);
+        }
+    }
+}
+
+/// Serves the gateway on `listener` until `shutdown` completes (in a
+/// runtime: it starts the etcd watch).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     cluster: Cluster,
@@ -41,9 +102,12 @@ pub async fn serve(
 }
 
 pub fn router(cluster: Cluster) -> Router {
-    Router::new()
-        .fallback(handle)
-        .with_state(Arc::new(Gateway { cluster }))
+    let view = View::start(cluster.clone());
+    Router::new().fallback(handle).with_state(Arc::new(Gateway {
+        cluster,
+        view,
+        placements: Placements::default(),
+    }))
 }
 
 /// What a control-plane request is, for routing.
@@ -54,7 +118,11 @@ enum Target {
     List,
     /// A request about one sandbox: its owner answers.
     Sandbox(String),
-    /// Templates, snapshots, the node's own page: any node.
+    /// A list of node-local things (snapshots, templates): every node's.
+    Gather,
+    /// A request naming a snapshot or template: the node holding it.
+    Holder,
+    /// New template builds, the node's own page: any node.
     AnyNode,
 }
 
@@ -63,6 +131,13 @@ fn target(method: &Method, path: &str) -> Target {
         (_, "/health") => Target::Health,
         (&Method::POST, "/sandboxes" | "/v2/sandboxes") => Target::Create,
         (&Method::GET, "/sandboxes" | "/v2/sandboxes") => Target::List,
+        (&Method::GET, "/snapshots" | "/templates") => Target::Gather,
+        _ if ["/snapshots/", "/templates/", "/v2/templates/"]
+            .iter()
+            .any(|p| path.starts_with(p)) =>
+        {
+            Target::Holder
+        }
         _ => {
             let rest = ["/sandboxes/", "/v2/sandboxes/", "/v1/sandboxes/"]
                 .iter()
@@ -86,7 +161,9 @@ async fn handle(State(gw): State<Arc<Gateway>>, mut req: Request) -> Response {
         Route::ControlPlane => match target(req.method(), req.uri().path()) {
             Target::Health => Ok(StatusCode::NO_CONTENT.into_response()),
             Target::Create => gw.create(req).await,
-            Target::List => gw.list(req).await,
+            Target::List => gw.list(req, None).await,
+            Target::Gather => gw.list(req, Some(&["templateID", "snapshotID"])).await,
+            Target::Holder => gw.to_holder(req).await,
             Target::Sandbox(id) => gw.to_owner(&id, req, false).await,
             Target::AnyNode => gw.to_any(req).await,
         },
@@ -96,11 +173,23 @@ async fn handle(State(gw): State<Arc<Gateway>>, mut req: Request) -> Response {
 
 impl Gateway {
     async fn nodes(&self) -> Result<Vec<NodeRecord>, ApiError> {
-        self.cluster.nodes().await.map_err(unavailable)
+        match self.view.nodes() {
+            Some(nodes) => Ok(nodes),
+            None => self.cluster.nodes().await.map_err(unavailable),
+        }
+    }
+
+    /// `id`'s route: the watch's copy, else etcd's (a claim made a moment
+    /// ago through another gateway may not have reached the watch).
+    async fn route(&self, id: &str) -> Result<Option<Versioned<SandboxRoute>>, ApiError> {
+        match self.view.sandbox(id) {
+            Some(route) => Ok(Some(route)),
+            None => self.cluster.sandbox(id).await.map_err(unavailable),
+        }
     }
 
     async fn to_owner(&self, id: &str, req: Request, envd: bool) -> Result<Response, ApiError> {
-        let route = self.cluster.sandbox(id).await.map_err(unavailable)?;
+        let route = self.route(id).await?;
         let Some(route) = route else {
             return Ok(if envd {
                 // E2B's proxy answer (the SDKs read it as "not running").
@@ -182,18 +271,25 @@ impl Gateway {
     }
 
     /// Tries the nodes freest first; a node that refuses for capacity (429,
-    /// 503) or cannot be reached passes the create on to the next.
+    /// 503), lacks the template (404) or cannot be reached passes the create
+    /// on to the next.
     async fn create(&self, req: Request) -> Result<Response, ApiError> {
         let (parts, body) = req.into_parts();
         let body = axum::body::to_bytes(body, MAX_CREATE_BODY)
             .await
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
-        let nodes = keyspace::placement_order(self.nodes().await?);
+        let mut nodes = self.nodes().await?;
+        self.placements.count_into(&mut nodes);
+        let nodes = keyspace::placement_order(nodes);
         let mut last = None;
         for node in &nodes {
             let req = rebuild(&parts.method, &parts.uri, &parts.headers, body.clone());
-            match forward(&node.api_addr, req).await {
-                Ok(r) if refused(r.status()) => {
+            let ticket = self.placements.start(&node.node_id);
+            let answer = forward(&node.api_addr, req).await;
+            let made = answer.as_ref().is_ok_and(|r| r.status().is_success());
+            self.placements.finish(ticket, made);
+            match answer {
+                Ok(r) if refused(r.status()) || r.status() == StatusCode::NOT_FOUND => {
                     tracing::info!(
                         "gateway: node {} refused a create: {}",
                         node.node_id,
@@ -217,10 +313,17 @@ impl Gateway {
 
     /// Every node's list, concatenated (a node that cannot answer is left
     /// out with a warning, not the whole list failed). Node pagination is
-    /// not carried over: each node's first page.
-    async fn list(&self, req: Request) -> Result<Response, ApiError> {
+    /// not carried over: each node's first page. Items whose first present
+    /// field of `unique_by` repeats an earlier one's are listed once (every
+    /// node has the base template).
+    async fn list(
+        &self,
+        req: Request,
+        unique_by: Option<&'static [&'static str]>,
+    ) -> Result<Response, ApiError> {
         let (parts, _) = req.into_parts();
         let mut all = Vec::new();
+        let mut seen = std::collections::HashSet::new();
         for node in self.nodes().await? {
             let req = rebuild(&parts.method, &parts.uri, &parts.headers, Bytes::new());
             let answer = match forward(&node.api_addr, req).await {
@@ -238,11 +341,38 @@ impl Gateway {
                 .await
                 .map_err(|e| bad_gateway(&node, e.to_string()))?;
             match serde_json::from_slice::<Vec<serde_json::Value>>(&bytes) {
-                Ok(items) => all.extend(items),
+                Ok(items) => {
+                    for item in items {
+                        let first = unique_by.and_then(|fields| unique_key(&item, fields));
+                        if first.is_none_or(|key| seen.insert(key)) {
+                            all.push(item);
+                        }
+                    }
+                }
                 Err(e) => tracing::warn!("gateway: node {}'s list: {e}", node.node_id),
             }
         }
         Ok(axum::Json(all).into_response())
+    }
+
+    /// Asks the nodes in turn until one does not answer 404: snapshots and
+    /// templates live on the node that made them. A node that cannot be
+    /// reached is passed over.
+    async fn to_holder(&self, req: Request) -> Result<Response, ApiError> {
+        let (parts, body) = req.into_parts();
+        let body = axum::body::to_bytes(body, MAX_CREATE_BODY)
+            .await
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let mut last = None;
+        for node in keyspace::placement_order(self.nodes().await?) {
+            let req = rebuild(&parts.method, &parts.uri, &parts.headers, body.clone());
+            match forward(&node.api_addr, req).await {
+                Ok(r) if r.status() == StatusCode::NOT_FOUND => last = Some(r),
+                Ok(r) => return Ok(r),
+                Err(e) => tracing::warn!("gateway: node {} unreachable: {e}", node.node_id),
+            }
+        }
+        last.ok_or_else(|| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no node in the cluster"))
     }
 
     async fn to_any(&self, req: Request) -> Result<Response, ApiError> {
@@ -254,6 +384,15 @@ impl Gateway {
             .await
             .map_err(|e| bad_gateway(node, e))
     }
+}
+
+/// The value of the first of `fields` that `item` has, as a string.
+fn unique_key(item: &serde_json::Value, fields: &[&str]) -> Option<String> {
+    fields
+        .iter()
+        .find_map(|f| item.get(f))
+        .and_then(|v| v.as_str())
+        .map(str::to_owned)
 }
 
 /// A resume or connect (what brings a paused sandbox back).
@@ -352,6 +491,48 @@ async fn forward(addr: &str, mut req: Request) -> Result<Response, String> {
 mod tests {
     use super::*;
 
+    fn node(id: &str) -> NodeRecord {
+        NodeRecord {
+            node_id: id.into(),
+            incarnation: 1,
+            api_addr: "127.0.0.1:1".into(),
+            capacity: cluster::NodeCapacity {
+                max_sandboxes: 10,
+                vcpus: 10,
+                memory_mib: 10_000,
+            },
+            load: cluster::NodeLoad::default(),
+        }
+    }
+
+    #[test]
+    fn creates_in_flight_and_just_placed_count_against_their_node() {
+        let placements = Placements::default();
+        let order = |placements: &Placements| {
+            let mut nodes = vec![node("a"), node("b")];
+            placements.count_into(&mut nodes);
+            keyspace::placement_order(nodes)
+                .into_iter()
+                .map(|n| n.node_id)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(order(&placements), ["a", "b"]);
+        // One in flight to a: the next goes to b.
+        let first = placements.start("a");
+        assert_eq!(order(&placements), ["b", "a"]);
+        // Answered with a sandbox: a still counts it for a while.
+        placements.finish(first, true);
+        assert_eq!(order(&placements), ["b", "a"]);
+        // One refused counts no more.
+        let refused = placements.start("b");
+        placements.finish(refused, false);
+        assert_eq!(order(&placements), ["b", "a"]);
+        // After the window, the node's own figure is what counts.
+        placements.entries.lock().unwrap()[0].1 =
+            Some(Instant::now() - PLACED_COUNTS_FOR - Duration::from_millis(1));
+        assert_eq!(order(&placements), ["a", "b"]);
+    }
+
     #[test]
     fn control_requests_are_routed_by_what_they_name() {
         let id = "i4kfsx3gqznbsd6x0yhmw";
@@ -373,7 +554,16 @@ mod tests {
             );
         }
         assert_eq!(target(&Method::GET, "/sandboxes/metrics"), Target::AnyNode);
-        assert_eq!(target(&Method::GET, "/templates"), Target::AnyNode);
+        assert_eq!(target(&Method::GET, "/templates"), Target::Gather);
+        assert_eq!(target(&Method::GET, "/snapshots"), Target::Gather);
+        assert_eq!(target(&Method::POST, "/snapshots/s1/fork"), Target::Holder);
+        assert_eq!(target(&Method::GET, "/templates/base"), Target::Holder);
+        assert_eq!(
+            target(&Method::POST, "/v2/templates/t1/builds/b1"),
+            Target::Holder
+        );
+        assert_eq!(target(&Method::POST, "/templates"), Target::AnyNode);
+        assert_eq!(target(&Method::POST, "/v3/templates"), Target::AnyNode);
         assert_eq!(target(&Method::GET, "/v1/node"), Target::AnyNode);
     }
 }

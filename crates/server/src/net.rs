@@ -77,6 +77,10 @@ pub struct SandboxNetwork {
     pub deny_out: Vec<String>,
     #[serde(default)]
     pub policy: EgressPolicy,
+    /// Who may reach its guest's ports through the node's proxy, and as
+    /// what host (set at create; `PUT .../network` leaves it).
+    #[serde(default)]
+    pub ingress: crate::proxy::Ingress,
     /// While it runs with networking.
     #[serde(default)]
     pub slot: Option<SlotRecord>,

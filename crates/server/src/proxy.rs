@@ -1,6 +1,8 @@
 //! The envd proxy: requests for a sandbox (by `E2b-Sandbox-Id` and
 //! `E2b-Sandbox-Port` headers, or a `<port>-<id>.<domain>` host name) go to
 //! that guest port over the sandbox's vsock socket, bodies streamed both ways.
+//! A guest port other than envd's is guarded as the sandbox's E2B ingress
+//! settings say ([`Ingress`]: traffic token, masked host).
 //! Everything else is the control plane and never reaches a guest.
 
 use std::time::Duration;
@@ -18,8 +20,10 @@ use crate::ids;
 use crate::state::Shared;
 
 mod connections;
+mod ingress;
 mod stream_end;
 pub use connections::{ForwardError, GuestConnections};
+pub use ingress::{Ingress, IngressError, TRAFFIC_TOKEN_HEADER};
 
 pub const SANDBOX_ID_HEADER: &str = "e2b-sandbox-id";
 pub const SANDBOX_PORT_HEADER: &str = "e2b-sandbox-port";
@@ -279,6 +283,16 @@ async fn forward(state: &Shared, id: &str, port: u32, mut req: Request) -> Respo
     let Some(uds) = state.manager.vsock_path(id) else {
         return not_found(id);
     };
+    // The guest's own ports: a private sandbox's token, its masked host.
+    if port != envd_proto::PORT
+        && let Some(ingress) = state.manager.ingress(id)
+    {
+        if let Err(refused) = ingress.admit(req.headers()) {
+            return refused.response(id);
+        }
+        let uri = req.uri().clone();
+        ingress.mask(port, &uri, req.headers_mut());
+    }
     // Origin form towards the guest; the body goes on as it arrives.
     let path = req
         .uri()

@@ -272,7 +272,7 @@ impl Manager {
             SandboxState::Paused => Phase::Paused,
         };
         let mut registry = self.registry();
-        registry.insert(Sandbox::new(record.id, record.access_token, phase));
+        registry.insert(Sandbox::of_record(&record, phase));
         registry
             .get(id)
             .ok_or_else(|| SandboxError::NotFound(id.to_owned()))
@@ -445,9 +445,10 @@ impl Manager {
         plan: Plan,
         record: impl FnOnce(&Launched) -> SandboxRecord,
         token: Option<String>,
+        ingress: crate::proxy::Ingress,
         id: &str,
     ) -> Result<SandboxRecord, SandboxError> {
-        let sandbox = Sandbox::new(id.to_owned(), token, Phase::Starting);
+        let sandbox = Sandbox::new(id.to_owned(), token, ingress, Phase::Starting);
         let mut guest = sandbox.guest.lock().await;
         if !self.registry().insert(sandbox.clone()) {
             return Err(SandboxError::Invalid(format!("sandbox id {id} is taken")));
@@ -535,6 +536,7 @@ impl Manager {
             egress: params.network.policy.clone(),
         };
 
+        let ingress = params.network.ingress.clone();
         let mut uses_snapshots = template.uses_snapshots.clone();
         // Its memory maps the template's file: only base is never deleted.
         if template.id != self.template.id {
@@ -573,7 +575,7 @@ impl Manager {
                 network: params.network,
             }
         };
-        self.start_sandbox(None, plan, record, access_token.clone(), id)
+        self.start_sandbox(None, plan, record, access_token.clone(), ingress, id)
             .await
     }
 
@@ -997,5 +999,10 @@ impl Manager {
     /// The vsock socket of a sandbox taking traffic, for the envd proxy.
     pub fn vsock_path(&self, id: &str) -> Option<PathBuf> {
         self.registry().get(id)?.serving_vsock()
+    }
+
+    /// What the port proxy demands of requests to sandbox `id`'s own ports.
+    pub fn ingress(&self, id: &str) -> Option<crate::proxy::Ingress> {
+        Some(self.registry().get(id)?.ingress.clone())
     }
 }

@@ -16,6 +16,13 @@
 //! reaches neither the node's API nor the metadata address, a paused and
 //! resumed sandbox keeps its policy, and a clean stop leaves no slot behind.
 //!
+//! A second test runs `sandfork serve` as a process (it restarts it): a guest
+//! sending from another address or MAC gets nothing through, nor reaches
+//! another sandbox, the node on any of its addresses or the metadata address;
+//! after a restart both sandboxes are adopted and still online (and guarded),
+//! and after their kills and a clean stop the host has no slot veth, anchor
+//! or nftables table more than before.
+//!
 //! Needs what `lab_serve` needs, and `ip` (iproute2) for the test world.
 
 mod common;
@@ -509,4 +516,371 @@ async fn sandboxes_reach_the_internet_as_their_policy_says() {
     let links = Command::new("ip").args(["-o", "link"]).output().unwrap();
     let links = String::from_utf8_lossy(&links.stdout);
     assert!(!links.contains("sfv-"), "{links}");
+}
+
+/// Whether the guest gets an answer from `ip:port` over TCP (`GET /`), its
+/// socket bound to `from` when given (an address the guest added itself).
+async fn connects(
+    node: SocketAddr,
+    sandbox: &Created,
+    from: Option<Ipv4Addr>,
+    ip: Ipv4Addr,
+    port: u16,
+) -> bool {
+    let from = from.map(|f| f.to_string()).unwrap_or_default();
+    let python = [
+        "import socket, sys",
+        "s = socket.socket()",
+        "s.settimeout(5)",
+        "try:",
+        "    if sys.argv[1]:",
+        "        s.bind((sys.argv[1], 0))",
+        "    s.connect((sys.argv[2], int(sys.argv[3])))",
+        "    s.sendall(b'GET / HTTP/1.0\\r\\n\\r\\n')",
+        "    print('answered' if s.recv(64) else '')",
+        "except OSError:",
+        "    print('')",
+    ]
+    .join("\n");
+    let script = format!("python3 - '{from}' {ip} {port} <<'PY'\n{python}\nPY");
+    let (code, out) = run(node, &sandbox.routing(), &script).await;
+    assert_eq!(code, 0, "{out}");
+    out.trim() == "answered"
+}
+
+/// What networking leaves on the host: slot veths, our namespace anchors
+/// (bind mounts and their files), named namespaces, the node's nft table.
+fn host_network_state(anchors: &Path) -> (Vec<String>, Vec<String>, String, bool) {
+    let links = Command::new("ip").args(["-o", "link"]).output().unwrap();
+    let links = String::from_utf8_lossy(&links.stdout)
+        .lines()
+        .filter_map(|l| l.split(':').nth(1).map(|n| n.trim().to_owned()))
+        .filter(|n| n.starts_with("sfv-"))
+        .collect();
+    // The anchor directory itself stays a private bind mount of itself
+    // once made (as `ip netns` leaves /run/netns): one per node, not per slot.
+    let inside = format!("{}/", anchors.display());
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter(|l| l.split(' ').nth(4).is_some_and(|m| m.starts_with(&inside)))
+        .map(str::to_owned)
+        .chain(
+            std::fs::read_dir(anchors)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.path().display().to_string()),
+        )
+        .collect();
+    let netns = Command::new("ip").args(["netns", "list"]).output().unwrap();
+    let netns = String::from_utf8_lossy(&netns.stdout).into_owned();
+    let table = sandfork_network::nft::table_exists_in(
+        Path::new("/proc/self/ns/net"),
+        sandfork_network::nft::host_table::TABLE,
+    )
+    .unwrap();
+    (links, mounts, netns, table)
+}
+
+/// The slot host addresses routed on the node (10.11.0.0/16, one a slot).
+fn slot_host_ips() -> Vec<Ipv4Addr> {
+    let routes = Command::new("ip")
+        .args(["-4", "-o", "route"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&routes.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next()?.parse::<Ipv4Addr>().ok())
+        .filter(|ip| ip.octets()[..2] == [10, 11])
+        .collect()
+}
+
+/// Every IPv4 address of the node's host namespace.
+fn host_ips() -> Vec<Ipv4Addr> {
+    let out = Command::new("ip")
+        .args(["-4", "-o", "addr"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let mut words = l.split_whitespace();
+            words.find(|w| *w == "inet")?;
+            words.next()?.split('/').next()?.parse().ok()
+        })
+        .collect()
+}
+
+/// `sandfork serve` as a process with the test internet as its uplink (a
+/// restart is a new process on the same data dir; the store is open in one
+/// process at a time), on every address of the host, as a node would be.
+struct Served {
+    addr: SocketAddr,
+    data: PathBuf,
+    key: String,
+    server: Option<std::process::Child>,
+    starts: u32,
+}
+
+impl Served {
+    fn new(data: &Path) -> Served {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        Served {
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            data: data.to_owned(),
+            key: format!("e2b_{}", "6b".repeat(16)),
+            server: None,
+            starts: 0,
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.data.join(format!("serve-{}.log", self.starts)))
+            .unwrap_or_default()
+    }
+
+    async fn start(&mut self) {
+        self.starts += 1;
+        let log =
+            std::fs::File::create(self.data.join(format!("serve-{}.log", self.starts))).unwrap();
+        let sandfork = vmm_binary().with_file_name("sandfork");
+        let child = Command::new(&sandfork)
+            .args([
+                "serve",
+                "--in-lab",
+                "--pool-size",
+                "2",
+                "--ready-slots",
+                "4",
+            ])
+            .args([
+                "--uplink",
+                UPLINK,
+                "--dns-upstream",
+                &DNS_SERVER.to_string(),
+            ])
+            .arg("--listen")
+            .arg(format!("0.0.0.0:{}", self.addr.port()))
+            .arg("--data-dir")
+            .arg(&self.data)
+            .env("SANDFORK_API_KEY", &self.key)
+            .env("SANDFORK_VMM", vmm_binary())
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {}: {e}", sandfork.display()));
+        self.server = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(600);
+        loop {
+            if tokio::net::TcpStream::connect(self.addr).await.is_ok()
+                && http(self.addr, "GET", "/health", &[], "").await.status == 204
+            {
+                return;
+            }
+            if let Some(status) = self.server.as_mut().unwrap().try_wait().unwrap() {
+                panic!("the server exited ({status}):\n{}", self.log());
+            }
+            assert!(Instant::now() < deadline, "no /health:\n{}", self.log());
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// SIGTERM, as a service manager stops it; running sandboxes stay.
+    fn stop(&mut self) {
+        let mut server = self.server.take().unwrap();
+        let status = Command::new("kill")
+            .args(["-TERM", &server.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = server.try_wait().unwrap() {
+                assert!(
+                    status.success(),
+                    "the server's exit: {status}\n{}",
+                    self.log()
+                );
+                return;
+            }
+            assert!(Instant::now() < deadline, "no exit after SIGTERM");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn auth(&self) -> [(&'static str, &str); 2] {
+        [
+            ("x-api-key", self.key.as_str()),
+            ("content-type", "application/json"),
+        ]
+    }
+
+    async fn create(&self, body: serde_json::Value) -> Created {
+        common::create(self.addr, &self.auth(), body).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab: boots microVMs, makes network namespaces, restarts the node"]
+async fn guests_cannot_spoof_or_reach_the_node_or_each_other_and_keep_their_network_over_a_restart()
+{
+    let world = tempfile::tempdir().unwrap();
+    let _internet = Internet::make(&world.path().join("internet"));
+    let data = tempfile::tempdir().unwrap();
+    let anchors = server::net::anchor_dir(&lab_config(data.path()).run_dir());
+    let before = host_network_state(&anchors);
+    let t = Instant::now();
+    let mut node = Served::new(data.path());
+    node.start().await;
+    eprintln!("server up in {:?}", t.elapsed());
+    let port = node.addr.port();
+    let body = json!({"templateID": "base", "timeout": 600});
+    let a = node.create(body.clone()).await;
+    let b = node.create(body).await;
+    assert!(connects(node.addr, &a, None, WEB_A, 80).await);
+
+    // Another source address, inside the guest's /30 or out of it (a slot's
+    // host address, an internet one): dropped before conntrack sees it.
+    let t = Instant::now();
+    for spoof in [
+        Ipv4Addr::new(169, 254, 0, 25),
+        Ipv4Addr::new(10, 11, 0, 200),
+        Ipv4Addr::new(198, 51, 100, 77),
+    ] {
+        let (code, out) = run(
+            node.addr,
+            &a.routing(),
+            &format!("ip addr add {spoof}/32 dev eth0"),
+        )
+        .await;
+        assert_eq!(code, 0, "{out}");
+        assert!(
+            !connects(node.addr, &a, Some(spoof), WEB_A, 80).await,
+            "the guest sent from {spoof}"
+        );
+        run(
+            node.addr,
+            &a.routing(),
+            &format!("ip addr del {spoof}/32 dev eth0"),
+        )
+        .await;
+    }
+    // Another MAC: every frame from it dropped; its own again, all well.
+    let (code, out) = run(
+        node.addr,
+        &a.routing(),
+        "ip link set dev eth0 address 02:fc:00:00:00:99",
+    )
+    .await;
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        !connects(node.addr, &a, None, WEB_A, 80).await,
+        "the guest sent with a forged MAC"
+    );
+    run(
+        node.addr,
+        &a.routing(),
+        "ip link set dev eth0 address 02:fc:00:00:00:05",
+    )
+    .await;
+    assert!(connects(node.addr, &a, None, WEB_A, 80).await);
+    eprintln!("spoofing checks in {:?}", t.elapsed());
+
+    // Another sandbox: b serves on 8000, the node reaches it at its slot's
+    // host address, a does not.
+    let (code, out) = run(
+        node.addr,
+        &b.routing(),
+        "mkdir -p /tmp/www && echo b > /tmp/www/index.html && \
+         setsid python3 -m http.server 8000 --directory /tmp/www </dev/null >/dev/null 2>&1 & \
+         for i in $(seq 300); do (echo > /dev/tcp/127.0.0.1/8000) 2>/dev/null && exit 0; sleep 0.2; done; exit 1",
+    )
+    .await;
+    assert_eq!(code, 0, "b's server never listened: {out}");
+    let served: Vec<Ipv4Addr> = slot_host_ips()
+        .into_iter()
+        .filter(|ip| host_reaches(SocketAddr::from((*ip, 8000))))
+        .collect();
+    let routes = Command::new("ip")
+        .args(["-4", "-o", "route"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        served.len(),
+        1,
+        "b's server from the node: {served:?}; slot addresses {:?}; routes:\n{}",
+        slot_host_ips(),
+        String::from_utf8_lossy(&routes.stdout)
+    );
+    assert!(
+        !connects(node.addr, &a, None, served[0], 8000).await,
+        "a reached b at {}",
+        served[0]
+    );
+    // The node: its API on each of its addresses (the veths' host ends
+    // included), and the metadata address.
+    let mut targets: Vec<(Ipv4Addr, u16)> = host_ips().into_iter().map(|ip| (ip, port)).collect();
+    targets.push((METADATA, 80));
+    for (ip, p) in targets {
+        if !ip.is_loopback() {
+            assert!(
+                !connects(node.addr, &a, None, ip, p).await,
+                "the guest reached {ip}:{p}"
+            );
+        }
+    }
+
+    // A restart with both running: adopted, still online, still guarded.
+    node.stop();
+    let t = Instant::now();
+    node.start().await;
+    eprintln!("server restarted (sandboxes adopted) in {:?}", t.elapsed());
+    for s in [&a, &b] {
+        assert!(
+            connects(node.addr, s, None, WEB_A, 80).await,
+            "{} lost its network in the restart",
+            s.id
+        );
+        assert_eq!(
+            resolve(node.addr, s, &format!("web{ZONE}")).await,
+            WEB_A.to_string()
+        );
+    }
+    run(
+        node.addr,
+        &a.routing(),
+        "ip addr add 169.254.0.25/32 dev eth0",
+    )
+    .await;
+    assert!(
+        !connects(
+            node.addr,
+            &a,
+            Some(Ipv4Addr::new(169, 254, 0, 25)),
+            WEB_A,
+            80
+        )
+        .await
+    );
+
+    for s in [&a, &b] {
+        let gone = http(
+            node.addr,
+            "DELETE",
+            &format!("/sandboxes/{}", s.id),
+            &node.auth(),
+            "",
+        )
+        .await;
+        assert_eq!(gone.status, 204);
+    }
+    node.stop();
+    // Kills and a clean stop: the host as it was.
+    assert_eq!(host_network_state(&anchors), before);
 }

@@ -1,11 +1,14 @@
 """A server the sandbox runs is reachable at sandbox.get_host(port), as on
-E2B: the node routes `<port>-<id>.<domain>` to that TCP port in the guest."""
+E2B: the node routes `<port>-<id>.<domain>` to that TCP port in the guest.
+A sandbox created with `allow_public_traffic=False` answers there only with
+its traffic token; `mask_request_host` is the Host its server sees."""
 
 import os
 
 import httpx
+from e2b import Sandbox
 
-from conftest import wait_until
+from conftest import create, wait_until
 
 SANDBOX_URL = os.environ.get("E2B_SANDBOX_URL", "")
 
@@ -48,3 +51,68 @@ def test_a_port_nothing_listens_on_is_a_502(sandbox):
     r = get_via_node(sandbox.get_host(8081), "/")
     assert r.status_code == 502
     assert "port is not open" in r.json()["message"]
+
+
+# Answers every GET with the Host and X-Forwarded-Host it was sent.
+ECHO_HOST_SERVER = """
+import http.server
+
+class Echo(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = "%s|%s" % (self.headers.get("Host"), self.headers.get("X-Forwarded-Host"))
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+http.server.HTTPServer(("0.0.0.0", 8090), Echo).serve_forever()
+"""
+
+
+def test_a_private_sandbox_needs_its_traffic_token_and_masks_the_host():
+    sbx = create(
+        network={"allow_public_traffic": False, "mask_request_host": "${PORT}-app.test"}
+    )
+    try:
+        token = sbx.traffic_access_token
+        assert token, "a private sandbox has a traffic access token"
+        # envd's own port needs no traffic token (the SDK sends none).
+        sbx.files.write("/tmp/echo.py", ECHO_HOST_SERVER)
+        server = sbx.commands.run("python3 /tmp/echo.py", background=True)
+        host = sbx.get_host(8090)
+
+        def get(headers: dict[str, str]) -> httpx.Response:
+            return httpx.get(
+                SANDBOX_URL + "/", headers={"Host": host, **headers}, timeout=60
+            )
+
+        def answered():
+            try:
+                r = get({"e2b-traffic-access-token": token})
+            except httpx.HTTPError:
+                return None
+            return r if r.status_code == 200 else None
+
+        r = wait_until(answered, timeout=60, what="the private sandbox's server")
+        # The guest sees the mask, the client's host beside it.
+        assert r.text == f"8090-app.test|{host}", r.text
+        missing = get({})
+        assert missing.status_code == 403, missing.text
+        assert "is missing" in missing.json()["message"]
+        wrong = get({"e2b-traffic-access-token": token[:-1] + "x"})
+        assert wrong.status_code == 403, wrong.text
+        assert "is invalid" in wrong.json()["message"]
+
+        info = sbx.get_info()
+        assert info.network is not None
+        assert info.network.get("allow_public_traffic") is False, info.network
+        assert info.network.get("mask_request_host") == "${PORT}-app.test", info.network
+        # The same sandbox, the same token (a connect answers it again).
+        assert Sandbox.connect(sbx.sandbox_id).traffic_access_token == token
+        server.kill()
+    finally:
+        sbx.kill()
+
+
+def test_a_public_sandbox_has_no_traffic_token(sandbox):
+    assert sandbox.traffic_access_token is None

@@ -56,8 +56,56 @@ pub struct SdkBench<'a> {
     pub rl_budget: Duration,
 }
 
+/// The pseudo-phase run on a second node started with `--no-network`: the
+/// creates again (`sdk_create_to_first_command_no_network_ms`), against the
+/// networked node's figure of the same run.
+pub const NO_NETWORK_PHASE: &str = "create_no_network";
+const CREATE_PHASE: &str = "create_to_first_command";
+
+/// The script's phases of `phases` (None: all) and whether the creates run
+/// again on a node without networking.
+fn split_phases(phases: Option<&str>) -> (Option<String>, bool) {
+    let Some(list) = phases else {
+        return (None, true);
+    };
+    let names: Vec<&str> = list.split(',').map(str::trim).collect();
+    let script: Vec<&str> = names
+        .iter()
+        .copied()
+        .filter(|n| *n != NO_NETWORK_PHASE && !n.is_empty())
+        .collect();
+    (Some(script.join(",")), names.contains(&NO_NETWORK_PHASE))
+}
+
 impl SdkBench<'_> {
+    /// The script's phases on a node with networking (as `serve` runs by
+    /// default), then the creates on one without, when asked.
     pub async fn measure(&self) -> Result<Value> {
+        let (script_phases, no_network) = split_phases(self.phases);
+        let mut report = match &script_phases {
+            Some(p) if p.is_empty() => json!({}),
+            p => {
+                let mut r = self.measure_node(true, p.as_deref()).await?;
+                // `serve`'s default: every sandbox in a network slot.
+                r["sdk_detail"]["networking"] = json!(true);
+                r
+            }
+        };
+        if no_network {
+            eprintln!("bench: sdk: the creates again, on a node started with --no-network");
+            let off = self.measure_node(false, Some(CREATE_PHASE)).await?;
+            let on_p50 = report["sdk_create_to_first_command_ms"]["p50"].as_f64();
+            let off_figure = off["sdk_create_to_first_command_ms"].clone();
+            if let (Some(on), Some(off)) = (on_p50, off_figure["p50"].as_f64()) {
+                report["sdk_create_networking_ratio"] = json!(on / off);
+            }
+            report["sdk_create_to_first_command_no_network_ms"] = off_figure;
+            report["sdk_detail"]["no_network"] = off;
+        }
+        Ok(report)
+    }
+
+    async fn measure_node(&self, network: bool, phases: Option<&str>) -> Result<Value> {
         let dir = tempfile::tempdir().context("creating the SDK bench directory")?;
         let script_path = dir.path().join("sdk_bench.py");
         write_scripts(dir.path())?;
@@ -66,7 +114,7 @@ impl SdkBench<'_> {
         let key = api_key()?;
         let url = format!("http://127.0.0.1:{port}");
 
-        let mut server = self.start_server(dir.path(), port, &key, &log_path)?;
+        let mut server = self.start_server(dir.path(), port, &key, &log_path, network)?;
         let server_pid = server.id().context("the server exited at once")?;
         eprintln!(
             "bench: sdk: sandfork serve (pid {server_pid}) at {url}, log {}",
@@ -75,7 +123,7 @@ impl SdkBench<'_> {
         let report_file = dir.path().join("report.json");
         let mut script = Command::new(self.python);
         script.arg(&script_path);
-        if let Some(phases) = self.phases {
+        if let Some(phases) = phases {
             script.arg("--phases").arg(phases);
         }
         let script = script
@@ -136,12 +184,23 @@ impl SdkBench<'_> {
         Ok(report)
     }
 
-    fn start_server(&self, dir: &Path, port: u16, key: &str, log: &Path) -> Result<Child> {
+    fn start_server(
+        &self,
+        dir: &Path,
+        port: u16,
+        key: &str,
+        log: &Path,
+        network: bool,
+    ) -> Result<Child> {
         let data = dir.join("data");
         let log = std::fs::File::create(log).context("creating the server log")?;
         let image = self.image;
-        Command::new(std::env::current_exe()?)
-            .arg("serve")
+        let mut serve = Command::new(std::env::current_exe()?);
+        serve.arg("serve");
+        if !network {
+            serve.arg("--no-network");
+        }
+        serve
             .arg("--listen")
             .arg(format!("127.0.0.1:{port}"))
             .arg("--data-dir")
@@ -360,6 +419,23 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_no_network_creates_are_a_phase_of_their_own() {
+        assert_eq!(split_phases(None), (None, true));
+        assert_eq!(
+            split_phases(Some("fork16,create_no_network")),
+            (Some("fork16".into()), true)
+        );
+        assert_eq!(
+            split_phases(Some("create_no_network")),
+            (Some(String::new()), true)
+        );
+        assert_eq!(
+            split_phases(Some("guest_tcp, fork16")),
+            (Some("guest_tcp,fork16".into()), false)
+        );
+    }
+
+    #[test]
     fn report_must_be_one_object() {
         let v = parse_report(br#"{"idle_sandbox_mib": 5.5}"#).unwrap();
         assert_eq!(v["idle_sandbox_mib"], 5.5);
@@ -475,7 +551,7 @@ mod tests {
 /// phase reports, and the density phase stops where the node refuses.
 #[cfg(test)]
 mod stand_in {
-    use super::{SDK_PHASES, write_scripts};
+    use super::write_scripts;
 
     /// `e2b` and `httpx` as far as the script uses them: the third sandbox
     /// created never answers; more than five alive at once are refused.
@@ -584,8 +660,12 @@ def request(method, url, **kw):
             // No VMM processes here: the node never "settles"; a warning.
             .args(["--settle-timeout", "1"])
             .args(["--sample-timeout", "2", "--density-max", "50"])
-            // the rl phase needs a real guest (its steps' answers are checked)
-            .args(["--phases", SDK_PHASES])
+            // Every phase but guest_tcp's, which needs a guest's network, and
+            // rl's, whose steps' answers are checked in a real guest.
+            .args([
+                "--phases",
+                "create_to_first_command,fork16,fork100,creates_concurrent,idle,density",
+            ])
             .arg("--report-file")
             .arg(&report_file)
             .env("PYTHONPATH", &lib)

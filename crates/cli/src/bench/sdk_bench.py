@@ -42,6 +42,58 @@ PYTHON_SDK_MAX_FORK = 20
 FORK_ANSWER_THREADS = 32
 # Sandfork's header on a fork's answer: how long the parent was stopped.
 PARENT_PAUSED_HEADER = "sandfork-parent-paused-ms"
+# guest_tcp: MiB each way per sample, samples, the guest's sink and source
+# ports (reached at the sandbox's slot host address, as the node reaches a
+# guest; the guest cannot open a connection to the node, which is always
+# denied to it).
+GUEST_TCP_MIB = 64
+GUEST_TCP_RUNS = 3
+GUEST_TCP_SINK, GUEST_TCP_SOURCE = 5301, 5302
+# Run in the guest: the sink reads a connection to its end and answers the
+# byte count; the source sends MiB after a request byte (a probe that sends
+# nothing gets nothing).
+GUEST_TCP_SERVER = """
+import socket, sys, threading
+
+MIB, SINK, SOURCE = (int(a) for a in sys.argv[1:4])
+CHUNK = 1 << 20
+
+def listen(port):
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", port))
+    s.listen(4)
+    return s
+
+def sink(c):
+    n = 0
+    while True:
+        b = c.recv(CHUNK)
+        if not b:
+            break
+        n += len(b)
+    c.sendall(str(n).encode())
+
+def source(c):
+    if c.recv(1) == b"g":
+        block = b"\\0" * CHUNK
+        for _ in range(MIB):
+            c.sendall(block)
+
+def serve(listener, handle):
+    while True:
+        c, _ = listener.accept()
+        try:
+            handle(c)
+        except OSError:
+            pass
+        c.close()
+
+listeners = [(listen(SINK), sink), (listen(SOURCE), source)]
+for listener, handle in listeners:
+    threading.Thread(target=serve, args=(listener, handle), daemon=True).start()
+threading.Event().wait()
+"""
 
 
 def log(msg):
@@ -425,6 +477,7 @@ class Bench:
 
         counts = [int(x) for x in self.args.rl_counts.split(",")]
         steps = [int(x) for x in self.args.rl_steps.split(",")]
+
         def progress(cases):
             self.report["rl"] = {"cases": cases, "partial": True}
             save_report(self.args.report_file, self.report)
@@ -440,6 +493,86 @@ class Bench:
         )
         figures = bench.measure()
         return {"rl": figures}, {"cases": len(figures["cases"])}
+
+    def guest_tcp(self):
+        """TCP through a sandbox's network slot (tap, virtio-net, the slot's
+        NAT, its veth), both ways: the node's side connects to the guest's
+        sink and source at the slot's host address."""
+        import socket
+
+        sbx = bounded(self.create, self.sample_timeout(), "guest_tcp's sandbox")
+        try:
+            sbx.files.write("/tmp/tcp_bench.py", GUEST_TCP_SERVER)
+            sbx.commands.run(
+                f"python3 /tmp/tcp_bench.py {GUEST_TCP_MIB} {GUEST_TCP_SINK} {GUEST_TCP_SOURCE}",
+                background=True,
+                timeout=0,
+            )
+            # Its slot: the one routed slot address whose guest listens.
+            deadline = time.monotonic() + 60
+            addr = None
+            while addr is None and time.monotonic() < deadline:
+                for ip in slot_host_ips():
+                    try:
+                        socket.create_connection((ip, GUEST_TCP_SOURCE), timeout=2).close()
+                        addr = ip
+                        break
+                    except OSError:
+                        pass
+                else:
+                    time.sleep(0.5)
+            if addr is None:
+                raise RuntimeError("the guest's TCP server answered at no slot address")
+            size = GUEST_TCP_MIB << 20
+            block = b"\0" * (1 << 20)
+
+            def to_guest():
+                with socket.create_connection((addr, GUEST_TCP_SINK), timeout=120) as c:
+                    t0 = time.perf_counter()
+                    for _ in range(GUEST_TCP_MIB):
+                        c.sendall(block)
+                    c.shutdown(socket.SHUT_WR)
+                    got = int(c.recv(64) or b"0")
+                    took = time.perf_counter() - t0
+                if got != size:
+                    raise RuntimeError(f"the guest received {got} of {size} bytes")
+                return GUEST_TCP_MIB / took
+
+            def from_guest():
+                with socket.create_connection((addr, GUEST_TCP_SOURCE), timeout=120) as c:
+                    t0 = time.perf_counter()
+                    c.sendall(b"g")
+                    got = 0
+                    while True:
+                        b = c.recv(1 << 20)
+                        if not b:
+                            break
+                        got += len(b)
+                    took = time.perf_counter() - t0
+                if got != size:
+                    raise RuntimeError(f"the node received {got} of {size} bytes")
+                return GUEST_TCP_MIB / took
+
+            runs = {"host_to_guest": [], "guest_to_host": []}
+            for i in range(GUEST_TCP_RUNS):
+                runs["host_to_guest"].append(to_guest())
+                runs["guest_to_host"].append(from_guest())
+                log(
+                    f"guest_tcp {i + 1}/{GUEST_TCP_RUNS}: to the guest"
+                    f" {runs['host_to_guest'][-1]:.1f} MiB/s, from it"
+                    f" {runs['guest_to_host'][-1]:.1f} MiB/s"
+                )
+        finally:
+            self.kill(sbx)
+        figures = {
+            f"guest_tcp_{way}_mib_s": round(percentile(v, 50), 2) for way, v in runs.items()
+        }
+        return figures, {
+            "mib_per_sample": GUEST_TCP_MIB,
+            "samples_mib_s": {k: [round(x, 2) for x in v] for k, v in runs.items()},
+            "slot_host_ip": addr,
+            "path": "node socket -> slot veth -> DNAT -> tap -> virtio-net -> guest python socket",
+        }
 
     def creates_concurrent(self):
         total, workers = self.args.creates, CONCURRENCY
@@ -608,6 +741,11 @@ class Bench:
             ("create_to_first_command", self.create_to_first_command, ["sdk_create_to_first_command_ms"]),
             ("fork16", self.fork, [f"sdk_fork{self.args.fork_count}_ms"]),
             ("fork100", self.fork100, ["sdk_fork100_ms", "fork_parent_pause_ms"]),
+            (
+                "guest_tcp",
+                self.guest_tcp,
+                ["guest_tcp_guest_to_host_mib_s", "guest_tcp_host_to_guest_mib_s"],
+            ),
             ("creates_concurrent", self.creates_concurrent, ["sdk_creates_per_s_4way"]),
             ("idle", self.idle_memory, ["idle_sandbox_mib", "idle_sandboxes_per_24gib"]),
         ]
@@ -634,6 +772,24 @@ class Bench:
                 self.cleanup()
             save()
         return report
+
+
+def slot_host_ips():
+    """The node's routes to its network slots' host addresses (each via a
+    slot veth `sfv-<i>`)."""
+    import subprocess
+
+    out = subprocess.run(
+        ["ip", "-4", "-o", "route"], capture_output=True, text=True, check=False
+    ).stdout
+    ips = []
+    for line in out.splitlines():
+        words = line.split()
+        if "dev" in words and words[words.index("dev") + 1].startswith("sfv-"):
+            dest = words[0]
+            if "/" not in dest:
+                ips.append(dest)
+    return ips
 
 
 def _sdk_version():

@@ -13,6 +13,7 @@ use sandfork_network::EgressPolicy;
 use super::sandboxes::{check_id, parse_body};
 use super::{ApiError, Shared};
 use crate::net::SandboxNetwork;
+use crate::proxy::{Ingress, IngressError};
 use crate::store::SandboxRecord;
 
 /// `SandboxNetworkConfig` as the SDKs send it (camelCase).
@@ -75,7 +76,7 @@ fn resolve(
         allow_out,
         deny_out,
         policy,
-        slot: None,
+        ..SandboxNetwork::default()
     })
 }
 
@@ -91,19 +92,20 @@ pub(super) fn from_create(
         ("dnsServers", &n.dns_servers),
         ("httpsPorts", &n.https_ports),
     ])?;
-    // Public URLs behind a traffic token need the token's check in the
-    // proxy; a private sandbox must not be served openly meanwhile.
-    if n.allow_public_traffic == Some(false) {
-        return Err(unsupported("allowPublicTraffic=false"));
-    }
-    if n.mask_request_host.is_some() {
-        return Err(unsupported("maskRequestHost"));
-    }
-    resolve(
+    let ingress =
+        Ingress::new(n.allow_public_traffic, n.mask_request_host).map_err(|e| match e {
+            IngressError::Token(_) => {
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+            }
+            _ => ApiError::bad_request(e.to_string()),
+        })?;
+    let mut network = resolve(
         allow_internet_access,
         n.allow_out.unwrap_or_default(),
         n.deny_out.unwrap_or_default(),
-    )
+    )?;
+    network.ingress = ingress;
+    Ok(network)
 }
 
 /// `allowInternetAccess` and `network` of the sandbox detail.
@@ -113,8 +115,12 @@ pub(super) fn detail(r: &SandboxRecord, v: &mut Value) {
     v["network"] = json!({
         "allowOut": n.allow_out,
         "denyOut": n.deny_out,
-        "allowPublicTraffic": true,
+        // Not set at create: public, the default.
+        "allowPublicTraffic": n.ingress.allow_public_traffic.unwrap_or(true),
     });
+    if let Some(mask) = &n.ingress.mask_request_host {
+        v["network"]["maskRequestHost"] = json!(mask);
+    }
 }
 
 pub async fn update(
@@ -165,8 +171,10 @@ mod tests {
                 r#"{"allowOut":["example.com"],"denyOut":["0.0.0.0/0"]}"#,
                 "egress proxy",
             ),
-            (r#"{"allowPublicTraffic":false}"#, "allowPublicTraffic"),
-            (r#"{"maskRequestHost":"${PORT}-x"}"#, "maskRequestHost"),
+            (
+                r#"{"maskRequestHost":"a:b:c"}"#,
+                "mask request host is not valid",
+            ),
             (r#"{"rules":{"a.com":[]}}"#, "rules"),
             (r#"{"egressProxy":{"address":"x"}}"#, "egressProxy"),
         ];
@@ -176,6 +184,46 @@ mod tests {
             assert!(e.message.contains(says), "{json}: {}", e.message);
         }
         // What E2B's SDKs send when the caller gave nothing.
-        assert!(from_create(None, Some(body(r#"{"allowPublicTraffic":true}"#))).is_ok());
+        let public = from_create(None, Some(body(r#"{"allowPublicTraffic":true}"#))).unwrap();
+        assert_eq!(public.ingress.traffic_access_token, None);
+    }
+
+    #[test]
+    fn a_private_sandbox_has_a_token_and_its_detail_says_what_was_asked() {
+        let n = from_create(
+            None,
+            Some(body(
+                r#"{"allowPublicTraffic":false,"maskRequestHost":"${PORT}-app.test"}"#,
+            )),
+        )
+        .unwrap();
+        assert!(n.ingress.traffic_access_token.is_some());
+        let record = SandboxRecord {
+            network: n,
+            ..SandboxRecord::default()
+        };
+        let mut v = json!({});
+        detail(&record, &mut v);
+        assert_eq!(v["allowInternetAccess"], Value::Null);
+        assert_eq!(
+            v["network"],
+            json!({"allowOut": [], "denyOut": [], "allowPublicTraffic": false,
+                   "maskRequestHost": "${PORT}-app.test"})
+        );
+        // The token is the Sandbox object's, never the detail's.
+        assert!(
+            !v.to_string().contains(
+                record
+                    .network
+                    .ingress
+                    .traffic_access_token
+                    .as_deref()
+                    .unwrap()
+            )
+        );
+        let mut v = json!({});
+        detail(&SandboxRecord::default(), &mut v);
+        assert_eq!(v["network"]["allowPublicTraffic"], true);
+        assert_eq!(v["network"].get("maskRequestHost"), None);
     }
 }

@@ -86,7 +86,7 @@ pub fn sandbox_json(r: &SandboxRecord) -> Value {
         "clientID": CLIENT_ID,
         "envdVersion": envd_proto::ENVD_VERSION,
         "envdAccessToken": r.access_token,
-        "trafficAccessToken": null,
+        "trafficAccessToken": r.network.ingress.traffic_access_token,
         "domain": null,
     })
 }

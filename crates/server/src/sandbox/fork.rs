@@ -16,6 +16,7 @@ use crate::capacity::{Ask, Reservation};
 use crate::clock::now_ms;
 use crate::ids;
 use crate::launch::{Guest, Plan, Ready, Taken};
+use crate::net::SandboxNetwork;
 use crate::store::{SandboxRecord, SandboxState};
 
 /// The layer a fork answer says drive `drive` of the forked VM writes to now.
@@ -204,6 +205,17 @@ impl Manager {
                 Some(_) => Some(ids::token().map_err(io("generating an access token"))?),
                 None => None,
             };
+            // Its own traffic token when the parent is private (E2B's is
+            // derived from the sandbox id).
+            let network = SandboxNetwork {
+                ingress: parent
+                    .network
+                    .ingress
+                    .for_child()
+                    .map_err(io("generating a traffic access token"))?,
+                ..parent.network.clone()
+            };
+            let ingress = network.ingress.clone();
             let mut init = AgentInit::after_restore()?;
             init.access_token = access_token.clone();
             let root = restore
@@ -244,11 +256,12 @@ impl Manager {
                         .chain([dir.clone()])
                         .collect(),
                     vmm_dir: Some(launched.vm.dir().to_owned()),
+                    network,
                     // and the parent's `uses_snapshots`: its memory is below this fork's
                     ..parent.clone()
                 }
             };
-            self.start_sandbox(Some(vmm), plan, record, access_token.clone(), &id)
+            self.start_sandbox(Some(vmm), plan, record, access_token.clone(), ingress, &id)
                 .await
         }
         .await;

@@ -211,6 +211,17 @@ impl Manager {
                 Some(_) => Some(ids::token().map_err(io("generating an access token"))?),
                 None => None,
             };
+            // Its own traffic token when the parent is private (E2B's is
+            // derived from the sandbox id).
+            let network = SandboxNetwork {
+                ingress: parent
+                    .network
+                    .ingress
+                    .for_child()
+                    .map_err(io("generating a traffic access token"))?,
+                ..parent.network.clone()
+            };
+            let ingress = network.ingress.clone();
             let mut init = AgentInit::after_restore()?;
             init.access_token = access_token.clone();
             let plan = Plan {
@@ -246,11 +257,12 @@ impl Manager {
                         .chain([dir.clone()])
                         .collect(),
                     vmm_dir: Some(launched.vm.dir().to_owned()),
+                    network,
                     // and the parent's `uses_snapshots`: its pauses stack on them
                     ..parent.clone()
                 }
             };
-            self.start_sandbox(None, plan, record, access_token.clone(), &id)
+            self.start_sandbox(None, plan, record, access_token.clone(), ingress, &id)
                 .await
         }
         .await;

@@ -19,6 +19,7 @@ use vmm_driver::process::VmmProbe;
 use super::SandboxError;
 use super::observe::Observed;
 use crate::launch::Launched;
+use crate::proxy::Ingress;
 
 /// Where a sandbox is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,6 +99,9 @@ pub struct Sandbox {
     pub id: String,
     /// The envd access token (fixed for the sandbox's life).
     pub token: Option<String>,
+    /// What the port proxy demands of requests to its guest's own ports
+    /// (fixed for the sandbox's life).
+    pub ingress: Ingress,
     status: Mutex<Status>,
     /// The running guest; held for the whole of a change.
     pub guest: tokio::sync::Mutex<Option<Launched>>,
@@ -113,15 +117,26 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Sandbox {
-    pub fn new(id: String, token: Option<String>, phase: Phase) -> Arc<Sandbox> {
+    pub fn new(id: String, token: Option<String>, ingress: Ingress, phase: Phase) -> Arc<Sandbox> {
         Arc::new(Sandbox {
             id,
             token,
+            ingress,
             status: Mutex::new(Status { phase, probe: None }),
             guest: tokio::sync::Mutex::new(None),
             observed: Mutex::new(Observed::default()),
             unresponsive: tokio::sync::watch::Sender::new(false),
         })
+    }
+
+    /// The sandbox `record` describes, in `phase`.
+    pub fn of_record(record: &crate::store::SandboxRecord, phase: Phase) -> Arc<Sandbox> {
+        Sandbox::new(
+            record.id.clone(),
+            record.access_token.clone(),
+            record.network.ingress.clone(),
+            phase,
+        )
     }
 
     pub fn phase(&self) -> Phase {
@@ -281,10 +296,21 @@ mod tests {
         assert!(r.insert(Sandbox::new(
             "a".into(),
             Some("tok-a".into()),
+            Ingress::default(),
             Phase::Running
         )));
-        assert!(!r.insert(Sandbox::new("a".into(), None, Phase::Running)));
-        assert!(r.insert(Sandbox::new("b".into(), None, Phase::Running)));
+        assert!(!r.insert(Sandbox::new(
+            "a".into(),
+            None,
+            Ingress::default(),
+            Phase::Running
+        )));
+        assert!(r.insert(Sandbox::new(
+            "b".into(),
+            None,
+            Ingress::default(),
+            Phase::Running
+        )));
         assert_eq!(r.by_token("tok-a").map(|s| s.id.clone()), Some("a".into()));
         assert!(r.by_token("tok-").is_none() && r.by_token("").is_none());
         r.remove("a");

@@ -37,8 +37,10 @@ impl Manager {
         }
         self.store
             .update_sandbox(id, |s| {
+                // Ingress is the create's alone (E2B's update has no such field).
                 s.network = SandboxNetwork {
                     slot: s.network.slot,
+                    ingress: std::mem::take(&mut s.network.ingress),
                     ..network
                 };
             })?

@@ -71,7 +71,7 @@ impl Manager {
                 continue;
             }
             if r.state == SandboxState::Paused {
-                let sandbox = Sandbox::new(r.id.clone(), r.access_token.clone(), Phase::Paused);
+                let sandbox = Sandbox::of_record(&r, Phase::Paused);
                 self.registry().insert(sandbox);
                 continue;
             }
@@ -82,8 +82,7 @@ impl Manager {
                     let hold = self
                         .capacity
                         .hold(Ask::sandbox(u64::from(r.cpu_count), r.memory_mb));
-                    let sandbox =
-                        Sandbox::new(r.id.clone(), r.access_token.clone(), Phase::Starting);
+                    let sandbox = Sandbox::of_record(&r, Phase::Starting);
                     let mut guest = sandbox.guest.lock().await;
                     // Its network slot was adopted with the pool (if still there).
                     let lease = r

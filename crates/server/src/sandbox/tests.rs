@@ -295,7 +295,7 @@ async fn run_vmm(m: &Arc<Manager>, data: &std::path::Path, id: &str) -> VmmProbe
         .capacity()
         .reserve(crate::capacity::Ask::sandbox(1, 128), "a test")
         .unwrap();
-    let sandbox = Sandbox::new(id.into(), None, Phase::Starting);
+    let sandbox = Sandbox::new(id.into(), None, Default::default(), Phase::Starting);
     let mut guest = sandbox.guest.lock().await;
     m.run_guest(&sandbox, &mut guest, Launched::adopted(vm, hold))
         .unwrap();

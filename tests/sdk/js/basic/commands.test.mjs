@@ -158,11 +158,11 @@ describe('pty reconnect', SLOW, () => {
 // GET `path` from the node with `host` as the Host header: getHost names
 // E2B's domain, and the node routes by the Host header as E2B's proxy does.
 // (fetch may not set Host; node:http may.)
-function getVia(host, path) {
+function getVia(host, path, headers = {}) {
   const node = new URL(process.env.E2B_SANDBOX_URL)
   return new Promise((resolve, reject) => {
     const req = http.request(
-      { hostname: node.hostname, port: node.port, path, headers: { host } },
+      { hostname: node.hostname, port: node.port, path, headers: { host, ...headers } },
       (res) => {
         let body = ''
         res.setEncoding('utf8')
@@ -194,6 +194,36 @@ describe('ports', SLOW, () => {
       assert.match(JSON.parse(closed.body).message, /port is not open/)
     } finally {
       await server.kill()
+    }
+  })
+
+  test('a private sandbox answers only with its traffic token', async () => {
+    assert.equal(sbx.trafficAccessToken, undefined)
+    const priv = await create({ network: { allowPublicTraffic: false } })
+    try {
+      const token = priv.trafficAccessToken
+      assert.ok(token, 'a private sandbox has a traffic access token')
+      await priv.files.write('/tmp/www-js/index.html', 'private\n')
+      const server = await priv.commands.run(
+        'python3 -m http.server 8090 --directory /tmp/www-js',
+        { background: true },
+      )
+      const host = priv.getHost(8090)
+      const page = await waitUntil(async () => {
+        const r = await getVia(host, '/index.html', { 'e2b-traffic-access-token': token }).catch(
+          () => null,
+        )
+        return r?.status === 200 ? r : null
+      }, "the private sandbox's server")
+      assert.equal(page.body, 'private\n')
+      const without = await getVia(host, '/index.html')
+      assert.equal(without.status, 403)
+      assert.match(JSON.parse(without.body).message, /is missing/)
+      const info = await priv.getInfo()
+      assert.equal(info.network.allowPublicTraffic, false)
+      await server.kill()
+    } finally {
+      await priv.kill()
     }
   })
 })

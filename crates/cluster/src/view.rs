@@ -1,0 +1,167 @@
+//! A live copy of the cluster's nodes and sandbox map, kept by one etcd
+//! watch, so a gateway routes a request without asking etcd each time.
+//!
+//! It loads everything under [`keyspace::PREFIX`] at one revision, then
+//! applies the watch's events from the next revision on. While it is not in
+//! step (starting, or after the watch broke, until it has loaded again) it
+//! answers "unknown" and callers ask etcd directly; callers also ask etcd
+//! on a miss, since a claim made a moment ago through another gateway may
+//! not have reached this watch yet.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use etcd_client::{EventType, GetOptions, KeyValue, WatchOptions};
+use tokio::task::JoinHandle;
+
+use crate::keyspace::{self, NodeRecord, SandboxRoute};
+use crate::{Cluster, ClusterError, Versioned};
+
+/// A watch quiet this long is replaced by a fresh load and watch (a member
+/// cut off without a reset would otherwise hold it forever).
+const QUIET_LIMIT: Duration = Duration::from_secs(60);
+/// Pause before loading again after etcd failed.
+const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+#[derive(Default)]
+struct State {
+    in_step: bool,
+    nodes: BTreeMap<String, NodeRecord>,
+    sandboxes: HashMap<String, Versioned<SandboxRoute>>,
+}
+
+/// The watch's copy; dropping the last handle stops its task.
+pub struct View {
+    state: Arc<RwLock<State>>,
+    task: JoinHandle<()>,
+}
+
+impl View {
+    /// Starts loading and watching in a task of the current runtime.
+    pub fn start(cluster: Cluster) -> View {
+        let state = Arc::new(RwLock::new(State::default()));
+        let task = tokio::spawn(keep(cluster, state.clone()));
+        View { state, task }
+    }
+
+    /// The registered nodes, by ID; None while the copy is not in step.
+    pub fn nodes(&self) -> Option<Vec<NodeRecord>> {
+        let state = self.read();
+        state
+            .in_step
+            .then(|| state.nodes.values().cloned().collect())
+    }
+
+    /// `id`'s route if the copy has it; None if it has not, or is not in
+    /// step (ask etcd then).
+    pub fn sandbox(&self, id: &str) -> Option<Versioned<SandboxRoute>> {
+        let state = self.read();
+        state.in_step.then(|| state.sandboxes.get(id).cloned())?
+    }
+
+    /// Whether the copy follows etcd now.
+    pub fn in_step(&self) -> bool {
+        self.read().in_step
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, State> {
+        self.state.read().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Drop for View {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn keep(cluster: Cluster, state: Arc<RwLock<State>>) {
+    loop {
+        if let Err(e) = follow(&cluster, &state).await {
+            tracing::warn!("cluster view: {e}; loading again");
+        }
+        state.write().unwrap_or_else(|p| p.into_inner()).in_step = false;
+        tokio::time::sleep(RETRY_AFTER).await;
+    }
+}
+
+/// Loads the keyspace, then applies its changes until the watch ends.
+async fn follow(cluster: &Cluster, state: &RwLock<State>) -> Result<(), ClusterError> {
+    let mut client = cluster.client();
+    let loaded = client
+        .get(keyspace::PREFIX, Some(GetOptions::new().with_prefix()))
+        .await?;
+    let revision = loaded.header().map_or(0, |h| h.revision());
+    let mut fresh = State {
+        in_step: true,
+        ..State::default()
+    };
+    for kv in loaded.kvs() {
+        put(&mut fresh, kv);
+    }
+    *state.write().unwrap_or_else(|p| p.into_inner()) = fresh;
+
+    let options = WatchOptions::new()
+        .with_prefix()
+        .with_start_revision(revision + 1);
+    let mut stream = client.watch(keyspace::PREFIX, Some(options)).await?;
+    loop {
+        let message = match tokio::time::timeout(QUIET_LIMIT, stream.message()).await {
+            Ok(message) => message?,
+            Err(_) => return Ok(()),
+        };
+        let Some(response) = message else {
+            return Ok(());
+        };
+        if response.canceled() {
+            tracing::warn!(
+                "cluster view: watch cancelled: {}",
+                response.cancel_reason()
+            );
+            return Ok(());
+        }
+        let mut state = state.write().unwrap_or_else(|p| p.into_inner());
+        for event in response.events() {
+            let Some(kv) = event.kv() else { continue };
+            match event.event_type() {
+                EventType::Put => put(&mut state, kv),
+                EventType::Delete => delete(&mut state, kv.key()),
+            }
+        }
+    }
+}
+
+fn put(state: &mut State, kv: &KeyValue) {
+    let key = String::from_utf8_lossy(kv.key());
+    if let Some(id) = keyspace::sandbox_id(kv.key()) {
+        match serde_json::from_slice::<SandboxRoute>(kv.value()) {
+            Ok(value) => {
+                let route = Versioned {
+                    value,
+                    mod_revision: kv.mod_revision(),
+                };
+                state.sandboxes.insert(id.to_owned(), route);
+            }
+            Err(e) => tracing::warn!("cluster view: {key}: {e}"),
+        }
+    } else if let Some(node_id) = key.strip_prefix(keyspace::NODES) {
+        match serde_json::from_slice::<NodeRecord>(kv.value()) {
+            Ok(record) => {
+                state.nodes.insert(node_id.to_owned(), record);
+            }
+            Err(e) => tracing::warn!("cluster view: {key}: {e}"),
+        }
+    }
+}
+
+fn delete(state: &mut State, key: &[u8]) {
+    if let Some(id) = keyspace::sandbox_id(key) {
+        state.sandboxes.remove(id);
+    } else if let Some(node_id) = std::str::from_utf8(key)
+        .ok()
+        .and_then(|k| k.strip_prefix(keyspace::NODES))
+    {
+        state.nodes.remove(node_id);
+    }
+}
