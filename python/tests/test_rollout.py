@@ -90,7 +90,8 @@ async def test_tree_grpo_returns_to_kept_nodes(no_leaks, keep):
         return Action(f"echo {inp.rng.randrange(1000)} >> /tmp/s; wc -l < /tmp/s")
 
     def reward(ctx):
-        return Reward(float(ctx.stdout.strip() or 0), terminated=ctx.state.steps >= 2)
+        # ctx.state.steps counts the steps before this one: the second ends it
+        return Reward(float(ctx.stdout.strip() or 0), terminated=ctx.state.steps >= 1)
 
     schedule = TreeGRPOSchedule(trees=2, rounds=1, nodes=1, width=2, keep=keep)
     runner = BranchingRunner(
