@@ -13,6 +13,7 @@ from sandfork import (
     Reward,
     SandboxEnv,
     TrajectoryTree,
+    TreeGRPOSchedule,
 )
 
 pytestmark = pytest.mark.node
@@ -74,3 +75,43 @@ async def test_runner_tree_groups_and_jsonl(no_leaks):
     back = TrajectoryTree.from_jsonl(buf.getvalue().splitlines())
     assert [n.id for n in back.nodes()] == [n.id for n in tree.nodes()]
     assert live_ids() == []  # every sandbox killed at once
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("keep", ["auto", "suspend"])
+async def test_tree_grpo_returns_to_kept_nodes(no_leaks, keep):
+    """Two trees of a two-step chain; one round expands one node of each
+    into two new branches, from the node's kept state: a checkpoint
+    (``auto`` on a sandfork node) or a suspended fork child."""
+
+    async def policy(inp):
+        if inp.node.step == 0:
+            return "echo base > /tmp/s; wc -l < /tmp/s"
+        return Action(f"echo {inp.rng.randrange(1000)} >> /tmp/s; wc -l < /tmp/s")
+
+    def reward(ctx):
+        # ctx.state.steps counts the steps before this one: the second ends it
+        return Reward(float(ctx.stdout.strip() or 0), terminated=ctx.state.steps >= 1)
+
+    schedule = TreeGRPOSchedule(trees=2, rounds=1, nodes=1, width=2, keep=keep)
+    runner = BranchingRunner(
+        policy,
+        lambda: SandboxEnv(template=TEMPLATE, metadata=RUN_META, reward_fn=reward),
+        schedule,
+        max_live=4,
+        max_steps=4,
+    )
+    tree = await runner.run("tree search", seed=5)
+    s = runner.stats
+    assert (s.kept, s.expanded, s.fork_failures) == (2, 2, 0), s
+    trees = tree.root.children
+    assert [t.id for t in trees] == ["r/0", "r/1"]
+    for t in trees:
+        # the chain's first step, then its own second step and two new ones
+        assert t.observation == "1\n"
+        assert [c.path[-1] for c in t.children] == [0, 1, 2]
+        # every branch continued from the kept state: one line more
+        assert all(c.observation == "2\n" and c.error is None for c in t.children)
+    group = tree.tree_grpo_group()
+    assert len(group) == 6 and {x.uid for x in group} == {"r"}
+    assert live_ids() == []  # kept states and branches all gone

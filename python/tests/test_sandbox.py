@@ -1,5 +1,7 @@
 """sandfork.Sandbox and AsyncSandbox against a real node."""
 
+from dataclasses import replace
+
 import pytest
 from conftest import RUN_META, TEMPLATE
 from e2b import SandboxState
@@ -17,6 +19,8 @@ def test_fork_all_lineage_and_reseed(no_leaks):
         caps = parent.capabilities()
         assert (caps.fork, caps.snapshot, caps.fork_from_snapshot) == (True, True, True)
         assert caps.strategy == "fork" and 1 <= caps.max_fork_count <= 20
+        # from the node's own list (GET /v1/node), paused forks included
+        assert caps.source == "node" and caps.fork_paused
         parent.files.write("/home/user/origin.txt", "parent state")
         proc = parent.commands.run(COUNTER, background=True, timeout=0)
         kids = parent.fork_all(2, timeout=600)
@@ -97,6 +101,16 @@ async def test_checkpoint_suspend_resume_and_replay(no_leaks):
             await k.commands.run(f"echo kid{i} > /home/user/state.txt")
         for i, k in enumerate(kids):
             assert (await k.files.read("/home/user/state.txt")) == f"kid{i}\n"
+        assert (await AsyncSandbox.get_info(sbx.sandbox_id)).state == SandboxState.PAUSED
+
+        # where a node cannot fork a paused sandbox: resumed, forked, paused again
+        caps = await kids[0].capabilities()
+        (copy,) = await AsyncSandbox.branch_suspended(
+            sbx.sandbox_id, 1, capabilities=replace(caps, fork_paused=False), timeout=600
+        )
+        made.append(copy)
+        assert (await copy.files.read("/home/user/state.txt")) == "v2\n"
+        assert copy.lineage.parent_id == sbx.sandbox_id
         assert (await AsyncSandbox.get_info(sbx.sandbox_id)).state == SandboxState.PAUSED
 
         back = await AsyncSandbox.resume(sbx.sandbox_id, timeout=600)

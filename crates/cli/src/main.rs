@@ -88,8 +88,10 @@ enum Command {
         /// A Firecracker binary to measure on the same kernel and image.
         #[arg(long, env = "SANDFORK_FIRECRACKER")]
         firecracker: Option<PathBuf>,
-        /// Measure only one part: `vmm` (the VMM's figures) or `sdk` (the
-        /// node's, through the E2B SDK against `sandfork serve`).
+        /// Measure only one part: `vmm` (the VMM's figures), `sdk` (the
+        /// node's, through the E2B SDK against `sandfork serve`) or `rl`
+        /// (branching a stateful episode N ways at step k: fork vs snapshot
+        /// and creates vs creates and a replay; the `rl` JSON object).
         #[arg(long, value_enum)]
         only: Option<bench::Part>,
         /// Leave out the E2B SDK figures.
@@ -118,10 +120,21 @@ enum Command {
         density_max: usize,
         /// Only these SDK phases, comma-separated: create_to_first_command,
         /// fork16, fork100, guest_tcp, creates_concurrent, creates_concurrent16,
-        /// idle, density, create_no_network (the creates again on a second node
-        /// started with --no-network) [default: all].
+        /// idle, rl, density, create_no_network (the creates again on a second
+        /// node started with --no-network) [default: all; `--only sdk` all but rl].
         #[arg(long, value_name = "LIST")]
         sdk_phases: Option<String>,
+        /// The rl part: children per branch (N), comma-separated.
+        #[arg(long, value_name = "LIST", default_value = "4,16")]
+        rl_counts: String,
+        /// The rl part: the steps of the episode to branch at (k),
+        /// comma-separated.
+        #[arg(long, value_name = "LIST", default_value = "1,8,32")]
+        rl_steps: String,
+        /// The rl part: start no new (N, k) case after this long; the cases
+        /// left are listed as not measured [default: 0, no bound].
+        #[arg(long, value_name = "SECS", default_value_t = 0)]
+        rl_budget: u64,
         /// The whole bench at most this long: a part still running then is
         /// abandoned and the report printed with what was measured.
         #[arg(long, value_name = "SECS", default_value_t = 10_800)]
@@ -327,12 +340,30 @@ fn run(cli: Cli) -> Result<ExitCode> {
             sample_timeout,
             density_max,
             sdk_phases,
+            rl_counts,
+            rl_steps,
+            rl_budget,
             timeout,
         } => {
             if runs == 0 || sdk_runs == 0 {
                 bail!("--runs and --sdk-runs must be at least 1");
             }
-            let vmm_part = only != Some(bench::Part::Sdk);
+            for list in [&rl_counts, &rl_steps] {
+                if list
+                    .split(',')
+                    .any(|x| x.trim().parse::<u32>().map_or(true, |v| v == 0))
+                {
+                    bail!("--rl-counts and --rl-steps are lists of positive numbers, not {list:?}");
+                }
+            }
+            let vmm_part = only.is_none() || only == Some(bench::Part::Vmm);
+            // `--only sdk` leaves out the rl phase, `--only rl` runs it alone.
+            let phases = match (only, sdk_phases) {
+                (Some(bench::Part::Rl), _) => Some("rl".to_owned()),
+                (_, Some(given)) => Some(given),
+                (Some(bench::Part::Sdk), None) => Some(bench::sdk::SDK_PHASES.to_owned()),
+                _ => None,
+            };
             // The SDK is installed here, before the lab: its root is read-only.
             let sdk_python = match !no_sdk && only != Some(bench::Part::Vmm) {
                 true if image.in_lab => Some(sdk_python.context("no --sdk-python in the lab")?),
@@ -372,7 +403,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     runs: sdk_runs,
                     sample_timeout: Duration::from_secs(sample_timeout),
                     density_max,
-                    phases: sdk_phases.as_deref(),
+                    phases: phases.as_deref(),
+                    rl_counts: &rl_counts,
+                    rl_steps: &rl_steps,
+                    rl_budget: Duration::from_secs(rl_budget),
                 }),
                 deadline: std::time::Instant::now() + Duration::from_secs(timeout),
             };

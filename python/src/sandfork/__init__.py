@@ -4,7 +4,8 @@
 fork trees (lineage, ``fork_all``, ``after_fork``, checkpoints, suspend and
 resume, capability fallbacks); ``SandboxEnv`` / ``SyncSandboxEnv`` are text
 environments on them; ``sandfork.rollout`` runs a policy over a tree of
-forks; ``sandfork.gym`` (extra ``gym``) is the Gymnasium wrapper.
+forks (fixed widths, Tree-GRPO's expansion, or a callback);
+``sandfork.gym`` (extra ``gym``) is the Gymnasium wrapper.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .rollout import (
     PolicyInput,
     Trajectory,
     TrajectoryTree,
+    TreeGRPOSchedule,
 )
 from .sandbox import Sandbox
 from .sandbox_async import AsyncSandbox
@@ -75,6 +77,7 @@ __all__ = [
     "Trajectory",
     "TrajectoryTree",
     "Transition",
+    "TreeGRPOSchedule",
     "__version__",
     "configure",
     "reseed",

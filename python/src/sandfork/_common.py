@@ -86,19 +86,26 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a node offers for branching, found by side-effect-free probes.
+    """What a node offers for branching.
 
     ``max_fork_count`` is the most children one fork call may ask for (the
     node's limit and the SDK's, whichever is lower). ``fork_from_snapshot``:
     the node forks a snapshot into N sandboxes in one call
-    (``POST /snapshots/{id}/fork``); a sandfork node that does also forks
-    paused sandboxes (``Sandbox.fork(paused_id, count=n)``).
+    (``POST /snapshots/{id}/fork``); ``fork_paused``: it forks a paused
+    sandbox, which stays paused (``Sandbox.fork(paused_id, count=n)``).
+
+    ``source`` says how they were found: ``"node"`` from the node's own
+    list (``GET /v1/node``'s ``features``, one request), ``"probe"`` from
+    side-effect-free requests to the routes (any E2B-compatible server; a
+    paused fork cannot be probed so, and counts as absent).
     """
 
     fork: bool
     snapshot: bool
     fork_from_snapshot: bool
     max_fork_count: int
+    fork_paused: bool = False
+    source: Literal["node", "probe"] = "probe"
 
     @property
     def strategy(self) -> Strategy:
@@ -109,6 +116,25 @@ class Capabilities:
         if self.snapshot:
             return "snapshot"
         return "replay"
+
+    @classmethod
+    def from_node_info(cls, info: Any) -> Capabilities | None:
+        """From ``GET /v1/node``'s answer: its ``features``, or ``None`` for a
+        node that does not list them."""
+        features = info.get("features") if isinstance(info, dict) else None
+        if not isinstance(features, dict):
+            return None
+        fork = features.get("fork") is True
+        limit = features.get("maxForkCount")
+        count = min(limit, SDK_MAX_FORK_COUNT) if isinstance(limit, int) else SDK_MAX_FORK_COUNT
+        return cls(
+            fork=fork,
+            snapshot=features.get("snapshots") is True,
+            fork_from_snapshot=features.get("forkSnapshot") is True,
+            max_fork_count=max(0, count) if fork else 0,
+            fork_paused=features.get("forkPaused") is True,
+            source="node",
+        )
 
 
 # The node validates a fork's count before it looks the sandbox up (as E2B
@@ -132,6 +158,15 @@ def _fork_limit(resp: httpx.Response) -> int:
     return min(int(m.group(1)), SDK_MAX_FORK_COUNT) if m else SDK_MAX_FORK_COUNT
 
 
+def _from_node(resp: httpx.Response) -> Capabilities | None:
+    if resp.status_code != 200:
+        return None
+    try:
+        return Capabilities.from_node_info(resp.json())
+    except ValueError:
+        return None
+
+
 def _capabilities(
     fork: httpx.Response, too_many: httpx.Response, snaps: httpx.Response, snap_fork: httpx.Response
 ) -> Capabilities:
@@ -144,26 +179,33 @@ def _capabilities(
     )
 
 
+#: The probes: (method, path, body or query), in ``_capabilities``' order.
+_PROBES: list[tuple[str, str, dict[str, Any]]] = [
+    ("POST", f"/sandboxes/{_PROBE_ID}/fork", {"json": {"count": 0}}),
+    ("POST", f"/sandboxes/{_PROBE_ID}/fork", {"json": {"count": 1_000_000}}),
+    ("GET", "/snapshots", {"params": {"limit": 1}}),
+    ("POST", f"/snapshots/{_PROBE_ID}/fork", {"json": {"count": 0}}),
+]
+_NODE_INFO = "/v1/node"
+
+
 def probe_capabilities(config: ConnectionConfig) -> Capabilities:
+    """The node's own list when it has one, else the probes."""
     base, headers = _probe_requests(config)
     with httpx.Client(base_url=base, headers=headers, timeout=30) as c:
-        return _capabilities(
-            c.post(f"/sandboxes/{_PROBE_ID}/fork", json={"count": 0}),
-            c.post(f"/sandboxes/{_PROBE_ID}/fork", json={"count": 1_000_000}),
-            c.get("/snapshots", params={"limit": 1}),
-            c.post(f"/snapshots/{_PROBE_ID}/fork", json={"count": 0}),
-        )
+        found = _from_node(c.get(_NODE_INFO))
+        if found is not None:
+            return found
+        return _capabilities(*(c.request(m, path, **kw) for m, path, kw in _PROBES))
 
 
 async def probe_capabilities_async(config: ConnectionConfig) -> Capabilities:
     base, headers = _probe_requests(config)
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=30) as c:
-        return _capabilities(
-            await c.post(f"/sandboxes/{_PROBE_ID}/fork", json={"count": 0}),
-            await c.post(f"/sandboxes/{_PROBE_ID}/fork", json={"count": 1_000_000}),
-            await c.get("/snapshots", params={"limit": 1}),
-            await c.post(f"/snapshots/{_PROBE_ID}/fork", json={"count": 0}),
-        )
+        found = _from_node(await c.get(_NODE_INFO))
+        if found is not None:
+            return found
+        return _capabilities(*[await c.request(m, path, **kw) for m, path, kw in _PROBES])
 
 
 def snapshot_fork_request(

@@ -176,8 +176,8 @@ class _EnvBase:
         info = {"exit_code": code, "timed_out": timed_out, "step": st.steps, **r.info}
         return StepResult(obs, r.value, r.terminated, truncated, info)
 
-    def _child_state(self, seed: int) -> EpisodeState:
-        st = self.state.copy()
+    def _adopted_state(self, state: EpisodeState, seed: int) -> EpisodeState:
+        st = state.copy()
         if self.config.reseed:
             st.seed = seed
         return st
@@ -256,9 +256,16 @@ class SandboxEnv(_EnvBase):
         return [self._child(c) for c in children]
 
     def _child(self, sbx: AsyncSandbox) -> SandboxEnv:
-        env = SandboxEnv(self.config)
-        env.sandbox = sbx
-        env.state = self._child_state(sbx.lineage.seed)
+        return SandboxEnv.attach(sbx, self.state, self.config)
+
+    @classmethod
+    def attach(cls, sandbox: AsyncSandbox, state: EpisodeState, config: EnvConfig) -> SandboxEnv:
+        """An environment on ``sandbox`` (a copy of the one that was at
+        ``state``: a fork child, a sandbox from a checkpoint) with a copy of
+        ``state``, its seed the sandbox's unless ``config.reseed`` is off."""
+        env = cls(config)
+        env.sandbox = sandbox
+        env.state = env._adopted_state(state, sandbox.lineage.seed)
         env.rng = random.Random(env.state.seed)
         return env
 
@@ -361,9 +368,14 @@ class SyncSandboxEnv(_EnvBase):
         return [self._child(c) for c in children]
 
     def _child(self, sbx: Sandbox) -> SyncSandboxEnv:
-        env = SyncSandboxEnv(self.config)
-        env.sandbox = sbx
-        env.state = self._child_state(sbx.lineage.seed)
+        return SyncSandboxEnv.attach(sbx, self.state, self.config)
+
+    @classmethod
+    def attach(cls, sandbox: Sandbox, state: EpisodeState, config: EnvConfig) -> SyncSandboxEnv:
+        """See ``SandboxEnv.attach``."""
+        env = cls(config)
+        env.sandbox = sandbox
+        env.state = env._adopted_state(state, sandbox.lineage.seed)
         env.rng = random.Random(env.state.seed)
         return env
 

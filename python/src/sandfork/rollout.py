@@ -6,21 +6,33 @@ a node that branches keeps its sandbox as the template and forks children
 from it (in as many fork calls as the bound on live sandboxes allows), each
 child takes its own next step. Leaves, pruned branches and failed forks are
 killed at once. The result is a ``TrajectoryTree``: export it as GRPO groups
-(per tree or per branch point) or JSONL.
+(per tree or per branch point), Tree-GRPO's advantages, or JSONL.
+
+``TreeGRPOSchedule`` is Tree-GRPO's tree search (Ji et al., arXiv
+2509.21240): M chains from the task, then L rounds, each expanding N
+sampled non-leaf nodes of every tree into new branches run to the end. A node
+is returned to from a kept copy of its state (a checkpoint, a suspended fork
+child, or a replay of its commands: whatever the node offers).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
+import logging
 import math
 import random
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any, Literal, Protocol
 
-from .env import SandboxEnv, Task
+from ._common import Capabilities, Checkpoint, reseed
+from .env import EnvConfig, EpisodeState, SandboxEnv, Task
+from .sandbox_async import AsyncSandbox
+
+log = logging.getLogger("sandfork")
 
 # --- the tree -------------------------------------------------------------
 
@@ -161,6 +173,32 @@ class TrajectoryTree:
             out.append([GroupSample(uid, t, a) for t, a in zip(trajs, adv, strict=True)])
         return out
 
+    def tree_grpo_group(self, eps: float = 1e-6) -> list[GroupSample]:
+        """Tree-GRPO's advantages for a tree of ``TreeGRPOSchedule``, whose
+        root's children are its M trees: each finished trajectory's
+        advantage is its intra-tree one (normalised among the leaves of its
+        own tree) plus its inter-tree one (among all leaves of the M trees),
+        as in the paper. One group (uid ``r``); a tree with one leaf has no
+        intra-tree part."""
+        samples: list[tuple[Trajectory, float]] = []
+        for tree in self.root.children:
+            prefix = tree.id + "/"
+            trajs = [
+                t
+                for t in self.trajectories()
+                if t.leaf_id == tree.id or t.leaf_id.startswith(prefix)
+            ]
+            intra = (
+                normalized_advantages([t.total_reward for t in trajs], eps)
+                if len(trajs) > 1
+                else [0.0] * len(trajs)
+            )
+            samples += zip(trajs, intra, strict=True)
+        if not samples:
+            return []
+        inter = normalized_advantages([t.total_reward for t, _ in samples], eps)
+        return [GroupSample("r", t, a + b) for (t, a), b in zip(samples, inter, strict=True)]
+
     def to_jsonl(self, out: IO[str]) -> None:
         """One JSON object per node, parents before children; ``from_jsonl``
         reads it back. The first line holds the task."""
@@ -270,12 +308,78 @@ class FixedSchedule:
         return sum(1 for k in keys if self.width_at(k) > 1)
 
 
+@dataclass(frozen=True)
+class TreeGRPOSchedule:
+    """Tree-GRPO's tree search (Ji et al., "Tree Search for LLM Agent
+    Reinforcement Learning", arXiv 2509.21240): ``trees`` (M) chains from the
+    task (a fork of the reset sandbox M ways, each run to its end), then
+    ``rounds`` (L) expansions: in each, ``nodes`` (N) non-leaf nodes of every
+    tree are sampled at random and each grows ``width`` new branches (the
+    paper: one), run to their end. A tree ends with at most 1 + L * N *
+    width leaves; ``TrajectoryTree.tree_grpo_group()`` gives the paper's
+    intra- plus inter-tree advantages.
+
+    ``keep`` is how a node's state is kept to return to it: ``"snapshot"``
+    (a checkpoint per step; branches from it in one fork call where the node
+    forks snapshots, else creates), ``"suspend"`` (a fork child per step,
+    suspended; branches by a fork of the paused sandbox where the node can,
+    else resume, fork and suspend again), ``"replay"`` (nothing kept; a
+    branch is a fresh sandbox running the node's commands again), or
+    ``"auto"``: see ``keep_mode``. Kept states do not count against
+    ``max_live`` (they run no VM) and are all removed at the end."""
+
+    trees: int = 2
+    rounds: int = 1
+    nodes: int = 2
+    width: int = 1
+    keep: Literal["auto", "snapshot", "suspend", "replay"] = "auto"
+
+    def __post_init__(self) -> None:
+        if min(self.trees, self.nodes, self.width) < 1 or self.rounds < 0:
+            raise ValueError("trees, nodes and width must be at least 1, rounds at least 0")
+
+    def __call__(self, node: Node) -> int:
+        """The initial branching: M ways right after the reset."""
+        return self.trees if node.step == 0 else 1
+
+    def candidates(self, tree: Node) -> list[Node]:
+        """The nodes of one tree a round may expand: those with a step after
+        them (not leaves), not failed."""
+        return [
+            n for n in _subtree(tree) if n.children and n.error is None and n.action is not None
+        ]
+
+    def pick(
+        self, tree: Node, rng: random.Random, usable: Container[str] | None = None
+    ) -> list[Node]:
+        """``nodes`` of ``candidates(tree)`` (of those whose ids are in
+        ``usable``: the states kept) sampled without replacement, all when
+        there are fewer."""
+        found = [n for n in self.candidates(tree) if usable is None or n.id in usable]
+        return rng.sample(found, min(self.nodes, len(found)))
+
+    def keep_mode(self, caps: Capabilities) -> Literal["snapshot", "suspend", "replay"]:
+        """``keep``, or for ``"auto"`` the cheapest the node offers: a
+        checkpoint per step where snapshots fork in one call, else a
+        suspended fork child where paused sandboxes fork, else a checkpoint
+        where snapshots exist, else replay."""
+        if self.keep != "auto":
+            return self.keep
+        if caps.fork_from_snapshot:
+            return "snapshot"
+        if caps.fork_paused:
+            return "suspend"
+        return "snapshot" if caps.snapshot else "replay"
+
+
 #: Any callable ``node -> width`` is a schedule too.
 ScheduleFn = Callable[[Node], int]
 
 
-def _width(schedule: FixedSchedule | ScheduleFn | BranchSchedule, node: Node) -> int:
-    if isinstance(schedule, FixedSchedule) or not hasattr(schedule, "width"):
+def _width(
+    schedule: FixedSchedule | TreeGRPOSchedule | ScheduleFn | BranchSchedule, node: Node
+) -> int:
+    if isinstance(schedule, FixedSchedule | TreeGRPOSchedule) or not hasattr(schedule, "width"):
         return max(1, int(schedule(node)))
     return max(1, int(schedule.width(node)))
 
@@ -336,6 +440,20 @@ class RunStats:
     children: int = 0
     pruned: int = 0
     peak_live: int = 0
+    #: Tree-GRPO: node states kept, and nodes expanded
+    kept: int = 0
+    expanded: int = 0
+
+
+@dataclass
+class _Kept:
+    """A node's state to return to (``TreeGRPOSchedule``): the episode
+    state and chat at the node, and the checkpoint or suspended sandbox."""
+
+    state: EpisodeState
+    messages: list[dict[str, str]]
+    checkpoint: Checkpoint | None = None
+    suspended_id: str | None = None
 
 
 class BranchingRunner:
@@ -352,7 +470,7 @@ class BranchingRunner:
         self,
         policy: Policy,
         env_factory: Callable[[], SandboxEnv],
-        schedule: FixedSchedule | ScheduleFn | BranchSchedule,
+        schedule: FixedSchedule | TreeGRPOSchedule | ScheduleFn | BranchSchedule,
         *,
         max_live: int = 8,
         max_steps: int = 16,
@@ -374,6 +492,11 @@ class BranchingRunner:
         self.prune = prune
         self.fork_retries = fork_retries
         self.stats = RunStats()
+        # Tree-GRPO: kept node states by node id, while a run needs them
+        self._kept: dict[str, _Kept] | None = None
+        self._keep_mode: str = "replay"
+        # keep states on new branches (not in the last round)
+        self._kept_more = True
 
     async def run(
         self, task: str | Task | None = None, *, seed: int | None = None
@@ -390,9 +513,165 @@ class BranchingRunner:
             await slots.give()
             raise
         root = Node(path=(), step=0, observation=obs, sandbox_id=info.get("sandbox_id"))
-        await self._grow(env, root, [{"role": "user", "content": obs}], t, slots)
+        messages = [{"role": "user", "content": obs}]
+        tree_grpo = self.schedule if isinstance(self.schedule, TreeGRPOSchedule) else None
+        if tree_grpo is None or tree_grpo.rounds == 0:
+            await self._grow(env, root, messages, t, slots)
+        else:
+            self._kept = {}
+            try:
+                caps = env.config.capabilities
+                if caps is None and env.sandbox is not None:
+                    caps = env.config.capabilities = await env.sandbox.capabilities()
+                self._keep_mode = tree_grpo.keep_mode(caps) if caps else "replay"
+                template = env.config
+                self._kept_more = True
+                await self._grow(env, root, messages, t, slots)
+                rng = random.Random(seed)
+                for round_ in range(tree_grpo.rounds):
+                    # states on the last round's branches are never returned to
+                    self._kept_more = round_ < tree_grpo.rounds - 1
+                    kept_ids = set(self._kept)
+                    picked = [
+                        n for tree in root.children for n in tree_grpo.pick(tree, rng, kept_ids)
+                    ]
+                    await asyncio.gather(
+                        *(
+                            self._expand(n, tree_grpo.width, t, slots, template, seed)
+                            for n in picked
+                        )
+                    )
+                    for n in picked:
+                        n.children.sort(key=lambda c: c.path)
+            finally:
+                kept, self._kept = self._kept, None
+                await self._drop_kept(kept)
         self.stats.peak_live = slots.peak
         return TrajectoryTree(root, t)
+
+    # --- Tree-GRPO: keeping node states and returning to them ---------------
+
+    async def _keep(self, env: SandboxEnv, node: Node, messages: list[dict[str, str]]) -> None:
+        """Keeps ``node``'s state (``env`` is at it, about to step on)."""
+        kept = _Kept(env.state.copy(), list(messages))
+        sbx = env.sandbox
+        try:
+            if self._keep_mode == "snapshot" and sbx is not None:
+                kept.checkpoint = await sbx.checkpoint()
+            elif self._keep_mode == "suspend" and sbx is not None:
+                (copy,) = await sbx.fork_all(1, after_fork=None)
+                kept.suspended_id = copy.sandbox_id
+                await copy.suspend()
+        except Exception as e:
+            # the branch goes on; this node is just not returned to
+            log.warning("keeping the state of %s failed: %s", node.id, e)
+            await self._drop_kept({node.id: kept})
+            return
+        if self._kept is not None:
+            self._kept[node.id] = kept
+            self.stats.kept += 1
+
+    async def _restore(
+        self, kept: _Kept, count: int, task: Task | None, template: EnvConfig, seed: int | None
+    ) -> list[SandboxEnv]:
+        """``count`` environments at a kept node state."""
+        cfg = template
+        hook = reseed if cfg.reseed else None
+        if kept.checkpoint is not None:
+            sbxs = await AsyncSandbox.from_checkpoint(
+                kept.checkpoint,
+                count,
+                timeout=cfg.sandbox_timeout,
+                metadata=cfg.metadata,
+                after_fork=hook,
+                fork=cfg.capabilities.fork_from_snapshot if cfg.capabilities else None,
+            )
+            return [SandboxEnv.attach(s, kept.state, cfg) for s in sbxs]
+        if kept.suspended_id is not None:
+            sbxs = await AsyncSandbox.branch_suspended(
+                kept.suspended_id,
+                count,
+                capabilities=cfg.capabilities,
+                timeout=cfg.sandbox_timeout,
+                after_fork=hook,
+            )
+            return [SandboxEnv.attach(s, kept.state, cfg) for s in sbxs]
+        envs: list[SandboxEnv] = []
+        try:
+            for _ in range(count):
+                env = self.env_factory()
+                envs.append(env)
+                await env.reset(task, seed=None if cfg.reseed else seed)
+                sbx = env._live()
+                for action in [tr.action for tr in kept.state.history]:
+                    with contextlib.suppress(Exception):  # it failed the first time too
+                        await sbx.commands.run(
+                            action, timeout=cfg.command_timeout, cwd=cfg.cwd, user=cfg.user
+                        )
+                state = kept.state.copy()
+                if cfg.reseed:
+                    state.seed = env.state.seed
+                env.state, env.rng = state, random.Random(state.seed)
+        except BaseException:
+            await asyncio.gather(*(e.close() for e in envs), return_exceptions=True)
+            raise
+        return envs
+
+    async def _expand(
+        self,
+        node: Node,
+        width: int,
+        task: Task | None,
+        slots: _Slots,
+        template: EnvConfig,
+        seed: int | None,
+    ) -> None:
+        """``width`` new branches from ``node``, each run to its end."""
+        kept = (self._kept or {}).get(node.id)
+        if kept is None:
+            return
+        self.stats.expanded += 1
+        tasks: list[asyncio.Task[None]] = []
+        made, base = 0, len(node.children)
+        while made < width:
+            k = await slots.take(width - made)
+            first = base + made
+            try:
+                envs = await self._restore(kept, k, task, template, seed)
+            except Exception as e:
+                self.stats.fork_failures += 1
+                await slots.give(k)
+                for i in range(first, first + k):
+                    node.children.append(
+                        Node(path=(*node.path, i), step=node.step + 1, observation="", error=str(e))
+                    )
+                made += k
+                continue
+            self.stats.children += k
+            for i, env in enumerate(envs):
+                tasks.append(
+                    asyncio.create_task(
+                        self._first(env, node, kept.messages, task, slots, first + i)
+                    )
+                )
+            made += k
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for tk in tasks:
+                tk.cancel()
+
+    async def _drop_kept(self, kept: dict[str, _Kept] | None) -> None:
+        async def drop(k: _Kept) -> None:
+            try:
+                if k.checkpoint is not None:
+                    await AsyncSandbox.delete_checkpoint(k.checkpoint)
+                if k.suspended_id is not None:
+                    await AsyncSandbox.kill(k.suspended_id)
+            except Exception as e:  # the node removes them at their end of life
+                log.warning("removing a kept node state: %s", e)
+
+        await asyncio.gather(*(drop(k) for k in (kept or {}).values()))
 
     async def _grow(
         self,
@@ -417,7 +696,9 @@ class BranchingRunner:
                 if width > 1:
                     await self._branch(env, node, messages, task, slots, width)
                     return
-                node, messages = await self._step(env, node, messages, task, 0)
+                if self._kept is not None and self._kept_more and node.action is not None:
+                    await self._keep(env, node, messages)
+                node, messages = await self._step(env, node, messages, task, len(node.children))
         finally:
             await env.close()
             await slots.give()

@@ -3,39 +3,36 @@
 A thin subclass: everything e2b does works unchanged, and the SDK builds fork
 children with ``cls(...)``, so they come back as this class. Additions:
 lineage, ``fork_all``, the ``after_fork`` hook, checkpoints, suspend/resume,
-capabilities and ``branch`` with its fallbacks.
+capabilities and ``branch`` with its fallbacks. The logic is ``_ops``',
+shared with ``AsyncSandbox``: these methods only drive it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import e2b
-from e2b import CommandExitException, NotFoundException
+from e2b import NotFoundException
 from e2b.connection_config import ConnectionConfig
 from e2b.sandbox.utils import class_method_variant
 from typing_extensions import Self
 
+from . import _ops
 from ._common import (
     SDK_MAX_FORK_COUNT,
     Capabilities,
     Checkpoint,
-    ForkError,
     Strategy,
     api_client,
     child_options,
-    chunks,
     fork_results,
     probe_capabilities,
     reseed,
     snapshot_fork_request,
 )
 from ._lineage import LINEAGE_PATH, Lineage
-
-log = logging.getLogger("sandfork")
 
 #: Called for every child of a fork, restore or replay before its lineage is
 #: written to the guest: ``hook(child, branch_index)``.
@@ -46,6 +43,7 @@ class Sandbox(e2b.Sandbox):
     """An e2b ``Sandbox`` that knows its place in a fork tree."""
 
     lineage: Lineage
+    _probe = staticmethod(probe_capabilities)
 
     def __init__(self, **opts: Any) -> None:
         super().__init__(**opts)
@@ -74,21 +72,6 @@ class Sandbox(e2b.Sandbox):
         if found is not None and found.sandbox_id == self.sandbox_id:
             self.lineage = found
         return self.lineage
-
-    def _adopt(
-        self, lineage: Lineage, index: int, after_fork: AfterFork | None
-    ) -> Self | Exception:
-        """Gives a new child its lineage and runs the hook; a child that fails
-        here is killed and reported as failed."""
-        try:
-            self.lineage = lineage
-            if after_fork is not None:
-                after_fork(self, index)
-            self.write_lineage()
-            return self
-        except Exception as e:
-            _kill_quietly(self)
-            return e
 
     # --- fork ---------------------------------------------------------------
 
@@ -128,22 +111,9 @@ class Sandbox(e2b.Sandbox):
         results = super()._cls_fork_sandbox(
             sandbox_id, timeout=timeout, count=count, logger=logger, **opts
         )
-        started = [r for r in results if not isinstance(r, Exception)]
-        if parent_lineage is None:
-            # Forked by id: the children carry the parent's file, if it had one.
-            parent_lineage = Lineage.root(sandbox_id)
-            if started:
-                inherited = started[0].read_lineage()
-                if inherited is not None and inherited.sandbox_id == sandbox_id:
-                    parent_lineage = inherited
-        return [
-            r
-            if isinstance(r, Exception)
-            else r._adopt(
-                parent_lineage.child(r.sandbox_id, index_base + i), index_base + i, after_fork
-            )
-            for i, r in enumerate(results)
-        ]
+        return _ops.run_sync(
+            _ops.forked(sandbox_id, results, parent_lineage, index_base, after_fork)
+        )
 
     def fork_all(
         self,
@@ -158,22 +128,44 @@ class Sandbox(e2b.Sandbox):
         """``count`` children, or ``ForkError`` naming the ones that failed
         (the others killed unless ``cleanup_on_error=False``). More than
         ``max_per_call`` children take several fork calls."""
-        results: list[Self | Exception] = []
-        api = self.connection_config.get_api_params(**opts)
-        for n in chunks(count, max_per_call):
-            try:
-                results += type(self)._cls_fork_sandbox(
-                    self.sandbox_id,
-                    timeout=timeout,
-                    count=n,
-                    after_fork=after_fork,
-                    parent_lineage=self.lineage,
-                    index_base=len(results),
-                    **api,
-                )
-            except Exception as e:
-                results += [e] * n
-        return _all_or_error(self.sandbox_id, results, cleanup_on_error)
+        return _ops.run_sync(
+            _ops.fork_all(
+                self,
+                count,
+                timeout=timeout,
+                after_fork=after_fork,
+                cleanup_on_error=cleanup_on_error,
+                max_per_call=max_per_call,
+                api=self.connection_config.get_api_params(**opts),
+            )
+        )
+
+    @classmethod
+    def branch_suspended(
+        cls,
+        sandbox_id: str,
+        count: int,
+        *,
+        capabilities: Capabilities | None = None,
+        timeout: int | None = None,
+        after_fork: AfterFork | None = reseed,
+        **opts: Any,
+    ) -> list[Self]:
+        """``count`` children of a suspended (paused) sandbox, which stays
+        suspended: fork calls on it where the node forks paused sandboxes
+        (``Capabilities.fork_paused``), else it is resumed, branched (fork,
+        or a snapshot and creates) and suspended again. All or ``ForkError``."""
+        return _ops.run_sync(
+            _ops.branch_suspended(
+                cls,
+                sandbox_id,
+                count,
+                capabilities=capabilities,
+                timeout=timeout,
+                after_fork=after_fork,
+                opts=opts,
+            )
+        )
 
     # --- checkpoints --------------------------------------------------------
 
@@ -229,32 +221,19 @@ class Sandbox(e2b.Sandbox):
         source in the lineage; all of them or ``ForkError``. One fork call
         when the node forks snapshots (``fork=None`` asks it), else
         ``count`` creates."""
-        if fork is None:
-            config = ConnectionConfig(**cls._resolve_api_params(**opts))
-            fork = probe_capabilities(config).fork_from_snapshot
-        results: list[Self | Exception] = []
-        if fork:
-            try:
-                started = cls.fork_snapshot(
-                    checkpoint.snapshot_id, count, timeout=timeout, metadata=metadata, **opts
-                )
-            except Exception as e:
-                started = [e] * count
-            results = [
-                r
-                if isinstance(r, Exception)
-                else r._adopt(checkpoint.lineage.child(r.sandbox_id, i), i, after_fork)
-                for i, r in enumerate(started)
-            ]
-            return _all_or_error(checkpoint.source_id, results, cleanup_on_error)
-        for i in range(count):
-            try:
-                sbx = cls.create(checkpoint.snapshot_id, timeout=timeout, metadata=metadata, **opts)
-            except Exception as e:
-                results.append(e)
-                continue
-            results.append(sbx._adopt(checkpoint.lineage.child(sbx.sandbox_id, i), i, after_fork))
-        return _all_or_error(checkpoint.source_id, results, cleanup_on_error)
+        return _ops.run_sync(
+            _ops.from_checkpoint(
+                cls,
+                checkpoint,
+                count,
+                timeout=timeout,
+                metadata=metadata,
+                after_fork=after_fork,
+                cleanup_on_error=cleanup_on_error,
+                fork=fork,
+                opts=opts,
+            )
+        )
 
     @classmethod
     def delete_checkpoint(cls, checkpoint: Checkpoint, **opts: Any) -> bool:
@@ -294,69 +273,14 @@ class Sandbox(e2b.Sandbox):
         fork; else a snapshot and ``count`` creates; else ``count`` fresh
         sandboxes from its template running ``replay`` (the commands that made
         its state). All or ``ForkError``."""
-        if strategy is None:
-            caps = capabilities or self.capabilities()
-            strategy = caps.strategy
-            max_per_call = caps.max_fork_count or SDK_MAX_FORK_COUNT
-        else:
-            max_per_call = SDK_MAX_FORK_COUNT
-        if strategy == "fork":
-            return self.fork_all(
-                count, timeout=timeout, after_fork=after_fork, max_per_call=max_per_call
+        return _ops.run_sync(
+            _ops.branch(
+                self,
+                count,
+                replay=replay,
+                strategy=strategy,
+                capabilities=capabilities,
+                timeout=timeout,
+                after_fork=after_fork,
             )
-        if strategy == "replay" and replay is None:
-            raise ValueError("create-and-replay needs the commands to replay (replay=[...])")
-        # the copies carry the source's metadata, as fork children do
-        info = self.get_info()
-        metadata = dict(info.metadata or {})
-        if strategy == "snapshot":
-            ckpt = self.checkpoint()
-            try:
-                return type(self).from_checkpoint(
-                    ckpt, count, timeout=timeout, metadata=metadata, after_fork=after_fork
-                )
-            finally:
-                # the children run on unaffected
-                type(self).delete_checkpoint(ckpt)
-        results: list[Self | Exception] = []
-        for i in range(count):
-            try:
-                sbx = type(self).create(
-                    info.template_id,
-                    timeout=timeout,
-                    metadata=metadata,
-                    **self.connection_config.get_api_params(),
-                )
-            except Exception as e:
-                results.append(e)
-                continue
-            try:
-                for cmd in replay or ():
-                    # a command that failed the first time fails again: same state
-                    with contextlib.suppress(CommandExitException):
-                        sbx.commands.run(cmd, timeout=0)
-            except Exception as e:
-                _kill_quietly(sbx)
-                results.append(e)
-                continue
-            results.append(sbx._adopt(self.lineage.child(sbx.sandbox_id, i), i, after_fork))
-        return _all_or_error(self.sandbox_id, results, True)
-
-
-def _kill_quietly(sbx: e2b.Sandbox) -> None:
-    try:
-        sbx.kill()
-    except Exception as e:  # cleanup must not hide the error being reported
-        log.warning("killing %s failed: %s", sbx.sandbox_id, e)
-
-
-def _all_or_error(source_id: str, results: list[Any], cleanup_on_error: bool) -> list[Any]:
-    failed = {i: r for i, r in enumerate(results) if isinstance(r, Exception)}
-    if not failed:
-        return results
-    started = [r for r in results if not isinstance(r, Exception)]
-    if cleanup_on_error:
-        for r in started:
-            _kill_quietly(r)
-        started = []
-    raise ForkError(source_id, len(results), failed, started)
+        )

@@ -3,7 +3,9 @@
 //! given (for what Firecracker can do); memory a guest frees given back by
 //! its balloon (`balloon`); network slot setup (`net`); then the
 //! node's figures through the
-//! E2B Python SDK against `sandfork serve` (`sdk`).
+//! E2B Python SDK against `sandfork serve` (`sdk`), and when forking a
+//! stateful episode pays against snapshot-and-create and create-and-replay
+//! (`rl`, a phase of the same script: `rl_bench.py`).
 
 mod balloon;
 mod net;
@@ -61,6 +63,8 @@ fn merge(into: &mut Value, from: Value) {
 pub enum Part {
     Vmm,
     Sdk,
+    /// Branching an episode N ways at step k: fork, snapshot, replay.
+    Rl,
 }
 
 pub struct VmmFigures<'a> {

@@ -19,6 +19,11 @@ use tokio::process::{Child, ChildStderr, Command};
 use crate::launcher::GuestImage;
 
 const SCRIPT: &str = include_str!("sdk_bench.py");
+/// The `rl` phase, imported by the script from its own directory.
+const RL_SCRIPT: &str = include_str!("rl_bench.py");
+/// The script's phases but `rl` (`--only sdk`; `--only rl` runs that one).
+pub const SDK_PHASES: &str =
+    "create_to_first_command,fork16,fork100,creates_concurrent,idle,density";
 /// VMM processes the server keeps started (its default); the script waits
 /// for the pool to be full before each phase.
 const POOL_SIZE: usize = 4;
@@ -43,6 +48,12 @@ pub struct SdkBench<'a> {
     pub density_max: usize,
     /// Only these phases of the script (comma-separated), or all.
     pub phases: Option<&'a str>,
+    /// The `rl` phase's children per branch and steps to branch at
+    /// (comma-separated).
+    pub rl_counts: &'a str,
+    pub rl_steps: &'a str,
+    /// No new rl case after this long (zero: no bound).
+    pub rl_budget: Duration,
 }
 
 /// The pseudo-phase run on a second node started with `--no-network`: the
@@ -97,7 +108,7 @@ impl SdkBench<'_> {
     async fn measure_node(&self, network: bool, phases: Option<&str>) -> Result<Value> {
         let dir = tempfile::tempdir().context("creating the SDK bench directory")?;
         let script_path = dir.path().join("sdk_bench.py");
-        std::fs::write(&script_path, SCRIPT).context("writing the SDK bench script")?;
+        write_scripts(dir.path())?;
         let log_path = dir.path().join("serve.log");
         let port = free_port()?;
         let key = api_key()?;
@@ -128,6 +139,12 @@ impl SdkBench<'_> {
             .arg(self.sample_timeout.as_secs_f64().to_string())
             .arg("--density-max")
             .arg(self.density_max.to_string())
+            .arg("--rl-counts")
+            .arg(self.rl_counts)
+            .arg("--rl-steps")
+            .arg(self.rl_steps)
+            .arg("--rl-budget")
+            .arg(self.rl_budget.as_secs().to_string())
             .arg("--report-file")
             .arg(&report_file)
             .env("E2B_API_URL", &url)
@@ -216,6 +233,12 @@ impl SdkBench<'_> {
             .spawn()
             .context("starting sandfork serve")
     }
+}
+
+/// The script and the module it imports, side by side in `dir`.
+fn write_scripts(dir: &Path) -> Result<()> {
+    std::fs::write(dir.join("sdk_bench.py"), SCRIPT).context("writing the SDK bench script")?;
+    std::fs::write(dir.join("rl_bench.py"), RL_SCRIPT).context("writing the rl bench script")
 }
 
 /// Passes the script's progress on to our stderr line by line and returns its
@@ -507,8 +530,8 @@ mod tests {
     #[test]
     fn script_self_test() {
         let dir = tempfile::tempdir().unwrap();
+        write_scripts(dir.path()).unwrap();
         let script = dir.path().join("sdk_bench.py");
-        std::fs::write(&script, SCRIPT).unwrap();
         let out = std::process::Command::new("python3")
             .arg(&script)
             .arg("--self-test")
@@ -528,7 +551,7 @@ mod tests {
 /// phase reports, and the density phase stops where the node refuses.
 #[cfg(test)]
 mod stand_in {
-    use super::SCRIPT;
+    use super::write_scripts;
 
     /// `e2b` and `httpx` as far as the script uses them: the seventh sandbox
     /// created (the third of the create phase, after the four of the page
@@ -618,8 +641,8 @@ def request(method, url, **kw):
         )
         .unwrap();
         std::fs::write(lib.join("httpx.py"), FAKE_HTTPX).unwrap();
+        write_scripts(dir.path()).unwrap();
         let script = dir.path().join("sdk_bench.py");
-        std::fs::write(&script, SCRIPT).unwrap();
         let report_file = dir.path().join("report.json");
         let me = std::process::id().to_string();
         let started = std::time::Instant::now();
@@ -647,7 +670,8 @@ def request(method, url, **kw):
             // No VMM processes here: the node never "settles"; a warning.
             .args(["--settle-timeout", "1", "--working-set-settle-seconds", "0"])
             .args(["--sample-timeout", "2", "--density-max", "50"])
-            // Every phase but guest_tcp's, which needs a guest's network.
+            // Every phase but guest_tcp's, which needs a guest's network, and
+            // rl's, whose steps' answers are checked in a real guest.
             .args([
                 "--phases",
                 "create_to_first_command,fork16,fork100,creates_concurrent,idle,density",

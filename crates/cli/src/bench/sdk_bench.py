@@ -336,7 +336,7 @@ class Bench:
         for sandbox_id in ids:
             kill_over_http(sandbox_id)
 
-    def settle(self, at_least=None):
+    def settle(self, at_least=None, still_s=None):
         """Waits for the warm pool to be full; a node that does not settle is
         a warning in the report, not the end of the phase."""
         if at_least is None:
@@ -347,7 +347,7 @@ class Bench:
                 self.args.vmm_exe,
                 at_least,
                 timeout_s=self.args.settle_timeout,
-                still_s=self.args.settle_seconds,
+                still_s=self.args.settle_seconds if still_s is None else still_s,
             )
         except RuntimeError as e:
             log(str(e))
@@ -532,6 +532,28 @@ class Bench:
 
     def fork100(self):
         return self.fork(100)
+
+    def rl(self):
+        import rl_bench  # next to this script
+
+        counts = [int(x) for x in self.args.rl_counts.split(",")]
+        steps = [int(x) for x in self.args.rl_steps.split(",")]
+
+        def progress(cases):
+            self.report["rl"] = {"cases": cases, "partial": True}
+            save_report(self.args.report_file, self.report)
+
+        bench = rl_bench.RlBench(
+            self,
+            counts,
+            steps,
+            node_memory,
+            mem_available_kib,
+            progress=progress,
+            budget_s=self.args.rl_budget,
+        )
+        figures = bench.measure()
+        return {"rl": figures}, {"cases": len(figures["cases"])}
 
     def guest_tcp(self):
         """TCP through a sandbox's network slot (tap, virtio-net, the slot's
@@ -798,6 +820,8 @@ class Bench:
             ("creates_concurrent16", self.creates_concurrent16, ["sdk_creates_per_s_16way"]),
             ("idle", self.idle_memory, ["idle_sandbox_mib", "idle_sandboxes_per_24gib"]),
         ]
+        # Branching a stateful episode: fork vs snapshot vs replay (rl_bench.py).
+        phases.append(("rl", self.rl, ["rl"]))
         if self.args.density_max > 0:
             phases.append(
                 ("density", self.density, ["density_idle_sandboxes", "density_sandbox_mib"])
@@ -970,6 +994,9 @@ def self_test():
     assert is_refusal(RateLimitException("429"))
     assert is_refusal(RuntimeError("503: node over capacity: not enough memory"))
     assert not is_refusal(RuntimeError("connection reset"))
+    import rl_bench
+
+    rl_bench.self_test()
     # The report so far is written whole.
     import tempfile
 
@@ -1009,6 +1036,11 @@ def main():
     # the first command (it waits a second after the answer).
     p.add_argument("--working-set-settle-seconds", type=float, default=3.0)
     p.add_argument("--phases", help="comma-separated phases to run (default: all)")
+    # The rl phase: children per branch (N) and the steps to branch at (k).
+    p.add_argument("--rl-counts", default="4,16")
+    p.add_argument("--rl-steps", default="1,8,32")
+    # No new rl case after this many seconds (0: no bound).
+    p.add_argument("--rl-budget", type=float, default=0.0)
     p.add_argument("--report-file", help="where the report so far is kept")
     args = p.parse_args()
     if args.self_test:

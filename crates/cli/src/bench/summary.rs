@@ -72,6 +72,7 @@ pub fn summary(report: &Value) -> String {
         out.push_str(&line);
         out.push('\n');
     }
+    rl_summary(&report["rl"], &mut out);
     // What failed, so that a short report says why.
     for key in ["errors", "sdk_errors"] {
         for (part, error) in report[key].as_object().into_iter().flatten() {
@@ -86,6 +87,54 @@ pub fn summary(report: &Value) -> String {
         out.push_str(&format!("  note: {note}\n"));
     }
     out
+}
+
+/// The rl part: one line per (N, k) with each way's time to N ready
+/// children and what of the parent's state they did not see, then where
+/// fork wins.
+fn rl_summary(rl: &Value, out: &mut String) {
+    let Some(cases) = rl["cases"].as_array() else {
+        return;
+    };
+    for case in cases {
+        let mut line = format!(
+            "  rl n={:<3} k={:<3}",
+            case["n"].to_string(),
+            case["k"].to_string()
+        );
+        for way in ["fork", "fork_again", "snapshot", "replay"] {
+            if case.get(way).is_none() {
+                continue;
+            }
+            let figures = &case[way];
+            let time = figures["ready_ms"]
+                .as_f64()
+                .map_or_else(|| "failed".to_owned(), |v| format!("{} ms", number(v)));
+            let fidelity = &figures["fidelity"];
+            let missed: Vec<&str> = ["files", "process", "memory"]
+                .into_iter()
+                .filter(|k| fidelity[*k] != fidelity["children"])
+                .collect();
+            line.push_str(&format!(" {way} {time}"));
+            if !missed.is_empty() && figures["ready_ms"].is_number() {
+                line.push_str(&format!(" (differs: {})", missed.join(",")));
+            }
+            line.push(';');
+        }
+        line.pop();
+        out.push_str(&line);
+        out.push('\n');
+    }
+    if let Some(wins) = rl["fork_wins_from_k"].as_object() {
+        let shown: Vec<String> = wins
+            .iter()
+            .map(|(n, k)| match k.as_u64() {
+                Some(k) => format!("n={n}: k>={k}"),
+                None => format!("n={n}: never"),
+            })
+            .collect();
+        out.push_str(&format!("  rl fork fastest from: {}\n", shown.join(", ")));
+    }
 }
 
 fn number(v: f64) -> String {
@@ -128,6 +177,27 @@ mod tests {
              \x20 failed: reference_boot: no such file\n\
              \x20 failed: fork16: TimeoutError: fork of 16\n\
              \x20 note: emulated\n"
+        );
+    }
+
+    #[test]
+    fn shows_each_branching_case_and_where_fork_wins() {
+        let ok = |ms: f64, files: u32| {
+            json!({"ready_ms": ms, "fidelity":
+                {"files": files, "process": 4, "memory": 4, "children": 4, "all": files == 4}})
+        };
+        let report = json!({"rl": {
+            "cases": [{"n": 4, "k": 8, "fork": ok(900.0, 4), "fork_again": ok(400.0, 4),
+                       "snapshot": ok(1500.0, 4), "replay": ok(1200.0, 0)},
+                      {"n": 4, "k": 32, "fork": {"ready_ms": null, "error": "x"},
+                       "snapshot": ok(1600.0, 4), "replay": ok(4000.0, 0)}],
+            "fork_wins_from_k": {"4": null, "16": 1}
+        }});
+        assert_eq!(
+            summary(&report),
+            "  rl n=4   k=8   fork 900 ms; fork_again 400 ms; snapshot 1500 ms; replay 1200 ms (differs: files)\n\
+             \x20 rl n=4   k=32  fork failed; snapshot 1600 ms; replay 4000 ms (differs: files)\n\
+             \x20 rl fork fastest from: n=16: k>=1, n=4: never\n"
         );
     }
 

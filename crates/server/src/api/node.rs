@@ -9,6 +9,8 @@
 //!  "memoryPressure": {"enabled": true, "availableMB": 2100, "psiSomeAvg10": 0.0,
 //!    "psiFullAvg10": 0.0, "floorMB": 1000, "pausing": false, "pausedTotal": 3,
 //!    "pausedNow": 1, "recentPauses": [...], ...},
+//!  "features": {"fork": true, "forkPaused": true, "forkSnapshot": true,
+//!               "snapshots": true, "maxForkCount": 63},
 //!  "version": "0.1.0", "envdVersion": "0.5.7"}
 //! ```
 //!
@@ -22,11 +24,21 @@
 //! their VMM process ended by itself (a crash, a kill from outside).
 //! `memoryPressure` is the pressure monitor's last reading of the host and
 //! the idle sandboxes it paused (see [`crate::pressure`]).
+//!
+//! `features` says what a client may branch from, so that it need not probe
+//! routes: `fork` (`POST /sandboxes/{id}/fork` of a running sandbox),
+//! `forkPaused` (the same route on a paused one), `forkSnapshot`
+//! (`POST /snapshots/{id}/fork`), `snapshots` (`POST
+//! /sandboxes/{id}/snapshots`), and `maxForkCount`, the most children one
+//! fork call may ask for here (E2B's 100, and fewer than the node's sandbox
+//! limit: the parent keeps its place). The Python package reads it
+//! (`Capabilities`); a server without it is probed instead.
 
 use axum::Json;
 use axum::extract::State;
 use serde_json::{Value, json};
 
+use super::sandboxes::MAX_FORK_COUNT;
 use super::{ApiError, Shared};
 use crate::store::SandboxState;
 
@@ -65,7 +77,33 @@ pub async fn node(State(state): State<Shared>) -> Result<Json<Value>, ApiError> 
             "vmmExited": manager.vmm_exits(),
         },
         "memoryPressure": manager.pressure_json(),
+        "features": features(limits.sandboxes),
         "version": env!("CARGO_PKG_VERSION"),
         "envdVersion": envd_proto::ENVD_VERSION,
     })))
+}
+
+/// What this node can branch from (see the module's documentation).
+fn features(max_sandboxes: usize) -> Value {
+    let below_limit = i64::try_from(max_sandboxes.saturating_sub(1)).unwrap_or(i64::MAX);
+    json!({
+        "fork": true,
+        "forkPaused": true,
+        "forkSnapshot": true,
+        "snapshots": true,
+        "maxForkCount": MAX_FORK_COUNT.min(below_limit),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fork_count_offered_leaves_the_parent_its_place() {
+        assert_eq!(features(1024)["maxForkCount"], 100);
+        assert_eq!(features(64)["maxForkCount"], 63);
+        assert_eq!(features(1)["maxForkCount"], 0);
+        assert_eq!(features(64)["forkPaused"], true);
+    }
 }
