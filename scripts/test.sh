@@ -79,7 +79,7 @@ run_lab_tests() {
         # One lab CPU, QEMU's default multi-threaded TCG: guests are lost
         # early in boot with two CPUs (either TCG mode) and with
         # single-threaded TCG (README, "Hangs").
-        "$lab" run --cpus 1 --timeout 900 --rw "$SANDFORK_LAB_RW_DIR" -- "$@"
+        "$lab" run --cpus 1 --timeout 1800 --rw "$SANDFORK_LAB_RW_DIR" -- "$@"
     fi
 }
 
