@@ -674,7 +674,8 @@ def request(method, url, **kw):
             // rl's, whose steps' answers are checked in a real guest.
             .args([
                 "--phases",
-                "create_to_first_command,fork16,fork100,creates_concurrent,idle,density",
+                "first_command_faults,create_to_first_command,fork16,fork100,\
+                 creates_concurrent,creates_concurrent16,idle,density",
             ])
             .arg("--report-file")
             .arg(&report_file)
