@@ -324,8 +324,11 @@ fn balloon(dir: &Path) {
     QueueInput::chains(8, &[&[(pfns, 32, false)]]).write(&mut out);
     QueueInput::chains(8, &[&[(pfns, 32, false)]]).write(&mut out);
     QueueInput::chains(8, &[&[(stats, 20, false)]]).write(&mut out);
-    QueueInput::chains(8, &[&[(0x6_0000, 0x1_0000, true), (0x8_0000, 0x2_0000, true)]])
-        .write(&mut out);
+    QueueInput::chains(
+        8,
+        &[&[(0x6_0000, 0x1_0000, true), (0x8_0000, 0x2_0000, true)]],
+    )
+    .write(&mut out);
     out.extend_from_slice(&data);
     write(dir, "balloon_queues", "inflate-deflate-stats-report", &out);
 }
