@@ -19,7 +19,7 @@ use axum::http::header::{self, HeaderMap, HeaderValue};
 use axum::http::{Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use cluster::{Cluster, NodeRecord, SandboxRoute, Versioned, View, keyspace};
-use hyper_util::rt::TokioIo;
+use hyper_util::client::legacy::connect::HttpConnector;
 
 use crate::api::ApiError;
 use crate::proxy::{self, Route};
@@ -35,6 +35,25 @@ pub struct Gateway {
     /// lacks an answer).
     view: View,
     placements: Placements,
+    /// Kept-alive connections to the nodes: most requests are small, and a
+    /// connection per request cost each a handshake.
+    nodes: NodeClient,
+}
+
+type NodeClient = hyper_util::client::legacy::Client<HttpConnector, Body>;
+
+/// How long an idle connection to a node is kept (a node's own idle timeout
+/// is longer).
+const NODE_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn node_client() -> NodeClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(Duration::from_secs(5)));
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .pool_idle_timeout(NODE_IDLE_TIMEOUT)
+        .pool_timer(hyper_util::rt::TokioTimer::new())
+        .build(connector)
 }
 
 /// How long a create this gateway placed counts against its node beyond
@@ -107,6 +126,7 @@ pub fn router(cluster: Cluster) -> Router {
         cluster,
         view,
         placements: Placements::default(),
+        nodes: node_client(),
     }))
 }
 
@@ -222,7 +242,7 @@ impl Gateway {
             }
             return Err(gone(id, &owner, route.value.paused.is_some(), envd));
         };
-        forward(&node.api_addr, req)
+        self.forward(&node.api_addr, req)
             .await
             .map_err(|e| bad_gateway(&node, e))
     }
@@ -246,7 +266,7 @@ impl Gateway {
                 crate::cluster::TAKE_IN_HEADER,
                 HeaderValue::from_static("1"),
             );
-            match forward(&node.api_addr, req).await {
+            match self.forward(&node.api_addr, req).await {
                 Ok(r) if refused(r.status()) => {
                     tracing::info!(
                         "gateway: node {} did not take sandbox {id} in: {}",
@@ -285,7 +305,7 @@ impl Gateway {
         for node in &nodes {
             let req = rebuild(&parts.method, &parts.uri, &parts.headers, body.clone());
             let ticket = self.placements.start(&node.node_id);
-            let answer = forward(&node.api_addr, req).await;
+            let answer = self.forward(&node.api_addr, req).await;
             let made = answer.as_ref().is_ok_and(|r| r.status().is_success());
             self.placements.finish(ticket, made);
             match answer {
@@ -326,7 +346,7 @@ impl Gateway {
         let mut seen = std::collections::HashSet::new();
         for node in self.nodes().await? {
             let req = rebuild(&parts.method, &parts.uri, &parts.headers, Bytes::new());
-            let answer = match forward(&node.api_addr, req).await {
+            let answer = match self.forward(&node.api_addr, req).await {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::warn!("gateway: listing on node {}: {e}", node.node_id);
@@ -366,7 +386,7 @@ impl Gateway {
         let mut last = None;
         for node in keyspace::placement_order(self.nodes().await?) {
             let req = rebuild(&parts.method, &parts.uri, &parts.headers, body.clone());
-            match forward(&node.api_addr, req).await {
+            match self.forward(&node.api_addr, req).await {
                 Ok(r) if r.status() == StatusCode::NOT_FOUND => last = Some(r),
                 Ok(r) => return Ok(r),
                 Err(e) => tracing::warn!("gateway: node {} unreachable: {e}", node.node_id),
@@ -380,10 +400,23 @@ impl Gateway {
         let node = nodes.first().ok_or_else(|| {
             ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no node in the cluster")
         })?;
-        forward(&node.api_addr, req)
+        self.forward(&node.api_addr, req)
             .await
             .map_err(|e| bad_gateway(node, e))
     }
+}
+
+/// An error with its causes ("client error (Connect): tcp connect error:
+/// Connection refused"): the client's own message names only the stage.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
 }
 
 /// The value of the first of `fields` that `item` has, as a string.
@@ -448,43 +481,32 @@ fn rebuild(method: &Method, uri: &Uri, headers: &HeaderMap, body: Bytes) -> Requ
     req
 }
 
-/// Sends `req` to the node at `addr` (HTTP/1.1, a connection per request),
-/// bodies streamed both ways. The Host header stays: the node routes
-/// `<port>-<id>.<domain>` names by it.
-async fn forward(addr: &str, mut req: Request) -> Result<Response, String> {
-    let stream = tokio::net::TcpStream::connect(addr)
-        .await
-        .map_err(|e| format!("connecting: {e}"))?;
-    let _ = stream.set_nodelay(true);
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .map_err(|e| format!("handshake: {e}"))?;
-    tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!("gateway: node connection: {e}");
-        }
-    });
-    let path = req
-        .uri()
-        .path_and_query()
-        .map(|p| p.as_str().to_owned())
-        .unwrap_or_else(|| "/".into());
-    if !req.headers().contains_key(header::HOST)
-        && let Some(host) = req
+impl Gateway {
+    /// Sends `req` to the node at `addr` over a kept-alive connection,
+    /// bodies streamed both ways. The Host header stays: the node routes
+    /// `<port>-<id>.<domain>` names by it.
+    async fn forward(&self, addr: &str, mut req: Request) -> Result<Response, String> {
+        let path = req
             .uri()
-            .authority()
-            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-    {
-        req.headers_mut().insert(header::HOST, host);
+            .path_and_query()
+            .map(|p| p.as_str().to_owned())
+            .unwrap_or_else(|| "/".into());
+        if !req.headers().contains_key(header::HOST)
+            && let Some(host) = req
+                .uri()
+                .authority()
+                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        {
+            req.headers_mut().insert(header::HOST, host);
+        }
+        *req.uri_mut() = format!("http://{addr}{path}")
+            .parse()
+            .map_err(|e| format!("address {addr}: {e}"))?;
+        crate::proxy::strip_hop_by_hop(req.headers_mut());
+        let mut answer = self.nodes.request(req).await.map_err(|e| error_chain(&e))?;
+        crate::proxy::strip_hop_by_hop(answer.headers_mut());
+        Ok(answer.map(Body::new))
     }
-    *req.uri_mut() = path.parse().map_err(|e| format!("path: {e}"))?;
-    crate::proxy::strip_hop_by_hop(req.headers_mut());
-    let mut answer = sender
-        .send_request(req)
-        .await
-        .map_err(|e| format!("request: {e}"))?;
-    crate::proxy::strip_hop_by_hop(answer.headers_mut());
-    Ok(answer.map(Body::new))
 }
 
 #[cfg(test)]
