@@ -16,6 +16,7 @@ mod serve;
 mod session;
 mod status;
 mod stress;
+mod teams;
 mod template;
 
 use std::path::PathBuf;
@@ -189,6 +190,12 @@ enum Command {
     /// Build, list and remove templates.
     #[command(subcommand)]
     Template(template::TemplateCommand),
+    /// Make and list teams and set their limits (the node's own key only).
+    #[command(subcommand)]
+    Team(teams::TeamCommand),
+    /// Make, list and revoke teams' API keys (the node's own key only).
+    #[command(subcommand)]
+    Key(teams::KeyCommand),
     /// Print a shell completion script.
     Completions(completions::CompletionsArgs),
 }
@@ -479,6 +486,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Logs(args) => return runtime.block_on(logs::run(args)),
         Command::Cp(args) => return runtime.block_on(cp::run(args)),
         Command::Template(cmd) => return runtime.block_on(template::run(cmd)),
+        Command::Team(cmd) => return runtime.block_on(teams::team(cmd)),
+        Command::Key(cmd) => return runtime.block_on(teams::key(cmd)),
         Command::Completions(args) => return Ok(completions::run(args, Cli::command())),
     }
     Ok(ExitCode::SUCCESS)

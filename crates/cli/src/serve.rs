@@ -29,6 +29,10 @@ pub struct ServeArgs {
     /// Running sandboxes at most (creates beyond answer 429).
     #[arg(long, default_value_t = server::config::DEFAULT_MAX_SANDBOXES)]
     max_sandboxes: usize,
+    /// Control-plane requests per second of each API key, a burst of twice
+    /// that (beyond: 429 with Retry-After); a team may set its own; 0: no limit.
+    #[arg(long, value_name = "N", default_value_t = server::config::DEFAULT_KEY_RATE_LIMIT)]
+    key_rate_limit: u32,
     /// The static guest agent that template builds install as init
     /// (without it `POST /templates` answers 503 for image sources).
     #[arg(long, env = "SANDFORK_AGENT")]
@@ -374,6 +378,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     }
     config.pool_size = args.pool_size;
     config.max_sandboxes = args.max_sandboxes;
+    config.key_rate_limit = args.key_rate_limit;
     config.capacity = args.capacity.config();
     config.pressure = args.pressure.config();
     config.vcpus = args.image.vcpus;
@@ -532,6 +537,8 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
         .arg(args.pool_size.to_string())
         .arg("--max-sandboxes")
         .arg(args.max_sandboxes.to_string())
+        .arg("--key-rate-limit")
+        .arg(args.key_rate_limit.to_string())
         .args(args.capacity.to_args())
         .args(args.pressure.to_args())
         .args(args.cluster.to_args())

@@ -841,3 +841,70 @@ fn template_build_from_an_oci_layout_streams_its_log() {
         format!("{template}\n")
     );
 }
+
+/// Teams and keys through the node's own key: a team made with a limit, a
+/// key for it that works on the control plane and not on the admin routes,
+/// its sandboxes apart from the node's own team's, and revoked.
+#[test]
+#[ignore = "lab: needs a node (scripts/cli-test.sh)"]
+fn teams_and_keys() {
+    let admin = node();
+    let name = format!("cli-{}", std::process::id());
+    let team_id = admin
+        .run(&["team", "create", &name, "--max-sandboxes", "0"])
+        .ok()
+        .trim()
+        .to_owned();
+    assert!(team_id.starts_with("team_"), "{team_id:?}");
+    let teams = admin.run(&["team", "ls"]).json();
+    let listed = teams
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["teamID"] == team_id.as_str())
+        .expect("the new team is listed");
+    assert_eq!(listed["limits"]["maxSandboxes"], 0);
+    let key = admin
+        .run(&["key", "create", &name, "--name", "ci"])
+        .ok()
+        .trim()
+        .to_owned();
+    assert!(key.starts_with("e2b_") && key.len() == 44, "{key:?}");
+
+    let url = std::env::var("SANDFORK_API_URL").unwrap();
+    let member = Cli::new()
+        .with("SANDFORK_API_URL", &url)
+        .with("SANDFORK_API_KEY", &key);
+    // Its own (empty) list; at its limit of none, a create is refused.
+    assert_eq!(ls_ids(&member, &["--json"]), Vec::<String>::new());
+    let refused = member.run(&["create"]);
+    assert!(
+        refused
+            .one_line_error(1)
+            .contains("maximum number of concurrent sandboxes (0)"),
+        "{}",
+        refused.stderr
+    );
+    // A team's key makes no teams.
+    let denied = member.run(&["team", "ls"]);
+    assert!(
+        denied.one_line_error(1).contains("node's own API key"),
+        "{}",
+        denied.stderr
+    );
+
+    let keys = admin.run(&["key", "ls", &name, "--json"]).json();
+    assert_eq!(keys[0]["name"], "ci");
+    assert!(!keys.to_string().contains(&key[4..]));
+    let key_id = keys[0]["keyID"].as_str().unwrap().to_owned();
+    assert_eq!(admin.run(&["key", "revoke", &key_id]).ok().trim(), key_id);
+    let after = member.run(&["ls", "--json"]);
+    assert!(
+        after.one_line_error(1).contains("refused the API key"),
+        "{}",
+        after.stderr
+    );
+    admin
+        .run(&["team", "set", &name, "--max-sandboxes", "none"])
+        .ok();
+}

@@ -1,14 +1,22 @@
-//! The control plane's API key: `X-API-KEY: e2b_<40 hex>`. Only its SHA-256
-//! is stored; the key itself is shown once, in a 0600 file in the data dir.
+//! The control plane's API keys: `X-API-KEY: e2b_<40 hex>`. Only their
+//! SHA-256 is stored. The node's own key (the bootstrap key) is shown once,
+//! in a 0600 file in the data dir; it is the default team's and the admin's.
+//! Teams' keys are made through the admin routes (see [`crate::tenants`]).
 
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 
+use crate::capacity::TeamLimits;
+use crate::clock::now_ms;
 use crate::ids;
 use crate::store::{Store, StoreError};
+use crate::tenants::{Caller, DEFAULT_TEAM, KeyRecord, RateLimiter, TeamRecord};
 
 /// The request header carrying the key.
 pub const HEADER: &str = "x-api-key";
@@ -28,12 +36,41 @@ pub enum AuthError {
     },
     #[error("generating an API key: {0}")]
     Random(#[source] std::io::Error),
+    #[error("no team {0}")]
+    NoTeam(String),
+    #[error("a team named {0} exists")]
+    TeamExists(String),
+    #[error("no API key {0}")]
+    NoKey(String),
+    #[error("{0}")]
+    Invalid(String),
 }
 
-/// What the server accepts.
+/// What the server accepts: the node's own key, and each team's keys. Clones
+/// share one directory.
 #[derive(Clone)]
 pub struct ApiKeys {
-    hash: [u8; 32],
+    inner: Arc<Directory>,
+}
+
+struct Directory {
+    /// The node's own key's hash: the default team's, and the admin's.
+    admin: [u8; 32],
+    /// Teams' keys by hash.
+    keys: RwLock<HashMap<[u8; 32], KeyEntry>>,
+    /// Teams by id (the default team only when it has settings).
+    teams: RwLock<BTreeMap<String, TeamRecord>>,
+    /// One change of teams or keys at a time (names stay unique).
+    changing: Mutex<()>,
+    limiter: RateLimiter,
+    /// Requests per second of each key of a team that sets none (0: none).
+    default_rate: u32,
+}
+
+#[derive(Debug, Clone)]
+struct KeyEntry {
+    team: Arc<str>,
+    record: KeyRecord,
 }
 
 impl std::fmt::Debug for ApiKeys {
@@ -55,20 +92,286 @@ pub fn generate() -> Result<String, AuthError> {
 }
 
 impl ApiKeys {
+    /// Only the node's own `key`, no teams, no rate limit.
     pub fn for_key(key: &str) -> ApiKeys {
-        ApiKeys { hash: hash(key) }
+        ApiKeys::with_hash(hash(key), 0)
     }
 
-    /// Compares hashes in constant time, so the answer's timing says nothing
-    /// about how much of a guess matched.
-    pub fn accepts(&self, key: &str) -> bool {
-        let candidate = hash(key);
-        candidate
-            .iter()
-            .zip(self.hash.iter())
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
+    fn with_hash(admin: [u8; 32], default_rate: u32) -> ApiKeys {
+        ApiKeys {
+            inner: Arc::new(Directory {
+                admin,
+                keys: RwLock::default(),
+                teams: RwLock::default(),
+                changing: Mutex::default(),
+                limiter: RateLimiter::default(),
+                default_rate,
+            }),
+        }
     }
+
+    /// These keys, each limited to `per_second` requests a second (a burst
+    /// of twice that) unless its team sets its own; 0: no limit.
+    pub fn with_rate_limit(self, per_second: u32) -> ApiKeys {
+        let admin = self.inner.admin;
+        let teams = self.read_teams().clone();
+        let keys = self.read_keys().clone();
+        let out = ApiKeys::with_hash(admin, per_second);
+        *out.inner.teams.write().unwrap_or_else(|p| p.into_inner()) = teams;
+        *out.inner.keys.write().unwrap_or_else(|p| p.into_inner()) = keys;
+        out
+    }
+
+    fn read_keys(&self) -> std::sync::RwLockReadGuard<'_, HashMap<[u8; 32], KeyEntry>> {
+        self.inner.keys.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn read_teams(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<String, TeamRecord>> {
+        self.inner.teams.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether `key` is one of the node's.
+    pub fn accepts(&self, key: &str) -> bool {
+        self.authenticate(key).is_some()
+    }
+
+    /// Who `key` is. The node's own key is compared in constant time; a
+    /// team's key is found by its hash (a table lookup by SHA-256: its timing
+    /// tells nothing about the key).
+    pub fn authenticate(&self, key: &str) -> Option<Caller> {
+        let candidate = hash(key);
+        if same_secret(&candidate, &self.inner.admin) {
+            return Some(Caller::admin());
+        }
+        self.read_keys().get(&candidate).map(|k| Caller {
+            team: k.team.clone(),
+            admin: false,
+        })
+    }
+
+    /// Takes one request of `key`'s rate (its team's, else the node's); else
+    /// how long until it may send the next.
+    pub fn admit(&self, key: &str, caller: &Caller) -> Result<(), Duration> {
+        let rate = self
+            .read_teams()
+            .get(&*caller.team)
+            .and_then(|t| t.requests_per_second)
+            .unwrap_or(self.inner.default_rate);
+        self.inner.limiter.take(&hash(key), rate, Instant::now())
+    }
+
+    /// Loads the teams and keys `store` holds.
+    pub fn load(&self, store: &Store) -> Result<(), AuthError> {
+        let teams: BTreeMap<String, TeamRecord> = store
+            .teams()?
+            .into_iter()
+            .map(|t| (t.id.clone(), t))
+            .collect();
+        let mut keys = HashMap::new();
+        for (hex, record) in store.keys()? {
+            let Some(h) = unhex32(&hex) else {
+                tracing::warn!(
+                    "API key {}: its stored hash is malformed; ignored",
+                    record.id
+                );
+                continue;
+            };
+            keys.insert(
+                h,
+                KeyEntry {
+                    team: Arc::from(record.team.as_str()),
+                    record,
+                },
+            );
+        }
+        *self.inner.teams.write().unwrap_or_else(|p| p.into_inner()) = teams;
+        *self.inner.keys.write().unwrap_or_else(|p| p.into_inner()) = keys;
+        Ok(())
+    }
+
+    /// Every team, the default one first.
+    pub fn teams(&self) -> Vec<TeamRecord> {
+        let teams = self.read_teams();
+        let default = teams
+            .get(DEFAULT_TEAM)
+            .cloned()
+            .unwrap_or_else(default_team);
+        std::iter::once(default)
+            .chain(teams.values().filter(|t| t.id != DEFAULT_TEAM).cloned())
+            .collect()
+    }
+
+    /// The team with id or name `wanted`.
+    pub fn team(&self, wanted: &str) -> Option<TeamRecord> {
+        self.teams()
+            .into_iter()
+            .find(|t| t.id == wanted)
+            .or_else(|| self.teams().into_iter().find(|t| t.name == wanted))
+    }
+
+    /// Makes a team named `name` (unique; letters, digits, `-`, `_`, `.`).
+    pub fn create_team(
+        &self,
+        store: &Store,
+        name: &str,
+        limits: TeamLimits,
+        requests_per_second: Option<u32>,
+    ) -> Result<TeamRecord, AuthError> {
+        check_team_name(name)?;
+        let _one = self
+            .inner
+            .changing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if self.team(name).is_some() {
+            return Err(AuthError::TeamExists(name.to_owned()));
+        }
+        let id = format!(
+            "team_{}",
+            ids::hex(&ids::random_bytes(8).map_err(AuthError::Random)?)
+        );
+        let team = TeamRecord {
+            id,
+            name: name.to_owned(),
+            created_at_ms: now_ms(),
+            limits,
+            requests_per_second,
+        };
+        store.put_team(&team)?;
+        let mut teams = self.inner.teams.write().unwrap_or_else(|p| p.into_inner());
+        teams.insert(team.id.clone(), team.clone());
+        Ok(team)
+    }
+
+    /// Changes team `wanted`'s limits and rate (the default team's too).
+    pub fn update_team(
+        &self,
+        store: &Store,
+        wanted: &str,
+        change: impl FnOnce(&mut TeamRecord),
+    ) -> Result<TeamRecord, AuthError> {
+        let _one = self
+            .inner
+            .changing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let mut team = self
+            .team(wanted)
+            .ok_or_else(|| AuthError::NoTeam(wanted.to_owned()))?;
+        change(&mut team);
+        store.put_team(&team)?;
+        let mut teams = self.inner.teams.write().unwrap_or_else(|p| p.into_inner());
+        teams.insert(team.id.clone(), team.clone());
+        Ok(team)
+    }
+
+    /// A new key for team `wanted`: the key (shown once) and its record.
+    pub fn create_key(
+        &self,
+        store: &Store,
+        wanted: &str,
+        name: &str,
+    ) -> Result<(String, KeyRecord), AuthError> {
+        let team = self
+            .team(wanted)
+            .ok_or_else(|| AuthError::NoTeam(wanted.to_owned()))?;
+        let _one = self
+            .inner
+            .changing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let key = generate()?;
+        let h = hash(&key);
+        let hex = ids::hex(&h);
+        let record = KeyRecord {
+            id: hex[..16].to_owned(),
+            team: team.id.clone(),
+            name: name.to_owned(),
+            mask: crate::tenants::mask(&key),
+            created_at_ms: now_ms(),
+        };
+        store.put_key(&hex, &record)?;
+        let mut keys = self.inner.keys.write().unwrap_or_else(|p| p.into_inner());
+        keys.insert(
+            h,
+            KeyEntry {
+                team: Arc::from(team.id.as_str()),
+                record: record.clone(),
+            },
+        );
+        Ok((key, record))
+    }
+
+    /// The keys of team `team` (an id), oldest first; every team's with None.
+    pub fn keys(&self, team: Option<&str>) -> Vec<KeyRecord> {
+        let mut out: Vec<KeyRecord> = self
+            .read_keys()
+            .values()
+            .filter(|k| team.is_none_or(|t| *k.team == *t))
+            .map(|k| k.record.clone())
+            .collect();
+        out.sort_by(|a, b| (a.created_at_ms, &a.id).cmp(&(b.created_at_ms, &b.id)));
+        out
+    }
+
+    /// Revokes the key whose id is `id`: its next request is refused (401).
+    pub fn revoke_key(&self, store: &Store, id: &str) -> Result<KeyRecord, AuthError> {
+        let _one = self
+            .inner
+            .changing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let found = self
+            .read_keys()
+            .iter()
+            .find(|(_, k)| k.record.id == id)
+            .map(|(h, k)| (*h, k.record.clone()));
+        let (h, record) = found.ok_or_else(|| AuthError::NoKey(id.to_owned()))?;
+        store.remove_key(&ids::hex(&h))?;
+        self.inner
+            .keys
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&h);
+        self.inner.limiter.forget(&h);
+        Ok(record)
+    }
+}
+
+fn default_team() -> TeamRecord {
+    TeamRecord {
+        id: DEFAULT_TEAM.into(),
+        name: DEFAULT_TEAM.into(),
+        created_at_ms: 0,
+        limits: TeamLimits::default(),
+        requests_per_second: None,
+    }
+}
+
+fn check_team_name(name: &str) -> Result<(), AuthError> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if ok && !name.starts_with("team_") {
+        Ok(())
+    } else {
+        Err(AuthError::Invalid(format!(
+            "team name {name:?}: 1 to 64 letters, digits, '-', '_' or '.', not starting with team_"
+        )))
+    }
+}
+
+fn unhex32(hex: &str) -> Option<[u8; 32]> {
+    if hex.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
 }
 
 /// Whether two secrets are equal, in time that depends only on their
@@ -81,7 +384,18 @@ pub fn same_secret(a: &[u8], b: &[u8]) -> bool {
 /// stored hash; else a new key is generated, written to `<data_dir>/api-key`
 /// (0600, written then renamed) and its hash stored. Returns the key file's
 /// path unless the key came from the environment.
+/// The teams and their keys are loaded from the store.
 pub fn setup(
+    store: &Store,
+    data_dir: &Path,
+    env_key: Option<&str>,
+) -> Result<(ApiKeys, Option<PathBuf>), AuthError> {
+    let (keys, path) = setup_key(store, data_dir, env_key)?;
+    keys.load(store)?;
+    Ok((keys, path))
+}
+
+fn setup_key(
     store: &Store,
     data_dir: &Path,
     env_key: Option<&str>,
@@ -93,7 +407,7 @@ pub fn setup(
     if let Some(stored) = store.meta(META_KEY)?
         && let Ok(hash) = <[u8; 32]>::try_from(stored.as_slice())
     {
-        return Ok((ApiKeys { hash }, Some(path)));
+        return Ok((ApiKeys::with_hash(hash, 0), Some(path)));
     }
     let key = generate()?;
     write_key_file(&path, &key)?;
@@ -177,5 +491,57 @@ mod tests {
         assert!(none.is_none());
         assert!(env.accepts("e2b_abc"));
         assert!(!env.accepts(&key));
+    }
+
+    #[test]
+    fn teams_and_keys_are_stored_hashed_and_load_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("s.redb")).unwrap();
+        let keys = ApiKeys::for_key("e2b_admin");
+        assert!(keys.authenticate("e2b_admin").unwrap().admin);
+        let limits = TeamLimits {
+            max_sandboxes: Some(2),
+            max_memory_mb: None,
+        };
+        let team = keys.create_team(&store, "a", limits, Some(7)).unwrap();
+        assert!(matches!(
+            keys.create_team(&store, "a", limits, None),
+            Err(AuthError::TeamExists(_))
+        ));
+        let (key, record) = keys.create_key(&store, "a", "ci").unwrap();
+        let caller = keys.authenticate(&key).unwrap();
+        assert_eq!((&*caller.team, caller.admin), (team.id.as_str(), false));
+        assert!(store.keys().unwrap().iter().all(|(h, r)| {
+            h.len() == 64
+                && !h.contains(&key[4..])
+                && !serde_json::to_string(r).unwrap().contains(&key[4..])
+        }));
+        // The team's rate: 7 a second, a burst of 14.
+        for _ in 0..14 {
+            keys.admit(&key, &caller).unwrap();
+        }
+        assert!(keys.admit(&key, &caller).is_err());
+
+        let again = ApiKeys::for_key("e2b_admin");
+        again.load(&store).unwrap();
+        assert_eq!(again.team("a"), Some(team.clone()));
+        assert_eq!(again.team(&team.id), Some(team.clone()));
+        assert_eq!(&*again.authenticate(&key).unwrap().team, team.id.as_str());
+        assert_eq!(again.keys(Some(&team.id)), vec![record.clone()]);
+        // The default team is listed first, changeable, and stored once changed.
+        assert_eq!(again.teams()[0].id, DEFAULT_TEAM);
+        again
+            .update_team(&store, DEFAULT_TEAM, |t| t.limits.max_sandboxes = Some(1))
+            .unwrap();
+        again.revoke_key(&store, &record.id).unwrap();
+        assert!(again.authenticate(&key).is_none());
+        let third = ApiKeys::for_key("e2b_admin");
+        third.load(&store).unwrap();
+        assert!(third.authenticate(&key).is_none());
+        assert_eq!(third.teams()[0].limits.max_sandboxes, Some(1));
+        assert!(matches!(
+            third.revoke_key(&store, &record.id),
+            Err(AuthError::NoKey(_))
+        ));
     }
 }

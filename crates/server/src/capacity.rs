@@ -23,6 +23,10 @@
 //! holds a [`Reservation`] of its vCPUs and memory (and one of the node's
 //! `max_sandboxes` slots): taken before the slow restore, given back when it
 //! drops (failure, kill, pause). Paused sandboxes hold nothing.
+//!
+//! A reservation made for a team ([`Capacity::reserve_for`]) also counts
+//! against that team's limits ([`TeamLimits`]: running sandboxes and their
+//! `memoryMB`, as asked, not as used), checked under the same lock.
 
 pub mod memory;
 
@@ -313,8 +317,40 @@ impl std::fmt::Display for Shortage {
 
 impl std::error::Error for Shortage {}
 
+/// A team's share of the node (see [`crate::tenants`]): how many sandboxes
+/// it may run at once and how much memory (the sum of their `memoryMB`) they
+/// may have; None: no limit beyond the node's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TeamLimits {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_sandboxes: Option<u64>,
+    #[serde(
+        default,
+        rename = "maxMemoryMB",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub max_memory_mb: Option<u64>,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum CapacityError {
+    /// The team's count limit (E2B's concurrency limit: 429).
+    #[error(
+        "you have reached the maximum number of concurrent sandboxes ({max}) of your team: \
+         {running} are running or starting, {asked} more asked for"
+    )]
+    TeamSandboxes {
+        running: usize,
+        asked: usize,
+        max: u64,
+    },
+    /// The team's memory limit (429 too: the team's, not the node's).
+    #[error(
+        "you have reached the memory limit of your team ({max} MiB): its running sandboxes \
+         have {held} MiB, {asked} MiB more asked for"
+    )]
+    TeamMemory { held: u64, asked: u64, max: u64 },
     /// The node's count limit (`max_sandboxes`).
     #[error(
         "this node runs at most {max} sandboxes: {running} are running or starting, \
@@ -337,11 +373,13 @@ pub enum CapacityError {
 
 /// One reservation's share: what it asked for, and what its VMM was last
 /// seen using once one runs for it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Entry {
     ask: Ask,
     pid: Option<u32>,
     used_kib: Option<u64>,
+    /// The team it counts against, if any.
+    team: Option<Arc<str>>,
 }
 
 impl Entry {
@@ -362,7 +400,7 @@ struct Held {
 }
 
 impl Held {
-    fn insert(&mut self, ask: Ask) -> u64 {
+    fn insert(&mut self, ask: Ask, team: Option<Arc<str>>) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
         self.entries.insert(
@@ -371,9 +409,21 @@ impl Held {
                 ask,
                 pid: None,
                 used_kib: None,
+                team,
             },
         );
         id
+    }
+
+    /// What `team`'s entries asked for (memory: the guests' size).
+    fn of_team(&self, team: &str) -> Ask {
+        let mut total = Ask::default();
+        for e in self.entries.values() {
+            if e.team.as_deref() == Some(team) {
+                total.add(e.ask);
+            }
+        }
+        total
     }
 
     /// The sum of every entry, memory as charged.
@@ -396,6 +446,8 @@ pub struct Capacity {
     /// Its filesystem is where snapshots and disk layers go.
     data_dir: PathBuf,
     held: Mutex<Held>,
+    /// Teams' limits (a team not here has none).
+    teams: Mutex<HashMap<String, TeamLimits>>,
 }
 
 impl Capacity {
@@ -406,6 +458,7 @@ impl Capacity {
             limits,
             data_dir,
             held: Mutex::new(Held::default()),
+            teams: Mutex::default(),
         })
     }
 
@@ -503,8 +556,33 @@ impl Capacity {
         })
     }
 
+    /// Sets `team`'s limits (for reservations from now on).
+    pub fn set_team_limits(&self, team: &str, limits: TeamLimits) {
+        let mut teams = self.teams.lock().unwrap_or_else(|p| p.into_inner());
+        teams.insert(team.to_owned(), limits);
+    }
+
+    /// What `team`'s reservations hold: sandboxes and their memory as asked.
+    pub fn team_held(&self, team: &str) -> Ask {
+        self.held_lock().of_team(team)
+    }
+
     /// Reserves `ask` for `what` (named in the error), all or nothing.
     pub fn reserve(self: &Arc<Self>, ask: Ask, what: &str) -> Result<Reservation, CapacityError> {
+        self.reserve_for(ask, what, None)
+    }
+
+    /// [`Capacity::reserve`], counted against `team`'s limits too.
+    pub fn reserve_for(
+        self: &Arc<Self>,
+        ask: Ask,
+        what: &str,
+        team: Option<&str>,
+    ) -> Result<Reservation, CapacityError> {
+        let team_limits = team.and_then(|t| {
+            let teams = self.teams.lock().unwrap_or_else(|p| p.into_inner());
+            teams.get(t).copied()
+        });
         // Read outside the lock: it is a syscall, on a network filesystem in the lab.
         let disk = if ask.disk_mib > 0 {
             Some(self.disk()?)
@@ -519,7 +597,10 @@ impl Capacity {
             disk,
             what,
         )?;
-        let id = held.insert(ask);
+        if let (Some(team), Some(limits)) = (team, team_limits) {
+            check_team(&limits, &held.of_team(team), &ask)?;
+        }
+        let id = held.insert(ask, team.map(Arc::from));
         Ok(Reservation {
             capacity: self.clone(),
             id,
@@ -530,13 +611,41 @@ impl Capacity {
     /// run (adopted after a restart), which must be counted even when the
     /// node's limits shrank. No disk room is held (nothing is being written).
     pub fn hold(self: &Arc<Self>, ask: Ask) -> Reservation {
+        self.hold_for(ask, None)
+    }
+
+    /// [`Capacity::hold`], counted as `team`'s (never refused).
+    pub fn hold_for(self: &Arc<Self>, ask: Ask, team: Option<&str>) -> Reservation {
         let ask = Ask { disk_mib: 0, ..ask };
-        let id = self.held_lock().insert(ask);
+        let id = self.held_lock().insert(ask, team.map(Arc::from));
         Reservation {
             capacity: self.clone(),
             id,
         }
     }
+}
+
+/// Whether `ask` fits in a team's `limits` beside what it `held`.
+fn check_team(limits: &TeamLimits, held: &Ask, ask: &Ask) -> Result<(), CapacityError> {
+    if let Some(max) = limits.max_sandboxes
+        && (held.sandboxes.saturating_add(ask.sandboxes)) as u64 > max
+    {
+        return Err(CapacityError::TeamSandboxes {
+            running: held.sandboxes,
+            asked: ask.sandboxes,
+            max,
+        });
+    }
+    if let Some(max) = limits.max_memory_mb
+        && held.memory_mib.saturating_add(ask.memory_mib) > max
+    {
+        return Err(CapacityError::TeamMemory {
+            held: held.memory_mib,
+            asked: ask.memory_mib,
+            max,
+        });
+    }
+    Ok(())
 }
 
 /// Whether `ask` fits beside `held` (memory as charged); the first resource
@@ -617,15 +726,15 @@ impl Reservation {
     /// (not tracked: the VMM, if any, stays with this one).
     pub fn split(&mut self, part: Ask) -> Reservation {
         let mut held = self.capacity.held_lock();
-        let part = match held.entries.get_mut(&self.id) {
+        let (part, team) = match held.entries.get_mut(&self.id) {
             Some(e) => {
                 let part = part.min(e.ask);
                 e.ask.sub(part);
-                part
+                (part, e.team.clone())
             }
-            None => Ask::default(),
+            None => (Ask::default(), None),
         };
-        let id = held.insert(part);
+        let id = held.insert(part, team);
         Reservation {
             capacity: self.capacity.clone(),
             id,
@@ -1057,5 +1166,63 @@ mod tests {
             assert!(std::time::Instant::now() < deadline, "the sampler keeps it");
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
+    }
+
+    #[test]
+    fn team_limits_count_only_the_teams_reservations_and_splits_keep_the_team() {
+        let cap = node(100, 100_000, 100);
+        cap.set_team_limits(
+            "a",
+            TeamLimits {
+                max_sandboxes: Some(3),
+                max_memory_mb: Some(1000),
+            },
+        );
+        // Another team's and untyped reservations do not count against a.
+        let _others = cap
+            .reserve_for(guest(1, 256).times(10), "b's", Some("b"))
+            .unwrap();
+        let _build = cap.reserve(guest(1, 256), "a build").unwrap();
+        let mut fork = cap
+            .reserve_for(guest(1, 256).times(2), "a fork of 2 children", Some("a"))
+            .unwrap();
+        let child = fork.split(guest(1, 256));
+        drop(fork);
+        // The child still counts as a's: one more fits, not two.
+        assert_eq!(cap.team_held("a").sandboxes, 1);
+        let one = cap
+            .reserve_for(guest(1, 256), "a sandbox", Some("a"))
+            .unwrap();
+        match cap
+            .reserve_for(guest(1, 256).times(2), "a fork", Some("a"))
+            .unwrap_err()
+        {
+            CapacityError::TeamSandboxes {
+                running,
+                asked,
+                max,
+            } => assert_eq!((running, asked, max), (2, 2, 3)),
+            other => panic!("{other}"),
+        }
+        // Memory: 512 held, 600 more is over 1000.
+        match cap
+            .reserve_for(guest(1, 600), "a sandbox", Some("a"))
+            .unwrap_err()
+        {
+            CapacityError::TeamMemory { held, asked, max } => {
+                assert_eq!((held, asked, max), (512, 600, 1000))
+            }
+            other => panic!("{other}"),
+        }
+        // Nothing was held by the refusals; what goes gives room back.
+        assert_eq!(cap.team_held("a").memory_mib, 512);
+        drop((one, child));
+        assert_eq!(cap.team_held("a"), Ask::default());
+        let _again = cap
+            .reserve_for(guest(1, 256).times(3), "3", Some("a"))
+            .unwrap();
+        // Held whatever the limits (adopted after a restart), and counted.
+        let _adopted = cap.hold_for(guest(1, 256), Some("a"));
+        assert_eq!(cap.team_held("a").sandboxes, 4);
     }
 }

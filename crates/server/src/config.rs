@@ -26,6 +26,9 @@ pub struct Config {
     pub mem_mib: u64,
     /// Running sandboxes at most; a create beyond it answers 429.
     pub max_sandboxes: usize,
+    /// Control-plane requests per second of each API key (a burst of twice
+    /// that) unless its team sets its own; 0: no limit. Beyond it: 429.
+    pub key_rate_limit: u32,
     /// vCPUs, memory and disk sandboxes may use; beyond it answers 503.
     pub capacity: CapacityConfig,
     /// The longest lifetime a create or timeout may ask for.
@@ -56,6 +59,8 @@ pub const DEFAULT_DATA_DIR: &str = "/var/lib/sandfork";
 /// Running sandboxes at most when not configured: memory admission is what
 /// limits a node (idle sandboxes use a few MiB each); this bounds the
 /// descriptors and threads the server holds (a fork of 100 plus others fits).
+/// Each API key's control-plane requests per second by default.
+pub const DEFAULT_KEY_RATE_LIMIT: u32 = 200;
 pub const DEFAULT_MAX_SANDBOXES: usize = 1024;
 pub const DEFAULT_RUN_ROOT: &str = "/run/sandfork";
 
@@ -86,6 +91,7 @@ impl Config {
             vcpus: 1,
             mem_mib: 256,
             max_sandboxes: DEFAULT_MAX_SANDBOXES,
+            key_rate_limit: DEFAULT_KEY_RATE_LIMIT,
             capacity: CapacityConfig::default(),
             max_timeout: Duration::from_secs(24 * 3600),
             run_dir: None,

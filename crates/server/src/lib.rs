@@ -23,6 +23,7 @@ pub mod sandbox;
 pub mod state;
 pub mod store;
 pub mod template;
+pub mod tenants;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -86,6 +87,7 @@ impl Server {
             .ok()
             .filter(|k| !k.is_empty());
         let (keys, api_key_file) = auth::setup(&store, &config.data_dir, env_key.as_deref())?;
+        let keys = keys.with_rate_limit(config.key_rate_limit);
         // Before the pool starts VMMs there: what no running sandbox owns is
         // from a server that stopped (its pool, a create it did not finish).
         sandbox::reclaim_run_dir(&config.run_dir(), &store);
@@ -114,6 +116,9 @@ impl Server {
         );
         let capacity = capacity::Capacity::for_config(&config);
         let template = template::ensure_base(&config, &store, &pool, &capacity).await?;
+        for team in keys.teams() {
+            capacity.set_team_limits(&team.id, team.limits);
+        }
         let manager =
             sandbox::Manager::with_capacity(config.clone(), store, pool, capacity, template);
         manager.recover().await;

@@ -288,11 +288,15 @@ async fn forward(state: &Shared, id: &str, port: u32, mut req: Request) -> Respo
     let in_use = state.manager.in_use(id);
     let uds = match state.manager.vsock_path(id) {
         Some(uds) => uds,
-        // Paused by the node for memory pressure: it resumes transparently.
-        None => match state.manager.wake(id).await {
-            Ok(Some(uds)) => uds,
-            Ok(None) => return not_found(id),
-            Err(e) => return not_woken(id, &e),
+        // Paused by the node for memory pressure: it resumes transparently,
+        // for a request its guest would take.
+        None => match refuse_wake(state, id, port, &req) {
+            Some(refused) => return refused,
+            None => match state.manager.wake(id).await {
+                Ok(Some(uds)) => uds,
+                Ok(None) => return not_found(id),
+                Err(e) => return not_woken(id, &e),
+            },
         },
     };
     // The guest's own ports: a private sandbox's token, its masked host.
@@ -359,6 +363,36 @@ async fn forward(state: &Shared, id: &str, port: u32, mut req: Request) -> Respo
         Err(ForwardError::Connect(VsockConnectError::Connect { .. })) => not_found(id),
         Err(e) => port_closed(id, port, &e.to_string()),
     }
+}
+
+/// The refusal of a request that would wake a sandbox the node paused for
+/// memory pressure but that its guest would refuse: without its envd access
+/// token (or a signed file URL, which its agent checks) on envd's port, or
+/// without its traffic token on a private sandbox's other ports. Only its
+/// owner's requests resume it; the answer is the guest's own.
+fn refuse_wake(state: &Shared, id: &str, port: u32, req: &Request) -> Option<Response> {
+    let record = state.manager.get(id).ok()?;
+    if record.state != crate::store::SandboxState::Paused
+        || record.pause_reason != Some(crate::store::PauseReason::MemoryPressure)
+    {
+        return None;
+    }
+    if port != envd_proto::PORT {
+        let ingress = state.manager.ingress(id)?;
+        return ingress.admit(req.headers()).err().map(|r| r.response(id));
+    }
+    let token = record.access_token?;
+    let given = req.headers().get("x-access-token").map(|v| v.as_bytes());
+    if given.is_some_and(|g| crate::auth::same_secret(g, token.as_bytes()))
+        || (given.is_none() && is_signed_files_request(req.headers(), req.uri()))
+    {
+        return None;
+    }
+    let body = serde_json::json!({
+        "code": 401,
+        "message": "unauthorized access, please provide a valid access token or method signing if supported",
+    });
+    Some((StatusCode::UNAUTHORIZED, axum::Json(body)).into_response())
 }
 
 /// A request to a sandbox the node paused for memory pressure that could not

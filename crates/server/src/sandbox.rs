@@ -79,6 +79,9 @@ pub enum SandboxError {
     /// Not enough vCPUs, memory or disk (503; the count limit is 429).
     #[error(transparent)]
     OverCapacity(#[from] Shortage),
+    /// The team's limit on sandboxes or memory (429, as E2B's concurrency limit).
+    #[error("{0}")]
+    TeamLimit(String),
     #[error("sandbox {id} is {state}")]
     Conflict { id: String, state: &'static str },
     #[error("template {id} is in use by {users}")]
@@ -135,6 +138,9 @@ impl From<CapacityError> for SandboxError {
                 max,
             },
             CapacityError::Short(s) => SandboxError::OverCapacity(s),
+            e @ (CapacityError::TeamSandboxes { .. } | CapacityError::TeamMemory { .. }) => {
+                SandboxError::TeamLimit(e.to_string())
+            }
             CapacityError::Disk { path, source } => SandboxError::Io {
                 what: format!("reading the free space of {}", path.display()),
                 source,
@@ -176,6 +182,8 @@ pub struct CreateParams {
     pub auto_pause_memory: bool,
     /// Its network policy (validated; no slot yet).
     pub network: SandboxNetwork,
+    /// The team it belongs to (None: the default team).
+    pub team: Option<String>,
 }
 
 /// What a pause keeps (E2B's pause `memory` and `autoPauseMemory`).
@@ -499,9 +507,10 @@ impl Manager {
         let _busy = self.activity.read().await;
         let (template, _pin) = self.pin_template(&params.template_id)?;
         // Held before the slow restore; given back if the create fails.
-        let hold = self.capacity.reserve(
+        let hold = self.capacity.reserve_for(
             Ask::sandbox(u64::from(template.vcpus), template.mem_mib),
             "a sandbox",
+            Some(crate::tenants::team_or_default(params.team.as_deref())),
         )?;
         let id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
         let r = self.create_inner(&id, &template, params, hold).await;
@@ -600,6 +609,7 @@ impl Manager {
                 vmm_dir: Some(launched.vm.dir().to_owned()),
                 network: params.network,
                 pause_reason: None,
+                team: crate::tenants::stored_team(params.team.as_deref()),
             }
         };
         self.start_sandbox(None, plan, record, access_token.clone(), ingress, id)
@@ -832,9 +842,10 @@ impl Manager {
         };
         sandbox.set_phase(Phase::Resuming)?;
         let restored = async {
-            let hold = self.capacity.reserve(
+            let hold = self.capacity.reserve_for(
                 Ask::sandbox(u64::from(record.cpu_count), record.memory_mb),
                 &format!("resuming sandbox {id}"),
+                Some(record.team()),
             )?;
             let root = self.root_layer(&record);
             let plan = match &restore {

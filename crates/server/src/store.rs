@@ -15,6 +15,12 @@ const TEMPLATES: TableDefinition<&str, &[u8]> = TableDefinition::new("templates"
 const RETIRED: TableDefinition<&str, &[u8]> = TableDefinition::new("retired_templates");
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 const BUILDS: TableDefinition<&str, &[u8]> = TableDefinition::new("builds");
+/// Teams by id, API keys by the hex SHA-256 of the key, and the owning team
+/// of templates (`template/<id>`: a template, snapshot or build; absent: the
+/// default team's). See [`crate::tenants`].
+const TEAMS: TableDefinition<&str, &[u8]> = TableDefinition::new("teams");
+const KEYS: TableDefinition<&str, &[u8]> = TableDefinition::new("api_keys");
+const OWNERS: TableDefinition<&str, &[u8]> = TableDefinition::new("owners");
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -134,6 +140,17 @@ pub struct SandboxRecord {
     /// from before it existed).
     #[serde(default)]
     pub pause_reason: Option<PauseReason>,
+    /// The team that owns it; None: the default team (and every record from
+    /// before teams existed). See [`crate::tenants`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub team: Option<String>,
+}
+
+impl SandboxRecord {
+    /// The id of the team that owns it.
+    pub fn team(&self) -> &str {
+        crate::tenants::team_or_default(self.team.as_deref())
+    }
 }
 
 fn yes() -> bool {
@@ -248,7 +265,9 @@ impl Store {
     pub fn open(path: &Path) -> Result<Store, StoreError> {
         let db = redb::Database::create(path).map_err(db_err)?;
         let tx = db.begin_write().map_err(db_err)?;
-        for table in [SANDBOXES, TEMPLATES, RETIRED, META, BUILDS] {
+        for table in [
+            SANDBOXES, TEMPLATES, RETIRED, META, BUILDS, TEAMS, KEYS, OWNERS,
+        ] {
             tx.open_table(table).map_err(db_err)?;
         }
         tx.commit().map_err(db_err)?;
@@ -443,6 +462,52 @@ impl Store {
 
     pub fn meta(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
         self.get(META, key)
+    }
+
+    pub fn put_team(&self, t: &crate::tenants::TeamRecord) -> Result<(), StoreError> {
+        self.put(TEAMS, &t.id, &encode(t))
+    }
+
+    pub fn teams(&self) -> Result<Vec<crate::tenants::TeamRecord>, StoreError> {
+        self.all(TEAMS)?.iter().map(|b| decode(b, "team")).collect()
+    }
+
+    /// Records an API key by the hex SHA-256 of the key.
+    pub fn put_key(&self, hash_hex: &str, k: &crate::tenants::KeyRecord) -> Result<(), StoreError> {
+        self.put(KEYS, hash_hex, &encode(k))
+    }
+
+    /// Every API key: (hex SHA-256, record).
+    pub fn keys(&self) -> Result<Vec<(String, crate::tenants::KeyRecord)>, StoreError> {
+        let tx = self.db.begin_read().map_err(db_err)?;
+        let table = tx.open_table(KEYS).map_err(db_err)?;
+        let mut out = Vec::new();
+        for entry in table.iter().map_err(db_err)? {
+            let (k, v) = entry.map_err(db_err)?;
+            out.push((k.value().to_owned(), decode(v.value(), "API key")?));
+        }
+        Ok(out)
+    }
+
+    pub fn remove_key(&self, hash_hex: &str) -> Result<bool, StoreError> {
+        self.remove(KEYS, hash_hex)
+    }
+
+    /// The team owning `what` (see [`crate::tenants::template_owner_key`]);
+    /// None: the default team.
+    pub fn owner(&self, what: &str) -> Result<Option<String>, StoreError> {
+        Ok(self
+            .get(OWNERS, what)?
+            .map(|b| String::from_utf8_lossy(&b).into_owned()))
+    }
+
+    /// Records `team` as the owner of `what` (None: the default team, which
+    /// needs no entry).
+    pub fn set_owner(&self, what: &str, team: Option<&str>) -> Result<(), StoreError> {
+        match team {
+            Some(team) => self.put(OWNERS, what, team.as_bytes()),
+            None => self.remove(OWNERS, what).map(drop),
+        }
     }
 }
 

@@ -93,6 +93,16 @@ fn node_configured(
     templates: &[&dyn Fn(&std::path::Path) -> TemplateRecord],
     setup: impl FnOnce(&mut Config, &Store),
 ) -> Node {
+    node_keyed(records, templates, setup, ApiKeys::for_key(KEY))
+}
+
+/// Like [`node_configured`], accepting `keys`.
+fn node_keyed(
+    records: &[SandboxRecord],
+    templates: &[&dyn Fn(&std::path::Path) -> TemplateRecord],
+    setup: impl FnOnce(&mut Config, &Store),
+    keys: ApiKeys,
+) -> Node {
     let dir = tempfile::tempdir().unwrap();
     let mut config = Config::new(
         "127.0.0.1:0".parse().unwrap(),
@@ -135,7 +145,7 @@ fn node_configured(
     let state = Arc::new(AppState {
         manager: manager.clone(),
         templates: templates.clone(),
-        keys: ApiKeys::for_key(KEY),
+        keys,
         guests: Default::default(),
     });
     Node {
@@ -818,9 +828,19 @@ async fn a_sandbox_paused_for_memory_pressure_still_runs_for_its_owner() {
     let routed = || {
         Request::post("/process.Process/Start")
             .header("e2b-sandbox-id", "squeezed")
+            .header("x-access-token", "tok-squeezed")
             .body(Body::from("x"))
             .unwrap()
     };
+    // Only a request its guest would take wakes it: its envd token.
+    for token in [None, Some("tok-over")] {
+        let mut req = Request::post("/process.Process/Start").header("e2b-sandbox-id", "squeezed");
+        if let Some(t) = token {
+            req = req.header("x-access-token", t);
+        }
+        let a = call(&node, req.body(Body::from("x")).unwrap()).await;
+        assert_error(&a, StatusCode::UNAUTHORIZED);
+    }
     let by_token = || {
         Request::post("/process.Process/Start")
             .header("x-access-token", "tok-squeezed")
@@ -1960,4 +1980,496 @@ async fn a_paused_fork_branches_the_disk_and_reports_each_child() {
         .collect();
     assert_eq!(dirs, ["held"], "the failed children's directories go");
     assert_holds_nothing(&node_info(&node).await);
+}
+
+// Tenants: teams, their keys, what each team sees, limits and the rate.
+
+/// A request with `key`.
+fn keyed(key: &str, method: &str, uri: &str, body: &str) -> Request<Body> {
+    Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("x-api-key", key)
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_owned()))
+        .unwrap()
+}
+
+/// Makes team `body` (its JSON) through the admin route and a key of it:
+/// (team id, key).
+async fn team(node: &Node, body: &str) -> (String, String) {
+    let a = call(node, authed("POST", "/admin/teams", body)).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.json);
+    let id = a.json["teamID"].as_str().unwrap().to_owned();
+    let a = call(
+        node,
+        authed(
+            "POST",
+            &format!("/admin/teams/{id}/keys"),
+            r#"{"name":"t"}"#,
+        ),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.json);
+    (id, a.json["key"].as_str().unwrap().to_owned())
+}
+
+/// `r` owned by `team`.
+fn owned(team: &str, r: SandboxRecord) -> SandboxRecord {
+    SandboxRecord {
+        team: Some(team.into()),
+        ..r
+    }
+}
+
+#[tokio::test]
+async fn teams_and_keys_are_made_by_the_admin_and_a_revoked_key_is_refused() {
+    let node = node(&[]);
+    let (team_id, key) = team(&node, r#"{"name":"research","maxSandboxes":3}"#).await;
+    assert!(team_id.starts_with("team_"));
+    let hex = key.strip_prefix("e2b_").unwrap();
+    assert_eq!(hex.len(), 40);
+    assert!(
+        hex.bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+    );
+    // The key works on the control plane, not on the admin routes.
+    let a = call(&node, keyed(&key, "GET", "/v2/sandboxes", "")).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.json);
+    for (method, uri) in [
+        ("GET", "/admin/teams"),
+        ("POST", "/admin/teams"),
+        ("GET", "/admin/teams/research/keys"),
+        ("POST", "/admin/teams/research/keys"),
+        ("PATCH", "/admin/teams/research"),
+    ] {
+        let a = call(&node, keyed(&key, method, uri, r#"{"name":"x"}"#)).await;
+        assert_error(&a, StatusCode::FORBIDDEN);
+    }
+    // Listed by name or id, with its limits and use, the key masked.
+    let a = call(&node, authed("GET", "/admin/teams", "")).await;
+    assert_eq!(a.json[0]["teamID"], "default");
+    assert_eq!(a.json[1]["name"], "research");
+    assert_eq!(a.json[1]["limits"]["maxSandboxes"], 3);
+    assert_eq!(a.json[1]["usage"]["sandboxes"], 0);
+    assert_eq!(a.json[1]["keys"], 1);
+    let keys = call(&node, authed("GET", "/admin/teams/research/keys", "")).await;
+    assert_eq!(keys.status, StatusCode::OK);
+    let listed = keys.json.to_string();
+    assert!(!listed.contains(hex), "{listed}");
+    assert_eq!(
+        keys.json[0]["mask"],
+        format!("e2b_{}…{}", &hex[..4], &hex[36..])
+    );
+    let key_id = keys.json[0]["keyID"].as_str().unwrap().to_owned();
+    // Names are unique and checked; unknown teams are 404.
+    assert_error(
+        &call(
+            &node,
+            authed("POST", "/admin/teams", r#"{"name":"research"}"#),
+        )
+        .await,
+        StatusCode::CONFLICT,
+    );
+    for bad in [
+        r#"{"name":""}"#,
+        r#"{"name":"a b"}"#,
+        r#"{}"#,
+        r#"{"name":"x","max":1}"#,
+    ] {
+        assert_error(
+            &call(&node, authed("POST", "/admin/teams", bad)).await,
+            StatusCode::BAD_REQUEST,
+        );
+    }
+    assert_error(
+        &call(&node, authed("POST", "/admin/teams/nosuch/keys", "{}")).await,
+        StatusCode::NOT_FOUND,
+    );
+    // Only the key's hash is in the store.
+    let store = std::fs::read(node.dir.path().join("s.redb")).unwrap();
+    assert!(!store.windows(hex.len()).any(|w| w == hex.as_bytes()));
+    // Revoked: its next request is 401; the node's own key goes on.
+    let a = call(
+        &node,
+        authed("DELETE", &format!("/admin/keys/{key_id}"), ""),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::NO_CONTENT, "{}", a.json);
+    assert_error(
+        &call(&node, keyed(&key, "GET", "/v2/sandboxes", "")).await,
+        StatusCode::UNAUTHORIZED,
+    );
+    assert_error(
+        &call(
+            &node,
+            authed("DELETE", &format!("/admin/keys/{key_id}"), ""),
+        )
+        .await,
+        StatusCode::NOT_FOUND,
+    );
+    assert_eq!(
+        call(&node, authed("GET", "/v2/sandboxes", "")).await.status,
+        StatusCode::OK
+    );
+    // A node started again on the store knows the team and its other keys.
+    let (_, kept) = team(&node, r#"{"name":"other"}"#).await;
+    let again = ApiKeys::for_key(KEY);
+    again.load(node.manager.store()).unwrap();
+    assert!(again.accepts(&kept));
+    assert!(!again.accepts(&key));
+    assert_eq!(again.team("research").unwrap().id, team_id);
+}
+
+/// Each sandbox route, with a body it accepts.
+const SANDBOX_ROUTES: &[(&str, &str, &str)] = &[
+    ("GET", "/sandboxes/{id}", ""),
+    ("DELETE", "/sandboxes/{id}", ""),
+    ("POST", "/sandboxes/{id}/timeout", r#"{"timeout":30}"#),
+    ("POST", "/sandboxes/{id}/refreshes", "{}"),
+    ("POST", "/sandboxes/{id}/pause", "{}"),
+    ("POST", "/sandboxes/{id}/resume", "{}"),
+    ("POST", "/sandboxes/{id}/connect", "{}"),
+    ("POST", "/v2/sandboxes/{id}/connect", "{}"),
+    ("POST", "/sandboxes/{id}/fork", "{}"),
+    (
+        "PUT",
+        "/sandboxes/{id}/network",
+        r#"{"allowInternetAccess":false}"#,
+    ),
+    ("POST", "/sandboxes/{id}/snapshots", "{}"),
+    ("GET", "/sandboxes/{id}/metrics", ""),
+    ("GET", "/sandboxes/{id}/logs", ""),
+    ("GET", "/v2/sandboxes/{id}/logs", ""),
+    ("GET", "/v1/sandboxes/{id}/diagnostics", ""),
+];
+
+#[tokio::test]
+async fn another_teams_sandbox_answers_as_an_unknown_one_on_every_route() {
+    let now = now_ms();
+    let node = node(&[
+        record("theirs", now, SandboxState::Running, "x"),
+        record("paused", now, SandboxState::Paused, "x"),
+    ]);
+    let (_, key) = team(&node, r#"{"name":"a"}"#).await;
+    for id in ["theirs", "paused"] {
+        for (method, route, body) in SANDBOX_ROUTES {
+            let foreign = call(&node, keyed(&key, method, &route.replace("{id}", id), body)).await;
+            let unknown = call(
+                &node,
+                keyed(&key, method, &route.replace("{id}", "nosuch"), body),
+            )
+            .await;
+            assert_error(&foreign, StatusCode::NOT_FOUND);
+            assert_eq!(foreign.status, unknown.status, "{method} {route}");
+            assert_eq!(
+                foreign.json.to_string().replace(id, "nosuch"),
+                unknown.json.to_string(),
+                "{method} {route}"
+            );
+            // The E2B client suffix (`<id>-<client>`) does not get round it.
+            let suffixed = route.replace("{id}", &format!("{id}-sandfork"));
+            let a = call(&node, keyed(&key, method, &suffixed, body)).await;
+            assert_error(&a, StatusCode::NOT_FOUND);
+        }
+    }
+    // Untouched: still there, same end, same network, for its own team.
+    let theirs = node.manager.get("theirs").unwrap();
+    assert_eq!(theirs.end_at_ms, now + 3_600_000);
+    assert!(theirs.network.allow_internet_access.is_none_or(|a| a));
+    assert_eq!(
+        node.manager.get("paused").unwrap().state,
+        SandboxState::Paused
+    );
+    let a = call(&node, authed("GET", "/sandboxes/theirs", "")).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.json);
+}
+
+#[tokio::test]
+async fn lists_hold_only_the_callers_own() {
+    let node = node(&[]);
+    let (a_id, a_key) = team(&node, r#"{"name":"a"}"#).await;
+    let (b_id, b_key) = team(&node, r#"{"name":"b"}"#).await;
+    let now = now_ms();
+    for r in [
+        owned(&a_id, record("a1", now, SandboxState::Running, "x")),
+        owned(&a_id, record("a2", now + 1, SandboxState::Paused, "x")),
+        owned(&b_id, record("b1", now + 2, SandboxState::Running, "x")),
+        record("d1", now + 3, SandboxState::Running, "x"),
+    ] {
+        node.manager.store().put_sandbox(&r).unwrap();
+    }
+    let ids = |a: &Answer| -> Vec<String> {
+        let mut v: Vec<String> = a
+            .json
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["sandboxID"].as_str().unwrap().to_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    for (key, v2, v1) in [
+        (a_key.as_str(), vec!["a1", "a2"], vec!["a1"]),
+        (b_key.as_str(), vec!["b1"], vec!["b1"]),
+        (KEY, vec!["d1"], vec!["d1"]),
+    ] {
+        let a = call(&node, keyed(key, "GET", "/v2/sandboxes", "")).await;
+        assert_eq!(ids(&a), v2);
+        let a = call(&node, keyed(key, "GET", "/sandboxes", "")).await;
+        assert_eq!(ids(&a), v1);
+        // Paging counts only the caller's.
+        let a = call(&node, keyed(key, "GET", "/v2/sandboxes?limit=1", "")).await;
+        assert_eq!(a.headers.contains_key("x-next-token"), v2.len() > 1);
+    }
+}
+
+#[tokio::test]
+async fn another_teams_templates_and_snapshots_answer_as_unknown_ones() {
+    let snap = |d: &std::path::Path| TemplateRecord {
+        names: vec!["their-snap".into()],
+        ..snapshot(d, "snapa", "gone", 10)
+    };
+    let mine = |d: &std::path::Path| snapshot(d, "snapd", "gone", 11);
+    let built_t = |d: &std::path::Path| built(d, "builta", "their-tpl", 12);
+    let node = node_with(&[], &[&snap, &mine, &built_t]);
+    let (a_id, a_key) = team(&node, r#"{"name":"a"}"#).await;
+    let store = node.manager.store();
+    for t in ["snapa", "builta"] {
+        store
+            .set_owner(&server::tenants::template_owner_key(t), Some(&a_id))
+            .unwrap();
+    }
+    store
+        .put_build(&build_record("builta", "their-tpl", BuildStatus::Ready, 12))
+        .unwrap();
+    // The default team's key: team a's are unknown, by id or name.
+    for (method, route, body) in [
+        ("GET", "/templates/{id}", ""),
+        ("DELETE", "/templates/{id}", ""),
+        ("GET", "/templates/{id}/builds/b-{id}/status", ""),
+        ("POST", "/snapshots/{id}/fork", "{}"),
+        ("POST", "/v2/templates/{id}/builds/b-{id}", "{}"),
+        (
+            "GET",
+            &format!("/templates/{{id}}/files/{}", "a".repeat(64)),
+            "",
+        ),
+    ] {
+        for id in ["snapa", "their-snap", "builta", "their-tpl"] {
+            let foreign = call(&node, authed(method, &route.replace("{id}", id), body)).await;
+            let unknown = call(
+                &node,
+                authed(method, &route.replace("{id}", "nosuch"), body),
+            )
+            .await;
+            assert_eq!(
+                foreign.status,
+                StatusCode::NOT_FOUND,
+                "{method} {route} {id}: {}",
+                foreign.json
+            );
+            assert_eq!(
+                foreign.json.to_string().replace(id, "nosuch"),
+                unknown.json.to_string(),
+                "{method} {route} {id}"
+            );
+        }
+    }
+    // A create naming it is refused as an unknown template is.
+    for id in ["snapa", "their-snap", "builta"] {
+        let foreign = call(
+            &node,
+            authed(
+                "POST",
+                "/v2/sandboxes",
+                &format!(r#"{{"templateID":"{id}"}}"#),
+            ),
+        )
+        .await;
+        let unknown = call(
+            &node,
+            authed("POST", "/v2/sandboxes", r#"{"templateID":"nosuch"}"#),
+        )
+        .await;
+        assert_error(&foreign, StatusCode::NOT_FOUND);
+        assert_eq!(
+            foreign.json.to_string().replace(id, "nosuch"),
+            unknown.json.to_string()
+        );
+    }
+    // Still there for team a; the lists each see their own (and base).
+    assert_eq!(
+        call(&node, keyed(&a_key, "GET", "/templates/their-snap", ""))
+            .await
+            .status,
+        StatusCode::OK
+    );
+    let names = |a: &Answer, key: &str| -> Vec<String> {
+        let mut v: Vec<String> = a
+            .json
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t[key].as_str().unwrap().to_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    let a = call(&node, keyed(&a_key, "GET", "/templates", "")).await;
+    assert_eq!(names(&a, "templateID"), ["base", "builta", "snapa"]);
+    let a = call(&node, authed("GET", "/templates", "")).await;
+    assert_eq!(names(&a, "templateID"), ["base", "snapd"]);
+    let a = call(&node, keyed(&a_key, "GET", "/snapshots", "")).await;
+    assert_eq!(names(&a, "snapshotID"), ["snapa"]);
+    let a = call(&node, authed("GET", "/snapshots", "")).await;
+    assert_eq!(names(&a, "snapshotID"), ["snapd"]);
+    // Every team may start from base: team a's create gets past the
+    // template (and fails later: this node has no VMM).
+    let a = call(
+        &node,
+        keyed(&a_key, "POST", "/v2/sandboxes", r#"{"templateID":"base"}"#),
+    )
+    .await;
+    assert_ne!(a.status, StatusCode::NOT_FOUND, "{}", a.json);
+    // A template build from another team's sandbox is refused as from an unknown one.
+    node.manager
+        .store()
+        .put_sandbox(&record("dsb", now_ms(), SandboxState::Running, "x"))
+        .unwrap();
+    let body = |id: &str| format!(r#"{{"name":"t-{id}","from":{{"sandbox":"{id}"}}}}"#);
+    let foreign = call(&node, keyed(&a_key, "POST", "/templates", &body("dsb"))).await;
+    assert_error(&foreign, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn team_limits_refuse_creates_and_forks_with_e2bs_429() {
+    let node = small_node(|_| ());
+    let (a_id, a_key) = team(&node, r#"{"name":"a","maxSandboxes":0}"#).await;
+    let a = call(&node, keyed(&a_key, "POST", "/v2/sandboxes", "{}")).await;
+    assert_error(&a, StatusCode::TOO_MANY_REQUESTS);
+    let message = a.json["message"].as_str().unwrap();
+    assert!(
+        message.contains("maximum number of concurrent sandboxes (0)"),
+        "{message}"
+    );
+    // Memory: the base template's 256 MiB is over 100.
+    let a = call(
+        &node,
+        authed(
+            "PATCH",
+            "/admin/teams/a",
+            r#"{"maxSandboxes":null,"maxMemoryMB":100}"#,
+        ),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.json);
+    assert!(a.json["limits"].get("maxSandboxes").is_none(), "{}", a.json);
+    let a = call(&node, keyed(&a_key, "POST", "/v2/sandboxes", "{}")).await;
+    assert_error(&a, StatusCode::TOO_MANY_REQUESTS);
+    assert!(
+        a.json["message"]
+            .as_str()
+            .unwrap()
+            .contains("memory limit of your team (100 MiB)"),
+        "{}",
+        a.json
+    );
+    // A fork of one of its sandboxes counts its children.
+    node.manager
+        .store()
+        .put_sandbox(&owned(
+            &a_id,
+            record("arun", now_ms(), SandboxState::Running, "x"),
+        ))
+        .unwrap();
+    call(
+        &node,
+        authed(
+            "PATCH",
+            "/admin/teams/a",
+            r#"{"maxMemoryMB":null,"maxSandboxes":1}"#,
+        ),
+    )
+    .await;
+    let a = call(
+        &node,
+        keyed(&a_key, "POST", "/sandboxes/arun/fork", r#"{"count":2}"#),
+    )
+    .await;
+    assert_error(&a, StatusCode::TOO_MANY_REQUESTS);
+    // Other teams are not held back by it; nor is team a once raised (the
+    // create then gets as far as this node goes without a VMM).
+    for key in [KEY, a_key.as_str()] {
+        if key != KEY {
+            call(
+                &node,
+                authed("PATCH", "/admin/teams/a", r#"{"maxSandboxes":5}"#),
+            )
+            .await;
+        }
+        let a = call(&node, keyed(key, "POST", "/v2/sandboxes", "{}")).await;
+        assert_ne!(a.status, StatusCode::TOO_MANY_REQUESTS, "{}", a.json);
+    }
+    // The default team has limits too when set.
+    call(
+        &node,
+        authed("PATCH", "/admin/teams/default", r#"{"maxSandboxes":0}"#),
+    )
+    .await;
+    let a = call(&node, authed("POST", "/v2/sandboxes", "{}")).await;
+    assert_error(&a, StatusCode::TOO_MANY_REQUESTS);
+    // Nothing stays held.
+    assert_holds_nothing(&node_info(&node).await);
+}
+
+#[tokio::test]
+async fn each_key_is_rate_limited_with_a_429_and_retry_after() {
+    let node = node_keyed(
+        &[],
+        &[],
+        |_, _| (),
+        ApiKeys::for_key(KEY).with_rate_limit(5),
+    );
+    let (_, key) = team(&node, r#"{"name":"a"}"#).await;
+    let (_, fast) = team(&node, r#"{"name":"f","requestsPerSecond":1000}"#).await;
+    // The burst is twice the rate; the node's key used 4 above.
+    let mut ok = 0;
+    let mut refused = None;
+    for _ in 0..20 {
+        let a = call(&node, keyed(&key, "GET", "/v2/sandboxes", "")).await;
+        if a.status == StatusCode::OK {
+            ok += 1;
+        } else {
+            refused = Some(a);
+            break;
+        }
+    }
+    // Ten at once (one more if the loop took over 200 ms).
+    assert!((10..=11).contains(&ok), "{ok}");
+    let refused = refused.unwrap();
+    assert_error(&refused, StatusCode::TOO_MANY_REQUESTS);
+    assert!(
+        refused.json["message"]
+            .as_str()
+            .unwrap()
+            .contains("rate limit")
+    );
+    let retry: u64 = refused.headers["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=2).contains(&retry), "{retry}");
+    // Other keys have their own buckets; a team may have a higher rate.
+    for _ in 0..50 {
+        let a = call(&node, keyed(&fast, "GET", "/v2/sandboxes", "")).await;
+        assert_eq!(a.status, StatusCode::OK);
+    }
+    // Wrong keys are 401, not counted against anyone.
+    assert_error(
+        &call(&node, keyed("e2b_00", "GET", "/v2/sandboxes", "")).await,
+        StatusCode::UNAUTHORIZED,
+    );
 }

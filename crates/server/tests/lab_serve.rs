@@ -1037,6 +1037,143 @@ async fn fill(addr: std::net::SocketAddr, c: &Created, mib: u64) {
 
 /// The static guest agent: `SANDFORK_AGENT`, or the release build next to
 /// this test's target directory.
+/// Two teams on live sandboxes: each sees and changes only its own (the
+/// other's answers 404, as an unknown sandbox), lists hold only its own,
+/// a team at its limit of one running sandbox is refused with 429 until
+/// one of its own is paused, and envd in a sandbox takes only its own
+/// access token whoever asks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab: boots microVMs"]
+async fn two_teams_see_only_their_own_sandboxes_within_their_limits() {
+    let data = tempfile::tempdir().unwrap();
+    let node = serve(lab_config(data.path(), 0)).await;
+    let (addr, admin) = (node.addr, node.auth());
+    let made = http(
+        addr,
+        "POST",
+        "/admin/teams",
+        &admin,
+        r#"{"name":"a","maxSandboxes":1}"#,
+    )
+    .await;
+    assert_eq!(made.status, 201, "{:?}", made.body);
+    let made = http(addr, "POST", "/admin/teams/a/keys", &admin, "{}").await;
+    assert_eq!(made.status, 201, "{:?}", made.body);
+    let key = made.json()["key"].as_str().unwrap().to_owned();
+    let a = [
+        ("x-api-key", key.as_str()),
+        ("content-type", "application/json"),
+    ];
+    let mine = common::create(addr, &a, json!({"timeout": 300})).await;
+    let theirs = common::create(addr, &admin, json!({"timeout": 300})).await;
+
+    // At its limit: 429 with E2B's words; the default team is not held back.
+    let refused = http(addr, "POST", "/v2/sandboxes", &a, "{}").await;
+    assert_eq!(refused.status, 429, "{:?}", refused.body);
+    assert!(
+        refused.json()["message"]
+            .as_str()
+            .unwrap()
+            .contains("maximum number of concurrent sandboxes (1)")
+    );
+    // Each team's view of the other's sandbox is an unknown one's.
+    for (auth, other) in [(&a, &theirs.id), (&admin, &mine.id)] {
+        for (method, path, body) in [
+            ("GET", format!("/sandboxes/{other}"), ""),
+            ("POST", format!("/sandboxes/{other}/pause"), "{}"),
+            ("POST", format!("/sandboxes/{other}/fork"), "{}"),
+            (
+                "POST",
+                format!("/sandboxes/{other}/connect"),
+                r#"{"timeout":60}"#,
+            ),
+            ("DELETE", format!("/sandboxes/{other}"), ""),
+        ] {
+            let answer = http(addr, method, &path, auth.as_slice(), body).await;
+            assert_eq!(answer.status, 404, "{method} {path}: {:?}", answer.body);
+            assert_eq!(
+                answer.json()["message"],
+                format!("sandbox {other} not found")
+            );
+        }
+        let listed = http(addr, "GET", "/v2/sandboxes", auth.as_slice(), "")
+            .await
+            .json();
+        let ids: Vec<&str> = listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["sandboxID"].as_str().unwrap())
+            .collect();
+        assert_eq!(ids.len(), 1, "{listed}");
+        assert_ne!(ids[0], other);
+    }
+    // Both still run. envd in each takes its own token only.
+    assert_eq!(
+        run(addr, &mine.routing(), "echo a").await,
+        (0, "a\n".into())
+    );
+    assert_eq!(
+        run(addr, &theirs.routing(), "echo d").await,
+        (0, "d\n".into())
+    );
+    let crossed = [
+        ("e2b-sandbox-id", mine.id.as_str()),
+        ("x-access-token", theirs.token.as_str()),
+    ];
+    let start = http(
+        addr,
+        "POST",
+        "/process.Process/List",
+        &[crossed[0], crossed[1], ("content-type", "application/json")],
+        "{}",
+    )
+    .await;
+    assert_eq!(start.status, 401, "{:?}", start.body);
+    let bare = http(
+        addr,
+        "POST",
+        "/process.Process/List",
+        &[crossed[0], ("content-type", "application/json")],
+        "{}",
+    )
+    .await;
+    assert_eq!(bare.status, 401, "{:?}", bare.body);
+
+    // A paused sandbox holds no slot: the team may start another, and then
+    // may not resume the paused one.
+    let paused = http(
+        addr,
+        "POST",
+        &format!("/sandboxes/{}/pause", mine.id),
+        &a,
+        "{}",
+    )
+    .await;
+    assert_eq!(paused.status, 204, "{:?}", paused.body);
+    let second = common::create(addr, &a, json!({"timeout": 300})).await;
+    let resume = http(
+        addr,
+        "POST",
+        &format!("/sandboxes/{}/connect", mine.id),
+        &a,
+        r#"{"timeout":60}"#,
+    )
+    .await;
+    assert_eq!(resume.status, 429, "{:?}", resume.body);
+    for (auth, id) in [(&a, &second.id), (&a, &mine.id), (&admin, &theirs.id)] {
+        let killed = http(
+            addr,
+            "DELETE",
+            &format!("/sandboxes/{id}"),
+            auth.as_slice(),
+            "",
+        )
+        .await;
+        assert_eq!(killed.status, 204, "{:?}", killed.body);
+    }
+}
+
 /// A running sandbox whose VMM is killed from outside (as a crash or the
 /// OOM killer would) is noticed: GET answers 404 and the envd proxy 502 "not
 /// found", as E2B shows a sandbox that died, its capacity is free again and

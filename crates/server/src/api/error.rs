@@ -35,7 +35,9 @@ impl From<SandboxError> for ApiError {
     fn from(e: SandboxError) -> ApiError {
         let status = match &e {
             SandboxError::NotFound(_) | SandboxError::TemplateNotFound(_) => StatusCode::NOT_FOUND,
-            SandboxError::AtCapacity { .. } => StatusCode::TOO_MANY_REQUESTS,
+            SandboxError::AtCapacity { .. } | SandboxError::TeamLimit(_) => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             SandboxError::OverCapacity(_) => StatusCode::SERVICE_UNAVAILABLE,
             SandboxError::Conflict { .. }
             | SandboxError::InUse { .. }

@@ -1,4 +1,5 @@
-//! The HTTP surface: E2B's control plane (authenticated by `X-API-KEY`) and,
+//! The HTTP surface: E2B's control plane (authenticated by `X-API-KEY`, each
+//! key a team's: see [`tenancy`]) and,
 //! in front of it, the envd proxy (see [`crate::proxy`]).
 
 mod error;
@@ -10,18 +11,16 @@ mod sandboxes;
 mod snapshots;
 mod templates;
 mod templates_e2b;
+mod tenancy;
 
 use axum::Router;
-use axum::extract::{Request, State};
 use axum::http::StatusCode;
-use axum::middleware::{self, Next};
-use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post, put};
+use axum::middleware;
+use axum::routing::{delete, get, post, put};
 
 pub use error::ApiError;
 pub use list::{ListQuery, decode_metadata_filter};
 
-use crate::auth;
 pub use crate::state::{AppState, Shared};
 
 /// Every route of the node on one listener.
@@ -74,9 +73,22 @@ pub fn router(state: Shared) -> Router {
             "/v2/templates/{id}/builds/{build_id}",
             post(templates_e2b::start_build),
         )
+        .route(
+            "/admin/teams",
+            get(tenancy::list_teams).post(tenancy::create_team),
+        )
+        .route(
+            "/admin/teams/{team}",
+            get(tenancy::get_team).patch(tenancy::update_team),
+        )
+        .route(
+            "/admin/teams/{team}/keys",
+            get(tenancy::list_keys).post(tenancy::create_key),
+        )
+        .route("/admin/keys/{key_id}", delete(tenancy::revoke_key))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
-            require_api_key,
+            tenancy::require_api_key,
         ));
     Router::new()
         .route("/health", get(health))
@@ -102,12 +114,4 @@ async fn health() -> StatusCode {
 
 async fn unknown_route() -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "no such route")
-}
-
-async fn require_api_key(State(state): State<Shared>, req: Request, next: Next) -> Response {
-    match req.headers().get(auth::HEADER).map(|v| v.to_str()) {
-        None => ApiError::new(StatusCode::UNAUTHORIZED, "missing X-API-KEY header").into_response(),
-        Some(Ok(key)) if state.keys.accepts(key) => next.run(req).await,
-        Some(_) => ApiError::new(StatusCode::UNAUTHORIZED, "invalid API key").into_response(),
-    }
 }

@@ -121,7 +121,11 @@ const MAX_BATCH: usize = 100;
 /// sandbox that has one, `{"sandboxes": {id: SandboxMetric}}`. Unknown (or
 /// impossible) ids
 /// are left out, as E2B does, rather than failing the whole batch.
-pub async fn metrics_batch(State(state): State<Shared>, uri: Uri) -> Result<Json<Value>, ApiError> {
+pub async fn metrics_batch(
+    State(state): State<Shared>,
+    axum::Extension(caller): axum::Extension<crate::tenants::Caller>,
+    uri: Uri,
+) -> Result<Json<Value>, ApiError> {
     let ids: Vec<String> = query(&uri)
         .into_iter()
         .filter(|(k, _)| k == "sandbox_ids")
@@ -150,6 +154,8 @@ pub async fn metrics_batch(State(state): State<Shared>, uri: Uri) -> Result<Json
             continue;
         }
         match state.manager.get(&id) {
+            // Another team's is left out as an unknown one.
+            Ok(r) if !caller.owns(r.team.as_deref()) => continue,
             Ok(r) if r.state == SandboxState::Running => state.manager.observe(&id).await,
             Ok(_) => {}
             Err(_) => continue,

@@ -3,11 +3,11 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, UNIX_EPOCH};
 
-use axum::Json;
 use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::{HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
@@ -18,6 +18,7 @@ use crate::ids;
 use crate::sandbox::{CreateParams, PauseMode, Phase, ResumeMode};
 use crate::store::{SandboxRecord, SandboxState};
 use crate::template;
+use crate::tenants::Caller;
 
 /// E2B's clientID is a node id the SDKs require but never use.
 const CLIENT_ID: &str = "sandfork";
@@ -34,7 +35,7 @@ pub(super) fn parse_body<T: DeserializeOwned + Default>(body: &Bytes) -> Result<
         .map_err(|e| ApiError::bad_request(format!("malformed request body: {e}")))
 }
 
-fn rfc3339(ms: u64) -> String {
+pub(super) fn rfc3339(ms: u64) -> String {
     humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
 }
 
@@ -144,7 +145,12 @@ struct NewSandbox {
     auto_pause_memory: Option<bool>,
 }
 
-async fn create(state: Shared, body: Bytes, v2: bool) -> Result<Response, ApiError> {
+async fn create(
+    state: Shared,
+    caller: Caller,
+    body: Bytes,
+    v2: bool,
+) -> Result<Response, ApiError> {
     let req: NewSandbox = parse_body(&body)?;
     let max = state.manager.config().max_timeout;
     let default_timeout = if v2 {
@@ -156,6 +162,7 @@ async fn create(state: Shared, body: Bytes, v2: bool) -> Result<Response, ApiErr
         .template_id
         .filter(|t| !t.is_empty())
         .unwrap_or_else(|| template::BASE.to_owned());
+    super::tenancy::check_template(&state, &caller, &template_id)?;
     let params = CreateParams {
         template_id,
         timeout: create_timeout(req.timeout.unwrap_or(default_timeout), max)?,
@@ -165,6 +172,7 @@ async fn create(state: Shared, body: Bytes, v2: bool) -> Result<Response, ApiErr
         auto_pause: req.auto_pause.unwrap_or(false),
         auto_pause_memory: req.auto_pause_memory.unwrap_or(true),
         network: super::network::from_create(req.allow_internet_access, req.network)?,
+        team: caller.stored_team(),
     };
     let ends_now = params.timeout.is_zero();
     let record = state.manager.create(params).await?;
@@ -174,12 +182,20 @@ async fn create(state: Shared, body: Bytes, v2: bool) -> Result<Response, ApiErr
     Ok((StatusCode::CREATED, Json(sandbox_json(&record))).into_response())
 }
 
-pub async fn create_v1(State(state): State<Shared>, body: Bytes) -> Result<Response, ApiError> {
-    create(state, body, false).await
+pub async fn create_v1(
+    State(state): State<Shared>,
+    Extension(caller): Extension<Caller>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    create(state, caller, body, false).await
 }
 
-pub async fn create_v2(State(state): State<Shared>, body: Bytes) -> Result<Response, ApiError> {
-    create(state, body, true).await
+pub async fn create_v2(
+    State(state): State<Shared>,
+    Extension(caller): Extension<Caller>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    create(state, caller, body, true).await
 }
 
 /// The sandbox id a path names, as E2B's API reads it: `<id>-<client id>`
@@ -213,7 +229,7 @@ pub async fn get_one(
     Ok(Json(detail))
 }
 
-async fn list(state: Shared, uri: Uri, v2: bool) -> Result<Response, ApiError> {
+async fn list(state: Shared, caller: Caller, uri: Uri, v2: bool) -> Result<Response, ApiError> {
     let mut query = ListQuery::parse(uri.query())?;
     if !v2 {
         // v1 lists running sandboxes, in one page.
@@ -221,7 +237,8 @@ async fn list(state: Shared, uri: Uri, v2: bool) -> Result<Response, ApiError> {
         query.next_token = None;
         query.limit = usize::MAX;
     }
-    let (page, next) = query.page(state.manager.list()?);
+    let own = super::tenancy::own_sandboxes(&caller, state.manager.list()?);
+    let (page, next) = query.page(own);
     let body: Vec<Value> = page.iter().map(|r| listed_json(r, false)).collect();
     let mut response = Json(body).into_response();
     if let Some(token) = next.and_then(|t| HeaderValue::from_str(&t).ok()) {
@@ -230,12 +247,20 @@ async fn list(state: Shared, uri: Uri, v2: bool) -> Result<Response, ApiError> {
     Ok(response)
 }
 
-pub async fn list_v1(State(state): State<Shared>, uri: Uri) -> Result<Response, ApiError> {
-    list(state, uri, false).await
+pub async fn list_v1(
+    State(state): State<Shared>,
+    Extension(caller): Extension<Caller>,
+    uri: Uri,
+) -> Result<Response, ApiError> {
+    list(state, caller, uri, false).await
 }
 
-pub async fn list_v2(State(state): State<Shared>, uri: Uri) -> Result<Response, ApiError> {
-    list(state, uri, true).await
+pub async fn list_v2(
+    State(state): State<Shared>,
+    Extension(caller): Extension<Caller>,
+    uri: Uri,
+) -> Result<Response, ApiError> {
+    list(state, caller, uri, true).await
 }
 
 pub async fn kill(

@@ -4,11 +4,11 @@
 
 use std::time::{Duration, UNIX_EPOCH};
 
-use axum::Json;
 use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::{HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -17,6 +17,7 @@ use super::sandboxes::{ForkBody, check_id, fork_answer, fork_request, parse_body
 use super::{ApiError, Shared};
 use crate::sandbox::{SnapshotForkParams, SnapshotParams};
 use crate::store::TemplateRecord;
+use crate::tenants::Caller;
 
 /// E2B's SnapshotInfo (`snapshotID`, `names`), plus where it came from.
 pub fn snapshot_json(t: &TemplateRecord) -> Value {
@@ -42,6 +43,7 @@ struct NewSnapshot {
 /// runs on. 404 unknown sandbox, 409 paused or changing state or name taken.
 pub async fn create(
     State(state): State<Shared>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
@@ -52,11 +54,21 @@ pub async fn create(
             "filesystem-only snapshots are not supported: snapshots keep memory",
         ));
     }
+    // Owned by the sandbox's team before it exists.
+    let snapshot_id = crate::ids::sandbox_id()
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    super::tenancy::own_template(&state, &caller, &snapshot_id)?;
     let params = SnapshotParams {
         name: req.name.filter(|n| !n.is_empty()),
-        id: None,
+        id: Some(snapshot_id.clone()),
     };
-    let record = state.manager.snapshot(&id, params).await?;
+    let record = match state.manager.snapshot(&id, params).await {
+        Ok(record) => record,
+        Err(e) => {
+            super::tenancy::disown_template(&state, &snapshot_id);
+            return Err(e.into());
+        }
+    };
     Ok((StatusCode::CREATED, Json(snapshot_json(&record))).into_response())
 }
 
@@ -67,6 +79,7 @@ pub async fn create(
 /// and timeout are checked before the snapshot is looked up (404 unknown).
 pub async fn fork(
     State(state): State<Shared>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
@@ -75,6 +88,7 @@ pub async fn fork(
     let params = SnapshotForkParams {
         timeout,
         metadata: req.metadata.unwrap_or_default(),
+        team: caller.stored_team(),
     };
     let results = state.manager.fork_snapshot(&id, count, params).await?;
     Ok(fork_answer(results, None))
@@ -117,11 +131,16 @@ fn parse_query(raw: Option<&str>) -> Result<SnapshotQuery, ApiError> {
 }
 
 /// `GET /snapshots`: newest first, `x-next-token` when more follow.
-pub async fn list(State(state): State<Shared>, uri: Uri) -> Result<Response, ApiError> {
+pub async fn list(
+    State(state): State<Shared>,
+    Extension(caller): Extension<Caller>,
+    uri: Uri,
+) -> Result<Response, ApiError> {
     let q = parse_query(uri.query())?;
     let mut all = state
         .manager
         .snapshots(q.sandbox.as_deref(), q.name.as_deref())?;
+    all.retain(|t| super::tenancy::sees_template(&state, &caller, &t.id));
     all.reverse();
     if let Some((ms, id)) = &q.next {
         all.retain(|t| (t.created_at_ms, &t.id) < (*ms, id));

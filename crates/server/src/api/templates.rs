@@ -7,11 +7,11 @@
 use std::path::PathBuf;
 use std::time::{Duration, UNIX_EPOCH};
 
-use axum::Json;
 use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::{StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -20,6 +20,7 @@ use super::{ApiError, Shared};
 use crate::store::BuildStatus;
 use crate::template::build::{MAX_MEM_MIB, MAX_VCPUS, MIN_MEM_MIB, TemplateInfo};
 use crate::template::{BuildParams, BuildSource};
+use crate::tenants::Caller;
 
 fn rfc3339(ms: u64) -> String {
     humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
@@ -133,9 +134,27 @@ fn parse_new(body: &Bytes) -> Result<BuildParams, ApiError> {
 /// `POST /templates`: 202 `{templateID, buildID, names, status: "building"}`;
 /// 400 bad input, 404 unknown sandbox, 409 name taken or sandbox paused, 503
 /// when the node cannot build.
-pub async fn create(State(state): State<Shared>, body: Bytes) -> Result<Response, ApiError> {
-    let params = parse_new(&body)?;
-    let build = state.templates.start(params)?;
+pub async fn create(
+    State(state): State<Shared>,
+    Extension(caller): Extension<Caller>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let mut params = parse_new(&body)?;
+    if let BuildSource::Sandbox(id) = &params.source {
+        super::tenancy::check_sandbox(&state, &caller, id)?;
+    }
+    // Owned by the caller's team before the build is seen.
+    let template_id = crate::ids::sandbox_id()
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    params.ids = Some((template_id.clone(), crate::template::build::uuid()?));
+    super::tenancy::own_template(&state, &caller, &template_id)?;
+    let build = match state.templates.start(params) {
+        Ok(build) => build,
+        Err(e) => {
+            super::tenancy::disown_template(&state, &template_id);
+            return Err(e.into());
+        }
+    };
     let body = json!({
         "templateID": build.template_id,
         "buildID": build.build_id,
@@ -146,9 +165,16 @@ pub async fn create(State(state): State<Shared>, body: Bytes) -> Result<Response
 }
 
 /// `GET /templates`: base first, then the others oldest first.
-pub async fn list(State(state): State<Shared>) -> Result<Response, ApiError> {
+pub async fn list(
+    State(state): State<Shared>,
+    Extension(caller): Extension<Caller>,
+) -> Result<Response, ApiError> {
     let all = state.templates.list()?;
-    let body: Vec<Value> = all.iter().map(template_json).collect();
+    let body: Vec<Value> = all
+        .iter()
+        .filter(|t| super::tenancy::sees_template(&state, &caller, &t.id))
+        .map(template_json)
+        .collect();
     Ok(Json(body).into_response())
 }
 

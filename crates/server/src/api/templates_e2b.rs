@@ -62,7 +62,11 @@ fn request_name(body: &Bytes) -> Result<String, ApiError> {
 /// `POST /v3/templates`: 202 `{templateID, buildID, public, names, tags,
 /// aliases}` (all six: the SDK's client needs them); 409 when a template of
 /// that name exists (delete it first).
-pub async fn request_build(State(state): State<Shared>, body: Bytes) -> Result<Response, ApiError> {
+pub async fn request_build(
+    State(state): State<Shared>,
+    axum::Extension(caller): axum::Extension<crate::tenants::Caller>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let name = request_name(&body)?;
     if state.manager.resolve_template(&name).is_ok() {
         return Err(ApiError::new(
@@ -73,6 +77,7 @@ pub async fn request_build(State(state): State<Shared>, body: Bytes) -> Result<R
     let template_id = crate::ids::sandbox_id()
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
     let build_id = crate::template::build::uuid()?;
+    super::tenancy::own_template(&state, &caller, &template_id)?;
     state.templates.e2b().add_waiting(
         &template_id,
         Waiting {
@@ -197,6 +202,7 @@ fn parse_start(body: &Bytes) -> Result<(StepsPlan, Option<String>, Option<String
 pub async fn start_build(
     State(state): State<Shared>,
     Path((id, build_id)): Path<(String, String)>,
+    axum::Extension(caller): axum::Extension<crate::tenants::Caller>,
     body: Bytes,
 ) -> Result<StatusCode, ApiError> {
     let e2b = state.templates.e2b();
@@ -220,6 +226,7 @@ pub async fn start_build(
         }
     };
     let (plan, start_cmd, ready_cmd) = parse_start(&body)?;
+    super::tenancy::check_template(&state, &caller, &plan.base)?;
     for (i, step) in plan.steps.iter().enumerate() {
         if let Step::Copy { files_hash, .. } = step
             && !e2b.has_file(files_hash)

@@ -69,7 +69,7 @@ impl Manager {
         // (the children share the frozen memory; their pauses later write
         // what each changed, as any sandbox's do).
         let child = Ask::sandbox(u64::from(parent.cpu_count), parent.memory_mb);
-        let mut slots = self.capacity.reserve(
+        let mut slots = self.capacity.reserve_for(
             Ask {
                 disk_mib: parent.memory_mb.saturating_mul(2),
                 ..child.times(u64::from(count))
@@ -78,6 +78,7 @@ impl Manager {
                 "a fork of {count} {}",
                 if count == 1 { "child" } else { "children" }
             ),
+            Some(parent.team()),
         )?;
         let child = Ask {
             disk_mib: 0,

@@ -36,6 +36,8 @@ pub type ForkResults = Vec<Result<SandboxRecord, SandboxError>>;
 pub struct SnapshotForkParams {
     pub timeout: Duration,
     pub metadata: BTreeMap<String, String>,
+    /// The team the children belong to (None: the default team).
+    pub team: Option<String>,
 }
 
 /// A child whose task ended without an answer (it panicked).
@@ -103,12 +105,13 @@ impl Manager {
             });
         };
         let child = Ask::sandbox(u64::from(parent.cpu_count), parent.memory_mb);
-        let mut slots = self.capacity.reserve(
+        let mut slots = self.capacity.reserve_for(
             child.times(u64::from(count)),
             &format!(
                 "a fork of {count} {} of paused sandbox {id}",
                 if count == 1 { "child" } else { "children" }
             ),
+            Some(parent.team()),
         )?;
 
         // New ids and directories first; the seal last, so a failure before
@@ -295,13 +298,14 @@ impl Manager {
             )));
         }
         let child = Ask::sandbox(u64::from(template.vcpus), template.mem_mib);
-        let mut slots = self.capacity.reserve(
+        let mut slots = self.capacity.reserve_for(
             child.times(u64::from(count)),
             &format!(
                 "a fork of {count} {} of snapshot {}",
                 if count == 1 { "child" } else { "children" },
                 template.id
             ),
+            Some(crate::tenants::team_or_default(params.team.as_deref())),
         )?;
         let template = Arc::new(template);
         let mut tasks = tokio::task::JoinSet::new();
@@ -316,6 +320,7 @@ impl Manager {
                 secure: true,
                 auto_pause_memory: true,
                 network: SandboxNetwork::default(),
+                team: params.team.clone(),
                 ..CreateParams::default()
             };
             let hold = slots.split(child);

@@ -79,9 +79,10 @@ impl Manager {
                 Ok(vm) => {
                     tracing::info!("sandbox {}: adopted its VMM (pid {})", r.id, vm.pid());
                     // Already running: it holds its share whatever the limits are now.
-                    let hold = self
-                        .capacity
-                        .hold(Ask::sandbox(u64::from(r.cpu_count), r.memory_mb));
+                    let hold = self.capacity.hold_for(
+                        Ask::sandbox(u64::from(r.cpu_count), r.memory_mb),
+                        Some(r.team()),
+                    );
                     let sandbox = Sandbox::of_record(&r, Phase::Starting);
                     let mut guest = sandbox.guest.lock().await;
                     // Its network slot was adopted with the pool (if still there).

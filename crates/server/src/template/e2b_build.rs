@@ -506,6 +506,12 @@ impl Templates {
                 auto_pause: false,
                 auto_pause_memory: false,
                 network: SandboxNetwork::default(),
+                // The team the template is built for (see `crate::tenants`).
+                team: manager
+                    .store()
+                    .owner(&crate::tenants::template_owner_key(template_id))
+                    .ok()
+                    .flatten(),
             })
             .await
             .map_err(|e| e.to_string())
