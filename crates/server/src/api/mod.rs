@@ -74,6 +74,13 @@ pub fn router(state: Shared) -> Router {
             "/v2/templates/{id}/builds/{build_id}",
             post(templates_e2b::start_build),
         )
+        .route("/v2/templates", get(templates_e2b::list_v2))
+        .route("/templates/aliases/{alias}", get(templates_e2b::alias))
+        .route(
+            "/templates/tags",
+            post(templates_e2b::assign_tags).delete(templates_e2b::remove_tags),
+        )
+        .route("/templates/{id}/tags", get(templates_e2b::tags))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,

@@ -122,6 +122,9 @@ pub async fn list(State(state): State<Shared>, uri: Uri) -> Result<Response, Api
     let mut all = state
         .manager
         .snapshots(q.sandbox.as_deref(), q.name.as_deref())?;
+    // The template builds' step cache is not anyone's snapshots.
+    let cache = state.templates.cache_templates();
+    all.retain(|t| !cache.contains(&t.id));
     all.reverse();
     if let Some((ms, id)) = &q.next {
         all.retain(|t| (t.created_at_ms, &t.id) < (*ms, id));
