@@ -217,6 +217,8 @@ impl TemplateRecord {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum BuildStatus {
+    /// Requested (E2B's `POST /v3/templates`), not started yet.
+    Waiting,
     Building,
     Ready,
     Error,
@@ -225,6 +227,7 @@ pub enum BuildStatus {
 impl BuildStatus {
     pub fn as_str(self) -> &'static str {
         match self {
+            BuildStatus::Waiting => "waiting",
             BuildStatus::Building => "building",
             BuildStatus::Ready => "ready",
             BuildStatus::Error => "error",
@@ -254,6 +257,18 @@ pub struct BuildRecord {
     /// E2B's step that failed (`base`, `1`..., `finalize`), when known.
     #[serde(default)]
     pub reason_step: Option<String>,
+    /// Set for E2B's builds (`POST /v3/templates`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub e2b: Option<E2bBuild>,
+}
+
+/// What an E2B build is part of: its template (E2B's `templateID`, shared by
+/// every build of a name; the build's own record id differs for a rebuild)
+/// and the tags its template takes when it is ready.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct E2bBuild {
+    pub template_id: String,
+    pub tags: Vec<String>,
 }
 
 pub struct Store {
@@ -586,6 +601,7 @@ mod tests {
             finished_at_ms: None,
             log: Vec::new(),
             reason_step: None,
+            e2b: None,
         };
         store.put_build(&b).unwrap();
         assert_eq!(store.template("t1").unwrap(), None);

@@ -16,8 +16,8 @@ use server::config::Config;
 use server::pool::Pool;
 use server::sandbox::Manager;
 use server::store::{
-    BuildRecord, BuildStatus, PauseReason, PausedSnapshot, SandboxRecord, SandboxState, Store,
-    TemplateRecord,
+    BuildRecord, BuildStatus, E2bBuild, PauseReason, PausedSnapshot, SandboxRecord, SandboxState,
+    Store, TemplateRecord,
 };
 use server::template::Templates;
 use tower::ServiceExt;
@@ -1484,6 +1484,7 @@ fn build_record(id: &str, name: &str, status: BuildStatus, started: u64) -> Buil
         finished_at_ms: None,
         log: vec!["line 1".into(), "line 2".into()],
         reason_step: None,
+        e2b: None,
     }
 }
 
@@ -2472,4 +2473,161 @@ async fn each_key_is_rate_limited_with_a_429_and_retry_after() {
         &call(&node, keyed("e2b_00", "GET", "/v2/sandboxes", "")).await,
         StatusCode::UNAUTHORIZED,
     );
+}
+
+#[tokio::test]
+async fn e2b_builds_wait_across_a_restart_and_their_tags_move() {
+    let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let node = node_configured(
+        &[],
+        &[
+            &|d| TemplateRecord {
+                names: names(&["web", "tplw", "web:v1", "tplw:v1"]),
+                ..built(d, "tplw", "web", 1)
+            },
+            &|d| TemplateRecord {
+                names: names(&["web:old", "tplw:old"]),
+                ..built(d, "tplw2", "web", 2)
+            },
+        ],
+        |_, store| {
+            for (id, status, at) in [
+                ("tplw", BuildStatus::Ready, 1),
+                ("tplw2", BuildStatus::Ready, 2),
+                ("tplw3", BuildStatus::Waiting, 3),
+            ] {
+                let mut b = build_record(id, "web", status, at);
+                if status == BuildStatus::Waiting {
+                    b.log.clear();
+                }
+                b.e2b = Some(E2bBuild {
+                    template_id: "tplw".into(),
+                    tags: vec!["default".into()],
+                });
+                store.put_build(&b).unwrap();
+            }
+        },
+    );
+    // As after a restart: the waiting build waits on.
+    node.templates.recover().unwrap();
+    let s = call(
+        &node,
+        authed("GET", "/templates/tplw/builds/build-tplw3/status", ""),
+    )
+    .await;
+    assert_eq!(
+        (s.status, &s.json["status"]),
+        (StatusCode::OK, &Value::from("waiting"))
+    );
+    assert_eq!(s.json["logEntries"], serde_json::json!([]));
+    let link = call(
+        &node,
+        Request::builder()
+            .uri(format!("/templates/tplw/files/{}", "ab".repeat(32)))
+            .header("x-api-key", KEY)
+            .header("host", "127.0.0.1:3000")
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(link.status, StatusCode::CREATED, "{}", link.json);
+
+    // Another build of the name: the same template, a new build.
+    let r = call(
+        &node,
+        authed("POST", "/v3/templates", r#"{"name":"Web:v2"}"#),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.json);
+    assert_eq!(r.json["templateID"], "tplw");
+    assert_eq!(r.json["tags"], serde_json::json!(["v2"]));
+    assert_ne!(r.json["buildID"], "build-tplw3");
+    let r = call(&node, authed("POST", "/v3/templates", r#"{"name":"base"}"#)).await;
+    assert_error(&r, StatusCode::BAD_REQUEST);
+
+    let a = call(&node, authed("GET", "/templates/aliases/web", "")).await;
+    assert_eq!(
+        (a.status, &a.json["templateID"]),
+        (StatusCode::OK, &Value::from("tplw"))
+    );
+    let a = call(&node, authed("GET", "/templates/aliases/nope", "")).await;
+    assert_error(&a, StatusCode::NOT_FOUND);
+
+    let tags = |node| async move {
+        let t = call(node, authed("GET", "/templates/tplw/tags", "")).await;
+        assert_eq!(t.status, StatusCode::OK, "{}", t.json);
+        t.json
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| {
+                format!(
+                    "{}={}",
+                    t["tag"].as_str().unwrap(),
+                    t["buildID"].as_str().unwrap()
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        tags(&node).await,
+        ["default=build-tplw", "old=build-tplw2", "v1=build-tplw"]
+    );
+    // The old build takes the default tag: `web` now creates from it.
+    let r = call(
+        &node,
+        authed(
+            "POST",
+            "/templates/tags",
+            r#"{"target":"web:old","tags":["default"]}"#,
+        ),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.json);
+    assert_eq!(r.json["buildID"], "build-tplw2");
+    assert_eq!(node.manager.resolve_template("web").unwrap().id, "tplw2");
+    assert_eq!(node.manager.resolve_template("tplw:v1").unwrap().id, "tplw");
+    let r = call(
+        &node,
+        authed(
+            "DELETE",
+            "/templates/tags",
+            r#"{"name":"web","tags":["v1"]}"#,
+        ),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    assert_eq!(
+        tags(&node).await,
+        ["default=build-tplw2", "old=build-tplw2"]
+    );
+    let r = call(
+        &node,
+        authed(
+            "POST",
+            "/templates/tags",
+            r#"{"target":"nope:v1","tags":["x"]}"#,
+        ),
+    )
+    .await;
+    assert_error(&r, StatusCode::NOT_FOUND);
+
+    let list = call(&node, authed("GET", "/v2/templates", "")).await;
+    let ours: Vec<&Value> = list
+        .json
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| t["templateID"] == "tplw")
+        .collect();
+    assert_eq!(ours.len(), 1, "{}", list.json);
+    assert_eq!(ours[0]["buildID"], "build-tplw2");
+
+    // Deleting the template deletes every build of it.
+    let d = call(&node, authed("DELETE", "/templates/web", "")).await;
+    assert_eq!(d.status, StatusCode::NO_CONTENT, "{}", d.json);
+    assert!(node.manager.resolve_template("tplw:v1").is_err());
+    assert!(node.manager.store().builds().unwrap().is_empty());
+    let a = call(&node, authed("GET", "/templates/aliases/web", "")).await;
+    assert_error(&a, StatusCode::NOT_FOUND);
 }

@@ -65,6 +65,9 @@ pub struct AgentInit {
     /// The user commands and file calls run as when a request names none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub default_user: Option<String>,
+    /// Where commands run when a request names no directory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub default_workdir: Option<String>,
 }
 
 impl AgentInit {
@@ -83,6 +86,7 @@ impl AgentInit {
             access_token: None,
             env_vars: None,
             default_user: None,
+            default_workdir: None,
         })
     }
 

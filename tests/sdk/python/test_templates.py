@@ -1,9 +1,12 @@
 """Template builds through the unmodified SDK's `Template.build`: RUN, COPY
 (a directory, with owner and mode), ENV, WORKDIR and USER run in a microVM of
 the base template, which is snapshotted into the template a sandbox is then
-created from; a failing RUN reports its step."""
+created from; a failing RUN reports its step; a second build takes its steps
+from the step cache; names, tags and aliases."""
 
+import re
 import secrets
+import time
 from pathlib import Path
 
 import httpx
@@ -20,6 +23,15 @@ def _delete(name: str) -> None:
     )
 
 
+STEP_LINE = re.compile(r"^\[\d+/\d+\] ")
+
+
+def _steps(logs: list[str]) -> list[str]:
+    """The build log's step lines (`[n/total] ...`)."""
+    return [line for line in logs if STEP_LINE.match(line)]
+
+
+@pytest.mark.timeout(1100)
 def test_template_build_runs_every_step(tmp_path: Path):
     ctx = tmp_path / "ctx"
     (ctx / "files" / "sub").mkdir(parents=True)
@@ -29,8 +41,8 @@ def test_template_build_runs_every_step(tmp_path: Path):
     template = (
         Template(file_context_path=str(ctx))
         .from_template("base")
-        .run_cmd("echo built > /opt/marker")
-        .set_envs({"TMPL_VAR": "tmpl value"})
+        .run_cmd("echo built > /opt/marker && echo step-output-marker")
+        .set_envs({"TMPL_VAR": "tmpl value", "TMPL_PATH": "/opt/tool:$PATH"})
         .copy("files/", "/opt/app/", user="user", mode=0o750)
         .set_workdir("/opt/work")
         .run_cmd('pwd > /opt/pwd && echo "$TMPL_VAR" > /opt/env')
@@ -40,12 +52,16 @@ def test_template_build_runs_every_step(tmp_path: Path):
     )
     logs: list[str] = []
     try:
-        Template.build(
+        started = time.monotonic()
+        first = Template.build(
             template,
             name,
             on_build_logs=lambda e: logs.append(e.message),
         )
+        first_s = time.monotonic() - started
         assert any("[1/" in line for line in logs), logs
+        assert "step-output-marker" in logs
+        assert not any("CACHED" in line for line in _steps(logs)), logs
         sbx = Sandbox.create(name, metadata=RUN_META, timeout=300)
         try:
 
@@ -64,12 +80,129 @@ def test_template_build_runs_every_step(tmp_path: Path):
             assert run("stat -c %U /home/builder/by-builder") == "builder"
             assert run("cat /opt/as-root") == "root"
             assert run("getent passwd builder | cut -d: -f6") == "/home/builder"
-            # ENV is kept by the template's sandboxes
+            # ENV is kept by the template's sandboxes, expanded as Docker does
             assert run('echo "$TMPL_VAR"') == "tmpl value"
+            path = run('echo "$TMPL_PATH"')
+            assert path.startswith("/opt/tool:") and "/bin" in path, path
+            # the last USER and WORKDIR are the sandbox's defaults
+            assert sbx.commands.run("id -un").stdout.strip() == "builder"
+            assert sbx.commands.run("pwd").stdout.strip() == "/opt/work"
+        finally:
+            sbx.kill()
+
+        # The same template again: the same template id, a new build, every
+        # step from the cache (none runs: no step output), the COPY's files
+        # already uploaded.
+        logs2: list[str] = []
+        started = time.monotonic()
+        again = Template.build(
+            template, name, on_build_logs=lambda e: logs2.append(e.message)
+        )
+        again_s = time.monotonic() - started
+        steps = _steps(logs2)
+        assert len(steps) == len(_steps(logs)) == 8, logs2
+        assert all(" CACHED " in line for line in steps), logs2
+        assert "step-output-marker" not in logs2, logs2
+        assert again.template_id == first.template_id
+        assert again.build_id != first.build_id
+        print(
+            f"template build: first {first_s:.1f} s, cached rebuild {again_s:.1f} s "
+            f"(ratio {again_s / first_s:.2f})"
+        )
+        sbx = Sandbox.create(name, metadata=RUN_META, timeout=300)
+        try:
+            assert sbx.commands.run("cat /opt/marker").stdout.strip() == "built"
+            assert sbx.commands.run("id -un").stdout.strip() == "builder"
         finally:
             sbx.kill()
     finally:
         _delete(name)
+
+
+@pytest.mark.timeout(900)
+def test_template_build_reuses_a_shared_prefix(tmp_path: Path):
+    token = secrets.token_hex(4)
+
+    def template(last: str) -> Template:
+        return (
+            Template(file_context_path=str(tmp_path))
+            .from_template("base")
+            .run_cmd(f"echo {token} > /opt/prefix && echo prefix-ran")
+            .set_envs({"LAST": last})
+            .run_cmd('echo "$LAST" > /opt/last && echo last-ran')
+        )
+
+    a, b = f"sdk-tmpl-a-{token}", f"sdk-tmpl-b-{token}"
+    try:
+        Template.build(template("a"), a)
+        logs: list[str] = []
+        Template.build(template("b"), b, on_build_logs=lambda e: logs.append(e.message))
+        steps = _steps(logs)
+        assert [" CACHED " in line for line in steps] == [True, False, False], logs
+        assert "prefix-ran" not in logs and "last-ran" in logs, logs
+        # skip_cache: every step runs again
+        logs = []
+        Template.build(
+            template("b"),
+            b,
+            skip_cache=True,
+            on_build_logs=lambda e: logs.append(e.message),
+        )
+        assert not any(" CACHED " in line for line in _steps(logs)), logs
+        assert "prefix-ran" in logs, logs
+        sbx = Sandbox.create(b, metadata=RUN_META, timeout=300)
+        try:
+
+            def run(cmd: str) -> str:
+                return sbx.commands.run(cmd, user="root").stdout.strip()
+
+            assert run("cat /opt/prefix") == token
+            assert run("cat /opt/last") == "b"
+        finally:
+            sbx.kill()
+    finally:
+        _delete(a)
+        _delete(b)
+
+
+def test_template_names_tags_and_aliases(api):
+    token = secrets.token_hex(3)
+    name = f"sdk-tmpl-tags-{token}"
+    template = Template().from_template("base").run_cmd(f"echo {token} > /opt/tagged")
+    try:
+        assert not Template.exists(name)
+        assert api.get(f"/templates/aliases/{name}").status_code == 404
+        info = Template.build(template, f"{name}:v1", tags=["stable"])
+        assert Template.exists(name)
+        alias = api.get(f"/templates/aliases/{name}")
+        assert alias.status_code == 200, alias.text
+        assert alias.json()["templateID"] == info.template_id
+        tags = {t.tag: t.build_id for t in Template.get_tags(info.template_id)}
+        assert tags == {"v1": info.build_id, "stable": info.build_id}, tags
+
+        # no default tag yet: the bare name is not a template to create from
+        listed = [
+            t
+            for t in api.get("/v2/templates").json()
+            if t["templateID"] == info.template_id
+        ]
+        assert len(listed) == 1, listed
+        assert api.get(f"/templates/{name}").status_code == 404
+
+        tagged = Template.assign_tags(f"{name}:v1", "default")
+        assert tagged.build_id == info.build_id and tagged.tags == ["default"]
+        Template.remove_tags(name, "stable")
+        tags = {t.tag for t in Template.get_tags(info.template_id)}
+        assert tags == {"v1", "default"}, tags
+        sbx = Sandbox.create(name, metadata=RUN_META, timeout=300)
+        try:
+            out = sbx.commands.run("cat /opt/tagged", user="root").stdout.strip()
+            assert out == token
+        finally:
+            sbx.kill()
+    finally:
+        _delete(name)
+    assert not Template.exists(name)
 
 
 def test_template_build_failing_step_is_reported(tmp_path: Path):

@@ -86,6 +86,13 @@ pub fn router(state: Shared) -> Router {
             get(tenancy::list_keys).post(tenancy::create_key),
         )
         .route("/admin/keys/{key_id}", delete(tenancy::revoke_key))
+        .route("/v2/templates", get(templates_e2b::list_v2))
+        .route("/templates/aliases/{alias}", get(templates_e2b::alias))
+        .route(
+            "/templates/tags",
+            post(templates_e2b::assign_tags).delete(templates_e2b::remove_tags),
+        )
+        .route("/templates/{id}/tags", get(templates_e2b::tags))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             tenancy::require_api_key,

@@ -141,6 +141,9 @@ pub async fn list(
         .manager
         .snapshots(q.sandbox.as_deref(), q.name.as_deref())?;
     all.retain(|t| super::tenancy::sees_template(&state, &caller, &t.id));
+    // The template builds' step cache is not anyone's snapshots.
+    let cache = state.templates.cache_templates();
+    all.retain(|t| !cache.contains(&t.id));
     all.reverse();
     if let Some((ms, id)) = &q.next {
         all.retain(|t| (t.created_at_ms, &t.id) < (*ms, id));

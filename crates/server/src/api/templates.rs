@@ -22,7 +22,7 @@ use crate::template::build::{MAX_MEM_MIB, MAX_VCPUS, MIN_MEM_MIB, TemplateInfo};
 use crate::template::{BuildParams, BuildSource};
 use crate::tenants::Caller;
 
-fn rfc3339(ms: u64) -> String {
+pub(super) fn rfc3339(ms: u64) -> String {
     humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
 }
 
@@ -127,7 +127,7 @@ fn parse_new(body: &Bytes) -> Result<BuildParams, ApiError> {
         ready_cmd: req.ready_cmd,
         vcpus,
         mem_mib,
-        ids: None,
+        e2b: None,
     })
 }
 
@@ -214,20 +214,10 @@ pub async fn build_status(
     uri: Uri,
 ) -> Result<Response, ApiError> {
     let offset = logs_offset(uri.query())?;
-    if let Some(w) = state.templates.e2b().waiting(&id)
-        && w.build_id == build_id
-    {
-        return Ok(Json(json!({
-            "templateID": id,
-            "buildID": build_id,
-            "names": [w.name],
-            "status": "waiting",
-            "logs": [],
-            "logEntries": [],
-        }))
-        .into_response());
-    }
-    let (build, logs) = state.templates.status(&id, offset)?;
+    let (build, logs) = match state.templates.e2b_build(&id, &build_id)? {
+        Some(b) => state.templates.status_of(b, offset),
+        None => state.templates.status(&id, offset)?,
+    };
     if build.build_id != build_id {
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,
@@ -244,7 +234,7 @@ pub async fn build_status(
     let at = rfc3339(build.finished_at_ms.unwrap_or(build.started_at_ms));
     let entries: Vec<Value> = logs.iter().map(|l| log_entry(l, &at)).collect();
     let mut body = json!({
-        "templateID": build.template_id,
+        "templateID": crate::template::e2b_build::e2b_template_id(&build),
         "buildID": build.build_id,
         "names": [build.name],
         "status": build.status.as_str(),

@@ -70,9 +70,9 @@ pub struct BuildParams {
     pub ready_cmd: Option<String>,
     pub vcpus: Option<u8>,
     pub mem_mib: Option<u64>,
-    /// The template and build ids, when already handed out (E2B's
-    /// `POST /v3/templates` names them before the build starts).
-    pub ids: Option<(String, String)>,
+    /// The waiting E2B build this starts (`POST /v3/templates` recorded it,
+    /// with its ids and tags, before the build starts).
+    pub e2b: Option<BuildRecord>,
 }
 
 /// One template as listed: built, base, snapshot, or a build without a
@@ -201,8 +201,14 @@ impl Templates {
             if b.status != BuildStatus::Building {
                 continue;
             }
-            if store.template(&b.template_id)?.is_some() {
+            if let Some(mut t) = store.template(&b.template_id)? {
                 b.status = BuildStatus::Ready;
+                // Its tags may not have moved yet.
+                if b.e2b.is_some() {
+                    t.names = self.names_of(&b);
+                    self.take_names(&t)?;
+                    store.put_template(&t)?;
+                }
             } else {
                 tracing::info!(
                     "template {}: its build was interrupted by a restart",
@@ -308,10 +314,14 @@ impl Templates {
                 let s = self.manager.get(id)?;
                 (s.memory_mb, u8::try_from(s.cpu_count).unwrap_or(vcpus))
             }
-            // A sandbox of the base keeps the base's machine.
+            // The base's machine unless the E2B request asked for another
+            // (made by booting the base image so: `e2b_build::sized_base`).
             BuildSource::Steps(plan) => {
                 let t = self.manager.resolve_template(&plan.base)?;
-                (t.mem_mib, t.vcpus)
+                (
+                    params.mem_mib.unwrap_or(t.mem_mib),
+                    params.vcpus.unwrap_or(t.vcpus),
+                )
             }
             _ => (mem_mib, vcpus),
         };
@@ -336,32 +346,39 @@ impl Templates {
                 .builds()?
                 .into_iter()
                 .any(|b| b.name == params.name && b.status == BuildStatus::Building);
-            if building || self.manager.resolve_template(&params.name).is_ok() {
+            // An E2B build of a name rebuilds it (its tags move when ready).
+            if building
+                || (params.e2b.is_none() && self.manager.resolve_template(&params.name).is_ok())
+            {
                 return Err(SandboxError::NameTaken(params.name.clone()));
             }
-            let (template_id, build_id) = match params.ids.clone() {
-                Some(ids) => ids,
-                None => (
-                    ids::sandbox_id().map_err(|source| SandboxError::Io {
+            let record = match params.e2b.clone() {
+                Some(waiting) => BuildRecord {
+                    source: params.source.describe(),
+                    vcpus,
+                    mem_mib,
+                    status: BuildStatus::Building,
+                    started_at_ms: now_ms(),
+                    ..waiting
+                },
+                None => BuildRecord {
+                    template_id: ids::sandbox_id().map_err(|source| SandboxError::Io {
                         what: "generating a template id".into(),
                         source,
                     })?,
-                    uuid()?,
-                ),
-            };
-            let record = BuildRecord {
-                template_id,
-                build_id,
-                name: params.name.clone(),
-                source: params.source.describe(),
-                vcpus,
-                mem_mib,
-                status: BuildStatus::Building,
-                reason: None,
-                started_at_ms: now_ms(),
-                finished_at_ms: None,
-                log: Vec::new(),
-                reason_step: None,
+                    build_id: uuid()?,
+                    name: params.name.clone(),
+                    source: params.source.describe(),
+                    vcpus,
+                    mem_mib,
+                    status: BuildStatus::Building,
+                    reason: None,
+                    started_at_ms: now_ms(),
+                    finished_at_ms: None,
+                    log: Vec::new(),
+                    reason_step: None,
+                    e2b: None,
+                },
             };
             store.put_build(&record)?;
             running.insert(record.template_id.clone(), Arc::default());
@@ -393,8 +410,7 @@ impl Templates {
                 .map_err(Failure::from),
             BuildSource::Steps(plan) => {
                 self.build_from_steps(
-                    &record.template_id,
-                    &record.name,
+                    &record,
                     plan,
                     params.start_cmd.clone(),
                     params.ready_cmd.clone(),
@@ -411,6 +427,7 @@ impl Templates {
         drop(room);
         record.finished_at_ms = Some(now_ms());
         let store = self.manager.store();
+        let mut untagged = Vec::new();
         let written = match result {
             Ok(template) => {
                 log.push(&format!(
@@ -420,11 +437,22 @@ impl Templates {
                 record.status = BuildStatus::Ready;
                 record.log = log.lines_from(0);
                 match template {
+                    // An E2B build's names (its tags) leave the builds that had them.
+                    Some(t) if record.e2b.is_some() => self
+                        .take_names(&t)
+                        .and_then(|emptied| {
+                            untagged = emptied;
+                            store.finish_build(&t, &record)
+                        })
+                        .map_err(SandboxError::from),
                     // Unrecorded, its files would be no one's until a restart.
-                    Some(t) => store.finish_build(&t, &record).inspect_err(|_| {
-                        let _ = std::fs::remove_dir_all(&t.dir);
-                    }),
-                    None => store.put_build(&record),
+                    Some(t) => store
+                        .finish_build(&t, &record)
+                        .inspect_err(|_| {
+                            let _ = std::fs::remove_dir_all(&t.dir);
+                        })
+                        .map_err(SandboxError::from),
+                    None => store.put_build(&record).map_err(SandboxError::from),
                 }
             }
             Err(Failure {
@@ -436,9 +464,10 @@ impl Templates {
                 record.reason = Some(reason);
                 record.reason_step = step;
                 record.log = log.lines_from(0);
-                store.put_build(&record)
+                store.put_build(&record).map_err(SandboxError::from)
             }
         };
+        self.drop_untagged(untagged).await;
         match written {
             Ok(()) => tracing::info!(
                 "template {id} ({}): {} after {:.1} s{}",
@@ -579,12 +608,17 @@ impl Templates {
         let record = self
             .find_build(id_or_name)?
             .ok_or_else(|| SandboxError::TemplateNotFound(id_or_name.to_owned()))?;
+        Ok(self.status_of(record, offset))
+    }
+
+    /// A build's record and its log lines from `offset` (live while it runs).
+    pub fn status_of(&self, record: BuildRecord, offset: usize) -> (BuildRecord, Vec<String>) {
         let live = self.running().get(&record.template_id).cloned();
         let lines = match live {
             Some(log) if record.status == BuildStatus::Building => log.lines_from(offset),
             _ => record.log.iter().skip(offset).cloned().collect(),
         };
-        Ok((record, lines))
+        (record, lines)
     }
 
     fn find_build(&self, id_or_name: &str) -> Result<Option<BuildRecord>, SandboxError> {
@@ -609,21 +643,28 @@ impl Templates {
             .collect();
         let base = self.manager.template().clone();
         let mut out = vec![info(&base, None, "base")];
+        // The step cache's snapshots are no one's templates.
+        let cache = self.cache_templates();
         for t in store.templates()? {
-            if t.id == base.id {
+            if t.id == base.id || cache.contains(&t.id) {
                 continue;
             }
-            let kind = if t.is_snapshot() { "snapshot" } else { "built" };
-            out.push(info(&t, builds.get(&t.id), kind));
+            let build = builds.get(&t.id);
+            let kind = if t.is_snapshot() && build.is_none() {
+                "snapshot"
+            } else {
+                "built"
+            };
+            out.push(info(&t, build, kind));
         }
         let recorded: std::collections::HashSet<String> =
-            out.iter().map(|t| t.id.clone()).collect();
+            store.templates()?.into_iter().map(|t| t.id).collect();
         for b in builds
             .values()
             .filter(|b| !recorded.contains(&b.template_id))
         {
             out.push(TemplateInfo {
-                id: b.template_id.clone(),
+                id: super::e2b_build::e2b_template_id(b).to_owned(),
                 build_id: Some(b.build_id.clone()),
                 names: vec![b.name.clone()],
                 kind: "built",
@@ -642,6 +683,32 @@ impl Templates {
     /// Deletes a template (built or snapshot) or a failed build; refused for
     /// `base`, while it builds, and while anything uses it.
     pub async fn delete(&self, id_or_name: &str) -> Result<(), SandboxError> {
+        // An E2B template (by id or alias): every build of it.
+        let store = self.manager.store();
+        let e2b: Vec<BuildRecord> = store
+            .builds()?
+            .into_iter()
+            .filter(|b| {
+                b.e2b.is_some()
+                    && (b.name == id_or_name || super::e2b_build::e2b_template_id(b) == id_or_name)
+            })
+            .collect();
+        if !e2b.is_empty() {
+            if let Some(b) = e2b.iter().find(|b| b.status == BuildStatus::Building) {
+                return Err(SandboxError::InUse {
+                    id: b.template_id.clone(),
+                    users: "its build, still running".into(),
+                });
+            }
+            for b in e2b {
+                match self.manager.delete_template(&b.template_id).await {
+                    Ok(_) | Err(SandboxError::TemplateNotFound(_)) => {}
+                    Err(e) => return Err(e),
+                }
+                store.remove_build(&b.template_id)?;
+            }
+            return Ok(());
+        }
         if self.manager.resolve_template(id_or_name).is_err() {
             let store = self.manager.store();
             let build = self.find_build(id_or_name)?;
@@ -681,7 +748,11 @@ fn check_path(path: &Path, what: &str) -> Result<(), SandboxError> {
 
 fn info(t: &TemplateRecord, build: Option<&BuildRecord>, kind: &'static str) -> TemplateInfo {
     TemplateInfo {
-        id: t.id.clone(),
+        // An E2B build's template is E2B's template (shared by its builds).
+        id: build.map_or_else(
+            || t.id.clone(),
+            |b| super::e2b_build::e2b_template_id(b).to_owned(),
+        ),
         build_id: build.map(|b| b.build_id.clone()),
         names: t.names.clone(),
         kind,
