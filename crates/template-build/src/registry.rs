@@ -12,8 +12,9 @@
 //! digest whose manifest is stored makes no request at all).
 //!
 //! Plain HTTP is used for loopback registries (`localhost`, `127.0.0.0/8`,
-//! `::1`) and for the hosts given in [`PullOptions::insecure`]; any other
-//! registry needs HTTPS, which this client does not speak (it says so).
+//! `::1`) and for the hosts given in [`PullOptions::insecure`] (`host` for
+//! any port, or `host:port`); any other registry needs HTTPS, which this
+//! client does not speak yet (it says so).
 //!
 //! The client is small and on the HTTP stack the workspace already has
 //! (hyper); a registry crate would have brought its own HTTP and TLS stack.
@@ -306,6 +307,11 @@ pub struct PullOptions {
     /// Registries (`host` or `host:port`) reached over plain HTTP besides
     /// loopback ones.
     pub insecure: Vec<String>,
+    /// Where loopback registries are really reached: set when this node
+    /// runs inside a VM (the KVM lab) whose users' loopback is its host's,
+    /// reached from inside at this address (the `Host` header and the
+    /// image's name keep the loopback address).
+    pub loopback_via: Option<String>,
 }
 
 impl PullOptions {
@@ -318,6 +324,14 @@ impl PullOptions {
             .filter(|s| !s.is_empty())
             .map(str::to_owned)
             .collect()
+    }
+
+    /// The loopback address from `SANDFORK_REGISTRY_LOOPBACK_VIA` (see
+    /// [`PullOptions::loopback_via`]).
+    pub fn loopback_via_from_env() -> Option<String> {
+        std::env::var("SANDFORK_REGISTRY_LOOPBACK_VIA")
+            .ok()
+            .filter(|v| !v.is_empty())
     }
 }
 
@@ -714,6 +728,9 @@ fn error_message(body: &[u8]) -> String {
 
 struct Client {
     base: Url,
+    /// Where the registry's own host is connected to (see
+    /// [`PullOptions::loopback_via`]).
+    connect_host: String,
     registry: String,
     repository: String,
     credentials: Option<Credentials>,
@@ -724,7 +741,8 @@ struct Client {
 impl Client {
     fn new(reference: &Reference, opts: &PullOptions) -> Result<Client, RegistryError> {
         let host = reference.api_host();
-        let plain = is_loopback(host) || opts.insecure.iter().any(|h| h == host);
+        let bare = host.rsplit_once(':').map_or(host, |(h, _)| h);
+        let plain = is_loopback(host) || opts.insecure.iter().any(|h| h == host || h == bare);
         let scheme = if plain { "http" } else { "https" };
         let base = Url::parse(&format!("{scheme}://{host}/")).ok_or_else(|| {
             RegistryError::BadReference {
@@ -732,7 +750,12 @@ impl Client {
                 reason: "the registry is not a valid host[:port]".into(),
             }
         })?;
+        let connect_host = match &opts.loopback_via {
+            Some(via) if is_loopback(host) => via.clone(),
+            _ => base.host.clone(),
+        };
         Ok(Client {
+            connect_host,
             base,
             registry: reference.registry.clone(),
             repository: reference.repository.clone(),
@@ -770,9 +793,14 @@ impl Client {
             )));
         }
         stats.requests += 1;
+        let host = if url.authority == self.base.authority {
+            self.connect_host.as_str()
+        } else {
+            url.host.as_str()
+        };
         let stream = tokio::time::timeout(
             CONNECT_TIMEOUT,
-            tokio::net::TcpStream::connect((url.host.as_str(), url.port)),
+            tokio::net::TcpStream::connect((host, url.port)),
         )
         .await
         .map_err(|_| transport(format!("connecting to {} timed out", url.authority)))?

@@ -274,6 +274,7 @@ fn pull(
             password: p.into(),
         }),
         insecure: vec![],
+        loopback_via: None,
     };
     rt().block_on(registry::pull(store, &r, &opts, &mut |_| {}))
 }
@@ -334,6 +335,28 @@ fn anonymous_pulls_verify_cache_and_build() {
         (0, 0)
     );
     assert_eq!((again.stats.blobs_cached, again.stats.requests), (3, 1));
+
+    // a loopback registry reached through another address (a node in the
+    // KVM lab reaches its host's loopback through the lab's gateway)
+    let r = Reference::parse(&format!("127.0.0.9:{}/sandfork/img:v1", reg.port)).unwrap();
+    let opts = PullOptions {
+        loopback_via: Some("127.0.0.1".into()),
+        ..PullOptions::default()
+    };
+    let via = rt()
+        .block_on(registry::pull(&store, &r, &opts, &mut |_| {}))
+        .unwrap();
+    assert_eq!(
+        (via.manifest_digest.as_str(), via.stats.blobs_cached),
+        (manifest.as_str(), 3)
+    );
+    let err = pull(
+        &store,
+        &format!("127.0.0.9:{}/sandfork/img:v1", reg.port),
+        None,
+    )
+    .unwrap_err();
+    assert!(matches!(err, RegistryError::Transport { .. }), "{err}");
 
     // by digest, with the registry gone: nothing asked at all
     let by_digest = format!("{}/sandfork/img@{manifest}", reg.host());
@@ -487,5 +510,122 @@ fn failures_are_named_and_leave_nothing_half_made() {
     // HTTPS registries are refused by name, before any connection
     let err = pull(&store, "registry.invalid/img:v1", None).unwrap_err();
     assert!(err.to_string().contains("TLS"), "{err}");
+    assert_store_clean(&store);
+}
+
+/// A token service in front of a registry, as Docker Hub and most hosted
+/// registries have one: `/v2/` answers 401 with a Bearer challenge naming
+/// `/token`, which hands a token for the right basic credentials; requests
+/// with that token are passed to the registry. One request per connection.
+struct TokenGate {
+    port: u16,
+}
+
+const TOKEN: &str = "tok-0123456789";
+
+impl TokenGate {
+    fn start(upstream: u16, user: &'static str, pass: &'static str) -> TokenGate {
+        use std::io::{Read, Write};
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { continue };
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") && conn.read(&mut byte).unwrap_or(0) == 1 {
+                    head.push(byte[0]);
+                }
+                let text = String::from_utf8_lossy(&head).into_owned();
+                let path = text.split_whitespace().nth(1).unwrap_or("").to_owned();
+                let auth = text
+                    .lines()
+                    .find_map(|l| {
+                        let (k, v) = l.split_once(':')?;
+                        k.eq_ignore_ascii_case("authorization")
+                            .then(|| v.trim().to_owned())
+                    })
+                    .unwrap_or_default();
+                let answer = |conn: &mut std::net::TcpStream,
+                              status: &str,
+                              extra: &str,
+                              body: &str| {
+                    let _ = write!(
+                        conn,
+                        "HTTP/1.1 {status}\r\n{extra}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                };
+                if path.starts_with("/token?") {
+                    use base64::Engine as _;
+                    let basic = format!(
+                        "Basic {}",
+                        base64::engine::general_purpose::STANDARD.encode(format!("{user}:{pass}"))
+                    );
+                    let scoped = path.contains("scope=repository%3Agated%2Fimg%3Apull")
+                        && path.contains("service=gate");
+                    if auth == basic && scoped {
+                        answer(
+                            &mut conn,
+                            "200 OK",
+                            "",
+                            &format!(r#"{{"token":"{TOKEN}"}}"#),
+                        );
+                    } else {
+                        answer(
+                            &mut conn,
+                            "401 Unauthorized",
+                            "",
+                            r#"{"errors":[{"code":"UNAUTHORIZED","message":"bad credentials"}]}"#,
+                        );
+                    }
+                } else if auth == format!("Bearer {TOKEN}") {
+                    let Ok(mut up) = std::net::TcpStream::connect(("127.0.0.1", upstream)) else {
+                        continue;
+                    };
+                    let head = text.replacen("\r\n", "\r\nConnection: close\r\n", 1);
+                    let _ = up.write_all(head.as_bytes());
+                    let _ = std::io::copy(&mut up, &mut conn);
+                } else {
+                    let challenge = format!(
+                        "WWW-Authenticate: Bearer realm=\"http://127.0.0.1:{port}/token\",service=\"gate\",scope=\"repository:gated/img:pull\"\r\n"
+                    );
+                    answer(
+                        &mut conn,
+                        "401 Unauthorized",
+                        &challenge,
+                        r#"{"errors":[{"code":"UNAUTHORIZED","message":"authentication required"}]}"#,
+                    );
+                }
+            }
+        });
+        TokenGate { port }
+    }
+}
+
+#[test]
+fn the_token_flow_gets_a_bearer_token_with_the_credentials() {
+    let reg = Registry::start(None);
+    let tmp = tempfile::tempdir().unwrap();
+    let layout = tmp.path().join("layout");
+    single_layout(&layout);
+    let manifest = reg.push(&layout, "gated/img:v1");
+    let gate = TokenGate::start(reg.port, "bob", "pw-of-bob");
+    let store = tmp.path().join("images");
+    let name = format!("127.0.0.1:{}/gated/img:v1", gate.port);
+
+    let err = pull(&store, &name, None).unwrap_err();
+    assert!(
+        matches!(err, RegistryError::Unauthorized { .. })
+            && err.to_string().contains("bad credentials"),
+        "{err}"
+    );
+    let err = pull(&store, &name, Some(("bob", "nope"))).unwrap_err();
+    assert!(err.to_string().contains("refused the credentials"), "{err}");
+    let p = pull(&store, &name, Some(("bob", "pw-of-bob"))).unwrap();
+    assert_eq!(p.manifest_digest, manifest);
+    assert_eq!(p.stats.blobs_fetched, 3);
+    // challenge, token, manifest, then three blobs with the token kept
+    assert_eq!(p.stats.requests, 6);
     assert_store_clean(&store);
 }

@@ -56,7 +56,10 @@ impl BuildSource {
             BuildSource::OciLayout(p) => format!("oci layout {}", p.display()),
             BuildSource::DockerArchive(p) => format!("docker archive {}", p.display()),
             BuildSource::Sandbox(id) => format!("sandbox {id}"),
-            BuildSource::Steps(p) => format!("template {} and {} steps", p.base, p.steps.len()),
+            BuildSource::Steps(p) => match &p.pull {
+                Some(i) => format!("image {} and {} steps", i.image, p.steps.len()),
+                None => format!("template {} and {} steps", p.base, p.steps.len()),
+            },
         }
     }
 }
@@ -262,6 +265,15 @@ impl Templates {
                     )));
                 }
             }
+            BuildSource::Steps(plan) if plan.pull.is_some() => {
+                if config.agent.is_none() {
+                    return Err(SandboxError::Unavailable(
+                        "this node has no guest agent binary to build images with \
+                         (SANDFORK_AGENT)"
+                            .into(),
+                    ));
+                }
+            }
             BuildSource::Steps(plan) => {
                 let base = self.manager.resolve_template(&plan.base)?;
                 plan.base = base.id;
@@ -308,8 +320,9 @@ impl Templates {
                 let s = self.manager.get(id)?;
                 (s.memory_mb, u8::try_from(s.cpu_count).unwrap_or(vcpus))
             }
-            // A sandbox of the base keeps the base's machine.
-            BuildSource::Steps(plan) => {
+            // A sandbox of the base keeps the base's machine (an image's
+            // template gets the node's default one).
+            BuildSource::Steps(plan) if plan.pull.is_none() => {
                 let t = self.manager.resolve_template(&plan.base)?;
                 (t.mem_mib, t.vcpus)
             }
