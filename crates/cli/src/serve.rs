@@ -526,6 +526,11 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
     {
         cmd.arg("--rw").arg(cache);
     }
+    // Users reach the node on this host's loopback, so an image on a
+    // loopback registry (`127.0.0.1:5000/img`) is theirs, on this host: the
+    // lab reaches it through its user-mode network's gateway (crates/lab's
+    // init.sh routes through 10.0.2.2, which QEMU maps to the host).
+    cmd.env("SANDFORK_REGISTRY_LOOPBACK_VIA", "10.0.2.2");
     cmd.arg("--")
         .arg(std::env::current_exe()?)
         .arg("serve")

@@ -33,6 +33,7 @@ mod debian;
 mod error;
 pub mod layers;
 pub mod oci;
+pub mod registry;
 mod run;
 mod scripts;
 
@@ -63,6 +64,9 @@ pub enum Source {
     OciLayout(PathBuf),
     /// A `docker save` tarball.
     DockerArchive(PathBuf),
+    /// An image in a blob store (`<dir>/blobs/sha256/...`, as
+    /// [`registry::pull`] fills it), named by its platform manifest's digest.
+    OciBlobs { dir: PathBuf, manifest: String },
 }
 
 /// The image's run settings (OCI config `Env`, `WorkingDir`, `User`,
@@ -155,6 +159,12 @@ impl Builder {
         self
     }
 
+    /// Where images pulled from registries are kept: a blob store shared by
+    /// all pulls, for [`registry::pull`] and [`Source::OciBlobs`].
+    pub fn images_dir(&self) -> PathBuf {
+        self.cache.join("images")
+    }
+
     /// Where templates are cached.
     pub fn templates_dir(&self) -> PathBuf {
         self.cache.join("templates")
@@ -195,6 +205,16 @@ impl Builder {
             }
             Source::OciLayout(path) => {
                 let image = OciImage::open_layout(path)?;
+                let key = key_of(&format!("{common}{}\n", image.key));
+                self.cached_or(&key, log, |work, log| {
+                    let tree = work.join("tree");
+                    make_root(&tree)?;
+                    apply_layers(&tree, &image.layers, log)?;
+                    Ok((tree, image.config.clone()))
+                })
+            }
+            Source::OciBlobs { dir, manifest } => {
+                let image = OciImage::open_manifest(dir, manifest)?;
                 let key = key_of(&format!("{common}{}\n", image.key));
                 self.cached_or(&key, log, |work, log| {
                     let tree = work.join("tree");

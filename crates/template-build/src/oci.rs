@@ -127,31 +127,42 @@ impl OciImage {
                 })?;
                 continue;
             }
-            let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|e| {
-                BuildError::unreadable(dir, format!("manifest {}: {e}", desc.digest))
-            })?;
-            let config_bytes = read_blob(dir, &manifest.config.digest)?;
-            let config = parse_config(dir, &config_bytes)?;
-            let layers = manifest
-                .layers
-                .iter()
-                .map(|l| {
-                    let hex = sha256_of(dir, &l.digest)?;
-                    Ok(Layer {
-                        path: dir.join("blobs/sha256").join(&hex),
-                        sha256: Some(hex),
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?;
-            return Ok(OciImage {
-                key: format!("oci-manifest {}", desc.digest),
-                layers,
-                config,
-            });
+            return Self::from_manifest(dir, &desc.digest, &bytes);
         }
         Err(BuildError::UnsupportedImage {
             path: dir.into(),
             reason: "image indexes nested too deep".into(),
+        })
+    }
+
+    /// Opens the image whose (platform) manifest is blob `digest` of the
+    /// blob store `dir` (`dir/blobs/sha256/...`, an image layout's blobs,
+    /// with or without its `index.json`).
+    pub fn open_manifest(dir: &Path, digest: &str) -> Result<OciImage> {
+        let bytes = read_blob(dir, digest)?;
+        Self::from_manifest(dir, digest, &bytes)
+    }
+
+    fn from_manifest(dir: &Path, digest: &str, bytes: &[u8]) -> Result<OciImage> {
+        let manifest: Manifest = serde_json::from_slice(bytes)
+            .map_err(|e| BuildError::unreadable(dir, format!("manifest {digest}: {e}")))?;
+        let config_bytes = read_blob(dir, &manifest.config.digest)?;
+        let config = parse_config(dir, &config_bytes)?;
+        let layers = manifest
+            .layers
+            .iter()
+            .map(|l| {
+                let hex = sha256_of(dir, &l.digest)?;
+                Ok(Layer {
+                    path: dir.join("blobs/sha256").join(&hex),
+                    sha256: Some(hex),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(OciImage {
+            key: format!("oci-manifest {digest}"),
+            layers,
+            config,
         })
     }
 

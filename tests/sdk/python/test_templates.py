@@ -238,13 +238,6 @@ def _status_of_last_build(name: str) -> dict:
     return r.json()
 
 
-def test_template_build_refuses_images_it_cannot_pull(tmp_path: Path):
-    template = Template(file_context_path=str(tmp_path)).from_image("python:3.12")
-    with pytest.raises(Exception) as err:
-        Template.build(template, f"sdk-tmpl-img-{secrets.token_hex(3)}")
-    assert "does not pull" in str(err.value), str(err.value)
-
-
 def test_template_build_upload_links_need_their_token(api):
     r = api.post("/v3/templates", json={"name": f"sdk-tmpl-l-{secrets.token_hex(3)}"})
     assert r.status_code == 202, r.text

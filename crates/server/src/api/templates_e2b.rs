@@ -240,16 +240,21 @@ fn parse_start(body: &Bytes) -> Result<(StepsPlan, Option<String>, Option<String
     let base = e2b_build::map_base(
         req.from_template.as_deref(),
         req.from_image.as_deref(),
-        req.from_image_registry.is_some_and(|r| !r.is_null()),
+        req.from_image_registry.as_ref(),
     )
     .map_err(ApiError::bad_request)?;
     let forced_from = req.steps.iter().position(|s| s.force);
     let steps = e2b_build::parse_steps(req.steps).map_err(ApiError::bad_request)?;
+    let (base, pull) = match base {
+        e2b_build::Base::Template(t) => (t, None),
+        e2b_build::Base::Image(i) => (String::new(), Some(i)),
+    };
     let plan = StepsPlan {
         base,
         steps,
         force: req.force,
         forced_from,
+        pull,
     };
     Ok((plan, req.start_cmd, req.ready_cmd))
 }
@@ -503,12 +508,16 @@ mod tests {
         for (bad, why) in [
             (r#"{"steps":[]}"#, "fromTemplate or fromImage"),
             (
-                r#"{"fromImage":"ubuntu:22.04","steps":[]}"#,
-                "does not pull",
+                r#"{"fromImage":"Ubuntu 22.04","steps":[]}"#,
+                "image reference",
             ),
             (
                 r#"{"fromImage":"e2bdev/base","fromImageRegistry":{"type":"registry"}}"#,
-                "fromImageRegistry",
+                "username",
+            ),
+            (
+                r#"{"fromImage":"a/b","fromImageRegistry":{"type":"aws","awsRegion":"x"}}"#,
+                "not supported",
             ),
             (
                 r#"{"fromTemplate":"base","steps":[{"type":"HEALTHCHECK","args":[]}]}"#,

@@ -56,7 +56,10 @@ impl BuildSource {
             BuildSource::OciLayout(p) => format!("oci layout {}", p.display()),
             BuildSource::DockerArchive(p) => format!("docker archive {}", p.display()),
             BuildSource::Sandbox(id) => format!("sandbox {id}"),
-            BuildSource::Steps(p) => format!("template {} and {} steps", p.base, p.steps.len()),
+            BuildSource::Steps(p) => match &p.pull {
+                Some(i) => format!("image {} and {} steps", i.image, p.steps.len()),
+                None => format!("template {} and {} steps", p.base, p.steps.len()),
+            },
         }
     }
 }
@@ -268,6 +271,15 @@ impl Templates {
                     )));
                 }
             }
+            BuildSource::Steps(plan) if plan.pull.is_some() => {
+                if config.agent.is_none() {
+                    return Err(SandboxError::Unavailable(
+                        "this node has no guest agent binary to build images with \
+                         (SANDFORK_AGENT)"
+                            .into(),
+                    ));
+                }
+            }
             BuildSource::Steps(plan) => {
                 let base = self.manager.resolve_template(&plan.base)?;
                 plan.base = base.id;
@@ -315,8 +327,9 @@ impl Templates {
                 (s.memory_mb, u8::try_from(s.cpu_count).unwrap_or(vcpus))
             }
             // The base's machine unless the E2B request asked for another
-            // (made by booting the base image so: `e2b_build::sized_base`).
-            BuildSource::Steps(plan) => {
+            // (made by booting the base image so: `e2b_build::sized_base`);
+            // an image's template gets the node's default one.
+            BuildSource::Steps(plan) if plan.pull.is_none() => {
                 let t = self.manager.resolve_template(&plan.base)?;
                 (
                     params.mem_mib.unwrap_or(t.mem_mib),

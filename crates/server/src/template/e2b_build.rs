@@ -104,12 +104,66 @@ pub enum Step {
 /// What an E2B build runs: its base template and its steps.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StepsPlan {
+    /// The base template; unused (empty) when the base is an image to pull.
     pub base: String,
     pub steps: Vec<Step>,
     /// The build's `force` (`skip_cache`): no step comes from the cache.
     pub force: bool,
     /// The first step sent with `force`: it and the later ones run.
     pub forced_from: Option<usize>,
+    /// `fromImage` from a registry: pulled and made a template first.
+    pub pull: Option<ImagePull>,
+}
+
+/// An image to pull as a build's base, with its registry credentials.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ImagePull {
+    pub image: String,
+    pub username: Option<String>,
+    pub password: Option<String>,
+}
+
+impl std::fmt::Debug for ImagePull {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImagePull")
+            .field("image", &self.image)
+            .field("username", &self.username)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The base of an E2B build: a template, or an image to pull.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Base {
+    Template(String),
+    Image(ImagePull),
+}
+
+/// `fromImageRegistry`: `{type: "registry", username, password}`; the
+/// `aws` and `gcp` types are refused.
+fn registry_credentials(
+    registry: Option<&serde_json::Value>,
+) -> Result<(Option<String>, Option<String>), String> {
+    let Some(r) = registry.filter(|r| !r.is_null()) else {
+        return Ok((None, None));
+    };
+    let field = |k: &str| r.get(k).and_then(|v| v.as_str()).map(str::to_owned);
+    match field("type").as_deref() {
+        Some("registry") => {
+            let (user, pass) = (field("username"), field("password"));
+            if user.as_deref().is_none_or(str::is_empty) {
+                return Err("fromImageRegistry of type registry needs a username".into());
+            }
+            Ok((user, pass))
+        }
+        Some(t @ ("aws" | "gcp")) => Err(format!(
+            "fromImageRegistry type {t:?} is not supported by this node: pull from a registry \
+             with a username and password (type \"registry\")"
+        )),
+        other => Err(format!(
+            "fromImageRegistry type {other:?}: expected \"registry\" (with username and password)"
+        )),
+    }
 }
 
 impl StepsPlan {
@@ -464,34 +518,34 @@ fn parse_step(s: RawStep) -> Result<Step, String> {
     }
 }
 
-/// The base template an E2B build's `fromTemplate`/`fromImage` maps to.
-/// Only sandfork templates are bases here: E2B's own base image (the SDK's
-/// default) maps to `base`; other images are refused.
+/// The base an E2B build's `fromTemplate`/`fromImage` names. E2B's own
+/// base image (the SDK's default) maps to the `base` template; other images
+/// are pulled from their registries (`fromImageRegistry` credentials).
 pub fn map_base(
     from_template: Option<&str>,
     from_image: Option<&str>,
-    registry: bool,
-) -> Result<String, String> {
-    if registry {
-        return Err(
-            "fromImageRegistry (registry credentials) is not supported by this node: build from a \
-             sandfork template with from_template(...)"
-                .into(),
-        );
-    }
+    registry: Option<&serde_json::Value>,
+) -> Result<Base, String> {
+    let (username, password) = registry_credentials(registry)?;
     match (from_template, from_image) {
         (Some(_), Some(_)) => Err("give fromTemplate or fromImage, not both".into()),
-        (Some(t), None) if !t.is_empty() => Ok(t.to_owned()),
+        (Some(_), None) if username.is_some() => {
+            Err("fromImageRegistry goes with fromImage, not fromTemplate".into())
+        }
+        (Some(t), None) if !t.is_empty() => Ok(Base::Template(t.to_owned())),
         (None, Some(img)) => {
             let repo = img.split([':', '@']).next().unwrap_or("");
-            if repo == E2B_BASE_IMAGE || repo == format!("docker.io/{E2B_BASE_IMAGE}") {
-                Ok(super::BASE.to_owned())
-            } else {
-                Err(format!(
-                    "fromImage {img:?}: this node does not pull images; build from a sandfork \
-                     template with from_template(\"base\") (from_base_image() maps to it)"
-                ))
+            if username.is_none()
+                && (repo == E2B_BASE_IMAGE || repo == format!("docker.io/{E2B_BASE_IMAGE}"))
+            {
+                return Ok(Base::Template(super::BASE.to_owned()));
             }
+            template_build::registry::Reference::parse(img).map_err(|e| e.to_string())?;
+            Ok(Base::Image(ImagePull {
+                image: img.to_owned(),
+                username,
+                password,
+            }))
         }
         _ => Err("fromTemplate or fromImage is required".into()),
     }
@@ -787,8 +841,12 @@ impl Templates {
         log: &Arc<BuildLog>,
     ) -> Result<Option<TemplateRecord>, Failure> {
         let manager = self.manager();
+        let base_name = match &plan.pull {
+            Some(pull) => self.image_base(pull, log).await.map_err(at("base"))?,
+            None => plan.base.clone(),
+        };
         let mut base = manager
-            .resolve_template(&plan.base)
+            .resolve_template(&base_name)
             .map_err(|e| e.to_string())
             .map_err(at("base"))?;
         if (base.vcpus, base.mem_mib) != (record.vcpus, record.mem_mib) {
@@ -796,7 +854,7 @@ impl Templates {
                 return Err(at("base")(format!(
                     "template {} has {} vCPUs and {} MiB: a build on it keeps them (give no \
                      cpuCount and memoryMB, or build on the base template)",
-                    plan.base, base.vcpus, base.mem_mib
+                    base_name, base.vcpus, base.mem_mib
                 )));
             }
             base = self
@@ -1575,18 +1633,65 @@ mod tests {
     }
 
     #[test]
-    fn bases_map_to_sandfork_templates() {
-        assert_eq!(map_base(Some("base"), None, false).unwrap(), "base");
-        assert_eq!(map_base(Some("mine"), None, false).unwrap(), "mine");
-        assert_eq!(map_base(None, Some("e2bdev/base"), false).unwrap(), "base");
+    fn bases_map_to_templates_or_images() {
+        let t = |s: &str| Ok(Base::Template(s.to_owned()));
+        let img = |i: &str, u: Option<&str>, p: Option<&str>| {
+            Ok(Base::Image(ImagePull {
+                image: i.into(),
+                username: u.map(Into::into),
+                password: p.map(Into::into),
+            }))
+        };
+        let creds = serde_json::json!({"type": "registry", "username": "u", "password": "p"});
+        assert_eq!(map_base(Some("base"), None, None), t("base"));
+        assert_eq!(map_base(Some("mine"), None, None), t("mine"));
+        assert_eq!(map_base(None, Some("e2bdev/base"), None), t("base"));
+        assert_eq!(map_base(None, Some("e2bdev/base:latest"), None), t("base"));
         assert_eq!(
-            map_base(None, Some("e2bdev/base:latest"), false).unwrap(),
-            "base"
+            map_base(None, Some("python:3.12"), None),
+            img("python:3.12", None, None)
         );
-        assert!(map_base(None, Some("python:3.12"), false).is_err());
-        assert!(map_base(Some("a"), Some("e2bdev/base"), false).is_err());
-        assert!(map_base(None, None, false).is_err());
-        assert!(map_base(None, Some("e2bdev/base"), true).is_err());
+        assert_eq!(
+            map_base(None, Some("127.0.0.1:5000/a/b:v1"), Some(&creds)),
+            img("127.0.0.1:5000/a/b:v1", Some("u"), Some("p"))
+        );
+        // with credentials even E2B's base image is pulled
+        assert_eq!(
+            map_base(None, Some("e2bdev/base"), Some(&creds)),
+            img("e2bdev/base", Some("u"), Some("p"))
+        );
+        assert_eq!(
+            map_base(None, Some("x"), Some(&serde_json::Value::Null)),
+            img("x", None, None)
+        );
+        for (from_template, from_image, registry, why) in [
+            (Some("a"), Some("e2bdev/base"), None, "not both"),
+            (None, None, None, "required"),
+            (None, Some("Bad Name"), None, "image reference"),
+            (Some("a"), None, Some(creds.clone()), "goes with fromImage"),
+            (
+                None,
+                Some("x"),
+                Some(serde_json::json!({"type": "aws", "awsRegion": "r"})),
+                "not supported",
+            ),
+            (
+                None,
+                Some("x"),
+                Some(serde_json::json!({"type": "gcp", "serviceAccountJson": "{}"})),
+                "not supported",
+            ),
+            (
+                None,
+                Some("x"),
+                Some(serde_json::json!({"type": "registry"})),
+                "username",
+            ),
+            (None, Some("x"), Some(serde_json::json!({})), "expected"),
+        ] {
+            let e = map_base(from_template, from_image, registry.as_ref()).unwrap_err();
+            assert!(e.contains(why), "{e}: {why}");
+        }
     }
 
     #[test]

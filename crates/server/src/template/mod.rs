@@ -18,6 +18,7 @@ use crate::store::{Store, StoreError, TemplateRecord};
 mod boot;
 pub mod build;
 pub mod e2b_build;
+mod image;
 
 pub use boot::{BootSpec, Prepare};
 pub use build::{BuildParams, BuildSource, Templates};

@@ -1,0 +1,112 @@
+//! `fromImage` bases of E2B builds: the image is pulled from its registry
+//! (`template_build::registry`, blobs cached by digest under
+//! `$SANDFORK_CACHE/images`), built into a root filesystem as local OCI
+//! images are, and booted into a template of its own, `image-<key>` (the
+//! root filesystem's content key), which later builds of the same image and
+//! agent reuse. The build's steps then run in a sandbox of it.
+
+use std::sync::{Arc, OnceLock};
+
+use template_build::registry::{self, Credentials, PullOptions, Reference};
+
+use super::boot::{self, BootSpec, Prepare};
+use super::build::{BuildLog, Templates};
+use super::e2b_build::ImagePull;
+
+/// One image template made at a time (two builds of one image boot it once).
+fn image_lock() -> &'static tokio::sync::Mutex<()> {
+    static LOCK: OnceLock<tokio::sync::Mutex<()>> = OnceLock::new();
+    LOCK.get_or_init(|| tokio::sync::Mutex::new(()))
+}
+
+impl Templates {
+    /// The id of the template of `pull`'s image, pulled, built and booted
+    /// when missing. Errors are the user's to read (the build's reason).
+    pub(super) async fn image_base(
+        &self,
+        pull: &ImagePull,
+        log: &Arc<BuildLog>,
+    ) -> Result<String, String> {
+        let manager = self.manager();
+        let config = manager.config();
+        let agent = config
+            .agent
+            .clone()
+            .ok_or("this node has no guest agent binary to build images with (SANDFORK_AGENT)")?;
+        let reference = Reference::parse(&pull.image).map_err(|e| e.to_string())?;
+        let mut builder = template_build::Builder::new(agent);
+        if let Some(dir) = &config.build_cache {
+            builder = builder.cache_dir(dir);
+        }
+        let opts = PullOptions {
+            credentials: pull.username.as_ref().map(|u| Credentials {
+                username: u.clone(),
+                password: pull.password.clone().unwrap_or_default(),
+            }),
+            insecure: PullOptions::insecure_from_env(),
+            loopback_via: PullOptions::loopback_via_from_env(),
+        };
+        log.push(&format!("pulling {reference}"));
+        let store = builder.images_dir();
+        let pull_log = log.clone();
+        let pulled = registry::pull(&store, &reference, &opts, &mut |line| pull_log.push(line))
+            .await
+            .map_err(|e| format!("pulling {}: {e}", pull.image))?;
+
+        let _one = image_lock().lock().await;
+        let source = template_build::Source::OciBlobs {
+            dir: store,
+            manifest: pulled.manifest_digest.clone(),
+        };
+        let build_log = log.clone();
+        let built = tokio::task::spawn_blocking(move || {
+            builder.build(&source, &mut |line| build_log.push(line))
+        })
+        .await
+        .map_err(|e| format!("the image build task failed: {e}"))?
+        .map_err(|e| format!("converting {}: {e}", pull.image))?;
+        let id = format!("image-{}", built.key);
+        let db = manager.store();
+        if let Some(t) = db.template(&id).map_err(|e| e.to_string())?
+            && t.kernel == config.kernel
+            && [&t.snapshot, &t.mem, &t.root_layer]
+                .iter()
+                .all(|p| p.is_file())
+        {
+            log.push(&format!(
+                "image template {id} ({}) cached",
+                pulled.manifest_digest
+            ));
+            return Ok(id);
+        }
+        log.push(&format!("booting image template {id}"));
+        let image = &built.config;
+        let spec = BootSpec {
+            rootfs: built.rootfs.clone(),
+            vcpus: config.vcpus,
+            mem_mib: config.mem_mib,
+            prepare: Prepare {
+                env_vars: image.env.iter().cloned().collect(),
+                workdir: image.working_dir.clone(),
+                start_cmd: None,
+                ready_cmd: None,
+            },
+        };
+        let push = |line: &str| log.push(line);
+        let template = boot::build(
+            config,
+            manager.pool(),
+            manager.capacity(),
+            &id,
+            &spec,
+            &push,
+        )
+        .await
+        .map_err(|e| format!("booting the image {}: {e}", pull.image))?;
+        db.put_template(&template).map_err(|e| {
+            let _ = std::fs::remove_dir_all(&template.dir);
+            format!("recording the image template: {e}")
+        })?;
+        Ok(id)
+    }
+}
