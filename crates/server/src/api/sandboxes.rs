@@ -167,6 +167,8 @@ async fn create(state: Shared, body: Bytes, v2: bool) -> Result<Response, ApiErr
         network: super::network::from_create(req.allow_internet_access, req.network)?,
     };
     let ends_now = params.timeout.is_zero();
+    // The code interpreter is built on its first create.
+    state.templates.ensure_builtin(&params.template_id).await?;
     let record = state.manager.create(params).await?;
     if ends_now {
         reap_soon(&state);
