@@ -42,10 +42,30 @@ t=$1 dir=$2
 mount -t proc proc "$t/proc"
 mount --rbind /dev "$t/dev"
 export LC_ALL=C.UTF-8 HOME=/root PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+# the host's trust store: it may hold the CA of a TLS-inspecting proxy
+if [ -s "$t/tmp/.sandfork-host-ca.pem" ]; then
+  export PIP_CERT=/tmp/.sandfork-host-ca.pem SSL_CERT_FILE=/tmp/.sandfork-host-ca.pem REQUESTS_CA_BUNDLE=/tmp/.sandfork-host-ca.pem
+  unset SSL_CERT_DIR
+fi
 chroot "$t" python3 -m venv "$dir"
 chroot "$t" "$dir/bin/pip" install --only-binary :all: --progress-bar off -r /tmp/.sandfork-requirements.txt
 "#;
 const REQUIREMENTS_IN_TREE: &str = "tmp/.sandfork-requirements.txt";
+const HOST_CA_IN_TREE: &str = "tmp/.sandfork-host-ca.pem";
+/// The host's pip settings (its index), used for the build only.
+const PIP_CONF: &str = "etc/pip.conf";
+
+/// The host's CA bundle pip should trust: `$PIP_CERT` (or the variables
+/// requests and OpenSSL read), else the system's.
+fn host_ca() -> Option<Vec<u8>> {
+    ["PIP_CERT", "REQUESTS_CA_BUNDLE", "SSL_CERT_FILE"]
+        .iter()
+        .filter_map(|v| std::env::var_os(v).map(std::path::PathBuf::from))
+        .chain([std::path::PathBuf::from(
+            "/etc/ssl/certs/ca-certificates.crt",
+        )])
+        .find_map(|p| fs::read(p).ok())
+}
 
 /// An absolute path without `..`, `.`, empty parts or odd bytes.
 fn check_abs(path: &str, what: &str) -> Result<()> {
@@ -166,6 +186,13 @@ impl PythonVenv {
             &fs::read("/etc/resolv.conf").unwrap_or_default(),
         )?;
         put(REQUIREMENTS_IN_TREE, self.requirements.as_bytes())?;
+        if let Some(ca) = host_ca() {
+            put(HOST_CA_IN_TREE, &ca)?;
+        }
+        let had_pip_conf = tree.join(PIP_CONF).exists();
+        if !had_pip_conf && let Ok(conf) = fs::read("/etc/pip.conf") {
+            put(PIP_CONF, &conf)?;
+        }
         log(&format!("pip install into {} (wheels only)", self.dir));
         let mut cmd = Command::new("unshare");
         cmd.args([
@@ -182,6 +209,10 @@ impl PythonVenv {
         .arg(&self.dir);
         let out = run::run("pip install", &mut cmd, log)?;
         let _ = fs::remove_file(tree.join(REQUIREMENTS_IN_TREE));
+        let _ = fs::remove_file(tree.join(HOST_CA_IN_TREE));
+        if !had_pip_conf {
+            let _ = fs::remove_file(tree.join(PIP_CONF));
+        }
         if !out.success {
             if out.mentions_no_space() {
                 return Err(BuildError::NoSpace("installing Python packages".into()));
