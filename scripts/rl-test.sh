@@ -75,8 +75,9 @@ pkg=$(git ls-files -co --exclude-standard python | grep -v '^python/tests/' | so
 
 # --- lint and the tests without a node -------------------------------------
 log "== ruff and mypy"
-"$venv/bin/python" -m ruff format --check python
-"$venv/bin/python" -m ruff check python
+# and the code interpreter's guest server (its own pyproject.toml)
+"$venv/bin/python" -m ruff format --check python images/code-interpreter
+"$venv/bin/python" -m ruff check python images/code-interpreter
 (cd python && "$venv/bin/python" -m mypy)
 # from the tests' directory, so that `sandfork` is the installed package
 # shellcheck disable=SC2086 # RL_PYTEST_ARGS is a list of words

@@ -20,7 +20,7 @@ pub enum TemplateCommand {
     ///
     /// Streams the build log, then prints the template's id.
     #[command(
-        after_help = "Examples:\n  sandfork template build py --packages python3,python3-pip\n  sandfork template build app --oci-layout ./image --start-cmd 'app serve' --ready-cmd 'curl -fs localhost:8080'\n  docker save myimage -o img.tar && sandfork template build app --docker-archive img.tar\n  sandfork template build warmed --from-sandbox $id\n  sandfork create py"
+        after_help = "Examples:\n  sandfork template build py --packages python3,python3-pip\n  sandfork template build app --oci-layout ./image --start-cmd 'app serve' --ready-cmd 'curl -fs localhost:8080'\n  docker save myimage -o img.tar && sandfork template build app --docker-archive img.tar\n  sandfork template build warmed --from-sandbox $id\n  sandfork template build code-interpreter --builtin code-interpreter\n  sandfork create py"
     )]
     Build(BuildArgs),
     /// List templates (a table on a terminal, JSON otherwise).
@@ -37,7 +37,7 @@ pub enum TemplateCommand {
 
 #[derive(clap::Args)]
 #[command(group(clap::ArgGroup::new("source").required(true)
-    .args(["packages", "oci_layout", "docker_archive", "from_sandbox"])))]
+    .args(["packages", "oci_layout", "docker_archive", "from_sandbox", "builtin"])))]
 pub struct BuildArgs {
     /// The template's name (what `sandfork create NAME` takes).
     name: String,
@@ -53,6 +53,10 @@ pub struct BuildArgs {
     /// Snapshot this running sandbox as the template.
     #[arg(long, value_name = "ID")]
     from_sandbox: Option<String>,
+    /// A template sandfork ships: `code-interpreter` (Jupyter and the
+    /// server `e2b_code_interpreter` talks to on port 49999).
+    #[arg(long, value_name = "NAME")]
+    builtin: Option<String>,
     /// Started in the background in every sandbox (`/bin/sh -c`).
     #[arg(long, value_name = "CMD")]
     start_cmd: Option<String>,
@@ -121,9 +125,11 @@ fn build_body(args: &BuildArgs) -> Result<Value> {
         json!({ "docker_archive": absolute(p)? })
     } else if let Some(id) = &args.from_sandbox {
         json!({ "sandbox": id })
+    } else if let Some(name) = &args.builtin {
+        json!({ "builtin": name })
     } else {
         bail!(
-            "say what to build from: --packages, --oci-layout, --docker-archive or --from-sandbox"
+            "say what to build from: --packages, --oci-layout, --docker-archive, --from-sandbox or --builtin"
         );
     };
     let mut body = json!({ "name": args.name, "from": from });

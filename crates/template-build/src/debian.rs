@@ -97,13 +97,8 @@ fn missing_package(lines: &[String]) -> Option<String> {
     None
 }
 
-/// Unpacks the base tarball `base` into `tree` and installs `packages` into it.
-pub(crate) fn install(
-    base: &Path,
-    tree: &Path,
-    packages: &[String],
-    log: &mut dyn FnMut(&str),
-) -> Result<()> {
+/// Unpacks the base tarball `base` into `tree`.
+pub(crate) fn unpack_base(base: &Path, tree: &Path, log: &mut dyn FnMut(&str)) -> Result<()> {
     log(&format!("unpacking the base tree {}", base.display()));
     let start = std::time::Instant::now();
     fs::create_dir_all(tree)
@@ -124,6 +119,17 @@ pub(crate) fn install(
         "base tree unpacked in {:.1} s",
         start.elapsed().as_secs_f64()
     ));
+    Ok(())
+}
+
+/// Unpacks the base tarball `base` into `tree` and installs `packages` into it.
+pub(crate) fn install(
+    base: &Path,
+    tree: &Path,
+    packages: &[String],
+    log: &mut dyn FnMut(&str),
+) -> Result<()> {
+    unpack_base(base, tree, log)?;
     let put = |rel: &str, text: &[u8], mode: u32| -> Result<()> {
         use std::os::unix::fs::PermissionsExt;
         let p = tree.join(rel);

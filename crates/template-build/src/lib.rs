@@ -36,6 +36,7 @@ pub mod oci;
 pub mod registry;
 mod run;
 mod scripts;
+mod venv;
 
 use std::fs;
 use std::os::unix::fs::MetadataExt;
@@ -48,6 +49,7 @@ pub use debian::normalize as normalize_packages;
 pub use error::{BuildError, Result};
 pub use layers::{Layer, apply_layers};
 pub use oci::OciImage;
+pub use venv::{ImageFile, PythonVenv};
 
 /// Bumped when the way templates are built changes, so old cache entries
 /// are not reused.
@@ -67,6 +69,9 @@ pub enum Source {
     /// An image in a blob store (`<dir>/blobs/sha256/...`, as
     /// [`registry::pull`] fills it), named by its platform manifest's digest.
     OciBlobs { dir: PathBuf, manifest: String },
+    /// A Python virtual environment made with pip, and files, over the base
+    /// image (the venv cached apart, under `venvs/`).
+    PythonVenv(PythonVenv),
 }
 
 /// The image's run settings (OCI config `Env`, `WorkingDir`, `User`,
@@ -221,6 +226,25 @@ impl Builder {
                     make_root(&tree)?;
                     apply_layers(&tree, &image.layers, log)?;
                     Ok((tree, image.config.clone()))
+                })
+            }
+            Source::PythonVenv(venv) => {
+                venv.check()?;
+                let base = self.base_tree(&scripts, log)?;
+                let base_key = base
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                let venv_key = venv.venv_key(&base_key);
+                let key = key_of(&format!(
+                    "{common}python-venv {base_key} {venv_key}\n{}",
+                    venv.files_digest()
+                ));
+                let venvs = self.cache.join("venvs");
+                self.cached_or(&key, log, |work, log| {
+                    let tree = work.join("tree");
+                    venv.make(&venvs, &venv_key, &base.join("tree.tar"), &tree, log)?;
+                    Ok((tree, ImageConfig::default()))
                 })
             }
             Source::DockerArchive(path) => {

@@ -175,6 +175,8 @@ async fn create(
         team: caller.stored_team(),
     };
     let ends_now = params.timeout.is_zero();
+    // The code interpreter is built on its first create.
+    state.templates.ensure_builtin(&params.template_id).await?;
     let record = state.manager.create(params).await?;
     if ends_now {
         reap_soon(&state);

@@ -19,7 +19,7 @@ use super::sandboxes::parse_body;
 use super::{ApiError, Shared};
 use crate::store::BuildStatus;
 use crate::template::build::{MAX_MEM_MIB, MAX_VCPUS, MIN_MEM_MIB, TemplateInfo};
-use crate::template::{BuildParams, BuildSource};
+use crate::template::{BuildParams, BuildSource, code_interpreter};
 use crate::tenants::Caller;
 
 pub(super) fn rfc3339(ms: u64) -> String {
@@ -72,10 +72,12 @@ struct From {
     #[serde(alias = "dockerArchive")]
     docker_archive: Option<PathBuf>,
     sandbox: Option<String>,
+    /// A template sandfork ships: `code-interpreter`.
+    builtin: Option<String>,
 }
 
 const FROM_ONE: &str =
-    "from must hold exactly one of debian_packages, oci_layout, docker_archive, sandbox";
+    "from must hold exactly one of debian_packages, oci_layout, docker_archive, sandbox, builtin";
 
 fn parse_new(body: &Bytes) -> Result<BuildParams, ApiError> {
     let req: NewTemplate = parse_body(body)?;
@@ -95,6 +97,15 @@ fn parse_new(body: &Bytes) -> Result<BuildParams, ApiError> {
     }
     if let Some(id) = from.sandbox {
         sources.push(BuildSource::Sandbox(id));
+    }
+    if let Some(b) = from.builtin {
+        if b != code_interpreter::NAME {
+            return Err(ApiError::bad_request(format!(
+                "builtin {b:?}: the builtin templates are {}",
+                code_interpreter::NAME
+            )));
+        }
+        sources.push(BuildSource::CodeInterpreter);
     }
     let [source] =
         <[BuildSource; 1]>::try_from(sources).map_err(|_| ApiError::bad_request(FROM_ONE))?;

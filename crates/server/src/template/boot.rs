@@ -28,8 +28,9 @@ const MEM: &str = "vm.mem";
 const ROOT_LAYER: &str = "root.layer";
 /// A cold boot in the lab takes tens of seconds.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
-/// How long the ready command may take to pass.
-pub const READY_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long the ready command may take to pass (E2B's builds allow 10
+/// minutes; a server warming up in an emulated lab needs minutes).
+pub const READY_TIMEOUT: Duration = Duration::from_secs(600);
 const READY_EVERY: Duration = Duration::from_secs(1);
 /// One run of the ready command (a hung one counts as not ready).
 const READY_RUN_TIMEOUT: Duration = Duration::from_secs(30);

@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex};
 use vmm_driver::agent_client::AgentClient;
 
 use super::boot::{self, BootSpec, Prepare, SCRATCH_PREFIX};
+use super::code_interpreter;
 use super::e2b_build::{E2bState, Failure, StepsPlan};
 use crate::capacity::{Ask, Reservation};
 use crate::clock::now_ms;
@@ -47,9 +48,19 @@ pub enum BuildSource {
     Sandbox(String),
     /// E2B's build steps, run in a sandbox of a template ([`super::e2b_build`]).
     Steps(StepsPlan),
+    /// The code interpreter sandfork ships ([`super::code_interpreter`]).
+    CodeInterpreter,
 }
 
 impl BuildSource {
+    /// The names a template built from this source called `name` gets.
+    fn names(&self, name: &str) -> Vec<String> {
+        match self {
+            BuildSource::CodeInterpreter => code_interpreter::names(name),
+            _ => vec![name.to_owned()],
+        }
+    }
+
     fn describe(&self) -> String {
         match self {
             BuildSource::DebianPackages(p) => format!("debian packages {}", p.join(" ")),
@@ -60,6 +71,7 @@ impl BuildSource {
                 Some(i) => format!("image {} and {} steps", i.image, p.steps.len()),
                 None => format!("template {} and {} steps", p.base, p.steps.len()),
             },
+            BuildSource::CodeInterpreter => format!("builtin {}", code_interpreter::NAME),
         }
     }
 }
@@ -284,6 +296,21 @@ impl Templates {
                 let base = self.manager.resolve_template(&plan.base)?;
                 plan.base = base.id;
             }
+            BuildSource::CodeInterpreter => {
+                if params.start_cmd.is_some() || params.ready_cmd.is_some() {
+                    return Err(SandboxError::Invalid(format!(
+                        "the builtin {} template has its own start and ready commands",
+                        code_interpreter::NAME
+                    )));
+                }
+                params.start_cmd = Some(code_interpreter::start_cmd());
+                params.ready_cmd = Some(code_interpreter::ready_cmd());
+                params.mem_mib = Some(
+                    params
+                        .mem_mib
+                        .unwrap_or(config.mem_mib.max(code_interpreter::MIN_MEM_MIB)),
+                );
+            }
             BuildSource::Sandbox(id) => {
                 let s = self.manager.get(id)?;
                 if s.state != SandboxState::Running {
@@ -360,10 +387,20 @@ impl Templates {
                 .into_iter()
                 .any(|b| b.name == params.name && b.status == BuildStatus::Building);
             // An E2B build of a name rebuilds it (its tags move when ready).
-            if building
-                || (params.e2b.is_none() && self.manager.resolve_template(&params.name).is_ok())
-            {
-                return Err(SandboxError::NameTaken(params.name.clone()));
+            let taken = if params.e2b.is_some() {
+                None
+            } else {
+                params
+                    .source
+                    .names(&params.name)
+                    .iter()
+                    .find(|n| self.manager.resolve_template(n).is_ok())
+                    .cloned()
+            };
+            if building || taken.is_some() {
+                return Err(SandboxError::NameTaken(
+                    taken.unwrap_or_else(|| params.name.clone()),
+                ));
             }
             let record = match params.e2b.clone() {
                 Some(waiting) => BuildRecord {
@@ -522,6 +559,9 @@ impl Templates {
             BuildSource::DebianPackages(p) => template_build::Source::DebianPackages(p.clone()),
             BuildSource::OciLayout(p) => template_build::Source::OciLayout(p.clone()),
             BuildSource::DockerArchive(p) => template_build::Source::DockerArchive(p.clone()),
+            BuildSource::CodeInterpreter => {
+                template_build::Source::PythonVenv(code_interpreter::source())
+            }
             BuildSource::Sandbox(_) | BuildSource::Steps(_) => {
                 return Err("not an image source".into());
             }
@@ -560,13 +600,17 @@ impl Templates {
         let mut template = boot::build(config, pool, capacity, &record.template_id, &spec, &push)
             .await
             .map_err(|e| e.to_string())?;
-        template.names = vec![record.name.clone()];
-        // A snapshot may have taken the name meanwhile.
-        if self.manager.resolve_template(&record.name).is_ok() {
+        template.names = params.source.names(&record.name);
+        // A snapshot may have taken a name meanwhile.
+        if let Some(taken) = template
+            .names
+            .iter()
+            .find(|n| self.manager.resolve_template(n).is_ok())
+        {
+            let taken = taken.clone();
             let _ = std::fs::remove_dir_all(&template.dir);
             return Err(format!(
-                "the name {} was taken while the template was built",
-                record.name
+                "the name {taken} was taken while the template was built"
             ));
         }
         Ok(Some(template))
@@ -609,6 +653,66 @@ impl Templates {
             .await
             .map_err(|e| e.to_string())?;
         Ok(None)
+    }
+
+    /// Before a create of `name`: a builtin template ([`code_interpreter`])
+    /// that is missing is built (or its build under way awaited). Other
+    /// names, and templates that exist, return at once.
+    pub async fn ensure_builtin(self: &Arc<Self>, name: &str) -> Result<(), SandboxError> {
+        if !code_interpreter::is_name(name) || self.manager.resolve_template(name).is_ok() {
+            return Ok(());
+        }
+        let under_way = |t: &Self| -> Result<Option<String>, SandboxError> {
+            Ok(t.find_build(code_interpreter::NAME)?
+                .filter(|b| b.status == BuildStatus::Building)
+                .map(|b| b.template_id))
+        };
+        let template_id = match under_way(self)? {
+            Some(id) => id,
+            None => {
+                tracing::info!(
+                    "template {}: building it for a create of {name}",
+                    code_interpreter::NAME
+                );
+                let params = BuildParams {
+                    name: code_interpreter::NAME.to_owned(),
+                    source: BuildSource::CodeInterpreter,
+                    start_cmd: None,
+                    ready_cmd: None,
+                    vcpus: None,
+                    mem_mib: None,
+                    ids: None,
+                };
+                match self.start(params) {
+                    Ok(b) => b.template_id,
+                    // Another create started it meanwhile.
+                    Err(SandboxError::NameTaken(_)) => match under_way(self)? {
+                        Some(id) => id,
+                        None => return Ok(()),
+                    },
+                    Err(e) => return Err(e),
+                }
+            }
+        };
+        loop {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            let b = self
+                .manager
+                .store()
+                .build(&template_id)?
+                .ok_or_else(|| SandboxError::TemplateNotFound(name.to_owned()))?;
+            match b.status {
+                BuildStatus::Building => continue,
+                BuildStatus::Ready => return Ok(()),
+                BuildStatus::Error => {
+                    return Err(SandboxError::Unavailable(format!(
+                        "building the {} template failed: {}",
+                        code_interpreter::NAME,
+                        b.reason.unwrap_or_default()
+                    )));
+                }
+            }
+        }
     }
 
     /// The build of template `id_or_name` (its id, or the name of its newest

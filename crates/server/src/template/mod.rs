@@ -17,6 +17,7 @@ use crate::store::{Store, StoreError, TemplateRecord};
 
 mod boot;
 pub mod build;
+pub mod code_interpreter;
 pub mod e2b_build;
 mod image;
 
