@@ -4,16 +4,22 @@
 //! what it allows to the node's resolver. Messages are parsed with `hickory-proto`; anything
 //! that does not parse is dropped, never answered from. The same port serves DNS over TCP
 //! (what a resolver retries with when a UDP answer comes back truncated), relayed over TCP.
+//!
+//! Every IPv4 address it relays to a sandbox is kept in [`Answers`] under the name the
+//! sandbox asked for: the egress proxy lets an allowed name reach only those addresses,
+//! so a guest cannot present an allowed Host or SNI to an address of its own choosing.
 
+use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
 use std::os::fd::AsFd;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hickory_proto::op::{Message, MessageType, ResponseCode};
+use hickory_proto::rr::RData;
 
 use crate::error::{Error, Result};
 use crate::policy::{DomainPattern, EgressPolicy};
@@ -30,6 +36,119 @@ const MAX_MESSAGE: usize = 4096;
 const MAX_TCP: usize = 64;
 /// How long a guest's TCP connection may sit idle.
 const TCP_IDLE: Duration = Duration::from_secs(10);
+
+/// How long an answered address stays usable at least, whatever its TTL: programs keep
+/// what they resolved longer than the TTL says (connection pools, their own caches).
+const ANSWER_KEEP_MIN: Duration = Duration::from_secs(15 * 60);
+/// And at most.
+const ANSWER_KEEP_MAX: Duration = Duration::from_secs(24 * 3600);
+/// Names kept per sandbox; past it the one expiring first goes.
+const ANSWER_MAX_NAMES: usize = 4096;
+/// Addresses kept per name (the latest answers').
+const ANSWER_MAX_ADDRS: usize = 64;
+
+/// The IPv4 addresses the forwarder answered each sandbox (by its slot's host address),
+/// per name asked: what a name may reach through the egress proxy. Shared by the
+/// forwarder (which fills it before the guest sees the answer) and the proxy.
+#[derive(Debug, Default)]
+pub struct Answers {
+    by_source: Mutex<HashMap<Ipv4Addr, AnswersOf>>,
+}
+
+/// One sandbox's answers: by name, each address with when it stops counting.
+type AnswersOf = HashMap<String, Vec<(Ipv4Addr, Instant)>>;
+
+/// A name as the table keys it: lower case, no final dot.
+fn answer_key(name: &str) -> String {
+    name.trim_end_matches('.').to_ascii_lowercase()
+}
+
+impl Answers {
+    /// Keeps `addrs` as answers to `source` for `name`, for `ttl` (bounded by
+    /// [`ANSWER_KEEP_MIN`] and [`ANSWER_KEEP_MAX`]).
+    pub fn note(&self, source: Ipv4Addr, name: &str, addrs: &[Ipv4Addr], ttl: Duration) {
+        if addrs.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let until = now + ttl.clamp(ANSWER_KEEP_MIN, ANSWER_KEEP_MAX);
+        let mut all = self.by_source.lock().unwrap_or_else(|p| p.into_inner());
+        let names = all.entry(source).or_default();
+        let key = answer_key(name);
+        if !names.contains_key(&key) && names.len() >= ANSWER_MAX_NAMES {
+            names.retain(|_, v| {
+                v.retain(|(_, t)| *t > now);
+                !v.is_empty()
+            });
+            if names.len() >= ANSWER_MAX_NAMES {
+                let first = names
+                    .iter()
+                    .min_by_key(|(_, v)| v.iter().map(|(_, t)| *t).max())
+                    .map(|(k, _)| k.clone());
+                if let Some(k) = first {
+                    names.remove(&k);
+                }
+            }
+        }
+        let kept = names.entry(key).or_default();
+        kept.retain(|(ip, t)| *t > now && !addrs.contains(ip));
+        kept.extend(addrs.iter().map(|ip| (*ip, until)));
+        let over = kept.len().saturating_sub(ANSWER_MAX_ADDRS);
+        kept.drain(..over);
+    }
+
+    /// Keeps the A records of `answer`, the upstream's response to `query` relayed to
+    /// `source`, under the name asked (when the answer is to that one question);
+    /// anything else is ignored.
+    fn note_message(&self, source: Ipv4Addr, query: &[u8], answer: &[u8]) {
+        let (Ok(query), Ok(msg)) = (Message::from_vec(query), Message::from_vec(answer)) else {
+            return;
+        };
+        let ([asked], [q]) = (query.queries(), msg.queries()) else {
+            return;
+        };
+        if msg.message_type() != MessageType::Response
+            || answer_key(&asked.name().to_ascii()) != answer_key(&q.name().to_ascii())
+        {
+            return;
+        }
+        let mut ttl = u32::MAX;
+        let addrs: Vec<Ipv4Addr> = msg
+            .answers()
+            .iter()
+            .filter_map(|r| match r.data() {
+                RData::A(a) => {
+                    ttl = ttl.min(r.ttl());
+                    Some(a.0)
+                }
+                _ => None,
+            })
+            .collect();
+        self.note(
+            source,
+            &q.name().to_ascii(),
+            &addrs,
+            Duration::from_secs(u64::from(ttl)),
+        );
+    }
+
+    /// Whether the forwarder answered `source` with `ip` for `name`, still in time.
+    pub fn answered(&self, source: Ipv4Addr, name: &str, ip: Ipv4Addr) -> bool {
+        let now = Instant::now();
+        let all = self.by_source.lock().unwrap_or_else(|p| p.into_inner());
+        all.get(&source)
+            .and_then(|names| names.get(&answer_key(name)))
+            .is_some_and(|v| v.iter().any(|(a, t)| *a == ip && *t > now))
+    }
+
+    /// Forgets what `source` was answered (its slot was given back).
+    pub fn forget(&self, source: Ipv4Addr) {
+        self.by_source
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&source);
+    }
+}
 
 /// Which names a sandbox may resolve.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -120,11 +239,13 @@ pub struct DnsForwarder {
 }
 
 impl DnsForwarder {
-    /// Binds `listen` and relays allowed queries to `upstream`.
+    /// Binds `listen` and relays allowed queries to `upstream`, keeping the addresses
+    /// it answers in `answers`.
     pub fn start(
         listen: SocketAddrV4,
         upstream: SocketAddrV4,
         lookup: Arc<AccessLookup>,
+        answers: Arc<Answers>,
     ) -> Result<Self> {
         let sock = UdpSocket::bind(listen).map_err(|e| Error::sys("bind DNS forwarder", e))?;
         // Wakes the loop now and then to see whether it should stop.
@@ -142,17 +263,17 @@ impl DnsForwarder {
             stop: stop.clone(),
             threads: Vec::new(),
         };
-        let (stop2, lookup2) = (stop.clone(), lookup.clone());
+        let (stop2, lookup2, answers2) = (stop.clone(), lookup.clone(), answers.clone());
         fwd.threads.push(
             std::thread::Builder::new()
                 .name("dns-forwarder".into())
-                .spawn(move || serve(sock, upstream, lookup, stop))
+                .spawn(move || serve(sock, upstream, lookup, answers, stop))
                 .map_err(|e| Error::sys("spawn DNS forwarder", e))?,
         );
         fwd.threads.push(
             std::thread::Builder::new()
                 .name("dns-forwarder-tcp".into())
-                .spawn(move || serve_tcp(tcp, upstream, lookup2, stop2))
+                .spawn(move || serve_tcp(tcp, upstream, lookup2, answers2, stop2))
                 .map_err(|e| Error::sys("spawn DNS forwarder", e))?,
         );
         Ok(fwd)
@@ -177,6 +298,7 @@ fn serve(
     sock: UdpSocket,
     upstream: SocketAddrV4,
     lookup: Arc<AccessLookup>,
+    answers: Arc<Answers>,
     stop: Arc<AtomicBool>,
 ) {
     let in_flight = Arc::new(AtomicUsize::new(0));
@@ -220,11 +342,14 @@ fn serve(
                 };
                 let query = buf[..n].to_vec();
                 let counter = in_flight.clone();
+                let answers = answers.clone();
                 let spawned =
                     std::thread::Builder::new()
                         .name("dns-relay".into())
                         .spawn(move || {
                             if let Some(answer) = relay(&query, upstream) {
+                                // Kept before the guest can use it.
+                                answers.note_message(*from.ip(), &query, &answer);
                                 let _ = reply_sock.send_to(&answer, from);
                             }
                             counter.fetch_sub(1, Ordering::AcqRel);
@@ -241,6 +366,7 @@ fn serve_tcp(
     listener: TcpListener,
     upstream: SocketAddrV4,
     lookup: Arc<AccessLookup>,
+    answers: Arc<Answers>,
     stop: Arc<AtomicBool>,
 ) {
     use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
@@ -262,10 +388,11 @@ fn serve_tcp(
             continue;
         }
         let counter = open.clone();
+        let answers = answers.clone();
         let spawned = std::thread::Builder::new()
             .name("dns-tcp".into())
             .spawn(move || {
-                serve_tcp_conn(conn, upstream, &access);
+                serve_tcp_conn(conn, *from.ip(), upstream, &access, &answers);
                 counter.fetch_sub(1, Ordering::AcqRel);
             });
         if spawned.is_err() {
@@ -276,7 +403,13 @@ fn serve_tcp(
 
 /// Answers the length-prefixed queries of one guest connection until it closes, idles or
 /// sends what is not a query.
-fn serve_tcp_conn(mut conn: TcpStream, upstream: SocketAddrV4, access: &DnsAccess) {
+fn serve_tcp_conn(
+    mut conn: TcpStream,
+    source: Ipv4Addr,
+    upstream: SocketAddrV4,
+    access: &DnsAccess,
+    answers: &Answers,
+) {
     if conn.set_read_timeout(Some(TCP_IDLE)).is_err() {
         return;
     }
@@ -285,7 +418,10 @@ fn serve_tcp_conn(mut conn: TcpStream, upstream: SocketAddrV4, access: &DnsAcces
             Verdict::Drop => return,
             Verdict::Answer(a) => a,
             Verdict::Relay => match relay_tcp(&query, upstream) {
-                Some(a) => a,
+                Some(a) => {
+                    answers.note_message(source, &query, &a);
+                    a
+                }
                 None => return,
             },
         };
@@ -459,7 +595,9 @@ mod tests {
         let lookup: Arc<AccessLookup> = Arc::new(|ip: Ipv4Addr| {
             (ip == Ipv4Addr::LOCALHOST).then(|| domains(&["allowed.test"]))
         });
-        let fwd = DnsForwarder::start("127.0.0.1:0".parse().unwrap(), up, lookup).unwrap();
+        let answers = Arc::new(Answers::default());
+        let fwd = DnsForwarder::start("127.0.0.1:0".parse().unwrap(), up, lookup, answers.clone())
+            .unwrap();
         let c = UdpSocket::bind("127.0.0.1:0").unwrap();
         c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         c.connect(fwd.local_addr()).unwrap();
@@ -475,6 +613,15 @@ mod tests {
             panic!("{r:?}")
         };
         assert_eq!(a.0, Ipv4Addr::new(203, 0, 113, 10));
+        // What the egress proxy will let the name reach: that address, for this source.
+        let web = Ipv4Addr::new(203, 0, 113, 10);
+        assert!(answers.answered(Ipv4Addr::LOCALHOST, "Allowed.Test.", web));
+        assert!(!answers.answered(
+            Ipv4Addr::LOCALHOST,
+            "allowed.test",
+            Ipv4Addr::new(203, 0, 113, 11)
+        ));
+        assert!(!answers.answered(Ipv4Addr::new(10, 11, 0, 3), "allowed.test", web));
 
         c.send(&query(12, "blocked.test.")).unwrap();
         let n = c.recv(&mut buf).unwrap();
@@ -490,6 +637,69 @@ mod tests {
         assert_eq!((r.id(), r.response_code()), (13, ResponseCode::Refused));
         write_framed(&mut t, &[1, 2, 3]).unwrap(); // not a query: the connection closes
         assert!(read_framed(&mut t).is_none());
+        assert!(!answers.answered(Ipv4Addr::LOCALHOST, "blocked.test", web));
         drop(fwd);
+    }
+
+    #[test]
+    fn answers_are_kept_per_source_and_name_within_bounds() {
+        let a = Answers::default();
+        let (s1, s2) = (Ipv4Addr::new(10, 11, 0, 1), Ipv4Addr::new(10, 11, 0, 2));
+        let ip = |n: u8| Ipv4Addr::new(203, 0, 113, n);
+        a.note(s1, "Web.Test.", &[ip(1), ip(2)], Duration::ZERO);
+        assert!(a.answered(s1, "web.test", ip(1)));
+        assert!(a.answered(s1, "WEB.test.", ip(2)));
+        assert!(!a.answered(s1, "web.test", ip(3)));
+        assert!(!a.answered(s1, "other.test", ip(1)));
+        assert!(!a.answered(s2, "web.test", ip(1)));
+        // A later answer adds to the earlier ones, up to a bound (the oldest go).
+        for n in 0..=u8::try_from(ANSWER_MAX_ADDRS).unwrap() {
+            a.note(
+                s1,
+                "web.test",
+                &[Ipv4Addr::new(198, 51, 100, n)],
+                Duration::ZERO,
+            );
+        }
+        assert!(!a.answered(s1, "web.test", ip(1)));
+        assert!(a.answered(s1, "web.test", Ipv4Addr::new(198, 51, 100, 1)));
+        // Names per source are bounded too.
+        for n in 0..ANSWER_MAX_NAMES + 10 {
+            a.note(s2, &format!("n{n}.test"), &[ip(9)], Duration::from_secs(60));
+        }
+        let names = a.by_source.lock().unwrap().get(&s2).map(HashMap::len);
+        assert_eq!(names, Some(ANSWER_MAX_NAMES));
+        assert!(a.answered(s2, &format!("n{}.test", ANSWER_MAX_NAMES + 9), ip(9)));
+        a.forget(s1);
+        assert!(!a.answered(s1, "web.test", Ipv4Addr::new(198, 51, 100, 1)));
+        assert!(a.answered(s2, &format!("n{}.test", ANSWER_MAX_NAMES + 9), ip(9)));
+    }
+
+    #[test]
+    fn only_an_answer_to_the_question_asked_is_kept() {
+        let a = Answers::default();
+        let src = Ipv4Addr::new(10, 11, 0, 1);
+        let answer = |name: &str| {
+            let mut r = Message::new();
+            r.set_id(1).set_message_type(MessageType::Response);
+            r.add_query(Query::query(Name::from_str(name).unwrap(), RecordType::A));
+            // A CNAME chain's addresses belong to the name asked.
+            r.add_answer(Record::from_rdata(
+                Name::from_str("cdn.example.").unwrap(),
+                30,
+                RData::A(A::new(203, 0, 113, 7)),
+            ));
+            r.to_vec().unwrap()
+        };
+        let web = Ipv4Addr::new(203, 0, 113, 7);
+        a.note_message(src, &query(1, "other.test."), &answer("allowed.test."));
+        assert!(!a.answered(src, "allowed.test", web));
+        assert!(!a.answered(src, "other.test", web));
+        a.note_message(src, &query(1, "allowed.TEST."), &answer("allowed.test."));
+        assert!(a.answered(src, "allowed.test", web));
+        // Garbage, or a query where the answer should be: nothing kept.
+        a.note_message(src, &query(1, "x.test."), &query(1, "x.test."));
+        a.note_message(src, &query(1, "y.test."), &[0xff; 40]);
+        assert!(!a.answered(src, "x.test", web) && !a.answered(src, "y.test", web));
     }
 }

@@ -230,6 +230,7 @@ fn guests_resolve_through_the_node_forwarder_per_policy() {
             SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, FORWARDER_PORT),
             SocketAddrV4::new(DNS_SERVER, 53),
             lookup,
+            Arc::default(),
         )
     })
     .unwrap();
@@ -705,11 +706,22 @@ fn domain_rules_pass_web_traffic_by_host_and_sni_through_the_egress_proxy() {
         .build()
         .unwrap();
     let _in_rt = rt.enter();
+    // What the node's DNS forwarder told this sandbox (the guest resolves no name here).
+    let answers = Arc::new(sandfork_network::dns::Answers::default());
+    for name in ["allowed.test", "a.wild.test", "x.wild.test", "other.test"] {
+        answers.note(
+            slot.addrs().host_ip,
+            name,
+            &[WEB_A],
+            Duration::from_secs(60),
+        );
+    }
     let proxy = EgressProxy::start(
         SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, EGRESS_PROXY_HTTP_PORT),
         SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, EGRESS_PROXY_TLS_PORT),
         lookup,
         sandfork_network::policy::always_deny(&[]),
+        answers.clone(),
         Some(w.host_path.clone()),
     )
     .unwrap();
@@ -771,6 +783,28 @@ fn domain_rules_pass_web_traffic_by_host_and_sni_through_the_egress_proxy() {
         get("allowed.test"),
     ));
     assert!(got.starts_with("HTTP/1.1 403"), "{got}");
+    // Nor a public one its DNS did not give for the name (WEB_B serves port 80).
+    let got = text(exchange(
+        &g,
+        SocketAddrV4::new(WEB_B, 80),
+        get("allowed.test"),
+    ));
+    assert!(
+        got.starts_with("HTTP/1.1 403") && got.contains("is not an address"),
+        "{got}"
+    );
+    answers.note(
+        slot.addrs().host_ip,
+        "allowed.test",
+        &[WEB_B],
+        Duration::from_secs(60),
+    );
+    let got = text(exchange(
+        &g,
+        SocketAddrV4::new(WEB_B, 80),
+        get("allowed.test"),
+    ));
+    assert!(got.starts_with("203.0.113.11 GET"), "{got}");
     // The guest cannot use the proxy's ports directly as a way out either.
     let direct = SocketAddrV4::new(slot.addrs().veth_host_ip, EGRESS_PROXY_HTTP_PORT);
     let got = text(exchange(&g, direct, get("allowed.test")));
@@ -818,7 +852,7 @@ fn domain_rules_pass_web_traffic_by_host_and_sni_through_the_egress_proxy() {
         stats.dropped.load(Ordering::Relaxed),
         stats.unreachable.load(Ordering::Relaxed)
     );
-    assert_eq!(stats.allowed.load(Ordering::Relaxed), 5 + 20);
+    assert_eq!(stats.allowed.load(Ordering::Relaxed), 6 + 20);
     drop(proxy);
     drop(g);
     pool.release(slot);

@@ -13,7 +13,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 
-use sandfork_network::dns::{AccessLookup, DnsAccess, DnsForwarder};
+use sandfork_network::dns::{AccessLookup, Answers, DnsAccess, DnsForwarder};
 use sandfork_network::egress::{EgressProxy, ProxyTarget, TargetLookup};
 use sandfork_network::{EgressPolicy, HostConfig, InUse, PoolConfig, Slot};
 use serde::{Deserialize, Serialize};
@@ -110,6 +110,9 @@ pub struct Slots {
     /// Slots of sandboxes that ran before a restart, until recovery claims them.
     adopted: Mutex<HashMap<u32, Slot>>,
     dns: DnsTable,
+    /// The addresses the forwarder gave each leased slot, per name: where the
+    /// egress proxy lets a name go.
+    answers: Arc<Answers>,
     /// None when it could not start (the node runs on, its guests resolve nothing).
     forwarder: Mutex<Option<DnsForwarder>>,
     /// None when it could not start (web traffic of domain rules is refused).
@@ -154,12 +157,14 @@ impl Slots {
             reclaimed.removed.len()
         );
         let dns = DnsTable::default();
-        let forwarder = start_forwarder(cfg, dns.clone());
-        let egress = start_egress_proxy(dns.clone(), pool.always_deny().to_vec());
+        let answers = Arc::new(Answers::default());
+        let forwarder = start_forwarder(cfg, dns.clone(), answers.clone());
+        let egress = start_egress_proxy(dns.clone(), pool.always_deny().to_vec(), answers.clone());
         Ok(Arc::new(Slots {
             pool: RwLock::new(Some(pool)),
             adopted: Mutex::new(reclaimed.adopted.into_iter().map(|s| (s.id(), s)).collect()),
             dns,
+            answers,
             forwarder: Mutex::new(forwarder),
             egress: Mutex::new(egress),
         }))
@@ -174,10 +179,13 @@ impl Slots {
     }
 
     fn forget_dns(&self, slot: &Slot) {
+        let ip = slot.addrs().host_ip;
         self.dns
             .write()
             .unwrap_or_else(|p| p.into_inner())
-            .remove(&slot.addrs().host_ip);
+            .remove(&ip);
+        // The slot's next sandbox starts with no answers of this one's.
+        self.answers.forget(ip);
     }
 
     fn with<T>(
@@ -284,6 +292,7 @@ impl Slots {
 fn start_egress_proxy(
     leases: DnsTable,
     always_deny: Vec<sandfork_network::Cidr4>,
+    answers: Arc<Answers>,
 ) -> Option<EgressProxy> {
     use sandfork_network::plan::{EGRESS_PROXY_HTTP_PORT, EGRESS_PROXY_TLS_PORT};
     let lookup: Arc<TargetLookup> = Arc::new(move |ip| {
@@ -299,6 +308,7 @@ fn start_egress_proxy(
         any(EGRESS_PROXY_TLS_PORT),
         lookup,
         always_deny,
+        answers,
         None,
     ) {
         Ok(p) => {
@@ -322,7 +332,11 @@ fn start_egress_proxy(
 /// (it listens on all addresses; only queries from a leased slot's host
 /// address are answered). A failure is logged, not fatal: sandboxes still
 /// reach addresses, not names.
-fn start_forwarder(cfg: &NetworkConfig, dns: DnsTable) -> Option<DnsForwarder> {
+fn start_forwarder(
+    cfg: &NetworkConfig,
+    dns: DnsTable,
+    answers: Arc<Answers>,
+) -> Option<DnsForwarder> {
     let Some(upstream) = cfg.dns_upstream.or_else(default_dns_upstream) else {
         tracing::warn!(
             "networking: no IPv4 nameserver in /etc/resolv.conf and no --dns-upstream: \
@@ -337,7 +351,7 @@ fn start_forwarder(cfg: &NetworkConfig, dns: DnsTable) -> Option<DnsForwarder> {
             .map(|l| l.dns.clone())
     });
     let listen = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, sandfork_network::dns::FORWARDER_PORT);
-    match DnsForwarder::start(listen, upstream, lookup) {
+    match DnsForwarder::start(listen, upstream, lookup, answers) {
         Ok(f) => {
             tracing::info!("networking: guests' DNS forwarded to {upstream}");
             Some(f)

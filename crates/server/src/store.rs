@@ -189,6 +189,10 @@ pub struct TemplateRecord {
     /// The envd access token the snapshot's agent holds (its source's).
     #[serde(default)]
     pub agent_token: Option<String>,
+    /// A snapshot's source's network (E2B rules, policy, ingress) when it
+    /// was taken: what the snapshot's fork children keep.
+    #[serde(default)]
+    pub source_network: Option<crate::net::SandboxNetwork>,
     /// The source's sandbox-wide environment, kept by sandboxes made from it.
     #[serde(default)]
     pub env_vars: BTreeMap<String, String>,

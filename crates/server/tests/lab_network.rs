@@ -12,7 +12,8 @@
 //!
 //! Sandboxes created through the API reach it by default, not with
 //! `allow_internet_access: false`; `denyOut` is enforced, `PUT .../network`
-//! changes it live, fork children keep the policy and both get out, the guest
+//! changes it live, fork children keep the policy and both get out (so do
+//! the fork children of a named snapshot and of a paused sandbox), the guest
 //! reaches neither the node's API nor the metadata address, a paused and
 //! resumed sandbox keeps its policy, and a clean stop leaves no slot behind.
 //!
@@ -26,7 +27,8 @@
 //! Domain rules (`allowOut` names with all else denied) go through the node's
 //! egress proxy: a TLS server in the same internet (openssl's certificate,
 //! the host's Python) tells which SNI reached it; names are allowed by Host
-//! and SNI, wildcards too, refused otherwise, replaced live, kept by a fork.
+//! and SNI, wildcards too, refused otherwise (and at an address the node's
+//! DNS did not give for the name), replaced live, kept by a fork.
 //!
 //! Needs what `lab_serve` needs, and `ip` (iproute2) for the test world.
 
@@ -239,6 +241,22 @@ async fn reaches(node: SocketAddr, sandbox: &Created, ip: Ipv4Addr) -> bool {
     !got.is_empty()
 }
 
+/// The children of a fork answer (201, one sandbox per entry).
+fn forked(answer: common::Answer) -> Vec<Created> {
+    assert_eq!(answer.status, 201, "{:?}", answer.body);
+    answer
+        .json()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| Created {
+            id: c["sandbox"]["sandboxID"].as_str().unwrap().to_owned(),
+            token: c["sandbox"]["envdAccessToken"].as_str().unwrap().to_owned(),
+            answer: c.clone(),
+        })
+        .collect()
+}
+
 fn lab_config(data: &Path) -> Config {
     let env = |name| std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set"));
     let mut config = Config::new(
@@ -382,7 +400,8 @@ async fn sandboxes_reach_the_internet_as_their_policy_says() {
         serde_json::Value::Null,
         "{detail}"
     );
-    assert_eq!(detail["network"]["denyOut"], json!([]), "{detail}");
+    // As E2B's: only what was set.
+    assert_eq!(detail["network"], json!({}), "{detail}");
 
     let closed = node
         .create(json!({"templateID": "base", "timeout": 600, "allow_internet_access": false}))
@@ -440,32 +459,62 @@ async fn sandboxes_reach_the_internet_as_their_policy_says() {
 
     // Fork children: each in its own slot with the parent's policy.
     let t = Instant::now();
-    let forked = http(
+    let fork = |path: String| {
+        let auth = node.auth();
+        async move {
+            forked(
+                http(
+                    node.addr,
+                    "POST",
+                    &path,
+                    &auth,
+                    r#"{"count":1,"timeout":600}"#,
+                )
+                .await,
+            )
+        }
+    };
+    let mut children = forked(
+        http(
+            node.addr,
+            "POST",
+            &format!("/sandboxes/{}/fork", open.id),
+            &node.auth(),
+            r#"{"count":2,"timeout":600}"#,
+        )
+        .await,
+    );
+    eprintln!("fork of 2 with networking answered in {:?}", t.elapsed());
+    assert_eq!(children.len(), 2);
+    // A named snapshot's fork children: the policy its source had.
+    let snap = http(
         node.addr,
         "POST",
-        &format!("/sandboxes/{}/fork", open.id),
+        &format!("/sandboxes/{}/snapshots", open.id),
         &node.auth(),
-        r#"{"count":2,"timeout":600}"#,
+        r#"{"name":"net-snap"}"#,
     )
     .await;
-    assert_eq!(forked.status, 201, "{:?}", forked.body);
-    eprintln!("fork of 2 with networking answered in {:?}", t.elapsed());
-    let children: Vec<Created> = forked
-        .json()
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| Created {
-            id: c["sandbox"]["sandboxID"].as_str().unwrap().to_owned(),
-            token: c["sandbox"]["envdAccessToken"].as_str().unwrap().to_owned(),
-            answer: c.clone(),
-        })
-        .collect();
-    assert_eq!(children.len(), 2);
+    assert_eq!(snap.status, 201, "{:?}", snap.body);
+    children.extend(fork("/snapshots/net-snap/fork".into()).await);
     for child in &children {
         assert!(reaches(node.addr, child, WEB_A).await, "{}", child.id);
         assert!(!reaches(node.addr, child, WEB_B).await, "{}", child.id);
     }
+    let detail = http(
+        node.addr,
+        "GET",
+        &format!("/sandboxes/{}", children[2].id),
+        &node.auth(),
+        "",
+    )
+    .await
+    .json();
+    assert_eq!(
+        detail["network"]["allowOut"],
+        json!([WEB_A.to_string()]),
+        "{detail}"
+    );
     for c in &children {
         let gone = http(
             node.addr,
@@ -489,6 +538,10 @@ async fn sandboxes_reach_the_internet_as_their_policy_says() {
     .await;
     assert_eq!(paused.status, 204, "{:?}", paused.body);
     assert_eq!(node.put_network(&partial.id, json!({})).await, 409);
+    // A paused sandbox's fork child keeps its policy too.
+    let from_paused = fork(format!("/sandboxes/{}/fork", partial.id)).await;
+    assert!(reaches(node.addr, &from_paused[0], WEB_A).await);
+    assert!(!reaches(node.addr, &from_paused[0], WEB_B).await);
     let resumed = http(
         node.addr,
         "POST",
@@ -505,7 +558,7 @@ async fn sandboxes_reach_the_internet_as_their_policy_says() {
     assert!(reaches(node.addr, &partial, WEB_A).await);
     assert!(!reaches(node.addr, &partial, WEB_B).await);
 
-    for s in [&open, &closed, &partial] {
+    for s in [&open, &closed, &partial, &from_paused[0]] {
         let gone = http(
             node.addr,
             "DELETE",
@@ -1031,6 +1084,13 @@ async fn domain_rules_let_web_traffic_out_by_host_and_sni() {
             "{denied} over HTTP: {http_}"
         );
     }
+    // An allowed name at an address the node's DNS did not give for it:
+    // refused (the guest cannot take an allowed name anywhere).
+    let elsewhere = curl(node.addr, &sbx, &format!("http://{allowed}/"), Some(WEB_B)).await;
+    assert!(
+        elsewhere.contains("is not an address"),
+        "{allowed} at {WEB_B}: {elsewhere}"
+    );
     // A request naming no host is refused too.
     let nameless = fetch(node.addr, &sbx, WEB_B, 80).await;
     assert!(nameless.contains("do not allow"), "{nameless}");

@@ -135,6 +135,11 @@ def test_domain_rules_are_kept_and_other_names_refused_by_the_node():
             "curl -s -m 20 -H 'Host: other.sandfork.test' http://192.0.2.1/; true"
         )
         assert "do not allow other.sandfork.test" in r.stdout, (r.stdout, r.stderr)
+        # An allowed name only reaches what the node's DNS answered for it.
+        r = sbx.commands.run(
+            "curl -s -m 20 -H 'Host: allowed.sandfork.test' http://192.0.2.1/; true"
+        )
+        assert "192.0.2.1 is not an address" in r.stdout, (r.stdout, r.stderr)
         r = sbx.commands.run(
             "curl -sk -m 20 --resolve other.sandfork.test:443:192.0.2.1 "
             "https://other.sandfork.test/ >/dev/null; echo rc=$?"

@@ -5,7 +5,9 @@
 //! ClientHello's SNI ([`sni`]) without terminating TLS, finds the guest's intended
 //! destination in the slot's conntrack ([`crate::conntrack`]), and splices the connection
 //! to that address if the sandbox's current policy allows the name (or the address) and the
-//! address is not always denied ([`crate::EgressPolicy::permits_named`]).
+//! address is not always denied ([`crate::EgressPolicy::permits_named`]). A name counts
+//! only at an address the node's DNS forwarder answered the sandbox for it
+//! ([`crate::dns::Answers`]).
 
 pub mod http;
 mod proxy;

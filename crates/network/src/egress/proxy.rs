@@ -1,6 +1,8 @@
 //! The egress proxy: one pair of listeners for the whole node (HTTP and TLS), async on the
 //! server's tokio runtime. Every connection gets a bounded head read (size and time), one
-//! policy decision, and then a byte splice to the guest's original destination.
+//! policy decision, and then a byte splice to the guest's original destination. A name
+//! counts only at an address the node's DNS forwarder gave this sandbox for it
+//! ([`Answers`]), so an allowed Host or SNI does not open any other address.
 
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
@@ -14,6 +16,7 @@ use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::task::JoinHandle;
 
 use super::{Parse, http, sni};
+use crate::dns::Answers;
 use crate::error::{Error, Result};
 use crate::plan::Cidr4;
 use crate::policy::EgressPolicy;
@@ -61,6 +64,8 @@ enum Kind {
 struct Shared {
     lookup: Arc<TargetLookup>,
     always_deny: Vec<Cidr4>,
+    /// What the DNS forwarder answered each sandbox.
+    answers: Arc<Answers>,
     /// Where outgoing connections are made; None: the process's namespace.
     netns: Option<PathBuf>,
     stats: Arc<ProxyStats>,
@@ -79,13 +84,15 @@ pub struct EgressProxy {
 }
 
 impl EgressProxy {
-    /// Listens on `http` and `tls` and serves on the current tokio runtime. `netns`: the
-    /// namespace to listen and connect in (tests); None: the process's.
+    /// Listens on `http` and `tls` and serves on the current tokio runtime; a name reaches
+    /// only the addresses `answers` holds for it and the sandbox. `netns`: the namespace
+    /// to listen and connect in (tests); None: the process's.
     pub fn start(
         http: SocketAddrV4,
         tls: SocketAddrV4,
         lookup: Arc<TargetLookup>,
         always_deny: Vec<Cidr4>,
+        answers: Arc<Answers>,
         netns: Option<PathBuf>,
     ) -> Result<EgressProxy> {
         let runtime = tokio::runtime::Handle::try_current()
@@ -113,6 +120,7 @@ impl EgressProxy {
         let shared = Arc::new(Shared {
             lookup,
             always_deny,
+            answers,
             netns,
             stats: stats.clone(),
             open: Mutex::new(HashMap::new()),
@@ -271,11 +279,23 @@ async fn decide_and_splice(
     let Ok(Some((head, host))) = head else {
         return Outcome::Dropped;
     };
+    // The name counts only where the forwarder sent this sandbox for it.
+    let answered = host
+        .as_deref()
+        .filter(|h| shared.answers.answered(*peer.ip(), h, *dst.ip()));
     if !target
         .policy
-        .permits_named(*dst.ip(), host.as_deref(), &shared.always_deny)
+        .permits_named(*dst.ip(), answered, &shared.always_deny)
     {
-        let _ = conn.write_all(&refusal(kind, host.as_deref())).await;
+        let elsewhere = answered.is_none()
+            && target
+                .policy
+                .permits_named(*dst.ip(), host.as_deref(), &shared.always_deny);
+        let why = match (&host, elsewhere) {
+            (Some(h), true) => Refused::NotAnswered(h, *dst.ip()),
+            (h, _) => Refused::Name(h.as_deref()),
+        };
+        let _ = conn.write_all(&refusal(kind, why)).await;
         let _ = conn.shutdown().await;
         return Outcome::Denied;
     }
@@ -323,15 +343,29 @@ async fn read_head(conn: &mut TcpStream, kind: Kind) -> Option<(Vec<u8>, Option<
     }
 }
 
+/// Why a connection is refused.
+enum Refused<'a> {
+    /// The rules do not allow the name (or there is none).
+    Name(Option<&'a str>),
+    /// They do, but the node's DNS never gave this sandbox that address for it.
+    NotAnswered(&'a str, Ipv4Addr),
+}
+
 /// What a refused client is told: a 403 over HTTP, a fatal `unrecognized_name` alert over
 /// TLS.
-fn refusal(kind: Kind, host: Option<&str>) -> Vec<u8> {
+fn refusal(kind: Kind, why: Refused<'_>) -> Vec<u8> {
     match kind {
         Kind::Http => {
-            let body = format!(
-                "sandfork: this sandbox's network rules do not allow {}\n",
-                host.unwrap_or("this destination")
-            );
+            let body = match why {
+                Refused::Name(host) => format!(
+                    "sandfork: this sandbox's network rules do not allow {}\n",
+                    host.unwrap_or("this destination")
+                ),
+                Refused::NotAnswered(host, ip) => format!(
+                    "sandfork: {host} is allowed, but {ip} is not an address this sandbox's DNS \
+                     gave for it\n"
+                ),
+            };
             format!(
                 "HTTP/1.1 403 Forbidden\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\
                  connection: close\r\n\r\n{body}",

@@ -43,9 +43,29 @@ struct UpdateBody {
     allow_internet_access: Option<bool>,
 }
 
-/// A field this node does not implement yet: refused rather than ignored.
+/// A field this node does not implement: refused (400) rather than ignored,
+/// saying why.
 fn unsupported(field: &str) -> ApiError {
-    ApiError::bad_request(format!("network.{field} is not supported by this node yet"))
+    let why = match field {
+        "rules" => {
+            "header transforms need a proxy that terminates the guest's TLS with a CA the \
+             guest trusts; this node's egress proxy only reads the SNI"
+        }
+        "egressProxy" => {
+            "egress leaves through the node's own NAT and egress proxy, not through a SOCKS5 \
+             proxy of yours (E2B's open-source runtime refuses it too)"
+        }
+        "dnsServers" => {
+            "sandboxes resolve through the node's DNS forwarder (their gateway), which \
+             follows the domain rules, and a name reaches only the addresses it answered; \
+             no resolver needs opening"
+        }
+        "httpsPorts" => "its port proxy reaches guest ports over plain HTTP only",
+        _ => "not implemented",
+    };
+    ApiError::bad_request(format!(
+        "network.{field} is not supported by this node: {why}"
+    ))
 }
 
 fn refuse_set(fields: &[(&str, &Option<Value>)]) -> Result<(), ApiError> {
@@ -103,19 +123,27 @@ pub(super) fn from_create(
     Ok(network)
 }
 
-/// `allowInternetAccess` and `network` of the sandbox detail.
+/// `allowInternetAccess` and `network` of the sandbox detail, as E2B's API
+/// reports them: `allowInternetAccess` null when never set, and `network`
+/// always an object holding only what was set (no `allowPublicTraffic`
+/// unless given, so `{}` for a sandbox created without network rules).
 pub(super) fn detail(r: &SandboxRecord, v: &mut Value) {
     let n = &r.network;
     v["allowInternetAccess"] = json!(n.allow_internet_access);
-    v["network"] = json!({
-        "allowOut": n.allow_out,
-        "denyOut": n.deny_out,
-        // Not set at create: public, the default.
-        "allowPublicTraffic": n.ingress.allow_public_traffic.unwrap_or(true),
-    });
-    if let Some(mask) = &n.ingress.mask_request_host {
-        v["network"]["maskRequestHost"] = json!(mask);
+    let mut network = json!({});
+    if !n.allow_out.is_empty() {
+        network["allowOut"] = json!(n.allow_out);
     }
+    if !n.deny_out.is_empty() {
+        network["denyOut"] = json!(n.deny_out);
+    }
+    if let Some(public) = n.ingress.allow_public_traffic {
+        network["allowPublicTraffic"] = json!(public);
+    }
+    if let Some(mask) = &n.ingress.mask_request_host {
+        network["maskRequestHost"] = json!(mask);
+    }
+    v["network"] = network;
 }
 
 pub async fn update(
@@ -183,8 +211,22 @@ mod tests {
                 r#"{"maskRequestHost":"a:b:c"}"#,
                 "mask request host is not valid",
             ),
-            (r#"{"rules":{"a.com":[]}}"#, "rules"),
-            (r#"{"egressProxy":{"address":"x"}}"#, "egressProxy"),
+            (
+                r#"{"rules":{"a.com":[]}}"#,
+                "network.rules is not supported",
+            ),
+            (
+                r#"{"egressProxy":{"address":"x"}}"#,
+                "network.egressProxy is not supported",
+            ),
+            (
+                r#"{"dnsServers":["8.8.8.8"]}"#,
+                "network.dnsServers is not supported",
+            ),
+            (
+                r#"{"httpsPorts":[8443]}"#,
+                "network.httpsPorts is not supported",
+            ),
         ];
         for (json, says) in cases {
             let e = from_create(None, Some(body(json))).unwrap_err();
@@ -215,8 +257,7 @@ mod tests {
         assert_eq!(v["allowInternetAccess"], Value::Null);
         assert_eq!(
             v["network"],
-            json!({"allowOut": [], "denyOut": [], "allowPublicTraffic": false,
-                   "maskRequestHost": "${PORT}-app.test"})
+            json!({"allowPublicTraffic": false, "maskRequestHost": "${PORT}-app.test"})
         );
         // The token is the Sandbox object's, never the detail's.
         assert!(
@@ -229,9 +270,24 @@ mod tests {
                     .unwrap()
             )
         );
+        // Nothing set: an empty object, as E2B answers.
         let mut v = json!({});
         detail(&SandboxRecord::default(), &mut v);
-        assert_eq!(v["network"]["allowPublicTraffic"], true);
-        assert_eq!(v["network"].get("maskRequestHost"), None);
+        assert_eq!(v["network"], json!({}));
+        let mut v = json!({});
+        let ruled = SandboxRecord {
+            network: from_create(
+                Some(true),
+                Some(body(r#"{"allowOut":["1.1.1.1"],"denyOut":["0.0.0.0/0"]}"#)),
+            )
+            .unwrap(),
+            ..SandboxRecord::default()
+        };
+        detail(&ruled, &mut v);
+        assert_eq!(v["allowInternetAccess"], true);
+        assert_eq!(
+            v["network"],
+            json!({"allowOut": ["1.1.1.1"], "denyOut": ["0.0.0.0/0"]})
+        );
     }
 }

@@ -139,6 +139,7 @@ fn parse_new(body: &Bytes) -> Result<BuildParams, ApiError> {
         vcpus,
         mem_mib,
         e2b: None,
+        ids: None,
     })
 }
 

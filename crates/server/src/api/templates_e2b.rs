@@ -302,6 +302,7 @@ pub async fn start_build(
         vcpus: (waiting.vcpus != 0).then_some(waiting.vcpus),
         mem_mib: (waiting.mem_mib != 0).then_some(waiting.mem_mib),
         e2b: Some(waiting),
+        ids: None,
     })?;
     Ok(StatusCode::ACCEPTED)
 }

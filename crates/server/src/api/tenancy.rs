@@ -143,7 +143,15 @@ fn template_owner(state: &Shared, id_or_name: &str) -> Option<Option<String>> {
         Ok(t) => t.id,
         Err(_) => match state.templates.status(id_or_name, usize::MAX) {
             Ok((build, _)) => build.template_id,
-            Err(_) if state.templates.e2b().waiting(id_or_name).is_some() => id_or_name.to_owned(),
+            Err(_)
+                if manager.store().builds().is_ok_and(|builds| {
+                    builds
+                        .iter()
+                        .any(|b| crate::template::e2b_build::e2b_template_id(b) == id_or_name)
+                }) =>
+            {
+                id_or_name.to_owned()
+            }
             Err(_) => return None,
         },
     };

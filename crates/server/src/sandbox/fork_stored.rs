@@ -283,7 +283,9 @@ impl Manager {
     /// `count` new sandboxes from the snapshot `id_or_name` (an id or a
     /// name, E2B's `:default` tag allowed), started together under one
     /// reservation: all fit or none start. Each is a create from the
-    /// snapshot with `params`' timeout and metadata.
+    /// snapshot with `params`' timeout and metadata and the network its
+    /// source had when the snapshot was taken (rules and policy, a traffic
+    /// token of its own when private), as a running sandbox's children do.
     pub async fn fork_snapshot(
         self: &Arc<Self>,
         id_or_name: &str,
@@ -312,20 +314,34 @@ impl Manager {
         for index in 0..count as usize {
             let manager = self.clone();
             let template = template.clone();
-            let create = CreateParams {
-                template_id: template.id.clone(),
-                timeout: params.timeout,
-                metadata: params.metadata.clone(),
-                // As E2B's v2 creates: an envd access token for each.
-                secure: true,
-                auto_pause_memory: true,
-                network: SandboxNetwork::default(),
-                team: params.team.clone(),
-                ..CreateParams::default()
-            };
+            let (timeout, metadata, team) =
+                (params.timeout, params.metadata.clone(), params.team.clone());
             let hold = slots.split(child);
             tasks.spawn(async move {
                 let r = async {
+                    let network = match &template.source_network {
+                        Some(n) => SandboxNetwork {
+                            ingress: n
+                                .ingress
+                                .for_child()
+                                .map_err(io("generating a traffic access token"))?,
+                            slot: None,
+                            ..n.clone()
+                        },
+                        // Taken before snapshots kept their source's network.
+                        None => SandboxNetwork::default(),
+                    };
+                    let create = CreateParams {
+                        template_id: template.id.clone(),
+                        timeout,
+                        metadata,
+                        // As E2B's v2 creates: an envd access token for each.
+                        secure: true,
+                        auto_pause_memory: true,
+                        network,
+                        team,
+                        ..CreateParams::default()
+                    };
                     let id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
                     let r = manager.create_inner(&id, &template, create, hold).await;
                     if r.is_err() {

@@ -224,6 +224,10 @@ impl Manager {
             source_sandbox: Some(id.to_owned()),
             names: params.name.into_iter().collect(),
             agent_token: source.access_token.clone(),
+            source_network: Some(crate::net::SandboxNetwork {
+                slot: None,
+                ..source.network.clone()
+            }),
             env_vars: source.env_vars.clone(),
             uses_snapshots,
             uses_dirs: source.uses_dirs.clone(),

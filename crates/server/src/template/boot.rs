@@ -220,6 +220,7 @@ pub async fn build(
         source_sandbox: None,
         names: Vec::new(),
         agent_token: None,
+        source_network: None,
         env_vars: spec.prepare.env_vars.clone(),
         uses_snapshots: Vec::new(),
         uses_dirs: Vec::new(),

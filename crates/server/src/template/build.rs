@@ -88,6 +88,9 @@ pub struct BuildParams {
     /// The waiting E2B build this starts (`POST /v3/templates` recorded it,
     /// with its ids and tags, before the build starts).
     pub e2b: Option<BuildRecord>,
+    /// The template and build ids of a build that is not an E2B one, when
+    /// already handed out (its owner is recorded before the build is seen).
+    pub ids: Option<(String, String)>,
 }
 
 /// One template as listed: built, base, snapshot, or a build without a
@@ -411,24 +414,33 @@ impl Templates {
                     started_at_ms: now_ms(),
                     ..waiting
                 },
-                None => BuildRecord {
-                    template_id: ids::sandbox_id().map_err(|source| SandboxError::Io {
-                        what: "generating a template id".into(),
-                        source,
-                    })?,
-                    build_id: uuid()?,
-                    name: params.name.clone(),
-                    source: params.source.describe(),
-                    vcpus,
-                    mem_mib,
-                    status: BuildStatus::Building,
-                    reason: None,
-                    started_at_ms: now_ms(),
-                    finished_at_ms: None,
-                    log: Vec::new(),
-                    reason_step: None,
-                    e2b: None,
-                },
+                None => {
+                    let (template_id, build_id) = match params.ids.clone() {
+                        Some(ids) => ids,
+                        None => (
+                            ids::sandbox_id().map_err(|source| SandboxError::Io {
+                                what: "generating a template id".into(),
+                                source,
+                            })?,
+                            uuid()?,
+                        ),
+                    };
+                    BuildRecord {
+                        template_id,
+                        build_id,
+                        name: params.name.clone(),
+                        source: params.source.describe(),
+                        vcpus,
+                        mem_mib,
+                        status: BuildStatus::Building,
+                        reason: None,
+                        started_at_ms: now_ms(),
+                        finished_at_ms: None,
+                        log: Vec::new(),
+                        reason_step: None,
+                        e2b: None,
+                    }
+                }
             };
             store.put_build(&record)?;
             running.insert(record.template_id.clone(), Arc::default());
@@ -681,6 +693,7 @@ impl Templates {
                     ready_cmd: None,
                     vcpus: None,
                     mem_mib: None,
+                    e2b: None,
                     ids: None,
                 };
                 match self.start(params) {
@@ -702,7 +715,7 @@ impl Templates {
                 .build(&template_id)?
                 .ok_or_else(|| SandboxError::TemplateNotFound(name.to_owned()))?;
             match b.status {
-                BuildStatus::Building => continue,
+                BuildStatus::Building | BuildStatus::Waiting => continue,
                 BuildStatus::Ready => return Ok(()),
                 BuildStatus::Error => {
                     return Err(SandboxError::Unavailable(format!(

@@ -891,7 +891,7 @@ impl Templates {
                 // The team the template is built for (see `crate::tenants`).
                 team: manager
                     .store()
-                    .owner(&crate::tenants::template_owner_key(template_id))
+                    .owner(&crate::tenants::template_owner_key(e2b_template_id(record)))
                     .ok()
                     .flatten(),
             })
