@@ -17,8 +17,10 @@
 #      npm lockfile. SDK_PYTEST_ARGS: extra pytest arguments (e.g. "-k files").
 #      SDK_TEST_TEMPLATE: template the suites create sandboxes from (base).
 #      SDK_SERVE_ARGS: extra `sandfork serve` arguments (e.g. "--pool-size 2").
-# Out: the server's log in target/sdk-test/serve.log, its store in
-#      target/sdk-test/data (fresh each run).
+#      SDK_TEST_OUT: where the server's log and store go (target/sdk-test),
+#      so that two runs from one checkout can run side by side.
+# Out: the server's log in $SDK_TEST_OUT/serve.log, its store in
+#      $SDK_TEST_OUT/data (fresh each run).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -49,7 +51,7 @@ trap stop_node EXIT
 
 start_server() {
     # shellcheck disable=SC2086 # SDK_SERVE_ARGS is a list of words
-    start_node target/debug/sandfork target/sdk-test ${SDK_SERVE_ARGS:-}
+    start_node target/debug/sandfork "${SDK_TEST_OUT:-target/sdk-test}" ${SDK_SERVE_ARGS:-}
     export E2B_API_URL=$node_url E2B_SANDBOX_URL=$node_url E2B_API_KEY=$node_key
 }
 
