@@ -16,7 +16,7 @@ use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post, put};
+use axum::routing::{get, patch, post, put};
 
 pub use error::ApiError;
 pub use list::{ListQuery, decode_metadata_filter};
@@ -74,6 +74,7 @@ pub fn router(state: Shared) -> Router {
             "/v2/templates/{id}/builds/{build_id}",
             post(templates_e2b::start_build),
         )
+        .route("/v2/templates/{id}", patch(templates::update_v2))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,
