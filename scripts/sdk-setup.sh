@@ -1,7 +1,8 @@
 #!/bin/bash
-# Installs the pinned, unmodified E2B SDKs into caches outside the repository,
-# for scripts/sdk-test.sh (which sources this file: setup_python sets $venv,
-# setup_node sets $node and links tests/sdk/js/node_modules) and for
+# Installs the pinned, unmodified E2B SDKs (and the E2B CLI) into caches
+# outside the repository, for scripts/sdk-test.sh and scripts/e2b-cli-test.sh
+# (which source this file: setup_python sets $venv, setup_node sets $node and
+# links tests/sdk/js/node_modules, setup_e2b_cli sets $e2b_cli) and for
 # `sandfork bench` (which runs it: it sets up the Python SDK and prints the
 # venv's python on stdout).
 #
@@ -9,7 +10,7 @@
 # Env: SANDFORK_CACHE (default /var/cache/sandfork): the caches live in
 #      $SANDFORK_CACHE/sdk/, keyed by the hash of
 #      tests/sdk/python/requirements.txt (and the interpreter) and of the npm
-#      lockfile; each entry is built once, whole or not at all.
+#      lockfiles; each entry is built once, whole or not at all.
 
 sdk_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 sdk_cache=${SANDFORK_CACHE:-/var/cache/sandfork}/sdk
@@ -101,6 +102,23 @@ setup_node() {
     # ES modules resolve packages from the importing file's directory upward.
     [[ -L $sdk_root/$js/node_modules || ! -e $sdk_root/$js/node_modules ]] || rm -rf "$sdk_root/$js/node_modules"
     ln -sfn "$mods/node_modules" "$sdk_root/$js/node_modules"
+}
+
+# --- the E2B CLI: `npm ci` of tests/e2b-cli keyed by its lockfile ---------
+# Sets $e2b_cli (its entry point, run with $node); needs setup_node first.
+setup_e2b_cli() {
+    local cli=tests/e2b-cli key
+    key=$(cat "$sdk_root/$cli/package.json" "$sdk_root/$cli/package-lock.json" | sha256sum | cut -c1-16)
+    local mods=$sdk_cache/e2b-cli-$key
+    # shellcheck disable=SC2317  # called by cached_dir
+    npm_ci_cli() {
+        log "npm ci for the E2B CLI ($1)"
+        cp "$sdk_root/$cli/package.json" "$sdk_root/$cli/package-lock.json" "$1/" &&
+            (cd "$1" && PATH=$(dirname "$node"):$PATH npm ci --no-audit --no-fund >&2)
+    }
+    cached_dir "$mods" npm_ci_cli
+    e2b_cli=$mods/node_modules/@e2b/cli/dist/index.js
+    [[ -f $e2b_cli ]] || die "the E2B CLI is missing from $mods"
 }
 
 if [[ ${BASH_SOURCE[0]} == "$0" ]]; then

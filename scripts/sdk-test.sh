@@ -2,13 +2,15 @@
 # The unmodified E2B SDKs against `sandfork serve`: builds everything
 # (scripts/build.sh), installs the pinned Python and JavaScript SDKs into
 # caches outside the repository, starts the server on a free local port with a
-# fresh API key, runs tests/sdk/python (pytest) and then tests/sdk/js
-# (node --test), stops the server, and exits non-zero if anything failed.
+# fresh API key, runs tests/sdk/python (pytest), then tests/sdk/js
+# (node --test), then the E2B CLI (scripts/e2b-cli-test.sh, on the same
+# node), stops the server, and exits non-zero if anything failed.
 #
-# Usage: scripts/sdk-test.sh [--only-basic] [--suite python|js] [--no-build]
+# Usage: scripts/sdk-test.sh [--only-basic] [--suite python|js|cli] [--no-build]
 #                            [--server URL]
 #   --only-basic  skip the `lifecycle` tests (pause/connect, fork, snapshots)
-#   --suite S     run only one SDK's suite
+#                 and the E2B CLI
+#   --suite S     run only one SDK's suite (or the CLI's)
 #   --no-build    do not run scripts/build.sh (target/sandfork.env must exist)
 #   --server URL  test a server that is already running at URL (its key in
 #                 E2B_API_KEY) instead of starting one
@@ -33,14 +35,14 @@ die() { log "error: $*"; exit 1; }
 while (($#)); do
     case $1 in
         --only-basic) only_basic=1; shift ;;
-        --suite) suite=${2:?--suite needs python or js}; shift 2 ;;
+        --suite) suite=${2:?--suite needs python, js or cli}; shift 2 ;;
         --no-build) build=0; shift ;;
         --server) server=${2:?--server needs a URL}; shift 2 ;;
         -h | --help) sed -n '2,/^set -e/p' "${BASH_SOURCE[0]}" | sed -n 's/^# \{0,1\}//p'; exit 0 ;;
         *) die "unknown argument: $1 (see --help)" ;;
     esac
 done
-case $suite in all | python | js) ;; *) die "--suite must be python or js" ;; esac
+case $suite in all | python | js | cli) ;; *) die "--suite must be python, js or cli" ;; esac
 
 # the SDK installs (setup_python, setup_node), shared with `sandfork bench`
 . scripts/sdk-setup.sh
@@ -67,7 +69,7 @@ if [[ -z $server ]]; then
     set +a
 fi
 
-[[ $suite == js ]] || setup_python
+[[ $suite == js || $suite == cli ]] || setup_python
 [[ $suite == python ]] || setup_node
 
 if [[ -n $server ]]; then
@@ -98,13 +100,16 @@ pytest() {
 # node 22 takes globs, node 20 directories: name the files
 nodetest() { (cd tests/sdk/js && "$node" --test --test-concurrency=1 "$1"/*.test.mjs); }
 
-if [[ $suite != js ]]; then
+if [[ $suite == all || $suite == python ]]; then
     run "python basic" pytest -m "not lifecycle"
     ((only_basic)) || run "python lifecycle" pytest -m lifecycle
 fi
-if [[ $suite != python ]]; then
+if [[ $suite == all || $suite == js ]]; then
     run "js basic" nodetest basic
     ((only_basic)) || run "js lifecycle" nodetest lifecycle
+fi
+if [[ $suite == all || $suite == cli ]] && ! ((only_basic)); then
+    run "e2b cli" scripts/e2b-cli-test.sh --server "$E2B_API_URL"
 fi
 
 stop_node

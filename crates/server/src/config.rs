@@ -110,6 +110,12 @@ impl Config {
         self.data_dir.join("sandboxes")
     }
 
+    /// What the node observed of each sandbox (logs, metrics), a directory
+    /// per sandbox id (see `sandbox::history`).
+    pub fn observe_dir(&self) -> PathBuf {
+        self.data_dir.join("observe")
+    }
+
     pub fn templates_dir(&self) -> PathBuf {
         self.data_dir.join("templates")
     }

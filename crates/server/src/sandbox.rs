@@ -41,6 +41,7 @@ pub const ROOT_LAYER: &str = "root.layer";
 mod fork;
 mod fork_stored;
 mod gc;
+mod history;
 mod live;
 mod moved;
 mod network;
@@ -739,6 +740,9 @@ impl Manager {
             Ok(Some(paused)) => {
                 sandbox.set_phase(Phase::Paused)?;
                 if let Some(launched) = guest.take() {
+                    // Its last console lines, before the VMM's directory goes.
+                    self.observed(&sandbox)
+                        .follow(&launched.probe().console_path(), now_ms());
                     launched.stop().await;
                 }
                 Ok(paused)
@@ -985,6 +989,8 @@ impl Manager {
         if let Some(sandbox) = sandbox {
             self.registry().remove(id);
             sandbox.set_phase(Phase::Gone)?;
+            // No more writes to its history: the observer may hold it still.
+            sandbox.observed().close();
         }
         drop(guest);
         // Stopping the process first; then its files can go, unless forks
@@ -996,15 +1002,19 @@ impl Manager {
         if sandbox.is_none() && !existed {
             return Err(SandboxError::NotFound(id.to_owned()));
         }
-        if record.is_some_and(|r| r.has_dependents) {
-            return Ok(());
+        // Its logs and metrics go with it; its files stay while others
+        // stack on them.
+        let mut dirs = vec![self.config.observe_dir().join(id)];
+        if !record.is_some_and(|r| r.has_dependents) {
+            dirs.push(self.sandbox_dir(id));
         }
-        let dir = self.sandbox_dir(id);
         tokio::task::spawn_blocking(move || {
-            if let Err(e) = std::fs::remove_dir_all(&dir)
-                && e.kind() != std::io::ErrorKind::NotFound
-            {
-                tracing::warn!("removing {}: {e}", dir.display());
+            for dir in dirs {
+                if let Err(e) = std::fs::remove_dir_all(&dir)
+                    && e.kind() != std::io::ErrorKind::NotFound
+                {
+                    tracing::warn!("removing {}: {e}", dir.display());
+                }
             }
         })
         .await?;

@@ -1254,6 +1254,87 @@ async fn metrics_and_logs_answer_by_sandbox_and_check_their_query() {
     assert_error(&call(&node, unauthed).await, StatusCode::UNAUTHORIZED);
 }
 
+/// What a node observed of a sandbox is on disk (`<data>/observe/<id>/`):
+/// the next process serves it through E2B's routes, and it goes with the
+/// sandbox's record.
+#[tokio::test]
+async fn logs_and_metrics_kept_on_disk_are_served_and_go_with_the_sandbox() {
+    let now = now_ms();
+    let node = node_configured(
+        &[record("held", now, SandboxState::Paused, "x")],
+        &[],
+        |c, _| {
+            // As a node that observed `held` (and a sandbox since gone) left it.
+            let dir = c.observe_dir().join("held");
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(
+                dir.join("logs.jsonl"),
+                format!(
+                    "{{\"at_ms\":{now},\"level\":\"info\",\"source\":\"console\",\"message\":\"boot\"}}\n\
+                     {{\"at_ms\":{},\"level\":\"warn\",\"source\":\"agent\",\"message\":\"low\"}}\n",
+                    now + 1
+                ),
+            )
+            .unwrap();
+            std::fs::write(
+                dir.join("metrics.jsonl"),
+                format!(
+                    "{{\"at_ms\":{now},\"ts\":1,\"cpu_count\":2,\"cpu_used_pct\":1.5,\
+                     \"mem_total\":1000,\"mem_used\":500,\"mem_cache\":0,\"disk_used\":7,\
+                     \"disk_total\":9}}\n"
+                ),
+            )
+            .unwrap();
+            std::fs::create_dir_all(c.observe_dir().join("ghost")).unwrap();
+        },
+    );
+    let l = call(&node, authed("GET", "/sandboxes/held/logs", "")).await;
+    assert_eq!(l.status, StatusCode::OK);
+    let lines: Vec<Value> = l.json["logs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| serde_json::from_str(e["line"].as_str().unwrap()).unwrap())
+        .collect();
+    assert_eq!(
+        lines,
+        [
+            serde_json::json!({"level": "info", "logger": "console", "message": "boot"}),
+            serde_json::json!({"level": "warn", "logger": "agent", "message": "low"}),
+        ]
+    );
+    let v2 = call(
+        &node,
+        authed("GET", "/v2/sandboxes/held/logs?level=warn", ""),
+    )
+    .await;
+    assert_eq!(v2.json["logs"].as_array().unwrap().len(), 1);
+    assert_eq!(v2.json["logs"][0]["fields"]["source"], "agent");
+    let m = call(&node, authed("GET", "/sandboxes/held/metrics", "")).await;
+    assert_eq!(m.json.as_array().unwrap().len(), 1, "{}", m.json);
+    assert_eq!(
+        (
+            m.json[0]["cpuCount"].as_u64(),
+            m.json[0]["diskTotal"].as_u64()
+        ),
+        (Some(2), Some(9))
+    );
+    let batch = call(
+        &node,
+        authed("GET", "/sandboxes/metrics?sandbox_ids=held", ""),
+    )
+    .await;
+    assert_eq!(batch.json["sandboxes"]["held"]["memUsed"], 500);
+
+    let observe = node.dir.path().join("observe");
+    node.manager.kill("held").await.unwrap();
+    assert!(!observe.join("held").exists());
+    assert!(observe.join("ghost").exists());
+    let gc = node.manager.collect_garbage().await.unwrap();
+    assert!(gc.dirs.contains(&observe.join("ghost")), "{gc:?}");
+    assert!(!observe.join("ghost").exists());
+}
+
 /// A node with room for `memory_mib` of sandboxes and 2 vCPUs, holding a
 /// running sandbox `run` and a paused one `held` (records only: they hold
 /// no capacity, since no VMM of theirs runs here).
@@ -1836,6 +1917,27 @@ async fn templates_are_listed_and_deleted_with_their_files_kept_for_their_users(
     );
     let one = call(&node, authed("GET", "/templates/web", "")).await;
     assert_eq!(one.json["templateID"], "tpl1");
+    // The E2B CLI's `template list` names its team; `template unpublish`
+    // and `publish` patch the template (this node publishes nothing).
+    let by_team = call(&node, authed("GET", "/templates?teamID=t1", "")).await;
+    assert_eq!(by_team.json.as_array().map(Vec::len), Some(all.len()));
+    let patch = |id: &str, body: &str| authed("PATCH", &format!("/v2/templates/{id}"), body);
+    let private = call(&node, patch("web", r#"{"public":false}"#)).await;
+    assert_eq!(
+        (private.status, private.json.clone()),
+        (StatusCode::OK, serde_json::json!({"names": ["web"]}))
+    );
+    let public = call(&node, patch("tpl1", r#"{"public":true}"#)).await;
+    assert_error(&public, StatusCode::BAD_REQUEST);
+    assert!(public.json["message"].as_str().unwrap().contains("publish"));
+    assert_error(
+        &call(&node, patch("nosuch", r#"{"public":false}"#)).await,
+        StatusCode::NOT_FOUND,
+    );
+    assert_error(
+        &call(&node, patch("web", r#"{"public":"yes"}"#)).await,
+        StatusCode::BAD_REQUEST,
+    );
     assert_error(
         &call(&node, authed("GET", "/templates/nosuch", "")).await,
         StatusCode::NOT_FOUND,

@@ -2,7 +2,9 @@
 //! sandboxes run and are paused. The next start adopts the running
 //! sandboxes' VMMs (their processes and files go on), keeps the paused ones,
 //! drops a sandbox whose VMM died meanwhile, and stops the old warm pool's
-//! VMMs; a kill and a clean stop leave no process and no directory behind.
+//! VMMs; the sandboxes' logs and metrics are still served after it (an
+//! adopted sandbox's console is not read twice); a kill and a clean stop
+//! leave no process and no directory behind.
 //!
 //! Needs KVM that boots Linux, `SANDFORK_KERNEL`/`SANDFORK_ROOTFS`, and the
 //! `sandfork` and `sandfork-vmm` binaries next to the test binary's directory.
@@ -138,6 +140,32 @@ impl Node {
         run(self.addr, &routing, command).await
     }
 
+    /// Its log lines (`timestamp message`) and metrics timestamps, through
+    /// E2B's routes.
+    async fn history(&self, id: &str) -> (Vec<String>, Vec<String>) {
+        let (status, logs) = self
+            .call("GET", &format!("/v2/sandboxes/{id}/logs"), json!({}))
+            .await;
+        assert_eq!(status, 200, "{logs}");
+        let (status, metrics) = self
+            .call("GET", &format!("/sandboxes/{id}/metrics"), json!({}))
+            .await;
+        assert_eq!(status, 200, "{metrics}");
+        let lines = logs["logs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| format!("{} {}", l["timestamp"], l["message"]))
+            .collect();
+        let samples = metrics
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["timestamp"].to_string())
+            .collect();
+        (lines, samples)
+    }
+
     async fn state(&self, id: &str) -> Option<String> {
         let (status, s) = self
             .call("GET", &format!("/sandboxes/{id}"), json!({}))
@@ -221,6 +249,16 @@ async fn a_restarted_server_adopts_running_sandboxes_and_keeps_paused_ones() {
     assert_eq!(status, 204, "{body}");
     // running, but its VMM dies while the server is down
     let lost = node.create().await;
+    // what the node observed of them so far (each request looks anew)
+    let kept_seen = node.history(&kept.0).await;
+    // (the pause read its console's last lines)
+    let paused_seen = node.history(&paused.0).await;
+    node.history(&lost.0).await;
+    let inits = |lines: &[String]| lines.iter().filter(|l| l.contains("/init applied")).count();
+    assert_eq!(inits(&kept_seen.0), 1, "{:?}", kept_seen.0);
+    assert!(!kept_seen.1.is_empty() && inits(&paused_seen.0) == 1);
+    let observe = data.join("observe");
+    assert!(observe.join(&kept.0).is_dir() && observe.join(&lost.0).is_dir());
 
     node.crash();
     let (kept_dir, kept_vmm) = vmm_of(&data, &kept.0);
@@ -258,6 +296,19 @@ async fn a_restarted_server_adopts_running_sandboxes_and_keeps_paused_ones() {
         "a sandbox whose VMM died is gone"
     );
     assert!(!lost_dir.exists());
+    assert!(
+        !observe.join(&lost.0).exists(),
+        "the lost one's logs go with it"
+    );
+    // Logs and metrics from before the crash, each once: the adopted
+    // sandbox's console is followed on from where it was.
+    let kept_now = node.history(&kept.0).await;
+    for seen in &kept_seen.0 {
+        assert!(kept_now.0.contains(seen), "{seen} lost: {:?}", kept_now.0);
+    }
+    assert!(kept_seen.1.iter().all(|t| kept_now.1.contains(t)));
+    assert_eq!(inits(&kept_now.0), 1, "{:?}", kept_now.0);
+    assert_eq!(node.history(&paused.0).await, paused_seen);
     for (dir, process) in &old_pool {
         wait_dead(process);
         assert!(!dir.exists(), "{} left behind", dir.display());
@@ -295,6 +346,7 @@ async fn a_restarted_server_adopts_running_sandboxes_and_keeps_paused_ones() {
             .await;
         assert_eq!(status, 204, "{body}");
         wait_dead(vmm);
+        assert!(!observe.join(&sandbox.0).exists(), "its logs go with it");
     }
     let pool: Vec<ProcessIdentity> = entries(&run_dir)
         .iter()

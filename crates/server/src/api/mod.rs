@@ -16,7 +16,7 @@ mod tenancy;
 use axum::Router;
 use axum::http::StatusCode;
 use axum::middleware;
-use axum::routing::{delete, get, post, put};
+use axum::routing::{delete, get, patch, post, put};
 
 pub use error::ApiError;
 pub use list::{ListQuery, decode_metadata_filter};
@@ -93,6 +93,7 @@ pub fn router(state: Shared) -> Router {
             post(templates_e2b::assign_tags).delete(templates_e2b::remove_tags),
         )
         .route("/templates/{id}/tags", get(templates_e2b::tags))
+        .route("/v2/templates/{id}", patch(templates::update_v2))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             tenancy::require_api_key,

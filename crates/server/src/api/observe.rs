@@ -185,8 +185,16 @@ fn limit(v: &str) -> Result<usize, ApiError> {
         })
 }
 
+/// A log line as E2B's `SandboxLog.line`: a JSON object in text, as E2B's
+/// log pipeline stores envd's structured lines (the E2B CLI's `sandbox logs`
+/// parses it and reads `level`; `logger` is what its `--loggers` filters).
+fn v1_line(l: &LogLine) -> String {
+    json!({"level": l.level.as_str(), "logger": l.source, "message": l.message}).to_string()
+}
+
 /// `GET /sandboxes/{id}/logs?start=<unix ms>&limit=`: lines from `start` on,
-/// oldest first, as `logs` (`{timestamp, line}`) and `logEntries`.
+/// oldest first, as `logs` (`{timestamp, line}`, `line` a JSON object, see
+/// [`v1_line`]) and `logEntries`.
 pub async fn logs_v1(
     State(state): State<Shared>,
     Path(id): Path<String>,
@@ -210,7 +218,7 @@ pub async fn logs_v1(
         .collect();
     let logs: Vec<Value> = lines
         .iter()
-        .map(|l| json!({"timestamp": rfc3339(l.at_ms), "line": l.message}))
+        .map(|l| json!({"timestamp": rfc3339(l.at_ms), "line": v1_line(l)}))
         .collect();
     let entries: Vec<Value> = lines.iter().map(entry).collect();
     Ok(Json(json!({"logs": logs, "logEntries": entries})))
@@ -308,6 +316,21 @@ mod tests {
         for bad in ["start=x", "end=-1", "start=5&end=4"] {
             assert!(metrics_range(&uri(bad)).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn v1_lines_are_json_objects_as_the_e2b_cli_reads_them() {
+        let l = LogLine {
+            at_ms: 1,
+            level: Level::Warn,
+            source: "agent",
+            message: "disk \"full\"".into(),
+        };
+        let parsed: Value = serde_json::from_str(&v1_line(&l)).unwrap();
+        assert_eq!(
+            parsed,
+            json!({"level": "warn", "logger": "agent", "message": "disk \"full\""})
+        );
     }
 
     #[test]

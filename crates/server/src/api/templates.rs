@@ -190,18 +190,50 @@ pub async fn list(
     Ok(Json(body).into_response())
 }
 
+/// The template `id` names (its id, else its newest holder of that name).
+fn find(state: &Shared, id: &str) -> Result<TemplateInfo, ApiError> {
+    let all = state.templates.list()?;
+    let found = all
+        .iter()
+        .find(|t| t.id == id)
+        .or_else(|| all.iter().rev().find(|t| t.names.iter().any(|n| n == id)))
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("template {id} not found")))?;
+    Ok(found.clone())
+}
+
 /// `GET /templates/{id}` (id or name).
 pub async fn get_one(
     State(state): State<Shared>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    let all = state.templates.list()?;
-    let found = all
-        .iter()
-        .find(|t| t.id == id)
-        .or_else(|| all.iter().rev().find(|t| t.names.contains(&id)))
-        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("template {id} not found")))?;
-    Ok(Json(template_json(found)).into_response())
+    Ok(Json(template_json(&find(&state, &id)?)).into_response())
+}
+
+/// E2B's `TemplateUpdateRequest`.
+#[derive(Debug, Default, Deserialize)]
+struct TemplateUpdate {
+    public: Option<bool>,
+}
+
+/// `PATCH /v2/templates/{id}` (id or name; `e2b template publish` and
+/// `unpublish`): 200 `{names}`. Every template of this node is private to
+/// its API keys, so `{"public": false}` (or no change) is answered and
+/// `{"public": true}` refused with 400: this node publishes nothing to
+/// other teams. 404 unknown.
+pub async fn update_v2(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let update: TemplateUpdate = parse_body(&body)?;
+    let template = find(&state, &id)?;
+    if update.public == Some(true) {
+        return Err(ApiError::bad_request(format!(
+            "template {id}: this node does not publish templates (public: true); its \
+             templates are for its own API keys"
+        )));
+    }
+    Ok(Json(json!({"names": template.names})).into_response())
 }
 
 fn logs_offset(query: Option<&str>) -> Result<usize, ApiError> {

@@ -2,7 +2,8 @@
 //! directories of killed sandboxes and of forks whose every user is gone
 //! (kept at kill time because others stacked on them), and, inside the
 //! directories still used, disk layers no live chain reads (a killed fork
-//! child's or parent's top layer).
+//! child's or parent's top layer), and the logs and metrics of sandboxes
+//! without a record.
 //!
 //! What is used comes from the records: each sandbox and snapshot lists the
 //! directories its memory and disk stack on (`uses_dirs`), and its current
@@ -85,6 +86,28 @@ impl Manager {
             });
         };
         let sandboxes = self.store.sandboxes()?;
+        // Logs and metrics of sandboxes without a record (a crash between
+        // the record's removal and theirs).
+        let ids: BTreeSet<String> = sandboxes.iter().map(|s| s.id.clone()).collect();
+        let observe = self.config.observe_dir();
+        let histories = tokio::task::spawn_blocking(move || {
+            let mut removed = Vec::new();
+            for dir in entries(&observe) {
+                let known = dir
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| ids.contains(n));
+                if known || !dir.is_dir() {
+                    continue;
+                }
+                match std::fs::remove_dir_all(&dir) {
+                    Ok(()) => removed.push(dir),
+                    Err(e) => tracing::warn!("gc: removing {}: {e}", dir.display()),
+                }
+            }
+            removed
+        })
+        .await?;
         let mut templates = self.store.templates()?;
         // Deleted templates stay while something stacks on them; the rest
         // go now, and what they held is judged with them gone.
@@ -111,6 +134,7 @@ impl Manager {
             return Ok(GcStats {
                 skipped: Some("records from an older version"),
                 templates: removed,
+                dirs: histories,
                 ..GcStats::default()
             });
         }
@@ -129,6 +153,7 @@ impl Manager {
         tokio::task::spawn_blocking(move || -> Result<GcStats, SandboxError> {
             let mut stats = GcStats {
                 templates: removed,
+                dirs: histories,
                 ..GcStats::default()
             };
             let mut kept = Vec::new();

@@ -1,7 +1,9 @@
 //! What the node watches of each sandbox: metrics sampled from its agent's
 //! `GET /metrics` and its guest console (kernel lines and the agent's log,
 //! `sandfork-agent: ...`), stamped with the time the node read them. Kept in
-//! memory, bounded, for `GET /sandboxes/{id}/metrics` and the logs routes.
+//! memory, bounded, for `GET /sandboxes/{id}/metrics` and the logs routes,
+//! and written through to the sandbox's [`History`] on disk, which a
+//! restarted node reads back (see [`super::history`]).
 
 use std::collections::VecDeque;
 use std::io::{Read, Seek, SeekFrom};
@@ -12,6 +14,8 @@ use std::time::Duration;
 use vmm_driver::agent_client::AgentMetrics;
 
 use super::Manager;
+use super::history::{ConsolePosition, History};
+use super::live::Sandbox;
 use crate::clock::now_ms;
 
 /// How often running sandboxes are sampled.
@@ -119,6 +123,13 @@ pub struct Observed {
     failures: u32,
     failing_since_ms: Option<u64>,
     stuck: bool,
+    /// Where what is observed is written through; None before
+    /// [`Observed::open`] and after [`Observed::close`].
+    history: Option<History>,
+    opened: bool,
+    closed: bool,
+    /// The last write to the history failed (said once until one works).
+    write_failed: bool,
 }
 
 /// What one probe of a guest's agent changed.
@@ -157,20 +168,95 @@ impl Observed {
         HealthChange::Same
     }
 
-    pub fn push_sample(&mut self, sample: Sample) {
+    /// Reads what `history` kept (once) and writes through to it from now
+    /// on; nothing once closed.
+    pub fn open(&mut self, history: impl FnOnce() -> History) {
+        if self.opened || self.closed {
+            return;
+        }
+        self.opened = true;
+        let history = history();
+        let loaded = history.load();
+        // Whatever was observed before the open is newer than the history.
+        let samples: Vec<Sample> = std::mem::take(&mut self.samples).into();
+        let lines: Vec<LogLine> = std::mem::take(&mut self.lines).into();
+        for s in loaded.samples.into_iter().chain(samples.iter().cloned()) {
+            self.keep_sample(s);
+        }
+        for l in loaded.lines.into_iter().chain(lines.iter().cloned()) {
+            self.keep_line(l);
+        }
+        if self.console.is_none()
+            && let Some(pos) = loaded.console
+        {
+            self.console = Some(pos.path);
+            self.offset = pos.offset;
+        }
+        self.history = Some(history);
+        self.persist(|h| {
+            h.append_samples(&samples)?;
+            h.append_lines(&lines)
+        });
+    }
+
+    /// Stops writing through, for good (the sandbox is gone and its
+    /// history's directory with it).
+    pub fn close(&mut self) {
+        self.closed = true;
+        self.history = None;
+    }
+
+    /// Writes through with `write`; a failure is logged once until a write
+    /// works again.
+    fn persist(&mut self, write: impl FnOnce(&History) -> std::io::Result<()>) {
+        let Some(history) = &self.history else {
+            return;
+        };
+        match write(history) {
+            Ok(()) if self.write_failed => {
+                self.write_failed = false;
+                tracing::info!("{}: writing works again", history.dir().display());
+            }
+            Ok(()) => {}
+            Err(e) if !self.write_failed => {
+                self.write_failed = true;
+                tracing::warn!(
+                    "{}: {e}; this sandbox's logs and metrics are kept in memory only \
+                     until a write works",
+                    history.dir().display()
+                );
+            }
+            Err(_) => {}
+        }
+    }
+
+    fn keep_sample(&mut self, sample: Sample) {
         if self.samples.len() == MAX_SAMPLES {
             self.samples.pop_front();
         }
         self.samples.push_back(sample);
     }
 
-    fn push_line(&mut self, bytes: &[u8], at_ms: u64) {
+    fn keep_line(&mut self, line: LogLine) {
+        if self.lines.len() == MAX_LINES {
+            self.lines.pop_front();
+        }
+        self.lines.push_back(line);
+    }
+
+    pub fn push_sample(&mut self, sample: Sample) {
+        self.persist(|h| h.append_samples(std::slice::from_ref(&sample)));
+        self.keep_sample(sample);
+    }
+
+    /// One console line, cut to [`MAX_LINE`]; None for an empty one.
+    fn line_of(bytes: &[u8], at_ms: u64) -> Option<LogLine> {
         let mut text = String::from_utf8_lossy(bytes).into_owned();
         if text.ends_with('\r') {
             text.pop();
         }
         if text.is_empty() {
-            return;
+            return None;
         }
         if text.len() > MAX_LINE {
             let mut cut = MAX_LINE;
@@ -179,10 +265,7 @@ impl Observed {
             }
             text.truncate(cut);
         }
-        if self.lines.len() == MAX_LINES {
-            self.lines.pop_front();
-        }
-        self.lines.push_back(classify(&text, at_ms));
+        Some(classify(&text, at_ms))
     }
 
     /// Reads what `console` gained since the last look.
@@ -202,21 +285,37 @@ impl Observed {
         let Ok(n) = file.take(MAX_READ).read_to_end(&mut buf) else {
             return;
         };
+        if n == 0 {
+            return;
+        }
         self.offset += n as u64;
         self.partial.extend_from_slice(&buf);
         let mut start = 0;
         let pending = std::mem::take(&mut self.partial);
+        let mut new = Vec::new();
         for (i, b) in pending.iter().enumerate() {
             if *b == b'\n' {
-                self.push_line(&pending[start..i], at_ms);
+                new.extend(Self::line_of(&pending[start..i], at_ms));
                 start = i + 1;
             }
         }
         let rest = &pending[start..];
         if rest.len() >= MAX_LINE {
-            self.push_line(rest, at_ms);
+            new.extend(Self::line_of(rest, at_ms));
         } else {
             self.partial = rest.to_vec();
+        }
+        // The unfinished line is read again after a restart.
+        let position = ConsolePosition {
+            path: console.to_owned(),
+            offset: self.offset - self.partial.len() as u64,
+        };
+        self.persist(|h| {
+            h.append_lines(&new)?;
+            h.save_console(&position)
+        });
+        for l in new {
+            self.keep_line(l);
         }
     }
 }
@@ -241,6 +340,14 @@ impl Manager {
         });
     }
 
+    /// What the node observed of `sandbox`, its history read from disk the
+    /// first time.
+    pub(super) fn observed<'a>(&self, sandbox: &'a Sandbox) -> std::sync::MutexGuard<'a, Observed> {
+        let mut observed = sandbox.observed();
+        observed.open(|| History::new(self.config.observe_dir().join(&sandbox.id)));
+        observed
+    }
+
     /// Reads a running sandbox's new console lines and one metrics sample.
     pub async fn observe(&self, id: &str) {
         let Some(sandbox) = self.registry().get(id) else {
@@ -249,7 +356,8 @@ impl Manager {
         let Some(vmm) = sandbox.probe() else {
             return;
         };
-        sandbox.observed().follow(&vmm.console_path(), now_ms());
+        self.observed(&sandbox)
+            .follow(&vmm.console_path(), now_ms());
         let agent = vmm
             .agent()
             .with_access_token(sandbox.token.as_deref())
@@ -257,7 +365,7 @@ impl Manager {
         // The sample is the health probe too.
         let (answered, why) = match agent.metrics().await {
             Ok(metrics) => {
-                sandbox.observed().push_sample(Sample {
+                self.observed(&sandbox).push_sample(Sample {
                     at_ms: now_ms(),
                     metrics,
                 });
@@ -311,21 +419,25 @@ impl Manager {
 
     /// Samples taken from `from_ms` to `to_ms`, oldest first.
     pub fn samples(&self, id: &str, from_ms: u64, to_ms: u64) -> Vec<Sample> {
-        self.registry().get(id).map_or_else(Vec::new, |s| {
-            s.observed()
-                .samples
-                .iter()
-                .filter(|s| (from_ms..=to_ms).contains(&s.at_ms))
-                .cloned()
-                .collect()
-        })
+        self.sandbox(id).map_or_else(
+            |_| Vec::new(),
+            |s| {
+                self.observed(&s)
+                    .samples
+                    .iter()
+                    .filter(|s| (from_ms..=to_ms).contains(&s.at_ms))
+                    .cloned()
+                    .collect()
+            },
+        )
     }
 
     /// The console lines kept for `id`, oldest first.
     pub fn log_lines(&self, id: &str) -> Vec<LogLine> {
-        self.registry()
-            .get(id)
-            .map_or_else(Vec::new, |s| s.observed().lines.iter().cloned().collect())
+        self.sandbox(id).map_or_else(
+            |_| Vec::new(),
+            |s| self.observed(&s).lines.iter().cloned().collect(),
+        )
     }
 }
 
@@ -377,6 +489,65 @@ mod tests {
     }
 
     #[test]
+    fn what_was_observed_is_read_back_by_the_next_process_and_not_read_twice() {
+        let dir = tempfile::tempdir().unwrap();
+        let console = dir.path().join("console.log");
+        let history = || History::new(dir.path().join("observe/sb"));
+        let sample = |at_ms| Sample {
+            at_ms,
+            metrics: AgentMetrics {
+                cpu_count: 1,
+                mem_total: 100,
+                ..Default::default()
+            },
+        };
+        std::fs::write(&console, "boot\nsandfork-agent: warn: low\nhalf").unwrap();
+        let mut before = Observed::default();
+        before.push_sample(sample(1));
+        before.open(history);
+        before.follow(&console, 2);
+        before.push_sample(sample(3));
+        assert_eq!(before.lines.len(), 2);
+
+        // The next process: the same history, the console grown meanwhile.
+        std::fs::write(
+            &console,
+            "boot\nsandfork-agent: warn: low\nhalf a line\nafter\n",
+        )
+        .unwrap();
+        let mut after = Observed::default();
+        after.open(history);
+        after.open(|| unreachable!("opened once"));
+        assert_eq!(
+            after.samples.iter().map(|s| s.at_ms).collect::<Vec<_>>(),
+            [1, 3]
+        );
+        after.follow(&console, 4);
+        let got: Vec<(&str, &str, Level, u64)> = after
+            .lines
+            .iter()
+            .map(|l| (l.message.as_str(), l.source, l.level, l.at_ms))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("boot", "console", Level::Info, 2),
+                ("low", "agent", Level::Warn, 2),
+                ("half a line", "console", Level::Info, 4),
+                ("after", "console", Level::Info, 4),
+            ]
+        );
+        // Closed: nothing more is written, and it is not opened again.
+        after.close();
+        after.push_sample(sample(5));
+        let mut again = Observed::default();
+        again.open(history);
+        assert_eq!(again.samples.len(), 2);
+        again.close();
+        again.open(|| unreachable!("closed"));
+    }
+
+    #[test]
     fn a_guest_is_unresponsive_after_probes_fail_long_enough() {
         let mut o = Observed::default();
         let after = STUCK_AFTER.as_millis() as u64;
@@ -417,7 +588,13 @@ mod tests {
         assert_eq!(o.samples.len(), MAX_SAMPLES);
         assert_eq!(o.samples.front().unwrap().at_ms, 5);
         let long = "x".repeat(MAX_LINE * 2);
-        o.push_line(long.as_bytes(), 0);
-        assert_eq!(o.lines.back().unwrap().message.len(), MAX_LINE);
+        let cut = Observed::line_of(long.as_bytes(), 0).unwrap();
+        assert_eq!(cut.message.len(), MAX_LINE);
+        assert_eq!(Observed::line_of(b"\r", 0), None);
+        for i in 0..MAX_LINES + 3 {
+            o.keep_line(classify("l", i as u64));
+        }
+        assert_eq!(o.lines.len(), MAX_LINES);
+        assert_eq!(o.lines.front().unwrap().at_ms, 3);
     }
 }

@@ -111,6 +111,7 @@ impl Manager {
                 Err(e) => {
                     tracing::warn!("sandbox {}: cannot adopt its VMM ({e}); removing it", r.id);
                     let _ = self.store.remove_sandbox(&r.id);
+                    let _ = std::fs::remove_dir_all(self.config.observe_dir().join(&r.id));
                     if let Some(dir) = &r.vmm_dir {
                         // It may run without answering: stop it first.
                         if let Some(process) = ProcessIdentity::read(dir) {
