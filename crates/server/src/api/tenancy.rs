@@ -118,15 +118,17 @@ fn check_path(state: &Shared, caller: &Caller, req: &Request) -> Option<Response
     if TEMPLATE_ROUTES.iter().any(|p| template.starts_with(p)) {
         let id = param(template, path, "{id}")?;
         let owner = template_owner(state, &id)?;
-        return (!caller.owns(owner.as_deref())).then(|| template_not_found(template, &id));
+        return (!caller.owns(owner.as_deref())).then(|| template_not_found(template, path, &id));
     }
     None
 }
 
 /// What each template route answers for a template it does not know.
-fn template_not_found(route: &str, id: &str) -> Response {
+fn template_not_found(route: &str, path: &str, id: &str) -> Response {
     let message = if route == "/templates/{id}/files/{hash}" {
         format!("template {id} has no build waiting for files")
+    } else if let Some(build_id) = param(route, path, "{build_id}") {
+        format!("template {id} has no build {build_id}")
     } else {
         format!("template {id} not found")
     };
