@@ -3,7 +3,13 @@
 # checks formatting and lints, runs the fast tests on the host, then the
 # microVM tests on real KVM: directly on a host with hardware KVM, otherwise
 # inside the KVM lab (QEMU with emulated SVM, see crates/lab).
+#
+# Usage: scripts/test.sh [--lab-only]
+#   --lab-only  only the microVM tests and the client suites (after the
+#               build), e.g. to check a change to them by hand
 set -euo pipefail
+lab_only=0
+[[ ${1:-} == --lab-only ]] && lab_only=1
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
@@ -27,25 +33,27 @@ set -a
 . target/sandfork.env
 set +a
 
-stage "format and lints"
-cargo fmt --all --check
-cargo clippy --workspace --all-targets --quiet -- -D warnings
-# Every shell script, including the lab's init, through shellcheck (which
-# scripts/deps.sh installs). A script hashed into a cache key keeps its
-# directives in a .shellcheckrc beside it, so they rebuild nothing.
-shellcheck scripts/*.sh images/*/*.sh crates/lab/src/init.sh
-# Dependency licences, bans and sources against deny.toml, offline; the
-# advisory database needs a download: `scripts/deny.sh --advisories`.
-scripts/deny.sh
+if ((lab_only == 0)); then
+    stage "format and lints"
+    cargo fmt --all --check
+    cargo clippy --workspace --all-targets --quiet -- -D warnings
+    # Every shell script, including the lab's init, through shellcheck (which
+    # scripts/deps.sh installs). A script hashed into a cache key keeps its
+    # directives in a .shellcheckrc beside it, so they rebuild nothing.
+    shellcheck scripts/*.sh images/*/*.sh crates/lab/src/init.sh
+    # Dependency licences, bans and sources against deny.toml, offline; the
+    # advisory database needs a download: `scripts/deny.sh --advisories`.
+    scripts/deny.sh
 
-stage "fast tests"
-cargo test --workspace --quiet
+    stage "fast tests"
+    cargo test --workspace --quiet
 
-stage "fuzz targets: corpora replayed, then each fuzzed briefly"
-# Every parser a guest or client reaches (README, "Fuzzing"); the fuzz crate
-# is outside the workspace, with its build cached under SANDFORK_CACHE.
-cargo fmt --check --manifest-path fuzz/Cargo.toml
-scripts/fuzz.sh
+    stage "fuzz targets: corpora replayed, then each fuzzed briefly"
+    # Every parser a guest or client reaches (README, "Fuzzing"); the fuzz crate
+    # is outside the workspace, with its build cached under SANDFORK_CACHE.
+    cargo fmt --check --manifest-path fuzz/Cargo.toml
+    scripts/fuzz.sh
+fi
 
 stage "microVM tests"
 # Test binaries holding lab tests (marked #[ignore = "lab: ..."]).
@@ -62,14 +70,6 @@ lab=target/debug/sandfork-lab
 # cache and data dir are there (lab tests that need such a share use it).
 export SANDFORK_LAB_RW_DIR=${SANDFORK_CACHE:-/var/cache/sandfork}/lab-rw
 mkdir -p "$SANDFORK_LAB_RW_DIR"
-# One KVM lab at a time on a machine (two at once on a small host lose
-# guests): hold the lab lock for everything below; sdk-test.sh sees that.
-exec 9>/tmp/sandfork-lab.lock
-stage "waiting for the lab lock"
-flock 9
-export SANDFORK_LAB_LOCKED=1
-# The lab tooling's own tests boot QEMU on this host.
-cargo test -p sandfork-lab --quiet -- --ignored --test-threads=1
 
 # Runs one lab test binary (directly on hardware KVM, else inside the lab).
 run_lab_tests() {
@@ -83,55 +83,96 @@ run_lab_tests() {
     fi
 }
 
-# Lab guests used to be lost now and then (4 of 26 `sandfork stress`
-# trials, 4 of 13 two-VM ones, on a loaded host): the guest ticked from the
-# PIT, broadcast each tick by IPI, and on a slow lab its vCPU 0 did nothing
-# but timer interrupts (README, "Hangs"). With the TSC-deadline timer
-# offered and lost PIT ticks dropped, 0 of 35. Until CI has shown a run of
-# clean lab runs, the rule below stays.
-# A test that loses its guest fails or overruns with diagnostics; re-run the
-# tests that failed, once: a real defect fails twice and still fails the
-# suite. A run that ended without naming failures (a lab timeout, the
-# watchdog) is re-run whole.
-for t in "${lab_tests[@]}"; do
-    log=$(mktemp)
-    if run_lab_tests "$t" --ignored --test-threads=1 2>&1 | tee "$log"; [[ ${PIPESTATUS[0]} -eq 0 ]]; then
-        continue
-    fi
-    mapfile -t failed < <(sed -n 's/^test \([A-Za-z0-9_:]*\) \.\.\. FAILED$/\1/p' "$log")
-    stage "re-running failed lab tests once: ${failed[*]:-all}"
-    if [[ ${#failed[@]} -gt 0 ]]; then
-        run_lab_tests "$t" --ignored --test-threads=1 --exact "${failed[@]}"
-    else
-        run_lab_tests "$t" --ignored --test-threads=1
-    fi
-done
+# The VMM's and the node's lab test binaries, the stress, the cluster.
+vmm_lane() {
+    # The lab tooling's own tests boot QEMU on this host.
+    cargo test -p sandfork-lab --quiet -- --ignored --test-threads=1
 
-stage "stress: boots, restores, forks and two-VM runs, each bounded"
-# The short version of `sandfork stress` (README, "Hangs"): a hang or a
-# failure, with the VMs' diagnostics, fails the suite unless a second run
-# is clean (the same rule as above, for the same reason).
-stress() { target/debug/sandfork stress --boots 2 --restores 2 --forks 2 --two-vm 1 >/dev/null; }
-stress || { stage "re-running the stress once"; stress; }
+    # Lab guests used to be lost now and then (4 of 26 `sandfork stress`
+    # trials, 4 of 13 two-VM ones, on a loaded host): the guest ticked from
+    # the PIT, broadcast each tick by IPI, and on a slow lab its vCPU 0 did
+    # nothing but timer interrupts (README, "Hangs"). With the TSC-deadline
+    # timer offered and lost PIT ticks dropped, 0 of 35. Until CI has shown a
+    # run of clean lab runs, the rule below stays.
+    # A test that loses its guest fails or overruns with diagnostics; re-run
+    # the tests that failed, once: a real defect fails twice and still fails
+    # the suite. A run that ended without naming failures (a lab timeout, the
+    # watchdog) is re-run whole.
+    local t log failed
+    for t in "${lab_tests[@]}"; do
+        stage "lab tests: ${t##*/}"
+        log=$(mktemp)
+        if run_lab_tests "$t" --ignored --test-threads=1 2>&1 | tee "$log"; [[ ${PIPESTATUS[0]} -eq 0 ]]; then
+            continue
+        fi
+        mapfile -t failed < <(sed -n 's/^test \([A-Za-z0-9_:]*\) \.\.\. FAILED$/\1/p' "$log")
+        stage "re-running failed lab tests once: ${failed[*]:-all}"
+        if [[ ${#failed[@]} -gt 0 ]]; then
+            run_lab_tests "$t" --ignored --test-threads=1 --exact "${failed[@]}"
+        else
+            run_lab_tests "$t" --ignored --test-threads=1
+        fi
+    done
 
-stage "E2B SDK suites against sandfork serve"
-# The real e2b Python and JS SDKs against a real server on real microVMs
-# (inside the lab here): the basic suites, then pause, fork and snapshots.
-scripts/sdk-test.sh --no-build
+    stage "stress: boots, restores, forks and two-VM runs, each bounded"
+    # The short version of `sandfork stress` (README, "Hangs"): a hang or a
+    # failure, with the VMs' diagnostics, fails the suite unless a second
+    # run is clean (the same rule as above, for the same reason).
+    stress() { target/debug/sandfork stress --boots 2 --restores 2 --forks 2 --two-vm 1 >/dev/null; }
+    stress || { stage "re-running the stress once"; stress; }
 
-stage "the sandfork CLI against sandfork serve"
-# Every client command through the real binary against one real node,
-# the interactive shell through tmux.
-scripts/cli-test.sh --no-build
+    stage "the cluster: two nodes and a gateway on a real etcd and S3 (a pause resumed on the other node)"
+    # Membership, placement and routing through the gateway, with the nodes'
+    # sandboxes real microVMs (one lab machine for all three processes).
+    scripts/cluster-test.sh --no-build
+}
 
-stage "the sandfork Python package against sandfork serve"
-# ruff, the pure tests, then forks, environments, Gymnasium's checker and
-# the branching runner on real microVMs.
-scripts/rl-test.sh --no-build
+# The real clients against real nodes: the E2B SDKs and CLI, sandfork's
+# CLI, the Python package.
+suites_lane() {
+    stage "E2B SDK suites against sandfork serve"
+    # The real e2b Python and JS SDKs against a real server on real microVMs
+    # (inside the lab here): the basic suites, then pause, fork and snapshots.
+    scripts/sdk-test.sh --no-build
 
-stage "the cluster: two nodes and a gateway on a real etcd and S3 (a pause resumed on the other node)"
-# Membership, placement and routing through the gateway, with the nodes'
-# sandboxes real microVMs (one lab machine for all three processes).
-scripts/cluster-test.sh --no-build
+    stage "the sandfork CLI against sandfork serve"
+    # Every client command through the real binary against one real node,
+    # the interactive shell through tmux.
+    scripts/cli-test.sh --no-build
+
+    stage "the sandfork Python package against sandfork serve"
+    # ruff, the pure tests, then forks, environments, Gymnasium's checker and
+    # the branching runner on real microVMs.
+    scripts/rl-test.sh --no-build
+}
+
+# Two lab machines at once, one per lane, each with its own lock (the lab
+# uses one host CPU at a time, this host has two); SANDFORK_LAB_LANES=1 runs
+# the lanes one after the other under the one lock. The second lane's lines
+# are prefixed with "suites|".
+export SANDFORK_LAB_LOCKED=1
+exec 9>/tmp/sandfork-lab.lock
+stage "waiting for the lab lock"
+flock 9
+if [[ ${SANDFORK_LAB_LANES:-2} -ge 2 ]]; then
+    exec 8>/tmp/sandfork-lab2.lock
+    stage "waiting for the second lab lock"
+    flock 8
+    stage "two lanes: the lab test binaries here, the client suites beside them (suites|)"
+    # Each lane in the background and waited for: in a subshell whose status
+    # an `||` tests, bash would ignore `set -e`.
+    suites_lane > >(sed -u 's/^/suites| /') 2>&1 &
+    suites_pid=$!
+    vmm_lane &
+    vmm_pid=$!
+    vmm_rc=0 suites_rc=0
+    wait "$vmm_pid" || vmm_rc=$?
+    wait "$suites_pid" || suites_rc=$?
+    stage "lanes done: lab tests exit $vmm_rc, client suites exit $suites_rc"
+    ((vmm_rc == 0 && suites_rc == 0)) || exit 1
+else
+    vmm_lane
+    suites_lane
+fi
 
 stage "all passed"
