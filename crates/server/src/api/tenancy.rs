@@ -127,7 +127,9 @@ fn check_path(state: &Shared, caller: &Caller, req: &Request) -> Option<Response
 fn template_not_found(route: &str, path: &str, id: &str) -> Response {
     let message = if route == "/templates/{id}/files/{hash}" {
         format!("template {id} has no build waiting for files")
-    } else if let Some(build_id) = param(route, path, "{build_id}") {
+    } else if route == "/v2/templates/{id}/builds/{build_id}"
+        && let Some(build_id) = param(route, path, "{build_id}")
+    {
         format!("template {id} has no build {build_id}")
     } else {
         format!("template {id} not found")
