@@ -177,8 +177,14 @@ out=$(e2b sandbox logs "$id" --level ERROR </dev/null | plain)
 reject "/init applied" "$out"
 
 step "sandbox metrics"
-out=$(e2b sandbox metrics "$id" --format json </dev/null)
-[[ $(head -n1 <<<"$out" | json "d['cpuCount'] >= 1 and d['memTotal'] > 0 and d['diskTotal'] > 0") == True ]] ||
+# One JSON object a line (after a blank one, as logs); the node samples
+# every few seconds, so the first may take a moment.
+for _ in $(seq 15); do
+    out=$(e2b sandbox metrics "$id" --format json </dev/null)
+    grep -q -v '^[[:space:]]*$' <<<"$out" && break
+    sleep 2
+done
+[[ $(grep -m1 -v '^[[:space:]]*$' <<<"$out" | json "d['cpuCount'] >= 1 and d['memTotal'] > 0 and d['diskTotal'] > 0") == True ]] ||
     fail "sandbox metrics --format json: $out"
 out=$(e2b sandbox metrics "$id" </dev/null | plain)
 expect "Metrics for sandbox $id" "$out"
