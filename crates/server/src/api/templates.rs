@@ -109,28 +109,7 @@ fn parse_new(body: &Bytes) -> Result<BuildParams, ApiError> {
     }
     let [source] =
         <[BuildSource; 1]>::try_from(sources).map_err(|_| ApiError::bad_request(FROM_ONE))?;
-    let vcpus = req
-        .vcpus
-        .map(|v| {
-            u8::try_from(v)
-                .ok()
-                .filter(|v| (1..=MAX_VCPUS).contains(v))
-                .ok_or_else(|| ApiError::bad_request(format!("vcpus must be 1 to {MAX_VCPUS}")))
-        })
-        .transpose()?;
-    let mem_mib = req
-        .memory_mb
-        .map(|v| {
-            u64::try_from(v)
-                .ok()
-                .filter(|v| (MIN_MEM_MIB..=MAX_MEM_MIB).contains(v))
-                .ok_or_else(|| {
-                    ApiError::bad_request(format!(
-                        "memory_mb must be {MIN_MEM_MIB} to {MAX_MEM_MIB}"
-                    ))
-                })
-        })
-        .transpose()?;
+    let (vcpus, mem_mib) = machine_size((req.vcpus, "vcpus"), (req.memory_mb, "memory_mb"))?;
     Ok(BuildParams {
         name,
         source,
@@ -141,6 +120,38 @@ fn parse_new(body: &Bytes) -> Result<BuildParams, ApiError> {
         e2b: None,
         ids: None,
     })
+}
+
+/// A build's machine as a request asks for it: vCPUs 1 to `MAX_VCPUS`,
+/// memory `MIN_MEM_MIB` to `MAX_MEM_MIB`; each with its field's name as the
+/// request spells it, for the refusal.
+pub(super) fn machine_size(
+    (vcpus, vcpus_field): (Option<i64>, &str),
+    (memory_mb, memory_field): (Option<i64>, &str),
+) -> Result<(Option<u8>, Option<u64>), ApiError> {
+    let vcpus = vcpus
+        .map(|v| {
+            u8::try_from(v)
+                .ok()
+                .filter(|v| (1..=MAX_VCPUS).contains(v))
+                .ok_or_else(|| {
+                    ApiError::bad_request(format!("{vcpus_field} must be 1 to {MAX_VCPUS}"))
+                })
+        })
+        .transpose()?;
+    let mem_mib = memory_mb
+        .map(|v| {
+            u64::try_from(v)
+                .ok()
+                .filter(|v| (MIN_MEM_MIB..=MAX_MEM_MIB).contains(v))
+                .ok_or_else(|| {
+                    ApiError::bad_request(format!(
+                        "{memory_field} must be {MIN_MEM_MIB} to {MAX_MEM_MIB}"
+                    ))
+                })
+        })
+        .transpose()?;
+    Ok((vcpus, mem_mib))
 }
 
 /// `POST /templates`: 202 `{templateID, buildID, names, status: "building"}`;

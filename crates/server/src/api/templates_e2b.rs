@@ -17,7 +17,7 @@ use serde_json::json;
 use super::sandboxes::parse_body;
 use super::{ApiError, Shared};
 use crate::store::BuildStatus;
-use crate::template::build::{MAX_MEM_MIB, MAX_VCPUS, MIN_MEM_MIB, check_name};
+use crate::template::build::check_name;
 use crate::template::e2b_build::{self, RawStep, Step, StepsPlan};
 use crate::template::{BuildParams, BuildSource};
 
@@ -77,28 +77,8 @@ fn request(body: &Bytes) -> Result<Requested, ApiError> {
     if tags.is_empty() {
         tags.push(e2b_build::DEFAULT_TAG.to_owned());
     }
-    let vcpus = req
-        .cpu_count
-        .map(|v| {
-            u8::try_from(v)
-                .ok()
-                .filter(|v| (1..=MAX_VCPUS).contains(v))
-                .ok_or_else(|| ApiError::bad_request(format!("cpuCount must be 1 to {MAX_VCPUS}")))
-        })
-        .transpose()?;
-    let mem_mib = req
-        .memory_mb
-        .map(|v| {
-            u64::try_from(v)
-                .ok()
-                .filter(|v| (MIN_MEM_MIB..=MAX_MEM_MIB).contains(v))
-                .ok_or_else(|| {
-                    ApiError::bad_request(format!(
-                        "memoryMB must be {MIN_MEM_MIB} to {MAX_MEM_MIB}"
-                    ))
-                })
-        })
-        .transpose()?;
+    let (vcpus, mem_mib) =
+        super::templates::machine_size((req.cpu_count, "cpuCount"), (req.memory_mb, "memoryMB"))?;
     Ok(Requested {
         alias,
         tags,
