@@ -23,21 +23,24 @@ pub struct OciImage {
     pub config: ImageConfig,
 }
 
+/// An OCI content descriptor (also read by [`crate::registry`]).
 #[derive(Deserialize)]
-struct Descriptor {
+pub(crate) struct Descriptor {
     #[serde(rename = "mediaType", default)]
-    media_type: String,
-    digest: String,
+    pub(crate) media_type: String,
+    pub(crate) digest: String,
     #[serde(default)]
-    platform: Option<Platform>,
+    pub(crate) size: Option<u64>,
+    #[serde(default)]
+    pub(crate) platform: Option<Platform>,
 }
 
 #[derive(Deserialize)]
-struct Platform {
+pub(crate) struct Platform {
     #[serde(default)]
-    architecture: String,
+    pub(crate) architecture: String,
     #[serde(default)]
-    os: String,
+    pub(crate) os: String,
 }
 
 #[derive(Deserialize)]

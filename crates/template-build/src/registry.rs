@@ -23,6 +23,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::oci::Descriptor;
 use base64::Engine as _;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
@@ -356,25 +357,6 @@ pub struct Pulled {
     pub store: PathBuf,
     pub manifest_digest: String,
     pub stats: PullStats,
-}
-
-#[derive(Deserialize)]
-struct Descriptor {
-    #[serde(rename = "mediaType", default)]
-    media_type: String,
-    digest: String,
-    #[serde(default)]
-    size: Option<u64>,
-    #[serde(default)]
-    platform: Option<Platform>,
-}
-
-#[derive(Deserialize)]
-struct Platform {
-    #[serde(default)]
-    architecture: String,
-    #[serde(default)]
-    os: String,
 }
 
 #[derive(Deserialize)]
