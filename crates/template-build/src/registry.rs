@@ -11,13 +11,20 @@
 //! and a second pull of the same digest downloads none of them (a pull by
 //! digest whose manifest is stored makes no request at all).
 //!
-//! Plain HTTP is used for loopback registries (`localhost`, `127.0.0.0/8`,
-//! `::1`) and for the hosts given in [`PullOptions::insecure`] (`host` for
-//! any port, or `host:port`); any other registry needs HTTPS, which this
-//! client does not speak yet (it says so).
+//! Registries are reached over HTTPS (rustls, see [`tls`]), and so are
+//! token realms and the hosts blob downloads are redirected to; as Docker
+//! does, plain HTTP is allowed only for loopback registries (`localhost`,
+//! `127.0.0.0/8`, `::1`) and the hosts given in [`PullOptions::insecure`]
+//! (`host` for any port, or `host:port`). Those are asked over plain HTTP
+//! first and over TLS when the answer shows a TLS server; an insecure
+//! registry's certificate is not checked, a loopback one's is.
+//! Redirects are followed across hosts; the registry's `Authorization`
+//! goes only to the registry's own scheme and host.
 //!
 //! The client is small and on the HTTP stack the workspace already has
 //! (hyper); a registry crate would have brought its own HTTP and TLS stack.
+
+mod tls;
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -70,6 +77,10 @@ pub enum RegistryError {
     },
     #[error("{what}: {reason}")]
     Transport { what: String, reason: String },
+    /// A TLS handshake failed (an untrusted certificate, a registry that
+    /// does not speak TLS) or TLS could not be set up (the CA file).
+    #[error("{what}: {reason}")]
+    Tls { what: String, reason: String },
     #[error("{what}: the content does not match its digest {digest} ({detail})")]
     DigestMismatch {
         what: String,
@@ -287,6 +298,14 @@ pub fn is_loopback(host: &str) -> bool {
             .is_ok_and(|ip| ip.is_loopback())
 }
 
+/// The host of `host[:port]` (`[v6]` keeps its brackets).
+fn bare_host(authority: &str) -> &str {
+    if authority.starts_with('[') {
+        return authority.find(']').map_or(authority, |i| &authority[..=i]);
+    }
+    authority.split_once(':').map_or(authority, |(h, _)| h)
+}
+
 /// User name and password for a registry (HTTP basic, or to get a token).
 #[derive(Clone)]
 pub struct Credentials {
@@ -315,6 +334,9 @@ pub struct PullOptions {
     /// reached from inside at this address (the `Host` header and the
     /// image's name keep the loopback address).
     pub loopback_via: Option<String>,
+    /// A PEM file of CA certificates trusted besides the system's (for
+    /// registries with certificates of a private CA).
+    pub ca_file: Option<PathBuf>,
 }
 
 impl PullOptions {
@@ -335,6 +357,14 @@ impl PullOptions {
         std::env::var("SANDFORK_REGISTRY_LOOPBACK_VIA")
             .ok()
             .filter(|v| !v.is_empty())
+    }
+
+    /// The extra CA file from `SANDFORK_REGISTRY_CA` (see
+    /// [`PullOptions::ca_file`]).
+    pub fn ca_file_from_env() -> Option<PathBuf> {
+        std::env::var_os(tls::CA_VAR)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
     }
 }
 
@@ -720,13 +750,23 @@ struct Client {
     credentials: Option<Credentials>,
     /// The `Authorization` header value in use.
     auth: Option<String>,
+    /// See [`PullOptions::insecure`].
+    insecure: Vec<String>,
+    tls: tls::Tls,
+    /// Until the registry's first answer: whether it is reached over plain
+    /// HTTP but may turn out to speak TLS (a loopback or insecure one).
+    may_be_tls: bool,
 }
+
+/// A request's outcome once connected: hyper's error when the answer was
+/// not HTTP.
+type Exchange = Result<Response<Incoming>, hyper::Error>;
 
 impl Client {
     fn new(reference: &Reference, opts: &PullOptions) -> Result<Client, RegistryError> {
         let host = reference.api_host();
         let host = host.as_str();
-        let bare = host.rsplit_once(':').map_or(host, |(h, _)| h);
+        let bare = bare_host(host);
         let plain = is_loopback(host) || opts.insecure.iter().any(|h| h == host || h == bare);
         let scheme = if plain { "http" } else { "https" };
         let base = Url::parse(&format!("{scheme}://{host}/")).ok_or_else(|| {
@@ -746,6 +786,9 @@ impl Client {
             repository: reference.repository.clone(),
             credentials: opts.credentials.clone(),
             auth: None,
+            insecure: opts.insecure.clone(),
+            tls: tls::Tls::new(opts.ca_file.as_deref()),
+            may_be_tls: plain,
         })
     }
 
@@ -756,9 +799,18 @@ impl Client {
         }
     }
 
-    /// One request on a new connection, with a deadline for the headers.
+    /// Whether `authority` is listed insecure (by host or host and port).
+    fn listed_insecure(&self, authority: &str) -> bool {
+        let bare = bare_host(authority);
+        self.insecure.iter().any(|h| h == authority || h == bare)
+    }
+
+    /// One request on a new connection. The first request to a registry
+    /// reached over plain HTTP goes over TLS again when the answer shows a
+    /// TLS server (Go's answers plain HTTP with a 400 naming HTTPS, others
+    /// with bytes that are not HTTP).
     async fn send(
-        &self,
+        &mut self,
         url: &Url,
         accept: Option<&str>,
         auth: Option<&str>,
@@ -769,15 +821,82 @@ impl Client {
             what: what.to_owned(),
             reason,
         };
-        if url.https {
+        if !url.https && !is_loopback(&url.authority) && !self.listed_insecure(&url.authority) {
             return Err(transport(format!(
-                "https://{} needs TLS, which this node does not speak to registries yet; use a \
-                 registry reached over plain HTTP (on loopback, or listed in \
-                 SANDFORK_INSECURE_REGISTRIES)",
+                "refusing plain HTTP to {}: only loopback registries and those listed in \
+                 SANDFORK_INSECURE_REGISTRIES are reached without TLS",
                 url.authority
             )));
         }
-        stats.requests += 1;
+        let http_err = |e: hyper::Error| transport(format!("HTTP with {}: {e}", url.authority));
+        let probe = self.may_be_tls && !url.https && url.authority == self.base.authority;
+        if !probe {
+            stats.requests += 1;
+            return self
+                .exchange(url, accept, auth, what)
+                .await?
+                .map_err(http_err);
+        }
+        self.may_be_tls = false;
+        let over_tls = Url {
+            https: true,
+            ..url.clone()
+        };
+        match self.exchange(url, accept, auth, what).await? {
+            Ok(resp) if resp.status() == StatusCode::BAD_REQUEST => {
+                let body = read_limited(resp, 64 << 10, what).await?;
+                stats.requests += 1;
+                if String::from_utf8_lossy(&body).contains("HTTPS") {
+                    self.base.https = true;
+                    return self
+                        .exchange(&over_tls, accept, auth, what)
+                        .await?
+                        .map_err(http_err);
+                }
+                Err(RegistryError::Http {
+                    what: what.to_owned(),
+                    status: StatusCode::BAD_REQUEST,
+                    message: error_message(&body),
+                })
+            }
+            Ok(resp) => {
+                stats.requests += 1;
+                Ok(resp)
+            }
+            Err(e) if e.is_parse() || e.is_incomplete_message() => {
+                stats.requests += 1;
+                match self.exchange(&over_tls, accept, auth, what).await {
+                    Ok(Ok(resp)) => {
+                        self.base.https = true;
+                        Ok(resp)
+                    }
+                    Ok(Err(tls_err)) => Err(transport(format!(
+                        "HTTP with {0}: {e}; over TLS: {tls_err}",
+                        url.authority
+                    ))),
+                    Err(tls_err) => Err(transport(format!(
+                        "HTTP with {}: {e} (and over TLS: {tls_err})",
+                        url.authority
+                    ))),
+                }
+            }
+            Err(e) => Err(http_err(e)),
+        }
+    }
+
+    /// Connects (over TLS for an https URL) and sends one request, with a
+    /// deadline for the answer's headers.
+    async fn exchange(
+        &mut self,
+        url: &Url,
+        accept: Option<&str>,
+        auth: Option<&str>,
+        what: &str,
+    ) -> Result<Exchange, RegistryError> {
+        let transport = |reason: String| RegistryError::Transport {
+            what: what.to_owned(),
+            reason,
+        };
         let host = if url.authority == self.base.authority {
             self.connect_host.as_str()
         } else {
@@ -790,12 +909,6 @@ impl Client {
         .await
         .map_err(|_| transport(format!("connecting to {} timed out", url.authority)))?
         .map_err(|e| transport(format!("connecting to {}: {e}", url.authority)))?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| transport(format!("HTTP with {}: {e}", url.authority)))?;
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
         let mut req = Request::get(url.path.as_str())
             .header(hyper::header::HOST, url.authority.as_str())
             .header(hyper::header::USER_AGENT, "sandfork");
@@ -808,14 +921,27 @@ impl Client {
         let req = req
             .body(Empty::<Bytes>::new())
             .map_err(|e| transport(format!("building the request: {e}")))?;
-        tokio::time::timeout(IDLE_TIMEOUT, sender.send_request(req))
-            .await
-            .map_err(|_| transport(format!("{} did not answer in time", url.authority)))?
-            .map_err(|e| transport(format!("HTTP with {}: {e}", url.authority)))
+        if !url.https {
+            return request_over(stream, req, &url.authority, what).await;
+        }
+        let verify = !self.listed_insecure(&url.authority);
+        let stream = tokio::time::timeout(
+            CONNECT_TIMEOUT,
+            self.tls
+                .connect(stream, &url.host, &url.authority, verify, what),
+        )
+        .await
+        .map_err(|_| {
+            transport(format!(
+                "the TLS handshake with {} timed out (does it speak TLS on that port?)",
+                url.authority
+            ))
+        })??;
+        request_over(stream, req, &url.authority, what).await
     }
 
     /// GETs a registry path, answering an auth challenge once and following
-    /// redirects (without credentials to another host).
+    /// redirects (without credentials to another scheme or host).
     async fn get(
         &mut self,
         path: &str,
@@ -823,17 +949,19 @@ impl Client {
         what: &str,
         stats: &mut PullStats,
     ) -> Result<Response<Incoming>, RegistryError> {
-        let mut url = self.url(path);
+        let mut redirected: Option<Url> = None;
         let mut challenged = false;
         let mut redirects = 0;
         loop {
-            let same_host = url.authority == self.base.authority;
-            let auth = if same_host { self.auth.clone() } else { None };
+            // The registry's scheme may change with its first answer.
+            let url = redirected.clone().unwrap_or_else(|| self.url(path));
+            let same_origin = url.authority == self.base.authority && url.https == self.base.https;
+            let auth = if same_origin { self.auth.clone() } else { None };
             let resp = self
                 .send(&url, accept, auth.as_deref(), what, stats)
                 .await?;
             let status = resp.status();
-            if status == StatusCode::UNAUTHORIZED && same_host && !challenged {
+            if status == StatusCode::UNAUTHORIZED && same_origin && !challenged {
                 challenged = true;
                 let header = resp
                     .headers()
@@ -879,8 +1007,8 @@ impl Client {
                 } else {
                     Url::parse(location)
                 };
-                url = match next {
-                    Some(u) if redirects <= 5 => u,
+                redirected = match next {
+                    Some(u) if redirects <= 5 => Some(u),
                     _ => {
                         return Err(RegistryError::Transport {
                             what: what.to_owned(),
@@ -900,8 +1028,9 @@ impl Client {
         header: &str,
         stats: &mut PullStats,
     ) -> Result<String, RegistryError> {
+        let registry = self.registry.clone();
         let unauthorized = |reason: String| RegistryError::Unauthorized {
-            registry: self.registry.clone(),
+            registry: registry.clone(),
             reason,
         };
         let basic = self.credentials.as_ref().map(|c| {
@@ -1060,6 +1189,31 @@ impl Client {
         }
         result
     }
+}
+
+/// Sends `req` over `io` (plain or TLS).
+async fn request_over<T>(
+    io: T,
+    req: Request<Empty<Bytes>>,
+    authority: &str,
+    what: &str,
+) -> Result<Exchange, RegistryError>
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut sender, conn) = match hyper::client::conn::http1::handshake(TokioIo::new(io)).await {
+        Ok(h) => h,
+        Err(e) => return Ok(Err(e)),
+    };
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    tokio::time::timeout(IDLE_TIMEOUT, sender.send_request(req))
+        .await
+        .map_err(|_| RegistryError::Transport {
+            what: what.to_owned(),
+            reason: format!("{authority} did not answer in time"),
+        })
 }
 
 async fn stream_to(
@@ -1285,6 +1439,88 @@ mod tests {
             "MANIFEST_UNKNOWN manifest unknown"
         );
         assert_eq!(error_message(b"plain\n"), "plain");
+    }
+
+    #[test]
+    fn hosts_of_authorities() {
+        assert_eq!(bare_host("reg.example:5000"), "reg.example");
+        assert_eq!(bare_host("reg.example"), "reg.example");
+        assert_eq!(bare_host("[::1]:5000"), "[::1]");
+        assert_eq!(bare_host("[::1]"), "[::1]");
+    }
+
+    /// A client of `registry` whose connections go to 127.0.0.1 (a
+    /// registry that is not loopback by name, reached on loopback).
+    fn client_via_loopback(registry: &str, insecure: &[&str]) -> Client {
+        let opts = PullOptions {
+            insecure: insecure.iter().map(|s| s.to_string()).collect(),
+            ..PullOptions::default()
+        };
+        let mut c = Client::new(&r(&format!("{registry}/img")), &opts).unwrap();
+        c.connect_host = "127.0.0.1".into();
+        c
+    }
+
+    /// A server answering every connection in plain HTTP with a 400.
+    async fn plain_http_server() -> u16 {
+        use tokio::io::AsyncReadExt;
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = l.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                let mut buf = [0u8; 1024];
+                let _ = s.read(&mut buf).await;
+                let _ = s
+                    .write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                    .await;
+            }
+        });
+        port
+    }
+
+    #[tokio::test]
+    async fn tls_to_a_plain_http_registry_says_so() {
+        let port = plain_http_server().await;
+        let mut c = client_via_loopback(&format!("plain.test:{port}"), &[]);
+        let err = c
+            .get("/v2/", None, "probe", &mut PullStats::default())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, RegistryError::Tls { .. })
+                && err.to_string().contains("does not speak TLS")
+                && err.to_string().contains("SANDFORK_INSECURE_REGISTRIES"),
+            "{err}"
+        );
+        // listed insecure, it is spoken to in plain HTTP
+        let mut c = client_via_loopback(&format!("plain.test:{port}"), &["plain.test"]);
+        let err = c
+            .get("/v2/", None, "probe", &mut PullStats::default())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, RegistryError::Http { status, .. } if status == StatusCode::BAD_REQUEST),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn plain_http_goes_only_to_loopback_and_insecure_hosts() {
+        let mut c = client_via_loopback("reg.test", &["insecure.test"]);
+        let mut stats = PullStats::default();
+        let url = Url::parse("http://cdn.test/blob").unwrap();
+        let err = c
+            .send(&url, None, None, "a blob", &mut stats)
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("refusing plain HTTP to cdn.test: only loopback registries"),
+            "{err}"
+        );
+        assert_eq!(stats.requests, 0, "refused before connecting");
+        assert!(c.listed_insecure("insecure.test:5000"));
+        assert!(!c.listed_insecure("reg.test"));
     }
 
     #[test]

@@ -3,14 +3,13 @@
 //! directories, owners and modes kept, the image config returned, digests
 //! checked, and the ext4 image inspected with debugfs (e2fsprogs).
 
-use std::fs;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod common;
 
-use flate2::Compression;
-use flate2::write::GzEncoder;
-use sha2::{Digest, Sha256};
+use std::fs;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+use common::{agent, debugfs, gzip, sha};
 use template_build::{BuildError, Builder, ImageConfig, OciImage, Source, apply_layers};
 
 enum Kind<'a> {
@@ -55,20 +54,6 @@ fn layer(entries: &[E]) -> Vec<u8> {
         }
     }
     b.into_inner().unwrap()
-}
-
-fn gzip(data: &[u8]) -> Vec<u8> {
-    use std::io::Write;
-    let mut g = GzEncoder::new(Vec::new(), Compression::fast());
-    g.write_all(data).unwrap();
-    g.finish().unwrap()
-}
-
-fn sha(data: &[u8]) -> String {
-    Sha256::digest(data)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
 }
 
 const CONFIG: &str = r#"{"architecture":"amd64","os":"linux","config":{
@@ -331,25 +316,6 @@ fn corrupt_or_unsafe_images_are_refused() {
     // not an image at all
     let err = OciImage::open_layout(tmp.path()).err().unwrap();
     assert!(matches!(err, BuildError::UnreadableImage { .. }), "{err}");
-}
-
-fn debugfs(image: &Path, request: &str) -> String {
-    let out = Command::new("debugfs")
-        .arg("-R")
-        .arg(request)
-        .arg(image)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "debugfs {request}: {out:?}");
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// A stand-in agent: any executable; the image only has to carry it.
-fn agent(dir: &Path) -> PathBuf {
-    let p = dir.join("agent");
-    fs::write(&p, b"#!/bin/sh\nexit 0\n").unwrap();
-    fs::set_permissions(&p, fs::Permissions::from_mode(0o755)).unwrap();
-    p
 }
 
 fn check_image(image: &Path) {

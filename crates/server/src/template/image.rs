@@ -45,6 +45,7 @@ impl Templates {
             }),
             insecure: PullOptions::insecure_from_env(),
             loopback_via: PullOptions::loopback_via_from_env(),
+            ca_file: PullOptions::ca_file_from_env(),
         };
         log.push(&format!("pulling {reference}"));
         let store = builder.images_dir();
