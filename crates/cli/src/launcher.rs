@@ -39,6 +39,13 @@ pub async fn launch_with(
     if let Some(balloon) = balloon {
         vm.api().put_balloon(balloon).await?;
     }
+    boot(&vm, image).await?;
+    Ok(vm)
+}
+
+/// Boots the image on a VMM already spawned, with whatever devices the
+/// caller gave it before (a network interface, a balloon).
+pub async fn boot(vm: &VmmProcess, image: &GuestImage) -> Result<()> {
     vm.boot(&GuestSpec {
         kernel: image.kernel.clone(),
         boot_args: Some(BOOT_ARGS.into()),
@@ -53,7 +60,7 @@ pub async fn launch_with(
         vsock: true,
     })
     .await?;
-    Ok(vm)
+    Ok(())
 }
 
 /// Boots and waits for the guest agent; returns the VM and the time taken.

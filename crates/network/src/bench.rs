@@ -1,10 +1,15 @@
-//! Slot setup time, for `sandfork bench` (`net_slot_setup_ms`): a benchmark, never a timed test.
+//! Slot setup time, for `sandfork bench` (`net_slot_setup_ms`): a benchmark, never a timed test;
+//! and a namespace holding a slot's tap alone, for the bench's guest TCP figures.
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::host::Host;
+use crate::netns;
+use crate::plan::TAP_NAME;
 use crate::pool::PoolConfig;
+use crate::rtnl::Rtnl;
 use crate::slot;
 
 /// Setup times of `n` slots made one after another (then removed), sorted; and the times of
@@ -61,4 +66,46 @@ pub fn percentile_ms(times: &[Duration], p: u32) -> f64 {
     }
     let i = ((times.len() - 1) * p as usize).div_ceil(100);
     times[i.min(times.len() - 1)].as_secs_f64() * 1000.0
+}
+
+/// Makes a namespace anchored at `anchor` holding a slot's tap alone, addressed as in every
+/// slot (no veth, no NAT, no table): a VMM spawned in it gives its guest the network every
+/// sandbox has, and a thread in it reaches the guest at [`crate::plan::GUEST_IP`] over the
+/// tap and nothing else. Remove it with [`netns::remove_anchor`].
+pub fn tap_namespace(anchor: &Path) -> Result<()> {
+    netns::create_anchored(anchor, |_own| {
+        crate::tap::create_persistent_tap(TAP_NAME)?;
+        let tap =
+            nix::net::if_::if_nametoindex(TAP_NAME).map_err(|e| Error::sys("tap0 index", e))?;
+        let mut rt = Rtnl::open()?;
+        rt.batch("configure the tap", |rt| {
+            rt.set_up(1, None)?; // lo is always index 1 in a new namespace
+            slot::address_tap(rt, tap)
+        })
+    })?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::GATEWAY_IP;
+
+    /// Makes a namespace: run as root with `--ignored`.
+    #[test]
+    #[ignore = "needs root: makes a network namespace"]
+    fn a_tap_namespace_holds_the_tap_at_the_gateway_address() {
+        let dir = tempfile::tempdir().unwrap();
+        let anchor = dir.path().join("ns");
+        tap_namespace(&anchor).unwrap();
+        let seen = crate::run_in_netns(&anchor, || {
+            let mut rt = Rtnl::open()?;
+            let names: Vec<String> = rt.links()?.into_iter().map(|l| l.name).collect();
+            Ok((names, rt.addresses()?))
+        });
+        netns::remove_anchor(&anchor).unwrap();
+        let (names, addrs) = seen.unwrap();
+        assert!(names.iter().any(|n| n == TAP_NAME), "{names:?}");
+        assert!(addrs.contains(&GATEWAY_IP), "{addrs:?}");
+    }
 }

@@ -91,9 +91,7 @@ pub(crate) fn create(host: &Host, id: u32) -> Result<Slot> {
                 Some(addrs.veth_host_ip),
                 eth0,
             )?;
-            rt.add_addr(tap, GATEWAY_IP, GUEST_PREFIX_LEN)?;
-            rt.set_up(tap, Some(TAP_MAC))?;
-            rt.add_permanent_neighbour(tap, GUEST_IP, GUEST_MAC)
+            address_tap(rt, tap)
         })?;
 
         let table = slot_table::table(
@@ -126,6 +124,14 @@ pub(crate) fn create(host: &Host, id: u32) -> Result<Slot> {
         anchor,
         policy,
     })
+}
+
+/// The guest side of a slot on link `tap` (requests only, for a batch): the gateway's
+/// address, the link up with its MAC, and the guest's neighbour entry.
+pub(crate) fn address_tap(rt: &mut Rtnl, tap: u32) -> Result<()> {
+    rt.add_addr(tap, GATEWAY_IP, GUEST_PREFIX_LEN)?;
+    rt.set_up(tap, Some(TAP_MAC))?;
+    rt.add_permanent_neighbour(tap, GUEST_IP, GUEST_MAC)
 }
 
 /// Takes over a slot that exists since before a restart; its table is rewritten with

@@ -1,13 +1,15 @@
 //! `sandfork bench`: boot, snapshot, restore and fork figures of sandfork-vmm,
 //! and of a reference Firecracker on the same kernel and image when one is
 //! given (for what Firecracker can do); memory a guest frees given back by
-//! its balloon (`balloon`); network slot setup (`net`); then the
-//! node's figures through the
+//! its balloon (`balloon`); network slot setup (`net`); TCP to and from a
+//! guest over its VMM's virtio-net and a tap alone, for both VMMs
+//! (`guest_tcp`); then the node's figures through the
 //! E2B Python SDK against `sandfork serve` (`sdk`), and when forking a
 //! stateful episode pays against snapshot-and-create and create-and-replay
 //! (`rl`, a phase of the same script: `rl_bench.py`).
 
 mod balloon;
+mod guest_tcp;
 mod net;
 pub mod sdk;
 mod snapshot;
@@ -26,6 +28,16 @@ const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
 pub(crate) fn median(samples: &mut [f64]) -> f64 {
     samples.sort_by(f64::total_cmp);
     samples[samples.len() / 2]
+}
+
+/// The key of the ratio of ours to the reference's figure `key`
+/// (`boot_to_agent_ms` -> `boot_to_agent_ratio_vs_reference`).
+pub(crate) fn ratio_key(key: &str) -> String {
+    let stem = key
+        .strip_suffix("_ms")
+        .or_else(|| key.strip_suffix("_mib_s"))
+        .unwrap_or(key);
+    format!("{stem}_ratio_vs_reference")
 }
 
 /// Boots `runs` times and returns the figures as JSON.
@@ -70,7 +82,8 @@ pub enum Part {
 pub struct VmmFigures<'a> {
     pub runs: usize,
     pub firecracker: Option<&'a Path>,
-    /// Network slot setup too (`net_slot_setup_ms`; needs root).
+    /// Network figures too: slot setup (`net_slot_setup_ms`) and guest
+    /// TCP over a tap (`vmm_guest_tcp_*`, for the reference too); need root.
     pub net: bool,
 }
 
@@ -160,6 +173,8 @@ impl Plan<'_> {
         part(report, errors, "balloon", self.deadline, balloon).await;
         if figures.net {
             part(report, errors, "net", self.deadline, net::measure()).await;
+            let tcp = guest_tcp::measure(vmm, image);
+            part(report, errors, "guest_tcp", self.deadline, tcp).await;
         }
         let Some(fc) = figures.firecracker else {
             report["reference"] = Value::Null;
@@ -184,16 +199,28 @@ impl Plan<'_> {
             snapshots,
         )
         .await;
+        if figures.net {
+            let tcp = guest_tcp::measure(fc, image);
+            part(
+                &mut reference,
+                errors,
+                "reference_guest_tcp",
+                self.deadline,
+                tcp,
+            )
+            .await;
+        }
         for key in [
             "boot_to_agent_ms",
             "restore_to_agent_ms",
             "pause_ms",
             "snapshot_full_ms",
+            "vmm_guest_tcp_host_to_guest_mib_s",
+            "vmm_guest_tcp_guest_to_host_mib_s",
         ] {
             // Only where both sides measured it.
             if let (Some(ours), Some(theirs)) = (report[key].as_f64(), reference[key].as_f64()) {
-                let name = format!("{}_ratio_vs_reference", key.trim_end_matches("_ms"));
-                report[name] = json!(ours / theirs);
+                report[ratio_key(key)] = json!(ours / theirs);
             }
         }
         report["reference"] = reference;
@@ -293,6 +320,18 @@ mod tests {
         .await;
         assert_eq!(report["figure"], 3);
         assert!(!errors.contains_key("ok"));
+    }
+
+    #[test]
+    fn ratio_keys_drop_the_unit() {
+        assert_eq!(
+            ratio_key("boot_to_agent_ms"),
+            "boot_to_agent_ratio_vs_reference"
+        );
+        assert_eq!(
+            ratio_key("vmm_guest_tcp_host_to_guest_mib_s"),
+            "vmm_guest_tcp_host_to_guest_ratio_vs_reference"
+        );
     }
 
     #[test]

@@ -235,10 +235,13 @@ impl SdkBench<'_> {
     }
 }
 
-/// The script and the module it imports, side by side in `dir`.
+/// The script, the module it imports and the guest's TCP server it reads,
+/// side by side in `dir`.
 fn write_scripts(dir: &Path) -> Result<()> {
     std::fs::write(dir.join("sdk_bench.py"), SCRIPT).context("writing the SDK bench script")?;
-    std::fs::write(dir.join("rl_bench.py"), RL_SCRIPT).context("writing the rl bench script")
+    std::fs::write(dir.join("rl_bench.py"), RL_SCRIPT).context("writing the rl bench script")?;
+    std::fs::write(dir.join("guest_tcp_server.py"), super::guest_tcp::SERVER)
+        .context("writing the guest's TCP server")
 }
 
 /// Passes the script's progress on to our stderr line by line and returns its

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 # Sandboxes outlive every phase; the bench kills them itself.
 SANDBOX_TTL_S = 3600
@@ -53,51 +54,8 @@ PARENT_PAUSED_HEADER = "sandfork-parent-paused-ms"
 GUEST_TCP_MIB = 64
 GUEST_TCP_RUNS = 3
 GUEST_TCP_SINK, GUEST_TCP_SOURCE = 5301, 5302
-# Run in the guest: the sink reads a connection to its end and answers the
-# byte count; the source sends MiB after a request byte (a probe that sends
-# nothing gets nothing).
-GUEST_TCP_SERVER = """
-import socket, sys, threading
-
-MIB, SINK, SOURCE = (int(a) for a in sys.argv[1:4])
-CHUNK = 1 << 20
-
-def listen(port):
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("0.0.0.0", port))
-    s.listen(4)
-    return s
-
-def sink(c):
-    n = 0
-    while True:
-        b = c.recv(CHUNK)
-        if not b:
-            break
-        n += len(b)
-    c.sendall(str(n).encode())
-
-def source(c):
-    if c.recv(1) == b"g":
-        block = b"\\0" * CHUNK
-        for _ in range(MIB):
-            c.sendall(block)
-
-def serve(listener, handle):
-    while True:
-        c, _ = listener.accept()
-        try:
-            handle(c)
-        except OSError:
-            pass
-        c.close()
-
-listeners = [(listen(SINK), sink), (listen(SOURCE), source)]
-for listener, handle in listeners:
-    threading.Thread(target=serve, args=(listener, handle), daemon=True).start()
-threading.Event().wait()
-"""
+# Run in the guest (a file next to this script; see it for the protocol).
+GUEST_TCP_SERVER = (Path(__file__).parent / "guest_tcp_server.py").read_text()
 
 
 def log(msg):

@@ -22,6 +22,8 @@ pub fn summary(report: &Value) -> String {
         ("fork16_ms", "ms"),
         ("child_private_mib", "MiB"),
         ("idle_children_per_24gib", ""),
+        ("vmm_guest_tcp_host_to_guest_mib_s", "MiB/s"),
+        ("vmm_guest_tcp_guest_to_host_mib_s", "MiB/s"),
         ("sdk_create_to_first_command_ms", "ms"),
         ("sdk_create_to_first_command_no_network_ms", "ms"),
         ("sdk_create_networking_ratio", ""),
@@ -62,9 +64,8 @@ pub fn summary(report: &Value) -> String {
         };
         let mut line = format!("  {key:<32} {}", shown.trim_end());
         if let Some(fc) = reference[key].as_f64() {
-            let ratio_key = format!("{}_ratio_vs_reference", key.trim_end_matches("_ms"));
             line.push_str(&format!("   (Firecracker {} {unit}", number(fc)));
-            if let Some(r) = report[ratio_key.as_str()].as_f64() {
+            if let Some(r) = report[super::ratio_key(key).as_str()].as_f64() {
                 line.push_str(&format!(", ratio {r:.2}"));
             }
             line.push(')');
@@ -157,10 +158,16 @@ mod tests {
             "pause_ms": 33.94,
             "pause_ratio_vs_reference": 3.29,
             "restore_to_agent_ms": 369.2,
+            "vmm_guest_tcp_host_to_guest_mib_s": 210.4,
+            "vmm_guest_tcp_host_to_guest_ratio_vs_reference": 0.5,
             "sdk_create_to_first_command_ms": {"p50": 2130.6, "p95": 2779.7},
             "first_command_page_faults": {"without_prefetch": 5012, "with_prefetch": {"p50": 801}},
             "sdk_fork16_ms": null,
-            "reference": {"pause_ms": 10.31, "restore_to_agent_ms": 248.0},
+            "reference": {
+                "pause_ms": 10.31,
+                "restore_to_agent_ms": 248.0,
+                "vmm_guest_tcp_host_to_guest_mib_s": 420.8
+            },
             "errors": {"reference_boot": "no such file"},
             "sdk_errors": {"fork16": "TimeoutError: fork of 16"},
             "note": "emulated"
@@ -171,6 +178,7 @@ mod tests {
             "sandfork bench (lab)\n\
              \x20 pause_ms                         33.94 ms   (Firecracker 10.31 ms, ratio 3.29)\n\
              \x20 restore_to_agent_ms              369 ms   (Firecracker 248 ms)\n\
+             \x20 vmm_guest_tcp_host_to_guest_mib_s 210 MiB/s   (Firecracker 421 MiB/s, ratio 0.50)\n\
              \x20 sdk_create_to_first_command_ms   p50 2131 ms, p95 2780 ms\n\
              \x20 first_command_page_faults        5012 without the working set, p50 801 with it\n\
              \x20 sdk_fork16_ms                    failed\n\
