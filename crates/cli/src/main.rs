@@ -140,6 +140,11 @@ enum Command {
         /// abandoned and the report printed with what was measured.
         #[arg(long, value_name = "SECS", default_value_t = 10_800)]
         timeout: u64,
+        /// Keep the SDK bench nodes' server logs in this directory
+        /// (`serve.log`; `serve-no-network.log` for the node without
+        /// networking); set RUST_LOG=debug for each launch's timings.
+        #[arg(long, value_name = "DIR")]
+        keep_logs: Option<PathBuf>,
     },
     /// Boot, restore, fork and run two VMs at once, many times, each bounded;
     /// count failures and hangs, with diagnostics for each. One JSON object
@@ -351,6 +356,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             rl_steps,
             rl_budget,
             timeout,
+            keep_logs,
         } => {
             if runs == 0 || sdk_runs == 0 {
                 bail!("--runs and --sdk-runs must be at least 1");
@@ -384,12 +390,21 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let lab_memory = lab_memory
                 .unwrap_or_else(sandfork_lab::host_sized_memory_mib)
                 .to_string();
+            // Made here and shared with the lab, whose root is read-only.
+            if let Some(dir) = &keep_logs {
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("creating {}", dir.display()))?;
+            }
+            let keep_logs = keep_logs.map(std::fs::canonicalize).transpose()?;
+            let keep_logs_arg = keep_logs.as_ref().map(|d| d.to_string_lossy().into_owned());
+            let mut lab_args = vec!["--memory", &lab_memory];
+            if let Some(dir) = &keep_logs_arg {
+                lab_args.extend(["--rw", dir]);
+            }
             // The lab's own bound comes after the bench's, which prints its
             // report at its own: the lab's start and stop are the margin.
             let lab_timeout = Duration::from_secs(timeout) + LAB_MARGIN;
-            if let Some(code) =
-                run_in_lab_if_needed(&image, &envs, &["--memory", &lab_memory], lab_timeout)?
-            {
+            if let Some(code) = run_in_lab_if_needed(&image, &envs, &lab_args, lab_timeout)? {
                 return Ok(code);
             }
             let vmm = image.vmm()?;
@@ -414,6 +429,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     rl_counts: &rl_counts,
                     rl_steps: &rl_steps,
                     rl_budget: Duration::from_secs(rl_budget),
+                    keep_logs: keep_logs.as_deref(),
                 }),
                 deadline: std::time::Instant::now() + Duration::from_secs(timeout),
             };

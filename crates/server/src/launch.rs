@@ -5,7 +5,7 @@
 //! resource every guest needs (a network slot, a cgroup) is added to [`Plan`]
 //! and [`Launched`] and nowhere else.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sandfork_network::EgressPolicy;
 use vmm_api::NetworkInterface;
@@ -194,10 +194,12 @@ pub async fn launch_in(
     vmm: Option<Taken>,
     plan: Plan,
 ) -> Result<Launched, LaunchError> {
+    let t0 = Instant::now();
     let (mut vm, net) = match vmm {
         Some(taken) => taken,
         None => pool.take_for(&plan.egress).await?,
     };
+    let taken = t0.elapsed();
     // From now on it is charged what its VMM really uses.
     plan.hold.track(vm.pid());
     // Limited before the guest runs a single instruction.
@@ -209,14 +211,28 @@ pub async fn launch_in(
             return Err(e.into());
         }
     };
-    match start(&mut vm, net.is_some(), pool.balloon(), &plan).await {
-        Ok(ready_after) => Ok(Launched {
-            vm,
-            cgroup,
-            net,
-            hold: plan.hold,
-            ready_after,
-        }),
+    let confined = t0.elapsed();
+    match start(pool, &mut vm, net.is_some(), &plan).await {
+        Ok((loaded, ready_after)) => {
+            // Where a launch's time goes (a create, a fork child), to tell
+            // the node's part from the guest's when a launch is slow.
+            tracing::debug!(
+                "launch: VMM pid {} taken in {:.1} ms, confined in {:.1} ms, guest loaded in \
+                 {:.1} ms, ready {:.1} ms after",
+                vm.pid(),
+                ms(taken),
+                ms(confined - taken),
+                ms(loaded),
+                ms(ready_after),
+            );
+            Ok(Launched {
+                vm,
+                cgroup,
+                net,
+                hold: plan.hold,
+                ready_after,
+            })
+        }
         Err(e) => {
             let _ = tokio::task::spawn_blocking(move || drop((vm, cgroup, net))).await;
             Err(e.into())
@@ -224,16 +240,23 @@ pub async fn launch_in(
     }
 }
 
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Loads `plan`'s guest into `vm` and waits until it is ready: how long the
+/// load took, then the wait.
 async fn start(
+    pool: &Pool,
     vm: &mut VmmProcess,
     networked: bool,
-    balloon: Option<&vmm_api::Balloon>,
     plan: &Plan,
-) -> Result<Duration, ProcessError> {
+) -> Result<(Duration, Duration), ProcessError> {
+    let t0 = Instant::now();
     match &plan.guest {
         // A snapshot names its interface's tap itself (`tap0`, found in the
         // slot's namespace the VMM runs in).
-        Guest::Restore(restore) => vm.restore(restore).await?,
+        Guest::Restore(restore) => pool.restore(vm, restore).await?,
         Guest::Boot(spec) => {
             if networked {
                 // The fixed guest side of every slot: snapshots of this guest
@@ -248,14 +271,16 @@ async fn start(
                     .await?;
             }
             // Snapshots of this guest keep it: restores need nothing here.
-            if let Some(balloon) = balloon {
+            if let Some(balloon) = pool.balloon() {
                 vm.api().put_balloon(balloon).await?;
             }
             vm.boot(spec).await?
         }
     }
-    match &plan.ready {
+    let loaded = t0.elapsed();
+    let ready = match &plan.ready {
         Ready::Init { init, token } => vm.init_agent(init, token.as_deref(), plan.timeout).await,
         Ready::Health => vm.wait_for_agent(plan.timeout).await,
-    }
+    }?;
+    Ok((loaded, ready))
 }

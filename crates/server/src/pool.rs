@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sandfork_network::EgressPolicy;
-use tokio::sync::Notify;
-use vmm_driver::process::{Jail, ProcessError, VmmProcess};
+use tokio::sync::{Notify, Semaphore};
+use vmm_driver::process::{Jail, ProcessError, Restore, VmmProcess};
 
 use crate::cgroups::NodeCgroups;
 use crate::launch::{LaunchError, Taken};
@@ -23,6 +23,15 @@ use crate::net::{Lease, Slots};
 struct Warm {
     vm: VmmProcess,
     net: Option<Lease>,
+}
+
+/// How many VMM starts, and how many guest loads, run at once: a few per
+/// host CPU. A burst (a fork of 100, many creates at once) all started or
+/// loaded together on a small (or emulated) host has every one miss its own
+/// deadline, while the same work in waves finishes.
+pub fn burst_width() -> usize {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (2 * cpus).max(4)
 }
 
 pub struct Pool {
@@ -40,6 +49,8 @@ pub struct Pool {
     balloon: Option<vmm_api::Balloon>,
     /// The jail every VMM starts in, when the node jails them.
     jail: Option<Jail>,
+    /// Guest loads under way at once ([`burst_width`]).
+    loads: Semaphore,
 }
 
 impl Pool {
@@ -71,6 +82,7 @@ impl Pool {
             cgroups,
             balloon,
             jail,
+            loads: Semaphore::new(burst_width()),
         });
         if size > 0 {
             tokio::spawn(pool.clone().refill());
@@ -131,6 +143,7 @@ impl Pool {
             let pooled = self.idle().pop();
             self.wake.notify_one();
             let Some(mut warm) = pooled else {
+                let t0 = std::time::Instant::now();
                 let lease = match &self.net {
                     Some(net) => {
                         let (net, policy) = (net.clone(), policy.clone());
@@ -139,6 +152,11 @@ impl Pool {
                     None => None,
                 };
                 let vm = self.spawn(lease.as_ref()).await?;
+                tracing::debug!(
+                    "warm pool empty: VMM pid {} started for a launch in {:.1} ms",
+                    vm.pid(),
+                    t0.elapsed().as_secs_f64() * 1e3
+                );
                 return Ok((vm, lease));
             };
             if !warm.vm.is_running() {
@@ -171,11 +189,7 @@ impl Pool {
         n: usize,
         policy: &EgressPolicy,
     ) -> Vec<Result<Taken, LaunchError>> {
-        // Started a few at a time per host CPU: a hundred processes started
-        // at once on a small (or emulated) host each miss their own start
-        // deadline, while the same work in waves finishes.
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let starts = Arc::new(tokio::sync::Semaphore::new((2 * cpus).max(4)));
+        let starts = Arc::new(Semaphore::new(burst_width()));
         let mut tasks = tokio::task::JoinSet::new();
         for i in 0..n {
             let (pool, policy, starts) = (self.clone(), policy.clone(), starts.clone());
@@ -202,6 +216,22 @@ impl Pool {
                 })
             })
             .collect()
+    }
+
+    /// Loads `restore` into `vm`, at most [`Pool::load_limit`] loads at
+    /// once on this node: a fork's hundred children (or many creates) load
+    /// in waves, each within its own deadline, instead of all together
+    /// past theirs. What follows a load (the guest resuming, its agent's
+    /// init) is not bounded.
+    pub async fn restore(&self, vm: &VmmProcess, restore: &Restore) -> Result<(), ProcessError> {
+        // Never closed: a permit always comes.
+        let _load = self.loads.acquire().await.ok();
+        vm.restore(restore).await
+    }
+
+    /// How many guests load at once.
+    pub fn load_limit(&self) -> usize {
+        burst_width()
     }
 
     async fn spawn(&self, net: Option<&Lease>) -> Result<VmmProcess, ProcessError> {

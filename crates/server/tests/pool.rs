@@ -140,3 +140,96 @@ async fn take_many_hands_out_the_pooled_vmms_and_starts_the_rest_together() {
     }
     pool.close();
 }
+
+/// A burst of guest loads runs in waves: at most `load_limit` at once, the
+/// rest wait their turn, and every one ends. Each snapshot is a FIFO, so a
+/// VMM's load stays in its read of the state file until the test lets it
+/// go: a FIFO with a reader is a load under way (opening its write end
+/// without blocking succeeds only then), and the writer held open keeps
+/// that load waiting until it is dropped (end of file: the load fails).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guest_loads_run_at_most_load_limit_at_once() {
+    use rustix::fs::{CWD, FileType, Mode, OFlags};
+
+    let scratch = tempfile::tempdir().unwrap();
+    let pool = Pool::start(vmm_binary(), scratch.path().join("run"), 0);
+    let limit = pool.load_limit();
+    let n = limit + 2;
+    let fifos: Vec<std::path::PathBuf> = (0..n)
+        .map(|i| {
+            let p = scratch.path().join(format!("state-{i}"));
+            rustix::fs::mknodat(CWD, &p, FileType::Fifo, Mode::from_raw_mode(0o600), 0).unwrap();
+            p
+        })
+        .collect();
+    let mut loads = tokio::task::JoinSet::new();
+    let vmms = pool
+        .take_many(n, &sandfork_network::EgressPolicy::default())
+        .await;
+    for (taken, state) in vmms.into_iter().zip(&fifos) {
+        let (vm, _) = taken.expect("a VMM");
+        let restore = vmm_driver::process::Restore {
+            state: state.clone(),
+            mem: scratch.path().join("memory"),
+            drives: Vec::new(),
+            prefetch: None,
+        };
+        let pool = pool.clone();
+        loads.spawn(async move {
+            let loaded = pool.restore(&vm, &restore).await;
+            (vm, loaded)
+        });
+    }
+    // The write end of every FIFO a load reads now, held open.
+    let mut held: Vec<Option<rustix::fd::OwnedFd>> = (0..n).map(|_| None).collect();
+    let mut seen = vec![false; n];
+    let probe = |held: &mut Vec<Option<rustix::fd::OwnedFd>>, seen: &mut Vec<bool>| {
+        for (i, fifo) in fifos.iter().enumerate() {
+            if seen[i] {
+                continue;
+            }
+            if let Ok(fd) = rustix::fs::open(fifo, OFlags::WRONLY | OFlags::NONBLOCK, Mode::empty())
+            {
+                held[i] = Some(fd);
+                seen[i] = true;
+            }
+        }
+        held.iter().filter(|h| h.is_some()).count()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while probe(&mut held, &mut seen) < limit {
+        assert!(Instant::now() < deadline, "the first loads never started");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The rest wait their turn.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        probe(&mut held, &mut seen),
+        limit,
+        "more loads than the limit at once"
+    );
+    // Each load let go makes room for one more, until all have run.
+    while seen.iter().any(|s| !s) {
+        assert!(
+            Instant::now() < deadline,
+            "seen {seen:?}: the waiting loads never ran"
+        );
+        if let Some(h) = held.iter_mut().find(|h| h.is_some()) {
+            drop(h.take());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            probe(&mut held, &mut seen) <= limit,
+            "more loads than the limit at once"
+        );
+    }
+    held.clear();
+    let mut ended = 0;
+    while let Some(done) = loads.join_next().await {
+        let (_vm, loaded) = done.unwrap();
+        assert!(loaded.is_err(), "an empty state file loaded");
+        ended += 1;
+    }
+    assert_eq!(ended, n);
+    pool.close();
+}

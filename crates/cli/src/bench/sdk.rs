@@ -21,9 +21,10 @@ use crate::launcher::GuestImage;
 const SCRIPT: &str = include_str!("sdk_bench.py");
 /// The `rl` phase, imported by the script from its own directory.
 const RL_SCRIPT: &str = include_str!("rl_bench.py");
-/// The script's phases but `rl` (`--only sdk`; `--only rl` runs that one).
-pub const SDK_PHASES: &str =
-    "create_to_first_command,fork16,fork100,creates_concurrent,idle,density";
+/// Every phase but `rl` (`--only sdk`; `--only rl` runs that one), the
+/// creates on a node without networking included.
+pub const SDK_PHASES: &str = "first_command_faults,create_to_first_command,fork16,fork100,\
+     guest_tcp,creates_concurrent,creates_concurrent16,idle,density,create_no_network";
 /// VMM processes the server keeps started (its default); the script waits
 /// for the pool to be full before each phase.
 const POOL_SIZE: usize = 4;
@@ -54,6 +55,9 @@ pub struct SdkBench<'a> {
     pub rl_steps: &'a str,
     /// No new rl case after this long (zero: no bound).
     pub rl_budget: Duration,
+    /// Where each bench node's server log is kept (`serve.log`, and
+    /// `serve-no-network.log` for the node without networking).
+    pub keep_logs: Option<&'a Path>,
 }
 
 /// The pseudo-phase run on a second node started with `--no-network`: the
@@ -178,6 +182,19 @@ impl SdkBench<'_> {
         stop(&mut server).await;
         let script_tail = progress.await.unwrap_or_default();
         let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+        if let Some(keep) = self.keep_logs {
+            let kept = keep.join(if network {
+                "serve.log"
+            } else {
+                "serve-no-network.log"
+            });
+            if let Err(e) = std::fs::write(&kept, &log) {
+                eprintln!(
+                    "bench: sdk: keeping the server log in {}: {e}",
+                    kept.display()
+                );
+            }
+        }
         let partial = std::fs::read(&report_file).ok();
         let mut report = assemble(output, partial.as_deref(), &script_tail, &log);
         report["sdk_detail"]["server_log_problems"] = log_problems(&log);
@@ -436,6 +453,27 @@ mod tests {
             split_phases(Some("guest_tcp, fork16")),
             (Some("guest_tcp,fork16".into()), false)
         );
+    }
+
+    /// `--only sdk` runs every phase the script has but `rl`.
+    #[test]
+    fn only_sdk_names_every_phase_but_rl() {
+        // The phase table's entries: `("name", self.method, [keys])`.
+        let text = SCRIPT.split_whitespace().collect::<Vec<_>>().join(" ");
+        let entries = text.split("\", self.").collect::<Vec<_>>();
+        let mut script: Vec<&str> = entries[..entries.len() - 1]
+            .iter()
+            .filter_map(|before| before.rsplit_once('"'))
+            .filter(|(head, _)| head.trim_end().ends_with('('))
+            .map(|(_, name)| name)
+            .filter(|name| *name != "rl")
+            .collect();
+        script.push(NO_NETWORK_PHASE);
+        script.sort_unstable();
+        let mut only: Vec<&str> = SDK_PHASES.split(',').map(str::trim).collect();
+        only.sort_unstable();
+        assert!(script.len() > 5, "phases found in the script: {script:?}");
+        assert_eq!(only, script);
     }
 
     #[test]
