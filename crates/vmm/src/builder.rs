@@ -18,6 +18,7 @@ use crate::device_manager::{DeviceManagerError, legacy};
 use crate::devices::bus::Bus;
 use crate::devices::virtio::balloon::{Balloon, BalloonConfig};
 use crate::devices::virtio::block::{Block, BlockConfig};
+use crate::devices::virtio::handoff::DeviceHandoff;
 use crate::devices::virtio::net::{Net, NetConfig};
 use crate::devices::virtio::vsock::Vsock;
 use crate::snapshot::MicrovmState;
@@ -116,10 +117,12 @@ fn kernel_cmdline(user: &str, ours: impl Iterator<Item = String>) -> Result<Cmdl
 }
 
 /// Builds the microVM and starts its vCPUs. `on_event` is called (from vCPU
-/// or device threads) when the VM must stop.
+/// or device threads) when the VM must stop; the caller runs `handoff`
+/// (see its module) on the thread that called this.
 pub fn build_and_boot(
     spec: MicrovmSpec,
     on_event: Arc<dyn Fn(VmEvent) + Send + Sync>,
+    handoff: Arc<DeviceHandoff>,
 ) -> Result<Vmm, BuildError> {
     if spec.vcpu_count == 0 || spec.vcpu_count > mptable::MAX_CPUS {
         return Err(mptable::MpTableError::TooManyCpus(spec.vcpu_count).into());
@@ -155,7 +158,7 @@ pub fn build_and_boot(
         None,
     )?;
 
-    let mut mmio = MmioDeviceManager::default();
+    let mut mmio = MmioDeviceManager::new(handoff.clone());
     for drive in spec.drives {
         let block = Block::new(drive)?;
         mmio.attach(&vm, mem, &mut mmio_bus, Box::new(block))?;
@@ -197,7 +200,14 @@ pub fn build_and_boot(
         Arc::new(move |id, reason: VcpuExitReason| on_event(VmEvent::VcpuExited { id, reason }));
     let mut vcpus = Vec::with_capacity(usize::from(spec.vcpu_count));
     for id in 0..spec.vcpu_count {
-        let vcpu = Vcpu::new(&vm, id, io_bus.clone(), mmio_bus.clone(), on_exit.clone())?;
+        let vcpu = Vcpu::new(
+            &vm,
+            id,
+            io_bus.clone(),
+            mmio_bus.clone(),
+            handoff.clone(),
+            on_exit.clone(),
+        )?;
         vcpu.configure(&vm, spec.vcpu_count, loaded.kernel_load.0)?;
         vcpus.push(vcpu);
     }
@@ -240,6 +250,7 @@ pub struct RestoreSpec {
 pub fn restore(
     spec: RestoreSpec,
     on_event: Arc<dyn Fn(VmEvent) + Send + Sync>,
+    handoff: Arc<DeviceHandoff>,
 ) -> Result<Vmm, BuildError> {
     let RestoreSpec {
         mut state,
@@ -292,7 +303,14 @@ pub fn restore(
         Box::new(move || reset_event(VmEvent::ResetRequested)),
         Some(&state.legacy),
     )?;
-    let mmio = MmioDeviceManager::restore(&vm, mem, &mut mmio_bus, &state.devices, &overrides)?;
+    let mmio = MmioDeviceManager::restore(
+        handoff.clone(),
+        &vm,
+        mem,
+        &mut mmio_bus,
+        &state.devices,
+        &overrides,
+    )?;
     vm.restore_state(&state.vm, advance_clock)?;
 
     let io_bus = Arc::new(io_bus);
@@ -301,7 +319,14 @@ pub fn restore(
         Arc::new(move |id, reason: VcpuExitReason| on_event(VmEvent::VcpuExited { id, reason }));
     let mut vcpus = Vec::with_capacity(usize::from(count));
     for (id, saved) in (0..count).zip(&state.vcpus) {
-        let vcpu = Vcpu::new(&vm, id, io_bus.clone(), mmio_bus.clone(), on_exit.clone())?;
+        let vcpu = Vcpu::new(
+            &vm,
+            id,
+            io_bus.clone(),
+            mmio_bus.clone(),
+            handoff.clone(),
+            on_exit.clone(),
+        )?;
         vcpu.restore(saved)?;
         vcpus.push(vcpu);
     }

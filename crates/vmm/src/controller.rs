@@ -17,6 +17,7 @@ use crate::builder::{self, MicrovmSpec, RestoreSpec, VsockSpec};
 use crate::device_manager::mmio::DeviceOverrides;
 use crate::devices::virtio::balloon::{BalloonConfig, BalloonHandle};
 use crate::devices::virtio::block::BlockConfig;
+use crate::devices::virtio::handoff::DeviceHandoff;
 use crate::devices::virtio::net::{NetConfig, Tap};
 use crate::snapshot::{ForkRequest, MicrovmState, SnapshotRequest, format};
 use crate::vmm::{VmEvent, VmExit, VmState, Vmm};
@@ -55,6 +56,9 @@ pub type Reply = Box<dyn FnOnce(Result<VmmData, VmmActionError>) + Send>;
 pub enum ControllerEvent {
     Action(VmmAction, Reply),
     Vm(VmEvent),
+    /// A vCPU handed over a device status write (see
+    /// `devices::virtio::handoff`): apply it.
+    DeviceHandoff,
     /// The API server is gone; with no VM running there is nothing left to do.
     ApiClosed,
 }
@@ -118,6 +122,11 @@ impl Controller {
         while let Ok(event) = events.recv() {
             match event {
                 ControllerEvent::Action(action, reply) => reply(self.handle(action)),
+                ControllerEvent::DeviceHandoff => {
+                    if let Some(vmm) = &self.vmm {
+                        vmm.run_device_handoff();
+                    }
+                }
                 ControllerEvent::Vm(event) => {
                     let vmm = self.vmm.take()?;
                     let exit = vmm.exit_for(&event);
@@ -503,11 +512,19 @@ impl Controller {
             console: Box::new(self.console.clone()),
             prefetch: params.prefetch_path.as_ref().map(PathBuf::from),
         };
-        let vmm = builder::restore(spec, self.on_event())
+        let vmm = builder::restore(spec, self.on_event(), self.device_handoff())
             .map_err(|e| bad(format!("Cannot load the snapshot: {e}")))?;
         self.config.machine_config = Some(machine);
         self.vmm = Some(vmm);
         Ok(VmmData::Empty)
+    }
+
+    /// The VM's device handoff, which wakes this controller's loop.
+    fn device_handoff(&self) -> Arc<DeviceHandoff> {
+        let events = self.events.clone();
+        DeviceHandoff::new(Box::new(move || {
+            let _ = events.send(ControllerEvent::DeviceHandoff);
+        }))
     }
 
     fn on_event(&self) -> Arc<dyn Fn(crate::vmm::VmEvent) + Send + Sync> {
@@ -561,7 +578,7 @@ impl Controller {
             balloon: self.config.balloon.as_ref().map(balloon_config),
             console: Box::new(self.console.clone()),
         };
-        let vmm = builder::build_and_boot(spec, self.on_event())
+        let vmm = builder::build_and_boot(spec, self.on_event(), self.device_handoff())
             .map_err(|e| bad(format!("Failed to start the microVM: {e}")))?;
         self.vmm = Some(vmm);
         Ok(VmmData::Empty)

@@ -244,6 +244,12 @@ impl Vmm {
         Ok(())
     }
 
+    /// Applies the device status writes vCPUs handed over (see
+    /// `devices::virtio::handoff`); call it on the controller thread.
+    pub fn run_device_handoff(&self) {
+        self.mmio.handoff().run();
+    }
+
     /// The balloon's handle, if the VM has one.
     pub fn balloon(&self) -> Option<crate::devices::virtio::balloon::BalloonHandle> {
         self.mmio.balloon()

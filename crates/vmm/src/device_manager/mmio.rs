@@ -13,6 +13,7 @@ use crate::arch::x86_64::layout::{
 };
 use crate::devices::bus::Bus;
 use crate::devices::virtio::balloon::{Balloon, BalloonHandle};
+use crate::devices::virtio::handoff::DeviceHandoff;
 use crate::devices::virtio::mmio::{
     MmioInterrupt, MmioTransport, MmioTransportState, QUEUE_NOTIFY_OFFSET,
 };
@@ -49,13 +50,27 @@ pub struct MmioDeviceState {
     pub transport: MmioTransportState,
 }
 
-#[derive(Default)]
 pub struct MmioDeviceManager {
     slots: Vec<MmioSlot>,
     transports: Vec<Arc<Mutex<MmioTransport>>>,
+    /// Where the transports hand the status writes that start and stop
+    /// devices, for the controller thread to apply.
+    handoff: Arc<DeviceHandoff>,
 }
 
 impl MmioDeviceManager {
+    pub fn new(handoff: Arc<DeviceHandoff>) -> Self {
+        MmioDeviceManager {
+            slots: Vec::new(),
+            transports: Vec::new(),
+            handoff,
+        }
+    }
+
+    pub fn handoff(&self) -> &Arc<DeviceHandoff> {
+        &self.handoff
+    }
+
     fn next_slot(&self) -> Result<MmioSlot, DeviceManagerError> {
         let index = self.slots.len() as u64;
         if index >= MMIO_DEVICES_MAX {
@@ -109,6 +124,11 @@ impl MmioDeviceManager {
                 .map_err(|e| DeviceManagerError::Kvm("IOEVENTFD", e))?;
         }
         let transport = Arc::new(Mutex::new(transport));
+        let index = self.handoff.register(&transport);
+        transport
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .set_handoff(self.handoff.clone(), index);
         mmio_bus.insert(transport.clone(), slot.base, MMIO_DEVICE_SIZE)?;
         self.slots.push(slot);
         self.transports.push(transport.clone());
@@ -116,8 +136,10 @@ impl MmioDeviceManager {
     }
 
     /// Recreates the devices of a snapshot in their windows, with their
-    /// transport state; active devices start their workers.
+    /// transport state; active devices start their workers (on the calling
+    /// thread).
     pub fn restore(
+        handoff: Arc<DeviceHandoff>,
         vm: &Vm,
         mem: &GuestMemory,
         mmio_bus: &mut Bus,
@@ -134,7 +156,7 @@ impl MmioDeviceManager {
                 )));
             }
         }
-        let mut manager = MmioDeviceManager::default();
+        let mut manager = MmioDeviceManager::new(handoff);
         for state in states {
             let valid_slot = state
                 .slot
@@ -374,7 +396,7 @@ mod tests {
 
     #[test]
     fn slots_run_out_with_the_ioapic_pins() {
-        let mut manager = MmioDeviceManager::default();
+        let mut manager = MmioDeviceManager::new(DeviceHandoff::unattended());
         for i in 0..=(IRQ_MAX - IRQ_BASE) {
             let slot = manager.next_slot().unwrap();
             assert_eq!(slot.irq, IRQ_BASE + i);

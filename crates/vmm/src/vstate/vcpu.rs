@@ -21,6 +21,7 @@ use super::vcpu_state::{VcpuState, VcpuStateError};
 use super::vm::Vm;
 use crate::arch::x86_64::{cpuid, msr, regs};
 use crate::devices::bus::Bus;
+use crate::devices::virtio::handoff::DeviceHandoff;
 
 /// Why a vCPU stopped running the guest for good.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -198,6 +199,9 @@ pub struct Vcpu {
     fd: VcpuFd,
     io_bus: Arc<Bus>,
     mmio_bus: Arc<Bus>,
+    /// Where device status writes that start or stop a worker go: the
+    /// vCPU waits for them after an MMIO write (see the handoff module).
+    handoff: Arc<DeviceHandoff>,
     on_exit: ExitCallback,
 }
 
@@ -207,6 +211,7 @@ impl Vcpu {
         id: u8,
         io_bus: Arc<Bus>,
         mmio_bus: Arc<Bus>,
+        handoff: Arc<DeviceHandoff>,
         on_exit: ExitCallback,
     ) -> Result<Self, VcpuError> {
         let fd = vm
@@ -218,6 +223,7 @@ impl Vcpu {
             fd,
             io_bus,
             mmio_bus,
+            handoff,
             on_exit,
         })
     }
@@ -274,12 +280,11 @@ impl Vcpu {
         let (response_tx, response_rx) = mpsc::channel();
         let activity = Arc::new(VcpuActivity::new(paused));
         let thread_activity = activity.clone();
+        let handoff = self.handoff.clone();
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{id}"))
             .spawn(move || {
-                // No vCPU filter installed yet: a vCPU thread activates
-                // virtio devices, which spawns their workers, and a thread
-                // inherits its parent's filter (see crate::seccomp).
+                // No vCPU filter installed yet (see crate::seccomp).
                 let activity = &thread_activity;
                 if paused && !self.stay_paused(&request_rx, &response_tx, activity) {
                     return;
@@ -293,6 +298,7 @@ impl Vcpu {
             requests: request_tx,
             responses: response_rx,
             activity,
+            handoff,
         })
     }
 
@@ -440,6 +446,9 @@ impl Vcpu {
             }
             VcpuExit::MmioWrite(addr, data) => {
                 self.mmio_bus.write(addr, data);
+                // Not back into the guest before a handed-off status write
+                // is applied; the device's lock is free again here.
+                self.handoff.wait();
                 None
             }
             // With the in-kernel irqchip KVM handles HLT itself; seeing it means
@@ -472,6 +481,8 @@ pub struct VcpuHandle {
     requests: Sender<VcpuRequest>,
     responses: Receiver<VcpuResponse>,
     activity: Arc<VcpuActivity>,
+    /// Run while waiting for the thread: it may be waiting for this.
+    handoff: Arc<DeviceHandoff>,
 }
 
 /// How long a vCPU may take to acknowledge a request.
@@ -508,6 +519,7 @@ impl VcpuHandle {
             .map_err(|_| VcpuError::Gone(self.id))?;
         let deadline = Instant::now() + timeout;
         loop {
+            self.handoff.run();
             self.kick();
             match self.responses.recv_timeout(KICK_INTERVAL) {
                 Ok(response) => {
@@ -573,6 +585,7 @@ impl VcpuHandle {
         let _ = self.requests.send(VcpuRequest::Exit);
         if let Some(thread) = self.thread.take() {
             while !thread.is_finished() {
+                self.handoff.run();
                 let _ = thread.kill(kick_signal());
                 std::thread::sleep(KICK_INTERVAL);
             }

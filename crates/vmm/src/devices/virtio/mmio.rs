@@ -18,6 +18,7 @@ use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::device::{ActivatedQueue, VirtioDevice, VirtioInterrupt, VirtioInterruptType};
+use super::handoff::DeviceHandoff;
 use super::persist::QueueSnapshot;
 use crate::devices::bus::BusDevice;
 use crate::vstate::memory::GuestMemory;
@@ -112,6 +113,11 @@ pub struct MmioTransport {
     /// Where the activated queues' rings are, kept for [`report`](Self::report)
     /// after the queues moved to the device.
     rings: Vec<Ring>,
+    /// Where status writes that start or stop the device go, and this
+    /// transport's index there; without one they apply at once.
+    handoff: Option<(Arc<DeviceHandoff>, usize)>,
+    /// Register writes waiting for the controller (see `handoff`), in order.
+    handed_off: Vec<(u64, u32)>,
 }
 
 /// A queue's size and ring addresses in guest memory.
@@ -197,7 +203,32 @@ impl MmioTransport {
             status: 0,
             activated: false,
             rings: Vec::new(),
+            handoff: None,
+            handed_off: Vec::new(),
         })
+    }
+
+    /// From now on, status writes that start or stop the device are
+    /// applied by whoever runs `handoff` (the controller thread), not by the
+    /// vCPU that makes them.
+    pub fn set_handoff(&mut self, handoff: Arc<DeviceHandoff>, index: usize) {
+        self.handoff = Some((handoff, index));
+    }
+
+    /// Applies the register writes queued for the controller, in order.
+    pub fn apply_handed_off(&mut self) {
+        for (offset, value) in std::mem::take(&mut self.handed_off) {
+            self.apply_register_write(offset, value);
+        }
+    }
+
+    /// Whether writing `value` to STATUS starts or stops the device's worker.
+    fn starts_or_stops(&self, value: u32) -> bool {
+        if self.activated {
+            value == 0
+        } else {
+            value & VIRTIO_CONFIG_S_DRIVER_OK != 0
+        }
     }
 
     /// The transport's interrupt status and each active queue's rings, as
@@ -448,6 +479,18 @@ impl MmioTransport {
     }
 
     fn write_register(&mut self, offset: u64, value: u32) {
+        if let Some((handoff, index)) = &self.handoff
+            && (!self.handed_off.is_empty()
+                || (offset == reg::STATUS && self.starts_or_stops(value)))
+        {
+            self.handed_off.push((offset, value));
+            handoff.request(*index);
+            return;
+        }
+        self.apply_register_write(offset, value);
+    }
+
+    fn apply_register_write(&mut self, offset: u64, value: u32) {
         // Feature negotiation only before FEATURES_OK; queue setup only before
         // DRIVER_OK (the spec forbids later changes; ignoring them keeps a
         // confused driver from corrupting a running device).
@@ -655,6 +698,63 @@ mod tests {
         setup_queue(t, 0, 0x10000);
         setup_queue(t, 1, 0x20000);
         write(t, reg::STATUS, features_ok | VIRTIO_CONFIG_S_DRIVER_OK);
+    }
+
+    /// As under a VMM: DRIVER_OK and a reset wait for the controller, and
+    /// writes made meanwhile queue up behind them.
+    #[test]
+    fn status_writes_that_start_or_stop_the_device_are_handed_off_in_order() {
+        let (t, probe) = transport();
+        let t = Arc::new(Mutex::new(t));
+        let woken = Arc::new(AtomicU32::new(0));
+        let counter = woken.clone();
+        let handoff = DeviceHandoff::new(Box::new(move || {
+            counter.fetch_add(1, Ordering::SeqCst);
+        }));
+        let index = handoff.register(&t);
+        t.lock().unwrap().set_handoff(handoff.clone(), index);
+
+        activate(&mut t.lock().unwrap());
+        assert_eq!(woken.load(Ordering::SeqCst), 1);
+        assert!(handoff.busy());
+        assert!(probe.lock().unwrap().activated_with.is_none());
+        // Another vCPU sees the status from before the write, and its own
+        // write waits behind it.
+        assert_eq!(
+            read(&mut t.lock().unwrap(), reg::STATUS) & VIRTIO_CONFIG_S_DRIVER_OK,
+            0
+        );
+        // (The setup left queue 1 selected.)
+        write(&mut t.lock().unwrap(), reg::QUEUE_SEL, 0);
+        assert_eq!(t.lock().unwrap().state().queue_select, 1);
+
+        let vcpu = {
+            let handoff = handoff.clone();
+            std::thread::spawn(move || handoff.wait())
+        };
+        handoff.run();
+        vcpu.join().unwrap();
+        assert!(!handoff.busy());
+        assert_eq!(probe.lock().unwrap().activated_with, Some(2));
+        let state = t.lock().unwrap().state();
+        assert!(state.activated);
+        assert_ne!(state.status & VIRTIO_CONFIG_S_DRIVER_OK, 0);
+        assert_eq!(state.queue_select, 0);
+
+        // Other writes apply at once; a reset is handed off (and fails: the
+        // test device cannot be reset).
+        write(&mut t.lock().unwrap(), reg::QUEUE_SEL, 1);
+        assert_eq!(t.lock().unwrap().state().queue_select, 1);
+        assert!(!handoff.busy());
+        write(&mut t.lock().unwrap(), reg::STATUS, 0);
+        assert!(handoff.busy());
+        assert!(t.lock().unwrap().state().activated);
+        handoff.run();
+        handoff.wait();
+        assert_ne!(
+            read(&mut t.lock().unwrap(), reg::STATUS) & VIRTIO_CONFIG_S_FAILED,
+            0
+        );
     }
 
     #[test]

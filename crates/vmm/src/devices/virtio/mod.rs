@@ -4,6 +4,7 @@
 pub mod balloon;
 pub mod block;
 pub mod device;
+pub mod handoff;
 pub mod mmio;
 pub mod net;
 pub mod persist;
