@@ -284,7 +284,9 @@ impl Vcpu {
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{id}"))
             .spawn(move || {
-                // No vCPU filter installed yet (see crate::seccomp).
+                // Before any guest code. Device activation, which makes
+                // descriptors and threads, is handed to the controller.
+                crate::seccomp::apply_or_exit(crate::seccomp::ThreadKind::Vcpu);
                 let activity = &thread_activity;
                 if paused && !self.stay_paused(&request_rx, &response_tx, activity) {
                     return;
