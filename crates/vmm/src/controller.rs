@@ -208,7 +208,9 @@ impl Controller {
             }
             VmmAction::InstanceStart => {
                 self.pre_boot()?;
-                self.start()
+                let started = self.start()?;
+                filter_main_thread();
+                Ok(started)
             }
             VmmAction::SendCtrlAltDel => {
                 self.running_vmm()?.send_ctrl_alt_del();
@@ -268,7 +270,9 @@ impl Controller {
             VmmAction::Fork(params) => self.fork(&params),
             VmmAction::LoadSnapshot(params) => {
                 self.pre_boot()?;
-                self.load_snapshot(&params)
+                let loaded = self.load_snapshot(&params)?;
+                filter_main_thread();
+                Ok(loaded)
             }
         }
     }
@@ -583,6 +587,12 @@ impl Controller {
         self.vmm = Some(vmm);
         Ok(VmmData::Empty)
     }
+}
+
+/// Once the VM exists, the controller (the main thread, which calls
+/// `handle`) is filtered too: what is left to do is the running VM's.
+fn filter_main_thread() {
+    crate::seccomp::apply_or_exit(crate::seccomp::ThreadKind::Main);
 }
 
 fn balloon_config(b: &Balloon) -> BalloonConfig {

@@ -73,6 +73,12 @@ fn run(args: Args) -> anyhow::Result<ExitCode> {
                 .with_context(|| format!("no thread kind {kind:?}"))?;
             vmm::seccomp::arm_self_test(kind);
         }
+        // Debug builds only: log calls outside the lists rather than trap
+        // them, to check the lists against a test suite (see the module).
+        #[cfg(debug_assertions)]
+        if std::env::var_os("SANDFORK_VMM_SECCOMP_LOG").is_some_and(|v| v == "1") {
+            vmm::seccomp::set_log_only();
+        }
     }
     let (events_tx, events_rx) = mpsc::channel();
     let console = ConsoleBudget::new(std::io::stdout(), args.console_limit_mib << 20);

@@ -42,6 +42,9 @@ impl GuestRam {
         let spawned = std::thread::Builder::new()
             .name("prefetch".into())
             .spawn(move || {
+                // It touches guest memory and logs: a subset of what a
+                // device worker may do.
+                crate::seccomp::apply_or_exit(crate::seccomp::ThreadKind::Device);
                 let started = std::time::Instant::now();
                 let bytes: u64 = host.iter().map(|(_, len)| len).sum();
                 for (ptr, len) in host {
