@@ -1388,8 +1388,8 @@ async fn gives_back_what_its_guest_frees(
 }
 
 /// Every VMM runs jailed (README "Hardening"): its own uid and gid (the
-/// jail's base plus its pid), no capabilities, `no_new_privs`, its API
-/// thread under seccomp, its own mount, PID and IPC namespaces, its limits,
+/// jail's base plus its pid), no capabilities, `no_new_privs`, all its
+/// threads under seccomp, its own mount, PID and IPC namespaces, its limits,
 /// and a root holding its own directory, the data it works on and its
 /// devices, not the host's files nor a neighbour's directory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1433,11 +1433,11 @@ async fn every_vmm_runs_jailed_unprivileged_in_namespaces_of_its_own() {
         .filter_map(|t| std::fs::read_to_string(t.unwrap().path().join("status")).ok())
         .collect();
     assert!(threads.iter().all(|t| t.contains("NoNewPrivs:\t1")));
-    // The API thread filters itself; the main thread and vCPUs are not
-    // filtered yet (issue 17's seccomp part).
+    // Every thread of a running VMM is under its filter: main, API, vCPUs,
+    // device workers (the VMM's seccomp module).
     assert!(
-        threads.iter().any(|t| t.contains("Seccomp:\t2")),
-        "no thread under seccomp"
+        threads.iter().all(|t| t.contains("Seccomp:\t2")),
+        "a thread not under seccomp: {threads:?}"
     );
     let ns = |pid: &str, kind: &str| std::fs::read_link(format!("/proc/{pid}/ns/{kind}")).unwrap();
     for kind in ["mnt", "pid", "ipc"] {

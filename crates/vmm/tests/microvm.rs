@@ -21,6 +21,20 @@ async fn boots_to_agent_over_vsock_and_shuts_down_on_ctrl_alt_del() {
         InstanceState::Running
     );
 
+    // Every thread is under its seccomp filter once the guest runs: the
+    // main thread, the vCPUs, the API thread and the device workers.
+    let threads = vm.thread_seccomp_modes();
+    let pid = vm.pid();
+    assert!(threads.iter().any(|(tid, _, _)| *tid == pid), "{threads:?}");
+    assert!(
+        threads.iter().any(|(_, name, _)| name.starts_with("vcpu")),
+        "{threads:?}"
+    );
+    assert!(
+        threads.iter().all(|(_, _, mode)| mode == "2"),
+        "{threads:?}"
+    );
+
     vm.api().send_ctrl_alt_del().await.unwrap();
     let status = vm.wait_exit(Duration::from_secs(60)).await;
     assert_eq!(status.code(), Some(0), "{}", vm.logs());
@@ -370,24 +384,45 @@ async fn guest_to_host_throughput(agent: &vmm_driver::agent_client::AgentClient,
     );
 }
 
-#[tokio::test]
-#[ignore = "lab: boots a microVM"]
-async fn a_device_thread_making_a_forbidden_call_ends_the_vmm_with_status_148() {
-    // The debug-only hook (crates/vmm/src/seccomp.rs): device worker threads
-    // call uname right after their filter is in. The VMM inherits the
-    // variable at spawn; nothing else here reads the environment.
+/// Arms the VMM's debug-only seccomp self-test for threads of `kind`,
+/// boots, and checks the VMM ended with status 148 and said why.
+async fn a_forbidden_call_ends_the_vmm(kind: &str) {
+    // The VMM inherits the variable at spawn; nothing else here reads the
+    // environment.
     // SAFETY: tests in this binary run one at a time (--test-threads=1).
-    unsafe { std::env::set_var("SANDFORK_VMM_SECCOMP_SELF_TEST", "device") };
+    unsafe { std::env::set_var("SANDFORK_VMM_SECCOMP_SELF_TEST", kind) };
     let mut vm = TestVm::spawn().await;
     // SAFETY: as above.
     unsafe { std::env::remove_var("SANDFORK_VMM_SECCOMP_SELF_TEST") };
-    // The guest may or may not get far enough to answer the boot request.
+    // The VMM may or may not get far enough to answer the boot request.
     let _ = vm.try_boot(&Boot::default()).await;
     let status = vm.wait_exit(common::BOOT_TIMEOUT).await;
     assert_eq!(status.code(), Some(148), "{}", vm.logs());
     let line = format!(
-        "forbidden system call {} in a device thread",
+        "forbidden system call {} in a {kind} thread",
         libc::SYS_uname
     );
     assert!(vm.vmm_log().contains(&line), "{}", vm.logs());
+}
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM"]
+async fn a_vcpu_thread_making_a_forbidden_call_ends_the_vmm_with_status_148() {
+    // vCPU threads call uname right after their filter is in, before any
+    // guest code (the debug-only hook in crates/vmm/src/seccomp.rs).
+    a_forbidden_call_ends_the_vmm("vcpu").await;
+}
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM"]
+async fn the_main_thread_making_a_forbidden_call_ends_the_vmm_with_status_148() {
+    // The main thread, once the VM is built.
+    a_forbidden_call_ends_the_vmm("main").await;
+}
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM"]
+async fn a_device_thread_making_a_forbidden_call_ends_the_vmm_with_status_148() {
+    // Device workers, as soon as the guest's driver starts them.
+    a_forbidden_call_ends_the_vmm("device").await;
 }

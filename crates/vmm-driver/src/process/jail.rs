@@ -817,8 +817,9 @@ mod spawn_tests {
         assert_eq!(status_field(pid, "CapPrm:"), "0000000000000000");
         assert_eq!(status_field(pid, "CapBnd:"), "0000000000000000");
         assert_eq!(status_field(pid, "NoNewPrivs:"), "1");
-        // The API thread filters itself at its start (the main thread and
-        // vCPUs are not filtered yet: see the VMM's seccomp module).
+        // The API thread filters itself at its start (the main thread once
+        // a VM is built, which this one never is: see the VMM's seccomp
+        // module).
         let filtered = std::fs::read_dir(format!("/proc/{pid}/task"))
             .unwrap()
             .filter_map(|t| std::fs::read_to_string(t.unwrap().path().join("status")).ok())

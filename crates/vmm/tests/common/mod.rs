@@ -212,6 +212,29 @@ impl TestVm {
     pub fn logs(&self) -> String {
         self.vm.logs()
     }
+
+    /// Each thread of the VMM: its id, name and seccomp mode (the
+    /// `Seccomp:` line of its status: 2 is a filter).
+    pub fn thread_seccomp_modes(&self) -> Vec<(u32, String, String)> {
+        let pid = self.pid();
+        let mut threads = Vec::new();
+        for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+            let task = task.unwrap();
+            let Ok(status) = std::fs::read_to_string(task.path().join("status")) else {
+                continue; // ended meanwhile
+            };
+            let field = |name: &str| {
+                status
+                    .lines()
+                    .find_map(|l| l.strip_prefix(name))
+                    .map(|v| v.trim().to_string())
+                    .unwrap_or_default()
+            };
+            let tid = task.file_name().to_string_lossy().parse().unwrap();
+            threads.push((tid, field("Name:"), field("Seccomp:")));
+        }
+        threads
+    }
 }
 
 impl Drop for TestVm {
