@@ -100,7 +100,10 @@ pytest() {
 # node 22 takes globs, node 20 directories: name the files
 nodetest() { (cd tests/sdk/js && "$node" --test --test-concurrency=1 "$1"/*.test.mjs); }
 
+# The tests' and the bench's Python through ruff (ruff.toml at the root).
+ruff() { "$venv/bin/python" -m ruff format --check "$@" && "$venv/bin/python" -m ruff check "$@"; }
 if [[ $suite == all || $suite == python ]]; then
+    run "python lint" ruff tests/sdk/python crates/cli/src/bench
     run "python basic" pytest -m "not lifecycle"
     ((only_basic)) || run "python lifecycle" pytest -m lifecycle
 fi

@@ -160,19 +160,8 @@ chroot "$t" apt-get update -q
 chroot "$t" apt-get install -y -q --no-install-recommends -- "$@"
 chroot "$t" apt-get clean
 "#;
-    let mut cmd = Command::new("unshare");
-    cmd.args([
-        "--mount",
-        "--propagation",
-        "private",
-        "--",
-        "sh",
-        "-c",
-        script,
-        "sh",
-    ])
-    .arg(tree)
-    .args(packages);
+    let mut cmd = run::in_private_mounts(script);
+    cmd.arg(tree).args(packages);
     let out = run::run("apt-get install", &mut cmd, log)?;
     if !out.success {
         let lines: Vec<String> = out.tail.iter().cloned().collect();

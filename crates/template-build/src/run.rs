@@ -30,6 +30,24 @@ impl Output {
     }
 }
 
+/// `sh -c script` in a mount namespace of its own whose mounts do not
+/// propagate back, so the `proc` and `dev` mounts a script makes in a tree
+/// vanish with it. The script's `$0` is `sh`; the caller adds its arguments.
+pub(crate) fn in_private_mounts(script: &str) -> Command {
+    let mut cmd = Command::new("unshare");
+    cmd.args([
+        "--mount",
+        "--propagation",
+        "private",
+        "--",
+        "sh",
+        "-c",
+        script,
+        "sh",
+    ]);
+    cmd
+}
+
 /// Runs `cmd`, sending each output line to `log`. Fails only if it cannot be
 /// started; the caller judges the exit status with what it knows.
 pub(crate) fn run(what: &str, cmd: &mut Command, log: &mut dyn FnMut(&str)) -> Result<Output> {

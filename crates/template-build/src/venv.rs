@@ -194,19 +194,8 @@ impl PythonVenv {
             put(PIP_CONF, &conf)?;
         }
         log(&format!("pip install into {} (wheels only)", self.dir));
-        let mut cmd = Command::new("unshare");
-        cmd.args([
-            "--mount",
-            "--propagation",
-            "private",
-            "--",
-            "sh",
-            "-c",
-            MAKE_VENV,
-            "sh",
-        ])
-        .arg(tree)
-        .arg(&self.dir);
+        let mut cmd = run::in_private_mounts(MAKE_VENV);
+        cmd.arg(tree).arg(&self.dir);
         let out = run::run("pip install", &mut cmd, log)?;
         let _ = fs::remove_file(tree.join(REQUIREMENTS_IN_TREE));
         let _ = fs::remove_file(tree.join(HOST_CA_IN_TREE));

@@ -14,12 +14,15 @@ use vmm_api::{
 use vmm_driver::vsock_connect::agent_health;
 
 /// A guest whose init counts, printing each number on the console and keeping
-/// the last one in a file in guest memory (tmpfs).
+/// the last one in a file in guest memory (tmpfs). The file is replaced by a
+/// rename, never truncated in place: a snapshot or a reader landing between a
+/// truncation and its write would see it empty.
 fn counting_guest() -> Boot {
     Boot {
         boot_args: Some(bash_init(
             "mount -t tmpfs tmpfs /tmp; i=0; \
-             while true; do i=$((i+1)); echo $i > /tmp/count; echo count=$i; sleep 0.1; done",
+             while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; \
+             echo count=$i; sleep 0.1; done",
         )),
         ..Boot::default()
     }
@@ -168,7 +171,10 @@ async fn a_restored_two_vcpu_guest_answers_on_its_own_vsock_socket() {
         children.push(child);
     }
     // The source is still paused: its agent does not answer; resumed, it does.
-    source.api().resume().await.unwrap();
+    // (Once, in the lab, its API socket refused here: the VMM had ended.)
+    if let Err(e) = source.api().resume().await {
+        panic!("resuming the source: {e}\n{}", source.logs());
+    }
     assert_eq!(
         agent_health(&source.vsock_path(), AGENT_PORT, Duration::from_secs(30))
             .await
@@ -353,7 +359,7 @@ async fn forks_of_a_running_vm_continue_diverge_and_share_memory() {
     run(
         &parent,
         "echo parent | dd of=/dev/vdb conv=fsync 2>/dev/null; \
-         (i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done) \
+         (i=0; while true; do i=$((i+1)); echo $i > /tmp/n; mv /tmp/n /tmp/count; sleep 0.1; done) \
          >/dev/null 2>&1 </dev/null & echo started",
     )
     .await;

@@ -47,9 +47,7 @@ def wait_until(predicate, timeout=60.0, interval=0.2, what="condition"):
 @pytest.fixture(scope="session")
 def api():
     """Raw control-plane client, for routes and errors the SDK does not reach."""
-    with httpx.Client(
-        base_url=API_URL, headers={"X-API-KEY": API_KEY}, timeout=300
-    ) as client:
+    with httpx.Client(base_url=API_URL, headers={"X-API-KEY": API_KEY}, timeout=300) as client:
         yield client
 
 

@@ -11,9 +11,8 @@ import sys
 import time
 
 import pytest
-from e2b_code_interpreter import Sandbox
-
 from conftest import RUN_META, wait_until
+from e2b_code_interpreter import Sandbox
 
 # The first build of the template in an emulated lab takes long.
 pytestmark = pytest.mark.timeout(5400)

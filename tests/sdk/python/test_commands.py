@@ -3,9 +3,8 @@
 import time
 
 import pytest
-from e2b import CommandExitException, TimeoutException
-
 from conftest import wait_until
+from e2b import CommandExitException, TimeoutException
 
 
 def test_stdout_and_exit_code(sandbox):
@@ -80,9 +79,7 @@ def test_background_list_and_kill(sandbox):
 
 
 def test_background_output_arrives_while_running(sandbox):
-    handle = sandbox.commands.run(
-        "echo started; sleep 2; echo done", background=True, timeout=120
-    )
+    handle = sandbox.commands.run("echo started; sleep 2; echo done", background=True, timeout=120)
     result = handle.wait()
     assert result.stdout == "started\ndone\n"
 

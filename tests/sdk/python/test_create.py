@@ -1,11 +1,10 @@
 """Create (v2 through the SDK, v1 by raw HTTP), get_info, connect, kill."""
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
-from e2b import Sandbox, SandboxNotFoundException
-
 from conftest import RUN_ID, RUN_META, TEMPLATE, create
+from e2b import Sandbox, SandboxNotFoundException
 
 
 def test_create_v2_runs_a_command_and_reports_info():
@@ -20,7 +19,7 @@ def test_create_v2_runs_a_command_and_reports_info():
         assert info.metadata.get("sdk_run") == RUN_ID
         assert info.cpu_count >= 1 and info.memory_mb > 0
         assert info.envd_version
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         assert info.started_at <= now + timedelta(seconds=5)
         # created with timeout=600
         assert now + timedelta(seconds=400) < info.end_at < now + timedelta(seconds=660)
@@ -57,8 +56,16 @@ def test_create_v1_route(api):
         assert detail.status_code == 200, detail.text
         d = detail.json()
         for field in (
-            "sandboxID", "templateID", "clientID", "startedAt", "endAt",
-            "cpuCount", "memoryMB", "diskSizeMB", "state", "envdVersion",
+            "sandboxID",
+            "templateID",
+            "clientID",
+            "startedAt",
+            "endAt",
+            "cpuCount",
+            "memoryMB",
+            "diskSizeMB",
+            "state",
+            "envdVersion",
         ):
             assert field in d, f"{field} missing in GET /sandboxes/{{id}}: {d}"
         assert d["state"] == "running"

@@ -3,6 +3,7 @@ fork beyond the node's capacity."""
 
 import httpx
 import pytest
+from conftest import API_URL, TEMPLATE
 from e2b import (
     AuthenticationException,
     NotFoundException,
@@ -11,8 +12,6 @@ from e2b import (
     SandboxNotFoundException,
     ServiceBusyException,
 )
-
-from conftest import API_URL, TEMPLATE
 
 MISSING = "sfnosuchsandbox0000"
 
@@ -125,7 +124,11 @@ def test_envd_for_unknown_sandbox(sandbox):
     r = httpx.post(
         f"{API_URL}/filesystem.Filesystem/Stat",
         json={"path": "/"},
-        headers={"E2b-Sandbox-Id": MISSING, "E2b-Sandbox-Port": "49983", "Connect-Protocol-Version": "1"},
+        headers={
+            "E2b-Sandbox-Id": MISSING,
+            "E2b-Sandbox-Port": "49983",
+            "Connect-Protocol-Version": "1",
+        },
         timeout=60,
     )
     assert r.status_code == 502, f"{r.status_code} {r.text}"

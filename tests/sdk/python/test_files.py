@@ -8,9 +8,8 @@ import time
 
 import httpx
 import pytest
-from e2b import FileNotFoundException, FileType, FilesystemEventType
-
 from conftest import wait_until
+from e2b import FileNotFoundException, FilesystemEventType, FileType
 
 BASE = "/home/user/sdk-files"
 
@@ -101,9 +100,7 @@ def test_watch_dir(sandbox):
 
         def got_remove():
             seen.extend(handle.get_new_events())
-            return any(
-                e.name == "new.txt" and e.type == FilesystemEventType.REMOVE for e in seen
-            )
+            return any(e.name == "new.txt" and e.type == FilesystemEventType.REMOVE for e in seen)
 
         wait_until(got_remove, timeout=30, what="watch events for new.txt")
         kinds = {e.type for e in seen if e.name == "new.txt"}
@@ -154,9 +151,7 @@ def test_recursive_watch_sees_directories_made_after_it(sandbox):
         seen = []
 
         def created(name):
-            return any(
-                e.name == name and e.type == FilesystemEventType.CREATE for e in seen
-            )
+            return any(e.name == name and e.type == FilesystemEventType.CREATE for e in seen)
 
         def got_all():
             seen.extend(handle.get_new_events())
@@ -165,9 +160,7 @@ def test_recursive_watch_sees_directories_made_after_it(sandbox):
         wait_until(got_all, timeout=30, what="events in new directories")
         for name in ["a", "a/b", "a/b/c.txt", "later", "later/e.txt"]:
             assert created(name), (name, seen)
-        assert any(
-            e.name == "later/e.txt" and e.type == FilesystemEventType.WRITE for e in seen
-        )
+        assert any(e.name == "later/e.txt" and e.type == FilesystemEventType.WRITE for e in seen)
     finally:
         handle.stop()
 

@@ -1,11 +1,9 @@
 """Pause and connect, fork, snapshots: the server's VM lifecycle features.
 Marked `lifecycle` so a run can select the basic set first."""
 
-
 import pytest
-from e2b import Sandbox, SandboxException, SandboxNotFoundException, SandboxQuery, SandboxState
-
 from conftest import RUN_ID, create, wait_until
+from e2b import Sandbox, SandboxException, SandboxNotFoundException, SandboxQuery, SandboxState
 
 pytestmark = pytest.mark.lifecycle
 
@@ -26,7 +24,13 @@ def test_pause_then_connect_keeps_processes_and_files():
         info = Sandbox.get_info(sbx.sandbox_id)
         assert info.state == "paused"
         assert Sandbox.pause(sbx.sandbox_id) is False  # 409: already paused
-        paused, _ = _all(Sandbox.list(query=SandboxQuery(metadata={"sdk_run": RUN_ID, "case": "pause"}, state=[SandboxState.PAUSED])))
+        paused, _ = _all(
+            Sandbox.list(
+                query=SandboxQuery(
+                    metadata={"sdk_run": RUN_ID, "case": "pause"}, state=[SandboxState.PAUSED]
+                )
+            )
+        )
         assert [p.sandbox_id for p in paused] == [sbx.sandbox_id]
 
         again = Sandbox.connect(sbx.sandbox_id, timeout=600)

@@ -1,12 +1,11 @@
 """Sandbox.list with metadata filters and pagination; set_timeout and expiry."""
 
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
-from e2b import Sandbox, SandboxNotFoundException, SandboxQuery, SandboxState
-
 from conftest import RUN_ID, create, wait_until
+from e2b import Sandbox, SandboxNotFoundException, SandboxQuery, SandboxState
 
 
 def _all(paginator):
@@ -20,9 +19,7 @@ def _all(paginator):
 
 @pytest.fixture(scope="module")
 def three():
-    boxes = [
-        create(metadata={"case": "list", "i": str(i), "odd": "a b/ü&=x"}) for i in range(3)
-    ]
+    boxes = [create(metadata={"case": "list", "i": str(i), "odd": "a b/ü&=x"}) for i in range(3)]
     yield boxes
     for b in boxes:
         b.kill()
@@ -45,11 +42,19 @@ def test_list_filters_by_metadata(three):
 
 def test_list_by_state(three):
     running, _ = _all(
-        Sandbox.list(query=SandboxQuery(metadata={"sdk_run": RUN_ID, "case": "list"}, state=[SandboxState.RUNNING]))
+        Sandbox.list(
+            query=SandboxQuery(
+                metadata={"sdk_run": RUN_ID, "case": "list"}, state=[SandboxState.RUNNING]
+            )
+        )
     )
     assert len(running) == 3
     paused, _ = _all(
-        Sandbox.list(query=SandboxQuery(metadata={"sdk_run": RUN_ID, "case": "list"}, state=[SandboxState.PAUSED]))
+        Sandbox.list(
+            query=SandboxQuery(
+                metadata={"sdk_run": RUN_ID, "case": "list"}, state=[SandboxState.PAUSED]
+            )
+        )
     )
     assert paused == []
 
@@ -81,18 +86,20 @@ def test_set_timeout_moves_end_and_expiry_kills():
     try:
         sbx.set_timeout(900)
         end = sbx.get_info().end_at
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         assert now + timedelta(seconds=800) < end < now + timedelta(seconds=960)
         sbx.set_timeout(5)  # may shorten
         end = sbx.get_info().end_at
-        assert end < datetime.now(timezone.utc) + timedelta(seconds=30)
+        assert end < datetime.now(UTC) + timedelta(seconds=30)
         deadline = time.monotonic() + 90
         while sbx.is_running() and time.monotonic() < deadline:
             time.sleep(1)
         assert not sbx.is_running(), "sandbox still running 90 s after its timeout"
         with pytest.raises(SandboxNotFoundException):
             Sandbox.get_info(sbx.sandbox_id)
-        items, _ = _all(Sandbox.list(query=SandboxQuery(metadata={"sdk_run": RUN_ID, "case": "expiry"})))
+        items, _ = _all(
+            Sandbox.list(query=SandboxQuery(metadata={"sdk_run": RUN_ID, "case": "expiry"}))
+        )
         assert items == []
     finally:
         Sandbox.kill(sbx.sandbox_id)
@@ -154,7 +161,7 @@ def test_create_with_timeout_zero_ends_at_once():
 def test_set_timeout_above_the_maximum_is_clamped(sandbox):
     sandbox.set_timeout(10 * 24 * 3600)
     end = sandbox.get_info().end_at
-    assert end <= datetime.now(timezone.utc) + timedelta(hours=24, minutes=1)
+    assert end <= datetime.now(UTC) + timedelta(hours=24, minutes=1)
     sandbox.set_timeout(600)
 
 
@@ -172,7 +179,7 @@ def test_list_started_after(three):
         assert len(items) == 3, f"started_after={after!r} gave {len(items)}"
     later, _ = _all(
         Sandbox.list(
-            query=SandboxQuery(metadata=meta, started_after=datetime.now(timezone.utc) + timedelta(hours=1))
+            query=SandboxQuery(metadata=meta, started_after=datetime.now(UTC) + timedelta(hours=1))
         )
     )
     assert later == []

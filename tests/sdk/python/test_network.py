@@ -3,10 +3,11 @@ guest address; `allow_internet_access=False` and `network={...}` are kept
 (get_info) and `update_network` replaces them; bad rules are refused. Which
 traffic passes is the lab test's part (crates/server/tests/lab_network.rs,
 against an internet of its own); domain rules are checked here only by what
-the node answers itself (names refused, the egress proxy's 403). One test goes off the machine as a user
-would: `pip install` of a small package from the package index this host's
-pip is configured for (read at run time, never written here), through the
-sandbox's slot, the node's DNS forwarder and the lab's own network."""
+the node answers itself (names refused, the egress proxy's 403). One test
+goes off the machine as a user would: `pip install` of a small package from
+the package index this host's pip is configured for (read at run time, never
+written here), through the sandbox's slot, the node's DNS forwarder and the
+lab's own network."""
 
 import os
 import shlex
@@ -16,9 +17,8 @@ import sys
 from urllib.parse import urlsplit
 
 import pytest
-from e2b import ALL_TRAFFIC, Sandbox, SandboxException
-
 from conftest import create
+from e2b import ALL_TRAFFIC, Sandbox, SandboxException
 
 # A pure-Python wheel of a few kB with no dependencies.
 SMALL_PACKAGE = "six"
@@ -131,9 +131,7 @@ def test_domain_rules_are_kept_and_other_names_refused_by_the_node():
         assert not r.stdout.strip().endswith("rc=0"), r.stdout
         # The egress proxy refuses another name itself: the address
         # (TEST-NET-1) is never dialled, nothing leaves the node.
-        r = sbx.commands.run(
-            "curl -s -m 20 -H 'Host: other.sandfork.test' http://192.0.2.1/; true"
-        )
+        r = sbx.commands.run("curl -s -m 20 -H 'Host: other.sandfork.test' http://192.0.2.1/; true")
         assert "do not allow other.sandfork.test" in r.stdout, (r.stdout, r.stderr)
         # An allowed name only reaches what the node's DNS answered for it.
         r = sbx.commands.run(

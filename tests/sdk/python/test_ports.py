@@ -6,9 +6,8 @@ its traffic token; `mask_request_host` is the Host its server sees."""
 import os
 
 import httpx
-from e2b import Sandbox
-
 from conftest import create, wait_until
+from e2b import Sandbox
 
 SANDBOX_URL = os.environ.get("E2B_SANDBOX_URL", "")
 
@@ -70,9 +69,7 @@ http.server.HTTPServer(("0.0.0.0", 8090), Echo).serve_forever()
 
 
 def test_a_private_sandbox_needs_its_traffic_token_and_masks_the_host():
-    sbx = create(
-        network={"allow_public_traffic": False, "mask_request_host": "${PORT}-app.test"}
-    )
+    sbx = create(network={"allow_public_traffic": False, "mask_request_host": "${PORT}-app.test"})
     try:
         token = sbx.traffic_access_token
         assert token, "a private sandbox has a traffic access token"
@@ -82,9 +79,7 @@ def test_a_private_sandbox_needs_its_traffic_token_and_masks_the_host():
         host = sbx.get_host(8090)
 
         def get(headers: dict[str, str]) -> httpx.Response:
-            return httpx.get(
-                SANDBOX_URL + "/", headers={"Host": host, **headers}, timeout=60
-            )
+            return httpx.get(SANDBOX_URL + "/", headers={"Host": host, **headers}, timeout=60)
 
         def answered():
             try:

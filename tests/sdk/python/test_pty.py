@@ -2,9 +2,8 @@
 
 import threading
 
-from e2b import PtySize
-
 from conftest import wait_until
+from e2b import PtySize
 
 
 def test_pty_session(sandbox):

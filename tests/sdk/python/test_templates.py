@@ -11,16 +11,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import API_KEY, API_URL, RUN_META
 from e2b import Sandbox, Template
 from e2b.exceptions import BuildException
 
-from conftest import API_KEY, API_URL, RUN_META
-
 
 def _delete(name: str) -> None:
-    httpx.delete(
-        f"{API_URL}/templates/{name}", headers={"X-API-KEY": API_KEY}, timeout=120
-    )
+    httpx.delete(f"{API_URL}/templates/{name}", headers={"X-API-KEY": API_KEY}, timeout=120)
 
 
 STEP_LINE = re.compile(r"^\[\d+/\d+\] ")
@@ -95,9 +92,7 @@ def test_template_build_runs_every_step(tmp_path: Path):
         # already uploaded.
         logs2: list[str] = []
         started = time.monotonic()
-        again = Template.build(
-            template, name, on_build_logs=lambda e: logs2.append(e.message)
-        )
+        again = Template.build(template, name, on_build_logs=lambda e: logs2.append(e.message))
         again_s = time.monotonic() - started
         steps = _steps(logs2)
         assert len(steps) == len(_steps(logs)) == 8, logs2
@@ -181,11 +176,7 @@ def test_template_names_tags_and_aliases(api):
         assert tags == {"v1": info.build_id, "stable": info.build_id}, tags
 
         # no default tag yet: the bare name is not a template to create from
-        listed = [
-            t
-            for t in api.get("/v2/templates").json()
-            if t["templateID"] == info.template_id
-        ]
+        listed = [t for t in api.get("/v2/templates").json() if t["templateID"] == info.template_id]
         assert len(listed) == 1, listed
         assert api.get(f"/templates/{name}").status_code == 404
 

@@ -22,10 +22,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import API_KEY, API_URL, RUN_META
 from e2b import Sandbox, Template
 from e2b.exceptions import BuildException
-
-from conftest import API_KEY, API_URL, RUN_META
 
 USER = "sdkuser"
 HELLO = "hello from the registry image\n"
@@ -63,9 +62,7 @@ def _layer() -> bytes:
 
         dirs = ["usr", "usr/bin", "usr/lib", "usr/lib64", "etc", "proc", "sys"]
         dirs += ["dev", "run", "root", "home", "home/user", "srv", "opt"]
-        lib_dirs = {
-            os.path.dirname(os.path.realpath(p)) for p in _libraries("/bin/bash")
-        }
+        lib_dirs = {os.path.dirname(os.path.realpath(p)) for p in _libraries("/bin/bash")}
         for d in sorted(lib_dirs):
             parts = Path(d.lstrip("/")).parts
             for i in range(1, len(parts) + 1):
@@ -84,9 +81,7 @@ def _layer() -> bytes:
                 link=f"usr/{name}" if name != "sbin" else "usr/bin",
             )
         add("usr/bin/bash", tarfile.REGTYPE, 0o755, Path("/bin/bash").read_bytes())
-        add(
-            "usr/bin/busybox", tarfile.REGTYPE, 0o755, Path("/bin/busybox").read_bytes()
-        )
+        add("usr/bin/busybox", tarfile.REGTYPE, 0o755, Path("/bin/busybox").read_bytes())
         for a in APPLETS:
             add(f"usr/bin/{a}", tarfile.SYMTYPE, 0o777, link="busybox")
         for lib in _libraries("/bin/bash"):
@@ -137,16 +132,12 @@ def _layout(dir: Path) -> None:
                 "mediaType": "application/vnd.oci.image.config.v1+json",
                 **put(config),
             },
-            "layers": [
-                {"mediaType": "application/vnd.oci.image.layer.v1.tar", **put(layer)}
-            ],
+            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", **put(layer)}],
         }
     ).encode()
     index = {
         "schemaVersion": 2,
-        "manifests": [
-            {"mediaType": "application/vnd.oci.image.manifest.v1+json", **put(manifest)}
-        ],
+        "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json", **put(manifest)}],
     }
     (dir / "index.json").write_text(json.dumps(index))
     (dir / "oci-layout").write_text('{"imageLayoutVersion":"1.0.0"}')
@@ -210,9 +201,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, st
 
 
 def _delete(name: str) -> None:
-    httpx.delete(
-        f"{API_URL}/templates/{name}", headers={"X-API-KEY": API_KEY}, timeout=120
-    )
+    httpx.delete(f"{API_URL}/templates/{name}", headers={"X-API-KEY": API_KEY}, timeout=120)
 
 
 def _reason(name: str) -> dict:
@@ -235,9 +224,7 @@ def test_image_pull_failures_are_reported_at_the_base_step(registry):
         (f"{host}/sdk/img:missing", USER, password, "not found"),
     ]:
         name = f"sdk-img-bad-{secrets.token_hex(3)}"
-        template = (
-            Template().from_image(image, username=user, password=pw).run_cmd("true")
-        )
+        template = Template().from_image(image, username=user, password=pw).run_cmd("true")
         try:
             with pytest.raises(BuildException) as err:
                 Template.build(template, name)

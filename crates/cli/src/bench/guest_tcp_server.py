@@ -7,6 +7,7 @@ source sends MIB MiB after a request byte (a probe that sends nothing gets
 nothing).
 """
 
+import contextlib
 import socket
 import sys
 import threading
@@ -44,10 +45,8 @@ def source(c: socket.socket) -> None:
 def serve(listener: socket.socket, handle: Callable[[socket.socket], None]) -> None:
     while True:
         c, _ = listener.accept()
-        try:
+        with contextlib.suppress(OSError):
             handle(c)
-        except OSError:
-            pass
         c.close()
 
 

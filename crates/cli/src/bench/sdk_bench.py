@@ -379,7 +379,10 @@ class Bench:
             c0, t0 = time.process_time(), time.perf_counter()
             warm = self.create()
             self.answer(warm)
-            took = {"ms": ms(time.perf_counter() - t0), "client_cpu_ms": ms(time.process_time() - c0)}
+            took = {
+                "ms": ms(time.perf_counter() - t0),
+                "client_cpu_ms": ms(time.process_time() - c0),
+            }
             self.kill(warm)
             return took
 
@@ -409,7 +412,7 @@ class Bench:
 
         values, failures = collect(self.args.runs, one, self.sample_timeout(), "create")
         self.cleanup()
-        parts = list(zip(*values)) or [[], [], [], []]
+        parts = list(zip(*values, strict=True)) or [[], [], [], []]
         stats = [summary(list(p)) if p else None for p in parts]
         return {"sdk_create_to_first_command_ms": stats[0]}, {
             "warmup_not_counted": warmup,
@@ -469,7 +472,8 @@ class Bench:
         detail = {"children": count, "fork_call": "http" if over_http else "sdk"}
         try:
             t0, t1, t2, cpu = bounded(fork_and_answer, self.sample_timeout(), f"fork of {count}")
-            log(f"fork of {count}: {len(children)} children, all answered after {ms(t2 - t0):.0f} ms")
+            answered = ms(t2 - t0)
+            log(f"fork of {count}: {len(children)} children, all answered after {answered:.0f} ms")
             detail.update(
                 fork_call_ms=ms(t1 - t0), all_answered_ms=ms(t2 - t0), client_cpu_ms=ms(cpu)
             )
@@ -583,9 +587,7 @@ class Bench:
                 )
         finally:
             self.kill(sbx)
-        figures = {
-            f"guest_tcp_{way}_mib_s": round(percentile(v, 50), 2) for way, v in runs.items()
-        }
+        figures = {f"guest_tcp_{way}_mib_s": round(percentile(v, 50), 2) for way, v in runs.items()}
         return figures, {
             "mib_per_sample": GUEST_TCP_MIB,
             "samples_mib_s": {k: [round(x, 2) for x in v] for k, v in runs.items()},
@@ -657,7 +659,11 @@ class Bench:
         avail_before = mem_available_kib()
         try:
             for i in range(k):
-                bounded(lambda: self.answer(self.create()), self.sample_timeout(), f"idle sandbox {i + 1}")
+                bounded(
+                    lambda: self.answer(self.create()),
+                    self.sample_timeout(),
+                    f"idle sandbox {i + 1}",
+                )
             log(f"{k} sandboxes up; idling {self.args.idle_seconds} s")
             time.sleep(self.args.idle_seconds)
             # the pool refills behind the creates: wait for it too
@@ -766,7 +772,11 @@ class Bench:
         phases = [
             # First: on a fresh node, its first create has no working set yet.
             ("first_command_faults", self.first_command_faults, ["first_command_page_faults"]),
-            ("create_to_first_command", self.create_to_first_command, ["sdk_create_to_first_command_ms"]),
+            (
+                "create_to_first_command",
+                self.create_to_first_command,
+                ["sdk_create_to_first_command_ms"],
+            ),
             ("fork16", self.fork, [f"sdk_fork{self.args.fork_count}_ms"]),
             ("fork100", self.fork100, ["sdk_fork100_ms", "fork_parent_pause_ms"]),
             (

@@ -116,8 +116,10 @@ pub fn kernel_messages(n: usize) -> String {
             Ok(0) => break,
             Ok(len) => {
                 let text = String::from_utf8_lossy(&record[..len]);
-                // "<prio>,<seq>,<usec>,<flags>[,...];<message>\n"
-                if let Some((prefix, message)) = text.split_once(';') {
+                // "<prio>,<seq>,<usec>,<flags>[,...];<message>\n", then
+                // " KEY=value" lines of device metadata, left out.
+                if let Some((prefix, rest)) = text.split_once(';') {
+                    let message = rest.split('\n').next().unwrap_or_default();
                     let usec: u64 = prefix
                         .split(',')
                         .nth(2)

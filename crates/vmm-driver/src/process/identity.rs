@@ -138,9 +138,11 @@ mod tests {
     #[test]
     fn finds_a_process_by_an_argument() {
         let marker = format!("/nonexistent/sandfork-test-{}", std::process::id());
-        // `$0` is the marker; the `:` keeps the shell from exec'ing sleep.
+        // `$0` is the marker. The shell waits on a pipe by itself: a child it
+        // forked (say, `sleep`) would carry the marker too until its exec.
         let mut child = std::process::Command::new("sh")
-            .args(["-c", "sleep 30; :", &marker])
+            .args(["-c", "read -r _", &marker])
+            .stdin(std::process::Stdio::piped())
             .spawn()
             .unwrap();
         let child_id = ProcessIdentity::of(child.id()).unwrap();
