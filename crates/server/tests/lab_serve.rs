@@ -1228,6 +1228,35 @@ async fn a_sandbox_whose_vmm_dies_is_removed() {
     assert!(!data.path().join("sandboxes").join(&id).exists());
 }
 
+/// A guest that does not take the proxy's connection at once (a fork child
+/// among many starting on a loaded node; here its vCPUs paused for longer
+/// than its VMM waits for the guest's answer to a vsock connection, so the
+/// VMM closes the first) still gets the request once it takes one: never a
+/// "port is not open" for the port its agent listens on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab: boots microVMs"]
+async fn a_command_to_a_guest_slow_to_take_connections_waits_for_it() {
+    const PAUSED: Duration = Duration::from_secs(8);
+    let data = tempfile::tempdir().unwrap();
+    let node = serve(lab_config(data.path(), 0)).await;
+    let (addr, auth) = (node.addr, node.auth());
+    // No command before the pause: the proxy holds no connection to it.
+    let created = common::create(addr, &auth, json!({"timeout": 300})).await;
+    let vmm_dir = node.manager.get(&created.id).unwrap().vmm_dir.unwrap();
+    let api = vmm_driver::VmmClient::new(vmm_dir.join("api.sock"));
+    api.pause().await.unwrap();
+    let paused = Instant::now();
+    let resumed = tokio::spawn(async move {
+        tokio::time::sleep(PAUSED).await;
+        api.resume().await.unwrap();
+    });
+    let answer = run(addr, &created.routing(), "echo waited").await;
+    assert!(paused.elapsed() >= PAUSED, "answered while paused");
+    assert_eq!(answer, (0, "waited\n".into()));
+    resumed.await.unwrap();
+    eprintln!("answered {:?} after the guest was paused", paused.elapsed());
+}
+
 /// Every VMM runs in a cgroup v2 group of its own, limited to its sandbox
 /// (one vCPU's time, twice its 256 MiB plus the VMM's 64 MiB, a bounded
 /// thread count); a guest that fills its memory is contained by its own

@@ -31,6 +31,16 @@ pub use envd_proto::PORT as AGENT_PORT;
 const READY_POLL: Duration = Duration::from_millis(5);
 /// One attempt to reach a starting guest's agent.
 const READY_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long `PUT /fork` into `children` may take: the VMM stacks a disk
+/// layer per child and writes the frozen memory while the node may be busy
+/// starting other guests (in the emulated lab a fork of 100 beside a few
+/// dozen running guests took more than the 60 s of other requests), so the
+/// bound grows with the children; a VMM that hangs is still given up.
+pub fn fork_timeout(children: u32) -> Duration {
+    crate::client::DEFAULT_REQUEST_TIMEOUT + Duration::from_secs(2) * children
+}
+
 /// The guest CID every VM gets: each VM has its own vsock device and socket.
 const GUEST_CID: u32 = 3;
 
@@ -614,7 +624,11 @@ impl VmmProcess {
                 .chain(state.parent())
                 .chain(mem.parent()),
         )?;
-        Ok(self.api.fork(params).await?)
+        let api = self
+            .api
+            .clone()
+            .with_request_timeout(fork_timeout(params.children));
+        Ok(api.fork(params).await?)
     }
 
     /// Loads child `index` of a fork into this (fresh) VMM and resumes it.
