@@ -208,13 +208,31 @@ impl AgentClient {
         body: Bytes,
     ) -> Result<(u16, Bytes), AgentError> {
         let exchange = async {
-            let stream = vsock_connect::connect(&self.uds, envd_proto::PORT).await?;
+            let stream = self.connect().await?;
             self.exchange(stream, method, path, content_type, body)
                 .await
         };
         tokio::time::timeout(self.timeout, exchange)
             .await
             .map_err(|_| AgentError::Timeout(self.timeout))?
+    }
+
+    /// A stream to the agent, tried again while the guest does not take the
+    /// connection: a guest busy on a loaded node (in the lab, a two-vCPU
+    /// template build's) can miss the VMM's 5 s wait for its answer, and the
+    /// VMM then closes the stream as for a refusal. Nothing was sent yet, so
+    /// trying again is safe; the request's own timeout bounds the whole.
+    async fn connect(&self) -> Result<tokio::net::UnixStream, VsockConnectError> {
+        let mut pause = Duration::from_millis(100);
+        loop {
+            match vsock_connect::connect(&self.uds, envd_proto::PORT).await {
+                Err(VsockConnectError::Refused(_)) => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(2));
+                }
+                other => return other,
+            }
+        }
     }
 
     /// One request on a stream already connected to the agent.
