@@ -117,9 +117,9 @@ vmm_lane() {
     # watchdog) is re-run whole. A re-run during which the lab machine itself
     # stood still (its kernel's livelock, README "Hangs") earns one more.
     local t log failed try
+    log=$(mktemp)
     for t in "${lab_tests[@]}"; do
         stage "lab tests: ${t##*/}"
-        log=$(mktemp)
         if run_lab_tests "$t" --ignored --test-threads=1 2>&1 | tee "$log"; [[ ${PIPESTATUS[0]} -eq 0 ]]; then
             continue
         fi
@@ -134,6 +134,7 @@ vmm_lane() {
             fi
         done
     done
+    rm -f "$log"
 
     stage "stress: boots, restores, forks and two-VM runs, each bounded"
     # The short version of `sandfork stress` (README, "Hangs"): a hang or a

@@ -183,8 +183,6 @@ async fn warm_up(agent: &AgentClient, log: &(dyn Fn(&str) + Sync)) {
     }
 }
 
-/// Builds template `id` from `spec` into `templates/<id>/` and returns its
-/// record (no names; the caller stores it).
 /// [`build`] with the node's own configuration, pool and capacity.
 pub async fn build_on(
     manager: &Manager,
@@ -196,6 +194,8 @@ pub async fn build_on(
     build(config, pool, capacity, id, spec, log).await
 }
 
+/// Builds template `id` from `spec` into `templates/<id>/` and returns its
+/// record (no names; the caller stores it).
 pub async fn build(
     config: &Config,
     pool: &Pool,
