@@ -461,4 +461,41 @@ mod tests {
         let e = AgentClient::new(&uds).metrics().await.unwrap_err();
         assert!(matches!(e, AgentError::TooLarge { .. }), "{e}");
     }
+
+    /// A guest that does not take its first connections (the VMM closes
+    /// them after `CONNECT`, as for a refusal) gets the request once it
+    /// takes one.
+    #[tokio::test]
+    async fn connections_the_guest_did_not_take_are_tried_again() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("vsock.sock");
+        let listener = tokio::net::UnixListener::bind(&uds).unwrap();
+        async fn read_until(s: &mut tokio::net::UnixStream, end: &[u8]) {
+            let (mut seen, mut byte) = (Vec::new(), [0u8; 1]);
+            while !seen.ends_with(end) {
+                s.read_exact(&mut byte).await.unwrap();
+                seen.push(byte[0]);
+            }
+        }
+        let vmm = tokio::spawn(async move {
+            for accepted in 1.. {
+                let (mut s, _) = listener.accept().await.unwrap();
+                read_until(&mut s, b"\n").await;
+                if accepted <= 3 {
+                    continue; // dropped: closed unanswered
+                }
+                s.write_all(b"OK 1\n").await.unwrap();
+                read_until(&mut s, b"\r\n\r\n").await;
+                s.write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                    .await
+                    .unwrap();
+                return accepted;
+            }
+            unreachable!()
+        });
+        let e = AgentClient::new(&uds).metrics().await.unwrap_err();
+        assert!(matches!(e, AgentError::Status { status: 404, .. }), "{e}");
+        assert_eq!(vmm.await.unwrap(), 4);
+    }
 }
