@@ -22,6 +22,9 @@ target=${CARGO_TARGET_DIR:-$root/target}
 rw=/var/cache/sandfork/lab-rw
 
 if [[ ${1:-} != --inside ]]; then
+    # With --no-build, scripts/build.sh has built the workspace's binaries
+    # already (a `cargo build -p ...` here would compile dependencies again
+    # for those packages' features alone).
     if [[ ${1:-} != --no-build ]]; then
         scripts/build.sh
     fi
@@ -29,7 +32,6 @@ if [[ ${1:-} != --inside ]]; then
     # shellcheck source=/dev/null  # written by scripts/build.sh
     . target/sandfork.env
     set +a
-    cargo build -p sandfork -p sandfork-lab -p sandfork-vmm --quiet
     mkdir -p "$rw"
     lab=("$target/debug/sandfork-lab" run --cpus 1 --timeout 900 --rw "$rw" --
         env "CARGO_TARGET_DIR=$target" "SANDFORK_KERNEL=$SANDFORK_KERNEL"

@@ -1,8 +1,11 @@
 #!/bin/bash
 # The whole test suite, from a fresh machine: builds everything (scripts/build.sh),
-# checks formatting and lints, runs the fast tests on the host, then the
-# microVM tests on real KVM: directly on a host with hardware KVM, otherwise
-# inside the KVM lab (QEMU with emulated SVM, see crates/lab).
+# checks formatting, shell scripts and licences, then runs side by side: the
+# client suites against real nodes (as soon as the binaries are built), the
+# microVM test binaries (once the tests are built), and on the host clippy,
+# the fast tests and the fuzz targets. MicroVMs run on real KVM: directly on
+# a host with hardware KVM, otherwise inside the KVM lab (QEMU with emulated
+# SVM, see crates/lab), one lab machine per lane.
 #
 # Usage: scripts/test.sh [--lab-only]
 #   --lab-only  only the microVM tests and the client suites (after the
@@ -34,9 +37,10 @@ set -a
 set +a
 
 if ((lab_only == 0)); then
-    stage "format and lints"
+    stage "format, shell scripts and licences"
     cargo fmt --all --check
-    cargo clippy --workspace --all-targets --quiet -- -D warnings
+    # The fuzz crate is outside the workspace.
+    cargo fmt --check --manifest-path fuzz/Cargo.toml
     # Every shell script, including the lab's init, through shellcheck (which
     # scripts/deps.sh installs). A script hashed into a cache key keeps its
     # directives in a .shellcheckrc beside it, so they rebuild nothing.
@@ -44,34 +48,7 @@ if ((lab_only == 0)); then
     # Dependency licences, bans and sources against deny.toml, offline; the
     # advisory database needs a download: `scripts/deny.sh --advisories`.
     scripts/deny.sh
-
-    stage "fast tests"
-    cargo test --workspace --quiet
-
-    stage "fuzz targets: corpora replayed, then each fuzzed briefly"
-    # Every parser a guest or client reaches (README, "Fuzzing"); the fuzz crate
-    # is outside the workspace, with its build cached under SANDFORK_CACHE.
-    cargo fmt --check --manifest-path fuzz/Cargo.toml
-    scripts/fuzz.sh
 fi
-
-stage "microVM tests"
-# Test binaries holding lab tests (marked #[ignore = "lab: ..."]), the lab
-# tool's own first. Found among the whole workspace's test builds, those the
-# fast tests made: naming packages with -p would resolve features for them
-# alone and compile their dependencies again (6 min of a CI run).
-mapfile -t lab_tests < <(cargo test --workspace --no-run --message-format=json 2>/dev/null |
-    python3 -c 'import json,sys
-order = ["lab_run", "snapshot", "microvm", "network", "lab_serve", "lab_restart", "lab_network"]
-found = {}
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
-        found[m["target"]["name"]] = m["executable"]
-print(*(found[name] for name in order if name in found), sep="\n")')
-[[ ${#lab_tests[@]} -eq 7 ]] || { echo "lab test binaries: found ${#lab_tests[@]} of 7" >&2; exit 1; }
-lab_tool_tests=${lab_tests[0]}
-lab_tests=("${lab_tests[@]:1}")
 
 lab=target/debug/sandfork-lab
 # A directory shared read-write with the lab over 9p, as `sandfork serve`'s
@@ -100,7 +77,8 @@ failed_tests() {
         -e '/^failures:$/,/^test result:/s/^    \([A-Za-z0-9_:]*\)$/\1/p' "$1" | sort -u
 }
 
-# The VMM's and the node's lab test binaries, the stress, the cluster.
+# The lab tool's own tests, the VMM's and the node's lab test binaries,
+# sandfork's CLI against a node.
 vmm_lane() {
     # The lab tooling's own tests boot QEMU on this host.
     "$lab_tool_tests" --ignored --test-threads=1 -q
@@ -136,10 +114,31 @@ vmm_lane() {
     done
     rm -f "$log"
 
+    stage "the sandfork CLI against sandfork serve"
+    # Every client command through the real binary against one real node,
+    # the interactive shell through tmux; its test binary from the build above.
+    CLI_NODE_TEST_BIN=$cli_node_tests scripts/cli-test.sh --no-build
+}
+
+# The real clients against real nodes (the E2B SDKs and CLI, the Python
+# package), then the stress and the cluster: all of them need only the
+# binaries scripts/build.sh made, so this lane starts before the tests are
+# compiled.
+clients_lane() {
+    stage "E2B SDK suites against sandfork serve"
+    # The real e2b Python and JS SDKs against a real server on real microVMs
+    # (inside the lab here): the basic suites, then pause, fork and snapshots.
+    scripts/sdk-test.sh --no-build
+
+    stage "the sandfork Python package against sandfork serve"
+    # ruff, the pure tests, then forks, environments, Gymnasium's checker and
+    # the branching runner on real microVMs.
+    scripts/rl-test.sh --no-build
+
     stage "stress: boots, restores, forks and two-VM runs, each bounded"
     # The short version of `sandfork stress` (README, "Hangs"): a hang or a
     # failure, with the VMs' diagnostics, fails the suite unless a second
-    # run is clean (the same rule as above, for the same reason).
+    # run is clean (the same rule as for the lab tests, for the same reason).
     stress() { target/debug/sandfork stress --boots 2 --restores 2 --forks 2 --two-vm 1 >/dev/null; }
     stress || { stage "re-running the stress once"; stress; }
 
@@ -149,52 +148,81 @@ vmm_lane() {
     scripts/cluster-test.sh --no-build
 }
 
-# The real clients against real nodes: the E2B SDKs and CLI, sandfork's
-# CLI, the Python package.
-suites_lane() {
-    stage "E2B SDK suites against sandfork serve"
-    # The real e2b Python and JS SDKs against a real server on real microVMs
-    # (inside the lab here): the basic suites, then pause, fork and snapshots.
-    scripts/sdk-test.sh --no-build
+# The test binaries (the fast tests and the lab's), with their diagnostics on
+# stderr; sets lab_tool_tests, lab_tests and cli_node_tests. From the whole
+# workspace's test build: naming packages with -p would resolve features for
+# them alone and compile their dependencies again (6 min of a CI run).
+build_tests() {
+    stage "building the tests"
+    local found
+    mapfile -t found < <(cargo test --workspace --no-run --quiet --message-format=json-render-diagnostics |
+        python3 -c 'import json,sys
+order = ["lab_run", "cli_node", "snapshot", "microvm", "network", "lab_serve", "lab_restart", "lab_network"]
+found = {}
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        found[m["target"]["name"]] = m["executable"]
+print(*(found[name] for name in order if name in found), sep="\n")')
+    [[ ${#found[@]} -eq 8 ]] || { echo "lab test binaries: found ${#found[@]} of 8" >&2; return 1; }
+    lab_tool_tests=${found[0]}
+    cli_node_tests=${found[1]}
+    lab_tests=("${found[@]:2}")
+}
 
-    stage "the sandfork CLI against sandfork serve"
-    # Every client command through the real binary against one real node,
-    # the interactive shell through tmux.
-    scripts/cli-test.sh --no-build
-
-    stage "the sandfork Python package against sandfork serve"
-    # ruff, the pure tests, then forks, environments, Gymnasium's checker and
-    # the branching runner on real microVMs.
-    scripts/rl-test.sh --no-build
+# What runs on the host alone: lints of every target, the fast tests, the
+# fuzz targets.
+host_checks() {
+    stage "clippy"
+    cargo clippy --workspace --all-targets --quiet -- -D warnings
+    stage "fast tests"
+    cargo test --workspace --quiet
+    stage "fuzz targets: corpora replayed, then each fuzzed briefly"
+    # Every parser a guest or client reaches (README, "Fuzzing"), with the
+    # fuzz crate's build cached under SANDFORK_CACHE.
+    scripts/fuzz.sh
 }
 
 # Two lab machines at once, one per lane, each with its own lock (the lab
-# uses one host CPU at a time, this host has two); SANDFORK_LAB_LANES=1 runs
-# the lanes one after the other under the one lock. The second lane's lines
-# are prefixed with "suites|".
+# uses one host CPU at a time, this host has two): the client suites start
+# as soon as the binaries are built, the lab test binaries once the tests
+# are; the host's own checks run beside them. SANDFORK_LAB_LANES=1 runs it
+# all one after the other under the one lock. The client lane's lines are
+# prefixed with "clients|", the host checks' with "host|".
 export SANDFORK_LAB_LOCKED=1
 exec 9>/tmp/sandfork-lab.lock
 stage "waiting for the lab lock"
 flock 9
-if [[ ${SANDFORK_LAB_LANES:-2} -ge 2 ]]; then
-    exec 8>/tmp/sandfork-lab2.lock
-    stage "waiting for the second lab lock"
-    flock 8
-    stage "two lanes: the lab test binaries here, the client suites beside them (suites|)"
-    # Each lane in the background and waited for: in a subshell whose status
-    # an `||` tests, bash would ignore `set -e`.
-    suites_lane > >(sed -u 's/^/suites| /') 2>&1 &
-    suites_pid=$!
+if [[ ${SANDFORK_LAB_LANES:-2} -lt 2 ]]; then
+    build_tests
+    ((lab_only)) || host_checks
+    vmm_lane
+    clients_lane
+    stage "all passed"
+    exit 0
+fi
+exec 8>/tmp/sandfork-lab2.lock
+stage "waiting for the second lab lock"
+flock 8
+# Each job in the background and waited for: in a subshell whose status an
+# `||` tests, bash would ignore `set -e`.
+stage "the client suites' lane (clients|)"
+clients_lane > >(sed -u 's/^/clients| /') 2>&1 &
+clients_pid=$!
+clients_rc=0 vmm_rc=0 host_rc=0
+if build_tests; then
+    stage "the lab test binaries' lane"
     vmm_lane &
     vmm_pid=$!
-    vmm_rc=0 suites_rc=0
+    if ((lab_only == 0)); then
+        host_checks > >(sed -u 's/^/host| /') 2>&1 &
+        wait "$!" || host_rc=$?
+    fi
     wait "$vmm_pid" || vmm_rc=$?
-    wait "$suites_pid" || suites_rc=$?
-    stage "lanes done: lab tests exit $vmm_rc, client suites exit $suites_rc"
-    ((vmm_rc == 0 && suites_rc == 0)) || exit 1
 else
-    vmm_lane
-    suites_lane
+    vmm_rc=1
 fi
-
+wait "$clients_pid" || clients_rc=$?
+stage "done: host checks exit $host_rc, lab tests exit $vmm_rc, client suites exit $clients_rc"
+((host_rc == 0 && vmm_rc == 0 && clients_rc == 0)) || exit 1
 stage "all passed"

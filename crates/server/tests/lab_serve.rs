@@ -648,17 +648,17 @@ async fn capacity_refuses_with_503_and_kill_or_pause_makes_room() {
     assert_eq!(info["sandboxes"]["running"], 0, "{info}");
 }
 
-/// A fork at fleet scale, admitted by real use: a node of 2000 MiB holds a
-/// 256 MiB sandbox and a fork of it into 32 children (33 guests of 256 MiB
-/// would need 8448 MiB counted whole). Every child answers and carries the
+/// A fork admitted by real use: a node of 1200 MiB holds a 256 MiB sandbox
+/// and a fork of it into 16 children (17 guests of 256 MiB would need 4352
+/// MiB counted whole; the bench's fork of 100 is the fleet-scale one). Every child answers and carries the
 /// parent's state, each then diverges on its own, the node says how long
 /// the parent was paused, and what it charges is their sampled use plus
 /// 32 MiB of headroom each, under the ceiling.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab: boots microVMs"]
-async fn a_fork_of_32_is_admitted_by_real_use_and_its_children_diverge() {
-    const CHILDREN: usize = 32;
-    const CEILING: u64 = 2000;
+async fn a_fork_of_16_is_admitted_by_real_use_and_its_children_diverge() {
+    const CHILDREN: usize = 16;
+    const CEILING: u64 = 1200;
     let data = tempfile::tempdir().unwrap();
     let mut config = lab_config(data.path(), 2);
     config.mem_mib = 256;
@@ -730,7 +730,7 @@ async fn a_fork_of_32_is_admitted_by_real_use_and_its_children_diverge() {
         started.elapsed()
     );
     // Each kept its own write; the parent saw none of them.
-    for (n, (child, token)) in children.iter().enumerate().step_by(7) {
+    for (n, (child, token)) in children.iter().enumerate().step_by(5) {
         let r = [
             ("e2b-sandbox-id", child.as_str()),
             ("x-access-token", token.as_str()),
@@ -866,7 +866,10 @@ async fn real_use_reaching_the_ceiling_is_refused_clearly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab: boots microVMs"]
 async fn memory_pressure_pauses_idle_sandboxes_and_loses_nothing() {
-    const FILL_MIB: u64 = 200;
+    // Every first touch of a guest page is a nested fault the emulated lab
+    // serves slowly (README, "Hangs"): fills big enough to cross the
+    // node's floor in steps, no bigger.
+    const FILL_MIB: u64 = 96;
     const SANDBOXES: usize = 7;
     // Pauses write memory out: on the lab's /tmp (its RAM) that frees
     // nothing, so the node's data goes to the disk shared with the host.
@@ -1371,7 +1374,8 @@ async fn gives_back_what_its_guest_frees(
     id: &str,
     routing: &[(&str, &str)],
 ) {
-    const HELD_MIB: u64 = 150;
+    // As in the VMM's balloon tests: enough to see, little to fault in.
+    const HELD_MIB: u64 = 64;
     let pid = {
         let dir = node.manager.get(id).unwrap().vmm_dir.expect("a VMM dir");
         vmm_driver::process::ProcessIdentity::read(&dir)
