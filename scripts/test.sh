@@ -77,97 +77,145 @@ failed_tests() {
         -e '/^failures:$/,/^test result:/s/^    \([A-Za-z0-9_:]*\)$/\1/p' "$1" | sort -u
 }
 
-# The lab tool's own tests, the VMM's and the node's lab test binaries,
-# sandfork's CLI against a node.
-vmm_lane() {
-    # The lab tooling's own tests boot QEMU on this host.
-    "$lab_tool_tests" --ignored --test-threads=1 -q
+# Where the run keeps what its jobs share: the test binaries' list, the
+# job queue's counter, the names of failed jobs.
+work=$(mktemp -d)
+trap 'rm -rf "$work"; [[ ${RUSTC_WRAPPER:-} != sccache ]] || sccache --stop-server >/dev/null 2>&1 || true' EXIT
 
-    # Lab guests used to be lost now and then (4 of 26 `sandfork stress`
-    # trials, 4 of 13 two-VM ones, on a loaded host): the guest ticked from
-    # the PIT, broadcast each tick by IPI, and on a slow lab its vCPU 0 did
-    # nothing but timer interrupts (README, "Hangs"). With the TSC-deadline
-    # timer offered and lost PIT ticks dropped, 0 of 35. Until CI has shown a
-    # run of clean lab runs, the rule below stays.
-    # A test that loses its guest fails or overruns with diagnostics; re-run
-    # the tests that failed, once: a real defect fails twice and still fails
-    # the suite. A run that ended without naming failures (a lab timeout, the
-    # watchdog) is re-run whole. A re-run during which the lab machine itself
-    # stood still (its kernel's livelock, README "Hangs") earns one more.
-    local t log failed try
-    log=$(mktemp)
-    for t in "${lab_tests[@]}"; do
-        stage "lab tests: ${t##*/}"
-        if run_lab_tests "$t" --ignored --test-threads=1 2>&1 | tee "$log"; [[ ${PIPESTATUS[0]} -eq 0 ]]; then
-            continue
-        fi
-        for try in 1 2; do
-            mapfile -t failed < <(failed_tests "$log")
-            stage "re-running failed lab tests ($try): ${failed[*]:-all}"
-            if run_lab_tests "$t" --ignored --test-threads=1 ${failed[@]:+--exact "${failed[@]}"} 2>&1 | tee "$log"; [[ ${PIPESTATUS[0]} -eq 0 ]]; then
-                break
-            fi
-            if ((try == 2)) || ! grep -q '^sandfork-lab: the machine stood still' "$log"; then
-                return 1
-            fi
-        done
-    done
-    rm -f "$log"
-
-    stage "the sandfork CLI against sandfork serve"
-    # Every client command through the real binary against one real node,
-    # the interactive shell through tmux; its test binary from the build above.
-    CLI_NODE_TEST_BIN=$cli_node_tests scripts/cli-test.sh --no-build
+# The path of test binary $1 (a test target's name), once the tests are
+# built; fails when their build failed.
+test_binary() {
+    until [[ -e $work/tests.list || -e $work/tests.failed ]]; do sleep 2; done
+    [[ -e $work/tests.list ]] || return 1
+    awk -v name="$1" '$1 == name { print $2 }' "$work/tests.list"
 }
 
-# The real clients against real nodes (the E2B SDKs and CLI, the Python
-# package), then the stress and the cluster: all of them need only the
-# binaries scripts/build.sh made, so this lane starts before the tests are
-# compiled.
-clients_lane() {
-    stage "E2B SDK suites against sandfork serve"
-    # The real e2b Python and JS SDKs against a real server on real microVMs
-    # (inside the lab here): the basic suites, then pause, fork and snapshots.
+# One lab test binary (marked #[ignore = "lab: ..."] tests), with the
+# re-run rule: lab guests used to be lost now and then (4 of 26 `sandfork
+# stress` trials, 4 of 13 two-VM ones, on a loaded host): the guest ticked
+# from the PIT, broadcast each tick by IPI, and on a slow lab its vCPU 0 did
+# nothing but timer interrupts (README, "Hangs"). With the TSC-deadline
+# timer offered and lost PIT ticks dropped, 0 of 35. Until CI has shown a
+# run of clean lab runs, the rule stays: a test that loses its guest fails
+# or overruns with diagnostics; the tests that failed are re-run, once: a
+# real defect fails twice and still fails the suite. A run that ended
+# without naming failures (a lab timeout, the watchdog) is re-run whole. A
+# re-run during which the lab machine itself stood still (its kernel's
+# livelock, README "Hangs") earns one more.
+lab_binary() {
+    local t log failed try
+    t=$(test_binary "$1")
+    [[ -x $t ]] || { echo "no test binary $1" >&2; return 1; }
+    log=$(mktemp -p "$work")
+    if run_lab_tests "$t" --ignored --test-threads=1 2>&1 | tee "$log"; [[ ${PIPESTATUS[0]} -eq 0 ]]; then
+        return 0
+    fi
+    for try in 1 2; do
+        mapfile -t failed < <(failed_tests "$log")
+        stage "re-running failed lab tests ($try): ${failed[*]:-all}"
+        if run_lab_tests "$t" --ignored --test-threads=1 ${failed[@]:+--exact "${failed[@]}"} 2>&1 | tee "$log"; [[ ${PIPESTATUS[0]} -eq 0 ]]; then
+            return 0
+        fi
+        if ((try == 2)) || ! grep -q '^sandfork-lab: the machine stood still' "$log"; then
+            return 1
+        fi
+    done
+}
+
+# The lab jobs: every one needs a lab machine to itself; those marked in
+# lab_needs_tests wait for the test build, the others need only the
+# binaries scripts/build.sh made. Taken from one queue by the two lab
+# lanes, longest first, so the lanes end close together.
+job_sdk() {
+    # The real e2b Python and JS SDKs and the E2B CLI against a real server
+    # on real microVMs: the basic suites, then pause, fork and snapshots.
     scripts/sdk-test.sh --no-build
-
-    stage "the sandfork Python package against sandfork serve"
-    # ruff, the pure tests, then forks, environments, Gymnasium's checker and
-    # the branching runner on real microVMs.
+}
+job_rl() {
+    # The sandfork Python package: ruff, the pure tests, then forks,
+    # environments, Gymnasium's checker and the branching runner.
     scripts/rl-test.sh --no-build
-
-    stage "stress: boots, restores, forks and two-VM runs, each bounded"
+}
+job_stress() {
     # The short version of `sandfork stress` (README, "Hangs"): a hang or a
     # failure, with the VMs' diagnostics, fails the suite unless a second
-    # run is clean (the same rule as for the lab tests, for the same reason).
+    # run is clean (the rule of lab_binary, for the same reason).
     stress() { target/debug/sandfork stress --boots 2 --restores 2 --forks 2 --two-vm 1 >/dev/null; }
     stress || { stage "re-running the stress once"; stress; }
-
-    stage "the cluster: two nodes and a gateway on a real etcd and S3 (a pause resumed on the other node)"
-    # Membership, placement and routing through the gateway, with the nodes'
-    # sandboxes real microVMs (one lab machine for all three processes).
+}
+job_cluster() {
+    # Two nodes and a gateway on a real etcd and S3: membership, placement,
+    # routing, a pause resumed on the other node (one lab machine for all).
     scripts/cluster-test.sh --no-build
 }
+job_cli() {
+    # Every sandfork CLI command through the real binary against one real
+    # node, the interactive shell through tmux.
+    local bin
+    bin=$(test_binary cli_node) && [[ -x $bin ]] || return 1
+    CLI_NODE_TEST_BIN=$bin scripts/cli-test.sh --no-build
+}
+job_lab_tool() {
+    # The lab tooling's own tests boot QEMU on this host.
+    local bin
+    bin=$(test_binary lab_run) && [[ -x $bin ]] || return 1
+    "$bin" --ignored --test-threads=1 -q
+}
+job_snapshot() { lab_binary snapshot; }
+job_microvm() { lab_binary microvm; }
+job_network() { lab_binary network; }
+job_lab_serve() { lab_binary lab_serve; }
+job_lab_restart() { lab_binary lab_restart; }
+job_lab_network() { lab_binary lab_network; }
+lab_jobs=(sdk lab_serve lab_network snapshot rl microvm cluster stress cli network lab_tool lab_restart)
 
-# The test binaries (the fast tests and the lab's), with their diagnostics on
-# stderr; sets lab_tool_tests, lab_tests and cli_node_tests. From the whole
+# The index of the next job in the queue; fails when it is empty.
+take_job() {
+    local n
+    exec {lock}>"$work/queue.lock"
+    flock "$lock"
+    n=$(cat "$work/queue" 2>/dev/null || echo 0)
+    echo $((n + 1)) >"$work/queue"
+    exec {lock}>&-
+    ((n < ${#lab_jobs[@]})) && echo "$n"
+}
+
+# One lab lane: takes jobs until the queue is empty, each job's lines
+# prefixed with its name; a failed job is recorded and the lane goes on.
+lab_lane() {
+    local n job rc=0
+    while n=$(take_job); do
+        job=${lab_jobs[n]}
+        stage "$job"
+        "job_$job" > >(sed -u "s/^/$job| /") 2>&1 &
+        if wait "$!"; then
+            stage "$job: passed"
+        else
+            stage "$job: FAILED"
+            echo "$job" >>"$work/failed"
+            rc=1
+        fi
+    done
+    return "$rc"
+}
+
+# The test binaries (the fast tests' and the lab's), with their diagnostics
+# on stderr, listed in $work/tests.list ("name path"). From the whole
 # workspace's test build: naming packages with -p would resolve features for
 # them alone and compile their dependencies again (6 min of a CI run).
 build_tests() {
     stage "building the tests"
-    local found
-    mapfile -t found < <(cargo test --workspace --no-run --quiet --message-format=json-render-diagnostics |
+    if cargo test --workspace --no-run --quiet --message-format=json-render-diagnostics |
         python3 -c 'import json,sys
-order = ["lab_run", "cli_node", "snapshot", "microvm", "network", "lab_serve", "lab_restart", "lab_network"]
-found = {}
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
-        found[m["target"]["name"]] = m["executable"]
-print(*(found[name] for name in order if name in found), sep="\n")')
-    [[ ${#found[@]} -eq 8 ]] || { echo "lab test binaries: found ${#found[@]} of 8" >&2; return 1; }
-    lab_tool_tests=${found[0]}
-    cli_node_tests=${found[1]}
-    lab_tests=("${found[@]:2}")
+        print(m["target"]["name"], m["executable"])' >"$work/tests.building"; then
+        mv "$work/tests.building" "$work/tests.list"
+    else
+        touch "$work/tests.failed"
+        return 1
+    fi
 }
 
 # What runs on the host alone: lints of every target, the fast tests, the
@@ -184,45 +232,40 @@ host_checks() {
 }
 
 # Two lab machines at once, one per lane, each with its own lock (the lab
-# uses one host CPU at a time, this host has two): the client suites start
-# as soon as the binaries are built, the lab test binaries once the tests
-# are; the host's own checks run beside them. SANDFORK_LAB_LANES=1 runs it
-# all one after the other under the one lock. The client lane's lines are
-# prefixed with "clients|", the host checks' with "host|".
+# uses one host CPU at a time, this host has two): the first lane starts as
+# soon as the binaries are built, the second once the tests are; the host's
+# own checks (lines prefixed "host|") run beside them. SANDFORK_LAB_LANES=1
+# runs it all one after the other under the one lock.
 export SANDFORK_LAB_LOCKED=1
 exec 9>/tmp/sandfork-lab.lock
 stage "waiting for the lab lock"
 flock 9
+build_rc=0 host_rc=0 lanes_rc=0
 if [[ ${SANDFORK_LAB_LANES:-2} -lt 2 ]]; then
-    build_tests
-    ((lab_only)) || host_checks
-    vmm_lane
-    clients_lane
-    stage "all passed"
-    exit 0
-fi
-exec 8>/tmp/sandfork-lab2.lock
-stage "waiting for the second lab lock"
-flock 8
-# Each job in the background and waited for: in a subshell whose status an
-# `||` tests, bash would ignore `set -e`.
-stage "the client suites' lane (clients|)"
-clients_lane > >(sed -u 's/^/clients| /') 2>&1 &
-clients_pid=$!
-clients_rc=0 vmm_rc=0 host_rc=0
-if build_tests; then
-    stage "the lab test binaries' lane"
-    vmm_lane &
-    vmm_pid=$!
-    if ((lab_only == 0)); then
+    build_tests || build_rc=1
+    if ((lab_only == 0 && build_rc == 0)); then
+        host_checks & wait "$!" || host_rc=$?
+    fi
+    lab_lane & wait "$!" || lanes_rc=$?
+else
+    exec 8>/tmp/sandfork-lab2.lock
+    stage "waiting for the second lab lock"
+    flock 8
+    # Each job in the background and waited for: in a subshell whose status
+    # an `||` tests, bash would ignore `set -e`.
+    lab_lane &
+    first_lane=$!
+    build_tests || build_rc=1
+    lab_lane &
+    second_lane=$!
+    if ((lab_only == 0 && build_rc == 0)); then
         host_checks > >(sed -u 's/^/host| /') 2>&1 &
         wait "$!" || host_rc=$?
     fi
-    wait "$vmm_pid" || vmm_rc=$?
-else
-    vmm_rc=1
+    wait "$first_lane" || lanes_rc=1
+    wait "$second_lane" || lanes_rc=1
 fi
-wait "$clients_pid" || clients_rc=$?
-stage "done: host checks exit $host_rc, lab tests exit $vmm_rc, client suites exit $clients_rc"
-((host_rc == 0 && vmm_rc == 0 && clients_rc == 0)) || exit 1
+failed_jobs=$(tr '\n' ' ' <"$work/failed" 2>/dev/null || true)
+stage "done: test build exit $build_rc, host checks exit $host_rc, lab jobs failed: ${failed_jobs:-none}"
+((build_rc == 0 && host_rc == 0 && lanes_rc == 0)) || exit 1
 stage "all passed"
