@@ -100,7 +100,8 @@ pytest() {
     "$venv/bin/python" -m pytest tests/sdk/python -p no:cacheprovider --durations=12 "${pytest_args[@]}" "$@" 2>&1 | tee "$out" || rc=${PIPESTATUS[0]}
     ((rc == 5 && ${#pytest_args[@]})) && { log "no test selected by SDK_PYTEST_ARGS here"; rc=0; }
     if ((rc == 1)); then
-        mapfile -t again < <(sed -n 's/^\(FAILED\|ERROR\) \([^ ]*::[^ ]*\).*/\2/p' "$out" | sort -u)
+        # A parametrized test is re-run whole: its ids can hold spaces.
+        mapfile -t again < <(sed -n 's/^\(FAILED\|ERROR\) \([^ []*::[^ []*\).*/\2/p' "$out" | sort -u)
         if ((${#again[@]})); then
             log "re-running the failed tests once: ${again[*]}"
             rc=0

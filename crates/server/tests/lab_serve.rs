@@ -866,10 +866,7 @@ async fn real_use_reaching_the_ceiling_is_refused_clearly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab: boots microVMs"]
 async fn memory_pressure_pauses_idle_sandboxes_and_loses_nothing() {
-    // Every first touch of a guest page is a nested fault the emulated lab
-    // serves slowly (README, "Hangs"): fills big enough to cross the
-    // node's floor in steps, no bigger.
-    const FILL_MIB: u64 = 96;
+    const FILL_MIB: u64 = 200;
     const SANDBOXES: usize = 7;
     // Pauses write memory out: on the lab's /tmp (its RAM) that frees
     // nothing, so the node's data goes to the disk shared with the host.
@@ -1374,8 +1371,7 @@ async fn gives_back_what_its_guest_frees(
     id: &str,
     routing: &[(&str, &str)],
 ) {
-    // As in the VMM's balloon tests: enough to see, little to fault in.
-    const HELD_MIB: u64 = 64;
+    const HELD_MIB: u64 = 150;
     let pid = {
         let dir = node.manager.get(id).unwrap().vmm_dir.expect("a VMM dir");
         vmm_driver::process::ProcessIdentity::read(&dir)

@@ -29,6 +29,10 @@ use crate::{ClientError, VmmClient};
 pub use envd_proto::PORT as AGENT_PORT;
 /// How often a guest agent that is not up yet is asked again.
 const READY_POLL: Duration = Duration::from_millis(5);
+/// How long a new VMM has to listen on its API socket. Natively a few
+/// milliseconds; in the emulated lab with both host CPUs busy (two lab
+/// machines and a compile) 10 s was overrun now and then, failing creates.
+const API_SOCKET_WAIT: Duration = Duration::from_secs(30);
 /// One attempt to reach a starting guest's agent.
 const READY_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -286,7 +290,7 @@ impl VmmProcess {
         identity
             .write(&dir)
             .map_err(io("recording the VMM's identity"))?;
-        vm.api.wait_for_socket(Duration::from_secs(10)).await?;
+        vm.api.wait_for_socket(API_SOCKET_WAIT).await?;
         Ok(vm)
     }
 
@@ -368,7 +372,7 @@ impl VmmProcess {
                 .write(&path)
                 .map_err(io("recording the VMM's identity"))?;
         }
-        vm.api.wait_for_socket(Duration::from_secs(10)).await?;
+        vm.api.wait_for_socket(API_SOCKET_WAIT).await?;
         Ok(vm)
     }
 
