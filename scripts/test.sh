@@ -1,9 +1,9 @@
 #!/bin/bash
 # The whole test suite, from a fresh machine: builds everything (scripts/build.sh),
-# checks formatting, shell scripts and licences, then runs side by side: the
-# client suites against real nodes (as soon as the binaries are built), the
-# microVM test binaries (once the tests are built), and on the host clippy,
-# the fast tests and the fuzz targets. MicroVMs run on real KVM: directly on
+# checks formatting, shell scripts and licences, builds the tests, then runs
+# side by side: the lab jobs (the client suites against real nodes, the
+# microVM test binaries) in two lab lanes, and on the host clippy, the fast
+# tests and the fuzz targets. MicroVMs run on real KVM: directly on
 # a host with hardware KVM, otherwise inside the KVM lab (QEMU with emulated
 # SVM, see crates/lab), one lab machine per lane.
 #
@@ -122,10 +122,9 @@ lab_binary() {
     done
 }
 
-# The lab jobs: every one needs a lab machine to itself; those marked in
-# lab_needs_tests wait for the test build, the others need only the
-# binaries scripts/build.sh made. Taken from one queue by the two lab
-# lanes, longest first, so the lanes end close together.
+# The lab jobs: every one needs a lab machine to itself. Taken from one
+# queue by the two lab lanes, longest first, so the lanes end close
+# together.
 job_sdk() {
     # The real e2b Python and JS SDKs and the E2B CLI against a real server
     # on real microVMs: the basic suites, then pause, fork and snapshots.
@@ -232,10 +231,9 @@ host_checks() {
 }
 
 # Two lab machines at once, one per lane, each with its own lock (the lab
-# uses one host CPU at a time, this host has two): the first lane starts as
-# soon as the binaries are built, the second once the tests are; the host's
-# own checks (lines prefixed "host|") run beside them. SANDFORK_LAB_LANES=1
-# runs it all one after the other under the one lock.
+# uses one host CPU at a time, this host has two), started once the tests
+# are built; the host's own checks (lines prefixed "host|") run beside them.
+# SANDFORK_LAB_LANES=1 runs it all one after the other under the one lock.
 export SANDFORK_LAB_LOCKED=1
 exec 9>/tmp/sandfork-lab.lock
 stage "waiting for the lab lock"
@@ -251,18 +249,21 @@ else
     exec 8>/tmp/sandfork-lab2.lock
     stage "waiting for the second lab lock"
     flock 8
-    # Each job in the background and waited for: in a subshell whose status
+    # The tests are built before any lab job starts: `cargo test` links the
+    # workspace's binaries again (its dev-dependencies change features), and
+    # a lab that runs a binary replaced under it over 9p starts VMMs that
+    # never listen (seen for 4 minutes of one run).
+    build_tests || build_rc=1
+    # Each lane in the background and waited for: in a subshell whose status
     # an `||` tests, bash would ignore `set -e`.
     lab_lane &
     first_lane=$!
-    build_tests || build_rc=1
     lab_lane &
     second_lane=$!
     if ((lab_only == 0 && build_rc == 0)); then
         # At the lowest priority: they have half an hour of lab time to
-        # finish in, while a lab starved of CPU loses time its guests
-        # notice (a VMM slow to listen, a command past its bound: one CI
-        # run with them at equal priority failed so).
+        # finish in, while the labs' guests notice time lost to them
+        # (commands and starts bounded in time).
         (
             renice -n 19 -p "$BASHPID" >/dev/null
             host_checks
