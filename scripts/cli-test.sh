@@ -41,18 +41,15 @@ target=${CARGO_TARGET_DIR:-$root/target}
 # The interactive shell tests drive a terminal with tmux (scripts/deps.sh).
 command -v tmux >/dev/null || die "tmux is missing: run scripts/deps.sh"
 
-# Built before the node starts: the lab takes a CPU of its own. With
-# --no-build the workspace's binaries are there already; naming packages
-# with -p would resolve features for them alone and compile their
-# dependencies again (3 min of a CI run).
-if ((build)); then
-    log "building the CLI and its node tests"
-    cargo build -p sandfork -p sandfork-lab --quiet
-fi
+# The CLI and the lab come from scripts/build.sh (the caller's, under
+# --no-build). The node tests are built before the node starts (the lab
+# takes a CPU of its own), for the whole workspace as scripts/test.sh builds
+# them: naming the package with -p would resolve features for it alone and
+# compile its dependencies again.
 test_bin=${CLI_NODE_TEST_BIN:-}
 if [[ -z $test_bin ]]; then
     log "building the CLI's node tests"
-    test_bin=$(cargo test -p sandfork --test cli_node --no-run --message-format=json 2>/dev/null |
+    test_bin=$(cargo test --workspace --test cli_node --no-run --message-format=json 2>/dev/null |
         python3 -c 'import json,sys
 for line in sys.stdin:
     m = json.loads(line)

@@ -22,9 +22,8 @@ target=${CARGO_TARGET_DIR:-$root/target}
 rw=/var/cache/sandfork/lab-rw
 
 if [[ ${1:-} != --inside ]]; then
-    # With --no-build, scripts/build.sh has built the workspace's binaries
-    # already (a `cargo build -p ...` here would compile dependencies again
-    # for those packages' features alone).
+    # Every binary used here comes from scripts/build.sh (the caller's,
+    # under --no-build).
     if [[ ${1:-} != --no-build ]]; then
         scripts/build.sh
     fi

@@ -82,12 +82,13 @@ failed_tests() {
 work=$(mktemp -d)
 trap 'rm -rf "$work"; [[ ${RUSTC_WRAPPER:-} != sccache ]] || sccache --stop-server >/dev/null 2>&1 || true' EXIT
 
-# The path of test binary $1 (a test target's name), once the tests are
-# built; fails when their build failed.
+# The path of test binary $1 (a test target's name); fails, saying so,
+# when the test build did not make it.
 test_binary() {
-    until [[ -e $work/tests.list || -e $work/tests.failed ]]; do sleep 2; done
-    [[ -e $work/tests.list ]] || return 1
-    awk -v name="$1" '$1 == name { print $2 }' "$work/tests.list"
+    local bin
+    [[ -e $work/tests.list ]] && bin=$(awk -v name="$1" '$1 == name { print $2 }' "$work/tests.list")
+    [[ -x ${bin:-} ]] || { echo "no test binary $1 (the test build failed?)" >&2; return 1; }
+    echo "$bin"
 }
 
 # One lab test binary (marked #[ignore = "lab: ..."] tests), with the
@@ -105,7 +106,6 @@ test_binary() {
 lab_binary() {
     local t log failed try
     t=$(test_binary "$1")
-    [[ -x $t ]] || { echo "no test binary $1" >&2; return 1; }
     log=$(mktemp -p "$work")
     if run_lab_tests "$t" --ignored --test-threads=1 2>&1 | tee "$log"; [[ ${PIPESTATUS[0]} -eq 0 ]]; then
         return 0
@@ -151,13 +151,13 @@ job_cli() {
     # Every sandfork CLI command through the real binary against one real
     # node, the interactive shell through tmux.
     local bin
-    bin=$(test_binary cli_node) && [[ -x $bin ]] || return 1
+    bin=$(test_binary cli_node)
     CLI_NODE_TEST_BIN=$bin scripts/cli-test.sh --no-build
 }
 job_lab_tool() {
     # The lab tooling's own tests boot QEMU on this host.
     local bin
-    bin=$(test_binary lab_run) && [[ -x $bin ]] || return 1
+    bin=$(test_binary lab_run)
     "$bin" --ignored --test-threads=1 -q
 }
 job_snapshot() { lab_binary snapshot; }
@@ -204,17 +204,12 @@ lab_lane() {
 # them alone and compile their dependencies again (6 min of a CI run).
 build_tests() {
     stage "building the tests"
-    if cargo test --workspace --no-run --quiet --message-format=json-render-diagnostics |
+    cargo test --workspace --no-run --quiet --message-format=json-render-diagnostics |
         python3 -c 'import json,sys
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
-        print(m["target"]["name"], m["executable"])' >"$work/tests.building"; then
-        mv "$work/tests.building" "$work/tests.list"
-    else
-        touch "$work/tests.failed"
-        return 1
-    fi
+        print(m["target"]["name"], m["executable"])' >"$work/tests.list"
 }
 
 # What runs on the host alone: lints of every target, the fast tests, the
@@ -234,13 +229,18 @@ host_checks() {
 # uses one host CPU at a time, this host has two), started once the tests
 # are built; the host's own checks (lines prefixed "host|") run beside them.
 # SANDFORK_LAB_LANES=1 runs it all one after the other under the one lock.
+# The tests are built before any lab job starts, and before the labs are
+# locked: `cargo test` links the workspace's binaries again (its
+# dev-dependencies change features), and a lab that runs a binary replaced
+# under it over 9p starts VMMs that never listen (seen for 4 minutes of one
+# run). Jobs that need no test binary still run when this build fails.
+build_rc=0 host_rc=0 lanes_rc=0
+build_tests || build_rc=1
 export SANDFORK_LAB_LOCKED=1
 exec 9>/tmp/sandfork-lab.lock
 stage "waiting for the lab lock"
 flock 9
-build_rc=0 host_rc=0 lanes_rc=0
 if [[ ${SANDFORK_LAB_LANES:-2} -lt 2 ]]; then
-    build_tests || build_rc=1
     if ((lab_only == 0 && build_rc == 0)); then
         host_checks & wait "$!" || host_rc=$?
     fi
@@ -249,11 +249,6 @@ else
     exec 8>/tmp/sandfork-lab2.lock
     stage "waiting for the second lab lock"
     flock 8
-    # The tests are built before any lab job starts: `cargo test` links the
-    # workspace's binaries again (its dev-dependencies change features), and
-    # a lab that runs a binary replaced under it over 9p starts VMMs that
-    # never listen (seen for 4 minutes of one run).
-    build_tests || build_rc=1
     # Each lane in the background and waited for: in a subshell whose status
     # an `||` tests, bash would ignore `set -e`.
     lab_lane &

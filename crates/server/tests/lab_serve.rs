@@ -650,10 +650,11 @@ async fn capacity_refuses_with_503_and_kill_or_pause_makes_room() {
 
 /// A fork admitted by real use: a node of 1200 MiB holds a 256 MiB sandbox
 /// and a fork of it into 16 children (17 guests of 256 MiB would need 4352
-/// MiB counted whole; the bench's fork of 100 is the fleet-scale one). Every child answers and carries the
-/// parent's state, each then diverges on its own, the node says how long
-/// the parent was paused, and what it charges is their sampled use plus
-/// 32 MiB of headroom each, under the ceiling.
+/// MiB counted whole; the bench's fork of 100 is the fleet-scale one).
+/// Every child answers and carries the parent's state, each then diverges
+/// on its own, the node says how long the parent was paused, and what it
+/// charges is their sampled use plus 32 MiB of headroom each, under the
+/// ceiling.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab: boots microVMs"]
 async fn a_fork_of_16_is_admitted_by_real_use_and_its_children_diverge() {

@@ -29,9 +29,9 @@ use crate::{ClientError, VmmClient};
 pub use envd_proto::PORT as AGENT_PORT;
 /// How often a guest agent that is not up yet is asked again.
 const READY_POLL: Duration = Duration::from_millis(5);
-/// How long a new VMM has to listen on its API socket. Natively a few
-/// milliseconds; in the emulated lab with both host CPUs busy (two lab
-/// machines and a compile) 10 s was overrun now and then, failing creates.
+/// How long a new VMM has to listen on its API socket: natively a few
+/// milliseconds, a margin for the emulated lab (20-50x slower) with both
+/// host CPUs busy.
 const API_SOCKET_WAIT: Duration = Duration::from_secs(30);
 /// One attempt to reach a starting guest's agent.
 const READY_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
