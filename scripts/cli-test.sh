@@ -8,7 +8,9 @@
 # Usage: scripts/cli-test.sh [--no-build] [TEST-FILTER...]
 #   --no-build  do not run scripts/build.sh (target/sandfork.env must exist)
 # Env: CARGO_TARGET_DIR (default target), CLI_SERVE_ARGS (extra `sandfork
-#      serve` arguments), SANDFORK_LAB_LOCKED (the caller holds the lab lock).
+#      serve` arguments), SANDFORK_LAB_LOCKED (the caller holds the lab lock),
+#      CLI_NODE_TEST_BIN (the cli_node test binary, already built: scripts/
+#      test.sh passes the one its workspace test build made).
 # Out: the node's log in $target/cli-test/serve.log.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -39,15 +41,21 @@ target=${CARGO_TARGET_DIR:-$root/target}
 # The interactive shell tests drive a terminal with tmux (scripts/deps.sh).
 command -v tmux >/dev/null || die "tmux is missing: run scripts/deps.sh"
 
-# Built before the node starts: the lab takes a CPU of its own.
-log "building the CLI and its node tests"
-cargo build -p sandfork -p sandfork-lab --quiet
-test_bin=$(cargo test -p sandfork --test cli_node --no-run --message-format=json 2>/dev/null |
-    python3 -c 'import json,sys
+# The CLI and the lab come from scripts/build.sh (the caller's, under
+# --no-build). The node tests are built before the node starts (the lab
+# takes a CPU of its own), for the whole workspace as scripts/test.sh builds
+# them: naming the package with -p would resolve features for it alone and
+# compile its dependencies again.
+test_bin=${CLI_NODE_TEST_BIN:-}
+if [[ -z $test_bin ]]; then
+    log "building the CLI's node tests"
+    test_bin=$(cargo test --workspace --test cli_node --no-run --message-format=json 2>/dev/null |
+        python3 -c 'import json,sys
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cli_node":
         print(m["executable"])')
+fi
 [[ -x $test_bin ]] || die "the cli_node test binary was not built"
 
 . scripts/node.sh

@@ -22,6 +22,8 @@ target=${CARGO_TARGET_DIR:-$root/target}
 rw=/var/cache/sandfork/lab-rw
 
 if [[ ${1:-} != --inside ]]; then
+    # Every binary used here comes from scripts/build.sh (the caller's,
+    # under --no-build).
     if [[ ${1:-} != --no-build ]]; then
         scripts/build.sh
     fi
@@ -29,7 +31,6 @@ if [[ ${1:-} != --inside ]]; then
     # shellcheck source=/dev/null  # written by scripts/build.sh
     . target/sandfork.env
     set +a
-    cargo build -p sandfork -p sandfork-lab -p sandfork-vmm --quiet
     mkdir -p "$rw"
     lab=("$target/debug/sandfork-lab" run --cpus 1 --timeout 900 --rw "$rw" --
         env "CARGO_TARGET_DIR=$target" "SANDFORK_KERNEL=$SANDFORK_KERNEL"
@@ -107,8 +108,11 @@ registered=$(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --prefix --k
 
 # Two creates: placement by free capacity puts them on different nodes.
 # (the gateway counts what it placed until the node's published load shows it)
-a=$("$bin" create) || die "create through the gateway"
-b=$("$bin" create) || die "second create through the gateway"
+# They live through the timings, the snapshot and its forks below: on a
+# busy lab that took longer than the default 300 s once (a's kill found it
+# gone).
+a=$("$bin" create --timeout 900) || die "create through the gateway"
+b=$("$bin" create --timeout 900) || die "second create through the gateway"
 log "created $a and $b"
 owner() { ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --print-value-only "/sandfork/v1/sandboxes/$1" | python3 -c 'import json,sys; print(json.load(sys.stdin)["node_id"])'; }
 oa=$(owner "$a") ob=$(owner "$b")
@@ -193,7 +197,7 @@ pause_s=$((pause_ms / 1000))
 route=$(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --print-value-only "/sandfork/v1/sandboxes/$c")
 grep -q '"paused"' <<<"$route" || die "the route of $c records no durable pause: $route"
 # A sandbox running on the same node (created there directly) is lost with it.
-d=$(SANDFORK_API_URL=http://127.0.0.1:${ports[${from#n} - 1]} "$bin" create) || die "create on $from"
+d=$(SANDFORK_API_URL=http://127.0.0.1:${ports[${from#n} - 1]} "$bin" create --timeout 900) || die "create on $from"
 log "$c paused on $from and stored in $pause_s s, $d running there; killing $from (SIGKILL) and removing its data"
 kill -9 "${node_pid[$from]}"
 rm -rf "${work:?}/$from"

@@ -1,8 +1,11 @@
 #!/bin/bash
 # The whole test suite, from a fresh machine: builds everything (scripts/build.sh),
-# checks formatting and lints, runs the fast tests on the host, then the
-# microVM tests on real KVM: directly on a host with hardware KVM, otherwise
-# inside the KVM lab (QEMU with emulated SVM, see crates/lab).
+# checks formatting, shell scripts and licences, builds the tests, then runs
+# side by side: the lab jobs (the client suites against real nodes, the
+# microVM test binaries) in two lab lanes, and on the host clippy, the fast
+# tests and the fuzz targets. MicroVMs run on real KVM: directly on
+# a host with hardware KVM, otherwise inside the KVM lab (QEMU with emulated
+# SVM, see crates/lab), one lab machine per lane.
 #
 # Usage: scripts/test.sh [--lab-only]
 #   --lab-only  only the microVM tests and the client suites (after the
@@ -34,9 +37,10 @@ set -a
 set +a
 
 if ((lab_only == 0)); then
-    stage "format and lints"
+    stage "format, shell scripts and licences"
     cargo fmt --all --check
-    cargo clippy --workspace --all-targets --quiet -- -D warnings
+    # The fuzz crate is outside the workspace.
+    cargo fmt --check --manifest-path fuzz/Cargo.toml
     # Every shell script, including the lab's init, through shellcheck (which
     # scripts/deps.sh installs). A script hashed into a cache key keeps its
     # directives in a .shellcheckrc beside it, so they rebuild nothing.
@@ -44,26 +48,7 @@ if ((lab_only == 0)); then
     # Dependency licences, bans and sources against deny.toml, offline; the
     # advisory database needs a download: `scripts/deny.sh --advisories`.
     scripts/deny.sh
-
-    stage "fast tests"
-    cargo test --workspace --quiet
-
-    stage "fuzz targets: corpora replayed, then each fuzzed briefly"
-    # Every parser a guest or client reaches (README, "Fuzzing"); the fuzz crate
-    # is outside the workspace, with its build cached under SANDFORK_CACHE.
-    cargo fmt --check --manifest-path fuzz/Cargo.toml
-    scripts/fuzz.sh
 fi
-
-stage "microVM tests"
-# Test binaries holding lab tests (marked #[ignore = "lab: ..."]).
-mapfile -t lab_tests < <(cargo test -p sandfork-vmm --test microvm --test snapshot --test network -p sandfork-server --test lab_serve --test lab_restart --test lab_network --no-run --message-format=json 2>/dev/null |
-    python3 -c 'import json,sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
-        print(m["executable"])')
-[[ ${#lab_tests[@]} -gt 0 ]] || { echo "no lab test binaries found" >&2; exit 1; }
 
 lab=target/debug/sandfork-lab
 # A directory shared read-write with the lab over 9p, as `sandfork serve`'s
@@ -92,100 +77,198 @@ failed_tests() {
         -e '/^failures:$/,/^test result:/s/^    \([A-Za-z0-9_:]*\)$/\1/p' "$1" | sort -u
 }
 
-# The VMM's and the node's lab test binaries, the stress, the cluster.
-vmm_lane() {
-    # The lab tooling's own tests boot QEMU on this host.
-    cargo test -p sandfork-lab --quiet -- --ignored --test-threads=1
+# Where the run keeps what its jobs share: the test binaries' list, the
+# job queue's counter, the names of failed jobs.
+work=$(mktemp -d)
+trap 'rm -rf "$work"; [[ ${RUSTC_WRAPPER:-} != sccache ]] || sccache --stop-server >/dev/null 2>&1 || true' EXIT
 
-    # Lab guests used to be lost now and then (4 of 26 `sandfork stress`
-    # trials, 4 of 13 two-VM ones, on a loaded host): the guest ticked from
-    # the PIT, broadcast each tick by IPI, and on a slow lab its vCPU 0 did
-    # nothing but timer interrupts (README, "Hangs"). With the TSC-deadline
-    # timer offered and lost PIT ticks dropped, 0 of 35. Until CI has shown a
-    # run of clean lab runs, the rule below stays.
-    # A test that loses its guest fails or overruns with diagnostics; re-run
-    # the tests that failed, once: a real defect fails twice and still fails
-    # the suite. A run that ended without naming failures (a lab timeout, the
-    # watchdog) is re-run whole. A re-run during which the lab machine itself
-    # stood still (its kernel's livelock, README "Hangs") earns one more.
-    local t log failed try
-    for t in "${lab_tests[@]}"; do
-        stage "lab tests: ${t##*/}"
-        log=$(mktemp)
-        if run_lab_tests "$t" --ignored --test-threads=1 2>&1 | tee "$log"; [[ ${PIPESTATUS[0]} -eq 0 ]]; then
-            continue
-        fi
-        for try in 1 2; do
-            mapfile -t failed < <(failed_tests "$log")
-            stage "re-running failed lab tests ($try): ${failed[*]:-all}"
-            if run_lab_tests "$t" --ignored --test-threads=1 ${failed[@]:+--exact "${failed[@]}"} 2>&1 | tee "$log"; [[ ${PIPESTATUS[0]} -eq 0 ]]; then
-                break
-            fi
-            if ((try == 2)) || ! grep -q '^sandfork-lab: the machine stood still' "$log"; then
-                return 1
-            fi
-        done
-    done
-
-    stage "stress: boots, restores, forks and two-VM runs, each bounded"
-    # The short version of `sandfork stress` (README, "Hangs"): a hang or a
-    # failure, with the VMs' diagnostics, fails the suite unless a second
-    # run is clean (the same rule as above, for the same reason).
-    stress() { target/debug/sandfork stress --boots 2 --restores 2 --forks 2 --two-vm 1 >/dev/null; }
-    stress || { stage "re-running the stress once"; stress; }
-
-    stage "the cluster: two nodes and a gateway on a real etcd and S3 (a pause resumed on the other node)"
-    # Membership, placement and routing through the gateway, with the nodes'
-    # sandboxes real microVMs (one lab machine for all three processes).
-    scripts/cluster-test.sh --no-build
+# The path of test binary $1 (a test target's name); fails, saying so,
+# when the test build did not make it.
+test_binary() {
+    local bin
+    [[ -e $work/tests.list ]] && bin=$(awk -v name="$1" '$1 == name { print $2 }' "$work/tests.list")
+    [[ -x ${bin:-} ]] || { echo "no test binary $1 (the test build failed?)" >&2; return 1; }
+    echo "$bin"
 }
 
-# The real clients against real nodes: the E2B SDKs and CLI, sandfork's
-# CLI, the Python package.
-suites_lane() {
-    stage "E2B SDK suites against sandfork serve"
-    # The real e2b Python and JS SDKs against a real server on real microVMs
-    # (inside the lab here): the basic suites, then pause, fork and snapshots.
+# One lab test binary (marked #[ignore = "lab: ..."] tests), with the
+# re-run rule: lab guests used to be lost now and then (4 of 26 `sandfork
+# stress` trials, 4 of 13 two-VM ones, on a loaded host): the guest ticked
+# from the PIT, broadcast each tick by IPI, and on a slow lab its vCPU 0 did
+# nothing but timer interrupts (README, "Hangs"). With the TSC-deadline
+# timer offered and lost PIT ticks dropped, 0 of 35. Until CI has shown a
+# run of clean lab runs, the rule stays: a test that loses its guest fails
+# or overruns with diagnostics; the tests that failed are re-run, once: a
+# real defect fails twice and still fails the suite. A run that ended
+# without naming failures (a lab timeout, the watchdog) is re-run whole. A
+# re-run during which the lab machine itself stood still (its kernel's
+# livelock, README "Hangs") earns one more.
+lab_binary() {
+    local t log failed try
+    t=$(test_binary "$1")
+    log=$(mktemp -p "$work")
+    if run_lab_tests "$t" --ignored --test-threads=1 2>&1 | tee "$log"; [[ ${PIPESTATUS[0]} -eq 0 ]]; then
+        return 0
+    fi
+    for try in 1 2; do
+        mapfile -t failed < <(failed_tests "$log")
+        stage "re-running failed lab tests ($try): ${failed[*]:-all}"
+        if run_lab_tests "$t" --ignored --test-threads=1 ${failed[@]:+--exact "${failed[@]}"} 2>&1 | tee "$log"; [[ ${PIPESTATUS[0]} -eq 0 ]]; then
+            return 0
+        fi
+        if ((try == 2)) || ! grep -q '^sandfork-lab: the machine stood still' "$log"; then
+            return 1
+        fi
+    done
+}
+
+# The lab jobs: every one needs a lab machine to itself. Taken from one
+# queue by the two lab lanes, longest first, so the lanes end close
+# together.
+job_sdk() {
+    # The real e2b Python and JS SDKs and the E2B CLI against a real server
+    # on real microVMs: the basic suites, then pause, fork and snapshots.
     scripts/sdk-test.sh --no-build
-
-    stage "the sandfork CLI against sandfork serve"
-    # Every client command through the real binary against one real node,
-    # the interactive shell through tmux.
-    scripts/cli-test.sh --no-build
-
-    stage "the sandfork Python package against sandfork serve"
-    # ruff, the pure tests, then forks, environments, Gymnasium's checker and
-    # the branching runner on real microVMs.
+}
+job_rl() {
+    # The sandfork Python package: ruff, the pure tests, then forks,
+    # environments, Gymnasium's checker and the branching runner.
     scripts/rl-test.sh --no-build
+}
+job_stress() {
+    # The short version of `sandfork stress` (README, "Hangs"): a hang or a
+    # failure, with the VMs' diagnostics, fails the suite unless a second
+    # run is clean (the rule of lab_binary, for the same reason).
+    stress() { target/debug/sandfork stress --boots 2 --restores 2 --forks 2 --two-vm 1 >/dev/null; }
+    stress || { stage "re-running the stress once"; stress; }
+}
+job_cluster() {
+    # Two nodes and a gateway on a real etcd and S3: membership, placement,
+    # routing, a pause resumed on the other node (one lab machine for all).
+    scripts/cluster-test.sh --no-build
+}
+job_cli() {
+    # Every sandfork CLI command through the real binary against one real
+    # node, the interactive shell through tmux.
+    local bin
+    bin=$(test_binary cli_node)
+    CLI_NODE_TEST_BIN=$bin scripts/cli-test.sh --no-build
+}
+job_lab_tool() {
+    # The lab tooling's own tests boot QEMU on this host.
+    local bin
+    bin=$(test_binary lab_run)
+    "$bin" --ignored --test-threads=1 -q
+}
+job_snapshot() { lab_binary snapshot; }
+job_microvm() { lab_binary microvm; }
+job_network() { lab_binary network; }
+job_lab_serve() { lab_binary lab_serve; }
+job_lab_restart() { lab_binary lab_restart; }
+job_lab_network() { lab_binary lab_network; }
+lab_jobs=(sdk lab_serve lab_network snapshot rl microvm cluster stress cli network lab_tool lab_restart)
+
+# The index of the next job in the queue; fails when it is empty.
+take_job() {
+    local n
+    exec {lock}>"$work/queue.lock"
+    flock "$lock"
+    n=$(cat "$work/queue" 2>/dev/null || echo 0)
+    echo $((n + 1)) >"$work/queue"
+    exec {lock}>&-
+    ((n < ${#lab_jobs[@]})) && echo "$n"
+}
+
+# One lab lane: takes jobs until the queue is empty, each job's lines
+# prefixed with its name; a failed job is recorded and the lane goes on.
+lab_lane() {
+    local n job rc=0
+    while n=$(take_job); do
+        job=${lab_jobs[n]}
+        stage "$job"
+        "job_$job" > >(sed -u "s/^/$job| /") 2>&1 &
+        if wait "$!"; then
+            stage "$job: passed"
+        else
+            stage "$job: FAILED"
+            echo "$job" >>"$work/failed"
+            rc=1
+        fi
+    done
+    return "$rc"
+}
+
+# The test binaries (the fast tests' and the lab's), with their diagnostics
+# on stderr, listed in $work/tests.list ("name path"). From the whole
+# workspace's test build: naming packages with -p would resolve features for
+# them alone and compile their dependencies again (6 min of a CI run).
+build_tests() {
+    stage "building the tests"
+    cargo test --workspace --no-run --quiet --message-format=json-render-diagnostics |
+        python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["target"]["name"], m["executable"])' >"$work/tests.list"
+}
+
+# What runs on the host alone: lints of every target, the fast tests, the
+# fuzz targets.
+host_checks() {
+    stage "clippy"
+    cargo clippy --workspace --all-targets --quiet -- -D warnings
+    stage "fast tests"
+    cargo test --workspace --quiet
+    stage "fuzz targets: corpora replayed, then each fuzzed briefly"
+    # Every parser a guest or client reaches (README, "Fuzzing"), with the
+    # fuzz crate's build cached under SANDFORK_CACHE.
+    scripts/fuzz.sh
 }
 
 # Two lab machines at once, one per lane, each with its own lock (the lab
-# uses one host CPU at a time, this host has two); SANDFORK_LAB_LANES=1 runs
-# the lanes one after the other under the one lock. The second lane's lines
-# are prefixed with "suites|".
+# uses one host CPU at a time, this host has two), started once the tests
+# are built; the host's own checks (lines prefixed "host|") run beside them.
+# SANDFORK_LAB_LANES=1 runs it all one after the other under the one lock.
+# The tests are built before any lab job starts, and before the labs are
+# locked: `cargo test` links the workspace's binaries again (its
+# dev-dependencies change features), and a lab that runs a binary replaced
+# under it over 9p starts VMMs that never listen (seen for 4 minutes of one
+# run). Jobs that need no test binary still run when this build fails.
+build_rc=0 host_rc=0 lanes_rc=0
+build_tests || build_rc=1
 export SANDFORK_LAB_LOCKED=1
 exec 9>/tmp/sandfork-lab.lock
 stage "waiting for the lab lock"
 flock 9
-if [[ ${SANDFORK_LAB_LANES:-2} -ge 2 ]]; then
+if [[ ${SANDFORK_LAB_LANES:-2} -lt 2 ]]; then
+    if ((lab_only == 0 && build_rc == 0)); then
+        host_checks & wait "$!" || host_rc=$?
+    fi
+    lab_lane & wait "$!" || lanes_rc=$?
+else
     exec 8>/tmp/sandfork-lab2.lock
     stage "waiting for the second lab lock"
     flock 8
-    stage "two lanes: the lab test binaries here, the client suites beside them (suites|)"
     # Each lane in the background and waited for: in a subshell whose status
     # an `||` tests, bash would ignore `set -e`.
-    suites_lane > >(sed -u 's/^/suites| /') 2>&1 &
-    suites_pid=$!
-    vmm_lane &
-    vmm_pid=$!
-    vmm_rc=0 suites_rc=0
-    wait "$vmm_pid" || vmm_rc=$?
-    wait "$suites_pid" || suites_rc=$?
-    stage "lanes done: lab tests exit $vmm_rc, client suites exit $suites_rc"
-    ((vmm_rc == 0 && suites_rc == 0)) || exit 1
-else
-    vmm_lane
-    suites_lane
+    lab_lane &
+    first_lane=$!
+    lab_lane &
+    second_lane=$!
+    if ((lab_only == 0 && build_rc == 0)); then
+        # At the lowest priority: they have half an hour of lab time to
+        # finish in, while the labs' guests notice time lost to them
+        # (commands and starts bounded in time).
+        (
+            renice -n 19 -p "$BASHPID" >/dev/null
+            host_checks
+        ) > >(sed -u 's/^/host| /') 2>&1 &
+        wait "$!" || host_rc=$?
+    fi
+    wait "$first_lane" || lanes_rc=1
+    wait "$second_lane" || lanes_rc=1
 fi
-
+failed_jobs=$(tr '\n' ' ' <"$work/failed" 2>/dev/null || true)
+stage "done: test build exit $build_rc, host checks exit $host_rc, lab jobs failed: ${failed_jobs:-none}"
+((build_rc == 0 && host_rc == 0 && lanes_rc == 0)) || exit 1
 stage "all passed"

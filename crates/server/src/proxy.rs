@@ -23,7 +23,7 @@ use crate::state::Shared;
 mod connections;
 mod ingress;
 mod stream_end;
-pub use connections::{ForwardError, GuestConnections};
+pub use connections::{ForwardError, GuestConnections, Unanswered};
 pub use ingress::{Ingress, IngressError, TRAFFIC_TOKEN_HEADER};
 
 pub const SANDBOX_ID_HEADER: &str = "e2b-sandbox-id";
@@ -335,6 +335,9 @@ async fn forward(state: &Shared, id: &str, port: u32, mut req: Request) -> Respo
     };
     match answer {
         Ok(mut response) => {
+            if let Some(in_use) = &in_use {
+                in_use.heard();
+            }
             let switched = response.status() == StatusCode::SWITCHING_PROTOCOLS;
             let upgraded = match client {
                 Some(client) if switched => {
@@ -350,7 +353,9 @@ async fn forward(state: &Shared, id: &str, port: u32, mut req: Request) -> Respo
             }
             // The guard goes when the body does.
             let body = body.map_frame(move |frame| {
-                let _held = &in_use;
+                if let Some(in_use) = &in_use {
+                    in_use.heard();
+                }
                 frame
             });
             let body = if is_connect_stream(&parts) {
@@ -360,9 +365,48 @@ async fn forward(state: &Shared, id: &str, port: u32, mut req: Request) -> Respo
             };
             Response::from_parts(parts, body)
         }
-        Err(ForwardError::Connect(VsockConnectError::Connect { .. })) => not_found(id),
-        Err(e) => port_closed(id, port, &e.to_string()),
+        Err(Unanswered { error, unsent }) => {
+            // The client may still be sending the body: read it before the
+            // answer ends the connection, which would otherwise reach the
+            // client as a reset rather than as this answer.
+            if let Some(req) = unsent {
+                drain(req.into_body()).await;
+            }
+            match error {
+                ForwardError::Connect(VsockConnectError::Connect { .. }) => not_found(id),
+                e => {
+                    if matches!(e, ForwardError::Gave { .. }) {
+                        tracing::warn!("sandbox {id}: proxied request to port {port}: {e}");
+                    }
+                    port_closed(id, port, &e.to_string())
+                }
+            }
+        }
     }
+}
+
+/// The most of an unanswered request's body read before its error answer,
+/// and for how long.
+const DRAIN_MAX: usize = 1 << 20;
+const DRAIN_TIME: Duration = Duration::from_secs(2);
+
+/// Reads what is left of a request body the guest never got, up to a bound:
+/// hyper answers and then closes a connection whose request body was not
+/// read to its end, and data arriving at a closed socket resets it, which
+/// can lose the answer (likely what a client behind QEMU's user network saw
+/// as "Connection reset by peer" where a fork child's 502 was sent).
+async fn drain(body: Body) {
+    let read = async {
+        let mut body = body;
+        let mut seen = 0usize;
+        while seen < DRAIN_MAX {
+            match body.frame().await {
+                Some(Ok(frame)) => seen += frame.data_ref().map_or(0, |d| d.len()),
+                Some(Err(_)) | None => break,
+            }
+        }
+    };
+    let _ = tokio::time::timeout(DRAIN_TIME, read).await;
 }
 
 /// The refusal of a request that would wake a sandbox the node paused for
@@ -411,8 +455,11 @@ fn not_woken(id: &str, e: &crate::sandbox::SandboxError) -> Response {
 }
 
 /// How long a request to a guest already found unresponsive may wait for
-/// its answer (the guest may have come back since the last probe).
-const UNRESPONSIVE_GRACE: Duration = Duration::from_secs(10);
+/// its answer (the guest may have come back since the last probe): as long
+/// as the node waits before it calls a silent guest unresponsive. A guest
+/// starved on a loaded node comes back (in the lab, 9 of 10 children of a
+/// fork of 100 found so answered in 48 s); a stuck one still ends the wait.
+const UNRESPONSIVE_GRACE: Duration = crate::sandbox::STUCK_AFTER;
 
 /// Resolves once the guest is unresponsive: at once plus `grace` when it is
 /// already, else when the observer finds it so; never when the sandbox goes

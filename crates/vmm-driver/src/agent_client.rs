@@ -208,13 +208,31 @@ impl AgentClient {
         body: Bytes,
     ) -> Result<(u16, Bytes), AgentError> {
         let exchange = async {
-            let stream = vsock_connect::connect(&self.uds, envd_proto::PORT).await?;
+            let stream = self.connect().await?;
             self.exchange(stream, method, path, content_type, body)
                 .await
         };
         tokio::time::timeout(self.timeout, exchange)
             .await
             .map_err(|_| AgentError::Timeout(self.timeout))?
+    }
+
+    /// A stream to the agent, tried again while the guest does not take the
+    /// connection: a guest busy on a loaded node (in the lab, a two-vCPU
+    /// template build's) can miss the VMM's 5 s wait for its answer, and the
+    /// VMM then closes the stream as for a refusal. Nothing was sent yet, so
+    /// trying again is safe; the request's own timeout bounds the whole.
+    async fn connect(&self) -> Result<tokio::net::UnixStream, VsockConnectError> {
+        let mut pause = Duration::from_millis(100);
+        loop {
+            match vsock_connect::connect(&self.uds, envd_proto::PORT).await {
+                Err(VsockConnectError::Refused(_)) => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(2));
+                }
+                other => return other,
+            }
+        }
     }
 
     /// One request on a stream already connected to the agent.
@@ -442,5 +460,42 @@ mod tests {
         );
         let e = AgentClient::new(&uds).metrics().await.unwrap_err();
         assert!(matches!(e, AgentError::TooLarge { .. }), "{e}");
+    }
+
+    /// A guest that does not take its first connections (the VMM closes
+    /// them after `CONNECT`, as for a refusal) gets the request once it
+    /// takes one.
+    #[tokio::test]
+    async fn connections_the_guest_did_not_take_are_tried_again() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("vsock.sock");
+        let listener = tokio::net::UnixListener::bind(&uds).unwrap();
+        async fn read_until(s: &mut tokio::net::UnixStream, end: &[u8]) {
+            let (mut seen, mut byte) = (Vec::new(), [0u8; 1]);
+            while !seen.ends_with(end) {
+                s.read_exact(&mut byte).await.unwrap();
+                seen.push(byte[0]);
+            }
+        }
+        let vmm = tokio::spawn(async move {
+            for accepted in 1.. {
+                let (mut s, _) = listener.accept().await.unwrap();
+                read_until(&mut s, b"\n").await;
+                if accepted <= 3 {
+                    continue; // dropped: closed unanswered
+                }
+                s.write_all(b"OK 1\n").await.unwrap();
+                read_until(&mut s, b"\r\n\r\n").await;
+                s.write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                    .await
+                    .unwrap();
+                return accepted;
+            }
+            unreachable!()
+        });
+        let e = AgentClient::new(&uds).metrics().await.unwrap_err();
+        assert!(matches!(e, AgentError::Status { status: 404, .. }), "{e}");
+        assert_eq!(vmm.await.unwrap(), 4);
     }
 }

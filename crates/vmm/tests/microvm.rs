@@ -339,7 +339,9 @@ async fn a_guest_on_a_tap_pings_the_host_and_talks_tcp() {
     let stdout = common::guest_net_up_and_ping(&agent).await;
     assert!(stdout.starts_with(common::GUEST_MAC), "{stdout}");
     common::tcp_exchange(&agent).await;
-    guest_to_host_throughput(&agent, 32).await;
+    // 8 MiB: the guest's TX path runs at 1-2 MiB/s in the emulated lab, and
+    // 32 MiB overran the agent's 60 s command timeout on a busy CI host.
+    guest_to_host_throughput(&agent, 8).await;
 }
 
 /// Streams `mib` MiB from the guest to the host over TCP; prints the rate.

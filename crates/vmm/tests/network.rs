@@ -238,7 +238,9 @@ async fn sandboxes_reach_the_internet_and_fork_children_each_get_their_own_slot(
     let r = restored.vm().agent();
     r.init(&AgentInit::after_restore().unwrap()).await.unwrap();
     assert_eq!(fetch(&r).await, "hello 198.51.100.4");
-    let (up, down) = guest_tcp_mib_s(&r, &slots[3], 32).await;
+    // 8 MiB, as in microvm.rs: 32 MiB guest -> host overran the agent's 60 s
+    // command timeout on a busy CI host (the TX path moves 1-2 MiB/s here).
+    let (up, down) = guest_tcp_mib_s(&r, &slots[3], 8).await;
     eprintln!("after restore: guest_tcp_mib_s guest->host {up:.1} host->guest {down:.1}");
 }
 

@@ -106,10 +106,16 @@ def test_timeout_raises_and_kills(sandbox):
     with pytest.raises(TimeoutException):
         sandbox.commands.run("sleep 60; echo late > /tmp/late", timeout=3)
     assert time.monotonic() - start < 50
-    time.sleep(1)
     # The deadline is the process lifetime: it must be gone, not orphaned.
-    procs = sandbox.commands.list()
-    assert not [p for p in procs if "sleep 60" in " ".join([p.cmd, *p.args])]
+    # Looked for until 50 s in (a stalled lab is slow to reap it), well
+    # before the command would have ended by itself.
+    while True:
+        procs = sandbox.commands.list()
+        left = [p for p in procs if "sleep 60" in " ".join([p.cmd, *p.args])]
+        if not left or time.monotonic() - start > 50:
+            break
+        time.sleep(1)
+    assert not left, f"still running {time.monotonic() - start:.0f} s after the start: {left}"
 
 
 # Longer than every bound on the way (the node's kept guest connections, 15 s;
@@ -117,9 +123,9 @@ def test_timeout_raises_and_kills(sandbox):
 # and the default command timeout, 60 s): the stream must last as long as the
 # command's own timeout allows, across a silent stretch and bulk output.
 LONG_STREAM = (
-    "for i in $(seq 1 30); do echo tick-$i; seq 1 2000; sleep 1; done; "
+    "for i in $(seq 1 10); do echo tick-$i; seq 1 2000; sleep 1; done; "
     "echo quiet >&2; sleep 65; "
-    "for i in $(seq 31 60); do echo tick-$i; seq 1 2000; sleep 1; done; "
+    "for i in $(seq 11 20); do echo tick-$i; seq 1 2000; sleep 1; done; "
     "echo finished"
 )
 
@@ -135,11 +141,11 @@ def test_long_streaming_command_runs_to_its_end(sandbox, api):
         print(api.get(f"/v1/sandboxes/{sid}/diagnostics").text[-20000:])
         print(api.get(f"/sandboxes/{sid}/logs").text[-20000:])
         raise
-    assert time.monotonic() - started > 120
+    assert time.monotonic() - started > 80
     assert r.exit_code == 0
     assert r.stderr == "quiet\n"
     ticks = [line for line in r.stdout.splitlines() if line.startswith("tick-")]
-    assert ticks == [f"tick-{i}" for i in range(1, 61)]
-    assert r.stdout.count("\n2000\n") == 60
+    assert ticks == [f"tick-{i}" for i in range(1, 21)]
+    assert r.stdout.count("\n2000\n") == 20
     assert r.stdout.endswith("finished\n")
     assert "".join(chunks) == r.stdout

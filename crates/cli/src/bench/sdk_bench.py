@@ -208,6 +208,13 @@ def bounded(fn, timeout_s, what):
     return box["value"]
 
 
+def phase_failure(detail):
+    """Why a phase that returned could not give its figure (its `failed`:
+    e.g. a fork whose children did not all answer), or None. The exit status
+    counts it as a failed phase."""
+    return detail.get("failed") if isinstance(detail, dict) else None
+
+
 def collect(n, sample, timeout_s, what):
     """`n` results of `sample(i)`, each bounded by `timeout_s`; a sample that
     fails or times out is recorded with its error and the others go on.
@@ -484,6 +491,8 @@ class Bench:
             self.cleanup()
         detail["errors"] = errors[:20]
         detail["failed_children"] = len(errors)
+        if errors:
+            detail["failed"] = f"{len(errors)} of {count} children failed; the first: {errors[0]}"
         value = None if errors else ms(t2 - t0)
         figures = {f"sdk_fork{count}_ms": value}
         # Only from a node that says it (the header is sandfork's).
@@ -802,6 +811,10 @@ class Bench:
             try:
                 values, detail[name] = phase()
                 report.update(values)
+                failure = phase_failure(detail[name])
+                if failure:
+                    log(f"phase {name} failed: {failure}")
+                    report.setdefault("sdk_errors", {})[name] = failure
             except Exception as e:
                 log(f"phase {name} failed: {describe(e)}")
                 for key in keys:
@@ -950,6 +963,9 @@ def self_test():
     assert failures[0]["error"] == "RuntimeError: no answer", failures
     assert failures[1]["error"].startswith("TimeoutError: sample 3: no result within"), failures
     assert time.monotonic() - t0 < 10
+    # A phase that returned but lost samples its figure needs fails the run.
+    assert phase_failure({"failed": "2 of 16 children failed"}) == "2 of 16 children failed"
+    assert phase_failure({"children": 16, "failed_children": 0}) is None
     try:
         bounded(lambda: 1 / 0, 5, "x")
         raise AssertionError("no error")

@@ -43,6 +43,7 @@ pub struct GuestConnections {
     idle: Mutex<HashMap<Key, Vec<Kept>>>,
     puts: AtomicU32,
     idle_limit: Duration,
+    connect_patience: Duration,
 }
 
 impl Default for GuestConnections {
@@ -51,6 +52,16 @@ impl Default for GuestConnections {
     }
 }
 
+/// How long a request tries new connections to a guest port that does not
+/// take them (see [`transient`]): as long as the node waits before it calls
+/// a silent guest unresponsive, so a slow guest is waited for and a stuck
+/// one is not.
+const CONNECT_PATIENCE: Duration = crate::sandbox::STUCK_AFTER;
+/// The pause after the first failed try, doubled after each up to the
+/// longest.
+const FIRST_RETRY_PAUSE: Duration = Duration::from_millis(50);
+const MAX_RETRY_PAUSE: Duration = Duration::from_secs(2);
+
 /// Why a request did not reach the guest.
 #[derive(Debug, thiserror::Error)]
 pub enum ForwardError {
@@ -58,6 +69,58 @@ pub enum ForwardError {
     Connect(#[from] VsockConnectError),
     #[error("{0}")]
     Http(#[from] hyper::Error),
+    /// New connections kept failing before the request went out.
+    #[error("no connection taken in {waited:?} ({tries} tries; the last: {last})")]
+    Gave {
+        tries: u32,
+        waited: Duration,
+        last: Box<ForwardError>,
+    },
+}
+
+/// What one try on a new connection came to.
+enum Fresh {
+    Answered(hyper::Response<hyper::body::Incoming>, SendRequest<Body>),
+    /// The request did not reach the guest's server: it may go again.
+    Unsent(Request, ForwardError),
+    /// Final; with the request when it never went out.
+    Failed(ForwardError, Option<Request>),
+}
+
+/// A request the guest did not answer: why, and the request itself when it
+/// never went out (its body maybe not read yet: see `proxy::forward`).
+#[derive(Debug)]
+pub struct Unanswered {
+    pub error: ForwardError,
+    pub unsent: Option<Request>,
+}
+
+impl Unanswered {
+    fn sent(error: ForwardError) -> Unanswered {
+        Unanswered {
+            error,
+            unsent: None,
+        }
+    }
+}
+
+/// Whether a failed connect may succeed if tried again: the VMM closed the
+/// stream after `CONNECT` (its guest answered neither yes nor no in time,
+/// or refused while its backlog was full), the handshake broke, or the
+/// VMM's socket was busy. A VMM that is gone (no socket, nobody listening)
+/// and a guest port its agent reports closed are final.
+fn transient(e: &VsockConnectError) -> bool {
+    match e {
+        VsockConnectError::Refused(_)
+        | VsockConnectError::Io { .. }
+        | VsockConnectError::Timeout(..) => true,
+        VsockConnectError::Connect { source, .. } => {
+            source.kind() == std::io::ErrorKind::WouldBlock
+        }
+        VsockConnectError::BadReply(_)
+        | VsockConnectError::BadHttp(_)
+        | VsockConnectError::TcpRefused { .. } => false,
+    }
 }
 
 impl GuestConnections {
@@ -66,6 +129,7 @@ impl GuestConnections {
             idle: Mutex::default(),
             puts: AtomicU32::new(0),
             idle_limit,
+            connect_patience: CONNECT_PATIENCE,
         }
     }
 
@@ -76,7 +140,7 @@ impl GuestConnections {
         uds: &Path,
         port: u32,
         mut req: Request,
-    ) -> Result<hyper::Response<hyper::body::Incoming>, ForwardError> {
+    ) -> Result<hyper::Response<hyper::body::Incoming>, Unanswered> {
         let key = (uds.to_owned(), port);
         while let Some(mut sender) = self.take_idle(&key) {
             let replay = replayable(&req);
@@ -92,13 +156,61 @@ impl GuestConnections {
                 Err(mut e) => match (e.take_message(), replay) {
                     (Some(unsent), _) => req = unsent,
                     (None, Some(again)) => req = again,
-                    (None, None) => return Err(e.into_error().into()),
+                    (None, None) => return Err(Unanswered::sent(e.into_error().into())),
                 },
             }
         }
-        let stream = open(uds, port).await?;
+        // A new connection. A guest still busy (a fork child among many
+        // starting, a loaded node) may not take it in time, or may drop it
+        // before reading the request: nothing reached the guest's server,
+        // so the request is sent again on another, up to a bounded wait.
+        let deadline = Instant::now() + self.connect_patience;
+        let mut pause = FIRST_RETRY_PAUSE;
+        let mut tries = 1u32;
+        loop {
+            let error = match self.send_fresh(uds, port, req).await {
+                Fresh::Answered(response, sender) => {
+                    self.put_back(key, sender);
+                    return Ok(response);
+                }
+                Fresh::Failed(error, unsent) => return Err(Unanswered { error, unsent }),
+                Fresh::Unsent(unsent, e) => {
+                    req = unsent;
+                    e
+                }
+            };
+            if Instant::now() + pause >= deadline {
+                return Err(Unanswered {
+                    error: ForwardError::Gave {
+                        tries,
+                        waited: self.connect_patience,
+                        last: Box::new(error),
+                    },
+                    unsent: Some(req),
+                });
+            }
+            tracing::debug!(
+                "proxy: {} port {port}: try {tries} not taken ({error}); again in {pause:?}",
+                uds.display()
+            );
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(MAX_RETRY_PAUSE);
+            tries += 1;
+        }
+    }
+
+    /// One try of `req` on a new connection.
+    async fn send_fresh(&self, uds: &Path, port: u32, req: Request) -> Fresh {
+        let stream = match open(uds, port).await {
+            Ok(stream) => stream,
+            Err(e) if transient(&e) => return Fresh::Unsent(req, e.into()),
+            Err(e) => return Fresh::Failed(e.into(), Some(req)),
+        };
         let (mut sender, connection) =
-            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+            match hyper::client::conn::http1::handshake(TokioIo::new(stream)).await {
+                Ok(pair) => pair,
+                Err(e) => return Fresh::Unsent(req, e.into()),
+            };
         tokio::spawn(async move {
             // With upgrades: a 101 answer hands the stream to the proxy
             // (WebSockets and the like) instead of closing it.
@@ -106,9 +218,17 @@ impl GuestConnections {
                 tracing::debug!("proxied connection: {e}");
             }
         });
-        let response = sender.send_request(req).await?;
-        self.put_back(key, sender);
-        Ok(response)
+        let replay = replayable(&req);
+        match sender.try_send_request(req).await {
+            Ok(response) => Fresh::Answered(response, sender),
+            // Closed before the request went out (a guest resetting its
+            // connections just after a restore): safe to send again.
+            Err(mut e) => match (e.take_message(), replay) {
+                (Some(unsent), _) => Fresh::Unsent(unsent, e.into_error().into()),
+                (None, Some(again)) => Fresh::Unsent(again, e.into_error().into()),
+                (None, None) => Fresh::Failed(e.into_error().into(), None),
+            },
+        }
     }
 
     /// A connection of `key` ready for a request. Busy ones (a response
@@ -213,22 +333,53 @@ mod tests {
         reset: Arc<Notify>,
     }
 
+    /// What the fake guest does with its first connections.
+    #[derive(Clone, Copy)]
+    enum Busy {
+        /// Takes every connection.
+        No,
+        /// The VMM closes the first this many after `CONNECT` (a guest that
+        /// did not answer its vsock request in time).
+        Refuses(usize),
+        /// The first this many are taken and closed before the request is
+        /// read (a guest resetting its connections just after a restore).
+        Drops(usize),
+    }
+
     impl FakeGuest {
         fn start(dir: &Path) -> FakeGuest {
+            Self::start_busy(dir, Busy::No)
+        }
+
+        fn start_busy(dir: &Path, busy: Busy) -> FakeGuest {
             let uds = dir.join("vsock.sock");
             let listener = UnixListener::bind(&uds).unwrap();
             let accepted = Arc::new(AtomicUsize::new(0));
             let reset = Arc::new(Notify::new());
             let (count, ends) = (accepted.clone(), reset.clone());
             tokio::spawn(async move {
+                let mut seen = 0;
                 while let Ok((stream, _)) = listener.accept().await {
-                    count.fetch_add(1, Ordering::SeqCst);
+                    seen += 1;
+                    let refuse = matches!(busy, Busy::Refuses(n) if seen <= n);
+                    let drop_it = matches!(busy, Busy::Drops(n) if seen <= n);
+                    if !refuse {
+                        count.fetch_add(1, Ordering::SeqCst);
+                    }
                     let ends = ends.clone();
                     tokio::spawn(async move {
                         let mut stream = BufReader::new(stream);
                         let mut line = String::new();
                         stream.read_line(&mut line).await.unwrap();
                         assert_eq!(line, "CONNECT 49983\n");
+                        if refuse {
+                            return;
+                        }
+                        if drop_it {
+                            let mut stream = stream.into_inner();
+                            stream.write_all(b"OK 1073741824\n").await.unwrap();
+                            return;
+                        }
                         stream
                             .get_mut()
                             .write_all(b"OK 1073741824\n")
@@ -373,6 +524,59 @@ mod tests {
             assert_eq!(guest.accepted(), 2 * round);
             guest.reset.notify_waiters();
         }
+    }
+
+    /// A guest too busy to take its first connections (a fork child among
+    /// many starting) gets the request once it takes one: not a "port is
+    /// not open" for a port its agent listens on.
+    #[tokio::test]
+    async fn a_guest_slow_to_take_connections_is_waited_for() {
+        for busy in [Busy::Refuses(3), Busy::Drops(3)] {
+            let dir = tempfile::tempdir().unwrap();
+            let guest = FakeGuest::start_busy(dir.path(), busy);
+            let guests = GuestConnections::default();
+            let post = Request::builder()
+                .method("POST")
+                .uri("/process.Process/Start")
+                .header("host", "guest")
+                .body(Body::from("a command"))
+                .unwrap();
+            let answer = guests.send(&guest.uds, 49983, post).await.unwrap();
+            let bytes = answer.into_body().collect().await.unwrap().to_bytes();
+            assert_eq!(&bytes[..], b"/process.Process/Start");
+        }
+    }
+
+    /// A guest that never takes a connection ends the wait, with an error
+    /// that says so.
+    #[tokio::test]
+    async fn a_guest_that_never_takes_a_connection_is_given_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let guest = FakeGuest::start_busy(dir.path(), Busy::Refuses(usize::MAX));
+        let guests = GuestConnections {
+            connect_patience: Duration::from_millis(500),
+            ..GuestConnections::default()
+        };
+        let started = Instant::now();
+        let e = guests.send(&guest.uds, 49983, get("/x")).await.unwrap_err();
+        assert!(e.unsent.is_some());
+        let e = e.error;
+        assert!(started.elapsed() >= Duration::from_millis(300), "{e}");
+        assert!(matches!(e, ForwardError::Gave { tries: 2.., .. }), "{e}");
+        assert!(e.to_string().contains("nothing accepted"), "{e}");
+        // A VMM that is gone is final at once.
+        let started = Instant::now();
+        let gone = dir.path().join("gone.sock");
+        let e = guests
+            .send(&gone, 49983, get("/x"))
+            .await
+            .unwrap_err()
+            .error;
+        assert!(matches!(
+            e,
+            ForwardError::Connect(VsockConnectError::Connect { .. })
+        ));
+        assert!(started.elapsed() < Duration::from_millis(300));
     }
 
     #[tokio::test]

@@ -115,11 +115,24 @@ pub struct Sandbox {
     /// the last one ended or began: what the pressure monitor calls use.
     in_flight: AtomicUsize,
     last_used_ms: AtomicU64,
+    /// When its guest last answered a proxied request (or sent a part of
+    /// an answer): a guest that answers is not unresponsive, whatever the
+    /// observer's probes found.
+    last_heard_ms: AtomicU64,
 }
 
 /// A proxied request to a sandbox, from its start to the end of its
 /// answer's body: the sandbox is in use while one is held.
 pub struct InUse(Arc<Sandbox>);
+
+impl InUse {
+    /// Its guest answered (a response, a part of one's body).
+    pub fn heard(&self) {
+        self.0
+            .last_heard_ms
+            .fetch_max(crate::clock::now_ms(), Ordering::Relaxed);
+    }
+}
 
 impl Drop for InUse {
     fn drop(&mut self) {
@@ -144,6 +157,7 @@ impl Sandbox {
             unresponsive: tokio::sync::watch::Sender::new(false),
             in_flight: AtomicUsize::new(0),
             last_used_ms: AtomicU64::new(crate::clock::now_ms()),
+            last_heard_ms: AtomicU64::new(0),
         })
     }
 
@@ -177,6 +191,11 @@ impl Sandbox {
 
     pub fn last_used_ms(&self) -> u64 {
         self.last_used_ms.load(Ordering::Relaxed)
+    }
+
+    /// When its guest last answered a proxied request (0: never).
+    pub fn last_heard_ms(&self) -> u64 {
+        self.last_heard_ms.load(Ordering::Relaxed)
     }
 
     pub fn phase(&self) -> Phase {

@@ -35,6 +35,9 @@ const AGENT_PREFIX: &str = "sandfork-agent:";
 /// one of many in the emulated lab, still answers within that).
 const STUCK_PROBES: u32 = 4;
 pub const STUCK_AFTER: Duration = Duration::from_secs(60);
+/// A probe the agent missed counts as answered when the guest answered a
+/// proxied request (or sent a part of one's answer) this recently.
+const HEARD_RECENTLY: Duration = Duration::from_secs(15);
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sample {
@@ -380,7 +383,12 @@ impl Manager {
         if !sandbox.phase().serves() {
             return;
         }
-        let change = sandbox.observed().probed(answered, now_ms());
+        // A guest busy answering proxied requests (its first commands on a
+        // loaded node) may miss the probe's bound while it answers them.
+        let now = now_ms();
+        let heard =
+            now.saturating_sub(sandbox.last_heard_ms()) <= HEARD_RECENTLY.as_millis() as u64;
+        let change = sandbox.observed().probed(answered || heard, now);
         match change {
             HealthChange::Same => {}
             HealthChange::Stuck { silent_ms } => {

@@ -205,7 +205,12 @@ impl Manager {
             // Let the change end: a pause under way may be the monitor's.
             drop(sandbox.guest.lock().await);
         }
-        let record = self.get(id)?;
+        // A sandbox killed meanwhile (its timeout, a DELETE) is simply gone:
+        // the request answers as for any unknown sandbox.
+        let record = match self.get(id) {
+            Err(SandboxError::NotFound(_)) => return Ok(None),
+            other => other?,
+        };
         if !paused_by_pressure(&record) {
             return Ok(self.vsock_path(id));
         }
@@ -214,9 +219,13 @@ impl Manager {
             return Ok(None);
         }
         let started = Instant::now();
-        let (_, resumed) = self
+        let resumed = match self
             .resume(id, Duration::from_millis(left), ResumeMode::Restore)
-            .await?;
+            .await
+        {
+            Err(SandboxError::NotFound(_)) => return Ok(None),
+            other => other?.1,
+        };
         if resumed {
             tracing::info!(
                 "sandbox {id}: resumed by a request after a memory pressure pause, in {} ms",

@@ -21,6 +21,7 @@ use crate::config::Config;
 use crate::ids;
 use crate::launch::{self, BOOT_ARGS, Guest, Plan, Ready};
 use crate::pool::Pool;
+use crate::sandbox::Manager;
 use crate::store::TemplateRecord;
 
 const SNAPSHOT: &str = "vm.state";
@@ -70,6 +71,15 @@ pub fn shell_quote(s: &str) -> String {
 }
 
 impl Prepare {
+    /// What an image's config says: its environment and working directory.
+    pub fn from_image(image: &template_build::ImageConfig) -> Prepare {
+        Prepare {
+            env_vars: image.env.iter().cloned().collect(),
+            workdir: image.working_dir.clone(),
+            ..Prepare::default()
+        }
+    }
+
     /// `cmd` run in the working directory (when it has one).
     fn in_workdir(&self, cmd: &str) -> String {
         match &self.workdir {
@@ -171,6 +181,17 @@ async fn warm_up(agent: &AgentClient, log: &(dyn Fn(&str) + Sync)) {
         Ok(out) => log(&format!("no warm-up (exit {})", out.exit_code)),
         Err(e) => log(&format!("no warm-up ({e})")),
     }
+}
+
+/// [`build`] with the node's own configuration, pool and capacity.
+pub async fn build_on(
+    manager: &Manager,
+    id: &str,
+    spec: &BootSpec,
+    log: &(dyn Fn(&str) + Sync),
+) -> Result<TemplateRecord, TemplateError> {
+    let (config, pool, capacity) = (manager.config(), manager.pool(), manager.capacity());
+    build(config, pool, capacity, id, spec, log).await
 }
 
 /// Builds template `id` from `spec` into `templates/<id>/` and returns its

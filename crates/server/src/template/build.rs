@@ -594,22 +594,18 @@ impl Templates {
             built.rootfs.display(),
             if built.cached { " (cached)" } else { "" }
         ));
-        let image = &built.config;
         let spec = BootSpec {
             rootfs: built.rootfs.clone(),
             vcpus: record.vcpus,
             mem_mib: record.mem_mib,
             prepare: Prepare {
-                env_vars: image.env.iter().cloned().collect(),
-                workdir: image.working_dir.clone(),
                 start_cmd: params.start_cmd.clone(),
                 ready_cmd: params.ready_cmd.clone(),
+                ..Prepare::from_image(&built.config)
             },
         };
-        let pool = self.manager.pool();
         let push = |line: &str| log.push(line);
-        let capacity = self.manager.capacity();
-        let mut template = boot::build(config, pool, capacity, &record.template_id, &spec, &push)
+        let mut template = boot::build_on(&self.manager, &record.template_id, &spec, &push)
             .await
             .map_err(|e| e.to_string())?;
         template.names = params.source.names(&record.name);

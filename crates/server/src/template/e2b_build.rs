@@ -1141,24 +1141,16 @@ impl Templates {
         log.push(&format!(
             "booting the base image with {vcpus} vCPUs and {mem_mib} MiB (once per size)"
         ));
-        let config = manager.config();
         let spec = super::BootSpec {
-            rootfs: config.rootfs.clone(),
+            rootfs: manager.config().rootfs.clone(),
             vcpus,
             mem_mib,
             prepare: Prepare::default(),
         };
         let push = |line: &str| log.push(line);
-        let t = super::boot::build(
-            config,
-            manager.pool(),
-            manager.capacity(),
-            &id,
-            &spec,
-            &push,
-        )
-        .await
-        .map_err(|e| e.to_string())?;
+        let t = super::boot::build_on(manager, &id, &spec, &push)
+            .await
+            .map_err(|e| e.to_string())?;
         store.put_template(&t).map_err(|e| e.to_string())?;
         Ok(t)
     }

@@ -81,29 +81,16 @@ impl Templates {
             return Ok(id);
         }
         log.push(&format!("booting image template {id}"));
-        let image = &built.config;
         let spec = BootSpec {
             rootfs: built.rootfs.clone(),
             vcpus: config.vcpus,
             mem_mib: config.mem_mib,
-            prepare: Prepare {
-                env_vars: image.env.iter().cloned().collect(),
-                workdir: image.working_dir.clone(),
-                start_cmd: None,
-                ready_cmd: None,
-            },
+            prepare: Prepare::from_image(&built.config),
         };
         let push = |line: &str| log.push(line);
-        let template = boot::build(
-            config,
-            manager.pool(),
-            manager.capacity(),
-            &id,
-            &spec,
-            &push,
-        )
-        .await
-        .map_err(|e| format!("booting the image {}: {e}", pull.image))?;
+        let template = boot::build_on(manager, &id, &spec, &push)
+            .await
+            .map_err(|e| format!("booting the image {}: {e}", pull.image))?;
         db.put_template(&template).map_err(|e| {
             let _ = std::fs::remove_dir_all(&template.dir);
             format!("recording the image template: {e}")

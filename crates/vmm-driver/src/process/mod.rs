@@ -29,8 +29,22 @@ use crate::{ClientError, VmmClient};
 pub use envd_proto::PORT as AGENT_PORT;
 /// How often a guest agent that is not up yet is asked again.
 const READY_POLL: Duration = Duration::from_millis(5);
+/// How long a new VMM has to listen on its API socket: natively a few
+/// milliseconds, a margin for the emulated lab (20-50x slower) with both
+/// host CPUs busy.
+const API_SOCKET_WAIT: Duration = Duration::from_secs(30);
 /// One attempt to reach a starting guest's agent.
 const READY_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long `PUT /fork` into `children` may take: the VMM stacks a disk
+/// layer per child and writes the frozen memory while the node may be busy
+/// starting other guests (in the emulated lab a fork of 100 beside a few
+/// dozen running guests took more than the 60 s of other requests), so the
+/// bound grows with the children; a VMM that hangs is still given up.
+pub fn fork_timeout(children: u32) -> Duration {
+    crate::client::DEFAULT_REQUEST_TIMEOUT + Duration::from_secs(2) * children
+}
+
 /// The guest CID every VM gets: each VM has its own vsock device and socket.
 const GUEST_CID: u32 = 3;
 
@@ -276,7 +290,7 @@ impl VmmProcess {
         identity
             .write(&dir)
             .map_err(io("recording the VMM's identity"))?;
-        vm.api.wait_for_socket(Duration::from_secs(10)).await?;
+        vm.api.wait_for_socket(API_SOCKET_WAIT).await?;
         Ok(vm)
     }
 
@@ -358,7 +372,7 @@ impl VmmProcess {
                 .write(&path)
                 .map_err(io("recording the VMM's identity"))?;
         }
-        vm.api.wait_for_socket(Duration::from_secs(10)).await?;
+        vm.api.wait_for_socket(API_SOCKET_WAIT).await?;
         Ok(vm)
     }
 
@@ -614,7 +628,11 @@ impl VmmProcess {
                 .chain(state.parent())
                 .chain(mem.parent()),
         )?;
-        Ok(self.api.fork(params).await?)
+        let api = self
+            .api
+            .clone()
+            .with_request_timeout(fork_timeout(params.children));
+        Ok(api.fork(params).await?)
     }
 
     /// Loads child `index` of a fork into this (fresh) VMM and resumes it.

@@ -393,6 +393,19 @@ impl Muxer {
             .map(|c| c.key)
             .collect();
         for key in late {
+            // The host side then sees its stream closed, as for a refusal:
+            // said here, as the guest's silence is what tells them apart.
+            if self
+                .conns
+                .get(&key)
+                .is_some_and(|c| c.state == super::connection::State::AwaitingResponse)
+            {
+                crate::warn_limited!(
+                    "vsock: the guest did not answer a host connection to its port {} within {:?}",
+                    key.peer_port,
+                    self.connect_timeout
+                );
+            }
             self.update(key, now);
         }
     }
