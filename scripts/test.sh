@@ -82,10 +82,15 @@ failed_tests() {
 work=$(mktemp -d)
 trap 'rm -rf "$work"; [[ ${RUSTC_WRAPPER:-} != sccache ]] || sccache --stop-server >/dev/null 2>&1 || true' EXIT
 
-# The path of test binary $1 (a test target's name); fails, saying so,
-# when the test build did not make it.
+# The path of test binary $1 (a test target's name), once the test build
+# that runs beside the first lab jobs has ended; fails, saying so, when it
+# did not make it.
 test_binary() {
     local bin
+    if [[ ! -e $work/tests.done ]]; then
+        stage "waiting for the test build"
+        while [[ ! -e $work/tests.done ]]; do sleep 2; done
+    fi
     [[ -e $work/tests.list ]] && bin=$(awk -v name="$1" '$1 == name { print $2 }' "$work/tests.list")
     [[ -x ${bin:-} ]] || { echo "no test binary $1 (the test build failed?)" >&2; return 1; }
     echo "$bin"
@@ -166,7 +171,8 @@ job_network() { lab_binary network; }
 job_lab_serve() { lab_binary lab_serve; }
 job_lab_restart() { lab_binary lab_restart; }
 job_lab_network() { lab_binary lab_network; }
-lab_jobs=(sdk lab_serve lab_network snapshot rl microvm cluster stress cli network lab_tool lab_restart)
+# The first two need no test binary: they run while the tests are built.
+lab_jobs=(sdk rl lab_serve lab_network snapshot microvm cluster stress cli network lab_tool lab_restart)
 
 # The index of the next job in the queue; fails when it is empty.
 take_job() {
@@ -212,6 +218,32 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])' >"$work/tests.list"
 }
 
+# The workspace's binaries as the lab runs them: inode and modification
+# time of each.
+binaries() {
+    find target/debug -maxdepth 1 -type f -perm -u+x -printf '%f %i %T@\n' | sort
+}
+
+# The test build, then "0" (or "1" when it failed) in $work/tests.done for
+# the jobs waiting on it. It must not link the binaries the lab is running
+# anew: `cargo build` and `cargo test` agree on every dependency's features
+# only while no dev-dependency turns on one of its own (tokio's `test-util`
+# did), and a lab that runs a binary replaced under it over 9p starts VMMs
+# that never listen (seen for 4 minutes of one run). So a test build that
+# does is a failed run, naming the binaries.
+build_tests_beside_labs() {
+    local before rc=0
+    before=$(binaries)
+    build_tests || rc=1
+    if [[ $(binaries) != "$before" ]]; then
+        echo "the test build linked the binaries anew while labs ran them (a dev-dependency turns on a feature \`cargo build\` lacks: compare \`cargo tree -e features\` with and without \`-e dev\`):" >&2
+        diff <(echo "$before") <(binaries) | sed -n 's/^> \([^ ]*\) .*/    \1/p' >&2
+        rc=1
+    fi
+    echo "$rc" >"$work/tests.done"
+    return "$rc"
+}
+
 # What runs on the host alone: lints of every target, the fast tests, the
 # fuzz targets.
 host_checks() {
@@ -226,21 +258,18 @@ host_checks() {
 }
 
 # Two lab machines at once, one per lane, each with its own lock (the lab
-# uses one host CPU at a time, this host has two), started once the tests
-# are built; the host's own checks (lines prefixed "host|") run beside them.
-# SANDFORK_LAB_LANES=1 runs it all one after the other under the one lock.
-# The tests are built before any lab job starts, and before the labs are
-# locked: `cargo test` links the workspace's binaries again (its
-# dev-dependencies change features), and a lab that runs a binary replaced
-# under it over 9p starts VMMs that never listen (seen for 4 minutes of one
-# run). Jobs that need no test binary still run when this build fails.
+# uses one host CPU at a time, this host has two); the tests are built
+# beside the first lab jobs, then the host's own checks (lines prefixed
+# "host|") run beside the rest. SANDFORK_LAB_LANES=1 runs it all one after
+# the other under the one lock. Jobs that need no test binary still run
+# when the test build fails.
 build_rc=0 host_rc=0 lanes_rc=0
-build_tests || build_rc=1
 export SANDFORK_LAB_LOCKED=1
 exec 9>/tmp/sandfork-lab.lock
 stage "waiting for the lab lock"
 flock 9
 if [[ ${SANDFORK_LAB_LANES:-2} -lt 2 ]]; then
+    build_tests_beside_labs || build_rc=1
     if ((lab_only == 0 && build_rc == 0)); then
         host_checks & wait "$!" || host_rc=$?
     fi
@@ -255,6 +284,7 @@ else
     first_lane=$!
     lab_lane &
     second_lane=$!
+    build_tests_beside_labs || build_rc=1
     if ((lab_only == 0 && build_rc == 0)); then
         # At the lowest priority: they have half an hour of lab time to
         # finish in, while the labs' guests notice time lost to them
@@ -268,7 +298,7 @@ else
     wait "$first_lane" || lanes_rc=1
     wait "$second_lane" || lanes_rc=1
 fi
-failed_jobs=$(tr '\n' ' ' <"$work/failed" 2>/dev/null || true)
+failed_jobs=$(tr '\n' ' ' 2>/dev/null <"$work/failed" || true)
 stage "done: test build exit $build_rc, host checks exit $host_rc, lab jobs failed: ${failed_jobs:-none}"
 ((build_rc == 0 && host_rc == 0 && lanes_rc == 0)) || exit 1
 stage "all passed"

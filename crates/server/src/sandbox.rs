@@ -365,6 +365,16 @@ impl Manager {
         let Some(sandbox) = self.registry().get(id) else {
             return;
         };
+        // Not its VMM any more (a pause or kill stops the VMM after taking
+        // it out): no need to wait for its lock. Taken here, if only for a
+        // moment after the pause answers, it would turn its owner's next
+        // change (a fork of the paused sandbox) into a 409.
+        if sandbox
+            .probe()
+            .is_none_or(|p| p.pid() != pid || p.dir() != dir)
+        {
+            return;
+        }
         let mut guest = sandbox.guest.lock().await;
         let Some(launched) = guest
             .as_mut()
