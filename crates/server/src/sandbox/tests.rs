@@ -387,9 +387,17 @@ async fn a_sandbox_whose_vmm_exits_by_itself_is_removed_and_counted() {
         (200, Some(0)),
         "{list}"
     );
-    let info = node(app.clone()).await;
+    // Its capacity goes back once its VMM is reaped, a moment after its
+    // record (a loaded host widens the moment).
+    let info = loop {
+        let info = node(app.clone()).await;
+        if info["vcpus"]["used"] == 0 {
+            break info;
+        }
+        assert!(std::time::Instant::now() < deadline, "still held: {info}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     assert_eq!(info["sandboxes"]["vmmExited"], 1, "{info}");
-    assert_eq!(info["vcpus"]["used"], 0, "{info}");
     assert_eq!(m.capacity().held(), crate::capacity::Ask::default());
     assert_eq!(m.phase(id), None);
     assert!(!probe.dir().exists(), "the VMM's directory stays");
