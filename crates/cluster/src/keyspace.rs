@@ -4,12 +4,15 @@
 //! |---|---|---|
 //! | `nodes/{node_id}` | [`NodeRecord`] | the node's lease |
 //! | `sandboxes/{id}` | [`SandboxRoute`] | create to kill (not lease-bound: a paused sandbox outlives its node) |
+//! | `teams/{team}/quota` | [`TeamQuota`] | set by the team's admin |
+//! | `teams/{team}/running/{slot}` | the sandbox ID | while the sandbox runs, under its node's lease |
 
 use serde::{Deserialize, Serialize};
 
 pub const PREFIX: &str = "/sandfork/v1/";
 pub const NODES: &str = "/sandfork/v1/nodes/";
 pub const SANDBOXES: &str = "/sandfork/v1/sandboxes/";
+pub const TEAMS: &str = "/sandfork/v1/teams/";
 
 pub fn node_key(node_id: &str) -> String {
     format!("{NODES}{node_id}")
@@ -25,7 +28,21 @@ pub fn sandbox_id(key: &[u8]) -> Option<&str> {
     (!id.is_empty() && !id.contains('/')).then_some(id)
 }
 
-/// A node ID names one key segment: letters, digits, `-`, `_`, `.`.
+pub fn team_quota_key(team: &str) -> String {
+    format!("{TEAMS}{team}/quota")
+}
+
+/// Where team `team`'s running slots are, each `{prefix}{slot}`.
+pub fn team_slots_prefix(team: &str) -> String {
+    format!("{TEAMS}{team}/running/")
+}
+
+pub fn team_slot_key(team: &str, slot: u64) -> String {
+    format!("{}{slot}", team_slots_prefix(team))
+}
+
+/// A node ID (or a team's) names one key segment: letters, digits, `-`,
+/// `_`, `.`.
 pub fn is_node_id(id: &str) -> bool {
     !id.is_empty()
         && id.len() <= 64
@@ -95,6 +112,31 @@ pub struct SandboxRoute {
     /// store: another node can resume it if its own is gone.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub paused: Option<DurablePause>,
+    /// The slot of its team's quota it holds while it runs (a team with a
+    /// quota only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running: Option<RunningSlot>,
+}
+
+/// One of a team's `max_sandboxes` slots, held by one running sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunningSlot {
+    pub team: String,
+    pub slot: u64,
+}
+
+impl RunningSlot {
+    pub fn key(&self) -> String {
+        team_slot_key(&self.team, self.slot)
+    }
+}
+
+/// `teams/{team}/quota`: what a team may hold across the cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct TeamQuota {
+    /// Sandboxes running at once (None: no limit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_sandboxes: Option<u64>,
 }
 
 /// A pause whose snapshot is in the object store.

@@ -11,15 +11,19 @@ pub mod harness;
 pub mod keyspace;
 mod membership;
 pub mod objects;
+pub mod quota;
 pub mod view;
 
 use std::time::Duration;
 
 use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, Txn, TxnOp};
 
-pub use keyspace::{DurablePause, NodeCapacity, NodeLoad, NodeRecord, SandboxRoute};
+pub use keyspace::{
+    DurablePause, NodeCapacity, NodeLoad, NodeRecord, RunningSlot, SandboxRoute, TeamQuota,
+};
 pub use membership::Registration;
 pub use objects::ObjectStore;
+pub use quota::Claim;
 pub use view::View;
 
 #[derive(Debug, thiserror::Error)]
@@ -162,47 +166,33 @@ impl Cluster {
 /// The fencing compare: the node's own key is still held by the lease the
 /// caller registered with (a node whose lease expired, or that re-registered
 /// since, fails it).
-fn node_holds(node_id: &str, lease: i64) -> Compare {
+pub(crate) fn node_holds(node_id: &str, lease: i64) -> Compare {
     Compare::lease(keyspace::node_key(node_id), CompareOp::Equal, lease)
 }
 
-/// Claims `id` for the route's node: succeeds only if no record exists
-/// (exactly once, whoever races) and the node's lease still holds its key.
-pub(crate) async fn claim(
-    client: &mut Client,
-    id: &str,
-    route: &SandboxRoute,
-) -> Result<bool, ClusterError> {
-    let key = keyspace::sandbox_key(id);
-    let value = encode(&key, route)?;
-    let txn = Txn::new()
-        .when([
-            Compare::create_revision(key.clone(), CompareOp::Equal, 0),
-            node_holds(&route.node_id, route.incarnation),
-        ])
-        .and_then([TxnOp::put(key, value, None)]);
-    send_txn(client, txn).await
-}
-
-/// Deletes `id`'s record if it is unchanged since `mod_revision` and its
-/// node still holds the lease it was written under.
+/// Deletes `id`'s record (and gives back its team's slot) if it is
+/// unchanged since `mod_revision` and its node still holds the lease it was
+/// written under.
 pub(crate) async fn release(
     client: &mut Client,
     id: &str,
     seen: &Versioned<SandboxRoute>,
 ) -> Result<bool, ClusterError> {
     let key = keyspace::sandbox_key(id);
+    let mut then = vec![TxnOp::delete(key.clone(), None)];
+    then.extend(seen.value.running.as_ref().map(|s| quota::free_slot(s, id)));
     let txn = Txn::new()
         .when([
-            Compare::mod_revision(key.clone(), CompareOp::Equal, seen.mod_revision),
+            Compare::mod_revision(key, CompareOp::Equal, seen.mod_revision),
             node_holds(&seen.value.node_id, seen.value.incarnation),
         ])
-        .and_then([TxnOp::delete(key, None)]);
+        .and_then(then);
     send_txn(client, txn).await
 }
 
 /// Rewrites `id`'s record as `route` if it is unchanged since `seen` and
-/// its node (the one `seen` names) still holds its lease.
+/// its node (the one `seen` names) still holds its lease; a slot `seen`
+/// held and `route` does not goes back.
 pub(crate) async fn update(
     client: &mut Client,
     id: &str,
@@ -211,12 +201,18 @@ pub(crate) async fn update(
 ) -> Result<bool, ClusterError> {
     let key = keyspace::sandbox_key(id);
     let value = encode(&key, route)?;
+    let mut then = vec![TxnOp::put(key.clone(), value, None)];
+    if let Some(slot) = &seen.value.running
+        && route.running.as_ref() != Some(slot)
+    {
+        then.push(quota::free_slot(slot, id));
+    }
     let txn = Txn::new()
         .when([
-            Compare::mod_revision(key.clone(), CompareOp::Equal, seen.mod_revision),
+            Compare::mod_revision(key, CompareOp::Equal, seen.mod_revision),
             node_holds(&seen.value.node_id, seen.value.incarnation),
         ])
-        .and_then([TxnOp::put(key, value, None)]);
+        .and_then(then);
     send_txn(client, txn).await
 }
 
@@ -252,7 +248,7 @@ pub(crate) async fn take_over(
 /// member. Safe for transactions too: each is conditional on the record's
 /// revision or absence, so one that did apply before its answer was lost
 /// fails its compare the second time instead of applying twice.
-async fn retried<T, F, Fut>(mut request: F) -> Result<T, etcd_client::Error>
+pub(crate) async fn retried<T, F, Fut>(mut request: F) -> Result<T, etcd_client::Error>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
@@ -275,12 +271,19 @@ where
 
 /// Sends a conditional transaction (see [`retried`]): whether it applied.
 async fn send_txn(client: &mut Client, txn: Txn) -> Result<bool, ClusterError> {
-    let response = retried(|| {
+    Ok(send(client, txn).await?.succeeded())
+}
+
+/// Sends a transaction (see [`retried`]): its answer.
+pub(crate) async fn send(
+    client: &mut Client,
+    txn: Txn,
+) -> Result<etcd_client::TxnResponse, ClusterError> {
+    Ok(retried(|| {
         let (mut client, txn) = (client.clone(), txn.clone());
         async move { client.txn(txn).await }
     })
-    .await?;
-    Ok(response.succeeded())
+    .await?)
 }
 
 pub(crate) fn encode<T: serde::Serialize>(key: &str, value: &T) -> Result<Vec<u8>, ClusterError> {
@@ -290,7 +293,10 @@ pub(crate) fn encode<T: serde::Serialize>(key: &str, value: &T) -> Result<Vec<u8
     })
 }
 
-fn decode<T: serde::de::DeserializeOwned>(key: &[u8], value: &[u8]) -> Result<T, ClusterError> {
+pub(crate) fn decode<T: serde::de::DeserializeOwned>(
+    key: &[u8],
+    value: &[u8],
+) -> Result<T, ClusterError> {
     serde_json::from_slice(value).map_err(|source| ClusterError::Record {
         key: String::from_utf8_lossy(key).into_owned(),
         source,

@@ -6,12 +6,13 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use etcd_client::{Client, PutOptions};
+use etcd_client::{Client, Compare, CompareOp, PutOptions, Txn, TxnOp, TxnOpResponse};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::keyspace::{self, NodeCapacity, NodeLoad, NodeRecord, SandboxRoute};
-use crate::{Cluster, ClusterError};
+use crate::keyspace::{self, NodeCapacity, NodeLoad, NodeRecord, RunningSlot, SandboxRoute};
+use crate::quota::{self, Claim};
+use crate::{Cluster, ClusterError, Versioned};
 
 /// A registered node. Dropping it stops the keep-alive (the lease then
 /// expires); [`Registration::leave`] deletes the record at once.
@@ -77,6 +78,15 @@ impl Registration {
     /// lease no longer holds its key. Claiming again what this incarnation
     /// already holds is true (the reconciler may have been first).
     pub async fn claim(&self, id: &str) -> Result<bool, ClusterError> {
+        Ok(self.claim_in_team(id, None).await? == Claim::Claimed)
+    }
+
+    /// [`Registration::claim`] for a sandbox of `team` (None: counted in
+    /// no team): when the team has a quota, the route takes one of its
+    /// slots in the same transaction, or the claim is refused as
+    /// [`Claim::TeamFull`].
+    pub async fn claim_in_team(&self, id: &str, team: Option<&str>) -> Result<Claim, ClusterError> {
+        let key = keyspace::sandbox_key(id);
         let route = {
             let record = self.lock();
             SandboxRoute {
@@ -84,15 +94,152 @@ impl Registration {
                 incarnation: record.incarnation,
                 created_at_ms: now_ms(),
                 paused: None,
+                running: None,
             }
         };
-        if crate::claim(&mut self.cluster.client(), id, &route).await? {
+        let absent = || Compare::create_revision(key.clone(), CompareOp::Equal, 0);
+        self.with_slot(id, team, route, absent).await
+    }
+
+    /// Writes `route` for `id` if `unchanged` holds and this node holds its
+    /// lease, taking a slot of `team` if it has a quota; tried again while
+    /// only the slot was lost to another sandbox (or the quota changed).
+    async fn with_slot(
+        &self,
+        id: &str,
+        team: Option<&str>,
+        mut route: SandboxRoute,
+        unchanged: impl Fn() -> Compare,
+    ) -> Result<Claim, ClusterError> {
+        // Each lost try is a slot another sandbox won: a burst ends in
+        // a full team long before this.
+        const ATTEMPTS: u32 = 32;
+        let key = keyspace::sandbox_key(id);
+        let node_key = keyspace::node_key(&route.node_id);
+        let mut client = self.cluster.client();
+        for _ in 0..ATTEMPTS {
+            let mut when = vec![
+                unchanged(),
+                crate::node_holds(&route.node_id, route.incarnation),
+            ];
+            let mut then = Vec::new();
+            route.running = None;
+            if let Some(team) = team {
+                let slots = self.cluster.slots(team).await?;
+                // A quota set meanwhile counts this sandbox too.
+                when.push(slots.quota_unchanged(team));
+                match slots.free_for(id) {
+                    None => {}
+                    Some(Err(full)) => {
+                        // Unless it already runs here in one of them.
+                        let running = self
+                            .own(id)
+                            .await?
+                            .is_some_and(|r| r.value.running.is_some());
+                        return Ok(if running { Claim::Claimed } else { full });
+                    }
+                    Some(Ok(slot)) => {
+                        let slot = RunningSlot {
+                            team: team.to_owned(),
+                            slot,
+                        };
+                        let (free, take) = quota::take_slot(&slot, id, route.incarnation);
+                        when.push(free);
+                        then.push(take);
+                        route.running = Some(slot);
+                    }
+                }
+            }
+            then.push(TxnOp::put(key.clone(), crate::encode(&key, &route)?, None));
+            // When it fails: why, from the route and the node's key.
+            let txn = Txn::new().when(when).and_then(then).or_else([
+                TxnOp::get(key.clone(), None),
+                TxnOp::get(node_key.clone(), None),
+            ]);
+            let answer = crate::send(&mut client, txn).await?;
+            if answer.succeeded() {
+                return Ok(Claim::Claimed);
+            }
+            let found = |i: usize| match answer.op_responses().get(i) {
+                Some(TxnOpResponse::Get(get)) => get.kvs().first().cloned(),
+                _ => None,
+            };
+            if found(1).is_none_or(|node| node.lease() != route.incarnation) {
+                return Ok(Claim::Refused);
+            }
+            if team.is_none() || !self.still_as_expected(&unchanged).await? {
+                return Ok(match self.holds(id, &route).await? {
+                    true => Claim::Claimed,
+                    false => Claim::Refused,
+                });
+            }
+        }
+        tracing::warn!("cluster: sandbox {id}: no slot of its team taken in {ATTEMPTS} tries");
+        Ok(Claim::Refused)
+    }
+
+    /// Whether `unchanged` still holds for the route (so a failed write
+    /// lost only its slot, and is worth trying again).
+    async fn still_as_expected(
+        &self,
+        unchanged: &impl Fn() -> Compare,
+    ) -> Result<bool, ClusterError> {
+        let txn = Txn::new().when([unchanged()]);
+        Ok(crate::send(&mut self.cluster.client(), txn)
+            .await?
+            .succeeded())
+    }
+
+    /// Whether `id`'s route is this incarnation's.
+    async fn holds(&self, id: &str, route: &SandboxRoute) -> Result<bool, ClusterError> {
+        Ok(self.cluster.sandbox(id).await?.is_some_and(|r| {
+            r.value.node_id == route.node_id && r.value.incarnation == route.incarnation
+        }))
+    }
+
+    /// `id`, which this node owns, stops running (a pause): its team's slot
+    /// goes back. False if the node does not own it (any more).
+    pub async fn stop_running(&self, id: &str) -> Result<bool, ClusterError> {
+        let Some(seen) = self.own(id).await? else {
+            return Ok(false);
+        };
+        if seen.value.running.is_none() {
             return Ok(true);
         }
-        let held = self.cluster.sandbox(id).await?.is_some_and(|r| {
-            r.value.node_id == route.node_id && r.value.incarnation == route.incarnation
-        });
-        Ok(held)
+        let route = SandboxRoute {
+            running: None,
+            ..seen.value.clone()
+        };
+        crate::update(&mut self.cluster.client(), id, &seen, &route).await
+    }
+
+    /// `id`, which this node owns, runs again (a resume): it takes a slot
+    /// of `team` if the team has a quota, or is refused as
+    /// [`Claim::TeamFull`].
+    pub async fn start_running(&self, id: &str, team: Option<&str>) -> Result<Claim, ClusterError> {
+        let Some(seen) = self.own(id).await? else {
+            return Ok(Claim::Refused);
+        };
+        if seen.value.running.is_some() {
+            return Ok(Claim::Claimed);
+        }
+        let key = keyspace::sandbox_key(id);
+        let unchanged = || Compare::mod_revision(key.clone(), CompareOp::Equal, seen.mod_revision);
+        self.with_slot(id, team, seen.value.clone(), unchanged)
+            .await
+    }
+
+    /// `id`'s route if this incarnation owns it.
+    async fn own(&self, id: &str) -> Result<Option<Versioned<SandboxRoute>>, ClusterError> {
+        let (node_id, incarnation) = {
+            let record = self.lock();
+            (record.node_id.clone(), record.incarnation)
+        };
+        Ok(self
+            .cluster
+            .sandbox(id)
+            .await?
+            .filter(|seen| seen.value.node_id == node_id && seen.value.incarnation == incarnation))
     }
 
     /// Removes `id` from the map if this node owns it; false if it does not

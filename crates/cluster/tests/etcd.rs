@@ -5,7 +5,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use cluster::harness::Etcd;
-use cluster::{Cluster, NodeCapacity, NodeLoad, Registration};
+use std::sync::Arc;
+
+use cluster::{Claim, Cluster, NodeCapacity, NodeLoad, Registration, TeamQuota};
 
 const CAPACITY: NodeCapacity = NodeCapacity {
     max_sandboxes: 4,
@@ -118,6 +120,170 @@ async fn a_sandbox_is_claimed_once_and_released_only_by_its_owner() {
     // Concurrent claims of one ID: one winner.
     let (x, y) = tokio::join!(a.claim("race"), b.claim("race"));
     assert!(x.unwrap() ^ y.unwrap());
+}
+
+#[tokio::test]
+async fn a_team_quota_holds_across_nodes_claiming_at_once() {
+    let etcd = Etcd::start().unwrap();
+    let cluster = connect(&etcd).await;
+    let mut nodes = Vec::new();
+    for (i, ttl) in [5, 5, 2].into_iter().enumerate() {
+        let node = Registration::start(
+            cluster.clone(),
+            &format!("n{i}"),
+            &format!("127.0.0.1:{}", i + 1),
+            CAPACITY,
+            Duration::from_secs(ttl),
+        )
+        .await
+        .unwrap();
+        nodes.push(Arc::new(node));
+    }
+    let quota = |n| TeamQuota {
+        max_sandboxes: Some(n),
+    };
+    cluster.set_team_quota("red", &quota(5)).await.unwrap();
+    assert_eq!(cluster.team_quota("red").await.unwrap(), quota(5));
+    assert_eq!(
+        cluster.team_quota("blue").await.unwrap(),
+        TeamQuota::default()
+    );
+
+    // 30 creates at once through three nodes: exactly 5 run.
+    let mut burst = tokio::task::JoinSet::new();
+    for i in 0..30 {
+        let node = nodes[i % 3].clone();
+        burst.spawn(async move {
+            let id = format!("s{i:02}");
+            let claim = node.claim_in_team(&id, Some("red")).await.unwrap();
+            (id, claim)
+        });
+    }
+    let mut claimed = Vec::new();
+    while let Some(done) = burst.join_next().await {
+        match done.unwrap() {
+            (id, Claim::Claimed) => claimed.push(id),
+            (id, other) => assert_eq!(other, Claim::TeamFull { limit: 5 }, "{id}"),
+        }
+    }
+    claimed.sort();
+    assert_eq!(claimed.len(), 5, "{claimed:?}");
+    let slots = cluster.running_slots("red").await.unwrap();
+    let mut holders: Vec<String> = slots.values().cloned().collect();
+    holders.sort();
+    assert_eq!(holders, claimed);
+    for (slot, id) in &slots {
+        let route = cluster.sandbox(id).await.unwrap().unwrap().value;
+        assert_eq!(
+            route.running.map(|r| (r.team, r.slot)),
+            Some(("red".into(), *slot))
+        );
+    }
+    // Refused ones left no route; other teams and sandboxes of no team
+    // are not held back.
+    assert_eq!(cluster.sandboxes().await.unwrap().len(), 5);
+    assert_eq!(
+        nodes[0].claim_in_team("b1", Some("blue")).await.unwrap(),
+        Claim::Claimed
+    );
+    assert!(nodes[0].claim("plain").await.unwrap());
+
+    // A kill gives its slot back; the next create takes it.
+    let owner = |id: &str| {
+        let n: usize = id[1..].parse().unwrap();
+        nodes[n % 3].clone()
+    };
+    assert!(owner(&claimed[0]).release(&claimed[0]).await.unwrap());
+    assert_eq!(cluster.running_slots("red").await.unwrap().len(), 4);
+    assert_eq!(
+        nodes[1].claim_in_team("t1", Some("red")).await.unwrap(),
+        Claim::Claimed
+    );
+    assert_eq!(
+        nodes[1].claim_in_team("t2", Some("red")).await.unwrap(),
+        Claim::TeamFull { limit: 5 }
+    );
+
+    // A pause gives its slot back and keeps its route; its resume needs a
+    // free slot again.
+    let paused = &claimed[1];
+    assert!(owner(paused).stop_running(paused).await.unwrap());
+    assert!(
+        cluster
+            .sandbox(paused)
+            .await
+            .unwrap()
+            .unwrap()
+            .value
+            .running
+            .is_none()
+    );
+    assert_eq!(
+        nodes[1].claim_in_team("t2", Some("red")).await.unwrap(),
+        Claim::Claimed
+    );
+    assert_eq!(
+        owner(paused)
+            .start_running(paused, Some("red"))
+            .await
+            .unwrap(),
+        Claim::TeamFull { limit: 5 }
+    );
+    assert!(nodes[1].release("t2").await.unwrap());
+    assert_eq!(
+        owner(paused)
+            .start_running(paused, Some("red"))
+            .await
+            .unwrap(),
+        Claim::Claimed
+    );
+    assert!(
+        cluster
+            .sandbox(paused)
+            .await
+            .unwrap()
+            .unwrap()
+            .value
+            .running
+            .is_some()
+    );
+
+    // A lowered quota: what runs runs on, nothing new starts until the team
+    // is below it.
+    cluster.set_team_quota("red", &quota(3)).await.unwrap();
+    assert!(nodes[1].release("t1").await.unwrap());
+    assert_eq!(cluster.running_slots("red").await.unwrap().len(), 4);
+    assert_eq!(
+        nodes[0].claim_in_team("t3", Some("red")).await.unwrap(),
+        Claim::TeamFull { limit: 3 }
+    );
+
+    // A node that dies takes its slots with it (its sandboxes are lost):
+    // the team may run as many elsewhere.
+    cluster.set_team_quota("red", &quota(5)).await.unwrap();
+    assert_eq!(
+        nodes[2].claim_in_team("d1", Some("red")).await.unwrap(),
+        Claim::Claimed
+    );
+    let running = cluster.running_slots("red").await.unwrap();
+    assert_eq!(running.len(), 5);
+    let on_n2 = running
+        .values()
+        .filter(|id| *id == "d1" || owner(id).node_id() == "n2")
+        .count();
+    assert_eq!(
+        nodes[0].claim_in_team("t4", Some("red")).await.unwrap(),
+        Claim::TeamFull { limit: 5 }
+    );
+    drop(nodes.pop());
+    eventually("n2's slots freed", Duration::from_secs(8), async || {
+        cluster.running_slots("red").await.unwrap().len() == 5 - on_n2
+    })
+    .await;
+    assert_eq!(
+        nodes[0].claim_in_team("t4", Some("red")).await.unwrap(),
+        Claim::Claimed
+    );
 }
 
 #[tokio::test]
