@@ -104,7 +104,23 @@ else
 fi
 log "== tests against $E2B_API_URL"
 started=$SECONDS
-pytest -m node
+# Tests that fail are run again, once, by name (sdk-test.sh's rule: the
+# lab's machine now and then stands still for a minute, README "Hangs",
+# which a test bounded in time cannot tell from a defect; a defect fails
+# twice and fails the suite). The log keeps the first failure.
+out=$(mktemp)
+rc=0
+pytest -m node 2>&1 | tee "$out" || rc=${PIPESTATUS[0]}
+if ((rc == 1)); then
+    mapfile -t again < <(sed -n 's/^\(FAILED\|ERROR\) \([^ []*::[^ []*\).*/\2/p' "$out" | sort -u)
+    if ((${#again[@]})); then
+        log "re-running the failed tests once: ${again[*]}"
+        rc=0
+        (cd python && "$venv/bin/python" -m pytest -p no:cacheprovider "${again[@]}") || rc=$?
+    fi
+fi
+rm -f "$out"
+((rc == 0)) || die "node tests failed"
 log "node tests took $((SECONDS - started)) s"
 [[ -n $server ]] || stop_node
 log "passed"
