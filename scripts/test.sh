@@ -210,7 +210,9 @@ lab_lane() {
 # them alone and compile their dependencies again (6 min of a CI run).
 build_tests() {
     stage "building the tests"
-    cargo test --workspace --no-run --quiet --message-format=json-render-diagnostics |
+    # Niced: it runs beside the first lab jobs, whose guests notice time
+    # lost to it (an rl test's 60 s command overran beside it).
+    nice -n 10 cargo test --workspace --no-run --quiet --message-format=json-render-diagnostics |
         python3 -c 'import json,sys
 for line in sys.stdin:
     m = json.loads(line)
