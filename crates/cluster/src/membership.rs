@@ -86,7 +86,6 @@ impl Registration {
     /// slots in the same transaction, or the claim is refused as
     /// [`Claim::TeamFull`].
     pub async fn claim_in_team(&self, id: &str, team: Option<&str>) -> Result<Claim, ClusterError> {
-        let key = keyspace::sandbox_key(id);
         let route = {
             let record = self.lock();
             SandboxRoute {
@@ -97,19 +96,19 @@ impl Registration {
                 running: None,
             }
         };
-        let absent = || Compare::create_revision(key.clone(), CompareOp::Equal, 0);
-        self.with_slot(id, team, route, absent).await
+        self.with_slot(id, team, route, None).await
     }
 
-    /// Writes `route` for `id` if `unchanged` holds and this node holds its
-    /// lease, taking a slot of `team` if it has a quota; tried again while
-    /// only the slot was lost to another sandbox (or the quota changed).
+    /// Writes `route` for `id` if its record is still at `seen` (its mod
+    /// revision; None: no record) and this node holds its lease, taking a
+    /// slot of `team` if it has a quota; tried again while only the slot was
+    /// lost to another sandbox (or the quota changed).
     async fn with_slot(
         &self,
         id: &str,
         team: Option<&str>,
         mut route: SandboxRoute,
-        unchanged: impl Fn() -> Compare,
+        seen: Option<i64>,
     ) -> Result<Claim, ClusterError> {
         // Each lost try is a slot another sandbox won: a burst ends in
         // a full team long before this.
@@ -118,8 +117,12 @@ impl Registration {
         let node_key = keyspace::node_key(&route.node_id);
         let mut client = self.cluster.client();
         for _ in 0..ATTEMPTS {
+            let unchanged = match seen {
+                None => Compare::create_revision(key.clone(), CompareOp::Equal, 0),
+                Some(rev) => Compare::mod_revision(key.clone(), CompareOp::Equal, rev),
+            };
             let mut when = vec![
-                unchanged(),
+                unchanged,
                 crate::node_holds(&route.node_id, route.incarnation),
             ];
             let mut then = Vec::new();
@@ -167,34 +170,22 @@ impl Registration {
             if found(1).is_none_or(|node| node.lease() != route.incarnation) {
                 return Ok(Claim::Refused);
             }
-            if team.is_none() || !self.still_as_expected(&unchanged).await? {
-                return Ok(match self.holds(id, &route).await? {
-                    true => Claim::Claimed,
-                    false => Claim::Refused,
-                });
+            // The record changed: claimed meanwhile (by this incarnation,
+            // the reconciler, or by another node), or rewritten.
+            let now = found(0);
+            if now.as_ref().map(|kv| kv.mod_revision()) != seen {
+                let ours = match &now {
+                    Some(kv) => {
+                        let now: SandboxRoute = crate::decode(kv.key(), kv.value())?;
+                        now.node_id == route.node_id && now.incarnation == route.incarnation
+                    }
+                    None => false,
+                };
+                return Ok(if ours { Claim::Claimed } else { Claim::Refused });
             }
         }
         tracing::warn!("cluster: sandbox {id}: no slot of its team taken in {ATTEMPTS} tries");
         Ok(Claim::Refused)
-    }
-
-    /// Whether `unchanged` still holds for the route (so a failed write
-    /// lost only its slot, and is worth trying again).
-    async fn still_as_expected(
-        &self,
-        unchanged: &impl Fn() -> Compare,
-    ) -> Result<bool, ClusterError> {
-        let txn = Txn::new().when([unchanged()]);
-        Ok(crate::send(&mut self.cluster.client(), txn)
-            .await?
-            .succeeded())
-    }
-
-    /// Whether `id`'s route is this incarnation's.
-    async fn holds(&self, id: &str, route: &SandboxRoute) -> Result<bool, ClusterError> {
-        Ok(self.cluster.sandbox(id).await?.is_some_and(|r| {
-            r.value.node_id == route.node_id && r.value.incarnation == route.incarnation
-        }))
     }
 
     /// `id`, which this node owns, stops running (a pause): its team's slot
@@ -223,9 +214,7 @@ impl Registration {
         if seen.value.running.is_some() {
             return Ok(Claim::Claimed);
         }
-        let key = keyspace::sandbox_key(id);
-        let unchanged = || Compare::mod_revision(key.clone(), CompareOp::Equal, seen.mod_revision);
-        self.with_slot(id, team, seen.value.clone(), unchanged)
+        self.with_slot(id, team, seen.value.clone(), Some(seen.mod_revision))
             .await
     }
 

@@ -122,6 +122,11 @@ async fn a_sandbox_is_claimed_once_and_released_only_by_its_owner() {
     assert!(x.unwrap() ^ y.unwrap());
 }
 
+/// The team slot sandbox `id`'s route holds.
+async fn running_slot(cluster: &Cluster, id: &str) -> Option<cluster::RunningSlot> {
+    cluster.sandbox(id).await.unwrap().unwrap().value.running
+}
+
 #[tokio::test]
 async fn a_team_quota_holds_across_nodes_claiming_at_once() {
     let etcd = Etcd::start().unwrap();
@@ -208,16 +213,7 @@ async fn a_team_quota_holds_across_nodes_claiming_at_once() {
     // free slot again.
     let paused = &claimed[1];
     assert!(owner(paused).stop_running(paused).await.unwrap());
-    assert!(
-        cluster
-            .sandbox(paused)
-            .await
-            .unwrap()
-            .unwrap()
-            .value
-            .running
-            .is_none()
-    );
+    assert!(running_slot(&cluster, paused).await.is_none());
     assert_eq!(
         nodes[1].claim_in_team("t2", Some("red")).await.unwrap(),
         Claim::Claimed
@@ -237,16 +233,7 @@ async fn a_team_quota_holds_across_nodes_claiming_at_once() {
             .unwrap(),
         Claim::Claimed
     );
-    assert!(
-        cluster
-            .sandbox(paused)
-            .await
-            .unwrap()
-            .unwrap()
-            .value
-            .running
-            .is_some()
-    );
+    assert!(running_slot(&cluster, paused).await.is_some());
 
     // A lowered quota: what runs runs on, nothing new starts until the team
     // is below it.
