@@ -1,9 +1,11 @@
 #!/bin/bash
-# Two sandfork nodes behind one gateway, with a real etcd member, all on
+# Two sandfork nodes behind two gateways, with a real etcd member, all on
 # loopback inside the KVM lab (one lab machine; the nodes' sandboxes are
 # real microVMs, run with --no-network since two nodes on one host would
 # take the same network slot names and ranges). Through the gateway: create,
-# run a command, list, kill; and both nodes registered. Then, with an S3
+# run a command, list, kill; and both nodes registered. A team's sandbox
+# limit holds across both gateways and nodes (made through one, its key
+# through the other; creates racing through both). Then, with an S3
 # server (SeaweedFS's weed, from scripts/deps.sh) as the object store: a
 # sandbox paused on its node, that node killed with SIGKILL and its data
 # dir removed, resumed through the gateway on the other node with its files
@@ -90,19 +92,21 @@ for n in 1 2; do
     pids+=($!)
     node_pid[n$n]=$!
 done
-gw=$(free_port)
+gw=$(free_port) gw2=$(free_port)
 "$bin" serve --role gateway --listen "127.0.0.1:$gw" >"$work/gw.log" 2>&1 &
+pids+=($!)
+"$bin" serve --role gateway --listen "127.0.0.1:$gw2" >"$work/gw2.log" 2>&1 &
 pids+=($!)
 export SANDFORK_API_URL=http://127.0.0.1:$gw
 
 start=$SECONDS
-for port in "${ports[@]}" "$gw"; do
+for port in "${ports[@]}" "$gw" "$gw2"; do
     until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
         ((SECONDS - start < 800)) || { tail -n 30 "$work"/*.log >&2; die "no /health on $port"; }
         sleep 1
     done
 done
-log "etcd, 2 nodes and the gateway up in $((SECONDS - start)) s"
+log "etcd, 2 nodes and 2 gateways up in $((SECONDS - start)) s"
 registered=$(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --prefix --keys-only /sandfork/v1/nodes/ | grep -c . || true)
 [[ $registered == 2 ]] || die "nodes registered: $registered, expected 2"
 
@@ -172,6 +176,54 @@ done
 listed=$("$bin" ls)
 ! grep -q "$a" <<<"$listed" || die "$a still listed after its kill"
 log "PASS: create, exec, ls and kill through the gateway on 2 nodes"
+
+# --- a team's limit holds across gateways and nodes --------------------------
+# The team is made through one gateway (so on one node), its key through the
+# other: both are in etcd, and every node accepts the key.
+team=$("$bin" team create quota --max-sandboxes 2) || die "team create through $gw"
+key=$(SANDFORK_API_URL=http://127.0.0.1:$gw2 "$bin" key create "$team") || die "key create through $gw2"
+as_team() { # GATEWAY_PORT ARGS...: the CLI as the team through that gateway
+    local port=$1
+    shift
+    SANDFORK_API_URL=http://127.0.0.1:$port SANDFORK_API_KEY=$key "$bin" "$@"
+}
+# Six creates at once, three through each gateway, placed over both nodes.
+creators=()
+for i in 1 2 3 4 5 6; do
+    port=$gw
+    ((i % 2)) || port=$gw2
+    as_team "$port" create --timeout 900 >"$work/q$i.out" 2>"$work/q$i.err" &
+    creators+=($!)
+done
+made=() refused=0
+for i in 1 2 3 4 5 6; do
+    if wait "${creators[i - 1]}"; then
+        made+=("$(cat "$work/q$i.out")")
+    elif grep -q 'maximum number of concurrent sandboxes (2)' "$work/q$i.err"; then
+        refused=$((refused + 1))
+    else
+        die "create $i as the team failed otherwise: $(cat "$work/q$i.err")"
+    fi
+done
+((${#made[@]} == 2 && refused == 4)) || die "a team of 2 got ${#made[@]} sandboxes from 6 racing creates (${refused} refused)"
+slots() { ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --prefix --keys-only "/sandfork/v1/teams/$team/running/" | grep -c . || true; }
+[[ $(slots) == 2 ]] || die "the team holds $(slots) slots for 2 sandboxes"
+listed=$(as_team "$gw2" ls --json | python3 -c 'import json, sys; print(len(json.load(sys.stdin)))')
+[[ $listed == 2 ]] || die "the team lists $listed sandboxes"
+# A pause gives a slot back: a create fits, and the paused one's resume
+# is then refused until a kill frees one.
+as_team "$gw" pause "${made[0]}" >/dev/null || die "pausing ${made[0]}"
+third=$(as_team "$gw2" create --timeout 900) || die "a create after a pause"
+if as_team "$gw" resume "${made[0]}" 2>"$work/q-resume.err"; then
+    die "the resume of ${made[0]} went beyond the team's 2"
+fi
+grep -q 'maximum number of concurrent sandboxes (2)' "$work/q-resume.err" || die "resume refused otherwise: $(cat "$work/q-resume.err")"
+as_team "$gw2" rm "$third" >/dev/null || die "kill $third"
+as_team "$gw" resume "${made[0]}" >/dev/null || die "resuming ${made[0]} after a kill"
+[[ $(as_team "$gw2" exec "${made[0]}" -- echo back) == back ]] || die "exec in the resumed ${made[0]}"
+as_team "$gw" rm "${made[@]}" >/dev/null || die "kill the team's sandboxes"
+[[ $(slots) == 0 ]] || die "the team holds $(slots) slots after its kills"
+log "PASS: a team of 2: 6 creates racing through 2 gateways made 2 (4 refused, 429); a pause freed a slot, a resume beyond the limit was refused"
 
 # --- a durable pause survives its node ---------------------------------------
 t0=$SECONDS

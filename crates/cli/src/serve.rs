@@ -426,6 +426,12 @@ async fn serve(args: ServeArgs) -> Result<()> {
         .await
         .context("connecting to etcd")?;
     let manager = node.state.manager.clone();
+    // Before the node is registered (and gets requests): the cluster's
+    // teams and keys replace the node's own.
+    let _tenants =
+        server::cluster::follow_tenants(etcd.clone(), &node.state.keys, manager.capacity())
+            .await
+            .context("loading the cluster's teams and API keys")?;
     let registration = cluster::Registration::start(
         etcd,
         &node_id,
@@ -455,6 +461,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         manager,
         keys: node.state.keys.clone(),
         durable,
+        changing: Default::default(),
     });
     // Sandboxes recovered at start are mapped before the first request.
     member.reconcile().await;

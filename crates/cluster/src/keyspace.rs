@@ -6,6 +6,9 @@
 //! | `sandboxes/{id}` | [`SandboxRoute`] | create to kill (not lease-bound: a paused sandbox outlives its node) |
 //! | `teams/{team}/quota` | [`TeamQuota`] | set by the team's admin |
 //! | `teams/{team}/running/{slot}` | the sandbox ID | while the sandbox runs, under its node's lease |
+//! | `tenants/teams/{team}` | the node's team record (its JSON) | created and changed by an admin |
+//! | `tenants/names/{name}` | the team ID | with the team: keeps names unique |
+//! | `tenants/keys/{sha256}` | the node's API key record (its JSON) | created to revoked |
 
 use serde::{Deserialize, Serialize};
 
@@ -13,6 +16,10 @@ pub const PREFIX: &str = "/sandfork/v1/";
 pub const NODES: &str = "/sandfork/v1/nodes/";
 pub const SANDBOXES: &str = "/sandfork/v1/sandboxes/";
 pub const TEAMS: &str = "/sandfork/v1/teams/";
+pub const TENANTS: &str = "/sandfork/v1/tenants/";
+pub const TENANT_TEAMS: &str = "/sandfork/v1/tenants/teams/";
+pub const TENANT_NAMES: &str = "/sandfork/v1/tenants/names/";
+pub const TENANT_KEYS: &str = "/sandfork/v1/tenants/keys/";
 
 pub fn node_key(node_id: &str) -> String {
     format!("{NODES}{node_id}")
@@ -39,6 +46,19 @@ pub fn team_slots_prefix(team: &str) -> String {
 
 pub fn team_slot_key(team: &str, slot: u64) -> String {
     format!("{}{slot}", team_slots_prefix(team))
+}
+
+pub fn team_record_key(team: &str) -> String {
+    format!("{TENANT_TEAMS}{team}")
+}
+
+pub fn team_name_key(name: &str) -> String {
+    format!("{TENANT_NAMES}{name}")
+}
+
+/// The record of the API key whose SHA-256 is `hash` (hex).
+pub fn api_key_key(hash: &str) -> String {
+    format!("{TENANT_KEYS}{hash}")
 }
 
 /// A node ID (or a team's) names one key segment: letters, digits, `-`,

@@ -12,6 +12,7 @@ pub mod keyspace;
 mod membership;
 pub mod objects;
 pub mod quota;
+pub mod tenants;
 pub mod view;
 
 use std::time::Duration;
@@ -21,9 +22,10 @@ use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, Txn, T
 pub use keyspace::{
     DurablePause, NodeCapacity, NodeLoad, NodeRecord, RunningSlot, SandboxRoute, TeamQuota,
 };
-pub use membership::Registration;
+pub use membership::{LocalSandbox, Registration};
 pub use objects::ObjectStore;
 pub use quota::Claim;
+pub use tenants::{TenantChange, TenantRecords, Tenants};
 pub use view::View;
 
 #[derive(Debug, thiserror::Error)]
@@ -270,7 +272,7 @@ where
 }
 
 /// Sends a conditional transaction (see [`retried`]): whether it applied.
-async fn send_txn(client: &mut Client, txn: Txn) -> Result<bool, ClusterError> {
+pub(crate) async fn send_txn(client: &mut Client, txn: Txn) -> Result<bool, ClusterError> {
     Ok(send(client, txn).await?.succeeded())
 }
 

@@ -2,7 +2,7 @@
 //! rewritten when its load changes, made anew (a new incarnation) if the
 //! lease is lost; and the node's side of the sandbox map.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -13,6 +13,15 @@ use tokio::task::JoinHandle;
 use crate::keyspace::{self, NodeCapacity, NodeLoad, NodeRecord, RunningSlot, SandboxRoute};
 use crate::quota::{self, Claim};
 use crate::{Cluster, ClusterError, Versioned};
+
+/// A sandbox as the node holds it, for [`Registration::reconcile`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalSandbox {
+    pub id: String,
+    /// Its team (the quota it counts against while it runs).
+    pub team: String,
+    pub running: bool,
+}
 
 /// A registered node. Dropping it stops the keep-alive (the lease then
 /// expires); [`Registration::leave`] deletes the record at once.
@@ -295,23 +304,62 @@ impl Registration {
     }
 
     /// Makes the map agree with the sandboxes the node holds: claims those
-    /// it lacks, releases this node's records of those gone. Returns how
-    /// many of each. Records of an earlier incarnation are moved to this
-    /// one (release, then claim), since only a live lease can change them.
-    pub async fn reconcile(&self, local: &[String]) -> Result<(usize, usize), ClusterError> {
+    /// it lacks, releases this node's records of those gone, and gives each
+    /// team's slots to the sandboxes that run (a sandbox paused or resumed
+    /// without the API: its timeout, memory pressure). Returns how many
+    /// were claimed and released. Records of an earlier incarnation are
+    /// moved to this one (release, then claim), since only a live lease can
+    /// change them. A sandbox that runs with its team at its quota (one
+    /// adopted after a restart) is still claimed, without a slot, and
+    /// reported: the map must name it to serve it. The slots of sandboxes
+    /// `changing` names (a pause or resume the node is making, or made
+    /// since it listed them) are left to that change.
+    pub async fn reconcile(
+        &self,
+        local: &[LocalSandbox],
+        changing: impl Fn(&str) -> bool,
+    ) -> Result<(usize, usize), ClusterError> {
         let node_id = self.node_id();
         let incarnation = self.incarnation();
-        let local: BTreeSet<&str> = local.iter().map(String::as_str).collect();
+        let local: BTreeMap<&str, &LocalSandbox> =
+            local.iter().map(|s| (s.id.as_str(), s)).collect();
         let mut client = self.cluster.client();
         let mut mapped = BTreeSet::new();
         let (mut claimed, mut released) = (0, 0);
+        let mut quotas = BTreeMap::new();
         for (id, seen) in self.cluster.sandboxes().await? {
             if seen.value.node_id != node_id {
                 continue;
             }
             let current = seen.value.incarnation == incarnation;
-            if local.contains(id.as_str()) && current {
-                mapped.insert(id);
+            if let (Some(sandbox), true) = (local.get(id.as_str()), current) {
+                mapped.insert(id.clone());
+                if changing(&id) {
+                    continue;
+                }
+                // Against the route as read: one changed since is left alone.
+                match (sandbox.running, seen.value.running.is_some()) {
+                    (false, true) => {
+                        let route = SandboxRoute {
+                            running: None,
+                            ..seen.value.clone()
+                        };
+                        crate::update(&mut client, &id, &seen, &route).await?;
+                    }
+                    (true, false) if self.has_quota(&sandbox.team, &mut quotas).await? => {
+                        let team = Some(sandbox.team.as_str());
+                        let claim = self
+                            .with_slot(&id, team, seen.value.clone(), Some(seen.mod_revision))
+                            .await?;
+                        if let Claim::TeamFull { limit } = claim {
+                            tracing::warn!(
+                                "cluster: sandbox {id} runs beyond its team {}'s quota of {limit}",
+                                sandbox.team
+                            );
+                        }
+                    }
+                    _ => {}
+                }
                 continue;
             }
             // A stale incarnation's record fails the lease compare: only a
@@ -324,12 +372,40 @@ impl Registration {
                 );
             }
         }
-        for id in local {
-            if !mapped.contains(id) && self.claim(id).await? {
+        for (id, sandbox) in local {
+            if mapped.contains(id) {
+                continue;
+            }
+            let team = sandbox.running.then_some(sandbox.team.as_str());
+            let claim = match self.claim_in_team(id, team).await? {
+                Claim::TeamFull { limit } => {
+                    tracing::warn!(
+                        "cluster: sandbox {id} runs beyond its team {}'s quota of {limit}",
+                        sandbox.team
+                    );
+                    self.claim_in_team(id, None).await?
+                }
+                claim => claim,
+            };
+            if claim == Claim::Claimed {
                 claimed += 1;
             }
         }
         Ok((claimed, released))
+    }
+
+    /// Whether `team` has a quota, asked of etcd once per reconcile.
+    async fn has_quota(
+        &self,
+        team: &str,
+        known: &mut BTreeMap<String, bool>,
+    ) -> Result<bool, ClusterError> {
+        if let Some(has) = known.get(team) {
+            return Ok(*has);
+        }
+        let has = self.cluster.team_quota(team).await?.max_sandboxes.is_some();
+        known.insert(team.to_owned(), has);
+        Ok(has)
     }
 
     /// Deletes the node's record and revokes its lease.

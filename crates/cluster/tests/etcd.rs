@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use cluster::harness::Etcd;
 use std::sync::Arc;
 
-use cluster::{Claim, Cluster, NodeCapacity, NodeLoad, Registration, TeamQuota};
+use cluster::{Claim, Cluster, LocalSandbox, NodeCapacity, NodeLoad, Registration, TeamQuota};
 
 const CAPACITY: NodeCapacity = NodeCapacity {
     max_sandboxes: 4,
@@ -323,11 +323,19 @@ async fn reconcile_makes_the_map_match_the_node() {
     assert!(a.claim("gone").await.unwrap());
     assert!(a.claim("kept").await.unwrap());
     assert!(b.claim("theirs").await.unwrap());
-    let ids = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let ids = |v: &[&str]| {
+        v.iter()
+            .map(|s| LocalSandbox {
+                id: s.to_string(),
+                team: "default".into(),
+                running: true,
+            })
+            .collect::<Vec<_>>()
+    };
 
     // a holds "kept" and "forked" now; "gone" timed out; "theirs" is b's.
     let (claimed, released) = a
-        .reconcile(&ids(&["kept", "forked", "theirs"]))
+        .reconcile(&ids(&["kept", "forked", "theirs"]), |_| false)
         .await
         .unwrap();
     assert_eq!((claimed, released), (1, 1));
@@ -339,10 +347,141 @@ async fn reconcile_makes_the_map_match_the_node() {
     assert_eq!(owners, [("forked", "a"), ("kept", "a"), ("theirs", "b")]);
     // Nothing to do the second time.
     let again = a
-        .reconcile(&ids(&["kept", "forked", "theirs"]))
+        .reconcile(&ids(&["kept", "forked", "theirs"]), |_| false)
         .await
         .unwrap();
     assert_eq!(again, (0, 0));
+}
+
+#[tokio::test]
+async fn reconcile_gives_team_slots_to_what_runs_and_takes_them_from_what_paused() {
+    let etcd = Etcd::start().unwrap();
+    let cluster = connect(&etcd).await;
+    let a = Registration::start(
+        cluster.clone(),
+        "a",
+        "127.0.0.1:1",
+        CAPACITY,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    let quota = TeamQuota {
+        max_sandboxes: Some(2),
+    };
+    cluster.set_team_quota("t", &quota).await.unwrap();
+    let local = |states: &[(&str, bool)]| {
+        states
+            .iter()
+            .map(|(id, running)| LocalSandbox {
+                id: id.to_string(),
+                team: "t".into(),
+                running: *running,
+            })
+            .collect::<Vec<_>>()
+    };
+    // Claimed by the reconciler: the running ones take slots, the paused
+    // one none; a third running one is over the quota and still mapped.
+    let first = local(&[("r1", true), ("p1", false), ("r2", true), ("r3", true)]);
+    assert_eq!(a.reconcile(&first, |_| false).await.unwrap(), (4, 0));
+    let held = cluster.running_slots("t").await.unwrap();
+    assert_eq!(held.len(), 2, "{held:?}");
+    assert!(running_slot(&cluster, "p1").await.is_none());
+    assert!(cluster.sandbox("r3").await.unwrap().is_some());
+    // r1 paused by its timeout: its slot goes back and r3 takes it (the
+    // routes are gone through in ID order).
+    let second = local(&[("r1", false), ("p1", false), ("r2", true), ("r3", true)]);
+    a.reconcile(&second, |_| false).await.unwrap();
+    assert!(running_slot(&cluster, "r1").await.is_none());
+    assert!(running_slot(&cluster, "r3").await.is_some());
+    // A sandbox some request is changing is left alone.
+    let third = local(&[("r1", true), ("p1", false), ("r2", false), ("r3", true)]);
+    a.reconcile(&third, |id| id == "r2").await.unwrap();
+    assert!(running_slot(&cluster, "r2").await.is_some());
+    assert!(running_slot(&cluster, "r1").await.is_none());
+}
+
+#[tokio::test]
+async fn teams_and_keys_reach_every_follower_and_names_stay_unique() {
+    use std::sync::Mutex;
+
+    use cluster::{TenantChange, TenantRecords, Tenants};
+
+    let etcd = Etcd::start().unwrap();
+    let cluster = connect(&etcd).await;
+    let quota = TeamQuota {
+        max_sandboxes: Some(3),
+    };
+    assert!(
+        cluster
+            .create_team("team_1", "red", b"{\"v\":1}", &quota)
+            .await
+            .unwrap()
+    );
+    // A node's copy: what it was handed, applied as a node does.
+    let copy = Arc::new(Mutex::new(TenantRecords::default()));
+    let follower = {
+        let copy = copy.clone();
+        Tenants::start(cluster.clone(), move |change| {
+            let mut copy = copy.lock().unwrap();
+            match change {
+                TenantChange::Loaded(all) => *copy = all,
+                TenantChange::Team { id, record } => {
+                    copy.teams.insert(id, record);
+                }
+                TenantChange::Key { hash, record } => {
+                    copy.keys.insert(hash, record);
+                }
+                TenantChange::KeyRevoked { hash } => {
+                    copy.keys.remove(&hash);
+                }
+            }
+        })
+        .await
+        .unwrap()
+    };
+    // Loaded before start returns.
+    assert_eq!(copy.lock().unwrap().teams.len(), 1);
+    assert_eq!(cluster.team_quota("team_1").await.unwrap(), quota);
+    // Another node making a team of the same name is refused.
+    assert!(
+        !cluster
+            .create_team("team_2", "red", b"{}", &quota)
+            .await
+            .unwrap()
+    );
+    let lowered = TeamQuota {
+        max_sandboxes: Some(1),
+    };
+    cluster
+        .put_team("team_1", b"{\"v\":2}", &lowered)
+        .await
+        .unwrap();
+    assert_eq!(cluster.team_quota("team_1").await.unwrap(), lowered);
+    cluster
+        .put_key("ab12", b"{\"team\":\"team_1\"}")
+        .await
+        .unwrap();
+    cluster.put_key("cd34", b"{}").await.unwrap();
+    eventually(
+        "the follower sees the keys",
+        Duration::from_secs(5),
+        async || copy.lock().unwrap().keys.len() == 2,
+    )
+    .await;
+    assert!(cluster.revoke_key("cd34").await.unwrap());
+    assert!(!cluster.revoke_key("cd34").await.unwrap());
+    eventually(
+        "the follower sees the revocation",
+        Duration::from_secs(5),
+        async || {
+            let copy = copy.lock().unwrap();
+            copy.keys.keys().collect::<Vec<_>>() == ["ab12"]
+                && copy.teams.get("team_1").map(Vec::as_slice) == Some(b"{\"v\":2}".as_slice())
+        },
+    )
+    .await;
+    drop(follower);
 }
 
 #[tokio::test]

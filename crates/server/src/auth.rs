@@ -2,14 +2,19 @@
 //! SHA-256 is stored. The node's own key (the bootstrap key) is shown once,
 //! in a 0600 file in the data dir; it is the default team's and the admin's.
 //! Teams' keys are made through the admin routes (see [`crate::tenants`]).
+//!
+//! On a node in a cluster, teams and keys are the cluster's: written to etcd
+//! (not the node's store) and followed there by every node's copy
+//! ([`ApiKeys::apply`]), so a key made through one node works on all.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
+use cluster::{Cluster, ClusterError, TeamQuota, TenantChange};
 use sha2::{Digest, Sha256};
 
 use crate::capacity::TeamLimits;
@@ -44,6 +49,10 @@ pub enum AuthError {
     NoKey(String),
     #[error("{0}")]
     Invalid(String),
+    #[error("the cluster's teams and keys: {0}")]
+    Cluster(#[from] ClusterError),
+    #[error("a team or key record: {0}")]
+    Record(#[from] serde_json::Error),
 }
 
 /// What the server accepts: the node's own key, and each team's keys. Clones
@@ -60,8 +69,11 @@ struct Directory {
     keys: RwLock<HashMap<[u8; 32], KeyEntry>>,
     /// Teams by id (the default team only when it has settings).
     teams: RwLock<BTreeMap<String, TeamRecord>>,
-    /// One change of teams or keys at a time (names stay unique).
-    changing: Mutex<()>,
+    /// One change of teams or keys at a time (names stay unique on the
+    /// node; etcd keeps them unique in a cluster).
+    changing: tokio::sync::Mutex<()>,
+    /// Set when the node is in a cluster: changes are written there.
+    cluster: OnceLock<Cluster>,
     limiter: RateLimiter,
     /// Requests per second of each key of a team that sets none (0: none).
     default_rate: u32,
@@ -103,7 +115,8 @@ impl ApiKeys {
                 admin,
                 keys: RwLock::default(),
                 teams: RwLock::default(),
-                changing: Mutex::default(),
+                changing: tokio::sync::Mutex::default(),
+                cluster: OnceLock::new(),
                 limiter: RateLimiter::default(),
                 default_rate,
             }),
@@ -209,8 +222,93 @@ impl ApiKeys {
             .or_else(|| self.teams().into_iter().find(|t| t.name == wanted))
     }
 
+    /// From now on, teams and keys are changed in `cluster` (whose records
+    /// [`ApiKeys::apply`] follows) instead of the node's store.
+    pub fn join_cluster(&self, cluster: Cluster) {
+        if self.inner.cluster.set(cluster).is_err() {
+            tracing::warn!("the API keys joined a cluster twice; the first one is kept");
+        }
+    }
+
+    /// Applies a change of the cluster's teams and keys to this copy.
+    pub fn apply(&self, change: TenantChange) {
+        match change {
+            TenantChange::Loaded(records) => {
+                let teams = records
+                    .teams
+                    .iter()
+                    .filter_map(|(id, bytes)| decoded::<TeamRecord>(id, bytes))
+                    .map(|t| (t.id.clone(), t))
+                    .collect();
+                let keys = records
+                    .keys
+                    .iter()
+                    .filter_map(|(hex, bytes)| key_entry(hex, bytes))
+                    .collect();
+                *self.inner.teams.write().unwrap_or_else(|p| p.into_inner()) = teams;
+                *self.inner.keys.write().unwrap_or_else(|p| p.into_inner()) = keys;
+            }
+            TenantChange::Team { id, record } => {
+                if let Some(team) = decoded::<TeamRecord>(&id, &record) {
+                    self.insert_team(team);
+                }
+            }
+            TenantChange::Key { hash, record } => {
+                if let Some((h, entry)) = key_entry(&hash, &record) {
+                    self.inner
+                        .keys
+                        .write()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(h, entry);
+                }
+            }
+            TenantChange::KeyRevoked { hash } => {
+                if let Some(h) = unhex32(&hash) {
+                    self.forget_key(&h);
+                }
+            }
+        }
+    }
+
+    fn insert_team(&self, team: TeamRecord) {
+        let mut teams = self.inner.teams.write().unwrap_or_else(|p| p.into_inner());
+        teams.insert(team.id.clone(), team);
+    }
+
+    fn forget_key(&self, h: &[u8; 32]) {
+        self.inner
+            .keys
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(h);
+        self.inner.limiter.forget(h);
+    }
+
+    /// Writes `team` where teams are kept (the store, or the cluster with
+    /// its quota); `new`: only if no team has its name (in the cluster).
+    async fn put_team(&self, store: &Store, team: &TeamRecord, new: bool) -> Result<(), AuthError> {
+        let Some(cluster) = self.inner.cluster.get() else {
+            return Ok(store.put_team(team)?);
+        };
+        let record = serde_json::to_vec(team)?;
+        let quota = TeamQuota {
+            max_sandboxes: team.limits.max_sandboxes,
+        };
+        if !new {
+            return Ok(cluster.put_team(&team.id, &record, &quota).await?);
+        }
+        if cluster
+            .create_team(&team.id, &team.name, &record, &quota)
+            .await?
+        {
+            Ok(())
+        } else {
+            Err(AuthError::TeamExists(team.name.clone()))
+        }
+    }
+
     /// Makes a team named `name` (unique; letters, digits, `-`, `_`, `.`).
-    pub fn create_team(
+    pub async fn create_team(
         &self,
         store: &Store,
         name: &str,
@@ -218,11 +316,7 @@ impl ApiKeys {
         requests_per_second: Option<u32>,
     ) -> Result<TeamRecord, AuthError> {
         check_team_name(name)?;
-        let _one = self
-            .inner
-            .changing
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let _one = self.inner.changing.lock().await;
         if self.team(name).is_some() {
             return Err(AuthError::TeamExists(name.to_owned()));
         }
@@ -237,36 +331,30 @@ impl ApiKeys {
             limits,
             requests_per_second,
         };
-        store.put_team(&team)?;
-        let mut teams = self.inner.teams.write().unwrap_or_else(|p| p.into_inner());
-        teams.insert(team.id.clone(), team.clone());
+        self.put_team(store, &team, true).await?;
+        self.insert_team(team.clone());
         Ok(team)
     }
 
     /// Changes team `wanted`'s limits and rate (the default team's too).
-    pub fn update_team(
+    pub async fn update_team(
         &self,
         store: &Store,
         wanted: &str,
         change: impl FnOnce(&mut TeamRecord),
     ) -> Result<TeamRecord, AuthError> {
-        let _one = self
-            .inner
-            .changing
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let _one = self.inner.changing.lock().await;
         let mut team = self
             .team(wanted)
             .ok_or_else(|| AuthError::NoTeam(wanted.to_owned()))?;
         change(&mut team);
-        store.put_team(&team)?;
-        let mut teams = self.inner.teams.write().unwrap_or_else(|p| p.into_inner());
-        teams.insert(team.id.clone(), team.clone());
+        self.put_team(store, &team, false).await?;
+        self.insert_team(team.clone());
         Ok(team)
     }
 
     /// A new key for team `wanted`: the key (shown once) and its record.
-    pub fn create_key(
+    pub async fn create_key(
         &self,
         store: &Store,
         wanted: &str,
@@ -275,11 +363,7 @@ impl ApiKeys {
         let team = self
             .team(wanted)
             .ok_or_else(|| AuthError::NoTeam(wanted.to_owned()))?;
-        let _one = self
-            .inner
-            .changing
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let _one = self.inner.changing.lock().await;
         let key = generate()?;
         let h = hash(&key);
         let hex = ids::hex(&h);
@@ -290,7 +374,10 @@ impl ApiKeys {
             mask: crate::tenants::mask(&key),
             created_at_ms: now_ms(),
         };
-        store.put_key(&hex, &record)?;
+        match self.inner.cluster.get() {
+            Some(cluster) => cluster.put_key(&hex, &serde_json::to_vec(&record)?).await?,
+            None => store.put_key(&hex, &record)?,
+        }
         let mut keys = self.inner.keys.write().unwrap_or_else(|p| p.into_inner());
         keys.insert(
             h,
@@ -315,25 +402,23 @@ impl ApiKeys {
     }
 
     /// Revokes the key whose id is `id`: its next request is refused (401).
-    pub fn revoke_key(&self, store: &Store, id: &str) -> Result<KeyRecord, AuthError> {
-        let _one = self
-            .inner
-            .changing
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+    pub async fn revoke_key(&self, store: &Store, id: &str) -> Result<KeyRecord, AuthError> {
+        let _one = self.inner.changing.lock().await;
         let found = self
             .read_keys()
             .iter()
             .find(|(_, k)| k.record.id == id)
             .map(|(h, k)| (*h, k.record.clone()));
         let (h, record) = found.ok_or_else(|| AuthError::NoKey(id.to_owned()))?;
-        store.remove_key(&ids::hex(&h))?;
-        self.inner
-            .keys
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&h);
-        self.inner.limiter.forget(&h);
+        match self.inner.cluster.get() {
+            Some(cluster) => {
+                cluster.revoke_key(&ids::hex(&h)).await?;
+            }
+            None => {
+                store.remove_key(&ids::hex(&h))?;
+            }
+        }
+        self.forget_key(&h);
         Ok(record)
     }
 }
@@ -346,6 +431,29 @@ fn default_team() -> TeamRecord {
         limits: TeamLimits::default(),
         requests_per_second: None,
     }
+}
+
+/// A record as the cluster keeps it; a malformed one is left out (with a
+/// warning: a node must not stop over another's bad write).
+fn decoded<T: serde::de::DeserializeOwned>(name: &str, bytes: &[u8]) -> Option<T> {
+    serde_json::from_slice(bytes)
+        .inspect_err(|e| tracing::warn!("cluster: team or key record {name}: {e}; ignored"))
+        .ok()
+}
+
+fn key_entry(hex: &str, bytes: &[u8]) -> Option<([u8; 32], KeyEntry)> {
+    let Some(h) = unhex32(hex) else {
+        tracing::warn!("cluster: API key record {hex}: not a SHA-256; ignored");
+        return None;
+    };
+    let record: KeyRecord = decoded(hex, bytes)?;
+    Some((
+        h,
+        KeyEntry {
+            team: Arc::from(record.team.as_str()),
+            record,
+        },
+    ))
 }
 
 fn check_team_name(name: &str) -> Result<(), AuthError> {
@@ -493,8 +601,8 @@ mod tests {
         assert!(!env.accepts(&key));
     }
 
-    #[test]
-    fn teams_and_keys_are_stored_hashed_and_load_again() {
+    #[tokio::test]
+    async fn teams_and_keys_are_stored_hashed_and_load_again() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("s.redb")).unwrap();
         let keys = ApiKeys::for_key("e2b_admin");
@@ -503,12 +611,15 @@ mod tests {
             max_sandboxes: Some(2),
             max_memory_mb: None,
         };
-        let team = keys.create_team(&store, "a", limits, Some(7)).unwrap();
+        let team = keys
+            .create_team(&store, "a", limits, Some(7))
+            .await
+            .unwrap();
         assert!(matches!(
-            keys.create_team(&store, "a", limits, None),
+            keys.create_team(&store, "a", limits, None).await,
             Err(AuthError::TeamExists(_))
         ));
-        let (key, record) = keys.create_key(&store, "a", "ci").unwrap();
+        let (key, record) = keys.create_key(&store, "a", "ci").await.unwrap();
         let caller = keys.authenticate(&key).unwrap();
         assert_eq!((&*caller.team, caller.admin), (team.id.as_str(), false));
         assert!(store.keys().unwrap().iter().all(|(h, r)| {
@@ -532,15 +643,16 @@ mod tests {
         assert_eq!(again.teams()[0].id, DEFAULT_TEAM);
         again
             .update_team(&store, DEFAULT_TEAM, |t| t.limits.max_sandboxes = Some(1))
+            .await
             .unwrap();
-        again.revoke_key(&store, &record.id).unwrap();
+        again.revoke_key(&store, &record.id).await.unwrap();
         assert!(again.authenticate(&key).is_none());
         let third = ApiKeys::for_key("e2b_admin");
         third.load(&store).unwrap();
         assert!(third.authenticate(&key).is_none());
         assert_eq!(third.teams()[0].limits.max_sandboxes, Some(1));
         assert!(matches!(
-            third.revoke_key(&store, &record.id),
+            third.revoke_key(&store, &record.id).await,
             Err(AuthError::NoKey(_))
         ));
     }

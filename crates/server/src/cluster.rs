@@ -9,6 +9,14 @@
 //! that the gateway marks with [`TAKE_IN_HEADER`] first takes the paused
 //! sandbox in from the store, moving its route to this node in a
 //! transaction that holds only if its old node is gone.
+//!
+//! A team's `max_sandboxes` holds across the cluster: a sandbox that runs
+//! holds one of its team's slots in etcd ([`cluster::quota`]), taken with its
+//! route (create, fork child, resume) and given back with it (kill, pause).
+//! A create or resume of a team at its limit answers 429 with
+//! [`crate::api::TEAM_LIMIT_HEADER`], and the gateway does not try another node.
+//!
+//! Teams and keys are the cluster's ([`follow_tenants`]).
 
 pub mod durable;
 
@@ -21,11 +29,14 @@ use axum::extract::{Request, State};
 use axum::http::{Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use cluster::{NodeCapacity, NodeLoad, Registration};
+use cluster::{Claim, Cluster, ClusterError, NodeCapacity, NodeLoad, Registration, Tenants};
 
 use crate::api::ApiError;
 use crate::auth::ApiKeys;
+use crate::capacity::Capacity;
 use crate::sandbox::Manager;
+use crate::store::SandboxState;
+use crate::tenants::team_or_default;
 
 /// Set by a gateway on a resume or connect it sends to a node other than
 /// the sandbox's, whose node is gone: take the sandbox in first.
@@ -44,6 +55,80 @@ pub struct Node {
     pub keys: ApiKeys,
     /// The object store pauses go to, if the cluster has one.
     pub durable: Option<durable::Durable>,
+    /// Pauses and resumes under way or made since the reconciler last
+    /// listed the sandboxes: their team slots are theirs to change.
+    pub changing: Changing,
+}
+
+/// Sandboxes whose running state an API request is changing (pause,
+/// resume), so the reconciler does not fix their slots from a list taken
+/// before that change.
+#[derive(Default)]
+pub struct Changing {
+    /// Requests under way, by sandbox.
+    now: std::sync::Mutex<std::collections::HashMap<String, usize>>,
+    /// Sandboxes changed since the reconciler's last list.
+    since_list: std::sync::Mutex<std::collections::HashSet<String>>,
+}
+
+impl Changing {
+    fn start(&self, id: &str) -> ChangeUnderWay<'_> {
+        *lock(&self.now).entry(id.to_owned()).or_default() += 1;
+        lock(&self.since_list).insert(id.to_owned());
+        ChangeUnderWay {
+            changing: self,
+            id: id.to_owned(),
+        }
+    }
+
+    /// Called as the reconciler lists the sandboxes.
+    fn listing(&self) {
+        lock(&self.since_list).clear();
+    }
+
+    fn contains(&self, id: &str) -> bool {
+        lock(&self.now).contains_key(id) || lock(&self.since_list).contains(id)
+    }
+}
+
+struct ChangeUnderWay<'a> {
+    changing: &'a Changing,
+    id: String,
+}
+
+impl Drop for ChangeUnderWay<'_> {
+    fn drop(&mut self) {
+        let mut now = lock(&self.changing.now);
+        if let Some(count) = now.get_mut(&self.id) {
+            *count -= 1;
+            if *count == 0 {
+                now.remove(&self.id);
+            }
+        }
+    }
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// From now on the node's teams and keys are the cluster's: loaded before
+/// it returns, then followed (with each team's limits given to the node's
+/// capacity); admin changes are written to etcd.
+pub async fn follow_tenants(
+    cluster: Cluster,
+    keys: &ApiKeys,
+    capacity: &Arc<Capacity>,
+) -> Result<Tenants, ClusterError> {
+    keys.join_cluster(cluster.clone());
+    let (keys, capacity) = (keys.clone(), capacity.clone());
+    Tenants::start(cluster, move |change| {
+        keys.apply(change);
+        for team in keys.teams() {
+            capacity.set_team_limits(&team.id, team.limits);
+        }
+    })
+    .await
 }
 
 /// What the node offers the cluster, from its capacity limits.
@@ -69,11 +154,20 @@ impl Node {
     /// One pass: the load and the map brought up to date.
     pub async fn reconcile(&self) {
         self.registration.set_load(self.load());
-        let ids: Vec<String> = match self.manager.list() {
-            Ok(list) => list.into_iter().map(|r| r.id).collect(),
+        self.changing.listing();
+        let local: Vec<cluster::LocalSandbox> = match self.manager.list() {
+            Ok(list) => list
+                .into_iter()
+                .map(|r| cluster::LocalSandbox {
+                    running: r.state == SandboxState::Running,
+                    team: team_or_default(r.team.as_deref()).to_owned(),
+                    id: r.id,
+                })
+                .collect(),
             Err(e) => return tracing::warn!("cluster: listing sandboxes: {e}"),
         };
-        match self.registration.reconcile(&ids).await {
+        let changing = |id: &str| self.changing.contains(id);
+        match self.registration.reconcile(&local, changing).await {
             Ok((0, 0)) => {}
             Ok((claimed, released)) => tracing::info!(
                 "cluster: reconciled the sandbox map: {claimed} claimed, {released} released"
@@ -101,6 +195,8 @@ pub fn layer(router: Router, node: Arc<Node>) -> Router {
 
 enum Change {
     Create,
+    /// A fork of a sandbox or a snapshot: its children are claimed.
+    Fork,
     Kill(String),
     Pause(String),
     /// A resume or connect.
@@ -115,6 +211,7 @@ fn change(method: &Method, path: &str) -> Change {
             Some(id) if !id.is_empty() && !id.contains('/') => Change::Kill(id.to_owned()),
             _ => Change::None,
         },
+        (&Method::POST, p) if p.starts_with("/snapshots/") && p.ends_with("/fork") => Change::Fork,
         (&Method::POST, p) => {
             let Some(rest) = p
                 .strip_prefix("/sandboxes/")
@@ -123,6 +220,7 @@ fn change(method: &Method, path: &str) -> Change {
                 return Change::None;
             };
             match rest.split_once('/') {
+                Some((id, "fork")) if !id.is_empty() => Change::Fork,
                 Some((id, "pause")) if !id.is_empty() => Change::Pause(id.to_owned()),
                 Some((id, "resume" | "connect")) if !id.is_empty() => Change::Resume(id.to_owned()),
                 _ => Change::None,
@@ -134,30 +232,58 @@ fn change(method: &Method, path: &str) -> Change {
 
 async fn track(State(node): State<Arc<Node>>, req: Request, next: Next) -> Response {
     let change = change(req.method(), req.uri().path());
-    if let Change::Resume(id) = &change
-        && req.headers().contains_key(TAKE_IN_HEADER)
-    {
-        let key = req
-            .headers()
-            .get(crate::auth::HEADER)
-            .and_then(|v| v.to_str().ok());
-        if !key.is_some_and(|k| node.keys.accepts(k)) {
+    if matches!(change, Change::None) {
+        return next.run(req).await;
+    }
+    // The caller's team (an unknown key: the API's own check answers).
+    let team = req
+        .headers()
+        .get(crate::auth::HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|k| node.keys.authenticate(k))
+        .map(|caller| caller.team);
+    let Some(team) = team else {
+        if matches!(change, Change::Resume(_)) && req.headers().contains_key(TAKE_IN_HEADER) {
             return ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "missing or invalid X-API-KEY header",
             )
             .into_response();
         }
-        if let Err(e) = take_in(&node, id).await {
+        return next.run(req).await;
+    };
+    let _under_way = match &change {
+        Change::Pause(id) | Change::Resume(id) => Some(node.changing.start(id)),
+        _ => None,
+    };
+    if let Change::Resume(id) = &change {
+        if req.headers().contains_key(TAKE_IN_HEADER)
+            && let Err(e) = take_in(&node, id).await
+        {
+            return e.into_response();
+        }
+        if let Err(e) = start_running(&node, id, &team).await {
             return e.into_response();
         }
     }
+    if matches!(change, Change::Create)
+        && let Err(e) = team_has_room(&node, &team).await
+    {
+        return e.into_response();
+    }
     let response = next.run(req).await;
     if !response.status().is_success() {
+        if let Change::Resume(id) = &change {
+            // Still paused: the slot taken for it goes back.
+            stop_running(&node, id).await;
+        }
         return response;
     }
     match change {
-        Change::Pause(id) => store_pause(&node, &id, response).await,
+        Change::Pause(id) => {
+            stop_running(&node, &id).await;
+            store_pause(&node, &id, response).await
+        }
         Change::Resume(id) => {
             // Running again: what the store holds is out of date.
             match node.registration.set_paused(&id, None).await {
@@ -167,7 +293,8 @@ async fn track(State(node): State<Arc<Node>>, req: Request, next: Next) -> Respo
             node.registration.set_load(node.load());
             response
         }
-        Change::Create => claim_created(&node, response).await,
+        Change::Create => claim_created(&node, &team, response).await,
+        Change::Fork => claim_children(&node, &team, response).await,
         Change::Kill(id) => {
             if let Err(e) = node.registration.release(&id).await {
                 // The reconciler retries; the sandbox is gone either way.
@@ -284,11 +411,101 @@ async fn take_in(node: &Node, id: &str) -> Result<(), ApiError> {
     }
 }
 
+/// The answer for a team at its quota across the cluster (E2B's 429).
+fn team_full(limit: u64) -> ApiError {
+    ApiError::team_limit(format!(
+        "you have reached the maximum number of concurrent sandboxes ({limit}) of your team \
+         across the cluster"
+    ))
+}
+
+/// Refuses a create at once when `team` already runs its quota (the claim
+/// after the create is what holds; this spares booting a sandbox that
+/// could not be kept).
+async fn team_has_room(node: &Node, team: &str) -> Result<(), ApiError> {
+    let cluster = node.registration.cluster();
+    let quota = cluster.team_quota(team).await.map_err(|e| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("cluster state: {e}"),
+        )
+    })?;
+    let Some(limit) = quota.max_sandboxes else {
+        return Ok(());
+    };
+    let running = cluster.running_slots(team).await.map_err(|e| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("cluster state: {e}"),
+        )
+    })?;
+    if running.len() as u64 >= limit {
+        return Err(team_full(limit));
+    }
+    Ok(())
+}
+
+/// Before a resume of paused sandbox `id`: one of its team's slots, or
+/// 429. Nothing to do for one that runs (a connect) or is not here (the
+/// API answers for it).
+async fn start_running(node: &Node, id: &str, caller_team: &str) -> Result<(), ApiError> {
+    let Ok(record) = node.manager.get(id) else {
+        return Ok(());
+    };
+    if record.state == SandboxState::Running {
+        return Ok(());
+    }
+    // Another team's sandbox: the API answers 404 for it.
+    if team_or_default(record.team.as_deref()) != caller_team {
+        return Ok(());
+    }
+    match node.registration.start_running(id, Some(caller_team)).await {
+        Ok(Claim::TeamFull { limit }) => Err(team_full(limit)),
+        // Refused: not this node's any more; its resume finds out.
+        Ok(Claim::Claimed | Claim::Refused) => Ok(()),
+        Err(e) => Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("cluster state: {e}"),
+        )),
+    }
+}
+
+/// `id` stopped running (paused, or its resume failed): its team's slot
+/// goes back (the reconciler retries what fails here).
+async fn stop_running(node: &Node, id: &str) {
+    if let Err(e) = node.registration.stop_running(id).await {
+        tracing::warn!("cluster: sandbox {id}: giving back its team's slot: {e}");
+    }
+}
+
+/// Claims sandbox `id` of `team`: None if it is the node's now, else why
+/// not (and it is killed).
+async fn claim_or_kill(node: &Node, id: &str, team: &str) -> Option<ApiError> {
+    let refused = match node.registration.claim_in_team(id, Some(team)).await {
+        Ok(Claim::Claimed) => return None,
+        Ok(Claim::TeamFull { limit }) => team_full(limit),
+        Ok(Claim::Refused) => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the cluster did not record the sandbox: the node's registration no longer holds \
+             (or the ID is taken)",
+        ),
+        Err(e) => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the cluster did not record the sandbox: {e}"),
+        ),
+    };
+    tracing::warn!("cluster: claiming {id}: {}; killing it", refused.message);
+    if let Err(e) = node.manager.kill(id).await {
+        tracing::warn!("cluster: killing unclaimed {id}: {e}");
+    }
+    Some(refused)
+}
+
 /// Claims the sandbox a create answered with before the answer leaves:
-/// refused (the node lost its lease, or the ID is mapped elsewhere), the
-/// sandbox is killed and the create answers 503 so a gateway tries the next
-/// node.
-async fn claim_created(node: &Node, response: Response) -> Response {
+/// refused (its team is at its quota, the node lost its lease, or the ID
+/// is mapped elsewhere), the sandbox is killed and the create answers 429
+/// or 503 (a gateway tries the next node on a 503).
+async fn claim_created(node: &Node, team: &str, response: Response) -> Response {
     let (parts, body) = response.into_parts();
     let bytes = match axum::body::to_bytes(body, MAX_CREATE_ANSWER).await {
         Ok(b) => b,
@@ -302,31 +519,129 @@ async fn claim_created(node: &Node, response: Response) -> Response {
     let Some(id) = id else {
         return Response::from_parts(parts, Body::from(bytes));
     };
-    let refused = match node.registration.claim(&id).await {
-        Ok(true) => None,
-        Ok(false) => Some("the node's registration no longer holds (or the ID is taken)".into()),
-        Err(e) => Some(e.to_string()),
-    };
+    let refused = claim_or_kill(node, &id, team).await;
     node.registration.set_load(node.load());
     match refused {
         None => Response::from_parts(parts, Body::from(bytes)),
-        Some(why) => {
-            tracing::warn!("cluster: claiming {id}: {why}; killing it");
-            if let Err(e) = node.manager.kill(&id).await {
-                tracing::warn!("cluster: killing unclaimed {id}: {e}");
-            }
-            ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("the cluster did not record the sandbox: {why}"),
-            )
-            .into_response()
+        Some(e) => e.into_response(),
+    }
+}
+
+/// Claims each child a fork answered with before the answer leaves (the
+/// next request, through any gateway, finds it); a child its team has no
+/// slot for is killed and its entry becomes the error, as a child that
+/// failed to start is.
+async fn claim_children(node: &Node, team: &str, response: Response) -> Response {
+    let (parts, body) = response.into_parts();
+    let bytes = match axum::body::to_bytes(body, MAX_CREATE_ANSWER).await {
+        Ok(b) => b,
+        Err(e) => {
+            return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response();
+        }
+    };
+    let Ok(mut children) = serde_json::from_slice::<Vec<serde_json::Value>>(&bytes) else {
+        return Response::from_parts(parts, Body::from(bytes));
+    };
+    for child in &mut children {
+        let Some(id) = child
+            .pointer("/sandbox/sandboxID")
+            .and_then(|v| v.as_str())
+            .map(str::to_owned)
+        else {
+            continue;
+        };
+        if let Some(e) = claim_or_kill(node, &id, team).await {
+            *child =
+                serde_json::json!({"error": {"code": e.status.as_u16(), "message": e.message}});
         }
     }
+    node.registration.set_load(node.load());
+    let body = serde_json::to_vec(&children).unwrap_or_else(|_| bytes.to_vec());
+    let mut parts = parts;
+    parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+    Response::from_parts(parts, Body::from(body))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::capacity::{Limits, TeamLimits};
+    use crate::store::Store;
+
+    async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !check() {
+            assert!(std::time::Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Two nodes of one cluster: a team and key made through one are
+    /// accepted by the other, a name is unique across them, a revocation
+    /// through one reaches both, and each node's capacity has the team's
+    /// limits. Neither node's store holds them.
+    #[tokio::test]
+    async fn teams_and_keys_made_on_one_node_work_on_every_node() {
+        let etcd = cluster::harness::Etcd::start().expect("etcd");
+        let dir = tempfile::tempdir().unwrap();
+        let mut nodes = Vec::new();
+        for name in ["a", "b"] {
+            let store = Store::open(&dir.path().join(format!("{name}.redb"))).unwrap();
+            let keys = ApiKeys::for_key("e2b_admin");
+            let capacity = Capacity::new(
+                Limits {
+                    vcpus: 8,
+                    memory_mib: 8192,
+                    memory_headroom_mib: 0,
+                    sandboxes: 10,
+                    min_free_disk_mib: 0,
+                },
+                dir.path().to_owned(),
+            );
+            let cluster = Cluster::connect(&etcd.endpoints()).await.unwrap();
+            let follower = follow_tenants(cluster, &keys, &capacity).await.unwrap();
+            nodes.push((store, keys, capacity, follower));
+        }
+        let (store_a, keys_a, _, _) = &nodes[0];
+        let (store_b, keys_b, capacity_b, _) = &nodes[1];
+        let limits = TeamLimits {
+            max_sandboxes: Some(2),
+            max_memory_mb: None,
+        };
+        let team = keys_a
+            .create_team(store_a, "red", limits, None)
+            .await
+            .unwrap();
+        let (key, record) = keys_a.create_key(store_a, "red", "ci").await.unwrap();
+        eventually("node b accepts the key", || keys_b.accepts(&key)).await;
+        assert_eq!(&*keys_b.authenticate(&key).unwrap().team, team.id.as_str());
+        assert_eq!(keys_b.team("red"), Some(team.clone()));
+        assert!(matches!(
+            keys_b.create_team(store_b, "red", limits, None).await,
+            Err(crate::auth::AuthError::TeamExists(_))
+        ));
+        // The node's capacity counts the team's limit (its local check).
+        let ask = crate::capacity::Ask {
+            sandboxes: 3,
+            ..Default::default()
+        };
+        assert!(capacity_b.reserve_for(ask, "test", Some(&team.id)).is_err());
+        keys_b.revoke_key(store_b, &record.id).await.unwrap();
+        eventually("node a refuses the revoked key", || !keys_a.accepts(&key)).await;
+        for store in [store_a, store_b] {
+            assert!(store.teams().unwrap().is_empty());
+            assert!(store.keys().unwrap().is_empty());
+        }
+        // A limit changed on b reaches a.
+        keys_b
+            .update_team(store_b, "red", |t| t.limits.max_sandboxes = Some(5))
+            .await
+            .unwrap();
+        eventually("node a sees the new limit", || {
+            keys_a.team("red").unwrap().limits.max_sandboxes == Some(5)
+        })
+        .await;
+    }
 
     #[test]
     fn creates_and_kills_are_told_from_the_rest() {
@@ -337,6 +652,14 @@ mod tests {
         assert!(matches!(
             change(&Method::POST, "/v2/sandboxes"),
             Change::Create
+        ));
+        assert!(matches!(
+            change(&Method::POST, "/sandboxes/abc/fork"),
+            Change::Fork
+        ));
+        assert!(matches!(
+            change(&Method::POST, "/snapshots/s1/fork"),
+            Change::Fork
         ));
         assert!(
             matches!(change(&Method::DELETE, "/sandboxes/abc"), Change::Kill(id) if id == "abc")
@@ -354,7 +677,7 @@ mod tests {
             (Method::DELETE, "/sandboxes/"),
             (Method::DELETE, "/sandboxes/a/b"),
             (Method::GET, "/sandboxes"),
-            (Method::POST, "/sandboxes/abc/fork"),
+            (Method::POST, "/snapshots/s1"),
             (Method::DELETE, "/templates/x"),
         ] {
             assert!(matches!(change(&m, p), Change::None), "{m} {p}");

@@ -267,6 +267,7 @@ impl Gateway {
                 HeaderValue::from_static("1"),
             );
             match self.forward(&node.api_addr, req).await {
+                Ok(r) if r.headers().contains_key(crate::api::TEAM_LIMIT_HEADER) => return Ok(r),
                 Ok(r) if refused(r.status()) => {
                     tracing::info!(
                         "gateway: node {} did not take sandbox {id} in: {}",
@@ -292,7 +293,8 @@ impl Gateway {
 
     /// Tries the nodes freest first; a node that refuses for capacity (429,
     /// 503), lacks the template (404) or cannot be reached passes the create
-    /// on to the next.
+    /// on to the next. A team at its limit is answered at once: the limit
+    /// is the cluster's.
     async fn create(&self, req: Request) -> Result<Response, ApiError> {
         let (parts, body) = req.into_parts();
         let body = axum::body::to_bytes(body, MAX_CREATE_BODY)
@@ -309,6 +311,7 @@ impl Gateway {
             let made = answer.as_ref().is_ok_and(|r| r.status().is_success());
             self.placements.finish(ticket, made);
             match answer {
+                Ok(r) if r.headers().contains_key(crate::api::TEAM_LIMIT_HEADER) => return Ok(r),
                 Ok(r) if refused(r.status()) || r.status() == StatusCode::NOT_FOUND => {
                     tracing::info!(
                         "gateway: node {} refused a create: {}",

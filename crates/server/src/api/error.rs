@@ -5,10 +5,17 @@ use axum::response::{IntoResponse, Response};
 
 use crate::sandbox::SandboxError;
 
+/// On a 429 that is the caller's team's limit, not the node's: a gateway
+/// answers it rather than trying the next node (the team's limit is the
+/// same on every node).
+pub const TEAM_LIMIT_HEADER: &str = "x-sandfork-team-limit";
+
 #[derive(Debug)]
 pub struct ApiError {
     pub status: StatusCode,
     pub message: String,
+    /// The caller's team is at its limit (a 429 with [`TEAM_LIMIT_HEADER`]).
+    pub team_limit: bool,
 }
 
 impl ApiError {
@@ -16,6 +23,15 @@ impl ApiError {
         ApiError {
             status,
             message: message.into(),
+            team_limit: false,
+        }
+    }
+
+    /// A 429 for a team at its limit.
+    pub fn team_limit(message: impl Into<String>) -> ApiError {
+        ApiError {
+            team_limit: true,
+            ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, message)
         }
     }
 
@@ -27,17 +43,24 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = serde_json::json!({"code": self.status.as_u16(), "message": self.message});
-        (self.status, axum::Json(body)).into_response()
+        let mut answer = (self.status, axum::Json(body)).into_response();
+        if self.team_limit {
+            answer
+                .headers_mut()
+                .insert(TEAM_LIMIT_HEADER, axum::http::HeaderValue::from_static("1"));
+        }
+        answer
     }
 }
 
 impl From<SandboxError> for ApiError {
     fn from(e: SandboxError) -> ApiError {
+        if let SandboxError::TeamLimit(message) = &e {
+            return ApiError::team_limit(message.clone());
+        }
         let status = match &e {
             SandboxError::NotFound(_) | SandboxError::TemplateNotFound(_) => StatusCode::NOT_FOUND,
-            SandboxError::AtCapacity { .. } | SandboxError::TeamLimit(_) => {
-                StatusCode::TOO_MANY_REQUESTS
-            }
+            SandboxError::AtCapacity { .. } => StatusCode::TOO_MANY_REQUESTS,
             SandboxError::OverCapacity(_) => StatusCode::SERVICE_UNAVAILABLE,
             SandboxError::Conflict { .. }
             | SandboxError::InUse { .. }

@@ -18,7 +18,7 @@ use axum::http::StatusCode;
 use axum::middleware;
 use axum::routing::{delete, get, patch, post, put};
 
-pub use error::ApiError;
+pub use error::{ApiError, TEAM_LIMIT_HEADER};
 pub use list::{ListQuery, decode_metadata_filter};
 
 pub use crate::state::{AppState, Shared};

@@ -230,6 +230,7 @@ impl From<AuthError> for ApiError {
             AuthError::NoTeam(_) | AuthError::NoKey(_) => StatusCode::NOT_FOUND,
             AuthError::TeamExists(_) => StatusCode::CONFLICT,
             AuthError::Invalid(_) => StatusCode::BAD_REQUEST,
+            AuthError::Cluster(_) => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
         ApiError::new(status, e.to_string())
@@ -318,7 +319,7 @@ pub async fn create_team(State(state): State<Shared>, body: Bytes) -> Result<Res
     };
     let rate = req.requests_per_second.flatten();
     let store = state.manager.store();
-    let team = state.keys.create_team(store, name, limits, rate)?;
+    let team = state.keys.create_team(store, name, limits, rate).await?;
     state
         .manager
         .capacity()
@@ -353,7 +354,10 @@ pub async fn update_team(
         return Err(ApiError::bad_request("a team's name cannot change"));
     }
     let store = state.manager.store();
-    let team = state.keys.update_team(store, &wanted, |t| req.apply(t))?;
+    let team = state
+        .keys
+        .update_team(store, &wanted, |t| req.apply(t))
+        .await?;
     state
         .manager
         .capacity()
@@ -391,10 +395,10 @@ pub async fn create_key(
 ) -> Result<Response, ApiError> {
     let req: KeyBody = parse_body(&body)?;
     let store = state.manager.store();
-    let (key, record) =
-        state
-            .keys
-            .create_key(store, &wanted, req.name.as_deref().unwrap_or_default())?;
+    let (key, record) = state
+        .keys
+        .create_key(store, &wanted, req.name.as_deref().unwrap_or_default())
+        .await?;
     let mut body = key_json(&record);
     body["key"] = json!(key);
     Ok((StatusCode::CREATED, Json(body)).into_response())
@@ -405,7 +409,7 @@ pub async fn revoke_key(
     State(state): State<Shared>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    state.keys.revoke_key(state.manager.store(), &id)?;
+    state.keys.revoke_key(state.manager.store(), &id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
