@@ -95,6 +95,17 @@ impl Cluster {
         Ok(self.slots(team).await?.held)
     }
 
+    /// `Some(limit)` when team `team` runs as many sandboxes as its quota
+    /// allows (one read; a claim may still lose the last slot to another).
+    pub async fn team_full(&self, team: &str) -> Result<Option<u64>, ClusterError> {
+        let slots = self.slots(team).await?;
+        Ok(slots
+            .quota
+            .value
+            .max_sandboxes
+            .filter(|limit| slots.held.len() as u64 >= *limit))
+    }
+
     /// The team's quota and slots, read at one revision.
     pub(crate) async fn slots(&self, team: &str) -> Result<Slots, ClusterError> {
         let prefix = keyspace::team_slots_prefix(team);

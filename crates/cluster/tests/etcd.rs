@@ -177,6 +177,8 @@ async fn a_team_quota_holds_across_nodes_claiming_at_once() {
     let mut holders: Vec<String> = slots.values().cloned().collect();
     holders.sort();
     assert_eq!(holders, claimed);
+    assert_eq!(cluster.team_full("red").await.unwrap(), Some(5));
+    assert_eq!(cluster.team_full("nobody").await.unwrap(), None);
     for (slot, id) in &slots {
         let route = cluster.sandbox(id).await.unwrap().unwrap().value;
         assert_eq!(
@@ -200,6 +202,7 @@ async fn a_team_quota_holds_across_nodes_claiming_at_once() {
     };
     assert!(owner(&claimed[0]).release(&claimed[0]).await.unwrap());
     assert_eq!(cluster.running_slots("red").await.unwrap().len(), 4);
+    assert_eq!(cluster.team_full("red").await.unwrap(), None);
     assert_eq!(
         nodes[1].claim_in_team("t1", Some("red")).await.unwrap(),
         Claim::Claimed

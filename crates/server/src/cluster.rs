@@ -423,26 +423,14 @@ fn team_full(limit: u64) -> ApiError {
 /// after the create is what holds; this spares booting a sandbox that
 /// could not be kept).
 async fn team_has_room(node: &Node, team: &str) -> Result<(), ApiError> {
-    let cluster = node.registration.cluster();
-    let quota = cluster.team_quota(team).await.map_err(|e| {
-        ApiError::new(
+    match node.registration.cluster().team_full(team).await {
+        Ok(None) => Ok(()),
+        Ok(Some(limit)) => Err(team_full(limit)),
+        Err(e) => Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("cluster state: {e}"),
-        )
-    })?;
-    let Some(limit) = quota.max_sandboxes else {
-        return Ok(());
-    };
-    let running = cluster.running_slots(team).await.map_err(|e| {
-        ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("cluster state: {e}"),
-        )
-    })?;
-    if running.len() as u64 >= limit {
-        return Err(team_full(limit));
+        )),
     }
-    Ok(())
 }
 
 /// Before a resume of paused sandbox `id`: one of its team's slots, or
