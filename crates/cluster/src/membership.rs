@@ -260,16 +260,9 @@ impl Registration {
         id: &str,
         paused: Option<crate::DurablePause>,
     ) -> Result<bool, ClusterError> {
-        let Some(seen) = self.cluster.sandbox(id).await? else {
+        let Some(seen) = self.own(id).await? else {
             return Ok(false);
         };
-        let (node_id, incarnation) = {
-            let record = self.lock();
-            (record.node_id.clone(), record.incarnation)
-        };
-        if seen.value.node_id != node_id || seen.value.incarnation != incarnation {
-            return Ok(false);
-        }
         if seen.value.paused == paused {
             return Ok(true);
         }

@@ -194,23 +194,15 @@ pub fn build_and_boot(
     regs::write_boot_tables(mem)?;
     mptable::setup_mptable(mem, spec.vcpu_count)?;
 
-    let io_bus = Arc::new(io_bus);
-    let mmio_bus = Arc::new(mmio_bus);
-    let on_exit: vcpu::ExitCallback =
-        Arc::new(move |id, reason: VcpuExitReason| on_event(VmEvent::VcpuExited { id, reason }));
-    let mut vcpus = Vec::with_capacity(usize::from(spec.vcpu_count));
-    for id in 0..spec.vcpu_count {
-        let vcpu = Vcpu::new(
-            &vm,
-            id,
-            io_bus.clone(),
-            mmio_bus.clone(),
-            handoff.clone(),
-            on_exit.clone(),
-        )?;
-        vcpu.configure(&vm, spec.vcpu_count, loaded.kernel_load.0)?;
-        vcpus.push(vcpu);
-    }
+    let buses = (Arc::new(io_bus), Arc::new(mmio_bus));
+    let vcpus = create_vcpus(
+        &vm,
+        spec.vcpu_count,
+        buses,
+        &handoff,
+        on_event,
+        |vcpu, _| Ok(vcpu.configure(&vm, spec.vcpu_count, loaded.kernel_load.0)?),
+    )?;
     let msrs = Arc::new(vcpu_state::saveable_msrs(vm.kvm(), vcpus[0].fd())?);
     let mut handles = Vec::with_capacity(vcpus.len());
     for vcpu in vcpus {
@@ -226,6 +218,35 @@ pub fn build_and_boot(
         msrs,
         paused: false,
     }))
+}
+
+/// Creates `count` vCPUs on the VM's buses, each set up by `set_up` (boot
+/// registers, or a snapshot's state) before the next; `on_event` hears of
+/// each one's exit.
+fn create_vcpus(
+    vm: &Vm,
+    count: u8,
+    (io_bus, mmio_bus): (Arc<Bus>, Arc<Bus>),
+    handoff: &Arc<DeviceHandoff>,
+    on_event: Arc<dyn Fn(VmEvent) + Send + Sync>,
+    mut set_up: impl FnMut(&Vcpu, u8) -> Result<(), BuildError>,
+) -> Result<Vec<Vcpu>, BuildError> {
+    let on_exit: vcpu::ExitCallback =
+        Arc::new(move |id, reason: VcpuExitReason| on_event(VmEvent::VcpuExited { id, reason }));
+    let mut vcpus = Vec::with_capacity(usize::from(count));
+    for id in 0..count {
+        let vcpu = Vcpu::new(
+            vm,
+            id,
+            io_bus.clone(),
+            mmio_bus.clone(),
+            handoff.clone(),
+            on_exit.clone(),
+        )?;
+        set_up(&vcpu, id)?;
+        vcpus.push(vcpu);
+    }
+    Ok(vcpus)
 }
 
 /// How to restore a snapshot.
@@ -313,23 +334,10 @@ pub fn restore(
     )?;
     vm.restore_state(&state.vm, advance_clock)?;
 
-    let io_bus = Arc::new(io_bus);
-    let mmio_bus = Arc::new(mmio_bus);
-    let on_exit: vcpu::ExitCallback =
-        Arc::new(move |id, reason: VcpuExitReason| on_event(VmEvent::VcpuExited { id, reason }));
-    let mut vcpus = Vec::with_capacity(usize::from(count));
-    for (id, saved) in (0..count).zip(&state.vcpus) {
-        let vcpu = Vcpu::new(
-            &vm,
-            id,
-            io_bus.clone(),
-            mmio_bus.clone(),
-            handoff.clone(),
-            on_exit.clone(),
-        )?;
-        vcpu.restore(saved)?;
-        vcpus.push(vcpu);
-    }
+    let buses = (Arc::new(io_bus), Arc::new(mmio_bus));
+    let vcpus = create_vcpus(&vm, count, buses, &handoff, on_event, |vcpu, id| {
+        Ok(vcpu.restore(&state.vcpus[usize::from(id)])?)
+    })?;
     let msrs = Arc::new(state.vcpus[0].msrs.iter().map(|e| e.index).collect());
     let mut handles = Vec::with_capacity(vcpus.len());
     for vcpu in vcpus {
