@@ -11,6 +11,7 @@ pub mod cgroups;
 pub mod clock;
 pub mod cluster;
 pub mod config;
+pub mod crash;
 pub mod gateway;
 pub mod ids;
 pub mod jail;

@@ -731,23 +731,26 @@ impl Manager {
             files.extend([s.state.clone(), s.mem.clone()]);
         }
         let committed = match sync_files(files).await {
-            Ok(()) => self
-                .store
-                .update_sandbox(id, |s| {
-                    s.state = SandboxState::Paused;
-                    s.pause_reason = Some(reason);
-                    s.pause_generation = generation;
-                    s.snapshot = snapshot;
-                    s.cold_booted = false;
-                    s.vmm_dir = None;
-                    // Its slot goes back with its VMM; a resume takes another.
-                    s.network.slot = None;
-                })
-                .map_err(SandboxError::from),
+            Ok(()) => {
+                crate::crash::point("pause.written");
+                self.store
+                    .update_sandbox(id, |s| {
+                        s.state = SandboxState::Paused;
+                        s.pause_reason = Some(reason);
+                        s.pause_generation = generation;
+                        s.snapshot = snapshot;
+                        s.cold_booted = false;
+                        s.vmm_dir = None;
+                        // Its slot goes back with its VMM; a resume takes another.
+                        s.network.slot = None;
+                    })
+                    .map_err(SandboxError::from)
+            }
             Err(e) => Err(e),
         };
         match committed {
             Ok(Some(paused)) => {
+                crate::crash::point("pause.committed");
                 sandbox.set_phase(Phase::Paused)?;
                 if let Some(launched) = guest.take() {
                     // Its last console lines, before the VMM's directory goes.

@@ -6,6 +6,11 @@
 //! adopted sandbox's console is not read twice); a kill and a clean stop
 //! leave no process and no directory behind.
 //!
+//! And crashes inside a change (the server's crash points, see
+//! `server::crash`): a pause, a fork and a snapshot each cut short by the
+//! server's death lose nothing the node acknowledged, leave nothing
+//! half-made visible, and leak no process or directory.
+//!
 //! Needs KVM that boots Linux, `SANDFORK_KERNEL`/`SANDFORK_ROOTFS`, and the
 //! `sandfork` and `sandfork-vmm` binaries next to the test binary's directory.
 
@@ -28,6 +33,8 @@ struct Node {
     key: String,
     server: Option<Child>,
     starts: u32,
+    /// The crash point the next start is given (`SANDFORK_CRASH_AT`).
+    crash_at: Option<&'static str>,
 }
 
 impl Node {
@@ -43,6 +50,7 @@ impl Node {
             .arg(&self.data)
             .env("SANDFORK_API_KEY", &self.key)
             .env("SANDFORK_VMM", vmm_binary())
+            .env("SANDFORK_CRASH_AT", self.crash_at.unwrap_or_default())
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
@@ -77,6 +85,48 @@ impl Node {
         let mut server = self.server.take().unwrap();
         server.kill().unwrap();
         server.wait().unwrap();
+    }
+
+    /// Sends a request that reaches the crash point and waits for the
+    /// server to die there (SIGABRT, its crash point's exit).
+    async fn crash_during(&mut self, method: &str, path: &str, body: Value) {
+        let point = self.crash_at.expect("a crash point");
+        let (addr, key) = (self.addr, self.key.clone());
+        let sent = (method.to_owned(), path.to_owned());
+        // Its connection dies with the server: the task's panic is its own.
+        let request = tokio::spawn(async move {
+            let headers = [
+                ("x-api-key", key.as_str()),
+                ("content-type", "application/json"),
+            ];
+            http(addr, &sent.0, &sent.1, &headers, body.to_string())
+                .await
+                .status
+        });
+        let server = self.server.as_mut().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(600);
+        let status = loop {
+            if let Some(status) = server.try_wait().unwrap() {
+                break status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the server did not reach {point}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(
+            status.signal(),
+            Some(6),
+            "{method} {path}: the server ended otherwise ({status}):\n{}",
+            self.log()
+        );
+        assert!(self.log().contains(&format!("crash point {point}")));
+        if let Ok(answered) = request.await {
+            panic!("{method} {path} answered {answered} before the crash");
+        }
+        self.server = None;
     }
 
     /// SIGTERM, as a service manager stops it.
@@ -222,6 +272,7 @@ async fn a_restarted_server_adopts_running_sandboxes_and_keeps_paused_ones() {
         key: format!("e2b_{}", "5a".repeat(16)),
         server: None,
         starts: 0,
+        crash_at: None,
     };
     let run_dir = {
         let mut c = Config::new(node.addr, "k".into(), "r".into(), "v".into());
@@ -361,4 +412,202 @@ async fn a_restarted_server_adopts_running_sandboxes_and_keeps_paused_ones() {
         Vec::<PathBuf>::new(),
         "the run dir is empty"
     );
+}
+
+/// Every VMM process with an identity in `run_dir` (read while the server
+/// is down).
+fn vmm_processes(run_dir: &Path) -> Vec<ProcessIdentity> {
+    entries(run_dir)
+        .iter()
+        .filter_map(|d| ProcessIdentity::read(d))
+        .filter(ProcessIdentity::is_alive)
+        .collect()
+}
+
+/// The server is killed at each crash point in turn, each restart settling
+/// what the last crash left: a pause cut short before its record (the
+/// sandbox runs on, adopted and resumed) and after it (paused; its VMM
+/// stopped), a fork and a snapshot cut short after the VMM moved the disk
+/// to a new layer and before anything was recorded (the record follows the
+/// VMM's disk, so what the guest wrote after survives a pause and resume
+/// read from the disk, not the page cache; no child, no snapshot is
+/// visible). At the end nothing is left running and no sandbox or fork
+/// directory remains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab: boots microVMs"]
+async fn a_crash_inside_a_pause_fork_or_snapshot_loses_nothing_acknowledged() {
+    let scratch = tempfile::tempdir().unwrap();
+    let data = scratch.path().join("data");
+    std::fs::create_dir(&data).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut node = Node {
+        addr: SocketAddr::from(([127, 0, 0, 1], port)),
+        data: data.clone(),
+        key: format!("e2b_{}", "6b".repeat(16)),
+        server: None,
+        starts: 0,
+        crash_at: Some("pause.written"),
+    };
+    let run_dir = {
+        let mut c = Config::new(node.addr, "k".into(), "r".into(), "v".into());
+        c.data_dir = data.clone();
+        c.run_dir()
+    };
+    node.start();
+    node.wait_up().await;
+    let a = node.create().await;
+    let (code, _) = node
+        .sh(
+            &a,
+            "echo one > /root/one && setsid sleep 4242 </dev/null >/dev/null 2>&1 &",
+        )
+        .await;
+    assert_eq!(code, 0);
+    // What the guest wrote, read from its disk (not the page cache), and
+    // its process.
+    let disk_and_process = |files: &str| {
+        format!(
+            "sync && echo 3 > /proc/sys/vm/drop_caches && cat {files} && pgrep -x sleep >/dev/null && echo sleeping"
+        )
+    };
+    let pause = format!("/sandboxes/{}/pause", a.0);
+    node.crash_during("POST", &pause, json!({})).await;
+
+    // A pause cut short before its record: running on, adopted.
+    node.crash_at = Some("pause.committed");
+    node.start();
+    node.wait_up().await;
+    assert_eq!(node.state(&a.0).await.as_deref(), Some("running"));
+    assert_eq!(
+        node.sh(&a, &disk_and_process("/root/one")).await,
+        (0, "one\nsleeping\n".into())
+    );
+    node.crash_during("POST", &pause, json!({})).await;
+    let left = vmm_processes(&run_dir);
+
+    // A pause cut short after its record: paused, and no VMM of before
+    // runs (the sandbox's, the warm pool's).
+    node.crash_at = Some("fork.frozen");
+    node.start();
+    node.wait_up().await;
+    assert_eq!(node.state(&a.0).await.as_deref(), Some("paused"));
+    for process in &left {
+        wait_dead(process);
+    }
+    let (status, body) = node
+        .call(
+            "POST",
+            &format!("/sandboxes/{}/connect", a.0),
+            json!({"timeout": 900}),
+        )
+        .await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(
+        node.sh(
+            &a,
+            &format!(
+                "echo two > /root/two && {}",
+                disk_and_process("/root/one /root/two")
+            )
+        )
+        .await,
+        (0, "one\ntwo\nsleeping\n".into())
+    );
+    node.crash_during(
+        "POST",
+        &format!("/sandboxes/{}/fork", a.0),
+        json!({"count": 1, "timeout": 600}),
+    )
+    .await;
+    let (_, parent_vmm) = vmm_of(&data, &a.0);
+    let others: Vec<ProcessIdentity> = vmm_processes(&run_dir)
+        .into_iter()
+        .filter(|p| *p != parent_vmm)
+        .collect();
+
+    // A fork cut short: the parent runs on its new layer (the same VMM,
+    // adopted), no child; the VMMs taken for children are stopped.
+    node.crash_at = Some("snapshot.frozen");
+    node.start();
+    node.wait_up().await;
+    assert!(parent_vmm.is_alive());
+    for process in &others {
+        wait_dead(process);
+    }
+    let (status, listed) = node.call("GET", "/sandboxes", json!({})).await;
+    assert_eq!(status, 200, "{listed}");
+    let ids: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["sandboxID"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [a.0.as_str()], "only the parent");
+    assert_eq!(
+        node.sh(
+            &a,
+            &format!(
+                "echo three > /root/three && {}",
+                disk_and_process("/root/one /root/two /root/three")
+            )
+        )
+        .await,
+        (0, "one\ntwo\nthree\nsleeping\n".into())
+    );
+    node.crash_during("POST", &format!("/sandboxes/{}/snapshots", a.0), json!({}))
+        .await;
+
+    // A snapshot cut short: no snapshot listed; what the guest writes now
+    // lands on the disk its next pause keeps.
+    node.crash_at = None;
+    node.start();
+    node.wait_up().await;
+    let (status, snapshots) = node.call("GET", "/snapshots", json!({})).await;
+    assert_eq!((status, snapshots), (200, json!([])));
+    assert_eq!(
+        node.sh(&a, "echo four > /root/four").await,
+        (0, String::new())
+    );
+    let (status, body) = node.call("POST", &pause, json!({})).await;
+    assert_eq!(status, 204, "{body}");
+    let (status, body) = node
+        .call(
+            "POST",
+            &format!("/sandboxes/{}/connect", a.0),
+            json!({"timeout": 900}),
+        )
+        .await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(
+        node.sh(
+            &a,
+            &disk_and_process("/root/one /root/two /root/three /root/four")
+        )
+        .await,
+        (0, "one\ntwo\nthree\nfour\nsleeping\n".into()),
+        "{}",
+        node.log()
+    );
+
+    // Nothing leaks: after the kill and a restart (its garbage collection),
+    // no VMM runs and no sandbox or fork directory is left.
+    let (status, body) = node
+        .call("DELETE", &format!("/sandboxes/{}", a.0), json!({}))
+        .await;
+    assert_eq!(status, 204, "{body}");
+    node.stop();
+    node.start();
+    node.wait_up().await;
+    let pool = vmm_processes(&run_dir);
+    node.stop();
+    for process in &pool {
+        wait_dead(process);
+    }
+    assert_eq!(entries(&run_dir), Vec::<PathBuf>::new(), "the run dir");
+    assert_eq!(entries(&data.join("sandboxes")), Vec::<PathBuf>::new());
+    assert_eq!(entries(&data.join("forks")), Vec::<PathBuf>::new());
 }

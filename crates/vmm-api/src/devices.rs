@@ -15,6 +15,16 @@ pub struct DeviceReport {
     /// acknowledged by the driver (1 used buffers, 2 configuration).
     pub interrupt_status: u32,
     pub queues: Vec<QueueReport>,
+    /// A disk: which drive, on which file now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drive: Option<DriveReport>,
+}
+
+/// A disk device's drive and the file it is on (its top layer).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DriveReport {
+    pub drive_id: String,
+    pub path_on_host: String,
 }
 
 /// One queue's ring indices, read from guest memory.
@@ -100,6 +110,7 @@ mod tests {
                 avail_event: None,
                 error: None,
             }],
+            drive: None,
         };
         let text = report.to_string();
         assert!(

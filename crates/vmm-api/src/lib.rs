@@ -28,7 +28,7 @@ mod vsock;
 pub use action::{ActionType, InstanceActionInfo};
 pub use balloon::{Balloon, BalloonStats, BalloonStatsUpdate, BalloonUpdate};
 pub use boot_source::BootSource;
-pub use devices::{DeviceReport, QueueReport};
+pub use devices::{DeviceReport, DriveReport, QueueReport};
 pub use drive::{CacheType, Drive, IoEngine, PartialDrive};
 pub use error::ApiError;
 pub use fork::{DriveOverride, ForkInfo, ForkParams, MAX_FORK_CHILDREN};

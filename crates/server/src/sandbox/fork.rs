@@ -108,6 +108,9 @@ impl Manager {
         let vmms_ready = started.elapsed();
         sandbox.set_phase(Phase::Forking)?;
         let forked = launched.vm.fork(&fork_dir, count).await;
+        if forked.is_ok() {
+            crate::crash::point("fork.frozen");
+        }
         sandbox.set_phase(Phase::Running)?;
         let recorded = forked.map_err(SandboxError::from).and_then(|info| {
             // The parent now writes to its new layer and its old one is

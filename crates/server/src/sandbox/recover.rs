@@ -78,6 +78,7 @@ impl Manager {
             match self.adopt(&r).await {
                 Ok(vm) => {
                     tracing::info!("sandbox {}: adopted its VMM (pid {})", r.id, vm.pid());
+                    let r = self.follow_vmm_disk(r, &vm).await;
                     // Already running: it holds its share whatever the limits are now.
                     let hold = self.capacity.hold_for(
                         Ask::sandbox(u64::from(r.cpu_count), r.memory_mb),
@@ -128,6 +129,64 @@ impl Manager {
         // Slots of sandboxes that could not be adopted go back.
         if let Some(net) = self.pool.net() {
             net.release_unclaimed();
+        }
+    }
+
+    /// A running sandbox's disk is where its VMM says: a fork or snapshot
+    /// the server did not live to record moved it to a new top layer (the
+    /// recorded one is sealed below it now). The record follows, keeping the
+    /// new layer's directory, so the next pause restores the disk the guest
+    /// wrote and the garbage collector keeps it.
+    async fn follow_vmm_disk(&self, record: SandboxRecord, vm: &VmmProcess) -> SandboxRecord {
+        let drives = match vm.drives().await {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::warn!("sandbox {}: reading its VMM's drives: {e}", record.id);
+                return record;
+            }
+        };
+        let Some(live) = drives
+            .into_iter()
+            .find(|d| d.drive_id == self.template.root_drive_id)
+            .map(|d| PathBuf::from(d.path_on_host))
+        else {
+            return record;
+        };
+        if live == self.root_layer(&record) {
+            return record;
+        }
+        tracing::warn!(
+            "sandbox {}: its disk is on {} (a fork or snapshot not recorded before the server \
+             stopped); its record follows",
+            record.id,
+            live.display()
+        );
+        // The directory under sandboxes/ or forks/ that holds the layer.
+        let holder = [
+            self.config.sandboxes_dir(),
+            self.config.data_dir.join("forks"),
+        ]
+        .iter()
+        .find_map(|root| {
+            let below = live.strip_prefix(root).ok()?;
+            Some(root.join(below.components().next()?))
+        });
+        let updated = self.store.update_sandbox(&record.id, |s| {
+            s.root_layer = Some(live.clone());
+            s.has_dependents = true;
+            if let Some(dir) = &holder
+                && !s.uses_dirs.contains(dir)
+            {
+                s.uses_dirs.push(dir.clone());
+            }
+        });
+        match updated {
+            Ok(Some(r)) => r,
+            Ok(None) => record,
+            Err(e) => {
+                tracing::warn!("sandbox {}: recording its disk: {e}", record.id);
+                record
+            }
         }
     }
 

@@ -165,6 +165,9 @@ impl Manager {
                 children: 1,
             })
             .await;
+        if forked.is_ok() {
+            crate::crash::point("snapshot.frozen");
+        }
         sandbox.set_phase(Phase::Running)?;
         let drive = &self.template.root_drive_id;
         let new_root = forked

@@ -661,6 +661,13 @@ impl VmmProcess {
         Ok(self.api.get_instance_info().await?.state)
     }
 
+    /// Each disk's drive ID and the file it is on now (a fork or snapshot
+    /// moves a running guest's disk to a new top layer).
+    pub async fn drives(&self) -> Result<Vec<vmm_api::DriveReport>, ProcessError> {
+        let devices = self.api.get_devices().await?;
+        Ok(devices.into_iter().filter_map(|d| d.drive).collect())
+    }
+
     /// A client of this VM's guest agent.
     pub fn agent(&self) -> AgentClient {
         AgentClient::new(&self.vsock_path())

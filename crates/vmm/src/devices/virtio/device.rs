@@ -149,6 +149,12 @@ pub trait VirtioDevice: Send {
     /// Called once the VM it belongs to was restored from a snapshot.
     fn on_restored(&self) {}
 
+    /// A disk's drive ID and the file it reads and writes now (its top
+    /// layer, which a fork or snapshot moves on); `None` for other devices.
+    fn drive(&self) -> Option<vmm_api::DriveReport> {
+        None
+    }
+
     /// Restarts a worker parked by `pause`.
     fn resume(&mut self) -> Result<(), ActivateError> {
         Ok(())

@@ -248,6 +248,7 @@ impl MmioTransport {
             activated: self.activated,
             interrupt_status: self.interrupt.status.load(Ordering::SeqCst),
             queues: rings.iter().map(|r| r.report(&self.mem)).collect(),
+            drive: self.device.drive(),
         }
     }
 

@@ -280,6 +280,13 @@ impl VirtioDevice for Block {
         Ok(())
     }
 
+    fn drive(&self) -> Option<vmm_api::DriveReport> {
+        Some(vmm_api::DriveReport {
+            drive_id: self.config.id.clone(),
+            path_on_host: self.config.path.display().to_string(),
+        })
+    }
+
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
