@@ -780,10 +780,16 @@ impl Manager {
         generation: u32,
     ) -> Result<Option<PausedSnapshot>, SandboxError> {
         let dir = self.sandbox_dir(&record.id);
-        let snapshot = PausedSnapshot {
-            state: dir.join(format!("pause-{generation}.state")),
-            mem: dir.join(format!("pause-{generation}.mem")),
-        };
+        // A pause that was not committed (the sandbox ran on, or the node
+        // died before its record) wrote these names, and the running guest's
+        // memory is mapped from that file: the next free names, never those.
+        let snapshot = (generation..=u32::MAX)
+            .map(|n| PausedSnapshot {
+                state: dir.join(format!("pause-{n}.state")),
+                mem: dir.join(format!("pause-{n}.mem")),
+            })
+            .find(|s| !s.state.exists() && !s.mem.exists())
+            .ok_or_else(|| SandboxError::Invalid("no free name for a pause's files".into()))?;
         // A cold-booted guest's memory is in no file: all of it is written.
         let kind = match record.cold_booted {
             true => SnapshotType::Full,

@@ -69,6 +69,11 @@ pub enum MemoryError {
         "a diff snapshot needs a memory file to diff against: take a full snapshot of this VM first"
     )]
     NoBaseForDiff,
+    #[error(
+        "{}: this VM's memory is mapped from that file; a snapshot needs a new path",
+        path.display()
+    )]
+    InUse { path: PathBuf },
     #[error("the snapshot's memory layout is invalid: {0}")]
     Layout(String),
 }
@@ -381,6 +386,15 @@ impl GuestRam {
         kind: MemorySnapshotKind,
         path: &Path,
     ) -> Result<(MemoryState, MemoryWritten), MemoryError> {
+        // Its layers are named by path in the state: a new file put in the
+        // place of one would be read for that layer's pages on a restore.
+        if let Backing::Layers(layers) = &self.backing
+            && layers.iter().any(|(layer, _)| layer.path == path)
+        {
+            return Err(MemoryError::InUse {
+                path: path.to_owned(),
+            });
+        }
         let layer_count = match &self.backing {
             Backing::Memfd(_) if kind == MemorySnapshotKind::Diff => {
                 return Err(MemoryError::NoBaseForDiff);

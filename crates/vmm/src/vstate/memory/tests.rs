@@ -101,6 +101,14 @@ fn a_diff_snapshot_writes_only_pages_written_since_the_last_one() {
         .unwrap();
     assert_eq!(written.bytes, 0);
     assert_eq!(state2.layers.len(), 3);
+    // A path one of its layers is mapped from is refused (a new file there
+    // would be read for that layer's pages on a restore).
+    write(&ram, 4096, b"again");
+    assert!(matches!(
+        ram.snapshot(MemorySnapshotKind::Diff, &dir.path().join("diff1")),
+        Err(MemoryError::InUse { .. })
+    ));
+    write(&ram, 4096, &[1; 5]);
 
     let restored = GuestRam::restore(&state).unwrap();
     assert_eq!(read(&restored, 0, 4), vec![1; 4]);
