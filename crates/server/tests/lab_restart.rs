@@ -114,9 +114,19 @@ impl Node {
         });
         let server = self.server.as_mut().unwrap();
         let deadline = Instant::now() + Duration::from_secs(600);
+        let mut request = Some(request);
         let status = loop {
             if let Some(status) = server.try_wait().unwrap() {
                 break status;
+            }
+            // Answered with the server alive: it never reached the point.
+            if let Some(done) = request.take_if(|r| r.is_finished())
+                && let Ok(Some(answered)) = done.await
+            {
+                let log =
+                    std::fs::read_to_string(self.data.join(format!("serve-{}.log", self.starts)))
+                        .unwrap_or_default();
+                panic!("{method} {path} answered {answered:?} instead of reaching {point}:\n{log}");
             }
             assert!(
                 Instant::now() < deadline,
@@ -132,7 +142,9 @@ impl Node {
             self.log()
         );
         assert!(self.log().contains(&format!("crash point {point}")));
-        if let Ok(Some(answered)) = request.await {
+        if let Some(request) = request
+            && let Ok(Some(answered)) = request.await
+        {
             panic!("{method} {path} answered {answered:?} before the crash");
         }
         self.server = None;
