@@ -256,14 +256,17 @@ async fn track(State(node): State<Arc<Node>>, req: Request, next: Next) -> Respo
         Change::Pause(id) | Change::Resume(id) => Some(node.changing.start(id)),
         _ => None,
     };
+    // Whether this resume took a team slot (given back if it fails).
+    let mut took_slot = false;
     if let Change::Resume(id) = &change {
         if req.headers().contains_key(TAKE_IN_HEADER)
             && let Err(e) = take_in(&node, id).await
         {
             return e.into_response();
         }
-        if let Err(e) = start_running(&node, id, &team).await {
-            return e.into_response();
+        match start_running(&node, id, &team).await {
+            Ok(took) => took_slot = took,
+            Err(e) => return e.into_response(),
         }
     }
     if matches!(change, Change::Create)
@@ -273,7 +276,9 @@ async fn track(State(node): State<Arc<Node>>, req: Request, next: Next) -> Respo
     }
     let response = next.run(req).await;
     if !response.status().is_success() {
-        if let Change::Resume(id) = &change {
+        if let Change::Resume(id) = &change
+            && took_slot
+        {
             // Still paused: the slot taken for it goes back.
             stop_running(&node, id).await;
         }
@@ -433,24 +438,25 @@ async fn team_has_room(node: &Node, team: &str) -> Result<(), ApiError> {
     }
 }
 
-/// Before a resume of paused sandbox `id`: one of its team's slots, or
-/// 429. Nothing to do for one that runs (a connect) or is not here (the
-/// API answers for it).
-async fn start_running(node: &Node, id: &str, caller_team: &str) -> Result<(), ApiError> {
+/// Before a resume of paused sandbox `id`: one of its team's slots (true),
+/// or 429. Nothing to do (false) for one that runs (a connect) or is not
+/// here (the API answers for it).
+async fn start_running(node: &Node, id: &str, caller_team: &str) -> Result<bool, ApiError> {
     let Ok(record) = node.manager.get(id) else {
-        return Ok(());
+        return Ok(false);
     };
     if record.state == SandboxState::Running {
-        return Ok(());
+        return Ok(false);
     }
     // Another team's sandbox: the API answers 404 for it.
     if team_or_default(record.team.as_deref()) != caller_team {
-        return Ok(());
+        return Ok(false);
     }
     match node.registration.start_running(id, Some(caller_team)).await {
         Ok(Claim::TeamFull { limit }) => Err(team_full(limit)),
-        // Refused: not this node's any more; its resume finds out.
-        Ok(Claim::Claimed | Claim::Refused) => Ok(()),
+        Ok(Claim::Claimed) => Ok(true),
+        // Not this node's any more; its resume finds out.
+        Ok(Claim::Refused) => Ok(false),
         Err(e) => Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("cluster state: {e}"),
