@@ -269,7 +269,7 @@ async fn track(State(node): State<Arc<Node>>, req: Request, next: Next) -> Respo
             Err(e) => return e.into_response(),
         }
     }
-    if matches!(change, Change::Create)
+    if matches!(change, Change::Create | Change::Fork)
         && let Err(e) = team_has_room(&node, &team).await
     {
         return e.into_response();
@@ -424,8 +424,8 @@ fn team_full(limit: u64) -> ApiError {
     ))
 }
 
-/// Refuses a create at once when `team` already runs its quota (the claim
-/// after the create is what holds; this spares booting a sandbox that
+/// Refuses a create or fork at once when `team` already runs its quota
+/// (the claim after it is what holds; this spares booting sandboxes that
 /// could not be kept).
 async fn team_has_room(node: &Node, team: &str) -> Result<(), ApiError> {
     match node.registration.cluster().team_full(team).await {
