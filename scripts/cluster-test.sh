@@ -218,6 +218,10 @@ if as_team "$gw" resume "${made[0]}" 2>"$work/q-resume.err"; then
     die "the resume of ${made[0]} went beyond the team's 2"
 fi
 grep -q 'maximum number of concurrent sandboxes (2)' "$work/q-resume.err" || die "resume refused otherwise: $(cat "$work/q-resume.err")"
+# A fork of a full team makes no child.
+fork_code=$(curl -s -o "$work/q-fork.json" -w '%{http_code}' -X POST -H "X-API-Key: $key" -H 'Content-Type: application/json' \
+    -d '{"count": 1}' "http://127.0.0.1:$gw2/sandboxes/${made[1]}/fork")
+[[ $fork_code == 429 ]] || die "a fork of a full team answered $fork_code: $(cat "$work/q-fork.json")"
 as_team "$gw2" rm "$third" >/dev/null || die "kill $third"
 as_team "$gw" resume "${made[0]}" >/dev/null || die "resuming ${made[0]} after a kill"
 [[ $(as_team "$gw2" exec "${made[0]}" -- echo back) == back ]] || die "exec in the resumed ${made[0]}"
