@@ -227,7 +227,7 @@ as_team "$gw" resume "${made[0]}" >/dev/null || die "resuming ${made[0]} after a
 [[ $(as_team "$gw2" exec "${made[0]}" -- echo back) == back ]] || die "exec in the resumed ${made[0]}"
 as_team "$gw" rm "${made[@]}" >/dev/null || die "kill the team's sandboxes"
 [[ $(slots) == 0 ]] || die "the team holds $(slots) slots after its kills"
-log "PASS: a team of 2: 6 creates racing through 2 gateways made 2 (4 refused, 429); a pause freed a slot, a resume beyond the limit was refused"
+log "PASS: a team of 2: 6 creates racing through 2 gateways made 2 (4 refused, 429); a pause freed a slot, a resume and a fork beyond the limit were refused"
 
 # --- a durable pause survives its node ---------------------------------------
 t0=$SECONDS
