@@ -495,17 +495,25 @@ async fn claim_or_kill(node: &Node, id: &str, team: &str) -> Option<ApiError> {
     Some(refused)
 }
 
+/// A create's or fork's answer, read whole (it is small).
+async fn read_answer(
+    response: Response,
+) -> Result<(axum::http::response::Parts, axum::body::Bytes), ApiError> {
+    let (parts, body) = response.into_parts();
+    let bytes = axum::body::to_bytes(body, MAX_CREATE_ANSWER)
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    Ok((parts, bytes))
+}
+
 /// Claims the sandbox a create answered with before the answer leaves:
 /// refused (its team is at its quota, the node lost its lease, or the ID
 /// is mapped elsewhere), the sandbox is killed and the create answers 429
 /// or 503 (a gateway tries the next node on a 503).
 async fn claim_created(node: &Node, team: &str, response: Response) -> Response {
-    let (parts, body) = response.into_parts();
-    let bytes = match axum::body::to_bytes(body, MAX_CREATE_ANSWER).await {
-        Ok(b) => b,
-        Err(e) => {
-            return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response();
-        }
+    let (parts, bytes) = match read_answer(response).await {
+        Ok(read) => read,
+        Err(e) => return e.into_response(),
     };
     let id = serde_json::from_slice::<serde_json::Value>(&bytes)
         .ok()
@@ -526,12 +534,9 @@ async fn claim_created(node: &Node, team: &str, response: Response) -> Response 
 /// slot for is killed and its entry becomes the error, as a child that
 /// failed to start is.
 async fn claim_children(node: &Node, team: &str, response: Response) -> Response {
-    let (parts, body) = response.into_parts();
-    let bytes = match axum::body::to_bytes(body, MAX_CREATE_ANSWER).await {
-        Ok(b) => b,
-        Err(e) => {
-            return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response();
-        }
+    let (parts, bytes) = match read_answer(response).await {
+        Ok(read) => read,
+        Err(e) => return e.into_response(),
     };
     let Ok(mut children) = serde_json::from_slice::<Vec<serde_json::Value>>(&bytes) else {
         return Response::from_parts(parts, Body::from(bytes));

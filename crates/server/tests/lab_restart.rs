@@ -38,6 +38,32 @@ struct Node {
 }
 
 impl Node {
+    /// A node on a free loopback port with data dir `data` (made here) and
+    /// API key `key`, not started.
+    fn new(data: &Path, key: &str) -> Node {
+        std::fs::create_dir(data).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        Node {
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            data: data.to_owned(),
+            key: key.to_owned(),
+            server: None,
+            starts: 0,
+            crash_at: None,
+        }
+    }
+
+    /// Where its VMMs' directories are.
+    fn run_dir(&self) -> PathBuf {
+        let mut c = Config::new(self.addr, "k".into(), "r".into(), "v".into());
+        c.data_dir = self.data.clone();
+        c.run_dir()
+    }
+
     fn start(&mut self) {
         self.starts += 1;
         let log = std::fs::File::create(self.data.join(format!("serve-{}.log", self.starts)))
@@ -281,25 +307,8 @@ fn entries(dir: &Path) -> Vec<PathBuf> {
 async fn a_restarted_server_adopts_running_sandboxes_and_keeps_paused_ones() {
     let scratch = tempfile::tempdir().unwrap();
     let data = scratch.path().join("data");
-    std::fs::create_dir(&data).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let mut node = Node {
-        addr: SocketAddr::from(([127, 0, 0, 1], port)),
-        data: data.clone(),
-        key: format!("e2b_{}", "5a".repeat(16)),
-        server: None,
-        starts: 0,
-        crash_at: None,
-    };
-    let run_dir = {
-        let mut c = Config::new(node.addr, "k".into(), "r".into(), "v".into());
-        c.data_dir = data.clone();
-        c.run_dir()
-    };
+    let mut node = Node::new(&data, &format!("e2b_{}", "5a".repeat(16)));
+    let run_dir = node.run_dir();
     node.start();
     node.wait_up().await;
 
@@ -459,25 +468,9 @@ fn vmm_processes(run_dir: &Path) -> Vec<ProcessIdentity> {
 async fn a_crash_inside_a_pause_fork_or_snapshot_loses_nothing_acknowledged() {
     let scratch = tempfile::tempdir().unwrap();
     let data = scratch.path().join("data");
-    std::fs::create_dir(&data).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let mut node = Node {
-        addr: SocketAddr::from(([127, 0, 0, 1], port)),
-        data: data.clone(),
-        key: format!("e2b_{}", "6b".repeat(16)),
-        server: None,
-        starts: 0,
-        crash_at: Some("pause.written"),
-    };
-    let run_dir = {
-        let mut c = Config::new(node.addr, "k".into(), "r".into(), "v".into());
-        c.data_dir = data.clone();
-        c.run_dir()
-    };
+    let mut node = Node::new(&data, &format!("e2b_{}", "6b".repeat(16)));
+    node.crash_at = Some("pause.written");
+    let run_dir = node.run_dir();
     node.start();
     node.wait_up().await;
     let a = node.create().await;
