@@ -165,6 +165,44 @@ impl Cluster {
     }
 }
 
+/// A watch quiet this long ends (its caller loads anew and watches again:
+/// a member cut off without a reset would otherwise hold it forever).
+const WATCH_QUIET_LIMIT: Duration = Duration::from_secs(60);
+
+/// Watches the keys under `prefix` from `revision` on, handing each event's
+/// kind and key-value to `apply`, until the watch ends, is cancelled or
+/// stays quiet for [`WATCH_QUIET_LIMIT`] (`what` names it in the log).
+pub(crate) async fn follow_prefix(
+    cluster: &Cluster,
+    prefix: &str,
+    revision: i64,
+    what: &str,
+    mut apply: impl FnMut(etcd_client::EventType, &etcd_client::KeyValue),
+) -> Result<(), ClusterError> {
+    let options = etcd_client::WatchOptions::new()
+        .with_prefix()
+        .with_start_revision(revision);
+    let mut stream = cluster.client().watch(prefix, Some(options)).await?;
+    loop {
+        let message = match tokio::time::timeout(WATCH_QUIET_LIMIT, stream.message()).await {
+            Ok(message) => message?,
+            Err(_) => return Ok(()),
+        };
+        let Some(response) = message else {
+            return Ok(());
+        };
+        if response.canceled() {
+            tracing::warn!("{what}: watch cancelled: {}", response.cancel_reason());
+            return Ok(());
+        }
+        for event in response.events() {
+            if let Some(kv) = event.kv() {
+                apply(event.event_type(), kv);
+            }
+        }
+    }
+}
+
 /// The fencing compare: the node's own key is still held by the lease the
 /// caller registered with (a node whose lease expired, or that re-registered
 /// since, fails it).

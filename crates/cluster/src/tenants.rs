@@ -11,14 +11,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, EventType, GetOptions, Txn, TxnOp, WatchOptions};
+use etcd_client::{Compare, CompareOp, EventType, GetOptions, Txn, TxnOp};
 use tokio::task::JoinHandle;
 
 use crate::keyspace::{self, TeamQuota};
 use crate::{Cluster, ClusterError, encode, retried, send_txn};
 
-/// A watch quiet this long is replaced by a fresh load and watch.
-const QUIET_LIMIT: Duration = Duration::from_secs(60);
 /// Pause before loading again after etcd failed.
 const RETRY_AFTER: Duration = Duration::from_secs(1);
 
@@ -206,31 +204,13 @@ async fn follow(
     revision: i64,
     apply: &(dyn Fn(TenantChange) + Send + Sync),
 ) -> Result<(), ClusterError> {
-    let options = WatchOptions::new()
-        .with_prefix()
-        .with_start_revision(revision);
-    let mut stream = cluster
-        .client()
-        .watch(keyspace::TENANTS, Some(options))
-        .await?;
-    loop {
-        let message = match tokio::time::timeout(QUIET_LIMIT, stream.message()).await {
-            Ok(message) => message?,
-            Err(_) => return Ok(()),
-        };
-        let Some(response) = message else {
-            return Ok(());
-        };
-        if response.canceled() {
-            tracing::warn!(
-                "cluster: the teams' watch was cancelled: {}",
-                response.cancel_reason()
-            );
-            return Ok(());
-        }
-        for event in response.events() {
-            let Some(kv) = event.kv() else { continue };
-            let changed = match event.event_type() {
+    crate::follow_prefix(
+        cluster,
+        keyspace::TENANTS,
+        revision,
+        "cluster: teams and keys",
+        |kind, kv| {
+            let changed = match kind {
                 EventType::Put => change(kv.key(), kv.value()),
                 EventType::Delete => std::str::from_utf8(kv.key())
                     .ok()
@@ -242,6 +222,7 @@ async fn follow(
             if let Some(changed) = changed {
                 apply(changed);
             }
-        }
-    }
+        },
+    )
+    .await
 }

@@ -12,15 +12,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use etcd_client::{EventType, GetOptions, KeyValue, WatchOptions};
+use etcd_client::{EventType, GetOptions, KeyValue};
 use tokio::task::JoinHandle;
 
 use crate::keyspace::{self, NodeRecord, SandboxRoute};
 use crate::{Cluster, ClusterError, Versioned};
 
-/// A watch quiet this long is replaced by a fresh load and watch (a member
-/// cut off without a reset would otherwise hold it forever).
-const QUIET_LIMIT: Duration = Duration::from_secs(60);
 /// Pause before loading again after etcd failed.
 const RETRY_AFTER: Duration = Duration::from_secs(1);
 
@@ -102,34 +99,20 @@ async fn follow(cluster: &Cluster, state: &RwLock<State>) -> Result<(), ClusterE
     }
     *state.write().unwrap_or_else(|p| p.into_inner()) = fresh;
 
-    let options = WatchOptions::new()
-        .with_prefix()
-        .with_start_revision(revision + 1);
-    let mut stream = client.watch(keyspace::PREFIX, Some(options)).await?;
-    loop {
-        let message = match tokio::time::timeout(QUIET_LIMIT, stream.message()).await {
-            Ok(message) => message?,
-            Err(_) => return Ok(()),
-        };
-        let Some(response) = message else {
-            return Ok(());
-        };
-        if response.canceled() {
-            tracing::warn!(
-                "cluster view: watch cancelled: {}",
-                response.cancel_reason()
-            );
-            return Ok(());
-        }
-        let mut state = state.write().unwrap_or_else(|p| p.into_inner());
-        for event in response.events() {
-            let Some(kv) = event.kv() else { continue };
-            match event.event_type() {
+    crate::follow_prefix(
+        cluster,
+        keyspace::PREFIX,
+        revision + 1,
+        "cluster view",
+        |kind, kv| {
+            let mut state = state.write().unwrap_or_else(|p| p.into_inner());
+            match kind {
                 EventType::Put => put(&mut state, kv),
                 EventType::Delete => delete(&mut state, kv.key()),
             }
-        }
-    }
+        },
+    )
+    .await
 }
 
 fn put(state: &mut State, kv: &KeyValue) {
