@@ -68,12 +68,12 @@ pub struct ServeArgs {
     #[arg(long, value_name = "PATH", default_value = "sandfork")]
     cgroup_parent: PathBuf,
     /// Every VMM runs jailed: its own mount, PID and IPC namespaces and
-    /// root, its own uid, no capabilities (see README "Hardening"). Off by
-    /// default until the SDK, CLI and network suites have passed with it.
+    /// root, its own uid, no capabilities (see README "Hardening"). The
+    /// default; kept so that a later `--jail` undoes an earlier `--no-jail`.
     #[arg(long, overrides_with = "no_jail")]
     jail: bool,
     /// VMMs run unjailed: as the server's user, in its mount and PID
-    /// namespaces, with its capabilities (the default for now).
+    /// namespaces, with its capabilities.
     #[arg(long, overrides_with = "jail")]
     no_jail: bool,
     /// A jailed VMM runs as uid and gid BASE + its pid (a range as wide as
@@ -136,6 +136,14 @@ struct ClusterArgs {
     /// a node stores each pause there, so another node can resume it.
     #[arg(long, env = "SANDFORK_S3")]
     s3: Option<String>,
+}
+
+impl ServeArgs {
+    /// Jailed unless `--no-jail` came last (clap keeps only the last of the
+    /// two flags set).
+    fn jailed(&self) -> bool {
+        self.jail || !self.no_jail
+    }
 }
 
 impl ClusterArgs {
@@ -390,7 +398,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         dns_upstream: args.dns_upstream,
     });
     config.balloon = !args.no_balloon;
-    config.jail = (args.jail && !args.no_jail).then_some(server::jail::JailConfig {
+    config.jail = args.jailed().then_some(server::jail::JailConfig {
         uid_base: args.jail_uid_base,
     });
     config.cgroups = (!args.no_cgroups).then(|| server::cgroups::CgroupConfig {
@@ -582,11 +590,7 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
         cmd.arg("--no-balloon");
     }
     cmd.arg("--cgroup-parent").arg(&args.cgroup_parent);
-    cmd.arg(if args.jail && !args.no_jail {
-        "--jail"
-    } else {
-        "--no-jail"
-    });
+    cmd.arg(if args.jailed() { "--jail" } else { "--no-jail" });
     cmd.arg("--jail-uid-base")
         .arg(args.jail_uid_base.to_string());
     if let Some(dns) = &args.dns_upstream {
