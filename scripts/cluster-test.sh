@@ -9,7 +9,10 @@
 # server (SeaweedFS's weed, from scripts/deps.sh) as the object store: a
 # sandbox paused on its node, that node killed with SIGKILL and its data
 # dir removed, resumed through the gateway on the other node with its files
-# and a running process intact.
+# and a running process intact. Last, that node comes back in a network
+# namespace of its own, pauses a sandbox, and its only link goes down: the
+# sandbox is resumed on the other node meanwhile, and once the link is up
+# again the cut-off node's stale copy never serves and is removed.
 #
 # Usage: scripts/cluster-test.sh [--no-build]
 # Env: CARGO_TARGET_DIR (default target), SANDFORK_LAB_LOCKED (the caller
@@ -44,27 +47,41 @@ if [[ ${1:-} != --inside ]]; then
     exec "${lab[@]}"
 fi
 
-# Inside the lab: /work is read-only, $rw is writable.
+# Inside the lab: /work is read-only, $rw is writable. (`ip` is in sbin.)
+export PATH=$PATH:/usr/sbin:/sbin
 work=$(mktemp -d "$rw/cluster-test.XXXXXX")
 pids=()
 cleanup() {
     for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
     wait 2>/dev/null || true
+    ip netns del "$cut_ns" 2>/dev/null || true
     rm -rf "$work/n1" "$work/n2" "$work/etcd" "$work/weed"
 }
 trap cleanup EXIT
 bin=$target/debug/sandfork
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# The network namespace the partition test's node runs in: one veth pair to
+# this namespace (etcd and the S3 server listen on its address too).
+cut_ns=sfcut$$ cut_link=sfcut$$h cut_host=10.213.0.1 cut_node=10.213.0.2
+ip netns add "$cut_ns"
+ip link add "$cut_link" type veth peer name sfcutn netns "$cut_ns"
+ip addr add "$cut_host/30" dev "$cut_link"
+ip link set "$cut_link" up
+in_cut_ns() { nsenter --net="/run/netns/$cut_ns" "$@"; }
+in_cut_ns ip addr add "$cut_node/30" dev sfcutn
+in_cut_ns ip link set sfcutn up
+in_cut_ns ip link set lo up
 etcd_port=$(free_port)
 etcd --name=t --data-dir="$work/etcd" \
-    --listen-client-urls="http://127.0.0.1:$etcd_port" --advertise-client-urls="http://127.0.0.1:$etcd_port" \
+    --listen-client-urls="http://127.0.0.1:$etcd_port,http://$cut_host:$etcd_port" \
+    --advertise-client-urls="http://127.0.0.1:$etcd_port" \
     --listen-peer-urls="http://127.0.0.1:$(free_port)" >"$work/etcd.log" 2>&1 &
 pids+=($!)
 export SANDFORK_ETCD=http://127.0.0.1:$etcd_port
 # The object store, up before the nodes (each makes sure of its bucket).
 # Every gRPC port is given: weed's default (port + 10000) may not exist.
 s3_port=$(free_port)
-weed_args=(server -dir="$work/weed" -ip=127.0.0.1 -ip.bind=127.0.0.1 -s3
+weed_args=(server -dir="$work/weed" -ip=127.0.0.1 -ip.bind=0.0.0.0 -s3
     -master.volumeSizeLimitMB=64 -volume.max=16)
 for service in master volume filer s3; do
     port=$(free_port)
@@ -238,17 +255,17 @@ c=$("$bin" create --timeout 900) || die "create for the pause"
 loop=$("$bin" exec "$c" -- sh -c 'sleep 1; cat ~/loop.pid') || die "reading the loop's pid"
 from=$(owner "$c")
 now_ms() { echo $((${EPOCHREALTIME/./} / 1000)); }
-pause() {
+pause() { # ID: a durable pause through the gateway
     curl -sf -X POST -H "X-API-Key: $SANDFORK_API_KEY" -H 'Content-Type: application/json' -d '{}' \
-        -D "$work/pause.headers" "$SANDFORK_API_URL/sandboxes/$c/pause" >/dev/null || die "pausing $c"
-    grep -qi '^x-sandfork-durable: true' "$work/pause.headers" || die "the pause of $c is not durable: $(cat "$work/pause.headers")"
+        -D "$work/pause.headers" "$SANDFORK_API_URL/sandboxes/$1/pause" >/dev/null || die "pausing $1"
+    grep -qi '^x-sandfork-durable: true' "$work/pause.headers" || die "the pause of $1 is not durable: $(cat "$work/pause.headers")"
 }
 # A durable pause and a resume on the same node, for comparison; then the
 # second pause stores only what changed.
-t=$(now_ms); pause; first_pause_ms=$(($(now_ms) - t))
+t=$(now_ms); pause "$c"; first_pause_ms=$(($(now_ms) - t))
 t=$(now_ms); "$bin" resume "$c" >/dev/null || die "resuming $c on $from"; same_node_resume_ms=$(($(now_ms) - t))
 [[ $(owner "$c") == "$from" ]] || die "$c moved on a resume while $from lived"
-t=$(now_ms); pause; pause_ms=$(($(now_ms) - t))
+t=$(now_ms); pause "$c"; pause_ms=$(($(now_ms) - t))
 pause_s=$((pause_ms / 1000))
 route=$(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --print-value-only "/sandfork/v1/sandboxes/$c")
 grep -q '"paused"' <<<"$route" || die "the route of $c records no durable pause: $route"
@@ -258,9 +275,10 @@ log "$c paused on $from and stored in $pause_s s, $d running there; killing $fro
 kill -9 "${node_pid[$from]}"
 rm -rf "${work:?}/$from"
 # Its lease ends within the TTL (3 s); until then the gateway routes to it.
-start=$SECONDS
 # (not `| grep -q`: under pipefail its early exit fails etcdctl and the loop)
-while [[ -n $(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --keys-only "/sandfork/v1/nodes/$from") ]]; do
+registered() { [[ -n $(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --keys-only "/sandfork/v1/nodes/$1") ]]; }
+start=$SECONDS
+while registered "$from"; do
     ((SECONDS - start < 30)) || die "node $from is still registered"
     sleep 0.5
 done
@@ -288,5 +306,52 @@ a2=$("$bin" exec "$c" -- sh -c 'cat ~/tick')
 ((a2 > a1)) || die "the process in $c does not run on ($a1, then $a2)"
 "$bin" rm "$c" || die "kill $c"
 log "PASS: $c paused on $from (stored in $pause_s s), $from killed, resumed on $to in $resume_s s with its file and process ($((SECONDS - t0)) s in all)"
+
+# --- a node cut off from etcd: only one copy serves ---------------------------
+# $from comes back, fresh, in the namespace whose link the test takes down.
+t0=$SECONDS
+cut_port=$(free_port)
+cut_api=http://$cut_node:$cut_port
+in_cut_ns env SANDFORK_ETCD="http://$cut_host:$etcd_port" SANDFORK_S3="http://$cut_host:$s3_port/sandfork" \
+    "$bin" serve --in-lab --role node --node-id "$from" --listen "$cut_node:$cut_port" \
+    --data-dir "$work/$from" --no-network --pool-size 1 --lease-ttl-secs 3 >"$work/$from-cut.log" 2>&1 &
+pids+=($!)
+start=$SECONDS
+until curl -sf "$cut_api/health" >/dev/null && registered "$from"; do
+    ((SECONDS - start < 800)) || { tail -n 30 "$work/$from-cut.log" >&2; die "$from did not come back"; }
+    sleep 1
+done
+e=$(SANDFORK_API_URL=$cut_api "$bin" create --timeout 900) || die "create on $from"
+"$bin" exec "$e" -- sh -c 'cd && echo before > state.txt' || die "writing in $e"
+pause "$e"
+ip link set "$cut_link" down
+start=$SECONDS
+while registered "$from"; do
+    ((SECONDS - start < 30)) || die "node $from is still registered with its link down"
+    sleep 0.5
+done
+# Its pause is in the store: it resumes on the other node and changes there.
+"$bin" resume "$e" >/dev/null || die "resuming $e while $from is cut off"
+[[ $(owner "$e") == "$to" ]] || die "$e resumed on $(owner "$e"), not $to"
+"$bin" exec "$e" -- sh -c 'cd && cat state.txt && echo after > state.txt' | grep -qx before ||
+    die "$e lost its file on $to"
+ip link set "$cut_link" up
+# Back, $from must not serve its old copy (a resume is refused: the route
+# is $to's) and removes it.
+start=$SECONDS
+until [[ $(curl -s -o /dev/null -w '%{http_code}' -H "X-API-Key: $SANDFORK_API_KEY" "$cut_api/sandboxes/$e") == 404 ]]; do
+    code=$(curl -s -o "$work/cut-resume.json" -w '%{http_code}' -X POST -H "X-API-Key: $SANDFORK_API_KEY" \
+        -H 'Content-Type: application/json' -d '{}' "$cut_api/sandboxes/$e/resume")
+    [[ $code != 2* ]] || die "$from resumed its stale copy of $e: $(cat "$work/cut-resume.json")"
+    ((SECONDS - start < 120)) || { tail -n 20 "$work/$from-cut.log" >&2; die "$from still holds its copy of $e"; }
+    sleep 1
+done
+[[ ! -e $work/$from/sandboxes/$e ]] || die "$from left the files of its stale copy of $e"
+grep -q "sandbox $e is node $to's now" "$work/$from-cut.log" || die "$from did not say why it removed $e"
+registered "$from" || die "$from did not register again"
+[[ $(owner "$e") == "$to" ]] || die "$e moved to $(owner "$e") after the link came back"
+[[ $("$bin" exec "$e" -- sh -c 'cat ~/state.txt') == after ]] || die "$e is not the copy on $to"
+"$bin" rm "$e" || die "kill $e"
+log "PASS: $from cut off from etcd: $e resumed on $to meanwhile; back, $from refused and removed its stale copy ($((SECONDS - t0)) s in all)"
 # Lab figures (emulated: compare them as ratios within one run).
 log "bench: {\"gateway_exec_ms\": $via_gateway_ms, \"direct_exec_ms\": $direct_ms, \"durable_pause_first_ms\": $first_pause_ms, \"durable_pause_again_ms\": $pause_ms, \"same_node_resume_ms\": $same_node_resume_ms, \"cross_node_resume_ms\": $cross_node_resume_ms}"

@@ -22,7 +22,7 @@ use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, Txn, T
 pub use keyspace::{
     DurablePause, NodeCapacity, NodeLoad, NodeRecord, RunningSlot, SandboxRoute, TeamQuota,
 };
-pub use membership::{LocalSandbox, Registration};
+pub use membership::{LocalSandbox, Reconciled, Registration};
 pub use objects::ObjectStore;
 pub use quota::Claim;
 pub use tenants::{TenantChange, TenantRecords, Tenants};

@@ -23,6 +23,20 @@ pub struct LocalSandbox {
     pub running: bool,
 }
 
+/// What one [`Registration::reconcile`] did and found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Reconciled {
+    /// Sandboxes the node holds that it mapped to itself.
+    pub claimed: usize,
+    /// Routes of this node to sandboxes it no longer holds, removed.
+    pub released: usize,
+    /// Sandboxes the node holds whose route names another node: they moved
+    /// there (a durable pause resumed elsewhere while this node was cut
+    /// off), so the copy here is stale and must not serve. Each with the
+    /// node that has it now.
+    pub moved: Vec<(String, String)>,
+}
+
 /// A registered node. Dropping it stops the keep-alive (the lease then
 /// expires); [`Registration::leave`] deletes the record at once.
 pub struct Registration {
@@ -299,8 +313,10 @@ impl Registration {
     /// Makes the map agree with the sandboxes the node holds: claims those
     /// it lacks, releases this node's records of those gone, and gives each
     /// team's slots to the sandboxes that run (a sandbox paused or resumed
-    /// without the API: its timeout, memory pressure). Returns how many
-    /// were claimed and released. Records of an earlier incarnation are
+    /// without the API: its timeout, memory pressure); names those another
+    /// node has taken ([`Reconciled::moved`]; only a durable pause moves,
+    /// and only once this node's lease is gone, so its copy is the older).
+    /// Records of an earlier incarnation are
     /// moved to this one (release, then claim), since only a live lease can
     /// change them. A sandbox that runs with its team at its quota (one
     /// adopted after a restart) is still claimed, without a slot, and
@@ -311,17 +327,25 @@ impl Registration {
         &self,
         local: &[LocalSandbox],
         changing: impl Fn(&str) -> bool,
-    ) -> Result<(usize, usize), ClusterError> {
+    ) -> Result<Reconciled, ClusterError> {
         let node_id = self.node_id();
         let incarnation = self.incarnation();
         let local: BTreeMap<&str, &LocalSandbox> =
             local.iter().map(|s| (s.id.as_str(), s)).collect();
         let mut client = self.cluster.client();
         let mut mapped = BTreeSet::new();
-        let (mut claimed, mut released) = (0, 0);
+        let mut done = Reconciled::default();
         let mut quotas = BTreeMap::new();
         for (id, seen) in self.cluster.sandboxes().await? {
             if seen.value.node_id != node_id {
+                if local.contains_key(id.as_str()) {
+                    mapped.insert(id.clone());
+                    // A take-in under way holds its copy before the route
+                    // moves here.
+                    if !changing(&id) {
+                        done.moved.push((id, seen.value.node_id));
+                    }
+                }
                 continue;
             }
             let current = seen.value.incarnation == incarnation;
@@ -358,7 +382,7 @@ impl Registration {
             // A stale incarnation's record fails the lease compare: only a
             // record of this one can be released by this node.
             if current && crate::release(&mut client, &id, &seen).await? {
-                released += 1;
+                done.released += 1;
             } else if !current {
                 tracing::warn!(
                     "cluster: sandbox {id} is mapped to an earlier incarnation of this node"
@@ -381,10 +405,10 @@ impl Registration {
                 claim => claim,
             };
             if claim == Claim::Claimed {
-                claimed += 1;
+                done.claimed += 1;
             }
         }
-        Ok((claimed, released))
+        Ok(done)
     }
 
     /// Whether `team` has a quota, asked of etcd once per reconcile.

@@ -336,12 +336,15 @@ async fn reconcile_makes_the_map_match_the_node() {
             .collect::<Vec<_>>()
     };
 
-    // a holds "kept" and "forked" now; "gone" timed out; "theirs" is b's.
-    let (claimed, released) = a
+    // a holds "kept" and "forked" now; "gone" timed out; "theirs" is b's,
+    // so a's copy of it is stale (named, not claimed), unless a is taking
+    // it in.
+    let done = a
         .reconcile(&ids(&["kept", "forked", "theirs"]), |_| false)
         .await
         .unwrap();
-    assert_eq!((claimed, released), (1, 1));
+    assert_eq!((done.claimed, done.released), (1, 1));
+    assert_eq!(done.moved, [("theirs".to_owned(), "b".to_owned())]);
     let map = cluster.sandboxes().await.unwrap();
     let owners: Vec<(&str, &str)> = map
         .iter()
@@ -350,10 +353,10 @@ async fn reconcile_makes_the_map_match_the_node() {
     assert_eq!(owners, [("forked", "a"), ("kept", "a"), ("theirs", "b")]);
     // Nothing to do the second time.
     let again = a
-        .reconcile(&ids(&["kept", "forked", "theirs"]), |_| false)
+        .reconcile(&ids(&["kept", "forked", "theirs"]), |id| id == "theirs")
         .await
         .unwrap();
-    assert_eq!(again, (0, 0));
+    assert_eq!(again, cluster::Reconciled::default());
 }
 
 #[tokio::test]
@@ -386,7 +389,8 @@ async fn reconcile_gives_team_slots_to_what_runs_and_takes_them_from_what_paused
     // Claimed by the reconciler: the running ones take slots, the paused
     // one none; a third running one is over the quota and still mapped.
     let first = local(&[("r1", true), ("p1", false), ("r2", true), ("r3", true)]);
-    assert_eq!(a.reconcile(&first, |_| false).await.unwrap(), (4, 0));
+    let done = a.reconcile(&first, |_| false).await.unwrap();
+    assert_eq!((done.claimed, done.released), (4, 0));
     let held = cluster.running_slots("t").await.unwrap();
     assert_eq!(held.len(), 2, "{held:?}");
     assert!(running_slot(&cluster, "p1").await.is_none());
@@ -535,6 +539,21 @@ async fn a_durable_pause_moves_only_once_its_node_is_gone() {
     assert_eq!(moved.value.paused, Some(pause));
     // A stale view changes nothing.
     assert!(!b.take_over("p", &seen).await.unwrap());
+    // a comes back (its link healed) with its copy: told it moved, and the
+    // route stays with the new owner.
+    let a = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
+        .await
+        .unwrap();
+    let stale = [LocalSandbox {
+        id: "p".into(),
+        team: "default".into(),
+        running: false,
+    }];
+    let done = a.reconcile(&stale, |_| false).await.unwrap();
+    assert_eq!(done.moved, [("p".to_owned(), moved.value.node_id.clone())]);
+    assert_eq!((done.claimed, done.released), (0, 0));
+    assert_eq!(cluster.sandbox("p").await.unwrap(), Some(moved.clone()));
+    assert_eq!(a.start_running("p", None).await.unwrap(), Claim::Refused);
     // The new owner resumes it: no longer durably paused.
     let owner = if moved.value.node_id == "b" { &b } else { &c };
     assert!(owner.set_paused("p", None).await.unwrap());

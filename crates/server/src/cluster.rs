@@ -34,7 +34,7 @@ use cluster::{Claim, Cluster, ClusterError, NodeCapacity, NodeLoad, Registration
 use crate::api::ApiError;
 use crate::auth::ApiKeys;
 use crate::capacity::Capacity;
-use crate::sandbox::Manager;
+use crate::sandbox::{Manager, SandboxError};
 use crate::store::SandboxState;
 use crate::tenants::team_or_default;
 
@@ -167,13 +167,39 @@ impl Node {
             Err(e) => return tracing::warn!("cluster: listing sandboxes: {e}"),
         };
         let changing = |id: &str| self.changing.contains(id);
-        match self.registration.reconcile(&local, changing).await {
-            Ok((0, 0)) => {}
-            Ok((claimed, released)) => tracing::info!(
-                "cluster: reconciled the sandbox map: {claimed} claimed, {released} released"
-            ),
-            Err(e) => tracing::warn!("cluster: reconciling the sandbox map: {e}"),
+        let done = match self.registration.reconcile(&local, changing).await {
+            Ok(done) => done,
+            Err(e) => return tracing::warn!("cluster: reconciling the sandbox map: {e}"),
+        };
+        if done.claimed + done.released > 0 {
+            tracing::info!(
+                "cluster: reconciled the sandbox map: {} claimed, {} released",
+                done.claimed,
+                done.released
+            );
         }
+        for (id, owner) in done.moved {
+            self.drop_stale_copy(&id, &owner).await;
+        }
+    }
+
+    /// Removes this node's copy of a sandbox that another node took while
+    /// this one was cut off from etcd: only the owner's copy may serve. The
+    /// VMM (if any), record and local files go; the route and what the
+    /// object store holds are the owner's.
+    async fn drop_stale_copy(&self, id: &str, owner: &str) {
+        // A take-in here started since the reconciler looked.
+        if self.changing.contains(id) {
+            return;
+        }
+        tracing::warn!(
+            "cluster: sandbox {id} is node {owner}'s now; removing this node's stale copy"
+        );
+        match self.manager.kill(id).await {
+            Ok(()) | Err(SandboxError::NotFound(_)) => {}
+            Err(e) => tracing::warn!("cluster: sandbox {id}: removing the stale copy: {e}"),
+        }
+        self.registration.set_load(self.load());
     }
 
     pub fn start_reconciler(self: &Arc<Self>, every: Duration) {
@@ -455,13 +481,35 @@ async fn start_running(node: &Node, id: &str, caller_team: &str) -> Result<bool,
     match node.registration.start_running(id, Some(caller_team)).await {
         Ok(Claim::TeamFull { limit }) => Err(team_full(limit)),
         Ok(Claim::Claimed) => Ok(true),
-        // Not this node's any more; its resume finds out.
-        Ok(Claim::Refused) => Ok(false),
+        Ok(Claim::Refused) => match moved_to(node, id).await? {
+            // Fenced: the copy here is stale and the reconciler removes it.
+            Some(owner) => Err(ApiError::new(
+                StatusCode::CONFLICT,
+                format!("sandbox {id} moved to node {owner}: resume it through a gateway"),
+            )),
+            // Not mapped yet (the reconciler claims it), or this node's
+            // earlier incarnation's: the resume goes on.
+            None => Ok(false),
+        },
         Err(e) => Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("cluster state: {e}"),
         )),
     }
+}
+
+/// The node `id`'s route names, when that is another node.
+async fn moved_to(node: &Node, id: &str) -> Result<Option<String>, ApiError> {
+    let route = node.registration.cluster().sandbox(id).await.map_err(|e| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("cluster state: {e}"),
+        )
+    })?;
+    let me = node.registration.node_id();
+    Ok(route
+        .map(|seen| seen.value.node_id)
+        .filter(|owner| *owner != me))
 }
 
 /// `id` stopped running (paused, or its resume failed): its team's slot
