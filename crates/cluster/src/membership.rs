@@ -316,11 +316,11 @@ impl Registration {
     /// without the API: its timeout, memory pressure); names those another
     /// node has taken ([`Reconciled::moved`]; only a durable pause moves,
     /// and only once this node's lease is gone, so its copy is the older).
-    /// Records of an earlier incarnation are
-    /// moved to this one (release, then claim), since only a live lease can
-    /// change them. A sandbox that runs with its team at its quota (one
-    /// adopted after a restart) is still claimed, without a slot, and
-    /// reported: the map must name it to serve it. The slots of sandboxes
+    /// Records of an earlier incarnation of this node are moved to this
+    /// one (or removed, for a sandbox it no longer holds and whose pause is
+    /// not stored) once that lease is gone. A sandbox that runs with its
+    /// team at its quota (one adopted after a restart) is still claimed,
+    /// without a slot, and reported: the map must name it to serve it. The slots of sandboxes
     /// `changing` names (a pause or resume the node is making, or made
     /// since it listed them) are left to that change.
     pub async fn reconcile(
@@ -379,14 +379,35 @@ impl Registration {
                 }
                 continue;
             }
-            // A stale incarnation's record fails the lease compare: only a
-            // record of this one can be released by this node.
-            if current && crate::release(&mut client, &id, &seen).await? {
+            if current {
+                if crate::release(&mut client, &id, &seen).await? {
+                    done.released += 1;
+                }
+                continue;
+            }
+            // An earlier incarnation's route (the node restarted, or
+            // registered anew after its lease lapsed): moved to this one if
+            // the node holds the sandbox, removed if not (unless its pause is
+            // stored: any node may take that in), each only once the old
+            // lease is gone.
+            if local.contains_key(id.as_str()) {
+                mapped.insert(id.clone());
+                if changing(&id) {
+                    continue;
+                }
+                // Its team's slot was held under the old lease; the next pass
+                // gives it one if it runs.
+                let route = SandboxRoute {
+                    node_id: node_id.clone(),
+                    incarnation,
+                    running: None,
+                    ..seen.value.clone()
+                };
+                if crate::take_over(&mut client, &id, &seen, &route).await? {
+                    done.claimed += 1;
+                }
+            } else if seen.value.paused.is_none() && crate::forget(&mut client, &id, &seen).await? {
                 done.released += 1;
-            } else if !current {
-                tracing::warn!(
-                    "cluster: sandbox {id} is mapped to an earlier incarnation of this node"
-                );
             }
         }
         for (id, sandbox) in local {

@@ -360,6 +360,49 @@ async fn reconcile_makes_the_map_match_the_node() {
 }
 
 #[tokio::test]
+async fn a_node_back_under_a_new_lease_takes_its_routes_over() {
+    let etcd = Etcd::start().unwrap();
+    let cluster = connect(&etcd).await;
+    let ttl = Duration::from_secs(5);
+    let before = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
+        .await
+        .unwrap();
+    for id in ["kept", "gone", "stored"] {
+        assert!(before.claim(id).await.unwrap());
+    }
+    let pause = cluster::DurablePause {
+        manifest: "sandboxes/stored/1.json".into(),
+        generation: 1,
+    };
+    assert!(before.set_paused("stored", Some(pause)).await.unwrap());
+    drop(before);
+    // Back (a restart, or a link that came back after the lease lapsed):
+    // it holds "kept" still, "gone" not; "stored" is in the object store.
+    let a = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
+        .await
+        .unwrap();
+    let local = [LocalSandbox {
+        id: "kept".into(),
+        team: "default".into(),
+        running: true,
+    }];
+    let done = a.reconcile(&local, |_| false).await.unwrap();
+    assert_eq!((done.claimed, done.released), (1, 1));
+    let kept = cluster.sandbox("kept").await.unwrap().unwrap();
+    assert_eq!(kept.value.incarnation, a.incarnation());
+    assert!(cluster.sandbox("gone").await.unwrap().is_none());
+    let stored = cluster.sandbox("stored").await.unwrap().unwrap();
+    assert_ne!(stored.value.incarnation, a.incarnation());
+    // This incarnation can change what it took over.
+    assert!(a.set_paused("kept", None).await.unwrap());
+    assert!(a.release("kept").await.unwrap());
+    assert_eq!(
+        a.reconcile(&[], |_| false).await.unwrap(),
+        cluster::Reconciled::default()
+    );
+}
+
+#[tokio::test]
 async fn reconcile_gives_team_slots_to_what_runs_and_takes_them_from_what_paused() {
     let etcd = Etcd::start().unwrap();
     let cluster = connect(&etcd).await;
