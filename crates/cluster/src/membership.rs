@@ -6,7 +6,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use etcd_client::{Client, Compare, CompareOp, PutOptions, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{
+    Client, Compare, CompareOp, LeaseKeepAliveStream, LeaseKeeper, PutOptions, Txn, TxnOp,
+    TxnOpResponse,
+};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -499,50 +502,32 @@ async fn keep(
     ttl: Duration,
 ) {
     let every = (ttl / 3).max(Duration::from_millis(200));
-    let snapshot = || record.lock().unwrap_or_else(|p| p.into_inner()).clone();
     loop {
-        let lease = snapshot().incarnation;
-        let (mut keeper, mut stream) = match client.lease_keep_alive(lease).await {
-            Ok(k) => k,
+        let lease = snapshot(&record).incarnation;
+        let lost = match client.lease_keep_alive(lease).await {
+            Ok((keeper, stream)) => {
+                match refresh(&mut client, &record, &mut load, keeper, stream, every).await {
+                    Some(lost) => lost,
+                    // The registration was dropped: the node stops.
+                    None => return,
+                }
+            }
             Err(e) => {
                 tracing::warn!("cluster: keep-alive of lease {lease:x}: {e}");
-                tokio::time::sleep(every).await;
-                continue;
-            }
-        };
-        let mut tick = tokio::time::interval(every);
-        let lost = loop {
-            tokio::select! {
-                _ = tick.tick() => {
-                    if let Err(e) = keeper.keep_alive().await {
-                        tracing::warn!("cluster: keep-alive of lease {lease:x}: {e}");
-                        break false;
-                    }
-                    match stream.message().await {
-                        Ok(Some(r)) if r.ttl() > 0 => {}
-                        Ok(Some(_)) => break true,
-                        Ok(None) => break false,
-                        Err(e) => {
-                            tracing::warn!("cluster: keep-alive of lease {lease:x}: {e}");
-                            break false;
-                        }
-                    }
+                // A node cut off from etcd for longer than the TTL comes back
+                // to a lease that expired: its keep-alive is refused for good.
+                let expired = client
+                    .lease_time_to_live(lease, None)
+                    .await
+                    .is_ok_and(|left| left.ttl() <= 0);
+                if !expired {
+                    tokio::time::sleep(every).await;
                 }
-                changed = load.changed() => {
-                    if changed.is_err() {
-                        return;
-                    }
-                    let mut now = snapshot();
-                    now.load = *load.borrow_and_update();
-                    record.lock().unwrap_or_else(|p| p.into_inner()).load = now.load;
-                    if let Err(e) = put(&mut client, &now).await {
-                        tracing::warn!("cluster: writing the node's load: {e}");
-                    }
-                }
+                expired
             }
         };
         if lost {
-            let mut now = snapshot();
+            let mut now = snapshot(&record);
             tracing::warn!(
                 "cluster: lease {:x} of node {} expired; registering again",
                 now.incarnation,
@@ -554,6 +539,55 @@ async fn keep(
             }
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn snapshot(record: &Mutex<NodeRecord>) -> NodeRecord {
+    record.lock().unwrap_or_else(|p| p.into_inner()).clone()
+}
+
+/// Refreshes the lease every `every` and writes load changes until the
+/// keep-alive fails: whether etcd said the lease is gone (None: the load's
+/// sender was dropped, the node is stopping).
+async fn refresh(
+    client: &mut Client,
+    record: &Mutex<NodeRecord>,
+    load: &mut watch::Receiver<NodeLoad>,
+    mut keeper: LeaseKeeper,
+    mut stream: LeaseKeepAliveStream,
+    every: Duration,
+) -> Option<bool> {
+    let lease = keeper.id();
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                if let Err(e) = keeper.keep_alive().await {
+                    tracing::warn!("cluster: keep-alive of lease {lease:x}: {e}");
+                    return Some(false);
+                }
+                match stream.message().await {
+                    Ok(Some(r)) if r.ttl() > 0 => {}
+                    Ok(Some(_)) => return Some(true),
+                    Ok(None) => return Some(false),
+                    Err(e) => {
+                        tracing::warn!("cluster: keep-alive of lease {lease:x}: {e}");
+                        return Some(false);
+                    }
+                }
+            }
+            changed = load.changed() => {
+                if changed.is_err() {
+                    return None;
+                }
+                let mut now = snapshot(record);
+                now.load = *load.borrow_and_update();
+                record.lock().unwrap_or_else(|p| p.into_inner()).load = now.load;
+                if let Err(e) = put(client, &now).await {
+                    tracing::warn!("cluster: writing the node's load: {e}");
+                }
+            }
+        }
     }
 }
 

@@ -746,6 +746,37 @@ async fn without_a_quorum_requests_fail_in_bounded_time_and_work_once_it_returns
 }
 
 #[tokio::test]
+async fn a_node_cut_off_past_its_lease_registers_again_when_it_is_back() {
+    let mut etcd = Etcd::start_members(3).unwrap();
+    let endpoints = etcd.endpoints();
+    // The node reaches etcd through member 0 only: killing it cuts the node
+    // off while the other two keep the quorum (and expire its lease).
+    let cut = Cluster::connect(&endpoints[..1]).await.unwrap();
+    let others = Cluster::connect(&endpoints[1..]).await.unwrap();
+    let a = Registration::start(cut, "a", "127.0.0.1:1", CAPACITY, Duration::from_secs(2))
+        .await
+        .unwrap();
+    let before = a.incarnation();
+    etcd.kill(0);
+    eventually("a's lease expires", Duration::from_secs(30), async || {
+        others
+            .nodes()
+            .await
+            .is_ok_and(|n| !n.iter().any(|n| n.node_id == "a"))
+    })
+    .await;
+    etcd.restart(0).unwrap();
+    eventually("a registers again", Duration::from_secs(30), async || {
+        others.nodes().await.is_ok_and(|n| {
+            n.iter()
+                .any(|n| n.node_id == "a" && n.incarnation != before)
+        })
+    })
+    .await;
+    assert_ne!(a.incarnation(), before);
+}
+
+#[tokio::test]
 async fn the_view_follows_nodes_and_routes_as_they_change() {
     let etcd = Etcd::start().unwrap();
     let cluster = connect(&etcd).await;
