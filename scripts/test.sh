@@ -147,6 +147,12 @@ job_stress() {
     stress() { target/debug/sandfork stress --boots 2 --restores 2 --forks 2 --two-vm 1 >/dev/null; }
     stress || { stage "re-running the stress once"; stress; }
 }
+job_soak() {
+    # The short soak (README, "Soak"): 4 sandboxes, 300 commands and 100
+    # file round trips through the proxy, no error and the server's RSS
+    # flat, node and soak in one lab machine.
+    scripts/soak-test.sh --no-build
+}
 job_cluster() {
     # Two nodes and a gateway on a real etcd and S3: membership, placement,
     # routing, a pause resumed on the other node (one lab machine for all).
@@ -172,7 +178,7 @@ job_lab_serve() { lab_binary lab_serve; }
 job_lab_restart() { lab_binary lab_restart; }
 job_lab_network() { lab_binary lab_network; }
 # The first two need no test binary: they run while the tests are built.
-lab_jobs=(sdk rl lab_serve lab_network snapshot microvm cluster stress cli network lab_tool lab_restart)
+lab_jobs=(sdk rl lab_serve lab_network snapshot microvm cluster soak stress cli network lab_tool lab_restart)
 
 # The index of the next job in the queue; fails when it is empty.
 take_job() {

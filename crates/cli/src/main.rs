@@ -14,6 +14,7 @@ mod run;
 mod sandboxes;
 mod serve;
 mod session;
+mod soak;
 mod status;
 mod stress;
 mod teams;
@@ -157,6 +158,13 @@ enum Command {
         #[command(flatten)]
         args: stress::StressArgs,
     },
+    /// Many sandboxes kept busy through the node's envd proxy (commands and
+    /// file round trips, every answer checked) until a count or a duration;
+    /// errors and the node's memory before and after. One JSON object on
+    /// stdout; exits 1 on any error or when the server's RSS grew too much.
+    ///
+    /// Example: sandfork soak --sandboxes 16 --commands 2000 --files 500 --duration 10m
+    Soak(soak::SoakArgs),
     /// Serve the E2B-compatible API and the envd proxy on one port.
     ///
     /// Example: sandfork serve --listen 127.0.0.1:3000
@@ -486,6 +494,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }
         }
         Command::Serve(args) => return serve::run(*args),
+        Command::Soak(args) => return runtime.block_on(soak::run(args)),
         Command::Auth(cmd) => return runtime.block_on(auth::run(cmd)),
         Command::Status(args) => return runtime.block_on(status::run(args)),
         Command::Nodes(args) => return runtime.block_on(nodes::run(args)),

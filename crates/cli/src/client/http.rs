@@ -94,6 +94,15 @@ impl Endpoint {
         })
     }
 
+    /// The host name or address, without brackets.
+    pub fn host(&self) -> &str {
+        &self.host
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     /// The `Host` header.
     fn authority(&self) -> String {
         if self.host.contains(':') {
