@@ -230,28 +230,6 @@ pub(crate) async fn release(
     send_txn(client, txn).await
 }
 
-/// Deletes `id`'s record if it is unchanged since `seen` and the node
-/// incarnation that wrote it is gone (its lease no longer holds the node's
-/// key): a route nobody can release any more.
-pub(crate) async fn forget(
-    client: &mut Client,
-    id: &str,
-    seen: &Versioned<SandboxRoute>,
-) -> Result<bool, ClusterError> {
-    let key = keyspace::sandbox_key(id);
-    let txn = Txn::new()
-        .when([
-            Compare::mod_revision(key.clone(), CompareOp::Equal, seen.mod_revision),
-            Compare::lease(
-                keyspace::node_key(&seen.value.node_id),
-                CompareOp::NotEqual,
-                seen.value.incarnation,
-            ),
-        ])
-        .and_then([TxnOp::delete(key, None)]);
-    send_txn(client, txn).await
-}
-
 /// Rewrites `id`'s record as `route` if it is unchanged since `seen` and
 /// its node (the one `seen` names) still holds its lease; a slot `seen`
 /// held and `route` does not goes back.

@@ -409,7 +409,7 @@ impl Registration {
                 if crate::take_over(&mut client, &id, &seen, &route).await? {
                     done.claimed += 1;
                 }
-            } else if seen.value.paused.is_none() && crate::forget(&mut client, &id, &seen).await? {
+            } else if seen.value.paused.is_none() && self.cluster.forget_orphan(&id, &seen).await? {
                 done.released += 1;
             }
         }
