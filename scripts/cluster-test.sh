@@ -229,6 +229,11 @@ slots() { ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --prefix --keys
 [[ $(slots) == 2 ]] || die "the team holds $(slots) slots for 2 sandboxes"
 listed=$(as_team "$gw2" ls --json | python3 -c 'import json, sys; print(len(json.load(sys.stdin)))')
 [[ $listed == 2 ]] || die "the team lists $listed sandboxes"
+# The gateway sums the team's use over the nodes.
+made_on="$(owner "${made[0]}") and $(owner "${made[1]}")"
+used=$(curl -sf -H "X-API-Key: $SANDFORK_API_KEY" "http://127.0.0.1:$gw/admin/teams/$team" |
+    python3 -c 'import json, sys; print(json.load(sys.stdin)["usage"]["sandboxes"])') || die "the team's use"
+[[ $used == 2 ]] || die "the gateway says the team uses $used sandboxes (on $made_on)"
 # A pause gives a slot back: a create fits, and the paused one's resume
 # is then refused until a kill frees one.
 as_team "$gw" pause "${made[0]}" >/dev/null || die "pausing ${made[0]}"
@@ -246,7 +251,7 @@ as_team "$gw" resume "${made[0]}" >/dev/null || die "resuming ${made[0]} after a
 [[ $(as_team "$gw2" exec "${made[0]}" -- echo back) == back ]] || die "exec in the resumed ${made[0]}"
 as_team "$gw" rm "${made[@]}" >/dev/null || die "kill the team's sandboxes"
 [[ $(slots) == 0 ]] || die "the team holds $(slots) slots after its kills"
-log "PASS: a team of 2: 6 creates racing through 2 gateways made 2 (4 refused, 429); a pause freed a slot, a resume and a fork beyond the limit were refused"
+log "PASS: a team of 2: 6 creates racing through 2 gateways made 2 (4 refused, 429; on $made_on, use 2 through the gateway); a pause freed a slot, a resume and a fork beyond the limit were refused"
 
 # --- a durable pause survives its node ---------------------------------------
 t0=$SECONDS

@@ -4,7 +4,7 @@
 //! to the next if that one refuses or lacks its template; a request naming a
 //! snapshot or template goes to the node that has it (the first not to
 //! answer 404: they are not in the object store yet); a list gathers every
-//! node's.
+//! node's, and a team's use is summed over them.
 //!
 //! Sandbox traffic is told from the control plane by the node's own rules
 //! ([`crate::proxy::route`]); the owning node then routes it again.
@@ -23,6 +23,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 
 use crate::api::ApiError;
 use crate::proxy::{self, Route};
+
+mod teams;
 
 /// Request bodies a create may carry (metadata, env vars).
 const MAX_CREATE_BODY: usize = 1 << 20;
@@ -144,6 +146,8 @@ enum Target {
     Holder,
     /// New template builds, the node's own page: any node.
     AnyNode,
+    /// Teams and their use: every node's use summed.
+    TeamUse,
 }
 
 fn target(method: &Method, path: &str) -> Target {
@@ -152,6 +156,7 @@ fn target(method: &Method, path: &str) -> Target {
         (&Method::POST, "/sandboxes" | "/v2/sandboxes") => Target::Create,
         (&Method::GET, "/sandboxes" | "/v2/sandboxes") => Target::List,
         (&Method::GET, "/snapshots" | "/templates") => Target::Gather,
+        (&Method::GET, p) if teams::is_team_use(p) => Target::TeamUse,
         _ if ["/snapshots/", "/templates/", "/v2/templates/"]
             .iter()
             .any(|p| path.starts_with(p)) =>
@@ -186,6 +191,7 @@ async fn handle(State(gw): State<Arc<Gateway>>, mut req: Request) -> Response {
             Target::Holder => gw.to_holder(req).await,
             Target::Sandbox(id) => gw.to_owner(&id, req, false).await,
             Target::AnyNode => gw.to_any(req).await,
+            Target::TeamUse => gw.team_use(req).await,
         },
     };
     answer.unwrap_or_else(IntoResponse::into_response)
@@ -376,6 +382,40 @@ impl Gateway {
             }
         }
         Ok(axum::Json(all).into_response())
+    }
+
+    /// A team (or all) with its use summed over every node; the first
+    /// node's answer gives the rest (the same on every node). A refusal
+    /// (the key) is the answer; a node that cannot be reached is passed
+    /// over, with a warning.
+    async fn team_use(&self, req: Request) -> Result<Response, ApiError> {
+        let (parts, _) = req.into_parts();
+        let mut total: Option<serde_json::Value> = None;
+        for node in self.nodes().await? {
+            let req = rebuild(&parts.method, &parts.uri, &parts.headers, Bytes::new());
+            let answer = match self.forward(&node.api_addr, req).await {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!("gateway: teams' use on node {}: {e}", node.node_id);
+                    continue;
+                }
+            };
+            if !answer.status().is_success() {
+                return Ok(answer);
+            }
+            let bytes = axum::body::to_bytes(answer.into_body(), MAX_LIST_ANSWER)
+                .await
+                .map_err(|e| bad_gateway(&node, e.to_string()))?;
+            let used: serde_json::Value =
+                serde_json::from_slice(&bytes).map_err(|e| bad_gateway(&node, e.to_string()))?;
+            match &mut total {
+                Some(total) => teams::add_use(total, &used),
+                None => total = Some(used),
+            }
+        }
+        total
+            .map(|t| axum::Json(t).into_response())
+            .ok_or_else(|| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no node in the cluster"))
     }
 
     /// Asks the nodes in turn until one does not answer 404: snapshots and
@@ -590,5 +630,9 @@ mod tests {
         assert_eq!(target(&Method::POST, "/templates"), Target::AnyNode);
         assert_eq!(target(&Method::POST, "/v3/templates"), Target::AnyNode);
         assert_eq!(target(&Method::GET, "/v1/node"), Target::AnyNode);
+        assert_eq!(target(&Method::GET, "/admin/teams"), Target::TeamUse);
+        assert_eq!(target(&Method::GET, "/admin/teams/t"), Target::TeamUse);
+        assert_eq!(target(&Method::POST, "/admin/teams"), Target::AnyNode);
+        assert_eq!(target(&Method::GET, "/admin/teams/t/keys"), Target::AnyNode);
     }
 }
