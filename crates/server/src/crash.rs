@@ -10,7 +10,15 @@
 //! - `pause.committed`: the record says paused, its VMM still runs;
 //! - `fork.frozen`: the VMM forked (the parent continues on a new disk
 //!   layer), nothing of it is recorded yet;
-//! - `snapshot.frozen`: the same for a snapshot.
+//! - `snapshot.frozen`: the same for a snapshot (its memory, which the
+//!   guest runs on now, in a `templates/` directory without a record);
+//! - `template.snapshotted`: an E2B build's template is recorded (by its
+//!   snapshot), its build is still `building` and its sandbox still runs;
+//! - `template.written`: a build's template files are in place (an E2B
+//!   build's recorded without its tags, an image build's not at all), the
+//!   build still `building`;
+//! - `gc.removing`: the collector removed a deleted template's record, not
+//!   yet its files.
 
 /// Aborts the process if `SANDFORK_CRASH_AT` names `point` (debug builds).
 pub fn point(point: &str) {

@@ -124,7 +124,7 @@ impl Server {
             sandbox::Manager::with_capacity(config.clone(), store, pool, capacity, template);
         manager.recover().await;
         let templates = template::Templates::new(manager.clone());
-        if let Err(e) = templates.recover() {
+        if let Err(e) = templates.recover().await {
             tracing::warn!("recovering template builds: {e}");
         }
         match manager.collect_garbage().await {

@@ -54,7 +54,7 @@ mod tests;
 mod working_set;
 pub use fork::Forked;
 pub use fork_stored::{ForkResults, SnapshotForkParams};
-pub use gc::GcStats;
+pub use gc::{GcStats, TemplateWrite};
 pub use live::Phase;
 use live::{Registry, Sandbox};
 pub use moved::{PausedFiles, adopted_record};
@@ -230,6 +230,10 @@ pub struct Manager {
     pressure: Mutex<crate::pressure::PressureStats>,
     /// Templates whose working set a sandbox is recording now.
     recording: Mutex<HashSet<String>>,
+    /// Templates a build is writing under `templates/` outside
+    /// [`Manager::activity`], until their records are committed (see
+    /// [`Manager::writing_template`]).
+    writing: Mutex<HashMap<String, usize>>,
     /// This manager, for the tasks that watch its VMMs.
     me: Weak<Manager>,
 }
@@ -267,6 +271,7 @@ impl Manager {
             vmm_exits: AtomicU64::new(0),
             pressure: Mutex::default(),
             recording: Mutex::default(),
+            writing: Mutex::default(),
             me: me.clone(),
         })
     }

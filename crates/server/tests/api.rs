@@ -2006,7 +2006,7 @@ async fn builds_a_restart_interrupted_are_marked_error_and_their_files_go() {
             std::fs::write(t.join(d).join("vm.mem"), b"x").unwrap();
         }
     });
-    node.templates.recover().unwrap();
+    node.templates.recover().await.unwrap();
     let store = node.manager.store();
     assert_eq!(
         store.build("done1").unwrap().unwrap().status,
@@ -2611,7 +2611,7 @@ async fn e2b_builds_wait_across_a_restart_and_their_tags_move() {
         },
     );
     // As after a restart: the waiting build waits on.
-    node.templates.recover().unwrap();
+    node.templates.recover().await.unwrap();
     let s = call(
         &node,
         authed("GET", "/templates/tplw/builds/build-tplw3/status", ""),

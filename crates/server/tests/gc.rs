@@ -177,3 +177,46 @@ async fn records_from_before_dir_tracking_stop_the_collector() {
     assert!(stats.skipped.is_some());
     assert!(s.data.join("forks/f").is_dir());
 }
+
+/// Directories under `templates/` without a record: a snapshot's memory a
+/// crash left (kept while the sandbox whose memory runs on it lives), a
+/// build's files (kept while it claims them), a dead build's scratch.
+#[tokio::test]
+async fn unrecorded_template_dirs_go_once_no_sandbox_or_build_uses_them() {
+    let s = setup(|data| {
+        let b = data.join("sandboxes/b");
+        layer_over(
+            &data.join("templates/base/root.layer"),
+            &b.join("root.layer"),
+        );
+        for d in ["o", "u", "w", ".build-w-0a0b", ".build-x-0a0b", ".gc-z"] {
+            let dir = data.join("templates").join(d);
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("vm.mem"), b"m").unwrap();
+        }
+        vec![SandboxRecord {
+            uses_snapshots: vec!["u".into()],
+            ..record("b", &b.join("root.layer"), &[&b])
+        }]
+    });
+    let t = s.data.join("templates");
+    let building = s.manager.writing_template("w");
+    let stats = s.manager.collect_garbage().await.unwrap();
+    assert_eq!(stats.skipped, None);
+    let mut left: Vec<_> = std::fs::read_dir(&t)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    left.sort();
+    assert_eq!(left, [".build-w-0a0b", "base", "u", "w"], "{stats:?}");
+    assert_eq!(stats.dirs.len(), 3, "{stats:?}");
+
+    drop(building);
+    assert!(s.manager.store().remove_sandbox("b").unwrap());
+    s.manager.collect_garbage().await.unwrap();
+    let left: Vec<_> = std::fs::read_dir(&t)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(left, ["base"]);
+}

@@ -138,21 +138,38 @@ impl Node {
                 .filter(|l| !l.is_empty())
                 .map(str::to_owned)
         });
+        let mut request = Some(request);
+        let mut answered = None;
+        self.wait_crash(async || {
+            // Answered with the server alive: it never reached the point.
+            if let Some(done) = request.take_if(|r| r.is_finished()) {
+                answered = done.await.ok().flatten();
+            }
+            answered.is_some()
+        })
+        .await
+        .unwrap_or_else(|log| {
+            panic!("{method} {path} answered {answered:?} instead of reaching {point}:\n{log}")
+        });
+        if let Some(request) = request
+            && let Ok(Some(answered)) = request.await
+        {
+            panic!("{method} {path} answered {answered:?} before the crash");
+        }
+    }
+
+    /// Waits for the server to die at its crash point (SIGABRT); `Err(log)`
+    /// as soon as `gave_up` says it will not.
+    async fn wait_crash(&mut self, mut gave_up: impl AsyncFnMut() -> bool) -> Result<(), String> {
+        let point = self.crash_at.expect("a crash point");
         let server = self.server.as_mut().unwrap();
         let deadline = Instant::now() + Duration::from_secs(600);
-        let mut request = Some(request);
         let status = loop {
             if let Some(status) = server.try_wait().unwrap() {
                 break status;
             }
-            // Answered with the server alive: it never reached the point.
-            if let Some(done) = request.take_if(|r| r.is_finished())
-                && let Ok(Some(answered)) = done.await
-            {
-                let log =
-                    std::fs::read_to_string(self.data.join(format!("serve-{}.log", self.starts)))
-                        .unwrap_or_default();
-                panic!("{method} {path} answered {answered:?} instead of reaching {point}:\n{log}");
+            if gave_up().await {
+                return Err(self.log());
             }
             assert!(
                 Instant::now() < deadline,
@@ -164,16 +181,12 @@ impl Node {
         assert_eq!(
             status.signal(),
             Some(6),
-            "{method} {path}: the server ended otherwise ({status}):\n{}",
+            "the server ended otherwise than at {point} ({status}):\n{}",
             self.log()
         );
         assert!(self.log().contains(&format!("crash point {point}")));
-        if let Some(request) = request
-            && let Ok(Some(answered)) = request.await
-        {
-            panic!("{method} {path} answered {answered:?} before the crash");
-        }
         self.server = None;
+        Ok(())
     }
 
     /// SIGTERM, as a service manager stops it.
@@ -214,11 +227,15 @@ impl Node {
     }
 
     async fn create(&self) -> (String, String) {
+        self.create_from("base").await
+    }
+
+    async fn create_from(&self, template: &str) -> (String, String) {
         let (status, s) = self
             .call(
                 "POST",
                 "/v2/sandboxes",
-                json!({"templateID": "base", "timeout": 900, "secure": true}),
+                json!({"templateID": template, "timeout": 900, "secure": true}),
             )
             .await;
         assert_eq!(status, 201, "{s}\n{}", self.log());
@@ -261,6 +278,41 @@ impl Node {
             .map(|m| m["timestamp"].to_string())
             .collect();
         (lines, samples)
+    }
+
+    /// Starts an E2B build of template `alias` (its template and build ids).
+    async fn build(&self, alias: &str, build: &Value) -> (String, String) {
+        let (status, t) = self
+            .call("POST", "/v3/templates", json!({"name": alias}))
+            .await;
+        assert_eq!(status, 202, "{t}");
+        let ids = (
+            t["templateID"].as_str().unwrap().to_owned(),
+            t["buildID"].as_str().unwrap().to_owned(),
+        );
+        let path = format!("/v2/templates/{}/builds/{}", ids.0, ids.1);
+        let (status, body) = self.call("POST", &path, build.clone()).await;
+        assert_eq!(status, 202, "{body}");
+        ids
+    }
+
+    async fn build_status(&self, (template, build): &(String, String)) -> String {
+        let path = format!("/templates/{template}/builds/{build}/status");
+        let (status, body) = self.call("GET", &path, json!({})).await;
+        assert_eq!(status, 200, "{body}");
+        body["status"].as_str().unwrap().to_owned()
+    }
+
+    /// The ids of the sandboxes listed.
+    async fn sandboxes(&self) -> Vec<String> {
+        let (status, listed) = self.call("GET", "/sandboxes", json!({})).await;
+        assert_eq!(status, 200, "{listed}");
+        listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["sandboxID"].as_str().unwrap().to_owned())
+            .collect()
     }
 
     async fn state(&self, id: &str) -> Option<String> {
@@ -624,4 +676,203 @@ async fn a_crash_inside_a_pause_fork_or_snapshot_loses_nothing_acknowledged() {
     assert_eq!(entries(&run_dir), Vec::<PathBuf>::new(), "the run dir");
     assert_eq!(entries(&data.join("sandboxes")), Vec::<PathBuf>::new());
     assert_eq!(entries(&data.join("forks")), Vec::<PathBuf>::new());
+    // The snapshot cut short wrote its memory under templates/: gone with
+    // its last user.
+    assert_eq!(unrecorded(&data), Vec::<PathBuf>::new());
+    assert_eq!(
+        entries(&data.join("templates")),
+        [data.join("templates/base")]
+    );
+    assert_eq!(vmm_cgroups(&run_dir), Vec::<PathBuf>::new());
+}
+
+/// What no record accounts for (read while the server is down): directories
+/// under `templates/` no template (deleted ones included) is in, and under
+/// `sandboxes/` and `forks/` no sandbox or template uses.
+fn unrecorded(data: &Path) -> Vec<PathBuf> {
+    let store = Store::open(&data.join("sandfork.redb")).unwrap();
+    let templates: Vec<_> = store
+        .templates()
+        .unwrap()
+        .into_iter()
+        .chain(store.retired_templates().unwrap())
+        .collect();
+    let sandboxes = store.sandboxes().unwrap();
+    let used: Vec<&PathBuf> = templates
+        .iter()
+        .flat_map(|t| &t.uses_dirs)
+        .chain(sandboxes.iter().flat_map(|s| &s.uses_dirs))
+        .collect();
+    let mut left: Vec<PathBuf> = entries(&data.join("templates"))
+        .into_iter()
+        .filter(|d| !templates.iter().any(|t| t.dir == *d))
+        .collect();
+    left.extend(
+        entries(&data.join("sandboxes"))
+            .into_iter()
+            .chain(entries(&data.join("forks")))
+            .filter(|d| !used.contains(&d)),
+    );
+    left
+}
+
+/// The cgroups of the node's VMMs left once they are gone (the lab mounts
+/// cgroup2 at /sys/fs/cgroup; the node's groups are under `sandfork/<run
+/// dir name>`). Waits a little: a group goes just after its VMM.
+fn vmm_cgroups(run_dir: &Path) -> Vec<PathBuf> {
+    let node = Path::new("/sys/fs/cgroup/sandfork").join(run_dir.file_name().unwrap());
+    assert!(node.is_dir(), "no cgroup {}", node.display());
+    let groups = || -> Vec<PathBuf> { entries(&node).into_iter().filter(|p| p.is_dir()).collect() };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !groups().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    groups()
+}
+
+/// The VMMs of template builds' sandboxes (read while the server is down).
+fn build_sandbox_vmms(data: &Path) -> Vec<ProcessIdentity> {
+    let store = Store::open(&data.join("sandfork.redb")).unwrap();
+    store
+        .sandboxes()
+        .unwrap()
+        .into_iter()
+        .filter(|s| s.metadata.contains_key("sandfork.templateBuild"))
+        .filter_map(|s| ProcessIdentity::read(&s.vmm_dir?))
+        .filter(ProcessIdentity::is_alive)
+        .collect()
+}
+
+/// E2B template builds cut short at each crash point, then the collector:
+/// a build whose step's snapshot was cut short (its sandbox's memory on an
+/// unrecorded `templates/` directory) ends `error`, unusable, its sandbox
+/// and that directory gone; one whose template was recorded (by its
+/// snapshot, its sandbox still running; or its sandbox gone, its tags not
+/// yet moved) ends `ready`, a sandbox of it answering with what its step
+/// wrote, its sandbox gone. A deleted template whose last user died while
+/// the node was down, its record removed by the next start's collector
+/// before a crash: its files go at the next. Nothing is left: no VMM, no
+/// directory or cgroup without a record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab: boots microVMs"]
+async fn a_crash_inside_a_template_build_or_the_collector_leaks_nothing() {
+    let scratch = tempfile::tempdir().unwrap();
+    let data = scratch.path().join("data");
+    let mut node = Node::new(&data, &format!("e2b_{}", "7c".repeat(16)));
+    let run_dir = node.run_dir();
+    let templates = data.join("templates");
+    let steps = json!({
+        "fromTemplate": "base",
+        "steps": [{"type": "RUN", "args": ["echo built > /root/built", "root"], "force": false}],
+    });
+
+    // Cut short at its step's snapshot (the step cache's).
+    node.crash_at = Some("snapshot.frozen");
+    node.start();
+    node.wait_up().await;
+    let cut = node.build("cut", &steps).await;
+    node.wait_crash(async || false).await.unwrap();
+    let builders = build_sandbox_vmms(&data);
+    assert_eq!(builders.len(), 1, "the build's sandbox runs on");
+    assert_eq!(unrecorded(&data).len(), 1, "the snapshot's memory");
+
+    node.crash_at = Some("template.snapshotted");
+    node.start();
+    node.wait_up().await;
+    for process in &builders {
+        wait_dead(process);
+    }
+    assert_eq!(node.build_status(&cut).await, "error");
+    let (status, body) = node
+        .call("POST", "/v2/sandboxes", json!({"templateID": "cut"}))
+        .await;
+    assert_eq!(status, 404, "{body}");
+    assert_eq!(node.sandboxes().await, Vec::<String>::new());
+    let made = node.build("made", &steps).await;
+    node.wait_crash(async || false).await.unwrap();
+    assert_eq!(
+        unrecorded(&data),
+        Vec::<PathBuf>::new(),
+        "the restart's collector"
+    );
+    let builders = build_sandbox_vmms(&data);
+    assert_eq!(builders.len(), 1, "the build's sandbox runs on");
+
+    // Cut short with its template recorded and its sandbox running.
+    node.crash_at = Some("template.written");
+    node.start();
+    node.wait_up().await;
+    for process in &builders {
+        wait_dead(process);
+    }
+    assert_eq!(node.build_status(&made).await, "ready");
+    let user = node.create_from("made").await;
+    assert_eq!(
+        node.sh(&user, "cat /root/built").await,
+        (0, "built\n".into())
+    );
+    assert_eq!(node.sandboxes().await, std::slice::from_ref(&user.0));
+    let tagged = node.build("tagged", &steps).await;
+    node.wait_crash(async || false).await.unwrap();
+    assert_eq!(build_sandbox_vmms(&data), Vec::new());
+
+    // Cut short with its sandbox gone, its tags not moved yet.
+    node.crash_at = None;
+    node.start();
+    node.wait_up().await;
+    assert_eq!(node.build_status(&tagged).await, "ready");
+    let other = node.create_from("tagged").await;
+    assert_eq!(
+        node.sh(&other, "cat /root/built").await,
+        (0, "built\n".into())
+    );
+    let (status, body) = node
+        .call("DELETE", &format!("/sandboxes/{}", other.0), json!({}))
+        .await;
+    assert_eq!(status, 204, "{body}");
+
+    // The collector cut short: `made` deleted while a sandbox uses it, the
+    // sandbox's VMM dead while the node is down; the next start drops the
+    // sandbox, and its collector the template's record, and dies.
+    let (status, body) = node.call("DELETE", "/templates/made", json!({})).await;
+    assert_eq!(status, 204, "{body}");
+    node.crash();
+    let (_, user_vmm) = vmm_of(&data, &user.0);
+    user_vmm.kill();
+    wait_dead(&user_vmm);
+    let retired = {
+        let store = Store::open(&data.join("sandfork.redb")).unwrap();
+        store.retired_templates().unwrap()
+    };
+    assert_eq!(retired.len(), 1, "made, kept for its user");
+    let made_dir = retired[0].dir.clone();
+    assert!(made_dir.starts_with(&templates), "{}", made_dir.display());
+    node.crash_at = Some("gc.removing");
+    node.start();
+    node.wait_crash(async || false).await.unwrap();
+    assert!(made_dir.is_dir(), "the crash came before its files went");
+
+    node.crash_at = None;
+    node.start();
+    node.wait_up().await;
+    assert!(
+        !made_dir.exists(),
+        "{}: a deleted template's files, left",
+        made_dir.display()
+    );
+    let (status, body) = node
+        .call("POST", "/v2/sandboxes", json!({"templateID": "made"}))
+        .await;
+    assert_eq!(status, 404, "{body}");
+
+    // Nothing leaks.
+    assert_eq!(node.sandboxes().await, Vec::<String>::new());
+    let pool = vmm_processes(&run_dir);
+    node.stop();
+    for process in &pool {
+        wait_dead(process);
+    }
+    assert_eq!(entries(&run_dir), Vec::<PathBuf>::new(), "the run dir");
+    assert_eq!(unrecorded(&data), Vec::<PathBuf>::new());
+    assert_eq!(vmm_cgroups(&run_dir), Vec::<PathBuf>::new());
 }

@@ -2,8 +2,15 @@
 //! directories of killed sandboxes and of forks whose every user is gone
 //! (kept at kill time because others stacked on them), and, inside the
 //! directories still used, disk layers no live chain reads (a killed fork
-//! child's or parent's top layer), and the logs and metrics of sandboxes
-//! without a record.
+//! child's or parent's top layer), the logs and metrics of sandboxes
+//! without a record, and directories under `templates/` without a record
+//! that nothing uses (a snapshot or build a crash cut short, a deleted
+//! template's files whose removal a crash cut short).
+//!
+//! Template builds write under `templates/` outside the activity lock (an
+//! image build for minutes): each registers its template's id for as long
+//! as its files lack a record ([`Manager::writing_template`]), and the
+//! collector leaves those alone.
 //!
 //! What is used comes from the records: each sandbox and snapshot lists the
 //! directories its memory and disk stack on (`uses_dirs`), and its current
@@ -11,8 +18,9 @@
 //! directory are left alone: which of them a diff snapshot still maps is only
 //! in the VMM's state file.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::MutexGuard;
 use std::time::Duration;
 
 use super::{Manager, SandboxError};
@@ -51,7 +59,99 @@ fn layers_in(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
+/// A template build's claim on `templates/<id>` and its scratch directories
+/// there (`.<what>-<id>-…`) while they have no record: taken before its first
+/// file is made, dropped after its record is committed (or its files removed).
+pub struct TemplateWrite<'a> {
+    manager: &'a Manager,
+    id: String,
+}
+
+impl Drop for TemplateWrite<'_> {
+    fn drop(&mut self) {
+        let mut writing = self.manager.writing();
+        if let Some(n) = writing.get_mut(&self.id) {
+            *n -= 1;
+            if *n == 0 {
+                writing.remove(&self.id);
+            }
+        }
+    }
+}
+
 impl Manager {
+    fn writing(&self) -> MutexGuard<'_, HashMap<String, usize>> {
+        self.writing.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Keeps the collector off template `id`'s files until the claim drops.
+    pub fn writing_template(&self, id: &str) -> TemplateWrite<'_> {
+        *self.writing().entry(id.to_owned()).or_default() += 1;
+        TemplateWrite {
+            manager: self,
+            id: id.to_owned(),
+        }
+    }
+
+    /// The directories under `templates/` that no template record (deleted
+    /// ones included) names, no sandbox or template stacks on, and no build
+    /// claims, each renamed aside (`.gc-<name>`) for removal. Decided under
+    /// the claims' lock, with the records read under it: a build commits its
+    /// record before it drops its claim, and cannot claim a name meanwhile.
+    fn orphan_templates(&self) -> Result<Vec<PathBuf>, SandboxError> {
+        let writing = self.writing();
+        let mut used = BTreeSet::from([self.template.id.clone()]);
+        for t in self
+            .store
+            .templates()?
+            .into_iter()
+            .chain(self.store.retired_templates()?)
+        {
+            used.extend(
+                t.dir
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .map(str::to_owned),
+            );
+            used.insert(t.id);
+            used.extend(t.uses_snapshots);
+        }
+        for s in self.store.sandboxes()? {
+            used.insert(s.template_id);
+            used.extend(s.uses_snapshots);
+        }
+        let parent = self.config.templates_dir();
+        let mut orphans = Vec::new();
+        for path in entries(&parent) {
+            let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+                continue;
+            };
+            if !path.is_dir() || used.contains(name) || writing.contains_key(name) {
+                continue;
+            }
+            // Hidden ones are a build's scratch (`.build-<id>-…`, `.old-<id>-…`)
+            // or were renamed aside by a pass a crash cut short.
+            if let Some(hidden) = name.strip_prefix('.') {
+                let claimed = hidden.split_once('-').is_some_and(|(_, rest)| {
+                    writing.keys().any(|id| {
+                        rest.strip_prefix(id.as_str())
+                            .is_some_and(|r| r.starts_with('-'))
+                    })
+                });
+                if !claimed {
+                    orphans.push(path);
+                }
+                continue;
+            }
+            let aside = parent.join(format!(".gc-{name}"));
+            match std::fs::rename(&path, &aside) {
+                Ok(()) => orphans.push(aside),
+                Err(e) => tracing::warn!("gc: moving {} aside: {e}", path.display()),
+            }
+        }
+        Ok(orphans)
+    }
+
     /// Collects every [`GC_EVERY`].
     pub fn start_gc(self: std::sync::Arc<Self>) {
         tokio::spawn(async move {
@@ -119,6 +219,7 @@ impl Manager {
             };
             if unused {
                 self.store.remove_retired_template(&t.id)?;
+                crate::crash::point("gc.removing");
                 self.remove_template_files(&t).await?;
                 removed.push(t.id);
             } else {
@@ -150,12 +251,19 @@ impl Manager {
             self.config.sandboxes_dir(),
             self.config.data_dir.join("forks"),
         ];
+        let orphans = self.orphan_templates()?;
         tokio::task::spawn_blocking(move || -> Result<GcStats, SandboxError> {
             let mut stats = GcStats {
                 templates: removed,
                 dirs: histories,
                 ..GcStats::default()
             };
+            for dir in orphans {
+                match std::fs::remove_dir_all(&dir) {
+                    Ok(()) => stats.dirs.push(dir),
+                    Err(e) => tracing::warn!("gc: removing {}: {e}", dir.display()),
+                }
+            }
             let mut kept = Vec::new();
             for dir in roots.iter().flat_map(|r| entries(r)) {
                 if !dir.is_dir() || used.contains(&dir) {

@@ -135,8 +135,9 @@ impl Manager {
     /// A running sandbox's disk is where its VMM says: a fork or snapshot
     /// the server did not live to record moved it to a new top layer (the
     /// recorded one is sealed below it now). The record follows, keeping the
-    /// new layer's directory, so the next pause restores the disk the guest
-    /// wrote and the garbage collector keeps it.
+    /// new layer's directory (and a snapshot's memory, which the guest runs
+    /// on), so the next pause restores the disk the guest wrote and the
+    /// garbage collector keeps them.
     async fn follow_vmm_disk(&self, record: SandboxRecord, vm: &VmmProcess) -> SandboxRecord {
         let drives = match vm.drives().await {
             Ok(d) => d,
@@ -171,9 +172,17 @@ impl Manager {
             let below = live.strip_prefix(root).ok()?;
             Some(root.join(below.components().next()?))
         });
+        // A snapshot's: the guest's memory runs on that snapshot's memory
+        // file now, unrecorded (a user the collector must see).
+        let snapshot = self.snapshot_of_layer(&record.id, &live);
         let updated = self.store.update_sandbox(&record.id, |s| {
             s.root_layer = Some(live.clone());
             s.has_dependents = true;
+            if let Some(snapshot) = &snapshot
+                && !s.uses_snapshots.contains(snapshot)
+            {
+                s.uses_snapshots.push(snapshot.clone());
+            }
             if let Some(dir) = &holder
                 && !s.uses_dirs.contains(dir)
             {

@@ -26,6 +26,8 @@ const STATE: &str = "vm.state";
 const MEM: &str = "vm.mem";
 /// The tag E2B appends to a snapshot id (`<id>:default`); accepted on lookup.
 const DEFAULT_TAG: &str = ":default";
+/// A snapshot's source's next root layer is in `<its dir>/snap-<snapshot id>`.
+const DISK_DIR_PREFIX: &str = "snap-";
 /// Longest snapshot name.
 const MAX_NAME: usize = 128;
 
@@ -104,6 +106,17 @@ impl Manager {
         Ok((template, pin))
     }
 
+    /// The snapshot whose taking moved sandbox `id`'s disk to `layer`, if
+    /// one did (the layer is in that snapshot's directory of `id`'s).
+    pub(super) fn snapshot_of_layer(&self, id: &str, layer: &std::path::Path) -> Option<String> {
+        let dir = layer.parent()?;
+        if dir.parent()? != self.sandbox_dir(id) {
+            return None;
+        }
+        let name = dir.file_name()?.to_str()?;
+        name.strip_prefix(DISK_DIR_PREFIX).map(str::to_owned)
+    }
+
     /// Snapshots a running sandbox, which runs on; returns the new template.
     pub async fn snapshot(
         &self,
@@ -150,7 +163,9 @@ impl Manager {
         // Written in place, not renamed: the state names its memory files by path.
         let dir = self.config.templates_dir().join(&snap_id);
         // The source's next root layer (and the unused child's) go here.
-        let disk_dir = self.sandbox_dir(id).join(format!("snap-{snap_id}"));
+        let disk_dir = self
+            .sandbox_dir(id)
+            .join(format!("{DISK_DIR_PREFIX}{snap_id}"));
         for d in [&dir, &disk_dir] {
             std::fs::create_dir_all(d).map_err(io(format!("creating {}", d.display())))?;
         }

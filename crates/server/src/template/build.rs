@@ -23,7 +23,7 @@ use vmm_driver::agent_client::AgentClient;
 
 use super::boot::{self, BootSpec, Prepare, SCRATCH_PREFIX};
 use super::code_interpreter;
-use super::e2b_build::{E2bState, Failure, StepsPlan};
+use super::e2b_build::{BUILD_SANDBOX_KEY, E2bState, Failure, StepsPlan};
 use crate::capacity::{Ask, Reservation};
 use crate::clock::now_ms;
 use crate::ids;
@@ -211,9 +211,20 @@ impl Templates {
 
     /// After a restart: builds still `building` were interrupted (or had
     /// recorded their template just before): marked accordingly, and the
-    /// scratch files of builds left behind removed.
-    pub fn recover(&self) -> Result<(), SandboxError> {
+    /// scratch files and sandboxes of builds left behind removed.
+    pub async fn recover(&self) -> Result<(), SandboxError> {
         let store = self.manager.store();
+        // Nothing builds yet: a build's sandbox (adopted, running on for
+        // hours otherwise) is no one's.
+        for s in store.sandboxes()? {
+            if s.metadata.contains_key(BUILD_SANDBOX_KEY) {
+                tracing::info!("sandbox {}: a template build's, left by a restart", s.id);
+                match self.manager.kill(&s.id).await {
+                    Ok(()) | Err(SandboxError::NotFound(_)) => {}
+                    Err(e) => tracing::warn!("killing build sandbox {}: {e}", s.id),
+                }
+            }
+        }
         let templates_dir = self.manager.config().templates_dir();
         for mut b in store.builds()? {
             if b.status != BuildStatus::Building {
@@ -463,6 +474,8 @@ impl Templates {
         room: Option<Reservation>,
     ) {
         let id = record.template_id.clone();
+        // Its files lack a record until the end: the collector keeps off.
+        let _writing = self.manager.writing_template(&id);
         let log = self.running().get(&id).cloned().unwrap_or_default();
         let started = std::time::Instant::now();
         let result: Result<_, Failure> = match &params.source {
@@ -492,6 +505,7 @@ impl Templates {
         let mut untagged = Vec::new();
         let written = match result {
             Ok(template) => {
+                crate::crash::point("template.written");
                 log.push(&format!(
                     "template ready in {:.1} s",
                     started.elapsed().as_secs_f64()

@@ -69,6 +69,8 @@ const CACHE_META: &str = "e2b.step-cache";
 const CACHE_KEY_VERSION: &str = "sandfork-e2b-step-cache/1";
 /// E2B's tag every build gets when it names none.
 pub const DEFAULT_TAG: &str = "default";
+/// The metadata key naming a build's sandbox's template.
+pub const BUILD_SANDBOX_KEY: &str = "sandfork.templateBuild";
 /// A build's sandbox lives at most this long.
 const BUILD_SANDBOX_TIMEOUT: Duration = Duration::from_secs(2 * 3600);
 /// One RUN step may take this long.
@@ -880,7 +882,7 @@ impl Templates {
                 template_id: from.clone(),
                 timeout: BUILD_SANDBOX_TIMEOUT,
                 metadata: BTreeMap::from([(
-                    "sandfork.templateBuild".to_owned(),
+                    BUILD_SANDBOX_KEY.to_owned(),
                     record.template_id.clone(),
                 )]),
                 env_vars: BTreeMap::new(),
@@ -912,6 +914,9 @@ impl Templates {
         let result = self
             .run_steps(run, cx, plan, start_cmd, ready_cmd, record, log)
             .await;
+        if result.is_ok() {
+            crate::crash::point("template.snapshotted");
+        }
         if let Err(e) = manager.kill(&sandbox).await
             && !matches!(e, SandboxError::NotFound(_))
         {
@@ -1130,6 +1135,8 @@ impl Templates {
         let base = manager.template().clone();
         let id = sized_base_id(&base, vcpus, mem_mib);
         let _g = self.e2b().sized.lock().await;
+        // Recorded only after its boot: the collector keeps off meanwhile.
+        let _writing = manager.writing_template(&id);
         let store = manager.store();
         if let Some(t) = store.template(&id).map_err(|e| e.to_string())?
             && [&t.snapshot, &t.mem, &t.root_layer]
