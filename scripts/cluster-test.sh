@@ -330,6 +330,7 @@ until curl -sf "$cut_api/health" >/dev/null && registered "$from"; do
 done
 e=$(SANDFORK_API_URL=$cut_api "$bin" create --timeout 900) || die "create on $from"
 g=$(SANDFORK_API_URL=$cut_api "$bin" create --timeout 900) || die "second create on $from"
+k=$(SANDFORK_API_URL=$cut_api "$bin" create --timeout 900) || die "third create on $from"
 "$bin" exec "$e" -- sh -c 'cd && echo before > state.txt' || die "writing in $e"
 pause "$e"
 ip link set "$cut_link" down
@@ -341,6 +342,8 @@ done
 # What runs there is out of reach meanwhile.
 lost=$(curl -s -H "X-API-Key: $SANDFORK_API_KEY" -w ' %{http_code}' "$SANDFORK_API_URL/sandboxes/$g")
 [[ $lost == *lost*" 410" ]] || die "sandbox $g on the cut-off node: $lost"
+# A kill of a lost one through the gateway holds when its node is back.
+"$bin" rm "$k" || die "kill the lost $k"
 # Its pause is in the store: it resumes on the other node and changes there.
 "$bin" resume "$e" >/dev/null || die "resuming $e while $from is cut off"
 [[ $(owner "$e") == "$to" ]] || die "$e resumed on $(owner "$e"), not $to"
@@ -362,16 +365,26 @@ grep -q "sandbox $e is node $to's now" "$work/$from-cut.log" || die "$from did n
 registered "$from" || die "$from did not register again"
 [[ $(owner "$e") == "$to" ]] || die "$e moved to $(owner "$e") after the link came back"
 [[ $("$bin" exec "$e" -- sh -c 'cat ~/state.txt') == after ]] || die "$e is not the copy on $to"
-# What ran on $from is its again, under its new lease.
+# What ran on $from is its again, under its new lease, but the one killed.
 start=$SECONDS
 until [[ $("$bin" exec "$g" -- echo back 2>/dev/null) == back ]]; do
     ((SECONDS - start < 60)) || die "$g on $from is not reachable after the link came back"
     sleep 1
 done
+# (its tombstone goes once the copy is gone)
+tombstones() { ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --prefix --keys-only /sandfork/v1/killed/; }
+start=$SECONDS
+until [[ $(curl -s -o /dev/null -w '%{http_code}' -H "X-API-Key: $SANDFORK_API_KEY" "$cut_api/sandboxes/$k") == 404 &&
+    -z $(tombstones) ]]; do
+    ((SECONDS - start < 60)) || die "$from still holds $k, killed while it was cut off (tombstones: $(tombstones))"
+    sleep 1
+done
+[[ -z $(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --keys-only "/sandfork/v1/sandboxes/$k") ]] ||
+    die "$k, killed while $from was cut off, is mapped again"
 "$bin" rm "$e" "$g" || die "kill $e and $g"
 [[ -z $(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --keys-only "/sandfork/v1/sandboxes/$g") ]] ||
     die "the kill of $g left its route"
-log "PASS: $from cut off from etcd: $e resumed on $to meanwhile, $g lost; back, $from refused and removed its stale copy of $e and serves $g again ($((SECONDS - t0)) s in all)"
+log "PASS: $from cut off from etcd: $e resumed on $to meanwhile, $g and $k lost and $k killed; back, $from refused and removed its stale copy of $e, removed $k and serves $g again ($((SECONDS - t0)) s in all)"
 
 # --- the object store down: pauses stay on their node -------------------------
 kill -9 "$weed_pid"

@@ -9,6 +9,7 @@
 //! | `tenants/teams/{team}` | the node's team record (its JSON) | created and changed by an admin |
 //! | `tenants/names/{name}` | the team ID | with the team: keeps names unique |
 //! | `tenants/keys/{sha256}` | the node's API key record (its JSON) | created to revoked |
+//! | `killed/{id}` | the ID of the node that held it | a kill through a gateway while its node was gone, until that node is back and removes its copy; at most a day (a lease) |
 
 use serde::{Deserialize, Serialize};
 
@@ -20,6 +21,7 @@ pub const TENANTS: &str = "/sandfork/v1/tenants/";
 pub const TENANT_TEAMS: &str = "/sandfork/v1/tenants/teams/";
 pub const TENANT_NAMES: &str = "/sandfork/v1/tenants/names/";
 pub const TENANT_KEYS: &str = "/sandfork/v1/tenants/keys/";
+pub const KILLED: &str = "/sandfork/v1/killed/";
 
 pub fn node_key(node_id: &str) -> String {
     format!("{NODES}{node_id}")
@@ -33,6 +35,10 @@ pub fn sandbox_key(id: &str) -> String {
 pub fn sandbox_id(key: &[u8]) -> Option<&str> {
     let id = std::str::from_utf8(key).ok()?.strip_prefix(SANDBOXES)?;
     (!id.is_empty() && !id.contains('/')).then_some(id)
+}
+
+pub fn killed_key(id: &str) -> String {
+    format!("{KILLED}{id}")
 }
 
 pub fn team_quota_key(team: &str) -> String {

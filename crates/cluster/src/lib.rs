@@ -17,7 +17,7 @@ pub mod view;
 
 use std::time::Duration;
 
-use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, Txn, TxnOp};
+use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp};
 
 pub use keyspace::{
     DurablePause, NodeCapacity, NodeLoad, NodeRecord, RunningSlot, SandboxRoute, TeamQuota,
@@ -141,7 +141,81 @@ impl Cluster {
     }
 }
 
+/// How long a kill of a lost sandbox is remembered for its node's return.
+const KILLED_TTL_SECS: i64 = 24 * 3600;
+
 impl Cluster {
+    /// Kills `id`, lost with its node: its record goes as with
+    /// [`Cluster::forget_orphan`], and a tombstone naming the node stays for
+    /// a day, so that the node, back with the sandbox (its link healed),
+    /// removes its copy instead of claiming it again.
+    pub async fn kill_lost(
+        &self,
+        id: &str,
+        seen: &Versioned<SandboxRoute>,
+    ) -> Result<bool, ClusterError> {
+        let lease = retried(|| {
+            let mut client = self.client();
+            async move { client.lease_grant(KILLED_TTL_SECS, None).await }
+        })
+        .await?
+        .id();
+        let key = keyspace::sandbox_key(id);
+        let txn = Txn::new()
+            .when([
+                Compare::mod_revision(key.clone(), CompareOp::Equal, seen.mod_revision),
+                Compare::lease(
+                    keyspace::node_key(&seen.value.node_id),
+                    CompareOp::NotEqual,
+                    seen.value.incarnation,
+                ),
+            ])
+            .and_then([
+                TxnOp::delete(key, None),
+                TxnOp::put(
+                    keyspace::killed_key(id),
+                    seen.value.node_id.clone(),
+                    Some(PutOptions::new().with_lease(lease)),
+                ),
+            ]);
+        send_txn(&mut self.client(), txn).await
+    }
+
+    /// The sandboxes killed through a gateway while `node_id` was gone.
+    pub async fn killed_on(
+        &self,
+        node_id: &str,
+    ) -> Result<std::collections::BTreeSet<String>, ClusterError> {
+        let answer = retried(|| {
+            let mut client = self.client();
+            async move {
+                client
+                    .get(keyspace::KILLED, Some(GetOptions::new().with_prefix()))
+                    .await
+            }
+        })
+        .await?;
+        Ok(answer
+            .kvs()
+            .iter()
+            .filter(|kv| kv.value() == node_id.as_bytes())
+            .filter_map(|kv| {
+                let key = std::str::from_utf8(kv.key()).ok()?;
+                Some(key.strip_prefix(keyspace::KILLED)?.to_owned())
+            })
+            .collect())
+    }
+
+    /// Forgets `id`'s tombstone (its node removed its copy, or has none).
+    pub async fn clear_killed(&self, id: &str) -> Result<(), ClusterError> {
+        retried(|| {
+            let mut client = self.client();
+            async move { client.delete(keyspace::killed_key(id), None).await }
+        })
+        .await?;
+        Ok(())
+    }
+
     /// Deletes `id`'s record if it is unchanged since `seen` and its node
     /// no longer holds the lease it claimed under (a sandbox lost with its
     /// node, or paused on a node that is gone, being killed).

@@ -38,6 +38,11 @@ pub struct Reconciled {
     /// off), so the copy here is stale and must not serve. Each with the
     /// node that has it now.
     pub moved: Vec<(String, String)>,
+    /// Sandboxes the node holds that were killed through a gateway while
+    /// the node was gone ([`Cluster::kill_lost`]): not claimed again; the
+    /// node removes its copy and then the tombstone
+    /// ([`Cluster::clear_killed`]).
+    pub killed: Vec<String>,
 }
 
 /// A registered node. Dropping it stops the keep-alive (the lease then
@@ -318,7 +323,9 @@ impl Registration {
     /// team's slots to the sandboxes that run (a sandbox paused or resumed
     /// without the API: its timeout, memory pressure); names those another
     /// node has taken ([`Reconciled::moved`]; only a durable pause moves,
-    /// and only once this node's lease is gone, so its copy is the older).
+    /// and only once this node's lease is gone, so its copy is the older)
+    /// and those killed through a gateway while it was gone
+    /// ([`Reconciled::killed`], not claimed again).
     /// Records of an earlier incarnation of this node are moved to this
     /// one (or removed, for a sandbox it no longer holds and whose pause is
     /// not stored) once that lease is gone. A sandbox that runs with its
@@ -336,6 +343,7 @@ impl Registration {
         let local: BTreeMap<&str, &LocalSandbox> =
             local.iter().map(|s| (s.id.as_str(), s)).collect();
         let mut client = self.cluster.client();
+        let killed = self.cluster.killed_on(&node_id).await?;
         let mut mapped = BTreeSet::new();
         let mut done = Reconciled::default();
         let mut quotas = BTreeMap::new();
@@ -413,8 +421,19 @@ impl Registration {
                 done.released += 1;
             }
         }
+        for id in &killed {
+            if !local.contains_key(id.as_str()) {
+                self.cluster.clear_killed(id).await?;
+            }
+        }
         for (id, sandbox) in local {
             if mapped.contains(id) {
+                continue;
+            }
+            if killed.contains(id) {
+                if !changing(id) {
+                    done.killed.push(id.to_string());
+                }
                 continue;
             }
             let team = sandbox.running.then_some(sandbox.team.as_str());

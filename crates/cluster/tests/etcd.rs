@@ -403,6 +403,78 @@ async fn a_node_back_under_a_new_lease_takes_its_routes_over() {
 }
 
 #[tokio::test]
+async fn a_sandbox_killed_while_its_node_was_away_is_not_claimed_when_it_is_back() {
+    let etcd = Etcd::start().unwrap();
+    let cluster = connect(&etcd).await;
+    let ttl = Duration::from_secs(1);
+    let before = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
+        .await
+        .unwrap();
+    for id in ["killed", "kept", "gone"] {
+        assert!(before.claim(id).await.unwrap());
+    }
+    let seen = |id: &'static str| {
+        let cluster = cluster.clone();
+        async move { cluster.sandbox(id).await.unwrap().unwrap() }
+    };
+    let (killed, gone) = (seen("killed").await, seen("gone").await);
+    // Not while its node holds it.
+    assert!(!cluster.kill_lost("killed", &killed).await.unwrap());
+    drop(before);
+    eventually("a's lease ends", Duration::from_secs(10), async || {
+        !cluster
+            .nodes()
+            .await
+            .unwrap()
+            .iter()
+            .any(|n| n.node_id == "a")
+    })
+    .await;
+    // Killed through a gateway while a is away.
+    assert!(cluster.kill_lost("killed", &killed).await.unwrap());
+    assert!(cluster.kill_lost("gone", &gone).await.unwrap());
+    assert!(cluster.sandbox("killed").await.unwrap().is_none());
+    let marked = cluster.killed_on("a").await.unwrap();
+    assert_eq!(
+        marked.iter().map(String::as_str).collect::<Vec<_>>(),
+        ["gone", "killed"]
+    );
+    assert!(cluster.killed_on("b").await.unwrap().is_empty());
+
+    // a is back holding "killed" and "kept" ("gone" it lost meanwhile).
+    let a = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
+        .await
+        .unwrap();
+    let local = |ids: &[&str]| {
+        ids.iter()
+            .map(|id| LocalSandbox {
+                id: id.to_string(),
+                team: "default".into(),
+                running: true,
+            })
+            .collect::<Vec<_>>()
+    };
+    let done = a
+        .reconcile(&local(&["killed", "kept"]), |_| false)
+        .await
+        .unwrap();
+    assert_eq!(done.killed, ["killed"]);
+    assert_eq!(done.claimed, 1);
+    assert!(cluster.sandbox("killed").await.unwrap().is_none());
+    assert_eq!(seen("kept").await.value.incarnation, a.incarnation());
+    // The tombstone of one a does not hold went; a's copy gone, so does the other.
+    let marked = cluster.killed_on("a").await.unwrap();
+    assert_eq!(
+        marked.iter().map(String::as_str).collect::<Vec<_>>(),
+        ["killed"]
+    );
+    cluster.clear_killed("killed").await.unwrap();
+    let done = a.reconcile(&local(&["kept"]), |_| false).await.unwrap();
+    assert_eq!(done, cluster::Reconciled::default());
+    assert!(cluster.killed_on("a").await.unwrap().is_empty());
+}
+
+#[tokio::test]
 async fn reconcile_gives_team_slots_to_what_runs_and_takes_them_from_what_paused() {
     let etcd = Etcd::start().unwrap();
     let cluster = connect(&etcd).await;

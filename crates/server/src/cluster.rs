@@ -179,27 +179,39 @@ impl Node {
             );
         }
         for (id, owner) in done.moved {
-            self.drop_stale_copy(&id, &owner).await;
+            self.drop_copy(&id, &format!("is node {owner}'s now")).await;
+        }
+        for id in done.killed {
+            if self
+                .drop_copy(&id, "was killed through a gateway while this node was away")
+                .await
+                && let Err(e) = self.registration.cluster().clear_killed(&id).await
+            {
+                tracing::warn!("cluster: sandbox {id}: forgetting its kill: {e}");
+            }
         }
     }
 
-    /// Removes this node's copy of a sandbox that another node took while
-    /// this one was cut off from etcd: only the owner's copy may serve. The
+    /// Removes this node's copy of a sandbox the cluster no longer gives it
+    /// (another node took it, or it was killed, while this one was cut off
+    /// from etcd): only the owner's copy may serve, a killed one none. The
     /// VMM (if any), record and local files go; the route and what the
-    /// object store holds are the owner's.
-    async fn drop_stale_copy(&self, id: &str, owner: &str) {
+    /// object store holds are not this node's. True once the copy is gone.
+    async fn drop_copy(&self, id: &str, why: &str) -> bool {
         // A take-in here started since the reconciler looked.
         if self.changing.contains(id) {
-            return;
+            return false;
         }
-        tracing::warn!(
-            "cluster: sandbox {id} is node {owner}'s now; removing this node's stale copy"
-        );
-        match self.manager.kill(id).await {
-            Ok(()) | Err(SandboxError::NotFound(_)) => {}
-            Err(e) => tracing::warn!("cluster: sandbox {id}: removing the stale copy: {e}"),
-        }
+        tracing::warn!("cluster: sandbox {id} {why}; removing this node's stale copy");
+        let gone = match self.manager.kill(id).await {
+            Ok(()) | Err(SandboxError::NotFound(_)) => true,
+            Err(e) => {
+                tracing::warn!("cluster: sandbox {id}: removing the stale copy: {e}");
+                false
+            }
+        };
         self.registration.set_load(self.load());
+        gone
     }
 
     pub fn start_reconciler(self: &Arc<Self>, every: Duration) {

@@ -236,8 +236,9 @@ impl Gateway {
                 return self.resume_elsewhere(id, nodes, req).await;
             }
             if !envd && req.method() == Method::DELETE && req.uri().path().ends_with(id) {
-                // A kill of what its gone node held: its record goes.
-                return match self.cluster.forget_orphan(id, &route).await {
+                // A kill of what its gone node held: its record goes, and
+                // the node, if it comes back with it, removes its copy.
+                return match self.cluster.kill_lost(id, &route).await {
                     Ok(true) => Ok(StatusCode::NO_CONTENT.into_response()),
                     Ok(false) => Err(ApiError::new(
                         StatusCode::CONFLICT,
