@@ -256,8 +256,9 @@ log "PASS: a team of 2: 6 creates racing through 2 gateways made 2 (4 refused, 4
 # --- a durable pause survives its node ---------------------------------------
 t0=$SECONDS
 c=$("$bin" create --timeout 900) || die "create for the pause"
-# (in the guest user's home: commands run as E2B's `user`)
-"$bin" exec "$c" -- sh -c 'cd && echo kept > kept.txt && setsid sh -c "while :; do date +%s%N > ~/tick; sleep 0.2; done" </dev/null >/dev/null 2>&1 & echo $! > ~/loop.pid' ||
+# (in the guest user's home: commands run as E2B's `user`; the tick is
+# renamed into place, so a read never finds it empty halfway through a write)
+"$bin" exec "$c" -- sh -c 'cd && echo kept > kept.txt && setsid sh -c "while :; do date +%s%N > ~/tick.new && mv ~/tick.new ~/tick; sleep 0.2; done" </dev/null >/dev/null 2>&1 & echo $! > ~/loop.pid' ||
     die "starting a process in $c"
 loop=$("$bin" exec "$c" -- sh -c 'sleep 1; cat ~/loop.pid') || die "reading the loop's pid"
 from=$(owner "$c")
