@@ -249,17 +249,48 @@ impl Registration {
             .await
     }
 
-    /// `id`'s route if this incarnation owns it.
+    /// `id`'s route if this incarnation owns it; a route of this node's
+    /// earlier incarnation is moved to this one first (the node holds the
+    /// sandbox: its callers change sandboxes it holds).
     async fn own(&self, id: &str) -> Result<Option<Versioned<SandboxRoute>>, ClusterError> {
         let (node_id, incarnation) = {
             let record = self.lock();
             (record.node_id.clone(), record.incarnation)
         };
-        Ok(self
-            .cluster
-            .sandbox(id)
-            .await?
-            .filter(|seen| seen.value.node_id == node_id && seen.value.incarnation == incarnation))
+        let ours = |seen: &Versioned<SandboxRoute>| {
+            seen.value.node_id == node_id && seen.value.incarnation == incarnation
+        };
+        let Some(seen) = self.cluster.sandbox(id).await? else {
+            return Ok(None);
+        };
+        if ours(&seen) {
+            return Ok(Some(seen));
+        }
+        if seen.value.node_id != node_id || !self.adopt_earlier(id, &seen).await? {
+            return Ok(None);
+        }
+        Ok(self.cluster.sandbox(id).await?.filter(ours))
+    }
+
+    /// Moves `seen`, a route of this node's earlier incarnation (it
+    /// restarted, or registered anew after its lease lapsed), to this one,
+    /// once that lease is gone. Its team's slot was held under the old
+    /// lease: the route takes none (the reconciler gives it one if it runs).
+    async fn adopt_earlier(
+        &self,
+        id: &str,
+        seen: &Versioned<SandboxRoute>,
+    ) -> Result<bool, ClusterError> {
+        let route = {
+            let record = self.lock();
+            SandboxRoute {
+                node_id: record.node_id.clone(),
+                incarnation: record.incarnation,
+                running: None,
+                ..seen.value.clone()
+            }
+        };
+        crate::take_over(&mut self.cluster.client(), id, seen, &route).await
     }
 
     /// Removes `id` from the map if this node owns it; false if it does not
@@ -406,15 +437,7 @@ impl Registration {
                 if changing(&id) {
                     continue;
                 }
-                // Its team's slot was held under the old lease; the next pass
-                // gives it one if it runs.
-                let route = SandboxRoute {
-                    node_id: node_id.clone(),
-                    incarnation,
-                    running: None,
-                    ..seen.value.clone()
-                };
-                if crate::take_over(&mut client, &id, &seen, &route).await? {
+                if self.adopt_earlier(&id, &seen).await? {
                     done.claimed += 1;
                 }
             } else if seen.value.paused.is_none() && self.cluster.forget_orphan(&id, &seen).await? {

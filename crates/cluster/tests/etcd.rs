@@ -393,7 +393,26 @@ async fn a_node_back_under_a_new_lease_takes_its_routes_over() {
     assert!(cluster.sandbox("gone").await.unwrap().is_none());
     let stored = cluster.sandbox("stored").await.unwrap().unwrap();
     assert_ne!(stored.value.incarnation, a.incarnation());
-    // This incarnation can change what it took over.
+    // This incarnation can change what it took over, and what it did not
+    // take over yet (a pause stored meanwhile).
+    let again = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
+        .await
+        .unwrap();
+    drop(a);
+    let stored_again = cluster::DurablePause {
+        manifest: "sandboxes/kept/2.json".into(),
+        generation: 2,
+    };
+    assert!(
+        again
+            .set_paused("kept", Some(stored_again.clone()))
+            .await
+            .unwrap()
+    );
+    let kept = cluster.sandbox("kept").await.unwrap().unwrap();
+    assert_eq!(kept.value.incarnation, again.incarnation());
+    assert_eq!(kept.value.paused, Some(stored_again));
+    let a = again;
     assert!(a.set_paused("kept", None).await.unwrap());
     assert!(a.release("kept").await.unwrap());
     assert_eq!(
