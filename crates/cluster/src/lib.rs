@@ -161,23 +161,14 @@ impl Cluster {
         .await?
         .id();
         let key = keyspace::sandbox_key(id);
-        let txn = Txn::new()
-            .when([
-                Compare::mod_revision(key.clone(), CompareOp::Equal, seen.mod_revision),
-                Compare::lease(
-                    keyspace::node_key(&seen.value.node_id),
-                    CompareOp::NotEqual,
-                    seen.value.incarnation,
-                ),
-            ])
-            .and_then([
-                TxnOp::delete(key, None),
-                TxnOp::put(
-                    keyspace::killed_key(id),
-                    seen.value.node_id.clone(),
-                    Some(PutOptions::new().with_lease(lease)),
-                ),
-            ]);
+        let txn = Txn::new().when(orphaned(&key, seen)).and_then([
+            TxnOp::delete(key, None),
+            TxnOp::put(
+                keyspace::killed_key(id),
+                seen.value.node_id.clone(),
+                Some(PutOptions::new().with_lease(lease)),
+            ),
+        ]);
         send_txn(&mut self.client(), txn).await
     }
 
@@ -226,14 +217,7 @@ impl Cluster {
     ) -> Result<bool, ClusterError> {
         let key = keyspace::sandbox_key(id);
         let txn = Txn::new()
-            .when([
-                Compare::mod_revision(key.clone(), CompareOp::Equal, seen.mod_revision),
-                Compare::lease(
-                    keyspace::node_key(&seen.value.node_id),
-                    CompareOp::NotEqual,
-                    seen.value.incarnation,
-                ),
-            ])
+            .when(orphaned(&key, seen))
             .and_then([TxnOp::delete(key, None)]);
         send_txn(&mut self.client(), txn).await
     }
@@ -280,6 +264,20 @@ pub(crate) async fn follow_prefix(
 /// The fencing compare: the node's own key is still held by the lease the
 /// caller registered with (a node whose lease expired, or that re-registered
 /// since, fails it).
+/// `seen` (the record at `key`) is unchanged and the node incarnation that
+/// wrote it is gone: its node no longer holds that lease (a missing node
+/// key compares as lease 0).
+fn orphaned(key: &str, seen: &Versioned<SandboxRoute>) -> [Compare; 2] {
+    [
+        Compare::mod_revision(key, CompareOp::Equal, seen.mod_revision),
+        Compare::lease(
+            keyspace::node_key(&seen.value.node_id),
+            CompareOp::NotEqual,
+            seen.value.incarnation,
+        ),
+    ]
+}
+
 pub(crate) fn node_holds(node_id: &str, lease: i64) -> Compare {
     Compare::lease(keyspace::node_key(node_id), CompareOp::Equal, lease)
 }
@@ -342,16 +340,12 @@ pub(crate) async fn take_over(
     let key = keyspace::sandbox_key(id);
     let value = encode(&key, route)?;
     let txn = Txn::new()
-        .when([
-            Compare::mod_revision(key.clone(), CompareOp::Equal, seen.mod_revision),
-            // A missing key compares as lease 0.
-            Compare::lease(
-                keyspace::node_key(&seen.value.node_id),
-                CompareOp::NotEqual,
-                seen.value.incarnation,
-            ),
-            node_holds(&route.node_id, route.incarnation),
-        ])
+        .when(
+            orphaned(&key, seen)
+                .into_iter()
+                .chain([node_holds(&route.node_id, route.incarnation)])
+                .collect::<Vec<_>>(),
+        )
         .and_then([TxnOp::put(key, value, None)]);
     send_txn(client, txn).await
 }
