@@ -500,7 +500,8 @@ async fn start_running(node: &Node, id: &str, caller_team: &str) -> Result<bool,
                 format!("sandbox {id} moved to node {owner}: resume it through a gateway"),
             )),
             // Not mapped yet (the reconciler claims it), or this node's
-            // earlier incarnation's: the resume goes on.
+            // earlier incarnation's whose lease has not ended yet: the
+            // resume goes on.
             None => Ok(false),
         },
         Err(e) => Err(ApiError::new(
