@@ -76,17 +76,25 @@ impl Cluster {
         self.client.clone()
     }
 
-    /// The registered (lease-alive) nodes.
-    pub async fn nodes(&self) -> Result<Vec<NodeRecord>, ClusterError> {
-        let resp = retried(|| {
+    /// Every key under `prefix` (retried as [`retried`] does).
+    pub(crate) async fn get_prefix(
+        &self,
+        prefix: &str,
+    ) -> Result<etcd_client::GetResponse, etcd_client::Error> {
+        retried(|| {
             let mut client = self.client();
             async move {
                 client
-                    .get(keyspace::NODES, Some(GetOptions::new().with_prefix()))
+                    .get(prefix, Some(GetOptions::new().with_prefix()))
                     .await
             }
         })
-        .await?;
+        .await
+    }
+
+    /// The registered (lease-alive) nodes.
+    pub async fn nodes(&self) -> Result<Vec<NodeRecord>, ClusterError> {
+        let resp = self.get_prefix(keyspace::NODES).await?;
         resp.kvs()
             .iter()
             .map(|kv| decode(kv.key(), kv.value()))
@@ -114,15 +122,7 @@ impl Cluster {
 
     /// The whole sandbox-to-node map, by sandbox ID.
     pub async fn sandboxes(&self) -> Result<Vec<(String, Versioned<SandboxRoute>)>, ClusterError> {
-        let resp = retried(|| {
-            let mut client = self.client();
-            async move {
-                client
-                    .get(keyspace::SANDBOXES, Some(GetOptions::new().with_prefix()))
-                    .await
-            }
-        })
-        .await?;
+        let resp = self.get_prefix(keyspace::SANDBOXES).await?;
         resp.kvs()
             .iter()
             .filter_map(|kv| {
@@ -177,15 +177,7 @@ impl Cluster {
         &self,
         node_id: &str,
     ) -> Result<std::collections::BTreeSet<String>, ClusterError> {
-        let answer = retried(|| {
-            let mut client = self.client();
-            async move {
-                client
-                    .get(keyspace::KILLED, Some(GetOptions::new().with_prefix()))
-                    .await
-            }
-        })
-        .await?;
+        let answer = self.get_prefix(keyspace::KILLED).await?;
         Ok(answer
             .kvs()
             .iter()

@@ -281,16 +281,21 @@ impl Registration {
         id: &str,
         seen: &Versioned<SandboxRoute>,
     ) -> Result<bool, ClusterError> {
-        let route = {
-            let record = self.lock();
-            SandboxRoute {
-                node_id: record.node_id.clone(),
-                incarnation: record.incarnation,
-                running: None,
-                ..seen.value.clone()
-            }
+        let route = SandboxRoute {
+            running: None,
+            ..self.moved_here(&seen.value)
         };
         crate::take_over(&mut self.cluster.client(), id, seen, &route).await
+    }
+
+    /// `route` as this incarnation's.
+    fn moved_here(&self, route: &SandboxRoute) -> SandboxRoute {
+        let record = self.lock();
+        SandboxRoute {
+            node_id: record.node_id.clone(),
+            incarnation: record.incarnation,
+            ..route.clone()
+        }
     }
 
     /// Removes `id` from the map if this node owns it; false if it does not
@@ -334,14 +339,7 @@ impl Registration {
         id: &str,
         seen: &crate::Versioned<SandboxRoute>,
     ) -> Result<bool, ClusterError> {
-        let route = {
-            let record = self.lock();
-            SandboxRoute {
-                node_id: record.node_id.clone(),
-                incarnation: record.incarnation,
-                ..seen.value.clone()
-            }
-        };
+        let route = self.moved_here(&seen.value);
         crate::take_over(&mut self.cluster.client(), id, seen, &route).await
     }
 

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, EventType, GetOptions, Txn, TxnOp};
+use etcd_client::{Compare, CompareOp, EventType, Txn, TxnOp};
 use tokio::task::JoinHandle;
 
 use crate::keyspace::{self, TeamQuota};
@@ -112,15 +112,7 @@ impl Cluster {
 
     /// Every team and key record, and the revision they were read at.
     async fn tenant_records(&self) -> Result<(TenantRecords, i64), ClusterError> {
-        let loaded = retried(|| {
-            let mut client = self.client();
-            async move {
-                client
-                    .get(keyspace::TENANTS, Some(GetOptions::new().with_prefix()))
-                    .await
-            }
-        })
-        .await?;
+        let loaded = self.get_prefix(keyspace::TENANTS).await?;
         let revision = loaded.header().map_or(0, |h| h.revision());
         let mut records = TenantRecords::default();
         for kv in loaded.kvs() {
