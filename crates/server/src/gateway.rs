@@ -351,25 +351,13 @@ impl Gateway {
         req: Request,
         unique_by: Option<&'static [&'static str]>,
     ) -> Result<Response, ApiError> {
-        let (parts, _) = req.into_parts();
+        let answers = match self.every_node(req, "listing").await? {
+            Ok(answers) => answers,
+            Err(refusal) => return Ok(refusal),
+        };
         let mut all = Vec::new();
         let mut seen = std::collections::HashSet::new();
-        for node in self.nodes().await? {
-            let req = rebuild(&parts.method, &parts.uri, &parts.headers, Bytes::new());
-            let answer = match self.forward(&node.api_addr, req).await {
-                Ok(r) => r,
-                Err(e) => {
-                    tracing::warn!("gateway: listing on node {}: {e}", node.node_id);
-                    continue;
-                }
-            };
-            if !answer.status().is_success() {
-                // The key is the same on every node: its refusal is the answer.
-                return Ok(answer);
-            }
-            let bytes = axum::body::to_bytes(answer.into_body(), MAX_LIST_ANSWER)
-                .await
-                .map_err(|e| bad_gateway(&node, e.to_string()))?;
+        for (node, bytes) in answers {
             match serde_json::from_slice::<Vec<serde_json::Value>>(&bytes) {
                 Ok(items) => {
                     for item in items {
@@ -385,28 +373,48 @@ impl Gateway {
         Ok(axum::Json(all).into_response())
     }
 
-    /// A team (or all) with its use summed over every node; the first
-    /// node's answer gives the rest (the same on every node). A refusal
-    /// (the key) is the answer; a node that cannot be reached is passed
-    /// over, with a warning.
-    async fn team_use(&self, req: Request) -> Result<Response, ApiError> {
+    /// `req` (without a body) sent to every node: each reachable node's
+    /// answer, or the first refusal (the key is the same on every node: its
+    /// refusal is the answer). A node that cannot be reached is passed over
+    /// with a warning about `what` was asked.
+    async fn every_node(
+        &self,
+        req: Request,
+        what: &str,
+    ) -> Result<Result<Vec<(NodeRecord, Bytes)>, Response>, ApiError> {
         let (parts, _) = req.into_parts();
-        let mut total: Option<serde_json::Value> = None;
+        let mut answers = Vec::new();
         for node in self.nodes().await? {
             let req = rebuild(&parts.method, &parts.uri, &parts.headers, Bytes::new());
             let answer = match self.forward(&node.api_addr, req).await {
                 Ok(r) => r,
                 Err(e) => {
-                    tracing::warn!("gateway: teams' use on node {}: {e}", node.node_id);
+                    tracing::warn!("gateway: {what} on node {}: {e}", node.node_id);
                     continue;
                 }
             };
             if !answer.status().is_success() {
-                return Ok(answer);
+                return Ok(Err(answer));
             }
             let bytes = axum::body::to_bytes(answer.into_body(), MAX_LIST_ANSWER)
                 .await
                 .map_err(|e| bad_gateway(&node, e.to_string()))?;
+            answers.push((node, bytes));
+        }
+        Ok(Ok(answers))
+    }
+
+    /// A team (or all) with its use summed over every node; the first
+    /// node's answer gives the rest (the same on every node). A refusal
+    /// (the key) is the answer; a node that cannot be reached is passed
+    /// over, with a warning.
+    async fn team_use(&self, req: Request) -> Result<Response, ApiError> {
+        let answers = match self.every_node(req, "teams' use").await? {
+            Ok(answers) => answers,
+            Err(refusal) => return Ok(refusal),
+        };
+        let mut total: Option<serde_json::Value> = None;
+        for (node, bytes) in answers {
             let used: serde_json::Value =
                 serde_json::from_slice(&bytes).map_err(|e| bad_gateway(&node, e.to_string()))?;
             match &mut total {
