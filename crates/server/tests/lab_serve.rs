@@ -669,6 +669,7 @@ async fn a_fork_of_16_is_admitted_by_real_use_and_its_children_diverge() {
     let parent = common::create(addr, &auth, json!({"timeout": 600})).await;
     let (code, _) = run(addr, &parent.routing(), "echo parent > /tmp/origin").await;
     assert_eq!(code, 0);
+    a_fork_whose_client_goes_is_undone(&node, &parent).await;
     let started = Instant::now();
     let forked = http(
         addr,
@@ -749,6 +750,63 @@ async fn a_fork_of_16_is_admitted_by_real_use_and_its_children_diverge() {
     eprintln!("{guests} sandboxes charged {used} MiB: {info}");
     assert!(used > guests * 32 && used <= CEILING, "{info}");
     assert_eq!(info["sandboxes"]["running"], guests, "{info}");
+}
+
+/// A client that hangs up once its fork of 3 has frozen the parent: the
+/// fork runs to its end (the parent recorded on its new disk layer, back to
+/// running), and the children nobody will learn of are removed: no
+/// sandbox, directory or VMM of theirs is left. (Without that, hyper drops
+/// the request's future half-way: the parent stays in its fork's phase.)
+async fn a_fork_whose_client_goes_is_undone(node: &Serving, parent: &Created) {
+    let addr = node.addr;
+    let forks = node.manager.config().data_dir.join("forks");
+    let sandboxes = node.manager.config().sandboxes_dir();
+    let body = r#"{"count":3,"timeout":600}"#;
+    let request = format!(
+        "POST /sandboxes/{}/fork HTTP/1.1\r\nhost: {addr}\r\nx-api-key: {}\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        parent.id,
+        node.key,
+        body.len()
+    );
+    let mut client = tokio::net::TcpStream::connect(addr).await.unwrap();
+    client.write_all(request.as_bytes()).await.unwrap();
+    // The freeze has begun once the fork's directory holds a file.
+    let frozen = Instant::now();
+    while !std::fs::read_dir(&forks).is_ok_and(|dirs| {
+        dirs.flatten()
+            .any(|d| std::fs::read_dir(d.path()).is_ok_and(|mut f| f.next().is_some()))
+    }) {
+        assert!(
+            frozen.elapsed() < Duration::from_secs(120),
+            "the fork never froze"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(client);
+    let gone = Instant::now();
+    loop {
+        let listed = http(addr, "GET", "/sandboxes", &node.auth(), "")
+            .await
+            .json();
+        let dirs = std::fs::read_dir(&sandboxes).unwrap().count();
+        if listed.as_array().unwrap().len() == 1 && dirs == 1 && node.manager.live_count() == 1 {
+            break;
+        }
+        assert!(
+            gone.elapsed() < Duration::from_secs(180),
+            "the children of a fork whose client went away are still there: {listed}, \
+             {dirs} sandbox directories, {} VMMs",
+            node.manager.live_count()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let (code, out) = run(addr, &parent.routing(), "cat /tmp/origin").await;
+    assert_eq!((code, out.as_str()), (0, "parent\n"));
+    eprintln!(
+        "a fork whose client went away was undone {:?} after the client left",
+        gone.elapsed()
+    );
 }
 
 /// The results of `futures` run at once, in order.

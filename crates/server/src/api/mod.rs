@@ -2,6 +2,7 @@
 //! key a team's: see [`tenancy`]) and,
 //! in front of it, the envd proxy (see [`crate::proxy`]).
 
+mod detach;
 mod error;
 mod list;
 mod network;
@@ -18,6 +19,7 @@ use axum::http::StatusCode;
 use axum::middleware;
 use axum::routing::{delete, get, patch, post, put};
 
+pub use detach::ClientGone;
 pub use error::{ApiError, TEAM_LIMIT_HEADER};
 pub use list::{ListQuery, decode_metadata_filter};
 
@@ -114,6 +116,12 @@ pub fn router(state: Shared) -> Router {
             crate::proxy::dispatch,
         ))
         .with_state(state)
+}
+
+/// `router` (the node's routes, with the cluster layer if any) with every
+/// change run to its end when its client goes away (see [`detach`]).
+pub fn run_changes_to_end(router: Router, state: Shared) -> Router {
+    router.layer(middleware::from_fn_with_state(state, detach::run_to_end))
 }
 
 async fn health() -> StatusCode {

@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
 use super::list::ListQuery;
-use super::{ApiError, Shared};
+use super::{ApiError, ClientGone, Shared};
 use crate::ids;
 use crate::sandbox::{CreateParams, PauseMode, Phase, ResumeMode};
 use crate::store::{SandboxRecord, SandboxState};
@@ -148,6 +148,7 @@ struct NewSandbox {
 async fn create(
     state: Shared,
     caller: Caller,
+    gone: ClientGone,
     body: Bytes,
     v2: bool,
 ) -> Result<Response, ApiError> {
@@ -178,6 +179,7 @@ async fn create(
     // The code interpreter is built on its first create.
     state.templates.ensure_builtin(&params.template_id).await?;
     let record = state.manager.create(params).await?;
+    remove_if_gone(&state, &gone, [record.id.as_str()]).await?;
     if ends_now {
         reap_soon(&state);
     }
@@ -187,17 +189,19 @@ async fn create(
 pub async fn create_v1(
     State(state): State<Shared>,
     Extension(caller): Extension<Caller>,
+    gone: ClientGone,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    create(state, caller, body, false).await
+    create(state, caller, gone, body, false).await
 }
 
 pub async fn create_v2(
     State(state): State<Shared>,
     Extension(caller): Extension<Caller>,
+    gone: ClientGone,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    create(state, caller, body, true).await
+    create(state, caller, gone, body, true).await
 }
 
 /// The sandbox id a path names, as E2B's API reads it: `<id>-<client id>`
@@ -473,6 +477,7 @@ pub(super) fn fork_request(state: &Shared, req: &ForkBody) -> Result<(Duration, 
 pub async fn fork(
     State(state): State<Shared>,
     Path(id): Path<String>,
+    gone: ClientGone,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let id = check_id(&id)?;
@@ -485,7 +490,42 @@ pub async fn fork(
             (forked.children, Some(forked.parent_paused))
         }
     };
+    remove_if_gone(&state, &gone, made(&results)).await?;
     Ok(fork_answer(results, parent_paused))
+}
+
+/// The sandboxes a fork made.
+pub(super) fn made(results: &crate::sandbox::ForkResults) -> impl Iterator<Item = &str> {
+    results
+        .iter()
+        .filter_map(|r| r.as_ref().ok())
+        .map(|r| r.id.as_str())
+}
+
+/// Kills what a create or fork made when its client went away before the
+/// answer (see [`ClientGone`]): nobody knows their ids, and they would hold
+/// the node's capacity until their timeout. A client that goes while the
+/// answer is being written still leaves them to their timeout.
+pub(super) async fn remove_if_gone<'a>(
+    state: &Shared,
+    gone: &ClientGone,
+    made: impl IntoIterator<Item = &'a str>,
+) -> Result<(), ApiError> {
+    if !gone.is_gone() {
+        return Ok(());
+    }
+    let made: Vec<&str> = made.into_iter().collect();
+    for id in &made {
+        if let Err(e) = state.manager.kill(id).await {
+            tracing::warn!("sandbox {id}: removing it after its client went away: {e}");
+        }
+    }
+    tracing::info!(
+        "the client went away before the answer: removed the {} sandbox(es) made for it: {}",
+        made.len(),
+        made.join(", ")
+    );
+    Err(ClientGone::answer("what it made was removed"))
 }
 
 /// The 201 of a fork: one `{"sandbox": ...}` or `{"error": ...}` per child,

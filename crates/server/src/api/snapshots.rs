@@ -13,8 +13,10 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::list::{MAX_LIMIT, parse_limit};
-use super::sandboxes::{ForkBody, check_id, fork_answer, fork_request, parse_body};
-use super::{ApiError, Shared};
+use super::sandboxes::{
+    ForkBody, check_id, fork_answer, fork_request, made, parse_body, remove_if_gone,
+};
+use super::{ApiError, ClientGone, Shared};
 use crate::sandbox::{SnapshotForkParams, SnapshotParams};
 use crate::store::TemplateRecord;
 use crate::tenants::Caller;
@@ -81,6 +83,7 @@ pub async fn fork(
     State(state): State<Shared>,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
+    gone: ClientGone,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let req: ForkBody = parse_body(&body)?;
@@ -91,6 +94,7 @@ pub async fn fork(
         team: caller.stored_team(),
     };
     let results = state.manager.fork_snapshot(&id, count, params).await?;
+    remove_if_gone(&state, &gone, made(&results)).await?;
     Ok(fork_answer(results, None))
 }
 
