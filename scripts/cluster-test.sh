@@ -9,11 +9,12 @@
 # server (SeaweedFS's weed, from scripts/deps.sh) as the object store: a
 # sandbox paused on its node, that node killed with SIGKILL and its data
 # dir removed, resumed through the gateway on the other node with its files
-# and a running process intact. Last, that node comes back in a network
+# and a running process intact (and one paused at its timeout, stored by
+# its node's reconciler, resumed there too). Last, that node comes back in a network
 # namespace of its own, pauses a sandbox, and its only link goes down: the
 # sandbox is resumed on the other node meanwhile, and once the link is up
 # again the cut-off node's stale copy never serves and is removed. With the
-# object store down, a pause stays on its node.
+# object store down, a pause stays on its node, and is stored once it is back.
 #
 # Usage: scripts/cluster-test.sh [--no-build]
 # Env: CARGO_TARGET_DIR (default target), SANDFORK_LAB_LOCKED (the caller
@@ -277,8 +278,18 @@ t=$(now_ms); pause "$c"; pause_ms=$(($(now_ms) - t))
 pause_s=$((pause_ms / 1000))
 route=$(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --print-value-only "/sandfork/v1/sandboxes/$c")
 grep -q '"paused"' <<<"$route" || die "the route of $c records no durable pause: $route"
+# A sandbox paused at its timeout (no API call) is stored by its node too.
+on_from=http://127.0.0.1:${ports[${from#n} - 1]}
+ap=$(SANDFORK_API_URL=$on_from "$bin" create --auto-pause --timeout 20) || die "create with auto-pause on $from"
+"$bin" exec "$ap" -- sh -c 'cd && echo auto > auto.txt' || die "writing in $ap"
+start=$SECONDS
+until ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --print-value-only "/sandfork/v1/sandboxes/$ap" | grep -q '"paused"'; do
+    ((SECONDS - start < 180)) || die "the pause of $ap at its timeout was not stored"
+    sleep 1
+done
+log "$ap paused at its timeout and stored by $from in $((SECONDS - start)) s after the write"
 # A sandbox running on the same node (created there directly) is lost with it.
-d=$(SANDFORK_API_URL=http://127.0.0.1:${ports[${from#n} - 1]} "$bin" create --timeout 900) || die "create on $from"
+d=$(SANDFORK_API_URL=$on_from "$bin" create --timeout 900) || die "create on $from"
 log "$c paused on $from and stored in $pause_s s, $d running there; killing $from (SIGKILL) and removing its data"
 kill -9 "${node_pid[$from]}"
 rm -rf "${work:?}/$from"
@@ -313,7 +324,12 @@ sleep 1
 a2=$("$bin" exec "$c" -- sh -c 'cat ~/tick')
 ((a2 > a1)) || die "the process in $c does not run on ($a1, then $a2)"
 "$bin" rm "$c" || die "kill $c"
-log "PASS: $c paused on $from (stored in $pause_s s), $from killed, resumed on $to in $resume_s s with its file and process ($((SECONDS - t0)) s in all)"
+"$bin" resume "$ap" >/dev/null || die "resuming $ap (paused at its timeout) after its node died"
+ap_to=$(owner "$ap")
+[[ $ap_to != "$from" ]] || die "$ap still on $from"
+[[ $("$bin" exec "$ap" -- sh -c 'cat ~/auto.txt') == auto ]] || die "the file in $ap is gone"
+"$bin" rm "$ap" || die "kill $ap"
+log "PASS: $c paused on $from (stored in $pause_s s), $from killed, resumed on $to in $resume_s s with its file and process, and $ap paused at its timeout resumed on $ap_to ($((SECONDS - t0)) s in all)"
 
 # --- a node cut off from etcd: only one copy serves ---------------------------
 # $from comes back, fresh, in the namespace whose link the test takes down.
@@ -397,9 +413,18 @@ grep -qi '^x-sandfork-durable: false' "$work/pause.headers" || die "the pause of
 route=$(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --print-value-only "/sandfork/v1/sandboxes/$f")
 ! grep -q '"paused"' <<<"$route" || die "the route of $f records a durable pause: $route"
 grep -q "sandbox $f: its pause is not in the object store" "$work"/n*.log || die "no warning for the pause of $f"
+# Back, the store gets that pause too (the node tries again every 30 s).
+weed "${weed_args[@]}" >>"$work/weed.log" 2>&1 &
+pids+=($!)
+start=$SECONDS
+until ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --print-value-only "/sandfork/v1/sandboxes/$f" | grep -q '"paused"'; do
+    ((SECONDS - start < 180)) || die "the pause of $f was not stored once the object store was back"
+    sleep 1
+done
+stored_after=$((SECONDS - start))
 "$bin" resume "$f" >/dev/null || die "resuming $f on its node"
 [[ $("$bin" exec "$f" -- sh -c 'cat ~/local.txt') == local ]] || die "$f lost its file"
 "$bin" rm "$f" || die "kill $f"
-log "PASS: with the object store down, a pause stayed on its node (durable: false, with a warning) and resumed there"
+log "PASS: with the object store down, a pause stayed on its node (durable: false, with a warning), was stored $stored_after s after the store came back, and resumed"
 # Lab figures (emulated: compare them as ratios within one run).
 log "bench: {\"gateway_exec_ms\": $via_gateway_ms, \"direct_exec_ms\": $direct_ms, \"durable_pause_first_ms\": $first_pause_ms, \"durable_pause_again_ms\": $pause_ms, \"same_node_resume_ms\": $same_node_resume_ms, \"cross_node_resume_ms\": $cross_node_resume_ms}"

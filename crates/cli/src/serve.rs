@@ -470,6 +470,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         keys: node.state.keys.clone(),
         durable,
         changing: Default::default(),
+        storing: Default::default(),
     });
     // Sandboxes recovered at start are mapped before the first request.
     member.reconcile().await;

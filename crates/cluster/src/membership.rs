@@ -24,6 +24,8 @@ pub struct LocalSandbox {
     /// Its team (the quota it counts against while it runs).
     pub team: String,
     pub running: bool,
+    /// Its pause's number (a paused sandbox's; see [`Reconciled::unstored`]).
+    pub pause_generation: u32,
 }
 
 /// What one [`Registration::reconcile`] did and found.
@@ -43,6 +45,11 @@ pub struct Reconciled {
     /// node removes its copy and then the tombstone
     /// ([`Cluster::clear_killed`]).
     pub killed: Vec<String>,
+    /// Sandboxes paused here whose pause the route does not record as
+    /// stored (paused without the API: at their timeout, for memory
+    /// pressure; or their store failed): the node stores them, so that they
+    /// outlive it too.
+    pub unstored: Vec<String>,
 }
 
 /// A registered node. Dropping it stops the keep-alive (the lease then
@@ -395,7 +402,21 @@ impl Registration {
                     continue;
                 }
                 // Against the route as read: one changed since is left alone.
+                let stored = seen.value.paused.as_ref().map(|p| p.generation);
+                if !sandbox.running && stored != Some(sandbox.pause_generation) {
+                    done.unstored.push(id.clone());
+                }
                 match (sandbox.running, seen.value.running.is_some()) {
+                    // Resumed without the API (a request woke it): what the
+                    // store holds is out of date, and no other node may
+                    // take it in. (Its slot follows on the next pass.)
+                    (true, _) if stored.is_some() => {
+                        let route = SandboxRoute {
+                            paused: None,
+                            ..seen.value.clone()
+                        };
+                        crate::update(&mut client, &id, &seen, &route).await?;
+                    }
                     (false, true) => {
                         let route = SandboxRoute {
                             running: None,

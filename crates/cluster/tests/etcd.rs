@@ -15,6 +15,19 @@ const CAPACITY: NodeCapacity = NodeCapacity {
     memory_mib: 1024,
 };
 
+/// Node `id` registered with address 127.0.0.1:`port`.
+async fn register(cluster: &Cluster, id: &str, port: u16, ttl: Duration) -> Registration {
+    Registration::start(
+        cluster.clone(),
+        id,
+        &format!("127.0.0.1:{port}"),
+        CAPACITY,
+        ttl,
+    )
+    .await
+    .unwrap()
+}
+
 async fn connect(etcd: &Etcd) -> Cluster {
     Cluster::connect(&etcd.endpoints()).await.expect("connect")
 }
@@ -32,12 +45,8 @@ async fn nodes_register_under_a_lease_and_vanish_with_it() {
     let etcd = Etcd::start().unwrap();
     let cluster = connect(&etcd).await;
     let ttl = Duration::from_secs(2);
-    let a = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
-        .await
-        .unwrap();
-    let b = Registration::start(cluster.clone(), "b", "127.0.0.1:2", CAPACITY, ttl)
-        .await
-        .unwrap();
+    let a = register(&cluster, "a", 1, ttl).await;
+    let b = register(&cluster, "b", 2, ttl).await;
     assert_ne!(a.incarnation(), b.incarnation());
     let nodes = cluster.nodes().await.unwrap();
     let ids: Vec<&str> = nodes.iter().map(|n| n.node_id.as_str()).collect();
@@ -95,12 +104,8 @@ async fn a_sandbox_is_claimed_once_and_released_only_by_its_owner() {
     let etcd = Etcd::start().unwrap();
     let cluster = connect(&etcd).await;
     let ttl = Duration::from_secs(5);
-    let a = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
-        .await
-        .unwrap();
-    let b = Registration::start(cluster.clone(), "b", "127.0.0.1:2", CAPACITY, ttl)
-        .await
-        .unwrap();
+    let a = register(&cluster, "a", 1, ttl).await;
+    let b = register(&cluster, "b", 2, ttl).await;
 
     assert!(a.claim("sbx1").await.unwrap());
     // Exactly once: a second claim, by either node, fails.
@@ -317,12 +322,8 @@ async fn reconcile_makes_the_map_match_the_node() {
     let etcd = Etcd::start().unwrap();
     let cluster = connect(&etcd).await;
     let ttl = Duration::from_secs(5);
-    let a = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
-        .await
-        .unwrap();
-    let b = Registration::start(cluster.clone(), "b", "127.0.0.1:2", CAPACITY, ttl)
-        .await
-        .unwrap();
+    let a = register(&cluster, "a", 1, ttl).await;
+    let b = register(&cluster, "b", 2, ttl).await;
     assert!(a.claim("gone").await.unwrap());
     assert!(a.claim("kept").await.unwrap());
     assert!(b.claim("theirs").await.unwrap());
@@ -332,6 +333,7 @@ async fn reconcile_makes_the_map_match_the_node() {
                 id: s.to_string(),
                 team: "default".into(),
                 running: true,
+                pause_generation: 1,
             })
             .collect::<Vec<_>>()
     };
@@ -364,9 +366,7 @@ async fn a_node_back_under_a_new_lease_takes_its_routes_over() {
     let etcd = Etcd::start().unwrap();
     let cluster = connect(&etcd).await;
     let ttl = Duration::from_secs(5);
-    let before = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
-        .await
-        .unwrap();
+    let before = register(&cluster, "a", 1, ttl).await;
     for id in ["kept", "gone", "stored"] {
         assert!(before.claim(id).await.unwrap());
     }
@@ -378,13 +378,12 @@ async fn a_node_back_under_a_new_lease_takes_its_routes_over() {
     drop(before);
     // Back (a restart, or a link that came back after the lease lapsed):
     // it holds "kept" still, "gone" not; "stored" is in the object store.
-    let a = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
-        .await
-        .unwrap();
+    let a = register(&cluster, "a", 1, ttl).await;
     let local = [LocalSandbox {
         id: "kept".into(),
         team: "default".into(),
         running: true,
+        pause_generation: 1,
     }];
     let done = a.reconcile(&local, |_| false).await.unwrap();
     assert_eq!((done.claimed, done.released), (1, 1));
@@ -395,9 +394,7 @@ async fn a_node_back_under_a_new_lease_takes_its_routes_over() {
     assert_ne!(stored.value.incarnation, a.incarnation());
     // This incarnation can change what it took over, and what it did not
     // take over yet (a pause stored meanwhile).
-    let again = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
-        .await
-        .unwrap();
+    let again = register(&cluster, "a", 1, ttl).await;
     drop(a);
     let stored_again = cluster::DurablePause {
         manifest: "sandboxes/kept/2.json".into(),
@@ -426,9 +423,7 @@ async fn a_sandbox_killed_while_its_node_was_away_is_not_claimed_when_it_is_back
     let etcd = Etcd::start().unwrap();
     let cluster = connect(&etcd).await;
     let ttl = Duration::from_secs(1);
-    let before = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
-        .await
-        .unwrap();
+    let before = register(&cluster, "a", 1, ttl).await;
     for id in ["killed", "kept", "gone"] {
         assert!(before.claim(id).await.unwrap());
     }
@@ -461,15 +456,14 @@ async fn a_sandbox_killed_while_its_node_was_away_is_not_claimed_when_it_is_back
     assert!(cluster.killed_on("b").await.unwrap().is_empty());
 
     // a is back holding "killed" and "kept" ("gone" it lost meanwhile).
-    let a = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
-        .await
-        .unwrap();
+    let a = register(&cluster, "a", 1, ttl).await;
     let local = |ids: &[&str]| {
         ids.iter()
             .map(|id| LocalSandbox {
                 id: id.to_string(),
                 team: "default".into(),
                 running: true,
+                pause_generation: 1,
             })
             .collect::<Vec<_>>()
     };
@@ -517,6 +511,7 @@ async fn reconcile_gives_team_slots_to_what_runs_and_takes_them_from_what_paused
                 id: id.to_string(),
                 team: "t".into(),
                 running: *running,
+                pause_generation: 1,
             })
             .collect::<Vec<_>>()
     };
@@ -540,6 +535,59 @@ async fn reconcile_gives_team_slots_to_what_runs_and_takes_them_from_what_paused
     a.reconcile(&third, |id| id == "r2").await.unwrap();
     assert!(running_slot(&cluster, "r2").await.is_some());
     assert!(running_slot(&cluster, "r1").await.is_none());
+}
+
+/// A pause made without the API (at a timeout, for memory pressure) or
+/// whose store failed is named until its route records it stored at its
+/// generation; a sandbox that runs again loses its stored pause (the
+/// store's copy is out of date, and no other node may take it in). Those a
+/// change is under way on are left to it.
+#[tokio::test]
+async fn reconcile_names_pauses_not_stored_and_clears_the_stored_pause_of_one_running() {
+    let etcd = Etcd::start().unwrap();
+    let cluster = connect(&etcd).await;
+    let a = register(&cluster, "a", 1, Duration::from_secs(5)).await;
+    let pause = |id: &str, generation| cluster::DurablePause {
+        manifest: format!("sandboxes/{id}/{generation}.json"),
+        generation,
+    };
+    for id in ["timed-out", "stored", "paused-again", "woken", "busy"] {
+        assert!(a.claim(id).await.unwrap());
+    }
+    for id in ["stored", "paused-again", "woken"] {
+        assert!(a.set_paused(id, Some(pause(id, 1))).await.unwrap());
+    }
+    let held = |id: &str, running, pause_generation| LocalSandbox {
+        id: id.into(),
+        team: "default".into(),
+        running,
+        pause_generation,
+    };
+    let local = [
+        held("timed-out", false, 1),
+        held("stored", false, 1),
+        held("paused-again", false, 2),
+        held("woken", true, 1),
+        held("busy", false, 1),
+    ];
+    let done = a.reconcile(&local, |id| id == "busy").await.unwrap();
+    assert_eq!(done.unstored, ["paused-again", "timed-out"]);
+    let paused = async |id| cluster.sandbox(id).await.unwrap().unwrap().value.paused;
+    assert_eq!(paused("woken").await, None);
+    assert_eq!(paused("stored").await, Some(pause("stored", 1)));
+    // Once stored, nothing more to do.
+    assert!(
+        a.set_paused("timed-out", Some(pause("timed-out", 1)))
+            .await
+            .unwrap()
+    );
+    assert!(
+        a.set_paused("paused-again", Some(pause("paused-again", 2)))
+            .await
+            .unwrap()
+    );
+    let done = a.reconcile(&local, |id| id == "busy").await.unwrap();
+    assert_eq!(done, cluster::Reconciled::default());
 }
 
 #[tokio::test]
@@ -630,15 +678,9 @@ async fn a_durable_pause_moves_only_once_its_node_is_gone() {
     let etcd = Etcd::start().unwrap();
     let cluster = connect(&etcd).await;
     let ttl = Duration::from_secs(2);
-    let a = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
-        .await
-        .unwrap();
-    let b = Registration::start(cluster.clone(), "b", "127.0.0.1:2", CAPACITY, ttl)
-        .await
-        .unwrap();
-    let c = Registration::start(cluster.clone(), "c", "127.0.0.1:3", CAPACITY, ttl)
-        .await
-        .unwrap();
+    let a = register(&cluster, "a", 1, ttl).await;
+    let b = register(&cluster, "b", 2, ttl).await;
+    let c = register(&cluster, "c", 3, ttl).await;
     assert!(a.claim("p").await.unwrap());
     let pause = cluster::DurablePause {
         manifest: "sandboxes/p/1.json".into(),
@@ -675,13 +717,12 @@ async fn a_durable_pause_moves_only_once_its_node_is_gone() {
     assert!(!b.take_over("p", &seen).await.unwrap());
     // a comes back (its link healed) with its copy: told it moved, and the
     // route stays with the new owner.
-    let a = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
-        .await
-        .unwrap();
+    let a = register(&cluster, "a", 1, ttl).await;
     let stale = [LocalSandbox {
         id: "p".into(),
         team: "default".into(),
         running: false,
+        pause_generation: 1,
     }];
     let done = a.reconcile(&stale, |_| false).await.unwrap();
     assert_eq!(done.moved, [("p".to_owned(), moved.value.node_id.clone())]);
@@ -735,12 +776,8 @@ async fn claims_racing_through_a_leader_loss_land_exactly_once() {
     let mut etcd = Etcd::start_members(3).unwrap();
     let cluster = connect(&etcd).await;
     let ttl = Duration::from_secs(5);
-    let a = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
-        .await
-        .unwrap();
-    let b = Registration::start(cluster.clone(), "b", "127.0.0.1:2", CAPACITY, ttl)
-        .await
-        .unwrap();
+    let a = register(&cluster, "a", 1, ttl).await;
+    let b = register(&cluster, "b", 2, ttl).await;
     let ids: Vec<String> = (0..240).map(|i| format!("sbx{i:03}")).collect();
 
     // Both nodes claim every ID, in opposite orders so they meet in the
@@ -872,9 +909,7 @@ async fn the_view_follows_nodes_and_routes_as_they_change() {
     let etcd = Etcd::start().unwrap();
     let cluster = connect(&etcd).await;
     let ttl = Duration::from_secs(5);
-    let a = Registration::start(cluster.clone(), "a", "127.0.0.1:1", CAPACITY, ttl)
-        .await
-        .unwrap();
+    let a = register(&cluster, "a", 1, ttl).await;
     assert!(a.claim("early").await.unwrap());
 
     // What was there before it started, loaded.
@@ -888,9 +923,7 @@ async fn the_view_follows_nodes_and_routes_as_they_change() {
     assert!(view.sandbox("unknown").is_none());
 
     // Changes after, followed: a second node, a claim, a load, a release.
-    let b = Registration::start(cluster.clone(), "b", "127.0.0.1:2", CAPACITY, ttl)
-        .await
-        .unwrap();
+    let b = register(&cluster, "b", 2, ttl).await;
     assert!(b.claim("later").await.unwrap());
     let load = NodeLoad {
         sandboxes: 1,

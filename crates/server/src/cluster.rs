@@ -5,7 +5,10 @@
 //! catches the rest (fork children, timeouts, sandboxes recovered at start).
 //!
 //! With an object store ([`durable`]), a pause through the API is stored
-//! there before it answers and its route says so; a resume (or connect)
+//! there before it answers and its route says so; one made without the API
+//! (at a timeout, for memory pressure) or whose store failed is stored by
+//! the reconcile loop, and a sandbox that runs again without the API loses
+//! its stored pause on its next pass; a resume (or connect)
 //! that the gateway marks with [`TAKE_IN_HEADER`] first takes the paused
 //! sandbox in from the store, moving its route to this node in a
 //! transaction that holds only if its old node is gone.
@@ -21,7 +24,7 @@
 pub mod durable;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Body;
@@ -44,6 +47,10 @@ pub const TAKE_IN_HEADER: &str = "x-sandfork-take-in";
 /// On a pause's answer: whether the pause is in the object store.
 pub const DURABLE_HEADER: &str = "x-sandfork-durable";
 
+/// How long after a failed store (the object store down) the reconciler
+/// tries a pause again.
+const STORE_RETRY: Duration = Duration::from_secs(30);
+
 /// A create's answer is a small JSON object; anything larger is not one.
 const MAX_CREATE_ANSWER: usize = 1 << 20;
 
@@ -58,6 +65,9 @@ pub struct Node {
     /// Pauses and resumes under way or made since the reconciler last
     /// listed the sandboxes: their team slots are theirs to change.
     pub changing: Changing,
+    /// Pauses the reconciler found unstored: being stored now (None), or
+    /// when the last try failed.
+    pub storing: std::sync::Mutex<std::collections::HashMap<String, Option<Instant>>>,
 }
 
 /// Sandboxes whose running state an API request is changing (pause,
@@ -152,7 +162,7 @@ impl Node {
     }
 
     /// One pass: the load and the map brought up to date.
-    pub async fn reconcile(&self) {
+    pub async fn reconcile(self: &Arc<Self>) {
         self.registration.set_load(self.load());
         self.changing.listing();
         let local: Vec<cluster::LocalSandbox> = match self.manager.list() {
@@ -160,6 +170,7 @@ impl Node {
                 .into_iter()
                 .map(|r| cluster::LocalSandbox {
                     running: r.state == SandboxState::Running,
+                    pause_generation: r.pause_generation,
                     team: team_or_default(r.team.as_deref()).to_owned(),
                     id: r.id,
                 })
@@ -178,6 +189,10 @@ impl Node {
                 done.released
             );
         }
+        lock(&self.storing).retain(|id, failed| failed.is_none() || done.unstored.contains(id));
+        for id in done.unstored {
+            self.store_in_background(id);
+        }
         for (id, owner) in done.moved {
             self.drop_copy(&id, &format!("is node {owner}'s now")).await;
         }
@@ -190,6 +205,35 @@ impl Node {
                 tracing::warn!("cluster: sandbox {id}: forgetting its kill: {e}");
             }
         }
+    }
+
+    /// Stores a pause made without the API (at a sandbox's timeout, for
+    /// memory pressure) or whose store failed (the object store was down),
+    /// once at a time per sandbox; a resume meanwhile waits for it.
+    fn store_in_background(self: &Arc<Self>, id: String) {
+        if self.durable.is_none() {
+            return;
+        }
+        {
+            let mut storing = lock(&self.storing);
+            match storing.get(&id) {
+                Some(None) => return,
+                Some(Some(failed)) if failed.elapsed() < STORE_RETRY => return,
+                _ => {}
+            }
+            storing.insert(id.clone(), None);
+        }
+        let node = self.clone();
+        tokio::spawn(async move {
+            let stored = store_and_record(&node, &id).await;
+            let mut storing = lock(&node.storing);
+            if stored {
+                tracing::info!("cluster: sandbox {id}: a pause made without the API is stored");
+                storing.remove(&id);
+            } else {
+                storing.insert(id, Some(Instant::now()));
+            }
+        });
     }
 
     /// Removes this node's copy of a sandbox the cluster no longer gives it
@@ -354,36 +398,37 @@ async fn track(State(node): State<Arc<Node>>, req: Request, next: Next) -> Respo
 /// route; without a store, or if storing fails (with a warning), the pause
 /// stays on this node only. The answer says which in [`DURABLE_HEADER`].
 async fn store_pause(node: &Node, id: &str, mut response: Response) -> Response {
-    let durable = match &node.durable {
-        Some(d) => match d.store_pause(&node.manager, id).await {
-            Ok(pause) => match node.registration.set_paused(id, Some(pause)).await {
-                Ok(true) => true,
-                Ok(false) => {
-                    tracing::warn!(
-                        "cluster: sandbox {id}: stored, but its route is not this node's"
-                    );
-                    false
-                }
-                Err(e) => {
-                    tracing::warn!("cluster: sandbox {id}: recording its stored pause: {e}");
-                    false
-                }
-            },
-            Err(e) => {
-                tracing::warn!(
-                    "cluster: sandbox {id}: its pause is not in the object store ({e}); it stays on this node only"
-                );
-                false
-            }
-        },
-        None => false,
-    };
+    let durable = store_and_record(node, id).await;
     node.registration.set_load(node.load());
     response.headers_mut().insert(
         DURABLE_HEADER,
         axum::http::HeaderValue::from_static(if durable { "true" } else { "false" }),
     );
     response
+}
+
+/// Stores paused sandbox `id` in the object store and records it in its
+/// route: true if both were done; false (with a warning) without a store, or
+/// if either failed, and the pause stays on this node only (the reconciler
+/// tries again).
+async fn store_and_record(node: &Node, id: &str) -> bool {
+    let Some(durable) = &node.durable else {
+        return false;
+    };
+    let record = async |pause| node.registration.set_paused(id, Some(pause)).await;
+    match durable.store_pause(&node.manager, id, record).await {
+        Ok(true) => true,
+        Ok(false) => {
+            tracing::warn!("cluster: sandbox {id}: stored, but its route is not this node's");
+            false
+        }
+        Err(e) => {
+            tracing::warn!(
+                "cluster: sandbox {id}: its pause is not in the object store ({e}); it stays on this node only for now"
+            );
+            false
+        }
+    }
 }
 
 /// Takes paused sandbox `id` in from the object store and moves its route

@@ -38,6 +38,8 @@ pub enum DurableError {
     Store(#[from] cluster::objects::ObjectError),
     #[error(transparent)]
     Sandbox(#[from] SandboxError),
+    #[error("recording it in the cluster: {0}")]
+    Record(#[from] cluster::ClusterError),
     #[error("the pause {0} is not in the object store")]
     NoManifest(String),
     #[error("{0}")]
@@ -102,19 +104,32 @@ impl Durable {
         &self.store
     }
 
-    /// Stores paused sandbox `id`; returns what its route records.
+    /// Stores paused sandbox `id`, then has `record` note the stored pause
+    /// in its route, all while the sandbox is held paused (a resume waits):
+    /// no resume can come between the two and leave a running sandbox's
+    /// route naming a stored pause another node could take in. Returns what
+    /// `record` answered (false: the route is not this node's).
     pub async fn store_pause(
         &self,
         manager: &Manager,
         id: &str,
+        record: impl AsyncFnOnce(DurablePause) -> Result<bool, cluster::ClusterError>,
+    ) -> Result<bool, DurableError> {
+        manager
+            .with_paused_files(id, async |files: &PausedFiles| {
+                let pause = self.store_paused(id, files).await?;
+                Ok(record(pause).await?)
+            })
+            .await?
+    }
+
+    async fn store_paused(
+        &self,
+        id: &str,
+        files: &PausedFiles,
     ) -> Result<DurablePause, DurableError> {
         let started = Instant::now();
-        let stored = manager
-            .with_paused_files(id, async |files: &PausedFiles| {
-                self.store_files(files).await
-            })
-            .await??;
-        let (manifest, sent) = stored;
+        let (manifest, sent) = self.store_files(files).await?;
         let pause = DurablePause {
             manifest: manifest_key(id, manifest.record.pause_generation),
             generation: manifest.record.pause_generation,
