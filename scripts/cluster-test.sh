@@ -3,7 +3,9 @@
 # loopback inside the KVM lab (one lab machine; the nodes' sandboxes are
 # real microVMs, run with --no-network since two nodes on one host would
 # take the same network slot names and ranges). Through the gateway: create,
-# run a command, list, kill; and both nodes registered. A team's sandbox
+# run a command, list, kill; and both nodes registered; the Python SDK's
+# create, command and file tests (control plane through one gateway, envd
+# through the other). A team's sandbox
 # limit holds across both gateways and nodes (made through one, its key
 # through the other; creates racing through both). Then, with an S3
 # server (SeaweedFS's weed, from scripts/deps.sh) as the object store: a
@@ -39,8 +41,10 @@ if [[ ${1:-} != --inside ]]; then
     . target/sandfork.env
     set +a
     mkdir -p "$rw"
-    lab=("$target/debug/sandfork-lab" run --cpus 1 --timeout 900 --rw "$rw" --
-        env "CARGO_TARGET_DIR=$target" "SANDFORK_KERNEL=$SANDFORK_KERNEL"
+    # The unmodified Python SDK (its cache is outside the lab's reach to write).
+    sdk_python=$(scripts/sdk-setup.sh)
+    lab=("$target/debug/sandfork-lab" run --cpus 1 --timeout 1200 --rw "$rw" --
+        env "CARGO_TARGET_DIR=$target" "SANDFORK_KERNEL=$SANDFORK_KERNEL" "SDK_PYTHON=$sdk_python"
         "SANDFORK_ROOTFS=$SANDFORK_ROOTFS"
         "SANDFORK_VMM=${SANDFORK_VMM:-$target/debug/sandfork-vmm}" bash "$root/scripts/cluster-test.sh" --inside)
     if [[ -z ${SANDFORK_LAB_LOCKED:-} ]]; then
@@ -196,6 +200,17 @@ done
 listed=$("$bin" ls)
 ! grep -q "$a" <<<"$listed" || die "$a still listed after its kill"
 log "PASS: create, exec, ls and kill through the gateway on 2 nodes"
+
+# --- the E2B SDK through the gateways -----------------------------------------
+# The unmodified Python SDK's tests of creates, commands and files, unchanged:
+# its control plane through one gateway, its envd traffic through the other,
+# the sandboxes placed over both nodes.
+t0=$SECONDS
+E2B_API_URL=http://127.0.0.1:$gw E2B_SANDBOX_URL=http://127.0.0.1:$gw2 E2B_API_KEY=$SANDFORK_API_KEY \
+    PYTHONDONTWRITEBYTECODE=1 "${SDK_PYTHON:?the host part sets it}" -m pytest -p no:cacheprovider -q -m "not lifecycle" \
+    "$root"/tests/sdk/python/{test_create,test_commands,test_files}.py >"$work/sdk.log" 2>&1 ||
+    { tail -n 40 "$work/sdk.log" >&2; die "the SDK's tests through the gateways failed (log: $work/sdk.log)"; }
+log "PASS: the Python SDK's create, command and file tests through the gateways: $(tail -n 1 "$work/sdk.log") ($((SECONDS - t0)) s)"
 
 # --- a team's limit holds across gateways and nodes --------------------------
 # The team is made through one gateway (so on one node), its key through the

@@ -183,6 +183,7 @@ async fn handle(State(gw): State<Arc<Gateway>>, mut req: Request) -> Response {
     req.headers_mut().remove(crate::cluster::TAKE_IN_HEADER);
     let answer = match proxy::route(req.headers(), req.uri()) {
         Route::Sandbox { id, .. } => gw.to_owner(&id, req, true).await,
+        Route::ControlPlane if proxy::is_envd_path(req.uri().path()) => gw.to_unrouted(req).await,
         Route::ControlPlane => match target(req.method(), req.uri().path()) {
             Target::Health => Ok(StatusCode::NO_CONTENT.into_response()),
             Target::Create => gw.create(req).await,
@@ -445,6 +446,51 @@ impl Gateway {
             }
         }
         last.ok_or_else(|| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no node in the cluster"))
+    }
+
+    /// An envd request that names no sandbox (a signed file URL under
+    /// `E2B_SANDBOX_URL`, an older SDK's request after `connect`): the node
+    /// holding the sandbox its token or signature belongs to answers it;
+    /// when none does, any node gives its own answer (envd's "invalid
+    /// signature").
+    async fn to_unrouted(&self, req: Request) -> Result<Response, ApiError> {
+        let target = req
+            .uri()
+            .path_and_query()
+            .map(|p| p.as_str())
+            .unwrap_or("/");
+        let ask = format!("{}{target}", proxy::UNROUTED_PREFIX);
+        let mut headers = HeaderMap::new();
+        if let Some(token) = req.headers().get("x-access-token") {
+            headers.insert("x-access-token", token.clone());
+        }
+        if let Ok(method) = HeaderValue::from_str(req.method().as_str()) {
+            headers.insert(proxy::UNROUTED_METHOD_HEADER, method);
+        }
+        let uri: Uri = ask
+            .parse()
+            .map_err(|_| ApiError::bad_request("a request target that cannot be forwarded"))?;
+        for node in self.nodes().await? {
+            let question = rebuild(&Method::GET, &uri, &headers, Bytes::new());
+            let answer = match self.forward(&node.api_addr, question).await {
+                Ok(answer) if answer.status() == StatusCode::OK => answer,
+                Ok(_) => continue,
+                Err(e) => {
+                    tracing::warn!("gateway: node {} unreachable: {e}", node.node_id);
+                    continue;
+                }
+            };
+            let body = axum::body::to_bytes(answer.into_body(), 4096)
+                .await
+                .map_err(|e| bad_gateway(&node, e.to_string()))?;
+            let owner = serde_json::from_slice::<serde_json::Value>(&body)
+                .ok()
+                .and_then(|v| v["sandboxID"].as_str().map(str::to_owned));
+            if let Some(id) = owner.filter(|id| crate::ids::is_sandbox_id(id)) {
+                return self.to_owner(&id, req, true).await;
+            }
+        }
+        self.to_any(req).await
     }
 
     async fn to_any(&self, req: Request) -> Result<Response, ApiError> {

@@ -105,7 +105,7 @@ pub fn route(headers: &HeaderMap, uri: &Uri) -> Route {
 
 /// Paths only envd serves (a request for them that names no sandbox is
 /// looked up by its token or URL signature).
-fn is_envd_path(path: &str) -> bool {
+pub fn is_envd_path(path: &str) -> bool {
     path == "/files"
         || path == "/files/compose"
         || path == "/envs"
@@ -202,6 +202,38 @@ pub fn find_unrouted(
             Some(file_signature(path, write, username, tok, expiration).as_str()) == signature
         })
         .map(|(id, _)| id)
+}
+
+/// Where a gateway asks a node which of its sandboxes an envd request that
+/// names none belongs to ([`unrouted_owner`]): this prefix, then the
+/// request's path and query; its method in [`UNROUTED_METHOD_HEADER`], its
+/// `X-Access-Token` as it came.
+pub const UNROUTED_PREFIX: &str = "/v1/unrouted";
+pub const UNROUTED_METHOD_HEADER: &str = "x-sandfork-method";
+
+/// `GET /v1/unrouted/<envd path>?<query>`: 200 `{"sandboxID"}` when a
+/// sandbox here has the request's access token or signed its file URL, else
+/// 404. No API key: the token or signature is the credential, and all it
+/// tells is the id of the sandbox they belong to.
+pub async fn unrouted_owner(State(state): State<Shared>, req: Request) -> Response {
+    let path = req.uri().path().strip_prefix(UNROUTED_PREFIX).unwrap_or("");
+    let target = match req.uri().query() {
+        Some(q) => format!("{path}?{q}"),
+        None => path.to_owned(),
+    };
+    let method = req
+        .headers()
+        .get(UNROUTED_METHOD_HEADER)
+        .and_then(|m| axum::http::Method::from_bytes(m.as_bytes()).ok())
+        .unwrap_or(axum::http::Method::GET);
+    let owner = target
+        .parse::<Uri>()
+        .ok()
+        .and_then(|uri| find_unrouted(req.headers(), &method, &uri, &*state.manager));
+    match owner {
+        Some(id) => axum::Json(serde_json::json!({"sandboxID": id})).into_response(),
+        None => StatusCode::NOT_FOUND.into_response(),
+    }
 }
 
 /// `/files` with a `signature` and no `X-Access-Token`: a signed file URL.

@@ -109,6 +109,10 @@ pub fn router(state: Shared) -> Router {
                 crate::template::e2b_build::MAX_UPLOAD,
             )),
         )
+        .route(
+            &format!("{}/{{*rest}}", crate::proxy::UNROUTED_PREFIX),
+            get(crate::proxy::unrouted_owner),
+        )
         .merge(control)
         .fallback(unknown_route)
         .layer(middleware::from_fn_with_state(
