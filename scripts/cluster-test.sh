@@ -212,6 +212,25 @@ E2B_API_URL=http://127.0.0.1:$gw E2B_SANDBOX_URL=http://127.0.0.1:$gw2 E2B_API_K
     { tail -n 40 "$work/sdk.log" >&2; die "the SDK's tests through the gateways failed (log: $work/sdk.log)"; }
 log "PASS: the Python SDK's create, command and file tests through the gateways: $(tail -n 1 "$work/sdk.log") ($((SECONDS - t0)) s)"
 
+# --- creates per second: one node, then both through a gateway --------------
+# 8 creates at once straight to one node, then 8 through the gateway (placed
+# over both). Both nodes share the lab's one emulated CPU, so this shows what
+# the gateway and placement cost more than how the cluster scales.
+creates_per_s() { # URL: prints creates per second of 8 at once
+    local url=$1 start_us pids=() pid i
+    start_us=${EPOCHREALTIME/./}
+    for i in 1 2 3 4 5 6 7 8; do
+        SANDFORK_API_URL=$url "$bin" create --timeout 300 >"$work/create.$i" &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || die "a create through $url failed"; done
+    python3 -c "print(round(8e6 / (${EPOCHREALTIME/./} - $start_us), 3))"
+    for i in 1 2 3 4 5 6 7 8; do "$bin" rm "$(cat "$work/create.$i")" || die "kill after the creates"; done
+}
+creates_1node=$(creates_per_s "http://127.0.0.1:${ports[0]}")
+creates_cluster=$(creates_per_s "$SANDFORK_API_URL")
+log "creates per second (8 at once): $creates_1node straight to n1, $creates_cluster through the gateway on 2 nodes"
+
 # --- a team's limit holds across gateways and nodes --------------------------
 # The team is made through one gateway (so on one node), its key through the
 # other: both are in etcd, and every node accepts the key.
@@ -442,4 +461,4 @@ stored_after=$((SECONDS - start))
 "$bin" rm "$f" || die "kill $f"
 log "PASS: with the object store down, a pause stayed on its node (durable: false, with a warning), was stored $stored_after s after the store came back, and resumed"
 # Lab figures (emulated: compare them as ratios within one run).
-log "bench: {\"gateway_exec_ms\": $via_gateway_ms, \"direct_exec_ms\": $direct_ms, \"durable_pause_first_ms\": $first_pause_ms, \"durable_pause_again_ms\": $pause_ms, \"same_node_resume_ms\": $same_node_resume_ms, \"cross_node_resume_ms\": $cross_node_resume_ms}"
+log "bench: {\"gateway_exec_ms\": $via_gateway_ms, \"direct_exec_ms\": $direct_ms, \"durable_pause_first_ms\": $first_pause_ms, \"durable_pause_again_ms\": $pause_ms, \"same_node_resume_ms\": $same_node_resume_ms, \"cross_node_resume_ms\": $cross_node_resume_ms, \"cluster_creates_per_s_1node\": $creates_1node, \"cluster_creates_per_s_2nodes\": $creates_cluster}"

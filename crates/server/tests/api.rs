@@ -2006,7 +2006,9 @@ async fn builds_a_restart_interrupted_are_marked_error_and_their_files_go() {
             std::fs::write(t.join(d).join("vm.mem"), b"x").unwrap();
         }
     });
+    // As a start does: the builds recovered, then the collector's pass.
     node.templates.recover().await.unwrap();
+    node.manager.collect_garbage().await.unwrap();
     let store = node.manager.store();
     assert_eq!(
         store.build("done1").unwrap().unwrap().status,

@@ -219,9 +219,11 @@ def test_signed_url_errors_are_envds_texts(sandbox):
     # seconds, so the URL is refused from 1-2 s on by a guest clock that is
     # exact; the agent sets the guest clock at /init to the host's time when
     # it sent /init, so a guest may run behind by that request's latency
-    # (seconds in a loaded lab): allow for it.
-    time.sleep(3.5)
-    r = httpx.get(down, timeout=120)
+    # (seconds in a loaded lab): it must be refused within 15 s.
+    time.sleep(1.5)
+    deadline = time.monotonic() + 15
+    while (r := httpx.get(down, timeout=120)).status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert r.status_code == 401, r.text
     assert r.json()["message"] == "signature is already expired"
     good = sandbox.download_url(f"{BASE}/signed-err.txt")

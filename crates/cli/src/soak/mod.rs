@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, bail};
 use bytes::Bytes;
 use envd_proto::process::{DataEvent, EndEvent, ProcessConfig, ProcessEvent, StartRequest};
+use futures_util::StreamExt;
 use serde_json::{Value, json};
 
 use crate::client::envd::Sandbox;
@@ -140,6 +141,8 @@ impl SoakArgs {
 
 /// Creates at most this long (a loaded or emulated node queues guest loads).
 const CREATE_TIMEOUT: Duration = Duration::from_secs(600);
+/// Setup creates under way at once (see `create_all`).
+const CREATES_AT_ONCE: usize = 8;
 const KILL_TIMEOUT: Duration = Duration::from_secs(60);
 /// The sandboxes outlive the load by this much, so none times out mid-run
 /// and a soak killed without its clean-up leaves nothing for long.
@@ -365,8 +368,10 @@ impl Soak<'_> {
         }
     }
 
-    /// Creates and opens the sandboxes, all at once (the node queues the
-    /// guest loads itself).
+    /// Creates and opens the sandboxes, [`CREATES_AT_ONCE`] at a time: a
+    /// create holds disk room for its memory snapshot until its guest runs,
+    /// so 32 at once ask a node for 32 snapshots' room at once (in the
+    /// lab's `/tmp`, more than it has); the soak is about steady load.
     async fn create_all(&self) -> Option<Vec<Sandbox>> {
         let lifetime = self.bounds.duration + SANDBOX_MARGIN;
         let body = crate::sandboxes::create_body(
@@ -404,7 +409,11 @@ impl Soak<'_> {
                 .map_err(|e| ("open", id, e))
         });
         let mut sandboxes = Vec::new();
-        for result in futures_util::future::join_all(creates).await {
+        let created: Vec<_> = futures_util::stream::iter(creates)
+            .buffered(CREATES_AT_ONCE)
+            .collect()
+            .await;
+        for result in created {
             match result {
                 Ok(sandbox) => sandboxes.push(sandbox),
                 Err((op, id, error)) => self.fail(op, Phase::Setup, &id, error),

@@ -40,7 +40,7 @@ const START_LOG: &str = "/tmp/.sandfork-start.log";
 /// Images need not have bash: commands run under the POSIX shell.
 const SHELL: &str = "/bin/sh";
 /// Prefix of scratch directories under `templates/`.
-pub const SCRATCH_PREFIX: &str = ".build-";
+const SCRATCH_PREFIX: &str = ".build-";
 
 /// What to boot.
 #[derive(Debug, Clone)]

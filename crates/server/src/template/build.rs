@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 
 use vmm_driver::agent_client::AgentClient;
 
-use super::boot::{self, BootSpec, Prepare, SCRATCH_PREFIX};
+use super::boot::{self, BootSpec, Prepare};
 use super::code_interpreter;
 use super::e2b_build::{BUILD_SANDBOX_KEY, E2bState, Failure, StepsPlan};
 use crate::capacity::{Ask, Reservation};
@@ -211,7 +211,9 @@ impl Templates {
 
     /// After a restart: builds still `building` were interrupted (or had
     /// recorded their template just before): marked accordingly, and the
-    /// scratch files and sandboxes of builds left behind removed.
+    /// sandboxes of builds left behind removed (their scratch files are
+    /// the collector's: see
+    /// [`crate::sandbox::Manager::collect_garbage`]).
     pub async fn recover(&self) -> Result<(), SandboxError> {
         let store = self.manager.store();
         // Nothing builds yet: a build's sandbox (adopted, running on for
@@ -250,16 +252,8 @@ impl Templates {
             b.finished_at_ms = Some(now_ms());
             store.put_build(&b)?;
         }
-        // Nothing builds yet: every scratch directory is a leftover.
-        for e in std::fs::read_dir(&templates_dir)
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            if e.file_name().to_string_lossy().starts_with(SCRATCH_PREFIX) {
-                let _ = std::fs::remove_dir_all(e.path());
-            }
-        }
+        // Scratch directories left behind go with the collector's pass at
+        // start: nothing builds yet, so nothing claims them.
         Ok(())
     }
 
