@@ -1511,10 +1511,10 @@ async fn every_vmm_runs_jailed_unprivileged_in_namespaces_of_its_own() {
     let mut both = vec![one.id.clone(), two.id.clone()];
     both.sort();
     assert_eq!(listing(&sandboxes), both, "the host's view");
-    assert_eq!(listing(&inside(&sandboxes)), [one.id.clone()]);
+    assert_eq!(listing(&inside(&sandboxes)), [one.id.as_str()]);
     let other_root = PathBuf::from(format!("/proc/{other_pid}/root"));
     let sandboxes_of_other = other_root.join(sandboxes.strip_prefix("/").unwrap());
-    assert_eq!(listing(&sandboxes_of_other), [two.id.clone()]);
+    assert_eq!(listing(&sandboxes_of_other), [two.id.as_str()]);
     assert_eq!(listing(&inside(&data.path().join("templates"))), ["base"]);
     assert!(listing(&inside(&data.path().join("forks"))).is_empty());
     // The template's files it reads only.
@@ -1589,7 +1589,7 @@ async fn every_vmm_runs_jailed_unprivileged_in_namespaces_of_its_own() {
     let resumed_root = PathBuf::from(format!("/proc/{resumed_pid}/root"));
     assert_eq!(
         listing(&resumed_root.join(sandboxes.strip_prefix("/").unwrap())),
-        [one.id.clone()]
+        [one.id.as_str()]
     );
 }
 
