@@ -26,7 +26,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
-use rustix::fs::{AtFlags, CWD, FileType, Mode, OFlags, ResolveFlags};
+use rustix::fs::{AtFlags, FileType, Mode, OFlags, ResolveFlags};
 use rustix::mount::{MoveMountFlags, OpenTreeFlags};
 
 use super::jail::STAGED_SOURCE;
@@ -73,9 +73,18 @@ pub(crate) fn expose(pid: u32, paths: &[(PathBuf, Access)]) -> io::Result<()> {
         OFlags::RDONLY | OFlags::CLOEXEC,
         Mode::empty(),
     )?;
+    // Its root, by which paths in the jail are resolved: joining the
+    // namespace sets a thread's root to the namespace's first mount, which
+    // is the jail's only when the host's root was mounted at `/` (in the lab
+    // it is not).
+    let root = rustix::fs::open(
+        format!("/proc/{pid}/root"),
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
     std::thread::Builder::new()
         .name("vmm-expose".into())
-        .spawn(move || bind_in(&ns, &trees))?
+        .spawn(move || bind_in(&ns, &root, &trees))?
         .join()
         .map_err(|_| io::Error::other("the thread exposing files to a VMM panicked"))?
 }
@@ -196,7 +205,7 @@ fn set_attributes(tree: &OwnedFd, access: Access) -> io::Result<()> {
 }
 
 /// The thread that joins the VMM's mount namespace: moves `trees` in.
-fn bind_in(ns: &OwnedFd, trees: &[Tree]) -> io::Result<()> {
+fn bind_in(ns: &OwnedFd, root: &OwnedFd, trees: &[Tree]) -> io::Result<()> {
     // SAFETY: only the file-system context (root, working directory,
     // umask) is unshared, not the descriptor table: every thread keeps
     // seeing the same descriptors.
@@ -206,24 +215,20 @@ fn bind_in(ns: &OwnedFd, trees: &[Tree]) -> io::Result<()> {
         Some(rustix::thread::LinkNameSpaceType::Mount),
     )?;
     for tree in trees {
-        place(tree).map_err(|e| with_path(e, "exposing", &tree.path))?;
+        place(root, tree).map_err(|e| with_path(e, "exposing", &tree.path))?;
     }
     Ok(())
 }
 
-/// Binds `tree` at its path in the jail (this thread's mount namespace),
-/// making the directories and the empty file or directory it lands on.
-fn place(tree: &Tree) -> io::Result<()> {
+/// Binds `tree` at its path in the jail whose root is `root` (in this
+/// thread's mount namespace), making the directories and the empty file or
+/// directory it lands on.
+fn place(root: &OwnedFd, tree: &Tree) -> io::Result<()> {
     let no_links = ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS;
     let dir_flags = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC | OFlags::NOFOLLOW;
     // The staged directory itself: a tmpfs the jail was built with.
-    let mut dir = rustix::fs::openat2(
-        CWD,
-        &tree.staged,
-        dir_flags,
-        Mode::empty(),
-        ResolveFlags::NO_SYMLINKS,
-    )?;
+    let staged = tree.staged.strip_prefix("/").map_err(io::Error::other)?;
+    let mut dir = rustix::fs::openat2(root, staged, dir_flags, Mode::empty(), no_links)?;
     let rel = tree
         .path
         .strip_prefix(&tree.staged)
