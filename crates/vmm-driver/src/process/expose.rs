@@ -45,12 +45,24 @@ pub(crate) enum Access {
 /// Paths elsewhere are the jail's fixed binds' business and left alone.
 pub(crate) fn expose(pid: u32, paths: &[(PathBuf, Access)]) -> io::Result<()> {
     let staged = staged_dirs(pid)?;
-    let mut wanted: Vec<(&Path, &Path, Access)> = paths
+    // A disk's chain comes canonical: a staged directory reached through a
+    // link of the host's is found by its target too.
+    let canonical: Vec<Option<PathBuf>> = staged.iter().map(|d| d.canonicalize().ok()).collect();
+    let in_staged = |p: &Path| -> Option<(usize, PathBuf)> {
+        if let Some(i) = staged.iter().position(|d| p.starts_with(d) && p != d) {
+            return Some((i, p.to_owned()));
+        }
+        canonical.iter().enumerate().find_map(|(i, c)| {
+            let rest = p.strip_prefix(c.as_ref()?).ok()?;
+            (!rest.as_os_str().is_empty()).then(|| (i, staged[i].join(rest)))
+        })
+    };
+    let mut wanted: Vec<(&Path, PathBuf, Access)> = paths
         .iter()
         .filter(|(p, _)| p.components().all(|c| !matches!(c, Component::ParentDir)))
         .filter_map(|(p, access)| {
-            let dir = staged.iter().find(|d| p.starts_with(d) && p != *d)?;
-            Some((dir.as_path(), p.as_path(), *access))
+            let (i, path) = in_staged(p)?;
+            Some((staged[i].as_path(), path, *access))
         })
         .collect();
     if wanted.is_empty() {
@@ -58,13 +70,13 @@ pub(crate) fn expose(pid: u32, paths: &[(PathBuf, Access)]) -> io::Result<()> {
     }
     // Directories before what they hold; a path named twice, writable if
     // either asks for it (sorted so, the last of equals is kept).
-    wanted.sort_by_key(|(_, p, access)| (p.components().count(), p.to_path_buf(), *access));
+    wanted.sort_by_key(|(_, p, access)| (p.components().count(), p.clone(), *access));
     wanted.reverse();
     wanted.dedup_by(|a, b| a.1 == b.1);
     wanted.reverse();
     let mut trees = Vec::with_capacity(wanted.len());
     for (dir, path, access) in wanted {
-        if let Some(tree) = Tree::clone_of(dir, path, access)? {
+        if let Some(tree) = Tree::clone_of(dir, &path, access)? {
             trees.push(tree);
         }
     }
@@ -267,8 +279,12 @@ fn place(root: &OwnedFd, tree: &Tree) -> io::Result<()> {
                 )));
             }
         }
+        // (Made meanwhile by a call handing it too: as good.)
         Err(rustix::io::Errno::NOENT) if tree.dir => {
-            rustix::fs::mkdirat(&dir, *name, Mode::from_bits_truncate(0o755))?;
+            match rustix::fs::mkdirat(&dir, *name, Mode::from_bits_truncate(0o755)) {
+                Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+                Err(e) => return Err(e.into()),
+            }
         }
         Err(rustix::io::Errno::NOENT) => {
             rustix::fs::openat(
