@@ -1,7 +1,11 @@
 //! The jail the node's VMMs run in (see `vmm_driver::process::Jail`): what
 //! of the host each VMM sees. Paths are exposed at their own paths, so the
 //! paths the server names in API calls, snapshot state files and disk layer
-//! headers hold inside the jail too.
+//! headers hold inside the jail too. The data directories start empty in
+//! every jail: a VMM sees there only the files and directories the calls it
+//! was sent named (its disk's layers, the snapshot it loads and the memory
+//! files that names, its snapshot and fork destinations), not its
+//! neighbours'.
 
 use std::path::{Path, PathBuf};
 
@@ -42,9 +46,9 @@ pub fn data_dirs(config: &Config) -> [PathBuf; 4] {
     ]
 }
 
-/// The jail of this node's VMMs: the data directories they work in
-/// (writable: what a VMM writes is given to it before the call that names
-/// it), and read-only the directories of the kernels and root images that
+/// The jail of this node's VMMs: the data directories they work in, staged
+/// (each VMM sees in them what it is handed, read-only unless it writes
+/// it, which is given to it before the call that names it), and read-only the directories of the kernels and root images that
 /// templates boot from or stack their layers on (the node's and those its
 /// templates recorded), the build cache's root images and the VMM's shared
 /// libraries.
@@ -70,8 +74,8 @@ pub fn vmm_jail(jail: &JailConfig, config: &Config, store: &Store) -> Jail {
         .or_else(|| std::env::var_os("SANDFORK_CACHE").map(PathBuf::from))
         .unwrap_or_else(|| PathBuf::from("/var/cache/sandfork"));
     read_only.push(absolute(&cache.join("templates")));
-    let writable = data_dirs(config).iter().map(|d| absolute(d)).collect();
-    Jail::new(jail.uid_base, writable, read_only, &config.vmm)
+    let staged = data_dirs(config).iter().map(|d| absolute(d)).collect();
+    Jail::new(jail.uid_base, Vec::new(), read_only, &config.vmm).with_staged(staged)
 }
 
 /// Whether this process may build jails (it must be root); if not, one

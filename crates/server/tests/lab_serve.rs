@@ -21,7 +21,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 #[ignore = "lab: boots microVMs"]
 async fn create_run_read_list_kill_through_one_port() {
     let data = tempfile::tempdir().unwrap();
-    let config = lab_config(data.path(), 2);
+    let mut config = lab_config(data.path(), 2);
+    // Jailed, as `serve` runs its VMMs by default: every call below that
+    // names files (boot, restore, pause, fork, snapshot) hands them to the
+    // VMM's jail.
+    config.jail = Some(server::jail::JailConfig::default());
     let started = Instant::now();
     let node = serve(config).await;
     let (addr, auth, manager) = (node.addr, node.auth(), node.manager.clone());
@@ -1550,6 +1554,39 @@ async fn every_vmm_runs_jailed_unprivileged_in_namespaces_of_its_own() {
     assert!(inside(&dir).join("vsock.sock").exists());
     assert!(!inside(&other_dir).exists(), "a neighbour's directory");
     assert!(inside(&data.path().join("templates")).is_dir());
+    // Of the data directories it sees only what it was handed: its own
+    // sandbox's files and the template it was restored from, not its
+    // neighbour's disk.
+    let listing = |dir: &std::path::Path| -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        names
+    };
+    let sandboxes = data.path().join("sandboxes");
+    let mut both = vec![one.id.clone(), two.id.clone()];
+    both.sort();
+    assert_eq!(listing(&sandboxes), both, "the host's view");
+    assert_eq!(listing(&inside(&sandboxes)), [one.id.as_str()]);
+    let other_root = PathBuf::from(format!("/proc/{other_pid}/root"));
+    let sandboxes_of_other = other_root.join(sandboxes.strip_prefix("/").unwrap());
+    assert_eq!(listing(&sandboxes_of_other), [two.id.as_str()]);
+    assert_eq!(listing(&inside(&data.path().join("templates"))), ["base"]);
+    assert!(listing(&inside(&data.path().join("forks"))).is_empty());
+    // The template's files it reads only.
+    let template_files: Vec<PathBuf> =
+        std::fs::read_dir(inside(&data.path().join("templates/base")))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.is_file())
+            .collect();
+    assert!(!template_files.is_empty());
+    for f in &template_files {
+        let denied = std::fs::OpenOptions::new().write(true).open(f).unwrap_err();
+        assert_eq!(denied.raw_os_error(), Some(30), "{}: {denied}", f.display());
+    }
     assert!(
         !inside(&data.path().join("sandfork.redb")).exists(),
         "the store"
@@ -1607,6 +1644,11 @@ async fn every_vmm_runs_jailed_unprivileged_in_namespaces_of_its_own() {
     assert_ne!(resumed_pid, pid);
     let status = std::fs::read_to_string(format!("/proc/{resumed_pid}/status")).unwrap();
     assert!(status.contains("NoNewPrivs:\t1"), "{status}");
+    let resumed_root = PathBuf::from(format!("/proc/{resumed_pid}/root"));
+    assert_eq!(
+        listing(&resumed_root.join(sandboxes.strip_prefix("/").unwrap())),
+        [one.id.as_str()]
+    );
 }
 
 fn agent_binary() -> PathBuf {

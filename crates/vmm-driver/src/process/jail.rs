@@ -17,11 +17,15 @@
 //! Paths are not translated: every host path the VMM is given (its API and
 //! vsock sockets, kernel, disk layers and the parents they name, memory
 //! files, snapshot and fork destinations) is visible in the jail at the same
-//! path, because the directories holding them are bind-mounted at their own
-//! paths into the jail's otherwise empty root. So the server's API calls,
-//! snapshot state files and layer headers stay valid inside and outside, a
-//! fork child finds its parent's memory file where the parent wrote it, and
-//! an adopting server finds a VMM by the socket path it was started with.
+//! path. So the server's API calls, snapshot state files and layer headers
+//! stay valid inside and outside, a fork child finds its parent's memory
+//! file where the parent wrote it, and an adopting server finds a VMM by the
+//! socket path it was started with. Directories every VMM needs whole (its
+//! own, the kernels') are bind-mounted at their own paths at the start;
+//! the directories holding many VMMs' files ([`Jail::staged`]) start empty,
+//! and each file or directory an API call names is bind-mounted into them
+//! at its own path just before the call (see `expose`), so a VMM sees only
+//! what it was handed, not its neighbours' disks and memory.
 
 use std::ffi::{CString, OsStr};
 use std::fs::File;
@@ -50,6 +54,10 @@ pub struct Jail {
     /// Host files and directories it sees at their own paths, read-only
     /// (kernels, root images, the VMM's shared libraries).
     pub read_only: Vec<PathBuf>,
+    /// Host directories it sees empty (a small tmpfs of root's at each
+    /// path), into which the files it is handed are exposed one by one:
+    /// the directories holding every sandbox's disks and memory files.
+    pub staged: Vec<PathBuf>,
     pub limits: Limits,
 }
 
@@ -90,10 +98,22 @@ impl Jail {
             uid_base,
             writable,
             read_only,
+            staged: Vec::new(),
             limits: Limits::default(),
         }
     }
+
+    /// This jail with `dirs` staged (see [`Jail::staged`]).
+    pub fn with_staged(mut self, dirs: Vec<PathBuf>) -> Jail {
+        self.staged = dirs;
+        self
+    }
 }
+
+/// The source name of the tmpfs at a staged directory: how the exposing
+/// side finds a VMM's staged directories in its mount table (an adopted
+/// VMM's too) without a record of its own.
+pub(crate) const STAGED_SOURCE: &std::ffi::CStr = c"sandfork-staged";
 
 /// The files a dynamically linked `binary` loads at its start: its program
 /// interpreter and libraries, at the paths the loader looks them up by.
@@ -130,11 +150,21 @@ enum Step {
         src: CString,
         dst: CString,
     },
+    /// An empty tmpfs of root's at a staged directory.
+    Staged(CString),
     Device {
         path: CString,
         mode: u32,
         rdev: u64,
     },
+}
+
+/// How a path is exposed when the jail is built.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Writable,
+    ReadOnly,
+    Staged,
 }
 
 /// A bind to remount after `pivot_root` (at its path in the jail) with
@@ -151,6 +181,7 @@ struct Prepared {
     /// An empty directory in it where the jail's root (a tmpfs) is mounted.
     root: CString,
     tmpfs_options: CString,
+    staged_options: CString,
     steps: Vec<Step>,
     proc_dir: CString,
     put_old: CString,
@@ -226,17 +257,24 @@ impl Prepared {
             Ok(())
         };
         // Shallow paths first: a deeper bind lands inside a shallower one.
-        let mut exposed: Vec<(PathBuf, bool)> = std::iter::once((vm_dir.to_owned(), false))
-            .chain(jail.writable.iter().map(|p| (p.clone(), false)))
-            .chain(jail.read_only.iter().map(|p| (p.clone(), true)))
-            .filter(|(p, _)| p.is_absolute() && p.exists())
-            .collect();
+        let mut exposed: Vec<(PathBuf, Kind)> =
+            std::iter::once((vm_dir.to_owned(), Kind::Writable))
+                .chain(jail.writable.iter().map(|p| (p.clone(), Kind::Writable)))
+                .chain(jail.read_only.iter().map(|p| (p.clone(), Kind::ReadOnly)))
+                .chain(jail.staged.iter().map(|p| (p.clone(), Kind::Staged)))
+                .filter(|(p, _)| p.is_absolute() && p.exists())
+                .collect();
         exposed.sort_by(|a, b| {
             (a.0.components().count(), &a.0).cmp(&(b.0.components().count(), &b.0))
         });
         exposed.dedup_by(|a, b| a.0 == b.0);
-        for (path, read_only) in &exposed {
+        for (path, kind) in &exposed {
             let target = under(&root, path);
+            if *kind == Kind::Staged {
+                dirs_to(&mut steps, path)?;
+                steps.push(Step::Staged(cpath(&target)?));
+                continue;
+            }
             if path.is_dir() {
                 dirs_to(&mut steps, path)?;
             } else {
@@ -251,7 +289,7 @@ impl Prepared {
             });
             remounts.push(Remount {
                 path: cpath(path)?,
-                read_only: *read_only,
+                read_only: *kind == Kind::ReadOnly,
             });
         }
         let devices = DEVICES.iter().chain(networked.then_some(&TUN));
@@ -294,6 +332,8 @@ impl Prepared {
         Ok(Prepared {
             vm_dir: cpath(vm_dir)?,
             tmpfs_options: cstring(b"mode=0755,size=1m,nr_inodes=4096")?,
+            // Empty files and directories to bind onto, a few per call.
+            staged_options: cstring(b"mode=0755,size=64k,nr_inodes=65536")?,
             proc_dir: cpath(&under(&root, Path::new("/proc")))?,
             put_old: cpath(&under(&root, Path::new("/old-root")))?,
             old_in_jail: cstring(b"/old-root")?,
@@ -558,6 +598,14 @@ fn enter(p: &Prepared, fds: &Fds) -> Result<std::convert::Infallible, (u8, Errno
                 none,
             )
             .map_err(at(6))?,
+            Step::Staged(path) => nix::mount::mount(
+                Some(STAGED_SOURCE),
+                path.as_c_str(),
+                Some(c"tmpfs"),
+                MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+                Some(p.staged_options.as_c_str()),
+            )
+            .map_err(at(6))?,
             Step::Device { path, mode, rdev } => {
                 nix::sys::stat::mknod(
                     path.as_c_str(),
@@ -736,7 +784,7 @@ mod spawn_tests {
     use super::super::VmmProcess;
     use super::*;
 
-    fn vmm_binary() -> PathBuf {
+    pub(super) fn vmm_binary() -> PathBuf {
         if let Ok(p) = std::env::var("SANDFORK_VMM") {
             return p.into();
         }
@@ -870,5 +918,113 @@ mod spawn_tests {
         }
         drop(vm);
         assert!(!dir.exists());
+    }
+}
+
+/// Root-only: what a jailed VMM sees of its staged directories.
+#[cfg(test)]
+mod staged_tests {
+    use super::super::{Handed, VmmProcess};
+    use super::spawn_tests::vmm_binary;
+    use super::*;
+
+    fn listing(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        names
+    }
+
+    fn mounts(pid: u32) -> usize {
+        std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
+            .unwrap()
+            .lines()
+            .count()
+    }
+
+    #[tokio::test]
+    async fn a_jailed_vmm_sees_only_what_it_is_handed() {
+        if !nix::unistd::geteuid().is_root() || !vmm_binary().exists() {
+            eprintln!("skipped: needs root and {}", vmm_binary().display());
+            return;
+        }
+        let base = tempfile::tempdir().unwrap();
+        // The data dir through a link of the host's: disk chains are read
+        // canonical and must still land at the paths the jail shows.
+        std::fs::create_dir(base.path().join("real")).unwrap();
+        std::os::unix::fs::symlink("real", base.path().join("data")).unwrap();
+        let (sandboxes, templates) = (
+            base.path().join("data/sandboxes"),
+            base.path().join("data/templates"),
+        );
+        let (mine, theirs) = (sandboxes.join("mine"), sandboxes.join("theirs"));
+        for d in [&mine, &theirs, &templates.join("t"), &mine.join("out")] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        std::fs::write(theirs.join("mem"), "a neighbour's memory").unwrap();
+        std::fs::write(mine.join("other"), "not handed").unwrap();
+        let rootfs = templates.join("t/rootfs.img");
+        std::fs::write(&rootfs, vec![0u8; 1 << 20]).unwrap();
+        let top = mine.join("root.layer");
+        drop(disk_layers::LayeredDisk::create(&rootfs, &top).unwrap());
+        std::os::unix::fs::symlink("/etc/passwd", mine.join("out/link")).unwrap();
+
+        let jail = Jail::new(1_000_000_000, vec![], vec![], &vmm_binary())
+            .with_staged(vec![sandboxes.clone(), templates.clone()]);
+        let dir = base.path().join("vm");
+        let vm = VmmProcess::spawn_jailed(&vmm_binary(), dir.clone(), None, &jail)
+            .await
+            .unwrap();
+        let pid = vm.pid();
+        let root = PathBuf::from(format!("/proc/{pid}/root"));
+        let inside = |p: &Path| under(&root, p);
+        // Empty until something is handed.
+        assert!(listing(&inside(&sandboxes)).is_empty());
+        assert!(listing(&inside(&templates)).is_empty());
+        // Nothing of them was written on the host's side.
+        assert_eq!(listing(&sandboxes), ["mine", "theirs"]);
+
+        let handed = || Handed::default().disk(&top, true).write(mine.join("out"));
+        let t = std::time::Instant::now();
+        vm.give(handed()).await.unwrap();
+        eprintln!(
+            "a disk of two layers and a directory handed in {:?}",
+            t.elapsed()
+        );
+        assert_eq!(listing(&inside(&sandboxes)), ["mine"]);
+        assert_eq!(listing(&inside(&mine)), ["out", "root.layer"]);
+        assert_eq!(listing(&inside(&templates)), ["t"]);
+        assert_eq!(listing(&inside(&templates.join("t"))), ["rootfs.img"]);
+        // Its top layer and destination are its own and writable; the
+        // parent layer it only reads.
+        let id = 1_000_000_000 + pid;
+        assert_eq!(std::fs::metadata(&top).unwrap().uid(), id);
+        let write = |p: &Path| std::fs::OpenOptions::new().write(true).open(p);
+        assert!(write(&inside(&top)).is_ok());
+        let denied = write(&inside(&rootfs)).unwrap_err();
+        assert_eq!(denied.raw_os_error(), Some(libc::EROFS), "{denied}");
+        std::fs::write(inside(&mine.join("out/written")), "by the VMM").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(mine.join("out/written")).unwrap(),
+            "by the VMM"
+        );
+        // Handing the same again binds nothing more.
+        let before = mounts(pid);
+        vm.give(handed()).await.unwrap();
+        assert_eq!(mounts(pid), before);
+        // A link planted in a directory it writes leads nowhere.
+        let planted = vm.give(Handed::default().read(mine.join("out/link"))).await;
+        assert!(planted.is_err());
+        assert!(!inside(Path::new("/etc/passwd")).exists());
+
+        // The host saw no mount: the binds live in the VMM's namespace.
+        let host = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        assert!(!host.contains(STAGED_SOURCE.to_str().unwrap()));
+        assert!(!host.contains(base.path().to_str().unwrap()), "{host}");
+        drop(vm);
+        assert!(!dir.exists());
+        assert!(top.exists() && rootfs.exists() && theirs.join("mem").exists());
     }
 }

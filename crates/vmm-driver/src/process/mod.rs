@@ -4,6 +4,7 @@
 
 pub mod diagnostics;
 mod exit;
+mod expose;
 mod identity;
 mod jail;
 pub mod kvm_trace;
@@ -14,6 +15,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 pub use exit::ExitWatch;
+use expose::Access;
 pub use identity::ProcessIdentity;
 pub use jail::{Jail, Limits as JailLimits};
 
@@ -168,7 +170,7 @@ pub struct VmmProcess {
     /// Set by [`VmmProcess::release`]: dropping leaves process and directory.
     released: bool,
     /// The uid and gid of a jailed VMM: the files and directories it is
-    /// given to write become its own (see [`VmmProcess::grant`]).
+    /// given to write become its own (see [`VmmProcess::give`]).
     owner: Option<(u32, u32)>,
 }
 
@@ -430,24 +432,37 @@ impl VmmProcess {
         self.owner
     }
 
-    /// Makes `paths` (files it writes, directories it creates files in)
-    /// the jailed VMM's own before an API call that names them: it runs
-    /// with no capability to write the server's files. Missing paths are
-    /// skipped (the VMM creates them); nothing happens for an unjailed VMM.
-    fn grant<'a>(&self, paths: impl IntoIterator<Item = &'a Path>) -> Result<(), ProcessError> {
+    /// Hands a jailed VMM what an API call names, before the call: the
+    /// paths it writes (files, directories it creates files in) become its
+    /// own, as it runs with no capability to write the server's files, and
+    /// every path is exposed into its jail (see [`Jail::staged`]). Missing
+    /// paths are skipped (the VMM creates them); nothing happens for an
+    /// unjailed VMM.
+    async fn give(&self, handed: Handed) -> Result<(), ProcessError> {
         let Some((uid, gid)) = self.owner else {
             return Ok(());
         };
-        for path in paths {
-            match std::os::unix::fs::chown(path, Some(uid), Some(gid)) {
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                r => r.map_err(|source| ProcessError::Io {
-                    what: "giving the jailed VMM a path it writes",
-                    source,
-                })?,
+        let pid = self.pid();
+        let given = tokio::task::spawn_blocking(move || {
+            let paths = handed.resolve();
+            for (path, _) in paths.iter().filter(|(_, a)| *a == Access::Write) {
+                match std::os::unix::fs::chown(path, Some(uid), Some(gid)) {
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    r => r.map_err(|source| ProcessError::Io {
+                        what: "giving the jailed VMM a path it writes",
+                        source,
+                    })?,
+                }
             }
-        }
-        Ok(())
+            expose::expose(pid, &paths).map_err(|source| ProcessError::Io {
+                what: "exposing files to the jailed VMM",
+                source,
+            })
+        });
+        given.await.map_err(|e| ProcessError::Io {
+            what: "a blocking task",
+            source: std::io::Error::other(e.to_string()),
+        })?
     }
 
     pub fn vsock_path(&self) -> PathBuf {
@@ -502,13 +517,11 @@ impl VmmProcess {
 
     /// Configures the guest without starting it.
     pub async fn configure(&self, guest: &GuestSpec) -> Result<(), ProcessError> {
-        self.grant(
-            guest
-                .drives
-                .iter()
-                .filter(|d| d.is_read_only != Some(true))
-                .map(|d| Path::new(&d.path_on_host)),
-        )?;
+        let mut handed = Handed::default().read(&guest.kernel);
+        for d in &guest.drives {
+            handed = handed.disk(&d.path_on_host, d.is_read_only != Some(true));
+        }
+        self.give(handed).await?;
         self.api
             .put_machine_config(&MachineConfig::new(guest.vcpus, guest.mem_mib))
             .await?;
@@ -548,12 +561,12 @@ impl VmmProcess {
         state: &Path,
         mem: &Path,
     ) -> Result<(), ProcessError> {
-        self.grant(
-            [state, mem]
-                .into_iter()
-                .chain(state.parent())
-                .chain(mem.parent()),
-        )?;
+        let handed = [state.parent(), mem.parent()]
+            .into_iter()
+            .flatten()
+            .chain([state, mem])
+            .fold(Handed::default(), Handed::write);
+        self.give(handed).await?;
         self.api.pause().await?;
         self.api
             .create_snapshot(&SnapshotCreateParams {
@@ -599,7 +612,14 @@ impl VmmProcess {
         params.drive_overrides = plan.drives.clone();
         params.prefetch_path = plan.prefetch.as_ref().map(|p| p.display().to_string());
         // A restored guest writes the disks it runs on (its own layers).
-        self.grant(plan.drives.iter().map(|d| Path::new(&d.path_on_host)))?;
+        let mut handed = Handed::default().snapshot(&plan.state).read(&plan.mem);
+        for d in &plan.drives {
+            handed = handed.disk(&d.path_on_host, true);
+        }
+        if let Some(prefetch) = &plan.prefetch {
+            handed = handed.read(prefetch);
+        }
+        self.give(handed).await?;
         self.api.load_snapshot(&params).await?;
         Ok(())
     }
@@ -622,12 +642,15 @@ impl VmmProcess {
             Path::new(&params.snapshot_path),
             Path::new(&params.mem_file_path),
         );
-        self.grant(
-            [Path::new(&params.disk_dir)]
-                .into_iter()
-                .chain(state.parent())
-                .chain(mem.parent()),
-        )?;
+        let handed = [
+            Some(Path::new(&params.disk_dir)),
+            state.parent(),
+            mem.parent(),
+        ]
+        .into_iter()
+        .flatten()
+        .fold(Handed::default(), Handed::write);
+        self.give(handed).await?;
         let api = self
             .api
             .clone()
@@ -831,6 +854,80 @@ impl VmmProcess {
             // Its parent (init or a subreaper) reaps it.
             Process::Adopted(id) => id.kill(),
         }
+    }
+}
+
+/// What an API call hands a jailed VMM (see [`VmmProcess::give`]).
+#[derive(Default)]
+struct Handed {
+    items: Vec<Item>,
+}
+
+enum Item {
+    /// A file or directory, as is.
+    Path(PathBuf, Access),
+    /// A disk: its top layer, and read-only every layer below it (the VMM
+    /// opens them by the paths their headers record).
+    Disk(PathBuf, Access),
+    /// A snapshot's state file, read-only with the memory files it maps
+    /// (a snapshot's memory may stack on its template's files).
+    Snapshot(PathBuf),
+}
+
+impl Handed {
+    fn read(mut self, path: impl AsRef<Path>) -> Handed {
+        let path = path.as_ref().to_owned();
+        self.items.push(Item::Path(path, Access::Read));
+        self
+    }
+
+    fn write(mut self, path: impl AsRef<Path>) -> Handed {
+        let path = path.as_ref().to_owned();
+        self.items.push(Item::Path(path, Access::Write));
+        self
+    }
+
+    fn disk(mut self, top: impl AsRef<Path>, writable: bool) -> Handed {
+        let access = if writable {
+            Access::Write
+        } else {
+            Access::Read
+        };
+        self.items.push(Item::Disk(top.as_ref().to_owned(), access));
+        self
+    }
+
+    fn snapshot(mut self, state: impl AsRef<Path>) -> Handed {
+        self.items.push(Item::Snapshot(state.as_ref().to_owned()));
+        self
+    }
+
+    /// Every path handed: disks' chains and the memory files of state files
+    /// read from their headers. One that cannot be read is handed alone:
+    /// the VMM reports what it misses.
+    fn resolve(self) -> Vec<(PathBuf, Access)> {
+        let mut out = Vec::new();
+        for item in self.items {
+            match item {
+                Item::Path(path, access) => out.push((path, access)),
+                Item::Disk(top, access) => {
+                    if let Ok(true) = disk_layers::is_layer(&top)
+                        && let Ok(chain) = disk_layers::chain_files(&top)
+                    {
+                        let below = chain.into_iter().skip(1);
+                        out.extend(below.map(|p| (p, Access::Read)));
+                    }
+                    out.push((top, access));
+                }
+                Item::Snapshot(state) => {
+                    if let Ok(files) = crate::snapshot_state::memory_files(&state) {
+                        out.extend(files.into_iter().map(|p| (p, Access::Read)));
+                    }
+                    out.push((state, Access::Read));
+                }
+            }
+        }
+        out
     }
 }
 
