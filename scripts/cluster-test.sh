@@ -225,7 +225,7 @@ creates_per_s() { # URL: prints creates per second of 8 at once
     done
     for pid in "${pids[@]}"; do wait "$pid" || die "a create through $url failed"; done
     python3 -c "print(round(8e6 / (${EPOCHREALTIME/./} - $start_us), 3))"
-    for i in 1 2 3 4 5 6 7 8; do "$bin" rm "$(cat "$work/create.$i")" || die "kill after the creates"; done
+    for i in 1 2 3 4 5 6 7 8; do "$bin" rm "$(cat "$work/create.$i")" >/dev/null || die "kill after the creates"; done
 }
 creates_1node=$(creates_per_s "http://127.0.0.1:${ports[0]}")
 creates_cluster=$(creates_per_s "$SANDFORK_API_URL")
