@@ -30,19 +30,51 @@ pub struct Mapping {
     pub offset: u64,
 }
 
-/// The mappings of `path` in a `maps` text (the path is the line's last
-/// field; a deleted file's ` (deleted)` suffix does not match).
-pub fn mappings_of(maps: &str, path: &Path) -> Vec<Mapping> {
-    let want = path.as_os_str().to_string_lossy();
+/// A file as `maps` names it: its device (major, minor) and inode. Not its
+/// path: a process in another mount namespace (a jailed VMM, whose root is
+/// its own) shows the path as its namespace has it, which need not be the
+/// reader's (measured in the lab: `/host/tmp/...` for the node's `/tmp/...`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileId {
+    pub major: u64,
+    pub minor: u64,
+    pub inode: u64,
+}
+
+impl FileId {
+    pub fn of(path: &Path) -> io::Result<FileId> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(path)?;
+        let dev = meta.dev();
+        // Linux's encoding of a device number (glibc's gnu_dev_major/minor).
+        Ok(FileId {
+            major: ((dev >> 32) & 0xffff_f000) | ((dev >> 8) & 0xfff),
+            minor: ((dev >> 12) & 0xffff_ff00) | (dev & 0xff),
+            inode: meta.ino(),
+        })
+    }
+
+    /// From a `maps` line's device (`major:minor`, hex) and inode fields.
+    fn parse(dev: &str, inode: &str) -> Option<FileId> {
+        let (major, minor) = dev.split_once(':')?;
+        Some(FileId {
+            major: u64::from_str_radix(major, 16).ok()?,
+            minor: u64::from_str_radix(minor, 16).ok()?,
+            inode: inode.parse().ok()?,
+        })
+    }
+}
+
+/// The mappings of file `file` in a `maps` text.
+pub fn mappings_of(maps: &str, file: FileId) -> Vec<Mapping> {
     maps.lines()
         .filter_map(|line| {
-            let mut fields = line.splitn(6, ' ');
+            let mut fields = line.split_ascii_whitespace();
             let range = fields.next()?;
             let _perms = fields.next()?;
             let offset = fields.next()?;
-            let (_dev, _inode) = (fields.next()?, fields.next()?);
-            let name = fields.next()?.trim_start();
-            if name != want {
+            let (dev, inode) = (fields.next()?, fields.next()?);
+            if FileId::parse(dev, inode)? != file {
                 return None;
             }
             let (start, end) = range.split_once('-')?;
@@ -68,10 +100,11 @@ pub struct Resident {
 
 /// The pages of file `path` that process `pid` has in its mappings of it.
 pub fn resident_file_ranges(pid: u32, path: &Path) -> io::Result<Resident> {
+    let file = FileId::of(path)?;
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
     let pagemap = File::open(format!("/proc/{pid}/pagemap"))?;
     let mut resident = Resident::default();
-    for m in mappings_of(&maps, path) {
+    for m in mappings_of(&maps, file) {
         present_pages(&pagemap, m, &mut resident)?;
     }
     resident.present.sort_unstable();
@@ -165,19 +198,33 @@ mod tests {
     use super::*;
 
     #[test]
-    fn mappings_of_a_file_are_found_by_its_path() {
+    fn mappings_of_a_file_are_found_by_its_device_and_inode() {
         let maps = "55d1faaa7000-55d1faaa9000 r--p 00000000 fe:00 247030                     /usr/bin/cat\n\
-                    7f0000000000-7f0010000000 rw-p 00200000 00:2a 99   /data/templates/base/vm mem\n\
+                    7f0000000000-7f0010000000 rw-p 00200000 00:2a 99   /host/data/templates/base/vm mem\n\
                     7f0020000000-7f0020001000 rw-p 00000000 00:00 0 \n";
+        let mem = FileId {
+            major: 0,
+            minor: 0x2a,
+            inode: 99,
+        };
         assert_eq!(
-            mappings_of(maps, Path::new("/data/templates/base/vm mem")),
+            mappings_of(maps, mem),
             vec![Mapping {
                 start: 0x7f00_0000_0000,
                 end: 0x7f00_1000_0000,
                 offset: 0x20_0000
             }]
         );
-        assert!(mappings_of(maps, Path::new("/usr/bin/ca")).is_empty());
+        let other = FileId { inode: 98, ..mem };
+        assert!(mappings_of(maps, other).is_empty());
+    }
+
+    #[test]
+    fn a_file_is_known_by_the_device_and_inode_maps_gives() {
+        let path = std::env::current_exe().unwrap();
+        let me = FileId::of(&path).unwrap();
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        assert!(!mappings_of(&maps, me).is_empty(), "{me:?} not in {maps}");
     }
 
     #[test]

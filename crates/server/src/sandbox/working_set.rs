@@ -114,7 +114,15 @@ fn write(pid: u32, mem: &Path, dir: &Path) -> Result<(usize, u64, u64), String> 
     let resident =
         host_mem::resident::resident_file_ranges(pid, mem).map_err(|e| format!("reading: {e}"))?;
     if resident.present.is_empty() {
-        return Err(format!("no page of {} is mapped", mem.display()));
+        // What the VMM maps by that name, to tell a path mismatch from pages
+        // not (yet) mapped.
+        let name = mem.file_name().unwrap_or_default().to_string_lossy();
+        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+        let similar: Vec<&str> = maps.lines().filter(|l| l.contains(&*name)).collect();
+        return Err(format!(
+            "no page of {} is mapped (its mappings by that name: {similar:?})",
+            mem.display()
+        ));
     }
     let set = vmm_api::WorkingSet {
         present: resident.present,
