@@ -75,9 +75,11 @@ pub async fn boot_to_agent(
 }
 
 /// Waits for a restored guest's agent and initialises it (clock, entropy),
-/// as every restore or fork must before the guest serves anything.
+/// as every restore or fork must before the guest serves anything. The
+/// init is the readiness probe, as the node's creates have it: one vsock
+/// connection where a health poll and then an init took two.
 pub async fn ready_after_restore(vm: &mut VmmProcess, timeout: Duration) -> Result<()> {
-    vm.wait_for_agent(timeout).await?;
-    vm.agent().init(&AgentInit::after_restore()?).await?;
+    vm.init_agent(&AgentInit::after_restore()?, None, timeout)
+        .await?;
     Ok(())
 }

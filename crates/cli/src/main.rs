@@ -146,6 +146,10 @@ enum Command {
         /// networking); set RUST_LOG=debug for each launch's timings.
         #[arg(long, value_name = "DIR")]
         keep_logs: Option<PathBuf>,
+        /// Only these parts of the VMM figures, comma-separated (for the
+        /// reference too, where it has them) [default: all].
+        #[arg(long, value_enum, value_delimiter = ',', value_name = "LIST")]
+        vmm_parts: Vec<bench::VmmPart>,
     },
     /// Boot, restore, fork and run two VMs at once, many times, each bounded;
     /// count failures and hangs, with diagnostics for each. One JSON object
@@ -365,6 +369,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             rl_budget,
             timeout,
             keep_logs,
+            vmm_parts,
         } => {
             if runs == 0 || sdk_runs == 0 {
                 bail!("--runs and --sdk-runs must be at least 1");
@@ -424,7 +429,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 vmm_figures: vmm_part.then_some(bench::VmmFigures {
                     runs,
                     firecracker: firecracker.as_deref(),
-                    net: true,
+                    parts: if vmm_parts.is_empty() {
+                        bench::VmmPart::ALL
+                    } else {
+                        &vmm_parts
+                    },
                 }),
                 sdk: sdk_python.as_deref().map(|python| bench::sdk::SdkBench {
                     python,

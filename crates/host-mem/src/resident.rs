@@ -3,7 +3,9 @@
 //! `/proc/<pid>/maps` and `/proc/<pid>/pagemap`. For a VMM restored from a
 //! memory file, these are the guest pages its vCPUs and devices reached: its
 //! working set (read pages map the page cache, written ones a private copy;
-//! both are present).
+//! both are present, and the written ones are told apart: a restore can then
+//! populate them for writing, since a page populated for reading still
+//! takes a copy-on-write fault when the guest writes it).
 
 use std::fs::File;
 use std::io;
@@ -14,6 +16,8 @@ const PAGE_SIZE: u64 = 4096;
 const ENTRY_SIZE: u64 = 8;
 const PRESENT: u64 = 1 << 63;
 const SWAPPED: u64 = 1 << 62;
+/// A page-cache (or shared) page: absent on a private copy.
+const FILE_OR_SHARED: u64 = 1 << 61;
 /// Entries read per pagemap read (512 KiB of entries: 256 MiB of memory).
 const ENTRIES_PER_READ: u64 = 64 * 1024;
 
@@ -26,19 +30,51 @@ pub struct Mapping {
     pub offset: u64,
 }
 
-/// The mappings of `path` in a `maps` text (the path is the line's last
-/// field; a deleted file's ` (deleted)` suffix does not match).
-pub fn mappings_of(maps: &str, path: &Path) -> Vec<Mapping> {
-    let want = path.as_os_str().to_string_lossy();
+/// A file as `maps` names it: its device (major, minor) and inode. Not its
+/// path: a process in another mount namespace (a jailed VMM, whose root is
+/// its own) shows the path as its namespace has it, which need not be the
+/// reader's (measured in the lab: `/host/tmp/...` for the node's `/tmp/...`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileId {
+    pub major: u64,
+    pub minor: u64,
+    pub inode: u64,
+}
+
+impl FileId {
+    pub fn of(path: &Path) -> io::Result<FileId> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(path)?;
+        let dev = meta.dev();
+        // Linux's encoding of a device number (glibc's gnu_dev_major/minor).
+        Ok(FileId {
+            major: ((dev >> 32) & 0xffff_f000) | ((dev >> 8) & 0xfff),
+            minor: ((dev >> 12) & 0xffff_ff00) | (dev & 0xff),
+            inode: meta.ino(),
+        })
+    }
+
+    /// From a `maps` line's device (`major:minor`, hex) and inode fields.
+    fn parse(dev: &str, inode: &str) -> Option<FileId> {
+        let (major, minor) = dev.split_once(':')?;
+        Some(FileId {
+            major: u64::from_str_radix(major, 16).ok()?,
+            minor: u64::from_str_radix(minor, 16).ok()?,
+            inode: inode.parse().ok()?,
+        })
+    }
+}
+
+/// The mappings of file `file` in a `maps` text.
+pub fn mappings_of(maps: &str, file: FileId) -> Vec<Mapping> {
     maps.lines()
         .filter_map(|line| {
-            let mut fields = line.splitn(6, ' ');
+            let mut fields = line.split_ascii_whitespace();
             let range = fields.next()?;
             let _perms = fields.next()?;
             let offset = fields.next()?;
-            let (_dev, _inode) = (fields.next()?, fields.next()?);
-            let name = fields.next()?.trim_start();
-            if name != want {
+            let (dev, inode) = (fields.next()?, fields.next()?);
+            if FileId::parse(dev, inode)? != file {
                 return None;
             }
             let (start, end) = range.split_once('-')?;
@@ -51,21 +87,44 @@ pub fn mappings_of(maps: &str, path: &Path) -> Vec<Mapping> {
         .collect()
 }
 
-/// The byte ranges `[start, end)` of file `path` whose pages process `pid`
-/// has present (or swapped) in its mappings of the file, sorted and merged.
-pub fn resident_file_ranges(pid: u32, path: &Path) -> io::Result<Vec<(u64, u64)>> {
+/// The pages of a file a process has in its mappings of it: byte ranges
+/// `[start, end)` of the file, sorted and merged.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Resident {
+    /// Every page present (or swapped).
+    pub present: Vec<(u64, u64)>,
+    /// Those of them that are private copies: pages the process wrote
+    /// through a private mapping.
+    pub written: Vec<(u64, u64)>,
+}
+
+/// The pages of file `path` that process `pid` has in its mappings of it.
+pub fn resident_file_ranges(pid: u32, path: &Path) -> io::Result<Resident> {
+    let file = FileId::of(path)?;
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
     let pagemap = File::open(format!("/proc/{pid}/pagemap"))?;
-    let mut ranges = Vec::new();
-    for m in mappings_of(&maps, path) {
-        present_pages(&pagemap, m, &mut ranges)?;
+    let mut resident = Resident::default();
+    for m in mappings_of(&maps, file) {
+        present_pages(&pagemap, m, &mut resident)?;
     }
-    ranges.sort_unstable();
-    Ok(merge(ranges))
+    resident.present.sort_unstable();
+    resident.written.sort_unstable();
+    Ok(Resident {
+        present: merge(resident.present),
+        written: merge(resident.written),
+    })
+}
+
+/// Appends `start`'s page to `ranges`, joining it to the last range.
+fn push_page(ranges: &mut Vec<(u64, u64)>, start: u64) {
+    match ranges.last_mut() {
+        Some(last) if last.1 == start => last.1 = start + PAGE_SIZE,
+        _ => ranges.push((start, start + PAGE_SIZE)),
+    }
 }
 
 /// Appends the file ranges of `m`'s present pages.
-fn present_pages(pagemap: &File, m: Mapping, out: &mut Vec<(u64, u64)>) -> io::Result<()> {
+fn present_pages(pagemap: &File, m: Mapping, out: &mut Resident) -> io::Result<()> {
     let first = m.start / PAGE_SIZE;
     let pages = (m.end - m.start) / PAGE_SIZE;
     let mut buf = vec![0u8; (ENTRIES_PER_READ * ENTRY_SIZE) as usize];
@@ -80,9 +139,11 @@ fn present_pages(pagemap: &File, m: Mapping, out: &mut Vec<(u64, u64)>) -> io::R
                 continue;
             }
             let start = m.offset + (page + i as u64) * PAGE_SIZE;
-            match out.last_mut() {
-                Some(last) if last.1 == start => last.1 = start + PAGE_SIZE,
-                _ => out.push((start, start + PAGE_SIZE)),
+            push_page(&mut out.present, start);
+            // A swapped page of a private file mapping is a private copy:
+            // page-cache pages are dropped, not swapped.
+            if entry & SWAPPED != 0 || entry & FILE_OR_SHARED == 0 {
+                push_page(&mut out.written, start);
             }
         }
         page += count;
@@ -137,19 +198,33 @@ mod tests {
     use super::*;
 
     #[test]
-    fn mappings_of_a_file_are_found_by_its_path() {
+    fn mappings_of_a_file_are_found_by_its_device_and_inode() {
         let maps = "55d1faaa7000-55d1faaa9000 r--p 00000000 fe:00 247030                     /usr/bin/cat\n\
-                    7f0000000000-7f0010000000 rw-p 00200000 00:2a 99   /data/templates/base/vm mem\n\
+                    7f0000000000-7f0010000000 rw-p 00200000 00:2a 99   /host/data/templates/base/vm mem\n\
                     7f0020000000-7f0020001000 rw-p 00000000 00:00 0 \n";
+        let mem = FileId {
+            major: 0,
+            minor: 0x2a,
+            inode: 99,
+        };
         assert_eq!(
-            mappings_of(maps, Path::new("/data/templates/base/vm mem")),
+            mappings_of(maps, mem),
             vec![Mapping {
                 start: 0x7f00_0000_0000,
                 end: 0x7f00_1000_0000,
                 offset: 0x20_0000
             }]
         );
-        assert!(mappings_of(maps, Path::new("/usr/bin/ca")).is_empty());
+        let other = FileId { inode: 98, ..mem };
+        assert!(mappings_of(maps, other).is_empty());
+    }
+
+    #[test]
+    fn a_file_is_known_by_the_device_and_inode_maps_gives() {
+        let path = std::env::current_exe().unwrap();
+        let me = FileId::of(&path).unwrap();
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        assert!(!mappings_of(&maps, me).is_empty(), "{me:?} not in {maps}");
     }
 
     #[test]
@@ -160,13 +235,13 @@ mod tests {
         let mut file = File::create(&path).unwrap();
         file.write_all(&[7u8; 16 * 4096]).unwrap();
         let file = File::open(&path).unwrap();
-        // SAFETY: a fresh private read-only mapping of a file we own,
+        // SAFETY: a fresh private mapping of a file we own,
         // checked for failure, unmapped below.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 16 * 4096,
-                libc::PROT_READ,
+                libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE,
                 file.as_raw_fd(),
                 0,
@@ -179,10 +254,12 @@ mod tests {
             std::ptr::read_volatile(p.add(4096));
             std::ptr::read_volatile(p.add(2 * 4096 + 5));
             std::ptr::read_volatile(p.add(9 * 4096));
+            std::ptr::write_volatile(p.add(12 * 4096 + 7), 1);
         }
-        let ranges = resident_file_ranges(std::process::id(), &path).unwrap();
+        let resident = resident_file_ranges(std::process::id(), &path).unwrap();
+        let ranges = &resident.present;
         // Readahead may map neighbours too; the touched pages are in.
-        for page in [1u64, 2, 9] {
+        for page in [1u64, 2, 9, 12] {
             let at = page * 4096;
             assert!(
                 ranges.iter().any(|(s, e)| *s <= at && at < *e),
@@ -190,6 +267,8 @@ mod tests {
             );
         }
         assert!(ranges.iter().all(|(s, e)| s < e && *e <= 16 * 4096));
+        // Only the written page is a private copy.
+        assert_eq!(resident.written, vec![(12 * 4096, 13 * 4096)]);
         // SAFETY: the mapping made above, used no more.
         unsafe { libc::munmap(p.cast(), 16 * 4096) };
         std::fs::remove_dir_all(&dir).unwrap();

@@ -40,7 +40,7 @@ pub use machine_config::{
 pub use network_interface::{NetworkInterface, parse_mac};
 pub use snapshot::{
     MemBackend, MemBackendType, NetworkOverride, SnapshotCreateParams, SnapshotLoadParams,
-    SnapshotType, VsockOverride,
+    SnapshotType, VsockOverride, WorkingSet,
 };
 pub use validation::{ValidationError, validate_resource_id};
 pub use vcpus::{VcpuPhase, VcpuReport};

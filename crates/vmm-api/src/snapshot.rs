@@ -94,10 +94,47 @@ pub struct SnapshotLoadParams {
     pub drive_overrides: Vec<DriveOverride>,
     #[serde(default, skip_serializing_if = "is_false")]
     pub clock_realtime: bool,
-    /// sandfork extension: a working-set file (a JSON array of `[start,
-    /// end)` flat memory ranges) populated in the background after the load.
+    /// sandfork extension: a working-set file ([`WorkingSet`]) populated in
+    /// the background after the load.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefetch_path: Option<String>,
+}
+
+/// A working-set file (`prefetch_path`): `[start, end)` flat memory ranges
+/// a restore populates. Written as an object; a plain array of ranges (the
+/// first format) is read as `present` alone.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "WorkingSetFile")]
+pub struct WorkingSet {
+    /// Every page the recorded sandbox had mapped: populated for reading.
+    pub present: Vec<(u64, u64)>,
+    /// Those it wrote: populated for writing (copied at once), since a page
+    /// populated for reading still faults when the guest first writes it.
+    #[serde(default)]
+    pub written: Vec<(u64, u64)>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum WorkingSetFile {
+    Ranges(Vec<(u64, u64)>),
+    Split {
+        present: Vec<(u64, u64)>,
+        #[serde(default)]
+        written: Vec<(u64, u64)>,
+    },
+}
+
+impl From<WorkingSetFile> for WorkingSet {
+    fn from(file: WorkingSetFile) -> Self {
+        match file {
+            WorkingSetFile::Ranges(present) => WorkingSet {
+                present,
+                written: Vec::new(),
+            },
+            WorkingSetFile::Split { present, written } => WorkingSet { present, written },
+        }
+    }
 }
 
 fn is_false(b: &bool) -> bool {
@@ -191,6 +228,20 @@ impl SnapshotLoadParams {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn working_sets_are_read_in_both_formats() {
+        let old: WorkingSet = serde_json::from_str("[[0, 4096], [8192, 16384]]").unwrap();
+        assert_eq!(old.present, vec![(0, 4096), (8192, 16384)]);
+        assert!(old.written.is_empty());
+        let set = WorkingSet {
+            present: vec![(0, 8192)],
+            written: vec![(4096, 8192)],
+        };
+        let text = serde_json::to_string(&set).unwrap();
+        assert_eq!(serde_json::from_str::<WorkingSet>(&text).unwrap(), set);
+        assert!(serde_json::from_str::<WorkingSet>(r#"{"written": []}"#).is_err());
+    }
 
     #[test]
     fn create_params() {

@@ -45,6 +45,8 @@ pub struct MicrovmSpec {
     pub balloon: Option<BalloonConfig>,
     /// Where the guest's serial console goes.
     pub console: Box<dyn Write + Send>,
+    /// A VM made ahead (see [`Vm::with_irqchip`]), or None to make one.
+    pub vm: Option<Vm>,
 }
 
 pub struct VsockSpec {
@@ -129,11 +131,13 @@ pub fn build_and_boot(
     }
     vcpu::register_kick_signal()?;
 
-    let vm = Vm::new()?;
+    let vm = match spec.vm {
+        Some(vm) => vm,
+        None => Vm::with_irqchip()?,
+    };
     let ram = GuestRam::new(spec.mem_size_mib << 20)?;
     let mem: &GuestMemory = ram.guest_memory();
     vm.register_memory(mem)?;
-    vm.create_irqchip_and_pit()?;
 
     let mut kernel = File::open(&spec.kernel).map_err(|source| BuildError::KernelOpen {
         path: spec.kernel.clone(),
@@ -249,6 +253,37 @@ fn create_vcpus(
     Ok(vcpus)
 }
 
+/// Where a restore's time went, phase by phase (logged).
+struct Phases {
+    last: std::time::Instant,
+    done: Vec<(&'static str, std::time::Duration)>,
+}
+
+impl Phases {
+    fn start() -> Self {
+        Phases {
+            last: std::time::Instant::now(),
+            done: Vec::new(),
+        }
+    }
+
+    fn mark(&mut self, name: &'static str) {
+        let now = std::time::Instant::now();
+        self.done.push((name, now - self.last));
+        self.last = now;
+    }
+}
+
+impl std::fmt::Display for Phases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, (name, took)) in self.done.iter().enumerate() {
+            let sep = if i == 0 { "" } else { ", " };
+            write!(f, "{sep}{name} {} us", took.as_micros())?;
+        }
+        Ok(())
+    }
+}
+
 /// How to restore a snapshot.
 pub struct RestoreSpec {
     pub state: MicrovmState,
@@ -263,6 +298,8 @@ pub struct RestoreSpec {
     /// A working-set file: guest memory populated in the background after
     /// the restore (see `vstate::memory::prefetch`).
     pub prefetch: Option<PathBuf>,
+    /// A VM made ahead (see [`Vm::with_irqchip`]), or None to make one.
+    pub vm: Option<Vm>,
 }
 
 /// Rebuilds a microVM from a snapshot: maps its memory copy-on-write, loads
@@ -281,6 +318,7 @@ pub fn restore(
         advance_clock,
         console,
         prefetch,
+        vm,
     } = spec;
     let count = state.vcpu_count;
     if count == 0 || count > mptable::MAX_CPUS || state.vcpus.len() != usize::from(count) {
@@ -299,7 +337,12 @@ pub fn restore(
     }
     vcpu::register_kick_signal()?;
 
-    let vm = Vm::new()?;
+    let mut took = Phases::start();
+    let vm = match vm {
+        Some(vm) => vm,
+        None => Vm::with_irqchip()?,
+    };
+    took.mark("vm");
     let ram = GuestRam::restore(&state.memory)?;
     // A working set that cannot be read costs speed, not the restore.
     match prefetch
@@ -312,7 +355,7 @@ pub fn restore(
     }
     let mem = ram.guest_memory();
     vm.register_memory(mem)?;
-    vm.create_irqchip_and_pit()?;
+    took.mark("memory");
 
     let mut io_bus = Bus::new();
     let mut mmio_bus = Bus::new();
@@ -332,18 +375,23 @@ pub fn restore(
         &state.devices,
         &overrides,
     )?;
+    took.mark("devices");
     vm.restore_state(&state.vm, advance_clock)?;
+    took.mark("vm_state");
 
     let buses = (Arc::new(io_bus), Arc::new(mmio_bus));
     let vcpus = create_vcpus(&vm, count, buses, &handoff, on_event, |vcpu, id| {
         Ok(vcpu.restore(&state.vcpus[usize::from(id)])?)
     })?;
+    took.mark("vcpus");
     let msrs = Arc::new(state.vcpus[0].msrs.iter().map(|e| e.index).collect());
     let mut handles = Vec::with_capacity(vcpus.len());
     for vcpu in vcpus {
         handles.push(vcpu.start(!resume)?);
     }
     mmio.notify_restored();
+    took.mark("start");
+    tracing::info!("restored: {took}");
     Ok(Vmm::new(VmParts {
         vm,
         ram,

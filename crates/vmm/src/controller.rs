@@ -22,6 +22,7 @@ use crate::devices::virtio::net::{NetConfig, Tap};
 use crate::snapshot::{ForkRequest, MicrovmState, SnapshotRequest, format};
 use crate::vmm::{VmEvent, VmExit, VmState, Vmm};
 use crate::vstate::memory::MemorySnapshotKind;
+use crate::vstate::vm::Vm;
 
 /// The kernel command line when the user gives none: a serial console, reboot
 /// through the keyboard controller, a panic reboots (and so ends the VM), and
@@ -69,6 +70,8 @@ pub struct Controller {
     vmm: Option<Vmm>,
     events: Sender<ControllerEvent>,
     console: SharedConsole,
+    /// The KVM VM, made before any request (see [`Controller::prepare_vm`]).
+    prepared_vm: Option<Vm>,
 }
 
 fn bad(message: impl Into<String>) -> VmmActionError {
@@ -106,6 +109,18 @@ impl Controller {
             vmm: None,
             events,
             console: SharedConsole(Arc::new(Mutex::new(console))),
+            prepared_vm: None,
+        }
+    }
+
+    /// Makes the KVM VM (with its interrupt controllers and PIT) now, while
+    /// the VMM waits for its first request (in a pool, say): a load or boot
+    /// then starts from it, the same for any snapshot or configuration. A
+    /// VM that cannot be made now is made (and its error reported) then.
+    pub fn prepare_vm(&mut self) {
+        match Vm::with_irqchip() {
+            Ok(vm) => self.prepared_vm = Some(vm),
+            Err(e) => tracing::debug!("the VM is made at start: {e}"),
         }
     }
 
@@ -270,8 +285,10 @@ impl Controller {
             VmmAction::Fork(params) => self.fork(&params),
             VmmAction::LoadSnapshot(params) => {
                 self.pre_boot()?;
+                let started = std::time::Instant::now();
                 let loaded = self.load_snapshot(&params)?;
                 filter_main_thread();
+                tracing::debug!("load answered in {} us", started.elapsed().as_micros());
                 Ok(loaded)
             }
         }
@@ -489,8 +506,10 @@ impl Controller {
                 "the Uffd memory backend is not supported: use File (memory is mapped copy-on-write)",
             ));
         }
+        let started = std::time::Instant::now();
         let state: MicrovmState = format::read(Path::new(&params.snapshot_path))
             .map_err(|e| bad(format!("Cannot load the snapshot: {e}")))?;
+        let read = started.elapsed();
         let machine = MachineConfig::new(state.vcpu_count, state.mem_size_mib);
         let spec = RestoreSpec {
             state,
@@ -515,9 +534,15 @@ impl Controller {
             advance_clock: params.clock_realtime,
             console: Box::new(self.console.clone()),
             prefetch: params.prefetch_path.as_ref().map(PathBuf::from),
+            vm: self.prepared_vm.take(),
         };
         let vmm = builder::restore(spec, self.on_event(), self.device_handoff())
             .map_err(|e| bad(format!("Cannot load the snapshot: {e}")))?;
+        tracing::info!(
+            "snapshot loaded in {} us (its state read in {} us)",
+            started.elapsed().as_micros(),
+            read.as_micros()
+        );
         self.config.machine_config = Some(machine);
         self.vmm = Some(vmm);
         Ok(VmmData::Empty)
@@ -581,6 +606,7 @@ impl Controller {
                 .collect(),
             balloon: self.config.balloon.as_ref().map(balloon_config),
             console: Box::new(self.console.clone()),
+            vm: self.prepared_vm.take(),
         };
         let vmm = builder::build_and_boot(spec, self.on_event(), self.device_handoff())
             .map_err(|e| bad(format!("Failed to start the microVM: {e}")))?;

@@ -79,6 +79,7 @@ fn run(args: Args) -> anyhow::Result<ExitCode> {
         if std::env::var_os("SANDFORK_VMM_SECCOMP_LOG").is_some_and(|v| v == "1") {
             vmm::seccomp::set_log_only();
         }
+        vmm::seccomp::precompile().context("compiling the seccomp filters")?;
     }
     let (events_tx, events_rx) = mpsc::channel();
     let console = ConsoleBudget::new(std::io::stdout(), args.console_limit_mib << 20);
@@ -108,6 +109,8 @@ fn run(args: Args) -> anyhow::Result<ExitCode> {
             .context("starting the API server")?;
         Some(handle)
     };
+    // While the first request is on its way (or the VMM waits in a pool).
+    controller.prepare_vm();
 
     if let Some(path) = &args.config_file {
         let text =

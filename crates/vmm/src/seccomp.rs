@@ -25,6 +25,7 @@
 
 use std::cell::Cell;
 use std::collections::BTreeMap;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 use seccompiler::{
@@ -92,6 +93,10 @@ static LOG_ONLY: AtomicBool = AtomicBool::new(false);
 /// after its filter is in (0: none); see [`arm_self_test`].
 static SELF_TEST: AtomicU8 = AtomicU8::new(0);
 
+/// Each kind's compiled filter, by `kind as usize - 1`: compiled once (by
+/// [`precompile`] at start, so a restore's threads only install theirs).
+static PROGRAMS: [OnceLock<BpfProgram>; 4] = [const { OnceLock::new() }; 4];
+
 thread_local! {
     // Const-initialised, so reading it in the signal handler allocates nothing.
     static KIND: Cell<u8> = const { Cell::new(0) };
@@ -132,12 +137,36 @@ pub fn apply_to_current_thread(kind: ThreadKind) -> Result<(), SeccompError> {
     if !enabled() {
         return Ok(());
     }
-    install(kind, &compile(kind)?)?;
+    install(kind, program(kind)?)?;
     if cfg!(debug_assertions) && SELF_TEST.load(Ordering::SeqCst) == kind as u8 {
         let mut uts = std::mem::MaybeUninit::<libc::utsname>::uninit();
         // SAFETY: uname writes into the buffer it is given; the filter traps
         // the call before that anyway.
         unsafe { libc::syscall(SELF_TEST_SYSCALL, uts.as_mut_ptr()) };
+    }
+    Ok(())
+}
+
+/// The compiled filter of `kind`, compiled on first use.
+fn program(kind: ThreadKind) -> Result<&'static BpfProgram, SeccompError> {
+    let cell = &PROGRAMS[kind as usize - 1];
+    if let Some(program) = cell.get() {
+        return Ok(program);
+    }
+    let compiled = compile(kind)?;
+    Ok(cell.get_or_init(|| compiled))
+}
+
+/// Compiles every kind's filter now, when filtering is on: a VMM waiting
+/// in a pool does it before its load, whose threads (vCPUs, device
+/// workers, the controller) then only install theirs. Call it after any
+/// debug mode is set ([`set_log_only`]), which the filters compile in.
+pub fn precompile() -> Result<(), SeccompError> {
+    if !enabled() {
+        return Ok(());
+    }
+    for kind in ThreadKind::ALL {
+        program(kind)?;
     }
     Ok(())
 }

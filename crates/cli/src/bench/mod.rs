@@ -79,12 +79,35 @@ pub enum Part {
     Rl,
 }
 
+/// A part of the VMM figures that can be measured alone (`--vmm-parts`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
+pub enum VmmPart {
+    /// `boot_to_agent_ms`.
+    Boot,
+    /// Pause, full and diff snapshot, restore to the agent.
+    Snapshot,
+    /// Fork of 1 and of 16, an idle child's memory.
+    Fork,
+    Balloon,
+    /// Slot setup and guest TCP over a tap (need root).
+    Net,
+}
+
+impl VmmPart {
+    pub const ALL: &'static [VmmPart] = &[
+        VmmPart::Boot,
+        VmmPart::Snapshot,
+        VmmPart::Fork,
+        VmmPart::Balloon,
+        VmmPart::Net,
+    ];
+}
+
 pub struct VmmFigures<'a> {
     pub runs: usize,
     pub firecracker: Option<&'a Path>,
-    /// Network figures too: slot setup (`net_slot_setup_ms`) and guest
-    /// TCP over a tap (`vmm_guest_tcp_*`, for the reference too); need root.
-    pub net: bool,
+    /// The parts measured (for the reference too, where it can).
+    pub parts: &'a [VmmPart],
 }
 
 /// What one `sandfork bench` measures.
@@ -159,19 +182,20 @@ impl Plan<'_> {
 
     async fn vmm_figures(&self, report: &mut Value, errors: &mut Errors, figures: &VmmFigures<'_>) {
         let (vmm, image, runs) = (self.vmm, self.image, figures.runs);
-        part(
-            report,
-            errors,
-            "boot",
-            self.deadline,
-            measure(vmm, image, runs),
-        )
-        .await;
-        let snapshots = snapshot::measure(vmm, image, runs);
-        part(report, errors, "snapshot", self.deadline, snapshots).await;
-        let balloon = balloon::measure(vmm, image);
-        part(report, errors, "balloon", self.deadline, balloon).await;
-        if figures.net {
+        let has = |p| figures.parts.contains(&p);
+        if has(VmmPart::Boot) {
+            let boots = measure(vmm, image, runs);
+            part(report, errors, "boot", self.deadline, boots).await;
+        }
+        if has(VmmPart::Snapshot) || has(VmmPart::Fork) {
+            let snapshots = snapshot::measure(vmm, image, runs, has(VmmPart::Fork));
+            part(report, errors, "snapshot", self.deadline, snapshots).await;
+        }
+        if has(VmmPart::Balloon) {
+            let balloon = balloon::measure(vmm, image);
+            part(report, errors, "balloon", self.deadline, balloon).await;
+        }
+        if has(VmmPart::Net) {
             part(report, errors, "net", self.deadline, net::measure()).await;
             let tcp = guest_tcp::measure(vmm, image);
             part(report, errors, "guest_tcp", self.deadline, tcp).await;
@@ -181,25 +205,29 @@ impl Plan<'_> {
             return;
         };
         let mut reference = json!({});
-        let boots = measure(fc, image, runs);
-        part(
-            &mut reference,
-            errors,
-            "reference_boot",
-            self.deadline,
-            boots,
-        )
-        .await;
-        let snapshots = snapshot::measure_reference(fc, image, runs);
-        part(
-            &mut reference,
-            errors,
-            "reference_snapshot",
-            self.deadline,
-            snapshots,
-        )
-        .await;
-        if figures.net {
+        if has(VmmPart::Boot) {
+            let boots = measure(fc, image, runs);
+            part(
+                &mut reference,
+                errors,
+                "reference_boot",
+                self.deadline,
+                boots,
+            )
+            .await;
+        }
+        if has(VmmPart::Snapshot) {
+            let snapshots = snapshot::measure_reference(fc, image, runs);
+            part(
+                &mut reference,
+                errors,
+                "reference_snapshot",
+                self.deadline,
+                snapshots,
+            )
+            .await;
+        }
+        if has(VmmPart::Net) {
             let tcp = guest_tcp::measure(fc, image);
             part(
                 &mut reference,
@@ -260,7 +288,12 @@ mod tests {
             vmm_figures: Some(VmmFigures {
                 runs: 1,
                 firecracker: Some(Path::new("/nonexistent/firecracker")),
-                net: false,
+                parts: &[
+                    VmmPart::Boot,
+                    VmmPart::Snapshot,
+                    VmmPart::Fork,
+                    VmmPart::Balloon,
+                ],
             }),
             sdk: None,
             deadline: Instant::now() + Duration::from_secs(60),

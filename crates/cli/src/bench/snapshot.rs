@@ -148,10 +148,13 @@ async fn fork_figures(vmm: &Path, dir: &Path) -> Result<Value> {
     }))
 }
 
-/// sandfork's figures.
-pub async fn measure(vmm: &Path, image: &GuestImage, runs: usize) -> Result<Value> {
+/// sandfork's figures (the forks' with `forks`).
+pub async fn measure(vmm: &Path, image: &GuestImage, runs: usize, forks: bool) -> Result<Value> {
     let dir = tempfile::tempdir()?;
     let mut report = pause_snapshot_restore(vmm, image, runs, dir.path(), true).await?;
+    if !forks {
+        return Ok(report);
+    }
     let forks = fork_figures(vmm, dir.path()).await?;
     if let (Value::Object(r), Value::Object(f)) = (&mut report, forks) {
         r.extend(f);

@@ -7,8 +7,10 @@
 //! runs a command: a second after that command's answer ended, the pages
 //! its VMM has present in its mapping of the template's memory file
 //! (`/proc/<pid>/maps` and `pagemap`, in file offsets, which are the
-//! snapshot's flat memory offsets) go to `working-set.json` in the
-//! template's directory. Creates from a template with one pass it to the
+//! snapshot's flat memory offsets), with those it wrote (private copies)
+//! told apart, go to `working-set.json` in the template's directory. The
+//! written ones are populated for writing: they would fault on the guest's
+//! write anyway, and are most of a first command's faults. Creates from a template with one pass it to the
 //! VMM's load (`prefetch_path`). Only the template's own memory file is read:
 //! for a snapshot template stacked on another, the pages of its lower
 //! layers are not in it.
@@ -85,13 +87,15 @@ impl Manager {
         let pid = sandbox.probe().ok_or("no VMM")?.pid();
         let mem = std::fs::canonicalize(&template.mem).map_err(|e| e.to_string())?;
         let dir = template.dir.clone();
-        let (pages, bytes) = tokio::task::spawn_blocking(move || write(pid, &mem, &dir))
+        let (pages, bytes, written) = tokio::task::spawn_blocking(move || write(pid, &mem, &dir))
             .await
             .map_err(|e| e.to_string())??;
         tracing::info!(
-            "template {}: working set recorded from sandbox {id}: {} MiB in {pages} ranges",
+            "template {}: working set recorded from sandbox {id}: {} KiB in {pages} ranges, \
+             {} KiB of them written",
             template.id,
-            bytes >> 20
+            bytes >> 10,
+            written >> 10
         );
         Ok(())
     }
@@ -104,19 +108,33 @@ impl Manager {
 }
 
 /// Writes the resident ranges of `mem` in process `pid` to `dir`'s working
-/// set file (whole or not at all); returns their count and bytes.
-fn write(pid: u32, mem: &Path, dir: &Path) -> Result<(usize, u64), String> {
-    let ranges =
+/// set file (whole or not at all), the written ones told apart; returns
+/// their count, their bytes and the written bytes.
+fn write(pid: u32, mem: &Path, dir: &Path) -> Result<(usize, u64, u64), String> {
+    let resident =
         host_mem::resident::resident_file_ranges(pid, mem).map_err(|e| format!("reading: {e}"))?;
-    if ranges.is_empty() {
-        return Err(format!("no page of {} is mapped", mem.display()));
+    if resident.present.is_empty() {
+        // What the VMM maps by that name, to tell a path mismatch from pages
+        // not (yet) mapped.
+        let name = mem.file_name().unwrap_or_default().to_string_lossy();
+        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+        let similar: Vec<&str> = maps.lines().filter(|l| l.contains(&*name)).collect();
+        return Err(format!(
+            "no page of {} is mapped (its mappings by that name: {similar:?})",
+            mem.display()
+        ));
     }
-    let bytes = ranges.iter().map(|(s, e)| e - s).sum();
-    let text = serde_json::to_vec(&ranges).map_err(|e| e.to_string())?;
+    let set = vmm_api::WorkingSet {
+        present: resident.present,
+        written: resident.written,
+    };
+    let sum = |r: &[(u64, u64)]| r.iter().map(|(s, e)| e - s).sum::<u64>();
+    let (bytes, written) = (sum(&set.present), sum(&set.written));
+    let text = serde_json::to_vec(&set).map_err(|e| e.to_string())?;
     let tmp = dir.join(format!("{FILE}.tmp"));
     std::fs::write(&tmp, text)
         .and_then(|()| std::fs::File::open(&tmp)?.sync_all())
         .and_then(|()| std::fs::rename(&tmp, dir.join(FILE)))
         .map_err(|e| format!("writing {}: {e}", tmp.display()))?;
-    Ok((ranges.len(), bytes))
+    Ok((set.present.len(), bytes, written))
 }

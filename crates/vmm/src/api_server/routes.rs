@@ -64,13 +64,19 @@ async fn invalid_method_or_path(method: Method, uri: Uri) -> Response {
 /// Hands an action to the controller and waits for its answer.
 async fn dispatch(sender: &ApiRequestSender, action: VmmAction) -> Response {
     let (reply, answer) = oneshot::channel();
+    let started = std::time::Instant::now();
     if sender.send(ApiRequest { action, reply }).is_err() {
         return fault(
             StatusCode::INTERNAL_SERVER_ERROR,
             "the VMM controller is not running",
         );
     }
-    match answer.await {
+    let answered = answer.await;
+    tracing::debug!(
+        "API: the controller answered in {} us",
+        started.elapsed().as_micros()
+    );
+    match answered {
         Ok(Ok(data)) => from_data(data),
         Ok(Err(error)) => from_action_error(error),
         Err(_) => fault(

@@ -172,15 +172,25 @@ impl MmioDeviceManager {
                     state.slot.base, state.slot.irq
                 )));
             }
+            let t0 = std::time::Instant::now();
             let device = state
                 .config
                 .restore(overrides)
                 .map_err(DeviceManagerError::Restore)?;
+            let t1 = std::time::Instant::now();
             let transport = manager.attach_at(vm, mem, mmio_bus, device, state.slot.clone())?;
+            let t2 = std::time::Instant::now();
             transport
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .restore(&state.transport)?;
+            tracing::debug!(
+                "device at {:#x}: opened {} us, attached {} us, activated {} us",
+                state.slot.base,
+                (t1 - t0).as_micros(),
+                (t2 - t1).as_micros(),
+                t2.elapsed().as_micros()
+            );
         }
         Ok(manager)
     }

@@ -79,6 +79,14 @@ impl Vm {
         Ok(Vm { kvm, fd })
     }
 
+    /// A VM with its interrupt controllers and PIT: what every VM needs
+    /// before memory and vCPUs, whatever it runs.
+    pub fn with_irqchip() -> Result<Self, VmError> {
+        let vm = Vm::new()?;
+        vm.create_irqchip_and_pit()?;
+        Ok(vm)
+    }
+
     /// Registers every region of `mem` as a KVM memory slot.
     pub fn register_memory(&self, mem: &GuestMemory) -> Result<(), VmError> {
         for (slot, region) in mem.iter().enumerate() {

@@ -186,6 +186,7 @@ impl Connection {
         self.update_peer_credit(hdr);
         match (self.state, hdr.op) {
             (State::AwaitingResponse, OP_RESPONSE) => {
+                tracing::debug!("vsock: the guest accepted port {}", self.key.peer_port);
                 let ok = format!("OK {}\n", self.key.local_port);
                 // A fresh stream's send buffer is empty, so a short write means a dead peer.
                 match self.stream.write(ok.as_bytes()) {

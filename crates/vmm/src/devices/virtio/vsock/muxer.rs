@@ -181,6 +181,7 @@ impl Muxer {
             }
             HandshakeStep::Connect { port, leftover } => (port, leftover),
         };
+        tracing::debug!("vsock: host connects to guest port {port}");
         if self.conns.len() >= MAX_CONNECTIONS {
             self.drop_handshake(fd);
             return;

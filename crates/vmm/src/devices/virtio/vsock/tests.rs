@@ -510,8 +510,44 @@ fn transport_reset_event_drops_connections() {
     assert_eq!(g.recv_event(), EVENT_TRANSPORT_RESET);
     assert_eof(&mut host);
     g.assert_silent(Duration::from_millis(50));
-    // New connections work after the reset.
+    // New connections work after the reset (once the guest has taken it in:
+    // it refills its event queue).
+    g.post_events(1);
     establish_host_conn(&mut g, &path, 30);
+}
+
+#[test]
+fn host_connections_wait_until_the_guest_has_taken_in_a_reset() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut dev, path) = device(&dir);
+    let mut g = Guest::activate(&mut dev);
+    g.post_rx(8);
+    g.post_events(2);
+    dev.send_transport_reset();
+    assert_eq!(g.recv_event(), EVENT_TRANSPORT_RESET);
+    // Had the guest accepted this one before resetting its sockets, the
+    // reset would drop it: it waits.
+    let mut host = host_connect(&path, b"CONNECT 30\n");
+    g.assert_silent(Duration::from_millis(100));
+    // The guest refills its event queue once it has reset its sockets.
+    g.post_events(1);
+    let (req, _) = g.recv();
+    assert_eq!(req.op, OP_REQUEST);
+    g.send(answer(&req, OP_RESPONSE), &[]);
+    assert_eq!(read_line(&mut host), format!("OK {}\n", req.src_port));
+}
+
+#[test]
+fn a_guest_that_never_takes_in_a_reset_is_not_waited_for_long() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut dev, path) = device(&dir);
+    let mut g = Guest::activate(&mut dev);
+    g.post_rx(8);
+    // No event buffer: the reset cannot even be delivered.
+    dev.send_transport_reset();
+    let started = Instant::now();
+    establish_host_conn(&mut g, &path, 30);
+    assert!(started.elapsed() < WAIT);
 }
 
 #[test]
