@@ -83,7 +83,7 @@ pub const BOOT_MOUNTS: &[MountSpec] = &[
 pub fn parse_mountinfo(text: &str) -> Vec<String> {
     cgroup::mountinfo::parse(text)
         .into_iter()
-        .map(|m| m.point)
+        .map(|m| m.point.to_string_lossy().into_owned())
         .collect()
 }
 

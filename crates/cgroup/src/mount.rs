@@ -16,7 +16,7 @@ fn find_cgroup2(text: &str) -> Option<PathBuf> {
     mountinfo::parse(text)
         .into_iter()
         .find(|m| m.fs_type == "cgroup2")
-        .map(|m| PathBuf::from(m.point))
+        .map(|m| m.point)
 }
 
 #[cfg(test)]

@@ -1,11 +1,19 @@
-//! `/proc/<pid>/mountinfo`: each mount's point and file system type.
+//! `/proc/<pid>/mountinfo`: each mount's point, file system type and source.
+
+use std::ffi::OsString;
+use std::os::unix::ffi::OsStringExt;
+use std::path::PathBuf;
 
 /// One line of mountinfo.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mount {
-    /// Where it is mounted, unescaped.
-    pub point: String,
+    /// Where it is mounted, unescaped (byte for byte: a path need not be
+    /// UTF-8).
+    pub point: PathBuf,
     pub fs_type: String,
+    /// What is mounted: a device, or the name a pseudo file system was
+    /// given, unescaped.
+    pub source: String,
 }
 
 /// The mounts of a mountinfo text, in its order (mount order). Lines are
@@ -15,11 +23,14 @@ pub fn parse(text: &str) -> Vec<Mount> {
     text.lines()
         .filter_map(|line| {
             let (mount, fs) = line.split_once(" - ")?;
-            let fs_type = fs.split_whitespace().next()?;
+            let mut fs = fs.split_whitespace();
+            let fs_type = fs.next()?;
+            let source = fs.next().unwrap_or_default();
             let point = mount.split_whitespace().nth(4)?;
             Some(Mount {
-                point: unescape(point),
+                point: PathBuf::from(OsString::from_vec(unescape(point))),
                 fs_type: fs_type.to_owned(),
+                source: String::from_utf8_lossy(&unescape(source)).into_owned(),
             })
         })
         .collect()
@@ -27,7 +38,7 @@ pub fn parse(text: &str) -> Vec<Mount> {
 
 /// The kernel writes space, tab, newline and backslash in paths as `\ooo`;
 /// anything else after a backslash is left as it is.
-fn unescape(s: &str) -> String {
+fn unescape(s: &str) -> Vec<u8> {
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
@@ -50,7 +61,7 @@ fn unescape(s: &str) -> String {
         out.push(bytes[i]);
         i += 1;
     }
-    String::from_utf8_lossy(&out).into_owned()
+    out
 }
 
 #[cfg(test)]
@@ -66,17 +77,18 @@ mod tests {
 garbage
 ";
         let mounts = parse(text);
-        let points: Vec<&str> = mounts.iter().map(|m| m.point.as_str()).collect();
+        let points: Vec<&str> = mounts.iter().map(|m| m.point.to_str().unwrap()).collect();
         assert_eq!(points, ["/", "/mnt/with space", "/mnt/back\\slash"]);
         assert_eq!(mounts[0].fs_type, "ext4");
+        assert_eq!(mounts[0].source, "/dev/vda");
     }
 
     #[test]
     fn malformed_escapes_are_left_alone() {
-        assert_eq!(unescape("a\\09"), "a\\09");
-        assert_eq!(unescape("end\\04"), "end\\04");
-        assert_eq!(unescape("\\777x"), "\\777x");
-        assert_eq!(unescape("\\011"), "\t");
-        assert_eq!(unescape("a\\134b\\0"), "a\\b\\0");
+        assert_eq!(unescape("a\\09"), b"a\\09");
+        assert_eq!(unescape("end\\04"), b"end\\04");
+        assert_eq!(unescape("\\777x"), b"\\777x");
+        assert_eq!(unescape("\\011"), b"\t");
+        assert_eq!(unescape("a\\134b\\0"), b"a\\b\\0");
     }
 }

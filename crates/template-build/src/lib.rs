@@ -417,47 +417,15 @@ fn is_9p(path: &Path) -> bool {
 /// The filesystem type of the mount holding `path` (canonical) in a
 /// `/proc/self/mountinfo` table: the last of the longest mount points that
 /// contain it.
-fn mount_type<'a>(mountinfo: &'a str, path: &Path) -> Option<&'a str> {
-    let mut best: Option<(usize, &str)> = None;
-    for line in mountinfo.lines() {
-        let mut fields = line.split(' ');
-        let Some(point) = fields.nth(4) else {
-            continue;
-        };
-        let Some(fstype) = line.split(" - ").nth(1).and_then(|r| r.split(' ').next()) else {
-            continue;
-        };
-        let point = unescape_octal(point);
-        let len = Path::new(&point).components().count();
-        if path.starts_with(&point) && best.is_none_or(|(l, _)| len >= l) {
-            best = Some((len, fstype));
+fn mount_type(mountinfo: &str, path: &Path) -> Option<String> {
+    let mut best: Option<(usize, String)> = None;
+    for m in cgroup::mountinfo::parse(mountinfo) {
+        let len = m.point.components().count();
+        if path.starts_with(&m.point) && best.as_ref().is_none_or(|(l, _)| len >= *l) {
+            best = Some((len, m.fs_type));
         }
     }
     best.map(|(_, t)| t)
-}
-
-/// Undoes mountinfo's `\NNN` escapes (space, tab, newline, backslash).
-fn unescape_octal(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        let code = b
-            .get(i + 1..i + 4)
-            .filter(|d| b[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)))
-            .map(|d| d.iter().fold(0u32, |n, c| n * 8 + u32::from(c - b'0')));
-        match code {
-            Some(c) => {
-                out.push(c as u8);
-                i += 4;
-            }
-            None => {
-                out.push(b[i]);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Removes work directories of `key` left by builds whose process is gone
@@ -581,14 +549,13 @@ mod tests {
 43 27 0:43 / /var/cache/sandfork/lab rw - tmpfs tmpfs rw
 ";
         let t = |p: &str| mount_type(table, Path::new(p));
-        assert_eq!(t("/var/cache/sandfork/lab rw/x"), Some("9p"));
-        assert_eq!(t("/var/cache/sandfork/lab/x"), Some("tmpfs"));
-        assert_eq!(t("/var/cache/sandfork/labx"), Some("9p"));
-        assert_eq!(t("/var/cache/sandfork"), Some("9p"));
-        assert_eq!(t("/tmp/a"), Some("tmpfs"));
-        assert_eq!(t("/tmpfoo"), Some("ext4"));
-        assert_eq!(t("/"), Some("ext4"));
-        assert_eq!(unescape_octal(r"a\040b\134c\09"), "a b\\c\\09");
+        assert_eq!(t("/var/cache/sandfork/lab rw/x").as_deref(), Some("9p"));
+        assert_eq!(t("/var/cache/sandfork/lab/x").as_deref(), Some("tmpfs"));
+        assert_eq!(t("/var/cache/sandfork/labx").as_deref(), Some("9p"));
+        assert_eq!(t("/var/cache/sandfork").as_deref(), Some("9p"));
+        assert_eq!(t("/tmp/a").as_deref(), Some("tmpfs"));
+        assert_eq!(t("/tmpfoo").as_deref(), Some("ext4"));
+        assert_eq!(t("/").as_deref(), Some("ext4"));
     }
 
     #[test]

@@ -23,7 +23,6 @@
 use std::ffi::OsStr;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, ResolveFlags};
@@ -315,44 +314,11 @@ fn staged_dirs(pid: u32) -> io::Result<Vec<PathBuf>> {
 }
 
 fn parse_staged(mountinfo: &str) -> Vec<PathBuf> {
-    mountinfo
-        .lines()
-        .filter_map(|line| {
-            // `36 35 98:0 / /mnt rw,noatime master:1 - tmpfs source rw,...`
-            let (fields, rest) = line.split_once(" - ")?;
-            let mut rest = rest.split(' ');
-            let (fstype, source) = (rest.next()?, rest.next()?);
-            if fstype != "tmpfs" || source.as_bytes() != STAGED_SOURCE.to_bytes() {
-                return None;
-            }
-            let point = fields.split(' ').nth(4)?;
-            Some(PathBuf::from(OsStr::from_bytes(&unescape(point))))
-        })
+    cgroup::mountinfo::parse(mountinfo)
+        .into_iter()
+        .filter(|m| m.fs_type == "tmpfs" && m.source.as_bytes() == STAGED_SOURCE.to_bytes())
+        .map(|m| m.point)
         .collect()
-}
-
-/// Undoes mountinfo's octal escapes of space, tab, newline and backslash.
-fn unescape(field: &str) -> Vec<u8> {
-    let bytes = field.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let octal = bytes
-            .get(i + 1..i + 4)
-            .filter(|d| bytes[i] == b'\\' && d.iter().all(|b| (b'0'..=b'7').contains(b)))
-            .map(|d| d.iter().fold(0u32, |n, b| n * 8 + u32::from(b - b'0')));
-        match octal.and_then(|n| u8::try_from(n).ok()) {
-            Some(b) => {
-                out.push(b);
-                i += 4;
-            }
-            None => {
-                out.push(bytes[i]);
-                i += 1;
-            }
-        }
-    }
-    out
 }
 
 fn with_path(e: io::Error, what: &str, path: &Path) -> io::Error {
@@ -378,6 +344,5 @@ mod tests {
                 PathBuf::from("/data/my forks")
             ]
         );
-        assert_eq!(unescape("a\\134b\\9"), b"a\\b\\9");
     }
 }
