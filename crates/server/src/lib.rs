@@ -169,8 +169,8 @@ impl Server {
         wrap: impl FnOnce(axum::Router) -> axum::Router,
     ) -> std::io::Result<()> {
         let manager = self.state.manager.clone();
-        let routes = wrap(api::router(self.state.clone()));
-        let served = axum::serve(listener, api::run_changes_to_end(routes, self.state))
+        let routes = wrap(api::router(self.state));
+        let served = axum::serve(listener, api::run_changes_to_end(routes))
             .with_graceful_shutdown(shutdown)
             .await;
         manager.shutdown();

@@ -244,19 +244,6 @@ fn is_signed_files_request(headers: &HeaderMap, uri: &Uri) -> bool {
             .any(|(k, v)| k == "signature" && !v.is_empty())
 }
 
-/// Whether [`dispatch`] sends `req` to a sandbox rather than the control
-/// plane (a signed file URL no sandbox signed counts as one: it is answered
-/// as envd would).
-pub fn is_proxied(state: &Shared, req: &Request) -> bool {
-    match route(req.headers(), req.uri()) {
-        Route::Sandbox { .. } => true,
-        Route::ControlPlane => {
-            find_unrouted(req.headers(), req.method(), req.uri(), &*state.manager).is_some()
-                || is_signed_files_request(req.headers(), req.uri())
-        }
-    }
-}
-
 /// Middleware in front of every route: proxies sandbox traffic, passes the rest on.
 pub async fn dispatch(State(state): State<Shared>, req: Request, next: Next) -> Response {
     match route(req.headers(), req.uri()) {

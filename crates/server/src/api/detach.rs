@@ -14,14 +14,14 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use axum::extract::{FromRequestParts, Request, State};
+use axum::extract::{FromRequestParts, Request};
 use axum::http::request::Parts;
 use axum::http::{Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 use super::ApiError;
-use crate::state::Shared;
+use crate::proxy::{self, Route};
 
 /// Whether the client of this request closed its connection before the
 /// answer. A request that was not detached never reads as gone.
@@ -75,10 +75,15 @@ impl Drop for Watch {
 }
 
 /// The middleware (outermost, around the cluster layer too: its records of
-/// a change are part of it).
-pub async fn run_to_end(State(state): State<Shared>, req: Request, next: Next) -> Response {
+/// a change are part of it). A request for a sandbox (by its host name, or
+/// a path only envd serves) is the proxy's and passes as it is.
+pub async fn run_to_end(req: Request, next: Next) -> Response {
     let reads = matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS);
-    if reads || crate::proxy::is_proxied(&state, &req) {
+    let for_a_sandbox = matches!(
+        proxy::route(req.headers(), req.uri()),
+        Route::Sandbox { .. }
+    ) || proxy::is_envd_path(req.uri().path());
+    if reads || for_a_sandbox {
         return next.run(req).await;
     }
     detached(req, next).await

@@ -124,8 +124,8 @@ pub fn router(state: Shared) -> Router {
 
 /// `router` (the node's routes, with the cluster layer if any) with every
 /// change run to its end when its client goes away (see [`detach`]).
-pub fn run_changes_to_end(router: Router, state: Shared) -> Router {
-    router.layer(middleware::from_fn_with_state(state, detach::run_to_end))
+pub fn run_changes_to_end(router: Router) -> Router {
+    router.layer(middleware::from_fn(detach::run_to_end))
 }
 
 async fn health() -> StatusCode {
