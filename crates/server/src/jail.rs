@@ -48,10 +48,10 @@ pub fn data_dirs(config: &Config) -> [PathBuf; 4] {
 
 /// The jail of this node's VMMs: the data directories they work in, staged
 /// (each VMM sees in them what it is handed, read-only unless it writes
-/// it, which is given to it before the call that names it), and read-only the directories of the kernels and root images that
-/// templates boot from or stack their layers on (the node's and those its
-/// templates recorded), the build cache's root images and the VMM's shared
-/// libraries.
+/// it, which is given to it before the call that names it), and read-only
+/// the directories of the kernels and root images that templates boot from
+/// or stack their layers on (the node's and those its templates recorded),
+/// the build cache's root images and the VMM's shared libraries.
 pub fn vmm_jail(jail: &JailConfig, config: &Config, store: &Store) -> Jail {
     let mut read_only: Vec<PathBuf> = Vec::new();
     let mut add_parent = |file: &Path| {

@@ -285,10 +285,8 @@ impl Controller {
             VmmAction::Fork(params) => self.fork(&params),
             VmmAction::LoadSnapshot(params) => {
                 self.pre_boot()?;
-                let started = std::time::Instant::now();
                 let loaded = self.load_snapshot(&params)?;
                 filter_main_thread();
-                tracing::debug!("load answered in {} us", started.elapsed().as_micros());
                 Ok(loaded)
             }
         }

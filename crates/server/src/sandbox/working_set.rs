@@ -10,10 +10,10 @@
 //! snapshot's flat memory offsets), with those it wrote (private copies)
 //! told apart, go to `working-set.json` in the template's directory. The
 //! written ones are populated for writing: they would fault on the guest's
-//! write anyway, and are most of a first command's faults. Creates from a template with one pass it to the
-//! VMM's load (`prefetch_path`). Only the template's own memory file is read:
-//! for a snapshot template stacked on another, the pages of its lower
-//! layers are not in it.
+//! write anyway, and are most of a first command's faults. Creates from a
+//! template with one pass it to the VMM's load (`prefetch_path`). Only the
+//! template's own memory file is read: for a snapshot template stacked on
+//! another, the pages of its lower layers are not in it.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
