@@ -142,7 +142,17 @@ registered=$(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --prefix --k
 a=$("$bin" create --timeout 900) || die "create through the gateway"
 b=$("$bin" create --timeout 900) || die "second create through the gateway"
 log "created $a and $b"
-owner() { ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --print-value-only "/sandfork/v1/sandboxes/$1" | python3 -c 'import json,sys; print(json.load(sys.stdin)["node_id"])'; }
+route_of() { ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --print-value-only "/sandfork/v1/sandboxes/$1"; }
+owner() { route_of "$1" | python3 -c 'import json,sys; print(json.load(sys.stdin)["node_id"])'; }
+# Waits until sandbox ID's route records a stored pause (at most 180 s); dies
+# with WHY otherwise.
+until_stored() { # ID WHY
+    local start=$SECONDS
+    until [[ $(route_of "$1") == *'"paused"'* ]]; do
+        ((SECONDS - start < 180)) || die "$2"
+        sleep 1
+    done
+}
 oa=$(owner "$a") ob=$(owner "$b")
 log "$a on $oa, $b on $ob"
 [[ $oa != "$ob" ]] || die "both sandboxes on $oa"
@@ -310,17 +320,14 @@ t=$(now_ms); "$bin" resume "$c" >/dev/null || die "resuming $c on $from"; same_n
 [[ $(owner "$c") == "$from" ]] || die "$c moved on a resume while $from lived"
 t=$(now_ms); pause "$c"; pause_ms=$(($(now_ms) - t))
 pause_s=$((pause_ms / 1000))
-route=$(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --print-value-only "/sandfork/v1/sandboxes/$c")
+route=$(route_of "$c")
 grep -q '"paused"' <<<"$route" || die "the route of $c records no durable pause: $route"
 # A sandbox paused at its timeout (no API call) is stored by its node too.
 on_from=http://127.0.0.1:${ports[${from#n} - 1]}
 ap=$(SANDFORK_API_URL=$on_from "$bin" create --auto-pause --timeout 20) || die "create with auto-pause on $from"
 "$bin" exec "$ap" -- sh -c 'cd && echo auto > auto.txt' || die "writing in $ap"
 start=$SECONDS
-until ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --print-value-only "/sandfork/v1/sandboxes/$ap" | grep -q '"paused"'; do
-    ((SECONDS - start < 180)) || die "the pause of $ap at its timeout was not stored"
-    sleep 1
-done
+until_stored "$ap" "the pause of $ap at its timeout was not stored"
 log "$ap paused at its timeout and stored by $from in $((SECONDS - start)) s after the write"
 # A sandbox running on the same node (created there directly) is lost with it.
 d=$(SANDFORK_API_URL=$on_from "$bin" create --timeout 900) || die "create on $from"
@@ -444,17 +451,14 @@ f=$("$bin" create --timeout 900) || die "create with the object store down"
 curl -sf -X POST -H "X-API-Key: $SANDFORK_API_KEY" -H 'Content-Type: application/json' -d '{}' \
     -D "$work/pause.headers" "$SANDFORK_API_URL/sandboxes/$f/pause" >/dev/null || die "pausing $f with the object store down"
 grep -qi '^x-sandfork-durable: false' "$work/pause.headers" || die "the pause of $f says: $(cat "$work/pause.headers")"
-route=$(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --print-value-only "/sandfork/v1/sandboxes/$f")
+route=$(route_of "$f")
 ! grep -q '"paused"' <<<"$route" || die "the route of $f records a durable pause: $route"
 grep -q "sandbox $f: its pause is not in the object store" "$work"/n*.log || die "no warning for the pause of $f"
 # Back, the store gets that pause too (the node tries again every 30 s).
 weed "${weed_args[@]}" >>"$work/weed.log" 2>&1 &
 pids+=($!)
 start=$SECONDS
-until ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --print-value-only "/sandfork/v1/sandboxes/$f" | grep -q '"paused"'; do
-    ((SECONDS - start < 180)) || die "the pause of $f was not stored once the object store was back"
-    sleep 1
-done
+until_stored "$f" "the pause of $f was not stored once the object store was back"
 stored_after=$((SECONDS - start))
 "$bin" resume "$f" >/dev/null || die "resuming $f on its node"
 [[ $("$bin" exec "$f" -- sh -c 'cat ~/local.txt') == local ]] || die "$f lost its file"
