@@ -459,7 +459,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             Some(server::cluster::durable::Durable::new(
                 store,
                 &node_id,
-                &manager.config().data_dir,
+                manager.config().cluster_cache_dir(),
             ))
         }
         None => None,

@@ -120,6 +120,12 @@ impl Config {
         self.data_dir.join("templates")
     }
 
+    /// Files of paused sandboxes taken in from the cluster's object store,
+    /// by content digest (see `cluster::durable`).
+    pub fn cluster_cache_dir(&self) -> PathBuf {
+        self.data_dir.join("cluster-cache")
+    }
+
     /// The VMMs' directories. Not in the data dir: they hold Unix sockets
     /// (short paths, a local file system) and live exactly as long as the
     /// processes, which a reboot ends, as it empties `/run`. Named for the

@@ -42,7 +42,7 @@ pub fn data_dirs(config: &Config) -> [PathBuf; 4] {
         config.sandboxes_dir(),
         config.templates_dir(),
         config.data_dir.join("forks"),
-        config.data_dir.join("cluster-cache"),
+        config.cluster_cache_dir(),
     ]
 }
 

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use sandfork_network::EgressPolicy;
 use vmm_api::NetworkInterface;
 use vmm_driver::agent_client::AgentInit;
-use vmm_driver::process::{GuestSpec, ProcessError, Restore, VmmProbe, VmmProcess};
+use vmm_driver::process::{GuestSpec, Lineage, ProcessError, Restore, VmmProbe, VmmProcess};
 
 use crate::capacity::Reservation;
 use crate::cgroups::SandboxGroup;
@@ -79,6 +79,9 @@ pub struct Plan {
     /// The egress policy of its network slot (when the node networks its
     /// sandboxes; every launch then runs in a slot of its own).
     pub egress: EgressPolicy,
+    /// Where the guest's files may lie: a jailed VMM is handed nothing else
+    /// for it, whatever the state and layer headers VMMs wrote name.
+    pub lineage: Lineage,
 }
 
 /// A started guest and what it holds; dropping it stops the VMM and gives
@@ -200,6 +203,7 @@ pub async fn launch_in(
         None => pool.take_for(&plan.egress).await?,
     };
     let taken = t0.elapsed();
+    vm.set_lineage(plan.lineage.clone());
     // From now on it is charged what its VMM really uses.
     plan.hold.track(vm.pid());
     // Limited before the guest runs a single instruction.

@@ -42,6 +42,7 @@ mod fork;
 mod fork_stored;
 mod gc;
 mod history;
+mod lineage;
 mod live;
 mod moved;
 mod network;
@@ -585,6 +586,11 @@ impl Manager {
             hold,
             timeout: AGENT_TIMEOUT,
             egress: params.network.policy.clone(),
+            lineage: self.lineage(
+                &[template.uses_dirs.as_slice(), std::slice::from_ref(&dir)].concat(),
+                &template.uses_snapshots,
+                &template.id,
+            ),
         };
 
         let ingress = params.network.ingress.clone();
@@ -891,6 +897,7 @@ impl Manager {
                     hold,
                     timeout: AGENT_TIMEOUT,
                     egress: record.network.policy.clone(),
+                    lineage: self.record_lineage(&record),
                 },
                 None => self.cold_boot(&record, &root, hold)?,
             };
@@ -957,6 +964,7 @@ impl Manager {
             hold,
             timeout: BOOT_TIMEOUT,
             egress: record.network.policy.clone(),
+            lineage: self.record_lineage(record),
         })
     }
 

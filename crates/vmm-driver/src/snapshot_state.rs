@@ -131,11 +131,11 @@ pub fn relocate(from: &Path, to: &Path, files: &[PathBuf]) -> Result<(), StateFi
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// A state file as the VMM writes one: its head, then more state.
-    fn state_file(path: &Path, layers: &[&str]) {
+    pub(crate) fn state_file(path: &Path, layers: &[&str]) {
         let head = Head {
             vmm_version: "0.1.0".into(),
             vcpu_count: 2,

@@ -90,11 +90,12 @@ pub struct Durable {
 }
 
 impl Durable {
-    pub fn new(store: ObjectStore, node_id: &str, data_dir: &Path) -> Durable {
+    /// Fetched shared files go to `cache_dir`.
+    pub fn new(store: ObjectStore, node_id: &str, cache_dir: PathBuf) -> Durable {
         Durable {
             store,
             node_id: node_id.to_owned(),
-            cache_dir: data_dir.join("cluster-cache"),
+            cache_dir,
             sent: Mutex::new(HashMap::new()),
             filling: tokio::sync::Mutex::new(()),
         }

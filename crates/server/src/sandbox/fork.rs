@@ -238,6 +238,11 @@ impl Manager {
                 timeout: AGENT_TIMEOUT,
                 // Children keep the parent's policy (E2B's do).
                 egress: parent.network.policy.clone(),
+                lineage: self.lineage(
+                    &[parent.uses_dirs.as_slice(), std::slice::from_ref(&dir)].concat(),
+                    &parent.uses_snapshots,
+                    &parent.template_id,
+                ),
             };
             let record = |launched: &crate::launch::Launched| {
                 let started = now_ms();

@@ -242,6 +242,11 @@ impl Manager {
                 hold,
                 timeout: AGENT_TIMEOUT,
                 egress: parent.network.policy.clone(),
+                lineage: self.lineage(
+                    &[parent.uses_dirs.as_slice(), std::slice::from_ref(&dir)].concat(),
+                    &parent.uses_snapshots,
+                    &parent.template_id,
+                ),
             };
             let record = |launched: &crate::launch::Launched| {
                 let started = now_ms();

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use disk_layers::LayeredDisk;
 use vmm_api::{Drive, SnapshotType};
 use vmm_driver::agent_client::{AgentClient, AgentInit};
-use vmm_driver::process::GuestSpec;
+use vmm_driver::process::{GuestSpec, Lineage};
 
 use super::{ROOT_DRIVE, TemplateError, io, sync_dir};
 use crate::capacity::{Ask, Capacity};
@@ -291,6 +291,12 @@ async fn build_in(
         hold: capacity.hold(Ask::sandbox(u64::from(spec.vcpus), spec.mem_mib)),
         timeout: BOOT_TIMEOUT,
         egress: Default::default(),
+        // Its disk's one layer stacks on the image the server chose.
+        lineage: Lineage::new(
+            [dir.to_owned()]
+                .into_iter()
+                .chain(spec.rootfs.parent().map(Path::to_owned)),
+        ),
     };
     let launched = launch::launch(pool, plan).await?;
     let vm = &launched.vm;

@@ -37,31 +37,53 @@ pub(crate) enum Access {
     Write,
 }
 
+/// A jailed VMM's staged directories (see [`Jail::staged`](super::Jail::staged)), read from its
+/// mount table (paths in its root, which are the host's).
+pub(crate) struct Staged {
+    dirs: Vec<PathBuf>,
+    /// Each directory with links resolved: a disk's chain comes canonical,
+    /// and a staged directory reached through a link of the host's is found
+    /// by its target too.
+    canonical: Vec<Option<PathBuf>>,
+}
+
+impl Staged {
+    pub(crate) fn of(pid: u32) -> io::Result<Staged> {
+        let table = std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))?;
+        let dirs = parse_staged(&table);
+        let canonical = dirs.iter().map(|d| d.canonicalize().ok()).collect();
+        Ok(Staged { dirs, canonical })
+    }
+
+    /// Whether `path` lies in a staged directory (is exposed when handed).
+    pub(crate) fn holds(&self, path: &Path) -> bool {
+        self.locate(path).is_some()
+    }
+
+    /// The staged directory `p` lies in, and `p` by that directory's path.
+    fn locate(&self, p: &Path) -> Option<(usize, PathBuf)> {
+        if let Some(i) = self.dirs.iter().position(|d| p.starts_with(d) && p != d) {
+            return Some((i, p.to_owned()));
+        }
+        self.canonical.iter().enumerate().find_map(|(i, c)| {
+            let rest = p.strip_prefix(c.as_ref()?).ok()?;
+            (!rest.as_os_str().is_empty()).then(|| (i, self.dirs[i].join(rest)))
+        })
+    }
+}
+
 /// Exposes into the jail of the VMM `pid` each of `paths` that lies in one
-/// of its staged directories, shallow paths first; one visible already
+/// of its `staged` directories, shallow paths first; one visible already
 /// (itself or through a directory exposed before) is skipped, and so is a
 /// missing one (a destination the VMM creates in a directory it is handed).
 /// Paths elsewhere are the jail's fixed binds' business and left alone.
-pub(crate) fn expose(pid: u32, paths: &[(PathBuf, Access)]) -> io::Result<()> {
-    let staged = staged_dirs(pid)?;
-    // A disk's chain comes canonical: a staged directory reached through a
-    // link of the host's is found by its target too.
-    let canonical: Vec<Option<PathBuf>> = staged.iter().map(|d| d.canonicalize().ok()).collect();
-    let in_staged = |p: &Path| -> Option<(usize, PathBuf)> {
-        if let Some(i) = staged.iter().position(|d| p.starts_with(d) && p != d) {
-            return Some((i, p.to_owned()));
-        }
-        canonical.iter().enumerate().find_map(|(i, c)| {
-            let rest = p.strip_prefix(c.as_ref()?).ok()?;
-            (!rest.as_os_str().is_empty()).then(|| (i, staged[i].join(rest)))
-        })
-    };
+pub(crate) fn expose(pid: u32, staged: &Staged, paths: &[(PathBuf, Access)]) -> io::Result<()> {
     let mut wanted: Vec<(&Path, PathBuf, Access)> = paths
         .iter()
         .filter(|(p, _)| p.components().all(|c| !matches!(c, Component::ParentDir)))
         .filter_map(|(p, access)| {
-            let (i, path) = in_staged(p)?;
-            Some((staged[i].as_path(), path, *access))
+            let (i, path) = staged.locate(p)?;
+            Some((staged.dirs[i].as_path(), path, *access))
         })
         .collect();
     if wanted.is_empty() {
@@ -303,14 +325,6 @@ fn place(root: &OwnedFd, tree: &Tree) -> io::Result<()> {
         MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
     )?;
     Ok(())
-}
-
-/// The staged directories of the jail of VMM `pid`, from its mount table
-/// (paths in its root, which are the host's): the tmpfs mounts named
-/// [`STAGED_SOURCE`]. None for a VMM jailed without.
-fn staged_dirs(pid: u32) -> io::Result<Vec<PathBuf>> {
-    let table = std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))?;
-    Ok(parse_staged(&table))
 }
 
 fn parse_staged(mountinfo: &str) -> Vec<PathBuf> {

@@ -924,7 +924,7 @@ mod spawn_tests {
 /// Root-only: what a jailed VMM sees of its staged directories.
 #[cfg(test)]
 mod staged_tests {
-    use super::super::{Handed, VmmProcess};
+    use super::super::{Handed, Lineage, ProcessError, VmmProcess};
     use super::spawn_tests::vmm_binary;
     use super::*;
 
@@ -1026,5 +1026,77 @@ mod staged_tests {
         drop(vm);
         assert!(!dir.exists());
         assert!(top.exists() && rootfs.exists() && theirs.join("mem").exists());
+    }
+
+    #[tokio::test]
+    async fn a_jailed_vmm_is_handed_nothing_outside_its_guests_lineage() {
+        if !nix::unistd::geteuid().is_root() || !vmm_binary().exists() {
+            eprintln!("skipped: needs root and {}", vmm_binary().display());
+            return;
+        }
+        let base = tempfile::tempdir().unwrap();
+        let (sandboxes, templates) = (base.path().join("sandboxes"), base.path().join("templates"));
+        let (mine, theirs) = (sandboxes.join("mine"), sandboxes.join("theirs"));
+        for d in [&mine, &theirs, &templates.join("t")] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        let rootfs = templates.join("t/rootfs.img");
+        std::fs::write(&rootfs, vec![0u8; 1 << 20]).unwrap();
+        std::fs::write(theirs.join("secret.img"), vec![7u8; 1 << 20]).unwrap();
+        std::fs::write(theirs.join("vm.mem"), "a neighbour's memory").unwrap();
+        // As a VMM taken over could leave them: a layer whose header names a
+        // neighbour's file as its parent, a state naming a neighbour's memory.
+        let forged_top = mine.join("forged.layer");
+        drop(disk_layers::LayeredDisk::create(&theirs.join("secret.img"), &forged_top).unwrap());
+        let forged_state = mine.join("forged.state");
+        let their_mem = theirs.join("vm.mem");
+        crate::snapshot_state::tests::state_file(&forged_state, &[their_mem.to_str().unwrap()]);
+        let top = mine.join("root.layer");
+        drop(disk_layers::LayeredDisk::create(&rootfs, &top).unwrap());
+
+        let jail = Jail::new(1_000_000_000, vec![], vec![], &vmm_binary())
+            .with_staged(vec![sandboxes.clone(), templates.clone()]);
+        let dir = base.path().join("vm");
+        let mut vm = VmmProcess::spawn_jailed(&vmm_binary(), dir.clone(), None, &jail)
+            .await
+            .unwrap();
+        vm.set_lineage(Lineage::new([mine.clone(), templates.join("t")]));
+        let inside = |p: &Path| under(&PathBuf::from(format!("/proc/{}/root", vm.pid())), p);
+        let refused = |r: Result<(), ProcessError>, path: &Path, named_in: &str| match r {
+            Err(ProcessError::OutsideLineage {
+                path: p,
+                named_in: n,
+            }) => {
+                assert_eq!(p, path);
+                assert_eq!(n, named_in);
+            }
+            other => panic!("{other:?}"),
+        };
+
+        let forged = vm.give(Handed::for_guest().disk(&forged_top, true)).await;
+        refused(
+            forged,
+            &theirs.join("secret.img"),
+            forged_top.to_str().unwrap(),
+        );
+        let forged = vm.give(Handed::for_guest().snapshot(&forged_state)).await;
+        refused(forged, &their_mem, forged_state.to_str().unwrap());
+        let asked = vm.give(Handed::for_guest().read(&their_mem)).await;
+        refused(asked, &their_mem, "the request");
+        // Refused whole: nothing was exposed or made the VMM's.
+        assert!(listing(&inside(&sandboxes)).is_empty());
+        assert_eq!(std::fs::metadata(&forged_top).unwrap().uid(), 0);
+
+        // Its own disk, on its template, is handed.
+        vm.give(Handed::for_guest().disk(&top, true)).await.unwrap();
+        assert_eq!(listing(&inside(&mine)), ["root.layer"]);
+        assert_eq!(listing(&inside(&templates.join("t"))), ["rootfs.img"]);
+        // What the server names for calls that are not a load (a fork's or
+        // snapshot's destination) is not a guest's: no lineage applies.
+        vm.give(Handed::default().write(theirs.join("out")))
+            .await
+            .unwrap();
+        drop(vm);
+        assert!(!dir.exists());
     }
 }

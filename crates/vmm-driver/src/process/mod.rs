@@ -8,6 +8,7 @@ mod expose;
 mod identity;
 mod jail;
 pub mod kvm_trace;
+mod lineage;
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -18,6 +19,7 @@ pub use exit::ExitWatch;
 use expose::Access;
 pub use identity::ProcessIdentity;
 pub use jail::{Jail, Limits as JailLimits};
+pub use lineage::Lineage;
 
 use vmm_api::{
     BootSource, Drive, DriveOverride, ForkInfo, ForkParams, InstanceState, MachineConfig,
@@ -78,6 +80,19 @@ pub enum ProcessError {
         waited: Duration,
         logs: String,
     },
+    /// A fork's answer names a file other than the request's, or a disk
+    /// layer outside the directory it gave: the caller records these paths,
+    /// writes their headers and hands them to other VMMs.
+    #[error("the VMM's fork answer names {}, not where it was asked to write", path.display())]
+    NotAsked { path: PathBuf },
+    /// A path a load or boot would hand a jailed VMM lies outside its
+    /// guest's lineage: most such names come from files VMMs wrote, so
+    /// this is what a VMM that was taken over would try.
+    #[error(
+        "{named_in} names {}, outside the directories of the guest's lineage: not handed to its VMM",
+        path.display()
+    )]
+    OutsideLineage { path: PathBuf, named_in: String },
 }
 
 /// The guest to boot.
@@ -172,6 +187,9 @@ pub struct VmmProcess {
     /// The uid and gid of a jailed VMM: the files and directories it is
     /// given to write become its own (see [`VmmProcess::give`]).
     owner: Option<(u32, u32)>,
+    /// Where the files of the guest it loads or boots may lie (see
+    /// [`Lineage`]; only a jailed VMM's are checked).
+    lineage: Lineage,
 }
 
 /// The VMM as this process knows it: a child it started (jailed or not), or
@@ -284,6 +302,7 @@ impl VmmProcess {
             dir: VmDir::Kept(dir.clone()),
             released: false,
             owner: Some((id, id)),
+            lineage: Lineage::default(),
         };
         let identity = ProcessIdentity::of(vm.pid()).ok_or(ProcessError::NotAdoptable {
             dir: dir.clone(),
@@ -364,6 +383,7 @@ impl VmmProcess {
             dir,
             released: false,
             owner: None,
+            lineage: Lineage::default(),
         };
         if kept {
             let identity = ProcessIdentity::of(vm.pid()).ok_or(ProcessError::NotAdoptable {
@@ -398,6 +418,7 @@ impl VmmProcess {
             dir: VmDir::Kept(dir.to_owned()),
             released: false,
             owner: unprivileged_owner(identity.pid),
+            lineage: Lineage::default(),
         };
         vm.api.get_instance_info().await?;
         Ok(vm)
@@ -437,14 +458,20 @@ impl VmmProcess {
     /// own, as it runs with no capability to write the server's files, and
     /// every path is exposed into its jail (see [`Jail::staged`]). Missing
     /// paths are skipped (the VMM creates them); nothing happens for an
-    /// unjailed VMM.
+    /// unjailed VMM. What a load or boot hands is refused whole when a path
+    /// lies outside the guest's [`Lineage`].
     async fn give(&self, handed: Handed) -> Result<(), ProcessError> {
         let Some((uid, gid)) = self.owner else {
             return Ok(());
         };
         let pid = self.pid();
+        let lineage = self.lineage.clone();
         let given = tokio::task::spawn_blocking(move || {
-            let paths = handed.resolve();
+            let staged = expose::Staged::of(pid).map_err(|source| ProcessError::Io {
+                what: "reading the jailed VMM's mount table",
+                source,
+            })?;
+            let paths = handed.resolve(&staged, &lineage)?;
             for (path, _) in paths.iter().filter(|(_, a)| *a == Access::Write) {
                 match std::os::unix::fs::chown(path, Some(uid), Some(gid)) {
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -454,7 +481,7 @@ impl VmmProcess {
                     })?,
                 }
             }
-            expose::expose(pid, &paths).map_err(|source| ProcessError::Io {
+            expose::expose(pid, &staged, &paths).map_err(|source| ProcessError::Io {
                 what: "exposing files to the jailed VMM",
                 source,
             })
@@ -463,6 +490,12 @@ impl VmmProcess {
             what: "a blocking task",
             source: std::io::Error::other(e.to_string()),
         })?
+    }
+
+    /// Sets the lineage of the guest this VMM is to load or boot, whose
+    /// files alone it is then handed for it (see [`Lineage`]).
+    pub fn set_lineage(&mut self, lineage: Lineage) {
+        self.lineage = lineage;
     }
 
     pub fn vsock_path(&self) -> PathBuf {
@@ -517,7 +550,7 @@ impl VmmProcess {
 
     /// Configures the guest without starting it.
     pub async fn configure(&self, guest: &GuestSpec) -> Result<(), ProcessError> {
-        let mut handed = Handed::default().read(&guest.kernel);
+        let mut handed = Handed::for_guest().read(&guest.kernel);
         for d in &guest.drives {
             handed = handed.disk(&d.path_on_host, d.is_read_only != Some(true));
         }
@@ -612,7 +645,7 @@ impl VmmProcess {
         params.drive_overrides = plan.drives.clone();
         params.prefetch_path = plan.prefetch.as_ref().map(|p| p.display().to_string());
         // A restored guest writes the disks it runs on (its own layers).
-        let mut handed = Handed::default().snapshot(&plan.state).read(&plan.mem);
+        let mut handed = Handed::for_guest().snapshot(&plan.state).read(&plan.mem);
         for d in &plan.drives {
             handed = handed.disk(&d.path_on_host, true);
         }
@@ -655,7 +688,9 @@ impl VmmProcess {
             .api
             .clone()
             .with_request_timeout(fork_timeout(params.children));
-        Ok(api.fork(params).await?)
+        let info = api.fork(params).await?;
+        as_asked(params, &info)?;
+        Ok(info)
     }
 
     /// Loads child `index` of a fork into this (fresh) VMM and resumes it.
@@ -857,10 +892,36 @@ impl VmmProcess {
     }
 }
 
+/// Checks a fork's answer against its request: the state and memory files
+/// it asked for, every new disk layer directly in its `disk_dir`. The
+/// answer is the VMM's, which is not trusted.
+fn as_asked(params: &ForkParams, info: &ForkInfo) -> Result<(), ProcessError> {
+    let disk_dir = Path::new(&params.disk_dir);
+    let not_asked = |path: &str| ProcessError::NotAsked { path: path.into() };
+    if info.snapshot_path != params.snapshot_path {
+        return Err(not_asked(&info.snapshot_path));
+    }
+    if info.mem_file_path != params.mem_file_path {
+        return Err(not_asked(&info.mem_file_path));
+    }
+    for drive in info.parent.iter().chain(info.children.iter().flatten()) {
+        let layer = Path::new(&drive.path_on_host);
+        let in_dir = layer.parent() == Some(disk_dir)
+            && layer.file_name().is_some_and(|n| n != "." && n != "..");
+        if !in_dir {
+            return Err(not_asked(&drive.path_on_host));
+        }
+    }
+    Ok(())
+}
+
 /// What an API call hands a jailed VMM (see [`VmmProcess::give`]).
 #[derive(Default)]
 struct Handed {
     items: Vec<Item>,
+    /// For a guest the VMM loads or boots: every path in a staged directory
+    /// must lie in the guest's [`Lineage`].
+    for_guest: bool,
 }
 
 enum Item {
@@ -875,6 +936,14 @@ enum Item {
 }
 
 impl Handed {
+    /// What a load or boot hands: checked against the guest's lineage.
+    fn for_guest() -> Handed {
+        Handed {
+            items: Vec::new(),
+            for_guest: true,
+        }
+    }
+
     fn read(mut self, path: impl AsRef<Path>) -> Handed {
         let path = path.as_ref().to_owned();
         self.items.push(Item::Path(path, Access::Read));
@@ -904,30 +973,52 @@ impl Handed {
 
     /// Every path handed: disks' chains and the memory files of state files
     /// read from their headers. One that cannot be read is handed alone:
-    /// the VMM reports what it misses.
-    fn resolve(self) -> Vec<(PathBuf, Access)> {
-        let mut out = Vec::new();
+    /// the VMM reports what it misses. For a guest, a path in a `staged`
+    /// directory outside `lineage` is refused.
+    fn resolve(
+        self,
+        staged: &expose::Staged,
+        lineage: &Lineage,
+    ) -> Result<Vec<(PathBuf, Access)>, ProcessError> {
+        // Each path with the file that named it (None: the request).
+        let mut out: Vec<(PathBuf, Access, Option<PathBuf>)> = Vec::new();
         for item in self.items {
             match item {
-                Item::Path(path, access) => out.push((path, access)),
+                Item::Path(path, access) => out.push((path, access, None)),
                 Item::Disk(top, access) => {
                     if let Ok(true) = disk_layers::is_layer(&top)
                         && let Ok(chain) = disk_layers::chain_files(&top)
                     {
                         let below = chain.into_iter().skip(1);
-                        out.extend(below.map(|p| (p, Access::Read)));
+                        out.extend(below.map(|p| (p, Access::Read, Some(top.clone()))));
                     }
-                    out.push((top, access));
+                    out.push((top, access, None));
                 }
                 Item::Snapshot(state) => {
                     if let Ok(files) = crate::snapshot_state::memory_files(&state) {
-                        out.extend(files.into_iter().map(|p| (p, Access::Read)));
+                        out.extend(
+                            files
+                                .into_iter()
+                                .map(|p| (p, Access::Read, Some(state.clone()))),
+                        );
                     }
-                    out.push((state, Access::Read));
+                    out.push((state, Access::Read, None));
                 }
             }
         }
-        out
+        if self.for_guest
+            && let Some((path, _, named_in)) = out
+                .iter()
+                .find(|(p, _, _)| staged.holds(p) && !lineage.holds(p))
+        {
+            return Err(ProcessError::OutsideLineage {
+                path: path.clone(),
+                named_in: named_in
+                    .as_ref()
+                    .map_or("the request".into(), |f| f.display().to_string()),
+            });
+        }
+        Ok(out.into_iter().map(|(p, a, _)| (p, a)).collect())
     }
 }
 
@@ -997,6 +1088,57 @@ impl Drop for VmmProcess {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fork_answer_names_only_what_was_asked() {
+        let params = ForkParams {
+            snapshot_path: "/data/forks/f1/fork.state".into(),
+            mem_file_path: "/data/forks/f1/fork.mem".into(),
+            disk_dir: "/data/forks/f1".into(),
+            children: 2,
+        };
+        let drive = |path: &str| DriveOverride {
+            drive_id: "rootfs".into(),
+            path_on_host: path.into(),
+        };
+        let answer = |state: &str, child: &str| ForkInfo {
+            snapshot_path: state.into(),
+            mem_file_path: params.mem_file_path.clone(),
+            parent: vec![drive("/data/forks/f1/parent.layer")],
+            children: vec![vec![drive("/data/forks/f1/c0.layer")], vec![drive(child)]],
+            paused_us: 1,
+        };
+        let state = params.snapshot_path.as_str();
+        as_asked(&params, &answer(state, "/data/forks/f1/c1.layer")).unwrap();
+        for (state, child, named) in [
+            (
+                state,
+                "/data/sandboxes/other/root.layer",
+                "/data/sandboxes/other/root.layer",
+            ),
+            (
+                state,
+                "/data/forks/f1/../f2/c1.layer",
+                "/data/forks/f1/../f2/c1.layer",
+            ),
+            (
+                state,
+                "/data/forks/f1/sub/c1.layer",
+                "/data/forks/f1/sub/c1.layer",
+            ),
+            (state, "c1.layer", "c1.layer"),
+            (
+                "/data/sandboxes/other/vm.state",
+                "/data/forks/f1/c1.layer",
+                "/data/sandboxes/other/vm.state",
+            ),
+        ] {
+            match as_asked(&params, &answer(state, child)) {
+                Err(ProcessError::NotAsked { path }) => assert_eq!(path, Path::new(named)),
+                other => panic!("{child}: {other:?}"),
+            }
+        }
+    }
 
     /// A stand-in VMM: listens on its `--api-sock` (all `start` waits for) and
     /// records the network namespace it runs in.

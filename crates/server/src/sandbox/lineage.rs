@@ -1,0 +1,60 @@
+//! The lineage of a sandbox's guest (see [`Lineage`]): where its VMM may be
+//! handed files when it loads or boots it, from the sandbox's record alone.
+//! Every launch of a sandbox's guest names it (see [`crate::launch::Plan`]).
+
+use std::path::{Path, PathBuf};
+
+use vmm_driver::process::Lineage;
+
+use super::Manager;
+use crate::store::SandboxRecord;
+
+impl Manager {
+    /// The lineage of a sandbox whose files lie in `uses_dirs` (its own
+    /// directory and those of the sandboxes and forks it stacks on, as its
+    /// record keeps them for the collector) and that stacks on the
+    /// snapshots `uses_snapshots` and its template `template_id`: those
+    /// directories, the templates' and the node's base template's, and the
+    /// cluster cache (what a sandbox taken in from the object store stacks
+    /// on: files named by their content's digest, which a VMM cannot guess).
+    pub(crate) fn lineage(
+        &self,
+        uses_dirs: &[PathBuf],
+        uses_snapshots: &[String],
+        template_id: &str,
+    ) -> Lineage {
+        let mut dirs = uses_dirs.to_vec();
+        let templates = self.config.templates_dir();
+        let ids = uses_snapshots.iter().map(String::as_str);
+        for id in ids.chain([template_id]) {
+            dirs.push(templates.join(id));
+            if let Ok(Some(template)) = self.store.template(id) {
+                dirs.extend(template_dirs(&template));
+            }
+        }
+        dirs.extend(template_dirs(&self.template));
+        dirs.push(self.config.cluster_cache_dir());
+        Lineage::new(dirs)
+    }
+
+    /// The lineage of the sandbox `record` keeps.
+    pub(crate) fn record_lineage(&self, record: &SandboxRecord) -> Lineage {
+        self.lineage(
+            &record.uses_dirs,
+            &record.uses_snapshots,
+            &record.template_id,
+        )
+    }
+}
+
+/// A template's directory and those of its snapshot and root layer (a
+/// template recorded before they all lay in its directory).
+fn template_dirs(template: &crate::store::TemplateRecord) -> Vec<PathBuf> {
+    let parents = [&template.snapshot, &template.mem, &template.root_layer]
+        .into_iter()
+        .filter_map(|p| p.parent().map(Path::to_owned))
+        .filter(|p| !p.as_os_str().is_empty());
+    std::iter::once(template.dir.clone())
+        .chain(parents)
+        .collect()
+}
