@@ -71,9 +71,17 @@ pub fn vmm_jail(jail: &JailConfig, config: &Config, store: &Store) -> Jail {
     let cache = config
         .build_cache
         .clone()
-        .or_else(|| std::env::var_os("SANDFORK_CACHE").map(PathBuf::from))
-        .unwrap_or_else(|| PathBuf::from("/var/cache/sandfork"));
-    read_only.push(absolute(&cache.join("templates")));
+        .unwrap_or_else(template_build::default_cache_dir);
+    let built = absolute(&template_build::templates_in(&cache));
+    // A jail binds what exists when its VMM starts, and the pool's VMMs
+    // start before a fresh node's first image build makes this directory.
+    if let Err(e) = std::fs::create_dir_all(&built) {
+        tracing::warn!(
+            "making {}: {e} (VMMs started before it exists cannot boot the templates built there)",
+            built.display()
+        );
+    }
+    read_only.push(built);
     let staged = data_dirs(config).iter().map(|d| absolute(d)).collect();
     Jail::new(jail.uid_base, Vec::new(), read_only, &config.vmm).with_staged(staged)
 }

@@ -109,17 +109,26 @@ pub struct Builder {
     scratch: Option<PathBuf>,
 }
 
+/// The build cache: `$SANDFORK_CACHE`, default `/var/cache/sandfork`.
+pub fn default_cache_dir() -> PathBuf {
+    std::env::var_os("SANDFORK_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/cache/sandfork"))
+}
+
+/// Where builds with the cache `cache` put the templates they make.
+pub fn templates_in(cache: &Path) -> PathBuf {
+    cache.join("templates")
+}
+
 impl Builder {
     /// A builder installing `agent` (the static guest agent binary), caching
     /// under `$SANDFORK_CACHE` (default `/var/cache/sandfork`), working in
     /// `$SANDFORK_BUILD_SCRATCH` when set, with images of at least 2 GiB
     /// (sparse).
     pub fn new(agent: impl Into<PathBuf>) -> Builder {
-        let cache = std::env::var_os("SANDFORK_CACHE")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from("/var/cache/sandfork"));
         Builder {
-            cache,
+            cache: default_cache_dir(),
             agent: agent.into(),
             image_size: 2048 * MIB,
             scratch: std::env::var_os("SANDFORK_BUILD_SCRATCH")
@@ -172,7 +181,7 @@ impl Builder {
 
     /// Where templates are cached.
     pub fn templates_dir(&self) -> PathBuf {
-        self.cache.join("templates")
+        templates_in(&self.cache)
     }
 
     /// Builds `source` (or finds it in the cache), sending progress lines to

@@ -33,24 +33,37 @@ impl Manager {
             }
         }
         dirs.extend(template_dirs(&self.template));
+        // Never a whole data directory or what holds one (a template whose
+        // image lay in the data dir itself would otherwise let in all)...
+        let areas = crate::jail::data_dirs(&self.config);
+        dirs.retain(|d| !areas.iter().any(|area| area.starts_with(d)));
+        // ...but the cluster cache, whose names cannot be guessed.
         dirs.push(self.config.cluster_cache_dir());
         Lineage::new(dirs)
     }
 
-    /// The lineage of the sandbox `record` keeps.
+    /// The lineage of the sandbox `record` keeps (its own directory always:
+    /// records from before `uses_dirs` name none).
     pub(crate) fn record_lineage(&self, record: &SandboxRecord) -> Lineage {
+        let own = self.sandbox_dir(&record.id);
         self.lineage(
-            &record.uses_dirs,
+            &[record.uses_dirs.as_slice(), std::slice::from_ref(&own)].concat(),
             &record.uses_snapshots,
             &record.template_id,
         )
     }
 }
 
-/// A template's directory and those of its snapshot and root layer (a
-/// template recorded before they all lay in its directory).
+/// A template's directory and those of its snapshot, root layer and the
+/// image below it (which an image build keeps in its own directory).
 fn template_dirs(template: &crate::store::TemplateRecord) -> Vec<PathBuf> {
-    let parents = [&template.snapshot, &template.mem, &template.root_layer]
+    let files = [
+        &template.snapshot,
+        &template.mem,
+        &template.root_layer,
+        &template.rootfs,
+    ];
+    let parents = files
         .into_iter()
         .filter_map(|p| p.parent().map(Path::to_owned))
         .filter(|p| !p.as_os_str().is_empty());

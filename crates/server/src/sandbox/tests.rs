@@ -403,3 +403,41 @@ async fn a_sandbox_whose_vmm_exits_by_itself_is_removed_and_counted() {
     assert!(!probe.dir().exists(), "the VMM's directory stays");
     assert!(!tmp.path().join("sandboxes").join(id).exists());
 }
+
+#[tokio::test]
+async fn a_sandboxs_lineage_is_what_its_record_stacks_on() {
+    let data = tempfile::tempdir().unwrap();
+    let m = manager(data.path());
+    let record = SandboxRecord {
+        uses_dirs: vec![
+            data.path().join("forks/f1"),
+            data.path().join("sandboxes/parent"),
+        ],
+        uses_snapshots: vec!["snap1".into()],
+        template_id: "custom".into(),
+        ..paused(data.path())
+    };
+    let lineage = m.record_lineage(&record);
+    let at = |p: &str| data.path().join(p);
+    for held in [
+        format!("sandboxes/{ID}/root.layer"),
+        "sandboxes/parent/snap-1/vm.mem".into(),
+        "forks/f1/fork.mem".into(),
+        "templates/snap1/vm.mem".into(),
+        "templates/custom/root.layer".into(),
+        "templates/base/vm.mem".into(),
+        "cluster-cache/0123abcd".into(),
+    ] {
+        assert!(lineage.holds(&at(&held)), "{held}: {lineage:?}");
+    }
+    // The base template's image lies in the data dir itself here: that
+    // does not let the whole data dir in.
+    for other in [
+        "sandboxes/neighbour/root.layer",
+        "forks/f2/fork.mem",
+        "templates/theirs/vm.mem",
+        "rootfs.raw",
+    ] {
+        assert!(!lineage.holds(&at(other)), "{other}: {lineage:?}");
+    }
+}
