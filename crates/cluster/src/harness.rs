@@ -130,6 +130,21 @@ impl Etcd {
         Err(HarnessError::NoLeader)
     }
 
+    /// Waits until the members have a leader, at most `within`: listening
+    /// members of a new cluster may still be electing one, and on a loaded
+    /// host that outlasts a client's request timeout.
+    pub async fn elected(&self, within: Duration) -> Result<usize, HarnessError> {
+        let deadline = Instant::now() + within;
+        loop {
+            match self.leader().await {
+                Err(HarnessError::NoLeader) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                r => return r,
+            }
+        }
+    }
+
     fn spawn(&mut self, i: usize) -> Result<(), HarnessError> {
         let initial_cluster = self
             .members

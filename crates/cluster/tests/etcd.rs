@@ -40,6 +40,13 @@ async fn eventually<F: AsyncFnMut() -> bool>(what: &str, within: Duration, mut c
     }
 }
 
+/// Three members with a leader elected.
+async fn three_members() -> Etcd {
+    let etcd = Etcd::start_members(3).unwrap();
+    etcd.elected(Duration::from_secs(60)).await.unwrap();
+    etcd
+}
+
 #[tokio::test]
 async fn nodes_register_under_a_lease_and_vanish_with_it() {
     let etcd = Etcd::start().unwrap();
@@ -773,7 +780,7 @@ async fn claim_all(
 
 #[tokio::test]
 async fn claims_racing_through_a_leader_loss_land_exactly_once() {
-    let mut etcd = Etcd::start_members(3).unwrap();
+    let mut etcd = three_members().await;
     let cluster = connect(&etcd).await;
     let ttl = Duration::from_secs(5);
     let a = register(&cluster, "a", 1, ttl).await;
@@ -820,7 +827,7 @@ async fn claims_racing_through_a_leader_loss_land_exactly_once() {
 
 #[tokio::test]
 async fn without_a_quorum_requests_fail_in_bounded_time_and_work_once_it_returns() {
-    let mut etcd = Etcd::start_members(3).unwrap();
+    let mut etcd = three_members().await;
     let cluster = connect(&etcd).await;
     let a = Registration::start(
         cluster.clone(),
@@ -875,7 +882,7 @@ async fn without_a_quorum_requests_fail_in_bounded_time_and_work_once_it_returns
 
 #[tokio::test]
 async fn a_node_cut_off_past_its_lease_registers_again_when_it_is_back() {
-    let mut etcd = Etcd::start_members(3).unwrap();
+    let mut etcd = three_members().await;
     let endpoints = etcd.endpoints();
     // The node reaches etcd through member 0 only: killing it cuts the node
     // off while the other two keep the quorum (and expire its lease).
