@@ -80,6 +80,9 @@ impl Templates {
             ));
             return Ok(id);
         }
+        // The image's own template is not the build's: claimed apart, or the
+        // collector takes its scratch directory for an orphan mid-build.
+        let _writing = manager.writing_template(&id);
         log.push(&format!("booting image template {id}"));
         let spec = BootSpec {
             rootfs: built.rootfs.clone(),

@@ -1083,13 +1083,25 @@ mod staged_tests {
         refused(forged, &their_mem, forged_state.to_str().unwrap());
         let asked = vm.give(Handed::for_guest().read(&their_mem)).await;
         refused(asked, &their_mem, "the request");
-        // Refused whole: nothing was exposed or made the VMM's.
-        assert!(listing(&inside(&sandboxes)).is_empty());
+        // A missing file outside it binds nothing, and is not bound later.
+        let gone = theirs.join("gone.mem");
+        let stale = mine.join("stale.state");
+        crate::snapshot_state::tests::state_file(&stale, &[gone.to_str().unwrap()]);
+        vm.give(Handed::for_guest().snapshot(&stale)).await.unwrap();
+        std::fs::write(&gone, "made afterwards").unwrap();
+        vm.give(Handed::for_guest().read(mine.join("stale.state")))
+            .await
+            .unwrap();
+        assert!(!inside(&gone).exists());
+        // Refused whole: nothing was exposed or made the VMM's (but the
+        // stale state, in its own directory).
+        assert_eq!(listing(&inside(&sandboxes)), ["mine"]);
+        assert_eq!(listing(&inside(&mine)), ["stale.state"]);
         assert_eq!(std::fs::metadata(&forged_top).unwrap().uid(), 0);
 
         // Its own disk, on its template, is handed.
         vm.give(Handed::for_guest().disk(&top, true)).await.unwrap();
-        assert_eq!(listing(&inside(&mine)), ["root.layer"]);
+        assert_eq!(listing(&inside(&mine)), ["root.layer", "stale.state"]);
         assert_eq!(listing(&inside(&templates.join("t"))), ["rootfs.img"]);
         // What the server names for calls that are not a load (a fork's or
         // snapshot's destination) is not a guest's: no lineage applies.
