@@ -587,7 +587,8 @@ impl Manager {
             timeout: AGENT_TIMEOUT,
             egress: params.network.policy.clone(),
             lineage: self.lineage(
-                &[template.uses_dirs.as_slice(), std::slice::from_ref(&dir)].concat(),
+                &dir,
+                &template.uses_dirs,
                 &template.uses_snapshots,
                 &template.id,
             ),

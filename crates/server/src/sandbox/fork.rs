@@ -239,7 +239,8 @@ impl Manager {
                 // Children keep the parent's policy (E2B's do).
                 egress: parent.network.policy.clone(),
                 lineage: self.lineage(
-                    &[parent.uses_dirs.as_slice(), std::slice::from_ref(&dir)].concat(),
+                    &dir,
+                    &parent.uses_dirs,
                     &parent.uses_snapshots,
                     &parent.template_id,
                 ),

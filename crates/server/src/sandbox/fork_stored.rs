@@ -243,7 +243,8 @@ impl Manager {
                 timeout: AGENT_TIMEOUT,
                 egress: parent.network.policy.clone(),
                 lineage: self.lineage(
-                    &[parent.uses_dirs.as_slice(), std::slice::from_ref(&dir)].concat(),
+                    &dir,
+                    &parent.uses_dirs,
                     &parent.uses_snapshots,
                     &parent.template_id,
                 ),

@@ -10,20 +10,22 @@ use super::Manager;
 use crate::store::SandboxRecord;
 
 impl Manager {
-    /// The lineage of a sandbox whose files lie in `uses_dirs` (its own
-    /// directory and those of the sandboxes and forks it stacks on, as its
-    /// record keeps them for the collector) and that stacks on the
-    /// snapshots `uses_snapshots` and its template `template_id`: those
-    /// directories, the templates' and the node's base template's, and the
-    /// cluster cache (what a sandbox taken in from the object store stacks
-    /// on: files named by their content's digest, which a VMM cannot guess).
+    /// The lineage of a sandbox with its own directory `own` that stacks
+    /// on the directories `uses_dirs` (of the sandboxes and forks below it,
+    /// as records keep them for the collector), the snapshots
+    /// `uses_snapshots` and its template `template_id`: those directories,
+    /// the templates' and the node's base template's, and the cluster cache
+    /// (what a sandbox taken in from the object store stacks on: files named
+    /// by their content's digest, which a VMM cannot guess).
     pub(crate) fn lineage(
         &self,
+        own: &Path,
         uses_dirs: &[PathBuf],
         uses_snapshots: &[String],
         template_id: &str,
     ) -> Lineage {
         let mut dirs = uses_dirs.to_vec();
+        dirs.push(own.to_owned());
         let templates = self.config.templates_dir();
         let ids = uses_snapshots.iter().map(String::as_str);
         for id in ids.chain([template_id]) {
@@ -45,9 +47,9 @@ impl Manager {
     /// The lineage of the sandbox `record` keeps (its own directory always:
     /// records from before `uses_dirs` name none).
     pub(crate) fn record_lineage(&self, record: &SandboxRecord) -> Lineage {
-        let own = self.sandbox_dir(&record.id);
         self.lineage(
-            &[record.uses_dirs.as_slice(), std::slice::from_ref(&own)].concat(),
+            &self.sandbox_dir(&record.id),
+            &record.uses_dirs,
             &record.uses_snapshots,
             &record.template_id,
         )

@@ -43,6 +43,11 @@ impl Lineage {
             return false;
         }
         let inside = |p: &Path, dir: &Path| p != dir && p.starts_with(dir);
+        // As named first: links are resolved (file system calls, on every
+        // load) only for a path no directory holds by name.
+        if self.dirs.iter().any(|dir| inside(path, dir)) {
+            return true;
+        }
         let canonical = path.canonicalize().ok();
         self.dirs.iter().any(|dir| {
             let dir_canonical = dir.canonicalize().ok();

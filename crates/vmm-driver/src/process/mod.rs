@@ -1006,25 +1006,24 @@ impl Handed {
                 }
             }
         }
-        if self.for_guest {
-            let foreign = |p: &Path| staged.holds(p) && !lineage.holds(p);
-            if let Some((path, _, named_in)) = out
-                .iter()
-                .find(|(p, _, _)| foreign(p) && p.symlink_metadata().is_ok())
-            {
-                return Err(ProcessError::OutsideLineage {
-                    path: path.clone(),
-                    named_in: named_in
-                        .as_ref()
-                        .map_or("the request".into(), |f| f.display().to_string()),
-                });
+        let mut handed = Vec::with_capacity(out.len());
+        for (path, access, named_in) in out {
+            if self.for_guest && staged.holds(&path) && !lineage.holds(&path) {
+                if path.symlink_metadata().is_ok() {
+                    return Err(ProcessError::OutsideLineage {
+                        path,
+                        named_in: named_in
+                            .map_or("the request".into(), |f| f.display().to_string()),
+                    });
+                }
+                // A missing one binds nothing: dropped, so that it stays
+                // unbound should it appear (a template's state names the
+                // memory file of its build's scratch directory, renamed since).
+                continue;
             }
-            // A missing one binds nothing: dropped, so that it stays unbound
-            // should it appear (a template's state names the memory file of
-            // its build's scratch directory, renamed since).
-            out.retain(|(p, _, _)| !foreign(p));
+            handed.push((path, access));
         }
-        Ok(out.into_iter().map(|(p, a, _)| (p, a)).collect())
+        Ok(handed)
     }
 }
 
