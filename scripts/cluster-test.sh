@@ -5,7 +5,10 @@
 # take the same network slot names and ranges). Through the gateway: create,
 # run a command, list, kill; and both nodes registered; the Python SDK's
 # create, command and file tests (control plane through one gateway, envd
-# through the other). A team's sandbox
+# through the other). A fork of 8 on a third node with room for 2 children
+# makes 2 there and 6 on the others, which fetch the frozen fork's files
+# from it; each child diverges, the parent is unaffected (the node leaves
+# after). A team's sandbox
 # limit holds across both gateways and nodes (made through one, its key
 # through the other; creates racing through both). Then, with an S3
 # server (SeaweedFS's weed, from scripts/deps.sh) as the object store: a
@@ -61,7 +64,7 @@ cleanup() {
     for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
     wait 2>/dev/null || true
     ip netns del "$cut_ns" 2>/dev/null || true
-    rm -rf "$work/n1" "$work/n2" "$work/etcd" "$work/weed"
+    rm -rf "$work/n1" "$work/n2" "$work/n3" "$work/etcd" "$work/weed"
 }
 trap cleanup EXIT
 bin=$target/debug/sandfork
@@ -144,6 +147,8 @@ b=$("$bin" create --timeout 900) || die "second create through the gateway"
 log "created $a and $b"
 route_of() { ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --print-value-only "/sandfork/v1/sandboxes/$1"; }
 owner() { route_of "$1" | python3 -c 'import json,sys; print(json.load(sys.stdin)["node_id"])'; }
+# (not `| grep -q`: under pipefail its early exit fails etcdctl and the loop)
+registered() { [[ -n $(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --keys-only "/sandfork/v1/nodes/$1") ]]; }
 # Waits until sandbox ID's route records a stored pause (at most 180 s); dies
 # with WHY otherwise.
 until_stored() { # ID WHY
@@ -184,6 +189,7 @@ grep -q "$b" <<<"$listed" || die "ls through the gateway lacks $b: $listed"
 # A snapshot lives on its sandbox's node: the gateway finds it there for
 # every request naming it, whichever node is freest.
 api() { curl -s -H "X-API-Key: $SANDFORK_API_KEY" -H 'Content-Type: application/json' "$@"; }
+now_ms() { echo $((${EPOCHREALTIME/./} / 1000)); }
 snap=$("$bin" snapshot "$b") || die "snapshot of $b through the gateway"
 api "$SANDFORK_API_URL/snapshots" | python3 -c 'import json, sys
 ids = [s["snapshotID"] for s in json.load(sys.stdin)]
@@ -240,6 +246,93 @@ creates_per_s() { # URL: prints creates per second of 8 at once
 creates_1node=$(creates_per_s "http://127.0.0.1:${ports[0]}")
 creates_cluster=$(creates_per_s "$SANDFORK_API_URL")
 log "creates per second (8 at once): $creates_1node straight to n1, $creates_cluster through the gateway on 2 nodes"
+
+# --- a fork across nodes -------------------------------------------------------
+# A third node with room for its parent and 2 children (--max-sandboxes 3):
+# a fork of 8 of a sandbox there makes 2 children on it and 6 on the other
+# nodes, which fetch the frozen fork's files from it (node to node, not the
+# object store). Every child writes a value of its own and reads it back;
+# the parent is unaffected. Timed from the fork call until all 8 children
+# have answered a command. The node leaves after it.
+t0=$SECONDS
+n3_port=$(free_port)
+n3_api=http://127.0.0.1:$n3_port
+"$bin" serve --in-lab --role node --node-id n3 --listen "127.0.0.1:$n3_port" --data-dir "$work/n3" \
+    --no-network --pool-size 1 --max-sandboxes 3 --lease-ttl-secs 3 >"$work/n3.log" 2>&1 &
+pids+=($!)
+n3_pid=$!
+start=$SECONDS
+until curl -sf "$n3_api/health" >/dev/null && registered n3; do
+    ((SECONDS - start < 800)) || { tail -n 30 "$work/n3.log" >&2; die "node n3 did not start"; }
+    sleep 1
+done
+parent=$(SANDFORK_API_URL=$n3_api "$bin" create --timeout 900) || die "create on n3"
+[[ $(owner "$parent") == n3 ]] || die "$parent is on $(owner "$parent"), not n3"
+"$bin" exec "$parent" -- sh -c 'cd && echo parent > who.txt' || die "writing in $parent"
+t=$(now_ms)
+answer=$(api -X POST -d '{"count": 8, "timeout": 900}' "$SANDFORK_API_URL/sandboxes/$parent/fork") ||
+    die "fork of 8 of $parent through the gateway"
+# A here-string, not a process substitution: the lab has no /dev/fd.
+ids=$(python3 -c 'import json, sys
+for entry in json.loads(sys.argv[1]):
+    print(entry["sandbox"]["sandboxID"] if "sandbox" in entry else "ERROR " + json.dumps(entry))' "$answer") ||
+    die "the fork's answer: $answer"
+mapfile -t children <<<"$ids"
+((${#children[@]} == 8)) || die "a fork of 8 answered ${#children[@]} entries: $answer"
+for child in "${children[@]}"; do
+    [[ $child != ERROR* ]] || die "a child of the fork of 8 failed: $child"
+done
+# Every child answers a command (the first sees the parent's file).
+firsts=()
+for i in "${!children[@]}"; do
+    "$bin" exec "${children[i]}" -- sh -c 'cat ~/who.txt' >"$work/xfork.$i" 2>&1 &
+    firsts+=($!)
+done
+for i in "${!firsts[@]}"; do
+    wait "${firsts[i]}" || die "the first command in ${children[i]}: $(cat "$work/xfork.$i")"
+done
+cross_node_fork8_ms=$(($(now_ms) - t))
+for i in "${!children[@]}"; do
+    [[ $(cat "$work/xfork.$i") == parent ]] || die "${children[i]} saw '$(cat "$work/xfork.$i")', not the parent's file"
+done
+local_children=0 remote_children=0
+declare -A on_node=()
+for child in "${children[@]}"; do
+    child_node=$(owner "$child")
+    on_node[$child_node]=$((${on_node[$child_node]:-0} + 1))
+    if [[ $child_node == n3 ]]; then
+        local_children=$((local_children + 1))
+    else
+        remote_children=$((remote_children + 1))
+    fi
+done
+placed=$(for n in "${!on_node[@]}"; do echo -n "$n: ${on_node[$n]} "; done)
+((local_children == 2 && remote_children == 6)) ||
+    die "the fork of 8 put $local_children children on n3 and $remote_children elsewhere, not 2 and 6 ($placed)"
+# The other nodes fetched the fork's files from n3.
+grep -q "fork .* of sandbox $parent on node n3: fetched" "$work"/n1.log "$work"/n2.log ||
+    die "no node says it fetched the fork's files from n3"
+# Each child diverges: its own value written, its own read back.
+for i in "${!children[@]}"; do
+    "$bin" exec "${children[i]}" -- sh -c "cd && echo child-$i > who.txt" || die "writing in ${children[i]}"
+done
+for i in "${!children[@]}"; do
+    got=$("$bin" exec "${children[i]}" -- sh -c 'cat ~/who.txt') || die "reading in ${children[i]}"
+    [[ $got == "child-$i" ]] || die "${children[i]} (on $(owner "${children[i]}")) read '$got', not child-$i"
+done
+[[ $("$bin" exec "$parent" -- sh -c 'cat ~/who.txt') == parent ]] || die "the parent $parent lost its file"
+"$bin" rm "${children[@]}" "$parent" || die "kill the fork's sandboxes"
+for id in "${children[@]}" "$parent"; do
+    [[ -z $(route_of "$id") ]] || die "$id is still mapped after its kill"
+done
+kill "$n3_pid"
+wait "$n3_pid" || true
+start=$SECONDS
+while registered n3; do
+    ((SECONDS - start < 30)) || die "node n3 is still registered after it stopped"
+    sleep 0.5
+done
+log "PASS: a fork of 8 on n3 (room for 2): 2 children on n3 and 6 on other nodes (which fetched its files from n3), each with its own file, the parent unaffected; all answered a command $cross_node_fork8_ms ms after the fork call ($((SECONDS - t0)) s in all; children per node: ${placed% })"
 
 # --- a team's limit holds across gateways and nodes --------------------------
 # The team is made through one gateway (so on one node), its key through the
@@ -307,7 +400,6 @@ c=$("$bin" create --timeout 900) || die "create for the pause"
     die "starting a process in $c"
 loop=$("$bin" exec "$c" -- sh -c 'sleep 1; cat ~/loop.pid') || die "reading the loop's pid"
 from=$(owner "$c")
-now_ms() { echo $((${EPOCHREALTIME/./} / 1000)); }
 pause() { # ID: a durable pause through the gateway
     curl -sf -X POST -H "X-API-Key: $SANDFORK_API_KEY" -H 'Content-Type: application/json' -d '{}' \
         -D "$work/pause.headers" "$SANDFORK_API_URL/sandboxes/$1/pause" >/dev/null || die "pausing $1"
@@ -335,8 +427,6 @@ log "$c paused on $from and stored in $pause_s s, $d running there; killing $fro
 kill -9 "${node_pid[$from]}"
 rm -rf "${work:?}/$from"
 # Its lease ends within the TTL (3 s); until then the gateway routes to it.
-# (not `| grep -q`: under pipefail its early exit fails etcdctl and the loop)
-registered() { [[ -n $(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --keys-only "/sandfork/v1/nodes/$1") ]]; }
 start=$SECONDS
 while registered "$from"; do
     ((SECONDS - start < 30)) || die "node $from is still registered"
@@ -465,4 +555,4 @@ stored_after=$((SECONDS - start))
 "$bin" rm "$f" || die "kill $f"
 log "PASS: with the object store down, a pause stayed on its node (durable: false, with a warning), was stored $stored_after s after the store came back, and resumed"
 # Lab figures (emulated: compare them as ratios within one run).
-log "bench: {\"gateway_exec_ms\": $via_gateway_ms, \"direct_exec_ms\": $direct_ms, \"durable_pause_first_ms\": $first_pause_ms, \"durable_pause_again_ms\": $pause_ms, \"same_node_resume_ms\": $same_node_resume_ms, \"cross_node_resume_ms\": $cross_node_resume_ms, \"cluster_creates_per_s_1node\": $creates_1node, \"cluster_creates_per_s_2nodes\": $creates_cluster}"
+log "bench: {\"gateway_exec_ms\": $via_gateway_ms, \"direct_exec_ms\": $direct_ms, \"durable_pause_first_ms\": $first_pause_ms, \"durable_pause_again_ms\": $pause_ms, \"same_node_resume_ms\": $same_node_resume_ms, \"cross_node_resume_ms\": $cross_node_resume_ms, \"cluster_creates_per_s_1node\": $creates_1node, \"cluster_creates_per_s_2nodes\": $creates_cluster, \"cross_node_fork8_ms\": $cross_node_fork8_ms}"

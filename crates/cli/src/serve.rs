@@ -471,7 +471,12 @@ async fn serve(args: ServeArgs) -> Result<()> {
         durable,
         changing: Default::default(),
         storing: Default::default(),
+        forks: Default::default(),
     });
+    // The API's part of the cluster: forks across nodes.
+    if node.state.cluster.set(member.clone()).is_err() {
+        anyhow::bail!("the node joined a cluster twice");
+    }
     // Sandboxes recovered at start are mapped before the first request.
     member.reconcile().await;
     member.start_reconciler(std::time::Duration::from_secs(2));

@@ -33,10 +33,12 @@ pub enum FileError {
     },
     #[error(transparent)]
     Store(#[from] ObjectError),
-    #[error("chunk {0} is missing from the object store")]
+    #[error("chunk {0} is missing from where it was fetched (object store or node)")]
     Missing(String),
-    #[error("chunk {0} from the object store does not match its digest")]
+    #[error("chunk {0} as fetched does not match its digest")]
     Corrupt(String),
+    #[error("node {node}: {reason}")]
+    Peer { node: String, reason: String },
     #[error("a blocking task failed: {0}")]
     Join(#[from] tokio::task::JoinError),
 }
@@ -87,6 +89,22 @@ impl StoredFile {
     }
 }
 
+/// Where a download's chunks come from: the object store, or the node
+/// that holds the file ([`crate::peer`]).
+pub trait ChunkSource: Clone + Send + Sync + 'static {
+    /// The chunk `digest` names, None if the source does not have it.
+    fn chunk(
+        &self,
+        digest: &str,
+    ) -> impl std::future::Future<Output = Result<Option<Bytes>, FileError>> + Send;
+}
+
+impl ChunkSource for ObjectStore {
+    async fn chunk(&self, digest: &str) -> Result<Option<Bytes>, FileError> {
+        Ok(self.get(&chunk_key(digest)).await?)
+    }
+}
+
 pub fn chunk_key(digest: &str) -> String {
     format!("chunks/{digest}")
 }
@@ -124,6 +142,12 @@ fn read_chunk(
     Ok(buf.iter().any(|&b| b != 0).then_some(buf))
 }
 
+/// Whether chunk `index` meets the byte ranges `used` (all are, without).
+fn in_use(used: Option<&[(u64, u64)]>, index: u64) -> bool {
+    let (start, end) = (index * CHUNK, (index + 1) * CHUNK);
+    used.is_none_or(|used| used.iter().any(|&(a, b)| a < end && b > start))
+}
+
 /// Stores the file at `path`: each chunk not in the store yet is sent.
 pub async fn upload(store: &ObjectStore, path: &Path) -> Result<(StoredFile, Sent), FileError> {
     upload_ranges(store, path, None).await
@@ -147,10 +171,7 @@ pub async fn upload_ranges(
     let mut tasks: JoinSet<Result<Option<u64>, FileError>> = JoinSet::new();
     let mut sent = Sent::default();
     for index in 0..count {
-        let (start, end) = (index * CHUNK, (index + 1) * CHUNK);
-        if let Some(used) = used
-            && !used.iter().any(|&(a, b)| a < end && b > start)
-        {
+        if !in_use(used, index) {
             chunks.push(None);
             continue;
         }
@@ -196,10 +217,51 @@ pub async fn upload_ranges(
     Ok((StoredFile { len, chunks }, sent))
 }
 
+/// Where each chunk of a described file lies in it: its digest, offset and
+/// length.
+pub type ChunkPlaces = Vec<(String, u64, u64)>;
+
+/// [`upload_ranges`] without the upload: the file's description and where
+/// each of its non-zero chunks lies, for a node that serves the file
+/// itself (see [`crate::peer`]).
+pub async fn describe(
+    path: &Path,
+    used: Option<&[(u64, u64)]>,
+) -> Result<(StoredFile, ChunkPlaces), FileError> {
+    let (path, used) = (path.to_owned(), used.map(<[_]>::to_vec));
+    tokio::task::spawn_blocking(move || {
+        let file = File::open(&path).map_err(io("opening", &path))?;
+        let len = file
+            .metadata()
+            .map_err(io("reading the size of", &path))?
+            .len();
+        let count = len.div_ceil(CHUNK);
+        let mut chunks = Vec::with_capacity(count as usize);
+        let mut places = Vec::new();
+        for index in 0..count {
+            if !in_use(used.as_deref(), index) {
+                chunks.push(None);
+                continue;
+            }
+            let (start, end) = (index * CHUNK, ((index + 1) * CHUNK).min(len));
+            match read_chunk(&file, &path, index, len)? {
+                Some(data) => {
+                    let digest = hex(&Sha256::digest(&data));
+                    places.push((digest.clone(), start, end - start));
+                    chunks.push(Some(digest));
+                }
+                None => chunks.push(None),
+            }
+        }
+        Ok((StoredFile { len, chunks }, places))
+    })
+    .await?
+}
+
 /// Writes the stored file to `to` (through a temporary sibling renamed into
 /// place, so `to` is whole or absent), each chunk checked against its digest.
-pub async fn download(
-    store: &ObjectStore,
+pub async fn download<S: ChunkSource>(
+    store: &S,
     stored: &StoredFile,
     to: &Path,
 ) -> Result<(), FileError> {
@@ -223,7 +285,7 @@ pub async fn download(
             let (store, file, tmp) = (store.clone(), file.clone(), tmp.clone());
             tasks.spawn(async move {
                 let data = store
-                    .get(&chunk_key(&digest))
+                    .chunk(&digest)
                     .await?
                     .ok_or_else(|| FileError::Missing(digest.clone()))?;
                 tokio::task::spawn_blocking(move || {

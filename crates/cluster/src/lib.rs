@@ -11,6 +11,7 @@ pub mod harness;
 pub mod keyspace;
 mod membership;
 pub mod objects;
+pub mod peer;
 pub mod quota;
 pub mod tenants;
 pub mod view;

@@ -21,7 +21,12 @@
 //!
 //! Teams and keys are the cluster's ([`follow_tenants`]).
 
+pub mod cache;
 pub mod durable;
+pub mod fork_across;
+pub mod fork_children;
+pub mod fork_files;
+pub mod guest_files;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -68,6 +73,9 @@ pub struct Node {
     /// Pauses the reconciler found unstored: being stored now (None), or
     /// when the last try failed.
     pub storing: std::sync::Mutex<std::collections::HashMap<String, Option<Instant>>>,
+    /// Forks whose files this node serves to the nodes making their
+    /// children ([`fork_across`]).
+    pub forks: fork_files::Exports,
 }
 
 /// Sandboxes whose running state an API request is changing (pause,
@@ -294,6 +302,8 @@ fn change(method: &Method, path: &str) -> Change {
             _ => Change::None,
         },
         (&Method::POST, p) if p.starts_with("/snapshots/") && p.ends_with("/fork") => Change::Fork,
+        // Children of a fork frozen on another node.
+        (&Method::POST, "/internal/forks") => Change::Fork,
         (&Method::POST, p) => {
             let Some(rest) = p
                 .strip_prefix("/sandboxes/")
@@ -638,7 +648,8 @@ async fn claim_created(node: &Node, team: &str, response: Response) -> Response 
 /// Claims each child a fork answered with before the answer leaves (the
 /// next request, through any gateway, finds it); a child its team has no
 /// slot for is killed and its entry becomes the error, as a child that
-/// failed to start is.
+/// failed to start is. Children another node made (a fork across nodes)
+/// were claimed by that node before it answered.
 async fn claim_children(node: &Node, team: &str, response: Response) -> Response {
     let (parts, bytes) = match read_answer(response).await {
         Ok(read) => read,
@@ -655,6 +666,10 @@ async fn claim_children(node: &Node, team: &str, response: Response) -> Response
         else {
             continue;
         };
+        // A child on another node (a fork across nodes) is that node's to claim.
+        if node.manager.get(&id).is_err() {
+            continue;
+        }
         if let Some(e) = claim_or_kill(node, &id, team).await {
             *child =
                 serde_json::json!({"error": {"code": e.status.as_u16(), "message": e.message}});
@@ -764,6 +779,10 @@ mod tests {
         ));
         assert!(matches!(
             change(&Method::POST, "/snapshots/s1/fork"),
+            Change::Fork
+        ));
+        assert!(matches!(
+            change(&Method::POST, "/internal/forks"),
             Change::Fork
         ));
         assert!(

@@ -145,6 +145,7 @@ impl Server {
                 templates,
                 keys,
                 guests: Default::default(),
+                cluster: Default::default(),
             }),
             api_key_file,
         })

@@ -53,8 +53,8 @@ mod snapshot;
 #[cfg(test)]
 mod tests;
 mod working_set;
-pub use fork::Forked;
-pub use fork_stored::{ForkResults, SnapshotForkParams};
+pub use fork::{Forked, Frozen};
+pub use fork_stored::{CopiedFork, ForkResults, SnapshotForkParams};
 pub use gc::{GcStats, TemplateWrite};
 pub use live::Phase;
 use live::{Registry, Sandbox};

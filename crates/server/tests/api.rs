@@ -147,6 +147,7 @@ fn node_keyed(
         templates: templates.clone(),
         keys,
         guests: Default::default(),
+        cluster: Default::default(),
     });
     Node {
         app: router(state),

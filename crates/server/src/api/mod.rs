@@ -22,6 +22,8 @@ use axum::routing::{delete, get, patch, post, put};
 pub use detach::ClientGone;
 pub use error::{ApiError, TEAM_LIMIT_HEADER};
 pub use list::{ListQuery, decode_metadata_filter};
+pub use sandboxes::MAX_FORK_COUNT;
+pub(crate) use sandboxes::fork_answer;
 
 pub use crate::state::{AppState, Shared};
 
@@ -48,6 +50,15 @@ pub fn router(state: Shared) -> Router {
         .route("/sandboxes/{id}/connect", post(sandboxes::connect))
         .route("/v2/sandboxes/{id}/connect", post(sandboxes::connect))
         .route("/sandboxes/{id}/fork", post(sandboxes::fork))
+        // Node to node in a cluster: a fork across nodes (404 elsewhere).
+        .route(
+            "/internal/forks",
+            post(crate::cluster::fork_children::make_children),
+        )
+        .route(
+            crate::cluster::fork_files::CHUNK_ROUTE,
+            get(crate::cluster::fork_files::serve_chunk),
+        )
         .route("/sandboxes/{id}/network", put(network::update))
         .route("/sandboxes/{id}/snapshots", post(snapshots::create))
         .route("/snapshots", get(snapshots::list))

@@ -447,6 +447,17 @@ pub(super) struct ForkBody {
 /// A fork's timeout and count, checked in E2B's order and with its texts
 /// (the timeout, then the count; the source is looked up after).
 pub(super) fn fork_request(state: &Shared, req: &ForkBody) -> Result<(Duration, u32), ApiError> {
+    fork_request_on(state, req, false)
+}
+
+/// [`fork_request`]; `spread`: children may go to other nodes too (a
+/// running sandbox's fork on a node of a cluster), so the node's own
+/// limit does not bound the count.
+fn fork_request_on(
+    state: &Shared,
+    req: &ForkBody,
+    spread: bool,
+) -> Result<(Duration, u32), ApiError> {
     let timeout = timeout_secs(
         req.timeout.unwrap_or(V2_DEFAULT_TIMEOUT),
         state.manager.config().max_timeout,
@@ -463,7 +474,7 @@ pub(super) fn fork_request(state: &Shared, req: &ForkBody) -> Result<(Duration, 
     // The forked sandbox keeps its slot: as many children as the node runs
     // sandboxes could never all start (E2B checks its concurrency limit so).
     let max = state.manager.capacity().limits().sandboxes;
-    if usize::try_from(count).is_ok_and(|c| c >= max) {
+    if !spread && usize::try_from(count).is_ok_and(|c| c >= max) {
         return Err(ApiError::bad_request(format!(
             "Count must be lower than the maximum number of concurrent sandboxes ({max})"
         )));
@@ -474,24 +485,61 @@ pub(super) fn fork_request(state: &Shared, req: &ForkBody) -> Result<(Duration, 
 /// `POST /sandboxes/{id}/fork`: 201 with one `{"sandbox": ...}` or
 /// `{"error": {code, message}}` per child, in order. A paused sandbox is
 /// forked from its paused state and stays paused (E2B's RL RFC, infra #3424).
+/// On a node of a cluster, a running sandbox's children that do not fit
+/// here are made on other nodes (see [`crate::cluster::fork_across`]),
+/// after this node's in the answer.
 pub async fn fork(
     State(state): State<Shared>,
     Path(id): Path<String>,
     gone: ClientGone,
+    headers: axum::http::HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let id = check_id(&id)?;
     let req: ForkBody = parse_body(&body)?;
-    let (timeout, count) = fork_request(&state, &req)?;
-    let (results, parent_paused) = match state.manager.get(&id)?.state {
-        SandboxState::Paused => (state.manager.fork_paused(&id, count, timeout).await?, None),
-        SandboxState::Running => {
+    // The body first, as E2B checks it (then the sandbox).
+    let (timeout, count) = fork_request_on(&state, &req, state.cluster.get().is_some())?;
+    let record = state.manager.get(&id)?;
+    let cluster = state
+        .cluster
+        .get()
+        .filter(|_| record.state == SandboxState::Running);
+    if cluster.is_none() {
+        // Every child on this node: its own bound.
+        fork_request(&state, &req)?;
+    }
+    let (results, parent_paused, elsewhere) = match (record.state, cluster) {
+        (SandboxState::Paused, _) => (
+            state.manager.fork_paused(&id, count, timeout).await?,
+            None,
+            Vec::new(),
+        ),
+        (SandboxState::Running, None) => {
             let forked = state.manager.fork(&id, count, timeout).await?;
-            (forked.children, Some(forked.parent_paused))
+            (forked.children, Some(forked.parent_paused), Vec::new())
+        }
+        (SandboxState::Running, Some(node)) => {
+            let key = headers
+                .get(crate::auth::HEADER)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default();
+            let elsewhere = async |frozen: Result<crate::sandbox::Frozen, _>, n: u32| {
+                crate::cluster::fork_across::elsewhere(node, frozen, n, timeout, key).await
+            };
+            let (forked, remote) = state
+                .manager
+                .fork_spread(&id, count, timeout, Some(elsewhere))
+                .await?;
+            (
+                forked.children,
+                Some(forked.parent_paused),
+                remote.unwrap_or_default(),
+            )
         }
     };
+    // (children on other nodes are theirs: left to their timeout)
     remove_if_gone(&state, &gone, made(&results)).await?;
-    Ok(fork_answer(results, parent_paused))
+    Ok(fork_answer_with(results, elsewhere, parent_paused))
 }
 
 /// The sandboxes a fork made.
@@ -530,8 +578,18 @@ pub(super) async fn remove_if_gone<'a>(
 
 /// The 201 of a fork: one `{"sandbox": ...}` or `{"error": ...}` per child,
 /// and how long a running parent stopped for the freeze.
-pub(super) fn fork_answer(
+pub(crate) fn fork_answer(
     results: crate::sandbox::ForkResults,
+    parent_paused: Option<Duration>,
+) -> Response {
+    fork_answer_with(results, Vec::new(), parent_paused)
+}
+
+/// [`fork_answer`] with `more` entries after this node's children's (those
+/// other nodes made).
+fn fork_answer_with(
+    results: crate::sandbox::ForkResults,
+    more: Vec<Value>,
     parent_paused: Option<Duration>,
 ) -> Response {
     let body: Vec<Value> = results
@@ -543,6 +601,7 @@ pub(super) fn fork_answer(
                 json!({"error": {"code": e.status.as_u16(), "message": e.message}})
             }
         })
+        .chain(more)
         .collect();
     // The body is E2B's (a list); how long the parent stopped goes beside it.
     let mut answer = (StatusCode::CREATED, Json(body)).into_response();

@@ -56,7 +56,13 @@ pub async fn require_api_key(
     let Some(caller) = state.keys.authenticate(&key) else {
         return invalid_key();
     };
-    if let Err(wait) = state.keys.admit(&key, &caller) {
+    // A fork's chunks, fetched by the nodes making its children, are parts
+    // of one request already counted (the fork), not requests of their own.
+    let chunk = req
+        .extensions()
+        .get::<MatchedPath>()
+        .is_some_and(|p| p.as_str() == crate::cluster::fork_files::CHUNK_ROUTE);
+    if !chunk && let Err(wait) = state.keys.admit(&key, &caller) {
         return rate_limited(wait);
     }
     if let Some(refused) = check_path(&state, &caller, &req) {

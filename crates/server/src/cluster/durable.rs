@@ -16,15 +16,15 @@
 //! the node's own, which must be the same image), and the state's memory
 //! files to the cached copies.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
-use std::time::{Instant, SystemTime};
+use std::time::Instant;
 
 use cluster::files::{self, FileError, StoredFile};
 use cluster::{DurablePause, ObjectStore};
 use serde::{Deserialize, Serialize};
 
+use super::cache;
+use super::guest_files::{GuestFiles, Known};
 use crate::sandbox::{Manager, PausedFiles, ROOT_LAYER, SandboxError, adopted_record};
 use crate::store::SandboxRecord;
 
@@ -59,24 +59,13 @@ pub struct Manifest {
     /// The node that paused it.
     pub node_id: String,
     pub record: SandboxRecord,
-    pub state: Option<StoredFile>,
-    /// Base first.
-    pub memory: Vec<StoredFile>,
-    /// Its own writable layer first.
-    pub disk: Vec<StoredFile>,
-    /// The size of the raw image below the layers (the node's root image).
-    pub raw_base_size: Option<u64>,
+    /// Its disk's top layer is its own writable one.
+    #[serde(flatten)]
+    pub files: GuestFiles,
 }
 
 pub fn manifest_key(id: &str, generation: u32) -> String {
     format!("sandboxes/{id}/{generation}.json")
-}
-
-/// A file sent before: its identity then, and what it became.
-struct Sent {
-    len: u64,
-    modified: Option<SystemTime>,
-    stored: StoredFile,
 }
 
 pub struct Durable {
@@ -84,7 +73,7 @@ pub struct Durable {
     node_id: String,
     cache_dir: PathBuf,
     /// Immutable files (memory files, sealed layers) already stored.
-    sent: Mutex<HashMap<PathBuf, Sent>>,
+    sent: Known<StoredFile>,
     /// One cache fill at a time (two takes of one template share files).
     filling: tokio::sync::Mutex<()>,
 }
@@ -96,7 +85,7 @@ impl Durable {
             store,
             node_id: node_id.to_owned(),
             cache_dir,
-            sent: Mutex::new(HashMap::new()),
+            sent: Known::default(),
             filling: tokio::sync::Mutex::new(()),
         }
     }
@@ -188,10 +177,12 @@ impl Durable {
             version: MANIFEST_VERSION,
             node_id: self.node_id.clone(),
             record: files.record.clone(),
-            state,
-            memory,
-            disk,
-            raw_base_size: files.raw_base.as_ref().map(|(_, size)| *size),
+            files: GuestFiles {
+                state,
+                memory,
+                disk,
+                raw_base_size: files.raw_base.as_ref().map(|(_, size)| *size),
+            },
         };
         Ok((manifest, total))
     }
@@ -203,30 +194,15 @@ impl Durable {
         path: &Path,
         used: Option<&[(u64, u64)]>,
     ) -> Result<(StoredFile, files::Sent), DurableError> {
-        let meta = std::fs::metadata(path).map_err(|e| FileError::Io {
-            what: "reading",
-            path: path.to_owned(),
-            source: e,
-        })?;
-        let (len, modified) = (meta.len(), meta.modified().ok());
-        {
-            let sent = self.sent.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(s) = sent.get(path)
-                && s.len == len
-                && s.modified == modified
-            {
-                return Ok((s.stored.clone(), files::Sent::default()));
-            }
-        }
-        let (stored, sent) = files::upload_ranges(&self.store, path, used).await?;
-        self.sent.lock().unwrap_or_else(|p| p.into_inner()).insert(
-            path.to_owned(),
-            Sent {
-                len,
-                modified,
-                stored: stored.clone(),
-            },
-        );
+        let mut sent = files::Sent::default();
+        let stored = self
+            .sent
+            .get_or_make(path, async || {
+                let (stored, s) = files::upload_ranges(&self.store, path, used).await?;
+                sent = s;
+                Ok::<_, DurableError>(stored)
+            })
+            .await?;
         Ok((stored, sent))
     }
 
@@ -249,15 +225,11 @@ impl Durable {
             )));
         }
         let rootfs = manager.config().rootfs.clone();
-        if let Some(size) = manifest.raw_base_size {
-            let here = std::fs::metadata(&rootfs).map(|m| m.len()).ok();
-            if here != Some(size) {
-                return Err(DurableError::Incompatible(format!(
-                    "sandbox {id}'s disk stacks on a {size}-byte root image; this node's {} is {here:?} bytes (nodes must run the same image)",
-                    rootfs.display()
-                )));
-            }
-        }
+        cache::same_raw_base(
+            &rootfs,
+            manifest.files.raw_base_size,
+            &format!("sandbox {id}"),
+        )?;
         std::fs::create_dir_all(&self.cache_dir).map_err(|e| FileError::Io {
             what: "creating",
             path: self.cache_dir.clone(),
@@ -299,76 +271,24 @@ impl Durable {
         rootfs: &Path,
     ) -> Result<SandboxRecord, DurableError> {
         let _filling = self.filling.lock().await;
-        // Disk, bottom up: each copy names the one below it.
-        let mut parent = rootfs.to_owned();
-        for stored in manifest.disk.iter().skip(1).rev() {
-            parent = self.cached(stored, Some(&parent)).await?;
-        }
-        let top = manifest
+        let guest = &manifest.files;
+        // Its own layer into its directory, on the sealed ones' copies.
+        let parent = guest
+            .cache_layers(1, &self.cache_dir, &self.store, rootfs)
+            .await?;
+        let top = guest
             .disk
             .first()
             .ok_or_else(|| DurableError::Incompatible("the pause has no disk".into()))?;
         let root = dir.join(ROOT_LAYER);
         files::download(&self.store, top, &root).await?;
-        set_parent(&root, &parent)?;
-
-        let mut memory = Vec::new();
-        for stored in &manifest.memory {
-            memory.push(self.cached(stored, None).await?);
-        }
-        let state = match &manifest.state {
-            Some(stored) => {
-                let generation = manifest.record.pause_generation;
-                let original = dir.join(format!("pause-{generation}.state.moved"));
-                let state = dir.join(format!("pause-{generation}.state"));
-                files::download(&self.store, stored, &original).await?;
-                vmm_driver::snapshot_state::relocate(&original, &state, &memory).map_err(|e| {
-                    DurableError::Relocate {
-                        what: "relocating the state",
-                        path: state.clone(),
-                        reason: e.to_string(),
-                    }
-                })?;
-                let _ = std::fs::remove_file(&original);
-                let top_memory = memory.last().cloned().ok_or_else(|| {
-                    DurableError::Incompatible("the pause's state maps no memory".into())
-                })?;
-                Some((state, top_memory))
-            }
-            None => None,
-        };
+        cache::set_parent(&root, &parent)?;
+        let generation = manifest.record.pause_generation;
+        let state = dir.join(format!("pause-{generation}.state"));
+        let state = guest
+            .place_state(&self.cache_dir, &self.store, &state)
+            .await?
+            .map(|top_memory| (state, top_memory));
         Ok(adopted_record(manifest.record.clone(), dir, state))
     }
-
-    /// The cached copy of `stored`, fetched if missing; a layer's copy
-    /// names `parent` as its parent.
-    async fn cached(
-        &self,
-        stored: &StoredFile,
-        parent: Option<&Path>,
-    ) -> Result<PathBuf, DurableError> {
-        let path = self.cache_dir.join(stored.digest());
-        if path.is_file() {
-            return Ok(path);
-        }
-        let fetching = path.with_extension("fetching");
-        files::download(&self.store, stored, &fetching).await?;
-        if let Some(parent) = parent {
-            set_parent(&fetching, parent)?;
-        }
-        std::fs::rename(&fetching, &path).map_err(|e| FileError::Io {
-            what: "renaming",
-            path: fetching.clone(),
-            source: e,
-        })?;
-        Ok(path)
-    }
-}
-
-fn set_parent(layer: &Path, parent: &Path) -> Result<(), DurableError> {
-    disk_layers::set_parent_path(layer, parent).map_err(|e| DurableError::Relocate {
-        what: "setting the parent of",
-        path: layer.to_owned(),
-        reason: e.to_string(),
-    })
 }

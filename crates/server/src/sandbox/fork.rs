@@ -42,7 +42,36 @@ pub struct Forked {
     pub parent_paused: Duration,
 }
 
+/// A fork frozen on this node, as another node needs it to make children of
+/// its own (see the server's `cluster::fork_across`).
+#[derive(Debug, Clone)]
+pub struct Frozen {
+    /// The parent's record after the fork.
+    pub parent: SandboxRecord,
+    /// The fork's VMM state.
+    pub state: PathBuf,
+    /// The memory files the state maps, base first, with the ranges it reads.
+    pub memory: Vec<vmm_driver::snapshot_state::MemoryLayer>,
+    /// The sealed root layer every child stacks on, then the layers below
+    /// it (the raw image at the bottom is not among them: `raw_base`).
+    pub disk: Vec<PathBuf>,
+    pub raw_base: Option<(PathBuf, u64)>,
+}
+
 impl Manager {
+    /// A new directory for a fork's files (frozen memory, state, every new
+    /// root layer): they are shared by parent and children, so they live
+    /// outside any one sandbox's directory.
+    pub(super) fn new_fork_dir(&self) -> Result<PathBuf, SandboxError> {
+        let dir = self
+            .config
+            .data_dir
+            .join("forks")
+            .join(ids::sandbox_id().map_err(io("generating a fork id"))?);
+        std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
+        Ok(dir)
+    }
+
     /// Forks a running sandbox into `count` new ones that continue from its
     /// current memory and disk (sandfork's `PUT /fork`: memory frozen once
     /// and shared copy-on-write, the disk sealed and branched). The parent
@@ -54,6 +83,24 @@ impl Manager {
         count: u32,
         timeout: Duration,
     ) -> Result<Forked, SandboxError> {
+        let alone = None::<fn(Result<Frozen, SandboxError>, u32) -> std::future::Ready<()>>;
+        Ok(self.fork_spread(id, count, timeout, alone).await?.0)
+    }
+
+    /// [`Manager::fork`], where the children that do not fit on this node
+    /// (when `elsewhere` is given) are made by `elsewhere` from the frozen
+    /// fork: it is called with the fork (or why its files could not be
+    /// listed) and how many children it is to make, while this node's
+    /// children start, and its answer returned beside theirs (None when all
+    /// fit here, and it is not called). Without `elsewhere`, all children
+    /// fit here or none is made.
+    pub async fn fork_spread<R>(
+        self: &Arc<Self>,
+        id: &str,
+        count: u32,
+        timeout: Duration,
+        elsewhere: Option<impl AsyncFnOnce(Result<Frozen, SandboxError>, u32) -> R>,
+    ) -> Result<(Forked, Option<R>), SandboxError> {
         let _busy = self.activity.read().await;
         let sandbox = self.sandbox(id)?;
         let Ok(guest) = sandbox.guest.try_lock() else {
@@ -63,23 +110,41 @@ impl Manager {
             return Err(sandbox.phase().refusal(id));
         }
         let parent = self.get(id)?;
-        // All children or none: they come from one freeze of the parent, and
-        // a caller asking for N should not get fewer that happened to fit.
-        // Disk: the frozen memory, and room for a pause as a create checks
-        // (the children share the frozen memory; their pauses later write
-        // what each changed, as any sandbox's do).
+        // All children or none on one node: they come from one freeze of
+        // the parent, and a caller asking for N should not get fewer that
+        // happened to fit. In a cluster, those that do not fit go to other
+        // nodes. Disk: the frozen memory, and room for a pause as a create
+        // checks (the children share the frozen memory; their pauses later
+        // write what each changed, as any sandbox's do).
         let child = Ask::sandbox(u64::from(parent.cpu_count), parent.memory_mb);
-        let mut slots = self.capacity.reserve_for(
-            Ask {
-                disk_mib: parent.memory_mb.saturating_mul(2),
-                ..child.times(u64::from(count))
-            },
-            &format!(
-                "a fork of {count} {}",
-                if count == 1 { "child" } else { "children" }
-            ),
-            Some(parent.team()),
-        )?;
+        let reserve = |n: u32| {
+            self.capacity.reserve_for(
+                Ask {
+                    disk_mib: parent.memory_mb.saturating_mul(2),
+                    ..child.times(u64::from(n))
+                },
+                &format!(
+                    "a fork of {n} {}",
+                    if n == 1 { "child" } else { "children" }
+                ),
+                Some(parent.team()),
+            )
+        };
+        let (mut slots, local) = match reserve(count) {
+            Ok(slots) => (slots, count),
+            Err(all) if elsewhere.is_some() => {
+                let mut fitted = None;
+                for n in (0..count).rev() {
+                    if let Ok(slots) = reserve(n) {
+                        fitted = Some((slots, n));
+                        break;
+                    }
+                }
+                fitted.ok_or(all)?
+            }
+            Err(all) => return Err(all.into()),
+        };
+        let elsewhere = elsewhere.filter(|_| local < count);
         let child = Ask {
             disk_mib: 0,
             ..child
@@ -87,27 +152,22 @@ impl Manager {
         let Some(launched) = guest.as_ref() else {
             return Err(Phase::Gone.refusal(id));
         };
-        // The fork's files (frozen memory, state, every new root layer) are
-        // shared by parent and children, so they live outside any one
-        // sandbox's directory.
-        let fork_dir = self
-            .config
-            .data_dir
-            .join("forks")
-            .join(ids::sandbox_id().map_err(io("generating a fork id"))?);
-        std::fs::create_dir_all(&fork_dir)
-            .map_err(io(format!("creating {}", fork_dir.display())))?;
+        // The layer the fork seals (the parent's writable one until now).
+        let sealed = self.root_layer(&parent);
+        let fork_dir = self.new_fork_dir()?;
         // Every child's VMM first, from the pool or started in parallel,
         // while the parent runs on: it then stops only for the freeze, and
         // the children load the frozen state at once.
         let started = Instant::now();
         let vmms = self
             .pool
-            .take_many(count as usize, &parent.network.policy)
+            .take_many(local as usize, &parent.network.policy)
             .await;
         let vmms_ready = started.elapsed();
         sandbox.set_phase(Phase::Forking)?;
-        let forked = launched.vm.fork(&fork_dir, count).await;
+        // The VMM makes at least one child's layer: with none here, one
+        // unused (removed below).
+        let forked = launched.vm.fork(&fork_dir, local.max(1)).await;
         if forked.is_ok() {
             crate::crash::point("fork.frozen");
         }
@@ -135,18 +195,32 @@ impl Manager {
                 return Err(e);
             }
         };
+        if local == 0 {
+            for drive in info.children.iter().flatten() {
+                let _ = std::fs::remove_file(&drive.path_on_host);
+            }
+        }
         let parent_paused = Duration::from_micros(info.paused_us);
         tracing::info!(
-            "sandbox {id}: forked into {count}: the parent was paused {:.1} ms; the \
+            "sandbox {id}: forked into {local} here{}: the parent was paused {:.1} ms; the \
              children's VMMs were ready after {} ms",
+            if local < count {
+                format!(" and {} elsewhere", count - local)
+            } else {
+                String::new()
+            },
             parent_paused.as_secs_f64() * 1000.0,
             vmms_ready.as_millis()
         );
         // The children start without the parent: it may change meanwhile.
         drop(guest);
 
+        let remote = async {
+            let elsewhere = elsewhere?;
+            Some(elsewhere(frozen(&info, &parent, &sealed).await, count - local).await)
+        };
         let mut results: Vec<Option<Result<SandboxRecord, SandboxError>>> =
-            (0..count).map(|_| None).collect();
+            (0..local).map(|_| None).collect();
         let mut tasks = tokio::task::JoinSet::new();
         for (index, vmm) in vmms.into_iter().enumerate() {
             let slot = slots.split(child);
@@ -166,12 +240,15 @@ impl Manager {
                 (index, r)
             });
         }
-        while let Some(done) = tasks.join_next().await {
-            match done {
-                Ok((index, r)) => results[index] = Some(r),
-                Err(e) => tracing::error!("a fork child task failed: {e}"),
+        let here = async {
+            while let Some(done) = tasks.join_next().await {
+                match done {
+                    Ok((index, r)) => results[index] = Some(r),
+                    Err(e) => tracing::error!("a fork child task failed: {e}"),
+                }
             }
-        }
+        };
+        let ((), remote) = tokio::join!(here, remote);
         let children = results
             .into_iter()
             .map(|r| {
@@ -183,10 +260,13 @@ impl Manager {
                 })
             })
             .collect();
-        Ok(Forked {
-            children,
-            parent_paused,
-        })
+        Ok((
+            Forked {
+                children,
+                parent_paused,
+            },
+            remote,
+        ))
     }
 
     async fn fork_child(
@@ -280,4 +360,28 @@ impl Manager {
         }
         result
     }
+}
+
+/// What another node needs of the fork `info` of `parent`, whose sealed
+/// root layer is `sealed`.
+async fn frozen(
+    info: &ForkInfo,
+    parent: &SandboxRecord,
+    sealed: &std::path::Path,
+) -> Result<Frozen, SandboxError> {
+    let state = PathBuf::from(&info.snapshot_path);
+    let (parent, sealed) = (parent.clone(), sealed.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let memory = vmm_driver::snapshot_state::memory_layers(&state)
+            .map_err(|e| SandboxError::Unavailable(e.to_string()))?;
+        let (disk, raw_base) = super::moved::disk_files(&sealed)?;
+        Ok(Frozen {
+            parent,
+            state,
+            memory,
+            disk,
+            raw_base,
+        })
+    })
+    .await?
 }

@@ -20,7 +20,7 @@ use disk_layers::LayeredDisk;
 use vmm_driver::agent_client::AgentInit;
 
 use super::live::{self, Phase};
-use super::{AGENT_TIMEOUT, CreateParams, Manager, ROOT_LAYER, SandboxError, io};
+use super::{AGENT_TIMEOUT, CreateParams, Manager, ROOT_LAYER, SandboxError, adopted_record, io};
 use crate::capacity::{Ask, Reservation};
 use crate::clock::now_ms;
 use crate::ids;
@@ -67,7 +67,96 @@ async fn collect(
         .collect()
 }
 
+/// A fork frozen on another node, its files copied here: what its
+/// children start from.
+#[derive(Debug, Clone)]
+pub struct CopiedFork {
+    /// The fork's VMM state, naming the memory files' copies.
+    pub state: PathBuf,
+    /// The last memory file it maps.
+    pub mem: PathBuf,
+    /// The copy of the sealed root layer the children stack on (its chain
+    /// copied below it).
+    pub sealed: PathBuf,
+}
+
 impl Manager {
+    /// `count` children of a fork frozen on another node, the parent's
+    /// record `parent` as that node keeps it: `place` copies the fork's
+    /// files, those the children share into the directory it is given (new,
+    /// and named by every child's record), and says where they are. Each
+    /// child gets a top layer of its own over the sealed copy, and starts
+    /// from the copied state as a paused sandbox's child does; `slots` holds
+    /// their capacity (one child's share each). One result per child.
+    pub async fn fork_copied(
+        self: &Arc<Self>,
+        parent: SandboxRecord,
+        count: u32,
+        timeout: Duration,
+        mut slots: Reservation,
+        place: impl AsyncFnOnce(&std::path::Path) -> Result<CopiedFork, SandboxError>,
+    ) -> Result<ForkResults, SandboxError> {
+        // Held to the end: the collector must not judge the fork's and the
+        // children's new directories before their records name them.
+        let _busy = self.activity.read().await;
+        let fork_dir = self.new_fork_dir()?;
+        let copied = match place(&fork_dir).await {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&fork_dir);
+                return Err(e);
+            }
+        };
+        // Nothing of the other node's paths: its directories, layers and
+        // snapshots are not here.
+        let parent = adopted_record(parent, &fork_dir, None);
+        let child = Ask::sandbox(u64::from(parent.cpu_count), parent.memory_mb);
+        let snapshot = PausedSnapshot {
+            state: copied.state,
+            mem: copied.mem,
+        };
+        let mut tasks = tokio::task::JoinSet::new();
+        for index in 0..count as usize {
+            let manager = self.clone();
+            let (parent, snapshot, sealed) =
+                (parent.clone(), snapshot.clone(), copied.sealed.clone());
+            let hold = slots.split(child);
+            tasks.spawn(async move {
+                let r = async {
+                    let child_id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
+                    let dir = manager.sandbox_dir(&child_id);
+                    std::fs::create_dir_all(&dir)
+                        .map_err(io(format!("creating {}", dir.display())))?;
+                    let top = dir.join(ROOT_LAYER);
+                    let made = {
+                        let top = top.clone();
+                        tokio::task::spawn_blocking(move || {
+                            LayeredDisk::create(&sealed, &top).map(drop)
+                        })
+                        .await
+                    };
+                    if let Err(e) = made
+                        .map_err(SandboxError::from)
+                        .and_then(|r| r.map_err(SandboxError::from))
+                    {
+                        let _ = std::fs::remove_dir_all(&dir);
+                        return Err(e);
+                    }
+                    manager
+                        .paused_child(&parent, &snapshot, child_id, top, timeout, hold)
+                        .await
+                }
+                .await;
+                (index, r)
+            });
+        }
+        let results = collect(tasks, count as usize).await;
+        if results.iter().all(Result::is_err) {
+            let _ = std::fs::remove_dir_all(&fork_dir);
+        }
+        Ok(results)
+    }
+
     /// Forks the paused sandbox `id` into `count` new running sandboxes that
     /// continue from its paused memory and disk; it stays paused (and
     /// resumable, on a layer of its own). Each child gets its own access

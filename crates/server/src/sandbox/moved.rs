@@ -50,18 +50,7 @@ impl Manager {
                     .map_err(|e| SandboxError::Unavailable(e.to_string()))?,
                 None => Vec::new(),
             };
-            let mut disk = disk_layers::chain_files(&top)?;
-            let mut raw_base = None;
-            if let Some(last) = disk.last().cloned()
-                && disk.len() > 1
-                && !disk_layers::is_layer(&last)?
-            {
-                disk.pop();
-                let size = std::fs::metadata(&last)
-                    .map_err(io(format!("reading the size of {}", last.display())))?
-                    .len();
-                raw_base = Some((last, size));
-            }
+            let (disk, raw_base) = disk_files(&top)?;
             Ok(PausedFiles {
                 state: record.snapshot.as_ref().map(|s| s.state.clone()),
                 record,
@@ -110,6 +99,26 @@ impl Manager {
         stored
     }
 }
+
+/// The layers of the disk whose top layer is `top`, it first, and the raw
+/// image at the bottom with its size (not among the layers).
+pub(super) fn disk_files(top: &Path) -> Result<DiskFiles, SandboxError> {
+    let mut disk = disk_layers::chain_files(top)?;
+    let mut raw_base = None;
+    if let Some(last) = disk.last().cloned()
+        && disk.len() > 1
+        && !disk_layers::is_layer(&last)?
+    {
+        disk.pop();
+        let size = std::fs::metadata(&last)
+            .map_err(io(format!("reading the size of {}", last.display())))?
+            .len();
+        raw_base = Some((last, size));
+    }
+    Ok((disk, raw_base))
+}
+
+type DiskFiles = (Vec<PathBuf>, Option<(PathBuf, u64)>);
 
 /// `record` as kept by a node that took it in, its files in `dir`: its
 /// disk's writable layer `dir/root.layer`, its state `state` (None: paused

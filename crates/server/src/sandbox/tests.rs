@@ -317,6 +317,7 @@ async fn a_sandbox_whose_vmm_exits_by_itself_is_removed_and_counted() {
         templates: crate::template::Templates::new(m.clone()),
         keys: crate::auth::ApiKeys::for_key(KEY),
         guests: Default::default(),
+        cluster: Default::default(),
     });
     let app = crate::api::router(state);
     let node = |app: axum::Router| async move { call(&app, authed("GET", "/v1/node")).await.1 };
