@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use vmm_api::ForkInfo;
 use vmm_driver::agent_client::AgentInit;
-use vmm_driver::process::Restore;
+use vmm_driver::process::{ProcessError, Restore};
 
 use super::live::{self, Phase};
 use super::{AGENT_TIMEOUT, Manager, SandboxError, io};
@@ -56,6 +56,21 @@ pub struct Frozen {
     /// it (the raw image at the bottom is not among them: `raw_base`).
     pub disk: Vec<PathBuf>,
     pub raw_base: Option<(PathBuf, u64)>,
+}
+
+/// Whether a fork's failure leaves the parent's VMM in doubt: only a
+/// request never sent, or one the VMM refused (a 4xx, before it froze
+/// anything), leaves it as it was.
+fn parent_unknown_after(e: &SandboxError) -> bool {
+    use vmm_driver::ClientError;
+    !matches!(
+        e,
+        SandboxError::Vmm(ProcessError::Api(ClientError::InvalidRequest(_)))
+            | SandboxError::Vmm(ProcessError::Api(ClientError::Api {
+                status: 400..=499,
+                ..
+            }))
+    )
 }
 
 impl Manager {
@@ -189,6 +204,20 @@ impl Manager {
         let (info, parent) = match recorded {
             Ok(r) => r,
             Err(e) => {
+                // A VMM that failed inside the fork (or answered what was
+                // not asked) may have moved the parent onto files in the
+                // fork's directory, which goes now: the node cannot vouch
+                // for the parent's disk or memory, so it is stopped.
+                let e = if parent_unknown_after(&e) {
+                    tracing::error!("sandbox {id}: its fork failed inside its VMM ({e}): stopped");
+                    let stopped = self.remove(id, Some(&sandbox), Some(guest)).await;
+                    SandboxError::Unavailable(format!(
+                        "{e}; the sandbox was stopped (its disk and memory are in doubt){}",
+                        stopped.err().map(|s| format!(": {s}")).unwrap_or_default()
+                    ))
+                } else {
+                    e
+                };
                 let _ = std::fs::remove_dir_all(&fork_dir);
                 // Stopping VMMs blocks: off the async threads.
                 let _ = tokio::task::spawn_blocking(move || drop(vmms)).await;
@@ -384,4 +413,46 @@ async fn frozen(
         })
     })
     .await?
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use vmm_driver::ClientError;
+    use vmm_driver::process::ProcessError;
+
+    use super::{SandboxError, parent_unknown_after};
+
+    /// Only a fork the VMM refused, or never got, leaves the parent as it
+    /// was; an internal failure, a lost answer or an answer naming what was
+    /// not asked puts it in doubt.
+    #[test]
+    fn a_fork_failed_inside_the_vmm_puts_the_parent_in_doubt() {
+        let api = |status| {
+            SandboxError::Vmm(ProcessError::Api(ClientError::Api {
+                status,
+                fault_message: "no".into(),
+            }))
+        };
+        assert!(!parent_unknown_after(&api(400)));
+        assert!(!parent_unknown_after(&SandboxError::Vmm(
+            ProcessError::Api(ClientError::InvalidRequest("bad id".into()))
+        )));
+        assert!(parent_unknown_after(&api(500)));
+        assert!(parent_unknown_after(&SandboxError::Vmm(
+            ProcessError::NotAsked {
+                path: PathBuf::from("/elsewhere/layer")
+            }
+        )));
+        assert!(parent_unknown_after(&SandboxError::Vmm(ProcessError::Api(
+            ClientError::NoAnswer {
+                path: PathBuf::from("api.sock"),
+                method: vmm_driver::Method::PUT,
+                route: "/fork".into(),
+                waited: std::time::Duration::from_secs(60),
+            }
+        ))));
+        assert!(parent_unknown_after(&SandboxError::NotFound("x".into())));
+    }
 }
