@@ -321,6 +321,18 @@ for i in "${!children[@]}"; do
     [[ $got == "child-$i" ]] || die "${children[i]} (on $(owner "${children[i]}")) read '$got', not child-$i"
 done
 [[ $("$bin" exec "$parent" -- sh -c 'cat ~/who.txt') == parent ]] || die "the parent $parent lost its file"
+# A client that hangs up in the middle of a fork of 2 (n3 is full: both go
+# to other nodes): what they made for it is removed, nothing is left mapped.
+routes() { ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --prefix --keys-only /sandfork/v1/sandboxes/ | grep -c . || true; }
+mapped=$(routes)
+api -m 2 -X POST -d '{"count": 2, "timeout": 900}' "$n3_api/sandboxes/$parent/fork" >/dev/null &&
+    die "the fork of 2 answered within 2 s: no hang-up to test"
+start=$SECONDS
+until grep -q "removed the 2 fork children other nodes made for it" "$work/n3.log"; do
+    ((SECONDS - start < 300)) || die "n3 did not remove the fork children its hung-up client left"
+    sleep 1
+done
+[[ $(routes) == "$mapped" ]] || die "after the hung-up fork $(routes) sandboxes are mapped, not $mapped"
 "$bin" rm "${children[@]}" "$parent" || die "kill the fork's sandboxes"
 for id in "${children[@]}" "$parent"; do
     [[ -z $(route_of "$id") ]] || die "$id is still mapped after its kill"
@@ -332,7 +344,7 @@ while registered n3; do
     ((SECONDS - start < 30)) || die "node n3 is still registered after it stopped"
     sleep 0.5
 done
-log "PASS: a fork of 8 on n3 (room for 2): 2 children on n3 and 6 on other nodes (which fetched its files from n3), each with its own file, the parent unaffected; all answered a command $cross_node_fork8_ms ms after the fork call ($((SECONDS - t0)) s in all; children per node: ${placed% })"
+log "PASS: a fork of 8 on n3 (room for 2): 2 children on n3 and 6 on other nodes (which fetched its files from n3), each with its own file, the parent unaffected, a hung-up fork's remote children removed; all answered a command $cross_node_fork8_ms ms after the fork call ($((SECONDS - t0)) s in all; children per node: ${placed% })"
 
 # --- a team's limit holds across gateways and nodes --------------------------
 # The team is made through one gateway (so on one node), its key through the

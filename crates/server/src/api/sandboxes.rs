@@ -508,21 +508,26 @@ pub async fn fork(
         // Every child on this node: its own bound.
         fork_request(&state, &req)?;
     }
+    // Other nodes admit their children as the caller's.
+    let key = headers
+        .get(crate::auth::HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
     let (results, parent_paused, elsewhere) = match (record.state, cluster) {
         (SandboxState::Paused, _) => (
             state.manager.fork_paused(&id, count, timeout).await?,
             None,
-            Vec::new(),
+            Default::default(),
         ),
         (SandboxState::Running, None) => {
             let forked = state.manager.fork(&id, count, timeout).await?;
-            (forked.children, Some(forked.parent_paused), Vec::new())
+            (
+                forked.children,
+                Some(forked.parent_paused),
+                Default::default(),
+            )
         }
         (SandboxState::Running, Some(node)) => {
-            let key = headers
-                .get(crate::auth::HEADER)
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or_default();
             let elsewhere = async |frozen: Result<crate::sandbox::Frozen, _>, n: u32| {
                 crate::cluster::fork_across::elsewhere(node, frozen, n, timeout, key).await
             };
@@ -537,9 +542,11 @@ pub async fn fork(
             )
         }
     };
-    // (children on other nodes are theirs: left to their timeout)
+    if gone.is_gone() {
+        elsewhere.undo(key).await;
+    }
     remove_if_gone(&state, &gone, made(&results)).await?;
-    Ok(fork_answer_with(results, elsewhere, parent_paused))
+    Ok(fork_answer_with(results, elsewhere.entries, parent_paused))
 }
 
 /// The sandboxes a fork made.

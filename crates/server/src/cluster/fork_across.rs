@@ -114,8 +114,60 @@ enum Answer {
     Failed(StatusCode, String),
 }
 
-/// Makes `count` children of `frozen` on other nodes of the cluster: one
-/// answer entry per child (`{"sandbox": ...}` or `{"error": ...}`), in
+/// The children of a fork made on other nodes.
+#[derive(Default)]
+pub struct Elsewhere {
+    /// One answer entry per child (`{"sandbox": ...}` or `{"error": ...}`),
+    /// in order.
+    pub entries: Vec<Value>,
+    /// Each child made: its node's address and its id.
+    made: Vec<(String, String)>,
+}
+
+impl Elsewhere {
+    fn failed(count: u32, status: StatusCode, message: &str) -> Elsewhere {
+        Elsewhere {
+            entries: vec![error_entry(status, message); count as usize],
+            made: Vec::new(),
+        }
+    }
+
+    /// Kills the children other nodes made, as their nodes' API would for
+    /// the caller (`api_key`): the fork's client went away before its
+    /// answer, so nobody knows their ids. Children that cannot be killed
+    /// are left to their timeout.
+    pub async fn undo(&self, api_key: &str) {
+        let mut kills = tokio::task::JoinSet::new();
+        for (addr, id) in self.made.clone() {
+            let api_key = api_key.to_owned();
+            kills.spawn(async move {
+                let uri = format!("/sandboxes/{id}");
+                let sent = send(&addr, hyper::Method::DELETE, &uri, &api_key, Bytes::new()).await;
+                match sent {
+                    Ok((status, ..)) if status.is_success() || status == StatusCode::NOT_FOUND => {}
+                    Ok((status, _, body)) => tracing::warn!(
+                        "cluster: fork child {id} on {addr}: not killed after its client went                          away: {status} {}",
+                        String::from_utf8_lossy(&body[..body.len().min(300)])
+                    ),
+                    Err(e) => tracing::warn!(
+                        "cluster: fork child {id} on {addr}: not killed after its client went                          away: {e}"
+                    ),
+                }
+            });
+        }
+        while kills.join_next().await.is_some() {}
+        if !self.made.is_empty() {
+            let ids: Vec<&str> = self.made.iter().map(|(_, id)| id.as_str()).collect();
+            tracing::info!(
+                "cluster: the client went away before the answer: removed the {} fork                  children other nodes made for it: {}",
+                ids.len(),
+                ids.join(", ")
+            );
+        }
+    }
+}
+
+/// Makes `count` children of `frozen` on other nodes of the cluster, in
 /// order. `api_key` is the caller's: each node admits the children as a
 /// create of its team.
 pub async fn elsewhere(
@@ -124,8 +176,8 @@ pub async fn elsewhere(
     count: u32,
     timeout: Duration,
     api_key: &str,
-) -> Vec<Value> {
-    let failed = |status, message: String| vec![error_entry(status, &message); count as usize];
+) -> Elsewhere {
+    let failed = |status, message: String| Elsewhere::failed(count, status, &message);
     let frozen = match frozen {
         Ok(f) => f,
         Err(e) => {
@@ -184,6 +236,7 @@ pub async fn elsewhere(
     };
     let (vcpus, memory_mib) = (u64::from(frozen.parent.cpu_count), frozen.parent.memory_mb);
     let mut entries = Vec::with_capacity(count as usize);
+    let mut made_on = Vec::new();
     let mut left = count;
     let mut refusals = Vec::new();
     while left > 0 && !candidates.is_empty() {
@@ -230,6 +283,10 @@ pub async fn elsewhere(
                         to.node_id,
                         made.iter().filter(|e| e.get("sandbox").is_some()).count()
                     );
+                    made_on.extend(made.iter().filter_map(|e| {
+                        let id = e.get("sandbox")?.get("sandboxID")?.as_str()?;
+                        Some((to.api_addr.clone(), id.to_owned()))
+                    }));
                     made.resize_with(n as usize, || {
                         error_entry(
                             StatusCode::BAD_GATEWAY,
@@ -269,7 +326,10 @@ pub async fn elsewhere(
             left as usize
         ]);
     }
-    entries
+    Elsewhere {
+        entries,
+        made: made_on,
+    }
 }
 
 /// Asks node `to` for `request.count` children.
@@ -278,36 +338,13 @@ async fn ask(to: &NodeRecord, request: ChildrenRequest, api_key: &str) -> Answer
         Ok(b) => b,
         Err(e) => return Answer::Failed(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     };
-    let exchange = async {
-        let stream = tokio::net::TcpStream::connect(to.api_addr.as_str())
-            .await
-            .map_err(|e| format!("connecting: {e}"))?;
-        let _ = stream.set_nodelay(true);
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| format!("handshake: {e}"))?;
-        tokio::spawn(conn);
-        let req = hyper::Request::builder()
-            .method(hyper::Method::POST)
-            .uri("/internal/forks")
-            .header(hyper::header::HOST, &to.api_addr)
-            .header(hyper::header::CONTENT_TYPE, "application/json")
-            .header(crate::auth::HEADER, api_key)
-            .body(Full::new(Bytes::from(body)))
-            .map_err(|e| e.to_string())?;
-        let answer = sender
-            .send_request(req)
-            .await
-            .map_err(|e| format!("request: {e}"))?;
-        let status = answer.status();
-        let team_limit = answer.headers().contains_key(crate::api::TEAM_LIMIT_HEADER);
-        let bytes = http_body_util::Limited::new(answer.into_body(), MAX_CHILDREN_ANSWER)
-            .collect()
-            .await
-            .map_err(|e| format!("reading the answer: {e}"))?
-            .to_bytes();
-        Ok::<_, String>((status, team_limit, bytes))
-    };
+    let exchange = send(
+        &to.api_addr,
+        hyper::Method::POST,
+        "/internal/forks",
+        api_key,
+        Bytes::from(body),
+    );
     let (status, team_limit, bytes) = match tokio::time::timeout(CHILDREN_TIMEOUT, exchange).await {
         Ok(Ok(answer)) => answer,
         Ok(Err(e)) => return Answer::Refused(e),
@@ -347,6 +384,45 @@ async fn ask(to: &NodeRecord, request: ChildrenRequest, api_key: &str) -> Answer
         }
         _ => Answer::Failed(status, format!("node {}: {}", to.node_id, message())),
     }
+}
+
+/// One request to the node at `addr` with the caller's `api_key`: its
+/// status, whether it is a team's limit, and its body.
+async fn send(
+    addr: &str,
+    method: hyper::Method,
+    uri: &str,
+    api_key: &str,
+    body: Bytes,
+) -> Result<(StatusCode, bool, Bytes), String> {
+    let stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| format!("connecting: {e}"))?;
+    let _ = stream.set_nodelay(true);
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| format!("handshake: {e}"))?;
+    tokio::spawn(conn);
+    let req = hyper::Request::builder()
+        .method(method)
+        .uri(uri)
+        .header(hyper::header::HOST, addr)
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .header(crate::auth::HEADER, api_key)
+        .body(Full::new(body))
+        .map_err(|e| e.to_string())?;
+    let answer = sender
+        .send_request(req)
+        .await
+        .map_err(|e| format!("request: {e}"))?;
+    let status = answer.status();
+    let team_limit = answer.headers().contains_key(crate::api::TEAM_LIMIT_HEADER);
+    let bytes = http_body_util::Limited::new(answer.into_body(), MAX_CHILDREN_ANSWER)
+        .collect()
+        .await
+        .map_err(|e| format!("reading the answer: {e}"))?
+        .to_bytes();
+    Ok((status, team_limit, bytes))
 }
 
 #[cfg(test)]
