@@ -1,5 +1,5 @@
 #!/bin/bash
-# Two sandfork nodes behind two gateways, with a real etcd member, all on
+# Two sandfork nodes behind two gateways, with three real etcd members, all on
 # loopback inside the KVM lab (one lab machine; the nodes' sandboxes are
 # real microVMs, run with --no-network since two nodes on one host would
 # take the same network slot names and ranges). Through the gateway: create,
@@ -20,6 +20,7 @@
 # sandbox is resumed on the other node meanwhile, and once the link is up
 # again the cut-off node's stale copy never serves and is removed. With the
 # object store down, a pause stays on its node, and is stored once it is back.
+# etcd's leader is killed during a burst of creates: none lost or doubled.
 #
 # Usage: scripts/cluster-test.sh [--no-build]
 # Env: CARGO_TARGET_DIR (default target), SANDFORK_LAB_LOCKED (the caller
@@ -80,13 +81,50 @@ in_cut_ns() { nsenter --net="/run/netns/$cut_ns" "$@"; }
 in_cut_ns ip addr add "$cut_node/30" dev sfcutn
 in_cut_ns ip link set sfcutn up
 in_cut_ns ip link set lo up
-etcd_port=$(free_port)
-etcd --name=t --data-dir="$work/etcd" \
-    --listen-client-urls="http://127.0.0.1:$etcd_port,http://$cut_host:$etcd_port" \
-    --advertise-client-urls="http://127.0.0.1:$etcd_port" \
-    --listen-peer-urls="http://127.0.0.1:$(free_port)" >"$work/etcd.log" 2>&1 &
-pids+=($!)
-export SANDFORK_ETCD=http://127.0.0.1:$etcd_port
+# Three etcd members (a quorum of two), each also on the address the cut-off
+# node reaches. Raft's timings are five times etcd's defaults: the lab's one
+# emulated CPU is busy with guests.
+etcd_ports=() etcd_peers=() initial=()
+declare -A etcd_pid=()
+for m in 1 2 3; do
+    etcd_ports+=("$(free_port)")
+    etcd_peers+=("$(free_port)")
+    initial+=("e$m=http://127.0.0.1:${etcd_peers[m - 1]}")
+done
+start_etcd() { # MEMBER (1-3), on its ports and data dir
+    local m=$1 client=${etcd_ports[$1 - 1]} peer=${etcd_peers[$1 - 1]}
+    etcd --name="e$m" --data-dir="$work/etcd/e$m" \
+        --listen-client-urls="http://127.0.0.1:$client,http://$cut_host:$client" \
+        --advertise-client-urls="http://127.0.0.1:$client" \
+        --listen-peer-urls="http://127.0.0.1:$peer" --initial-advertise-peer-urls="http://127.0.0.1:$peer" \
+        --initial-cluster="$(IFS=,; echo "${initial[*]}")" --initial-cluster-state=new \
+        --heartbeat-interval=500 --election-timeout=5000 >>"$work/etcd$m.log" 2>&1 &
+    pids+=($!)
+    etcd_pid[$m]=$!
+}
+for m in 1 2 3; do start_etcd "$m"; done
+endpoints() { # HOST: the members' client URLs on HOST, comma-separated
+    local urls=()
+    for port in "${etcd_ports[@]}"; do urls+=("http://$1:$port"); done
+    (IFS=,; echo "${urls[*]}")
+}
+SANDFORK_ETCD=$(endpoints 127.0.0.1)
+export SANDFORK_ETCD
+start=$SECONDS
+until ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" --command-timeout=5s endpoint health >/dev/null 2>&1; do
+    ((SECONDS - start < 120)) || { tail -n 20 "$work"/etcd*.log >&2; die "etcd's three members have no quorum"; }
+    sleep 1
+done
+# The member that leads now (1-3; none: empty). A member that is down is
+# left out of etcdctl's answer (which then fails).
+etcd_leader() {
+    { ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" endpoint status -w json 2>/dev/null || true; } |
+        python3 -c 'import json, sys
+endpoints = sys.argv[1].split(",")
+for m in json.loads(sys.stdin.read() or "[]"):
+    if m["Status"]["header"]["member_id"] == m["Status"]["leader"]:
+        print(endpoints.index(m["Endpoint"]) + 1)' "$SANDFORK_ETCD"
+}
 # The object store, up before the nodes (each makes sure of its bucket).
 # Every gRPC port is given: weed's default (port + 10000) may not exist.
 s3_port=$(free_port)
@@ -247,6 +285,54 @@ creates_1node=$(creates_per_s "http://127.0.0.1:${ports[0]}")
 creates_cluster=$(creates_per_s "$SANDFORK_API_URL")
 log "creates per second (8 at once): $creates_1node straight to n1, $creates_cluster through the gateway on 2 nodes"
 
+# --- etcd loses its leader during a create burst -------------------------------
+# Six creates through both gateways; the leading member is killed (SIGKILL)
+# once they are under way. Each create answers (made, or a clear error) and
+# the routes are exactly the sandboxes made: none lost, none twice, none
+# for a create that failed. The member then comes back on its data.
+t0=$SECONDS
+routes() { ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --prefix --keys-only /sandfork/v1/sandboxes/ | grep -c . || true; }
+mapped=$(routes)
+leader=$(etcd_leader)
+[[ $leader == [123] ]] || die "no etcd member leads ($leader)"
+burst=()
+for i in 0 1 2 3 4 5; do
+    port=$gw
+    ((i % 2)) && port=$gw2
+    SANDFORK_API_URL=http://127.0.0.1:$port "$bin" create --timeout 900 >"$work/burst.$i" 2>&1 &
+    burst+=($!)
+done
+sleep 1
+kill -9 "${etcd_pid[$leader]}"
+made_in_burst=()
+for i in "${!burst[@]}"; do
+    if wait "${burst[i]}"; then
+        made_in_burst+=("$(cat "$work/burst.$i")")
+    else
+        log "a create while etcd lost its leader failed: $(cat "$work/burst.$i")"
+    fi
+done
+start=$SECONDS
+until new_leader=$(etcd_leader) && [[ $new_leader == [123] ]]; do
+    ((SECONDS - start < 60)) || die "no new etcd leader 60 s after member $leader's loss"
+    sleep 1
+done
+[[ $new_leader != "$leader" ]] || die "member $leader leads after its loss"
+# Creates go on under the new leader.
+after=$("$bin" create --timeout 900) || die "a create after etcd's new leader"
+made_in_burst+=("$after")
+[[ $(routes) == $((mapped + ${#made_in_burst[@]})) ]] ||
+    die "after the burst $(routes) sandboxes are mapped, not $mapped + ${#made_in_burst[@]} made (one after it)"
+for id in "${made_in_burst[@]}"; do
+    [[ -n $(route_of "$id") ]] || die "$id was made but has no route"
+    [[ $("$bin" exec "$id" -- echo up) == up ]] || die "$id (made while etcd changed leaders) does not answer"
+done
+start_etcd "$leader"
+"$bin" rm "${made_in_burst[@]}" || die "kill the burst's sandboxes"
+[[ $(routes) == "$mapped" ]] || die "after the burst's kills $(routes) sandboxes are mapped, not $mapped"
+for n in n1 n2; do registered "$n" || die "node $n lost its registration while etcd changed leaders"; done
+log "PASS: etcd member $leader (the leader) killed during 6 creates through both gateways: $((${#made_in_burst[@]} - 1)) made, each mapped once and answering, nothing else mapped; member $new_leader leads, a create after it works, both nodes still registered ($((SECONDS - t0)) s)"
+
 # --- a fork across nodes -------------------------------------------------------
 # A third node with room for its parent and 2 children (--max-sandboxes 3):
 # a fork of 8 of a sandbox there makes 2 children on it and 6 on the other
@@ -323,7 +409,6 @@ done
 [[ $("$bin" exec "$parent" -- sh -c 'cat ~/who.txt') == parent ]] || die "the parent $parent lost its file"
 # A client that hangs up in the middle of a fork of 2 (n3 is full: both go
 # to other nodes): what they made for it is removed, nothing is left mapped.
-routes() { ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --prefix --keys-only /sandfork/v1/sandboxes/ | grep -c . || true; }
 mapped=$(routes)
 api -m 2 -X POST -d '{"count": 2, "timeout": 900}' "$n3_api/sandboxes/$parent/fork" >/dev/null &&
     die "the fork of 2 answered within 2 s: no hang-up to test"
@@ -479,7 +564,7 @@ log "PASS: $c paused on $from (stored in $pause_s s), $from killed, resumed on $
 t0=$SECONDS
 cut_port=$(free_port)
 cut_api=http://$cut_node:$cut_port
-in_cut_ns env SANDFORK_ETCD="http://$cut_host:$etcd_port" SANDFORK_S3="http://$cut_host:$s3_port/sandfork" \
+in_cut_ns env SANDFORK_ETCD="$(endpoints "$cut_host")" SANDFORK_S3="http://$cut_host:$s3_port/sandfork" \
     "$bin" serve --in-lab --role node --node-id "$from" --listen "$cut_node:$cut_port" \
     --data-dir "$work/$from" --no-network --pool-size 1 --lease-ttl-secs 3 >"$work/$from-cut.log" 2>&1 &
 pids+=($!)
