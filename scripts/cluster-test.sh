@@ -4,8 +4,8 @@
 # real microVMs, run with --no-network since two nodes on one host would
 # take the same network slot names and ranges). Through the gateway: create,
 # run a command, list, kill; and both nodes registered; the Python SDK's
-# create, command and file tests (control plane through one gateway, envd
-# through the other). A fork of 8 on a third node with room for 2 children
+# create, command, file and lifecycle tests (control plane through one
+# gateway, envd through the other). A fork of 8 on a third node with room for 2 children
 # makes 2 there and 6 on the others, which fetch the frozen fork's files
 # from it; each child diverges, the parent is unaffected (the node leaves
 # after). A team's sandbox
@@ -256,15 +256,16 @@ listed=$("$bin" ls)
 log "PASS: create, exec, ls and kill through the gateway on 2 nodes"
 
 # --- the E2B SDK through the gateways -----------------------------------------
-# The unmodified Python SDK's tests of creates, commands and files, unchanged:
-# its control plane through one gateway, its envd traffic through the other,
-# the sandboxes placed over both nodes.
+# The unmodified Python SDK's tests of creates, commands, files and the
+# lifecycle (pause and connect, forks, snapshots), unchanged: its control
+# plane through one gateway, its envd traffic through the other, the
+# sandboxes placed over both nodes (pauses stored, forks spread).
 t0=$SECONDS
 E2B_API_URL=http://127.0.0.1:$gw E2B_SANDBOX_URL=http://127.0.0.1:$gw2 E2B_API_KEY=$SANDFORK_API_KEY \
-    PYTHONDONTWRITEBYTECODE=1 "${SDK_PYTHON:?the host part sets it}" -m pytest -p no:cacheprovider -q -m "not lifecycle" \
-    "$root"/tests/sdk/python/{test_create,test_commands,test_files}.py >"$work/sdk.log" 2>&1 ||
+    PYTHONDONTWRITEBYTECODE=1 "${SDK_PYTHON:?the host part sets it}" -m pytest -p no:cacheprovider -q \
+    "$root"/tests/sdk/python/{test_create,test_commands,test_files,test_lifecycle}.py >"$work/sdk.log" 2>&1 ||
     { tail -n 40 "$work/sdk.log" >&2; die "the SDK's tests through the gateways failed (log: $work/sdk.log)"; }
-log "PASS: the Python SDK's create, command and file tests through the gateways: $(tail -n 1 "$work/sdk.log") ($((SECONDS - t0)) s)"
+log "PASS: the Python SDK's create, command, file and lifecycle tests through the gateways: $(tail -n 1 "$work/sdk.log") ($((SECONDS - t0)) s)"
 
 # --- creates per second: one node, then both through a gateway --------------
 # 8 creates at once straight to one node, then 8 through the gateway (placed
