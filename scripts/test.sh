@@ -177,8 +177,9 @@ job_network() { lab_binary network; }
 job_lab_serve() { lab_binary lab_serve; }
 job_lab_restart() { lab_binary lab_restart; }
 job_lab_network() { lab_binary lab_network; }
-# The first two need no test binary: they run while the tests are built.
-lab_jobs=(sdk rl lab_serve lab_network snapshot microvm cluster soak stress cli network lab_tool lab_restart)
+# Longest first; the first two (and rl) need no test binary: they run while
+# the tests are built.
+lab_jobs=(sdk cluster lab_serve rl snapshot lab_network microvm soak stress cli network lab_tool lab_restart)
 
 # The index of the next job in the queue; fails when it is empty.
 take_job() {
