@@ -47,7 +47,7 @@ if [[ ${1:-} != --inside ]]; then
     mkdir -p "$rw"
     # The unmodified Python SDK (its cache is outside the lab's reach to write).
     sdk_python=$(scripts/sdk-setup.sh)
-    lab=("$target/debug/sandfork-lab" run --cpus 1 --timeout 1200 --rw "$rw" --
+    lab=("$target/debug/sandfork-lab" run --cpus 1 --timeout 2400 --rw "$rw" --
         env "CARGO_TARGET_DIR=$target" "SANDFORK_KERNEL=$SANDFORK_KERNEL" "SDK_PYTHON=$sdk_python"
         "SANDFORK_ROOTFS=$SANDFORK_ROOTFS"
         "SANDFORK_VMM=${SANDFORK_VMM:-$target/debug/sandfork-vmm}" bash "$root/scripts/cluster-test.sh" --inside)

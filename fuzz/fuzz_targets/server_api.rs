@@ -106,6 +106,7 @@ fn node() -> &'static Node {
                 templates,
                 keys: ApiKeys::for_key(KEY),
                 guests: Default::default(),
+                cluster: Default::default(),
             }))
         });
         Node { runtime, app }
