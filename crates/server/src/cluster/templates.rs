@@ -226,7 +226,7 @@ impl Durable {
             })
             .await?;
         tracing::info!(
-            "cluster: template {id} taken in from node {}'s in {:.1} s",
+            "cluster: template {id} taken in from node {} (through the object store) in {:.1} s",
             manifest.node_id,
             started.elapsed().as_secs_f64()
         );

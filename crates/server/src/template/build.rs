@@ -843,7 +843,8 @@ impl Templates {
     }
 
     /// Deletes a template (built or snapshot) or a failed build; refused for
-    /// `base`, while it builds, and while anything uses it.
+    /// `base`, while it builds, and while anything uses it. On a node of a
+    /// cluster the deleted templates leave its object store too.
     pub async fn delete(&self, id_or_name: &str) -> Result<(), SandboxError> {
         let deleted = self.delete_here(id_or_name).await?;
         self.forget_in_cluster(&deleted).await;
