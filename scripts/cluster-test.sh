@@ -3,9 +3,11 @@
 # loopback inside the KVM lab (one lab machine; the nodes' sandboxes are
 # real microVMs, run with --no-network since two nodes on one host would
 # take the same network slot names and ranges). Through the gateway: create,
-# run a command, list, kill; and both nodes registered; the Python SDK's
-# create, command, file and lifecycle tests (control plane through one
-# gateway, envd through the other). A fork of 8 on a third node with room for 2 children
+# run a command, list, kill; and both nodes registered; a snapshot made on
+# one node used on the other (taken in from the object store), deleted on
+# both; the Python SDK's create, command, file and lifecycle tests (control
+# plane through one gateway, envd through the other). A fork of 8 on a
+# third node with room for 2 children
 # makes 2 there and 6 on the others, which fetch the frozen fork's files
 # from it; each child diverges, the parent is unaffected (the node leaves
 # after). A team's sandbox
@@ -224,10 +226,13 @@ log "a command in $a: ${via_gateway_ms} ms through the gateway, ${direct_ms} ms 
 listed=$("$bin" ls)
 grep -q "$a" <<<"$listed" || die "ls through the gateway lacks $a: $listed"
 grep -q "$b" <<<"$listed" || die "ls through the gateway lacks $b: $listed"
-# A snapshot lives on its sandbox's node: the gateway finds it there for
-# every request naming it, whichever node is freest.
+# A snapshot is stored in the object store by its sandbox's node: the
+# gateway finds it for every request naming it (on its node, or on a node
+# that takes it in), and a create from it straight to the other node takes
+# it in from the store and sees a file written before the snapshot.
 api() { curl -s -H "X-API-Key: $SANDFORK_API_KEY" -H 'Content-Type: application/json' "$@"; }
 now_ms() { echo $((${EPOCHREALTIME/./} / 1000)); }
+"$bin" exec "$b" -- sh -c 'cd && echo snapped > snap.txt' || die "writing in $b"
 snap=$("$bin" snapshot "$b") || die "snapshot of $b through the gateway"
 api "$SANDFORK_API_URL/snapshots" | python3 -c 'import json, sys
 ids = [s["snapshotID"] for s in json.load(sys.stdin)]
@@ -237,11 +242,36 @@ for i in 1 2; do
         die "fork of snapshot $snap through the gateway"
     child=$(python3 -c 'import json, sys; print(json.loads(sys.argv[1])[0]["sandbox"]["sandboxID"])' "$answer") ||
         die "fork $i of snapshot $snap: $answer"
-    [[ $(owner "$child") == "$ob" ]] || die "$child (from $snap on $ob) is on $(owner "$child")"
     [[ $("$bin" exec "$child" -- echo "child $i") == "child $i" ]] || die "exec in $child"
     "$bin" rm "$child" || die "kill $child"
 done
-log "PASS: snapshot $snap of $b listed once and forked twice through the gateway on its node $ob"
+log "PASS: snapshot $snap of $b listed once and forked twice through the gateway"
+t0=$SECONDS
+stored_snap() { curl -s -o /dev/null -w '%{http_code}' "$SANDFORK_S3/templates/$snap.json"; }
+until [[ $(stored_snap) == 200 ]]; do
+    ((SECONDS - t0 < 300)) || die "snapshot $snap is not in the object store after 300 s"
+    sleep 1
+done
+other=$oa
+[[ $other != "$ob" ]] || other=n1
+other_api=http://127.0.0.1:${ports[${other#n} - 1]}
+taken=$(SANDFORK_API_URL=$other_api "$bin" create "$snap" --timeout 300) ||
+    die "create from $snap straight to $other (its maker: $ob)"
+[[ $(owner "$taken") == "$other" ]] || die "$taken is on $(owner "$taken"), not $other"
+got=$("$bin" exec "$taken" -- sh -c 'cat ~/snap.txt') || die "reading in $taken"
+[[ $got == snapped ]] || die "$taken (from $snap, taken in on $other) read '$got'"
+grep -q "template $snap taken in from node $ob" "$work/$other.log" || die "$other does not say it took $snap in"
+"$bin" rm "$taken" || die "kill $taken"
+# A delete through the gateway reaches both copies and the store's.
+api -f -X DELETE "$SANDFORK_API_URL/templates/$snap" || die "delete of $snap through the gateway"
+for port in "${ports[@]}"; do
+    code=$(api -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/templates/$snap")
+    [[ $code == 404 ]] || die "node at $port answers $code for the deleted $snap"
+done
+[[ $(stored_snap) == 404 ]] || die "the deleted $snap is still in the object store"
+code=$(api -o /dev/null -w '%{http_code}' -X DELETE "$SANDFORK_API_URL/templates/$snap")
+[[ $code == 404 ]] || die "a second delete of $snap answered $code"
+log "PASS: snapshot $snap (of $b on $ob) stored, taken in by a create straight to $other (file intact), deleted on both nodes and the store ($((SECONDS - t0)) s)"
 "$bin" rm "$a" || die "kill $a"
 "$bin" rm "$b" || die "kill $b"
 # A node's 2 s reconcile may claim a sandbox it listed just before the

@@ -473,10 +473,12 @@ async fn serve(args: ServeArgs) -> Result<()> {
         storing: Default::default(),
         forks: Default::default(),
     });
-    // The API's part of the cluster: forks across nodes.
+    // The API's part of the cluster: forks across nodes, templates.
     if node.state.cluster.set(member.clone()).is_err() {
         anyhow::bail!("the node joined a cluster twice");
     }
+    // Templates and snapshots made here go to the object store.
+    node.state.templates.join_cluster(member.clone());
     // Sandboxes recovered at start are mapped before the first request.
     member.reconcile().await;
     member.start_reconciler(std::time::Duration::from_secs(2));

@@ -128,6 +128,20 @@ impl ObjectStore {
         }
     }
 
+    /// Removes the object; one that is not there is no error (S3 answers
+    /// a delete of a missing key as done).
+    pub async fn delete(&self, key: &str) -> Result<(), ObjectError> {
+        let url = self
+            .bucket
+            .delete_object(self.credentials.as_ref(), key)
+            .sign(SIGNED_FOR);
+        match send(Method::DELETE, &url, Bytes::new()).await {
+            Ok(_) => Ok(()),
+            Err(ObjectError::Status { status, .. }) if status == StatusCode::NOT_FOUND => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
     pub async fn exists(&self, key: &str) -> Result<bool, ObjectError> {
         let url = self
             .bucket

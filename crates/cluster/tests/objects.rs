@@ -52,6 +52,10 @@ async fn files_round_trip_and_shared_chunks_are_stored_once() {
         .await
         .unwrap();
     assert!(none.is_none());
+    // A deleted object is gone; deleting what is not there is no error.
+    store.delete("manifests/x.json").await.unwrap();
+    assert!(!store.exists("manifests/x.json").await.unwrap());
+    store.delete("manifests/x.json").await.unwrap();
     let mut broken = stored.clone();
     broken.chunks[0] = Some("00".repeat(32));
     assert!(matches!(

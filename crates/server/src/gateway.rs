@@ -2,9 +2,10 @@
 //! envd proxy for every node on one port. Each request goes to the node the
 //! etcd map names for its sandbox; a create goes to the freest node, and on
 //! to the next if that one refuses or lacks its template; a request naming a
-//! snapshot or template goes to the node that has it (the first not to
-//! answer 404: they are not in the object store yet); a list gathers every
-//! node's, and a team's use is summed over them.
+//! snapshot or template goes to the first node not to answer 404 (the one
+//! that made it, or, with an object store, one that takes it in from
+//! there); a delete of one goes to every node (each may hold a copy); a
+//! list gathers every node's, and a team's use is summed over them.
 //!
 //! Sandbox traffic is told from the control plane by the node's own rules
 //! ([`crate::proxy::route`]); the owning node then routes it again.
@@ -144,6 +145,9 @@ enum Target {
     Gather,
     /// A request naming a snapshot or template: the node holding it.
     Holder,
+    /// A delete of a snapshot or template: every node, each deletes its
+    /// copy.
+    DeleteEverywhere,
     /// New template builds, the node's own page: any node.
     AnyNode,
     /// Teams and their use: every node's use summed.
@@ -157,6 +161,12 @@ fn target(method: &Method, path: &str) -> Target {
         (&Method::GET, "/sandboxes" | "/v2/sandboxes") => Target::List,
         (&Method::GET, "/snapshots" | "/templates") => Target::Gather,
         (&Method::GET, p) if teams::is_team_use(p) => Target::TeamUse,
+        (&Method::DELETE, p)
+            if p.strip_prefix("/templates/")
+                .is_some_and(|id| !id.is_empty() && !id.contains('/')) =>
+        {
+            Target::DeleteEverywhere
+        }
         _ if ["/snapshots/", "/templates/", "/v2/templates/"]
             .iter()
             .any(|p| path.starts_with(p)) =>
@@ -190,6 +200,7 @@ async fn handle(State(gw): State<Arc<Gateway>>, mut req: Request) -> Response {
             Target::List => gw.list(req, None).await,
             Target::Gather => gw.list(req, Some(&["templateID", "snapshotID"])).await,
             Target::Holder => gw.to_holder(req).await,
+            Target::DeleteEverywhere => gw.delete_everywhere(req).await,
             Target::Sandbox(id) => gw.to_owner(&id, req, false).await,
             Target::AnyNode => gw.to_any(req).await,
             Target::TeamUse => gw.team_use(req).await,
@@ -428,9 +439,10 @@ impl Gateway {
             .ok_or_else(|| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no node in the cluster"))
     }
 
-    /// Asks the nodes in turn until one does not answer 404: snapshots and
-    /// templates live on the node that made them. A node that cannot be
-    /// reached is passed over.
+    /// Asks the nodes in turn, freest first, until one does not answer 404
+    /// or 503: a snapshot or template is on the node that made it and on
+    /// those that took it in, and, with an object store, any node takes it
+    /// in. A node that cannot be reached is passed over.
     async fn to_holder(&self, req: Request) -> Result<Response, ApiError> {
         let (parts, body) = req.into_parts();
         let body = axum::body::to_bytes(body, MAX_CREATE_BODY)
@@ -440,12 +452,54 @@ impl Gateway {
         for node in keyspace::placement_order(self.nodes().await?) {
             let req = rebuild(&parts.method, &parts.uri, &parts.headers, body.clone());
             match self.forward(&node.api_addr, req).await {
-                Ok(r) if r.status() == StatusCode::NOT_FOUND => last = Some(r),
+                // A node without it, or that could not take it in from
+                // the object store (or has no room): the next may.
+                Ok(r)
+                    if r.status() == StatusCode::NOT_FOUND
+                        || r.status() == StatusCode::SERVICE_UNAVAILABLE =>
+                {
+                    last = Some(r)
+                }
                 Ok(r) => return Ok(r),
                 Err(e) => tracing::warn!("gateway: node {} unreachable: {e}", node.node_id),
             }
         }
         last.ok_or_else(|| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no node in the cluster"))
+    }
+
+    /// Sends a delete to every node: templates and snapshots made on one
+    /// node may have been taken in by others, each holding a copy (the
+    /// first to delete its copy removes the object store's too). A node
+    /// that refuses (other than 404) is the answer, so the caller learns of
+    /// a copy left; else a node that deleted; 404 only when none had it. A
+    /// node that cannot be reached is passed over with a warning.
+    async fn delete_everywhere(&self, req: Request) -> Result<Response, ApiError> {
+        let (parts, body) = req.into_parts();
+        let body = axum::body::to_bytes(body, MAX_CREATE_BODY)
+            .await
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let (mut deleted, mut refused, mut not_found) = (None, None, None);
+        for node in self.nodes().await? {
+            let req = rebuild(&parts.method, &parts.uri, &parts.headers, body.clone());
+            match self.forward(&node.api_addr, req).await {
+                Ok(r) if r.status().is_success() => deleted = deleted.or(Some(r)),
+                Ok(r) if r.status() == StatusCode::NOT_FOUND => not_found = not_found.or(Some(r)),
+                Ok(r) => {
+                    tracing::warn!(
+                        "gateway: node {} refused {}: {}",
+                        node.node_id,
+                        parts.uri.path(),
+                        r.status()
+                    );
+                    refused = refused.or(Some(r));
+                }
+                Err(e) => tracing::warn!("gateway: node {} unreachable: {e}", node.node_id),
+            }
+        }
+        refused
+            .or(deleted)
+            .or(not_found)
+            .ok_or_else(|| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no node in the cluster"))
     }
 
     /// An envd request that names no sandbox (a signed file URL under
@@ -678,6 +732,11 @@ mod tests {
         assert_eq!(target(&Method::GET, "/snapshots"), Target::Gather);
         assert_eq!(target(&Method::POST, "/snapshots/s1/fork"), Target::Holder);
         assert_eq!(target(&Method::GET, "/templates/base"), Target::Holder);
+        assert_eq!(
+            target(&Method::DELETE, "/templates/s1"),
+            Target::DeleteEverywhere
+        );
+        assert_eq!(target(&Method::DELETE, "/templates/s1/x"), Target::Holder);
         assert_eq!(
             target(&Method::POST, "/v2/templates/t1/builds/b1"),
             Target::Holder

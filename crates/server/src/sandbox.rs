@@ -51,14 +51,14 @@ mod pressure;
 mod recover;
 mod snapshot;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 mod working_set;
 pub use fork::{Forked, Frozen};
 pub use fork_stored::{CopiedFork, ForkResults, SnapshotForkParams};
 pub use gc::{GcStats, TemplateWrite};
 pub use live::Phase;
 use live::{Registry, Sandbox};
-pub use moved::{PausedFiles, adopted_record};
+pub use moved::{GuestPaths, PausedFiles, adopted_record};
 pub use observe::{Level, LogLine, STUCK_AFTER, Sample};
 pub use recover::reclaim_run_dir;
 pub use snapshot::SnapshotParams;

@@ -130,12 +130,14 @@ pub fn relocate(from: &Path, to: &Path, files: &[PathBuf]) -> Result<(), StateFi
     })
 }
 
-#[cfg(test)]
-pub(crate) mod tests {
+/// Writing state files without a VMM, for tests here and in other crates
+/// (feature `test-support`).
+#[cfg(any(test, feature = "test-support"))]
+pub mod test_support {
     use super::*;
 
     /// A state file as the VMM writes one: its head, then more state.
-    pub(crate) fn state_file(path: &Path, layers: &[&str]) {
+    pub fn state_file(path: &Path, layers: &[&str]) {
         let head = Head {
             vmm_version: "0.1.0".into(),
             vcpu_count: 2,
@@ -159,6 +161,12 @@ pub(crate) mod tests {
         out.extend_from_slice(&payload);
         std::fs::write(path, out).unwrap();
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::state_file;
+    use super::*;
 
     #[test]
     fn memory_files_are_read_and_renamed_the_rest_kept() {

@@ -163,6 +163,8 @@ async fn create(
         .template_id
         .filter(|t| !t.is_empty())
         .unwrap_or_else(|| template::BASE.to_owned());
+    // Made on another node of the cluster: taken in first.
+    crate::cluster::templates::take_in_for(&state, &caller, &template_id).await?;
     super::tenancy::check_template(&state, &caller, &template_id)?;
     let params = CreateParams {
         template_id,

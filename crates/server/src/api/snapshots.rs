@@ -71,6 +71,7 @@ pub async fn create(
             return Err(e.into());
         }
     };
+    state.templates.made_ready(&record.id);
     Ok((StatusCode::CREATED, Json(snapshot_json(&record))).into_response())
 }
 
@@ -88,6 +89,10 @@ pub async fn fork(
 ) -> Result<Response, ApiError> {
     let req: ForkBody = parse_body(&body)?;
     let (timeout, count) = fork_request(&state, &req)?;
+    // Taken on another node of the cluster: taken in first (the owner
+    // check in front of the routes passed it as unknown).
+    crate::cluster::templates::take_in_for(&state, &caller, &id).await?;
+    super::tenancy::check_template(&state, &caller, &id)?;
     let params = SnapshotForkParams {
         timeout,
         metadata: req.metadata.unwrap_or_default(),

@@ -17,6 +17,7 @@ use serde_json::{Value, json};
 
 use super::sandboxes::parse_body;
 use super::{ApiError, Shared};
+use crate::sandbox::SandboxError;
 use crate::store::BuildStatus;
 use crate::template::build::{MAX_MEM_MIB, MAX_VCPUS, MIN_MEM_MIB, TemplateInfo};
 use crate::template::{BuildParams, BuildSource, code_interpreter};
@@ -321,10 +322,19 @@ fn log_entry(line: &str, at: &str) -> Value {
 /// use it; 400 for the base template.
 pub async fn delete(
     State(state): State<Shared>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    state.templates.delete(&id).await?;
-    Ok(StatusCode::NO_CONTENT)
+    match state.templates.delete(&id).await {
+        Ok(()) => Ok(StatusCode::NO_CONTENT),
+        // Stored by a node of the cluster, none of whose copies is here.
+        Err(SandboxError::TemplateNotFound(_))
+            if crate::cluster::templates::delete_stored(&state, &caller, &id).await? =>
+        {
+            Ok(StatusCode::NO_CONTENT)
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
 #[cfg(test)]

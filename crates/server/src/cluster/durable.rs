@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use super::cache;
 use super::guest_files::{GuestFiles, Known};
-use crate::sandbox::{Manager, PausedFiles, ROOT_LAYER, SandboxError, adopted_record};
+use crate::sandbox::{GuestPaths, Manager, PausedFiles, ROOT_LAYER, SandboxError, adopted_record};
 use crate::store::SandboxRecord;
 
 const MANIFEST_VERSION: u32 = 1;
@@ -76,6 +76,8 @@ pub struct Durable {
     sent: Known<StoredFile>,
     /// One cache fill at a time (two takes of one template share files).
     filling: tokio::sync::Mutex<()>,
+    /// Templates being taken in ([`super::templates`]).
+    takes: super::templates::Takes,
 }
 
 impl Durable {
@@ -87,11 +89,20 @@ impl Durable {
             cache_dir,
             sent: Known::default(),
             filling: tokio::sync::Mutex::new(()),
+            takes: Default::default(),
         }
     }
 
     pub fn store(&self) -> &ObjectStore {
         &self.store
+    }
+
+    pub fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    pub(super) fn takes(&self) -> &super::templates::Takes {
+        &self.takes
     }
 
     /// Stores paused sandbox `id`, then has `record` note the stored pause
@@ -139,12 +150,31 @@ impl Durable {
         &self,
         files: &PausedFiles,
     ) -> Result<(Manifest, files::Sent), DurableError> {
+        // Its own top layer changes with every run.
+        let (guest, sent) = self.store_guest(&files.guest, true).await?;
+        let manifest = Manifest {
+            version: MANIFEST_VERSION,
+            node_id: self.node_id.clone(),
+            record: files.record.clone(),
+            files: guest,
+        };
+        Ok((manifest, sent))
+    }
+
+    /// Stores a frozen guest's files: each memory file and sealed layer
+    /// once per node (see [`Known`]), the state and, when `own_top`, the
+    /// top layer (a paused sandbox's own, which changes) every time.
+    pub(super) async fn store_guest(
+        &self,
+        guest: &GuestPaths,
+        own_top: bool,
+    ) -> Result<(GuestFiles, files::Sent), DurableError> {
         let mut total = files::Sent::default();
         let mut add = |s: files::Sent| {
             total.chunks += s.chunks;
             total.bytes += s.bytes;
         };
-        let state = match &files.state {
+        let state = match &guest.state {
             Some(p) => {
                 let (stored, sent) = files::upload(&self.store, p).await?;
                 add(sent);
@@ -153,43 +183,38 @@ impl Durable {
             None => None,
         };
         let mut memory = Vec::new();
-        for (p, ranges) in &files.memory {
+        for (p, ranges) in &guest.memory {
             let (stored, sent) = self.upload_immutable(p, ranges.as_deref()).await?;
             add(sent);
             memory.push(stored);
         }
         let mut disk = Vec::new();
-        for (i, p) in files.disk.iter().enumerate() {
-            // Its own top layer changes with every run; the sealed ones never.
+        for (i, p) in guest.disk.iter().enumerate() {
             let used = disk_layers::used_ranges(p).map_err(|e| DurableError::Relocate {
                 what: "reading the layer",
                 path: p.clone(),
                 reason: e.to_string(),
             })?;
-            let (stored, sent) = match i {
-                0 => files::upload_ranges(&self.store, p, Some(&used)).await?,
-                _ => self.upload_immutable(p, Some(&used)).await?,
+            let (stored, sent) = if i == 0 && own_top {
+                files::upload_ranges(&self.store, p, Some(&used)).await?
+            } else {
+                self.upload_immutable(p, Some(&used)).await?
             };
             add(sent);
             disk.push(stored);
         }
-        let manifest = Manifest {
-            version: MANIFEST_VERSION,
-            node_id: self.node_id.clone(),
-            record: files.record.clone(),
-            files: GuestFiles {
-                state,
-                memory,
-                disk,
-                raw_base_size: files.raw_base.as_ref().map(|(_, size)| *size),
-            },
+        let files = GuestFiles {
+            state,
+            memory,
+            disk,
+            raw_base_size: guest.raw_base.as_ref().map(|(_, size)| *size),
         };
-        Ok((manifest, total))
+        Ok((files, total))
     }
 
     /// Uploads a file that does not change once written, unless this node
     /// stored it before (same path, size and modification time).
-    async fn upload_immutable(
+    pub(super) async fn upload_immutable(
         &self,
         path: &Path,
         used: Option<&[(u64, u64)]>,

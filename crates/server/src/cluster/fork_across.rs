@@ -146,11 +146,13 @@ impl Elsewhere {
                 match sent {
                     Ok((status, ..)) if status.is_success() || status == StatusCode::NOT_FOUND => {}
                     Ok((status, _, body)) => tracing::warn!(
-                        "cluster: fork child {id} on {addr}: not killed after its client went away: {status} {}",
+                        "cluster: fork child {id} on {addr}: not killed after its client went \
+                         away: {status} {}",
                         String::from_utf8_lossy(&body[..body.len().min(300)])
                     ),
                     Err(e) => tracing::warn!(
-                        "cluster: fork child {id} on {addr}: not killed after its client went away: {e}"
+                        "cluster: fork child {id} on {addr}: not killed after its client went \
+                         away: {e}"
                     ),
                 }
             });
@@ -159,7 +161,8 @@ impl Elsewhere {
         if !self.made.is_empty() {
             let ids: Vec<&str> = self.made.iter().map(|(_, id)| id.as_str()).collect();
             tracing::info!(
-                "cluster: the client went away before the answer: removed the {} fork children other nodes made for it: {}",
+                "cluster: the client went away before the answer: removed the {} fork \
+                 children other nodes made for it: {}",
                 ids.len(),
                 ids.join(", ")
             );

@@ -138,15 +138,10 @@ async fn place(
     dir: &Path,
     rootfs: &Path,
 ) -> Result<CopiedFork, DurableError> {
-    let guest = &fork.files;
-    if guest.disk.is_empty() {
-        return Err(DurableError::Incompatible("the fork has no disk".into()));
-    }
-    let sealed = guest.cache_layers(0, cache_dir, source, rootfs).await?;
     let state = dir.join("fork.state");
-    let mem = guest
-        .place_state(cache_dir, source, &state)
-        .await?
-        .ok_or_else(|| DurableError::Incompatible("the fork has no state".into()))?;
+    let (sealed, mem) = fork
+        .files
+        .place_sealed(cache_dir, source, rootfs, &state)
+        .await?;
     Ok(CopiedFork { state, mem, sealed })
 }

@@ -76,6 +76,31 @@ impl GuestFiles {
         })?;
         Ok(Some(top))
     }
+
+    /// Fetches a frozen guest that new sandboxes stack on (a fork's, a
+    /// template's): every layer into the cache (see
+    /// [`GuestFiles::cache_layers`]) and the state to `state` (see
+    /// [`GuestFiles::place_state`]). Returns the copies of the sealed top
+    /// layer and of the top memory file.
+    pub async fn place_sealed<S: ChunkSource>(
+        &self,
+        cache_dir: &Path,
+        source: &S,
+        rootfs: &Path,
+        state: &Path,
+    ) -> Result<(PathBuf, PathBuf), DurableError> {
+        if self.disk.is_empty() {
+            return Err(DurableError::Incompatible(
+                "the frozen guest has no disk".into(),
+            ));
+        }
+        let sealed = self.cache_layers(0, cache_dir, source, rootfs).await?;
+        let mem = self
+            .place_state(cache_dir, source, state)
+            .await?
+            .ok_or_else(|| DurableError::Incompatible("the frozen guest has no state".into()))?;
+        Ok((sealed, mem))
+    }
 }
 
 /// What was made of files that do not change once written (memory files,

@@ -1,19 +1,26 @@
-//! Paused sandboxes moving between nodes: the files a paused sandbox's
-//! resume reads (for a copy elsewhere), and taking in a paused sandbox
-//! whose files another node wrote (placed by the caller, see the server's
-//! `cluster::durable`).
+//! Paused sandboxes and templates moving between nodes: the files a paused
+//! sandbox's resume (or a template's restore) reads, for a copy elsewhere,
+//! and taking in a paused sandbox or a template whose files another node
+//! wrote (placed by the caller, see the server's `cluster::durable` and
+//! `cluster::templates`).
 
 use std::path::{Path, PathBuf};
 
 use super::live::Phase;
 use super::{Manager, SandboxError, io, sync_files};
-use crate::store::{SandboxRecord, SandboxState};
+use crate::store::{SandboxRecord, SandboxState, TemplateRecord};
 
 /// Everything a paused sandbox's resume reads.
 #[derive(Debug, Clone)]
 pub struct PausedFiles {
     pub record: SandboxRecord,
-    /// Its VMM state, when it was paused with its memory.
+    pub guest: GuestPaths,
+}
+
+/// The files a frozen guest (a paused sandbox, a template) is restored from.
+#[derive(Debug, Clone, Default)]
+pub struct GuestPaths {
+    /// Its VMM state (none for a sandbox paused without its memory).
     pub state: Option<PathBuf>,
     /// The memory files the state maps, base first, with the byte ranges
     /// it reads of each (None: all).
@@ -52,15 +59,96 @@ impl Manager {
             };
             let (disk, raw_base) = disk_files(&top)?;
             Ok(PausedFiles {
-                state: record.snapshot.as_ref().map(|s| s.state.clone()),
+                guest: GuestPaths {
+                    state: record.snapshot.as_ref().map(|s| s.state.clone()),
+                    memory,
+                    disk,
+                    raw_base,
+                },
                 record,
+            })
+        })
+        .await??;
+        Ok(with(&files).await)
+    }
+
+    /// The files template `t` restores from: its state, the memory files
+    /// the state maps and its sealed root layer with those below it.
+    pub async fn template_files(&self, t: &TemplateRecord) -> Result<GuestPaths, SandboxError> {
+        let (state, top) = (t.snapshot.clone(), t.root_layer.clone());
+        tokio::task::spawn_blocking(move || {
+            let memory = vmm_driver::snapshot_state::memory_layers(&state)
+                .map_err(|e| SandboxError::Unavailable(e.to_string()))?;
+            let (disk, raw_base) = disk_files(&top)?;
+            Ok(GuestPaths {
+                state: Some(state),
                 memory,
                 disk,
                 raw_base,
             })
         })
-        .await??;
-        Ok(with(&files).await)
+        .await?
+    }
+
+    /// Takes in template `id` from another node, owned by `team` (None: the
+    /// default team's): `place` writes its files into the directory it is
+    /// given (the template's, new) and returns its record as this node
+    /// keeps it. Refused if this node has a template `id`; on failure the
+    /// directory goes.
+    pub async fn adopt_template<E: From<SandboxError>>(
+        &self,
+        id: &str,
+        team: Option<&str>,
+        place: impl AsyncFnOnce(&Path) -> Result<TemplateRecord, E>,
+    ) -> Result<TemplateRecord, E> {
+        // Unrecorded until the end: the collector keeps off its directory.
+        let _writing = self.writing_template(id);
+        if self
+            .store
+            .template(id)
+            .map_err(SandboxError::from)?
+            .is_some()
+        {
+            return Err(
+                SandboxError::Invalid(format!("template {id} is on this node already")).into(),
+            );
+        }
+        let dir = self.config.templates_dir().join(id);
+        // Left by an earlier take that did not finish: no record names it.
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).map_err(io(format!("removing {}", dir.display())))?;
+        }
+        std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
+        let placed = match place(&dir).await {
+            Ok(t) if t.id == id && t.dir == dir => Ok(t),
+            Ok(_) => Err(SandboxError::Invalid(format!(
+                "template {id}: the moved record is not template {id} in {}",
+                dir.display()
+            ))
+            .into()),
+            Err(e) => Err(e),
+        };
+        let stored = async {
+            let t = placed?;
+            sync_files(vec![dir.clone(), self.config.templates_dir()]).await?;
+            // Its owner before its record: no other team ever sees it unowned.
+            let owner = crate::tenants::template_owner_key(id);
+            self.store
+                .set_owner(&owner, team)
+                .map_err(SandboxError::from)?;
+            self.store.put_template(&t).map_err(SandboxError::from)?;
+            Ok::<_, E>(t)
+        }
+        .await;
+        if stored.is_err() {
+            let _ = std::fs::remove_dir_all(&dir);
+            if self.store.template(id).ok().flatten().is_none() {
+                let _ = self
+                    .store
+                    .set_owner(&crate::tenants::template_owner_key(id), None);
+            }
+        }
+        stored
     }
 
     /// Takes in paused sandbox `id` from another node: `place` writes its

@@ -78,6 +78,13 @@ fn manager(data: &std::path::Path) -> Arc<Manager> {
     for f in ["pause-1.state", "pause-1.mem"] {
         std::fs::write(data.join(f), b"not a snapshot").unwrap();
     }
+    with_store(config, store)
+}
+
+/// A manager of `config` (no VMM pool; its base template's files in
+/// `templates/base` of its data dir, 1 MiB of disk) on `store`.
+pub(crate) fn with_store(config: Config, store: Store) -> Arc<Manager> {
+    let data = config.data_dir.clone();
     let template = TemplateRecord {
         id: "base".into(),
         dir: data.join("templates/base"),

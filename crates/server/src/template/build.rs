@@ -185,6 +185,9 @@ pub struct Templates {
     running: Mutex<HashMap<String, Arc<BuildLog>>>,
     /// E2B's waiting builds and uploads.
     e2b: E2bState,
+    /// The node's part in a cluster: templates made ready are stored in
+    /// its object store, deleted ones removed from there.
+    cluster: std::sync::OnceLock<Arc<crate::cluster::Node>>,
 }
 
 impl Templates {
@@ -194,7 +197,29 @@ impl Templates {
             manager,
             running: Mutex::new(HashMap::new()),
             e2b,
+            cluster: std::sync::OnceLock::new(),
         })
+    }
+
+    /// From now on templates made ready are stored in `node`'s object store
+    /// (if it has one), and deleted ones removed from there.
+    pub fn join_cluster(&self, node: Arc<crate::cluster::Node>) {
+        let _ = self.cluster.set(node);
+    }
+
+    /// Template `id` is ready for use: stored in the cluster's object
+    /// store, if any (in the background).
+    pub fn made_ready(&self, id: &str) {
+        if let Some(node) = self.cluster.get() {
+            node.store_template_in_background(id.to_owned());
+        }
+    }
+
+    /// Templates `ids` were deleted: out of the cluster's object store too.
+    pub(super) async fn forget_in_cluster(&self, ids: &[String]) {
+        if let Some(node) = self.cluster.get() {
+            node.forget_templates(ids).await;
+        }
     }
 
     pub(super) fn manager(&self) -> &Arc<Manager> {
@@ -538,6 +563,9 @@ impl Templates {
             }
         };
         self.drop_untagged(untagged).await;
+        if written.is_ok() && record.status == BuildStatus::Ready {
+            self.made_ready(&id);
+        }
         match written {
             Ok(()) => tracing::info!(
                 "template {id} ({}): {} after {:.1} s{}",
@@ -815,8 +843,17 @@ impl Templates {
     }
 
     /// Deletes a template (built or snapshot) or a failed build; refused for
-    /// `base`, while it builds, and while anything uses it.
+    /// `base`, while it builds, and while anything uses it. On a node of a
+    /// cluster the deleted templates leave its object store too.
     pub async fn delete(&self, id_or_name: &str) -> Result<(), SandboxError> {
+        let deleted = self.delete_here(id_or_name).await?;
+        self.forget_in_cluster(&deleted).await;
+        Ok(())
+    }
+
+    /// [`Templates::delete`] on this node: returns the ids of the templates
+    /// deleted.
+    async fn delete_here(&self, id_or_name: &str) -> Result<Vec<String>, SandboxError> {
         // An E2B template (by id or alias): every build of it.
         let store = self.manager.store();
         let e2b: Vec<BuildRecord> = store
@@ -834,14 +871,16 @@ impl Templates {
                     users: "its build, still running".into(),
                 });
             }
+            let mut deleted = Vec::new();
             for b in e2b {
                 match self.manager.delete_template(&b.template_id).await {
-                    Ok(_) | Err(SandboxError::TemplateNotFound(_)) => {}
+                    Ok(id) => deleted.push(id),
+                    Err(SandboxError::TemplateNotFound(_)) => {}
                     Err(e) => return Err(e),
                 }
                 store.remove_build(&b.template_id)?;
             }
-            return Ok(());
+            return Ok(deleted);
         }
         if self.manager.resolve_template(id_or_name).is_err() {
             let store = self.manager.store();
@@ -853,14 +892,14 @@ impl Templates {
                 }),
                 Some(b) => {
                     store.remove_build(&b.template_id)?;
-                    Ok(())
+                    Ok(Vec::new())
                 }
                 None => Err(SandboxError::TemplateNotFound(id_or_name.to_owned())),
             };
         }
         let id = self.manager.delete_template(id_or_name).await?;
         self.manager.store().remove_build(&id)?;
-        Ok(())
+        Ok(vec![id])
     }
 }
 

@@ -1281,14 +1281,17 @@ impl Templates {
 
     /// Deletes builds no name points at any more (and their build records).
     pub(super) async fn drop_untagged(&self, ids: Vec<String>) {
+        let mut deleted = Vec::new();
         for id in ids {
             match self.manager().delete_template(&id).await {
                 Ok(_) | Err(SandboxError::TemplateNotFound(_)) => {
                     let _ = self.manager().store().remove_build(&id);
+                    deleted.push(id);
                 }
                 Err(e) => tracing::warn!("template {id}: deleting its untagged build: {e}"),
             }
         }
+        self.forget_in_cluster(&deleted).await;
     }
 
     /// The E2B template `alias` names (its newest build's), if any.

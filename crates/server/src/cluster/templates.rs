@@ -1,0 +1,575 @@
+//! Templates and snapshots in the object store: a node of a cluster with one
+//! stores each template a build makes ready and each snapshot taken through
+//! the API, its files content-addressed as a durable pause's
+//! ([`super::guest_files`]: memory files and sealed layers once per node)
+//! and described by a [`TemplateManifest`] under `templates/<id>.json`,
+//! written last, so no node finds a template whose files are not all
+//! stored. A node asked for a template it lacks takes it in from there:
+//! its layers and memory files into the cluster cache (each layer naming
+//! the copy below it, the raw image at the bottom this node's own unless
+//! the template brought its own), its state into `templates/<id>/` naming
+//! the cached memory, its record and owning team registered.
+//!
+//! Deleting a template removes its manifest; its chunks stay (nothing
+//! collects the store's chunks yet).
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use axum::http::StatusCode;
+use cluster::files::{self, StoredFile};
+use serde::{Deserialize, Serialize};
+
+use super::durable::{Durable, DurableError};
+use super::guest_files::GuestFiles;
+use super::{Node, cache};
+use crate::api::{ApiError, Shared};
+use crate::sandbox::{Manager, SandboxError};
+use crate::store::TemplateRecord;
+use crate::tenants::{Caller, template_owner_key};
+
+const MANIFEST_VERSION: u32 = 1;
+/// The tag E2B appends to an id (`<id>:default`).
+const DEFAULT_TAG: &str = ":default";
+/// The state file of a taken-in template, in its directory.
+const STATE: &str = "vm.state";
+
+pub fn manifest_key(id: &str) -> String {
+    format!("templates/{id}.json")
+}
+
+/// A template (or snapshot) as stored.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TemplateManifest {
+    pub version: u32,
+    /// The node that made it.
+    pub node_id: String,
+    /// Its record there (its paths are that node's: none is used here).
+    pub record: TemplateRecord,
+    /// The team that owns it (None: the default team).
+    pub team: Option<String>,
+    /// Its disk's top layer is the sealed one every sandbox stacks on.
+    #[serde(flatten)]
+    pub files: GuestFiles,
+    /// The raw image below its layers when that is not the node's root
+    /// image (an image build's own); None: the node's.
+    #[serde(default)]
+    pub raw_base: Option<StoredFile>,
+}
+
+/// Whether `id` may name a stored template: what builds and snapshots
+/// make (letters, digits, `-`, `_`, `.`), so no request bends a key.
+fn storable_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 128
+        && !id.starts_with('.')
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+}
+
+/// Takes of templates under way, by id: a second take of one waits for
+/// the first and finds the template made.
+#[derive(Default)]
+pub struct Takes {
+    under_way: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl Takes {
+    fn of(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut m = self.under_way.lock().unwrap_or_else(|p| p.into_inner());
+        m.entry(id.to_owned()).or_default().clone()
+    }
+
+    fn done(&self, id: &str) {
+        let mut m = self.under_way.lock().unwrap_or_else(|p| p.into_inner());
+        m.remove(id);
+    }
+}
+
+/// Whether `a` and `b` are one file (the raw image a template stacks on,
+/// and the node's).
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
+}
+
+impl Durable {
+    /// Stores template `id` of `manager`'s: its files, then its manifest.
+    /// One deleted meanwhile loses its manifest again.
+    pub async fn store_template(&self, manager: &Manager, id: &str) -> Result<(), DurableError> {
+        let started = Instant::now();
+        let db = manager.store();
+        let record = db
+            .template(id)
+            .map_err(SandboxError::from)?
+            .ok_or_else(|| SandboxError::TemplateNotFound(id.to_owned()))?;
+        let team = db
+            .owner(&template_owner_key(id))
+            .map_err(SandboxError::from)?;
+        let guest = manager.template_files(&record).await?;
+        let (stored, mut sent) = self.store_guest(&guest, false).await?;
+        let raw_base = match &guest.raw_base {
+            Some((path, _)) if !same_file(path, &manager.config().rootfs) => {
+                let (image, s) = self.upload_immutable(path, None).await?;
+                sent.chunks += s.chunks;
+                sent.bytes += s.bytes;
+                Some(image)
+            }
+            _ => None,
+        };
+        let manifest = TemplateManifest {
+            version: MANIFEST_VERSION,
+            node_id: self.node_id().to_owned(),
+            record,
+            team,
+            files: stored,
+            raw_base,
+        };
+        let key = manifest_key(id);
+        files::put_json(self.store(), &key, &manifest).await?;
+        if db.template(id).ok().flatten().is_none() {
+            self.store().delete(&key).await?;
+            tracing::info!("cluster: template {id} was deleted while it was stored");
+            return Ok(());
+        }
+        tracing::info!(
+            "cluster: template {id} stored in {:.1} s ({} chunks, {} MiB sent)",
+            started.elapsed().as_secs_f64(),
+            sent.chunks,
+            sent.bytes >> 20
+        );
+        Ok(())
+    }
+
+    /// Template `id_or_id_tag` (an id, or an id with E2B's `:default`),
+    /// taken in from the object store when this node lacks it: None when
+    /// the store has none or `may_use` refuses its team (nothing is
+    /// fetched then). Concurrent takes of one template fetch it once.
+    pub async fn take_in_template(
+        &self,
+        manager: &Manager,
+        id_or_id_tag: &str,
+        may_use: impl Fn(Option<&str>) -> bool,
+    ) -> Result<Option<TemplateRecord>, DurableError> {
+        let id = id_or_id_tag
+            .strip_suffix(DEFAULT_TAG)
+            .unwrap_or(id_or_id_tag);
+        if !storable_id(id) {
+            return Ok(None);
+        }
+        let one = self.takes().of(id);
+        let _one = one.lock().await;
+        let taken = self.take_in_alone(manager, id, may_use).await;
+        self.takes().done(id);
+        taken
+    }
+
+    async fn take_in_alone(
+        &self,
+        manager: &Manager,
+        id: &str,
+        may_use: impl Fn(Option<&str>) -> bool,
+    ) -> Result<Option<TemplateRecord>, DurableError> {
+        // Taken by the take this one waited for.
+        if let Some(t) = manager.store().template(id).map_err(SandboxError::from)? {
+            return Ok(Some(t));
+        }
+        let key = manifest_key(id);
+        let Some(manifest) = files::get_json::<TemplateManifest>(self.store(), &key).await? else {
+            return Ok(None);
+        };
+        if manifest.version != MANIFEST_VERSION || manifest.record.id != id {
+            return Err(DurableError::Incompatible(format!(
+                "{key} is not a version {MANIFEST_VERSION} manifest of template {id}"
+            )));
+        }
+        if !may_use(manifest.team.as_deref()) {
+            return Ok(None);
+        }
+        let started = Instant::now();
+        let cache_dir = manager.config().cluster_cache_dir();
+        let rootfs = match &manifest.raw_base {
+            Some(stored) => cache::cached(&cache_dir, self.store(), stored, None).await?,
+            None => {
+                let rootfs = manager.config().rootfs.clone();
+                let what = format!("template {id}");
+                cache::same_raw_base(&rootfs, manifest.files.raw_base_size, &what)?;
+                rootfs
+            }
+        };
+        let kernel = manager.template().kernel.clone();
+        let record = manager
+            .adopt_template(id, manifest.team.as_deref(), async |dir: &Path| {
+                let state = dir.join(STATE);
+                let (sealed, mem) = manifest
+                    .files
+                    .place_sealed(&cache_dir, self.store(), &rootfs, &state)
+                    .await?;
+                // What it stacks on is in the cache now, not in other
+                // snapshots' or sandboxes' directories.
+                Ok::<_, DurableError>(TemplateRecord {
+                    dir: dir.to_owned(),
+                    snapshot: state,
+                    mem,
+                    root_layer: sealed,
+                    kernel,
+                    rootfs: rootfs.clone(),
+                    uses_snapshots: Vec::new(),
+                    uses_dirs: Vec::new(),
+                    ..manifest.record.clone()
+                })
+            })
+            .await?;
+        tracing::info!(
+            "cluster: template {id} taken in from node {} (through the object store) in {:.1} s",
+            manifest.node_id,
+            started.elapsed().as_secs_f64()
+        );
+        Ok(Some(record))
+    }
+
+    /// Removes template `id`'s manifest (its chunks stay).
+    pub async fn forget_template(&self, id: &str) -> Result<(), DurableError> {
+        if storable_id(id) {
+            self.store().delete(&manifest_key(id)).await?;
+        }
+        Ok(())
+    }
+
+    /// The team owning stored template `id` (None: the default team's), if
+    /// the store has it.
+    pub async fn stored_team(&self, id: &str) -> Result<Option<Option<String>>, DurableError> {
+        if !storable_id(id) {
+            return Ok(None);
+        }
+        let manifest = files::get_json::<TemplateManifest>(self.store(), &manifest_key(id)).await?;
+        Ok(manifest.map(|m| m.team))
+    }
+}
+
+fn unavailable(id: &str, e: impl std::fmt::Display) -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!("template {id}: the object store: {e}"),
+    )
+}
+
+/// Before a request that uses template `id_or_name` (a create, a
+/// snapshot's fork): on a node of a cluster with an object store that
+/// lacks it, the template is taken in from there if the caller's team owns
+/// it. Otherwise nothing happens: the handler answers as before (404 for
+/// one no node stored, or another team's).
+pub async fn take_in_for(
+    state: &Shared,
+    caller: &Caller,
+    id_or_name: &str,
+) -> Result<(), ApiError> {
+    if state.manager.resolve_template(id_or_name).is_ok() {
+        return Ok(());
+    }
+    let Some(durable) = state.cluster.get().and_then(|n| n.durable.as_ref()) else {
+        return Ok(());
+    };
+    durable
+        .take_in_template(&state.manager, id_or_name, |team| caller.owns(team))
+        .await
+        .map(drop)
+        .map_err(|e| unavailable(id_or_name, format!("taking it in: {e}")))
+}
+
+impl Node {
+    /// Stores template `id` (a build made it ready, or a snapshot was
+    /// taken) in the object store, if the cluster has one, in the
+    /// background: a failure is a warning, and the template stays on this
+    /// node only (a gateway still finds it here).
+    pub fn store_template_in_background(self: &Arc<Self>, id: String) {
+        if self.durable.is_none() {
+            return;
+        }
+        let node = self.clone();
+        tokio::spawn(async move {
+            let Some(durable) = &node.durable else {
+                return;
+            };
+            if let Err(e) = durable.store_template(&node.manager, &id).await {
+                tracing::warn!(
+                    "cluster: template {id} is not in the object store ({e}); it stays on this \
+                     node only"
+                );
+            }
+        });
+    }
+
+    /// After templates `ids` were deleted here: their manifests go too.
+    pub async fn forget_templates(&self, ids: &[String]) {
+        let Some(durable) = &self.durable else {
+            return;
+        };
+        for id in ids {
+            if let Err(e) = durable.forget_template(id).await {
+                tracing::warn!("cluster: template {id}: removing it from the object store: {e}");
+            }
+        }
+    }
+}
+
+/// A delete of template `id` that this node does not have: removed from
+/// the object store if it is there and the caller's team's (true).
+pub async fn delete_stored(state: &Shared, caller: &Caller, id: &str) -> Result<bool, ApiError> {
+    let Some(durable) = state.cluster.get().and_then(|n| n.durable.as_ref()) else {
+        return Ok(false);
+    };
+    let id = id.strip_suffix(DEFAULT_TAG).unwrap_or(id);
+    match durable.stored_team(id).await {
+        Ok(Some(team)) if caller.owns(team.as_deref()) => {}
+        Ok(_) => return Ok(false),
+        Err(e) => return Err(unavailable(id, e)),
+    }
+    durable
+        .forget_template(id)
+        .await
+        .map_err(|e| unavailable(id, e))?;
+    tracing::info!("cluster: template {id}: deleted from the object store (no copy here)");
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::FileExt;
+
+    use cluster::ObjectStore;
+    use cluster::harness::SeaweedFs;
+    use disk_layers::LayeredDisk;
+
+    use super::*;
+    use crate::config::Config;
+    use crate::store::Store;
+
+    const TEAM: &str = "team_0123456789abcdef";
+
+    /// A node's manager on `data`, whose root image is `rootfs` (no VMM
+    /// runs: the files are only stored and placed).
+    fn manager(data: &Path, rootfs: &Path) -> Arc<Manager> {
+        let mut config = Config::new(
+            "127.0.0.1:0".parse().unwrap(),
+            "/nonexistent/vmlinux".into(),
+            rootfs.to_owned(),
+            "/nonexistent/sandfork-vmm".into(),
+        );
+        config.data_dir = data.to_owned();
+        config.run_dir = Some(data.join("run"));
+        config.pool_size = 0;
+        std::fs::create_dir_all(data).unwrap();
+        let store = Store::open(&data.join("s.redb")).unwrap();
+        crate::sandbox::tests::with_store(config, store)
+    }
+
+    /// A raw image of 8 MiB with data at its start and end.
+    fn raw_image(path: &Path, fill: u8) {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        let f = std::fs::File::create(path).unwrap();
+        f.set_len(8 << 20).unwrap();
+        f.write_all_at(&[fill; 4096], 0).unwrap();
+        f.write_all_at(&[fill; 4096], (8 << 20) - 4096).unwrap();
+    }
+
+    /// A file of `len` bytes of `fill`.
+    fn filled(path: &Path, len: usize, fill: u8) {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, vec![fill; len]).unwrap();
+    }
+
+    /// Template `id` on the node of `manager`, as a snapshot leaves one:
+    /// its state mapping the base template's memory and its own, its
+    /// sealed root layer in `layers_dir` over another sealed one over
+    /// `raw`, owned by `TEAM`.
+    fn template_on(manager: &Manager, id: &str, raw: &Path, layers_dir: &Path) -> TemplateRecord {
+        let config = manager.config();
+        let dir = config.templates_dir().join(id);
+        let base_mem = config.templates_dir().join("base/vm.mem");
+        filled(&base_mem, 64 << 10, 0x11);
+        filled(&dir.join("vm.mem"), 64 << 10, 0x22);
+        let state = dir.join("vm.state");
+        let mem = dir.join("vm.mem");
+        let mems = [base_mem.to_str().unwrap(), mem.to_str().unwrap()];
+        vmm_driver::snapshot_state::test_support::state_file(&state, &mems);
+        std::fs::create_dir_all(layers_dir).unwrap();
+        let (l1, l2, l3) = (
+            layers_dir.join("1.layer"),
+            layers_dir.join("2.layer"),
+            layers_dir.join("3.layer"),
+        );
+        let disk = LayeredDisk::create(raw, &l1).unwrap();
+        disk.write_at(&[0xaa; 4096], 1 << 20).unwrap();
+        disk.seal_and_branch(&l2, &[]).unwrap();
+        disk.write_at(&[0xbb; 4096], 2 << 20).unwrap();
+        disk.seal_and_branch(&l3, &[]).unwrap();
+        let record = TemplateRecord {
+            id: id.into(),
+            snapshot: state,
+            mem,
+            dir,
+            root_layer: l2,
+            root_drive_id: "rootfs".into(),
+            kernel: config.kernel.clone(),
+            rootfs: raw.to_owned(),
+            vcpus: 1,
+            mem_mib: 128,
+            disk_size_mb: 8,
+            created_at_ms: 7,
+            source_sandbox: Some("isource".into()),
+            names: vec![format!("{id}-name")],
+            uses_snapshots: vec!["iolder".into()],
+            uses_dirs: vec![layers_dir.to_owned()],
+            ..Default::default()
+        };
+        let db = manager.store();
+        db.set_owner(&template_owner_key(id), Some(TEAM)).unwrap();
+        db.put_template(&record).unwrap();
+        record
+    }
+
+    /// The whole disk whose top layer is `top`, read through its chain.
+    fn disk_bytes(top: &Path) -> Vec<u8> {
+        let disk = LayeredDisk::open(top).unwrap();
+        let mut buf = vec![0u8; disk.len() as usize];
+        disk.read_at(&mut buf, 0).unwrap();
+        buf
+    }
+
+    fn durable(weed: &SeaweedFs, node: &str, data: &Path) -> Durable {
+        let store = ObjectStore::new(&weed.url, None, "us-east-1".into()).unwrap();
+        Durable::new(store, node, data.join("cluster-cache"))
+    }
+
+    /// A snapshot stored by one node is taken in on another's data dir:
+    /// its memory's and disk's bytes as they were, its layers' parents and
+    /// its state's memory files in that node's cluster cache (in the
+    /// lineage its sandboxes are handed files in), the raw image at the
+    /// bottom that node's own, its record and team registered; a template
+    /// on a raw image of its own (an image build's) brings that image. Two
+    /// takes at once fetch it once; another team's caller is not given it,
+    /// and a deleted one is gone from the store.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_template_stored_by_one_node_is_taken_in_by_another() {
+        let weed = SeaweedFs::start().unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+        // Each node's own copy of the same root image, outside its data dir.
+        let (raw_a, raw_b) = (
+            tmp.path().join("img-a/root.raw"),
+            tmp.path().join("img-b/root.raw"),
+        );
+        raw_image(&raw_a, 0x5a);
+        raw_image(&raw_b, 0x5a);
+        let node_a = manager(&a, &raw_a);
+        let node_b = manager(&b, &raw_b);
+        let snap = template_on(&node_a, "isnap1", &raw_a, &a.join("sandboxes/isource"));
+        // An image build's template: its raw image is its own.
+        let image_raw = a.join("build-cache/img.raw");
+        raw_image(&image_raw, 0x77);
+        let image = template_on(&node_a, "image-k1", &image_raw, &a.join("sandboxes/ibuild"));
+
+        let store_a = durable(&weed, "a", &a);
+        store_a.store().ensure_bucket().await.unwrap();
+        store_a.store_template(&node_a, "isnap1").await.unwrap();
+        store_a.store_template(&node_a, "image-k1").await.unwrap();
+
+        let store_b = durable(&weed, "b", &b);
+        let others = |team: Option<&str>| team == Some("team_fedcba9876543210");
+        let refused = store_b.take_in_template(&node_b, "isnap1", others).await;
+        assert!(refused.unwrap().is_none());
+        assert!(!b.join("templates/isnap1").exists());
+        let mine = |team: Option<&str>| team == Some(TEAM);
+        let missing = store_b.take_in_template(&node_b, "inothere", mine).await;
+        assert!(missing.unwrap().is_none());
+
+        // Two takes at once: one fetch, one record.
+        let (one, two) = tokio::join!(
+            store_b.take_in_template(&node_b, "isnap1", mine),
+            store_b.take_in_template(&node_b, "isnap1:default", mine)
+        );
+        let taken = one.unwrap().unwrap();
+        assert_eq!(two.unwrap().unwrap(), taken);
+        assert_eq!(
+            node_b.store().template("isnap1").unwrap(),
+            Some(taken.clone())
+        );
+        assert_eq!(
+            node_b
+                .store()
+                .owner(&template_owner_key("isnap1"))
+                .unwrap()
+                .as_deref(),
+            Some(TEAM)
+        );
+        let cache = b.join("cluster-cache");
+        assert_eq!(taken.dir, b.join("templates/isnap1"));
+        assert_eq!(taken.snapshot, taken.dir.join(STATE));
+        assert!(taken.uses_snapshots.is_empty() && taken.uses_dirs.is_empty());
+        assert_eq!(taken.rootfs, raw_b);
+        assert_eq!(
+            (taken.source_sandbox.as_deref(), &taken.names[..]),
+            (Some("isource"), &["isnap1-name".to_owned()][..])
+        );
+        // Memory: the cached copies, bytes as on node a.
+        let mems = vmm_driver::snapshot_state::memory_files(&taken.snapshot).unwrap();
+        let mems_a = vmm_driver::snapshot_state::memory_files(&snap.snapshot).unwrap();
+        assert_eq!(mems.len(), 2);
+        assert_eq!(taken.mem, mems[1]);
+        for (here, there) in mems.iter().zip(&mems_a) {
+            assert!(here.starts_with(&cache), "{}", here.display());
+            assert_eq!(std::fs::read(here).unwrap(), std::fs::read(there).unwrap());
+        }
+        // Disk: the sealed layers in the cache, over node b's image.
+        let chain = disk_layers::chain_files(&taken.root_layer).unwrap();
+        assert_eq!(chain.len(), 3);
+        assert!(chain[..2].iter().all(|l| l.starts_with(&cache)));
+        assert_eq!(chain[2], raw_b);
+        assert_eq!(disk_bytes(&taken.root_layer), disk_bytes(&snap.root_layer));
+        // What its sandboxes' VMMs are handed lies in their lineage.
+        let own = node_b.config().sandboxes_dir().join("inew");
+        let lineage = node_b.lineage(&own, &[], &[], "isnap1");
+        for f in mems.iter().chain(&chain[..2]).chain([&taken.snapshot]) {
+            assert!(lineage.holds(f), "{}", f.display());
+        }
+
+        // The image build's template brings its image into the cache.
+        let image_b = store_b
+            .take_in_template(&node_b, "image-k1", mine)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(image_b.rootfs.starts_with(&cache));
+        assert_eq!(
+            std::fs::read(&image_b.rootfs).unwrap(),
+            std::fs::read(&image_raw).unwrap()
+        );
+        assert_eq!(
+            disk_bytes(&image_b.root_layer),
+            disk_bytes(&image.root_layer)
+        );
+
+        // Deleted: its manifest is gone; a third node finds nothing.
+        assert_eq!(
+            store_b.stored_team("isnap1").await.unwrap(),
+            Some(Some(TEAM.into()))
+        );
+        store_b.forget_template("isnap1").await.unwrap();
+        assert_eq!(store_b.stored_team("isnap1").await.unwrap(), None);
+        let c = tmp.path().join("c");
+        let node_c = manager(&c, &raw_b);
+        let store_c = durable(&weed, "c", &c);
+        let gone = store_c.take_in_template(&node_c, "isnap1", mine).await;
+        assert!(gone.unwrap().is_none());
+        // Ids that cannot name a manifest are not looked up.
+        for bad in ["", "../x", "a/b", ".hidden"] {
+            assert!(!storable_id(bad), "{bad}");
+        }
+    }
+}
