@@ -129,9 +129,11 @@ for m in json.loads(sys.stdin.read() or "[]"):
 }
 # The object store, up before the nodes (each makes sure of its bucket).
 # Every gRPC port is given: weed's default (port + 10000) may not exist.
+# Room for 4 GiB (64 volumes of 64 MiB): every node stores its templates,
+# the lifecycle tests their pauses and snapshots (1 GiB ran out).
 s3_port=$(free_port)
 weed_args=(server -dir="$work/weed" -ip=127.0.0.1 -ip.bind=0.0.0.0 -s3
-    -master.volumeSizeLimitMB=64 -volume.max=16)
+    -master.volumeSizeLimitMB=64 -volume.max=64)
 for service in master volume filer s3; do
     port=$(free_port)
     [[ $service == s3 ]] && port=$s3_port
