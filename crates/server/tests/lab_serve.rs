@@ -1473,8 +1473,8 @@ async fn every_vmm_runs_in_a_cgroup_limited_to_its_sandbox() {
 
 /// A process in sandbox `id` holds 150 MiB, then ends: the memory its
 /// guest frees goes back to the host through the balloon every guest has
-/// (free page reporting), so most of it leaves the VMM's Pss, which is what
-/// the node's admission charges, within a bound.
+/// (free page reporting), so at least half of it leaves the VMM's Pss, which
+/// is what the node's admission charges, within a bound.
 async fn gives_back_what_its_guest_frees(
     node: &Serving,
     addr: std::net::SocketAddr,
@@ -1508,7 +1508,9 @@ async fn gives_back_what_its_guest_frees(
     let full = pss_mib();
     assert!(full >= idle + HELD_MIB * 9 / 10, "Pss {idle} -> {full} MiB");
     assert_eq!(run(addr, routing, "rm /tmp/hold").await.0, 0);
-    let target = full - HELD_MIB * 3 / 4;
+    // Half: reporting goes by whole free blocks of 2-4 MiB, and a loaded lab
+    // gave back 95 of the 150 MiB in the 60 s (3/4 passed on a quiet one).
+    let target = full - HELD_MIB / 2;
     let freed = Instant::now();
     let mut now = pss_mib();
     while now > target && freed.elapsed() < Duration::from_secs(60) {
