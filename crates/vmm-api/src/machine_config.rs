@@ -23,8 +23,15 @@ pub enum HugePages {
     Hugetlbfs2M,
 }
 
-/// Firecracker's static CPU templates; sandfork parses them but supports only `None`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// The CPU template: what of the host's CPU the guest is offered.
+///
+/// Firecracker's static templates (`C3`, `T2`, ...) are parsed so a
+/// Firecracker configuration reads, and refused by [`MachineConfig::validate`].
+/// sandfork's own are the x86-64 psABI microarchitecture levels: the guest's
+/// CPUID is masked to the level's features (plus what the VMM itself needs),
+/// the same on every host that has them, so a snapshot taken on one node of
+/// a cluster restores on another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum CpuTemplate {
     C3,
     T2,
@@ -33,6 +40,72 @@ pub enum CpuTemplate {
     T2A,
     V1N1,
     None,
+    /// SSE4.2, SSSE3, POPCNT, CMPXCHG16B, LAHF/SAHF (plus AES-NI and PCLMULQDQ).
+    #[serde(rename = "x86-64-v2")]
+    X86_64V2,
+    /// v2 and AVX, AVX2, BMI1/2, FMA, F16C, LZCNT, MOVBE, XSAVE.
+    #[serde(rename = "x86-64-v3")]
+    X86_64V3,
+    /// v3 and AVX-512 F, BW, CD, DQ, VL.
+    #[serde(rename = "x86-64-v4")]
+    X86_64V4,
+}
+
+impl CpuTemplate {
+    /// The templates sandfork implements, by their API names.
+    pub const SUPPORTED: [CpuTemplate; 3] = [
+        CpuTemplate::X86_64V2,
+        CpuTemplate::X86_64V3,
+        CpuTemplate::X86_64V4,
+    ];
+
+    /// The name the API and the command line use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CpuTemplate::C3 => "C3",
+            CpuTemplate::T2 => "T2",
+            CpuTemplate::T2S => "T2S",
+            CpuTemplate::T2CL => "T2CL",
+            CpuTemplate::T2A => "T2A",
+            CpuTemplate::V1N1 => "V1N1",
+            CpuTemplate::None => "None",
+            CpuTemplate::X86_64V2 => "x86-64-v2",
+            CpuTemplate::X86_64V3 => "x86-64-v3",
+            CpuTemplate::X86_64V4 => "x86-64-v4",
+        }
+    }
+
+    /// Whether sandfork implements it (`None` included: the host's CPU).
+    pub fn is_supported(self) -> bool {
+        self == CpuTemplate::None || Self::SUPPORTED.contains(&self)
+    }
+}
+
+impl std::fmt::Display for CpuTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for CpuTemplate {
+    type Err = ValidationError;
+
+    /// One of sandfork's templates or `None` (case-insensitive); a
+    /// Firecracker template's name is refused, as the API refuses it.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let found = [CpuTemplate::None]
+            .into_iter()
+            .chain(Self::SUPPORTED)
+            .find(|t| t.as_str().eq_ignore_ascii_case(s));
+        found.ok_or_else(|| ValidationError::new(unsupported_template(s)))
+    }
+}
+
+fn unsupported_template(name: &str) -> String {
+    format!(
+        "cpu_template {name} is not supported; use \"None\" (the host's CPU), \"x86-64-v2\", \
+         \"x86-64-v3\" or \"x86-64-v4\""
+    )
 }
 
 /// The body of `PUT /machine-config` and the answer to `GET /machine-config`.
@@ -103,10 +176,10 @@ impl MachineConfig {
             )));
         }
         match self.cpu_template {
-            None | Some(CpuTemplate::None) => Ok(()),
-            Some(t) => Err(ValidationError::new(format!(
-                "cpu_template {t:?} is not supported; omit it or use \"None\""
-            ))),
+            Some(t) if !t.is_supported() => {
+                Err(ValidationError::new(unsupported_template(t.as_str())))
+            }
+            _ => Ok(()),
         }
     }
 
@@ -244,7 +317,38 @@ mod tests {
 
         let mut m = MachineConfig::new(1, 128);
         m.cpu_template = Some(CpuTemplate::T2);
-        assert!(msg(m).contains("cpu_template T2"));
+        assert!(msg(m.clone()).contains("cpu_template T2 is not supported"));
+        m.cpu_template = Some(CpuTemplate::X86_64V3);
+        m.validate().unwrap();
+    }
+
+    #[test]
+    fn cpu_template_names() {
+        let m: MachineConfig = serde_json::from_str(
+            r#"{"vcpu_count": 1, "mem_size_mib": 256, "cpu_template": "x86-64-v2"}"#,
+        )
+        .unwrap();
+        assert_eq!(m.cpu_template, Some(CpuTemplate::X86_64V2));
+        assert_eq!(
+            serde_json::to_value(&m).unwrap()["cpu_template"],
+            "x86-64-v2"
+        );
+        for t in CpuTemplate::SUPPORTED {
+            assert_eq!(t.as_str().parse::<CpuTemplate>().unwrap(), t);
+            assert_eq!(serde_json::to_value(t).unwrap(), t.as_str());
+        }
+        assert_eq!("none".parse::<CpuTemplate>().unwrap(), CpuTemplate::None);
+        let err = "T2".parse::<CpuTemplate>().unwrap_err().to_string();
+        assert!(
+            err.contains("T2 is not supported") && err.contains("x86-64-v3"),
+            "{err}"
+        );
+        assert!(
+            serde_json::from_str::<MachineConfig>(
+                r#"{"vcpu_count": 1, "mem_size_mib": 256, "cpu_template": "x86-64-v9"}"#
+            )
+            .is_err()
+        );
     }
 
     #[test]

@@ -10,8 +10,9 @@ use linux_loader::cmdline::Cmdline;
 use linux_loader::loader::{Elf, KernelLoader, load_cmdline};
 use vm_memory::GuestAddress;
 
+use crate::arch::x86_64::cpu_template::{CpuTemplate, TemplateUnsupported};
 use crate::arch::x86_64::layout::{CMDLINE_MAX_SIZE, CMDLINE_START, HIMEM_START};
-use crate::arch::x86_64::{boot_params, mptable, regs};
+use crate::arch::x86_64::{boot_params, cpu_features, mptable, regs};
 use crate::device_manager::mmio::DeviceOverrides;
 use crate::device_manager::mmio::MmioDeviceManager;
 use crate::device_manager::{DeviceManagerError, legacy};
@@ -43,6 +44,8 @@ pub struct MicrovmSpec {
     /// Network interfaces, in order (the first is the guest's eth0).
     pub nets: Vec<NetConfig>,
     pub balloon: Option<BalloonConfig>,
+    /// The CPU template the guest's CPUID is masked to; None: the host's.
+    pub cpu_template: Option<&'static CpuTemplate>,
     /// Where the guest's serial console goes.
     pub console: Box<dyn Write + Send>,
     /// A VM made ahead (see [`Vm::with_irqchip`]), or None to make one.
@@ -96,6 +99,10 @@ pub enum BuildError {
     VcpuState(#[from] vcpu_state::VcpuStateError),
     #[error("the snapshot is inconsistent: {0}")]
     Snapshot(String),
+    #[error("{0}")]
+    CpuTemplate(#[from] TemplateUnsupported),
+    #[error("{0}")]
+    SnapshotCpu(#[from] cpu_features::SnapshotCpuError),
 }
 
 /// The full kernel command line: the user's kernel parameters, then the
@@ -135,6 +142,10 @@ pub fn build_and_boot(
         Some(vm) => vm,
         None => Vm::with_irqchip()?,
     };
+    let supported = vm.supported_cpuid()?;
+    if let Some(template) = spec.cpu_template {
+        template.check_host(supported.as_slice())?;
+    }
     let ram = GuestRam::new(spec.mem_size_mib << 20)?;
     let mem: &GuestMemory = ram.guest_memory();
     vm.register_memory(mem)?;
@@ -205,7 +216,14 @@ pub fn build_and_boot(
         buses,
         &handoff,
         on_event,
-        |vcpu, _| Ok(vcpu.configure(&vm, spec.vcpu_count, loaded.kernel_load.0)?),
+        |vcpu, _| {
+            Ok(vcpu.configure(
+                &supported,
+                spec.cpu_template,
+                spec.vcpu_count,
+                loaded.kernel_load.0,
+            )?)
+        },
     )?;
     let msrs = Arc::new(vcpu_state::saveable_msrs(vm.kvm(), vcpus[0].fd())?);
     let mut handles = Vec::with_capacity(vcpus.len());
@@ -342,6 +360,12 @@ pub fn restore(
         Some(vm) => vm,
         None => Vm::with_irqchip()?,
     };
+    // Before anything is mapped: a guest offered what this host lacks
+    // would run until its first such instruction, and die there.
+    let supported = vm.supported_cpuid()?;
+    for vcpu in &state.vcpus {
+        cpu_features::check_snapshot(&vcpu.cpuid, supported.as_slice())?;
+    }
     took.mark("vm");
     let ram = GuestRam::restore(&state.memory)?;
     // A working set that cannot be read costs speed, not the restore.

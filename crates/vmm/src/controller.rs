@@ -13,6 +13,7 @@ use vmm_api::{
     SnapshotType, VmConfig, VmmAction, VmmActionError, VmmData, Vsock,
 };
 
+use crate::arch::x86_64::cpu_template;
 use crate::builder::{self, MicrovmSpec, RestoreSpec, VsockSpec};
 use crate::device_manager::mmio::DeviceOverrides;
 use crate::devices::virtio::balloon::{BalloonConfig, BalloonHandle};
@@ -22,7 +23,7 @@ use crate::devices::virtio::net::{NetConfig, Tap};
 use crate::snapshot::{ForkRequest, MicrovmState, SnapshotRequest, format};
 use crate::vmm::{VmEvent, VmExit, VmState, Vmm};
 use crate::vstate::memory::MemorySnapshotKind;
-use crate::vstate::vm::Vm;
+use crate::vstate::vm::{Vm, VmError, supported_cpuid};
 
 /// The kernel command line when the user gives none: a serial console, reboot
 /// through the keyboard controller, a panic reboots (and so ends the VM), and
@@ -128,6 +129,30 @@ impl Controller {
         self.vmm.is_some()
     }
 
+    /// Refuses a CPU template this host's KVM cannot offer, when the
+    /// configuration is given rather than at start. A KVM that cannot be
+    /// asked now is asked (and its error reported) at start.
+    fn check_cpu_template(&self, machine: &MachineConfig) -> Result<(), VmmActionError> {
+        let Some(template) = machine.cpu_template.and_then(cpu_template::for_api) else {
+            return Ok(());
+        };
+        let supported = match &self.prepared_vm {
+            Some(vm) => vm.supported_cpuid(),
+            None => kvm_ioctls::Kvm::new()
+                .map_err(VmError::OpenKvm)
+                .and_then(|kvm| supported_cpuid(&kvm)),
+        };
+        match supported {
+            Ok(cpuid) => template
+                .check_host(cpuid.as_slice())
+                .map_err(|e| bad(e.to_string())),
+            Err(e) => {
+                tracing::debug!("the CPU template is checked at start: {e}");
+                Ok(())
+            }
+        }
+    }
+
     fn machine_config(&self) -> MachineConfig {
         self.config.machine_config_or_default()
     }
@@ -194,6 +219,7 @@ impl Controller {
             VmmAction::PutMachineConfig(machine) => {
                 self.pre_boot()?;
                 machine.validate()?;
+                self.check_cpu_template(&machine)?;
                 self.config.machine_config = Some(machine);
                 Ok(VmmData::Empty)
             }
@@ -201,6 +227,7 @@ impl Controller {
                 self.pre_boot()?;
                 let machine = self.machine_config().patched(&update)?;
                 machine.validate()?;
+                self.check_cpu_template(&machine)?;
                 self.config.machine_config = Some(machine);
                 Ok(VmmData::Empty)
             }
@@ -603,6 +630,7 @@ impl Controller {
                 })
                 .collect(),
             balloon: self.config.balloon.as_ref().map(balloon_config),
+            cpu_template: machine.cpu_template.and_then(cpu_template::for_api),
             console: Box::new(self.console.clone()),
             vm: self.prepared_vm.take(),
         };

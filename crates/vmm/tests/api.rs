@@ -59,6 +59,61 @@ async fn missing_kernel_and_drive_files_are_refused() {
     assert!(vm.api().get_vm_config().await.unwrap().drives.is_empty());
 }
 
+/// Whether this host's CPU has `flag` (`/proc/cpuinfo`).
+fn host_has(flag: &str) -> bool {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.starts_with("flags"))
+        .any(|l| l.split_whitespace().any(|w| w == flag))
+}
+
+/// Checks the CPU templates against this host's own KVM (PVM's answers
+/// `KVM_GET_SUPPORTED_CPUID` too): a template is accepted, or refused
+/// naming what is missing; one whose features the host's CPU lacks is
+/// refused; Firecracker's are refused whatever the host.
+#[tokio::test]
+async fn cpu_templates_are_checked_against_this_hosts_kvm() {
+    let vm = TestVm::spawn().await;
+    let put = async |t: vmm_api::CpuTemplate| {
+        let machine = MachineConfig {
+            cpu_template: Some(t),
+            ..MachineConfig::new(1, 128)
+        };
+        vm.api().put_machine_config(&machine).await
+    };
+    let msg = fault(put(vmm_api::CpuTemplate::T2).await);
+    assert!(msg.contains("T2 is not supported"), "{msg}");
+    let kvm = std::path::Path::new("/dev/kvm").exists();
+    for t in vmm_api::CpuTemplate::SUPPORTED {
+        match put(t).await {
+            Ok(()) => {
+                let got = vm.api().get_machine_config().await.unwrap();
+                assert_eq!(got.cpu_template, Some(t));
+                eprintln!("{t}: accepted");
+            }
+            Err(e) => {
+                let msg = fault(Err(e));
+                assert!(
+                    msg.starts_with(&format!(
+                        "CPU template {t}: this host's KVM does not support "
+                    )),
+                    "{msg}"
+                );
+                eprintln!("{msg}");
+            }
+        }
+    }
+    if kvm && !host_has("avx512f") {
+        let msg = fault(put(vmm_api::CpuTemplate::X86_64V4).await);
+        assert!(msg.contains("avx512f"), "{msg}");
+    }
+    if kvm && !host_has("avx2") {
+        let msg = fault(put(vmm_api::CpuTemplate::X86_64V3).await);
+        assert!(msg.contains("avx2"), "{msg}");
+    }
+}
+
 #[tokio::test]
 async fn impossible_machine_configs_are_refused() {
     let vm = TestVm::spawn().await;

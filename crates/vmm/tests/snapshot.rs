@@ -678,3 +678,110 @@ async fn without_a_balloon_memory_a_guest_frees_stays_with_its_vmm() {
     );
     assert!(vm.api().get_balloon().await.is_err());
 }
+
+/// The CPU flags the guest's kernel sees (`/proc/cpuinfo`).
+async fn guest_cpu_flags(vm: &TestVm) -> Vec<String> {
+    run(vm, "grep -m1 '^flags' /proc/cpuinfo")
+        .await
+        .split_whitespace()
+        .skip(2)
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Whether this host's KVM can offer `name` (a Linux flag name).
+fn kvm_offers(host: &[kvm_bindings::kvm_cpuid_entry2], name: &str) -> bool {
+    use vmm::arch::x86_64::cpu_features::{feature, read};
+    feature(name).is_some_and(|f| read(host, f.reg) & f.mask() != 0)
+}
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM"]
+async fn a_guest_under_a_cpu_template_sees_its_level_only_and_restores() {
+    let kvm = kvm_ioctls::Kvm::new().unwrap();
+    let supported = vmm::vstate::vm::supported_cpuid(&kvm).unwrap();
+    let host = supported.as_slice();
+    // What x86-64-v2 takes away that this host (the lab's nested KVM) has:
+    // there must be some, or the test proves nothing.
+    let above_v2: Vec<&str> = [
+        "avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "xsave",
+    ]
+    .into_iter()
+    .filter(|f| kvm_offers(host, f))
+    .collect();
+    eprintln!("this host's KVM offers, above x86-64-v2: {above_v2:?}");
+    assert!(
+        !above_v2.is_empty(),
+        "the host offers nothing above x86-64-v2"
+    );
+
+    // A level the lab's CPU lacks is refused before boot, by name.
+    let refused = TestVm::spawn().await;
+    if !kvm_offers(host, "avx512f") {
+        let machine = vmm_api::MachineConfig {
+            cpu_template: Some(vmm_api::CpuTemplate::X86_64V4),
+            ..vmm_api::MachineConfig::new(1, 128)
+        };
+        let err = refused
+            .api()
+            .put_machine_config(&machine)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("x86-64-v4") && err.contains("avx512f"),
+            "{err}"
+        );
+    }
+    drop(refused);
+
+    let snapshots = tempfile::tempdir().unwrap();
+    let mut source = TestVm::spawn().await;
+    source
+        .boot(&Boot {
+            cpu_template: Some(vmm_api::CpuTemplate::X86_64V2),
+            ..Boot::default()
+        })
+        .await;
+    source.wait_for_agent().await;
+    let check = |flags: &[String], logs: &str| {
+        for f in &above_v2 {
+            assert!(
+                !flags.iter().any(|g| g == f),
+                "{f} under x86-64-v2: {flags:?}\n{logs}"
+            );
+        }
+        for f in [
+            "sse4_2",
+            "ssse3",
+            "popcnt",
+            "cx16",
+            "pni",
+            "x2apic",
+            "hypervisor",
+        ] {
+            assert!(
+                flags.iter().any(|g| g == f),
+                "{f} missing under x86-64-v2: {flags:?}\n{logs}"
+            );
+        }
+    };
+    let flags = guest_cpu_flags(&source).await;
+    eprintln!("guest flags under x86-64-v2: {}", flags.join(" "));
+    check(&flags, &source.logs());
+
+    // Its snapshot restores (this host has all it offers), CPU unchanged.
+    source.api().pause().await.unwrap();
+    snapshot(&source, SnapshotType::Full, snapshots.path(), "v2").await;
+    drop(source);
+    let mut restored = restore(snapshots.path(), "v2").await;
+    restored.wait_for_agent().await;
+    restored
+        .vm()
+        .agent()
+        .init(&vmm_driver::agent_client::AgentInit::after_restore().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(guest_cpu_flags(&restored).await, flags);
+    assert_eq!(run(&restored, "echo restored").await, "restored");
+}

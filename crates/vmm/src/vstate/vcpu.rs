@@ -12,13 +12,14 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvm_bindings::{KVM_MAX_CPUID_ENTRIES, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
+use kvm_bindings::{CpuId, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use vmm_api::{VcpuPhase, VcpuReport};
 use vmm_sys_util::signal::{Killable, register_signal_handler};
 
 use super::vcpu_state::{VcpuState, VcpuStateError};
 use super::vm::Vm;
+use crate::arch::x86_64::cpu_template::CpuTemplate;
 use crate::arch::x86_64::{cpuid, msr, regs};
 use crate::devices::bus::Bus;
 use crate::devices::virtio::handoff::DeviceHandoff;
@@ -228,14 +229,18 @@ impl Vcpu {
         })
     }
 
-    /// Sets CPUID, MSRs, FPU and LAPIC for vCPU `id` of `count`; the boot
-    /// vCPU also gets the 64-bit entry state at `entry`.
-    pub fn configure(&self, vm: &Vm, count: u8, entry: u64) -> Result<(), VcpuError> {
-        let mut cpuid = vm
-            .kvm()
-            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-            .map_err(|e| VcpuError::Kvm("GET_SUPPORTED_CPUID", e))?;
-        cpuid::normalize(&mut cpuid, self.id, count);
+    /// Sets CPUID (from `supported`, the host's, under `template`), MSRs,
+    /// FPU and LAPIC for vCPU `id` of `count`; the boot vCPU also gets the
+    /// 64-bit entry state at `entry`.
+    pub fn configure(
+        &self,
+        supported: &CpuId,
+        template: Option<&CpuTemplate>,
+        count: u8,
+        entry: u64,
+    ) -> Result<(), VcpuError> {
+        let mut cpuid = supported.clone();
+        cpuid::normalize(&mut cpuid, template, self.id, count);
         self.fd
             .set_cpuid2(&cpuid)
             .map_err(|e| VcpuError::Kvm("SET_CPUID2", e))?;

@@ -1,9 +1,9 @@
 //! The KVM VM: memory slots, the in-kernel interrupt controllers and PIT.
 
 use kvm_bindings::{
-    KVM_CLOCK_REALTIME, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
-    KVM_PIT_SPEAKER_DUMMY, KVMIO, kvm_clock_data, kvm_irqchip, kvm_pit_config, kvm_pit_state2,
-    kvm_reinject_control, kvm_userspace_memory_region,
+    CpuId, KVM_CLOCK_REALTIME, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
+    KVM_MAX_CPUID_ENTRIES, KVM_PIT_SPEAKER_DUMMY, KVMIO, kvm_clock_data, kvm_irqchip,
+    kvm_pit_config, kvm_pit_state2, kvm_reinject_control, kvm_userspace_memory_region,
 };
 use kvm_ioctls::{Kvm, VmFd};
 use serde::{Deserialize, Serialize};
@@ -206,6 +206,17 @@ impl Vm {
     pub fn kvm(&self) -> &Kvm {
         &self.kvm
     }
+
+    /// What this host's KVM can offer a guest (`KVM_GET_SUPPORTED_CPUID`).
+    pub fn supported_cpuid(&self) -> Result<CpuId, VmError> {
+        supported_cpuid(&self.kvm)
+    }
+}
+
+/// `KVM_GET_SUPPORTED_CPUID` of `kvm`.
+pub fn supported_cpuid(kvm: &Kvm) -> Result<CpuId, VmError> {
+    kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+        .map_err(|e| VmError::Kvm("GET_SUPPORTED_CPUID", e))
 }
 
 #[cfg(test)]

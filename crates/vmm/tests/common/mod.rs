@@ -87,6 +87,8 @@ pub struct Boot {
     pub boot_args: Option<String>,
     /// Extra drives after the read-only root: (path, read-only).
     pub drives: Vec<(PathBuf, bool)>,
+    /// The CPU template (machine-config `cpu_template`); None: the host's CPU.
+    pub cpu_template: Option<vmm_api::CpuTemplate>,
 }
 
 impl Default for Boot {
@@ -96,6 +98,7 @@ impl Default for Boot {
             mem_mib: 256,
             boot_args: None,
             drives: Vec::new(),
+            cpu_template: None,
         }
     }
 }
@@ -123,6 +126,7 @@ impl Boot {
             mem_mib: self.mem_mib,
             drives,
             vsock: true,
+            cpu_template: self.cpu_template,
         }
     }
 }

@@ -1,7 +1,10 @@
-//! The CPUID a vCPU reports: what KVM supports, with this vCPU's APIC ID and
-//! the VM's CPU count filled in so the guest's topology matches the MP table.
+//! The CPUID a vCPU reports: what KVM supports, masked to the VM's CPU
+//! template if it has one, with this vCPU's APIC ID and the VM's CPU count
+//! filled in so the guest's topology matches the MP table.
 
 use kvm_bindings::CpuId;
+
+use super::cpu_template::CpuTemplate;
 
 const LEAF_FEATURES: u32 = 0x1;
 const LEAF_EXT_FEATURES: u32 = 0x7;
@@ -100,8 +103,12 @@ fn normalize_xsave(cpuid: &mut CpuId) {
 }
 
 /// Rewrites `cpuid` (from `KVM_GET_SUPPORTED_CPUID`) for vCPU `id` of `count`:
-/// one socket, one thread per core, `count` cores, and a consistent XSAVE layout.
-pub fn normalize(cpuid: &mut CpuId, id: u8, count: u8) {
+/// `template`'s features, one socket, one thread per core, `count` cores, and
+/// an XSAVE layout consistent with the features left.
+pub fn normalize(cpuid: &mut CpuId, template: Option<&CpuTemplate>, id: u8, count: u8) {
+    if let Some(template) = template {
+        template.apply(cpuid.as_mut_slice());
+    }
     normalize_xsave(cpuid);
     // Bits needed to number the cores, as leaf 0xB's shift field wants it.
     let core_bits = u32::BITS - (u32::from(count).saturating_sub(1)).leading_zeros();
@@ -217,7 +224,7 @@ mod tests {
     #[test]
     fn apic_id_and_count_are_set() {
         let mut cpuid = CpuId::from_entries(&[entry(1, 0), entry(0xb, 0), entry(0xb, 1)]).unwrap();
-        normalize(&mut cpuid, 3, 4);
+        normalize(&mut cpuid, None, 3, 4);
         let e = cpuid.as_slice();
         assert_eq!(e[0].ebx >> 24, 3);
         assert_eq!((e[0].ebx >> 16) & 0xff, 4);
@@ -226,5 +233,34 @@ mod tests {
         assert_eq!(e[1].edx, 3);
         assert_eq!(e[2].eax, 2);
         assert_eq!(e[2].ebx, 4);
+    }
+
+    #[test]
+    fn a_template_drops_the_xsave_components_of_the_features_it_masks() {
+        // A host with AVX and AVX-512 state; x86-64-v3 keeps AVX's only.
+        let mut leaf1 = entry(LEAF_FEATURES, 0);
+        leaf1.ecx = 1 << 28 | 1 << 26;
+        let mut leaf7 = entry(LEAF_EXT_FEATURES, 0);
+        leaf7.ebx = 1 << 16 | 1 << 5;
+        let mut cpuid = CpuId::from_entries(&[
+            leaf1,
+            leaf7,
+            xsave(0, 0xe7, 0x240, 0xa80),
+            xsave(2, 0x100, 0x240, 0),
+            xsave(5, 0x40, 0x440, 0),
+            xsave(6, 0x200, 0x480, 0),
+            xsave(7, 0x400, 0x680, 0),
+        ])
+        .unwrap();
+        normalize(
+            &mut cpuid,
+            Some(&super::super::cpu_template::X86_64_V3),
+            0,
+            1,
+        );
+        let e = cpuid.as_slice();
+        assert_eq!(e[1].ebx, 1 << 5, "avx2 stays, avx512f goes");
+        assert_eq!((e[2].eax, e[2].ecx), (0x7, 0x340));
+        assert_eq!((e[4].eax, e[5].eax, e[6].eax), (0, 0, 0));
     }
 }

@@ -1,6 +1,9 @@
-//! x86_64: the guest memory map, boot protocol, CPU setup and MP table.
+//! x86_64: the guest memory map, boot protocol, CPU setup (CPUID and CPU
+//! templates) and MP table.
 
 pub mod boot_params;
+pub mod cpu_features;
+pub mod cpu_template;
 pub mod cpuid;
 pub mod gdt;
 pub mod layout;
