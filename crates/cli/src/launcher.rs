@@ -58,6 +58,7 @@ pub async fn boot(vm: &VmmProcess, image: &GuestImage) -> Result<()> {
             true,
         )],
         vsock: true,
+        cpu_template: None,
     })
     .await?;
     Ok(())

@@ -84,6 +84,20 @@ pub struct ServeArgs {
     /// [default: the first IPv4 nameserver of /etc/resolv.conf, port 53].
     #[arg(long, value_name = "IP[:PORT]", value_parser = parse_dns_upstream)]
     dns_upstream: Option<std::net::SocketAddrV4>,
+    /// The CPU template every guest is booted under: its CPUID is masked to
+    /// an x86-64 microarchitecture level (x86-64-v2, x86-64-v3,
+    /// x86-64-v4), the same on every host that has it, so a pause or
+    /// template made on one node resumes on another; None: the host's CPU.
+    /// Every node of a cluster must use the same one (a node refuses what
+    /// was made under another). The base template is rebuilt when it
+    /// differs; a host that lacks the level's features refuses to start.
+    #[arg(
+        long,
+        env = "SANDFORK_CPU_TEMPLATE",
+        value_name = "NAME",
+        default_value = "None"
+    )]
+    cpu_template: vmm_api::CpuTemplate,
     #[command(flatten)]
     capacity: CapacityArgs,
     #[command(flatten)]
@@ -398,6 +412,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         dns_upstream: args.dns_upstream,
     });
     config.balloon = !args.no_balloon;
+    config.cpu_template = Some(args.cpu_template);
     config.jail = args.jailed().then_some(server::jail::JailConfig {
         uid_base: args.jail_uid_base,
     });
@@ -440,11 +455,12 @@ async fn serve(args: ServeArgs) -> Result<()> {
         server::cluster::follow_tenants(etcd.clone(), &node.state.keys, manager.capacity())
             .await
             .context("loading the cluster's teams and API keys")?;
-    let registration = cluster::Registration::start(
+    let registration = cluster::Registration::start_with_cpu_template(
         etcd,
         &node_id,
         &advertise.to_string(),
         server::cluster::capacity(&manager),
+        manager.config().cpu_template_name(),
         std::time::Duration::from_secs(args.cluster.lease_ttl_secs.max(2)),
     )
     .await
@@ -604,6 +620,7 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
     if let Some(dns) = &args.dns_upstream {
         cmd.arg("--dns-upstream").arg(dns.to_string());
     }
+    cmd.arg("--cpu-template").arg(args.cpu_template.as_str());
     eprintln!(
         "sandfork serve: this host's KVM cannot boot Linux; running in the KVM lab (emulated, slow), \
          reachable at http://{} (the lab's own address below is forwarded there)",
@@ -631,6 +648,28 @@ mod tests {
     fn parse(args: &[&str]) -> Result<CapacityArgs, clap::Error> {
         Flags::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))
             .map(|f| f.capacity)
+    }
+
+    #[test]
+    fn cpu_template_takes_sandforks_names_and_refuses_firecrackers() {
+        #[derive(Parser)]
+        struct Flags {
+            #[arg(long, default_value = "None")]
+            cpu_template: vmm_api::CpuTemplate,
+        }
+        let parse = |args: &[&str]| {
+            Flags::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))
+                .map(|f| f.cpu_template)
+        };
+        assert_eq!(parse(&[]).unwrap(), vmm_api::CpuTemplate::None);
+        assert_eq!(
+            parse(&["--cpu-template", "x86-64-v3"]).unwrap(),
+            vmm_api::CpuTemplate::X86_64V3
+        );
+        let err = parse(&["--cpu-template", "T2"]).unwrap_err().to_string();
+        assert!(err.contains("x86-64-v2"), "{err}");
+        let none = server::config::cpu_template_name(Some(parse(&[]).unwrap()));
+        assert_eq!(none, None);
     }
 
     #[test]

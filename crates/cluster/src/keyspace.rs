@@ -104,6 +104,10 @@ pub struct NodeRecord {
     pub api_addr: String,
     pub capacity: NodeCapacity,
     pub load: NodeLoad,
+    /// The CPU template the node boots guests under (`serve
+    /// --cpu-template`); None: the host's CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_template: Option<String>,
 }
 
 impl NodeRecord {
@@ -171,6 +175,10 @@ pub struct DurablePause {
     /// The object holding the pause's description (record and files).
     pub manifest: String,
     pub generation: u32,
+    /// The CPU template its guest was booted under (None: the host's CPU):
+    /// only nodes with the same one take it in, so gateways try those first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_template: Option<String>,
 }
 
 /// Nodes in the order a create tries them: most free first, ties by ID
@@ -203,6 +211,7 @@ mod tests {
                 vcpus: 0,
                 memory_mib: 0,
             },
+            cpu_template: None,
         }
     }
 

@@ -70,12 +70,27 @@ impl Registration {
         capacity: NodeCapacity,
         ttl: Duration,
     ) -> Result<Registration, ClusterError> {
+        Self::start_with_cpu_template(cluster, node_id, api_addr, capacity, None, ttl).await
+    }
+
+    /// [`Registration::start`] for a node that boots its guests under CPU
+    /// template `cpu_template` (None: the host's CPU), which its record
+    /// publishes.
+    pub async fn start_with_cpu_template(
+        cluster: Cluster,
+        node_id: &str,
+        api_addr: &str,
+        capacity: NodeCapacity,
+        cpu_template: Option<String>,
+        ttl: Duration,
+    ) -> Result<Registration, ClusterError> {
         let mut record = NodeRecord {
             node_id: node_id.to_owned(),
             incarnation: 0,
             api_addr: api_addr.to_owned(),
             capacity,
             load: NodeLoad::default(),
+            cpu_template,
         };
         let mut client = cluster.client();
         register(&mut client, &mut record, ttl).await?;

@@ -380,6 +380,7 @@ async fn a_node_back_under_a_new_lease_takes_its_routes_over() {
     let pause = cluster::DurablePause {
         manifest: "sandboxes/stored/1.json".into(),
         generation: 1,
+        cpu_template: None,
     };
     assert!(before.set_paused("stored", Some(pause)).await.unwrap());
     drop(before);
@@ -406,6 +407,7 @@ async fn a_node_back_under_a_new_lease_takes_its_routes_over() {
     let stored_again = cluster::DurablePause {
         manifest: "sandboxes/kept/2.json".into(),
         generation: 2,
+        cpu_template: None,
     };
     assert!(
         again
@@ -557,6 +559,7 @@ async fn reconcile_names_pauses_not_stored_and_clears_the_stored_pause_of_one_ru
     let pause = |id: &str, generation| cluster::DurablePause {
         manifest: format!("sandboxes/{id}/{generation}.json"),
         generation,
+        cpu_template: None,
     };
     for id in ["timed-out", "stored", "paused-again", "woken", "busy"] {
         assert!(a.claim(id).await.unwrap());
@@ -692,6 +695,7 @@ async fn a_durable_pause_moves_only_once_its_node_is_gone() {
     let pause = cluster::DurablePause {
         manifest: "sandboxes/p/1.json".into(),
         generation: 1,
+        cpu_template: None,
     };
     // Only the owner records its pause.
     assert!(!b.set_paused("p", Some(pause.clone())).await.unwrap());

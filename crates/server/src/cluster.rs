@@ -22,6 +22,7 @@
 //! Teams and keys are the cluster's ([`follow_tenants`]).
 
 pub mod cache;
+pub mod cpu;
 pub mod durable;
 pub mod fork_across;
 pub mod fork_children;
@@ -469,6 +470,14 @@ async fn take_in(node: &Node, id: &str) -> Result<(), ApiError> {
             "sandbox {id} is paused in the object store and this node has none (--s3)"
         )));
     };
+    // Before anything changes here: a pause made under another CPU template
+    // is another node's to take (the manifest is checked again).
+    cpu::check(
+        &format!("sandbox {id}"),
+        pause.cpu_template.as_deref(),
+        node.manager.config().cpu_template_name().as_deref(),
+    )
+    .map_err(|e| unavailable(e.to_string()))?;
     // A copy from before (this node's earlier life) is out of date.
     if node.manager.get(id).is_ok() {
         tracing::info!("cluster: sandbox {id}: dropping this node's old copy before taking it in");

@@ -53,6 +53,9 @@ pub struct Config {
     pub pressure: Option<crate::pressure::PressureConfig>,
     /// How VMMs are jailed; None: they run as the server (`--no-jail`).
     pub jail: Option<crate::jail::JailConfig>,
+    /// The CPU template every guest the node boots gets (`--cpu-template`),
+    /// and so every snapshot of one; None: the host's CPU.
+    pub cpu_template: Option<vmm_api::CpuTemplate>,
 }
 
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/sandfork";
@@ -79,6 +82,13 @@ pub fn node_balloon() -> vmm_api::Balloon {
     }
 }
 
+/// `template`'s name as records keep it: None for the host's CPU (`None`).
+pub fn cpu_template_name(template: Option<vmm_api::CpuTemplate>) -> Option<String> {
+    template
+        .filter(|t| *t != vmm_api::CpuTemplate::None)
+        .map(|t| t.as_str().to_owned())
+}
+
 impl Config {
     pub fn new(listen: SocketAddr, kernel: PathBuf, rootfs: PathBuf, vmm: PathBuf) -> Config {
         Config {
@@ -103,7 +113,14 @@ impl Config {
             pressure: Some(crate::pressure::PressureConfig::default()),
             // Off unless asked for (`serve --jail`): the jail's lab test turns it on.
             jail: None,
+            cpu_template: None,
         }
+    }
+
+    /// The CPU template's name as records, manifests and the cluster keep
+    /// it; None: the host's CPU.
+    pub fn cpu_template_name(&self) -> Option<String> {
+        cpu_template_name(self.cpu_template)
     }
 
     pub fn sandboxes_dir(&self) -> PathBuf {

@@ -245,7 +245,7 @@ impl Gateway {
         let node = nodes.iter().find(|n| n.node_id == owner).cloned();
         let Some(node) = node else {
             if route.value.paused.is_some() && resumes(req.method(), req.uri().path()) {
-                return self.resume_elsewhere(id, nodes, req).await;
+                return self.resume_elsewhere(id, &route.value, nodes, req).await;
             }
             if !envd && req.method() == Method::DELETE && req.uri().path().ends_with(id) {
                 // A kill of what its gone node held: its record goes, and
@@ -267,10 +267,11 @@ impl Gateway {
     }
 
     /// Resumes a sandbox paused in the object store whose node is gone on
-    /// the freest node that takes it in.
+    /// the freest node that takes it in, of its CPU template first.
     async fn resume_elsewhere(
         &self,
         id: &str,
+        route: &SandboxRoute,
         nodes: Vec<NodeRecord>,
         req: Request,
     ) -> Result<Response, ApiError> {
@@ -279,7 +280,8 @@ impl Gateway {
             .await
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
         let mut last = None;
-        for node in keyspace::placement_order(nodes) {
+        let cpu_template = route.paused.as_ref().and_then(|p| p.cpu_template.clone());
+        for node in same_cpu_first(keyspace::placement_order(nodes), cpu_template.as_deref()) {
             let mut req = rebuild(&parts.method, &parts.uri, &parts.headers, body.clone());
             req.headers_mut().insert(
                 crate::cluster::TAKE_IN_HEADER,
@@ -607,6 +609,17 @@ fn gone(id: &str, owner: &str, durable: bool, envd: bool) -> ApiError {
     ApiError::new(status, message)
 }
 
+/// `nodes` with those that boot guests under CPU template `template` first
+/// (in their order), then the others: a node of another template refuses a
+/// pause made under this one (see `cluster::cpu`), and says why.
+fn same_cpu_first(nodes: Vec<NodeRecord>, template: Option<&str>) -> Vec<NodeRecord> {
+    let (mut same, others): (Vec<_>, Vec<_>) = nodes
+        .into_iter()
+        .partition(|n| n.cpu_template.as_deref() == template);
+    same.extend(others);
+    same
+}
+
 fn refused(status: StatusCode) -> bool {
     status == StatusCode::TOO_MANY_REQUESTS || status == StatusCode::SERVICE_UNAVAILABLE
 }
@@ -676,7 +689,21 @@ mod tests {
                 memory_mib: 10_000,
             },
             load: cluster::NodeLoad::default(),
+            cpu_template: None,
         }
+    }
+
+    #[test]
+    fn a_stored_pause_goes_to_nodes_of_its_cpu_template_first() {
+        let mut v3 = node("c");
+        v3.cpu_template = Some("x86-64-v3".into());
+        let ids = |nodes: Vec<NodeRecord>| nodes.into_iter().map(|n| n.node_id).collect::<Vec<_>>();
+        let nodes = vec![node("a"), node("b"), v3];
+        assert_eq!(
+            ids(same_cpu_first(nodes.clone(), Some("x86-64-v3"))),
+            ["c", "a", "b"]
+        );
+        assert_eq!(ids(same_cpu_first(nodes, None)), ["a", "b", "c"]);
     }
 
     #[test]

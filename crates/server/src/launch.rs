@@ -278,7 +278,12 @@ async fn start(
             if let Some(balloon) = pool.balloon() {
                 vm.api().put_balloon(balloon).await?;
             }
-            vm.boot(spec).await?
+            // The node's CPU template, which its snapshots keep too.
+            let spec = GuestSpec {
+                cpu_template: pool.cpu_template(),
+                ..spec.clone()
+            };
+            vm.boot(&spec).await?
         }
     }
     let loaded = t0.elapsed();

@@ -108,7 +108,10 @@ impl Server {
             config.pool_size,
             net,
             cgroups,
-            config.balloon.then(config::node_balloon),
+            pool::BootConfig {
+                balloon: config.balloon.then(config::node_balloon),
+                cpu_template: config.cpu_template,
+            },
             config
                 .jail
                 .as_ref()

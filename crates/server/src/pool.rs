@@ -34,6 +34,16 @@ pub fn burst_width() -> usize {
     (2 * cpus).max(4)
 }
 
+/// What every guest the node cold-boots gets, and so every snapshot of one,
+/// templates included.
+#[derive(Clone, Debug, Default)]
+pub struct BootConfig {
+    /// Its balloon; None: `--no-balloon`.
+    pub balloon: Option<vmm_api::Balloon>,
+    /// Its CPU template (`--cpu-template`); None: the host's CPU.
+    pub cpu_template: Option<vmm_api::CpuTemplate>,
+}
+
 pub struct Pool {
     binary: PathBuf,
     run_dir: PathBuf,
@@ -44,9 +54,8 @@ pub struct Pool {
     net: Option<Arc<Slots>>,
     /// Where launched VMMs are confined, when the node confines them.
     cgroups: Option<Arc<NodeCgroups>>,
-    /// The balloon every cold-booted guest gets (and so every snapshot of
-    /// one, templates included); None: `--no-balloon`.
-    balloon: Option<vmm_api::Balloon>,
+    /// What every cold-booted guest gets.
+    boot: BootConfig,
     /// The jail every VMM starts in, when the node jails them.
     jail: Option<Jail>,
     /// Guest loads under way at once ([`burst_width`]).
@@ -56,19 +65,27 @@ pub struct Pool {
 impl Pool {
     /// Creates the pool and starts filling it in the background.
     pub fn start(binary: PathBuf, run_dir: PathBuf, size: usize) -> Arc<Pool> {
-        Pool::start_with_network(binary, run_dir, size, None, None, None, None)
+        Pool::start_with_network(
+            binary,
+            run_dir,
+            size,
+            None,
+            None,
+            BootConfig::default(),
+            None,
+        )
     }
 
     /// [`Pool::start`] with every VMM in a slot of `net`, started in `jail`,
     /// every VMM it launches confined in a cgroup of its own under `cgroups`,
-    /// and every guest it boots given `balloon`.
+    /// and every guest it boots given what `boot` says.
     pub fn start_with_network(
         binary: PathBuf,
         run_dir: PathBuf,
         size: usize,
         net: Option<Arc<Slots>>,
         cgroups: Option<Arc<NodeCgroups>>,
-        balloon: Option<vmm_api::Balloon>,
+        boot: BootConfig,
         jail: Option<Jail>,
     ) -> Arc<Pool> {
         let pool = Arc::new(Pool {
@@ -80,7 +97,7 @@ impl Pool {
             closed: AtomicBool::new(false),
             net,
             cgroups,
-            balloon,
+            boot,
             jail,
             loads: Semaphore::new(burst_width()),
         });
@@ -105,7 +122,12 @@ impl Pool {
 
     /// The balloon a booted guest gets, when the node gives guests one.
     pub fn balloon(&self) -> Option<&vmm_api::Balloon> {
-        self.balloon.as_ref()
+        self.boot.balloon.as_ref()
+    }
+
+    /// The CPU template a booted guest gets; None: the host's CPU.
+    pub fn cpu_template(&self) -> Option<vmm_api::CpuTemplate> {
+        self.boot.cpu_template
     }
 
     /// The node's network slots, when it networks its sandboxes.

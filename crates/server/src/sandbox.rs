@@ -633,6 +633,7 @@ impl Manager {
                 network: params.network,
                 pause_reason: None,
                 team: crate::tenants::stored_team(params.team.as_deref()),
+                cpu_template: template.cpu_template.clone(),
             }
         };
         self.start_sandbox(None, plan, record, access_token.clone(), ingress, id)
@@ -910,6 +911,10 @@ impl Manager {
                     s.pause_reason = None;
                     s.end_at_ms = end;
                     s.cold_booted = restore.is_none();
+                    if restore.is_none() {
+                        // Booted afresh, under this node's CPU template.
+                        s.cpu_template = self.config.cpu_template_name();
+                    }
                     s.vmm_dir = Some(launched.vm.dir().to_owned());
                     s.network.slot = launched.net_slot();
                 })?
@@ -956,6 +961,8 @@ impl Manager {
                     false,
                 )],
                 vsock: true,
+                // The node's, set by the launch.
+                cpu_template: None,
             }),
             // A booted agent has no token until this init.
             ready: Ready::Init {

@@ -144,6 +144,11 @@ pub struct SandboxRecord {
     /// before teams existed). See [`crate::tenants`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub team: Option<String>,
+    /// The CPU template its guest was booted under (its template's, or the
+    /// node's when it was cold-booted), which its snapshots keep; None: the
+    /// host's CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_template: Option<String>,
 }
 
 impl SandboxRecord {
@@ -210,6 +215,11 @@ pub struct TemplateRecord {
     /// back to the host (`serve --no-balloon` builds without).
     #[serde(default)]
     pub balloon: bool,
+    /// The CPU template its guest was booted under (`serve
+    /// --cpu-template`), which its snapshot's CPUID keeps; None: the host's
+    /// CPU (and every template made before templates were).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_template: Option<String>,
 }
 
 impl TemplateRecord {

@@ -44,6 +44,9 @@ pub enum DurableError {
     NoManifest(String),
     #[error("{0}")]
     Incompatible(String),
+    /// Booted under another CPU template than this node's (see [`super::cpu`]).
+    #[error("{0}")]
+    CpuTemplate(String),
     #[error("{what} {}: {reason}", path.display())]
     Relocate {
         what: &'static str,
@@ -134,6 +137,7 @@ impl Durable {
         let pause = DurablePause {
             manifest: manifest_key(id, manifest.record.pause_generation),
             generation: manifest.record.pause_generation,
+            cpu_template: manifest.record.cpu_template.clone(),
         };
         files::put_json(&self.store, &pause.manifest, &manifest).await?;
         tracing::info!(
@@ -249,6 +253,11 @@ impl Durable {
                 pause.manifest
             )));
         }
+        super::cpu::check(
+            &format!("sandbox {id}"),
+            manifest.record.cpu_template.as_deref(),
+            manager.config().cpu_template_name().as_deref(),
+        )?;
         let rootfs = manager.config().rootfs.clone();
         cache::same_raw_base(
             &rootfs,

@@ -210,7 +210,11 @@ pub async fn elsewhere(
             "this node is not registered in the cluster".into(),
         );
     };
-    let mut candidates: Vec<NodeRecord> = nodes.into_iter().filter(|n| n.node_id != me).collect();
+    // Nodes of another CPU template would refuse the children (see `super::cpu`).
+    let mut candidates: Vec<NodeRecord> = nodes
+        .into_iter()
+        .filter(|n| n.node_id != me && n.cpu_template == frozen.parent.cpu_template)
+        .collect();
     let started = std::time::Instant::now();
     let exported = match node.forks.export(&frozen, &me).await {
         Ok(e) => e,
@@ -448,6 +452,7 @@ mod tests {
                 vcpus: used,
                 memory_mib: used * 512,
             },
+            cpu_template: None,
         }
     }
 

@@ -191,6 +191,11 @@ impl Durable {
         if !may_use(manifest.team.as_deref()) {
             return Ok(None);
         }
+        super::cpu::check(
+            &format!("template {id}"),
+            manifest.record.cpu_template.as_deref(),
+            manager.config().cpu_template_name().as_deref(),
+        )?;
         let started = Instant::now();
         let cache_dir = manager.config().cluster_cache_dir();
         let rootfs = match &manifest.raw_base {
@@ -474,11 +479,16 @@ mod tests {
         let image_raw = a.join("build-cache/img.raw");
         raw_image(&image_raw, 0x77);
         let image = template_on(&node_a, "image-k1", &image_raw, &a.join("sandboxes/ibuild"));
+        // One booted under a CPU template node b does not run.
+        let mut v3 = template_on(&node_a, "iv3", &raw_a, &a.join("sandboxes/iv3"));
+        v3.cpu_template = Some("x86-64-v3".into());
+        node_a.store().put_template(&v3).unwrap();
 
         let store_a = durable(&weed, "a", &a);
         store_a.store().ensure_bucket().await.unwrap();
         store_a.store_template(&node_a, "isnap1").await.unwrap();
         store_a.store_template(&node_a, "image-k1").await.unwrap();
+        store_a.store_template(&node_a, "iv3").await.unwrap();
 
         let store_b = durable(&weed, "b", &b);
         let others = |team: Option<&str>| team == Some("team_fedcba9876543210");
@@ -554,6 +564,19 @@ mod tests {
             disk_bytes(&image_b.root_layer),
             disk_bytes(&image.root_layer)
         );
+
+        // Booted under another CPU template: refused, by name, before any fetch.
+        let other_cpu = store_b.take_in_template(&node_b, "iv3", mine).await;
+        match other_cpu {
+            Err(DurableError::CpuTemplate(msg)) => {
+                assert!(
+                    msg.contains("template iv3 was booted under CPU template x86-64-v3"),
+                    "{msg}"
+                )
+            }
+            other => panic!("expected a CPU template refusal, got {other:?}"),
+        }
+        assert!(!b.join("templates/iv3").exists());
 
         // Deleted: its manifest is gone; a third node finds nothing.
         assert_eq!(

@@ -251,6 +251,8 @@ impl Manager {
             uses_dirs: source.uses_dirs.clone(),
             net_abi: source_template.as_ref().and_then(|t| t.net_abi),
             balloon: source_template.is_some_and(|t| t.balloon),
+            // Its state holds the source's CPUID.
+            cpu_template: source.cpu_template.clone(),
         };
         self.store.put_template(&record)?;
         Ok(record)

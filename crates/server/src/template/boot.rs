@@ -248,6 +248,7 @@ pub async fn build(
         // Every launch of a networked node has the interface.
         net_abi: pool.net().map(|_| sandfork_network::plan::NET_ABI_VERSION),
         balloon: pool.balloon().is_some(),
+        cpu_template: crate::config::cpu_template_name(pool.cpu_template()),
     })
 }
 
@@ -285,6 +286,8 @@ async fn build_in(
                 false,
             )],
             vsock: true,
+            // The node's, set by the launch.
+            cpu_template: None,
         }),
         ready: Ready::Health,
         // A build's guest uses the node like a sandbox's; it is counted, not refused.

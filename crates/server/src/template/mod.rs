@@ -88,7 +88,9 @@ pub async fn ensure_base(
             // leaves sandboxes offline: it must match the node.
             && t.net_abi == pool.net().map(|_| sandfork_network::plan::NET_ABI_VERSION)
             // Sandboxes get the devices their template's snapshot has.
-            && t.balloon == pool.balloon().is_some();
+            && t.balloon == pool.balloon().is_some()
+            // Its snapshot's CPUID is what the node offers guests.
+            && t.cpu_template == crate::config::cpu_template_name(pool.cpu_template());
         let whole = [&t.snapshot, &t.mem, &t.root_layer]
             .iter()
             .all(|p| p.is_file());

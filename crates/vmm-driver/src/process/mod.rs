@@ -22,8 +22,8 @@ pub use jail::{Jail, Limits as JailLimits};
 pub use lineage::Lineage;
 
 use vmm_api::{
-    BootSource, Drive, DriveOverride, ForkInfo, ForkParams, InstanceState, MachineConfig,
-    SnapshotCreateParams, SnapshotLoadParams, SnapshotType, Vsock, VsockOverride,
+    BootSource, CpuTemplate, Drive, DriveOverride, ForkInfo, ForkParams, InstanceState,
+    MachineConfig, SnapshotCreateParams, SnapshotLoadParams, SnapshotType, Vsock, VsockOverride,
 };
 
 use crate::agent_client::{AgentClient, AgentError, AgentInit};
@@ -107,6 +107,8 @@ pub struct GuestSpec {
     pub drives: Vec<Drive>,
     /// Give the guest a vsock device (socket in the process's directory).
     pub vsock: bool,
+    /// The CPU template its CPUID is masked to (None: the host's CPU).
+    pub cpu_template: Option<CpuTemplate>,
 }
 
 /// A snapshot to load into a fresh VMM: its state and memory files and the
@@ -556,7 +558,10 @@ impl VmmProcess {
         }
         self.give(handed).await?;
         self.api
-            .put_machine_config(&MachineConfig::new(guest.vcpus, guest.mem_mib))
+            .put_machine_config(&MachineConfig {
+                cpu_template: guest.cpu_template,
+                ..MachineConfig::new(guest.vcpus, guest.mem_mib)
+            })
             .await?;
         self.api
             .put_boot_source(&BootSource {
