@@ -53,6 +53,11 @@ pub struct Config {
     pub pressure: Option<crate::pressure::PressureConfig>,
     /// How VMMs are jailed; None: they run as the server (`--no-jail`).
     pub jail: Option<crate::jail::JailConfig>,
+    /// What `cluster-cache/` may hold, in bytes on disk, before the
+    /// collector evicts the files nothing uses, least recently used first;
+    /// None: a quarter of the data dir's file system (see
+    /// `sandbox::cache_bound`).
+    pub cluster_cache_max: Option<u64>,
 }
 
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/sandfork";
@@ -103,6 +108,7 @@ impl Config {
             pressure: Some(crate::pressure::PressureConfig::default()),
             // Off unless asked for (`serve --jail`): the jail's lab test turns it on.
             jail: None,
+            cluster_cache_max: None,
         }
     }
 

@@ -10,8 +10,8 @@
 //! the template brought its own), its state into `templates/<id>/` naming
 //! the cached memory, its record and owning team registered.
 //!
-//! Deleting a template removes its manifest; its chunks stay (nothing
-//! collects the store's chunks yet).
+//! Deleting a template removes its manifest; the store's collector
+//! ([`cluster::store_gc`]) deletes its chunks that nothing else names.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -112,16 +112,9 @@ impl Durable {
             .owner(&template_owner_key(id))
             .map_err(SandboxError::from)?;
         let guest = manager.template_files(&record).await?;
-        let (stored, mut sent) = self.store_guest(&guest, false).await?;
-        let raw_base = match &guest.raw_base {
-            Some((path, _)) if !same_file(path, &manager.config().rootfs) => {
-                let (image, s) = self.upload_immutable(path, None).await?;
-                sent.chunks += s.chunks;
-                sent.bytes += s.bytes;
-                Some(image)
-            }
-            _ => None,
-        };
+        let rootfs = &manager.config().rootfs;
+        let mut epoch = self.epoch().await?;
+        let (stored, raw_base, sent) = self.store_template_files(&guest, rootfs, epoch).await?;
         let manifest = TemplateManifest {
             version: MANIFEST_VERSION,
             node_id: self.node_id().to_owned(),
@@ -132,6 +125,21 @@ impl Durable {
         };
         let key = manifest_key(id);
         files::put_json(self.store(), &key, &manifest).await?;
+        // A take-in that comes meanwhile may miss a chunk (and answers 503).
+        while let Some(settled) = self.met_a_pass(epoch).await? {
+            tracing::info!(
+                "cluster: template {id}: the store met a collection; checking its chunks"
+            );
+            let (again, raw_again, _) = self
+                .store_template_files(&guest, rootfs, Some(settled))
+                .await?;
+            if again != manifest.files || raw_again != manifest.raw_base {
+                return Err(DurableError::Incompatible(format!(
+                    "template {id}'s files changed while they were stored"
+                )));
+            }
+            epoch = Some(settled);
+        }
         if db.template(id).ok().flatten().is_none() {
             self.store().delete(&key).await?;
             tracing::info!("cluster: template {id} was deleted while it was stored");
@@ -144,6 +152,27 @@ impl Durable {
             sent.bytes >> 20
         );
         Ok(())
+    }
+
+    /// A template's files (and its raw image when it is not the node's
+    /// `rootfs`) stored.
+    async fn store_template_files(
+        &self,
+        guest: &crate::sandbox::GuestPaths,
+        rootfs: &Path,
+        epoch: Option<cluster::GcEpoch>,
+    ) -> Result<(GuestFiles, Option<StoredFile>, files::Sent), DurableError> {
+        let (stored, mut sent) = self.store_guest(guest, false, epoch).await?;
+        let raw_base = match &guest.raw_base {
+            Some((path, _)) if !same_file(path, rootfs) => {
+                let (image, s) = self.upload_immutable(path, None, epoch).await?;
+                sent.chunks += s.chunks;
+                sent.bytes += s.bytes;
+                Some(image)
+            }
+            _ => None,
+        };
+        Ok((stored, raw_base, sent))
     }
 
     /// Template `id_or_id_tag` (an id, or an id with E2B's `:default`),
@@ -233,7 +262,8 @@ impl Durable {
         Ok(Some(record))
     }
 
-    /// Removes template `id`'s manifest (its chunks stay).
+    /// Removes template `id`'s manifest (the store's collector deletes its
+    /// chunks that nothing else names).
     pub async fn forget_template(&self, id: &str) -> Result<(), DurableError> {
         if storable_id(id) {
             self.store().delete(&manifest_key(id)).await?;
@@ -341,6 +371,8 @@ pub async fn delete_stored(state: &Shared, caller: &Caller, id: &str) -> Result<
 #[cfg(test)]
 mod tests {
     use std::os::unix::fs::FileExt;
+
+    use std::collections::BTreeSet;
 
     use cluster::ObjectStore;
     use cluster::harness::SeaweedFs;
@@ -571,5 +603,111 @@ mod tests {
         for bad in ["", "../x", "a/b", ".hidden"] {
             assert!(!storable_id(bad), "{bad}");
         }
+    }
+
+    /// The chunk digests stored template `id`'s manifest names.
+    async fn named(store: &ObjectStore, id: &str) -> BTreeSet<String> {
+        let m: TemplateManifest = files::get_json(store, &manifest_key(id))
+            .await
+            .unwrap()
+            .unwrap();
+        let f = &m.files;
+        f.state
+            .iter()
+            .chain(&f.memory)
+            .chain(&f.disk)
+            .chain(&m.raw_base)
+            .flat_map(|s| s.chunks.iter().flatten().cloned())
+            .collect()
+    }
+
+    async fn chunks(store: &ObjectStore) -> BTreeSet<String> {
+        let listed = store.list(cluster::store_gc::CHUNKS).await.unwrap();
+        listed
+            .into_iter()
+            .map(|o| o.key[cluster::store_gc::CHUNKS.len()..].to_owned())
+            .collect()
+    }
+
+    /// Two snapshots of one base template stored (sharing its memory), one
+    /// deleted: a pass of the store's collector deletes the chunks only the
+    /// deleted one named and keeps those the other names. An upload that
+    /// meets a pass (one under way, deleting a chunk the upload found
+    /// stored) checks its chunks again once it is over and sends what went;
+    /// and a file the node remembers having sent before a pass is checked
+    /// again after it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_store_collector_keeps_what_stored_templates_share() {
+        let etcd = cluster::harness::Etcd::start().unwrap();
+        let weed = SeaweedFs::start().unwrap();
+        let etcd_cluster = cluster::Cluster::connect(&etcd.endpoints()).await.unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let a = tmp.path().join("a");
+        let raw = tmp.path().join("img/root.raw");
+        raw_image(&raw, 0x5a);
+        let node = manager(&a, &raw);
+        // All made first: each rewrites the base template's memory file,
+        // which would make the node forget it sent it.
+        for i in 1..=4 {
+            let id = format!("isnap{i}");
+            template_on(&node, &id, &raw, &a.join(format!("sandboxes/i{i}")));
+        }
+        let stored = durable(&weed, "a", &a).with_fence(etcd_cluster.clone());
+        let store = stored.store().clone();
+        store.ensure_bucket().await.unwrap();
+        stored.store_template(&node, "isnap1").await.unwrap();
+        stored.store_template(&node, "isnap2").await.unwrap();
+        let (one, two) = (named(&store, "isnap1").await, named(&store, "isnap2").await);
+        assert!(
+            !one.is_disjoint(&two),
+            "the base template's memory is shared"
+        );
+        assert!(!one.is_subset(&two));
+        stored.forget_template("isnap1").await.unwrap();
+
+        let grace = std::time::Duration::from_secs(1);
+        tokio::time::sleep(grace * 2).await;
+        let collector =
+            cluster::Collector::new(store.clone(), etcd_cluster.clone(), "a").with_grace(grace);
+        let swept = collector.pass().await.unwrap().unwrap();
+        let left = chunks(&store).await;
+        assert_eq!(left, two);
+        assert_eq!(swept.chunks, one.difference(&two).count());
+
+        // A pass under way (another node's) while a snapshot is stored: it
+        // deletes a chunk the upload found stored, after the upload looked.
+        let elsewhere = cluster::harness::ForeignPass::start(&etcd_cluster, "b")
+            .await
+            .unwrap();
+        let storing = tokio::spawn({
+            let node = node.clone();
+            async move {
+                stored.store_template(&node, "isnap3").await.unwrap();
+                stored
+            }
+        });
+        while store.get(&manifest_key("isnap3")).await.unwrap().is_none() {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        let three = named(&store, "isnap3").await;
+        let shared = three.intersection(&two).next().unwrap().clone();
+        store.delete(&files::chunk_key(&shared)).await.unwrap();
+        assert!(!storing.is_finished(), "the upload waits for the pass");
+        elsewhere.end().await.unwrap();
+        let stored = storing.await.unwrap();
+        assert!(three.is_subset(&chunks(&store).await));
+
+        // After a pass, what the node remembers having sent is checked
+        // again: all of isnap2 and isnap3 go, then isnap4 (which shares
+        // their base template's memory) is stored whole.
+        stored.forget_template("isnap2").await.unwrap();
+        stored.forget_template("isnap3").await.unwrap();
+        tokio::time::sleep(grace * 2).await;
+        collector.pass().await.unwrap().unwrap();
+        assert!(chunks(&store).await.is_empty());
+        stored.store_template(&node, "isnap4").await.unwrap();
+        let four = named(&store, "isnap4").await;
+        assert!(four.contains(&shared));
+        assert_eq!(four, chunks(&store).await);
     }
 }
