@@ -172,6 +172,9 @@ impl Etcd {
             ))
             .arg(format!("--initial-cluster={initial_cluster}"))
             .arg("--initial-cluster-token=sandfork-test")
+            // 3.4's default logger (capnslog) leaves a nil zap logger that a
+            // slow read's retry warning dereferences (etcd-io/etcd#14402).
+            .args(["--logger=zap", "--log-outputs=stderr"])
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)

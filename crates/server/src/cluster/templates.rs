@@ -10,8 +10,16 @@
 //! the template brought its own), its state into `templates/<id>/` naming
 //! the cached memory, its record and owning team registered.
 //!
-//! Deleting a template removes its manifest; the store's collector
-//! ([`cluster::store_gc`]) deletes its chunks that nothing else names.
+//! Its names (a build's alias and tags, a snapshot's name) point at it
+//! through `template-names/<name>.json`, written after its manifest, so a
+//! node takes a template in by a name as well as by its id. A node's names
+//! are one namespace, as on one node: the last template stored under a name
+//! holds it (a rebuild's), and a template stored again (its tags changed)
+//! lets go of the names it no longer has.
+//!
+//! Deleting a template removes its manifest and the names pointing at it;
+//! the store's collector ([`cluster::store_gc`]) deletes its chunks that
+//! nothing else names.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -38,6 +46,28 @@ const STATE: &str = "vm.state";
 
 pub fn manifest_key(id: &str) -> String {
     format!("templates/{id}.json")
+}
+
+/// Where name `name` points, if it may name a key: what template names and
+/// tags are made of (letters, digits, `-`, `_`, `.`, `:`), so no request
+/// bends a key.
+fn name_key(name: &str) -> Option<String> {
+    let ok = !name.is_empty()
+        && name.len() <= 256
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b));
+    ok.then(|| format!("template-names/{name}.json"))
+}
+
+/// What a name points at.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct NameEntry {
+    id: String,
+    /// The template's team (None: the default team), so a node refuses
+    /// another team's name without reading its manifest.
+    team: Option<String>,
 }
 
 /// A template (or snapshot) as stored.
@@ -124,6 +154,7 @@ impl Durable {
             raw_base,
         };
         let key = manifest_key(id);
+        let before = files::get_json::<TemplateManifest>(self.store(), &key).await?;
         files::put_json(self.store(), &key, &manifest).await?;
         // A take-in that comes meanwhile may miss a chunk (and answers 503).
         while let Some(settled) = self.met_a_pass(epoch).await? {
@@ -140,8 +171,23 @@ impl Durable {
             }
             epoch = Some(settled);
         }
+        let entry = NameEntry {
+            id: id.to_owned(),
+            team: manifest.team.clone(),
+        };
+        for name in &manifest.record.names {
+            if let Some(name_key) = name_key(name) {
+                files::put_json(self.store(), &name_key, &entry).await?;
+            }
+        }
+        let dropped = before.map(|b| b.record.names).unwrap_or_default();
+        let dropped: Vec<_> = dropped
+            .into_iter()
+            .filter(|n| !manifest.record.names.contains(n))
+            .collect();
+        self.let_go_of_names(id, &dropped).await?;
         if db.template(id).ok().flatten().is_none() {
-            self.store().delete(&key).await?;
+            self.forget_template(id).await?;
             tracing::info!("cluster: template {id} was deleted while it was stored");
             return Ok(());
         }
@@ -175,25 +221,62 @@ impl Durable {
         Ok((stored, raw_base, sent))
     }
 
-    /// Template `id_or_id_tag` (an id, or an id with E2B's `:default`),
-    /// taken in from the object store when this node lacks it: None when
-    /// the store has none or `may_use` refuses its team (nothing is
-    /// fetched then). Concurrent takes of one template fetch it once.
+    /// Template `id_or_name` (an id or one of its names, either with E2B's
+    /// `:default`), taken in from the object store when this node lacks
+    /// it: None when the store has none or `may_use` refuses its team
+    /// (nothing is fetched then). Concurrent takes of one template fetch it
+    /// once.
     pub async fn take_in_template(
         &self,
         manager: &Manager,
-        id_or_id_tag: &str,
+        id_or_name: &str,
         may_use: impl Fn(Option<&str>) -> bool,
     ) -> Result<Option<TemplateRecord>, DurableError> {
-        let id = id_or_id_tag
-            .strip_suffix(DEFAULT_TAG)
-            .unwrap_or(id_or_id_tag);
-        if !storable_id(id) {
+        let wanted = id_or_name.strip_suffix(DEFAULT_TAG).unwrap_or(id_or_name);
+        if storable_id(wanted)
+            && let Some(t) = self.take_in_one(manager, wanted, None, &may_use).await?
+        {
+            return Ok(Some(t));
+        }
+        let Some(key) = name_key(wanted) else {
+            return Ok(None);
+        };
+        let Some(entry) = files::get_json::<NameEntry>(self.store(), &key).await? else {
+            return Ok(None);
+        };
+        if !storable_id(&entry.id) || !may_use(entry.team.as_deref()) {
             return Ok(None);
         }
+        let Some(mut t) = self
+            .take_in_one(manager, &entry.id, Some(wanted), &may_use)
+            .await?
+        else {
+            return Ok(None);
+        };
+        // Here already under other names (its tags changed where it was
+        // made): it answers to this one too, which no template here has.
+        if !t.names.iter().any(|n| n == wanted) && manager.resolve_template(wanted).is_err() {
+            t.names.push(wanted.to_owned());
+            manager
+                .store()
+                .put_template(&t)
+                .map_err(SandboxError::from)?;
+        }
+        Ok(Some(t))
+    }
+
+    /// Template `id` taken in, once at a time; `by_name`: the name it was
+    /// asked for by, which it keeps here.
+    async fn take_in_one(
+        &self,
+        manager: &Manager,
+        id: &str,
+        by_name: Option<&str>,
+        may_use: &impl Fn(Option<&str>) -> bool,
+    ) -> Result<Option<TemplateRecord>, DurableError> {
         let one = self.takes().of(id);
         let _one = one.lock().await;
-        let taken = self.take_in_alone(manager, id, may_use).await;
+        let taken = self.take_in_alone(manager, id, by_name, may_use).await;
         self.takes().done(id);
         taken
     }
@@ -202,7 +285,8 @@ impl Durable {
         &self,
         manager: &Manager,
         id: &str,
-        may_use: impl Fn(Option<&str>) -> bool,
+        by_name: Option<&str>,
+        may_use: &impl Fn(Option<&str>) -> bool,
     ) -> Result<Option<TemplateRecord>, DurableError> {
         // Taken by the take this one waited for.
         if let Some(t) = manager.store().template(id).map_err(SandboxError::from)? {
@@ -232,6 +316,7 @@ impl Durable {
             }
         };
         let kernel = manager.template().kernel.clone();
+        let names = names_here(manager, &manifest.record.names, by_name)?;
         let record = manager
             .adopt_template(id, manifest.team.as_deref(), async |dir: &Path| {
                 let state = dir.join(STATE);
@@ -250,6 +335,7 @@ impl Durable {
                     rootfs: rootfs.clone(),
                     uses_snapshots: Vec::new(),
                     uses_dirs: Vec::new(),
+                    names: names.clone(),
                     ..manifest.record.clone()
                 })
             })
@@ -262,11 +348,31 @@ impl Durable {
         Ok(Some(record))
     }
 
-    /// Removes template `id`'s manifest (the store's collector deletes its
-    /// chunks that nothing else names).
+    /// Removes template `id`'s manifest and the names pointing at it (the
+    /// store's collector deletes its chunks that nothing else names).
     pub async fn forget_template(&self, id: &str) -> Result<(), DurableError> {
-        if storable_id(id) {
-            self.store().delete(&manifest_key(id)).await?;
+        if !storable_id(id) {
+            return Ok(());
+        }
+        let key = manifest_key(id);
+        if let Some(manifest) = files::get_json::<TemplateManifest>(self.store(), &key).await? {
+            self.let_go_of_names(id, &manifest.record.names).await?;
+        }
+        self.store().delete(&key).await?;
+        Ok(())
+    }
+
+    /// Removes those of `names` that point at template `id` (a name another
+    /// template took since points there and stays).
+    async fn let_go_of_names(&self, id: &str, names: &[String]) -> Result<(), DurableError> {
+        for name in names {
+            let Some(key) = name_key(name) else {
+                continue;
+            };
+            let entry = files::get_json::<NameEntry>(self.store(), &key).await?;
+            if entry.is_some_and(|e| e.id == id) {
+                self.store().delete(&key).await?;
+            }
         }
         Ok(())
     }
@@ -282,6 +388,35 @@ impl Durable {
     }
 }
 
+/// The names a template taken in keeps on this node: its own but those a
+/// template here has (the node's names are one namespace, and the one here
+/// was there first), and the name it was asked for by (its manifest may
+/// predate the name, which its index gave it since).
+fn names_here(
+    manager: &Manager,
+    names: &[String],
+    by_name: Option<&str>,
+) -> Result<Vec<String>, SandboxError> {
+    let taken: std::collections::HashSet<String> = manager
+        .store()
+        .templates()?
+        .into_iter()
+        .flat_map(|t| t.names)
+        .collect();
+    let mut kept: Vec<String> = names
+        .iter()
+        .filter(|n| !taken.contains(*n))
+        .cloned()
+        .collect();
+    if let Some(n) = by_name
+        && !kept.iter().any(|k| k == n)
+        && !taken.contains(n)
+    {
+        kept.push(n.to_owned());
+    }
+    Ok(kept)
+}
+
 fn unavailable(id: &str, e: impl std::fmt::Display) -> ApiError {
     ApiError::new(
         StatusCode::SERVICE_UNAVAILABLE,
@@ -291,8 +426,8 @@ fn unavailable(id: &str, e: impl std::fmt::Display) -> ApiError {
 
 /// Before a request that uses template `id_or_name` (a create, a
 /// snapshot's fork): on a node of a cluster with an object store that
-/// lacks it, the template is taken in from there if the caller's team owns
-/// it. Otherwise nothing happens: the handler answers as before (404 for
+/// lacks it, the template is taken in from there (by its id or a name) if
+/// the caller's team owns it. Otherwise nothing happens: the handler answers as before (404 for
 /// one no node stored, or another team's).
 pub async fn take_in_for(
     state: &Shared,
@@ -709,5 +844,110 @@ mod tests {
         let four = named(&store, "isnap4").await;
         assert!(four.contains(&shared));
         assert_eq!(four, chunks(&store).await);
+    }
+
+    /// Template `id` on `manager`'s node (as [`template_on`]) with `names`.
+    fn template_named(manager: &Manager, id: &str, raw: &Path, names: &[&str]) -> TemplateRecord {
+        let dir = manager.config().sandboxes_dir().join(format!("src-{id}"));
+        let mut t = template_on(manager, id, raw, &dir);
+        t.names = names.iter().map(|n| n.to_string()).collect();
+        manager.store().put_template(&t).unwrap();
+        t
+    }
+
+    /// A node takes a template in by one of its names (a build's alias or
+    /// tag), which points at the template stored last under it (a
+    /// rebuild's); another team's name is not given (nothing fetched); a
+    /// name a template of the node has already stays that one's; a template
+    /// stored again without a name lets go of it, and a deleted one of all.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_template_is_taken_in_by_a_name_its_last_build_holds() {
+        let weed = SeaweedFs::start().unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let raw = tmp.path().join("img/root.raw");
+        raw_image(&raw, 0x5a);
+        let (a, b, c) = (
+            tmp.path().join("a"),
+            tmp.path().join("b"),
+            tmp.path().join("c"),
+        );
+        let (node_a, node_b, node_c) = (manager(&a, &raw), manager(&b, &raw), manager(&c, &raw));
+        let (store_a, store_b, store_c) = (
+            durable(&weed, "a", &a),
+            durable(&weed, "b", &b),
+            durable(&weed, "c", &c),
+        );
+        store_a.store().ensure_bucket().await.unwrap();
+        let mine = |team: Option<&str>| team == Some(TEAM);
+        let others = |team: Option<&str>| team == Some("team_fedcba9876543210");
+
+        // The first build of "py-env" with a tag, then its rebuild takes
+        // the alias (the tag stays the first one's).
+        let mut first = template_named(&node_a, "ibuild1", &raw, &["py-env", "py-env:v1"]);
+        store_a.store_template(&node_a, "ibuild1").await.unwrap();
+        first.names = vec!["py-env:v1".into()];
+        node_a.store().put_template(&first).unwrap();
+        template_named(&node_a, "ibuild2", &raw, &["py-env", "shared"]);
+        store_a.store_template(&node_a, "ibuild2").await.unwrap();
+        store_a.store_template(&node_a, "ibuild1").await.unwrap();
+
+        // Another team: nothing.
+        let refused = store_b.take_in_template(&node_b, "py-env", others).await;
+        assert!(refused.unwrap().is_none());
+        assert!(!b.join("templates/ibuild2").exists());
+        // A name no template has, or that cannot name a key: nothing.
+        for missing in ["no-such", "py-env:v9", "a/../b", ""] {
+            let none = store_b.take_in_template(&node_b, missing, mine).await;
+            assert!(none.unwrap().is_none(), "{missing}");
+        }
+
+        // Node b has a template of its own called "shared".
+        template_named(&node_b, "ilocal", &raw, &["shared"]);
+        let rebuilt = store_b
+            .take_in_template(&node_b, "py-env:default", mine)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(rebuilt.id, "ibuild2");
+        assert_eq!(rebuilt.names, ["py-env"]);
+        assert_eq!(node_b.resolve_template("py-env").unwrap().id, "ibuild2");
+        assert_eq!(node_b.resolve_template("shared").unwrap().id, "ilocal");
+        let tagged = store_b
+            .take_in_template(&node_b, "py-env:v1", mine)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (tagged.id.as_str(), &tagged.names[..]),
+            ("ibuild1", &["py-env:v1".to_owned()][..])
+        );
+
+        // Stored again without its tag: the name goes with it.
+        first.names.clear();
+        node_a.store().put_template(&first).unwrap();
+        store_a.store_template(&node_a, "ibuild1").await.unwrap();
+        let untagged = store_c.take_in_template(&node_c, "py-env:v1", mine).await;
+        assert!(untagged.unwrap().is_none());
+        assert!(!c.join("templates/ibuild1").exists());
+
+        // Known here under other names: it answers to the asked one too.
+        let mut renamed = node_a.store().template("ibuild2").unwrap().unwrap();
+        renamed.names.push("py-env:v2".into());
+        node_a.store().put_template(&renamed).unwrap();
+        store_a.store_template(&node_a, "ibuild2").await.unwrap();
+        let again = store_b
+            .take_in_template(&node_b, "py-env:v2", mine)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(again.names, ["py-env", "py-env:v2"]);
+        assert_eq!(node_b.resolve_template("py-env:v2").unwrap().id, "ibuild2");
+
+        // Deleted: none of its names finds it.
+        store_a.forget_template("ibuild2").await.unwrap();
+        for name in ["py-env", "shared", "py-env:v2"] {
+            let gone = store_c.take_in_template(&node_c, name, mine).await;
+            assert!(gone.unwrap().is_none(), "{name}");
+        }
     }
 }
