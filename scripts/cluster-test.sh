@@ -85,7 +85,9 @@ in_cut_ns ip link set sfcutn up
 in_cut_ns ip link set lo up
 # Three etcd members (a quorum of two), each also on the address the cut-off
 # node reaches. Raft's timings are five times etcd's defaults: the lab's one
-# emulated CPU is busy with guests.
+# emulated CPU is busy with guests. The zap logger: with 3.4's default
+# (capnslog) a slow read's retry warning dereferences a nil logger and the
+# member dies (etcd-io/etcd#14402; seen in a CI run, Debian's 3.4.23).
 etcd_ports=() etcd_peers=() initial=()
 declare -A etcd_pid=()
 for m in 1 2 3; do
@@ -100,7 +102,8 @@ start_etcd() { # MEMBER (1-3), on its ports and data dir
         --advertise-client-urls="http://127.0.0.1:$client" \
         --listen-peer-urls="http://127.0.0.1:$peer" --initial-advertise-peer-urls="http://127.0.0.1:$peer" \
         --initial-cluster="$(IFS=,; echo "${initial[*]}")" --initial-cluster-state=new \
-        --heartbeat-interval=500 --election-timeout=5000 >>"$work/etcd$m.log" 2>&1 &
+        --heartbeat-interval=500 --election-timeout=5000 \
+        --logger=zap --log-outputs=stderr >>"$work/etcd$m.log" 2>&1 &
     pids+=($!)
     etcd_pid[$m]=$!
 }

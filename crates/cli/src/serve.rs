@@ -150,6 +150,16 @@ struct ClusterArgs {
     /// a node stores each pause there, so another node can resume it.
     #[arg(long, env = "SANDFORK_S3")]
     s3: Option<String>,
+    /// How often a node looks whether the object store is due a collection
+    /// (chunks no manifest names, stored pauses no route names, an hour
+    /// old); one node of the cluster at a time runs it. 0: never on this node.
+    #[arg(long, value_name = "SECS", default_value_t = 1800)]
+    store_gc_every_secs: u64,
+    /// What `<data dir>/cluster-cache` may hold before the files no
+    /// sandbox or template uses are evicted, least recently used first
+    /// [default: a quarter of the data dir's file system].
+    #[arg(long, value_name = "MIB")]
+    cluster_cache_max_mib: Option<u64>,
 }
 
 impl ServeArgs {
@@ -215,6 +225,13 @@ impl ClusterArgs {
         }
         if let Some(s3) = &self.s3 {
             args.push(format!("--s3={s3}"));
+        }
+        args.push(format!(
+            "--store-gc-every-secs={}",
+            self.store_gc_every_secs
+        ));
+        if let Some(mib) = self.cluster_cache_max_mib {
+            args.push(format!("--cluster-cache-max-mib={mib}"));
         }
         args
     }
@@ -385,6 +402,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         args.image.vmm()?,
     );
     config.data_dir = args.data_dir.clone();
+    config.cluster_cache_max = args.cluster.cluster_cache_max_mib.map(|m| m << 20);
     // Each VMM holds descriptors in the server: the soft default (often
     // 1024) would refuse opens long before the node's capacity.
     match server::capacity::raise_open_files_limit() {
@@ -472,11 +490,19 @@ async fn serve(args: ServeArgs) -> Result<()> {
                 .ensure_bucket()
                 .await
                 .with_context(|| format!("the object store {url}"))?;
-            Some(server::cluster::durable::Durable::new(
-                store,
-                &node_id,
-                manager.config().cluster_cache_dir(),
-            ))
+            let etcd = registration.cluster().clone();
+            if args.cluster.store_gc_every_secs > 0 {
+                let every = std::time::Duration::from_secs(args.cluster.store_gc_every_secs);
+                cluster::Collector::new(store.clone(), etcd.clone(), &node_id).start(every);
+            }
+            Some(
+                server::cluster::durable::Durable::new(
+                    store,
+                    &node_id,
+                    manager.config().cluster_cache_dir(),
+                )
+                .with_fence(etcd),
+            )
         }
         None => None,
     };

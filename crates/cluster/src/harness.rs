@@ -172,6 +172,9 @@ impl Etcd {
             ))
             .arg(format!("--initial-cluster={initial_cluster}"))
             .arg("--initial-cluster-token=sandfork-test")
+            // 3.4's default logger (capnslog) leaves a nil zap logger that a
+            // slow read's retry warning dereferences (etcd-io/etcd#14402).
+            .args(["--logger=zap", "--log-outputs=stderr"])
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -239,6 +242,10 @@ impl SeaweedFs {
             "-s3".into(),
             "-master.volumeSizeLimitMB=64".into(),
             "-volume.max=16".into(),
+            // Off: their fixed ports (8181, 9101) made a second weed of a
+            // test run at once exit.
+            "-s3.port.iceberg=0".into(),
+            "-s3.port.lance=0".into(),
         ];
         let mut s3 = 0;
         for service in ["master", "volume", "filer", "s3"] {
@@ -295,5 +302,33 @@ impl Drop for SeaweedFs {
         // SIGKILL: after SIGTERM weed has been seen to linger.
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Another node's pass of the store's collector under way, as far as etcd
+/// tells (`store-gc/pass` held under a lease): collectors and uploads see
+/// it until [`ForeignPass::end`].
+pub struct ForeignPass {
+    client: etcd_client::Client,
+    lease: i64,
+}
+
+impl ForeignPass {
+    pub async fn start(
+        cluster: &crate::Cluster,
+        node_id: &str,
+    ) -> Result<ForeignPass, HarnessError> {
+        let mut client = cluster.client();
+        let lease = client.lease_grant(60, None).await?.id();
+        let held = etcd_client::PutOptions::new().with_lease(lease);
+        client
+            .put(crate::keyspace::STORE_GC_PASS, node_id, Some(held))
+            .await?;
+        Ok(ForeignPass { client, lease })
+    }
+
+    pub async fn end(mut self) -> Result<(), HarnessError> {
+        self.client.lease_revoke(self.lease).await?;
+        Ok(())
     }
 }

@@ -10,6 +10,8 @@
 //! | `tenants/names/{name}` | the team ID | with the team: keeps names unique |
 //! | `tenants/keys/{sha256}` | the node's API key record (its JSON) | created to revoked |
 //! | `killed/{id}` | the ID of the node that held it | a kill through a gateway while its node was gone, until that node is back and removes its copy; at most a day (a lease) |
+//! | `store-gc/pass` | the ID of the node collecting the object store | one pass of [`crate::store_gc`], under a lease of its own |
+//! | `store-gc/last` | who started the last pass, and when | rewritten at each pass's start (its revision is the uploads' epoch) |
 
 use serde::{Deserialize, Serialize};
 
@@ -22,6 +24,9 @@ pub const TENANT_TEAMS: &str = "/sandfork/v1/tenants/teams/";
 pub const TENANT_NAMES: &str = "/sandfork/v1/tenants/names/";
 pub const TENANT_KEYS: &str = "/sandfork/v1/tenants/keys/";
 pub const KILLED: &str = "/sandfork/v1/killed/";
+pub const STORE_GC: &str = "/sandfork/v1/store-gc/";
+pub const STORE_GC_PASS: &str = "/sandfork/v1/store-gc/pass";
+pub const STORE_GC_LAST: &str = "/sandfork/v1/store-gc/last";
 
 pub fn node_key(node_id: &str) -> String {
     format!("{NODES}{node_id}")

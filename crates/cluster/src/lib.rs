@@ -13,6 +13,7 @@ mod membership;
 pub mod objects;
 pub mod peer;
 pub mod quota;
+pub mod store_gc;
 pub mod tenants;
 pub mod view;
 
@@ -26,6 +27,7 @@ pub use keyspace::{
 pub use membership::{LocalSandbox, Reconciled, Registration};
 pub use objects::ObjectStore;
 pub use quota::Claim;
+pub use store_gc::{Collector, GcEpoch};
 pub use tenants::{TenantChange, TenantRecords, Tenants};
 pub use view::View;
 

@@ -8,7 +8,7 @@
 //! `SANDFORK_S3_ACCESS_KEY` / `SANDFORK_S3_SECRET_KEY`, the region from
 //! `SANDFORK_S3_REGION` (default `us-east-1`).
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -27,6 +27,8 @@ pub enum ObjectError {
     Config { url: String, reason: String },
     #[error("object store {url}: {reason}")]
     Http { url: String, reason: String },
+    #[error("object store listing {prefix:?}: {reason}")]
+    Listing { prefix: String, reason: String },
     #[error("object store {method} {url}: HTTP {status}: {body}")]
     Status {
         method: Method,
@@ -34,6 +36,15 @@ pub enum ObjectError {
         status: StatusCode,
         body: String,
     },
+}
+
+/// An object as a listing shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listed {
+    pub key: String,
+    pub size: u64,
+    /// When it was last written, by the store's clock.
+    pub last_modified: SystemTime,
 }
 
 /// A bucket of the cluster's object store (cheap to clone).
@@ -115,6 +126,48 @@ impl ObjectStore {
         send(Method::PUT, &url, body).await.map(drop)
     }
 
+    /// Every object whose key starts with `prefix`, in key order, page after
+    /// page (S3 answers at most 1000 keys a request: the listing follows its
+    /// continuation token to the end). An entry the store lists without a
+    /// size or time fails the listing: a collector must not guess.
+    pub async fn list(&self, prefix: &str) -> Result<Vec<Listed>, ObjectError> {
+        let bad = |reason: String| ObjectError::Listing {
+            prefix: prefix.to_owned(),
+            reason,
+        };
+        let mut listed = Vec::new();
+        let mut token: Option<String> = None;
+        loop {
+            let mut action = self.bucket.list_objects_v2(self.credentials.as_ref());
+            action.with_prefix(prefix);
+            if let Some(t) = &token {
+                action.with_continuation_token(t.as_str());
+            }
+            let url = action.sign(SIGNED_FOR);
+            let body = send(Method::GET, &url, Bytes::new()).await?;
+            let text = std::str::from_utf8(&body).map_err(|e| bad(format!("not UTF-8: {e}")))?;
+            let page = rusty_s3::actions::ListObjectsV2::parse_response(text)
+                .map_err(|e| bad(format!("parsing the answer: {e}")))?;
+            for c in page.contents {
+                let (Some(size), Some(at)) = (c.size, c.last_modified.as_deref()) else {
+                    return Err(bad(format!("{} is listed without its size or time", c.key)));
+                };
+                let last_modified =
+                    parse_iso8601(at).ok_or_else(|| bad(format!("{}: time {at:?}", c.key)))?;
+                listed.push(Listed {
+                    key: c.key,
+                    size,
+                    last_modified,
+                });
+            }
+            match page.next_continuation_token {
+                Some(next) if token.as_ref() != Some(&next) => token = Some(next),
+                Some(_) => return Err(bad("the store repeated its continuation token".into())),
+                None => return Ok(listed),
+            }
+        }
+    }
+
     /// The object's bytes; None if there is no such object.
     pub async fn get(&self, key: &str) -> Result<Option<Bytes>, ObjectError> {
         let url = self
@@ -153,6 +206,12 @@ impl ObjectStore {
             Err(e) => Err(e),
         }
     }
+}
+
+/// An S3 listing's time (`2026-12-05T11:17:44.000Z`, ISO 8601 in UTC).
+fn parse_iso8601(at: &str) -> Option<SystemTime> {
+    let t: jiff::Timestamp = at.parse().ok()?;
+    Some(SystemTime::from(t))
 }
 
 /// One request on its own connection; the body of a 2xx answer, else an

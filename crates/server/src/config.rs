@@ -56,6 +56,11 @@ pub struct Config {
     /// The CPU template every guest the node boots gets (`--cpu-template`),
     /// and so every snapshot of one; None: the host's CPU.
     pub cpu_template: Option<vmm_api::CpuTemplate>,
+    /// What `cluster-cache/` may hold, in bytes on disk, before the
+    /// collector evicts the files nothing uses, least recently used first;
+    /// None: a quarter of the data dir's file system (see
+    /// `sandbox::cache_bound`).
+    pub cluster_cache_max: Option<u64>,
 }
 
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/sandfork";
@@ -114,6 +119,7 @@ impl Config {
             // Off unless asked for (`serve --jail`): the jail's lab test turns it on.
             jail: None,
             cpu_template: None,
+            cluster_cache_max: None,
         }
     }
 

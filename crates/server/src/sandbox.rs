@@ -38,6 +38,7 @@ const ADOPT_AGENT_TIMEOUT: Duration = Duration::from_secs(30);
 const REAP_EVERY: Duration = Duration::from_millis(500);
 pub const ROOT_LAYER: &str = "root.layer";
 
+pub mod cache_bound;
 mod fork;
 mod fork_stored;
 mod gc;

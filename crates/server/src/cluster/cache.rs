@@ -1,7 +1,8 @@
 //! `<data dir>/cluster-cache/<content digest>`: this node's copies of files
 //! other nodes made and many sandboxes share (a template's memory and sealed
 //! layers, a pause's or a fork's memory), fetched once from wherever they
-//! come from (the object store, or the node holding them) and kept.
+//! come from (the object store, or the node holding them) and kept, within
+//! a bound ([`crate::sandbox::cache_bound`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,6 +24,8 @@ pub async fn cached<S: ChunkSource>(
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let path = cache_dir.join(stored.digest());
     if path.is_file() {
+        // For the cache's bound: evicted least recently used first.
+        crate::sandbox::cache_bound::mark_used(&path);
         return Ok(path);
     }
     std::fs::create_dir_all(cache_dir).map_err(|e| FileError::Io {

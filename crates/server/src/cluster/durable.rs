@@ -15,12 +15,19 @@
 //! parent path is set to the copy below it (the raw image at the bottom is
 //! the node's own, which must be the same image), and the state's memory
 //! files to the cached copies.
+//!
+//! The object store's collector ([`cluster::store_gc`]) deletes chunks no
+//! manifest names: an upload that met one of its passes (it may have
+//! deleted a chunk the upload found stored and did not send) checks its
+//! chunks again once the pass is over, before its manifest is named
+//! anywhere, and what the node remembers having sent holds only within the
+//! collector's epoch it was sent in.
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cluster::files::{self, FileError, StoredFile};
-use cluster::{DurablePause, ObjectStore};
+use cluster::{Cluster, DurablePause, GcEpoch, ObjectStore};
 use serde::{Deserialize, Serialize};
 
 use super::cache;
@@ -42,6 +49,8 @@ pub enum DurableError {
     Record(#[from] cluster::ClusterError),
     #[error("the pause {0} is not in the object store")]
     NoManifest(String),
+    #[error("a collection of the object store is still under way after {0:?}")]
+    Collecting(Duration),
     #[error("{0}")]
     Incompatible(String),
     /// Booted under another CPU template than this node's (see [`super::cpu`]).
@@ -68,7 +77,22 @@ pub struct Manifest {
 }
 
 pub fn manifest_key(id: &str, generation: u32) -> String {
-    format!("sandboxes/{id}/{generation}.json")
+    cluster::store_gc::pause_manifest_key(id, generation)
+}
+
+/// How long an upload that met a pass of the store's collector waits for it
+/// to end before it fails (it is tried again later, as a store that fails).
+const COLLECTING_LIMIT: Duration = Duration::from_secs(600);
+
+/// What the node remembers having sent of a file: its description, and the
+/// collector's epoch it was sent (or found stored) in, None if a pass was
+/// under way then (never trusted again).
+type SentFile = (StoredFile, Option<i64>);
+
+/// The epoch an upload may trust what was sent in: None while a pass is
+/// under way.
+fn trusted(epoch: GcEpoch) -> Option<i64> {
+    (!epoch.under_way).then_some(epoch.last_pass)
 }
 
 pub struct Durable {
@@ -76,7 +100,10 @@ pub struct Durable {
     node_id: String,
     cache_dir: PathBuf,
     /// Immutable files (memory files, sealed layers) already stored.
-    sent: Known<StoredFile>,
+    sent: Known<SentFile>,
+    /// The cluster's etcd, where the store's collector keeps its epoch;
+    /// None: no collector runs on this store (tests).
+    fence: Option<Cluster>,
     /// One cache fill at a time (two takes of one template share files).
     filling: tokio::sync::Mutex<()>,
     /// Templates being taken in ([`super::templates`]).
@@ -91,9 +118,45 @@ impl Durable {
             node_id: node_id.to_owned(),
             cache_dir,
             sent: Known::default(),
+            fence: None,
             filling: tokio::sync::Mutex::new(()),
             takes: Default::default(),
         }
+    }
+
+    /// Uploads follow the store collector's epoch in `cluster`.
+    pub fn with_fence(mut self, cluster: Cluster) -> Durable {
+        self.fence = Some(cluster);
+        self
+    }
+
+    /// The collector's epoch as an upload starts (None without a fence).
+    pub(super) async fn epoch(&self) -> Result<Option<GcEpoch>, DurableError> {
+        match &self.fence {
+            Some(c) => Ok(Some(c.store_gc_epoch().await?)),
+            None => Ok(None),
+        }
+    }
+
+    /// After an upload that started at `start` wrote its manifest: None if
+    /// it met no pass of the collector; else the epoch once that pass is
+    /// over, for the upload to check its chunks again in (sending what the
+    /// pass deleted).
+    pub(super) async fn met_a_pass(
+        &self,
+        start: Option<GcEpoch>,
+    ) -> Result<Option<GcEpoch>, DurableError> {
+        let (Some(fence), Some(start)) = (&self.fence, start) else {
+            return Ok(None);
+        };
+        if !start.met_a_pass(&fence.store_gc_epoch().await?) {
+            return Ok(None);
+        }
+        let settled = fence.store_gc_settled(COLLECTING_LIMIT).await?;
+        if settled.under_way {
+            return Err(DurableError::Collecting(COLLECTING_LIMIT));
+        }
+        Ok(Some(settled))
     }
 
     pub fn store(&self) -> &ObjectStore {
@@ -133,13 +196,27 @@ impl Durable {
         files: &PausedFiles,
     ) -> Result<DurablePause, DurableError> {
         let started = Instant::now();
-        let (manifest, sent) = self.store_files(files).await?;
+        let mut epoch = self.epoch().await?;
+        let (manifest, sent) = self.store_files(files, epoch).await?;
         let pause = DurablePause {
             manifest: manifest_key(id, manifest.record.pause_generation),
             generation: manifest.record.pause_generation,
             cpu_template: manifest.record.cpu_template.clone(),
         };
         files::put_json(&self.store, &pause.manifest, &manifest).await?;
+        // Before the route names it: its chunks are all there.
+        while let Some(settled) = self.met_a_pass(epoch).await? {
+            tracing::info!(
+                "cluster: sandbox {id}: the pause met a collection; checking its chunks"
+            );
+            let (again, _) = self.store_files(files, Some(settled)).await?;
+            if again.files != manifest.files {
+                return Err(DurableError::Incompatible(format!(
+                    "sandbox {id}'s files changed while they were stored"
+                )));
+            }
+            epoch = Some(settled);
+        }
         tracing::info!(
             "cluster: sandbox {id}: pause {} stored in {:.1} s ({} chunks, {} MiB sent)",
             pause.generation,
@@ -153,9 +230,10 @@ impl Durable {
     async fn store_files(
         &self,
         files: &PausedFiles,
+        epoch: Option<GcEpoch>,
     ) -> Result<(Manifest, files::Sent), DurableError> {
         // Its own top layer changes with every run.
-        let (guest, sent) = self.store_guest(&files.guest, true).await?;
+        let (guest, sent) = self.store_guest(&files.guest, true, epoch).await?;
         let manifest = Manifest {
             version: MANIFEST_VERSION,
             node_id: self.node_id.clone(),
@@ -168,10 +246,12 @@ impl Durable {
     /// Stores a frozen guest's files: each memory file and sealed layer
     /// once per node (see [`Known`]), the state and, when `own_top`, the
     /// top layer (a paused sandbox's own, which changes) every time.
+    /// `epoch`: the collector's as the upload started.
     pub(super) async fn store_guest(
         &self,
         guest: &GuestPaths,
         own_top: bool,
+        epoch: Option<GcEpoch>,
     ) -> Result<(GuestFiles, files::Sent), DurableError> {
         let mut total = files::Sent::default();
         let mut add = |s: files::Sent| {
@@ -188,7 +268,7 @@ impl Durable {
         };
         let mut memory = Vec::new();
         for (p, ranges) in &guest.memory {
-            let (stored, sent) = self.upload_immutable(p, ranges.as_deref()).await?;
+            let (stored, sent) = self.upload_immutable(p, ranges.as_deref(), epoch).await?;
             add(sent);
             memory.push(stored);
         }
@@ -202,7 +282,7 @@ impl Durable {
             let (stored, sent) = if i == 0 && own_top {
                 files::upload_ranges(&self.store, p, Some(&used)).await?
             } else {
-                self.upload_immutable(p, Some(&used)).await?
+                self.upload_immutable(p, Some(&used), epoch).await?
             };
             add(sent);
             disk.push(stored);
@@ -217,20 +297,28 @@ impl Durable {
     }
 
     /// Uploads a file that does not change once written, unless this node
-    /// stored it before (same path, size and modification time).
+    /// stored it before (same path, size and modification time) in the
+    /// collector's `epoch` (a pass since may have deleted its chunks).
     pub(super) async fn upload_immutable(
         &self,
         path: &Path,
         used: Option<&[(u64, u64)]>,
+        epoch: Option<GcEpoch>,
     ) -> Result<(StoredFile, files::Sent), DurableError> {
         let mut sent = files::Sent::default();
-        let stored = self
+        let now = epoch.and_then(trusted);
+        let fenced = self.fence.is_some();
+        let (stored, _) = self
             .sent
-            .get_or_make(path, async || {
-                let (stored, s) = files::upload_ranges(&self.store, path, used).await?;
-                sent = s;
-                Ok::<_, DurableError>(stored)
-            })
+            .get_or_make_if(
+                path,
+                |(_, then)| !fenced || (then.is_some() && *then == now),
+                async || {
+                    let (stored, s) = files::upload_ranges(&self.store, path, used).await?;
+                    sent = s;
+                    Ok::<_, DurableError>((stored, now))
+                },
+            )
             .await?;
         Ok((stored, sent))
     }

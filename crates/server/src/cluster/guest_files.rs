@@ -17,7 +17,7 @@ use super::cache;
 use super::durable::DurableError;
 
 /// What a guest frozen on one node is made of.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GuestFiles {
     pub state: Option<StoredFile>,
     /// Base first.
@@ -133,6 +133,17 @@ impl<T: Clone> Known<T> {
         path: &Path,
         make: impl AsyncFnOnce() -> Result<T, E>,
     ) -> Result<T, E> {
+        self.get_or_make_if(path, |_| true, make).await
+    }
+
+    /// [`Known::get_or_make`], where what was made before counts only if
+    /// `holds` says it still holds.
+    pub async fn get_or_make_if<E: From<FileError>>(
+        &self,
+        path: &Path,
+        holds: impl Fn(&T) -> bool,
+        make: impl AsyncFnOnce() -> Result<T, E>,
+    ) -> Result<T, E> {
         let meta = std::fs::metadata(path).map_err(|e| FileError::Io {
             what: "reading",
             path: path.to_owned(),
@@ -142,6 +153,7 @@ impl<T: Clone> Known<T> {
         if let Some(known) = self.lock().get(path)
             && known.len == len
             && known.modified == modified
+            && holds(&known.made)
         {
             return Ok(known.made.clone());
         }

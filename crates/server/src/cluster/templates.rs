@@ -10,8 +10,16 @@
 //! the template brought its own), its state into `templates/<id>/` naming
 //! the cached memory, its record and owning team registered.
 //!
-//! Deleting a template removes its manifest; its chunks stay (nothing
-//! collects the store's chunks yet).
+//! Its names (a build's alias and tags, a snapshot's name) point at it
+//! through `template-names/<name>.json`, written after its manifest, so a
+//! node takes a template in by a name as well as by its id. A node's names
+//! are one namespace, as on one node: the last template stored under a name
+//! holds it (a rebuild's), and a template stored again (its tags changed)
+//! lets go of the names it no longer has.
+//!
+//! Deleting a template removes its manifest and the names pointing at it;
+//! the store's collector ([`cluster::store_gc`]) deletes its chunks that
+//! nothing else names.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -38,6 +46,28 @@ const STATE: &str = "vm.state";
 
 pub fn manifest_key(id: &str) -> String {
     format!("templates/{id}.json")
+}
+
+/// Where name `name` points, if it may name a key: what template names and
+/// tags are made of (letters, digits, `-`, `_`, `.`, `:`), so no request
+/// bends a key.
+fn name_key(name: &str) -> Option<String> {
+    let ok = !name.is_empty()
+        && name.len() <= 256
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b));
+    ok.then(|| format!("template-names/{name}.json"))
+}
+
+/// What a name points at.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct NameEntry {
+    id: String,
+    /// The template's team (None: the default team), so a node refuses
+    /// another team's name without reading its manifest.
+    team: Option<String>,
 }
 
 /// A template (or snapshot) as stored.
@@ -112,16 +142,9 @@ impl Durable {
             .owner(&template_owner_key(id))
             .map_err(SandboxError::from)?;
         let guest = manager.template_files(&record).await?;
-        let (stored, mut sent) = self.store_guest(&guest, false).await?;
-        let raw_base = match &guest.raw_base {
-            Some((path, _)) if !same_file(path, &manager.config().rootfs) => {
-                let (image, s) = self.upload_immutable(path, None).await?;
-                sent.chunks += s.chunks;
-                sent.bytes += s.bytes;
-                Some(image)
-            }
-            _ => None,
-        };
+        let rootfs = &manager.config().rootfs;
+        let mut epoch = self.epoch().await?;
+        let (stored, raw_base, sent) = self.store_template_files(&guest, rootfs, epoch).await?;
         let manifest = TemplateManifest {
             version: MANIFEST_VERSION,
             node_id: self.node_id().to_owned(),
@@ -131,9 +154,40 @@ impl Durable {
             raw_base,
         };
         let key = manifest_key(id);
+        let before = files::get_json::<TemplateManifest>(self.store(), &key).await?;
         files::put_json(self.store(), &key, &manifest).await?;
+        // A take-in that comes meanwhile may miss a chunk (and answers 503).
+        while let Some(settled) = self.met_a_pass(epoch).await? {
+            tracing::info!(
+                "cluster: template {id}: the store met a collection; checking its chunks"
+            );
+            let (again, raw_again, _) = self
+                .store_template_files(&guest, rootfs, Some(settled))
+                .await?;
+            if again != manifest.files || raw_again != manifest.raw_base {
+                return Err(DurableError::Incompatible(format!(
+                    "template {id}'s files changed while they were stored"
+                )));
+            }
+            epoch = Some(settled);
+        }
+        let entry = NameEntry {
+            id: id.to_owned(),
+            team: manifest.team.clone(),
+        };
+        for name in &manifest.record.names {
+            if let Some(name_key) = name_key(name) {
+                files::put_json(self.store(), &name_key, &entry).await?;
+            }
+        }
+        let dropped = before.map(|b| b.record.names).unwrap_or_default();
+        let dropped: Vec<_> = dropped
+            .into_iter()
+            .filter(|n| !manifest.record.names.contains(n))
+            .collect();
+        self.let_go_of_names(id, &dropped).await?;
         if db.template(id).ok().flatten().is_none() {
-            self.store().delete(&key).await?;
+            self.forget_template(id).await?;
             tracing::info!("cluster: template {id} was deleted while it was stored");
             return Ok(());
         }
@@ -146,25 +200,83 @@ impl Durable {
         Ok(())
     }
 
-    /// Template `id_or_id_tag` (an id, or an id with E2B's `:default`),
-    /// taken in from the object store when this node lacks it: None when
-    /// the store has none or `may_use` refuses its team (nothing is
-    /// fetched then). Concurrent takes of one template fetch it once.
+    /// A template's files (and its raw image when it is not the node's
+    /// `rootfs`) stored.
+    async fn store_template_files(
+        &self,
+        guest: &crate::sandbox::GuestPaths,
+        rootfs: &Path,
+        epoch: Option<cluster::GcEpoch>,
+    ) -> Result<(GuestFiles, Option<StoredFile>, files::Sent), DurableError> {
+        let (stored, mut sent) = self.store_guest(guest, false, epoch).await?;
+        let raw_base = match &guest.raw_base {
+            Some((path, _)) if !same_file(path, rootfs) => {
+                let (image, s) = self.upload_immutable(path, None, epoch).await?;
+                sent.chunks += s.chunks;
+                sent.bytes += s.bytes;
+                Some(image)
+            }
+            _ => None,
+        };
+        Ok((stored, raw_base, sent))
+    }
+
+    /// Template `id_or_name` (an id or one of its names, either with E2B's
+    /// `:default`), taken in from the object store when this node lacks
+    /// it: None when the store has none or `may_use` refuses its team
+    /// (nothing is fetched then). Concurrent takes of one template fetch it
+    /// once.
     pub async fn take_in_template(
         &self,
         manager: &Manager,
-        id_or_id_tag: &str,
+        id_or_name: &str,
         may_use: impl Fn(Option<&str>) -> bool,
     ) -> Result<Option<TemplateRecord>, DurableError> {
-        let id = id_or_id_tag
-            .strip_suffix(DEFAULT_TAG)
-            .unwrap_or(id_or_id_tag);
-        if !storable_id(id) {
+        let wanted = id_or_name.strip_suffix(DEFAULT_TAG).unwrap_or(id_or_name);
+        if storable_id(wanted)
+            && let Some(t) = self.take_in_one(manager, wanted, None, &may_use).await?
+        {
+            return Ok(Some(t));
+        }
+        let Some(key) = name_key(wanted) else {
+            return Ok(None);
+        };
+        let Some(entry) = files::get_json::<NameEntry>(self.store(), &key).await? else {
+            return Ok(None);
+        };
+        if !storable_id(&entry.id) || !may_use(entry.team.as_deref()) {
             return Ok(None);
         }
+        let Some(mut t) = self
+            .take_in_one(manager, &entry.id, Some(wanted), &may_use)
+            .await?
+        else {
+            return Ok(None);
+        };
+        // Here already under other names (its tags changed where it was
+        // made): it answers to this one too, which no template here has.
+        if !t.names.iter().any(|n| n == wanted) && manager.resolve_template(wanted).is_err() {
+            t.names.push(wanted.to_owned());
+            manager
+                .store()
+                .put_template(&t)
+                .map_err(SandboxError::from)?;
+        }
+        Ok(Some(t))
+    }
+
+    /// Template `id` taken in, once at a time; `by_name`: the name it was
+    /// asked for by, which it keeps here.
+    async fn take_in_one(
+        &self,
+        manager: &Manager,
+        id: &str,
+        by_name: Option<&str>,
+        may_use: &impl Fn(Option<&str>) -> bool,
+    ) -> Result<Option<TemplateRecord>, DurableError> {
         let one = self.takes().of(id);
         let _one = one.lock().await;
-        let taken = self.take_in_alone(manager, id, may_use).await;
+        let taken = self.take_in_alone(manager, id, by_name, may_use).await;
         self.takes().done(id);
         taken
     }
@@ -173,7 +285,8 @@ impl Durable {
         &self,
         manager: &Manager,
         id: &str,
-        may_use: impl Fn(Option<&str>) -> bool,
+        by_name: Option<&str>,
+        may_use: &impl Fn(Option<&str>) -> bool,
     ) -> Result<Option<TemplateRecord>, DurableError> {
         // Taken by the take this one waited for.
         if let Some(t) = manager.store().template(id).map_err(SandboxError::from)? {
@@ -208,6 +321,7 @@ impl Durable {
             }
         };
         let kernel = manager.template().kernel.clone();
+        let names = names_here(manager, &manifest.record.names, by_name)?;
         let record = manager
             .adopt_template(id, manifest.team.as_deref(), async |dir: &Path| {
                 let state = dir.join(STATE);
@@ -226,6 +340,7 @@ impl Durable {
                     rootfs: rootfs.clone(),
                     uses_snapshots: Vec::new(),
                     uses_dirs: Vec::new(),
+                    names: names.clone(),
                     ..manifest.record.clone()
                 })
             })
@@ -238,10 +353,31 @@ impl Durable {
         Ok(Some(record))
     }
 
-    /// Removes template `id`'s manifest (its chunks stay).
+    /// Removes template `id`'s manifest and the names pointing at it (the
+    /// store's collector deletes its chunks that nothing else names).
     pub async fn forget_template(&self, id: &str) -> Result<(), DurableError> {
-        if storable_id(id) {
-            self.store().delete(&manifest_key(id)).await?;
+        if !storable_id(id) {
+            return Ok(());
+        }
+        let key = manifest_key(id);
+        if let Some(manifest) = files::get_json::<TemplateManifest>(self.store(), &key).await? {
+            self.let_go_of_names(id, &manifest.record.names).await?;
+        }
+        self.store().delete(&key).await?;
+        Ok(())
+    }
+
+    /// Removes those of `names` that point at template `id` (a name another
+    /// template took since points there and stays).
+    async fn let_go_of_names(&self, id: &str, names: &[String]) -> Result<(), DurableError> {
+        for name in names {
+            let Some(key) = name_key(name) else {
+                continue;
+            };
+            let entry = files::get_json::<NameEntry>(self.store(), &key).await?;
+            if entry.is_some_and(|e| e.id == id) {
+                self.store().delete(&key).await?;
+            }
         }
         Ok(())
     }
@@ -257,6 +393,35 @@ impl Durable {
     }
 }
 
+/// The names a template taken in keeps on this node: its own but those a
+/// template here has (the node's names are one namespace, and the one here
+/// was there first), and the name it was asked for by (its manifest may
+/// predate the name, which its index gave it since).
+fn names_here(
+    manager: &Manager,
+    names: &[String],
+    by_name: Option<&str>,
+) -> Result<Vec<String>, SandboxError> {
+    let taken: std::collections::HashSet<String> = manager
+        .store()
+        .templates()?
+        .into_iter()
+        .flat_map(|t| t.names)
+        .collect();
+    let mut kept: Vec<String> = names
+        .iter()
+        .filter(|n| !taken.contains(*n))
+        .cloned()
+        .collect();
+    if let Some(n) = by_name
+        && !kept.iter().any(|k| k == n)
+        && !taken.contains(n)
+    {
+        kept.push(n.to_owned());
+    }
+    Ok(kept)
+}
+
 fn unavailable(id: &str, e: impl std::fmt::Display) -> ApiError {
     ApiError::new(
         StatusCode::SERVICE_UNAVAILABLE,
@@ -266,8 +431,8 @@ fn unavailable(id: &str, e: impl std::fmt::Display) -> ApiError {
 
 /// Before a request that uses template `id_or_name` (a create, a
 /// snapshot's fork): on a node of a cluster with an object store that
-/// lacks it, the template is taken in from there if the caller's team owns
-/// it. Otherwise nothing happens: the handler answers as before (404 for
+/// lacks it, the template is taken in from there (by its id or a name) if
+/// the caller's team owns it. Otherwise nothing happens: the handler answers as before (404 for
 /// one no node stored, or another team's).
 pub async fn take_in_for(
     state: &Shared,
@@ -346,6 +511,8 @@ pub async fn delete_stored(state: &Shared, caller: &Caller, id: &str) -> Result<
 #[cfg(test)]
 mod tests {
     use std::os::unix::fs::FileExt;
+
+    use std::collections::BTreeSet;
 
     use cluster::ObjectStore;
     use cluster::harness::SeaweedFs;
@@ -593,6 +760,217 @@ mod tests {
         // Ids that cannot name a manifest are not looked up.
         for bad in ["", "../x", "a/b", ".hidden"] {
             assert!(!storable_id(bad), "{bad}");
+        }
+    }
+
+    /// The chunk digests stored template `id`'s manifest names.
+    async fn named(store: &ObjectStore, id: &str) -> BTreeSet<String> {
+        let m: TemplateManifest = files::get_json(store, &manifest_key(id))
+            .await
+            .unwrap()
+            .unwrap();
+        let f = &m.files;
+        f.state
+            .iter()
+            .chain(&f.memory)
+            .chain(&f.disk)
+            .chain(&m.raw_base)
+            .flat_map(|s| s.chunks.iter().flatten().cloned())
+            .collect()
+    }
+
+    async fn chunks(store: &ObjectStore) -> BTreeSet<String> {
+        let listed = store.list(cluster::store_gc::CHUNKS).await.unwrap();
+        listed
+            .into_iter()
+            .map(|o| o.key[cluster::store_gc::CHUNKS.len()..].to_owned())
+            .collect()
+    }
+
+    /// Two snapshots of one base template stored (sharing its memory), one
+    /// deleted: a pass of the store's collector deletes the chunks only the
+    /// deleted one named and keeps those the other names. An upload that
+    /// meets a pass (one under way, deleting a chunk the upload found
+    /// stored) checks its chunks again once it is over and sends what went;
+    /// and a file the node remembers having sent before a pass is checked
+    /// again after it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_store_collector_keeps_what_stored_templates_share() {
+        let etcd = cluster::harness::Etcd::start().unwrap();
+        let weed = SeaweedFs::start().unwrap();
+        let etcd_cluster = cluster::Cluster::connect(&etcd.endpoints()).await.unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let a = tmp.path().join("a");
+        let raw = tmp.path().join("img/root.raw");
+        raw_image(&raw, 0x5a);
+        let node = manager(&a, &raw);
+        // All made first: each rewrites the base template's memory file,
+        // which would make the node forget it sent it.
+        for i in 1..=4 {
+            let id = format!("isnap{i}");
+            template_on(&node, &id, &raw, &a.join(format!("sandboxes/i{i}")));
+        }
+        let stored = durable(&weed, "a", &a).with_fence(etcd_cluster.clone());
+        let store = stored.store().clone();
+        store.ensure_bucket().await.unwrap();
+        stored.store_template(&node, "isnap1").await.unwrap();
+        stored.store_template(&node, "isnap2").await.unwrap();
+        let (one, two) = (named(&store, "isnap1").await, named(&store, "isnap2").await);
+        assert!(
+            !one.is_disjoint(&two),
+            "the base template's memory is shared"
+        );
+        assert!(!one.is_subset(&two));
+        stored.forget_template("isnap1").await.unwrap();
+
+        let grace = std::time::Duration::from_secs(1);
+        tokio::time::sleep(grace * 2).await;
+        let collector =
+            cluster::Collector::new(store.clone(), etcd_cluster.clone(), "a").with_grace(grace);
+        let swept = collector.pass().await.unwrap().unwrap();
+        let left = chunks(&store).await;
+        assert_eq!(left, two);
+        assert_eq!(swept.chunks, one.difference(&two).count());
+
+        // A pass under way (another node's) while a snapshot is stored: it
+        // deletes a chunk the upload found stored, after the upload looked.
+        let elsewhere = cluster::harness::ForeignPass::start(&etcd_cluster, "b")
+            .await
+            .unwrap();
+        let storing = tokio::spawn({
+            let node = node.clone();
+            async move {
+                stored.store_template(&node, "isnap3").await.unwrap();
+                stored
+            }
+        });
+        while store.get(&manifest_key("isnap3")).await.unwrap().is_none() {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        let three = named(&store, "isnap3").await;
+        let shared = three.intersection(&two).next().unwrap().clone();
+        store.delete(&files::chunk_key(&shared)).await.unwrap();
+        assert!(!storing.is_finished(), "the upload waits for the pass");
+        elsewhere.end().await.unwrap();
+        let stored = storing.await.unwrap();
+        assert!(three.is_subset(&chunks(&store).await));
+
+        // After a pass, what the node remembers having sent is checked
+        // again: all of isnap2 and isnap3 go, then isnap4 (which shares
+        // their base template's memory) is stored whole.
+        stored.forget_template("isnap2").await.unwrap();
+        stored.forget_template("isnap3").await.unwrap();
+        tokio::time::sleep(grace * 2).await;
+        collector.pass().await.unwrap().unwrap();
+        assert!(chunks(&store).await.is_empty());
+        stored.store_template(&node, "isnap4").await.unwrap();
+        let four = named(&store, "isnap4").await;
+        assert!(four.contains(&shared));
+        assert_eq!(four, chunks(&store).await);
+    }
+
+    /// Template `id` on `manager`'s node (as [`template_on`]) with `names`.
+    fn template_named(manager: &Manager, id: &str, raw: &Path, names: &[&str]) -> TemplateRecord {
+        let dir = manager.config().sandboxes_dir().join(format!("src-{id}"));
+        let mut t = template_on(manager, id, raw, &dir);
+        t.names = names.iter().map(|n| n.to_string()).collect();
+        manager.store().put_template(&t).unwrap();
+        t
+    }
+
+    /// A node takes a template in by one of its names (a build's alias or
+    /// tag), which points at the template stored last under it (a
+    /// rebuild's); another team's name is not given (nothing fetched); a
+    /// name a template of the node has already stays that one's; a template
+    /// stored again without a name lets go of it, and a deleted one of all.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_template_is_taken_in_by_a_name_its_last_build_holds() {
+        let weed = SeaweedFs::start().unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let raw = tmp.path().join("img/root.raw");
+        raw_image(&raw, 0x5a);
+        let (a, b, c) = (
+            tmp.path().join("a"),
+            tmp.path().join("b"),
+            tmp.path().join("c"),
+        );
+        let (node_a, node_b, node_c) = (manager(&a, &raw), manager(&b, &raw), manager(&c, &raw));
+        let (store_a, store_b, store_c) = (
+            durable(&weed, "a", &a),
+            durable(&weed, "b", &b),
+            durable(&weed, "c", &c),
+        );
+        store_a.store().ensure_bucket().await.unwrap();
+        let mine = |team: Option<&str>| team == Some(TEAM);
+        let others = |team: Option<&str>| team == Some("team_fedcba9876543210");
+
+        // The first build of "py-env" with a tag, then its rebuild takes
+        // the alias (the tag stays the first one's).
+        let mut first = template_named(&node_a, "ibuild1", &raw, &["py-env", "py-env:v1"]);
+        store_a.store_template(&node_a, "ibuild1").await.unwrap();
+        first.names = vec!["py-env:v1".into()];
+        node_a.store().put_template(&first).unwrap();
+        template_named(&node_a, "ibuild2", &raw, &["py-env", "shared"]);
+        store_a.store_template(&node_a, "ibuild2").await.unwrap();
+        store_a.store_template(&node_a, "ibuild1").await.unwrap();
+
+        // Another team: nothing.
+        let refused = store_b.take_in_template(&node_b, "py-env", others).await;
+        assert!(refused.unwrap().is_none());
+        assert!(!b.join("templates/ibuild2").exists());
+        // A name no template has, or that cannot name a key: nothing.
+        for missing in ["no-such", "py-env:v9", "a/../b", ""] {
+            let none = store_b.take_in_template(&node_b, missing, mine).await;
+            assert!(none.unwrap().is_none(), "{missing}");
+        }
+
+        // Node b has a template of its own called "shared".
+        template_named(&node_b, "ilocal", &raw, &["shared"]);
+        let rebuilt = store_b
+            .take_in_template(&node_b, "py-env:default", mine)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(rebuilt.id, "ibuild2");
+        assert_eq!(rebuilt.names, ["py-env"]);
+        assert_eq!(node_b.resolve_template("py-env").unwrap().id, "ibuild2");
+        assert_eq!(node_b.resolve_template("shared").unwrap().id, "ilocal");
+        let tagged = store_b
+            .take_in_template(&node_b, "py-env:v1", mine)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (tagged.id.as_str(), &tagged.names[..]),
+            ("ibuild1", &["py-env:v1".to_owned()][..])
+        );
+
+        // Stored again without its tag: the name goes with it.
+        first.names.clear();
+        node_a.store().put_template(&first).unwrap();
+        store_a.store_template(&node_a, "ibuild1").await.unwrap();
+        let untagged = store_c.take_in_template(&node_c, "py-env:v1", mine).await;
+        assert!(untagged.unwrap().is_none());
+        assert!(!c.join("templates/ibuild1").exists());
+
+        // Known here under other names: it answers to the asked one too.
+        let mut renamed = node_a.store().template("ibuild2").unwrap().unwrap();
+        renamed.names.push("py-env:v2".into());
+        node_a.store().put_template(&renamed).unwrap();
+        store_a.store_template(&node_a, "ibuild2").await.unwrap();
+        let again = store_b
+            .take_in_template(&node_b, "py-env:v2", mine)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(again.names, ["py-env", "py-env:v2"]);
+        assert_eq!(node_b.resolve_template("py-env:v2").unwrap().id, "ibuild2");
+
+        // Deleted: none of its names finds it.
+        store_a.forget_template("ibuild2").await.unwrap();
+        for name in ["py-env", "shared", "py-env:v2"] {
+            let gone = store_c.take_in_template(&node_c, name, mine).await;
+            assert!(gone.unwrap().is_none(), "{name}");
         }
     }
 }

@@ -17,6 +17,9 @@
 //! root layer is the top of a disk chain. Pause generations inside a used
 //! directory are left alone: which of them a diff snapshot still maps is only
 //! in the VMM's state file.
+//!
+//! Each pass also keeps `cluster-cache/` within its bound (see
+//! [`super::cache_bound`]), from the same records.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -36,6 +39,8 @@ pub struct GcStats {
     pub layers: Vec<PathBuf>,
     /// Deleted templates whose last user went, removed with their files.
     pub templates: Vec<String>,
+    /// Files evicted from the cluster cache (over its bound, unused).
+    pub evicted: super::cache_bound::Evicted,
     /// Why nothing was collected, when nothing was.
     pub skipped: Option<&'static str>,
 }
@@ -161,13 +166,17 @@ impl Manager {
                     Ok(s)
                         if !s.dirs.is_empty()
                             || !s.layers.is_empty()
-                            || !s.templates.is_empty() =>
+                            || !s.templates.is_empty()
+                            || !s.evicted.files.is_empty() =>
                     {
                         tracing::info!(
-                            "gc: removed {} directories, {} disk layers and {} deleted templates",
+                            "gc: removed {} directories, {} disk layers and {} deleted templates; \
+                             evicted {} files ({} MiB) from the cluster cache",
                             s.dirs.len(),
                             s.layers.len(),
-                            s.templates.len()
+                            s.templates.len(),
+                            s.evicted.files.len(),
+                            s.evicted.bytes >> 20
                         )
                     }
                     Ok(_) => {}
@@ -247,6 +256,24 @@ impl Manager {
             .collect();
         let mut tops: Vec<PathBuf> = sandboxes.iter().map(|s| self.root_layer(s)).collect();
         tops.extend(templates.iter().map(|t| t.root_layer.clone()));
+        let cache = self.config.cluster_cache_dir();
+        let cache_max = self
+            .config
+            .cluster_cache_max
+            .or_else(|| super::cache_bound::default_bound(&self.config.data_dir));
+        let cache_users = super::cache_bound::CacheUsers {
+            tops: tops.clone(),
+            dirs: used
+                .iter()
+                .cloned()
+                .chain(sandboxes.iter().map(|s| self.sandbox_dir(&s.id)))
+                .chain(templates.iter().map(|t| t.dir.clone()))
+                .collect(),
+            files: templates
+                .iter()
+                .flat_map(|t| [t.snapshot.clone(), t.mem.clone(), t.rootfs.clone()])
+                .collect(),
+        };
         let roots = [
             self.config.sandboxes_dir(),
             self.config.data_dir.join("forks"),
@@ -289,6 +316,14 @@ impl Manager {
                         Ok(()) => stats.layers.push(layer),
                         Err(e) => tracing::warn!("gc: removing {}: {e}", layer.display()),
                     }
+                }
+            }
+            if let Some(max) = cache_max
+                && cache.is_dir()
+            {
+                match super::cache_bound::bound(&cache, max, &cache_users) {
+                    Ok(evicted) => stats.evicted = evicted,
+                    Err(e) => tracing::warn!("gc: bounding {}: {e}", cache.display()),
                 }
             }
             Ok(stats)

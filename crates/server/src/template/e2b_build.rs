@@ -1421,6 +1421,8 @@ impl Templates {
         let emptied = self.take_names(&t)?;
         store.put_template(&t)?;
         self.drop_untagged(emptied).await;
+        // Stored again: the cluster's names follow.
+        self.made_ready(&t.id);
         Ok(store
             .build(&t.id)?
             .map(|b| b.build_id)
@@ -1444,6 +1446,8 @@ impl Templates {
             if t.names.iter().any(|n| gone.contains(n)) {
                 t.names.retain(|n| !gone.contains(n));
                 store.put_template(&t)?;
+                // Stored again: the cluster lets go of the names too.
+                self.made_ready(&t.id);
             }
         }
         Ok(())
