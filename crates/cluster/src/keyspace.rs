@@ -91,11 +91,15 @@ pub struct NodeCapacity {
 }
 
 /// What a node holds now (rewritten only when it changes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct NodeLoad {
     pub sandboxes: u64,
     pub vcpus: u64,
     pub memory_mib: u64,
+    /// The IDs and names of the templates it has (sorted): a create from
+    /// one of them starts there without taking it in from the store.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub templates: Vec<String>,
 }
 
 /// `nodes/{node_id}`: a registered node, bound to its lease.
@@ -188,10 +192,37 @@ pub struct DurablePause {
 
 /// Nodes in the order a create tries them: most free first, ties by ID
 /// (stable, so equal nodes are not picked at random by each gateway).
-pub fn placement_order(mut nodes: Vec<NodeRecord>) -> Vec<NodeRecord> {
+pub fn placement_order(nodes: Vec<NodeRecord>) -> Vec<NodeRecord> {
+    placement_order_for(nodes, None)
+}
+
+/// How much freer (in share of the node) a node lacking a template must be
+/// than one that has it to be tried first: taking a template in costs a
+/// fetch from the store once per node, so creates stay where it is until
+/// those nodes are clearly fuller, and then spread.
+pub const TEMPLATE_HELD_BONUS: f64 = 0.25;
+
+/// [`placement_order`] for a create from `template` (an ID or name; None:
+/// any): nodes that have it count [`TEMPLATE_HELD_BONUS`] freer.
+pub fn placement_order_for(mut nodes: Vec<NodeRecord>, template: Option<&str>) -> Vec<NodeRecord> {
+    let score = |n: &NodeRecord| {
+        let held = template.is_some_and(|t| {
+            n.load
+                .templates
+                .binary_search_by(|h| h.as_str().cmp(t))
+                .is_ok()
+        });
+        // A full node stays last: what it has does not make room.
+        let free = n.free_share();
+        if held && free > 0.0 {
+            free + TEMPLATE_HELD_BONUS
+        } else {
+            free
+        }
+    };
     nodes.sort_by(|a, b| {
-        b.free_share()
-            .total_cmp(&a.free_share())
+        score(b)
+            .total_cmp(&score(a))
             .then_with(|| a.node_id.cmp(&b.node_id))
     });
     nodes
@@ -213,8 +244,7 @@ mod tests {
             },
             load: NodeLoad {
                 sandboxes: used,
-                vcpus: 0,
-                memory_mib: 0,
+                ..NodeLoad::default()
             },
             cpu_template: None,
         }
@@ -244,5 +274,41 @@ mod tests {
         full.load.memory_mib = 4096;
         assert_eq!(full.free_share(), 0.0);
         assert_eq!(node("e", 0, 9).free_share(), 1.0);
+    }
+
+    #[test]
+    fn placement_prefers_nodes_with_the_template_until_they_are_clearly_fuller() {
+        let with = |mut n: NodeRecord| {
+            n.load.templates = vec!["base".into(), "tmpl1".into()];
+            n
+        };
+        let ids = |nodes: Vec<NodeRecord>| nodes.into_iter().map(|n| n.node_id).collect::<Vec<_>>();
+        let nodes = || {
+            vec![
+                node("a", 8, 0),
+                with(node("b", 8, 1)),
+                with(node("c", 8, 4)),
+            ]
+        };
+        // b has it and is nearly as free as a: b; c is half full: after a.
+        assert_eq!(
+            ids(placement_order_for(nodes(), Some("tmpl1"))),
+            ["b", "a", "c"]
+        );
+        // Without a template, or for one no node has, freest first.
+        assert_eq!(ids(placement_order_for(nodes(), None)), ["a", "b", "c"]);
+        assert_eq!(
+            ids(placement_order_for(nodes(), Some("other"))),
+            ["a", "b", "c"]
+        );
+        // A full node that has it stays last.
+        let full = with(node("d", 8, 8));
+        assert_eq!(
+            ids(placement_order_for(
+                vec![full, node("a", 8, 7)],
+                Some("tmpl1")
+            )),
+            ["a", "d"]
+        );
     }
 }

@@ -348,28 +348,51 @@ pub(crate) async fn take_over(
 /// etcd-client balances requests over every endpoint and goes on choosing
 /// a member that died until its reconnects fail: a request sent there fails
 /// with `Unavailable` without reaching etcd. Sent again, it finds a live
-/// member. Safe for transactions too: each is conditional on the record's
-/// revision or absence, so one that did apply before its answer was lost
-/// fails its compare the second time instead of applying twice.
+/// member. A leader election answers `Unavailable` ("leader changed", "no
+/// leader") or outlasts the request's timeout (`Cancelled`, or the
+/// server's `DeadlineExceeded`): sent again until [`RETRY_WINDOW`] has
+/// passed, a request rides out an election of up to twice the timeout,
+/// while without a quorum it still fails within about that. Safe for
+/// transactions too: each is conditional on the record's revision or
+/// absence, so one that did apply before its answer was lost fails its
+/// compare the second time instead of applying twice (and its caller reads
+/// back what it finds, e.g. a claim finding its own route).
 pub(crate) async fn retried<T, F, Fut>(mut request: F) -> Result<T, etcd_client::Error>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
 {
-    const ATTEMPTS: u32 = 4;
+    let started = tokio::time::Instant::now();
     let mut attempt = 1;
     loop {
         match request().await {
             Err(etcd_client::Error::GRpcStatus(status))
-                if status.code() == tonic::Code::Unavailable && attempt < ATTEMPTS =>
+                if transient(status.code()) && started.elapsed() < RETRY_WINDOW =>
             {
-                tracing::debug!("etcd unavailable (attempt {attempt}): {}", status.message());
-                tokio::time::sleep(Duration::from_millis(100) * attempt).await;
+                tracing::debug!(
+                    "etcd request failed (attempt {attempt}, {:?}): {}",
+                    status.code(),
+                    status.message()
+                );
+                tokio::time::sleep(Duration::from_millis(100) * attempt.min(10)).await;
                 attempt += 1;
             }
             answer => return answer,
         }
     }
+}
+
+/// How long after its first attempt a request failing with a transient
+/// error is sent again (a new attempt may start until then).
+const RETRY_WINDOW: Duration = Duration::from_secs(6);
+
+/// Errors a request sent again may not meet: a member gone or without a
+/// leader, a request that timed out during an election.
+fn transient(code: tonic::Code) -> bool {
+    matches!(
+        code,
+        tonic::Code::Unavailable | tonic::Code::Cancelled | tonic::Code::DeadlineExceeded
+    )
 }
 
 /// Sends a conditional transaction (see [`retried`]): whether it applied.

@@ -657,8 +657,8 @@ async fn refresh(
                     return None;
                 }
                 let mut now = snapshot(record);
-                now.load = *load.borrow_and_update();
-                record.lock().unwrap_or_else(|p| p.into_inner()).load = now.load;
+                now.load = load.borrow_and_update().clone();
+                record.lock().unwrap_or_else(|p| p.into_inner()).load = now.load.clone();
                 if let Err(e) = put(client, &now).await {
                     tracing::warn!("cluster: writing the node's load: {e}");
                 }

@@ -70,8 +70,9 @@ async fn nodes_register_under_a_lease_and_vanish_with_it() {
         sandboxes: 3,
         vcpus: 3,
         memory_mib: 600,
+        templates: vec!["base".into(), "tmpl1".into()],
     };
-    b.set_load(load);
+    b.set_load(load.clone());
     eventually("b's load written", Duration::from_secs(5), async || {
         cluster
             .nodes()
@@ -940,8 +941,9 @@ async fn the_view_follows_nodes_and_routes_as_they_change() {
         sandboxes: 1,
         vcpus: 1,
         memory_mib: 64,
+        ..NodeLoad::default()
     };
-    b.set_load(load);
+    b.set_load(load.clone());
     assert!(a.release("early").await.unwrap());
     eventually("the view follows", Duration::from_secs(5), async || {
         let nodes = view.nodes().unwrap_or_default();

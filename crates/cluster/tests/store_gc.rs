@@ -114,6 +114,7 @@ async fn a_pass_removes_what_no_manifest_names_and_keeps_what_one_does() {
     let stored = DurablePause {
         manifest: pause_a.clone(),
         generation: 1,
+        cpu_template: None,
     };
     assert!(node.set_paused("ia", Some(stored)).await.unwrap());
     assert!(node.claim("ib").await.unwrap());

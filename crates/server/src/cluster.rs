@@ -168,7 +168,30 @@ impl Node {
             sandboxes: held.sandboxes as u64,
             vcpus: held.vcpus,
             memory_mib: held.memory_mib,
+            templates: self.templates_here(),
         }
+    }
+
+    /// The IDs and names of the node's templates, sorted, for placement
+    /// (none, with a warning, if the store cannot be read: placement then
+    /// goes by free capacity alone).
+    fn templates_here(&self) -> Vec<String> {
+        let records = match self.manager.store().templates() {
+            Ok(records) => records,
+            Err(e) => {
+                tracing::warn!("cluster: listing templates for placement: {e}");
+                return Vec::new();
+            }
+        };
+        let base = self.manager.template().id.clone();
+        let mut here: Vec<String> = records
+            .into_iter()
+            .flat_map(|t| std::iter::once(t.id).chain(t.names))
+            .chain([base])
+            .collect();
+        here.sort_unstable();
+        here.dedup();
+        here
     }
 
     /// One pass: the load and the map brought up to date.

@@ -312,7 +312,8 @@ impl Gateway {
         })
     }
 
-    /// Tries the nodes freest first; a node that refuses for capacity (429,
+    /// Tries the nodes freest first, those that have the template counted
+    /// freer (see `placement_order_for`); a node that refuses for capacity (429,
     /// 503), lacks the template (404) or cannot be reached passes the create
     /// on to the next. A team at its limit is answered at once: the limit
     /// is the cluster's.
@@ -323,7 +324,8 @@ impl Gateway {
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
         let mut nodes = self.nodes().await?;
         self.placements.count_into(&mut nodes);
-        let nodes = keyspace::placement_order(nodes);
+        let template = create_template(&body);
+        let nodes = keyspace::placement_order_for(nodes, template.as_deref());
         let mut last = None;
         for node in &nodes {
             let req = rebuild(&parts.method, &parts.uri, &parts.headers, body.clone());
@@ -620,6 +622,20 @@ fn same_cpu_first(nodes: Vec<NodeRecord>, template: Option<&str>) -> Vec<NodeRec
     same
 }
 
+/// The template a create's body names, as nodes list theirs (the base one
+/// when it names none; a body that does not parse is the node's to refuse).
+fn create_template(body: &[u8]) -> Option<String> {
+    let body: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let named = match body.get("templateID") {
+        Some(serde_json::Value::String(t)) if !t.is_empty() => t.as_str(),
+        Some(serde_json::Value::String(_) | serde_json::Value::Null) | None => {
+            crate::template::BASE
+        }
+        Some(_) => return None,
+    };
+    Some(crate::ids::without_default_tag(named).to_owned())
+}
+
 fn refused(status: StatusCode) -> bool {
     status == StatusCode::TOO_MANY_REQUESTS || status == StatusCode::SERVICE_UNAVAILABLE
 }
@@ -704,6 +720,28 @@ mod tests {
             ["c", "a", "b"]
         );
         assert_eq!(ids(same_cpu_first(nodes, None)), ["a", "b", "c"]);
+    }
+
+    #[test]
+    fn a_create_names_its_template_as_nodes_list_theirs() {
+        let named = |body: &[u8]| create_template(body);
+        assert_eq!(
+            named(br#"{"templateID":"t1:default"}"#).as_deref(),
+            Some("t1")
+        );
+        assert_eq!(
+            named(br#"{"templateID":"t1:v2"}"#).as_deref(),
+            Some("t1:v2")
+        );
+        for base in [
+            &br#"{}"#[..],
+            br#"{"templateID":""}"#,
+            br#"{"templateID":null}"#,
+        ] {
+            assert_eq!(named(base).as_deref(), Some("base"));
+        }
+        assert_eq!(named(b"not json"), None);
+        assert_eq!(named(br#"{"templateID":7}"#), None);
     }
 
     #[test]

@@ -9,6 +9,12 @@ pub const SANDBOX_ID_LEN: usize = 20;
 /// The id of the node's built-in template.
 pub const BASE_TEMPLATE: &str = "base";
 
+/// A template or snapshot ID as looked up: without the tag E2B appends to
+/// one (`<id>:default`).
+pub fn without_default_tag(id: &str) -> &str {
+    id.strip_suffix(":default").unwrap_or(id)
+}
+
 pub fn random_bytes(n: usize) -> std::io::Result<Vec<u8>> {
     let mut buf = vec![0u8; n];
     std::fs::File::open("/dev/urandom")?.read_exact(&mut buf)?;

@@ -451,6 +451,7 @@ mod tests {
                 sandboxes: used,
                 vcpus: used,
                 memory_mib: used * 512,
+                ..NodeLoad::default()
             },
             cpu_template: None,
         }

@@ -39,8 +39,6 @@ use crate::store::TemplateRecord;
 use crate::tenants::{Caller, template_owner_key};
 
 const MANIFEST_VERSION: u32 = 1;
-/// The tag E2B appends to an id (`<id>:default`).
-const DEFAULT_TAG: &str = ":default";
 /// The state file of a taken-in template, in its directory.
 const STATE: &str = "vm.state";
 
@@ -232,9 +230,9 @@ impl Durable {
         id_or_name: &str,
         may_use: impl Fn(Option<&str>) -> bool,
     ) -> Result<Option<TemplateRecord>, DurableError> {
-        let wanted = id_or_name.strip_suffix(DEFAULT_TAG).unwrap_or(id_or_name);
+        let wanted = crate::ids::without_default_tag(id_or_name);
         if storable_id(wanted)
-            && let Some(t) = self.take_in_one(manager, wanted, None, &may_use).await?
+            && let Some(t) = self.take_in_one(manager, wanted, &may_use).await?
         {
             return Ok(Some(t));
         }
@@ -247,14 +245,12 @@ impl Durable {
         if !storable_id(&entry.id) || !may_use(entry.team.as_deref()) {
             return Ok(None);
         }
-        let Some(mut t) = self
-            .take_in_one(manager, &entry.id, Some(wanted), &may_use)
-            .await?
-        else {
+        let Some(mut t) = self.take_in_one(manager, &entry.id, &may_use).await? else {
             return Ok(None);
         };
-        // Here already under other names (its tags changed where it was
-        // made): it answers to this one too, which no template here has.
+        // Its manifest may predate the name (its index gave it since), or it
+        // was here already under other names: it answers to this one too,
+        // which no template here has.
         if !t.names.iter().any(|n| n == wanted) && manager.resolve_template(wanted).is_err() {
             t.names.push(wanted.to_owned());
             manager
@@ -265,18 +261,16 @@ impl Durable {
         Ok(Some(t))
     }
 
-    /// Template `id` taken in, once at a time; `by_name`: the name it was
-    /// asked for by, which it keeps here.
+    /// Template `id` taken in, once at a time.
     async fn take_in_one(
         &self,
         manager: &Manager,
         id: &str,
-        by_name: Option<&str>,
         may_use: &impl Fn(Option<&str>) -> bool,
     ) -> Result<Option<TemplateRecord>, DurableError> {
         let one = self.takes().of(id);
         let _one = one.lock().await;
-        let taken = self.take_in_alone(manager, id, by_name, may_use).await;
+        let taken = self.take_in_alone(manager, id, may_use).await;
         self.takes().done(id);
         taken
     }
@@ -285,7 +279,6 @@ impl Durable {
         &self,
         manager: &Manager,
         id: &str,
-        by_name: Option<&str>,
         may_use: &impl Fn(Option<&str>) -> bool,
     ) -> Result<Option<TemplateRecord>, DurableError> {
         // Taken by the take this one waited for.
@@ -321,7 +314,7 @@ impl Durable {
             }
         };
         let kernel = manager.template().kernel.clone();
-        let names = names_here(manager, &manifest.record.names, by_name)?;
+        let names = names_here(manager, &manifest.record.names)?;
         let record = manager
             .adopt_template(id, manifest.team.as_deref(), async |dir: &Path| {
                 let state = dir.join(STATE);
@@ -395,31 +388,19 @@ impl Durable {
 
 /// The names a template taken in keeps on this node: its own but those a
 /// template here has (the node's names are one namespace, and the one here
-/// was there first), and the name it was asked for by (its manifest may
-/// predate the name, which its index gave it since).
-fn names_here(
-    manager: &Manager,
-    names: &[String],
-    by_name: Option<&str>,
-) -> Result<Vec<String>, SandboxError> {
+/// was there first).
+fn names_here(manager: &Manager, names: &[String]) -> Result<Vec<String>, SandboxError> {
     let taken: std::collections::HashSet<String> = manager
         .store()
         .templates()?
         .into_iter()
         .flat_map(|t| t.names)
         .collect();
-    let mut kept: Vec<String> = names
+    Ok(names
         .iter()
         .filter(|n| !taken.contains(*n))
         .cloned()
-        .collect();
-    if let Some(n) = by_name
-        && !kept.iter().any(|k| k == n)
-        && !taken.contains(n)
-    {
-        kept.push(n.to_owned());
-    }
-    Ok(kept)
+        .collect())
 }
 
 fn unavailable(id: &str, e: impl std::fmt::Display) -> ApiError {
@@ -494,7 +475,7 @@ pub async fn delete_stored(state: &Shared, caller: &Caller, id: &str) -> Result<
     let Some(durable) = state.cluster.get().and_then(|n| n.durable.as_ref()) else {
         return Ok(false);
     };
-    let id = id.strip_suffix(DEFAULT_TAG).unwrap_or(id);
+    let id = crate::ids::without_default_tag(id);
     match durable.stored_team(id).await {
         Ok(Some(team)) if caller.owns(team.as_deref()) => {}
         Ok(_) => return Ok(false),

@@ -24,8 +24,6 @@ use crate::store::{SandboxState, TemplateRecord};
 
 const STATE: &str = "vm.state";
 const MEM: &str = "vm.mem";
-/// The tag E2B appends to a snapshot id (`<id>:default`); accepted on lookup.
-const DEFAULT_TAG: &str = ":default";
 /// A snapshot's source's next root layer is in `<its dir>/snap-<snapshot id>`.
 const DISK_DIR_PREFIX: &str = "snap-";
 /// Longest snapshot name.
@@ -77,7 +75,7 @@ impl Manager {
     /// The template (base or snapshot) named by `id_or_name`: an id, a
     /// snapshot's name, either with E2B's `:default` tag.
     pub fn resolve_template(&self, id_or_name: &str) -> Result<TemplateRecord, SandboxError> {
-        let wanted = id_or_name.strip_suffix(DEFAULT_TAG).unwrap_or(id_or_name);
+        let wanted = ids::without_default_tag(id_or_name);
         if wanted == self.template.id {
             return Ok(self.template.clone());
         }
@@ -265,7 +263,7 @@ impl Manager {
         sandbox: Option<&str>,
         name: Option<&str>,
     ) -> Result<Vec<TemplateRecord>, SandboxError> {
-        let name = name.map(|n| n.strip_suffix(DEFAULT_TAG).unwrap_or(n));
+        let name = name.map(ids::without_default_tag);
         let mut all: Vec<TemplateRecord> = self
             .store
             .templates()?
