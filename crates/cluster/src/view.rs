@@ -6,7 +6,9 @@
 //! step (starting, or after the watch broke, until it has loaded again) it
 //! answers "unknown" and callers ask etcd directly; callers also ask etcd
 //! on a miss, since a claim made a moment ago through another gateway may
-//! not have reached this watch yet.
+//! not have reached this watch yet. When etcd cannot answer (no quorum), the
+//! last copy is still there to route by ([`View::last_known_sandbox`]):
+//! sandboxes stay reachable, since each node answers for its own.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock};
@@ -24,6 +26,8 @@ const RETRY_AFTER: Duration = Duration::from_secs(1);
 #[derive(Default)]
 struct State {
     in_step: bool,
+    /// The last load failed: etcd could not answer then.
+    load_failed: bool,
     nodes: BTreeMap<String, NodeRecord>,
     sandboxes: HashMap<String, Versioned<SandboxRoute>>,
 }
@@ -62,6 +66,25 @@ impl View {
         self.read().in_step
     }
 
+    /// Whether the copy's last load from etcd failed (etcd is out of reach
+    /// or without a quorum until a load succeeds): asking etcd now would
+    /// likely wait for its timeout.
+    pub fn etcd_failed(&self) -> bool {
+        self.read().load_failed
+    }
+
+    /// `id`'s route as the copy last had it, in step or not: for a caller
+    /// that cannot ask etcd. It may be out of date (a pause moved since is
+    /// answered for by the node that has it no longer).
+    pub fn last_known_sandbox(&self, id: &str) -> Option<Versioned<SandboxRoute>> {
+        self.read().sandboxes.get(id).cloned()
+    }
+
+    /// The nodes as the copy last had them, in step or not.
+    pub fn last_known_nodes(&self) -> Vec<NodeRecord> {
+        self.read().nodes.values().cloned().collect()
+    }
+
     fn read(&self) -> std::sync::RwLockReadGuard<'_, State> {
         self.state.read().unwrap_or_else(|p| p.into_inner())
     }
@@ -86,9 +109,16 @@ async fn keep(cluster: Cluster, state: Arc<RwLock<State>>) {
 /// Loads the keyspace, then applies its changes until the watch ends.
 async fn follow(cluster: &Cluster, state: &RwLock<State>) -> Result<(), ClusterError> {
     let mut client = cluster.client();
-    let loaded = client
+    let loaded = match client
         .get(keyspace::PREFIX, Some(GetOptions::new().with_prefix()))
-        .await?;
+        .await
+    {
+        Ok(loaded) => loaded,
+        Err(e) => {
+            state.write().unwrap_or_else(|p| p.into_inner()).load_failed = true;
+            return Err(e.into());
+        }
+    };
     let revision = loaded.header().map_or(0, |h| h.revision());
     let mut fresh = State {
         in_step: true,

@@ -476,7 +476,7 @@ async fn take_in(node: &Node, id: &str) -> Result<(), ApiError> {
         .cluster()
         .sandbox(id)
         .await
-        .map_err(|e| unavailable(format!("cluster state: {e}")))?
+        .map_err(ApiError::cluster_state)?
         .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("sandbox {id} not found")))?;
     let me = node.registration.node_id();
     if seen.value.node_id == me && seen.value.incarnation == node.registration.incarnation() {
@@ -532,7 +532,7 @@ async fn take_in(node: &Node, id: &str) -> Result<(), ApiError> {
                 tracing::warn!("cluster: sandbox {id}: removing the copy not moved here: {e}");
             }
             Err(match refused {
-                Err(e) => unavailable(format!("cluster state: {e}")),
+                Err(e) => ApiError::cluster_state(e),
                 _ => conflict(format!(
                     "sandbox {id} moved meanwhile, or its node {} is back",
                     seen.value.node_id
@@ -557,10 +557,7 @@ async fn team_has_room(node: &Node, team: &str) -> Result<(), ApiError> {
     match node.registration.cluster().team_full(team).await {
         Ok(None) => Ok(()),
         Ok(Some(limit)) => Err(team_full(limit)),
-        Err(e) => Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("cluster state: {e}"),
-        )),
+        Err(e) => Err(ApiError::cluster_state(e)),
     }
 }
 
@@ -592,21 +589,18 @@ async fn start_running(node: &Node, id: &str, caller_team: &str) -> Result<bool,
             // resume goes on.
             None => Ok(false),
         },
-        Err(e) => Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("cluster state: {e}"),
-        )),
+        Err(e) => Err(ApiError::cluster_state(e)),
     }
 }
 
 /// The node `id`'s route names, when that is another node.
 async fn moved_to(node: &Node, id: &str) -> Result<Option<String>, ApiError> {
-    let route = node.registration.cluster().sandbox(id).await.map_err(|e| {
-        ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("cluster state: {e}"),
-        )
-    })?;
+    let route = node
+        .registration
+        .cluster()
+        .sandbox(id)
+        .await
+        .map_err(ApiError::cluster_state)?;
     let me = node.registration.node_id();
     Ok(route
         .map(|seen| seen.value.node_id)
@@ -632,10 +626,7 @@ async fn claim_or_kill(node: &Node, id: &str, team: &str) -> Option<ApiError> {
             "the cluster did not record the sandbox: the node's registration no longer holds \
              (or the ID is taken)",
         ),
-        Err(e) => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("the cluster did not record the sandbox: {e}"),
-        ),
+        Err(e) => ApiError::cluster_state(format!("the sandbox was not recorded: {e}")),
     };
     tracing::warn!("cluster: claiming {id}: {}; killing it", refused.message);
     if let Err(e) = node.manager.kill(id).await {

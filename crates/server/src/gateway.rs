@@ -210,19 +210,45 @@ async fn handle(State(gw): State<Arc<Gateway>>, mut req: Request) -> Response {
 }
 
 impl Gateway {
+    /// The nodes: the watch's copy, else etcd's, else (etcd cannot answer)
+    /// the copy as it last was.
     async fn nodes(&self) -> Result<Vec<NodeRecord>, ApiError> {
-        match self.view.nodes() {
-            Some(nodes) => Ok(nodes),
-            None => self.cluster.nodes().await.map_err(unavailable),
+        if let Some(nodes) = self.view.nodes() {
+            return Ok(nodes);
+        }
+        let known = self.view.last_known_nodes();
+        if self.view.etcd_failed() && !known.is_empty() {
+            return Ok(known);
+        }
+        match self.cluster.nodes().await {
+            Ok(nodes) => Ok(nodes),
+            Err(e) if !known.is_empty() => {
+                tracing::warn!("gateway: etcd: {e}; routing by the nodes last known");
+                Ok(known)
+            }
+            Err(e) => Err(ApiError::cluster_state(e)),
         }
     }
 
     /// `id`'s route: the watch's copy, else etcd's (a claim made a moment
-    /// ago through another gateway may not have reached the watch).
+    /// ago through another gateway may not have reached the watch), else
+    /// (etcd cannot answer, e.g. without a quorum) the copy's last: a
+    /// running sandbox stays reachable, its node answers for it.
     async fn route(&self, id: &str) -> Result<Option<Versioned<SandboxRoute>>, ApiError> {
-        match self.view.sandbox(id) {
-            Some(route) => Ok(Some(route)),
-            None => self.cluster.sandbox(id).await.map_err(unavailable),
+        if let Some(route) = self.view.sandbox(id) {
+            return Ok(Some(route));
+        }
+        let known = self.view.last_known_sandbox(id);
+        if self.view.etcd_failed() && known.is_some() {
+            return Ok(known);
+        }
+        match self.cluster.sandbox(id).await {
+            Ok(route) => Ok(route),
+            Err(e) if known.is_some() => {
+                tracing::warn!("gateway: etcd: {e}; routing {id} by its route last known");
+                Ok(known)
+            }
+            Err(e) => Err(ApiError::cluster_state(e)),
         }
     }
 
@@ -256,7 +282,7 @@ impl Gateway {
                         StatusCode::CONFLICT,
                         format!("sandbox {id} changed meanwhile; try again"),
                     )),
-                    Err(e) => Err(unavailable(e)),
+                    Err(e) => Err(ApiError::cluster_state(e)),
                 };
             }
             return Err(gone(id, &owner, route.value.paused.is_some(), envd));
@@ -288,7 +314,7 @@ impl Gateway {
                 HeaderValue::from_static("1"),
             );
             match self.forward(&node.api_addr, req).await {
-                Ok(r) if r.headers().contains_key(crate::api::TEAM_LIMIT_HEADER) => return Ok(r),
+                Ok(r) if cluster_wide(&r) => return Ok(r),
                 Ok(r) if refused(r.status()) => {
                     tracing::info!(
                         "gateway: node {} did not take sandbox {id} in: {}",
@@ -315,8 +341,8 @@ impl Gateway {
     /// Tries the nodes freest first, those that have the template counted
     /// freer (see `placement_order_for`); a node that refuses for capacity (429,
     /// 503), lacks the template (404) or cannot be reached passes the create
-    /// on to the next. A team at its limit is answered at once: the limit
-    /// is the cluster's.
+    /// on to the next. A team at its limit, or etcd failing, is answered at
+    /// once: the same on every node.
     async fn create(&self, req: Request) -> Result<Response, ApiError> {
         let (parts, body) = req.into_parts();
         let body = axum::body::to_bytes(body, MAX_CREATE_BODY)
@@ -334,7 +360,7 @@ impl Gateway {
             let made = answer.as_ref().is_ok_and(|r| r.status().is_success());
             self.placements.finish(ticket, made);
             match answer {
-                Ok(r) if r.headers().contains_key(crate::api::TEAM_LIMIT_HEADER) => return Ok(r),
+                Ok(r) if cluster_wide(&r) => return Ok(r),
                 Ok(r) if refused(r.status()) || r.status() == StatusCode::NOT_FOUND => {
                     tracing::info!(
                         "gateway: node {} refused a create: {}",
@@ -636,15 +662,16 @@ fn create_template(body: &[u8]) -> Option<String> {
     Some(crate::ids::without_default_tag(named).to_owned())
 }
 
-fn refused(status: StatusCode) -> bool {
-    status == StatusCode::TOO_MANY_REQUESTS || status == StatusCode::SERVICE_UNAVAILABLE
+/// An answer every node would give (the caller's team at its limit, etcd
+/// failing): passed on, not tried on the next node.
+fn cluster_wide(answer: &Response) -> bool {
+    let headers = answer.headers();
+    headers.contains_key(crate::api::TEAM_LIMIT_HEADER)
+        || headers.contains_key(crate::api::CLUSTER_STATE_HEADER)
 }
 
-fn unavailable(e: cluster::ClusterError) -> ApiError {
-    ApiError::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        format!("cluster state: {e}"),
-    )
+fn refused(status: StatusCode) -> bool {
+    status == StatusCode::TOO_MANY_REQUESTS || status == StatusCode::SERVICE_UNAVAILABLE
 }
 
 fn bad_gateway(node: &NodeRecord, e: String) -> ApiError {

@@ -10,12 +10,26 @@ use crate::sandbox::SandboxError;
 /// same on every node).
 pub const TEAM_LIMIT_HEADER: &str = "x-sandfork-team-limit";
 
+/// On a 503 because the cluster's state (etcd) could not be read or
+/// written: a gateway answers it rather than trying the next node (every
+/// node would wait for etcd as long).
+pub const CLUSTER_STATE_HEADER: &str = "x-sandfork-cluster-state";
+
 #[derive(Debug)]
 pub struct ApiError {
     pub status: StatusCode,
     pub message: String,
+    /// The answer is the cluster's, not the node's (a header says which).
+    pub cluster_wide: Option<ClusterWide>,
+}
+
+/// Why an answer would be the same on every node of a cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClusterWide {
     /// The caller's team is at its limit (a 429 with [`TEAM_LIMIT_HEADER`]).
-    pub team_limit: bool,
+    TeamLimit,
+    /// etcd failed (a 503 with [`CLUSTER_STATE_HEADER`]).
+    ClusterState,
 }
 
 impl ApiError {
@@ -23,15 +37,26 @@ impl ApiError {
         ApiError {
             status,
             message: message.into(),
-            team_limit: false,
+            cluster_wide: None,
         }
     }
 
     /// A 429 for a team at its limit.
     pub fn team_limit(message: impl Into<String>) -> ApiError {
         ApiError {
-            team_limit: true,
+            cluster_wide: Some(ClusterWide::TeamLimit),
             ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, message)
+        }
+    }
+
+    /// A 503 for an etcd failure `e`.
+    pub fn cluster_state(e: impl std::fmt::Display) -> ApiError {
+        ApiError {
+            cluster_wide: Some(ClusterWide::ClusterState),
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("cluster state: {e}"),
+            )
         }
     }
 
@@ -44,10 +69,15 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = serde_json::json!({"code": self.status.as_u16(), "message": self.message});
         let mut answer = (self.status, axum::Json(body)).into_response();
-        if self.team_limit {
+        let header = match self.cluster_wide {
+            None => None,
+            Some(ClusterWide::TeamLimit) => Some(TEAM_LIMIT_HEADER),
+            Some(ClusterWide::ClusterState) => Some(CLUSTER_STATE_HEADER),
+        };
+        if let Some(header) = header {
             answer
                 .headers_mut()
-                .insert(TEAM_LIMIT_HEADER, axum::http::HeaderValue::from_static("1"));
+                .insert(header, axum::http::HeaderValue::from_static("1"));
         }
         answer
     }

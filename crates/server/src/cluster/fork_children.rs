@@ -51,12 +51,12 @@ pub async fn make_children(
     }
     // Files are fetched only from a node of the cluster, the one that says
     // it froze the fork.
-    let nodes = node.registration.cluster().nodes().await.map_err(|e| {
-        ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("cluster state: {e}"),
-        )
-    })?;
+    let nodes = node
+        .registration
+        .cluster()
+        .nodes()
+        .await
+        .map_err(ApiError::cluster_state)?;
     if !nodes
         .iter()
         .any(|n| n.node_id == req.fork.node_id && n.api_addr == req.source)
