@@ -189,7 +189,7 @@ enum Command {
     /// Run a command in a sandbox; exits with its exit code.
     Exec(exec::ExecArgs),
     /// Pause sandboxes (memory and disk kept; they use no CPU or memory).
-    Pause(sandboxes::IdsArgs),
+    Pause(sandboxes::PauseArgs),
     /// Resume paused sandboxes.
     Resume(sandboxes::ResumeArgs),
     /// Fork a running sandbox into N children; prints their ids.

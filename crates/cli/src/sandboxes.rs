@@ -227,14 +227,33 @@ pub async fn rm(args: IdsArgs) -> Result<ExitCode> {
     .await
 }
 
-pub async fn pause(args: IdsArgs) -> Result<ExitCode> {
+#[derive(clap::Args)]
+#[command(
+    after_help = "Examples:\n  sandfork pause $id\n  sandfork pause $id --local   # in a cluster: not stored, lost with its node"
+)]
+pub struct PauseArgs {
+    #[command(flatten)]
+    ids: IdsArgs,
+    /// In a cluster with an object store: keep the pause on its node only
+    /// (not stored, so it cannot resume elsewhere and is lost with its node).
+    #[arg(long)]
+    local: bool,
+}
+
+pub async fn pause(args: PauseArgs) -> Result<ExitCode> {
     let node = Node::from_config()?;
-    each(&args.ids, |id| {
-        let node = &node;
+    let body = args.local.then(|| json!({"durable": false}));
+    each(&args.ids.ids, |id| {
+        let (node, body) = (&node, &body);
         async move {
             check_id(&id)?;
             match node
-                .sandbox_call(&id, "POST", &format!("/sandboxes/{id}/pause"), None)
+                .sandbox_call(
+                    &id,
+                    "POST",
+                    &format!("/sandboxes/{id}/pause"),
+                    body.as_ref(),
+                )
                 .await
             {
                 Err(NodeError::Api { status: 409, .. }) => {

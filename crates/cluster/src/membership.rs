@@ -26,6 +26,8 @@ pub struct LocalSandbox {
     pub running: bool,
     /// Its pause's number (a paused sandbox's; see [`Reconciled::unstored`]).
     pub pause_generation: u32,
+    /// Its pause was asked to stay on the node: never unstored.
+    pub kept_local: bool,
 }
 
 /// What one [`Registration::reconcile`] did and found.
@@ -418,7 +420,10 @@ impl Registration {
                 }
                 // Against the route as read: one changed since is left alone.
                 let stored = seen.value.paused.as_ref().map(|p| p.generation);
-                if !sandbox.running && stored != Some(sandbox.pause_generation) {
+                if !sandbox.running
+                    && !sandbox.kept_local
+                    && stored != Some(sandbox.pause_generation)
+                {
                     done.unstored.push(id.clone());
                 }
                 match (sandbox.running, seen.value.running.is_some()) {

@@ -342,6 +342,7 @@ async fn reconcile_makes_the_map_match_the_node() {
                 team: "default".into(),
                 running: true,
                 pause_generation: 1,
+                kept_local: false,
             })
             .collect::<Vec<_>>()
     };
@@ -393,6 +394,7 @@ async fn a_node_back_under_a_new_lease_takes_its_routes_over() {
         team: "default".into(),
         running: true,
         pause_generation: 1,
+        kept_local: false,
     }];
     let done = a.reconcile(&local, |_| false).await.unwrap();
     assert_eq!((done.claimed, done.released), (1, 1));
@@ -474,6 +476,7 @@ async fn a_sandbox_killed_while_its_node_was_away_is_not_claimed_when_it_is_back
                 team: "default".into(),
                 running: true,
                 pause_generation: 1,
+                kept_local: false,
             })
             .collect::<Vec<_>>()
     };
@@ -522,6 +525,7 @@ async fn reconcile_gives_team_slots_to_what_runs_and_takes_them_from_what_paused
                 team: "t".into(),
                 running: *running,
                 pause_generation: 1,
+                kept_local: false,
             })
             .collect::<Vec<_>>()
     };
@@ -562,7 +566,14 @@ async fn reconcile_names_pauses_not_stored_and_clears_the_stored_pause_of_one_ru
         generation,
         cpu_template: None,
     };
-    for id in ["timed-out", "stored", "paused-again", "woken", "busy"] {
+    for id in [
+        "timed-out",
+        "stored",
+        "paused-again",
+        "woken",
+        "busy",
+        "kept-local",
+    ] {
         assert!(a.claim(id).await.unwrap());
     }
     for id in ["stored", "paused-again", "woken"] {
@@ -573,6 +584,12 @@ async fn reconcile_names_pauses_not_stored_and_clears_the_stored_pause_of_one_ru
         team: "default".into(),
         running,
         pause_generation,
+        kept_local: false,
+    };
+    // Paused on the node only, as asked: never stored.
+    let kept = LocalSandbox {
+        kept_local: true,
+        ..held("kept-local", false, 1)
     };
     let local = [
         held("timed-out", false, 1),
@@ -580,6 +597,7 @@ async fn reconcile_names_pauses_not_stored_and_clears_the_stored_pause_of_one_ru
         held("paused-again", false, 2),
         held("woken", true, 1),
         held("busy", false, 1),
+        kept,
     ];
     let done = a.reconcile(&local, |id| id == "busy").await.unwrap();
     assert_eq!(done.unstored, ["paused-again", "timed-out"]);
@@ -735,6 +753,7 @@ async fn a_durable_pause_moves_only_once_its_node_is_gone() {
         team: "default".into(),
         running: false,
         pause_generation: 1,
+        kept_local: false,
     }];
     let done = a.reconcile(&stale, |_| false).await.unwrap();
     assert_eq!(done.moved, [("p".to_owned(), moved.value.node_id.clone())]);

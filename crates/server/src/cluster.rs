@@ -204,6 +204,7 @@ impl Node {
                 .map(|r| cluster::LocalSandbox {
                     running: r.state == SandboxState::Running,
                     pause_generation: r.pause_generation,
+                    kept_local: r.local_pause == Some(r.pause_generation),
                     team: team_or_default(r.team.as_deref()).to_owned(),
                     id: r.id,
                 })
@@ -430,10 +431,20 @@ async fn track(State(node): State<Arc<Node>>, req: Request, next: Next) -> Respo
 }
 
 /// Stores a pause in the object store and records it in the sandbox's
-/// route; without a store, or if storing fails (with a warning), the pause
-/// stays on this node only. The answer says which in [`DURABLE_HEADER`].
+/// route; without a store, or if storing fails (with a warning), or when
+/// the pause asked to stay here (`"durable": false`), the pause stays on
+/// this node only. The answer says which in [`DURABLE_HEADER`].
 async fn store_pause(node: &Node, id: &str, mut response: Response) -> Response {
-    let durable = store_and_record(node, id).await;
+    let kept_local = node
+        .manager
+        .get(id)
+        .is_ok_and(|r| r.local_pause == Some(r.pause_generation));
+    let durable = if kept_local {
+        tracing::info!("cluster: sandbox {id}: paused on this node only, as asked");
+        false
+    } else {
+        store_and_record(node, id).await
+    };
     node.registration.set_load(node.load());
     response.headers_mut().insert(
         DURABLE_HEADER,

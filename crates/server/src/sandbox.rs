@@ -619,6 +619,7 @@ impl Manager {
                 auto_pause: params.auto_pause,
                 auto_pause_memory: params.auto_pause_memory,
                 pause_generation: 0,
+                local_pause: None,
                 snapshot: None,
                 cold_booted: false,
                 root_layer: None,

@@ -104,6 +104,10 @@ pub struct SandboxRecord {
     /// maps the earlier ones below it).
     #[serde(default)]
     pub pause_generation: u32,
+    /// The pause (its generation) asked to stay on this node (`"durable":
+    /// false`): in a cluster, the object store does not get it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local_pause: Option<u32>,
     /// The snapshot a paused sandbox resumes from; none for one paused
     /// filesystem-only (its resume cold-boots the kernel on its disk).
     #[serde(default)]

@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 use super::list::ListQuery;
 use super::{ApiError, ClientGone, Shared};
 use crate::ids;
-use crate::sandbox::{CreateParams, PauseMode, Phase, ResumeMode};
+use crate::sandbox::{CreateParams, PauseMode, Phase, ResumeMode, SandboxError};
 use crate::store::{SandboxRecord, SandboxState};
 use crate::template;
 use crate::tenants::Caller;
@@ -346,6 +346,9 @@ struct PauseBody {
     /// filesystem-only pause always needs it to answer.
     #[serde(rename = "requireHealthyGuest")]
     require_healthy_guest: Option<bool>,
+    /// `false`: in a cluster with an object store, the pause stays on this
+    /// node only (not stored; lost with the node). Default: stored.
+    durable: Option<bool>,
 }
 
 /// `POST /sandboxes/{id}/pause`: 204, or 409 when already paused.
@@ -370,7 +373,17 @@ pub async fn pause(
             format!("sandbox {id}: its guest agent does not answer; it was not paused"),
         ));
     }
-    state.manager.pause(&id, mode).await?;
+    let paused = state.manager.pause(&id, mode).await?;
+    if req.durable == Some(false) {
+        // Before the answer leaves: the cluster layer reads it then (and
+        // its reconciler skips sandboxes under way).
+        let generation = paused.pause_generation;
+        state
+            .manager
+            .store()
+            .update_sandbox(&id, |r| r.local_pause = Some(generation))
+            .map_err(SandboxError::from)?;
+    }
     Ok(StatusCode::NO_CONTENT)
 }
 
