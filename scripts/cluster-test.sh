@@ -27,7 +27,8 @@
 #
 # Usage: scripts/cluster-test.sh [--no-build]
 # Env: CARGO_TARGET_DIR (default target), SANDFORK_LAB_LOCKED (the caller
-#      holds the lab lock).
+#      holds the lab lock), SANDFORK_CLUSTER_SDK=all (the SDK's command and
+#      file tests whole, not the ones that stream through the proxy).
 # Out: logs in $target/cluster-test/.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -52,7 +53,7 @@ if [[ ${1:-} != --inside ]]; then
     sdk_python=$(scripts/sdk-setup.sh)
     lab=("$target/debug/sandfork-lab" run --cpus 1 --timeout 2400 --rw "$rw" --
         env "CARGO_TARGET_DIR=$target" "SANDFORK_KERNEL=$SANDFORK_KERNEL" "SDK_PYTHON=$sdk_python"
-        "SANDFORK_ROOTFS=$SANDFORK_ROOTFS"
+        "SANDFORK_ROOTFS=$SANDFORK_ROOTFS" "SANDFORK_CLUSTER_SDK=${SANDFORK_CLUSTER_SDK:-}"
         "SANDFORK_VMM=${SANDFORK_VMM:-$target/debug/sandfork-vmm}" bash "$root/scripts/cluster-test.sh" --inside)
     if [[ -z ${SANDFORK_LAB_LOCKED:-} ]]; then
         lab=(flock /tmp/sandfork-lab.lock "${lab[@]}")
@@ -250,15 +251,27 @@ snap=$("$bin" snapshot "$b" --name "$snap_name") || die "snapshot of $b through 
 api "$SANDFORK_API_URL/snapshots" | python3 -c 'import json, sys
 ids = [s["snapshotID"] for s in json.load(sys.stdin)]
 sys.exit(ids.count(sys.argv[1]) != 1)' "$snap" || die "the gateway's snapshot list does not show $snap once"
+# Nodes publish the templates they have (a snapshot is one): requests about
+# it go to them first, so its forks run on $ob, which need not take it in.
+has_template() { # NODE NAME
+    ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --print-value-only "/sandfork/v1/nodes/$1" |
+        python3 -c 'import json, sys; sys.exit(sys.argv[1] not in json.load(sys.stdin)["load"].get("templates", []))' "$2"
+}
+start=$SECONDS
+until has_template "$ob" "$snap" && has_template "$ob" "$snap_name"; do
+    ((SECONDS - start < 30)) || die "$ob does not publish that it has $snap ($snap_name)"
+    sleep 1
+done
 for i in 1 2; do
     answer=$(api -X POST -d '{"count": 1}' "$SANDFORK_API_URL/snapshots/$snap/fork") ||
         die "fork of snapshot $snap through the gateway"
     child=$(python3 -c 'import json, sys; print(json.loads(sys.argv[1])[0]["sandbox"]["sandboxID"])' "$answer") ||
         die "fork $i of snapshot $snap: $answer"
+    [[ $(owner "$child") == "$ob" ]] || die "a fork of $snap (on $ob) ran on $(owner "$child")"
     [[ $("$bin" exec "$child" -- echo "child $i") == "child $i" ]] || die "exec in $child"
     "$bin" rm "$child" || die "kill $child"
 done
-log "PASS: snapshot $snap of $b listed once and forked twice through the gateway"
+log "PASS: snapshot $snap of $b listed once and forked twice through the gateway, on $ob"
 t0=$SECONDS
 stored_snap() { curl -s -o /dev/null -w '%{http_code}' "$SANDFORK_S3/templates/$snap.json"; }
 until [[ $(stored_snap) == 200 ]]; do
@@ -277,13 +290,9 @@ got=$("$bin" exec "$taken" -- sh -c 'cat ~/snap.txt') || die "reading in $taken"
 [[ $got == snapped ]] || die "$taken (from $snap_name, taken in on $other) read '$got'"
 grep -q "template $snap taken in from node $ob" "$work/$other.log" || die "$other does not say it took $snap in"
 "$bin" rm "$taken" || die "kill $taken"
-# Nodes publish the templates they have: creates from it through the
-# gateway go to $ob and $other, not to the third node (as free, as a and b
-# run on the others), until those are clearly fuller.
-has_template() { # NODE NAME
-    ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --print-value-only "/sandfork/v1/nodes/$1" |
-        python3 -c 'import json, sys; sys.exit(sys.argv[1] not in json.load(sys.stdin)["load"].get("templates", []))' "$2"
-}
+# Creates from it through the gateway go to $ob and $other, not to the
+# third node (freer: a and b run on the others), until those are clearly
+# fuller.
 start=$SECONDS
 until has_template "$ob" "$snap_name" && has_template "$other" "$snap_name"; do
     ((SECONDS - start < 30)) || die "$ob and $other do not publish that they have $snap_name"
@@ -332,19 +341,24 @@ log "PASS: create, exec, ls and kill through the gateway on 3 nodes"
 # the guest, and run against one node in the SDK job): its control plane
 # through one gateway, its envd traffic through the other, the sandboxes
 # placed over the nodes (pauses stored, forks spread).
+# (SANDFORK_CLUSTER_SDK=all: the four files whole, 40 tests, 4 more minutes)
 t0=$SECONDS
 sdk_tests=("$root"/tests/sdk/python/{test_create,test_lifecycle}.py)
-for t in stdout_and_exit_code streaming_callbacks stdin connect_to_running_command background_list_and_kill; do
-    sdk_tests+=("$root/tests/sdk/python/test_commands.py::test_$t")
-done
-for t in write_and_read_text large_file_upload_and_download watch_dir signed_urls; do
-    sdk_tests+=("$root/tests/sdk/python/test_files.py::test_$t")
-done
+if [[ ${SANDFORK_CLUSTER_SDK:-} == all ]]; then
+    sdk_tests+=("$root"/tests/sdk/python/{test_commands,test_files}.py)
+else
+    for t in stdout_and_exit_code streaming_callbacks stdin connect_to_running_command background_list_and_kill; do
+        sdk_tests+=("$root/tests/sdk/python/test_commands.py::test_$t")
+    done
+    for t in write_and_read_text large_file_upload_and_download watch_dir signed_urls; do
+        sdk_tests+=("$root/tests/sdk/python/test_files.py::test_$t")
+    done
+fi
 E2B_API_URL=http://127.0.0.1:$gw E2B_SANDBOX_URL=http://127.0.0.1:$gw2 E2B_API_KEY=$SANDFORK_API_KEY \
     PYTHONDONTWRITEBYTECODE=1 "${SDK_PYTHON:?the host part sets it}" -m pytest -p no:cacheprovider -q \
     "${sdk_tests[@]}" >"$work/sdk.log" 2>&1 ||
     { tail -n 40 "$work/sdk.log" >&2; die "the SDK's tests through the gateways failed (log: $work/sdk.log)"; }
-log "PASS: the Python SDK's create and lifecycle tests and 9 of its command and file tests through the gateways: $(tail -n 1 "$work/sdk.log") ($((SECONDS - t0)) s)"
+log "PASS: the Python SDK's tests through the gateways (${#sdk_tests[@]} files or tests): $(tail -n 1 "$work/sdk.log") ($((SECONDS - t0)) s)"
 
 # --- creates per second: one node, then all three through a gateway ----------
 # 8 creates at once straight to one node, then 8 through the gateway (placed
@@ -640,8 +654,15 @@ ap=$(SANDFORK_API_URL=$on_from "$bin" create --auto-pause --timeout 20) || die "
 start=$SECONDS
 until_stored "$ap" "the pause of $ap at its timeout was not stored"
 log "$ap paused at its timeout and stored by $from in $((SECONDS - start)) s after the write"
-# A sandbox running on the same node (created there directly) is lost with it.
+# A sandbox running on the same node (created there directly) is lost with it,
+# and so is one paused there by choice (`--local`: never stored).
 d=$(SANDFORK_API_URL=$on_from "$bin" create --timeout 900) || die "create on $from"
+l=$(SANDFORK_API_URL=$on_from "$bin" create --timeout 900) || die "create on $from"
+curl -sf -X POST -H "X-API-Key: $SANDFORK_API_KEY" -H 'Content-Type: application/json' -d '{"durable": false}' \
+    -D "$work/pause.headers" "$SANDFORK_API_URL/sandboxes/$l/pause" >/dev/null || die "pausing $l on its node only"
+grep -qi '^x-sandfork-durable: false' "$work/pause.headers" || die "the local pause of $l says: $(cat "$work/pause.headers")"
+sleep 5 # two reconcile passes, which store what a pause left unstored
+! grep -q '"paused"' <<<"$(route_of "$l")" || die "the pause of $l, asked to stay on $from, was stored"
 log "$c paused on $from and stored in $pause_s s, $d running there; killing $from (SIGKILL) and removing its data"
 kill -9 "${node_pid[$from]}"
 rm -rf "${work:?}/$from"
@@ -658,6 +679,9 @@ lost=$(curl -s -H "X-API-Key: $SANDFORK_API_KEY" -w ' %{http_code}' "$SANDFORK_A
 lost = [o["sandboxID"] for o in json.load(sys.stdin)["withoutNode"] if o["state"] == "lost"]
 sys.exit(sys.argv[1] not in lost)' "$d" || die "sandfork nodes does not show $d lost: $("$bin" nodes --json)"
 "$bin" rm "$d" || die "kill the lost $d"
+lost=$(curl -s -H "X-API-Key: $SANDFORK_API_KEY" -w ' %{http_code}' "$SANDFORK_API_URL/sandboxes/$l")
+[[ $lost == *lost*" 410" ]] || die "sandbox $l, paused on the dead node only: $lost"
+"$bin" rm "$l" || die "kill the lost $l"
 [[ -z $(ETCDCTL_API=3 etcdctl --endpoints="$SANDFORK_ETCD" get --keys-only "/sandfork/v1/sandboxes/$d") ]] ||
     die "the lost $d is still mapped"
 t=$(now_ms)
@@ -679,7 +703,7 @@ ap_to=$(owner "$ap")
 [[ $ap_to != "$from" ]] || die "$ap still on $from"
 [[ $("$bin" exec "$ap" -- sh -c 'cat ~/auto.txt') == auto ]] || die "the file in $ap is gone"
 "$bin" rm "$ap" || die "kill $ap"
-log "PASS: $c paused on $from (stored in $pause_s s), $from killed, resumed on $to in $resume_s s with its file and process, and $ap paused at its timeout resumed on $ap_to ($((SECONDS - t0)) s in all)"
+log "PASS: $c paused on $from (stored in $pause_s s), $from killed, resumed on $to in $resume_s s with its file and process, and $ap paused at its timeout resumed on $ap_to; $l, paused there by choice only, lost with it ($((SECONDS - t0)) s in all)"
 
 # --- a node cut off from etcd: only one copy serves ---------------------------
 # $from comes back, fresh, in the namespace whose link the test takes down.

@@ -138,6 +138,14 @@ impl NodeRecord {
         .into_iter()
         .fold(1.0, f64::min)
     }
+
+    /// Whether the node published that it has template `id_or_name`.
+    pub fn has_template(&self, id_or_name: &str) -> bool {
+        self.load
+            .templates
+            .binary_search_by(|t| t.as_str().cmp(id_or_name))
+            .is_ok()
+    }
 }
 
 /// `sandboxes/{id}`: which node serves the sandbox.
@@ -206,12 +214,7 @@ pub const TEMPLATE_HELD_BONUS: f64 = 0.25;
 /// any): nodes that have it count [`TEMPLATE_HELD_BONUS`] freer.
 pub fn placement_order_for(mut nodes: Vec<NodeRecord>, template: Option<&str>) -> Vec<NodeRecord> {
     let score = |n: &NodeRecord| {
-        let held = template.is_some_and(|t| {
-            n.load
-                .templates
-                .binary_search_by(|h| h.as_str().cmp(t))
-                .is_ok()
-        });
+        let held = template.is_some_and(|t| n.has_template(t));
         // A full node stays last: what it has does not make room.
         let free = n.free_share();
         if held && free > 0.0 {
@@ -226,6 +229,18 @@ pub fn placement_order_for(mut nodes: Vec<NodeRecord>, template: Option<&str>) -
             .then_with(|| a.node_id.cmp(&b.node_id))
     });
     nodes
+}
+
+/// [`placement_order`] with the nodes that have template `id_or_name`
+/// first: for requests about the template itself (a snapshot's fork, a
+/// template's details), which another node would take in first or not
+/// know.
+pub fn holders_first(nodes: Vec<NodeRecord>, id_or_name: &str) -> Vec<NodeRecord> {
+    let (mut holders, others): (Vec<_>, Vec<_>) = placement_order(nodes)
+        .into_iter()
+        .partition(|n| n.has_template(id_or_name));
+    holders.extend(others);
+    holders
 }
 
 #[cfg(test)]
@@ -301,6 +316,8 @@ mod tests {
             ids(placement_order_for(nodes(), Some("other"))),
             ["a", "b", "c"]
         );
+        // About the template itself: whoever has it first, however full.
+        assert_eq!(ids(holders_first(nodes(), "tmpl1")), ["b", "c", "a"]);
         // A full node that has it stays last.
         let full = with(node("d", 8, 8));
         assert_eq!(

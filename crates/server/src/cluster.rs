@@ -162,6 +162,11 @@ pub fn capacity(manager: &Manager) -> NodeCapacity {
 }
 
 impl Node {
+    /// Publishes the node's load and templates (written if they changed).
+    pub fn publish_load(&self) {
+        self.registration.set_load(self.load());
+    }
+
     fn load(&self) -> NodeLoad {
         let held = self.manager.capacity().held();
         NodeLoad {
@@ -196,7 +201,7 @@ impl Node {
 
     /// One pass: the load and the map brought up to date.
     pub async fn reconcile(self: &Arc<Self>) {
-        self.registration.set_load(self.load());
+        self.publish_load();
         self.changing.listing();
         let local: Vec<cluster::LocalSandbox> = match self.manager.list() {
             Ok(list) => list
@@ -288,7 +293,7 @@ impl Node {
                 false
             }
         };
-        self.registration.set_load(self.load());
+        self.publish_load();
         gone
     }
 
@@ -413,7 +418,7 @@ async fn track(State(node): State<Arc<Node>>, req: Request, next: Next) -> Respo
                 Ok(_) => {}
                 Err(e) => tracing::warn!("cluster: sandbox {id}: clearing its durable pause: {e}"),
             }
-            node.registration.set_load(node.load());
+            node.publish_load();
             response
         }
         Change::Create => claim_created(&node, &team, response).await,
@@ -423,7 +428,7 @@ async fn track(State(node): State<Arc<Node>>, req: Request, next: Next) -> Respo
                 // The reconciler retries; the sandbox is gone either way.
                 tracing::warn!("cluster: releasing {id}: {e}");
             }
-            node.registration.set_load(node.load());
+            node.publish_load();
             response
         }
         Change::None => response,
@@ -445,7 +450,7 @@ async fn store_pause(node: &Node, id: &str, mut response: Response) -> Response 
     } else {
         store_and_record(node, id).await
     };
-    node.registration.set_load(node.load());
+    node.publish_load();
     response.headers_mut().insert(
         DURABLE_HEADER,
         axum::http::HeaderValue::from_static(if durable { "true" } else { "false" }),
@@ -673,7 +678,7 @@ async fn claim_created(node: &Node, team: &str, response: Response) -> Response 
         return Response::from_parts(parts, Body::from(bytes));
     };
     let refused = claim_or_kill(node, &id, team).await;
-    node.registration.set_load(node.load());
+    node.publish_load();
     match refused {
         None => Response::from_parts(parts, Body::from(bytes)),
         Some(e) => e.into_response(),
@@ -710,7 +715,7 @@ async fn claim_children(node: &Node, team: &str, response: Response) -> Response
                 serde_json::json!({"error": {"code": e.status.as_u16(), "message": e.message}});
         }
     }
-    node.registration.set_load(node.load());
+    node.publish_load();
     let body = serde_json::to_vec(&children).unwrap_or_else(|_| bytes.to_vec());
     let mut parts = parts;
     parts.headers.remove(axum::http::header::CONTENT_LENGTH);

@@ -469,8 +469,9 @@ impl Gateway {
             .ok_or_else(|| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no node in the cluster"))
     }
 
-    /// Asks the nodes in turn, freest first, until one does not answer 404
-    /// or 503: a snapshot or template is on the node that made it and on
+    /// Asks the nodes in turn, those that have the snapshot or template it
+    /// names first, then freest first, until one does not answer 404 or
+    /// 503: a snapshot or template is on the node that made it and on
     /// those that took it in, and, with an object store, any node takes it
     /// in. A node that cannot be reached is passed over.
     async fn to_holder(&self, req: Request) -> Result<Response, ApiError> {
@@ -479,7 +480,12 @@ impl Gateway {
             .await
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
         let mut last = None;
-        for node in keyspace::placement_order(self.nodes().await?) {
+        let nodes = self.nodes().await?;
+        let nodes = match named_template(parts.uri.path()) {
+            Some(named) => keyspace::holders_first(nodes, named),
+            None => keyspace::placement_order(nodes),
+        };
+        for node in nodes {
             let req = rebuild(&parts.method, &parts.uri, &parts.headers, body.clone());
             match self.forward(&node.api_addr, req).await {
                 // A node without it, or that could not take it in from
@@ -648,6 +654,16 @@ fn same_cpu_first(nodes: Vec<NodeRecord>, template: Option<&str>) -> Vec<NodeRec
     same
 }
 
+/// The template or snapshot a path names (`/templates/{id}...`,
+/// `/v2/templates/{id}...`, `/snapshots/{id}...`), as nodes list theirs.
+fn named_template(path: &str) -> Option<&str> {
+    let rest = ["/snapshots/", "/templates/", "/v2/templates/"]
+        .iter()
+        .find_map(|p| path.strip_prefix(p))?;
+    let named = rest.split('/').next().filter(|n| !n.is_empty())?;
+    Some(crate::ids::without_default_tag(named))
+}
+
 /// The template a create's body names, as nodes list theirs (the base one
 /// when it names none; a body that does not parse is the node's to refuse).
 fn create_template(body: &[u8]) -> Option<String> {
@@ -747,6 +763,15 @@ mod tests {
             ["c", "a", "b"]
         );
         assert_eq!(ids(same_cpu_first(nodes, None)), ["a", "b", "c"]);
+    }
+
+    #[test]
+    fn requests_about_a_template_name_it() {
+        assert_eq!(named_template("/snapshots/s1:default/fork"), Some("s1"));
+        assert_eq!(named_template("/templates/base"), Some("base"));
+        assert_eq!(named_template("/v2/templates/t1/builds/b"), Some("t1"));
+        assert_eq!(named_template("/templates/"), None);
+        assert_eq!(named_template("/sandboxes/x"), None);
     }
 
     #[test]

@@ -439,6 +439,8 @@ impl Node {
     /// background: a failure is a warning, and the template stays on this
     /// node only (a gateway still finds it here).
     pub fn store_template_in_background(self: &Arc<Self>, id: String) {
+        // Gateways send requests about it here first once they see it.
+        self.publish_load();
         if self.durable.is_none() {
             return;
         }
@@ -458,6 +460,7 @@ impl Node {
 
     /// After templates `ids` were deleted here: their manifests go too.
     pub async fn forget_templates(&self, ids: &[String]) {
+        self.publish_load();
         let Some(durable) = &self.durable else {
             return;
         };
