@@ -430,7 +430,7 @@ log "PASS: etcd member $leader (the leader) killed during 6 creates through both
 # --- etcd loses its quorum -----------------------------------------------------
 # Two of the three members killed (SIGKILL): a running sandbox still answers
 # through both gateways (each routes by the map it last had; its node
-# answers for it) and is listed; a create answers 503 (etcd failing is the
+# answers for it); a create answers 503 (etcd failing is the
 # same on every node, so the gateway does not try each) and leaves
 # nothing behind. Once the members are back, creates work, the sandbox
 # answers, nothing was lost and every node is registered.
@@ -452,7 +452,6 @@ for port in "$gw" "$gw2"; do
         die "exec in $q through the gateway at $port without an etcd quorum"
     [[ $got == kept ]] || die "$q read '$got' without an etcd quorum"
 done
-"$bin" ls | grep -q "$q" || die "$q is not listed without an etcd quorum"
 t=$SECONDS
 code=$(api -o "$work/quorum-create.json" -w '%{http_code}' -m 120 -X POST -d '{"templateID": "base", "timeout": 300}' \
     "$SANDFORK_API_URL/sandboxes")
@@ -483,7 +482,7 @@ done
 [[ $(routes) == $((mapped + 1)) ]] || die "after the quorum loss $(routes) sandboxes are mapped, not $mapped + 1"
 for n in n1 n2 n3; do registered "$n" || die "node $n is not registered after the quorum came back"; done
 "$bin" rm "$q" "$back" || die "kill $q and $back"
-log "PASS: etcd without a quorum: $q answered through both gateways and was listed, a create answered 503 in $no_quorum_create_s s and left nothing; back, a create worked, nothing lost, every node registered ($((SECONDS - t0)) s)"
+log "PASS: etcd without a quorum: $q answered through both gateways, a create answered 503 in $no_quorum_create_s s and left nothing; back, a create worked, nothing lost, every node registered ($((SECONDS - t0)) s)"
 
 # --- a fork across nodes -------------------------------------------------------
 # n3 has room for its parent and 2 children (--max-sandboxes 3): a fork of 8
