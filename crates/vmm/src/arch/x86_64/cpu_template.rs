@@ -180,21 +180,10 @@ impl CpuTemplate {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::arch::x86_64::cpu_features::tests::entry;
     use crate::arch::x86_64::cpu_features::{
         E1_ECX, FEATURES, L1_ECX, L7_1_EAX, L7_EBX, L7_ECX, check_snapshot, read,
     };
-
-    fn entry(function: u32, index: u32, [eax, ebx, ecx, edx]: [u32; 4]) -> kvm_cpuid_entry2 {
-        kvm_cpuid_entry2 {
-            function,
-            index,
-            eax,
-            ebx,
-            ecx,
-            edx,
-            ..Default::default()
-        }
-    }
 
     /// A host with every bit of every governed register set, on AMD.
     fn everything() -> Vec<kvm_cpuid_entry2> {
