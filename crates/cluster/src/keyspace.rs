@@ -236,11 +236,18 @@ pub fn placement_order_for(mut nodes: Vec<NodeRecord>, template: Option<&str>) -
 /// template's details), which another node would take in first or not
 /// know.
 pub fn holders_first(nodes: Vec<NodeRecord>, id_or_name: &str) -> Vec<NodeRecord> {
-    let (mut holders, others): (Vec<_>, Vec<_>) = placement_order(nodes)
-        .into_iter()
-        .partition(|n| n.has_template(id_or_name));
-    holders.extend(others);
-    holders
+    first_those(placement_order(nodes), |n| n.has_template(id_or_name))
+}
+
+/// `nodes` with those `wanted` picks first, then the others, each in the
+/// order they had.
+pub fn first_those(
+    nodes: Vec<NodeRecord>,
+    wanted: impl Fn(&NodeRecord) -> bool,
+) -> Vec<NodeRecord> {
+    let (mut first, others): (Vec<_>, Vec<_>) = nodes.into_iter().partition(|n| wanted(n));
+    first.extend(others);
+    first
 }
 
 #[cfg(test)]

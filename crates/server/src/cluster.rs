@@ -511,10 +511,10 @@ async fn take_in(node: &Node, id: &str) -> Result<(), ApiError> {
     };
     // Before anything changes here: a pause made under another CPU template
     // is another node's to take (the manifest is checked again).
-    cpu::check(
+    cpu::check_here(
+        &node.manager,
         &format!("sandbox {id}"),
         pause.cpu_template.as_deref(),
-        node.manager.config().cpu_template_name().as_deref(),
     )
     .map_err(|e| unavailable(e.to_string()))?;
     // A copy from before (this node's earlier life) is out of date.

@@ -216,18 +216,9 @@ impl Gateway {
         if let Some(nodes) = self.view.nodes() {
             return Ok(nodes);
         }
-        let known = self.view.last_known_nodes();
-        if self.view.etcd_failed() && !known.is_empty() {
-            return Ok(known);
-        }
-        match self.cluster.nodes().await {
-            Ok(nodes) => Ok(nodes),
-            Err(e) if !known.is_empty() => {
-                tracing::warn!("gateway: etcd: {e}; routing by the nodes last known");
-                Ok(known)
-            }
-            Err(e) => Err(ApiError::cluster_state(e)),
-        }
+        let known = Some(self.view.last_known_nodes()).filter(|n| !n.is_empty());
+        self.or_last_known(known, "the nodes", self.cluster.nodes())
+            .await
     }
 
     /// `id`'s route: the watch's copy, else etcd's (a claim made a moment
@@ -238,17 +229,32 @@ impl Gateway {
         if let Some(route) = self.view.sandbox(id) {
             return Ok(Some(route));
         }
-        let known = self.view.last_known_sandbox(id);
-        if self.view.etcd_failed() && known.is_some() {
-            return Ok(known);
-        }
-        match self.cluster.sandbox(id).await {
-            Ok(route) => Ok(route),
-            Err(e) if known.is_some() => {
-                tracing::warn!("gateway: etcd: {e}; routing {id} by its route last known");
+        let known = self.view.last_known_sandbox(id).map(Some);
+        let what = format!("the route of {id}");
+        self.or_last_known(known, &what, self.cluster.sandbox(id))
+            .await
+    }
+
+    /// What etcd answers (`ask`), unless it cannot: then `known` (`what`,
+    /// as the watch's copy last had it), at once when that copy's own
+    /// load already failed; without it, a 503.
+    async fn or_last_known<T>(
+        &self,
+        known: Option<T>,
+        what: &str,
+        ask: impl std::future::Future<Output = Result<T, cluster::ClusterError>>,
+    ) -> Result<T, ApiError> {
+        let known = match known {
+            Some(known) if self.view.etcd_failed() => return Ok(known),
+            other => other,
+        };
+        match (ask.await, known) {
+            (Ok(answer), _) => Ok(answer),
+            (Err(e), Some(known)) => {
+                tracing::warn!("gateway: etcd: {e}; routing by {what} as last known");
                 Ok(known)
             }
-            Err(e) => Err(ApiError::cluster_state(e)),
+            (Err(e), None) => Err(ApiError::cluster_state(e)),
         }
     }
 
@@ -647,11 +653,7 @@ fn gone(id: &str, owner: &str, durable: bool, envd: bool) -> ApiError {
 /// (in their order), then the others: a node of another template refuses a
 /// pause made under this one (see `cluster::cpu`), and says why.
 fn same_cpu_first(nodes: Vec<NodeRecord>, template: Option<&str>) -> Vec<NodeRecord> {
-    let (mut same, others): (Vec<_>, Vec<_>) = nodes
-        .into_iter()
-        .partition(|n| n.cpu_template.as_deref() == template);
-    same.extend(others);
-    same
+    keyspace::first_those(nodes, |n| n.cpu_template.as_deref() == template)
 }
 
 /// The template or snapshot a path names (`/templates/{id}...`,

@@ -8,6 +8,7 @@
 //! configured alike would never hand each other.
 
 use super::durable::DurableError;
+use crate::sandbox::Manager;
 
 /// How a CPU template reads in messages.
 fn shown(template: Option<&str>) -> String {
@@ -29,6 +30,11 @@ pub fn check(what: &str, made: Option<&str>, here: Option<&str>) -> Result<(), D
         shown(made),
         shown(here)
     )))
+}
+
+/// [`check`] against the template of `manager`'s node.
+pub fn check_here(manager: &Manager, what: &str, made: Option<&str>) -> Result<(), DurableError> {
+    check(what, made, manager.config().cpu_template_name().as_deref())
 }
 
 #[cfg(test)]

@@ -341,10 +341,10 @@ impl Durable {
                 pause.manifest
             )));
         }
-        super::cpu::check(
+        super::cpu::check_here(
+            manager,
             &format!("sandbox {id}"),
             manifest.record.cpu_template.as_deref(),
-            manager.config().cpu_template_name().as_deref(),
         )?;
         let rootfs = manager.config().rootfs.clone();
         cache::same_raw_base(

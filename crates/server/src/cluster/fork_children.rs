@@ -70,10 +70,10 @@ pub async fn make_children(
     let rootfs = manager.config().rootfs.clone();
     cache::same_raw_base(&rootfs, req.fork.files.raw_base_size, "the fork")
         .and_then(|()| {
-            super::cpu::check(
+            super::cpu::check_here(
+                manager,
                 &format!("the fork of sandbox {}", parent.id),
                 parent.cpu_template.as_deref(),
-                manager.config().cpu_template_name().as_deref(),
             )
         })
         .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()))?;

@@ -297,10 +297,10 @@ impl Durable {
         if !may_use(manifest.team.as_deref()) {
             return Ok(None);
         }
-        super::cpu::check(
+        super::cpu::check_here(
+            manager,
             &format!("template {id}"),
             manifest.record.cpu_template.as_deref(),
-            manager.config().cpu_template_name().as_deref(),
         )?;
         let started = Instant::now();
         let cache_dir = manager.config().cluster_cache_dir();
