@@ -22,10 +22,10 @@ pub struct NodesArgs {
 }
 
 pub async fn run(args: NodesArgs) -> Result<ExitCode> {
-    let etcd = cluster::Cluster::connect(&args.etcd)
+    let etcd = sandfork_cluster::Cluster::connect(&args.etcd)
         .await
         .context("connecting to etcd")?;
-    let nodes = cluster::keyspace::placement_order(etcd.nodes().await?);
+    let nodes = sandfork_cluster::keyspace::placement_order(etcd.nodes().await?);
     let routes = etcd.sandboxes().await?;
     // Per node: (sandboxes mapped to it, of which durably paused).
     let mut held: BTreeMap<&str, (u64, u64)> = BTreeMap::new();

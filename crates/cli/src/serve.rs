@@ -8,10 +8,10 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use sandfork_lab::Environment;
-use server::capacity::{
+use server::node::capacity::{
     CapacityConfig, DEFAULT_MEMORY_HEADROOM_MIB, DEFAULT_MIN_FREE_DISK_MIB, DEFAULT_VCPU_OVERCOMMIT,
 };
-use server::config::{Config, DEFAULT_DATA_DIR};
+use server::node::config::{Config, DEFAULT_DATA_DIR};
 
 use crate::{ImageArgs, sibling_binary};
 
@@ -27,11 +27,11 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 4)]
     pool_size: usize,
     /// Running sandboxes at most (creates beyond answer 429).
-    #[arg(long, default_value_t = server::config::DEFAULT_MAX_SANDBOXES)]
+    #[arg(long, default_value_t = server::node::config::DEFAULT_MAX_SANDBOXES)]
     max_sandboxes: usize,
     /// Control-plane requests per second of each API key, a burst of twice
     /// that (beyond: 429 with Retry-After); a team may set its own; 0: no limit.
-    #[arg(long, value_name = "N", default_value_t = server::config::DEFAULT_KEY_RATE_LIMIT)]
+    #[arg(long, value_name = "N", default_value_t = server::node::config::DEFAULT_KEY_RATE_LIMIT)]
     key_rate_limit: u32,
     /// The static guest agent that template builds install as init
     /// (without it `POST /templates` answers 503 for image sources).
@@ -78,7 +78,7 @@ pub struct ServeArgs {
     no_jail: bool,
     /// A jailed VMM runs as uid and gid BASE + its pid (a range as wide as
     /// the host's pid_max, used by nothing else).
-    #[arg(long, value_name = "BASE", default_value_t = server::jail::DEFAULT_UID_BASE)]
+    #[arg(long, value_name = "BASE", default_value_t = server::node::jail::DEFAULT_UID_BASE)]
     jail_uid_base: u32,
     /// The resolver sandboxes' DNS queries are forwarded to, IP[:PORT]
     /// [default: the first IPv4 nameserver of /etc/resolv.conf, port 53].
@@ -195,7 +195,7 @@ impl ClusterArgs {
             }
         };
         anyhow::ensure!(
-            cluster::keyspace::is_node_id(&id),
+            sandfork_cluster::keyspace::is_node_id(&id),
             "node id {id:?}: use letters, digits, '-', '_' and '.' (at most 64)"
         );
         Ok(id)
@@ -308,24 +308,24 @@ struct PressureArgs {
     no_pressure_pause: bool,
     /// Pause while the host's MemAvailable is below this percent of the
     /// node's memory ceiling (--node-memory-mib, at most MemTotal).
-    #[arg(long, value_name = "PERCENT", default_value_t = server::pressure::DEFAULT_MIN_AVAILABLE_PERCENT, value_parser = percent)]
+    #[arg(long, value_name = "PERCENT", default_value_t = server::node::pressure::DEFAULT_MIN_AVAILABLE_PERCENT, value_parser = percent)]
     pressure_min_available_percent: f64,
     /// Pause while the kernel's memory pressure (PSI `full` avg10, percent
     /// of time all tasks stalled on memory) is above this and stalling goes on.
-    #[arg(long, value_name = "PERCENT", default_value_t = server::pressure::DEFAULT_MAX_FULL_AVG10, value_parser = percent)]
+    #[arg(long, value_name = "PERCENT", default_value_t = server::node::pressure::DEFAULT_MAX_FULL_AVG10, value_parser = percent)]
     pressure_max_full_avg10: f64,
     /// A sandbox is idle, and may be paused, once no request has reached it
     /// for this many seconds.
-    #[arg(long, value_name = "SECS", default_value_t = server::pressure::DEFAULT_IDLE.as_secs())]
+    #[arg(long, value_name = "SECS", default_value_t = server::node::pressure::DEFAULT_IDLE.as_secs())]
     pressure_idle_secs: u64,
     /// Pauses for memory pressure a minute at most.
-    #[arg(long, value_name = "N", default_value_t = server::pressure::DEFAULT_MAX_PAUSES_PER_MINUTE)]
+    #[arg(long, value_name = "N", default_value_t = server::node::pressure::DEFAULT_MAX_PAUSES_PER_MINUTE)]
     pressure_max_pauses_per_minute: u32,
 }
 
 impl PressureArgs {
-    fn config(&self) -> Option<server::pressure::PressureConfig> {
-        (!self.no_pressure_pause).then(|| server::pressure::PressureConfig {
+    fn config(&self) -> Option<server::node::pressure::PressureConfig> {
+        (!self.no_pressure_pause).then(|| server::node::pressure::PressureConfig {
             min_available_percent: self.pressure_min_available_percent,
             max_full_avg10: self.pressure_max_full_avg10,
             idle: std::time::Duration::from_secs(self.pressure_idle_secs),
@@ -405,8 +405,8 @@ async fn serve(args: ServeArgs) -> Result<()> {
     config.cluster_cache_max = args.cluster.cluster_cache_max_mib.map(|m| m << 20);
     // Each VMM holds descriptors in the server: the soft default (often
     // 1024) would refuse opens long before the node's capacity.
-    match server::capacity::raise_open_files_limit() {
-        Ok(Some(n)) if n < args.max_sandboxes as u64 * server::capacity::FDS_PER_SANDBOX => {
+    match server::node::capacity::raise_open_files_limit() {
+        Ok(Some(n)) if n < args.max_sandboxes as u64 * server::node::capacity::FDS_PER_SANDBOX => {
             eprintln!(
                 "sandfork serve: open files are limited to {n}: fewer than --max-sandboxes {} may run \
                  (raise the hard limit, e.g. LimitNOFILE=)",
@@ -424,17 +424,17 @@ async fn serve(args: ServeArgs) -> Result<()> {
     config.vcpus = args.image.vcpus;
     config.mem_mib = args.image.mem_mib;
     config.agent = args.agent.clone();
-    config.network = (!args.no_network).then(|| server::net::NetworkConfig {
+    config.network = (!args.no_network).then(|| server::node::net::NetworkConfig {
         ready_slots: args.ready_slots,
         uplink: args.uplink.clone(),
         dns_upstream: args.dns_upstream,
     });
     config.balloon = !args.no_balloon;
     config.cpu_template = Some(args.cpu_template);
-    config.jail = args.jailed().then_some(server::jail::JailConfig {
+    config.jail = args.jailed().then_some(server::node::jail::JailConfig {
         uid_base: args.jail_uid_base,
     });
-    config.cgroups = (!args.no_cgroups).then(|| server::cgroups::CgroupConfig {
+    config.cgroups = (!args.no_cgroups).then(|| server::node::cgroups::CgroupConfig {
         parent: args.cgroup_parent.clone(),
         ..Default::default()
     });
@@ -463,7 +463,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         "--listen {} is every address: say which one gateways use with --advertise",
         args.listen
     );
-    let etcd = cluster::Cluster::connect(&args.cluster.etcd)
+    let etcd = sandfork_cluster::Cluster::connect(&args.cluster.etcd)
         .await
         .context("connecting to etcd")?;
     let manager = node.state.manager.clone();
@@ -473,7 +473,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         server::cluster::follow_tenants(etcd.clone(), &node.state.keys, manager.capacity())
             .await
             .context("loading the cluster's teams and API keys")?;
-    let registration = cluster::Registration::start_with_cpu_template(
+    let registration = sandfork_cluster::Registration::start_with_cpu_template(
         etcd,
         &node_id,
         &advertise.to_string(),
@@ -485,7 +485,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     .context("registering in etcd")?;
     let durable = match &args.cluster.s3 {
         Some(url) => {
-            let store = cluster::ObjectStore::from_url(url)?;
+            let store = sandfork_cluster::ObjectStore::from_url(url)?;
             store
                 .ensure_bucket()
                 .await
@@ -493,7 +493,8 @@ async fn serve(args: ServeArgs) -> Result<()> {
             let etcd = registration.cluster().clone();
             if args.cluster.store_gc_every_secs > 0 {
                 let every = std::time::Duration::from_secs(args.cluster.store_gc_every_secs);
-                cluster::Collector::new(store.clone(), etcd.clone(), &node_id).start(every);
+                sandfork_cluster::Collector::new(store.clone(), etcd.clone(), &node_id)
+                    .start(every);
             }
             Some(
                 server::cluster::durable::Durable::new(
@@ -538,14 +539,14 @@ async fn serve_gateway(args: &ServeArgs) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listening on {}", args.listen))?;
-    let etcd = cluster::Cluster::connect(&args.cluster.etcd)
+    let etcd = sandfork_cluster::Cluster::connect(&args.cluster.etcd)
         .await
         .context("connecting to etcd")?;
     println!(
         "sandfork serve: gateway listening on http://{0} (E2B_API_URL=http://{0} E2B_SANDBOX_URL=http://{0})",
         args.listen
     );
-    server::gateway::serve(listener, etcd, shutdown_signal()).await?;
+    server::http::gateway::serve(listener, etcd, shutdown_signal()).await?;
     Ok(())
 }
 
@@ -694,7 +695,7 @@ mod tests {
         );
         let err = parse(&["--cpu-template", "T2"]).unwrap_err().to_string();
         assert!(err.contains("x86-64-v2"), "{err}");
-        let none = server::config::cpu_template_name(Some(parse(&[]).unwrap()));
+        let none = server::node::config::cpu_template_name(Some(parse(&[]).unwrap()));
         assert_eq!(none, None);
     }
 
@@ -749,7 +750,7 @@ mod tests {
     fn pressure_flags_reach_the_config_and_the_lab() {
         assert_eq!(
             parse_pressure(&[]).unwrap().config(),
-            Some(server::pressure::PressureConfig::default())
+            Some(server::node::pressure::PressureConfig::default())
         );
         assert_eq!(
             parse_pressure(&["--no-pressure-pause"]).unwrap().config(),

@@ -4,10 +4,12 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use cluster::harness::Etcd;
+use sandfork_cluster::harness::Etcd;
 use std::sync::Arc;
 
-use cluster::{Claim, Cluster, LocalSandbox, NodeCapacity, NodeLoad, Registration, TeamQuota};
+use sandfork_cluster::{
+    Claim, Cluster, LocalSandbox, NodeCapacity, NodeLoad, Registration, TeamQuota,
+};
 
 const CAPACITY: NodeCapacity = NodeCapacity {
     max_sandboxes: 4,
@@ -136,7 +138,7 @@ async fn a_sandbox_is_claimed_once_and_released_only_by_its_owner() {
 }
 
 /// The team slot sandbox `id`'s route holds.
-async fn running_slot(cluster: &Cluster, id: &str) -> Option<cluster::RunningSlot> {
+async fn running_slot(cluster: &Cluster, id: &str) -> Option<sandfork_cluster::RunningSlot> {
     cluster.sandbox(id).await.unwrap().unwrap().value.running
 }
 
@@ -367,7 +369,7 @@ async fn reconcile_makes_the_map_match_the_node() {
         .reconcile(&ids(&["kept", "forked", "theirs"]), |id| id == "theirs")
         .await
         .unwrap();
-    assert_eq!(again, cluster::Reconciled::default());
+    assert_eq!(again, sandfork_cluster::Reconciled::default());
 }
 
 #[tokio::test]
@@ -379,7 +381,7 @@ async fn a_node_back_under_a_new_lease_takes_its_routes_over() {
     for id in ["kept", "gone", "stored"] {
         assert!(before.claim(id).await.unwrap());
     }
-    let pause = cluster::DurablePause {
+    let pause = sandfork_cluster::DurablePause {
         manifest: "sandboxes/stored/1.json".into(),
         generation: 1,
         cpu_template: None,
@@ -407,7 +409,7 @@ async fn a_node_back_under_a_new_lease_takes_its_routes_over() {
     // take over yet (a pause stored meanwhile).
     let again = register(&cluster, "a", 1, ttl).await;
     drop(a);
-    let stored_again = cluster::DurablePause {
+    let stored_again = sandfork_cluster::DurablePause {
         manifest: "sandboxes/kept/2.json".into(),
         generation: 2,
         cpu_template: None,
@@ -426,7 +428,7 @@ async fn a_node_back_under_a_new_lease_takes_its_routes_over() {
     assert!(a.release("kept").await.unwrap());
     assert_eq!(
         a.reconcile(&[], |_| false).await.unwrap(),
-        cluster::Reconciled::default()
+        sandfork_cluster::Reconciled::default()
     );
 }
 
@@ -496,7 +498,7 @@ async fn a_sandbox_killed_while_its_node_was_away_is_not_claimed_when_it_is_back
     );
     cluster.clear_killed("killed").await.unwrap();
     let done = a.reconcile(&local(&["kept"]), |_| false).await.unwrap();
-    assert_eq!(done, cluster::Reconciled::default());
+    assert_eq!(done, sandfork_cluster::Reconciled::default());
     assert!(cluster.killed_on("a").await.unwrap().is_empty());
 }
 
@@ -561,7 +563,7 @@ async fn reconcile_names_pauses_not_stored_and_clears_the_stored_pause_of_one_ru
     let etcd = Etcd::start().unwrap();
     let cluster = connect(&etcd).await;
     let a = register(&cluster, "a", 1, Duration::from_secs(5)).await;
-    let pause = |id: &str, generation| cluster::DurablePause {
+    let pause = |id: &str, generation| sandfork_cluster::DurablePause {
         manifest: format!("sandboxes/{id}/{generation}.json"),
         generation,
         cpu_template: None,
@@ -616,14 +618,14 @@ async fn reconcile_names_pauses_not_stored_and_clears_the_stored_pause_of_one_ru
             .unwrap()
     );
     let done = a.reconcile(&local, |id| id == "busy").await.unwrap();
-    assert_eq!(done, cluster::Reconciled::default());
+    assert_eq!(done, sandfork_cluster::Reconciled::default());
 }
 
 #[tokio::test]
 async fn teams_and_keys_reach_every_follower_and_names_stay_unique() {
     use std::sync::Mutex;
 
-    use cluster::{TenantChange, TenantRecords, Tenants};
+    use sandfork_cluster::{TenantChange, TenantRecords, Tenants};
 
     let etcd = Etcd::start().unwrap();
     let cluster = connect(&etcd).await;
@@ -711,7 +713,7 @@ async fn a_durable_pause_moves_only_once_its_node_is_gone() {
     let b = register(&cluster, "b", 2, ttl).await;
     let c = register(&cluster, "c", 3, ttl).await;
     assert!(a.claim("p").await.unwrap());
-    let pause = cluster::DurablePause {
+    let pause = sandfork_cluster::DurablePause {
         manifest: "sandboxes/p/1.json".into(),
         generation: 1,
         cpu_template: None,
@@ -944,7 +946,7 @@ async fn the_view_follows_nodes_and_routes_as_they_change() {
     assert!(a.claim("early").await.unwrap());
 
     // What was there before it started, loaded.
-    let view = cluster::View::start(cluster.clone());
+    let view = sandfork_cluster::View::start(cluster.clone());
     eventually("the view in step", Duration::from_secs(5), async || {
         view.in_step()
     })

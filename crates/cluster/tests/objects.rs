@@ -2,9 +2,9 @@
 
 use std::os::unix::fs::FileExt;
 
-use cluster::files::{self, CHUNK};
-use cluster::harness::SeaweedFs;
-use cluster::objects::ObjectStore;
+use sandfork_cluster::files::{self, CHUNK};
+use sandfork_cluster::harness::SeaweedFs;
+use sandfork_cluster::objects::ObjectStore;
 
 #[tokio::test]
 async fn files_round_trip_and_shared_chunks_are_stored_once() {

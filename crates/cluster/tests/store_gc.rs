@@ -6,10 +6,10 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use std::time::Duration;
 
-use cluster::files::{self, StoredFile};
-use cluster::harness::{Etcd, ForeignPass, SeaweedFs};
-use cluster::store_gc::{self, Collector};
-use cluster::{Cluster, DurablePause, NodeCapacity, ObjectStore, Registration};
+use sandfork_cluster::files::{self, StoredFile};
+use sandfork_cluster::harness::{Etcd, ForeignPass, SeaweedFs};
+use sandfork_cluster::store_gc::{self, Collector};
+use sandfork_cluster::{Cluster, DurablePause, NodeCapacity, ObjectStore, Registration};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 

@@ -14,10 +14,10 @@
 //! transaction that holds only if its old node is gone.
 //!
 //! A team's `max_sandboxes` holds across the cluster: a sandbox that runs
-//! holds one of its team's slots in etcd ([`cluster::quota`]), taken with its
+//! holds one of its team's slots in etcd ([`sandfork_cluster::quota`]), taken with its
 //! route (create, fork child, resume) and given back with it (kill, pause).
 //! A create or resume of a team at its limit answers 429 with
-//! [`crate::api::TEAM_LIMIT_HEADER`], and the gateway does not try another node.
+//! [`crate::http::api::TEAM_LIMIT_HEADER`], and the gateway does not try another node.
 //!
 //! Teams and keys are the cluster's ([`follow_tenants`]).
 
@@ -39,14 +39,16 @@ use axum::extract::{Request, State};
 use axum::http::{Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use cluster::{Claim, Cluster, ClusterError, NodeCapacity, NodeLoad, Registration, Tenants};
+use sandfork_cluster::{
+    Claim, Cluster, ClusterError, NodeCapacity, NodeLoad, Registration, Tenants,
+};
 
-use crate::api::ApiError;
-use crate::auth::ApiKeys;
-use crate::capacity::Capacity;
-use crate::sandbox::{Manager, SandboxError};
-use crate::store::SandboxState;
-use crate::tenants::team_or_default;
+use crate::http::api::ApiError;
+use crate::node::capacity::Capacity;
+use crate::node::keys::ApiKeys;
+use crate::node::sandbox::{Manager, SandboxError};
+use crate::node::store::SandboxState;
+use crate::node::tenants::team_or_default;
 
 /// Set by a gateway on a resume or connect it sends to a node other than
 /// the sandbox's, whose node is gone: take the sandbox in first.
@@ -203,10 +205,10 @@ impl Node {
     pub async fn reconcile(self: &Arc<Self>) {
         self.publish_load();
         self.changing.listing();
-        let local: Vec<cluster::LocalSandbox> = match self.manager.list() {
+        let local: Vec<sandfork_cluster::LocalSandbox> = match self.manager.list() {
             Ok(list) => list
                 .into_iter()
-                .map(|r| cluster::LocalSandbox {
+                .map(|r| sandfork_cluster::LocalSandbox {
                     running: r.state == SandboxState::Running,
                     pause_generation: r.pause_generation,
                     kept_local: r.local_pause == Some(r.pause_generation),
@@ -361,7 +363,7 @@ async fn track(State(node): State<Arc<Node>>, req: Request, next: Next) -> Respo
     // The caller's team (an unknown key: the API's own check answers).
     let team = req
         .headers()
-        .get(crate::auth::HEADER)
+        .get(crate::node::keys::HEADER)
         .and_then(|v| v.to_str().ok())
         .and_then(|k| node.keys.authenticate(k))
         .map(|caller| caller.team);
@@ -725,8 +727,8 @@ async fn claim_children(node: &Node, team: &str, response: Response) -> Response
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::capacity::{Limits, TeamLimits};
-    use crate::store::Store;
+    use crate::node::capacity::{Limits, TeamLimits};
+    use crate::node::store::Store;
 
     async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
@@ -742,7 +744,7 @@ mod tests {
     /// limits. Neither node's store holds them.
     #[tokio::test]
     async fn teams_and_keys_made_on_one_node_work_on_every_node() {
-        let etcd = cluster::harness::Etcd::start().expect("etcd");
+        let etcd = sandfork_cluster::harness::Etcd::start().expect("etcd");
         let dir = tempfile::tempdir().unwrap();
         let mut nodes = Vec::new();
         for name in ["a", "b"] {
@@ -778,10 +780,10 @@ mod tests {
         assert_eq!(keys_b.team("red"), Some(team.clone()));
         assert!(matches!(
             keys_b.create_team(store_b, "red", limits, None).await,
-            Err(crate::auth::AuthError::TeamExists(_))
+            Err(crate::node::keys::AuthError::TeamExists(_))
         ));
         // The node's capacity counts the team's limit (its local check).
-        let ask = crate::capacity::Ask {
+        let ask = crate::node::capacity::Ask {
             sandboxes: 3,
             ..Default::default()
         };

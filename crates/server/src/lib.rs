@@ -2,35 +2,27 @@
 //! get, list, kill, timeout, ...) and proxying envd traffic to each sandbox's
 //! guest agent over its vsock socket.
 //!
-//! Start with [`Server::start`]; [`api::router`] is the whole HTTP surface.
+//! Three floors, each importing only from those below it:
+//!
+//! - [`node`]: the node's world (records, config, capacity, the pool, launch,
+//!   sandboxes, templates, keys and teams); it knows nothing of HTTP or the
+//!   cluster.
+//! - [`cluster`]: the node's part in a cluster (etcd and the object store).
+//! - [`http`]: every route, the envd proxy and the gateway.
+//!
+//! Start with [`Server::start`]; [`http::api::router`] is the whole HTTP surface.
 
-pub mod api;
-pub mod auth;
-pub mod capacity;
-pub mod cgroups;
-pub mod clock;
 pub mod cluster;
-pub mod config;
-pub mod crash;
-pub mod gateway;
-pub mod ids;
-pub mod jail;
-pub mod launch;
-pub mod net;
-pub mod pool;
-pub mod pressure;
-pub mod proxy;
-pub mod sandbox;
-pub mod state;
-pub mod store;
-pub mod template;
-pub mod tenants;
+pub mod http;
+pub mod node;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-pub use config::Config;
+use http::api;
+pub use node::config::Config;
+use node::{capacity, cgroups, config, jail, keys, net, pool, sandbox, store, template};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -44,7 +36,7 @@ pub enum ServerError {
     #[error(transparent)]
     Store(#[from] store::StoreError),
     #[error(transparent)]
-    Auth(#[from] auth::AuthError),
+    Auth(#[from] keys::AuthError),
     #[error(transparent)]
     Template(#[from] template::TemplateError),
     #[error("sandbox networking cannot start on this host ({0}); run without it with --no-network")]
@@ -87,7 +79,7 @@ impl Server {
         let env_key = std::env::var("SANDFORK_API_KEY")
             .ok()
             .filter(|k| !k.is_empty());
-        let (keys, api_key_file) = auth::setup(&store, &config.data_dir, env_key.as_deref())?;
+        let (keys, api_key_file) = keys::setup(&store, &config.data_dir, env_key.as_deref())?;
         let keys = keys.with_rate_limit(config.key_rate_limit);
         // Before the pool starts VMMs there: what no running sandbox owns is
         // from a server that stopped (its pool, a create it did not finish).
@@ -165,7 +157,7 @@ impl Server {
     }
 
     /// [`Server::serve`] with `wrap` around the node's routes (a cluster
-    /// node's layer, [`cluster::layer`]).
+    /// node's layer, [`crate::cluster::layer`]).
     pub async fn serve_with(
         self,
         listener: tokio::net::TcpListener,

@@ -9,17 +9,17 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use serde_json::Value;
-use server::api::{AppState, router};
-use server::auth::ApiKeys;
-use server::clock::now_ms;
-use server::config::Config;
-use server::pool::Pool;
-use server::sandbox::Manager;
-use server::store::{
+use server::http::api::{AppState, router};
+use server::node::clock::now_ms;
+use server::node::config::Config;
+use server::node::keys::ApiKeys;
+use server::node::pool::Pool;
+use server::node::sandbox::Manager;
+use server::node::store::{
     BuildRecord, BuildStatus, E2bBuild, PauseReason, PausedSnapshot, SandboxRecord, SandboxState,
     Store, TemplateRecord,
 };
-use server::template::Templates;
+use server::node::template::Templates;
 use tower::ServiceExt;
 
 mod common;
@@ -2344,7 +2344,7 @@ async fn another_teams_templates_and_snapshots_answer_as_unknown_ones() {
     let store = node.manager.store();
     for t in ["snapa", "builta"] {
         store
-            .set_owner(&server::tenants::template_owner_key(t), Some(&a_id))
+            .set_owner(&server::node::tenants::template_owner_key(t), Some(&a_id))
             .unwrap();
     }
     store

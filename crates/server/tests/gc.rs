@@ -5,10 +5,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use disk_layers::LayeredDisk;
-use server::config::Config;
-use server::pool::Pool;
-use server::sandbox::Manager;
-use server::store::{SandboxRecord, SandboxState, Store, TemplateRecord};
+use server::node::config::Config;
+use server::node::pool::Pool;
+use server::node::sandbox::Manager;
+use server::node::store::{SandboxRecord, SandboxState, Store, TemplateRecord};
 
 fn record(id: &str, root: &Path, uses: &[&Path]) -> SandboxRecord {
     SandboxRecord {

@@ -42,7 +42,7 @@ use std::time::{Duration, Instant};
 
 use common::{Created, http, run, vmm_binary};
 use serde_json::json;
-use server::config::Config;
+use server::node::config::Config;
 
 const WEB_A: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
 const WEB_B: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 11);
@@ -267,7 +267,7 @@ fn lab_config(data: &Path) -> Config {
     );
     config.data_dir = data.to_owned();
     config.pool_size = 2;
-    config.network = Some(server::net::NetworkConfig {
+    config.network = Some(server::node::net::NetworkConfig {
         ready_slots: 4,
         uplink: Some(UPLINK.into()),
         dns_upstream: Some(std::net::SocketAddrV4::new(DNS_SERVER, 53)),
@@ -791,7 +791,7 @@ async fn guests_cannot_spoof_or_reach_the_node_or_each_other_and_keep_their_netw
     let world = tempfile::tempdir().unwrap();
     let _internet = Internet::make(&world.path().join("internet"));
     let data = tempfile::tempdir().unwrap();
-    let anchors = server::net::anchor_dir(&lab_config(data.path()).run_dir());
+    let anchors = server::node::net::anchor_dir(&lab_config(data.path()).run_dir());
     let before = host_network_state(&anchors);
     let t = Instant::now();
     let mut node = Served::new(data.path());

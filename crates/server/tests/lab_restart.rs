@@ -7,7 +7,7 @@
 //! leave no process and no directory behind.
 //!
 //! And crashes inside a change (the server's crash points, see
-//! `server::crash`): a pause, a fork and a snapshot each cut short by the
+//! `server::node::crash`): a pause, a fork and a snapshot each cut short by the
 //! server's death lose nothing the node acknowledged, leave nothing
 //! half-made visible, and leak no process or directory.
 //!
@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 
 use common::{http, run, vmm_binary};
 use serde_json::{Value, json};
-use server::config::Config;
-use server::store::{SandboxState, Store};
+use server::node::config::Config;
+use server::node::store::{SandboxState, Store};
 use vmm_driver::process::ProcessIdentity;
 
 struct Node {

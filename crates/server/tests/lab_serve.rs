@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use common::{Answer, Created, http, run, run_in, vmm_binary};
 use serde_json::{Value, json};
-use server::config::Config;
+use server::node::config::Config;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -25,7 +25,7 @@ async fn create_run_read_list_kill_through_one_port() {
     // Jailed, as `serve` runs its VMMs by default: every call below that
     // names files (boot, restore, pause, fork, snapshot) hands them to the
     // VMM's jail.
-    config.jail = Some(server::jail::JailConfig::default());
+    config.jail = Some(server::node::jail::JailConfig::default());
     let started = Instant::now();
     let node = serve(config).await;
     let (addr, auth, manager) = (node.addr, node.auth(), node.manager.clone());
@@ -303,7 +303,7 @@ async fn filesystem_only_pause_and_cold_resume(
     addr: std::net::SocketAddr,
     auth: &[(&str, &str)],
     routing: &[(&str, &str)],
-    manager: &server::sandbox::Manager,
+    manager: &server::node::sandbox::Manager,
     id: &str,
 ) {
     let (pause_path, connect_path) = (
@@ -943,7 +943,7 @@ async fn memory_pressure_pauses_idle_sandboxes_and_loses_nothing() {
     config.mem_mib = 512;
     // Admission by real use lets them all in: growth is what runs short.
     config.capacity.memory_mib = Some(4000);
-    let pressure = server::pressure::PressureConfig {
+    let pressure = server::node::pressure::PressureConfig {
         min_available_percent: 15.0,
         // MemAvailable alone decides (PSI in an emulated lab is noisy).
         max_full_avg10: 100.0,
@@ -1025,7 +1025,9 @@ async fn memory_pressure_pauses_idle_sandboxes_and_loses_nothing() {
     // Paused ones say why.
     let paused_now: Vec<&Created> = boxes
         .iter()
-        .filter(|c| node.manager.get(&c.id).unwrap().state == server::store::SandboxState::Paused)
+        .filter(|c| {
+            node.manager.get(&c.id).unwrap().state == server::node::store::SandboxState::Paused
+        })
         .collect();
     assert!(!paused_now.is_empty());
     for c in &paused_now {
@@ -1538,7 +1540,7 @@ async fn gives_back_what_its_guest_frees(
 async fn every_vmm_runs_jailed_unprivileged_in_namespaces_of_its_own() {
     let data = tempfile::tempdir().unwrap();
     let mut config = lab_config(data.path(), 1);
-    config.jail = Some(server::jail::JailConfig::default());
+    config.jail = Some(server::node::jail::JailConfig::default());
     let node = serve(config).await;
     let (addr, auth) = (node.addr, node.auth());
     let one = common::create(addr, &auth, json!({"templateID": "base", "timeout": 300})).await;
@@ -1560,7 +1562,7 @@ async fn every_vmm_runs_jailed_unprivileged_in_namespaces_of_its_own() {
             .trim()
             .to_owned()
     };
-    let id = server::jail::DEFAULT_UID_BASE + pid;
+    let id = server::node::jail::DEFAULT_UID_BASE + pid;
     assert_eq!(field("Uid:"), format!("{id}\t{id}\t{id}\t{id}"));
     assert_eq!(field("Gid:"), format!("{id}\t{id}\t{id}\t{id}"));
     assert_eq!(field("Groups:"), "");
@@ -2102,7 +2104,7 @@ fn lab_config(data: &std::path::Path, pool_size: usize) -> Config {
 struct Serving {
     addr: std::net::SocketAddr,
     key: String,
-    manager: std::sync::Arc<server::sandbox::Manager>,
+    manager: std::sync::Arc<server::node::sandbox::Manager>,
 }
 
 impl Serving {

@@ -7,7 +7,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::vmm_binary;
-use server::pool::Pool;
+use server::node::pool::Pool;
 use vmm_driver::process::ProcessIdentity;
 
 fn vmm_dirs(run_dir: &std::path::Path) -> Vec<std::path::PathBuf> {
@@ -85,8 +85,8 @@ async fn reclaim_stops_a_vmm_whose_identity_was_never_recorded() {
     }
     assert!(ProcessIdentity::read(&unrecorded).is_none());
 
-    let store = server::store::Store::open(&scratch.path().join("store.redb")).unwrap();
-    server::sandbox::reclaim_run_dir(&run_dir, &store);
+    let store = server::node::store::Store::open(&scratch.path().join("store.redb")).unwrap();
+    server::node::sandbox::reclaim_run_dir(&run_dir, &store);
 
     let deadline = Instant::now() + Duration::from_secs(10);
     let status = loop {

@@ -25,7 +25,7 @@ fn pss_mib(pid: u32) -> Result<f64> {
 /// `balloon_reclaim_s`: until three quarters of the fill had left it.
 pub async fn measure(vmm: &Path, image: &GuestImage) -> Result<Value> {
     let fill = 200.min(image.mem_mib / 2);
-    let balloon = server::config::node_balloon();
+    let balloon = server::node::config::node_balloon();
     let mut vm = launcher::launch_with(vmm, image, Some(&balloon)).await?;
     vm.wait_for_agent(AGENT_TIMEOUT).await?;
     let agent = vm.agent();

@@ -542,14 +542,14 @@ mod tests {
     #[test]
     fn server_warnings_and_errors_are_picked_from_its_log() {
         let log = "\u{1b}[2m2026-11-30T04:30:01Z\u{1b}[0m \u{1b}[32m INFO\u{1b}[0m server: up\n\
-                   2026-11-30T04:30:02Z \u{1b}[33m WARN\u{1b}[0m server::pool: warm pool: starting a VMM: gone\n\
+                   2026-11-30T04:30:02Z \u{1b}[33m WARN\u{1b}[0m server::node::pool: warm pool: starting a VMM: gone\n\
                    2026-11-30T04:30:03Z ERROR server: fork failed\n\
                    2026-11-30T04:30:04Z  INFO server: the word WARN later on is no warning\n";
         let p = log_problems(log);
         assert_eq!(p["count"], 2);
         assert_eq!(
             p["first"][0],
-            "2026-11-30T04:30:02Z  WARN server::pool: warm pool: starting a VMM: gone"
+            "2026-11-30T04:30:02Z  WARN server::node::pool: warm pool: starting a VMM: gone"
         );
         assert_eq!(
             p["first"][1],

@@ -2,12 +2,12 @@
 //! other nodes made and many sandboxes share (a template's memory and sealed
 //! layers, a pause's or a fork's memory), fetched once from wherever they
 //! come from (the object store, or the node holding them) and kept, within
-//! a bound ([`crate::sandbox::cache_bound`]).
+//! a bound ([`crate::node::sandbox::cache_bound`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use cluster::files::{self, ChunkSource, FileError, StoredFile};
+use sandfork_cluster::files::{self, ChunkSource, FileError, StoredFile};
 
 use super::durable::DurableError;
 
@@ -25,7 +25,7 @@ pub async fn cached<S: ChunkSource>(
     let path = cache_dir.join(stored.digest());
     if path.is_file() {
         // For the cache's bound: evicted least recently used first.
-        crate::sandbox::cache_bound::mark_used(&path);
+        crate::node::sandbox::cache_bound::mark_used(&path);
         return Ok(path);
     }
     std::fs::create_dir_all(cache_dir).map_err(|e| FileError::Io {

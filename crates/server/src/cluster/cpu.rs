@@ -8,7 +8,7 @@
 //! configured alike would never hand each other.
 
 use super::durable::DurableError;
-use crate::sandbox::Manager;
+use crate::node::sandbox::Manager;
 
 /// How a CPU template reads in messages.
 fn shown(template: Option<&str>) -> String {

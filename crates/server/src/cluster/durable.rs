@@ -2,7 +2,7 @@
 //! paused sandbox there (its record, VMM state, memory files and disk
 //! layers), so that any node can resume it once its own is gone.
 //!
-//! Files go in content-addressed ([`cluster::files`]): what many pauses
+//! Files go in content-addressed ([`sandfork_cluster::files`]): what many pauses
 //! share (a template's memory and sealed layers, earlier pauses' memory)
 //! is stored once, and a node remembers what it sent (by path, size and
 //! modification time) so it does not read it again. The pause's
@@ -16,7 +16,7 @@
 //! the node's own, which must be the same image), and the state's memory
 //! files to the cached copies.
 //!
-//! The object store's collector ([`cluster::store_gc`]) deletes chunks no
+//! The object store's collector ([`sandfork_cluster::store_gc`]) deletes chunks no
 //! manifest names: an upload that met one of its passes (it may have
 //! deleted a chunk the upload found stored and did not send) checks its
 //! chunks again once the pass is over, before its manifest is named
@@ -26,14 +26,16 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use cluster::files::{self, FileError, StoredFile};
-use cluster::{Cluster, DurablePause, GcEpoch, ObjectStore};
+use sandfork_cluster::files::{self, FileError, StoredFile};
+use sandfork_cluster::{Cluster, DurablePause, GcEpoch, ObjectStore};
 use serde::{Deserialize, Serialize};
 
 use super::cache;
 use super::guest_files::{GuestFiles, Known};
-use crate::sandbox::{GuestPaths, Manager, PausedFiles, ROOT_LAYER, SandboxError, adopted_record};
-use crate::store::SandboxRecord;
+use crate::node::sandbox::{
+    GuestPaths, Manager, PausedFiles, ROOT_LAYER, SandboxError, adopted_record,
+};
+use crate::node::store::SandboxRecord;
 
 const MANIFEST_VERSION: u32 = 1;
 
@@ -42,11 +44,11 @@ pub enum DurableError {
     #[error(transparent)]
     Files(#[from] FileError),
     #[error(transparent)]
-    Store(#[from] cluster::objects::ObjectError),
+    Store(#[from] sandfork_cluster::objects::ObjectError),
     #[error(transparent)]
     Sandbox(#[from] SandboxError),
     #[error("recording it in the cluster: {0}")]
-    Record(#[from] cluster::ClusterError),
+    Record(#[from] sandfork_cluster::ClusterError),
     #[error("the pause {0} is not in the object store")]
     NoManifest(String),
     #[error("a collection of the object store is still under way after {0:?}")]
@@ -77,7 +79,7 @@ pub struct Manifest {
 }
 
 pub fn manifest_key(id: &str, generation: u32) -> String {
-    cluster::store_gc::pause_manifest_key(id, generation)
+    sandfork_cluster::store_gc::pause_manifest_key(id, generation)
 }
 
 /// How long an upload that met a pass of the store's collector waits for it
@@ -180,7 +182,7 @@ impl Durable {
         &self,
         manager: &Manager,
         id: &str,
-        record: impl AsyncFnOnce(DurablePause) -> Result<bool, cluster::ClusterError>,
+        record: impl AsyncFnOnce(DurablePause) -> Result<bool, sandfork_cluster::ClusterError>,
     ) -> Result<bool, DurableError> {
         manager
             .with_paused_files(id, async |files: &PausedFiles| {

@@ -15,15 +15,15 @@ use std::time::Duration;
 
 use axum::http::StatusCode;
 use bytes::Bytes;
-use cluster::NodeRecord;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
+use sandfork_cluster::NodeRecord;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::Node;
 use super::fork_files::ForkManifest;
-use crate::sandbox::{Frozen, SandboxError};
+use crate::node::sandbox::{Frozen, SandboxError};
 
 /// How long another node may take to make its children (fetch and start).
 const CHILDREN_TIMEOUT: Duration = Duration::from_secs(600);
@@ -415,7 +415,7 @@ async fn send(
         .uri(uri)
         .header(hyper::header::HOST, addr)
         .header(hyper::header::CONTENT_TYPE, "application/json")
-        .header(crate::auth::HEADER, api_key)
+        .header(crate::node::keys::HEADER, api_key)
         .body(Full::new(body))
         .map_err(|e| e.to_string())?;
     let answer = sender
@@ -423,7 +423,9 @@ async fn send(
         .await
         .map_err(|e| format!("request: {e}"))?;
     let status = answer.status();
-    let team_limit = answer.headers().contains_key(crate::api::TEAM_LIMIT_HEADER);
+    let team_limit = answer
+        .headers()
+        .contains_key(crate::http::api::TEAM_LIMIT_HEADER);
     let bytes = http_body_util::Limited::new(answer.into_body(), MAX_CHILDREN_ANSWER)
         .collect()
         .await
@@ -435,7 +437,7 @@ async fn send(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cluster::{NodeCapacity, NodeLoad};
+    use sandfork_cluster::{NodeCapacity, NodeLoad};
 
     fn node(id: &str, max: u64, used: u64) -> NodeRecord {
         NodeRecord {

@@ -13,16 +13,16 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use axum::{Extension, Json};
-use cluster::peer::PeerChunks;
+use sandfork_cluster::peer::PeerChunks;
 
 use super::cache;
 use super::durable::DurableError;
 use super::fork_across::ChildrenRequest;
 use super::fork_files::ForkManifest;
-use crate::api::{ApiError, MAX_FORK_COUNT, Shared};
-use crate::capacity::Ask;
-use crate::sandbox::{CopiedFork, SandboxError};
-use crate::tenants::Caller;
+use crate::http::api::{ApiError, MAX_FORK_COUNT, Shared};
+use crate::node::capacity::Ask;
+use crate::node::sandbox::{CopiedFork, SandboxError};
+use crate::node::tenants::Caller;
 
 pub async fn make_children(
     State(state): State<Shared>,
@@ -46,7 +46,7 @@ pub async fn make_children(
             "count must be from 1 to {MAX_FORK_COUNT}"
         )));
     }
-    if !crate::ids::is_sandbox_id(&req.export) {
+    if !crate::node::ids::is_sandbox_id(&req.export) {
         return Err(ApiError::bad_request("not a fork export's name"));
     }
     // Files are fetched only from a node of the cluster, the one that says
@@ -99,7 +99,7 @@ pub async fn make_children(
         addr: req.source.clone(),
         prefix: format!("/internal/forks/{}/chunks", req.export),
         api_key: headers
-            .get(crate::auth::HEADER)
+            .get(crate::node::keys::HEADER)
             .and_then(|v| v.to_str().ok())
             .unwrap_or_default()
             .to_owned(),
@@ -132,7 +132,7 @@ pub async fn make_children(
             },
         )
         .await?;
-    Ok(crate::api::fork_answer(results, None))
+    Ok(crate::http::api::fork_answer(results, None))
 }
 
 /// Copies the fork's files from `source`: the layers and memory files into

@@ -1,6 +1,6 @@
 //! A fork's files across nodes: the node that froze a fork made across
 //! nodes ([`super::fork_across`]) describes its files content-addressed (as
-//! a durable pause's, [`cluster::files`]) and serves their chunks, read-only,
+//! a durable pause's, [`sandfork_cluster::files`]) and serves their chunks, read-only,
 //! to the nodes making its other children while the fork is under way
 //! (`GET /internal/forks/{export}/chunks/{digest}`). A request names an
 //! export and a digest, never a path: only the chunks of that fork's files
@@ -17,14 +17,14 @@ use axum::body::Body;
 use axum::extract::{Path as UrlPath, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use cluster::files::{self, ChunkPlaces, FileError, StoredFile};
+use sandfork_cluster::files::{self, ChunkPlaces, FileError, StoredFile};
 use serde::{Deserialize, Serialize};
 
 use super::guest_files::{GuestFiles, Known};
-use crate::api::{ApiError, Shared};
-use crate::sandbox::Frozen;
-use crate::store::SandboxRecord;
-use crate::tenants::Caller;
+use crate::http::api::{ApiError, Shared};
+use crate::node::sandbox::Frozen;
+use crate::node::store::SandboxRecord;
+use crate::node::tenants::Caller;
 
 /// The route of a fork's chunks.
 pub const CHUNK_ROUTE: &str = "/internal/forks/{export}/chunks/{digest}";
@@ -111,12 +111,12 @@ impl Exports {
             add(places, path);
             disk.push(stored);
         }
-        let id = crate::ids::sandbox_id().map_err(|e| FileError::Io {
+        let id = crate::node::ids::sandbox_id().map_err(|e| FileError::Io {
             what: "naming the export of",
             path: frozen.state.clone(),
             source: e,
         })?;
-        let token = crate::ids::token().map_err(|e| FileError::Io {
+        let token = crate::node::ids::token().map_err(|e| FileError::Io {
             what: "making a token for",
             path: frozen.state.clone(),
             source: e,
@@ -175,7 +175,7 @@ impl Exports {
             return Err(Refused::NotFound);
         }
         let token = token.ok_or(Refused::Forbidden)?;
-        if !crate::auth::same_secret(token.as_bytes(), export.token.as_bytes()) {
+        if !crate::node::keys::same_secret(token.as_bytes(), export.token.as_bytes()) {
             return Err(Refused::Forbidden);
         }
         export.chunks.get(digest).cloned().ok_or(Refused::NotFound)
@@ -193,7 +193,7 @@ pub async fn serve_chunk(
     let not_found = || ApiError::new(StatusCode::NOT_FOUND, "no such fork or chunk");
     let node = state.cluster.get().ok_or_else(not_found)?;
     let token = headers
-        .get(cluster::peer::TOKEN_HEADER)
+        .get(sandfork_cluster::peer::TOKEN_HEADER)
         .and_then(|v| v.to_str().ok());
     chunk(&node.forks, &export, token, &caller, &digest).await
 }
@@ -380,7 +380,7 @@ mod tests {
                     move |UrlPath((export, digest)): UrlPath<(String, String)>,
                           headers: HeaderMap| async move {
                         let token = headers
-                            .get(cluster::peer::TOKEN_HEADER)
+                            .get(sandfork_cluster::peer::TOKEN_HEADER)
                             .and_then(|v| v.to_str().ok());
                         chunk(&exports, &export, token, &caller("default", false), &digest).await
                     }
@@ -389,7 +389,7 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         tokio::spawn(async move { axum::serve(listener, app).await });
-        let peer = |token: &str| cluster::peer::PeerChunks {
+        let peer = |token: &str| sandfork_cluster::peer::PeerChunks {
             addr: addr.clone(),
             prefix: format!("/internal/forks/{}/chunks", exported.id),
             api_key: "unused here".into(),

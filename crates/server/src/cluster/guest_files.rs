@@ -1,5 +1,5 @@
 //! A frozen guest's files as they leave their node, content-addressed
-//! ([`cluster::files`]): a durable pause's in the object store, a fork's
+//! ([`sandfork_cluster::files`]): a durable pause's in the object store, a fork's
 //! served to the nodes making its other children. Both are described the
 //! same way and placed the same way on the node that takes them: shared
 //! files (sealed layers, memory files) into the cluster cache, the VMM
@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::SystemTime;
 
-use cluster::files::{self, ChunkSource, FileError, StoredFile};
+use sandfork_cluster::files::{self, ChunkSource, FileError, StoredFile};
 use serde::{Deserialize, Serialize};
 
 use super::cache;

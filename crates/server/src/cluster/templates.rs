@@ -18,7 +18,7 @@
 //! lets go of the names it no longer has.
 //!
 //! Deleting a template removes its manifest and the names pointing at it;
-//! the store's collector ([`cluster::store_gc`]) deletes its chunks that
+//! the store's collector ([`sandfork_cluster::store_gc`]) deletes its chunks that
 //! nothing else names.
 
 use std::collections::HashMap;
@@ -27,16 +27,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use axum::http::StatusCode;
-use cluster::files::{self, StoredFile};
+use sandfork_cluster::files::{self, StoredFile};
 use serde::{Deserialize, Serialize};
 
 use super::durable::{Durable, DurableError};
 use super::guest_files::GuestFiles;
 use super::{Node, cache};
-use crate::api::{ApiError, Shared};
-use crate::sandbox::{Manager, SandboxError};
-use crate::store::TemplateRecord;
-use crate::tenants::{Caller, template_owner_key};
+use crate::http::api::{ApiError, Shared};
+use crate::node::sandbox::{Manager, SandboxError};
+use crate::node::store::TemplateRecord;
+use crate::node::tenants::{Caller, template_owner_key};
 
 const MANIFEST_VERSION: u32 = 1;
 /// The state file of a taken-in template, in its directory.
@@ -202,9 +202,9 @@ impl Durable {
     /// `rootfs`) stored.
     async fn store_template_files(
         &self,
-        guest: &crate::sandbox::GuestPaths,
+        guest: &crate::node::sandbox::GuestPaths,
         rootfs: &Path,
-        epoch: Option<cluster::GcEpoch>,
+        epoch: Option<sandfork_cluster::GcEpoch>,
     ) -> Result<(GuestFiles, Option<StoredFile>, files::Sent), DurableError> {
         let (stored, mut sent) = self.store_guest(guest, false, epoch).await?;
         let raw_base = match &guest.raw_base {
@@ -230,7 +230,7 @@ impl Durable {
         id_or_name: &str,
         may_use: impl Fn(Option<&str>) -> bool,
     ) -> Result<Option<TemplateRecord>, DurableError> {
-        let wanted = crate::ids::without_default_tag(id_or_name);
+        let wanted = crate::node::ids::without_default_tag(id_or_name);
         if storable_id(wanted)
             && let Some(t) = self.take_in_one(manager, wanted, &may_use).await?
         {
@@ -478,7 +478,7 @@ pub async fn delete_stored(state: &Shared, caller: &Caller, id: &str) -> Result<
     let Some(durable) = state.cluster.get().and_then(|n| n.durable.as_ref()) else {
         return Ok(false);
     };
-    let id = crate::ids::without_default_tag(id);
+    let id = crate::node::ids::without_default_tag(id);
     match durable.stored_team(id).await {
         Ok(Some(team)) if caller.owns(team.as_deref()) => {}
         Ok(_) => return Ok(false),
@@ -498,13 +498,13 @@ mod tests {
 
     use std::collections::BTreeSet;
 
-    use cluster::ObjectStore;
-    use cluster::harness::SeaweedFs;
     use disk_layers::LayeredDisk;
+    use sandfork_cluster::ObjectStore;
+    use sandfork_cluster::harness::SeaweedFs;
 
     use super::*;
-    use crate::config::Config;
-    use crate::store::Store;
+    use crate::node::config::Config;
+    use crate::node::store::Store;
 
     const TEAM: &str = "team_0123456789abcdef";
 
@@ -522,7 +522,7 @@ mod tests {
         config.pool_size = 0;
         std::fs::create_dir_all(data).unwrap();
         let store = Store::open(&data.join("s.redb")).unwrap();
-        crate::sandbox::tests::with_store(config, store)
+        crate::node::sandbox::tests::with_store(config, store)
     }
 
     /// A raw image of 8 MiB with data at its start and end.
@@ -764,10 +764,13 @@ mod tests {
     }
 
     async fn chunks(store: &ObjectStore) -> BTreeSet<String> {
-        let listed = store.list(cluster::store_gc::CHUNKS).await.unwrap();
+        let listed = store
+            .list(sandfork_cluster::store_gc::CHUNKS)
+            .await
+            .unwrap();
         listed
             .into_iter()
-            .map(|o| o.key[cluster::store_gc::CHUNKS.len()..].to_owned())
+            .map(|o| o.key[sandfork_cluster::store_gc::CHUNKS.len()..].to_owned())
             .collect()
     }
 
@@ -780,9 +783,11 @@ mod tests {
     /// again after it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_store_collector_keeps_what_stored_templates_share() {
-        let etcd = cluster::harness::Etcd::start().unwrap();
+        let etcd = sandfork_cluster::harness::Etcd::start().unwrap();
         let weed = SeaweedFs::start().unwrap();
-        let etcd_cluster = cluster::Cluster::connect(&etcd.endpoints()).await.unwrap();
+        let etcd_cluster = sandfork_cluster::Cluster::connect(&etcd.endpoints())
+            .await
+            .unwrap();
         let tmp = tempfile::tempdir().unwrap();
         let a = tmp.path().join("a");
         let raw = tmp.path().join("img/root.raw");
@@ -809,8 +814,8 @@ mod tests {
 
         let grace = std::time::Duration::from_secs(1);
         tokio::time::sleep(grace * 2).await;
-        let collector =
-            cluster::Collector::new(store.clone(), etcd_cluster.clone(), "a").with_grace(grace);
+        let collector = sandfork_cluster::Collector::new(store.clone(), etcd_cluster.clone(), "a")
+            .with_grace(grace);
         let swept = collector.pass().await.unwrap().unwrap();
         let left = chunks(&store).await;
         assert_eq!(left, two);
@@ -818,7 +823,7 @@ mod tests {
 
         // A pass under way (another node's) while a snapshot is stored: it
         // deletes a chunk the upload found stored, after the upload looked.
-        let elsewhere = cluster::harness::ForeignPass::start(&etcd_cluster, "b")
+        let elsewhere = sandfork_cluster::harness::ForeignPass::start(&etcd_cluster, "b")
             .await
             .unwrap();
         let storing = tokio::spawn({

@@ -1,0 +1,641 @@
+//! Sandbox routes: create (v1, v2), get, list (v1, v2), kill, timeout.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderValue, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+
+use super::list::ListQuery;
+use super::{ApiError, ClientGone, Shared};
+use crate::node::ids;
+use crate::node::sandbox::{CreateParams, PauseMode, Phase, ResumeMode, SandboxError};
+use crate::node::store::{SandboxRecord, SandboxState};
+use crate::node::template;
+use crate::node::tenants::Caller;
+
+/// E2B's clientID is a node id the SDKs require but never use.
+const CLIENT_ID: &str = "sandfork";
+/// v2 creates without a timeout get E2B's SDK default.
+const V2_DEFAULT_TIMEOUT: i64 = 300;
+/// v1's spec default (v1 SDKs always send one).
+const V1_DEFAULT_TIMEOUT: i64 = 15;
+
+pub(super) fn parse_body<T: DeserializeOwned + Default>(body: &Bytes) -> Result<T, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("malformed request body: {e}")))
+}
+
+pub(super) fn rfc3339(ms: u64) -> String {
+    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+}
+
+/// A sandbox lifetime as create and `POST /sandboxes/{id}/timeout` take it:
+/// 0 is allowed and means "end now" (E2B: the sandbox is killed, or paused
+/// with `autoPause`, as soon as the timeout reaper sees it); negative is a
+/// 400 (the spec's minimum is 0).
+fn lifetime_secs(value: i64) -> Result<Duration, ApiError> {
+    u64::try_from(value)
+        .map(Duration::from_secs)
+        .map_err(|_| ApiError::bad_request("Timeout must be greater than or equal to 0"))
+}
+
+/// The lifetime a create asks for: above the node's maximum is E2B's 400.
+fn create_timeout(value: i64, max: Duration) -> Result<Duration, ApiError> {
+    let t = lifetime_secs(value)?;
+    if t > max {
+        return Err(ApiError::bad_request(format!(
+            "Timeout cannot be greater than {} hours",
+            max.as_secs() / 3600
+        )));
+    }
+    Ok(t)
+}
+
+/// The timeout of fork, resume and connect: E2B refuses 0 and below there
+/// ("Timeout must be greater than 0"), as a child or a resumed sandbox that
+/// ends at once is never what a caller means.
+fn timeout_secs(value: i64, max: Duration) -> Result<Duration, ApiError> {
+    if value <= 0 {
+        return Err(ApiError::bad_request("Timeout must be greater than 0"));
+    }
+    create_timeout(value, max)
+}
+
+/// Ends sandboxes whose time is up now rather than at the reaper's next
+/// tick, after a request that may have ended one (timeout 0).
+fn reap_soon(state: &Shared) {
+    let manager = state.manager.clone();
+    tokio::spawn(async move { manager.reap_expired().await });
+}
+
+/// The Sandbox object of create, connect and resume answers.
+pub fn sandbox_json(r: &SandboxRecord) -> Value {
+    json!({
+        "sandboxID": r.id,
+        "templateID": r.template_id,
+        "alias": r.alias,
+        "clientID": CLIENT_ID,
+        "envdVersion": envd_proto::ENVD_VERSION,
+        "envdAccessToken": r.access_token,
+        "trafficAccessToken": r.network.ingress.traffic_access_token,
+        "domain": null,
+    })
+}
+
+/// A ListedSandbox; with `detail`, the SandboxDetail of `GET /sandboxes/{id}`.
+pub fn listed_json(r: &SandboxRecord, detail: bool) -> Value {
+    let mut v = json!({
+        "sandboxID": r.id,
+        "templateID": r.template_id,
+        "alias": r.alias,
+        "clientID": CLIENT_ID,
+        "startedAt": rfc3339(r.started_at_ms),
+        "endAt": rfc3339(r.end_at_ms),
+        "cpuCount": r.cpu_count,
+        "memoryMB": r.memory_mb,
+        "diskSizeMB": r.disk_size_mb,
+        "state": r.state.as_str(),
+        "envdVersion": envd_proto::ENVD_VERSION,
+        "metadata": r.metadata,
+    });
+    if detail {
+        v["envdAccessToken"] = json!(r.access_token);
+        v["domain"] = Value::Null;
+        v["lifecycle"] = json!({
+            "onTimeout": if r.auto_pause { "pause" } else { "kill" },
+            "autoResume": false,
+        });
+        super::network::detail(r, &mut v);
+        // Sandfork's: why a paused sandbox is paused (`memoryPressure`: the
+        // node paused it, and its next request resumes it).
+        if let Some(reason) = r.pause_reason.filter(|_| r.state == SandboxState::Paused) {
+            v["pauseReason"] = json!(reason.as_str());
+        }
+    }
+    v
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct NewSandbox {
+    #[serde(rename = "templateID")]
+    template_id: Option<String>,
+    timeout: Option<i64>,
+    metadata: Option<BTreeMap<String, String>>,
+    #[serde(rename = "envVars")]
+    env_vars: Option<BTreeMap<String, String>>,
+    /// v1 only; v2 sandboxes are always secure.
+    secure: Option<bool>,
+    /// false: all egress denied (E2B's `denyOut: ["0.0.0.0/0"]`).
+    allow_internet_access: Option<bool>,
+    network: Option<super::network::NetworkBody>,
+    #[serde(rename = "autoPause")]
+    auto_pause: Option<bool>,
+    /// `false`: the timeout's pause keeps the filesystem only.
+    #[serde(rename = "autoPauseMemory")]
+    auto_pause_memory: Option<bool>,
+}
+
+async fn create(
+    state: Shared,
+    caller: Caller,
+    gone: ClientGone,
+    body: Bytes,
+    v2: bool,
+) -> Result<Response, ApiError> {
+    let req: NewSandbox = parse_body(&body)?;
+    let max = state.manager.config().max_timeout;
+    let default_timeout = if v2 {
+        V2_DEFAULT_TIMEOUT
+    } else {
+        V1_DEFAULT_TIMEOUT
+    };
+    let template_id = req
+        .template_id
+        .filter(|t| !t.is_empty())
+        .unwrap_or_else(|| template::BASE.to_owned());
+    // Made on another node of the cluster: taken in first.
+    crate::cluster::templates::take_in_for(&state, &caller, &template_id).await?;
+    super::tenancy::check_template(&state, &caller, &template_id)?;
+    let params = CreateParams {
+        template_id,
+        timeout: create_timeout(req.timeout.unwrap_or(default_timeout), max)?,
+        metadata: req.metadata.unwrap_or_default(),
+        env_vars: req.env_vars.unwrap_or_default(),
+        secure: v2 || req.secure.unwrap_or(false),
+        auto_pause: req.auto_pause.unwrap_or(false),
+        auto_pause_memory: req.auto_pause_memory.unwrap_or(true),
+        network: super::network::from_create(req.allow_internet_access, req.network)?,
+        team: caller.stored_team(),
+    };
+    let ends_now = params.timeout.is_zero();
+    // The code interpreter is built on its first create.
+    state.templates.ensure_builtin(&params.template_id).await?;
+    let record = state.manager.create(params).await?;
+    remove_if_gone(&state, &gone, [record.id.as_str()]).await?;
+    if ends_now {
+        reap_soon(&state);
+    }
+    Ok((StatusCode::CREATED, Json(sandbox_json(&record))).into_response())
+}
+
+pub async fn create_v1(
+    State(state): State<Shared>,
+    Extension(caller): Extension<Caller>,
+    gone: ClientGone,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    create(state, caller, gone, body, false).await
+}
+
+pub async fn create_v2(
+    State(state): State<Shared>,
+    Extension(caller): Extension<Caller>,
+    gone: ClientGone,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    create(state, caller, gone, body, true).await
+}
+
+/// The sandbox id a path names, as E2B's API reads it: `<id>-<client id>`
+/// (what older SDKs send) names `<id>`; an id that cannot be one is 400
+/// "Invalid sandbox ID", before anything is looked up.
+pub(super) fn check_id(raw: &str) -> Result<String, ApiError> {
+    let id = match raw.split('-').collect::<Vec<_>>()[..] {
+        [id, _client] => id,
+        _ => raw,
+    };
+    if ids::is_sandbox_id(id) {
+        Ok(id.to_owned())
+    } else {
+        Err(ApiError::bad_request("Invalid sandbox ID"))
+    }
+}
+
+pub async fn get_one(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let id = check_id(&id)?;
+    let mut detail = listed_json(&state.manager.get(&id)?, true);
+    // Sandfork's: whether its guest answers (see `sandbox::observe`).
+    detail["guestUnresponsive"] = json!(state.manager.unresponsive(&id));
+    // Sandfork's: its VMM's page faults so far (while it runs), to see
+    // what a first command costs (see `sandbox::working_set`).
+    if let Some(f) = state.manager.vmm_faults(&id) {
+        detail["vmmPageFaults"] = json!({"minor": f.minor, "major": f.major});
+    }
+    Ok(Json(detail))
+}
+
+async fn list(state: Shared, caller: Caller, uri: Uri, v2: bool) -> Result<Response, ApiError> {
+    let mut query = ListQuery::parse(uri.query())?;
+    if !v2 {
+        // v1 lists running sandboxes, in one page.
+        query.states = vec![SandboxState::Running];
+        query.next_token = None;
+        query.limit = usize::MAX;
+    }
+    let own = super::tenancy::own_sandboxes(&caller, state.manager.list()?);
+    let (page, next) = query.page(own);
+    let body: Vec<Value> = page.iter().map(|r| listed_json(r, false)).collect();
+    let mut response = Json(body).into_response();
+    if let Some(token) = next.and_then(|t| HeaderValue::from_str(&t).ok()) {
+        response.headers_mut().insert("x-next-token", token);
+    }
+    Ok(response)
+}
+
+pub async fn list_v1(
+    State(state): State<Shared>,
+    Extension(caller): Extension<Caller>,
+    uri: Uri,
+) -> Result<Response, ApiError> {
+    list(state, caller, uri, false).await
+}
+
+pub async fn list_v2(
+    State(state): State<Shared>,
+    Extension(caller): Extension<Caller>,
+    uri: Uri,
+) -> Result<Response, ApiError> {
+    list(state, caller, uri, true).await
+}
+
+pub async fn kill(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let id = check_id(&id)?;
+    state.manager.kill(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct NewTimeout {
+    timeout: Option<i64>,
+}
+
+pub async fn set_timeout(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<StatusCode, ApiError> {
+    let id = check_id(&id)?;
+    let req: NewTimeout = parse_body(&body)?;
+    let secs = req
+        .timeout
+        .ok_or_else(|| ApiError::bad_request("timeout is required"))?;
+    // Above the node's maximum is clamped to it, as E2B clamps to the
+    // team's longest sandbox lifetime (no error).
+    let timeout = lifetime_secs(secs)?.min(state.manager.config().max_timeout);
+    state.manager.set_timeout(&id, timeout)?;
+    if timeout.is_zero() {
+        reap_soon(&state);
+    }
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Refresh {
+    duration: Option<u64>,
+}
+
+/// Longest extension one refresh may ask for (E2B's limit).
+const MAX_REFRESH_SECS: u64 = 3600;
+/// E2B's default and shortest refresh (its default sandbox timeout).
+const MIN_REFRESH_SECS: u64 = 15;
+
+/// `POST /sandboxes/{id}/refreshes` `{"duration": s}`: keeps a running
+/// sandbox alive at least `duration` more seconds (never shortens it; at
+/// least 15, E2B's floor, which is also its default); 204.
+pub async fn refresh(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<StatusCode, ApiError> {
+    let id = check_id(&id)?;
+    let req: Refresh = parse_body(&body)?;
+    let secs = req.duration.unwrap_or(MIN_REFRESH_SECS);
+    if secs > MAX_REFRESH_SECS {
+        return Err(ApiError::bad_request(format!(
+            "duration must be at most {MAX_REFRESH_SECS} seconds"
+        )));
+    }
+    state
+        .manager
+        .extend_timeout(&id, Duration::from_secs(secs.max(MIN_REFRESH_SECS)))?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct PauseBody {
+    /// `false` asks for a filesystem-only pause (E2B's default: true).
+    memory: Option<bool>,
+    /// Refuse (503) a memory pause while the guest agent does not answer; a
+    /// filesystem-only pause always needs it to answer.
+    #[serde(rename = "requireHealthyGuest")]
+    require_healthy_guest: Option<bool>,
+    /// `false`: in a cluster with an object store, the pause stays on this
+    /// node only (not stored; lost with the node). Default: stored.
+    durable: Option<bool>,
+}
+
+/// `POST /sandboxes/{id}/pause`: 204, or 409 when already paused.
+pub async fn pause(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<StatusCode, ApiError> {
+    let id = check_id(&id)?;
+    let req: PauseBody = parse_body(&body)?;
+    let mode = match req.memory.unwrap_or(true) {
+        true => PauseMode::Full,
+        false => PauseMode::Filesystem,
+    };
+    if mode == PauseMode::Full
+        && req.require_healthy_guest == Some(true)
+        && state.manager.phase(&id) == Some(Phase::Running)
+        && !state.manager.guest_answers(&id).await
+    {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("sandbox {id}: its guest agent does not answer; it was not paused"),
+        ));
+    }
+    let paused = state.manager.pause(&id, mode).await?;
+    if req.durable == Some(false) {
+        // Before the answer leaves: the cluster layer reads it then (and
+        // its reconciler skips sandboxes under way).
+        let generation = paused.pause_generation;
+        state
+            .manager
+            .store()
+            .update_sandbox(&id, |r| r.local_pause = Some(generation))
+            .map_err(SandboxError::from)?;
+    }
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct ConnectBody {
+    timeout: Option<i64>,
+    /// `false`: a paused sandbox cold-boots from its disk, whatever memory
+    /// it kept (E2B's `on_resume="reboot"`).
+    memory: Option<bool>,
+    #[serde(rename = "autoPause")]
+    #[allow(dead_code)]
+    auto_pause: Option<bool>,
+}
+
+async fn resume_or_connect(
+    state: Shared,
+    id: String,
+    body: Bytes,
+    connect: bool,
+) -> Result<Response, ApiError> {
+    let id = check_id(&id)?;
+    let req: ConnectBody = parse_body(&body)?;
+    let timeout = timeout_secs(
+        req.timeout.unwrap_or(V2_DEFAULT_TIMEOUT),
+        state.manager.config().max_timeout,
+    )?;
+    if !connect && state.manager.get(&id)?.state == SandboxState::Running {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            format!("sandbox {id} is already running"),
+        ));
+    }
+    let mode = match req.memory.unwrap_or(true) {
+        true => ResumeMode::Restore,
+        false => ResumeMode::Reboot,
+    };
+    let (record, resumed) = state.manager.resume(&id, timeout, mode).await?;
+    let status = if resumed {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, Json(sandbox_json(&record))).into_response())
+}
+
+/// `POST /sandboxes/{id}/connect` and `POST /v2/sandboxes/{id}/connect`:
+/// 201 when it resumed the sandbox, 200 when it was running.
+pub async fn connect(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    resume_or_connect(state, id, body, true).await
+}
+
+/// `POST /sandboxes/{id}/resume` (older SDKs): 201, or 409 when running.
+pub async fn resume(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    resume_or_connect(state, id, body, false).await
+}
+
+/// The most children one fork request makes (E2B's limit).
+pub const MAX_FORK_COUNT: i64 = 100;
+
+#[derive(Debug, Default, Deserialize)]
+pub(super) struct ForkBody {
+    timeout: Option<i64>,
+    count: Option<i64>,
+    /// A snapshot's children only (a sandbox's keep its metadata).
+    pub(super) metadata: Option<BTreeMap<String, String>>,
+}
+
+/// A fork's timeout and count, checked in E2B's order and with its texts
+/// (the timeout, then the count; the source is looked up after).
+pub(super) fn fork_request(state: &Shared, req: &ForkBody) -> Result<(Duration, u32), ApiError> {
+    fork_request_on(state, req, false)
+}
+
+/// [`fork_request`]; `spread`: children may go to other nodes too (a
+/// running sandbox's fork on a node of a cluster), so the node's own
+/// limit does not bound the count.
+fn fork_request_on(
+    state: &Shared,
+    req: &ForkBody,
+    spread: bool,
+) -> Result<(Duration, u32), ApiError> {
+    let timeout = timeout_secs(
+        req.timeout.unwrap_or(V2_DEFAULT_TIMEOUT),
+        state.manager.config().max_timeout,
+    )?;
+    let count = req.count.unwrap_or(1);
+    if count < 1 {
+        return Err(ApiError::bad_request("Count must be at least 1"));
+    }
+    if count > MAX_FORK_COUNT {
+        return Err(ApiError::bad_request(format!(
+            "Count cannot be greater than {MAX_FORK_COUNT}"
+        )));
+    }
+    // The forked sandbox keeps its slot: as many children as the node runs
+    // sandboxes could never all start (E2B checks its concurrency limit so).
+    let max = state.manager.capacity().limits().sandboxes;
+    if !spread && usize::try_from(count).is_ok_and(|c| c >= max) {
+        return Err(ApiError::bad_request(format!(
+            "Count must be lower than the maximum number of concurrent sandboxes ({max})"
+        )));
+    }
+    Ok((timeout, count as u32))
+}
+
+/// `POST /sandboxes/{id}/fork`: 201 with one `{"sandbox": ...}` or
+/// `{"error": {code, message}}` per child, in order. A paused sandbox is
+/// forked from its paused state and stays paused (E2B's RL RFC, infra #3424).
+/// On a node of a cluster, a running sandbox's children that do not fit
+/// here are made on other nodes (see [`crate::cluster::fork_across`]),
+/// after this node's in the answer.
+pub async fn fork(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+    gone: ClientGone,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let id = check_id(&id)?;
+    let req: ForkBody = parse_body(&body)?;
+    // The body first, as E2B checks it (then the sandbox).
+    let (timeout, count) = fork_request_on(&state, &req, state.cluster.get().is_some())?;
+    let record = state.manager.get(&id)?;
+    let cluster = state
+        .cluster
+        .get()
+        .filter(|_| record.state == SandboxState::Running);
+    if cluster.is_none() {
+        // Every child on this node: its own bound.
+        fork_request(&state, &req)?;
+    }
+    // Other nodes admit their children as the caller's.
+    let key = headers
+        .get(crate::node::keys::HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    let (results, parent_paused, elsewhere) = match (record.state, cluster) {
+        (SandboxState::Paused, _) => (
+            state.manager.fork_paused(&id, count, timeout).await?,
+            None,
+            Default::default(),
+        ),
+        (SandboxState::Running, None) => {
+            let forked = state.manager.fork(&id, count, timeout).await?;
+            (
+                forked.children,
+                Some(forked.parent_paused),
+                Default::default(),
+            )
+        }
+        (SandboxState::Running, Some(node)) => {
+            let elsewhere = async |frozen: Result<crate::node::sandbox::Frozen, _>, n: u32| {
+                crate::cluster::fork_across::elsewhere(node, frozen, n, timeout, key).await
+            };
+            let (forked, remote) = state
+                .manager
+                .fork_spread(&id, count, timeout, Some(elsewhere))
+                .await?;
+            (
+                forked.children,
+                Some(forked.parent_paused),
+                remote.unwrap_or_default(),
+            )
+        }
+    };
+    if gone.is_gone() {
+        elsewhere.undo(key).await;
+    }
+    remove_if_gone(&state, &gone, made(&results)).await?;
+    Ok(fork_answer_with(results, elsewhere.entries, parent_paused))
+}
+
+/// The sandboxes a fork made.
+pub(super) fn made(results: &crate::node::sandbox::ForkResults) -> impl Iterator<Item = &str> {
+    results
+        .iter()
+        .filter_map(|r| r.as_ref().ok())
+        .map(|r| r.id.as_str())
+}
+
+/// Kills what a create or fork made when its client went away before the
+/// answer (see [`ClientGone`]): nobody knows their ids, and they would hold
+/// the node's capacity until their timeout. A client that goes while the
+/// answer is being written still leaves them to their timeout.
+pub(super) async fn remove_if_gone<'a>(
+    state: &Shared,
+    gone: &ClientGone,
+    made: impl IntoIterator<Item = &'a str>,
+) -> Result<(), ApiError> {
+    if !gone.is_gone() {
+        return Ok(());
+    }
+    let made: Vec<&str> = made.into_iter().collect();
+    for id in &made {
+        if let Err(e) = state.manager.kill(id).await {
+            tracing::warn!("sandbox {id}: removing it after its client went away: {e}");
+        }
+    }
+    tracing::info!(
+        "the client went away before the answer: removed the {} sandbox(es) made for it: {}",
+        made.len(),
+        made.join(", ")
+    );
+    Err(ClientGone::answer("what it made was removed"))
+}
+
+/// The 201 of a fork: one `{"sandbox": ...}` or `{"error": ...}` per child,
+/// and how long a running parent stopped for the freeze.
+pub(crate) fn fork_answer(
+    results: crate::node::sandbox::ForkResults,
+    parent_paused: Option<Duration>,
+) -> Response {
+    fork_answer_with(results, Vec::new(), parent_paused)
+}
+
+/// [`fork_answer`] with `more` entries after this node's children's (those
+/// other nodes made).
+fn fork_answer_with(
+    results: crate::node::sandbox::ForkResults,
+    more: Vec<Value>,
+    parent_paused: Option<Duration>,
+) -> Response {
+    let body: Vec<Value> = results
+        .into_iter()
+        .map(|r| match r {
+            Ok(record) => json!({"sandbox": sandbox_json(&record)}),
+            Err(e) => {
+                let e = ApiError::from(e);
+                json!({"error": {"code": e.status.as_u16(), "message": e.message}})
+            }
+        })
+        .chain(more)
+        .collect();
+    // The body is E2B's (a list); how long the parent stopped goes beside it.
+    let mut answer = (StatusCode::CREATED, Json(body)).into_response();
+    if let Some(paused) = parent_paused {
+        let ms = format!("{:.3}", paused.as_secs_f64() * 1000.0);
+        if let Ok(value) = axum::http::HeaderValue::from_str(&ms) {
+            answer.headers_mut().insert(PARENT_PAUSED_HEADER, value);
+        }
+    }
+    answer
+}
+
+/// Sandfork's header on a fork's answer: how long the parent's guest was
+/// stopped for the freeze, in milliseconds.
+pub const PARENT_PAUSED_HEADER: &str = "sandfork-parent-paused-ms";

@@ -1,0 +1,385 @@
+//! Template routes (sandfork's; E2B's build routes are in
+//! [`super::templates_e2b`], and share the status route):
+//! `POST /templates` (202, the build runs on), `GET /templates`,
+//! `GET /templates/{id}`, `GET /templates/{id}/builds/{buildID}/status`,
+//! `DELETE /templates/{id}`. JSON in E2B's camelCase.
+
+use std::path::PathBuf;
+use std::time::{Duration, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::sandboxes::parse_body;
+use super::{ApiError, Shared};
+use crate::node::sandbox::SandboxError;
+use crate::node::store::BuildStatus;
+use crate::node::template::build::{MAX_MEM_MIB, MAX_VCPUS, MIN_MEM_MIB, TemplateInfo};
+use crate::node::template::{BuildParams, BuildSource, code_interpreter};
+use crate::node::tenants::Caller;
+
+pub(super) fn rfc3339(ms: u64) -> String {
+    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+}
+
+/// A template as `GET /templates` lists it (E2B's Template fields, plus
+/// `kind` and `source`).
+pub fn template_json(t: &TemplateInfo) -> Value {
+    json!({
+        "templateID": t.id,
+        "buildID": t.build_id,
+        "names": t.names,
+        "aliases": t.names,
+        "kind": t.kind,
+        "source": t.source,
+        "cpuCount": t.vcpus,
+        "memoryMB": t.mem_mib,
+        "diskSizeMB": t.disk_size_mb,
+        "createdAt": rfc3339(t.created_at_ms),
+        "buildStatus": t.status.as_str(),
+        "public": false,
+        "envdVersion": envd_proto::ENVD_VERSION,
+    })
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NewTemplate {
+    name: Option<String>,
+    from: Option<From>,
+    #[serde(alias = "startCmd")]
+    start_cmd: Option<String>,
+    #[serde(alias = "readyCmd")]
+    ready_cmd: Option<String>,
+    #[serde(alias = "cpuCount")]
+    vcpus: Option<i64>,
+    #[serde(alias = "memoryMB")]
+    memory_mb: Option<i64>,
+}
+
+/// Exactly one of these.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct From {
+    #[serde(alias = "debianPackages")]
+    debian_packages: Option<Vec<String>>,
+    #[serde(alias = "ociLayout")]
+    oci_layout: Option<PathBuf>,
+    #[serde(alias = "dockerArchive")]
+    docker_archive: Option<PathBuf>,
+    sandbox: Option<String>,
+    /// A template sandfork ships: `code-interpreter`.
+    builtin: Option<String>,
+}
+
+const FROM_ONE: &str =
+    "from must hold exactly one of debian_packages, oci_layout, docker_archive, sandbox, builtin";
+
+fn parse_new(body: &Bytes) -> Result<BuildParams, ApiError> {
+    let req: NewTemplate = parse_body(body)?;
+    let name = req
+        .name
+        .ok_or_else(|| ApiError::bad_request("name is required"))?;
+    let from = req.from.ok_or_else(|| ApiError::bad_request(FROM_ONE))?;
+    let mut sources = Vec::new();
+    if let Some(p) = from.debian_packages {
+        sources.push(BuildSource::DebianPackages(p));
+    }
+    if let Some(p) = from.oci_layout {
+        sources.push(BuildSource::OciLayout(p));
+    }
+    if let Some(p) = from.docker_archive {
+        sources.push(BuildSource::DockerArchive(p));
+    }
+    if let Some(id) = from.sandbox {
+        sources.push(BuildSource::Sandbox(id));
+    }
+    if let Some(b) = from.builtin {
+        if b != code_interpreter::NAME {
+            return Err(ApiError::bad_request(format!(
+                "builtin {b:?}: the builtin templates are {}",
+                code_interpreter::NAME
+            )));
+        }
+        sources.push(BuildSource::CodeInterpreter);
+    }
+    let [source] =
+        <[BuildSource; 1]>::try_from(sources).map_err(|_| ApiError::bad_request(FROM_ONE))?;
+    let (vcpus, mem_mib) = machine_size((req.vcpus, "vcpus"), (req.memory_mb, "memory_mb"))?;
+    Ok(BuildParams {
+        name,
+        source,
+        start_cmd: req.start_cmd,
+        ready_cmd: req.ready_cmd,
+        vcpus,
+        mem_mib,
+        e2b: None,
+        ids: None,
+    })
+}
+
+/// A build's machine as a request asks for it: vCPUs 1 to `MAX_VCPUS`,
+/// memory `MIN_MEM_MIB` to `MAX_MEM_MIB`; each with its field's name as the
+/// request spells it, for the refusal.
+pub(super) fn machine_size(
+    (vcpus, vcpus_field): (Option<i64>, &str),
+    (memory_mb, memory_field): (Option<i64>, &str),
+) -> Result<(Option<u8>, Option<u64>), ApiError> {
+    let vcpus = vcpus
+        .map(|v| {
+            u8::try_from(v)
+                .ok()
+                .filter(|v| (1..=MAX_VCPUS).contains(v))
+                .ok_or_else(|| {
+                    ApiError::bad_request(format!("{vcpus_field} must be 1 to {MAX_VCPUS}"))
+                })
+        })
+        .transpose()?;
+    let mem_mib = memory_mb
+        .map(|v| {
+            u64::try_from(v)
+                .ok()
+                .filter(|v| (MIN_MEM_MIB..=MAX_MEM_MIB).contains(v))
+                .ok_or_else(|| {
+                    ApiError::bad_request(format!(
+                        "{memory_field} must be {MIN_MEM_MIB} to {MAX_MEM_MIB}"
+                    ))
+                })
+        })
+        .transpose()?;
+    Ok((vcpus, mem_mib))
+}
+
+/// `POST /templates`: 202 `{templateID, buildID, names, status: "building"}`;
+/// 400 bad input, 404 unknown sandbox, 409 name taken or sandbox paused, 503
+/// when the node cannot build.
+pub async fn create(
+    State(state): State<Shared>,
+    Extension(caller): Extension<Caller>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let mut params = parse_new(&body)?;
+    if let BuildSource::Sandbox(id) = &params.source {
+        super::tenancy::check_sandbox(&state, &caller, id)?;
+    }
+    // Owned by the caller's team before the build is seen.
+    let template_id = crate::node::ids::sandbox_id()
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    params.ids = Some((template_id.clone(), crate::node::template::build::uuid()?));
+    super::tenancy::own_template(&state, &caller, &template_id)?;
+    let build = match state.templates.start(params) {
+        Ok(build) => build,
+        Err(e) => {
+            super::tenancy::disown_template(&state, &template_id);
+            return Err(e.into());
+        }
+    };
+    let body = json!({
+        "templateID": build.template_id,
+        "buildID": build.build_id,
+        "names": [build.name],
+        "status": build.status.as_str(),
+    });
+    Ok((StatusCode::ACCEPTED, Json(body)).into_response())
+}
+
+/// `GET /templates`: base first, then the others oldest first.
+pub async fn list(
+    State(state): State<Shared>,
+    Extension(caller): Extension<Caller>,
+) -> Result<Response, ApiError> {
+    let all = state.templates.list()?;
+    let body: Vec<Value> = all
+        .iter()
+        .filter(|t| super::tenancy::sees_template(&state, &caller, &t.id))
+        .map(template_json)
+        .collect();
+    Ok(Json(body).into_response())
+}
+
+/// The template `id` names (its id, else its newest holder of that name).
+fn find(state: &Shared, id: &str) -> Result<TemplateInfo, ApiError> {
+    let all = state.templates.list()?;
+    let found = all
+        .iter()
+        .find(|t| t.id == id)
+        .or_else(|| all.iter().rev().find(|t| t.names.iter().any(|n| n == id)))
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("template {id} not found")))?;
+    Ok(found.clone())
+}
+
+/// `GET /templates/{id}` (id or name).
+pub async fn get_one(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    Ok(Json(template_json(&find(&state, &id)?)).into_response())
+}
+
+/// E2B's `TemplateUpdateRequest`.
+#[derive(Debug, Default, Deserialize)]
+struct TemplateUpdate {
+    public: Option<bool>,
+}
+
+/// `PATCH /v2/templates/{id}` (id or name; `e2b template publish` and
+/// `unpublish`): 200 `{names}`. Every template of this node is private to
+/// its API keys, so `{"public": false}` (or no change) is answered and
+/// `{"public": true}` refused with 400: this node publishes nothing to
+/// other teams. 404 unknown.
+pub async fn update_v2(
+    State(state): State<Shared>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let update: TemplateUpdate = parse_body(&body)?;
+    let template = find(&state, &id)?;
+    if update.public == Some(true) {
+        return Err(ApiError::bad_request(format!(
+            "template {id}: this node does not publish templates (public: true); its \
+             templates are for its own API keys"
+        )));
+    }
+    Ok(Json(json!({"names": template.names})).into_response())
+}
+
+fn logs_offset(query: Option<&str>) -> Result<usize, ApiError> {
+    for (key, value) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+        if key == "logsOffset" && !value.is_empty() {
+            return value
+                .parse()
+                .map_err(|_| ApiError::bad_request("logsOffset must be a whole number"));
+        }
+    }
+    Ok(0)
+}
+
+/// `GET /templates/{id}/builds/{buildID}/status` (`logsOffset`: skip that
+/// many log lines): `{templateID, buildID, status, logs, logEntries,
+/// reason}` where `reason` is `{"message", "step"?}` for a failed build
+/// (`step`: E2B's failing step, `base`, `1`... or `finalize`), else absent.
+/// Past the last line the page is empty (the E2B SDK polls until it is).
+pub async fn build_status(
+    State(state): State<Shared>,
+    Path((id, build_id)): Path<(String, String)>,
+    uri: Uri,
+) -> Result<Response, ApiError> {
+    let offset = logs_offset(uri.query())?;
+    let (build, logs) = match state.templates.e2b_build(&id, &build_id)? {
+        Some(b) => state.templates.status_of(b, offset),
+        None => state.templates.status(&id, offset)?,
+    };
+    if build.build_id != build_id {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("template {id} has no build {build_id}"),
+        ));
+    }
+    let reason = match (&build.status, &build.reason) {
+        (BuildStatus::Error, Some(r)) => match &build.reason_step {
+            Some(step) => json!({"message": r, "step": step}),
+            None => json!({"message": r}),
+        },
+        _ => Value::Null,
+    };
+    let at = rfc3339(build.finished_at_ms.unwrap_or(build.started_at_ms));
+    let entries: Vec<Value> = logs.iter().map(|l| log_entry(l, &at)).collect();
+    let mut body = json!({
+        "templateID": crate::node::template::e2b_build::e2b_template_id(&build),
+        "buildID": build.build_id,
+        "names": [build.name],
+        "status": build.status.as_str(),
+        "logs": logs,
+        "logEntries": entries,
+        "startedAt": rfc3339(build.started_at_ms),
+        "finishedAt": build.finished_at_ms.map(rfc3339),
+    });
+    // E2B's SDK parses a present `reason` as an object: absent, not null.
+    if !reason.is_null() {
+        body["reason"] = reason;
+    }
+    Ok(Json(body).into_response())
+}
+
+/// A log line as E2B's `BuildLogEntry` (the lines carry no time of their
+/// own: `at` is the build's).
+fn log_entry(line: &str, at: &str) -> Value {
+    let level = if line.starts_with("error: ") {
+        "error"
+    } else {
+        "info"
+    };
+    json!({"timestamp": at, "level": level, "message": line})
+}
+
+/// `DELETE /templates/{id}` (id or name; a snapshot's `:default` tag
+/// allowed): 204; 404 unknown; 409 while it builds or sandboxes or snapshots
+/// use it; 400 for the base template.
+pub async fn delete(
+    State(state): State<Shared>,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    match state.templates.delete(&id).await {
+        Ok(()) => Ok(StatusCode::NO_CONTENT),
+        // Stored by a node of the cluster, none of whose copies is here.
+        Err(SandboxError::TemplateNotFound(_))
+            if crate::cluster::templates::delete_stored(&state, &caller, &id).await? =>
+        {
+            Ok(StatusCode::NO_CONTENT)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<BuildParams, ApiError> {
+        parse_new(&Bytes::from(s.to_owned()))
+    }
+
+    #[test]
+    fn requests_are_parsed_and_checked() {
+        let p = parse(
+            r#"{"name":"t","from":{"debian_packages":["jq"]},"startCmd":"x","memory_mb":512}"#,
+        )
+        .unwrap();
+        assert_eq!(p.source, BuildSource::DebianPackages(vec!["jq".into()]));
+        assert_eq!((p.start_cmd.as_deref(), p.mem_mib), (Some("x"), Some(512)));
+        let p = parse(r#"{"name":"t","from":{"sandbox":"abc"}}"#).unwrap();
+        assert_eq!(p.source, BuildSource::Sandbox("abc".into()));
+        for bad in [
+            "",
+            "[]",
+            r#"{"from":{"sandbox":"a"}}"#,
+            r#"{"name":"t"}"#,
+            r#"{"name":"t","from":{}}"#,
+            r#"{"name":"t","from":{"sandbox":"a","oci_layout":"/x"}}"#,
+            r#"{"name":"t","from":{"image":"x"}}"#,
+            r#"{"name":"t","from":{"sandbox":"a"},"vcpus":0}"#,
+            r#"{"name":"t","from":{"sandbox":"a"},"vcpus":300}"#,
+            r#"{"name":"t","from":{"sandbox":"a"},"memory_mb":64}"#,
+            r#"{"name":"t","from":{"sandbox":"a"},"cmd":"x"}"#,
+        ] {
+            assert_eq!(
+                parse(bad).unwrap_err().status,
+                StatusCode::BAD_REQUEST,
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn logs_offset_is_parsed() {
+        assert_eq!(logs_offset(None).unwrap(), 0);
+        assert_eq!(logs_offset(Some("logsOffset=7")).unwrap(), 7);
+        assert!(logs_offset(Some("logsOffset=-1")).is_err());
+    }
+}

@@ -1,0 +1,23 @@
+//! What every request handler shares: the sandbox manager, template builds,
+//! the accepted API key and the proxy's guest connections. Below both the
+//! control plane ([`crate::http::api`]) and the envd proxy ([`crate::http::proxy`]).
+
+use std::sync::Arc;
+
+use crate::http::proxy::GuestConnections;
+use crate::node::keys::ApiKeys;
+use crate::node::sandbox::Manager;
+use crate::node::template::Templates;
+
+pub struct AppState {
+    pub manager: Arc<Manager>,
+    pub templates: Arc<Templates>,
+    pub keys: ApiKeys,
+    /// Open connections to guests' ports, reused by the envd proxy.
+    pub guests: GuestConnections,
+    /// The node's part in a cluster, once it has joined one (a fork across
+    /// nodes, and the routes other nodes ask for one).
+    pub cluster: std::sync::OnceLock<Arc<crate::cluster::Node>>,
+}
+
+pub type Shared = Arc<AppState>;

@@ -1,0 +1,1151 @@
+//! The sandbox manager: create (restore the template into a pooled VMM),
+//! get, list, kill, timeouts. Records live in the store; running VMMs here.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use disk_layers::LayeredDisk;
+use vmm_api::{Drive, DriveOverride, SnapshotType};
+use vmm_driver::agent_client::{AgentError, AgentInit};
+use vmm_driver::process::{GuestSpec, ProcessError, Restore};
+
+use crate::node::capacity::{Ask, Capacity, CapacityError, Reservation, Shortage};
+use crate::node::clock::now_ms;
+use crate::node::config::Config;
+use crate::node::ids;
+use crate::node::launch::{self, Guest, LaunchError, Launched, Plan, Ready};
+use crate::node::net::SandboxNetwork;
+use crate::node::pool::Pool;
+use crate::node::store::{
+    PauseReason, PausedSnapshot, SandboxRecord, SandboxState, Store, StoreError, TemplateRecord,
+};
+
+/// A restored guest answers within this (lab times included).
+const AGENT_TIMEOUT: Duration = Duration::from_secs(120);
+/// A cold boot in the lab takes tens of seconds.
+const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long a guest agent may take to flush the guest's disk before a
+/// filesystem-only pause, or to answer before a pause that asks for it.
+const GUEST_CHECK_TIMEOUT: Duration = Duration::from_secs(30);
+/// A pause that asks for a healthy guest waits this long for its answer.
+const HEALTH_CHECK_TIMEOUT: Duration = Duration::from_secs(5);
+/// An adopted VMM's guest answered before the restart: it gets less time.
+const ADOPT_AGENT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often expired sandboxes are looked for.
+const REAP_EVERY: Duration = Duration::from_millis(500);
+pub const ROOT_LAYER: &str = "root.layer";
+
+pub mod cache_bound;
+mod fork;
+mod fork_stored;
+mod gc;
+mod history;
+mod lineage;
+mod live;
+mod moved;
+mod network;
+mod observe;
+mod pressure;
+mod recover;
+mod snapshot;
+#[cfg(test)]
+pub(crate) mod tests;
+mod working_set;
+pub use fork::{Forked, Frozen};
+pub use fork_stored::{CopiedFork, ForkResults, SnapshotForkParams};
+pub use gc::{GcStats, TemplateWrite};
+pub use live::Phase;
+use live::{Registry, Sandbox};
+pub use moved::{GuestPaths, PausedFiles, adopted_record};
+pub use observe::{Level, LogLine, STUCK_AFTER, Sample};
+pub use recover::reclaim_run_dir;
+pub use snapshot::SnapshotParams;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    #[error("sandbox {0} not found")]
+    NotFound(String),
+    #[error("template {0} not found")]
+    TemplateNotFound(String),
+    #[error(
+        "this node runs at most {max} sandboxes: {running} are running or starting, \
+         {asked} more asked for"
+    )]
+    AtCapacity {
+        running: usize,
+        asked: usize,
+        max: usize,
+    },
+    /// Not enough vCPUs, memory or disk (503; the count limit is 429).
+    #[error(transparent)]
+    OverCapacity(#[from] Shortage),
+    /// The team's limit on sandboxes or memory (429, as E2B's concurrency limit).
+    #[error("{0}")]
+    TeamLimit(String),
+    #[error("sandbox {id} is {state}")]
+    Conflict { id: String, state: &'static str },
+    #[error("template {id} is in use by {users}")]
+    InUse { id: String, users: String },
+    #[error("{0}")]
+    Invalid(String),
+    #[error("a template or snapshot named {0} exists")]
+    NameTaken(String),
+    #[error("{0}")]
+    Unavailable(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the sandbox's disk: {0}")]
+    Disk(#[from] disk_layers::Error),
+    #[error("the sandbox's VMM: {0}")]
+    Vmm(#[from] ProcessError),
+    #[error("the sandbox's guest agent: {0}")]
+    Agent(#[from] AgentError),
+    #[error("a blocking task failed: {0}")]
+    Join(#[from] tokio::task::JoinError),
+    /// Its network slot (out of slots: 503; a refused policy: 400).
+    #[error("{0}")]
+    Network(#[from] crate::node::net::NetError),
+    #[error("the sandbox's cgroup: {0}")]
+    Cgroup(#[from] cgroup::Error),
+}
+
+impl From<LaunchError> for SandboxError {
+    fn from(e: LaunchError) -> SandboxError {
+        match e {
+            LaunchError::Vmm(e) => SandboxError::Vmm(e),
+            LaunchError::Network(e) => SandboxError::Network(e),
+            LaunchError::Cgroup(e) => SandboxError::Cgroup(e),
+        }
+    }
+}
+
+impl From<CapacityError> for SandboxError {
+    fn from(e: CapacityError) -> SandboxError {
+        match e {
+            CapacityError::TooMany {
+                running,
+                asked,
+                max,
+            } => SandboxError::AtCapacity {
+                running,
+                asked,
+                max,
+            },
+            CapacityError::Short(s) => SandboxError::OverCapacity(s),
+            e @ (CapacityError::TeamSandboxes { .. } | CapacityError::TeamMemory { .. }) => {
+                SandboxError::TeamLimit(e.to_string())
+            }
+            CapacityError::Disk { path, source } => SandboxError::Io {
+                what: format!("reading the free space of {}", path.display()),
+                source,
+            },
+        }
+    }
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SandboxError {
+    let what = what.into();
+    move |source| SandboxError::Io { what, source }
+}
+
+/// fsyncs each of `files` (files or directories) off the async threads:
+/// before a record names them, they must be on disk.
+async fn sync_files(files: Vec<PathBuf>) -> Result<(), SandboxError> {
+    tokio::task::spawn_blocking(move || -> Result<(), SandboxError> {
+        for f in files {
+            std::fs::File::open(&f)
+                .and_then(|f| f.sync_all())
+                .map_err(io(format!("syncing {}", f.display())))?;
+        }
+        Ok(())
+    })
+    .await?
+}
+
+/// What a create asks for (already validated by the API).
+#[derive(Debug, Clone, Default)]
+pub struct CreateParams {
+    pub template_id: String,
+    pub timeout: Duration,
+    pub metadata: BTreeMap<String, String>,
+    pub env_vars: BTreeMap<String, String>,
+    /// Give the sandbox an envd access token and have envd require it.
+    pub secure: bool,
+    pub auto_pause: bool,
+    /// The timeout's pause keeps the memory (else the filesystem only).
+    pub auto_pause_memory: bool,
+    /// Its network policy (validated; no slot yet).
+    pub network: SandboxNetwork,
+    /// The team it belongs to (None: the default team).
+    pub team: Option<String>,
+}
+
+/// What a pause keeps (E2B's pause `memory` and `autoPauseMemory`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PauseMode {
+    /// Memory and devices in a snapshot, the disk flushed: the resume
+    /// continues where it stopped.
+    Full,
+    /// The disk only, flushed by the guest first: the resume cold-boots the
+    /// kernel on it (processes and memory are gone).
+    Filesystem,
+}
+
+/// How a resume brings a paused sandbox back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResumeMode {
+    /// From its memory snapshot when it has one, else cold.
+    Restore,
+    /// Cold-boots from its disk, whatever memory it kept (E2B's connect
+    /// with `memory: false`).
+    Reboot,
+}
+
+pub struct Manager {
+    config: Config,
+    store: Store,
+    pool: Arc<Pool>,
+    template: TemplateRecord,
+    /// Every sandbox of this node, running or paused (see [`live`]).
+    registry: Mutex<Registry>,
+    /// vCPUs, memory and slots held by running sandboxes and by creates,
+    /// resumes and fork children under way.
+    capacity: Arc<Capacity>,
+    /// Templates creates are restoring right now (not yet recorded in a
+    /// sandbox): a delete waits for them to finish.
+    pins: Mutex<HashMap<String, usize>>,
+    /// Held shared by every change that writes files before its record says
+    /// so; the garbage collector runs only when it can hold it alone.
+    activity: tokio::sync::RwLock<()>,
+    /// Sandboxes removed because their VMM exited by itself.
+    vmm_exits: AtomicU64,
+    /// What the memory pressure monitor saw and did.
+    pressure: Mutex<crate::node::pressure::PressureStats>,
+    /// Templates whose working set a sandbox is recording now.
+    recording: Mutex<HashSet<String>>,
+    /// Templates a build is writing under `templates/` outside
+    /// [`Manager::activity`], until their records are committed (see
+    /// [`Manager::writing_template`]).
+    writing: Mutex<HashMap<String, usize>>,
+    /// This manager, for the tasks that watch its VMMs.
+    me: Weak<Manager>,
+}
+
+impl Manager {
+    /// A manager with the capacity `config` and the host allow.
+    pub fn new(
+        config: Config,
+        store: Store,
+        pool: Arc<Pool>,
+        template: TemplateRecord,
+    ) -> Arc<Manager> {
+        let capacity = Capacity::for_config(&config);
+        Manager::with_capacity(config, store, pool, capacity, template)
+    }
+
+    /// A manager whose sandboxes draw on `capacity` (shared with what
+    /// launched guests before it, such as the base template's build).
+    pub fn with_capacity(
+        config: Config,
+        store: Store,
+        pool: Arc<Pool>,
+        capacity: Arc<Capacity>,
+        template: TemplateRecord,
+    ) -> Arc<Manager> {
+        Arc::new_cyclic(|me| Manager {
+            config,
+            store,
+            pool,
+            template,
+            registry: Mutex::new(Registry::default()),
+            capacity,
+            pins: Mutex::new(HashMap::new()),
+            activity: tokio::sync::RwLock::new(()),
+            vmm_exits: AtomicU64::new(0),
+            pressure: Mutex::default(),
+            recording: Mutex::default(),
+            writing: Mutex::default(),
+            me: me.clone(),
+        })
+    }
+
+    fn registry(&self) -> std::sync::MutexGuard<'_, Registry> {
+        self.registry.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The sandbox `id` of this node. One recorded but not registered yet
+    /// (recorded by hand, or read before [`Manager::recover`] got to it) is
+    /// registered in its recorded state, without a VMM: a kill removes the
+    /// record before it leaves the registry, so none comes back this way.
+    fn sandbox(&self, id: &str) -> Result<Arc<Sandbox>, SandboxError> {
+        if let Some(sandbox) = self.registry().get(id) {
+            return Ok(sandbox);
+        }
+        let record = self.get(id)?;
+        let phase = match record.state {
+            SandboxState::Running => Phase::Running,
+            SandboxState::Paused => Phase::Paused,
+        };
+        let mut registry = self.registry();
+        registry.insert(Sandbox::of_record(&record, phase));
+        registry
+            .get(id)
+            .ok_or_else(|| SandboxError::NotFound(id.to_owned()))
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    pub fn template(&self) -> &TemplateRecord {
+        &self.template
+    }
+
+    pub fn capacity(&self) -> &Arc<Capacity> {
+        &self.capacity
+    }
+
+    /// Sandboxes removed since the start because their VMM exited by itself.
+    pub fn vmm_exits(&self) -> u64 {
+        self.vmm_exits.load(Ordering::Relaxed)
+    }
+
+    /// Puts `launched` in as `sandbox`'s running guest (by the holder of its
+    /// `guest` lock) and watches its VMM process: one that ends while it is
+    /// still this sandbox's guest died by itself (see [`Manager::vmm_exited`]).
+    fn run_guest(
+        &self,
+        sandbox: &Sandbox,
+        guest: &mut Option<Launched>,
+        launched: Launched,
+    ) -> Result<(), SandboxError> {
+        let watch = launched.vm.exit_watch();
+        let vmm = (launched.vm.pid(), launched.vm.dir().to_owned());
+        sandbox.run(guest, launched)?;
+        match watch {
+            Ok(watch) => {
+                let (me, id) = (self.me.clone(), sandbox.id.clone());
+                tokio::spawn(async move {
+                    if let Err(e) = watch.exited().await {
+                        tracing::warn!("sandbox {id}: watching its VMM: {e}");
+                        return;
+                    }
+                    if let Some(manager) = me.upgrade() {
+                        manager.vmm_exited(&id, vmm.0, &vmm.1).await;
+                    }
+                });
+            }
+            Err(e) => tracing::warn!(
+                "sandbox {}: its VMM is not watched ({e}): an exit goes unnoticed",
+                sandbox.id
+            ),
+        }
+        Ok(())
+    }
+
+    /// The VMM (`pid` in `dir`) of sandbox `id` ended. If it is still the
+    /// sandbox's guest once no change holds the sandbox (a kill or pause
+    /// takes it out before stopping it), it died by itself: the sandbox is
+    /// removed as a kill would (record, capacity, files), as E2B's
+    /// orchestrator removes a sandbox whose VM process ended, so the API
+    /// answers 404 and the proxy 502 "not found" rather than a running
+    /// sandbox nothing serves.
+    async fn vmm_exited(&self, id: &str, pid: u32, dir: &Path) {
+        let _busy = self.activity.read().await;
+        let Some(sandbox) = self.registry().get(id) else {
+            return;
+        };
+        // Not its VMM any more (a pause or kill stops the VMM after taking
+        // it out): no need to wait for its lock. Taken here, if only for a
+        // moment after the pause answers, it would turn its owner's next
+        // change (a fork of the paused sandbox) into a 409.
+        if sandbox
+            .probe()
+            .is_none_or(|p| p.pid() != pid || p.dir() != dir)
+        {
+            return;
+        }
+        let mut guest = sandbox.guest.lock().await;
+        let Some(launched) = guest
+            .as_mut()
+            .filter(|l| l.vm.pid() == pid && l.vm.dir() == dir)
+        else {
+            return;
+        };
+        let status = match launched.vm.wait_exit(Duration::from_secs(1)).await {
+            Ok(status) => status.to_string(),
+            Err(_) => "status unknown".into(),
+        };
+        let log = launched.vm.vmm_log();
+        let tail: Vec<&str> = log.lines().rev().take(10).collect();
+        self.vmm_exits.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            "sandbox {id}: its VMM (pid {pid}) exited by itself ({status}); removing the sandbox. \
+             VMM log, last lines:\n{}",
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        );
+        if let Err(e) = self.remove(id, Some(&sandbox), Some(guest)).await {
+            tracing::warn!("sandbox {id}: removing it after its VMM exited: {e}");
+        }
+    }
+
+    /// Sandboxes with a VMM up (running, or changing with one).
+    pub fn live_count(&self) -> usize {
+        self.registry()
+            .all()
+            .iter()
+            .filter(|s| s.probe().is_some())
+            .count()
+    }
+
+    /// The phase of sandbox `id` on this node.
+    pub fn phase(&self, id: &str) -> Option<Phase> {
+        self.registry().get(id).map(|s| s.phase())
+    }
+
+    fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.config.sandboxes_dir().join(id)
+    }
+
+    /// Kills sandboxes whose time is up, every [`REAP_EVERY`].
+    pub fn start_reaper(self: Arc<Self>) {
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(REAP_EVERY).await;
+                self.reap_expired().await;
+            }
+        });
+    }
+
+    pub async fn reap_expired(&self) {
+        let now = now_ms();
+        let all = match self.store.sandboxes() {
+            Ok(all) => all,
+            Err(e) => {
+                tracing::warn!("looking for expired sandboxes: {e}");
+                return;
+            }
+        };
+        // Paused by the node, not its owner: its clock ran on, and at its
+        // end it gets what its timeout would have done.
+        for s in all.iter().filter(|s| {
+            s.state == SandboxState::Paused
+                && s.pause_reason == Some(PauseReason::MemoryPressure)
+                && s.end_at_ms <= now
+        }) {
+            self.timeout_while_paused_by_pressure(s).await;
+        }
+        let expired: Vec<(String, Option<PauseMode>)> = all
+            .into_iter()
+            .filter(|s| s.state == SandboxState::Running && s.end_at_ms <= now)
+            .map(|s| {
+                let mode = match s.auto_pause_memory {
+                    true => PauseMode::Full,
+                    false => PauseMode::Filesystem,
+                };
+                (s.id, s.auto_pause.then_some(mode))
+            })
+            .collect();
+        for (id, auto_pause) in expired {
+            if let Some(mode) = auto_pause {
+                tracing::info!("sandbox {id}: timeout reached, pausing it ({mode:?})");
+                match self.pause_for(&id, mode, PauseReason::Timeout).await {
+                    Ok(_) | Err(SandboxError::Conflict { .. }) => continue,
+                    Err(e) => tracing::warn!("sandbox {id}: pausing at timeout: {e}; killing it"),
+                }
+            } else {
+                tracing::info!("sandbox {id}: timeout reached, killing it");
+            }
+            if let Err(e) = self.kill(&id).await {
+                tracing::warn!("sandbox {id}: killing at timeout: {e}");
+            }
+        }
+    }
+
+    /// Launches `plan` as the guest of the new sandbox `id` (in the registry
+    /// while it starts, so a kill waits for it) and records it with
+    /// `record` once it is up: the one place a new sandbox comes to be
+    /// (creates and fork children).
+    async fn start_sandbox(
+        &self,
+        vmm: Option<launch::Taken>,
+        plan: Plan,
+        record: impl FnOnce(&Launched) -> SandboxRecord,
+        token: Option<String>,
+        ingress: crate::http::proxy::Ingress,
+        id: &str,
+    ) -> Result<SandboxRecord, SandboxError> {
+        let sandbox = Sandbox::new(id.to_owned(), token, ingress, Phase::Starting);
+        let mut guest = sandbox.guest.lock().await;
+        if !self.registry().insert(sandbox.clone()) {
+            return Err(SandboxError::Invalid(format!("sandbox id {id} is taken")));
+        }
+        let started = async {
+            let mut launched = launch::launch_in(&self.pool, vmm, plan).await?;
+            let mut record = record(&launched);
+            record.network.slot = launched.net_slot();
+            self.store.put_sandbox(&record)?;
+            launched.settle_disk();
+            Ok::<_, SandboxError>((launched, record))
+        }
+        .await;
+        match started {
+            Ok((launched, record)) => {
+                self.run_guest(&sandbox, &mut guest, launched)?;
+                Ok(record)
+            }
+            Err(e) => {
+                self.registry().remove(id);
+                sandbox.set_phase(Phase::Gone)?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Restores the template into a pooled VMM with a fresh root layer,
+    /// initialises its agent and records the sandbox as running.
+    pub async fn create(&self, params: CreateParams) -> Result<SandboxRecord, SandboxError> {
+        let _busy = self.activity.read().await;
+        let (template, _pin) = self.pin_template(&params.template_id)?;
+        // Held before the slow restore; given back if the create fails.
+        let hold = self.capacity.reserve_for(
+            Ask::sandbox(u64::from(template.vcpus), template.mem_mib),
+            "a sandbox",
+            Some(crate::node::tenants::team_or_default(
+                params.team.as_deref(),
+            )),
+        )?;
+        let id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
+        let r = self.create_inner(&id, &template, params, hold).await;
+        match &r {
+            Ok(_) => self.record_working_set(&template, &id),
+            Err(_) => {
+                let _ = std::fs::remove_dir_all(self.sandbox_dir(&id));
+            }
+        }
+        r
+    }
+
+    async fn create_inner(
+        &self,
+        id: &str,
+        template: &TemplateRecord,
+        params: CreateParams,
+        hold: Reservation,
+    ) -> Result<SandboxRecord, SandboxError> {
+        if template.net_abi.is_some() && self.pool.net().is_none() {
+            return Err(SandboxError::Unavailable(format!(
+                "template {} was made with a network interface and this node runs without \
+                 networking (--no-network): rebuild it here",
+                template.id
+            )));
+        }
+        let dir = self.sandbox_dir(id);
+        std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
+        let root = dir.join(ROOT_LAYER);
+        let (base, top) = (template.root_layer.clone(), root.clone());
+        tokio::task::spawn_blocking(move || LayeredDisk::create(&base, &top).map(drop)).await??;
+
+        let access_token = if params.secure {
+            Some(ids::token().map_err(io("generating an access token"))?)
+        } else {
+            None
+        };
+        // A snapshot's environment stays; the create's own variables win.
+        let mut env_vars = template.env_vars.clone();
+        env_vars.extend(params.env_vars);
+        let mut init = AgentInit::after_restore()?;
+        init.access_token = access_token.clone();
+        init.env_vars = Some(env_vars.clone());
+        let plan = Plan {
+            guest: Guest::Restore(self.restore_onto(
+                &template.snapshot,
+                &template.mem,
+                &root,
+                working_set::file_of(template),
+            )),
+            // A snapshot's agent still holds its source's token until this init.
+            ready: Ready::Init {
+                init: Box::new(init),
+                token: template.agent_token.clone(),
+            },
+            hold,
+            timeout: AGENT_TIMEOUT,
+            egress: params.network.policy.clone(),
+            lineage: self.lineage(
+                &dir,
+                &template.uses_dirs,
+                &template.uses_snapshots,
+                &template.id,
+            ),
+        };
+
+        let ingress = params.network.ingress.clone();
+        let mut uses_snapshots = template.uses_snapshots.clone();
+        // Its memory maps the template's file: only base is never deleted.
+        if template.id != self.template.id {
+            uses_snapshots.push(template.id.clone());
+        }
+        let record = |launched: &Launched| {
+            let started = now_ms();
+            SandboxRecord {
+                id: id.to_owned(),
+                template_id: template.id.clone(),
+                alias: Some(template.names.first().unwrap_or(&template.id).clone()),
+                metadata: params.metadata,
+                env_vars,
+                access_token: access_token.clone(),
+                started_at_ms: started,
+                end_at_ms: started + params.timeout.as_millis() as u64,
+                state: SandboxState::Running,
+                cpu_count: u32::from(template.vcpus),
+                memory_mb: template.mem_mib,
+                disk_size_mb: template.disk_size_mb,
+                auto_pause: params.auto_pause,
+                auto_pause_memory: params.auto_pause_memory,
+                pause_generation: 0,
+                local_pause: None,
+                snapshot: None,
+                cold_booted: false,
+                root_layer: None,
+                has_dependents: false,
+                uses_snapshots,
+                uses_dirs: template
+                    .uses_dirs
+                    .iter()
+                    .cloned()
+                    .chain([dir.clone()])
+                    .collect(),
+                vmm_dir: Some(launched.vm.dir().to_owned()),
+                network: params.network,
+                pause_reason: None,
+                team: crate::node::tenants::stored_team(params.team.as_deref()),
+                cpu_template: template.cpu_template.clone(),
+            }
+        };
+        self.start_sandbox(None, plan, record, access_token.clone(), ingress, id)
+            .await
+    }
+
+    /// A snapshot restored with `root` as the root disk, and `prefetch`, its
+    /// working set, populated after the load.
+    fn restore_onto(
+        &self,
+        state: &std::path::Path,
+        mem: &std::path::Path,
+        root: &std::path::Path,
+        prefetch: Option<PathBuf>,
+    ) -> Restore {
+        Restore {
+            state: state.to_owned(),
+            mem: mem.to_owned(),
+            drives: vec![DriveOverride {
+                drive_id: self.template.root_drive_id.clone(),
+                path_on_host: root.display().to_string(),
+            }],
+            prefetch,
+        }
+    }
+
+    /// Pauses a running sandbox. [`PauseMode::Full`]: its memory and devices
+    /// into a snapshot in its directory (a diff over what it was restored
+    /// from), its disk flushed; [`PauseMode::Filesystem`]: its guest flushes
+    /// its disk, and nothing else is kept. Then its VMM stops; the store says
+    /// `paused` once all is on disk.
+    pub async fn pause(&self, id: &str, mode: PauseMode) -> Result<SandboxRecord, SandboxError> {
+        self.pause_for(id, mode, PauseReason::Request).await
+    }
+
+    /// [`Manager::pause`] for `reason`. A pause for memory pressure gives
+    /// way to a request that reached the sandbox meanwhile; a pause its
+    /// owner asks for of a sandbox the node paused for memory pressure
+    /// makes that pause the owner's (it stays paused, and no request
+    /// resumes it by itself any more).
+    async fn pause_for(
+        &self,
+        id: &str,
+        mode: PauseMode,
+        reason: PauseReason,
+    ) -> Result<SandboxRecord, SandboxError> {
+        let _busy = self.activity.read().await;
+        let sandbox = self.sandbox(id)?;
+        let Ok(mut guest) = sandbox.guest.try_lock() else {
+            return Err(live::busy(id));
+        };
+        match sandbox.phase() {
+            Phase::Running => {}
+            Phase::Paused if reason == PauseReason::Request => {
+                let mut taken = false;
+                let record = self.store.update_sandbox(id, |s| {
+                    if s.pause_reason == Some(PauseReason::MemoryPressure) {
+                        s.pause_reason = Some(PauseReason::Request);
+                        taken = true;
+                    }
+                })?;
+                if let (true, Some(record)) = (taken, record) {
+                    return Ok(record);
+                }
+                return Err(SandboxError::Conflict {
+                    id: id.to_owned(),
+                    state: "already paused",
+                });
+            }
+            Phase::Paused => {
+                return Err(SandboxError::Conflict {
+                    id: id.to_owned(),
+                    state: "already paused",
+                });
+            }
+            other => return Err(other.refusal(id)),
+        }
+        let record = self.get(id)?;
+        let Some(launched) = guest.as_ref() else {
+            return Err(Phase::Gone.refusal(id));
+        };
+        // The proxy answers "not found" while it pauses.
+        sandbox.set_phase(Phase::Pausing)?;
+        // Checked once no new request can reach it (the proxy counts a
+        // request before it looks for the guest): one that came first wins.
+        if reason == PauseReason::MemoryPressure && sandbox.in_flight() > 0 {
+            sandbox.set_phase(Phase::Running)?;
+            return Err(live::busy(id));
+        }
+        let dir = self.sandbox_dir(id);
+        let generation = record.pause_generation + 1;
+        let written = match mode {
+            PauseMode::Full => self.write_memory(&record, launched, generation).await,
+            PauseMode::Filesystem => self.flush_guest_disk(&record, launched).await,
+        };
+        let snapshot = match written {
+            Ok(snapshot) => snapshot,
+            Err(e) => {
+                let _ = launched.vm.resume().await;
+                sandbox.set_phase(Phase::Running)?;
+                return Err(e);
+            }
+        };
+        // The VMM stays (paused) until the record says paused: a pause that
+        // cannot be committed resumes the sandbox instead of stranding it.
+        let mut files = vec![self.root_layer(&record), dir.clone()];
+        if let Some(s) = &snapshot {
+            files.extend([s.state.clone(), s.mem.clone()]);
+        }
+        let committed = match sync_files(files).await {
+            Ok(()) => {
+                crate::node::crash::point("pause.written");
+                self.store
+                    .update_sandbox(id, |s| {
+                        s.state = SandboxState::Paused;
+                        s.pause_reason = Some(reason);
+                        s.pause_generation = generation;
+                        s.snapshot = snapshot;
+                        s.cold_booted = false;
+                        s.vmm_dir = None;
+                        // Its slot goes back with its VMM; a resume takes another.
+                        s.network.slot = None;
+                    })
+                    .map_err(SandboxError::from)
+            }
+            Err(e) => Err(e),
+        };
+        match committed {
+            Ok(Some(paused)) => {
+                crate::node::crash::point("pause.committed");
+                sandbox.set_phase(Phase::Paused)?;
+                if let Some(launched) = guest.take() {
+                    // Its last console lines, before the VMM's directory goes.
+                    self.observed(&sandbox)
+                        .follow(&launched.probe().console_path(), now_ms());
+                    launched.stop().await;
+                }
+                Ok(paused)
+            }
+            Ok(None) => Err(SandboxError::NotFound(id.to_owned())),
+            Err(e) => {
+                tracing::warn!("sandbox {id}: pause not committed ({e}); resuming it");
+                let _ = launched.vm.resume().await;
+                sandbox.set_phase(Phase::Running)?;
+                Err(e)
+            }
+        }
+    }
+
+    /// A full pause's snapshot of a running guest, which stays paused:
+    /// pausing the devices flushes the root layer (see the VMM's block
+    /// device), so disk and memory agree.
+    async fn write_memory(
+        &self,
+        record: &SandboxRecord,
+        launched: &Launched,
+        generation: u32,
+    ) -> Result<Option<PausedSnapshot>, SandboxError> {
+        let dir = self.sandbox_dir(&record.id);
+        // A pause that was not committed (the sandbox ran on, or the node
+        // died before its record) wrote these names, and the running guest's
+        // memory is mapped from that file: the next free names, never those.
+        let snapshot = (generation..=u32::MAX)
+            .map(|n| PausedSnapshot {
+                state: dir.join(format!("pause-{n}.state")),
+                mem: dir.join(format!("pause-{n}.mem")),
+            })
+            .find(|s| !s.state.exists() && !s.mem.exists())
+            .ok_or_else(|| SandboxError::Invalid("no free name for a pause's files".into()))?;
+        // A cold-booted guest's memory is in no file: all of it is written.
+        let kind = match record.cold_booted {
+            true => SnapshotType::Full,
+            false => SnapshotType::Diff,
+        };
+        launched
+            .vm
+            .snapshot(kind, &snapshot.state, &snapshot.mem)
+            .await?;
+        Ok(Some(snapshot))
+    }
+
+    /// A filesystem-only pause: the guest writes back what its page cache
+    /// holds (its agent must answer), then the VM stops; the VMM's pause
+    /// flushes the root layer.
+    async fn flush_guest_disk(
+        &self,
+        record: &SandboxRecord,
+        launched: &Launched,
+    ) -> Result<Option<PausedSnapshot>, SandboxError> {
+        let agent = launched
+            .vm
+            .agent()
+            .with_access_token(record.access_token.as_deref())
+            .with_timeout(GUEST_CHECK_TIMEOUT);
+        let synced = agent.run_argv("/bin/sh", &["-c", "sync"]).await;
+        match synced {
+            Ok(out) if out.exit_code == 0 => {}
+            Ok(out) => {
+                return Err(SandboxError::Unavailable(format!(
+                    "a filesystem-only pause needs the guest to flush its disk; `sync` exited {}: {}",
+                    out.exit_code,
+                    out.stderr.trim()
+                )));
+            }
+            Err(e) => {
+                return Err(SandboxError::Unavailable(format!(
+                    "a filesystem-only pause needs the guest agent to answer: {e}"
+                )));
+            }
+        }
+        launched.vm.pause().await?;
+        Ok(None)
+    }
+
+    /// Resumes a paused sandbox for `timeout`; returns it and whether it was
+    /// paused. A running sandbox only has its timeout extended (never
+    /// shortened). A resume waits for a change under way, so two resumes
+    /// restore once. One paused without memory, or resumed with
+    /// [`ResumeMode::Reboot`], cold-boots on its disk.
+    pub async fn resume(
+        &self,
+        id: &str,
+        timeout: Duration,
+        mode: ResumeMode,
+    ) -> Result<(SandboxRecord, bool), SandboxError> {
+        let end = now_ms() + timeout.as_millis() as u64;
+        let sandbox = self.sandbox(id)?;
+        if sandbox.phase() == Phase::Running {
+            return Ok((self.extend_to(id, end)?, false));
+        }
+        let _busy = self.activity.read().await;
+        let mut guest = sandbox.guest.lock().await;
+        match sandbox.phase() {
+            Phase::Running => return Ok((self.extend_to(id, end)?, false)),
+            Phase::Paused => {}
+            other => return Err(other.refusal(id)),
+        }
+        let record = self.get(id)?;
+        let restore = match mode {
+            ResumeMode::Restore => record.snapshot.clone(),
+            ResumeMode::Reboot => None,
+        };
+        sandbox.set_phase(Phase::Resuming)?;
+        let restored = async {
+            let hold = self.capacity.reserve_for(
+                Ask::sandbox(u64::from(record.cpu_count), record.memory_mb),
+                &format!("resuming sandbox {id}"),
+                Some(record.team()),
+            )?;
+            let root = self.root_layer(&record);
+            let plan = match &restore {
+                Some(snapshot) => Plan {
+                    guest: Guest::Restore(self.restore_onto(
+                        &snapshot.state,
+                        &snapshot.mem,
+                        &root,
+                        None,
+                    )),
+                    ready: Ready::Init {
+                        init: Box::new(AgentInit::after_restore()?),
+                        token: record.access_token.clone(),
+                    },
+                    hold,
+                    timeout: AGENT_TIMEOUT,
+                    egress: record.network.policy.clone(),
+                    lineage: self.record_lineage(&record),
+                },
+                None => self.cold_boot(&record, &root, hold)?,
+            };
+            let mut launched = launch::launch(&self.pool, plan).await?;
+            let r = self
+                .store
+                .update_sandbox(id, |s| {
+                    s.state = SandboxState::Running;
+                    s.pause_reason = None;
+                    s.end_at_ms = end;
+                    s.cold_booted = restore.is_none();
+                    if restore.is_none() {
+                        // Booted afresh, under this node's CPU template.
+                        s.cpu_template = self.config.cpu_template_name();
+                    }
+                    s.vmm_dir = Some(launched.vm.dir().to_owned());
+                    s.network.slot = launched.net_slot();
+                })?
+                .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
+            launched.settle_disk();
+            Ok::<_, SandboxError>((launched, r))
+        }
+        .await;
+        match restored {
+            Ok((launched, r)) => {
+                self.run_guest(&sandbox, &mut guest, launched)?;
+                Ok((r, true))
+            }
+            Err(e) => {
+                sandbox.set_phase(Phase::Paused)?;
+                Err(e)
+            }
+        }
+    }
+
+    /// The plan that boots the node's kernel on a sandbox's disk: a fresh
+    /// guest whose agent gets the sandbox's token and environment.
+    fn cold_boot(
+        &self,
+        record: &SandboxRecord,
+        root: &std::path::Path,
+        hold: Reservation,
+    ) -> Result<Plan, SandboxError> {
+        let vcpus = u8::try_from(record.cpu_count)
+            .map_err(|_| SandboxError::Invalid(format!("{} vCPUs", record.cpu_count)))?;
+        let mut init = AgentInit::after_restore()?;
+        init.access_token = record.access_token.clone();
+        init.env_vars = Some(record.env_vars.clone());
+        Ok(Plan {
+            guest: Guest::Boot(GuestSpec {
+                kernel: self.template.kernel.clone(),
+                boot_args: Some(launch::BOOT_ARGS.into()),
+                vcpus,
+                mem_mib: record.memory_mb,
+                drives: vec![Drive::new(
+                    self.template.root_drive_id.clone(),
+                    root.display().to_string(),
+                    true,
+                    false,
+                )],
+                vsock: true,
+                // The node's, set by the launch.
+                cpu_template: None,
+            }),
+            // A booted agent has no token until this init.
+            ready: Ready::Init {
+                init: Box::new(init),
+                token: None,
+            },
+            hold,
+            timeout: BOOT_TIMEOUT,
+            egress: record.network.policy.clone(),
+            lineage: self.record_lineage(record),
+        })
+    }
+
+    /// The writable layer of a sandbox's root disk.
+    fn root_layer(&self, record: &SandboxRecord) -> PathBuf {
+        record
+            .root_layer
+            .clone()
+            .unwrap_or_else(|| self.sandbox_dir(&record.id).join(ROOT_LAYER))
+    }
+
+    pub fn get(&self, id: &str) -> Result<SandboxRecord, SandboxError> {
+        self.store
+            .sandbox(id)?
+            .ok_or_else(|| SandboxError::NotFound(id.to_owned()))
+    }
+
+    pub fn list(&self) -> Result<Vec<SandboxRecord>, SandboxError> {
+        Ok(self.store.sandboxes()?)
+    }
+
+    /// Stops the sandbox's VMM and removes its files and record; waits for
+    /// a change under way to end first.
+    pub async fn kill(&self, id: &str) -> Result<(), SandboxError> {
+        // The collector must not see the record and then miss its files.
+        let _busy = self.activity.read().await;
+        let sandbox = self.registry().get(id);
+        let guest = match &sandbox {
+            Some(s) => Some(s.guest.lock().await),
+            None => None,
+        };
+        self.remove(id, sandbox.as_ref(), guest).await
+    }
+
+    /// What a kill does once it holds `sandbox`'s `guest` lock (and the
+    /// activity lock shared): stops the VMM, removes record, registration
+    /// and files.
+    async fn remove(
+        &self,
+        id: &str,
+        sandbox: Option<&Arc<Sandbox>>,
+        mut guest: Option<tokio::sync::MutexGuard<'_, Option<Launched>>>,
+    ) -> Result<(), SandboxError> {
+        let mut launched = None;
+        if let (Some(sandbox), Some(guest)) = (sandbox, guest.as_mut()) {
+            if sandbox.phase() == Phase::Gone {
+                return Err(SandboxError::NotFound(id.to_owned()));
+            }
+            sandbox.set_phase(Phase::Stopping)?;
+            launched = guest.take();
+        }
+        let record = self.store.sandbox(id);
+        let existed = self.store.remove_sandbox(id);
+        if let Some(sandbox) = sandbox {
+            self.registry().remove(id);
+            sandbox.set_phase(Phase::Gone)?;
+            // No more writes to its history: the observer may hold it still.
+            sandbox.observed().close();
+        }
+        drop(guest);
+        // Stopping the process first; then its files can go, unless forks
+        // still read them.
+        if let Some(launched) = launched {
+            launched.stop().await;
+        }
+        let (record, existed) = (record?, existed?);
+        if sandbox.is_none() && !existed {
+            return Err(SandboxError::NotFound(id.to_owned()));
+        }
+        // Its logs and metrics go with it; its files stay while others
+        // stack on them.
+        let mut dirs = vec![self.config.observe_dir().join(id)];
+        if !record.is_some_and(|r| r.has_dependents) {
+            dirs.push(self.sandbox_dir(id));
+        }
+        tokio::task::spawn_blocking(move || {
+            for dir in dirs {
+                if let Err(e) = std::fs::remove_dir_all(&dir)
+                    && e.kind() != std::io::ErrorKind::NotFound
+                {
+                    tracing::warn!("removing {}: {e}", dir.display());
+                }
+            }
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Sets a running sandbox to end `timeout` from now (shorter or longer).
+    /// A paused one is not found, as on E2B, whose timeout looks only among
+    /// the sandboxes its nodes run; but one the node paused for memory
+    /// pressure runs as far as its owner knows, and its clock runs on.
+    pub fn set_timeout(&self, id: &str, timeout: Duration) -> Result<SandboxRecord, SandboxError> {
+        let end = now_ms() + timeout.as_millis() as u64;
+        let mut paused = false;
+        let updated = self.store.update_sandbox(id, |s| {
+            paused = s.state == SandboxState::Paused
+                && s.pause_reason != Some(PauseReason::MemoryPressure);
+            if !paused {
+                s.end_at_ms = end;
+            }
+        })?;
+        match updated {
+            Some(record) if !paused => Ok(record),
+            _ => Err(SandboxError::NotFound(id.to_owned())),
+        }
+    }
+
+    /// Keeps a running sandbox alive at least `timeout` from now; a paused
+    /// one is a conflict (it has no clock running).
+    pub fn extend_timeout(
+        &self,
+        id: &str,
+        timeout: Duration,
+    ) -> Result<SandboxRecord, SandboxError> {
+        let record = self.get(id)?;
+        if record.state != SandboxState::Running
+            && record.pause_reason != Some(PauseReason::MemoryPressure)
+        {
+            return Err(SandboxError::Conflict {
+                id: id.to_owned(),
+                state: "paused",
+            });
+        }
+        self.extend_to(id, now_ms() + timeout.as_millis() as u64)
+    }
+
+    /// Moves the sandbox's end to `end_ms` unless it ends later already.
+    fn extend_to(&self, id: &str, end_ms: u64) -> Result<SandboxRecord, SandboxError> {
+        self.store
+            .update_sandbox(id, |s| s.end_at_ms = s.end_at_ms.max(end_ms))?
+            .ok_or_else(|| SandboxError::NotFound(id.to_owned()))
+    }
+
+    /// Sandboxes taking traffic with an access token: (id, token), for the
+    /// proxy's signed-URL fallback when a request names no sandbox.
+    pub fn serving_tokens(&self) -> Vec<(String, String)> {
+        self.registry()
+            .all()
+            .into_iter()
+            .filter(|s| s.phase().serves())
+            .filter_map(|s| Some((s.id.clone(), s.token.clone()?)))
+            .collect()
+    }
+
+    /// The sandbox taking traffic whose access token is `token`.
+    pub fn serving_by_token(&self, token: &str) -> Option<String> {
+        let sandbox = self.registry().by_token(token)?;
+        sandbox.phase().serves().then(|| sandbox.id.clone())
+    }
+
+    /// Whether a running sandbox's guest agent answers its health check now.
+    pub async fn guest_answers(&self, id: &str) -> bool {
+        let Some(vsock) = self.vsock_path(id) else {
+            return false;
+        };
+        let probe =
+            vmm_driver::vsock_connect::agent_health(&vsock, envd_proto::PORT, HEALTH_CHECK_TIMEOUT)
+                .await;
+        matches!(probe, Ok(204))
+    }
+
+    /// The vsock socket of a sandbox taking traffic, for the envd proxy.
+    pub fn vsock_path(&self, id: &str) -> Option<PathBuf> {
+        self.registry().get(id)?.serving_vsock()
+    }
+
+    /// What the port proxy demands of requests to sandbox `id`'s own ports.
+    pub fn ingress(&self, id: &str) -> Option<crate::http::proxy::Ingress> {
+        Some(self.registry().get(id)?.ingress.clone())
+    }
+}

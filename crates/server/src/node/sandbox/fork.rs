@@ -1,0 +1,458 @@
+//! Forks (`POST /sandboxes/{id}/fork`): a running sandbox's memory frozen
+//! once and shared copy-on-write, its root disk sealed and branched, one new
+//! sandbox per child.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vmm_api::ForkInfo;
+use vmm_driver::agent_client::AgentInit;
+use vmm_driver::process::{ProcessError, Restore};
+
+use super::live::{self, Phase};
+use super::{AGENT_TIMEOUT, Manager, SandboxError, io};
+use crate::node::capacity::{Ask, Reservation};
+use crate::node::clock::now_ms;
+use crate::node::ids;
+use crate::node::launch::{Guest, Plan, Ready, Taken};
+use crate::node::net::SandboxNetwork;
+use crate::node::store::{SandboxRecord, SandboxState};
+
+/// The layer a fork answer says drive `drive` of the forked VM writes to now.
+pub(super) fn new_layer(info: &ForkInfo, drive: &str) -> Result<PathBuf, SandboxError> {
+    info.parent
+        .iter()
+        .find(|d| d.drive_id == drive)
+        .map(|d| PathBuf::from(&d.path_on_host))
+        .ok_or_else(|| {
+            SandboxError::Invalid(format!(
+                "the VMM's fork answer names no new layer for drive {drive}"
+            ))
+        })
+}
+
+/// What a fork made.
+#[derive(Debug)]
+pub struct Forked {
+    /// One result per child, in order.
+    pub children: Vec<Result<SandboxRecord, SandboxError>>,
+    /// How long the parent's guest was stopped (the VMM's measure of its
+    /// freeze).
+    pub parent_paused: Duration,
+}
+
+/// A fork frozen on this node, as another node needs it to make children of
+/// its own (see the server's `crate::cluster::fork_across`).
+#[derive(Debug, Clone)]
+pub struct Frozen {
+    /// The parent's record after the fork.
+    pub parent: SandboxRecord,
+    /// The fork's VMM state.
+    pub state: PathBuf,
+    /// The memory files the state maps, base first, with the ranges it reads.
+    pub memory: Vec<vmm_driver::snapshot_state::MemoryLayer>,
+    /// The sealed root layer every child stacks on, then the layers below
+    /// it (the raw image at the bottom is not among them: `raw_base`).
+    pub disk: Vec<PathBuf>,
+    pub raw_base: Option<(PathBuf, u64)>,
+}
+
+/// Whether a fork's failure leaves the parent's VMM in doubt: only a
+/// request never sent, or one the VMM refused (a 4xx, before it froze
+/// anything), leaves it as it was.
+fn parent_unknown_after(e: &SandboxError) -> bool {
+    use vmm_driver::ClientError;
+    !matches!(
+        e,
+        SandboxError::Vmm(ProcessError::Api(ClientError::InvalidRequest(_)))
+            | SandboxError::Vmm(ProcessError::Api(ClientError::Api {
+                status: 400..=499,
+                ..
+            }))
+    )
+}
+
+impl Manager {
+    /// A new directory for a fork's files (frozen memory, state, every new
+    /// root layer): they are shared by parent and children, so they live
+    /// outside any one sandbox's directory.
+    pub(super) fn new_fork_dir(&self) -> Result<PathBuf, SandboxError> {
+        let dir = self
+            .config
+            .data_dir
+            .join("forks")
+            .join(ids::sandbox_id().map_err(io("generating a fork id"))?);
+        std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
+        Ok(dir)
+    }
+
+    /// Forks a running sandbox into `count` new ones that continue from its
+    /// current memory and disk (sandfork's `PUT /fork`: memory frozen once
+    /// and shared copy-on-write, the disk sealed and branched). The parent
+    /// runs on. Each child gets its own access token, `timeout` and the
+    /// parent's metadata; one result per child.
+    pub async fn fork(
+        self: &Arc<Self>,
+        id: &str,
+        count: u32,
+        timeout: Duration,
+    ) -> Result<Forked, SandboxError> {
+        let alone = None::<fn(Result<Frozen, SandboxError>, u32) -> std::future::Ready<()>>;
+        Ok(self.fork_spread(id, count, timeout, alone).await?.0)
+    }
+
+    /// [`Manager::fork`], where the children that do not fit on this node
+    /// (when `elsewhere` is given) are made by `elsewhere` from the frozen
+    /// fork: it is called with the fork (or why its files could not be
+    /// listed) and how many children it is to make, while this node's
+    /// children start, and its answer returned beside theirs (None when all
+    /// fit here, and it is not called). Without `elsewhere`, all children
+    /// fit here or none is made.
+    pub async fn fork_spread<R>(
+        self: &Arc<Self>,
+        id: &str,
+        count: u32,
+        timeout: Duration,
+        elsewhere: Option<impl AsyncFnOnce(Result<Frozen, SandboxError>, u32) -> R>,
+    ) -> Result<(Forked, Option<R>), SandboxError> {
+        let _busy = self.activity.read().await;
+        let sandbox = self.sandbox(id)?;
+        let Ok(guest) = sandbox.guest.try_lock() else {
+            return Err(live::busy(id));
+        };
+        if sandbox.phase() != Phase::Running {
+            return Err(sandbox.phase().refusal(id));
+        }
+        let parent = self.get(id)?;
+        // All children or none on one node: they come from one freeze of
+        // the parent, and a caller asking for N should not get fewer that
+        // happened to fit. In a cluster, those that do not fit go to other
+        // nodes. Disk: the frozen memory, and room for a pause as a create
+        // checks (the children share the frozen memory; their pauses later
+        // write what each changed, as any sandbox's do).
+        let child = Ask::sandbox(u64::from(parent.cpu_count), parent.memory_mb);
+        let reserve = |n: u32| {
+            self.capacity.reserve_for(
+                Ask {
+                    disk_mib: parent.memory_mb.saturating_mul(2),
+                    ..child.times(u64::from(n))
+                },
+                &format!(
+                    "a fork of {n} {}",
+                    if n == 1 { "child" } else { "children" }
+                ),
+                Some(parent.team()),
+            )
+        };
+        let (mut slots, local) = match reserve(count) {
+            Ok(slots) => (slots, count),
+            Err(all) if elsewhere.is_some() => {
+                let mut fitted = None;
+                for n in (0..count).rev() {
+                    if let Ok(slots) = reserve(n) {
+                        fitted = Some((slots, n));
+                        break;
+                    }
+                }
+                fitted.ok_or(all)?
+            }
+            Err(all) => return Err(all.into()),
+        };
+        let elsewhere = elsewhere.filter(|_| local < count);
+        let child = Ask {
+            disk_mib: 0,
+            ..child
+        };
+        let Some(launched) = guest.as_ref() else {
+            return Err(Phase::Gone.refusal(id));
+        };
+        // The layer the fork seals (the parent's writable one until now).
+        let sealed = self.root_layer(&parent);
+        let fork_dir = self.new_fork_dir()?;
+        // Every child's VMM first, from the pool or started in parallel,
+        // while the parent runs on: it then stops only for the freeze, and
+        // the children load the frozen state at once.
+        let started = Instant::now();
+        let vmms = self
+            .pool
+            .take_many(local as usize, &parent.network.policy)
+            .await;
+        let vmms_ready = started.elapsed();
+        sandbox.set_phase(Phase::Forking)?;
+        // The VMM makes at least one child's layer: with none here, one
+        // unused (removed below).
+        let forked = launched.vm.fork(&fork_dir, local.max(1)).await;
+        if forked.is_ok() {
+            crate::node::crash::point("fork.frozen");
+        }
+        sandbox.set_phase(Phase::Running)?;
+        let recorded = forked.map_err(SandboxError::from).and_then(|info| {
+            // The parent now writes to its new layer and its old one is
+            // sealed under every child: its directory must outlive it.
+            let parent_root = new_layer(&info, &self.template.root_drive_id)?;
+            let parent = self
+                .store
+                .update_sandbox(id, |s| {
+                    s.root_layer = Some(parent_root);
+                    s.has_dependents = true;
+                    s.uses_dirs.push(fork_dir.clone());
+                })?
+                .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
+            Ok((info, parent))
+        });
+        let (info, parent) = match recorded {
+            Ok(r) => r,
+            Err(e) => {
+                // A VMM that failed inside the fork (or answered what was
+                // not asked) may have moved the parent onto files in the
+                // fork's directory, which goes now: the node cannot vouch
+                // for the parent's disk or memory, so it is stopped.
+                let e = if parent_unknown_after(&e) {
+                    tracing::error!("sandbox {id}: its fork failed inside its VMM ({e}): stopped");
+                    let stopped = self.remove(id, Some(&sandbox), Some(guest)).await;
+                    SandboxError::Unavailable(format!(
+                        "{e}; the sandbox was stopped (its disk and memory are in doubt){}",
+                        stopped.err().map(|s| format!(": {s}")).unwrap_or_default()
+                    ))
+                } else {
+                    e
+                };
+                let _ = std::fs::remove_dir_all(&fork_dir);
+                // Stopping VMMs blocks: off the async threads.
+                let _ = tokio::task::spawn_blocking(move || drop(vmms)).await;
+                return Err(e);
+            }
+        };
+        if local == 0 {
+            for drive in info.children.iter().flatten() {
+                let _ = std::fs::remove_file(&drive.path_on_host);
+            }
+        }
+        let parent_paused = Duration::from_micros(info.paused_us);
+        tracing::info!(
+            "sandbox {id}: forked into {local} here{}: the parent was paused {:.1} ms; the \
+             children's VMMs were ready after {} ms",
+            if local < count {
+                format!(" and {} elsewhere", count - local)
+            } else {
+                String::new()
+            },
+            parent_paused.as_secs_f64() * 1000.0,
+            vmms_ready.as_millis()
+        );
+        // The children start without the parent: it may change meanwhile.
+        drop(guest);
+
+        let remote = async {
+            let elsewhere = elsewhere?;
+            Some(elsewhere(frozen(&info, &parent, &sealed).await, count - local).await)
+        };
+        let mut results: Vec<Option<Result<SandboxRecord, SandboxError>>> =
+            (0..local).map(|_| None).collect();
+        let mut tasks = tokio::task::JoinSet::new();
+        for (index, vmm) in vmms.into_iter().enumerate() {
+            let slot = slots.split(child);
+            let vmm = match vmm {
+                Ok(vmm) => vmm,
+                Err(e) => {
+                    results[index] = Some(Err(e.into()));
+                    continue;
+                }
+            };
+            let manager = self.clone();
+            let (info, parent) = (info.clone(), parent.clone());
+            tasks.spawn(async move {
+                let r = manager
+                    .fork_child(&parent, &info, index, timeout, slot, vmm)
+                    .await;
+                (index, r)
+            });
+        }
+        let here = async {
+            while let Some(done) = tasks.join_next().await {
+                match done {
+                    Ok((index, r)) => results[index] = Some(r),
+                    Err(e) => tracing::error!("a fork child task failed: {e}"),
+                }
+            }
+        };
+        let ((), remote) = tokio::join!(here, remote);
+        let children = results
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(SandboxError::Io {
+                        what: "starting a fork child".into(),
+                        source: std::io::Error::other("its task ended early"),
+                    })
+                })
+            })
+            .collect();
+        Ok((
+            Forked {
+                children,
+                parent_paused,
+            },
+            remote,
+        ))
+    }
+
+    async fn fork_child(
+        &self,
+        parent: &SandboxRecord,
+        info: &ForkInfo,
+        index: usize,
+        timeout: Duration,
+        hold: Reservation,
+        vmm: Taken,
+    ) -> Result<SandboxRecord, SandboxError> {
+        let id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
+        let dir = self.sandbox_dir(&id);
+        std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
+        let result = async {
+            let restore = Restore::fork_child(info, index).ok_or_else(|| {
+                SandboxError::Invalid(format!("the VMM's fork answer has no child {index}"))
+            })?;
+            let access_token = match parent.access_token {
+                Some(_) => Some(ids::token().map_err(io("generating an access token"))?),
+                None => None,
+            };
+            // Its own traffic token when the parent is private (E2B's is
+            // derived from the sandbox id).
+            let network = SandboxNetwork {
+                ingress: parent
+                    .network
+                    .ingress
+                    .for_child()
+                    .map_err(io("generating a traffic access token"))?,
+                ..parent.network.clone()
+            };
+            let ingress = network.ingress.clone();
+            let mut init = AgentInit::after_restore()?;
+            init.access_token = access_token.clone();
+            let root = restore
+                .drives
+                .iter()
+                .find(|d| d.drive_id == self.template.root_drive_id)
+                .map(|d| PathBuf::from(&d.path_on_host));
+            let plan = Plan {
+                guest: Guest::Restore(restore),
+                // The child's agent still holds the parent's token until this init.
+                ready: Ready::Init {
+                    init: Box::new(init),
+                    token: parent.access_token.clone(),
+                },
+                hold,
+                timeout: AGENT_TIMEOUT,
+                // Children keep the parent's policy (E2B's do).
+                egress: parent.network.policy.clone(),
+                lineage: self.lineage(
+                    &dir,
+                    &parent.uses_dirs,
+                    &parent.uses_snapshots,
+                    &parent.template_id,
+                ),
+            };
+            let record = |launched: &crate::node::launch::Launched| {
+                let started = now_ms();
+                SandboxRecord {
+                    id: id.clone(),
+                    access_token: access_token.clone(),
+                    started_at_ms: started,
+                    end_at_ms: started + timeout.as_millis() as u64,
+                    state: SandboxState::Running,
+                    pause_generation: 0,
+                    snapshot: None,
+                    // Its memory is the fork's file, whatever the parent's was.
+                    cold_booted: false,
+                    root_layer: root,
+                    has_dependents: false,
+                    uses_dirs: parent
+                        .uses_dirs
+                        .iter()
+                        .cloned()
+                        .chain([dir.clone()])
+                        .collect(),
+                    vmm_dir: Some(launched.vm.dir().to_owned()),
+                    network,
+                    // and the parent's `uses_snapshots`: its memory is below this fork's
+                    ..parent.clone()
+                }
+            };
+            self.start_sandbox(Some(vmm), plan, record, access_token.clone(), ingress, &id)
+                .await
+        }
+        .await;
+        if result.is_err() {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        result
+    }
+}
+
+/// What another node needs of the fork `info` of `parent`, whose sealed
+/// root layer is `sealed`.
+async fn frozen(
+    info: &ForkInfo,
+    parent: &SandboxRecord,
+    sealed: &std::path::Path,
+) -> Result<Frozen, SandboxError> {
+    let state = PathBuf::from(&info.snapshot_path);
+    let (parent, sealed) = (parent.clone(), sealed.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let memory = vmm_driver::snapshot_state::memory_layers(&state)
+            .map_err(|e| SandboxError::Unavailable(e.to_string()))?;
+        let (disk, raw_base) = super::moved::disk_files(&sealed)?;
+        Ok(Frozen {
+            parent,
+            state,
+            memory,
+            disk,
+            raw_base,
+        })
+    })
+    .await?
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use vmm_driver::ClientError;
+    use vmm_driver::process::ProcessError;
+
+    use super::{SandboxError, parent_unknown_after};
+
+    /// Only a fork the VMM refused, or never got, leaves the parent as it
+    /// was; an internal failure, a lost answer or an answer naming what was
+    /// not asked puts it in doubt.
+    #[test]
+    fn a_fork_failed_inside_the_vmm_puts_the_parent_in_doubt() {
+        let api = |status| {
+            SandboxError::Vmm(ProcessError::Api(ClientError::Api {
+                status,
+                fault_message: "no".into(),
+            }))
+        };
+        assert!(!parent_unknown_after(&api(400)));
+        assert!(!parent_unknown_after(&SandboxError::Vmm(
+            ProcessError::Api(ClientError::InvalidRequest("bad id".into()))
+        )));
+        assert!(parent_unknown_after(&api(500)));
+        assert!(parent_unknown_after(&SandboxError::Vmm(
+            ProcessError::NotAsked {
+                path: PathBuf::from("/elsewhere/layer")
+            }
+        )));
+        assert!(parent_unknown_after(&SandboxError::Vmm(ProcessError::Api(
+            ClientError::NoAnswer {
+                path: PathBuf::from("api.sock"),
+                method: vmm_driver::Method::PUT,
+                route: "/fork".into(),
+                waited: std::time::Duration::from_secs(60),
+            }
+        ))));
+        assert!(parent_unknown_after(&SandboxError::NotFound("x".into())));
+    }
+}

@@ -1,0 +1,456 @@
+//! Forks of what is not running (E2B's RL RFC, infra #3424 and #3441): a
+//! paused sandbox (`POST /sandboxes/{id}/fork` on a paused one) and a named
+//! snapshot (`POST /snapshots/{id}/fork`), each into `count` new sandboxes in
+//! one call, answered as a running sandbox's fork is (one result per child).
+//!
+//! A paused sandbox's memory is already in files (its last pause): the
+//! children restore that snapshot, as its own resume would. Its root layer
+//! is sealed here, on the host (no VMM holds it), and branched: the paused
+//! sandbox goes on in a fresh top layer of its own and stays paused and
+//! resumable; each child gets a top layer in its own directory. A snapshot's
+//! fork is `count` creates from it under one capacity reservation (all or
+//! none fit), started together.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use disk_layers::LayeredDisk;
+use vmm_driver::agent_client::AgentInit;
+
+use super::live::{self, Phase};
+use super::{AGENT_TIMEOUT, CreateParams, Manager, ROOT_LAYER, SandboxError, adopted_record, io};
+use crate::node::capacity::{Ask, Reservation};
+use crate::node::clock::now_ms;
+use crate::node::ids;
+use crate::node::launch::{Guest, Plan, Ready};
+use crate::node::net::SandboxNetwork;
+use crate::node::store::{PausedSnapshot, SandboxRecord, SandboxState};
+
+/// One result per child, in order, as a running sandbox's fork answers.
+pub type ForkResults = Vec<Result<SandboxRecord, SandboxError>>;
+
+/// What a snapshot's children get besides its memory and disk.
+#[derive(Debug, Clone, Default)]
+pub struct SnapshotForkParams {
+    pub timeout: Duration,
+    pub metadata: BTreeMap<String, String>,
+    /// The team the children belong to (None: the default team).
+    pub team: Option<String>,
+}
+
+/// A child whose task ended without an answer (it panicked).
+fn lost_child() -> SandboxError {
+    SandboxError::Io {
+        what: "starting a fork child".into(),
+        source: std::io::Error::other("its task ended early"),
+    }
+}
+
+/// Waits for every child task; each answers with its index.
+async fn collect(
+    mut tasks: tokio::task::JoinSet<(usize, Result<SandboxRecord, SandboxError>)>,
+    count: usize,
+) -> ForkResults {
+    let mut results: Vec<Option<Result<SandboxRecord, SandboxError>>> =
+        (0..count).map(|_| None).collect();
+    while let Some(done) = tasks.join_next().await {
+        match done {
+            Ok((index, r)) => results[index] = Some(r),
+            Err(e) => tracing::error!("a fork child task failed: {e}"),
+        }
+    }
+    results
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(lost_child())))
+        .collect()
+}
+
+/// A fork frozen on another node, its files copied here: what its
+/// children start from.
+#[derive(Debug, Clone)]
+pub struct CopiedFork {
+    /// The fork's VMM state, naming the memory files' copies.
+    pub state: PathBuf,
+    /// The last memory file it maps.
+    pub mem: PathBuf,
+    /// The copy of the sealed root layer the children stack on (its chain
+    /// copied below it).
+    pub sealed: PathBuf,
+}
+
+impl Manager {
+    /// `count` children of a fork frozen on another node, the parent's
+    /// record `parent` as that node keeps it: `place` copies the fork's
+    /// files, those the children share into the directory it is given (new,
+    /// and named by every child's record), and says where they are. Each
+    /// child gets a top layer of its own over the sealed copy, and starts
+    /// from the copied state as a paused sandbox's child does; `slots` holds
+    /// their capacity (one child's share each). One result per child.
+    pub async fn fork_copied(
+        self: &Arc<Self>,
+        parent: SandboxRecord,
+        count: u32,
+        timeout: Duration,
+        mut slots: Reservation,
+        place: impl AsyncFnOnce(&std::path::Path) -> Result<CopiedFork, SandboxError>,
+    ) -> Result<ForkResults, SandboxError> {
+        // Held to the end: the collector must not judge the fork's and the
+        // children's new directories before their records name them.
+        let _busy = self.activity.read().await;
+        let fork_dir = self.new_fork_dir()?;
+        let copied = match place(&fork_dir).await {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&fork_dir);
+                return Err(e);
+            }
+        };
+        // Nothing of the other node's paths: its directories, layers and
+        // snapshots are not here.
+        let parent = adopted_record(parent, &fork_dir, None);
+        let child = Ask::sandbox(u64::from(parent.cpu_count), parent.memory_mb);
+        let snapshot = PausedSnapshot {
+            state: copied.state,
+            mem: copied.mem,
+        };
+        let mut tasks = tokio::task::JoinSet::new();
+        for index in 0..count as usize {
+            let manager = self.clone();
+            let (parent, snapshot, sealed) =
+                (parent.clone(), snapshot.clone(), copied.sealed.clone());
+            let hold = slots.split(child);
+            tasks.spawn(async move {
+                let r = async {
+                    let child_id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
+                    let dir = manager.sandbox_dir(&child_id);
+                    std::fs::create_dir_all(&dir)
+                        .map_err(io(format!("creating {}", dir.display())))?;
+                    let top = dir.join(ROOT_LAYER);
+                    let made = {
+                        let top = top.clone();
+                        tokio::task::spawn_blocking(move || {
+                            LayeredDisk::create(&sealed, &top).map(drop)
+                        })
+                        .await
+                    };
+                    if let Err(e) = made
+                        .map_err(SandboxError::from)
+                        .and_then(|r| r.map_err(SandboxError::from))
+                    {
+                        let _ = std::fs::remove_dir_all(&dir);
+                        return Err(e);
+                    }
+                    manager
+                        .paused_child(&parent, &snapshot, child_id, top, timeout, hold)
+                        .await
+                }
+                .await;
+                (index, r)
+            });
+        }
+        let results = collect(tasks, count as usize).await;
+        if results.iter().all(Result::is_err) {
+            let _ = std::fs::remove_dir_all(&fork_dir);
+        }
+        Ok(results)
+    }
+
+    /// Forks the paused sandbox `id` into `count` new running sandboxes that
+    /// continue from its paused memory and disk; it stays paused (and
+    /// resumable, on a layer of its own). Each child gets its own access
+    /// token, `timeout` and the parent's metadata and network policy. A
+    /// sandbox paused without its memory is refused (409): there is no
+    /// state to continue from but its disk.
+    pub async fn fork_paused(
+        self: &Arc<Self>,
+        id: &str,
+        count: u32,
+        timeout: Duration,
+    ) -> Result<ForkResults, SandboxError> {
+        // Held to the end: the collector must not judge the children's new
+        // directories before their records name them.
+        let _busy = self.activity.read().await;
+        let sandbox = self.sandbox(id)?;
+        let Ok(guest) = sandbox.guest.try_lock() else {
+            return Err(live::busy(id));
+        };
+        match sandbox.phase() {
+            Phase::Paused => {}
+            Phase::Running => {
+                return Err(SandboxError::Conflict {
+                    id: id.to_owned(),
+                    state: "running (not paused)",
+                });
+            }
+            other => return Err(other.refusal(id)),
+        }
+        let parent = self.get(id)?;
+        let Some(snapshot) = parent.snapshot.clone() else {
+            return Err(SandboxError::Conflict {
+                id: id.to_owned(),
+                state: "paused without its memory (resume it to fork it)",
+            });
+        };
+        let child = Ask::sandbox(u64::from(parent.cpu_count), parent.memory_mb);
+        let mut slots = self.capacity.reserve_for(
+            child.times(u64::from(count)),
+            &format!(
+                "a fork of {count} {} of paused sandbox {id}",
+                if count == 1 { "child" } else { "children" }
+            ),
+            Some(parent.team()),
+        )?;
+
+        // New ids and directories first; the seal last, so a failure before
+        // it leaves the paused sandbox as it was.
+        let mut children = Vec::with_capacity(count as usize);
+        for _ in 0..count {
+            let child_id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
+            children.push(child_id);
+        }
+        let dirs: Vec<PathBuf> = children.iter().map(|c| self.sandbox_dir(c)).collect();
+        let remove_dirs = |dirs: &[PathBuf]| {
+            for d in dirs {
+                let _ = std::fs::remove_dir_all(d);
+            }
+        };
+        for d in &dirs {
+            if let Err(e) = std::fs::create_dir_all(d) {
+                remove_dirs(&dirs);
+                return Err(io(format!("creating {}", d.display()))(e));
+            }
+        }
+        let sealed = self.root_layer(&parent);
+        let own_top = self.sandbox_dir(id).join(format!(
+            "root-{}.layer",
+            ids::sandbox_id().map_err(io("generating a layer name"))?
+        ));
+        let tops: Vec<PathBuf> = dirs.iter().map(|d| d.join(ROOT_LAYER)).collect();
+        let branched = {
+            let (sealed, own_top, tops) = (sealed.clone(), own_top.clone(), tops.clone());
+            tokio::task::spawn_blocking(move || {
+                LayeredDisk::open(&sealed)?
+                    .seal_and_branch(&own_top, &tops)
+                    .map(drop)
+            })
+            .await
+        };
+        if let Err(e) = branched
+            .map_err(SandboxError::from)
+            .and_then(|r| r.map_err(SandboxError::from))
+        {
+            remove_dirs(&dirs);
+            return Err(e);
+        }
+        // Sealed: from here the paused sandbox must name its new layer, and
+        // its directory (the sealed layer, its pause's memory) outlive it.
+        let recorded = self.store.update_sandbox(id, |s| {
+            s.root_layer = Some(own_top.clone());
+            s.has_dependents = true;
+        });
+        let parent = match recorded {
+            Ok(Some(p)) => p,
+            Ok(None) => {
+                remove_dirs(&dirs);
+                return Err(SandboxError::NotFound(id.to_owned()));
+            }
+            Err(e) => {
+                tracing::error!(
+                    "sandbox {id}: its root layer {} is sealed but the record naming its new \
+                     layer {} was not written: {e}",
+                    sealed.display(),
+                    own_top.display()
+                );
+                remove_dirs(&dirs);
+                return Err(e.into());
+            }
+        };
+        // The children start without the parent: it may resume meanwhile
+        // (its pause files stay: a later pause stacks on them).
+        drop(guest);
+
+        let mut tasks = tokio::task::JoinSet::new();
+        for (index, (child_id, top)) in children.into_iter().zip(tops).enumerate() {
+            let manager = self.clone();
+            let (parent, snapshot) = (parent.clone(), snapshot.clone());
+            let hold = slots.split(child);
+            tasks.spawn(async move {
+                let r = manager
+                    .paused_child(&parent, &snapshot, child_id, top, timeout, hold)
+                    .await;
+                (index, r)
+            });
+        }
+        Ok(collect(tasks, count as usize).await)
+    }
+
+    /// Starts one child of a paused sandbox from its pause snapshot, on the
+    /// child's own top layer (already made, in its directory).
+    async fn paused_child(
+        &self,
+        parent: &SandboxRecord,
+        snapshot: &PausedSnapshot,
+        id: String,
+        root: PathBuf,
+        timeout: Duration,
+        hold: Reservation,
+    ) -> Result<SandboxRecord, SandboxError> {
+        let dir = self.sandbox_dir(&id);
+        let result = async {
+            let access_token = match parent.access_token {
+                Some(_) => Some(ids::token().map_err(io("generating an access token"))?),
+                None => None,
+            };
+            // Its own traffic token when the parent is private (E2B's is
+            // derived from the sandbox id).
+            let network = SandboxNetwork {
+                ingress: parent
+                    .network
+                    .ingress
+                    .for_child()
+                    .map_err(io("generating a traffic access token"))?,
+                ..parent.network.clone()
+            };
+            let ingress = network.ingress.clone();
+            let mut init = AgentInit::after_restore()?;
+            init.access_token = access_token.clone();
+            let plan = Plan {
+                guest: Guest::Restore(self.restore_onto(
+                    &snapshot.state,
+                    &snapshot.mem,
+                    &root,
+                    None,
+                )),
+                // The snapshot's agent holds the parent's token until this init.
+                ready: Ready::Init {
+                    init: Box::new(init),
+                    token: parent.access_token.clone(),
+                },
+                hold,
+                timeout: AGENT_TIMEOUT,
+                egress: parent.network.policy.clone(),
+                lineage: self.lineage(
+                    &dir,
+                    &parent.uses_dirs,
+                    &parent.uses_snapshots,
+                    &parent.template_id,
+                ),
+            };
+            let record = |launched: &crate::node::launch::Launched| {
+                let started = now_ms();
+                SandboxRecord {
+                    id: id.clone(),
+                    access_token: access_token.clone(),
+                    started_at_ms: started,
+                    end_at_ms: started + timeout.as_millis() as u64,
+                    state: SandboxState::Running,
+                    pause_generation: 0,
+                    snapshot: None,
+                    // Its memory maps the parent's pause files.
+                    cold_booted: false,
+                    root_layer: None,
+                    has_dependents: false,
+                    // The parent's directory holds its memory and disk below it.
+                    uses_dirs: parent
+                        .uses_dirs
+                        .iter()
+                        .cloned()
+                        .chain([dir.clone()])
+                        .collect(),
+                    vmm_dir: Some(launched.vm.dir().to_owned()),
+                    network,
+                    // and the parent's `uses_snapshots`: its pauses stack on them
+                    ..parent.clone()
+                }
+            };
+            self.start_sandbox(None, plan, record, access_token.clone(), ingress, &id)
+                .await
+        }
+        .await;
+        if result.is_err() {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        result
+    }
+
+    /// `count` new sandboxes from the snapshot `id_or_name` (an id or a
+    /// name, E2B's `:default` tag allowed), started together under one
+    /// reservation: all fit or none start. Each is a create from the
+    /// snapshot with `params`' timeout and metadata and the network its
+    /// source had when the snapshot was taken (rules and policy, a traffic
+    /// token of its own when private), as a running sandbox's children do.
+    pub async fn fork_snapshot(
+        self: &Arc<Self>,
+        id_or_name: &str,
+        count: u32,
+        params: SnapshotForkParams,
+    ) -> Result<ForkResults, SandboxError> {
+        let _busy = self.activity.read().await;
+        let (template, _pin) = self.pin_template(id_or_name)?;
+        if !template.is_snapshot() {
+            return Err(SandboxError::TemplateNotFound(format!(
+                "snapshot {id_or_name}"
+            )));
+        }
+        let child = Ask::sandbox(u64::from(template.vcpus), template.mem_mib);
+        let mut slots = self.capacity.reserve_for(
+            child.times(u64::from(count)),
+            &format!(
+                "a fork of {count} {} of snapshot {}",
+                if count == 1 { "child" } else { "children" },
+                template.id
+            ),
+            Some(crate::node::tenants::team_or_default(
+                params.team.as_deref(),
+            )),
+        )?;
+        let template = Arc::new(template);
+        let mut tasks = tokio::task::JoinSet::new();
+        for index in 0..count as usize {
+            let manager = self.clone();
+            let template = template.clone();
+            let (timeout, metadata, team) =
+                (params.timeout, params.metadata.clone(), params.team.clone());
+            let hold = slots.split(child);
+            tasks.spawn(async move {
+                let r = async {
+                    let network = match &template.source_network {
+                        Some(n) => SandboxNetwork {
+                            ingress: n
+                                .ingress
+                                .for_child()
+                                .map_err(io("generating a traffic access token"))?,
+                            slot: None,
+                            ..n.clone()
+                        },
+                        // Taken before snapshots kept their source's network.
+                        None => SandboxNetwork::default(),
+                    };
+                    let create = CreateParams {
+                        template_id: template.id.clone(),
+                        timeout,
+                        metadata,
+                        // As E2B's v2 creates: an envd access token for each.
+                        secure: true,
+                        auto_pause_memory: true,
+                        network,
+                        team,
+                        ..CreateParams::default()
+                    };
+                    let id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
+                    let r = manager.create_inner(&id, &template, create, hold).await;
+                    if r.is_err() {
+                        let _ = std::fs::remove_dir_all(manager.sandbox_dir(&id));
+                    }
+                    r
+                }
+                .await;
+                (index, r)
+            });
+        }
+        // The pin is held until every child's record names the snapshot.
+        Ok(collect(tasks, count as usize).await)
+    }
+}

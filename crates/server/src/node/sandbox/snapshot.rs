@@ -1,0 +1,379 @@
+//! Snapshots (E2B's `POST /sandboxes/{id}/snapshots`): a running sandbox's
+//! memory and root disk captured as a template that new sandboxes restore,
+//! while the sandbox runs on; listing them and deleting them.
+//!
+//! A snapshot is taken with the VMM's fork (one child, never started): the
+//! guest stops only while its memory is frozen and its root layer sealed,
+//! then runs on a new layer. The snapshot's state and memory go in
+//! `templates/<id>/`; its disk is the source's sealed layer, left where it
+//! was (the source's directory outlives the source). Its memory may stack on
+//! earlier files (the template's, the source's pauses, earlier snapshots), so
+//! every sandbox and snapshot records the snapshots it stacks on
+//! (`uses_snapshots`) and a snapshot in use is never deleted.
+
+use std::collections::HashMap;
+
+use vmm_api::ForkParams;
+
+use super::live::{self, Phase};
+use super::{Manager, SandboxError, io, sync_files};
+use crate::node::capacity::Ask;
+use crate::node::clock::now_ms;
+use crate::node::ids;
+use crate::node::store::{SandboxState, TemplateRecord};
+
+const STATE: &str = "vm.state";
+const MEM: &str = "vm.mem";
+/// A snapshot's source's next root layer is in `<its dir>/snap-<snapshot id>`.
+const DISK_DIR_PREFIX: &str = "snap-";
+/// Longest snapshot name.
+const MAX_NAME: usize = 128;
+
+/// What a snapshot asks for (already parsed by the API).
+#[derive(Debug, Clone, Default)]
+pub struct SnapshotParams {
+    pub name: Option<String>,
+    /// The snapshot's id, when the caller chose it (a template build).
+    pub id: Option<String>,
+}
+
+/// Names: letters, digits and `._-/`, so they fit in a URL path segment.
+fn check_name(name: &str) -> Result<(), SandboxError> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_NAME
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-/".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(SandboxError::Invalid(format!(
+            "snapshot name {name:?} must be 1 to {MAX_NAME} letters, digits, '.', '_', '-' or '/'"
+        )))
+    }
+}
+
+/// A template a create is restoring; unpinned on drop.
+pub(super) struct Pin<'a> {
+    manager: &'a Manager,
+    id: String,
+}
+
+impl Drop for Pin<'_> {
+    fn drop(&mut self) {
+        let mut pins = self.manager.pins.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = pins.get_mut(&self.id) {
+            *n -= 1;
+            if *n == 0 {
+                pins.remove(&self.id);
+            }
+        }
+    }
+}
+
+impl Manager {
+    /// The template (base or snapshot) named by `id_or_name`: an id, a
+    /// snapshot's name, either with E2B's `:default` tag.
+    pub fn resolve_template(&self, id_or_name: &str) -> Result<TemplateRecord, SandboxError> {
+        let wanted = ids::without_default_tag(id_or_name);
+        if wanted == self.template.id {
+            return Ok(self.template.clone());
+        }
+        if let Some(t) = self.store.template(wanted)? {
+            return Ok(t);
+        }
+        self.store
+            .templates()?
+            .into_iter()
+            .find(|t| t.names.iter().any(|n| n == wanted))
+            .ok_or_else(|| SandboxError::TemplateNotFound(id_or_name.to_owned()))
+    }
+
+    /// Resolves a template and keeps it from deletion until the pin drops.
+    pub(super) fn pin_template(
+        &self,
+        id_or_name: &str,
+    ) -> Result<(TemplateRecord, Pin<'_>), SandboxError> {
+        let mut pins = self.pins.lock().unwrap_or_else(|p| p.into_inner());
+        let template = self.resolve_template(id_or_name)?;
+        *pins.entry(template.id.clone()).or_default() += 1;
+        let pin = Pin {
+            manager: self,
+            id: template.id.clone(),
+        };
+        Ok((template, pin))
+    }
+
+    /// The snapshot whose taking moved sandbox `id`'s disk to `layer`, if
+    /// one did (the layer is in that snapshot's directory of `id`'s).
+    pub(super) fn snapshot_of_layer(&self, id: &str, layer: &std::path::Path) -> Option<String> {
+        let dir = layer.parent()?;
+        if dir.parent()? != self.sandbox_dir(id) {
+            return None;
+        }
+        let name = dir.file_name()?.to_str()?;
+        name.strip_prefix(DISK_DIR_PREFIX).map(str::to_owned)
+    }
+
+    /// Snapshots a running sandbox, which runs on; returns the new template.
+    pub async fn snapshot(
+        &self,
+        id: &str,
+        params: SnapshotParams,
+    ) -> Result<TemplateRecord, SandboxError> {
+        let _busy = self.activity.read().await;
+        let source = self.get(id)?;
+        if let Some(name) = &params.name {
+            check_name(name)?;
+            if self.resolve_template(name).is_ok() {
+                return Err(SandboxError::NameTaken(name.clone()));
+            }
+        }
+        if source.state != SandboxState::Running {
+            return Err(SandboxError::Conflict {
+                id: id.to_owned(),
+                state: "paused",
+            });
+        }
+        let sandbox = self.sandbox(id)?;
+        let Ok(guest) = sandbox.guest.try_lock() else {
+            return Err(live::busy(id));
+        };
+        if sandbox.phase() != Phase::Running {
+            return Err(sandbox.phase().refusal(id));
+        }
+        // Room for the memory file it writes (held while it is written).
+        let _room = self.capacity.reserve(
+            Ask {
+                disk_mib: source.memory_mb,
+                ..Ask::default()
+            },
+            &format!("a snapshot of sandbox {id}"),
+        )?;
+        let Some(launched) = guest.as_ref() else {
+            return Err(Phase::Gone.refusal(id));
+        };
+
+        let snap_id = match params.id {
+            Some(id) => id,
+            None => ids::sandbox_id().map_err(io("generating a snapshot id"))?,
+        };
+        // Written in place, not renamed: the state names its memory files by path.
+        let dir = self.config.templates_dir().join(&snap_id);
+        // The source's next root layer (and the unused child's) go here.
+        let disk_dir = self
+            .sandbox_dir(id)
+            .join(format!("{DISK_DIR_PREFIX}{snap_id}"));
+        for d in [&dir, &disk_dir] {
+            std::fs::create_dir_all(d).map_err(io(format!("creating {}", d.display())))?;
+        }
+        let sealed = self.root_layer(&source);
+        sandbox.set_phase(Phase::Forking)?;
+        let forked = launched
+            .vm
+            .fork_with(&ForkParams {
+                snapshot_path: dir.join(STATE).display().to_string(),
+                mem_file_path: dir.join(MEM).display().to_string(),
+                disk_dir: disk_dir.display().to_string(),
+                children: 1,
+            })
+            .await;
+        if forked.is_ok() {
+            crate::node::crash::point("snapshot.frozen");
+        }
+        sandbox.set_phase(Phase::Running)?;
+        let drive = &self.template.root_drive_id;
+        let new_root = forked
+            .map_err(SandboxError::from)
+            .and_then(|info| Ok((super::fork::new_layer(&info, drive)?, info)));
+        let (new_root, info) = match new_root {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                let _ = std::fs::remove_dir_all(&disk_dir);
+                return Err(e);
+            }
+        };
+        // Every create stacks its own layer on the sealed one: the child's
+        // layer is never used.
+        for d in info.children.iter().flatten() {
+            let _ = std::fs::remove_file(&d.path_on_host);
+        }
+        let files = vec![
+            dir.join(STATE),
+            dir.join(MEM),
+            sealed.clone(),
+            new_root.clone(),
+            dir.clone(),
+            disk_dir.clone(),
+            self.config.templates_dir(),
+        ];
+        sync_files(files).await?;
+
+        // The source now writes to its new layer, its memory runs on the
+        // snapshot's file, and its directory holds the snapshot's disk.
+        let source = self
+            .store
+            .update_sandbox(id, |s| {
+                s.root_layer = Some(new_root);
+                s.has_dependents = true;
+                s.uses_snapshots.push(snap_id.clone());
+            })?
+            .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
+        let mut uses_snapshots = source.uses_snapshots.clone();
+        uses_snapshots.retain(|s| s != &snap_id);
+        // Its memory has the devices its source's template gave it.
+        let source_template = self.store.template(&source.template_id).ok().flatten();
+        let record = TemplateRecord {
+            id: snap_id.clone(),
+            snapshot: dir.join(STATE),
+            mem: dir.join(MEM),
+            dir,
+            root_layer: sealed,
+            root_drive_id: drive.clone(),
+            kernel: self.template.kernel.clone(),
+            rootfs: self.template.rootfs.clone(),
+            vcpus: u8::try_from(source.cpu_count).unwrap_or(self.template.vcpus),
+            mem_mib: source.memory_mb,
+            disk_size_mb: source.disk_size_mb,
+            created_at_ms: now_ms(),
+            source_sandbox: Some(id.to_owned()),
+            names: params.name.into_iter().collect(),
+            agent_token: source.access_token.clone(),
+            source_network: Some(crate::node::net::SandboxNetwork {
+                slot: None,
+                ..source.network.clone()
+            }),
+            env_vars: source.env_vars.clone(),
+            uses_snapshots,
+            uses_dirs: source.uses_dirs.clone(),
+            net_abi: source_template.as_ref().and_then(|t| t.net_abi),
+            balloon: source_template.is_some_and(|t| t.balloon),
+            // Its state holds the source's CPUID.
+            cpu_template: source.cpu_template.clone(),
+        };
+        self.store.put_template(&record)?;
+        Ok(record)
+    }
+
+    /// Snapshots, oldest first; only those of `sandbox` when given, only those
+    /// with `name` (as id or name, `:default` allowed) when given.
+    pub fn snapshots(
+        &self,
+        sandbox: Option<&str>,
+        name: Option<&str>,
+    ) -> Result<Vec<TemplateRecord>, SandboxError> {
+        let name = name.map(ids::without_default_tag);
+        let mut all: Vec<TemplateRecord> = self
+            .store
+            .templates()?
+            .into_iter()
+            .filter(|t| t.is_snapshot())
+            .filter(|t| sandbox.is_none_or(|s| t.source_sandbox.as_deref() == Some(s)))
+            .filter(|t| name.is_none_or(|n| t.id == n || t.names.iter().any(|m| m == n)))
+            .collect();
+        all.sort_by(|a, b| (a.created_at_ms, &a.id).cmp(&(b.created_at_ms, &b.id)));
+        Ok(all)
+    }
+
+    /// Deletes a snapshot or built template: its id and names are gone from
+    /// every lookup at once, also while sandboxes or snapshots still stack on
+    /// its files (E2B's semantics: they run on unaffected). Its files go now
+    /// when nothing uses them, else once the garbage collector finds its last
+    /// user gone. The base template is not deleted. Returns the template's id.
+    pub async fn delete_template(&self, id_or_name: &str) -> Result<String, SandboxError> {
+        let (template, users) = {
+            // Held so no create pins it between the check and the removal.
+            let pins = self.pins.lock().unwrap_or_else(|p| p.into_inner());
+            let template = self.resolve_template(id_or_name)?;
+            if template.id == self.template.id {
+                return Err(SandboxError::Invalid(format!(
+                    "template {} is the node's built-in template and is not deleted",
+                    template.id
+                )));
+            }
+            let users = self.template_users(&template.id, &pins)?;
+            if users.is_empty() {
+                self.store.remove_template(&template.id)?;
+            } else {
+                self.store.retire_template(&template)?;
+            }
+            (template, users)
+        };
+        if users.is_empty() {
+            self.remove_template_files(&template).await?;
+        } else {
+            tracing::info!(
+                "template {}: deleted; its files stay while {} use them",
+                template.id,
+                users.join(", ")
+            );
+        }
+        Ok(template.id)
+    }
+
+    /// Who stacks on template `id`'s files: sandboxes made from it or
+    /// stacking on it, snapshots (deleted ones too) stacking on it, creates
+    /// restoring it right now (`pins`, held by the caller).
+    pub(super) fn template_users(
+        &self,
+        id: &str,
+        pins: &HashMap<String, usize>,
+    ) -> Result<Vec<String>, SandboxError> {
+        let mut users: Vec<String> = self
+            .store
+            .sandboxes()?
+            .into_iter()
+            .filter(|s| s.template_id == id || s.uses_snapshots.iter().any(|u| u == id))
+            .map(|s| format!("sandbox {}", s.id))
+            .collect();
+        let templates = self.store.templates()?;
+        let retired = self.store.retired_templates()?;
+        users.extend(
+            templates
+                .iter()
+                .chain(&retired)
+                .filter(|t| t.id != id && t.uses_snapshots.iter().any(|u| u == id))
+                .map(|t| format!("snapshot {}", t.id)),
+        );
+        if pins.contains_key(id) {
+            users.push("a sandbox being created".into());
+        }
+        Ok(users)
+    }
+
+    /// Removes a deleted template's directory (a snapshot's disk layer stays:
+    /// it lives in the source's directory, which the collector judges).
+    pub(super) async fn remove_template_files(
+        &self,
+        template: &TemplateRecord,
+    ) -> Result<(), SandboxError> {
+        let dir = template.dir.clone();
+        let templates = self.config.templates_dir();
+        if dir.parent() == Some(templates.as_path()) && template.id != ids::BASE_TEMPLATE {
+            tokio::task::spawn_blocking(move || {
+                if let Err(e) = std::fs::remove_dir_all(&dir)
+                    && e.kind() != std::io::ErrorKind::NotFound
+                {
+                    tracing::warn!("removing {}: {e}", dir.display());
+                }
+            })
+            .await?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked() {
+        check_name("my-snap_1.0/x").unwrap();
+        assert!(check_name("").is_err());
+        assert!(check_name("a b").is_err());
+        assert!(check_name("a:b").is_err());
+        assert!(check_name(&"a".repeat(MAX_NAME + 1)).is_err());
+    }
+}
