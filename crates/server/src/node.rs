@@ -8,6 +8,7 @@ pub mod clock;
 pub mod config;
 pub mod crash;
 pub mod ids;
+pub mod ingress;
 pub mod jail;
 pub mod keys;
 pub mod launch;

@@ -21,10 +21,9 @@ use crate::http::state::Shared;
 use crate::node::ids;
 
 mod connections;
-mod ingress;
 mod stream_end;
+pub use crate::node::ingress::{Ingress, IngressError, Refusal, TRAFFIC_TOKEN_HEADER};
 pub use connections::{ForwardError, GuestConnections, Unanswered};
-pub use ingress::{Ingress, IngressError, TRAFFIC_TOKEN_HEADER};
 
 pub const SANDBOX_ID_HEADER: &str = "e2b-sandbox-id";
 pub const SANDBOX_PORT_HEADER: &str = "e2b-sandbox-port";
@@ -335,8 +334,8 @@ async fn forward(state: &Shared, id: &str, port: u32, mut req: Request) -> Respo
     if port != envd_proto::PORT
         && let Some(ingress) = state.manager.ingress(id)
     {
-        if let Err(refused) = ingress.admit(req.headers()) {
-            return refused.response(id);
+        if let Err(refusal) = ingress.admit(req.headers()) {
+            return refused(refusal, id);
         }
         let uri = req.uri().clone();
         ingress.mask(port, &uri, req.headers_mut());
@@ -455,7 +454,7 @@ fn refuse_wake(state: &Shared, id: &str, port: u32, req: &Request) -> Option<Res
     }
     if port != envd_proto::PORT {
         let ingress = state.manager.ingress(id)?;
-        return ingress.admit(req.headers()).err().map(|r| r.response(id));
+        return ingress.admit(req.headers()).err().map(|r| refused(r, id));
     }
     let token = record.access_token?;
     let given = req.headers().get("x-access-token").map(|v| v.as_bytes());
@@ -803,4 +802,10 @@ mod tests {
         );
         assert_eq!(unresponsive("sbx1").status(), StatusCode::BAD_GATEWAY);
     }
+}
+
+/// A request refused for its traffic token: E2B's 403.
+fn refused(refusal: Refusal, id: &str) -> Response {
+    let body = serde_json::json!({"sandboxId": id, "message": refusal.message(), "code": 403});
+    (StatusCode::FORBIDDEN, axum::Json(body)).into_response()
 }

@@ -88,7 +88,7 @@ pub struct SandboxNetwork {
     /// Who may reach its guest's ports through the node's proxy, and as
     /// what host (set at create; `PUT .../network` leaves it).
     #[serde(default)]
-    pub ingress: crate::http::proxy::Ingress,
+    pub ingress: crate::node::ingress::Ingress,
     /// While it runs with networking.
     #[serde(default)]
     pub slot: Option<SlotRecord>,

@@ -489,7 +489,7 @@ impl Manager {
         plan: Plan,
         record: impl FnOnce(&Launched) -> SandboxRecord,
         token: Option<String>,
-        ingress: crate::http::proxy::Ingress,
+        ingress: crate::node::ingress::Ingress,
         id: &str,
     ) -> Result<SandboxRecord, SandboxError> {
         let sandbox = Sandbox::new(id.to_owned(), token, ingress, Phase::Starting);
@@ -1145,7 +1145,7 @@ impl Manager {
     }
 
     /// What the port proxy demands of requests to sandbox `id`'s own ports.
-    pub fn ingress(&self, id: &str) -> Option<crate::http::proxy::Ingress> {
+    pub fn ingress(&self, id: &str) -> Option<crate::node::ingress::Ingress> {
         Some(self.registry().get(id)?.ingress.clone())
     }
 }

@@ -19,7 +19,7 @@ use vmm_driver::process::VmmProbe;
 
 use super::SandboxError;
 use super::observe::Observed;
-use crate::http::proxy::Ingress;
+use crate::node::ingress::Ingress;
 use crate::node::launch::Launched;
 
 /// Where a sandbox is in its life.

@@ -4,9 +4,8 @@
 //! ports. envd's port is exempt from both, as in E2B's proxy: envd checks its
 //! own access token and routes by nothing the Host says.
 
+use axum::http::Uri;
 use axum::http::header::{self, HeaderMap, HeaderValue};
-use axum::http::{StatusCode, Uri};
-use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 
 /// The header a private sandbox's traffic token travels in.
@@ -49,8 +48,9 @@ pub enum Refusal {
 }
 
 impl Refusal {
-    pub fn response(self, id: &str) -> Response {
-        let message = match self {
+    /// What the client is told (E2B's texts).
+    pub fn message(self) -> String {
+        match self {
             Refusal::Missing => format!(
                 "Sandbox is secured with traffic access token. Token header \
                  '{TRAFFIC_TOKEN_HEADER}' is missing"
@@ -59,9 +59,7 @@ impl Refusal {
                 "Sandbox is secured with traffic access token. Provided token in header \
                  '{TRAFFIC_TOKEN_HEADER}' is invalid"
             ),
-        };
-        let body = serde_json::json!({"sandboxId": id, "message": message, "code": 403});
-        (StatusCode::FORBIDDEN, axum::Json(body)).into_response()
+        }
     }
 }
 
@@ -223,10 +221,7 @@ mod tests {
             private.admit(&headers(&[("E2B-Traffic-Access-Token", &token)])),
             Ok(())
         );
-        assert_eq!(
-            Refusal::Missing.response("abc").status(),
-            StatusCode::FORBIDDEN
-        );
+        assert!(Refusal::Missing.message().contains("is missing"));
     }
 
     #[test]
