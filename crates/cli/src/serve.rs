@@ -442,6 +442,24 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listening on {}", args.listen))?;
+    if args.cluster.role != Role::All {
+        let node_id = args.cluster.node_id(args.listen)?;
+        let advertise = args.cluster.advertise.unwrap_or(args.listen);
+        anyhow::ensure!(
+            !advertise.ip().is_unspecified(),
+            "--listen {} is every address: say which one gateways use with --advertise",
+            args.listen
+        );
+        config.cluster = Some(server::node::config::ClusterConfig {
+            etcd: args.cluster.etcd.clone(),
+            node_id,
+            advertise,
+            lease_ttl: std::time::Duration::from_secs(args.cluster.lease_ttl_secs),
+            s3: args.cluster.s3.clone(),
+            store_gc_every: (args.cluster.store_gc_every_secs > 0)
+                .then(|| std::time::Duration::from_secs(args.cluster.store_gc_every_secs)),
+        });
+    }
     eprintln!("sandfork serve: preparing the base template (the first start boots a microVM)");
     let node = server::Server::start(config).await?;
     match &node.api_key_file {
@@ -452,86 +470,14 @@ async fn serve(args: ServeArgs) -> Result<()> {
         "sandfork serve: listening on http://{0} (E2B_API_URL=http://{0} E2B_SANDBOX_URL=http://{0})",
         args.listen
     );
-    if args.cluster.role == Role::All {
-        node.serve(listener, shutdown_signal()).await?;
-        return Ok(());
+    if let Some(member) = &node.member {
+        println!(
+            "sandfork serve: node {} in the cluster, reached at {}",
+            member.node.registration.node_id(),
+            args.cluster.advertise.unwrap_or(args.listen)
+        );
     }
-    let node_id = args.cluster.node_id(args.listen)?;
-    let advertise = args.cluster.advertise.unwrap_or(args.listen);
-    anyhow::ensure!(
-        !advertise.ip().is_unspecified(),
-        "--listen {} is every address: say which one gateways use with --advertise",
-        args.listen
-    );
-    let etcd = sandfork_cluster::Cluster::connect(&args.cluster.etcd)
-        .await
-        .context("connecting to etcd")?;
-    let manager = node.state.manager.clone();
-    // Before the node is registered (and gets requests): the cluster's
-    // teams and keys replace the node's own.
-    let _tenants =
-        server::cluster::follow_tenants(etcd.clone(), &node.state.keys, manager.capacity())
-            .await
-            .context("loading the cluster's teams and API keys")?;
-    let registration = sandfork_cluster::Registration::start_with_cpu_template(
-        etcd,
-        &node_id,
-        &advertise.to_string(),
-        server::cluster::capacity(&manager),
-        manager.config().cpu_template_name(),
-        std::time::Duration::from_secs(args.cluster.lease_ttl_secs.max(2)),
-    )
-    .await
-    .context("registering in etcd")?;
-    let durable = match &args.cluster.s3 {
-        Some(url) => {
-            let store = sandfork_cluster::ObjectStore::from_url(url)?;
-            store
-                .ensure_bucket()
-                .await
-                .with_context(|| format!("the object store {url}"))?;
-            let etcd = registration.cluster().clone();
-            if args.cluster.store_gc_every_secs > 0 {
-                let every = std::time::Duration::from_secs(args.cluster.store_gc_every_secs);
-                sandfork_cluster::Collector::new(store.clone(), etcd.clone(), &node_id)
-                    .start(every);
-            }
-            Some(
-                server::cluster::durable::Durable::new(
-                    store,
-                    &node_id,
-                    manager.config().cluster_cache_dir(),
-                )
-                .with_fence(etcd),
-            )
-        }
-        None => None,
-    };
-    let member = std::sync::Arc::new(server::cluster::Node {
-        registration,
-        manager,
-        keys: node.state.keys.clone(),
-        durable,
-        changing: Default::default(),
-        storing: Default::default(),
-        forks: Default::default(),
-    });
-    // The API's part of the cluster: forks across nodes, templates.
-    if node.state.cluster.set(member.clone()).is_err() {
-        anyhow::bail!("the node joined a cluster twice");
-    }
-    // Templates and snapshots made here go to the object store.
-    node.state.templates.join_cluster(member.clone());
-    // Sandboxes recovered at start are mapped before the first request.
-    member.reconcile().await;
-    member.start_reconciler(std::time::Duration::from_secs(2));
-    println!("sandfork serve: node {node_id} in the cluster, reached at {advertise}");
-    let layer = member.clone();
-    node.serve_with(listener, shutdown_signal(), move |router| {
-        server::cluster::layer(router, layer)
-    })
-    .await?;
-    member.registration.leave().await;
+    node.serve(listener, shutdown_signal()).await?;
     Ok(())
 }
 

@@ -1,8 +1,10 @@
 //! A node in a cluster: keeps its etcd registration's load current and the
-//! sandbox-to-node map in step with the sandboxes it holds. Creates are
-//! claimed before their answer leaves the node (so the next request, through
-//! any gateway, finds the sandbox), kills released at once; a reconcile loop
-//! catches the rest (fork children, timeouts, sandboxes recovered at start).
+//! sandbox-to-node map in step with the sandboxes it holds. It listens to
+//! the node through its hooks ([`Listener`], [`crate::node::events`]):
+//! creates and fork children are claimed before their answer leaves the
+//! node (so the next request, through any gateway, finds the sandbox),
+//! kills released at once; a reconcile loop catches the rest (timeouts,
+//! memory pressure, sandboxes recovered at start).
 //!
 //! With an object store ([`durable`]), a pause through the API is stored
 //! there before it answers and its route says so; one made without the API
@@ -17,7 +19,7 @@
 //! holds one of its team's slots in etcd ([`sandfork_cluster::quota`]), taken with its
 //! route (create, fork child, resume) and given back with it (kill, pause).
 //! A create or resume of a team at its limit answers 429 with
-//! [`crate::http::api::TEAM_LIMIT_HEADER`], and the gateway does not try another node.
+//! the team-limit header, and the gateway does not try another node.
 //!
 //! Teams and keys are the cluster's ([`follow_tenants`]).
 
@@ -33,22 +35,18 @@ pub mod templates;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::Router;
-use axum::body::Body;
-use axum::extract::{Request, State};
-use axum::http::{Method, StatusCode};
-use axum::middleware::{self, Next};
-use axum::response::{IntoResponse, Response};
 use sandfork_cluster::{
-    Claim, Cluster, ClusterError, NodeCapacity, NodeLoad, Registration, Tenants,
+    Claim, Cluster, ClusterError, NodeCapacity, NodeLoad, Registration, TeamQuota, TenantChange,
+    Tenants,
 };
 
-use crate::http::api::ApiError;
 use crate::node::capacity::Capacity;
-use crate::node::keys::ApiKeys;
+use crate::node::config::ClusterConfig;
+use crate::node::events::{Ask, BoxFuture, Denial, Event, Hooks, Permit, Told};
+use crate::node::keys::{ApiKeys, SharedTenants, TenantUpdate};
 use crate::node::sandbox::{Manager, SandboxError};
 use crate::node::store::SandboxState;
-use crate::node::tenants::team_or_default;
+use crate::node::tenants::{KeyRecord, TeamRecord, team_or_default};
 
 /// Set by a gateway on a resume or connect it sends to a node other than
 /// the sandbox's, whose node is gone: take the sandbox in first.
@@ -60,20 +58,17 @@ pub const DURABLE_HEADER: &str = "x-sandfork-durable";
 /// tries a pause again.
 const STORE_RETRY: Duration = Duration::from_secs(30);
 
-/// A create's answer is a small JSON object; anything larger is not one.
-const MAX_CREATE_ANSWER: usize = 1 << 20;
-
 pub struct Node {
     pub registration: Registration,
     pub manager: Arc<Manager>,
-    /// The API key (taking a sandbox in is checked before the API's own
-    /// check runs).
-    pub keys: ApiKeys,
     /// The object store pauses go to, if the cluster has one.
     pub durable: Option<durable::Durable>,
     /// Pauses and resumes under way or made since the reconciler last
     /// listed the sandboxes: their team slots are theirs to change.
-    pub changing: Changing,
+    pub changing: Arc<Changing>,
+    /// Resumes under way that took one of their team's slots (given back
+    /// if the resume fails).
+    pub resuming_with_slot: std::sync::Mutex<std::collections::HashSet<String>>,
     /// Pauses the reconciler found unstored: being stored now (None), or
     /// when the last try failed.
     pub storing: std::sync::Mutex<std::collections::HashMap<String, Option<Instant>>>,
@@ -94,11 +89,11 @@ pub struct Changing {
 }
 
 impl Changing {
-    fn start(&self, id: &str) -> ChangeUnderWay<'_> {
+    fn start(self: &Arc<Self>, id: &str) -> ChangeUnderWay {
         *lock(&self.now).entry(id.to_owned()).or_default() += 1;
         lock(&self.since_list).insert(id.to_owned());
         ChangeUnderWay {
-            changing: self,
+            changing: self.clone(),
             id: id.to_owned(),
         }
     }
@@ -113,12 +108,12 @@ impl Changing {
     }
 }
 
-struct ChangeUnderWay<'a> {
-    changing: &'a Changing,
+struct ChangeUnderWay {
+    changing: Arc<Changing>,
     id: String,
 }
 
-impl Drop for ChangeUnderWay<'_> {
+impl Drop for ChangeUnderWay {
     fn drop(&mut self) {
         let mut now = lock(&self.changing.now);
         if let Some(count) = now.get_mut(&self.id) {
@@ -142,15 +137,201 @@ pub async fn follow_tenants(
     keys: &ApiKeys,
     capacity: &Arc<Capacity>,
 ) -> Result<Tenants, ClusterError> {
-    keys.join_cluster(cluster.clone());
+    keys.share(Arc::new(EtcdTenants(cluster.clone())));
     let (keys, capacity) = (keys.clone(), capacity.clone());
     Tenants::start(cluster, move |change| {
-        keys.apply(change);
+        if let Some(update) = tenant_update(change) {
+            keys.apply(update);
+        }
         for team in keys.teams() {
             capacity.set_team_limits(&team.id, team.limits);
         }
     })
     .await
+}
+
+/// A change of etcd's teams and keys as the node takes it; a malformed
+/// record is left out (with a warning).
+fn tenant_update(change: TenantChange) -> Option<TenantUpdate> {
+    Some(match change {
+        TenantChange::Loaded(records) => TenantUpdate::Loaded {
+            teams: records
+                .teams
+                .iter()
+                .filter_map(|(id, bytes)| decoded(id, bytes))
+                .collect(),
+            keys: records
+                .keys
+                .iter()
+                .filter_map(|(hex, bytes)| Some((hex.clone(), decoded(hex, bytes)?)))
+                .collect(),
+        },
+        TenantChange::Team { id, record } => TenantUpdate::Team(decoded(&id, &record)?),
+        TenantChange::Key { hash, record } => {
+            let record = decoded(&hash, &record)?;
+            TenantUpdate::Key { hash, record }
+        }
+        TenantChange::KeyRevoked { hash } => TenantUpdate::KeyRevoked { hash },
+    })
+}
+
+fn decoded<T: serde::de::DeserializeOwned>(name: &str, bytes: &[u8]) -> Option<T> {
+    serde_json::from_slice(bytes)
+        .inspect_err(|e| tracing::warn!("cluster: team or key record {name}: {e}; ignored"))
+        .ok()
+}
+
+/// The cluster's etcd as where the node's teams and keys are written.
+struct EtcdTenants(Cluster);
+
+impl SharedTenants for EtcdTenants {
+    fn put_team<'a>(
+        &'a self,
+        team: &'a TeamRecord,
+        new: bool,
+    ) -> BoxFuture<'a, Result<bool, String>> {
+        Box::pin(async move {
+            let record = serde_json::to_vec(team).map_err(|e| e.to_string())?;
+            let quota = TeamQuota {
+                max_sandboxes: team.limits.max_sandboxes,
+            };
+            if new {
+                self.0
+                    .create_team(&team.id, &team.name, &record, &quota)
+                    .await
+                    .map_err(|e| e.to_string())
+            } else {
+                self.0
+                    .put_team(&team.id, &record, &quota)
+                    .await
+                    .map(|()| true)
+                    .map_err(|e| e.to_string())
+            }
+        })
+    }
+
+    fn put_key<'a>(
+        &'a self,
+        hash: &'a str,
+        record: &'a KeyRecord,
+    ) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            let record = serde_json::to_vec(record).map_err(|e| e.to_string())?;
+            self.0
+                .put_key(hash, &record)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    fn revoke_key<'a>(&'a self, hash: &'a str) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            self.0
+                .revoke_key(hash)
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string())
+        })
+    }
+}
+
+/// Why a node could not join its cluster.
+#[derive(Debug, thiserror::Error)]
+pub enum JoinError {
+    #[error("{what}: {source}")]
+    Etcd {
+        what: &'static str,
+        #[source]
+        source: ClusterError,
+    },
+    #[error("the object store {url}: {source}")]
+    ObjectStore {
+        url: String,
+        #[source]
+        source: sandfork_cluster::objects::ObjectError,
+    },
+    #[error(transparent)]
+    Hooks(#[from] SandboxError),
+}
+
+/// A node's membership, while it lasts: leave with [`Member::leave`].
+pub struct Member {
+    pub node: Arc<Node>,
+    /// The cluster's teams and keys, followed while this is held.
+    _tenants: Tenants,
+}
+
+impl Member {
+    /// Gives up the node's registration (its sandboxes stay mapped to it
+    /// until its lease ends).
+    pub async fn leave(&self) {
+        self.node.registration.leave().await;
+    }
+}
+
+/// Joins the cluster `config` names: the cluster's teams and keys replace
+/// the node's own (before it is registered and gets requests), the node is
+/// registered, told about clients' operations through its hooks, and its
+/// sandboxes recovered at start are mapped before it answers.
+pub async fn join(
+    config: &ClusterConfig,
+    manager: &Arc<Manager>,
+    keys: &ApiKeys,
+) -> Result<Member, JoinError> {
+    let etcd = |what| move |source| JoinError::Etcd { what, source };
+    let cluster = Cluster::connect(&config.etcd)
+        .await
+        .map_err(etcd("connecting to etcd"))?;
+    let tenants = follow_tenants(cluster.clone(), keys, manager.capacity())
+        .await
+        .map_err(etcd("loading the cluster's teams and API keys"))?;
+    let registration = Registration::start_with_cpu_template(
+        cluster,
+        &config.node_id,
+        &config.advertise.to_string(),
+        capacity(manager),
+        manager.config().cpu_template_name(),
+        config.lease_ttl.max(Duration::from_secs(2)),
+    )
+    .await
+    .map_err(etcd("registering in etcd"))?;
+    let durable = match &config.s3 {
+        Some(url) => {
+            let object_error = |source| JoinError::ObjectStore {
+                url: url.clone(),
+                source,
+            };
+            let store = sandfork_cluster::ObjectStore::from_url(url).map_err(object_error)?;
+            store.ensure_bucket().await.map_err(object_error)?;
+            let etcd = registration.cluster().clone();
+            if let Some(every) = config.store_gc_every {
+                sandfork_cluster::Collector::new(store.clone(), etcd.clone(), &config.node_id)
+                    .start(every);
+            }
+            Some(
+                durable::Durable::new(store, &config.node_id, manager.config().cluster_cache_dir())
+                    .with_fence(etcd),
+            )
+        }
+        None => None,
+    };
+    let node = Arc::new(Node {
+        registration,
+        manager: manager.clone(),
+        durable,
+        changing: Default::default(),
+        resuming_with_slot: Default::default(),
+        storing: Default::default(),
+        forks: Default::default(),
+    });
+    manager.listen(Arc::new(Listener(Arc::downgrade(&node))))?;
+    // Sandboxes recovered at start are mapped before the first request.
+    node.reconcile().await;
+    node.start_reconciler(Duration::from_secs(2));
+    Ok(Member {
+        node,
+        _tenants: tenants,
+    })
 }
 
 /// What the node offers the cluster, from its capacity limits.
@@ -311,137 +492,109 @@ impl Node {
     }
 }
 
-/// The node's routes with the map kept on create and kill.
-pub fn layer(router: Router, node: Arc<Node>) -> Router {
-    router.layer(middleware::from_fn_with_state(node, track))
-}
+/// The cluster's side of the node's hooks ([`crate::node::events`]): the
+/// node asks before a client's create, fork, pause or resume and tells
+/// what happened before the answer leaves. Holds the node weakly: the
+/// manager holds these hooks, and the node holds the manager.
+pub struct Listener(pub std::sync::Weak<Node>);
 
-enum Change {
-    Create,
-    /// A fork of a sandbox or a snapshot: its children are claimed.
-    Fork,
-    Kill(String),
-    Pause(String),
-    /// A resume or connect.
-    Resume(String),
-    None,
-}
-
-fn change(method: &Method, path: &str) -> Change {
-    match (method, path) {
-        (&Method::POST, "/sandboxes" | "/v2/sandboxes") => Change::Create,
-        (&Method::DELETE, p) => match p.strip_prefix("/sandboxes/") {
-            Some(id) if !id.is_empty() && !id.contains('/') => Change::Kill(id.to_owned()),
-            _ => Change::None,
-        },
-        (&Method::POST, p) if p.starts_with("/snapshots/") && p.ends_with("/fork") => Change::Fork,
-        // Children of a fork frozen on another node.
-        (&Method::POST, "/internal/forks") => Change::Fork,
-        (&Method::POST, p) => {
-            let Some(rest) = p
-                .strip_prefix("/sandboxes/")
-                .or_else(|| p.strip_prefix("/v2/sandboxes/"))
-            else {
-                return Change::None;
+impl Hooks for Listener {
+    fn admit<'a>(&'a self, ask: Ask<'a>) -> BoxFuture<'a, Result<Permit, Denial>> {
+        Box::pin(async move {
+            let Some(node) = self.0.upgrade() else {
+                return Ok(None);
             };
-            match rest.split_once('/') {
-                Some((id, "fork")) if !id.is_empty() => Change::Fork,
-                Some((id, "pause")) if !id.is_empty() => Change::Pause(id.to_owned()),
-                Some((id, "resume" | "connect")) if !id.is_empty() => Change::Resume(id.to_owned()),
-                _ => Change::None,
-            }
-        }
-        _ => Change::None,
+            node.admit(ask).await
+        })
+    }
+
+    fn told<'a>(&'a self, event: Event<'a>) -> BoxFuture<'a, Result<Told, Denial>> {
+        Box::pin(async move {
+            let Some(node) = self.0.upgrade() else {
+                return Ok(Told::default());
+            };
+            node.told(event).await
+        })
     }
 }
 
-async fn track(State(node): State<Arc<Node>>, req: Request, next: Next) -> Response {
-    let change = change(req.method(), req.uri().path());
-    if matches!(change, Change::None) {
-        return next.run(req).await;
-    }
-    // The caller's team (an unknown key: the API's own check answers).
-    let team = req
-        .headers()
-        .get(crate::node::keys::HEADER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|k| node.keys.authenticate(k))
-        .map(|caller| caller.team);
-    let Some(team) = team else {
-        if matches!(change, Change::Resume(_)) && req.headers().contains_key(TAKE_IN_HEADER) {
-            return ApiError::new(
-                StatusCode::UNAUTHORIZED,
-                "missing or invalid X-API-KEY header",
-            )
-            .into_response();
-        }
-        return next.run(req).await;
-    };
-    let _under_way = match &change {
-        Change::Pause(id) | Change::Resume(id) => Some(node.changing.start(id)),
-        _ => None,
-    };
-    // Whether this resume took a team slot (given back if it fails).
-    let mut took_slot = false;
-    if let Change::Resume(id) = &change {
-        if req.headers().contains_key(TAKE_IN_HEADER)
-            && let Err(e) = take_in(&node, id).await
-        {
-            return e.into_response();
-        }
-        match start_running(&node, id, &team).await {
-            Ok(took) => took_slot = took,
-            Err(e) => return e.into_response(),
-        }
-    }
-    if matches!(change, Change::Create | Change::Fork)
-        && let Err(e) = team_has_room(&node, &team).await
-    {
-        return e.into_response();
-    }
-    let response = next.run(req).await;
-    if !response.status().is_success() {
-        if let Change::Resume(id) = &change
-            && took_slot
-        {
-            // Still paused: the slot taken for it goes back.
-            stop_running(&node, id).await;
-        }
-        return response;
-    }
-    match change {
-        Change::Pause(id) => {
-            stop_running(&node, &id).await;
-            store_pause(&node, &id, response).await
-        }
-        Change::Resume(id) => {
-            // Running again: what the store holds is out of date.
-            match node.registration.set_paused(&id, None).await {
-                Ok(_) => {}
-                Err(e) => tracing::warn!("cluster: sandbox {id}: clearing its durable pause: {e}"),
+impl Node {
+    async fn admit(self: &Arc<Self>, ask: Ask<'_>) -> Result<Permit, Denial> {
+        match ask {
+            // Refused at once when the team already runs its quota (the
+            // claim after it is what holds; this spares booting sandboxes
+            // that could not be kept).
+            Ask::Create { team } => match self.registration.cluster().team_full(team).await {
+                Ok(None) => Ok(None),
+                Ok(Some(limit)) => Err(Denial::TeamFull { limit }),
+                Err(e) => Err(Denial::ClusterState(e.to_string())),
+            },
+            Ask::Pause { id } => Ok(Some(Box::new(self.changing.start(id)))),
+            Ask::Resume { id, team } => {
+                let under_way = self.changing.start(id);
+                if start_running(self, id, team).await? {
+                    lock(&self.resuming_with_slot).insert(id.to_owned());
+                }
+                Ok(Some(Box::new(under_way)))
             }
-            node.publish_load();
-            response
         }
-        Change::Create => claim_created(&node, &team, response).await,
-        Change::Fork => claim_children(&node, &team, response).await,
-        Change::Kill(id) => {
-            if let Err(e) = node.registration.release(&id).await {
-                // The reconciler retries; the sandbox is gone either way.
-                tracing::warn!("cluster: releasing {id}: {e}");
+    }
+
+    async fn told(self: &Arc<Self>, event: Event<'_>) -> Result<Told, Denial> {
+        match event {
+            Event::Created { id, team } => {
+                let claimed = claim(self, id, team).await;
+                self.publish_load();
+                claimed.map(|()| Told::default())
             }
-            node.publish_load();
-            response
+            Event::Paused { id } => {
+                stop_running(self, id).await;
+                let durable = store_pause(self, id).await;
+                Ok(Told {
+                    durable: Some(durable),
+                })
+            }
+            Event::Resumed { id } => {
+                lock(&self.resuming_with_slot).remove(id);
+                // Running again: what the store holds is out of date.
+                if let Err(e) = self.registration.set_paused(id, None).await {
+                    tracing::warn!("cluster: sandbox {id}: clearing its durable pause: {e}");
+                }
+                self.publish_load();
+                Ok(Told::default())
+            }
+            Event::NotResumed { id } => {
+                // Still paused: the slot taken for it goes back.
+                if lock(&self.resuming_with_slot).remove(id) {
+                    stop_running(self, id).await;
+                }
+                Ok(Told::default())
+            }
+            Event::Killed { id } => {
+                if let Err(e) = self.registration.release(id).await {
+                    // The reconciler retries; the sandbox is gone either way.
+                    tracing::warn!("cluster: releasing {id}: {e}");
+                }
+                self.publish_load();
+                Ok(Told::default())
+            }
+            Event::TemplateReady { id } => {
+                self.store_template_in_background(id.to_owned());
+                Ok(Told::default())
+            }
+            Event::TemplatesDeleted { ids } => {
+                self.forget_templates(ids).await;
+                Ok(Told::default())
+            }
         }
-        Change::None => response,
     }
 }
 
 /// Stores a pause in the object store and records it in the sandbox's
-/// route; without a store, or if storing fails (with a warning), or when
-/// the pause asked to stay here (`"durable": false`), the pause stays on
-/// this node only. The answer says which in [`DURABLE_HEADER`].
-async fn store_pause(node: &Node, id: &str, mut response: Response) -> Response {
+/// route: whether it is stored. Without a store, or if storing fails (with
+/// a warning), or when the pause asked to stay here (`"durable": false`),
+/// the pause stays on this node only.
+async fn store_pause(node: &Node, id: &str) -> bool {
     let kept_local = node
         .manager
         .get(id)
@@ -453,11 +606,7 @@ async fn store_pause(node: &Node, id: &str, mut response: Response) -> Response 
         store_and_record(node, id).await
     };
     node.publish_load();
-    response.headers_mut().insert(
-        DURABLE_HEADER,
-        axum::http::HeaderValue::from_static(if durable { "true" } else { "false" }),
-    );
-    response
+    durable
 }
 
 /// Stores paused sandbox `id` in the object store and records it in its
@@ -484,141 +633,123 @@ async fn store_and_record(node: &Node, id: &str) -> bool {
     }
 }
 
-/// Takes paused sandbox `id` in from the object store and moves its route
-/// here. Already here: nothing to do.
-async fn take_in(node: &Node, id: &str) -> Result<(), ApiError> {
-    let conflict = |m: String| ApiError::new(StatusCode::CONFLICT, m);
-    let unavailable = |m: String| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, m);
-    let seen = node
-        .registration
-        .cluster()
-        .sandbox(id)
-        .await
-        .map_err(ApiError::cluster_state)?
-        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("sandbox {id} not found")))?;
-    let me = node.registration.node_id();
-    if seen.value.node_id == me && seen.value.incarnation == node.registration.incarnation() {
-        return Ok(());
-    }
-    let Some(pause) = seen.value.paused.clone() else {
-        return Err(conflict(format!(
-            "sandbox {id} is on node {} and not paused in the object store",
-            seen.value.node_id
-        )));
-    };
-    let Some(durable) = &node.durable else {
-        return Err(unavailable(format!(
-            "sandbox {id} is paused in the object store and this node has none (--s3)"
-        )));
-    };
-    // Before anything changes here: a pause made under another CPU template
-    // is another node's to take (the manifest is checked again).
-    cpu::check_here(
-        &node.manager,
-        &format!("sandbox {id}"),
-        pause.cpu_template.as_deref(),
-    )
-    .map_err(|e| unavailable(e.to_string()))?;
-    // A copy from before (this node's earlier life) is out of date.
-    if node.manager.get(id).is_ok() {
-        tracing::info!("cluster: sandbox {id}: dropping this node's old copy before taking it in");
-        if let Err(e) = node.manager.kill(id).await {
-            return Err(unavailable(format!(
-                "sandbox {id}: dropping the old copy: {e}"
-            )));
+impl Node {
+    /// Before a resume (or connect) a gateway sent here because the
+    /// sandbox's node is gone ([`crate::wire`]'s take-in header): takes
+    /// paused sandbox `id` in from the object store and moves its route
+    /// here. Already here: nothing to do.
+    pub async fn take_in(&self, id: &str) -> Result<(), Denial> {
+        // The reconciler must not judge the copy before its route is moved.
+        let _under_way = self.changing.start(id);
+        let seen = self
+            .registration
+            .cluster()
+            .sandbox(id)
+            .await
+            .map_err(|e| Denial::ClusterState(e.to_string()))?
+            .ok_or_else(|| Denial::NotFound(format!("sandbox {id} not found")))?;
+        let me = self.registration.node_id();
+        if seen.value.node_id == me && seen.value.incarnation == self.registration.incarnation() {
+            return Ok(());
         }
-    }
-    durable
-        .take_in(&node.manager, id, &pause)
-        .await
-        .map_err(|e| {
-            unavailable(format!(
-                "sandbox {id}: taking it in from the object store: {e}"
-            ))
-        })?;
-    let moved = node.registration.take_over(id, &seen).await;
-    match moved {
-        Ok(true) => {
-            tracing::info!(
-                "cluster: sandbox {id}: moved here from node {}",
+        let Some(pause) = seen.value.paused.clone() else {
+            return Err(Denial::Conflict(format!(
+                "sandbox {id} is on node {} and not paused in the object store",
                 seen.value.node_id
+            )));
+        };
+        let Some(durable) = &self.durable else {
+            return Err(Denial::Unavailable(format!(
+                "sandbox {id} is paused in the object store and this node has none (--s3)"
+            )));
+        };
+        // Before anything changes here: a pause made under another CPU
+        // template is another node's to take (the manifest is checked again).
+        cpu::check_here(
+            &self.manager,
+            &format!("sandbox {id}"),
+            pause.cpu_template.as_deref(),
+        )
+        .map_err(|e| Denial::Unavailable(e.to_string()))?;
+        // A copy from before (this node's earlier life) is out of date.
+        if self.manager.get(id).is_ok() {
+            tracing::info!(
+                "cluster: sandbox {id}: dropping this node's old copy before taking it in"
             );
-            Ok(())
-        }
-        refused => {
-            if let Err(e) = node.manager.kill(id).await {
-                tracing::warn!("cluster: sandbox {id}: removing the copy not moved here: {e}");
+            if let Err(e) = self.manager.kill_unannounced(id).await {
+                return Err(Denial::Unavailable(format!(
+                    "sandbox {id}: dropping the old copy: {e}"
+                )));
             }
-            Err(match refused {
-                Err(e) => ApiError::cluster_state(e),
-                _ => conflict(format!(
-                    "sandbox {id} moved meanwhile, or its node {} is back",
-                    seen.value.node_id
-                )),
-            })
         }
-    }
-}
-
-/// The answer for a team at its quota across the cluster (E2B's 429).
-fn team_full(limit: u64) -> ApiError {
-    ApiError::team_limit(format!(
-        "you have reached the maximum number of concurrent sandboxes ({limit}) of your team \
-         across the cluster"
-    ))
-}
-
-/// Refuses a create or fork at once when `team` already runs its quota
-/// (the claim after it is what holds; this spares booting sandboxes that
-/// could not be kept).
-async fn team_has_room(node: &Node, team: &str) -> Result<(), ApiError> {
-    match node.registration.cluster().team_full(team).await {
-        Ok(None) => Ok(()),
-        Ok(Some(limit)) => Err(team_full(limit)),
-        Err(e) => Err(ApiError::cluster_state(e)),
+        durable
+            .take_in(&self.manager, id, &pause)
+            .await
+            .map_err(|e| {
+                Denial::Unavailable(format!(
+                    "sandbox {id}: taking it in from the object store: {e}"
+                ))
+            })?;
+        let moved = self.registration.take_over(id, &seen).await;
+        match moved {
+            Ok(true) => {
+                tracing::info!(
+                    "cluster: sandbox {id}: moved here from node {}",
+                    seen.value.node_id
+                );
+                Ok(())
+            }
+            refused => {
+                if let Err(e) = self.manager.kill_unannounced(id).await {
+                    tracing::warn!("cluster: sandbox {id}: removing the copy not moved here: {e}");
+                }
+                Err(match refused {
+                    Err(e) => Denial::ClusterState(e.to_string()),
+                    _ => Denial::Conflict(format!(
+                        "sandbox {id} moved meanwhile, or its node {} is back",
+                        seen.value.node_id
+                    )),
+                })
+            }
+        }
     }
 }
 
 /// Before a resume of paused sandbox `id`: one of its team's slots (true),
-/// or 429. Nothing to do (false) for one that runs (a connect) or is not
-/// here (the API answers for it).
-async fn start_running(node: &Node, id: &str, caller_team: &str) -> Result<bool, ApiError> {
+/// or a denial. Nothing to do (false) for one that runs (a connect) or is
+/// not here (the API answers for it).
+async fn start_running(node: &Node, id: &str, team: &str) -> Result<bool, Denial> {
     let Ok(record) = node.manager.get(id) else {
         return Ok(false);
     };
     if record.state == SandboxState::Running {
         return Ok(false);
     }
-    // Another team's sandbox: the API answers 404 for it.
-    if team_or_default(record.team.as_deref()) != caller_team {
-        return Ok(false);
-    }
-    match node.registration.start_running(id, Some(caller_team)).await {
-        Ok(Claim::TeamFull { limit }) => Err(team_full(limit)),
+    match node.registration.start_running(id, Some(team)).await {
+        Ok(Claim::TeamFull { limit }) => Err(Denial::TeamFull { limit }),
         Ok(Claim::Claimed) => Ok(true),
         Ok(Claim::Refused) => match moved_to(node, id).await? {
             // Fenced: the copy here is stale and the reconciler removes it.
-            Some(owner) => Err(ApiError::new(
-                StatusCode::CONFLICT,
-                format!("sandbox {id} moved to node {owner}: resume it through a gateway"),
-            )),
+            Some(owner) => Err(Denial::Conflict(format!(
+                "sandbox {id} moved to node {owner}: resume it through a gateway"
+            ))),
             // Not mapped yet (the reconciler claims it), or this node's
             // earlier incarnation's whose lease has not ended yet: the
             // resume goes on.
             None => Ok(false),
         },
-        Err(e) => Err(ApiError::cluster_state(e)),
+        Err(e) => Err(Denial::ClusterState(e.to_string())),
     }
 }
 
 /// The node `id`'s route names, when that is another node.
-async fn moved_to(node: &Node, id: &str) -> Result<Option<String>, ApiError> {
+async fn moved_to(node: &Node, id: &str) -> Result<Option<String>, Denial> {
     let route = node
         .registration
         .cluster()
         .sandbox(id)
         .await
-        .map_err(ApiError::cluster_state)?;
+        .map_err(|e| Denial::ClusterState(e.to_string()))?;
     let me = node.registration.node_id();
     Ok(route
         .map(|seen| seen.value.node_id)
@@ -633,95 +764,24 @@ async fn stop_running(node: &Node, id: &str) {
     }
 }
 
-/// Claims sandbox `id` of `team`: None if it is the node's now, else why
-/// not (and it is killed).
-async fn claim_or_kill(node: &Node, id: &str, team: &str) -> Option<ApiError> {
-    let refused = match node.registration.claim_in_team(id, Some(team)).await {
-        Ok(Claim::Claimed) => return None,
-        Ok(Claim::TeamFull { limit }) => team_full(limit),
-        Ok(Claim::Refused) => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
+/// Claims sandbox `id` of `team` before the answer that names it leaves
+/// (the next request, through any gateway, finds it): refused (its team is
+/// at its quota, the node lost its lease, or the ID is mapped elsewhere),
+/// the node kills it and the create answers 429 or 503 (a gateway tries the
+/// next node on a 503).
+async fn claim(node: &Node, id: &str, team: &str) -> Result<(), Denial> {
+    match node.registration.claim_in_team(id, Some(team)).await {
+        Ok(Claim::Claimed) => Ok(()),
+        Ok(Claim::TeamFull { limit }) => Err(Denial::TeamFull { limit }),
+        Ok(Claim::Refused) => Err(Denial::Unavailable(
             "the cluster did not record the sandbox: the node's registration no longer holds \
-             (or the ID is taken)",
-        ),
-        Err(e) => ApiError::cluster_state(format!("the sandbox was not recorded: {e}")),
-    };
-    tracing::warn!("cluster: claiming {id}: {}; killing it", refused.message);
-    if let Err(e) = node.manager.kill(id).await {
-        tracing::warn!("cluster: killing unclaimed {id}: {e}");
+             (or the ID is taken)"
+                .to_owned(),
+        )),
+        Err(e) => Err(Denial::ClusterState(format!(
+            "the sandbox was not recorded: {e}"
+        ))),
     }
-    Some(refused)
-}
-
-/// A create's or fork's answer, read whole (it is small).
-async fn read_answer(
-    response: Response,
-) -> Result<(axum::http::response::Parts, axum::body::Bytes), ApiError> {
-    let (parts, body) = response.into_parts();
-    let bytes = axum::body::to_bytes(body, MAX_CREATE_ANSWER)
-        .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
-    Ok((parts, bytes))
-}
-
-/// Claims the sandbox a create answered with before the answer leaves:
-/// refused (its team is at its quota, the node lost its lease, or the ID
-/// is mapped elsewhere), the sandbox is killed and the create answers 429
-/// or 503 (a gateway tries the next node on a 503).
-async fn claim_created(node: &Node, team: &str, response: Response) -> Response {
-    let (parts, bytes) = match read_answer(response).await {
-        Ok(read) => read,
-        Err(e) => return e.into_response(),
-    };
-    let id = serde_json::from_slice::<serde_json::Value>(&bytes)
-        .ok()
-        .and_then(|v| v.get("sandboxID")?.as_str().map(str::to_owned));
-    let Some(id) = id else {
-        return Response::from_parts(parts, Body::from(bytes));
-    };
-    let refused = claim_or_kill(node, &id, team).await;
-    node.publish_load();
-    match refused {
-        None => Response::from_parts(parts, Body::from(bytes)),
-        Some(e) => e.into_response(),
-    }
-}
-
-/// Claims each child a fork answered with before the answer leaves (the
-/// next request, through any gateway, finds it); a child its team has no
-/// slot for is killed and its entry becomes the error, as a child that
-/// failed to start is. Children another node made (a fork across nodes)
-/// were claimed by that node before it answered.
-async fn claim_children(node: &Node, team: &str, response: Response) -> Response {
-    let (parts, bytes) = match read_answer(response).await {
-        Ok(read) => read,
-        Err(e) => return e.into_response(),
-    };
-    let Ok(mut children) = serde_json::from_slice::<Vec<serde_json::Value>>(&bytes) else {
-        return Response::from_parts(parts, Body::from(bytes));
-    };
-    for child in &mut children {
-        let Some(id) = child
-            .pointer("/sandbox/sandboxID")
-            .and_then(|v| v.as_str())
-            .map(str::to_owned)
-        else {
-            continue;
-        };
-        // A child on another node (a fork across nodes) is that node's to claim.
-        if node.manager.get(&id).is_err() {
-            continue;
-        }
-        if let Some(e) = claim_or_kill(node, &id, team).await {
-            *child =
-                serde_json::json!({"error": {"code": e.status.as_u16(), "message": e.message}});
-        }
-    }
-    node.publish_load();
-    let body = serde_json::to_vec(&children).unwrap_or_else(|_| bytes.to_vec());
-    let mut parts = parts;
-    parts.headers.remove(axum::http::header::CONTENT_LENGTH);
-    Response::from_parts(parts, Body::from(body))
 }
 
 #[cfg(test)]
@@ -803,50 +863,5 @@ mod tests {
             keys_a.team("red").unwrap().limits.max_sandboxes == Some(5)
         })
         .await;
-    }
-
-    #[test]
-    fn creates_and_kills_are_told_from_the_rest() {
-        assert!(matches!(
-            change(&Method::POST, "/sandboxes"),
-            Change::Create
-        ));
-        assert!(matches!(
-            change(&Method::POST, "/v2/sandboxes"),
-            Change::Create
-        ));
-        assert!(matches!(
-            change(&Method::POST, "/sandboxes/abc/fork"),
-            Change::Fork
-        ));
-        assert!(matches!(
-            change(&Method::POST, "/snapshots/s1/fork"),
-            Change::Fork
-        ));
-        assert!(matches!(
-            change(&Method::POST, "/internal/forks"),
-            Change::Fork
-        ));
-        assert!(
-            matches!(change(&Method::DELETE, "/sandboxes/abc"), Change::Kill(id) if id == "abc")
-        );
-        assert!(
-            matches!(change(&Method::POST, "/sandboxes/abc/pause"), Change::Pause(id) if id == "abc")
-        );
-        assert!(
-            matches!(change(&Method::POST, "/sandboxes/abc/resume"), Change::Resume(id) if id == "abc")
-        );
-        assert!(
-            matches!(change(&Method::POST, "/v2/sandboxes/abc/connect"), Change::Resume(id) if id == "abc")
-        );
-        for (m, p) in [
-            (Method::DELETE, "/sandboxes/"),
-            (Method::DELETE, "/sandboxes/a/b"),
-            (Method::GET, "/sandboxes"),
-            (Method::POST, "/snapshots/s1"),
-            (Method::DELETE, "/templates/x"),
-        ] {
-            assert!(matches!(change(&m, p), Change::None), "{m} {p}");
-        }
     }
 }

@@ -41,6 +41,8 @@ pub enum ServerError {
     Template(#[from] template::TemplateError),
     #[error("sandbox networking cannot start on this host ({0}); run without it with --no-network")]
     Network(#[from] net::NetError),
+    #[error("joining the cluster: {0}")]
+    Cluster(#[from] cluster::JoinError),
     #[error("listening on {addr}: {source}")]
     Listen {
         addr: SocketAddr,
@@ -53,6 +55,8 @@ pub enum ServerError {
 /// sandbox manager, ready to be served.
 pub struct Server {
     pub state: Arc<api::AppState>,
+    /// The node's membership of its cluster, if it is in one.
+    pub member: Option<cluster::Member>,
     /// Where the generated API key was written (None when it came from the environment).
     pub api_key_file: Option<PathBuf>,
 }
@@ -134,42 +138,40 @@ impl Server {
         manager.clone().start_reaper();
         manager.clone().start_observer();
         manager.clone().start_pressure_monitor();
+        let member = match &config.cluster {
+            Some(c) => Some(cluster::join(c, &manager, &keys).await?),
+            None => None,
+        };
         Ok(Server {
             state: Arc::new(api::AppState {
                 manager,
                 templates,
                 keys,
                 guests: Default::default(),
-                cluster: Default::default(),
+                cluster: member.as_ref().map(|m| m.node.clone()),
             }),
+            member,
             api_key_file,
         })
     }
 
     /// Serves on `listener` until `shutdown` completes; running sandboxes
-    /// then keep running for the next start to adopt.
+    /// then keep running for the next start to adopt, and a node of a
+    /// cluster leaves it.
     pub async fn serve(
         self,
         listener: tokio::net::TcpListener,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
-        self.serve_with(listener, shutdown, |router| router).await
-    }
-
-    /// [`Server::serve`] with `wrap` around the node's routes (a cluster
-    /// node's layer, [`crate::cluster::layer`]).
-    pub async fn serve_with(
-        self,
-        listener: tokio::net::TcpListener,
-        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-        wrap: impl FnOnce(axum::Router) -> axum::Router,
-    ) -> std::io::Result<()> {
         let manager = self.state.manager.clone();
-        let routes = wrap(api::router(self.state));
+        let routes = api::router(self.state);
         let served = axum::serve(listener, api::run_changes_to_end(routes))
             .with_graceful_shutdown(shutdown)
             .await;
         manager.shutdown();
+        if let Some(member) = &self.member {
+            member.leave().await;
+        }
         served
     }
 }

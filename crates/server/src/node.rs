@@ -7,6 +7,7 @@ pub mod cgroups;
 pub mod clock;
 pub mod config;
 pub mod crash;
+pub mod events;
 pub mod ids;
 pub mod ingress;
 pub mod jail;

@@ -12,16 +12,10 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use axum::Extension;
-use axum::body::Body;
-use axum::extract::{Path as UrlPath, State};
-use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
 use sandfork_cluster::files::{self, ChunkPlaces, FileError, StoredFile};
 use serde::{Deserialize, Serialize};
 
 use super::guest_files::{GuestFiles, Known};
-use crate::http::api::{ApiError, Shared};
 use crate::node::sandbox::Frozen;
 use crate::node::store::SandboxRecord;
 use crate::node::tenants::Caller;
@@ -72,6 +66,8 @@ pub enum Refused {
     NotFound,
     /// The fork's token is missing or wrong.
     Forbidden,
+    /// The file could not be read here.
+    Unreadable(String),
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -182,64 +178,33 @@ impl Exports {
     }
 }
 
-/// `GET /internal/forks/{export}/chunks/{digest}`: a chunk of a fork this
-/// node serves the files of (a node outside a cluster has none).
-pub async fn serve_chunk(
-    State(state): State<Shared>,
-    UrlPath((export, digest)): UrlPath<(String, String)>,
-    Extension(caller): Extension<Caller>,
-    headers: HeaderMap,
-) -> Result<Response, ApiError> {
-    let not_found = || ApiError::new(StatusCode::NOT_FOUND, "no such fork or chunk");
-    let node = state.cluster.get().ok_or_else(not_found)?;
-    let token = headers
-        .get(sandfork_cluster::peer::TOKEN_HEADER)
-        .and_then(|v| v.to_str().ok());
-    chunk(&node.forks, &export, token, &caller, &digest).await
-}
-
-/// The answer to a request for chunk `digest` of export `export`.
-async fn chunk(
-    exports: &Exports,
-    export: &str,
-    token: Option<&str>,
-    caller: &Caller,
-    digest: &str,
-) -> Result<Response, ApiError> {
-    let (path, offset, len) = match exports.place(export, token, caller, digest) {
-        Ok(place) => place,
-        Err(Refused::NotFound) => {
-            return Err(ApiError::new(
-                StatusCode::NOT_FOUND,
-                "no such fork or chunk",
-            ));
-        }
-        Err(Refused::Forbidden) => {
-            return Err(ApiError::new(
-                StatusCode::FORBIDDEN,
-                "missing or wrong fork token",
-            ));
-        }
-    };
-    let data = tokio::task::spawn_blocking(move || {
-        let file = std::fs::File::open(&path)?;
-        let mut buf = vec![0u8; len as usize];
-        file.read_exact_at(&mut buf, offset)?;
-        Ok::<_, std::io::Error>(buf)
-    })
-    .await
-    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
-    .map_err(|e| {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("reading the fork's file: {e}"),
-        )
-    })?;
-    Ok((StatusCode::OK, Body::from(data)).into_response())
+impl Exports {
+    /// Chunk `digest` of export `export`, for `caller` presenting `token`.
+    pub async fn read_chunk(
+        &self,
+        export: &str,
+        token: Option<&str>,
+        caller: &Caller,
+        digest: &str,
+    ) -> Result<Vec<u8>, Refused> {
+        let (path, offset, len) = self.place(export, token, caller, digest)?;
+        tokio::task::spawn_blocking(move || {
+            let file = std::fs::File::open(&path)?;
+            let mut buf = vec![0u8; len as usize];
+            file.read_exact_at(&mut buf, offset)?;
+            Ok::<_, std::io::Error>(buf)
+        })
+        .await
+        .map_err(|e| Refused::Unreadable(e.to_string()))?
+        .map_err(|e| Refused::Unreadable(format!("reading the fork's file: {e}")))
+    }
 }
 
 #[cfg(test)]
 mod tests {
+    use axum::extract::Path as UrlPath;
+    use axum::http::{HeaderMap, StatusCode};
+
     use super::*;
 
     fn caller(team: &str, admin: bool) -> Caller {
@@ -382,7 +347,14 @@ mod tests {
                         let token = headers
                             .get(sandfork_cluster::peer::TOKEN_HEADER)
                             .and_then(|v| v.to_str().ok());
-                        chunk(&exports, &export, token, &caller("default", false), &digest).await
+                        match exports
+                            .read_chunk(&export, token, &caller("default", false), &digest)
+                            .await
+                        {
+                            Ok(data) => (StatusCode::OK, data),
+                            Err(Refused::Forbidden) => (StatusCode::FORBIDDEN, Vec::new()),
+                            Err(_) => (StatusCode::NOT_FOUND, Vec::new()),
+                        }
                     }
                 }),
             );

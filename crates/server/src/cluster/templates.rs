@@ -26,14 +26,13 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use axum::http::StatusCode;
 use sandfork_cluster::files::{self, StoredFile};
 use serde::{Deserialize, Serialize};
 
 use super::durable::{Durable, DurableError};
 use super::guest_files::GuestFiles;
 use super::{Node, cache};
-use crate::http::api::{ApiError, Shared};
+use crate::node::events::Denial;
 use crate::node::sandbox::{Manager, SandboxError};
 use crate::node::store::TemplateRecord;
 use crate::node::tenants::{Caller, template_owner_key};
@@ -403,34 +402,53 @@ fn names_here(manager: &Manager, names: &[String]) -> Result<Vec<String>, Sandbo
         .collect())
 }
 
-fn unavailable(id: &str, e: impl std::fmt::Display) -> ApiError {
-    ApiError::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        format!("template {id}: the object store: {e}"),
-    )
+fn unavailable(id: &str, e: impl std::fmt::Display) -> Denial {
+    Denial::Unavailable(format!("template {id}: the object store: {e}"))
 }
 
-/// Before a request that uses template `id_or_name` (a create, a
-/// snapshot's fork): on a node of a cluster with an object store that
-/// lacks it, the template is taken in from there (by its id or a name) if
-/// the caller's team owns it. Otherwise nothing happens: the handler answers as before (404 for
-/// one no node stored, or another team's).
-pub async fn take_in_for(
-    state: &Shared,
-    caller: &Caller,
-    id_or_name: &str,
-) -> Result<(), ApiError> {
-    if state.manager.resolve_template(id_or_name).is_ok() {
-        return Ok(());
+impl Node {
+    /// Before a request that uses template `id_or_name` (a create, a
+    /// snapshot's fork): on a node of a cluster with an object store that
+    /// lacks it, the template is taken in from there (by its id or a name)
+    /// if the caller's team owns it. Otherwise nothing happens: the handler
+    /// answers as before (404 for one no node stored, or another team's).
+    pub async fn take_in_template_for(
+        &self,
+        caller: &Caller,
+        id_or_name: &str,
+    ) -> Result<(), Denial> {
+        if self.manager.resolve_template(id_or_name).is_ok() {
+            return Ok(());
+        }
+        let Some(durable) = &self.durable else {
+            return Ok(());
+        };
+        durable
+            .take_in_template(&self.manager, id_or_name, |team| caller.owns(team))
+            .await
+            .map(drop)
+            .map_err(|e| unavailable(id_or_name, format!("taking it in: {e}")))
     }
-    let Some(durable) = state.cluster.get().and_then(|n| n.durable.as_ref()) else {
-        return Ok(());
-    };
-    durable
-        .take_in_template(&state.manager, id_or_name, |team| caller.owns(team))
-        .await
-        .map(drop)
-        .map_err(|e| unavailable(id_or_name, format!("taking it in: {e}")))
+
+    /// A delete of template `id` that this node does not have: removed from
+    /// the object store if it is there and the caller's team's (true).
+    pub async fn delete_stored_template(&self, caller: &Caller, id: &str) -> Result<bool, Denial> {
+        let Some(durable) = &self.durable else {
+            return Ok(false);
+        };
+        let id = crate::node::ids::without_default_tag(id);
+        match durable.stored_team(id).await {
+            Ok(Some(team)) if caller.owns(team.as_deref()) => {}
+            Ok(_) => return Ok(false),
+            Err(e) => return Err(unavailable(id, e)),
+        }
+        durable
+            .forget_template(id)
+            .await
+            .map_err(|e| unavailable(id, e))?;
+        tracing::info!("cluster: template {id}: deleted from the object store (no copy here)");
+        Ok(true)
+    }
 }
 
 impl Node {
@@ -470,26 +488,6 @@ impl Node {
             }
         }
     }
-}
-
-/// A delete of template `id` that this node does not have: removed from
-/// the object store if it is there and the caller's team's (true).
-pub async fn delete_stored(state: &Shared, caller: &Caller, id: &str) -> Result<bool, ApiError> {
-    let Some(durable) = state.cluster.get().and_then(|n| n.durable.as_ref()) else {
-        return Ok(false);
-    };
-    let id = crate::node::ids::without_default_tag(id);
-    match durable.stored_team(id).await {
-        Ok(Some(team)) if caller.owns(team.as_deref()) => {}
-        Ok(_) => return Ok(false),
-        Err(e) => return Err(unavailable(id, e)),
-    }
-    durable
-        .forget_template(id)
-        .await
-        .map_err(|e| unavailable(id, e))?;
-    tracing::info!("cluster: template {id}: deleted from the object store (no copy here)");
-    Ok(true)
 }
 
 #[cfg(test)]

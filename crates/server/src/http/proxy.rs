@@ -566,6 +566,12 @@ fn splice_upgrades(client: hyper::upgrade::OnUpgrade, guest: hyper::upgrade::OnU
     });
 }
 
+/// A request refused for its traffic token: E2B's 403.
+fn refused(refusal: Refusal, id: &str) -> Response {
+    let body = serde_json::json!({"sandboxId": id, "message": refusal.message(), "code": 403});
+    (StatusCode::FORBIDDEN, axum::Json(body)).into_response()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -802,10 +808,4 @@ mod tests {
         );
         assert_eq!(unresponsive("sbx1").status(), StatusCode::BAD_GATEWAY);
     }
-}
-
-/// A request refused for its traffic token: E2B's 403.
-fn refused(refusal: Refusal, id: &str) -> Response {
-    let body = serde_json::json!({"sandboxId": id, "message": refusal.message(), "code": 403});
-    (StatusCode::FORBIDDEN, axum::Json(body)).into_response()
 }

@@ -15,9 +15,9 @@ pub struct AppState {
     pub keys: ApiKeys,
     /// Open connections to guests' ports, reused by the envd proxy.
     pub guests: GuestConnections,
-    /// The node's part in a cluster, once it has joined one (a fork across
-    /// nodes, and the routes other nodes ask for one).
-    pub cluster: std::sync::OnceLock<Arc<crate::cluster::Node>>,
+    /// The node's part in a cluster, if it is in one (a fork across nodes,
+    /// templates and pauses taken in, the routes other nodes ask for).
+    pub cluster: Option<Arc<crate::cluster::Node>>,
 }
 
 pub type Shared = Arc<AppState>;

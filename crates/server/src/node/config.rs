@@ -61,6 +61,9 @@ pub struct Config {
     /// None: a quarter of the data dir's file system (see
     /// `sandbox::cache_bound`).
     pub cluster_cache_max: Option<u64>,
+    /// The node's part in a cluster (none: a lone node). Read by the
+    /// composition root only; the node itself does not know it is in one.
+    pub cluster: Option<ClusterConfig>,
 }
 
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/sandfork";
@@ -120,6 +123,7 @@ impl Config {
             jail: None,
             cpu_template: None,
             cluster_cache_max: None,
+            cluster: None,
         }
     }
 
@@ -161,4 +165,22 @@ impl Config {
         let digest = Sha256::digest(data.as_os_str().as_encoded_bytes());
         PathBuf::from(DEFAULT_RUN_ROOT).join(crate::node::ids::hex(&digest[..8]))
     }
+}
+
+/// How a node joins a cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// etcd's client URLs.
+    pub etcd: Vec<String>,
+    /// The node's name in the cluster.
+    pub node_id: String,
+    /// Where gateways and other nodes reach this node's API.
+    pub advertise: std::net::SocketAddr,
+    /// The registration's lease: a node silent this long is gone.
+    pub lease_ttl: std::time::Duration,
+    /// The object store durable pauses and templates go to (an S3 URL).
+    pub s3: Option<String>,
+    /// How often the node collects the object store's unreferenced
+    /// chunks (None: never).
+    pub store_gc_every: Option<std::time::Duration>,
 }

@@ -14,11 +14,11 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
-use sandfork_cluster::{Cluster, ClusterError, TeamQuota, TenantChange};
 use sha2::{Digest, Sha256};
 
 use crate::node::capacity::TeamLimits;
 use crate::node::clock::now_ms;
+use crate::node::events::BoxFuture;
 use crate::node::ids;
 use crate::node::store::{Store, StoreError};
 use crate::node::tenants::{Caller, DEFAULT_TEAM, KeyRecord, RateLimiter, TeamRecord};
@@ -49,8 +49,9 @@ pub enum AuthError {
     NoKey(String),
     #[error("{0}")]
     Invalid(String),
+    /// Where teams and keys are shared (a cluster's etcd) failed.
     #[error("the cluster's teams and keys: {0}")]
-    Cluster(#[from] ClusterError),
+    Shared(String),
     #[error("a team or key record: {0}")]
     Record(#[from] serde_json::Error),
 }
@@ -72,8 +73,9 @@ struct Directory {
     /// One change of teams or keys at a time (names stay unique on the
     /// node; etcd keeps them unique in a cluster).
     changing: tokio::sync::Mutex<()>,
-    /// Set when the node is in a cluster: changes are written there.
-    cluster: OnceLock<Cluster>,
+    /// Set when the node shares its teams and keys (in a cluster): changes
+    /// are written there.
+    shared: OnceLock<Arc<dyn SharedTenants>>,
     limiter: RateLimiter,
     /// Requests per second of each key of a team that sets none (0: none).
     default_rate: u32,
@@ -116,7 +118,7 @@ impl ApiKeys {
                 keys: RwLock::default(),
                 teams: RwLock::default(),
                 changing: tokio::sync::Mutex::default(),
-                cluster: OnceLock::new(),
+                shared: OnceLock::new(),
                 limiter: RateLimiter::default(),
                 default_rate,
             }),
@@ -222,39 +224,29 @@ impl ApiKeys {
             .or_else(|| self.teams().into_iter().find(|t| t.name == wanted))
     }
 
-    /// From now on, teams and keys are changed in `cluster` (whose records
+    /// From now on, teams and keys are changed in `shared` (whose records
     /// [`ApiKeys::apply`] follows) instead of the node's store.
-    pub fn join_cluster(&self, cluster: Cluster) {
-        if self.inner.cluster.set(cluster).is_err() {
-            tracing::warn!("the API keys joined a cluster twice; the first one is kept");
+    pub fn share(&self, shared: Arc<dyn SharedTenants>) {
+        if self.inner.shared.set(shared).is_err() {
+            tracing::warn!("the API keys were shared twice; the first place is kept");
         }
     }
 
-    /// Applies a change of the cluster's teams and keys to this copy.
-    pub fn apply(&self, change: TenantChange) {
-        match change {
-            TenantChange::Loaded(records) => {
-                let teams = records
-                    .teams
-                    .iter()
-                    .filter_map(|(id, bytes)| decoded::<TeamRecord>(id, bytes))
-                    .map(|t| (t.id.clone(), t))
-                    .collect();
-                let keys = records
-                    .keys
-                    .iter()
-                    .filter_map(|(hex, bytes)| key_entry(hex, bytes))
+    /// Applies a change of the shared teams and keys to this copy.
+    pub fn apply(&self, update: TenantUpdate) {
+        match update {
+            TenantUpdate::Loaded { teams, keys } => {
+                let teams = teams.into_iter().map(|t| (t.id.clone(), t)).collect();
+                let keys = keys
+                    .into_iter()
+                    .filter_map(|(hex, record)| key_entry(&hex, record))
                     .collect();
                 *self.inner.teams.write().unwrap_or_else(|p| p.into_inner()) = teams;
                 *self.inner.keys.write().unwrap_or_else(|p| p.into_inner()) = keys;
             }
-            TenantChange::Team { id, record } => {
-                if let Some(team) = decoded::<TeamRecord>(&id, &record) {
-                    self.insert_team(team);
-                }
-            }
-            TenantChange::Key { hash, record } => {
-                if let Some((h, entry)) = key_entry(&hash, &record) {
+            TenantUpdate::Team(team) => self.insert_team(team),
+            TenantUpdate::Key { hash, record } => {
+                if let Some((h, entry)) = key_entry(&hash, record) {
                     self.inner
                         .keys
                         .write()
@@ -262,7 +254,7 @@ impl ApiKeys {
                         .insert(h, entry);
                 }
             }
-            TenantChange::KeyRevoked { hash } => {
+            TenantUpdate::KeyRevoked { hash } => {
                 if let Some(h) = unhex32(&hash) {
                     self.forget_key(&h);
                 }
@@ -287,19 +279,13 @@ impl ApiKeys {
     /// Writes `team` where teams are kept (the store, or the cluster with
     /// its quota); `new`: only if no team has its name (in the cluster).
     async fn put_team(&self, store: &Store, team: &TeamRecord, new: bool) -> Result<(), AuthError> {
-        let Some(cluster) = self.inner.cluster.get() else {
+        let Some(shared) = self.inner.shared.get() else {
             return Ok(store.put_team(team)?);
         };
-        let record = serde_json::to_vec(team)?;
-        let quota = TeamQuota {
-            max_sandboxes: team.limits.max_sandboxes,
-        };
-        if !new {
-            return Ok(cluster.put_team(&team.id, &record, &quota).await?);
-        }
-        if cluster
-            .create_team(&team.id, &team.name, &record, &quota)
-            .await?
+        if shared
+            .put_team(team, new)
+            .await
+            .map_err(AuthError::Shared)?
         {
             Ok(())
         } else {
@@ -374,8 +360,11 @@ impl ApiKeys {
             mask: crate::node::tenants::mask(&key),
             created_at_ms: now_ms(),
         };
-        match self.inner.cluster.get() {
-            Some(cluster) => cluster.put_key(&hex, &serde_json::to_vec(&record)?).await?,
+        match self.inner.shared.get() {
+            Some(shared) => shared
+                .put_key(&hex, &record)
+                .await
+                .map_err(AuthError::Shared)?,
             None => store.put_key(&hex, &record)?,
         }
         let mut keys = self.inner.keys.write().unwrap_or_else(|p| p.into_inner());
@@ -410,9 +399,12 @@ impl ApiKeys {
             .find(|(_, k)| k.record.id == id)
             .map(|(h, k)| (*h, k.record.clone()));
         let (h, record) = found.ok_or_else(|| AuthError::NoKey(id.to_owned()))?;
-        match self.inner.cluster.get() {
-            Some(cluster) => {
-                cluster.revoke_key(&ids::hex(&h)).await?;
+        match self.inner.shared.get() {
+            Some(shared) => {
+                shared
+                    .revoke_key(&ids::hex(&h))
+                    .await
+                    .map_err(AuthError::Shared)?;
             }
             None => {
                 store.remove_key(&ids::hex(&h))?;
@@ -435,18 +427,11 @@ fn default_team() -> TeamRecord {
 
 /// A record as the cluster keeps it; a malformed one is left out (with a
 /// warning: a node must not stop over another's bad write).
-fn decoded<T: serde::de::DeserializeOwned>(name: &str, bytes: &[u8]) -> Option<T> {
-    serde_json::from_slice(bytes)
-        .inspect_err(|e| tracing::warn!("cluster: team or key record {name}: {e}; ignored"))
-        .ok()
-}
-
-fn key_entry(hex: &str, bytes: &[u8]) -> Option<([u8; 32], KeyEntry)> {
+fn key_entry(hex: &str, record: KeyRecord) -> Option<([u8; 32], KeyEntry)> {
     let Some(h) = unhex32(hex) else {
-        tracing::warn!("cluster: API key record {hex}: not a SHA-256; ignored");
+        tracing::warn!("shared API key record {hex}: not a SHA-256; ignored");
         return None;
     };
-    let record: KeyRecord = decoded(hex, bytes)?;
     Some((
         h,
         KeyEntry {
@@ -454,6 +439,43 @@ fn key_entry(hex: &str, bytes: &[u8]) -> Option<([u8; 32], KeyEntry)> {
             record,
         },
     ))
+}
+
+/// A change of the shared teams and keys, as [`ApiKeys::apply`] takes it.
+#[derive(Debug)]
+pub enum TenantUpdate {
+    /// Every team and key (by its hash, in hex), replacing what was known.
+    Loaded {
+        teams: Vec<TeamRecord>,
+        keys: Vec<(String, KeyRecord)>,
+    },
+    Team(TeamRecord),
+    Key {
+        hash: String,
+        record: KeyRecord,
+    },
+    KeyRevoked {
+        hash: String,
+    },
+}
+
+/// Where teams and keys are written when nodes share them (a cluster). Its
+/// errors are told to the client as they are (503).
+pub trait SharedTenants: Send + Sync {
+    /// Writes `team`; `new`: only if no team has its name (false if one has).
+    fn put_team<'a>(
+        &'a self,
+        team: &'a TeamRecord,
+        new: bool,
+    ) -> BoxFuture<'a, Result<bool, String>>;
+    /// Writes key record `record` under its hash `hash` (hex).
+    fn put_key<'a>(
+        &'a self,
+        hash: &'a str,
+        record: &'a KeyRecord,
+    ) -> BoxFuture<'a, Result<(), String>>;
+    /// Revokes the key whose hash is `hash` (hex).
+    fn revoke_key<'a>(&'a self, hash: &'a str) -> BoxFuture<'a, Result<(), String>>;
 }
 
 fn check_team_name(name: &str) -> Result<(), AuthError> {

@@ -15,6 +15,7 @@ use vmm_driver::process::{GuestSpec, ProcessError, Restore};
 use crate::node::capacity::{Ask, Capacity, CapacityError, Reservation, Shortage};
 use crate::node::clock::now_ms;
 use crate::node::config::Config;
+use crate::node::events::{Denial, Event, Hooks, Permit, Told};
 use crate::node::ids;
 use crate::node::launch::{self, Guest, LaunchError, Launched, Plan, Ready};
 use crate::node::net::SandboxNetwork;
@@ -95,6 +96,10 @@ pub enum SandboxError {
     NameTaken(String),
     #[error("{0}")]
     Unavailable(String),
+    /// What sits above the node (a cluster) said no; what the operation
+    /// made is undone.
+    #[error(transparent)]
+    Denied(#[from] Denial),
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error("{what}: {source}")]
@@ -236,6 +241,9 @@ pub struct Manager {
     /// [`Manager::activity`], until their records are committed (see
     /// [`Manager::writing_template`]).
     writing: Mutex<HashMap<String, usize>>,
+    /// What sits above the node, asked and told about clients' operations
+    /// (see [`crate::node::events`]); none on a lone node.
+    hooks: std::sync::OnceLock<Arc<dyn Hooks>>,
     /// This manager, for the tasks that watch its VMMs.
     me: Weak<Manager>,
 }
@@ -274,8 +282,67 @@ impl Manager {
             pressure: Mutex::default(),
             recording: Mutex::default(),
             writing: Mutex::default(),
+            hooks: std::sync::OnceLock::new(),
             me: me.clone(),
         })
+    }
+
+    /// From now on `hooks` are asked and told about clients' operations.
+    /// Set once, by the composition root before the node serves; a second
+    /// call is refused (the first listener would miss what follows).
+    pub fn listen(&self, hooks: Arc<dyn Hooks>) -> Result<(), SandboxError> {
+        self.hooks
+            .set(hooks)
+            .map_err(|_| SandboxError::Invalid("the node's hooks were set twice".to_owned()))
+    }
+
+    /// Asks the hooks before a client's operation takes room; the permit
+    /// is held until the operation ends.
+    pub(crate) async fn admit(
+        &self,
+        ask: crate::node::events::Ask<'_>,
+    ) -> Result<Permit, SandboxError> {
+        match self.hooks.get() {
+            Some(hooks) => Ok(hooks.admit(ask).await?),
+            None => Ok(None),
+        }
+    }
+
+    /// Tells the hooks what happened (after it is recorded, before the
+    /// answer leaves).
+    pub(crate) async fn tell(&self, event: Event<'_>) -> Result<Told, Denial> {
+        match self.hooks.get() {
+            Some(hooks) => hooks.told(event).await,
+            None => Ok(Told::default()),
+        }
+    }
+
+    /// Tells the hooks sandbox `id` of `team` runs here; a denial kills it
+    /// again and is the create's error.
+    pub(crate) async fn tell_created(&self, id: &str, team: &str) -> Result<(), SandboxError> {
+        let Err(denial) = self.tell(Event::Created { id, team }).await else {
+            return Ok(());
+        };
+        tracing::warn!("sandbox {id}: {denial}; killing it");
+        if let Err(e) = self.kill_unannounced(id).await {
+            tracing::warn!("sandbox {id}: killing it after its denial: {e}");
+        }
+        Err(denial.into())
+    }
+
+    /// [`Manager::tell_created`] for each child a fork made here: a denied
+    /// child's entry becomes its denial.
+    pub(crate) async fn tell_children(
+        &self,
+        children: &mut [Result<SandboxRecord, SandboxError>],
+        team: &str,
+    ) {
+        for child in children.iter_mut() {
+            let Ok(record) = child else { continue };
+            if let Err(e) = self.tell_created(&record.id, team).await {
+                *child = Err(e);
+            }
+        }
     }
 
     fn registry(&self) -> std::sync::MutexGuard<'_, Registry> {
@@ -473,7 +540,7 @@ impl Manager {
             } else {
                 tracing::info!("sandbox {id}: timeout reached, killing it");
             }
-            if let Err(e) = self.kill(&id).await {
+            if let Err(e) = self.kill_unannounced(&id).await {
                 tracing::warn!("sandbox {id}: killing at timeout: {e}");
             }
         }
@@ -519,9 +586,25 @@ impl Manager {
         }
     }
 
-    /// Restores the template into a pooled VMM with a fresh root layer,
-    /// initialises its agent and records the sandbox as running.
+    /// A client's create: admitted by the hooks before it takes room, told
+    /// to them once it runs (a denial then kills it again).
     pub async fn create(&self, params: CreateParams) -> Result<SandboxRecord, SandboxError> {
+        let team = crate::node::tenants::team_or_default(params.team.as_deref()).to_owned();
+        let _permit = self
+            .admit(crate::node::events::Ask::Create { team: &team })
+            .await?;
+        let record = self.create_unannounced(params).await?;
+        self.tell_created(&record.id, &team).await?;
+        Ok(record)
+    }
+
+    /// Restores the template into a pooled VMM with a fresh root layer,
+    /// initialises its agent and records the sandbox as running. Neither
+    /// asked nor told (a build's own sandbox; see [`Manager::create`]).
+    pub async fn create_unannounced(
+        &self,
+        params: CreateParams,
+    ) -> Result<SandboxRecord, SandboxError> {
         let _busy = self.activity.read().await;
         let (template, _pin) = self.pin_template(&params.template_id)?;
         // Held before the slow restore; given back if the create fails.
@@ -669,8 +752,33 @@ impl Manager {
     /// from), its disk flushed; [`PauseMode::Filesystem`]: its guest flushes
     /// its disk, and nothing else is kept. Then its VMM stops; the store says
     /// `paused` once all is on disk.
-    pub async fn pause(&self, id: &str, mode: PauseMode) -> Result<SandboxRecord, SandboxError> {
-        self.pause_for(id, mode, PauseReason::Request).await
+    /// A client's pause: the hooks are asked first and told after; what
+    /// they tell back (whether the pause is kept beyond this node) comes
+    /// with the paused record. `kept_here`: the client asked that this
+    /// pause stay on this node (recorded before the hooks are told).
+    pub async fn pause(
+        &self,
+        id: &str,
+        mode: PauseMode,
+        kept_here: bool,
+    ) -> Result<(SandboxRecord, Told), SandboxError> {
+        let _permit = self.admit(crate::node::events::Ask::Pause { id }).await?;
+        let mut record = self.pause_for(id, mode, PauseReason::Request).await?;
+        if kept_here {
+            let generation = record.pause_generation;
+            record = self
+                .store
+                .update_sandbox(id, |r| r.local_pause = Some(generation))?
+                .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
+        }
+        let told = self
+            .tell(Event::Paused { id })
+            .await
+            .unwrap_or_else(|denial| {
+                tracing::warn!("sandbox {id}: paused, but {denial}");
+                Told::default()
+            });
+        Ok((record, told))
     }
 
     /// [`Manager::pause`] for `reason`. A pause for memory pressure gives
@@ -863,6 +971,29 @@ impl Manager {
         timeout: Duration,
         mode: ResumeMode,
     ) -> Result<(SandboxRecord, bool), SandboxError> {
+        let team = self.get(id)?.team().to_owned();
+        let _permit = self
+            .admit(crate::node::events::Ask::Resume { id, team: &team })
+            .await?;
+        let resumed = self.resume_unannounced(id, timeout, mode).await;
+        let event = match &resumed {
+            Ok(_) => Event::Resumed { id },
+            Err(_) => Event::NotResumed { id },
+        };
+        if let Err(denial) = self.tell(event).await {
+            tracing::warn!("sandbox {id}: after its resume: {denial}");
+        }
+        resumed
+    }
+
+    /// [`Manager::resume`], neither asked nor told (a sandbox the node
+    /// paused for memory pressure, resumed for a request that reached it).
+    pub(crate) async fn resume_unannounced(
+        &self,
+        id: &str,
+        timeout: Duration,
+        mode: ResumeMode,
+    ) -> Result<(SandboxRecord, bool), SandboxError> {
         let end = now_ms() + timeout.as_millis() as u64;
         let sandbox = self.sandbox(id)?;
         if sandbox.phase() == Phase::Running {
@@ -998,9 +1129,20 @@ impl Manager {
         Ok(self.store.sandboxes()?)
     }
 
-    /// Stops the sandbox's VMM and removes its files and record; waits for
-    /// a change under way to end first.
+    /// A client's kill: [`Manager::kill_unannounced`], then the hooks are
+    /// told.
     pub async fn kill(&self, id: &str) -> Result<(), SandboxError> {
+        self.kill_unannounced(id).await?;
+        if let Err(denial) = self.tell(Event::Killed { id }).await {
+            tracing::warn!("sandbox {id}: killed, but {denial}");
+        }
+        Ok(())
+    }
+
+    /// Stops the sandbox's VMM and removes its files and record; waits for
+    /// a change under way to end first. Not told (a timeout, memory
+    /// pressure, a build's end, a copy the cluster gave to another node).
+    pub async fn kill_unannounced(&self, id: &str) -> Result<(), SandboxError> {
         // The collector must not see the record and then miss its files.
         let _busy = self.activity.read().await;
         let sandbox = self.registry().get(id);

@@ -3,6 +3,7 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 
+use crate::node::events::Denial;
 use crate::node::sandbox::SandboxError;
 
 /// On a 429 that is the caller's team's limit, not the node's: a gateway
@@ -83,10 +84,30 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// What the cluster said no with: the same on every node for a team at
+/// its limit and for the cluster's state.
+impl From<Denial> for ApiError {
+    fn from(denial: Denial) -> ApiError {
+        let message = denial.to_string();
+        match denial {
+            Denial::TeamFull { .. } => ApiError::team_limit(message),
+            Denial::ClusterState(_) => ApiError {
+                cluster_wide: Some(ClusterWide::ClusterState),
+                ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, message)
+            },
+            Denial::Conflict(_) => ApiError::new(StatusCode::CONFLICT, message),
+            Denial::NotFound(_) => ApiError::new(StatusCode::NOT_FOUND, message),
+            Denial::Unavailable(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, message),
+        }
+    }
+}
+
 impl From<SandboxError> for ApiError {
     fn from(e: SandboxError) -> ApiError {
-        if let SandboxError::TeamLimit(message) = &e {
-            return ApiError::team_limit(message.clone());
+        match e {
+            SandboxError::TeamLimit(message) => return ApiError::team_limit(message),
+            SandboxError::Denied(denial) => return denial.into(),
+            _ => {}
         }
         let status = match &e {
             SandboxError::NotFound(_) | SandboxError::TemplateNotFound(_) => StatusCode::NOT_FOUND,

@@ -53,11 +53,11 @@ pub fn router(state: Shared) -> Router {
         // Node to node in a cluster: a fork across nodes (404 elsewhere).
         .route(
             "/internal/forks",
-            post(crate::cluster::fork_children::make_children),
+            post(crate::http::cluster_routes::make_children),
         )
         .route(
-            crate::cluster::fork_files::CHUNK_ROUTE,
-            get(crate::cluster::fork_files::serve_chunk),
+            crate::http::cluster_routes::CHUNK_ROUTE,
+            get(crate::http::cluster_routes::serve_chunk),
         )
         .route("/sandboxes/{id}/network", put(network::update))
         .route("/sandboxes/{id}/snapshots", post(snapshots::create))

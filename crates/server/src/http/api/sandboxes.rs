@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 use super::list::ListQuery;
 use super::{ApiError, ClientGone, Shared};
 use crate::node::ids;
-use crate::node::sandbox::{CreateParams, PauseMode, Phase, ResumeMode, SandboxError};
+use crate::node::sandbox::{CreateParams, PauseMode, Phase, ResumeMode};
 use crate::node::store::{SandboxRecord, SandboxState};
 use crate::node::template;
 use crate::node::tenants::Caller;
@@ -164,7 +164,9 @@ async fn create(
         .filter(|t| !t.is_empty())
         .unwrap_or_else(|| template::BASE.to_owned());
     // Made on another node of the cluster: taken in first.
-    crate::cluster::templates::take_in_for(&state, &caller, &template_id).await?;
+    if let Some(cluster) = &state.cluster {
+        cluster.take_in_template_for(&caller, &template_id).await?;
+    }
     super::tenancy::check_template(&state, &caller, &template_id)?;
     let params = CreateParams {
         template_id,
@@ -356,7 +358,7 @@ pub async fn pause(
     State(state): State<Shared>,
     Path(id): Path<String>,
     body: Bytes,
-) -> Result<StatusCode, ApiError> {
+) -> Result<Response, ApiError> {
     let id = check_id(&id)?;
     let req: PauseBody = parse_body(&body)?;
     let mode = match req.memory.unwrap_or(true) {
@@ -373,18 +375,18 @@ pub async fn pause(
             format!("sandbox {id}: its guest agent does not answer; it was not paused"),
         ));
     }
-    let paused = state.manager.pause(&id, mode).await?;
-    if req.durable == Some(false) {
-        // Before the answer leaves: the cluster layer reads it then (and
-        // its reconciler skips sandboxes under way).
-        let generation = paused.pause_generation;
-        state
-            .manager
-            .store()
-            .update_sandbox(&id, |r| r.local_pause = Some(generation))
-            .map_err(SandboxError::from)?;
+    let (_, told) = state
+        .manager
+        .pause(&id, mode, req.durable == Some(false))
+        .await?;
+    let mut answer = StatusCode::NO_CONTENT.into_response();
+    if let Some(durable) = told.durable {
+        answer.headers_mut().insert(
+            crate::cluster::DURABLE_HEADER,
+            axum::http::HeaderValue::from_static(if durable { "true" } else { "false" }),
+        );
     }
-    Ok(StatusCode::NO_CONTENT)
+    Ok(answer)
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -401,10 +403,18 @@ struct ConnectBody {
 async fn resume_or_connect(
     state: Shared,
     id: String,
+    headers: &axum::http::HeaderMap,
     body: Bytes,
     connect: bool,
 ) -> Result<Response, ApiError> {
     let id = check_id(&id)?;
+    // A gateway sent it here because the sandbox's node is gone: the
+    // sandbox is taken in from the object store first.
+    if headers.contains_key(crate::cluster::TAKE_IN_HEADER)
+        && let Some(cluster) = &state.cluster
+    {
+        cluster.take_in(&id).await?;
+    }
     let req: ConnectBody = parse_body(&body)?;
     let timeout = timeout_secs(
         req.timeout.unwrap_or(V2_DEFAULT_TIMEOUT),
@@ -434,18 +444,20 @@ async fn resume_or_connect(
 pub async fn connect(
     State(state): State<Shared>,
     Path(id): Path<String>,
+    headers: axum::http::HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    resume_or_connect(state, id, body, true).await
+    resume_or_connect(state, id, &headers, body, true).await
 }
 
 /// `POST /sandboxes/{id}/resume` (older SDKs): 201, or 409 when running.
 pub async fn resume(
     State(state): State<Shared>,
     Path(id): Path<String>,
+    headers: axum::http::HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    resume_or_connect(state, id, body, false).await
+    resume_or_connect(state, id, &headers, body, false).await
 }
 
 /// The most children one fork request makes (E2B's limit).
@@ -513,11 +525,11 @@ pub async fn fork(
     let id = check_id(&id)?;
     let req: ForkBody = parse_body(&body)?;
     // The body first, as E2B checks it (then the sandbox).
-    let (timeout, count) = fork_request_on(&state, &req, state.cluster.get().is_some())?;
+    let (timeout, count) = fork_request_on(&state, &req, state.cluster.as_ref().is_some())?;
     let record = state.manager.get(&id)?;
     let cluster = state
         .cluster
-        .get()
+        .as_ref()
         .filter(|_| record.state == SandboxState::Running);
     if cluster.is_none() {
         // Every child on this node: its own bound.

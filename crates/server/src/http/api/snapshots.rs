@@ -71,7 +71,7 @@ pub async fn create(
             return Err(e.into());
         }
     };
-    state.templates.made_ready(&record.id);
+    state.templates.made_ready(&record.id).await;
     Ok((StatusCode::CREATED, Json(snapshot_json(&record))).into_response())
 }
 
@@ -91,7 +91,9 @@ pub async fn fork(
     let (timeout, count) = fork_request(&state, &req)?;
     // Taken on another node of the cluster: taken in first (the owner
     // check in front of the routes passed it as unknown).
-    crate::cluster::templates::take_in_for(&state, &caller, &id).await?;
+    if let Some(cluster) = &state.cluster {
+        cluster.take_in_template_for(&caller, &id).await?;
+    }
     super::tenancy::check_template(&state, &caller, &id)?;
     let params = SnapshotForkParams {
         timeout,

@@ -328,11 +328,12 @@ pub async fn delete(
     match state.templates.delete(&id).await {
         Ok(()) => Ok(StatusCode::NO_CONTENT),
         // Stored by a node of the cluster, none of whose copies is here.
-        Err(SandboxError::TemplateNotFound(_))
-            if crate::cluster::templates::delete_stored(&state, &caller, &id).await? =>
-        {
-            Ok(StatusCode::NO_CONTENT)
-        }
+        Err(SandboxError::TemplateNotFound(missing)) => match &state.cluster {
+            Some(cluster) if cluster.delete_stored_template(&caller, &id).await? => {
+                Ok(StatusCode::NO_CONTENT)
+            }
+            _ => Err(SandboxError::TemplateNotFound(missing).into()),
+        },
         Err(e) => Err(e.into()),
     }
 }

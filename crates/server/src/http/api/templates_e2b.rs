@@ -358,7 +358,7 @@ pub async fn remove_tags(State(state): State<Shared>, body: Bytes) -> Result<Sta
     let req: RemoveTags = parse_body(&body)?;
     let tags = check_tags(&req.tags)?;
     let (name, _) = split_name(&req.name);
-    state.templates.remove_tags(&name, &tags)?;
+    state.templates.remove_tags(&name, &tags).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

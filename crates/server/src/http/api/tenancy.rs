@@ -61,7 +61,7 @@ pub async fn require_api_key(
     let chunk = req
         .extensions()
         .get::<MatchedPath>()
-        .is_some_and(|p| p.as_str() == crate::cluster::fork_files::CHUNK_ROUTE);
+        .is_some_and(|p| p.as_str() == crate::http::cluster_routes::CHUNK_ROUTE);
     if !chunk && let Err(wait) = state.keys.admit(&key, &caller) {
         return rate_limited(wait);
     }
@@ -236,7 +236,7 @@ impl From<AuthError> for ApiError {
             AuthError::NoTeam(_) | AuthError::NoKey(_) => StatusCode::NOT_FOUND,
             AuthError::TeamExists(_) => StatusCode::CONFLICT,
             AuthError::Invalid(_) => StatusCode::BAD_REQUEST,
-            AuthError::Cluster(_) => StatusCode::SERVICE_UNAVAILABLE,
+            AuthError::Shared(_) => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
         ApiError::new(status, e.to_string())

@@ -116,6 +116,25 @@ impl Manager {
         timeout: Duration,
         elsewhere: Option<impl AsyncFnOnce(Result<Frozen, SandboxError>, u32) -> R>,
     ) -> Result<(Forked, Option<R>), SandboxError> {
+        let team = self.get(id)?.team().to_owned();
+        let _permit = self
+            .admit(crate::node::events::Ask::Create { team: &team })
+            .await?;
+        let (mut forked, remote) = self
+            .fork_spread_unannounced(id, count, timeout, elsewhere)
+            .await?;
+        // Children made elsewhere were told there.
+        self.tell_children(&mut forked.children, &team).await;
+        Ok((forked, remote))
+    }
+
+    async fn fork_spread_unannounced<R>(
+        self: &Arc<Self>,
+        id: &str,
+        count: u32,
+        timeout: Duration,
+        elsewhere: Option<impl AsyncFnOnce(Result<Frozen, SandboxError>, u32) -> R>,
+    ) -> Result<(Forked, Option<R>), SandboxError> {
         let _busy = self.activity.read().await;
         let sandbox = self.sandbox(id)?;
         let Ok(guest) = sandbox.guest.try_lock() else {

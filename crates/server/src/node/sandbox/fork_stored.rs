@@ -93,6 +93,34 @@ impl Manager {
         parent: SandboxRecord,
         count: u32,
         timeout: Duration,
+        from_node: &str,
+        place: impl AsyncFnOnce(&std::path::Path) -> Result<CopiedFork, SandboxError>,
+    ) -> Result<ForkResults, SandboxError> {
+        let team = parent.team().to_owned();
+        let _permit = self
+            .admit(crate::node::events::Ask::Create { team: &team })
+            .await?;
+        let child = Ask::sandbox(u64::from(parent.cpu_count), parent.memory_mb);
+        let slots = self.capacity.reserve_for(
+            child.times(u64::from(count)),
+            &format!(
+                "{count} {} of a fork on node {from_node}",
+                if count == 1 { "child" } else { "children" },
+            ),
+            Some(&team),
+        )?;
+        let mut results = self
+            .fork_copied_unannounced(parent, count, timeout, slots, place)
+            .await?;
+        self.tell_children(&mut results, &team).await;
+        Ok(results)
+    }
+
+    async fn fork_copied_unannounced(
+        self: &Arc<Self>,
+        parent: SandboxRecord,
+        count: u32,
+        timeout: Duration,
         mut slots: Reservation,
         place: impl AsyncFnOnce(&std::path::Path) -> Result<CopiedFork, SandboxError>,
     ) -> Result<ForkResults, SandboxError> {
@@ -164,6 +192,21 @@ impl Manager {
     /// sandbox paused without its memory is refused (409): there is no
     /// state to continue from but its disk.
     pub async fn fork_paused(
+        self: &Arc<Self>,
+        id: &str,
+        count: u32,
+        timeout: Duration,
+    ) -> Result<ForkResults, SandboxError> {
+        let team = self.get(id)?.team().to_owned();
+        let _permit = self
+            .admit(crate::node::events::Ask::Create { team: &team })
+            .await?;
+        let mut results = self.fork_paused_unannounced(id, count, timeout).await?;
+        self.tell_children(&mut results, &team).await;
+        Ok(results)
+    }
+
+    async fn fork_paused_unannounced(
         self: &Arc<Self>,
         id: &str,
         count: u32,
@@ -382,6 +425,23 @@ impl Manager {
     /// source had when the snapshot was taken (rules and policy, a traffic
     /// token of its own when private), as a running sandbox's children do.
     pub async fn fork_snapshot(
+        self: &Arc<Self>,
+        id_or_name: &str,
+        count: u32,
+        params: SnapshotForkParams,
+    ) -> Result<ForkResults, SandboxError> {
+        let team = crate::node::tenants::team_or_default(params.team.as_deref()).to_owned();
+        let _permit = self
+            .admit(crate::node::events::Ask::Create { team: &team })
+            .await?;
+        let mut results = self
+            .fork_snapshot_unannounced(id_or_name, count, params)
+            .await?;
+        self.tell_children(&mut results, &team).await;
+        Ok(results)
+    }
+
+    async fn fork_snapshot_unannounced(
         self: &Arc<Self>,
         id_or_name: &str,
         count: u32,

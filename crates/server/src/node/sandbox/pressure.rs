@@ -220,7 +220,7 @@ impl Manager {
         }
         let started = Instant::now();
         let resumed = match self
-            .resume(id, Duration::from_millis(left), ResumeMode::Restore)
+            .resume_unannounced(id, Duration::from_millis(left), ResumeMode::Restore)
             .await
         {
             Err(SandboxError::NotFound(_)) => return Ok(None),
@@ -255,7 +255,7 @@ impl Manager {
         tracing::info!(
             "sandbox {id}: timeout reached while paused for memory pressure, killing it"
         );
-        if let Err(e) = self.kill(id).await {
+        if let Err(e) = self.kill_unannounced(id).await {
             tracing::warn!("sandbox {id}: killing at timeout: {e}");
         }
     }

@@ -159,7 +159,7 @@ async fn concurrent_pauses_resumes_and_kills_change_one_sandbox_at_a_time() {
                         .map(drop),
                 )
             } else {
-                ("pause", m.pause(ID, PauseMode::Full).await.map(drop))
+                ("pause", m.pause(ID, PauseMode::Full, false).await.map(drop))
             }
         });
     }
@@ -195,7 +195,7 @@ async fn concurrent_pauses_resumes_and_kills_change_one_sandbox_at_a_time() {
         tasks.spawn(async move {
             match i % 3 {
                 0 => ("kill", m.kill(ID).await),
-                1 => ("pause", m.pause(ID, PauseMode::Full).await.map(drop)),
+                1 => ("pause", m.pause(ID, PauseMode::Full, false).await.map(drop)),
                 _ => (
                     "resume",
                     m.resume(ID, Duration::from_secs(60), ResumeMode::Restore)

@@ -26,6 +26,7 @@ use super::code_interpreter;
 use super::e2b_build::{BUILD_SANDBOX_KEY, E2bState, Failure, StepsPlan};
 use crate::node::capacity::{Ask, Reservation};
 use crate::node::clock::now_ms;
+use crate::node::events::Event;
 use crate::node::ids;
 use crate::node::sandbox::{Manager, SandboxError, SnapshotParams};
 use crate::node::store::{BuildRecord, BuildStatus, SandboxState, TemplateRecord};
@@ -185,9 +186,6 @@ pub struct Templates {
     running: Mutex<HashMap<String, Arc<BuildLog>>>,
     /// E2B's waiting builds and uploads.
     e2b: E2bState,
-    /// The node's part in a cluster: templates made ready are stored in
-    /// its object store, deleted ones removed from there.
-    cluster: std::sync::OnceLock<Arc<crate::cluster::Node>>,
 }
 
 impl Templates {
@@ -197,28 +195,22 @@ impl Templates {
             manager,
             running: Mutex::new(HashMap::new()),
             e2b,
-            cluster: std::sync::OnceLock::new(),
         })
     }
 
-    /// From now on templates made ready are stored in `node`'s object store
-    /// (if it has one), and deleted ones removed from there.
-    pub fn join_cluster(&self, node: Arc<crate::cluster::Node>) {
-        let _ = self.cluster.set(node);
-    }
-
-    /// Template `id` is ready for use: stored in the cluster's object
-    /// store, if any (in the background).
-    pub fn made_ready(&self, id: &str) {
-        if let Some(node) = self.cluster.get() {
-            node.store_template_in_background(id.to_owned());
+    /// Template `id` is ready for use: the node's hooks are told (a
+    /// cluster stores it in its object store, in the background).
+    pub async fn made_ready(&self, id: &str) {
+        if let Err(denial) = self.manager.tell(Event::TemplateReady { id }).await {
+            tracing::warn!("template {id}: ready, but {denial}");
         }
     }
 
-    /// Templates `ids` were deleted: out of the cluster's object store too.
-    pub(super) async fn forget_in_cluster(&self, ids: &[String]) {
-        if let Some(node) = self.cluster.get() {
-            node.forget_templates(ids).await;
+    /// Templates `ids` were deleted: the node's hooks are told (a cluster
+    /// removes them from its object store).
+    pub(super) async fn told_deleted(&self, ids: &[String]) {
+        if let Err(denial) = self.manager.tell(Event::TemplatesDeleted { ids }).await {
+            tracing::warn!("templates {}: deleted, but {denial}", ids.join(", "));
         }
     }
 
@@ -246,7 +238,7 @@ impl Templates {
         for s in store.sandboxes()? {
             if s.metadata.contains_key(BUILD_SANDBOX_KEY) {
                 tracing::info!("sandbox {}: a template build's, left by a restart", s.id);
-                match self.manager.kill(&s.id).await {
+                match self.manager.kill_unannounced(&s.id).await {
                     Ok(()) | Err(SandboxError::NotFound(_)) => {}
                     Err(e) => tracing::warn!("killing build sandbox {}: {e}", s.id),
                 }
@@ -564,7 +556,7 @@ impl Templates {
         };
         self.drop_untagged(untagged).await;
         if written.is_ok() && record.status == BuildStatus::Ready {
-            self.made_ready(&id);
+            self.made_ready(&id).await;
         }
         match written {
             Ok(()) => tracing::info!(
@@ -847,7 +839,7 @@ impl Templates {
     /// cluster the deleted templates leave its object store too.
     pub async fn delete(&self, id_or_name: &str) -> Result<(), SandboxError> {
         let deleted = self.delete_here(id_or_name).await?;
-        self.forget_in_cluster(&deleted).await;
+        self.told_deleted(&deleted).await;
         Ok(())
     }
 

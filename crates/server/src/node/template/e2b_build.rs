@@ -878,7 +878,7 @@ impl Templates {
         };
         log.push(&format!("starting a sandbox of template {from}"));
         let created = manager
-            .create(CreateParams {
+            .create_unannounced(CreateParams {
                 template_id: from.clone(),
                 timeout: BUILD_SANDBOX_TIMEOUT,
                 metadata: BTreeMap::from([(
@@ -919,7 +919,7 @@ impl Templates {
         if result.is_ok() {
             crate::node::crash::point("template.snapshotted");
         }
-        if let Err(e) = manager.kill(&sandbox).await
+        if let Err(e) = manager.kill_unannounced(&sandbox).await
             && !matches!(e, SandboxError::NotFound(_))
         {
             tracing::warn!(
@@ -1293,7 +1293,7 @@ impl Templates {
                 Err(e) => tracing::warn!("template {id}: deleting its untagged build: {e}"),
             }
         }
-        self.forget_in_cluster(&deleted).await;
+        self.told_deleted(&deleted).await;
     }
 
     /// The E2B template `alias` names (its newest build's), if any.
@@ -1424,7 +1424,7 @@ impl Templates {
         store.put_template(&t)?;
         self.drop_untagged(emptied).await;
         // Stored again: the cluster's names follow.
-        self.made_ready(&t.id);
+        self.made_ready(&t.id).await;
         Ok(store
             .build(&t.id)?
             .map(|b| b.build_id)
@@ -1433,7 +1433,7 @@ impl Templates {
 
     /// `DELETE /templates/tags`: `name`'s template loses `tags` (its builds
     /// stay, reachable by their other tags).
-    pub fn remove_tags(&self, name: &str, tags: &[String]) -> Result<(), SandboxError> {
+    pub async fn remove_tags(&self, name: &str, tags: &[String]) -> Result<(), SandboxError> {
         let template_id = self
             .e2b_template_of_alias(name)?
             .ok_or_else(|| SandboxError::TemplateNotFound(name.to_owned()))?;
@@ -1449,7 +1449,7 @@ impl Templates {
                 t.names.retain(|n| !gone.contains(n));
                 store.put_template(&t)?;
                 // Stored again: the cluster lets go of the names too.
-                self.made_ready(&t.id);
+                self.made_ready(&t.id).await;
             }
         }
         Ok(())

@@ -1,0 +1,94 @@
+//! The node's two seams to what sits above it (a cluster): it asks before a
+//! client's operation takes room or changes what runs here ([`Hooks::admit`]),
+//! and it tells what happened once the change is recorded and before the
+//! answer leaves ([`Hooks::told`]), so the next request, through any node,
+//! finds the change. The node never knows who listens: a lone node has no
+//! hooks, and every call here is then a no-op.
+//!
+//! Only operations a client asked for are asked and told (creates, forks,
+//! pauses, resumes, kills through the API; templates made ready or
+//! deleted); what the node does by itself (a timeout, memory pressure, a
+//! build's own sandbox) is found by the listener's own reconciling.
+
+use std::future::Future;
+use std::pin::Pin;
+
+/// A boxed future, so the hooks stay object-safe.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What a client's operation is about to do here.
+#[derive(Debug, Clone, Copy)]
+pub enum Ask<'a> {
+    /// A create, or a fork's children, of `team`.
+    Create { team: &'a str },
+    /// A pause of sandbox `id`.
+    Pause { id: &'a str },
+    /// A resume (or connect) of paused sandbox `id` of `team`.
+    Resume { id: &'a str, team: &'a str },
+}
+
+/// What happened, told after the node recorded it.
+#[derive(Debug, Clone, Copy)]
+pub enum Event<'a> {
+    /// Sandbox `id` of `team` runs here: made by a create or a fork. A
+    /// [`Denial`] undoes it (the sandbox is killed).
+    Created { id: &'a str, team: &'a str },
+    /// Sandbox `id` paused, as its client asked.
+    Paused { id: &'a str },
+    /// Sandbox `id` runs again (a resume or connect).
+    Resumed { id: &'a str },
+    /// A resume of sandbox `id` failed after it was admitted: still paused.
+    NotResumed { id: &'a str },
+    /// Sandbox `id` was killed, as its client asked.
+    Killed { id: &'a str },
+    /// Template `id` (a build's or a snapshot) is ready for use.
+    TemplateReady { id: &'a str },
+    /// Templates `ids` were deleted.
+    TemplatesDeleted { ids: &'a [String] },
+}
+
+/// What a listener adds to the operation's answer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Told {
+    /// For a pause: whether it is kept beyond this node (None: nobody keeps
+    /// pauses anywhere else).
+    pub durable: Option<bool>,
+}
+
+/// Why something above the node said no. The HTTP floor turns each into a
+/// status code (E2B's 429 for a team at its limit, 503 when the state the
+/// answer depends on cannot be read).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Denial {
+    /// The team already runs as many sandboxes as it may, counted across
+    /// the cluster.
+    #[error(
+        "you have reached the maximum number of concurrent sandboxes ({limit}) of your team \
+         across the cluster"
+    )]
+    TeamFull { limit: u64 },
+    /// The shared state could not be read or written (etcd): every node
+    /// would answer the same.
+    #[error("cluster state: {0}")]
+    ClusterState(String),
+    /// The sandbox is elsewhere, or moved meanwhile.
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    NotFound(String),
+    /// Not possible here now (another node may do it).
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+/// Held by an admitted operation until it ends (dropped, whatever its
+/// outcome): what a listener keeps for the operation's length.
+pub type Permit = Option<Box<dyn Send + Sync>>;
+
+/// What sits above the node. Both calls are awaited inside the operation,
+/// so their order against the node's own steps is fixed: an admission
+/// before any room is taken, a telling before the answer leaves.
+pub trait Hooks: Send + Sync {
+    fn admit<'a>(&'a self, ask: Ask<'a>) -> BoxFuture<'a, Result<Permit, Denial>>;
+    fn told<'a>(&'a self, event: Event<'a>) -> BoxFuture<'a, Result<Told, Denial>>;
+}
