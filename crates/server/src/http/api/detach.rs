@@ -34,8 +34,8 @@ impl ClientGone {
     }
 
     /// The answer to a client that is gone (nobody reads it; the status is
-    /// nginx's "client closed request", for the logs and the cluster layer,
-    /// which records nothing for an answer that is not a success).
+    /// nginx's "client closed request", for the logs). What the request
+    /// made was killed as its client asked (the cluster is told).
     pub fn answer(what: &str) -> ApiError {
         ApiError::new(
             StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
@@ -74,8 +74,8 @@ impl Drop for Watch {
     }
 }
 
-/// The middleware (outermost, around the cluster layer too: its records of
-/// a change are part of it). A request for a sandbox (by its host name, or
+/// The middleware (outermost: the node's telling the cluster of a change
+/// is part of the change). A request for a sandbox (by its host name, or
 /// a path only envd serves) is the proxy's and passes as it is.
 pub async fn run_to_end(req: Request, next: Next) -> Response {
     let reads = matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS);

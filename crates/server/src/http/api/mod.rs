@@ -133,7 +133,7 @@ pub fn router(state: Shared) -> Router {
         .with_state(state)
 }
 
-/// `router` (the node's routes, with the cluster layer if any) with every
+/// `router` (the node's routes) with every
 /// change run to its end when its client goes away (see [`detach`]).
 pub fn run_changes_to_end(router: Router) -> Router {
     router.layer(middleware::from_fn(detach::run_to_end))
