@@ -17,7 +17,7 @@
 //! holds one of its team's slots in etcd ([`sandfork_cluster::quota`]), taken with its
 //! route (create, fork child, resume) and given back with it (kill, pause).
 //! A create or resume of a team at its limit answers 429 with
-//! [`crate::http::api::TEAM_LIMIT_HEADER`], and the gateway does not try another node.
+//! [`crate::wire::TEAM_LIMIT_HEADER`], and the gateway does not try another node.
 //!
 //! Teams and keys are the cluster's ([`follow_tenants`]).
 
@@ -49,12 +49,7 @@ use crate::node::keys::ApiKeys;
 use crate::node::sandbox::{Manager, SandboxError};
 use crate::node::store::SandboxState;
 use crate::node::tenants::team_or_default;
-
-/// Set by a gateway on a resume or connect it sends to a node other than
-/// the sandbox's, whose node is gone: take the sandbox in first.
-pub const TAKE_IN_HEADER: &str = "x-sandfork-take-in";
-/// On a pause's answer: whether the pause is in the object store.
-pub const DURABLE_HEADER: &str = "x-sandfork-durable";
+use crate::wire::{DURABLE_HEADER, TAKE_IN_HEADER};
 
 /// How long after a failed store (the object store down) the reconciler
 /// tries a pause again.

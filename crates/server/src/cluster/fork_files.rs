@@ -193,7 +193,7 @@ pub async fn serve_chunk(
     let not_found = || ApiError::new(StatusCode::NOT_FOUND, "no such fork or chunk");
     let node = state.cluster.get().ok_or_else(not_found)?;
     let token = headers
-        .get(sandfork_cluster::peer::TOKEN_HEADER)
+        .get(crate::wire::FORK_TOKEN_HEADER)
         .and_then(|v| v.to_str().ok());
     chunk(&node.forks, &export, token, &caller, &digest).await
 }
@@ -380,7 +380,7 @@ mod tests {
                     move |UrlPath((export, digest)): UrlPath<(String, String)>,
                           headers: HeaderMap| async move {
                         let token = headers
-                            .get(sandfork_cluster::peer::TOKEN_HEADER)
+                            .get(crate::wire::FORK_TOKEN_HEADER)
                             .and_then(|v| v.to_str().ok());
                         chunk(&exports, &export, token, &caller("default", false), &digest).await
                     }
