@@ -457,9 +457,9 @@ impl Gateway {
             Ok(answers) => answers,
             Err(refusal) => return Ok(refusal),
         };
-        let mut total: Option<serde_json::Value> = None;
+        let mut total: Option<teams::TeamUse> = None;
         for (node, bytes) in answers {
-            let used: serde_json::Value =
+            let used: teams::TeamUse =
                 serde_json::from_slice(&bytes).map_err(|e| bad_gateway(&node, e.to_string()))?;
             match &mut total {
                 Some(total) => teams::add_use(total, &used),

@@ -210,7 +210,7 @@ pub fn find_unrouted(
 /// `X-Access-Token` as it came.
 pub const UNROUTED_PREFIX: &str = "/v1/unrouted";
 
-/// `GET /v1/unrouted/<envd path>?<query>`: 200 `{"sandboxID"}` when a
+/// `GET /v1/unrouted/<envd path>?<query>`: 200 [`wire::SandboxOwner`] when a
 /// sandbox here has the request's access token or signed its file URL, else
 /// 404. No API key: the token or signature is the credential, and all it
 /// tells is the id of the sandbox they belong to.

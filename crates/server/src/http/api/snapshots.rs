@@ -124,7 +124,7 @@ fn parse_query(raw: Option<&str>) -> Result<SnapshotQuery, ApiError> {
             continue;
         }
         match key.as_ref() {
-            "sandboxID" => q.sandbox = Some(value.into_owned()),
+            wire::SANDBOX_ID_PARAM => q.sandbox = Some(value.into_owned()),
             "name" => q.name = Some(value.into_owned()),
             "limit" => q.limit = parse_limit(&value)?,
             "nextToken" => {
