@@ -19,7 +19,7 @@
 //! holds one of its team's slots in etcd ([`sandfork_cluster::quota`]), taken with its
 //! route (create, fork child, resume) and given back with it (kill, pause).
 //! A create or resume of a team at its limit answers 429 with
-//! the team-limit header, and the gateway does not try another node.
+//! [`crate::wire::TEAM_LIMIT_HEADER`], and the gateway does not try another node.
 //!
 //! Teams and keys are the cluster's ([`follow_tenants`]).
 
@@ -47,12 +47,6 @@ use crate::node::keys::{ApiKeys, SharedTenants, TenantUpdate};
 use crate::node::sandbox::{Manager, SandboxError};
 use crate::node::store::SandboxState;
 use crate::node::tenants::{KeyRecord, TeamRecord, team_or_default};
-
-/// Set by a gateway on a resume or connect it sends to a node other than
-/// the sandbox's, whose node is gone: take the sandbox in first.
-pub const TAKE_IN_HEADER: &str = "x-sandfork-take-in";
-/// On a pause's answer: whether the pause is in the object store.
-pub const DURABLE_HEADER: &str = "x-sandfork-durable";
 
 /// How long after a failed store (the object store down) the reconciler
 /// tries a pause again.

@@ -10,11 +10,14 @@
 //! - [`cluster`]: the node's part in a cluster (etcd and the object store).
 //! - [`http`]: every route, the envd proxy and the gateway.
 //!
+//! Beside them, [`wire`]: E2B's JSON and every header, a leaf all may use.
+//!
 //! Start with [`Server::start`]; [`http::api::router`] is the whole HTTP surface.
 
 pub mod cluster;
 pub mod http;
 pub mod node;
+pub mod wire;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

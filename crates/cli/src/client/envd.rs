@@ -13,6 +13,7 @@ use hyper::Response;
 use hyper::body::Incoming;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use server::wire;
 
 use super::http::{Body, Conn, full, read_body};
 use super::{Node, NodeError, SandboxInfo, escape};
@@ -50,10 +51,10 @@ impl Sandbox {
             .node
             .endpoint
             .request(method, path)
-            .header("e2b-sandbox-id", &self.id)
-            .header("e2b-sandbox-port", envd_proto::PORT.to_string());
+            .header(wire::SANDBOX_ID_HEADER, &self.id)
+            .header(wire::SANDBOX_PORT_HEADER, envd_proto::PORT.to_string());
         if let Some(token) = &self.token {
-            req = req.header("x-access-token", token);
+            req = req.header(wire::ACCESS_TOKEN_HEADER, token);
         }
         if let Some(user) = &self.user {
             // envd takes the user from Basic auth with an empty password.

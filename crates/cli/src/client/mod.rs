@@ -10,6 +10,7 @@ use bytes::Bytes;
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
+use server::wire;
 
 use http::{Body, Endpoint};
 
@@ -101,7 +102,7 @@ impl Node {
         let mut req = self
             .endpoint
             .request(method, path)
-            .header("x-api-key", &self.key)
+            .header(wire::API_KEY_HEADER, &self.key)
             .header("accept", "application/json");
         let body: Body = match body {
             Some(v) => {
@@ -181,7 +182,7 @@ impl Node {
             all.extend(page);
             token = answer
                 .headers
-                .get("x-next-token")
+                .get(wire::NEXT_TOKEN_HEADER)
                 .and_then(|v| v.to_str().ok())
                 .filter(|t| !t.is_empty())
                 .map(str::to_owned);

@@ -19,11 +19,11 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use sandfork_cluster::NodeRecord;
 use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
 
 use super::Node;
 use super::fork_files::ForkManifest;
 use crate::node::sandbox::{Frozen, SandboxError};
+use crate::wire::{self, ForkEntry};
 
 /// How long another node may take to make its children (fetch and start).
 const CHILDREN_TIMEOUT: Duration = Duration::from_secs(600);
@@ -98,14 +98,14 @@ pub fn split(count: u32, nodes: &[NodeRecord], vcpus: u64, memory_mib: u64) -> V
     plan
 }
 
-fn error_entry(status: StatusCode, message: &str) -> Value {
-    json!({"error": {"code": status.as_u16(), "message": message}})
+fn error_entry(status: StatusCode, message: &str) -> ForkEntry {
+    ForkEntry::error(status.as_u16(), message)
 }
 
 /// What one node answered for the `asked` children it was asked for.
 enum Answer {
     /// Its entries (one per child, made or failed).
-    Made(Vec<Value>),
+    Made(Vec<ForkEntry>),
     /// It refused them all for capacity, or could not be reached: the next
     /// node may take them.
     Refused(String),
@@ -119,7 +119,7 @@ enum Answer {
 pub struct Elsewhere {
     /// One answer entry per child (`{"sandbox": ...}` or `{"error": ...}`),
     /// in order.
-    pub entries: Vec<Value>,
+    pub entries: Vec<ForkEntry>,
     /// Each child made: its node's address and its id.
     made: Vec<(String, String)>,
 }
@@ -288,12 +288,13 @@ pub async fn elsewhere(
                         "cluster: sandbox {}: node {} made {} of {n} children",
                         frozen.parent.id,
                         to.node_id,
-                        made.iter().filter(|e| e.get("sandbox").is_some()).count()
+                        made.iter().filter(|e| e.sandbox_id().is_some()).count()
                     );
-                    made_on.extend(made.iter().filter_map(|e| {
-                        let id = e.get("sandbox")?.get("sandboxID")?.as_str()?;
-                        Some((to.api_addr.clone(), id.to_owned()))
-                    }));
+                    made_on.extend(
+                        made.iter().filter_map(|e| {
+                            Some((to.api_addr.clone(), e.sandbox_id()?.to_owned()))
+                        }),
+                    );
                     made.resize_with(n as usize, || {
                         error_entry(
                             StatusCode::BAD_GATEWAY,
@@ -368,13 +369,13 @@ async fn ask(to: &NodeRecord, request: ChildrenRequest, api_key: &str) -> Answer
         }
     };
     let message = || {
-        serde_json::from_slice::<Value>(&bytes)
+        serde_json::from_slice::<wire::Error>(&bytes)
             .ok()
-            .and_then(|v| v.get("message")?.as_str().map(str::to_owned))
+            .map(|e| e.message)
             .unwrap_or_else(|| String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).into_owned())
     };
     if status.is_success() {
-        return match serde_json::from_slice::<Vec<Value>>(&bytes) {
+        return match serde_json::from_slice::<Vec<ForkEntry>>(&bytes) {
             Ok(entries) => Answer::Made(entries),
             Err(e) => Answer::Failed(
                 StatusCode::BAD_GATEWAY,
@@ -415,7 +416,7 @@ async fn send(
         .uri(uri)
         .header(hyper::header::HOST, addr)
         .header(hyper::header::CONTENT_TYPE, "application/json")
-        .header(crate::node::keys::HEADER, api_key)
+        .header(wire::API_KEY_HEADER, api_key)
         .body(Full::new(body))
         .map_err(|e| e.to_string())?;
     let answer = sender
@@ -423,9 +424,7 @@ async fn send(
         .await
         .map_err(|e| format!("request: {e}"))?;
     let status = answer.status();
-    let team_limit = answer
-        .headers()
-        .contains_key(crate::http::api::TEAM_LIMIT_HEADER);
+    let team_limit = answer.headers().contains_key(wire::TEAM_LIMIT_HEADER);
     let bytes = http_body_util::Limited::new(answer.into_body(), MAX_CHILDREN_ANSWER)
         .collect()
         .await

@@ -345,7 +345,7 @@ mod tests {
                     move |UrlPath((export, digest)): UrlPath<(String, String)>,
                           headers: HeaderMap| async move {
                         let token = headers
-                            .get(sandfork_cluster::peer::TOKEN_HEADER)
+                            .get(crate::wire::FORK_TOKEN_HEADER)
                             .and_then(|v| v.to_str().ok());
                         match exports
                             .read_chunk(&export, token, &caller("default", false), &digest)

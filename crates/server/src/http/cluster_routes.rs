@@ -63,7 +63,7 @@ pub async fn serve_chunk(
     let not_found = || ApiError::new(StatusCode::NOT_FOUND, "no such fork or chunk");
     let node = state.cluster.as_ref().ok_or_else(not_found)?;
     let token = headers
-        .get(sandfork_cluster::peer::TOKEN_HEADER)
+        .get(crate::wire::FORK_TOKEN_HEADER)
         .and_then(|v| v.to_str().ok());
     match node
         .forks

@@ -24,6 +24,7 @@ use sandfork_cluster::{Cluster, NodeRecord, SandboxRoute, Versioned, View, keysp
 
 use crate::http::api::ApiError;
 use crate::http::proxy::{self, Route};
+use crate::wire;
 
 mod teams;
 
@@ -190,7 +191,7 @@ fn target(method: &Method, path: &str) -> Target {
 
 async fn handle(State(gw): State<Arc<Gateway>>, mut req: Request) -> Response {
     // Only a gateway asks a node to take a sandbox in.
-    req.headers_mut().remove(crate::cluster::TAKE_IN_HEADER);
+    req.headers_mut().remove(wire::TAKE_IN_HEADER);
     let answer = match proxy::route(req.headers(), req.uri()) {
         Route::Sandbox { id, .. } => gw.to_owner(&id, req, true).await,
         Route::ControlPlane if proxy::is_envd_path(req.uri().path()) => gw.to_unrouted(req).await,
@@ -263,10 +264,7 @@ impl Gateway {
         let Some(route) = route else {
             return Ok(if envd {
                 // E2B's proxy answer (the SDKs read it as "not running").
-                let body = serde_json::json!({
-                    "sandboxId": id, "message": "The sandbox was not found", "code": 502,
-                });
-                (StatusCode::BAD_GATEWAY, axum::Json(body)).into_response()
+                proxy::not_found(id)
             } else {
                 ApiError::new(StatusCode::NOT_FOUND, format!("sandbox {id} not found"))
                     .into_response()
@@ -315,10 +313,8 @@ impl Gateway {
         let cpu_template = route.paused.as_ref().and_then(|p| p.cpu_template.clone());
         for node in same_cpu_first(keyspace::placement_order(nodes), cpu_template.as_deref()) {
             let mut req = rebuild(&parts.method, &parts.uri, &parts.headers, body.clone());
-            req.headers_mut().insert(
-                crate::cluster::TAKE_IN_HEADER,
-                HeaderValue::from_static("1"),
-            );
+            req.headers_mut()
+                .insert(wire::TAKE_IN_HEADER, HeaderValue::from_static("1"));
             match self.forward(&node.api_addr, req).await {
                 Ok(r) if cluster_wide(&r) => return Ok(r),
                 Ok(r) if refused(r.status()) => {
@@ -461,9 +457,9 @@ impl Gateway {
             Ok(answers) => answers,
             Err(refusal) => return Ok(refusal),
         };
-        let mut total: Option<serde_json::Value> = None;
+        let mut total: Option<teams::TeamUse> = None;
         for (node, bytes) in answers {
-            let used: serde_json::Value =
+            let used: teams::TeamUse =
                 serde_json::from_slice(&bytes).map_err(|e| bad_gateway(&node, e.to_string()))?;
             match &mut total {
                 Some(total) => teams::add_use(total, &used),
@@ -557,11 +553,11 @@ impl Gateway {
             .unwrap_or("/");
         let ask = format!("{}{target}", proxy::UNROUTED_PREFIX);
         let mut headers = HeaderMap::new();
-        if let Some(token) = req.headers().get("x-access-token") {
-            headers.insert("x-access-token", token.clone());
+        if let Some(token) = req.headers().get(wire::ACCESS_TOKEN_HEADER) {
+            headers.insert(wire::ACCESS_TOKEN_HEADER, token.clone());
         }
         if let Ok(method) = HeaderValue::from_str(req.method().as_str()) {
-            headers.insert(proxy::UNROUTED_METHOD_HEADER, method);
+            headers.insert(wire::UNROUTED_METHOD_HEADER, method);
         }
         let uri: Uri = ask
             .parse()
@@ -579,9 +575,9 @@ impl Gateway {
             let body = axum::body::to_bytes(answer.into_body(), 4096)
                 .await
                 .map_err(|e| bad_gateway(&node, e.to_string()))?;
-            let owner = serde_json::from_slice::<serde_json::Value>(&body)
+            let owner = serde_json::from_slice::<wire::SandboxOwner>(&body)
                 .ok()
-                .and_then(|v| v["sandboxID"].as_str().map(str::to_owned));
+                .map(|o| o.sandbox_id);
             if let Some(id) = owner.filter(|id| crate::node::ids::is_sandbox_id(id)) {
                 return self.to_owner(&id, req, true).await;
             }
@@ -684,8 +680,8 @@ fn create_template(body: &[u8]) -> Option<String> {
 /// failing): passed on, not tried on the next node.
 fn cluster_wide(answer: &Response) -> bool {
     let headers = answer.headers();
-    headers.contains_key(crate::http::api::TEAM_LIMIT_HEADER)
-        || headers.contains_key(crate::http::api::CLUSTER_STATE_HEADER)
+    headers.contains_key(wire::TEAM_LIMIT_HEADER)
+        || headers.contains_key(wire::CLUSTER_STATE_HEADER)
 }
 
 fn refused(status: StatusCode) -> bool {

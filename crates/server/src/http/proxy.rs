@@ -19,14 +19,13 @@ use vmm_driver::vsock_connect::VsockConnectError;
 
 use crate::http::state::Shared;
 use crate::node::ids;
+pub use crate::wire::UNROUTED_METHOD_HEADER;
+use crate::wire::{self, ACCESS_TOKEN_HEADER, SANDBOX_ID_HEADER, SANDBOX_PORT_HEADER};
 
 mod connections;
 mod stream_end;
-pub use crate::node::ingress::{Ingress, IngressError, Refusal, TRAFFIC_TOKEN_HEADER};
+pub use crate::node::ingress::{Ingress, IngressError, Refusal};
 pub use connections::{ForwardError, GuestConnections, Unanswered};
-
-pub const SANDBOX_ID_HEADER: &str = "e2b-sandbox-id";
-pub const SANDBOX_PORT_HEADER: &str = "e2b-sandbox-port";
 
 /// Where a request goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -179,7 +178,9 @@ pub fn find_unrouted(
     if !is_envd_path(uri.path()) {
         return None;
     }
-    let header_token = headers.get("x-access-token").and_then(|v| v.to_str().ok());
+    let header_token = headers
+        .get(ACCESS_TOKEN_HEADER)
+        .and_then(|v| v.to_str().ok());
     let query: Vec<(String, String)> = form_urlencoded::parse(uri.query().unwrap_or("").as_bytes())
         .into_owned()
         .collect();
@@ -208,9 +209,8 @@ pub fn find_unrouted(
 /// request's path and query; its method in [`UNROUTED_METHOD_HEADER`], its
 /// `X-Access-Token` as it came.
 pub const UNROUTED_PREFIX: &str = "/v1/unrouted";
-pub const UNROUTED_METHOD_HEADER: &str = "x-sandfork-method";
 
-/// `GET /v1/unrouted/<envd path>?<query>`: 200 `{"sandboxID"}` when a
+/// `GET /v1/unrouted/<envd path>?<query>`: 200 [`wire::SandboxOwner`] when a
 /// sandbox here has the request's access token or signed its file URL, else
 /// 404. No API key: the token or signature is the credential, and all it
 /// tells is the id of the sandbox they belong to.
@@ -230,7 +230,7 @@ pub async fn unrouted_owner(State(state): State<Shared>, req: Request) -> Respon
         .ok()
         .and_then(|uri| find_unrouted(req.headers(), &method, &uri, &*state.manager));
     match owner {
-        Some(id) => axum::Json(serde_json::json!({"sandboxID": id})).into_response(),
+        Some(sandbox_id) => axum::Json(wire::SandboxOwner { sandbox_id }).into_response(),
         None => StatusCode::NOT_FOUND.into_response(),
     }
 }
@@ -238,7 +238,7 @@ pub async fn unrouted_owner(State(state): State<Shared>, req: Request) -> Respon
 /// `/files` with a `signature` and no `X-Access-Token`: a signed file URL.
 fn is_signed_files_request(headers: &HeaderMap, uri: &Uri) -> bool {
     uri.path() == "/files"
-        && !headers.contains_key("x-access-token")
+        && !headers.contains_key(ACCESS_TOKEN_HEADER)
         && form_urlencoded::parse(uri.query().unwrap_or("").as_bytes())
             .any(|(k, v)| k == "signature" && !v.is_empty())
 }
@@ -254,8 +254,7 @@ pub async fn dispatch(State(state): State<Shared>, req: Request, next: Next) -> 
                 // to a wrong signature (clients compare the text), not the
                 // node's "no such route".
                 None if is_signed_files_request(req.headers(), req.uri()) => {
-                    let body = serde_json::json!({"code": 401, "message": "invalid signature"});
-                    (StatusCode::UNAUTHORIZED, axum::Json(body)).into_response()
+                    error(StatusCode::UNAUTHORIZED, "invalid signature")
                 }
                 None => next.run(req).await,
             }
@@ -263,25 +262,50 @@ pub async fn dispatch(State(state): State<Shared>, req: Request, next: Next) -> 
     }
 }
 
+/// An E2B Error body (`{"code", "message"}`) with its status.
+fn error(status: StatusCode, message: &str) -> Response {
+    let body = wire::Error {
+        code: status.as_u16(),
+        message: message.to_owned(),
+    };
+    (status, axum::Json(body)).into_response()
+}
+
+/// E2B's proxy answer about sandbox `id` (on `port`, when it is not envd's
+/// as a whole): its status is the body's `code`.
+fn proxy_error(status: StatusCode, id: &str, port: Option<u32>, message: String) -> Response {
+    let body = wire::ProxyError {
+        sandbox_id: id.to_owned(),
+        port,
+        message,
+        code: status.as_u16(),
+    };
+    (status, axum::Json(body)).into_response()
+}
+
 /// E2B's proxy answer for a sandbox it does not know: the SDKs read "was not
 /// found" as "not running".
-fn not_found(id: &str) -> Response {
-    let body = serde_json::json!({
-        "sandboxId": id,
-        "message": "The sandbox was not found",
-        "code": 502,
-    });
-    (StatusCode::BAD_GATEWAY, axum::Json(body)).into_response()
+pub(crate) fn not_found(id: &str) -> Response {
+    proxy_error(
+        StatusCode::BAD_GATEWAY,
+        id,
+        None,
+        "The sandbox was not found".to_owned(),
+    )
 }
 
 fn port_closed(id: &str, port: u32, why: &str) -> Response {
-    let body = serde_json::json!({
-        "sandboxId": id,
-        "port": port,
-        "message": format!("The sandbox is running but port is not open ({why})"),
-        "code": 502,
-    });
-    (StatusCode::BAD_GATEWAY, axum::Json(body)).into_response()
+    proxy_error(
+        StatusCode::BAD_GATEWAY,
+        id,
+        Some(port),
+        format!("The sandbox is running but port is not open ({why})"),
+    )
+}
+
+/// A request refused for its traffic token: E2B's 403.
+fn refused(refusal: Refusal, id: &str) -> Response {
+    proxy_error(StatusCode::FORBIDDEN, id, None, refusal.message())
 }
 
 /// Headers that belong to one connection, not to the message (the envd proxy
@@ -457,17 +481,16 @@ fn refuse_wake(state: &Shared, id: &str, port: u32, req: &Request) -> Option<Res
         return ingress.admit(req.headers()).err().map(|r| refused(r, id));
     }
     let token = record.access_token?;
-    let given = req.headers().get("x-access-token").map(|v| v.as_bytes());
+    let given = req.headers().get(ACCESS_TOKEN_HEADER).map(|v| v.as_bytes());
     if given.is_some_and(|g| crate::node::keys::same_secret(g, token.as_bytes()))
         || (given.is_none() && is_signed_files_request(req.headers(), req.uri()))
     {
         return None;
     }
-    let body = serde_json::json!({
-        "code": 401,
-        "message": "unauthorized access, please provide a valid access token or method signing if supported",
-    });
-    Some((StatusCode::UNAUTHORIZED, axum::Json(body)).into_response())
+    Some(error(
+        StatusCode::UNAUTHORIZED,
+        "unauthorized access, please provide a valid access token or method signing if supported",
+    ))
 }
 
 /// A request to a sandbox the node paused for memory pressure that could not
@@ -475,14 +498,14 @@ fn refuse_wake(state: &Shared, id: &str, port: u32, req: &Request) -> Option<Res
 /// why, rather than "not found" (the sandbox is there).
 fn not_woken(id: &str, e: &crate::node::sandbox::SandboxError) -> Response {
     tracing::warn!("sandbox {id}: resuming it for a request after a memory pressure pause: {e}");
-    let body = serde_json::json!({
-        "sandboxId": id,
-        "message": format!(
+    proxy_error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        id,
+        None,
+        format!(
             "The sandbox was paused by its node for memory pressure and could not be resumed: {e}"
         ),
-        "code": 503,
-    });
-    (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response()
+    )
 }
 
 /// How long a request to a guest already found unresponsive may wait for
@@ -507,16 +530,16 @@ async fn until_unresponsive(mut stuck: tokio::sync::watch::Receiver<bool>, grace
 
 /// The answer for a request to a guest that stopped answering.
 fn unresponsive(id: &str) -> Response {
-    let body = serde_json::json!({
-        "sandboxId": id,
-        "message": format!(
+    proxy_error(
+        StatusCode::BAD_GATEWAY,
+        id,
+        None,
+        format!(
             "The sandbox's guest has stopped answering (no answer from its agent for at least \
              {} s); see GET /v1/sandboxes/{id}/diagnostics",
             crate::node::sandbox::STUCK_AFTER.as_secs()
         ),
-        "code": 502,
-    });
-    (StatusCode::BAD_GATEWAY, axum::Json(body)).into_response()
+    )
 }
 
 /// A Connect server-stream answer (process output, directory watches): one
@@ -564,12 +587,6 @@ fn splice_upgrades(client: hyper::upgrade::OnUpgrade, guest: hyper::upgrade::OnU
             tracing::debug!("proxied upgraded stream: {e}");
         }
     });
-}
-
-/// A request refused for its traffic token: E2B's 403.
-fn refused(refusal: Refusal, id: &str) -> Response {
-    let body = serde_json::json!({"sandboxId": id, "message": refusal.message(), "code": 403});
-    (StatusCode::FORBIDDEN, axum::Json(body)).into_response()
 }
 
 #[cfg(test)]

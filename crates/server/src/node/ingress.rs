@@ -9,7 +9,7 @@ use axum::http::header::{self, HeaderMap, HeaderValue};
 use serde::{Deserialize, Serialize};
 
 /// The header a private sandbox's traffic token travels in.
-pub const TRAFFIC_TOKEN_HEADER: &str = "e2b-traffic-access-token";
+pub use crate::wire::TRAFFIC_TOKEN_HEADER;
 /// Where `maskRequestHost` takes the guest port.
 const PORT_PLACEHOLDER: &str = "${PORT}";
 

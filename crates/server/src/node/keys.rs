@@ -23,8 +23,9 @@ use crate::node::ids;
 use crate::node::store::{Store, StoreError};
 use crate::node::tenants::{Caller, DEFAULT_TEAM, KeyRecord, RateLimiter, TeamRecord};
 
-/// The request header carrying the key.
-pub const HEADER: &str = "x-api-key";
+/// The request header carrying the key (named in the wire contract; kept
+/// here under its old name for the node's callers).
+pub use crate::wire::API_KEY_HEADER as HEADER;
 const META_KEY: &str = "api_key_sha256";
 /// The key file's name in the data dir.
 pub const KEY_FILE: &str = "api-key";

@@ -169,22 +169,36 @@ pub fn choose(candidates: &[Candidate]) -> Option<&Candidate> {
 }
 
 /// One pause the monitor made.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PressurePause {
-    #[serde(rename = "sandboxID")]
     pub id: String,
     pub at_ms: u64,
     pub reason: String,
-    #[serde(rename = "availableBeforeMB")]
     pub available_before_mib: u64,
-    #[serde(rename = "availableAfterMB")]
     pub available_after_mib: u64,
     /// Its VMM's real use (Pss) just before.
-    #[serde(rename = "vmmMB")]
     pub vmm_mib: Option<u64>,
     pub psi_full_avg10: Option<f64>,
     pub took_ms: u64,
+}
+
+/// The monitor's figures as `GET /v1/node` shows them (its settings beside
+/// what it has seen and done).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PressureReport {
+    pub last: Option<Reading>,
+    /// The `MemAvailable` floor it keeps, in MiB.
+    pub floor_mib: u64,
+    pub max_full_avg10: f64,
+    /// How long a sandbox is idle before it may be paused.
+    pub idle: Duration,
+    pub pausing: bool,
+    pub paused_total: u64,
+    /// Sandboxes paused for pressure now.
+    pub paused_now: usize,
+    pub failed_total: u64,
+    pub nothing_to_pause_total: u64,
+    pub recent: Vec<PressurePause>,
 }
 
 /// What the monitor has seen and done, for `GET /v1/node`.

@@ -5,16 +5,7 @@ use axum::response::{IntoResponse, Response};
 
 use crate::node::events::Denial;
 use crate::node::sandbox::SandboxError;
-
-/// On a 429 that is the caller's team's limit, not the node's: a gateway
-/// answers it rather than trying the next node (the team's limit is the
-/// same on every node).
-pub const TEAM_LIMIT_HEADER: &str = "x-sandfork-team-limit";
-
-/// On a 503 because the cluster's state (etcd) could not be read or
-/// written: a gateway answers it rather than trying the next node (every
-/// node would wait for etcd as long).
-pub const CLUSTER_STATE_HEADER: &str = "x-sandfork-cluster-state";
+use crate::wire::{self, CLUSTER_STATE_HEADER, TEAM_LIMIT_HEADER};
 
 #[derive(Debug)]
 pub struct ApiError {
@@ -68,7 +59,10 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = serde_json::json!({"code": self.status.as_u16(), "message": self.message});
+        let body = wire::Error {
+            code: self.status.as_u16(),
+            message: self.message,
+        };
         let mut answer = (self.status, axum::Json(body)).into_response();
         let header = match self.cluster_wide {
             None => None,

@@ -6,7 +6,7 @@ use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use sandfork_network::EgressPolicy;
 
@@ -14,7 +14,7 @@ use super::sandboxes::{check_id, parse_body};
 use super::{ApiError, Shared};
 use crate::http::proxy::{Ingress, IngressError};
 use crate::node::net::SandboxNetwork;
-use crate::node::store::SandboxRecord;
+use crate::wire;
 
 /// `SandboxNetworkConfig` as the SDKs send it (camelCase).
 #[derive(Debug, Default, Deserialize)]
@@ -123,27 +123,17 @@ pub(super) fn from_create(
     Ok(network)
 }
 
-/// `allowInternetAccess` and `network` of the sandbox detail, as E2B's API
-/// reports them: `allowInternetAccess` null when never set, and `network`
-/// always an object holding only what was set (no `allowPublicTraffic`
-/// unless given, so `{}` for a sandbox created without network rules).
-pub(super) fn detail(r: &SandboxRecord, v: &mut Value) {
-    let n = &r.network;
-    v["allowInternetAccess"] = json!(n.allow_internet_access);
-    let mut network = json!({});
-    if !n.allow_out.is_empty() {
-        network["allowOut"] = json!(n.allow_out);
+/// `network` of the sandbox detail, as E2B's API reports it: always an
+/// object holding only what was set (no `allowPublicTraffic` unless given,
+/// so `{}` for a sandbox created without network rules). Its
+/// `allowInternetAccess` beside is null when never set.
+pub(super) fn detail(n: &SandboxNetwork) -> wire::NetworkDetail {
+    wire::NetworkDetail {
+        allow_out: n.allow_out.clone(),
+        deny_out: n.deny_out.clone(),
+        allow_public_traffic: n.ingress.allow_public_traffic,
+        mask_request_host: n.ingress.mask_request_host.clone(),
     }
-    if !n.deny_out.is_empty() {
-        network["denyOut"] = json!(n.deny_out);
-    }
-    if let Some(public) = n.ingress.allow_public_traffic {
-        network["allowPublicTraffic"] = json!(public);
-    }
-    if let Some(mask) = &n.ingress.mask_request_host {
-        network["maskRequestHost"] = json!(mask);
-    }
-    v["network"] = network;
 }
 
 pub async fn update(
@@ -170,6 +160,13 @@ pub async fn update(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::node::store::SandboxRecord;
+    use serde_json::json;
+
+    /// The sandbox detail as JSON.
+    fn detail_of(r: &SandboxRecord) -> Value {
+        serde_json::to_value(wire::SandboxDetail::from(r)).unwrap()
+    }
 
     fn body(json: &str) -> NetworkBody {
         serde_json::from_str(json).unwrap()
@@ -252,8 +249,7 @@ mod tests {
             network: n,
             ..SandboxRecord::default()
         };
-        let mut v = json!({});
-        detail(&record, &mut v);
+        let v = detail_of(&record);
         assert_eq!(v["allowInternetAccess"], Value::Null);
         assert_eq!(
             v["network"],
@@ -271,10 +267,8 @@ mod tests {
             )
         );
         // Nothing set: an empty object, as E2B answers.
-        let mut v = json!({});
-        detail(&SandboxRecord::default(), &mut v);
+        let v = detail_of(&SandboxRecord::default());
         assert_eq!(v["network"], json!({}));
-        let mut v = json!({});
         let ruled = SandboxRecord {
             network: from_create(
                 Some(true),
@@ -283,7 +277,7 @@ mod tests {
             .unwrap(),
             ..SandboxRecord::default()
         };
-        detail(&ruled, &mut v);
+        let v = detail_of(&ruled);
         assert_eq!(v["allowInternetAccess"], true);
         assert_eq!(
             v["network"],

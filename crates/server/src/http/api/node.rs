@@ -36,13 +36,14 @@
 
 use axum::Json;
 use axum::extract::State;
-use serde_json::{Value, json};
 
 use super::sandboxes::MAX_FORK_COUNT;
 use super::{ApiError, Shared};
+use crate::node::pressure::{PressurePause, PressureReport};
 use crate::node::store::SandboxState;
+use crate::wire;
 
-pub async fn node(State(state): State<Shared>) -> Result<Json<Value>, ApiError> {
+pub async fn node(State(state): State<Shared>) -> Result<Json<wire::NodeStatus>, ApiError> {
     let manager = &state.manager;
     let capacity = manager.capacity();
     let limits = capacity.limits();
@@ -51,53 +52,91 @@ pub async fn node(State(state): State<Shared>) -> Result<Json<Value>, ApiError> 
         .disk()
         .map_err(crate::node::sandbox::SandboxError::from)?;
     let records = manager.list()?;
-    let count = |s: SandboxState| records.iter().filter(|r| r.state == s).count();
+    let count = |s: SandboxState| records.iter().filter(|r| r.state == s).count() as u64;
     let live = manager.live_count();
-    Ok(Json(json!({
-        "vcpus": {
-            "total": limits.vcpus,
-            "used": held.vcpus,
-            "free": limits.vcpus.saturating_sub(held.vcpus),
+    Ok(Json(wire::NodeStatus {
+        vcpus: wire::Usage {
+            total: limits.vcpus,
+            used: held.vcpus,
+            free: limits.vcpus.saturating_sub(held.vcpus),
         },
-        "memoryMB": {
-            "total": limits.memory_mib,
-            "used": held.memory_mib,
-            "free": limits.memory_mib.saturating_sub(held.memory_mib),
+        memory_mb: wire::Usage {
+            total: limits.memory_mib,
+            used: held.memory_mib,
+            free: limits.memory_mib.saturating_sub(held.memory_mib),
         },
-        "diskMB": {
-            "total": disk.total_mib,
-            "free": disk.available_mib.saturating_sub(limits.min_free_disk_mib),
-            "minFree": limits.min_free_disk_mib,
+        disk_mb: wire::DiskUsage {
+            total: disk.total_mib,
+            free: disk.available_mib.saturating_sub(limits.min_free_disk_mib),
+            min_free: limits.min_free_disk_mib,
         },
-        "sandboxes": {
-            "running": count(SandboxState::Running),
-            "paused": count(SandboxState::Paused),
-            "starting": held.sandboxes.saturating_sub(live),
-            "max": limits.sandboxes,
-            "vmmExited": manager.vmm_exits(),
+        sandboxes: wire::SandboxCounts {
+            running: count(SandboxState::Running),
+            paused: count(SandboxState::Paused),
+            starting: held.sandboxes.saturating_sub(live) as u64,
+            max: limits.sandboxes as u64,
+            vmm_exited: manager.vmm_exits(),
         },
-        "memoryPressure": manager.pressure_json(),
-        "features": features(limits.sandboxes),
-        "version": env!("CARGO_PKG_VERSION"),
-        "envdVersion": envd_proto::ENVD_VERSION,
-    })))
+        memory_pressure: memory_pressure(manager.pressure_report()),
+        features: features(limits.sandboxes),
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+        envd_version: envd_proto::ENVD_VERSION.to_owned(),
+    }))
+}
+
+/// The pressure monitor's figures (`{"enabled": false}` when it is off).
+fn memory_pressure(report: Option<PressureReport>) -> wire::MemoryPressure {
+    let figures = report.map(|r| wire::PressureFigures {
+        available_mb: r.last.map(|l| l.available_mib),
+        psi_some_avg10: r.last.and_then(|l| l.some_avg10()),
+        psi_full_avg10: r.last.and_then(|l| l.full_avg10()),
+        floor_mb: r.floor_mib,
+        max_full_avg10: r.max_full_avg10,
+        idle_seconds: r.idle.as_secs(),
+        pausing: r.pausing,
+        paused_total: r.paused_total,
+        paused_now: r.paused_now as u64,
+        failed_total: r.failed_total,
+        nothing_to_pause_total: r.nothing_to_pause_total,
+        recent_pauses: r.recent.into_iter().map(pressure_pause).collect(),
+    });
+    wire::MemoryPressure {
+        enabled: figures.is_some(),
+        figures,
+    }
+}
+
+fn pressure_pause(p: PressurePause) -> wire::PressurePause {
+    wire::PressurePause {
+        sandbox_id: p.id,
+        at_ms: p.at_ms,
+        reason: p.reason,
+        available_before_mb: p.available_before_mib,
+        available_after_mb: p.available_after_mib,
+        vmm_mb: p.vmm_mib,
+        psi_full_avg10: p.psi_full_avg10,
+        took_ms: p.took_ms,
+    }
 }
 
 /// What this node can branch from (see the module's documentation).
-fn features(max_sandboxes: usize) -> Value {
+fn features(max_sandboxes: usize) -> wire::Features {
     let below_limit = i64::try_from(max_sandboxes.saturating_sub(1)).unwrap_or(i64::MAX);
-    json!({
-        "fork": true,
-        "forkPaused": true,
-        "forkSnapshot": true,
-        "snapshots": true,
-        "maxForkCount": MAX_FORK_COUNT.min(below_limit),
-    })
+    wire::Features {
+        fork: true,
+        fork_paused: true,
+        fork_snapshot: true,
+        snapshots: true,
+        max_fork_count: MAX_FORK_COUNT.min(below_limit),
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    /// The features as JSON.
+    fn features(max_sandboxes: usize) -> serde_json::Value {
+        serde_json::to_value(super::features(max_sandboxes)).unwrap()
+    }
 
     #[test]
     fn the_fork_count_offered_leaves_the_parent_its_place() {

@@ -7,13 +7,13 @@ use std::time::{Duration, UNIX_EPOCH};
 use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::{StatusCode, Uri};
-use serde_json::{Value, json};
 
 use super::sandboxes::check_id;
 use super::{ApiError, Shared};
 use crate::node::clock::now_ms;
 use crate::node::sandbox::{Level, LogLine, Sample};
 use crate::node::store::SandboxState;
+use crate::wire;
 
 /// Most log entries one answer holds (E2B's default and limit).
 pub const MAX_LOGS: usize = 1000;
@@ -91,27 +91,27 @@ pub async fn metrics(
     State(state): State<Shared>,
     Path(id): Path<String>,
     uri: Uri,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Vec<wire::SandboxMetric>>, ApiError> {
     let (from, to) = metrics_range(&uri)?;
     refresh(&state, &id).await?;
     let samples = state.manager.samples(&id, from, to);
-    Ok(Json(Value::Array(samples.iter().map(metric).collect())))
+    Ok(Json(samples.iter().map(metric).collect()))
 }
 
 /// E2B's SandboxMetric.
-fn metric(s: &Sample) -> Value {
+fn metric(s: &Sample) -> wire::SandboxMetric {
     let m = &s.metrics;
-    json!({
-        "timestamp": rfc3339(s.at_ms),
-        "timestampUnix": s.at_ms / 1000,
-        "cpuCount": m.cpu_count,
-        "cpuUsedPct": m.cpu_used_pct,
-        "memUsed": m.mem_used,
-        "memTotal": m.mem_total,
-        "memCache": m.mem_cache,
-        "diskUsed": m.disk_used,
-        "diskTotal": m.disk_total,
-    })
+    wire::SandboxMetric {
+        timestamp: rfc3339(s.at_ms),
+        timestamp_unix: s.at_ms / 1000,
+        cpu_count: m.cpu_count,
+        cpu_used_pct: m.cpu_used_pct,
+        mem_used: m.mem_used,
+        mem_total: m.mem_total,
+        mem_cache: m.mem_cache,
+        disk_used: m.disk_used,
+        disk_total: m.disk_total,
+    }
 }
 
 /// Most sandboxes one batch metrics request may name.
@@ -125,7 +125,7 @@ pub async fn metrics_batch(
     State(state): State<Shared>,
     axum::Extension(caller): axum::Extension<crate::node::tenants::Caller>,
     uri: Uri,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<wire::SandboxesMetrics>, ApiError> {
     let ids: Vec<String> = query(&uri)
         .into_iter()
         .filter(|(k, _)| k == "sandbox_ids")
@@ -148,7 +148,7 @@ pub async fn metrics_batch(
             ids.len()
         )));
     }
-    let mut out = serde_json::Map::new();
+    let mut out = wire::SandboxesMetrics::default();
     for id in ids {
         if check_id(&id).is_err() {
             continue;
@@ -161,19 +161,21 @@ pub async fn metrics_batch(
             Err(_) => continue,
         }
         if let Some(last) = state.manager.samples(&id, 0, u64::MAX).last() {
-            out.insert(id, metric(last));
+            out.sandboxes.insert(id, metric(last));
         }
     }
-    Ok(Json(json!({ "sandboxes": out })))
+    Ok(Json(out))
 }
 
-fn entry(l: &LogLine) -> Value {
-    json!({
-        "timestamp": rfc3339(l.at_ms),
-        "level": l.level.as_str(),
-        "message": l.message,
-        "fields": {"source": l.source},
-    })
+fn entry(l: &LogLine) -> wire::SandboxLogEntry {
+    wire::SandboxLogEntry {
+        timestamp: rfc3339(l.at_ms),
+        level: l.level.as_str().to_owned(),
+        message: l.message.clone(),
+        fields: wire::LogFields {
+            source: l.source.to_owned(),
+        },
+    }
 }
 
 fn limit(v: &str) -> Result<usize, ApiError> {
@@ -185,11 +187,15 @@ fn limit(v: &str) -> Result<usize, ApiError> {
         })
 }
 
-/// A log line as E2B's `SandboxLog.line`: a JSON object in text, as E2B's
-/// log pipeline stores envd's structured lines (the E2B CLI's `sandbox logs`
-/// parses it and reads `level`; `logger` is what its `--loggers` filters).
+/// A log line as E2B's `SandboxLog.line`: a [`wire::LogLine`] in text.
 fn v1_line(l: &LogLine) -> String {
-    json!({"level": l.level.as_str(), "logger": l.source, "message": l.message}).to_string()
+    let line = wire::LogLine {
+        level: l.level.as_str().to_owned(),
+        logger: l.source.to_owned(),
+        message: l.message.clone(),
+    };
+    // Strings only: it cannot fail to serialize.
+    serde_json::to_string(&line).unwrap_or_default()
 }
 
 /// `GET /sandboxes/{id}/logs?start=<unix ms>&limit=`: lines from `start` on,
@@ -199,7 +205,7 @@ pub async fn logs_v1(
     State(state): State<Shared>,
     Path(id): Path<String>,
     uri: Uri,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<wire::SandboxLogs>, ApiError> {
     let (mut from, mut max) = (0, MAX_LOGS);
     for (k, v) in query(&uri) {
         match k.as_str() {
@@ -216,12 +222,15 @@ pub async fn logs_v1(
         .filter(|l| l.at_ms >= from)
         .take(max)
         .collect();
-    let logs: Vec<Value> = lines
+    let logs = lines
         .iter()
-        .map(|l| json!({"timestamp": rfc3339(l.at_ms), "line": v1_line(l)}))
+        .map(|l| wire::SandboxLog {
+            timestamp: rfc3339(l.at_ms),
+            line: v1_line(l),
+        })
         .collect();
-    let entries: Vec<Value> = lines.iter().map(entry).collect();
-    Ok(Json(json!({"logs": logs, "logEntries": entries})))
+    let log_entries = lines.iter().map(entry).collect();
+    Ok(Json(wire::SandboxLogs { logs, log_entries }))
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -275,7 +284,7 @@ pub async fn logs_v2(
     State(state): State<Shared>,
     Path(id): Path<String>,
     uri: Uri,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<wire::SandboxLogsV2>, ApiError> {
     let q = parse_v2(&uri)?;
     refresh(&state, &id).await?;
     let mut lines: Vec<LogLine> = state
@@ -294,13 +303,14 @@ pub async fn logs_v2(
         lines.retain(|l| l.at_ms >= cursor);
     }
     lines.truncate(q.limit);
-    let logs: Vec<Value> = lines.iter().map(entry).collect();
-    Ok(Json(json!({"logs": logs})))
+    let logs = lines.iter().map(entry).collect();
+    Ok(Json(wire::SandboxLogsV2 { logs }))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::{Value, json};
 
     fn uri(q: &str) -> Uri {
         format!("/x?{q}").parse().unwrap()

@@ -10,7 +10,6 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
-use serde_json::{Value, json};
 
 use super::list::ListQuery;
 use super::{ApiError, ClientGone, Shared};
@@ -19,6 +18,7 @@ use crate::node::sandbox::{CreateParams, PauseMode, Phase, ResumeMode};
 use crate::node::store::{SandboxRecord, SandboxState};
 use crate::node::template;
 use crate::node::tenants::Caller;
+use crate::wire;
 
 /// E2B's clientID is a node id the SDKs require but never use.
 const CLIENT_ID: &str = "sandfork";
@@ -79,50 +79,63 @@ fn reap_soon(state: &Shared) {
 }
 
 /// The Sandbox object of create, connect and resume answers.
-pub fn sandbox_json(r: &SandboxRecord) -> Value {
-    json!({
-        "sandboxID": r.id,
-        "templateID": r.template_id,
-        "alias": r.alias,
-        "clientID": CLIENT_ID,
-        "envdVersion": envd_proto::ENVD_VERSION,
-        "envdAccessToken": r.access_token,
-        "trafficAccessToken": r.network.ingress.traffic_access_token,
-        "domain": null,
-    })
-}
-
-/// A ListedSandbox; with `detail`, the SandboxDetail of `GET /sandboxes/{id}`.
-pub fn listed_json(r: &SandboxRecord, detail: bool) -> Value {
-    let mut v = json!({
-        "sandboxID": r.id,
-        "templateID": r.template_id,
-        "alias": r.alias,
-        "clientID": CLIENT_ID,
-        "startedAt": rfc3339(r.started_at_ms),
-        "endAt": rfc3339(r.end_at_ms),
-        "cpuCount": r.cpu_count,
-        "memoryMB": r.memory_mb,
-        "diskSizeMB": r.disk_size_mb,
-        "state": r.state.as_str(),
-        "envdVersion": envd_proto::ENVD_VERSION,
-        "metadata": r.metadata,
-    });
-    if detail {
-        v["envdAccessToken"] = json!(r.access_token);
-        v["domain"] = Value::Null;
-        v["lifecycle"] = json!({
-            "onTimeout": if r.auto_pause { "pause" } else { "kill" },
-            "autoResume": false,
-        });
-        super::network::detail(r, &mut v);
-        // Sandfork's: why a paused sandbox is paused (`memoryPressure`: the
-        // node paused it, and its next request resumes it).
-        if let Some(reason) = r.pause_reason.filter(|_| r.state == SandboxState::Paused) {
-            v["pauseReason"] = json!(reason.as_str());
+impl From<&SandboxRecord> for wire::Sandbox {
+    fn from(r: &SandboxRecord) -> wire::Sandbox {
+        wire::Sandbox {
+            sandbox_id: r.id.clone(),
+            template_id: r.template_id.clone(),
+            alias: r.alias.clone(),
+            client_id: CLIENT_ID.to_owned(),
+            envd_version: envd_proto::ENVD_VERSION.to_owned(),
+            envd_access_token: r.access_token.clone(),
+            traffic_access_token: r.network.ingress.traffic_access_token.clone(),
+            domain: None,
         }
     }
-    v
+}
+
+/// A ListedSandbox.
+impl From<&SandboxRecord> for wire::ListedSandbox {
+    fn from(r: &SandboxRecord) -> wire::ListedSandbox {
+        wire::ListedSandbox {
+            sandbox_id: r.id.clone(),
+            template_id: r.template_id.clone(),
+            alias: r.alias.clone(),
+            client_id: CLIENT_ID.to_owned(),
+            started_at: rfc3339(r.started_at_ms),
+            end_at: rfc3339(r.end_at_ms),
+            cpu_count: r.cpu_count,
+            memory_mb: r.memory_mb,
+            disk_size_mb: r.disk_size_mb,
+            state: r.state.as_str().to_owned(),
+            envd_version: envd_proto::ENVD_VERSION.to_owned(),
+            metadata: r.metadata.clone(),
+        }
+    }
+}
+
+/// The SandboxDetail of `GET /sandboxes/{id}`, without what only a live
+/// sandbox tells (`guestUnresponsive`, `vmmPageFaults`).
+impl From<&SandboxRecord> for wire::SandboxDetail {
+    fn from(r: &SandboxRecord) -> wire::SandboxDetail {
+        wire::SandboxDetail {
+            listed: r.into(),
+            envd_access_token: r.access_token.clone(),
+            domain: None,
+            lifecycle: wire::Lifecycle {
+                on_timeout: if r.auto_pause { "pause" } else { "kill" }.to_owned(),
+                auto_resume: false,
+            },
+            allow_internet_access: r.network.allow_internet_access,
+            network: super::network::detail(&r.network),
+            pause_reason: r
+                .pause_reason
+                .filter(|_| r.state == SandboxState::Paused)
+                .map(|reason| reason.as_str().to_owned()),
+            guest_unresponsive: false,
+            vmm_page_faults: None,
+        }
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -187,7 +200,7 @@ async fn create(
     if ends_now {
         reap_soon(&state);
     }
-    Ok((StatusCode::CREATED, Json(sandbox_json(&record))).into_response())
+    Ok((StatusCode::CREATED, Json(wire::Sandbox::from(&record))).into_response())
 }
 
 pub async fn create_v1(
@@ -226,16 +239,17 @@ pub(super) fn check_id(raw: &str) -> Result<String, ApiError> {
 pub async fn get_one(
     State(state): State<Shared>,
     Path(id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<wire::SandboxDetail>, ApiError> {
     let id = check_id(&id)?;
-    let mut detail = listed_json(&state.manager.get(&id)?, true);
+    let mut detail = wire::SandboxDetail::from(&state.manager.get(&id)?);
     // Sandfork's: whether its guest answers (see `sandbox::observe`).
-    detail["guestUnresponsive"] = json!(state.manager.unresponsive(&id));
+    detail.guest_unresponsive = state.manager.unresponsive(&id);
     // Sandfork's: its VMM's page faults so far (while it runs), to see
     // what a first command costs (see `sandbox::working_set`).
-    if let Some(f) = state.manager.vmm_faults(&id) {
-        detail["vmmPageFaults"] = json!({"minor": f.minor, "major": f.major});
-    }
+    detail.vmm_page_faults = state.manager.vmm_faults(&id).map(|f| wire::PageFaults {
+        minor: f.minor,
+        major: f.major,
+    });
     Ok(Json(detail))
 }
 
@@ -249,10 +263,12 @@ async fn list(state: Shared, caller: Caller, uri: Uri, v2: bool) -> Result<Respo
     }
     let own = super::tenancy::own_sandboxes(&caller, state.manager.list()?);
     let (page, next) = query.page(own);
-    let body: Vec<Value> = page.iter().map(|r| listed_json(r, false)).collect();
+    let body: Vec<wire::ListedSandbox> = page.iter().map(wire::ListedSandbox::from).collect();
     let mut response = Json(body).into_response();
     if let Some(token) = next.and_then(|t| HeaderValue::from_str(&t).ok()) {
-        response.headers_mut().insert("x-next-token", token);
+        response
+            .headers_mut()
+            .insert(wire::NEXT_TOKEN_HEADER, token);
     }
     Ok(response)
 }
@@ -382,7 +398,7 @@ pub async fn pause(
     let mut answer = StatusCode::NO_CONTENT.into_response();
     if let Some(durable) = told.durable {
         answer.headers_mut().insert(
-            crate::cluster::DURABLE_HEADER,
+            crate::wire::DURABLE_HEADER,
             axum::http::HeaderValue::from_static(if durable { "true" } else { "false" }),
         );
     }
@@ -410,7 +426,7 @@ async fn resume_or_connect(
     let id = check_id(&id)?;
     // A gateway sent it here because the sandbox's node is gone: the
     // sandbox is taken in from the object store first.
-    if headers.contains_key(crate::cluster::TAKE_IN_HEADER)
+    if headers.contains_key(crate::wire::TAKE_IN_HEADER)
         && let Some(cluster) = &state.cluster
     {
         cluster.take_in(&id).await?;
@@ -436,7 +452,7 @@ async fn resume_or_connect(
     } else {
         StatusCode::OK
     };
-    Ok((status, Json(sandbox_json(&record))).into_response())
+    Ok((status, Json(wire::Sandbox::from(&record))).into_response())
 }
 
 /// `POST /sandboxes/{id}/connect` and `POST /v2/sandboxes/{id}/connect`:
@@ -623,16 +639,16 @@ pub(crate) fn fork_answer(
 /// other nodes made).
 fn fork_answer_with(
     results: crate::node::sandbox::ForkResults,
-    more: Vec<Value>,
+    more: Vec<wire::ForkEntry>,
     parent_paused: Option<Duration>,
 ) -> Response {
-    let body: Vec<Value> = results
+    let body: Vec<wire::ForkEntry> = results
         .into_iter()
         .map(|r| match r {
-            Ok(record) => json!({"sandbox": sandbox_json(&record)}),
+            Ok(record) => wire::ForkEntry::Sandbox((&record).into()),
             Err(e) => {
                 let e = ApiError::from(e);
-                json!({"error": {"code": e.status.as_u16(), "message": e.message}})
+                wire::ForkEntry::error(e.status.as_u16(), e.message)
             }
         })
         .chain(more)
@@ -642,12 +658,10 @@ fn fork_answer_with(
     if let Some(paused) = parent_paused {
         let ms = format!("{:.3}", paused.as_secs_f64() * 1000.0);
         if let Ok(value) = axum::http::HeaderValue::from_str(&ms) {
-            answer.headers_mut().insert(PARENT_PAUSED_HEADER, value);
+            answer
+                .headers_mut()
+                .insert(wire::PARENT_PAUSED_HEADER, value);
         }
     }
     answer
 }
-
-/// Sandfork's header on a fork's answer: how long the parent's guest was
-/// stopped for the freeze, in milliseconds.
-pub const PARENT_PAUSED_HEADER: &str = "sandfork-parent-paused-ms";

@@ -10,7 +10,6 @@ use axum::http::{HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::Deserialize;
-use serde_json::{Value, json};
 
 use super::list::{MAX_LIMIT, parse_limit};
 use super::sandboxes::{
@@ -20,18 +19,21 @@ use super::{ApiError, ClientGone, Shared};
 use crate::node::sandbox::{SnapshotForkParams, SnapshotParams};
 use crate::node::store::TemplateRecord;
 use crate::node::tenants::Caller;
+use crate::wire;
 
 /// E2B's SnapshotInfo (`snapshotID`, `names`), plus where it came from.
-pub fn snapshot_json(t: &TemplateRecord) -> Value {
-    json!({
-        "snapshotID": t.id,
-        "names": t.names,
-        "sandboxID": t.source_sandbox,
-        "createdAt": humantime::format_rfc3339_millis(
-            UNIX_EPOCH + Duration::from_millis(t.created_at_ms)
-        )
-        .to_string(),
-    })
+impl From<&TemplateRecord> for wire::SnapshotInfo {
+    fn from(t: &TemplateRecord) -> wire::SnapshotInfo {
+        wire::SnapshotInfo {
+            snapshot_id: t.id.clone(),
+            names: t.names.clone(),
+            sandbox_id: t.source_sandbox.clone(),
+            created_at: humantime::format_rfc3339_millis(
+                UNIX_EPOCH + Duration::from_millis(t.created_at_ms),
+            )
+            .to_string(),
+        }
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -72,7 +74,7 @@ pub async fn create(
         }
     };
     state.templates.made_ready(&record.id).await;
-    Ok((StatusCode::CREATED, Json(snapshot_json(&record))).into_response())
+    Ok((StatusCode::CREATED, Json(wire::SnapshotInfo::from(&record))).into_response())
 }
 
 /// `POST /snapshots/{id}/fork` (the shape of E2B's PR infra #3441): `count`
@@ -124,7 +126,7 @@ fn parse_query(raw: Option<&str>) -> Result<SnapshotQuery, ApiError> {
             continue;
         }
         match key.as_ref() {
-            "sandboxID" => q.sandbox = Some(value.into_owned()),
+            wire::SANDBOX_ID_PARAM => q.sandbox = Some(value.into_owned()),
             "name" => q.name = Some(value.into_owned()),
             "limit" => q.limit = parse_limit(&value)?,
             "nextToken" => {
@@ -164,10 +166,12 @@ pub async fn list(
         format!("{}.{}", last.created_at_ms, last.id)
     });
     all.truncate(q.limit);
-    let body: Vec<Value> = all.iter().map(snapshot_json).collect();
+    let body: Vec<wire::SnapshotInfo> = all.iter().map(wire::SnapshotInfo::from).collect();
     let mut response = Json(body).into_response();
     if let Some(token) = next.and_then(|t| HeaderValue::from_str(&t).ok()) {
-        response.headers_mut().insert("x-next-token", token);
+        response
+            .headers_mut()
+            .insert(wire::NEXT_TOKEN_HEADER, token);
     }
     Ok(response)
 }

@@ -13,7 +13,6 @@ use axum::http::{StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::Deserialize;
-use serde_json::{Value, json};
 
 use super::sandboxes::parse_body;
 use super::{ApiError, Shared};
@@ -22,6 +21,7 @@ use crate::node::store::BuildStatus;
 use crate::node::template::build::{MAX_MEM_MIB, MAX_VCPUS, MIN_MEM_MIB, TemplateInfo};
 use crate::node::template::{BuildParams, BuildSource, code_interpreter};
 use crate::node::tenants::Caller;
+use crate::wire;
 
 pub(super) fn rfc3339(ms: u64) -> String {
     humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
@@ -29,22 +29,24 @@ pub(super) fn rfc3339(ms: u64) -> String {
 
 /// A template as `GET /templates` lists it (E2B's Template fields, plus
 /// `kind` and `source`).
-pub fn template_json(t: &TemplateInfo) -> Value {
-    json!({
-        "templateID": t.id,
-        "buildID": t.build_id,
-        "names": t.names,
-        "aliases": t.names,
-        "kind": t.kind,
-        "source": t.source,
-        "cpuCount": t.vcpus,
-        "memoryMB": t.mem_mib,
-        "diskSizeMB": t.disk_size_mb,
-        "createdAt": rfc3339(t.created_at_ms),
-        "buildStatus": t.status.as_str(),
-        "public": false,
-        "envdVersion": envd_proto::ENVD_VERSION,
-    })
+impl std::convert::From<&TemplateInfo> for wire::Template {
+    fn from(t: &TemplateInfo) -> wire::Template {
+        wire::Template {
+            template_id: t.id.clone(),
+            build_id: t.build_id.clone(),
+            names: t.names.clone(),
+            aliases: t.names.clone(),
+            kind: t.kind.to_owned(),
+            source: t.source.clone(),
+            cpu_count: t.vcpus,
+            memory_mb: t.mem_mib,
+            disk_size_mb: t.disk_size_mb,
+            created_at: rfc3339(t.created_at_ms),
+            build_status: t.status.as_str().to_owned(),
+            public: false,
+            envd_version: envd_proto::ENVD_VERSION.to_owned(),
+        }
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -179,12 +181,12 @@ pub async fn create(
             return Err(e.into());
         }
     };
-    let body = json!({
-        "templateID": build.template_id,
-        "buildID": build.build_id,
-        "names": [build.name],
-        "status": build.status.as_str(),
-    });
+    let body = wire::TemplateBuildStarted {
+        template_id: build.template_id,
+        build_id: build.build_id,
+        names: vec![build.name],
+        status: build.status.as_str().to_owned(),
+    };
     Ok((StatusCode::ACCEPTED, Json(body)).into_response())
 }
 
@@ -194,10 +196,10 @@ pub async fn list(
     Extension(caller): Extension<Caller>,
 ) -> Result<Response, ApiError> {
     let all = state.templates.list()?;
-    let body: Vec<Value> = all
+    let body: Vec<wire::Template> = all
         .iter()
         .filter(|t| super::tenancy::sees_template(&state, &caller, &t.id))
-        .map(template_json)
+        .map(wire::Template::from)
         .collect();
     Ok(Json(body).into_response())
 }
@@ -218,7 +220,7 @@ pub async fn get_one(
     State(state): State<Shared>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    Ok(Json(template_json(&find(&state, &id)?)).into_response())
+    Ok(Json(wire::Template::from(&find(&state, &id)?)).into_response())
 }
 
 /// E2B's `TemplateUpdateRequest`.
@@ -245,7 +247,10 @@ pub async fn update_v2(
              templates are for its own API keys"
         )));
     }
-    Ok(Json(json!({"names": template.names})).into_response())
+    Ok(Json(wire::TemplateNames {
+        names: template.names,
+    })
+    .into_response())
 }
 
 fn logs_offset(query: Option<&str>) -> Result<usize, ApiError> {
@@ -281,40 +286,41 @@ pub async fn build_status(
         ));
     }
     let reason = match (&build.status, &build.reason) {
-        (BuildStatus::Error, Some(r)) => match &build.reason_step {
-            Some(step) => json!({"message": r, "step": step}),
-            None => json!({"message": r}),
-        },
-        _ => Value::Null,
+        (BuildStatus::Error, Some(r)) => Some(wire::BuildReason {
+            message: r.clone(),
+            step: build.reason_step.clone(),
+        }),
+        _ => None,
     };
     let at = rfc3339(build.finished_at_ms.unwrap_or(build.started_at_ms));
-    let entries: Vec<Value> = logs.iter().map(|l| log_entry(l, &at)).collect();
-    let mut body = json!({
-        "templateID": crate::node::template::e2b_build::e2b_template_id(&build),
-        "buildID": build.build_id,
-        "names": [build.name],
-        "status": build.status.as_str(),
-        "logs": logs,
-        "logEntries": entries,
-        "startedAt": rfc3339(build.started_at_ms),
-        "finishedAt": build.finished_at_ms.map(rfc3339),
-    });
-    // E2B's SDK parses a present `reason` as an object: absent, not null.
-    if !reason.is_null() {
-        body["reason"] = reason;
-    }
+    let log_entries = logs.iter().map(|l| log_entry(l, &at)).collect();
+    let body = wire::TemplateBuild {
+        template_id: crate::node::template::e2b_build::e2b_template_id(&build).to_owned(),
+        build_id: build.build_id.clone(),
+        names: vec![build.name.clone()],
+        status: build.status.as_str().to_owned(),
+        logs,
+        log_entries,
+        started_at: rfc3339(build.started_at_ms),
+        finished_at: build.finished_at_ms.map(rfc3339),
+        reason,
+    };
     Ok(Json(body).into_response())
 }
 
 /// A log line as E2B's `BuildLogEntry` (the lines carry no time of their
 /// own: `at` is the build's).
-fn log_entry(line: &str, at: &str) -> Value {
+fn log_entry(line: &str, at: &str) -> wire::BuildLogEntry {
     let level = if line.starts_with("error: ") {
         "error"
     } else {
         "info"
     };
-    json!({"timestamp": at, "level": level, "message": line})
+    wire::BuildLogEntry {
+        timestamp: at.to_owned(),
+        level: level.to_owned(),
+        message: line.to_owned(),
+    }
 }
 
 /// `DELETE /templates/{id}` (id or name; a snapshot's `:default` tag

@@ -12,7 +12,6 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
-use serde_json::json;
 
 use super::sandboxes::parse_body;
 use super::{ApiError, Shared};
@@ -20,6 +19,7 @@ use crate::node::store::BuildStatus;
 use crate::node::template::build::check_name;
 use crate::node::template::e2b_build::{self, RawStep, Step, StepsPlan};
 use crate::node::template::{BuildParams, BuildSource};
+use crate::wire;
 
 /// `TemplateBuildRequestV3` (`teamID` accepted and not used).
 #[derive(Debug, Default, Deserialize)]
@@ -115,14 +115,14 @@ pub async fn request_build(
     super::tenancy::own_template(&state, &caller, e2b_build::e2b_template_id(&build))?;
     Ok((
         StatusCode::ACCEPTED,
-        Json(json!({
-            "templateID": e2b_build::e2b_template_id(&build),
-            "buildID": build.build_id,
-            "public": false,
-            "names": [req.alias],
-            "tags": req.tags,
-            "aliases": [req.alias],
-        })),
+        Json(wire::TemplateRequested {
+            template_id: e2b_build::e2b_template_id(&build).to_owned(),
+            build_id: build.build_id.clone(),
+            public: false,
+            names: vec![req.alias.clone()],
+            tags: req.tags,
+            aliases: vec![req.alias],
+        }),
     )
         .into_response())
 }
@@ -169,7 +169,10 @@ pub async fn file_link(
     let url = format!("{}/e2b-files/{token}", base_url(&headers)?);
     Ok((
         StatusCode::CREATED,
-        Json(json!({"present": e2b.has_file(&hash), "url": url})),
+        Json(wire::TemplateBuildFileUpload {
+            present: e2b.has_file(&hash),
+            url,
+        }),
     )
         .into_response())
 }
@@ -295,7 +298,11 @@ pub async fn alias(
 ) -> Result<Response, ApiError> {
     let (name, _) = split_name(&alias);
     match state.templates.e2b_template_of_alias(&name)? {
-        Some(id) => Ok(Json(json!({"templateID": id, "public": false})).into_response()),
+        Some(id) => Ok(Json(wire::TemplateAlias {
+            template_id: id,
+            public: false,
+        })
+        .into_response()),
         None => Err(ApiError::new(
             StatusCode::NOT_FOUND,
             format!("template alias {alias} not found"),
@@ -348,7 +355,7 @@ pub async fn assign_tags(State(state): State<Shared>, body: Bytes) -> Result<Res
         .await?;
     Ok((
         StatusCode::CREATED,
-        Json(json!({"tags": tags, "buildID": build_id})),
+        Json(wire::AssignedTemplateTags { tags, build_id }),
     )
         .into_response())
 }
@@ -368,10 +375,12 @@ pub async fn tags(
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     let tags = state.templates.tags_of(&split_name(&id).0)?;
-    let body: Vec<serde_json::Value> = tags
+    let body: Vec<wire::TemplateTag> = tags
         .into_iter()
-        .map(|(tag, build, at)| {
-            json!({"tag": tag, "buildID": build, "createdAt": super::templates::rfc3339(at)})
+        .map(|(tag, build_id, at)| wire::TemplateTag {
+            tag,
+            build_id,
+            created_at: super::templates::rfc3339(at),
         })
         .collect();
     Ok(Json(body).into_response())
@@ -395,7 +404,7 @@ pub async fn list_v2(State(state): State<Shared>) -> Result<Response, ApiError> 
             .or_else(|| same.iter().max_by_key(|o| o.created_at_ms))
             .copied()
             .unwrap_or(t);
-        out.push(super::templates::template_json(pick));
+        out.push(wire::Template::from(pick));
     }
     Ok(Json(out).into_response())
 }

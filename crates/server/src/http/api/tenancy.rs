@@ -17,15 +17,15 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
-use serde_json::{Value, json};
 
 use super::sandboxes::{check_id, parse_body};
 use super::{ApiError, Shared};
 use crate::node::capacity::TeamLimits;
-use crate::node::keys::{self, AuthError};
+use crate::node::keys::AuthError;
 use crate::node::sandbox::SandboxError;
 use crate::node::store::SandboxRecord;
 use crate::node::tenants::{Caller, KeyRecord, TeamRecord, template_owner_key};
+use crate::wire;
 
 /// Route prefixes whose `{id}` is a sandbox.
 const SANDBOX_ROUTES: &[&str] = &[
@@ -45,7 +45,7 @@ pub async fn require_api_key(
     mut req: Request,
     next: Next,
 ) -> Response {
-    let key = match req.headers().get(keys::HEADER).map(|v| v.to_str()) {
+    let key = match req.headers().get(wire::API_KEY_HEADER).map(|v| v.to_str()) {
         None => {
             return ApiError::new(StatusCode::UNAUTHORIZED, "missing X-API-KEY header")
                 .into_response();
@@ -243,27 +243,34 @@ impl From<AuthError> for ApiError {
     }
 }
 
-fn team_json(state: &Shared, t: &TeamRecord) -> Value {
+fn team_json(state: &Shared, t: &TeamRecord) -> wire::Team {
     let held = state.manager.capacity().team_held(&t.id);
-    json!({
-        "teamID": t.id,
-        "name": t.name,
-        "createdAt": super::sandboxes::rfc3339(t.created_at_ms),
-        "limits": t.limits,
-        "requestsPerSecond": t.requests_per_second,
-        "usage": {"sandboxes": held.sandboxes, "memoryMB": held.memory_mib},
-        "keys": state.keys.keys(Some(&t.id)).len(),
-    })
+    wire::Team {
+        team_id: t.id.clone(),
+        name: t.name.clone(),
+        created_at: super::sandboxes::rfc3339(t.created_at_ms),
+        limits: wire::TeamLimits {
+            max_sandboxes: t.limits.max_sandboxes,
+            max_memory_mb: t.limits.max_memory_mb,
+        },
+        requests_per_second: t.requests_per_second,
+        usage: wire::TeamUsage {
+            sandboxes: held.sandboxes as u64,
+            memory_mb: held.memory_mib,
+        },
+        keys: state.keys.keys(Some(&t.id)).len() as u64,
+    }
 }
 
-fn key_json(k: &KeyRecord) -> Value {
-    json!({
-        "keyID": k.id,
-        "teamID": k.team,
-        "name": k.name,
-        "mask": k.mask,
-        "createdAt": super::sandboxes::rfc3339(k.created_at_ms),
-    })
+fn key_json(k: &KeyRecord) -> wire::ApiKey {
+    wire::ApiKey {
+        key_id: k.id.clone(),
+        team_id: k.team.clone(),
+        name: k.name.clone(),
+        mask: k.mask.clone(),
+        created_at: super::sandboxes::rfc3339(k.created_at_ms),
+        key: None,
+    }
 }
 
 /// A team's settings as `POST` and `PATCH /admin/teams` take them; in a
@@ -302,14 +309,14 @@ impl TeamBody {
 }
 
 /// `GET /admin/teams`: every team, the default first, with its use.
-pub async fn list_teams(State(state): State<Shared>) -> Json<Value> {
-    let teams: Vec<Value> = state
+pub async fn list_teams(State(state): State<Shared>) -> Json<Vec<wire::Team>> {
+    let teams = state
         .keys
         .teams()
         .iter()
         .map(|t| team_json(&state, t))
         .collect();
-    Json(Value::Array(teams))
+    Json(teams)
 }
 
 /// `POST /admin/teams` `{name, maxSandboxes?, maxMemoryMB?, requestsPerSecond?}`: 201.
@@ -344,7 +351,7 @@ fn team(state: &Shared, wanted: &str) -> Result<TeamRecord, ApiError> {
 pub async fn get_team(
     State(state): State<Shared>,
     Path(wanted): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<wire::Team>, ApiError> {
     Ok(Json(team_json(&state, &team(&state, &wanted)?)))
 }
 
@@ -354,7 +361,7 @@ pub async fn update_team(
     State(state): State<Shared>,
     Path(wanted): Path<String>,
     body: Bytes,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<wire::Team>, ApiError> {
     let req: TeamBody = parse_body(&body)?;
     if req.name.is_some() {
         return Err(ApiError::bad_request("a team's name cannot change"));
@@ -375,15 +382,15 @@ pub async fn update_team(
 pub async fn list_keys(
     State(state): State<Shared>,
     Path(wanted): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Vec<wire::ApiKey>>, ApiError> {
     let team = team(&state, &wanted)?;
-    let keys: Vec<Value> = state
+    let keys: Vec<wire::ApiKey> = state
         .keys
         .keys(Some(&team.id))
         .iter()
         .map(key_json)
         .collect();
-    Ok(Json(Value::Array(keys)))
+    Ok(Json(keys))
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -406,7 +413,7 @@ pub async fn create_key(
         .create_key(store, &wanted, req.name.as_deref().unwrap_or_default())
         .await?;
     let mut body = key_json(&record);
-    body["key"] = json!(key);
+    body.key = Some(key);
     Ok((StatusCode::CREATED, Json(body)).into_response())
 }
 

@@ -7,11 +7,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
-
 use super::{Manager, PauseMode, Phase, ResumeMode, SandboxError};
 use crate::node::clock::now_ms;
-use crate::node::pressure::{self, Candidate, PressureConfig, PressurePause, Reading};
+use crate::node::pressure::{
+    self, Candidate, PressureConfig, PressurePause, PressureReport, Reading,
+};
 use crate::node::store::{PauseReason, SandboxRecord, SandboxState};
 
 impl Manager {
@@ -276,11 +276,9 @@ impl Manager {
         self.registry().get(id).map(|s| s.in_use())
     }
 
-    /// The monitor's figures for `GET /v1/node`.
-    pub fn pressure_json(&self) -> Value {
-        let Some(config) = &self.config.pressure else {
-            return json!({"enabled": false});
-        };
+    /// The monitor's figures for `GET /v1/node`; None when it is off.
+    pub fn pressure_report(&self) -> Option<PressureReport> {
+        let config = self.config.pressure.as_ref()?;
         let total = host_mem::mem_total_mib().unwrap_or(u64::MAX);
         let stats = self.pressure_stats();
         let paused_now = self
@@ -288,21 +286,17 @@ impl Manager {
             .sandboxes()
             .map(|all| all.iter().filter(|r| paused_by_pressure(r)).count())
             .unwrap_or(0);
-        let last = stats.last;
-        json!({
-            "enabled": true,
-            "availableMB": last.map(|r| r.available_mib),
-            "psiSomeAvg10": last.and_then(|r| r.some_avg10()),
-            "psiFullAvg10": last.and_then(|r| r.full_avg10()),
-            "floorMB": config.floor_mib(self.capacity.limits().memory_mib, total),
-            "maxFullAvg10": config.max_full_avg10,
-            "idleSeconds": config.idle.as_secs(),
-            "pausing": stats.pausing,
-            "pausedTotal": stats.paused_total,
-            "pausedNow": paused_now,
-            "failedTotal": stats.failed_total,
-            "nothingToPauseTotal": stats.nothing_to_pause_total,
-            "recentPauses": stats.recent,
+        Some(PressureReport {
+            last: stats.last,
+            floor_mib: config.floor_mib(self.capacity.limits().memory_mib, total),
+            max_full_avg10: config.max_full_avg10,
+            idle: config.idle,
+            pausing: stats.pausing,
+            paused_total: stats.paused_total,
+            paused_now,
+            failed_total: stats.failed_total,
+            nothing_to_pause_total: stats.nothing_to_pause_total,
+            recent: stats.recent.iter().cloned().collect(),
         })
     }
 }

@@ -1,0 +1,224 @@
+//! E2B's sandbox answers: the Sandbox of create and connect, the listed and
+//! detailed sandbox, a fork's entries, metrics, logs and snapshots.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::Error;
+
+/// E2B's Sandbox: the answer of create, connect and resume, and a fork
+/// child's.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Sandbox {
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    pub alias: Option<String>,
+    /// A node id the SDKs require and never use.
+    #[serde(rename = "clientID")]
+    pub client_id: String,
+    pub envd_version: String,
+    pub envd_access_token: Option<String>,
+    pub traffic_access_token: Option<String>,
+    pub domain: Option<String>,
+}
+
+/// E2B's ListedSandbox (`GET /sandboxes`, `GET /v2/sandboxes`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ListedSandbox {
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    pub alias: Option<String>,
+    #[serde(rename = "clientID")]
+    pub client_id: String,
+    /// RFC 3339.
+    pub started_at: String,
+    pub end_at: String,
+    pub cpu_count: u32,
+    #[serde(rename = "memoryMB")]
+    pub memory_mb: u64,
+    #[serde(rename = "diskSizeMB")]
+    pub disk_size_mb: u64,
+    /// `running` or `paused` (E2B's SDKs refuse anything else).
+    pub state: String,
+    pub envd_version: String,
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// E2B's SandboxDetail (`GET /sandboxes/{id}`): the listed fields and more,
+/// with sandfork's own at the end.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxDetail {
+    #[serde(flatten)]
+    pub listed: ListedSandbox,
+    /// SDKs up to 2.5 and 1.x read it here after a resume.
+    pub envd_access_token: Option<String>,
+    pub domain: Option<String>,
+    pub lifecycle: Lifecycle,
+    /// As the create set it; `null` when never set.
+    pub allow_internet_access: Option<bool>,
+    pub network: NetworkDetail,
+    /// Sandfork's: why a paused sandbox is paused (`memoryPressure`: the
+    /// node paused it, and its next request resumes it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pause_reason: Option<String>,
+    /// Sandfork's: whether its guest stopped answering.
+    #[serde(default)]
+    pub guest_unresponsive: bool,
+    /// Sandfork's: its VMM's page faults so far, while it runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vmm_page_faults: Option<PageFaults>,
+}
+
+/// E2B's SandboxLifecycle.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Lifecycle {
+    /// `kill` or `pause`.
+    pub on_timeout: String,
+    pub auto_resume: bool,
+}
+
+/// A detail's `network`: only what the create set (`{}` for none), as E2B's
+/// API reports it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkDetail {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow_out: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub deny_out: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allow_public_traffic: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mask_request_host: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PageFaults {
+    pub minor: u64,
+    pub major: u64,
+}
+
+/// One entry of a fork's 201 (E2B's): a child made, or why it was not.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum ForkEntry {
+    Sandbox(Sandbox),
+    Error(Error),
+}
+
+impl ForkEntry {
+    pub fn error(code: u16, message: impl Into<String>) -> ForkEntry {
+        ForkEntry::Error(Error {
+            code,
+            message: message.into(),
+        })
+    }
+
+    /// The child's id when it was made.
+    pub fn sandbox_id(&self) -> Option<&str> {
+        match self {
+            ForkEntry::Sandbox(s) => Some(&s.sandbox_id),
+            ForkEntry::Error(_) => None,
+        }
+    }
+}
+
+/// Sandfork's `GET /v1/unrouted/...` answer: the sandbox an envd request
+/// that names none belongs to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxOwner {
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+}
+
+// ---- Metrics and logs -----------------------------------------------------
+
+/// E2B's SandboxMetric (all nine fields required by the SDKs).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxMetric {
+    pub timestamp: String,
+    pub timestamp_unix: u64,
+    pub cpu_count: u32,
+    pub cpu_used_pct: f32,
+    pub mem_used: u64,
+    pub mem_total: u64,
+    pub mem_cache: u64,
+    pub disk_used: u64,
+    pub disk_total: u64,
+}
+
+/// `GET /sandboxes/metrics`: the latest sample of each sandbox that has one.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SandboxesMetrics {
+    pub sandboxes: BTreeMap<String, SandboxMetric>,
+}
+
+/// E2B's SandboxLogEntry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxLogEntry {
+    pub timestamp: String,
+    pub level: String,
+    pub message: String,
+    pub fields: LogFields,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LogFields {
+    pub source: String,
+}
+
+/// E2B's SandboxLog: a line as text holding a [`LogLine`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxLog {
+    pub timestamp: String,
+    pub line: String,
+}
+
+/// What a v1 log line's text holds, as E2B's log pipeline stores envd's
+/// structured lines (the E2B CLI's `sandbox logs` reads `level`; `logger`
+/// is what its `--loggers` filters).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LogLine {
+    pub level: String,
+    pub logger: String,
+    pub message: String,
+}
+
+/// `GET /sandboxes/{id}/logs`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxLogs {
+    pub logs: Vec<SandboxLog>,
+    pub log_entries: Vec<SandboxLogEntry>,
+}
+
+/// `GET /v2/sandboxes/{id}/logs`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxLogsV2 {
+    pub logs: Vec<SandboxLogEntry>,
+}
+
+// ---- Snapshots ------------------------------------------------------------
+
+/// E2B's SnapshotInfo, plus where it came from and when.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotInfo {
+    #[serde(rename = "snapshotID")]
+    pub snapshot_id: String,
+    pub names: Vec<String>,
+    /// `null` when the sandbox is not known.
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: Option<String>,
+    pub created_at: String,
+}

@@ -1,0 +1,130 @@
+//! E2B's template and build answers (and sandfork's `POST /templates`).
+
+use serde::{Deserialize, Serialize};
+
+/// E2B's Template as `GET /templates` and `GET /v2/templates` list it, plus
+/// sandfork's `kind` and `source`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Template {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    #[serde(rename = "buildID")]
+    pub build_id: Option<String>,
+    pub names: Vec<String>,
+    pub aliases: Vec<String>,
+    /// `base`, `built` or `snapshot`.
+    pub kind: String,
+    pub source: Option<String>,
+    pub cpu_count: u8,
+    #[serde(rename = "memoryMB")]
+    pub memory_mb: u64,
+    #[serde(rename = "diskSizeMB")]
+    pub disk_size_mb: u64,
+    pub created_at: String,
+    pub build_status: String,
+    pub public: bool,
+    pub envd_version: String,
+}
+
+/// Sandfork's `POST /templates` 202: the build runs on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TemplateBuildStarted {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    #[serde(rename = "buildID")]
+    pub build_id: String,
+    pub names: Vec<String>,
+    pub status: String,
+}
+
+/// E2B's TemplateRequestResponseV3 (`POST /v3/templates`; the SDK needs all
+/// six).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TemplateRequested {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    #[serde(rename = "buildID")]
+    pub build_id: String,
+    pub public: bool,
+    pub names: Vec<String>,
+    pub tags: Vec<String>,
+    pub aliases: Vec<String>,
+}
+
+/// E2B's TemplateBuild (`GET /templates/{id}/builds/{buildID}/status`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TemplateBuild {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    #[serde(rename = "buildID")]
+    pub build_id: String,
+    pub names: Vec<String>,
+    pub status: String,
+    pub logs: Vec<String>,
+    pub log_entries: Vec<BuildLogEntry>,
+    pub started_at: String,
+    pub finished_at: Option<String>,
+    /// A failed build's; E2B's SDK parses a present `reason` as an object,
+    /// so it is left out, not null, otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<BuildReason>,
+}
+
+/// E2B's BuildStatusReason.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BuildReason {
+    pub message: String,
+    /// E2B's failing step: `base`, `1`... or `finalize`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<String>,
+}
+
+/// E2B's BuildLogEntry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BuildLogEntry {
+    pub timestamp: String,
+    /// `info` or `error`.
+    pub level: String,
+    pub message: String,
+}
+
+/// `PATCH /v2/templates/{id}`'s answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TemplateNames {
+    pub names: Vec<String>,
+}
+
+/// E2B's TemplateBuildFileUpload (`GET /templates/{id}/files/{hash}`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TemplateBuildFileUpload {
+    pub present: bool,
+    pub url: String,
+}
+
+/// E2B's TemplateAliasResponse (`GET /templates/aliases/{alias}`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TemplateAlias {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    pub public: bool,
+}
+
+/// E2B's AssignedTemplateTags (`POST /templates/tags`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AssignedTemplateTags {
+    pub tags: Vec<String>,
+    #[serde(rename = "buildID")]
+    pub build_id: String,
+}
+
+/// E2B's TemplateTag (`GET /templates/{id}/tags`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TemplateTag {
+    pub tag: String,
+    #[serde(rename = "buildID")]
+    pub build_id: String,
+    pub created_at: String,
+}
