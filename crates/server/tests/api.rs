@@ -2736,3 +2736,216 @@ async fn e2b_builds_wait_across_a_restart_and_their_tags_move() {
     let a = call(&node, authed("GET", "/templates/aliases/web", "")).await;
     assert_error(&a, StatusCode::NOT_FOUND);
 }
+
+/// E2B template `tplw` (alias `web`) on this node: its first build (default
+/// tag) and a second (`v2`), ready; one building, one failed, one waiting.
+fn web_builds(extra: &[(&str, BuildStatus, u64)]) -> Node {
+    let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let extra = extra.to_vec();
+    node_configured(
+        &[],
+        &[
+            &|d| TemplateRecord {
+                names: names(&["web", "tplw"]),
+                ..built(d, "tplw", "web", 1)
+            },
+            &|d| TemplateRecord {
+                names: names(&["web:v2", "tplw:v2"]),
+                ..built(d, "tplw2", "web", 2)
+            },
+        ],
+        move |_, store| {
+            let all = [
+                ("tplw", BuildStatus::Ready, 1),
+                ("tplw2", BuildStatus::Ready, 2),
+            ];
+            for (id, status, at) in all.into_iter().chain(extra) {
+                let mut b = build_record(id, "web", status, at);
+                b.e2b = Some(E2bBuild {
+                    template_id: "tplw".into(),
+                    tags: vec!["default".into()],
+                });
+                store.put_build(&b).unwrap();
+            }
+        },
+    )
+}
+
+#[tokio::test]
+async fn e2b_creates_by_build_id_and_builds_that_lose_their_tags_stay() {
+    let node = web_builds(&[
+        ("tplw3", BuildStatus::Building, 3),
+        ("tplw4", BuildStatus::Error, 4),
+    ]);
+    // `<alias or templateID>:<buildID>` is the template that build made.
+    for (name, want) in [
+        ("web:build-tplw2", "tplw2"),
+        ("web:build-tplw", "tplw"),
+        ("tplw:build-tplw2", "tplw2"),
+    ] {
+        assert_eq!(
+            node.manager.resolve_template(name).unwrap().id,
+            want,
+            "{name}"
+        );
+    }
+    let create = |t: &str| authed("POST", "/sandboxes", &format!(r#"{{"templateID":"{t}"}}"#));
+    // A build not ready yet: E2B's words, which Harbor waits on.
+    let a = call(&node, create("web:build-tplw3")).await;
+    assert_error(&a, StatusCode::NOT_FOUND);
+    let m = a.json["message"].as_str().unwrap();
+    assert!(
+        m.contains("tag 'build-tplw3' does not exist for template 'web'"),
+        "{m}"
+    );
+    // A failed one says so (and is not waited on).
+    let a = call(&node, create("web:build-tplw4")).await;
+    assert_error(&a, StatusCode::NOT_FOUND);
+    let m = a.json["message"].as_str().unwrap();
+    assert!(
+        m.contains("failed: apt failed") && !m.contains("does not exist"),
+        "{m}"
+    );
+    // No such build of that template: a plain 404.
+    for name in [
+        "web:0f8fad5b-d9cb-469f-a165-70867728950e",
+        "other:build-tplw",
+        "web:nope",
+    ] {
+        let a = call(&node, create(name)).await;
+        assert_error(&a, StatusCode::NOT_FOUND);
+        assert_eq!(
+            a.json["message"],
+            format!("template {name} not found"),
+            "{name}"
+        );
+    }
+    // Tags name a build by its id too; the first build, left without any
+    // tag, stays and is still created from by its build id.
+    let r = call(
+        &node,
+        authed(
+            "POST",
+            "/templates/tags",
+            r#"{"target":"web:build-tplw2","tags":["default"]}"#,
+        ),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.json);
+    assert_eq!(r.json["buildID"], "build-tplw2");
+    assert_eq!(node.manager.resolve_template("web").unwrap().id, "tplw2");
+    let old = node.manager.resolve_template("web:build-tplw").unwrap();
+    assert_eq!((old.id.as_str(), old.names.len()), ("tplw", 0));
+    assert!(node.dir.path().join("templates/tplw").is_dir());
+}
+
+#[tokio::test]
+async fn a_second_build_of_a_template_in_flight_answers_409() {
+    let node = web_builds(&[
+        ("tplw3", BuildStatus::Building, 3),
+        ("tplw5", BuildStatus::Waiting, 5),
+    ]);
+    let r = call(
+        &node,
+        authed("POST", "/v3/templates", r#"{"name":"web:v3"}"#),
+    )
+    .await;
+    assert_error(&r, StatusCode::CONFLICT);
+    let m = r.json["message"].as_str().unwrap();
+    assert!(
+        m.contains("build-tplw3") && m.contains("still running"),
+        "{m}"
+    );
+    // A build requested before the other one started waits; its start is
+    // refused the same way, and it waits on.
+    let r = call(
+        &node,
+        authed(
+            "POST",
+            "/v2/templates/tplw/builds/build-tplw5",
+            r#"{"fromTemplate":"base","steps":[]}"#,
+        ),
+    )
+    .await;
+    assert_error(&r, StatusCode::CONFLICT);
+    let m = r.json["message"].as_str().unwrap();
+    assert!(
+        m.contains("build-tplw3") && m.contains("still running"),
+        "{m}"
+    );
+    let b = node.manager.store().build("tplw5").unwrap().unwrap();
+    assert_eq!(b.status, BuildStatus::Waiting);
+    // Another template builds meanwhile.
+    let r = call(
+        &node,
+        authed("POST", "/v3/templates", r#"{"name":"other"}"#),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.json);
+}
+
+#[tokio::test]
+async fn untagged_builds_past_the_cap_go_and_say_they_were_replaced() {
+    use server::node::template::e2b_build::KEEP_UNTAGGED;
+    // Builds b0..=b{n}: each tagged v<i>; a sandbox still runs on b0.
+    let n = KEEP_UNTAGGED + 2;
+    let user = SandboxRecord {
+        template_id: "b0".into(),
+        ..record("user0", now_ms(), SandboxState::Running, "x")
+    };
+    type Make = Box<dyn Fn(&std::path::Path) -> TemplateRecord>;
+    let makers: Vec<Make> = (0..=n)
+        .map(|i| {
+            Box::new(move |d: &std::path::Path| TemplateRecord {
+                names: vec![format!("app:v{i}"), format!("b0:v{i}")],
+                ..built(d, &format!("b{i}"), "app", i as u64)
+            }) as Make
+        })
+        .collect();
+    let refs: Vec<&dyn Fn(&std::path::Path) -> TemplateRecord> =
+        makers.iter().map(|m| m.as_ref()).collect();
+    let node = node_configured(&[user], &refs, |_, store| {
+        for i in 0..=n {
+            let mut b = build_record(&format!("b{i}"), "app", BuildStatus::Ready, i as u64);
+            b.e2b = Some(E2bBuild {
+                template_id: "b0".into(),
+                tags: vec![format!("v{i}")],
+            });
+            store.put_build(&b).unwrap();
+        }
+    });
+    // The newest build takes every tag: b0..b{n-1} lose their last one.
+    let tags: Vec<String> = (0..n).map(|i| format!("v{i}")).collect();
+    let body = serde_json::json!({"target": format!("app:v{n}"), "tags": tags}).to_string();
+    let r = call(&node, authed("POST", "/templates/tags", &body)).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.json);
+    // The newest KEEP_UNTAGGED untagged ones stay, and b0 (in use); b1 went.
+    for i in (2..n).chain([0]) {
+        let name = format!("app:build-b{i}");
+        assert_eq!(
+            node.manager.resolve_template(&name).unwrap().id,
+            format!("b{i}")
+        );
+    }
+    let a = call(
+        &node,
+        authed("POST", "/sandboxes", r#"{"templateID":"app:build-b1"}"#),
+    )
+    .await;
+    assert_error(&a, StatusCode::NOT_FOUND);
+    let m = a.json["message"].as_str().unwrap();
+    assert!(
+        m.contains("was deleted: replaced by newer builds of app"),
+        "{m}"
+    );
+    let listed = call(&node, authed("GET", "/templates", "")).await;
+    let builds: Vec<&str> = listed
+        .json
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|t| t["buildID"].as_str())
+        .collect();
+    assert!(!builds.contains(&"build-b1"), "{builds:?}");
+    assert!(builds.contains(&"build-b2"), "{builds:?}");
+}

@@ -2063,6 +2063,132 @@ async fn template_from_debian_packages() {
     assert_eq!(deleted.status, 204, "{:?}", deleted.body);
 }
 
+/// Harbor's path through an E2B build: ENV steps are the environment the
+/// later steps' processes start with (Harbor records `/proc/$$/environ`)
+/// and the template's sandboxes'; a `PATH` set by ENV survives a login
+/// shell (the SDK's `bash -l`); a second build of the template while one
+/// runs is a 409; a create names a build by `<alias>:<buildID>`, and an
+/// older build stays creatable after a newer one took its tag.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab: boots microVMs"]
+async fn e2b_builds_keep_env_and_path_and_create_by_build_id() {
+    let data = tempfile::tempdir().unwrap();
+    let node = serve(lab_config(data.path(), 0)).await;
+    let (addr, auth) = (node.addr, node.auth());
+    let (t, first) = lab_env_build(addr, &auth, "one").await;
+    // One build of a template at a time, as E2B: Harbor waits on the 409.
+    let again = http(
+        addr,
+        "POST",
+        "/v3/templates",
+        &auth,
+        r#"{"name":"lab-env"}"#,
+    )
+    .await;
+    assert_eq!(again.status, 409, "{:?}", again.body);
+    let s = wait_for_build(addr, &auth, &t, &first).await;
+    assert_eq!(s["status"], "ready", "{s}");
+    let (_, second) = lab_env_build(addr, &auth, "two").await;
+    let s = wait_for_build(addr, &auth, &t, &second).await;
+    assert_eq!(s["status"], "ready", "{s}");
+
+    // The first build lost the default tag to the second and stays, by id.
+    let by_id = format!("lab-env:{first}");
+    let kept = node.manager.resolve_template(&by_id).unwrap();
+    assert!(kept.names.is_empty(), "{:?}", kept.names);
+    let old = common::create(addr, &auth, json!({"templateID": by_id, "timeout": 120})).await;
+    let routing = old.routing();
+    let (code, out) = run(addr, &routing, "cat /opt/which").await;
+    assert_eq!((code, out.as_str()), (0, "one\n"));
+    // What ENV must have done, each checked (so a failure names them all).
+    let (_, start_env) = run(addr, &routing, "cat /opt/start-env").await;
+    let (_, plain) = run(addr, &routing, "echo $GREETING; echo $PATH").await;
+    let (_, login) = run(addr, &routing, "bash -l -c 'echo $PATH; lab-tool'").await;
+    let (_, own) = run(addr, &routing, "PATH=/usr/bin:/bin bash -l -c 'echo $PATH'").await;
+    let facts = [
+        (
+            "the RUN step's shell started with the ENV (not exported inside it)",
+            start_env.lines().any(|l| l == "GREETING=hello")
+                && start_env
+                    .lines()
+                    .any(|l| l.starts_with("PATH=/opt/tool/bin:")),
+        ),
+        (
+            "the template keeps the ENV as its sandboxes' environment",
+            kept.env_vars.get("GREETING").map(String::as_str) == Some("hello"),
+        ),
+        (
+            "the sandbox's commands start with it",
+            plain.starts_with("hello\n/opt/tool/bin:"),
+        ),
+        (
+            "a login shell keeps the ENV's PATH",
+            login.starts_with("/opt/tool/bin:") && login.ends_with("tool ran\n"),
+        ),
+        (
+            "a login shell keeps a command's own PATH",
+            own == "/usr/bin:/bin\n",
+        ),
+    ];
+    let wrong: Vec<&str> = facts.iter().filter(|f| !f.1).map(|f| f.0).collect();
+    assert!(
+        wrong.is_empty(),
+        "not so: {wrong:?}\nstart env: {start_env}\nplain: {plain}\nlogin: {login}\nown: {own}"
+    );
+
+    let new = common::create(
+        addr,
+        &auth,
+        json!({"templateID": "lab-env", "timeout": 120}),
+    )
+    .await;
+    let (code, out) = run(addr, &new.routing(), "cat /opt/which").await;
+    assert_eq!((code, out.as_str()), (0, "two\n"));
+    for c in [&old, &new] {
+        let killed = http(addr, "DELETE", &format!("/sandboxes/{}", c.id), &auth, "").await;
+        assert_eq!(killed.status, 204, "{:?}", killed.body);
+    }
+    let deleted = http(addr, "DELETE", "/templates/lab-env", &auth, "").await;
+    assert_eq!(deleted.status, 204, "{:?}", deleted.body);
+    let gone = http(
+        addr,
+        "POST",
+        "/v2/sandboxes",
+        &auth,
+        json!({"templateID": by_id}).to_string(),
+    )
+    .await;
+    assert_eq!(gone.status, 404, "{:?}", gone.body);
+}
+
+/// Starts an E2B build of `lab-env`: ENV PATH and GREETING, a RUN that
+/// makes a tool in the new PATH and records the environment its shell
+/// started with (as Harbor does), a RUN writing `which`. Returns its
+/// template and build ids.
+async fn lab_env_build(
+    addr: std::net::SocketAddr,
+    auth: &[(&str, &str)],
+    which: &str,
+) -> (String, String) {
+    let record = r#"mkdir -p /opt/tool/bin && printf '#!/bin/sh\necho tool ran\n' > /opt/tool/bin/lab-tool && chmod 755 /opt/tool/bin/lab-tool && tr '\000' '\n' < /proc/$$/environ > /opt/start-env"#;
+    let steps = json!({"fromTemplate": "base", "steps": [
+        {"type": "ENV", "args": ["PATH", "/opt/tool/bin:$PATH", "GREETING", "hello"]},
+        {"type": "RUN", "args": [record]},
+        {"type": "RUN", "args": [format!("echo {which} > /opt/which")]},
+    ]});
+    let r = http(addr, "POST", "/v3/templates", auth, r#"{"name":"lab-env"}"#).await;
+    assert_eq!(r.status, 202, "{:?}", r.body);
+    let r = r.json();
+    let (t, b) = (
+        r["templateID"].as_str().unwrap().to_owned(),
+        r["buildID"].as_str().unwrap().to_owned(),
+    );
+    let path = format!("/v2/templates/{t}/builds/{b}");
+    let started = http(addr, "POST", &path, auth, steps.to_string()).await;
+    assert_eq!(started.status, 202, "{:?}", started.body);
+    (t, b)
+}
+
 /// Polls a template build's status until it is no longer `building`.
 async fn wait_for_build(
     addr: std::net::SocketAddr,

@@ -71,6 +71,9 @@ pub enum SandboxError {
     NotFound(String),
     #[error("template {0} not found")]
     TemplateNotFound(String),
+    /// `<template>:<buildID>` names a build that made no template (yet): 404.
+    #[error("{0}")]
+    BuildNotReady(String),
     #[error(
         "this node runs at most {max} sandboxes: {running} are running or starting, \
          {asked} more asked for"

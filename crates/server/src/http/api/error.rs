@@ -104,7 +104,9 @@ impl From<SandboxError> for ApiError {
             _ => {}
         }
         let status = match &e {
-            SandboxError::NotFound(_) | SandboxError::TemplateNotFound(_) => StatusCode::NOT_FOUND,
+            SandboxError::NotFound(_)
+            | SandboxError::TemplateNotFound(_)
+            | SandboxError::BuildNotReady(_) => StatusCode::NOT_FOUND,
             SandboxError::AtCapacity { .. } => StatusCode::TOO_MANY_REQUESTS,
             SandboxError::OverCapacity(_) => StatusCode::SERVICE_UNAVAILABLE,
             SandboxError::Conflict { .. }

@@ -20,7 +20,7 @@ use super::{Manager, SandboxError, io, sync_files};
 use crate::node::capacity::Ask;
 use crate::node::clock::now_ms;
 use crate::node::ids;
-use crate::node::store::{SandboxState, TemplateRecord};
+use crate::node::store::{BuildStatus, SandboxState, TemplateRecord};
 
 const STATE: &str = "vm.state";
 const MEM: &str = "vm.mem";
@@ -73,7 +73,9 @@ impl Drop for Pin<'_> {
 
 impl Manager {
     /// The template (base or snapshot) named by `id_or_name`: an id, a
-    /// snapshot's name, either with E2B's `:default` tag.
+    /// snapshot's name, either with E2B's `:default` tag; or
+    /// `<name or id>:<buildID>`, the template one build of it made (E2B
+    /// creates by build id: Harbor does).
     pub fn resolve_template(&self, id_or_name: &str) -> Result<TemplateRecord, SandboxError> {
         let wanted = ids::without_default_tag(id_or_name);
         if wanted == self.template.id {
@@ -82,11 +84,59 @@ impl Manager {
         if let Some(t) = self.store.template(wanted)? {
             return Ok(t);
         }
-        self.store
+        if let Some(t) = self
+            .store
             .templates()?
             .into_iter()
             .find(|t| t.names.iter().any(|n| n == wanted))
-            .ok_or_else(|| SandboxError::TemplateNotFound(id_or_name.to_owned()))
+        {
+            return Ok(t);
+        }
+        // Tags are never UUIDs (E2B's rule), so a name is tried first.
+        match wanted.rsplit_once(':') {
+            Some((name, build_id)) => self.template_of_build(name, build_id, id_or_name),
+            None => Err(SandboxError::TemplateNotFound(id_or_name.to_owned())),
+        }
+    }
+
+    /// The template build `build_id` of the template `name` (an alias, the
+    /// E2B template id or the build's own id) made; a build that made none
+    /// (yet) is a 404 that says why, in E2B's words while it is not ready
+    /// (clients wait on them).
+    fn template_of_build(
+        &self,
+        name: &str,
+        build_id: &str,
+        asked: &str,
+    ) -> Result<TemplateRecord, SandboxError> {
+        let build = self.store.builds()?.into_iter().find(|b| {
+            b.build_id == build_id
+                && (b.name == name
+                    || b.template_id == name
+                    || b.e2b.as_ref().is_some_and(|e| e.template_id == name))
+        });
+        let Some(b) = build else {
+            return Err(SandboxError::TemplateNotFound(asked.to_owned()));
+        };
+        let why = match b.status {
+            BuildStatus::Ready => match self.store.template(&b.template_id)? {
+                Some(t) => return Ok(t),
+                None => format!(
+                    "build {build_id} of template {name} was deleted{}",
+                    b.reason.map(|r| format!(": {r}")).unwrap_or_default()
+                ),
+            },
+            BuildStatus::Waiting | BuildStatus::Building => format!(
+                "tag '{build_id}' does not exist for template '{name}' (its build is {}, not \
+                 ready yet)",
+                b.status.as_str()
+            ),
+            BuildStatus::Error => format!(
+                "build {build_id} of template {name} failed: {}",
+                b.reason.unwrap_or_default()
+            ),
+        };
+        Err(SandboxError::BuildNotReady(why))
     }
 
     /// Resolves a template and keeps it from deletion until the pin drops.

@@ -410,7 +410,10 @@ impl Templates {
             let building = store
                 .builds()?
                 .into_iter()
-                .any(|b| b.name == params.name && b.status == BuildStatus::Building);
+                .find(|b| b.name == params.name && b.status == BuildStatus::Building);
+            if let (Some(b), Some(_)) = (&building, &params.e2b) {
+                return Err(super::e2b_build::in_flight(&params.name, b));
+            }
             // An E2B build of a name rebuilds it (its tags move when ready).
             let taken = if params.e2b.is_some() {
                 None
@@ -422,7 +425,7 @@ impl Templates {
                     .find(|n| self.manager.resolve_template(n).is_ok())
                     .cloned()
             };
-            if building || taken.is_some() {
+            if building.is_some() || taken.is_some() {
                 return Err(SandboxError::NameTaken(
                     taken.unwrap_or_else(|| params.name.clone()),
                 ));
@@ -813,9 +816,11 @@ impl Templates {
         }
         let recorded: std::collections::HashSet<String> =
             store.templates()?.into_iter().map(|t| t.id).collect();
+        // A ready build without its template is an old one removed (see
+        // `e2b_build`'s `drop_untagged`): no template to list.
         for b in builds
             .values()
-            .filter(|b| !recorded.contains(&b.template_id))
+            .filter(|b| !recorded.contains(&b.template_id) && b.status != BuildStatus::Ready)
         {
             out.push(TemplateInfo {
                 id: super::e2b_build::e2b_template_id(b).to_owned(),

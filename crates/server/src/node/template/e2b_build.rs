@@ -18,9 +18,25 @@
 //! id is the `templateID`); its names are, per tag it holds, `alias:tag`
 //! and `templateID:tag`, bare for the `default` tag, so sandbox creates
 //! resolve `alias`, `alias:tag` and `templateID` through the ordinary
-//! template lookup. A ready build takes its tags from the builds that held
-//! them; a build left without any is deleted (its files stay while
-//! sandboxes use them).
+//! template lookup, and `alias:buildID` (or `templateID:buildID`) through
+//! its build record. A ready build takes its tags from the builds that held
+//! them; a build left without any stays, reachable by its build id, until
+//! its template is deleted, or until [`KEEP_UNTAGGED`] newer untagged
+//! builds of it are kept and no sandbox uses it (then a create naming it
+//! answers 404, replaced). A build of a template while another one builds
+//! is refused with 409, as E2B refuses a build already in flight.
+//!
+//! **ENV** steps set the build guest agent's sandbox-wide environment
+//! (envd's `/init`), so every later step's process starts with it (its
+//! `/proc/self/environ` has it: Harbor records that), and the template keeps
+//! it as its sandboxes' environment (their `/init` and `GET /envs`; a
+//! create's own `envVars` win). E2B's SDK documents ENV as build-only; this
+//! node does as Docker does with ENV, which is what a Dockerfile-built
+//! template's user expects. A template whose ENV sets `PATH` also gets
+//! `/etc/profile.d/00-sandfork-path.sh`: the SDK runs commands in a login
+//! bash, whose `/etc/profile` resets `PATH`, and the drop-in takes back
+//! the `PATH` the shell was started with (the template's, or a caller's
+//! own per command).
 //!
 //! **Step cache**: after each step that changes the guest, the build
 //! sandbox is snapshotted (a snapshot runs on: the guest pauses only while
@@ -67,6 +83,9 @@ pub const CACHE_ENTRIES: usize = 200;
 const CACHE_META: &str = "e2b.step-cache";
 /// Changes when what a cached step means changes (so old entries miss).
 const CACHE_KEY_VERSION: &str = "sandfork-e2b-step-cache/1";
+/// Untagged builds of one E2B template a node keeps at least (see
+/// [`Templates::drop_untagged`]).
+pub const KEEP_UNTAGGED: usize = 8;
 /// E2B's tag every build gets when it names none.
 pub const DEFAULT_TAG: &str = "default";
 /// The metadata key naming a build's sandbox's template.
@@ -703,7 +722,8 @@ fn at(step: impl Into<String>) -> impl FnOnce(String) -> Failure {
 pub struct Context {
     user: String,
     workdir: String,
-    /// Set by ENV steps: exported to every step, kept by the template.
+    /// Set by ENV steps: the environment every later step's process
+    /// starts with (the build agent's), kept by the template.
     env: BTreeMap<String, String>,
     /// The build guest's own environment (`PATH`, ...), for expanding ENV
     /// values only.
@@ -738,17 +758,10 @@ impl Context {
         }
     }
 
-    /// `cmd` under `sh -c` in the working directory with the build's env.
+    /// `cmd` under `sh -c` in the working directory. The ENV steps' env is
+    /// the agent's (see [`set_agent_env`]), so the shell starts with it.
     fn script(&self, cmd: &str) -> String {
-        let mut s = String::new();
-        for (k, v) in &self.env {
-            s.push_str(&format!("export {k}={}\n", shell_quote(v)));
-        }
-        s.push_str(&format!(
-            "cd {} || exit 1\n{cmd}",
-            shell_quote(&self.workdir)
-        ));
-        s
+        format!("cd {} || exit 1\n{cmd}", shell_quote(&self.workdir))
     }
 
     /// Applies an ENV step: every value expanded against the environment
@@ -769,6 +782,37 @@ impl Context {
         self.env.extend(expanded);
     }
 }
+
+/// Makes `env` the build guest agent's sandbox-wide environment (envd's
+/// `/init`, which adds to what it has): every process it starts from now
+/// on starts with it, and the snapshots of the guest keep it.
+async fn set_agent_env(root: &AgentClient, env: &BTreeMap<String, String>) -> Result<(), String> {
+    let init = AgentInit {
+        env_vars: Some(env.clone()),
+        ..AgentInit::default()
+    };
+    root.init(&init)
+        .await
+        .map_err(|e| format!("setting the build's environment: {e}"))
+}
+
+/// Where a template whose ENV sets `PATH` puts [`PATH_DROPIN`].
+pub const PATH_DROPIN_FILE: &str = "/etc/profile.d/00-sandfork-path.sh";
+
+/// Sourced by login shells after `/etc/profile` set its own `PATH`: puts
+/// back the `PATH` the shell was started with, from its environment as
+/// exec'd (the template's ENV, or what the caller passed for the command).
+pub const PATH_DROPIN: &str = r#"# Written by sandfork's template build: this template's ENV sets PATH, and
+# /etc/profile has just replaced it. Use the PATH this shell was started with.
+if [ -r "/proc/$$/environ" ]; then
+    sandfork_start_path=$(tr '\000' '\n' <"/proc/$$/environ" | sed -n 's/^PATH=//p' | head -n 1)
+    if [ -n "$sandfork_start_path" ]; then
+        PATH=$sandfork_start_path
+        export PATH
+    fi
+    unset sandfork_start_path
+fi
+"#;
 
 /// `env -0` output as a map.
 fn parse_env0(out: &str) -> BTreeMap<String, String> {
@@ -961,6 +1005,10 @@ impl Templates {
                 Context::new(env)
             }
         };
+        // A cached snapshot's agent may predate its ENV (or hold less).
+        if !cx.env.is_empty() {
+            set_agent_env(&root, &cx.env).await.map_err(at("base"))?;
+        }
         let total = plan.steps.len();
         let mut last = run.from.clone();
         for (i, step) in plan.steps.iter().enumerate() {
@@ -985,6 +1033,24 @@ impl Templates {
                 }
             }
             self.cache_put(&run.keys[i], &last, &cx).await;
+        }
+        if cx.env.contains_key("PATH") {
+            let script = format!(
+                "mkdir -p /etc/profile.d && printf '%s' {} > {PATH_DROPIN_FILE} && chmod 0644 \
+                 {PATH_DROPIN_FILE}",
+                shell_quote(PATH_DROPIN)
+            );
+            let out = root
+                .run_argv("/bin/sh", &["-c", &script])
+                .await
+                .map_err(|e| e.to_string())
+                .map_err(at("finalize"))?;
+            if out.exit_code != 0 {
+                return Err(at("finalize")(format!(
+                    "writing {PATH_DROPIN_FILE}: {}",
+                    out.stderr.trim()
+                )));
+            }
         }
         // The template's sandboxes run commands as the last USER, in the
         // last WORKDIR (E2B's defaults), and start there.
@@ -1024,6 +1090,9 @@ impl Templates {
             .map_err(|e| e.to_string())
             .map_err(at("finalize"))?;
         template.names = self.names_of(record);
+        // Its sandboxes' environment (their `/init`, a cold boot's too),
+        // over the base's.
+        template.env_vars.extend(cx.env);
         Ok(template)
     }
 
@@ -1088,7 +1157,7 @@ impl Templates {
             }
             Step::Env(pairs) => {
                 cx.set_env(pairs);
-                Ok(())
+                set_agent_env(root, &cx.env).await
             }
             Step::Workdir(dir) => {
                 let dir = cx.resolve(dir);
@@ -1262,8 +1331,8 @@ impl Templates {
     }
 
     /// Takes `template`'s names from every other template that has them.
-    /// Returns the E2B builds left without a name (to delete once
-    /// `template` is recorded).
+    /// Returns the E2B builds left without a name (for
+    /// [`Templates::drop_untagged`] once `template` is recorded).
     pub(super) fn take_names(&self, template: &TemplateRecord) -> Result<Vec<String>, StoreError> {
         let store = self.manager().store();
         let mut emptied = Vec::new();
@@ -1281,19 +1350,89 @@ impl Templates {
         Ok(emptied)
     }
 
-    /// Deletes builds no name points at any more (and their build records).
+    /// Builds `ids` lost their last tag. They stay, as E2B keeps every
+    /// build until its template is deleted: a client may hold one by its
+    /// build id (Harbor creates by `<name>:<buildID>`, and a rebuild under
+    /// the same tag must not pull it away). Only past [`KEEP_UNTAGGED`]
+    /// untagged builds of one template do the oldest that no sandbox uses
+    /// go; their build records stay, so a create naming one answers that it
+    /// was replaced rather than that it never was.
     pub(super) async fn drop_untagged(&self, ids: Vec<String>) {
-        let mut deleted = Vec::new();
-        for id in ids {
-            match self.manager().delete_template(&id).await {
-                Ok(_) | Err(SandboxError::TemplateNotFound(_)) => {
-                    let _ = self.manager().store().remove_build(&id);
-                    deleted.push(id);
+        let store = self.manager().store();
+        let mut templates: Vec<String> = Vec::new();
+        for id in &ids {
+            if let Ok(Some(b)) = store.build(id) {
+                let t = e2b_template_id(&b).to_owned();
+                if !templates.contains(&t) {
+                    templates.push(t);
                 }
-                Err(e) => tracing::warn!("template {id}: deleting its untagged build: {e}"),
+            }
+        }
+        let mut deleted = Vec::new();
+        for t in templates {
+            let old = match self.untagged_past_the_cap(&t) {
+                Ok(old) => old,
+                Err(e) => {
+                    tracing::warn!("template {t}: listing its untagged builds: {e}");
+                    continue;
+                }
+            };
+            for mut b in old {
+                match self.manager().delete_template(&b.template_id).await {
+                    Ok(_) | Err(SandboxError::TemplateNotFound(_)) => {
+                        b.reason = Some(format!(
+                            "replaced by newer builds of {} (a node keeps the {KEEP_UNTAGGED} \
+                             newest untagged builds of a template)",
+                            b.name
+                        ));
+                        if let Err(e) = store.put_build(&b) {
+                            tracing::warn!(
+                                "template {}: recording its removal: {e}",
+                                b.template_id
+                            );
+                        }
+                        deleted.push(b.template_id);
+                    }
+                    Err(e) => tracing::warn!(
+                        "template {}: deleting an old untagged build: {e}",
+                        b.template_id
+                    ),
+                }
             }
         }
         self.told_deleted(&deleted).await;
+    }
+
+    /// The ready builds of E2B template `template_id` that no tag names,
+    /// past the newest [`KEEP_UNTAGGED`], that no sandbox uses.
+    fn untagged_past_the_cap(&self, template_id: &str) -> Result<Vec<BuildRecord>, SandboxError> {
+        let store = self.manager().store();
+        let untagged_records: HashSet<String> = store
+            .templates()?
+            .into_iter()
+            .filter(|t| t.names.is_empty())
+            .map(|t| t.id)
+            .collect();
+        let used: HashSet<String> = store
+            .sandboxes()?
+            .into_iter()
+            .flat_map(|s| s.uses_snapshots.into_iter().chain([s.template_id]))
+            .collect();
+        let mut untagged: Vec<BuildRecord> = store
+            .builds()?
+            .into_iter()
+            .filter(|b| {
+                b.status == BuildStatus::Ready
+                    && e2b_template_id(b) == template_id
+                    && untagged_records.contains(&b.template_id)
+            })
+            .collect();
+        untagged.sort_by_key(|b| std::cmp::Reverse(b.started_at_ms));
+        Ok(untagged
+            .into_iter()
+            .skip(KEEP_UNTAGGED)
+            .filter(|b| !used.contains(&b.template_id))
+            .collect())
     }
 
     /// The E2B template `alias` names (its newest build's), if any.
@@ -1333,6 +1472,11 @@ impl Templates {
             return Err(SandboxError::Invalid(format!(
                 "{alias} is the node's built-in template and is not rebuilt"
             )));
+        }
+        if let Some(t) = &existing
+            && let Some(b) = self.e2b_in_flight(t)?
+        {
+            return Err(in_flight(alias, &b));
         }
         let store = self.manager().store();
         let new_id = || {
@@ -1378,6 +1522,16 @@ impl Templates {
             b.build_id == build_id
                 && (e2b_template_id(b) == id || b.template_id == id || b.name == id)
         }))
+    }
+
+    /// The build of E2B template `template_id` under way, if one is.
+    pub fn e2b_in_flight(&self, template_id: &str) -> Result<Option<BuildRecord>, SandboxError> {
+        Ok(self
+            .manager()
+            .store()
+            .builds()?
+            .into_iter()
+            .find(|b| b.status == BuildStatus::Building && e2b_template_id(b) == template_id))
     }
 
     /// Whether E2B template `id` has a build waiting for its start.
@@ -1503,6 +1657,18 @@ impl Templates {
             out.push(template_id);
         }
         Ok(out)
+    }
+}
+
+/// The 409 for a build of `alias` while its build `b` runs (E2B answers a
+/// build already in flight with 409; Harbor then waits for its tag).
+pub(super) fn in_flight(alias: &str, b: &BuildRecord) -> SandboxError {
+    SandboxError::InUse {
+        id: alias.to_owned(),
+        users: format!(
+            "its build {}, still running (one build of a template at a time)",
+            b.build_id
+        ),
     }
 }
 
@@ -1726,9 +1892,27 @@ mod tests {
         };
         assert_eq!(cx.resolve("x"), "/app/x");
         assert_eq!(cx.resolve("/y"), "/y");
+        // No export lines: the ENV is the agent's (the shell starts with it).
+        assert_eq!(cx.script("echo"), "cd '/app/' || exit 1\necho");
+    }
+
+    #[test]
+    fn the_path_dropin_takes_back_the_path_the_shell_started_with() {
+        let file = std::env::temp_dir().join(format!("sandfork-dropin-{}", std::process::id()));
+        std::fs::write(&file, PATH_DROPIN).unwrap();
+        // As /etc/profile does: PATH assigned, then the drop-in sourced.
+        let out = std::process::Command::new("/usr/bin/env")
+            .args(["-i", "PATH=/opt/tool/bin:/usr/bin:/bin", "/bin/sh", "-c"])
+            .arg(r#"PATH=/usr/bin:/bin; . "$0"; printf %s "$PATH""#)
+            .arg(&file)
+            .output()
+            .unwrap();
+        let _ = std::fs::remove_file(&file);
         assert_eq!(
-            cx.script("echo"),
-            "export A='it'\\''s'\ncd '/app/' || exit 1\necho"
+            String::from_utf8_lossy(&out.stdout),
+            "/opt/tool/bin:/usr/bin:/bin",
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
         );
     }
 
