@@ -167,7 +167,7 @@ class Run:
         return all(self.step(job) for job in self.plan.quick)
 
     def step(self, job: Job) -> bool:
-        """A job of its own, in the main thread, under the retry rule."""
+        """A build step or quick check, in the main thread."""
         self.run_job(job, "")
         return self.records[job.name].result is Result.PASSED
 
