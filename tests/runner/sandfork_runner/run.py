@@ -4,6 +4,7 @@ lanes (their queue), the test build and the host jobs."""
 import glob
 import json
 import os
+import shlex
 import subprocess
 import threading
 import time
@@ -182,6 +183,8 @@ class Run:
             os.environ["SANDFORK_LAB_LOCKED"] = "1"
             if any(job.lab_tests for job in self.plan.lab):
                 self.hardware = lab.hardware_kvm(self.root)
+                where = "on this host's KVM" if self.hardware else "inside the lab"
+                self.console.stage(f"lab test binaries run {where}")
         if not self.plan.test_build:
             self.tests_done.set()
         if lanes <= 1:
@@ -276,7 +279,7 @@ class Run:
         """A job under the retry rule; a failure is recorded, never raised."""
         record = self.records[job.name]
         record.lane = lane
-        self.console.stage(job.name)
+        self.console.stage(f"{job.name} ({lane})" if lane else job.name)
         try:
             if job.binary is not None:
                 if not self.tests_done.is_set():
@@ -298,7 +301,7 @@ class Run:
                     break
                 if job.by_test_name:
                     tests = failed_tests((self.root / t.log).read_text(errors="replace")) or None
-                why = "the lab machine stood still" if t.stood_still else "it failed"
+                why = "it failed" if len(outcomes) == 1 else "the lab stood still during it"
                 again = "the tests " + " ".join(tests) if tests else "whole"
                 self.console.stage(f"{job.name}: re-running ({why}): {again}")
             if record.tries:
@@ -344,7 +347,7 @@ class Run:
         job = record.job
         number = len(record.tries) + 1
         log = self.run_dir / (f"{job.name}.log" if number == 1 else f"{job.name}.try{number}.log")
-        log.write_text(f"# {' '.join(argv)}\n")
+        log.write_text(f"# {shlex.join(argv)}\n")
         binary = self.test_bins.get(job.binary, "") if job.binary else ""
         env = dict(os.environ)
         env.update((k, v.replace("{bin}", binary)) for k, v in job.env)
