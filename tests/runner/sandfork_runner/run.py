@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import shlex
+import signal
 import subprocess
 import threading
 import time
@@ -107,7 +108,9 @@ class Run:
         self.interrupted = False
         self.error = ""
         self._sccache = False
-        self._lanes: list[threading.Thread] = []
+        # set by each lane thread as it ends: Thread.join interrupted by
+        # Ctrl+C can leave is_alive() false for a thread that still runs
+        self._lanes_done: list[threading.Event] = []
 
     # --- the run ------------------------------------------------------------
 
@@ -117,6 +120,10 @@ class Run:
             if self.prepare():
                 self.suite()
         except KeyboardInterrupt:
+            # one stop: a second signal (`timeout` sends its own group one
+            # more) must not cut the summary short
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             self.interrupted = True
             self.console.stage("interrupted: stopping the jobs")
             self.stop()
@@ -191,27 +198,27 @@ class Run:
             self.build_tests()
             self.host()
             if lanes:
-                self.lane("lane1")
+                self.lane("lane1", threading.Event())
             return
-        self._lanes = [
-            threading.Thread(target=self.lane, args=(f"lane{n + 1}",), daemon=True)
-            for n in range(lanes)
-        ]
-        for t in self._lanes:
-            t.start()
+        self._lanes_done = [threading.Event() for _ in range(lanes)]
+        for n, done in enumerate(self._lanes_done):
+            threading.Thread(target=self.lane, args=(f"lane{n + 1}", done), daemon=True).start()
         self.build_tests()
         self.host()
-        for t in self._lanes:
+        for done in self._lanes_done:
             # with a timeout, so that Ctrl+C reaches this thread
-            while t.is_alive():
-                t.join(timeout=1)
+            while not done.wait(timeout=1):
+                pass
 
-    def lane(self, name: str) -> None:
+    def lane(self, name: str, done: threading.Event) -> None:
         def ready(job: Job) -> bool:
             return not job.needs_tests or self.tests_done.is_set()
 
-        while job := self.queue.take(ready):
-            self.run_job(job, name)
+        try:
+            while job := self.queue.take(ready):
+                self.run_job(job, name)
+        finally:
+            done.set()
 
     def host(self) -> None:
         """The host jobs once the tests are built, at the lowest CPU priority:
@@ -232,8 +239,8 @@ class Run:
         self.processes.terminate_all()
         self.tests_done.set()
         deadline = time.monotonic() + 30
-        for t in self._lanes:
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        for done in self._lanes_done:
+            done.wait(timeout=max(0.0, deadline - time.monotonic()))
 
     # --- the test build -----------------------------------------------------
 
@@ -297,6 +304,9 @@ class Run:
             while not self.processes.stopping:
                 t = self.attempt(record, self.command(job, tests), tests)
                 outcomes.append(Outcome(t.passed, t.stood_still))
+                if self.processes.stopping:
+                    record.note = "stopped: the run was interrupted"
+                    break
                 if not job.retried or not run_again(outcomes):
                     break
                 if job.by_test_name:
