@@ -39,7 +39,8 @@ def executables(messages: Iterable[str]) -> dict[str, str]:
     --message-format=json...` stdout (one JSON message a line)."""
     found: dict[str, str] = {}
     for line in messages:
-        if not line.strip():
+        # a build script's or a tool's stray line is not cargo's
+        if not line.startswith("{"):
             continue
         message = json.loads(line)
         if (

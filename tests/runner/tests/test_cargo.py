@@ -71,6 +71,7 @@ def test_test_binaries_are_the_test_targets_with_an_executable() -> None:
         artifact("sandfork", ["bin"], "/t/debug/sandfork"),
         json.dumps({"reason": "build-finished", "success": True}),
         "",
+        "warning: not JSON",
     ]
     assert executables(lines) == {"microvm": "/t/debug/deps/microvm-1a"}
 
