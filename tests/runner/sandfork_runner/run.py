@@ -235,7 +235,7 @@ class Run:
         """No more jobs; those running are stopped, and their lanes given a
         while to record them."""
         for job in self.queue.close():
-            self.records[job.name].note = "not run: the run was stopped"
+            self.records[job.name].note = "the run was stopped"
         self.processes.terminate_all()
         self.tests_done.set()
         deadline = time.monotonic() + 30
