@@ -1,5 +1,6 @@
 """The KVM lab: its machine-wide locks, and how a lab test binary is run."""
 
+import contextlib
 import fcntl
 import os
 import subprocess
@@ -11,18 +12,28 @@ LOCKS = (Path("/tmp/sandfork-lab.lock"), Path("/tmp/sandfork-lab2.lock"))
 LAB = Path("target/debug/sandfork-lab")
 
 
-def lock(path: Path, say: Callable[[str], None]) -> int:
-    """Holds `path`'s flock for the rest of the run; says so first when
-    another holder makes it wait. Python's descriptors are not inherited
-    (PEP 446), so no child (a cache server, a node left behind) keeps the
-    lock after the run."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        say(f"waiting for the lab lock {path}")
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    return fd
+def lock(count: int, say: Callable[[str], None]) -> list[Path]:
+    """Holds `count` of the lab locks for the rest of the run: those free
+    first (a developer's run of one job need not wait behind another's lab
+    on the first lock), then it waits for the others in order, saying so.
+    Python's descriptors are not inherited (PEP 446), so no child (a cache
+    server, a node left behind) keeps a lock after the run."""
+    fds = {path: os.open(path, os.O_WRONLY | os.O_CREAT, 0o666) for path in LOCKS}
+    held: list[Path] = []
+    for path, fd in fds.items():
+        if len(held) < count:
+            with contextlib.suppress(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held.append(path)
+    for path, fd in fds.items():
+        if len(held) < count and path not in held:
+            say(f"waiting for the lab lock {path}")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held.append(path)
+    for path, fd in fds.items():
+        if path not in held:
+            os.close(fd)
+    return held
 
 
 def hardware_kvm(root: Path) -> bool:

@@ -184,8 +184,9 @@ class Run:
         from one queue; the tests built beside their first jobs; then the host
         jobs beside the rest. With one lane, one after the other."""
         lanes = self.plan.lanes
-        for path in lab.LOCKS[:lanes]:
-            lab.lock(path, self.console.stage)
+        if lanes:
+            held = lab.lock(lanes, self.console.stage)
+            self.console.stage(f"holding {' '.join(map(str, held))}")
         if lanes:
             os.environ["SANDFORK_LAB_LOCKED"] = "1"
             if any(job.lab_tests for job in self.plan.lab):
