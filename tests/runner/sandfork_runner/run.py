@@ -153,14 +153,16 @@ class Run:
             # One cache server for the whole run, stopped when it ends (a
             # server a cargo started would outlive the run). Started before
             # the lab locks are held, though they are not inherited anyway.
+            # One already running (another run's, on a shared machine) is
+            # used and left running: stopping it would fail that run's builds.
             os.environ["SCCACHE_IDLE_TIMEOUT"] = "0"
-            subprocess.run(
+            started = subprocess.run(
                 ["sccache", "--start-server"],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 check=False,
             )
-            self._sccache = True
+            self._sccache = started.returncode == 0
         if not self.step(jobs.BUILD):
             return False
         os.environ.update(proc.sourced_env(Path("target/sandfork.env"), self.root))
