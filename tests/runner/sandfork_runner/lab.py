@@ -1,9 +1,10 @@
 """The KVM lab: its machine-wide locks, and how a lab test binary is run."""
 
-import contextlib
 import fcntl
 import os
 import subprocess
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,28 +13,48 @@ LOCKS = (Path("/tmp/sandfork-lab.lock"), Path("/tmp/sandfork-lab2.lock"))
 LAB = Path("target/debug/sandfork-lab")
 
 
-def lock(count: int, say: Callable[[str], None]) -> list[Path]:
-    """Holds `count` of the lab locks for the rest of the run: those free
-    first (a developer's run of one job need not wait behind another's lab
-    on the first lock), then it waits for the others in order, saying so.
-    Python's descriptors are not inherited (PEP 446), so no child (a cache
-    server, a node left behind) keeps a lock after the run."""
-    fds = {path: os.open(path, os.O_WRONLY | os.O_CREAT, 0o666) for path in LOCKS}
-    held: list[Path] = []
-    for path, fd in fds.items():
-        if len(held) < count:
-            with contextlib.suppress(BlockingIOError):
+class Locks:
+    """The lab locks this run holds, one per lane, each for the rest of the
+    run. Python's descriptors are not inherited (PEP 446), so no child (a
+    cache server, a node left behind) keeps a lock after the run."""
+
+    def __init__(self, paths: tuple[Path, ...] = LOCKS) -> None:
+        self._paths = paths
+        self._mutex = threading.Lock()
+        # held, or waited for by one of this run's lanes
+        self._taken: list[Path] = []
+        self._fds: list[int] = []
+
+    def take(self, say: Callable[[str], None], wanted: Callable[[], bool]) -> Path | None:
+        """A free lock if there is one (a developer's run need not wait
+        behind another's lab on the first lock), else the first that none
+        of this run's lanes holds or waits for, once its holder lets go;
+        None when it is no longer `wanted` (the other lanes took every job)."""
+        with self._mutex:
+            for path in self._paths:
+                if path in self._taken:
+                    continue
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+                self._fds.append(fd)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                self._taken.append(path)
+                return path
+            path = next(p for p in self._paths if p not in self._taken)
+            self._taken.append(path)
+        say(f"waiting for the lab lock {path}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+        self._fds.append(fd)
+        # polled, as a blocking flock could not be given up
+        while wanted():
+            try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                held.append(path)
-    for path, fd in fds.items():
-        if len(held) < count and path not in held:
-            say(f"waiting for the lab lock {path}")
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            held.append(path)
-    for path, fd in fds.items():
-        if path not in held:
-            os.close(fd)
-    return held
+                return path
+            except BlockingIOError:
+                time.sleep(2)
+        return None
 
 
 def hardware_kvm(root: Path) -> bool:

@@ -101,6 +101,7 @@ class Run:
         self.processes = proc.Processes()
         self.records = {job.name: JobRecord(job) for job in the_plan.jobs()}
         self.queue = JobQueue(the_plan.lab)
+        self.locks = lab.Locks()
         self.tests_done = threading.Event()
         self.test_bins: dict[str, str] = {}
         self.hardware = False
@@ -183,12 +184,10 @@ class Run:
 
     def suite(self) -> None:
         """The lab lanes, each with its own lab machine and lock, taking jobs
-        from one queue; the tests built beside their first jobs; then the host
-        jobs beside the rest. With one lane, one after the other."""
+        from one queue; the tests built beside their first jobs (or while the
+        lanes wait for their locks); then the host jobs beside the rest. With
+        one lane, one after the other."""
         lanes = self.plan.lanes
-        if lanes:
-            held = lab.lock(lanes, self.console.stage)
-            self.console.stage(f"holding {' '.join(map(str, held))}")
         if lanes:
             os.environ["SANDFORK_LAB_LOCKED"] = "1"
             if any(job.lab_tests for job in self.plan.lab):
@@ -214,10 +213,16 @@ class Run:
                 pass
 
     def lane(self, name: str, done: threading.Event) -> None:
+        """Takes a lab lock, then jobs until the queue is empty."""
+
         def ready(job: Job) -> bool:
             return not job.needs_tests or self.tests_done.is_set()
 
         try:
+            held = self.locks.take(self.console.stage, lambda: len(self.queue) > 0)
+            if held is None:
+                return
+            self.console.stage(f"{name}: holding {held}")
             while job := self.queue.take(ready):
                 self.run_job(job, name)
         finally:
