@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parents[3]
 
 EPILOG = """\
 The jobs are data (tests/runner/sandfork_runner/jobs.py); --list shows them.
-Env: SANDFORK_LAB_LANES=1 runs the lab jobs in one lane (default 2, one lab
-machine and lock each), SANDFORK_CACHE (default /var/cache/sandfork).
+Env: SANDFORK_LAB_LANES=1 runs it all one after the other, the lab jobs in
+one lane (default 2 lanes, one lab machine and lock each), SANDFORK_CACHE
+(default /var/cache/sandfork).
 Out: target/test-runs/<UTC time>/: each job's log (a re-run's: JOB.tryN.log),
 run.log (the console), summary.json (every job's tries and timings);
 target/test-runs/latest points at the last run. Exit status 0 when all passed.
