@@ -35,11 +35,12 @@ class Locks:
                 if path in self._taken:
                     continue
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
-                self._fds.append(fd)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
+                    os.close(fd)
                     continue
+                self._fds.append(fd)
                 self._taken.append(path)
                 return path
             path = next(p for p in self._paths if p not in self._taken)
