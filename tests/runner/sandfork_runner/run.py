@@ -370,28 +370,39 @@ class Run:
         env = dict(os.environ)
         env.update((k, v.replace("{bin}", binary)) for k, v in job.env)
         start = self.console.elapsed()
-        code = proc.run(
-            argv,
-            name=job.name,
-            log_path=log,
-            console=self.console,
-            processes=self.processes,
-            cwd=self.root,
-            env=env,
-            stdout=stdout or ("discard" if job.discard_stdout else "console"),
-            captured=captured,
-        )
-        t = Try(
-            number=number,
-            start=start,
-            duration=self.console.elapsed() - start,
-            exit_code=code,
-            stood_still=stood_still(log.read_bytes()),
-            log=str(log.relative_to(self.root)),
-            tests=tests,
-        )
-        record.tries.append(t)
-        return t
+
+        def ended(code: int) -> Try:
+            t = Try(
+                number=number,
+                start=start,
+                duration=self.console.elapsed() - start,
+                exit_code=code,
+                stood_still=stood_still(log.read_bytes()),
+                log=str(log.relative_to(self.root)),
+                tests=tests,
+            )
+            record.tries.append(t)
+            return t
+
+        try:
+            code = proc.run(
+                argv,
+                name=job.name,
+                log_path=log,
+                console=self.console,
+                processes=self.processes,
+                cwd=self.root,
+                env=env,
+                stdout=stdout or ("discard" if job.discard_stdout else "console"),
+                captured=captured,
+            )
+        except KeyboardInterrupt:
+            # a job of the main thread's, stopped with the run: recorded too
+            ended(128 + signal.SIGTERM)
+            record.result = Result.FAILED
+            record.note = "stopped: the run was interrupted"
+            raise
+        return ended(code)
 
     # --- the end ------------------------------------------------------------
 
