@@ -15,8 +15,9 @@ packages=(
     debootstrap e2fsprogs util-linux
     # running guests under QEMU (checks, KVM lab) and a static placeholder agent
     qemu-system-x86 busybox-static
-    # tooling and tests (shellcheck: scripts/test.sh lints the shell scripts)
-    python3 git pkg-config ca-certificates tmux shellcheck
+    # tooling and tests (shellcheck: scripts/test.sh lints the shell scripts;
+    # python3-venv: the venvs of the test runner's tools and the SDK suites)
+    python3 python3-venv git pkg-config ca-certificates tmux shellcheck
     # taps for the network device's lab tests (ip tuntap)
     iproute2
     # the cluster layer: etcd for its tests (a member per test on loopback),

@@ -1,0 +1,1 @@
+"""sandfork's test runner: `scripts/test.sh` (README, "Tests")."""

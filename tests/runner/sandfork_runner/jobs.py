@@ -1,0 +1,258 @@
+"""What the suite runs, as data: the quick checks, the lab jobs and the host jobs.
+
+A command is an argv run from the repository's root. In it and in its env,
+`{bin}` stands for the path of the job's test binary (`binary`, a test
+target's name, from the test build); an argument holding `*` is a glob
+(sorted; it must match something).
+"""
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Group(Enum):
+    # in the order a run meets them
+    BUILD = "build"
+    QUICK = "quick"
+    LAB = "lab"
+    HOST = "host"
+
+
+class Tier(Enum):
+    DEFAULT = "default"
+    # run by `--long` (beside the default tier), or named with `--only`: the
+    # cases too slow for every landing, run before a capability is called done
+    LONG = "long"
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    group: Group
+    command: tuple[str, ...]
+    about: str
+    # expected minutes (README, "Tests"): the lab queue is taken longest first
+    minutes: float = 0.0
+    # the test target whose binary the job runs (it waits for the test build)
+    binary: str | None = None
+    # a binary of `#[ignore = "lab: ..."]` tests: run inside the lab (unless
+    # the host has hardware KVM), re-run by the names of the tests that failed
+    lab_tests: bool = False
+    # a test binary's harness output: a re-run names the tests that failed
+    by_test_name: bool = False
+    env: tuple[tuple[str, str], ...] = field(default=())
+    # stdout goes nowhere (its report is long; stderr carries the diagnostics)
+    discard_stdout: bool = False
+    tier: Tier = Tier.DEFAULT
+
+    @property
+    def needs_tests(self) -> bool:
+        return self.binary is not None
+
+    @property
+    def retried(self) -> bool:
+        """Under the retry rule (retry.py): what runs tests or machines. A
+        build or a quick check runs once: a re-run does not change a compile
+        error or a lint."""
+        return self.group in (Group.LAB, Group.HOST)
+
+
+def argv(words: str) -> tuple[str, ...]:
+    return tuple(words.split())
+
+
+def lab_tests(name: str, minutes: float, about: str) -> Job:
+    """A test binary of lab tests (crates/vmm/tests, crates/server/tests/lab_*)."""
+    return Job(
+        name,
+        Group.LAB,
+        argv("{bin} --ignored --test-threads=1"),
+        about,
+        minutes=minutes,
+        binary=name,
+        lab_tests=True,
+        by_test_name=True,
+    )
+
+
+# Before everything, and nothing runs when one fails. deps first, alone: it
+# installs the compiler cache whose server the run starts before the build.
+DEPS = Job(
+    "deps",
+    Group.BUILD,
+    argv("scripts/deps.sh"),
+    "the Debian packages and tools the build and tests need (installs, as root)",
+)
+BUILD = Job(
+    "build",
+    Group.BUILD,
+    argv("scripts/build.sh"),
+    "the workspace, the static agent, the guest kernel and base image",
+)
+
+# Skipped by --lab-only. The first that fails ends the run.
+QUICK = (
+    Job("fmt", Group.QUICK, argv("cargo fmt --all --check"), "the workspace's formatting"),
+    Job(
+        "fmt_fuzz",
+        Group.QUICK,
+        argv("cargo fmt --check --manifest-path fuzz/Cargo.toml"),
+        "the fuzz crate's formatting (it is outside the workspace)",
+    ),
+    # A script hashed into a cache key keeps its directives in a
+    # .shellcheckrc beside it, so they rebuild nothing.
+    Job(
+        "shellcheck",
+        Group.QUICK,
+        argv("shellcheck scripts/*.sh images/*/*.sh crates/lab/src/init.sh"),
+        "every shell script, the lab's init included",
+    ),
+    Job(
+        "deny",
+        Group.QUICK,
+        argv("scripts/deny.sh"),
+        "dependency licences, bans and sources against deny.toml, offline",
+    ),
+    Job(
+        "runner",
+        Group.QUICK,
+        argv("python3 -m sandfork_runner.selfcheck"),
+        "this runner: ruff, mypy and its unit tests",
+        env=(("PYTHONPATH", "tests/runner"),),
+    ),
+)
+
+# The test build (one `cargo test --workspace --no-run`), beside the first lab
+# jobs: from the whole workspace, as naming packages with -p would resolve
+# features for them alone and compile their dependencies again (6 min of a
+# CI run). Niced: the labs' guests notice time lost to it (an rl test's 60 s
+# command overran beside it).
+TEST_BUILD = Job(
+    "tests",
+    Group.BUILD,
+    argv("nice -n 10 cargo test --workspace --no-run --quiet")
+    + argv("--message-format=json-render-diagnostics"),
+    "the test binaries, the fast tests' and the lab's",
+)
+
+# Every one needs a lab machine to itself: taken from one queue by the lab
+# lanes, longest first, so that the lanes end close together.
+LAB = (
+    Job(
+        "sdk",
+        Group.LAB,
+        argv("scripts/sdk-test.sh --no-build"),
+        "the real e2b Python and JS SDKs and the E2B CLI against a real node: "
+        "the basic suites, then pause, fork and snapshots",
+        minutes=17,
+    ),
+    Job(
+        "cluster",
+        Group.LAB,
+        argv("scripts/cluster-test.sh --no-build"),
+        "two nodes and a gateway on a real etcd and S3: membership, placement, "
+        "routing, a pause resumed on the other node",
+        minutes=11.5,
+    ),
+    lab_tests("lab_serve", 11.5, "sandfork serve in the lab (crates/server/tests/lab_serve.rs)"),
+    Job(
+        "rl",
+        Group.LAB,
+        argv("scripts/rl-test.sh --no-build"),
+        "the sandfork Python package: ruff, the pure tests, then forks, environments, "
+        "Gymnasium's checker and the branching runner",
+        minutes=6.5,
+    ),
+    lab_tests("snapshot", 4, "snapshots and restores (crates/vmm/tests/snapshot.rs)"),
+    lab_tests("lab_network", 3.5, "the node's networking (crates/server/tests/lab_network.rs)"),
+    lab_tests("microvm", 2, "boots, vCPUs and devices (crates/vmm/tests/microvm.rs)"),
+    lab_tests("lab_restart", 2, "a node restarted (crates/server/tests/lab_restart.rs)"),
+    Job(
+        "soak",
+        Group.LAB,
+        argv("scripts/soak-test.sh --no-build"),
+        "the short soak (README, 'Soak'): 4 sandboxes, 300 commands, 100 files, "
+        "no error and the server's RSS flat",
+        minutes=1.5,
+    ),
+    Job(
+        "cli",
+        Group.LAB,
+        argv("scripts/cli-test.sh --no-build"),
+        "every sandfork CLI command against one real node, the shell through tmux",
+        minutes=1.5,
+        binary="cli_node",
+        env=(("CLI_NODE_TEST_BIN", "{bin}"),),
+    ),
+    Job(
+        "lab_tool",
+        Group.LAB,
+        argv("{bin} --ignored --test-threads=1 -q"),
+        "the lab tooling's own tests (QEMU on this host)",
+        minutes=1.5,
+        binary="lab_run",
+        by_test_name=True,
+    ),
+    Job(
+        "stress",
+        Group.LAB,
+        argv("target/debug/sandfork stress --boots 2 --restores 2 --forks 2 --two-vm 1"),
+        "the short sandfork stress (README, 'Hangs'): boots, restores, forks, two VMs",
+        minutes=1,
+        discard_stdout=True,
+    ),
+    lab_tests("network", 1, "the network device (crates/vmm/tests/network.rs)"),
+    # The long tier. Minutes measured (README, "Soak") or estimated.
+    Job(
+        "soak_long",
+        Group.LAB,
+        argv("scripts/soak-test.sh --no-build --sandboxes 32 --commands 10000")
+        + argv("--files 2000 --duration 30m"),
+        "the longer soak (README, 'Soak'): 32 sandboxes, 10 000 commands, 2 000 files, "
+        "at most 30 min of load, in a 16 GiB lab machine",
+        minutes=35,
+        env=(("SOAK_LAB_MEMORY", "16384"), ("SOAK_LAB_TIMEOUT", "3600")),
+        tier=Tier.LONG,
+    ),
+    Job(
+        "stress_long",
+        Group.LAB,
+        argv("target/debug/sandfork stress --boots 40 --restores 40 --forks 40 --two-vm 40"),
+        "sandfork stress with 40 of each (README, 'Hangs')",
+        minutes=20,
+        discard_stdout=True,
+        tier=Tier.LONG,
+    ),
+)
+
+# On the host, one after the other, at the lowest CPU priority, beside the
+# lab lanes once the tests are built; skipped by --lab-only.
+HOST = (
+    Job(
+        "clippy",
+        Group.HOST,
+        argv("cargo clippy --workspace --all-targets --quiet -- -D warnings"),
+        "lints of every target, with the workspace's [workspace.lints]",
+    ),
+    Job(
+        "fast_tests",
+        Group.HOST,
+        argv("cargo test --workspace --quiet"),
+        "unit tests, the VMM's API tests against the real binary, the agent as a host process",
+    ),
+    Job(
+        "fuzz",
+        Group.HOST,
+        argv("scripts/fuzz.sh"),
+        "every fuzz target: corpora replayed, then each fuzzed briefly (README, 'Fuzzing')",
+    ),
+)
+
+ALL = (DEPS, BUILD, *QUICK, TEST_BUILD, *LAB, *HOST)
+
+
+def by_name(name: str) -> Job:
+    for job in ALL:
+        if job.name == name:
+            return job
+    raise KeyError(name)

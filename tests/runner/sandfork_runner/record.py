@@ -1,0 +1,134 @@
+"""What a run records of each job, and the JSON summary written at its end."""
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from .jobs import Job
+
+
+class Result(Enum):
+    PASSED = "passed"
+    FAILED = "failed"
+    # never started: the run ended first (a failed build or quick check, an
+    # interrupt), or what it needed failed (the test build, for host jobs)
+    NOT_RUN = "not run"
+
+
+@dataclass
+class Try:
+    number: int
+    # seconds into the run
+    start: float
+    duration: float
+    exit_code: int
+    stood_still: bool
+    log: str
+    # the tests this try ran by name; None: the whole job
+    tests: list[str] | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.exit_code == 0
+
+
+@dataclass
+class JobRecord:
+    job: Job
+    lane: str = ""
+    tries: list[Try] = field(default_factory=list)
+    result: Result = Result.NOT_RUN
+    # why it failed without a try, or was not run
+    note: str = ""
+
+    @property
+    def start(self) -> float | None:
+        return self.tries[0].start if self.tries else None
+
+    @property
+    def duration(self) -> float:
+        """From the first try's start to the last one's end."""
+        if not self.tries:
+            return 0.0
+        last = self.tries[-1]
+        return last.start + last.duration - self.tries[0].start
+
+    def logs(self) -> list[str]:
+        return [t.log for t in self.tries]
+
+
+def _try_json(t: Try) -> dict[str, Any]:
+    return {
+        "try": t.number,
+        "start_s": round(t.start, 1),
+        "duration_s": round(t.duration, 1),
+        "exit_code": t.exit_code,
+        "passed": t.passed,
+        "tests": t.tests,
+        "lab_stood_still": t.stood_still,
+        "log": t.log,
+    }
+
+
+def job_json(r: JobRecord) -> dict[str, Any]:
+    start = r.start
+    return {
+        "name": r.job.name,
+        "group": r.job.group.value,
+        "tier": r.job.tier.value,
+        "lane": r.lane or None,
+        "expected_min": r.job.minutes or None,
+        "start_s": None if start is None else round(start, 1),
+        "duration_s": round(r.duration, 1),
+        "result": r.result.value,
+        "retried": len(r.tries) > 1,
+        "note": r.note or None,
+        "tries": [_try_json(t) for t in r.tries],
+    }
+
+
+def summary(
+    records: list[JobRecord],
+    *,
+    started: str,
+    duration: float,
+    argv: list[str],
+    run_dir: str,
+    interrupted: bool,
+    error: str = "",
+) -> dict[str, Any]:
+    """The whole run as one JSON object (summary.json)."""
+    failed = [r.job.name for r in records if r.result is Result.FAILED]
+    return {
+        "started": started,
+        "duration_s": round(duration, 1),
+        "argv": argv,
+        "run_dir": run_dir,
+        "passed": not failed and not interrupted and not error,
+        "interrupted": interrupted,
+        "error": error or None,
+        "failed": failed,
+        "retried": [r.job.name for r in records if len(r.tries) > 1],
+        "jobs": [job_json(r) for r in records],
+    }
+
+
+def clock(seconds: float) -> str:
+    """m:ss"""
+    s = int(seconds)
+    return f"{s // 60}:{s % 60:02d}"
+
+
+def failure_report(records: list[JobRecord]) -> list[str]:
+    """One line per failed job: its tries and where their logs are."""
+    lines = []
+    for r in records:
+        if r.result is not Result.FAILED:
+            continue
+        if not r.tries:
+            lines.append(f"{r.job.name}: {r.note}")
+            continue
+        tries = "1 try" if len(r.tries) == 1 else f"{len(r.tries)} tries"
+        lines.append(f"{r.job.name}: failed ({tries}), logs:")
+        lines.extend(f"    {t.log}" for t in r.tries)
+    return lines

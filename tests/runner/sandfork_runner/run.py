@@ -1,0 +1,447 @@
+"""One run of the suite: the build, the quick checks, then side by side the lab
+lanes (their queue), the test build and the host jobs."""
+
+import glob
+import json
+import os
+import shlex
+import signal
+import subprocess
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import jobs, lab, proc
+from .cargo import binaries, executables, failed_tests, relinked
+from .jobs import Group, Job, Tier
+from .queue import JobQueue
+from .record import JobRecord, Result, Try, clock, failure_report, summary
+from .retry import Outcome, run_again, stood_still
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run runs, from its flags."""
+
+    quick: tuple[Job, ...]
+    lab: tuple[Job, ...]
+    host: tuple[Job, ...]
+    lanes: int
+
+    @property
+    def test_build(self) -> bool:
+        return any(job.needs_tests for job in self.lab + self.host)
+
+    def jobs(self) -> list[Job]:
+        """Every job of the run, in the order it meets them."""
+        build = [jobs.DEPS, jobs.BUILD, *self.quick]
+        tests = [jobs.TEST_BUILD] if self.test_build else []
+        return [*build, *tests, *self.lab, *self.host]
+
+
+class UnknownJob(ValueError):
+    pass
+
+
+def plan(*, lab_only: bool, only: list[str] | None, long: bool, lanes: int) -> Plan:
+    """The default tier (and with `long` the long one too), or the jobs named
+    by `only` (of any tier); `lab_only` leaves out the quick and host jobs.
+    No more lanes than lab jobs."""
+    if only is not None:
+        known = {job.name for job in jobs.QUICK + jobs.LAB + jobs.HOST}
+        unknown = [name for name in only if name not in known]
+        if unknown:
+            raise UnknownJob(
+                f"no job {', '.join(unknown)} (the jobs: {', '.join(sorted(known))}; see --list)"
+            )
+
+        def chosen(job: Job) -> bool:
+            return job.name in only
+    else:
+
+        def chosen(job: Job) -> bool:
+            return job.tier is Tier.DEFAULT or long
+
+    quick = () if lab_only else tuple(j for j in jobs.QUICK if chosen(j))
+    host = () if lab_only else tuple(j for j in jobs.HOST if chosen(j))
+    lab_jobs = tuple(j for j in jobs.LAB if chosen(j))
+    return Plan(quick, lab_jobs, host, min(max(lanes, 1), len(lab_jobs), len(lab.LOCKS)))
+
+
+def expand(argv: list[str], root: Path) -> list[str]:
+    """An argument holding `*` is a glob from the root, sorted; one that
+    matches nothing is an error (bash would pass it on as it is)."""
+    out = []
+    for arg in argv:
+        if "*" not in arg:
+            out.append(arg)
+            continue
+        found = sorted(glob.glob(arg, root_dir=root))
+        if not found:
+            raise FileNotFoundError(f"{arg} matches no file")
+        out.extend(found)
+    return out
+
+
+class Interrupted(Exception):
+    pass
+
+
+class Run:
+    def __init__(
+        self, root: Path, the_plan: Plan, run_dir: Path, console: proc.Console, argv: list[str]
+    ) -> None:
+        self.root = root
+        self.plan = the_plan
+        self.run_dir = run_dir
+        self.console = console
+        self.argv = argv
+        self.processes = proc.Processes()
+        self.records = {job.name: JobRecord(job) for job in the_plan.jobs()}
+        self.queue = JobQueue(the_plan.lab)
+        self.locks = lab.Locks()
+        self.tests_done = threading.Event()
+        self.test_bins: dict[str, str] = {}
+        self.hardware = False
+        self.rw_dir = ""
+        self.interrupted = False
+        self.error = ""
+        self._sccache = False
+        # set by each lane thread as it ends: Thread.join interrupted by
+        # Ctrl+C can leave is_alive() false for a thread that still runs
+        self._lanes_done: list[threading.Event] = []
+
+    # --- the run ------------------------------------------------------------
+
+    def main(self) -> int:
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        try:
+            if self.prepare():
+                self.suite()
+        except KeyboardInterrupt:
+            # one stop: a second signal (`timeout` sends its own group one
+            # more) must not cut the summary short
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            self.interrupted = True
+            self.console.stage("interrupted: stopping the jobs")
+            self.stop()
+        except Exception as e:
+            # a fault of the runner's own, or of what it reads (the lab's
+            # detect): the run fails, saying so, with what it recorded
+            self.error = f"{e!r}"
+            self.console.line("runner", traceback.format_exc().encode())
+            self.stop()
+        finally:
+            if self._sccache:
+                subprocess.run(
+                    ["sccache", "--stop-server"],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    check=False,
+                )
+        return self.report(started)
+
+    def prepare(self) -> bool:
+        """deps, the compiler cache's server, the build, the quick checks.
+        False when one failed (the run ends there)."""
+        if not self.step(jobs.DEPS):
+            return False
+        os.environ.update(proc.sourced_env(Path("scripts/sccache.sh"), self.root))
+        if os.environ.get("RUSTC_WRAPPER") == "sccache":
+            # One cache server for the whole run, stopped when it ends (a
+            # server a cargo started would outlive the run). Started before
+            # the lab locks are held, though they are not inherited anyway.
+            # One already running (another run's, on a shared machine) is
+            # used and left running: stopping it would fail that run's builds.
+            os.environ["SCCACHE_IDLE_TIMEOUT"] = "0"
+            started = subprocess.run(
+                ["sccache", "--start-server"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                check=False,
+            )
+            self._sccache = started.returncode == 0
+        if not self.step(jobs.BUILD):
+            return False
+        os.environ.update(proc.sourced_env(Path("target/sandfork.env"), self.root))
+        # A directory shared read-write with the lab over 9p, as `sandfork
+        # serve`'s cache and data dir are there (lab tests that need such a
+        # share use it).
+        cache = os.environ.get("SANDFORK_CACHE", "/var/cache/sandfork")
+        self.rw_dir = os.environ["SANDFORK_LAB_RW_DIR"] = f"{cache}/lab-rw"
+        Path(self.rw_dir).mkdir(parents=True, exist_ok=True)
+        if self.plan.quick:
+            self.console.stage("format, shell scripts, licences, this runner")
+        return all(self.step(job) for job in self.plan.quick)
+
+    def step(self, job: Job) -> bool:
+        """A build step or quick check, in the main thread."""
+        self.run_job(job, "")
+        return self.records[job.name].result is Result.PASSED
+
+    def suite(self) -> None:
+        """The lab lanes, each with its own lab machine and lock, taking jobs
+        from one queue; the tests built beside their first jobs (or while the
+        lanes wait for their locks); then the host jobs beside the rest. With
+        one lane, one after the other."""
+        lanes = self.plan.lanes
+        if lanes:
+            os.environ["SANDFORK_LAB_LOCKED"] = "1"
+            if any(job.lab_tests for job in self.plan.lab):
+                self.hardware = lab.hardware_kvm(self.root)
+                where = "on this host's KVM" if self.hardware else "inside the lab"
+                self.console.stage(f"lab test binaries run {where}")
+        if not self.plan.test_build:
+            self.tests_done.set()
+        if lanes <= 1:
+            self.build_tests()
+            self.host()
+            if lanes:
+                self.lane("lane1", threading.Event())
+            return
+        self._lanes_done = [threading.Event() for _ in range(lanes)]
+        for n, done in enumerate(self._lanes_done):
+            threading.Thread(target=self.lane, args=(f"lane{n + 1}", done), daemon=True).start()
+        self.build_tests()
+        self.host()
+        for done in self._lanes_done:
+            # with a timeout, so that Ctrl+C reaches this thread
+            while not done.wait(timeout=1):
+                pass
+
+    def lane(self, name: str, done: threading.Event) -> None:
+        """Takes a lab lock, then jobs until the queue is empty."""
+
+        def ready(job: Job) -> bool:
+            return not job.needs_tests or self.tests_done.is_set()
+
+        try:
+            held = self.locks.take(self.console.stage, lambda: len(self.queue) > 0)
+            if held is None:
+                return
+            self.console.stage(f"{name}: holding {held}")
+            while job := self.queue.take(ready):
+                self.run_job(job, name)
+        finally:
+            done.set()
+
+    def host(self) -> None:
+        """The host jobs once the tests are built, at the lowest CPU priority:
+        they have the labs' half hour to finish in, while the labs' guests
+        notice time lost to them (commands and starts bounded in time)."""
+        build = self.records.get(jobs.TEST_BUILD.name)
+        for job in self.plan.host:
+            if build is not None and build.result is not Result.PASSED:
+                self.records[job.name].note = "the test build failed"
+                continue
+            self.run_job(job, "host")
+
+    def stop(self) -> None:
+        """No more jobs; those running are stopped, and their lanes given a
+        while to record them."""
+        for job in self.queue.close():
+            self.records[job.name].note = "the run was stopped"
+        self.processes.terminate_all()
+        self.tests_done.set()
+        deadline = time.monotonic() + 30
+        for done in self._lanes_done:
+            done.wait(timeout=max(0.0, deadline - time.monotonic()))
+
+    # --- the test build -----------------------------------------------------
+
+    def build_tests(self) -> None:
+        """The test binaries, then the jobs that wait for them go on. It must
+        not link the binaries the labs are running anew: a lab that runs a
+        binary replaced under it over 9p starts VMMs that never listen (seen
+        for 4 minutes of one run). `cargo build` and `cargo test` agree on
+        every dependency's features only while no dev-dependency turns on one
+        of its own (tokio's `test-util` did), so a test build that relinks
+        them fails the run, naming them."""
+        if not self.plan.test_build:
+            return
+        job = jobs.TEST_BUILD
+        record = self.records[job.name]
+        record.lane = "main"
+        debug = self.root / "target/debug"
+        before = binaries(debug)
+        captured: list[bytes] = []
+        self.console.stage("building the tests")
+        try:
+            t = self.attempt(record, self.command(job, None), None, "capture", captured)
+            self.test_bins = executables(line.decode() for line in captured)
+            changed = relinked(before, binaries(debug))
+            if changed:
+                message = (
+                    "the test build linked the binaries anew while labs ran them (a "
+                    "dev-dependency turns on a feature `cargo build` lacks: compare `cargo "
+                    "tree -e features` with and without `-e dev`): " + " ".join(changed)
+                )
+                with open(self.root / t.log, "a") as log:
+                    log.write(message + "\n")
+                self.console.line(job.name, message.encode())
+                t.exit_code = t.exit_code or 1
+            record.result = Result.PASSED if t.passed else Result.FAILED
+            self.end(record)
+        finally:
+            self.tests_done.set()
+
+    # --- one job ------------------------------------------------------------
+
+    def run_job(self, job: Job, lane: str) -> None:
+        """A job under the retry rule; a failure is recorded, never raised."""
+        record = self.records[job.name]
+        record.lane = lane
+        self.console.stage(f"{job.name} ({lane})" if lane else job.name)
+        try:
+            if job.binary is not None:
+                if not self.tests_done.is_set():
+                    self.console.stage(f"{job.name}: waiting for the test build")
+                    self.tests_done.wait()
+                binary = self.test_bins.get(job.binary)
+                if binary is None or not os.access(binary, os.X_OK):
+                    record.note = f"no test binary {job.binary} (the test build failed?)"
+                    record.result = Result.FAILED
+                    self.console.line(job.name, record.note.encode())
+                    self.end(record)
+                    return
+            outcomes: list[Outcome] = []
+            tests: list[str] | None = None
+            while not self.processes.stopping:
+                t = self.attempt(record, self.command(job, tests), tests)
+                outcomes.append(Outcome(t.passed, t.stood_still))
+                if self.processes.stopping:
+                    record.note = "stopped: the run was interrupted"
+                    break
+                if not job.retried or not run_again(outcomes):
+                    break
+                if job.by_test_name:
+                    tests = failed_tests((self.root / t.log).read_text(errors="replace")) or None
+                why = "it failed" if len(outcomes) == 1 else "the lab stood still during it"
+                again = "the tests " + " ".join(tests) if tests else "whole"
+                self.console.stage(f"{job.name}: re-running ({why}): {again}")
+            if record.tries:
+                record.result = Result.PASSED if record.tries[-1].passed else Result.FAILED
+        except Exception as e:
+            # a fault of the runner's: this job fails, the others still run
+            record.note = f"runner error: {e!r}"
+            record.result = Result.FAILED
+            self.console.line(job.name, traceback.format_exc().encode())
+        self.end(record)
+
+    def end(self, record: JobRecord) -> None:
+        name = record.job.name
+        if record.result is Result.PASSED:
+            self.console.stage(f"{name}: passed in {clock(record.duration)}")
+        elif record.result is Result.FAILED:
+            self.console.stage(f"{name}: FAILED")
+
+    def command(self, job: Job, tests: list[str] | None) -> list[str]:
+        """Its argv: {bin} replaced, globs expanded, the tests named
+        when only some run again, inside the lab when it is one's, niced when
+        it runs on the host beside the labs."""
+        binary = self.test_bins.get(job.binary, "") if job.binary else ""
+        argv = [a.replace("{bin}", binary) for a in job.command]
+        argv = expand(argv, self.root)
+        if tests:
+            argv += ["--exact", *tests]
+        if job.lab_tests and not self.hardware:
+            argv = lab.in_lab(argv, self.rw_dir)
+        if job.group is Group.HOST:
+            argv = ["nice", "-n", "19", *argv]
+        return argv
+
+    def attempt(
+        self,
+        record: JobRecord,
+        argv: list[str],
+        tests: list[str] | None,
+        stdout: proc.Stdout | None = None,
+        captured: list[bytes] | None = None,
+    ) -> Try:
+        """One try of a job, its whole output in its own log file."""
+        job = record.job
+        number = len(record.tries) + 1
+        log = self.run_dir / (f"{job.name}.log" if number == 1 else f"{job.name}.try{number}.log")
+        log.write_text(f"# {shlex.join(argv)}\n")
+        binary = self.test_bins.get(job.binary, "") if job.binary else ""
+        env = dict(os.environ)
+        env.update((k, v.replace("{bin}", binary)) for k, v in job.env)
+        start = self.console.elapsed()
+
+        def ended(code: int) -> Try:
+            t = Try(
+                number=number,
+                start=start,
+                duration=self.console.elapsed() - start,
+                exit_code=code,
+                stood_still=stood_still(log.read_bytes()),
+                log=str(log.relative_to(self.root)),
+                tests=tests,
+            )
+            record.tries.append(t)
+            return t
+
+        try:
+            code = proc.run(
+                argv,
+                name=job.name,
+                log_path=log,
+                console=self.console,
+                processes=self.processes,
+                cwd=self.root,
+                env=env,
+                stdout=stdout or ("discard" if job.discard_stdout else "console"),
+                captured=captured,
+            )
+        except KeyboardInterrupt:
+            # a job of the main thread's, stopped with the run: recorded too
+            ended(128 + signal.SIGTERM)
+            record.result = Result.FAILED
+            record.note = "stopped: the run was interrupted"
+            raise
+        return ended(code)
+
+    # --- the end ------------------------------------------------------------
+
+    def report(self, started: str) -> int:
+        records = list(self.records.values())
+        elapsed = self.console.elapsed()
+        data = summary(
+            records,
+            started=started,
+            duration=elapsed,
+            argv=self.argv,
+            run_dir=str(self.run_dir.relative_to(self.root)),
+            interrupted=self.interrupted,
+            error=self.error,
+        )
+        path = self.run_dir / "summary.json"
+        path.write_text(json.dumps(data, indent=2) + "\n")
+        out = self.console
+        out.write(b"")
+        out.write(f"{'job':<12} {'lane':<6} {'start':>6} {'took':>6} tries  result".encode())
+        for r in records:
+            start = "" if r.start is None else clock(r.start)
+            took = clock(r.duration) if r.tries else ""
+            line = f"{r.job.name:<12} {r.lane:<6} {start:>6} {took:>6} {len(r.tries):>5}  "
+            out.write((line + r.result.value + (f" ({r.note})" if r.note else "")).encode())
+        failures = failure_report(records)
+        if failures:
+            out.write(b"failed:")
+            for line in failures:
+                out.write(f"  {line}".encode())
+        out.write(f"summary: {path.relative_to(self.root)}".encode())
+        if self.error:
+            out.stage(f"the runner failed: {self.error}")
+            return 1
+        if self.interrupted:
+            out.stage("interrupted")
+            return 130
+        if data["passed"]:
+            out.stage("all passed")
+            return 0
+        out.stage(f"done: failed: {' '.join(data['failed'])}")
+        return 1
