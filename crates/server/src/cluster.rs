@@ -61,6 +61,7 @@ const STORE_RETRY: Duration = Duration::from_secs(30);
 /// A create's answer is a small JSON object; anything larger is not one.
 const MAX_CREATE_ANSWER: usize = 1 << 20;
 
+#[derive(Debug)]
 pub struct Node {
     pub registration: Registration,
     pub manager: Arc<Manager>,
@@ -83,7 +84,7 @@ pub struct Node {
 /// Sandboxes whose running state an API request is changing (pause,
 /// resume), so the reconciler does not fix their slots from a list taken
 /// before that change.
-#[derive(Default)]
+#[derive(Default, Debug)]
 pub struct Changing {
     /// Requests under way, by sandbox.
     now: std::sync::Mutex<std::collections::HashMap<String, usize>>,

@@ -59,6 +59,7 @@ pub enum ServerError {
 
 /// A running node: the store, the base template, the warm pool and the
 /// sandbox manager, ready to be served.
+#[derive(Debug)]
 pub struct Server {
     pub state: Arc<api::AppState>,
     /// Where the generated API key was written (None when it came from the environment).

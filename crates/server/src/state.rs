@@ -9,6 +9,7 @@ use crate::proxy::GuestConnections;
 use crate::sandbox::Manager;
 use crate::template::Templates;
 
+#[derive(Debug)]
 pub struct AppState {
     pub manager: Arc<Manager>,
     pub templates: Arc<Templates>,

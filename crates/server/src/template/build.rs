@@ -190,6 +190,16 @@ pub struct Templates {
     cluster: std::sync::OnceLock<Arc<crate::cluster::Node>>,
 }
 
+impl std::fmt::Debug for Templates {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Templates")
+            .field("manager", &self.manager)
+            .field("e2b", &self.e2b)
+            .field("cluster", &self.cluster)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Templates {
     pub fn new(manager: Arc<Manager>) -> Arc<Templates> {
         let e2b = E2bState::new(&manager.config().data_dir);
