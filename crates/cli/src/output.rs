@@ -91,7 +91,7 @@ mod tests {
     #[test]
     fn tables_align_columns() {
         let rows = vec![
-            vec!["abc".to_owned(), "running".to_owned(), "".to_owned()],
+            vec!["abc".to_owned(), "running".to_owned(), String::new()],
             vec!["d".to_owned(), "paused".to_owned(), "k=v".to_owned()],
         ];
         assert_eq!(

@@ -425,7 +425,7 @@ mod tests {
     #[test]
     fn key_values_need_a_key() {
         assert_eq!(key_value("a=b=c").unwrap(), ("a".into(), "b=c".into()));
-        assert_eq!(key_value("a=").unwrap(), ("a".into(), "".into()));
+        assert_eq!(key_value("a=").unwrap(), ("a".into(), String::new()));
         assert!(key_value("=b").is_err());
         assert!(key_value("ab").is_err());
     }

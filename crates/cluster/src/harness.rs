@@ -11,12 +11,14 @@ use std::time::{Duration, Instant};
 /// A cluster of etcd members on loopback (one for most tests, three to
 /// lose a leader or the quorum). Members can be killed and restarted on
 /// their ports and data; all are killed on drop.
+#[derive(Debug)]
 pub struct Etcd {
     members: Vec<Member>,
     dir: PathBuf,
     _tmp: Option<tempfile::TempDir>,
 }
 
+#[derive(Debug)]
 struct Member {
     name: String,
     client_port: u16,
@@ -220,6 +222,7 @@ impl Drop for Etcd {
 }
 
 /// SeaweedFS (`weed server -s3`) with one bucket, `sandfork`.
+#[derive(Debug)]
 pub struct SeaweedFs {
     child: Child,
     /// `http://127.0.0.1:PORT/sandfork`
@@ -311,6 +314,15 @@ impl Drop for SeaweedFs {
 pub struct ForeignPass {
     client: etcd_client::Client,
     lease: i64,
+}
+
+impl std::fmt::Debug for ForeignPass {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The etcd client prints nothing of use.
+        f.debug_struct("ForeignPass")
+            .field("lease", &self.lease)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ForeignPass {

@@ -59,6 +59,13 @@ pub struct Cluster {
     client: Client,
 }
 
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The etcd client prints nothing of use (nor its credentials).
+        f.debug_struct("Cluster").finish_non_exhaustive()
+    }
+}
+
 /// How long one etcd request may take before it counts as failed (a lost
 /// quorum must not hang a create).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);

@@ -56,6 +56,7 @@ pub struct Reconciled {
 
 /// A registered node. Dropping it stops the keep-alive (the lease then
 /// expires); [`Registration::leave`] deletes the record at once.
+#[derive(Debug)]
 pub struct Registration {
     cluster: Cluster,
     record: Arc<Mutex<NodeRecord>>,

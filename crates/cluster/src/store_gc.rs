@@ -162,7 +162,7 @@ impl Cluster {
 }
 
 /// The collector of one node.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct Collector {
     store: ObjectStore,
     cluster: Cluster,

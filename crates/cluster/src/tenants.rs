@@ -148,6 +148,7 @@ fn change(key: &[u8], value: &[u8]) -> Option<TenantChange> {
 
 /// A node's copy of the teams and keys, kept by a watch; dropping it stops
 /// the watch.
+#[derive(Debug)]
 pub struct Tenants {
     task: JoinHandle<()>,
 }

@@ -23,7 +23,7 @@ use crate::{Cluster, ClusterError, Versioned};
 /// Pause before loading again after etcd failed.
 const RETRY_AFTER: Duration = Duration::from_secs(1);
 
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct State {
     in_step: bool,
     /// The last load failed: etcd could not answer then.
@@ -33,6 +33,7 @@ struct State {
 }
 
 /// The watch's copy; dropping the last handle stops its task.
+#[derive(Debug)]
 pub struct View {
     state: Arc<RwLock<State>>,
     task: JoinHandle<()>,

@@ -1,6 +1,13 @@
 //! The cluster layer against a real etcd member (Debian's etcd-server, on
 //! loopback, started by the harness).
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test: a failure is a panic with its message"
+)]
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 

@@ -2,6 +2,12 @@
 //! `cargo run --release -p sandfork-disk-layers --example bench [DIR]`
 //! (DIR defaults to a temporary directory; put it on the filesystem the VMM uses).
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a benchmark: a failure ends it with its message"
+)]
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 

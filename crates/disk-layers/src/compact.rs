@@ -56,7 +56,10 @@ pub fn compact(layer: &Path, levels: usize) -> Result<CompactStats> {
             path: layer.to_owned(),
         });
     }
-    let mut all = Chain::open_below(layer, &target.header)?.sealed;
+    let chain = Chain::open_below(layer, &target.header)?;
+    // What the bottom of the chain sits on: its raw base (resolved), or nothing.
+    let base = chain.base.as_ref().map(|b| (b.path.clone(), b.size));
+    let mut all = chain.sealed;
     let target_header = target.header.clone();
     let layout = target.layout;
     all.push(std::sync::Arc::new(target));
@@ -70,13 +73,12 @@ pub fn compact(layer: &Path, levels: usize) -> Result<CompactStats> {
     let merge = &all[all.len() - m..];
     // The new parent: the layer under the merged ones, or what the lowest one sat on.
     let parent = match all.len() - m {
-        0 => match &merge[0].header.parent {
-            Parent::None => Parent::None,
-            Parent::Raw { path, size } => Parent::Raw {
-                path: record_parent(layer, &resolve_parent(&merge[0].path, path))?,
-                size: *size,
+        0 => match base {
+            None => Parent::None,
+            Some((path, size)) => Parent::Raw {
+                path: record_parent(layer, &path)?,
+                size,
             },
-            Parent::Layer { .. } => unreachable!("the bottom layer of a chain has no layer parent"),
         },
         below => Parent::Layer {
             path: record_parent(layer, &all[below - 1].path)?,

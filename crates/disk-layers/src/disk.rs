@@ -207,7 +207,8 @@ impl LayeredDisk {
             allocated: 0,
         };
         let layer = LayerFile::create(top, header, true)?;
-        Self::assemble(chain, Some(Top::new(layer)?))
+        let header = layer.header.clone();
+        Self::assemble(chain, Some(Top::new(layer)?), &header)
     }
 
     /// Opens the disk whose top layer is `top`, verifying every layer of its chain
@@ -221,21 +222,18 @@ impl LayeredDisk {
             other => other?,
         };
         let mut chain = Chain::open_below(top, &layer.header)?;
+        let header = layer.header.clone();
         let top = if layer.header.sealed {
             chain.sealed.push(Arc::new(layer));
             None
         } else {
             Some(Top::new(layer)?)
         };
-        Self::assemble(chain, top)
+        Self::assemble(chain, top, &header)
     }
 
-    fn assemble(chain: Chain, top: Option<Top>) -> Result<LayeredDisk> {
-        let header = match (&top, chain.sealed.last()) {
-            (Some(t), _) => &t.layer.header,
-            (None, Some(l)) => &l.header,
-            (None, None) => unreachable!("a disk always has a layer"),
-        };
+    /// `header` is the topmost layer's: `top`'s, or the last sealed one's without a top.
+    fn assemble(chain: Chain, top: Option<Top>, header: &Header) -> Result<LayeredDisk> {
         let (size, cluster_shift) = (header.disk_size, header.cluster_shift);
         let clusters = header.layout().clusters;
         let index = chain.index(clusters, top.as_ref().map(|t| &t.layer.bitmap[..]));
@@ -458,10 +456,9 @@ impl LayeredDisk {
                 max: MAX_DEPTH,
             });
         }
-        let (parent_path, parent_header) = match (&st.top, st.chain.sealed.last()) {
-            (Some(t), _) => (t.layer.path.clone(), t.layer.header.clone()),
-            (None, Some(l)) => (l.path.clone(), l.header.clone()),
-            (None, None) => unreachable!("a disk always has a layer"),
+        let (parent_path, parent_header) = {
+            let l = st.top_layer()?;
+            (l.path.clone(), l.header.clone())
         };
 
         let mut created: Vec<LayerFile> = Vec::with_capacity(all.len());
@@ -543,11 +540,8 @@ impl LayeredDisk {
         let chain = match &st.top {
             Some(t) => Chain::open_below(&t.layer.path, &t.layer.header)?,
             None => {
-                let old = st
-                    .chain
-                    .sealed
-                    .last()
-                    .expect("a read-only disk has a sealed top");
+                // A read-only disk: its top is the last sealed layer.
+                let old = st.chain.sealed.last().ok_or(Error::NoLayer)?;
                 let fresh = LayerFile::open(&old.path, false)?;
                 if fresh.header.id != old.header.id {
                     return Err(Error::ParentMismatch {
@@ -570,6 +564,16 @@ impl LayeredDisk {
 }
 
 impl State {
+    /// The topmost layer: the writable top, or the sealed layer a read-only disk was
+    /// opened on.
+    fn top_layer(&self) -> Result<&LayerFile> {
+        match (&self.top, self.chain.sealed.last()) {
+            (Some(t), _) => Ok(&t.layer),
+            (None, Some(l)) => Ok(l),
+            (None, None) => Err(Error::NoLayer),
+        }
+    }
+
     fn read_src(&self, src: u16, buf: &mut [u8], pos: u64) -> Result<()> {
         match &self.top {
             Some(top) if usize::from(src) == self.chain.sealed.len() + 1 => top

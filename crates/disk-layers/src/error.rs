@@ -65,6 +65,9 @@ pub enum Error {
     Exists { path: PathBuf },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The disk holds no layer at all: every open disk has one, so this is a bug.
+    #[error("the disk has no layer")]
+    NoLayer,
     #[error("{op} {}: {source}", path.display())]
     Io {
         op: &'static str,

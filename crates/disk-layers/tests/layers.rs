@@ -1,5 +1,12 @@
 //! Branching to many children, long chains and their compaction, space use.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test: a failure is a panic with its message"
+)]
+
 mod common;
 
 use std::path::PathBuf;

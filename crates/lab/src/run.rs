@@ -312,6 +312,7 @@ fn spawn_copier(listener: UnixListener, mode: OutputMode, sink: Sink) -> JoinHan
 }
 
 /// A command running in a lab machine.
+#[derive(Debug)]
 pub struct LabChild {
     qemu: Child,
     run_dir: Option<tempfile::TempDir>,

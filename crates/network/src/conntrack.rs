@@ -26,6 +26,7 @@ const CTA_PROTO_SRC_PORT: u16 = 2;
 const CTA_PROTO_DST_PORT: u16 = 3;
 
 /// A ctnetlink socket in the calling thread's network namespace.
+#[derive(Debug)]
 pub struct Conntrack {
     sock: NlSocket,
 }

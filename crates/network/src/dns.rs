@@ -232,6 +232,7 @@ fn decide(bytes: &[u8], access: &DnsAccess) -> Verdict {
 }
 
 /// A running forwarder; stops (and joins its thread) when dropped.
+#[derive(Debug)]
 pub struct DnsForwarder {
     local: SocketAddr,
     stop: Arc<AtomicBool>,
@@ -566,7 +567,7 @@ mod tests {
     fn fake_upstream() -> (SocketAddrV4, JoinHandle<()>) {
         let s = UdpSocket::bind("127.0.0.1:0").unwrap();
         let SocketAddr::V4(addr) = s.local_addr().unwrap() else {
-            unreachable!()
+            panic!("bound to an IPv4 address")
         };
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let t = std::thread::spawn(move || {

@@ -37,6 +37,13 @@ pub use policy::{DomainPattern, EgressPolicy};
 pub use pool::{InUse, Pool, PoolConfig, Reclaimed};
 pub use slot::Slot;
 
+/// Locks `m`, recovering the data when a thread panicked while holding it: the pool's and the
+/// host socket's state stay consistent between statements, so a panic elsewhere must not
+/// take networking down with it.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// Runs `f` on a thread inside the network namespace at `path` (tests and tools).
 pub fn run_in_netns<T: Send>(
     path: &std::path::Path,

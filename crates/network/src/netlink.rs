@@ -32,14 +32,17 @@ pub(crate) struct RawMsg<'a> {
 /// Splits a datagram into its netlink messages.
 pub(crate) fn split(mut buf: &[u8]) -> Vec<RawMsg<'_>> {
     let mut out = Vec::new();
-    while buf.len() >= NLMSG_HDRLEN {
-        let len = u32::from_ne_bytes(buf[0..4].try_into().expect("4 bytes")) as usize;
+    // `nlmsghdr`: length (4), type (2), flags (2), sequence number (4), port id (4).
+    while let Some(&[l0, l1, l2, l3, k0, k1, _, _, s0, s1, s2, s3, ..]) =
+        buf.first_chunk::<NLMSG_HDRLEN>()
+    {
+        let len = u32::from_ne_bytes([l0, l1, l2, l3]) as usize;
         if len < NLMSG_HDRLEN || len > buf.len() {
             break;
         }
         out.push(RawMsg {
-            kind: u16::from_ne_bytes([buf[4], buf[5]]),
-            seq: u32::from_ne_bytes(buf[8..12].try_into().expect("4 bytes")),
+            kind: u16::from_ne_bytes([k0, k1]),
+            seq: u32::from_ne_bytes([s0, s1, s2, s3]),
             whole: &buf[..len],
             payload: &buf[NLMSG_HDRLEN..len],
         });
@@ -55,15 +58,24 @@ pub(crate) fn align4(n: usize) -> usize {
 /// The errno of an `NLMSG_ERROR` payload: 0 for an ack.
 fn error_code(payload: &[u8]) -> i32 {
     payload
-        .get(0..4)
-        .map(|b| i32::from_ne_bytes(b.try_into().expect("4 bytes")))
-        .unwrap_or(-libc::EPROTO)
+        .first_chunk::<4>()
+        .map_or(-libc::EPROTO, |b| i32::from_ne_bytes(*b))
 }
 
 pub(crate) struct NlSocket {
     fd: OwnedFd,
     seq: u32,
     buf: Vec<u8>,
+}
+
+impl std::fmt::Debug for NlSocket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Not the 64 KiB receive buffer.
+        f.debug_struct("NlSocket")
+            .field("fd", &self.fd)
+            .field("seq", &self.seq)
+            .finish_non_exhaustive()
+    }
 }
 
 impl NlSocket {

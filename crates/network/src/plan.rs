@@ -72,6 +72,16 @@ impl Cidr4 {
         })
     }
 
+    /// `addr/len` for constants, in a `const` item or block: a length over 32 then
+    /// fails the build rather than a run ([`Cidr4::new`] for what is read at run time).
+    pub const fn fixed(addr: Ipv4Addr, len: u8) -> Self {
+        assert!(len <= 32, "prefix length > 32");
+        Cidr4 {
+            addr: Ipv4Addr::from_bits(addr.to_bits() & mask(len)),
+            len,
+        }
+    }
+
     /// A single address as a /32.
     pub fn host(addr: Ipv4Addr) -> Self {
         Cidr4 { addr, len: 32 }
@@ -111,7 +121,7 @@ impl Cidr4 {
     }
 }
 
-fn mask(len: u8) -> u32 {
+const fn mask(len: u8) -> u32 {
     if len == 0 { 0 } else { u32::MAX << (32 - len) }
 }
 
@@ -175,8 +185,8 @@ pub struct AddressPlan {
 impl Default for AddressPlan {
     fn default() -> Self {
         AddressPlan {
-            host_ips: Cidr4::new(Ipv4Addr::new(10, 11, 0, 0), 16).expect("valid"),
-            veth_ips: Cidr4::new(Ipv4Addr::new(10, 12, 0, 0), 16).expect("valid"),
+            host_ips: const { Cidr4::fixed(Ipv4Addr::new(10, 11, 0, 0), 16) },
+            veth_ips: const { Cidr4::fixed(Ipv4Addr::new(10, 12, 0, 0), 16) },
             slots: 1024,
         }
     }

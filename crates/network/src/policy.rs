@@ -15,17 +15,17 @@ pub const ALL_TRAFFIC: &str = "0.0.0.0/0";
 /// link-local (the metadata address 169.254.169.254 and the guest link included), IETF
 /// protocol assignments, benchmarking, multicast and reserved. Covers the slot ranges
 /// (10.11/16, 10.12/16), so one sandbox can never reach another.
-pub const ALWAYS_DENY: [&str; 10] = [
-    "0.0.0.0/8",
-    "10.0.0.0/8",
-    "100.64.0.0/10",
-    "127.0.0.0/8",
-    "169.254.0.0/16",
-    "172.16.0.0/12",
-    "192.0.0.0/24",
-    "192.168.0.0/16",
-    "198.18.0.0/15",
-    "224.0.0.0/3",
+pub const ALWAYS_DENY: [Cidr4; 10] = [
+    Cidr4::fixed(Ipv4Addr::new(0, 0, 0, 0), 8),
+    Cidr4::fixed(Ipv4Addr::new(10, 0, 0, 0), 8),
+    Cidr4::fixed(Ipv4Addr::new(100, 64, 0, 0), 10),
+    Cidr4::fixed(Ipv4Addr::new(127, 0, 0, 0), 8),
+    Cidr4::fixed(Ipv4Addr::new(169, 254, 0, 0), 16),
+    Cidr4::fixed(Ipv4Addr::new(172, 16, 0, 0), 12),
+    Cidr4::fixed(Ipv4Addr::new(192, 0, 0, 0), 24),
+    Cidr4::fixed(Ipv4Addr::new(192, 168, 0, 0), 16),
+    Cidr4::fixed(Ipv4Addr::new(198, 18, 0, 0), 15),
+    Cidr4::fixed(Ipv4Addr::new(224, 0, 0, 0), 3),
 ];
 
 /// E2B's 400 when domains are allowed without denying everything else.
@@ -118,7 +118,7 @@ impl EgressPolicy {
     /// Everything denied (`allow_internet_access = false`).
     pub fn deny_all() -> Self {
         EgressPolicy {
-            deny: vec![Cidr4::new(Ipv4Addr::UNSPECIFIED, 0).expect("valid")],
+            deny: vec![const { Cidr4::fixed(Ipv4Addr::UNSPECIFIED, 0) }],
             ..Default::default()
         }
     }
@@ -219,10 +219,7 @@ impl EgressPolicy {
 /// The always-deny set: the fixed list plus the operator's extras and the node's own
 /// addresses.
 pub fn always_deny(extra: &[Cidr4]) -> Vec<Cidr4> {
-    let mut v: Vec<Cidr4> = ALWAYS_DENY
-        .iter()
-        .map(|s| s.parse().expect("valid constant"))
-        .collect();
+    let mut v: Vec<Cidr4> = ALWAYS_DENY.to_vec();
     for c in extra {
         if !v
             .iter()

@@ -4,7 +4,7 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::fs;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -66,13 +66,23 @@ struct Inner {
 
 impl Inner {
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().expect("pool state")
+        crate::lock(&self.state)
     }
 }
 
 pub struct Pool {
     inner: Arc<Inner>,
     worker: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (ready, in_use) = self.counts();
+        f.debug_struct("Pool")
+            .field("ready", &ready)
+            .field("in_use", &in_use)
+            .finish_non_exhaustive()
+    }
 }
 
 /// What start found.
@@ -113,7 +123,7 @@ impl Pool {
                 stale.insert(id);
             }
         }
-        for l in host.rtnl.lock().expect("host rtnl").links()? {
+        for l in crate::lock(&host.rtnl).links()? {
             if let Some(id) = slot_id_from_name(&l.name, HOST_VETH_PREFIX) {
                 stale.insert(id);
             }
@@ -128,7 +138,7 @@ impl Pool {
                 Err(_) => {
                     // An id beyond the current plan: remove by name.
                     let name = format!("{HOST_VETH_PREFIX}{id}");
-                    let mut hr = host.rtnl.lock().expect("host rtnl");
+                    let mut hr = crate::lock(&host.rtnl);
                     if let Ok(i) = hr.index(&name) {
                         hr.del_link(i)?;
                     }
@@ -181,14 +191,11 @@ impl Pool {
         let got = {
             let mut st = self.inner.lock();
             let got = loop {
+                let now = Instant::now();
                 if let Some(s) = st.ready.pop_front() {
                     break Got::Ready(s);
-                } else if st
-                    .returned
-                    .front()
-                    .is_some_and(|(t, _)| *t <= Instant::now())
-                {
-                    break Got::Returned(st.returned.pop_front().expect("front").1);
+                } else if let Some((_, s)) = st.returned.pop_front_if(|(t, _)| *t <= now) {
+                    break Got::Returned(s);
                 } else if let Some(id) = st.unmade.pop() {
                     break Got::Make(id);
                 } else if st.busy == 0 {
@@ -196,7 +203,11 @@ impl Pool {
                     return Err(Error::Exhausted(self.inner.host.plan.slots));
                 }
                 // The worker holds the last slot(s): wait for it rather than fail.
-                st = self.inner.wake.wait(st).expect("pool state");
+                st = self
+                    .inner
+                    .wake
+                    .wait(st)
+                    .unwrap_or_else(PoisonError::into_inner);
             };
             let id = match &got {
                 Got::Ready(s) | Got::Returned(s) => s.id(),
@@ -289,7 +300,7 @@ impl Pool {
                 .inner
                 .wake
                 .wait_timeout(st, left)
-                .expect("pool state")
+                .unwrap_or_else(PoisonError::into_inner)
                 .0;
         }
         true
@@ -370,9 +381,9 @@ fn worker(inner: &Inner) {
                     return;
                 }
                 let now = Instant::now();
-                if st.returned.front().is_some_and(|(t, _)| *t <= now) {
+                if let Some((_, s)) = st.returned.pop_front_if(|(t, _)| *t <= now) {
                     st.busy += 1;
-                    break Job::Reset(st.returned.pop_front().expect("front").1);
+                    break Job::Reset(s);
                 }
                 if st.ready.len() < inner.ready_target
                     && let Some(id) = st.unmade.pop()
@@ -383,9 +394,13 @@ fn worker(inner: &Inner) {
                 st = match st.returned.front() {
                     Some((t, _)) => {
                         let left = t.saturating_duration_since(now);
-                        inner.wake.wait_timeout(st, left).expect("pool state").0
+                        inner
+                            .wake
+                            .wait_timeout(st, left)
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .0
                     }
-                    None => inner.wake.wait(st).expect("pool state"),
+                    None => inner.wake.wait(st).unwrap_or_else(PoisonError::into_inner),
                 };
             }
         };

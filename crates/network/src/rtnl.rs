@@ -69,8 +69,12 @@ impl Rtnl {
     ) -> Result<()> {
         self.pending = Some((Vec::new(), Vec::new()));
         let r = f(self);
-        let (buf, acks) = self.pending.take().expect("batch");
+        let pending = self.pending.take();
         r?;
+        // `None` only when `f` nested a batch (none does), which sent and took the buffer.
+        let Some((buf, acks)) = pending else {
+            return Ok(());
+        };
         if acks.is_empty() {
             return Ok(());
         }

@@ -103,7 +103,7 @@ pub(crate) fn create(host: &Host, id: u32) -> Result<Slot> {
         Nft::open()?.commit("slot table", |b| rules::add_table(b, &table))?;
 
         // The host end, from this thread through the host namespace's socket.
-        let mut hr = host.rtnl.lock().expect("host rtnl");
+        let mut hr = crate::lock(&host.rtnl);
         let veth = hr.index(&addrs.host_veth)?;
         let v6 = hr.no_ipv6_addrs(veth);
         // A host without IPv6 has nothing to turn off.
@@ -141,10 +141,7 @@ pub(crate) fn adopt(host: &Host, id: u32, policy: EgressPolicy) -> Result<Slot> 
     let anchor = host.anchor_dir.join(&addrs.anchor);
     let ns = netns::open(&anchor)?;
     // Without its host end the slot is no use (the caller then removes what is left).
-    host.rtnl
-        .lock()
-        .expect("host rtnl")
-        .index(&addrs.host_veth)?;
+    crate::lock(&host.rtnl).index(&addrs.host_veth)?;
     let table = slot_table::table(
         addrs.host_ip,
         addrs.veth_host_ip,
@@ -202,7 +199,7 @@ pub(crate) fn remove(host: &Host, slot: Slot) -> Result<()> {
 /// Removes whatever of slot `addrs` exists: used for stale slots found at start too.
 pub(crate) fn remove_parts(host: &Host, addrs: &SlotAddrs) -> Result<()> {
     {
-        let mut hr = host.rtnl.lock().expect("host rtnl");
+        let mut hr = crate::lock(&host.rtnl);
         match hr.index(&addrs.host_veth) {
             Ok(i) => hr.del_link(i)?,
             Err(e) if e.errno() == Some(libc::ENODEV) => {}

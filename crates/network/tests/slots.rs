@@ -1,5 +1,12 @@
 //! Slots for real, in namespaces the tests make (see `common`). Skipped without root.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test: a failure is a panic with its message"
+)]
+
 mod common;
 
 use std::collections::HashMap;
@@ -503,9 +510,7 @@ fn start_refuses_a_clashing_route() {
     }
     let w = World::new();
     ip(&w.host_path, "route add 10.0.0.0/8 via 198.51.100.2");
-    let e = Pool::start(w.pool_config(0, 8), &[])
-        .err()
-        .expect("clash refused");
+    let e = Pool::start(w.pool_config(0, 8), &[]).expect_err("clash refused");
     assert!(e.to_string().contains("10.0.0.0/8"), "{e}");
 }
 

@@ -52,6 +52,7 @@ use crate::node::tenants::{KeyRecord, TeamRecord, team_or_default};
 /// tries a pause again.
 const STORE_RETRY: Duration = Duration::from_secs(30);
 
+#[derive(Debug)]
 pub struct Node {
     pub registration: Registration,
     pub manager: Arc<Manager>,
@@ -74,7 +75,7 @@ pub struct Node {
 /// Sandboxes whose running state an API request is changing (pause,
 /// resume), so the reconciler does not fix their slots from a list taken
 /// before that change.
-#[derive(Default)]
+#[derive(Default, Debug)]
 pub struct Changing {
     /// Requests under way, by sandbox.
     now: std::sync::Mutex<std::collections::HashMap<String, usize>>,
@@ -249,6 +250,7 @@ pub enum JoinError {
 }
 
 /// A node's membership, while it lasts: leave with [`Member::leave`].
+#[derive(Debug)]
 pub struct Member {
     pub node: Arc<Node>,
     /// The cluster's teams and keys, followed while this is held.
@@ -490,6 +492,7 @@ impl Node {
 /// node asks before a client's create, fork, pause or resume and tells
 /// what happened before the answer leaves. Holds the node weakly: the
 /// manager holds these hooks, and the node holds the manager.
+#[derive(Debug)]
 pub struct Listener(pub std::sync::Weak<Node>);
 
 impl Hooks for Listener {

@@ -56,6 +56,7 @@ pub enum ServerError {
 
 /// A running node: the store, the base template, the warm pool and the
 /// sandbox manager, ready to be served.
+#[derive(Debug)]
 pub struct Server {
     pub state: Arc<api::AppState>,
     /// The node's membership of its cluster, if it is in one.

@@ -2,6 +2,13 @@
 //! errors, get, list and its pagination, timeout, kill, the proxy's routing of
 //! unknown sandboxes. Sandboxes are records in the real store.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test: a failure is a panic with its message"
+)]
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 

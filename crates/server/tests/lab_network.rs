@@ -32,6 +32,13 @@
 //!
 //! Needs what `lab_serve` needs, and `ip` (iproute2) for the test world.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test: a failure is a panic with its message"
+)]
+
 mod common;
 
 use std::io::{Read, Write};

@@ -14,6 +14,13 @@
 //! Needs KVM that boots Linux, `SANDFORK_KERNEL`/`SANDFORK_ROOTFS`, and the
 //! `sandfork` and `sandfork-vmm` binaries next to the test binary's directory.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test: a failure is a panic with its message"
+)]
+
 mod common;
 
 use std::net::SocketAddr;

@@ -7,6 +7,13 @@
 //! (see README "Tests"); `sandfork-vmm` is taken from `SANDFORK_VMM` or
 //! next to the test binary's directory.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test: a failure is a panic with its message"
+)]
+
 mod common;
 
 use std::path::PathBuf;
@@ -866,7 +873,7 @@ async fn real_use_reaching_the_ceiling_is_refused_clearly() {
     let (code, out) = run(
         addr,
         &filler.routing(),
-        &format!("head -c {}M /dev/zero > /tmp/fill && echo filled", FILL_MIB),
+        &format!("head -c {FILL_MIB}M /dev/zero > /tmp/fill && echo filled"),
     )
     .await;
     assert_eq!((code, out.as_str()), (0, "filled\n"));

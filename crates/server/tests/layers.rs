@@ -5,6 +5,9 @@
 //! keeps a new upward import from compiling into a green build. Comments
 //! and test modules may name anything.
 
+// A test: a file it cannot read is a failure to see at once.
+#![allow(clippy::expect_used)]
+
 use std::path::{Path, PathBuf};
 
 /// Every `.rs` file under `dir`, or `dir` itself when it is a file.

@@ -24,6 +24,7 @@ const WHITEOUT: &str = ".wh.";
 const OPAQUE: &str = ".wh..wh..opq";
 
 /// One layer blob on disk, with the digest it must have when known.
+#[derive(Debug)]
 pub struct Layer {
     pub path: PathBuf,
     pub sha256: Option<String>,

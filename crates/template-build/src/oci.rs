@@ -16,6 +16,7 @@ use crate::layers::{Layer, clean_relative};
 use crate::scripts::{hex, sha256_hex};
 
 /// An image opened from disk: what `build` needs to make a root tree.
+#[derive(Debug)]
 pub struct OciImage {
     /// Content identity: the manifest digest (layout) or the tarball's hash.
     pub key: String,

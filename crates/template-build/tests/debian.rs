@@ -2,6 +2,13 @@
 //! the base is not cached, apt from the network mirror): run with
 //! `cargo test -p sandfork-template-build --test debian -- --ignored`.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test: a failure is a panic with its message"
+)]
+
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};

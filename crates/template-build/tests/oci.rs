@@ -3,6 +3,13 @@
 //! directories, owners and modes kept, the image config returned, digests
 //! checked, and the ext4 image inspected with debugfs (e2fsprogs).
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test: a failure is a panic with its message"
+)]
+
 mod common;
 
 use std::fs;

@@ -2,6 +2,13 @@
 //! package index. Slow (the base tree when not cached, pip from the network):
 //! run with `cargo test -p sandfork-template-build --test venv -- --ignored`.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test: a failure is a panic with its message"
+)]
+
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};

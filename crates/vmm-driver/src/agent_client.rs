@@ -492,7 +492,7 @@ mod tests {
                     .unwrap();
                 return accepted;
             }
-            unreachable!()
+            panic!("the listener ran out of connections")
         });
         let e = AgentClient::new(&uds).metrics().await.unwrap_err();
         assert!(matches!(e, AgentError::Status { status: 404, .. }), "{e}");

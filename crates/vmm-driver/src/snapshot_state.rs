@@ -139,7 +139,7 @@ pub mod test_support {
     use super::*;
 
     /// A state file as the VMM writes one: its head, then more state.
-    pub fn state_file(path: &Path, layers: &[&str]) {
+    pub fn state_file(path: &Path, layers: &[&str]) -> std::io::Result<()> {
         let head = Head {
             vmm_version: "0.1.0".into(),
             vcpu_count: 2,
@@ -154,14 +154,14 @@ pub mod test_support {
                 })
                 .collect(),
         };
-        let mut payload = postcard::to_stdvec(&head).unwrap();
+        let mut payload = postcard::to_stdvec(&head).map_err(std::io::Error::other)?;
         payload.extend_from_slice(b"the vcpus and devices");
         let mut out = MAGIC.to_vec();
         out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
         out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
         out.extend_from_slice(&crc32fast::hash(&payload).to_le_bytes());
         out.extend_from_slice(&payload);
-        std::fs::write(path, out).unwrap();
+        std::fs::write(path, out)
     }
 }
 
@@ -177,7 +177,8 @@ mod tests {
         state_file(
             &from,
             &["/n1/templates/base/vm.mem", "/n1/sandboxes/x/pause-1.mem"],
-        );
+        )
+        .unwrap();
         assert_eq!(
             memory_files(&from).unwrap(),
             [

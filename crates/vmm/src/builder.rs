@@ -52,6 +52,25 @@ pub struct MicrovmSpec {
     pub vm: Option<Vm>,
 }
 
+impl std::fmt::Debug for MicrovmSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MicrovmSpec")
+            .field("kernel", &self.kernel)
+            .field("cmdline", &self.cmdline)
+            .field("extra_kernel_args", &self.extra_kernel_args)
+            .field("vcpu_count", &self.vcpu_count)
+            .field("mem_size_mib", &self.mem_size_mib)
+            .field("drives", &self.drives)
+            .field("vsock", &self.vsock)
+            .field("nets", &self.nets)
+            .field("balloon", &self.balloon)
+            .field("cpu_template", &self.cpu_template)
+            .field("vm", &self.vm)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug)]
 pub struct VsockSpec {
     pub guest_cid: u64,
     pub uds_path: PathBuf,
@@ -318,6 +337,20 @@ pub struct RestoreSpec {
     pub prefetch: Option<PathBuf>,
     /// A VM made ahead (see [`Vm::with_irqchip`]), or None to make one.
     pub vm: Option<Vm>,
+}
+
+impl std::fmt::Debug for RestoreSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RestoreSpec")
+            .field("state", &self.state)
+            .field("mem_path", &self.mem_path)
+            .field("overrides", &self.overrides)
+            .field("resume", &self.resume)
+            .field("advance_clock", &self.advance_clock)
+            .field("prefetch", &self.prefetch)
+            .field("vm", &self.vm)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Rebuilds a microVM from a snapshot: maps its memory copy-on-write, loads

@@ -65,6 +65,18 @@ pub enum ControllerEvent {
     ApiClosed,
 }
 
+impl std::fmt::Debug for ControllerEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            // The reply is a closure.
+            ControllerEvent::Action(action, _) => f.debug_tuple("Action").field(action).finish(),
+            ControllerEvent::Vm(event) => f.debug_tuple("Vm").field(event).finish(),
+            ControllerEvent::DeviceHandoff => f.write_str("DeviceHandoff"),
+            ControllerEvent::ApiClosed => f.write_str("ApiClosed"),
+        }
+    }
+}
+
 pub struct Controller {
     id: String,
     config: VmConfig,
@@ -73,6 +85,18 @@ pub struct Controller {
     console: SharedConsole,
     /// The KVM VM, made before any request (see [`Controller::prepare_vm`]).
     prepared_vm: Option<Vm>,
+}
+
+impl std::fmt::Debug for Controller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Controller")
+            .field("id", &self.id)
+            .field("config", &self.config)
+            .field("vmm", &self.vmm)
+            .field("events", &self.events)
+            .field("prepared_vm", &self.prepared_vm)
+            .finish_non_exhaustive()
+    }
 }
 
 fn bad(message: impl Into<String>) -> VmmActionError {

@@ -459,7 +459,7 @@ extern "C" fn sigsys_handler(
     let info = unsafe { &*(info as *const SigsysInfo) };
     let mut line = LineBuf::default();
     line.push(b"sandfork-vmm: seccomp: forbidden system call ");
-    line.push_number(info.syscall as i64);
+    line.push_number(i64::from(info.syscall));
     line.push(b" in a ");
     let kind = KIND.with(|k| ThreadKind::from_u8(k.get()));
     line.push(kind.map_or("unfiltered", |k| k.name()).as_bytes());

@@ -80,6 +80,7 @@ pub(crate) struct VmParts {
     pub paused: bool,
 }
 
+#[derive(Debug)]
 pub struct Vmm {
     // Field order is drop order: vCPUs stop before devices, devices before
     // the memory and the VM they use.

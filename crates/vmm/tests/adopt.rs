@@ -2,6 +2,13 @@
 //! and is adopted again by another; dropping an owned handle stops it and
 //! removes its directory. Runs on any host: no guest is started.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test: a failure is a panic with its message"
+)]
+
 use std::path::PathBuf;
 
 use vmm_api::InstanceState;
@@ -46,7 +53,7 @@ async fn adoption_refuses_what_is_not_that_vmm() {
     let scratch = tempfile::tempdir().unwrap();
     let empty = scratch.path().join("empty");
     std::fs::create_dir(&empty).unwrap();
-    let err = VmmProcess::adopt(&empty).await.err().expect("refused");
+    let err = VmmProcess::adopt(&empty).await.expect_err("refused");
     assert!(matches!(err, ProcessError::NotAdoptable { .. }), "{err}");
 
     // A VMM that is gone, its directory left behind.
@@ -61,7 +68,7 @@ async fn adoption_refuses_what_is_not_that_vmm() {
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    let err = VmmProcess::adopt(&dir).await.err().expect("refused");
+    let err = VmmProcess::adopt(&dir).await.expect_err("refused");
     assert!(err.to_string().contains("gone"), "{err}");
 }
 
@@ -70,8 +77,7 @@ async fn a_kept_directory_must_be_new() {
     let scratch = tempfile::tempdir().unwrap();
     let err = VmmProcess::spawn_in(&binary(), scratch.path().to_owned())
         .await
-        .err()
-        .expect("an existing directory is refused");
+        .expect_err("an existing directory is refused");
     assert!(
         err.to_string().contains("creating the VM directory"),
         "{err}"

@@ -4,6 +4,13 @@
 //! (see `common/netns.rs` for the relay standing in for NAT).
 //! Run with `scripts/test.sh`, which provides KVM, the kernel and the image.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    reason = "a test: a failure is a panic with its message"
+)]
+
 mod common;
 
 use std::net::SocketAddr;

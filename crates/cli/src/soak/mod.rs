@@ -193,7 +193,7 @@ impl Rng {
     /// files as large ones), `max` itself now and then.
     fn file_size(&mut self, max: usize) -> usize {
         let max = max.max(1) as u64;
-        let bits = 64 - max.leading_zeros() as u64;
+        let bits = 64 - u64::from(max.leading_zeros());
         let cap = (1u64 << self.below(bits + 1)).min(max);
         (1 + self.below(cap)) as usize
     }
@@ -203,8 +203,8 @@ impl Rng {
 /// files spread evenly among the commands, so whatever bound ends the load
 /// first, both kinds have run in proportion.
 fn is_file_op(n: u64, commands: u64, files: u64) -> bool {
-    let total = (commands + files) as u128;
-    let (n, files) = (n as u128, files as u128);
+    let total = u128::from(commands + files);
+    let (n, files) = (u128::from(n), u128::from(files));
     (n + 1) * files / total > n * files / total
 }
 

@@ -76,6 +76,7 @@ struct Shared {
 
 /// A running proxy; its listeners close when it is dropped (spliced connections run on to
 /// their end).
+#[derive(Debug)]
 pub struct EgressProxy {
     http: SocketAddr,
     tls: SocketAddr,

@@ -189,14 +189,14 @@ impl Expr {
             }
             Expr::Nat(kind) => {
                 a.be32(1, *kind as u32) // TYPE
-                    .be32(2, super::wire::NFPROTO_IPV4 as u32) // FAMILY
+                    .be32(2, u32::from(super::wire::NFPROTO_IPV4)) // FAMILY
                     .be32(3, NFT_REG_1); // REG_ADDR_MIN
             }
             Expr::NatPort(kind) => {
                 const NF_NAT_RANGE_MAP_IPS: u32 = 1;
                 const NF_NAT_RANGE_PROTO_SPECIFIED: u32 = 2;
                 a.be32(1, *kind as u32) // TYPE
-                    .be32(2, super::wire::NFPROTO_IPV4 as u32) // FAMILY
+                    .be32(2, u32::from(super::wire::NFPROTO_IPV4)) // FAMILY
                     .be32(3, NFT_REG_1) // REG_ADDR_MIN
                     .be32(5, NFT_REG_2) // REG_PROTO_MIN
                     .be32(7, NF_NAT_RANGE_MAP_IPS | NF_NAT_RANGE_PROTO_SPECIFIED); // FLAGS

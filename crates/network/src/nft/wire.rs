@@ -22,7 +22,7 @@ pub const NFPROTO_IPV6: u8 = 10;
 pub const NLA_F_NESTED: u16 = 0x8000;
 
 /// Netlink attributes being written into one buffer; nests are closed by [`Attrs::end`].
-#[derive(Default)]
+#[derive(Default, Debug)]
 pub struct Attrs {
     buf: Vec<u8>,
 }
@@ -93,6 +93,7 @@ impl Attrs {
 }
 
 /// A batch of nf_tables messages, committed by the kernel as one transaction.
+#[derive(Debug)]
 pub struct Batch {
     buf: Vec<u8>,
     acks: Vec<u32>,

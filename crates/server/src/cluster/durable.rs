@@ -97,6 +97,7 @@ fn trusted(epoch: GcEpoch) -> Option<i64> {
     (!epoch.under_way).then_some(epoch.last_pass)
 }
 
+#[derive(Debug)]
 pub struct Durable {
     store: ObjectStore,
     node_id: String,

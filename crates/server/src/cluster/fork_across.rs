@@ -115,7 +115,7 @@ enum Answer {
 }
 
 /// The children of a fork made on other nodes.
-#[derive(Default)]
+#[derive(Default, Debug)]
 pub struct Elsewhere {
     /// One answer entry per child (`{"sandbox": ...}` or `{"error": ...}`),
     /// in order.

@@ -52,11 +52,29 @@ pub struct Exports {
     described: Known<(StoredFile, ChunkPlaces)>,
 }
 
+impl std::fmt::Debug for Exports {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Exports")
+            .field("described", &self.described)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A fork being served: its name, token and description.
 pub struct Exported {
     pub id: String,
     pub token: String,
     pub manifest: ForkManifest,
+}
+
+impl std::fmt::Debug for Exported {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Not the token.
+        f.debug_struct("Exported")
+            .field("id", &self.id)
+            .field("manifest", &self.manifest)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Why a chunk is not served.

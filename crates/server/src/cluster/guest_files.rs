@@ -111,6 +111,12 @@ pub struct Known<T> {
     made: Mutex<HashMap<PathBuf, Made<T>>>,
 }
 
+impl<T> std::fmt::Debug for Known<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Known").finish_non_exhaustive()
+    }
+}
+
 /// What was made of a file, and its size and modification time then.
 struct Made<T> {
     len: u64,

@@ -99,7 +99,7 @@ fn storable_id(id: &str) -> bool {
 
 /// Takes of templates under way, by id: a second take of one waits for
 /// the first and finds the template made.
-#[derive(Default)]
+#[derive(Default, Debug)]
 pub struct Takes {
     under_way: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
@@ -551,7 +551,7 @@ mod tests {
         let state = dir.join("vm.state");
         let mem = dir.join("vm.mem");
         let mems = [base_mem.to_str().unwrap(), mem.to_str().unwrap()];
-        vmm_driver::snapshot_state::test_support::state_file(&state, &mems);
+        vmm_driver::snapshot_state::test_support::state_file(&state, &mems).unwrap();
         std::fs::create_dir_all(layers_dir).unwrap();
         let (l1, l2, l3) = (
             layers_dir.join("1.layer"),

@@ -44,6 +44,16 @@ pub struct Gateway {
     nodes: NodeClient,
 }
 
+impl std::fmt::Debug for Gateway {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gateway")
+            .field("cluster", &self.cluster)
+            .field("view", &self.view)
+            .field("nodes", &self.nodes)
+            .finish_non_exhaustive()
+    }
+}
+
 type NodeClient = hyper_util::client::legacy::Client<HttpConnector, Body>;
 
 /// How long an idle connection to a node is kept (a node's own idle timeout

@@ -9,6 +9,7 @@ use crate::node::keys::ApiKeys;
 use crate::node::sandbox::Manager;
 use crate::node::template::Templates;
 
+#[derive(Debug)]
 pub struct AppState {
     pub manager: Arc<Manager>,
     pub templates: Arc<Templates>,

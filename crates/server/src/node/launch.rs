@@ -86,6 +86,7 @@ pub struct Plan {
 
 /// A started guest and what it holds; dropping it stops the VMM and gives
 /// everything back (see [`Launched::stop`] in async code).
+#[derive(Debug)]
 pub struct Launched {
     pub vm: VmmProcess,
     /// Its cgroup, removed once the VMM is gone (fields drop in order).

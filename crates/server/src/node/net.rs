@@ -119,6 +119,18 @@ pub struct Slots {
     egress: Mutex<Option<EgressProxy>>,
 }
 
+impl std::fmt::Debug for Slots {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Slots")
+            .field("pool", &self.pool)
+            .field("adopted", &self.adopted)
+            .field("answers", &self.answers)
+            .field("forwarder", &self.forwarder)
+            .field("egress", &self.egress)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Slots {
     /// Starts the pool: the slots of the sandboxes `store` records as running
     /// are adopted (their VMMs may still run in them), every other slot of
@@ -173,6 +185,11 @@ impl Slots {
     fn lease(self: &Arc<Self>, slot: Slot) -> Lease {
         self.lease_dns(&slot);
         Lease {
+            record: SlotRecord {
+                id: slot.id(),
+                host_ip: slot.addrs().host_ip,
+            },
+            netns: slot.anchor().to_owned(),
             slot: Some(slot),
             slots: self.clone(),
         }
@@ -369,7 +386,11 @@ fn start_forwarder(
 /// A slot held by a guest: given back to the pool when dropped, which
 /// [`crate::node::launch::Launched`] does after its VMM is gone.
 pub struct Lease {
+    /// `Some` until dropped or kept (which take it out).
     slot: Option<Slot>,
+    /// The slot's id and address, and its namespace: fixed for its life.
+    record: SlotRecord,
+    netns: std::path::PathBuf,
     slots: Arc<Slots>,
 }
 
@@ -380,33 +401,26 @@ impl std::fmt::Debug for Lease {
 }
 
 impl Lease {
-    fn slot(&self) -> &Slot {
-        self.slot
-            .as_ref()
-            .expect("a lease holds its slot until dropped")
-    }
-
     pub fn record(&self) -> SlotRecord {
-        let slot = self.slot();
-        SlotRecord {
-            id: slot.id(),
-            host_ip: slot.addrs().host_ip,
-        }
+        self.record
     }
 
     /// The slot's namespace, to start the VMM in.
     pub fn netns(&self) -> &std::path::Path {
-        self.slot().anchor()
+        &self.netns
     }
 
-    pub fn policy(&self) -> &EgressPolicy {
-        self.slot().policy()
+    /// The policy in force (`None` never while the lease is held).
+    pub fn policy(&self) -> Option<&EgressPolicy> {
+        self.slot.as_ref().map(Slot::policy)
     }
 
     /// Replaces the slot's policy in one transaction; blocks.
     pub fn set_policy(&mut self, policy: EgressPolicy) -> Result<(), NetError> {
         let slots = self.slots.clone();
-        let slot = self.slot.as_mut().expect("a lease holds its slot");
+        let Some(slot) = self.slot.as_mut() else {
+            return Err(NetError::UnknownSlot(self.record.id));
+        };
         slots.with(|p| p.set_policy(slot, policy))?;
         // After the rules: a name the new policy allows resolves once its
         // traffic may pass, never before.

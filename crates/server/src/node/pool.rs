@@ -62,6 +62,23 @@ pub struct Pool {
     loads: Semaphore,
 }
 
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool")
+            .field("binary", &self.binary)
+            .field("run_dir", &self.run_dir)
+            .field("size", &self.size)
+            .field("wake", &self.wake)
+            .field("closed", &self.closed)
+            .field("net", &self.net)
+            .field("cgroups", &self.cgroups)
+            .field("boot", &self.boot)
+            .field("jail", &self.jail)
+            .field("loads", &self.loads)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Pool {
     /// Creates the pool and starts filling it in the background.
     pub fn start(binary: PathBuf, run_dir: PathBuf, size: usize) -> Arc<Pool> {
@@ -186,8 +203,7 @@ impl Pool {
                 tracing::warn!("warm pool: VMM pid {} had exited; dropped", warm.vm.pid());
                 continue;
             }
-            if warm.net.as_ref().is_some_and(|l| l.policy() != policy) {
-                let mut lease = warm.net.take().expect("checked");
+            if let Some(mut lease) = warm.net.take_if(|l| l.policy() != Some(policy)) {
                 let policy = policy.clone();
                 let (lease, set) = tokio::task::spawn_blocking(move || {
                     let r = lease.set_policy(policy);

@@ -251,6 +251,25 @@ pub struct Manager {
     me: Weak<Manager>,
 }
 
+impl std::fmt::Debug for Manager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Manager")
+            .field("config", &self.config)
+            .field("store", &self.store)
+            .field("pool", &self.pool)
+            .field("template", &self.template)
+            .field("capacity", &self.capacity)
+            .field("pins", &self.pins)
+            .field("activity", &self.activity)
+            .field("vmm_exits", &self.vmm_exits)
+            .field("pressure", &self.pressure)
+            .field("recording", &self.recording)
+            .field("writing", &self.writing)
+            .field("me", &self.me)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Manager {
     /// A manager with the capacity `config` and the host allow.
     pub fn new(

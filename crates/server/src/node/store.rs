@@ -289,6 +289,7 @@ pub struct E2bBuild {
     pub tags: Vec<String>,
 }
 
+#[derive(Debug)]
 pub struct Store {
     db: redb::Database,
 }

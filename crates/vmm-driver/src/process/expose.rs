@@ -227,7 +227,7 @@ fn set_attributes(tree: &OwnedFd, access: Access) -> io::Result<()> {
             tree.as_raw_fd(),
             c"".as_ptr(),
             libc::AT_EMPTY_PATH,
-            &attr as *const MountAttr,
+            std::ptr::from_ref(&attr),
             std::mem::size_of::<MountAttr>(),
         )
     };

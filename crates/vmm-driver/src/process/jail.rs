@@ -1053,7 +1053,8 @@ mod staged_tests {
         crate::snapshot_state::test_support::state_file(
             &forged_state,
             &[their_mem.to_str().unwrap()],
-        );
+        )
+        .unwrap();
         let top = mine.join("root.layer");
         drop(disk_layers::LayeredDisk::create(&rootfs, &top).unwrap());
 
@@ -1089,7 +1090,7 @@ mod staged_tests {
         // A missing file outside it binds nothing, and is not bound later.
         let gone = theirs.join("gone.mem");
         let stale = mine.join("stale.state");
-        crate::snapshot_state::test_support::state_file(&stale, &[gone.to_str().unwrap()]);
+        crate::snapshot_state::test_support::state_file(&stale, &[gone.to_str().unwrap()]).unwrap();
         vm.give(Handed::for_guest().snapshot(&stale)).await.unwrap();
         std::fs::write(&gone, "made afterwards").unwrap();
         vm.give(Handed::for_guest().read(mine.join("stale.state")))

@@ -180,6 +180,7 @@ const CONSOLE_LOG: &str = "console.log";
 
 /// A running VMM process with its API socket, console and log in its own
 /// directory. Dropping it kills the process (see [`VmmProcess::release`]).
+#[derive(Debug)]
 pub struct VmmProcess {
     process: Process,
     dir: VmDir,
@@ -197,12 +198,14 @@ pub struct VmmProcess {
 /// The VMM as this process knows it: a child it started (jailed or not), or
 /// one a previous server started and this one adopted (not a child: it
 /// cannot be waited for).
+#[derive(Debug)]
 enum Process {
     Child(Child),
     Jailed(jail::JailedChild),
     Adopted(ProcessIdentity),
 }
 
+#[derive(Debug)]
 enum VmDir {
     /// Removed with the handle.
     Temporary(tempfile::TempDir),

@@ -17,6 +17,7 @@ use crate::vstate::vm::Vm;
 /// The eight registers of a 16550-compatible UART.
 const SERIAL_PORT_RANGE_LEN: u64 = 8;
 
+#[derive(Debug)]
 pub struct LegacyDevices {
     pub serial: Arc<Mutex<SerialDevice>>,
     pub i8042: Arc<Mutex<I8042Device>>,

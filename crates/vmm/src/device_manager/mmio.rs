@@ -50,6 +50,7 @@ pub struct MmioDeviceState {
     pub transport: MmioTransportState,
 }
 
+#[derive(Debug)]
 pub struct MmioDeviceManager {
     slots: Vec<MmioSlot>,
     transports: Vec<Arc<Mutex<MmioTransport>>>,

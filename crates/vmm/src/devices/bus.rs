@@ -27,6 +27,12 @@ pub struct Bus {
     ranges: BTreeMap<u64, Range>,
 }
 
+impl std::fmt::Debug for Bus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bus").finish_non_exhaustive()
+    }
+}
+
 impl Bus {
     pub fn new() -> Self {
         Self::default()

@@ -206,6 +206,18 @@ pub struct Vcpu {
     on_exit: ExitCallback,
 }
 
+impl std::fmt::Debug for Vcpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Vcpu")
+            .field("id", &self.id)
+            .field("fd", &self.fd)
+            .field("io_bus", &self.io_bus)
+            .field("mmio_bus", &self.mmio_bus)
+            .field("handoff", &self.handoff)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Vcpu {
     pub fn new(
         vm: &Vm,
@@ -490,6 +502,18 @@ pub struct VcpuHandle {
     activity: Arc<VcpuActivity>,
     /// Run while waiting for the thread: it may be waiting for this.
     handoff: Arc<DeviceHandoff>,
+}
+
+impl std::fmt::Debug for VcpuHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VcpuHandle")
+            .field("id", &self.id)
+            .field("thread", &self.thread)
+            .field("requests", &self.requests)
+            .field("responses", &self.responses)
+            .field("handoff", &self.handoff)
+            .finish_non_exhaustive()
+    }
 }
 
 /// How long a vCPU may take to acknowledge a request.

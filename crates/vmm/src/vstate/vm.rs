@@ -44,6 +44,7 @@ fn irqchip(chip_id: u32) -> kvm_irqchip {
 }
 
 /// A KVM VM with its memory registered and its interrupt controllers created.
+#[derive(Debug)]
 pub struct Vm {
     kvm: Kvm,
     fd: VmFd,

@@ -46,6 +46,16 @@ pub struct GuestConnections {
     connect_patience: Duration,
 }
 
+impl std::fmt::Debug for GuestConnections {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GuestConnections")
+            .field("puts", &self.puts)
+            .field("idle_limit", &self.idle_limit)
+            .field("connect_patience", &self.connect_patience)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Default for GuestConnections {
     fn default() -> Self {
         Self::with_idle_limit(IDLE_LIMIT)

@@ -252,7 +252,7 @@ mod tests {
         drop(disk);
         let state = dir.join("vm.state");
         let mems = [base_mem.to_str().unwrap(), mem.to_str().unwrap()];
-        vmm_driver::snapshot_state::test_support::state_file(&state, &mems);
+        vmm_driver::snapshot_state::test_support::state_file(&state, &mems).unwrap();
         for f in [&layer, &mem] {
             used_at(f, SystemTime::now() - 8 * HOUR);
         }

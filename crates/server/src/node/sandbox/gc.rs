@@ -67,6 +67,7 @@ fn layers_in(dir: &Path) -> Vec<PathBuf> {
 /// A template build's claim on `templates/<id>` and its scratch directories
 /// there (`.<what>-<id>-…`) while they have no record: taken before its first
 /// file is made, dropped after its record is committed (or its files removed).
+#[derive(Debug)]
 pub struct TemplateWrite<'a> {
     manager: &'a Manager,
     id: String,

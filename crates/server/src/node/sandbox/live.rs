@@ -125,6 +125,13 @@ pub struct Sandbox {
 /// answer's body: the sandbox is in use while one is held.
 pub struct InUse(Arc<Sandbox>);
 
+impl std::fmt::Debug for InUse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The sandbox's id only: not its envd token.
+        f.debug_tuple("InUse").field(&self.0.id).finish()
+    }
+}
+
 impl InUse {
     /// Its guest answered (a response, a part of one's body).
     pub fn heard(&self) {

@@ -525,7 +525,7 @@ mod tests {
         .unwrap();
         let mut after = Observed::default();
         after.open(history);
-        after.open(|| unreachable!("opened once"));
+        after.open(|| panic!("opened once"));
         assert_eq!(
             after.samples.iter().map(|s| s.at_ms).collect::<Vec<_>>(),
             [1, 3]
@@ -552,7 +552,7 @@ mod tests {
         again.open(history);
         assert_eq!(again.samples.len(), 2);
         again.close();
-        again.open(|| unreachable!("closed"));
+        again.open(|| panic!("closed"));
     }
 
     #[test]
@@ -579,7 +579,7 @@ mod tests {
         assert_eq!(o.probed(false, after * 3), HealthChange::Same);
         assert_eq!(o.probed(true, after * 3), HealthChange::Recovered);
         assert_eq!(o.probed(true, after * 3), HealthChange::Same);
-        for t in 0..STUCK_PROBES as u64 {
+        for t in 0..u64::from(STUCK_PROBES) {
             assert_eq!(o.probed(false, after * 4 + t), HealthChange::Same);
         }
     }

@@ -188,6 +188,15 @@ pub struct Templates {
     e2b: E2bState,
 }
 
+impl std::fmt::Debug for Templates {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Templates")
+            .field("manager", &self.manager)
+            .field("e2b", &self.e2b)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Templates {
     pub fn new(manager: Arc<Manager>) -> Arc<Templates> {
         let e2b = E2bState::new(&manager.config().data_dir);

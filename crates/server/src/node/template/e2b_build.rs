@@ -588,6 +588,16 @@ pub struct E2bState {
     sized: tokio::sync::Mutex<()>,
 }
 
+impl std::fmt::Debug for E2bState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("E2bState")
+            .field("files_dir", &self.files_dir)
+            .field("cache", &self.cache)
+            .field("sized", &self.sized)
+            .finish_non_exhaustive()
+    }
+}
+
 impl E2bState {
     pub fn new(data_dir: &Path) -> E2bState {
         E2bState {

@@ -8,6 +8,7 @@ const TRUNCATED: &[u8] = b"\n[sandfork-vmm: console output limit reached; the re
 
 /// Passes at most `budget` bytes to `inner`, then one notice; the rest is
 /// accepted and dropped (a guest blocked on its console would hang).
+#[derive(Debug)]
 pub struct ConsoleBudget<W> {
     inner: W,
     left: u64,

@@ -70,6 +70,19 @@ pub struct I8042Device {
     on_reset: Box<dyn Fn() + Send>,
 }
 
+impl std::fmt::Debug for I8042Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("I8042Device")
+            .field("status", &self.status)
+            .field("control", &self.control)
+            .field("buffer", &self.buffer)
+            .field("pending_command", &self.pending_command)
+            .field("kbd_expects_arg", &self.kbd_expects_arg)
+            .field("interrupt", &self.interrupt)
+            .finish_non_exhaustive()
+    }
+}
+
 /// The controller's registers and keyboard buffer, for snapshots.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct I8042State {

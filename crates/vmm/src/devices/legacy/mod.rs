@@ -7,6 +7,7 @@ pub mod serial;
 use vmm_sys_util::eventfd::EventFd;
 
 /// Raises an interrupt line by signalling the KVM irqfd bound to it.
+#[derive(Debug)]
 pub struct EventFdTrigger(pub EventFd);
 
 impl vm_superio::Trigger for EventFdTrigger {

@@ -22,6 +22,15 @@ pub struct ConsoleOutput {
     panicked: Arc<AtomicBool>,
 }
 
+impl std::fmt::Debug for ConsoleOutput {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConsoleOutput")
+            .field("matched", &self.matched)
+            .field("panicked", &self.panicked)
+            .finish_non_exhaustive()
+    }
+}
+
 impl ConsoleOutput {
     pub fn new(out: Box<dyn Write + Send>, panicked: Arc<AtomicBool>) -> Self {
         ConsoleOutput {
@@ -110,6 +119,7 @@ impl From<&SerialDeviceState> for SerialState {
 }
 
 /// The serial port as a port I/O bus device.
+#[derive(Debug)]
 pub struct SerialDevice {
     serial: Serial<EventFdTrigger, vm_superio::serial::NoEvents, ConsoleOutput>,
 }

@@ -60,6 +60,7 @@ pub trait VirtioInterrupt: Send + Sync {
 }
 
 /// A queue handed to a device when the driver activates it.
+#[derive(Debug)]
 pub struct ActivatedQueue {
     pub queue: Queue,
     /// Signalled when the driver writes this queue's index to QueueNotify.
@@ -168,6 +169,7 @@ pub trait VirtioDevice: Send {
 /// An interrupt line nobody listens to, for worker tests that only look at
 /// the rings.
 #[cfg(test)]
+#[derive(Debug)]
 pub struct NoIrq;
 
 #[cfg(test)]

@@ -33,6 +33,14 @@ pub struct DeviceHandoff {
     wake: Box<dyn Fn() + Send + Sync>,
 }
 
+impl std::fmt::Debug for DeviceHandoff {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceHandoff")
+            .field("done", &self.done)
+            .finish_non_exhaustive()
+    }
+}
+
 #[derive(Default)]
 struct HandoffState {
     /// Every transport, by the index it was registered under.

@@ -59,6 +59,7 @@ mod reg {
 pub const QUEUE_NOTIFY_OFFSET: u64 = reg::QUEUE_NOTIFY;
 
 /// A device's interrupt: the InterruptStatus bits plus the irqfd of its line.
+#[derive(Debug)]
 pub struct MmioInterrupt {
     status: AtomicU32,
     irqfd: EventFd,
@@ -118,6 +119,26 @@ pub struct MmioTransport {
     handoff: Option<(Arc<DeviceHandoff>, usize)>,
     /// Register writes waiting for the controller (see `handoff`), in order.
     handed_off: Vec<(u64, u32)>,
+}
+
+impl std::fmt::Debug for MmioTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MmioTransport")
+            .field("mem", &self.mem)
+            .field("interrupt", &self.interrupt)
+            .field("queues", &self.queues)
+            .field("queue_evts", &self.queue_evts)
+            .field("queue_select", &self.queue_select)
+            .field("device_features_select", &self.device_features_select)
+            .field("driver_features_select", &self.driver_features_select)
+            .field("driver_features", &self.driver_features)
+            .field("status", &self.status)
+            .field("activated", &self.activated)
+            .field("rings", &self.rings)
+            .field("handoff", &self.handoff)
+            .field("handed_off", &self.handed_off)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A queue's size and ring addresses in guest memory.

@@ -164,6 +164,15 @@ pub struct GuestRam {
     backing: Backing,
 }
 
+impl std::fmt::Debug for GuestRam {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GuestRam")
+            .field("mem", &self.mem)
+            .field("regions", &self.regions)
+            .finish_non_exhaustive()
+    }
+}
+
 /// How much a snapshot of memory wrote.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct MemoryWritten {

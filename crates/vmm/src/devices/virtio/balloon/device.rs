@@ -171,6 +171,7 @@ impl BalloonHandle {
 
 /// A virtio-balloon device (ID 5): inflate and deflate queues, and when
 /// configured a statistics queue and a free page reporting queue.
+#[derive(Debug)]
 pub struct Balloon {
     handle: BalloonHandle,
     queue_sizes: Vec<u16>,

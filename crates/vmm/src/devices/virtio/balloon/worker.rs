@@ -40,6 +40,22 @@ pub struct Worker {
     stats_due: Option<Instant>,
 }
 
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("mem", &self.mem)
+            .field("inflate", &self.inflate)
+            .field("deflate", &self.deflate)
+            .field("stats", &self.stats)
+            .field("reporting", &self.reporting)
+            .field("wake", &self.wake)
+            .field("epoll", &self.epoll)
+            .field("stats_desc", &self.stats_desc)
+            .field("stats_due", &self.stats_due)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Worker {
     /// A worker for `device`'s `queues`, in the device's order: inflate,
     /// deflate, then statistics and reporting when it has them. Public for

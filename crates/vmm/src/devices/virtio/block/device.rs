@@ -57,6 +57,7 @@ pub struct BlockState {
 }
 
 /// A virtio-blk device with one request queue.
+#[derive(Debug)]
 pub struct Block {
     config: BlockConfig,
     disk: Arc<Disk>,

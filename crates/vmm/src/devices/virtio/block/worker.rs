@@ -37,6 +37,19 @@ pub struct Worker {
     epoll: Epoll,
 }
 
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("disk", &self.disk)
+            .field("drive_id", &self.drive_id)
+            .field("mem", &self.mem)
+            .field("queue", &self.queue)
+            .field("notify", &self.notify)
+            .field("epoll", &self.epoll)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Worker {
     /// A worker for `queue`, woken by `notify` and by `stop`.
     pub fn new(

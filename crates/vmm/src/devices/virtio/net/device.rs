@@ -79,6 +79,18 @@ pub struct Net {
     worker: Option<WorkerThread<Worker>>,
 }
 
+impl std::fmt::Debug for Net {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Net")
+            .field("config", &self.config)
+            .field("avail_features", &self.avail_features)
+            .field("acked_features", &self.acked_features)
+            .field("counters", &self.counters)
+            .field("worker", &self.worker)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Net {
     /// Opens the tap `config.host_dev_name` and builds the device on it.
     pub fn new(config: NetConfig) -> Result<Net, NetError> {

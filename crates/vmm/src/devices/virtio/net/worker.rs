@@ -71,6 +71,25 @@ pub struct Worker {
     backend_watched: bool,
 }
 
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("mem", &self.mem)
+            .field("rx", &self.rx)
+            .field("tx", &self.tx)
+            .field("counters", &self.counters)
+            .field("mergeable", &self.mergeable)
+            .field("rx_used", &self.rx_used)
+            .field("rx_chains", &self.rx_chains)
+            .field("rx_written", &self.rx_written)
+            .field("rx_len", &self.rx_len)
+            .field("segments", &self.segments)
+            .field("epoll", &self.epoll)
+            .field("backend_watched", &self.backend_watched)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Why a chain could not carry a frame.
 #[derive(Debug)]
 enum ChainError {

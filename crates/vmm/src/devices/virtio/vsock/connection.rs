@@ -59,6 +59,7 @@ pub enum Verdict {
     },
 }
 
+#[derive(Debug)]
 pub struct Connection {
     pub stream: UnixStream,
     pub key: ConnKey,

@@ -48,6 +48,7 @@ pub enum VsockError {
 /// - a host process connects to `uds_path`, writes `CONNECT <port>\n`, reads
 ///   `OK <host_port>\n` once the guest accepts, then talks to guest port `port`;
 /// - a guest connection to CID 2 port `P` is relayed to a listener at `<uds_path>_P`.
+#[derive(Debug)]
 pub struct Vsock {
     guest_cid: u64,
     uds_path: PathBuf,

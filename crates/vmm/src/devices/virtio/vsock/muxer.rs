@@ -67,6 +67,23 @@ pub struct Muxer {
     scratch: Vec<u8>,
 }
 
+impl std::fmt::Debug for Muxer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Muxer")
+            .field("guest_cid", &self.guest_cid)
+            .field("uds_path", &self.uds_path)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("epoll", &self.epoll)
+            .field("listener", &self.listener)
+            .field("conns", &self.conns)
+            .field("handshakes", &self.handshakes)
+            .field("conn_fds", &self.conn_fds)
+            .field("control_count", &self.control_count)
+            .field("next_local_port", &self.next_local_port)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Muxer {
     pub fn new(
         guest_cid: u64,

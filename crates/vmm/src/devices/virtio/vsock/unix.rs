@@ -58,6 +58,7 @@ pub fn parse_connect(buf: &[u8]) -> Parsed {
 }
 
 /// A host stream accepted on the device socket whose handshake line is still arriving.
+#[derive(Debug)]
 pub struct Handshake {
     pub stream: UnixStream,
     pub buf: Vec<u8>,
@@ -65,6 +66,7 @@ pub struct Handshake {
 }
 
 /// Result of reading more of a handshake.
+#[derive(Debug)]
 pub enum HandshakeStep {
     /// Wait for more bytes.
     Pending,

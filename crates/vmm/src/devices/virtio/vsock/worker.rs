@@ -51,6 +51,22 @@ pub struct Worker {
     tx_data: Vec<u8>,
 }
 
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("mem", &self.mem)
+            .field("rx", &self.rx)
+            .field("tx", &self.tx)
+            .field("event", &self.event)
+            .field("reset_evt", &self.reset_evt)
+            .field("reset_requested", &self.reset_requested)
+            .field("muxer", &self.muxer)
+            .field("event_pending", &self.event_pending)
+            .field("reset_hold", &self.reset_hold)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Worker {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
