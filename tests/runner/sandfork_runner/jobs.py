@@ -171,7 +171,7 @@ LAB = (
         "soak",
         Group.LAB,
         argv("scripts/soak-test.sh --no-build"),
-        "the short soak (README, 'Soak'): 4 sandboxes, 300 commands, 100 files, "
+        "the short soak (docs: testing/soak.md): 4 sandboxes, 300 commands, 100 files, "
         "no error and the server's RSS flat",
         minutes=1.5,
     ),
@@ -197,7 +197,7 @@ LAB = (
         "stress",
         Group.LAB,
         argv("target/debug/sandfork stress --boots 2 --restores 2 --forks 2 --two-vm 1"),
-        "the short sandfork stress (README, 'Hangs'): boots, restores, forks, two VMs",
+        "the short sandfork stress (docs: testing/hangs.md): boots, restores, forks, two VMs",
         minutes=1,
         discard_stdout=True,
     ),
@@ -208,7 +208,7 @@ LAB = (
         Group.LAB,
         argv("scripts/soak-test.sh --no-build --sandboxes 32 --commands 10000")
         + argv("--files 2000 --duration 30m"),
-        "the longer soak (README, 'Soak'): 32 sandboxes, 10 000 commands, 2 000 files, "
+        "the longer soak (docs: testing/soak.md): 32 sandboxes, 10 000 commands, 2 000 files, "
         "at most 30 min of load, in a 16 GiB lab machine",
         minutes=35,
         env=(("SOAK_LAB_MEMORY", "16384"), ("SOAK_LAB_TIMEOUT", "3600")),
@@ -218,7 +218,7 @@ LAB = (
         "stress_long",
         Group.LAB,
         argv("target/debug/sandfork stress --boots 40 --restores 40 --forks 40 --two-vm 40"),
-        "sandfork stress with 40 of each (README, 'Hangs')",
+        "sandfork stress with 40 of each (docs: testing/hangs.md)",
         minutes=20,
         discard_stdout=True,
         tier=Tier.LONG,
@@ -244,7 +244,7 @@ HOST = (
         "fuzz",
         Group.HOST,
         argv("scripts/fuzz.sh"),
-        "every fuzz target: corpora replayed, then each fuzzed briefly (README, 'Fuzzing')",
+        "every fuzz target: corpora replayed, then each fuzzed briefly (docs: testing/fuzzing.md)",
     ),
 )
 
