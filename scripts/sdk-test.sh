@@ -117,7 +117,7 @@ nodetest() { (cd tests/sdk/js && "$node" --test --test-concurrency=1 "$1"/*.test
 # The tests' and the bench's Python through ruff (ruff.toml at the root).
 ruff() { "$venv/bin/python" -m ruff format --check "$@" && "$venv/bin/python" -m ruff check "$@"; }
 if [[ $suite == all || $suite == python ]]; then
-    run "python lint" ruff tests/sdk/python crates/cli/src/bench
+    run "python lint" ruff tests/sdk/python tests/cluster crates/cli/src/bench
     run "python basic" pytest -m "not lifecycle"
     ((only_basic)) || run "python lifecycle" pytest -m lifecycle
 fi
