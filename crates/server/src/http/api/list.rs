@@ -6,6 +6,10 @@ use std::time::UNIX_EPOCH;
 
 use percent_encoding::percent_decode_str;
 
+use axum::Json;
+use axum::http::HeaderValue;
+use axum::response::{IntoResponse, Response};
+
 use super::ApiError;
 use crate::node::store::{SandboxRecord, SandboxState};
 
@@ -196,6 +200,18 @@ impl ListQuery {
         all.truncate(self.limit);
         (all, next)
     }
+}
+
+/// One page of a listing: its items as JSON, and the token of the next
+/// page (if any) in the `x-next-token` header.
+pub fn page_answer<T: serde::Serialize>(items: Vec<T>, next: Option<String>) -> Response {
+    let mut response = Json(items).into_response();
+    if let Some(token) = next.and_then(|t| HeaderValue::from_str(&t).ok()) {
+        response
+            .headers_mut()
+            .insert(crate::wire::NEXT_TOKEN_HEADER, token);
+    }
+    response
 }
 
 #[cfg(test)]

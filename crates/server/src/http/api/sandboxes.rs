@@ -5,7 +5,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
-use axum::http::{HeaderValue, StatusCode, Uri};
+use axum::http::{StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::Deserialize;
@@ -264,13 +264,7 @@ async fn list(state: Shared, caller: Caller, uri: Uri, v2: bool) -> Result<Respo
     let own = super::tenancy::own_sandboxes(&caller, state.manager.list()?);
     let (page, next) = query.page(own);
     let body: Vec<wire::ListedSandbox> = page.iter().map(wire::ListedSandbox::from).collect();
-    let mut response = Json(body).into_response();
-    if let Some(token) = next.and_then(|t| HeaderValue::from_str(&t).ok()) {
-        response
-            .headers_mut()
-            .insert(wire::NEXT_TOKEN_HEADER, token);
-    }
-    Ok(response)
+    Ok(super::list::page_answer(body, next))
 }
 
 pub async fn list_v1(

@@ -6,7 +6,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
-use axum::http::{HeaderValue, StatusCode, Uri};
+use axum::http::{StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::Deserialize;
@@ -167,13 +167,7 @@ pub async fn list(
     });
     all.truncate(q.limit);
     let body: Vec<wire::SnapshotInfo> = all.iter().map(wire::SnapshotInfo::from).collect();
-    let mut response = Json(body).into_response();
-    if let Some(token) = next.and_then(|t| HeaderValue::from_str(&t).ok()) {
-        response
-            .headers_mut()
-            .insert(wire::NEXT_TOKEN_HEADER, token);
-    }
-    Ok(response)
+    Ok(super::list::page_answer(body, next))
 }
 
 #[cfg(test)]
