@@ -70,6 +70,10 @@ pub struct Node {
     /// Forks whose files this node serves to the nodes making their
     /// children ([`fork_across`]).
     pub forks: fork_files::Exports,
+    /// The IDs and names of the node's templates as last published: read
+    /// again only when templates change and by the reconciler, not for each
+    /// sandbox a fork of 100 makes.
+    templates: std::sync::Mutex<Vec<String>>,
 }
 
 /// Sandboxes whose running state an API request is changing (pause,
@@ -319,6 +323,7 @@ pub async fn join(
         resuming_with_slot: Default::default(),
         storing: Default::default(),
         forks: Default::default(),
+        templates: Default::default(),
     });
     manager.listen(Arc::new(Listener(Arc::downgrade(&node))))?;
     // Sandboxes recovered at start are mapped before the first request.
@@ -341,19 +346,22 @@ pub fn capacity(manager: &Manager) -> NodeCapacity {
 }
 
 impl Node {
-    /// Publishes the node's load and templates (written if they changed).
+    /// Publishes the node's load and the templates it last listed (written
+    /// if they changed).
     pub fn publish_load(&self) {
-        self.registration.set_load(self.load());
-    }
-
-    fn load(&self) -> NodeLoad {
         let held = self.manager.capacity().held();
-        NodeLoad {
+        self.registration.set_load(NodeLoad {
             sandboxes: held.sandboxes as u64,
             vcpus: held.vcpus,
             memory_mib: held.memory_mib,
-            templates: self.templates_here(),
-        }
+            templates: lock(&self.templates).clone(),
+        });
+    }
+
+    /// [`Node::publish_load`] after listing the templates again.
+    pub fn publish_templates(&self) {
+        *lock(&self.templates) = self.templates_here();
+        self.publish_load();
     }
 
     /// The IDs and names of the node's templates, sorted, for placement
@@ -380,7 +388,7 @@ impl Node {
 
     /// One pass: the load and the map brought up to date.
     pub async fn reconcile(self: &Arc<Self>) {
-        self.publish_load();
+        self.publish_templates();
         self.changing.listing();
         let local: Vec<sandfork_cluster::LocalSandbox> = match self.manager.list() {
             Ok(list) => list

@@ -3,7 +3,7 @@
 //! node and denials of the cluster become status codes here, and only here.
 
 pub mod api;
-pub mod cluster_routes;
+mod cluster_routes;
 pub mod gateway;
-pub mod proxy;
-pub mod state;
+pub(crate) mod proxy;
+pub(crate) mod state;

@@ -14,7 +14,7 @@
 //!
 //! Start with [`Server::start`]; [`http::api::router`] is the whole HTTP surface.
 
-pub mod cluster;
+mod cluster;
 pub mod http;
 pub mod node;
 pub mod wire;

@@ -175,6 +175,7 @@ impl<T: Clone> Known<T> {
         Ok(made)
     }
 
+    #[cfg(test)]
     pub fn knows(&self, path: &Path) -> bool {
         self.lock().contains_key(path)
     }

@@ -426,8 +426,10 @@ impl Node {
         durable
             .take_in_template(&self.manager, id_or_name, |team| caller.owns(team))
             .await
-            .map(drop)
-            .map_err(|e| unavailable(id_or_name, format!("taking it in: {e}")))
+            .map_err(|e| unavailable(id_or_name, format!("taking it in: {e}")))?;
+        // The next create of it is placed here.
+        self.publish_templates();
+        Ok(())
     }
 
     /// A delete of template `id` that this node does not have: removed from
@@ -458,7 +460,7 @@ impl Node {
     /// node only (a gateway still finds it here).
     pub fn store_template_in_background(self: &Arc<Self>, id: String) {
         // Gateways send requests about it here first once they see it.
-        self.publish_load();
+        self.publish_templates();
         if self.durable.is_none() {
             return;
         }
@@ -478,7 +480,7 @@ impl Node {
 
     /// After templates `ids` were deleted here: their manifests go too.
     pub async fn forget_templates(&self, ids: &[String]) {
-        self.publish_load();
+        self.publish_templates();
         let Some(durable) = &self.durable else {
             return;
         };

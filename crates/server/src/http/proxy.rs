@@ -593,16 +593,7 @@ fn splice_upgrades(client: hyper::upgrade::OnUpgrade, guest: hyper::upgrade::OnU
 mod tests {
     use super::*;
 
-    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
-        let mut h = HeaderMap::new();
-        for (k, v) in pairs {
-            h.insert(
-                HeaderName::from_bytes(k.as_bytes()).unwrap(),
-                v.parse().unwrap(),
-            );
-        }
-        h
-    }
+    use crate::wire::header_map as headers;
 
     fn sandbox(id: &str, port: u32) -> Route {
         Route::Sandbox {

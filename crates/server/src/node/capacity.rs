@@ -319,19 +319,9 @@ impl std::error::Error for Shortage {}
 
 /// A team's share of the node (see [`crate::node::tenants`]): how many sandboxes
 /// it may run at once and how much memory (the sum of their `memoryMB`) they
-/// may have; None: no limit beyond the node's.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct TeamLimits {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_sandboxes: Option<u64>,
-    #[serde(
-        default,
-        rename = "maxMemoryMB",
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub max_memory_mb: Option<u64>,
-}
+/// may have; None: no limit beyond the node's. Stored as the admin API
+/// names them, so the wire owns the shape.
+pub use crate::wire::TeamLimits;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CapacityError {

@@ -169,16 +169,7 @@ fn new_token() -> std::io::Result<String> {
 mod tests {
     use super::*;
 
-    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
-        let mut h = HeaderMap::new();
-        for (k, v) in pairs {
-            h.insert(
-                header::HeaderName::from_bytes(k.as_bytes()).unwrap(),
-                v.parse().unwrap(),
-            );
-        }
-        h
-    }
+    use crate::wire::header_map as headers;
 
     #[test]
     fn a_private_sandbox_gets_a_token_and_demands_it() {

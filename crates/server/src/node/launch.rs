@@ -119,11 +119,6 @@ impl Launched {
         self
     }
 
-    /// The cgroup its VMM runs in.
-    pub fn cgroup(&self) -> Option<&std::path::Path> {
-        self.cgroup.as_ref().map(SandboxGroup::path)
-    }
-
     /// With the network slot it ran in before the restart.
     pub fn with_network(mut self, lease: Option<Lease>) -> Launched {
         self.net = lease;

@@ -40,6 +40,7 @@ const REAP_EVERY: Duration = Duration::from_millis(500);
 pub const ROOT_LAYER: &str = "root.layer";
 
 pub mod cache_bound;
+mod child;
 mod fork;
 mod fork_stored;
 mod gc;
@@ -352,19 +353,27 @@ impl Manager {
         Err(denial.into())
     }
 
-    /// [`Manager::tell_created`] for each child a fork made here: a denied
-    /// child's entry becomes its denial.
-    pub(crate) async fn tell_children(
+    /// Runs `fork`, a fork for `team`, once the hooks admit a create for
+    /// that team (before it takes any room), then tells them of each child
+    /// it made here ([`Manager::tell_created`]): a denied child's entry
+    /// becomes its denial. `children` picks the children out of its answer.
+    pub(crate) async fn announced_fork<T>(
         &self,
-        children: &mut [Result<SandboxRecord, SandboxError>],
         team: &str,
-    ) {
-        for child in children.iter_mut() {
+        fork: impl Future<Output = Result<T, SandboxError>>,
+        children: impl FnOnce(&mut T) -> &mut [Result<SandboxRecord, SandboxError>],
+    ) -> Result<T, SandboxError> {
+        let _permit = self
+            .admit(crate::node::events::Ask::Create { team })
+            .await?;
+        let mut forked = fork.await?;
+        for child in children(&mut forked).iter_mut() {
             let Ok(record) = child else { continue };
             if let Err(e) = self.tell_created(&record.id, team).await {
                 *child = Err(e);
             }
         }
+        Ok(forked)
     }
 
     fn registry(&self) -> std::sync::MutexGuard<'_, Registry> {

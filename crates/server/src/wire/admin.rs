@@ -123,7 +123,7 @@ pub struct Team {
 }
 
 /// A team's limits; a limit not set is left out.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct TeamLimits {
     #[serde(default, skip_serializing_if = "Option::is_none")]

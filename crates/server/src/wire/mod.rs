@@ -69,6 +69,20 @@ pub const FORK_TOKEN_HEADER: &str = "x-sandfork-fork-token";
 /// snapshots are listed.
 pub const SANDBOX_ID_PARAM: &str = "sandboxID";
 
+/// A header map of `pairs`, for the tests of what reads these headers.
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+pub(crate) fn header_map(pairs: &[(&str, &str)]) -> axum::http::HeaderMap {
+    let mut h = axum::http::HeaderMap::new();
+    for (k, v) in pairs {
+        h.insert(
+            axum::http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+            v.parse().unwrap(),
+        );
+    }
+    h
+}
+
 // ---- Errors ---------------------------------------------------------------
 
 /// E2B's Error body: `{"code": <status>, "message": "..."}`.
@@ -129,9 +143,11 @@ mod tests {
             json!({"enabled": false})
         );
         let build = TemplateBuild {
-            template_id: "t".into(),
-            build_id: "b".into(),
-            names: vec![],
+            build: BuildNames {
+                template_id: "t".into(),
+                build_id: "b".into(),
+                names: vec![],
+            },
             status: "building".into(),
             logs: vec![],
             log_entries: vec![],

@@ -7,11 +7,9 @@ use serde::{Deserialize, Serialize};
 
 use super::Error;
 
-/// E2B's Sandbox: the answer of create, connect and resume, and a fork
-/// child's.
+/// What names a sandbox in each E2B answer about it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Sandbox {
+pub struct SandboxNames {
     #[serde(rename = "sandboxID")]
     pub sandbox_id: String,
     #[serde(rename = "templateID")]
@@ -20,6 +18,15 @@ pub struct Sandbox {
     /// A node id the SDKs require and never use.
     #[serde(rename = "clientID")]
     pub client_id: String,
+}
+
+/// E2B's Sandbox: the answer of create, connect and resume, and a fork
+/// child's.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Sandbox {
+    #[serde(flatten)]
+    pub names: SandboxNames,
     pub envd_version: String,
     pub envd_access_token: Option<String>,
     pub traffic_access_token: Option<String>,
@@ -30,13 +37,8 @@ pub struct Sandbox {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ListedSandbox {
-    #[serde(rename = "sandboxID")]
-    pub sandbox_id: String,
-    #[serde(rename = "templateID")]
-    pub template_id: String,
-    pub alias: Option<String>,
-    #[serde(rename = "clientID")]
-    pub client_id: String,
+    #[serde(flatten)]
+    pub names: SandboxNames,
     /// RFC 3339.
     pub started_at: String,
     pub end_at: String,
@@ -126,7 +128,7 @@ impl ForkEntry {
     /// The child's id when it was made.
     pub fn sandbox_id(&self) -> Option<&str> {
         match self {
-            ForkEntry::Sandbox(s) => Some(&s.sandbox_id),
+            ForkEntry::Sandbox(s) => Some(&s.names.sandbox_id),
             ForkEntry::Error(_) => None,
         }
     }

@@ -27,14 +27,21 @@ pub struct Template {
     pub envd_version: String,
 }
 
-/// Sandfork's `POST /templates` 202: the build runs on.
+/// What names a build in each answer about it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TemplateBuildStarted {
+pub struct BuildNames {
     #[serde(rename = "templateID")]
     pub template_id: String,
     #[serde(rename = "buildID")]
     pub build_id: String,
     pub names: Vec<String>,
+}
+
+/// Sandfork's `POST /templates` 202: the build runs on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TemplateBuildStarted {
+    #[serde(flatten)]
+    pub build: BuildNames,
     pub status: String,
 }
 
@@ -42,12 +49,9 @@ pub struct TemplateBuildStarted {
 /// six).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TemplateRequested {
-    #[serde(rename = "templateID")]
-    pub template_id: String,
-    #[serde(rename = "buildID")]
-    pub build_id: String,
+    #[serde(flatten)]
+    pub build: BuildNames,
     pub public: bool,
-    pub names: Vec<String>,
     pub tags: Vec<String>,
     pub aliases: Vec<String>,
 }
@@ -56,11 +60,8 @@ pub struct TemplateRequested {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct TemplateBuild {
-    #[serde(rename = "templateID")]
-    pub template_id: String,
-    #[serde(rename = "buildID")]
-    pub build_id: String,
-    pub names: Vec<String>,
+    #[serde(flatten)]
+    pub build: BuildNames,
     pub status: String,
     pub logs: Vec<String>,
     pub log_entries: Vec<BuildLogEntry>,

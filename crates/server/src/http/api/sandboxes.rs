@@ -78,14 +78,22 @@ fn reap_soon(state: &Shared) {
     tokio::spawn(async move { manager.reap_expired().await });
 }
 
-/// The Sandbox object of create, connect and resume answers.
-impl From<&SandboxRecord> for wire::Sandbox {
-    fn from(r: &SandboxRecord) -> wire::Sandbox {
-        wire::Sandbox {
+impl From<&SandboxRecord> for wire::SandboxNames {
+    fn from(r: &SandboxRecord) -> wire::SandboxNames {
+        wire::SandboxNames {
             sandbox_id: r.id.clone(),
             template_id: r.template_id.clone(),
             alias: r.alias.clone(),
             client_id: CLIENT_ID.to_owned(),
+        }
+    }
+}
+
+/// The Sandbox object of create, connect and resume answers.
+impl From<&SandboxRecord> for wire::Sandbox {
+    fn from(r: &SandboxRecord) -> wire::Sandbox {
+        wire::Sandbox {
+            names: r.into(),
             envd_version: envd_proto::ENVD_VERSION.to_owned(),
             envd_access_token: r.access_token.clone(),
             traffic_access_token: r.network.ingress.traffic_access_token.clone(),
@@ -98,10 +106,7 @@ impl From<&SandboxRecord> for wire::Sandbox {
 impl From<&SandboxRecord> for wire::ListedSandbox {
     fn from(r: &SandboxRecord) -> wire::ListedSandbox {
         wire::ListedSandbox {
-            sandbox_id: r.id.clone(),
-            template_id: r.template_id.clone(),
-            alias: r.alias.clone(),
-            client_id: CLIENT_ID.to_owned(),
+            names: r.into(),
             started_at: rfc3339(r.started_at_ms),
             end_at: rfc3339(r.end_at_ms),
             cpu_count: r.cpu_count,

@@ -182,9 +182,11 @@ pub async fn create(
         }
     };
     let body = wire::TemplateBuildStarted {
-        template_id: build.template_id,
-        build_id: build.build_id,
-        names: vec![build.name],
+        build: wire::BuildNames {
+            template_id: build.template_id,
+            build_id: build.build_id,
+            names: vec![build.name],
+        },
         status: build.status.as_str().to_owned(),
     };
     Ok((StatusCode::ACCEPTED, Json(body)).into_response())
@@ -295,9 +297,11 @@ pub async fn build_status(
     let at = rfc3339(build.finished_at_ms.unwrap_or(build.started_at_ms));
     let log_entries = logs.iter().map(|l| log_entry(l, &at)).collect();
     let body = wire::TemplateBuild {
-        template_id: crate::node::template::e2b_build::e2b_template_id(&build).to_owned(),
-        build_id: build.build_id.clone(),
-        names: vec![build.name.clone()],
+        build: wire::BuildNames {
+            template_id: crate::node::template::e2b_build::e2b_template_id(&build).to_owned(),
+            build_id: build.build_id.clone(),
+            names: vec![build.name.clone()],
+        },
         status: build.status.as_str().to_owned(),
         logs,
         log_entries,

@@ -116,10 +116,12 @@ pub async fn request_build(
     Ok((
         StatusCode::ACCEPTED,
         Json(wire::TemplateRequested {
-            template_id: e2b_build::e2b_template_id(&build).to_owned(),
-            build_id: build.build_id.clone(),
+            build: wire::BuildNames {
+                template_id: e2b_build::e2b_template_id(&build).to_owned(),
+                build_id: build.build_id.clone(),
+                names: vec![req.alias.clone()],
+            },
             public: false,
-            names: vec![req.alias.clone()],
             tags: req.tags,
             aliases: vec![req.alias],
         }),

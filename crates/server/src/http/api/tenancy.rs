@@ -249,10 +249,7 @@ fn team_json(state: &Shared, t: &TeamRecord) -> wire::Team {
         team_id: t.id.clone(),
         name: t.name.clone(),
         created_at: super::sandboxes::rfc3339(t.created_at_ms),
-        limits: wire::TeamLimits {
-            max_sandboxes: t.limits.max_sandboxes,
-            max_memory_mb: t.limits.max_memory_mb,
-        },
+        limits: t.limits,
         requests_per_second: t.requests_per_second,
         usage: wire::TeamUsage {
             sandboxes: held.sandboxes as u64,

@@ -7,17 +7,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vmm_api::ForkInfo;
-use vmm_driver::agent_client::AgentInit;
 use vmm_driver::process::{ProcessError, Restore};
 
+use super::child::ChildGuest;
 use super::live::{self, Phase};
-use super::{AGENT_TIMEOUT, Manager, SandboxError, io};
+use super::{Manager, SandboxError, io};
 use crate::node::capacity::{Ask, Reservation};
-use crate::node::clock::now_ms;
 use crate::node::ids;
-use crate::node::launch::{Guest, Plan, Ready, Taken};
-use crate::node::net::SandboxNetwork;
-use crate::node::store::{SandboxRecord, SandboxState};
+use crate::node::launch::{Guest, Taken};
+use crate::node::store::SandboxRecord;
 
 /// The layer a fork answer says drive `drive` of the forked VM writes to now.
 pub(super) fn new_layer(info: &ForkInfo, drive: &str) -> Result<PathBuf, SandboxError> {
@@ -117,15 +115,10 @@ impl Manager {
         elsewhere: Option<impl AsyncFnOnce(Result<Frozen, SandboxError>, u32) -> R>,
     ) -> Result<(Forked, Option<R>), SandboxError> {
         let team = self.get(id)?.team().to_owned();
-        let _permit = self
-            .admit(crate::node::events::Ask::Create { team: &team })
-            .await?;
-        let (mut forked, remote) = self
-            .fork_spread_unannounced(id, count, timeout, elsewhere)
-            .await?;
-        // Children made elsewhere were told there.
-        self.tell_children(&mut forked.children, &team).await;
-        Ok((forked, remote))
+        // Children made elsewhere are told of there.
+        let fork = self.fork_spread_unannounced(id, count, timeout, elsewhere);
+        self.announced_fork(&team, fork, |(forked, _)| &mut forked.children)
+            .await
     }
 
     async fn fork_spread_unannounced<R>(
@@ -326,87 +319,25 @@ impl Manager {
         hold: Reservation,
         vmm: Taken,
     ) -> Result<SandboxRecord, SandboxError> {
+        let restore = Restore::fork_child(info, index).ok_or_else(|| {
+            SandboxError::Invalid(format!("the VMM's fork answer has no child {index}"))
+        })?;
         let id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
         let dir = self.sandbox_dir(&id);
         std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
-        let result = async {
-            let restore = Restore::fork_child(info, index).ok_or_else(|| {
-                SandboxError::Invalid(format!("the VMM's fork answer has no child {index}"))
-            })?;
-            let access_token = match parent.access_token {
-                Some(_) => Some(ids::token().map_err(io("generating an access token"))?),
-                None => None,
-            };
-            // Its own traffic token when the parent is private (E2B's is
-            // derived from the sandbox id).
-            let network = SandboxNetwork {
-                ingress: parent
-                    .network
-                    .ingress
-                    .for_child()
-                    .map_err(io("generating a traffic access token"))?,
-                ..parent.network.clone()
-            };
-            let ingress = network.ingress.clone();
-            let mut init = AgentInit::after_restore()?;
-            init.access_token = access_token.clone();
-            let root = restore
-                .drives
-                .iter()
-                .find(|d| d.drive_id == self.template.root_drive_id)
-                .map(|d| PathBuf::from(&d.path_on_host));
-            let plan = Plan {
-                guest: Guest::Restore(restore),
-                // The child's agent still holds the parent's token until this init.
-                ready: Ready::Init {
-                    init: Box::new(init),
-                    token: parent.access_token.clone(),
-                },
-                hold,
-                timeout: AGENT_TIMEOUT,
-                // Children keep the parent's policy (E2B's do).
-                egress: parent.network.policy.clone(),
-                lineage: self.lineage(
-                    &dir,
-                    &parent.uses_dirs,
-                    &parent.uses_snapshots,
-                    &parent.template_id,
-                ),
-            };
-            let record = |launched: &crate::node::launch::Launched| {
-                let started = now_ms();
-                SandboxRecord {
-                    id: id.clone(),
-                    access_token: access_token.clone(),
-                    started_at_ms: started,
-                    end_at_ms: started + timeout.as_millis() as u64,
-                    state: SandboxState::Running,
-                    pause_generation: 0,
-                    snapshot: None,
-                    // Its memory is the fork's file, whatever the parent's was.
-                    cold_booted: false,
-                    root_layer: root,
-                    has_dependents: false,
-                    uses_dirs: parent
-                        .uses_dirs
-                        .iter()
-                        .cloned()
-                        .chain([dir.clone()])
-                        .collect(),
-                    vmm_dir: Some(launched.vm.dir().to_owned()),
-                    network,
-                    // and the parent's `uses_snapshots`: its memory is below this fork's
-                    ..parent.clone()
-                }
-            };
-            self.start_sandbox(Some(vmm), plan, record, access_token.clone(), ingress, &id)
-                .await
-        }
-        .await;
-        if result.is_err() {
-            let _ = std::fs::remove_dir_all(&dir);
-        }
-        result
+        // The VMM made the child's layer beside the fork's memory.
+        let root_layer = restore
+            .drives
+            .iter()
+            .find(|d| d.drive_id == self.template.root_drive_id)
+            .map(|d| PathBuf::from(&d.path_on_host));
+        let from = ChildGuest {
+            guest: Guest::Restore(restore),
+            root_layer,
+            vmm: Some(vmm),
+        };
+        self.start_child(parent, &id, &dir, from, timeout, hold)
+            .await
     }
 }
 

@@ -17,16 +17,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use disk_layers::LayeredDisk;
-use vmm_driver::agent_client::AgentInit;
 
+use super::child::ChildGuest;
 use super::live::{self, Phase};
-use super::{AGENT_TIMEOUT, CreateParams, Manager, ROOT_LAYER, SandboxError, adopted_record, io};
+use super::{CreateParams, Manager, ROOT_LAYER, SandboxError, adopted_record, io};
 use crate::node::capacity::{Ask, Reservation};
-use crate::node::clock::now_ms;
 use crate::node::ids;
-use crate::node::launch::{Guest, Plan, Ready};
+use crate::node::launch::Guest;
 use crate::node::net::SandboxNetwork;
-use crate::node::store::{PausedSnapshot, SandboxRecord, SandboxState};
+use crate::node::store::{PausedSnapshot, SandboxRecord};
 
 /// One result per child, in order, as a running sandbox's fork answers.
 pub type ForkResults = Vec<Result<SandboxRecord, SandboxError>>;
@@ -97,23 +96,20 @@ impl Manager {
         place: impl AsyncFnOnce(&std::path::Path) -> Result<CopiedFork, SandboxError>,
     ) -> Result<ForkResults, SandboxError> {
         let team = parent.team().to_owned();
-        let _permit = self
-            .admit(crate::node::events::Ask::Create { team: &team })
-            .await?;
-        let child = Ask::sandbox(u64::from(parent.cpu_count), parent.memory_mb);
-        let slots = self.capacity.reserve_for(
-            child.times(u64::from(count)),
-            &format!(
-                "{count} {} of a fork on node {from_node}",
-                if count == 1 { "child" } else { "children" },
-            ),
-            Some(&team),
-        )?;
-        let mut results = self
-            .fork_copied_unannounced(parent, count, timeout, slots, place)
-            .await?;
-        self.tell_children(&mut results, &team).await;
-        Ok(results)
+        let fork = async {
+            let child = Ask::sandbox(u64::from(parent.cpu_count), parent.memory_mb);
+            let slots = self.capacity.reserve_for(
+                child.times(u64::from(count)),
+                &format!(
+                    "{count} {} of a fork on node {from_node}",
+                    if count == 1 { "child" } else { "children" },
+                ),
+                Some(&team),
+            )?;
+            self.fork_copied_unannounced(parent, count, timeout, slots, place)
+                .await
+        };
+        self.announced_fork(&team, fork, |results| results).await
     }
 
     async fn fork_copied_unannounced(
@@ -198,12 +194,8 @@ impl Manager {
         timeout: Duration,
     ) -> Result<ForkResults, SandboxError> {
         let team = self.get(id)?.team().to_owned();
-        let _permit = self
-            .admit(crate::node::events::Ask::Create { team: &team })
-            .await?;
-        let mut results = self.fork_paused_unannounced(id, count, timeout).await?;
-        self.tell_children(&mut results, &team).await;
-        Ok(results)
+        let fork = self.fork_paused_unannounced(id, count, timeout);
+        self.announced_fork(&team, fork, |results| results).await
     }
 
     async fn fork_paused_unannounced(
@@ -340,82 +332,14 @@ impl Manager {
         timeout: Duration,
         hold: Reservation,
     ) -> Result<SandboxRecord, SandboxError> {
+        let from = ChildGuest {
+            guest: Guest::Restore(self.restore_onto(&snapshot.state, &snapshot.mem, &root, None)),
+            root_layer: None,
+            vmm: None,
+        };
         let dir = self.sandbox_dir(&id);
-        let result = async {
-            let access_token = match parent.access_token {
-                Some(_) => Some(ids::token().map_err(io("generating an access token"))?),
-                None => None,
-            };
-            // Its own traffic token when the parent is private (E2B's is
-            // derived from the sandbox id).
-            let network = SandboxNetwork {
-                ingress: parent
-                    .network
-                    .ingress
-                    .for_child()
-                    .map_err(io("generating a traffic access token"))?,
-                ..parent.network.clone()
-            };
-            let ingress = network.ingress.clone();
-            let mut init = AgentInit::after_restore()?;
-            init.access_token = access_token.clone();
-            let plan = Plan {
-                guest: Guest::Restore(self.restore_onto(
-                    &snapshot.state,
-                    &snapshot.mem,
-                    &root,
-                    None,
-                )),
-                // The snapshot's agent holds the parent's token until this init.
-                ready: Ready::Init {
-                    init: Box::new(init),
-                    token: parent.access_token.clone(),
-                },
-                hold,
-                timeout: AGENT_TIMEOUT,
-                egress: parent.network.policy.clone(),
-                lineage: self.lineage(
-                    &dir,
-                    &parent.uses_dirs,
-                    &parent.uses_snapshots,
-                    &parent.template_id,
-                ),
-            };
-            let record = |launched: &crate::node::launch::Launched| {
-                let started = now_ms();
-                SandboxRecord {
-                    id: id.clone(),
-                    access_token: access_token.clone(),
-                    started_at_ms: started,
-                    end_at_ms: started + timeout.as_millis() as u64,
-                    state: SandboxState::Running,
-                    pause_generation: 0,
-                    snapshot: None,
-                    // Its memory maps the parent's pause files.
-                    cold_booted: false,
-                    root_layer: None,
-                    has_dependents: false,
-                    // The parent's directory holds its memory and disk below it.
-                    uses_dirs: parent
-                        .uses_dirs
-                        .iter()
-                        .cloned()
-                        .chain([dir.clone()])
-                        .collect(),
-                    vmm_dir: Some(launched.vm.dir().to_owned()),
-                    network,
-                    // and the parent's `uses_snapshots`: its pauses stack on them
-                    ..parent.clone()
-                }
-            };
-            self.start_sandbox(None, plan, record, access_token.clone(), ingress, &id)
-                .await
-        }
-        .await;
-        if result.is_err() {
-            let _ = std::fs::remove_dir_all(&dir);
-        }
-        result
+        self.start_child(parent, &id, &dir, from, timeout, hold)
+            .await
     }
 
     /// `count` new sandboxes from the snapshot `id_or_name` (an id or a
@@ -431,14 +355,8 @@ impl Manager {
         params: SnapshotForkParams,
     ) -> Result<ForkResults, SandboxError> {
         let team = crate::node::tenants::team_or_default(params.team.as_deref()).to_owned();
-        let _permit = self
-            .admit(crate::node::events::Ask::Create { team: &team })
-            .await?;
-        let mut results = self
-            .fork_snapshot_unannounced(id_or_name, count, params)
-            .await?;
-        self.tell_children(&mut results, &team).await;
-        Ok(results)
+        let fork = self.fork_snapshot_unannounced(id_or_name, count, params);
+        self.announced_fork(&team, fork, |results| results).await
     }
 
     async fn fork_snapshot_unannounced(
