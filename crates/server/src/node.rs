@@ -9,6 +9,7 @@ pub mod config;
 pub mod crash;
 pub(crate) mod events;
 pub(crate) mod ids;
+pub use ids::Token;
 pub(crate) mod ingress;
 pub mod jail;
 pub mod keys;

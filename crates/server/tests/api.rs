@@ -46,7 +46,7 @@ fn record(id: &str, started: u64, state: SandboxState, team: &str) -> SandboxRec
         template_id: "base".into(),
         alias: Some("base".into()),
         metadata: BTreeMap::from([("team".into(), team.into())]),
-        access_token: Some(format!("tok-{id}")),
+        access_token: Some(format!("tok-{id}").into()),
         started_at_ms: started,
         end_at_ms: started + 3_600_000,
         state,

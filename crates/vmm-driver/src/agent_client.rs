@@ -48,8 +48,9 @@ pub enum AgentError {
     TooLarge { path: String, max: usize },
 }
 
-/// The `POST /init` body: E2B's fields plus sandfork's `entropy`.
-#[derive(Debug, Clone, Default, Serialize)]
+/// The `POST /init` body: E2B's fields plus sandfork's `entropy`. Its
+/// `Debug` leaves out the token, the entropy and the environment's values.
+#[derive(Clone, Default, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct AgentInit {
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -68,6 +69,23 @@ pub struct AgentInit {
     /// Where commands run when a request names no directory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub default_workdir: Option<String>,
+}
+
+impl std::fmt::Debug for AgentInit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let env_names = self
+            .env_vars
+            .as_ref()
+            .map(|env| env.keys().collect::<Vec<_>>());
+        f.debug_struct("AgentInit")
+            .field("timestamp", &self.timestamp)
+            .field("entropy", &self.entropy.as_ref().map(|_| ".."))
+            .field("access_token", &self.access_token.as_ref().map(|_| ".."))
+            .field("env_vars (names)", &env_names)
+            .field("default_user", &self.default_user)
+            .field("default_workdir", &self.default_workdir)
+            .finish()
+    }
 }
 
 impl AgentInit {
@@ -449,6 +467,18 @@ impl AgentClient {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_init_printed_shows_no_secret() {
+        let init = AgentInit {
+            access_token: Some("s3cret-token".into()),
+            env_vars: Some([("KEY".to_owned(), "s3cret-value".to_owned())].into()),
+            ..AgentInit::default()
+        };
+        let shown = format!("{init:?}");
+        assert!(shown.contains("KEY"), "{shown}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+    }
 
     #[tokio::test]
     async fn an_endless_answer_is_cut_off() {

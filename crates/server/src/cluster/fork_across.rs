@@ -37,7 +37,7 @@ pub struct ChildrenRequest {
     pub source: String,
     /// The fork's export there, and its token.
     pub export: String,
-    pub token: String,
+    pub token: crate::node::ids::Token,
     pub count: u32,
     pub timeout_secs: u64,
     pub fork: ForkManifest,

@@ -88,7 +88,7 @@ impl Node {
             addr: req.source.clone(),
             prefix: format!("/internal/forks/{}/chunks", req.export),
             api_key: api_key.to_owned(),
-            token: req.token.clone(),
+            token: req.token.as_str().to_owned(),
         };
         let cache_dir = manager.config().cluster_cache_dir();
         let started = Instant::now();

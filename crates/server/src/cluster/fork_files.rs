@@ -38,7 +38,7 @@ pub struct ForkManifest {
 /// One fork's files, while it is served.
 struct Export {
     team: String,
-    token: String,
+    token: crate::node::ids::Token,
     /// Digest -> (file, offset, length).
     chunks: HashMap<String, (PathBuf, u64, u64)>,
 }
@@ -63,7 +63,7 @@ impl std::fmt::Debug for Exports {
 /// A fork being served: its name, token and description.
 pub struct Exported {
     pub id: String,
-    pub token: String,
+    pub token: crate::node::ids::Token,
     pub manifest: ForkManifest,
 }
 

@@ -50,9 +50,54 @@ pub fn is_sandbox_id(id: &str) -> bool {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
 }
 
-/// A secret token (envd access token): 32 random bytes in hex.
-pub fn token() -> std::io::Result<String> {
-    Ok(hex(&random_bytes(32)?))
+/// A new secret token: 32 random bytes in hex.
+pub fn token() -> std::io::Result<Token> {
+    Ok(Token(hex(&random_bytes(32)?)))
+}
+
+/// A secret (an envd or traffic access token, a fork's file token): stored
+/// and sent as itself, but its `Debug` shows none of it, so that a record
+/// or request printed into a log gives nothing away.
+#[derive(Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(transparent)]
+pub struct Token(String);
+
+impl Token {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::ops::Deref for Token {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Token(..)")
+    }
+}
+
+impl From<String> for Token {
+    fn from(s: String) -> Token {
+        Token(s)
+    }
+}
+
+impl From<&str> for Token {
+    fn from(s: &str) -> Token {
+        Token(s.to_owned())
+    }
+}
+
+impl From<Token> for String {
+    fn from(t: Token) -> String {
+        t.0
+    }
 }
 
 #[cfg(test)]
@@ -70,6 +115,17 @@ mod tests {
         assert!(!is_sandbox_id("../x"));
         assert!(!is_sandbox_id("ABC"));
         assert!(!is_sandbox_id(""));
+    }
+
+    #[test]
+    fn a_token_is_serialized_whole_and_debugged_as_nothing() {
+        let t = token().unwrap();
+        assert_eq!(t.len(), 64);
+        assert_eq!(
+            serde_json::to_string(&t).unwrap(),
+            format!("\"{}\"", t.as_str())
+        );
+        assert_eq!(format!("{:?}", Some(t)), "Some(Token(..))");
     }
 
     #[test]

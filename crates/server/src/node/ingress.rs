@@ -25,7 +25,7 @@ pub struct Ingress {
     /// port must carry in [`TRAFFIC_TOKEN_HEADER`]. Kept by the sandbox for
     /// its life (pauses and resumes included); a fork child gets its own.
     #[serde(default)]
-    pub traffic_access_token: Option<String>,
+    pub traffic_access_token: Option<crate::node::ids::Token>,
 }
 
 /// Why a create's ingress settings are refused (E2B's 400 texts).
@@ -161,7 +161,7 @@ impl Ingress {
     }
 }
 
-fn new_token() -> std::io::Result<String> {
+fn new_token() -> std::io::Result<crate::node::ids::Token> {
     crate::node::ids::token()
 }
 

@@ -61,7 +61,7 @@ pub enum Ready {
     /// access token (a snapshot's agent holds its source's until then).
     Init {
         init: Box<AgentInit>,
-        token: Option<String>,
+        token: Option<crate::node::ids::Token>,
     },
     /// Its agent answers its health check (a cold boot, initialised later).
     Health,

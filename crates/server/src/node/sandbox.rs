@@ -586,7 +586,7 @@ impl Manager {
         vmm: Option<launch::Taken>,
         plan: Plan,
         record: impl FnOnce(&Launched) -> SandboxRecord,
-        token: Option<String>,
+        token: Option<crate::node::ids::Token>,
         ingress: crate::node::ingress::Ingress,
         id: &str,
     ) -> Result<SandboxRecord, SandboxError> {
@@ -686,7 +686,7 @@ impl Manager {
         let mut env_vars = template.env_vars.clone();
         env_vars.extend(params.env_vars);
         let mut init = AgentInit::after_restore()?;
-        init.access_token = access_token.clone();
+        init.access_token = access_token.clone().map(String::from);
         init.env_vars = Some(env_vars.clone());
         let plan = Plan {
             guest: Guest::Restore(self.restore_onto(
@@ -1112,7 +1112,7 @@ impl Manager {
         let vcpus = u8::try_from(record.cpu_count)
             .map_err(|_| SandboxError::Invalid(format!("{} vCPUs", record.cpu_count)))?;
         let mut init = AgentInit::after_restore()?;
-        init.access_token = record.access_token.clone();
+        init.access_token = record.access_token.clone().map(String::from);
         init.env_vars = Some(record.env_vars.clone());
         Ok(Plan {
             guest: Guest::Boot(GuestSpec {
@@ -1291,7 +1291,7 @@ impl Manager {
             .all()
             .into_iter()
             .filter(|s| s.phase().serves())
-            .filter_map(|s| Some((s.id.clone(), s.token.clone()?)))
+            .filter_map(|s| Some((s.id.clone(), s.token.clone()?.into())))
             .collect()
     }
 

@@ -87,7 +87,7 @@ pub struct SandboxRecord {
     pub metadata: BTreeMap<String, String>,
     pub env_vars: BTreeMap<String, String>,
     /// The envd access token, when the sandbox is secure.
-    pub access_token: Option<String>,
+    pub access_token: Option<crate::node::ids::Token>,
     pub started_at_ms: u64,
     pub end_at_ms: u64,
     pub state: SandboxState,
@@ -197,7 +197,7 @@ pub struct TemplateRecord {
     pub names: Vec<String>,
     /// The envd access token the snapshot's agent holds (its source's).
     #[serde(default)]
-    pub agent_token: Option<String>,
+    pub agent_token: Option<crate::node::ids::Token>,
     /// A snapshot's source's network (E2B rules, policy, ingress) when it
     /// was taken: what the snapshot's fork children keep.
     #[serde(default)]

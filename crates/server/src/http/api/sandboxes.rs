@@ -95,8 +95,13 @@ impl From<&SandboxRecord> for wire::Sandbox {
         wire::Sandbox {
             names: r.into(),
             envd_version: envd_proto::ENVD_VERSION.to_owned(),
-            envd_access_token: r.access_token.clone(),
-            traffic_access_token: r.network.ingress.traffic_access_token.clone(),
+            envd_access_token: r.access_token.clone().map(String::from),
+            traffic_access_token: r
+                .network
+                .ingress
+                .traffic_access_token
+                .clone()
+                .map(String::from),
             domain: None,
         }
     }
@@ -125,7 +130,7 @@ impl From<&SandboxRecord> for wire::SandboxDetail {
     fn from(r: &SandboxRecord) -> wire::SandboxDetail {
         wire::SandboxDetail {
             listed: r.into(),
-            envd_access_token: r.access_token.clone(),
+            envd_access_token: r.access_token.clone().map(String::from),
             domain: None,
             lifecycle: wire::Lifecycle {
                 on_timeout: if r.auto_pause { "pause" } else { "kill" }.to_owned(),

@@ -58,7 +58,7 @@ impl Manager {
             };
             let ingress = network.ingress.clone();
             let mut init = AgentInit::after_restore()?;
-            init.access_token = access_token.clone();
+            init.access_token = access_token.clone().map(String::from);
             let plan = Plan {
                 guest: from.guest,
                 // The restored agent holds the parent's token until this init.

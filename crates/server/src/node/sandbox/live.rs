@@ -99,7 +99,7 @@ struct Status {
 pub struct Sandbox {
     pub id: String,
     /// The envd access token (fixed for the sandbox's life).
-    pub token: Option<String>,
+    pub token: Option<crate::node::ids::Token>,
     /// What the port proxy demands of requests to its guest's own ports
     /// (fixed for the sandbox's life).
     pub ingress: Ingress,
@@ -153,7 +153,12 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Sandbox {
-    pub fn new(id: String, token: Option<String>, ingress: Ingress, phase: Phase) -> Arc<Sandbox> {
+    pub fn new(
+        id: String,
+        token: Option<crate::node::ids::Token>,
+        ingress: Ingress,
+        phase: Phase,
+    ) -> Arc<Sandbox> {
         Arc::new(Sandbox {
             id,
             token,
@@ -296,7 +301,8 @@ impl Registry {
             return false;
         }
         if let Some(token) = &sandbox.token {
-            self.by_token.insert(token.clone(), sandbox.id.clone());
+            self.by_token
+                .insert(token.as_str().to_owned(), sandbox.id.clone());
         }
         self.by_id.insert(sandbox.id.clone(), sandbox);
         true
@@ -305,7 +311,7 @@ impl Registry {
     pub fn remove(&mut self, id: &str) -> Option<Arc<Sandbox>> {
         let sandbox = self.by_id.remove(id)?;
         if let Some(token) = &sandbox.token {
-            self.by_token.remove(token);
+            self.by_token.remove(token.as_str());
         }
         Some(sandbox)
     }
