@@ -8,6 +8,7 @@ pub mod clock;
 pub mod config;
 pub mod crash;
 pub mod events;
+pub mod idempotent;
 pub mod ids;
 pub mod ingress;
 pub mod jail;

@@ -120,6 +120,7 @@ impl ForkEntry {
         ForkEntry::Error(Error {
             code,
             message: message.into(),
+            error_code: None,
         })
     }
 
