@@ -2,14 +2,19 @@
 (`Retry-After`, `Should-Retry`) of the node's refusals, which the SDK's own
 retry obeys."""
 
+import os
+import subprocess
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 from conftest import API_KEY, API_URL, RUN_ID, RUN_META, TEMPLATE, create
 from e2b import Sandbox, SandboxException
+
+SCRIPTS = Path(__file__).resolve().parents[3] / "scripts"
 
 
 def _key() -> str:
@@ -28,6 +33,25 @@ def test_a_create_retried_with_its_key_returns_the_same_sandbox() -> None:
         with pytest.raises(SandboxException) as e:
             create(idempotency_key=key, metadata={"changed": "yes"})
         assert "409" in str(e.value) and "different request" in str(e.value)
+    finally:
+        first.kill()
+
+
+@pytest.mark.lifecycle
+def test_a_create_retried_after_the_node_restarts_returns_the_same_sandbox() -> None:
+    node_dir = os.environ.get("SDK_NODE_DIR")
+    if not node_dir:
+        pytest.skip("the node is not this run's (--server): it cannot be restarted here")
+    key = _key()
+    first = create(idempotency_key=key)
+    try:
+        subprocess.run([str(SCRIPTS / "node-restart.sh"), node_dir], check=True, timeout=900)
+        again = create(idempotency_key=key)
+        assert again.sandbox_id == first.sandbox_id
+        with pytest.raises(SandboxException, match="different request"):
+            create(idempotency_key=key, metadata={"changed": "yes"})
+        # The node adopted the sandbox at its start: the answer still works.
+        assert again.commands.run("echo kept").stdout.strip() == "kept"
     finally:
         first.kill()
 
