@@ -31,6 +31,7 @@ stop_node() {
     kill -KILL -- "-$node_pid" 2>/dev/null || true
     wait "$node_pid" 2>/dev/null || true
     node_pid=''
+    [[ -z $node_dir ]] || rm -f "$node_dir/node.pid"
 }
 
 start_node() {

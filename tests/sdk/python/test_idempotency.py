@@ -84,7 +84,8 @@ def test_a_malformed_key_is_a_400_that_says_why(api: httpx.Client) -> None:
     # The SDK refuses such a key itself: sent raw.
     r = api.post(
         "/v2/sandboxes",
-        json={"templateID": TEMPLATE},
+        # the run's metadata: a node that took it would have it reaped
+        json={"templateID": TEMPLATE, "metadata": RUN_META},
         headers={"Idempotency-Key": "Not_A_Key"},
     )
     assert r.status_code == 400, r.text
