@@ -12,10 +12,15 @@
 #     the caller, scripts/test.sh, holds it already).
 #   stop_node
 #     SIGTERM to the node's process group, SIGKILL after 30 s.
+#   A node is restarted (its store, port and key kept) from another process
+#   by scripts/node-restart.sh LOGDIR, which reads the LOGDIR/node.* files
+#   start_node writes; stop_node then stops the restarted one.
 
-node_pid=''
+node_pid='' node_dir=''
 
 stop_node() {
+    # restarted meanwhile by scripts/node-restart.sh: that one
+    [[ -z $node_dir || ! -s $node_dir/node.pid ]] || node_pid=$(cat "$node_dir/node.pid")
     [[ -n $node_pid ]] || return 0
     log "stopping the node (pid $node_pid)"
     kill -TERM -- "-$node_pid" 2>/dev/null || true
@@ -26,6 +31,7 @@ stop_node() {
     kill -KILL -- "-$node_pid" 2>/dev/null || true
     wait "$node_pid" 2>/dev/null || true
     node_pid=''
+    [[ -z $node_dir ]] || rm -f "$node_dir/node.pid"
 }
 
 start_node() {
@@ -54,6 +60,12 @@ start_node() {
     SANDFORK_API_KEY=$node_key setsid "${cmd[@]}" >"$logdir/serve.log" 2>&1 &
     node_pid=$!
     node_url=http://127.0.0.1:$port
+    # what scripts/node-restart.sh needs to start it again
+    node_dir=$logdir
+    printf '%q ' "${cmd[@]}" >"$logdir/node.cmd"
+    echo "$node_pid" >"$logdir/node.pid"
+    echo "$node_url" >"$logdir/node.url"
+    echo "$node_key" >"$logdir/node.key"
     local deadline=''
     until python3 - "$node_url/health" <<'PY' 2>/dev/null; do
 import sys, urllib.request

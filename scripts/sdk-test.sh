@@ -19,8 +19,12 @@
 #      npm lockfile. SDK_PYTEST_ARGS: extra pytest arguments (e.g. "-k files").
 #      SDK_TEST_TEMPLATE: template the suites create sandboxes from (base).
 #      SDK_SERVE_ARGS: extra `sandfork serve` arguments (e.g. "--pool-size 2").
+#      SDK_TEST_BINARY: the `sandfork` to serve (target/debug/sandfork), e.g.
+#      an older build, to see a new test fail without the change it tests.
 #      SDK_TEST_OUT: where the server's log and store go (target/sdk-test),
 #      so that two runs from one checkout can run side by side.
+# Tests: SDK_NODE_DIR names the node's LOGDIR, for scripts/node-restart.sh
+#      (unset with --server: a test that restarts the node skips).
 # Out: the server's log in $SDK_TEST_OUT/serve.log, its store in
 #      $SDK_TEST_OUT/data (fresh each run).
 set -euo pipefail
@@ -53,8 +57,11 @@ trap stop_node EXIT
 
 start_server() {
     # shellcheck disable=SC2086 # SDK_SERVE_ARGS is a list of words
-    start_node target/debug/sandfork "${SDK_TEST_OUT:-target/sdk-test}" ${SDK_SERVE_ARGS:-}
+    start_node "${SDK_TEST_BINARY:-target/debug/sandfork}" "${SDK_TEST_OUT:-target/sdk-test}" ${SDK_SERVE_ARGS:-}
     export E2B_API_URL=$node_url E2B_SANDBOX_URL=$node_url E2B_API_KEY=$node_key
+    # the tests of what survives a restart run scripts/node-restart.sh on it
+    SDK_NODE_DIR=$(realpath "$node_dir")
+    export SDK_NODE_DIR
 }
 
 # --- run -------------------------------------------------------------------

@@ -142,6 +142,16 @@ impl Server {
         manager.clone().start_reaper();
         manager.clone().start_observer();
         manager.clone().start_pressure_monitor();
+        // Idempotency keys are kept a day: the expired ones are forgotten at
+        // start and hourly.
+        let kept = manager.clone();
+        tokio::spawn(async move {
+            let mut hourly = tokio::time::interval(std::time::Duration::from_secs(3600));
+            loop {
+                hourly.tick().await;
+                node::idempotent::collect(kept.store(), node::clock::now_ms());
+            }
+        });
         let member = match &config.cluster {
             Some(c) => Some(cluster::join(c, &manager, &keys).await?),
             None => None,
@@ -153,6 +163,7 @@ impl Server {
                 keys,
                 guests: Default::default(),
                 cluster: member.as_ref().map(|m| m.node.clone()),
+                creates: Default::default(),
             }),
             member,
             api_key_file,

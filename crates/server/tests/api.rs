@@ -155,6 +155,7 @@ fn node_keyed(
         keys,
         guests: Default::default(),
         cluster: Default::default(),
+        creates: Default::default(),
     });
     Node {
         app: router(state),
@@ -2955,4 +2956,133 @@ async fn untagged_builds_past_the_cap_go_and_say_they_were_replaced() {
         .collect();
     assert!(!builds.contains(&"build-b1"), "{builds:?}");
     assert!(builds.contains(&"build-b2"), "{builds:?}");
+}
+
+/// `authed` with an `Idempotency-Key`.
+fn with_key(key: &str, body: &str) -> Request<Body> {
+    let mut req = authed("POST", "/v2/sandboxes", body);
+    req.headers_mut()
+        .insert("idempotency-key", key.parse().unwrap());
+    req
+}
+
+/// A node whose store recorded, before it restarted, a create with key
+/// `done` (answered `seeded`), one interrupted by the restart (`cut`) and
+/// one expired (`old`), all the default team's, of `body`.
+fn node_after_creates(body: &str) -> Node {
+    use server::node::store::{IdempotentAnswer, IdempotentCreate};
+    let json: Value = serde_json::from_str(body).unwrap();
+    let fingerprint = server::node::idempotent::fingerprint("POST /v2/sandboxes", &json);
+    let later = now_ms() + 3_600_000;
+    let seeded = IdempotentAnswer {
+        sandbox_id: "seeded".into(),
+        body: r#"{"sandboxID":"seeded","templateID":"base","envdAccessToken":"tok"}"#.into(),
+    };
+    node_configured(&[], &[], |_, store| {
+        for (key, expires_at_ms, answer) in [
+            ("default/done", later, Some(seeded.clone())),
+            ("default/cut", later, None),
+            ("default/old", now_ms() - 1, Some(seeded.clone())),
+        ] {
+            let c = IdempotentCreate {
+                fingerprint: fingerprint.clone(),
+                expires_at_ms,
+                answer,
+            };
+            store.put_idempotent_create(key, &c).unwrap();
+        }
+    })
+}
+
+#[tokio::test]
+async fn a_create_replayed_with_its_idempotency_key_answers_the_first_answer_after_a_restart() {
+    let body = r#"{"templateID":"base","timeout":60,"metadata":{"a":"b"}}"#;
+    let node = node_after_creates(body);
+    // The same request, spaced differently: the first answer, byte for byte.
+    for body in [
+        body,
+        r#"{ "templateID": "base", "metadata": {"a": "b"}, "timeout": 60 }"#,
+    ] {
+        let response = node
+            .app
+            .clone()
+            .oneshot(with_key("done", body))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::CREATED);
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(
+            &bytes[..],
+            br#"{"sandboxID":"seeded","templateID":"base","envdAccessToken":"tok"}"#
+        );
+    }
+    // Another request with the key: E2B's 409, which the SDKs do not retry.
+    let a = call(
+        &node,
+        with_key("done", r#"{"templateID":"base","timeout":61}"#),
+    )
+    .await;
+    assert_error(&a, StatusCode::CONFLICT);
+    assert_eq!(a.json["error_code"], "idempotency_request_mismatch");
+    assert!(a.headers.get("should-retry").is_none());
+    // Interrupted by the restart: not run again.
+    let a = call(&node, with_key("cut", body)).await;
+    assert_error(&a, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(a.json["error_code"], "idempotency_outcome_unknown");
+    // Expired, or another team's key: a create of its own (which fails
+    // here, without a VMM), and a failed create is not recorded.
+    let (_, team_key) = team(&node, r#"{"name":"other"}"#).await;
+    let mut other = keyed(&team_key, "POST", "/v2/sandboxes", body);
+    other
+        .headers_mut()
+        .insert("idempotency-key", "done".parse().unwrap());
+    for req in [with_key("old", body), other] {
+        let a = call(&node, req).await;
+        assert_ne!(a.status, StatusCode::CREATED, "{}", a.json);
+        assert_ne!(a.json["sandboxID"], "seeded", "{}", a.json);
+    }
+    let store = node.manager.store();
+    assert!(store.idempotent_create("default/old").unwrap().is_none());
+    assert!(store.idempotent_create("default/done").unwrap().is_some());
+}
+
+#[tokio::test]
+async fn a_malformed_idempotency_key_is_a_400_that_says_why() {
+    let node = node(&[]);
+    for key in ["Upper", "a_b", &"a".repeat(256)] {
+        let a = call(&node, with_key(key, "{}")).await;
+        assert_error(&a, StatusCode::BAD_REQUEST);
+        let m = a.json["message"].as_str().unwrap();
+        assert!(m.contains("Idempotency-Key must be 1 to 255"), "{m}");
+    }
+    let mut empty = authed("POST", "/v2/sandboxes", "{}");
+    empty
+        .headers_mut()
+        .insert("idempotency-key", "".parse().unwrap());
+    assert_error(&call(&node, empty).await, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn limits_answer_with_retry_after_for_the_sdks_retry() {
+    let node = small_node(|c| c.max_sandboxes = 0);
+    let a = call(&node, authed("POST", "/v2/sandboxes", "{}")).await;
+    assert_error(&a, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(a.headers["retry-after"], "1");
+    assert_eq!(a.headers["should-retry"], "true");
+    let node = small_node(|_| ());
+    let (_, key) = team(&node, r#"{"name":"a","maxSandboxes":0}"#).await;
+    let a = call(&node, keyed(&key, "POST", "/v2/sandboxes", "{}")).await;
+    assert_error(&a, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(a.headers["retry-after"], "1");
+    assert_eq!(a.headers["should-retry"], "true");
+    // A refused create with a key is not recorded: the SDK's retry, which
+    // sends the key again, is a new attempt.
+    for _ in 0..2 {
+        let mut r = keyed(&key, "POST", "/v2/sandboxes", "{}");
+        r.headers_mut()
+            .insert("idempotency-key", "k".parse().unwrap());
+        let a = call(&node, r).await;
+        assert_error(&a, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(a.headers["retry-after"], "1");
+    }
 }

@@ -267,6 +267,7 @@ fn error(status: StatusCode, message: &str) -> Response {
     let body = wire::Error {
         code: status.as_u16(),
         message: message.to_owned(),
+        error_code: None,
     };
     (status, axum::Json(body)).into_response()
 }

@@ -19,6 +19,8 @@ pub struct AppState {
     /// The node's part in a cluster, if it is in one (a fork across nodes,
     /// templates and pauses taken in, the routes other nodes ask for).
     pub cluster: Option<Arc<crate::cluster::Node>>,
+    /// The creates under way with an `Idempotency-Key`.
+    pub creates: crate::node::idempotent::Creates,
 }
 
 pub type Shared = Arc<AppState>;

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use redb::{ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
 use serde::{Deserialize, Serialize};
 
 const SANDBOXES: TableDefinition<&str, &[u8]> = TableDefinition::new("sandboxes");
@@ -21,6 +21,9 @@ const BUILDS: TableDefinition<&str, &[u8]> = TableDefinition::new("builds");
 const TEAMS: TableDefinition<&str, &[u8]> = TableDefinition::new("teams");
 const KEYS: TableDefinition<&str, &[u8]> = TableDefinition::new("api_keys");
 const OWNERS: TableDefinition<&str, &[u8]> = TableDefinition::new("owners");
+/// Creates made with an `Idempotency-Key`, by `<team>/<key>`: see
+/// [`crate::node::idempotent`].
+const IDEMPOTENT: TableDefinition<&str, &[u8]> = TableDefinition::new("idempotent_creates");
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -300,7 +303,7 @@ impl Store {
         let db = redb::Database::create(path).map_err(db_err)?;
         let tx = db.begin_write().map_err(db_err)?;
         for table in [
-            SANDBOXES, TEMPLATES, RETIRED, META, BUILDS, TEAMS, KEYS, OWNERS,
+            SANDBOXES, TEMPLATES, RETIRED, META, BUILDS, TEAMS, KEYS, OWNERS, IDEMPOTENT,
         ] {
             tx.open_table(table).map_err(db_err)?;
         }
@@ -546,6 +549,62 @@ impl Store {
             Some(team) => self.put(OWNERS, what, team.as_bytes()),
             None => self.remove(OWNERS, what).map(drop),
         }
+    }
+}
+
+/// A create made with an `Idempotency-Key`: what its replays are compared
+/// with and answered. Times are unix milliseconds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdempotentCreate {
+    /// The SHA-256 (hex) of the route and the request's JSON.
+    pub fingerprint: String,
+    /// Forgotten from then on (a replay after it creates again).
+    pub expires_at_ms: u64,
+    /// None while the create runs: found so after a restart, the create's
+    /// outcome is unknown.
+    pub answer: Option<IdempotentAnswer>,
+}
+
+/// The 201 a create answered.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdempotentAnswer {
+    pub sandbox_id: String,
+    /// The JSON body, byte for byte.
+    pub body: String,
+}
+
+impl Store {
+    pub fn idempotent_create(&self, key: &str) -> Result<Option<IdempotentCreate>, StoreError> {
+        self.get(IDEMPOTENT, key)?
+            .map(|b| decode(&b, "idempotent create"))
+            .transpose()
+    }
+
+    pub fn put_idempotent_create(&self, key: &str, c: &IdempotentCreate) -> Result<(), StoreError> {
+        self.put(IDEMPOTENT, key, &encode(c))
+    }
+
+    pub fn remove_idempotent_create(&self, key: &str) -> Result<bool, StoreError> {
+        self.remove(IDEMPOTENT, key)
+    }
+
+    /// Removes the records expired at `now_ms` (and unreadable ones, which
+    /// nothing could replay); returns how many.
+    pub fn remove_expired_idempotent_creates(&self, now_ms: u64) -> Result<u64, StoreError> {
+        let tx = self.db.begin_write().map_err(db_err)?;
+        let removed = {
+            let mut table = tx.open_table(IDEMPOTENT).map_err(db_err)?;
+            let before = table.len().map_err(db_err)?;
+            table
+                .retain(|_, v| {
+                    decode::<IdempotentCreate>(v, "idempotent create")
+                        .is_ok_and(|c| c.expires_at_ms > now_ms)
+                })
+                .map_err(db_err)?;
+            before.saturating_sub(table.len().map_err(db_err)?)
+        };
+        tx.commit().map_err(db_err)?;
+        Ok(removed)
     }
 }
 

@@ -40,6 +40,16 @@ pub const SANDBOX_PORT_HEADER: &str = "e2b-sandbox-port";
 /// E2B: a private sandbox's traffic token, on requests to its own ports.
 pub const TRAFFIC_TOKEN_HEADER: &str = "e2b-traffic-access-token";
 
+/// E2B: a create's idempotency key (`[a-z0-9-]{1,255}`), on
+/// `POST /v2/sandboxes`: a retry with it answers the first create's sandbox.
+pub const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
+/// E2B: on a refusal, whether the SDKs should retry it (`true`/`false`);
+/// when present it decides, whatever the status.
+pub const SHOULD_RETRY_HEADER: &str = "should-retry";
+/// HTTP's, on a refusal: seconds to wait before retrying, which the SDKs
+/// honour.
+pub const RETRY_AFTER_HEADER: &str = "retry-after";
+
 /// Sandfork's, on a fork's answer: how long the parent's guest was stopped
 /// for the freeze, in milliseconds. (`sdk_bench.py` spells it too.)
 pub const PARENT_PAUSED_HEADER: &str = "sandfork-parent-paused-ms";
@@ -90,6 +100,9 @@ pub(crate) fn header_map(pairs: &[(&str, &str)]) -> axum::http::HeaderMap {
 pub struct Error {
     pub code: u16,
     pub message: String,
+    /// E2B's machine-readable kind of some errors (`idempotency_request_mismatch`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_code: Option<String>,
 }
 
 /// E2B's proxy answer for a request to a sandbox (envd or another guest

@@ -122,6 +122,7 @@ impl ForkEntry {
         ForkEntry::Error(Error {
             code,
             message: message.into(),
+            error_code: None,
         })
     }
 

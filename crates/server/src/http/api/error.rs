@@ -3,9 +3,14 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 
+use axum::http::HeaderValue;
+
 use crate::node::events::Denial;
+use crate::node::idempotent::IdempotencyError;
 use crate::node::sandbox::SandboxError;
-use crate::wire::{self, CLUSTER_STATE_HEADER, TEAM_LIMIT_HEADER};
+use crate::wire::{
+    self, CLUSTER_STATE_HEADER, RETRY_AFTER_HEADER, SHOULD_RETRY_HEADER, TEAM_LIMIT_HEADER,
+};
 
 #[derive(Debug)]
 pub struct ApiError {
@@ -13,7 +18,32 @@ pub struct ApiError {
     pub message: String,
     /// The answer is the cluster's, not the node's (a header says which).
     pub cluster_wide: Option<ClusterWide>,
+    /// What the SDKs' retry should do (see [`Retry`]); None: the default
+    /// of the status.
+    pub retry: Option<Retry>,
+    /// E2B's `error_code` of the body, for the errors E2B names.
+    pub error_code: Option<&'static str>,
 }
+
+/// What a refusal tells the E2B SDKs' retry. They retry a 429, 502, 503 or
+/// 504 by themselves (the JS SDK only a 429 with `Retry-After`), waiting
+/// `Retry-After` seconds when it is given, and obey `Should-Retry` whatever
+/// the status when it is present.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retry {
+    /// Room may free (a sandbox ends, etcd answers): `Should-Retry: true`
+    /// and `Retry-After` in seconds.
+    After(u32),
+    /// The same request would be refused the same (this node cannot do it
+    /// at all): `Should-Retry: false`, so that a 503 is not retried.
+    Never,
+}
+
+/// A team or a node at its limit: a sandbox may end any moment, and a
+/// retry costs the node one admission check.
+pub const ROOM_RETRY_SECS: u32 = 1;
+/// etcd unreachable or slow: its client retries for seconds itself.
+pub const CLUSTER_STATE_RETRY_SECS: u32 = 2;
 
 /// Why an answer would be the same on every node of a cluster.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,6 +60,16 @@ impl ApiError {
             status,
             message: message.into(),
             cluster_wide: None,
+            retry: None,
+            error_code: None,
+        }
+    }
+
+    /// This error with `retry` advice for the SDKs.
+    pub fn with_retry(self, retry: Retry) -> ApiError {
+        ApiError {
+            retry: Some(retry),
+            ..self
         }
     }
 
@@ -37,6 +77,7 @@ impl ApiError {
     pub fn team_limit(message: impl Into<String>) -> ApiError {
         ApiError {
             cluster_wide: Some(ClusterWide::TeamLimit),
+            retry: Some(Retry::After(ROOM_RETRY_SECS)),
             ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, message)
         }
     }
@@ -45,6 +86,7 @@ impl ApiError {
     pub fn cluster_state(e: impl std::fmt::Display) -> ApiError {
         ApiError {
             cluster_wide: Some(ClusterWide::ClusterState),
+            retry: Some(Retry::After(CLUSTER_STATE_RETRY_SECS)),
             ..ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!("cluster state: {e}"),
@@ -62,8 +104,29 @@ impl IntoResponse for ApiError {
         let body = wire::Error {
             code: self.status.as_u16(),
             message: self.message,
+            error_code: self.error_code.map(str::to_owned),
         };
         let mut answer = (self.status, axum::Json(body)).into_response();
+        // Every status the SDKs retry by themselves says when to: without
+        // it they back off blind (Python) or give up (JS, on a 429).
+        let retry = self.retry.or(match self.status {
+            StatusCode::TOO_MANY_REQUESTS
+            | StatusCode::BAD_GATEWAY
+            | StatusCode::SERVICE_UNAVAILABLE
+            | StatusCode::GATEWAY_TIMEOUT => Some(Retry::After(ROOM_RETRY_SECS)),
+            _ => None,
+        });
+        let headers = answer.headers_mut();
+        match retry {
+            Some(Retry::After(secs)) => {
+                headers.insert(SHOULD_RETRY_HEADER, HeaderValue::from_static("true"));
+                headers.insert(RETRY_AFTER_HEADER, HeaderValue::from(secs));
+            }
+            Some(Retry::Never) => {
+                headers.insert(SHOULD_RETRY_HEADER, HeaderValue::from_static("false"));
+            }
+            None => {}
+        }
         let header = match self.cluster_wide {
             None => None,
             Some(ClusterWide::TeamLimit) => Some(TEAM_LIMIT_HEADER),
@@ -87,11 +150,16 @@ impl From<Denial> for ApiError {
             Denial::TeamFull { .. } => ApiError::team_limit(message),
             Denial::ClusterState(_) => ApiError {
                 cluster_wide: Some(ClusterWide::ClusterState),
+                retry: Some(Retry::After(CLUSTER_STATE_RETRY_SECS)),
                 ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, message)
             },
             Denial::Conflict(_) => ApiError::new(StatusCode::CONFLICT, message),
             Denial::NotFound(_) => ApiError::new(StatusCode::NOT_FOUND, message),
-            Denial::Unavailable(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, message),
+            // Not possible on this node (a gateway tries the next one):
+            // asking this node again gets the same.
+            Denial::Unavailable(_) => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, message).with_retry(Retry::Never)
+            }
         }
     }
 }
@@ -122,6 +190,18 @@ impl From<SandboxError> for ApiError {
             }
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
+        let retry = match &e {
+            SandboxError::AtCapacity { .. }
+            | SandboxError::OverCapacity(_)
+            | SandboxError::Network(crate::node::net::NetError::Exhausted(_)) => {
+                Some(Retry::After(ROOM_RETRY_SECS))
+            }
+            // What this node cannot do at all (no agent binary to build
+            // with, a template of another network set-up, a build that
+            // failed): a retry is refused the same.
+            SandboxError::Unavailable(_) => Some(Retry::Never),
+            _ => None,
+        };
         let message = e.to_string();
         if status == StatusCode::INTERNAL_SERVER_ERROR {
             // The whole error, with a stuck guest's diagnostics (console,
@@ -131,7 +211,33 @@ impl From<SandboxError> for ApiError {
             let first = message.lines().next().unwrap_or_default();
             return ApiError::new(status, format!("{first} (details in the node's log)"));
         }
-        ApiError::new(status, message)
+        ApiError {
+            retry,
+            ..ApiError::new(status, message)
+        }
+    }
+}
+
+impl From<IdempotencyError> for ApiError {
+    fn from(e: IdempotencyError) -> ApiError {
+        let (status, code) = match &e {
+            IdempotencyError::Malformed => (StatusCode::BAD_REQUEST, None),
+            IdempotencyError::Mismatch => {
+                (StatusCode::CONFLICT, Some("idempotency_request_mismatch"))
+            }
+            IdempotencyError::OutcomeUnknown => (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                Some("idempotency_outcome_unknown"),
+            ),
+            IdempotencyError::Store(_) => (StatusCode::INTERNAL_SERVER_ERROR, None),
+        };
+        if status == StatusCode::INTERNAL_SERVER_ERROR {
+            tracing::error!("{e}");
+        }
+        ApiError {
+            error_code: code,
+            ..ApiError::new(status, e.to_string())
+        }
     }
 }
 
@@ -146,6 +252,49 @@ mod tests {
         ));
         assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(e.message, "no free network slot (all 1024 in use)");
+        assert_eq!(e.retry, Some(Retry::After(ROOM_RETRY_SECS)));
+    }
+
+    #[test]
+    fn refusals_tell_the_sdks_when_to_retry_and_when_not_to() {
+        let headers = |e: ApiError| {
+            let h = e.into_response().headers().clone();
+            let get = |n: &str| h.get(n).map(|v| v.to_str().unwrap().to_owned());
+            (get(SHOULD_RETRY_HEADER), get(RETRY_AFTER_HEADER))
+        };
+        let again = (Some("true".to_owned()), Some("1".to_owned()));
+        assert_eq!(headers(ApiError::team_limit("full")), again);
+        assert_eq!(
+            headers(ApiError::from(Denial::TeamFull { limit: 1 })),
+            again
+        );
+        assert_eq!(
+            headers(ApiError::from(SandboxError::AtCapacity {
+                running: 1,
+                asked: 1,
+                max: 1
+            })),
+            again
+        );
+        assert_eq!(
+            headers(ApiError::cluster_state("etcd")),
+            (Some("true".to_owned()), Some("2".to_owned()))
+        );
+        // Any other 503 says when, by default.
+        assert_eq!(
+            headers(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "x")),
+            again
+        );
+        let never = (Some("false".to_owned()), None);
+        assert_eq!(
+            headers(ApiError::from(SandboxError::Unavailable("no agent".into()))),
+            never
+        );
+        assert_eq!(
+            headers(ApiError::from(Denial::Unavailable("elsewhere".into()))),
+            never
+        );
+        assert_eq!(headers(ApiError::bad_request("no")), (None, None));
     }
 
     #[test]

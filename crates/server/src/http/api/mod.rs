@@ -20,7 +20,7 @@ use axum::middleware;
 use axum::routing::{delete, get, patch, post, put};
 
 pub use detach::ClientGone;
-pub use error::ApiError;
+pub use error::{ApiError, Retry};
 pub use list::{ListQuery, decode_metadata_filter};
 pub use sandboxes::MAX_FORK_COUNT;
 pub(crate) use sandboxes::fork_answer;

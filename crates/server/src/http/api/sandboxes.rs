@@ -5,7 +5,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
-use axum::http::{StatusCode, Uri};
+use axum::http::{HeaderMap, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::Deserialize;
@@ -13,9 +13,11 @@ use serde::de::DeserializeOwned;
 
 use super::list::ListQuery;
 use super::{ApiError, ClientGone, Shared};
+use crate::node::clock::now_ms;
+use crate::node::idempotent::{self, Begun, IdempotencyError};
 use crate::node::ids;
 use crate::node::sandbox::{CreateParams, PauseMode, Phase, ResumeMode};
-use crate::node::store::{SandboxRecord, SandboxState};
+use crate::node::store::{IdempotentAnswer, SandboxRecord, SandboxState};
 use crate::node::template;
 use crate::node::tenants::Caller;
 use crate::wire;
@@ -172,10 +174,74 @@ async fn create(
     state: Shared,
     caller: Caller,
     gone: ClientGone,
+    headers: HeaderMap,
     body: Bytes,
     v2: bool,
 ) -> Result<Response, ApiError> {
     let req: NewSandbox = parse_body(&body)?;
+    let Some(key) = headers.get(wire::IDEMPOTENCY_KEY_HEADER) else {
+        let made = create_now(&state, caller, &gone, req, v2, false).await?;
+        return Ok((StatusCode::CREATED, Json(made)).into_response());
+    };
+    let key = key.to_str().map_err(|_| IdempotencyError::Malformed)?;
+    idempotent::check_key(key)?;
+    let json: serde_json::Value = parse_body(&body)?;
+    let route = if v2 {
+        "POST /v2/sandboxes"
+    } else {
+        "POST /sandboxes"
+    };
+    let begun = state
+        .creates
+        .begin(
+            state.manager.store(),
+            format!("{}/{key}", caller.team),
+            idempotent::fingerprint(route, &json),
+            now_ms(),
+        )
+        .await?;
+    let claim = match begun {
+        Begun::Replay(answer) => return Ok(replay(answer)),
+        Begun::First(claim) => claim,
+    };
+    let made = create_now(&state, caller, &gone, req, v2, true).await?;
+    let answer = IdempotentAnswer {
+        sandbox_id: made.sandbox_id.clone(),
+        body: serde_json::to_string(&made)
+            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?,
+    };
+    // Not recorded, the sandbox stays: the caller has its answer now, and
+    // a replay after a lost record makes another, as without a key.
+    if let Err(e) = claim.finish(answer.clone()) {
+        tracing::warn!(
+            "sandbox {}: recording its idempotency key: {e}",
+            made.sandbox_id
+        );
+    }
+    Ok(replay(answer))
+}
+
+/// A create's 201, the first time or replayed (the same bytes).
+fn replay(answer: IdempotentAnswer) -> Response {
+    (
+        StatusCode::CREATED,
+        [(header::CONTENT_TYPE, "application/json")],
+        answer.body,
+    )
+        .into_response()
+}
+
+/// Creates the sandbox `req` asks for. `keyed`: the request has an
+/// idempotency key, so its client means to retry with it when it loses the
+/// answer; the sandbox is kept for that retry even if the client is gone.
+async fn create_now(
+    state: &Shared,
+    caller: Caller,
+    gone: &ClientGone,
+    req: NewSandbox,
+    v2: bool,
+    keyed: bool,
+) -> Result<wire::Sandbox, ApiError> {
     let max = state.manager.config().max_timeout;
     let default_timeout = if v2 {
         V2_DEFAULT_TIMEOUT
@@ -190,7 +256,7 @@ async fn create(
     if let Some(cluster) = &state.cluster {
         cluster.take_in_template_for(&caller, &template_id).await?;
     }
-    super::tenancy::check_template(&state, &caller, &template_id)?;
+    super::tenancy::check_template(state, &caller, &template_id)?;
     let params = CreateParams {
         template_id,
         timeout: create_timeout(req.timeout.unwrap_or(default_timeout), max)?,
@@ -206,29 +272,33 @@ async fn create(
     // The code interpreter is built on its first create.
     state.templates.ensure_builtin(&params.template_id).await?;
     let record = state.manager.create(params).await?;
-    remove_if_gone(&state, &gone, [record.id.as_str()]).await?;
-    if ends_now {
-        reap_soon(&state);
+    if !keyed {
+        remove_if_gone(state, gone, [record.id.as_str()]).await?;
     }
-    Ok((StatusCode::CREATED, Json(wire::Sandbox::from(&record))).into_response())
+    if ends_now {
+        reap_soon(state);
+    }
+    Ok(wire::Sandbox::from(&record))
 }
 
 pub async fn create_v1(
     State(state): State<Shared>,
     Extension(caller): Extension<Caller>,
     gone: ClientGone,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    create(state, caller, gone, body, false).await
+    create(state, caller, gone, headers, body, false).await
 }
 
 pub async fn create_v2(
     State(state): State<Shared>,
     Extension(caller): Extension<Caller>,
     gone: ClientGone,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    create(state, caller, gone, body, true).await
+    create(state, caller, gone, headers, body, true).await
 }
 
 /// The sandbox id a path names, as E2B's API reads it: `<id>-<client id>`

@@ -13,7 +13,7 @@ use std::time::Duration;
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::{MatchedPath, Path, Request, State};
-use axum::http::{HeaderValue, StatusCode};
+use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
@@ -79,15 +79,14 @@ fn invalid_key() -> Response {
 /// 429 with `Retry-After` (whole seconds, at least 1), which both SDKs honour.
 fn rate_limited(wait: Duration) -> Response {
     let secs = wait.as_secs_f64().ceil().max(1.0) as u64;
-    let mut answer = ApiError::new(
+    ApiError::new(
         StatusCode::TOO_MANY_REQUESTS,
         format!("rate limit exceeded: too many requests with this API key; retry in {secs} s"),
     )
-    .into_response();
-    answer
-        .headers_mut()
-        .insert("retry-after", HeaderValue::from(secs));
-    answer
+    .with_retry(super::error::Retry::After(
+        u32::try_from(secs).unwrap_or(u32::MAX),
+    ))
+    .into_response()
 }
 
 /// The path segment of `path` where the route `template` has `{name}`,
