@@ -8,7 +8,7 @@ pub mod clock;
 pub mod config;
 pub mod crash;
 pub(crate) mod events;
-pub(crate) mod idempotent;
+pub mod idempotent;
 pub(crate) mod ids;
 pub use ids::Token;
 pub(crate) mod ingress;
