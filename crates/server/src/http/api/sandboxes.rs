@@ -206,7 +206,7 @@ async fn create(
     };
     let made = create_now(&state, caller, &gone, req, v2, true).await?;
     let answer = IdempotentAnswer {
-        sandbox_id: made.sandbox_id.clone(),
+        sandbox_id: made.names.sandbox_id.clone(),
         body: serde_json::to_string(&made)
             .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?,
     };
@@ -215,7 +215,7 @@ async fn create(
     if let Err(e) = claim.finish(answer.clone()) {
         tracing::warn!(
             "sandbox {}: recording its idempotency key: {e}",
-            made.sandbox_id
+            made.names.sandbox_id
         );
     }
     Ok(replay(answer))
