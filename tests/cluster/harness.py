@@ -74,28 +74,41 @@ class Processes:
     """Every long-lived process the session starts; stopped at its end."""
 
     def __init__(self) -> None:
-        self._procs: list[subprocess.Popen[bytes]] = []
+        self._procs: list[tuple[bool, str, subprocess.Popen[bytes]]] = []
 
     def start(
-        self, argv: Sequence[str], log_path: Path, env: Mapping[str, str], append: bool = False
+        self,
+        argv: Sequence[str],
+        log_path: Path,
+        env: Mapping[str, str],
+        append: bool = False,
+        stop_first: bool = False,
     ) -> subprocess.Popen[bytes]:
+        """stop_first: a node or gateway, stopped before etcd and the store
+        (a node leaves the cluster through etcd on its way out)."""
         with open(log_path, "ab" if append else "wb") as out:
             proc = subprocess.Popen(
                 list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env
             )
-        self._procs.append(proc)
+        self._procs.append((stop_first, log_path.stem, proc))
         return proc
 
-    def stop_all(self) -> None:
-        for proc in self._procs:
-            if proc.poll() is None:
+    def stop_all(self, grace: float = 15) -> None:
+        """SIGTERM, then SIGKILL for what still runs `grace` seconds later:
+        nodes and gateways, then the rest. Bounded, so that the session's
+        end never runs into the lab's timeout."""
+        for first in (True, False):
+            live = [(n, p) for f, n, p in self._procs if f == first and p.poll() is None]
+            for _, proc in live:
                 proc.terminate()
-        for proc in self._procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            deadline = time.monotonic() + grace
+            for name, proc in live:
+                try:
+                    proc.wait(timeout=max(deadline - time.monotonic(), 0))
+                except subprocess.TimeoutExpired:
+                    log.info("%s did not stop in %g s after SIGTERM: killed", name, grace)
+                    proc.kill()
+                    proc.wait()
 
 
 def kill9(proc: subprocess.Popen[bytes]) -> None:
@@ -321,9 +334,8 @@ class Cluster:
     def start_node(self, node_id: str, extra: Sequence[str] = ()) -> Node:
         port = free_port()
         log_path = self.work / f"{node_id}.log"
-        proc = self.procs.start(
-            self.serve_argv(node_id, f"127.0.0.1:{port}", extra), log_path, self.env
-        )
+        argv = self.serve_argv(node_id, f"127.0.0.1:{port}", extra)
+        proc = self.procs.start(argv, log_path, self.env, stop_first=True)
         node = Node(node_id, port, self.work / node_id, log_path, proc)
         self.nodes[node_id] = node
         return node
@@ -331,7 +343,7 @@ class Cluster:
     def start_gateway(self, name: str) -> str:
         port = free_port()
         argv = [str(self.bin), "serve", "--role", "gateway", "--listen", f"127.0.0.1:{port}"]
-        self.procs.start(argv, self.work / f"{name}.log", self.env)
+        self.procs.start(argv, self.work / f"{name}.log", self.env, stop_first=True)
         url = f"http://127.0.0.1:{port}"
         self.gateways.append(url)
         return url
@@ -358,7 +370,7 @@ class Cluster:
         )
         log_path = self.work / f"{node_id}-cut.log"
         argv = [*self.cut.enter(), *self.serve_argv(node_id, f"{self.cut.node}:{port}")]
-        proc = self.procs.start(argv, log_path, env)
+        proc = self.procs.start(argv, log_path, env, stop_first=True)
         node = Node(node_id, port, self.work / node_id, log_path, proc, self.cut.node)
         self.nodes[node_id] = node
         self.dead.discard(node_id)
