@@ -385,8 +385,9 @@ impl Registration {
     /// not stored) once that lease is gone. A sandbox that runs with its
     /// team at its quota (one adopted after a restart) is still claimed,
     /// without a slot, and reported: the map must name it to serve it. The slots of sandboxes
-    /// `changing` names (a pause or resume the node is making, or made
-    /// since it listed them) are left to that change.
+    /// `changing` names (a create, pause or resume the node is making, or
+    /// made since it listed them) are left to that change, and so are
+    /// their routes when the list lacks them.
     pub async fn reconcile(
         &self,
         local: &[LocalSandbox],
@@ -462,6 +463,12 @@ impl Registration {
                 continue;
             }
             if current {
+                // A create that claimed its route after the node's list
+                // was taken: the next pass lists it (released now, the
+                // route would be missing until then).
+                if changing(&id) {
+                    continue;
+                }
                 if crate::release(&mut client, &id, &seen).await? {
                     done.released += 1;
                 }

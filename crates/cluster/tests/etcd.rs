@@ -380,6 +380,19 @@ async fn reconcile_makes_the_map_match_the_node() {
 }
 
 #[tokio::test]
+async fn a_route_claimed_after_the_node_listed_its_sandboxes_stays() {
+    let etcd = Etcd::start().unwrap();
+    let cluster = connect(&etcd).await;
+    let a = register(&cluster, "a", 1, Duration::from_secs(5)).await;
+    // A create claims its route after the pass's list was taken (which
+    // lacks it): the pass leaves the route, the next one lists it.
+    assert!(a.claim("new").await.unwrap());
+    let done = a.reconcile(&[], |id| id == "new").await.unwrap();
+    assert_eq!(done, sandfork_cluster::Reconciled::default());
+    assert!(cluster.sandbox("new").await.unwrap().is_some());
+}
+
+#[tokio::test]
 async fn a_node_back_under_a_new_lease_takes_its_routes_over() {
     let etcd = Etcd::start().unwrap();
     let cluster = connect(&etcd).await;

@@ -58,8 +58,9 @@ pub struct Node {
     pub manager: Arc<Manager>,
     /// The object store pauses go to, if the cluster has one.
     pub durable: Option<durable::Durable>,
-    /// Pauses and resumes under way or made since the reconciler last
-    /// listed the sandboxes: their team slots are theirs to change.
+    /// Creates, pauses and resumes under way or made since the reconciler
+    /// last listed the sandboxes: their team slots (and a new sandbox's
+    /// route) are theirs to change.
     pub changing: Arc<Changing>,
     /// Resumes under way that took one of their team's slots (given back
     /// if the resume fails).
@@ -548,6 +549,9 @@ impl Node {
     async fn told(self: &Arc<Self>, event: Event<'_>) -> Result<Told, Denial> {
         match event {
             Event::Created { id, team } => {
+                // Marked before its route is written: a reconcile pass
+                // whose list lacks it must not release that route.
+                let _under_way = self.changing.start(id);
                 let claimed = claim(self, id, team).await;
                 self.publish_load();
                 claimed.map(|()| Told::default())
