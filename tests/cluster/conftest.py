@@ -100,7 +100,9 @@ def procs(cut_net: CutNet, work: Path) -> Iterator[Processes]:
 
 
 @pytest.fixture(scope="session")
-def etcd(cut_net: CutNet, procs: Processes, work: Path, base_env: dict[str, str]) -> Etcd:
+def etcd(
+    cut_net: CutNet, s3_started: S3, procs: Processes, work: Path, base_env: dict[str, str]
+) -> Etcd:
     cluster = Etcd(procs, work, base_env, also_on=cut_net.host)
     for m in (1, 2, 3):
         cluster.start(m)
@@ -113,16 +115,24 @@ def etcd(cut_net: CutNet, procs: Processes, work: Path, base_env: dict[str, str]
 
 
 @pytest.fixture(scope="session")
-def s3(procs: Processes, work: Path, base_env: dict[str, str]) -> S3:
-    """The object store, up before the nodes (each makes sure of its bucket)."""
+def s3_started(procs: Processes, work: Path, base_env: dict[str, str]) -> S3:
+    """The object store, started before etcd: both take seconds to come up,
+    and it comes up while etcd's members elect a leader."""
     store = S3(procs, work, base_env)
     store.start()
+    return store
+
+
+@pytest.fixture(scope="session")
+def s3(s3_started: S3, etcd: Etcd) -> S3:
+    """The object store, up before the nodes (each makes sure of its bucket)."""
+    store = s3_started
     start = time.monotonic()
     try:
         wait_until(store.bucket_made, 120, "the S3 server did not start", 0.5)
     except AssertionError as e:
         raise AssertionError(f"{e}\n{tail(store.log)}") from None
-    log.info("S3 server up in %.0f s", time.monotonic() - start)
+    log.info("S3 server up %.0f s after etcd", time.monotonic() - start)
     return store
 
 
