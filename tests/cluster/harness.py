@@ -231,8 +231,10 @@ class Etcd:
             return None
         endpoints = self.endpoints().split(",")
         for member in status:
-            header = member["Status"]["header"]
-            if header["member_id"] == member["Status"]["leader"]:
+            # (a member still electing has no "leader": JSON leaves out zeros)
+            said = member["Status"]
+            leader = said.get("leader")
+            if leader and said["header"].get("member_id") == leader:
                 return endpoints.index(member["Endpoint"]) + 1
         return None
 
