@@ -107,6 +107,7 @@ fn node() -> &'static Node {
                 keys: ApiKeys::for_key(KEY),
                 guests: Default::default(),
                 cluster: Default::default(),
+                creates: Default::default(),
             }))
         });
         Node { runtime, app }
