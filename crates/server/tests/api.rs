@@ -2975,7 +2975,6 @@ fn node_after_creates(body: &str) -> Node {
     let fingerprint = server::node::idempotent::fingerprint("POST /v2/sandboxes", &json);
     let later = now_ms() + 3_600_000;
     let seeded = IdempotentAnswer {
-        sandbox_id: "seeded".into(),
         body: r#"{"sandboxID":"seeded","templateID":"base","envdAccessToken":"tok"}"#.into(),
     };
     node_configured(&[], &[], |_, store| {

@@ -223,7 +223,6 @@ mod tests {
 
     fn answer(id: &str) -> IdempotentAnswer {
         IdempotentAnswer {
-            sandbox_id: id.into(),
             body: format!(r#"{{"sandboxID":"{id}"}}"#),
         }
     }

@@ -568,7 +568,6 @@ pub struct IdempotentCreate {
 /// The 201 a create answered.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IdempotentAnswer {
-    pub sandbox_id: String,
     /// The JSON body, byte for byte.
     pub body: String,
 }

@@ -1,9 +1,7 @@
 //! Errors as E2B's API answers them: `{"code": <status>, "message": "..."}`.
 
-use axum::http::StatusCode;
+use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-
-use axum::http::HeaderValue;
 
 use crate::node::events::Denial;
 use crate::node::idempotent::IdempotencyError;
@@ -148,11 +146,7 @@ impl From<Denial> for ApiError {
         let message = denial.to_string();
         match denial {
             Denial::TeamFull { .. } => ApiError::team_limit(message),
-            Denial::ClusterState(_) => ApiError {
-                cluster_wide: Some(ClusterWide::ClusterState),
-                retry: Some(Retry::After(CLUSTER_STATE_RETRY_SECS)),
-                ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, message)
-            },
+            Denial::ClusterState(e) => ApiError::cluster_state(e),
             Denial::Conflict(_) => ApiError::new(StatusCode::CONFLICT, message),
             Denial::NotFound(_) => ApiError::new(StatusCode::NOT_FOUND, message),
             // Not possible on this node (a gateway tries the next one):

@@ -206,7 +206,6 @@ async fn create(
     };
     let made = create_now(&state, caller, &gone, req, v2, true).await?;
     let answer = IdempotentAnswer {
-        sandbox_id: made.names.sandbox_id.clone(),
         body: serde_json::to_string(&made)
             .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?,
     };
