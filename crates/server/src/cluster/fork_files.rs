@@ -36,6 +36,7 @@ pub struct ForkManifest {
 }
 
 /// One fork's files, while it is served.
+#[derive(Debug)]
 struct Export {
     team: String,
     token: crate::node::ids::Token,
@@ -44,7 +45,7 @@ struct Export {
 }
 
 /// The forks this node serves the files of, and what it has described.
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub struct Exports {
     live: Mutex<HashMap<String, Arc<Export>>>,
     /// Files that do not change once written (memory files, sealed layers),
@@ -52,29 +53,12 @@ pub struct Exports {
     described: Known<(StoredFile, ChunkPlaces)>,
 }
 
-impl std::fmt::Debug for Exports {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Exports")
-            .field("described", &self.described)
-            .finish_non_exhaustive()
-    }
-}
-
 /// A fork being served: its name, token and description.
+#[derive(Debug)]
 pub struct Exported {
     pub id: String,
     pub token: crate::node::ids::Token,
     pub manifest: ForkManifest,
-}
-
-impl std::fmt::Debug for Exported {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // Not the token.
-        f.debug_struct("Exported")
-            .field("id", &self.id)
-            .field("manifest", &self.manifest)
-            .finish_non_exhaustive()
-    }
 }
 
 /// Why a chunk is not served.

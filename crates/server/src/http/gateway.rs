@@ -33,6 +33,7 @@ const MAX_CREATE_BODY: usize = 1 << 20;
 /// A node's list answer.
 const MAX_LIST_ANSWER: usize = 64 << 20;
 
+#[derive(Debug)]
 pub struct Gateway {
     cluster: Cluster,
     /// Nodes and routes as a watch keeps them (etcd is asked when it
@@ -42,16 +43,6 @@ pub struct Gateway {
     /// Kept-alive connections to the nodes: most requests are small, and a
     /// connection per request cost each a handshake.
     nodes: NodeClient,
-}
-
-impl std::fmt::Debug for Gateway {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Gateway")
-            .field("cluster", &self.cluster)
-            .field("view", &self.view)
-            .field("nodes", &self.nodes)
-            .finish_non_exhaustive()
-    }
 }
 
 type NodeClient = hyper_util::client::legacy::Client<HttpConnector, Body>;
@@ -77,7 +68,7 @@ const PLACED_COUNTS_FOR: Duration = Duration::from_secs(2);
 /// The creates this gateway sent to each node and that its published load
 /// may not show yet: those in flight, and those answered lately. Counted in
 /// placement so that a burst through one gateway spreads over the nodes.
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct Placements {
     /// (node, when it answered; None while in flight)
     entries: Mutex<Vec<(String, Option<Instant>, u64)>>,

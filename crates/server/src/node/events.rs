@@ -88,7 +88,7 @@ pub type Permit = Option<Box<dyn Send + Sync>>;
 /// What sits above the node. Both calls are awaited inside the operation,
 /// so their order against the node's own steps is fixed: an admission
 /// before any room is taken, a telling before the answer leaves.
-pub trait Hooks: Send + Sync {
+pub trait Hooks: std::fmt::Debug + Send + Sync {
     fn admit<'a>(&'a self, ask: Ask<'a>) -> BoxFuture<'a, Result<Permit, Denial>>;
     fn told<'a>(&'a self, event: Event<'a>) -> BoxFuture<'a, Result<Told, Denial>>;
 }

@@ -58,7 +58,7 @@ pub fn token() -> std::io::Result<Token> {
 /// A secret (an envd or traffic access token, a fork's file token): stored
 /// and sent as itself, but its `Debug` shows none of it, so that a record
 /// or request printed into a log gives nothing away.
-#[derive(Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(transparent)]
 pub struct Token(String);
 
@@ -72,6 +72,14 @@ impl std::ops::Deref for Token {
     type Target = str;
 
     fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+// A token-keyed map is looked up by the `&str` a request carries (the
+// derived hash is the string's).
+impl std::borrow::Borrow<str> for Token {
+    fn borrow(&self) -> &str {
         &self.0
     }
 }

@@ -58,7 +58,7 @@ fn default_dns_upstream() -> Option<SocketAddrV4> {
 /// host address (the source the forwarder and the egress proxy see).
 type DnsTable = Arc<RwLock<HashMap<Ipv4Addr, Leased>>>;
 
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 struct Leased {
     dns: DnsAccess,
     proxy: ProxyTarget,
@@ -104,6 +104,7 @@ pub fn anchor_dir(run_dir: &std::path::Path) -> PathBuf {
 
 /// The node's slot pool, shared by the warm VMM pool, every running guest's
 /// lease and the manager (policy updates).
+#[derive(Debug)]
 pub struct Slots {
     /// None once shut down.
     pool: RwLock<Option<sandfork_network::Pool>>,
@@ -117,18 +118,6 @@ pub struct Slots {
     forwarder: Mutex<Option<DnsForwarder>>,
     /// None when it could not start (web traffic of domain rules is refused).
     egress: Mutex<Option<EgressProxy>>,
-}
-
-impl std::fmt::Debug for Slots {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Slots")
-            .field("pool", &self.pool)
-            .field("adopted", &self.adopted)
-            .field("answers", &self.answers)
-            .field("forwarder", &self.forwarder)
-            .field("egress", &self.egress)
-            .finish_non_exhaustive()
-    }
 }
 
 impl Slots {
@@ -385,6 +374,7 @@ fn start_forwarder(
 
 /// A slot held by a guest: given back to the pool when dropped, which
 /// [`crate::node::launch::Launched`] does after its VMM is gone.
+#[derive(Debug)]
 pub struct Lease {
     /// `Some` until dropped or kept (which take it out).
     slot: Option<Slot>,
@@ -392,12 +382,6 @@ pub struct Lease {
     record: SlotRecord,
     netns: std::path::PathBuf,
     slots: Arc<Slots>,
-}
-
-impl std::fmt::Debug for Lease {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Lease").field("slot", &self.slot).finish()
-    }
 }
 
 impl Lease {

@@ -20,6 +20,7 @@ use crate::node::net::{Lease, Slots};
 
 /// A pooled VMM and the slot it waits in. Fields drop in order: the VMM
 /// first, then its slot goes back.
+#[derive(Debug)]
 struct Warm {
     vm: VmmProcess,
     net: Option<Lease>,
@@ -44,6 +45,7 @@ pub struct BootConfig {
     pub cpu_template: Option<vmm_api::CpuTemplate>,
 }
 
+#[derive(Debug)]
 pub struct Pool {
     binary: PathBuf,
     run_dir: PathBuf,
@@ -60,23 +62,6 @@ pub struct Pool {
     jail: Option<Jail>,
     /// Guest loads under way at once ([`burst_width`]).
     loads: Semaphore,
-}
-
-impl std::fmt::Debug for Pool {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pool")
-            .field("binary", &self.binary)
-            .field("run_dir", &self.run_dir)
-            .field("size", &self.size)
-            .field("wake", &self.wake)
-            .field("closed", &self.closed)
-            .field("net", &self.net)
-            .field("cgroups", &self.cgroups)
-            .field("boot", &self.boot)
-            .field("jail", &self.jail)
-            .field("loads", &self.loads)
-            .finish_non_exhaustive()
-    }
 }
 
 impl Pool {

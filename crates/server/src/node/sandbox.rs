@@ -219,6 +219,7 @@ pub enum ResumeMode {
     Reboot,
 }
 
+#[derive(Debug)]
 pub struct Manager {
     config: Config,
     store: Store,
@@ -250,25 +251,6 @@ pub struct Manager {
     hooks: std::sync::OnceLock<Arc<dyn Hooks>>,
     /// This manager, for the tasks that watch its VMMs.
     me: Weak<Manager>,
-}
-
-impl std::fmt::Debug for Manager {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Manager")
-            .field("config", &self.config)
-            .field("store", &self.store)
-            .field("pool", &self.pool)
-            .field("template", &self.template)
-            .field("capacity", &self.capacity)
-            .field("pins", &self.pins)
-            .field("activity", &self.activity)
-            .field("vmm_exits", &self.vmm_exits)
-            .field("pressure", &self.pressure)
-            .field("recording", &self.recording)
-            .field("writing", &self.writing)
-            .field("me", &self.me)
-            .finish_non_exhaustive()
-    }
 }
 
 impl Manager {

@@ -4,6 +4,7 @@
 
 mod detach;
 mod error;
+mod extract;
 mod list;
 mod network;
 mod node;

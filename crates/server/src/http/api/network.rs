@@ -2,15 +2,15 @@
 //! `network`, `PUT /sandboxes/{id}/network` (replaces the policy live), and
 //! the network fields of the sandbox detail.
 
-use axum::body::Bytes;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use serde::Deserialize;
 use serde_json::Value;
 
 use sandfork_network::EgressPolicy;
 
-use super::sandboxes::{check_id, parse_body};
+use super::extract::{JsonBody, SandboxId};
+
 use super::{ApiError, Shared};
 use crate::http::proxy::{Ingress, IngressError};
 use crate::node::net::SandboxNetwork;
@@ -33,7 +33,7 @@ pub(super) struct NetworkBody {
 /// `PUT /sandboxes/{id}/network`'s body: the same rules, replacing all.
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct UpdateBody {
+pub(super) struct UpdateBody {
     allow_out: Option<Vec<String>>,
     deny_out: Option<Vec<String>>,
     rules: Option<Value>,
@@ -138,11 +138,9 @@ pub(super) fn detail(n: &SandboxNetwork) -> wire::NetworkDetail {
 
 pub async fn update(
     State(state): State<Shared>,
-    Path(id): Path<String>,
-    body: Bytes,
+    SandboxId(id): SandboxId,
+    JsonBody(req): JsonBody<UpdateBody>,
 ) -> Result<StatusCode, ApiError> {
-    let id = check_id(&id)?;
-    let req: UpdateBody = parse_body(&body)?;
     refuse_set(&[
         ("rules", &req.rules),
         ("egressProxy", &req.egress_proxy),

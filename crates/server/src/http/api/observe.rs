@@ -8,7 +8,7 @@ use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::{StatusCode, Uri};
 
-use super::sandboxes::check_id;
+use super::extract::SandboxId;
 use super::{ApiError, Shared};
 use crate::node::clock::now_ms;
 use crate::node::sandbox::{Level, LogLine, Sample};
@@ -37,7 +37,7 @@ fn query(uri: &Uri) -> Vec<(String, String)> {
 
 /// Looks at the sandbox now when it runs; 404 when there is no such sandbox.
 async fn refresh(state: &Shared, id: &str) -> Result<(), ApiError> {
-    let id = &check_id(id)?;
+    let id = &SandboxId::parse(id)?;
     if state.manager.get(id)?.state == SandboxState::Running {
         state.manager.observe(id).await;
     }
@@ -49,9 +49,8 @@ async fn refresh(state: &Shared, id: &str) -> Result<(), ApiError> {
 /// when no VMM of it runs.
 pub async fn diagnostics(
     State(state): State<Shared>,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
 ) -> Result<String, ApiError> {
-    let id = check_id(&id)?;
     let record = state.manager.get(&id)?;
     let not_running = || {
         ApiError::new(
@@ -150,7 +149,7 @@ pub async fn metrics_batch(
     }
     let mut out = wire::SandboxesMetrics::default();
     for id in ids {
-        if check_id(&id).is_err() {
+        if SandboxId::parse(&id).is_err() {
             continue;
         }
         match state.manager.get(&id) {

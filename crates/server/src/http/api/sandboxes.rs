@@ -9,13 +9,12 @@ use axum::http::{HeaderMap, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::Deserialize;
-use serde::de::DeserializeOwned;
 
+use super::extract::{JsonBody, SandboxId};
 use super::list::ListQuery;
 use super::{ApiError, ClientGone, Shared};
 use crate::node::clock::now_ms;
 use crate::node::idempotent::{self, Begun, IdempotencyError};
-use crate::node::ids;
 use crate::node::sandbox::{CreateParams, PauseMode, Phase, ResumeMode};
 use crate::node::store::{IdempotentAnswer, SandboxRecord, SandboxState};
 use crate::node::template;
@@ -28,14 +27,6 @@ const CLIENT_ID: &str = "sandfork";
 const V2_DEFAULT_TIMEOUT: i64 = 300;
 /// v1's spec default (v1 SDKs always send one).
 const V1_DEFAULT_TIMEOUT: i64 = 15;
-
-pub(super) fn parse_body<T: DeserializeOwned + Default>(body: &Bytes) -> Result<T, ApiError> {
-    if body.iter().all(u8::is_ascii_whitespace) {
-        return Ok(T::default());
-    }
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("malformed request body: {e}")))
-}
 
 pub(super) fn rfc3339(ms: u64) -> String {
     humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
@@ -178,14 +169,14 @@ async fn create(
     body: Bytes,
     v2: bool,
 ) -> Result<Response, ApiError> {
-    let req: NewSandbox = parse_body(&body)?;
+    let req: NewSandbox = JsonBody::parse(&body)?;
     let Some(key) = headers.get(wire::IDEMPOTENCY_KEY_HEADER) else {
         let made = create_now(&state, caller, &gone, req, v2, false).await?;
         return Ok((StatusCode::CREATED, Json(made)).into_response());
     };
     let key = key.to_str().map_err(|_| IdempotencyError::Malformed)?;
     idempotent::check_key(key)?;
-    let json: serde_json::Value = parse_body(&body)?;
+    let json: serde_json::Value = JsonBody::parse(&body)?;
     let route = if v2 {
         "POST /v2/sandboxes"
     } else {
@@ -300,26 +291,10 @@ pub async fn create_v2(
     create(state, caller, gone, headers, body, true).await
 }
 
-/// The sandbox id a path names, as E2B's API reads it: `<id>-<client id>`
-/// (what older SDKs send) names `<id>`; an id that cannot be one is 400
-/// "Invalid sandbox ID", before anything is looked up.
-pub(super) fn check_id(raw: &str) -> Result<String, ApiError> {
-    let id = match raw.split('-').collect::<Vec<_>>()[..] {
-        [id, _client] => id,
-        _ => raw,
-    };
-    if ids::is_sandbox_id(id) {
-        Ok(id.to_owned())
-    } else {
-        Err(ApiError::bad_request("Invalid sandbox ID"))
-    }
-}
-
 pub async fn get_one(
     State(state): State<Shared>,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
 ) -> Result<Json<wire::SandboxDetail>, ApiError> {
-    let id = check_id(&id)?;
     let mut detail = wire::SandboxDetail::from(&state.manager.get(&id)?);
     // Sandfork's: whether its guest answers (see `sandbox::observe`).
     detail.guest_unresponsive = state.manager.unresponsive(&id);
@@ -364,25 +339,22 @@ pub async fn list_v2(
 
 pub async fn kill(
     State(state): State<Shared>,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
 ) -> Result<StatusCode, ApiError> {
-    let id = check_id(&id)?;
     state.manager.kill(&id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 #[derive(Debug, Default, Deserialize)]
-struct NewTimeout {
+pub(super) struct NewTimeout {
     timeout: Option<i64>,
 }
 
 pub async fn set_timeout(
     State(state): State<Shared>,
-    Path(id): Path<String>,
-    body: Bytes,
+    SandboxId(id): SandboxId,
+    JsonBody(req): JsonBody<NewTimeout>,
 ) -> Result<StatusCode, ApiError> {
-    let id = check_id(&id)?;
-    let req: NewTimeout = parse_body(&body)?;
     let secs = req
         .timeout
         .ok_or_else(|| ApiError::bad_request("timeout is required"))?;
@@ -398,7 +370,7 @@ pub async fn set_timeout(
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Refresh {
+pub(super) struct Refresh {
     duration: Option<u64>,
 }
 
@@ -412,11 +384,9 @@ const MIN_REFRESH_SECS: u64 = 15;
 /// least 15, E2B's floor, which is also its default); 204.
 pub async fn refresh(
     State(state): State<Shared>,
-    Path(id): Path<String>,
-    body: Bytes,
+    SandboxId(id): SandboxId,
+    JsonBody(req): JsonBody<Refresh>,
 ) -> Result<StatusCode, ApiError> {
-    let id = check_id(&id)?;
-    let req: Refresh = parse_body(&body)?;
     let secs = req.duration.unwrap_or(MIN_REFRESH_SECS);
     if secs > MAX_REFRESH_SECS {
         return Err(ApiError::bad_request(format!(
@@ -430,7 +400,7 @@ pub async fn refresh(
 }
 
 #[derive(Debug, Default, Deserialize)]
-struct PauseBody {
+pub(super) struct PauseBody {
     /// `false` asks for a filesystem-only pause (E2B's default: true).
     memory: Option<bool>,
     /// Refuse (503) a memory pause while the guest agent does not answer; a
@@ -445,11 +415,9 @@ struct PauseBody {
 /// `POST /sandboxes/{id}/pause`: 204, or 409 when already paused.
 pub async fn pause(
     State(state): State<Shared>,
-    Path(id): Path<String>,
-    body: Bytes,
+    SandboxId(id): SandboxId,
+    JsonBody(req): JsonBody<PauseBody>,
 ) -> Result<Response, ApiError> {
-    let id = check_id(&id)?;
-    let req: PauseBody = parse_body(&body)?;
     let mode = match req.memory.unwrap_or(true) {
         true => PauseMode::Full,
         false => PauseMode::Filesystem,
@@ -496,7 +464,7 @@ async fn resume_or_connect(
     body: Bytes,
     connect: bool,
 ) -> Result<Response, ApiError> {
-    let id = check_id(&id)?;
+    let id = SandboxId::parse(&id)?;
     // A gateway sent it here because the sandbox's node is gone: the
     // sandbox is taken in from the object store first.
     if headers.contains_key(crate::wire::TAKE_IN_HEADER)
@@ -504,7 +472,7 @@ async fn resume_or_connect(
     {
         cluster.take_in(&id).await?;
     }
-    let req: ConnectBody = parse_body(&body)?;
+    let req: ConnectBody = JsonBody::parse(&body)?;
     let timeout = timeout_secs(
         req.timeout.unwrap_or(V2_DEFAULT_TIMEOUT),
         state.manager.config().max_timeout,
@@ -606,13 +574,12 @@ fn fork_request_on(
 /// after this node's in the answer.
 pub async fn fork(
     State(state): State<Shared>,
-    Path(id): Path<String>,
+    SandboxId(id): SandboxId,
     gone: ClientGone,
     headers: axum::http::HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let id = check_id(&id)?;
-    let req: ForkBody = parse_body(&body)?;
+    let req: ForkBody = JsonBody::parse(&body)?;
     // The body first, as E2B checks it (then the sandbox).
     let (timeout, count) = fork_request_on(&state, &req, state.cluster.as_ref().is_some())?;
     let record = state.manager.get(&id)?;

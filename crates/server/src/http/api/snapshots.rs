@@ -4,17 +4,15 @@
 
 use std::time::{Duration, UNIX_EPOCH};
 
-use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::{StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::Deserialize;
 
+use super::extract::{JsonBody, SandboxId};
 use super::list::{MAX_LIMIT, parse_limit};
-use super::sandboxes::{
-    ForkBody, check_id, fork_answer, fork_request, made, parse_body, remove_if_gone,
-};
+use super::sandboxes::{ForkBody, fork_answer, fork_request, made, remove_if_gone};
 use super::{ApiError, ClientGone, Shared};
 use crate::node::sandbox::{SnapshotForkParams, SnapshotParams};
 use crate::node::store::TemplateRecord;
@@ -37,7 +35,7 @@ impl From<&TemplateRecord> for wire::SnapshotInfo {
 }
 
 #[derive(Debug, Default, Deserialize)]
-struct NewSnapshot {
+pub(super) struct NewSnapshot {
     name: Option<String>,
     /// `false` asks for a filesystem-only snapshot, which this node does not take.
     memory: Option<bool>,
@@ -48,11 +46,9 @@ struct NewSnapshot {
 pub async fn create(
     State(state): State<Shared>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
-    body: Bytes,
+    SandboxId(id): SandboxId,
+    JsonBody(req): JsonBody<NewSnapshot>,
 ) -> Result<Response, ApiError> {
-    let id = check_id(&id)?;
-    let req: NewSnapshot = parse_body(&body)?;
     if req.memory == Some(false) {
         return Err(ApiError::bad_request(
             "filesystem-only snapshots are not supported: snapshots keep memory",
@@ -87,9 +83,8 @@ pub async fn fork(
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     gone: ClientGone,
-    body: Bytes,
+    JsonBody(req): JsonBody<ForkBody>,
 ) -> Result<Response, ApiError> {
-    let req: ForkBody = parse_body(&body)?;
     let (timeout, count) = fork_request(&state, &req)?;
     // Taken on another node of the cluster: taken in first (the owner
     // check in front of the routes passed it as unknown).

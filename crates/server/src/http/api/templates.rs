@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::Deserialize;
 
-use super::sandboxes::parse_body;
+use super::extract::JsonBody;
 use super::{ApiError, Shared};
 use crate::node::sandbox::SandboxError;
 use crate::node::store::BuildStatus;
@@ -83,7 +83,7 @@ const FROM_ONE: &str =
     "from must hold exactly one of debian_packages, oci_layout, docker_archive, sandbox, builtin";
 
 fn parse_new(body: &Bytes) -> Result<BuildParams, ApiError> {
-    let req: NewTemplate = parse_body(body)?;
+    let req: NewTemplate = JsonBody::parse(body)?;
     let name = req
         .name
         .ok_or_else(|| ApiError::bad_request("name is required"))?;
@@ -227,7 +227,7 @@ pub async fn get_one(
 
 /// E2B's `TemplateUpdateRequest`.
 #[derive(Debug, Default, Deserialize)]
-struct TemplateUpdate {
+pub(super) struct TemplateUpdate {
     public: Option<bool>,
 }
 
@@ -239,9 +239,8 @@ struct TemplateUpdate {
 pub async fn update_v2(
     State(state): State<Shared>,
     Path(id): Path<String>,
-    body: Bytes,
+    JsonBody(update): JsonBody<TemplateUpdate>,
 ) -> Result<Response, ApiError> {
-    let update: TemplateUpdate = parse_body(&body)?;
     let template = find(&state, &id)?;
     if update.public == Some(true) {
         return Err(ApiError::bad_request(format!(

@@ -13,7 +13,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
-use super::sandboxes::parse_body;
+use super::extract::JsonBody;
 use super::{ApiError, Shared};
 use crate::node::store::BuildStatus;
 use crate::node::template::build::check_name;
@@ -56,7 +56,7 @@ fn split_name(raw: &str) -> (String, Option<String>) {
 }
 
 fn request(body: &Bytes) -> Result<Requested, ApiError> {
-    let req: RequestV3 = parse_body(body)?;
+    let req: RequestV3 = JsonBody::parse(body)?;
     let raw = req
         .name
         .or(req.alias)
@@ -221,7 +221,7 @@ struct StartV2 {
 
 /// The start request checked into a plan and its start and ready commands.
 fn parse_start(body: &Bytes) -> Result<(StepsPlan, Option<String>, Option<String>), ApiError> {
-    let req: StartV2 = parse_body(body)?;
+    let req: StartV2 = JsonBody::parse(body)?;
     let base = e2b_build::map_base(
         req.from_template.as_deref(),
         req.from_image.as_deref(),
@@ -313,13 +313,13 @@ pub async fn alias(
 }
 
 #[derive(Debug, Default, Deserialize)]
-struct AssignTags {
+pub(super) struct AssignTags {
     target: String,
     tags: Vec<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
-struct RemoveTags {
+pub(super) struct RemoveTags {
     name: String,
     tags: Vec<String>,
 }
@@ -348,8 +348,10 @@ fn tag_target(raw: &str) -> String {
 /// `POST /templates/tags` `{target: "name:tag", tags}`: 201 `{tags,
 /// buildID}`, the target's build now also has `tags` (moved from the builds
 /// that had them).
-pub async fn assign_tags(State(state): State<Shared>, body: Bytes) -> Result<Response, ApiError> {
-    let req: AssignTags = parse_body(&body)?;
+pub async fn assign_tags(
+    State(state): State<Shared>,
+    JsonBody(req): JsonBody<AssignTags>,
+) -> Result<Response, ApiError> {
     let tags = check_tags(&req.tags)?;
     let build_id = state
         .templates
@@ -363,8 +365,10 @@ pub async fn assign_tags(State(state): State<Shared>, body: Bytes) -> Result<Res
 }
 
 /// `DELETE /templates/tags` `{name, tags}`: 204; the builds stay.
-pub async fn remove_tags(State(state): State<Shared>, body: Bytes) -> Result<StatusCode, ApiError> {
-    let req: RemoveTags = parse_body(&body)?;
+pub async fn remove_tags(
+    State(state): State<Shared>,
+    JsonBody(req): JsonBody<RemoveTags>,
+) -> Result<StatusCode, ApiError> {
     let tags = check_tags(&req.tags)?;
     let (name, _) = split_name(&req.name);
     state.templates.remove_tags(&name, &tags).await?;

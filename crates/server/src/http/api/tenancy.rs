@@ -11,14 +11,14 @@
 use std::time::Duration;
 
 use axum::Json;
-use axum::body::Bytes;
 use axum::extract::{MatchedPath, Path, Request, State};
 use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
-use super::sandboxes::{check_id, parse_body};
+use super::extract::{JsonBody, SandboxId};
+
 use super::{ApiError, Shared};
 use crate::node::capacity::TeamLimits;
 use crate::node::keys::AuthError;
@@ -115,7 +115,7 @@ fn check_path(state: &Shared, caller: &Caller, req: &Request) -> Option<Response
     }
     let path = req.uri().path();
     if SANDBOX_ROUTES.iter().any(|p| template.starts_with(p)) {
-        let id = check_id(&param(template, path, "{id}")?).ok()?;
+        let id = SandboxId::parse(&param(template, path, "{id}")?).ok()?;
         let record = state.manager.get(&id).ok()?;
         return (!caller.owns(record.team.as_deref()))
             .then(|| ApiError::from(SandboxError::NotFound(id)).into_response());
@@ -273,7 +273,7 @@ fn key_json(k: &KeyRecord) -> wire::ApiKey {
 /// `PATCH`, a field left out stays, `null` removes the limit.
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct TeamBody {
+pub(super) struct TeamBody {
     name: Option<String>,
     #[serde(default, deserialize_with = "some")]
     max_sandboxes: Option<Option<u64>>,
@@ -316,8 +316,10 @@ pub async fn list_teams(State(state): State<Shared>) -> Json<Vec<wire::Team>> {
 }
 
 /// `POST /admin/teams` `{name, maxSandboxes?, maxMemoryMB?, requestsPerSecond?}`: 201.
-pub async fn create_team(State(state): State<Shared>, body: Bytes) -> Result<Response, ApiError> {
-    let req: TeamBody = parse_body(&body)?;
+pub async fn create_team(
+    State(state): State<Shared>,
+    JsonBody(req): JsonBody<TeamBody>,
+) -> Result<Response, ApiError> {
     let name = req
         .name
         .as_deref()
@@ -356,9 +358,8 @@ pub async fn get_team(
 pub async fn update_team(
     State(state): State<Shared>,
     Path(wanted): Path<String>,
-    body: Bytes,
+    JsonBody(req): JsonBody<TeamBody>,
 ) -> Result<Json<wire::Team>, ApiError> {
-    let req: TeamBody = parse_body(&body)?;
     if req.name.is_some() {
         return Err(ApiError::bad_request("a team's name cannot change"));
     }
@@ -391,7 +392,7 @@ pub async fn list_keys(
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct KeyBody {
+pub(super) struct KeyBody {
     name: Option<String>,
 }
 
@@ -400,9 +401,8 @@ struct KeyBody {
 pub async fn create_key(
     State(state): State<Shared>,
     Path(wanted): Path<String>,
-    body: Bytes,
+    JsonBody(req): JsonBody<KeyBody>,
 ) -> Result<Response, ApiError> {
-    let req: KeyBody = parse_body(&body)?;
     let store = state.manager.store();
     let (key, record) = state
         .keys

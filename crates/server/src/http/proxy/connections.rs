@@ -28,6 +28,7 @@ const IDLE_LIMIT: Duration = Duration::from_secs(15);
 
 type Key = (PathBuf, u32);
 
+#[derive(Debug)]
 struct Kept {
     sender: SendRequest<Body>,
     used: Instant,
@@ -39,21 +40,12 @@ impl Kept {
     }
 }
 
+#[derive(Debug)]
 pub struct GuestConnections {
     idle: Mutex<HashMap<Key, Vec<Kept>>>,
     puts: AtomicU32,
     idle_limit: Duration,
     connect_patience: Duration,
-}
-
-impl std::fmt::Debug for GuestConnections {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GuestConnections")
-            .field("puts", &self.puts)
-            .field("idle_limit", &self.idle_limit)
-            .field("connect_patience", &self.connect_patience)
-            .finish_non_exhaustive()
-    }
 }
 
 impl Default for GuestConnections {

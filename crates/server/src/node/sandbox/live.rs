@@ -96,6 +96,7 @@ struct Status {
 }
 
 /// One sandbox.
+#[derive(Debug)]
 pub struct Sandbox {
     pub id: String,
     /// The envd access token (fixed for the sandbox's life).
@@ -123,14 +124,8 @@ pub struct Sandbox {
 
 /// A proxied request to a sandbox, from its start to the end of its
 /// answer's body: the sandbox is in use while one is held.
+#[derive(Debug)]
 pub struct InUse(Arc<Sandbox>);
-
-impl std::fmt::Debug for InUse {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // The sandbox's id only: not its envd token.
-        f.debug_tuple("InUse").field(&self.0.id).finish()
-    }
-}
 
 impl InUse {
     /// Its guest answered (a response, a part of one's body).
@@ -285,13 +280,13 @@ impl Sandbox {
 }
 
 /// The sandboxes of this node, by id and by access token.
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub struct Registry {
     by_id: HashMap<String, Arc<Sandbox>>,
     /// token → id. A lookup by the token itself: the map's hasher is keyed
     /// at random, so its timing says nothing about near guesses, and the
     /// match found is compared again in constant time.
-    by_token: HashMap<String, String>,
+    by_token: HashMap<crate::node::ids::Token, String>,
 }
 
 impl Registry {
@@ -301,8 +296,7 @@ impl Registry {
             return false;
         }
         if let Some(token) = &sandbox.token {
-            self.by_token
-                .insert(token.as_str().to_owned(), sandbox.id.clone());
+            self.by_token.insert(token.clone(), sandbox.id.clone());
         }
         self.by_id.insert(sandbox.id.clone(), sandbox);
         true

@@ -112,7 +112,7 @@ pub struct TemplateInfo {
 }
 
 /// A build's log lines, numbered from its first line even after old ones go.
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub(super) struct BuildLog {
     inner: Mutex<(usize, VecDeque<String>)>,
 }
@@ -180,21 +180,13 @@ fn nonempty(s: Option<String>) -> Option<String> {
 }
 
 /// The node's template builds.
+#[derive(Debug)]
 pub struct Templates {
     manager: Arc<Manager>,
     /// Builds under way, by template id: their live logs.
     running: Mutex<HashMap<String, Arc<BuildLog>>>,
     /// E2B's waiting builds and uploads.
     e2b: E2bState,
-}
-
-impl std::fmt::Debug for Templates {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Templates")
-            .field("manager", &self.manager)
-            .field("e2b", &self.e2b)
-            .finish_non_exhaustive()
-    }
 }
 
 impl Templates {

@@ -572,6 +572,7 @@ pub fn map_base(
     }
 }
 
+#[derive(Debug)]
 struct Link {
     template_id: String,
     hash: String,
@@ -579,6 +580,7 @@ struct Link {
 }
 
 /// Upload links and the uploaded files; the step cache's lock.
+#[derive(Debug)]
 pub struct E2bState {
     links: Mutex<HashMap<String, Link>>,
     files_dir: PathBuf,
@@ -586,16 +588,6 @@ pub struct E2bState {
     cache: Mutex<()>,
     /// Held while a base of another machine size is looked up or made.
     sized: tokio::sync::Mutex<()>,
-}
-
-impl std::fmt::Debug for E2bState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("E2bState")
-            .field("files_dir", &self.files_dir)
-            .field("cache", &self.cache)
-            .field("sized", &self.sized)
-            .finish_non_exhaustive()
-    }
 }
 
 impl E2bState {
