@@ -3,27 +3,59 @@
 //! answers anyone.
 
 use std::collections::BTreeMap;
+use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 
 use redb::{ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-const SANDBOXES: TableDefinition<&str, &[u8]> = TableDefinition::new("sandboxes");
-const TEMPLATES: TableDefinition<&str, &[u8]> = TableDefinition::new("templates");
+use crate::node::tenants::{KeyRecord, TeamRecord};
+
+type Table = TableDefinition<'static, &'static str, &'static [u8]>;
+
+/// A table of one kind of record, stored as JSON and named in errors.
+struct Records<T> {
+    table: Table,
+    what: &'static str,
+    of: PhantomData<fn() -> T>,
+}
+
+impl<T> Records<T> {
+    const fn new(name: &'static str, what: &'static str) -> Records<T> {
+        Records {
+            table: TableDefinition::new(name),
+            what,
+            of: PhantomData,
+        }
+    }
+}
+
+impl<T> Clone for Records<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Records<T> {}
+
+const SANDBOXES: Records<SandboxRecord> = Records::new("sandboxes", "sandbox");
+const TEMPLATES: Records<TemplateRecord> = Records::new("templates", "template");
 /// Templates deleted while something still stacked on them: out of every
 /// lookup, kept until the garbage collector finds nothing using them.
-const RETIRED: TableDefinition<&str, &[u8]> = TableDefinition::new("retired_templates");
-const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
-const BUILDS: TableDefinition<&str, &[u8]> = TableDefinition::new("builds");
+const RETIRED: Records<TemplateRecord> = Records::new("retired_templates", "retired template");
+const META: Table = TableDefinition::new("meta");
+const BUILDS: Records<BuildRecord> = Records::new("builds", "build");
 /// Teams by id, API keys by the hex SHA-256 of the key, and the owning team
 /// of templates (`template/<id>`: a template, snapshot or build; absent: the
 /// default team's). See [`crate::node::tenants`].
-const TEAMS: TableDefinition<&str, &[u8]> = TableDefinition::new("teams");
-const KEYS: TableDefinition<&str, &[u8]> = TableDefinition::new("api_keys");
-const OWNERS: TableDefinition<&str, &[u8]> = TableDefinition::new("owners");
+const TEAMS: Records<TeamRecord> = Records::new("teams", "team");
+const KEYS: Records<KeyRecord> = Records::new("api_keys", "API key");
+const OWNERS: Table = TableDefinition::new("owners");
 /// Creates made with an `Idempotency-Key`, by `<team>/<key>`: see
 /// [`crate::node::idempotent`].
-const IDEMPOTENT: TableDefinition<&str, &[u8]> = TableDefinition::new("idempotent_creates");
+const IDEMPOTENT: Records<IdempotentCreate> =
+    Records::new("idempotent_creates", "idempotent create");
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -303,7 +335,15 @@ impl Store {
         let db = redb::Database::create(path).map_err(db_err)?;
         let tx = db.begin_write().map_err(db_err)?;
         for table in [
-            SANDBOXES, TEMPLATES, RETIRED, META, BUILDS, TEAMS, KEYS, OWNERS, IDEMPOTENT,
+            SANDBOXES.table,
+            TEMPLATES.table,
+            RETIRED.table,
+            META,
+            BUILDS.table,
+            TEAMS.table,
+            KEYS.table,
+            OWNERS,
+            IDEMPOTENT.table,
         ] {
             tx.open_table(table).map_err(db_err)?;
         }
@@ -311,12 +351,7 @@ impl Store {
         Ok(Store { db })
     }
 
-    fn put(
-        &self,
-        table: TableDefinition<&str, &[u8]>,
-        key: &str,
-        value: &[u8],
-    ) -> Result<(), StoreError> {
+    fn put(&self, table: Table, key: &str, value: &[u8]) -> Result<(), StoreError> {
         let tx = self.db.begin_write().map_err(db_err)?;
         tx.open_table(table)
             .map_err(db_err)?
@@ -325,18 +360,14 @@ impl Store {
         tx.commit().map_err(db_err)
     }
 
-    fn get(
-        &self,
-        table: TableDefinition<&str, &[u8]>,
-        key: &str,
-    ) -> Result<Option<Vec<u8>>, StoreError> {
+    fn get(&self, table: Table, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
         let tx = self.db.begin_read().map_err(db_err)?;
         let table = tx.open_table(table).map_err(db_err)?;
         Ok(table.get(key).map_err(db_err)?.map(|v| v.value().to_vec()))
     }
 
     /// Removes `key`; returns whether it was there.
-    fn remove(&self, table: TableDefinition<&str, &[u8]>, key: &str) -> Result<bool, StoreError> {
+    fn remove(&self, table: Table, key: &str) -> Result<bool, StoreError> {
         let tx = self.db.begin_write().map_err(db_err)?;
         let existed = tx
             .open_table(table)
@@ -348,7 +379,7 @@ impl Store {
         Ok(existed)
     }
 
-    fn all(&self, table: TableDefinition<&str, &[u8]>) -> Result<Vec<Vec<u8>>, StoreError> {
+    fn all(&self, table: Table) -> Result<Vec<Vec<u8>>, StoreError> {
         let tx = self.db.begin_read().map_err(db_err)?;
         let table = tx.open_table(table).map_err(db_err)?;
         let mut out = Vec::new();
@@ -359,14 +390,38 @@ impl Store {
         Ok(out)
     }
 
+    fn put_record<T: Serialize>(
+        &self,
+        t: Records<T>,
+        key: &str,
+        value: &T,
+    ) -> Result<(), StoreError> {
+        self.put(t.table, key, &encode(value))
+    }
+
+    fn record<T: DeserializeOwned>(
+        &self,
+        t: Records<T>,
+        key: &str,
+    ) -> Result<Option<T>, StoreError> {
+        self.get(t.table, key)?
+            .map(|b| decode(&b, t.what))
+            .transpose()
+    }
+
+    fn records<T: DeserializeOwned>(&self, t: Records<T>) -> Result<Vec<T>, StoreError> {
+        self.all(t.table)?
+            .iter()
+            .map(|b| decode(b, t.what))
+            .collect()
+    }
+
     pub fn put_sandbox(&self, s: &SandboxRecord) -> Result<(), StoreError> {
-        self.put(SANDBOXES, &s.id, &encode(s))
+        self.put_record(SANDBOXES, &s.id, s)
     }
 
     pub fn sandbox(&self, id: &str) -> Result<Option<SandboxRecord>, StoreError> {
-        self.get(SANDBOXES, id)?
-            .map(|b| decode(&b, "sandbox"))
-            .transpose()
+        self.record(SANDBOXES, id)
     }
 
     /// Changes one sandbox inside a single transaction; returns the new record,
@@ -378,11 +433,11 @@ impl Store {
     ) -> Result<Option<SandboxRecord>, StoreError> {
         let tx = self.db.begin_write().map_err(db_err)?;
         let updated = {
-            let mut table = tx.open_table(SANDBOXES).map_err(db_err)?;
+            let mut table = tx.open_table(SANDBOXES.table).map_err(db_err)?;
             let current = table
                 .get(id)
                 .map_err(db_err)?
-                .map(|v| decode::<SandboxRecord>(v.value(), "sandbox"))
+                .map(|v| decode::<SandboxRecord>(v.value(), SANDBOXES.what))
                 .transpose()?;
             match current {
                 Some(mut record) => {
@@ -400,56 +455,46 @@ impl Store {
     }
 
     pub fn remove_sandbox(&self, id: &str) -> Result<bool, StoreError> {
-        self.remove(SANDBOXES, id)
+        self.remove(SANDBOXES.table, id)
     }
 
     pub fn sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError> {
-        self.all(SANDBOXES)?
-            .iter()
-            .map(|b| decode(b, "sandbox"))
-            .collect()
+        self.records(SANDBOXES)
     }
 
     pub fn put_template(&self, t: &TemplateRecord) -> Result<(), StoreError> {
-        self.put(TEMPLATES, &t.id, &encode(t))
+        self.put_record(TEMPLATES, &t.id, t)
     }
 
     pub fn template(&self, id: &str) -> Result<Option<TemplateRecord>, StoreError> {
-        self.get(TEMPLATES, id)?
-            .map(|b| decode(&b, "template"))
-            .transpose()
+        self.record(TEMPLATES, id)
     }
 
     pub fn remove_template(&self, id: &str) -> Result<bool, StoreError> {
-        self.remove(TEMPLATES, id)
+        self.remove(TEMPLATES.table, id)
     }
 
     pub fn templates(&self) -> Result<Vec<TemplateRecord>, StoreError> {
-        self.all(TEMPLATES)?
-            .iter()
-            .map(|b| decode(b, "template"))
-            .collect()
+        self.records(TEMPLATES)
     }
 
     pub fn put_build(&self, b: &BuildRecord) -> Result<(), StoreError> {
-        self.put(BUILDS, &b.template_id, &encode(b))
+        self.put_record(BUILDS, &b.template_id, b)
     }
 
     pub fn build(&self, template_id: &str) -> Result<Option<BuildRecord>, StoreError> {
-        self.get(BUILDS, template_id)?
-            .map(|b| decode(&b, "build"))
-            .transpose()
+        self.record(BUILDS, template_id)
     }
 
     /// Moves a template out of every lookup into the retired ones, in one
     /// transaction: its name is free at once, its files stay for its users.
     pub fn retire_template(&self, t: &TemplateRecord) -> Result<(), StoreError> {
         let tx = self.db.begin_write().map_err(db_err)?;
-        tx.open_table(TEMPLATES)
+        tx.open_table(TEMPLATES.table)
             .map_err(db_err)?
             .remove(t.id.as_str())
             .map_err(db_err)?;
-        tx.open_table(RETIRED)
+        tx.open_table(RETIRED.table)
             .map_err(db_err)?
             .insert(t.id.as_str(), encode(t).as_slice())
             .map_err(db_err)?;
@@ -457,36 +502,30 @@ impl Store {
     }
 
     pub fn retired_templates(&self) -> Result<Vec<TemplateRecord>, StoreError> {
-        self.all(RETIRED)?
-            .iter()
-            .map(|b| decode(b, "retired template"))
-            .collect()
+        self.records(RETIRED)
     }
 
     pub fn remove_retired_template(&self, id: &str) -> Result<bool, StoreError> {
-        self.remove(RETIRED, id)
+        self.remove(RETIRED.table, id)
     }
 
     pub fn builds(&self) -> Result<Vec<BuildRecord>, StoreError> {
-        self.all(BUILDS)?
-            .iter()
-            .map(|b| decode(b, "build"))
-            .collect()
+        self.records(BUILDS)
     }
 
     pub fn remove_build(&self, template_id: &str) -> Result<bool, StoreError> {
-        self.remove(BUILDS, template_id)
+        self.remove(BUILDS.table, template_id)
     }
 
     /// Records a finished build and its template in one transaction, so a
     /// crash leaves either both or neither.
     pub fn finish_build(&self, t: &TemplateRecord, b: &BuildRecord) -> Result<(), StoreError> {
         let tx = self.db.begin_write().map_err(db_err)?;
-        tx.open_table(TEMPLATES)
+        tx.open_table(TEMPLATES.table)
             .map_err(db_err)?
             .insert(t.id.as_str(), encode(t).as_slice())
             .map_err(db_err)?;
-        tx.open_table(BUILDS)
+        tx.open_table(BUILDS.table)
             .map_err(db_err)?
             .insert(b.template_id.as_str(), encode(b).as_slice())
             .map_err(db_err)?;
@@ -501,37 +540,33 @@ impl Store {
         self.get(META, key)
     }
 
-    pub fn put_team(&self, t: &crate::node::tenants::TeamRecord) -> Result<(), StoreError> {
-        self.put(TEAMS, &t.id, &encode(t))
+    pub fn put_team(&self, t: &TeamRecord) -> Result<(), StoreError> {
+        self.put_record(TEAMS, &t.id, t)
     }
 
-    pub fn teams(&self) -> Result<Vec<crate::node::tenants::TeamRecord>, StoreError> {
-        self.all(TEAMS)?.iter().map(|b| decode(b, "team")).collect()
+    pub fn teams(&self) -> Result<Vec<TeamRecord>, StoreError> {
+        self.records(TEAMS)
     }
 
     /// Records an API key by the hex SHA-256 of the key.
-    pub fn put_key(
-        &self,
-        hash_hex: &str,
-        k: &crate::node::tenants::KeyRecord,
-    ) -> Result<(), StoreError> {
-        self.put(KEYS, hash_hex, &encode(k))
+    pub fn put_key(&self, hash_hex: &str, k: &KeyRecord) -> Result<(), StoreError> {
+        self.put_record(KEYS, hash_hex, k)
     }
 
     /// Every API key: (hex SHA-256, record).
-    pub fn keys(&self) -> Result<Vec<(String, crate::node::tenants::KeyRecord)>, StoreError> {
+    pub fn keys(&self) -> Result<Vec<(String, KeyRecord)>, StoreError> {
         let tx = self.db.begin_read().map_err(db_err)?;
-        let table = tx.open_table(KEYS).map_err(db_err)?;
+        let table = tx.open_table(KEYS.table).map_err(db_err)?;
         let mut out = Vec::new();
         for entry in table.iter().map_err(db_err)? {
             let (k, v) = entry.map_err(db_err)?;
-            out.push((k.value().to_owned(), decode(v.value(), "API key")?));
+            out.push((k.value().to_owned(), decode(v.value(), KEYS.what)?));
         }
         Ok(out)
     }
 
     pub fn remove_key(&self, hash_hex: &str) -> Result<bool, StoreError> {
-        self.remove(KEYS, hash_hex)
+        self.remove(KEYS.table, hash_hex)
     }
 
     /// The team owning `what` (see [`crate::node::tenants::template_owner_key`]);
@@ -574,17 +609,15 @@ pub struct IdempotentAnswer {
 
 impl Store {
     pub fn idempotent_create(&self, key: &str) -> Result<Option<IdempotentCreate>, StoreError> {
-        self.get(IDEMPOTENT, key)?
-            .map(|b| decode(&b, "idempotent create"))
-            .transpose()
+        self.record(IDEMPOTENT, key)
     }
 
     pub fn put_idempotent_create(&self, key: &str, c: &IdempotentCreate) -> Result<(), StoreError> {
-        self.put(IDEMPOTENT, key, &encode(c))
+        self.put_record(IDEMPOTENT, key, c)
     }
 
     pub fn remove_idempotent_create(&self, key: &str) -> Result<bool, StoreError> {
-        self.remove(IDEMPOTENT, key)
+        self.remove(IDEMPOTENT.table, key)
     }
 
     /// Removes the records expired at `now_ms` (and unreadable ones, which
@@ -592,11 +625,11 @@ impl Store {
     pub fn remove_expired_idempotent_creates(&self, now_ms: u64) -> Result<u64, StoreError> {
         let tx = self.db.begin_write().map_err(db_err)?;
         let removed = {
-            let mut table = tx.open_table(IDEMPOTENT).map_err(db_err)?;
+            let mut table = tx.open_table(IDEMPOTENT.table).map_err(db_err)?;
             let before = table.len().map_err(db_err)?;
             table
                 .retain(|_, v| {
-                    decode::<IdempotentCreate>(v, "idempotent create")
+                    decode::<IdempotentCreate>(v, IDEMPOTENT.what)
                         .is_ok_and(|c| c.expires_at_ms > now_ms)
                 })
                 .map_err(db_err)?;
@@ -612,7 +645,7 @@ fn encode<T: Serialize>(value: &T) -> Vec<u8> {
     serde_json::to_vec(value).unwrap_or_default()
 }
 
-fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8], what: &'static str) -> Result<T, StoreError> {
+fn decode<T: DeserializeOwned>(bytes: &[u8], what: &'static str) -> Result<T, StoreError> {
     serde_json::from_slice(bytes).map_err(|source| StoreError::Decode { what, source })
 }
 

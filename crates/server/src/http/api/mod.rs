@@ -33,11 +33,11 @@ pub fn router(state: Shared) -> Router {
     let control = Router::new()
         .route(
             "/sandboxes",
-            post(sandboxes::create_v1).get(sandboxes::list_v1),
+            post(sandboxes::create::<false>).get(sandboxes::list::<false>),
         )
         .route(
             "/v2/sandboxes",
-            post(sandboxes::create_v2).get(sandboxes::list_v2),
+            post(sandboxes::create::<true>).get(sandboxes::list::<true>),
         )
         .route(
             "/sandboxes/{id}",

@@ -161,23 +161,23 @@ struct NewSandbox {
     auto_pause_memory: Option<bool>,
 }
 
-async fn create(
-    state: Shared,
-    caller: Caller,
+/// `POST /sandboxes` (`V2` false) and `POST /v2/sandboxes`.
+pub async fn create<const V2: bool>(
+    State(state): State<Shared>,
+    Extension(caller): Extension<Caller>,
     gone: ClientGone,
     headers: HeaderMap,
     body: Bytes,
-    v2: bool,
 ) -> Result<Response, ApiError> {
     let req: NewSandbox = JsonBody::parse(&body)?;
     let Some(key) = headers.get(wire::IDEMPOTENCY_KEY_HEADER) else {
-        let made = create_now(&state, caller, &gone, req, v2, false).await?;
+        let made = create_now(&state, caller, &gone, req, V2, false).await?;
         return Ok((StatusCode::CREATED, Json(made)).into_response());
     };
     let key = key.to_str().map_err(|_| IdempotencyError::Malformed)?;
     idempotent::check_key(key)?;
     let json: serde_json::Value = JsonBody::parse(&body)?;
-    let route = if v2 {
+    let route = if V2 {
         "POST /v2/sandboxes"
     } else {
         "POST /sandboxes"
@@ -195,7 +195,7 @@ async fn create(
         Begun::Replay(answer) => return Ok(replay(answer)),
         Begun::First(claim) => claim,
     };
-    let made = create_now(&state, caller, &gone, req, v2, true).await?;
+    let made = create_now(&state, caller, &gone, req, V2, true).await?;
     let answer = IdempotentAnswer {
         body: serde_json::to_string(&made)
             .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?,
@@ -271,26 +271,6 @@ async fn create_now(
     Ok(wire::Sandbox::from(&record))
 }
 
-pub async fn create_v1(
-    State(state): State<Shared>,
-    Extension(caller): Extension<Caller>,
-    gone: ClientGone,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Result<Response, ApiError> {
-    create(state, caller, gone, headers, body, false).await
-}
-
-pub async fn create_v2(
-    State(state): State<Shared>,
-    Extension(caller): Extension<Caller>,
-    gone: ClientGone,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Result<Response, ApiError> {
-    create(state, caller, gone, headers, body, true).await
-}
-
 pub async fn get_one(
     State(state): State<Shared>,
     SandboxId(id): SandboxId,
@@ -307,9 +287,15 @@ pub async fn get_one(
     Ok(Json(detail))
 }
 
-async fn list(state: Shared, caller: Caller, uri: Uri, v2: bool) -> Result<Response, ApiError> {
+/// `GET /sandboxes` (`V2` false: running ones, one page) and
+/// `GET /v2/sandboxes`.
+pub async fn list<const V2: bool>(
+    State(state): State<Shared>,
+    Extension(caller): Extension<Caller>,
+    uri: Uri,
+) -> Result<Response, ApiError> {
     let mut query = ListQuery::parse(uri.query())?;
-    if !v2 {
+    if !V2 {
         // v1 lists running sandboxes, in one page.
         query.states = vec![SandboxState::Running];
         query.next_token = None;
@@ -319,22 +305,6 @@ async fn list(state: Shared, caller: Caller, uri: Uri, v2: bool) -> Result<Respo
     let (page, next) = query.page(own);
     let body: Vec<wire::ListedSandbox> = page.iter().map(wire::ListedSandbox::from).collect();
     Ok(super::list::page_answer(body, next))
-}
-
-pub async fn list_v1(
-    State(state): State<Shared>,
-    Extension(caller): Extension<Caller>,
-    uri: Uri,
-) -> Result<Response, ApiError> {
-    list(state, caller, uri, false).await
-}
-
-pub async fn list_v2(
-    State(state): State<Shared>,
-    Extension(caller): Extension<Caller>,
-    uri: Uri,
-) -> Result<Response, ApiError> {
-    list(state, caller, uri, true).await
 }
 
 pub async fn kill(
