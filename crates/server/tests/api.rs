@@ -199,6 +199,21 @@ fn authed(method: &str, uri: &str, body: &str) -> Request<Body> {
         .unwrap()
 }
 
+impl Node {
+    /// An authenticated request's answer.
+    async fn authed(&self, method: &str, uri: &str, body: &str) -> Answer {
+        call(self, authed(method, uri, body)).await
+    }
+
+    /// Sends an authenticated request and checks it is refused with
+    /// `status` and E2B's error body.
+    async fn refuses(&self, method: &str, uri: &str, body: &str, status: StatusCode) -> Answer {
+        let a = self.authed(method, uri, body).await;
+        assert_error(&a, status);
+        a
+    }
+}
+
 fn assert_error(a: &Answer, status: StatusCode) {
     assert_eq!(a.status, status, "{}", a.json);
     assert_eq!(a.json["code"], status.as_u16(), "{}", a.json);
@@ -264,7 +279,7 @@ async fn create_validates_its_body() {
         ("/sandboxes", r#"{"templateID":"base","timeout":99999999}"#),
         ("/sandboxes", r#"{"envVars":"A=1"}"#),
     ] {
-        let a = call(&node, authed("POST", uri, body)).await;
+        let a = node.authed("POST", uri, body).await;
         assert_error(&a, StatusCode::BAD_REQUEST);
     }
     let a = call(
@@ -293,10 +308,7 @@ async fn unknown_sandboxes_are_not_found() {
         ("DELETE", "/sandboxes/nosuch", ""),
         ("POST", "/sandboxes/nosuch/timeout", r#"{"timeout":30}"#),
     ] {
-        assert_error(
-            &call(&node, authed(method, uri, body)).await,
-            StatusCode::NOT_FOUND,
-        );
+        node.refuses(method, uri, body, StatusCode::NOT_FOUND).await;
     }
 }
 
@@ -315,11 +327,11 @@ async fn malformed_sandbox_ids_are_400_and_client_suffixes_are_dropped() {
         ("POST", "/sandboxes/a_b/fork", "{}"),
         ("GET", "/sandboxes/%2E%2E/logs", ""),
     ] {
-        let a = call(&node, authed(method, uri, body)).await;
+        let a = node.authed(method, uri, body).await;
         assert_error(&a, StatusCode::BAD_REQUEST);
         assert_eq!(a.json["message"], "Invalid sandbox ID", "{method} {uri}");
     }
-    let a = call(&node, authed("GET", "/sandboxes/abc-6532622b", "")).await;
+    let a = node.authed("GET", "/sandboxes/abc-6532622b", "").await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.json);
     assert_eq!(a.json["sandboxID"], "abc");
 }
@@ -344,7 +356,7 @@ async fn the_timeout_of_a_paused_sandbox_is_not_found() {
 #[tokio::test]
 async fn get_answers_the_sandbox_detail() {
     let node = node(&[record("abc", 1_767_225_600_000, SandboxState::Running, "x")]);
-    let a = call(&node, authed("GET", "/sandboxes/abc", "")).await;
+    let a = node.authed("GET", "/sandboxes/abc", "").await;
     assert_eq!(a.status, StatusCode::OK);
     let d = &a.json;
     assert_eq!(d["sandboxID"], "abc");
@@ -385,7 +397,7 @@ async fn list_filters_and_pages() {
     let mut seen = Vec::new();
     let mut uri = "/v2/sandboxes?limit=2".to_owned();
     loop {
-        let a = call(&node, authed("GET", &uri, "")).await;
+        let a = node.authed("GET", &uri, "").await;
         assert_eq!(a.status, StatusCode::OK);
         let items = a.json.as_array().unwrap();
         assert!(items.len() <= 2);
@@ -435,19 +447,22 @@ async fn list_filters_and_pages() {
         .map(|i| i["sandboxID"].clone())
         .collect();
     assert_eq!(ids, ["s0", "s2"]);
-    let a = call(&node, authed("GET", "/v2/sandboxes?state=paused", "")).await;
+    let a = node.authed("GET", "/v2/sandboxes?state=paused", "").await;
     assert_eq!(a.json.as_array().unwrap().len(), 1);
     assert_eq!(a.json[0]["state"], "paused");
 
     // v1 lists running sandboxes in one page.
-    let a = call(&node, authed("GET", "/sandboxes", "")).await;
+    let a = node.authed("GET", "/sandboxes", "").await;
     assert_eq!(a.json.as_array().unwrap().len(), 4);
     assert!(a.headers.get("x-next-token").is_none());
 
-    assert_error(
-        &call(&node, authed("GET", "/v2/sandboxes?limit=1000", "")).await,
+    node.refuses(
+        "GET",
+        "/v2/sandboxes?limit=1000",
+        "",
         StatusCode::BAD_REQUEST,
-    );
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -466,10 +481,13 @@ async fn timeout_moves_the_end_and_expiry_kills() {
         "{end} vs {now}"
     );
     for body in ["", "{}", r#"{"timeout":-1}"#, "nonsense"] {
-        assert_error(
-            &call(&node, authed("POST", "/sandboxes/abc/timeout", body)).await,
+        node.refuses(
+            "POST",
+            "/sandboxes/abc/timeout",
+            body,
             StatusCode::BAD_REQUEST,
-        );
+        )
+        .await;
     }
     // Above the maximum is clamped to it (E2B clamps to the plan's longest
     // lifetime), not refused.
@@ -535,7 +553,7 @@ async fn malformed_requests_are_400_never_auth_errors() {
         ("POST", "/sandboxes/abc/snapshots"),
         ("POST", "/templates"),
     ] {
-        let a = call(&node, authed(method, uri, "{not json")).await;
+        let a = node.authed(method, uri, "{not json").await;
         assert_error(&a, StatusCode::BAD_REQUEST);
     }
     for uri in [
@@ -545,10 +563,7 @@ async fn malformed_requests_are_400_never_auth_errors() {
         "/v2/sandboxes?order=up",
         "/v2/sandboxes?nextToken=x",
     ] {
-        assert_error(
-            &call(&node, authed("GET", uri, "")).await,
-            StatusCode::BAD_REQUEST,
-        );
+        node.refuses("GET", uri, "", StatusCode::BAD_REQUEST).await;
     }
     // Fork's bounds in E2B's order and words (the SDKs map 400 to an
     // invalid-argument error; a 401 read as a bad key).
@@ -565,7 +580,7 @@ async fn malformed_requests_are_400_never_auth_errors() {
             "Timeout must be greater than 0",
         ),
     ] {
-        let a = call(&node, authed("POST", "/sandboxes/abc/fork", body)).await;
+        let a = node.authed("POST", "/sandboxes/abc/fork", body).await;
         assert_error(&a, StatusCode::BAD_REQUEST);
         assert_eq!(a.json["message"], message, "{body}");
     }
@@ -610,7 +625,9 @@ async fn list_reads_started_after_as_the_sdks_send_it() {
         // Python: astimezone().isoformat(), microseconds and an offset
         "startedAfter=2026-01-01T01%3A00%3A30.000000%2B01%3A00",
     ] {
-        let a = call(&node, authed("GET", &format!("/v2/sandboxes?{query}"), "")).await;
+        let a = node
+            .authed("GET", &format!("/v2/sandboxes?{query}"), "")
+            .await;
         assert_eq!(a.status, StatusCode::OK, "{query}: {}", a.json);
         let ids: Vec<_> = a
             .json
@@ -654,29 +671,31 @@ async fn refreshes_extend_but_never_shorten() {
     ] {
         assert_error(&call(&node, refresh(body)).await, StatusCode::BAD_REQUEST);
     }
-    assert_error(
-        &call(&node, authed("POST", "/sandboxes/nosuch/refreshes", "{}")).await,
+    node.refuses(
+        "POST",
+        "/sandboxes/nosuch/refreshes",
+        "{}",
         StatusCode::NOT_FOUND,
-    );
-    assert_error(
-        &call(&node, authed("POST", "/sandboxes/held/refreshes", "{}")).await,
+    )
+    .await;
+    node.refuses(
+        "POST",
+        "/sandboxes/held/refreshes",
+        "{}",
         StatusCode::CONFLICT,
-    );
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn kill_removes_the_sandbox() {
     let node = node(&[record("abc", 1, SandboxState::Running, "x")]);
-    let a = call(&node, authed("DELETE", "/sandboxes/abc", "")).await;
+    let a = node.authed("DELETE", "/sandboxes/abc", "").await;
     assert_eq!(a.status, StatusCode::NO_CONTENT);
-    assert_error(
-        &call(&node, authed("DELETE", "/sandboxes/abc", "")).await,
-        StatusCode::NOT_FOUND,
-    );
-    assert_error(
-        &call(&node, authed("GET", "/sandboxes/abc", "")).await,
-        StatusCode::NOT_FOUND,
-    );
+    node.refuses("DELETE", "/sandboxes/abc", "", StatusCode::NOT_FOUND)
+        .await;
+    node.refuses("GET", "/sandboxes/abc", "", StatusCode::NOT_FOUND)
+        .await;
 }
 
 #[tokio::test]
@@ -724,16 +743,11 @@ async fn pause_resume_and_connect_answer_by_state() {
         "/sandboxes/nosuch/connect",
         "/v2/sandboxes/nosuch/connect",
     ] {
-        assert_error(
-            &call(&node, authed("POST", uri, "{}")).await,
-            StatusCode::NOT_FOUND,
-        );
+        node.refuses("POST", uri, "{}", StatusCode::NOT_FOUND).await;
     }
     // Pausing a paused sandbox: 409, as E2B ("already paused").
-    assert_error(
-        &call(&node, authed("POST", "/sandboxes/held/pause", "{}")).await,
-        StatusCode::CONFLICT,
-    );
+    node.refuses("POST", "/sandboxes/held/pause", "{}", StatusCode::CONFLICT)
+        .await;
     // Whatever it would keep; a malformed mode is the caller's error.
     assert_error(
         &call(
@@ -791,10 +805,13 @@ async fn pause_resume_and_connect_answer_by_state() {
     assert_eq!(a.status, StatusCode::OK);
     assert!(node.manager.get("run").unwrap().end_at_ms > before);
     for body in ["{", r#"{"timeout":-1}"#] {
-        assert_error(
-            &call(&node, authed("POST", "/v2/sandboxes/run/connect", body)).await,
+        node.refuses(
+            "POST",
+            "/v2/sandboxes/run/connect",
+            body,
             StatusCode::BAD_REQUEST,
-        );
+        )
+        .await;
     }
 }
 
@@ -818,10 +835,10 @@ async fn a_sandbox_paused_for_memory_pressure_still_runs_for_its_owner() {
         squeezed("over", now - 1, false),
         squeezed("overap", now - 1, true),
     ]);
-    let a = call(&node, authed("GET", "/sandboxes/squeezed", "")).await;
+    let a = node.authed("GET", "/sandboxes/squeezed", "").await;
     assert_eq!(a.json["state"], "paused", "{}", a.json);
     assert_eq!(a.json["pauseReason"], "memoryPressure", "{}", a.json);
-    let info = call(&node, authed("GET", "/v1/node", "")).await.json;
+    let info = node.authed("GET", "/v1/node", "").await.json;
     assert_eq!(info["memoryPressure"]["enabled"], true, "{info}");
     assert_eq!(info["memoryPressure"]["pausedNow"], 3, "{info}");
 
@@ -873,16 +890,19 @@ async fn a_sandbox_paused_for_memory_pressure_still_runs_for_its_owner() {
     }
 
     // Its owner pauses it: 204, and it stays paused, as theirs.
-    let a = call(&node, authed("POST", "/sandboxes/squeezed/pause", "{}")).await;
+    let a = node.authed("POST", "/sandboxes/squeezed/pause", "{}").await;
     assert_eq!(a.status, StatusCode::NO_CONTENT, "{}", a.json);
     let r = node.manager.get("squeezed").unwrap();
     assert_eq!(r.pause_reason, Some(PauseReason::Request));
     let a = call(&node, routed()).await;
     assert_eq!(a.status, StatusCode::BAD_GATEWAY, "{}", a.json);
-    assert_error(
-        &call(&node, authed("POST", "/sandboxes/squeezed/pause", "{}")).await,
+    node.refuses(
+        "POST",
+        "/sandboxes/squeezed/pause",
+        "{}",
         StatusCode::CONFLICT,
-    );
+    )
+    .await;
     assert_error(
         &call(
             &node,
@@ -900,7 +920,7 @@ async fn a_sandbox_paused_for_memory_pressure_still_runs_for_its_owner() {
         (r.state, r.pause_reason),
         (SandboxState::Paused, Some(PauseReason::Timeout))
     );
-    let a = call(&node, authed("GET", "/sandboxes/overap", "")).await;
+    let a = node.authed("GET", "/sandboxes/overap", "").await;
     assert_eq!(a.json["pauseReason"], "timeout", "{}", a.json);
 }
 
@@ -938,20 +958,21 @@ async fn fork_validates_and_needs_a_running_sandbox() {
         record("run", now, SandboxState::Running, "x"),
         record("held", now, SandboxState::Paused, "x"),
     ]);
-    assert_error(
-        &call(&node, authed("POST", "/sandboxes/nosuch/fork", "{}")).await,
+    node.refuses(
+        "POST",
+        "/sandboxes/nosuch/fork",
+        "{}",
         StatusCode::NOT_FOUND,
-    );
+    )
+    .await;
     for body in [
         r#"{"count":0}"#,
         r#"{"count":101}"#,
         r#"{"count":"x"}"#,
         r#"{"timeout":-3}"#,
     ] {
-        assert_error(
-            &call(&node, authed("POST", "/sandboxes/run/fork", body)).await,
-            StatusCode::BAD_REQUEST,
-        );
+        node.refuses("POST", "/sandboxes/run/fork", body, StatusCode::BAD_REQUEST)
+            .await;
     }
     // A paused sandbox forks from its paused memory: one paused without it
     // has none to fork.
@@ -984,7 +1005,7 @@ async fn fork_validates_and_needs_a_running_sandbox() {
         ("/snapshots/team%2Fnosuch/fork", "{}", missing),
         ("/snapshots/base/fork", "{}", missing),
     ] {
-        let a = call(&node, authed("POST", uri, body)).await;
+        let a = node.authed("POST", uri, body).await;
         assert_error(&a, status);
     }
 }
@@ -993,14 +1014,20 @@ async fn fork_validates_and_needs_a_running_sandbox() {
 async fn snapshot_create_validates_and_needs_a_running_sandbox() {
     let now = now_ms();
     let node = node(&[record("held", now, SandboxState::Paused, "x")]);
-    assert_error(
-        &call(&node, authed("POST", "/sandboxes/nosuch/snapshots", "{}")).await,
+    node.refuses(
+        "POST",
+        "/sandboxes/nosuch/snapshots",
+        "{}",
         StatusCode::NOT_FOUND,
-    );
-    assert_error(
-        &call(&node, authed("POST", "/sandboxes/NO..pe/snapshots", "{}")).await,
+    )
+    .await;
+    node.refuses(
+        "POST",
+        "/sandboxes/NO..pe/snapshots",
+        "{}",
         StatusCode::BAD_REQUEST,
-    );
+    )
+    .await;
     for body in [
         r#"{"memory":false}"#,
         r#"{"name":"has space"}"#,
@@ -1008,15 +1035,21 @@ async fn snapshot_create_validates_and_needs_a_running_sandbox() {
         r#"{"name":7}"#,
         "{",
     ] {
-        assert_error(
-            &call(&node, authed("POST", "/sandboxes/held/snapshots", body)).await,
+        node.refuses(
+            "POST",
+            "/sandboxes/held/snapshots",
+            body,
             StatusCode::BAD_REQUEST,
-        );
+        )
+        .await;
     }
-    assert_error(
-        &call(&node, authed("POST", "/sandboxes/held/snapshots", "{}")).await,
+    node.refuses(
+        "POST",
+        "/sandboxes/held/snapshots",
+        "{}",
         StatusCode::CONFLICT,
-    );
+    )
+    .await;
     let unauthed = Request::builder()
         .method("POST")
         .uri("/sandboxes/held/snapshots")
@@ -1038,7 +1071,7 @@ async fn snapshots_are_listed_newest_first_filtered_and_paged() {
             &|d| snapshot(d, "snapc", "src1", 3_000),
         ],
     );
-    let all = call(&node, authed("GET", "/snapshots", "")).await;
+    let all = node.authed("GET", "/snapshots", "").await;
     assert_eq!(all.status, StatusCode::OK, "{}", all.json);
     let ids: Vec<&str> = all
         .json
@@ -1053,16 +1086,16 @@ async fn snapshots_are_listed_newest_first_filtered_and_paged() {
     assert_eq!(all.json[0]["sandboxID"], "src1");
     assert!(all.headers.get("x-next-token").is_none());
 
-    let src1 = call(&node, authed("GET", "/snapshots?sandboxID=src1", "")).await;
+    let src1 = node.authed("GET", "/snapshots?sandboxID=src1", "").await;
     assert_eq!(src1.json.as_array().unwrap().len(), 2);
-    let named = call(&node, authed("GET", "/snapshots?name=team%2Fnamed", "")).await;
+    let named = node.authed("GET", "/snapshots?name=team%2Fnamed", "").await;
     assert_eq!(named.json[0]["snapshotID"], "snapb");
     assert_eq!(named.json.as_array().unwrap().len(), 1);
 
     let mut seen = Vec::new();
     let mut uri = "/snapshots?limit=2".to_owned();
     loop {
-        let page = call(&node, authed("GET", &uri, "")).await;
+        let page = node.authed("GET", &uri, "").await;
         assert_eq!(page.status, StatusCode::OK, "{}", page.json);
         for s in page.json.as_array().unwrap() {
             seen.push(s["snapshotID"].as_str().unwrap().to_owned());
@@ -1074,10 +1107,7 @@ async fn snapshots_are_listed_newest_first_filtered_and_paged() {
     }
     assert_eq!(seen, ["snapc", "snapb", "snapa"]);
     for bad in ["/snapshots?limit=0", "/snapshots?nextToken=x"] {
-        assert_error(
-            &call(&node, authed("GET", bad, "")).await,
-            StatusCode::BAD_REQUEST,
-        );
+        node.refuses("GET", bad, "", StatusCode::BAD_REQUEST).await;
     }
 }
 
@@ -1110,27 +1140,26 @@ async fn a_snapshot_deleted_while_used_loses_its_name_and_keeps_its_files_for_it
             },
         ],
     );
-    assert_error(
-        &call(&node, authed("DELETE", "/templates/nosuch", "")).await,
-        StatusCode::NOT_FOUND,
-    );
-    assert_error(
-        &call(&node, authed("DELETE", "/templates/base", "")).await,
-        StatusCode::BAD_REQUEST,
-    );
+    node.refuses("DELETE", "/templates/nosuch", "", StatusCode::NOT_FOUND)
+        .await;
+    node.refuses("DELETE", "/templates/base", "", StatusCode::BAD_REQUEST)
+        .await;
     // As on E2B: deleted at once, whatever stacks on it (its users keep
     // running on its files, which stay until the last user goes).
     let dir = |id: &str| node.dir.path().join("templates").join(id);
     // snapd (by name) first: snapc stacks on it.
     for id in ["snapa", "snapb", "team%2Fnamed%3Adefault", "snapc"] {
-        let gone = call(&node, authed("DELETE", &format!("/templates/{id}"), "")).await;
+        let gone = node.authed("DELETE", &format!("/templates/{id}"), "").await;
         assert_eq!(gone.status, StatusCode::NO_CONTENT, "{id}: {}", gone.json);
-        assert_error(
-            &call(&node, authed("DELETE", &format!("/templates/{id}"), "")).await,
+        node.refuses(
+            "DELETE",
+            &format!("/templates/{id}"),
+            "",
             StatusCode::NOT_FOUND,
-        );
+        )
+        .await;
     }
-    let left = call(&node, authed("GET", "/snapshots", "")).await;
+    let left = node.authed("GET", "/snapshots", "").await;
     assert_eq!(left.json, serde_json::json!([]));
     assert_error(
         &call(
@@ -1184,15 +1213,15 @@ async fn metrics_and_logs_answer_by_sandbox_and_check_their_query() {
         "/sandboxes/nosuch/logs",
         "/v2/sandboxes/nosuch/logs",
     ] {
-        assert_error(
-            &call(&node, authed("GET", uri, "")).await,
-            StatusCode::NOT_FOUND,
-        );
+        node.refuses("GET", uri, "", StatusCode::NOT_FOUND).await;
     }
-    assert_error(
-        &call(&node, authed("GET", "/sandboxes/NO..pe/metrics", "")).await,
+    node.refuses(
+        "GET",
+        "/sandboxes/NO..pe/metrics",
+        "",
         StatusCode::BAD_REQUEST,
-    );
+    )
+    .await;
     for uri in [
         "/sandboxes/held/metrics?start=x",
         "/sandboxes/held/metrics?start=9&end=8",
@@ -1200,29 +1229,21 @@ async fn metrics_and_logs_answer_by_sandbox_and_check_their_query() {
         "/v2/sandboxes/held/logs?direction=sideways",
         "/v2/sandboxes/held/logs?level=loud",
     ] {
-        assert_error(
-            &call(&node, authed("GET", uri, "")).await,
-            StatusCode::BAD_REQUEST,
-        );
+        node.refuses("GET", uri, "", StatusCode::BAD_REQUEST).await;
     }
     for uri in [
         "/sandboxes/metrics",
         "/sandboxes/metrics?sandbox_ids=",
         "/sandboxes/metrics?sandbox_ids=,",
     ] {
-        assert_error(
-            &call(&node, authed("GET", uri, "")).await,
-            StatusCode::BAD_REQUEST,
-        );
+        node.refuses("GET", uri, "", StatusCode::BAD_REQUEST).await;
     }
     let many = format!(
         "/sandboxes/metrics?sandbox_ids={}",
         vec!["a"; 101].join(",")
     );
-    assert_error(
-        &call(&node, authed("GET", &many, "")).await,
-        StatusCode::BAD_REQUEST,
-    );
+    node.refuses("GET", &many, "", StatusCode::BAD_REQUEST)
+        .await;
     // Unknown and never-sampled sandboxes are left out, not an error.
     let m = call(
         &node,
@@ -1247,7 +1268,7 @@ async fn metrics_and_logs_answer_by_sandbox_and_check_their_query() {
         (m.status, m.json.clone()),
         (StatusCode::OK, serde_json::json!([]))
     );
-    let l = call(&node, authed("GET", "/sandboxes/held/logs", "")).await;
+    let l = node.authed("GET", "/sandboxes/held/logs", "").await;
     assert_eq!(l.status, StatusCode::OK);
     assert_eq!(l.json, serde_json::json!({"logs": [], "logEntries": []}));
     let l = call(
@@ -1297,7 +1318,7 @@ async fn logs_and_metrics_kept_on_disk_are_served_and_go_with_the_sandbox() {
             std::fs::create_dir_all(c.observe_dir().join("ghost")).unwrap();
         },
     );
-    let l = call(&node, authed("GET", "/sandboxes/held/logs", "")).await;
+    let l = node.authed("GET", "/sandboxes/held/logs", "").await;
     assert_eq!(l.status, StatusCode::OK);
     let lines: Vec<Value> = l.json["logs"]
         .as_array()
@@ -1319,7 +1340,7 @@ async fn logs_and_metrics_kept_on_disk_are_served_and_go_with_the_sandbox() {
     .await;
     assert_eq!(v2.json["logs"].as_array().unwrap().len(), 1);
     assert_eq!(v2.json["logs"][0]["fields"]["source"], "agent");
-    let m = call(&node, authed("GET", "/sandboxes/held/metrics", "")).await;
+    let m = node.authed("GET", "/sandboxes/held/metrics", "").await;
     assert_eq!(m.json.as_array().unwrap().len(), 1, "{}", m.json);
     assert_eq!(
         (
@@ -1465,7 +1486,7 @@ async fn over_capacity_answers_503_saying_what_and_holds_nothing() {
 #[tokio::test]
 async fn the_count_limit_stays_429() {
     let node = small_node(|c| c.max_sandboxes = 0);
-    let a = call(&node, authed("POST", "/v2/sandboxes", "{}")).await;
+    let a = node.authed("POST", "/v2/sandboxes", "{}").await;
     assert_error(&a, StatusCode::TOO_MANY_REQUESTS);
     assert!(
         a.json["message"]
@@ -1480,7 +1501,7 @@ async fn the_count_limit_stays_429() {
 #[tokio::test]
 async fn too_little_disk_answers_503() {
     let node = small_node(|c| c.capacity.min_free_disk_mib = u64::MAX / 2);
-    let a = call(&node, authed("POST", "/v2/sandboxes", "{}")).await;
+    let a = node.authed("POST", "/v2/sandboxes", "{}").await;
     assert_error(&a, StatusCode::SERVICE_UNAVAILABLE);
     assert!(
         a.json["message"]
@@ -1490,7 +1511,7 @@ async fn too_little_disk_answers_503() {
         "{}",
         a.json
     );
-    let a = call(&node, authed("POST", "/sandboxes/run/snapshots", "{}")).await;
+    let a = node.authed("POST", "/sandboxes/run/snapshots", "{}").await;
     assert_error(&a, StatusCode::SERVICE_UNAVAILABLE);
     assert!(
         a.json["message"]
@@ -1707,7 +1728,7 @@ async fn a_template_build_that_does_not_fit_answers_503() {
         c.agent = Some(common::BUSYBOX.into());
     });
     let body = r#"{"name":"x","from":{"debian_packages":["jq"]}}"#;
-    let a = call(&node, authed("POST", "/templates", body)).await;
+    let a = node.authed("POST", "/templates", body).await;
     assert_error(&a, StatusCode::SERVICE_UNAVAILABLE);
     let message = a.json["message"].as_str().unwrap();
     assert!(
@@ -1715,7 +1736,7 @@ async fn a_template_build_that_does_not_fit_answers_503() {
         "{message}"
     );
     let body = r#"{"name":"x","from":{"debian_packages":["jq"]},"vcpus":3,"memory_mb":128}"#;
-    let a = call(&node, authed("POST", "/templates", body)).await;
+    let a = node.authed("POST", "/templates", body).await;
     assert_error(&a, StatusCode::SERVICE_UNAVAILABLE);
     let message = a.json["message"].as_str().unwrap();
     assert!(
@@ -1755,7 +1776,7 @@ async fn an_image_build_that_cannot_boot_ends_in_error_with_its_log() {
         r#"{{"name":"bb","from":{{"oci_layout":"{}"}},"start_cmd":"sleep 1000","memory_mb":384}}"#,
         layout.display()
     );
-    let a = call(&node, authed("POST", "/templates", &body)).await;
+    let a = node.authed("POST", "/templates", &body).await;
     assert_eq!(a.status, StatusCode::ACCEPTED, "{}", a.json);
     assert_eq!(a.json["status"], "building");
     assert_eq!(a.json["names"], serde_json::json!(["bb"]));
@@ -1763,8 +1784,8 @@ async fn an_image_build_that_cannot_boot_ends_in_error_with_its_log() {
     let build = a.json["buildID"].as_str().unwrap().to_owned();
 
     // While it builds the name is taken.
-    let again = call(&node, authed("POST", "/templates", &body)).await;
-    let listed = call(&node, authed("GET", "/templates", "")).await;
+    let again = node.authed("POST", "/templates", &body).await;
+    let listed = node.authed("GET", "/templates", "").await;
     let mine = listed
         .json
         .as_array()
@@ -1783,10 +1804,13 @@ async fn an_image_build_that_cannot_boot_ends_in_error_with_its_log() {
             assert_eq!(info["sandboxes"]["starting"], 0, "{info}");
         }
         assert_error(&again, StatusCode::CONFLICT);
-        assert_error(
-            &call(&node, authed("DELETE", &format!("/templates/{id}"), "")).await,
+        node.refuses(
+            "DELETE",
+            &format!("/templates/{id}"),
+            "",
             StatusCode::CONFLICT,
-        );
+        )
+        .await;
     }
 
     let status = wait_for_build(&node, &id, &build).await;
@@ -1852,7 +1876,7 @@ async fn an_image_build_that_cannot_boot_ends_in_error_with_its_log() {
     assert!(node.manager.store().template(&id).unwrap().is_none());
 
     // A failed build does not hold its name, and goes when deleted.
-    let gone = call(&node, authed("DELETE", "/templates/bb", "")).await;
+    let gone = node.authed("DELETE", "/templates/bb", "").await;
     assert_eq!(gone.status, StatusCode::NO_CONTENT, "{}", gone.json);
     assert!(node.manager.store().build(&id).unwrap().is_none());
     assert_error(
@@ -1889,7 +1913,7 @@ async fn templates_are_listed_and_deleted_with_their_files_kept_for_their_users(
                 .unwrap();
         },
     );
-    let a = call(&node, authed("GET", "/templates", "")).await;
+    let a = node.authed("GET", "/templates", "").await;
     assert_eq!(a.status, StatusCode::OK);
     let all = a.json.as_array().unwrap();
     let row = |i: usize| {
@@ -1924,11 +1948,11 @@ async fn templates_are_listed_and_deleted_with_their_files_kept_for_their_users(
             .unwrap()
             .starts_with("1970-01-01T00:00:02")
     );
-    let one = call(&node, authed("GET", "/templates/web", "")).await;
+    let one = node.authed("GET", "/templates/web", "").await;
     assert_eq!(one.json["templateID"], "tpl1");
     // The E2B CLI's `template list` names its team; `template unpublish`
     // and `publish` patch the template (this node publishes nothing).
-    let by_team = call(&node, authed("GET", "/templates?teamID=t1", "")).await;
+    let by_team = node.authed("GET", "/templates?teamID=t1", "").await;
     assert_eq!(by_team.json.as_array().map(Vec::len), Some(all.len()));
     let patch = |id: &str, body: &str| authed("PATCH", &format!("/v2/templates/{id}"), body);
     let private = call(&node, patch("web", r#"{"public":false}"#)).await;
@@ -1947,10 +1971,8 @@ async fn templates_are_listed_and_deleted_with_their_files_kept_for_their_users(
         &call(&node, patch("web", r#"{"public":"yes"}"#)).await,
         StatusCode::BAD_REQUEST,
     );
-    assert_error(
-        &call(&node, authed("GET", "/templates/nosuch", "")).await,
-        StatusCode::NOT_FOUND,
-    );
+    node.refuses("GET", "/templates/nosuch", "", StatusCode::NOT_FOUND)
+        .await;
     let s = call(
         &node,
         authed("GET", "/templates/tpl3/builds/build-tpl3/status", ""),
@@ -1965,29 +1987,25 @@ async fn templates_are_listed_and_deleted_with_their_files_kept_for_their_users(
     );
     assert_eq!(s.json["logs"], serde_json::json!(["line 1", "line 2"]));
 
-    assert_error(
-        &call(&node, authed("DELETE", "/templates/base", "")).await,
-        StatusCode::BAD_REQUEST,
-    );
-    let building = call(&node, authed("DELETE", "/templates/slow", "")).await;
+    node.refuses("DELETE", "/templates/base", "", StatusCode::BAD_REQUEST)
+        .await;
+    let building = node.authed("DELETE", "/templates/slow", "").await;
     assert_error(&building, StatusCode::CONFLICT);
     assert!(building.json["message"].as_str().unwrap().contains("build"));
     // Deleted while a sandbox stacks on it: the name goes at once, the
     // files when the sandbox does.
     let dir = node.dir.path().join("templates/tpl1");
-    let gone = call(&node, authed("DELETE", "/templates/web", "")).await;
+    let gone = node.authed("DELETE", "/templates/web", "").await;
     assert_eq!(gone.status, StatusCode::NO_CONTENT, "{}", gone.json);
     assert!(dir.is_dir());
-    assert_error(
-        &call(&node, authed("GET", "/templates/web", "")).await,
-        StatusCode::NOT_FOUND,
-    );
+    node.refuses("GET", "/templates/web", "", StatusCode::NOT_FOUND)
+        .await;
     node.manager.kill("user1").await.unwrap();
     let gc = node.manager.collect_garbage().await.unwrap();
     assert_eq!(gc.templates, ["tpl1"], "{gc:?}");
     assert!(!dir.exists());
     assert!(node.manager.store().build("tpl1").unwrap().is_none());
-    let broken = call(&node, authed("DELETE", "/templates/tpl3", "")).await;
+    let broken = node.authed("DELETE", "/templates/tpl3", "").await;
     assert_eq!(broken.status, StatusCode::NO_CONTENT);
     let left: Vec<String> = call(&node, authed("GET", "/templates", ""))
         .await
@@ -2161,13 +2179,13 @@ async fn teams_and_keys_are_made_by_the_admin_and_a_revoked_key_is_refused() {
         assert_error(&a, StatusCode::FORBIDDEN);
     }
     // Listed by name or id, with its limits and use, the key masked.
-    let a = call(&node, authed("GET", "/admin/teams", "")).await;
+    let a = node.authed("GET", "/admin/teams", "").await;
     assert_eq!(a.json[0]["teamID"], "default");
     assert_eq!(a.json[1]["name"], "research");
     assert_eq!(a.json[1]["limits"]["maxSandboxes"], 3);
     assert_eq!(a.json[1]["usage"]["sandboxes"], 0);
     assert_eq!(a.json[1]["keys"], 1);
-    let keys = call(&node, authed("GET", "/admin/teams/research/keys", "")).await;
+    let keys = node.authed("GET", "/admin/teams/research/keys", "").await;
     assert_eq!(keys.status, StatusCode::OK);
     let listed = keys.json.to_string();
     assert!(!listed.contains(hex), "{listed}");
@@ -2191,15 +2209,16 @@ async fn teams_and_keys_are_made_by_the_admin_and_a_revoked_key_is_refused() {
         r#"{}"#,
         r#"{"name":"x","max":1}"#,
     ] {
-        assert_error(
-            &call(&node, authed("POST", "/admin/teams", bad)).await,
-            StatusCode::BAD_REQUEST,
-        );
+        node.refuses("POST", "/admin/teams", bad, StatusCode::BAD_REQUEST)
+            .await;
     }
-    assert_error(
-        &call(&node, authed("POST", "/admin/teams/nosuch/keys", "{}")).await,
+    node.refuses(
+        "POST",
+        "/admin/teams/nosuch/keys",
+        "{}",
         StatusCode::NOT_FOUND,
-    );
+    )
+    .await;
     // Only the key's hash is in the store.
     let store = std::fs::read(node.dir.path().join("s.redb")).unwrap();
     assert!(!store.windows(hex.len()).any(|w| w == hex.as_bytes()));
@@ -2223,7 +2242,7 @@ async fn teams_and_keys_are_made_by_the_admin_and_a_revoked_key_is_refused() {
         StatusCode::NOT_FOUND,
     );
     assert_eq!(
-        call(&node, authed("GET", "/v2/sandboxes", "")).await.status,
+        node.authed("GET", "/v2/sandboxes", "").await.status,
         StatusCode::OK
     );
     // A node started again on the store knows the team and its other keys.
@@ -2295,7 +2314,7 @@ async fn another_teams_sandbox_answers_as_an_unknown_one_on_every_route() {
         node.manager.get("paused").unwrap().state,
         SandboxState::Paused
     );
-    let a = call(&node, authed("GET", "/sandboxes/theirs", "")).await;
+    let a = node.authed("GET", "/sandboxes/theirs", "").await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.json);
 }
 
@@ -2372,7 +2391,7 @@ async fn another_teams_templates_and_snapshots_answer_as_unknown_ones() {
         ),
     ] {
         for id in ["snapa", "their-snap", "builta", "their-tpl"] {
-            let foreign = call(&node, authed(method, &route.replace("{id}", id), body)).await;
+            let foreign = node.authed(method, &route.replace("{id}", id), body).await;
             let unknown = call(
                 &node,
                 authed(method, &route.replace("{id}", "nosuch"), body),
@@ -2433,11 +2452,11 @@ async fn another_teams_templates_and_snapshots_answer_as_unknown_ones() {
     };
     let a = call(&node, keyed(&a_key, "GET", "/templates", "")).await;
     assert_eq!(names(&a, "templateID"), ["base", "builta", "snapa"]);
-    let a = call(&node, authed("GET", "/templates", "")).await;
+    let a = node.authed("GET", "/templates", "").await;
     assert_eq!(names(&a, "templateID"), ["base", "snapd"]);
     let a = call(&node, keyed(&a_key, "GET", "/snapshots", "")).await;
     assert_eq!(names(&a, "snapshotID"), ["snapa"]);
-    let a = call(&node, authed("GET", "/snapshots", "")).await;
+    let a = node.authed("GET", "/snapshots", "").await;
     assert_eq!(names(&a, "snapshotID"), ["snapd"]);
     // Every team may start from base: team a's create gets past the
     // template (and fails later: this node has no VMM).
@@ -2532,7 +2551,7 @@ async fn team_limits_refuse_creates_and_forks_with_e2bs_429() {
         authed("PATCH", "/admin/teams/default", r#"{"maxSandboxes":0}"#),
     )
     .await;
-    let a = call(&node, authed("POST", "/v2/sandboxes", "{}")).await;
+    let a = node.authed("POST", "/v2/sandboxes", "{}").await;
     assert_error(&a, StatusCode::TOO_MANY_REQUESTS);
     // Nothing stays held.
     assert_holds_nothing(&node_info(&node).await);
@@ -2655,15 +2674,17 @@ async fn e2b_builds_wait_across_a_restart_and_their_tags_move() {
     assert_eq!(r.json["templateID"], "tplw");
     assert_eq!(r.json["tags"], serde_json::json!(["v2"]));
     assert_ne!(r.json["buildID"], "build-tplw3");
-    let r = call(&node, authed("POST", "/v3/templates", r#"{"name":"base"}"#)).await;
+    let r = node
+        .authed("POST", "/v3/templates", r#"{"name":"base"}"#)
+        .await;
     assert_error(&r, StatusCode::BAD_REQUEST);
 
-    let a = call(&node, authed("GET", "/templates/aliases/web", "")).await;
+    let a = node.authed("GET", "/templates/aliases/web", "").await;
     assert_eq!(
         (a.status, &a.json["templateID"]),
         (StatusCode::OK, &Value::from("tplw"))
     );
-    let a = call(&node, authed("GET", "/templates/aliases/nope", "")).await;
+    let a = node.authed("GET", "/templates/aliases/nope", "").await;
     assert_error(&a, StatusCode::NOT_FOUND);
 
     let tags = |node| async move {
@@ -2725,7 +2746,7 @@ async fn e2b_builds_wait_across_a_restart_and_their_tags_move() {
     .await;
     assert_error(&r, StatusCode::NOT_FOUND);
 
-    let list = call(&node, authed("GET", "/v2/templates", "")).await;
+    let list = node.authed("GET", "/v2/templates", "").await;
     let ours: Vec<&Value> = list
         .json
         .as_array()
@@ -2737,11 +2758,11 @@ async fn e2b_builds_wait_across_a_restart_and_their_tags_move() {
     assert_eq!(ours[0]["buildID"], "build-tplw2");
 
     // Deleting the template deletes every build of it.
-    let d = call(&node, authed("DELETE", "/templates/web", "")).await;
+    let d = node.authed("DELETE", "/templates/web", "").await;
     assert_eq!(d.status, StatusCode::NO_CONTENT, "{}", d.json);
     assert!(node.manager.resolve_template("tplw:v1").is_err());
     assert!(node.manager.store().builds().unwrap().is_empty());
-    let a = call(&node, authed("GET", "/templates/aliases/web", "")).await;
+    let a = node.authed("GET", "/templates/aliases/web", "").await;
     assert_error(&a, StatusCode::NOT_FOUND);
 }
 
@@ -2925,7 +2946,7 @@ async fn untagged_builds_past_the_cap_go_and_say_they_were_replaced() {
     // The newest build takes every tag: b0..b{n-1} lose their last one.
     let tags: Vec<String> = (0..n).map(|i| format!("v{i}")).collect();
     let body = serde_json::json!({"target": format!("app:v{n}"), "tags": tags}).to_string();
-    let r = call(&node, authed("POST", "/templates/tags", &body)).await;
+    let r = node.authed("POST", "/templates/tags", &body).await;
     assert_eq!(r.status, StatusCode::CREATED, "{}", r.json);
     // The newest KEEP_UNTAGGED untagged ones stay, and b0 (in use); b1 went.
     for i in (2..n).chain([0]) {
@@ -2946,7 +2967,7 @@ async fn untagged_builds_past_the_cap_go_and_say_they_were_replaced() {
         m.contains("was deleted: replaced by newer builds of app"),
         "{m}"
     );
-    let listed = call(&node, authed("GET", "/templates", "")).await;
+    let listed = node.authed("GET", "/templates", "").await;
     let builds: Vec<&str> = listed
         .json
         .as_array()
@@ -3064,7 +3085,7 @@ async fn a_malformed_idempotency_key_is_a_400_that_says_why() {
 #[tokio::test]
 async fn limits_answer_with_retry_after_for_the_sdks_retry() {
     let node = small_node(|c| c.max_sandboxes = 0);
-    let a = call(&node, authed("POST", "/v2/sandboxes", "{}")).await;
+    let a = node.authed("POST", "/v2/sandboxes", "{}").await;
     assert_error(&a, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(a.headers["retry-after"], "1");
     assert_eq!(a.headers["should-retry"], "true");
