@@ -2454,6 +2454,11 @@ async fn another_teams_templates_and_snapshots_answer_as_unknown_ones() {
     assert_eq!(names(&a, "templateID"), ["base", "builta", "snapa"]);
     let a = node.authed("GET", "/templates", "").await;
     assert_eq!(names(&a, "templateID"), ["base", "snapd"]);
+    // E2B's default templates: the node's own, the same for every team.
+    let a = call(&node, keyed(&a_key, "GET", "/default-templates", "")).await;
+    assert_eq!(names(&a, "templateID"), ["base"]);
+    let a = node.authed("GET", "/default-templates", "").await;
+    assert_eq!(names(&a, "templateID"), ["base"]);
     let a = call(&node, keyed(&a_key, "GET", "/snapshots", "")).await;
     assert_eq!(names(&a, "snapshotID"), ["snapa"]);
     let a = node.authed("GET", "/snapshots", "").await;
@@ -2707,6 +2712,97 @@ async fn e2b_builds_wait_across_a_restart_and_their_tags_move() {
         tags(&node).await,
         ["default=build-tplw", "old=build-tplw2", "v1=build-tplw"]
     );
+    // The tag reads of E2B's 2.63 client.
+    let count = node.authed("GET", "/templates/web/tags/count", "").await;
+    assert_eq!(
+        count.json,
+        serde_json::json!({"total": 3}),
+        "{}",
+        count.json
+    );
+    node.refuses(
+        "GET",
+        "/templates/nope/tags/count",
+        "",
+        StatusCode::NOT_FOUND,
+    )
+    .await;
+    let exists = node
+        .authed("GET", "/templates/tplw/tags/exists?tag=V1", "")
+        .await;
+    assert_eq!(
+        exists.json,
+        serde_json::json!({"exists": true, "normalizedTag": "v1"})
+    );
+    let exists = node
+        .authed("GET", "/templates/tplw/tags/exists?tag=v9", "")
+        .await;
+    assert_eq!(exists.json["exists"], false);
+    for bad in ["", "?tag=", "?tag=a%20b"] {
+        let uri = format!("/templates/tplw/tags/exists{bad}");
+        node.refuses("GET", &uri, "", StatusCode::BAD_REQUEST).await;
+    }
+    let group_tags = |a: &Answer| {
+        a.json["tags"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| g["tag"].as_str().unwrap().to_owned())
+            .collect::<Vec<_>>()
+    };
+    let first = node
+        .authed(
+            "GET",
+            "/templates/tplw/tags/groups?sort=name_asc&tagsLimit=2",
+            "",
+        )
+        .await;
+    assert_eq!(group_tags(&first), ["default", "old"], "{}", first.json);
+    assert_eq!(first.json["nextCursor"], "2");
+    assert_eq!(first.json["tags"][1]["hasMore"], false);
+    assert_eq!(
+        first.json["tags"][1]["assignments"][0]["buildId"],
+        "build-tplw2"
+    );
+    let rest = node
+        .authed(
+            "GET",
+            "/templates/tplw/tags/groups?sort=name_asc&tagsLimit=2&tagsCursor=2",
+            "",
+        )
+        .await;
+    assert_eq!(group_tags(&rest), ["v1"]);
+    assert_eq!(rest.json["nextCursor"], Value::Null);
+    let found = node
+        .authed("GET", "/templates/tplw/tags/groups?search=OL", "")
+        .await;
+    assert_eq!(group_tags(&found), ["old"]);
+    for bad in [
+        "sort=newest",
+        "tagsLimit=0",
+        "tagsLimit=101",
+        "tagsCursor=x",
+    ] {
+        let uri = format!("/templates/tplw/tags/groups?{bad}");
+        node.refuses("GET", &uri, "", StatusCode::BAD_REQUEST).await;
+    }
+    let v1 = node
+        .authed("GET", "/templates/web/tags/v1/assignments", "")
+        .await;
+    let data = v1.json["data"].as_array().unwrap();
+    assert_eq!(data.len(), 1, "{}", v1.json);
+    assert_eq!(data[0]["buildId"], "build-tplw");
+    let id = data[0]["assignmentId"].as_str().unwrap();
+    assert_eq!(
+        id.split('-').map(str::len).collect::<Vec<_>>(),
+        [8, 4, 4, 4, 12],
+        "{id}"
+    );
+    assert_eq!(v1.json["nextCursor"], Value::Null);
+    let none = node
+        .authed("GET", "/templates/web/tags/v9/assignments", "")
+        .await;
+    assert_eq!(none.json["data"], serde_json::json!([]));
     // The old build takes the default tag: `web` now creates from it.
     let r = call(
         &node,

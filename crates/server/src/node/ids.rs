@@ -26,6 +26,19 @@ pub fn hex(bytes: &[u8]) -> String {
 }
 
 /// A fresh sandbox id.
+/// 16 bytes written as a UUID (`8-4-4-4-12` hex digits).
+pub fn uuid_text(bytes: &[u8; 16]) -> String {
+    let h = hex(bytes);
+    format!(
+        "{}-{}-{}-{}-{}",
+        &h[..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..]
+    )
+}
+
 pub fn sandbox_id() -> std::io::Result<String> {
     const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
     // 252 is the largest multiple of 36 below 256: rejecting above it keeps

@@ -129,3 +129,54 @@ pub struct TemplateTag {
     pub build_id: String,
     pub created_at: String,
 }
+
+/// E2B's TemplateTagsCountResponse (`GET /templates/{id}/tags/count`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TemplateTagsCount {
+    pub total: usize,
+}
+
+/// E2B's TemplateTagExistsResponse (`GET /templates/{id}/tags/exists`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TemplateTagExists {
+    pub exists: bool,
+    pub normalized_tag: String,
+}
+
+/// E2B's TemplateTagAssignment: a tag given to a build.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TemplateTagAssignment {
+    pub assignment_id: String,
+    pub build_id: String,
+    pub assigned_at: String,
+    pub build_created_at: String,
+    pub build_finished_at: Option<String>,
+}
+
+/// E2B's TemplateTagGroup: a tag and its assignments, latest first.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TemplateTagGroup {
+    pub tag: String,
+    pub assignments: Vec<TemplateTagAssignment>,
+    pub has_more: bool,
+}
+
+/// E2B's TemplateTagGroupsResponse (`GET /templates/{id}/tags/groups`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TemplateTagGroups {
+    pub tags: Vec<TemplateTagGroup>,
+    pub next_cursor: Option<String>,
+}
+
+/// E2B's TemplateTagAssignmentsResponse
+/// (`GET /templates/{id}/tags/{tag}/assignments`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TemplateTagAssignments {
+    pub data: Vec<TemplateTagAssignment>,
+    pub next_cursor: Option<String>,
+}

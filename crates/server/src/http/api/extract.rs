@@ -4,6 +4,7 @@
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, FromRequestParts, Path, Request};
+use axum::http::Uri;
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
@@ -74,4 +75,19 @@ impl<S: Send + Sync> FromRequestParts<S> for SandboxId {
             .map(SandboxId)
             .map_err(IntoResponse::into_response)
     }
+}
+
+/// A query's parameters in order, empty values left out (as absent).
+pub fn query(uri: &Uri) -> Vec<(String, String)> {
+    form_urlencoded::parse(uri.query().unwrap_or("").as_bytes())
+        .filter(|(_, v)| !v.is_empty())
+        .map(|(k, v)| (k.into_owned(), v.into_owned()))
+        .collect()
+}
+
+/// A query parameter that must be a whole number.
+pub fn number(key: &str, value: &str) -> Result<u64, ApiError> {
+    value
+        .parse::<u64>()
+        .map_err(|_| ApiError::bad_request(format!("{key} must be a whole number ≥ 0")))
 }

@@ -11,6 +11,7 @@ mod node;
 mod observe;
 mod sandboxes;
 mod snapshots;
+mod template_tags;
 mod templates;
 mod templates_e2b;
 mod tenancy;
@@ -70,6 +71,7 @@ pub fn router(state: Shared) -> Router {
         .route("/v1/node", get(node::node))
         .route("/v1/sandboxes/{id}/diagnostics", get(observe::diagnostics))
         .route("/templates", post(templates::create).get(templates::list))
+        .route("/default-templates", get(templates::defaults))
         .route(
             "/templates/{id}",
             get(templates::get_one).delete(templates::delete),
@@ -104,9 +106,16 @@ pub fn router(state: Shared) -> Router {
         .route("/templates/aliases/{alias}", get(templates_e2b::alias))
         .route(
             "/templates/tags",
-            post(templates_e2b::assign_tags).delete(templates_e2b::remove_tags),
+            post(template_tags::assign_tags).delete(template_tags::remove_tags),
         )
-        .route("/templates/{id}/tags", get(templates_e2b::tags))
+        .route("/templates/{id}/tags", get(template_tags::tags))
+        .route("/templates/{id}/tags/count", get(template_tags::count))
+        .route("/templates/{id}/tags/exists", get(template_tags::exists))
+        .route("/templates/{id}/tags/groups", get(template_tags::groups))
+        .route(
+            "/templates/{id}/tags/{tag}/assignments",
+            get(template_tags::assignments),
+        )
         .route("/v2/templates/{id}", patch(templates::update_v2))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),

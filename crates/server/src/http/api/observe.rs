@@ -8,7 +8,7 @@ use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::{StatusCode, Uri};
 
-use super::extract::SandboxId;
+use super::extract::{SandboxId, number, query};
 use super::{ApiError, Shared};
 use crate::node::clock::now_ms;
 use crate::node::sandbox::{Level, LogLine, Sample};
@@ -20,19 +20,6 @@ pub const MAX_LOGS: usize = 1000;
 
 fn rfc3339(ms: u64) -> String {
     humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
-}
-
-fn number(key: &str, value: &str) -> Result<u64, ApiError> {
-    value
-        .parse::<u64>()
-        .map_err(|_| ApiError::bad_request(format!("{key} must be a whole number ≥ 0")))
-}
-
-fn query(uri: &Uri) -> Vec<(String, String)> {
-    form_urlencoded::parse(uri.query().unwrap_or("").as_bytes())
-        .filter(|(_, v)| !v.is_empty())
-        .map(|(k, v)| (k.into_owned(), v.into_owned()))
-        .collect()
 }
 
 /// Looks at the sandbox now when it runs; 404 when there is no such sandbox.

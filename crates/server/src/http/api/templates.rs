@@ -20,7 +20,7 @@ use crate::node::sandbox::SandboxError;
 use crate::node::store::BuildStatus;
 use crate::node::template::build::{MAX_MEM_MIB, MAX_VCPUS, MIN_MEM_MIB, TemplateInfo};
 use crate::node::template::{BuildParams, BuildSource, code_interpreter};
-use crate::node::tenants::Caller;
+use crate::node::tenants::{Caller, template_owner_key};
 use crate::wire;
 
 pub(super) fn rfc3339(ms: u64) -> String {
@@ -204,6 +204,29 @@ pub async fn list(
         .map(wire::Template::from)
         .collect();
     Ok(Json(body).into_response())
+}
+
+/// `GET /default-templates`: the templates the node itself provides, to
+/// every key: its base and, once built by the node, the code interpreter.
+pub async fn defaults(State(state): State<Shared>) -> Result<Json<Vec<wire::Template>>, ApiError> {
+    let base = &state.manager.template().id;
+    let store = state.manager.store();
+    let node_owned = |id: &str| {
+        store
+            .owner(&template_owner_key(id))
+            .is_ok_and(|owner| owner.is_none())
+    };
+    let body = state
+        .templates
+        .list()?
+        .iter()
+        .filter(|t| {
+            &t.id == base
+                || (t.names.iter().any(|n| code_interpreter::is_name(n)) && node_owned(&t.id))
+        })
+        .map(wire::Template::from)
+        .collect();
+    Ok(Json(body))
 }
 
 /// The template `id` names (its id, else its newest holder of that name).

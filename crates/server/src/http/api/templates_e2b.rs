@@ -46,7 +46,7 @@ struct Requested {
 }
 
 /// `name` or `name:tag` (a namespace dropped, lowercased).
-fn split_name(raw: &str) -> (String, Option<String>) {
+pub(super) fn split_name(raw: &str) -> (String, Option<String>) {
     let raw = raw.to_lowercase();
     let raw = raw.rsplit('/').next().unwrap_or_default().to_owned();
     match raw.split_once(':') {
@@ -312,86 +312,6 @@ pub async fn alias(
     }
 }
 
-#[derive(Debug, Default, Deserialize)]
-pub(super) struct AssignTags {
-    target: String,
-    tags: Vec<String>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-pub(super) struct RemoveTags {
-    name: String,
-    tags: Vec<String>,
-}
-
-fn check_tags(tags: &[String]) -> Result<Vec<String>, ApiError> {
-    if tags.is_empty() {
-        return Err(ApiError::bad_request("tags must name at least one tag"));
-    }
-    tags.iter()
-        .map(|t| {
-            let t = t.to_lowercase();
-            e2b_build::check_tag(&t).map_err(ApiError::bad_request)?;
-            Ok(t)
-        })
-        .collect()
-}
-
-/// The template a tag route names: `name`, `name:tag`, a namespace dropped.
-fn tag_target(raw: &str) -> String {
-    match split_name(raw) {
-        (name, Some(tag)) => format!("{name}:{tag}"),
-        (name, None) => name,
-    }
-}
-
-/// `POST /templates/tags` `{target: "name:tag", tags}`: 201 `{tags,
-/// buildID}`, the target's build now also has `tags` (moved from the builds
-/// that had them).
-pub async fn assign_tags(
-    State(state): State<Shared>,
-    JsonBody(req): JsonBody<AssignTags>,
-) -> Result<Response, ApiError> {
-    let tags = check_tags(&req.tags)?;
-    let build_id = state
-        .templates
-        .assign_tags(&tag_target(&req.target), &tags)
-        .await?;
-    Ok((
-        StatusCode::CREATED,
-        Json(wire::AssignedTemplateTags { tags, build_id }),
-    )
-        .into_response())
-}
-
-/// `DELETE /templates/tags` `{name, tags}`: 204; the builds stay.
-pub async fn remove_tags(
-    State(state): State<Shared>,
-    JsonBody(req): JsonBody<RemoveTags>,
-) -> Result<StatusCode, ApiError> {
-    let tags = check_tags(&req.tags)?;
-    let (name, _) = split_name(&req.name);
-    state.templates.remove_tags(&name, &tags).await?;
-    Ok(StatusCode::NO_CONTENT)
-}
-
-/// `GET /templates/{id}/tags`: 200 `[{tag, buildID, createdAt}]`.
-pub async fn tags(
-    State(state): State<Shared>,
-    Path(id): Path<String>,
-) -> Result<Response, ApiError> {
-    let tags = state.templates.tags_of(&split_name(&id).0)?;
-    let body: Vec<wire::TemplateTag> = tags
-        .into_iter()
-        .map(|(tag, build_id, at)| wire::TemplateTag {
-            tag,
-            build_id,
-            created_at: super::templates::rfc3339(at),
-        })
-        .collect();
-    Ok(Json(body).into_response())
-}
-
 /// `GET /v2/templates`: E2B's templates, one per `templateID` (its default
 /// build, else its newest), base first.
 pub async fn list_v2(State(state): State<Shared>) -> Result<Response, ApiError> {
@@ -457,15 +377,6 @@ mod tests {
                 "{bad}"
             );
         }
-    }
-
-    #[test]
-    fn tag_routes_name_targets() {
-        assert_eq!(tag_target("NS/My-T:V1"), "my-t:v1");
-        assert_eq!(tag_target("t"), "t");
-        assert!(check_tags(&[]).is_err());
-        assert_eq!(check_tags(&["Prod".into()]).unwrap(), vec!["prod"]);
-        assert!(check_tags(&["a/b".into()]).is_err());
     }
 
     #[test]

@@ -160,19 +160,13 @@ pub fn check_name(name: &str) -> Result<(), SandboxError> {
 }
 
 pub fn uuid() -> Result<String, SandboxError> {
-    let b = ids::random_bytes(16).map_err(|source| SandboxError::Io {
+    let mut b = [0u8; 16];
+    let random = ids::random_bytes(16).map_err(|source| SandboxError::Io {
         what: "generating a build id".into(),
         source,
     })?;
-    let h = ids::hex(&b);
-    Ok(format!(
-        "{}-{}-{}-{}-{}",
-        &h[..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..]
-    ))
+    b.copy_from_slice(&random);
+    Ok(ids::uuid_text(&b))
 }
 
 fn nonempty(s: Option<String>) -> Option<String> {

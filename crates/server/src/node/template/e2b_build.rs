@@ -264,6 +264,28 @@ pub fn tag_names(alias: &str, template_id: &str, tags: &[String]) -> Vec<String>
     names
 }
 
+/// A tag of an E2B template and the build it names. The node keeps no
+/// history of a tag's moves: a tag has this one assignment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TagAssignment {
+    pub tag: String,
+    /// A UUID named by the template, the tag and the build: the same
+    /// assignment keeps its id.
+    pub assignment_id: String,
+    pub build_id: String,
+    /// When the template record holding the tag was made ready.
+    pub ready_at_ms: u64,
+    pub build_started_at_ms: u64,
+    pub build_finished_at_ms: Option<u64>,
+}
+
+fn assignment_id(template_id: &str, tag: &str, build_id: &str) -> String {
+    let digest = Sha256::digest(format!("{template_id}\n{tag}\n{build_id}").as_bytes());
+    let mut b = [0u8; 16];
+    b.copy_from_slice(&digest[..16]);
+    crate::node::ids::uuid_text(&b)
+}
+
 /// The tag a template name stands for, if it is one of `template_id`'s or
 /// `alias`'s (see [`tag_names`]).
 pub fn tag_of<'a>(name: &'a str, alias: &str, template_id: &str) -> Option<&'a str> {
@@ -1611,8 +1633,9 @@ impl Templates {
         Ok(())
     }
 
-    /// `GET /templates/{id}/tags`: `(tag, build id, when the build was made)`.
-    pub fn tags_of(&self, id: &str) -> Result<Vec<(String, String, u64)>, SandboxError> {
+    /// The tags of E2B template `id` (by id or alias), each with the build
+    /// it names now, by tag.
+    pub fn tags_of(&self, id: &str) -> Result<Vec<TagAssignment>, SandboxError> {
         let template_id = self
             .e2b_template_of_alias(id)?
             .ok_or_else(|| SandboxError::TemplateNotFound(id.to_owned()))?;
@@ -1626,20 +1649,27 @@ impl Templates {
             .values()
             .find(|b| e2b_template_id(b) == template_id)
             .map_or_else(|| id.to_owned(), |b| b.name.clone());
-        let mut out = Vec::new();
+        let mut out: Vec<TagAssignment> = Vec::new();
         for t in store.templates()? {
-            let build_id = builds
-                .get(&t.id)
-                .map_or_else(|| t.id.clone(), |b| b.build_id.clone());
+            let build = builds.get(&t.id);
             for n in &t.names {
                 if let Some(tag) = tag_of(n, &alias, &template_id)
-                    && !out.iter().any(|(o, _, _)| o == tag)
+                    && !out.iter().any(|o| o.tag == tag)
                 {
-                    out.push((tag.to_owned(), build_id.clone(), t.created_at_ms));
+                    let build_id = build.map_or_else(|| t.id.clone(), |b| b.build_id.clone());
+                    out.push(TagAssignment {
+                        tag: tag.to_owned(),
+                        assignment_id: assignment_id(&template_id, tag, &build_id),
+                        build_id,
+                        ready_at_ms: t.created_at_ms,
+                        build_started_at_ms: build.map_or(t.created_at_ms, |b| b.started_at_ms),
+                        build_finished_at_ms: build
+                            .map_or(Some(t.created_at_ms), |b| b.finished_at_ms),
+                    });
                 }
             }
         }
-        out.sort();
+        out.sort_by(|a, b| a.tag.cmp(&b.tag));
         Ok(out)
     }
 
