@@ -13,6 +13,30 @@ import httpx
 import pytest
 from conftest import API_KEY, API_URL, RUN_META
 from e2b import Sandbox, Template
+from e2b.api.client.api.tags import (
+    get_templates_template_id_tags_count as tags_count,
+)
+from e2b.api.client.api.tags import (
+    get_templates_template_id_tags_exists as tags_exists,
+)
+from e2b.api.client.api.tags import (
+    get_templates_template_id_tags_groups as tags_groups,
+)
+from e2b.api.client.api.tags import (
+    get_templates_template_id_tags_tag_assignments as tag_assignments,
+)
+from e2b.api.client.api.templates import get_default_templates
+from e2b.api.client.models import (
+    GetTemplatesTemplateIDTagsGroupsSort as GroupsSort,
+)
+from e2b.api.client.models import (
+    TemplateTagAssignmentsResponse,
+    TemplateTagExistsResponse,
+    TemplateTagGroupsResponse,
+    TemplateTagsCountResponse,
+)
+from e2b.api.client_sync import get_api_client
+from e2b.connection_config import ConnectionConfig
 from e2b.exceptions import BuildException
 
 
@@ -160,6 +184,28 @@ def test_template_build_reuses_a_shared_prefix(tmp_path: Path):
         _delete(b)
 
 
+def _check_tag_reads(template_id: str, build_id: str) -> None:
+    """The tag reads of the SDK's generated client, parsed by its own models
+    (UUIDs and times included), on a template tagged v1 and stable."""
+    client = get_api_client(ConnectionConfig())
+    count = tags_count.sync(template_id, client=client)
+    assert isinstance(count, TemplateTagsCountResponse) and count.total == 2, count
+    found = tags_exists.sync(template_id, client=client, tag="Stable")
+    assert isinstance(found, TemplateTagExistsResponse), found
+    assert found.exists and found.normalized_tag == "stable"
+    groups = tags_groups.sync(template_id, client=client, tags_limit=1, sort=GroupsSort.NAME_ASC)
+    assert isinstance(groups, TemplateTagGroupsResponse), groups
+    assert [g.tag for g in groups.tags] == ["stable"] and groups.next_cursor, groups
+    assert str(groups.tags[0].assignments[0].build_id) == build_id
+    assigned = tag_assignments.sync(template_id, "v1", client=client)
+    assert isinstance(assigned, TemplateTagAssignmentsResponse), assigned
+    assert [str(a.build_id) for a in assigned.data] == [build_id], assigned
+    assert assigned.data[0].build_finished_at is not None
+    defaults = get_default_templates.sync(client=client)
+    assert isinstance(defaults, list) and defaults, defaults
+    assert template_id not in {t.template_id for t in defaults}
+
+
 def test_template_names_tags_and_aliases(api):
     token = secrets.token_hex(3)
     name = f"sdk-tmpl-tags-{token}"
@@ -174,6 +220,7 @@ def test_template_names_tags_and_aliases(api):
         assert alias.json()["templateID"] == info.template_id
         tags = {t.tag: t.build_id for t in Template.get_tags(info.template_id)}
         assert tags == {"v1": info.build_id, "stable": info.build_id}, tags
+        _check_tag_reads(info.template_id, info.build_id)
 
         # no default tag yet: the bare name is not a template to create from
         listed = [t for t in api.get("/v2/templates").json() if t["templateID"] == info.template_id]
