@@ -153,6 +153,11 @@ build_image() {
     # shellcheck disable=SC2064
     trap "rm -rf '$tmp' '$t'" EXIT
     tar --extract --file="$base/tree.tar" "${tar_opts[@]}" -C "$t"
+    # E2B's base lets `pip install x` install where it is run (the system's
+    # site-packages as root, ~/.local as a user); Debian's PEP 668 marker
+    # refuses it, and every E2B snippet that installs a package would break.
+    rm -f "$t/etc/pip.conf"
+    printf '[global]\nbreak-system-packages = true\n' >"$t/etc/pip.conf"
     "$here/finish.sh" --agent "$agent" --tree "$t" --image "$tmp/rootfs.ext4" --size "$size" --key "$key"
     rm -rf "$t"
     chmod 0755 "$tmp"

@@ -4,8 +4,8 @@ guest address; `allow_internet_access=False` and `network={...}` are kept
 traffic passes is the lab test's part (crates/server/tests/lab_network.rs,
 against an internet of its own); domain rules are checked here only by what
 the node answers itself (names refused, the egress proxy's 403). One test
-goes off the machine as a user would: `pip install` of a small package from
-the package index this host's pip is configured for (read at run time, never
+goes off the machine as a user would: a plain `pip install` of a small package
+from the package index this host's pip is configured for (read at run time, never
 written here), through the sandbox's slot, the node's DNS forwarder and the
 lab's own network."""
 
@@ -77,15 +77,22 @@ def test_pip_install_from_the_package_index():
             with open(cert, "rb") as f:
                 sbx.files.write("/tmp/pip-ca.pem", f.read())
             env["PIP_CERT"] = "/tmp/pip-ca.pem"
-        r = sbx.commands.run(
-            "python3 -m pip install --quiet --target /tmp/pkgs "
-            + shlex.quote(SMALL_PACKAGE)
-            + f" && PYTHONPATH=/tmp/pkgs python3 -c 'import {SMALL_PACKAGE}; print(\"ok\")'",
-            envs=env,
-            timeout=420,
-        )
-        assert r.exit_code == 0, r.stderr
-        assert r.stdout.strip().endswith("ok"), (r.stdout, r.stderr)
+        # As E2B's snippets do it: a plain `pip install` (Debian's PEP 668
+        # marker would refuse it), as the default user and as root.
+        for user in ("user", "root"):
+            r = sbx.commands.run(
+                "pip install --quiet "
+                + shlex.quote(SMALL_PACKAGE)
+                + f" && python3 -c 'import {SMALL_PACKAGE}; print({SMALL_PACKAGE}.__file__)'",
+                envs=env,
+                user=user,
+                timeout=420,
+            )
+            assert r.exit_code == 0, (user, r.stderr)
+            where = r.stdout.strip().splitlines()[-1]
+            # root's goes to the system's site-packages, a user's to ~/.local
+            expected = "/usr/local/lib/" if user == "root" else "/home/user/.local/"
+            assert where.startswith(expected), (user, where, r.stderr)
     finally:
         sbx.kill()
 
