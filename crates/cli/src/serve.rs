@@ -63,6 +63,12 @@ pub struct ServeArgs {
     /// rebuilt when it differs.
     #[arg(long)]
     no_balloon: bool,
+    /// Builds the `code-interpreter` template at start when it is missing
+    /// (the first build runs pip: minutes), so that the first create of it
+    /// does not wait; a create during the build is answered 503 with
+    /// `Retry-After`.
+    #[arg(long)]
+    build_code_interpreter: bool,
     /// The cgroup, under the cgroup2 mount, the node's VMM groups live in
     /// (one more level per node, named as its run dir).
     #[arg(long, value_name = "PATH", default_value = "sandfork")]
@@ -430,6 +436,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         dns_upstream: args.dns_upstream,
     });
     config.balloon = !args.no_balloon;
+    config.build_code_interpreter = args.build_code_interpreter;
     config.cpu_template = Some(args.cpu_template);
     config.jail = args.jailed().then_some(server::node::jail::JailConfig {
         uid_base: args.jail_uid_base,

@@ -130,6 +130,16 @@ impl Server {
         if let Err(e) = templates.recover().await {
             tracing::warn!("recovering template builds: {e}");
         }
+        if config.build_code_interpreter {
+            let builder = templates.clone();
+            tokio::spawn(async move {
+                let name = node::template::code_interpreter::NAME;
+                match builder.ensure_builtin(name).await {
+                    Ok(()) | Err(node::sandbox::SandboxError::Building { .. }) => {}
+                    Err(e) => tracing::warn!("building the {name} template at start: {e}"),
+                }
+            });
+        }
         match manager.collect_garbage().await {
             Ok(s) => tracing::info!(
                 "gc at start: removed {} directories and {} disk layers",

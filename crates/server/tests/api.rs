@@ -1599,6 +1599,40 @@ fn build_record(id: &str, name: &str, status: BuildStatus, started: u64) -> Buil
     }
 }
 
+/// A create of the code interpreter while its build runs waits a while,
+/// then is told to come back (503, `Retry-After`, `Should-Retry: true`):
+/// the build takes minutes, the SDKs give up on a request after 60 s.
+#[tokio::test]
+async fn a_create_of_a_builtin_being_built_is_told_when_to_come_back() {
+    let node = node_configured(&[], &[], |c, store| {
+        c.builtin_wait = std::time::Duration::from_millis(200);
+        store
+            .put_build(&build_record(
+                "tplci",
+                "code-interpreter",
+                BuildStatus::Building,
+                now_ms() - 90_000,
+            ))
+            .unwrap();
+    });
+    for template in ["code-interpreter", "code-interpreter-v1"] {
+        let body = format!(r#"{{"templateID":"{template}"}}"#);
+        let refused = node.refuses(
+            "POST",
+            "/v2/sandboxes",
+            &body,
+            StatusCode::SERVICE_UNAVAILABLE,
+        );
+        let a = tokio::time::timeout(std::time::Duration::from_secs(20), refused)
+            .await
+            .expect("a create waits on the build a bounded time");
+        let message = a.json["message"].as_str().unwrap();
+        assert!(message.contains("being built (9"), "{message}");
+        assert_eq!(a.headers["retry-after"], "20");
+        assert_eq!(a.headers["should-retry"], "true");
+    }
+}
+
 #[tokio::test]
 async fn template_builds_check_their_input() {
     let paused = record("sleepy", now_ms(), SandboxState::Paused, "x");

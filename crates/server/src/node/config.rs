@@ -39,6 +39,13 @@ pub struct Config {
     /// The static guest agent binary that template builds install as init
     /// (`SANDFORK_AGENT`); without it `POST /templates` answers 503.
     pub agent: Option<PathBuf>,
+    /// Build the `code-interpreter` template at start when it is missing
+    /// (minutes: a first create would otherwise wait on it).
+    pub build_code_interpreter: bool,
+    /// How long a create waits on a builtin template's build under way
+    /// before it is answered 503 with `Retry-After` (the SDKs give up on a
+    /// request after 60 s).
+    pub builtin_wait: Duration,
     /// Where template builds cache root filesystems (and the base tree);
     /// `$SANDFORK_CACHE` or `/var/cache/sandfork` when None.
     pub build_cache: Option<PathBuf>,
@@ -114,6 +121,8 @@ impl Config {
             max_timeout: Duration::from_secs(24 * 3600),
             run_dir: None,
             agent: None,
+            build_code_interpreter: false,
+            builtin_wait: Duration::from_secs(30),
             build_cache: None,
             network: None,
             cgroups: Some(crate::node::cgroups::CgroupConfig::default()),

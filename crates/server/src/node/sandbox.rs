@@ -100,6 +100,17 @@ pub enum SandboxError {
     NameTaken(String),
     #[error("{0}")]
     Unavailable(String),
+    /// A template the create names is being built; it may be asked again
+    /// in about `retry_after_secs`.
+    #[error(
+        "template {name} is being built ({elapsed_secs} s so far); \
+         ask again in {retry_after_secs} s"
+    )]
+    Building {
+        name: String,
+        elapsed_secs: u64,
+        retry_after_secs: u32,
+    },
     /// What sits above the node (a cluster) said no; what the operation
     /// made is undone.
     #[error(transparent)]

@@ -175,7 +175,9 @@ impl From<SandboxError> for ApiError {
             | SandboxError::InUse { .. }
             | SandboxError::NameTaken(_) => StatusCode::CONFLICT,
             SandboxError::Invalid(_) => StatusCode::BAD_REQUEST,
-            SandboxError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            SandboxError::Unavailable(_) | SandboxError::Building { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             SandboxError::Network(crate::node::net::NetError::Exhausted(_)) => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -194,6 +196,9 @@ impl From<SandboxError> for ApiError {
             // with, a template of another network set-up, a build that
             // failed): a retry is refused the same.
             SandboxError::Unavailable(_) => Some(Retry::Never),
+            SandboxError::Building {
+                retry_after_secs, ..
+            } => Some(Retry::After(*retry_after_secs)),
             _ => None,
         };
         let message = e.to_string();

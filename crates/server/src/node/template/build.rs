@@ -159,6 +159,9 @@ pub fn check_name(name: &str) -> Result<(), SandboxError> {
     }
 }
 
+/// When a create refused for a build under way is told to ask again.
+pub const BUILTIN_RETRY_SECS: u32 = 20;
+
 pub fn uuid() -> Result<String, SandboxError> {
     let mut b = [0u8; 16];
     let random = ids::random_bytes(16).map_err(|source| SandboxError::Io {
@@ -690,8 +693,9 @@ impl Templates {
     }
 
     /// Before a create of `name`: a builtin template ([`code_interpreter`])
-    /// that is missing is built (or its build under way awaited). Other
-    /// names, and templates that exist, return at once.
+    /// that is missing is built (or its build under way awaited, for up to
+    /// `Config::builtin_wait`: then [`SandboxError::Building`]). Other names, and
+    /// templates that exist, return at once.
     pub async fn ensure_builtin(self: &Arc<Self>, name: &str) -> Result<(), SandboxError> {
         if !code_interpreter::is_name(name) || self.manager.resolve_template(name).is_ok() {
             return Ok(());
@@ -729,6 +733,7 @@ impl Templates {
                 }
             }
         };
+        let waited = std::time::Instant::now();
         loop {
             tokio::time::sleep(std::time::Duration::from_secs(1)).await;
             let b = self
@@ -737,6 +742,18 @@ impl Templates {
                 .build(&template_id)?
                 .ok_or_else(|| SandboxError::TemplateNotFound(name.to_owned()))?;
             match b.status {
+                // A build takes minutes (pip); a client gives up on a request
+                // after one (the SDKs' default is 60 s): told to come back.
+                BuildStatus::Building | BuildStatus::Waiting
+                    if waited.elapsed() >= self.manager.config().builtin_wait =>
+                {
+                    let elapsed_secs = now_ms().saturating_sub(b.started_at_ms) / 1000;
+                    return Err(SandboxError::Building {
+                        name: code_interpreter::NAME.to_owned(),
+                        elapsed_secs,
+                        retry_after_secs: BUILTIN_RETRY_SECS,
+                    });
+                }
                 BuildStatus::Building | BuildStatus::Waiting => continue,
                 BuildStatus::Ready => return Ok(()),
                 BuildStatus::Error => {
