@@ -1599,6 +1599,52 @@ fn build_record(id: &str, name: &str, status: BuildStatus, started: u64) -> Buil
     }
 }
 
+/// What E2B offers and this node does not is refused by name when asked
+/// for, never ignored; absent, empty or off it is accepted.
+#[tokio::test]
+async fn a_create_asking_for_what_the_node_lacks_is_refused_by_name() {
+    let node = node(&[]);
+    for (extra, field) in [
+        (r#""autoResume":{"enabled":true}"#, "autoResume"),
+        (
+            r#""iam":{"tokens":{"gcp":{"audience":"x","tokenType":"oidc"}}}"#,
+            "iam.tokens (gcp)",
+        ),
+        (
+            r#""volumeMounts":[{"name":"data","path":"/data"}]"#,
+            "volumeMounts (data)",
+        ),
+        (r#""mcp":{"github":{}}"#, "mcp"),
+    ] {
+        let body = format!(r#"{{"templateID":"base",{extra}}}"#);
+        let a = node
+            .refuses("POST", "/v2/sandboxes", &body, StatusCode::BAD_REQUEST)
+            .await;
+        let message = a.json["message"].as_str().unwrap();
+        assert!(message.starts_with(field), "{extra}: {message}");
+    }
+    // A token without its type is malformed, as E2B's schema says.
+    node.refuses(
+        "POST",
+        "/v2/sandboxes",
+        r#"{"iam":{"tokens":{"gcp":{"audience":"x"}}}}"#,
+        StatusCode::BAD_REQUEST,
+    )
+    .await;
+    for extra in [
+        r#""autoResume":{"enabled":false}"#,
+        r#""iam":{"tokens":{}}"#,
+        r#""iam":{}"#,
+        r#""volumeMounts":[]"#,
+        r#""mcp":null"#,
+    ] {
+        let body = format!(r#"{{"templateID":"base",{extra}}}"#);
+        let a = node.authed("POST", "/v2/sandboxes", &body).await;
+        // Past the request's checks (it fails later: this node has no VMM).
+        assert_ne!(a.status, StatusCode::BAD_REQUEST, "{extra}: {}", a.json);
+    }
+}
+
 /// A create of the code interpreter while its build runs waits a while,
 /// then is told to come back (503, `Retry-After`, `Should-Retry: true`):
 /// the build takes minutes, the SDKs give up on a request after 60 s.

@@ -159,6 +159,71 @@ struct NewSandbox {
     /// `false`: the timeout's pause keeps the filesystem only.
     #[serde(rename = "autoPauseMemory")]
     auto_pause_memory: Option<bool>,
+    // E2B's that this node does not offer: read so that asking for them is
+    // refused, never ignored (see `NewSandbox::refuse_unavailable`).
+    #[serde(rename = "autoResume")]
+    auto_resume: Option<AutoResume>,
+    iam: Option<Iam>,
+    #[serde(rename = "volumeMounts")]
+    volume_mounts: Option<Vec<VolumeMount>>,
+    mcp: Option<serde_json::Value>,
+}
+
+#[derive(Debug, Deserialize)]
+struct AutoResume {
+    enabled: bool,
+}
+
+#[derive(Debug, Deserialize)]
+struct Iam {
+    #[serde(default)]
+    tokens: BTreeMap<String, IamToken>,
+}
+
+/// Read for its shape only (E2B's `SandboxIamToken`).
+#[derive(Debug, Deserialize)]
+struct IamToken {
+    #[serde(rename = "audience")]
+    _audience: String,
+    #[serde(rename = "tokenType")]
+    _token_type: String,
+}
+
+#[derive(Debug, Deserialize)]
+struct VolumeMount {
+    name: String,
+}
+
+impl NewSandbox {
+    /// A 400 naming the field for what E2B offers and this node does not,
+    /// when asked for: a client must not believe it has it. Absent, empty
+    /// or off, each is accepted.
+    fn refuse_unavailable(&self) -> Result<(), ApiError> {
+        if self.auto_resume.as_ref().is_some_and(|a| a.enabled) {
+            return Err(ApiError::bad_request(
+                "autoResume: a paused sandbox is not resumed by traffic on this node; \
+                 resume it with connect",
+            ));
+        }
+        if let Some(name) = self.iam.as_ref().and_then(|i| i.tokens.keys().next()) {
+            return Err(ApiError::bad_request(format!(
+                "iam.tokens ({name}): workload identity is not available on this node \
+                 (it issues no workload tokens)"
+            )));
+        }
+        if let Some(v) = self.volume_mounts.as_ref().and_then(|v| v.first()) {
+            return Err(ApiError::bad_request(format!(
+                "volumeMounts ({}): volumes are not available on this node yet",
+                v.name
+            )));
+        }
+        if self.mcp.as_ref().is_some_and(|m| !m.is_null()) {
+            return Err(ApiError::bad_request(
+                "mcp: this node runs no MCP gateway in sandboxes",
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// `POST /sandboxes` (`V2` false) and `POST /v2/sandboxes`.
@@ -232,6 +297,7 @@ async fn create_now(
     v2: bool,
     keyed: bool,
 ) -> Result<wire::Sandbox, ApiError> {
+    req.refuse_unavailable()?;
     let max = state.manager.config().max_timeout;
     let default_timeout = if v2 {
         V2_DEFAULT_TIMEOUT
