@@ -1623,6 +1623,23 @@ async fn a_create_asking_for_what_the_node_lacks_is_refused_by_name() {
         let message = a.json["message"].as_str().unwrap();
         assert!(message.starts_with(field), "{extra}: {message}");
     }
+    for (method, path) in [
+        ("GET", "/volumes"),
+        ("POST", "/volumes"),
+        ("DELETE", "/volumes/v1"),
+        ("GET", "/secrets"),
+        ("POST", "/secrets/s1"),
+    ] {
+        let a = node
+            .refuses(method, path, "{}", StatusCode::FORBIDDEN)
+            .await;
+        assert!(
+            a.json["message"]
+                .as_str()
+                .unwrap()
+                .contains("not available")
+        );
+    }
     // A token without its type is malformed, as E2B's schema says.
     node.refuses(
         "POST",

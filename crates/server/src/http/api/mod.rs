@@ -19,7 +19,7 @@ mod tenancy;
 use axum::Router;
 use axum::http::StatusCode;
 use axum::middleware;
-use axum::routing::{delete, get, patch, post, put};
+use axum::routing::{any, delete, get, patch, post, put};
 
 pub use detach::ClientGone;
 pub use error::{ApiError, Retry};
@@ -117,6 +117,10 @@ pub fn router(state: Shared) -> Router {
             get(template_tags::assignments),
         )
         .route("/v2/templates/{id}", patch(templates::update_v2))
+        .route("/volumes", any(volumes_unavailable))
+        .route("/volumes/{*rest}", any(volumes_unavailable))
+        .route("/secrets", any(secrets_unavailable))
+        .route("/secrets/{*rest}", any(secrets_unavailable))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             tenancy::require_api_key,
@@ -151,6 +155,22 @@ pub fn run_changes_to_end(router: Router) -> Router {
 
 async fn health() -> StatusCode {
     StatusCode::NO_CONTENT
+}
+
+/// E2B features this node lacks answer as E2B answers a team without
+/// them (403, saying so), not with a 404 that reads as "no such volume".
+async fn volumes_unavailable() -> ApiError {
+    ApiError::new(
+        StatusCode::FORBIDDEN,
+        "volumes are not available on this node yet",
+    )
+}
+
+async fn secrets_unavailable() -> ApiError {
+    ApiError::new(
+        StatusCode::FORBIDDEN,
+        "secrets are not available on this node: pass values in envVars",
+    )
 }
 
 async fn unknown_route() -> ApiError {
