@@ -9,8 +9,10 @@ use serde::{Deserialize, Serialize};
 pub struct Template {
     #[serde(rename = "templateID")]
     pub template_id: String,
+    /// Its last build's id (its own id for a template made without a
+    /// build record, as `base` and snapshots).
     #[serde(rename = "buildID")]
-    pub build_id: Option<String>,
+    pub build_id: String,
     pub names: Vec<String>,
     pub aliases: Vec<String>,
     /// `base`, `built` or `snapshot`.
@@ -22,9 +24,26 @@ pub struct Template {
     #[serde(rename = "diskSizeMB")]
     pub disk_size_mb: u64,
     pub created_at: String,
+    /// A template does not change once made: its making.
+    pub updated_at: String,
+    /// No user accounts here: always null.
+    pub created_by: Option<TeamUser>,
+    /// Not counted here: null and 0.
+    pub last_spawned_at: Option<String>,
+    pub spawn_count: u64,
+    pub build_count: u64,
     pub build_status: String,
     pub public: bool,
+    /// One of the node's own (see `GET /default-templates`).
+    pub is_default: bool,
     pub envd_version: String,
+}
+
+/// E2B's TeamUser.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TeamUser {
+    pub id: String,
+    pub email: Option<String>,
 }
 
 /// What names a build in each answer about it.

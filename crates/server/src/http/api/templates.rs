@@ -31,9 +31,10 @@ pub(super) fn rfc3339(ms: u64) -> String {
 /// `kind` and `source`).
 impl std::convert::From<&TemplateInfo> for wire::Template {
     fn from(t: &TemplateInfo) -> wire::Template {
+        let created_at = rfc3339(t.created_at_ms);
         wire::Template {
             template_id: t.id.clone(),
-            build_id: t.build_id.clone(),
+            build_id: t.build_id.clone().unwrap_or_else(|| t.id.clone()),
             names: t.names.clone(),
             aliases: t.names.clone(),
             kind: t.kind.to_owned(),
@@ -41,9 +42,15 @@ impl std::convert::From<&TemplateInfo> for wire::Template {
             cpu_count: t.vcpus,
             memory_mb: t.mem_mib,
             disk_size_mb: t.disk_size_mb,
-            created_at: rfc3339(t.created_at_ms),
+            updated_at: created_at.clone(),
+            created_at,
+            created_by: None,
+            last_spawned_at: None,
+            spawn_count: 0,
+            build_count: u64::from(t.build_id.is_some()),
             build_status: t.status.as_str().to_owned(),
             public: false,
+            is_default: t.kind == "base",
             envd_version: envd_proto::ENVD_VERSION.to_owned(),
         }
     }
@@ -224,7 +231,10 @@ pub async fn defaults(State(state): State<Shared>) -> Result<Json<Vec<wire::Temp
             &t.id == base
                 || (t.names.iter().any(|n| code_interpreter::is_name(n)) && node_owned(&t.id))
         })
-        .map(wire::Template::from)
+        .map(|t| wire::Template {
+            is_default: true,
+            ..wire::Template::from(t)
+        })
         .collect();
     Ok(Json(body))
 }
