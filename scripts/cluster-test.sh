@@ -24,6 +24,7 @@ if [[ ${1:-} == --no-build ]]; then
 else
     scripts/build.sh
 fi
+[[ -f target/sandfork.env ]] || { echo "cluster-test: target/sandfork.env missing (run scripts/build.sh)" >&2; exit 1; }
 set -a
 # shellcheck source=/dev/null  # written by scripts/build.sh
 . target/sandfork.env
