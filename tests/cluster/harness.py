@@ -84,8 +84,9 @@ class Processes:
         append: bool = False,
         stop_first: bool = False,
     ) -> subprocess.Popen[bytes]:
-        """stop_first: a node or gateway, stopped before etcd and the store
-        (a node leaves the cluster through etcd on its way out)."""
+        """stop_first: a node or gateway, stopped (SIGTERM) before etcd and
+        the store are killed (a node leaves the cluster through etcd on its
+        way out)."""
         with open(log_path, "ab" if append else "wb") as out:
             proc = subprocess.Popen(
                 list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env
@@ -94,21 +95,26 @@ class Processes:
         return proc
 
     def stop_all(self, grace: float = 15) -> None:
-        """SIGTERM, then SIGKILL for what still runs `grace` seconds later:
-        nodes and gateways, then the rest. Bounded, so that the session's
-        end never runs into the lab's timeout."""
-        for first in (True, False):
-            live = [(n, p) for f, n, p in self._procs if f == first and p.poll() is None]
-            for _, proc in live:
-                proc.terminate()
-            deadline = time.monotonic() + grace
-            for name, proc in live:
-                try:
-                    proc.wait(timeout=max(deadline - time.monotonic(), 0))
-                except subprocess.TimeoutExpired:
-                    log.info("%s did not stop in %g s after SIGTERM: killed", name, grace)
-                    proc.kill()
-                    proc.wait()
+        """Nodes and gateways: SIGTERM, then SIGKILL for what still runs
+        `grace` seconds later. Then the rest, etcd and the store, SIGKILL:
+        their data goes with the session, and a SIGTERM cost 15 s (etcd's
+        leader tries to hand its leadership to members stopping with it for
+        5 s plus two election timeouts; weed's filer waits 15 s for its gRPC
+        streams). Bounded, so that the session's end never runs into the
+        lab's timeout."""
+        live = [(n, p) for f, n, p in self._procs if f and p.poll() is None]
+        for _, proc in live:
+            proc.terminate()
+        deadline = time.monotonic() + grace
+        for name, proc in live:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0))
+            except subprocess.TimeoutExpired:
+                log.info("%s did not stop in %g s after SIGTERM: killed", name, grace)
+                kill9(proc)
+        for first, _, proc in self._procs:
+            if not first and proc.poll() is None:
+                kill9(proc)
 
 
 def kill9(proc: subprocess.Popen[bytes]) -> None:

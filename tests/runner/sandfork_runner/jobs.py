@@ -150,9 +150,10 @@ LAB = (
         "cluster",
         Group.LAB,
         argv("scripts/cluster-test.sh --no-build"),
-        "two nodes and a gateway on a real etcd and S3: membership, placement, "
-        "routing, a pause resumed on the other node",
-        minutes=11.5,
+        "the pytest suite tests/cluster: 3 nodes and 2 gateways on a real etcd of 3 "
+        "members and S3: routing, the SDK, etcd's leader and quorum lost, a fork across "
+        "nodes, a team's limit, durable pauses, a node cut off, the store down",
+        minutes=16.5,
     ),
     lab_tests("lab_serve", 11.5, "sandfork serve in the lab (crates/server/tests/lab_serve.rs)"),
     Job(
