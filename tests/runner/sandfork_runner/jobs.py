@@ -163,6 +163,14 @@ LAB = (
         "Gymnasium's checker and the branching runner",
         minutes=6.5,
     ),
+    Job(
+        "harbor",
+        Group.LAB,
+        argv("scripts/harbor-test.sh --no-build"),
+        "Harbor from PyPI (`harbor run --env e2b -a oracle`) on tests/harbor/tasks against "
+        "a real node, at concurrency 4 and 1: every trial solved",
+        minutes=6,
+    ),
     lab_tests("snapshot", 4, "snapshots and restores (crates/vmm/tests/snapshot.rs)"),
     lab_tests("lab_network", 3.5, "the node's networking (crates/server/tests/lab_network.rs)"),
     lab_tests("microvm", 2, "boots, vCPUs and devices (crates/vmm/tests/microvm.rs)"),

@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+echo "$GREETING $(id -un) in $PWD" >note.txt
