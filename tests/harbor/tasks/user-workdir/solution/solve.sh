@@ -1,3 +1,0 @@
-#!/bin/bash
-set -euo pipefail
-echo "$GREETING $(id -un) in $PWD" >note.txt
