@@ -164,6 +164,15 @@ LAB = (
         "Gymnasium's checker and the branching runner",
         minutes=6.5,
     ),
+    Job(
+        "harbor",
+        Group.LAB,
+        argv("scripts/harbor-test.sh --no-build"),
+        "Harbor from PyPI (`harbor run --env e2b -a oracle`) on tests/harbor/tasks against "
+        "a real node, at concurrency 4 and 1: every trial solved",
+        # measured 9:10 beside another lab lane and a compile (docs/src/harbor.md)
+        minutes=9,
+    ),
     lab_tests("snapshot", 4, "snapshots and restores (crates/vmm/tests/snapshot.rs)"),
     lab_tests("lab_network", 3.5, "the node's networking (crates/server/tests/lab_network.rs)"),
     lab_tests("microvm", 2, "boots, vCPUs and devices (crates/vmm/tests/microvm.rs)"),
