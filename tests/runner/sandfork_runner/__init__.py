@@ -1,1 +1,2 @@
-"""sandfork's test runner: `scripts/test.sh` (README, "Tests")."""
+"""sandfork's test runner: `scripts/test.sh` (README, "The two commands";
+docs/src/testing/runner.md)."""

@@ -31,7 +31,7 @@ class Job:
     group: Group
     command: tuple[str, ...]
     about: str
-    # expected minutes (README, "Tests"): the lab queue is taken longest first
+    # expected minutes (docs/src/testing/runner.md): the lab queue is taken longest first
     minutes: float = 0.0
     # the test target whose binary the job runs (it waits for the test build)
     binary: str | None = None
