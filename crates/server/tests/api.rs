@@ -838,6 +838,8 @@ async fn a_sandbox_paused_for_memory_pressure_still_runs_for_its_owner() {
     let a = node.authed("GET", "/sandboxes/squeezed", "").await;
     assert_eq!(a.json["state"], "paused", "{}", a.json);
     assert_eq!(a.json["pauseReason"], "memoryPressure", "{}", a.json);
+    // Its record names no memory snapshot: a resume would cold-boot it.
+    assert_eq!(a.json["pauseMode"], "filesystem", "{}", a.json);
     let info = node.authed("GET", "/v1/node", "").await.json;
     assert_eq!(info["memoryPressure"]["enabled"], true, "{info}");
     assert_eq!(info["memoryPressure"]["pausedNow"], 3, "{info}");
@@ -1659,6 +1661,33 @@ async fn a_create_asking_for_what_the_node_lacks_is_refused_by_name() {
         let a = node.authed("POST", "/v2/sandboxes", &body).await;
         // Past the request's checks (it fails later: this node has no VMM).
         assert_ne!(a.status, StatusCode::BAD_REQUEST, "{extra}: {}", a.json);
+    }
+}
+
+/// E2B's `pauseMode`: what a paused sandbox's pause saved; absent while
+/// it runs.
+#[tokio::test]
+async fn a_paused_sandbox_says_what_its_pause_saved() {
+    let now = now_ms();
+    let full = SandboxRecord {
+        snapshot: Some(server::node::store::PausedSnapshot {
+            state: "/nonexistent/vm.state".into(),
+            mem: "/nonexistent/vm.mem".into(),
+        }),
+        ..record("withmem", now, SandboxState::Paused, "x")
+    };
+    let node = node(&[
+        full,
+        record("diskonly", now, SandboxState::Paused, "x"),
+        record("live", now, SandboxState::Running, "x"),
+    ]);
+    for (id, mode) in [
+        ("withmem", Value::from("full")),
+        ("diskonly", Value::from("filesystem")),
+        ("live", Value::Null),
+    ] {
+        let a = node.authed("GET", &format!("/sandboxes/{id}"), "").await;
+        assert_eq!(a.json["pauseMode"], mode, "{id}: {}", a.json);
     }
 }
 

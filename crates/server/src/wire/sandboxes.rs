@@ -67,6 +67,10 @@ pub struct SandboxDetail {
     /// As the create set it; `null` when never set.
     pub allow_internet_access: Option<bool>,
     pub network: NetworkDetail,
+    /// What a paused sandbox's pause saved: `full` (memory and disk; a
+    /// resume restores it) or `filesystem` (a resume cold-boots its disk).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pause_mode: Option<String>,
     /// Sandfork's: why a paused sandbox is paused (`memoryPressure`: the
     /// node paused it, and its next request resumes it).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -131,6 +131,14 @@ impl From<&SandboxRecord> for wire::SandboxDetail {
             },
             allow_internet_access: r.network.allow_internet_access,
             network: super::network::detail(&r.network),
+            pause_mode: (r.state == SandboxState::Paused).then(|| {
+                if r.snapshot.is_some() {
+                    "full"
+                } else {
+                    "filesystem"
+                }
+                .to_owned()
+            }),
             pause_reason: r
                 .pause_reason
                 .filter(|_| r.state == SandboxState::Paused)
