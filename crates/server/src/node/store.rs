@@ -24,6 +24,10 @@ const OWNERS: TableDefinition<&str, &[u8]> = TableDefinition::new("owners");
 /// Creates made with an `Idempotency-Key`, by `<team>/<key>`: see
 /// [`crate::node::idempotent`].
 const IDEMPOTENT: TableDefinition<&str, &[u8]> = TableDefinition::new("idempotent_creates");
+/// Lifecycle webhooks by id, and their deliveries by id: see
+/// [`crate::node::webhooks`].
+const WEBHOOKS: TableDefinition<&str, &[u8]> = TableDefinition::new("webhooks");
+const DELIVERIES: TableDefinition<&str, &[u8]> = TableDefinition::new("webhook_deliveries");
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -303,7 +307,8 @@ impl Store {
         let db = redb::Database::create(path).map_err(db_err)?;
         let tx = db.begin_write().map_err(db_err)?;
         for table in [
-            SANDBOXES, TEMPLATES, RETIRED, META, BUILDS, TEAMS, KEYS, OWNERS, IDEMPOTENT,
+            SANDBOXES, TEMPLATES, RETIRED, META, BUILDS, TEAMS, KEYS, OWNERS, IDEMPOTENT, WEBHOOKS,
+            DELIVERIES,
         ] {
             tx.open_table(table).map_err(db_err)?;
         }
@@ -598,6 +603,81 @@ impl Store {
                 .retain(|_, v| {
                     decode::<IdempotentCreate>(v, "idempotent create")
                         .is_ok_and(|c| c.expires_at_ms > now_ms)
+                })
+                .map_err(db_err)?;
+            before.saturating_sub(table.len().map_err(db_err)?)
+        };
+        tx.commit().map_err(db_err)?;
+        Ok(removed)
+    }
+}
+
+impl Store {
+    pub fn put_webhook(&self, w: &crate::node::webhooks::WebhookRecord) -> Result<(), StoreError> {
+        self.put(WEBHOOKS, &w.id, &encode(w))
+    }
+
+    pub fn webhook(
+        &self,
+        id: &str,
+    ) -> Result<Option<crate::node::webhooks::WebhookRecord>, StoreError> {
+        self.get(WEBHOOKS, id)?
+            .map(|b| decode(&b, "webhook"))
+            .transpose()
+    }
+
+    pub fn webhooks(&self) -> Result<Vec<crate::node::webhooks::WebhookRecord>, StoreError> {
+        self.all(WEBHOOKS)?
+            .iter()
+            .map(|b| decode(b, "webhook"))
+            .collect()
+    }
+
+    /// Removes webhook `id` and its deliveries; returns whether it was there.
+    pub fn remove_webhook(&self, id: &str) -> Result<bool, StoreError> {
+        let tx = self.db.begin_write().map_err(db_err)?;
+        let existed = tx
+            .open_table(WEBHOOKS)
+            .map_err(db_err)?
+            .remove(id)
+            .map_err(db_err)?
+            .is_some();
+        tx.open_table(DELIVERIES)
+            .map_err(db_err)?
+            .retain(|_, v| {
+                decode::<crate::node::webhooks::DeliveryRecord>(v, "webhook delivery")
+                    .is_ok_and(|d| d.webhook_id != id)
+            })
+            .map_err(db_err)?;
+        tx.commit().map_err(db_err)?;
+        Ok(existed)
+    }
+
+    pub fn put_delivery(
+        &self,
+        d: &crate::node::webhooks::DeliveryRecord,
+    ) -> Result<(), StoreError> {
+        self.put(DELIVERIES, &d.id, &encode(d))
+    }
+
+    pub fn deliveries(&self) -> Result<Vec<crate::node::webhooks::DeliveryRecord>, StoreError> {
+        self.all(DELIVERIES)?
+            .iter()
+            .map(|b| decode(b, "webhook delivery"))
+            .collect()
+    }
+
+    /// Removes the deliveries made before `before_ms` (and unreadable
+    /// ones); returns how many.
+    pub fn remove_deliveries_before(&self, before_ms: u64) -> Result<u64, StoreError> {
+        let tx = self.db.begin_write().map_err(db_err)?;
+        let removed = {
+            let mut table = tx.open_table(DELIVERIES).map_err(db_err)?;
+            let before = table.len().map_err(db_err)?;
+            table
+                .retain(|_, v| {
+                    decode::<crate::node::webhooks::DeliveryRecord>(v, "webhook delivery")
+                        .is_ok_and(|d| d.created_at_ms >= before_ms)
                 })
                 .map_err(db_err)?;
             before.saturating_sub(table.len().map_err(db_err)?)

@@ -13,6 +13,7 @@ mod snapshots;
 mod templates;
 mod templates_e2b;
 mod tenancy;
+mod webhooks;
 
 use axum::Router;
 use axum::http::StatusCode;
@@ -106,6 +107,25 @@ pub fn router(state: Shared) -> Router {
             post(templates_e2b::assign_tags).delete(templates_e2b::remove_tags),
         )
         .route("/templates/{id}/tags", get(templates_e2b::tags))
+        .route(
+            "/events/webhooks",
+            post(webhooks::create).get(webhooks::list),
+        )
+        .route(
+            "/events/webhooks/{webhook_id}",
+            get(webhooks::get)
+                .patch(webhooks::update)
+                .delete(webhooks::delete),
+        )
+        .route(
+            "/events/webhooks/{webhook_id}/deliveries",
+            get(webhooks::deliveries),
+        )
+        .route("/events/sandboxes", get(webhooks::sandbox_events))
+        .route(
+            "/events/sandboxes/{sandbox_id}",
+            get(webhooks::one_sandbox_events),
+        )
         .route("/v2/templates/{id}", patch(templates::update_v2))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
