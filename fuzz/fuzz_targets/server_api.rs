@@ -19,6 +19,7 @@ use server::node::pool::Pool;
 use server::node::sandbox::Manager;
 use server::node::store::{Store, TemplateRecord};
 use server::node::template::Templates;
+use server::node::webhooks::Webhooks;
 use tower::ServiceExt;
 
 const KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
@@ -49,6 +50,10 @@ const ROUTES: &[&str] = &[
     "/v2/sandboxes?{}",
     "/files?{}",
     "/process.Process/Start",
+    "/events/webhooks",
+    "/events/webhooks/{}",
+    "/events/webhooks/{}/deliveries",
+    "/events/sandboxes?{}",
 ];
 const METHODS: &[Method] = &[
     Method::GET,
@@ -101,9 +106,11 @@ fn node() -> &'static Node {
             let pool = Pool::start(config.vmm.clone(), config.run_dir(), 0);
             let manager = Manager::new(config, store, pool, template);
             let templates = Templates::new(manager.clone());
+            let webhooks = Webhooks::start(&manager, Default::default());
             router(Arc::new(AppState {
                 manager,
                 templates,
+                webhooks,
                 keys: ApiKeys::for_key(KEY),
                 guests: Default::default(),
                 cluster: Default::default(),

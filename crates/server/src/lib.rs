@@ -125,6 +125,8 @@ impl Server {
         }
         let manager =
             sandbox::Manager::with_capacity(config.clone(), store, pool, capacity, template);
+        // Subscribed before recovery: a sandbox whose VMM is gone ends there.
+        let webhooks = node::webhooks::Webhooks::start(&manager, Default::default());
         manager.recover().await;
         let templates = template::Templates::new(manager.clone());
         if let Err(e) = templates.recover().await {
@@ -174,6 +176,7 @@ impl Server {
                 guests: Default::default(),
                 cluster: member.as_ref().map(|m| m.node.clone()),
                 creates: Default::default(),
+                webhooks,
             }),
             member,
             api_key_file,

@@ -27,6 +27,7 @@ use server::node::store::{
     Store, TemplateRecord,
 };
 use server::node::template::Templates;
+use server::node::webhooks::{Policy, Webhooks};
 use tower::ServiceExt;
 
 mod common;
@@ -156,6 +157,17 @@ fn node_keyed(
         guests: Default::default(),
         cluster: Default::default(),
         creates: Default::default(),
+        // Tries close together, so that a test sees a retry at once.
+        webhooks: Webhooks::start(
+            &manager,
+            Policy {
+                attempts: 3,
+                first_retry: std::time::Duration::from_millis(20),
+                max_retry: std::time::Duration::from_millis(100),
+                attempt_timeout: std::time::Duration::from_secs(5),
+                concurrent: 4,
+            },
+        ),
     });
     Node {
         app: router(state),
@@ -3327,4 +3339,496 @@ async fn limits_answer_with_retry_after_for_the_sdks_retry() {
         assert_error(&a, StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(a.headers["retry-after"], "1");
     }
+}
+
+// ---- Lifecycle webhooks ------------------------------------------------------
+
+const KILLED: &str = "sandbox.lifecycle.killed";
+
+/// A webhook body for `url` and `events`, signed with `secret`.
+fn hook(url: &str, events: &[&str], secret: &str) -> String {
+    serde_json::json!({
+        "name": "hook",
+        "url": url,
+        "events": events,
+        "signatureSecret": secret,
+    })
+    .to_string()
+}
+
+#[tokio::test]
+async fn webhooks_are_registered_read_changed_and_deleted_as_on_e2b() {
+    let node = node(&[]);
+    let a = call(
+        &node,
+        authed(
+            "POST",
+            "/events/webhooks",
+            &hook("http://127.0.0.1:9/h", &[KILLED, KILLED], "s3cret"),
+        ),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.json);
+    let id = a.json["id"].as_str().unwrap().to_owned();
+    assert_eq!(id.len(), 36, "a UUID: {id}");
+    assert_eq!(a.json["teamID"], "default");
+    assert_eq!(a.json["name"], "hook");
+    assert_eq!(a.json["url"], "http://127.0.0.1:9/h");
+    assert_eq!(a.json["enabled"], true);
+    assert_eq!(a.json["events"], serde_json::json!([KILLED]));
+    assert!(a.json["createdAt"].as_str().unwrap().ends_with('Z'));
+    assert!(!a.json.to_string().contains("s3cret"), "{}", a.json);
+
+    let listed = call(&node, authed("GET", "/events/webhooks", "")).await;
+    assert_eq!(listed.json.as_array().unwrap().len(), 1);
+    assert_eq!(listed.json[0], a.json);
+    let got = call(&node, authed("GET", &format!("/events/webhooks/{id}"), "")).await;
+    assert_eq!(got.json, a.json);
+
+    let patched = call(
+        &node,
+        authed(
+            "PATCH",
+            &format!("/events/webhooks/{id}"),
+            r#"{"enabled":false,"events":["sandbox.lifecycle.forked","sandbox.lifecycle.updated"]}"#,
+        ),
+    )
+    .await;
+    assert_eq!(patched.status, StatusCode::OK, "{}", patched.json);
+    assert_eq!(patched.json["enabled"], false);
+    assert_eq!(
+        patched.json["events"],
+        serde_json::json!(["sandbox.lifecycle.forked", "sandbox.lifecycle.updated"])
+    );
+    assert_eq!(patched.json["url"], a.json["url"]);
+    let deliveries = call(
+        &node,
+        authed("GET", &format!("/events/webhooks/{id}/deliveries"), ""),
+    )
+    .await;
+    assert_eq!(deliveries.json, serde_json::json!([]));
+
+    let gone = call(
+        &node,
+        authed("DELETE", &format!("/events/webhooks/{id}"), ""),
+    )
+    .await;
+    assert_eq!(gone.status, StatusCode::OK);
+    for (method, uri) in [
+        ("GET", format!("/events/webhooks/{id}")),
+        ("DELETE", format!("/events/webhooks/{id}")),
+        ("PATCH", format!("/events/webhooks/{id}")),
+        ("GET", format!("/events/webhooks/{id}/deliveries")),
+    ] {
+        assert_error(
+            &call(&node, authed(method, &uri, "{}")).await,
+            StatusCode::NOT_FOUND,
+        );
+    }
+    let listed = call(&node, authed("GET", "/events/webhooks", "")).await;
+    assert_eq!(listed.json, serde_json::json!([]));
+}
+
+#[tokio::test]
+async fn a_webhook_needs_an_http_url_known_events_and_a_secret() {
+    let node = node(&[]);
+    let ok = "http://127.0.0.1:9/h";
+    for body in [
+        hook("ftp://example.com/h", &[KILLED], "s"),
+        hook("file:///etc/passwd", &[KILLED], "s"),
+        hook("example.com/h", &[KILLED], "s"),
+        hook("http://user:pw@example.com/h", &[KILLED], "s"),
+        hook(ok, &["sandbox.lifecycle.exploded"], "s"),
+        hook(ok, &["created"], "s"),
+        hook(ok, &[], "s"),
+        hook(ok, &[KILLED], ""),
+        r#"{"url":"http://127.0.0.1:9/h","events":["sandbox.lifecycle.killed"]}"#.into(),
+        r#"{"events":["sandbox.lifecycle.killed"],"signatureSecret":"s"}"#.into(),
+        r#"{"url":"http://127.0.0.1:9/h","signatureSecret":"s"}"#.into(),
+        r#"{"url":7}"#.into(),
+        "nonsense".into(),
+    ] {
+        let a = call(&node, authed("POST", "/events/webhooks", &body)).await;
+        assert_error(&a, StatusCode::BAD_REQUEST);
+    }
+    let listed = call(&node, authed("GET", "/events/webhooks", "")).await;
+    assert_eq!(listed.json, serde_json::json!([]), "nothing was registered");
+
+    let a = call(
+        &node,
+        authed("POST", "/events/webhooks", &hook(ok, &[KILLED], "s")),
+    )
+    .await;
+    let id = a.json["id"].as_str().unwrap();
+    for body in [
+        r#"{"url":"gopher://x"}"#,
+        r#"{"events":["nope"]}"#,
+        r#"{"events":[]}"#,
+        r#"{"signatureSecret":""}"#,
+    ] {
+        let a = call(
+            &node,
+            authed("PATCH", &format!("/events/webhooks/{id}"), body),
+        )
+        .await;
+        assert_error(&a, StatusCode::BAD_REQUEST);
+    }
+    let got = call(&node, authed("GET", &format!("/events/webhooks/{id}"), "")).await;
+    assert_eq!(got.json, a.json, "a refused change changes nothing");
+    assert_error(
+        &call(&node, authed("GET", "/events/sandboxes?limit=0", "")).await,
+        StatusCode::BAD_REQUEST,
+    );
+    assert_error(
+        &call(&node, authed("GET", "/events/sandboxes?orderAsc=maybe", "")).await,
+        StatusCode::BAD_REQUEST,
+    );
+}
+
+/// What a receiver on loopback was sent: each request's headers and body.
+type Received = Arc<std::sync::Mutex<Vec<(axum::http::HeaderMap, bytes::Bytes)>>>;
+
+/// A receiver on 127.0.0.1 answering request n (0-based) with `status(n)`:
+/// its URL and what it got.
+async fn receiver(status: fn(usize) -> u16) -> (String, Received) {
+    let got: Received = Arc::default();
+    let kept = got.clone();
+    let app = axum::Router::new().route(
+        "/hook",
+        axum::routing::post(
+            move |headers: axum::http::HeaderMap, body: bytes::Bytes| async move {
+                let mut got = kept.lock().unwrap();
+                got.push((headers, body));
+                StatusCode::from_u16(status(got.len() - 1)).unwrap()
+            },
+        ),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (format!("http://{addr}/hook"), got)
+}
+
+/// Waits until `got` holds `n` requests (or fails after 10 s).
+async fn received(got: &Received, n: usize) -> Vec<(axum::http::HeaderMap, bytes::Bytes)> {
+    for _ in 0..500 {
+        if got.lock().unwrap().len() >= n {
+            return got.lock().unwrap().clone();
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    panic!(
+        "the receiver got {} requests, not {n}",
+        got.lock().unwrap().len()
+    );
+}
+
+/// E2B's check, as its documentation gives it to receivers.
+fn signed(secret: &str, body: &[u8]) -> String {
+    use base64::Engine as _;
+    use sha2::Digest as _;
+    let mut h = sha2::Sha256::new();
+    h.update(secret.as_bytes());
+    h.update(body);
+    base64::engine::general_purpose::STANDARD
+        .encode(h.finalize())
+        .trim_end_matches('=')
+        .to_owned()
+}
+
+/// The deliveries of webhook `id`, once there are `n` and none is pending.
+async fn settled(node: &Node, key: &str, id: &str, n: usize) -> Value {
+    for _ in 0..500 {
+        let a = call(
+            node,
+            keyed(key, "GET", &format!("/events/webhooks/{id}/deliveries"), ""),
+        )
+        .await;
+        assert_eq!(a.status, StatusCode::OK, "{}", a.json);
+        let all = a.json.as_array().unwrap();
+        if all.len() >= n && all.iter().all(|d| d["status"] != "pending") {
+            return a.json;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    panic!("deliveries of {id}: not {n}, or still pending");
+}
+
+#[tokio::test]
+async fn a_kill_is_delivered_signed_to_its_teams_webhook_and_retried_until_answered() {
+    let now = now_ms();
+    let node = node(&[]);
+    let (a_team, a_key) = team(&node, r#"{"name":"a"}"#).await;
+    let (_, b_key) = team(&node, r#"{"name":"b"}"#).await;
+    for r in [
+        owned(&a_team, record("mine", now, SandboxState::Running, "x")),
+        record("theirs", now, SandboxState::Running, "y"),
+    ] {
+        node.manager.store().put_sandbox(&r).unwrap();
+    }
+    // The first try is answered 500: the second, 200.
+    let (url, got) = receiver(|n| if n == 0 { 500 } else { 200 }).await;
+    let a = call(
+        &node,
+        keyed(
+            &a_key,
+            "POST",
+            "/events/webhooks",
+            &hook(&url, &[KILLED], "s3cret"),
+        ),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.json);
+    let id = a.json["id"].as_str().unwrap().to_owned();
+    assert_eq!(a.json["teamID"], a_team.as_str());
+
+    // Another team sees nothing of it.
+    let b_list = call(&node, keyed(&b_key, "GET", "/events/webhooks", "")).await;
+    assert_eq!(b_list.json, serde_json::json!([]));
+    for (method, uri) in [
+        ("GET", format!("/events/webhooks/{id}")),
+        ("PATCH", format!("/events/webhooks/{id}")),
+        ("GET", format!("/events/webhooks/{id}/deliveries")),
+        ("DELETE", format!("/events/webhooks/{id}")),
+    ] {
+        assert_error(
+            &call(&node, keyed(&b_key, method, &uri, "{}")).await,
+            StatusCode::NOT_FOUND,
+        );
+    }
+
+    // Another team's sandbox ends: nothing is sent.
+    let a = call(&node, authed("DELETE", "/sandboxes/theirs", "")).await;
+    assert_eq!(a.status, StatusCode::NO_CONTENT);
+    let a = call(&node, keyed(&a_key, "DELETE", "/sandboxes/mine", "")).await;
+    assert_eq!(a.status, StatusCode::NO_CONTENT);
+
+    let got = received(&got, 2).await;
+    let deliveries = settled(&node, &a_key, &id, 1).await;
+    assert_eq!(deliveries.as_array().unwrap().len(), 1, "{deliveries}");
+    let d = &deliveries[0];
+    assert_eq!(d["status"], "delivered", "{d}");
+    assert_eq!(d["attempts"], 2, "{d}");
+    assert_eq!(d["responseStatus"], 200, "{d}");
+    assert_eq!(d["eventType"], KILLED);
+    assert_eq!(d["sandboxID"], "mine");
+    assert_eq!(d["webhookID"], id.as_str());
+    assert_eq!(got.len(), 2, "only its own sandbox's event, twice");
+    for (headers, body) in &got {
+        assert_eq!(headers["e2b-webhook-id"], id.as_str());
+        assert_eq!(headers["e2b-delivery-id"], d["id"].as_str().unwrap());
+        assert_eq!(headers["e2b-signature-version"], "v1");
+        assert_eq!(headers["content-type"], "application/json");
+        assert_eq!(
+            headers["e2b-signature"].to_str().unwrap(),
+            signed("s3cret", body)
+        );
+        assert_ne!(
+            headers["e2b-signature"].to_str().unwrap(),
+            signed("other", body)
+        );
+    }
+    assert_eq!(got[0].1, got[1].1, "a retry sends the same bytes");
+    let event: Value = serde_json::from_slice(&got[0].1).unwrap();
+    assert_eq!(event["type"], KILLED);
+    assert_eq!(event["version"], "v2");
+    assert_eq!(event["sandboxId"], "mine");
+    assert_eq!(event["sandboxTeamId"], a_team.as_str());
+    assert_eq!(event["sandboxTemplateId"], "base");
+    assert_eq!(event["eventId"], Value::Null);
+    assert_eq!(event["id"], d["eventID"]);
+    assert_eq!(event["eventData"]["sandbox_metadata"]["team"], "x");
+    let execution = &event["eventData"]["execution"];
+    assert_eq!(execution["vcpu_count"], 1);
+    assert_eq!(execution["memory_mb"], 256);
+    assert!(execution["execution_time"].as_u64().is_some(), "{event}");
+
+    // The team's events: its own sandbox's only.
+    let mine = call(&node, keyed(&a_key, "GET", "/events/sandboxes", "")).await;
+    assert_eq!(mine.json.as_array().unwrap().len(), 1, "{}", mine.json);
+    assert_eq!(mine.json[0], event);
+    let one = call(&node, keyed(&a_key, "GET", "/events/sandboxes/mine", "")).await;
+    assert_eq!(one.json, mine.json);
+    let foreign = call(&node, keyed(&b_key, "GET", "/events/sandboxes/mine", "")).await;
+    assert_eq!(foreign.json, serde_json::json!([]));
+    let b_events = call(&node, keyed(&b_key, "GET", "/events/sandboxes", "")).await;
+    assert_eq!(b_events.json, serde_json::json!([]));
+}
+
+#[tokio::test]
+async fn the_nodes_own_ends_are_delivered_and_a_receiver_that_fails_is_tried_3_times() {
+    let now = now_ms();
+    let squeezed = |id: &str, auto_pause: bool| SandboxRecord {
+        auto_pause,
+        pause_reason: Some(PauseReason::MemoryPressure),
+        end_at_ms: now - 1,
+        ..record(id, now - 10_000, SandboxState::Paused, "x")
+    };
+    let node = node(&[
+        SandboxRecord {
+            end_at_ms: now - 1,
+            ..record("expired", now - 10_000, SandboxState::Running, "x")
+        },
+        squeezed("squeezed-kept", true),
+        squeezed("squeezed-gone", false),
+    ]);
+    let (ok_url, ok_got) = receiver(|_| 204).await;
+    let (bad_url, bad_got) = receiver(|_| 503).await;
+    let events = [KILLED, "sandbox.lifecycle.paused"];
+    let ok = call(
+        &node,
+        authed("POST", "/events/webhooks", &hook(&ok_url, &events, "k")),
+    )
+    .await;
+    let bad = call(
+        &node,
+        authed("POST", "/events/webhooks", &hook(&bad_url, &events, "k")),
+    )
+    .await;
+    // Disabled: sent nothing.
+    let (off_url, off_got) = receiver(|_| 200).await;
+    let off = call(
+        &node,
+        authed("POST", "/events/webhooks", &hook(&off_url, &events, "k")),
+    )
+    .await;
+    let a = call(
+        &node,
+        authed(
+            "PATCH",
+            &format!("/events/webhooks/{}", off.json["id"].as_str().unwrap()),
+            r#"{"enabled":false}"#,
+        ),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.json);
+
+    // At its timeout: a running sandbox is killed; one the node paused for
+    // memory pressure is paused for its owner now (autoPause) or killed.
+    node.manager.reap_expired().await;
+    let got = received(&ok_got, 3).await;
+    let mut seen: Vec<(String, String)> = got
+        .iter()
+        .map(|(_, body)| {
+            let e: Value = serde_json::from_slice(body).unwrap();
+            (
+                e["sandboxId"].as_str().unwrap().to_owned(),
+                e["type"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        [
+            ("expired".to_owned(), KILLED.to_owned()),
+            ("squeezed-gone".to_owned(), KILLED.to_owned()),
+            (
+                "squeezed-kept".to_owned(),
+                "sandbox.lifecycle.paused".to_owned()
+            ),
+        ]
+    );
+    let deliveries = settled(&node, KEY, ok.json["id"].as_str().unwrap(), 3).await;
+    assert!(
+        deliveries
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|d| d["status"] == "delivered" && d["attempts"] == 1),
+        "{deliveries}"
+    );
+
+    // Each of the three tried 3 times (the test's policy), then failed.
+    let deliveries = settled(&node, KEY, bad.json["id"].as_str().unwrap(), 3).await;
+    assert_eq!(deliveries.as_array().unwrap().len(), 3, "{deliveries}");
+    for d in deliveries.as_array().unwrap() {
+        assert_eq!(d["status"], "failed", "{d}");
+        assert_eq!(d["attempts"], 3, "{d}");
+        assert_eq!(d["responseStatus"], 503, "{d}");
+        assert!(d["error"].as_str().unwrap().contains("503"), "{d}");
+    }
+    assert_eq!(bad_got.lock().unwrap().len(), 9);
+    assert!(off_got.lock().unwrap().is_empty());
+
+    // Kept in the store: a node opened on it again has the webhooks.
+    let store = node.manager.store();
+    assert_eq!(store.webhooks().unwrap().len(), 3);
+    assert_eq!(store.deliveries().unwrap().len(), 6);
+}
+
+#[tokio::test]
+async fn a_receiver_that_does_not_listen_fails_with_the_reason() {
+    let node = node(&[record("abc", 1, SandboxState::Running, "x")]);
+    // A port nothing listens on: bound, then closed.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let a = call(
+        &node,
+        authed(
+            "POST",
+            "/events/webhooks",
+            &hook(&format!("http://127.0.0.1:{port}/x"), &[KILLED], "k"),
+        ),
+    )
+    .await;
+    let id = a.json["id"].as_str().unwrap().to_owned();
+    let a = call(&node, authed("DELETE", "/sandboxes/abc", "")).await;
+    assert_eq!(a.status, StatusCode::NO_CONTENT);
+    let deliveries = settled(&node, KEY, &id, 1).await;
+    let d = &deliveries[0];
+    assert_eq!(d["status"], "failed", "{d}");
+    assert_eq!(d["attempts"], 3, "{d}");
+    assert_eq!(d["responseStatus"], Value::Null, "{d}");
+    assert!(d["error"].as_str().unwrap().contains("connecting"), "{d}");
+}
+
+#[tokio::test]
+async fn webhooks_and_pending_deliveries_outlive_a_restart() {
+    use server::node::webhooks::{DeliveryRecord, DeliveryStatus, WebhookRecord, signature};
+    let (url, got) = receiver(|_| 200).await;
+    let webhook = WebhookRecord {
+        id: "0e4f5a1c-0000-4000-8000-000000000001".into(),
+        team: "default".into(),
+        name: "kept".into(),
+        url,
+        events: vec![KILLED.into()],
+        enabled: true,
+        secret: "k".into(),
+        created_at_ms: now_ms() - 60_000,
+    };
+    let pending = DeliveryRecord {
+        id: "d1".into(),
+        webhook_id: webhook.id.clone(),
+        event_id: "e1".into(),
+        event_type: KILLED.into(),
+        sandbox_id: "abc".into(),
+        body: r#"{"type":"sandbox.lifecycle.killed"}"#.into(),
+        status: DeliveryStatus::Pending,
+        attempts: 1,
+        response_status: Some(500),
+        error: Some("the receiver answered 500".into()),
+        created_at_ms: now_ms() - 1_000,
+        last_attempt_at_ms: Some(now_ms() - 1_000),
+    };
+    // What a node left in its store when it stopped mid-retry.
+    let node = node_configured(&[], &[], |_, store| {
+        store.put_webhook(&webhook).unwrap();
+        store.put_delivery(&pending).unwrap();
+    });
+    let listed = call(&node, authed("GET", "/events/webhooks", "")).await;
+    assert_eq!(listed.json[0]["id"], webhook.id.as_str());
+    assert_eq!(listed.json[0]["url"], webhook.url.as_str());
+    // The pending delivery goes on where it was: its second try.
+    let sent = received(&got, 1).await;
+    assert_eq!(&sent[0].1[..], pending.body.as_bytes());
+    assert_eq!(
+        sent[0].0["e2b-signature"].to_str().unwrap(),
+        signature("k", pending.body.as_bytes())
+    );
+    let deliveries = settled(&node, KEY, &webhook.id, 1).await;
+    assert_eq!(deliveries[0]["status"], "delivered");
+    assert_eq!(deliveries[0]["attempts"], 2);
 }

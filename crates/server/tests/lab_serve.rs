@@ -1347,6 +1347,154 @@ async fn a_sandbox_whose_vmm_dies_is_removed() {
     assert!(!data.path().join("sandboxes").join(&id).exists());
 }
 
+/// Lifecycle webhooks on real microVMs: a receiver on loopback in this
+/// process gets, each signed with the webhook's secret, a create's
+/// `created`, a pause's `paused`, a resume's `resumed`, one `forked` per
+/// fork child naming its parent, and a `killed` for each kill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab: boots microVMs"]
+async fn webhooks_see_create_pause_resume_fork_and_kill() {
+    use base64::Engine as _;
+    use sha2::Digest as _;
+    type Got = std::sync::Arc<std::sync::Mutex<Vec<(String, bytes::Bytes)>>>;
+    let got: Got = Default::default();
+    let kept = got.clone();
+    let receiver = axum::Router::new().route(
+        "/hook",
+        axum::routing::post(
+            move |headers: axum::http::HeaderMap, body: bytes::Bytes| async move {
+                let signature = headers["e2b-signature"].to_str().unwrap().to_owned();
+                kept.lock().unwrap().push((signature, body));
+                axum::http::StatusCode::OK
+            },
+        ),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hook_addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, receiver).await });
+
+    let data = tempfile::tempdir().unwrap();
+    let node = serve(lab_config(data.path(), 0)).await;
+    let (addr, auth) = (node.addr, node.auth());
+    let body = json!({
+        "name": "lab",
+        "url": format!("http://{hook_addr}/hook"),
+        "events": [
+            "sandbox.lifecycle.created", "sandbox.lifecycle.killed",
+            "sandbox.lifecycle.paused", "sandbox.lifecycle.resumed",
+            "sandbox.lifecycle.forked",
+        ],
+        "signatureSecret": "lab-secret",
+    });
+    let made = http(addr, "POST", "/events/webhooks", &auth, body.to_string()).await;
+    assert_eq!(made.status, 201, "{:?}", made.body);
+    let hook_id = made.json()["id"].as_str().unwrap().to_owned();
+
+    let Created { id, .. } =
+        common::create(addr, &auth, json!({"templateID": "base", "timeout": 120})).await;
+    let paused = http(addr, "POST", &format!("/sandboxes/{id}/pause"), &auth, "{}").await;
+    assert_eq!(paused.status, 204, "{:?}", paused.body);
+    let resumed = http(
+        addr,
+        "POST",
+        &format!("/sandboxes/{id}/resume"),
+        &auth,
+        r#"{"timeout":120}"#,
+    )
+    .await;
+    assert_eq!(resumed.status, 201, "{:?}", resumed.body);
+    let forked = http(
+        addr,
+        "POST",
+        &format!("/sandboxes/{id}/fork"),
+        &auth,
+        r#"{"count":2,"timeout":60}"#,
+    )
+    .await;
+    assert_eq!(forked.status, 201, "{:?}", forked.body);
+    let mut children: Vec<String> = forked
+        .json()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["sandbox"]["sandboxID"].as_str().unwrap().to_owned())
+        .collect();
+    children.sort();
+    assert_eq!(children.len(), 2);
+    for sandbox in children.iter().chain([&id]) {
+        let killed = http(addr, "DELETE", &format!("/sandboxes/{sandbox}"), &auth, "").await;
+        assert_eq!(killed.status, 204, "{:?}", killed.body);
+    }
+
+    // 1 created, 1 paused, 1 resumed, 2 forked, 3 killed.
+    let waited = Instant::now();
+    while got.lock().unwrap().len() < 8 {
+        assert!(
+            waited.elapsed() < Duration::from_secs(60),
+            "{} deliveries",
+            got.lock().unwrap().len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let got = got.lock().unwrap().clone();
+    assert_eq!(got.len(), 8, "no more than one delivery each");
+    let mut seen: Vec<(String, String, Option<String>)> = Vec::new();
+    for (signature, body) in &got {
+        let mut h = sha2::Sha256::new();
+        h.update(b"lab-secret");
+        h.update(body);
+        let expected = base64::engine::general_purpose::STANDARD_NO_PAD.encode(h.finalize());
+        assert_eq!(*signature, expected);
+        let e: Value = serde_json::from_slice(body).unwrap();
+        seen.push((
+            e["sandboxId"].as_str().unwrap().to_owned(),
+            e["type"].as_str().unwrap().to_owned(),
+            e["eventData"]["parent_sandbox_id"]
+                .as_str()
+                .map(str::to_owned),
+        ));
+    }
+    let of = |sandbox: &str| -> Vec<(String, Option<String>)> {
+        seen.iter()
+            .filter(|(s, _, _)| s == sandbox)
+            .map(|(_, t, p)| (t.clone(), p.clone()))
+            .collect()
+    };
+    let kind = |t: &str| format!("sandbox.lifecycle.{t}");
+    let mut parent = of(&id);
+    parent.sort();
+    assert_eq!(
+        parent,
+        [
+            (kind("created"), None),
+            (kind("killed"), None),
+            (kind("paused"), None),
+            (kind("resumed"), None),
+        ]
+    );
+    for child in &children {
+        let mut events = of(child);
+        events.sort();
+        assert_eq!(
+            events,
+            [(kind("forked"), Some(id.clone())), (kind("killed"), None),]
+        );
+    }
+    let deliveries = http(
+        addr,
+        "GET",
+        &format!("/events/webhooks/{hook_id}/deliveries"),
+        &auth,
+        "",
+    )
+    .await
+    .json();
+    let deliveries = deliveries.as_array().unwrap();
+    assert_eq!(deliveries.len(), 8);
+    assert!(deliveries.iter().all(|d| d["status"] == "delivered"));
+}
+
 /// A guest that does not take the proxy's connection at once (a fork child
 /// among many starting on a loaded node; here its vCPUs paused for longer
 /// than its VMM waits for the guest's answer to a vsock connection, so the

@@ -21,6 +21,8 @@ pub struct AppState {
     pub cluster: Option<Arc<crate::cluster::Node>>,
     /// The creates under way with an `Idempotency-Key`.
     pub creates: crate::node::idempotent::Creates,
+    /// Lifecycle webhooks and the last events.
+    pub webhooks: Arc<crate::node::webhooks::Webhooks>,
 }
 
 pub type Shared = Arc<AppState>;

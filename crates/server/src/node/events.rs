@@ -9,7 +9,14 @@
 //! pauses, resumes, kills through the API; templates made ready or
 //! deleted); what the node does by itself (a timeout, memory pressure, a
 //! build's own sandbox) is found by the listener's own reconciling.
+//!
+//! Beside the hooks, a second seam that only listens: [`Lifecycle`] facts,
+//! one per change in a sandbox's life as its owner sees it, the node's own
+//! changes included (a kill or pause at its timeout), sent to any number of
+//! subscribers ([`crate::node::sandbox::Manager::subscribe`]) and never
+//! awaited: webhooks and the event history read them.
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 
@@ -91,4 +98,67 @@ pub type Permit = Option<Box<dyn Send + Sync>>;
 pub trait Hooks: std::fmt::Debug + Send + Sync {
     fn admit<'a>(&'a self, ask: Ask<'a>) -> BoxFuture<'a, Result<Permit, Denial>>;
     fn told<'a>(&'a self, event: Event<'a>) -> BoxFuture<'a, Result<Told, Denial>>;
+}
+
+/// What happened to a sandbox, as E2B names it in its lifecycle events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LifecycleKind {
+    /// Made by a create.
+    Created,
+    /// Ended: by its owner, at its timeout, or its VMM gone.
+    Killed,
+    /// Paused: by its owner, or at its timeout with `autoPause`.
+    Paused,
+    /// Running again after a pause.
+    Resumed,
+    /// Made by a fork (one per child, naming its parent).
+    Forked,
+}
+
+impl LifecycleKind {
+    pub const ALL: [LifecycleKind; 5] = [
+        LifecycleKind::Created,
+        LifecycleKind::Killed,
+        LifecycleKind::Paused,
+        LifecycleKind::Resumed,
+        LifecycleKind::Forked,
+    ];
+
+    /// E2B's event type.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LifecycleKind::Created => "sandbox.lifecycle.created",
+            LifecycleKind::Killed => "sandbox.lifecycle.killed",
+            LifecycleKind::Paused => "sandbox.lifecycle.paused",
+            LifecycleKind::Resumed => "sandbox.lifecycle.resumed",
+            LifecycleKind::Forked => "sandbox.lifecycle.forked",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<LifecycleKind> {
+        LifecycleKind::ALL.into_iter().find(|k| k.as_str() == name)
+    }
+}
+
+/// One change in a sandbox's life, told to every subscriber once the node
+/// recorded it. What the sandbox was then is copied in: a killed one's
+/// record is gone by the time a subscriber reads this.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lifecycle {
+    /// This event's own id (random, hex).
+    pub id: String,
+    pub kind: LifecycleKind,
+    pub sandbox_id: String,
+    /// The owning team ([`crate::node::tenants::DEFAULT_TEAM`] for none).
+    pub team: String,
+    pub template_id: String,
+    pub metadata: BTreeMap<String, String>,
+    /// For [`LifecycleKind::Forked`]: the sandbox (or snapshot) forked.
+    pub parent_id: Option<String>,
+    /// Which run of the sandbox (its pause count): each resume starts another.
+    pub run: u32,
+    pub started_at_ms: u64,
+    pub cpu_count: u32,
+    pub memory_mb: u64,
+    pub at_ms: u64,
 }

@@ -15,7 +15,7 @@ use vmm_driver::process::{GuestSpec, ProcessError, Restore};
 use crate::node::capacity::{Ask, Capacity, CapacityError, Reservation, Shortage};
 use crate::node::clock::now_ms;
 use crate::node::config::Config;
-use crate::node::events::{Denial, Event, Hooks, Permit, Told};
+use crate::node::events::{Denial, Event, Hooks, Lifecycle, LifecycleKind, Permit, Told};
 use crate::node::ids;
 use crate::node::launch::{self, Guest, LaunchError, Launched, Plan, Ready};
 use crate::node::net::SandboxNetwork;
@@ -26,6 +26,9 @@ use crate::node::store::{
 
 /// A restored guest answers within this (lab times included).
 const AGENT_TIMEOUT: Duration = Duration::from_secs(120);
+/// How far a [`Manager::subscribe`]r may fall behind before it loses
+/// events: a fork's 20 children and a reaper's round with room to spare.
+pub const LIFECYCLE_BACKLOG: usize = 4096;
 /// A cold boot in the lab takes tens of seconds.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
 /// How long a guest agent may take to flush the guest's disk before a
@@ -260,6 +263,9 @@ pub struct Manager {
     /// What sits above the node, asked and told about clients' operations
     /// (see [`crate::node::events`]); none on a lone node.
     hooks: std::sync::OnceLock<Arc<dyn Hooks>>,
+    /// Where [`Lifecycle`] facts go, to every subscriber (see
+    /// [`Manager::subscribe`]).
+    lifecycle: tokio::sync::broadcast::Sender<Lifecycle>,
     /// This manager, for the tasks that watch its VMMs.
     me: Weak<Manager>,
 }
@@ -299,6 +305,7 @@ impl Manager {
             recording: Mutex::default(),
             writing: Mutex::default(),
             hooks: std::sync::OnceLock::new(),
+            lifecycle: tokio::sync::broadcast::Sender::new(LIFECYCLE_BACKLOG),
             me: me.clone(),
         })
     }
@@ -310,6 +317,39 @@ impl Manager {
         self.hooks
             .set(hooks)
             .map_err(|_| SandboxError::Invalid("the node's hooks were set twice".to_owned()))
+    }
+
+    /// From now on the returned receiver gets every [`Lifecycle`] fact, in
+    /// the order the node recorded them; one that falls more than
+    /// [`LIFECYCLE_BACKLOG`] behind loses the oldest (and is told how many).
+    pub fn subscribe(&self) -> tokio::sync::broadcast::Receiver<Lifecycle> {
+        self.lifecycle.subscribe()
+    }
+
+    /// Tells the subscribers that `record`'s sandbox was `kind` (just now,
+    /// recorded already); `parent` names a fork child's parent.
+    pub(crate) fn saw(&self, kind: LifecycleKind, record: &SandboxRecord, parent: Option<&str>) {
+        let at_ms = now_ms();
+        let id = ids::random_bytes(16)
+            .map(|b| ids::hex(&b))
+            // Unique enough without the kernel's RNG: one event per sandbox, kind and ms.
+            .unwrap_or_else(|_| format!("{}-{}-{at_ms}", record.id, kind.as_str()));
+        let event = Lifecycle {
+            id,
+            kind,
+            sandbox_id: record.id.clone(),
+            team: record.team().to_owned(),
+            template_id: record.template_id.clone(),
+            metadata: record.metadata.clone(),
+            parent_id: parent.map(str::to_owned),
+            run: record.pause_generation,
+            started_at_ms: record.started_at_ms,
+            cpu_count: record.cpu_count,
+            memory_mb: record.memory_mb,
+            at_ms,
+        };
+        // No subscriber is no error: a node without webhooks.
+        let _ = self.lifecycle.send(event);
     }
 
     /// Asks the hooks before a client's operation takes room; the permit
@@ -353,6 +393,7 @@ impl Manager {
     pub(crate) async fn announced_fork<T>(
         &self,
         team: &str,
+        parent: &str,
         fork: impl Future<Output = Result<T, SandboxError>>,
         children: impl FnOnce(&mut T) -> &mut [Result<SandboxRecord, SandboxError>],
     ) -> Result<T, SandboxError> {
@@ -362,8 +403,9 @@ impl Manager {
         let mut forked = fork.await?;
         for child in children(&mut forked).iter_mut() {
             let Ok(record) = child else { continue };
-            if let Err(e) = self.tell_created(&record.id, team).await {
-                *child = Err(e);
+            match self.tell_created(&record.id, team).await {
+                Ok(()) => self.saw(LifecycleKind::Forked, record, Some(parent)),
+                Err(e) => *child = Err(e),
             }
         }
         Ok(forked)
@@ -492,8 +534,14 @@ impl Manager {
              VMM log, last lines:\n{}",
             tail.into_iter().rev().collect::<Vec<_>>().join("\n")
         );
-        if let Err(e) = self.remove(id, Some(&sandbox), Some(guest)).await {
-            tracing::warn!("sandbox {id}: removing it after its VMM exited: {e}");
+        let record = self.store.sandbox(id).ok().flatten();
+        match self.remove(id, Some(&sandbox), Some(guest)).await {
+            Ok(()) => {
+                if let Some(r) = record {
+                    self.saw(LifecycleKind::Killed, &r, None);
+                }
+            }
+            Err(e) => tracing::warn!("sandbox {id}: removing it after its VMM exited: {e}"),
         }
     }
 
@@ -558,13 +606,17 @@ impl Manager {
             if let Some(mode) = auto_pause {
                 tracing::info!("sandbox {id}: timeout reached, pausing it ({mode:?})");
                 match self.pause_for(&id, mode, PauseReason::Timeout).await {
-                    Ok(_) | Err(SandboxError::Conflict { .. }) => continue,
+                    Ok(paused) => {
+                        self.saw(LifecycleKind::Paused, &paused, None);
+                        continue;
+                    }
+                    Err(SandboxError::Conflict { .. }) => continue,
                     Err(e) => tracing::warn!("sandbox {id}: pausing at timeout: {e}; killing it"),
                 }
             } else {
                 tracing::info!("sandbox {id}: timeout reached, killing it");
             }
-            if let Err(e) = self.kill_unannounced(&id).await {
+            if let Err(e) = self.kill_seen(&id).await {
                 tracing::warn!("sandbox {id}: killing at timeout: {e}");
             }
         }
@@ -619,6 +671,7 @@ impl Manager {
             .await?;
         let record = self.create_unannounced(params).await?;
         self.tell_created(&record.id, &team).await?;
+        self.saw(LifecycleKind::Created, &record, None);
         Ok(record)
     }
 
@@ -795,6 +848,7 @@ impl Manager {
                 .update_sandbox(id, |r| r.local_pause = Some(generation))?
                 .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
         }
+        self.saw(LifecycleKind::Paused, &record, None);
         let told = self
             .tell(Event::Paused { id })
             .await
@@ -995,11 +1049,18 @@ impl Manager {
         timeout: Duration,
         mode: ResumeMode,
     ) -> Result<(SandboxRecord, bool), SandboxError> {
-        let team = self.get(id)?.team().to_owned();
+        let before = self.get(id)?;
+        let team = before.team().to_owned();
         let _permit = self
             .admit(crate::node::events::Ask::Resume { id, team: &team })
             .await?;
         let resumed = self.resume_unannounced(id, timeout, mode).await;
+        // One the node paused for memory pressure ran all along for its owner.
+        if let Ok((record, true)) = &resumed
+            && before.pause_reason != Some(PauseReason::MemoryPressure)
+        {
+            self.saw(LifecycleKind::Resumed, record, None);
+        }
         let event = match &resumed {
             Ok(_) => Event::Resumed { id },
             Err(_) => Event::NotResumed { id },
@@ -1156,9 +1217,21 @@ impl Manager {
     /// A client's kill: [`Manager::kill_unannounced`], then the hooks are
     /// told.
     pub async fn kill(&self, id: &str) -> Result<(), SandboxError> {
-        self.kill_unannounced(id).await?;
+        self.kill_seen(id).await?;
         if let Err(denial) = self.tell(Event::Killed { id }).await {
             tracing::warn!("sandbox {id}: killed, but {denial}");
+        }
+        Ok(())
+    }
+
+    /// [`Manager::kill_unannounced`] of a sandbox ended for its owner (its
+    /// kill, its timeout), which the subscribers are told.
+    pub(crate) async fn kill_seen(&self, id: &str) -> Result<(), SandboxError> {
+        // A store that cannot be read fails the kill below, not here.
+        let record = self.store.sandbox(id).ok().flatten();
+        self.kill_unannounced(id).await?;
+        if let Some(record) = record {
+            self.saw(LifecycleKind::Killed, &record, None);
         }
         Ok(())
     }

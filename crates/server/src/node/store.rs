@@ -11,6 +11,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::node::tenants::{KeyRecord, TeamRecord};
+use crate::node::webhooks::{DeliveryRecord, WebhookRecord};
 
 type Table = TableDefinition<'static, &'static str, &'static [u8]>;
 
@@ -56,6 +57,10 @@ const OWNERS: Table = TableDefinition::new("owners");
 /// [`crate::node::idempotent`].
 const IDEMPOTENT: Records<IdempotentCreate> =
     Records::new("idempotent_creates", "idempotent create");
+/// Lifecycle webhooks by id, and their deliveries by id: see
+/// [`crate::node::webhooks`].
+const WEBHOOKS: Records<WebhookRecord> = Records::new("webhooks", "webhook");
+const DELIVERIES: Records<DeliveryRecord> = Records::new("webhook_deliveries", "webhook delivery");
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -344,6 +349,8 @@ impl Store {
             KEYS.table,
             OWNERS,
             IDEMPOTENT.table,
+            WEBHOOKS.table,
+            DELIVERIES.table,
         ] {
             tx.open_table(table).map_err(db_err)?;
         }
@@ -631,6 +638,66 @@ impl Store {
                 .retain(|_, v| {
                     decode::<IdempotentCreate>(v, IDEMPOTENT.what)
                         .is_ok_and(|c| c.expires_at_ms > now_ms)
+                })
+                .map_err(db_err)?;
+            before.saturating_sub(table.len().map_err(db_err)?)
+        };
+        tx.commit().map_err(db_err)?;
+        Ok(removed)
+    }
+}
+
+impl Store {
+    pub fn put_webhook(&self, w: &WebhookRecord) -> Result<(), StoreError> {
+        self.put_record(WEBHOOKS, &w.id, w)
+    }
+
+    pub fn webhook(&self, id: &str) -> Result<Option<WebhookRecord>, StoreError> {
+        self.record(WEBHOOKS, id)
+    }
+
+    pub fn webhooks(&self) -> Result<Vec<WebhookRecord>, StoreError> {
+        self.records(WEBHOOKS)
+    }
+
+    /// Removes webhook `id` and its deliveries; returns whether it was there.
+    pub fn remove_webhook(&self, id: &str) -> Result<bool, StoreError> {
+        let tx = self.db.begin_write().map_err(db_err)?;
+        let existed = tx
+            .open_table(WEBHOOKS.table)
+            .map_err(db_err)?
+            .remove(id)
+            .map_err(db_err)?
+            .is_some();
+        tx.open_table(DELIVERIES.table)
+            .map_err(db_err)?
+            .retain(|_, v| {
+                decode::<DeliveryRecord>(v, DELIVERIES.what).is_ok_and(|d| d.webhook_id != id)
+            })
+            .map_err(db_err)?;
+        tx.commit().map_err(db_err)?;
+        Ok(existed)
+    }
+
+    pub fn put_delivery(&self, d: &DeliveryRecord) -> Result<(), StoreError> {
+        self.put_record(DELIVERIES, &d.id, d)
+    }
+
+    pub fn deliveries(&self) -> Result<Vec<DeliveryRecord>, StoreError> {
+        self.records(DELIVERIES)
+    }
+
+    /// Removes the deliveries made before `before_ms` (and unreadable
+    /// ones); returns how many.
+    pub fn remove_deliveries_before(&self, before_ms: u64) -> Result<u64, StoreError> {
+        let tx = self.db.begin_write().map_err(db_err)?;
+        let removed = {
+            let mut table = tx.open_table(DELIVERIES.table).map_err(db_err)?;
+            let before = table.len().map_err(db_err)?;
+            table
+                .retain(|_, v| {
+                    decode::<DeliveryRecord>(v, DELIVERIES.what)
+                        .is_ok_and(|d| d.created_at_ms >= before_ms)
                 })
                 .map_err(db_err)?;
             before.saturating_sub(table.len().map_err(db_err)?)

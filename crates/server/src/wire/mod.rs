@@ -18,10 +18,12 @@
 use serde::{Deserialize, Serialize};
 
 pub mod admin;
+pub mod events;
 pub mod sandboxes;
 pub mod templates;
 
 pub use admin::*;
+pub use events::*;
 pub use sandboxes::*;
 pub use templates::*;
 

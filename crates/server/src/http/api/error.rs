@@ -6,6 +6,7 @@ use axum::response::{IntoResponse, Response};
 use crate::node::events::Denial;
 use crate::node::idempotent::IdempotencyError;
 use crate::node::sandbox::SandboxError;
+use crate::node::webhooks::WebhookError;
 use crate::wire::{
     self, CLUSTER_STATE_HEADER, RETRY_AFTER_HEADER, SHOULD_RETRY_HEADER, TEAM_LIMIT_HEADER,
 };
@@ -213,6 +214,19 @@ impl From<SandboxError> for ApiError {
         ApiError {
             retry,
             ..ApiError::new(status, message)
+        }
+    }
+}
+
+impl From<WebhookError> for ApiError {
+    fn from(e: WebhookError) -> ApiError {
+        match e {
+            WebhookError::Invalid(_) => ApiError::bad_request(e.to_string()),
+            WebhookError::NotFound(_) => ApiError::new(StatusCode::NOT_FOUND, e.to_string()),
+            WebhookError::Store(_) | WebhookError::Random(_) => {
+                tracing::error!("webhooks: {e}");
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+            }
         }
     }
 }

@@ -15,6 +15,7 @@ mod template_tags;
 mod templates;
 mod templates_e2b;
 mod tenancy;
+mod webhooks;
 
 use axum::Router;
 use axum::http::StatusCode;
@@ -115,6 +116,25 @@ pub fn router(state: Shared) -> Router {
         .route(
             "/templates/{id}/tags/{tag}/assignments",
             get(template_tags::assignments),
+        )
+        .route(
+            "/events/webhooks",
+            post(webhooks::create).get(webhooks::list),
+        )
+        .route(
+            "/events/webhooks/{webhook_id}",
+            get(webhooks::get)
+                .patch(webhooks::update)
+                .delete(webhooks::delete),
+        )
+        .route(
+            "/events/webhooks/{webhook_id}/deliveries",
+            get(webhooks::deliveries),
+        )
+        .route("/events/sandboxes", get(webhooks::sandbox_events))
+        .route(
+            "/events/sandboxes/{sandbox_id}",
+            get(webhooks::one_sandbox_events),
         )
         .route("/v2/templates/{id}", patch(templates::update_v2))
         .route("/volumes", any(volumes_unavailable))

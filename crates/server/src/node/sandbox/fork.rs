@@ -117,7 +117,7 @@ impl Manager {
         let team = self.get(id)?.team().to_owned();
         // Children made elsewhere are told of there.
         let fork = self.fork_spread_unannounced(id, count, timeout, elsewhere);
-        self.announced_fork(&team, fork, |(forked, _)| &mut forked.children)
+        self.announced_fork(&team, id, fork, |(forked, _)| &mut forked.children)
             .await
     }
 

@@ -96,6 +96,7 @@ impl Manager {
         place: impl AsyncFnOnce(&std::path::Path) -> Result<CopiedFork, SandboxError>,
     ) -> Result<ForkResults, SandboxError> {
         let team = parent.team().to_owned();
+        let parent_id = parent.id.clone();
         let fork = async {
             let child = Ask::sandbox(u64::from(parent.cpu_count), parent.memory_mb);
             let slots = self.capacity.reserve_for(
@@ -109,7 +110,8 @@ impl Manager {
             self.fork_copied_unannounced(parent, count, timeout, slots, place)
                 .await
         };
-        self.announced_fork(&team, fork, |results| results).await
+        self.announced_fork(&team, &parent_id, fork, |results| results)
+            .await
     }
 
     async fn fork_copied_unannounced(
@@ -195,7 +197,8 @@ impl Manager {
     ) -> Result<ForkResults, SandboxError> {
         let team = self.get(id)?.team().to_owned();
         let fork = self.fork_paused_unannounced(id, count, timeout);
-        self.announced_fork(&team, fork, |results| results).await
+        self.announced_fork(&team, id, fork, |results| results)
+            .await
     }
 
     async fn fork_paused_unannounced(
@@ -355,8 +358,13 @@ impl Manager {
         params: SnapshotForkParams,
     ) -> Result<ForkResults, SandboxError> {
         let team = crate::node::tenants::team_or_default(params.team.as_deref()).to_owned();
+        // Its children name the snapshot, by id when it resolves.
+        let snapshot = self
+            .resolve_template(id_or_name)
+            .map_or_else(|_| id_or_name.to_owned(), |t| t.id);
         let fork = self.fork_snapshot_unannounced(id_or_name, count, params);
-        self.announced_fork(&team, fork, |results| results).await
+        self.announced_fork(&team, &snapshot, fork, |results| results)
+            .await
     }
 
     async fn fork_snapshot_unannounced(

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::{Manager, PauseMode, Phase, ResumeMode, SandboxError};
 use crate::node::clock::now_ms;
+use crate::node::events::LifecycleKind;
 use crate::node::pressure::{
     self, Candidate, PressureConfig, PressurePause, PressureReport, Reading,
 };
@@ -247,15 +248,18 @@ impl Manager {
                     s.pause_reason = Some(PauseReason::Timeout);
                 }
             });
-            if let Err(e) = updated {
-                tracing::warn!("sandbox {id}: {e}");
+            match updated {
+                // Running for its owner until now: now it is paused.
+                Ok(Some(paused)) => self.saw(LifecycleKind::Paused, &paused, None),
+                Ok(None) => {}
+                Err(e) => tracing::warn!("sandbox {id}: {e}"),
             }
             return;
         }
         tracing::info!(
             "sandbox {id}: timeout reached while paused for memory pressure, killing it"
         );
-        if let Err(e) = self.kill_unannounced(id).await {
+        if let Err(e) = self.kill_seen(id).await {
             tracing::warn!("sandbox {id}: killing at timeout: {e}");
         }
     }

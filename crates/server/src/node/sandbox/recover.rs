@@ -111,7 +111,14 @@ impl Manager {
                 }
                 Err(e) => {
                     tracing::warn!("sandbox {}: cannot adopt its VMM ({e}); removing it", r.id);
-                    let _ = self.store.remove_sandbox(&r.id);
+                    if self
+                        .store
+                        .remove_sandbox(&r.id)
+                        .is_ok_and(|existed| existed)
+                    {
+                        // Gone for its owner, as a VMM that exits is.
+                        self.saw(crate::node::events::LifecycleKind::Killed, &r, None);
+                    }
                     let _ = std::fs::remove_dir_all(self.config.observe_dir().join(&r.id));
                     if let Some(dir) = &r.vmm_dir {
                         // It may run without answering: stop it first.

@@ -326,6 +326,7 @@ async fn a_sandbox_whose_vmm_exits_by_itself_is_removed_and_counted() {
         guests: Default::default(),
         cluster: Default::default(),
         creates: Default::default(),
+        webhooks: crate::node::webhooks::Webhooks::start(&m, Default::default()),
     });
     let app = crate::http::api::router(state);
     let node = |app: axum::Router| async move { call(&app, authed("GET", "/v1/node")).await.1 };
