@@ -19,7 +19,7 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
 use base64::Engine as _;
 use bytes::Bytes;
@@ -31,7 +31,7 @@ use sha2::{Digest, Sha256};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::broadcast::error::RecvError;
 
-use crate::node::clock::now_ms;
+use crate::node::clock::{now_ms, rfc3339};
 use crate::node::events::{Lifecycle, LifecycleKind};
 use crate::node::ids;
 use crate::node::sandbox::Manager;
@@ -614,10 +614,6 @@ pub fn payload(event: &Lifecycle) -> wire::SandboxEvent {
         sandbox_template_id: event.template_id.clone(),
         timestamp: rfc3339(event.at_ms),
     }
-}
-
-fn rfc3339(ms: u64) -> String {
-    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
 }
 
 /// A random UUID (version 4), as E2B's ids are.

@@ -2,25 +2,19 @@
 //! `GET /v2/sandboxes/{id}/logs`): what the node sampled and read of the
 //! sandbox (see `sandbox::observe`), a fresh look first when it runs.
 
-use std::time::{Duration, UNIX_EPOCH};
-
 use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::{StatusCode, Uri};
 
 use super::extract::{SandboxId, number, query};
 use super::{ApiError, Shared};
-use crate::node::clock::now_ms;
+use crate::node::clock::{now_ms, rfc3339};
 use crate::node::sandbox::{Level, LogLine, Sample};
 use crate::node::store::SandboxState;
 use crate::wire;
 
 /// Most log entries one answer holds (E2B's default and limit).
 pub const MAX_LOGS: usize = 1000;
-
-fn rfc3339(ms: u64) -> String {
-    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
-}
 
 /// Looks at the sandbox now when it runs; 404 when there is no such sandbox.
 async fn refresh(state: &Shared, id: &str) -> Result<(), ApiError> {

@@ -1,7 +1,7 @@
 //! Sandbox routes: create (v1, v2), get, list (v1, v2), kill, timeout.
 
 use std::collections::BTreeMap;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
@@ -13,7 +13,7 @@ use serde::Deserialize;
 use super::extract::{JsonBody, SandboxId};
 use super::list::ListQuery;
 use super::{ApiError, ClientGone, Shared};
-use crate::node::clock::now_ms;
+use crate::node::clock::{now_ms, rfc3339};
 use crate::node::idempotent::{self, Begun, IdempotencyError};
 use crate::node::sandbox::{CreateParams, PauseMode, Phase, ResumeMode};
 use crate::node::store::{IdempotentAnswer, SandboxRecord, SandboxState};
@@ -27,10 +27,6 @@ const CLIENT_ID: &str = "sandfork";
 const V2_DEFAULT_TIMEOUT: i64 = 300;
 /// v1's spec default (v1 SDKs always send one).
 const V1_DEFAULT_TIMEOUT: i64 = 15;
-
-pub(super) fn rfc3339(ms: u64) -> String {
-    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
-}
 
 /// A sandbox lifetime as create and `POST /sandboxes/{id}/timeout` take it:
 /// 0 is allowed and means "end now" (E2B: the sandbox is killed, or paused

@@ -2,8 +2,6 @@
 //! `POST /snapshots/{id}/fork` (deleting one is `DELETE /templates/{id}`, in
 //! `templates.rs`).
 
-use std::time::{Duration, UNIX_EPOCH};
-
 use axum::extract::{Path, State};
 use axum::http::{StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
@@ -14,6 +12,7 @@ use super::extract::{JsonBody, SandboxId};
 use super::list::{MAX_LIMIT, parse_limit};
 use super::sandboxes::{ForkBody, fork_answer, fork_request, made, remove_if_gone};
 use super::{ApiError, ClientGone, Shared};
+use crate::node::clock::rfc3339;
 use crate::node::sandbox::{SnapshotForkParams, SnapshotParams};
 use crate::node::store::TemplateRecord;
 use crate::node::tenants::Caller;
@@ -26,10 +25,7 @@ impl From<&TemplateRecord> for wire::SnapshotInfo {
             snapshot_id: t.id.clone(),
             names: t.names.clone(),
             sandbox_id: t.source_sandbox.clone(),
-            created_at: humantime::format_rfc3339_millis(
-                UNIX_EPOCH + Duration::from_millis(t.created_at_ms),
-            )
-            .to_string(),
+            created_at: rfc3339(t.created_at_ms),
         }
     }
 }

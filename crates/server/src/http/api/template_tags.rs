@@ -10,9 +10,9 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
 use super::extract::{JsonBody, number, query};
-use super::templates::rfc3339;
 use super::templates_e2b::split_name;
 use super::{ApiError, Shared};
+use crate::node::clock::rfc3339;
 use crate::node::template::e2b_build::{self, TagAssignment};
 use crate::wire;
 

@@ -5,7 +5,6 @@
 //! `DELETE /templates/{id}`. JSON in E2B's camelCase.
 
 use std::path::PathBuf;
-use std::time::{Duration, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
@@ -16,16 +15,13 @@ use serde::Deserialize;
 
 use super::extract::JsonBody;
 use super::{ApiError, Shared};
+use crate::node::clock::rfc3339;
 use crate::node::sandbox::SandboxError;
 use crate::node::store::BuildStatus;
 use crate::node::template::build::{MAX_MEM_MIB, MAX_VCPUS, MIN_MEM_MIB, TemplateInfo};
 use crate::node::template::{BuildParams, BuildSource, code_interpreter};
 use crate::node::tenants::{Caller, template_owner_key};
 use crate::wire;
-
-pub(super) fn rfc3339(ms: u64) -> String {
-    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
-}
 
 /// A template as `GET /templates` lists it (E2B's Template fields, plus
 /// `kind` and `source`).

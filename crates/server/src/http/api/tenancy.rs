@@ -247,7 +247,7 @@ fn team_json(state: &Shared, t: &TeamRecord) -> wire::Team {
     wire::Team {
         team_id: t.id.clone(),
         name: t.name.clone(),
-        created_at: super::sandboxes::rfc3339(t.created_at_ms),
+        created_at: crate::node::clock::rfc3339(t.created_at_ms),
         limits: t.limits,
         requests_per_second: t.requests_per_second,
         usage: wire::TeamUsage {
@@ -264,7 +264,7 @@ fn key_json(k: &KeyRecord) -> wire::ApiKey {
         team_id: k.team.clone(),
         name: k.name.clone(),
         mask: k.mask.clone(),
-        created_at: super::sandboxes::rfc3339(k.created_at_ms),
+        created_at: crate::node::clock::rfc3339(k.created_at_ms),
         key: None,
     }
 }

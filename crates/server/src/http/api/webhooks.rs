@@ -10,8 +10,8 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 
 use super::extract::{JsonBody, SandboxId};
-use super::sandboxes::rfc3339;
 use super::{ApiError, Shared};
+use crate::node::clock::rfc3339;
 use crate::node::events::Lifecycle;
 use crate::node::tenants::Caller;
 use crate::node::webhooks::{self, DeliveryRecord, WebhookRecord};
