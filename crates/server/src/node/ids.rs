@@ -25,7 +25,6 @@ pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// A fresh sandbox id.
 /// 16 bytes written as a UUID (`8-4-4-4-12` hex digits).
 pub fn uuid_text(bytes: &[u8; 16]) -> String {
     let h = hex(bytes);
@@ -39,6 +38,16 @@ pub fn uuid_text(bytes: &[u8; 16]) -> String {
     )
 }
 
+/// A random UUID (version 4), as E2B's ids are.
+pub fn random_uuid() -> std::io::Result<String> {
+    let mut b = [0u8; 16];
+    b.copy_from_slice(&random_bytes(16)?);
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    Ok(uuid_text(&b))
+}
+
+/// A fresh sandbox id.
 pub fn sandbox_id() -> std::io::Result<String> {
     const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
     // 252 is the largest multiple of 36 below 256: rejecting above it keeps

@@ -263,7 +263,7 @@ impl Webhooks {
             )));
         }
         let record = WebhookRecord {
-            id: uuid()?,
+            id: ids::random_uuid()?,
             team: team.to_owned(),
             name: check_name(body.name.unwrap_or_default())?,
             url: check_url(url)?,
@@ -381,7 +381,7 @@ impl Webhooks {
                 // A struct of strings, numbers and string maps always serializes.
                 serde_json::to_string(&payload(&event)).unwrap_or_default()
             });
-            let id = match uuid() {
+            let id = match ids::random_uuid() {
                 Ok(id) => id,
                 Err(e) => {
                     tracing::warn!("webhooks: no delivery id for event {}: {e}", event.id);
@@ -614,22 +614,6 @@ pub fn payload(event: &Lifecycle) -> wire::SandboxEvent {
         sandbox_template_id: event.template_id.clone(),
         timestamp: rfc3339(event.at_ms),
     }
-}
-
-/// A random UUID (version 4), as E2B's ids are.
-fn uuid() -> std::io::Result<String> {
-    let mut b = ids::random_bytes(16)?;
-    b[6] = (b[6] & 0x0f) | 0x40;
-    b[8] = (b[8] & 0x3f) | 0x80;
-    let h = ids::hex(&b);
-    Ok(format!(
-        "{}-{}-{}-{}-{}",
-        &h[..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..]
-    ))
 }
 
 /// An `http` or `https` URL with a host and no credentials. What it

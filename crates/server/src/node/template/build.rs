@@ -163,13 +163,10 @@ pub fn check_name(name: &str) -> Result<(), SandboxError> {
 pub const BUILTIN_RETRY_SECS: u32 = 20;
 
 pub fn uuid() -> Result<String, SandboxError> {
-    let mut b = [0u8; 16];
-    let random = ids::random_bytes(16).map_err(|source| SandboxError::Io {
+    ids::random_uuid().map_err(|source| SandboxError::Io {
         what: "generating a build id".into(),
         source,
-    })?;
-    b.copy_from_slice(&random);
-    Ok(ids::uuid_text(&b))
+    })
 }
 
 fn nonempty(s: Option<String>) -> Option<String> {
