@@ -76,21 +76,8 @@ log "== ruff and mypy"
 
 # --- against a node ----------------------------------------------------------
 out=target/harbor-test
-if [[ -n $server ]]; then
-    [[ -n ${E2B_API_KEY:-} ]] || die "--server needs E2B_API_KEY"
-    export E2B_API_URL=$server E2B_SANDBOX_URL=$server
-else
-    ((build)) && scripts/build.sh
-    [[ -f target/sandfork.env ]] || die "target/sandfork.env missing (run scripts/build.sh)"
-    set -a
-    # shellcheck source=/dev/null  # written by scripts/build.sh
-    . target/sandfork.env
-    set +a
-    . scripts/node.sh
-    trap stop_node EXIT
-    start_node target/debug/sandfork "$out"
-    export E2B_API_URL=$node_url E2B_SANDBOX_URL=$node_url E2B_API_KEY=$node_key
-fi
+. scripts/node.sh
+use_node "$server" "$build" "$out"
 rm -rf "$out/harbor"
 export HARBOR_TEST_OUT=$out/harbor
 log "== harbor against $E2B_API_URL"

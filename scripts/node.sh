@@ -1,7 +1,8 @@
 # shellcheck shell=bash
 # Sourced by the scripts that test against a real node (sdk-test.sh,
-# cli-test.sh): start_node starts `sandfork serve` on a free local port with a
-# fresh API key and data dir and waits for /health; stop_node stops it (and
+# cli-test.sh, rl-test.sh, harbor-test.sh): start_node starts `sandfork
+# serve` on a free local port with a fresh API key and data dir and waits for
+# /health; stop_node stops it (and
 # the lab it runs in). The caller defines log and die.
 #
 #   start_node BINARY LOGDIR [SERVE-ARG...]
@@ -12,6 +13,12 @@
 #     the caller, scripts/test.sh, holds it already).
 #   stop_node
 #     SIGTERM to the node's process group, SIGKILL after 30 s.
+#   use_node SERVER BUILD LOGDIR
+#     points E2B_API_URL, E2B_SANDBOX_URL (and E2B_API_KEY) at the node a
+#     suite runs against: SERVER when given (its key already in
+#     E2B_API_KEY), else one started here from target/debug/sandfork (after
+#     scripts/build.sh when BUILD is 1), logging to LOGDIR and stopped when
+#     the script exits.
 #   A node is restarted (its store, port and key kept) from another process
 #   by scripts/node-restart.sh LOGDIR, which reads the LOGDIR/node.* files
 #   start_node writes; stop_node then stops the restarted one.
@@ -82,4 +89,22 @@ PY
         sleep 1
     done
     log "node up at $node_url"
+}
+
+use_node() {
+    local server=$1 build=$2 logdir=$3
+    if [[ -n $server ]]; then
+        [[ -n ${E2B_API_KEY:-} ]] || die "--server needs E2B_API_KEY"
+        export E2B_API_URL=$server E2B_SANDBOX_URL=$server
+        return 0
+    fi
+    if ((build)); then scripts/build.sh; fi
+    [[ -f target/sandfork.env ]] || die "target/sandfork.env missing (run scripts/build.sh)"
+    set -a
+    # shellcheck source=/dev/null  # written by scripts/build.sh
+    . target/sandfork.env
+    set +a
+    trap stop_node EXIT
+    start_node target/debug/sandfork "$logdir"
+    export E2B_API_URL=$node_url E2B_SANDBOX_URL=$node_url E2B_API_KEY=$node_key
 }

@@ -87,21 +87,8 @@ log "== tests without a node"
 ((host_only)) && { log "host-only: done"; exit 0; }
 
 # --- against a node ----------------------------------------------------------
-if [[ -n $server ]]; then
-    [[ -n ${E2B_API_KEY:-} ]] || die "--server needs E2B_API_KEY"
-    export E2B_API_URL=$server E2B_SANDBOX_URL=$server
-else
-    ((build)) && scripts/build.sh
-    [[ -f target/sandfork.env ]] || die "target/sandfork.env missing (run scripts/build.sh)"
-    set -a
-    # shellcheck source=/dev/null  # written by scripts/build.sh
-    . target/sandfork.env
-    set +a
-    . scripts/node.sh
-    trap stop_node EXIT
-    start_node target/debug/sandfork target/rl-test
-    export E2B_API_URL=$node_url E2B_SANDBOX_URL=$node_url E2B_API_KEY=$node_key
-fi
+. scripts/node.sh
+use_node "$server" "$build" target/rl-test
 log "== tests against $E2B_API_URL"
 started=$SECONDS
 # Tests that fail are run again, once, by name (sdk-test.sh's rule: the
