@@ -1,6 +1,8 @@
-"""The command line: `scripts/test.sh [--lab-only] [--long] [--only JOB,...] [--list]`."""
+"""The command line: `scripts/test.sh [--lab-only] [--long] [--only JOB,...] [--list]
+[--flakes [N]]`."""
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -8,7 +10,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from . import jobs, proc
+from . import history, jobs, proc
 from .run import Plan, Run, UnknownJob, plan
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -21,6 +23,8 @@ one lane (default 2 lanes, one lab machine and lock each), SANDFORK_CACHE
 Out: target/test-runs/<UTC time>/: each job's log (a re-run's: JOB.tryN.log),
 run.log (the console), summary.json (every job's tries and timings);
 target/test-runs/latest points at the last run. Exit status 0 when all passed.
+A full run (no --only, no --lab-only) also adds a line to
+$SANDFORK_CACHE/runner/history.jsonl, which --flakes reads.
 """
 
 
@@ -49,6 +53,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="only these quick, lab or host jobs (any tier), after the build",
     )
     p.add_argument("--list", action="store_true", help="list the jobs and exit")
+    p.add_argument(
+        "--flakes",
+        nargs="?",
+        type=int,
+        const=5,
+        metavar="N",
+        help="each job's passes and retries over the last N full runs on this machine "
+        "(default 5), and exit",
+    )
     return p.parse_args(argv)
 
 
@@ -92,6 +105,9 @@ def main(argv: list[str]) -> int:
     if args.list:
         print(listing())
         return 0
+    if args.flakes is not None:
+        print(history.table(history.read(history.path(), args.flakes)))
+        return 0
     only = None if args.only is None else [n for n in args.only.split(",") if n]
     lanes_env = os.environ.get("SANDFORK_LAB_LANES", "2")
     try:
@@ -113,6 +129,18 @@ def main(argv: list[str]) -> int:
     console = proc.Console(directory / "run.log", time.monotonic())
     console.write(f"test run: {directory.relative_to(ROOT)}".encode())
     try:
-        return Run(ROOT, the_plan, directory, console, argv).main()
+        code = Run(ROOT, the_plan, directory, console, argv).main()
+        if only is None and not args.lab_only:
+            record_history(directory / "summary.json")
+        return code
     finally:
         console.close()
+
+
+def record_history(summary: Path) -> None:
+    """A full run's line in the history; the run's verdict does not hang on it."""
+    try:
+        data = json.loads(summary.read_text())
+        history.append(history.entry(data, history.commit(ROOT)), history.path())
+    except (OSError, ValueError) as e:
+        print(f"scripts/test.sh: the run's history line not written: {e}", file=sys.stderr)
