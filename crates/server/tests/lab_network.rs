@@ -47,7 +47,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{Created, http, run, vmm_binary};
+use common::{Created, http, run};
 use serde_json::json;
 use server::node::config::Config;
 
@@ -248,32 +248,8 @@ async fn reaches(node: SocketAddr, sandbox: &Created, ip: Ipv4Addr) -> bool {
     !got.is_empty()
 }
 
-/// The children of a fork answer (201, one sandbox per entry).
-fn forked(answer: common::Answer) -> Vec<Created> {
-    assert_eq!(answer.status, 201, "{:?}", answer.body);
-    answer
-        .json()
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| Created {
-            id: c["sandbox"]["sandboxID"].as_str().unwrap().to_owned(),
-            token: c["sandbox"]["envdAccessToken"].as_str().unwrap().to_owned(),
-            answer: c.clone(),
-        })
-        .collect()
-}
-
 fn lab_config(data: &Path) -> Config {
-    let env = |name| std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set"));
-    let mut config = Config::new(
-        "0.0.0.0:0".parse().unwrap(),
-        env("SANDFORK_KERNEL").into(),
-        env("SANDFORK_ROOTFS").into(),
-        vmm_binary(),
-    );
-    config.data_dir = data.to_owned();
-    config.pool_size = 2;
+    let mut config = common::lab_config("0.0.0.0:0".parse().unwrap(), data, 2);
     config.network = Some(server::node::net::NetworkConfig {
         ready_slots: 4,
         uplink: Some(UPLINK.into()),
@@ -393,15 +369,9 @@ async fn sandboxes_reach_the_internet_as_their_policy_says() {
         let got = fetch(node.addr, &open, ip, port).await;
         assert_eq!(got, "", "the guest reached {ip}:{port}");
     }
-    let detail = http(
-        node.addr,
-        "GET",
-        &format!("/sandboxes/{}", open.id),
-        &node.auth(),
-        "",
-    )
-    .await
-    .json();
+    let detail = common::detail(node.addr, &node.auth(), &open.id)
+        .await
+        .json();
     assert_eq!(
         detail["allowInternetAccess"],
         serde_json::Value::Null,
@@ -419,15 +389,9 @@ async fn sandboxes_reach_the_internet_as_their_policy_says() {
         "",
         "a sandbox without internet access resolved a name"
     );
-    let detail = http(
-        node.addr,
-        "GET",
-        &format!("/sandboxes/{}", closed.id),
-        &node.auth(),
-        "",
-    )
-    .await
-    .json();
+    let detail = common::detail(node.addr, &node.auth(), &closed.id)
+        .await
+        .json();
     assert_eq!(detail["allowInternetAccess"], false, "{detail}");
 
     // A denied CIDR at create; then replaced live, both ways.
@@ -469,7 +433,7 @@ async fn sandboxes_reach_the_internet_as_their_policy_says() {
     let fork = |path: String| {
         let auth = node.auth();
         async move {
-            forked(
+            common::forked(
                 http(
                     node.addr,
                     "POST",
@@ -481,7 +445,7 @@ async fn sandboxes_reach_the_internet_as_their_policy_says() {
             )
         }
     };
-    let mut children = forked(
+    let mut children = common::forked(
         http(
             node.addr,
             "POST",
@@ -508,29 +472,16 @@ async fn sandboxes_reach_the_internet_as_their_policy_says() {
         assert!(reaches(node.addr, child, WEB_A).await, "{}", child.id);
         assert!(!reaches(node.addr, child, WEB_B).await, "{}", child.id);
     }
-    let detail = http(
-        node.addr,
-        "GET",
-        &format!("/sandboxes/{}", children[2].id),
-        &node.auth(),
-        "",
-    )
-    .await
-    .json();
+    let detail = common::detail(node.addr, &node.auth(), &children[2].id)
+        .await
+        .json();
     assert_eq!(
         detail["network"]["allowOut"],
         json!([WEB_A.to_string()]),
         "{detail}"
     );
     for c in &children {
-        let gone = http(
-            node.addr,
-            "DELETE",
-            &format!("/sandboxes/{}", c.id),
-            &node.auth(),
-            "",
-        )
-        .await;
+        let gone = common::kill(node.addr, &node.auth(), &c.id).await;
         assert_eq!(gone.status, 204);
     }
 
@@ -566,14 +517,7 @@ async fn sandboxes_reach_the_internet_as_their_policy_says() {
     assert!(!reaches(node.addr, &partial, WEB_B).await);
 
     for s in [&open, &closed, &partial, &from_paused[0]] {
-        let gone = http(
-            node.addr,
-            "DELETE",
-            &format!("/sandboxes/{}", s.id),
-            &node.auth(),
-            "",
-        )
-        .await;
+        let gone = common::kill(node.addr, &node.auth(), &s.id).await;
         assert_eq!(gone.status, 204);
     }
     node.stop().await;
@@ -677,113 +621,47 @@ fn host_ips() -> Vec<Ipv4Addr> {
         .collect()
 }
 
-/// `sandfork serve` as a process with the test internet as its uplink (a
-/// restart is a new process on the same data dir; the store is open in one
-/// process at a time), on every address of the host, as a node would be.
-struct Served {
-    addr: SocketAddr,
-    data: PathBuf,
-    key: String,
-    server: Option<std::process::Child>,
-    starts: u32,
+/// `sandfork serve` as a process with the test internet as its uplink, on
+/// every address of the host, as a node would be.
+struct Served(common::ServeProcess);
+
+impl std::ops::Deref for Served {
+    type Target = common::ServeProcess;
+    fn deref(&self) -> &common::ServeProcess {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Served {
+    fn deref_mut(&mut self) -> &mut common::ServeProcess {
+        &mut self.0
+    }
 }
 
 impl Served {
     fn new(data: &Path) -> Served {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        Served {
-            addr: SocketAddr::from(([127, 0, 0, 1], port)),
-            data: data.to_owned(),
-            key: format!("e2b_{}", "6b".repeat(16)),
-            server: None,
-            starts: 0,
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.data.join(format!("serve-{}.log", self.starts)))
-            .unwrap_or_default()
+        Served(common::ServeProcess::new(
+            data,
+            &format!("e2b_{}", "6b".repeat(16)),
+        ))
     }
 
     async fn start(&mut self) {
-        self.starts += 1;
-        let log =
-            std::fs::File::create(self.data.join(format!("serve-{}.log", self.starts))).unwrap();
-        let sandfork = vmm_binary().with_file_name("sandfork");
-        let child = Command::new(&sandfork)
-            .args([
-                "serve",
-                "--in-lab",
-                "--pool-size",
-                "2",
-                "--ready-slots",
-                "4",
-            ])
-            .args([
-                "--uplink",
-                UPLINK,
-                "--dns-upstream",
-                &DNS_SERVER.to_string(),
-            ])
-            .arg("--listen")
-            .arg(format!("0.0.0.0:{}", self.addr.port()))
-            .arg("--data-dir")
-            .arg(&self.data)
-            .env("SANDFORK_API_KEY", &self.key)
-            .env("SANDFORK_VMM", vmm_binary())
-            .stdin(std::process::Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting {}: {e}", sandfork.display()));
-        self.server = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(600);
-        loop {
-            if tokio::net::TcpStream::connect(self.addr).await.is_ok()
-                && http(self.addr, "GET", "/health", &[], "").await.status == 204
-            {
-                return;
-            }
-            if let Some(status) = self.server.as_mut().unwrap().try_wait().unwrap() {
-                panic!("the server exited ({status}):\n{}", self.log());
-            }
-            assert!(Instant::now() < deadline, "no /health:\n{}", self.log());
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
-
-    /// SIGTERM, as a service manager stops it; running sandboxes stay.
-    fn stop(&mut self) {
-        let mut server = self.server.take().unwrap();
-        let status = Command::new("kill")
-            .args(["-TERM", &server.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success());
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Some(status) = server.try_wait().unwrap() {
-                assert!(
-                    status.success(),
-                    "the server's exit: {status}\n{}",
-                    self.log()
-                );
-                return;
-            }
-            assert!(Instant::now() < deadline, "no exit after SIGTERM");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    fn auth(&self) -> [(&'static str, &str); 2] {
-        [
-            ("x-api-key", self.key.as_str()),
-            ("content-type", "application/json"),
+        let args = [
+            "--pool-size",
+            "2",
+            "--ready-slots",
+            "4",
+            "--uplink",
+            UPLINK,
+            "--dns-upstream",
+            &DNS_SERVER.to_string(),
+            "--listen",
+            &format!("0.0.0.0:{}", self.addr.port()),
         ]
+        .map(str::to_owned);
+        self.spawn(&args, &[]);
+        self.wait_up().await;
     }
 
     async fn create(&self, body: serde_json::Value) -> Created {
@@ -935,14 +813,7 @@ async fn guests_cannot_spoof_or_reach_the_node_or_each_other_and_keep_their_netw
     );
 
     for s in [&a, &b] {
-        let gone = http(
-            node.addr,
-            "DELETE",
-            &format!("/sandboxes/{}", s.id),
-            &node.auth(),
-            "",
-        )
-        .await;
+        let gone = common::kill(node.addr, &node.auth(), &s.id).await;
         assert_eq!(gone.status, 204);
     }
     node.stop();
@@ -1101,15 +972,9 @@ async fn domain_rules_let_web_traffic_out_by_host_and_sni() {
     // A request naming no host is refused too.
     let nameless = fetch(node.addr, &sbx, WEB_B, 80).await;
     assert!(nameless.contains("do not allow"), "{nameless}");
-    let detail = http(
-        node.addr,
-        "GET",
-        &format!("/sandboxes/{}", sbx.id),
-        &node.auth(),
-        "",
-    )
-    .await
-    .json();
+    let detail = common::detail(node.addr, &node.auth(), &sbx.id)
+        .await
+        .json();
     assert_eq!(
         detail["network"]["allowOut"],
         json!([allowed, format!("*.wild{ZONE}")]),
@@ -1142,13 +1007,7 @@ async fn domain_rules_let_web_traffic_out_by_host_and_sni() {
         r#"{"count":1,"timeout":600}"#,
     )
     .await;
-    assert_eq!(forked.status, 201, "{:?}", forked.body);
-    let c = &forked.json()[0];
-    let child = Created {
-        id: c["sandbox"]["sandboxID"].as_str().unwrap().to_owned(),
-        token: c["sandbox"]["envdAccessToken"].as_str().unwrap().to_owned(),
-        answer: c.clone(),
-    };
+    let child = common::forked(forked).remove(0);
     assert_eq!(
         curl(node.addr, &child, &format!("https://{other}/"), None).await,
         format!("hello tls {other}")
@@ -1164,14 +1023,7 @@ async fn domain_rules_let_web_traffic_out_by_host_and_sni() {
         format!("sandfork: this sandbox's network rules do not allow {allowed}")
     );
     for s in [&child, &sbx] {
-        let gone = http(
-            node.addr,
-            "DELETE",
-            &format!("/sandboxes/{}", s.id),
-            &node.auth(),
-            "",
-        )
-        .await;
+        let gone = common::kill(node.addr, &node.auth(), &s.id).await;
         assert_eq!(gone.status, 204);
     }
     node.stop().await;

@@ -23,25 +23,33 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+
 use std::time::{Duration, Instant};
 
-use common::{http, run, vmm_binary};
+use common::{ServeProcess, http, run};
 use serde_json::{Value, json};
 use server::node::config::Config;
 use server::node::store::{SandboxState, Store};
 use vmm_driver::process::ProcessIdentity;
 
 struct Node {
-    addr: SocketAddr,
-    data: PathBuf,
-    key: String,
-    server: Option<Child>,
-    starts: u32,
+    serve: ServeProcess,
     /// The crash point the next start is given (`SANDFORK_CRASH_AT`).
     crash_at: Option<&'static str>,
+}
+
+impl std::ops::Deref for Node {
+    type Target = ServeProcess;
+    fn deref(&self) -> &ServeProcess {
+        &self.serve
+    }
+}
+
+impl std::ops::DerefMut for Node {
+    fn deref_mut(&mut self) -> &mut ServeProcess {
+        &mut self.serve
+    }
 }
 
 impl Node {
@@ -49,17 +57,8 @@ impl Node {
     /// API key `key`, not started.
     fn new(data: &Path, key: &str) -> Node {
         std::fs::create_dir(data).unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
         Node {
-            addr: SocketAddr::from(([127, 0, 0, 1], port)),
-            data: data.to_owned(),
-            key: key.to_owned(),
-            server: None,
-            starts: 0,
+            serve: ServeProcess::new(data, key),
             crash_at: None,
         }
     }
@@ -72,52 +71,9 @@ impl Node {
     }
 
     fn start(&mut self) {
-        self.starts += 1;
-        let log = std::fs::File::create(self.data.join(format!("serve-{}.log", self.starts)))
-            .expect("creating the server log");
-        let sandfork = vmm_binary().with_file_name("sandfork");
-        let child = Command::new(&sandfork)
-            .args(["serve", "--in-lab", "--pool-size", "1", "--listen"])
-            .arg(self.addr.to_string())
-            .arg("--data-dir")
-            .arg(&self.data)
-            .env("SANDFORK_API_KEY", &self.key)
-            .env("SANDFORK_VMM", vmm_binary())
-            .env("SANDFORK_CRASH_AT", self.crash_at.unwrap_or_default())
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting {}: {e}", sandfork.display()));
-        self.server = Some(child);
-    }
-
-    async fn wait_up(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(600);
-        loop {
-            if tokio::net::TcpStream::connect(self.addr).await.is_ok()
-                && http(self.addr, "GET", "/health", &[], "").await.status == 204
-            {
-                return;
-            }
-            if let Some(status) = self.server.as_mut().unwrap().try_wait().unwrap() {
-                panic!("the server exited ({status}):\n{}", self.log());
-            }
-            assert!(Instant::now() < deadline, "no /health:\n{}", self.log());
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.data.join(format!("serve-{}.log", self.starts)))
-            .unwrap_or_default()
-    }
-
-    /// SIGKILL: the server gets no chance to do anything.
-    fn crash(&mut self) {
-        let mut server = self.server.take().unwrap();
-        server.kill().unwrap();
-        server.wait().unwrap();
+        let args = ["--pool-size", "1", "--listen", &self.addr.to_string()].map(str::to_owned);
+        let crash_at = self.crash_at.unwrap_or_default();
+        self.serve.spawn(&args, &[("SANDFORK_CRASH_AT", crash_at)]);
     }
 
     /// Sends a request that reaches the crash point and waits for the
@@ -169,10 +125,9 @@ impl Node {
     /// as soon as `gave_up` says it will not.
     async fn wait_crash(&mut self, mut gave_up: impl AsyncFnMut() -> bool) -> Result<(), String> {
         let point = self.crash_at.expect("a crash point");
-        let server = self.server.as_mut().unwrap();
         let deadline = Instant::now() + Duration::from_secs(600);
         let status = loop {
-            if let Some(status) = server.try_wait().unwrap() {
+            if let Some(status) = self.serve.try_wait() {
                 break status;
             }
             if gave_up().await {
@@ -192,39 +147,11 @@ impl Node {
             self.log()
         );
         assert!(self.log().contains(&format!("crash point {point}")));
-        self.server = None;
         Ok(())
     }
 
-    /// SIGTERM, as a service manager stops it.
-    fn stop(&mut self) {
-        let mut server = self.server.take().unwrap();
-        let status = Command::new("kill")
-            .args(["-TERM", &server.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success());
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Some(status) = server.try_wait().unwrap() {
-                assert!(
-                    status.success(),
-                    "the server's exit: {status}\n{}",
-                    self.log()
-                );
-                return;
-            }
-            assert!(Instant::now() < deadline, "no exit after SIGTERM");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
     async fn call(&self, method: &str, path: &str, body: Value) -> (u16, Value) {
-        let headers = [
-            ("x-api-key", self.key.as_str()),
-            ("content-type", "application/json"),
-        ];
-        let a = http(self.addr, method, path, &headers, body.to_string()).await;
+        let a = http(self.addr, method, path, &self.auth(), body.to_string()).await;
         let json = if a.body.is_empty() {
             Value::Null
         } else {

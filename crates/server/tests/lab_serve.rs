@@ -19,7 +19,7 @@ mod common;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::{Answer, Created, http, run, run_in, vmm_binary};
+use common::{Answer, Created, http, run, run_in};
 use serde_json::{Value, json};
 use server::node::config::Config;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -166,12 +166,12 @@ async fn create_run_read_list_kill_through_one_port() {
         assert!(text.contains(part), "no {part:?} in:\n{text}");
     }
     let t = Instant::now();
-    let paused = http(addr, "POST", &format!("/sandboxes/{id}/pause"), &auth, "{}").await;
+    let paused = common::on_sandbox(addr, &auth, &id, "pause").await;
     assert_eq!(paused.status, 204, "{:?}", paused.body);
     eprintln!("pause took {:?}", t.elapsed());
-    let again = http(addr, "POST", &format!("/sandboxes/{id}/pause"), &auth, "{}").await;
+    let again = common::on_sandbox(addr, &auth, &id, "pause").await;
     assert_eq!(again.status, 409);
-    let detail = http(addr, "GET", &format!("/sandboxes/{id}"), &auth, "").await;
+    let detail = common::detail(addr, &auth, &id).await;
     assert_eq!(detail.json()["state"], "paused");
     assert_eq!(http(addr, "GET", "/health", &routing, "").await.status, 502);
     let t = Instant::now();
@@ -192,7 +192,7 @@ async fn create_run_read_list_kill_through_one_port() {
     // one restores it (201), the others wait for that and find it running
     // (200); one VMM runs it after.
     let live_before = manager.live_count();
-    let paused = http(addr, "POST", &format!("/sandboxes/{id}/pause"), &auth, "{}").await;
+    let paused = common::on_sandbox(addr, &auth, &id, "pause").await;
     assert_eq!(paused.status, 204, "{:?}", paused.body);
     assert_eq!(manager.live_count(), live_before - 1);
     let connect_path = format!("/sandboxes/{id}/connect");
@@ -219,62 +219,35 @@ async fn create_run_read_list_kill_through_one_port() {
     )
     .await;
     eprintln!("fork of 2 answered in {:?}", t.elapsed());
-    assert_eq!(forked.status, 201, "{:?}", forked.body);
-    let children: Vec<(String, String)> = forked
-        .json()
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| {
-            let s = &c["sandbox"];
-            assert!(s.is_object(), "{c}");
-            (
-                s["sandboxID"].as_str().unwrap().to_owned(),
-                s["envdAccessToken"].as_str().unwrap().to_owned(),
-            )
-        })
-        .collect();
+    let children = common::forked(forked);
     assert_eq!(children.len(), 2);
-    for (i, (child, child_token)) in children.iter().enumerate() {
-        let r = [
-            ("e2b-sandbox-id", child.as_str()),
-            ("x-access-token", child_token.as_str()),
-        ];
+    for (i, child) in children.iter().enumerate() {
         let (code, out) = run(
             addr,
-            &r,
+            &child.routing(),
             &format!("cat /tmp/in-memory /root/on-disk; echo child{i} > /root/on-disk"),
         )
         .await;
         assert_eq!((code, out.as_str()), (0, "kept\nbefore-fork\n"));
     }
-    for (i, (child, child_token)) in children.iter().enumerate() {
-        let r = [
-            ("e2b-sandbox-id", child.as_str()),
-            ("x-access-token", child_token.as_str()),
-        ];
-        let (_, out) = run(addr, &r, "cat /root/on-disk").await;
+    for (i, child) in children.iter().enumerate() {
+        let (_, out) = run(addr, &child.routing(), "cat /root/on-disk").await;
         assert_eq!(out, format!("child{i}\n"));
     }
     let (_, out) = run(addr, &routing, "cat /root/on-disk").await;
     assert_eq!(out, "before-fork\n");
     filesystem_only_pause_and_cold_resume(addr, &auth, &routing, &manager, &id).await;
     // Killing the parent leaves its children working.
-    let killed = http(addr, "DELETE", &format!("/sandboxes/{id}"), &auth, "").await;
+    let killed = common::kill(addr, &auth, &id).await;
     assert_eq!(killed.status, 204);
-    let (child, child_token) = &children[0];
-    let r = [
-        ("e2b-sandbox-id", child.as_str()),
-        ("x-access-token", child_token.as_str()),
-    ];
-    let (_, out) = run(addr, &r, "cat /root/on-disk").await;
+    let (_, out) = run(addr, &children[0].routing(), "cat /root/on-disk").await;
     assert_eq!(out, "child0\n");
 
-    for sandbox in [&children[0].0, &children[1].0] {
-        let killed = http(addr, "DELETE", &format!("/sandboxes/{sandbox}"), &auth, "").await;
+    for child in &children {
+        let killed = common::kill(addr, &auth, &child.id).await;
         assert_eq!(killed.status, 204);
     }
-    let gone = http(addr, "GET", &format!("/sandboxes/{id}"), &auth, "").await;
+    let gone = common::detail(addr, &auth, &id).await;
     assert_eq!(gone.status, 404);
     let health = http(addr, "GET", "/health", &routing, "").await;
     assert_eq!(health.status, 502);
@@ -488,14 +461,7 @@ async fn snapshot_create_from_it_and_delete(
     )
     .await;
     assert_eq!(paused.status, 204, "{:?}", paused.body);
-    let resumed = http(
-        addr,
-        "POST",
-        &format!("/sandboxes/{made_id}/connect"),
-        auth,
-        "{}",
-    )
-    .await;
+    let resumed = common::on_sandbox(addr, auth, &made_id, "connect").await;
     assert_eq!(resumed.status, 201, "{:?}", resumed.body);
     let (_, out) = run(addr, &made_routing, "cat /tmp/snap-mem").await;
     assert_eq!(out, "in-memory\n");
@@ -524,13 +490,13 @@ async fn snapshot_create_from_it_and_delete(
     );
     let (_, out) = run(addr, &made_routing, "cat /tmp/snap-mem").await;
     assert_eq!(out, "in-memory\n");
-    let killed = http(addr, "DELETE", &format!("/sandboxes/{made_id}"), auth, "").await;
+    let killed = common::kill(addr, auth, &made_id).await;
     assert_eq!(killed.status, 204);
     assert!(!data.join("sandboxes").join(&made_id).exists());
     // The source still runs on the snapshot's memory.
     let (code, _) = run(addr, &src_routing, "true").await;
     assert_eq!(code, 0);
-    let killed = http(addr, "DELETE", &format!("/sandboxes/{src}"), auth, "").await;
+    let killed = common::kill(addr, auth, src).await;
     assert_eq!(killed.status, 204);
     snap_id
 }
@@ -606,14 +572,14 @@ async fn capacity_refuses_with_503_and_kill_or_pause_makes_room() {
     );
 
     // A kill makes room.
-    let killed = http(addr, "DELETE", &format!("/sandboxes/{b}"), &auth, "").await;
+    let killed = common::kill(addr, &auth, &b).await;
     assert_eq!(killed.status, 204);
     assert_eq!(node_info().await["memoryMB"]["used"], 256);
     let c = created(create().await);
 
     // So does a pause; the paused sandbox cannot come back while the node
     // is full.
-    let paused = http(addr, "POST", &format!("/sandboxes/{a}/pause"), &auth, "{}").await;
+    let paused = common::on_sandbox(addr, &auth, &a, "pause").await;
     assert_eq!(paused.status, 204, "{:?}", paused.body);
     let info = node_info().await;
     assert_eq!(info["memoryMB"]["used"], 256, "{info}");
@@ -637,7 +603,7 @@ async fn capacity_refuses_with_503_and_kill_or_pause_makes_room() {
         resumed.body
     );
     // With room again it resumes.
-    let killed = http(addr, "DELETE", &format!("/sandboxes/{d}"), &auth, "").await;
+    let killed = common::kill(addr, &auth, &d).await;
     assert_eq!(killed.status, 204);
     let resumed = http(
         addr,
@@ -650,7 +616,7 @@ async fn capacity_refuses_with_503_and_kill_or_pause_makes_room() {
     assert_eq!(resumed.status, 201, "{:?}", resumed.body);
 
     for id in [&a, &c] {
-        let killed = http(addr, "DELETE", &format!("/sandboxes/{id}"), &auth, "").await;
+        let killed = common::kill(addr, &auth, id).await;
         assert_eq!(killed.status, 204);
     }
     let info = node_info().await;
@@ -701,34 +667,17 @@ async fn a_fork_of_16_is_admitted_by_real_use_and_its_children_diverge() {
         paused_ms > 0.0 && paused_ms < fork_call.as_secs_f64() * 1000.0,
         "paused {paused_ms} ms in a fork call of {fork_call:?}"
     );
-    let children: Vec<(String, String)> = forked
-        .json()
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| {
-            let s = &c["sandbox"];
-            assert!(s.is_object(), "{c}");
-            (
-                s["sandboxID"].as_str().unwrap().to_owned(),
-                s["envdAccessToken"].as_str().unwrap().to_owned(),
-            )
-        })
-        .collect();
+    let children = common::forked(forked);
     assert_eq!(children.len(), CHILDREN);
     // Every child at once: each has the parent's file and writes its own.
     let answers = children
         .iter()
         .cloned()
         .enumerate()
-        .map(|(n, (child, token))| async move {
-            let r = [
-                ("e2b-sandbox-id", child.as_str()),
-                ("x-access-token", token.as_str()),
-            ];
+        .map(|(n, child)| async move {
             let cmd = format!("cat /tmp/origin && echo {n} > /tmp/who && cat /tmp/who");
-            let got = run(addr, &r, &cmd).await;
-            (child, got)
+            let got = run(addr, &child.routing(), &cmd).await;
+            (child.id, got)
         });
     for (n, (child, (code, out))) in futures_join_all(answers).await.into_iter().enumerate() {
         assert_eq!(
@@ -743,13 +692,9 @@ async fn a_fork_of_16_is_admitted_by_real_use_and_its_children_diverge() {
         started.elapsed()
     );
     // Each kept its own write; the parent saw none of them.
-    for (n, (child, token)) in children.iter().enumerate().step_by(5) {
-        let r = [
-            ("e2b-sandbox-id", child.as_str()),
-            ("x-access-token", token.as_str()),
-        ];
-        let (_, out) = run(addr, &r, "cat /tmp/who").await;
-        assert_eq!(out, format!("{n}\n"), "{child}");
+    for (n, child) in children.iter().enumerate().step_by(5) {
+        let (_, out) = run(addr, &child.routing(), "cat /tmp/who").await;
+        assert_eq!(out, format!("{n}\n"), "{}", child.id);
     }
     let (code, _) = run(addr, &parent.routing(), "test ! -e /tmp/who").await;
     assert_eq!(code, 0, "a child's write reached the parent");
@@ -909,14 +854,7 @@ async fn real_use_reaching_the_ceiling_is_refused_clearly() {
     assert!(full + headroom > CEILING, "refused at {full} MiB");
 
     // Its memory goes with it: room for a create again.
-    let killed = http(
-        addr,
-        "DELETE",
-        &format!("/sandboxes/{}", filler.id),
-        &auth,
-        "",
-    )
-    .await;
+    let killed = common::kill(addr, &auth, &filler.id).await;
     assert_eq!(killed.status, 204);
     let freed = used().await;
     assert!(freed + FILL_MIB <= full, "{full} -> {freed} MiB");
@@ -1038,9 +976,7 @@ async fn memory_pressure_pauses_idle_sandboxes_and_loses_nothing() {
         .collect();
     assert!(!paused_now.is_empty());
     for c in &paused_now {
-        let detail = http(addr, "GET", &format!("/sandboxes/{}", c.id), &auth, "")
-            .await
-            .json();
+        let detail = common::detail(addr, &auth, &c.id).await.json();
         assert_eq!(detail["state"], "paused", "{detail}");
         assert_eq!(detail["pauseReason"], "memoryPressure", "{detail}");
     }
@@ -1131,7 +1067,7 @@ async fn memory_pressure_pauses_idle_sandboxes_and_loses_nothing() {
     assert_eq!(oom_kills(), kills_before, "the kernel killed a process");
     drop(ballast);
     for c in boxes.iter().filter(|c| Some(&c.id) != killed.as_ref()) {
-        let gone = http(addr, "DELETE", &format!("/sandboxes/{}", c.id), &auth, "").await;
+        let gone = common::kill(addr, &auth, &c.id).await;
         assert_eq!(gone.status, 204, "{:?}", gone.body);
     }
 }
@@ -1261,14 +1197,7 @@ async fn two_teams_see_only_their_own_sandboxes_within_their_limits() {
 
     // A paused sandbox holds no slot: the team may start another, and then
     // may not resume the paused one.
-    let paused = http(
-        addr,
-        "POST",
-        &format!("/sandboxes/{}/pause", mine.id),
-        &a,
-        "{}",
-    )
-    .await;
+    let paused = common::on_sandbox(addr, &a, &mine.id, "pause").await;
     assert_eq!(paused.status, 204, "{:?}", paused.body);
     let second = common::create(addr, &a, json!({"timeout": 300})).await;
     let resume = http(
@@ -1281,14 +1210,7 @@ async fn two_teams_see_only_their_own_sandboxes_within_their_limits() {
     .await;
     assert_eq!(resume.status, 429, "{:?}", resume.body);
     for (auth, id) in [(&a, &second.id), (&a, &mine.id), (&admin, &theirs.id)] {
-        let killed = http(
-            addr,
-            "DELETE",
-            &format!("/sandboxes/{id}"),
-            auth.as_slice(),
-            "",
-        )
-        .await;
+        let killed = common::kill(addr, auth.as_slice(), id).await;
         assert_eq!(killed.status, 204, "{:?}", killed.body);
     }
 }
@@ -1317,7 +1239,7 @@ async fn a_sandbox_whose_vmm_dies_is_removed() {
     let killed = Instant::now();
 
     loop {
-        let a = http(addr, "GET", &format!("/sandboxes/{id}"), &auth, "").await;
+        let a = common::detail(addr, &auth, &id).await;
         if a.status == 404 {
             break;
         }
@@ -1392,7 +1314,7 @@ async fn webhooks_see_create_pause_resume_fork_and_kill() {
 
     let Created { id, .. } =
         common::create(addr, &auth, json!({"templateID": "base", "timeout": 120})).await;
-    let paused = http(addr, "POST", &format!("/sandboxes/{id}/pause"), &auth, "{}").await;
+    let paused = common::on_sandbox(addr, &auth, &id, "pause").await;
     assert_eq!(paused.status, 204, "{:?}", paused.body);
     let resumed = http(
         addr,
@@ -1422,7 +1344,7 @@ async fn webhooks_see_create_pause_resume_fork_and_kill() {
     children.sort();
     assert_eq!(children.len(), 2);
     for sandbox in children.iter().chain([&id]) {
-        let killed = http(addr, "DELETE", &format!("/sandboxes/{sandbox}"), &auth, "").await;
+        let killed = common::kill(addr, &auth, sandbox).await;
         assert_eq!(killed.status, 204, "{:?}", killed.body);
     }
 
@@ -1615,7 +1537,7 @@ async fn every_vmm_runs_in_a_cgroup_limited_to_its_sandbox() {
     );
     gives_back_what_its_guest_frees(&node, addr, &neighbour.id, &neighbour_routing).await;
 
-    let killed = http(addr, "DELETE", &format!("/sandboxes/{}", hog.id), &auth, "").await;
+    let killed = common::kill(addr, &auth, &hog.id).await;
     assert_eq!(killed.status, 204, "{:?}", killed.body);
     let started = Instant::now();
     while hog_group.exists() {
@@ -1824,23 +1746,9 @@ async fn every_vmm_runs_jailed_unprivileged_in_namespaces_of_its_own() {
         run(addr, &routing, "echo kept > /tmp/m && echo hi").await,
         (0, "hi\n".into())
     );
-    let paused = http(
-        addr,
-        "POST",
-        &format!("/sandboxes/{}/pause", one.id),
-        &auth,
-        "{}",
-    )
-    .await;
+    let paused = common::on_sandbox(addr, &auth, &one.id, "pause").await;
     assert_eq!(paused.status, 204, "{:?}", paused.body);
-    let resumed = http(
-        addr,
-        "POST",
-        &format!("/sandboxes/{}/connect", one.id),
-        &auth,
-        "{}",
-    )
-    .await;
+    let resumed = common::on_sandbox(addr, &auth, &one.id, "connect").await;
     assert_eq!(resumed.status, 201, "{:?}", resumed.body);
     assert_eq!(
         run(addr, &routing, "cat /tmp/m").await,
@@ -1931,9 +1839,7 @@ async fn template_from_an_oci_image_with_start_and_ready_commands() {
     assert_eq!(made.answer["templateID"], id.as_str());
     assert_eq!(made.answer["alias"], "lab-bb");
     let sid = made.id.clone();
-    let detail = http(addr, "GET", &format!("/sandboxes/{sid}"), &auth, "")
-        .await
-        .json();
+    let detail = common::detail(addr, &auth, &sid).await.json();
     assert_eq!(detail["memoryMB"], 384);
     let routing = made.routing();
     let sh = |cmd: &'static str| run_in(addr, &routing, "/bin/sh", cmd);
@@ -1994,7 +1900,7 @@ async fn template_from_an_oci_image_with_start_and_ready_commands() {
     // Both start commands run: the image template's and the sandbox's.
     let (_, pids) = run_in(addr, &routing2, "/bin/sh", "pidof sleep").await;
     assert_eq!(pids.split_whitespace().count(), 2, "{pids}");
-    let killed = http(addr, "DELETE", &format!("/sandboxes/{sid2}"), &auth, "").await;
+    let killed = common::kill(addr, &auth, &sid2).await;
     assert_eq!(killed.status, 204);
 
     // Deleted while a sandbox runs on it and a snapshot stacks on its
@@ -2018,7 +1924,7 @@ async fn template_from_an_oci_image_with_start_and_ready_commands() {
         404
     );
     assert_eq!(sh("cat /etc/marker").await, (0, common::MARKER.to_owned()));
-    let killed = http(addr, "DELETE", &format!("/sandboxes/{sid}"), &auth, "").await;
+    let killed = common::kill(addr, &auth, &sid).await;
     assert_eq!(killed.status, 204);
     // The snapshot's memory stacks on the template's: kept for it.
     let gc = node.manager.collect_garbage().await.unwrap();
@@ -2212,7 +2118,7 @@ async fn template_from_debian_packages() {
     )
     .await;
     assert_eq!((code, out.as_str()), (0, "3\n"));
-    let killed = http(addr, "DELETE", &format!("/sandboxes/{sid}"), &auth, "").await;
+    let killed = common::kill(addr, &auth, &sid).await;
     assert_eq!(killed.status, 204);
     let deleted = http(addr, "DELETE", "/templates/lab-jq", &auth, "").await;
     assert_eq!(deleted.status, 204, "{:?}", deleted.body);
@@ -2300,7 +2206,7 @@ async fn e2b_builds_keep_env_and_path_and_create_by_build_id() {
     let (code, out) = run(addr, &new.routing(), "cat /opt/which").await;
     assert_eq!((code, out.as_str()), (0, "two\n"));
     for c in [&old, &new] {
-        let killed = http(addr, "DELETE", &format!("/sandboxes/{}", c.id), &auth, "").await;
+        let killed = common::kill(addr, &auth, &c.id).await;
         assert_eq!(killed.status, 204, "{:?}", killed.body);
     }
     let deleted = http(addr, "DELETE", "/templates/lab-env", &auth, "").await;
@@ -2366,19 +2272,9 @@ async fn wait_for_build(
     }
 }
 
-/// A node's config for the lab: the kernel and image from the environment,
-/// its data in `data`, `pool_size` warm VMMs.
+/// A node's config for the lab on loopback, `pool_size` warm VMMs.
 fn lab_config(data: &std::path::Path, pool_size: usize) -> Config {
-    let env = |name| std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set"));
-    let mut config = Config::new(
-        "127.0.0.1:0".parse().unwrap(),
-        env("SANDFORK_KERNEL").into(),
-        env("SANDFORK_ROOTFS").into(),
-        vmm_binary(),
-    );
-    config.data_dir = data.to_owned();
-    config.pool_size = pool_size;
-    config
+    common::lab_config("127.0.0.1:0".parse().unwrap(), data, pool_size)
 }
 
 /// A started node serving on a free local port.

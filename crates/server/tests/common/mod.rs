@@ -13,8 +13,11 @@ use hyper_util::rt::TokioIo;
 use serde_json::Value;
 
 mod oci;
+mod serve;
 #[allow(unused_imports)] // each test binary uses its own part
 pub use oci::{BUSYBOX, MARKER, busybox_oci_layout};
+#[allow(unused_imports)] // each test binary uses its own part
+pub use serve::ServeProcess;
 
 pub fn vmm_binary() -> PathBuf {
     if let Ok(p) = std::env::var("SANDFORK_VMM") {
@@ -23,6 +26,26 @@ pub fn vmm_binary() -> PathBuf {
     // target/debug/deps/<test> -> target/debug/sandfork-vmm
     let exe = std::env::current_exe().unwrap();
     exe.parent().unwrap().parent().unwrap().join("sandfork-vmm")
+}
+
+/// A node's config for the lab: the kernel and image from the environment
+/// (`SANDFORK_KERNEL`, `SANDFORK_ROOTFS`), its data in `data`, `pool_size`
+/// warm VMMs.
+pub fn lab_config(
+    listen: std::net::SocketAddr,
+    data: &std::path::Path,
+    pool_size: usize,
+) -> server::node::config::Config {
+    let env = |name| std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set"));
+    let mut config = server::node::config::Config::new(
+        listen,
+        env("SANDFORK_KERNEL").into(),
+        env("SANDFORK_ROOTFS").into(),
+        vmm_binary(),
+    );
+    config.data_dir = data.to_owned();
+    config.pool_size = pool_size;
+    config
 }
 
 pub struct Answer {
@@ -72,6 +95,34 @@ pub async fn http(
         headers,
         body,
     }
+}
+
+/// `POST /sandboxes/{id}/{action}` with an empty JSON body: pause, connect,
+/// resume, fork (of one), refreshes.
+pub async fn on_sandbox(
+    addr: std::net::SocketAddr,
+    auth: &[(&str, &str)],
+    id: &str,
+    action: &str,
+) -> Answer {
+    http(
+        addr,
+        "POST",
+        &format!("/sandboxes/{id}/{action}"),
+        auth,
+        "{}",
+    )
+    .await
+}
+
+/// `DELETE /sandboxes/{id}`.
+pub async fn kill(addr: std::net::SocketAddr, auth: &[(&str, &str)], id: &str) -> Answer {
+    http(addr, "DELETE", &format!("/sandboxes/{id}"), auth, "").await
+}
+
+/// `GET /sandboxes/{id}`: the sandbox's detail.
+pub async fn detail(addr: std::net::SocketAddr, auth: &[(&str, &str)], id: &str) -> Answer {
+    http(addr, "GET", &format!("/sandboxes/{id}"), auth, "").await
 }
 
 /// Runs `command` through `POST /process.Process/Start` with `routing`
@@ -131,6 +182,7 @@ pub async fn run_in(
 
 /// A sandbox a test created: the create's answer, and what routes envd
 /// requests to it through the node's proxy.
+#[derive(Clone)]
 pub struct Created {
     pub id: String,
     pub token: String,
@@ -144,6 +196,22 @@ impl Created {
             ("x-access-token", self.token.as_str()),
         ]
     }
+}
+
+/// The children of a fork's answer (201, one sandbox per entry).
+pub fn forked(answer: Answer) -> Vec<Created> {
+    assert_eq!(answer.status, 201, "{:?}", answer.body);
+    answer
+        .json()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| Created {
+            id: c["sandbox"]["sandboxID"].as_str().unwrap().to_owned(),
+            token: c["sandbox"]["envdAccessToken"].as_str().unwrap().to_owned(),
+            answer: c.clone(),
+        })
+        .collect()
 }
 
 /// `POST /v2/sandboxes` with `body`; the create must succeed.
