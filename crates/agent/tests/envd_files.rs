@@ -321,6 +321,40 @@ fn operations_run_with_the_users_permissions() {
     assert_eq!(r.status, 200);
     assert_eq!(r.json()["entry"]["owner"], "nobody");
     assert_eq!(std::fs::metadata(open.join("d")).unwrap().uid(), 65534);
+
+    // A write's missing parents are made wherever they are, as envd (root)
+    // makes them, and are the writer's (the SDKs write `/0/x.txt` as
+    // `user`); a file straight in a directory the writer may not write
+    // stays refused.
+    let deep = t.path().join("made/for/nobody/f.txt");
+    let r = agent.request(
+        "POST",
+        &format!("/files?path={}&username=nobody", q(&deep)),
+        &[("content-type", "application/octet-stream")],
+        b"deep",
+    );
+    assert_eq!(r.status, 200, "{r:?}");
+    for p in [
+        "made",
+        "made/for",
+        "made/for/nobody",
+        "made/for/nobody/f.txt",
+    ] {
+        let md = std::fs::metadata(t.path().join(p)).unwrap();
+        assert_eq!((md.uid(), md.gid()), (65534, 65534), "{p}");
+    }
+    assert_eq!(std::fs::read(&deep).unwrap(), b"deep");
+    let r = agent.request(
+        "POST",
+        &format!(
+            "/files?path={}&username=nobody",
+            q(&t.path().join("direct.txt"))
+        ),
+        &[("content-type", "application/octet-stream")],
+        b"no",
+    );
+    assert_eq!(r.status, 403, "{r:?}");
+    assert!(!t.path().join("direct.txt").exists());
 }
 
 fn start_watch(agent: &Agent, headers: &[(&str, &str)], body: Value) -> LiveStream {

@@ -49,6 +49,19 @@ def test_write_files_many(sandbox):
     assert sandbox.files.read(f"{BASE}/many/two.txt") == "2"
 
 
+def test_a_write_makes_missing_parents_anywhere_owned_by_the_user(sandbox):
+    # envd runs as root and hands the parents it makes to the writing user:
+    # E2B snippets write outside the home directory as `user`
+    sandbox.files.write("/0/py/x.txt", "zero")
+    sandbox.files.write_files([{"path": "/0/py/deeper/y.txt", "data": "why"}])
+    assert sandbox.files.read("/0/py/deeper/y.txt") == "why"
+    r = sandbox.commands.run("stat -c '%U' /0 /0/py /0/py/deeper /0/py/x.txt")
+    assert r.stdout.split() == ["user"] * 4
+    # a file straight in a directory of root's stays refused
+    with pytest.raises(Exception, match="ermission"):
+        sandbox.files.write("/etc/not-users.txt", "no")
+
+
 def test_read_missing_raises(sandbox):
     with pytest.raises(FileNotFoundException):
         sandbox.files.read(f"{BASE}/does-not-exist")

@@ -66,6 +66,21 @@ describe('files', SLOW, () => {
     assert.equal(await sbx.files.read('/home/user/relative-js.txt'), 'home')
   })
 
+  test('a write as user makes missing parents anywhere, the user\'s (as envd, root, does)', async () => {
+    const infos = await sbx.files.write([
+      { path: '/0/x.txt', data: 'zero' },
+      { path: '/0/deeper/y.txt', data: 'why' },
+    ])
+    assert.deepEqual(
+      infos.map((i) => i.path),
+      ['/0/x.txt', '/0/deeper/y.txt'],
+    )
+    assert.equal(await sbx.files.read('/0/deeper/y.txt'), 'why')
+    for (const p of ['/0', '/0/deeper', '/0/x.txt']) {
+      assert.equal((await sbx.files.getInfo(p)).owner, 'user', p)
+    }
+  })
+
   test('getInfo of a symlink, remove of a missing path', async () => {
     await sbx.files.write(`${BASE}/links/target.txt`, 't')
     await sbx.commands.run(`ln -sf ${BASE}/links/target.txt ${BASE}/links/link`)

@@ -42,6 +42,9 @@ pub async fn compose(State(envd): State<Envd>, headers: HeaderMap, body: Bytes) 
         .map(|p| user.resolve_path(p))
         .collect();
     let dest = user.resolve_path(&req.destination);
+    if let Err(e) = super::upload::make_parents(&user, &dest).await {
+        return e.into_response();
+    }
     match run_as(&Creds::from(&user), move || concat(&sources, &dest)).await {
         Ok(entry) => Json(entry).into_response(),
         Err(e) => fs_error(&e).into_response(),

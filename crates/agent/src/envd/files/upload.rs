@@ -33,7 +33,7 @@ use crate::envd::Envd;
 use crate::envd::filesystem::as_user::{Creds, run_as};
 use crate::envd::filesystem::entry::XATTR_PREFIX;
 use crate::envd::filesystem::error::FsError;
-use crate::envd::filesystem::ops::create_dirs;
+use crate::envd::filesystem::ops::{create_dirs, create_dirs_for};
 use crate::envd::user::User;
 
 /// Buffer between the network and the disk, per file being written.
@@ -245,6 +245,7 @@ where
     E: std::fmt::Display,
 {
     let path = user.resolve_path(raw_path);
+    make_parents(user, &path).await?;
     let (p, md) = (path.clone(), metadata.clone());
     let (file, truncate) = run_as(&Creds::from(user), move || open_for_write(&p, &md))
         .await
@@ -278,6 +279,27 @@ where
         path: path.to_string_lossy().into_owned(),
         metadata: (!metadata.is_empty()).then(|| metadata.clone()),
     })
+}
+
+/// The missing parents of `path`, made as envd makes them: by root, handed
+/// to the writing user (E2B's SDKs write `/0/x.txt` as `user` and expect it
+/// to work).
+pub(crate) async fn make_parents(user: &User, path: &Path) -> Result<(), HttpErr> {
+    let Some(parent) = path.parent().map(Path::to_owned) else {
+        return Ok(());
+    };
+    let owner = (user.uid, user.gid);
+    let at = parent.clone();
+    tokio::task::spawn_blocking(move || create_dirs_for(&at, owner))
+        .await
+        .map_err(|e| {
+            fs_error(&FsError::io(
+                "create directory",
+                &parent,
+                &io::Error::other(e),
+            ))
+        })?
+        .map_err(|e| fs_error(&e))
 }
 
 /// Creates the parents, then opens `path` for writing, as the calling

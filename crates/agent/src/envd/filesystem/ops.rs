@@ -47,6 +47,39 @@ pub fn create_dirs(path: &Path) -> Result<(), FsError> {
         .map_err(|e| FsError::io("create directory", path, &e))
 }
 
+/// `mkdir -p` of `path` on behalf of a user whose own rights may not reach
+/// it, as envd (root) does before a user's file write: each directory that
+/// is missing is made (0755) and handed to `owner` (uid, gid), so the write
+/// that follows, done with the user's own rights, may create its file there.
+/// What exists already is left as it is. Without root (host-mode runs) the
+/// directories stay the agent's.
+pub fn create_dirs_for(path: &Path, owner: (u32, u32)) -> Result<(), FsError> {
+    let mut missing = Vec::new();
+    let mut at = Some(path);
+    while let Some(dir) = at {
+        match std::fs::symlink_metadata(dir) {
+            Ok(_) => break,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => missing.push(dir),
+            Err(e) => return Err(FsError::io("stat", dir, &e)),
+        }
+        at = dir.parent();
+    }
+    let root = nix::unistd::geteuid().is_root();
+    for dir in missing.into_iter().rev() {
+        match DirBuilder::new().mode(0o755).create(dir) {
+            Ok(()) => {}
+            // made meanwhile by another write: the same end
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(FsError::io("create directory", dir, &e)),
+        }
+        if root {
+            std::os::unix::fs::lchown(dir, Some(owner.0), Some(owner.1))
+                .map_err(|e| FsError::io("hand over directory", dir, &e))?;
+        }
+    }
+    Ok(())
+}
+
 /// Renames `source` to `destination`, creating the destination's parents.
 pub fn rename(source: &Path, destination: &Path) -> Result<EntryInfo, FsError> {
     std::fs::symlink_metadata(source).map_err(|e| FsError::io("stat", source, &e))?;
