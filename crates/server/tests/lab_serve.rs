@@ -1269,6 +1269,83 @@ async fn a_sandbox_whose_vmm_dies_is_removed() {
     assert!(!data.path().join("sandboxes").join(&id).exists());
 }
 
+/// A pause while the node cannot reach the guest agent (its vsock socket
+/// moved away) goes on, as E2B's does by default: the paused sandbox says
+/// `envdUnresponsiveAtPause`, a plain resume and a fork of it are 409
+/// `sandbox_snapshot_guest_agent_unresponsive`, and a resume without memory
+/// boots its disk, whose synced file is there; `requireHealthyGuest` refuses
+/// such a pause (503) and the sandbox runs on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab: boots microVMs"]
+async fn a_pause_of_an_unanswering_agent_is_marked_and_resumes_from_disk_only() {
+    let data = tempfile::tempdir().unwrap();
+    let node = serve(lab_config(data.path(), 0)).await;
+    let (addr, auth) = (node.addr, node.auth());
+    let sbx = common::create(addr, &auth, json!({"templateID": "base", "timeout": 300})).await;
+    let (code, _) = run(addr, &sbx.routing(), "echo kept > /root/f && sync").await;
+    assert_eq!(code, 0);
+    let vsock = node.manager.vsock_path(&sbx.id).expect("its vsock socket");
+    let away = vsock.with_extension("away");
+    std::fs::rename(&vsock, &away).unwrap();
+
+    let strict = http(
+        addr,
+        "POST",
+        &format!("/sandboxes/{}/pause", sbx.id),
+        &auth,
+        r#"{"requireHealthyGuest":true}"#,
+    )
+    .await;
+    assert_eq!(strict.status, 503, "{:?}", strict.body);
+    assert_eq!(
+        common::detail(addr, &auth, &sbx.id).await.json()["state"],
+        "running"
+    );
+
+    let paused = common::on_sandbox(addr, &auth, &sbx.id, "pause").await;
+    assert_eq!(paused.status, 204, "{:?}", paused.body);
+    let detail = common::detail(addr, &auth, &sbx.id).await.json();
+    assert_eq!(
+        (
+            &detail["state"],
+            &detail["pauseMode"],
+            &detail["envdUnresponsiveAtPause"]
+        ),
+        (&json!("paused"), &json!("full"), &json!(true)),
+        "{detail}"
+    );
+    let listed = http(addr, "GET", "/v2/sandboxes?state=paused", &auth, "")
+        .await
+        .json();
+    assert_eq!(listed[0]["envdUnresponsiveAtPause"], true, "{listed}");
+    for action in ["connect", "resume", "fork"] {
+        let refused = common::on_sandbox(addr, &auth, &sbx.id, action).await;
+        assert_eq!(refused.status, 409, "{action}: {:?}", refused.body);
+        assert_eq!(
+            refused.json()["error_code"],
+            "sandbox_snapshot_guest_agent_unresponsive",
+            "{action}: {:?}",
+            refused.body
+        );
+    }
+    let rebooted = http(
+        addr,
+        "POST",
+        &format!("/sandboxes/{}/connect", sbx.id),
+        &auth,
+        r#"{"timeout":300,"memory":false}"#,
+    )
+    .await;
+    assert_eq!(rebooted.status, 201, "{:?}", rebooted.body);
+    assert_eq!(
+        run(addr, &sbx.routing(), "cat /root/f").await,
+        (0, "kept\n".into())
+    );
+    let detail = common::detail(addr, &auth, &sbx.id).await.json();
+    assert!(detail.get("envdUnresponsiveAtPause").is_none(), "{detail}");
+    assert_eq!(common::kill(addr, &auth, &sbx.id).await.status, 204);
+}
+
 /// Lifecycle webhooks on real microVMs: a receiver on loopback in this
 /// process gets, each signed with the webhook's secret, a create's
 /// `created`, a pause's `paused`, a resume's `resumed`, one `forked` per

@@ -99,6 +99,13 @@ pub enum SandboxError {
     InUse { id: String, users: String },
     #[error("{0}")]
     Invalid(String),
+    /// A memory resume of a sandbox paused while its guest agent did not
+    /// answer (409, E2B's `sandbox_snapshot_guest_agent_unresponsive`).
+    #[error(
+        "sandbox {0} was paused while its guest agent did not answer; restoring its memory \
+         would bring that back: resume it without memory (memory: false), which boots its disk"
+    )]
+    AgentUnresponsiveAtPause(String),
     #[error("a template or snapshot named {0} exists")]
     NameTaken(String),
     #[error("{0}")]
@@ -784,6 +791,7 @@ impl Manager {
                 local_pause: None,
                 snapshot: None,
                 cold_booted: false,
+                envd_unresponsive_at_pause: false,
                 root_layer: None,
                 has_dependents: false,
                 uses_snapshots,
@@ -905,6 +913,13 @@ impl Manager {
         let Some(launched) = guest.as_ref() else {
             return Err(Phase::Gone.refusal(id));
         };
+        // A memory pause goes on without the agent (E2B's default), and says
+        // so on the record; the node's own pause for memory pressure, which
+        // the next request undoes by a memory resume, leaves such a guest.
+        let agent_unresponsive = mode == PauseMode::Full && !self.guest_answers(id).await;
+        if agent_unresponsive && reason == PauseReason::MemoryPressure {
+            return Err(live::busy(id));
+        }
         // The proxy answers "not found" while it pauses.
         sandbox.set_phase(Phase::Pausing)?;
         // Checked once no new request can reach it (the proxy counts a
@@ -943,6 +958,7 @@ impl Manager {
                         s.pause_generation = generation;
                         s.snapshot = snapshot;
                         s.cold_booted = false;
+                        s.envd_unresponsive_at_pause = agent_unresponsive;
                         s.vmm_dir = None;
                         // Its slot goes back with its VMM; a resume takes another.
                         s.network.slot = None;
@@ -1096,6 +1112,9 @@ impl Manager {
             ResumeMode::Restore => record.snapshot.clone(),
             ResumeMode::Reboot => None,
         };
+        if restore.is_some() && record.envd_unresponsive_at_pause {
+            return Err(SandboxError::AgentUnresponsiveAtPause(id.to_owned()));
+        }
         sandbox.set_phase(Phase::Resuming)?;
         let restored = async {
             let hold = self.capacity.reserve_for(
@@ -1131,6 +1150,7 @@ impl Manager {
                     s.pause_reason = None;
                     s.end_at_ms = end;
                     s.cold_booted = restore.is_none();
+                    s.envd_unresponsive_at_pause = false;
                     if restore.is_none() {
                         // Booted afresh, under this node's CPU template.
                         s.cpu_template = self.config.cpu_template_name();

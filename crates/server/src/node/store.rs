@@ -156,6 +156,11 @@ pub struct SandboxRecord {
     /// its next pause writes all of it rather than a diff).
     #[serde(default)]
     pub cold_booted: bool,
+    /// Its memory pause was taken while its guest agent did not answer:
+    /// restoring that memory would bring the dead agent back, so only a
+    /// resume from its disk is allowed (E2B's `envdUnresponsiveAtPause`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub envd_unresponsive_at_pause: bool,
     /// The root disk's writable layer when it is not `root.layer` in the
     /// sandbox's directory (after a fork, in the fork's directory).
     #[serde(default)]

@@ -51,6 +51,10 @@ pub struct ListedSandbox {
     pub state: String,
     pub envd_version: String,
     pub metadata: BTreeMap<String, String>,
+    /// A paused sandbox whose memory pause was taken while its guest agent
+    /// did not answer: only a resume with `memory: false` is allowed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub envd_unresponsive_at_pause: Option<bool>,
 }
 
 /// E2B's SandboxDetail (`GET /sandboxes/{id}`): the listed fields and more,

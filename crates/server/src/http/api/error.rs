@@ -174,7 +174,8 @@ impl From<SandboxError> for ApiError {
             SandboxError::OverCapacity(_) => StatusCode::SERVICE_UNAVAILABLE,
             SandboxError::Conflict { .. }
             | SandboxError::InUse { .. }
-            | SandboxError::NameTaken(_) => StatusCode::CONFLICT,
+            | SandboxError::NameTaken(_)
+            | SandboxError::AgentUnresponsiveAtPause(_) => StatusCode::CONFLICT,
             SandboxError::Invalid(_) => StatusCode::BAD_REQUEST,
             SandboxError::Unavailable(_) | SandboxError::Building { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
@@ -211,8 +212,15 @@ impl From<SandboxError> for ApiError {
             let first = message.lines().next().unwrap_or_default();
             return ApiError::new(status, format!("{first} (details in the node's log)"));
         }
+        let error_code = match &e {
+            SandboxError::AgentUnresponsiveAtPause(_) => {
+                Some("sandbox_snapshot_guest_agent_unresponsive")
+            }
+            _ => None,
+        };
         ApiError {
             retry,
+            error_code,
             ..ApiError::new(status, message)
         }
     }
@@ -308,6 +316,21 @@ mod tests {
             never
         );
         assert_eq!(headers(ApiError::bad_request("no")), (None, None));
+    }
+
+    #[test]
+    fn a_memory_resume_of_an_unanswering_agents_pause_is_e2bs_409() {
+        let answer = ApiError::from(SandboxError::AgentUnresponsiveAtPause("s1".into()));
+        assert_eq!(answer.status, StatusCode::CONFLICT);
+        assert_eq!(
+            answer.error_code,
+            Some("sandbox_snapshot_guest_agent_unresponsive")
+        );
+        assert!(
+            answer.message.contains("memory: false"),
+            "{}",
+            answer.message
+        );
     }
 
     #[test]

@@ -109,6 +109,9 @@ impl From<&SandboxRecord> for wire::ListedSandbox {
             state: r.state.as_str().to_owned(),
             envd_version: envd_proto::ENVD_VERSION.to_owned(),
             metadata: r.metadata.clone(),
+            envd_unresponsive_at_pause: (r.state == SandboxState::Paused
+                && r.envd_unresponsive_at_pause)
+                .then_some(true),
         }
     }
 }

@@ -89,6 +89,7 @@ impl Manager {
                     snapshot: None,
                     // Its memory is a file it maps, whatever the parent's was.
                     cold_booted: false,
+                    envd_unresponsive_at_pause: false,
                     root_layer,
                     has_dependents: false,
                     // The parent's directories hold the memory and layers

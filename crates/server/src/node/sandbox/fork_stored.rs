@@ -231,6 +231,10 @@ impl Manager {
                 state: "paused without its memory (resume it to fork it)",
             });
         };
+        // Its children would restore the agent that did not answer.
+        if parent.envd_unresponsive_at_pause {
+            return Err(SandboxError::AgentUnresponsiveAtPause(id.to_owned()));
+        }
         let child = Ask::sandbox(u64::from(parent.cpu_count), parent.memory_mb);
         let mut slots = self.capacity.reserve_for(
             child.times(u64::from(count)),
