@@ -13,10 +13,11 @@
 #     the caller, scripts/test.sh, holds it already).
 #   stop_node
 #     SIGTERM to the node's process group, SIGKILL after 30 s.
-#   use_node SERVER BUILD LOGDIR
+#   use_node SERVER BUILD LOGDIR [BINARY [SERVE-ARG...]]
 #     points E2B_API_URL, E2B_SANDBOX_URL (and E2B_API_KEY) at the node a
 #     suite runs against: SERVER when given (its key already in
-#     E2B_API_KEY), else one started here from target/debug/sandfork (after
+#     E2B_API_KEY), else one started here by start_node from BINARY
+#     (default target/debug/sandfork) with the SERVE-ARGs (after
 #     scripts/build.sh when BUILD is 1), logging to LOGDIR and stopped when
 #     the script exits.
 #   A node is restarted (its store, port and key kept) from another process
@@ -93,6 +94,9 @@ PY
 
 use_node() {
     local server=$1 build=$2 logdir=$3
+    shift 3
+    local binary=${1:-target/debug/sandfork}
+    shift $(($# ? 1 : 0))
     if [[ -n $server ]]; then
         [[ -n ${E2B_API_KEY:-} ]] || die "--server needs E2B_API_KEY"
         export E2B_API_URL=$server E2B_SANDBOX_URL=$server
@@ -105,6 +109,6 @@ use_node() {
     . target/sandfork.env
     set +a
     trap stop_node EXIT
-    start_node target/debug/sandfork "$logdir"
+    start_node "$binary" "$logdir" "$@"
     export E2B_API_URL=$node_url E2B_SANDBOX_URL=$node_url E2B_API_KEY=$node_key
 }
