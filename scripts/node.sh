@@ -1,13 +1,13 @@
 # shellcheck shell=bash
 # Sourced by the scripts that test against a real node (sdk-test.sh,
-# cli-test.sh, rl-test.sh, harbor-test.sh): start_node starts `sandfork
+# cli-test.sh, rl-test.sh, harbor-test.sh, soak-test.sh): start_node starts `sandfork
 # serve` on a free local port with a fresh API key and data dir and waits for
 # /health; stop_node stops it (and
 # the lab it runs in). The caller defines log and die.
 #
 #   start_node BINARY LOGDIR [SERVE-ARG...]
 #     sets node_url, node_key and node_pid; the log is LOGDIR/serve.log, the
-#     store LOGDIR/data (emptied first). Where /dev/kvm cannot boot Linux,
+#     store NODE_DATA if set, else LOGDIR/data (emptied first). Where /dev/kvm cannot boot Linux,
 #     serve re-runs itself in the KVM lab: one lab at a time on the machine,
 #     so the lab lock is held while it runs (unless SANDFORK_LAB_LOCKED says
 #     the caller, scripts/test.sh, holds it already).
@@ -45,13 +45,13 @@ stop_node() {
 start_node() {
     local binary=$1 logdir=$2
     shift 2
-    local port lab
+    local port lab data=${NODE_DATA:-$logdir/data}
     lab=$(dirname "$binary")/sandfork-lab
     port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
     node_key=e2b_$(od -An -N20 -tx1 /dev/urandom | tr -d ' \n')
-    rm -rf "$logdir/data"
-    mkdir -p "$logdir/data"
-    local cmd=("$binary" serve --listen "127.0.0.1:$port" --data-dir "$logdir/data" "$@")
+    rm -rf "$data"
+    mkdir -p "$data"
+    local cmd=("$binary" serve --listen "127.0.0.1:$port" --data-dir "$data" "$@")
     local locked=$logdir/lab-locked
     rm -f "$locked"
     if [[ -z ${SANDFORK_LAB_LOCKED:-} && $("$lab" detect | sed -n 1p) != hardware* ]]; then
