@@ -49,12 +49,9 @@ command -v tmux >/dev/null || die "tmux is missing: run scripts/deps.sh"
 test_bin=${CLI_NODE_TEST_BIN:-}
 if [[ -z $test_bin ]]; then
     log "building the CLI's node tests"
+    # the runner's reading of cargo's JSON (tests/runner/sandfork_runner/cargo.py)
     test_bin=$(cargo test --workspace --test cli_node --no-run --message-format=json 2>/dev/null |
-        python3 -c 'import json,sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cli_node":
-        print(m["executable"])')
+        PYTHONPATH=tests/runner python3 -m sandfork_runner.cargo cli_node)
 fi
 [[ -x $test_bin ]] || die "the cli_node test binary was not built"
 

@@ -1,22 +1,23 @@
 # shellcheck shell=bash
 # Sourced by the scripts that test against a real node (sdk-test.sh,
-# cli-test.sh, rl-test.sh, harbor-test.sh): start_node starts `sandfork
+# cli-test.sh, rl-test.sh, harbor-test.sh, soak-test.sh): start_node starts `sandfork
 # serve` on a free local port with a fresh API key and data dir and waits for
 # /health; stop_node stops it (and
 # the lab it runs in). The caller defines log and die.
 #
 #   start_node BINARY LOGDIR [SERVE-ARG...]
 #     sets node_url, node_key and node_pid; the log is LOGDIR/serve.log, the
-#     store LOGDIR/data (emptied first). Where /dev/kvm cannot boot Linux,
+#     store NODE_DATA if set, else LOGDIR/data (emptied first). Where /dev/kvm cannot boot Linux,
 #     serve re-runs itself in the KVM lab: one lab at a time on the machine,
 #     so the lab lock is held while it runs (unless SANDFORK_LAB_LOCKED says
 #     the caller, scripts/test.sh, holds it already).
 #   stop_node
 #     SIGTERM to the node's process group, SIGKILL after 30 s.
-#   use_node SERVER BUILD LOGDIR
+#   use_node SERVER BUILD LOGDIR [BINARY [SERVE-ARG...]]
 #     points E2B_API_URL, E2B_SANDBOX_URL (and E2B_API_KEY) at the node a
 #     suite runs against: SERVER when given (its key already in
-#     E2B_API_KEY), else one started here from target/debug/sandfork (after
+#     E2B_API_KEY), else one started here by start_node from BINARY
+#     (default target/debug/sandfork) with the SERVE-ARGs (after
 #     scripts/build.sh when BUILD is 1), logging to LOGDIR and stopped when
 #     the script exits.
 #   A node is restarted (its store, port and key kept) from another process
@@ -44,13 +45,13 @@ stop_node() {
 start_node() {
     local binary=$1 logdir=$2
     shift 2
-    local port lab
+    local port lab data=${NODE_DATA:-$logdir/data}
     lab=$(dirname "$binary")/sandfork-lab
     port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
     node_key=e2b_$(od -An -N20 -tx1 /dev/urandom | tr -d ' \n')
-    rm -rf "$logdir/data"
-    mkdir -p "$logdir/data"
-    local cmd=("$binary" serve --listen "127.0.0.1:$port" --data-dir "$logdir/data" "$@")
+    rm -rf "$data"
+    mkdir -p "$data"
+    local cmd=("$binary" serve --listen "127.0.0.1:$port" --data-dir "$data" "$@")
     local locked=$logdir/lab-locked
     rm -f "$locked"
     if [[ -z ${SANDFORK_LAB_LOCKED:-} && $("$lab" detect | sed -n 1p) != hardware* ]]; then
@@ -93,6 +94,9 @@ PY
 
 use_node() {
     local server=$1 build=$2 logdir=$3
+    shift 3
+    local binary=${1:-target/debug/sandfork}
+    shift $(($# ? 1 : 0))
     if [[ -n $server ]]; then
         [[ -n ${E2B_API_KEY:-} ]] || die "--server needs E2B_API_KEY"
         export E2B_API_URL=$server E2B_SANDBOX_URL=$server
@@ -105,6 +109,6 @@ use_node() {
     . target/sandfork.env
     set +a
     trap stop_node EXIT
-    start_node target/debug/sandfork "$logdir"
+    start_node "$binary" "$logdir" "$@"
     export E2B_API_URL=$node_url E2B_SANDBOX_URL=$node_url E2B_API_KEY=$node_key
 }

@@ -1,8 +1,8 @@
 #!/bin/bash
 # Installs the pinned, unmodified E2B SDKs (and the E2B CLI) into caches
-# outside the repository, for scripts/sdk-test.sh and scripts/e2b-cli-test.sh
-# (which source this file: setup_python sets $venv, setup_node sets $node and
-# links tests/sdk/js/node_modules, setup_e2b_cli sets $e2b_cli) and for
+# outside the repository, for scripts/sdk-test.sh (which sources this file:
+# setup_python sets $venv, setup_node sets $node and links
+# tests/sdk/js/node_modules, setup_e2b_cli sets $e2b_cli) and for
 # `sandfork bench` (which runs it: it sets up the Python SDK and prints the
 # venv's python on stdout).
 #

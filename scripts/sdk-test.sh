@@ -2,9 +2,10 @@
 # The unmodified E2B SDKs against `sandfork serve`: builds everything
 # (scripts/build.sh), installs the pinned Python and JavaScript SDKs into
 # caches outside the repository, starts the server on a free local port with a
-# fresh API key, runs tests/sdk/python (pytest), then tests/sdk/js
-# (node --test), then the E2B CLI (scripts/e2b-cli-test.sh, on the same
-# node), stops the server, and exits non-zero if anything failed.
+# fresh API key (scripts/node.sh's use_node), runs tests/sdk/python
+# (pytest), then tests/sdk/js (node --test), then the E2B CLI's suite
+# tests/e2b-cli (pytest driving the pinned @e2b/cli, on the same node),
+# stops the server, and exits non-zero if anything failed.
 #
 # Usage: scripts/sdk-test.sh [--only-basic] [--suite python|js|cli] [--no-build]
 #                            [--server URL]
@@ -17,7 +18,8 @@
 # Env: SANDFORK_CACHE (default /var/cache/sandfork): the SDK caches live in
 #      $SANDFORK_CACHE/sdk/, keyed by the hash of requirements.txt and of the
 #      npm lockfile. SDK_PYTEST_ARGS: extra pytest arguments (e.g. "-k files").
-#      SDK_TEST_TEMPLATE: template the suites create sandboxes from (base).
+#      SDK_TEST_TEMPLATE: template the SDK suites create sandboxes from (base).
+#      E2B_CLI_PYTEST_ARGS: extra pytest arguments for the E2B CLI's suite.
 #      SDK_SERVE_ARGS: extra `sandfork serve` arguments (e.g. "--pool-size 2").
 #      SDK_TEST_BINARY: the `sandfork` to serve (target/debug/sandfork), e.g.
 #      an older build, to see a new test fail without the change it tests.
@@ -51,39 +53,25 @@ case $suite in all | python | js | cli) ;; *) die "--suite must be python, js or
 # the SDK installs (setup_python, setup_node), shared with `sandfork bench`
 . scripts/sdk-setup.sh
 
+cli_suite=0
+if [[ $suite == all || $suite == cli ]] && ! ((only_basic)); then
+    cli_suite=1
+    # its interactive shell runs in a tmux terminal
+    command -v tmux >/dev/null || die "tmux is missing: run scripts/deps.sh"
+fi
+# the Python SDK suite's venv runs the E2B CLI's pytest suite too
+[[ $suite == js ]] || setup_python
+[[ $suite == python ]] || setup_node
+((cli_suite == 0)) || setup_e2b_cli
+
 # --- the server ------------------------------------------------------------
 . scripts/node.sh
-trap stop_node EXIT
-
-start_server() {
-    # shellcheck disable=SC2086 # SDK_SERVE_ARGS is a list of words
-    start_node "${SDK_TEST_BINARY:-target/debug/sandfork}" "${SDK_TEST_OUT:-target/sdk-test}" ${SDK_SERVE_ARGS:-}
-    export E2B_API_URL=$node_url E2B_SANDBOX_URL=$node_url E2B_API_KEY=$node_key
+# shellcheck disable=SC2086 # SDK_SERVE_ARGS is a list of words
+use_node "$server" "$build" "${SDK_TEST_OUT:-target/sdk-test}" "${SDK_TEST_BINARY:-target/debug/sandfork}" ${SDK_SERVE_ARGS:-}
+if [[ -z $server ]]; then
     # the tests of what survives a restart run scripts/node-restart.sh on it
     SDK_NODE_DIR=$(realpath "$node_dir")
     export SDK_NODE_DIR
-}
-
-# --- run -------------------------------------------------------------------
-if ((build)); then
-    scripts/build.sh
-fi
-if [[ -z $server ]]; then
-    [[ -f target/sandfork.env ]] || die "target/sandfork.env missing (run scripts/build.sh)"
-    set -a
-    # shellcheck source=/dev/null  # written by scripts/build.sh
-    . target/sandfork.env
-    set +a
-fi
-
-[[ $suite == js || $suite == cli ]] || setup_python
-[[ $suite == python ]] || setup_node
-
-if [[ -n $server ]]; then
-    [[ -n ${E2B_API_KEY:-} ]] || die "--server needs E2B_API_KEY"
-    export E2B_API_URL=$server E2B_SANDBOX_URL=$server
-else
-    start_server
 fi
 
 failed=()
@@ -123,6 +111,13 @@ nodetest() { (cd tests/sdk/js && "$node" --test --test-concurrency=1 "$1"/*.test
 
 # The tests' and the bench's Python through ruff (ruff.toml at the root).
 ruff() { "$venv/bin/python" -m ruff format --check "$@" && "$venv/bin/python" -m ruff check "$@"; }
+typed() { ruff "$1" && "$venv/bin/python" -m mypy --strict --cache-dir=/dev/null "$1"; }
+# The E2B CLI run by the Node.js and from the cache setup_node and
+# setup_e2b_cli made.
+e2b_cli_tests() {
+    # shellcheck disable=SC2086 # E2B_CLI_PYTEST_ARGS is a list of words
+    E2B_CLI_NODE=$node E2B_CLI_ENTRY=$e2b_cli "$venv/bin/python" -m pytest tests/e2b-cli ${E2B_CLI_PYTEST_ARGS:-}
+}
 if [[ $suite == all || $suite == python ]]; then
     run "python lint" ruff tests/sdk/python tests/cluster crates/cli/src/bench
     run "python basic" pytest -m "not lifecycle"
@@ -132,8 +127,9 @@ if [[ $suite == all || $suite == js ]]; then
     run "js basic" nodetest basic
     ((only_basic)) || run "js lifecycle" nodetest lifecycle
 fi
-if [[ $suite == all || $suite == cli ]] && ! ((only_basic)); then
-    run "e2b cli" scripts/e2b-cli-test.sh --server "$E2B_API_URL"
+if ((cli_suite)); then
+    run "e2b cli lint" typed tests/e2b-cli
+    run "e2b cli" e2b_cli_tests
 fi
 
 stop_node

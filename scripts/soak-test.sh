@@ -23,59 +23,40 @@ cd "$root"
 log() { echo "soak-test: $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-serve_pid='' data=''
+soak_data=''
 
-# SIGTERM to the node, SIGKILL after 30 s; then the VMMs it left running
-# (a stopped node leaves its sandboxes for the next start to adopt: those the
-# soak could not kill would stay) and its data go.
-stop_serve() {
-    [[ -n $serve_pid ]] || return 0
-    local vmms
-    vmms=$(pgrep -P "$serve_pid" || true)
-    kill -TERM "$serve_pid" 2>/dev/null || true
-    for _ in $(seq 60); do
-        kill -0 "$serve_pid" 2>/dev/null || break
-        sleep 0.5
-    done
-    kill -KILL "$serve_pid" 2>/dev/null || true
-    wait "$serve_pid" 2>/dev/null || true
+# scripts/node.sh's stop_node, then the VMMs the node left running (a
+# stopped node leaves its sandboxes for the next start to adopt: those the
+# soak could not kill would stay) and its store.
+stop_soak_node() {
+    local vmms=''
+    [[ -z $node_pid ]] || vmms=$(pgrep -P "$node_pid" || true)
+    stop_node
     # shellcheck disable=SC2086 # a list of pids
     [[ -z $vmms ]] || kill -KILL $vmms 2>/dev/null || true
-    serve_pid=''
-    rm -rf "$data"
+    [[ -z $soak_data ]] || rm -rf "$soak_data"
 }
 
-# The node and the soak, side by side: where microVMs boot (the lab machine,
-# or this host on hardware KVM). Arguments: where (lab or here), the log
-# directory, the sandfork binary, the soak's arguments.
+# The node (scripts/node.sh's start_node) and the soak, side by side: where
+# microVMs boot (the lab machine, or this host on hardware KVM). Arguments:
+# where (lab or here), the log directory, the sandfork binary, the soak's
+# arguments.
 beside_node() {
     local where=$1 logdir=$2 sandfork=$3
     shift 3
-    local port key status=0
-    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-    key=e2b_$(od -An -N20 -tx1 /dev/urandom | tr -d ' \n')
-    # In the lab /tmp is the machine's own tmpfs: no 9p under the node's disks.
-    data=$(mktemp -d /tmp/sandfork-soak.XXXXXX)
-    local cmd=("$sandfork" serve --listen "127.0.0.1:$port" --data-dir "$data")
-    [[ $where == lab ]] && cmd+=(--in-lab)
+    local serve_args=() status=0
+    [[ $where == lab ]] && serve_args+=(--in-lab)
     # shellcheck disable=SC2206 # SOAK_SERVE_ARGS is a list of words
-    cmd+=(${SOAK_SERVE_ARGS:-})
-    log "starting: ${cmd[*]} (log: $logdir/serve.log)"
-    SANDFORK_API_KEY=$key "${cmd[@]}" >"$logdir/serve.log" 2>&1 &
-    serve_pid=$!
-    trap stop_serve EXIT
-    local deadline=$((SECONDS + 900))
-    until python3 - "http://127.0.0.1:$port/health" <<'PY' 2>/dev/null; do
-import sys, urllib.request
-sys.exit(0 if urllib.request.urlopen(sys.argv[1], timeout=5).status < 300 else 1)
-PY
-        kill -0 "$serve_pid" 2>/dev/null || { tail -n 40 "$logdir/serve.log" >&2; die "the node exited"; }
-        ((SECONDS < deadline)) || { tail -n 40 "$logdir/serve.log" >&2; die "no /health within 900 s"; }
-        sleep 1
-    done
-    log "node up at http://127.0.0.1:$port (pid $serve_pid)"
-    SANDFORK_API_URL=http://127.0.0.1:$port SANDFORK_API_KEY=$key \
-        "$sandfork" soak --server-pid "$serve_pid" "$@" >"$logdir/soak.json" || status=$?
+    serve_args+=(${SOAK_SERVE_ARGS:-})
+    . scripts/node.sh
+    # In the lab /tmp is the machine's own tmpfs: no 9p under the node's disks.
+    soak_data=$(mktemp -d /tmp/sandfork-soak.XXXXXX)
+    trap stop_soak_node EXIT
+    # the node runs here, beside the soak (in the lab: in its machine, which
+    # the caller locked)
+    SANDFORK_LAB_LOCKED=1 NODE_DATA=$soak_data start_node "$sandfork" "$logdir" "${serve_args[@]}"
+    SANDFORK_API_URL=$node_url SANDFORK_API_KEY=$node_key \
+        "$sandfork" soak --server-pid "$node_pid" "$@" >"$logdir/soak.json" || status=$?
     if ((status)); then
         grep -E ' (WARN|ERROR) ' "$logdir/serve.log" | tail -n 20 >&2 || true
     fi

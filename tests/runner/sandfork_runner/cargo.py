@@ -1,9 +1,15 @@
-"""Reading cargo's and the test harness's output."""
+"""Reading cargo's and the test harness's output.
+
+`python3 -m sandfork_runner.cargo TARGET` (with PYTHONPATH=tests/runner)
+reads `cargo test --no-run --message-format=json` on stdin and prints the
+executable of the test target TARGET (scripts/cli-test.sh, which builds its
+one test binary when the runner has not)."""
 
 import json
 import os
 import re
 import stat
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -75,3 +81,19 @@ def relinked(
 ) -> list[str]:
     """The binaries new or changed between two listings, sorted."""
     return sorted(name for name, seen in after.items() if before.get(name) != seen)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python3 -m sandfork_runner.cargo TARGET < cargo's JSON", file=sys.stderr)
+        return 2
+    found = executables(sys.stdin).get(argv[0])
+    if found is None:
+        print(f"cargo built no test target {argv[0]}", file=sys.stderr)
+        return 1
+    print(found)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

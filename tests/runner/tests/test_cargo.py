@@ -1,8 +1,10 @@
+import io
 import json
 import os
 from pathlib import Path
 
-from sandfork_runner.cargo import binaries, executables, failed_tests, relinked
+import pytest
+from sandfork_runner.cargo import binaries, executables, failed_tests, main, relinked
 
 LOG = """\
 running 4 tests
@@ -74,6 +76,21 @@ def test_test_binaries_are_the_test_targets_with_an_executable() -> None:
         "warning: not JSON",
     ]
     assert executables(lines) == {"microvm": "/t/debug/deps/microvm-1a"}
+
+
+def test_main_prints_the_named_test_targets_executable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = [
+        artifact("cli_node", ["test"], "/t/debug/deps/cli_node-3c"),
+        artifact("microvm", ["test"], "/t/debug/deps/microvm-1a"),
+    ]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    assert main(["cli_node"]) == 0
+    assert capsys.readouterr().out == "/t/debug/deps/cli_node-3c\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    assert main(["lab_serve"]) == 1
+    assert capsys.readouterr().out == ""
 
 
 def test_relinked_names_the_new_and_the_changed() -> None:
