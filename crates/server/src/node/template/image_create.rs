@@ -42,24 +42,33 @@ pub enum ImageError {
     #[error("{0}")]
     Reference(String),
     /// The registry has no such image (404).
-    #[error("image {image}: {answer}")]
+    #[error("{}", named(image, answer))]
     NotFound { image: String, answer: String },
     /// The registry refused the node's credentials, or wants some the node
     /// lacks (403).
-    #[error("image {image}: {answer}")]
+    #[error("{}", named(image, answer))]
     Denied { image: String, answer: String },
     /// Larger than `Config::max_image_bytes` (413).
-    #[error("image {image}: {answer}")]
+    #[error("{}", named(image, answer))]
     TooLarge { image: String, answer: String },
     /// Not an image this node runs (no linux/amd64, an old manifest) (400).
-    #[error("image {image}: {answer}")]
+    #[error("{}", named(image, answer))]
     Unsupported { image: String, answer: String },
     /// The registry failed or could not be reached (502).
-    #[error("image {image}: {answer}")]
+    #[error("{}", named(image, answer))]
     Registry { image: String, answer: String },
     /// The node failed to convert or boot it (500).
     #[error("image {image}: {reason}")]
     Failed { image: String, reason: String },
+}
+
+/// The registry's answer, with the image's name unless it has it already.
+fn named(image: &str, answer: &str) -> String {
+    if answer.contains(image) {
+        answer.to_owned()
+    } else {
+        format!("image {image}: {answer}")
+    }
 }
 
 impl ImageError {
@@ -376,6 +385,24 @@ mod tests {
         ] {
             assert!(!is_image_reference(template), "{template}");
         }
+    }
+
+    #[test]
+    fn the_registrys_answer_names_the_image_once() {
+        let image = || "r.example/a:1".to_owned();
+        let found = ImageError::NotFound {
+            image: image(),
+            answer: "r.example/a:1: not found in the registry (x)".into(),
+        };
+        assert_eq!(
+            found.to_string(),
+            "r.example/a:1: not found in the registry (x)"
+        );
+        let gone = ImageError::Registry {
+            image: image(),
+            answer: "connecting: refused".into(),
+        };
+        assert_eq!(gone.to_string(), "image r.example/a:1: connecting: refused");
     }
 
     #[test]
