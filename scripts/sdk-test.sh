@@ -27,6 +27,10 @@
 #      so that two runs from one checkout can run side by side.
 # Tests: SDK_NODE_DIR names the node's LOGDIR, for scripts/node-restart.sh
 #      (unset with --server: a test that restarts the node skips).
+#      SANDFORK_REGISTRY_AUTH: the node's registry credentials file, which
+#      the image tests write (their registry starts after the node); the
+#      node started here reads image names from metadata key
+#      SDK_IMAGE_METADATA_KEY (test_create_image.py).
 # Out: the server's log in $SDK_TEST_OUT/serve.log, its store in
 #      $SDK_TEST_OUT/data (fresh each run).
 set -euo pipefail
@@ -66,8 +70,17 @@ fi
 
 # --- the server ------------------------------------------------------------
 . scripts/node.sh
+out=${SDK_TEST_OUT:-target/sdk-test}
+mkdir -p "$out"
+# The node's own registry credentials (for creates that name an image), a
+# file the image tests write; absolute: the node may run in the lab (which
+# sees the host's root).
+SANDFORK_REGISTRY_AUTH=$(realpath "$out")/registry-auth.json
+rm -f "$SANDFORK_REGISTRY_AUTH"
+export SANDFORK_REGISTRY_AUTH SDK_IMAGE_METADATA_KEY=sdk-test.image
 # shellcheck disable=SC2086 # SDK_SERVE_ARGS is a list of words
-use_node "$server" "$build" "${SDK_TEST_OUT:-target/sdk-test}" "${SDK_TEST_BINARY:-target/debug/sandfork}" ${SDK_SERVE_ARGS:-}
+use_node "$server" "$build" "$out" "${SDK_TEST_BINARY:-target/debug/sandfork}" \
+    --image-metadata-key "$SDK_IMAGE_METADATA_KEY" ${SDK_SERVE_ARGS:-}
 if [[ -z $server ]]; then
     # the tests of what survives a restart run scripts/node-restart.sh on it
     SDK_NODE_DIR=$(realpath "$node_dir")

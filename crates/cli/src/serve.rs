@@ -69,6 +69,16 @@ pub struct ServeArgs {
     /// `Retry-After`.
     #[arg(long)]
     build_code_interpreter: bool,
+    /// A create whose metadata has KEY runs the registry image its value
+    /// names (converted into a template on its first create), as a
+    /// template id that is an image reference does (slime's
+    /// `SLIME_AGENT_SANDBOX_IMAGE_METADATA_KEY`).
+    #[arg(long, value_name = "KEY")]
+    image_metadata_key: Option<String>,
+    /// The largest image (its layers as the registry serves them) a create
+    /// or build may pull; 0: no bound. Larger ones answer 413.
+    #[arg(long, value_name = "MIB", default_value_t = server::node::config::DEFAULT_MAX_IMAGE_MIB)]
+    max_image_mib: u64,
     /// The cgroup, under the cgroup2 mount, the node's VMM groups live in
     /// (one more level per node, named as its run dir).
     #[arg(long, value_name = "PATH", default_value = "sandfork")]
@@ -437,6 +447,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
     });
     config.balloon = !args.no_balloon;
     config.build_code_interpreter = args.build_code_interpreter;
+    config.image_metadata_key = args.image_metadata_key.clone().filter(|k| !k.is_empty());
+    config.max_image_bytes =
+        (args.max_image_mib > 0).then(|| args.max_image_mib.saturating_mul(1 << 20));
     config.cpu_template = Some(args.cpu_template);
     config.jail = args.jailed().then_some(server::node::jail::JailConfig {
         uid_base: args.jail_uid_base,
@@ -601,6 +614,11 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
         cmd.arg("--dns-upstream").arg(dns.to_string());
     }
     cmd.arg("--cpu-template").arg(args.cpu_template.as_str());
+    if let Some(key) = &args.image_metadata_key {
+        cmd.arg("--image-metadata-key").arg(key);
+    }
+    cmd.arg("--max-image-mib")
+        .arg(args.max_image_mib.to_string());
     eprintln!(
         "sandfork serve: this host's KVM cannot boot Linux; running in the KVM lab (emulated, slow), \
          reachable at http://{} (the lab's own address below is forwarded there)",

@@ -3832,3 +3832,147 @@ async fn webhooks_and_pending_deliveries_outlive_a_restart() {
     assert_eq!(deliveries[0]["status"], "delivered");
     assert_eq!(deliveries[0]["attempts"], 2);
 }
+
+/// A node that converts images (its agent is any file: no conversion here
+/// gets that far), its pull cache in its data dir.
+fn image_node(setup: impl FnOnce(&mut Config)) -> Node {
+    node_configured(&[], &[], |c, _| {
+        c.agent = Some(common::BUSYBOX.into());
+        c.build_cache = Some(c.data_dir.join("cache"));
+        setup(c);
+    })
+}
+
+/// A loopback port nothing listens on.
+fn closed_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The templates and builds `GET /templates` lists under `name`.
+async fn listed_as(node: &Node, name: &str) -> Vec<Value> {
+    let a = node.authed("GET", "/templates", "").await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.json);
+    a.json
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| t["names"].as_array().unwrap().iter().any(|n| n == name))
+        .cloned()
+        .collect()
+}
+
+/// A template id that is an image reference is pulled (here from a
+/// registry that is not there: 502 with what the pull met), and a failed
+/// conversion leaves no build and no template behind, so the next create
+/// tries again; template names, `name:tag` included, are not images.
+#[tokio::test]
+async fn a_create_naming_an_image_pulls_it_and_a_failure_leaves_nothing() {
+    let node = image_node(|_| ());
+    let image = format!("127.0.0.1:{}/sdk/img:v1", closed_port());
+    for _ in 0..2 {
+        let body = format!(r#"{{"templateID":"{image}"}}"#);
+        let a = node
+            .refuses("POST", "/v2/sandboxes", &body, StatusCode::BAD_GATEWAY)
+            .await;
+        let message = a.json["message"].as_str().unwrap();
+        assert!(
+            message.contains(&image) && message.contains("connect"),
+            "{message}"
+        );
+        assert_eq!(a.headers["should-retry"], "false");
+        assert!(listed_as(&node, &image).await.is_empty());
+        assert!(node.manager.store().builds().unwrap().is_empty());
+    }
+    for (template, status) in [
+        ("localhost:1/UPPER:v1", StatusCode::BAD_REQUEST),
+        ("my-template:v2", StatusCode::NOT_FOUND),
+        ("python:3.12", StatusCode::NOT_FOUND),
+    ] {
+        let body = format!(r#"{{"templateID":"{template}"}}"#);
+        node.refuses("POST", "/v2/sandboxes", &body, status).await;
+    }
+}
+
+/// With `--image-metadata-key`, the create's metadata names the image (any
+/// name Docker takes); without it the same metadata is only metadata; a
+/// create naming another template too is refused.
+#[tokio::test]
+async fn the_metadata_key_names_the_image_when_configured() {
+    let image = format!("localhost:{}/task/one:v1", closed_port());
+    let body = format!(r#"{{"metadata":{{"image":"{image}"}}}}"#);
+    let keyed = image_node(|c| c.image_metadata_key = Some("image".into()));
+    let a = keyed
+        .refuses("POST", "/v2/sandboxes", &body, StatusCode::BAD_GATEWAY)
+        .await;
+    assert!(
+        a.json["message"].as_str().unwrap().contains(&image),
+        "{}",
+        a.json
+    );
+    let both = format!(r#"{{"templateID":"mine","metadata":{{"image":"{image}"}}}}"#);
+    keyed
+        .refuses("POST", "/v2/sandboxes", &both, StatusCode::BAD_REQUEST)
+        .await;
+    let plain = image_node(|_| ());
+    let a = plain.authed("POST", "/v2/sandboxes", &body).await;
+    assert_ne!(a.status, StatusCode::BAD_GATEWAY, "{}", a.json);
+    assert!(!a.json.to_string().contains(&image), "{}", a.json);
+}
+
+/// Concurrent creates of one new image wait on one conversion: the
+/// registry (here one that accepts and never answers) sees one connection;
+/// past `builtin_wait` each is told to come back (503, `Retry-After`,
+/// `Should-Retry: true`) while the conversion, listed as a build, goes on.
+#[tokio::test]
+async fn concurrent_creates_of_one_image_wait_on_one_conversion() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let image = format!(
+        "127.0.0.1:{}/sdk/slow:v1",
+        listener.local_addr().unwrap().port()
+    );
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = listener.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            held.push(s);
+        }
+    });
+    let node = Arc::new(image_node(|c| {
+        c.builtin_wait = std::time::Duration::from_millis(300);
+    }));
+    let creates: Vec<_> = (0..8)
+        .map(|_| {
+            let node = node.clone();
+            let body = format!(r#"{{"templateID":"{image}"}}"#);
+            tokio::spawn(async move {
+                node.refuses(
+                    "POST",
+                    "/v2/sandboxes",
+                    &body,
+                    StatusCode::SERVICE_UNAVAILABLE,
+                )
+                .await
+            })
+        })
+        .collect();
+    for create in creates {
+        let a = create.await.unwrap();
+        let message = a.json["message"].as_str().unwrap();
+        assert!(
+            message.contains(&format!("template {image} is being built")),
+            "{message}"
+        );
+        assert_eq!(a.headers["retry-after"], "20");
+        assert_eq!(a.headers["should-retry"], "true");
+    }
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+    let listed = listed_as(&node, &image).await;
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0]["buildStatus"], "building", "{listed:?}");
+}

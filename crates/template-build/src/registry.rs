@@ -69,6 +69,20 @@ pub enum RegistryError {
     NotFound { reference: String, detail: String },
     #[error("{reference}: {reason}")]
     Unsupported { reference: String, reason: String },
+    /// The image's blobs add up to more than [`PullOptions::max_bytes`]
+    /// (told before any layer is fetched).
+    #[error(
+        "{reference}: the image is {bytes} bytes (compressed, as the registry serves it), more \
+         than the {max} bytes this node converts"
+    )]
+    TooLarge {
+        reference: String,
+        bytes: u64,
+        max: u64,
+    },
+    /// The node's credentials file ([`AUTH_VAR`]) could not be read.
+    #[error("the registry credentials file {path}: {reason}")]
+    AuthFile { path: PathBuf, reason: String },
     #[error("{what}: the registry answered {status}: {message}")]
     Http {
         what: String,
@@ -337,6 +351,88 @@ pub struct PullOptions {
     /// A PEM file of CA certificates trusted besides the system's (for
     /// registries with certificates of a private CA).
     pub ca_file: Option<PathBuf>,
+    /// The most bytes the image's config and layers may add up to (their
+    /// sizes in the manifest); None: no bound.
+    pub max_bytes: Option<u64>,
+}
+
+/// The variable naming the node's registry credentials file: Docker's
+/// `config.json` shape (as `docker login`, podman and skopeo write it),
+/// `{"auths": {"host[:port]": {"auth": "<base64 of user:password>"}}}`
+/// (or `"username"` and `"password"` instead of `"auth"`).
+pub const AUTH_VAR: &str = "SANDFORK_REGISTRY_AUTH";
+
+#[derive(Deserialize)]
+struct AuthFile {
+    #[serde(default)]
+    auths: std::collections::BTreeMap<String, AuthEntry>,
+}
+
+#[derive(Deserialize)]
+struct AuthEntry {
+    #[serde(default)]
+    auth: Option<String>,
+    #[serde(default)]
+    username: Option<String>,
+    #[serde(default)]
+    password: Option<String>,
+}
+
+impl Credentials {
+    /// The credentials for `registry` (`host[:port]`) in the file
+    /// [`AUTH_VAR`] names; None when it names none or has none for it.
+    /// Read at each pull, so that changed credentials need no restart.
+    pub fn from_env(registry: &str) -> Result<Option<Credentials>, RegistryError> {
+        match std::env::var_os(AUTH_VAR).filter(|v| !v.is_empty()) {
+            Some(path) => Credentials::from_file(Path::new(&path), registry),
+            None => Ok(None),
+        }
+    }
+
+    /// The credentials for `registry` in the auth file `path` (see
+    /// [`AUTH_VAR`]). A key matches with or without a scheme and a path
+    /// (`https://host:5000/v1/`), as Docker writes them.
+    pub fn from_file(path: &Path, registry: &str) -> Result<Option<Credentials>, RegistryError> {
+        let bad = |reason: String| RegistryError::AuthFile {
+            path: path.to_owned(),
+            reason,
+        };
+        let text = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+        let file: AuthFile = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
+        let host_of = |key: &str| -> String {
+            let key = key
+                .strip_prefix("https://")
+                .or_else(|| key.strip_prefix("http://"))
+                .unwrap_or(key);
+            let host = key.split('/').next().unwrap_or(key);
+            if host == "index.docker.io" {
+                DEFAULT_REGISTRY.to_owned()
+            } else {
+                host.to_owned()
+            }
+        };
+        let Some((key, entry)) = file.auths.iter().find(|(k, _)| host_of(k) == registry) else {
+            return Ok(None);
+        };
+        let (username, password) = match (&entry.auth, &entry.username) {
+            (Some(auth), _) if !auth.is_empty() => {
+                let decoded = base64::engine::general_purpose::STANDARD
+                    .decode(auth.trim())
+                    .ok()
+                    .and_then(|b| String::from_utf8(b).ok())
+                    .ok_or_else(|| {
+                        bad(format!("the auth of {key} is not base64 of user:password"))
+                    })?;
+                let (u, p) = decoded.split_once(':').ok_or_else(|| {
+                    bad(format!("the auth of {key} is not base64 of user:password"))
+                })?;
+                (u.to_owned(), p.to_owned())
+            }
+            (_, Some(u)) => (u.clone(), entry.password.clone().unwrap_or_default()),
+            _ => return Err(bad(format!("{key} has neither auth nor username"))),
+        };
+        Ok(Some(Credentials { username, password }))
+    }
 }
 
 impl PullOptions {
@@ -513,6 +609,19 @@ pub async fn pull(
             reason: "the manifest has no config or no layers".into(),
         });
     };
+    let bytes: u64 = std::iter::once(&config)
+        .chain(&layers)
+        .filter_map(|d| d.size)
+        .fold(0, u64::saturating_add);
+    if let Some(max) = opts.max_bytes
+        && bytes > max
+    {
+        return Err(RegistryError::TooLarge {
+            reference: what.clone(),
+            bytes,
+            max,
+        });
+    }
     let total = layers.len();
     for (i, d) in std::iter::once(config).chain(layers).enumerate() {
         let hex = check_digest(&d.digest).ok_or_else(|| RegistryError::Unsupported {
@@ -1521,6 +1630,37 @@ mod tests {
         assert_eq!(stats.requests, 0, "refused before connecting");
         assert!(c.listed_insecure("insecure.test:5000"));
         assert!(!c.listed_insecure("reg.test"));
+    }
+
+    #[test]
+    fn credentials_come_from_a_docker_style_auth_file() {
+        let dir = std::env::temp_dir().join(format!("sandfork-auth-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("auth.json");
+        let b64 = base64::engine::general_purpose::STANDARD.encode("u1:p:1");
+        std::fs::write(
+            &file,
+            format!(
+                r#"{{"auths": {{"127.0.0.1:5000": {{"auth": "{b64}"}},
+                  "https://reg.test/v1/": {{"username": "u2", "password": "p2"}},
+                  "https://index.docker.io/v1/": {{"username": "hub", "password": "h"}}}}}}"#
+            ),
+        )
+        .unwrap();
+        let get = |r: &str| {
+            Credentials::from_file(&file, r)
+                .unwrap()
+                .map(|c| (c.username, c.password))
+        };
+        assert_eq!(get("127.0.0.1:5000"), Some(("u1".into(), "p:1".into())));
+        assert_eq!(get("reg.test"), Some(("u2".into(), "p2".into())));
+        assert_eq!(get(DEFAULT_REGISTRY), Some(("hub".into(), "h".into())));
+        assert_eq!(get("127.0.0.1:5001"), None);
+        std::fs::write(&file, r#"{"auths": {"r": {"auth": "!!"}}}"#).unwrap();
+        let err = Credentials::from_file(&file, "r").unwrap_err();
+        assert!(matches!(err, RegistryError::AuthFile { .. }), "{err}");
+        assert!(Credentials::from_file(&dir.join("none"), "r").is_err());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -23,6 +23,31 @@ use template_build::registry::{self, PullOptions, Reference, RegistryError};
 use template_build::{Builder, Source};
 
 #[test]
+fn an_image_over_the_bound_is_refused_before_its_layers_are_fetched() {
+    let reg = Registry::start(None);
+    let tmp = tempfile::tempdir().unwrap();
+    let layout = tmp.path().join("layout");
+    single_layout(&layout);
+    reg.push(&layout, "sandfork/img:v1");
+    let store = tmp.path().join("cache/images");
+    let name = format!("{}/sandfork/img:v1", reg.host());
+    let bounded = |max| PullOptions {
+        max_bytes: Some(max),
+        ..PullOptions::default()
+    };
+    let err = common::registry::pull_with(&store, &name, &bounded(10)).unwrap_err();
+    assert!(
+        matches!(err, RegistryError::TooLarge { max: 10, bytes, .. } if bytes > 10),
+        "{err}"
+    );
+    // only the manifest is stored
+    let blobs = fs::read_dir(store.join("blobs/sha256")).unwrap().count();
+    assert_eq!(blobs, 1);
+    let pulled = common::registry::pull_with(&store, &name, &bounded(1 << 30)).unwrap();
+    assert_eq!(pulled.stats.blobs_fetched, 3);
+}
+
+#[test]
 fn anonymous_pulls_verify_cache_and_build() {
     let reg = Registry::start(None);
     let tmp = tempfile::tempdir().unwrap();

@@ -46,6 +46,14 @@ pub struct Config {
     /// before it is answered 503 with `Retry-After` (the SDKs give up on a
     /// request after 60 s).
     pub builtin_wait: Duration,
+    /// The create metadata key whose value names the image the sandbox
+    /// runs (`serve --image-metadata-key`, slime's
+    /// `SLIME_AGENT_SANDBOX_IMAGE_METADATA_KEY`); None: metadata names none.
+    pub image_metadata_key: Option<String>,
+    /// The most bytes an image's config and layers may add up to (as its
+    /// registry serves them, compressed) for the node to pull it
+    /// (`--max-image-mib`); None: no bound.
+    pub max_image_bytes: Option<u64>,
     /// Where template builds cache root filesystems (and the base tree);
     /// `$SANDFORK_CACHE` or `/var/cache/sandfork` when None.
     pub build_cache: Option<PathBuf>,
@@ -81,6 +89,9 @@ pub const DEFAULT_DATA_DIR: &str = "/var/lib/sandfork";
 pub const DEFAULT_KEY_RATE_LIMIT: u32 = 200;
 pub const DEFAULT_MAX_SANDBOXES: usize = 1024;
 pub const DEFAULT_RUN_ROOT: &str = "/run/sandfork";
+/// The largest image a node pulls unless configured: SWE-bench-style task
+/// images are about 4 GiB.
+pub const DEFAULT_MAX_IMAGE_MIB: u64 = 16 << 10;
 
 /// The balloon every guest the node boots gets: empty (the node does not
 /// take memory a guest uses), free page reporting on (memory the guest
@@ -123,6 +134,8 @@ impl Config {
             agent: None,
             build_code_interpreter: false,
             builtin_wait: Duration::from_secs(30),
+            image_metadata_key: None,
+            max_image_bytes: Some(DEFAULT_MAX_IMAGE_MIB << 20),
             build_cache: None,
             network: None,
             cgroups: Some(crate::node::cgroups::CgroupConfig::default()),

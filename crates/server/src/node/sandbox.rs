@@ -121,6 +121,9 @@ pub enum SandboxError {
         elapsed_secs: u64,
         retry_after_secs: u32,
     },
+    /// A create named an image that could not be made a template.
+    #[error(transparent)]
+    Image(#[from] crate::node::template::ImageError),
     /// What sits above the node (a cluster) said no; what the operation
     /// made is undone.
     #[error(transparent)]

@@ -6,6 +6,7 @@ use axum::response::{IntoResponse, Response};
 use crate::node::events::Denial;
 use crate::node::idempotent::IdempotencyError;
 use crate::node::sandbox::SandboxError;
+use crate::node::template::ImageError;
 use crate::node::webhooks::WebhookError;
 use crate::wire::{
     self, CLUSTER_STATE_HEADER, RETRY_AFTER_HEADER, SHOULD_RETRY_HEADER, TEAM_LIMIT_HEADER,
@@ -186,6 +187,18 @@ impl From<SandboxError> for ApiError {
             SandboxError::Network(crate::node::net::NetError::InvalidPolicy(_)) => {
                 StatusCode::BAD_REQUEST
             }
+            SandboxError::Image(e) => match e {
+                ImageError::Reference(_) | ImageError::Unsupported { .. } => {
+                    StatusCode::BAD_REQUEST
+                }
+                ImageError::NotFound { .. } => StatusCode::NOT_FOUND,
+                // Not the caller's API key (401 would say so to the SDKs):
+                // the node's credentials for the image's registry.
+                ImageError::Denied { .. } => StatusCode::FORBIDDEN,
+                ImageError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+                ImageError::Registry { .. } => StatusCode::BAD_GATEWAY,
+                ImageError::Failed { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            },
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
         let retry = match &e {
@@ -198,6 +211,10 @@ impl From<SandboxError> for ApiError {
             // with, a template of another network set-up, a build that
             // failed): a retry is refused the same.
             SandboxError::Unavailable(_) => Some(Retry::Never),
+            // A registry that failed is asked again by the next create, not
+            // by the SDKs' own retry of a 502 (a wrong host would be asked
+            // for minutes).
+            SandboxError::Image(ImageError::Registry { .. }) => Some(Retry::Never),
             SandboxError::Building {
                 retry_after_secs, ..
             } => Some(Retry::After(*retry_after_secs)),
@@ -331,6 +348,56 @@ mod tests {
             "{}",
             answer.message
         );
+    }
+
+    #[test]
+    fn image_failures_answer_the_registrys_answer_in_a_4xx() {
+        let image = || "127.0.0.1:5000/repo:v1".to_owned();
+        for (e, status) in [
+            (
+                ImageError::Reference("image reference \"A\": bad".into()),
+                StatusCode::BAD_REQUEST,
+            ),
+            (
+                ImageError::NotFound {
+                    image: image(),
+                    answer: "127.0.0.1:5000/repo:v1: not found in the registry (MANIFEST_UNKNOWN)"
+                        .into(),
+                },
+                StatusCode::NOT_FOUND,
+            ),
+            (
+                ImageError::Denied {
+                    image: image(),
+                    answer: "127.0.0.1:5000: the registry refused the credentials".into(),
+                },
+                StatusCode::FORBIDDEN,
+            ),
+            (
+                ImageError::TooLarge {
+                    image: image(),
+                    answer: "the image is 9 bytes".into(),
+                },
+                StatusCode::PAYLOAD_TOO_LARGE,
+            ),
+            (
+                ImageError::Registry {
+                    image: image(),
+                    answer: "connecting: refused".into(),
+                },
+                StatusCode::BAD_GATEWAY,
+            ),
+        ] {
+            let message = e.to_string();
+            let answer = ApiError::from(SandboxError::Image(e));
+            assert_eq!(answer.status, status, "{message}");
+            assert_eq!(answer.message, message);
+        }
+        let gateway = ApiError::from(SandboxError::Image(ImageError::Registry {
+            image: image(),
+            answer: "x".into(),
+        }));
+        assert_eq!(gateway.retry, Some(Retry::Never));
     }
 
     #[test]

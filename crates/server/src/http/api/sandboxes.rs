@@ -311,10 +311,23 @@ async fn create_now(
     } else {
         V1_DEFAULT_TIMEOUT
     };
-    let template_id = req
-        .template_id
-        .filter(|t| !t.is_empty())
-        .unwrap_or_else(|| template::BASE.to_owned());
+    // Checked before an image is pulled for it.
+    let timeout = create_timeout(req.timeout.unwrap_or(default_timeout), max)?;
+    let network = super::network::from_create(req.allow_internet_access, req.network)?;
+    let metadata = req.metadata.unwrap_or_default();
+    let image = template::image_of_create(
+        req.template_id.as_deref(),
+        &metadata,
+        state.manager.config().image_metadata_key.as_deref(),
+    )?;
+    // An image is converted into a template of its own first (once).
+    let template_id = match image {
+        Some(image) => state.templates.ensure_image(&image).await?,
+        None => req
+            .template_id
+            .filter(|t| !t.is_empty())
+            .unwrap_or_else(|| template::BASE.to_owned()),
+    };
     // Made on another node of the cluster: taken in first.
     if let Some(cluster) = &state.cluster {
         cluster.take_in_template_for(&caller, &template_id).await?;
@@ -322,13 +335,13 @@ async fn create_now(
     super::tenancy::check_template(state, &caller, &template_id)?;
     let params = CreateParams {
         template_id,
-        timeout: create_timeout(req.timeout.unwrap_or(default_timeout), max)?,
-        metadata: req.metadata.unwrap_or_default(),
+        timeout,
+        metadata,
         env_vars: req.env_vars.unwrap_or_default(),
         secure: v2 || req.secure.unwrap_or(false),
         auto_pause: req.auto_pause.unwrap_or(false),
         auto_pause_memory: req.auto_pause_memory.unwrap_or(true),
-        network: super::network::from_create(req.allow_internet_access, req.network)?,
+        network,
         team: caller.stored_team(),
     };
     let ends_now = params.timeout.is_zero();

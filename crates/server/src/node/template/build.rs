@@ -128,7 +128,7 @@ impl BuildLog {
     }
 
     /// The kept lines numbered `offset` and later.
-    fn lines_from(&self, offset: usize) -> Vec<String> {
+    pub(super) fn lines_from(&self, offset: usize) -> Vec<String> {
         let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         g.1.iter()
             .skip(offset.saturating_sub(g.0))
@@ -181,6 +181,8 @@ pub struct Templates {
     running: Mutex<HashMap<String, Arc<BuildLog>>>,
     /// E2B's waiting builds and uploads.
     e2b: E2bState,
+    /// Conversions of images creates named, under way.
+    pub(super) images: super::image_create::Flights,
 }
 
 impl Templates {
@@ -190,6 +192,7 @@ impl Templates {
             manager,
             running: Mutex::new(HashMap::new()),
             e2b,
+            images: Mutex::default(),
         })
     }
 
@@ -217,7 +220,7 @@ impl Templates {
         &self.e2b
     }
 
-    fn running(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<BuildLog>>> {
+    pub(super) fn running(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<BuildLog>>> {
         self.running.lock().unwrap_or_else(|p| p.into_inner())
     }
 

@@ -7,7 +7,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use template_build::registry::{self, Credentials, PullOptions, Reference};
+use template_build::registry::{self, Credentials, PullOptions, Reference, RegistryError};
 
 use super::boot::{self, BootSpec, Prepare};
 use super::build::{BuildLog, Templates};
@@ -19,7 +19,71 @@ fn image_lock() -> &'static tokio::sync::Mutex<()> {
     LOCK.get_or_init(|| tokio::sync::Mutex::new(()))
 }
 
+/// Why an image did not become a root filesystem.
+#[derive(Debug)]
+pub(super) enum PullError {
+    /// Its registry's answer (or no answer).
+    Pull(RegistryError),
+    /// Converting its layers.
+    Convert(String),
+}
+
 impl Templates {
+    /// How this node pulls images: its registry settings (from the
+    /// environment, see [`PullOptions`]) and its bound on their size, with
+    /// `credentials`.
+    pub(super) fn pull_options(&self, credentials: Option<Credentials>) -> PullOptions {
+        PullOptions {
+            credentials,
+            insecure: PullOptions::insecure_from_env(),
+            loopback_via: PullOptions::loopback_via_from_env(),
+            ca_file: PullOptions::ca_file_from_env(),
+            max_bytes: self.manager().config().max_image_bytes,
+        }
+    }
+
+    /// Pulls `reference` and converts it into a root filesystem (cached by
+    /// its content), one conversion at a time on the node: the lock is
+    /// returned held, for a caller that boots a template shared by images.
+    pub(super) async fn pull_and_convert(
+        &self,
+        agent: std::path::PathBuf,
+        reference: &Reference,
+        opts: &PullOptions,
+        log: &Arc<BuildLog>,
+    ) -> Result<
+        (
+            template_build::Template,
+            String,
+            tokio::sync::MutexGuard<'static, ()>,
+        ),
+        PullError,
+    > {
+        let mut builder = template_build::Builder::new(agent);
+        if let Some(dir) = &self.manager().config().build_cache {
+            builder = builder.cache_dir(dir);
+        }
+        log.push(&format!("pulling {reference}"));
+        let store = builder.images_dir();
+        let pull_log = log.clone();
+        let pulled = registry::pull(&store, reference, opts, &mut |line| pull_log.push(line))
+            .await
+            .map_err(PullError::Pull)?;
+        let one = image_lock().lock().await;
+        let source = template_build::Source::OciBlobs {
+            dir: store,
+            manifest: pulled.manifest_digest.clone(),
+        };
+        let build_log = log.clone();
+        let built = tokio::task::spawn_blocking(move || {
+            builder.build(&source, &mut |line| build_log.push(line))
+        })
+        .await
+        .map_err(|e| PullError::Convert(format!("the image build task failed: {e}")))?
+        .map_err(|e| PullError::Convert(e.to_string()))?;
+        Ok((built, pulled.manifest_digest, one))
+    }
+
     /// The id of the template of `pull`'s image, pulled, built and booted
     /// when missing. Errors are the user's to read (the build's reason).
     pub(super) async fn image_base(
@@ -34,38 +98,17 @@ impl Templates {
             .clone()
             .ok_or("this node has no guest agent binary to build images with (SANDFORK_AGENT)")?;
         let reference = Reference::parse(&pull.image).map_err(|e| e.to_string())?;
-        let mut builder = template_build::Builder::new(agent);
-        if let Some(dir) = &config.build_cache {
-            builder = builder.cache_dir(dir);
-        }
-        let opts = PullOptions {
-            credentials: pull.username.as_ref().map(|u| Credentials {
-                username: u.clone(),
-                password: pull.password.clone().unwrap_or_default(),
-            }),
-            insecure: PullOptions::insecure_from_env(),
-            loopback_via: PullOptions::loopback_via_from_env(),
-            ca_file: PullOptions::ca_file_from_env(),
-        };
-        log.push(&format!("pulling {reference}"));
-        let store = builder.images_dir();
-        let pull_log = log.clone();
-        let pulled = registry::pull(&store, &reference, &opts, &mut |line| pull_log.push(line))
+        let opts = self.pull_options(pull.username.as_ref().map(|u| Credentials {
+            username: u.clone(),
+            password: pull.password.clone().unwrap_or_default(),
+        }));
+        let (built, manifest_digest, _one) = self
+            .pull_and_convert(agent, &reference, &opts, log)
             .await
-            .map_err(|e| format!("pulling {}: {e}", pull.image))?;
-
-        let _one = image_lock().lock().await;
-        let source = template_build::Source::OciBlobs {
-            dir: store,
-            manifest: pulled.manifest_digest.clone(),
-        };
-        let build_log = log.clone();
-        let built = tokio::task::spawn_blocking(move || {
-            builder.build(&source, &mut |line| build_log.push(line))
-        })
-        .await
-        .map_err(|e| format!("the image build task failed: {e}"))?
-        .map_err(|e| format!("converting {}: {e}", pull.image))?;
+            .map_err(|e| match e {
+                PullError::Pull(e) => format!("pulling {}: {e}", pull.image),
+                PullError::Convert(e) => format!("converting {}: {e}", pull.image),
+            })?;
         let id = format!("image-{}", built.key);
         let db = manager.store();
         if let Some(t) = db.template(&id).map_err(|e| e.to_string())?
@@ -74,10 +117,7 @@ impl Templates {
                 .iter()
                 .all(|p| p.is_file())
         {
-            log.push(&format!(
-                "image template {id} ({}) cached",
-                pulled.manifest_digest
-            ));
+            log.push(&format!("image template {id} ({manifest_digest}) cached"));
             return Ok(id);
         }
         // The image's own template is not the build's: claimed apart, or the

@@ -20,9 +20,11 @@ pub mod build;
 pub mod code_interpreter;
 pub mod e2b_build;
 mod image;
+mod image_create;
 
 pub use boot::{BootSpec, Prepare};
 pub use build::{BuildParams, BuildSource, Templates};
+pub use image_create::{ImageError, image_of_create, is_image_reference};
 
 pub const BASE: &str = crate::node::ids::BASE_TEMPLATE;
 pub const ROOT_DRIVE: &str = "rootfs";

@@ -1,0 +1,437 @@
+//! Creates that name a registry image instead of a template: its
+//! template id is an image reference ([`is_image_reference`]), or, when the
+//! node is configured with `Config::image_metadata_key`, the create's
+//! metadata names the image under that key (slime's way).
+//!
+//! The first create of an image pulls it with the node's registry
+//! credentials (`template_build::registry::AUTH_VAR`), converts it into a
+//! root filesystem and boots it into a template named by the normalised
+//! reference (`127.0.0.1:5000/repo:tag`); the create, and every later one,
+//! restores that template. A tag is resolved once: a later push under the
+//! same tag is not pulled until the template is deleted.
+//!
+//! **One conversion per image**: creates of an image whose conversion is
+//! under way wait on it (a flight, in memory) for up to
+//! `Config::builtin_wait`, then are answered [`SandboxError::Building`]
+//! (503, `Retry-After`); the conversion goes on without them. It is a build
+//! like any other (recorded `building`, listed, with its log), and a failed
+//! one leaves nothing: its build record and files are removed, and the next
+//! create of the image tries again.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use template_build::registry::{Credentials, Reference, RegistryError};
+use tokio::sync::watch;
+
+use super::boot::{self, BootSpec, Prepare};
+use super::build::{BUILTIN_RETRY_SECS, BuildLog, Templates, uuid};
+use super::image::PullError;
+use crate::node::capacity::{Ask, Reservation};
+use crate::node::clock::now_ms;
+use crate::node::ids;
+use crate::node::sandbox::SandboxError;
+use crate::node::store::{BuildRecord, BuildStatus};
+
+/// Why an image could not be made a template. The registry's answer is in
+/// the message; credentials never are.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ImageError {
+    /// Not an image reference (400).
+    #[error("{0}")]
+    Reference(String),
+    /// The registry has no such image (404).
+    #[error("{}", named(image, answer))]
+    NotFound { image: String, answer: String },
+    /// The registry refused the node's credentials, or wants some the node
+    /// lacks (403).
+    #[error("{}", named(image, answer))]
+    Denied { image: String, answer: String },
+    /// Larger than `Config::max_image_bytes` (413).
+    #[error("{}", named(image, answer))]
+    TooLarge { image: String, answer: String },
+    /// Not an image this node runs (no linux/amd64, an old manifest) (400).
+    #[error("{}", named(image, answer))]
+    Unsupported { image: String, answer: String },
+    /// The registry failed or could not be reached (502).
+    #[error("{}", named(image, answer))]
+    Registry { image: String, answer: String },
+    /// The node failed to convert or boot it (500).
+    #[error("image {image}: {reason}")]
+    Failed { image: String, reason: String },
+}
+
+/// The registry's answer, with the image's name unless it has it already.
+fn named(image: &str, answer: &str) -> String {
+    if answer.contains(image) {
+        answer.to_owned()
+    } else {
+        format!("image {image}: {answer}")
+    }
+}
+
+impl ImageError {
+    fn from_registry(image: &str, e: RegistryError) -> ImageError {
+        let (image, answer) = (image.to_owned(), e.to_string());
+        match e {
+            RegistryError::BadReference { .. } => ImageError::Reference(answer),
+            RegistryError::NotFound { .. } => ImageError::NotFound { image, answer },
+            RegistryError::Unauthorized { .. } => ImageError::Denied { image, answer },
+            RegistryError::TooLarge { .. } => ImageError::TooLarge { image, answer },
+            RegistryError::Unsupported { .. } => ImageError::Unsupported { image, answer },
+            RegistryError::Http { .. }
+            | RegistryError::Transport { .. }
+            | RegistryError::Tls { .. }
+            | RegistryError::DigestMismatch { .. } => ImageError::Registry { image, answer },
+            RegistryError::AuthFile { .. } | RegistryError::Io { .. } => ImageError::Failed {
+                image,
+                reason: answer,
+            },
+        }
+    }
+}
+
+/// Whether a create's template id names a registry image rather than a
+/// template: it has a digest (`repo@sha256:...`; template names never have
+/// an `@`), or its first `/`-separated part is a registry host, as Docker
+/// tells one (it has a `.` or a `:`, or is `localhost`). So `name`,
+/// `name:tag`, `alias:build-id` and `team/alias` stay template names, and
+/// Docker Hub's short names (`python:3.12`) are not images here: a create
+/// names them with their registry (`docker.io/library/python:3.12`) or
+/// through the metadata key.
+pub fn is_image_reference(template_id: &str) -> bool {
+    if template_id.contains('@') {
+        return true;
+    }
+    match template_id.split_once('/') {
+        Some((first, _)) => first.contains(['.', ':']) || first == "localhost",
+        None => false,
+    }
+}
+
+/// The image a create names, if any: its template id when that is an image
+/// reference, else the value of the metadata key `key` (any reference
+/// Docker accepts, short names too) when the template id is unset or the
+/// base. Both at once is refused: which one the caller meant is unclear.
+pub fn image_of_create(
+    template_id: Option<&str>,
+    metadata: &BTreeMap<String, String>,
+    key: Option<&str>,
+) -> Result<Option<String>, SandboxError> {
+    let template_id = template_id.filter(|t| !t.is_empty());
+    let from_metadata = key
+        .and_then(|k| metadata.get(k).map(|v| (k, v.trim())))
+        .filter(|(_, v)| !v.is_empty());
+    match (template_id, from_metadata) {
+        (Some(t), None) if is_image_reference(t) => Ok(Some(t.to_owned())),
+        (t, Some((_, image))) if t.is_none_or(|t| ids::without_default_tag(t) == super::BASE) => {
+            Ok(Some(image.to_owned()))
+        }
+        (Some(t), Some((k, image))) => Err(SandboxError::Invalid(format!(
+            "the create names template {t:?} and, in its metadata {k:?}, image {image:?}: \
+             name one"
+        ))),
+        _ => Ok(None),
+    }
+}
+
+/// What a conversion ends with, for the creates waiting on it.
+type Outcome = Option<Result<(), ImageError>>;
+
+/// A conversion under way.
+#[derive(Debug)]
+pub(super) struct Flight {
+    started: Instant,
+    done: watch::Receiver<Outcome>,
+}
+
+/// The conversions under way, by the image's normalised name.
+pub(super) type Flights = Mutex<HashMap<String, Arc<Flight>>>;
+
+impl Templates {
+    fn flights(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Flight>>> {
+        self.images.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Before a create of `image`: the name of its template, converted
+    /// (once) when missing (see the module's documentation).
+    pub async fn ensure_image(self: &Arc<Self>, image: &str) -> Result<String, SandboxError> {
+        let reference =
+            Reference::parse(image).map_err(|e| ImageError::Reference(e.to_string()))?;
+        let name = reference.to_string();
+        if self.manager().resolve_template(&name).is_ok() {
+            return Ok(name);
+        }
+        let flight = {
+            let mut flights = self.flights();
+            match flights.get(&name) {
+                Some(f) => f.clone(),
+                None => {
+                    // A conversion that ended since the look-up above left
+                    // its template (it is recorded before its flight goes).
+                    if self.manager().resolve_template(&name).is_ok() {
+                        return Ok(name);
+                    }
+                    let (record, room) = self.begin_conversion(&name)?;
+                    let (tx, rx) = watch::channel(None);
+                    let f = Arc::new(Flight {
+                        started: Instant::now(),
+                        done: rx,
+                    });
+                    flights.insert(name.clone(), f.clone());
+                    tokio::spawn(self.clone().convert(reference, record, room, tx));
+                    f
+                }
+            }
+        };
+        let mut done = flight.done.clone();
+        let wait = self.manager().config().builtin_wait;
+        let ended = tokio::time::timeout(wait, async {
+            done.wait_for(Option::is_some).await.map(|o| o.clone())
+        })
+        .await;
+        match ended {
+            Ok(Ok(Some(Ok(())))) => Ok(name),
+            Ok(Ok(Some(Err(e)))) => Err(e.into()),
+            // The conversion's task ended without an answer (the node stops).
+            Ok(Ok(None)) | Ok(Err(_)) => Err(SandboxError::Unavailable(format!(
+                "the conversion of image {name} ended without an answer"
+            ))),
+            Err(_) => Err(SandboxError::Building {
+                name,
+                elapsed_secs: flight.started.elapsed().as_secs(),
+                retry_after_secs: BUILTIN_RETRY_SECS,
+            }),
+        }
+    }
+
+    /// Holds room for the conversion's VM and records its build; what a
+    /// conversion needs and cannot have is the create's answer at once.
+    fn begin_conversion(&self, name: &str) -> Result<(BuildRecord, Reservation), SandboxError> {
+        let manager = self.manager();
+        let config = manager.config();
+        if config.agent.is_none() {
+            return Err(SandboxError::Unavailable(
+                "this node has no guest agent binary to build images with (SANDFORK_AGENT)".into(),
+            ));
+        }
+        let room = manager.capacity().reserve(
+            Ask {
+                sandboxes: 0,
+                ..Ask::sandbox(u64::from(config.vcpus), config.mem_mib)
+            },
+            "an image's template",
+        )?;
+        let record = BuildRecord {
+            template_id: ids::sandbox_id().map_err(|source| SandboxError::Io {
+                what: "generating a template id".into(),
+                source,
+            })?,
+            build_id: uuid()?,
+            name: name.to_owned(),
+            source: format!("image {name}"),
+            vcpus: config.vcpus,
+            mem_mib: config.mem_mib,
+            status: BuildStatus::Building,
+            reason: None,
+            started_at_ms: now_ms(),
+            finished_at_ms: None,
+            log: Vec::new(),
+            reason_step: None,
+            e2b: None,
+        };
+        manager.store().put_build(&record)?;
+        self.running()
+            .insert(record.template_id.clone(), Arc::default());
+        tracing::info!(
+            "template {} ({name}): converting the image for a create",
+            record.template_id
+        );
+        Ok((record, room))
+    }
+
+    /// The conversion's task: converts, records, then answers the creates.
+    async fn convert(
+        self: Arc<Self>,
+        reference: Reference,
+        mut record: BuildRecord,
+        room: Reservation,
+        tx: watch::Sender<Outcome>,
+    ) {
+        let id = record.template_id.clone();
+        let name = record.name.clone();
+        let started = Instant::now();
+        let log = self.running().get(&id).cloned().unwrap_or_default();
+        let outcome = {
+            // Its files lack a record until the end: the collector keeps off.
+            let _writing = self.manager().writing_template(&id);
+            let made = self
+                .make_image_template(&reference, &mut record, &log)
+                .await;
+            drop(room);
+            made
+        };
+        let store = self.manager().store();
+        match &outcome {
+            Ok(()) => {
+                tracing::info!(
+                    "template {id} ({name}): converted in {:.1} s",
+                    started.elapsed().as_secs_f64()
+                );
+                self.made_ready(&id).await;
+            }
+            Err(e) => {
+                // Nothing half-made: the next create of the image starts over.
+                tracing::warn!("template {id}: {e}");
+                if let Err(e) = store.remove_build(&id) {
+                    tracing::error!("template {id}: removing its failed build: {e}");
+                }
+                let _ = std::fs::remove_dir_all(self.manager().config().templates_dir().join(&id));
+            }
+        }
+        self.running().remove(&id);
+        self.flights().remove(&name);
+        tx.send_replace(Some(outcome));
+    }
+
+    /// Pulls, converts and boots the image into template `record`'s, and
+    /// records the template with the build, ready.
+    async fn make_image_template(
+        &self,
+        reference: &Reference,
+        record: &mut BuildRecord,
+        log: &Arc<BuildLog>,
+    ) -> Result<(), ImageError> {
+        let manager = self.manager();
+        let config = manager.config();
+        let name = record.name.clone();
+        let failed = |reason: String| ImageError::Failed {
+            image: name.clone(),
+            reason,
+        };
+        let agent = config
+            .agent
+            .clone()
+            .ok_or_else(|| failed("no guest agent binary".into()))?;
+        let credentials = Credentials::from_env(&reference.registry)
+            .map_err(|e| ImageError::from_registry(&name, e))?;
+        let opts = self.pull_options(credentials);
+        let (built, digest, one) = self
+            .pull_and_convert(agent, reference, &opts, log)
+            .await
+            .map_err(|e| match e {
+                PullError::Pull(e) => ImageError::from_registry(&name, e),
+                PullError::Convert(e) => failed(format!("converting: {e}")),
+            })?;
+        drop(one);
+        log.push(&format!("booting image {name} ({digest})"));
+        let spec = BootSpec {
+            rootfs: built.rootfs.clone(),
+            vcpus: record.vcpus,
+            mem_mib: record.mem_mib,
+            prepare: Prepare::from_image(&built.config),
+        };
+        let push = |line: &str| log.push(line);
+        let mut template = boot::build_on(manager, &record.template_id, &spec, &push)
+            .await
+            .map_err(|e| failed(format!("booting: {e}")))?;
+        template.names = vec![name.clone()];
+        log.push(&format!(
+            "template ready in {:.1} s",
+            now_ms().saturating_sub(record.started_at_ms) as f64 / 1000.0
+        ));
+        record.status = BuildStatus::Ready;
+        record.finished_at_ms = Some(now_ms());
+        record.log = log.lines_from(0);
+        manager
+            .store()
+            .finish_build(&template, record)
+            .map_err(|e| {
+                let _ = std::fs::remove_dir_all(&template.dir);
+                failed(format!("recording the template: {e}"))
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn image_references_are_told_from_template_names() {
+        let d = format!("sha256:{}", "a".repeat(64));
+        for image in [
+            "127.0.0.1:5000/repo:tag",
+            "localhost/repo",
+            "localhost:5000/a/b",
+            "registry.example/team/repo:v1",
+            "docker.io/library/python:3.12",
+            &format!("repo@{d}"),
+            &format!("reg.example:443/repo@{d}"),
+        ] {
+            assert!(is_image_reference(image), "{image}");
+        }
+        for template in [
+            "base",
+            "base:default",
+            "code-interpreter-v1",
+            "my-template:v2",
+            "alias:0f8fad5b-d9cb-469f-a165-70867728950e",
+            "team/alias",
+            "team/alias:tag",
+            "python:3.12",
+            "abc123def456",
+        ] {
+            assert!(!is_image_reference(template), "{template}");
+        }
+    }
+
+    #[test]
+    fn the_registrys_answer_names_the_image_once() {
+        let image = || "r.example/a:1".to_owned();
+        let found = ImageError::NotFound {
+            image: image(),
+            answer: "r.example/a:1: not found in the registry (x)".into(),
+        };
+        assert_eq!(
+            found.to_string(),
+            "r.example/a:1: not found in the registry (x)"
+        );
+        let gone = ImageError::Registry {
+            image: image(),
+            answer: "connecting: refused".into(),
+        };
+        assert_eq!(gone.to_string(), "image r.example/a:1: connecting: refused");
+    }
+
+    #[test]
+    fn the_metadata_key_names_an_image_when_the_node_has_one() {
+        let md = |v: &str| BTreeMap::from([("image".to_owned(), v.to_owned())]);
+        let key = Some("image");
+        assert_eq!(
+            image_of_create(None, &md("python:3.12"), key).unwrap(),
+            Some("python:3.12".to_owned())
+        );
+        assert_eq!(
+            image_of_create(Some("base"), &md(" a.io/x:1 "), key).unwrap(),
+            Some("a.io/x:1".to_owned())
+        );
+        // without the key configured, metadata is only metadata
+        assert_eq!(
+            image_of_create(None, &md("python:3.12"), None).unwrap(),
+            None
+        );
+        assert_eq!(image_of_create(Some("mine"), &md(""), key).unwrap(), None);
+        assert_eq!(
+            image_of_create(Some("localhost:1/x"), &BTreeMap::new(), None).unwrap(),
+            Some("localhost:1/x".to_owned())
+        );
+        let e = image_of_create(Some("mine"), &md("python:3.12"), key).unwrap_err();
+        assert!(matches!(e, SandboxError::Invalid(_)), "{e}");
+        assert_eq!(
+            image_of_create(Some("mine"), &BTreeMap::new(), key).unwrap(),
+            None
+        );
+    }
+}
