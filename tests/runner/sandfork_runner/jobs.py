@@ -173,6 +173,15 @@ LAB = (
         # measured 9:10 beside another lab lane and a compile (docs/src/harbor.md)
         minutes=9,
     ),
+    Job(
+        "frameworks",
+        Group.LAB,
+        argv("scripts/frameworks-test.sh --no-build"),
+        "the RL frameworks' own E2B code from PyPI against a real node (tests/frameworks): "
+        "NeMo Gym's `e2b` provider, its template build helper, a rollout and a group",
+        # measured (docs/src/nemo-gym.md)
+        minutes=3,
+    ),
     lab_tests("snapshot", 4, "snapshots and restores (crates/vmm/tests/snapshot.rs)"),
     lab_tests("lab_network", 3.5, "the node's networking (crates/server/tests/lab_network.rs)"),
     lab_tests("microvm", 2, "boots, vCPUs and devices (crates/vmm/tests/microvm.rs)"),
