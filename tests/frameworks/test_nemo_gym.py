@@ -13,7 +13,10 @@ session, made from its global config on the first request: a process that
 `gym env start` spawned finds that config in NEMO_GYM_CONFIG_DICT, a bare one
 parses its own command line with Hydra, which fails on the build helper's
 `--image` (nemo-gym 0.7.0). So the helper runs with NEMO_GYM_CONFIG_DICT=`{}`,
-and this process gets the merged config there, as a spawned server would.
+and this process gets the merged config there, as a spawned server would;
+that session is bound to the event loop it was made on, so the rollouts share
+one loop, as a server's do. Its provider needs e2b 2.52.1 or older
+(requirements.txt says why).
 
 Env: E2B_API_KEY and E2B_API_URL, with E2B_SANDBOX_URL, name the node
 (scripts/frameworks-test.sh starts one).
@@ -27,7 +30,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -63,13 +66,21 @@ BUILD_TIMEOUT_S = 900
 ROLLOUT_TIMEOUT_S = 600
 
 
-def run(make: Callable[[], Awaitable[T]]) -> T:
-    """One coroutine to completion, bounded."""
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.Runner]:
+    """One event loop for the module's rollouts, as a Gym server has: NeMo
+    Gym's aiohttp session, made on the first request, is bound to it."""
+    with asyncio.Runner() as runner:
+        yield runner
+
+
+def run(loop: asyncio.Runner, make: Callable[[], Awaitable[T]]) -> T:
+    """One coroutine to completion on the module's loop, bounded."""
 
     async def bounded() -> T:
         return await asyncio.wait_for(make(), ROLLOUT_TIMEOUT_S)
 
-    return asyncio.run(bounded())
+    return loop.run(bounded())
 
 
 def helper_env() -> dict[str, str]:
@@ -182,7 +193,7 @@ def test_the_shipped_config_names_the_node(sandbox_block: dict[str, Any]) -> Non
 
 
 def test_a_rollout_runs_commands_and_files_and_is_killed(
-    sandbox_block: dict[str, Any], tmp_path: Path
+    sandbox_block: dict[str, Any], loop: asyncio.Runner, tmp_path: Path
 ) -> None:
     """One rollout as an agent drives it: a sandbox from the mapped image with
     an environment, a working directory and a task file, commands (exit codes,
@@ -251,12 +262,14 @@ def test_a_rollout_runs_commands_and_files_and_is_killed(
         finally:
             await sandbox.stop()
 
-    sandbox_id = run(rollout)
+    sandbox_id = run(loop, rollout)
     with pytest.raises(e2b.NotFoundException):
         node_info(sandbox_id)
 
 
-def test_a_group_of_rollouts_shares_one_provider(sandbox_block: dict[str, Any]) -> None:
+def test_a_group_of_rollouts_shares_one_provider(
+    sandbox_block: dict[str, Any], loop: asyncio.Runner
+) -> None:
     """A rollout group as a resources server runs it: one provider, four
     sandboxes at once (two from the mapped image, two by the direct template
     name `base`), each with its own seed, all killed."""
@@ -279,7 +292,7 @@ def test_a_group_of_rollouts_shares_one_provider(sandbox_block: dict[str, Any]) 
         finally:
             await provider.aclose()
 
-    results = run(rollouts)
+    results = run(loop, rollouts)
     assert [seed for _, seed in results] == [str(1000 + i) for i in range(group)]
     ids = [sandbox_id for sandbox_id, _ in results]
     assert len(set(ids)) == group, ids
