@@ -173,6 +173,16 @@ LAB = (
         # measured 9:10 beside another lab lane and a compile (docs/src/harbor.md)
         minutes=9,
     ),
+    Job(
+        "frameworks",
+        Group.LAB,
+        argv("scripts/frameworks-test.sh --no-build"),
+        "the RL frameworks' own E2B code from PyPI against a real node (tests/frameworks): "
+        "NeMo Gym's `e2b` provider, its template build helper, a rollout and a group",
+        # measured 1:04 alone, 2:02 beside another lab lane, venv cached
+        # (docs/src/nemo-gym.md); a cold venv adds 3.5
+        minutes=2,
+    ),
     lab_tests("snapshot", 4, "snapshots and restores (crates/vmm/tests/snapshot.rs)"),
     lab_tests("lab_network", 3.5, "the node's networking (crates/server/tests/lab_network.rs)"),
     lab_tests("microvm", 2, "boots, vCPUs and devices (crates/vmm/tests/microvm.rs)"),
