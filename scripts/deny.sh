@@ -1,8 +1,8 @@
 #!/bin/bash
 # Checks the dependency tree against deny.toml with cargo-deny: every crate's
 # licence is one we allow (the project is MIT and links no GPL code), no
-# banned or duplicate-by-mistake crates, and every crate comes from
-# crates.io. Works offline once the crates are fetched. cargo-deny itself is
+# banned or duplicate-by-mistake crates, and every crate comes from the
+# crates registry. Works offline once the crates are fetched. cargo-deny itself is
 # built once per version into ${SANDFORK_CACHE:-/var/cache/sandfork}/tools/.
 #
 # Usage: scripts/deny.sh [--advisories]

@@ -53,8 +53,15 @@ def host_pip_settings() -> dict[str, str]:
 
 
 def index_host(settings: dict[str, str]) -> str:
-    url = settings.get("index-url", "https://pypi.org/simple")
+    url = settings.get("index-url") or pip_default_index()
     return urlsplit(url).hostname or ""
+
+
+def pip_default_index() -> str:
+    """The index pip uses when none is configured, as pip itself names it."""
+    from pip._internal.models.index import PyPI
+
+    return str(PyPI.simple_url)
 
 
 def test_pip_install_from_the_package_index():
