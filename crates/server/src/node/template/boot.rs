@@ -52,6 +52,18 @@ pub struct BootSpec {
     pub prepare: Prepare,
 }
 
+impl BootSpec {
+    /// An image's root filesystem booted as its config says.
+    pub fn from_image(image: &template_build::Template, vcpus: u8, mem_mib: u64) -> BootSpec {
+        BootSpec {
+            rootfs: image.rootfs.clone(),
+            vcpus,
+            mem_mib,
+            prepare: Prepare::from_image(&image.config),
+        }
+    }
+}
+
 /// What runs in the guest before the snapshot.
 #[derive(Debug, Clone, Default)]
 pub struct Prepare {

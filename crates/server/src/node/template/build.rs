@@ -162,6 +162,41 @@ pub fn check_name(name: &str) -> Result<(), SandboxError> {
 /// When a create refused for a build under way is told to ask again.
 pub const BUILTIN_RETRY_SECS: u32 = 20;
 
+/// A build's record, `building` from now: its template id and E2B's build
+/// UUID as given, else new ones; `size` is (vCPUs, MiB).
+pub(super) fn new_build(
+    ids: Option<(String, String)>,
+    name: &str,
+    source: String,
+    size: (u8, u64),
+) -> Result<BuildRecord, SandboxError> {
+    let (template_id, build_id) = match ids {
+        Some(ids) => ids,
+        None => (
+            ids::sandbox_id().map_err(|source| SandboxError::Io {
+                what: "generating a template id".into(),
+                source,
+            })?,
+            uuid()?,
+        ),
+    };
+    Ok(BuildRecord {
+        template_id,
+        build_id,
+        name: name.to_owned(),
+        source,
+        vcpus: size.0,
+        mem_mib: size.1,
+        status: BuildStatus::Building,
+        reason: None,
+        started_at_ms: now_ms(),
+        finished_at_ms: None,
+        log: Vec::new(),
+        reason_step: None,
+        e2b: None,
+    })
+}
+
 pub fn uuid() -> Result<String, SandboxError> {
     ids::random_uuid().map_err(|source| SandboxError::Io {
         what: "generating a build id".into(),
@@ -437,33 +472,12 @@ impl Templates {
                     started_at_ms: now_ms(),
                     ..waiting
                 },
-                None => {
-                    let (template_id, build_id) = match params.ids.clone() {
-                        Some(ids) => ids,
-                        None => (
-                            ids::sandbox_id().map_err(|source| SandboxError::Io {
-                                what: "generating a template id".into(),
-                                source,
-                            })?,
-                            uuid()?,
-                        ),
-                    };
-                    BuildRecord {
-                        template_id,
-                        build_id,
-                        name: params.name.clone(),
-                        source: params.source.describe(),
-                        vcpus,
-                        mem_mib,
-                        status: BuildStatus::Building,
-                        reason: None,
-                        started_at_ms: now_ms(),
-                        finished_at_ms: None,
-                        log: Vec::new(),
-                        reason_step: None,
-                        e2b: None,
-                    }
-                }
+                None => new_build(
+                    params.ids.clone(),
+                    &params.name,
+                    params.source.describe(),
+                    (vcpus, mem_mib),
+                )?,
             };
             store.put_build(&record)?;
             running.insert(record.template_id.clone(), Arc::default());

@@ -9,7 +9,7 @@ use std::sync::{Arc, OnceLock};
 
 use template_build::registry::{self, Credentials, PullOptions, Reference, RegistryError};
 
-use super::boot::{self, BootSpec, Prepare};
+use super::boot::{self, BootSpec};
 use super::build::{BuildLog, Templates};
 use super::e2b_build::ImagePull;
 
@@ -124,12 +124,7 @@ impl Templates {
         // collector takes its scratch directory for an orphan mid-build.
         let _writing = manager.writing_template(&id);
         log.push(&format!("booting image template {id}"));
-        let spec = BootSpec {
-            rootfs: built.rootfs.clone(),
-            vcpus: config.vcpus,
-            mem_mib: config.mem_mib,
-            prepare: Prepare::from_image(&built.config),
-        };
+        let spec = BootSpec::from_image(&built, config.vcpus, config.mem_mib);
         let push = |line: &str| log.push(line);
         let template = boot::build_on(manager, &id, &spec, &push)
             .await

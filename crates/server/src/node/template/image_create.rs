@@ -25,8 +25,8 @@ use std::time::Instant;
 use template_build::registry::{Credentials, Reference, RegistryError};
 use tokio::sync::watch;
 
-use super::boot::{self, BootSpec, Prepare};
-use super::build::{BUILTIN_RETRY_SECS, BuildLog, Templates, uuid};
+use super::boot::{self, BootSpec};
+use super::build::{BUILTIN_RETRY_SECS, BuildLog, Templates, new_build};
 use super::image::PullError;
 use crate::node::capacity::{Ask, Reservation};
 use crate::node::clock::now_ms;
@@ -223,24 +223,12 @@ impl Templates {
             },
             "an image's template",
         )?;
-        let record = BuildRecord {
-            template_id: ids::sandbox_id().map_err(|source| SandboxError::Io {
-                what: "generating a template id".into(),
-                source,
-            })?,
-            build_id: uuid()?,
-            name: name.to_owned(),
-            source: format!("image {name}"),
-            vcpus: config.vcpus,
-            mem_mib: config.mem_mib,
-            status: BuildStatus::Building,
-            reason: None,
-            started_at_ms: now_ms(),
-            finished_at_ms: None,
-            log: Vec::new(),
-            reason_step: None,
-            e2b: None,
-        };
+        let record = new_build(
+            None,
+            name,
+            format!("image {name}"),
+            (config.vcpus, config.mem_mib),
+        )?;
         manager.store().put_build(&record)?;
         self.running()
             .insert(record.template_id.clone(), Arc::default());
@@ -326,12 +314,7 @@ impl Templates {
             })?;
         drop(one);
         log.push(&format!("booting image {name} ({digest})"));
-        let spec = BootSpec {
-            rootfs: built.rootfs.clone(),
-            vcpus: record.vcpus,
-            mem_mib: record.mem_mib,
-            prepare: Prepare::from_image(&built.config),
-        };
+        let spec = BootSpec::from_image(&built, record.vcpus, record.mem_mib);
         let push = |line: &str| log.push(line);
         let mut template = boot::build_on(manager, &record.template_id, &spec, &push)
             .await
