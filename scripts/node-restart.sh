@@ -13,8 +13,12 @@ for f in cmd pid url key; do
 done
 pid=$(cat "$dir/node.pid")
 
-# gone, or a zombie its parent has not reaped yet (its port is closed)
-gone() { [[ ! -e /proc/$pid ]] || [[ $(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) == Z ]]; }
+# The node and all it started (in the lab: sandfork-lab and QEMU, which holds
+# the node's forwarded port a little after the node itself exits) gone, or
+# zombies not reaped yet: until then the new start cannot take the port.
+gone() {
+    ! ps -e -o pgid=,stat= | awk -v g="$pid" '$1 == g && $2 !~ /^Z/ { found = 1 } END { exit !found }'
+}
 kill -TERM -- "-$pid" 2>/dev/null || true
 for _ in $(seq 60); do
     gone && break

@@ -138,9 +138,13 @@ def main(argv: list[str]) -> int:
 
 
 def record_history(summary: Path) -> None:
-    """A full run's line in the history; the run's verdict does not hang on it."""
+    """A full run's line in the history, unless it was cut short (an interrupt
+    or the runner's own failure says nothing of the jobs); the run's verdict
+    does not hang on it."""
     try:
         data = json.loads(summary.read_text())
+        if data["interrupted"] or data["error"]:
+            return
         history.append(history.entry(data, history.commit(ROOT)), history.path())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, KeyError) as e:
         print(f"scripts/test.sh: the run's history line not written: {e}", file=sys.stderr)
