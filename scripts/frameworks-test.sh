@@ -34,46 +34,16 @@ done
 # cached_dir, shared with the SDK suites
 . scripts/sdk-setup.sh
 
-# --- a Python 3.13 or later, the newest found ---------------------------------
-version_of() { "$1" -c 'import sys, venv, ensurepip; print("%d.%d.%d" % sys.version_info[:3])' 2>/dev/null; }
-find_python() {
-    local c v best='' best_v=0.0.0
-    local candidates=(python3 python3.14 python3.13)
-    candidates+=("${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.*/bin/python3)
-    for c in "${candidates[@]}"; do
-        command -v "$c" >/dev/null || continue
-        v=$(version_of "$c") || continue
-        [[ $(printf '%s\n' 3.13.0 "$v" | sort -V | head -n1) == 3.13.0 ]] || continue
-        [[ $(printf '%s\n' "$best_v" "$v" | sort -V | tail -n1) == "$v" && $v != "$best_v" ]] || continue
-        best=$(command -v "$c") best_v=$v
-    done
-    [[ -n $best ]] && echo "$best $best_v"
-}
-read -r python python_version < <(find_python) ||
+# --- a Python 3.13 or later, the newest found; the venv of the pins ----------
+read -r python python_version < <(newest_python 3.13.0) ||
     die "NeMo Gym needs Python 3.13 or later: none on PATH nor in pyenv's versions"
 pip_args=()
 if [[ $(printf '%s\n' 3.13.14 "$python_version" | sort -V | head -n1) != 3.13.14 ]]; then
     # nemo-gym 0.7.0 says >=3.13.14; nothing newer than 3.13.0 is on the machine
     pip_args+=(--ignore-requires-python)
 fi
-
-# --- the venv: the pinned frameworks and the test's tools ---------------------
-req=tests/frameworks/requirements.txt
-key=$({ cat "$req"; "$python" -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
-venv=$sdk_cache/frameworks-$key
-# shellcheck disable=SC2317  # called by cached_dir
-make_venv() {
-    log "creating the frameworks' venv with $python $python_version ($1) ${pip_args[*]}"
-    "$python" -m venv "$1" &&
-        "$1/bin/pip" install -q --disable-pip-version-check "${pip_args[@]}" -r "$root/$req" >&2
-}
-cached_dir "$venv" make_venv
-# a venv records its own path: rebuilt where it now lives
-check='import nemo_gym.sandbox.providers.e2b.provider, e2b, pytest'
-if ! "$venv/bin/python" -c "$check" 2>/dev/null; then
-    rm -rf "$venv"
-    cached_dir "$venv" make_venv
-fi
+pinned_venv frameworks "$python" tests/frameworks/requirements.txt \
+    'import nemo_gym.sandbox.providers.e2b.provider, e2b, pytest' "${pip_args[@]}"
 log "nemo-gym $("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("nemo-gym"))') in $venv"
 
 log "== ruff and mypy"

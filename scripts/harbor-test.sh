@@ -10,8 +10,8 @@
 #   --server URL  test a server already running at URL (key in E2B_API_KEY)
 # Env: SANDFORK_CACHE (default /var/cache/sandfork): the venv is
 #      $SANDFORK_CACHE/sdk/harbor-<hash of tests/harbor/requirements.txt and
-#      the interpreter>. Harbor needs Python 3.12 or later: python3 if new
-#      enough, else the newest python3.1N found on PATH or in pyenv's versions.
+#      the interpreter>. Harbor needs Python 3.12 or later: the newest found
+#      on PATH or in pyenv's versions (scripts/sdk-setup.sh's newest_python).
 #      HARBOR_PYTEST_ARGS: extra pytest arguments (e.g. "-k n1").
 # Out: the server's log in target/harbor-test/serve.log, Harbor's jobs and
 #      logs in target/harbor-test/harbor/.
@@ -35,38 +35,10 @@ done
 # cached_dir, shared with the SDK suites
 . scripts/sdk-setup.sh
 
-# --- a Python new enough for Harbor ------------------------------------------
-new_enough() { "$1" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; }
-find_python() {
-    local c
-    for c in python3 python3.14 python3.13 python3.12; do
-        command -v "$c" >/dev/null && new_enough "$c" && { command -v "$c"; return; }
-    done
-    local versions
-    mapfile -t versions < <(printf '%s\n' "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.* | sort -rV)
-    for c in "${versions[@]}"; do
-        new_enough "$c/bin/python3" && { echo "$c/bin/python3"; return; }
-    done
-    return 1
-}
-python=$(find_python) || die "Harbor needs Python 3.12 or later: none on PATH nor in pyenv's versions"
-
-# --- the venv: the pinned Harbor and the test's tools -----------------------
-req=tests/harbor/requirements.txt
-key=$({ cat "$req"; "$python" -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
-venv=$sdk_cache/harbor-$key
-# shellcheck disable=SC2317  # called by cached_dir
-make_venv() {
-    log "creating Harbor's venv with $python ($1)"
-    "$python" -m venv "$1" &&
-        "$1/bin/pip" install -q --disable-pip-version-check -r "$root/$req" >&2
-}
-cached_dir "$venv" make_venv
-# a venv records its own path: rebuilt where it now lives
-if ! "$venv/bin/python" -c 'import harbor.cli.main, e2b, pytest' 2>/dev/null; then
-    rm -rf "$venv"
-    cached_dir "$venv" make_venv
-fi
+# --- a Python new enough for Harbor, the newest found; the venv of the pins --
+read -r python _ < <(newest_python 3.12.0) ||
+    die "Harbor needs Python 3.12 or later: none on PATH nor in pyenv's versions"
+pinned_venv harbor "$python" tests/harbor/requirements.txt 'import harbor.cli.main, e2b, pytest'
 log "harbor $("$venv/bin/python" -m harbor.cli.main --version) in $venv"
 
 log "== ruff and mypy"

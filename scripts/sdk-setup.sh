@@ -48,6 +48,50 @@ cached_dir() {
     exec 7>&-
 }
 
+# --- Python: the newest interpreter of a version, a venv of a suite's pins --
+# The newest python3 at least MIN (x.y.z) on PATH or in pyenv's versions that
+# has venv and ensurepip: prints "PATH VERSION"; fails when there is none.
+newest_python() {
+    local min=$1 c v best='' best_v=0.0.0
+    local candidates=(python3 python3.14 python3.13 python3.12)
+    candidates+=("${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.*/bin/python3)
+    for c in "${candidates[@]}"; do
+        command -v "$c" >/dev/null || continue
+        v=$("$c" -c 'import sys, venv, ensurepip; print("%d.%d.%d" % sys.version_info[:3])' 2>/dev/null) || continue
+        [[ $(printf '%s\n' "$min" "$v" | sort -V | head -n1) == "$min" ]] || continue
+        [[ $(printf '%s\n' "$best_v" "$v" | sort -V | tail -n1) == "$v" && $v != "$best_v" ]] || continue
+        best=$(command -v "$c") best_v=$v
+    done
+    [[ -n $best ]] && echo "$best $best_v"
+}
+
+# pinned_venv NAME PYTHON REQ IMPORTS [PIP-ARG...]: a venv of PYTHON with
+# REQ's pins (a path from the root), $sdk_cache/NAME-<hash of REQ and the
+# interpreter>, built once; built again when IMPORTS (a Python statement)
+# fails in it (a venv records its own path). Sets `venv`.
+pinned_venv() {
+    local name=$1 python=$2 req=$3 imports=$4 key
+    shift 4
+    key=$({ cat "$sdk_root/$req"; "$python" -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
+    venv=$sdk_cache/$name-$key
+    cached_dir "$venv" make_pinned_venv "$python" "$sdk_root/$req" "$@"
+    if ! "$venv/bin/python" -c "$imports" 2>/dev/null; then
+        rm -rf "$venv"
+        cached_dir "$venv" make_pinned_venv "$python" "$sdk_root/$req" "$@"
+    fi
+}
+
+# make_pinned_venv PYTHON REQ [PIP-ARG...] DIR (for cached_dir)
+make_pinned_venv() {
+    local python=$1 req=$2
+    shift 2
+    local dir=${*: -1}
+    local pip_args=("${@:1:$#-1}")
+    log "creating a venv of $req with $python ${pip_args[*]} ($dir)"
+    "$python" -m venv "$dir" &&
+        "$dir/bin/pip" install -q --disable-pip-version-check "${pip_args[@]}" -r "$req" >&2
+}
+
 # --- Python: a venv keyed by the requirements and the interpreter ----------
 setup_python() {
     command -v python3 >/dev/null || apt_install python3
