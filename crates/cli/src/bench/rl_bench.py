@@ -682,8 +682,8 @@ class GroupBench:
             "packages from the index, until all N answered a check of that state; `fork`, "
             "one sandbox doing the same, then one fork call of N children until all N "
             "answered the check (ready_ms is the setup plus the fork); memory is the node's "
-            "(smaps_rollup over its processes) with the children up minus before them "
-            "(fork: the set-up parent already up), over N, the warm pool settled both times",
+            "(smaps_rollup over its processes) with the children up minus once they are killed "
+            "(fork: the set-up parent up both times), over N, the warm pool settled both times",
         }
 
     def way(self, way, n, env, ca, bundle):
@@ -693,7 +693,6 @@ class GroupBench:
         baseline = b.settle(still_s=SETTLE_S)
         errors, extra = [], {}
         if way == "each":
-            before = rl.node_memory(b.args.server_pid, b.args.vmm_exe)
             t0 = time.perf_counter()
 
             def make(_):
@@ -711,9 +710,6 @@ class GroupBench:
             parent = b.create()
             expected = self.set_up(parent, env, ca, bundle)
             setup_ms = ms(time.perf_counter() - t0)
-            # the parent settles outside the timing: the memory baseline
-            b.settle(at_least=baseline + 1, still_s=SETTLE_S)
-            before = rl.node_memory(b.args.server_pid, b.args.vmm_exe)
             t1 = time.perf_counter()
             children = rl.fork(parent, n, errors, extra)
             states = []
@@ -731,7 +727,13 @@ class GroupBench:
             }
             baseline += 1
         b.settle(at_least=baseline + len(children), still_s=SETTLE_S)
-        after = rl.node_memory(b.args.server_pid, b.args.vmm_exe)
+        up = rl.node_memory(b.args.server_pid, b.args.vmm_exe)
+        # The baseline is taken once the children are gone (the pool
+        # settled again), not before them: a fork writes the parent's
+        # memory out, which turns its private pages into shared ones.
+        b.kill_all(children)
+        b.settle(at_least=baseline, still_s=SETTLE_S)
+        gone = rl.node_memory(b.args.server_pid, b.args.vmm_exe)
         same = sum(st == expected for st in states)
         result.update(
             {
@@ -739,13 +741,12 @@ class GroupBench:
                 "children": len(children),
                 "same_state": same,
                 "state": expected,
-                **per_child(before, after, max(1, len(children))),
+                **per_child(gone, up, max(1, len(children))),
             }
         )
         if errors:
             result["errors"] = errors[:10]
             result["elapsed_ms"] = took
-        b.kill_all(children)
         return result
 
 
