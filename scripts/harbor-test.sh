@@ -36,8 +36,8 @@ done
 . scripts/sdk-setup.sh
 
 # --- a Python new enough for Harbor, the newest found; the venv of the pins --
-read -r python _ < <(newest_python 3.12.0) ||
-    die "Harbor needs Python 3.12 or later: none on PATH nor in pyenv's versions"
+found=$(need_python 3.12.0 Harbor) || exit
+read -r python _ <<<"$found"
 pinned_venv harbor "$python" tests/harbor/requirements.txt 'import harbor.cli.main, e2b, pytest'
 log "harbor $("$venv/bin/python" -m harbor.cli.main --version) in $venv"
 
