@@ -6,7 +6,7 @@ target's name, from the test build); an argument holding `*` is a glob
 (sorted; it must match something).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 
@@ -141,7 +141,7 @@ TEST_BUILD = Job(
 
 # Every one needs a lab machine to itself: taken from one queue by the lab
 # lanes, longest first, so that the lanes end close together.
-LAB = (
+LAB: tuple[Job, ...] = (
     Job(
         "sdk",
         Group.LAB,
@@ -229,27 +229,7 @@ LAB = (
         discard_stdout=True,
     ),
     lab_tests("network", 1, "the network device (crates/vmm/tests/network.rs)"),
-    # The long tier. Minutes measured (README, "Soak") or estimated. The
-    # suites' own long cases see SANDFORK_TEST_TIER=long.
-    Job(
-        "cluster_long",
-        Group.LAB,
-        argv("scripts/cluster-test.sh --no-build"),
-        "the cluster suite with its long sections: the SDK's four files whole through "
-        "the gateways, creates per second",
-        minutes=17,
-        env=(LONG_TIER,),
-        tier=Tier.LONG,
-    ),
-    Job(
-        "harbor_long",
-        Group.LAB,
-        argv("scripts/harbor-test.sh --no-build"),
-        "Harbor at concurrency 4, then 1 (each template found by its tag)",
-        minutes=6,
-        env=(LONG_TIER,),
-        tier=Tier.LONG,
-    ),
+    # The long tier. Minutes measured (README, "Soak") or estimated.
     Job(
         "soak_long",
         Group.LAB,
@@ -270,6 +250,27 @@ LAB = (
         discard_stdout=True,
         tier=Tier.LONG,
     ),
+)
+
+
+def long_variant(name: str, about: str, minutes: float) -> Job:
+    """A lab job of the default tier run again in the long tier with its
+    long cases (SANDFORK_TEST_TIER=long)."""
+    job = next(j for j in LAB if j.name == name)
+    return replace(
+        job, name=f"{name}_long", about=about, minutes=minutes, env=(*job.env, LONG_TIER),
+        tier=Tier.LONG,
+    )  # fmt: skip
+
+
+LAB += (
+    long_variant(
+        "cluster",
+        "the cluster suite with its long sections: the SDK's four files whole through "
+        "the gateways, creates per second",
+        17,
+    ),
+    long_variant("harbor", "Harbor at concurrency 4, then 1 (each template found by its tag)", 6),
 )
 
 # On the host, one after the other, at the lowest CPU priority, beside the

@@ -12,8 +12,9 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from conftest import RUN_META, wait_until
+from conftest import RUN_META
 from e2b_code_interpreter import Execution, Sandbox
+from polling import wait_until
 
 # The first build of the template in an emulated lab takes long.
 pytestmark = pytest.mark.timeout(5400)
