@@ -33,6 +33,8 @@ class Try:
     log: str
     # the tests this try ran by name; None: the whole job
     tests: list[str] | None = None
+    # a test binary's slowest tests, (name, seconds), slowest first
+    slowest: list[tuple[str, float]] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -84,6 +86,7 @@ def _try_json(t: Try) -> dict[str, Any]:
         "passed": t.passed,
         "tests": t.tests,
         "lab_stood_still": t.stood_still,
+        "slowest_tests": [[name, s] for name, s in t.slowest],
         "log": t.log,
     }
 

@@ -19,6 +19,10 @@ from .jobs import Group, Job, Tier
 from .queue import JobQueue
 from .record import JobRecord, Result, Try, clock, failure_report, outcome, summary
 from .retry import Outcome, run_again, stood_still
+from .timings import PerTestClock
+
+# how many of a test binary's slowest tests a try records and prints
+SLOWEST_SHOWN = 6
 
 
 @dataclass(frozen=True)
@@ -382,6 +386,7 @@ class Run:
         env = dict(os.environ)
         env.update((k, v.replace("{bin}", binary)) for k, v in job.env)
         start = self.console.elapsed()
+        test_clock = PerTestClock(self.console.elapsed) if job.by_test_name else None
 
         def ended(code: int) -> Try:
             t = Try(
@@ -392,8 +397,12 @@ class Run:
                 stood_still=stood_still(log.read_bytes()),
                 log=str(log.relative_to(self.root)),
                 tests=tests,
+                slowest=test_clock.slowest(SLOWEST_SHOWN) if test_clock else [],
             )
             record.tries.append(t)
+            if t.slowest:
+                said = ", ".join(f"{name} {s:.0f} s" for name, s in t.slowest)
+                self.console.line(job.name, f"slowest tests: {said}\n".encode())
             return t
 
         try:
@@ -407,6 +416,7 @@ class Run:
                 env=env,
                 stdout=stdout or ("discard" if job.discard_stdout else "console"),
                 captured=captured,
+                on_line=test_clock.saw if test_clock else None,
             )
         except KeyboardInterrupt:
             # a job of the main thread's, stopped with the run: recorded too
