@@ -265,6 +265,11 @@ def long_variant(name: str, about: str, minutes: float) -> Job:
 
 LAB += (
     long_variant(
+        "sdk",
+        "the SDK suites with their long cases: the JS SDK's long streaming command too",
+        15,
+    ),
+    long_variant(
         "cluster",
         "the cluster suite with its long sections: the SDK's four files whole through "
         "the gateways, creates per second",
