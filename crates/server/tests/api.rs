@@ -3924,7 +3924,12 @@ async fn a_conversion_above_the_high_watermark_is_refused_with_retry_after() {
     let image = format!("127.0.0.1:{}/sdk/img:v1", closed_port());
     let body = format!(r#"{{"templateID":"{image}"}}"#);
     let a = node
-        .refuses("POST", "/v2/sandboxes", &body, StatusCode::SERVICE_UNAVAILABLE)
+        .refuses(
+            "POST",
+            "/v2/sandboxes",
+            &body,
+            StatusCode::SERVICE_UNAVAILABLE,
+        )
         .await;
     let message = a.json["message"].as_str().unwrap();
     assert!(
@@ -3937,7 +3942,9 @@ async fn a_conversion_above_the_high_watermark_is_refused_with_retry_after() {
     let info = node_info(&node).await;
     assert_eq!(info["diskMB"]["images"]["refused"], 1, "{info}");
     assert_eq!(info["diskMB"]["images"]["highWatermark"], 0.0, "{info}");
-    let a = node.authed("POST", "/v2/sandboxes", r#"{"templateID":"mine"}"#).await;
+    let a = node
+        .authed("POST", "/v2/sandboxes", r#"{"templateID":"mine"}"#)
+        .await;
     assert_eq!(a.status, StatusCode::NOT_FOUND, "{}", a.json);
 }
 

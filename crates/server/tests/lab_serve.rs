@@ -2120,7 +2120,10 @@ async fn image_templates_are_evicted_above_the_high_watermark_and_conversions_re
     let status = http(addr, "GET", "/v1/node", &auth, "").await.json();
     assert_eq!(images(&status)["refused"], 1, "{status}");
     assert_eq!(images(&status)["evicted"], 0, "{status}");
-    assert!(status["diskMB"]["usedPercent"].as_f64().unwrap() > 40.0, "{status}");
+    assert!(
+        status["diskMB"]["usedPercent"].as_f64().unwrap() > 40.0,
+        "{status}"
+    );
 
     // Unused (and idle past the pass's grace): the next pass evicts it,
     // and the disk is still above the high watermark.
@@ -2212,7 +2215,10 @@ impl LoopbackRegistry {
             .expect("docker-registry (Debian's package; scripts/deps.sh installs it)");
         let t0 = Instant::now();
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(t0.elapsed() < Duration::from_secs(60), "no registry on {port}");
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "no registry on {port}"
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
         LoopbackRegistry { child, port }

@@ -221,9 +221,9 @@ impl From<SandboxError> for ApiError {
             } => Some(Retry::After(*retry_after_secs)),
             // Room comes as sandboxes of other images end; each retry runs
             // the disk bound's pass again.
-            SandboxError::Image(ImageError::NoRoom { .. }) => Some(Retry::After(
-                crate::node::template::image_disk::RETRY_SECS,
-            )),
+            SandboxError::Image(ImageError::NoRoom { .. }) => {
+                Some(Retry::After(crate::node::template::image_disk::RETRY_SECS))
+            }
             _ => None,
         };
         let message = e.to_string();

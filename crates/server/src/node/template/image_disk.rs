@@ -76,7 +76,12 @@ pub struct Plan {
 /// The policy: nothing at or below the high watermark; above it, the unused
 /// candidates least recently used first (then by id) until the use is at
 /// most the low one.
-pub fn plan(used: u64, available: u64, marks: ImageDiskWatermarks, candidates: &[Candidate]) -> Plan {
+pub fn plan(
+    used: u64,
+    available: u64,
+    marks: ImageDiskWatermarks,
+    candidates: &[Candidate],
+) -> Plan {
     if used_percent(used, available) <= marks.high_percent {
         return Plan {
             evict: Vec::new(),
@@ -176,9 +181,7 @@ impl Templates {
                 .ok()
                 .and_then(|m| m.accessed().ok().max(m.modified().ok()))
                 .unwrap_or(UNIX_EPOCH);
-            let recent = now
-                .duration_since(used_at)
-                .map_or(true, |d| d < MIN_IDLE);
+            let recent = now.duration_since(used_at).map_or(true, |d| d < MIN_IDLE);
             let shared = self.rootfs_shared(t, &all);
             let mut bytes = bytes_on(&t.dir, data_dev);
             if !shared && let Some(entry) = self.rootfs_entry(t) {
@@ -198,7 +201,10 @@ impl Templates {
             &candidates,
         );
         for id in &planned.evict {
-            let bytes = candidates.iter().find(|c| &c.id == id).map_or(0, |c| c.bytes);
+            let bytes = candidates
+                .iter()
+                .find(|c| &c.id == id)
+                .map_or(0, |c| c.bytes);
             self.evict_image_template(id, bytes, &disk).await?;
         }
         let disk = manager.capacity().disk()?;
@@ -237,7 +243,8 @@ impl Templates {
             && !self.rootfs_shared(&t, &all)
             && let Some(entry) = self.rootfs_entry(&t)
         {
-            let removed = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(&entry)).await?;
+            let removed =
+                tokio::task::spawn_blocking(move || std::fs::remove_dir_all(&entry)).await?;
             match removed {
                 Ok(()) => freed_rootfs = true,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -253,7 +260,11 @@ impl Templates {
             "images: evicted template {id} ({}){}, {} MiB: the data dir's filesystem was {:.1} % \
              used at the pass's start, now {:.1} %",
             t.image.as_deref().unwrap_or_default(),
-            if freed_rootfs { " and its root filesystem" } else { "" },
+            if freed_rootfs {
+                " and its root filesystem"
+            } else {
+                ""
+            },
             bytes >> 20,
             disk.used_percent(),
             after.used_percent(),
@@ -360,7 +371,13 @@ mod tests {
         let all = [c("a", 1, 100, false)];
         // 85 of 100 MiB used: at the high watermark, not above.
         let p = plan(85 * MIB, 15 * MIB, marks(85.0, 80.0), &all);
-        assert_eq!(p, Plan { evict: vec![], above_high: false });
+        assert_eq!(
+            p,
+            Plan {
+                evict: vec![],
+                above_high: false
+            }
+        );
     }
 
     #[test]
@@ -375,12 +392,19 @@ mod tests {
         assert_eq!(p.evict, ["oldest", "middle"]);
         assert!(!p.above_high);
         // One large one is enough.
-        let all = [c("old", 1, 1, false), c("big", 2, 50, false), c("new", 3, 1, false)];
+        let all = [
+            c("old", 1, 1, false),
+            c("big", 2, 50, false),
+            c("new", 3, 1, false),
+        ];
         let p = plan(90 * MIB, 10 * MIB, marks(85.0, 80.0), &all);
         assert_eq!(p.evict, ["old", "big"]);
         // Equal last uses: by id, so that a pass is repeatable.
         let all = [c("b", 5, 20, false), c("a", 5, 20, false)];
-        assert_eq!(plan(90 * MIB, 10 * MIB, marks(85.0, 80.0), &all).evict, ["a"]);
+        assert_eq!(
+            plan(90 * MIB, 10 * MIB, marks(85.0, 80.0), &all).evict,
+            ["a"]
+        );
     }
 
     #[test]
@@ -393,20 +417,42 @@ mod tests {
         let p = plan(95 * MIB, 5 * MIB, marks(85.0, 80.0), &all);
         assert_eq!(p.evict, ["unused"]);
         assert!(p.above_high, "90 % used with only used templates left");
-        let p = plan(95 * MIB, 5 * MIB, marks(85.0, 80.0), &[c("used", 1, 90, true)]);
-        assert_eq!(p, Plan { evict: vec![], above_high: true });
+        let p = plan(
+            95 * MIB,
+            5 * MIB,
+            marks(85.0, 80.0),
+            &[c("used", 1, 90, true)],
+        );
+        assert_eq!(
+            p,
+            Plan {
+                evict: vec![],
+                above_high: true
+            }
+        );
     }
 
     #[test]
     fn watermarks_are_dfs_percentage_of_used_and_available() {
         // Blocks reserved for root are neither: 40 used + 40 available is 50 %.
-        let p = plan(40 * MIB, 40 * MIB, marks(49.0, 10.0), &[c("a", 1, 40, false)]);
+        let p = plan(
+            40 * MIB,
+            40 * MIB,
+            marks(49.0, 10.0),
+            &[c("a", 1, 40, false)],
+        );
         assert_eq!(p.evict, ["a"]);
         assert!(!p.above_high);
         assert_eq!(used_percent(0, 0), 0.0);
         // A high watermark of 100 % never refuses nor evicts.
         let p = plan(100 * MIB, 0, marks(100.0, 90.0), &[c("a", 1, 40, false)]);
-        assert_eq!(p, Plan { evict: vec![], above_high: false });
+        assert_eq!(
+            p,
+            Plan {
+                evict: vec![],
+                above_high: false
+            }
+        );
     }
 
     /// Template `id` as a build leaves it: its directory (a state file of
@@ -508,7 +554,10 @@ mod tests {
             assert!(data.join("templates").join(kept).is_dir(), "{kept}");
         }
         let entries = template_build::templates_in(&cache);
-        assert!(!entries.join("k1").exists(), "the evicted pair's root filesystem");
+        assert!(
+            !entries.join("k1").exists(),
+            "the evicted pair's root filesystem"
+        );
         for key in ["k2", "k3", "k4"] {
             assert!(entries.join(key).join("rootfs.ext4").is_file(), "{key}");
         }
