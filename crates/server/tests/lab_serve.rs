@@ -1866,6 +1866,239 @@ async fn template_from_an_oci_image_with_start_and_ready_commands() {
     assert!(!data.path().join("templates").join(&id).exists(), "{gc:?}");
 }
 
+/// Image templates under the disk's watermarks (`serve
+/// --image-disk-high-percent 40 --image-disk-low-percent 30`), on a data
+/// dir of its own (a 2 GiB tmpfs, so that the test sets its use with a
+/// ballast file): an image from a loopback registry converts on its first
+/// create; above the high watermark a second image is refused (503,
+/// `Retry-After`) while the first one's sandbox runs (in use: kept), and
+/// once it is killed the next refused create evicts the first image's
+/// template, with its root filesystem in the build cache; `GET /v1/node`
+/// counts both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab: boots microVMs"]
+async fn image_templates_are_evicted_above_the_high_watermark_and_conversions_refused() {
+    let mnt = tempfile::tempdir().unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=2g", "tmpfs"])
+        .arg(mnt.path())
+        .status()
+        .unwrap();
+    assert!(mounted.success(), "mounting a tmpfs (the lab runs as root)");
+    let _unmount = Unmount(mnt.path().to_owned());
+    let data = mnt.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let cache = scratch.path().join("cache");
+    let mut config = lab_config(&data, 1);
+    config.agent = Some(agent_binary());
+    config.build_cache = Some(cache.clone());
+    config.capacity.min_free_disk_mib = 0;
+    config.capacity.image_disk = server::node::capacity::ImageDiskWatermarks {
+        high_percent: 40.0,
+        low_percent: 30.0,
+    };
+    // The conversion is answered within the create, however slow the lab.
+    config.builtin_wait = Duration::from_secs(600);
+    let node = serve(config).await;
+    let (addr, auth) = (node.addr, node.auth());
+
+    let registry = LoopbackRegistry::start(scratch.path());
+    let layout = common::busybox_oci_layout(scratch.path());
+    let first = registry.push(&layout, "disk/first:1");
+    let second = registry.push(&layout, "disk/second:1");
+    let images = |status: &Value| status["diskMB"]["images"].clone();
+
+    let t0 = Instant::now();
+    let made = common::create(addr, &auth, json!({"templateID": first, "timeout": 300})).await;
+    eprintln!("first image converted and created in {:?}", t0.elapsed());
+    let routing = made.routing();
+    assert_eq!(
+        run_in(addr, &routing, "/bin/sh", "cat /etc/marker").await,
+        (0, common::MARKER.to_owned())
+    );
+    let status = http(addr, "GET", "/v1/node", &auth, "").await.json();
+    assert_eq!(images(&status)["templates"], 1, "{status}");
+    assert_eq!(images(&status)["highWatermark"], 40.0, "{status}");
+    let listed = http(addr, "GET", "/templates", &auth, "").await.json();
+    let template = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["names"].as_array().unwrap().iter().any(|n| n == &first))
+        .unwrap_or_else(|| panic!("{first} not listed: {listed}"))["templateID"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let dir = data.join("templates").join(&template);
+    let rootfs_entries = || -> Vec<PathBuf> {
+        std::fs::read_dir(cache.join("templates"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.join("rootfs.ext4").exists())
+            .collect()
+    };
+    assert!(dir.is_dir());
+    assert_eq!(rootfs_entries().len(), 1);
+
+    // Above the high watermark even once the first image's template is
+    // gone: a ballast of the rest, and a margin.
+    let st = rustix::fs::statvfs(&data).unwrap();
+    let total = st.f_blocks * st.f_frsize;
+    let used = (st.f_blocks - st.f_bfree) * st.f_frsize;
+    let ballast_len = total * 40 / 100 - used + du(&dir) + total / 50;
+    let ballast = data.join("ballast");
+    let f = std::fs::File::create(&ballast).unwrap();
+    rustix::fs::fallocate(&f, rustix::fs::FallocateFlags::empty(), 0, ballast_len).unwrap();
+    drop(f);
+
+    let refused = http(
+        addr,
+        "POST",
+        "/v2/sandboxes",
+        &auth,
+        json!({"templateID": second}).to_string(),
+    )
+    .await;
+    assert_eq!(refused.status, 503, "{:?}", refused.body);
+    assert_eq!(refused.headers["retry-after"], "10");
+    assert_eq!(refused.headers["should-retry"], "true");
+    let message = refused.json()["message"].as_str().unwrap().to_owned();
+    assert!(message.contains("high watermark"), "{message}");
+    assert!(message.contains(&second), "{message}");
+    // In use by the running sandbox: kept.
+    assert!(dir.is_dir(), "a template in use was evicted");
+    let status = http(addr, "GET", "/v1/node", &auth, "").await.json();
+    assert_eq!(images(&status)["refused"], 1, "{status}");
+    assert_eq!(images(&status)["evicted"], 0, "{status}");
+    assert!(
+        status["diskMB"]["usedPercent"].as_f64().unwrap() > 40.0,
+        "{status}"
+    );
+
+    // Unused (and idle past the pass's grace): the next pass evicts it,
+    // and the disk is still above the high watermark.
+    assert_eq!(common::kill(addr, &auth, &made.id).await.status, 204);
+    tokio::time::sleep(server::node::template::image_disk::MIN_IDLE + Duration::from_secs(1)).await;
+    let refused = http(
+        addr,
+        "POST",
+        "/v2/sandboxes",
+        &auth,
+        json!({"templateID": second}).to_string(),
+    )
+    .await;
+    assert_eq!(refused.status, 503, "{:?}", refused.body);
+    assert!(!dir.exists(), "the unused image template was kept");
+    assert!(rootfs_entries().is_empty(), "its root filesystem was kept");
+    let status = http(addr, "GET", "/v1/node", &auth, "").await.json();
+    assert_eq!(images(&status)["templates"], 0, "{status}");
+    assert_eq!(images(&status)["evicted"], 1, "{status}");
+    assert_eq!(images(&status)["refused"], 2, "{status}");
+    let listed = http(addr, "GET", "/templates", &auth, "").await.json();
+    assert!(
+        !listed.to_string().contains(&first),
+        "the evicted image is still listed: {listed}"
+    );
+    std::fs::remove_file(&ballast).unwrap();
+    eprintln!("the whole case took {:?}", t0.elapsed());
+}
+
+/// Bytes on disk under `path`.
+fn du(path: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::symlink_metadata(path).unwrap();
+    if meta.is_dir() {
+        std::fs::read_dir(path)
+            .unwrap()
+            .flatten()
+            .map(|e| du(&e.path()))
+            .sum()
+    } else {
+        meta.blocks() * 512
+    }
+}
+
+/// Unmounts (lazily) when dropped.
+struct Unmount(PathBuf);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+/// Debian's `docker-registry` on a free loopback port (plain HTTP, no
+/// credentials: the node pulls from loopback registries over plain HTTP),
+/// its storage under `dir`; killed when dropped.
+struct LoopbackRegistry {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl LoopbackRegistry {
+    fn start(dir: &std::path::Path) -> LoopbackRegistry {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let config = dir.join("registry.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: true\n\
+                 storage:\n  filesystem:\n    rootdirectory: {}\n\
+                 http:\n  addr: 127.0.0.1:{port}\n",
+                dir.join("registry").display()
+            ),
+        )
+        .unwrap();
+        let child = std::process::Command::new("docker-registry")
+            .arg("serve")
+            .arg(&config)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("docker-registry (Debian's package; scripts/deps.sh installs it)");
+        let t0 = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "no registry on {port}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        LoopbackRegistry { child, port }
+    }
+
+    /// Pushes the OCI layout as `repo:tag`; returns the image's name.
+    fn push(&self, layout: &std::path::Path, repo_tag: &str) -> String {
+        let image = format!("127.0.0.1:{}/{repo_tag}", self.port);
+        let status = std::process::Command::new("skopeo")
+            .args(["copy", "--quiet", "--dest-tls-verify=false"])
+            .arg(format!("oci:{}", layout.display()))
+            // The lab's host root is read-only, /var/tmp with it.
+            .env("TMPDIR", layout.parent().unwrap_or(layout))
+            .arg(format!("docker://{image}"))
+            .status()
+            .expect("skopeo");
+        assert!(status.success(), "pushing {image}");
+        image
+    }
+}
+
+impl Drop for LoopbackRegistry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// A server the sandbox runs on a TCP port answers at `<port>-<id>.<domain>`
 /// (through the agent's forwarder); a port nothing listens on is E2B's 502.
 async fn guest_servers_are_reached_by_port_host_names(
