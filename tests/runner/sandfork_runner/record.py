@@ -6,10 +6,17 @@ from typing import Any
 
 from .jobs import Job
 
+# The exit status of a job that cannot run here (automake's convention); the
+# job's last line of output says why.
+SKIP_STATUS = 77
+
 
 class Result(Enum):
     PASSED = "passed"
     FAILED = "failed"
+    # its command said it cannot run on this machine (exit status SKIP_STATUS,
+    # the reason its last line): a prerequisite the README lists is missing
+    SKIPPED = "skipped"
     # never started: the run ended first (a failed build or quick check, an
     # interrupt), or what it needed failed (the test build, for host jobs)
     NOT_RUN = "not run"
@@ -26,10 +33,23 @@ class Try:
     log: str
     # the tests this try ran by name; None: the whole job
     tests: list[str] | None = None
+    # a test binary's slowest tests, (name, seconds), slowest first
+    slowest: list[tuple[str, float]] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
         return self.exit_code == 0
+
+    @property
+    def skipped(self) -> bool:
+        return self.exit_code == SKIP_STATUS
+
+
+def outcome(last: Try) -> Result:
+    """A job's result from its last try."""
+    if last.passed:
+        return Result.PASSED
+    return Result.SKIPPED if last.skipped else Result.FAILED
 
 
 @dataclass
@@ -66,6 +86,7 @@ def _try_json(t: Try) -> dict[str, Any]:
         "passed": t.passed,
         "tests": t.tests,
         "lab_stood_still": t.stood_still,
+        "slowest_tests": [[name, s] for name, s in t.slowest],
         "log": t.log,
     }
 
@@ -109,6 +130,7 @@ def summary(
         "error": error or None,
         "failed": failed,
         "retried": [r.job.name for r in records if len(r.tries) > 1],
+        "skipped": [r.job.name for r in records if r.result is Result.SKIPPED],
         "jobs": [job_json(r) for r in records],
     }
 

@@ -2,11 +2,13 @@ import json
 
 from sandfork_runner import jobs
 from sandfork_runner.record import (
+    SKIP_STATUS,
     JobRecord,
     Result,
     Try,
     clock,
     failure_report,
+    outcome,
     summary,
 )
 
@@ -79,3 +81,20 @@ def test_clock() -> None:
     assert clock(0) == "0:00"
     assert clock(61.9) == "1:01"
     assert clock(3600) == "60:00"
+
+
+def test_a_job_whose_last_try_exited_77_is_skipped_not_failed() -> None:
+    skipped = Try(1, 0.0, 1.0, SKIP_STATUS, False, "target/test-runs/x/harbor.log")
+    assert outcome(skipped) is Result.SKIPPED
+    assert outcome(Try(1, 0.0, 1.0, 0, False, "x")) is Result.PASSED
+    assert outcome(Try(1, 0.0, 1.0, 1, False, "x")) is Result.FAILED
+    harbor = JobRecord(jobs.by_name("harbor"), result=Result.SKIPPED, tries=[skipped])
+    data = summary(
+        [harbor],
+        started="2026-12-06T07:00:00Z",
+        duration=1.0,
+        argv=[],
+        run_dir="target/test-runs/x",
+        interrupted=False,
+    )
+    assert data["passed"] and data["skipped"] == ["harbor"] and data["failed"] == []

@@ -269,6 +269,11 @@ pub struct TemplateRecord {
     /// CPU (and every template made before templates were).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_template: Option<String>,
+    /// Set for a template converted from a registry image (the image's
+    /// name): a cache of it, evicted when the disk runs short and nothing
+    /// uses it (see `crate::node::template::image_disk`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
 }
 
 impl TemplateRecord {

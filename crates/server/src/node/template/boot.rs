@@ -261,6 +261,7 @@ pub async fn build(
         net_abi: pool.net().map(|_| sandfork_network::plan::NET_ABI_VERSION),
         balloon: pool.balloon().is_some(),
         cpu_template: crate::node::config::cpu_template_name(pool.cpu_template()),
+        image: None,
     })
 }
 
