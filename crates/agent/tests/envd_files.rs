@@ -1068,7 +1068,7 @@ fn one_upload_writes_a_path_once() {
 /// still works with it; elsewhere it is refused as a missing token.
 #[test]
 fn an_empty_access_token_header_is_none() {
-    let (agent, t, f) = signed_setup();
+    let (agent, _dir, f) = signed_setup();
     let token = TOKEN;
     let sig = sign(&s(&f), "read", "", token, None);
     let empty = [("x-access-token", "")];

@@ -80,7 +80,7 @@ async fn two_vms_with_two_vcpus_run_at_once() {
 async fn a_guest_that_stops_answering_is_diagnosed() {
     // One vCPU: two-vCPU guests are where the lab's emulator stalls (see
     // README, "Hangs"); the reports are per vCPU either way.
-    let vm = TestVm::ready().await;
+    let mut vm = TestVm::ready().await;
 
     // Running: each vCPU thread answers its kick with where it is.
     let running = vm.api().get_vcpus().await.unwrap();

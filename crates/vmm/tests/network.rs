@@ -266,7 +266,7 @@ async fn guest_tcp_throughput_against_a_reference_vmm() {
 /// inside a slot to the internet's address arrives from the slot's address.
 #[test]
 fn the_fixture_relays_a_slot_to_the_internet_from_its_own_address() {
-    use std::io::Write;
+    use std::io::{Read, Write};
     let internet = Internet::start();
     let slots = [Slot::new(&internet, 7), Slot::new(&internet, 8)];
     for slot in &slots {
