@@ -30,7 +30,9 @@ i * 50 lines and adds i * i to the total. Replay reproduces all but the
 token; fork and snapshot copy it. The node's first fork and snapshot (of a
 throwaway sandbox) are a warm-up, not counted.
 
-Imported by sdk_bench.py (written next to it by `sandfork bench`).
+Imported by sdk_bench.py (written next to it by `sandfork bench`), and by
+tests/sdk/python/test_network.py for its pip helpers (host_pip_settings,
+guest_pip_env).
 """
 
 import functools
@@ -513,6 +515,7 @@ def host_pip_settings():
     import subprocess
 
     out = ""
+    # The venv may have no pip; the host's pip3 reads the same files.
     for pip in ([sys.executable, "-m", "pip"], ["pip3"]):
         try:
             done = subprocess.run(
