@@ -2,8 +2,10 @@
 
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
+from . import failures
 from .jobs import Job
 
 # The exit status of a job that cannot run here (automake's convention); the
@@ -141,8 +143,9 @@ def clock(seconds: float) -> str:
     return f"{s // 60}:{s % 60:02d}"
 
 
-def failure_report(records: list[JobRecord]) -> list[str]:
-    """One line per failed job: its tries and where their logs are."""
+def failure_report(records: list[JobRecord], root: Path) -> list[str]:
+    """Per failed job: its tries, where their logs are (relative to `root`)
+    and, under each, the tests that failed in it and why."""
     lines = []
     for r in records:
         if r.result is not Result.FAILED:
@@ -152,5 +155,12 @@ def failure_report(records: list[JobRecord]) -> list[str]:
             continue
         tries = "1 try" if len(r.tries) == 1 else f"{len(r.tries)} tries"
         lines.append(f"{r.job.name}: failed ({tries}), logs:")
-        lines.extend(f"    {t.log}" for t in r.tries)
+        for t in r.tries:
+            lines.append(f"    {t.log}")
+            try:
+                text = (root / t.log).read_text(errors="replace")
+            except OSError as e:
+                lines.append(f"      (its log cannot be read: {e})")
+                continue
+            lines.extend(f"      {line}" for line in failures.digest(text))
     return lines

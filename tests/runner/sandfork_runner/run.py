@@ -450,7 +450,7 @@ class Run:
             took = clock(r.duration) if r.tries else ""
             line = f"{r.job.name:<12} {r.lane:<6} {start:>6} {took:>6} {len(r.tries):>5}  "
             out.write((line + r.result.value + (f" ({r.note})" if r.note else "")).encode())
-        failures = failure_report(records)
+        failures = failure_report(records, self.root)
         if failures:
             out.write(b"failed:")
             for line in failures:
