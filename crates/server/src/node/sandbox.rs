@@ -55,6 +55,7 @@ mod network;
 mod observe;
 mod pressure;
 mod recover;
+mod rollback;
 mod snapshot;
 #[cfg(test)]
 pub(crate) mod tests;
