@@ -358,7 +358,15 @@ mod tests {
         assert!(!Gone.may_become(Stopping) && !Stopping.may_become(Stopping));
         assert!(Running.may_become(RollingBack) && RollingBack.may_become(Running));
         assert!(!Paused.may_become(RollingBack) && !RollingBack.may_become(Paused));
-        for p in [Starting, Running, Pausing, Paused, Resuming, Forking, RollingBack] {
+        for p in [
+            Starting,
+            Running,
+            Pausing,
+            Paused,
+            Resuming,
+            Forking,
+            RollingBack,
+        ] {
             assert!(p.may_become(Stopping), "{p:?}");
         }
         assert!(Running.serves() && Forking.serves() && !Pausing.serves());

@@ -12,7 +12,7 @@ use disk_layers::LayeredDisk;
 use vmm_driver::agent_client::AgentInit;
 
 use super::live::{self, Phase};
-use super::{AGENT_TIMEOUT, Manager, SandboxError, sync_files, working_set};
+use super::{AGENT_TIMEOUT, Manager, SandboxError, working_set};
 use crate::node::capacity::Ask;
 use crate::node::clock::now_ms;
 use crate::node::launch::{self, Guest, Plan, Ready};
@@ -89,7 +89,6 @@ impl Manager {
         sandbox.set_phase(Phase::RollingBack)?;
         let launched = async {
             let mut launched = launch::launch(&self.pool, plan).await?;
-            sync_files(vec![root.clone(), dir.clone()]).await?;
             let r = self
                 .store
                 .update_sandbox(id, |s| {
@@ -120,15 +119,20 @@ impl Manager {
         let old = guest.take();
         self.run_guest(&sandbox, &mut guest, launched)?;
         drop(guest);
-        if let Some(old) = old {
-            old.stop().await;
-        }
+        // The old guest ends after the answer: nothing reaches it any more.
         let old_root = self.root_layer(&record);
-        if old_root != template.root_layer
-            && let Err(e) = std::fs::remove_file(&old_root)
-        {
-            tracing::warn!("sandbox {id}: removing {}: {e}", old_root.display());
-        }
+        let keep = template.root_layer.clone();
+        let id = id.to_owned();
+        tokio::spawn(async move {
+            if let Some(old) = old {
+                old.stop().await;
+            }
+            if old_root != keep
+                && let Err(e) = std::fs::remove_file(&old_root)
+            {
+                tracing::warn!("sandbox {id}: removing {}: {e}", old_root.display());
+            }
+        });
         Ok(rolled_back)
     }
 }
