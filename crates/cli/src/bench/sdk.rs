@@ -677,6 +677,13 @@ class _Forked:
 def request(method, url, **kw):
     # POST /sandboxes/{id}/fork (the fork past the SDK's limit), DELETE
     return _Forked() if url.endswith("/fork") else _Answer()
+
+class Client:
+    # the kept connection `_api` sends on
+    def __init__(self, **kw):
+        pass
+    def request(self, method, url, **kw):
+        return request(method, url, **kw)
 "#;
 
     #[test]
