@@ -536,8 +536,11 @@ fn pss_mib(vm: &TestVm) -> u64 {
 
 /// MiB a guest fills and frees in the balloon tests. Small: every page a
 /// guest touches first is a nested page fault, which the emulated lab serves
-/// so slowly that 200 MiB made its own kernel stall for minutes (CI).
-const FILL_MIB: u64 = 64;
+/// so slowly that 200 MiB made its own kernel stall for minutes (CI), and
+/// 64 MiB for 84 s, a dd past the agent's 60 s (stop 43's CI).
+const FILL_MIB: u64 = 32;
+/// The fill's own bound: the lab may stall while it serves those faults.
+const FILL_WITHIN: Duration = Duration::from_secs(180);
 /// How long freed memory may take to leave the VMM: the guest reports free
 /// blocks 2 s after it frees them, a few batches of 32 at a time, and the
 /// lab is emulated.
@@ -563,11 +566,16 @@ async fn fill_and_free(vm: &TestVm, expect_back: bool) -> (u64, u64, u64) {
     // Freed guest memory from the boot settles first (it is reported too).
     tokio::time::sleep(Duration::from_secs(5)).await;
     let before = pss_mib(vm);
-    run(
-        vm,
-        &format!("dd if=/dev/zero of=/run/fill/f bs=1M count={FILL_MIB} 2>/dev/null && echo ok"),
-    )
-    .await;
+    let fill =
+        format!("dd if=/dev/zero of=/run/fill/f bs=1M count={FILL_MIB} 2>/dev/null && echo ok");
+    let out = vm
+        .vm()
+        .agent()
+        .with_timeout(FILL_WITHIN)
+        .run(&fill)
+        .await
+        .unwrap_or_else(|e| panic!("{fill}: {e}\n{}", vm.logs()));
+    assert_eq!(out.exit_code, 0, "{fill}: {out:?}\n{}", vm.logs());
     let full = pss_mib(vm);
     assert!(
         full >= before + FILL_MIB * 9 / 10,
