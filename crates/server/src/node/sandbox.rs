@@ -23,6 +23,7 @@ use crate::node::pool::Pool;
 use crate::node::store::{
     PauseReason, PausedSnapshot, SandboxRecord, SandboxState, Store, StoreError, TemplateRecord,
 };
+use crate::node::volume;
 
 /// A restored guest answers within this (lab times included).
 const AGENT_TIMEOUT: Duration = Duration::from_secs(120);
@@ -732,6 +733,18 @@ impl Manager {
         let root = dir.join(ROOT_LAYER);
         let (base, top) = (template.root_layer.clone(), root.clone());
         tokio::task::spawn_blocking(move || LayeredDisk::create(&base, &top).map(drop)).await??;
+        // Where its unused volume slots point (see `Manager::restore_onto`);
+        // a base template built before volumes has none yet.
+        let base_dir = self.template.dir.clone();
+        tokio::task::spawn_blocking(move || volume::ensure_placeholder(&base_dir, volume::SLOTS))
+            .await?
+            .map_err(io("making the volume slots' placeholder"))?;
+        let restore = self.restore_onto(
+            &template.snapshot,
+            &template.mem,
+            &root,
+            working_set::file_of(template),
+        );
 
         let access_token = if params.secure {
             Some(ids::token().map_err(io("generating an access token"))?)
@@ -745,12 +758,7 @@ impl Manager {
         init.access_token = access_token.clone().map(String::from);
         init.env_vars = Some(env_vars.clone());
         let plan = Plan {
-            guest: Guest::Restore(self.restore_onto(
-                &template.snapshot,
-                &template.mem,
-                &root,
-                working_set::file_of(template),
-            )),
+            guest: Guest::Restore(restore),
             // A snapshot's agent still holds its source's token until this init.
             ready: Ready::Init {
                 init: Box::new(init),
@@ -824,15 +832,30 @@ impl Manager {
         root: &std::path::Path,
         prefetch: Option<PathBuf>,
     ) -> Restore {
-        Restore {
+        self.with_slots(Restore {
             state: state.to_owned(),
             mem: mem.to_owned(),
-            drives: vec![DriveOverride {
-                drive_id: self.template.root_drive_id.clone(),
-                path_on_host: root.display().to_string(),
-            }],
+            drives: vec![DriveOverride::new(
+                self.template.root_drive_id.clone(),
+                root.display().to_string(),
+            )],
             prefetch,
-        }
+        })
+    }
+
+    /// `restore` with every volume slot it does not name read-only on the
+    /// base template's placeholder ([`volume`]): a template's own may be
+    /// gone (a build's scratch directory) or on another node, and a jailed
+    /// VMM is handed only the disks a restore names. A snapshot without
+    /// slots ignores them.
+    pub(crate) fn with_slots(&self, mut restore: Restore) -> Restore {
+        let named = |id: &str| restore.drives.iter().any(|d| d.drive_id == id);
+        let unused: Vec<_> = volume::restore_drives(&self.template.dir, volume::SLOTS, &[])
+            .into_iter()
+            .filter(|d| !named(&d.drive_id))
+            .collect();
+        restore.drives.extend(unused);
+        restore
     }
 
     /// Pauses a running sandbox. [`PauseMode::Full`]: its memory and devices

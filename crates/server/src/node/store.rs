@@ -269,6 +269,10 @@ pub struct TemplateRecord {
     /// CPU (and every template made before templates were).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_template: Option<String>,
+    /// The spare drives its snapshot has for volumes
+    /// ([`crate::node::volume`]); 0 for templates built before them.
+    #[serde(default)]
+    pub volume_slots: usize,
 }
 
 impl TemplateRecord {
