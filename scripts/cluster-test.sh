@@ -7,8 +7,9 @@
 #
 # Usage: scripts/cluster-test.sh [--no-build] [PYTEST-ARG...]
 # Env: CARGO_TARGET_DIR (default target), SANDFORK_LAB_LOCKED (the caller
-#      holds the lab lock), SANDFORK_CLUSTER_SDK=all (the SDK's command and
-#      file tests whole, not the ones that stream through the proxy).
+#      holds the lab lock), SANDFORK_CLUSTER_SDK=all (the SDK's four files
+#      whole, not the tests that go through the gateways differently),
+#      SANDFORK_TEST_TIER=long (that and the long tier's sections).
 # Out: the logs, bench.json and junit.xml in
 #      /var/cache/sandfork/lab-rw/cluster-test.XXXXXX (the lab can write
 #      there only); the bench line at the end.
@@ -40,6 +41,7 @@ work=$(mktemp -d "$rw/cluster-test.XXXXXX")
 lab=("$target/debug/sandfork-lab" run --cpus 1 --timeout 2400 --rw "$rw" --
     env "CARGO_TARGET_DIR=$target" "SANDFORK_KERNEL=$SANDFORK_KERNEL" "SANDFORK_ROOTFS=$SANDFORK_ROOTFS"
     "SANDFORK_VMM=${SANDFORK_VMM:-$target/debug/sandfork-vmm}" "SANDFORK_CLUSTER_SDK=${SANDFORK_CLUSTER_SDK:-}"
+    "SANDFORK_TEST_TIER=${SANDFORK_TEST_TIER:-}"
     "SANDFORK_CLUSTER_WORK=$work" PYTHONDONTWRITEBYTECODE=1
     "$python" -m pytest tests/cluster -p no:cacheprovider --junitxml="$work/junit.xml" "$@")
 if [[ -z ${SANDFORK_LAB_LOCKED:-} ]]; then

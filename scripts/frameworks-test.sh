@@ -35,8 +35,8 @@ done
 . scripts/sdk-setup.sh
 
 # --- a Python 3.13 or later, the newest found; the venv of the pins ----------
-read -r python python_version < <(newest_python 3.13.0) ||
-    die "NeMo Gym needs Python 3.13 or later: none on PATH nor in pyenv's versions"
+found=$(need_python 3.13.0 "NeMo Gym") || exit
+read -r python python_version <<<"$found"
 pip_args=()
 if [[ $(printf '%s\n' 3.13.14 "$python_version" | sort -V | head -n1) != 3.13.14 ]]; then
     # nemo-gym 0.7.0 says >=3.13.14; nothing newer than 3.13.0 is on the machine

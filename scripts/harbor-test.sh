@@ -2,8 +2,8 @@
 # Harbor, the real package from PyPI, against `sandfork serve` (inside the
 # lab here): ruff and mypy on tests/harbor, then tests/harbor/test_harbor.py,
 # which runs `harbor run --env e2b -a oracle` on the tasks in
-# tests/harbor/tasks at concurrency 4 and 1 with the E2B variables alone and
-# fails unless every trial ran and scored 1.0.
+# tests/harbor/tasks at concurrency 4 (and 1 with SANDFORK_TEST_TIER=long)
+# with the E2B variables alone and fails unless every trial ran and scored 1.0.
 #
 # Usage: scripts/harbor-test.sh [--no-build] [--server URL]
 #   --no-build    do not run scripts/build.sh (target/sandfork.env must exist)
@@ -36,8 +36,8 @@ done
 . scripts/sdk-setup.sh
 
 # --- a Python new enough for Harbor, the newest found; the venv of the pins --
-read -r python _ < <(newest_python 3.12.0) ||
-    die "Harbor needs Python 3.12 or later: none on PATH nor in pyenv's versions"
+found=$(need_python 3.12.0 Harbor) || exit
+read -r python _ <<<"$found"
 pinned_venv harbor "$python" tests/harbor/requirements.txt 'import harbor.cli.main, e2b, pytest'
 log "harbor $("$venv/bin/python" -m harbor.cli.main --version) in $venv"
 

@@ -65,6 +65,16 @@ newest_python() {
     [[ -n $best ]] && echo "$best $best_v"
 }
 
+# need_python MIN WHO: newest_python MIN's "PATH VERSION", or the suite is
+# skipped (exit 77, the runner's skip status, the reason last): Debian 12
+# ships 3.11 and no apt source has newer, so a machine without pyenv's cannot
+# run WHO at all (README, "Tests").
+need_python() {
+    newest_python "$1" && return
+    echo "skipped: $2 needs Python $1 or later and there is none on PATH nor in pyenv's versions (README, \"Tests\")" >&2
+    exit 77
+}
+
 # pinned_venv NAME PYTHON REQ IMPORTS [PIP-ARG...]: a venv of PYTHON with
 # REQ's pins (a path from the root), $sdk_cache/NAME-<hash of REQ and the
 # interpreter>, built once; built again when IMPORTS (a Python statement)

@@ -132,7 +132,7 @@ e2b_cli_tests() {
     E2B_CLI_NODE=$node E2B_CLI_ENTRY=$e2b_cli "$venv/bin/python" -m pytest tests/e2b-cli ${E2B_CLI_PYTEST_ARGS:-}
 }
 if [[ $suite == all || $suite == python ]]; then
-    run "python lint" ruff tests/sdk/python tests/cluster crates/cli/src/bench
+    run "python lint" ruff tests/sdk/python tests/cluster tests/support crates/cli/src/bench
     run "python basic" pytest -m "not lifecycle"
     ((only_basic)) || run "python lifecycle" pytest -m lifecycle
 fi

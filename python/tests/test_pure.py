@@ -193,3 +193,39 @@ def test_fork_results_as_the_sdk_reads_its_own():
         fork_results(
             httpx.Response(400, json={"code": 400, "message": "Count must be at least 1"}), "s"
         )
+
+
+def test_group_seeds_are_fixed_per_index_and_distinct():
+    from sandfork import group_seeds
+
+    a = group_seeds(11, 4)
+    assert a == group_seeds(11, 4) and len(set(a)) == 4
+    # chunked groups (the runner forks as slots free up) get the same seeds
+    assert group_seeds(11, 2) + group_seeds(11, 2, start=2) == a
+    assert set(a).isdisjoint(group_seeds(12, 4))
+    assert all(0 <= s < 2**63 for s in a)
+
+
+def test_task_state_ref_round_trips_as_json():
+    from sandfork import Checkpoint, EnvConfig, TaskState
+    from sandfork.env import EpisodeState
+
+    task = Task("fix it", setup=("git clone /srv/r /w", "pip install six"), data={"k": 1})
+    episode = EpisodeState(task=task, seed=5)
+    paused = TaskState(EnvConfig(), episode, "paused", sandbox_id="sbx1")
+    ref = json.loads(json.dumps(paused.ref()))
+    back = TaskState.from_ref(ref, template="custom")
+    assert (back.keep, back.sandbox_id, back.checkpoint) == ("paused", "sbx1", None)
+    assert back.episode.task == task and back.episode.seed == 5
+    assert back.config.template == "custom"
+
+    ckpt = Checkpoint("snap1", "sbx1", Lineage.root("sbx1", seed=5))
+    snap = TaskState(EnvConfig(), episode, "snapshot", checkpoint=ckpt)
+    back = TaskState.from_ref(json.loads(json.dumps(snap.ref())))
+    assert back.keep == "snapshot" and back.sandbox_id is None
+    assert back.checkpoint is not None
+    assert (back.checkpoint.snapshot_id, back.checkpoint.source_id) == ("snap1", "sbx1")
+    assert back.checkpoint.lineage == ckpt.lineage
+    assert back.checkpoint.data["episode"].task == task
+    with pytest.raises(ValueError):
+        TaskState.from_ref({**ref, "keep": "frozen"})

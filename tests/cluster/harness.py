@@ -19,10 +19,22 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import polling
 
 log = logging.getLogger("cluster")
-
 T = TypeVar("T")
+
+
+def wait_until(
+    predicate: Callable[[], T],
+    timeout: float,
+    failure: str | Callable[[], str],
+    interval: float = 1.0,
+) -> T:
+    """polling.wait_until, probing once a second by default: a probe here is
+    often a process (etcdctl, the CLI) in the one emulated CPU."""
+    return polling.wait_until(predicate, timeout, failure, interval)
+
 
 PREFIX = "/sandfork/v1"
 # Five times etcd's defaults: the lab's one emulated CPU is busy with guests.
@@ -34,26 +46,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def wait_until(
-    predicate: Callable[[], T],
-    timeout: float,
-    failure: str | Callable[[], str],
-    interval: float = 1.0,
-) -> T:
-    """Calls predicate until it returns something truthy (returned) or
-    `timeout` seconds have passed (an AssertionError saying `failure`, or
-    what it returns then)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            said = failure if isinstance(failure, str) else failure()
-            raise AssertionError(f"{said} (after {timeout:g} s)")
-        time.sleep(interval)
 
 
 def tail(path: Path, lines: int = 30) -> str:

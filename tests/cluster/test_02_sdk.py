@@ -1,11 +1,13 @@
-"""The unmodified Python SDK through the gateways: its tests of creates and
-the lifecycle (pause and connect, forks, snapshots), and those of its
-command and file tests that stream through the envd proxy (output, stdin, a
-reconnect, a large transfer, a watch, signed URLs; the rest differ from
-these only inside the guest, and run against one node in the SDK job). Its
-control plane goes through one gateway, its envd traffic through the
-other, the sandboxes placed over the nodes (pauses stored, forks spread).
-SANDFORK_CLUSTER_SDK=all: the four files whole (40 tests, 4 more minutes)."""
+"""The unmodified Python SDK through the gateways: what a sandbox's life
+asks of them (a create and its info, a connect by id, a kill; a pause and
+connect, a fork, a snapshot and a create from it) and the command and file
+tests that stream through the envd proxy (output, callbacks, a reconnect, a
+large transfer, signed URLs); the rest differ from these only inside the
+guest or in the node, and run against one node in the SDK job. Its control
+plane goes through one gateway, its envd traffic through the other, the
+sandboxes placed over the nodes (pauses stored, forks spread).
+The long tier (SANDFORK_TEST_TIER=long) or SANDFORK_CLUSTER_SDK=all: the four
+files whole (40 tests, 5 more minutes)."""
 
 from __future__ import annotations
 
@@ -18,28 +20,37 @@ from pathlib import Path
 from harness import Cluster, log
 
 SDK = Path(__file__).resolve().parents[1] / "sdk" / "python"
-STREAMING_COMMANDS = [
-    "stdout_and_exit_code",
-    "streaming_callbacks",
-    "stdin",
-    "connect_to_running_command",
-    "background_list_and_kill",
-]
-STREAMING_FILES = [
-    "write_and_read_text",
-    "large_file_upload_and_download",
-    "watch_dir",
-    "signed_urls",
-]
+THROUGH_THE_GATEWAYS = {
+    "test_create.py": [
+        "create_v2_runs_a_command_and_reports_info",
+        "connect_by_id_reaches_the_same_sandbox",
+        "kill",
+    ],
+    "test_lifecycle.py": [
+        "pause_then_connect_keeps_processes_and_files",
+        "fork_children_diverge",
+        "snapshot_then_create_from_it",
+    ],
+    "test_commands.py": [
+        "stdout_and_exit_code",
+        "streaming_callbacks",
+        "connect_to_running_command",
+    ],
+    "test_files.py": [
+        "write_and_read_text",
+        "large_file_upload_and_download",
+        "signed_urls",
+    ],
+}
 
 
 def sdk_tests() -> list[str]:
-    tests = [str(SDK / "test_create.py"), str(SDK / "test_lifecycle.py")]
-    if os.environ.get("SANDFORK_CLUSTER_SDK") == "all":
-        return [*tests, str(SDK / "test_commands.py"), str(SDK / "test_files.py")]
-    tests += [f"{SDK / 'test_commands.py'}::test_{t}" for t in STREAMING_COMMANDS]
-    tests += [f"{SDK / 'test_files.py'}::test_{t}" for t in STREAMING_FILES]
-    return tests
+    whole = os.environ.get("SANDFORK_CLUSTER_SDK") == "all"
+    if whole or os.environ.get("SANDFORK_TEST_TIER") == "long":
+        return [str(SDK / name) for name in THROUGH_THE_GATEWAYS]
+    return [
+        f"{SDK / name}::test_{t}" for name, tests in THROUGH_THE_GATEWAYS.items() for t in tests
+    ]
 
 
 def test_python_sdk_through_the_gateways(cluster: Cluster) -> None:

@@ -9,13 +9,12 @@ import os
 import re
 import shlex
 import subprocess
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-T = TypeVar("T")
+from polling import wait_until
 
 HERE = Path(__file__).resolve().parent
 # colours, should the CLI print any despite FORCE_COLOR=0
@@ -31,25 +30,6 @@ def pinned_version() -> str:
 
 def plain(text: str) -> str:
     return ANSI.sub("", text)
-
-
-def wait_until(
-    predicate: Callable[[], T],
-    timeout: float,
-    failure: Callable[[], str],
-    interval: float = 0.2,
-) -> T:
-    """Calls predicate until it returns something truthy (returned) or
-    `timeout` seconds have passed (an AssertionError saying what `failure`
-    returns then)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{failure()} (after {timeout:g} s)")
-        time.sleep(interval)
 
 
 @dataclass(frozen=True)

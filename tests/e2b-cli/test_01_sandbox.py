@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from e2bcli import SANDBOX_ID, E2bCli, Run, Tmux, pinned_version, wait_until
+from e2bcli import SANDBOX_ID, E2bCli, Run, Tmux, pinned_version
+from polling import wait_until
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,14 @@ mod common;
 use common::Agent;
 use serde_json::json;
 
+/// The token the first /init sets, as its header.
+const TOKEN: (&str, &str) = ("x-access-token", "tok_envd_secret");
+
 #[test]
 fn init_sets_envs_and_token_which_is_then_enforced() {
     let agent = Agent::start();
-    assert_eq!(agent.request("GET", "/envs", &[], b"").status, 200);
-    assert_eq!(agent.request("GET", "/envs", &[], b"").json(), json!({}));
+    assert_eq!(agent.get("/envs", &[]).status, 200);
+    assert_eq!(agent.get("/envs", &[]).json(), json!({}));
 
     let init = json!({
         "accessToken": "tok_envd_secret",
@@ -26,16 +29,11 @@ fn init_sets_envs_and_token_which_is_then_enforced() {
         "defaultWorkdir": "/tmp",
         "timestamp": "2026-01-01T00:00:00Z"
     });
-    let r = agent.request(
-        "POST",
-        "/init",
-        &[("content-type", "application/json")],
-        init.to_string().as_bytes(),
-    );
+    let r = agent.post("/init", "application/json", init.to_string().as_bytes());
     assert_eq!(r.status, 204, "{r:?}");
 
     // Now every route but /health (and /init, /files) needs the token.
-    let r = agent.request("GET", "/envs", &[], b"");
+    let r = agent.get("/envs", &[]);
     assert_eq!(r.status, 401);
     assert_eq!(r.json()["code"], 401);
     assert!(
@@ -44,17 +42,12 @@ fn init_sets_envs_and_token_which_is_then_enforced() {
             .unwrap()
             .contains("access token")
     );
-    let r = agent.request("GET", "/envs", &[("x-access-token", "wrong")], b"");
+    let r = agent.get("/envs", &[("x-access-token", "wrong")]);
     assert_eq!(r.status, 401);
-    let r = agent.request(
-        "GET",
-        "/envs",
-        &[("x-access-token", "tok_envd_secret")],
-        b"",
-    );
+    let r = agent.get("/envs", &[TOKEN]);
     assert_eq!(r.status, 200);
     assert_eq!(r.json(), json!({"A": "1", "B": "two"}));
-    assert_eq!(agent.request("GET", "/health", &[], b"").status, 204);
+    assert_eq!(agent.get("/health", &[]).status, 204);
     let r = agent.unary("/process.Process/List", &[], &json!({}));
     assert_eq!(r.status, 401);
 
@@ -64,19 +57,9 @@ fn init_sets_envs_and_token_which_is_then_enforced() {
         agent.request("POST", "/init", &[], again.as_bytes()).status,
         401
     );
-    let r = agent.request(
-        "POST",
-        "/init",
-        &[("x-access-token", "tok_envd_secret")],
-        again.as_bytes(),
-    );
+    let r = agent.request("POST", "/init", &[TOKEN], again.as_bytes());
     assert_eq!(r.status, 204);
-    let r = agent.request(
-        "GET",
-        "/envs",
-        &[("x-access-token", "tok_envd_secret")],
-        b"",
-    );
+    let r = agent.get("/envs", &[TOKEN]);
     assert_eq!(r.json(), json!({"A": "1", "B": "two", "C": "3"}));
 }
 

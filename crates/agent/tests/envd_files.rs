@@ -22,6 +22,8 @@ use serde_json::{Value, json};
 const FS: &str = "/filesystem.Filesystem";
 const ROOT: (&str, &str) = ("authorization", "Basic cm9vdDo=");
 const NOBODY: (&str, &str) = ("authorization", "Basic bm9ib2R5Og==");
+const OCTET: (&str, &str) = ("content-type", "application/octet-stream");
+const JSON: (&str, &str) = ("content-type", "application/json");
 
 fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions.
@@ -88,6 +90,11 @@ fn gunzip(data: &[u8]) -> Vec<u8> {
     out
 }
 
+/// The /files URL of `path`.
+fn files(path: &Path) -> String {
+    format!("/files?path={}", q(path))
+}
+
 fn q(path: &Path) -> String {
     path.to_str()
         .unwrap()
@@ -119,10 +126,7 @@ fn stat_make_dir_move_list_remove() {
     assert_eq!(e["mode"], 0o644);
     assert!(e["modifiedTime"].as_str().unwrap().ends_with('Z'));
     let r = rpc(&agent, "Stat", json!({"path": s(&t.path().join("nope"))}));
-    assert_eq!(
-        (r.status, r.json()["code"].as_str()),
-        (404, Some("not_found"))
-    );
+    r.assert_error(404, "not_found");
 
     let d = t.path().join("x/y/z");
     let r = rpc(&agent, "MakeDir", json!({"path": s(&d)}));
@@ -130,10 +134,7 @@ fn stat_make_dir_move_list_remove() {
     assert_eq!(r.json()["entry"]["type"], "FILE_TYPE_DIRECTORY");
     assert!(d.is_dir());
     let r = rpc(&agent, "MakeDir", json!({"path": s(&d)}));
-    assert_eq!(
-        (r.status, r.json()["code"].as_str()),
-        (409, Some("already_exists"))
-    );
+    r.assert_error(409, "already_exists");
 
     let moved = t.path().join("x/y/b.txt");
     let r = rpc(
@@ -179,19 +180,13 @@ fn stat_make_dir_move_list_remove() {
     );
     assert_eq!(names(&r), ["top.txt", "x", "x/y", "x/y/b.txt", "x/y/z"]);
     let r = rpc(&agent, "ListDir", json!({"path": s(&moved), "depth": 1}));
-    assert_eq!(
-        (r.status, r.json()["code"].as_str()),
-        (400, Some("invalid_argument"))
-    );
+    r.assert_error(400, "invalid_argument");
     let r = rpc(
         &agent,
         "ListDir",
         json!({"path": s(&t.path().join("nope"))}),
     );
-    assert_eq!(
-        (r.status, r.json()["code"].as_str()),
-        (404, Some("not_found"))
-    );
+    r.assert_error(404, "not_found");
 
     let r = rpc(&agent, "Remove", json!({"path": s(&t.path().join("x"))}));
     assert_eq!(r.status, 200, "{r:?}");
@@ -201,23 +196,12 @@ fn stat_make_dir_move_list_remove() {
     let r = rpc(&agent, "Remove", json!({"path": s(&t.path().join("x"))}));
     assert_eq!(r.status, 200, "{r:?}");
     let r = rpc(&agent, "Remove", json!({}));
-    assert_eq!(
-        (r.status, r.json()["code"].as_str()),
-        (400, Some("invalid_argument"))
-    );
+    r.assert_error(400, "invalid_argument");
     assert!(t.path().join("top.txt").exists());
 
     // Bad requests: malformed JSON, wrong content type, unknown user.
-    let r = agent.request(
-        "POST",
-        &format!("{FS}/Stat"),
-        &[("content-type", "application/json"), ROOT],
-        b"{\"path\":",
-    );
-    assert_eq!(
-        (r.status, r.json()["code"].as_str()),
-        (400, Some("invalid_argument"))
-    );
+    let r = agent.request("POST", &format!("{FS}/Stat"), &[JSON, ROOT], b"{\"path\":");
+    r.assert_error(400, "invalid_argument");
     let r = agent.request(
         "POST",
         &format!("{FS}/Stat"),
@@ -230,10 +214,7 @@ fn stat_make_dir_move_list_remove() {
         &[("authorization", "Basic bm9zdWNodXNlcjo=")],
         &json!({"path": "/"}),
     );
-    assert_eq!(
-        (r.status, r.json()["code"].as_str()),
-        (401, Some("unauthenticated"))
-    );
+    r.assert_error(401, "unauthenticated");
 }
 
 #[test]
@@ -249,20 +230,10 @@ fn operations_run_with_the_users_permissions() {
     std::fs::write(&secret, b"root only").unwrap();
     std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
 
-    let r = agent.request(
-        "GET",
-        &format!("/files?path={}&username=nobody", q(&secret)),
-        &[],
-        b"",
-    );
+    let r = agent.get(&format!("/files?path={}&username=nobody", q(&secret)), &[]);
     assert_eq!(r.status, 403, "{r:?}");
     assert_eq!(r.json()["code"], 403);
-    let r = agent.request(
-        "GET",
-        &format!("/files?path={}&username=root", q(&secret)),
-        &[],
-        b"",
-    );
+    let r = agent.get(&format!("/files?path={}&username=root", q(&secret)), &[]);
     assert_eq!((r.status, r.body.as_slice()), (200, &b"root only"[..]));
 
     let private = t.path().join("private");
@@ -273,28 +244,19 @@ fn operations_run_with_the_users_permissions() {
         &[NOBODY],
         &json!({"path": s(&private)}),
     );
-    assert_eq!(
-        (r.status, r.json()["code"].as_str()),
-        (403, Some("permission_denied"))
-    );
+    r.assert_error(403, "permission_denied");
     let r = agent.unary(
         &format!("{FS}/MakeDir"),
         &[NOBODY],
         &json!({"path": s(&t.path().join("n"))}),
     );
-    assert_eq!(
-        (r.status, r.json()["code"].as_str()),
-        (403, Some("permission_denied"))
-    );
+    r.assert_error(403, "permission_denied");
     let r = agent.unary(
         &format!("{FS}/Remove"),
         &[NOBODY],
         &json!({"path": s(&secret)}),
     );
-    assert_eq!(
-        (r.status, r.json()["code"].as_str()),
-        (403, Some("permission_denied"))
-    );
+    r.assert_error(403, "permission_denied");
     assert!(secret.exists());
 
     // What nobody creates is nobody's, parents included.
@@ -302,10 +264,9 @@ fn operations_run_with_the_users_permissions() {
     std::fs::create_dir(&open).unwrap();
     std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
     let target = open.join("sub/f.txt");
-    let r = agent.request(
-        "POST",
+    let r = agent.post(
         &format!("/files?path={}&username=nobody", q(&target)),
-        &[("content-type", "application/octet-stream")],
+        "application/octet-stream",
         b"mine",
     );
     assert_eq!(r.status, 200, "{r:?}");
@@ -327,10 +288,9 @@ fn operations_run_with_the_users_permissions() {
     // `user`); a file straight in a directory the writer may not write
     // stays refused.
     let deep = t.path().join("made/for/nobody/f.txt");
-    let r = agent.request(
-        "POST",
+    let r = agent.post(
         &format!("/files?path={}&username=nobody", q(&deep)),
-        &[("content-type", "application/octet-stream")],
+        "application/octet-stream",
         b"deep",
     );
     assert_eq!(r.status, 200, "{r:?}");
@@ -350,7 +310,7 @@ fn operations_run_with_the_users_permissions() {
             "/files?path={}&username=nobody",
             q(&t.path().join("direct.txt"))
         ),
-        &[("content-type", "application/octet-stream")],
+        &[OCTET],
         b"no",
     );
     assert_eq!(r.status, 403, "{r:?}");
@@ -536,10 +496,7 @@ fn polled_watchers() {
         200
     );
     let r = rpc(&agent, "RemoveWatcher", json!({"watcherId": id}));
-    assert_eq!(
-        (r.status, r.json()["code"].as_str()),
-        (404, Some("not_found"))
-    );
+    r.assert_error(404, "not_found");
     let r = rpc(&agent, "GetWatcherEvents", json!({"watcherId": id}));
     assert_eq!(r.status, 404);
     let r = rpc(
@@ -547,10 +504,7 @@ fn polled_watchers() {
         "CreateWatcher",
         json!({"path": s(&t.path().join("nope"))}),
     );
-    assert_eq!(
-        (r.status, r.json()["code"].as_str()),
-        (404, Some("not_found"))
-    );
+    r.assert_error(404, "not_found");
 }
 
 /// What a watcher sees of an upload: envd's sequence. A new file is created,
@@ -558,9 +512,7 @@ fn polled_watchers() {
 /// user, truncated (a write) and written.
 #[test]
 fn uploads_emit_envds_watch_events() {
-    let agent = Agent::start();
-    init_root(&agent, None);
-    let t = tempfile::tempdir().unwrap();
+    let (agent, t) = root_agent(None);
     let r = rpc(&agent, "CreateWatcher", json!({"path": s(t.path())}));
     assert_eq!(r.status, 200, "{r:?}");
     let id = r.json()["watcherId"].as_str().unwrap().to_string();
@@ -585,10 +537,9 @@ fn uploads_emit_envds_watch_events() {
         seen
     };
     let upload = |data: &[u8]| {
-        let r = agent.request(
-            "POST",
-            &format!("/files?path={}", q(&t.path().join("f.txt"))),
-            &[("content-type", "application/octet-stream")],
+        let r = agent.post(
+            &files(&t.path().join("f.txt")),
+            "application/octet-stream",
             data,
         );
         assert_eq!(r.status, 200, "{r:?}");
@@ -611,6 +562,14 @@ fn uploads_emit_envds_watch_events() {
     );
 }
 
+/// An agent whose default user is root (with `token` as its access token),
+/// and a scratch directory.
+fn root_agent(token: Option<&str>) -> (Agent, tempfile::TempDir) {
+    let agent = Agent::start();
+    init_root(&agent, token);
+    (agent, tempfile::tempdir().unwrap())
+}
+
 fn init_root(agent: &Agent, token: Option<&str>) {
     let mut body = json!({"defaultUser": "root"});
     if let Some(t) = token {
@@ -622,19 +581,12 @@ fn init_root(agent: &Agent, token: Option<&str>) {
 
 #[test]
 fn upload_and_download() {
-    let agent = Agent::start();
-    init_root(&agent, None);
-    let t = tempfile::tempdir().unwrap();
+    let (agent, t) = root_agent(None);
 
     // Multipart, one file: the query path wins over the part's filename.
     let a = t.path().join("new/dir/a.txt");
     let (ct, body) = multipart(&[("/elsewhere/ignored.txt", b"alpha")]);
-    let r = agent.request(
-        "POST",
-        &format!("/files?path={}", q(&a)),
-        &[("content-type", &ct)],
-        &body,
-    );
+    let r = agent.post(&files(&a), &ct, &body);
     assert_eq!(r.status, 200, "{r:?}");
     assert_eq!(
         r.json(),
@@ -645,7 +597,7 @@ fn upload_and_download() {
     // Several parts without a path: each filename is the full target path.
     let (d1, d2) = (t.path().join("m/d1"), t.path().join("n/d2"));
     let (ct, body) = multipart(&[(&s(&d1), b"one"), (&s(&d2), &[0u8, 1, 2, 255])]);
-    let r = agent.request("POST", "/files", &[("content-type", &ct)], &body);
+    let r = agent.post("/files", &ct, &body);
     assert_eq!(r.status, 200, "{r:?}");
     let paths: Vec<String> = r
         .json()
@@ -660,89 +612,51 @@ fn upload_and_download() {
 
     // Octet-stream, plain and gzip-encoded; existing files are truncated.
     let b = t.path().join("b.bin");
-    let octet = [("content-type", "application/octet-stream")];
-    let r = agent.request(
-        "POST",
-        &format!("/files?path={}", q(&b)),
-        &octet,
-        b"a much longer first version",
-    );
+    let octet = [OCTET];
+    let r = agent.request("POST", &files(&b), &octet, b"a much longer first version");
     assert_eq!(r.status, 200);
     let r = agent.request(
         "POST",
-        &format!("/files?path={}", q(&b)),
-        &[
-            ("content-type", "application/octet-stream"),
-            ("content-encoding", "gzip"),
-        ],
+        &files(&b),
+        &[OCTET, ("content-encoding", "gzip")],
         &gzip(b"short"),
     );
     assert_eq!(r.status, 200, "{r:?}");
     assert_eq!(std::fs::read(&b).unwrap(), b"short");
 
     // Download: raw with disposition, gzip, ranges.
-    let r = agent.request("GET", &format!("/files?path={}", q(&a)), &[], b"");
+    let r = agent.get(&files(&a), &[]);
     assert_eq!((r.status, r.body.as_slice()), (200, &b"alpha"[..]));
     assert_eq!(
         r.header("content-disposition"),
         Some("inline; filename=\"a.txt\"")
     );
     assert_eq!(r.header("content-length"), Some("5"));
-    let r = agent.request(
-        "GET",
-        &format!("/files?path={}", q(&a)),
-        &[("accept-encoding", "gzip")],
-        b"",
-    );
+    let r = agent.get(&files(&a), &[("accept-encoding", "gzip")]);
     assert_eq!(
         (r.status, r.header("content-encoding")),
         (200, Some("gzip"))
     );
     assert_eq!(gunzip(&r.body), b"alpha");
-    let r = agent.request(
-        "GET",
-        &format!("/files?path={}", q(&a)),
-        &[("range", "bytes=1-3")],
-        b"",
-    );
+    let r = agent.get(&files(&a), &[("range", "bytes=1-3")]);
     assert_eq!((r.status, r.body.as_slice()), (206, &b"lph"[..]));
     assert_eq!(r.header("content-range"), Some("bytes 1-3/5"));
-    let r = agent.request(
-        "GET",
-        &format!("/files?path={}", q(&a)),
-        &[("range", "bytes=-2")],
-        b"",
-    );
+    let r = agent.get(&files(&a), &[("range", "bytes=-2")]);
     assert_eq!((r.status, r.body.as_slice()), (206, &b"ha"[..]));
-    let r = agent.request(
-        "GET",
-        &format!("/files?path={}", q(&a)),
-        &[("range", "bytes=9-")],
-        b"",
-    );
+    let r = agent.get(&files(&a), &[("range", "bytes=9-")]);
     assert_eq!(
         (r.status, r.header("content-range")),
         (416, Some("bytes */5"))
     );
-    let r = agent.request(
-        "GET",
-        &format!("/files?path={}", q(&a)),
-        &[("accept-encoding", "br")],
-        b"",
-    );
+    let r = agent.get(&files(&a), &[("accept-encoding", "br")]);
     assert_eq!((r.status, r.json()["code"].as_i64()), (406, Some(406)));
 
     // Errors: directory, missing, no path.
-    let r = agent.request("GET", &format!("/files?path={}", q(t.path())), &[], b"");
+    let r = agent.get(&files(t.path()), &[]);
     assert_eq!((r.status, r.json()["code"].as_i64()), (400, Some(400)));
-    let r = agent.request(
-        "GET",
-        &format!("/files?path={}", q(&t.path().join("none"))),
-        &[],
-        b"",
-    );
+    let r = agent.get(&files(&t.path().join("none")), &[]);
     assert_eq!((r.status, r.json()["code"].as_i64()), (404, Some(404)));
-    assert_eq!(agent.request("GET", "/files", &[], b"").status, 400);
+    assert_eq!(agent.get("/files", &[]).status, 400);
     assert_eq!(
         agent
             .request("GET", "/files?username=nosuchuser&path=/x", &[], b"")
@@ -751,69 +665,41 @@ fn upload_and_download() {
     );
 
     // Upload errors.
-    let r = agent.request(
-        "POST",
-        &format!("/files?path={}", q(t.path())),
-        &octet,
-        b"x",
-    );
+    let r = agent.request("POST", &files(t.path()), &octet, b"x");
     assert_eq!((r.status, r.json()["code"].as_i64()), (400, Some(400)));
     assert_eq!(
         agent.request("POST", "/files", &octet, b"x").status,
         400,
         "octet needs path"
     );
-    let r = agent.request(
-        "POST",
-        &format!("/files?path={}", q(&b)),
-        &[("content-type", "text/plain")],
-        b"x",
-    );
+    let r = agent.post(&files(&b), "text/plain", b"x");
     assert_eq!(r.status, 400);
-    let r = agent.request("POST", &format!("/files?path={}", q(&b)), &[], b"x");
+    let r = agent.request("POST", &files(&b), &[], b"x");
     assert_eq!(r.status, 400, "no content type");
-    let r = agent.request(
-        "POST",
-        &format!("/files?path={}", q(&b)),
-        &[("content-type", "multipart/form-data; boundary=zzz")],
+    let r = agent.post(
+        &files(&b),
+        "multipart/form-data; boundary=zzz",
         b"--zzz\r\nContent-Disposition: form-data; name=\"file\"; filename=\"x\"\r\n\r\nno end",
     );
     assert_eq!(r.status, 400, "truncated multipart: {r:?}");
-    let r = agent.request(
-        "POST",
-        "/files",
-        &[("content-type", "multipart/form-data")],
-        b"x",
-    );
+    let r = agent.post("/files", "multipart/form-data", b"x");
     assert_eq!(r.status, 400, "multipart without boundary");
     let (ct, _) = multipart(&[]);
-    let r = agent.request(
-        "POST",
-        "/files",
-        &[("content-type", &ct)],
-        b"--sandfork-test-boundary-7c1--\r\n",
-    );
+    let r = agent.post("/files", &ct, b"--sandfork-test-boundary-7c1--\r\n");
     assert_eq!(r.status, 400, "no file part");
-    let r = agent.request(
-        "POST",
-        &format!("/files?path={}", q(&b)),
-        &[
-            ("content-type", "application/octet-stream"),
-            ("content-encoding", "gzip"),
-        ],
-        b"definitely not gzip",
-    );
-    assert_eq!(r.status, 400, "corrupt gzip: {r:?}");
-    let r = agent.request(
-        "POST",
-        &format!("/files?path={}", q(&b)),
-        &[
-            ("content-type", "application/octet-stream"),
-            ("content-encoding", "br"),
-        ],
-        b"x",
-    );
-    assert_eq!(r.status, 415);
+    // A corrupt gzip body; an encoding not taken.
+    for (encoding, body, status) in [
+        ("gzip", &b"definitely not gzip"[..], 400),
+        ("br", b"x", 415),
+    ] {
+        let r = agent.request(
+            "POST",
+            &files(&b),
+            &[OCTET, ("content-encoding", encoding)],
+            body,
+        );
+        assert_eq!(r.status, status, "{encoding}: {r:?}");
+    }
     // A full disk is 507 (/dev/full fails every write with ENOSPC).
     let r = agent.request("POST", "/files?path=/dev/full", &octet, &[7u8; 4096]);
     assert_eq!(
@@ -827,7 +713,7 @@ fn upload_and_download() {
     let r = agent.request(
         "POST",
         "/files/compose",
-        &[("content-type", "application/json")],
+        &[JSON],
         json!({"source_paths": [s(&a), s(&d1)], "destination": s(&c)})
             .to_string()
             .as_bytes(),
@@ -837,7 +723,7 @@ fn upload_and_download() {
     assert_eq!(std::fs::read(&c).unwrap(), b"alphaone");
 
     // /metrics has envd's fields.
-    let r = agent.request("GET", "/metrics", &[], b"");
+    let r = agent.get("/metrics", &[]);
     assert_eq!(r.status, 200);
     let m = r.json();
     for k in [
@@ -859,9 +745,7 @@ fn upload_and_download() {
 
 #[test]
 fn metadata_headers_become_xattrs() {
-    let agent = Agent::start();
-    init_root(&agent, None);
-    let t = tempfile::tempdir().unwrap();
+    let (agent, t) = root_agent(None);
     if !user_xattrs_work(t.path()) {
         eprintln!("SKIPPED: {} has no user xattrs", t.path().display());
         return;
@@ -869,9 +753,9 @@ fn metadata_headers_become_xattrs() {
     let f = t.path().join("m.txt");
     let r = agent.request(
         "POST",
-        &format!("/files?path={}", q(&f)),
+        &files(&f),
         &[
-            ("content-type", "application/octet-stream"),
+            OCTET,
             ("x-metadata-Owner", "alice"),
             ("X-Metadata-Stage", "draft"),
         ],
@@ -920,18 +804,26 @@ fn sign(path: &str, op: &str, user: &str, token: &str, exp: Option<i64>) -> Stri
     )
 }
 
+/// The access token of [`signed_setup`]'s agent.
+const TOKEN: &str = "tok_envd_secret";
+
+/// An agent with [`TOKEN`], its scratch directory and a file in it (`signed`)
+/// to read with a signature.
+fn signed_setup() -> (Agent, tempfile::TempDir, std::path::PathBuf) {
+    let (agent, t) = root_agent(Some(TOKEN));
+    let f = t.path().join("s.txt");
+    std::fs::write(&f, b"signed").unwrap();
+    (agent, t, f)
+}
+
 fn enc(v: &str) -> String {
     q(Path::new(v)).replace('+', "%2B").replace('=', "%3D")
 }
 
 #[test]
 fn signed_urls_and_tokens() {
-    let agent = Agent::start();
-    let token = "tok_envd_secret";
-    init_root(&agent, Some(token));
-    let t = tempfile::tempdir().unwrap();
-    let f = t.path().join("s.txt");
-    std::fs::write(&f, b"signed").unwrap();
+    let (agent, t, f) = signed_setup();
+    let token = TOKEN;
     let p = s(&f);
     let get = |query: String, headers: &[(&str, &str)]| {
         agent.request("GET", &format!("/files?{query}"), headers, b"")
@@ -955,27 +847,21 @@ fn signed_urls_and_tokens() {
         "write signature cannot read"
     );
 
+    // root's read of f, signed to expire at `at`.
+    let expiring = |sig: &str, at: i64| {
+        format!(
+            "path={}&username=root&signature={}&signature_expiration={at}",
+            q(&f),
+            enc(sig)
+        )
+    };
     let future = now() + 600;
     let sig = sign(&p, "read", "root", token, Some(future));
-    let r = get(
-        format!(
-            "path={}&username=root&signature={}&signature_expiration={future}",
-            q(&f),
-            enc(&sig)
-        ),
-        &[],
-    );
+    let r = get(expiring(&sig, future), &[]);
     assert_eq!(r.status, 200, "{r:?}");
     let past = now() - 10;
     let sig = sign(&p, "read", "root", token, Some(past));
-    let r = get(
-        format!(
-            "path={}&username=root&signature={}&signature_expiration={past}",
-            q(&f),
-            enc(&sig)
-        ),
-        &[],
-    );
+    let r = get(expiring(&sig, past), &[]);
     assert_eq!(r.status, 401, "expired");
     assert_eq!(r.json()["message"], "signature is already expired");
 
@@ -998,18 +884,16 @@ fn signed_urls_and_tokens() {
     // Uploads with a write signature.
     let up = t.path().join("up.txt");
     let w = sign(&s(&up), "write", "", token, None);
-    let r = agent.request(
-        "POST",
+    let r = agent.post(
         &format!("/files?path={}&signature={}", q(&up), enc(&w)),
-        &[("content-type", "application/octet-stream")],
+        "application/octet-stream",
         b"up",
     );
     assert_eq!(r.status, 200, "{r:?}");
     let rsig = sign(&s(&up), "read", "", token, None);
-    let r = agent.request(
-        "POST",
+    let r = agent.post(
         &format!("/files?path={}&signature={}", q(&up), enc(&rsig)),
-        &[("content-type", "application/octet-stream")],
+        "application/octet-stream",
         b"no",
     );
     assert_eq!(r.status, 401);
@@ -1023,7 +907,7 @@ fn signed_urls_and_tokens() {
         &json!({"path": p}),
     );
     assert_eq!(r.status, 200);
-    let r = agent.request("GET", "/metrics", &[], b"");
+    let r = agent.get("/metrics", &[]);
     assert_eq!(r.status, 401);
 }
 
@@ -1043,6 +927,20 @@ fn rss_kib(pid: u32) -> (u64, u64) {
 
 /// Byte `i` of the large test file: varied, cheap, and position-dependent so
 /// misplaced chunks are caught.
+/// Starts a POST /files of `content_type` with a chunked body, the body left
+/// to the caller; its socket waits up to `timeout` for the answer.
+fn chunked_upload(agent: &Agent, content_type: &str, timeout: Duration) -> std::net::TcpStream {
+    let mut sock = agent.connect();
+    sock.set_read_timeout(Some(timeout)).unwrap();
+    write!(
+        sock,
+        "POST /files HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\
+         Content-Type: {content_type}\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    .unwrap();
+    sock
+}
+
 fn pattern(i: u64) -> u8 {
     (i.wrapping_mul(2_654_435_761) >> 13) as u8
 }
@@ -1057,9 +955,7 @@ fn fill(buf: &mut [u8], offset: u64) {
 fn large_transfers_are_streamed() {
     const SIZE: u64 = 300 * 1024 * 1024;
     const LIMIT_KIB: u64 = 64 * 1024;
-    let agent = Agent::start();
-    init_root(&agent, None);
-    let t = tempfile::tempdir().unwrap();
+    let (agent, t) = root_agent(None);
     let big = t.path().join("big.bin");
 
     // Upload as multipart with a chunked body generated on the fly.
@@ -1070,15 +966,8 @@ fn large_transfers_are_streamed() {
         s(&big)
     );
     let tail = format!("\r\n--{boundary}--\r\n");
-    let mut sock = agent.connect();
-    sock.set_read_timeout(Some(Duration::from_secs(120)))
-        .unwrap();
-    write!(
-        sock,
-        "POST /files HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\
-         Content-Type: multipart/form-data; boundary={boundary}\r\nTransfer-Encoding: chunked\r\n\r\n"
-    )
-    .unwrap();
+    let content_type = format!("multipart/form-data; boundary={boundary}");
+    let mut sock = chunked_upload(&agent, &content_type, Duration::from_secs(120));
     // A write error means the agent answered early: show its answer.
     let chunk = |sock: &mut std::net::TcpStream, data: &[u8]| -> std::io::Result<()> {
         write!(sock, "{:x}\r\n", data.len())?;
@@ -1116,13 +1005,7 @@ fn large_transfers_are_streamed() {
     let mut sock = agent.connect();
     sock.set_read_timeout(Some(Duration::from_secs(120)))
         .unwrap();
-    write_request(
-        &mut sock,
-        "GET",
-        &format!("/files?path={}", q(&big)),
-        &[],
-        b"",
-    );
+    write_request(&mut sock, "GET", &files(&big), &[], b"");
     let mut r = BufReader::with_capacity(1 << 20, sock);
     let (status, headers) = read_head(&mut r);
     assert_eq!(status, 200);
@@ -1158,9 +1041,7 @@ type Request<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)], &'a [u8]);
 /// own text); the parts before it stay written, the later ones are not.
 #[test]
 fn one_upload_writes_a_path_once() {
-    let agent = Agent::start();
-    init_root(&agent, None);
-    let t = tempfile::tempdir().unwrap();
+    let (agent, t) = root_agent(None);
     let (a, b, c) = (t.path().join("a"), t.path().join("b"), t.path().join("c"));
     let (ct, body) = multipart(&[
         (&s(&a), b"first"),
@@ -1168,7 +1049,7 @@ fn one_upload_writes_a_path_once() {
         (&s(&a), b"second"),
         (&s(&c), b"later"),
     ]);
-    let r = agent.request("POST", "/files", &[("content-type", &ct)], &body);
+    let r = agent.post("/files", &ct, &body);
     assert_eq!(r.status, 400, "{r:?}");
     assert_eq!(
         r.json()["message"],
@@ -1187,12 +1068,8 @@ fn one_upload_writes_a_path_once() {
 /// still works with it; elsewhere it is refused as a missing token.
 #[test]
 fn an_empty_access_token_header_is_none() {
-    let agent = Agent::start();
-    let token = "tok_envd_secret";
-    init_root(&agent, Some(token));
-    let t = tempfile::tempdir().unwrap();
-    let f = t.path().join("s.txt");
-    std::fs::write(&f, b"signed").unwrap();
+    let (agent, _dir, f) = signed_setup();
+    let token = TOKEN;
     let sig = sign(&s(&f), "read", "", token, None);
     let empty = [("x-access-token", "")];
     let r = agent.request(
@@ -1206,7 +1083,7 @@ fn an_empty_access_token_header_is_none() {
         (200, &b"signed"[..]),
         "{r:?}"
     );
-    let r = agent.request("GET", &format!("/files?path={}", q(&f)), &empty, b"");
+    let r = agent.request("GET", &files(&f), &empty, b"");
     assert_eq!(r.status, 401);
     assert_eq!(r.json()["message"], "missing signature query parameter");
     let r = agent.unary(
@@ -1226,9 +1103,7 @@ fn an_upload_gives_an_existing_file_to_the_writing_user() {
         eprintln!("SKIPPED: needs root to own files for another user");
         return;
     }
-    let agent = Agent::start();
-    init_root(&agent, None);
-    let t = tempfile::tempdir().unwrap();
+    let (agent, t) = root_agent(None);
     std::fs::set_permissions(t.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
     // SAFETY: a NUL-terminated name; the entry is read at once.
     let nobody = unsafe { libc::getpwnam(c"nobody".as_ptr()).as_ref() }.expect("a nobody user");
@@ -1237,13 +1112,8 @@ fn an_upload_gives_an_existing_file_to_the_writing_user() {
     let shared = t.path().join("shared.txt");
     std::fs::write(&shared, b"root's old content").unwrap();
     std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o666)).unwrap();
-    let octet = [NOBODY, ("content-type", "application/octet-stream")];
-    let r = agent.request(
-        "POST",
-        &format!("/files?path={}", q(&shared)),
-        &octet,
-        b"new",
-    );
+    let octet = [NOBODY, OCTET];
+    let r = agent.request("POST", &files(&shared), &octet, b"new");
     assert_eq!(r.status, 200, "{r:?}");
     let md = std::fs::metadata(&shared).unwrap();
     assert_eq!((md.uid(), md.gid()), (uid, gid));
@@ -1252,12 +1122,7 @@ fn an_upload_gives_an_existing_file_to_the_writing_user() {
     let private = t.path().join("private.txt");
     std::fs::write(&private, b"root only").unwrap();
     std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o644)).unwrap();
-    let r = agent.request(
-        "POST",
-        &format!("/files?path={}", q(&private)),
-        &octet,
-        b"x",
-    );
+    let r = agent.request("POST", &files(&private), &octet, b"x");
     assert_eq!(r.status, 403, "{r:?}");
     assert_eq!(std::fs::metadata(&private).unwrap().uid(), 0);
     assert_eq!(std::fs::read(&private).unwrap(), b"root only");
@@ -1270,21 +1135,11 @@ fn an_upload_gives_an_existing_file_to_the_writing_user() {
 /// above once uploads chowned their file).
 #[test]
 fn an_upload_is_read_to_its_end_before_the_answer() {
-    let agent = Agent::start();
-    init_root(&agent, None);
-    let t = tempfile::tempdir().unwrap();
+    let (agent, t) = root_agent(None);
     let target = t.path().join("late-end.txt");
     let (content_type, body) = multipart(&[(&s(&target), b"hello")]);
-    let mut sock = agent.connect();
-    sock.set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    write!(
-        sock,
-        "POST /files HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\
-         Content-Type: {content_type}\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n",
-        body.len()
-    )
-    .unwrap();
+    let mut sock = chunked_upload(&agent, &content_type, Duration::from_secs(30));
+    write!(sock, "{:x}\r\n", body.len()).unwrap();
     sock.write_all(&body).unwrap();
     // The whole multipart body is there; its chunk's CRLF and the end are not.
     std::thread::sleep(Duration::from_millis(500));
@@ -1314,18 +1169,8 @@ fn bad_input_never_kills_the_agent() {
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
     let fifo_get = format!("/files?path={}", q(&fifo));
     let garbage: &[Request] = &[
-        (
-            "POST",
-            "/files?path=/dev/null/x",
-            &[("content-type", "application/octet-stream")],
-            b"x",
-        ),
-        (
-            "POST",
-            "/files?path=a&path=b",
-            &[("content-type", "application/octet-stream")],
-            b"x",
-        ),
+        ("POST", "/files?path=/dev/null/x", &[OCTET], b"x"),
+        ("POST", "/files?path=a&path=b", &[OCTET], b"x"),
         (
             "POST",
             "/files",
@@ -1342,29 +1187,24 @@ fn bad_input_never_kills_the_agent() {
         (
             "POST",
             "/filesystem.Filesystem/ListDir",
-            &[("content-type", "application/json")],
+            &[JSON],
             b"\"a string\"",
         ),
         (
             "POST",
             "/filesystem.Filesystem/ListDir",
-            &[("content-type", "application/json")],
+            &[JSON],
             b"{\"depth\":-1}",
         ),
         (
             "POST",
             "/filesystem.Filesystem/GetWatcherEvents",
-            &[("content-type", "application/json")],
+            &[JSON],
             b"{\"watcherId\":7}",
         ),
         ("GET", "/files?path=/dev/zero", &[], b""),
         ("GET", &fifo_get, &[], b""),
-        (
-            "POST",
-            &fifo_get,
-            &[("content-type", "application/octet-stream")],
-            b"x",
-        ),
+        ("POST", &fifo_get, &[OCTET], b"x"),
     ];
     for (method, path, headers, body) in garbage {
         let r = agent.request(method, path, headers, body);
@@ -1376,5 +1216,5 @@ fn bad_input_never_kills_the_agent() {
         );
     }
     assert!(agent.alive());
-    assert_eq!(agent.request("GET", "/health", &[], b"").status, 204);
+    assert_eq!(agent.get("/health", &[]).status, 204);
 }

@@ -270,6 +270,11 @@ fn unary_err(agent: &Agent, method: &str, body: Value) -> (u16, Value) {
     (r.status, r.json())
 }
 
+/// A SendSignal request: `signal` (a name or a number) to the `process` selected.
+fn signal(process: Value, signal: Value) -> Value {
+    json!({"process": process, "signal": signal})
+}
+
 /// Starts a process in the background; returns its pid and live stream.
 fn start_bg(agent: &Agent, headers: &[(&str, &str)], req: Value) -> (u64, LiveStream) {
     let mut live = LiveStream::open(agent.open_stream(START, headers, &req));
@@ -362,7 +367,7 @@ fn stdin_via_send_input_stream_input_and_close_stdin() {
     unary_ok(
         &agent,
         "SendSignal",
-        json!({"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"}),
+        signal(json!({"pid": pid}), json!("SIGNAL_SIGKILL")),
     );
     finish(&mut live);
 }
@@ -370,37 +375,21 @@ fn stdin_via_send_input_stream_input_and_close_stdin() {
 #[test]
 fn signals_and_unknown_pids() {
     let agent = Agent::start();
-    let (pid, mut live) = start_bg(
-        &agent,
-        &[],
-        json!({"process": {"cmd": "sleep", "args": ["30"]}}),
-    );
-    unary_ok(
-        &agent,
-        "SendSignal",
-        json!({"process": {"pid": pid}, "signal": "SIGNAL_SIGTERM"}),
-    );
-    let run = collect(&finish(&mut live));
-    assert_eq!(run.end["status"], "signal: terminated");
-    assert_eq!(run.end["exitCode"], -1);
+    // By name and by number.
+    for (sig, status) in [
+        (json!("SIGNAL_SIGTERM"), "signal: terminated"),
+        (json!(9), "signal: killed"),
+    ] {
+        let sleep = json!({"process": {"cmd": "sleep", "args": ["30"]}});
+        let (pid, mut live) = start_bg(&agent, &[], sleep);
+        unary_ok(&agent, "SendSignal", signal(json!({"pid": pid}), sig));
+        let run = collect(&finish(&mut live));
+        assert_eq!(run.end["status"], status);
+        assert_eq!(run.end["exitCode"], -1);
+    }
 
-    let (pid, mut live) = start_bg(
-        &agent,
-        &[],
-        json!({"process": {"cmd": "sleep", "args": ["30"]}}),
-    );
-    unary_ok(
-        &agent,
-        "SendSignal",
-        json!({"process": {"pid": pid}, "signal": 9}),
-    );
-    assert_eq!(collect(&finish(&mut live)).end["status"], "signal: killed");
-
-    let (status, e) = unary_err(
-        &agent,
-        "SendSignal",
-        json!({"process": {"pid": 999_999}, "signal": "SIGNAL_SIGKILL"}),
-    );
+    let kill = json!("SIGNAL_SIGKILL");
+    let (status, e) = unary_err(&agent, "SendSignal", signal(json!({"pid": 999_999}), kill));
     assert_eq!(status, 404);
     assert_eq!(
         e,
@@ -450,7 +439,7 @@ fn list_connect_by_pid_and_tag_and_background_processes() {
     unary_ok(
         &agent,
         "SendSignal",
-        json!({"process": {"tag": "server"}, "signal": "SIGNAL_SIGKILL"}),
+        signal(json!({"tag": "server"}), json!("SIGNAL_SIGKILL")),
     );
     for live in [&mut by_tag, &mut by_pid] {
         let msgs = finish(live);
@@ -573,43 +562,25 @@ fn access_token_is_required_once_set() {
     assert_eq!(r.json()["code"], 401);
     let run = start(&agent, &[("x-access-token", "tok")], sh("echo ok"));
     assert_eq!(run.stdout(), "ok\n");
-    assert_eq!(agent.request("GET", "/health", &[], b"").status, 204);
+    assert_eq!(agent.get("/health", &[]).status, 204);
 }
 
 #[test]
 fn bad_input_never_hurts_the_agent() {
     let mut agent = Agent::start();
     // Wrong content types.
-    let r = agent.request(
-        "POST",
-        START,
-        &[("content-type", "application/json")],
-        b"{}",
-    );
+    let r = agent.post(START, "application/json", b"{}");
     assert_eq!(r.status, 400);
     assert_eq!(r.json()["code"], "invalid_argument");
-    let r = agent.request(
-        "POST",
-        "/process.Process/List",
-        &[("content-type", "text/plain")],
-        b"{}",
-    );
+    let r = agent.post("/process.Process/List", "text/plain", b"{}");
     assert_eq!(r.status, 400);
     // Unknown method.
     let r = agent.unary("/process.Process/Frobnicate", &[], &json!({}));
     assert_eq!(r.status, 501);
     assert_eq!(r.json()["code"], "unimplemented");
     // Invalid JSON, unary and streamed.
-    let r = agent.request(
-        "POST",
-        "/process.Process/List",
-        &[("content-type", "application/json")],
-        b"{nope",
-    );
-    assert_eq!(
-        (r.status, r.json()["code"].as_str()),
-        (400, Some("invalid_argument"))
-    );
+    let r = agent.post("/process.Process/List", "application/json", b"{nope");
+    r.assert_error(400, "invalid_argument");
     let stream_headers = [("content-type", "application/connect+json")];
     let body = envd_proto::envelope::encode(0, b"{nope");
     let r = agent.request("POST", START, &stream_headers, &body);
@@ -642,7 +613,7 @@ fn bad_input_never_hurts_the_agent() {
     let (status, e) = unary_err(
         &agent,
         "SendSignal",
-        json!({"process": {"pid": "x"}, "signal": "SIGNAL_SIGKILL"}),
+        signal(json!({"pid": "x"}), json!("SIGNAL_SIGKILL")),
     );
     assert_eq!(
         (status, e["code"].as_str()),
@@ -651,14 +622,14 @@ fn bad_input_never_hurts_the_agent() {
     let (status, _) = unary_err(
         &agent,
         "SendSignal",
-        json!({"process": {"pid": 1}, "signal": "SIGNAL_SIGHUP"}),
+        signal(json!({"pid": 1}), json!("SIGNAL_SIGHUP")),
     );
     assert_eq!(status, 400);
     let r = agent.stream(START, &[], &json!({"process": {"cmd": ""}}));
     assert_eq!(stream_error(&r)["code"], "invalid_argument");
     // Still serving.
     assert!(agent.alive());
-    assert_eq!(agent.request("GET", "/health", &[], b"").status, 204);
+    assert_eq!(agent.get("/health", &[]).status, 204);
     let run = start(&agent, &[], sh("echo still"));
     assert_eq!(run.stdout(), "still\n");
 }

@@ -122,8 +122,9 @@ enum Command {
         density_max: usize,
         /// Only these SDK phases, comma-separated: create_to_first_command,
         /// fork16, fork100, guest_tcp, creates_concurrent, creates_concurrent16,
-        /// idle, rl, density, create_no_network (the creates again on a second
-        /// node started with --no-network) [default: all; `--only sdk` all but rl].
+        /// idle, rl, rl_group, density, create_no_network (the creates again on
+        /// a second node started with --no-network) [default: all; `--only sdk`
+        /// all but rl and rl_group].
         #[arg(long, value_name = "LIST")]
         sdk_phases: Option<String>,
         /// The rl part: children per branch (N), comma-separated.
@@ -137,6 +138,11 @@ enum Command {
         /// left are listed as not measured [default: 0, no bound].
         #[arg(long, value_name = "SECS", default_value_t = 0)]
         rl_budget: u64,
+        /// The rl part's fork per group: rollout group sizes (N),
+        /// comma-separated, each set up once and forked against set up per
+        /// child (`group_setup_fork_ms`, `group_setup_each_ms`).
+        #[arg(long, value_name = "LIST", default_value = "8,16")]
+        rl_groups: String,
         /// The whole bench at most this long: a part still running then is
         /// abandoned and the report printed with what was measured.
         #[arg(long, value_name = "SECS", default_value_t = 10_800)]
@@ -367,6 +373,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             rl_counts,
             rl_steps,
             rl_budget,
+            rl_groups,
             timeout,
             keep_logs,
             vmm_parts,
@@ -374,18 +381,21 @@ fn run(cli: Cli) -> Result<ExitCode> {
             if runs == 0 || sdk_runs == 0 {
                 bail!("--runs and --sdk-runs must be at least 1");
             }
-            for list in [&rl_counts, &rl_steps] {
+            for list in [&rl_counts, &rl_steps, &rl_groups] {
                 if list
                     .split(',')
                     .any(|x| x.trim().parse::<u32>().map_or(true, |v| v == 0))
                 {
-                    bail!("--rl-counts and --rl-steps are lists of positive numbers, not {list:?}");
+                    bail!(
+                        "--rl-counts, --rl-steps and --rl-groups are lists of positive numbers, \
+                         not {list:?}"
+                    );
                 }
             }
             let vmm_part = only.is_none() || only == Some(bench::Part::Vmm);
             // `--only sdk` leaves out the rl phase, `--only rl` runs it alone.
             let phases = match (only, sdk_phases) {
-                (Some(bench::Part::Rl), _) => Some("rl".to_owned()),
+                (Some(bench::Part::Rl), _) => Some(bench::sdk::RL_PHASES.to_owned()),
                 (_, Some(given)) => Some(given),
                 (Some(bench::Part::Sdk), None) => Some(bench::sdk::SDK_PHASES.to_owned()),
                 _ => None,
@@ -446,6 +456,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     rl_counts: &rl_counts,
                     rl_steps: &rl_steps,
                     rl_budget: Duration::from_secs(rl_budget),
+                    rl_groups: &rl_groups,
                     keep_logs: keep_logs.as_deref(),
                 }),
                 deadline: std::time::Instant::now() + Duration::from_secs(timeout),

@@ -9,7 +9,9 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use sandfork_lab::Environment;
 use server::node::capacity::{
-    CapacityConfig, DEFAULT_MEMORY_HEADROOM_MIB, DEFAULT_MIN_FREE_DISK_MIB, DEFAULT_VCPU_OVERCOMMIT,
+    CapacityConfig, DEFAULT_IMAGE_DISK_HIGH_PERCENT, DEFAULT_IMAGE_DISK_LOW_PERCENT,
+    DEFAULT_MEMORY_HEADROOM_MIB, DEFAULT_MIN_FREE_DISK_MIB, DEFAULT_VCPU_OVERCOMMIT,
+    ImageDiskWatermarks,
 };
 use server::node::config::{Config, DEFAULT_DATA_DIR};
 
@@ -279,6 +281,15 @@ struct CapacityArgs {
     /// Disk space on the data dir's filesystem that sandboxes never use.
     #[arg(long, value_name = "MIB", default_value_t = DEFAULT_MIN_FREE_DISK_MIB)]
     min_free_disk_mib: u64,
+    /// Above this use of the data dir's filesystem (percent, as df counts
+    /// it) templates converted from registry images that nothing uses are
+    /// evicted, least recently used first, and a new conversion is refused
+    /// (503 with Retry-After) while it stays above; 100: never.
+    #[arg(long, value_name = "PERCENT", default_value_t = DEFAULT_IMAGE_DISK_HIGH_PERCENT, value_parser = percent)]
+    image_disk_high_percent: f64,
+    /// The use evictions go down to (at most --image-disk-high-percent).
+    #[arg(long, value_name = "PERCENT", default_value_t = DEFAULT_IMAGE_DISK_LOW_PERCENT, value_parser = percent)]
+    image_disk_low_percent: f64,
 }
 
 impl CapacityArgs {
@@ -290,7 +301,21 @@ impl CapacityArgs {
             vcpus: self.node_vcpus,
             vcpu_overcommit: self.vcpu_overcommit,
             min_free_disk_mib: self.min_free_disk_mib,
+            image_disk: ImageDiskWatermarks {
+                high_percent: self.image_disk_high_percent,
+                low_percent: self.image_disk_low_percent,
+            },
         }
+    }
+
+    fn check(&self) -> Result<()> {
+        anyhow::ensure!(
+            self.image_disk_low_percent <= self.image_disk_high_percent,
+            "--image-disk-low-percent {} is above --image-disk-high-percent {}",
+            self.image_disk_low_percent,
+            self.image_disk_high_percent
+        );
+        Ok(())
     }
 
     /// The same flags, for the `serve` run inside the lab.
@@ -299,6 +324,8 @@ impl CapacityArgs {
             format!("--memory-headroom-mib={}", self.memory_headroom_mib),
             format!("--vcpu-overcommit={}", self.vcpu_overcommit),
             format!("--min-free-disk-mib={}", self.min_free_disk_mib),
+            format!("--image-disk-high-percent={}", self.image_disk_high_percent),
+            format!("--image-disk-low-percent={}", self.image_disk_low_percent),
         ];
         let optional = [
             ("node-memory-mib", self.node_memory_mib),
@@ -386,6 +413,7 @@ fn ratio(s: &str) -> Result<f64, String> {
 
 pub fn run(args: ServeArgs) -> Result<ExitCode> {
     args.cluster.check()?;
+    args.capacity.check()?;
     // A gateway runs no VMs: it needs no KVM, and so no lab.
     if args.cluster.role != Role::Gateway
         && !args.image.in_lab
@@ -692,6 +720,10 @@ mod tests {
             "2",
             "--min-free-disk-mib",
             "10",
+            "--image-disk-high-percent",
+            "50.5",
+            "--image-disk-low-percent",
+            "40",
         ])
         .unwrap();
         let config = args.config();
@@ -700,6 +732,12 @@ mod tests {
         assert_eq!(config.vcpus, Some(2));
         assert_eq!(config.reserve_memory_mib, None);
         assert_eq!(config.min_free_disk_mib, 10);
+        assert_eq!(config.image_disk.high_percent, 50.5);
+        assert_eq!(config.image_disk.low_percent, 40.0);
+        args.check().unwrap();
+        let inverted = parse(&["--image-disk-low-percent", "90"]).unwrap();
+        assert!(inverted.check().is_err(), "low above the default high");
+        assert!(parse(&["--image-disk-high-percent", "101"]).is_err());
         // What the lab's `serve` gets parses to the same.
         let again = args.to_args();
         let again: Vec<&str> = again.iter().map(String::as_str).collect();

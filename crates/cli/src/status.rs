@@ -60,5 +60,22 @@ pub async fn run(args: StatusArgs) -> Result<ExitCode> {
         n(&["diskMB", "total"]),
         n(&["diskMB", "minFree"])
     );
+    let f = |path: &[&str]| {
+        path.iter()
+            .try_fold(&info, |v, k| v.get(*k))
+            .and_then(Value::as_f64)
+            .unwrap_or(0.0)
+    };
+    println!(
+        "images     {} templates; disk {:.1} % used, evicting above {} % down to {} %; \
+         {} evicted ({} MiB), {} conversions refused",
+        n(&["diskMB", "images", "templates"]),
+        f(&["diskMB", "usedPercent"]),
+        f(&["diskMB", "images", "highWatermark"]),
+        f(&["diskMB", "images", "lowWatermark"]),
+        n(&["diskMB", "images", "evicted"]),
+        n(&["diskMB", "images", "evictedMB"]),
+        n(&["diskMB", "images", "refused"])
+    );
     Ok(ExitCode::SUCCESS)
 }

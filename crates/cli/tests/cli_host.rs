@@ -71,9 +71,7 @@ fn missing_key_says_how_to_log_in() {
 fn node_down_names_the_url_and_what_to_start() {
     let port = closed_port();
     let url = format!("http://127.0.0.1:{port}");
-    let cli = Cli::new()
-        .with("SANDFORK_API_URL", &url)
-        .with("SANDFORK_API_KEY", "e2b_test");
+    let cli = Cli::of_node(&url, "e2b_test");
     let want = format!(
         "sandfork: error: cannot reach the node at {url}: connection refused; is `sandfork serve` running?"
     );
@@ -92,17 +90,13 @@ fn node_down_names_the_url_and_what_to_start() {
 
 #[test]
 fn malformed_ids_and_urls_fail_before_any_request() {
-    let cli = Cli::new()
-        .with("SANDFORK_API_URL", "http://127.0.0.1:1")
-        .with("SANDFORK_API_KEY", "k");
+    let cli = Cli::of_node("http://127.0.0.1:1", "k");
     assert_eq!(
         cli.run(&["exec", "Not-An-Id", "--", "true"])
             .one_line_error(1),
         "sandfork: error: no sandbox Not-An-Id; `sandfork ls` lists them"
     );
-    let cli = Cli::new()
-        .with("SANDFORK_API_URL", "https://node.example")
-        .with("SANDFORK_API_KEY", "k");
+    let cli = Cli::of_node("https://node.example", "k");
     let line = cli.run(&["ls"]).one_line_error(1).to_owned();
     assert!(line.contains("is not an http:// URL"), "{line}");
 }
@@ -235,9 +229,7 @@ fn completions_and_help() {
 
 #[test]
 fn cp_needs_exactly_one_sandbox_side_and_run_a_terminal() {
-    let cli = Cli::new()
-        .with("SANDFORK_API_URL", "http://127.0.0.1:1")
-        .with("SANDFORK_API_KEY", "k");
+    let cli = Cli::of_node("http://127.0.0.1:1", "k");
     assert!(
         cli.run(&["cp", "a", "b"])
             .one_line_error(1)

@@ -25,9 +25,7 @@ fn node() -> Cli {
         .expect("SANDFORK_API_URL is not set: run these through scripts/cli-test.sh");
     let key = std::env::var("SANDFORK_API_KEY")
         .expect("SANDFORK_API_KEY is not set: run these through scripts/cli-test.sh");
-    Cli::new()
-        .with("SANDFORK_API_URL", &url)
-        .with("SANDFORK_API_KEY", &key)
+    Cli::of_node(&url, &key)
 }
 
 fn create(cli: &Cli, args: &[&str]) -> String {
@@ -52,6 +50,24 @@ impl Drop for Cleanup<'_> {
             let _ = self.0.run(&["rm", id]);
         }
     }
+}
+
+/// A sandbox for one test (created with `args`), removed when the guard drops.
+fn sandbox<'a>(cli: &'a Cli, args: &[&str]) -> (String, Cleanup<'a>) {
+    let id = create(cli, args);
+    (id.clone(), Cleanup(cli, vec![id]))
+}
+
+/// `sh -c script` in the sandbox `id`: its output, once it succeeded.
+fn sh(cli: &Cli, id: &str, script: &str) -> String {
+    cli.run(&["exec", id, "--", "sh", "-c", script])
+        .ok()
+        .to_owned()
+}
+
+/// The one line of `args`' error, once it failed with exit code 1.
+fn error_line(cli: &Cli, args: &[&str]) -> String {
+    cli.run(args).one_line_error(1).to_owned()
 }
 
 fn ls_ids(cli: &Cli, args: &[&str]) -> Vec<String> {
@@ -235,10 +251,7 @@ fn create_exec_ls_rm() {
     ] {
         assert_eq!(cli.run(args).one_line_error(1), want, "{args:?}");
     }
-    let line = cli
-        .run(&["create", "no-such-template"])
-        .one_line_error(1)
-        .to_owned();
+    let line = error_line(&cli, &["create", "no-such-template"]);
     assert_eq!(
         line,
         "sandfork: error: no template no-such-template; `sandfork template ls` lists them"
@@ -249,30 +262,22 @@ fn create_exec_ls_rm() {
 #[ignore = "lab: needs a node (scripts/cli-test.sh)"]
 fn pause_resume_fork_snapshot() {
     let cli = node();
-    let id = create(&cli, &["--metadata", "suite=cli"]);
-    let mut cleanup = Cleanup(&cli, vec![id.clone()]);
-    cli.run(&["exec", &id, "--", "sh", "-c", "echo parent > ~/mark"])
-        .ok();
+    let (id, mut cleanup) = sandbox(&cli, &["--metadata", "suite=cli"]);
+    sh(&cli, &id, "echo parent > ~/mark");
 
     assert_eq!(cli.run(&["pause", &id]).ok(), format!("{id}\n"));
     assert!(ls_ids(&cli, &["--state", "paused"]).contains(&id));
-    let line = cli
-        .run(&["exec", &id, "--", "true"])
-        .one_line_error(1)
-        .to_owned();
+    let line = error_line(&cli, &["exec", &id, "--", "true"]);
     assert_eq!(
         line,
         format!("sandfork: error: sandbox {id} is paused; `sandfork resume {id}` first")
     );
-    let line = cli.run(&["pause", &id]).one_line_error(1).to_owned();
+    let line = error_line(&cli, &["pause", &id]);
     assert!(line.contains("already paused"), "{line}");
     assert_eq!(cli.run(&["resume", &id]).ok(), format!("{id}\n"));
-    let line = cli.run(&["resume", &id]).one_line_error(1).to_owned();
+    let line = error_line(&cli, &["resume", &id]);
     assert!(line.contains("already running"), "{line}");
-    assert_eq!(
-        cli.run(&["exec", &id, "--", "sh", "-c", "cat ~/mark"]).ok(),
-        "parent\n"
-    );
+    assert_eq!(sh(&cli, &id, "cat ~/mark"), "parent\n");
 
     // fork: one id per line, each child has the parent's file and its own.
     let r = cli.run(&["fork", &id, "-n", "2"]);
@@ -280,24 +285,10 @@ fn pause_resume_fork_snapshot() {
     cleanup.1.extend(children.clone());
     assert_eq!(children.len(), 2, "{}", r.stdout);
     for (i, c) in children.iter().enumerate() {
-        assert_eq!(
-            cli.run(&["exec", c, "--", "sh", "-c", "cat ~/mark"]).ok(),
-            "parent\n"
-        );
-        cli.run(&[
-            "exec",
-            c,
-            "--",
-            "sh",
-            "-c",
-            &format!("echo child{i} > ~/mark"),
-        ])
-        .ok();
+        assert_eq!(sh(&cli, c, "cat ~/mark"), "parent\n");
+        sh(&cli, c, &format!("echo child{i} > ~/mark"));
     }
-    assert_eq!(
-        cli.run(&["exec", &id, "--", "sh", "-c", "cat ~/mark"]).ok(),
-        "parent\n"
-    );
+    assert_eq!(sh(&cli, &id, "cat ~/mark"), "parent\n");
     // --json: the node's answer, one {"sandbox": ...} per child.
     let r = cli.run(&["fork", &children[0], "-n", "1", "--json"]);
     let answer = r.json();
@@ -306,11 +297,7 @@ fn pause_resume_fork_snapshot() {
         .unwrap()
         .to_owned();
     cleanup.1.push(grandchild.clone());
-    assert_eq!(
-        cli.run(&["exec", &grandchild, "--", "sh", "-c", "cat ~/mark"])
-            .ok(),
-        "child0\n"
-    );
+    assert_eq!(sh(&cli, &grandchild, "cat ~/mark"), "child0\n");
 
     // snapshot --name, then sandboxes from it; the snapshot goes with template rm.
     let name = format!("cli-snap-{}", std::process::id());
@@ -319,15 +306,8 @@ fn pause_resume_fork_snapshot() {
     assert!(!snap.is_empty());
     let from = create(&cli, &[&name]);
     cleanup.1.push(from.clone());
-    assert_eq!(
-        cli.run(&["exec", &from, "--", "sh", "-c", "cat ~/mark"])
-            .ok(),
-        "parent\n"
-    );
-    let line = cli
-        .run(&["snapshot", &id, "--name", &name])
-        .one_line_error(1)
-        .to_owned();
+    assert_eq!(sh(&cli, &from, "cat ~/mark"), "parent\n");
+    let line = error_line(&cli, &["snapshot", &id, "--name", &name]);
     assert!(line.contains("409"), "{line}");
     let r = cli.run(&["snapshot", &id, "--json"]);
     let s = r.json();
@@ -347,8 +327,7 @@ fn pause_resume_fork_snapshot() {
 #[ignore = "lab: needs a node (scripts/cli-test.sh)"]
 fn logs_print_and_follow() {
     let cli = node();
-    let id = create(&cli, &["--metadata", "suite=cli"]);
-    let _cleanup = Cleanup(&cli, vec![id.clone()]);
+    let (id, _cleanup) = sandbox(&cli, &["--metadata", "suite=cli"]);
     let r = cli.run(&["logs", &id]);
     assert!(!r.ok().is_empty(), "no log lines");
     let r = cli.run(&["logs", &id, "--json"]);
@@ -414,8 +393,7 @@ fn wait_timeout(child: &mut std::process::Child, limit: Duration) -> std::proces
 #[ignore = "lab: needs a node (scripts/cli-test.sh)"]
 fn cp_streams_large_files_both_ways() {
     let cli = node();
-    let id = create(&cli, &["--metadata", "suite=cli"]);
-    let _cleanup = Cleanup(&cli, vec![id.clone()]);
+    let (id, _cleanup) = sandbox(&cli, &["--metadata", "suite=cli"]);
     let dir = tempfile::tempdir().unwrap();
     let big = dir.path().join("big.bin");
     // 24 MiB of varied bytes (not compressible to nothing).
@@ -471,10 +449,10 @@ fn cp_streams_large_files_both_ways() {
         "through a pipe\n"
     );
     // A missing file: one line.
-    let line = cli
-        .run(&["cp", &format!("{id}:/no/such/file"), back.to_str().unwrap()])
-        .one_line_error(1)
-        .to_owned();
+    let line = error_line(
+        &cli,
+        &["cp", &format!("{id}:/no/such/file"), back.to_str().unwrap()],
+    );
     assert!(
         line.contains("404") || line.contains("no such file"),
         "{line}"
@@ -485,17 +463,8 @@ fn cp_streams_large_files_both_ways() {
 #[ignore = "lab: needs a node (scripts/cli-test.sh)"]
 fn template_build_from_a_sandbox_ls_rm() {
     let cli = node();
-    let id = create(&cli, &["--metadata", "suite=cli"]);
-    let mut cleanup = Cleanup(&cli, vec![id.clone()]);
-    cli.run(&[
-        "exec",
-        &id,
-        "--",
-        "sh",
-        "-c",
-        "echo built > ~/from-template",
-    ])
-    .ok();
+    let (id, mut cleanup) = sandbox(&cli, &["--metadata", "suite=cli"]);
+    sh(&cli, &id, "echo built > ~/from-template");
     let name = format!("cli-tmpl-{}", std::process::id());
     let r = cli.run(&["template", "build", &name, "--from-sandbox", &id]);
     let template = r.ok().trim().to_owned();
@@ -527,25 +496,18 @@ fn template_build_from_a_sandbox_ls_rm() {
     }
     let from = create(&cli, &[&name]);
     cleanup.1.push(from.clone());
-    assert_eq!(
-        cli.run(&["exec", &from, "--", "sh", "-c", "cat ~/from-template"])
-            .ok(),
-        "built\n"
-    );
+    assert_eq!(sh(&cli, &from, "cat ~/from-template"), "built\n");
     drop(cleanup);
     assert_eq!(
         cli.run(&["template", "rm", &name]).ok(),
         format!("{name}\n")
     );
-    let line = cli
-        .run(&["template", "rm", &name])
-        .one_line_error(1)
-        .to_owned();
+    let line = error_line(&cli, &["template", "rm", &name]);
     assert!(line.contains(&format!("no template {name}")), "{line}");
-    let line = cli
-        .run(&["template", "build", "x", "--from-sandbox", "nosuchsandbox0"])
-        .one_line_error(1)
-        .to_owned();
+    let line = error_line(
+        &cli,
+        &["template", "build", "x", "--from-sandbox", "nosuchsandbox0"],
+    );
     assert!(line.contains("no sandbox nosuchsandbox0"), "{line}");
 }
 
@@ -736,8 +698,7 @@ fn run_gives_a_shell_that_follows_the_terminal_size() {
 #[ignore = "lab: needs a node (scripts/cli-test.sh)"]
 fn exec_tty_attaches_to_an_existing_sandbox() {
     let cli = node();
-    let id = create(&cli, &["--metadata", "suite=cli"]);
-    let _cleanup = Cleanup(&cli, vec![id.clone()]);
+    let (id, _cleanup) = sandbox(&cli, &["--metadata", "suite=cli"]);
     let dir = tempfile::tempdir().unwrap();
     let exit_file = dir.path().join("exit");
     let tmux = Tmux::start(&cli, &["exec", "-t", &id, "--", "sh"], &exit_file);
@@ -754,8 +715,7 @@ fn exec_tty_attaches_to_an_existing_sandbox() {
 #[ignore = "lab: needs a node (scripts/cli-test.sh)"]
 fn tables_and_summaries_on_a_terminal() {
     let cli = node();
-    let id = create(&cli, &["--metadata", "suite=cli-table"]);
-    let _cleanup = Cleanup(&cli, vec![id.clone()]);
+    let (id, _cleanup) = sandbox(&cli, &["--metadata", "suite=cli-table"]);
     let dir = tempfile::tempdir().unwrap();
 
     let exit_file = dir.path().join("ls");
@@ -833,8 +793,7 @@ fn template_build_from_an_oci_layout_streams_its_log() {
     );
     assert!(log.last().unwrap().starts_with(&format!("built {name}")));
 
-    let id = create(&cli, &[&name]);
-    let cleanup = Cleanup(&cli, vec![id.clone()]);
+    let (id, cleanup) = sandbox(&cli, &[&name]);
     let r = cli.run(&["exec", &id, "--user", "root", "--", "cat", "/etc/marker"]);
     assert_eq!(r.ok(), oci::MARKER);
     let r = cli.run(&["exec", &id, "--user", "root", "--", "pidof", "sleep"]);
@@ -879,9 +838,7 @@ fn teams_and_keys() {
     assert!(key.starts_with("e2b_") && key.len() == 44, "{key:?}");
 
     let url = std::env::var("SANDFORK_API_URL").unwrap();
-    let member = Cli::new()
-        .with("SANDFORK_API_URL", &url)
-        .with("SANDFORK_API_KEY", &key);
+    let member = Cli::of_node(&url, &key);
     // Its own (empty) list; at its limit of none, a create is refused.
     assert_eq!(ls_ids(&member, &["--json"]), Vec::<String>::new());
     let refused = member.run(&["create"]);

@@ -9,21 +9,11 @@
     reason = "a test: a failure is a panic with its message"
 )]
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod common;
 
-fn deploy_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy")
-}
+use std::path::Path;
 
-fn serve_help() -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_sandfork"))
-        .args(["serve", "--help"])
-        .output()
-        .expect("run sandfork serve --help");
-    assert!(out.status.success());
-    String::from_utf8(out.stdout).expect("help is UTF-8")
-}
+use common::Cli;
 
 /// The `--flag` words of `text`'s `sandfork serve` command lines: a unit's
 /// ExecStart, or a manifest's `- --flag` argument items.
@@ -50,10 +40,11 @@ fn flags(text: &str) -> Vec<String> {
 
 #[test]
 fn deployment_files_use_only_flags_serve_has() {
-    let help = serve_help();
+    let help = Cli::new().run(&["serve", "--help"]).ok().to_owned();
+    let deploy = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy");
     let mut checked = 0;
     for sub in ["systemd", "kubernetes"] {
-        for entry in std::fs::read_dir(deploy_dir().join(sub)).expect("deploy dir") {
+        for entry in std::fs::read_dir(deploy.join(sub)).expect("deploy dir") {
             let path = entry.expect("dir entry").path();
             let text = std::fs::read_to_string(&path).expect("read deploy file");
             for flag in flags(&text) {

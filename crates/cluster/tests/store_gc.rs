@@ -85,25 +85,20 @@ async fn a_pass_removes_what_no_manifest_names_and_keeps_what_one_does() {
     .await
     .unwrap();
 
-    let (base, _) = files::upload(&store, &file(dir, "base.mem", 0x10, 2))
-        .await
-        .unwrap();
-    let (snap, _) = files::upload(&store, &file(dir, "snap.mem", 0x20, 2))
-        .await
-        .unwrap();
-    let (paused, _) = files::upload(&store, &file(dir, "a.mem", 0x30, 1))
-        .await
-        .unwrap();
-    let (resumed, _) = files::upload(&store, &file(dir, "b.mem", 0x40, 1))
-        .await
-        .unwrap();
-    let (killed, _) = files::upload(&store, &file(dir, "c.mem", 0x50, 1))
-        .await
-        .unwrap();
+    // A file of `chunks` chunks from `byte` on, stored.
+    let upload = async |name: &str, byte: u8, chunks: u8| {
+        files::upload(&store, &file(dir, name, byte, chunks))
+            .await
+            .unwrap()
+            .0
+    };
+    let base = upload("base.mem", 0x10, 2).await;
+    let snap = upload("snap.mem", 0x20, 2).await;
+    let paused = upload("a.mem", 0x30, 1).await;
+    let resumed = upload("b.mem", 0x40, 1).await;
+    let killed = upload("c.mem", 0x50, 1).await;
     // A chunk the snapshot shares with the pause that stays.
-    let (shared, _) = files::upload(&store, &file(dir, "shared.layer", 0x60, 1))
-        .await
-        .unwrap();
+    let shared = upload("shared.layer", 0x60, 1).await;
     let put = async |key: &str, value: serde_json::Value| {
         files::put_json(&store, key, &value).await.unwrap();
     };

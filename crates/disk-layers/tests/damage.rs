@@ -13,7 +13,7 @@ mod common;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use common::{assert_content, base_image, read_all};
+use common::{assert_content, base_image, fill, layer_on_base, read_all};
 use disk_layers::{Error, LayeredDisk, compact, compact_temp_path, unreferenced};
 
 /// base.img <- s1 <- s2 <- top, with something written in each layer.
@@ -22,43 +22,52 @@ fn chain(d: &Path) -> (LayeredDisk, Vec<u8>) {
     let disk = LayeredDisk::create(&base, &d.join("s1")).unwrap();
     for (i, next) in ["s2", "top"].iter().enumerate() {
         let off = 1000 + i * 10_000;
-        disk.write_at(&[i as u8 + 1; 6000], off as u64).unwrap();
-        model[off..off + 6000].fill(i as u8 + 1);
+        fill(&disk, &mut model, off, 6000, i as u8 + 1);
         disk.seal_and_branch(&d.join(next), &[]).unwrap();
     }
     (disk, model)
 }
 
+/// [`chain`] in a new directory, closed: its files and the model of its content.
+fn closed_chain() -> (tempfile::TempDir, Vec<u8>) {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, model) = chain(dir.path());
+    (dir, model)
+}
+
+fn open_rw(path: &Path) -> std::fs::File {
+    std::fs::OpenOptions::new().write(true).open(path).unwrap()
+}
+
 fn poke(path: &Path, at: u64, bytes: &[u8]) {
-    let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
-    f.write_all_at(bytes, at).unwrap();
+    open_rw(path).write_all_at(bytes, at).unwrap();
 }
 
 fn open_err(top: &Path) -> Error {
     LayeredDisk::open(top).expect_err("open should fail")
 }
 
+/// Asserts that opening `path` fails with an error matching the pattern.
+macro_rules! assert_open_err {
+    ($path:expr, $($pattern:tt)+) => {{
+        let err = open_err($path);
+        assert!(matches!(&err, $($pattern)+), "{err}");
+    }};
+}
+
 #[test]
 fn both_header_slots_damaged_is_corrupt_header() {
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, _) = closed_chain();
     let d = dir.path();
-    let (disk, _) = chain(d);
-    drop(disk);
     poke(&d.join("s2"), 20, &[0xff; 4]);
     poke(&d.join("s2"), 4096 + 20, &[0xff; 4]);
-    let err = open_err(&d.join("top"));
-    assert!(
-        matches!(&err, Error::CorruptHeader { path, reason } if path.ends_with("s2") && reason.contains("checksum")),
-        "{err}"
-    );
+    assert_open_err!(&d.join("top"), Error::CorruptHeader { path, reason } if path.ends_with("s2") && reason.contains("checksum"));
 }
 
 #[test]
 fn one_damaged_slot_falls_back_to_the_other() {
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, model) = closed_chain();
     let d = dir.path();
-    let (disk, model) = chain(d);
-    drop(disk);
     // s2 was created in slot 1 (generation 1) and sealed in slot 0 (generation 2):
     // the older, unsealed slot is the one damaged, so nothing changes.
     poke(&d.join("s2"), 4096 + 20, &[0xff; 4]);
@@ -70,107 +79,61 @@ fn one_damaged_slot_falls_back_to_the_other() {
 fn a_not_a_layer_file_or_no_file_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let (base, _) = base_image(dir.path(), "base.img", 64 * 1024);
-    let err = open_err(&base);
-    assert!(
-        matches!(&err, Error::CorruptHeader { reason, .. } if reason.contains("magic")),
-        "{err}"
-    );
-    let err = open_err(&dir.path().join("nope"));
-    assert!(matches!(err, Error::NotFound { .. }), "{err}");
+    assert_open_err!(&base, Error::CorruptHeader { reason, .. } if reason.contains("magic"));
+    assert_open_err!(&dir.path().join("nope"), Error::NotFound { .. });
 }
 
 #[test]
 fn truncated_layer_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, _) = closed_chain();
     let d = dir.path();
-    let (disk, _) = chain(d);
-    drop(disk);
-    let f = std::fs::OpenOptions::new()
-        .write(true)
-        .open(d.join("s1"))
-        .unwrap();
+    let f = open_rw(&d.join("s1"));
     let len = f.metadata().unwrap().len();
     f.set_len(len - 4096).unwrap();
-    let err = open_err(&d.join("top"));
-    assert!(
-        matches!(&err, Error::Truncated { path, expected, actual } if path.ends_with("s1") && *expected == len && *actual == len - 4096),
-        "{err}"
-    );
+    assert_open_err!(&d.join("top"), Error::Truncated { path, expected, actual } if path.ends_with("s1") && *expected == len && *actual == len - 4096);
     // Cut into the header itself.
     f.set_len(100).unwrap();
-    let err = open_err(&d.join("top"));
-    assert!(matches!(err, Error::CorruptHeader { .. }), "{err}");
+    assert_open_err!(&d.join("top"), Error::CorruptHeader { .. });
 }
 
 #[test]
 fn missing_parent_is_named() {
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, _) = closed_chain();
     let d = dir.path();
-    let (disk, _) = chain(d);
-    drop(disk);
     std::fs::rename(d.join("s1"), d.join("elsewhere")).unwrap();
-    let err = open_err(&d.join("top"));
-    assert!(
-        matches!(&err, Error::MissingParent { layer, parent } if layer.ends_with("s2") && parent.ends_with("s1")),
-        "{err}"
-    );
+    assert_open_err!(&d.join("top"), Error::MissingParent { layer, parent } if layer.ends_with("s2") && parent.ends_with("s1"));
     std::fs::rename(d.join("elsewhere"), d.join("s1")).unwrap();
     std::fs::remove_file(d.join("base.img")).unwrap();
-    let err = open_err(&d.join("top"));
-    assert!(
-        matches!(&err, Error::MissingParent { layer, parent } if layer.ends_with("s1") && parent.ends_with("base.img")),
-        "{err}"
-    );
+    assert_open_err!(&d.join("top"), Error::MissingParent { layer, parent } if layer.ends_with("s1") && parent.ends_with("base.img"));
 }
 
 #[test]
 fn swapped_parent_or_resized_base_is_a_mismatch() {
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, _) = closed_chain();
     let d = dir.path();
-    let (disk, _) = chain(d);
-    drop(disk);
     // Another sealed layer of the same geometry put where s2 was.
     let other = LayeredDisk::create(&d.join("s1"), &d.join("other")).unwrap();
     other.seal_and_branch(&d.join("other-top"), &[]).unwrap();
     drop(other);
     std::fs::rename(d.join("other"), d.join("s2")).unwrap();
-    let err = open_err(&d.join("top"));
-    assert!(
-        matches!(&err, Error::ParentMismatch { layer, .. } if layer.ends_with("top")),
-        "{err}"
-    );
+    assert_open_err!(&d.join("top"), Error::ParentMismatch { layer, .. } if layer.ends_with("top"));
 
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, _) = closed_chain();
     let d = dir.path();
-    let (disk, _) = chain(d);
-    drop(disk);
-    let f = std::fs::OpenOptions::new()
-        .write(true)
-        .open(d.join("base.img"))
-        .unwrap();
+    let f = open_rw(&d.join("base.img"));
     f.set_len(128 * 1024).unwrap();
-    let err = open_err(&d.join("top"));
-    assert!(
-        matches!(&err, Error::ParentMismatch { found, .. } if found.contains("131072")),
-        "{err}"
-    );
+    assert_open_err!(&d.join("top"), Error::ParentMismatch { found, .. } if found.contains("131072"));
 }
 
 #[test]
 fn flipped_bitmap_bit_in_a_sealed_layer_is_corrupt_bitmap() {
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, _) = closed_chain();
     let d = dir.path();
-    let (disk, _) = chain(d);
-    drop(disk);
     let f = std::fs::File::open(d.join("s2")).unwrap();
     let mut b = [0u8; 1];
     f.read_exact_at(&mut b, 8192 + 1).unwrap();
     poke(&d.join("s2"), 8192 + 1, &[b[0] ^ 0x10]);
-    let err = open_err(&d.join("top"));
-    assert!(
-        matches!(&err, Error::CorruptBitmap { path, reason } if path.ends_with("s2") && reason.contains("checksum")),
-        "{err}"
-    );
+    assert_open_err!(&d.join("top"), Error::CorruptBitmap { path, reason } if path.ends_with("s2") && reason.contains("checksum"));
 }
 
 #[test]
@@ -236,8 +199,7 @@ fn a_failed_branch_leaves_the_disk_writable_and_no_new_files() {
         .unwrap_err();
     assert!(matches!(err, Error::Exists { .. }), "{err}");
     assert!(!d.join("next").exists() && !d.join("kid").exists());
-    disk.write_at(&[5; 10], 0).unwrap();
-    model[..10].fill(5);
+    fill(&disk, &mut model, 0, 10, 5);
     drop(disk);
     let disk = LayeredDisk::open(&d.join("top")).unwrap();
     assert!(!disk.is_read_only());
@@ -261,19 +223,14 @@ fn assert_between(got: &[u8], flushed: &[u8], latest: &[u8], what: &str) {
 
 #[test]
 fn a_crash_keeps_everything_flushed() {
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, disk, mut model) = layer_on_base("top", 64 * 1024);
     let d = dir.path();
-    let (base, mut model) = base_image(d, "base.img", 64 * 1024);
-    let disk = LayeredDisk::create(&base, &d.join("top")).unwrap();
-    disk.write_at(&[1; 4 * 4096], 0).unwrap();
-    model[..4 * 4096].fill(1);
+    fill(&disk, &mut model, 0, 4 * 4096, 1);
     disk.flush().unwrap();
     let flushed = model.clone();
     // After the flush: overwrite flushed clusters, fill new ones, copy one up.
-    disk.write_at(&[2; 4 * 4096], 2 * 4096).unwrap();
-    model[2 * 4096..6 * 4096].fill(2);
-    disk.write_at(&[3; 100], 8 * 4096 + 7).unwrap();
-    model[8 * 4096 + 7..8 * 4096 + 107].fill(3);
+    fill(&disk, &mut model, 2 * 4096, 4 * 4096, 2);
+    fill(&disk, &mut model, 8 * 4096 + 7, 100, 3);
     assert_content(&disk, &model, "before the crash");
     // A crash: the process dies without flushing or closing.
     std::mem::forget(disk);
@@ -286,12 +243,9 @@ fn a_crash_keeps_everything_flushed() {
 
 #[test]
 fn a_crash_before_the_seal_header_leaves_the_old_top_writable() {
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, disk, mut model) = layer_on_base("top", 64 * 1024);
     let d = dir.path();
-    let (base, mut model) = base_image(d, "base.img", 64 * 1024);
-    let disk = LayeredDisk::create(&base, &d.join("top")).unwrap();
-    disk.write_at(&[1; 5000], 3000).unwrap();
-    model[3000..8000].fill(1);
+    fill(&disk, &mut model, 3000, 5000, 1);
     disk.flush().unwrap();
     let before_seal = std::fs::read(d.join("top")).unwrap();
     let _kids = disk
@@ -320,10 +274,8 @@ fn a_crash_before_the_seal_header_leaves_the_old_top_writable() {
 
 #[test]
 fn a_torn_seal_header_falls_back_to_the_unsealed_one() {
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, disk, _) = layer_on_base("top", 64 * 1024);
     let d = dir.path();
-    let (base, _) = base_image(d, "base.img", 64 * 1024);
-    let disk = LayeredDisk::create(&base, &d.join("top")).unwrap();
     disk.write_at(&[1; 5000], 3000).unwrap();
     let _ = disk.seal_and_branch(&d.join("next"), &[]).unwrap();
     let model = read_all(&disk);
@@ -333,16 +285,13 @@ fn a_torn_seal_header_falls_back_to_the_unsealed_one() {
     let old = LayeredDisk::open(&d.join("top")).unwrap();
     assert!(!old.is_read_only());
     assert_content(&old, &model, "unsealed top after a torn seal");
-    let err = open_err(&d.join("next"));
-    assert!(matches!(err, Error::ParentNotSealed { .. }), "{err}");
+    assert_open_err!(&d.join("next"), Error::ParentNotSealed { .. });
 }
 
 #[test]
 fn a_crash_during_compaction_leaves_the_chain_intact() {
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, model) = closed_chain();
     let d = dir.path();
-    let (disk, model) = chain(d);
-    drop(disk);
     // A compaction that died half-way through writing its temporary file.
     let tmp = compact_temp_path(&d.join("s2"));
     let half = std::fs::read(d.join("s1")).unwrap();

@@ -11,17 +11,14 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::{Rng, allocated_bytes, assert_content, base_image};
+use common::{Rng, allocated_bytes, assert_content, base_image, fill, layer_on_base};
 use disk_layers::{LayeredDisk, chain_files, compact, unreferenced};
 
 #[test]
 fn sixteen_children_share_a_sealed_layer_and_diverge() {
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, parent, mut model) = layer_on_base("p0", 256 * 1024);
     let d = dir.path();
-    let (base, mut model) = base_image(d, "base.img", 256 * 1024);
-    let parent = LayeredDisk::create(&base, &d.join("p0")).unwrap();
-    parent.write_at(&[0xaa; 10_000], 5_000).unwrap();
-    model[5_000..15_000].fill(0xaa);
+    fill(&parent, &mut model, 5_000, 10_000, 0xaa);
 
     let kids: Vec<PathBuf> = (0..16).map(|i| d.join(format!("child{i}"))).collect();
     let children = parent.seal_and_branch(&d.join("p1"), &kids).unwrap();
@@ -39,11 +36,9 @@ fn sixteen_children_share_a_sealed_layer_and_diverge() {
             &format!("disk {i} right after the branch"),
         );
         assert_eq!(disk.depth(), 2);
-        disk.write_at(&[i as u8; 4096], 8192).unwrap();
-        models[i][8192..12288].fill(i as u8);
+        fill(disk, &mut models[i], 8192, 4096, i as u8);
         let own = 20_000 + i as u64 * 9_000;
-        disk.write_at(&[0x40 + i as u8; 100], own).unwrap();
-        models[i][own as usize..own as usize + 100].fill(0x40 + i as u8);
+        fill(disk, &mut models[i], own as usize, 100, 0x40 + i as u8);
     }
     for (i, disk) in all.iter().enumerate() {
         assert_content(disk, &models[i], &format!("disk {i} after diverging"));
@@ -132,10 +127,8 @@ fn thirty_layers_compact_to_one_with_the_same_content() {
 
 #[test]
 fn compacting_a_writable_layer_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let (base, _) = base_image(dir.path(), "base.img", 8192);
+    let (dir, _disk, _) = layer_on_base("top", 8192);
     let top = dir.path().join("top");
-    let _disk = LayeredDisk::create(&base, &top).unwrap();
     let err = compact(&top, 2).unwrap_err();
     assert!(matches!(err, disk_layers::Error::NotSealed { .. }), "{err}");
 }
@@ -194,11 +187,9 @@ fn only_written_clusters_cost_space_over_a_2_gib_base() {
 
 #[test]
 fn threads_read_write_and_flush_one_disk_at_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
     let region = 96 * 1024u64;
-    let (base, model) = base_image(d, "base.img", 4 * region);
-    let disk = LayeredDisk::create(&base, &d.join("top")).unwrap();
+    let (dir, disk, model) = layer_on_base("top", 4 * region);
+    let d = dir.path();
     let stop = std::sync::atomic::AtomicBool::new(false);
     let models: Vec<Vec<u8>> = std::thread::scope(|s| {
         let flusher = s.spawn(|| {

@@ -143,9 +143,9 @@ pub struct LabConfig {
     /// (PR_SET_PDEATHSIG), so a killed caller leaves no machine behind. Only
     /// for callers that spawn from a thread outliving the run, e.g. `main`.
     pub die_with_parent: bool,
-    /// Nudge the emulator when the machine's heartbeat stops (see
-    /// `stall.rs`); false (the default) only reports the stalls: nudges
-    /// were seen not to end the lab's livelock.
+    /// Send the machine a device interrupt when its heartbeat stops (see
+    /// `stall.rs`): it delivers the timer interrupt the emulator left
+    /// pending. False only reports the stalls.
     pub nudge_stalls: bool,
 }
 
@@ -167,7 +167,7 @@ impl Default for LabConfig {
             root_cache: RootCache::Loose,
             console_log: None,
             die_with_parent: false,
-            nudge_stalls: false,
+            nudge_stalls: true,
         }
     }
 }

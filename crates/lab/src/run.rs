@@ -14,7 +14,7 @@ use crate::error::{LabError, Result};
 use crate::job::{GuestStatus, job_script};
 use crate::prepare::{LabPaths, prepare};
 use crate::qemu::{MachineFiles, QEMU, qemu_args};
-use crate::stall::{BEAT, StallEvent, StallWatch};
+use crate::stall::{BEAT, NUDGE, StallEvent, StallWatch};
 
 /// How long QEMU may take to power off after the command has ended.
 const POWEROFF_GRACE: Duration = Duration::from_secs(30);
@@ -396,11 +396,8 @@ impl LabChild {
             }
             if let Some(event) = self.stall.poll(Instant::now()) {
                 eprintln!("{event}");
-                if let StallEvent::Stalled {
-                    nudge: Some(nudge), ..
-                } = event
-                {
-                    self.monitor(nudge.monitor_commands());
+                if let StallEvent::Stalled { nudged: true, .. } = event {
+                    self.monitor(NUDGE);
                 }
             }
             if self.status.exit_code.is_some() && exit_seen.is_none() {
@@ -461,7 +458,7 @@ impl LabChild {
     /// in the emulator).
     fn diagnose(&mut self) -> String {
         let guest = self.guest_diagnostics();
-        let cpu = self.monitor(&["info registers", "info cpus"]);
+        let cpu = self.monitor(&["info registers", "info cpus", "info lapic"]);
         format!("{guest}--- lab CPU (QEMU monitor)\n{cpu}")
     }
 

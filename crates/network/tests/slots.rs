@@ -418,13 +418,15 @@ fn start_reclaims_stale_slots_and_adopts_running_ones() {
     let running = pool.take(&EgressPolicy::default()).unwrap();
     let running_id = running.id();
     let _leaked = pool.take(&EgressPolicy::default()).unwrap(); // its sandbox died in the crash
-    // A crash: the process goes without cleaning anything. A crash also
-    // stops the pool's filler, which forgetting the pool does not: it is
-    // let refill first, or a slot it makes later is a stale one the restart
-    // below never saw (seen: an extra sfv-6 at the end).
+    // A crash: the process goes without cleaning anything, and its pool's
+    // filler with it. A shutdown that removes nothing is that, once the
+    // filler has stopped: it is joined, so a slot it was still making is
+    // there for the restart below to find (forgetting the pool left the
+    // filler running, and the slot it made after the restart had looked,
+    // an extra sfv-6, failed a CI run).
     drop(running);
     assert!(pool.wait_ready(3, Duration::from_secs(10)));
-    std::mem::forget(pool);
+    pool.shutdown(false).unwrap();
     assert!(w.anchors().len() >= 3);
 
     let stored = policy(Some(false), &[], &[]);

@@ -151,6 +151,7 @@ impl Server {
             Err(e) => tracing::warn!("gc at start: {e}"),
         }
         manager.clone().start_gc();
+        templates.start_image_disk_bound();
         manager.clone().start_reaper();
         manager.clone().start_observer();
         manager.clone().start_pressure_monitor();

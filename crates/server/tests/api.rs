@@ -1421,7 +1421,10 @@ fn assert_holds_nothing(info: &Value) {
 
 #[tokio::test]
 async fn node_reports_capacity_and_use() {
-    let node = small_node(|c| c.capacity.min_free_disk_mib = 100);
+    let node = small_node(|c| {
+        c.capacity.min_free_disk_mib = 100;
+        c.capacity.image_disk.high_percent = 99.5;
+    });
     let unauthed = Request::get("/v1/node").body(Body::empty()).unwrap();
     assert_error(&call(&node, unauthed).await, StatusCode::UNAUTHORIZED);
     let info = node_info(&node).await;
@@ -1439,6 +1442,15 @@ async fn node_reports_capacity_and_use() {
         info["diskMB"]["free"].as_u64().unwrap(),
     );
     assert!(total > 0 && free < total, "{info}");
+    let used = info["diskMB"]["usedPercent"].as_f64().unwrap();
+    assert!(used > 0.0 && used <= 100.0, "{info}");
+    assert!(info["diskMB"]["used"].as_u64().unwrap() > 0, "{info}");
+    let images = &info["diskMB"]["images"];
+    assert_eq!(images["highWatermark"], 99.5, "{info}");
+    assert_eq!(images["lowWatermark"], 80.0, "{info}");
+    assert_eq!(images["templates"], 0, "{info}");
+    assert_eq!(images["evicted"], 0, "{info}");
+    assert_eq!(images["refused"], 0, "{info}");
     assert_eq!(info["version"], env!("CARGO_PKG_VERSION"));
     assert_eq!(info["envdVersion"], envd_proto::ENVD_VERSION);
 }
@@ -3895,6 +3907,45 @@ async fn a_create_naming_an_image_pulls_it_and_a_failure_leaves_nothing() {
         let body = format!(r#"{{"templateID":"{template}"}}"#);
         node.refuses("POST", "/v2/sandboxes", &body, status).await;
     }
+}
+
+/// Above the high watermark for images (here 0 %: any use is above) with
+/// no image template to evict, a create that would convert an image is
+/// refused before any pull: 503 with `Retry-After` (the SDKs retry it), the
+/// watermark in its message, nothing recorded, and the refusal counted in
+/// `GET /v1/node`; a create of a template is not an image's conversion and
+/// is not refused for it.
+#[tokio::test]
+async fn a_conversion_above_the_high_watermark_is_refused_with_retry_after() {
+    let node = image_node(|c| {
+        c.capacity.image_disk.high_percent = 0.0;
+        c.capacity.image_disk.low_percent = 0.0;
+    });
+    let image = format!("127.0.0.1:{}/sdk/img:v1", closed_port());
+    let body = format!(r#"{{"templateID":"{image}"}}"#);
+    let a = node
+        .refuses(
+            "POST",
+            "/v2/sandboxes",
+            &body,
+            StatusCode::SERVICE_UNAVAILABLE,
+        )
+        .await;
+    let message = a.json["message"].as_str().unwrap();
+    assert!(
+        message.contains(&image) && message.contains("high watermark"),
+        "{message}"
+    );
+    assert_eq!(a.headers["should-retry"], "true");
+    assert_eq!(a.headers["retry-after"], "10");
+    assert!(node.manager.store().builds().unwrap().is_empty());
+    let info = node_info(&node).await;
+    assert_eq!(info["diskMB"]["images"]["refused"], 1, "{info}");
+    assert_eq!(info["diskMB"]["images"]["highWatermark"], 0.0, "{info}");
+    let a = node
+        .authed("POST", "/v2/sandboxes", r#"{"templateID":"mine"}"#)
+        .await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND, "{}", a.json);
 }
 
 /// With `--image-metadata-key`, the create's metadata names the image (any

@@ -1346,154 +1346,6 @@ async fn a_pause_of_an_unanswering_agent_is_marked_and_resumes_from_disk_only() 
     assert_eq!(common::kill(addr, &auth, &sbx.id).await.status, 204);
 }
 
-/// Lifecycle webhooks on real microVMs: a receiver on loopback in this
-/// process gets, each signed with the webhook's secret, a create's
-/// `created`, a pause's `paused`, a resume's `resumed`, one `forked` per
-/// fork child naming its parent, and a `killed` for each kill.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "lab: boots microVMs"]
-async fn webhooks_see_create_pause_resume_fork_and_kill() {
-    use base64::Engine as _;
-    use sha2::Digest as _;
-    type Got = std::sync::Arc<std::sync::Mutex<Vec<(String, bytes::Bytes)>>>;
-    let got: Got = Default::default();
-    let kept = got.clone();
-    let receiver = axum::Router::new().route(
-        "/hook",
-        axum::routing::post(
-            move |headers: axum::http::HeaderMap, body: bytes::Bytes| async move {
-                let signature = headers["e2b-signature"].to_str().unwrap().to_owned();
-                kept.lock().unwrap().push((signature, body));
-                axum::http::StatusCode::OK
-            },
-        ),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let hook_addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, receiver).await });
-
-    let data = tempfile::tempdir().unwrap();
-    let node = serve(lab_config(data.path(), 0)).await;
-    let (addr, auth) = (node.addr, node.auth());
-    let body = json!({
-        "name": "lab",
-        "url": format!("http://{hook_addr}/hook"),
-        "events": [
-            "sandbox.lifecycle.created", "sandbox.lifecycle.killed",
-            "sandbox.lifecycle.paused", "sandbox.lifecycle.resumed",
-            "sandbox.lifecycle.forked",
-        ],
-        "signatureSecret": "lab-secret",
-    });
-    let made = http(addr, "POST", "/events/webhooks", &auth, body.to_string()).await;
-    assert_eq!(made.status, 201, "{:?}", made.body);
-    let hook_id = made.json()["id"].as_str().unwrap().to_owned();
-
-    let Created { id, .. } =
-        common::create(addr, &auth, json!({"templateID": "base", "timeout": 120})).await;
-    let paused = common::on_sandbox(addr, &auth, &id, "pause").await;
-    assert_eq!(paused.status, 204, "{:?}", paused.body);
-    let resumed = http(
-        addr,
-        "POST",
-        &format!("/sandboxes/{id}/resume"),
-        &auth,
-        r#"{"timeout":120}"#,
-    )
-    .await;
-    assert_eq!(resumed.status, 201, "{:?}", resumed.body);
-    let forked = http(
-        addr,
-        "POST",
-        &format!("/sandboxes/{id}/fork"),
-        &auth,
-        r#"{"count":2,"timeout":60}"#,
-    )
-    .await;
-    assert_eq!(forked.status, 201, "{:?}", forked.body);
-    let mut children: Vec<String> = forked
-        .json()
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["sandbox"]["sandboxID"].as_str().unwrap().to_owned())
-        .collect();
-    children.sort();
-    assert_eq!(children.len(), 2);
-    for sandbox in children.iter().chain([&id]) {
-        let killed = common::kill(addr, &auth, sandbox).await;
-        assert_eq!(killed.status, 204, "{:?}", killed.body);
-    }
-
-    // 1 created, 1 paused, 1 resumed, 2 forked, 3 killed.
-    let waited = Instant::now();
-    while got.lock().unwrap().len() < 8 {
-        assert!(
-            waited.elapsed() < Duration::from_secs(60),
-            "{} deliveries",
-            got.lock().unwrap().len()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let got = got.lock().unwrap().clone();
-    assert_eq!(got.len(), 8, "no more than one delivery each");
-    let mut seen: Vec<(String, String, Option<String>)> = Vec::new();
-    for (signature, body) in &got {
-        let mut h = sha2::Sha256::new();
-        h.update(b"lab-secret");
-        h.update(body);
-        let expected = base64::engine::general_purpose::STANDARD_NO_PAD.encode(h.finalize());
-        assert_eq!(*signature, expected);
-        let e: Value = serde_json::from_slice(body).unwrap();
-        seen.push((
-            e["sandboxId"].as_str().unwrap().to_owned(),
-            e["type"].as_str().unwrap().to_owned(),
-            e["eventData"]["parent_sandbox_id"]
-                .as_str()
-                .map(str::to_owned),
-        ));
-    }
-    let of = |sandbox: &str| -> Vec<(String, Option<String>)> {
-        seen.iter()
-            .filter(|(s, _, _)| s == sandbox)
-            .map(|(_, t, p)| (t.clone(), p.clone()))
-            .collect()
-    };
-    let kind = |t: &str| format!("sandbox.lifecycle.{t}");
-    let mut parent = of(&id);
-    parent.sort();
-    assert_eq!(
-        parent,
-        [
-            (kind("created"), None),
-            (kind("killed"), None),
-            (kind("paused"), None),
-            (kind("resumed"), None),
-        ]
-    );
-    for child in &children {
-        let mut events = of(child);
-        events.sort();
-        assert_eq!(
-            events,
-            [(kind("forked"), Some(id.clone())), (kind("killed"), None),]
-        );
-    }
-    let deliveries = http(
-        addr,
-        "GET",
-        &format!("/events/webhooks/{hook_id}/deliveries"),
-        &auth,
-        "",
-    )
-    .await
-    .json();
-    let deliveries = deliveries.as_array().unwrap();
-    assert_eq!(deliveries.len(), 8);
-    assert!(deliveries.iter().all(|d| d["status"] == "delivered"));
-}
-
 /// A guest that does not take the proxy's connection at once (a fork child
 /// among many starting on a loaded node; here its vCPUs paused for longer
 /// than its VMM waits for the guest's answer to a vsock connection, so the
@@ -2012,6 +1864,239 @@ async fn template_from_an_oci_image_with_start_and_ready_commands() {
     let gc = node.manager.collect_garbage().await.unwrap();
     assert_eq!(gc.skipped, None);
     assert!(!data.path().join("templates").join(&id).exists(), "{gc:?}");
+}
+
+/// Image templates under the disk's watermarks (`serve
+/// --image-disk-high-percent 40 --image-disk-low-percent 30`), on a data
+/// dir of its own (a 2 GiB tmpfs, so that the test sets its use with a
+/// ballast file): an image from a loopback registry converts on its first
+/// create; above the high watermark a second image is refused (503,
+/// `Retry-After`) while the first one's sandbox runs (in use: kept), and
+/// once it is killed the next refused create evicts the first image's
+/// template, with its root filesystem in the build cache; `GET /v1/node`
+/// counts both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "lab: boots microVMs"]
+async fn image_templates_are_evicted_above_the_high_watermark_and_conversions_refused() {
+    let mnt = tempfile::tempdir().unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=2g", "tmpfs"])
+        .arg(mnt.path())
+        .status()
+        .unwrap();
+    assert!(mounted.success(), "mounting a tmpfs (the lab runs as root)");
+    let _unmount = Unmount(mnt.path().to_owned());
+    let data = mnt.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let scratch = tempfile::tempdir().unwrap();
+    let cache = scratch.path().join("cache");
+    let mut config = lab_config(&data, 1);
+    config.agent = Some(agent_binary());
+    config.build_cache = Some(cache.clone());
+    config.capacity.min_free_disk_mib = 0;
+    config.capacity.image_disk = server::node::capacity::ImageDiskWatermarks {
+        high_percent: 40.0,
+        low_percent: 30.0,
+    };
+    // The conversion is answered within the create, however slow the lab.
+    config.builtin_wait = Duration::from_secs(600);
+    let node = serve(config).await;
+    let (addr, auth) = (node.addr, node.auth());
+
+    let registry = LoopbackRegistry::start(scratch.path());
+    let layout = common::busybox_oci_layout(scratch.path());
+    let first = registry.push(&layout, "disk/first:1");
+    let second = registry.push(&layout, "disk/second:1");
+    let images = |status: &Value| status["diskMB"]["images"].clone();
+
+    let t0 = Instant::now();
+    let made = common::create(addr, &auth, json!({"templateID": first, "timeout": 300})).await;
+    eprintln!("first image converted and created in {:?}", t0.elapsed());
+    let routing = made.routing();
+    assert_eq!(
+        run_in(addr, &routing, "/bin/sh", "cat /etc/marker").await,
+        (0, common::MARKER.to_owned())
+    );
+    let status = http(addr, "GET", "/v1/node", &auth, "").await.json();
+    assert_eq!(images(&status)["templates"], 1, "{status}");
+    assert_eq!(images(&status)["highWatermark"], 40.0, "{status}");
+    let listed = http(addr, "GET", "/templates", &auth, "").await.json();
+    let template = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["names"].as_array().unwrap().iter().any(|n| n == &first))
+        .unwrap_or_else(|| panic!("{first} not listed: {listed}"))["templateID"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let dir = data.join("templates").join(&template);
+    let rootfs_entries = || -> Vec<PathBuf> {
+        std::fs::read_dir(cache.join("templates"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.join("rootfs.ext4").exists())
+            .collect()
+    };
+    assert!(dir.is_dir());
+    assert_eq!(rootfs_entries().len(), 1);
+
+    // Above the high watermark even once the first image's template is
+    // gone: a ballast of the rest, and a margin.
+    let st = rustix::fs::statvfs(&data).unwrap();
+    let total = st.f_blocks * st.f_frsize;
+    let used = (st.f_blocks - st.f_bfree) * st.f_frsize;
+    let ballast_len = total * 40 / 100 - used + du(&dir) + total / 50;
+    let ballast = data.join("ballast");
+    let f = std::fs::File::create(&ballast).unwrap();
+    rustix::fs::fallocate(&f, rustix::fs::FallocateFlags::empty(), 0, ballast_len).unwrap();
+    drop(f);
+
+    let refused = http(
+        addr,
+        "POST",
+        "/v2/sandboxes",
+        &auth,
+        json!({"templateID": second}).to_string(),
+    )
+    .await;
+    assert_eq!(refused.status, 503, "{:?}", refused.body);
+    assert_eq!(refused.headers["retry-after"], "10");
+    assert_eq!(refused.headers["should-retry"], "true");
+    let message = refused.json()["message"].as_str().unwrap().to_owned();
+    assert!(message.contains("high watermark"), "{message}");
+    assert!(message.contains(&second), "{message}");
+    // In use by the running sandbox: kept.
+    assert!(dir.is_dir(), "a template in use was evicted");
+    let status = http(addr, "GET", "/v1/node", &auth, "").await.json();
+    assert_eq!(images(&status)["refused"], 1, "{status}");
+    assert_eq!(images(&status)["evicted"], 0, "{status}");
+    assert!(
+        status["diskMB"]["usedPercent"].as_f64().unwrap() > 40.0,
+        "{status}"
+    );
+
+    // Unused (and idle past the pass's grace): the next pass evicts it,
+    // and the disk is still above the high watermark.
+    assert_eq!(common::kill(addr, &auth, &made.id).await.status, 204);
+    tokio::time::sleep(server::node::template::image_disk::MIN_IDLE + Duration::from_secs(1)).await;
+    let refused = http(
+        addr,
+        "POST",
+        "/v2/sandboxes",
+        &auth,
+        json!({"templateID": second}).to_string(),
+    )
+    .await;
+    assert_eq!(refused.status, 503, "{:?}", refused.body);
+    assert!(!dir.exists(), "the unused image template was kept");
+    assert!(rootfs_entries().is_empty(), "its root filesystem was kept");
+    let status = http(addr, "GET", "/v1/node", &auth, "").await.json();
+    assert_eq!(images(&status)["templates"], 0, "{status}");
+    assert_eq!(images(&status)["evicted"], 1, "{status}");
+    assert_eq!(images(&status)["refused"], 2, "{status}");
+    let listed = http(addr, "GET", "/templates", &auth, "").await.json();
+    assert!(
+        !listed.to_string().contains(&first),
+        "the evicted image is still listed: {listed}"
+    );
+    std::fs::remove_file(&ballast).unwrap();
+    eprintln!("the whole case took {:?}", t0.elapsed());
+}
+
+/// Bytes on disk under `path`.
+fn du(path: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::symlink_metadata(path).unwrap();
+    if meta.is_dir() {
+        std::fs::read_dir(path)
+            .unwrap()
+            .flatten()
+            .map(|e| du(&e.path()))
+            .sum()
+    } else {
+        meta.blocks() * 512
+    }
+}
+
+/// Unmounts (lazily) when dropped.
+struct Unmount(PathBuf);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+/// Debian's `docker-registry` on a free loopback port (plain HTTP, no
+/// credentials: the node pulls from loopback registries over plain HTTP),
+/// its storage under `dir`; killed when dropped.
+struct LoopbackRegistry {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl LoopbackRegistry {
+    fn start(dir: &std::path::Path) -> LoopbackRegistry {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let config = dir.join("registry.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: true\n\
+                 storage:\n  filesystem:\n    rootdirectory: {}\n\
+                 http:\n  addr: 127.0.0.1:{port}\n",
+                dir.join("registry").display()
+            ),
+        )
+        .unwrap();
+        let child = std::process::Command::new("docker-registry")
+            .arg("serve")
+            .arg(&config)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("docker-registry (Debian's package; scripts/deps.sh installs it)");
+        let t0 = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "no registry on {port}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        LoopbackRegistry { child, port }
+    }
+
+    /// Pushes the OCI layout as `repo:tag`; returns the image's name.
+    fn push(&self, layout: &std::path::Path, repo_tag: &str) -> String {
+        let image = format!("127.0.0.1:{}/{repo_tag}", self.port);
+        let status = std::process::Command::new("skopeo")
+            .args(["copy", "--quiet", "--dest-tls-verify=false"])
+            .arg(format!("oci:{}", layout.display()))
+            // The lab's host root is read-only, /var/tmp with it.
+            .env("TMPDIR", layout.parent().unwrap_or(layout))
+            .arg(format!("docker://{image}"))
+            .status()
+            .expect("skopeo");
+        assert!(status.success(), "pushing {image}");
+        image
+    }
+}
+
+impl Drop for LoopbackRegistry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 /// A server the sandbox runs on a TCP port answers at `<port>-<id>.<domain>`

@@ -9,28 +9,12 @@
     reason = "a test: a failure is a panic with its message"
 )]
 
+mod common;
+
 use std::fs;
-use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::process::Command;
 
-use template_build::{BuildError, Builder, Source};
-
-/// A builder with a cache of its own in `dir` (so templates are built, not
-/// found from an earlier run) whose base is the machine's, made by
-/// images/rootfs/build.sh, and scratch in `scratch`.
-fn builder(dir: &Path, scratch: &Path) -> Builder {
-    let agent = dir.join("agent");
-    fs::write(&agent, b"#!/bin/sh\nexit 0\n").unwrap();
-    fs::set_permissions(&agent, fs::Permissions::from_mode(0o755)).unwrap();
-    let shared = std::env::var_os("SANDFORK_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/var/cache/sandfork"));
-    let cache = dir.join("cache");
-    fs::create_dir(&cache).unwrap();
-    std::os::unix::fs::symlink(shared.join("rootfs-base"), cache.join("rootfs-base")).unwrap();
-    Builder::new(agent).cache_dir(cache).scratch_dir(scratch)
-}
+use common::{assert_cached, base_builder, build_logged, debugfs};
+use template_build::{BuildError, Source};
 
 /// Scratch on another filesystem than the cache when the machine has one
 /// (tmpfs), as in the lab, so the image is copied into the cache.
@@ -41,28 +25,13 @@ fn scratch() -> tempfile::TempDir {
     }
 }
 
-fn debugfs(image: &Path, request: &str) -> String {
-    let out = Command::new("debugfs")
-        .args(["-R", request])
-        .arg(image)
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 #[test]
 #[ignore = "slow: needs the base tree and the Debian mirror"]
 fn debian_packages_are_installed_over_the_base() {
     let tmp = tempfile::tempdir().unwrap();
     let scratch = scratch();
-    let b = builder(tmp.path(), scratch.path());
-    let mut lines = Vec::new();
-    let t = b
-        .build(&Source::DebianPackages(vec!["jq".into()]), &mut |l| {
-            eprintln!("{l}");
-            lines.push(l.to_owned())
-        })
-        .unwrap();
+    let b = base_builder(tmp.path(), scratch.path());
+    let (t, lines) = build_logged(&b, &Source::DebianPackages(vec!["jq".into()]));
     assert!(!t.cached);
     assert!(lines.iter().any(|l| l.contains("apt-get install")));
     assert!(t.rootfs.starts_with(tmp.path().join("cache/templates")));
@@ -91,13 +60,11 @@ fn debian_packages_are_installed_over_the_base() {
     // nothing is left in the scratch directory
     let left: Vec<_> = fs::read_dir(scratch.path()).unwrap().flatten().collect();
     assert!(left.is_empty(), "{left:?}");
-    let again = b
-        .build(
-            &Source::DebianPackages(vec!["jq".into(), "jq".into()]),
-            &mut |_| {},
-        )
-        .unwrap();
-    assert!(again.cached && again.key == t.key);
+    assert_cached(
+        &b,
+        &Source::DebianPackages(vec!["jq".into(), "jq".into()]),
+        &t,
+    );
 }
 
 #[test]
@@ -105,7 +72,7 @@ fn debian_packages_are_installed_over_the_base() {
 fn a_missing_package_is_named() {
     let tmp = tempfile::tempdir().unwrap();
     let scratch = scratch();
-    let err = builder(tmp.path(), scratch.path())
+    let err = base_builder(tmp.path(), scratch.path())
         .build(
             &Source::DebianPackages(vec!["sandfork-no-such-package".into()]),
             &mut |_| {},

@@ -215,8 +215,9 @@ fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
-#[test]
-fn layers_apply_in_order_with_whiteouts_owners_and_modes() {
+/// A scratch directory with the layout written into it, as root (template
+/// builds keep file owners).
+fn root_and_layout() -> (tempfile::TempDir, std::path::PathBuf) {
     assert!(
         is_root(),
         "template builds keep file owners: run the tests as root"
@@ -224,6 +225,12 @@ fn layers_apply_in_order_with_whiteouts_owners_and_modes() {
     let tmp = tempfile::tempdir().unwrap();
     let layout = tmp.path().join("layout");
     write_layout(&layout);
+    (tmp, layout)
+}
+
+#[test]
+fn layers_apply_in_order_with_whiteouts_owners_and_modes() {
+    let (tmp, layout) = root_and_layout();
     let image = OciImage::open_layout(&layout).unwrap();
     assert_eq!(image.config, expected_config());
     assert_eq!(image.layers.len(), 3);
@@ -358,13 +365,7 @@ fn check_image(image: &Path) {
 
 #[test]
 fn oci_layout_and_docker_archive_build_cached_ext4_images() {
-    assert!(
-        is_root(),
-        "template builds keep file owners: run the tests as root"
-    );
-    let tmp = tempfile::tempdir().unwrap();
-    let layout = tmp.path().join("layout");
-    write_layout(&layout);
+    let (tmp, layout) = root_and_layout();
     let builder = Builder::new(agent(tmp.path()))
         .cache_dir(tmp.path().join("cache"))
         .image_size(64 << 20);

@@ -17,7 +17,10 @@ mod common;
 use std::fs;
 use std::net::TcpListener;
 
-use common::registry::{Registry, assert_store_clean, multi_layout, pull, rt, single_layout};
+use common::registry::{
+    Registry, assert_from_store, assert_store_clean, assert_unauthorized, multi_layout, pull, rt,
+    single_layout,
+};
 use common::{agent, debugfs};
 use template_build::registry::{self, PullOptions, Reference, RegistryError};
 use template_build::{Builder, Source};
@@ -25,10 +28,7 @@ use template_build::{Builder, Source};
 #[test]
 fn an_image_over_the_bound_is_refused_before_its_layers_are_fetched() {
     let reg = Registry::start(None);
-    let tmp = tempfile::tempdir().unwrap();
-    let layout = tmp.path().join("layout");
-    single_layout(&layout);
-    reg.push(&layout, "sandfork/img:v1");
+    let (tmp, _) = reg.push_new(single_layout, "sandfork/img:v1");
     let store = tmp.path().join("cache/images");
     let name = format!("{}/sandfork/img:v1", reg.host());
     let bounded = |max| PullOptions {
@@ -50,10 +50,7 @@ fn an_image_over_the_bound_is_refused_before_its_layers_are_fetched() {
 #[test]
 fn anonymous_pulls_verify_cache_and_build() {
     let reg = Registry::start(None);
-    let tmp = tempfile::tempdir().unwrap();
-    let layout = tmp.path().join("layout");
-    single_layout(&layout);
-    let manifest = reg.push(&layout, "sandfork/img:v1");
+    let (tmp, manifest) = reg.push_new(single_layout, "sandfork/img:v1");
     let store = tmp.path().join("cache/images");
 
     let first = pull(&store, &format!("{}/sandfork/img:v1", reg.host()), None).unwrap();
@@ -85,10 +82,7 @@ fn anonymous_pulls_verify_cache_and_build() {
     let via = rt()
         .block_on(registry::pull(&store, &r, &opts, &mut |_| {}))
         .unwrap();
-    assert_eq!(
-        (via.manifest_digest.as_str(), via.stats.blobs_cached),
-        (manifest.as_str(), 3)
-    );
+    assert_from_store(&via, &manifest);
     let err = pull(
         &store,
         &format!("127.0.0.9:{}/sandfork/img:v1", reg.port),
@@ -145,10 +139,7 @@ fn anonymous_pulls_verify_cache_and_build() {
 #[test]
 fn indexes_resolve_to_linux_amd64() {
     let reg = Registry::start(None);
-    let tmp = tempfile::tempdir().unwrap();
-    let layout = tmp.path().join("layout");
-    multi_layout(&layout);
-    let index = reg.push(&layout, "multi:latest");
+    let (tmp, index) = reg.push_new(multi_layout, "multi:latest");
     let pushed = reg.raw("multi:latest");
     let amd64 = pushed["manifests"]
         .as_array()
@@ -177,24 +168,14 @@ fn indexes_resolve_to_linux_amd64() {
 #[test]
 fn basic_auth_needs_the_right_credentials() {
     let reg = Registry::start(Some(("alice", "s3cret-pw")));
-    let tmp = tempfile::tempdir().unwrap();
-    let layout = tmp.path().join("layout");
-    single_layout(&layout);
-    let manifest = reg.push(&layout, "private/img:v1");
+    let (tmp, manifest) = reg.push_new(single_layout, "private/img:v1");
     let store = tmp.path().join("images");
     let name = format!("{}/private/img:v1", reg.host());
 
     let err = pull(&store, &name, None).unwrap_err();
-    assert!(
-        matches!(err, RegistryError::Unauthorized { .. })
-            && err.to_string().contains("needs credentials"),
-        "{err}"
-    );
+    assert_unauthorized(&err, "needs credentials");
     let err = pull(&store, &name, Some(("alice", "wrong"))).unwrap_err();
-    assert!(
-        matches!(err, RegistryError::Unauthorized { .. }) && err.to_string().contains("refused"),
-        "{err}"
-    );
+    assert_unauthorized(&err, "refused");
     assert!(!err.to_string().contains("wrong"), "no password in {err}");
     let p = pull(&store, &name, Some(("alice", "s3cret-pw"))).unwrap();
     assert_eq!(p.manifest_digest, manifest);
@@ -205,10 +186,7 @@ fn basic_auth_needs_the_right_credentials() {
 #[test]
 fn failures_are_named_and_leave_nothing_half_made() {
     let reg = Registry::start(None);
-    let tmp = tempfile::tempdir().unwrap();
-    let layout = tmp.path().join("layout");
-    single_layout(&layout);
-    reg.push(&layout, "img:v1");
+    let (tmp, _) = reg.push_new(single_layout, "img:v1");
     let store = tmp.path().join("images");
 
     for missing in ["img:v2", "nothing/here:v1"] {
@@ -342,20 +320,13 @@ impl TokenGate {
 #[test]
 fn the_token_flow_gets_a_bearer_token_with_the_credentials() {
     let reg = Registry::start(None);
-    let tmp = tempfile::tempdir().unwrap();
-    let layout = tmp.path().join("layout");
-    single_layout(&layout);
-    let manifest = reg.push(&layout, "gated/img:v1");
+    let (tmp, manifest) = reg.push_new(single_layout, "gated/img:v1");
     let gate = TokenGate::start(reg.port, "bob", "pw-of-bob");
     let store = tmp.path().join("images");
     let name = format!("127.0.0.1:{}/gated/img:v1", gate.port);
 
     let err = pull(&store, &name, None).unwrap_err();
-    assert!(
-        matches!(err, RegistryError::Unauthorized { .. })
-            && err.to_string().contains("bad credentials"),
-        "{err}"
-    );
+    assert_unauthorized(&err, "bad credentials");
     let err = pull(&store, &name, Some(("bob", "nope"))).unwrap_err();
     assert!(err.to_string().contains("refused the credentials"), "{err}");
     let p = pull(&store, &name, Some(("bob", "pw-of-bob"))).unwrap();

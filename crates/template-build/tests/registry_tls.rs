@@ -18,7 +18,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU16, Ordering};
 
-use common::registry::{Registry, assert_store_clean, pull_with, single_layout};
+use common::registry::{
+    Registry, assert_from_store, assert_store_clean, assert_unauthorized, pull_with, single_layout,
+};
 use common::tls::{Seen, TestCa, TlsServer};
 use template_build::registry::{Credentials, PullOptions, RegistryError};
 
@@ -38,10 +40,7 @@ fn tls_registries_are_trusted_through_the_ca_file() {
     let ca = TestCa::new();
     let creds = ("alice", "tls-pw");
     let reg = Registry::start_tls(&ca, Some(creds));
-    let tmp = tempfile::tempdir().unwrap();
-    let layout = tmp.path().join("layout");
-    single_layout(&layout);
-    let manifest = reg.push(&layout, "secure/img:v1");
+    let (tmp, manifest) = reg.push_new(single_layout, "secure/img:v1");
     let store = tmp.path().join("images");
     let name = format!("{}/secure/img:v1", reg.host());
 
@@ -70,10 +69,7 @@ fn tls_registries_are_trusted_through_the_ca_file() {
         &opts(Some(&ca.cert()), Some(("alice", "no"))),
     )
     .unwrap_err();
-    assert!(
-        matches!(err, RegistryError::Unauthorized { .. }) && err.to_string().contains("refused"),
-        "{err}"
-    );
+    assert_unauthorized(&err, "refused");
 
     // a registry listed insecure is pulled from without checking its
     // certificate, as Docker does
@@ -82,10 +78,7 @@ fn tls_registries_are_trusted_through_the_ca_file() {
         ..opts(None, Some(creds))
     };
     let again = pull_with(&store, &name, &insecure).unwrap();
-    assert_eq!(
-        (again.manifest_digest.as_str(), again.stats.blobs_cached),
-        (manifest.as_str(), 3)
-    );
+    assert_from_store(&again, &manifest);
 
     // the certificate names 127.0.0.1, not localhost
     let err = pull_with(

@@ -9,37 +9,12 @@
     reason = "a test: a failure is a panic with its message"
 )]
 
+mod common;
+
 use std::fs;
-use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::process::Command;
 
+use common::{assert_cached, base_builder, build_logged, debugfs};
 use template_build::{BuildError, Builder, ImageFile, PythonVenv, Source};
-
-/// A builder with a cache of its own (the machine's base tree linked in).
-fn builder(dir: &Path) -> Builder {
-    let agent = dir.join("agent");
-    fs::write(&agent, b"#!/bin/sh\nexit 0\n").unwrap();
-    fs::set_permissions(&agent, fs::Permissions::from_mode(0o755)).unwrap();
-    let shared = std::env::var_os("SANDFORK_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/var/cache/sandfork"));
-    let cache = dir.join("cache");
-    fs::create_dir(&cache).unwrap();
-    std::os::unix::fs::symlink(shared.join("rootfs-base"), cache.join("rootfs-base")).unwrap();
-    Builder::new(agent)
-        .cache_dir(cache)
-        .scratch_dir(dir.join("scratch"))
-}
-
-fn debugfs(image: &Path, request: &str) -> String {
-    let out = Command::new("debugfs")
-        .args(["-R", request])
-        .arg(image)
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 fn venv(requirements: &str, file: &str) -> PythonVenv {
     PythonVenv {
@@ -57,17 +32,9 @@ fn venv(requirements: &str, file: &str) -> PythonVenv {
 #[ignore = "slow: needs the base tree and the Python package index"]
 fn a_venv_is_made_by_pip_and_cached_apart_from_the_files() {
     let tmp = tempfile::tempdir().unwrap();
-    let b = builder(tmp.path());
-    let mut lines = Vec::new();
-    let t = b
-        .build(
-            &Source::PythonVenv(venv("six==1.17.0\n", "print('one')\n")),
-            &mut |l| {
-                eprintln!("{l}");
-                lines.push(l.to_owned())
-            },
-        )
-        .unwrap();
+    let b = base_builder(tmp.path(), &tmp.path().join("scratch"));
+    let source = Source::PythonVenv(venv("six==1.17.0\n", "print('one')\n"));
+    let (t, lines) = build_logged(&b, &source);
     assert!(!t.cached);
     assert!(
         lines
@@ -84,13 +51,8 @@ fn a_venv_is_made_by_pip_and_cached_apart_from_the_files() {
     assert!(!debugfs(&t.rootfs, "stat /tmp/.sandfork-requirements.txt").contains("Type:"));
 
     // other files: a new image, the venv from the cache (no pip)
-    let mut again = Vec::new();
-    let t2 = b
-        .build(
-            &Source::PythonVenv(venv("six==1.17.0\n", "print('two')\n")),
-            &mut |l| again.push(l.to_owned()),
-        )
-        .unwrap();
+    let two = Source::PythonVenv(venv("six==1.17.0\n", "print('two')\n"));
+    let (t2, again) = build_logged(&b, &two);
     assert!(!t2.cached && t2.key != t.key);
     assert!(again.iter().any(|l| l.contains("cached")), "{again:?}");
     assert!(
@@ -101,20 +63,14 @@ fn a_venv_is_made_by_pip_and_cached_apart_from_the_files() {
     assert!(debugfs(&t2.rootfs, "ls /opt/t/venv/lib/python3.11/site-packages").contains("six.py"));
 
     // the same inputs: the image itself from the cache
-    let t3 = b
-        .build(
-            &Source::PythonVenv(venv("six==1.17.0\n", "print('two')\n")),
-            &mut |_| {},
-        )
-        .unwrap();
-    assert!(t3.cached && t3.key == t2.key);
+    assert_cached(&b, &two, &t2);
 }
 
 #[test]
 #[ignore = "slow: needs the base tree and the Python package index"]
 fn a_failing_pip_install_says_so() {
     let tmp = tempfile::tempdir().unwrap();
-    let b = builder(tmp.path());
+    let b = base_builder(tmp.path(), &tmp.path().join("scratch"));
     let e = b
         .build(
             &Source::PythonVenv(venv("no-such-package-sandfork-test==0.0.1\n", "")),

@@ -80,9 +80,7 @@ async fn two_vms_with_two_vcpus_run_at_once() {
 async fn a_guest_that_stops_answering_is_diagnosed() {
     // One vCPU: two-vCPU guests are where the lab's emulator stalls (see
     // README, "Hangs"); the reports are per vCPU either way.
-    let mut vm = TestVm::spawn().await;
-    vm.boot(&Boot::default()).await;
-    vm.wait_for_agent().await;
+    let mut vm = TestVm::ready().await;
 
     // Running: each vCPU thread answers its kick with where it is.
     let running = vm.api().get_vcpus().await.unwrap();
@@ -157,17 +155,24 @@ async fn read_write_disk_keeps_guest_writes_read_only_disk_refuses_them() {
     assert!(std::fs::read(&ro).unwrap().iter().all(|b| *b == 0));
 }
 
-#[tokio::test]
-#[ignore = "lab: boots a microVM"]
-async fn guest_reboot_ends_the_vmm_cleanly() {
+/// Boots a guest whose init at once writes `key` to /proc/sysrq-trigger;
+/// checks its VMM ended with exit status `code`.
+async fn sysrq(key: char, code: i32) -> TestVm {
     let mut vm = TestVm::spawn().await;
     vm.boot(&Boot {
-        boot_args: Some(bash_init("echo b > /proc/sysrq-trigger")),
+        boot_args: Some(bash_init(&format!("echo {key} > /proc/sysrq-trigger"))),
         ..Boot::default()
     })
     .await;
     let status = vm.wait_exit(common::BOOT_TIMEOUT).await;
-    assert_eq!(status.code(), Some(0), "{}", vm.logs());
+    assert_eq!(status.code(), Some(code), "{}", vm.logs());
+    vm
+}
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM"]
+async fn guest_reboot_ends_the_vmm_cleanly() {
+    let vm = sysrq('b', 0).await;
     assert!(
         !vm.dir().join("api.sock").exists(),
         "API socket left behind"
@@ -177,14 +182,7 @@ async fn guest_reboot_ends_the_vmm_cleanly() {
 #[tokio::test]
 #[ignore = "lab: boots a microVM"]
 async fn guest_panic_ends_the_vmm_with_a_panic_status() {
-    let mut vm = TestVm::spawn().await;
-    vm.boot(&Boot {
-        boot_args: Some(bash_init("echo c > /proc/sysrq-trigger")),
-        ..Boot::default()
-    })
-    .await;
-    let status = vm.wait_exit(common::BOOT_TIMEOUT).await;
-    assert_eq!(status.code(), Some(2), "{}", vm.logs());
+    let vm = sysrq('c', 2).await;
     assert!(
         vm.console().contains("sysrq: Trigger a crash"),
         "{}",
@@ -196,9 +194,7 @@ async fn guest_panic_ends_the_vmm_with_a_panic_status() {
 #[tokio::test]
 #[ignore = "lab: boots a microVM"]
 async fn pause_stops_the_guest_and_resume_continues_it() {
-    let mut vm = TestVm::spawn().await;
-    vm.boot(&Boot::default()).await;
-    vm.wait_for_agent().await;
+    let vm = TestVm::ready().await;
 
     vm.api().pause().await.unwrap();
     assert_eq!(
@@ -223,9 +219,7 @@ async fn pause_stops_the_guest_and_resume_continues_it() {
 #[tokio::test]
 #[ignore = "lab: boots a microVM"]
 async fn bad_requests_after_start_and_to_unheard_ports_fail_cleanly() {
-    let mut vm = TestVm::spawn().await;
-    vm.boot(&Boot::default()).await;
-    vm.wait_for_agent().await;
+    let vm = TestVm::ready().await;
 
     let drive = vmm_api::Drive::new("late", common::rootfs().display().to_string(), false, true);
     let err = vm.api().put_drive(&drive).await.unwrap_err().to_string();
@@ -250,9 +244,7 @@ async fn bad_requests_after_start_and_to_unheard_ports_fail_cleanly() {
 #[tokio::test]
 #[ignore = "lab: boots a microVM"]
 async fn the_agent_serves_envd_over_vsock() {
-    let mut vm = TestVm::spawn().await;
-    vm.boot(&Boot::default()).await;
-    vm.wait_for_agent().await;
+    let vm = TestVm::ready().await;
     let agent = vm.vm().agent();
 
     let out = agent
@@ -353,40 +345,8 @@ async fn a_guest_on_a_tap_pings_the_host_and_talks_tcp() {
 
 /// Streams `mib` MiB from the guest to the host over TCP; prints the rate.
 async fn guest_to_host_throughput(agent: &vmm_driver::agent_client::AgentClient, mib: usize) {
-    use tokio::io::AsyncReadExt;
-    let listener = tokio::net::TcpListener::bind((common::HOST_IP, 0))
-        .await
-        .unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let host = tokio::spawn(async move {
-        let (mut stream, _) = listener.accept().await.unwrap();
-        let mut buf = vec![0u8; 1 << 16];
-        let (mut total, mut first) = (0usize, None);
-        loop {
-            let n = stream.read(&mut buf).await.unwrap();
-            if n == 0 {
-                break;
-            }
-            first.get_or_insert_with(std::time::Instant::now);
-            total += n;
-        }
-        (total, first.map(|t| t.elapsed()))
-    });
-    let script = format!(
-        "import socket\n\
-         s = socket.create_connection(('{}', {port}), timeout=120)\n\
-         buf = b'x' * 65536\n\
-         for _ in range({}):\n\
-         \x20   s.sendall(buf)\n\
-         s.close()\n",
-        common::HOST_IP,
-        mib * 16
-    );
-    let out = agent.run_argv("python3", &["-c", &script]).await.unwrap();
-    assert_eq!(out.exit_code, 0, "{out:?}");
-    let (total, took) = host.await.unwrap();
-    assert_eq!(total, mib << 20);
-    let took = took.unwrap();
+    let sink = std::net::TcpListener::bind((common::HOST_IP, 0)).unwrap();
+    let took = common::guest_sends_mib(agent, sink, mib).await;
     eprintln!(
         "guest -> host TCP over virtio-net/tap: {mib} MiB in {took:?} = {:.1} MiB/s (emulated lab)",
         mib as f64 / took.as_secs_f64()

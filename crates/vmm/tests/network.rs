@@ -15,7 +15,6 @@ mod common;
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::time::Instant;
 
 use common::netns::{self, Internet, Slot};
 use common::{Boot, TestVm};
@@ -76,38 +75,13 @@ async fn fetch(agent: &AgentClient) -> String {
 
 /// `mib` MiB over TCP guest -> slot (the gateway) and slot -> guest; MiB/s each.
 async fn guest_tcp_mib_s(agent: &AgentClient, slot: &Slot, mib: usize) -> (f64, f64) {
-    use std::io::{Read, Write};
+    use std::io::Write;
     let gateway: std::net::Ipv4Addr = netns::GATEWAY_IP.parse().unwrap();
     let sink = slot.ns.listen(SocketAddr::from((gateway, 0)));
-    let port = sink.local_addr().unwrap().port();
-    let received = std::thread::spawn(move || {
-        let (mut conn, _) = sink.accept().unwrap();
-        let mut buf = vec![0u8; 1 << 16];
-        let (mut total, mut first) = (0usize, None);
-        loop {
-            let n = conn.read(&mut buf).unwrap();
-            if n == 0 {
-                break;
-            }
-            first.get_or_insert_with(Instant::now);
-            total += n;
-        }
-        (total, first.map(|t| t.elapsed()))
-    });
-    let send = format!(
-        "import socket\n\
-         s = socket.create_connection(('{gateway}', {port}), timeout=120)\n\
-         buf = b'x' * 65536\n\
-         for _ in range({}):\n\
-         \x20   s.sendall(buf)\n\
-         s.close()\n",
-        mib * 16
-    );
-    let out = agent.run_argv("python3", &["-c", &send]).await.unwrap();
-    assert_eq!(out.exit_code, 0, "{out:?}");
-    let (total, took) = received.join().unwrap();
-    assert_eq!(total, mib << 20);
-    let up = mib as f64 / took.unwrap().as_secs_f64();
+    let up = mib as f64
+        / common::guest_sends_mib(agent, sink, mib)
+            .await
+            .as_secs_f64();
 
     let source = slot.ns.listen(SocketAddr::from((gateway, 0)));
     let port = source.local_addr().unwrap().port();

@@ -18,6 +18,7 @@ use vmm_api::{
     InstanceState, NetworkInterface, NetworkOverride, SnapshotLoadParams, SnapshotType,
     VsockOverride,
 };
+use vmm_driver::agent_client::AgentInit;
 use vmm_driver::vsock_connect::agent_health;
 
 /// A guest whose init counts, printing each number on the console and keeping
@@ -71,6 +72,25 @@ fn assert_consecutive(seen: &[u64], logs: &str) {
     }
 }
 
+/// A VM booted into [`counting_guest`] that has counted to `n`.
+async fn counting_source(n: u64) -> TestVm {
+    let vm = TestVm::spawn().await;
+    vm.boot(&counting_guest()).await;
+    wait_for_count(&vm, n).await;
+    vm
+}
+
+/// Waits for a restored guest's agent, then gives it the init a restore
+/// takes ([`AgentInit::after_restore`]).
+async fn agent_after_restore(vm: &mut TestVm) {
+    vm.wait_for_agent().await;
+    vm.vm()
+        .agent()
+        .init(&AgentInit::after_restore().unwrap())
+        .await
+        .unwrap();
+}
+
 async fn snapshot(vm: &TestVm, kind: SnapshotType, dir: &Path, name: &str) {
     let state = dir.join(format!("{name}.state"));
     let mem = dir.join(format!("{name}.mem"));
@@ -95,9 +115,7 @@ async fn restore(dir: &Path, name: &str) -> TestVm {
 #[ignore = "lab: boots a microVM"]
 async fn a_counting_guest_keeps_counting_after_pause_snapshot_and_restore() {
     let snapshots = tempfile::tempdir().unwrap();
-    let source = TestVm::spawn().await;
-    source.boot(&counting_guest()).await;
-    wait_for_count(&source, 3).await;
+    let source = counting_source(3).await;
 
     // Pause: counting stops, and goes on from where it was after resume.
     source.api().pause().await.unwrap();
@@ -207,9 +225,7 @@ async fn a_restored_two_vcpu_guest_answers_on_its_own_vsock_socket() {
 #[ignore = "lab: boots a microVM"]
 async fn a_corrupted_snapshot_is_refused_and_the_vmm_can_still_load_a_good_one() {
     let snapshots = tempfile::tempdir().unwrap();
-    let source = TestVm::spawn().await;
-    source.boot(&counting_guest()).await;
-    wait_for_count(&source, 2).await;
+    let source = counting_source(2).await;
     snapshot(&source, SnapshotType::Full, snapshots.path(), "good").await;
     drop(source);
 
@@ -335,13 +351,7 @@ async fn fork_children(parent: &TestVm, dir: &Path, n: u32) -> Vec<TestVm> {
     }
     for (i, child) in pool.iter_mut().enumerate() {
         child.vm().load_fork_child(&fork, i).await.unwrap();
-        child.wait_for_agent().await;
-        child
-            .vm()
-            .agent()
-            .init(&vmm_driver::agent_client::AgentInit::after_restore().unwrap())
-            .await
-            .unwrap();
+        agent_after_restore(child).await;
     }
     pool
 }
@@ -502,12 +512,8 @@ async fn a_networked_guest_restored_onto_another_tap_still_reaches_the_host() {
         .load_snapshot(&params)
         .await
         .unwrap_or_else(|e| panic!("load: {e}\n{}", restored.logs()));
-    restored.wait_for_agent().await;
+    agent_after_restore(&mut restored).await;
     let agent = restored.vm().agent();
-    agent
-        .init(&vmm_driver::agent_client::AgentInit::after_restore().unwrap())
-        .await
-        .unwrap();
     // eth0 kept its address and MAC; it now reaches the host through sfk1.
     let out = agent
         .run(&format!(
@@ -782,13 +788,7 @@ async fn a_guest_under_a_cpu_template_sees_its_level_only_and_restores() {
     snapshot(&source, SnapshotType::Full, snapshots.path(), "v2").await;
     drop(source);
     let mut restored = restore(snapshots.path(), "v2").await;
-    restored.wait_for_agent().await;
-    restored
-        .vm()
-        .agent()
-        .init(&vmm_driver::agent_client::AgentInit::after_restore().unwrap())
-        .await
-        .unwrap();
+    agent_after_restore(&mut restored).await;
     assert_eq!(guest_cpu_flags(&restored).await, flags);
     assert_eq!(run(&restored, "echo restored").await, "restored");
 }

@@ -5,7 +5,9 @@ fork trees (lineage, ``fork_all``, ``after_fork``, checkpoints, suspend and
 resume, capability fallbacks); ``SandboxEnv`` / ``SyncSandboxEnv`` are text
 environments on them; ``sandfork.rollout`` runs a policy over a tree of
 forks (fixed widths, Tree-GRPO's expansion, or a callback);
-``sandfork.gym`` (extra ``gym``) is the Gymnasium wrapper.
+``TaskState`` sets a task up once and forks every rollout group from it
+(running, paused or a snapshot); ``sandfork.gym`` (extra ``gym``) is the
+Gymnasium wrapper.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .env import (
     Task,
     Transition,
 )
+from .group import SEED_ENV, Keep, TaskState, group_seeds
 from .rollout import (
     Action,
     BranchingRunner,
@@ -53,6 +56,7 @@ def configure(api_url: str, api_key: str, *, validate_api_key: bool = False) -> 
 
 __all__ = [
     "LINEAGE_PATH",
+    "SEED_ENV",
     "SEED_PATH",
     "Action",
     "AsyncSandbox",
@@ -63,6 +67,7 @@ __all__ = [
     "EpisodeState",
     "FixedSchedule",
     "ForkError",
+    "Keep",
     "Lineage",
     "Node",
     "PolicyInput",
@@ -74,11 +79,13 @@ __all__ = [
     "Strategy",
     "SyncSandboxEnv",
     "Task",
+    "TaskState",
     "Trajectory",
     "TrajectoryTree",
     "Transition",
     "TreeGRPOSchedule",
     "__version__",
     "configure",
+    "group_seeds",
     "reseed",
 ]

@@ -128,6 +128,9 @@ class EnvConfig:
     reward_fn: RewardFn | None = None
     max_steps: int | None = None
     command_timeout: float = 60.0
+    #: for the task's setup commands at reset (a checkout, an install);
+    #: ``None``: ``command_timeout``
+    setup_timeout: float | None = None
     max_observation_chars: int = 4096
     sandbox_timeout: int = 600
     metadata: dict[str, str] = field(default_factory=dict)
@@ -138,6 +141,10 @@ class EnvConfig:
     reseed: bool = True
     #: found on first fork, shared by the whole tree
     capabilities: Capabilities | None = None
+
+    @property
+    def setup_seconds(self) -> float:
+        return self.command_timeout if self.setup_timeout is None else self.setup_timeout
 
 
 def _as_reward(value: float | Reward) -> Reward:
@@ -207,7 +214,7 @@ class SandboxEnv(_EnvBase):
         obs, info = self._begin(t, sbx.lineage.seed)
         await sbx.write_lineage()
         for cmd in t.setup if t else ():
-            await sbx.commands.run(cmd, timeout=cfg.command_timeout, cwd=cfg.cwd, user=cfg.user)
+            await sbx.commands.run(cmd, timeout=cfg.setup_seconds, cwd=cfg.cwd, user=cfg.user)
         info["sandbox_id"] = sbx.sandbox_id
         return obs, info
 
@@ -322,7 +329,7 @@ class SyncSandboxEnv(_EnvBase):
         obs, info = self._begin(t, sbx.lineage.seed)
         sbx.write_lineage()
         for cmd in t.setup if t else ():
-            sbx.commands.run(cmd, timeout=cfg.command_timeout, cwd=cfg.cwd, user=cfg.user)
+            sbx.commands.run(cmd, timeout=cfg.setup_seconds, cwd=cfg.cwd, user=cfg.user)
         info["sandbox_id"] = sbx.sandbox_id
         return obs, info
 

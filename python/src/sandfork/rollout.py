@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import json
 import logging
@@ -28,8 +29,10 @@ from collections.abc import Awaitable, Callable, Container, Iterable, Iterator, 
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any, Literal, Protocol
 
+from . import _ops
 from ._common import Capabilities, Checkpoint, reseed
 from .env import EnvConfig, EpisodeState, SandboxEnv, Task
+from .group import TaskState, group_seeds
 from .sandbox_async import AsyncSandbox
 
 log = logging.getLogger("sandfork")
@@ -499,34 +502,70 @@ class BranchingRunner:
         self._kept_more = True
 
     async def run(
-        self, task: str | Task | None = None, *, seed: int | None = None
+        self,
+        task: str | Task | None = None,
+        *,
+        seed: int | None = None,
+        state: TaskState | None = None,
     ) -> TrajectoryTree:
+        """The tree from ``task``: a reset environment from ``env_factory``,
+        or, given ``state`` (a task set up once, ``TaskState``), the set-up
+        state, whose first branch (the schedule's width at step 0: the group)
+        is forked from it, child ``i`` seeded ``group_seeds(seed, n)[i]``
+        when ``seed`` is given. The state stays the caller's: it is not
+        closed, nor counted in ``max_live``."""
         slots = _Slots(self.max_live)
         self.stats = RunStats()
         t = Task(task) if isinstance(task, str) else task
-        env = self.env_factory()
-        await slots.take(1)
-        try:
-            obs, info = await env.reset(t, seed=seed)
-        except BaseException:
-            await env.close()
-            await slots.give()
-            raise
-        root = Node(path=(), step=0, observation=obs, sandbox_id=info.get("sandbox_id"))
-        messages = [{"role": "user", "content": obs}]
         tree_grpo = self.schedule if isinstance(self.schedule, TreeGRPOSchedule) else None
+        start: Callable[[], Awaitable[None]]
+        if state is not None:
+            t = t or state.episode.task
+            root = Node(path=(), step=0, observation=t.prompt if t else "")
+            root.sandbox_id = state.sandbox_id
+            # the children's config (reward, limits) is the factory's
+            config = self.env_factory().config
+            if config.capabilities is None:
+                config.capabilities = state.config.capabilities
+            messages = [{"role": "user", "content": root.observation}]
+            from_state = state
+
+            async def group(k: int, first: int) -> list[SandboxEnv]:
+                seeds = None if seed is None else group_seeds(seed, k, first)
+                return await from_state.group(k, seeds=seeds, config=config)
+
+            width = _width(self.schedule, root)
+            start = functools.partial(self._branch, group, root, messages, t, slots, width)
+
+            env: SandboxEnv | None = None
+        else:
+            env = self.env_factory()
+            await slots.take(1)
+            try:
+                obs, info = await env.reset(t, seed=seed)
+            except BaseException:
+                await env.close()
+                await slots.give()
+                raise
+            root = Node(path=(), step=0, observation=obs, sandbox_id=info.get("sandbox_id"))
+            config = env.config
+            messages = [{"role": "user", "content": obs}]
+            start = functools.partial(self._grow, env, root, messages, t, slots)
+
         if tree_grpo is None or tree_grpo.rounds == 0:
-            await self._grow(env, root, messages, t, slots)
+            await start()
         else:
             self._kept = {}
             try:
-                caps = env.config.capabilities
-                if caps is None and env.sandbox is not None:
-                    caps = env.config.capabilities = await env.sandbox.capabilities()
+                caps = config.capabilities
+                if caps is None:
+                    caps = config.capabilities = await _ops.run_async(
+                        _ops.capabilities_of(AsyncSandbox, {})
+                    )
                 self._keep_mode = tree_grpo.keep_mode(caps) if caps else "replay"
-                template = env.config
+                template = config
                 self._kept_more = True
-                await self._grow(env, root, messages, t, slots)
+                await start()
                 rng = random.Random(seed)
                 for round_ in range(tree_grpo.rounds):
                     # states on the last round's branches are never returned to
@@ -694,7 +733,11 @@ class BranchingRunner:
                     return
                 width = _width(self.schedule, node)
                 if width > 1:
-                    await self._branch(env, node, messages, task, slots, width)
+
+                    async def fork(k: int, _first: int, env: SandboxEnv = env) -> list[SandboxEnv]:
+                        return await env.fork(k)
+
+                    await self._branch(fork, node, messages, task, slots, width)
                     return
                 if self._kept is not None and self._kept_more and node.action is not None:
                     await self._keep(env, node, messages)
@@ -705,15 +748,16 @@ class BranchingRunner:
 
     async def _branch(
         self,
-        env: SandboxEnv,
+        fork: Callable[[int, int], Awaitable[list[SandboxEnv]]],
         node: Node,
         messages: list[dict[str, str]],
         task: Task | None,
         slots: _Slots,
         width: int,
     ) -> None:
-        """Forks ``width`` children of ``node`` from ``env``, as many per fork
-        call as there are free slots, and grows each."""
+        """``width`` children of ``node``, ``fork(k, first)`` making children
+        ``first .. first + k - 1`` (as many per call as there are free
+        slots), and grows each."""
         tasks: list[asyncio.Task[None]] = []
         index = 0
         while index < width:
@@ -723,7 +767,7 @@ class BranchingRunner:
             for _ in range(1 + self.fork_retries):
                 try:
                     self.stats.forks += 1
-                    children = await env.fork(k)
+                    children = await fork(k, index)
                     break
                 except Exception as e:
                     self.stats.fork_failures += 1

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from . import history, jobs, proc
+from . import failures, history, jobs, proc
 from .run import Plan, Run, UnknownJob, plan
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -132,9 +132,23 @@ def main(argv: list[str]) -> int:
         code = Run(ROOT, the_plan, directory, console, argv).main()
         if only is None and not args.lab_only:
             record_history(directory / "summary.json")
+            keep_if_failed(directory)
         return code
     finally:
         console.close()
+
+
+def keep_if_failed(directory: Path) -> None:
+    """A full run that failed or retried a job leaves its logs in the cache
+    (failures.keep): CI's clone, and its target/, is gone afterwards."""
+    try:
+        data = json.loads((directory / "summary.json").read_text())
+        if data["passed"] and not data["retried"]:
+            return
+        kept = failures.keep(directory)
+        print(f"scripts/test.sh: this run's logs are kept in {kept}", file=sys.stderr)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"scripts/test.sh: this run's logs not kept: {e}", file=sys.stderr)
 
 
 def record_history(summary: Path) -> None:

@@ -51,6 +51,9 @@ def entry(summary: dict[str, Any], commit_id: str | None) -> dict[str, Any]:
                 "result": job["result"],
                 "tries": len(job["tries"]),
                 "stall": any(t["lab_stood_still"] for t in job["tries"][:-1]),
+                # where the minutes go, run after run (--flakes shows them)
+                "s": round(job["duration_s"]),
+                "lane": job["lane"],
             }
             for job in summary["jobs"]
         },
@@ -85,6 +88,8 @@ class Row:
     cells: tuple[str, ...]
     retried: int
     failed: int
+    # the job's minutes in the newest run that recorded them
+    minutes: float | None = None
 
     @property
     def defect(self) -> bool:
@@ -93,11 +98,14 @@ class Row:
 
 def cell(job: dict[str, Any] | None) -> str:
     """ok, ok/r (passed on its retry; /rs: a third try after a lab stall),
-    FAIL, or - (not in that run or not run)."""
+    FAIL, skip (it could not run on the machine), or - (not in that run or
+    not run)."""
     if job is None or job["result"] == "not run":
         return "-"
     if job["result"] == "failed":
         return "FAIL"
+    if job["result"] == "skipped":
+        return "skip"
     if job["tries"] <= 1:
         return "ok"
     return "ok/rs" if job["stall"] else "ok/r"
@@ -116,6 +124,9 @@ def rows(runs: list[dict[str, Any]]) -> list[Row]:
                 cells=tuple(cell(j) for j in jobs),
                 retried=sum(1 for j in jobs if j is not None and j["tries"] > 1),
                 failed=sum(1 for j in jobs if j is not None and j["result"] == "failed"),
+                minutes=next(
+                    (j["s"] / 60 for j in reversed(jobs) if j is not None and "s" in j), None
+                ),
             )
         )
     return out
@@ -127,11 +138,12 @@ def table(runs: list[dict[str, Any]]) -> str:
         return f"no full run recorded in {path()} yet"
     width = 7
     head = f"{'job':<12} " + " ".join(f"{'run' + str(i + 1):<{width}}" for i in range(len(runs)))
-    lines = [head + " retried failed"]
+    lines = [head + " retried failed   min"]
     for row in rows(runs):
         cells = " ".join(f"{c:<{width}}" for c in row.cells)
+        minutes = "" if row.minutes is None else f"{row.minutes:.1f}"
         mark = "  <- defect" if row.defect else ""
-        lines.append(f"{row.job:<12} {cells} {row.retried:>7} {row.failed:>6}{mark}")
+        lines.append(f"{row.job:<12} {cells} {row.retried:>7} {row.failed:>6} {minutes:>5}{mark}")
     lines.append("")
     for i, run in enumerate(runs):
         minutes = run["duration_s"] / 60

@@ -6,7 +6,7 @@ target's name, from the test build); an argument holding `*` is a glob
 (sorted; it must match something).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 
@@ -59,6 +59,10 @@ class Job:
 
 def argv(words: str) -> tuple[str, ...]:
     return tuple(words.split())
+
+
+# What a long-tier job of a suite sets: the suite runs its long cases too.
+LONG_TIER = ("SANDFORK_TEST_TIER", "long")
 
 
 def lab_tests(name: str, minutes: float, about: str) -> Job:
@@ -137,14 +141,15 @@ TEST_BUILD = Job(
 
 # Every one needs a lab machine to itself: taken from one queue by the lab
 # lanes, longest first, so that the lanes end close together.
-LAB = (
+LAB: tuple[Job, ...] = (
     Job(
         "sdk",
         Group.LAB,
         argv("scripts/sdk-test.sh --no-build"),
         "the real e2b Python and JS SDKs and the E2B CLI against a real node: "
         "the basic suites, then pause, fork and snapshots",
-        minutes=17,
+        # measured 12:41 and 13:30 in full runs (2026-12-06)
+        minutes=13.5,
     ),
     Job(
         "cluster",
@@ -153,25 +158,27 @@ LAB = (
         "the pytest suite tests/cluster: 3 nodes and 2 gateways on a real etcd of 3 "
         "members and S3: routing, the SDK, etcd's leader and quorum lost, a fork across "
         "nodes, a team's limit, durable pauses, a node cut off, the store down",
-        minutes=16.5,
+        # 12:19 in a full run before its long sections moved out (3 min of them)
+        minutes=10,
     ),
-    lab_tests("lab_serve", 11.5, "sandfork serve in the lab (crates/server/tests/lab_serve.rs)"),
+    lab_tests("lab_serve", 7.5, "sandfork serve in the lab (crates/server/tests/lab_serve.rs)"),
     Job(
         "rl",
         Group.LAB,
         argv("scripts/rl-test.sh --no-build"),
         "the sandfork Python package: ruff, the pure tests, then forks, environments, "
         "Gymnasium's checker and the branching runner",
-        minutes=6.5,
+        # 3:13 in a full run; 4:19 alone with the fork-per-group tests
+        minutes=4.5,
     ),
     Job(
         "harbor",
         Group.LAB,
         argv("scripts/harbor-test.sh --no-build"),
         "Harbor from PyPI (`harbor run --env e2b -a oracle`) on tests/harbor/tasks against "
-        "a real node, at concurrency 4 and 1: every trial solved",
-        # measured 9:10 beside another lab lane and a compile (docs/src/harbor.md)
-        minutes=9,
+        "a real node, at concurrency 4 (and 1 in the long tier): every trial solved",
+        # 4:15 with both concurrencies in a full run; the n1 pass was 1.5 of it
+        minutes=3,
     ),
     Job(
         "frameworks",
@@ -243,6 +250,32 @@ LAB = (
         discard_stdout=True,
         tier=Tier.LONG,
     ),
+)
+
+
+def long_variant(name: str, about: str, minutes: float) -> Job:
+    """A lab job of the default tier run again in the long tier with its
+    long cases (SANDFORK_TEST_TIER=long)."""
+    job = next(j for j in LAB if j.name == name)
+    return replace(
+        job, name=f"{name}_long", about=about, minutes=minutes, env=(*job.env, LONG_TIER),
+        tier=Tier.LONG,
+    )  # fmt: skip
+
+
+LAB += (
+    long_variant(
+        "sdk",
+        "the SDK suites with their long cases: the JS SDK's long streaming command too",
+        15,
+    ),
+    long_variant(
+        "cluster",
+        "the cluster suite with its long sections: the SDK's four files whole through "
+        "the gateways, creates per second",
+        17,
+    ),
+    long_variant("harbor", "Harbor at concurrency 4, then 1 (each template found by its tag)", 6),
 )
 
 # On the host, one after the other, at the lowest CPU priority, beside the

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Literal
 
@@ -76,10 +76,18 @@ class Processes:
                 os.killpg(p.pid, signal.SIGTERM)
 
 
-def _pump(stream: IO[bytes], name: str, log: IO[bytes], console: Console) -> None:
+def _pump(
+    stream: IO[bytes],
+    name: str,
+    log: IO[bytes],
+    console: Console,
+    on_line: Callable[[bytes], None] | None = None,
+) -> None:
     for line in iter(stream.readline, b""):
         log.write(line)
         console.line(name, line)
+        if on_line is not None:
+            on_line(line)
 
 
 def run(
@@ -93,10 +101,12 @@ def run(
     env: Mapping[str, str] | None = None,
     stdout: Stdout = "console",
     captured: list[bytes] | None = None,
+    on_line: Callable[[bytes], None] | None = None,
 ) -> int:
     """Runs argv to its end; returns its exit code (128+N for signal N, 127
     when it could not start). stdout "capture" appends its stdout lines to
-    `captured` (stderr goes to console and log)."""
+    `captured` (stderr goes to console and log). `on_line` sees each line
+    that goes to the log, as it comes."""
     with open(log_path, "ab", buffering=0) as log:
         try:
             p = subprocess.Popen(
@@ -122,7 +132,9 @@ def run(
         try:
             if stdout == "capture":
                 assert p.stdout is not None and p.stderr is not None
-                errors = threading.Thread(target=_pump, args=(p.stderr, name, log, console))
+                errors = threading.Thread(
+                    target=_pump, args=(p.stderr, name, log, console, on_line)
+                )
                 errors.start()
                 for line in iter(p.stdout.readline, b""):
                     if captured is not None:
@@ -131,7 +143,7 @@ def run(
             else:
                 out = p.stdout if stdout == "console" else p.stderr
                 assert out is not None
-                _pump(out, name, log, console)
+                _pump(out, name, log, console, on_line)
             code = p.wait()
         except BaseException:
             # interrupted (Ctrl+C reaches the runner alone): the job goes too

@@ -2,14 +2,23 @@
 
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
+from . import failures
 from .jobs import Job
+
+# The exit status of a job that cannot run here (automake's convention); the
+# job's last line of output says why.
+SKIP_STATUS = 77
 
 
 class Result(Enum):
     PASSED = "passed"
     FAILED = "failed"
+    # its command said it cannot run on this machine (exit status SKIP_STATUS,
+    # the reason its last line): a prerequisite the README lists is missing
+    SKIPPED = "skipped"
     # never started: the run ended first (a failed build or quick check, an
     # interrupt), or what it needed failed (the test build, for host jobs)
     NOT_RUN = "not run"
@@ -26,10 +35,23 @@ class Try:
     log: str
     # the tests this try ran by name; None: the whole job
     tests: list[str] | None = None
+    # a test binary's slowest tests, (name, seconds), slowest first
+    slowest: list[tuple[str, float]] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
         return self.exit_code == 0
+
+    @property
+    def skipped(self) -> bool:
+        return self.exit_code == SKIP_STATUS
+
+
+def outcome(last: Try) -> Result:
+    """A job's result from its last try."""
+    if last.passed:
+        return Result.PASSED
+    return Result.SKIPPED if last.skipped else Result.FAILED
 
 
 @dataclass
@@ -66,6 +88,7 @@ def _try_json(t: Try) -> dict[str, Any]:
         "passed": t.passed,
         "tests": t.tests,
         "lab_stood_still": t.stood_still,
+        "slowest_tests": [[name, s] for name, s in t.slowest],
         "log": t.log,
     }
 
@@ -109,6 +132,7 @@ def summary(
         "error": error or None,
         "failed": failed,
         "retried": [r.job.name for r in records if len(r.tries) > 1],
+        "skipped": [r.job.name for r in records if r.result is Result.SKIPPED],
         "jobs": [job_json(r) for r in records],
     }
 
@@ -119,8 +143,9 @@ def clock(seconds: float) -> str:
     return f"{s // 60}:{s % 60:02d}"
 
 
-def failure_report(records: list[JobRecord]) -> list[str]:
-    """One line per failed job: its tries and where their logs are."""
+def failure_report(records: list[JobRecord], root: Path) -> list[str]:
+    """Per failed job: its tries, where their logs are (relative to `root`)
+    and, under each, the tests that failed in it and why."""
     lines = []
     for r in records:
         if r.result is not Result.FAILED:
@@ -130,5 +155,12 @@ def failure_report(records: list[JobRecord]) -> list[str]:
             continue
         tries = "1 try" if len(r.tries) == 1 else f"{len(r.tries)} tries"
         lines.append(f"{r.job.name}: failed ({tries}), logs:")
-        lines.extend(f"    {t.log}" for t in r.tries)
+        for t in r.tries:
+            lines.append(f"    {t.log}")
+            try:
+                text = (root / t.log).read_text(errors="replace")
+            except OSError as e:
+                lines.append(f"      (its log cannot be read: {e})")
+                continue
+            lines.extend(f"      {line}" for line in failures.digest(text))
     return lines

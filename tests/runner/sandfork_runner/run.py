@@ -17,8 +17,12 @@ from . import jobs, lab, proc
 from .cargo import binaries, executables, failed_tests, relinked
 from .jobs import Group, Job, Tier
 from .queue import JobQueue
-from .record import JobRecord, Result, Try, clock, failure_report, summary
+from .record import JobRecord, Result, Try, clock, failure_report, outcome, summary
 from .retry import Outcome, run_again, stood_still
+from .timings import PerTestClock
+
+# how many of a test binary's slowest tests a try records and prints
+SLOWEST_SHOWN = 6
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,12 @@ def plan(*, lab_only: bool, only: list[str] | None, long: bool, lanes: int) -> P
     host = () if lab_only else tuple(j for j in jobs.HOST if chosen(j))
     lab_jobs = tuple(j for j in jobs.LAB if chosen(j))
     return Plan(quick, lab_jobs, host, min(max(lanes, 1), len(lab_jobs), len(lab.LOCKS)))
+
+
+def last_line(log: Path) -> str:
+    """The last line a job wrote: a skipped job's reason."""
+    lines = log.read_text(errors="replace").strip().splitlines()
+    return lines[-1].strip() if lines else "(no reason given)"
 
 
 def expand(argv: list[str], root: Path) -> list[str]:
@@ -312,6 +322,8 @@ class Run:
             while not self.processes.stopping:
                 t = self.attempt(record, self.command(job, tests), tests)
                 outcomes.append(Outcome(t.passed, t.stood_still))
+                if t.skipped:
+                    break
                 if self.processes.stopping:
                     record.note = "stopped: the run was interrupted"
                     break
@@ -323,7 +335,9 @@ class Run:
                 again = "the tests " + " ".join(tests) if tests else "whole"
                 self.console.stage(f"{job.name}: re-running ({why}): {again}")
             if record.tries:
-                record.result = Result.PASSED if record.tries[-1].passed else Result.FAILED
+                record.result = outcome(record.tries[-1])
+                if record.result is Result.SKIPPED:
+                    record.note = last_line(self.root / record.tries[-1].log)
         except Exception as e:
             # a fault of the runner's: this job fails, the others still run
             record.note = f"runner error: {e!r}"
@@ -337,6 +351,8 @@ class Run:
             self.console.stage(f"{name}: passed in {clock(record.duration)}")
         elif record.result is Result.FAILED:
             self.console.stage(f"{name}: FAILED")
+        elif record.result is Result.SKIPPED:
+            self.console.stage(f"{name}: SKIPPED: {record.note}")
 
     def command(self, job: Job, tests: list[str] | None) -> list[str]:
         """Its argv: {bin} replaced, globs expanded, the tests named
@@ -370,6 +386,7 @@ class Run:
         env = dict(os.environ)
         env.update((k, v.replace("{bin}", binary)) for k, v in job.env)
         start = self.console.elapsed()
+        test_clock = PerTestClock(self.console.elapsed) if job.by_test_name else None
 
         def ended(code: int) -> Try:
             t = Try(
@@ -380,8 +397,12 @@ class Run:
                 stood_still=stood_still(log.read_bytes()),
                 log=str(log.relative_to(self.root)),
                 tests=tests,
+                slowest=test_clock.slowest(SLOWEST_SHOWN) if test_clock else [],
             )
             record.tries.append(t)
+            if t.slowest:
+                said = ", ".join(f"{name} {s:.0f} s" for name, s in t.slowest)
+                self.console.line(job.name, f"slowest tests: {said}\n".encode())
             return t
 
         try:
@@ -395,6 +416,7 @@ class Run:
                 env=env,
                 stdout=stdout or ("discard" if job.discard_stdout else "console"),
                 captured=captured,
+                on_line=test_clock.saw if test_clock else None,
             )
         except KeyboardInterrupt:
             # a job of the main thread's, stopped with the run: recorded too
@@ -428,7 +450,7 @@ class Run:
             took = clock(r.duration) if r.tries else ""
             line = f"{r.job.name:<12} {r.lane:<6} {start:>6} {took:>6} {len(r.tries):>5}  "
             out.write((line + r.result.value + (f" ({r.note})" if r.note else "")).encode())
-        failures = failure_report(records)
+        failures = failure_report(records, self.root)
         if failures:
             out.write(b"failed:")
             for line in failures:
@@ -441,7 +463,8 @@ class Run:
             out.stage("interrupted")
             return 130
         if data["passed"]:
-            out.stage("all passed")
+            skipped = data["skipped"]
+            out.stage(f"passed; skipped: {' '.join(skipped)}" if skipped else "all passed")
             return 0
         out.stage(f"done: failed: {' '.join(data['failed'])}")
         return 1

@@ -29,9 +29,27 @@ def test_an_entry_keeps_each_jobs_result_tries_and_a_stall_before_a_retry() -> N
     line = history.entry(data, "0123456789ab")
     assert line["commit"] == "0123456789ab"
     assert line["passed"] is False
-    assert line["jobs"]["snapshot"] == {"result": "failed", "tries": 3, "stall": True}
-    assert line["jobs"]["sdk"] == {"result": "passed", "tries": 1, "stall": False}
-    assert line["jobs"]["clippy"] == {"result": "not run", "tries": 0, "stall": False}
+    assert line["jobs"]["snapshot"] == {
+        "result": "failed",
+        "tries": 3,
+        "stall": True,
+        "s": 360,
+        "lane": "lane1",
+    }
+    assert line["jobs"]["sdk"] == {
+        "result": "passed",
+        "tries": 1,
+        "stall": False,
+        "s": 1020,
+        "lane": "lane2",
+    }
+    assert line["jobs"]["clippy"] == {
+        "result": "not run",
+        "tries": 0,
+        "stall": False,
+        "s": 0,
+        "lane": None,
+    }
 
 
 def test_the_history_is_appended_and_read_back_last_runs_first_torn_lines_skipped(
@@ -65,3 +83,20 @@ def test_a_job_retried_in_two_of_five_runs_is_a_defect_and_one_retry_is_not() ->
     text = history.table(runs)
     assert "defects (a retry in 2+ runs, or a failure): sdk, cluster" in text
     assert text.count("35.0 min") == 5
+
+
+def test_a_skipped_job_is_shown_as_such_and_is_no_defect() -> None:
+    runs = [run_line(harbor=("skipped", 1, False)), run_line(harbor=("passed", 1, False))]
+    (row,) = history.rows(runs)
+    assert row.cells == ("skip", "ok")
+    assert not row.defect
+
+
+def test_the_table_shows_each_jobs_minutes_in_the_newest_run_that_has_them() -> None:
+    old = run_line(sdk=("passed", 1, False))
+    new = run_line(sdk=("passed", 1, False))
+    new["jobs"]["sdk"]["s"] = 750
+    table = history.table([old, new])
+    (sdk,) = [line for line in table.splitlines() if line.startswith("sdk")]
+    assert sdk.split()[-1] == "12.5"
+    assert history.rows([old])[0].minutes is None

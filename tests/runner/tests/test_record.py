@@ -1,12 +1,15 @@
 import json
+from pathlib import Path
 
 from sandfork_runner import jobs
 from sandfork_runner.record import (
+    SKIP_STATUS,
     JobRecord,
     Result,
     Try,
     clock,
     failure_report,
+    outcome,
     summary,
 )
 
@@ -65,12 +68,27 @@ def test_an_interrupted_run_did_not_pass() -> None:
     assert summary([sdk], started="", duration=1, argv=[], run_dir="", interrupted=False)["passed"]
 
 
-def test_the_failure_report_names_each_failed_job_and_its_logs() -> None:
-    assert failure_report(record()) == [
+def test_the_failure_report_names_each_failed_job_its_logs_and_failed_tests(
+    tmp_path: Path,
+) -> None:
+    logs = tmp_path / "target/test-runs/x"
+    logs.mkdir(parents=True)
+    (logs / "snapshot.log").write_text(
+        "test forks ... FAILED\n\nfailures:\n\n---- forks stdout ----\n"
+        "thread 'forks' (576) panicked at crates/vmm/tests/snapshot.rs:319:29:\n"
+        "dd ... && echo ok: no answer from the guest agent within 60s\n"
+    )
+    (logs / "snapshot.try2.log").write_text("test forks ... FAILED\n")
+    assert failure_report(record(), tmp_path) == [
         "snapshot: failed (3 tries), logs:",
         "    target/test-runs/x/snapshot.log",
+        "      forks: crates/vmm/tests/snapshot.rs:319:29: "
+        "dd ... && echo ok: no answer from the guest agent within 60s",
         "    target/test-runs/x/snapshot.try2.log",
+        "      forks: failed",
         "    target/test-runs/x/snapshot.try3.log",
+        "      (its log cannot be read: [Errno 2] No such file or directory: "
+        f"'{logs / 'snapshot.try3.log'}')",
         "cli: no test binary cli_node (the test build failed?)",
     ]
 
@@ -79,3 +97,20 @@ def test_clock() -> None:
     assert clock(0) == "0:00"
     assert clock(61.9) == "1:01"
     assert clock(3600) == "60:00"
+
+
+def test_a_job_whose_last_try_exited_77_is_skipped_not_failed() -> None:
+    skipped = Try(1, 0.0, 1.0, SKIP_STATUS, False, "target/test-runs/x/harbor.log")
+    assert outcome(skipped) is Result.SKIPPED
+    assert outcome(Try(1, 0.0, 1.0, 0, False, "x")) is Result.PASSED
+    assert outcome(Try(1, 0.0, 1.0, 1, False, "x")) is Result.FAILED
+    harbor = JobRecord(jobs.by_name("harbor"), result=Result.SKIPPED, tries=[skipped])
+    data = summary(
+        [harbor],
+        started="2026-12-06T07:00:00Z",
+        duration=1.0,
+        argv=[],
+        run_dir="target/test-runs/x",
+        interrupted=False,
+    )
+    assert data["passed"] and data["skipped"] == ["harbor"] and data["failed"] == []

@@ -16,6 +16,12 @@ export const TEMPLATE = process.env.SDK_TEST_TEMPLATE || 'base'
 export const RUN_ID = randomBytes(4).toString('hex')
 // Lab microVMs are 20-50x slower than hardware.
 export const SLOW = { timeout: 600_000 }
+// A case of the long tier (scripts/test.sh --only sdk_long sets
+// SANDFORK_TEST_TIER=long): skipped, and said so, in every other run.
+export const LONG = {
+  ...SLOW,
+  skip: process.env.SANDFORK_TEST_TIER === 'long' ? false : 'long tier (scripts/test.sh --only sdk_long)',
+}
 
 export function create(opts = {}) {
   return Sandbox.create(TEMPLATE, {

@@ -5,7 +5,6 @@ session can kill whatever a failed test left behind."""
 
 import os
 import secrets
-import time
 
 import httpx
 import pytest
@@ -33,15 +32,20 @@ def create(**kwargs) -> Sandbox:
     return Sandbox.create(TEMPLATE, metadata=meta, **kwargs)
 
 
-def wait_until(predicate, timeout=60.0, interval=0.2, what="condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+def delete_template(name: str) -> None:
+    httpx.delete(f"{API_URL}/templates/{name}", headers={"X-API-KEY": API_KEY}, timeout=120)
+
+
+def last_build_status(name: str) -> dict:
+    """The status of the template's last build, its reason when it failed."""
+    h = {"X-API-KEY": API_KEY}
+    t = httpx.get(f"{API_URL}/templates/{name}", headers=h, timeout=60).json()
+    r = httpx.get(
+        f"{API_URL}/templates/{t['templateID']}/builds/{t['buildID']}/status",
+        headers=h,
+        timeout=60,
+    )
+    return r.json()
 
 
 @pytest.fixture(scope="session")

@@ -9,10 +9,12 @@ import base64
 import re
 import sys
 import time
+from dataclasses import dataclass
 
 import pytest
-from conftest import RUN_META, wait_until
-from e2b_code_interpreter import Sandbox
+from conftest import RUN_META
+from e2b_code_interpreter import Execution, Sandbox
+from polling import wait_until
 
 # The first build of the template in an emulated lab takes long.
 pytestmark = pytest.mark.timeout(5400)
@@ -59,31 +61,48 @@ def _create() -> Sandbox:
     return Sandbox.create(metadata=dict(RUN_META), timeout=900)
 
 
+@dataclass
+class Fresh:
+    """A sandbox and the first code it ran, right after its create."""
+
+    sandbox: Sandbox
+    first: Execution
+    create_s: float
+    first_run_s: float
+
+
 @pytest.fixture(scope="module")
-def sbx(template):
-    s = _create()
-    yield s
-    s.kill()
-
-
-def test_run_code_answers_right_after_create(template):
+def fresh(template):
+    # The module's tests share this one sandbox (a create and a kernel's
+    # start are half a minute in the lab); its first run_code is made here,
+    # before any test uses it, so that it is the one right after the create.
     t0 = time.monotonic()
     s = _create()
     try:
         created = time.monotonic()
-        ex = s.run_code("print('hello from the kernel')\n6 * 7")
+        first = s.run_code("print('hello from the kernel')\n6 * 7")
         ran = time.monotonic()
-        print(
-            f"\ncreate {created - t0:.2f} s, first run_code {ran - created:.2f} s",
-            file=sys.stderr,
-        )
-        assert ex.error is None, ex.error
-        assert ex.logs.stdout == ["hello from the kernel\n"]
-        assert ex.text == "42"
-        assert ex.results[0].is_main_result
-        assert ex.execution_count is not None
+        yield Fresh(s, first, created - t0, ran - created)
     finally:
         s.kill()
+
+
+@pytest.fixture(scope="module")
+def sbx(fresh):
+    return fresh.sandbox
+
+
+def test_run_code_answers_right_after_create(fresh):
+    print(
+        f"\ncreate {fresh.create_s:.2f} s, first run_code {fresh.first_run_s:.2f} s",
+        file=sys.stderr,
+    )
+    ex = fresh.first
+    assert ex.error is None, ex.error
+    assert ex.logs.stdout == ["hello from the kernel\n"]
+    assert ex.text == "42"
+    assert ex.results[0].is_main_result
+    assert ex.execution_count is not None
 
 
 def test_stdout_stderr_and_callbacks(sbx):

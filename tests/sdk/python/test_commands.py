@@ -3,8 +3,8 @@
 import time
 
 import pytest
-from conftest import wait_until
 from e2b import CommandExitException, TimeoutException
+from polling import wait_until
 
 
 def test_stdout_and_exit_code(sandbox):

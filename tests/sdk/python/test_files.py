@@ -8,8 +8,8 @@ import time
 
 import httpx
 import pytest
-from conftest import wait_until
 from e2b import FileNotFoundException, FilesystemEventType, FileType
+from polling import wait_until
 
 BASE = "/home/user/sdk-files"
 

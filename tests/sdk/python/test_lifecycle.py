@@ -2,8 +2,9 @@
 Marked `lifecycle` so a run can select the basic set first."""
 
 import pytest
-from conftest import RUN_ID, create, wait_until
+from conftest import RUN_ID, create
 from e2b import Sandbox, SandboxException, SandboxNotFoundException, SandboxQuery, SandboxState
+from polling import wait_until
 
 pytestmark = pytest.mark.lifecycle
 

@@ -4,8 +4,9 @@ import time
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
-from conftest import RUN_ID, create, wait_until
+from conftest import RUN_ID, create
 from e2b import Sandbox, SandboxNotFoundException, SandboxQuery, SandboxState
+from polling import wait_until
 
 
 def _all(paginator):

@@ -9,47 +9,17 @@ from the package index this host's pip is configured for (read at run time, neve
 written here), through the sandbox's slot, the node's DNS forwarder and the
 lab's own network."""
 
-import os
 import shlex
 import socket
-import subprocess
-import sys
 from urllib.parse import urlsplit
 
 import pytest
 from conftest import create
 from e2b import ALL_TRAFFIC, Sandbox, SandboxException
+from rl_bench import guest_pip_env, host_pip_settings
 
 # A pure-Python wheel of a few kB with no dependencies.
 SMALL_PACKAGE = "six"
-
-
-def host_pip_settings() -> dict[str, str]:
-    """This host's pip configuration that tells where the index is and how to
-    trust it (`pip config list` with its PIP_* environment): key -> value for
-    index-url, extra-index-url, cert and trusted-host. Local find-links are
-    left out: they would keep the sandbox from needing the network."""
-    out = ""
-    # The suite's venv may have no pip; the host's pip3 reads the same files.
-    for pip in ([sys.executable, "-m", "pip"], ["pip3"]):
-        try:
-            done = subprocess.run(
-                [*pip, "config", "list"], capture_output=True, text=True, check=False
-            )
-        except OSError:
-            continue
-        if done.returncode == 0:
-            out = done.stdout
-            break
-    wanted = ("index-url", "extra-index-url", "cert", "trusted-host")
-    settings: dict[str, str] = {}
-    # Files first, then the environment: pip's own precedence.
-    for line in sorted(out.splitlines(), key=lambda line: line.startswith(":env:")):
-        key, _, value = line.partition("=")
-        name = key.rsplit(".", 1)[-1]
-        if name in wanted and value:
-            settings[name] = value.strip().strip("'\"")
-    return settings
 
 
 def index_host(settings: dict[str, str]) -> str:
@@ -73,17 +43,11 @@ def test_pip_install_from_the_package_index():
         pytest.skip(f"this host does not resolve its package index ({host})")
     sbx = create()
     try:
-        env = {"PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_CACHE_DIR": "1"}
-        for name in ("index-url", "extra-index-url", "trusted-host"):
-            if name in settings:
-                env["PIP_" + name.upper().replace("-", "_")] = settings[name]
-        cert = settings.get("cert")
-        if cert and os.path.isfile(cert):
+        env, trust_store = guest_pip_env(settings)
+        if trust_store is not None:
             # The host's trust store (it may hold the CA of a TLS-inspecting
             # egress proxy the guest's bundle does not know).
-            with open(cert, "rb") as f:
-                sbx.files.write("/tmp/pip-ca.pem", f.read())
-            env["PIP_CERT"] = "/tmp/pip-ca.pem"
+            sbx.files.write(env["PIP_CERT"], trust_store)
         # As E2B's snippets do it: a plain `pip install` (Debian's PEP 668
         # marker would refuse it), as the default user and as root.
         for user in ("user", "root"):

@@ -6,8 +6,9 @@ its traffic token; `mask_request_host` is the Host its server sees."""
 import os
 
 import httpx
-from conftest import create, wait_until
+from conftest import create
 from e2b import Sandbox
+from polling import wait_until
 
 SANDBOX_URL = os.environ.get("E2B_SANDBOX_URL", "")
 

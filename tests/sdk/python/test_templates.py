@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import API_KEY, API_URL, RUN_META
+from conftest import RUN_META, delete_template, last_build_status
 from e2b import Sandbox, Template
 from e2b.api.client.api.tags import (
     get_templates_template_id_tags_count as tags_count,
@@ -38,11 +38,6 @@ from e2b.api.client.models import (
 from e2b.api.client_sync import get_api_client
 from e2b.connection_config import ConnectionConfig
 from e2b.exceptions import BuildException
-
-
-def _delete(name: str) -> None:
-    httpx.delete(f"{API_URL}/templates/{name}", headers={"X-API-KEY": API_KEY}, timeout=120)
-
 
 STEP_LINE = re.compile(r"^\[\d+/\d+\] ")
 
@@ -135,7 +130,7 @@ def test_template_build_runs_every_step(tmp_path: Path):
         finally:
             sbx.kill()
     finally:
-        _delete(name)
+        delete_template(name)
 
 
 @pytest.mark.timeout(900)
@@ -180,8 +175,8 @@ def test_template_build_reuses_a_shared_prefix(tmp_path: Path):
         finally:
             sbx.kill()
     finally:
-        _delete(a)
-        _delete(b)
+        delete_template(a)
+        delete_template(b)
 
 
 def _check_tag_reads(template_id: str, build_id: str) -> None:
@@ -239,7 +234,7 @@ def test_template_names_tags_and_aliases(api):
         finally:
             sbx.kill()
     finally:
-        _delete(name)
+        delete_template(name)
     assert not Template.exists(name)
 
 
@@ -258,22 +253,11 @@ def test_template_build_failing_step_is_reported(tmp_path: Path):
             Template.build(template, name)
         msg = str(err.value)
         assert "step 3" in msg and "exited 3" in msg, msg
-        status = _status_of_last_build(name)
+        status = last_build_status(name)
         assert status["status"] == "error"
         assert status["reason"]["step"] == "3"
     finally:
-        _delete(name)
-
-
-def _status_of_last_build(name: str) -> dict:
-    h = {"X-API-KEY": API_KEY}
-    t = httpx.get(f"{API_URL}/templates/{name}", headers=h, timeout=60).json()
-    r = httpx.get(
-        f"{API_URL}/templates/{t['templateID']}/builds/{t['buildID']}/status",
-        headers=h,
-        timeout=60,
-    )
-    return r.json()
+        delete_template(name)
 
 
 def test_template_build_upload_links_need_their_token(api):

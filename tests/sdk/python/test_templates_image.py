@@ -20,9 +20,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
-from conftest import API_KEY, API_URL, RUN_META
+from conftest import RUN_META, delete_template, last_build_status
 from e2b import Sandbox, Template
 from e2b.exceptions import BuildException
 
@@ -200,22 +199,6 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, st
         proc.wait()
 
 
-def _delete(name: str) -> None:
-    httpx.delete(f"{API_URL}/templates/{name}", headers={"X-API-KEY": API_KEY}, timeout=120)
-
-
-def _reason(name: str) -> dict:
-    h = {"X-API-KEY": API_KEY}
-    t = httpx.get(f"{API_URL}/templates/{name}", headers=h, timeout=60).json()
-    r = httpx.get(
-        f"{API_URL}/templates/{t['templateID']}/builds/{t['buildID']}/status",
-        headers=h,
-        timeout=60,
-    ).json()
-    assert r["status"] == "error", r
-    return r["reason"]
-
-
 def test_image_pull_failures_are_reported_at_the_base_step(registry):
     host, password = registry
     for image, user, pw, why in [
@@ -230,10 +213,12 @@ def test_image_pull_failures_are_reported_at_the_base_step(registry):
                 Template.build(template, name)
             assert why in str(err.value), str(err.value)
             assert password not in str(err.value)
-            reason = _reason(name)
+            status = last_build_status(name)
+            assert status["status"] == "error", status
+            reason = status["reason"]
             assert reason["step"] == "base" and why in reason["message"], reason
         finally:
-            _delete(name)
+            delete_template(name)
 
 
 def test_template_from_a_registry_image(registry):
@@ -260,4 +245,4 @@ def test_template_from_a_registry_image(registry):
         finally:
             sbx.kill()
     finally:
-        _delete(name)
+        delete_template(name)

@@ -75,6 +75,16 @@ impl Agent {
         read_response(&mut s)
     }
 
+    /// A GET with `headers`; the whole response.
+    pub fn get(&self, path: &str, headers: &[(&str, &str)]) -> Resp {
+        self.request("GET", path, headers, b"")
+    }
+
+    /// A POST of `body` as `content_type`; the whole response.
+    pub fn post(&self, path: &str, content_type: &str, body: &[u8]) -> Resp {
+        self.request("POST", path, &[("content-type", content_type)], body)
+    }
+
     /// Unary Connect call with a JSON body.
     pub fn unary(&self, path: &str, headers: &[(&str, &str)], json: &serde_json::Value) -> Resp {
         let mut h = vec![
@@ -148,6 +158,15 @@ impl Resp {
             .iter()
             .find(|(k, _)| k == name)
             .map(|(_, v)| v.as_str())
+    }
+
+    /// Asserts the response is an error with `status` and the JSON `code`.
+    pub fn assert_error(&self, status: u16, code: &str) {
+        assert_eq!(
+            (self.status, self.json()["code"].as_str()),
+            (status, Some(code)),
+            "{self:?}"
+        );
     }
 
     pub fn json(&self) -> serde_json::Value {

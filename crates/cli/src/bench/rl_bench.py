@@ -30,10 +30,14 @@ i * 50 lines and adds i * i to the total. Replay reproduces all but the
 token; fork and snapshot copy it. The node's first fork and snapshot (of a
 throwaway sandbox) are a warm-up, not counted.
 
-Imported by sdk_bench.py (written next to it by `sandfork bench`).
+Imported by sdk_bench.py (written next to it by `sandfork bench`), and by
+tests/sdk/python/test_network.py for its pip helpers (host_pip_settings,
+guest_pip_env).
 """
 
 import functools
+import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -166,6 +170,9 @@ class RlBench:
 
     def run(self, cmd, sbx, timeout=300):
         return sbx.commands.run(cmd, timeout=timeout, request_timeout=timeout)
+
+    def run_env(self, cmd, sbx, envs, timeout=300):
+        return sbx.commands.run(cmd, envs=envs, timeout=timeout, request_timeout=timeout)
 
     def check(self, sbx):
         return parse_check(self.run(CHECK, sbx).stdout)
@@ -475,3 +482,306 @@ def self_test():
     # never faster: no k
     wins, _ = crossover([case(4, 1, 900, 100, 100)], [4], [1])
     assert wins == {"4": None}, wins
+    group_self_test()
+
+
+# --- fork per group: a task set up once, or once per child -------------------
+#
+# The `rl_group` phase (`--only rl` runs it after the (N, k) cases): a rollout
+# group of N starts from one task state, after a setup of realistic length:
+# a repository checkout (a git clone of a bundle of real source uploaded to
+# the guest) and a `pip install` of a few small packages from the package
+# index, through the guest's own pip (the host's index settings and trust
+# store handed over, as the SDK's network test does). `each`: N sandboxes
+# created at once, each running the setup (what frameworks do today);
+# `fork`: one sandbox runs it, then forks N children (sandfork's
+# `TaskState.group`). Both until every child answered a check of the state
+# (the checkout's head, the packages importable).
+
+# Pure-Python wheels of a few kB to a few hundred, without dependencies.
+GROUP_PACKAGES = ("six", "idna", "iniconfig", "attrs")
+GROUP_REPO = "/home/user/repo"
+GROUP_CHECK = (
+    f"cd {GROUP_REPO} && git rev-parse --short HEAD && git ls-files | wc -l && "
+    f"python3 -c 'import {', '.join(GROUP_PACKAGES)}; print(\"imports=ok\")'"
+)
+
+
+def host_pip_settings():
+    """This host's pip settings that say where the index is and how to trust
+    it (`pip config list`: files, then PIP_* variables, pip's precedence):
+    index-url, extra-index-url, cert, trusted-host. Local find-links are left
+    out: they would spare the guest the index."""
+    import subprocess
+
+    out = ""
+    # The venv may have no pip; the host's pip3 reads the same files.
+    for pip in ([sys.executable, "-m", "pip"], ["pip3"]):
+        try:
+            done = subprocess.run(
+                [*pip, "config", "list"], capture_output=True, text=True, check=False
+            )
+        except OSError:
+            continue
+        if done.returncode == 0:
+            out = done.stdout
+            break
+    wanted = ("index-url", "extra-index-url", "cert", "trusted-host")
+    settings = {}
+    for line in sorted(out.splitlines(), key=lambda line: line.startswith(":env:")):
+        key, _, value = line.partition("=")
+        name = key.rsplit(".", 1)[-1]
+        if name in wanted and value:
+            settings[name] = value.strip().strip("'\"")
+    return settings
+
+
+def guest_pip_env(settings):
+    """The guest's pip variables from the host's settings, and the trust
+    store to upload (bytes or None)."""
+    env = {"PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_CACHE_DIR": "1"}
+    for name in ("index-url", "extra-index-url", "trusted-host"):
+        if name in settings:
+            env["PIP_" + name.upper().replace("-", "_")] = settings[name]
+    cert = settings.get("cert")
+    bundle = None
+    if cert and os.path.isfile(cert):
+        with open(cert, "rb") as f:
+            bundle = f.read()
+        env["PIP_CERT"] = "/tmp/pip-ca.pem"
+    return env, bundle
+
+
+def source_bundle(workdir):
+    """A git bundle of real source (the e2b SDK's package, as installed here)
+    in a few commits: what the guest clones. Its bytes and a description."""
+    import shutil
+    import subprocess
+
+    import e2b
+
+    src = os.path.dirname(e2b.__file__)
+    repo = os.path.join(workdir, "repo")
+    git = ["git", "-C", repo, "-c", "user.name=bench", "-c", "user.email=bench@localhost"]
+    subprocess.run(["git", "init", "-q", repo], check=True)
+    parts = sorted(e for e in os.listdir(src) if e != "__pycache__")
+    # one commit per top-level entry: a history, not one blob
+    for entry in parts:
+        path = os.path.join(src, entry)
+        ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+        if os.path.isdir(path):
+            shutil.copytree(path, os.path.join(repo, entry), ignore=ignore)
+        else:
+            shutil.copy(path, os.path.join(repo, entry))
+        subprocess.run([*git, "add", "-A"], check=True)
+        subprocess.run([*git, "commit", "-qm", f"add {entry}", "--allow-empty"], check=True)
+    bundle = os.path.join(workdir, "repo.bundle")
+    subprocess.run([*git, "bundle", "create", "-q", bundle, "--all"], check=True)
+    with open(bundle, "rb") as f:
+        data = f.read()
+    files = subprocess.run([*git, "ls-files"], capture_output=True, text=True, check=True)
+    return data, {
+        "files": len(files.stdout.splitlines()),
+        "commits": len(parts),
+        "bytes": len(data),
+    }
+
+
+def setup_command():
+    """The task's setup, in the guest, as its user: the checkout, then the
+    install (into ~/.local, as a plain `pip install` does for a user)."""
+    return (
+        f"git clone -q /tmp/repo.bundle {GROUP_REPO} && cd {GROUP_REPO} && "
+        f"pip install --quiet {' '.join(GROUP_PACKAGES)}"
+    )
+
+
+def per_child(before, after, n):
+    """The node's memory that `n` children added, per child (MiB)."""
+    return {
+        "child_private_mib": round((after["private_kib"] - before["private_kib"]) / 1024.0 / n, 2),
+        "child_pss_mib": round((after["pss_kib"] - before["pss_kib"]) / 1024.0 / n, 2),
+    }
+
+
+def group_keys(cases):
+    """The phase's keys from its cases: per N (as a string) the time of each
+    way and the private memory per child."""
+    keys = {
+        "group_setup_fork_ms": {},
+        "group_setup_each_ms": {},
+        "group_child_private_mib": {"fork": {}, "each": {}},
+    }
+    for case in cases:
+        n = str(case["n"])
+        for way in ("fork", "each"):
+            got = case.get(way, {})
+            keys[f"group_setup_{way}_ms"][n] = got.get("ready_ms")
+            keys["group_child_private_mib"][way][n] = got.get("child_private_mib")
+    return keys
+
+
+class GroupBench:
+    """The `rl_group` phase on the rl phase's helpers (`RlBench`: fork,
+    answers, the node's memory)."""
+
+    def __init__(self, rl, counts, workdir, progress=None):
+        self.rl = rl
+        self.b = rl.b
+        self.counts = counts
+        self.workdir = workdir
+        # called with the cases so far after each N (the bench saves them)
+        self.progress = progress or (lambda cases: None)
+
+    def log(self, msg):
+        self.rl.log(f"group: {msg}")
+
+    def set_up(self, sbx, env, ca, bundle):
+        """The task's setup in one sandbox, and what it answers after."""
+        if ca is not None:
+            sbx.files.write("/tmp/pip-ca.pem", ca)
+        sbx.files.write("/tmp/repo.bundle", bundle)
+        self.rl.run_env(setup_command(), sbx, env, timeout=1800)
+        return self.rl.run(GROUP_CHECK, sbx).stdout
+
+    def measure(self):
+        from sdk_bench import describe
+
+        env, ca = guest_pip_env(host_pip_settings())
+        bundle, repo = source_bundle(self.workdir)
+        cases = []
+        for n in self.counts:
+            case = {"n": n}
+            for way in ("each", "fork"):
+                try:
+                    case[way] = bounded_way(self, way, n, env, ca, bundle)
+                except Exception as e:
+                    case[way] = {"error": describe(e)}
+                finally:
+                    self.b.cleanup()
+                got = case[way]
+                self.log(f"n={n} {way}: {got.get('ready_ms', got.get('error'))}")
+            cases.append(case)
+            self.progress(cases)
+        errors = [
+            f"n={c['n']} {w}: {c[w]['error']}"
+            for c in cases
+            for w in ("each", "fork")
+            if "error" in c[w]
+        ]
+        return {
+            **group_keys(cases),
+            # a way that could not run fails the phase (a null is no figure)
+            **({"failed": "; ".join(errors)} if errors else {}),
+            "cases": cases,
+            "setup": {
+                "repository": repo,
+                "packages": list(GROUP_PACKAGES),
+                "command": setup_command(),
+                "index": "the host's pip settings (index, trust store), else pip's default",
+            },
+            "method": "per N: `each`, N sandboxes created at once, each uploading a git "
+            "bundle of real source and its CA bundle, cloning it and `pip install`ing the "
+            "packages from the index, until all N answered a check of that state; `fork`, "
+            "one sandbox doing the same, then one fork call of N children until all N "
+            "answered the check (ready_ms is the setup plus the fork); memory is the node's "
+            "(smaps_rollup over its processes) with the children up minus once they are killed "
+            "(fork: the set-up parent up both times), over N, the warm pool settled both times",
+        }
+
+    def way(self, way, n, env, ca, bundle):
+        b, rl = self.b, self.rl
+        from sdk_bench import ms
+
+        baseline = b.settle(still_s=SETTLE_S)
+        errors, extra = [], {}
+        if way == "each":
+            t0 = time.perf_counter()
+
+            def make(_):
+                sbx = b.create()
+                return sbx, self.set_up(sbx, env, ca, bundle)
+
+            made = rl._ready_all(n, make, errors)
+            took = ms(time.perf_counter() - t0)
+            children = [s for s, _ in made]
+            states = [st for _, st in made]
+            expected = states[0] if states else None
+            result = {}
+        else:
+            t0 = time.perf_counter()
+            parent = b.create()
+            expected = self.set_up(parent, env, ca, bundle)
+            setup_ms = ms(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            children = rl.fork(parent, n, errors, extra)
+            states = []
+            for c in children:
+                try:
+                    states.append(rl.run(GROUP_CHECK, c).stdout)
+                except Exception as e:
+                    errors.append(f"check {c.sandbox_id}: {e!r}")
+            fork_ms = ms(time.perf_counter() - t1)
+            took = setup_ms + fork_ms
+            result = {
+                "setup_ms": setup_ms,
+                "fork_ms": fork_ms,
+                "parent_paused_ms": extra.get("paused_ms"),
+            }
+            baseline += 1
+        b.settle(at_least=baseline + len(children), still_s=SETTLE_S)
+        up = rl.node_memory(b.args.server_pid, b.args.vmm_exe)
+        # The baseline is taken once the children are gone (the pool
+        # settled again), not before them: a fork writes the parent's
+        # memory out, which turns its private pages into shared ones.
+        b.kill_all(children)
+        b.settle(at_least=baseline, still_s=SETTLE_S)
+        gone = rl.node_memory(b.args.server_pid, b.args.vmm_exe)
+        same = sum(st == expected for st in states)
+        result.update(
+            {
+                "ready_ms": took if not errors and len(children) == n and same == n else None,
+                "children": len(children),
+                "same_state": same,
+                "state": expected,
+                **per_child(gone, up, max(1, len(children))),
+            }
+        )
+        if errors:
+            result["errors"] = errors[:10]
+            result["elapsed_ms"] = took
+        return result
+
+
+def bounded_way(group, way, n, env, ca, bundle):
+    from sdk_bench import bounded
+
+    return bounded(
+        functools.partial(group.way, way, n, env, ca, bundle),
+        group.b.sample_timeout(),
+        f"group {way} of {n}",
+    )
+
+
+def group_self_test():
+    cmd = setup_command()
+    assert cmd.startswith("git clone -q /tmp/repo.bundle") and "pip install --quiet six" in cmd
+    env, ca = guest_pip_env({"cert": "/nonexistent", "index-url": "https://idx.test/simple"})
+    assert env["PIP_INDEX_URL"] == "https://idx.test/simple" and ca is None
+    assert "PIP_CERT" not in env
+    mem = per_child(
+        {"private_kib": 1024, "pss_kib": 2048}, {"private_kib": 5120, "pss_kib": 6144}, 2
+    )
+    assert mem == {"child_private_mib": 2.0, "child_pss_mib": 2.0}, mem
+    keys = group_keys(
+        [
+            {"n": 8, "fork": {"ready_ms": 10, "child_private_mib": 1.5}, "each": {"error": "x"}},
+            {"n": 16, "fork": {"ready_ms": 20}, "each": {"ready_ms": 90, "child_private_mib": 9}},
+        ]
+    )
+    assert keys["group_setup_fork_ms"] == {"8": 10, "16": 20}, keys
+    assert keys["group_setup_each_ms"] == {"8": None, "16": 90}, keys
+    assert keys["group_child_private_mib"] == {
+        "fork": {"8": 1.5, "16": None},
+        "each": {"8": None, "16": 9},
+    }, keys

@@ -21,10 +21,12 @@ use crate::launcher::GuestImage;
 const SCRIPT: &str = include_str!("sdk_bench.py");
 /// The `rl` phase, imported by the script from its own directory.
 const RL_SCRIPT: &str = include_str!("rl_bench.py");
-/// Every phase but `rl` (`--only sdk`; `--only rl` runs that one), the
+/// Every phase but the rl ones (`--only sdk`; `--only rl` runs those), the
 /// creates on a node without networking included.
 pub const SDK_PHASES: &str = "first_command_faults,create_to_first_command,fork16,fork100,\
      guest_tcp,creates_concurrent,creates_concurrent16,idle,density,create_no_network";
+/// `--only rl`: branching an episode (`rl`), then fork per group (`rl_group`).
+pub const RL_PHASES: &str = "rl,rl_group";
 /// VMM processes the server keeps started (its default); the script waits
 /// for the pool to be full before each phase.
 const POOL_SIZE: usize = 4;
@@ -55,6 +57,8 @@ pub struct SdkBench<'a> {
     pub rl_steps: &'a str,
     /// No new rl case after this long (zero: no bound).
     pub rl_budget: Duration,
+    /// The `rl_group` phase's group sizes (comma-separated).
+    pub rl_groups: &'a str,
     /// Where each bench node's server log is kept (`serve.log`, and
     /// `serve-no-network.log` for the node without networking).
     pub keep_logs: Option<&'a Path>,
@@ -149,6 +153,8 @@ impl SdkBench<'_> {
             .arg(self.rl_steps)
             .arg("--rl-budget")
             .arg(self.rl_budget.as_secs().to_string())
+            .arg("--rl-groups")
+            .arg(self.rl_groups)
             .arg("--report-file")
             .arg(&report_file)
             .env("E2B_API_URL", &url)
@@ -455,7 +461,8 @@ mod tests {
         );
     }
 
-    /// `--only sdk` runs every phase the script has but `rl`.
+    /// `--only sdk` runs every phase the script has but the rl ones, which
+    /// `--only rl` runs.
     #[test]
     fn only_sdk_names_every_phase_but_rl() {
         // The phase table's entries: `("name", self.method, [keys])`.
@@ -466,8 +473,10 @@ mod tests {
             .filter_map(|before| before.rsplit_once('"'))
             .filter(|(head, _)| head.trim_end().ends_with('('))
             .map(|(_, name)| name)
-            .filter(|name| *name != "rl")
             .collect();
+        let rl: Vec<&str> = RL_PHASES.split(',').collect();
+        assert!(rl.iter().all(|p| script.contains(p)), "{script:?}");
+        script.retain(|name| !rl.contains(name));
         script.push(NO_NETWORK_PHASE);
         script.sort_unstable();
         let mut only: Vec<&str> = SDK_PHASES.split(',').map(str::trim).collect();

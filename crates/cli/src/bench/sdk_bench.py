@@ -526,6 +526,25 @@ class Bench:
         figures = bench.measure()
         return {"rl": figures}, {"cases": len(figures["cases"])}
 
+    def rl_group(self):
+        """Fork per group against a setup per child (rl_bench.GroupBench)."""
+        import tempfile
+
+        import rl_bench  # next to this script
+
+        counts = [int(x) for x in self.args.rl_groups.split(",")]
+        rl = rl_bench.RlBench(self, [], [], node_memory, mem_available_kib)
+
+        def progress(cases):
+            self.report.update(rl_bench.group_keys(cases))
+            self.report.setdefault("sdk_detail", {})["rl_group"] = {"cases": cases, "partial": True}
+            save_report(self.args.report_file, self.report)
+
+        with tempfile.TemporaryDirectory(prefix="sandfork-rl-group-") as workdir:
+            figures = rl_bench.GroupBench(rl, counts, workdir, progress).measure()
+        keys = ("group_setup_fork_ms", "group_setup_each_ms", "group_child_private_mib")
+        return {k: figures[k] for k in keys}, figures
+
     def guest_tcp(self):
         """TCP through a sandbox's network slot (tap, virtio-net, the slot's
         NAT, its veth), both ways: the node's side connects to the guest's
@@ -799,6 +818,14 @@ class Bench:
         ]
         # Branching a stateful episode: fork vs snapshot vs replay (rl_bench.py).
         phases.append(("rl", self.rl, ["rl"]))
+        # A rollout group set up once and forked, against a setup per child.
+        phases.append(
+            (
+                "rl_group",
+                self.rl_group,
+                ["group_setup_fork_ms", "group_setup_each_ms", "group_child_private_mib"],
+            )
+        )
         if self.args.density_max > 0:
             phases.append(
                 ("density", self.density, ["density_idle_sandboxes", "density_sandbox_mib"])
@@ -1025,6 +1052,8 @@ def main():
     p.add_argument("--rl-steps", default="1,8,32")
     # No new rl case after this many seconds (0: no bound).
     p.add_argument("--rl-budget", type=float, default=0.0)
+    # The rl_group phase: rollout groups' sizes (N).
+    p.add_argument("--rl-groups", default="8,16")
     p.add_argument("--report-file", help="where the report so far is kept")
     args = p.parse_args()
     if args.self_test:

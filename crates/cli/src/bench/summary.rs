@@ -74,6 +74,7 @@ pub fn summary(report: &Value) -> String {
         out.push('\n');
     }
     rl_summary(&report["rl"], &mut out);
+    group_summary(report, &mut out);
     // What failed, so that a short report says why.
     for key in ["errors", "sdk_errors"] {
         for (part, error) in report[key].as_object().into_iter().flatten() {
@@ -88,6 +89,38 @@ pub fn summary(report: &Value) -> String {
         out.push_str(&format!("  note: {note}\n"));
     }
     out
+}
+
+/// Fork per group: per N, the group set up once and forked against set up
+/// per child, and the private memory per child of each.
+fn group_summary(report: &Value, out: &mut String) {
+    let Some(fork) = report["group_setup_fork_ms"].as_object() else {
+        return;
+    };
+    let shown = |v: &Value, unit: &str| {
+        v.as_f64()
+            .map_or_else(|| "failed".to_owned(), |v| format!("{} {unit}", number(v)))
+    };
+    let private = &report["group_child_private_mib"];
+    let mut sizes: Vec<(&String, &Value)> = fork.iter().collect();
+    sizes.sort_by_key(|(n, _)| n.parse::<u64>().unwrap_or(u64::MAX));
+    for (n, fork_ms) in sizes {
+        let each_ms = &report["group_setup_each_ms"][n];
+        let mut line = format!(
+            "  rl group n={n:<3} set up once + fork {}; set up each {}",
+            shown(fork_ms, "ms"),
+            shown(each_ms, "ms")
+        );
+        if let (Some(f), Some(e)) = (fork_ms.as_f64(), each_ms.as_f64()) {
+            line.push_str(&format!(" ({:.2}x)", e / f));
+        }
+        line.push_str(&format!(
+            "; private per child: fork {}, each {}\n",
+            shown(&private["fork"][n], "MiB"),
+            shown(&private["each"][n], "MiB")
+        ));
+        out.push_str(&line);
+    }
 }
 
 /// The rl part: one line per (N, k) with each way's time to N ready
@@ -206,6 +239,21 @@ mod tests {
             "  rl n=4   k=8   fork 900 ms; fork_again 400 ms; snapshot 1500 ms; replay 1200 ms (differs: files)\n\
              \x20 rl n=4   k=32  fork failed; snapshot 1600 ms; replay 4000 ms (differs: files)\n\
              \x20 rl fork fastest from: n=16: k>=1, n=4: never\n"
+        );
+    }
+
+    #[test]
+    fn shows_each_group_size_both_ways() {
+        let report = json!({
+            "group_setup_fork_ms": {"8": 1000.0, "16": null},
+            "group_setup_each_ms": {"8": 4000.0, "16": 9000.0},
+            "group_child_private_mib": {"fork": {"8": 3.5, "16": null},
+                                        "each": {"8": 60.0, "16": 61.0}}
+        });
+        assert_eq!(
+            summary(&report),
+            "  rl group n=8   set up once + fork 1000 ms; set up each 4000 ms (4.00x); private per child: fork 3.50 MiB, each 60.00 MiB\n\
+             \x20 rl group n=16  set up once + fork failed; set up each 9000 ms; private per child: fork failed, each 61.00 MiB\n"
         );
     }
 

@@ -60,6 +60,13 @@ impl Cli {
         }
     }
 
+    /// A client of the node at `url` with the API key `key`.
+    pub fn of_node(url: &str, key: &str) -> Cli {
+        Cli::new()
+            .with("SANDFORK_API_URL", url)
+            .with("SANDFORK_API_KEY", key)
+    }
+
     pub fn with(mut self, key: &str, value: &str) -> Cli {
         self.env.push((key.into(), value.into()));
         self

@@ -43,6 +43,21 @@ pub fn base_image(dir: &Path, name: &str, size: u64) -> (PathBuf, Vec<u8>) {
     (path, data)
 }
 
+/// A new directory with a layer `top` in it over a fresh [`base_image`] of
+/// `size` bytes, and the model of the layer's content.
+pub fn layer_on_base(top: &str, size: u64) -> (tempfile::TempDir, LayeredDisk, Vec<u8>) {
+    let dir = tempfile::tempdir().unwrap();
+    let (base, model) = base_image(dir.path(), "base.img", size);
+    let disk = LayeredDisk::create(&base, &dir.path().join(top)).unwrap();
+    (dir, disk, model)
+}
+
+/// Writes `len` bytes of `byte` at `offset`, to the disk and to its model.
+pub fn fill(disk: &LayeredDisk, model: &mut [u8], offset: usize, len: usize, byte: u8) {
+    disk.write_at(&vec![byte; len], offset as u64).unwrap();
+    model[offset..offset + len].fill(byte);
+}
+
 /// Reads the whole disk.
 pub fn read_all(disk: &LayeredDisk) -> Vec<u8> {
     let mut buf = vec![0u8; disk.len() as usize];

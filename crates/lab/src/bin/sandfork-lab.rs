@@ -74,10 +74,11 @@ struct RunArgs {
     /// --tcg-threads single).
     #[arg(long)]
     icount: bool,
-    /// When the machine's heartbeat stops, nudge the emulator (stop/cont,
-    /// then an NMI) besides reporting it.
+    /// When the machine's heartbeat stops, only report it: send no key
+    /// press (the device interrupt that wakes a machine whose timer
+    /// interrupt was left pending).
     #[arg(long)]
-    nudge: bool,
+    no_nudge: bool,
     /// Add to the lab kernel's command line (repeatable); MODULE.PARAM=VALUE
     /// ones also go to that module when it is loaded (e.g. kvm_amd.vgif=0).
     #[arg(long = "kernel-arg", value_name = "ARG")]
@@ -160,7 +161,7 @@ fn run(cache_dir: &std::path::Path, args: RunArgs) -> anyhow::Result<ExitCode> {
         },
         kernel_args: args.kernel_args,
         icount: args.icount,
-        nudge_stalls: args.nudge,
+        nudge_stalls: !args.no_nudge,
         forwards: args.forwards,
         env: args.env,
         inherit_env: !args.clean_env,

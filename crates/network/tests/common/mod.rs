@@ -53,14 +53,19 @@ pub fn privileged() -> bool {
     true
 }
 
-/// `ip ARGS` inside the namespace anchored at `ns` (test scaffolding only).
-pub fn ip(ns: &Path, args: &str) {
-    let out = Command::new("nsenter")
+/// Runs `ip ARGS` inside the namespace anchored at `ns` (test scaffolding only).
+fn nsenter_ip(ns: &Path, args: &str) -> std::process::Output {
+    Command::new("nsenter")
         .arg(format!("--net={}", ns.display()))
         .arg("ip")
         .args(args.split_whitespace())
         .output()
-        .expect("run nsenter ip");
+        .expect("run nsenter ip")
+}
+
+/// `ip ARGS` inside the namespace anchored at `ns`, which must succeed.
+pub fn ip(ns: &Path, args: &str) {
+    let out = nsenter_ip(ns, args);
     assert!(
         out.status.success(),
         "ip {args}: {}",
@@ -68,14 +73,9 @@ pub fn ip(ns: &Path, args: &str) {
     );
 }
 
+/// What `ip ARGS` inside the namespace anchored at `ns` prints.
 pub fn ip_out(ns: &Path, args: &str) -> String {
-    let out = Command::new("nsenter")
-        .arg(format!("--net={}", ns.display()))
-        .arg("ip")
-        .args(args.split_whitespace())
-        .output()
-        .expect("run nsenter ip");
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    String::from_utf8_lossy(&nsenter_ip(ns, args).stdout).into_owned()
 }
 
 fn new_ns(path: &Path) -> OwnedFd {

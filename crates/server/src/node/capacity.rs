@@ -46,6 +46,32 @@ pub const DEFAULT_RESERVE_PERCENT: u64 = 10;
 /// 100 one-vCPU children (plus their parent and others).
 pub const DEFAULT_VCPU_OVERCOMMIT: f64 = 128.0;
 pub const DEFAULT_MIN_FREE_DISK_MIB: u64 = 1024;
+/// The data dir's filesystem use (percent, as `df` counts it) above which
+/// no image is converted and unused image templates are evicted, and the
+/// one they are evicted down to (kubelet's image collection thresholds).
+pub const DEFAULT_IMAGE_DISK_HIGH_PERCENT: f64 = 85.0;
+pub const DEFAULT_IMAGE_DISK_LOW_PERCENT: f64 = 80.0;
+
+/// Where the data dir's filesystem use bounds image templates (see
+/// `crate::node::template::image_disk`): percentages of it, `low <= high`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ImageDiskWatermarks {
+    /// Above it a new conversion is refused (once the unused image
+    /// templates are evicted and it is still above) and unused image
+    /// templates are evicted.
+    pub high_percent: f64,
+    /// What eviction goes down to.
+    pub low_percent: f64,
+}
+
+impl Default for ImageDiskWatermarks {
+    fn default() -> ImageDiskWatermarks {
+        ImageDiskWatermarks {
+            high_percent: DEFAULT_IMAGE_DISK_HIGH_PERCENT,
+            low_percent: DEFAULT_IMAGE_DISK_LOW_PERCENT,
+        }
+    }
+}
 
 /// How the node's capacity is set (the `serve` flags).
 #[derive(Debug, Clone, PartialEq)]
@@ -63,6 +89,9 @@ pub struct CapacityConfig {
     pub vcpu_overcommit: f64,
     /// Disk space on the data directory's filesystem no sandbox may use.
     pub min_free_disk_mib: u64,
+    /// The bounds of that filesystem's use that image templates are
+    /// collected under.
+    pub image_disk: ImageDiskWatermarks,
 }
 
 impl Default for CapacityConfig {
@@ -74,6 +103,7 @@ impl Default for CapacityConfig {
             vcpus: None,
             vcpu_overcommit: DEFAULT_VCPU_OVERCOMMIT,
             min_free_disk_mib: DEFAULT_MIN_FREE_DISK_MIB,
+            image_disk: ImageDiskWatermarks::default(),
         }
     }
 }
@@ -176,6 +206,8 @@ pub struct DiskSpace {
     pub total_mib: u64,
     /// Available to unprivileged users (`f_bavail`).
     pub available_mib: u64,
+    /// In use (`f_blocks - f_bfree`).
+    pub used_mib: u64,
 }
 
 impl DiskSpace {
@@ -185,7 +217,24 @@ impl DiskSpace {
         Ok(DiskSpace {
             total_mib: mib(st.f_blocks),
             available_mib: mib(st.f_bavail),
+            used_mib: mib(st.f_blocks.saturating_sub(st.f_bfree)),
         })
+    }
+
+    /// The percentage in use as `df` counts it: of what is used and what
+    /// users may still use (blocks reserved for root are neither).
+    pub fn used_percent(&self) -> f64 {
+        used_percent(self.used_mib, self.available_mib)
+    }
+}
+
+/// `used` of `used + available`, in percent (0 for an empty filesystem).
+pub fn used_percent(used: u64, available: u64) -> f64 {
+    let all = used.saturating_add(available);
+    if all == 0 {
+        0.0
+    } else {
+        used as f64 * 100.0 / all as f64
     }
 }
 
@@ -937,6 +986,7 @@ mod tests {
         let disk = Some(DiskSpace {
             total_mib: 10_000,
             available_mib: 1600,
+            used_mib: 8400,
         });
         let ask = Ask::sandbox(1, 256);
         check(&l, &Ask::default(), &ask, disk, "a sandbox").unwrap();

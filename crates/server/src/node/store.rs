@@ -273,6 +273,11 @@ pub struct TemplateRecord {
     /// ([`crate::node::volume`]); 0 for templates built before them.
     #[serde(default)]
     pub volume_slots: usize,
+    /// Set for a template converted from a registry image (the image's
+    /// name): a cache of it, evicted when the disk runs short and nothing
+    /// uses it (see `crate::node::template::image_disk`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
 }
 
 impl TemplateRecord {

@@ -185,6 +185,10 @@ pub struct Webhooks {
     slots: tokio::sync::Semaphore,
     /// For `https` URLs, made when first needed.
     tls: OnceLock<Result<Arc<rustls::ClientConfig>, String>>,
+    /// Where a loopback URL's receiver is reached when the node runs in a
+    /// VM (the KVM lab) on behalf of its host, whose loopback its users
+    /// mean: the same address image pulls take (`SANDFORK_REGISTRY_LOOPBACK_VIA`).
+    loopback_via: Option<String>,
 }
 
 impl Webhooks {
@@ -198,6 +202,7 @@ impl Webhooks {
             recent: Mutex::new(VecDeque::new()),
             slots: tokio::sync::Semaphore::new(policy.concurrent.max(1)),
             tls: OnceLock::new(),
+            loopback_via: template_build::registry::PullOptions::loopback_via_from_env(),
         });
         let mut events = manager.subscribe();
         // Weak: the webhooks go with the node's state, and these tasks then
@@ -489,7 +494,11 @@ impl Webhooks {
             )
             .body(Full::new(Bytes::from(d.body.clone())))
             .map_err(|e| format!("building the request: {e}"))?;
-        let tcp = tokio::net::TcpStream::connect((target.host.as_str(), target.port))
+        let host = match &self.loopback_via {
+            Some(via) if template_build::registry::is_loopback(&target.host) => via,
+            _ => &target.host,
+        };
+        let tcp = tokio::net::TcpStream::connect((host.as_str(), target.port))
             .await
             .map_err(|e| format!("connecting to {}: {e}", target.authority))?;
         if !target.tls {

@@ -27,12 +27,36 @@ pub struct Usage {
     pub free: u64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct DiskUsage {
     pub total: u64,
     pub free: u64,
     pub min_free: u64,
+    /// In use, as `df` counts it (`usedPercent` of used plus available).
+    #[serde(default)]
+    pub used: u64,
+    #[serde(default)]
+    pub used_percent: f64,
+    /// The image templates' bound on the same filesystem.
+    #[serde(default)]
+    pub images: ImageDisk,
+}
+
+/// Image templates on the node and their disk bound: conversions are
+/// refused above `highWatermark` (percent used) and unused image templates
+/// evicted down to `lowWatermark`; `evicted` and `refused` count since the
+/// node started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ImageDisk {
+    pub high_watermark: f64,
+    pub low_watermark: f64,
+    pub templates: u64,
+    pub evicted: u64,
+    #[serde(rename = "evictedMB")]
+    pub evicted_mb: u64,
+    pub refused: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

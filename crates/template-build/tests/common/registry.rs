@@ -231,6 +231,17 @@ impl Registry {
         fs::read_to_string(digest_file).unwrap().trim().to_owned()
     }
 
+    /// Pushes a layout `write` makes (`single_layout`, `multi_layout`) in a
+    /// new temporary directory as `name`; the directory, for the test's
+    /// other files too, and the digest pushed.
+    pub fn push_new(&self, write: fn(&Path), name: &str) -> (tempfile::TempDir, String) {
+        let tmp = tempfile::tempdir().unwrap();
+        let layout = tmp.path().join("layout");
+        write(&layout);
+        let digest = self.push(&layout, name);
+        (tmp, digest)
+    }
+
     /// The raw manifest (or index) the registry holds for `name`.
     pub fn raw(&self, name: &str) -> serde_json::Value {
         let out = Command::new("skopeo")
@@ -300,4 +311,21 @@ pub fn assert_store_clean(store: &Path) {
         assert!(!name.starts_with('.'), "left behind: {name}");
         assert_eq!(sha(&fs::read(e.path()).unwrap()), name, "blob {name}");
     }
+}
+
+/// Asserts `pulled` is `manifest` with all three of its blobs (config and two
+/// layers) from the store.
+pub fn assert_from_store(pulled: &registry::Pulled, manifest: &str) {
+    assert_eq!(
+        (pulled.manifest_digest.as_str(), pulled.stats.blobs_cached),
+        (manifest, 3)
+    );
+}
+
+/// Asserts `err` is a refusal for want of the right credentials, saying `why`.
+pub fn assert_unauthorized(err: &RegistryError, why: &str) {
+    assert!(
+        matches!(err, RegistryError::Unauthorized { .. }) && err.to_string().contains(why),
+        "{err}"
+    );
 }

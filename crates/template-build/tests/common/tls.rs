@@ -20,6 +20,22 @@ fn openssl(dir: &Path, args: &[&str]) {
     assert!(out.status.success(), "openssl {args:?}: {out:?}");
 }
 
+/// `openssl req` with a new P-256 key, unencrypted, written to `key`; then `args`.
+fn new_key_req(dir: &Path, key: &str, args: &[&str]) {
+    let mut all = vec![
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        key,
+    ];
+    all.extend_from_slice(args);
+    openssl(dir, &all);
+}
+
 /// A CA made for one test: `ca.crt` and its key in a temporary directory.
 pub struct TestCa {
     dir: tempfile::TempDir,
@@ -28,18 +44,11 @@ pub struct TestCa {
 impl TestCa {
     pub fn new() -> TestCa {
         let dir = tempfile::tempdir().unwrap();
-        openssl(
+        new_key_req(
             dir.path(),
+            "ca.key",
             &[
-                "req",
                 "-x509",
-                "-newkey",
-                "ec",
-                "-pkeyopt",
-                "ec_paramgen_curve:prime256v1",
-                "-nodes",
-                "-keyout",
-                "ca.key",
                 "-out",
                 "ca.crt",
                 "-days",
@@ -79,22 +88,10 @@ impl TestCa {
         )
         .unwrap();
         let s = |p: &Path| p.to_str().unwrap().to_owned();
-        openssl(
+        new_key_req(
             out,
-            &[
-                "req",
-                "-newkey",
-                "ec",
-                "-pkeyopt",
-                "ec_paramgen_curve:prime256v1",
-                "-nodes",
-                "-keyout",
-                &s(&key),
-                "-out",
-                &s(&csr),
-                "-subj",
-                "/CN=sandfork test registry",
-            ],
+            &s(&key),
+            &["-out", &s(&csr), "-subj", "/CN=sandfork test registry"],
         );
         openssl(
             out,

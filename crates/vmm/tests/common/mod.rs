@@ -142,6 +142,14 @@ impl TestVm {
     }
 
     /// Watches a VMM process started some other way (in a network namespace).
+    /// A VM booted with the default guest, its agent answering.
+    pub async fn ready() -> TestVm {
+        let mut vm = TestVm::spawn().await;
+        vm.boot(&Boot::default()).await;
+        vm.wait_for_agent().await;
+        vm
+    }
+
     pub fn from_process(vm: VmmProcess) -> TestVm {
         let finished = start_watchdog(vm.dir().to_owned(), vm.pid());
         TestVm { vm, finished }
@@ -304,6 +312,48 @@ impl Drop for HostTap {
             .args(["link", "del", &self.name])
             .status();
     }
+}
+
+/// Has the guest send `mib` MiB over TCP to `sink` (a listener in this process
+/// the guest can reach at its address); checks all of it arrived and returns
+/// the time from its first byte to its end.
+pub async fn guest_sends_mib(
+    agent: &vmm_driver::agent_client::AgentClient,
+    sink: std::net::TcpListener,
+    mib: usize,
+) -> Duration {
+    use std::io::Read;
+    let addr = sink.local_addr().unwrap();
+    let received = std::thread::spawn(move || {
+        let (mut conn, _) = sink.accept().unwrap();
+        let mut buf = vec![0u8; 1 << 16];
+        let (mut total, mut first) = (0usize, None);
+        loop {
+            let n = conn.read(&mut buf).unwrap();
+            if n == 0 {
+                break;
+            }
+            first.get_or_insert_with(Instant::now);
+            total += n;
+        }
+        (total, first.map(|t| t.elapsed()))
+    });
+    let send = format!(
+        "import socket\n\
+         s = socket.create_connection(('{}', {}), timeout=120)\n\
+         buf = b'x' * 65536\n\
+         for _ in range({}):\n\
+         \x20   s.sendall(buf)\n\
+         s.close()\n",
+        addr.ip(),
+        addr.port(),
+        mib * 16
+    );
+    let out = agent.run_argv("python3", &["-c", &send]).await.unwrap();
+    assert_eq!(out.exit_code, 0, "{out:?}");
+    let (total, took) = received.join().unwrap();
+    assert_eq!(total, mib << 20);
+    took.unwrap()
 }
 
 /// Sends `payload` from the guest to a listener in this process over TCP and back

@@ -11,7 +11,10 @@ variables to point at the node first (``sandfork.configure``).
   ``max_observation_chars``, ``metadata``.
 - ``extras`` (per dataset row): ``setup`` (commands run at ``init``) and
   ``reward_spec`` with a ``command``: at the end of the episode it runs in
-  the sandbox and the reward is 1.0 if it exits 0, else 0.0.
+  the sandbox and the reward is 1.0 if it exits 0, else 0.0. Or, fork per
+  group: ``task_state``, a ``TaskState.ref()`` of a task the trainer set up
+  once and keeps paused or as a snapshot: ``init`` forks its sandbox from
+  that state (its own seed) instead of running ``setup``.
 
 The episode ends when the model writes no command, when it submits (a
 command printing ``COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`` first), or after
@@ -30,6 +33,8 @@ from e2b import CommandExitException
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
 
 from ..env import EnvConfig, SyncSandboxEnv, Task
+from ..group import TaskState, attach_child
+from ..sandbox import Sandbox
 
 #: The id ``register()`` gives the environment in skyrl-gym's registry.
 ENV_ID = "sandfork"
@@ -78,12 +83,34 @@ class SandforkTextEnv(BaseTextEnv):
             )
         )
         self.setup = [str(c) for c in extras.get("setup", ())]
+        self.task_state: dict[str, Any] | None = extras.get("task_state")
         self.reward_command: str | None = _get(extras.get("reward_spec"), "command", None)
 
     def init(self, prompt: list[dict[str, str]]) -> tuple[list[dict[str, str]], dict[str, Any]]:
-        """Starts the sandbox and runs the task's setup; the prompt passes through."""
+        """Starts the sandbox and runs the task's setup (or forks it from the
+        set-up ``task_state``); the prompt passes through."""
+        if self.task_state is not None:
+            return prompt, self._fork_from(self.task_state)
         _, info = self.env.reset(Task(prompt="", setup=self.setup))
         return prompt, info
+
+    def _fork_from(self, ref: dict[str, Any]) -> dict[str, Any]:
+        """This episode's sandbox: one child of a kept task state."""
+        state = TaskState.from_ref(ref)
+        cfg = self.env.config
+        if state.checkpoint is not None:
+            (sbx,) = Sandbox.from_checkpoint(
+                state.checkpoint, 1, timeout=cfg.sandbox_timeout, metadata=cfg.metadata
+            )
+        elif state.keep == "paused" and state.sandbox_id is not None:
+            (sbx,) = Sandbox.branch_suspended(state.sandbox_id, 1, timeout=cfg.sandbox_timeout)
+        else:
+            raise ValueError(
+                "task_state must be kept paused or as a snapshot (TaskState.suspend(), snapshot())"
+            )
+        self.env.close()
+        self.env = attach_child(SyncSandboxEnv, sbx, state.episode, cfg, True)
+        return {"sandbox_id": sbx.sandbox_id, "seed": self.env.state.seed}
 
     def step(self, action: str) -> BaseTextEnvStepOutput:
         self.turns += 1

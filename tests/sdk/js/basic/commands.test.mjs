@@ -3,7 +3,7 @@ import assert from 'node:assert/strict'
 import http from 'node:http'
 import { after, before, describe, test } from 'node:test'
 import { CommandExitError, TimeoutError } from 'e2b'
-import { SLOW, create, reapRun, waitUntil } from '../helpers.mjs'
+import { LONG, SLOW, create, reapRun, waitUntil } from '../helpers.mjs'
 
 let sbx
 
@@ -74,7 +74,9 @@ describe('commands', SLOW, () => {
   // Longer than every bound on the way (the node's kept guest connections,
   // 15 s; the agent's header-read timeout, 30 s; the SDK's keepalive
   // interval, 50 s; the default command timeout, 60 s), with a silent stretch.
-  test('a long streaming command runs to its end', SLOW, async () => {
+  // The long tier's: the Python SDK's test of the same stream (its client
+  // keeps alive the same way) runs in every run, 1.5 min each.
+  test('a long streaming command runs to its end', LONG, async () => {
     const started = Date.now()
     const r = await sbx.commands.run(
       'for i in $(seq 1 10); do echo tick-$i; seq 1 2000; sleep 1; done; ' +

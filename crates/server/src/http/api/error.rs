@@ -198,6 +198,7 @@ impl From<SandboxError> for ApiError {
                 ImageError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
                 ImageError::Registry { .. } => StatusCode::BAD_GATEWAY,
                 ImageError::Failed { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+                ImageError::NoRoom { .. } => StatusCode::SERVICE_UNAVAILABLE,
             },
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
@@ -218,6 +219,11 @@ impl From<SandboxError> for ApiError {
             SandboxError::Building {
                 retry_after_secs, ..
             } => Some(Retry::After(*retry_after_secs)),
+            // Room comes as sandboxes of other images end; each retry runs
+            // the disk bound's pass again.
+            SandboxError::Image(ImageError::NoRoom { .. }) => {
+                Some(Retry::After(crate::node::template::image_disk::RETRY_SECS))
+            }
             _ => None,
         };
         let message = e.to_string();

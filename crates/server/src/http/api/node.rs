@@ -4,7 +4,9 @@
 //! ```json
 //! {"vcpus": {"total": 32, "used": 2, "free": 30},
 //!  "memoryMB": {"total": 3000, "used": 512, "free": 2488},
-//!  "diskMB": {"total": 250000, "free": 30000, "minFree": 1024},
+//!  "diskMB": {"total": 250000, "free": 30000, "minFree": 1024, "used": 190000,
+//!    "usedPercent": 86.4, "images": {"highWatermark": 85.0, "lowWatermark": 80.0,
+//!    "templates": 12, "evicted": 3, "evictedMB": 9100, "refused": 0}},
 //!  "sandboxes": {"running": 2, "paused": 1, "starting": 0, "max": 64, "vmmExited": 0},
 //!  "memoryPressure": {"enabled": true, "availableMB": 2100, "psiSomeAvg10": 0.0,
 //!    "psiFullAvg10": 0.0, "floorMB": 1000, "pausing": false, "pausedTotal": 3,
@@ -19,7 +21,10 @@
 //! capacity without a VMM serving yet (and, for a moment, a sandbox being
 //! paused). Memory is in MiB (E2B's
 //! `memoryMB` means MiB too). `diskMB.free` is what the data directory's
-//! filesystem has available beyond `minFree`, which sandboxes never use.
+//! filesystem has available beyond `minFree`, which sandboxes never use;
+//! `used` and `usedPercent` are its use as `df` counts it, which the image
+//! templates' watermarks bound (`images`, see
+//! [`crate::node::template::image_disk`]).
 //! `vmmExited` counts the sandboxes removed since the node started because
 //! their VMM process ended by itself (a crash, a kill from outside).
 //! `memoryPressure` is the pressure monitor's last reading of the host and
@@ -51,6 +56,7 @@ pub async fn node(State(state): State<Shared>) -> Result<Json<wire::NodeStatus>,
     let disk = capacity
         .disk()
         .map_err(crate::node::sandbox::SandboxError::from)?;
+    let images = state.templates.image_disk_report()?;
     let records = manager.list()?;
     let count = |s: SandboxState| records.iter().filter(|r| r.state == s).count() as u64;
     let live = manager.live_count();
@@ -69,6 +75,16 @@ pub async fn node(State(state): State<Shared>) -> Result<Json<wire::NodeStatus>,
             total: disk.total_mib,
             free: disk.available_mib.saturating_sub(limits.min_free_disk_mib),
             min_free: limits.min_free_disk_mib,
+            used: disk.used_mib,
+            used_percent: disk.used_percent(),
+            images: wire::ImageDisk {
+                high_watermark: images.marks.high_percent,
+                low_watermark: images.marks.low_percent,
+                templates: images.templates,
+                evicted: images.evicted,
+                evicted_mb: images.evicted_bytes >> 20,
+                refused: images.refused,
+            },
         },
         sandboxes: wire::SandboxCounts {
             running: count(SandboxState::Running),

@@ -303,6 +303,7 @@ impl Manager {
             cpu_template: source.cpu_template.clone(),
             // And its spare drives, as the source had them.
             volume_slots: source_template.map_or(0, |t| t.volume_slots),
+            image: None,
         };
         self.store.put_template(&record)?;
         Ok(record)
@@ -362,6 +363,33 @@ impl Manager {
             );
         }
         Ok(template.id)
+    }
+
+    /// Removes template `id` and its files when nothing uses it (see
+    /// [`Manager::template_users`]), decided under the same lock as
+    /// [`Manager::delete_template`]'s, so no create pins it meanwhile.
+    /// Returns its record, or None when it is in use (it stays, whole) or
+    /// gone already. The base template is never removed.
+    pub async fn evict_template(&self, id: &str) -> Result<Option<TemplateRecord>, SandboxError> {
+        let template = {
+            let pins = self.pins.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(template) = self.store.template(id)? else {
+                return Ok(None);
+            };
+            if template.id == self.template.id || !self.template_users(id, &pins)?.is_empty() {
+                return Ok(None);
+            }
+            self.store.remove_template(id)?;
+            template
+        };
+        self.remove_template_files(&template).await?;
+        Ok(Some(template))
+    }
+
+    /// Whether anything uses template `id` now (see [`Manager::template_users`]).
+    pub fn template_in_use(&self, id: &str) -> Result<bool, SandboxError> {
+        let pins = self.pins.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(!self.template_users(id, &pins)?.is_empty())
     }
 
     /// Who stacks on template `id`'s files: sandboxes made from it or

@@ -263,6 +263,7 @@ pub async fn build(
         balloon: pool.balloon().is_some(),
         cpu_template: crate::node::config::cpu_template_name(pool.cpu_template()),
         volume_slots: volume::SLOTS,
+        image: None,
     })
 }
 

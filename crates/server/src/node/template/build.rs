@@ -218,6 +218,9 @@ pub struct Templates {
     e2b: E2bState,
     /// Conversions of images creates named, under way.
     pub(super) images: super::image_create::Flights,
+    /// One pass of the image templates' disk bound at a time.
+    pub(super) image_disk_pass: tokio::sync::Mutex<()>,
+    pub(super) image_disk: super::image_disk::Counters,
 }
 
 impl Templates {
@@ -228,6 +231,8 @@ impl Templates {
             running: Mutex::new(HashMap::new()),
             e2b,
             images: Mutex::default(),
+            image_disk_pass: tokio::sync::Mutex::new(()),
+            image_disk: Default::default(),
         })
     }
 

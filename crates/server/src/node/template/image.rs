@@ -126,9 +126,11 @@ impl Templates {
         log.push(&format!("booting image template {id}"));
         let spec = BootSpec::from_image(&built, config.vcpus, config.mem_mib);
         let push = |line: &str| log.push(line);
-        let template = boot::build_on(manager, &id, &spec, &push)
+        let mut template = boot::build_on(manager, &id, &spec, &push)
             .await
             .map_err(|e| format!("booting the image {}: {e}", pull.image))?;
+        // A cache of the image, as a create's conversion is.
+        template.image = Some(reference.to_string());
         db.put_template(&template).map_err(|e| {
             let _ = std::fs::remove_dir_all(&template.dir);
             format!("recording the image template: {e}")

@@ -60,6 +60,19 @@ pub enum ImageError {
     /// The node failed to convert or boot it (500).
     #[error("image {image}: {reason}")]
     Failed { image: String, reason: String },
+    /// The node's disk is above the high watermark for images with every
+    /// image template on it in use (503, `Retry-After`: one may be unused
+    /// by then, and a cluster's gateway tries the next node).
+    #[error(
+        "image {image}: not converted: this node's disk is {used_percent:.1} % used, above its \
+         high watermark for images ({high_percent} %), and no image template on it is unused; \
+         retry later"
+    )]
+    NoRoom {
+        image: String,
+        used_percent: f64,
+        high_percent: f64,
+    },
 }
 
 /// The registry's answer, with the image's name unless it has it already.
@@ -160,8 +173,25 @@ impl Templates {
         let reference =
             Reference::parse(image).map_err(|e| ImageError::Reference(e.to_string()))?;
         let name = reference.to_string();
-        if self.manager().resolve_template(&name).is_ok() {
+        if let Ok(t) = self.manager().resolve_template(&name) {
+            // Its last use, for the disk bound's order.
+            crate::node::sandbox::cache_bound::mark_used(&t.snapshot);
             return Ok(name);
+        }
+        let converting = self.flights().contains_key(&name);
+        if !converting {
+            // Room first: unused image templates go while the disk is
+            // above the high watermark; still above it, no conversion.
+            let (above, used_percent) = self.bound_image_disk().await?;
+            if above {
+                self.count_refusal();
+                return Err(ImageError::NoRoom {
+                    image: name,
+                    used_percent,
+                    high_percent: self.manager().config().capacity.image_disk.high_percent,
+                }
+                .into());
+            }
         }
         let flight = {
             let mut flights = self.flights();
@@ -268,6 +298,12 @@ impl Templates {
                     started.elapsed().as_secs_f64()
                 );
                 self.made_ready(&id).await;
+                // The new template may take the disk above the high
+                // watermark: the unused ones go now, not at the next
+                // conversion.
+                if let Err(e) = self.bound_image_disk().await {
+                    tracing::warn!("images: bounding their disk: {e}");
+                }
             }
             Err(e) => {
                 // Nothing half-made: the next create of the image starts over.
@@ -320,6 +356,7 @@ impl Templates {
             .await
             .map_err(|e| failed(format!("booting: {e}")))?;
         template.names = vec![name.clone()];
+        template.image = Some(name.clone());
         log.push(&format!(
             "template ready in {:.1} s",
             now_ms().saturating_sub(record.started_at_ms) as f64 / 1000.0

@@ -21,6 +21,7 @@ pub mod code_interpreter;
 pub mod e2b_build;
 mod image;
 mod image_create;
+pub mod image_disk;
 
 pub use boot::{BootSpec, Prepare};
 pub use build::{BuildParams, BuildSource, Templates};
