@@ -59,6 +59,7 @@ mod recover;
 mod snapshot;
 #[cfg(test)]
 pub(crate) mod tests;
+mod volumes;
 mod working_set;
 pub use fork::{Forked, Frozen};
 pub use fork_stored::{CopiedFork, ForkResults, SnapshotForkParams};
@@ -277,6 +278,9 @@ pub struct Manager {
     /// Where [`Lifecycle`] facts go, to every subscriber (see
     /// [`Manager::subscribe`]).
     lifecycle: tokio::sync::broadcast::Sender<Lifecycle>,
+    /// Held by every change of a volume's record or of who mounts it, so
+    /// that a name is taken once and a volume is not removed under a mount.
+    volume_changes: tokio::sync::Mutex<()>,
     /// This manager, for the tasks that watch its VMMs.
     me: Weak<Manager>,
 }
@@ -317,6 +321,7 @@ impl Manager {
             writing: Mutex::default(),
             hooks: std::sync::OnceLock::new(),
             lifecycle: tokio::sync::broadcast::Sender::new(LIFECYCLE_BACKLOG),
+            volume_changes: tokio::sync::Mutex::new(()),
             me: me.clone(),
         })
     }
@@ -817,6 +822,8 @@ impl Manager {
                 pause_reason: None,
                 team: crate::node::tenants::stored_team(params.team.as_deref()),
                 cpu_template: template.cpu_template.clone(),
+                // Mounts come with `volumeMounts` (not taken yet).
+                volume_mounts: Vec::new(),
             }
         };
         self.start_sandbox(None, plan, record, access_token.clone(), ingress, id)

@@ -13,12 +13,22 @@
 //! A volume's disk is layered ([`disk_layers`]): a sparse ext4 image made
 //! on the host as its base, and a writable layer on it. A fork seals it and
 //! gives the parent and each child a layer of its own, as for the root disk.
+//!
+//! A volume is a team's: its record ([`VolumeRecord`], in the node's store)
+//! names its directory under the node's `volumes/` (see
+//! [`Config::volumes_dir`](crate::node::config::Config::volumes_dir)), where
+//! its disk is. The manager's `create_volume`, `volumes`, `volume` and
+//! `delete_volume` (in `node::sandbox::volumes`) make, read and remove them.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use disk_layers::LayeredDisk;
+use serde::{Deserialize, Serialize};
 use vmm_api::{Drive, DriveOverride};
+
+use crate::node::ids::Token;
+use crate::node::store::StoreError;
 
 /// Spare drives per template. Each costs a restored guest a virtio-blk
 /// device (a worker thread once the guest touches it, which an unused slot
@@ -33,6 +43,93 @@ pub const MIN_VOLUME_BYTES: u64 = 64 << 20;
 
 /// The placeholder's file name in a template's directory.
 pub const PLACEHOLDER: &str = "volume-slot.img";
+
+/// A volume's size when its create names none: sparse, so it costs the
+/// host what is written (mkfs writes about 4 MiB of it).
+pub const DEFAULT_VOLUME_MB: u64 = 10 << 10;
+
+/// The longest volume name.
+pub const MAX_NAME: usize = 63;
+
+/// A volume as the node's store keeps it. Times are unix milliseconds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeRecord {
+    pub id: String,
+    /// The team that owns it (each team sees only its own).
+    pub team: String,
+    /// Unique in its team.
+    pub name: String,
+    pub size_mb: u64,
+    /// Its own directory (under the node's `volumes/`): its disk's base and
+    /// layers.
+    pub dir: PathBuf,
+    /// Its disk's writable top layer, which a sandbox's slot is restored on.
+    pub disk: PathBuf,
+    /// E2B's token for the volume's content API (not served yet).
+    pub token: Token,
+    pub created_at_ms: u64,
+}
+
+/// Why a volume could not be made, read or removed.
+#[derive(Debug, thiserror::Error)]
+pub enum VolumeError {
+    /// What the request asked cannot be a volume (a 400).
+    #[error("{0}")]
+    Invalid(String),
+    /// No volume of the caller's team by that id.
+    #[error("volume {0} not found")]
+    NotFound(String),
+    #[error("the team has a volume named {0:?} already")]
+    NameTaken(String),
+    #[error("volume {id} is mounted in sandbox {sandbox}: kill the sandbox first")]
+    InUse { id: String, sandbox: String },
+    #[error(transparent)]
+    Disk(#[from] DiskError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Checks a volume's name: 1 to [`MAX_NAME`] letters, digits, `-` and
+/// `_`, starting with a letter or digit (it is no path, but a user reads
+/// it in lists and mount specs).
+pub fn check_name(name: &str) -> Result<(), VolumeError> {
+    let ok = (1..=MAX_NAME).contains(&name.len())
+        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+    if ok {
+        return Ok(());
+    }
+    Err(VolumeError::Invalid(if name.is_empty() {
+        "name is required: a volume's name is 1 to 63 letters, digits, '-' and '_'".into()
+    } else {
+        format!(
+            "invalid volume name {name:?}: 1 to {MAX_NAME} letters, digits, '-' and '_', \
+             starting with a letter or digit"
+        )
+    }))
+}
+
+/// A volume's size in bytes, from the MiB a create asked (none: the
+/// default).
+pub fn size_bytes(size_mb: Option<u64>) -> Result<u64, VolumeError> {
+    let mb = size_mb.unwrap_or(DEFAULT_VOLUME_MB);
+    let (min, max) = (MIN_VOLUME_BYTES >> 20, SLOT_BYTES >> 20);
+    if !(min..=max).contains(&mb) {
+        return Err(VolumeError::Invalid(format!(
+            "sizeMB must be {min} to {max}, not {mb}"
+        )));
+    }
+    Ok(mb << 20)
+}
 
 /// Why a volume's disk could not be made.
 #[derive(Debug, thiserror::Error)]
@@ -140,8 +237,17 @@ pub fn create_disk(dir: &Path, bytes: u64) -> Result<PathBuf, DiskError> {
         .and_then(|f| f.set_len(bytes))
         .map_err(io("creating", &base))?;
     // No blocks reserved for root: the guest's `user` writes volumes too.
+    // The file is new and sparse, so its journal reads as zeros unwritten:
+    // zeroing it would write up to 256 MiB of a 64 GiB volume.
     let out = std::process::Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-m", "0", "-E", "lazy_itable_init=1,nodiscard"])
+        .args([
+            "-q",
+            "-F",
+            "-m",
+            "0",
+            "-E",
+            "lazy_itable_init=1,lazy_journal_init=1,nodiscard",
+        ])
         .arg(&base)
         .output()
         .map_err(io("running mkfs.ext4 on", &base))?;
