@@ -49,8 +49,12 @@ async def test_async_env_episode_fork_and_restore(no_leaks):
         with pytest.raises(RuntimeError):
             await kids[0].step("true")
 
-        # back to the checkpoint: two steps, the note, the same seed
+        # back to the checkpoint: two steps, the note, the same seed, and
+        # the same sandbox (rolled back in place: the node can)
+        await env.step("touch /tmp/w/late")
+        before = env.sandbox.sandbox_id
         await env.restore(ckpt)
+        assert env.sandbox.sandbox_id == before
         assert env.state.steps == 2 and env.state.seed == 5
         assert (await env.step("ls /tmp/w")).observation == "a\n"
         assert not (await env.step("true")).truncated

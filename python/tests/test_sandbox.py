@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 from conftest import RUN_META, TEMPLATE
-from e2b import SandboxState
+from e2b import NotFoundException, SandboxException, SandboxState
 
 from sandfork import LINEAGE_PATH, SEED_PATH, AsyncSandbox, ForkError, Lineage, Sandbox
 
@@ -120,3 +120,45 @@ async def test_checkpoint_suspend_resume_and_replay(no_leaks):
         for m in made:
             await m.kill()
         await AsyncSandbox.kill(sbx.sandbox_id)
+
+
+def test_rollback_in_place_to_its_own_checkpoints(no_leaks):
+    sbx = Sandbox.create(TEMPLATE, metadata=RUN_META, timeout=600)
+    other = None
+    try:
+        assert sbx.capabilities().rollback
+        # memory (a tmpfs) and disk, as the checkpoint will hold them
+        sbx.files.write("/dev/shm/mem.txt", "at the checkpoint")
+        sbx.files.write("/home/user/disk.txt", "at the checkpoint")
+        name = f"rollback-{RUN_META['sdk_run']}"
+        ckpt = sbx.checkpoint(name)
+        end_before = sbx.get_info().end_at
+        sbx.files.write("/dev/shm/mem.txt", "later")
+        sbx.commands.run("rm /home/user/disk.txt && touch /home/user/later.txt")
+
+        sbx.rollback(ckpt)
+        # the same sandbox, its token and timeout; the checkpoint's state
+        info = sbx.get_info()
+        assert info.sandbox_id == ckpt.source_id and info.end_at == end_before
+        assert sbx.files.read("/dev/shm/mem.txt") == "at the checkpoint"
+        assert sbx.files.read("/home/user/disk.txt") == "at the checkpoint"
+        assert not sbx.files.exists("/home/user/later.txt")
+        assert sbx.lineage == ckpt.lineage
+
+        # again, by name, after more changes: each rollback starts afresh
+        sbx.files.write("/home/user/disk.txt", "second branch")
+        sbx.rollback(name)
+        assert sbx.files.read("/home/user/disk.txt") == "at the checkpoint"
+
+        # only its own checkpoints; an unknown one is not found; it runs on
+        other = Sandbox.create(TEMPLATE, metadata=RUN_META, timeout=600)
+        with pytest.raises(SandboxException, match="own checkpoints"):
+            other.rollback(ckpt)
+        with pytest.raises(NotFoundException):
+            sbx.rollback("no-such-snapshot")
+        assert sbx.commands.run("cat /home/user/disk.txt").stdout == "at the checkpoint"
+        Sandbox.delete_checkpoint(ckpt)
+    finally:
+        if other is not None:
+            other.kill()
+        sbx.kill()

@@ -86,6 +86,7 @@ def test_capabilities_from_the_node_list_and_without_it():
             "forkPaused": True,
             "forkSnapshot": True,
             "snapshots": True,
+            "rollback": True,
             "maxForkCount": 100,
         }
     }
@@ -96,11 +97,13 @@ def test_capabilities_from_the_node_list_and_without_it():
         fork_from_snapshot=True,
         max_fork_count=20,  # the e2b SDK's own limit per call
         fork_paused=True,
+        rollback=True,
         source="node",
     )
     small = Capabilities.from_node_info({"features": {"fork": True, "maxForkCount": 3}})
     assert small is not None
     assert (small.max_fork_count, small.fork_paused, small.strategy) == (3, False, "fork")
+    assert not small.rollback
     none = Capabilities.from_node_info({"features": {}})
     assert none is not None and none.strategy == "replay" and none.max_fork_count == 0
     # an older node, or E2B's API: no list, so the routes are probed

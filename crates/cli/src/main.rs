@@ -122,9 +122,9 @@ enum Command {
         density_max: usize,
         /// Only these SDK phases, comma-separated: create_to_first_command,
         /// fork16, fork100, guest_tcp, creates_concurrent, creates_concurrent16,
-        /// idle, rl, rl_group, density, create_no_network (the creates again on
+        /// idle, rl, rl_group, rollback, density, create_no_network (the creates again on
         /// a second node started with --no-network) [default: all; `--only sdk`
-        /// all but rl and rl_group].
+        /// all but rl, rl_group and rollback].
         #[arg(long, value_name = "LIST")]
         sdk_phases: Option<String>,
         /// The rl part: children per branch (N), comma-separated.

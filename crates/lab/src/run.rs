@@ -134,8 +134,9 @@ impl Lab {
             shares.push((format!("rw{}", shares.len()), check_rw_dir(&dir)?));
         }
 
+        sweep_stale_run_dirs(&std::env::temp_dir(), Duration::from_secs(3600));
         let run_dir = tempfile::Builder::new()
-            .prefix("sandfork-lab-")
+            .prefix(RUN_DIR_PREFIX)
             .tempdir()
             .map_err(|e| LabError::io("create the run directory", e))?;
         let dir = run_dir.path().to_path_buf();
@@ -149,6 +150,7 @@ impl Lab {
             std::fs::write(dir.join(name), text)
                 .map_err(|e| LabError::io(format!("write {name}"), e))
         };
+        write(RUNNER_PID, &std::process::id().to_string())?;
         write("job.sh", &job_script(&cwd, &env, argv))?;
         let mounts: String = shares
             .iter()
@@ -587,8 +589,72 @@ fn tail(path: &Path, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
+/// Where each run keeps its sockets, job and console log.
+const RUN_DIR_PREFIX: &str = "sandfork-lab-";
+/// The run's own pid, in its directory: a directory whose runner is gone
+/// was left by a run killed by a signal (its `TempDir` never dropped).
+const RUNNER_PID: &str = "runner.pid";
+
+/// Removes the run directories in `tmp` that runs killed by a signal left:
+/// those whose runner process is gone, and those without a runner's pid
+/// (made before it was written) older than `unowned_after`.
+fn sweep_stale_run_dirs(tmp: &Path, unowned_after: Duration) {
+    let Ok(entries) = std::fs::read_dir(tmp) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        if !name.to_string_lossy().starts_with(RUN_DIR_PREFIX) {
+            continue;
+        }
+        let dir = entry.path();
+        let stale = match std::fs::read_to_string(dir.join(RUNNER_PID)) {
+            Ok(pid) => {
+                let pid = pid.trim();
+                !pid.is_empty() && !Path::new("/proc").join(pid).exists()
+            }
+            Err(_) => entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_some_and(|age| age > unowned_after),
+        };
+        if stale {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn run_dirs_of_runners_gone_are_swept_and_live_ones_kept() {
+        let tmp = tempfile::tempdir().unwrap();
+        let made = |name: &str, pid: Option<String>| {
+            let dir = tmp.path().join(name);
+            std::fs::create_dir(&dir).unwrap();
+            std::fs::write(dir.join("console.log"), "x").unwrap();
+            if let Some(pid) = pid {
+                std::fs::write(dir.join(RUNNER_PID), pid).unwrap();
+            }
+            dir
+        };
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let gone = child.id();
+        child.wait().unwrap();
+        let dead = made("sandfork-lab-dead", Some(gone.to_string()));
+        let live = made("sandfork-lab-live", Some(std::process::id().to_string()));
+        let young = made("sandfork-lab-young", None);
+        let other = made("other-dir", Some(gone.to_string()));
+        sweep_stale_run_dirs(tmp.path(), Duration::from_secs(3600));
+        assert!(!dead.exists());
+        assert!(live.exists() && young.exists() && other.exists());
+        // Without a pid, only its age tells.
+        sweep_stale_run_dirs(tmp.path(), Duration::ZERO);
+        assert!(!young.exists() && live.exists());
+    }
     use super::*;
 
     #[test]

@@ -92,7 +92,9 @@ class Capabilities:
     node's limit and the SDK's, whichever is lower). ``fork_from_snapshot``:
     the node forks a snapshot into N sandboxes in one call
     (``POST /snapshots/{id}/fork``); ``fork_paused``: it forks a paused
-    sandbox, which stays paused (``Sandbox.fork(paused_id, count=n)``).
+    sandbox, which stays paused (``Sandbox.fork(paused_id, count=n)``);
+    ``rollback``: a sandbox goes back to one of its own checkpoints in place
+    (``Sandbox.rollback(ckpt)``, ``POST /sandboxes/{id}/rollback``).
 
     ``source`` says how they were found: ``"node"`` from the node's own
     list (``GET /v1/node``'s ``features``, one request), ``"probe"`` from
@@ -105,6 +107,7 @@ class Capabilities:
     fork_from_snapshot: bool
     max_fork_count: int
     fork_paused: bool = False
+    rollback: bool = False
     source: Literal["node", "probe"] = "probe"
 
     @property
@@ -133,6 +136,7 @@ class Capabilities:
             fork_from_snapshot=features.get("forkSnapshot") is True,
             max_fork_count=max(0, count) if fork else 0,
             fork_paused=features.get("forkPaused") is True,
+            rollback=features.get("rollback") is True,
             source="node",
         )
 
@@ -222,6 +226,25 @@ def snapshot_fork_request(
     if metadata:
         body["metadata"] = dict(metadata)
     return f"/snapshots/{quote(snapshot_id, safe='')}/fork", body
+
+
+def rollback_request(sandbox_id: str, checkpoint: Checkpoint | str) -> tuple[str, dict[str, Any]]:
+    """The path and body of ``POST /sandboxes/{id}/rollback`` (sandfork's)."""
+    snapshot_id = checkpoint.snapshot_id if isinstance(checkpoint, Checkpoint) else checkpoint
+    return f"/sandboxes/{quote(sandbox_id, safe='')}/rollback", {"snapshotID": snapshot_id}
+
+
+def rollback_answer(resp: httpx.Response, sandbox_id: str) -> None:
+    """Raises what the e2b SDK would for a failed call (404: the sandbox or
+    snapshot is unknown; 409: not its own snapshot, or not running)."""
+    if resp.status_code == 404:
+        try:
+            message = str(resp.json().get("message", ""))
+        except ValueError:
+            message = ""
+        raise NotFoundException(message or f"sandbox {sandbox_id} not found")
+    if resp.status_code >= 300:
+        raise handle_api_exception(resp)
 
 
 def fork_results(resp: httpx.Response, source: str) -> list[SandboxCreateResponse | Exception]:

@@ -281,14 +281,22 @@ class SandboxEnv(_EnvBase):
         return await self._live().checkpoint(name, data={"episode": self.state.copy()})
 
     async def restore(self, checkpoint: Checkpoint) -> None:
-        """Back to a checkpoint: a sandbox from its snapshot replaces this
-        one, and the episode state is the checkpoint's (same seed)."""
+        """Back to a checkpoint, the episode state the checkpoint's (same
+        seed): this sandbox rolled back in place when the checkpoint is its
+        own and the node rolls back (``Capabilities.rollback``), else a
+        sandbox from its snapshot replaces this one."""
         cfg = self.config
-        (sbx,) = await AsyncSandbox.from_checkpoint(
-            checkpoint, 1, timeout=cfg.sandbox_timeout, metadata=cfg.metadata, after_fork=None
-        )
-        await self.close()
-        self.sandbox = sbx
+        sbx = self._live()
+        if cfg.capabilities is None:
+            cfg.capabilities = await sbx.capabilities()
+        if cfg.capabilities.rollback and checkpoint.source_id == sbx.sandbox_id:
+            await sbx.rollback(checkpoint)
+        else:
+            (sbx,) = await AsyncSandbox.from_checkpoint(
+                checkpoint, 1, timeout=cfg.sandbox_timeout, metadata=cfg.metadata, after_fork=None
+            )
+            await self.close()
+            self.sandbox = sbx
         self.state = checkpoint.data["episode"].copy()
         self.rng = random.Random(self.state.seed)
 
@@ -393,11 +401,17 @@ class SyncSandboxEnv(_EnvBase):
     def restore(self, checkpoint: Checkpoint) -> None:
         """Back to a checkpoint (see ``SandboxEnv.restore``)."""
         cfg = self.config
-        (sbx,) = Sandbox.from_checkpoint(
-            checkpoint, 1, timeout=cfg.sandbox_timeout, metadata=cfg.metadata, after_fork=None
-        )
-        self.close()
-        self.sandbox = sbx
+        sbx = self._live()
+        if cfg.capabilities is None:
+            cfg.capabilities = sbx.capabilities()
+        if cfg.capabilities.rollback and checkpoint.source_id == sbx.sandbox_id:
+            sbx.rollback(checkpoint)
+        else:
+            (sbx,) = Sandbox.from_checkpoint(
+                checkpoint, 1, timeout=cfg.sandbox_timeout, metadata=cfg.metadata, after_fork=None
+            )
+            self.close()
+            self.sandbox = sbx
         self.state = checkpoint.data["episode"].copy()
         self.rng = random.Random(self.state.seed)
 

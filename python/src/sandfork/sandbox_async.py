@@ -25,6 +25,8 @@ from ._common import (
     fork_results,
     probe_capabilities_async,
     reseed,
+    rollback_answer,
+    rollback_request,
     snapshot_fork_request,
 )
 from ._lineage import LINEAGE_PATH, Lineage
@@ -176,6 +178,18 @@ class AsyncSandbox(e2b.AsyncSandbox):
             name=name,
             data=dict(data or {}),
         )
+
+    async def rollback(self, checkpoint: Checkpoint | str) -> None:
+        """Back to ``checkpoint`` (or a snapshot id or name) in place: one of
+        this sandbox's own snapshots. The sandbox keeps its id, access token
+        and timeout; its memory, processes and disk are the checkpoint's, and
+        so is its lineage. Raises ``NotFoundException`` for an unknown
+        snapshot, ``SandboxException`` (409) for another sandbox's."""
+        path, body = rollback_request(self.sandbox_id, checkpoint)
+        async with async_api_client(self.connection_config) as c:
+            rollback_answer(await c.post(path, json=body), self.sandbox_id)
+        if isinstance(checkpoint, Checkpoint):
+            self.lineage = checkpoint.lineage
 
     @classmethod
     async def fork_snapshot(

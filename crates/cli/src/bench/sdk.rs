@@ -25,8 +25,9 @@ const RL_SCRIPT: &str = include_str!("rl_bench.py");
 /// creates on a node without networking included.
 pub const SDK_PHASES: &str = "first_command_faults,create_to_first_command,fork16,fork100,\
      guest_tcp,creates_concurrent,creates_concurrent16,idle,density,create_no_network";
-/// `--only rl`: branching an episode (`rl`), then fork per group (`rl_group`).
-pub const RL_PHASES: &str = "rl,rl_group";
+/// `--only rl`: branching an episode (`rl`), fork per group (`rl_group`),
+/// back to a checkpoint (`rollback`).
+pub const RL_PHASES: &str = "rl,rl_group,rollback";
 /// VMM processes the server keeps started (its default); the script waits
 /// for the pool to be full before each phase.
 const POOL_SIZE: usize = 4;

@@ -545,6 +545,56 @@ class Bench:
         keys = ("group_setup_fork_ms", "group_setup_each_ms", "group_child_private_mib")
         return {k: figures[k] for k in keys}, figures
 
+    def rollback(self):
+        """Back to a checkpoint, `--runs` times each way, in turn: in place
+        (`POST /sandboxes/{id}/rollback`, then a command answered) and the
+        way without it (a create from the snapshot, answering, and a kill of
+        the sandbox left behind). Each sample first changes a file, and each
+        rollback is checked to have undone it."""
+        sbx = bounded(self.create, self.sample_timeout(), "rollback's sandbox")
+        snapshot_id = None
+        try:
+            path = "/home/user/rollback.txt"
+            sbx.commands.run(f"echo checkpoint > {path}")
+            snapshot_id = sbx.create_snapshot().snapshot_id
+            in_place, by_create = [], []
+            for run in range(1, self.args.runs + 1):
+                sbx.commands.run(f"echo run {run} > {path}")
+                t0 = time.perf_counter()
+                answer = _api(
+                    "POST",
+                    f"/sandboxes/{sbx.sandbox_id}/rollback",
+                    json={"snapshotID": snapshot_id},
+                )
+                if answer.status_code != 200:
+                    raise RuntimeError(f"rollback: {answer.status_code} {answer.text[:500]}")
+                self.answer(sbx)
+                in_place.append(ms(time.perf_counter() - t0))
+                seen = sbx.commands.run(f"cat {path}").stdout.strip()
+                if seen != "checkpoint":
+                    raise RuntimeError(f"after a rollback the file holds {seen!r}")
+
+                t0 = time.perf_counter()
+                fresh = self.Sandbox.create(
+                    snapshot_id, timeout=SANDBOX_TTL_S, metadata=self.meta, **self.opts
+                )
+                self.answer(fresh)
+                fresh.kill(request_timeout=KILL_TIMEOUT_S)
+                by_create.append(ms(time.perf_counter() - t0))
+                log(
+                    f"rollback {run}/{self.args.runs}: in place {in_place[-1]:.0f} ms, "
+                    f"by a create and a kill {by_create[-1]:.0f} ms"
+                )
+            values = {
+                "rollback_ms": summary(in_place),
+                "rollback_by_create_ms": summary(by_create),
+            }
+            return values, dict(values)
+        finally:
+            self.kill(sbx)
+            if snapshot_id is not None:
+                _api("DELETE", f"/templates/{snapshot_id}")
+
     def guest_tcp(self):
         """TCP through a sandbox's network slot (tap, virtio-net, the slot's
         NAT, its veth), both ways: the node's side connects to the guest's
@@ -826,6 +876,8 @@ class Bench:
                 ["group_setup_fork_ms", "group_setup_each_ms", "group_child_private_mib"],
             )
         )
+        # Back to a checkpoint: in place against a create from it.
+        phases.append(("rollback", self.rollback, ["rollback_ms", "rollback_by_create_ms"]))
         if self.args.density_max > 0:
             phases.append(
                 ("density", self.density, ["density_idle_sandboxes", "density_sandbox_mib"])

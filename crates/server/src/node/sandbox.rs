@@ -56,6 +56,7 @@ mod network;
 mod observe;
 mod pressure;
 mod recover;
+mod rollback;
 mod snapshot;
 #[cfg(test)]
 pub(crate) mod tests;

@@ -125,6 +125,9 @@ pub struct Features {
     pub fork_paused: bool,
     pub fork_snapshot: bool,
     pub snapshots: bool,
+    /// `POST /sandboxes/{id}/rollback` (to one of its own snapshots).
+    #[serde(default)]
+    pub rollback: bool,
     pub max_fork_count: i64,
 }
 

@@ -54,6 +54,7 @@ pub fn router(state: Shared) -> Router {
         .route("/sandboxes/{id}/connect", post(sandboxes::connect))
         .route("/v2/sandboxes/{id}/connect", post(sandboxes::connect))
         .route("/sandboxes/{id}/fork", post(sandboxes::fork))
+        .route("/sandboxes/{id}/rollback", post(sandboxes::rollback))
         // Node to node in a cluster: a fork across nodes (404 elsewhere).
         .route(
             "/internal/forks",

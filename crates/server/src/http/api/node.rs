@@ -12,7 +12,7 @@
 //!    "psiFullAvg10": 0.0, "floorMB": 1000, "pausing": false, "pausedTotal": 3,
 //!    "pausedNow": 1, "recentPauses": [...], ...},
 //!  "features": {"fork": true, "forkPaused": true, "forkSnapshot": true,
-//!               "snapshots": true, "maxForkCount": 63},
+//!               "snapshots": true, "rollback": true, "maxForkCount": 63},
 //!  "version": "0.1.0", "envdVersion": "0.5.7"}
 //! ```
 //!
@@ -34,7 +34,9 @@
 //! routes: `fork` (`POST /sandboxes/{id}/fork` of a running sandbox),
 //! `forkPaused` (the same route on a paused one), `forkSnapshot`
 //! (`POST /snapshots/{id}/fork`), `snapshots` (`POST
-//! /sandboxes/{id}/snapshots`), and `maxForkCount`, the most children one
+//! /sandboxes/{id}/snapshots`), `rollback` (`POST
+//! /sandboxes/{id}/rollback` to one of its own snapshots), and
+//! `maxForkCount`, the most children one
 //! fork call may ask for here (E2B's 100, and fewer than the node's sandbox
 //! limit: the parent keeps its place). The Python package reads it
 //! (`Capabilities`); a server without it is probed instead.
@@ -143,6 +145,7 @@ fn features(max_sandboxes: usize) -> wire::Features {
         fork_paused: true,
         fork_snapshot: true,
         snapshots: true,
+        rollback: true,
         max_fork_count: MAX_FORK_COUNT.min(below_limit),
     }
 }
@@ -160,5 +163,6 @@ mod tests {
         assert_eq!(features(64)["maxForkCount"], 63);
         assert_eq!(features(1)["maxForkCount"], 0);
         assert_eq!(features(64)["forkPaused"], true);
+        assert_eq!(features(64)["rollback"], true);
     }
 }

@@ -574,6 +574,31 @@ pub async fn resume(
     resume_or_connect(state, id, &headers, body, false).await
 }
 
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RollbackBody {
+    #[serde(rename = "snapshotID")]
+    snapshot_id: Option<String>,
+}
+
+/// `POST /sandboxes/{id}/rollback` (sandfork's; CubeSandbox has the same
+/// route): body `{"snapshotID": ...}`, one of the sandbox's own snapshots
+/// (its id or name). 200 with the sandbox's detail: the same id, token and
+/// timeout, its guest as the snapshot left it. 404 unknown sandbox or
+/// snapshot, 409 a snapshot of another sandbox or a sandbox not running.
+pub async fn rollback(
+    State(state): State<Shared>,
+    SandboxId(id): SandboxId,
+    JsonBody(req): JsonBody<RollbackBody>,
+) -> Result<Json<wire::SandboxDetail>, ApiError> {
+    let checkpoint = req
+        .snapshot_id
+        .filter(|s| !s.is_empty())
+        .ok_or_else(|| ApiError::bad_request("snapshotID is required"))?;
+    let record = state.manager.rollback(&id, &checkpoint).await?;
+    Ok(Json(wire::SandboxDetail::from(&record)))
+}
+
 /// The most children one fork request makes (E2B's limit).
 pub const MAX_FORK_COUNT: i64 = 100;
 

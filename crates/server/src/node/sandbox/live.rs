@@ -36,6 +36,9 @@ pub enum Phase {
     Resuming,
     /// A fork or snapshot freezes it for a moment; it serves meanwhile.
     Forking,
+    /// A guest restored from one of its checkpoints replaces the one
+    /// running; the proxy answers "not found" meanwhile.
+    RollingBack,
     /// Being killed.
     Stopping,
     /// Killed, or its launch failed: out of the registry.
@@ -51,8 +54,8 @@ impl Phase {
     /// Whether `next` may follow this phase. Each change is one of these
     /// paths: launch (Starting → Running | Gone), pause (Running → Pausing →
     /// Paused | Running), resume (Paused → Resuming → Running | Paused), fork
-    /// and snapshot (Running → Forking → Running), kill (any → Stopping →
-    /// Gone).
+    /// and snapshot (Running → Forking → Running), rollback (Running →
+    /// RollingBack → Running), kill (any → Stopping → Gone).
     pub fn may_become(self, next: Phase) -> bool {
         use Phase::*;
         matches!(
@@ -63,6 +66,8 @@ impl Phase {
                 | (Paused, Resuming)
                 | (Resuming, Running | Paused)
                 | (Forking, Running)
+                | (Running, RollingBack)
+                | (RollingBack, Running)
                 | (Stopping, Gone)
         ) || (next == Stopping && !matches!(self, Stopping | Gone))
     }
@@ -351,7 +356,17 @@ mod tests {
         assert!(!Paused.may_become(Running));
         assert!(!Gone.may_become(Running));
         assert!(!Gone.may_become(Stopping) && !Stopping.may_become(Stopping));
-        for p in [Starting, Running, Pausing, Paused, Resuming, Forking] {
+        assert!(Running.may_become(RollingBack) && RollingBack.may_become(Running));
+        assert!(!Paused.may_become(RollingBack) && !RollingBack.may_become(Paused));
+        for p in [
+            Starting,
+            Running,
+            Pausing,
+            Paused,
+            Resuming,
+            Forking,
+            RollingBack,
+        ] {
             assert!(p.may_become(Stopping), "{p:?}");
         }
         assert!(Running.serves() && Forking.serves() && !Pausing.serves());
