@@ -128,6 +128,13 @@ impl Server {
         // Subscribed before recovery: a sandbox whose VMM is gone ends there.
         let webhooks = node::webhooks::Webhooks::start(&manager, Default::default());
         manager.recover().await;
+        match manager.forget_unrecorded_volumes() {
+            Ok(gone) if !gone.is_empty() => {
+                tracing::info!("removed {} volume directories without a record", gone.len())
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!("volumes at start: {e}"),
+        }
         let templates = template::Templates::new(manager.clone());
         if let Err(e) = templates.recover().await {
             tracing::warn!("recovering template builds: {e}");

@@ -22,4 +22,5 @@ pub mod sandbox;
 pub mod store;
 pub mod template;
 pub mod tenants;
+pub mod volume;
 pub mod webhooks;

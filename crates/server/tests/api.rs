@@ -111,7 +111,24 @@ fn node_keyed(
     setup: impl FnOnce(&mut Config, &Store),
     keys: ApiKeys,
 ) -> Node {
-    let dir = tempfile::tempdir().unwrap();
+    node_in(
+        tempfile::tempdir().unwrap(),
+        records,
+        templates,
+        setup,
+        keys,
+    )
+}
+
+/// Like [`node_keyed`], on data directory `dir` (and its store, if it has
+/// one: a node started again).
+fn node_in(
+    dir: tempfile::TempDir,
+    records: &[SandboxRecord],
+    templates: &[&dyn Fn(&std::path::Path) -> TemplateRecord],
+    setup: impl FnOnce(&mut Config, &Store),
+    keys: ApiKeys,
+) -> Node {
     let mut config = Config::new(
         "127.0.0.1:0".parse().unwrap(),
         "/nonexistent/vmlinux".into(),
@@ -1649,13 +1666,7 @@ async fn a_create_asking_for_what_the_node_lacks_is_refused_by_name() {
         let message = a.json["message"].as_str().unwrap();
         assert!(message.starts_with(field), "{extra}: {message}");
     }
-    for (method, path) in [
-        ("GET", "/volumes"),
-        ("POST", "/volumes"),
-        ("DELETE", "/volumes/v1"),
-        ("GET", "/secrets"),
-        ("POST", "/secrets/s1"),
-    ] {
+    for (method, path) in [("GET", "/secrets"), ("POST", "/secrets/s1")] {
         let a = node
             .refuses(method, path, "{}", StatusCode::FORBIDDEN)
             .await;
@@ -4026,4 +4037,273 @@ async fn concurrent_creates_of_one_image_wait_on_one_conversion() {
     let listed = listed_as(&node, &image).await;
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(listed[0]["buildStatus"], "building", "{listed:?}");
+}
+
+// ---- Volumes ----------------------------------------------------------------
+
+/// The ext4 superblock's magic (0xEF53, at byte 56 of the superblock at
+/// 1024) of the image at `path`.
+fn is_ext4(path: &std::path::Path) -> bool {
+    use std::os::unix::fs::FileExt;
+    let mut magic = [0u8; 2];
+    let file = std::fs::File::open(path).unwrap();
+    file.read_exact_at(&mut magic, 1024 + 56).unwrap();
+    u16::from_le_bytes(magic) == 0xEF53
+}
+
+/// The names under the node's `volumes/`.
+fn volume_dirs(node: &Node) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(node.dir.path().join("volumes"))
+        .map(|rd| {
+            rd.map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// Makes volume `body` (its JSON) with `key`: its answer, checked to be a
+/// 201 with E2B's `VolumeAndToken`.
+async fn new_volume(node: &Node, key: &str, body: &str) -> Value {
+    let a = call(node, keyed(key, "POST", "/volumes", body)).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.json);
+    assert!(a.json["volumeID"].as_str().is_some_and(|id| !id.is_empty()));
+    assert!(a.json["token"].as_str().is_some_and(|t| t.len() >= 32));
+    assert!(a.json.get("domain").is_none(), "{}", a.json);
+    a.json
+}
+
+impl Node {
+    /// This node stopped and another started on its data directory and
+    /// store, as a node's start does (unrecorded volume directories go).
+    fn restarted(self) -> Node {
+        let Node {
+            app,
+            manager,
+            templates,
+            dir,
+        } = self;
+        drop((app, templates, manager));
+        let node = node_in(dir, &[], &[], |_, _| (), ApiKeys::for_key(KEY));
+        node.manager.forget_unrecorded_volumes().unwrap();
+        node
+    }
+}
+
+#[tokio::test]
+async fn volumes_are_created_listed_read_and_deleted_as_on_e2b() {
+    let node = node(&[]);
+    let data = new_volume(&node, KEY, r#"{"name":"data"}"#).await;
+    let id = data["volumeID"].as_str().unwrap().to_owned();
+    assert_eq!(data["name"], "data");
+    // The default size: 10 GiB, sparse.
+    assert_eq!(data["sizeMB"], 10240);
+    let small = new_volume(&node, KEY, r#"{"name":"small_2","sizeMB":64}"#).await;
+    assert_eq!(small["sizeMB"], 64);
+    let small_id = small["volumeID"].as_str().unwrap().to_owned();
+
+    // Each its own directory: an ext4 image of its size under a layer.
+    let mut ids = vec![id.clone(), small_id.clone()];
+    ids.sort();
+    assert_eq!(volume_dirs(&node), ids);
+    for (vid, bytes) in [(&id, 10u64 << 30), (&small_id, 64 << 20)] {
+        let dir = node.dir.path().join("volumes").join(vid);
+        let base = dir.join("base.ext4");
+        assert_eq!(std::fs::metadata(&base).unwrap().len(), bytes);
+        assert!(is_ext4(&base));
+        assert!(dir.join("volume.layer").is_file());
+    }
+    let big =
+        std::fs::metadata(node.dir.path().join("volumes").join(&id).join("base.ext4")).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    assert!(
+        big.blocks() * 512 < 64 << 20,
+        "a 10 GiB volume takes {} bytes of the host's disk",
+        big.blocks() * 512
+    );
+
+    // Listed oldest first as E2B's `Volume` (no token); read as
+    // `VolumeAndToken`, the create's token.
+    let listed = node.authed("GET", "/volumes", "").await;
+    assert_eq!(listed.status, StatusCode::OK);
+    assert_eq!(
+        listed.json,
+        serde_json::json!([
+            {"volumeID": id, "name": "data", "sizeMB": 10240},
+            {"volumeID": small_id, "name": "small_2", "sizeMB": 64},
+        ])
+    );
+    let got = node.authed("GET", &format!("/volumes/{id}"), "").await;
+    assert_eq!(got.status, StatusCode::OK);
+    assert_eq!(got.json, data);
+
+    // A name is the team's once.
+    let a = node
+        .refuses(
+            "POST",
+            "/volumes",
+            r#"{"name":"data"}"#,
+            StatusCode::CONFLICT,
+        )
+        .await;
+    assert!(a.json["message"].as_str().unwrap().contains("data"));
+
+    // Deleted: its record and its directory.
+    let a = node.authed("DELETE", &format!("/volumes/{id}"), "").await;
+    assert_eq!(a.status, StatusCode::NO_CONTENT, "{}", a.json);
+    assert_eq!(volume_dirs(&node), [small_id.as_str()]);
+    for method in ["GET", "DELETE"] {
+        node.refuses(method, &format!("/volumes/{id}"), "", StatusCode::NOT_FOUND)
+            .await;
+    }
+    let listed = node.authed("GET", "/volumes", "").await;
+    assert_eq!(listed.json.as_array().unwrap().len(), 1, "{}", listed.json);
+    // Its name is free again.
+    new_volume(&node, KEY, r#"{"name":"data","sizeMB":64}"#).await;
+}
+
+#[tokio::test]
+async fn a_volume_needs_a_plain_name_and_a_size_a_slot_holds() {
+    let node = node(&[]);
+    let long = "a".repeat(64);
+    for body in [
+        "{}".to_owned(),
+        r#"{"name":""}"#.to_owned(),
+        r#"{"name":"a b"}"#.to_owned(),
+        r#"{"name":"-data"}"#.to_owned(),
+        r#"{"name":"x/y"}"#.to_owned(),
+        r#"{"name":".."}"#.to_owned(),
+        r#"{"name":"données"}"#.to_owned(),
+        format!(r#"{{"name":"{long}"}}"#),
+        r#"{"name":"ok","sizeMB":63}"#.to_owned(),
+        r#"{"name":"ok","sizeMB":65537}"#.to_owned(),
+        r#"{"name":7}"#.to_owned(),
+    ] {
+        let a = node
+            .refuses("POST", "/volumes", &body, StatusCode::BAD_REQUEST)
+            .await;
+        let message = a.json["message"].as_str().unwrap();
+        assert!(
+            ["name", "sizeMB", "malformed"]
+                .iter()
+                .any(|w| message.contains(w)),
+            "{body}: {message}"
+        );
+    }
+    assert_eq!(
+        node.authed("GET", "/volumes", "").await.json,
+        serde_json::json!([])
+    );
+    assert!(volume_dirs(&node).is_empty());
+    // The limits themselves are taken.
+    let longest = "b".repeat(63);
+    new_volume(
+        &node,
+        KEY,
+        &format!(r#"{{"name":"{longest}","sizeMB":64}}"#),
+    )
+    .await;
+    new_volume(&node, KEY, r#"{"name":"9-x_Y","sizeMB":65536}"#).await;
+}
+
+#[tokio::test]
+async fn another_teams_volume_answers_as_an_unknown_one() {
+    let node = node(&[]);
+    let (_, b_key) = team(&node, r#"{"name":"b"}"#).await;
+    let theirs = new_volume(&node, &b_key, r#"{"name":"data","sizeMB":64}"#).await;
+    let id = theirs["volumeID"].as_str().unwrap();
+    // The default team sees none of it, and may use the same name.
+    assert_eq!(
+        node.authed("GET", "/volumes", "").await.json,
+        serde_json::json!([])
+    );
+    for method in ["GET", "DELETE"] {
+        node.refuses(method, &format!("/volumes/{id}"), "", StatusCode::NOT_FOUND)
+            .await;
+    }
+    let mine = new_volume(&node, KEY, r#"{"name":"data","sizeMB":64}"#).await;
+    assert_ne!(mine["volumeID"], theirs["volumeID"]);
+    // Team b's is there still, and only its own.
+    let b_list = call(&node, keyed(&b_key, "GET", "/volumes", "")).await;
+    assert_eq!(
+        b_list.json,
+        serde_json::json!([{"volumeID": id, "name": "data", "sizeMB": 64}])
+    );
+}
+
+#[tokio::test]
+async fn a_mounted_volume_is_not_deleted() {
+    let node = node(&[]);
+    let v = new_volume(&node, KEY, r#"{"name":"data","sizeMB":64}"#).await;
+    let id = v["volumeID"].as_str().unwrap().to_owned();
+    let disk = node
+        .dir
+        .path()
+        .join("volumes")
+        .join(&id)
+        .join("volume.layer");
+    // A paused sandbox mounts it.
+    let store = node.manager.store();
+    store
+        .put_sandbox(&SandboxRecord {
+            volume_mounts: vec![server::node::store::VolumeMount {
+                volume_id: id.clone(),
+                slot: 0,
+                path: "/data".into(),
+                read_only: false,
+                disk,
+            }],
+            ..record("user1", now_ms(), SandboxState::Paused, "x")
+        })
+        .unwrap();
+    let a = node
+        .refuses(
+            "DELETE",
+            &format!("/volumes/{id}"),
+            "",
+            StatusCode::CONFLICT,
+        )
+        .await;
+    assert!(
+        a.json["message"].as_str().unwrap().contains("user1"),
+        "{}",
+        a.json
+    );
+    assert_eq!(volume_dirs(&node), [id.as_str()]);
+    // Once the sandbox is gone, it goes.
+    store.remove_sandbox("user1").unwrap();
+    let a = node.authed("DELETE", &format!("/volumes/{id}"), "").await;
+    assert_eq!(a.status, StatusCode::NO_CONTENT, "{}", a.json);
+    assert!(volume_dirs(&node).is_empty());
+}
+
+#[tokio::test]
+async fn volumes_survive_a_restart_and_unrecorded_directories_do_not() {
+    let node = node(&[]);
+    let a = new_volume(&node, KEY, r#"{"name":"a","sizeMB":64}"#).await;
+    let b = new_volume(&node, KEY, r#"{"name":"b","sizeMB":128}"#).await;
+    // What a create cut short by a crash leaves: a directory, no record.
+    std::fs::create_dir_all(node.dir.path().join("volumes/cut-short")).unwrap();
+    let listed = node.authed("GET", "/volumes", "").await.json;
+
+    let node = node.restarted();
+    assert_eq!(node.authed("GET", "/volumes", "").await.json, listed);
+    for v in [&a, &b] {
+        let id = v["volumeID"].as_str().unwrap();
+        let got = node.authed("GET", &format!("/volumes/{id}"), "").await;
+        assert_eq!(&got.json, v);
+    }
+    let mut ids = vec![
+        a["volumeID"].as_str().unwrap().to_owned(),
+        b["volumeID"].as_str().unwrap().to_owned(),
+    ];
+    ids.sort();
+    assert_eq!(volume_dirs(&node), ids);
+    // Names are still taken; a delete still works.
+    node.refuses("POST", "/volumes", r#"{"name":"a"}"#, StatusCode::CONFLICT)
+        .await;
+    let id = a["volumeID"].as_str().unwrap();
+    let gone = node.authed("DELETE", &format!("/volumes/{id}"), "").await;
+    assert_eq!(gone.status, StatusCode::NO_CONTENT, "{}", gone.json);
 }

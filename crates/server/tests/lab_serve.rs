@@ -717,6 +717,9 @@ async fn a_fork_whose_client_goes_is_undone(node: &Serving, parent: &Created) {
     let addr = node.addr;
     let forks = node.manager.config().data_dir.join("forks");
     let sandboxes = node.manager.config().sandboxes_dir();
+    let vcpus_held = |info: &serde_json::Value| info["vcpus"]["used"].as_u64().unwrap();
+    let node_info = async || http(addr, "GET", "/v1/node", &node.auth(), "").await.json();
+    let before = vcpus_held(&node_info().await);
     let body = r#"{"count":3,"timeout":600}"#;
     let request = format!(
         "POST /sandboxes/{}/fork HTTP/1.1\r\nhost: {addr}\r\nx-api-key: {}\r\n\
@@ -746,13 +749,24 @@ async fn a_fork_whose_client_goes_is_undone(node: &Serving, parent: &Created) {
             .await
             .json();
         let dirs = std::fs::read_dir(&sandboxes).unwrap().count();
-        if listed.as_array().unwrap().len() == 1 && dirs == 1 && node.manager.live_count() == 1 {
+        // The fork holds its reservation (its children's vCPUs, its frozen
+        // memory's disk) from before the freeze until its children are
+        // gone: until then the node would refuse the next fork for disk.
+        // (Without this, the checks above also held before the children
+        // were made, and the fork of 16 that follows met a 503.)
+        let info = node_info().await;
+        if listed.as_array().unwrap().len() == 1
+            && dirs == 1
+            && node.manager.live_count() == 1
+            && vcpus_held(&info) == before
+            && info["sandboxes"]["starting"] == 0
+        {
             break;
         }
         assert!(
             gone.elapsed() < Duration::from_secs(180),
             "the children of a fork whose client went away are still there: {listed}, \
-             {dirs} sandbox directories, {} VMMs",
+             {dirs} sandbox directories, {} VMMs, {info}",
             node.manager.live_count()
         );
         tokio::time::sleep(Duration::from_millis(500)).await;

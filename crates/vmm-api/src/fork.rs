@@ -51,6 +51,26 @@ impl ForkParams {
 pub struct DriveOverride {
     pub drive_id: String,
     pub path_on_host: String,
+    /// sandfork extension: reopen this drive read-only whatever the snapshot
+    /// says (a snapshot's writable spare drive left unused, a volume shared
+    /// read-only); writes then fail in the guest. False keeps the snapshot's.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub read_only: bool,
+}
+
+impl DriveOverride {
+    /// Drive `drive_id` on `path`, as writable as the snapshot had it.
+    pub fn new(drive_id: impl Into<String>, path_on_host: impl Into<String>) -> DriveOverride {
+        DriveOverride {
+            drive_id: drive_id.into(),
+            path_on_host: path_on_host.into(),
+            read_only: false,
+        }
+    }
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// The answer to `PUT /fork`.

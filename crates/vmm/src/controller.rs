@@ -15,7 +15,7 @@ use vmm_api::{
 
 use crate::arch::x86_64::cpu_template;
 use crate::builder::{self, MicrovmSpec, RestoreSpec, VsockSpec};
-use crate::device_manager::mmio::DeviceOverrides;
+use crate::device_manager::mmio::{DeviceOverrides, DriveAt};
 use crate::devices::virtio::balloon::{BalloonConfig, BalloonHandle};
 use crate::devices::virtio::block::BlockConfig;
 use crate::devices::virtio::handoff::DeviceHandoff;
@@ -520,10 +520,7 @@ impl Controller {
         let overrides = |drives: Vec<(String, PathBuf)>| -> Vec<DriveOverride> {
             drives
                 .into_iter()
-                .map(|(drive_id, path)| DriveOverride {
-                    drive_id,
-                    path_on_host: path.display().to_string(),
-                })
+                .map(|(drive_id, path)| DriveOverride::new(drive_id, path.display().to_string()))
                 .collect()
         };
         Ok(VmmData::Fork(ForkInfo {
@@ -571,7 +568,11 @@ impl Controller {
                 drive_paths: params
                     .drive_overrides
                     .iter()
-                    .map(|d| (d.drive_id.clone(), PathBuf::from(&d.path_on_host)))
+                    .map(|d| DriveAt {
+                        id: d.drive_id.clone(),
+                        path: PathBuf::from(&d.path_on_host),
+                        read_only: d.read_only,
+                    })
                     .collect(),
                 taps: params
                     .network_overrides

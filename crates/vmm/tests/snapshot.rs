@@ -800,3 +800,130 @@ async fn a_guest_under_a_cpu_template_sees_its_level_only_and_restores() {
     assert_eq!(guest_cpu_flags(&restored).await, flags);
     assert_eq!(run(&restored, "echo restored").await, "restored");
 }
+
+/// Loads `name` from `dir` into a fresh VMM with `drives` instead of the
+/// snapshot's, and waits for its agent.
+async fn restore_onto(dir: &Path, name: &str, drives: Vec<vmm_api::DriveOverride>) -> TestVm {
+    let mut vm = TestVm::spawn().await;
+    let plan = vmm_driver::process::Restore {
+        state: dir.join(format!("{name}.state")),
+        mem: dir.join(format!("{name}.mem")),
+        drives,
+        prefetch: None,
+    };
+    vm.vm()
+        .restore(&plan)
+        .await
+        .unwrap_or_else(|e| panic!("load {name}: {e}\n{}", vm.logs()));
+    vm.wait_for_agent().await;
+    vm.vm()
+        .agent()
+        .init(&vmm_driver::agent_client::AgentInit::after_restore().unwrap())
+        .await
+        .unwrap();
+    vm
+}
+
+/// The guest's device of drive `id` (its virtio serial is the drive's id).
+const VOLUME_DEV: &str = "d=/dev/$(grep -lx data0 /sys/block/vd*/serial | cut -d/ -f4)";
+
+#[tokio::test]
+#[ignore = "lab: boots a microVM"]
+async fn a_spare_drive_restored_onto_a_volume_mounts_keeps_its_files_and_forks_copy_on_write() {
+    const SIZE: u64 = 64 << 20;
+    let work = tempfile::tempdir().unwrap();
+    // The snapshot's spare drive: a writable sparse placeholder, never written.
+    let placeholder = work.path().join("slot.img");
+    std::fs::File::create(&placeholder)
+        .unwrap()
+        .set_len(SIZE)
+        .unwrap();
+    let template = TestVm::spawn().await;
+    template
+        .boot(&Boot {
+            drives: vec![(placeholder.clone(), false)],
+            ..Boot::default()
+        })
+        .await;
+    let mut template = template;
+    template.wait_for_agent().await;
+    // The kernel read the placeholder's first sectors when it probed it:
+    // they sit in the snapshot's page cache.
+    snapshot(&template, SnapshotType::Full, work.path(), "template").await;
+    drop(template);
+
+    // The volume: an ext4 image under a writable layer, smaller than the
+    // slot (the guest keeps the placeholder's capacity; the filesystem
+    // never reaches past its own end).
+    let base = work.path().join("volume.img");
+    std::fs::File::create(&base)
+        .unwrap()
+        .set_len(SIZE / 2)
+        .unwrap();
+    let mkfs = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F"])
+        .arg(&base)
+        .output()
+        .unwrap();
+    assert!(mkfs.status.success(), "{mkfs:?}");
+    let top = work.path().join("volume.layer");
+    disk_layers::LayeredDisk::create(&base, &top).unwrap();
+    let on = |path: &Path| {
+        vec![vmm_api::DriveOverride::new(
+            "data0",
+            path.display().to_string(),
+        )]
+    };
+
+    let vm = restore_onto(work.path(), "template", on(&top)).await;
+    // Mounted under /tmp: the test guest's root is read-only.
+    run(
+        &vm,
+        &format!(
+            "{VOLUME_DEV}; blockdev --flushbufs $d && mkdir -p /tmp/vol && mount $d /tmp/vol \
+             && echo parent > /tmp/vol/f && sync"
+        ),
+    )
+    .await;
+    // Paused and resumed (onto the same layer): the volume is still mounted
+    // with its file.
+    snapshot(&vm, SnapshotType::Full, work.path(), "paused").await;
+    drop(vm);
+    let parent = restore_onto(work.path(), "paused", on(&top)).await;
+    assert_eq!(run(&parent, "cat /tmp/vol/f").await, "parent");
+
+    // Each fork child has its own copy of the volume.
+    let fork_dir = work.path().join("fork");
+    std::fs::create_dir(&fork_dir).unwrap();
+    let children = fork_children(&parent, &fork_dir, 2).await;
+    for (i, child) in children.iter().enumerate() {
+        assert_eq!(run(child, "cat /tmp/vol/f").await, "parent");
+        run(child, &format!("echo child{i} > /tmp/vol/f && sync")).await;
+    }
+    for (i, child) in children.iter().enumerate() {
+        assert_eq!(
+            run(child, "echo 3 > /proc/sys/vm/drop_caches; cat /tmp/vol/f").await,
+            format!("child{i}")
+        );
+    }
+    assert_eq!(
+        run(&parent, "echo 3 > /proc/sys/vm/drop_caches; cat /tmp/vol/f").await,
+        "parent"
+    );
+
+    // A spare drive left unused is restored read-only: the guest's writes
+    // fail and the shared placeholder stays untouched.
+    let mut unused = on(&placeholder);
+    unused[0].read_only = true;
+    let vm = restore_onto(work.path(), "template", unused).await;
+    let out = vm
+        .vm()
+        .agent()
+        .run(&format!(
+            "{VOLUME_DEV}; echo x | dd of=$d bs=4096 count=1 conv=sync oflag=direct"
+        ))
+        .await
+        .unwrap();
+    assert_ne!(out.exit_code, 0, "{out:?}");
+    assert_eq!(allocated(&placeholder), 0);
+}

@@ -154,6 +154,9 @@ enum Target {
     AnyNode,
     /// Teams and their use: every node's use summed.
     TeamUse,
+    /// Volumes: each node's own (its store, its disks), so no answer from
+    /// one node would be the cluster's. Refused until they are placed.
+    Volumes,
 }
 
 fn target(method: &Method, path: &str) -> Target {
@@ -163,6 +166,7 @@ fn target(method: &Method, path: &str) -> Target {
         (&Method::GET, "/sandboxes" | "/v2/sandboxes") => Target::List,
         (&Method::GET, "/snapshots" | "/templates") => Target::Gather,
         (&Method::GET, p) if teams::is_team_use(p) => Target::TeamUse,
+        (_, p) if p == "/volumes" || p.starts_with("/volumes/") => Target::Volumes,
         (&Method::DELETE, p)
             if p.strip_prefix("/templates/")
                 .is_some_and(|id| !id.is_empty() && !id.contains('/')) =>
@@ -206,6 +210,11 @@ async fn handle(State(gw): State<Arc<Gateway>>, mut req: Request) -> Response {
             Target::Sandbox(id) => gw.to_owner(&id, req, false).await,
             Target::AnyNode => gw.to_any(req).await,
             Target::TeamUse => gw.team_use(req).await,
+            Target::Volumes => Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "volumes are not available through a cluster's gateway yet: each node \
+                 keeps its own",
+            )),
         },
     };
     answer.unwrap_or_else(IntoResponse::into_response)
@@ -858,6 +867,9 @@ mod tests {
             Target::Holder
         );
         assert_eq!(target(&Method::POST, "/templates"), Target::AnyNode);
+        assert_eq!(target(&Method::POST, "/volumes"), Target::Volumes);
+        assert_eq!(target(&Method::DELETE, "/volumes/v1"), Target::Volumes);
+        assert_eq!(target(&Method::GET, "/volumesx"), Target::AnyNode);
         assert_eq!(target(&Method::POST, "/v3/templates"), Target::AnyNode);
         assert_eq!(target(&Method::GET, "/v1/node"), Target::AnyNode);
         assert_eq!(target(&Method::GET, "/admin/teams"), Target::TeamUse);

@@ -169,6 +169,11 @@ impl Config {
         self.data_dir.join("templates")
     }
 
+    /// Each volume's directory, by its id (see [`crate::node::volume`]).
+    pub fn volumes_dir(&self) -> PathBuf {
+        self.data_dir.join("volumes")
+    }
+
     /// Files of paused sandboxes taken in from the cluster's object store,
     /// by content digest (see `crate::cluster::durable`).
     pub fn cluster_cache_dir(&self) -> PathBuf {

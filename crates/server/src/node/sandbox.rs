@@ -23,6 +23,7 @@ use crate::node::pool::Pool;
 use crate::node::store::{
     PauseReason, PausedSnapshot, SandboxRecord, SandboxState, Store, StoreError, TemplateRecord,
 };
+use crate::node::volume;
 
 /// A restored guest answers within this (lab times included).
 const AGENT_TIMEOUT: Duration = Duration::from_secs(120);
@@ -59,6 +60,7 @@ mod rollback;
 mod snapshot;
 #[cfg(test)]
 pub(crate) mod tests;
+mod volumes;
 mod working_set;
 pub use fork::{Forked, Frozen};
 pub use fork_stored::{CopiedFork, ForkResults, SnapshotForkParams};
@@ -277,6 +279,9 @@ pub struct Manager {
     /// Where [`Lifecycle`] facts go, to every subscriber (see
     /// [`Manager::subscribe`]).
     lifecycle: tokio::sync::broadcast::Sender<Lifecycle>,
+    /// Held by every change of a volume's record or of who mounts it, so
+    /// that a name is taken once and a volume is not removed under a mount.
+    volume_changes: tokio::sync::Mutex<()>,
     /// This manager, for the tasks that watch its VMMs.
     me: Weak<Manager>,
 }
@@ -317,6 +322,7 @@ impl Manager {
             writing: Mutex::default(),
             hooks: std::sync::OnceLock::new(),
             lifecycle: tokio::sync::broadcast::Sender::new(LIFECYCLE_BACKLOG),
+            volume_changes: tokio::sync::Mutex::new(()),
             me: me.clone(),
         })
     }
@@ -733,6 +739,18 @@ impl Manager {
         let root = dir.join(ROOT_LAYER);
         let (base, top) = (template.root_layer.clone(), root.clone());
         tokio::task::spawn_blocking(move || LayeredDisk::create(&base, &top).map(drop)).await??;
+        // Where its unused volume slots point (see `Manager::restore_onto`);
+        // a base template built before volumes has none yet.
+        let base_dir = self.template.dir.clone();
+        tokio::task::spawn_blocking(move || volume::ensure_placeholder(&base_dir, volume::SLOTS))
+            .await?
+            .map_err(io("making the volume slots' placeholder"))?;
+        let restore = self.restore_onto(
+            &template.snapshot,
+            &template.mem,
+            &root,
+            working_set::file_of(template),
+        );
 
         let access_token = if params.secure {
             Some(ids::token().map_err(io("generating an access token"))?)
@@ -746,12 +764,7 @@ impl Manager {
         init.access_token = access_token.clone().map(String::from);
         init.env_vars = Some(env_vars.clone());
         let plan = Plan {
-            guest: Guest::Restore(self.restore_onto(
-                &template.snapshot,
-                &template.mem,
-                &root,
-                working_set::file_of(template),
-            )),
+            guest: Guest::Restore(restore),
             // A snapshot's agent still holds its source's token until this init.
             ready: Ready::Init {
                 init: Box::new(init),
@@ -810,6 +823,8 @@ impl Manager {
                 pause_reason: None,
                 team: crate::node::tenants::stored_team(params.team.as_deref()),
                 cpu_template: template.cpu_template.clone(),
+                // Mounts come with `volumeMounts` (not taken yet).
+                volume_mounts: Vec::new(),
             }
         };
         self.start_sandbox(None, plan, record, access_token.clone(), ingress, id)
@@ -825,15 +840,30 @@ impl Manager {
         root: &std::path::Path,
         prefetch: Option<PathBuf>,
     ) -> Restore {
-        Restore {
+        self.with_slots(Restore {
             state: state.to_owned(),
             mem: mem.to_owned(),
-            drives: vec![DriveOverride {
-                drive_id: self.template.root_drive_id.clone(),
-                path_on_host: root.display().to_string(),
-            }],
+            drives: vec![DriveOverride::new(
+                self.template.root_drive_id.clone(),
+                root.display().to_string(),
+            )],
             prefetch,
-        }
+        })
+    }
+
+    /// `restore` with every volume slot it does not name read-only on the
+    /// base template's placeholder ([`volume`]): a template's own may be
+    /// gone (a build's scratch directory) or on another node, and a jailed
+    /// VMM is handed only the disks a restore names. A snapshot without
+    /// slots ignores them.
+    pub(crate) fn with_slots(&self, mut restore: Restore) -> Restore {
+        let named = |id: &str| restore.drives.iter().any(|d| d.drive_id == id);
+        let unused: Vec<_> = volume::restore_drives(&self.template.dir, volume::SLOTS, &[])
+            .into_iter()
+            .filter(|d| !named(&d.drive_id))
+            .collect();
+        restore.drives.extend(unused);
+        restore
     }
 
     /// Pauses a running sandbox. [`PauseMode::Full`]: its memory and devices

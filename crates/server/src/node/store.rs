@@ -11,6 +11,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::node::tenants::{KeyRecord, TeamRecord};
+use crate::node::volume::VolumeRecord;
 use crate::node::webhooks::{DeliveryRecord, WebhookRecord};
 
 type Table = TableDefinition<'static, &'static str, &'static [u8]>;
@@ -61,6 +62,8 @@ const IDEMPOTENT: Records<IdempotentCreate> =
 /// [`crate::node::webhooks`].
 const WEBHOOKS: Records<WebhookRecord> = Records::new("webhooks", "webhook");
 const DELIVERIES: Records<DeliveryRecord> = Records::new("webhook_deliveries", "webhook delivery");
+/// Volumes by id: see [`crate::node::volume`].
+const VOLUMES: Records<VolumeRecord> = Records::new("volumes", "volume");
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -198,6 +201,24 @@ pub struct SandboxRecord {
     /// host's CPU.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_template: Option<String>,
+    /// The volumes mounted in it (see [`crate::node::volume`]): none may
+    /// be deleted while it exists.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts: Vec<VolumeMount>,
+}
+
+/// A volume in one of a sandbox's slots.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeMount {
+    pub volume_id: String,
+    /// Its spare drive (`vol<slot>`).
+    pub slot: usize,
+    /// Where the guest mounts it.
+    pub path: String,
+    pub read_only: bool,
+    /// The disk layer the slot is restored on.
+    pub disk: PathBuf,
 }
 
 impl SandboxRecord {
@@ -269,6 +290,10 @@ pub struct TemplateRecord {
     /// CPU (and every template made before templates were).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_template: Option<String>,
+    /// The spare drives its snapshot has for volumes
+    /// ([`crate::node::volume`]); 0 for templates built before them.
+    #[serde(default)]
+    pub volume_slots: usize,
     /// Set for a template converted from a registry image (the image's
     /// name): a cache of it, evicted when the disk runs short and nothing
     /// uses it (see `crate::node::template::image_disk`).
@@ -361,6 +386,7 @@ impl Store {
             IDEMPOTENT.table,
             WEBHOOKS.table,
             DELIVERIES.table,
+            VOLUMES.table,
         ] {
             tx.open_table(table).map_err(db_err)?;
         }
@@ -654,6 +680,25 @@ impl Store {
         };
         tx.commit().map_err(db_err)?;
         Ok(removed)
+    }
+}
+
+impl Store {
+    pub fn put_volume(&self, v: &VolumeRecord) -> Result<(), StoreError> {
+        self.put_record(VOLUMES, &v.id, v)
+    }
+
+    pub fn volume(&self, id: &str) -> Result<Option<VolumeRecord>, StoreError> {
+        self.record(VOLUMES, id)
+    }
+
+    pub fn volumes(&self) -> Result<Vec<VolumeRecord>, StoreError> {
+        self.records(VOLUMES)
+    }
+
+    /// Removes volume `id`'s record; returns whether it was there.
+    pub fn remove_volume(&self, id: &str) -> Result<bool, StoreError> {
+        self.remove(VOLUMES.table, id)
     }
 }
 

@@ -13,7 +13,8 @@
 //! Records become these types beside the handlers that answer them, in
 //! `http/`. Here: the headers and the error bodies; the sandboxes' answers
 //! in [`sandboxes`], the templates' in [`templates`], sandfork's node status
-//! and admin answers in [`admin`], all re-exported at this level.
+//! and admin answers in [`admin`], the volumes' in [`volumes`], all
+//! re-exported at this level.
 
 use serde::{Deserialize, Serialize};
 
@@ -21,11 +22,13 @@ pub mod admin;
 pub mod events;
 pub mod sandboxes;
 pub mod templates;
+pub mod volumes;
 
 pub use admin::*;
 pub use events::*;
 pub use sandboxes::*;
 pub use templates::*;
+pub use volumes::*;
 
 // ---- Headers --------------------------------------------------------------
 

@@ -201,13 +201,15 @@ impl Created {
 /// The children of a fork's answer (201, one sandbox per entry).
 pub fn forked(answer: Answer) -> Vec<Created> {
     assert_eq!(answer.status, 201, "{:?}", answer.body);
-    answer
-        .json()
-        .as_array()
+    let json = answer.json();
+    json.as_array()
         .unwrap()
         .iter()
         .map(|c| Created {
-            id: c["sandbox"]["sandboxID"].as_str().unwrap().to_owned(),
+            id: c["sandbox"]["sandboxID"]
+                .as_str()
+                .unwrap_or_else(|| panic!("a child failed: {c} (of {json})"))
+                .to_owned(),
             token: c["sandbox"]["envdAccessToken"].as_str().unwrap().to_owned(),
             answer: c.clone(),
         })

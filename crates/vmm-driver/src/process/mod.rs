@@ -655,7 +655,7 @@ impl VmmProcess {
         // A restored guest writes the disks it runs on (its own layers).
         let mut handed = Handed::for_guest().snapshot(&plan.state).read(&plan.mem);
         for d in &plan.drives {
-            handed = handed.disk(&d.path_on_host, true);
+            handed = handed.disk(&d.path_on_host, !d.read_only);
         }
         if let Some(prefetch) = &plan.prefetch {
             handed = handed.read(prefetch);
@@ -1110,10 +1110,7 @@ mod tests {
             disk_dir: "/data/forks/f1".into(),
             children: 2,
         };
-        let drive = |path: &str| DriveOverride {
-            drive_id: "rootfs".into(),
-            path_on_host: path.into(),
-        };
+        let drive = |path: &str| DriveOverride::new("rootfs", path);
         let answer = |state: &str, child: &str| ForkInfo {
             snapshot_path: state.into(),
             mem_file_path: params.mem_file_path.clone(),

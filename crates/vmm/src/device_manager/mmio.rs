@@ -17,8 +17,8 @@ use crate::devices::virtio::handoff::DeviceHandoff;
 use crate::devices::virtio::mmio::{
     MmioInterrupt, MmioTransport, MmioTransportState, QUEUE_NOTIFY_OFFSET,
 };
-pub use crate::devices::virtio::persist::DeviceOverrides;
 use crate::devices::virtio::persist::SavedDevice;
+pub use crate::devices::virtio::persist::{DeviceOverrides, DriveAt};
 use crate::devices::virtio::{DiskBranch, VirtioDevice};
 use crate::vstate::memory::GuestMemory;
 use crate::vstate::vm::Vm;

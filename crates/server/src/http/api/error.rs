@@ -7,6 +7,7 @@ use crate::node::events::Denial;
 use crate::node::idempotent::IdempotencyError;
 use crate::node::sandbox::SandboxError;
 use crate::node::template::ImageError;
+use crate::node::volume::VolumeError;
 use crate::node::webhooks::WebhookError;
 use crate::wire::{
     self, CLUSTER_STATE_HEADER, RETRY_AFTER_HEADER, SHOULD_RETRY_HEADER, TEAM_LIMIT_HEADER,
@@ -259,6 +260,22 @@ impl From<WebhookError> for ApiError {
                 ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
             }
         }
+    }
+}
+
+impl From<VolumeError> for ApiError {
+    fn from(e: VolumeError) -> ApiError {
+        let status = match e {
+            VolumeError::Invalid(_) => StatusCode::BAD_REQUEST,
+            VolumeError::NotFound(_) => StatusCode::NOT_FOUND,
+            VolumeError::NameTaken(_) | VolumeError::InUse { .. } => StatusCode::CONFLICT,
+            VolumeError::Disk(crate::node::volume::DiskError::Size(_)) => StatusCode::BAD_REQUEST,
+            VolumeError::Disk(_) | VolumeError::Store(_) | VolumeError::Io { .. } => {
+                tracing::error!("volumes: {e}");
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
+        };
+        ApiError::new(status, e.to_string())
     }
 }
 

@@ -15,6 +15,7 @@ mod template_tags;
 mod templates;
 mod templates_e2b;
 mod tenancy;
+mod volumes;
 mod webhooks;
 
 use axum::Router;
@@ -138,8 +139,11 @@ pub fn router(state: Shared) -> Router {
             get(webhooks::one_sandbox_events),
         )
         .route("/v2/templates/{id}", patch(templates::update_v2))
-        .route("/volumes", any(volumes_unavailable))
-        .route("/volumes/{*rest}", any(volumes_unavailable))
+        .route("/volumes", post(volumes::create).get(volumes::list))
+        .route(
+            "/volumes/{volume_id}",
+            get(volumes::get).delete(volumes::delete),
+        )
         .route("/secrets", any(secrets_unavailable))
         .route("/secrets/{*rest}", any(secrets_unavailable))
         .route_layer(middleware::from_fn_with_state(
@@ -179,14 +183,7 @@ async fn health() -> StatusCode {
 }
 
 /// E2B features this node lacks answer as E2B answers a team without
-/// them (403, saying so), not with a 404 that reads as "no such volume".
-async fn volumes_unavailable() -> ApiError {
-    ApiError::new(
-        StatusCode::FORBIDDEN,
-        "volumes are not available on this node yet",
-    )
-}
-
+/// them (403, saying so), not with a 404 that reads as "no such secret".
 async fn secrets_unavailable() -> ApiError {
     ApiError::new(
         StatusCode::FORBIDDEN,

@@ -220,7 +220,8 @@ impl NewSandbox {
         }
         if let Some(v) = self.volume_mounts.as_ref().and_then(|v| v.first()) {
             return Err(ApiError::bad_request(format!(
-                "volumeMounts ({}): volumes are not available on this node yet",
+                "volumeMounts ({}): mounting volumes in sandboxes is not available on this \
+                 node yet (its /volumes routes are)",
                 v.name
             )));
         }

@@ -322,6 +322,9 @@ impl Manager {
         let restore = Restore::fork_child(info, index).ok_or_else(|| {
             SandboxError::Invalid(format!("the VMM's fork answer has no child {index}"))
         })?;
+        // Its read-only slots are not in the answer (a fork branches only
+        // writable disks).
+        let restore = self.with_slots(restore);
         let id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
         let dir = self.sandbox_dir(&id);
         std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;

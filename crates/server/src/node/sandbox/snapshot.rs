@@ -298,9 +298,11 @@ impl Manager {
             uses_snapshots,
             uses_dirs: source.uses_dirs.clone(),
             net_abi: source_template.as_ref().and_then(|t| t.net_abi),
-            balloon: source_template.is_some_and(|t| t.balloon),
+            balloon: source_template.as_ref().is_some_and(|t| t.balloon),
             // Its state holds the source's CPUID.
             cpu_template: source.cpu_template.clone(),
+            // And its spare drives, as the source had them.
+            volume_slots: source_template.map_or(0, |t| t.volume_slots),
             image: None,
         };
         self.store.put_template(&record)?;

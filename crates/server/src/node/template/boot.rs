@@ -23,6 +23,7 @@ use crate::node::launch::{self, BOOT_ARGS, Guest, Plan, Ready};
 use crate::node::pool::Pool;
 use crate::node::sandbox::Manager;
 use crate::node::store::TemplateRecord;
+use crate::node::volume;
 
 const SNAPSHOT: &str = "vm.state";
 const MEM: &str = "vm.mem";
@@ -261,6 +262,7 @@ pub async fn build(
         net_abi: pool.net().map(|_| sandfork_network::plan::NET_ABI_VERSION),
         balloon: pool.balloon().is_some(),
         cpu_template: crate::node::config::cpu_template_name(pool.cpu_template()),
+        volume_slots: volume::SLOTS,
         image: None,
     })
 }
@@ -280,6 +282,8 @@ async fn build_in(
         tokio::task::spawn_blocking(move || LayeredDisk::create(&rootfs, &top).map(|d| d.len()))
             .await??;
 
+    // Spare drives a restore points at volumes (see `node::volume`).
+    let volume_slots = volume::template_drives(dir).map_err(io("making volume slots in", dir))?;
     log(&format!(
         "booting {} with {} vCPU and {} MiB",
         spec.rootfs.display(),
@@ -292,12 +296,15 @@ async fn build_in(
             boot_args: Some(BOOT_ARGS.into()),
             vcpus: spec.vcpus,
             mem_mib: spec.mem_mib,
-            drives: vec![Drive::new(
+            drives: [Drive::new(
                 ROOT_DRIVE,
                 root.display().to_string(),
                 true,
                 false,
-            )],
+            )]
+            .into_iter()
+            .chain(volume_slots)
+            .collect(),
             vsock: true,
             // The node's, set by the launch.
             cpu_template: None,
@@ -339,7 +346,7 @@ async fn build_in(
         Ok(())
     })
     .await??;
-    for name in [SNAPSHOT, MEM, ROOT_LAYER] {
+    for name in [SNAPSHOT, MEM, ROOT_LAYER, volume::PLACEHOLDER] {
         let path = dir.join(name);
         std::fs::File::open(&path)
             .and_then(|f| f.sync_all())

@@ -65,9 +65,18 @@ impl From<&QueueSnapshot> for QueueState {
 #[derive(Clone, Debug, Default)]
 pub struct DeviceOverrides {
     pub vsock_uds_path: Option<PathBuf>,
-    pub drive_paths: Vec<(String, PathBuf)>,
+    pub drive_paths: Vec<DriveAt>,
     /// `(iface_id, host_dev_name)`.
     pub taps: Vec<(String, String)>,
+}
+
+/// A drive reopened elsewhere than its snapshot says.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DriveAt {
+    pub id: String,
+    pub path: PathBuf,
+    /// Reopened read-only even if the snapshot had it writable.
+    pub read_only: bool,
 }
 
 /// What recreates a device model on restore: its configuration, not its

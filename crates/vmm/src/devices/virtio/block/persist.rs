@@ -31,17 +31,15 @@ impl Block {
 }
 
 impl SavedBlock {
-    /// Reopens the drive, at the restore's path for it if it has one.
+    /// Reopens the drive, at the restore's path for it if it has one, and
+    /// read-only if it was or the restore says so. A guest that saw the
+    /// drive writable keeps thinking so; its writes fail.
     pub fn restore(&self, overrides: &DeviceOverrides) -> Result<Block, BlockError> {
-        let path = overrides
-            .drive_paths
-            .iter()
-            .find(|(drive, _)| *drive == self.id)
-            .map_or_else(|| self.path.clone(), |(_, p)| p.clone());
+        let at = overrides.drive_paths.iter().find(|d| d.id == self.id);
         Block::new(BlockConfig {
             id: self.id.clone(),
-            path,
-            read_only: self.read_only,
+            path: at.map_or_else(|| self.path.clone(), |d| d.path.clone()),
+            read_only: self.read_only || at.is_some_and(|d| d.read_only),
         })
     }
 }
@@ -49,8 +47,10 @@ impl SavedBlock {
 #[cfg(test)]
 mod tests {
     use std::io::Write;
+    use std::path::Path;
 
     use super::*;
+    use crate::devices::virtio::persist::DriveAt;
     use crate::devices::virtio::persist::SavedDevice;
 
     #[test]
@@ -64,8 +64,8 @@ mod tests {
         };
         let overrides = DeviceOverrides {
             drive_paths: vec![
-                ("other".into(), "/no/such/other".into()),
-                ("disk0".into(), f.path().to_owned()),
+                at("other", Path::new("/no/such/other"), false),
+                at("disk0", f.path(), false),
             ],
             ..DeviceOverrides::default()
         };
@@ -84,5 +84,34 @@ mod tests {
             .err()
             .unwrap();
         assert!(err.to_string().starts_with("drive disk0: "), "{err}");
+    }
+
+    fn at(id: &str, path: &Path, read_only: bool) -> DriveAt {
+        DriveAt {
+            id: id.into(),
+            path: path.to_owned(),
+            read_only,
+        }
+    }
+
+    #[test]
+    fn a_restore_may_make_a_writable_drive_read_only_never_the_reverse() {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(&[0u8; 4096]).unwrap();
+        let saved = |read_only| SavedBlock {
+            id: "vol0".into(),
+            path: "/no/such/placeholder".into(),
+            read_only,
+        };
+        let restored = |saved: SavedBlock, read_only| {
+            let overrides = DeviceOverrides {
+                drive_paths: vec![at("vol0", f.path(), read_only)],
+                ..DeviceOverrides::default()
+            };
+            saved.restore(&overrides).unwrap().read_only()
+        };
+        assert!(!restored(saved(false), false));
+        assert!(restored(saved(false), true));
+        assert!(restored(saved(true), false));
     }
 }
