@@ -1922,6 +1922,11 @@ async fn image_templates_are_evicted_above_the_high_watermark_and_conversions_re
     let first = registry.push(&layout, "disk/first:1");
     let second = registry.push(&layout, "disk/second:1");
     let images = |status: &Value| status["diskMB"]["images"].clone();
+    // The create the watermark refuses (twice: in use, then after eviction).
+    let create_second = async || {
+        let body = json!({"templateID": second}).to_string();
+        http(addr, "POST", "/v2/sandboxes", &auth, body).await
+    };
 
     let t0 = Instant::now();
     let made = common::create(addr, &auth, json!({"templateID": first, "timeout": 300})).await;
@@ -1967,14 +1972,7 @@ async fn image_templates_are_evicted_above_the_high_watermark_and_conversions_re
     rustix::fs::fallocate(&f, rustix::fs::FallocateFlags::empty(), 0, ballast_len).unwrap();
     drop(f);
 
-    let refused = http(
-        addr,
-        "POST",
-        "/v2/sandboxes",
-        &auth,
-        json!({"templateID": second}).to_string(),
-    )
-    .await;
+    let refused = create_second().await;
     assert_eq!(refused.status, 503, "{:?}", refused.body);
     assert_eq!(refused.headers["retry-after"], "10");
     assert_eq!(refused.headers["should-retry"], "true");
@@ -1995,14 +1993,7 @@ async fn image_templates_are_evicted_above_the_high_watermark_and_conversions_re
     // and the disk is still above the high watermark.
     assert_eq!(common::kill(addr, &auth, &made.id).await.status, 204);
     tokio::time::sleep(server::node::template::image_disk::MIN_IDLE + Duration::from_secs(1)).await;
-    let refused = http(
-        addr,
-        "POST",
-        "/v2/sandboxes",
-        &auth,
-        json!({"templateID": second}).to_string(),
-    )
-    .await;
+    let refused = create_second().await;
     assert_eq!(refused.status, 503, "{:?}", refused.body);
     assert!(!dir.exists(), "the unused image template was kept");
     assert!(rootfs_entries().is_empty(), "its root filesystem was kept");

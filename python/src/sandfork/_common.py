@@ -234,30 +234,30 @@ def rollback_request(sandbox_id: str, checkpoint: Checkpoint | str) -> tuple[str
     return f"/sandboxes/{quote(sandbox_id, safe='')}/rollback", {"snapshotID": snapshot_id}
 
 
-def rollback_answer(resp: httpx.Response, sandbox_id: str) -> None:
-    """Raises what the e2b SDK would for a failed call (404: the sandbox or
-    snapshot is unknown; 409: not its own snapshot, or not running)."""
+def raise_for_answer(resp: httpx.Response, missing: str) -> None:
+    """Raises what the e2b SDK would for a call that failed: its
+    ``NotFoundException`` for a 404 (the node's message, else ``missing``),
+    its exception for the status otherwise."""
     if resp.status_code == 404:
         try:
             message = str(resp.json().get("message", ""))
         except ValueError:
             message = ""
-        raise NotFoundException(message or f"sandbox {sandbox_id} not found")
+        raise NotFoundException(message or missing)
     if resp.status_code >= 300:
         raise handle_api_exception(resp)
+
+
+def rollback_answer(resp: httpx.Response, sandbox_id: str) -> None:
+    """Raises for a failed rollback (404: the sandbox or snapshot is
+    unknown; 409: not its own snapshot, or not running)."""
+    raise_for_answer(resp, f"sandbox {sandbox_id} not found")
 
 
 def fork_results(resp: httpx.Response, source: str) -> list[SandboxCreateResponse | Exception]:
     """A fork's answer as the e2b SDK reads its own: the call failed as a
     whole (raised), or one started sandbox or exception per child."""
-    if resp.status_code == 404:
-        try:
-            message = str(resp.json().get("message", ""))
-        except ValueError:
-            message = ""
-        raise NotFoundException(message or f"{source} not found")
-    if resp.status_code >= 300:
-        raise handle_api_exception(resp)
+    raise_for_answer(resp, f"{source} not found")
     results: list[SandboxCreateResponse | Exception] = []
     for item in resp.json():
         sandbox, error = item.get("sandbox"), item.get("error")

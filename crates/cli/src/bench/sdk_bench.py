@@ -12,6 +12,7 @@ reported as `client_cpu_ms`).
 """
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -941,25 +942,23 @@ def node_diagnostics(sandbox_id):
         return f"(no diagnostics: {e})"
 
 
-_API_CLIENT = []
+@functools.cache
+def _api_client():
+    """The node's API on kept connections (a pool), as the SDKs' clients
+    keep theirs: a new connection per call cost ~0.2 s through the lab's
+    port forward, which fork and rollback samples paid and the SDK's
+    creates did not."""
+    import httpx
+
+    return httpx.Client(
+        base_url=os.environ["E2B_API_URL"],
+        headers={"X-API-KEY": os.environ["E2B_API_KEY"]},
+        timeout=REQUEST_TIMEOUT_S,
+    )
 
 
 def _api(method, path, **kwargs):
-    """A request to the node's API on one kept connection (pool), as the
-    SDKs' clients keep theirs: a new connection per call cost ~0.2 s through
-    the lab's port forward, which fork and rollback samples paid and the
-    SDK's creates did not."""
-    import httpx
-
-    if not _API_CLIENT:
-        _API_CLIENT.append(
-            httpx.Client(
-                base_url=os.environ["E2B_API_URL"],
-                headers={"X-API-KEY": os.environ["E2B_API_KEY"]},
-                timeout=REQUEST_TIMEOUT_S,
-            )
-        )
-    return _API_CLIENT[0].request(method, path, **kwargs)
+    return _api_client().request(method, path, **kwargs)
 
 
 def fork_over_http(sandbox_id, count):

@@ -193,6 +193,15 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SandboxError {
     move |source| SandboxError::Io { what, source }
 }
 
+/// The agent's init for a new guest of sandbox `record` (a cold boot, a
+/// rollback): its own token and sandbox-wide environment.
+fn agent_init(record: &SandboxRecord) -> Result<AgentInit, SandboxError> {
+    let mut init = AgentInit::after_restore()?;
+    init.access_token = record.access_token.clone().map(String::from);
+    init.env_vars = Some(record.env_vars.clone());
+    Ok(init)
+}
+
 /// fsyncs each of `files` (files or directories) off the async threads:
 /// before a record names them, they must be on disk.
 async fn sync_files(files: Vec<PathBuf>) -> Result<(), SandboxError> {
@@ -1219,9 +1228,7 @@ impl Manager {
     ) -> Result<Plan, SandboxError> {
         let vcpus = u8::try_from(record.cpu_count)
             .map_err(|_| SandboxError::Invalid(format!("{} vCPUs", record.cpu_count)))?;
-        let mut init = AgentInit::after_restore()?;
-        init.access_token = record.access_token.clone().map(String::from);
-        init.env_vars = Some(record.env_vars.clone());
+        let init = agent_init(record)?;
         Ok(Plan {
             guest: Guest::Boot(GuestSpec {
                 kernel: self.template.kernel.clone(),

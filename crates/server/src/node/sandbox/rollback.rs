@@ -9,10 +9,9 @@
 //! that fails leaves the sandbox running as it was.
 
 use disk_layers::LayeredDisk;
-use vmm_driver::agent_client::AgentInit;
 
 use super::live::{self, Phase};
-use super::{AGENT_TIMEOUT, Manager, SandboxError, working_set};
+use super::{AGENT_TIMEOUT, Manager, SandboxError, agent_init, working_set};
 use crate::node::capacity::Ask;
 use crate::node::clock::now_ms;
 use crate::node::launch::{self, Guest, Plan, Ready};
@@ -66,9 +65,7 @@ impl Manager {
                 return Err(e.into());
             }
         };
-        let mut init = AgentInit::after_restore()?;
-        init.access_token = record.access_token.clone().map(String::from);
-        init.env_vars = Some(record.env_vars.clone());
+        let init = agent_init(&record)?;
         let plan = Plan {
             guest: Guest::Restore(self.restore_onto(
                 &template.snapshot,
