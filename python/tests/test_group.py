@@ -4,6 +4,8 @@ reopened by its ref, as a snapshot, through the branching runner and
 through SkyRL's environment."""
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 from conftest import RUN_META, TEMPLATE
@@ -68,21 +70,29 @@ async def close_all(envs: list[SandboxEnv]) -> None:
         await env.close()
 
 
-async def prepare(keep: str) -> TaskState:
-    return await TaskState.prepare(
+@asynccontextmanager
+async def prepared(keep: str) -> AsyncIterator[tuple[TaskState, list[SandboxEnv]]]:
+    """The task set up once and kept as `keep`, and a list for the groups'
+    environments: every one in it closed at the end, then the state."""
+    state = await TaskState.prepare(
         TASK, answer, keep=keep, template=TEMPLATE, metadata=RUN_META, setup_timeout=300, seed=7
     )
+    envs: list[SandboxEnv] = []
+    try:
+        yield state, envs
+    finally:
+        await close_all(envs)
+        await state.close()
 
 
 @pytest.mark.anyio
 async def test_group_from_a_running_state_and_the_runner(no_leaks):
-    state = await prepare("running")
-    envs: list[SandboxEnv] = []
-    try:
+    async with prepared("running") as (state, envs):
         assert state.keep == "running" and state.episode.seed == 7
-        envs = await state.group(2, seed=11)
+        envs += await state.group(2, seed=11)
         await check_group(envs, group_seeds(11, 2))
         await close_all(envs)
+        envs.clear()
 
         # the runner: the group is the tree's first branch, from the state
         async def policy(inp):
@@ -106,18 +116,13 @@ async def test_group_from_a_running_state_and_the_runner(no_leaks):
             assert leaf.observation == f"{group_seeds(3, 2)[i]}\n41\n"
         # the state is the caller's: still there, and forks again
         assert state.sandbox_id is not None and state.keep == "running"
-    finally:
-        await close_all(envs)
-        await state.close()
 
 
 @pytest.mark.anyio
 async def test_group_from_a_paused_state_and_its_ref(no_leaks):
-    state = await prepare("paused")
-    envs: list[SandboxEnv] = []
-    try:
+    async with prepared("paused") as (state, envs):
         assert state.sandbox_id is not None
-        envs = await state.group(2, seeds=[1, 2])
+        envs += await state.group(2, seeds=[1, 2])
         await check_group(envs, [1, 2])
         # forks of the paused sandbox leave it paused
         assert (await AsyncSandbox.get_info(state.sandbox_id)).state == SandboxState.PAUSED
@@ -126,9 +131,6 @@ async def test_group_from_a_paused_state_and_its_ref(no_leaks):
         other = TaskState.from_ref(ref, template=TEMPLATE, metadata=RUN_META)
         envs += await other.group(1, seeds=[3])
         await check_group(envs[2:], [3])
-    finally:
-        await close_all(envs)
-        await state.close()
 
 
 @pytest.mark.anyio
@@ -137,12 +139,9 @@ async def test_group_from_a_snapshot_and_skyrl(no_leaks):
 
     from sandfork.integrations.skyrl import register
 
-    state = await prepare("snapshot")
-    envs: list[SandboxEnv] = []
-    sky = None
-    try:
+    async with prepared("snapshot") as (state, envs):
         assert state.sandbox_id is None and state.checkpoint is not None
-        envs = await state.group(2)
+        envs += await state.group(2)
         seen = await check_group(envs)
         assert len(set(seen)) == 2  # fresh seeds, one per child
 
@@ -156,15 +155,13 @@ async def test_group_from_a_snapshot_and_skyrl(no_leaks):
                 "reward_spec": {"command": "test $(cat /home/user/answer) = 42"},
             },
         )
-        prompt = [{"role": "user", "content": "make the answer 42"}]
-        obs, info = sky.init(prompt)
-        assert obs == prompt and info["sandbox_id"] == sky.sandbox_id
-        out = sky.step("```bash\n" + PROBE + "\n```")
-        assert out["observations"][0]["content"] == expected(info["seed"])
-        out = sky.step("```bash\necho 42 > /home/user/answer\n```")
-        assert (out["done"], out["reward"]) == (True, 1.0)
-    finally:
-        if sky is not None:
+        try:
+            prompt = [{"role": "user", "content": "make the answer 42"}]
+            obs, info = sky.init(prompt)
+            assert obs == prompt and info["sandbox_id"] == sky.sandbox_id
+            out = sky.step("```bash\n" + PROBE + "\n```")
+            assert out["observations"][0]["content"] == expected(info["seed"])
+            out = sky.step("```bash\necho 42 > /home/user/answer\n```")
+            assert (out["done"], out["reward"]) == (True, 1.0)
+        finally:
             sky.close()
-        await close_all(envs)
-        await state.close()

@@ -2,12 +2,7 @@
 //! PID, mount, UTS and network namespaces (the closest thing to a guest boot
 //! without a VM).
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;

@@ -1,12 +1,7 @@
 //! The envd HTTP surface of the real agent binary in host mode: /health,
 //! /init, /envs, access-token enforcement, Connect framing errors.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 mod common;
 

@@ -2,12 +2,7 @@
 //! the filesystem.Filesystem Connect service, /files both ways (multipart,
 //! octet-stream, gzip, Range, metadata, signatures), /files/compose, /metrics.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 mod common;
 

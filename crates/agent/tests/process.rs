@@ -1,12 +1,7 @@
 //! The process.Process service of the real agent binary (host mode, TCP),
 //! driven with Connect framing over raw HTTP/1.1.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 mod common;
 

@@ -2,12 +2,7 @@
 //! and the one-line errors for a missing key, a node that is down and bad
 //! input. (`cli_node.rs` drives them against a real node.)
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 mod common;
 

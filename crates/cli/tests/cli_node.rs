@@ -4,12 +4,7 @@
 //! Linux) and runs these with its URL and key in SANDFORK_API_URL and
 //! SANDFORK_API_KEY.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 mod common;
 

@@ -2,12 +2,7 @@
 //! name only `sandfork serve` flags that exist: a renamed flag fails here,
 //! not on an operator's host.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 mod common;
 

@@ -1,12 +1,7 @@
 //! The cluster layer against a real etcd member (Debian's etcd-server, on
 //! loopback, started by the harness).
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -35,6 +30,22 @@ async fn register(cluster: &Cluster, id: &str, port: u16, ttl: Duration) -> Regi
     )
     .await
     .unwrap()
+}
+
+/// A sandbox a node holds, of team `default`, in its first pause generation.
+fn held(id: &str, running: bool) -> LocalSandbox {
+    LocalSandbox {
+        id: id.into(),
+        team: "default".into(),
+        running,
+        pause_generation: 1,
+        kept_local: false,
+    }
+}
+
+/// Running sandboxes a node holds.
+fn running(ids: &[&str]) -> Vec<LocalSandbox> {
+    ids.iter().map(|id| held(id, true)).collect()
 }
 
 async fn connect(etcd: &Etcd) -> Cluster {
@@ -344,23 +355,12 @@ async fn reconcile_makes_the_map_match_the_node() {
     assert!(a.claim("gone").await.unwrap());
     assert!(a.claim("kept").await.unwrap());
     assert!(b.claim("theirs").await.unwrap());
-    let ids = |v: &[&str]| {
-        v.iter()
-            .map(|s| LocalSandbox {
-                id: s.to_string(),
-                team: "default".into(),
-                running: true,
-                pause_generation: 1,
-                kept_local: false,
-            })
-            .collect::<Vec<_>>()
-    };
 
     // a holds "kept" and "forked" now; "gone" timed out; "theirs" is b's,
     // so a's copy of it is stale (named, not claimed), unless a is taking
     // it in.
     let done = a
-        .reconcile(&ids(&["kept", "forked", "theirs"]), |_| false)
+        .reconcile(&running(&["kept", "forked", "theirs"]), |_| false)
         .await
         .unwrap();
     assert_eq!((done.claimed, done.released), (1, 1));
@@ -373,7 +373,7 @@ async fn reconcile_makes_the_map_match_the_node() {
     assert_eq!(owners, [("forked", "a"), ("kept", "a"), ("theirs", "b")]);
     // Nothing to do the second time.
     let again = a
-        .reconcile(&ids(&["kept", "forked", "theirs"]), |id| id == "theirs")
+        .reconcile(&running(&["kept", "forked", "theirs"]), |id| id == "theirs")
         .await
         .unwrap();
     assert_eq!(again, sandfork_cluster::Reconciled::default());
@@ -411,14 +411,7 @@ async fn a_node_back_under_a_new_lease_takes_its_routes_over() {
     // Back (a restart, or a link that came back after the lease lapsed):
     // it holds "kept" still, "gone" not; "stored" is in the object store.
     let a = register(&cluster, "a", 1, ttl).await;
-    let local = [LocalSandbox {
-        id: "kept".into(),
-        team: "default".into(),
-        running: true,
-        pause_generation: 1,
-        kept_local: false,
-    }];
-    let done = a.reconcile(&local, |_| false).await.unwrap();
+    let done = a.reconcile(&running(&["kept"]), |_| false).await.unwrap();
     assert_eq!((done.claimed, done.released), (1, 1));
     let kept = cluster.sandbox("kept").await.unwrap().unwrap();
     assert_eq!(kept.value.incarnation, a.incarnation());
@@ -491,19 +484,8 @@ async fn a_sandbox_killed_while_its_node_was_away_is_not_claimed_when_it_is_back
 
     // a is back holding "killed" and "kept" ("gone" it lost meanwhile).
     let a = register(&cluster, "a", 1, ttl).await;
-    let local = |ids: &[&str]| {
-        ids.iter()
-            .map(|id| LocalSandbox {
-                id: id.to_string(),
-                team: "default".into(),
-                running: true,
-                pause_generation: 1,
-                kept_local: false,
-            })
-            .collect::<Vec<_>>()
-    };
     let done = a
-        .reconcile(&local(&["killed", "kept"]), |_| false)
+        .reconcile(&running(&["killed", "kept"]), |_| false)
         .await
         .unwrap();
     assert_eq!(done.killed, ["killed"]);
@@ -517,7 +499,7 @@ async fn a_sandbox_killed_while_its_node_was_away_is_not_claimed_when_it_is_back
         ["killed"]
     );
     cluster.clear_killed("killed").await.unwrap();
-    let done = a.reconcile(&local(&["kept"]), |_| false).await.unwrap();
+    let done = a.reconcile(&running(&["kept"]), |_| false).await.unwrap();
     assert_eq!(done, sandfork_cluster::Reconciled::default());
     assert!(cluster.killed_on("a").await.unwrap().is_empty());
 }
@@ -543,11 +525,8 @@ async fn reconcile_gives_team_slots_to_what_runs_and_takes_them_from_what_paused
         states
             .iter()
             .map(|(id, running)| LocalSandbox {
-                id: id.to_string(),
                 team: "t".into(),
-                running: *running,
-                pause_generation: 1,
-                kept_local: false,
+                ..held(id, *running)
             })
             .collect::<Vec<_>>()
     };
@@ -602,11 +581,8 @@ async fn reconcile_names_pauses_not_stored_and_clears_the_stored_pause_of_one_ru
         assert!(a.set_paused(id, Some(pause(id, 1))).await.unwrap());
     }
     let held = |id: &str, running, pause_generation| LocalSandbox {
-        id: id.into(),
-        team: "default".into(),
-        running,
         pause_generation,
-        kept_local: false,
+        ..held(id, running)
     };
     // Paused on the node only, as asked: never stored.
     let kept = LocalSandbox {
@@ -770,14 +746,7 @@ async fn a_durable_pause_moves_only_once_its_node_is_gone() {
     // a comes back (its link healed) with its copy: told it moved, and the
     // route stays with the new owner.
     let a = register(&cluster, "a", 1, ttl).await;
-    let stale = [LocalSandbox {
-        id: "p".into(),
-        team: "default".into(),
-        running: false,
-        pause_generation: 1,
-        kept_local: false,
-    }];
-    let done = a.reconcile(&stale, |_| false).await.unwrap();
+    let done = a.reconcile(&[held("p", false)], |_| false).await.unwrap();
     assert_eq!(done.moved, [("p".to_owned(), moved.value.node_id.clone())]);
     assert_eq!((done.claimed, done.released), (0, 0));
     assert_eq!(cluster.sandbox("p").await.unwrap(), Some(moved.clone()));

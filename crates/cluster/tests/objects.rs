@@ -1,11 +1,6 @@
 //! Files in a real S3 server (SeaweedFS on loopback, started by the harness).
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 use std::os::unix::fs::FileExt;
 

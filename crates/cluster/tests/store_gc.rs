@@ -2,12 +2,7 @@
 //! server (SeaweedFS), both started by the harness: what a pass removes and
 //! keeps is read back from the store's own listing.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 use std::collections::BTreeSet;
 use std::path::Path;

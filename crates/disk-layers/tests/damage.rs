@@ -1,12 +1,7 @@
 //! Damaged, missing and swapped files are refused with the right error, and a crash
 //! at any step leaves every layer readable and consistent.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 mod common;
 

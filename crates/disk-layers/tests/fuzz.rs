@@ -1,12 +1,7 @@
 //! Random reads and writes against an in-memory model, across seals, branches,
 //! compactions, chain reloads, reopens and garbage collection.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 mod common;
 

@@ -1,11 +1,6 @@
 //! Branching to many children, long chains and their compaction, space use.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 mod common;
 

@@ -1,12 +1,7 @@
 //! Boots real lab machines. Slow (tens of seconds each under TCG):
 //! `cargo test -p sandfork-lab --test lab_run -- --ignored --test-threads=1`.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};

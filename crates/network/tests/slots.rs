@@ -1,11 +1,6 @@
 //! Slots for real, in namespaces the tests make (see `common`). Skipped without root.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 mod common;
 

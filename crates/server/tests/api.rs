@@ -2,12 +2,7 @@
 //! errors, get, list and its pagination, timeout, kill, the proxy's routing of
 //! unknown sandboxes. Sandboxes are records in the real store.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -1,12 +1,7 @@
 //! The garbage collector on real files: real layered disks (a base template,
 //! a sandbox forked into children, orphans), records in the real store.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -32,12 +32,7 @@
 //!
 //! Needs what `lab_serve` needs, and `ip` (iproute2) for the test world.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 mod common;
 
@@ -592,13 +587,19 @@ fn host_network_state(anchors: &Path) -> (Vec<String>, Vec<String>, String, bool
     (links, mounts, netns, table)
 }
 
-/// The slot host addresses routed on the node (10.11.0.0/16, one a slot).
-fn slot_host_ips() -> Vec<Ipv4Addr> {
-    let routes = Command::new("ip")
-        .args(["-4", "-o", "route"])
+/// What `ip -4 -o ARGS` prints in the node's host namespace.
+fn ip4(args: &[&str]) -> String {
+    let out = Command::new("ip")
+        .args(["-4", "-o"])
+        .args(args)
         .output()
         .unwrap();
-    String::from_utf8_lossy(&routes.stdout)
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The slot host addresses routed on the node (10.11.0.0/16, one a slot).
+fn slot_host_ips() -> Vec<Ipv4Addr> {
+    ip4(&["route"])
         .lines()
         .filter_map(|l| l.split_whitespace().next()?.parse::<Ipv4Addr>().ok())
         .filter(|ip| ip.octets()[..2] == [10, 11])
@@ -607,11 +608,7 @@ fn slot_host_ips() -> Vec<Ipv4Addr> {
 
 /// Every IPv4 address of the node's host namespace.
 fn host_ips() -> Vec<Ipv4Addr> {
-    let out = Command::new("ip")
-        .args(["-4", "-o", "addr"])
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout)
+    ip4(&["addr"])
         .lines()
         .filter_map(|l| {
             let mut words = l.split_whitespace();

@@ -14,12 +14,7 @@
 //! Needs KVM that boots Linux, `SANDFORK_KERNEL`/`SANDFORK_ROOTFS`, and the
 //! `sandfork` and `sandfork-vmm` binaries next to the test binary's directory.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 mod common;
 

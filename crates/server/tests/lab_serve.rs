@@ -7,12 +7,7 @@
 //! (see README "Tests"); `sandfork-vmm` is taken from `SANDFORK_VMM` or
 //! next to the test binary's directory.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 mod common;
 

@@ -2,12 +2,7 @@
 //! so this runs on any host): VMMs wait in the node's run dir, a dead one is
 //! never handed out, closing stops them.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 mod common;
 

@@ -2,12 +2,7 @@
 //! the base is not cached, apt from the network mirror): run with
 //! `cargo test -p sandfork-template-build --test debian -- --ignored`.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 mod common;
 

@@ -3,12 +3,7 @@
 //! directories, owners and modes kept, the image config returned, digests
 //! checked, and the ext4 image inspected with debugfs (e2fsprogs).
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 mod common;
 

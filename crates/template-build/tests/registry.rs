@@ -5,12 +5,7 @@
 //! tests/registry_tls.rs. Checks references, platform selection, digests, the blob
 //! cache, errors, and that a pulled image builds into a template.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 mod common;
 

@@ -4,12 +4,7 @@
 //! HTTPS servers for a registry that redirects blob downloads to another
 //! host, as hosted registries send them to a CDN.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 mod common;
 

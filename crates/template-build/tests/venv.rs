@@ -2,12 +2,7 @@
 //! package index. Slow (the base tree when not cached, pip from the network):
 //! run with `cargo test -p sandfork-template-build --test venv -- --ignored`.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 mod common;
 

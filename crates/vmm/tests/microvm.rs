@@ -1,12 +1,7 @@
 //! Lab tests: real microVMs booted by the `sandfork-vmm` binary.
 //! Run with `scripts/test.sh`, which provides KVM, the kernel and the image.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 mod common;
 

@@ -4,12 +4,7 @@
 //! (see `common/netns.rs` for the relay standing in for NAT).
 //! Run with `scripts/test.sh`, which provides KVM, the kernel and the image.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 mod common;
 
