@@ -13,11 +13,8 @@
 #      test.sh passes the one its workspace test build made).
 # Out: the node's log in $target/cli-test/serve.log.
 set -euo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$root"
-
-log() { echo "cli-test: $*" >&2; }
-die() { log "error: $*"; exit 1; }
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+. scripts/node.sh
 
 build=1
 filters=()
@@ -29,14 +26,7 @@ while (($#)); do
     esac
 done
 
-if ((build)); then
-    scripts/build.sh
-fi
-[[ -f target/sandfork.env ]] || die "target/sandfork.env missing (run scripts/build.sh)"
-set -a
-# shellcheck source=/dev/null  # written by scripts/build.sh
-. target/sandfork.env
-set +a
+built "$build"
 target=${CARGO_TARGET_DIR:-$root/target}
 # The interactive shell tests drive a terminal with tmux (scripts/deps.sh).
 command -v tmux >/dev/null || die "tmux is missing: run scripts/deps.sh"
@@ -55,7 +45,6 @@ if [[ -z $test_bin ]]; then
 fi
 [[ -x $test_bin ]] || die "the cli_node test binary was not built"
 
-. scripts/node.sh
 trap stop_node EXIT
 logdir=$target/cli-test
 rm -rf "$logdir/scratch"

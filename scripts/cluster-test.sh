@@ -12,38 +12,34 @@
 #      SANDFORK_TEST_TIER=long (that and the long tier's sections).
 # Out: the logs, bench.json and junit.xml in
 #      /var/cache/sandfork/lab-rw/cluster-test.XXXXXX (the lab can write
-#      there only); the bench line at the end.
+#      there only; removed at a run a day later); the bench line at the
+#      end.
 set -euo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$root"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+. scripts/node.sh
 target=${CARGO_TARGET_DIR:-$root/target}
 rw=/var/cache/sandfork/lab-rw
 
 # Every binary used comes from scripts/build.sh (the caller's, under --no-build).
-if [[ ${1:-} == --no-build ]]; then
-    shift
-else
-    scripts/build.sh
-fi
-[[ -f target/sandfork.env ]] || { echo "cluster-test: target/sandfork.env missing (run scripts/build.sh)" >&2; exit 1; }
-set -a
-# shellcheck source=/dev/null  # written by scripts/build.sh
-. target/sandfork.env
-set +a
+suite_options "$@"
+[[ -z $server ]] || die "--server: the cluster test starts its own nodes"
+built "$build"
 # The SDK venv (pytest, ruff and mypy pinned there): the lab cannot write it.
-python=$(scripts/sdk-setup.sh)
+. scripts/sdk-setup.sh
+setup_python
 # Lint and types first: seconds, before minutes in the lab.
-"$python" -m ruff format --check tests/cluster
-"$python" -m ruff check tests/cluster
-"$python" -m mypy --strict --cache-dir=/dev/null tests/cluster
+python_typed "$venv" tests/cluster
+python=$venv/bin/python
 mkdir -p "$rw"
+# an earlier run's logs stay for a look, for a day
+find "$rw" -maxdepth 1 -name 'cluster-test.*' -mmin +1440 -exec rm -rf {} +
 work=$(mktemp -d "$rw/cluster-test.XXXXXX")
 lab=("$target/debug/sandfork-lab" run --cpus 1 --timeout 2400 --rw "$rw" --
     env "CARGO_TARGET_DIR=$target" "SANDFORK_KERNEL=$SANDFORK_KERNEL" "SANDFORK_ROOTFS=$SANDFORK_ROOTFS"
     "SANDFORK_VMM=${SANDFORK_VMM:-$target/debug/sandfork-vmm}" "SANDFORK_CLUSTER_SDK=${SANDFORK_CLUSTER_SDK:-}"
     "SANDFORK_TEST_TIER=${SANDFORK_TEST_TIER:-}"
     "SANDFORK_CLUSTER_WORK=$work" PYTHONDONTWRITEBYTECODE=1
-    "$python" -m pytest tests/cluster -p no:cacheprovider --junitxml="$work/junit.xml" "$@")
+    "$python" -m pytest tests/cluster -p no:cacheprovider --junitxml="$work/junit.xml" "${suite_rest[@]}")
 if [[ -z ${SANDFORK_LAB_LOCKED:-} ]]; then
     lab=(flock /tmp/sandfork-lab.lock "${lab[@]}")
 fi

@@ -15,23 +15,12 @@
 #      FRAMEWORKS_PYTEST_ARGS: extra pytest arguments (e.g. "-k group").
 # Out: the server's log in target/frameworks-test/serve.log.
 set -euo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$root"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+. scripts/node.sh
 
-build=1 server=''
-log() { echo "frameworks-test: $*" >&2; }
-die() { log "error: $*"; exit 1; }
-
-while (($#)); do
-    case $1 in
-        --no-build) build=0; shift ;;
-        --server) server=${2:?--server needs a URL}; shift 2 ;;
-        -h | --help) sed -n '2,/^set -e/p' "${BASH_SOURCE[0]}" | sed -n 's/^# \{0,1\}//p'; exit 0 ;;
-        *) die "unknown argument: $1 (see --help)" ;;
-    esac
-done
-
-# cached_dir, shared with the SDK suites
+suite_options "$@"
+((${#suite_rest[@]} == 0)) || die "unknown argument: ${suite_rest[0]} (see --help)"
+# the venvs' cache, shared with the SDK suites
 . scripts/sdk-setup.sh
 
 # --- a Python 3.13 or later, the newest found; the venv of the pins ----------
@@ -47,13 +36,10 @@ pinned_venv frameworks "$python" tests/frameworks/requirements.txt \
 log "nemo-gym $("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("nemo-gym"))') in $venv"
 
 log "== ruff and mypy"
-"$venv/bin/python" -m ruff format --check tests/frameworks
-"$venv/bin/python" -m ruff check tests/frameworks
-"$venv/bin/python" -m mypy --strict tests/frameworks
+python_typed "$venv" tests/frameworks
 
 # --- against a node ----------------------------------------------------------
 out=target/frameworks-test
-. scripts/node.sh
 use_node "$server" "$build" "$out"
 log "== the frameworks against $E2B_API_URL"
 started=$SECONDS

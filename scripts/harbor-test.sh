@@ -16,23 +16,12 @@
 # Out: the server's log in target/harbor-test/serve.log, Harbor's jobs and
 #      logs in target/harbor-test/harbor/.
 set -euo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$root"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+. scripts/node.sh
 
-build=1 server=''
-log() { echo "harbor-test: $*" >&2; }
-die() { log "error: $*"; exit 1; }
-
-while (($#)); do
-    case $1 in
-        --no-build) build=0; shift ;;
-        --server) server=${2:?--server needs a URL}; shift 2 ;;
-        -h | --help) sed -n '2,/^set -e/p' "${BASH_SOURCE[0]}" | sed -n 's/^# \{0,1\}//p'; exit 0 ;;
-        *) die "unknown argument: $1 (see --help)" ;;
-    esac
-done
-
-# cached_dir, shared with the SDK suites
+suite_options "$@"
+((${#suite_rest[@]} == 0)) || die "unknown argument: ${suite_rest[0]} (see --help)"
+# the venvs' cache, shared with the SDK suites
 . scripts/sdk-setup.sh
 
 # --- a Python new enough for Harbor, the newest found; the venv of the pins --
@@ -42,13 +31,11 @@ pinned_venv harbor "$python" tests/harbor/requirements.txt 'import harbor.cli.ma
 log "harbor $("$venv/bin/python" -m harbor.cli.main --version) in $venv"
 
 log "== ruff and mypy"
-"$venv/bin/python" -m ruff format --check tests/harbor
-"$venv/bin/python" -m ruff check tests/harbor
-"$venv/bin/python" -m mypy --strict tests/harbor/test_harbor.py
+python_lint "$venv" tests/harbor
+python_typed "$venv" tests/harbor/test_harbor.py
 
 # --- against a node ----------------------------------------------------------
 out=target/harbor-test
-. scripts/node.sh
 use_node "$server" "$build" "$out"
 rm -rf "$out/harbor"
 export HARBOR_TEST_OUT=$out/harbor

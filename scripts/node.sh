@@ -1,9 +1,11 @@
 # shellcheck shell=bash
 # Sourced by the scripts that test against a real node (sdk-test.sh,
-# cli-test.sh, rl-test.sh, harbor-test.sh, soak-test.sh): start_node starts `sandfork
+# cli-test.sh, rl-test.sh, harbor-test.sh, frameworks-test.sh, soak-test.sh),
+# before they read their options: start_node starts `sandfork
 # serve` on a free local port with a fresh API key and data dir and waits for
 # /health; stop_node stops it (and
-# the lab it runs in). The caller defines log and die.
+# the lab it runs in). It sets root (the checkout, the caller's directory)
+# and defines log and die, which name the calling script.
 #
 #   start_node BINARY LOGDIR [SERVE-ARG...]
 #     sets node_url, node_key and node_pid; the log is LOGDIR/serve.log, the
@@ -23,6 +25,20 @@
 #   A node is restarted (its store, port and key kept) from another process
 #   by scripts/node-restart.sh LOGDIR, which reads the LOGDIR/node.* files
 #   start_node writes; stop_node then stops the restarted one.
+#   built BUILD
+#     scripts/build.sh when BUILD is 1, then target/sandfork.env's variables
+#     exported (the kernel, images and lab that build.sh made).
+#   suite_options ARG...
+#     the options every suite entry takes: --no-build (build=0, else 1),
+#     --server URL (server=URL, else empty), -h/--help (prints the calling
+#     script's header comment and exits); the other words are left, in order,
+#     in suite_rest for the script's own options.
+
+# shellcheck disable=SC2034 # the caller's
+root=$PWD
+suite_name=${0##*/}
+log() { echo "${suite_name%.sh}: $*" >&2; }
+die() { log "error: $*"; exit 1; }
 
 node_pid='' node_dir=''
 
@@ -92,6 +108,27 @@ PY
     log "node up at $node_url"
 }
 
+built() {
+    if (($1)); then scripts/build.sh; fi
+    [[ -f target/sandfork.env ]] || die "target/sandfork.env missing (run scripts/build.sh)"
+    set -a
+    # shellcheck source=/dev/null  # written by scripts/build.sh
+    . target/sandfork.env
+    set +a
+}
+
+suite_options() {
+    build=1 server='' suite_rest=()
+    while (($#)); do
+        case $1 in
+            --no-build) build=0; shift ;;
+            --server) server=${2:?--server needs a URL}; shift 2 ;;
+            -h | --help) sed -n '2,/^set -e/p' "$0" | sed -n 's/^# \{0,1\}//p'; exit 0 ;;
+            *) suite_rest+=("$1"); shift ;;
+        esac
+    done
+}
+
 use_node() {
     local server=$1 build=$2 logdir=$3
     shift 3
@@ -102,12 +139,7 @@ use_node() {
         export E2B_API_URL=$server E2B_SANDBOX_URL=$server
         return 0
     fi
-    if ((build)); then scripts/build.sh; fi
-    [[ -f target/sandfork.env ]] || die "target/sandfork.env missing (run scripts/build.sh)"
-    set -a
-    # shellcheck source=/dev/null  # written by scripts/build.sh
-    . target/sandfork.env
-    set +a
+    built "$build"
     trap stop_node EXIT
     start_node "$binary" "$logdir" "$@"
     export E2B_API_URL=$node_url E2B_SANDBOX_URL=$node_url E2B_API_KEY=$node_key

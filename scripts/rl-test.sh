@@ -18,20 +18,15 @@
 #      RL_PYTEST_ARGS: extra pytest arguments (e.g. "-k runner").
 # Out: the server's log in target/rl-test/serve.log.
 set -euo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$root"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+. scripts/node.sh
 
-build=1 host_only=0 server=''
-log() { echo "rl-test: $*" >&2; }
-die() { log "error: $*"; exit 1; }
-
-while (($#)); do
-    case $1 in
-        --no-build) build=0; shift ;;
-        --host-only) host_only=1; shift ;;
-        --server) server=${2:?--server needs a URL}; shift 2 ;;
-        -h | --help) sed -n '2,/^set -e/p' "${BASH_SOURCE[0]}" | sed -n 's/^# \{0,1\}//p'; exit 0 ;;
-        *) die "unknown argument: $1 (see --help)" ;;
+suite_options "$@"
+host_only=0
+for arg in "${suite_rest[@]}"; do
+    case $arg in
+        --host-only) host_only=1 ;;
+        *) die "unknown argument: $arg (see --help)" ;;
     esac
 done
 
@@ -76,8 +71,7 @@ pkg=$(git ls-files -co --exclude-standard python | grep -v '^python/tests/' | so
 # --- lint and the tests without a node -------------------------------------
 log "== ruff and mypy"
 # and the code interpreter's guest server (its own pyproject.toml)
-"$venv/bin/python" -m ruff format --check python images/code-interpreter
-"$venv/bin/python" -m ruff check python images/code-interpreter
+python_lint "$venv" python images/code-interpreter
 (cd python && "$venv/bin/python" -m mypy)
 # from the tests' directory, so that `sandfork` is the installed package
 # shellcheck disable=SC2086 # RL_PYTEST_ARGS is a list of words
@@ -90,26 +84,13 @@ rc=0
 ((host_only)) && { log "host-only: done"; exit 0; }
 
 # --- against a node ----------------------------------------------------------
-. scripts/node.sh
 use_node "$server" "$build" target/rl-test
 log "== tests against $E2B_API_URL"
 started=$SECONDS
-# Tests that fail are run again, once, by name (sdk-test.sh's rule: the
-# lab's machine now and then stands still for a minute, README "Hangs",
-# which a test bounded in time cannot tell from a defect; a defect fails
-# twice and fails the suite). The log keeps the first failure.
-out=$(mktemp)
+# A test that fails runs again once, in place (the runner's retry rule,
+# docs/src/testing/runner.md); -rR names it in the log for the runner.
 rc=0
-pytest -m node 2>&1 | tee "$out" || rc=${PIPESTATUS[0]}
-if ((rc == 1)); then
-    mapfile -t again < <(sed -n 's/^\(FAILED\|ERROR\) \([^ []*::[^ []*\).*/\2/p' "$out" | sort -u)
-    if ((${#again[@]})); then
-        log "re-running the failed tests once: ${again[*]}"
-        rc=0
-        (cd python && "$venv/bin/python" -m pytest -p no:cacheprovider "${again[@]}") || rc=$?
-    fi
-fi
-rm -f "$out"
+pytest -m node --reruns 1 -rfER || rc=$?
 ((rc == 0)) || die "node tests failed"
 log "node tests took $((SECONDS - started)) s"
 [[ -n $server ]] || stop_node

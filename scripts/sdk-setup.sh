@@ -91,6 +91,21 @@ pinned_venv() {
     fi
 }
 
+# python_lint VENV DIR...: ruff's format check and lint (ruff.toml at the root)
+# with VENV's ruff.
+python_lint() {
+    local py=$1/bin/python
+    shift
+    "$py" -m ruff format --check "$@" && "$py" -m ruff check "$@"
+}
+
+# python_typed VENV DIR...: python_lint, then mypy --strict, its cache in
+# target/mypy/ (one a venv and first DIR: lanes run side by side).
+python_typed() {
+    local cache=target/mypy/${1##*/}-${2//\//-}
+    python_lint "$@" && "$1/bin/python" -m mypy --strict --cache-dir="$cache" "${@:2}"
+}
+
 # make_pinned_venv PYTHON REQ [PIP-ARG...] DIR (for cached_dir)
 make_pinned_venv() {
     local python=$1 req=$2

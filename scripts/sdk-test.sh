@@ -34,21 +34,16 @@
 # Out: the server's log in $SDK_TEST_OUT/serve.log, its store in
 #      $SDK_TEST_OUT/data (fresh each run).
 set -euo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$root"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+. scripts/node.sh
 
-only_basic=0 suite=all build=1 server=''
-
-log() { echo "sdk-test: $*" >&2; }
-die() { log "error: $*"; exit 1; }
-
+suite_options "$@"
+only_basic=0 suite=all
+set -- "${suite_rest[@]}"
 while (($#)); do
     case $1 in
         --only-basic) only_basic=1; shift ;;
         --suite) suite=${2:?--suite needs python, js or cli}; shift 2 ;;
-        --no-build) build=0; shift ;;
-        --server) server=${2:?--server needs a URL}; shift 2 ;;
-        -h | --help) sed -n '2,/^set -e/p' "${BASH_SOURCE[0]}" | sed -n 's/^# \{0,1\}//p'; exit 0 ;;
         *) die "unknown argument: $1 (see --help)" ;;
     esac
 done
@@ -69,7 +64,6 @@ fi
 ((cli_suite == 0)) || setup_e2b_cli
 
 # --- the server ------------------------------------------------------------
-. scripts/node.sh
 out=${SDK_TEST_OUT:-target/sdk-test}
 mkdir -p "$out"
 # The node's own registry credentials (for creates that name an image), a
@@ -99,40 +93,27 @@ pytest_args=()
 if [[ -n ${SDK_PYTEST_ARGS:-} ]]; then
     mapfile -t pytest_args < <(python3 -c 'import shlex, sys; print(*shlex.split(sys.argv[1]), sep="\n")' "$SDK_PYTEST_ARGS")
 fi
-# Tests that fail are run again, once, by name: the lab's machine now and
-# then stands still for a minute (README, "Hangs"), which a test bounded in
-# time cannot tell from a defect; a defect fails twice and fails the suite.
+# A test that fails runs again once, in place (the runner's retry rule,
+# docs/src/testing/runner.md); -rR names it in the log for the runner.
+rerun=(--reruns 1 -rfER)
 pytest() {
-    local rc=0 out again
-    out=$(mktemp)
-    "$venv/bin/python" -m pytest tests/sdk/python -p no:cacheprovider --durations=12 "${pytest_args[@]}" "$@" 2>&1 | tee "$out" || rc=${PIPESTATUS[0]}
+    local rc=0
+    "$venv/bin/python" -m pytest tests/sdk/python -p no:cacheprovider --durations=12 "${rerun[@]}" "${pytest_args[@]}" "$@" || rc=$?
     ((rc == 5 && ${#pytest_args[@]})) && { log "no test selected by SDK_PYTEST_ARGS here"; rc=0; }
-    if ((rc == 1)); then
-        # A parametrized test is re-run whole: its ids can hold spaces.
-        mapfile -t again < <(sed -n 's/^\(FAILED\|ERROR\) \([^ []*::[^ []*\).*/\2/p' "$out" | sort -u)
-        if ((${#again[@]})); then
-            log "re-running the failed tests once: ${again[*]}"
-            rc=0
-            "$venv/bin/python" -m pytest -p no:cacheprovider "${again[@]}" || rc=$?
-        fi
-    fi
-    rm -f "$out"
     return "$rc"
 }
 # node 22 takes globs, node 20 directories: name the files
 nodetest() { (cd tests/sdk/js && "$node" --test --test-concurrency=1 "$1"/*.test.mjs); }
 
-# The tests' and the bench's Python through ruff (ruff.toml at the root).
-ruff() { "$venv/bin/python" -m ruff format --check "$@" && "$venv/bin/python" -m ruff check "$@"; }
-typed() { ruff "$1" && "$venv/bin/python" -m mypy --strict --cache-dir=/dev/null "$1"; }
 # The E2B CLI run by the Node.js and from the cache setup_node and
 # setup_e2b_cli made.
 e2b_cli_tests() {
     # shellcheck disable=SC2086 # E2B_CLI_PYTEST_ARGS is a list of words
-    E2B_CLI_NODE=$node E2B_CLI_ENTRY=$e2b_cli "$venv/bin/python" -m pytest tests/e2b-cli ${E2B_CLI_PYTEST_ARGS:-}
+    E2B_CLI_NODE=$node E2B_CLI_ENTRY=$e2b_cli "$venv/bin/python" -m pytest tests/e2b-cli "${rerun[@]}" ${E2B_CLI_PYTEST_ARGS:-}
 }
 if [[ $suite == all || $suite == python ]]; then
-    run "python lint" ruff tests/sdk/python tests/cluster tests/support crates/cli/src/bench
+    # the tests' and the bench's Python
+    run "python lint" python_lint "$venv" tests/sdk/python tests/cluster tests/support crates/cli/src/bench
     run "python basic" pytest -m "not lifecycle"
     ((only_basic)) || run "python lifecycle" pytest -m lifecycle
 fi
@@ -141,7 +122,7 @@ if [[ $suite == all || $suite == js ]]; then
     ((only_basic)) || run "js lifecycle" nodetest lifecycle
 fi
 if ((cli_suite)); then
-    run "e2b cli lint" typed tests/e2b-cli
+    run "e2b cli lint" python_typed "$venv" tests/e2b-cli
     run "e2b cli" e2b_cli_tests
 fi
 

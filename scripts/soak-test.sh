@@ -17,11 +17,8 @@
 # Out: the soak's JSON in $target/soak-test/soak.json, its summary on stderr,
 #      the node's log in $target/soak-test/serve.log; exit status the soak's.
 set -euo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$root"
-
-log() { echo "soak-test: $*" >&2; }
-die() { log "error: $*"; exit 1; }
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+. scripts/node.sh
 
 soak_data=''
 
@@ -82,14 +79,7 @@ if ((${#soak_args[@]} == 0)); then
     soak_args=(--sandboxes 4 --workers 8 --commands 300 --files 100 --duration 3m)
 fi
 
-if ((build)); then
-    scripts/build.sh
-fi
-[[ -f target/sandfork.env ]] || die "target/sandfork.env missing (run scripts/build.sh)"
-set -a
-# shellcheck source=/dev/null  # written by scripts/build.sh
-. target/sandfork.env
-set +a
+built "$build"
 target=${CARGO_TARGET_DIR:-$root/target}
 sandfork=$target/debug/sandfork
 [[ -x $sandfork ]] || die "$sandfork is not built"

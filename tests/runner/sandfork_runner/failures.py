@@ -56,7 +56,10 @@ def digest(log: str) -> list[str]:
             continue
         p = PYTEST_FAILED.match(line)
         if p:
-            out.append(f"{p[1]}: {p[2] or 'failed'}")
+            # pytest-rerunfailures' summary names it again, without the reason
+            if p[2] or not any(o.startswith(f"{p[1]}: ") for o in out):
+                out = [o for o in out if o != f"{p[1]}: failed"]
+                out.append(f"{p[1]}: {p[2] or 'failed'}")
             continue
         if STALL.match(line):
             out.append(line)

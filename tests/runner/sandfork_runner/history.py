@@ -51,6 +51,8 @@ def entry(summary: dict[str, Any], commit_id: str | None) -> dict[str, Any]:
                 "result": job["result"],
                 "tries": len(job["tries"]),
                 "stall": any(t["lab_stood_still"] for t in job["tries"][:-1]),
+                # tests a pytest suite ran again in place (retry.py)
+                "rerun": sum(len(t.get("rerun_tests") or []) for t in job["tries"]),
                 # where the minutes go, run after run (--flakes shows them)
                 "s": round(job["duration_s"]),
                 "lane": job["lane"],
@@ -97,9 +99,9 @@ class Row:
 
 
 def cell(job: dict[str, Any] | None) -> str:
-    """ok, ok/r (passed on its retry; /rs: a third try after a lab stall),
-    FAIL, skip (it could not run on the machine), or - (not in that run or
-    not run)."""
+    """ok, ok/t (passed with tests run again in place), ok/r (passed on its
+    retry; /rs: a try after a lab stall), FAIL, skip (it could not run on the
+    machine), or - (not in that run or not run)."""
     if job is None or job["result"] == "not run":
         return "-"
     if job["result"] == "failed":
@@ -107,8 +109,13 @@ def cell(job: dict[str, Any] | None) -> str:
     if job["result"] == "skipped":
         return "skip"
     if job["tries"] <= 1:
-        return "ok"
+        return "ok/t" if job.get("rerun") else "ok"
     return "ok/rs" if job["stall"] else "ok/r"
+
+
+def retried(job: dict[str, Any]) -> bool:
+    """A second try, or tests run again inside one."""
+    return bool(job["tries"] > 1 or job.get("rerun"))
 
 
 def rows(runs: list[dict[str, Any]]) -> list[Row]:
@@ -122,7 +129,7 @@ def rows(runs: list[dict[str, Any]]) -> list[Row]:
             Row(
                 job=name,
                 cells=tuple(cell(j) for j in jobs),
-                retried=sum(1 for j in jobs if j is not None and j["tries"] > 1),
+                retried=sum(1 for j in jobs if j is not None and retried(j)),
                 failed=sum(1 for j in jobs if j is not None and j["result"] == "failed"),
                 minutes=next(
                     (j["s"] / 60 for j in reversed(jobs) if j is not None and "s" in j), None

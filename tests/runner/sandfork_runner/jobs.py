@@ -40,6 +40,9 @@ class Job:
     lab_tests: bool = False
     # a test binary's harness output: a re-run names the tests that failed
     by_test_name: bool = False
+    # its pytest suites re-run a failed test once in place (`--reruns 1`): the
+    # job runs again only after a lab stall (retry.py)
+    reruns_tests: bool = False
     env: tuple[tuple[str, str], ...] = field(default=())
     # stdout goes nowhere (its report is long; stderr carries the diagnostics)
     discard_stdout: bool = False
@@ -150,6 +153,7 @@ LAB: tuple[Job, ...] = (
         "the basic suites, then pause, fork and snapshots",
         # measured 12:41 and 13:30 in full runs (2026-12-06)
         minutes=13.5,
+        reruns_tests=True,
     ),
     Job(
         "cluster",
@@ -170,6 +174,7 @@ LAB: tuple[Job, ...] = (
         "Gymnasium's checker and the branching runner",
         # 3:13 in a full run; 4:19 alone with the fork-per-group tests
         minutes=4.5,
+        reruns_tests=True,
     ),
     Job(
         "harbor",

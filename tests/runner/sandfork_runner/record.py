@@ -37,6 +37,8 @@ class Try:
     tests: list[str] | None = None
     # a test binary's slowest tests, (name, seconds), slowest first
     slowest: list[tuple[str, float]] = field(default_factory=list)
+    # the tests its pytest suites ran again in place (retry.py)
+    rerun: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -75,6 +77,11 @@ class JobRecord:
         last = self.tries[-1]
         return last.start + last.duration - self.tries[0].start
 
+    @property
+    def retried(self) -> bool:
+        """A second try, or a test run again inside a try."""
+        return len(self.tries) > 1 or any(t.rerun for t in self.tries)
+
     def logs(self) -> list[str]:
         return [t.log for t in self.tries]
 
@@ -88,6 +95,7 @@ def _try_json(t: Try) -> dict[str, Any]:
         "passed": t.passed,
         "tests": t.tests,
         "lab_stood_still": t.stood_still,
+        "rerun_tests": t.rerun,
         "slowest_tests": [[name, s] for name, s in t.slowest],
         "log": t.log,
     }
@@ -104,7 +112,7 @@ def job_json(r: JobRecord) -> dict[str, Any]:
         "start_s": None if start is None else round(start, 1),
         "duration_s": round(r.duration, 1),
         "result": r.result.value,
-        "retried": len(r.tries) > 1,
+        "retried": r.retried,
         "note": r.note or None,
         "tries": [_try_json(t) for t in r.tries],
     }
@@ -131,7 +139,7 @@ def summary(
         "interrupted": interrupted,
         "error": error or None,
         "failed": failed,
-        "retried": [r.job.name for r in records if len(r.tries) > 1],
+        "retried": [r.job.name for r in records if r.retried],
         "skipped": [r.job.name for r in records if r.result is Result.SKIPPED],
         "jobs": [job_json(r) for r in records],
     }

@@ -18,7 +18,7 @@ from .cargo import binaries, executables, failed_tests, relinked
 from .jobs import Group, Job, Tier
 from .queue import JobQueue
 from .record import JobRecord, Result, Try, clock, failure_report, outcome, summary
-from .retry import Outcome, run_again, stood_still
+from .retry import Outcome, rerun_in_place, run_again, stood_still
 from .timings import PerTestClock
 
 # how many of a test binary's slowest tests a try records and prints
@@ -327,11 +327,12 @@ class Run:
                 if self.processes.stopping:
                     record.note = "stopped: the run was interrupted"
                     break
-                if not job.retried or not run_again(outcomes):
+                if not job.retried or not run_again(outcomes, reruns_inside=job.reruns_tests):
                     break
                 if job.by_test_name:
                     tests = failed_tests((self.root / t.log).read_text(errors="replace")) or None
-                why = "it failed" if len(outcomes) == 1 else "the lab stood still during it"
+                first_rerun = len(outcomes) == 1 and not job.reruns_tests
+                why = "it failed" if first_rerun else "the lab stood still during it"
                 again = "the tests " + " ".join(tests) if tests else "whole"
                 self.console.stage(f"{job.name}: re-running ({why}): {again}")
             if record.tries:
@@ -389,20 +390,24 @@ class Run:
         test_clock = PerTestClock(self.console.elapsed) if job.by_test_name else None
 
         def ended(code: int) -> Try:
+            text = log.read_bytes()
             t = Try(
                 number=number,
                 start=start,
                 duration=self.console.elapsed() - start,
                 exit_code=code,
-                stood_still=stood_still(log.read_bytes()),
+                stood_still=stood_still(text),
                 log=str(log.relative_to(self.root)),
                 tests=tests,
                 slowest=test_clock.slowest(SLOWEST_SHOWN) if test_clock else [],
+                rerun=rerun_in_place(text) if job.reruns_tests else [],
             )
             record.tries.append(t)
             if t.slowest:
                 said = ", ".join(f"{name} {s:.0f} s" for name, s in t.slowest)
                 self.console.line(job.name, f"slowest tests: {said}\n".encode())
+            if t.rerun:
+                self.console.line(job.name, f"ran again in place: {' '.join(t.rerun)}\n".encode())
             return t
 
         try:

@@ -37,15 +37,23 @@ def test_a_libtest_log_names_its_failed_tests_why_and_the_labs_stall() -> None:
     ]
 
 
-def test_a_pytest_log_names_its_failed_tests_and_reasons() -> None:
+def test_a_pytest_log_names_each_failed_test_once_with_its_reason() -> None:
+    # pytest-rerunfailures' summary (-rR) names a test before pytest's own
     log = (
+        "RERUN test_files.py::test_write\n"
+        "FAILED test_files.py::test_write\n"
+        "=== short test summary info ===\n"
         "FAILED test_files.py::test_write - AssertionError: 3 != 4\n"
         "FAILED test_pty.py::test_resize\n"
-        "2 failed, 40 passed\n"
+        "FAILED test_pty.py::test_resize\n"
+        "FAILED test_ports.py::test_proxy - Timeout\n"
+        "FAILED test_ports.py::test_proxy\n"
+        "3 failed, 40 passed, 1 rerun\n"
     )
     assert failures.digest(log) == [
         "test_files.py::test_write: AssertionError: 3 != 4",
         "test_pty.py::test_resize: failed",
+        "test_ports.py::test_proxy: Timeout",
     ]
 
 

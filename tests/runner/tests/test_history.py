@@ -33,6 +33,7 @@ def test_an_entry_keeps_each_jobs_result_tries_and_a_stall_before_a_retry() -> N
         "result": "failed",
         "tries": 3,
         "stall": True,
+        "rerun": 0,
         "s": 360,
         "lane": "lane1",
     }
@@ -40,6 +41,7 @@ def test_an_entry_keeps_each_jobs_result_tries_and_a_stall_before_a_retry() -> N
         "result": "passed",
         "tries": 1,
         "stall": False,
+        "rerun": 0,
         "s": 1020,
         "lane": "lane2",
     }
@@ -47,6 +49,7 @@ def test_an_entry_keeps_each_jobs_result_tries_and_a_stall_before_a_retry() -> N
         "result": "not run",
         "tries": 0,
         "stall": False,
+        "rerun": 0,
         "s": 0,
         "lane": None,
     }
@@ -83,6 +86,15 @@ def test_a_job_retried_in_two_of_five_runs_is_a_defect_and_one_retry_is_not() ->
     text = history.table(runs)
     assert "defects (a retry in 2+ runs, or a failure): sdk, cluster" in text
     assert text.count("35.0 min") == 5
+
+
+def test_tests_run_again_in_place_count_as_a_retry() -> None:
+    runs = [run_line(rl=("passed", 1, False)) for _ in range(3)]
+    runs[0]["jobs"]["rl"]["rerun"] = 1
+    runs[2]["jobs"]["rl"]["rerun"] = 2
+    (row,) = history.rows(runs)
+    assert row.cells == ("ok/t", "ok", "ok/t")
+    assert row.retried == 2 and row.defect
 
 
 def test_a_skipped_job_is_shown_as_such_and_is_no_defect() -> None:

@@ -1,4 +1,4 @@
-from sandfork_runner.retry import Outcome, run_again, stood_still
+from sandfork_runner.retry import Outcome, rerun_in_place, run_again, stood_still
 
 FAIL = Outcome(passed=False, stood_still=False)
 STALL = Outcome(passed=False, stood_still=True)
@@ -28,6 +28,28 @@ def test_never_a_fourth_try() -> None:
 
 def test_no_try_no_re_run() -> None:
     assert not run_again([])
+
+
+def test_a_job_that_reruns_its_tests_inside_runs_again_only_after_a_stall() -> None:
+    # its first try re-ran its failed tests: that was the one re-run
+    assert not run_again([FAIL], reruns_inside=True)
+    assert run_again([STALL], reruns_inside=True)
+    assert not run_again([STALL, STALL], reruns_inside=True)
+    assert not run_again([PASS], reruns_inside=True)
+
+
+def test_the_tests_pytest_ran_again_are_read_from_its_rerun_summary() -> None:
+    log = (
+        b"=========================== rerun test summary info ============================\n"
+        b"RERUN test_x.py::test_flaky\n"
+        b"RERUN test_x.py::test_bad\n"
+        b"FAILED test_x.py::test_bad\n"
+        b"===================== 1 failed, 2 passed, 2 rerun in 0.03s =====================\n"
+        b"RERUN test_x.py::test_bad\n"
+        b"  RERUN not_at_a_line_start\n"
+    )
+    assert rerun_in_place(log) == ["test_x.py::test_flaky", "test_x.py::test_bad"]
+    assert rerun_in_place(b"") == []
 
 
 def test_the_stall_line_is_the_lab_s_own_at_a_line_start() -> None:
