@@ -3,6 +3,7 @@ and a setup callable), then rollout groups forked from it, running, paused,
 reopened by its ref, as a snapshot, through the branching runner and
 through SkyRL's environment."""
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -131,6 +132,11 @@ async def test_group_from_a_paused_state_and_its_ref(no_leaks):
         other = TaskState.from_ref(ref, template=TEMPLATE, metadata=RUN_META)
         envs += await other.group(1, seeds=[3])
         await check_group(envs[2:], [3])
+        # two groups at once from one state take turns (the node forks a
+        # sandbox once at a time: a second fork meanwhile would be a 409)
+        pair = await asyncio.gather(state.group(1, seeds=[4]), state.group(1, seeds=[5]))
+        envs += [env for group in pair for env in group]
+        await check_group(envs[3:], [4, 5])
 
 
 @pytest.mark.anyio

@@ -23,7 +23,7 @@ import asyncio
 import inspect
 import random
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
 from . import _ops
@@ -83,6 +83,9 @@ class TaskState:
     #: serialized: give it again to ``from_ref``)
     setup: SetupFn | None = None
     _sandbox: AsyncSandbox | None = None
+    # the node forks one sandbox once at a time (another fork of it meanwhile
+    # is a 409): groups of a running or paused state take turns
+    _forking: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
 
     # --- making and keeping it ----------------------------------------------
 
@@ -191,7 +194,8 @@ class TaskState:
         ``seeds[i]`` (or ``group_seeds(seed, n)[i]``; neither: a fresh seed
         unless ``config.reseed`` is off). ``config``: the children's (their
         reward function, limits), by default the state's. All ``n`` or
-        ``ForkError``."""
+        ``ForkError``. Concurrent groups of one running or paused state take
+        turns (the node forks a sandbox once at a time)."""
         if n < 1:
             raise ValueError("a group has at least one child")
         if seeds is None and seed is not None:
@@ -217,18 +221,24 @@ class TaskState:
                 fork=caps.fork_from_snapshot,
             )
         elif self.keep == "paused" and self.sandbox_id is not None:
-            sbxs = await AsyncSandbox.branch_suspended(
-                self.sandbox_id, n, capabilities=caps, timeout=cfg.sandbox_timeout, after_fork=hook
-            )
+            async with self._forking:
+                sbxs = await AsyncSandbox.branch_suspended(
+                    self.sandbox_id,
+                    n,
+                    capabilities=caps,
+                    timeout=cfg.sandbox_timeout,
+                    after_fork=hook,
+                )
         else:
-            sbx = await self._running()
-            sbxs = await sbx.branch(
-                n,
-                replay=self.episode.replay_commands(),
-                capabilities=caps,
-                timeout=cfg.sandbox_timeout,
-                after_fork=hook,
-            )
+            async with self._forking:
+                sbx = await self._running()
+                sbxs = await sbx.branch(
+                    n,
+                    replay=self.episode.replay_commands(),
+                    capabilities=caps,
+                    timeout=cfg.sandbox_timeout,
+                    after_fork=hook,
+                )
         return [attach_child(SandboxEnv, s, self.episode, kids, seeds is not None) for s in sbxs]
 
     async def each(
