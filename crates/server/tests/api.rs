@@ -4386,7 +4386,6 @@ async fn metrics_follow_refusals_kills_and_the_records() {
     for family in [
         "sandfork_lifecycle_events",
         "sandfork_operation_duration_seconds",
-        "sandfork_operation_errors",
         "sandfork_fork_duration_seconds",
         "sandfork_fork_children",
         "sandfork_admission_refusals",
@@ -4527,9 +4526,14 @@ async fn metrics_count_builds_by_kind_and_status() {
 /// family a node's or a gateway's scrape has.
 #[tokio::test]
 async fn the_grafana_dashboard_queries_only_families_scrapes_have() {
-    let node = node(&[]);
-    let scraped =
-        scrape(&node).await + &server::http::gateway::GatewayMetrics::new().scrape_with(1, 0, true);
+    let node = node(&[record("run", now_ms(), SandboxState::Running, "x")]);
+    // The families whose labels come with their first event (an error's
+    // status, a request's target) have one.
+    node.refuses("DELETE", "/sandboxes/gone", "", StatusCode::NOT_FOUND)
+        .await;
+    let gateway = server::http::gateway::GatewayMetrics::new();
+    gateway.request("create", 201, std::time::Duration::from_millis(5));
+    let scraped = scrape(&node).await + &gateway.scrape_with(1, 0, true);
     let families: std::collections::HashSet<&str> = scraped
         .lines()
         .filter_map(|l| l.strip_prefix("# TYPE ")?.split(' ').next())

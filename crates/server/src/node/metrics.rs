@@ -63,6 +63,17 @@ pub enum Operation {
 }
 
 impl Operation {
+    pub const ALL: [Operation; 8] = [
+        Operation::Create,
+        Operation::Fork,
+        Operation::Pause,
+        Operation::Resume,
+        Operation::Connect,
+        Operation::Snapshot,
+        Operation::Rollback,
+        Operation::Kill,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Operation::Create => "create",
@@ -75,6 +86,12 @@ impl Operation {
             Operation::Kill => "kill",
         }
     }
+}
+
+/// The `kind` label of a lifecycle fact: E2B's event type's last word.
+fn kind_name(kind: LifecycleKind) -> &'static str {
+    let name = kind.as_str();
+    name.rsplit_once('.').map_or(name, |(_, last)| last)
 }
 
 /// How many children a fork asked for, put in its answer by the fork routes
@@ -111,6 +128,18 @@ pub enum Refusal {
 }
 
 impl Refusal {
+    pub const ALL: [Refusal; 9] = [
+        Refusal::NodeSandboxes,
+        Refusal::Vcpus,
+        Refusal::Memory,
+        Refusal::Disk,
+        Refusal::TeamSandboxes,
+        Refusal::TeamMemory,
+        Refusal::ClusterTeam,
+        Refusal::ClusterState,
+        Refusal::Cluster,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Refusal::NodeSandboxes => "node_sandboxes",
@@ -304,14 +333,48 @@ impl Metrics {
              (waiting, building, ready, error)",
             m.builds.clone(),
         );
+        m.start_at_zero();
         m
+    }
+
+    /// Every series whose labels are known beforehand, at zero: a family
+    /// with no series is left out of a scrape, and a series that appears
+    /// only at its first event has no rate until its second.
+    fn start_at_zero(&self) {
+        for kind in LifecycleKind::ALL {
+            self.lifecycle
+                .get_or_create(&[("kind", kind_name(kind).to_owned())]);
+        }
+        for op in Operation::ALL {
+            self.operation_seconds.get_or_create(&[
+                ("operation", op.as_str().to_owned()),
+                ("outcome", "ok".to_owned()),
+            ]);
+        }
+        for n in [1, 2, 5, 17] {
+            self.fork_seconds
+                .get_or_create(&[("children", children_range(n).to_owned())]);
+        }
+        for why in Refusal::ALL {
+            self.refusals
+                .get_or_create(&[("reason", why.as_str().to_owned())]);
+        }
+        for outcome in ["made", "failed"] {
+            self.cross_node_children
+                .get_or_create(&[("outcome", outcome.to_owned())]);
+        }
+        for kind in ["build", "image"] {
+            for outcome in ["ready", "error"] {
+                self.build_seconds
+                    .get_or_create(&[("kind", kind.to_owned()), ("outcome", outcome.to_owned())]);
+            }
+        }
     }
 
     /// A lifecycle fact the node recorded.
     pub(crate) fn saw(&self, kind: LifecycleKind) {
-        let name = kind.as_str().trim_start_matches("sandbox.lifecycle.");
         self.lifecycle
-            .get_or_create(&[("kind", name.to_owned())])
+            .get_or_create(&[("kind", kind_name(kind).to_owned())])
             .inc();
     }
 
@@ -402,14 +465,12 @@ impl Metrics {
             .set(held.sandboxes.saturating_sub(live) as i64);
         self.pool_idle.set(manager.pool().idle_count() as i64);
         self.pool_target.set(manager.config().pool_size as i64);
-        if let Some(net) = manager.pool().net() {
-            let (ready, in_use) = net.counts();
+        // Zeros without networking: a dashboard's query stays valid.
+        let (ready, in_use) = manager.pool().net().map_or((0, 0), |net| net.counts());
+        for (state, n) in [("ready", ready), ("in_use", in_use)] {
             self.network_slots
-                .get_or_create(&[("state", "ready".to_owned())])
-                .set(ready as i64);
-            self.network_slots
-                .get_or_create(&[("state", "in_use".to_owned())])
-                .set(in_use as i64);
+                .get_or_create(&[("state", state.to_owned())])
+                .set(n as i64);
         }
         match host_mem::mem_available_mib() {
             Ok(mib) => {

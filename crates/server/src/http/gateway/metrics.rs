@@ -120,6 +120,22 @@ impl GatewayMetrics {
             "1 while the watch's copy follows etcd",
             m.in_step.clone(),
         );
+        // Known label values start at zero (see the node's metrics).
+        for outcome in ["ok", "error"] {
+            m.etcd_seconds
+                .get_or_create(&[("outcome", outcome.to_owned())]);
+        }
+        for source in ["watch", "etcd", "last_known", "missing", "error"] {
+            m.routes_answered
+                .get_or_create(&[("source", source.to_owned())]);
+        }
+        for outcome in ["made", "refused", "other", "unreachable"] {
+            m.placements
+                .get_or_create(&[("outcome", outcome.to_owned())]);
+        }
+        for outcome in ["resumed", "refused", "unreachable"] {
+            m.take_ins.get_or_create(&[("outcome", outcome.to_owned())]);
+        }
         m
     }
 
