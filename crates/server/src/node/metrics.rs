@@ -343,30 +343,32 @@ impl Metrics {
     fn start_at_zero(&self) {
         for kind in LifecycleKind::ALL {
             self.lifecycle
-                .get_or_create(&[("kind", kind_name(kind).to_owned())]);
+                .get_or_create_owned(&[("kind", kind_name(kind).to_owned())]);
         }
         for op in Operation::ALL {
-            self.operation_seconds.get_or_create(&[
+            self.operation_seconds.get_or_create_owned(&[
                 ("operation", op.as_str().to_owned()),
                 ("outcome", "ok".to_owned()),
             ]);
         }
         for n in [1, 2, 5, 17] {
             self.fork_seconds
-                .get_or_create(&[("children", children_range(n).to_owned())]);
+                .get_or_create_owned(&[("children", children_range(n).to_owned())]);
         }
         for why in Refusal::ALL {
             self.refusals
-                .get_or_create(&[("reason", why.as_str().to_owned())]);
+                .get_or_create_owned(&[("reason", why.as_str().to_owned())]);
         }
         for outcome in ["made", "failed"] {
             self.cross_node_children
-                .get_or_create(&[("outcome", outcome.to_owned())]);
+                .get_or_create_owned(&[("outcome", outcome.to_owned())]);
         }
         for kind in ["build", "image"] {
             for outcome in ["ready", "error"] {
-                self.build_seconds
-                    .get_or_create(&[("kind", kind.to_owned()), ("outcome", outcome.to_owned())]);
+                self.build_seconds.get_or_create_owned(&[
+                    ("kind", kind.to_owned()),
+                    ("outcome", outcome.to_owned()),
+                ]);
             }
         }
     }

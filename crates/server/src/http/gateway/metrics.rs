@@ -123,18 +123,19 @@ impl GatewayMetrics {
         // Known label values start at zero (see the node's metrics).
         for outcome in ["ok", "error"] {
             m.etcd_seconds
-                .get_or_create(&[("outcome", outcome.to_owned())]);
+                .get_or_create_owned(&[("outcome", outcome.to_owned())]);
         }
         for source in ["watch", "etcd", "last_known", "missing", "error"] {
             m.routes_answered
-                .get_or_create(&[("source", source.to_owned())]);
+                .get_or_create_owned(&[("source", source.to_owned())]);
         }
         for outcome in ["made", "refused", "other", "unreachable"] {
             m.placements
-                .get_or_create(&[("outcome", outcome.to_owned())]);
+                .get_or_create_owned(&[("outcome", outcome.to_owned())]);
         }
         for outcome in ["resumed", "refused", "unreachable"] {
-            m.take_ins.get_or_create(&[("outcome", outcome.to_owned())]);
+            m.take_ins
+                .get_or_create_owned(&[("outcome", outcome.to_owned())]);
         }
         m
     }
