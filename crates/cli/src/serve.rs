@@ -540,7 +540,12 @@ async fn serve_gateway(args: &ServeArgs) -> Result<()> {
         "sandfork serve: gateway listening on http://{0} (E2B_API_URL=http://{0} E2B_SANDBOX_URL=http://{0})",
         args.listen
     );
-    server::http::gateway::serve(listener, etcd, shutdown_signal()).await?;
+    // The cluster's admin key, which the nodes take too: a scrape of the
+    // gateway's /metrics sends it.
+    let metrics_key = std::env::var("SANDFORK_API_KEY")
+        .ok()
+        .filter(|k| !k.is_empty());
+    server::http::gateway::serve(listener, etcd, metrics_key.as_deref(), shutdown_signal()).await?;
     Ok(())
 }
 

@@ -81,6 +81,12 @@ impl View {
         self.read().sandboxes.get(id).cloned()
     }
 
+    /// How many nodes and sandbox routes the copy holds now.
+    pub fn sizes(&self) -> (usize, usize) {
+        let state = self.read();
+        (state.nodes.len(), state.sandboxes.len())
+    }
+
     /// The nodes as the copy last had them, in step or not.
     pub fn last_known_nodes(&self) -> Vec<NodeRecord> {
         self.read().nodes.values().cloned().collect()

@@ -15,6 +15,7 @@ pub(crate) mod ingress;
 pub mod jail;
 pub mod keys;
 pub(crate) mod launch;
+pub mod metrics;
 pub mod net;
 pub mod pool;
 pub mod pressure;

@@ -4302,3 +4302,276 @@ async fn volumes_survive_a_restart_and_unrecorded_directories_do_not() {
     let gone = node.authed("DELETE", &format!("/volumes/{id}"), "").await;
     assert_eq!(gone.status, StatusCode::NO_CONTENT, "{}", gone.json);
 }
+
+/// `GET /metrics` with the node's key as a bearer token, as Prometheus
+/// sends it: the OpenMetrics text.
+async fn scrape(node: &Node) -> String {
+    let req = Request::builder()
+        .uri("/metrics")
+        .header("authorization", format!("Bearer {KEY}"))
+        .body(Body::empty())
+        .unwrap();
+    let response = node.app.clone().oneshot(req).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert!(
+        response.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("application/openmetrics-text"),
+        "{:?}",
+        response.headers()
+    );
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    String::from_utf8(bytes.to_vec()).unwrap()
+}
+
+/// The value of the sample `series` (name and labels as written) in `text`.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .map(|v| v.parse().unwrap())
+}
+
+#[tokio::test]
+async fn metrics_take_the_nodes_own_key() {
+    let node = node(&[]);
+    let get = |auth: Option<(&str, String)>| {
+        let mut req = Request::builder().uri("/metrics");
+        if let Some((name, value)) = auth {
+            req = req.header(name, value);
+        }
+        call(&node, req.body(Body::empty()).unwrap())
+    };
+    assert_error(&get(None).await, StatusCode::UNAUTHORIZED);
+    let wrong = ("authorization", "Bearer e2b_wrong".to_owned());
+    assert_error(&get(Some(wrong)).await, StatusCode::UNAUTHORIZED);
+    // A team's key may not list every team's sandboxes.
+    let (_, team_key) = team(&node, r#"{"name":"a"}"#).await;
+    let a = get(Some(("authorization", format!("Bearer {team_key}")))).await;
+    assert_error(&a, StatusCode::FORBIDDEN);
+    let response = node
+        .app
+        .clone()
+        .oneshot(authed("GET", "/metrics", ""))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let text = scrape(&node).await;
+    assert!(text.ends_with("# EOF\n"), "{text}");
+}
+
+#[tokio::test]
+async fn metrics_follow_refusals_kills_and_the_records() {
+    let node = small_node(|_| ());
+    let text = scrape(&node).await;
+    let running = r#"sandfork_sandboxes{state="running",team="default",template="base"}"#;
+    let paused = r#"sandfork_sandboxes{state="paused",team="default",template="base"}"#;
+    assert_eq!(sample(&text, running), Some(1.0), "{text}");
+    assert_eq!(sample(&text, paused), Some(1.0), "{text}");
+    assert_eq!(
+        sample(&text, r#"sandfork_capacity_vcpus{kind="total"}"#),
+        Some(2.0),
+        "{text}"
+    );
+    assert_eq!(sample(&text, "sandfork_warm_pool_target"), Some(0.0));
+    assert!(
+        sample(&text, "sandfork_host_memory_available_bytes").is_some_and(|b| b > 0.0),
+        "{text}"
+    );
+    for family in [
+        "sandfork_lifecycle_events",
+        "sandfork_operation_duration_seconds",
+        "sandfork_fork_duration_seconds",
+        "sandfork_fork_children",
+        "sandfork_admission_refusals",
+        "sandfork_cross_node_fork_children",
+        "sandfork_template_build_duration_seconds",
+        "sandfork_template_builds",
+        "sandfork_sandboxes_memory_pss_bytes",
+        "sandfork_network_slots",
+        "sandfork_vmm_exits",
+    ] {
+        assert!(
+            text.contains(&format!("# TYPE {family} ")),
+            "{family}: {text}"
+        );
+    }
+    // A team at its count limit, and a fork over the node's vCPUs: each
+    // refused by its reason, and an error of its operation by its status.
+    let (_, a_key) = team(&node, r#"{"name":"a","maxSandboxes":0}"#).await;
+    let a = call(&node, keyed(&a_key, "POST", "/v2/sandboxes", "{}")).await;
+    assert_error(&a, StatusCode::TOO_MANY_REQUESTS);
+    let a = call(
+        &node,
+        authed("POST", "/sandboxes/run/fork", r#"{"count":3}"#),
+    )
+    .await;
+    assert_error(&a, StatusCode::SERVICE_UNAVAILABLE);
+    let text = scrape(&node).await;
+    for (series, value) in [
+        (
+            r#"sandfork_admission_refusals_total{reason="team_sandboxes"}"#,
+            1.0,
+        ),
+        (r#"sandfork_admission_refusals_total{reason="vcpus"}"#, 1.0),
+        (
+            r#"sandfork_operation_errors_total{operation="create",reason="429"}"#,
+            1.0,
+        ),
+        (
+            r#"sandfork_operation_errors_total{operation="fork",reason="503"}"#,
+            1.0,
+        ),
+        (
+            r#"sandfork_operation_duration_seconds_count{operation="create",outcome="error"}"#,
+            1.0,
+        ),
+    ] {
+        assert_eq!(sample(&text, series), Some(value), "{series}: {text}");
+    }
+    // A refused fork is no fork of N.
+    assert_eq!(sample(&text, "sandfork_fork_children_count"), Some(0.0));
+    // A kill: an operation, a lifecycle fact, one sandbox fewer.
+    let a = node.authed("DELETE", "/sandboxes/run", "").await;
+    assert_eq!(a.status, StatusCode::NO_CONTENT, "{}", a.json);
+    let text = scrape(&node).await;
+    assert_eq!(sample(&text, running), None, "{text}");
+    assert_eq!(
+        sample(&text, r#"sandfork_lifecycle_events_total{kind="killed"}"#),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(
+            &text,
+            r#"sandfork_operation_duration_seconds_count{operation="kill",outcome="ok"}"#
+        ),
+        Some(1.0),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn metrics_count_builds_by_kind_and_status() {
+    let node = node(&[]);
+    let now = now_ms();
+    let build = |id: &str, source: &str, status, finished: Option<u64>| BuildRecord {
+        template_id: format!("t-{id}"),
+        build_id: id.into(),
+        name: id.into(),
+        source: source.into(),
+        vcpus: 1,
+        mem_mib: 256,
+        status,
+        reason: None,
+        started_at_ms: now,
+        finished_at_ms: finished,
+        log: Vec::new(),
+        reason_step: None,
+        e2b: None,
+    };
+    let store = node.manager.store();
+    store
+        .put_build(&build(
+            "b1",
+            "debian packages jq",
+            BuildStatus::Building,
+            None,
+        ))
+        .unwrap();
+    store
+        .put_build(&build(
+            "b2",
+            "image registry:5000/app:1",
+            BuildStatus::Error,
+            Some(now + 2500),
+        ))
+        .unwrap();
+    for _ in 0..2 {
+        // Scraped twice: a finished build is counted once.
+        let text = scrape(&node).await;
+        assert_eq!(
+            sample(
+                &text,
+                r#"sandfork_template_builds{kind="build",status="building"}"#
+            ),
+            Some(1.0),
+            "{text}"
+        );
+        assert_eq!(
+            sample(
+                &text,
+                r#"sandfork_template_builds{kind="image",status="error"}"#
+            ),
+            Some(1.0),
+            "{text}"
+        );
+        assert_eq!(
+            sample(
+                &text,
+                r#"sandfork_template_build_duration_seconds_sum{kind="image",outcome="error"}"#
+            ),
+            Some(2.5),
+            "{text}"
+        );
+    }
+}
+
+/// Every metric the Grafana dashboard in `deploy/grafana/` queries is a
+/// family a node's or a gateway's scrape has.
+#[tokio::test]
+async fn the_grafana_dashboard_queries_only_families_scrapes_have() {
+    let node = node(&[record("run", now_ms(), SandboxState::Running, "x")]);
+    // The families whose labels come with their first event (an error's
+    // status, a request's target) have one.
+    node.refuses("DELETE", "/sandboxes/gone", "", StatusCode::NOT_FOUND)
+        .await;
+    let gateway = server::http::gateway::GatewayMetrics::new();
+    gateway.request("create", 201, std::time::Duration::from_millis(5));
+    let scraped = scrape(&node).await + &gateway.scrape_with(1, 0, true);
+    let families: std::collections::HashSet<&str> = scraped
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.split(' ').next())
+        .collect();
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../deploy/grafana/sandfork.json"
+    );
+    let dashboard: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut exprs = Vec::new();
+    fn walk<'a>(v: &'a Value, out: &mut Vec<&'a str>) {
+        match v {
+            Value::Object(map) => {
+                for (k, v) in map {
+                    match (k.as_str(), v) {
+                        ("expr" | "query", Value::String(s)) => out.push(s),
+                        _ => walk(v, out),
+                    }
+                }
+            }
+            Value::Array(items) => items.iter().for_each(|i| walk(i, out)),
+            _ => {}
+        }
+    }
+    walk(&dashboard, &mut exprs);
+    assert!(exprs.len() >= 10, "{exprs:?}");
+    let mut queried = 0;
+    for expr in exprs {
+        for name in expr
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+            .filter(|t| t.starts_with("sandfork_"))
+        {
+            let family = ["_bucket", "_count", "_sum", "_total"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s))
+                .filter(|f| families.contains(f))
+                .unwrap_or(name);
+            assert!(
+                families.contains(family),
+                "the dashboard queries {name}, which no scrape has: {expr}"
+            );
+            queried += 1;
+        }
+    }
+    assert!(queried >= 10, "{queried}");
+}

@@ -642,6 +642,7 @@ async fn a_fork_of_16_is_admitted_by_real_use_and_its_children_diverge() {
     let (code, _) = run(addr, &parent.routing(), "echo parent > /tmp/origin").await;
     assert_eq!(code, 0);
     a_fork_whose_client_goes_is_undone(&node, &parent).await;
+    metrics_follow_a_create_a_fork_of_4_and_a_kill(&node).await;
     let started = Instant::now();
     let forked = http(
         addr,
@@ -771,6 +772,107 @@ async fn a_fork_whose_client_goes_is_undone(node: &Serving, parent: &Created) {
     eprintln!(
         "a fork whose client went away was undone {:?} after the client left",
         gone.elapsed()
+    );
+}
+
+/// A scrape of `/metrics` (the node's key as a bearer token, as Prometheus
+/// sends it) follows a create, a fork of 4 and the kill of all five: the
+/// lifecycle facts, the operations' latencies, the fork's N and the
+/// sandboxes running. Checked as differences: the node ran other
+/// sandboxes before.
+async fn metrics_follow_a_create_a_fork_of_4_and_a_kill(node: &Serving) {
+    let (addr, auth) = (node.addr, node.auth());
+    let bearer = format!("Bearer {}", node.key);
+    let scrape = async || {
+        let a = http(addr, "GET", "/metrics", &[("authorization", &bearer)], "").await;
+        assert_eq!(a.status, 200, "{:?}", a.body);
+        String::from_utf8(a.body.to_vec()).unwrap()
+    };
+    // The sum of every sample of `name` whose labels include each of `labels`.
+    let value = |text: &str, name: &str, labels: &[&str]| -> f64 {
+        text.lines()
+            .filter_map(|l| {
+                let (series, v) = l.rsplit_once(' ')?;
+                let rest = series.strip_prefix(name)?;
+                let matches = (rest.is_empty() || rest.starts_with('{'))
+                    && labels.iter().all(|want| rest.contains(want));
+                matches.then(|| v.parse::<f64>().unwrap())
+            })
+            .sum()
+    };
+    let running = |t: &str| value(t, "sandfork_sandboxes", &[r#"state="running""#]);
+    let events = |t: &str, kind: &str| {
+        value(
+            t,
+            "sandfork_lifecycle_events_total",
+            &[&format!(r#"kind="{kind}""#)],
+        )
+    };
+    let ok = |t: &str, op: &str| {
+        value(
+            t,
+            "sandfork_operation_duration_seconds_count",
+            &[&format!(r#"operation="{op}""#), r#"outcome="ok""#],
+        )
+    };
+    let before = scrape().await;
+    let started = Instant::now();
+    let made = common::create(addr, &auth, json!({"timeout": 300})).await;
+    let after_create = scrape().await;
+    assert_eq!(
+        running(&after_create),
+        running(&before) + 1.0,
+        "{after_create}"
+    );
+    assert_eq!(
+        events(&after_create, "created"),
+        events(&before, "created") + 1.0
+    );
+    assert_eq!(ok(&after_create, "create"), ok(&before, "create") + 1.0);
+    let forked = http(
+        addr,
+        "POST",
+        &format!("/sandboxes/{}/fork", made.id),
+        &auth,
+        r#"{"count":4,"timeout":300}"#,
+    )
+    .await;
+    let children = common::forked(forked);
+    assert_eq!(children.len(), 4);
+    let after_fork = scrape().await;
+    assert_eq!(running(&after_fork), running(&before) + 5.0, "{after_fork}");
+    assert_eq!(
+        events(&after_fork, "forked"),
+        events(&before, "forked") + 4.0
+    );
+    assert_eq!(ok(&after_fork, "fork"), ok(&before, "fork") + 1.0);
+    let fork_of_4 = |t: &str| {
+        value(
+            t,
+            "sandfork_fork_duration_seconds_count",
+            &[r#"children="2-4""#],
+        )
+    };
+    assert_eq!(fork_of_4(&after_fork), fork_of_4(&before) + 1.0);
+    let n_sum = |t: &str| value(t, "sandfork_fork_children_sum", &[]);
+    assert_eq!(n_sum(&after_fork), n_sum(&before) + 4.0);
+    for id in children.iter().map(|c| &c.id).chain([&made.id]) {
+        assert_eq!(common::kill(addr, &auth, id).await.status, 204);
+    }
+    let after_kill = scrape().await;
+    assert_eq!(running(&after_kill), running(&before), "{after_kill}");
+    assert_eq!(
+        events(&after_kill, "killed"),
+        events(&before, "killed") + 5.0
+    );
+    assert_eq!(ok(&after_kill, "kill"), ok(&before, "kill") + 5.0);
+    // The levels a dashboard draws are there and live.
+    assert!(value(&after_kill, "sandfork_host_memory_available_bytes", &[]) > 0.0);
+    assert!(value(&after_kill, "sandfork_sandboxes_memory_pss_bytes", &[]) > 0.0);
+    assert!(value(&after_kill, "sandfork_capacity_vcpus", &[r#"kind="total""#]) > 0.0);
+    eprintln!(
+        "metrics followed a create, a fork of 4 and 5 kills in {:?}",
+        started.elapsed()
     );
 }
 

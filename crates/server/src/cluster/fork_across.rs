@@ -180,7 +180,11 @@ pub async fn elsewhere(
     timeout: Duration,
     api_key: &str,
 ) -> Elsewhere {
-    let failed = |status, message: String| Elsewhere::failed(count, status, &message);
+    let metrics = node.manager.metrics();
+    let failed = |status, message: String| {
+        metrics.cross_node_fork(count, 0);
+        Elsewhere::failed(count, status, &message)
+    };
     let frozen = match frozen {
         Ok(f) => f,
         Err(e) => {
@@ -334,6 +338,7 @@ pub async fn elsewhere(
             left as usize
         ]);
     }
+    metrics.cross_node_fork(count, made_on.len());
     Elsewhere {
         entries,
         made: made_on,

@@ -26,7 +26,10 @@ use crate::http::api::ApiError;
 use crate::http::proxy::{self, Route};
 use crate::wire;
 
+mod metrics;
 mod teams;
+
+pub use metrics::GatewayMetrics;
 
 /// Request bodies a create may carry (metadata, env vars).
 const MAX_CREATE_BODY: usize = 1 << 20;
@@ -43,6 +46,10 @@ pub struct Gateway {
     /// Kept-alive connections to the nodes: most requests are small, and a
     /// connection per request cost each a handshake.
     nodes: NodeClient,
+    metrics: GatewayMetrics,
+    /// The hash of the key a scrape of `/metrics` takes (the cluster's
+    /// admin key); None: scrapes are refused.
+    metrics_key: Option<[u8; 32]>,
 }
 
 type NodeClient = hyper_util::client::legacy::Client<HttpConnector, Body>;
@@ -114,24 +121,28 @@ impl Placements {
 }
 
 /// Serves the gateway on `listener` until `shutdown` completes (in a
-/// runtime: it starts the etcd watch).
+/// runtime: it starts the etcd watch). `metrics_key` is the key its
+/// `/metrics` takes (the cluster's admin key), if it serves them.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     cluster: Cluster,
+    metrics_key: Option<&str>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(cluster))
+    axum::serve(listener, router(cluster, metrics_key))
         .with_graceful_shutdown(shutdown)
         .await
 }
 
-pub fn router(cluster: Cluster) -> Router {
+pub fn router(cluster: Cluster, metrics_key: Option<&str>) -> Router {
     let view = View::start(cluster.clone());
     Router::new().fallback(handle).with_state(Arc::new(Gateway {
         cluster,
         view,
         placements: Placements::default(),
         nodes: node_client(),
+        metrics: GatewayMetrics::new(),
+        metrics_key: metrics_key.map(crate::node::keys::hash),
     }))
 }
 
@@ -157,11 +168,33 @@ enum Target {
     /// Volumes: each node's own (its store, its disks), so no answer from
     /// one node would be the cluster's. Refused until they are placed.
     Volumes,
+    /// The gateway's own metrics.
+    Metrics,
+}
+
+impl Target {
+    /// The `target` label of the gateway's request metrics.
+    fn name(&self) -> &'static str {
+        match self {
+            Target::Health => "health",
+            Target::Create => "create",
+            Target::List => "list",
+            Target::Sandbox(_) => "sandbox",
+            Target::Gather => "gather",
+            Target::Holder => "holder",
+            Target::DeleteEverywhere => "delete_everywhere",
+            Target::AnyNode => "any_node",
+            Target::TeamUse => "team_use",
+            Target::Volumes => "volumes",
+            Target::Metrics => "metrics",
+        }
+    }
 }
 
 fn target(method: &Method, path: &str) -> Target {
     match (method, path) {
         (_, "/health") => Target::Health,
+        (&Method::GET, "/metrics") => Target::Metrics,
         (&Method::POST, "/sandboxes" | "/v2/sandboxes") => Target::Create,
         (&Method::GET, "/sandboxes" | "/v2/sandboxes") => Target::List,
         (&Method::GET, "/snapshots" | "/templates") => Target::Gather,
@@ -197,10 +230,27 @@ fn target(method: &Method, path: &str) -> Target {
 async fn handle(State(gw): State<Arc<Gateway>>, mut req: Request) -> Response {
     // Only a gateway asks a node to take a sandbox in.
     req.headers_mut().remove(wire::TAKE_IN_HEADER);
-    let answer = match proxy::route(req.headers(), req.uri()) {
-        Route::Sandbox { id, .. } => gw.to_owner(&id, req, true).await,
-        Route::ControlPlane if proxy::is_envd_path(req.uri().path()) => gw.to_unrouted(req).await,
-        Route::ControlPlane => match target(req.method(), req.uri().path()) {
+    let started = Instant::now();
+    let (name, answer) = match proxy::route(req.headers(), req.uri()) {
+        Route::Sandbox { id, .. } => ("envd", gw.to_owner(&id, req, true).await),
+        Route::ControlPlane if proxy::is_envd_path(req.uri().path()) => {
+            ("envd_unrouted", gw.to_unrouted(req).await)
+        }
+        Route::ControlPlane => {
+            let target = target(req.method(), req.uri().path());
+            (target.name(), gw.control(target, req).await)
+        }
+    };
+    let answer = answer.unwrap_or_else(IntoResponse::into_response);
+    gw.metrics
+        .request(name, answer.status().as_u16(), started.elapsed());
+    answer
+}
+
+impl Gateway {
+    async fn control(&self, target: Target, req: Request) -> Result<Response, ApiError> {
+        let gw = self;
+        match target {
             Target::Health => Ok(StatusCode::NO_CONTENT.into_response()),
             Target::Create => gw.create(req).await,
             Target::List => gw.list(req, None).await,
@@ -215,12 +265,37 @@ async fn handle(State(gw): State<Arc<Gateway>>, mut req: Request) -> Response {
                 "volumes are not available through a cluster's gateway yet: each node \
                  keeps its own",
             )),
-        },
-    };
-    answer.unwrap_or_else(IntoResponse::into_response)
-}
+            Target::Metrics => gw.scrape(req.headers()),
+        }
+    }
 
-impl Gateway {
+    /// `GET /metrics` (see [`metrics`]).
+    fn scrape(&self, headers: &HeaderMap) -> Result<Response, ApiError> {
+        let Some(expected) = &self.metrics_key else {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "this gateway serves no metrics: start it with SANDFORK_API_KEY (the cluster's \
+                 admin key), which a scrape then sends",
+            ));
+        };
+        let key = crate::http::api::scrape_credential(headers).ok_or_else(|| {
+            ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "missing credentials: send the cluster's admin key as a bearer token or in \
+                 X-API-KEY",
+            )
+        })?;
+        if !crate::node::keys::same_secret(&crate::node::keys::hash(key), expected) {
+            return Err(ApiError::new(StatusCode::UNAUTHORIZED, "invalid API key"));
+        }
+        let text = self.metrics.scrape(&self.view);
+        Ok((
+            [(header::CONTENT_TYPE, crate::node::metrics::CONTENT_TYPE)],
+            text,
+        )
+            .into_response())
+    }
+
     /// The nodes: the watch's copy, else etcd's, else (etcd cannot answer)
     /// the copy as it last was.
     async fn nodes(&self) -> Result<Vec<NodeRecord>, ApiError> {
@@ -238,12 +313,27 @@ impl Gateway {
     /// running sandbox stays reachable, its node answers for it.
     async fn route(&self, id: &str) -> Result<Option<Versioned<SandboxRoute>>, ApiError> {
         if let Some(route) = self.view.sandbox(id) {
+            self.metrics.route_from("watch");
             return Ok(Some(route));
         }
         let known = self.view.last_known_sandbox(id).map(Some);
         let what = format!("the route of {id}");
-        self.or_last_known(known, &what, self.cluster.sandbox(id))
-            .await
+        let asked = self.cluster.sandbox(id);
+        let mut from_etcd = false;
+        let route = self
+            .or_last_known(known, &what, async {
+                let answer = asked.await;
+                from_etcd = answer.is_ok();
+                answer
+            })
+            .await;
+        self.metrics.route_from(match &route {
+            Ok(Some(_)) if from_etcd => "etcd",
+            Ok(Some(_)) => "last_known",
+            Ok(None) => "missing",
+            Err(_) => "error",
+        });
+        route
     }
 
     /// What etcd answers (`ask`), unless it cannot: then `known` (`what`,
@@ -259,7 +349,10 @@ impl Gateway {
             Some(known) if self.view.etcd_failed() => return Ok(known),
             other => other,
         };
-        match (ask.await, known) {
+        let asked = Instant::now();
+        let answer = ask.await;
+        self.metrics.etcd(answer.is_ok(), asked.elapsed());
+        match (answer, known) {
             (Ok(answer), _) => Ok(answer),
             (Err(e), Some(known)) => {
                 tracing::warn!("gateway: etcd: {e}; routing by {what} as last known");
@@ -328,6 +421,7 @@ impl Gateway {
             match self.forward(&node.api_addr, req).await {
                 Ok(r) if cluster_wide(&r) => return Ok(r),
                 Ok(r) if refused(r.status()) => {
+                    self.metrics.took_in("refused");
                     tracing::info!(
                         "gateway: node {} did not take sandbox {id} in: {}",
                         node.node_id,
@@ -336,10 +430,14 @@ impl Gateway {
                     last = Some(r);
                 }
                 Ok(r) => {
+                    self.metrics.took_in("resumed");
                     tracing::info!("gateway: sandbox {id} resumed on node {}", node.node_id);
                     return Ok(r);
                 }
-                Err(e) => tracing::warn!("gateway: node {} unreachable: {e}", node.node_id),
+                Err(e) => {
+                    self.metrics.took_in("unreachable");
+                    tracing::warn!("gateway: node {} unreachable: {e}", node.node_id)
+                }
             }
         }
         last.ok_or_else(|| {
@@ -371,6 +469,12 @@ impl Gateway {
             let answer = self.forward(&node.api_addr, req).await;
             let made = answer.as_ref().is_ok_and(|r| r.status().is_success());
             self.placements.finish(ticket, made);
+            self.metrics.placed(match &answer {
+                Ok(_) if made => "made",
+                Ok(r) if refused(r.status()) || r.status() == StatusCode::NOT_FOUND => "refused",
+                Ok(_) => "other",
+                Err(_) => "unreachable",
+            });
             match answer {
                 Ok(r) if cluster_wide(&r) => return Ok(r),
                 Ok(r) if refused(r.status()) || r.status() == StatusCode::NOT_FOUND => {

@@ -410,6 +410,25 @@ pub enum CapacityError {
     },
 }
 
+impl CapacityError {
+    /// The refusal this is, as the metrics name it (None: no refusal, the
+    /// disk could not be read).
+    pub fn refusal(&self) -> Option<crate::node::metrics::Refusal> {
+        use crate::node::metrics::Refusal;
+        Some(match self {
+            CapacityError::TeamSandboxes { .. } => Refusal::TeamSandboxes,
+            CapacityError::TeamMemory { .. } => Refusal::TeamMemory,
+            CapacityError::TooMany { .. } => Refusal::NodeSandboxes,
+            CapacityError::Short(s) => match s.resource {
+                Resource::Vcpus => Refusal::Vcpus,
+                Resource::Memory => Refusal::Memory,
+                Resource::Disk => Refusal::Disk,
+            },
+            CapacityError::Disk { .. } => return None,
+        })
+    }
+}
+
 /// One reservation's share: what it asked for, and what its VMM was last
 /// seen using once one runs for it.
 #[derive(Debug, Clone)]
@@ -487,6 +506,8 @@ pub struct Capacity {
     held: Mutex<Held>,
     /// Teams' limits (a team not here has none).
     teams: Mutex<HashMap<String, TeamLimits>>,
+    /// Where refusals are counted, once the node's metrics exist.
+    metrics: std::sync::OnceLock<Arc<crate::node::metrics::Metrics>>,
 }
 
 impl Capacity {
@@ -498,6 +519,7 @@ impl Capacity {
             data_dir,
             held: Mutex::new(Held::default()),
             teams: Mutex::default(),
+            metrics: std::sync::OnceLock::new(),
         })
     }
 
@@ -606,6 +628,21 @@ impl Capacity {
         self.held_lock().of_team(team)
     }
 
+    /// From now on each refused reservation is counted in `metrics` (set
+    /// once, by the manager that owns them).
+    pub fn count_refusals_in(&self, metrics: Arc<crate::node::metrics::Metrics>) {
+        let _ = self.metrics.set(metrics);
+    }
+
+    /// The proportional set size of every VMM as last sampled, summed.
+    pub fn pss_kib(&self) -> u64 {
+        self.held_lock()
+            .entries
+            .values()
+            .filter_map(|e| e.used_kib)
+            .sum()
+    }
+
     /// Reserves `ask` for `what` (named in the error), all or nothing.
     pub fn reserve(self: &Arc<Self>, ask: Ask, what: &str) -> Result<Reservation, CapacityError> {
         self.reserve_for(ask, what, None)
@@ -635,10 +672,16 @@ impl Capacity {
             &ask,
             disk,
             what,
-        )?;
-        if let (Some(team), Some(limits)) = (team, team_limits) {
-            check_team(&limits, &held.of_team(team), &ask)?;
-        }
+        )
+        .and_then(|()| match (team, team_limits) {
+            (Some(team), Some(limits)) => check_team(&limits, &held.of_team(team), &ask),
+            _ => Ok(()),
+        })
+        .inspect_err(|e| {
+            if let (Some(metrics), Some(why)) = (self.metrics.get(), e.refusal()) {
+                metrics.refused(why);
+            }
+        })?;
         let id = held.insert(ask, team.map(Arc::from));
         Ok(Reservation {
             capacity: self.clone(),

@@ -88,6 +88,18 @@ pub enum Denial {
     Unavailable(String),
 }
 
+impl Denial {
+    /// The refusal this is, as the metrics name it.
+    pub fn refusal(&self) -> crate::node::metrics::Refusal {
+        use crate::node::metrics::Refusal;
+        match self {
+            Denial::TeamFull { .. } => Refusal::ClusterTeam,
+            Denial::ClusterState(_) => Refusal::ClusterState,
+            Denial::Conflict(_) | Denial::NotFound(_) | Denial::Unavailable(_) => Refusal::Cluster,
+        }
+    }
+}
+
 /// Held by an admitted operation until it ends (dropped, whatever its
 /// outcome): what a listener keeps for the operation's length.
 pub type Permit = Option<Box<dyn Send + Sync>>;

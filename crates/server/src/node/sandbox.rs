@@ -291,6 +291,8 @@ pub struct Manager {
     /// Held by every change of a volume's record or of who mounts it, so
     /// that a name is taken once and a volume is not removed under a mount.
     volume_changes: tokio::sync::Mutex<()>,
+    /// The node's Prometheus metrics (see [`crate::node::metrics`]).
+    metrics: Arc<crate::node::metrics::Metrics>,
     /// This manager, for the tasks that watch its VMMs.
     me: Weak<Manager>,
 }
@@ -316,6 +318,8 @@ impl Manager {
         capacity: Arc<Capacity>,
         template: TemplateRecord,
     ) -> Arc<Manager> {
+        let metrics = Arc::new(crate::node::metrics::Metrics::new());
+        capacity.count_refusals_in(metrics.clone());
         Arc::new_cyclic(|me| Manager {
             config,
             store,
@@ -332,6 +336,7 @@ impl Manager {
             hooks: std::sync::OnceLock::new(),
             lifecycle: tokio::sync::broadcast::Sender::new(LIFECYCLE_BACKLOG),
             volume_changes: tokio::sync::Mutex::new(()),
+            metrics,
             me: me.clone(),
         })
     }
@@ -374,6 +379,7 @@ impl Manager {
             memory_mb: record.memory_mb,
             at_ms,
         };
+        self.metrics.saw(kind);
         // No subscriber is no error: a node without webhooks.
         let _ = self.lifecycle.send(event);
     }
@@ -385,7 +391,10 @@ impl Manager {
         ask: crate::node::events::Ask<'_>,
     ) -> Result<Permit, SandboxError> {
         match self.hooks.get() {
-            Some(hooks) => Ok(hooks.admit(ask).await?),
+            Some(hooks) => Ok(hooks
+                .admit(ask)
+                .await
+                .inspect_err(|denial| self.metrics.refused(denial.refusal()))?),
             None => Ok(None),
         }
     }
@@ -479,6 +488,11 @@ impl Manager {
 
     pub fn capacity(&self) -> &Arc<Capacity> {
         &self.capacity
+    }
+
+    /// The node's Prometheus metrics.
+    pub fn metrics(&self) -> &crate::node::metrics::Metrics {
+        &self.metrics
     }
 
     /// Sandboxes removed since the start because their VMM exited by itself.

@@ -6,6 +6,7 @@ mod detach;
 mod error;
 mod extract;
 mod list;
+mod metrics;
 mod network;
 mod node;
 mod observe;
@@ -26,6 +27,7 @@ use axum::routing::{any, delete, get, patch, post, put};
 pub use detach::ClientGone;
 pub use error::{ApiError, Retry};
 pub use list::{ListQuery, decode_metadata_filter};
+pub use metrics::scrape_credential;
 pub use sandboxes::MAX_FORK_COUNT;
 pub(crate) use sandboxes::fork_answer;
 
@@ -146,12 +148,19 @@ pub fn router(state: Shared) -> Router {
         )
         .route("/secrets", any(secrets_unavailable))
         .route("/secrets/{*rest}", any(secrets_unavailable))
+        // Inside the key's check: a refused key is no operation.
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            metrics::time_operations,
+        ))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             tenancy::require_api_key,
         ));
     Router::new()
         .route("/health", get(health))
+        // The node's own key, as a bearer token too (see `metrics`).
+        .route("/metrics", get(metrics::scrape))
         // An upload link carries its own credential (no API key).
         .route(
             "/e2b-files/{token}",

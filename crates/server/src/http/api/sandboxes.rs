@@ -775,8 +775,12 @@ fn fork_answer_with(
         })
         .chain(more)
         .collect();
+    let children = u32::try_from(body.len()).unwrap_or(u32::MAX);
     // The body is E2B's (a list); how long the parent stopped goes beside it.
     let mut answer = (StatusCode::CREATED, Json(body)).into_response();
+    answer
+        .extensions_mut()
+        .insert(crate::node::metrics::ForkChildren(children));
     if let Some(paused) = parent_paused {
         let ms = format!("{:.3}", paused.as_secs_f64() * 1000.0);
         if let Ok(value) = axum::http::HeaderValue::from_str(&ms) {
