@@ -23,7 +23,11 @@
 //! bulk of an image's bytes) when no other template of the node stacks on
 //! it and no build is under way (one may be about to boot that entry). The
 //! build cache is the node's own: another node sharing it would lose
-//! entries. The pulled blobs (`<cache>/images`) are not collected yet.
+//! entries. An image converted into stored layers
+//! (`template_build::layer_store`, `<cache>/layers`) counts the layers no
+//! other template's chain has; after a pass evicted any, the layers no
+//! template's chain uses go too (when no conversion is under way). The
+//! pulled blobs (`<cache>/images`) are not collected yet.
 //!
 //! Last use is the template's state file's access time, as the cluster
 //! cache's bound keeps it (`cache_bound::mark_used`): marked by every
@@ -32,8 +36,9 @@
 //! [`EVERY`]; it is logged, and counted in `GET /v1/node`'s
 //! `diskMB.images`.
 
+use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::MetadataExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -171,6 +176,7 @@ impl Templates {
                 source,
             })?;
         let now = SystemTime::now();
+        let layers = self.image_layers_of(&all);
         let mut candidates = Vec::new();
         for t in templates.iter().filter(|t| t.image.is_some()) {
             let in_use = manager.template_in_use(&t.id)?;
@@ -186,6 +192,19 @@ impl Templates {
             let mut bytes = bytes_on(&t.dir, data_dev);
             if !shared && let Some(entry) = self.rootfs_entry(t) {
                 bytes += bytes_on(&entry, data_dev);
+            }
+            // The image layers no other template's chain has.
+            let others: HashSet<&PathBuf> = layers
+                .iter()
+                .filter(|(id, _)| *id != &t.id)
+                .flat_map(|(_, chain)| chain)
+                .collect();
+            if let Some(mine) = layers.get(&t.id) {
+                bytes += mine
+                    .iter()
+                    .filter(|l| !others.contains(l))
+                    .map(|l| bytes_on(l, data_dev))
+                    .sum::<u64>();
             }
             candidates.push(Candidate {
                 id: t.id.clone(),
@@ -206,6 +225,9 @@ impl Templates {
                 .find(|c| &c.id == id)
                 .map_or(0, |c| c.bytes);
             self.evict_image_template(id, bytes, &disk).await?;
+        }
+        if !planned.evict.is_empty() && self.running().is_empty() {
+            self.collect_image_layers().await;
         }
         let disk = manager.capacity().disk()?;
         let above = disk.used_percent() > marks.high_percent;
@@ -296,6 +318,87 @@ impl Templates {
         };
         all.iter()
             .any(|o| o.id != t.id && (o.rootfs.starts_with(entry) || o.rootfs == t.rootfs))
+    }
+
+    /// The image layers (in the build cache's layer store) of each
+    /// template's root disk chain, by template id; a chain that cannot be
+    /// read has none.
+    fn image_layers_of(
+        &self,
+        all: &[crate::node::store::TemplateRecord],
+    ) -> HashMap<String, Vec<PathBuf>> {
+        let store = self.layer_store();
+        let Ok(store) = store.canonicalize() else {
+            return HashMap::new();
+        };
+        all.iter()
+            .filter_map(|t| {
+                let chain = disk_layers::chain_files(&t.root_layer).ok()?;
+                let mine: Vec<PathBuf> = chain
+                    .into_iter()
+                    .filter(|p| p.starts_with(&store))
+                    .collect();
+                (!mine.is_empty()).then(|| (t.id.clone(), mine))
+            })
+            .collect()
+    }
+
+    fn layer_store(&self) -> PathBuf {
+        let cache = self
+            .manager()
+            .config()
+            .build_cache
+            .clone()
+            .unwrap_or_else(template_build::default_cache_dir);
+        template_build::layer_store::layers_in(&cache)
+    }
+
+    /// Removes the stored image layers that no template's chain uses (the
+    /// caller makes sure no conversion is under way, which may be about to
+    /// stack on one). A chain that cannot be read keeps every layer.
+    async fn collect_image_layers(&self) {
+        let store = self.layer_store();
+        let mut tops: Vec<PathBuf> = Vec::new();
+        let db = self.manager().store();
+        for t in db
+            .templates()
+            .into_iter()
+            .chain(db.retired_templates())
+            .flatten()
+        {
+            tops.push(t.root_layer);
+        }
+        let collected = tokio::task::spawn_blocking(move || -> Result<(usize, u64), String> {
+            let candidates: Vec<PathBuf> = match std::fs::read_dir(&store) {
+                Ok(rd) => rd
+                    .flatten()
+                    .map(|e| e.path())
+                    .filter(|p| p.extension().is_some_and(|x| x == "layer"))
+                    .collect(),
+                Err(_) => return Ok((0, 0)),
+            };
+            let unused =
+                disk_layers::unreferenced(&candidates, &tops).map_err(|e| e.to_string())?;
+            let mut freed = 0;
+            for p in &unused {
+                let bytes = std::fs::metadata(p).map_or(0, |m| m.blocks() * 512);
+                std::fs::remove_file(p).map_err(|e| format!("{}: {e}", p.display()))?;
+                freed += bytes;
+            }
+            Ok((unused.len(), freed))
+        })
+        .await;
+        match collected {
+            Ok(Ok((0, _))) => {}
+            Ok(Ok((n, freed))) => {
+                tracing::info!(
+                    "images: removed {n} unused image layers, {} MiB",
+                    freed >> 20
+                )
+            }
+            Ok(Err(e)) => tracing::warn!("images: collecting image layers: {e}"),
+            Err(e) => tracing::warn!("images: collecting image layers: {e}"),
+        }
     }
 
     /// A conversion refused for want of disk: counted.

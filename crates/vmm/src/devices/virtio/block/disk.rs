@@ -202,7 +202,7 @@ impl Disk {
     }
 
     /// When the chain is deeper than [`COMPACT_ABOVE_DEPTH`], folds all its
-    /// sealed layers into one on a background thread, then switches this disk
+    /// sealed layers above a shared base (an image's layers) into one on a background thread, then switches this disk
     /// to the shorter chain. Other VMs sharing the old layers keep their open
     /// files; the folded layer replaces the old top-most sealed one by rename,
     /// with the same content. Returns the thread, if one was started.
@@ -213,7 +213,11 @@ impl Disk {
         let Backend::Layered(layered) = &self.backend else {
             return None;
         };
-        if layered.depth() <= COMPACT_ABOVE_DEPTH || self.compacting.swap(true, Ordering::SeqCst) {
+        // An image's shared layers are never folded (disk_layers::compact
+        // stops above them), so only the layers above them count.
+        if layered.foldable_depth() <= COMPACT_ABOVE_DEPTH
+            || self.compacting.swap(true, Ordering::SeqCst)
+        {
             return None;
         }
         // Top first: the top, then the sealed layers.
