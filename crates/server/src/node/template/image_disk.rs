@@ -672,4 +672,83 @@ mod tests {
         assert!(above);
         assert!(store.template("busy").unwrap().is_some());
     }
+
+    /// A stored image layer (`template_build::layer_store`): 1 MiB of
+    /// `byte` over `parent` (nothing: a blank chain of 4 MiB), sealed shared.
+    fn stored_layer(path: &Path, parent: Option<&Path>, byte: u8) {
+        let disk = match parent {
+            Some(p) => disk_layers::LayeredDisk::create(p, path),
+            None => disk_layers::LayeredDisk::create_blank(path, 4 * MIB),
+        }
+        .unwrap();
+        let at = u64::from(byte) * MIB % (4 * MIB);
+        disk.write_at(&vec![byte; MIB as usize], at).unwrap();
+        disk.seal_shared().unwrap();
+    }
+
+    /// Two image templates whose chains share a base layer in the layer
+    /// store, each with a layer of its own: evicting the unused one counts
+    /// and frees its own layer; the base and the other's layer stay.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_evicted_image_template_frees_its_own_layers_and_no_shared_one() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (data, cache) = (tmp.path().join("data"), tmp.path().join("cache"));
+        std::fs::create_dir_all(&data).unwrap();
+        let mut config = Config::new(
+            "127.0.0.1:0".parse().unwrap(),
+            "/nonexistent/vmlinux".into(),
+            tmp.path().join("base.raw"),
+            "/nonexistent/sandfork-vmm".into(),
+        );
+        config.data_dir = data.clone();
+        config.run_dir = Some(data.join("run"));
+        config.pool_size = 0;
+        config.build_cache = Some(cache.clone());
+        config.capacity.image_disk = marks(0.0, 0.0);
+        let layers = template_build::layer_store::layers_in(&cache);
+        std::fs::create_dir_all(&layers).unwrap();
+        let (base, a, b) = (
+            layers.join("base.layer"),
+            layers.join("a.layer"),
+            layers.join("b.layer"),
+        );
+        stored_layer(&base, None, 1);
+        stored_layer(&a, Some(&base), 2);
+        stored_layer(&b, Some(&base), 3);
+        let store = Store::open(&data.join("s.redb")).unwrap();
+        let hour = Duration::from_secs(3600);
+        for (id, top) in [("ta", &a), ("tb", &b)] {
+            let mut t = template(&data, &cache, id, Some(id), id, 2 * hour);
+            t.rootfs = top.clone();
+            drop(disk_layers::LayeredDisk::create(top, &t.root_layer).unwrap());
+            store.put_template(&t).unwrap();
+        }
+        store
+            .put_sandbox(&SandboxRecord {
+                id: "isandboxoftb".into(),
+                template_id: "tb".into(),
+                uses_snapshots: vec!["tb".into()],
+                ..Default::default()
+            })
+            .unwrap();
+        let manager = crate::node::sandbox::tests::with_store(config, store);
+        let templates = Templates::new(manager.clone());
+
+        templates.bound_image_disk().await.unwrap();
+        assert_eq!(manager.store().template("ta").unwrap(), None);
+        assert!(manager.store().template("tb").unwrap().is_some());
+        assert!(!a.exists(), "the evicted template's own layer");
+        assert!(
+            base.is_file() && b.is_file(),
+            "the shared base, the other's layer"
+        );
+        let report = templates.image_disk_report().unwrap();
+        assert_eq!(report.evicted, 1);
+        // Its directory (a 1 MiB state file) and its own layer (1 MiB).
+        assert!(report.evicted_bytes >= 2 * MIB, "{report:?}");
+        assert!(
+            report.evicted_bytes < 3 * MIB,
+            "the shared base is not counted: {report:?}"
+        );
+    }
 }
