@@ -5,9 +5,11 @@
 # hard links kept, no mount). Shared by build.sh (the base image) and the
 # template builder (crates/template-build), so every image is finished alike.
 #
-# Usage: finish.sh --agent PATH --tree DIR --image PATH --size SIZE --key KEY
+# Usage: finish.sh --agent PATH --tree DIR [--image PATH --size SIZE] --key KEY
 #   --tree  changed in place; files are replaced (rm, then written), never
 #           edited, so a tree of hard links to a cached base stays safe
+#   --image without it, only the tree is finished (the template builder's
+#           image layers: the tree is their filesystem, mounted)
 #   --key   content key of the result: the filesystem UUID follows it, so equal
 #           inputs give equal identities
 set -euo pipefail
@@ -25,8 +27,8 @@ while (($#)); do
         *) die "unknown argument: $1" ;;
     esac
 done
-[[ -n $agent && -n $tree && -n $image && -n $size && -n $key ]] ||
-    die "usage: finish.sh --agent PATH --tree DIR --image PATH --size SIZE --key KEY"
+[[ -n $agent && -n $tree && -n $key && ( -z $image || -n $size ) ]] ||
+    die "usage: finish.sh --agent PATH --tree DIR [--image PATH --size SIZE] --key KEY"
 [[ -d $tree ]] || die "tree $tree is not a directory"
 
 t=$(realpath "$tree")
@@ -51,6 +53,8 @@ ff02::1	ip6-allnodes
 ff02::2	ip6-allrouters
 HOSTS
 echo '# written by the sandfork agent when the sandbox gets a network' >"$t/etc/resolv.conf"
+
+[[ -n $image ]] || exit 0
 
 rm -f "$image"
 truncate -s "$size" "$image"

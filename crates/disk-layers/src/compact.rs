@@ -38,7 +38,9 @@ pub fn compact_temp_path(layer: &Path) -> PathBuf {
 
 /// Folds the sealed layer at `layer` and the `levels - 1` sealed layers beneath it
 /// (fewer if the chain is shorter; `usize::MAX` = down to the raw base) into one
-/// sealed layer that replaces `layer`.
+/// sealed layer that replaces `layer`. Layers sealed shared
+/// ([`crate::LayeredDisk::seal_shared`]), and all beneath them, are never folded:
+/// the fold stops above the topmost one.
 ///
 /// The result is written to [`compact_temp_path`], synced, then renamed over
 /// `layer`: no sealed layer is ever changed in place, and a crash leaves either the
@@ -63,7 +65,9 @@ pub fn compact(layer: &Path, levels: usize) -> Result<CompactStats> {
     let target_header = target.header.clone();
     let layout = target.layout;
     all.push(std::sync::Arc::new(target));
-    let m = levels.min(all.len());
+    // A shared base stays as it is: only the layers above it fold.
+    let foldable = all.iter().rev().take_while(|l| !l.header.shared).count();
+    let m = levels.min(foldable);
     if m < 2 {
         return Ok(CompactStats {
             merged_layers: 1,
@@ -97,6 +101,7 @@ pub fn compact(layer: &Path, levels: usize) -> Result<CompactStats> {
     let header = Header {
         generation: 1,
         sealed: false,
+        shared: false,
         parent,
         bitmap_crc: 0,
         allocated: 0,
@@ -145,7 +150,7 @@ pub fn compact(layer: &Path, levels: usize) -> Result<CompactStats> {
         out.file
             .sync_data()
             .map_err(io_err("cannot sync layer", &tmp))?;
-        out.seal()?;
+        out.seal(false)?;
         std::fs::rename(&tmp, layer).map_err(io_err("cannot rename compacted layer", &tmp))?;
         sync_dir(layer).map_err(io_err("cannot sync the directory of", layer))?;
         Ok(stats)

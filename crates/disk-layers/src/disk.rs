@@ -199,6 +199,7 @@ impl LayeredDisk {
         let header = Header {
             generation: 1,
             sealed: false,
+            shared: false,
             cluster_shift,
             disk_size: size,
             id: random_id()?,
@@ -209,6 +210,32 @@ impl LayeredDisk {
         let layer = LayerFile::create(top, header, true)?;
         let header = layer.header.clone();
         Self::assemble(chain, Some(Top::new(layer)?), &header)
+    }
+
+    /// Creates a new writable layer at `top` over nothing (never-written clusters
+    /// read as zeros) for a disk of `disk_size` bytes, in [`DEFAULT_CLUSTER_SIZE`]
+    /// clusters: the bottom of a chain that has no raw base, e.g. an image's
+    /// layers (its first layer holds the empty filesystem).
+    pub fn create_blank(top: &Path, disk_size: u64) -> Result<LayeredDisk> {
+        if disk_size == 0 || disk_size > MAX_DISK_SIZE {
+            return Err(Error::InvalidArgument(format!(
+                "a disk of {disk_size} bytes; a disk needs 1 byte to 64 TiB"
+            )));
+        }
+        let header = Header {
+            generation: 1,
+            sealed: false,
+            shared: false,
+            cluster_shift: DEFAULT_CLUSTER_SIZE.trailing_zeros(),
+            disk_size,
+            id: random_id()?,
+            parent: Parent::None,
+            bitmap_crc: 0,
+            allocated: 0,
+        };
+        let layer = LayerFile::create(top, header, true)?;
+        let header = layer.header.clone();
+        Self::assemble(Chain::default(), Some(Top::new(layer)?), &header)
     }
 
     /// Opens the disk whose top layer is `top`, verifying every layer of its chain
@@ -277,6 +304,20 @@ impl LayeredDisk {
     pub fn depth(&self) -> usize {
         let st = self.read();
         st.chain.sealed.len() + usize::from(st.top.is_some())
+    }
+
+    /// Layers compaction may fold: the top and the sealed layers above the
+    /// topmost shared one (all of them when none is shared).
+    pub fn foldable_depth(&self) -> usize {
+        let st = self.read();
+        let above = st
+            .chain
+            .sealed
+            .iter()
+            .rev()
+            .take_while(|l| !l.header.shared)
+            .count();
+        above + usize::from(st.top.is_some())
     }
 
     /// Clusters held by the top layer.
@@ -467,6 +508,7 @@ impl LayeredDisk {
                 let header = Header {
                     generation: 1,
                     sealed: false,
+                    shared: false,
                     cluster_shift: self.cluster_shift,
                     disk_size: self.size,
                     id: random_id()?,
@@ -494,7 +536,7 @@ impl LayeredDisk {
                     top.dirty_pages.extend(pages.iter().map(|(p, _)| *p));
                     return Err(io_err("cannot flush layer", &top.layer.path)(e));
                 }
-                top.layer.seal()?;
+                top.layer.seal(false)?;
             }
             Ok(())
         })();
@@ -528,6 +570,61 @@ impl LayeredDisk {
                 cluster_shift: self.cluster_shift,
             })
             .collect())
+    }
+
+    /// Seals the top layer in place: what was written is flushed, the layer is
+    /// sealed (it may be stacked on from now) and the disk is read-only. A disk
+    /// opened read-only is left as it is.
+    pub fn seal(&self) -> Result<()> {
+        self.seal_top(false)
+    }
+
+    /// As [`seal`](Self::seal), marking the layer part of a shared base:
+    /// [`crate::compact`] folds the layers above it and never it nor what lies
+    /// beneath, so chains that stack on it keep sharing it (an image's layers,
+    /// stored once per node).
+    pub fn seal_shared(&self) -> Result<()> {
+        self.seal_top(true)
+    }
+
+    fn seal_top(&self, shared: bool) -> Result<()> {
+        let _serial = self.flush_guard();
+        let mut st = self.write();
+        let Some(mut top) = st.top.take() else {
+            return Ok(());
+        };
+        let pages = top.take_dirty_pages();
+        let sealed = write_back(&top.sync, &pages)
+            .map_err(io_err("cannot flush layer", &top.layer.path))
+            .and_then(|()| top.layer.seal(shared));
+        if let Err(e) = sealed {
+            top.dirty_pages.extend(pages.iter().map(|(p, _)| *p));
+            st.top = Some(top);
+            return Err(e);
+        }
+        st.chain.sealed.push(Arc::new(top.layer));
+        Ok(())
+    }
+
+    /// The byte ranges `(offset, len)` of the disk that some layer holds (the
+    /// rest reads from the raw base, or as zeros without one), adjacent
+    /// clusters merged, in order.
+    pub fn held_ranges(&self) -> Vec<(u64, u64)> {
+        let st = self.read();
+        let shift = self.cluster_shift;
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        for (c, &src) in st.index.iter().enumerate() {
+            if src == 0 {
+                continue;
+            }
+            let start = (c as u64) << shift;
+            let len = (1u64 << shift).min(self.size - start);
+            match out.last_mut() {
+                Some(last) if last.0 + last.1 == start => last.1 += len,
+                _ => out.push((start, len)),
+            }
+        }
+        out
     }
 
     /// Re-opens the chain below the top from the files now at its paths, so a disk

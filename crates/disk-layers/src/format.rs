@@ -26,6 +26,9 @@ pub const MAX_CLUSTER_SHIFT: u32 = 21;
 pub const MAX_DISK_SIZE: u64 = 1 << 46;
 
 const FLAG_SEALED: u32 = 1;
+/// A shared base (an image's layer, used by many chains): compaction folds
+/// the layers above it, never it.
+const FLAG_SHARED: u32 = 2;
 const CRC_AT: usize = SLOT_SIZE as usize - 4;
 const PATH_AT: usize = 96;
 
@@ -53,6 +56,9 @@ impl Parent {
 pub struct Header {
     pub generation: u64,
     pub sealed: bool,
+    /// Part of a shared base that [`crate::compact`] never folds (see
+    /// [`crate::LayeredDisk::seal_shared`]); only sealed layers have it.
+    pub shared: bool,
     pub cluster_shift: u32,
     pub disk_size: u64,
     /// Random at creation; children record it to detect a swapped parent. A compacted
@@ -118,7 +124,9 @@ impl Header {
         let mut b = vec![0u8; SLOT_SIZE as usize];
         b[0..8].copy_from_slice(&MAGIC);
         put32(&mut b, 8, VERSION);
-        put32(&mut b, 12, if self.sealed { FLAG_SEALED } else { 0 });
+        let flags =
+            if self.sealed { FLAG_SEALED } else { 0 } | if self.shared { FLAG_SHARED } else { 0 };
+        put32(&mut b, 12, flags);
         put64(&mut b, 16, self.generation);
         put32(&mut b, 24, self.cluster_shift);
         let (kind, parent_id, parent_size, path) = match &self.parent {
@@ -172,7 +180,7 @@ impl Header {
             }));
         }
         let flags = get32(b, 12);
-        if flags & !FLAG_SEALED != 0 {
+        if flags & !(FLAG_SEALED | FLAG_SHARED) != 0 {
             return Err(SlotError::Damaged(format!("unknown flags {flags:#x}")));
         }
         let cluster_shift = get32(b, 24);
@@ -217,6 +225,7 @@ impl Header {
         Ok(Header {
             generation: get64(b, 16),
             sealed: flags & FLAG_SEALED != 0,
+            shared: flags & FLAG_SHARED != 0,
             cluster_shift,
             disk_size,
             id,
@@ -305,6 +314,7 @@ mod tests {
         Header {
             generation: 3,
             sealed: true,
+            shared: true,
             cluster_shift: 16,
             disk_size: 5 << 30,
             id: [7; 16],

@@ -156,9 +156,10 @@ impl LayerFile {
         self.bitmap.iter().map(|w| u64::from(w.count_ones())).sum()
     }
 
-    /// Seals the layer: bitmap, then a header with the sealed flag and the bitmap's
-    /// checksum, each synced. The caller has flushed the data.
-    pub fn seal(&mut self) -> Result<()> {
+    /// Seals the layer: bitmap, then a header with the sealed flag (and the shared
+    /// one if `shared`) and the bitmap's checksum, each synced. The caller has
+    /// flushed the data.
+    pub fn seal(&mut self, shared: bool) -> Result<()> {
         let raw = self.bitmap_bytes();
         // All-zero pages are left as holes (a new layer's bitmap is one), so a
         // sealed layer costs only the pages its clusters are marked in.
@@ -174,6 +175,7 @@ impl LayerFile {
         written.map_err(io_err("cannot write layer bitmap", &self.path))?;
         let header = Header {
             sealed: true,
+            shared,
             bitmap_crc: crc32fast::hash(&raw),
             allocated: self.allocated(),
             ..self.header.clone()

@@ -233,3 +233,79 @@ fn threads_read_write_and_flush_one_disk_at_once() {
     let disk = LayeredDisk::open(&d.join("top")).unwrap();
     assert_content(&disk, &whole, "reopened after a crash");
 }
+
+/// A chain with no raw base (an image's layers): a blank bottom layer,
+/// sealed in place, a layer stacked on it; what the chain holds is listed
+/// as ranges, and the rest reads as zeros.
+#[test]
+fn a_blank_chain_seals_in_place_and_lists_what_it_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let (bottom, upper) = (dir.path().join("a.layer"), dir.path().join("b.layer"));
+    let size = 1 << 20;
+    let disk = LayeredDisk::create_blank(&bottom, size).unwrap();
+    disk.write_at(&[1; 8192], 0).unwrap();
+    disk.write_at(&[2; 100], 40_000).unwrap();
+    assert_eq!(disk.held_ranges(), [(0, 8192), (36_864, 4096)]);
+    disk.seal().unwrap();
+    assert!(disk.is_read_only());
+    assert!(disk.write_at(&[3; 4096], 0).is_err(), "sealed");
+    drop(disk);
+    let disk = LayeredDisk::create(&bottom, &upper).unwrap();
+    assert_eq!(disk.len(), size);
+    disk.write_at(&[4; 4096], 8192).unwrap();
+    disk.seal().unwrap();
+    drop(disk);
+    let disk = LayeredDisk::open(&upper).unwrap();
+    assert!(disk.is_read_only() && disk.depth() == 2);
+    assert_eq!(disk.held_ranges(), [(0, 12_288), (36_864, 4096)]);
+    let mut buf = vec![0u8; 16_384];
+    disk.read_at(&mut buf, 0).unwrap();
+    assert!(buf[..8192].iter().all(|&b| b == 1));
+    assert!(buf[8192..12_288].iter().all(|&b| b == 4));
+    assert!(buf[12_288..].iter().all(|&b| b == 0));
+    assert_eq!(chain_files(&upper).unwrap().len(), 2);
+    assert!(LayeredDisk::create_blank(&dir.path().join("c"), 0).is_err());
+}
+
+/// Layers sealed shared (an image's) are never folded: compacting a chain
+/// over them folds only the layers above, which keep reading the same.
+#[test]
+fn compaction_stops_above_a_shared_base() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: usize| dir.path().join(format!("{n}.layer"));
+    let disk = LayeredDisk::create_blank(&p(0), 1 << 20).unwrap();
+    disk.write_at(&[1; 4096], 0).unwrap();
+    disk.seal_shared().unwrap();
+    drop(disk);
+    let disk = LayeredDisk::create(&p(0), &p(1)).unwrap();
+    disk.write_at(&[2; 4096], 4096).unwrap();
+    disk.seal_shared().unwrap();
+    drop(disk);
+    let disk = LayeredDisk::create(&p(1), &p(2)).unwrap();
+    for n in 2..5 {
+        disk.write_at(&[n as u8 + 1; 4096], n as u64 * 4096)
+            .unwrap();
+        disk.seal_and_branch(&p(n + 1), &[]).unwrap();
+    }
+    // 0 and 1 shared; 2, 3, 4 sealed; 5 the top.
+    assert_eq!((disk.depth(), disk.foldable_depth()), (6, 4));
+    drop(disk);
+    let stats = compact(&p(4), usize::MAX).unwrap();
+    assert_eq!(stats.merged_layers, 3);
+    let files = chain_files(&p(5)).unwrap();
+    assert_eq!(files.len(), 4, "{files:?}");
+    let disk = LayeredDisk::open(&p(5)).unwrap();
+    assert_eq!(disk.foldable_depth(), 2);
+    let mut buf = vec![0u8; 5 * 4096];
+    disk.read_at(&mut buf, 0).unwrap();
+    for n in 0..5 {
+        assert!(
+            buf[n * 4096..(n + 1) * 4096]
+                .iter()
+                .all(|&b| b == n as u8 + 1),
+            "{n}"
+        );
+    }
+    // A shared layer itself folds nothing.
+    assert_eq!(compact(&p(1), usize::MAX).unwrap().merged_layers, 1);
+}

@@ -34,6 +34,10 @@ pub const LAB_MODULES: &[&str] = &[
     "nft_reject_inet",
     // The egress proxy asks a slot's conntrack where a connection was going.
     "nf_conntrack_netlink",
+    // Image conversion (crates/template-build's layer store) applies each
+    // layer to an ext4 image mounted through a loop device.
+    "loop",
+    "ext4",
 ];
 
 /// The kernel's name for a module file: `kvm-amd.ko` is `kvm_amd`.

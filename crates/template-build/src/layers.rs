@@ -59,7 +59,8 @@ impl<R: Read> Read for Hashing<R> {
     }
 }
 
-fn apply_layer(root: &Path, layer: &Layer) -> Result<()> {
+/// Applies one layer to `root` (whiteouts, owners, modes, times, xattrs).
+pub(crate) fn apply_layer(root: &Path, layer: &Layer) -> Result<()> {
     let path = &layer.path;
     let file = fs::File::open(path).map_err(|e| BuildError::unreadable(path, e.to_string()))?;
     let mut hashing = BufReader::new(Hashing {

@@ -31,6 +31,7 @@
 
 mod debian;
 mod error;
+pub mod layer_store;
 pub mod layers;
 pub mod oci;
 pub mod registry;
@@ -47,6 +48,7 @@ use serde::{Deserialize, Serialize};
 
 pub use debian::normalize as normalize_packages;
 pub use error::{BuildError, Result};
+pub use layer_store::{LayeredTemplate, StoredLayer};
 pub use layers::{Layer, apply_layers};
 pub use oci::OciImage;
 pub use venv::{ImageFile, PythonVenv};
@@ -105,6 +107,8 @@ pub struct Builder {
     cache: PathBuf,
     agent: PathBuf,
     image_size: u64,
+    /// The disk size of image chains ([`layer_store`]).
+    layer_disk_size: u64,
     /// Where trees and images are made; see [`Builder::scratch_dir`].
     scratch: Option<PathBuf>,
 }
@@ -131,6 +135,7 @@ impl Builder {
             cache: default_cache_dir(),
             agent: agent.into(),
             image_size: 2048 * MIB,
+            layer_disk_size: layer_store::DEFAULT_DISK_SIZE,
             scratch: std::env::var_os("SANDFORK_BUILD_SCRATCH")
                 .filter(|v| !v.is_empty())
                 .map(PathBuf::from),

@@ -51,7 +51,8 @@ pub fn data_dirs(config: &Config) -> [PathBuf; 4] {
 /// it, which is given to it before the call that names it), and read-only
 /// the directories of the kernels and root images that templates boot from
 /// or stack their layers on (the node's and those its templates recorded),
-/// the build cache's root images and the VMM's shared libraries.
+/// the build cache's root images and image layers, and the VMM's shared
+/// libraries.
 pub fn vmm_jail(jail: &JailConfig, config: &Config, store: &Store) -> Jail {
     let mut read_only: Vec<PathBuf> = Vec::new();
     let mut add_parent = |file: &Path| {
@@ -72,16 +73,23 @@ pub fn vmm_jail(jail: &JailConfig, config: &Config, store: &Store) -> Jail {
         .build_cache
         .clone()
         .unwrap_or_else(template_build::default_cache_dir);
-    let built = absolute(&template_build::templates_in(&cache));
-    // A jail binds what exists when its VMM starts, and the pool's VMMs
-    // start before a fresh node's first image build makes this directory.
-    if let Err(e) = std::fs::create_dir_all(&built) {
-        tracing::warn!(
-            "making {}: {e} (VMMs started before it exists cannot boot the templates built there)",
-            built.display()
-        );
+    // The root images builds make, and the layers images are stored as.
+    for built in [
+        template_build::templates_in(&cache),
+        template_build::layer_store::layers_in(&cache),
+    ] {
+        let built = absolute(&built);
+        // A jail binds what exists when its VMM starts, and the pool's VMMs
+        // start before a fresh node's first image build makes this directory.
+        if let Err(e) = std::fs::create_dir_all(&built) {
+            tracing::warn!(
+                "making {}: {e} (VMMs started before it exists cannot boot the templates built \
+                 there)",
+                built.display()
+            );
+        }
+        read_only.push(built);
     }
-    read_only.push(built);
     let staged = data_dirs(config).iter().map(|d| absolute(d)).collect();
     Jail::new(jail.uid_base, Vec::new(), read_only, &config.vmm).with_staged(staged)
 }

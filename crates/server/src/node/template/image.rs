@@ -1,8 +1,9 @@
 //! `fromImage` bases of E2B builds: the image is pulled from its registry
 //! (`template_build::registry`, blobs cached by digest under
-//! `$SANDFORK_CACHE/images`), built into a root filesystem as local OCI
-//! images are, and booted into a template of its own, `image-<key>` (the
-//! root filesystem's content key), which later builds of the same image and
+//! `$SANDFORK_CACHE/images`), converted into a chain of disk layers stored
+//! once per layer (`template_build::layer_store`, under
+//! `$SANDFORK_CACHE/layers`), and booted into a template of its own,
+//! `image-<key>` (the chain's key), which later builds of the same image and
 //! agent reuse. The build's steps then run in a sandbox of it.
 
 use std::sync::{Arc, OnceLock};
@@ -70,13 +71,13 @@ impl Templates {
             .await
             .map_err(PullError::Pull)?;
         let one = image_lock().lock().await;
-        let source = template_build::Source::OciBlobs {
-            dir: store,
-            manifest: pulled.manifest_digest.clone(),
-        };
+        let manifest = pulled.manifest_digest.clone();
         let build_log = log.clone();
+        // Stored once per layer: layers other images converted are reused.
         let built = tokio::task::spawn_blocking(move || {
-            builder.build(&source, &mut |line| build_log.push(line))
+            builder
+                .build_layered(&store, &manifest, &mut |line| build_log.push(line))
+                .map(|layered| layered.template)
         })
         .await
         .map_err(|e| PullError::Convert(format!("the image build task failed: {e}")))?
@@ -109,7 +110,7 @@ impl Templates {
                 PullError::Pull(e) => format!("pulling {}: {e}", pull.image),
                 PullError::Convert(e) => format!("converting {}: {e}", pull.image),
             })?;
-        let id = format!("image-{}", built.key);
+        let id = format!("image-{}", built.key.get(..16).unwrap_or(&built.key));
         let db = manager.store();
         if let Some(t) = db.template(&id).map_err(|e| e.to_string())?
             && t.kernel == config.kernel

@@ -23,7 +23,11 @@
 //! bulk of an image's bytes) when no other template of the node stacks on
 //! it and no build is under way (one may be about to boot that entry). The
 //! build cache is the node's own: another node sharing it would lose
-//! entries. The pulled blobs (`<cache>/images`) are not collected yet.
+//! entries. An image converted into stored layers
+//! (`template_build::layer_store`, `<cache>/layers`) counts the layers no
+//! other template's chain has; after a pass evicted any, the layers no
+//! template's chain uses go too (when no conversion is under way). The
+//! pulled blobs (`<cache>/images`) are not collected yet.
 //!
 //! Last use is the template's state file's access time, as the cluster
 //! cache's bound keeps it (`cache_bound::mark_used`): marked by every
@@ -32,8 +36,9 @@
 //! [`EVERY`]; it is logged, and counted in `GET /v1/node`'s
 //! `diskMB.images`.
 
+use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::MetadataExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -171,6 +176,7 @@ impl Templates {
                 source,
             })?;
         let now = SystemTime::now();
+        let layers = self.image_layers_of(&all);
         let mut candidates = Vec::new();
         for t in templates.iter().filter(|t| t.image.is_some()) {
             let in_use = manager.template_in_use(&t.id)?;
@@ -186,6 +192,19 @@ impl Templates {
             let mut bytes = bytes_on(&t.dir, data_dev);
             if !shared && let Some(entry) = self.rootfs_entry(t) {
                 bytes += bytes_on(&entry, data_dev);
+            }
+            // The image layers no other template's chain has.
+            let others: HashSet<&PathBuf> = layers
+                .iter()
+                .filter(|(id, _)| *id != &t.id)
+                .flat_map(|(_, chain)| chain)
+                .collect();
+            if let Some(mine) = layers.get(&t.id) {
+                bytes += mine
+                    .iter()
+                    .filter(|l| !others.contains(l))
+                    .map(|l| bytes_on(l, data_dev))
+                    .sum::<u64>();
             }
             candidates.push(Candidate {
                 id: t.id.clone(),
@@ -206,6 +225,9 @@ impl Templates {
                 .find(|c| &c.id == id)
                 .map_or(0, |c| c.bytes);
             self.evict_image_template(id, bytes, &disk).await?;
+        }
+        if !planned.evict.is_empty() && self.running().is_empty() {
+            self.collect_image_layers().await;
         }
         let disk = manager.capacity().disk()?;
         let above = disk.used_percent() > marks.high_percent;
@@ -296,6 +318,87 @@ impl Templates {
         };
         all.iter()
             .any(|o| o.id != t.id && (o.rootfs.starts_with(entry) || o.rootfs == t.rootfs))
+    }
+
+    /// The image layers (in the build cache's layer store) of each
+    /// template's root disk chain, by template id; a chain that cannot be
+    /// read has none.
+    fn image_layers_of(
+        &self,
+        all: &[crate::node::store::TemplateRecord],
+    ) -> HashMap<String, Vec<PathBuf>> {
+        let store = self.layer_store();
+        let Ok(store) = store.canonicalize() else {
+            return HashMap::new();
+        };
+        all.iter()
+            .filter_map(|t| {
+                let chain = disk_layers::chain_files(&t.root_layer).ok()?;
+                let mine: Vec<PathBuf> = chain
+                    .into_iter()
+                    .filter(|p| p.starts_with(&store))
+                    .collect();
+                (!mine.is_empty()).then(|| (t.id.clone(), mine))
+            })
+            .collect()
+    }
+
+    fn layer_store(&self) -> PathBuf {
+        let cache = self
+            .manager()
+            .config()
+            .build_cache
+            .clone()
+            .unwrap_or_else(template_build::default_cache_dir);
+        template_build::layer_store::layers_in(&cache)
+    }
+
+    /// Removes the stored image layers that no template's chain uses (the
+    /// caller makes sure no conversion is under way, which may be about to
+    /// stack on one). A chain that cannot be read keeps every layer.
+    async fn collect_image_layers(&self) {
+        let store = self.layer_store();
+        let mut tops: Vec<PathBuf> = Vec::new();
+        let db = self.manager().store();
+        for t in db
+            .templates()
+            .into_iter()
+            .chain(db.retired_templates())
+            .flatten()
+        {
+            tops.push(t.root_layer);
+        }
+        let collected = tokio::task::spawn_blocking(move || -> Result<(usize, u64), String> {
+            let candidates: Vec<PathBuf> = match std::fs::read_dir(&store) {
+                Ok(rd) => rd
+                    .flatten()
+                    .map(|e| e.path())
+                    .filter(|p| p.extension().is_some_and(|x| x == "layer"))
+                    .collect(),
+                Err(_) => return Ok((0, 0)),
+            };
+            let unused =
+                disk_layers::unreferenced(&candidates, &tops).map_err(|e| e.to_string())?;
+            let mut freed = 0;
+            for p in &unused {
+                let bytes = std::fs::metadata(p).map_or(0, |m| m.blocks() * 512);
+                std::fs::remove_file(p).map_err(|e| format!("{}: {e}", p.display()))?;
+                freed += bytes;
+            }
+            Ok((unused.len(), freed))
+        })
+        .await;
+        match collected {
+            Ok(Ok((0, _))) => {}
+            Ok(Ok((n, freed))) => {
+                tracing::info!(
+                    "images: removed {n} unused image layers, {} MiB",
+                    freed >> 20
+                )
+            }
+            Ok(Err(e)) => tracing::warn!("images: collecting image layers: {e}"),
+            Err(e) => tracing::warn!("images: collecting image layers: {e}"),
+        }
     }
 
     /// A conversion refused for want of disk: counted.
@@ -568,5 +671,84 @@ mod tests {
         let (above, _) = templates.bound_image_disk().await.unwrap();
         assert!(above);
         assert!(store.template("busy").unwrap().is_some());
+    }
+
+    /// A stored image layer (`template_build::layer_store`): 1 MiB of
+    /// `byte` over `parent` (nothing: a blank chain of 4 MiB), sealed shared.
+    fn stored_layer(path: &Path, parent: Option<&Path>, byte: u8) {
+        let disk = match parent {
+            Some(p) => disk_layers::LayeredDisk::create(p, path),
+            None => disk_layers::LayeredDisk::create_blank(path, 4 * MIB),
+        }
+        .unwrap();
+        let at = u64::from(byte) * MIB % (4 * MIB);
+        disk.write_at(&vec![byte; MIB as usize], at).unwrap();
+        disk.seal_shared().unwrap();
+    }
+
+    /// Two image templates whose chains share a base layer in the layer
+    /// store, each with a layer of its own: evicting the unused one counts
+    /// and frees its own layer; the base and the other's layer stay.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_evicted_image_template_frees_its_own_layers_and_no_shared_one() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (data, cache) = (tmp.path().join("data"), tmp.path().join("cache"));
+        std::fs::create_dir_all(&data).unwrap();
+        let mut config = Config::new(
+            "127.0.0.1:0".parse().unwrap(),
+            "/nonexistent/vmlinux".into(),
+            tmp.path().join("base.raw"),
+            "/nonexistent/sandfork-vmm".into(),
+        );
+        config.data_dir = data.clone();
+        config.run_dir = Some(data.join("run"));
+        config.pool_size = 0;
+        config.build_cache = Some(cache.clone());
+        config.capacity.image_disk = marks(0.0, 0.0);
+        let layers = template_build::layer_store::layers_in(&cache);
+        std::fs::create_dir_all(&layers).unwrap();
+        let (base, a, b) = (
+            layers.join("base.layer"),
+            layers.join("a.layer"),
+            layers.join("b.layer"),
+        );
+        stored_layer(&base, None, 1);
+        stored_layer(&a, Some(&base), 2);
+        stored_layer(&b, Some(&base), 3);
+        let store = Store::open(&data.join("s.redb")).unwrap();
+        let hour = Duration::from_secs(3600);
+        for (id, top) in [("ta", &a), ("tb", &b)] {
+            let mut t = template(&data, &cache, id, Some(id), id, 2 * hour);
+            t.rootfs = top.clone();
+            drop(disk_layers::LayeredDisk::create(top, &t.root_layer).unwrap());
+            store.put_template(&t).unwrap();
+        }
+        store
+            .put_sandbox(&SandboxRecord {
+                id: "isandboxoftb".into(),
+                template_id: "tb".into(),
+                uses_snapshots: vec!["tb".into()],
+                ..Default::default()
+            })
+            .unwrap();
+        let manager = crate::node::sandbox::tests::with_store(config, store);
+        let templates = Templates::new(manager.clone());
+
+        templates.bound_image_disk().await.unwrap();
+        assert_eq!(manager.store().template("ta").unwrap(), None);
+        assert!(manager.store().template("tb").unwrap().is_some());
+        assert!(!a.exists(), "the evicted template's own layer");
+        assert!(
+            base.is_file() && b.is_file(),
+            "the shared base, the other's layer"
+        );
+        let report = templates.image_disk_report().unwrap();
+        assert_eq!(report.evicted, 1);
+        // Its directory (a 1 MiB state file) and its own layer (1 MiB).
+        assert!(report.evicted_bytes >= 2 * MIB, "{report:?}");
+        assert!(
+            report.evicted_bytes < 3 * MIB,
+            "the shared base is not counted: {report:?}"
+        );
     }
 }

@@ -201,9 +201,10 @@ impl Disk {
         }
     }
 
-    /// When the chain is deeper than [`COMPACT_ABOVE_DEPTH`], folds all its
-    /// sealed layers into one on a background thread, then switches this disk
-    /// to the shorter chain. Other VMs sharing the old layers keep their open
+    /// When the chain is deeper than [`COMPACT_ABOVE_DEPTH`] above its shared
+    /// base (an image's layers), folds its sealed layers above that base into
+    /// one on a background thread, then switches this disk to the shorter
+    /// chain. Other VMs sharing the old layers keep their open
     /// files; the folded layer replaces the old top-most sealed one by rename,
     /// with the same content. Returns the thread, if one was started.
     pub fn compact_in_background(
@@ -213,7 +214,11 @@ impl Disk {
         let Backend::Layered(layered) = &self.backend else {
             return None;
         };
-        if layered.depth() <= COMPACT_ABOVE_DEPTH || self.compacting.swap(true, Ordering::SeqCst) {
+        // An image's shared layers are never folded (disk_layers::compact
+        // stops above them), so only the layers above them count.
+        if layered.foldable_depth() <= COMPACT_ABOVE_DEPTH
+            || self.compacting.swap(true, Ordering::SeqCst)
+        {
             return None;
         }
         // Top first: the top, then the sealed layers.
@@ -488,6 +493,32 @@ mod tests {
             raw.branch(&dir.path().join("x"), &[]),
             Err(BlockError::NotLayered(_))
         ));
+    }
+
+    /// A disk over an image's layers (sealed shared) deeper than the
+    /// bound: only the layers above them count, and a fold leaves them.
+    #[test]
+    fn an_images_shared_layers_are_never_folded() {
+        let dir = tempfile::tempdir().unwrap();
+        let layer = |n: usize| dir.path().join(format!("image{n}.layer"));
+        let image = disk_layers::LayeredDisk::create_blank(&layer(0), 1 << 20).unwrap();
+        image.seal_shared().unwrap();
+        drop(image);
+        for n in 1..=COMPACT_ABOVE_DEPTH + 2 {
+            let image = disk_layers::LayeredDisk::create(&layer(n - 1), &layer(n)).unwrap();
+            image.write_at(&[n as u8; 4096], n as u64 * 4096).unwrap();
+            image.seal_shared().unwrap();
+        }
+        let top = dir.path().join("top.layer");
+        disk_layers::LayeredDisk::create(&layer(COMPACT_ABOVE_DEPTH + 2), &top).unwrap();
+        let disk = std::sync::Arc::new(Disk::open(&top, false).unwrap());
+        assert_eq!(disk.depth(), COMPACT_ABOVE_DEPTH + 4);
+        assert!(
+            disk.compact_in_background().is_none(),
+            "only shared layers below"
+        );
+        let files = disk_layers::chain_files(&top).unwrap();
+        assert_eq!(files.len(), COMPACT_ABOVE_DEPTH + 4);
     }
 
     #[test]
