@@ -6,12 +6,7 @@
 //! filesystem, read back through its chain, has the files of every layer
 //! with the whiteouts applied. Needs root (loop mounts), as builds do.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    reason = "a test: a failure is a panic with its message"
-)]
+#![cfg(test)]
 
 mod common;
 
