@@ -128,7 +128,7 @@ def test_trials_fork_from_one_set_up_sandbox_per_task(out_dir: Path) -> None:
     for e in events:
         by_type.setdefault(e["type"].removeprefix("sandbox.lifecycle."), []).append(e)
     setups = {
-        e["sandboxID"]
+        e["sandboxId"]
         for e in by_type.get("created", [])
         if "sandfork.harbor.template" in e["eventData"]["sandbox_metadata"]
     }
@@ -136,7 +136,7 @@ def test_trials_fork_from_one_set_up_sandbox_per_task(out_dir: Path) -> None:
     parents = [e["eventData"].get("parent_sandbox_id") for e in by_type.get("forked", [])]
     assert sorted(parents) == sorted(list(setups) * 2), f"forks from {parents}"
     # the job plugin removed the set-up sandboxes at the job's end
-    killed = {e["sandboxID"] for e in by_type.get("killed", [])}
+    killed = {e["sandboxId"] for e in by_type.get("killed", [])}
     assert setups <= killed, f"left on the node: {setups - killed}"
 
 
