@@ -137,6 +137,10 @@ impl Manager {
             return Err(sandbox.phase().refusal(id));
         }
         let parent = self.get(id)?;
+        Manager::refuse_mounted(
+            &parent,
+            "mounting volumes: a fork does not copy volumes yet",
+        )?;
         // All children or none on one node: they come from one freeze of
         // the parent, and a caller asking for N should not get fewer that
         // happened to fit. In a cluster, those that do not fit go to other
@@ -324,7 +328,7 @@ impl Manager {
         })?;
         // Its read-only slots are not in the answer (a fork branches only
         // writable disks).
-        let restore = self.with_slots(restore);
+        let restore = self.with_slots(restore, &[]);
         let id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
         let dir = self.sandbox_dir(&id);
         std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;

@@ -225,6 +225,11 @@ impl Manager {
             other => return Err(other.refusal(id)),
         }
         let parent = self.get(id)?;
+        Manager::refuse_mounted(
+            &parent,
+            "mounting volumes: a fork of a paused sandbox does not copy volumes yet; resume it \
+             to fork it",
+        )?;
         let Some(snapshot) = parent.snapshot.clone() else {
             return Err(SandboxError::Conflict {
                 id: id.to_owned(),
@@ -340,7 +345,13 @@ impl Manager {
         hold: Reservation,
     ) -> Result<SandboxRecord, SandboxError> {
         let from = ChildGuest {
-            guest: Guest::Restore(self.restore_onto(&snapshot.state, &snapshot.mem, &root, None)),
+            guest: Guest::Restore(self.restore_onto(
+                &snapshot.state,
+                &snapshot.mem,
+                &root,
+                None,
+                &parent.volume_mounts,
+            )),
             root_layer: None,
             vmm: None,
         };
@@ -430,7 +441,9 @@ impl Manager {
                         ..CreateParams::default()
                     };
                     let id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
-                    let r = manager.create_inner(&id, &template, create, hold).await;
+                    let r = manager
+                        .create_inner(&id, &template, create, &[], hold)
+                        .await;
                     if r.is_err() {
                         let _ = std::fs::remove_dir_all(manager.sandbox_dir(&id));
                     }
