@@ -4477,7 +4477,6 @@ async fn a_sandbox_with_volumes_refuses_what_would_lose_them() {
         ("/sandboxes/run/snapshots", "{}"),
         ("/sandboxes/run/pause", r#"{"memory":false}"#),
         ("/sandboxes/held/fork", r#"{"count":1}"#),
-        ("/sandboxes/run/fork", r#"{"count":1}"#),
         // Paused without memory (a record made so): only a cold boot resumes it.
         ("/sandboxes/held/connect", r#"{"timeout":60}"#),
     ] {

@@ -280,7 +280,8 @@ async fn create_run_read_list_kill_through_one_port() {
 /// `volumeMounts`) is an ext4 disk at its path that every user may write;
 /// while mounted, no other create mounts it and no delete removes it. Its
 /// files outlive the sandbox: a second create mounting it reads them, and
-/// keeps them across a memory pause and resume. Deleted once unmounted.
+/// keeps them across a memory pause and resume. A fork gives each child its
+/// own copy and leaves the volume with the parent. Deleted once unmounted.
 async fn volumes_outlive_their_sandboxes(
     addr: std::net::SocketAddr,
     auth: &[(&str, &str)],
@@ -319,7 +320,7 @@ async fn volumes_outlive_their_sandboxes(
     assert_eq!(common::kill(addr, auth, &first.id).await.status, 204);
 
     let t = Instant::now();
-    let second = common::create(addr, auth, mount).await;
+    let second = common::create(addr, auth, mount.clone()).await;
     let (code, out) = run(addr, &second.routing(), "cat /data/f").await;
     assert_eq!((code, out.as_str()), (0, "kept\n"));
     eprintln!("mounted again and read in {:?}", t.elapsed());
@@ -341,7 +342,55 @@ async fn volumes_outlive_their_sandboxes(
     )
     .await;
     assert_eq!((code, out.as_str()), (0, "kept\nmore\n"));
+
+    // A fork: each child gets its own copy of the volume as it was, the
+    // parent keeps the volume itself.
+    let t = Instant::now();
+    let forked = http(
+        addr,
+        "POST",
+        &format!("/sandboxes/{}/fork", second.id),
+        auth,
+        r#"{"count":2,"timeout":60}"#,
+    )
+    .await;
+    let children = common::forked(forked);
+    eprintln!("fork of 2 with a volume answered in {:?}", t.elapsed());
+    for (i, child) in children.iter().enumerate() {
+        let (code, out) = run(
+            addr,
+            &child.routing(),
+            &format!("cat /data/f && echo child{i} > /data/f && sync"),
+        )
+        .await;
+        assert_eq!((code, out.as_str()), (0, "kept\nmore\n"));
+    }
+    for (i, child) in children.iter().enumerate() {
+        let (_, out) = run(addr, &child.routing(), "cat /data/f").await;
+        assert_eq!(out, format!("child{i}\n"));
+    }
+    let (code, out) = run(
+        addr,
+        &second.routing(),
+        "cat /data/f && echo parent >> /data/f && sync",
+    )
+    .await;
+    assert_eq!((code, out.as_str()), (0, "kept\nmore\n"));
+    // A child's kill leaves the volume; after the parent's, the next create
+    // mounts the volume with the parent's writes. A child's copy stacks on
+    // the volume's files: no delete while one lives.
+    assert_eq!(common::kill(addr, auth, &children[0].id).await.status, 204);
     assert_eq!(common::kill(addr, auth, &second.id).await.status, 204);
+    let refused = http(addr, "DELETE", &delete, auth, "").await;
+    assert_eq!(refused.status, 409, "{:?}", refused.body);
+    let third = common::create(addr, auth, mount).await;
+    let (code, out) = run(addr, &third.routing(), "cat /data/f").await;
+    assert_eq!((code, out.as_str()), (0, "kept\nmore\nparent\n"));
+    let (_, out) = run(addr, &children[1].routing(), "cat /data/f").await;
+    assert_eq!(out, "child1\n");
+    for id in [&children[1].id, &third.id] {
+        assert_eq!(common::kill(addr, auth, id).await.status, 204);
+    }
     let deleted = http(addr, "DELETE", &delete, auth, "").await;
     assert_eq!(deleted.status, 204, "{:?}", deleted.body);
     assert!(!data.join("volumes").join(&volume).exists());

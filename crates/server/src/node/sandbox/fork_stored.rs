@@ -25,7 +25,7 @@ use crate::node::capacity::{Ask, Reservation};
 use crate::node::ids;
 use crate::node::launch::Guest;
 use crate::node::net::SandboxNetwork;
-use crate::node::store::{PausedSnapshot, SandboxRecord};
+use crate::node::store::{PausedSnapshot, SandboxRecord, VolumeMount};
 
 /// One result per child, in order, as a running sandbox's fork answers.
 pub type ForkResults = Vec<Result<SandboxRecord, SandboxError>>;
@@ -168,8 +168,9 @@ impl Manager {
                         let _ = std::fs::remove_dir_all(&dir);
                         return Err(e);
                     }
+                    // Never volumes: a parent with volumes forks on its own node.
                     manager
-                        .paused_child(&parent, &snapshot, child_id, top, timeout, hold)
+                        .paused_child(&parent, &snapshot, child_id, top, Vec::new(), timeout, hold)
                         .await
                 }
                 .await;
@@ -325,7 +326,7 @@ impl Manager {
             let hold = slots.split(child);
             tasks.spawn(async move {
                 let r = manager
-                    .paused_child(&parent, &snapshot, child_id, top, timeout, hold)
+                    .paused_child(&parent, &snapshot, child_id, top, Vec::new(), timeout, hold)
                     .await;
                 (index, r)
             });
@@ -334,13 +335,16 @@ impl Manager {
     }
 
     /// Starts one child of a paused sandbox from its pause snapshot, on the
-    /// child's own top layer (already made, in its directory).
+    /// child's own top layer (already made, in its directory) and with
+    /// `volume_mounts`, its copies of the parent's volumes.
+    #[allow(clippy::too_many_arguments, reason = "one child's parts, each once")]
     async fn paused_child(
         &self,
         parent: &SandboxRecord,
         snapshot: &PausedSnapshot,
         id: String,
         root: PathBuf,
+        volume_mounts: Vec<VolumeMount>,
         timeout: Duration,
         hold: Reservation,
     ) -> Result<SandboxRecord, SandboxError> {
@@ -350,10 +354,11 @@ impl Manager {
                 &snapshot.mem,
                 &root,
                 None,
-                &parent.volume_mounts,
+                &volume_mounts,
             )),
             root_layer: None,
             vmm: None,
+            volume_mounts,
         };
         let dir = self.sandbox_dir(&id);
         self.start_child(parent, &id, &dir, from, timeout, hold)

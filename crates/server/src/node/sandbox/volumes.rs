@@ -196,6 +196,28 @@ impl Manager {
         Ok(mounts)
     }
 
+    /// After a fork into `fork_dir` of a sandbox whose mounts are now
+    /// `mounts`: each volume (not a copy) is on its new layer there, which
+    /// the next sandbox to mount it writes, and keeps that directory.
+    pub(super) fn volumes_moved(
+        &self,
+        mounts: &[VolumeMount],
+        fork_dir: &Path,
+    ) -> Result<(), SandboxError> {
+        for m in mounts.iter().filter(|m| !m.copy) {
+            let mut v = self
+                .store
+                .volume(&m.volume_id)?
+                .ok_or_else(|| VolumeError::NotFound(m.volume_id.clone()))?;
+            v.disk = m.disk.clone();
+            if !v.uses_dirs.iter().any(|d| d == fork_dir) {
+                v.uses_dirs.push(fork_dir.to_owned());
+            }
+            self.store.put_volume(&v)?;
+        }
+        Ok(())
+    }
+
     /// Refuses (409) a change of `record`'s sandbox that would lose or
     /// split the volumes it mounts: `state` says which and why.
     pub(super) fn refuse_mounted(
