@@ -1648,10 +1648,6 @@ async fn a_create_asking_for_what_the_node_lacks_is_refused_by_name() {
             r#""iam":{"tokens":{"gcp":{"audience":"x","tokenType":"oidc"}}}"#,
             "iam.tokens (gcp)",
         ),
-        (
-            r#""volumeMounts":[{"name":"data","path":"/data"}]"#,
-            "volumeMounts (data)",
-        ),
         (r#""mcp":{"github":{}}"#, "mcp"),
     ] {
         let body = format!(r#"{{"templateID":"base",{extra}}}"#);
@@ -4248,6 +4244,7 @@ async fn a_mounted_volume_is_not_deleted() {
                 path: "/data".into(),
                 read_only: false,
                 disk,
+                copy: false,
             }],
             ..record("user1", now_ms(), SandboxState::Paused, "x")
         })
@@ -4574,4 +4571,199 @@ async fn the_grafana_dashboard_queries_only_families_scrapes_have() {
         }
     }
     assert!(queried >= 10, "{queried}");
+}
+
+/// A template with `volume_slots` slots, for creates that mount volumes.
+fn slotted(data: &std::path::Path) -> TemplateRecord {
+    TemplateRecord {
+        volume_slots: 2,
+        ..built(data, "slotted", "slotted", now_ms())
+    }
+}
+
+/// `record` mounting volume `id` at `/data` (its copy, as a fork child's,
+/// when `copy`).
+fn mounting(record: SandboxRecord, id: &str, copy: bool) -> SandboxRecord {
+    SandboxRecord {
+        volume_mounts: vec![server::node::store::VolumeMount {
+            volume_id: id.into(),
+            slot: 0,
+            path: "/data".into(),
+            read_only: false,
+            disk: "/nonexistent/volume.layer".into(),
+            copy,
+        }],
+        ..record
+    }
+}
+
+/// A create's `volumeMounts` (E2B's `{name, path}`) that cannot be
+/// mounted as asked is refused before any guest starts: 400 for what the
+/// request gets wrong, 409 for a volume another sandbox mounts (one writer
+/// per volume; a fork child's copy is not the volume). One that passes the
+/// checks gets as far as the template's files (this node has none).
+#[tokio::test]
+async fn a_create_mounts_free_volumes_of_its_team_in_its_templates_slots() {
+    let node = node_with(&[], &[&slotted]);
+    let data = new_volume(&node, KEY, r#"{"name":"data","sizeMB":64}"#).await;
+    new_volume(&node, KEY, r#"{"name":"logs","sizeMB":64}"#).await;
+    new_volume(&node, KEY, r#"{"name":"more","sizeMB":64}"#).await;
+    let (_, b_key) = team(&node, r#"{"name":"b"}"#).await;
+    new_volume(&node, &b_key, r#"{"name":"theirs","sizeMB":64}"#).await;
+    let create = |template: &str, mounts: &str, extra: &str| {
+        format!(r#"{{"templateID":"{template}","volumeMounts":{mounts}{extra}}}"#)
+    };
+    for (body, says) in [
+        (
+            create("slotted", r#"[{"name":"nope","path":"/data"}]"#, ""),
+            "no volume named \"nope\"",
+        ),
+        (
+            create("slotted", r#"[{"name":"theirs","path":"/data"}]"#, ""),
+            "no volume named \"theirs\"",
+        ),
+        (
+            create(
+                "slotted",
+                r#"[{"name":"data","path":"/a"},{"name":"data","path":"/b"}]"#,
+                "",
+            ),
+            "named twice",
+        ),
+        (
+            create(
+                "slotted",
+                r#"[{"name":"data","path":"/a"},{"name":"logs","path":"/a/"}]"#,
+                "",
+            ),
+            "two volumes at /a",
+        ),
+        (
+            create("slotted", r#"[{"name":"data","path":"data"}]"#, ""),
+            "invalid path",
+        ),
+        (
+            create("slotted", r#"[{"name":"data","path":"/"}]"#, ""),
+            "invalid path",
+        ),
+        (
+            create("slotted", r#"[{"name":"data","path":"/x/../etc"}]"#, ""),
+            "invalid path",
+        ),
+        (
+            create(
+                "slotted",
+                r#"[{"name":"data","path":"/a"},{"name":"logs","path":"/b"},{"name":"more","path":"/c"}]"#,
+                "",
+            ),
+            "at most 2 volumes",
+        ),
+        (
+            create("base", r#"[{"name":"data","path":"/data"}]"#, ""),
+            "rebuild it",
+        ),
+        (
+            create(
+                "slotted",
+                r#"[{"name":"data","path":"/data"}]"#,
+                r#","autoPauseMemory":false"#,
+            ),
+            "autoPauseMemory",
+        ),
+        (
+            r#"{"templateID":"slotted","volumeMounts":[{"name":"data"}]}"#.to_owned(),
+            "path",
+        ),
+    ] {
+        let a = node
+            .refuses("POST", "/v2/sandboxes", &body, StatusCode::BAD_REQUEST)
+            .await;
+        let message = a.json["message"].as_str().unwrap();
+        assert!(message.contains(says), "{body}: {message}");
+    }
+
+    // Another sandbox, even paused, mounts it: 409 naming it.
+    let id = data["volumeID"].as_str().unwrap();
+    let mount = create("slotted", r#"[{"name":"data","path":"/data"}]"#, "");
+    node.manager
+        .store()
+        .put_sandbox(&mounting(
+            record("holder", now_ms(), SandboxState::Paused, "x"),
+            id,
+            false,
+        ))
+        .unwrap();
+    let a = node
+        .refuses("POST", "/v2/sandboxes", &mount, StatusCode::CONFLICT)
+        .await;
+    assert!(
+        a.json["message"].as_str().unwrap().contains("holder"),
+        "{}",
+        a.json
+    );
+    // A fork child's copy of it leaves it free.
+    node.manager.store().remove_sandbox("holder").unwrap();
+    node.manager
+        .store()
+        .put_sandbox(&mounting(
+            record("child", now_ms(), SandboxState::Running, "x"),
+            id,
+            true,
+        ))
+        .unwrap();
+    // Past the checks: it fails at the template's files (this node has none).
+    let a = node.authed("POST", "/v2/sandboxes", &mount).await;
+    assert_error(&a, StatusCode::INTERNAL_SERVER_ERROR);
+    // Nothing of the failed create stays to hold the volume.
+    let holders: Vec<String> = node
+        .manager
+        .list()
+        .unwrap()
+        .into_iter()
+        .filter(|s| !s.volume_mounts.is_empty())
+        .map(|s| s.id)
+        .collect();
+    assert_eq!(holders, ["child"]);
+}
+
+/// Until snapshots, paused forks and cold boots carry volumes, a sandbox
+/// that mounts one refuses what would lose or split it (409 saying so).
+#[tokio::test]
+async fn a_sandbox_with_volumes_refuses_what_would_lose_them() {
+    let running = mounting(
+        record("run", now_ms(), SandboxState::Running, "x"),
+        "v1",
+        false,
+    );
+    let paused = mounting(
+        record("held", now_ms(), SandboxState::Paused, "x"),
+        "v2",
+        false,
+    );
+    let node = node(&[running, paused]);
+    for (path, body) in [
+        ("/sandboxes/run/snapshots", "{}"),
+        ("/sandboxes/run/pause", r#"{"memory":false}"#),
+        ("/sandboxes/held/fork", r#"{"count":1}"#),
+        // Paused without memory (a record made so): only a cold boot resumes it.
+        ("/sandboxes/held/connect", r#"{"timeout":60}"#),
+    ] {
+        let a = node.refuses("POST", path, body, StatusCode::CONFLICT).await;
+        assert!(
+            a.json["message"]
+                .as_str()
+                .unwrap()
+                .contains("mounting volumes"),
+            "{path}: {}",
+            a.json
+        );
+    }
+    assert_eq!(
+        node.manager.get("run").unwrap().state,
+        SandboxState::Running
+    );
+    assert_eq!(
+        node.manager.get("held").unwrap().state,
+        SandboxState::Paused
+    );
 }

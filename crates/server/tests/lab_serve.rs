@@ -247,6 +247,7 @@ async fn create_run_read_list_kill_through_one_port() {
     let health = http(addr, "GET", "/health", &routing, "").await;
     assert_eq!(health.status, 502);
 
+    volumes_outlive_their_sandboxes(addr, &auth, data.path()).await;
     let snap_id = snapshot_create_from_it_and_delete(addr, &auth, data.path(), &id2, &token2).await;
 
     // Everything is gone: what forks and the snapshot kept is garbage now.
@@ -268,6 +269,126 @@ async fn create_run_read_list_kill_through_one_port() {
         let left: Vec<_> = std::fs::read_dir(data.path().join(d)).unwrap().collect();
         assert!(left.is_empty(), "{d}: {left:?}");
     }
+}
+
+/// A volume made through `/volumes` and mounted by a create (E2B's
+/// `volumeMounts`) is an ext4 disk at its path that every user may write;
+/// while mounted, no other create mounts it and no delete removes it. Its
+/// files outlive the sandbox: a second create mounting it reads them, and
+/// keeps them across a memory pause and resume. A fork gives each child its
+/// own copy and leaves the volume with the parent. Deleted once unmounted.
+async fn volumes_outlive_their_sandboxes(
+    addr: std::net::SocketAddr,
+    auth: &[(&str, &str)],
+    data: &std::path::Path,
+) {
+    let made = http(
+        addr,
+        "POST",
+        "/volumes",
+        auth,
+        r#"{"name":"lab-data","sizeMB":256}"#,
+    )
+    .await;
+    assert_eq!(made.status, 201, "{:?}", made.body);
+    let volume = made.json()["volumeID"].as_str().unwrap().to_owned();
+    let mount = json!({
+        "templateID": "base",
+        "timeout": 120,
+        "volumeMounts": [{"name": "lab-data", "path": "/data"}],
+    });
+    let t = Instant::now();
+    let first = common::create(addr, auth, mount.clone()).await;
+    eprintln!("a create mounting a volume answered in {:?}", t.elapsed());
+    let (code, out) = run(
+        addr,
+        &first.routing(),
+        "findmnt -n -o FSTYPE /data && stat -c %a /data && echo kept > /data/f && sync",
+    )
+    .await;
+    assert_eq!((code, out.as_str()), (0, "ext4\n1777\n"));
+    let taken = http(addr, "POST", "/v2/sandboxes", auth, mount.to_string()).await;
+    assert_eq!(taken.status, 409, "{:?}", taken.body);
+    let delete = format!("/volumes/{volume}");
+    let refused = http(addr, "DELETE", &delete, auth, "").await;
+    assert_eq!(refused.status, 409, "{:?}", refused.body);
+    assert_eq!(common::kill(addr, auth, &first.id).await.status, 204);
+
+    let t = Instant::now();
+    let second = common::create(addr, auth, mount.clone()).await;
+    let (code, out) = run(addr, &second.routing(), "cat /data/f").await;
+    assert_eq!((code, out.as_str()), (0, "kept\n"));
+    eprintln!("mounted again and read in {:?}", t.elapsed());
+    let paused = common::on_sandbox(addr, auth, &second.id, "pause").await;
+    assert_eq!(paused.status, 204, "{:?}", paused.body);
+    let resumed = http(
+        addr,
+        "POST",
+        &format!("/sandboxes/{}/connect", second.id),
+        auth,
+        r#"{"timeout":60}"#,
+    )
+    .await;
+    assert_eq!(resumed.status, 201, "{:?}", resumed.body);
+    let (code, out) = run(
+        addr,
+        &second.routing(),
+        "echo more >> /data/f && sync && cat /data/f",
+    )
+    .await;
+    assert_eq!((code, out.as_str()), (0, "kept\nmore\n"));
+
+    // A fork: each child gets its own copy of the volume as it was, the
+    // parent keeps the volume itself.
+    let t = Instant::now();
+    let forked = http(
+        addr,
+        "POST",
+        &format!("/sandboxes/{}/fork", second.id),
+        auth,
+        r#"{"count":2,"timeout":60}"#,
+    )
+    .await;
+    let children = common::forked(forked);
+    eprintln!("fork of 2 with a volume answered in {:?}", t.elapsed());
+    for (i, child) in children.iter().enumerate() {
+        let (code, out) = run(
+            addr,
+            &child.routing(),
+            &format!("cat /data/f && echo child{i} > /data/f && sync"),
+        )
+        .await;
+        assert_eq!((code, out.as_str()), (0, "kept\nmore\n"));
+    }
+    for (i, child) in children.iter().enumerate() {
+        let (_, out) = run(addr, &child.routing(), "cat /data/f").await;
+        assert_eq!(out, format!("child{i}\n"));
+    }
+    let (code, out) = run(
+        addr,
+        &second.routing(),
+        "cat /data/f && echo parent >> /data/f && sync",
+    )
+    .await;
+    assert_eq!((code, out.as_str()), (0, "kept\nmore\n"));
+    // A child's kill leaves the volume; after the parent's, the next create
+    // mounts the volume with the parent's writes. A child's copy stacks on
+    // the volume's files: no delete while one lives.
+    assert_eq!(common::kill(addr, auth, &children[0].id).await.status, 204);
+    assert_eq!(common::kill(addr, auth, &second.id).await.status, 204);
+    let refused = http(addr, "DELETE", &delete, auth, "").await;
+    assert_eq!(refused.status, 409, "{:?}", refused.body);
+    let third = common::create(addr, auth, mount).await;
+    let (code, out) = run(addr, &third.routing(), "cat /data/f").await;
+    assert_eq!((code, out.as_str()), (0, "kept\nmore\nparent\n"));
+    let (_, out) = run(addr, &children[1].routing(), "cat /data/f").await;
+    assert_eq!(out, "child1\n");
+    for id in [&children[1].id, &third.id] {
+        assert_eq!(common::kill(addr, auth, id).await.status, 204);
+    }
+    let deleted = http(addr, "DELETE", &delete, auth, "").await;
+    assert_eq!(deleted.status, 204, "{:?}", deleted.body);
+    assert!(!data.join("volumes").join(&volume).exists());
 }
 
 /// E2B's pause with `memory: false`: the disk stays, memory does not, and

@@ -36,13 +36,15 @@ impl Default for JailConfig {
 
 /// The directories under the data dir a VMM works in (created at start):
 /// sandboxes' layers and pauses, templates and snapshots, forks' files,
-/// resumed pauses fetched from the cluster. Not the store or the API key.
-pub fn data_dirs(config: &Config) -> [PathBuf; 4] {
+/// resumed pauses fetched from the cluster, volumes' disks. Not the store
+/// or the API key.
+pub fn data_dirs(config: &Config) -> [PathBuf; 5] {
     [
         config.sandboxes_dir(),
         config.templates_dir(),
         config.data_dir.join("forks"),
         config.cluster_cache_dir(),
+        config.volumes_dir(),
     ]
 }
 

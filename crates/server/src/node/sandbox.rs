@@ -22,6 +22,7 @@ use crate::node::net::SandboxNetwork;
 use crate::node::pool::Pool;
 use crate::node::store::{
     PauseReason, PausedSnapshot, SandboxRecord, SandboxState, Store, StoreError, TemplateRecord,
+    VolumeMount,
 };
 use crate::node::volume;
 
@@ -152,6 +153,9 @@ pub enum SandboxError {
     Network(#[from] crate::node::net::NetError),
     #[error("the sandbox's cgroup: {0}")]
     Cgroup(#[from] cgroup::Error),
+    /// A volume it mounts or would mount (unknown, in use, ...).
+    #[error(transparent)]
+    Volume(#[from] volume::VolumeError),
 }
 
 impl From<LaunchError> for SandboxError {
@@ -232,6 +236,8 @@ pub struct CreateParams {
     pub network: SandboxNetwork,
     /// The team it belongs to (None: the default team).
     pub team: Option<String>,
+    /// Volumes of the team to mount, by name (E2B's `volumeMounts`).
+    pub volume_mounts: Vec<crate::wire::SandboxVolumeMount>,
 }
 
 /// What a pause keeps (E2B's pause `memory` and `autoPauseMemory`).
@@ -724,16 +730,24 @@ impl Manager {
     ) -> Result<SandboxRecord, SandboxError> {
         let _busy = self.activity.read().await;
         let (template, _pin) = self.pin_template(&params.template_id)?;
+        let team = crate::node::tenants::team_or_default(params.team.as_deref());
+        // Held until the record names its volumes, so that no other create
+        // takes them and no delete removes them meanwhile.
+        let _mounting = match params.volume_mounts.is_empty() {
+            true => None,
+            false => Some(self.volume_changes.lock().await),
+        };
+        let mounts = self.mounts_for(team, &template, &params)?;
         // Held before the slow restore; given back if the create fails.
         let hold = self.capacity.reserve_for(
             Ask::sandbox(u64::from(template.vcpus), template.mem_mib),
             "a sandbox",
-            Some(crate::node::tenants::team_or_default(
-                params.team.as_deref(),
-            )),
+            Some(team),
         )?;
         let id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
-        let r = self.create_inner(&id, &template, params, hold).await;
+        let r = self
+            .create_inner(&id, &template, params, &mounts, hold)
+            .await;
         match &r {
             Ok(_) => self.record_working_set(&template, &id),
             Err(_) => {
@@ -743,11 +757,15 @@ impl Manager {
         r
     }
 
+    /// Creates sandbox `id` from `template` with `mounts` (resolved by
+    /// [`Manager::mounts_for`]) in its slots, mounted in the guest before it
+    /// is answered.
     async fn create_inner(
         &self,
         id: &str,
         template: &TemplateRecord,
         params: CreateParams,
+        mounts: &[VolumeMount],
         hold: Reservation,
     ) -> Result<SandboxRecord, SandboxError> {
         if template.net_abi.is_some() && self.pool.net().is_none() {
@@ -773,6 +791,7 @@ impl Manager {
             &template.mem,
             &root,
             working_set::file_of(template),
+            mounts,
         );
 
         let access_token = if params.secure {
@@ -786,6 +805,14 @@ impl Manager {
         let mut init = AgentInit::after_restore()?;
         init.access_token = access_token.clone().map(String::from);
         init.env_vars = Some(env_vars.clone());
+        // Its volumes' files are its disk's too: its jail is handed them,
+        // and the collector keeps them while it exists.
+        let uses_dirs: Vec<PathBuf> = template
+            .uses_dirs
+            .iter()
+            .cloned()
+            .chain(self.volume_dirs(mounts)?)
+            .collect();
         let plan = Plan {
             guest: Guest::Restore(restore),
             // A snapshot's agent still holds its source's token until this init.
@@ -796,12 +823,7 @@ impl Manager {
             hold,
             timeout: AGENT_TIMEOUT,
             egress: params.network.policy.clone(),
-            lineage: self.lineage(
-                &dir,
-                &template.uses_dirs,
-                &template.uses_snapshots,
-                &template.id,
-            ),
+            lineage: self.lineage(&dir, &uses_dirs, &template.uses_snapshots, &template.id),
         };
 
         let ingress = params.network.ingress.clone();
@@ -835,57 +857,71 @@ impl Manager {
                 root_layer: None,
                 has_dependents: false,
                 uses_snapshots,
-                uses_dirs: template
-                    .uses_dirs
-                    .iter()
-                    .cloned()
-                    .chain([dir.clone()])
-                    .collect(),
+                uses_dirs: uses_dirs.iter().cloned().chain([dir.clone()]).collect(),
                 vmm_dir: Some(launched.vm.dir().to_owned()),
                 network: params.network,
                 pause_reason: None,
                 team: crate::node::tenants::stored_team(params.team.as_deref()),
                 cpu_template: template.cpu_template.clone(),
-                // Mounts come with `volumeMounts` (not taken yet).
-                volume_mounts: Vec::new(),
+                volume_mounts: mounts.to_vec(),
             }
         };
-        self.start_sandbox(None, plan, record, access_token.clone(), ingress, id)
-            .await
+        let record = self
+            .start_sandbox(None, plan, record, access_token.clone(), ingress, id)
+            .await?;
+        if let Err(e) = self.mount_volumes(&record).await {
+            if let Err(k) = self.kill_unannounced(id).await {
+                tracing::warn!("sandbox {id}: killing it after its volumes failed to mount: {k}");
+            }
+            return Err(e);
+        }
+        Ok(record)
     }
 
-    /// A snapshot restored with `root` as the root disk, and `prefetch`, its
-    /// working set, populated after the load.
+    /// A snapshot restored with `root` as the root disk, `mounts` in their
+    /// slots, and `prefetch`, its working set, populated after the load.
     fn restore_onto(
         &self,
         state: &std::path::Path,
         mem: &std::path::Path,
         root: &std::path::Path,
         prefetch: Option<PathBuf>,
+        mounts: &[VolumeMount],
     ) -> Restore {
-        self.with_slots(Restore {
-            state: state.to_owned(),
-            mem: mem.to_owned(),
-            drives: vec![DriveOverride::new(
-                self.template.root_drive_id.clone(),
-                root.display().to_string(),
-            )],
-            prefetch,
-        })
+        self.with_slots(
+            Restore {
+                state: state.to_owned(),
+                mem: mem.to_owned(),
+                drives: vec![DriveOverride::new(
+                    self.template.root_drive_id.clone(),
+                    root.display().to_string(),
+                )],
+                prefetch,
+            },
+            mounts,
+        )
     }
 
-    /// `restore` with every volume slot it does not name read-only on the
-    /// base template's placeholder ([`volume`]): a template's own may be
-    /// gone (a build's scratch directory) or on another node, and a jailed
-    /// VMM is handed only the disks a restore names. A snapshot without
-    /// slots ignores them.
-    pub(crate) fn with_slots(&self, mut restore: Restore) -> Restore {
+    /// `restore` with `mounts` in their slots and every other volume slot
+    /// it does not name read-only on the base template's placeholder
+    /// ([`volume`]): a template's own may be gone (a build's scratch
+    /// directory) or on another node, and a jailed VMM is handed only the
+    /// disks a restore names. A snapshot without slots ignores them.
+    pub(crate) fn with_slots(&self, mut restore: Restore, mounts: &[VolumeMount]) -> Restore {
+        let attached: Vec<volume::Attached> = mounts
+            .iter()
+            .map(|m| volume::Attached {
+                slot: m.slot,
+                disk: m.disk.clone(),
+                read_only: m.read_only,
+            })
+            .collect();
         let named = |id: &str| restore.drives.iter().any(|d| d.drive_id == id);
-        let unused: Vec<_> = volume::restore_drives(&self.template.dir, volume::SLOTS, &[])
+        let slots: Vec<_> = volume::restore_drives(&self.template.dir, volume::SLOTS, &attached)
             .into_iter()
             .filter(|d| !named(&d.drive_id))
             .collect();
-        restore.drives.extend(unused);
+        restore.drives.extend(slots);
         restore
     }
 
@@ -967,6 +1003,13 @@ impl Manager {
             other => return Err(other.refusal(id)),
         }
         let record = self.get(id)?;
+        if mode == PauseMode::Filesystem && !record.volume_mounts.is_empty() {
+            return Err(SandboxError::Conflict {
+                id: id.to_owned(),
+                state: "mounting volumes: a filesystem-only pause is refused, since its resume \
+                        (a cold boot) does not attach volumes yet; pause it with its memory",
+            });
+        }
         let Some(launched) = guest.as_ref() else {
             return Err(Phase::Gone.refusal(id));
         };
@@ -1002,6 +1045,7 @@ impl Manager {
         // The VMM stays (paused) until the record says paused: a pause that
         // cannot be committed resumes the sandbox instead of stranding it.
         let mut files = vec![self.root_layer(&record), dir.clone()];
+        files.extend(record.volume_mounts.iter().map(|m| m.disk.clone()));
         if let Some(s) = &snapshot {
             files.extend([s.state.clone(), s.mem.clone()]);
         }
@@ -1172,6 +1216,13 @@ impl Manager {
         if restore.is_some() && record.envd_unresponsive_at_pause {
             return Err(SandboxError::AgentUnresponsiveAtPause(id.to_owned()));
         }
+        if restore.is_none() && !record.volume_mounts.is_empty() {
+            return Err(SandboxError::Conflict {
+                id: id.to_owned(),
+                state: "mounting volumes: a resume from its disk alone (a cold boot) does not \
+                        attach volumes yet; resume it with its memory",
+            });
+        }
         sandbox.set_phase(Phase::Resuming)?;
         let restored = async {
             let hold = self.capacity.reserve_for(
@@ -1187,6 +1238,7 @@ impl Manager {
                         &snapshot.mem,
                         &root,
                         None,
+                        &record.volume_mounts,
                     )),
                     ready: Ready::Init {
                         init: Box::new(AgentInit::after_restore()?),

@@ -219,6 +219,12 @@ pub struct VolumeMount {
     pub read_only: bool,
     /// The disk layer the slot is restored on.
     pub disk: PathBuf,
+    /// A fork child's own copy of the volume (its layer over the volume's
+    /// as it was at the fork), not the volume: it leaves the volume free to
+    /// mount, but a delete of the volume waits for it (its layer stacks on
+    /// the volume's files).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub copy: bool,
 }
 
 impl SandboxRecord {

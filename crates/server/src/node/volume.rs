@@ -66,6 +66,11 @@ pub struct VolumeRecord {
     pub dir: PathBuf,
     /// Its disk's writable top layer, which a sandbox's slot is restored on.
     pub disk: PathBuf,
+    /// Directories besides `dir` holding layers of its disk (the forks'
+    /// whose parent mounted it: a fork gives the volume a new top layer
+    /// there); the collector keeps them while the volume exists.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub uses_dirs: Vec<PathBuf>,
     /// E2B's token for the volume's content API (not served yet).
     pub token: Token,
     pub created_at_ms: u64,
@@ -84,6 +89,9 @@ pub enum VolumeError {
     NameTaken(String),
     #[error("volume {id} is mounted in sandbox {sandbox}: kill the sandbox first")]
     InUse { id: String, sandbox: String },
+    /// The guest could not mount it (the create is undone).
+    #[error("mounting a volume at {path} in the guest: {detail}")]
+    Mount { path: String, detail: String },
     #[error(transparent)]
     Disk(#[from] DiskError),
     #[error(transparent)]
@@ -116,6 +124,26 @@ pub fn check_name(name: &str) -> Result<(), VolumeError> {
              starting with a letter or digit"
         )
     }))
+}
+
+/// The longest mount path (Linux's `PATH_MAX`).
+const MAX_PATH: usize = 4096;
+
+/// Checks where a guest mounts a volume: an absolute path below `/`,
+/// without `.` or `..` parts (the mount script makes what is missing).
+pub fn check_mount_path(path: &str) -> Result<(), VolumeError> {
+    let parts: Vec<&str> = path.split('/').skip(1).collect();
+    let ok = path.starts_with('/')
+        && path.len() <= MAX_PATH
+        && !path.contains('\0')
+        && parts.iter().any(|p| !p.is_empty())
+        && !parts.iter().any(|p| *p == "." || *p == "..");
+    if ok {
+        return Ok(());
+    }
+    Err(VolumeError::Invalid(format!(
+        "volumeMounts: invalid path {path:?}: an absolute path below / without '.' or '..' parts"
+    )))
 }
 
 /// A volume's size in bytes, from the MiB a create asked (none: the
@@ -330,6 +358,19 @@ mod tests {
         let mut magic = [0u8; 2];
         disk.read_at(&mut magic, 1024 + 56).unwrap();
         assert_eq!(u16::from_le_bytes(magic), 0xEF53);
+    }
+
+    #[test]
+    fn mount_paths_are_absolute_and_below_the_root() {
+        for ok in ["/data", "/mnt/vol/", "/home/user/it's here"] {
+            assert!(check_mount_path(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "/", "//", "data", "/a/../etc", "/a/./b", "/a\0b"] {
+            assert!(
+                matches!(check_mount_path(bad), Err(VolumeError::Invalid(_))),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]

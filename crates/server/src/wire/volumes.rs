@@ -1,6 +1,6 @@
-//! E2B's volumes: `POST /volumes` ([`NewVolume`]), and the answers
-//! [`Volume`] (`GET /volumes`) and [`VolumeAndToken`] (a create, `GET
-//! /volumes/{id}`).
+//! E2B's volumes: `POST /volumes` ([`NewVolume`]), the answers [`Volume`]
+//! (`GET /volumes`) and [`VolumeAndToken`] (a create, `GET /volumes/{id}`),
+//! and a sandbox create's `volumeMounts` ([`SandboxVolumeMount`]).
 
 use serde::{Deserialize, Serialize};
 
@@ -34,4 +34,14 @@ pub struct VolumeAndToken {
     #[serde(flatten)]
     pub volume: Volume,
     pub token: String,
+}
+
+/// E2B's `SandboxVolumeMount`, an item of a create's `volumeMounts` (the
+/// SDKs send a volume by its name) and of a detail's.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxVolumeMount {
+    /// The volume's name, in the caller's team.
+    pub name: String,
+    /// Where the guest mounts it (absolute).
+    pub path: String,
 }

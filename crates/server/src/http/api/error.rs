@@ -166,6 +166,7 @@ impl From<SandboxError> for ApiError {
         match e {
             SandboxError::TeamLimit(message) => return ApiError::team_limit(message),
             SandboxError::Denied(denial) => return denial.into(),
+            SandboxError::Volume(e) => return e.into(),
             _ => {}
         }
         let status = match &e {
@@ -270,7 +271,10 @@ impl From<VolumeError> for ApiError {
             VolumeError::NotFound(_) => StatusCode::NOT_FOUND,
             VolumeError::NameTaken(_) | VolumeError::InUse { .. } => StatusCode::CONFLICT,
             VolumeError::Disk(crate::node::volume::DiskError::Size(_)) => StatusCode::BAD_REQUEST,
-            VolumeError::Disk(_) | VolumeError::Store(_) | VolumeError::Io { .. } => {
+            VolumeError::Disk(_)
+            | VolumeError::Store(_)
+            | VolumeError::Io { .. }
+            | VolumeError::Mount { .. } => {
                 tracing::error!("volumes: {e}");
                 StatusCode::INTERNAL_SERVER_ERROR
             }

@@ -171,9 +171,11 @@ struct NewSandbox {
     #[serde(rename = "autoResume")]
     auto_resume: Option<AutoResume>,
     iam: Option<Iam>,
-    #[serde(rename = "volumeMounts")]
-    volume_mounts: Option<Vec<VolumeMount>>,
     mcp: Option<serde_json::Value>,
+    /// Volumes of the caller's team (by name) and where the guest mounts
+    /// them.
+    #[serde(rename = "volumeMounts")]
+    volume_mounts: Option<Vec<wire::SandboxVolumeMount>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -196,11 +198,6 @@ struct IamToken {
     _token_type: String,
 }
 
-#[derive(Debug, Deserialize)]
-struct VolumeMount {
-    name: String,
-}
-
 impl NewSandbox {
     /// A 400 naming the field for what E2B offers and this node does not,
     /// when asked for: a client must not believe it has it. Absent, empty
@@ -216,13 +213,6 @@ impl NewSandbox {
             return Err(ApiError::bad_request(format!(
                 "iam.tokens ({name}): workload identity is not available on this node \
                  (it issues no workload tokens)"
-            )));
-        }
-        if let Some(v) = self.volume_mounts.as_ref().and_then(|v| v.first()) {
-            return Err(ApiError::bad_request(format!(
-                "volumeMounts ({}): mounting volumes in sandboxes is not available on this \
-                 node yet (its /volumes routes are)",
-                v.name
             )));
         }
         if self.mcp.as_ref().is_some_and(|m| !m.is_null()) {
@@ -344,6 +334,7 @@ async fn create_now(
         auto_pause_memory: req.auto_pause_memory.unwrap_or(true),
         network,
         team: caller.stored_team(),
+        volume_mounts: req.volume_mounts.unwrap_or_default(),
     };
     let ends_now = params.timeout.is_zero();
     // The code interpreter is built on its first create.

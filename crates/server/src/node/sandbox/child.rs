@@ -14,7 +14,7 @@ use crate::node::clock::now_ms;
 use crate::node::ids;
 use crate::node::launch::{Guest, Launched, Plan, Ready, Taken};
 use crate::node::net::SandboxNetwork;
-use crate::node::store::{SandboxRecord, SandboxState};
+use crate::node::store::{SandboxRecord, SandboxState, VolumeMount};
 
 /// Where a child's guest comes from.
 #[derive(Debug)]
@@ -26,6 +26,9 @@ pub(super) struct ChildGuest {
     pub root_layer: Option<PathBuf>,
     /// A VMM already started for it (from the pool), or None for a new one.
     pub vmm: Option<Taken>,
+    /// Its copies of the parent's volumes, in the slots the guest mounted
+    /// them in (on the child's own layers).
+    pub volume_mounts: Vec<VolumeMount>,
 }
 
 impl Manager {
@@ -76,7 +79,7 @@ impl Manager {
                     &parent.template_id,
                 ),
             };
-            let root_layer = from.root_layer;
+            let (root_layer, volume_mounts) = (from.root_layer, from.volume_mounts);
             let record = |launched: &Launched| {
                 let started = now_ms();
                 SandboxRecord {
@@ -102,6 +105,7 @@ impl Manager {
                         .collect(),
                     vmm_dir: Some(launched.vm.dir().to_owned()),
                     network,
+                    volume_mounts,
                     // ...as its `uses_snapshots` do.
                     ..parent.clone()
                 }

@@ -15,7 +15,8 @@ use super::{Manager, SandboxError, io};
 use crate::node::capacity::{Ask, Reservation};
 use crate::node::ids;
 use crate::node::launch::{Guest, Taken};
-use crate::node::store::SandboxRecord;
+use crate::node::store::{SandboxRecord, VolumeMount};
+use crate::node::volume;
 
 /// The layer a fork answer says drive `drive` of the forked VM writes to now.
 pub(super) fn new_layer(info: &ForkInfo, drive: &str) -> Result<PathBuf, SandboxError> {
@@ -137,6 +138,14 @@ impl Manager {
             return Err(sandbox.phase().refusal(id));
         }
         let parent = self.get(id)?;
+        // A fork moves the parent's volumes onto new layers: no create or
+        // delete of them meanwhile. Their children's copies stack on the
+        // volumes' files, which are this node's: all are made here.
+        let _volumes = match parent.volume_mounts.is_empty() {
+            true => None,
+            false => Some(self.volume_changes.lock().await),
+        };
+        let elsewhere = elsewhere.filter(|_| parent.volume_mounts.is_empty());
         // All children or none on one node: they come from one freeze of
         // the parent, and a caller asking for N should not get fewer that
         // happened to fit. In a cluster, those that do not fit go to other
@@ -203,14 +212,26 @@ impl Manager {
             // The parent now writes to its new layer and its old one is
             // sealed under every child: its directory must outlive it.
             let parent_root = new_layer(&info, &self.template.root_drive_id)?;
+            // Its volumes too: each volume is on the parent's new layer
+            // from now on (the children's are copies).
+            let mounts = parent
+                .volume_mounts
+                .iter()
+                .map(|m| {
+                    let disk = new_layer(&info, &volume::slot_drive(m.slot))?;
+                    Ok(VolumeMount { disk, ..m.clone() })
+                })
+                .collect::<Result<Vec<_>, SandboxError>>()?;
             let parent = self
                 .store
                 .update_sandbox(id, |s| {
                     s.root_layer = Some(parent_root);
                     s.has_dependents = true;
                     s.uses_dirs.push(fork_dir.clone());
+                    s.volume_mounts = mounts.clone();
                 })?
                 .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
+            self.volumes_moved(&mounts, &fork_dir)?;
             Ok((info, parent))
         });
         let (info, parent) = match recorded {
@@ -322,9 +343,32 @@ impl Manager {
         let restore = Restore::fork_child(info, index).ok_or_else(|| {
             SandboxError::Invalid(format!("the VMM's fork answer has no child {index}"))
         })?;
+        // Its volumes' copies: the layers the VMM made for their slots.
+        let volume_mounts = parent
+            .volume_mounts
+            .iter()
+            .map(|m| {
+                let slot = volume::slot_drive(m.slot);
+                let disk = restore
+                    .drives
+                    .iter()
+                    .find(|d| d.drive_id == slot)
+                    .map(|d| PathBuf::from(&d.path_on_host))
+                    .ok_or_else(|| {
+                        SandboxError::Invalid(format!(
+                            "the VMM's fork answer names no layer of child {index} for {slot}"
+                        ))
+                    })?;
+                Ok(VolumeMount {
+                    disk,
+                    copy: true,
+                    ..m.clone()
+                })
+            })
+            .collect::<Result<Vec<_>, SandboxError>>()?;
         // Its read-only slots are not in the answer (a fork branches only
         // writable disks).
-        let restore = self.with_slots(restore);
+        let restore = self.with_slots(restore, &[]);
         let id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
         let dir = self.sandbox_dir(&id);
         std::fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
@@ -338,6 +382,7 @@ impl Manager {
             guest: Guest::Restore(restore),
             root_layer,
             vmm: Some(vmm),
+            volume_mounts,
         };
         self.start_child(parent, &id, &dir, from, timeout, hold)
             .await

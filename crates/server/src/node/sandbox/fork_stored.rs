@@ -25,7 +25,7 @@ use crate::node::capacity::{Ask, Reservation};
 use crate::node::ids;
 use crate::node::launch::Guest;
 use crate::node::net::SandboxNetwork;
-use crate::node::store::{PausedSnapshot, SandboxRecord};
+use crate::node::store::{PausedSnapshot, SandboxRecord, VolumeMount};
 
 /// One result per child, in order, as a running sandbox's fork answers.
 pub type ForkResults = Vec<Result<SandboxRecord, SandboxError>>;
@@ -168,8 +168,9 @@ impl Manager {
                         let _ = std::fs::remove_dir_all(&dir);
                         return Err(e);
                     }
+                    // Never volumes: a parent with volumes forks on its own node.
                     manager
-                        .paused_child(&parent, &snapshot, child_id, top, timeout, hold)
+                        .paused_child(&parent, &snapshot, child_id, top, Vec::new(), timeout, hold)
                         .await
                 }
                 .await;
@@ -225,6 +226,11 @@ impl Manager {
             other => return Err(other.refusal(id)),
         }
         let parent = self.get(id)?;
+        Manager::refuse_mounted(
+            &parent,
+            "mounting volumes: a fork of a paused sandbox does not copy volumes yet; resume it \
+             to fork it",
+        )?;
         let Some(snapshot) = parent.snapshot.clone() else {
             return Err(SandboxError::Conflict {
                 id: id.to_owned(),
@@ -320,7 +326,7 @@ impl Manager {
             let hold = slots.split(child);
             tasks.spawn(async move {
                 let r = manager
-                    .paused_child(&parent, &snapshot, child_id, top, timeout, hold)
+                    .paused_child(&parent, &snapshot, child_id, top, Vec::new(), timeout, hold)
                     .await;
                 (index, r)
             });
@@ -329,20 +335,30 @@ impl Manager {
     }
 
     /// Starts one child of a paused sandbox from its pause snapshot, on the
-    /// child's own top layer (already made, in its directory).
+    /// child's own top layer (already made, in its directory) and with
+    /// `volume_mounts`, its copies of the parent's volumes.
+    #[allow(clippy::too_many_arguments, reason = "one child's parts, each once")]
     async fn paused_child(
         &self,
         parent: &SandboxRecord,
         snapshot: &PausedSnapshot,
         id: String,
         root: PathBuf,
+        volume_mounts: Vec<VolumeMount>,
         timeout: Duration,
         hold: Reservation,
     ) -> Result<SandboxRecord, SandboxError> {
         let from = ChildGuest {
-            guest: Guest::Restore(self.restore_onto(&snapshot.state, &snapshot.mem, &root, None)),
+            guest: Guest::Restore(self.restore_onto(
+                &snapshot.state,
+                &snapshot.mem,
+                &root,
+                None,
+                &volume_mounts,
+            )),
             root_layer: None,
             vmm: None,
+            volume_mounts,
         };
         let dir = self.sandbox_dir(&id);
         self.start_child(parent, &id, &dir, from, timeout, hold)
@@ -430,7 +446,9 @@ impl Manager {
                         ..CreateParams::default()
                     };
                     let id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;
-                    let r = manager.create_inner(&id, &template, create, hold).await;
+                    let r = manager
+                        .create_inner(&id, &template, create, &[], hold)
+                        .await;
                     if r.is_err() {
                         let _ = std::fs::remove_dir_all(manager.sandbox_dir(&id));
                     }

@@ -249,14 +249,24 @@ impl Manager {
                 ..GcStats::default()
             });
         }
+        // A volume's layers outlive the sandboxes that wrote them (a
+        // fork's parent leaves the volume on a layer in the fork's directory).
+        let volumes = self.store.volumes()?;
         let used: BTreeSet<PathBuf> = sandboxes
             .iter()
             .flat_map(|s| s.uses_dirs.iter())
             .chain(templates.iter().flat_map(|t| t.uses_dirs.iter()))
+            .chain(volumes.iter().flat_map(|v| v.uses_dirs.iter()))
             .cloned()
             .collect();
         let mut tops: Vec<PathBuf> = sandboxes.iter().map(|s| self.root_layer(s)).collect();
         tops.extend(templates.iter().map(|t| t.root_layer.clone()));
+        tops.extend(
+            sandboxes
+                .iter()
+                .flat_map(|s| s.volume_mounts.iter().map(|m| m.disk.clone())),
+        );
+        tops.extend(volumes.iter().map(|v| v.disk.clone()));
         let cache = self.config.cluster_cache_dir();
         let cache_max = self
             .config

@@ -72,6 +72,7 @@ impl Manager {
                 &template.mem,
                 &root,
                 working_set::file_of(&template),
+                &record.volume_mounts,
             )),
             // The checkpoint's agent holds the sandbox's own token.
             ready: Ready::Init {

@@ -185,6 +185,11 @@ impl Manager {
                 state: "paused",
             });
         }
+        Manager::refuse_mounted(
+            &source,
+            "mounting volumes: a snapshot does not keep volumes yet (its sandboxes would start \
+             without them)",
+        )?;
         let sandbox = self.sandbox(id)?;
         let Ok(guest) = sandbox.guest.try_lock() else {
             return Err(live::busy(id));

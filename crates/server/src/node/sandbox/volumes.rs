@@ -1,13 +1,20 @@
-//! Volumes' records: made, read and removed for a team (see
+//! Volumes' records: made, read and removed for a team; and the mounts of a
+//! sandbox: resolved for its create and mounted in its guest (see
 //! [`crate::node::volume`] for what a volume is and how it reaches a
 //! sandbox).
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
-use super::Manager;
+use super::live::Phase;
+use super::{CreateParams, Manager, SandboxError};
 use crate::node::clock::now_ms;
 use crate::node::ids;
+use crate::node::store::{SandboxRecord, TemplateRecord, VolumeMount};
 use crate::node::volume::{self, VolumeError, VolumeRecord};
+
+/// How long the guest may take to mount one volume.
+const MOUNT_TIMEOUT: Duration = Duration::from_secs(60);
 
 fn io(what: String) -> impl FnOnce(std::io::Error) -> VolumeError {
     move |source| VolumeError::Io { what, source }
@@ -50,6 +57,7 @@ impl Manager {
             size_mb: bytes >> 20,
             dir,
             disk,
+            uses_dirs: Vec::new(),
             token,
             created_at_ms: now_ms(),
         };
@@ -97,7 +105,7 @@ impl Manager {
         Ok(())
     }
 
-    /// The sandboxes whose records mount volume `id`.
+    /// The sandboxes whose records mount volume `id`, or a copy of it.
     fn volume_users(&self, id: &str) -> Result<Vec<String>, VolumeError> {
         Ok(self
             .store
@@ -106,6 +114,169 @@ impl Manager {
             .filter(|s| s.volume_mounts.iter().any(|m| m.volume_id == id))
             .map(|s| s.id)
             .collect())
+    }
+
+    /// The mounts `params` asks for on `template`, for `team`: each a
+    /// volume of the team by name, in the slots in order. Refused (400)
+    /// what cannot be mounted as asked, and (409) a volume another sandbox
+    /// mounts: a layered disk has one writer. Called under
+    /// `volume_changes`, held until the create's record names them.
+    pub(super) fn mounts_for(
+        &self,
+        team: &str,
+        template: &TemplateRecord,
+        params: &CreateParams,
+    ) -> Result<Vec<VolumeMount>, SandboxError> {
+        let asked = &params.volume_mounts;
+        if asked.is_empty() {
+            return Ok(Vec::new());
+        }
+        let invalid = |m: String| Err(VolumeError::Invalid(m).into());
+        if !params.auto_pause_memory {
+            return invalid(
+                "autoPauseMemory: false with volumeMounts: the resume of a filesystem-only \
+                 pause (a cold boot) does not attach volumes yet"
+                    .into(),
+            );
+        }
+        if template.volume_slots == 0 {
+            return invalid(format!(
+                "volumeMounts: template {} was built before volumes and has no slots for \
+                 them; rebuild it",
+                template.id
+            ));
+        }
+        if asked.len() > template.volume_slots {
+            return invalid(format!(
+                "volumeMounts: at most {} volumes in a sandbox of template {}, not {}",
+                template.volume_slots,
+                template.id,
+                asked.len()
+            ));
+        }
+        let volumes = self.store.volumes()?;
+        let sandboxes = self.store.sandboxes()?;
+        let mut mounts: Vec<VolumeMount> = Vec::with_capacity(asked.len());
+        for (slot, m) in asked.iter().enumerate() {
+            volume::check_mount_path(&m.path)?;
+            let Some(v) = volumes.iter().find(|v| v.team == team && v.name == m.name) else {
+                return invalid(format!(
+                    "volumeMounts: no volume named {:?} (make it with POST /volumes)",
+                    m.name
+                ));
+            };
+            if mounts.iter().any(|other| other.volume_id == v.id) {
+                return invalid(format!("volumeMounts: volume {:?} named twice", m.name));
+            }
+            let path = m.path.trim_end_matches('/');
+            if mounts.iter().any(|other| other.path == path) {
+                return invalid(format!("volumeMounts: two volumes at {path}"));
+            }
+            let user = sandboxes.iter().find(|s| {
+                s.volume_mounts
+                    .iter()
+                    .any(|other| other.volume_id == v.id && !other.copy)
+            });
+            if let Some(user) = user {
+                return Err(VolumeError::InUse {
+                    id: v.id.clone(),
+                    sandbox: user.id.clone(),
+                }
+                .into());
+            }
+            mounts.push(VolumeMount {
+                volume_id: v.id.clone(),
+                slot,
+                path: path.to_owned(),
+                read_only: false,
+                disk: v.disk.clone(),
+                copy: false,
+            });
+        }
+        Ok(mounts)
+    }
+
+    /// After a fork into `fork_dir` of a sandbox whose mounts are now
+    /// `mounts`: each volume (not a copy) is on its new layer there, which
+    /// the next sandbox to mount it writes, and keeps that directory.
+    pub(super) fn volumes_moved(
+        &self,
+        mounts: &[VolumeMount],
+        fork_dir: &Path,
+    ) -> Result<(), SandboxError> {
+        for m in mounts.iter().filter(|m| !m.copy) {
+            let mut v = self
+                .store
+                .volume(&m.volume_id)?
+                .ok_or_else(|| VolumeError::NotFound(m.volume_id.clone()))?;
+            v.disk = m.disk.clone();
+            if !v.uses_dirs.iter().any(|d| d == fork_dir) {
+                v.uses_dirs.push(fork_dir.to_owned());
+            }
+            self.store.put_volume(&v)?;
+        }
+        Ok(())
+    }
+
+    /// Refuses (409) a change of `record`'s sandbox that would lose or
+    /// split the volumes it mounts: `state` says which and why.
+    pub(super) fn refuse_mounted(
+        record: &SandboxRecord,
+        state: &'static str,
+    ) -> Result<(), SandboxError> {
+        if record.volume_mounts.is_empty() {
+            return Ok(());
+        }
+        Err(SandboxError::Conflict {
+            id: record.id.clone(),
+            state,
+        })
+    }
+
+    /// The directories holding the disks of `mounts`' volumes (their own
+    /// and the forks' that gave them new layers): a sandbox mounting them
+    /// stacks on these.
+    pub(super) fn volume_dirs(&self, mounts: &[VolumeMount]) -> Result<Vec<PathBuf>, SandboxError> {
+        let mut dirs = Vec::new();
+        for m in mounts {
+            let v = self
+                .store
+                .volume(&m.volume_id)?
+                .ok_or_else(|| VolumeError::NotFound(m.volume_id.clone()))?;
+            dirs.push(v.dir);
+            dirs.extend(v.uses_dirs);
+        }
+        Ok(dirs)
+    }
+
+    /// Mounts `record`'s volumes in its running guest, as root through its
+    /// agent ([`volume::mount_script`]).
+    pub(super) async fn mount_volumes(&self, record: &SandboxRecord) -> Result<(), SandboxError> {
+        if record.volume_mounts.is_empty() {
+            return Ok(());
+        }
+        let sandbox = self.sandbox(&record.id)?;
+        let guest = sandbox.guest.lock().await;
+        let Some(launched) = guest.as_ref() else {
+            return Err(Phase::Gone.refusal(&record.id));
+        };
+        let agent = launched
+            .vm
+            .agent()
+            .with_access_token(record.access_token.as_deref())
+            .with_timeout(MOUNT_TIMEOUT);
+        for m in &record.volume_mounts {
+            let script = volume::mount_script(m.slot, &m.path, m.read_only);
+            let out = agent.run_argv("/bin/sh", &["-c", &script]).await?;
+            if out.exit_code != 0 {
+                return Err(VolumeError::Mount {
+                    path: m.path.clone(),
+                    detail: format!("exit {}: {}", out.exit_code, out.stderr.trim()),
+                }
+                .into());
+            }
+        }
+        Ok(())
     }
 
     /// Removes what is under the node's `volumes/` without a record (a

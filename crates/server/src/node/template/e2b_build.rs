@@ -966,6 +966,7 @@ impl Templates {
                     )))
                     .ok()
                     .flatten(),
+                volume_mounts: Vec::new(),
             })
             .await
             .map_err(|e| e.to_string())
