@@ -2105,8 +2105,8 @@ async fn template_from_an_oci_image_with_start_and_ready_commands() {
 /// create; above the high watermark a second image is refused (503,
 /// `Retry-After`) while the first one's sandbox runs (in use: kept), and
 /// once it is killed the next refused create evicts the first image's
-/// template, with its root filesystem in the build cache; `GET /v1/node`
-/// counts both.
+/// template, with its layers in the build cache's layer store (no other
+/// template uses them); `GET /v1/node` counts both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "lab: boots microVMs"]
 async fn image_templates_are_evicted_above_the_high_watermark_and_conversions_refused() {
@@ -2168,16 +2168,19 @@ async fn image_templates_are_evicted_above_the_high_watermark_and_conversions_re
         .unwrap()
         .to_owned();
     let dir = data.join("templates").join(&template);
-    let rootfs_entries = || -> Vec<PathBuf> {
-        std::fs::read_dir(cache.join("templates"))
-            .unwrap()
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| p.join("rootfs.ext4").exists())
-            .collect()
+    // The image's root filesystem: its chain of layers in the build cache's
+    // layer store (an empty filesystem, one a registry layer, the finish).
+    let stored_layers = || -> usize {
+        std::fs::read_dir(template_build::layer_store::layers_in(&cache))
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| e.path().extension().is_some_and(|x| x == "layer"))
+                    .count()
+            })
+            .unwrap_or(0)
     };
     assert!(dir.is_dir());
-    assert_eq!(rootfs_entries().len(), 1);
+    assert!(stored_layers() >= 2, "{} stored layers", stored_layers());
 
     // Above the high watermark even once the first image's template is
     // gone: a ballast of the rest, and a margin.
@@ -2214,7 +2217,7 @@ async fn image_templates_are_evicted_above_the_high_watermark_and_conversions_re
     let refused = create_second().await;
     assert_eq!(refused.status, 503, "{:?}", refused.body);
     assert!(!dir.exists(), "the unused image template was kept");
-    assert!(rootfs_entries().is_empty(), "its root filesystem was kept");
+    assert_eq!(stored_layers(), 0, "its stored layers were kept");
     let status = http(addr, "GET", "/v1/node", &auth, "").await.json();
     assert_eq!(images(&status)["templates"], 0, "{status}");
     assert_eq!(images(&status)["evicted"], 1, "{status}");
