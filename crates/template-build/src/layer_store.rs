@@ -32,7 +32,7 @@ use disk_layers::LayeredDisk;
 
 use crate::error::{BuildError, Result};
 use crate::layers::apply_layer;
-use crate::oci::{self, OciImage};
+use crate::oci::OciImage;
 use crate::{
     Builder, ImageConfig, Template, WORK_PREFIX, remove_stale_work, remove_tree, run, scripts,
 };
@@ -181,9 +181,7 @@ impl Builder {
         let store = self.layers_dir();
         fs::create_dir_all(&store)
             .map_err(|e| BuildError::io(format!("creating {}", store.display()), e))?;
-        let agent_sum = oci::hash_file(&self.agent).map_err(|e| {
-            BuildError::io(format!("reading the agent {}", self.agent.display()), e)
-        })?;
+        let agent_sum = self.agent_sum()?;
         let steps = plan(self.layer_disk_size, &image, &agent_sum)?;
         if let Some(done) = stored(&store, &steps, &image.config) {
             log(&format!("image layers cached: {}", done.template.key));

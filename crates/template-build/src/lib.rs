@@ -189,15 +189,19 @@ impl Builder {
         templates_in(&self.cache)
     }
 
+    /// The agent's content hash: part of every template's cache key.
+    pub(crate) fn agent_sum(&self) -> Result<String> {
+        oci::hash_file(&self.agent)
+            .map_err(|e| BuildError::io(format!("reading the agent {}", self.agent.display()), e))
+    }
+
     /// Builds `source` (or finds it in the cache), sending progress lines to
     /// `log`. Concurrent builds of the same template wait for one another.
     pub fn build(&self, source: &Source, log: &mut dyn FnMut(&str)) -> Result<Template> {
         let dir = self.templates_dir();
         fs::create_dir_all(&dir)
             .map_err(|e| BuildError::io(format!("creating {}", dir.display()), e))?;
-        let agent_sum = oci::hash_file(&self.agent).map_err(|e| {
-            BuildError::io(format!("reading the agent {}", self.agent.display()), e)
-        })?;
+        let agent_sum = self.agent_sum()?;
         let scripts = scripts::materialize(&dir)?;
         let common = format!(
             "{FORMAT}\nagent {agent_sum}\nsize {}\nfinish {}\n",
