@@ -589,10 +589,13 @@ def source_bundle(workdir):
 
 def setup_command():
     """The task's setup, in the guest, as its user: the checkout, then the
-    install (into ~/.local, as a plain `pip install` does for a user)."""
+    install (into ~/.local, as a plain `pip install` does for a user). pip
+    retries a reset connection 10 times, not 5: 16 guests installing at once
+    through this lab's TLS-inspecting proxy had one of them reset 5 times in a
+    row (`each` of 16 lost a child to it)."""
     return (
         f"git clone -q /tmp/repo.bundle {GROUP_REPO} && cd {GROUP_REPO} && "
-        f"pip install --quiet {' '.join(GROUP_PACKAGES)}"
+        f"pip install --quiet --retries 10 {' '.join(GROUP_PACKAGES)}"
     )
 
 
