@@ -91,9 +91,11 @@ enum Command {
         #[arg(long, env = "SANDFORK_FIRECRACKER")]
         firecracker: Option<PathBuf>,
         /// Measure only one part: `vmm` (the VMM's figures), `sdk` (the
-        /// node's, through the E2B SDK against `sandfork serve`) or `rl`
+        /// node's, through the E2B SDK against `sandfork serve`), `rl`
         /// (branching a stateful episode N ways at step k: fork vs snapshot
-        /// and creates vs creates and a replay; the `rl` JSON object).
+        /// and creates vs creates and a replay; the `rl` JSON object) or
+        /// `cluster-scale` (etcd and gateways with many node records and
+        /// routes, on this host: no lab, no sandbox).
         #[arg(long, value_enum)]
         only: Option<bench::Part>,
         /// Leave out the E2B SDK figures.
@@ -156,6 +158,13 @@ enum Command {
         /// reference too, where it has them) [default: all].
         #[arg(long, value_enum, value_delimiter = ',', value_name = "LIST")]
         vmm_parts: Vec<bench::VmmPart>,
+        /// `--only cluster-scale`: node records registered.
+        #[arg(long, value_name = "N", default_value_t = 100)]
+        scale_nodes: usize,
+        /// `--only cluster-scale`: route counts to measure at, ascending,
+        /// comma-separated.
+        #[arg(long, value_name = "LIST", default_value = "10000,50000,100000")]
+        scale_routes: String,
     },
     /// Boot, restore, fork and run two VMs at once, many times, each bounded;
     /// count failures and hangs, with diagnostics for each. One JSON object
@@ -337,6 +346,30 @@ fn main() -> ExitCode {
     }
 }
 
+/// `sandfork bench --only cluster-scale`: on this host, whatever its KVM.
+async fn cluster_scale(nodes: usize, routes: &str) -> Result<ExitCode> {
+    let routes = routes
+        .split(',')
+        .map(|r| r.trim().parse::<usize>().ok().filter(|&r| r > 0))
+        .collect::<Option<Vec<_>>>()
+        .filter(|r| r.is_sorted_by(|a, b| a < b))
+        .with_context(|| {
+            format!("--scale-routes takes positive route counts, ascending, not {routes:?}")
+        })?;
+    let exe = std::env::current_exe().context("finding this binary (the gateway)")?;
+    let report = bench::cluster_scale::measure(&bench::cluster_scale::ScaleBench {
+        nodes,
+        routes: &routes,
+        exe: &exe,
+    })
+    .await?;
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(match bench::failed(&report) {
+        true => ExitCode::FAILURE,
+        false => ExitCode::SUCCESS,
+    })
+}
+
 fn run(cli: Cli) -> Result<ExitCode> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -377,7 +410,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
             timeout,
             keep_logs,
             vmm_parts,
+            scale_nodes,
+            scale_routes,
         } => {
+            if only == Some(bench::Part::ClusterScale) {
+                return runtime.block_on(cluster_scale(scale_nodes, &scale_routes));
+            }
             if runs == 0 || sdk_runs == 0 {
                 bail!("--runs and --sdk-runs must be at least 1");
             }

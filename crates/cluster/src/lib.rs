@@ -86,20 +86,60 @@ impl Cluster {
         self.client.clone()
     }
 
-    /// Every key under `prefix` (retried as [`retried`] does).
-    pub(crate) async fn get_prefix(
-        &self,
-        prefix: &str,
-    ) -> Result<etcd_client::GetResponse, etcd_client::Error> {
-        retried(|| {
-            let mut client = self.client();
-            async move {
-                client
-                    .get(prefix, Some(GetOptions::new().with_prefix()))
-                    .await
+    /// Every key under `prefix`, as one read at one revision would give
+    /// them, read in pages of [`PAGE_KEYS`] (each retried as [`retried`]
+    /// does): one answer of a large map would pass the 4 MiB a gRPC answer
+    /// may hold (tonic's default, which etcd-client keeps), and a gateway
+    /// or a node's reconciler reading 50,000 routes at once failed on it.
+    pub(crate) async fn get_prefix(&self, prefix: &str) -> Result<Listed, etcd_client::Error> {
+        self.read_prefix(prefix, true).await
+    }
+
+    /// [`Cluster::get_prefix`] with each page asked once: for a caller that
+    /// must learn at once that etcd cannot answer (a gateway's view falls
+    /// back on its last copy then).
+    pub(crate) async fn get_prefix_once(&self, prefix: &str) -> Result<Listed, etcd_client::Error> {
+        self.read_prefix(prefix, false).await
+    }
+
+    async fn read_prefix(&self, prefix: &str, retry: bool) -> Result<Listed, etcd_client::Error> {
+        let end = prefix_end(prefix.as_bytes());
+        let mut listed = Listed::default();
+        let mut from = prefix.as_bytes().to_vec();
+        loop {
+            let mut options = GetOptions::new()
+                .with_range(end.clone())
+                .with_limit(PAGE_KEYS);
+            if listed.revision > 0 {
+                // The later pages as of the first one's revision.
+                options = options.with_revision(listed.revision);
             }
-        })
-        .await
+            let ask = || {
+                let (mut client, from, options) = (self.client(), from.clone(), options.clone());
+                async move { client.get(from, Some(options)).await }
+            };
+            let mut page = match retry {
+                true => retried(ask).await?,
+                false => ask().await?,
+            };
+            if listed.revision == 0 {
+                listed.revision = page.header().map_or(0, |h| h.revision());
+            }
+            let more = page.more();
+            let kvs = page.take_kvs();
+            match kvs.last() {
+                Some(last) if more => {
+                    // The next page starts just after the last key.
+                    from = last.key().to_vec();
+                    from.push(0);
+                }
+                _ => {
+                    listed.kvs.extend(kvs);
+                    return Ok(listed);
+                }
+            }
+            listed.kvs.extend(kvs);
+        }
     }
 
     /// The registered (lease-alive) nodes.
@@ -148,6 +188,42 @@ impl Cluster {
                 }))
             })
             .collect()
+    }
+}
+
+/// Keys one page of [`Cluster::get_prefix`] asks for: about 0.3 MiB of
+/// routes, well under a gRPC answer's 4 MiB.
+const PAGE_KEYS: i64 = 2_000;
+
+/// What [`Cluster::get_prefix`] read: the keys, in key order, and the
+/// revision they were read at.
+#[derive(Debug, Default)]
+pub(crate) struct Listed {
+    kvs: Vec<etcd_client::KeyValue>,
+    revision: i64,
+}
+
+impl Listed {
+    pub(crate) fn kvs(&self) -> &[etcd_client::KeyValue] {
+        &self.kvs
+    }
+
+    pub(crate) fn revision(&self) -> i64 {
+        self.revision
+    }
+}
+
+/// The end of the range of keys that start with `prefix` (etcd's own rule:
+/// the prefix with its last byte below 0xff raised by one, what follows it
+/// dropped; all keys from `prefix` on when every byte is 0xff).
+fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    match prefix.iter().rposition(|&b| b < 0xff) {
+        Some(i) => {
+            let mut end = prefix[..=i].to_vec();
+            end[i] += 1;
+            end
+        }
+        None => vec![0],
     }
 }
 
@@ -434,4 +510,16 @@ pub(crate) fn decode<T: serde::de::DeserializeOwned>(
         key: String::from_utf8_lossy(key).into_owned(),
         source,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prefix_ends_where_its_last_byte_is_raised() {
+        assert_eq!(prefix_end(b"/sandfork/v1/"), b"/sandfork/v10");
+        assert_eq!(prefix_end(b"a\xff"), b"b");
+        assert_eq!(prefix_end(b"\xff\xff"), vec![0]);
+    }
 }

@@ -113,7 +113,7 @@ impl Cluster {
     /// Every team and key record, and the revision they were read at.
     async fn tenant_records(&self) -> Result<(TenantRecords, i64), ClusterError> {
         let loaded = self.get_prefix(keyspace::TENANTS).await?;
-        let revision = loaded.header().map_or(0, |h| h.revision());
+        let revision = loaded.revision();
         let mut records = TenantRecords::default();
         for kv in loaded.kvs() {
             match change(kv.key(), kv.value()) {

@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use etcd_client::{EventType, GetOptions, KeyValue};
+use etcd_client::{EventType, KeyValue};
 use tokio::task::JoinHandle;
 
 use crate::keyspace::{self, NodeRecord, SandboxRoute};
@@ -115,18 +115,14 @@ async fn keep(cluster: Cluster, state: Arc<RwLock<State>>) {
 
 /// Loads the keyspace, then applies its changes until the watch ends.
 async fn follow(cluster: &Cluster, state: &RwLock<State>) -> Result<(), ClusterError> {
-    let mut client = cluster.client();
-    let loaded = match client
-        .get(keyspace::PREFIX, Some(GetOptions::new().with_prefix()))
-        .await
-    {
+    let loaded = match cluster.get_prefix_once(keyspace::PREFIX).await {
         Ok(loaded) => loaded,
         Err(e) => {
             state.write().unwrap_or_else(|p| p.into_inner()).load_failed = true;
             return Err(e.into());
         }
     };
-    let revision = loaded.header().map_or(0, |h| h.revision());
+    let revision = loaded.revision();
     let mut fresh = State {
         in_step: true,
         ..State::default()

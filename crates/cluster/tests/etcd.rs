@@ -976,3 +976,59 @@ async fn the_view_follows_nodes_and_routes_as_they_change() {
     })
     .await;
 }
+
+/// A map larger than one gRPC answer may hold (4 MiB) is read whole, in
+/// pages at one revision: by the listing, the gateway's view and a node's
+/// reconcile pass (each failed on it at 50,000 routes in the cluster-scale
+/// bench, the view never in step).
+#[tokio::test]
+async fn a_map_past_one_answer_s_size_is_read_in_pages() {
+    use etcd_client::{Txn, TxnOp};
+    use sandfork_cluster::{SandboxRoute, keyspace};
+    // IDs of 64 characters: ~170 bytes a route, 6.5 MiB in all.
+    const ROUTES: usize = 40_000;
+    let etcd = Etcd::start().unwrap();
+    let cluster = connect(&etcd).await;
+    let a = register(&cluster, "a", 1, Duration::from_secs(60)).await;
+    let route = serde_json::to_vec(&SandboxRoute {
+        node_id: "a".into(),
+        incarnation: a.incarnation(),
+        created_at_ms: 1,
+        paused: None,
+        running: None,
+    })
+    .unwrap();
+    let ids: Vec<String> = (0..ROUTES).map(|n| format!("{n:0>64}")).collect();
+    let mut client = etcd_client::Client::connect(etcd.endpoints(), None)
+        .await
+        .unwrap();
+    // etcd's most operations in one transaction.
+    for chunk in ids.chunks(128) {
+        let puts: Vec<TxnOp> = chunk
+            .iter()
+            .map(|id| TxnOp::put(keyspace::sandbox_key(id), route.clone(), None))
+            .collect();
+        client.txn(Txn::new().and_then(puts)).await.unwrap();
+    }
+
+    let listed = cluster.sandboxes().await.unwrap();
+    assert_eq!(listed.len(), ROUTES);
+    assert!(
+        listed.iter().map(|(id, _)| id).eq(ids.iter()),
+        "in key order, once each"
+    );
+
+    let view = sandfork_cluster::View::start(cluster.clone());
+    eventually(
+        "the view in step with every route",
+        Duration::from_secs(30),
+        async || view.in_step() && view.sizes().1 == ROUTES,
+    )
+    .await;
+    assert_eq!(view.sandbox(&ids[ROUTES - 1]).unwrap().value.node_id, "a");
+
+    let local: Vec<LocalSandbox> = ids.iter().map(|id| held(id, true)).collect();
+    let done = a.reconcile(&local, |_| false).await.unwrap();
+    assert_eq!((done.claimed, done.released), (0, 0), "{done:?}");
+    assert!(done.moved.is_empty() && done.killed.is_empty(), "{done:?}");
+}

@@ -1101,7 +1101,11 @@ async fn real_use_reaching_the_ceiling_is_refused_clearly() {
             return;
         }
         assert_eq!(a.status, 503, "{:?}", a.body);
-        refusals.push(format!("{} at {} MiB used", a.json()["message"], used().await));
+        refusals.push(format!(
+            "{} at {} MiB used",
+            a.json()["message"],
+            used().await
+        ));
         sampled().await;
     }
     panic!("no room after the kill ({full} -> {freed} MiB): {refusals:#?}");

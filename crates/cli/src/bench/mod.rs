@@ -9,6 +9,7 @@
 //! (`rl`, a phase of the same script: `rl_bench.py`).
 
 mod balloon;
+pub mod cluster_scale;
 mod guest_tcp;
 mod net;
 pub mod sdk;
@@ -77,6 +78,9 @@ pub enum Part {
     Sdk,
     /// Branching an episode N ways at step k: fork, snapshot, replay.
     Rl,
+    /// The cluster's control plane with many node records and routes
+    /// (etcd and gateways on this host; no sandbox runs).
+    ClusterScale,
 }
 
 /// A part of the VMM figures that can be measured alone (`--vmm-parts`).
