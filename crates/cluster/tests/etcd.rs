@@ -1032,3 +1032,52 @@ async fn a_map_past_one_answer_s_size_is_read_in_pages() {
     assert_eq!((done.claimed, done.released), (0, 0), "{done:?}");
     assert!(done.moved.is_empty() && done.killed.is_empty(), "{done:?}");
 }
+
+/// A pass over the node's own sandboxes reads their routes and those the
+/// last pass found mapped to the node, by ID: it claims what it holds
+/// unmapped, releases what it no longer holds, and leaves other nodes'
+/// routes unread (their sandboxes it does not hold).
+#[tokio::test]
+async fn a_held_pass_reads_only_the_node_s_own_routes() {
+    let etcd = Etcd::start().unwrap();
+    let cluster = connect(&etcd).await;
+    let ttl = Duration::from_secs(30);
+    let a = register(&cluster, "a", 1, ttl).await;
+    let b = register(&cluster, "b", 2, ttl).await;
+    assert!(a.claim("kept").await.unwrap());
+    assert!(a.claim("gone").await.unwrap());
+    assert!(b.claim("theirs").await.unwrap());
+    let done = a
+        .reconcile(&running(&["kept", "gone"]), |_| false)
+        .await
+        .unwrap();
+    assert_eq!((done.claimed, done.released), (0, 0), "{done:?}");
+
+    // "gone" was killed, "new" started, both without the API.
+    let done = a
+        .reconcile_held(&running(&["kept", "new"]), |_| false)
+        .await
+        .unwrap();
+    assert_eq!((done.claimed, done.released), (1, 1), "{done:?}");
+    assert_eq!(cluster.sandbox("gone").await.unwrap(), None);
+    assert_eq!(
+        cluster.sandbox("new").await.unwrap().unwrap().value.node_id,
+        "a"
+    );
+    assert_eq!(
+        cluster
+            .sandbox("theirs")
+            .await
+            .unwrap()
+            .unwrap()
+            .value
+            .node_id,
+        "b"
+    );
+    let listed = cluster
+        .sandboxes_of(["kept", "missing", "theirs"].into_iter())
+        .await
+        .unwrap();
+    let ids: Vec<&str> = listed.iter().map(|(id, _)| id.as_str()).collect();
+    assert_eq!(ids, ["kept", "theirs"]);
+}
