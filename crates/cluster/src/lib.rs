@@ -227,41 +227,6 @@ fn prefix_end(prefix: &[u8]) -> Vec<u8> {
     }
 }
 
-impl Cluster {
-    /// The routes of `ids` that the map has, read by ID (in transactions of
-    /// etcd's most operations, each a consistent read).
-    pub async fn sandboxes_of(
-        &self,
-        ids: impl Iterator<Item = &str>,
-    ) -> Result<Vec<(String, Versioned<SandboxRoute>)>, ClusterError> {
-        // etcd's default `--max-txn-ops`.
-        const TXN_OPS: usize = 128;
-        let ids: Vec<&str> = ids.collect();
-        let mut routes = Vec::new();
-        let mut client = self.client();
-        for chunk in ids.chunks(TXN_OPS) {
-            let gets: Vec<TxnOp> = chunk
-                .iter()
-                .map(|id| TxnOp::get(keyspace::sandbox_key(id), None))
-                .collect();
-            let answer = send(&mut client, Txn::new().and_then(gets)).await?;
-            for (id, got) in chunk.iter().zip(answer.op_responses()) {
-                let etcd_client::TxnOpResponse::Get(got) = got else {
-                    continue;
-                };
-                if let Some(kv) = got.kvs().first() {
-                    let route = Versioned {
-                        value: decode(kv.key(), kv.value())?,
-                        mod_revision: kv.mod_revision(),
-                    };
-                    routes.push(((*id).to_owned(), route));
-                }
-            }
-        }
-        Ok(routes)
-    }
-}
-
 /// How long a kill of a lost sandbox is remembered for its node's return.
 const KILLED_TTL_SECS: i64 = 24 * 3600;
 

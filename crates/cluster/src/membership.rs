@@ -62,9 +62,6 @@ pub struct Registration {
     record: Arc<Mutex<NodeRecord>>,
     load: watch::Sender<NodeLoad>,
     task: JoinHandle<()>,
-    /// The sandboxes whose routes named this node at the last reconcile
-    /// pass: a pass over the node's own sandboxes reads these too.
-    own: Mutex<BTreeSet<String>>,
 }
 
 impl Registration {
@@ -112,7 +109,6 @@ impl Registration {
             record,
             load,
             task,
-            own: Mutex::default(),
         })
     }
 
@@ -392,47 +388,10 @@ impl Registration {
     /// `changing` names (a create, pause or resume the node is making, or
     /// made since it listed them) are left to that change, and so are
     /// their routes when the list lacks them.
-    ///
-    /// This pass reads the whole map, which grows with the cluster (0.5 s
-    /// at 100,000 routes): see [`Registration::reconcile_held`].
     pub async fn reconcile(
         &self,
         local: &[LocalSandbox],
         changing: impl Fn(&str) -> bool,
-    ) -> Result<Reconciled, ClusterError> {
-        let routes = self.cluster.sandboxes().await?;
-        self.reconcile_over(local, changing, routes).await
-    }
-
-    /// [`Registration::reconcile`] over the routes of the sandboxes the
-    /// node holds and of those the last pass found mapped to it, read by
-    /// ID: its cost follows the node's own sandboxes, not the cluster's.
-    /// What only the whole map shows (a route naming this node that no
-    /// pass has seen: one an earlier incarnation left) waits for the next
-    /// whole pass.
-    pub async fn reconcile_held(
-        &self,
-        local: &[LocalSandbox],
-        changing: impl Fn(&str) -> bool,
-    ) -> Result<Reconciled, ClusterError> {
-        let mut ids: BTreeSet<String> = self.own_lock().clone();
-        ids.extend(local.iter().map(|s| s.id.clone()));
-        let routes = self
-            .cluster
-            .sandboxes_of(ids.iter().map(String::as_str))
-            .await?;
-        self.reconcile_over(local, changing, routes).await
-    }
-
-    fn own_lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<String>> {
-        self.own.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    async fn reconcile_over(
-        &self,
-        local: &[LocalSandbox],
-        changing: impl Fn(&str) -> bool,
-        routes: Vec<(String, Versioned<SandboxRoute>)>,
     ) -> Result<Reconciled, ClusterError> {
         let node_id = self.node_id();
         let incarnation = self.incarnation();
@@ -443,12 +402,7 @@ impl Registration {
         let mut mapped = BTreeSet::new();
         let mut done = Reconciled::default();
         let mut quotas = BTreeMap::new();
-        *self.own_lock() = routes
-            .iter()
-            .filter(|(_, seen)| seen.value.node_id == node_id)
-            .map(|(id, _)| id.clone())
-            .collect();
-        for (id, seen) in routes {
+        for (id, seen) in self.cluster.sandboxes().await? {
             if seen.value.node_id != node_id {
                 if local.contains_key(id.as_str()) {
                     mapped.insert(id.clone());

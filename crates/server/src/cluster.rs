@@ -51,10 +51,6 @@ use crate::node::tenants::{KeyRecord, TeamRecord, team_or_default};
 /// How long after a failed store (the object store down) the reconciler
 /// tries a pause again.
 const STORE_RETRY: Duration = Duration::from_secs(30);
-/// One reconcile pass in this many reads the whole sandbox map: what only
-/// it shows (a route an earlier incarnation of the node left for a sandbox
-/// it no longer holds) can wait that long.
-const WHOLE_PASS_EVERY: u64 = 15;
 
 #[derive(Debug)]
 pub struct Node {
@@ -332,7 +328,7 @@ pub async fn join(
     });
     manager.listen(Arc::new(Listener(Arc::downgrade(&node))))?;
     // Sandboxes recovered at start are mapped before the first request.
-    node.reconcile(true).await;
+    node.reconcile().await;
     node.start_reconciler(Duration::from_secs(2));
     Ok(Member {
         node,
@@ -391,9 +387,8 @@ impl Node {
         here
     }
 
-    /// One pass: the load and the map brought up to date; the whole map
-    /// read when `whole`, else only the node's own sandboxes' routes.
-    pub async fn reconcile(self: &Arc<Self>, whole: bool) {
+    /// One pass: the load and the map brought up to date.
+    pub async fn reconcile(self: &Arc<Self>) {
         self.publish_templates();
         self.changing.listing();
         let local: Vec<sandfork_cluster::LocalSandbox> = match self.manager.list() {
@@ -410,11 +405,7 @@ impl Node {
             Err(e) => return tracing::warn!("cluster: listing sandboxes: {e}"),
         };
         let changing = |id: &str| self.changing.contains(id);
-        let done = match whole {
-            true => self.registration.reconcile(&local, changing).await,
-            false => self.registration.reconcile_held(&local, changing).await,
-        };
-        let done = match done {
+        let done = match self.registration.reconcile(&local, changing).await {
             Ok(done) => done,
             Err(e) => return tracing::warn!("cluster: reconciling the sandbox map: {e}"),
         };
@@ -494,16 +485,13 @@ impl Node {
         gone
     }
 
-    /// Reconciles every `every`, reading the whole map every
-    /// [`WHOLE_PASS_EVERY`]th pass (the others read the node's own routes:
-    /// a whole pass grows with the cluster, 0.5 s at 100,000 routes).
     pub fn start_reconciler(self: &Arc<Self>, every: Duration) {
         let node = self.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
-            for pass in 1u64.. {
+            loop {
                 tick.tick().await;
-                node.reconcile(pass % WHOLE_PASS_EVERY == 0).await;
+                node.reconcile().await;
             }
         });
     }

@@ -151,10 +151,6 @@ pub async fn measure(plan: &ScaleBench<'_>) -> Result<Value> {
                     ("gateway_route_lookup_p99_ms", &figures["lookup_p99_ms"]),
                     ("cluster_placements_per_s", &figures["placements_per_s"]),
                     ("cluster_reconcile_pass_ms", &figures["reconcile_pass_ms"]),
-                    (
-                        "cluster_reconcile_held_pass_ms",
-                        &figures["reconcile_held_pass_ms"],
-                    ),
                 ] {
                     report.insert(format!("{key}_{suffix}"), value.clone());
                 }
@@ -194,8 +190,7 @@ pub async fn measure(plan: &ScaleBench<'_>) -> Result<Value> {
                 empty map (watch_mib); in this process the gateway's View: 100000 lookups \
                 of random existing routes, each timed (p50/p99), placement orders \
                 (placement_order_for over the nodes' records) for 1 s, and 3 reconcile \
-                passes of one node holding its share of the routes, each way (the whole \
-                map; the node's own routes by ID)",
+                passes of one node holding its share of the routes",
         }),
     );
     if !errors.is_empty() {
@@ -360,22 +355,16 @@ async fn in_process(cluster: &Cluster, nodes: &[Registration], routes: usize) ->
         })
         .collect();
     let mut passes = Vec::with_capacity(RECONCILE_SAMPLES);
-    let mut held_passes = Vec::with_capacity(RECONCILE_SAMPLES);
     for _ in 0..RECONCILE_SAMPLES {
-        for (whole, samples) in [(true, &mut passes), (false, &mut held_passes)] {
-            let t = Instant::now();
-            let done = match whole {
-                true => node.reconcile(&local, |_| false).await?,
-                false => node.reconcile_held(&local, |_| false).await?,
-            };
-            samples.push(ms(t.elapsed()));
-            if done.claimed + done.released > 0 || !done.moved.is_empty() {
-                bail!("a reconcile pass of a settled map changed it: {done:?}");
-            }
+        let t = Instant::now();
+        let done = node.reconcile(&local, |_| false).await?;
+        passes.push(ms(t.elapsed()));
+        if done.claimed + done.released > 0 || !done.moved.is_empty() {
+            bail!("a reconcile pass of a settled map changed it: {done:?}");
         }
     }
-    let reconcile_pass_ms = crate::bench::median(&mut passes.clone());
-    let reconcile_held_pass_ms = crate::bench::median(&mut held_passes.clone());
+    let mut sorted = passes.clone();
+    let reconcile_pass_ms = crate::bench::median(&mut sorted);
     Ok(json!({
         "view_load_ms": view_load_ms,
         "lookup_p50_ms": percentile(&lookups, 0.5),
@@ -385,8 +374,6 @@ async fn in_process(cluster: &Cluster, nodes: &[Registration], routes: usize) ->
         "placements_per_s": placements_per_s.round(),
         "reconcile_pass_ms": reconcile_pass_ms,
         "reconcile_pass_ms_samples": passes,
-        "reconcile_held_pass_ms": reconcile_held_pass_ms,
-        "reconcile_held_pass_ms_samples": held_passes,
         "reconcile_local_sandboxes": local.len(),
     }))
 }
