@@ -6,10 +6,13 @@
 //! (`guest_tcp`); then the node's figures through the
 //! E2B Python SDK against `sandfork serve` (`sdk`), and when forking a
 //! stateful episode pays against snapshot-and-create and create-and-replay
-//! (`rl`, a phase of the same script: `rl_bench.py`).
+//! (`rl`, a phase of the same script: `rl_bench.py`); and task images of
+//! 1-4 GiB pulled from a loopback registry and converted, cold, with the
+//! disk images sharing a base take (`images`).
 
 mod balloon;
 mod guest_tcp;
+pub mod images;
 mod net;
 pub mod sdk;
 mod snapshot;
@@ -77,6 +80,8 @@ pub enum Part {
     Sdk,
     /// Branching an episode N ways at step k: fork, snapshot, replay.
     Rl,
+    /// Task images pulled and converted (no guest: runs on the host).
+    Images,
 }
 
 /// A part of the VMM figures that can be measured alone (`--vmm-parts`).
@@ -117,6 +122,7 @@ pub struct Plan<'a> {
     pub image: &'a GuestImage,
     pub vmm_figures: Option<VmmFigures<'a>>,
     pub sdk: Option<sdk::SdkBench<'a>>,
+    pub images: Option<images::ImagesBench<'a>>,
     /// The whole bench ends by then: a part still running is abandoned and
     /// the report printed with what was measured.
     pub deadline: Instant,
@@ -167,6 +173,10 @@ impl Plan<'_> {
                 sdk.measure(),
             )
             .await;
+        }
+        if let Some(images) = &self.images {
+            let figures = images.measure();
+            part(&mut report, &mut errors, "images", self.deadline, figures).await;
         }
         report["environment"] = json!(self.environment);
         report["guest"] = json!({"vcpus": self.image.vcpus, "mem_mib": self.image.mem_mib});
@@ -296,6 +306,7 @@ mod tests {
                 ],
             }),
             sdk: None,
+            images: None,
             deadline: Instant::now() + Duration::from_secs(60),
         };
         let report = plan.run().await;
