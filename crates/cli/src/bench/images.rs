@@ -398,6 +398,27 @@ mod tests {
         assert!(c.distinct_bytes(&["nope"]).is_err());
     }
 
+    /// The bench's registry serves a store read-only: the task images'
+    /// cache entry is never written by a pull.
+    #[test]
+    fn the_registry_serves_its_store_read_only() {
+        use std::io::{Read, Write};
+        let store = tempfile::tempdir().unwrap();
+        let registry = Registry::start(store.path()).unwrap();
+        let ask = |request: &str| {
+            let mut c = std::net::TcpStream::connect(&registry.host).unwrap();
+            c.write_all(request.as_bytes()).unwrap();
+            let mut answer = String::new();
+            c.read_to_string(&mut answer).unwrap();
+            answer
+        };
+        let base = ask("GET /v2/ HTTP/1.0\r\n\r\n");
+        assert!(base.starts_with("HTTP/1.0 200"), "{base}");
+        let upload = ask("POST /v2/task/x/blobs/uploads/ HTTP/1.0\r\nContent-Length: 0\r\n\r\n");
+        assert!(!upload.starts_with("HTTP/1.0 202"), "{upload}");
+        assert_eq!(std::fs::read_dir(store.path()).unwrap().count(), 0);
+    }
+
     #[test]
     fn a_figure_keeps_its_samples() {
         let f = figure(&[3.0, 1.0, 2.0]);
