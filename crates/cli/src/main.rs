@@ -93,7 +93,9 @@ enum Command {
         /// Measure only one part: `vmm` (the VMM's figures), `sdk` (the
         /// node's, through the E2B SDK against `sandfork serve`), `rl`
         /// (branching a stateful episode N ways at step k: fork vs snapshot
-        /// and creates vs creates and a replay; the `rl` JSON object) or
+        /// and creates vs creates and a replay; the `rl` JSON object),
+        /// `images` (task images of 1-4 GiB pulled and converted, and the
+        /// disk images sharing a base take; no guest, so on this host) or
         /// `cluster-scale` (etcd and gateways with many node records and
         /// routes, on this host: no lab, no sandbox).
         #[arg(long, value_enum)]
@@ -125,8 +127,10 @@ enum Command {
         /// Only these SDK phases, comma-separated: create_to_first_command,
         /// fork16, fork100, guest_tcp, creates_concurrent, creates_concurrent16,
         /// idle, rl, rl_group, rollback, density, create_no_network (the creates again on
-        /// a second node started with --no-network) [default: all; `--only sdk`
-        /// all but rl, rl_group and rollback].
+        /// a second node started with --no-network), images (creates by
+        /// image of the task images: first, warm, 8 concurrent; only when
+        /// named) [default: all; `--only sdk` all but rl, rl_group and
+        /// rollback].
         #[arg(long, value_name = "LIST")]
         sdk_phases: Option<String>,
         /// The rl part: children per branch (N), comma-separated.
@@ -165,6 +169,17 @@ enum Command {
         /// comma-separated.
         #[arg(long, value_name = "LIST", default_value = "10000,50000,100000")]
         scale_routes: String,
+        /// `--only images`: the task images' cache entry [default: the one
+        /// tests/support/task_images.py makes or finds].
+        #[arg(long, env = "SANDFORK_TASK_IMAGES", value_name = "DIR")]
+        task_images: Option<PathBuf>,
+        /// `--only images`: the guest agent the conversions install.
+        #[arg(long, env = "SANDFORK_AGENT", value_name = "PATH")]
+        agent: Option<PathBuf>,
+        /// `--only images`: where the cold caches are made (a local
+        /// filesystem with about 12 GB free while the 4 GiB image converts).
+        #[arg(long, value_name = "DIR", default_value = "/var/tmp")]
+        images_scratch: PathBuf,
     },
     /// Boot, restore, fork and run two VMs at once, many times, each bounded;
     /// count failures and hangs, with diagnostics for each. One JSON object
@@ -412,6 +427,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
             vmm_parts,
             scale_nodes,
             scale_routes,
+            task_images,
+            agent,
+            images_scratch,
         } => {
             if only == Some(bench::Part::ClusterScale) {
                 return runtime.block_on(cluster_scale(scale_nodes, &scale_routes));
@@ -430,6 +448,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     );
                 }
             }
+            let images_only = only == Some(bench::Part::Images);
             let vmm_part = only.is_none() || only == Some(bench::Part::Vmm);
             // `--only sdk` leaves out the rl phase, `--only rl` runs it alone.
             let phases = match (only, sdk_phases) {
@@ -439,15 +458,26 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 _ => None,
             };
             // The SDK is installed here, before the lab: its root is read-only.
-            let sdk_python = match !no_sdk && only != Some(bench::Part::Vmm) {
+            let sdk_python = match !no_sdk && only != Some(bench::Part::Vmm) && !images_only {
                 true if image.in_lab => Some(sdk_python.context("no --sdk-python in the lab")?),
                 true => Some(bench::sdk::python(sdk_python)?),
                 false => None,
             };
-            let envs: Vec<(&str, &std::ffi::OsStr)> = sdk_python
+            // The task images are made here too (the lab's root is read-only).
+            let images_phase = phases
+                .as_deref()
+                .is_some_and(|p| p.split(',').any(|n| n.trim() == bench::sdk::IMAGES_PHASE));
+            let task_images = match task_images {
+                None if images_only || images_phase => Some(bench::images::task_images()?),
+                given => given,
+            };
+            let mut envs: Vec<(&str, &std::ffi::OsStr)> = sdk_python
                 .iter()
                 .map(|p| ("SANDFORK_SDK_PYTHON", p.as_os_str()))
                 .collect();
+            if let Some(dir) = &task_images {
+                envs.push(("SANDFORK_TASK_IMAGES", dir.as_os_str()));
+            }
             let lab_memory = lab_memory
                 .unwrap_or_else(sandfork_lab::host_sized_memory_mib)
                 .to_string();
@@ -465,13 +495,26 @@ fn run(cli: Cli) -> Result<ExitCode> {
             // The lab's own bound comes after the bench's, which prints its
             // report at its own: the lab's start and stop are the margin.
             let lab_timeout = Duration::from_secs(timeout) + LAB_MARGIN;
-            if let Some(code) = run_in_lab_if_needed(&image, &envs, &lab_args, lab_timeout)? {
+            // The conversions need no guest: they run here, on hardware.
+            let images = match images_only {
+                true => Some((
+                    task_images.clone().context("no task images")?,
+                    agent.context("--only images needs --agent (or SANDFORK_AGENT)")?,
+                )),
+                false => None,
+            };
+            if images.is_none()
+                && let Some(code) = run_in_lab_if_needed(&image, &envs, &lab_args, lab_timeout)?
+            {
                 return Ok(code);
             }
             let vmm = image.vmm()?;
             let guest = image.guest();
             let plan = bench::Plan {
-                environment: environment(&image).to_string(),
+                environment: match images_only {
+                    true => "host".to_owned(),
+                    false => environment(&image).to_string(),
+                },
                 vmm: &vmm,
                 image: &guest,
                 vmm_figures: vmm_part.then_some(bench::VmmFigures {
@@ -496,7 +539,16 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     rl_budget: Duration::from_secs(rl_budget),
                     rl_groups: &rl_groups,
                     keep_logs: keep_logs.as_deref(),
+                    task_images: task_images.as_deref(),
                 }),
+                images: images
+                    .as_ref()
+                    .map(|(entry, agent)| bench::images::ImagesBench {
+                        entry,
+                        agent,
+                        scratch: &images_scratch,
+                        runs,
+                    }),
                 deadline: std::time::Instant::now() + Duration::from_secs(timeout),
             };
             let report = runtime.block_on(plan.run());

@@ -6,11 +6,14 @@
 //! (`guest_tcp`); then the node's figures through the
 //! E2B Python SDK against `sandfork serve` (`sdk`), and when forking a
 //! stateful episode pays against snapshot-and-create and create-and-replay
-//! (`rl`, a phase of the same script: `rl_bench.py`).
+//! (`rl`, a phase of the same script: `rl_bench.py`); and task images of
+//! 1-4 GiB pulled from a loopback registry and converted, cold, with the
+//! disk images sharing a base take (`images`).
 
 mod balloon;
 pub mod cluster_scale;
 mod guest_tcp;
+pub mod images;
 mod net;
 pub mod sdk;
 mod snapshot;
@@ -81,6 +84,8 @@ pub enum Part {
     /// The cluster's control plane with many node records and routes
     /// (etcd and gateways on this host; no sandbox runs).
     ClusterScale,
+    /// Task images pulled and converted (no guest: runs on the host).
+    Images,
 }
 
 /// A part of the VMM figures that can be measured alone (`--vmm-parts`).
@@ -121,6 +126,7 @@ pub struct Plan<'a> {
     pub image: &'a GuestImage,
     pub vmm_figures: Option<VmmFigures<'a>>,
     pub sdk: Option<sdk::SdkBench<'a>>,
+    pub images: Option<images::ImagesBench<'a>>,
     /// The whole bench ends by then: a part still running is abandoned and
     /// the report printed with what was measured.
     pub deadline: Instant,
@@ -171,6 +177,10 @@ impl Plan<'_> {
                 sdk.measure(),
             )
             .await;
+        }
+        if let Some(images) = &self.images {
+            let figures = images.measure();
+            part(&mut report, &mut errors, "images", self.deadline, figures).await;
         }
         report["environment"] = json!(self.environment);
         report["guest"] = json!({"vcpus": self.image.vcpus, "mem_mib": self.image.mem_mib});
@@ -300,6 +310,7 @@ mod tests {
                 ],
             }),
             sdk: None,
+            images: None,
             deadline: Instant::now() + Duration::from_secs(60),
         };
         let report = plan.run().await;

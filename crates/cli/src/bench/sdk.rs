@@ -60,6 +60,9 @@ pub struct SdkBench<'a> {
     pub rl_budget: Duration,
     /// The `rl_group` phase's group sizes (comma-separated).
     pub rl_groups: &'a str,
+    /// The task images' cache entry (tests/support/task_images.py), for
+    /// the `images` phase: served by a registry on loopback for its time.
+    pub task_images: Option<&'a Path>,
     /// Where each bench node's server log is kept (`serve.log`, and
     /// `serve-no-network.log` for the node without networking).
     pub keep_logs: Option<&'a Path>,
@@ -70,6 +73,8 @@ pub struct SdkBench<'a> {
 /// networked node's figure of the same run.
 pub const NO_NETWORK_PHASE: &str = "create_no_network";
 const CREATE_PHASE: &str = "create_to_first_command";
+/// Creates by image against the task images (`--sdk-phases images`).
+pub const IMAGES_PHASE: &str = "images";
 
 /// The script's phases of `phases` (None: all) and whether the creates run
 /// again on a node without networking.
@@ -123,7 +128,14 @@ impl SdkBench<'_> {
         let key = api_key()?;
         let url = format!("http://127.0.0.1:{port}");
 
-        let mut server = self.start_server(dir.path(), port, &key, &log_path, network)?;
+        let images_phase = phases.is_some_and(|p| p.split(',').any(|n| n.trim() == IMAGES_PHASE));
+        let registry = match (images_phase, self.task_images) {
+            (true, Some(entry)) => Some(super::images::Registry::start(&entry.join("storage"))?),
+            (true, None) => bail!("the images phase needs the task images (--task-images)"),
+            (false, _) => None,
+        };
+        let mut server =
+            self.start_server(dir.path(), port, &key, &log_path, network, images_phase)?;
         let server_pid = server.id().context("the server exited at once")?;
         eprintln!(
             "bench: sdk: sandfork serve (pid {server_pid}) at {url}, log {}",
@@ -134,6 +146,9 @@ impl SdkBench<'_> {
         script.arg(&script_path);
         if let Some(phases) = phases {
             script.arg("--phases").arg(phases);
+        }
+        if let Some(registry) = &registry {
+            script.arg("--task-registry").arg(&registry.host);
         }
         let script = script
             .arg("--server-pid")
@@ -187,6 +202,7 @@ impl SdkBench<'_> {
             )),
         };
         stop(&mut server).await;
+        drop(registry);
         let script_tail = progress.await.unwrap_or_default();
         let log = std::fs::read_to_string(&log_path).unwrap_or_default();
         if let Some(keep) = self.keep_logs {
@@ -215,6 +231,7 @@ impl SdkBench<'_> {
         key: &str,
         log: &Path,
         network: bool,
+        images: bool,
     ) -> Result<Child> {
         let data = dir.join("data");
         let log = std::fs::File::create(log).context("creating the server log")?;
@@ -223,6 +240,11 @@ impl SdkBench<'_> {
         serve.arg("serve");
         if !network {
             serve.arg("--no-network");
+        }
+        if images {
+            // Its own build cache, where its image conversions go (in the
+            // lab the shared one is read-only).
+            serve.env("SANDFORK_CACHE", dir.join("cache"));
         }
         serve
             .arg("--listen")
@@ -463,7 +485,7 @@ mod tests {
     }
 
     /// `--only sdk` runs every phase the script has but the rl ones, which
-    /// `--only rl` runs.
+    /// `--only rl` runs, and the images one, which runs only when named.
     #[test]
     fn only_sdk_names_every_phase_but_rl() {
         // The phase table's entries: `("name", self.method, [keys])`.
@@ -477,7 +499,8 @@ mod tests {
             .collect();
         let rl: Vec<&str> = RL_PHASES.split(',').collect();
         assert!(rl.iter().all(|p| script.contains(p)), "{script:?}");
-        script.retain(|name| !rl.contains(name));
+        assert!(script.contains(&IMAGES_PHASE), "{script:?}");
+        script.retain(|name| !rl.contains(name) && *name != IMAGES_PHASE);
         script.push(NO_NETWORK_PHASE);
         script.sort_unstable();
         let mut only: Vec<&str> = SDK_PHASES.split(',').map(str::trim).collect();

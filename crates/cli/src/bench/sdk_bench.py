@@ -430,6 +430,103 @@ class Bench:
             "failed_samples": failures,
         }
 
+    def create_image(self, reference):
+        """A create naming an image (issue 39), waiting out the node's
+        "being built" answers (503 with Retry-After) as a client would."""
+        from e2b.exceptions import ServiceBusyException
+
+        deadline = time.monotonic() + self.sample_timeout()
+        while True:
+            try:
+                sbx = self.Sandbox.create(
+                    reference, timeout=SANDBOX_TTL_S, metadata=self.meta, **self.opts
+                )
+                break
+            except ServiceBusyException as e:
+                if "being built" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(2)
+        with self.lock:
+            self.created.append(sbx)
+        return sbx
+
+    def image_builds(self, reference):
+        """The node's builds of the template of `reference` (its conversions)."""
+        answer = _api("GET", "/templates")
+        answer.raise_for_status()
+        named = [t for t in answer.json() if reference in t.get("names", [])]
+        return sum(t.get("buildCount", 0) for t in named), named
+
+    def images(self):
+        """Creates by image against task images (tests/support/task_images.py
+        on the registry `--task-registry`): the node's first create of the
+        1 GiB image (a cold pull, conversion into layers, boot and template
+        snapshot) to its first command's answer; warm creates of it; then 8
+        concurrent creates of a variant the node has not seen (sharing the
+        first's base layers) and how many conversions they caused."""
+        registry = self.args.task_registry
+        if not registry:
+            raise RuntimeError("no --task-registry (the bench starts one for this phase)")
+        first = f"{registry}/task/swe-1g:v1"
+        self.settle()
+
+        def cold():
+            t0 = time.perf_counter()
+            sbx = self.create_image(first)
+            t1 = time.perf_counter()
+            try:
+                self.answer(sbx)
+            finally:
+                self.kill(sbx)
+            return ms(time.perf_counter() - t0), ms(t1 - t0)
+
+        first_ms, first_create_call_ms = bounded(cold, self.sample_timeout(), "first create")
+        log(f"first create of {first}: {first_ms:.0f} ms to the first command result")
+
+        def warm(run):
+            t0 = time.perf_counter()
+            sbx = self.create_image(first)
+            try:
+                self.answer(sbx)
+            finally:
+                self.kill(sbx)
+            took = ms(time.perf_counter() - t0)
+            log(f"warm create {run}/{self.args.runs}: {took:.0f} ms")
+            return took
+
+        values, failures = collect(self.args.runs, warm, self.sample_timeout(), "warm create")
+        builds_first, _ = self.image_builds(first)
+        variant = f"{registry}/task/var-01:v1"
+
+        def concurrent8():
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(8) as pool:
+                boxes = list(pool.map(lambda _: self.create_image(variant), range(8)))
+            try:
+                for sbx in boxes:
+                    self.answer(sbx)
+            finally:
+                self.kill_all(boxes)
+            return ms(time.perf_counter() - t0)
+
+        c8_ms = bounded(concurrent8, self.sample_timeout(), "8 concurrent creates")
+        builds, listed = self.image_builds(variant)
+        log(f"8 concurrent creates of {variant}: {c8_ms:.0f} ms, {builds} conversion(s)")
+        self.cleanup()
+        return {
+            "image_first_create_ms": summary([first_ms]),
+            "image_create_ms": summary(values) if values else None,
+            "image_concurrent8_builds": builds,
+        }, {
+            "image": first,
+            "first_create_call_ms": first_create_call_ms,
+            "first_image_builds": builds_first,
+            "concurrent8_image": variant,
+            "concurrent8_all_answered_ms": c8_ms,
+            "concurrent8_templates": listed,
+            "failed_samples": failures,
+        }
+
     def fork(self, count=None):
         """A fork of `count` children (default --fork-count), from the call
         until every child answers a command. Up to the Python SDK's own
@@ -879,6 +976,15 @@ class Bench:
         )
         # Back to a checkpoint: in place against a create from it.
         phases.append(("rollback", self.rollback, ["rollback_ms", "rollback_by_create_ms"]))
+        # Creates by image (issue 39): only when asked (`--sdk-phases images`).
+        if self.args.task_registry:
+            phases.append(
+                (
+                    "images",
+                    self.images,
+                    ["image_first_create_ms", "image_create_ms", "image_concurrent8_builds"],
+                )
+            )
         if self.args.density_max > 0:
             phases.append(
                 ("density", self.density, ["density_idle_sandboxes", "density_sandbox_mib"])
@@ -1119,6 +1225,8 @@ def main():
     # The rl_group phase: rollout groups' sizes (N).
     p.add_argument("--rl-groups", default="8,16")
     p.add_argument("--report-file", help="where the report so far is kept")
+    # The images phase: the loopback registry of the task images.
+    p.add_argument("--task-registry", help="host:port of the task images' registry")
     args = p.parse_args()
     if args.self_test:
         self_test()

@@ -41,6 +41,11 @@ pub fn summary(report: &Value) -> String {
         ("density_idle_sandboxes", ""),
         ("density_sandbox_mib", "MiB"),
         ("density_mem_available_mib", "MiB"),
+        ("image_first_create_ms", "ms"),
+        ("image_create_ms", "ms"),
+        ("image_concurrent8_builds", ""),
+        ("image_disk_bytes_16", "B"),
+        ("image_disk_16_vs_unique", ""),
     ] {
         let value = &report[key];
         let shown = match (value.as_f64(), value["p50"].as_f64()) {
@@ -72,6 +77,20 @@ pub fn summary(report: &Value) -> String {
         }
         out.push_str(&line);
         out.push('\n');
+    }
+    // Per image size: pull and conversion, and the layered conversion over
+    // the whole-image one.
+    for (size, figure) in report["image_pull_convert_ms"]
+        .as_object()
+        .into_iter()
+        .flatten()
+    {
+        let ratio = &report["image_convert_ratio_vs_reference"][size]["p50"];
+        out.push_str(&format!(
+            "  image_pull_convert_ms {size:<10} p50 {} ms   (convert vs whole-image {})\n",
+            figure["p50"].as_f64().map_or("?".into(), number),
+            ratio.as_f64().map_or("?".into(), |r| format!("{r:.2}"))
+        ));
     }
     rl_summary(&report["rl"], &mut out);
     group_summary(report, &mut out);
