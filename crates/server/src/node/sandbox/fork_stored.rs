@@ -400,6 +400,13 @@ impl Manager {
                 "snapshot {id_or_name}"
             )));
         }
+        if template.filesystem_only {
+            return Err(SandboxError::Invalid(format!(
+                "snapshot {} is filesystem-only: a fork restores memory, and it has none to \
+                 restore (create sandboxes from it instead: each cold-boots on its disk)",
+                template.id
+            )));
+        }
         let child = Ask::sandbox(u64::from(template.vcpus), template.mem_mib);
         let mut slots = self.capacity.reserve_for(
             child.times(u64::from(count)),
