@@ -4734,8 +4734,9 @@ async fn a_create_mounts_free_volumes_of_its_team_in_its_templates_slots() {
     assert_eq!(holders, ["child"]);
 }
 
-/// Until snapshots, paused forks and cold boots carry volumes, a sandbox
-/// that mounts one refuses what would lose or split it (409 saying so).
+/// Until snapshots and cold boots carry volumes, a sandbox that mounts one
+/// refuses what would lose them (409 saying so). A fork of it paused copies
+/// them (the SDK suite's `test_volumes.py`).
 #[tokio::test]
 async fn a_sandbox_with_volumes_refuses_what_would_lose_them() {
     let running = mounting(
@@ -4752,7 +4753,6 @@ async fn a_sandbox_with_volumes_refuses_what_would_lose_them() {
     for (path, body) in [
         ("/sandboxes/run/snapshots", "{}"),
         ("/sandboxes/run/pause", r#"{"memory":false}"#),
-        ("/sandboxes/held/fork", r#"{"count":1}"#),
         // Paused without memory (a record made so): only a cold boot resumes it.
         ("/sandboxes/held/connect", r#"{"timeout":60}"#),
     ] {

@@ -1,7 +1,8 @@
 """Volumes (issue 40): a volume made through the SDK's Volume class, mounted by
 Sandbox.create(volume_mounts=...), and copied per fork child: each child sees
 the parent's files and changes its own copy, unseen by the other child and by
-the parent, which keeps the volume itself. get_info and Sandbox.list name each
+the parent, which keeps the volume itself; a fork of the paused parent too.
+get_info and Sandbox.list name each
 sandbox's mounts (a child's copies as its parent's volume)."""
 
 import pytest
@@ -39,6 +40,18 @@ def test_a_volume_written_in_a_parent_is_copied_per_fork_child():
         assert all(i.volume_mounts == mounts for i in infos.values())
         assert not parent.files.exists("/data/only-0.txt")
         assert not parent.files.exists("/data/only-1.txt")
+
+        # A fork of the paused parent: the same rule, a copy for the child.
+        assert parent.pause() is True
+        late = Sandbox.fork(parent.sandbox_id, count=1, timeout=600)
+        assert not [r for r in late if isinstance(r, Exception)], late
+        children.extend(late)
+        assert late[0].get_info().volume_mounts == mounts
+        assert late[0].files.read("/data/shared.txt") == "from the parent"
+        late[0].files.write("/data/shared.txt", "the late child")
+        parent = Sandbox.connect(parent.sandbox_id)
+        assert parent.files.read("/data/shared.txt") == "from the parent"
+        assert late[0].files.read("/data/shared.txt") == "the late child"
     finally:
         for c in children:
             if not isinstance(c, Exception):
