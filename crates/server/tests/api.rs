@@ -1055,7 +1055,6 @@ async fn snapshot_create_validates_and_needs_a_running_sandbox() {
     )
     .await;
     for body in [
-        r#"{"memory":false}"#,
         r#"{"name":"has space"}"#,
         r#"{"name":"a:b"}"#,
         r#"{"name":7}"#,
@@ -4240,6 +4239,7 @@ async fn a_mounted_volume_is_not_deleted() {
         .put_sandbox(&SandboxRecord {
             volume_mounts: vec![server::node::store::VolumeMount {
                 volume_id: id.clone(),
+                name: "data".into(),
                 slot: 0,
                 path: "/data".into(),
                 read_only: false,
@@ -4249,6 +4249,13 @@ async fn a_mounted_volume_is_not_deleted() {
             ..record("user1", now_ms(), SandboxState::Paused, "x")
         })
         .unwrap();
+    // Its detail and the list name the mount as E2B's `volumeMounts`.
+    let mounts = serde_json::json!([{"name": "data", "path": "/data"}]);
+    let a = node.authed("GET", "/sandboxes/user1", "").await;
+    assert_eq!(a.json["volumeMounts"], mounts, "{}", a.json);
+    let a = node.authed("GET", "/v2/sandboxes?state=paused", "").await;
+    assert_eq!(a.json[0]["sandboxID"], "user1", "{}", a.json);
+    assert_eq!(a.json[0]["volumeMounts"], mounts, "{}", a.json);
     let a = node
         .refuses(
             "DELETE",
@@ -4587,6 +4594,7 @@ fn mounting(record: SandboxRecord, id: &str, copy: bool) -> SandboxRecord {
     SandboxRecord {
         volume_mounts: vec![server::node::store::VolumeMount {
             volume_id: id.into(),
+            name: "data".into(),
             slot: 0,
             path: "/data".into(),
             read_only: false,
@@ -4726,8 +4734,9 @@ async fn a_create_mounts_free_volumes_of_its_team_in_its_templates_slots() {
     assert_eq!(holders, ["child"]);
 }
 
-/// Until snapshots, paused forks and cold boots carry volumes, a sandbox
-/// that mounts one refuses what would lose or split it (409 saying so).
+/// Until snapshots and cold boots carry volumes, a sandbox that mounts one
+/// refuses what would lose them (409 saying so). A fork of it paused copies
+/// them (the SDK suite's `test_volumes.py`).
 #[tokio::test]
 async fn a_sandbox_with_volumes_refuses_what_would_lose_them() {
     let running = mounting(
@@ -4744,7 +4753,6 @@ async fn a_sandbox_with_volumes_refuses_what_would_lose_them() {
     for (path, body) in [
         ("/sandboxes/run/snapshots", "{}"),
         ("/sandboxes/run/pause", r#"{"memory":false}"#),
-        ("/sandboxes/held/fork", r#"{"count":1}"#),
         // Paused without memory (a record made so): only a cold boot resumes it.
         ("/sandboxes/held/connect", r#"{"timeout":60}"#),
     ] {
@@ -4766,4 +4774,38 @@ async fn a_sandbox_with_volumes_refuses_what_would_lose_them() {
         node.manager.get("held").unwrap().state,
         SandboxState::Paused
     );
+}
+
+/// A filesystem-only snapshot (E2B's `memory: false`) has no memory to
+/// restore: a fork of it is a 400 saying so, and so is a create of it with
+/// volumes (its sandboxes cold-boot, which attaches none yet).
+#[tokio::test]
+async fn a_filesystem_only_snapshot_is_neither_forked_nor_given_volumes() {
+    let fs_only = |d: &std::path::Path| TemplateRecord {
+        filesystem_only: true,
+        volume_slots: 2,
+        ..snapshot(d, "fsnap", "gone", 10)
+    };
+    let node = node_with(&[], &[&fs_only]);
+    new_volume(&node, KEY, r#"{"name":"data","sizeMB":64}"#).await;
+    let a = node
+        .refuses(
+            "POST",
+            "/snapshots/fsnap/fork",
+            "{}",
+            StatusCode::BAD_REQUEST,
+        )
+        .await;
+    let message = a.json["message"].as_str().unwrap();
+    assert!(message.contains("filesystem-only"), "{message}");
+    let a = node
+        .refuses(
+            "POST",
+            "/v2/sandboxes",
+            r#"{"templateID":"fsnap","volumeMounts":[{"name":"data","path":"/data"}]}"#,
+            StatusCode::BAD_REQUEST,
+        )
+        .await;
+    let message = a.json["message"].as_str().unwrap();
+    assert!(message.contains("filesystem-only snapshot"), "{message}");
 }

@@ -182,6 +182,32 @@ def test_snapshot_then_create_from_it():
             Sandbox.delete_snapshot(snap.snapshot_id)
 
 
+def test_a_filesystem_only_snapshot_cold_boots_its_children():
+    """E2B's `mode="filesystem"` (`memory: false`): a sandbox made from the
+    snapshot has the source's files as they were, and none of its processes."""
+    src = create(metadata={"case": "snapshot-fs"})
+    made = None
+    snap = None
+    try:
+        src.files.write("/home/user/fs.txt", "on the disk")
+        src.commands.run("sleep 4242", background=True)
+        snap = src.create_snapshot(mode="filesystem")
+        src.files.write("/home/user/fs.txt", "changed after")
+        # A cold boot takes longer than a restore: the kernel boots afresh.
+        made = Sandbox.create(
+            snap.snapshot_id, timeout=600, metadata={"sdk_run": RUN_ID}, request_timeout=300
+        )
+        assert made.files.read("/home/user/fs.txt") == "on the disk"
+        assert made.commands.run("pgrep -f 'sleep 424[2]' || echo none").stdout == "none\n"
+        assert src.commands.run("pgrep -f 'sleep 424[2]' >/dev/null && echo on").stdout == "on\n"
+    finally:
+        if made is not None:
+            made.kill()
+        src.kill()
+        if snap is not None:
+            Sandbox.delete_snapshot(snap.snapshot_id)
+
+
 def test_pause_of_unknown_sandbox():
     with pytest.raises(SandboxNotFoundException):
         Sandbox.pause("sfnosuchsandbox0000")

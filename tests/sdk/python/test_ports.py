@@ -1,7 +1,8 @@
 """A server the sandbox runs is reachable at sandbox.get_host(port), as on
 E2B: the node routes `<port>-<id>.<domain>` to that TCP port in the guest.
 A sandbox created with `allow_public_traffic=False` answers there only with
-its traffic token; `mask_request_host` is the Host its server sees."""
+its traffic token; `mask_request_host` is the Host its server sees; a port in
+`https_ports` is reached over TLS, its self-signed certificate taken."""
 
 import os
 
@@ -112,3 +113,69 @@ def test_a_private_sandbox_needs_its_traffic_token_and_masks_the_host():
 
 def test_a_public_sandbox_has_no_traffic_token(sandbox):
     assert sandbox.traffic_access_token is None
+
+
+# A self-signed certificate for localhost, made with openssl for this test
+# (the same as crates/server/src/http/proxy/testdata/guest-tls.*).
+TLS_CERT = """\
+-----BEGIN CERTIFICATE-----
+MIIBlDCCATugAwIBAgIUTuBnowg/Ls3/jQargnLjorPPkQowCgYIKoZIzj0EAwIw
+FDESMBAGA1UEAwwJbG9jYWxob3N0MCAXDTI2MTIwNzA1MjkzNloYDzIxMjYxMTEz
+MDUyOTM2WjAUMRIwEAYDVQQDDAlsb2NhbGhvc3QwWTATBgcqhkjOPQIBBggqhkjO
+PQMBBwNCAATAjPv9UTIZDTEPL2MRChcC/iICbNbDNZRU3LtZWCKEbUM2fplR0JtU
+XnkBkLHf+qTAK9ecWxAOZHcWeuzqvhzDo2kwZzAdBgNVHQ4EFgQU6hEL6mTSG7zo
+TWEXNEEQ7XOsYlQwHwYDVR0jBBgwFoAU6hEL6mTSG7zoTWEXNEEQ7XOsYlQwDwYD
+VR0TAQH/BAUwAwEB/zAUBgNVHREEDTALgglsb2NhbGhvc3QwCgYIKoZIzj0EAwID
+RwAwRAIgJ01LkP5x0PZzMRDX8raCApxS6nrpYYmoxRVdPWbaMtICIHRNT+SBtbTF
+IDUqa6vG5K+/IJ8qxgvPmQDf8ofu8lV+
+-----END CERTIFICATE-----
+"""
+TLS_KEY = """\
+-----BEGIN PRIVATE KEY-----
+MIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQgRog1TrVabrPUIwWK
+kRYlGGhG0Llg1QjSJpMH/1Hjl9GhRANCAATAjPv9UTIZDTEPL2MRChcC/iICbNbD
+NZRU3LtZWCKEbUM2fplR0JtUXnkBkLHf+qTAK9ecWxAOZHcWeuzqvhzD
+-----END PRIVATE KEY-----
+"""
+
+TLS_SERVER = """
+import http.server, ssl
+
+class Hello(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"over tls"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+server = http.server.HTTPServer(("0.0.0.0", 8443), Hello)
+context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+context.load_cert_chain("/tmp/tls.crt", "/tmp/tls.key")
+server.socket = context.wrap_socket(server.socket, server_side=True)
+server.serve_forever()
+"""
+
+
+def test_an_https_port_is_reached_over_tls():
+    sbx = create(network={"https_ports": [8443]})
+    try:
+        assert (sbx.get_info().network or {}).get("https_ports") == [8443]
+        sbx.files.write("/tmp/tls.crt", TLS_CERT)
+        sbx.files.write("/tmp/tls.key", TLS_KEY)
+        sbx.files.write("/tmp/tls.py", TLS_SERVER)
+        server = sbx.commands.run("python3 /tmp/tls.py", background=True)
+        host = sbx.get_host(8443)
+
+        def answered():
+            try:
+                r = get_via_node(host, "/")
+            except httpx.HTTPError:
+                return None
+            return r if r.status_code == 200 else None
+
+        r = wait_until(answered, timeout=60, what="the sandbox's HTTPS server")
+        assert r.text == "over tls"
+        server.kill()
+    finally:
+        sbx.kill()

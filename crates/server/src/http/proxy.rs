@@ -23,6 +23,7 @@ pub use crate::wire::UNROUTED_METHOD_HEADER;
 use crate::wire::{self, ACCESS_TOKEN_HEADER, SANDBOX_ID_HEADER, SANDBOX_PORT_HEADER};
 
 mod connections;
+mod guest_tls;
 mod stream_end;
 pub use crate::node::ingress::{Ingress, IngressError, Refusal};
 pub use connections::{ForwardError, GuestConnections, Unanswered};
@@ -355,7 +356,9 @@ async fn forward(state: &Shared, id: &str, port: u32, mut req: Request) -> Respo
             },
         },
     };
-    // The guest's own ports: a private sandbox's token, its masked host.
+    // The guest's own ports: a private sandbox's token, its masked host,
+    // TLS to its `httpsPorts`.
+    let mut tls = false;
     if port != envd_proto::PORT
         && let Some(ingress) = state.manager.ingress(id)
     {
@@ -364,6 +367,7 @@ async fn forward(state: &Shared, id: &str, port: u32, mut req: Request) -> Respo
         }
         let uri = req.uri().clone();
         ingress.mask(port, &uri, req.headers_mut());
+        tls = ingress.is_https(port);
     }
     // Origin form towards the guest; the body goes on as it arrives.
     let path = req
@@ -381,7 +385,7 @@ async fn forward(state: &Shared, id: &str, port: u32, mut req: Request) -> Respo
     }
     // A guest that stopped answering ends the wait for its answer (the
     // observer decides; see `sandbox::observe`): never a request hanging on.
-    let sent = state.guests.send(&uds, port, req);
+    let sent = state.guests.send(&uds, port, tls, req);
     let answer = match state.manager.unresponsive_watch(id) {
         Some(stuck) => tokio::select! {
             answer = sent => answer,

@@ -1,7 +1,8 @@
 //! A sandbox's ingress settings as E2B's create sets them
-//! (`network.allowPublicTraffic`, `network.maskRequestHost`): what the port
-//! proxy demands of, and changes in, a request to one of the guest's own
-//! ports. envd's port is exempt from both, as in E2B's proxy: envd checks its
+//! (`network.allowPublicTraffic`, `network.maskRequestHost`,
+//! `network.httpsPorts`): what the port proxy demands of, and changes in, a
+//! request to one of the guest's own ports, and which of them it reaches
+//! over TLS. envd's port is exempt from both, as in E2B's proxy: envd checks its
 //! own access token and routes by nothing the Host says.
 
 use axum::http::Uri;
@@ -26,6 +27,10 @@ pub struct Ingress {
     /// its life (pauses and resumes included); a fork child gets its own.
     #[serde(default)]
     pub traffic_access_token: Option<crate::node::ids::Token>,
+    /// `httpsPorts`: guest ports the proxy speaks TLS to, certificates
+    /// unchecked (E2B's: a guest's server has no certificate anyone signed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub https_ports: Vec<u32>,
 }
 
 /// Why a create's ingress settings are refused (E2B's 400 texts).
@@ -38,6 +43,8 @@ pub enum IngressError {
     /// The node's fault, not the request's.
     #[error("generating a traffic access token: {0}")]
     Token(String),
+    #[error("httpsPorts: {0} is not a port of the sandbox's own (1 to 65535, not envd's 49983)")]
+    HttpsPort(u32),
 }
 
 /// A request the proxy refuses for its traffic token (E2B answers 403).
@@ -103,7 +110,28 @@ impl Ingress {
             allow_public_traffic,
             mask_request_host,
             traffic_access_token,
+            https_ports: Vec::new(),
         })
+    }
+
+    /// With `ports` served over TLS (E2B's `httpsPorts`): guest ports,
+    /// not envd's (the agent speaks plain HTTP), each once.
+    pub fn with_https_ports(mut self, mut ports: Vec<u32>) -> Result<Ingress, IngressError> {
+        if let Some(&bad) = ports
+            .iter()
+            .find(|&&p| p == 0 || p > 65535 || p == envd_proto::PORT)
+        {
+            return Err(IngressError::HttpsPort(bad));
+        }
+        ports.sort_unstable();
+        ports.dedup();
+        self.https_ports = ports;
+        Ok(self)
+    }
+
+    /// Whether the proxy reaches guest port `port` over TLS.
+    pub fn is_https(&self, port: u32) -> bool {
+        self.https_ports.contains(&port)
     }
 
     /// The same settings for a fork child: private stays private, with a

@@ -749,6 +749,8 @@ impl Manager {
             .create_inner(&id, &template, params, &mounts, hold)
             .await;
         match &r {
+            // A cold boot maps no memory file to learn a working set of.
+            Ok(_) if template.filesystem_only => {}
             Ok(_) => self.record_working_set(&template, &id),
             Err(_) => {
                 let _ = std::fs::remove_dir_all(self.sandbox_dir(&id));
@@ -786,13 +788,27 @@ impl Manager {
         tokio::task::spawn_blocking(move || volume::ensure_placeholder(&base_dir, volume::SLOTS))
             .await?
             .map_err(io("making the volume slots' placeholder"))?;
-        let restore = self.restore_onto(
-            &template.snapshot,
-            &template.mem,
-            &root,
-            working_set::file_of(template),
-            mounts,
-        );
+        // A filesystem-only snapshot's sandboxes boot on its disk (no
+        // volumes: `mounts_for` refused them); the booted agent has no
+        // token until its init.
+        let (guest, token, timeout) = match template.filesystem_only {
+            true => (
+                self.boot_on(template.vcpus, template.mem_mib, &root),
+                None,
+                BOOT_TIMEOUT,
+            ),
+            false => (
+                Guest::Restore(self.restore_onto(
+                    &template.snapshot,
+                    &template.mem,
+                    &root,
+                    working_set::file_of(template),
+                    mounts,
+                )),
+                template.agent_token.clone(),
+                AGENT_TIMEOUT,
+            ),
+        };
 
         let access_token = if params.secure {
             Some(ids::token().map_err(io("generating an access token"))?)
@@ -814,14 +830,14 @@ impl Manager {
             .chain(self.volume_dirs(mounts)?)
             .collect();
         let plan = Plan {
-            guest: Guest::Restore(restore),
+            guest,
             // A snapshot's agent still holds its source's token until this init.
             ready: Ready::Init {
                 init: Box::new(init),
-                token: template.agent_token.clone(),
+                token,
             },
             hold,
-            timeout: AGENT_TIMEOUT,
+            timeout,
             egress: params.network.policy.clone(),
             lineage: self.lineage(&dir, &uses_dirs, &template.uses_snapshots, &template.id),
         };
@@ -852,7 +868,7 @@ impl Manager {
                 pause_generation: 0,
                 local_pause: None,
                 snapshot: None,
-                cold_booted: false,
+                cold_booted: template.filesystem_only,
                 envd_unresponsive_at_pause: false,
                 root_layer: None,
                 has_dependents: false,
@@ -862,7 +878,11 @@ impl Manager {
                 network: params.network,
                 pause_reason: None,
                 team: crate::node::tenants::stored_team(params.team.as_deref()),
-                cpu_template: template.cpu_template.clone(),
+                // A cold boot runs under this node's CPU template.
+                cpu_template: match template.filesystem_only {
+                    true => self.config.cpu_template_name(),
+                    false => template.cpu_template.clone(),
+                },
                 volume_mounts: mounts.to_vec(),
             }
         };
@@ -1130,6 +1150,20 @@ impl Manager {
         record: &SandboxRecord,
         launched: &Launched,
     ) -> Result<Option<PausedSnapshot>, SandboxError> {
+        self.sync_guest(record, launched, "a filesystem-only pause")
+            .await?;
+        launched.vm.pause().await?;
+        Ok(None)
+    }
+
+    /// Has the guest write back what its page cache holds (its agent must
+    /// answer), for `what`, which keeps its disk and not its memory.
+    async fn sync_guest(
+        &self,
+        record: &SandboxRecord,
+        launched: &Launched,
+        what: &str,
+    ) -> Result<(), SandboxError> {
         let agent = launched
             .vm
             .agent()
@@ -1140,19 +1174,18 @@ impl Manager {
             Ok(out) if out.exit_code == 0 => {}
             Ok(out) => {
                 return Err(SandboxError::Unavailable(format!(
-                    "a filesystem-only pause needs the guest to flush its disk; `sync` exited {}: {}",
+                    "{what} needs the guest to flush its disk; `sync` exited {}: {}",
                     out.exit_code,
                     out.stderr.trim()
                 )));
             }
             Err(e) => {
                 return Err(SandboxError::Unavailable(format!(
-                    "a filesystem-only pause needs the guest agent to answer: {e}"
+                    "{what} needs the guest agent to answer: {e}"
                 )));
             }
         }
-        launched.vm.pause().await?;
-        Ok(None)
+        Ok(())
     }
 
     /// Resumes a paused sandbox for `timeout`; returns it and whether it was
@@ -1296,21 +1329,7 @@ impl Manager {
             .map_err(|_| SandboxError::Invalid(format!("{} vCPUs", record.cpu_count)))?;
         let init = agent_init(record)?;
         Ok(Plan {
-            guest: Guest::Boot(GuestSpec {
-                kernel: self.template.kernel.clone(),
-                boot_args: Some(launch::BOOT_ARGS.into()),
-                vcpus,
-                mem_mib: record.memory_mb,
-                drives: vec![Drive::new(
-                    self.template.root_drive_id.clone(),
-                    root.display().to_string(),
-                    true,
-                    false,
-                )],
-                vsock: true,
-                // The node's, set by the launch.
-                cpu_template: None,
-            }),
+            guest: self.boot_on(vcpus, record.memory_mb, root),
             // A booted agent has no token until this init.
             ready: Ready::Init {
                 init: Box::new(init),
@@ -1320,6 +1339,27 @@ impl Manager {
             timeout: BOOT_TIMEOUT,
             egress: record.network.policy.clone(),
             lineage: self.record_lineage(record),
+        })
+    }
+
+    /// The node's kernel booted with `vcpus` and `mem_mib` on the root
+    /// disk `root` (a cold boot: a filesystem-only pause's resume, a
+    /// filesystem-only snapshot's create).
+    fn boot_on(&self, vcpus: u8, mem_mib: u64, root: &std::path::Path) -> Guest {
+        Guest::Boot(GuestSpec {
+            kernel: self.template.kernel.clone(),
+            boot_args: Some(launch::BOOT_ARGS.into()),
+            vcpus,
+            mem_mib,
+            drives: vec![Drive::new(
+                self.template.root_drive_id.clone(),
+                root.display().to_string(),
+                true,
+                false,
+            )],
+            vsock: true,
+            // The node's, set by the launch.
+            cpu_template: None,
         })
     }
 

@@ -212,6 +212,11 @@ pub struct SandboxRecord {
 #[serde(rename_all = "camelCase")]
 pub struct VolumeMount {
     pub volume_id: String,
+    /// The volume's name as the create named it (names are fixed, and a
+    /// mounted volume is not deleted, so it still names it), for E2B's
+    /// `volumeMounts` in details and lists. Empty in records from before.
+    #[serde(default)]
+    pub name: String,
     /// Its spare drive (`vol<slot>`).
     pub slot: usize,
     /// Where the guest mounts it.
@@ -305,6 +310,13 @@ pub struct TemplateRecord {
     /// uses it (see `crate::node::template::image_disk`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<String>,
+    /// A filesystem-only snapshot (E2B's `memory: false`): its sandboxes
+    /// cold-boot the node's kernel on their own layer over `root_layer`,
+    /// and nothing restores its `snapshot` and `mem` (written all the same:
+    /// the VMM's fork seals the disk, and its source's memory then maps
+    /// them).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub filesystem_only: bool,
 }
 
 impl TemplateRecord {

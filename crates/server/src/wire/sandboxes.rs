@@ -55,6 +55,10 @@ pub struct ListedSandbox {
     /// did not answer: only a resume with `memory: false` is allowed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub envd_unresponsive_at_pause: Option<bool>,
+    /// Its volumes, as the create named them (a fork child's: its copies
+    /// of its parent's, named as the parent's).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts: Vec<super::SandboxVolumeMount>,
 }
 
 /// E2B's SandboxDetail (`GET /sandboxes/{id}`): the listed fields and more,
@@ -109,6 +113,8 @@ pub struct NetworkDetail {
     pub allow_public_traffic: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mask_request_host: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub https_ports: Vec<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

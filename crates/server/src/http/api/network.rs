@@ -27,7 +27,7 @@ pub(super) struct NetworkBody {
     rules: Option<Value>,
     egress_proxy: Option<Value>,
     dns_servers: Option<Value>,
-    https_ports: Option<Value>,
+    https_ports: Option<Vec<u32>>,
 }
 
 /// `PUT /sandboxes/{id}/network`'s body: the same rules, replacing all.
@@ -60,7 +60,6 @@ fn unsupported(field: &str) -> ApiError {
              follows the domain rules, and a name reaches only the addresses it answered; \
              no resolver needs opening"
         }
-        "httpsPorts" => "its port proxy reaches guest ports over plain HTTP only",
         _ => "not implemented",
     };
     ApiError::bad_request(format!(
@@ -105,10 +104,10 @@ pub(super) fn from_create(
         ("rules", &n.rules),
         ("egressProxy", &n.egress_proxy),
         ("dnsServers", &n.dns_servers),
-        ("httpsPorts", &n.https_ports),
     ])?;
-    let ingress =
-        Ingress::new(n.allow_public_traffic, n.mask_request_host).map_err(|e| match e {
+    let ingress = Ingress::new(n.allow_public_traffic, n.mask_request_host)
+        .and_then(|i| i.with_https_ports(n.https_ports.unwrap_or_default()))
+        .map_err(|e| match e {
             IngressError::Token(_) => {
                 ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
             }
@@ -133,6 +132,7 @@ pub(super) fn detail(n: &SandboxNetwork) -> wire::NetworkDetail {
         deny_out: n.deny_out.clone(),
         allow_public_traffic: n.ingress.allow_public_traffic,
         mask_request_host: n.ingress.mask_request_host.clone(),
+        https_ports: n.ingress.https_ports.clone(),
     }
 }
 
@@ -218,10 +218,9 @@ mod tests {
                 r#"{"dnsServers":["8.8.8.8"]}"#,
                 "network.dnsServers is not supported",
             ),
-            (
-                r#"{"httpsPorts":[8443]}"#,
-                "network.httpsPorts is not supported",
-            ),
+            (r#"{"httpsPorts":[49983]}"#, "httpsPorts: 49983"),
+            (r#"{"httpsPorts":[0]}"#, "httpsPorts: 0"),
+            (r#"{"httpsPorts":[70000]}"#, "httpsPorts: 70000"),
         ];
         for (json, says) in cases {
             let e = from_create(None, Some(body(json))).unwrap_err();
@@ -238,11 +237,13 @@ mod tests {
         let n = from_create(
             None,
             Some(body(
-                r#"{"allowPublicTraffic":false,"maskRequestHost":"${PORT}-app.test"}"#,
+                r#"{"allowPublicTraffic":false,"maskRequestHost":"${PORT}-app.test","httpsPorts":[8443,3000,8443]}"#,
             )),
         )
         .unwrap();
         assert!(n.ingress.traffic_access_token.is_some());
+        assert!(n.ingress.is_https(8443) && n.ingress.is_https(3000));
+        assert!(!n.ingress.is_https(80));
         let record = SandboxRecord {
             network: n,
             ..SandboxRecord::default()
@@ -251,7 +252,11 @@ mod tests {
         assert_eq!(v["allowInternetAccess"], Value::Null);
         assert_eq!(
             v["network"],
-            json!({"allowPublicTraffic": false, "maskRequestHost": "${PORT}-app.test"})
+            json!({
+                "allowPublicTraffic": false,
+                "maskRequestHost": "${PORT}-app.test",
+                "httpsPorts": [3000, 8443],
+            })
         );
         // The token is the Sandbox object's, never the detail's.
         assert!(

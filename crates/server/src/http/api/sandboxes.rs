@@ -112,6 +112,19 @@ impl From<&SandboxRecord> for wire::ListedSandbox {
             envd_unresponsive_at_pause: (r.state == SandboxState::Paused
                 && r.envd_unresponsive_at_pause)
                 .then_some(true),
+            volume_mounts: r
+                .volume_mounts
+                .iter()
+                .map(|m| wire::SandboxVolumeMount {
+                    // A record from before names kept only the id.
+                    name: if m.name.is_empty() {
+                        m.volume_id.clone()
+                    } else {
+                        m.name.clone()
+                    },
+                    path: m.path.clone(),
+                })
+                .collect(),
         }
     }
 }

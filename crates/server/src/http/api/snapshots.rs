@@ -33,7 +33,7 @@ impl From<&TemplateRecord> for wire::SnapshotInfo {
 #[derive(Debug, Default, Deserialize)]
 pub(super) struct NewSnapshot {
     name: Option<String>,
-    /// `false` asks for a filesystem-only snapshot, which this node does not take.
+    /// `false`: a filesystem-only snapshot, whose sandboxes cold-boot.
     memory: Option<bool>,
 }
 
@@ -45,11 +45,6 @@ pub async fn create(
     SandboxId(id): SandboxId,
     JsonBody(req): JsonBody<NewSnapshot>,
 ) -> Result<Response, ApiError> {
-    if req.memory == Some(false) {
-        return Err(ApiError::bad_request(
-            "filesystem-only snapshots are not supported: snapshots keep memory",
-        ));
-    }
     // Owned by the sandbox's team before it exists.
     let snapshot_id = crate::node::ids::sandbox_id()
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
@@ -57,6 +52,7 @@ pub async fn create(
     let params = SnapshotParams {
         name: req.name.filter(|n| !n.is_empty()),
         id: Some(snapshot_id.clone()),
+        filesystem_only: req.memory == Some(false),
     };
     let record = match state.manager.snapshot(&id, params).await {
         Ok(record) => record,

@@ -4,11 +4,13 @@
 //!
 //! Connections are keyed by the VMM's vsock socket (not the sandbox id), so a
 //! sandbox that was paused and resumed never gets its old VMM's connections.
+//! A port in the sandbox's `httpsPorts` is spoken to over TLS
+//! ([`super::guest_tls`]).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
@@ -26,7 +28,8 @@ const SWEEP_EVERY: u32 = 256;
 /// closes one would be lost, so ours are dropped well before.
 const IDLE_LIMIT: Duration = Duration::from_secs(15);
 
-type Key = (PathBuf, u32);
+/// The VMM's socket, the guest port, whether over TLS.
+type Key = (PathBuf, u32, bool);
 
 #[derive(Debug)]
 struct Kept {
@@ -46,6 +49,8 @@ pub struct GuestConnections {
     puts: AtomicU32,
     idle_limit: Duration,
     connect_patience: Duration,
+    /// Made at the first request to an HTTPS port.
+    tls: OnceLock<Result<Arc<rustls::ClientConfig>, String>>,
 }
 
 impl Default for GuestConnections {
@@ -71,6 +76,9 @@ pub enum ForwardError {
     Connect(#[from] VsockConnectError),
     #[error("{0}")]
     Http(#[from] hyper::Error),
+    /// TLS to an HTTPS port (`httpsPorts`) failed.
+    #[error("TLS to the guest port: {0}")]
+    Tls(std::io::Error),
     /// New connections kept failing before the request went out.
     #[error("no connection taken in {waited:?} ({tries} tries; the last: {last})")]
     Gave {
@@ -132,18 +140,20 @@ impl GuestConnections {
             puts: AtomicU32::new(0),
             idle_limit,
             connect_patience: CONNECT_PATIENCE,
+            tls: OnceLock::new(),
         }
     }
 
-    /// Sends `req` to `port` behind the vsock socket `uds`, on an idle
-    /// connection when one is ready, else on a new one.
+    /// Sends `req` to `port` behind the vsock socket `uds` (over TLS when
+    /// `tls`), on an idle connection when one is ready, else on a new one.
     pub async fn send(
         &self,
         uds: &Path,
         port: u32,
+        tls: bool,
         mut req: Request,
     ) -> Result<hyper::Response<hyper::body::Incoming>, Unanswered> {
-        let key = (uds.to_owned(), port);
+        let key = (uds.to_owned(), port, tls);
         while let Some(mut sender) = self.take_idle(&key) {
             let replay = replayable(&req);
             match sender.try_send_request(req).await {
@@ -170,7 +180,7 @@ impl GuestConnections {
         let mut pause = FIRST_RETRY_PAUSE;
         let mut tries = 1u32;
         loop {
-            let error = match self.send_fresh(uds, port, req).await {
+            let error = match self.send_fresh(uds, port, tls, req).await {
                 Fresh::Answered(response, sender) => {
                     self.put_back(key, sender);
                     return Ok(response);
@@ -202,24 +212,35 @@ impl GuestConnections {
     }
 
     /// One try of `req` on a new connection.
-    async fn send_fresh(&self, uds: &Path, port: u32, req: Request) -> Fresh {
+    async fn send_fresh(&self, uds: &Path, port: u32, tls: bool, req: Request) -> Fresh {
         let stream = match open(uds, port).await {
             Ok(stream) => stream,
             Err(e) if transient(&e) => return Fresh::Unsent(req, e.into()),
             Err(e) => return Fresh::Failed(e.into(), Some(req)),
         };
-        let (mut sender, connection) =
-            match hyper::client::conn::http1::handshake(TokioIo::new(stream)).await {
-                Ok(pair) => pair,
-                Err(e) => return Fresh::Unsent(req, e.into()),
-            };
-        tokio::spawn(async move {
-            // With upgrades: a 101 answer hands the stream to the proxy
-            // (WebSockets and the like) instead of closing it.
-            if let Err(e) = connection.with_upgrades().await {
-                tracing::debug!("proxied connection: {e}");
+        let handshake = match tls {
+            false => handshake(stream).await,
+            true => {
+                let config = match self.tls_config() {
+                    Ok(config) => config,
+                    Err(e) => return Fresh::Failed(e, Some(req)),
+                };
+                match super::guest_tls::connect(config, stream).await {
+                    Ok(stream) => handshake(stream).await,
+                    // What rustls refused (a server speaking plain HTTP, no
+                    // common cipher) is final; a connection the guest
+                    // dropped before its answer may be tried again.
+                    Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                        return Fresh::Failed(ForwardError::Tls(e), Some(req));
+                    }
+                    Err(e) => return Fresh::Unsent(req, ForwardError::Tls(e)),
+                }
             }
-        });
+        };
+        let mut sender = match handshake {
+            Ok(sender) => sender,
+            Err(e) => return Fresh::Unsent(req, e.into()),
+        };
         let replay = replayable(&req);
         match sender.try_send_request(req).await {
             Ok(response) => Fresh::Answered(response, sender),
@@ -231,6 +252,13 @@ impl GuestConnections {
                 (None, None) => Fresh::Failed(e.into_error().into(), None),
             },
         }
+    }
+
+    fn tls_config(&self) -> Result<Arc<rustls::ClientConfig>, ForwardError> {
+        self.tls
+            .get_or_init(|| super::guest_tls::client_config().map_err(|e| e.to_string()))
+            .clone()
+            .map_err(|e| ForwardError::Tls(std::io::Error::other(e)))
     }
 
     /// A connection of `key` ready for a request. Busy ones (a response
@@ -280,6 +308,22 @@ impl GuestConnections {
 
 /// A new stream to a guest port: envd's vsock port directly, any other
 /// through the agent's TCP forwarder (servers in the guest listen on TCP).
+/// HTTP/1 on a new connection, served on its own task.
+async fn handshake<S>(stream: S) -> Result<SendRequest<Body>, hyper::Error>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(async move {
+        // With upgrades: a 101 answer hands the stream to the proxy
+        // (WebSockets and the like) instead of closing it.
+        if let Err(e) = connection.with_upgrades().await {
+            tracing::debug!("proxied connection: {e}");
+        }
+    });
+    Ok(sender)
+}
+
 async fn open(uds: &Path, port: u32) -> Result<tokio::net::UnixStream, VsockConnectError> {
     if port == envd_proto::PORT {
         return vsock_connect::connect(uds, port).await;
@@ -485,7 +529,7 @@ mod tests {
     }
 
     async fn fetch(guests: &GuestConnections, uds: &Path, path: &str) -> String {
-        let response = guests.send(uds, 49983, get(path)).await.unwrap();
+        let response = guests.send(uds, 49983, false, get(path)).await.unwrap();
         let bytes = response.into_body().collect().await.unwrap().to_bytes();
         String::from_utf8(bytes.to_vec()).unwrap()
     }
@@ -543,7 +587,7 @@ mod tests {
                 .header("host", "guest")
                 .body(Body::from("a command"))
                 .unwrap();
-            let answer = guests.send(&guest.uds, 49983, post).await.unwrap();
+            let answer = guests.send(&guest.uds, 49983, false, post).await.unwrap();
             let bytes = answer.into_body().collect().await.unwrap().to_bytes();
             assert_eq!(&bytes[..], b"/process.Process/Start");
         }
@@ -560,7 +604,10 @@ mod tests {
             ..GuestConnections::default()
         };
         let started = Instant::now();
-        let e = guests.send(&guest.uds, 49983, get("/x")).await.unwrap_err();
+        let e = guests
+            .send(&guest.uds, 49983, false, get("/x"))
+            .await
+            .unwrap_err();
         assert!(e.unsent.is_some());
         let e = e.error;
         assert!(started.elapsed() >= Duration::from_millis(300), "{e}");
@@ -570,7 +617,7 @@ mod tests {
         let started = Instant::now();
         let gone = dir.path().join("gone.sock");
         let e = guests
-            .send(&gone, 49983, get("/x"))
+            .send(&gone, 49983, false, get("/x"))
             .await
             .unwrap_err()
             .error;
@@ -627,7 +674,7 @@ mod tests {
             .header("upgrade", "echo")
             .body(Body::empty())
             .unwrap();
-        let mut switched = guests.send(&guest.uds, 49983, req).await.unwrap();
+        let mut switched = guests.send(&guest.uds, 49983, false, req).await.unwrap();
         assert_eq!(switched.status(), 101);
         let mut io = TokioIo::new(hyper::upgrade::on(&mut switched).await.unwrap());
         io.write_all(b"over the upgrade").await.unwrap();
@@ -637,5 +684,76 @@ mod tests {
         // The next request needs a connection of its own.
         assert_eq!(fetch(&guests, &guest.uds, "/after").await, "/after");
         assert_eq!(guest.accepted(), 2);
+    }
+
+    /// The test certificate's server side (`testdata/`: self-signed for
+    /// `localhost`, made with openssl for these tests).
+    fn tls_acceptor() -> tokio_rustls::TlsAcceptor {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let cert =
+            CertificateDer::from_pem_slice(include_bytes!("testdata/guest-tls.crt")).unwrap();
+        let key = PrivateKeyDer::from_pem_slice(include_bytes!("testdata/guest-tls.key")).unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![cert], key)
+            .unwrap();
+        tokio_rustls::TlsAcceptor::from(Arc::new(config))
+    }
+
+    /// A port in `httpsPorts` is spoken to over TLS, its self-signed
+    /// certificate taken, its connections kept as plain ones; TLS to a
+    /// server that speaks plain HTTP fails at once, saying so.
+    #[tokio::test]
+    async fn an_https_port_is_reached_over_tls_whatever_its_certificate() {
+        let dir = tempfile::tempdir().unwrap();
+        let uds = dir.path().join("tls.sock");
+        let listener = UnixListener::bind(&uds).unwrap();
+        let acceptor = tls_acceptor();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    let mut stream = BufReader::new(stream);
+                    let mut line = String::new();
+                    stream.read_line(&mut line).await.unwrap();
+                    stream
+                        .get_mut()
+                        .write_all(b"OK 1073741824\n")
+                        .await
+                        .unwrap();
+                    // Nothing buffered past the line: TLS starts after it.
+                    let Ok(tls) = acceptor.accept(stream.into_inner()).await else {
+                        return;
+                    };
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(tls), service_fn(answer))
+                        .await;
+                });
+            }
+        });
+        let guests = GuestConnections::default();
+        for path in ["/over-tls", "/again"] {
+            let response = guests.send(&uds, 49983, true, get(path)).await.unwrap();
+            let bytes = response.into_body().collect().await.unwrap().to_bytes();
+            assert_eq!(&bytes[..], path.as_bytes());
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+
+        let plain = FakeGuest::start(dir.path());
+        let started = Instant::now();
+        let e = guests
+            .send(&plain.uds, 49983, true, get("/x"))
+            .await
+            .unwrap_err();
+        assert!(matches!(e.error, ForwardError::Tls(_)), "{}", e.error);
+        assert!(e.unsent.is_some());
+        assert!(started.elapsed() < Duration::from_secs(2), "{}", e.error);
     }
 }

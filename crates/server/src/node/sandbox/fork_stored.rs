@@ -226,11 +226,13 @@ impl Manager {
             other => return Err(other.refusal(id)),
         }
         let parent = self.get(id)?;
-        Manager::refuse_mounted(
-            &parent,
-            "mounting volumes: a fork of a paused sandbox does not copy volumes yet; resume it \
-             to fork it",
-        )?;
+        // Its volumes move onto new layers, as its root disk does: no create
+        // or delete of them meanwhile (a create would write the layer being
+        // sealed).
+        let _volumes = match parent.volume_mounts.is_empty() {
+            true => None,
+            false => Some(self.volume_changes.lock().await),
+        };
         let Some(snapshot) = parent.snapshot.clone() else {
             return Err(SandboxError::Conflict {
                 id: id.to_owned(),
@@ -271,33 +273,92 @@ impl Manager {
             }
         }
         let sealed = self.root_layer(&parent);
-        let own_top = self.sandbox_dir(id).join(format!(
-            "root-{}.layer",
-            ids::sandbox_id().map_err(io("generating a layer name"))?
-        ));
+        let layer_id = ids::sandbox_id().map_err(io("generating a layer name"))?;
+        let own_dir = self.sandbox_dir(id);
+        let own_top = own_dir.join(format!("root-{layer_id}.layer"));
         let tops: Vec<PathBuf> = dirs.iter().map(|d| d.join(ROOT_LAYER)).collect();
+        // Each volume's layer is branched too: the paused sandbox's next one
+        // in its own directory, a copy for each child in the child's.
+        let branches: Vec<Branch> = parent
+            .volume_mounts
+            .iter()
+            .map(|m| Branch {
+                sealed: m.disk.clone(),
+                own: own_dir.join(format!("vol{}-{layer_id}.layer", m.slot)),
+                children: dirs
+                    .iter()
+                    .map(|d| d.join(format!("vol{}.layer", m.slot)))
+                    .collect(),
+            })
+            .collect();
+        let root = Branch {
+            sealed: sealed.clone(),
+            own: own_top.clone(),
+            children: tops.clone(),
+        };
+        // The root first: a failure there leaves everything as it was.
         let branched = {
-            let (sealed, own_top, tops) = (sealed.clone(), own_top.clone(), tops.clone());
-            tokio::task::spawn_blocking(move || {
-                LayeredDisk::open(&sealed)?
-                    .seal_and_branch(&own_top, &tops)
-                    .map(drop)
+            let (root, branches) = (root, branches.clone());
+            tokio::task::spawn_blocking(move || -> Result<usize, SandboxError> {
+                root.seal()?;
+                // The volumes sealed before one that failed: recorded below,
+                // then the fork fails.
+                let mut done = 0;
+                for b in &branches {
+                    if let Err(e) = b.seal() {
+                        tracing::warn!("sealing {}: {e}", b.sealed.display());
+                        break;
+                    }
+                    done += 1;
+                }
+                Ok(done)
             })
             .await
         };
-        if let Err(e) = branched
+        let volumes_sealed = match branched.map_err(SandboxError::from).and_then(|r| r) {
+            Ok(n) => n,
+            Err(e) => {
+                remove_dirs(&dirs);
+                return Err(e);
+            }
+        };
+        let mounts: Vec<VolumeMount> = parent
+            .volume_mounts
+            .iter()
+            .zip(&branches)
+            .take(volumes_sealed)
+            .map(|(m, b)| VolumeMount {
+                disk: b.own.clone(),
+                ..m.clone()
+            })
+            .chain(parent.volume_mounts.iter().skip(volumes_sealed).cloned())
+            .collect();
+        // Sealed: from here the paused sandbox must name its new layers, and
+        // its directory (the sealed layers, its pause's memory) outlive it.
+        let recorded = self
+            .store
+            .update_sandbox(id, |s| {
+                s.root_layer = Some(own_top.clone());
+                s.has_dependents = true;
+                s.volume_mounts = mounts.clone();
+            })
             .map_err(SandboxError::from)
-            .and_then(|r| r.map_err(SandboxError::from))
-        {
+            .and_then(|p| {
+                // Each volume is on the paused sandbox's new layer now.
+                self.volumes_moved(&mounts, &own_dir)?;
+                Ok(p)
+            });
+        if volumes_sealed < branches.len() {
             remove_dirs(&dirs);
-            return Err(e);
+            return Err(SandboxError::Io {
+                what: format!(
+                    "sealing volume {}'s layer for a fork of paused sandbox {id} (see the \
+                     node's log; the sandbox stays paused)",
+                    parent.volume_mounts[volumes_sealed].volume_id
+                ),
+                source: std::io::Error::other("the seal failed"),
+            });
         }
-        // Sealed: from here the paused sandbox must name its new layer, and
-        // its directory (the sealed layer, its pause's memory) outlive it.
-        let recorded = self.store.update_sandbox(id, |s| {
-            s.root_layer = Some(own_top.clone());
-            s.has_dependents = true;
-        });
         let parent = match recorded {
             Ok(Some(p)) => p,
             Ok(None) => {
@@ -312,7 +373,7 @@ impl Manager {
                     own_top.display()
                 );
                 remove_dirs(&dirs);
-                return Err(e.into());
+                return Err(e);
             }
         };
         // The children start without the parent: it may resume meanwhile
@@ -324,9 +385,20 @@ impl Manager {
             let manager = self.clone();
             let (parent, snapshot) = (parent.clone(), snapshot.clone());
             let hold = slots.split(child);
+            // Its copies: not the volumes, which stay the paused sandbox's.
+            let copies: Vec<VolumeMount> = parent
+                .volume_mounts
+                .iter()
+                .zip(&branches)
+                .map(|(m, b)| VolumeMount {
+                    disk: b.children[index].clone(),
+                    copy: true,
+                    ..m.clone()
+                })
+                .collect();
             tasks.spawn(async move {
                 let r = manager
-                    .paused_child(&parent, &snapshot, child_id, top, Vec::new(), timeout, hold)
+                    .paused_child(&parent, &snapshot, child_id, top, copies, timeout, hold)
                     .await;
                 (index, r)
             });
@@ -400,6 +472,13 @@ impl Manager {
                 "snapshot {id_or_name}"
             )));
         }
+        if template.filesystem_only {
+            return Err(SandboxError::Invalid(format!(
+                "snapshot {} is filesystem-only: a fork restores memory, and it has none to \
+                 restore (create sandboxes from it instead: each cold-boots on its disk)",
+                template.id
+            )));
+        }
         let child = Ask::sandbox(u64::from(template.vcpus), template.mem_mib);
         let mut slots = self.capacity.reserve_for(
             child.times(u64::from(count)),
@@ -460,5 +539,23 @@ impl Manager {
         }
         // The pin is held until every child's record names the snapshot.
         Ok(collect(tasks, count as usize).await)
+    }
+}
+
+/// A layer sealed under new writable ones: `own` for the disk's owner,
+/// one per child.
+#[derive(Debug, Clone)]
+struct Branch {
+    sealed: PathBuf,
+    own: PathBuf,
+    children: Vec<PathBuf>,
+}
+
+impl Branch {
+    fn seal(&self) -> Result<(), SandboxError> {
+        LayeredDisk::open(&self.sealed)?
+            .seal_and_branch(&self.own, &self.children)
+            .map(drop)?;
+        Ok(())
     }
 }

@@ -43,6 +43,13 @@ impl Manager {
                         checkpoints; a create from the snapshot starts a new one)",
             });
         }
+        if template.filesystem_only {
+            return Err(SandboxError::Invalid(format!(
+                "snapshot {} is filesystem-only: a rollback restores memory, and it has none \
+                 to restore (create a sandbox from it instead: it cold-boots on its disk)",
+                template.id
+            )));
+        }
         let record = self.get(id)?;
         // Its new root layer beside the old one; the old goes once the new
         // guest runs (a snapshot or fork moves a sandbox to a new layer, so

@@ -10,6 +10,10 @@
 //! earlier files (the template's, the source's pauses, earlier snapshots), so
 //! every sandbox and snapshot records the snapshots it stacks on
 //! (`uses_snapshots`) and a snapshot in use is never deleted.
+//!
+//! A filesystem-only snapshot (E2B's `memory: false`) is taken the same way
+//! once the guest has written back its page cache; its sandboxes cold-boot
+//! on its disk ([`TemplateRecord::filesystem_only`]).
 
 use std::collections::HashMap;
 
@@ -35,6 +39,8 @@ pub struct SnapshotParams {
     pub name: Option<String>,
     /// The snapshot's id, when the caller chose it (a template build).
     pub id: Option<String>,
+    /// E2B's `memory: false`: its sandboxes cold-boot on its disk.
+    pub filesystem_only: bool,
 }
 
 /// Names: letters, digits and `._-/`, so they fit in a URL path segment.
@@ -208,6 +214,13 @@ impl Manager {
         let Some(launched) = guest.as_ref() else {
             return Err(Phase::Gone.refusal(id));
         };
+        // What a cold boot reads is the disk alone: the guest's page cache
+        // goes to it first (what it writes after the sync and before the
+        // freeze may be missing, as from a filesystem-only pause).
+        if params.filesystem_only {
+            self.sync_guest(&source, launched, "a filesystem-only snapshot")
+                .await?;
+        }
 
         let snap_id = match params.id {
             Some(id) => id,
@@ -309,6 +322,7 @@ impl Manager {
             // And its spare drives, as the source had them.
             volume_slots: source_template.map_or(0, |t| t.volume_slots),
             image: None,
+            filesystem_only: params.filesystem_only,
         };
         self.store.put_template(&record)?;
         Ok(record)

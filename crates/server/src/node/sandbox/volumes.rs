@@ -139,6 +139,13 @@ impl Manager {
                     .into(),
             );
         }
+        if template.filesystem_only {
+            return invalid(format!(
+                "volumeMounts: {} is a filesystem-only snapshot, whose sandboxes cold-boot, and \
+                 a cold boot does not attach volumes yet",
+                template.id
+            ));
+        }
         if template.volume_slots == 0 {
             return invalid(format!(
                 "volumeMounts: template {} was built before volumes and has no slots for \
@@ -186,6 +193,7 @@ impl Manager {
             }
             mounts.push(VolumeMount {
                 volume_id: v.id.clone(),
+                name: v.name.clone(),
                 slot,
                 path: path.to_owned(),
                 read_only: false,

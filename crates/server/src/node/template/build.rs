@@ -704,6 +704,7 @@ impl Templates {
                 SnapshotParams {
                     name: Some(record.name.clone()),
                     id: Some(record.template_id.clone()),
+                    filesystem_only: false,
                 },
             )
             .await

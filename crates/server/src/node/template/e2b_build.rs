@@ -1109,6 +1109,7 @@ impl Templates {
                 SnapshotParams {
                     name: None,
                     id: Some(record.template_id.clone()),
+                    filesystem_only: false,
                 },
             )
             .await
