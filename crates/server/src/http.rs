@@ -3,6 +3,7 @@
 //! node and denials of the cluster become status codes here, and only here.
 
 pub mod api;
+mod console;
 mod cluster_routes;
 pub mod gateway;
 pub(crate) mod proxy;

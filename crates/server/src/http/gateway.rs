@@ -136,7 +136,10 @@ pub async fn serve(
 
 pub fn router(cluster: Cluster, metrics_key: Option<&str>) -> Router {
     let view = View::start(cluster.clone());
-    Router::new().fallback(handle).with_state(Arc::new(Gateway {
+    Router::new()
+        .merge(crate::http::console::routes())
+        .fallback(handle)
+        .with_state(Arc::new(Gateway {
         cluster,
         view,
         placements: Placements::default(),
