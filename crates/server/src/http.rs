@@ -3,8 +3,8 @@
 //! node and denials of the cluster become status codes here, and only here.
 
 pub mod api;
-mod console;
 mod cluster_routes;
+mod console;
 pub mod gateway;
 pub(crate) mod proxy;
 pub(crate) mod state;

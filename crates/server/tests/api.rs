@@ -4781,7 +4781,12 @@ async fn the_console_is_served_without_a_key_and_its_data_takes_one() {
     };
     let page = raw("/console/").await;
     assert_eq!(page.status(), StatusCode::OK);
-    assert!(page.headers()["content-type"].to_str().unwrap().starts_with("text/html"));
+    assert!(
+        page.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/html")
+    );
     let policy = page.headers()["content-security-policy"].to_str().unwrap();
     assert!(policy.contains("script-src 'self'") && policy.contains("frame-ancestors 'none'"));
     let html = page.into_body().collect().await.unwrap().to_bytes();
@@ -4792,13 +4797,21 @@ async fn the_console_is_served_without_a_key_and_its_data_takes_one() {
     ] {
         let a = raw(uri).await;
         assert_eq!(a.status(), StatusCode::OK, "{uri}");
-        assert!(a.headers()["content-type"].to_str().unwrap().starts_with(kind));
+        assert!(
+            a.headers()["content-type"]
+                .to_str()
+                .unwrap()
+                .starts_with(kind)
+        );
     }
     let bare = raw("/console").await;
     assert_eq!(bare.status(), StatusCode::PERMANENT_REDIRECT);
     assert_eq!(bare.headers()["location"], "/console/");
     // Nothing else under /console, and no data without the key.
-    assert_eq!(raw("/console/api-key").await.status(), StatusCode::NOT_FOUND);
+    assert_eq!(
+        raw("/console/api-key").await.status(),
+        StatusCode::NOT_FOUND
+    );
     assert_error(
         &call(
             &node,
@@ -4818,8 +4831,13 @@ async fn the_console_is_served_without_a_key_and_its_data_takes_one() {
         serde_json::json!({"rootID": "def", "sandboxID": "def", "nodes": [
             {"sandboxID": "def", "parentID": null, "branch": null, "state": "paused", "templateID": ""}]})
     );
-    node.refuses("GET", "/v1/sandboxes/nosuch/lineage", "", StatusCode::NOT_FOUND)
-        .await;
+    node.refuses(
+        "GET",
+        "/v1/sandboxes/nosuch/lineage",
+        "",
+        StatusCode::NOT_FOUND,
+    )
+    .await;
     // A killed one stays known, gone, while its event is among the node's last.
     let killed = node.authed("DELETE", "/sandboxes/abc", "").await;
     assert_eq!(killed.status, StatusCode::NO_CONTENT);

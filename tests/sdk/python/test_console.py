@@ -1,8 +1,9 @@
 """The web console (/console) end to end: a sandbox and a fork of 2 made
 through the SDK, then Debian's Chromium, driven headless by Playwright, logs
 in (a wrong key first), sees them in the table, opens the fork tree, finds
-the children drawn under the parent, opens the parent's page, and kills one
-child from the tree; the node then reports that child gone.
+the children drawn under the parent, kills one child from the tree (the
+node then reports that child gone), opens the parent's page and the
+templates.
 
 Screenshots land in target/console-screenshots/ (CONSOLE_SCREENSHOTS
 overrides), named by step; docs/src/console.md describes them. Chromium
@@ -82,6 +83,7 @@ def test_console_shows_the_fork_tree_and_kills_a_child(page: Page) -> None:
 
         page.fill("#api-key", API_KEY)
         page.click("#login button[type=submit]")
+        expect(page.locator("#login")).to_be_hidden()
         # The table, filtered down to this run's sandboxes by metadata.
         page.fill("input[name=metadata]", f"sdk_run={run}, case=console")
         page.press("input[name=metadata]", "Tab")
@@ -117,10 +119,18 @@ def test_console_shows_the_fork_tree_and_kills_a_child(page: Page) -> None:
 
         # The parent's page: its details, the charts and the log tail.
         page.locator(f"{root} > .node a.id").click()
-        expect(page.locator("h1")).to_contain_text(parent.sandbox_id)
+        expect(page.locator("#view h1")).to_contain_text(parent.sandbox_id)
+        details = page.locator("dl.details")
+        expect(details).to_contain_text("case=console")
+        expect(details).to_contain_text("256 MiB")
         expect(page.locator("#metrics svg")).to_have_count(2)
         expect(page.locator("#logs")).to_be_visible()
         shot(page, "05-sandbox")
+
+        # The templates: the suite's own among them.
+        page.locator("#nav").get_by_text("Templates").click()
+        expect(page.locator("#templates tbody")).to_contain_text(TEMPLATE)
+        shot(page, "06-templates")
     finally:
         for c in children:
             with contextlib.suppress(SandboxNotFoundException):

@@ -23,8 +23,14 @@ const POLICY: &str = "default-src 'none'; script-src 'self'; style-src 'self'; \
 /// The console's routes, for the node's router and the gateway's.
 pub fn routes<S: Clone + Send + Sync + 'static>() -> Router<S> {
     Router::new()
-        .route("/console", get(|| async { Redirect::permanent("/console/") }))
-        .route("/console/", get(|| async { asset("text/html; charset=utf-8", INDEX) }))
+        .route(
+            "/console",
+            get(|| async { Redirect::permanent("/console/") }),
+        )
+        .route(
+            "/console/",
+            get(|| async { asset("text/html; charset=utf-8", INDEX) }),
+        )
         .route(
             "/console/console.js",
             get(|| async { asset("text/javascript; charset=utf-8", SCRIPT) }),

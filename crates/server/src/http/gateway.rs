@@ -140,13 +140,13 @@ pub fn router(cluster: Cluster, metrics_key: Option<&str>) -> Router {
         .merge(crate::http::console::routes())
         .fallback(handle)
         .with_state(Arc::new(Gateway {
-        cluster,
-        view,
-        placements: Placements::default(),
-        nodes: node_client(),
-        metrics: GatewayMetrics::new(),
-        metrics_key: metrics_key.map(crate::node::keys::hash),
-    }))
+            cluster,
+            view,
+            placements: Placements::default(),
+            nodes: node_client(),
+            metrics: GatewayMetrics::new(),
+            metrics_key: metrics_key.map(crate::node::keys::hash),
+        }))
 }
 
 /// What a control-plane request is, for routing.

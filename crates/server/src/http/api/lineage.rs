@@ -104,7 +104,10 @@ fn build(
                     .map(|p| (*p).to_owned()),
                 branch: branch.get(id).copied().filter(|_| below_root),
                 state: live(id).unwrap_or(GONE).to_owned(),
-                template_id: template.get(id).map(|t| (*t).to_owned()).unwrap_or_default(),
+                template_id: template
+                    .get(id)
+                    .map(|t| (*t).to_owned())
+                    .unwrap_or_default(),
             });
             for (n, child) in children.get(id).into_iter().flatten().enumerate() {
                 branch.insert(child, u32::try_from(n).unwrap_or(u32::MAX));
@@ -159,7 +162,12 @@ mod tests {
     }
 
     fn node(id: &str, parent: Option<&str>, branch: Option<u32>, state: &str) -> Row {
-        (id.to_owned(), parent.map(str::to_owned), branch, state.to_owned())
+        (
+            id.to_owned(),
+            parent.map(str::to_owned),
+            branch,
+            state.to_owned(),
+        )
     }
 
     #[test]

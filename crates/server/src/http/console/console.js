@@ -46,7 +46,7 @@ function h(tag, attrs = {}, ...children) {
     if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
     else el.setAttribute(k, v === true ? "" : String(v));
   }
-  for (const c of children.flat()) {
+  for (const c of children.flat(Infinity)) {
     if (c !== null && c !== undefined) el.append(c instanceof Node ? c : String(c));
   }
   return el;
@@ -306,6 +306,7 @@ async function route() {
   clearTimeout(refresh);
   if (!sessionStorage.getItem(KEY)) return showLogin();
   $("#login").hidden = true;
+  $("#login-error").hidden = true;
   $("#nav").hidden = false;
   const [, page, id] = location.hash.split("/");
   try {
