@@ -4852,4 +4852,14 @@ async fn the_console_is_served_without_a_key_and_its_data_takes_one() {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     assert_eq!(state, "gone");
+
+    // Another team's key sees neither, live nor gone: as unknown ones.
+    let (_, b_key) = team(&node, r#"{"name":"b"}"#).await;
+    for id in ["abc", "def"] {
+        let uri = format!("/v1/sandboxes/{id}/lineage");
+        assert_error(
+            &call(&node, keyed(&b_key, "GET", &uri, "")).await,
+            StatusCode::NOT_FOUND,
+        );
+    }
 }

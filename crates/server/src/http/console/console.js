@@ -261,7 +261,7 @@ async function templatesPage() {
       h("thead", {}, h("tr", {}, ["Template", "Names", "Build", "Status", "CPU / memory", "Spawned", "Updated"].map((c) => h("th", {}, c)))),
       h("tbody", {}, list.map((t) => h("tr", {},
         h("td", { class: "id" }, t.templateID),
-        h("td", {}, (t.aliases || []).join(", ")),
+        h("td", {}, [...new Set([...(t.names || []), ...(t.aliases || [])])].join(", ")),
         h("td", { class: "id" }, t.buildID),
         h("td", {}, t.buildStatus),
         h("td", {}, `${t.cpuCount} vCPU / ${t.memoryMB} MiB`),
