@@ -60,6 +60,10 @@ if [[ $suite == all || $suite == cli ]] && ! ((only_basic)); then
 fi
 # the Python SDK suite's venv runs the E2B CLI's pytest suite too
 [[ $suite == js ]] || setup_python
+# the web console's test (test_console.py) drives Debian's Chromium
+if [[ $suite != js ]] && ! command -v chromium >/dev/null; then
+    apt_install chromium
+fi
 [[ $suite == python ]] || setup_node
 ((cli_suite == 0)) || setup_e2b_cli
 
@@ -114,6 +118,7 @@ e2b_cli_tests() {
 if [[ $suite == all || $suite == python ]]; then
     # the tests' and the bench's Python
     run "python lint" python_lint "$venv" tests/sdk/python tests/cluster tests/support crates/cli/src/bench
+    run "console test types" python_typed "$venv" tests/sdk/python/test_console.py
     run "python basic" pytest -m "not lifecycle"
     ((only_basic)) || run "python lifecycle" pytest -m lifecycle
 fi

@@ -4,6 +4,7 @@
 
 pub mod api;
 mod cluster_routes;
+mod console;
 pub mod gateway;
 pub(crate) mod proxy;
 pub(crate) mod state;

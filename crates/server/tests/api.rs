@@ -4809,3 +4809,99 @@ async fn a_filesystem_only_snapshot_is_neither_forked_nor_given_volumes() {
     let message = a.json["message"].as_str().unwrap();
     assert!(message.contains("filesystem-only snapshot"), "{message}");
 }
+
+#[tokio::test]
+async fn the_console_is_served_without_a_key_and_its_data_takes_one() {
+    let node = node(&[
+        record("abc", 1, SandboxState::Running, "x"),
+        record("def", 2, SandboxState::Paused, "x"),
+    ]);
+    let raw = |uri: &str| {
+        let app = node.app.clone();
+        let req = Request::get(uri).body(Body::empty()).unwrap();
+        async move { app.oneshot(req).await.unwrap() }
+    };
+    let page = raw("/console/").await;
+    assert_eq!(page.status(), StatusCode::OK);
+    assert!(
+        page.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/html")
+    );
+    let policy = page.headers()["content-security-policy"].to_str().unwrap();
+    assert!(policy.contains("script-src 'self'") && policy.contains("frame-ancestors 'none'"));
+    let html = page.into_body().collect().await.unwrap().to_bytes();
+    assert!(String::from_utf8_lossy(&html).contains("/console/console.js"));
+    for (uri, kind) in [
+        ("/console/console.js", "text/javascript"),
+        ("/console/console.css", "text/css"),
+    ] {
+        let a = raw(uri).await;
+        assert_eq!(a.status(), StatusCode::OK, "{uri}");
+        assert!(
+            a.headers()["content-type"]
+                .to_str()
+                .unwrap()
+                .starts_with(kind)
+        );
+    }
+    let bare = raw("/console").await;
+    assert_eq!(bare.status(), StatusCode::PERMANENT_REDIRECT);
+    assert_eq!(bare.headers()["location"], "/console/");
+    // Nothing else under /console, and no data without the key.
+    assert_eq!(
+        raw("/console/api-key").await.status(),
+        StatusCode::NOT_FOUND
+    );
+    assert_error(
+        &call(
+            &node,
+            Request::get("/v1/sandboxes/abc/lineage")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await,
+        StatusCode::UNAUTHORIZED,
+    );
+
+    // A sandbox no fork made is its own root.
+    let a = node.authed("GET", "/v1/sandboxes/def/lineage", "").await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.json);
+    assert_eq!(
+        a.json,
+        serde_json::json!({"rootID": "def", "sandboxID": "def", "nodes": [
+            {"sandboxID": "def", "parentID": null, "branch": null, "state": "paused", "templateID": ""}]})
+    );
+    node.refuses(
+        "GET",
+        "/v1/sandboxes/nosuch/lineage",
+        "",
+        StatusCode::NOT_FOUND,
+    )
+    .await;
+    // A killed one stays known, gone, while its event is among the node's last.
+    let killed = node.authed("DELETE", "/sandboxes/abc", "").await;
+    assert_eq!(killed.status, StatusCode::NO_CONTENT);
+    let mut state = Value::Null;
+    for _ in 0..100 {
+        let a = node.authed("GET", "/v1/sandboxes/abc/lineage", "").await;
+        if a.status == StatusCode::OK {
+            state = a.json["nodes"][0]["state"].clone();
+            assert_eq!(a.json["nodes"][0]["templateID"], "base", "{}", a.json);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(state, "gone");
+
+    // Another team's key sees neither, live nor gone: as unknown ones.
+    let (_, b_key) = team(&node, r#"{"name":"b"}"#).await;
+    for id in ["abc", "def"] {
+        let uri = format!("/v1/sandboxes/{id}/lineage");
+        assert_error(
+            &call(&node, keyed(&b_key, "GET", &uri, "")).await,
+            StatusCode::NOT_FOUND,
+        );
+    }
+}

@@ -5,6 +5,8 @@ session can kill whatever a failed test left behind."""
 
 import os
 import secrets
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -17,14 +19,14 @@ RUN_ID = secrets.token_hex(4)
 RUN_META = {"sdk_suite": "python", "sdk_run": RUN_ID}
 
 
-def pytest_configure(config):
+def pytest_configure(config: pytest.Config) -> None:
     if not API_URL or not API_KEY or not os.environ.get("E2B_SANDBOX_URL"):
         raise pytest.UsageError(
             "set E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY (scripts/sdk-test.sh does)"
         )
 
 
-def create(**kwargs) -> Sandbox:
+def create(**kwargs: Any) -> Sandbox:
     """Sandbox.create with the run's metadata merged in."""
     meta = dict(RUN_META)
     meta.update(kwargs.pop("metadata", {}) or {})
@@ -36,7 +38,7 @@ def delete_template(name: str) -> None:
     httpx.delete(f"{API_URL}/templates/{name}", headers={"X-API-KEY": API_KEY}, timeout=120)
 
 
-def last_build_status(name: str) -> dict:
+def last_build_status(name: str) -> dict[str, Any]:
     """The status of the template's last build, its reason when it failed."""
     h = {"X-API-KEY": API_KEY}
     t = httpx.get(f"{API_URL}/templates/{name}", headers=h, timeout=60).json()
@@ -45,18 +47,19 @@ def last_build_status(name: str) -> dict:
         headers=h,
         timeout=60,
     )
-    return r.json()
+    status: dict[str, Any] = r.json()
+    return status
 
 
 @pytest.fixture(scope="session")
-def api():
+def api() -> Iterator[httpx.Client]:
     """Raw control-plane client, for routes and errors the SDK does not reach."""
     with httpx.Client(base_url=API_URL, headers={"X-API-KEY": API_KEY}, timeout=300) as client:
         yield client
 
 
 @pytest.fixture(scope="module")
-def sandbox():
+def sandbox() -> Iterator[Sandbox]:
     """One sandbox per test module (booting one in the lab is slow)."""
     sbx = create(envs={"SDK_SANDBOX_ENV": "from-create"})
     yield sbx
@@ -64,7 +67,7 @@ def sandbox():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _reap_leftovers():
+def _reap_leftovers() -> Iterator[None]:
     yield
     try:
         paginator = Sandbox.list(query=SandboxQuery(metadata={"sdk_run": RUN_ID}))

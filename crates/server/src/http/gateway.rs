@@ -136,14 +136,17 @@ pub async fn serve(
 
 pub fn router(cluster: Cluster, metrics_key: Option<&str>) -> Router {
     let view = View::start(cluster.clone());
-    Router::new().fallback(handle).with_state(Arc::new(Gateway {
-        cluster,
-        view,
-        placements: Placements::default(),
-        nodes: node_client(),
-        metrics: GatewayMetrics::new(),
-        metrics_key: metrics_key.map(crate::node::keys::hash),
-    }))
+    Router::new()
+        .merge(crate::http::console::routes())
+        .fallback(handle)
+        .with_state(Arc::new(Gateway {
+            cluster,
+            view,
+            placements: Placements::default(),
+            nodes: node_client(),
+            metrics: GatewayMetrics::new(),
+            metrics_key: metrics_key.map(crate::node::keys::hash),
+        }))
 }
 
 /// What a control-plane request is, for routing.

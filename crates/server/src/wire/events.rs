@@ -114,3 +114,36 @@ pub struct Execution {
     /// Milliseconds since `started_at`.
     pub execution_time: u64,
 }
+
+/// `GET /v1/sandboxes/{id}/lineage` (sandfork's): the fork tree the
+/// sandbox is in, as far as the node's recent lifecycle events tell it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lineage {
+    /// The oldest ancestor the events name (the sandbox itself when none).
+    #[serde(rename = "rootID")]
+    pub root_id: String,
+    /// The sandbox asked about.
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    /// The root first, then each generation, children in the order forked.
+    pub nodes: Vec<LineageNode>,
+}
+
+/// One sandbox (or snapshot) of a [`Lineage`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LineageNode {
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    /// What it was forked from; null for the root.
+    #[serde(rename = "parentID")]
+    pub parent_id: Option<String>,
+    /// Its place among its parent's children, from 0, in the order they
+    /// were forked (across fork calls); null for the root.
+    pub branch: Option<u32>,
+    /// `running`, `paused`, `gone` (killed, or not on this node), or
+    /// `snapshot` (a parent that is a snapshot, not a sandbox).
+    pub state: String,
+    /// Empty when no event named it.
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+}

@@ -5,6 +5,7 @@
 mod detach;
 mod error;
 mod extract;
+mod lineage;
 mod list;
 mod metrics;
 mod network;
@@ -74,6 +75,7 @@ pub fn router(state: Shared) -> Router {
         .route("/sandboxes/{id}/logs", get(observe::logs_v1))
         .route("/v2/sandboxes/{id}/logs", get(observe::logs_v2))
         .route("/v1/node", get(node::node))
+        .route("/v1/sandboxes/{id}/lineage", get(lineage::lineage))
         .route("/v1/sandboxes/{id}/diagnostics", get(observe::diagnostics))
         .route("/templates", post(templates::create).get(templates::list))
         .route("/default-templates", get(templates::defaults))
@@ -172,6 +174,8 @@ pub fn router(state: Shared) -> Router {
             &format!("{}/{{*rest}}", crate::http::proxy::UNROUTED_PREFIX),
             get(crate::http::proxy::unrouted_owner),
         )
+        // Static files only: every call the page makes takes the key.
+        .merge(crate::http::console::routes())
         .merge(control)
         .fallback(unknown_route)
         .layer(middleware::from_fn_with_state(
