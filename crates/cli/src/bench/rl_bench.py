@@ -768,7 +768,10 @@ def bounded_way(group, way, n, env, ca, bundle):
 
 def group_self_test():
     cmd = setup_command()
-    assert cmd.startswith("git clone -q /tmp/repo.bundle") and "pip install --quiet six" in cmd
+    assert (
+        cmd.startswith("git clone -q /tmp/repo.bundle")
+        and "pip install --quiet --retries 10 six" in cmd
+    )
     env, ca = guest_pip_env({"cert": "/nonexistent", "index-url": "https://idx.test/simple"})
     assert env["PIP_INDEX_URL"] == "https://idx.test/simple" and ca is None
     assert "PIP_CERT" not in env
