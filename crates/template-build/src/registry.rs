@@ -26,6 +26,8 @@
 
 mod tls;
 
+pub use tls::NoVerify;
+
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
