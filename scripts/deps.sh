@@ -20,6 +20,8 @@ packages=(
     python3 python3-venv git pkg-config ca-certificates tmux shellcheck
     # taps for the network device's lab tests (ip tuntap)
     iproute2
+    # the book's link check (scripts/docs.sh)
+    linkchecker
     # the cluster layer: etcd for its tests (a member per test on loopback),
     # protoc and the well-known-type protos for etcd-client's build script
     etcd-server etcd-client protobuf-compiler libprotobuf-dev

@@ -301,6 +301,12 @@ HOST = (
         "unit tests, the VMM's API tests against the real binary, the agent as a host process",
     ),
     Job(
+        "docs",
+        Group.HOST,
+        argv("scripts/docs.sh"),
+        "the book under docs/ built with mdBook, its links and anchors checked, the README's too",
+    ),
+    Job(
         "fuzz",
         Group.HOST,
         argv("scripts/fuzz.sh"),

@@ -13,7 +13,7 @@ def names(js: tuple[jobs.Job, ...]) -> list[str]:
 def test_the_default_run() -> None:
     p = plan(lab_only=False, only=None, long=False, lanes=2)
     assert names(p.quick) == ["fmt", "fmt_fuzz", "shellcheck", "deny", "runner"]
-    assert names(p.host) == ["clippy", "fast_tests", "fuzz"]
+    assert names(p.host) == ["clippy", "fast_tests", "docs", "fuzz"]
     assert "sdk" in names(p.lab) and "cluster" in names(p.lab)
     assert all(j.tier is Tier.DEFAULT for j in p.lab)
     assert p.lanes == 2 and p.test_build
