@@ -77,8 +77,10 @@ SANDFORK_REGISTRY_AUTH=$(realpath "$out")/registry-auth.json
 rm -f "$SANDFORK_REGISTRY_AUTH"
 export SANDFORK_REGISTRY_AUTH SDK_IMAGE_METADATA_KEY=sdk-test.image
 # shellcheck disable=SC2086 # SDK_SERVE_ARGS is a list of words
+# (the webhook tests' receiver is on loopback: not a public address)
 use_node "$server" "$build" "$out" "${SDK_TEST_BINARY:-target/debug/sandfork}" \
-    --image-metadata-key "$SDK_IMAGE_METADATA_KEY" ${SDK_SERVE_ARGS:-}
+    --image-metadata-key "$SDK_IMAGE_METADATA_KEY" --webhook-allow-net 127.0.0.0/8 \
+    ${SDK_SERVE_ARGS:-}
 if [[ -z $server ]]; then
     # the tests of what survives a restart run scripts/node-restart.sh on it
     SDK_NODE_DIR=$(realpath "$node_dir")

@@ -81,6 +81,13 @@ pub struct ServeArgs {
     /// or build may pull; 0: no bound. Larger ones answer 413.
     #[arg(long, value_name = "MIB", default_value_t = server::node::config::DEFAULT_MAX_IMAGE_MIB)]
     max_image_mib: u64,
+    /// A network (CIDR) lifecycle webhooks may be delivered to besides
+    /// public addresses, e.g. 10.0.0.0/8 for receivers inside the
+    /// operator's own network; repeatable. Without it a URL at a loopback,
+    /// private or link-local address is refused (400), and a name that
+    /// resolves to one is not delivered to.
+    #[arg(long, value_name = "CIDR")]
+    webhook_allow_net: Vec<ipnet::IpNet>,
     /// The cgroup, under the cgroup2 mount, the node's VMM groups live in
     /// (one more level per node, named as its run dir).
     #[arg(long, value_name = "PATH", default_value = "sandfork")]
@@ -478,6 +485,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     config.image_metadata_key = args.image_metadata_key.clone().filter(|k| !k.is_empty());
     config.max_image_bytes =
         (args.max_image_mib > 0).then(|| args.max_image_mib.saturating_mul(1 << 20));
+    config.webhook_allow_nets = args.webhook_allow_net.clone();
     config.cpu_template = Some(args.cpu_template);
     config.jail = args.jailed().then_some(server::node::jail::JailConfig {
         uid_base: args.jail_uid_base,
@@ -652,6 +660,9 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
     }
     cmd.arg("--max-image-mib")
         .arg(args.max_image_mib.to_string());
+    for net in &args.webhook_allow_net {
+        cmd.arg("--webhook-allow-net").arg(net.to_string());
+    }
     eprintln!(
         "sandfork serve: this host's KVM cannot boot Linux; running in the KVM lab (emulated, slow), \
          reachable at http://{} (the lab's own address below is forwarded there)",

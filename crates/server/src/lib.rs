@@ -126,7 +126,15 @@ impl Server {
         let manager =
             sandbox::Manager::with_capacity(config.clone(), store, pool, capacity, template);
         // Subscribed before recovery: a sandbox whose VMM is gone ends there.
-        let webhooks = node::webhooks::Webhooks::start(&manager, Default::default());
+        let webhooks = node::webhooks::Webhooks::start(
+            &manager,
+            node::webhooks::Policy {
+                destinations: node::webhooks::Destinations {
+                    allowed: config.webhook_allow_nets.clone(),
+                },
+                ..Default::default()
+            },
+        );
         manager.recover().await;
         match manager.forget_unrecorded_volumes() {
             Ok(gone) if !gone.is_empty() => {

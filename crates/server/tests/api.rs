@@ -22,7 +22,7 @@ use server::node::store::{
     Store, TemplateRecord,
 };
 use server::node::template::Templates;
-use server::node::webhooks::{Policy, Webhooks};
+use server::node::webhooks::{Destinations, Policy, Webhooks};
 use tower::ServiceExt;
 
 mod common;
@@ -178,6 +178,10 @@ fn node_in(
                 max_retry: std::time::Duration::from_millis(100),
                 attempt_timeout: std::time::Duration::from_secs(5),
                 concurrent: 4,
+                // the tests' receivers, on loopback
+                destinations: Destinations {
+                    allowed: vec!["127.0.0.0/8".parse().unwrap()],
+                },
             },
         ),
     });

@@ -126,3 +126,20 @@ def test_webhooks_see_each_lifecycle_event_signed(api, webhook):
     listed = api.get(f"/events/sandboxes/{sid}").json()
     types = sorted(e["type"].removeprefix("sandbox.lifecycle.") for e in listed)
     assert types == ["created", "killed", "paused", "resumed"], listed
+
+
+def test_a_webhook_at_an_inward_address_is_refused(api):
+    """The node delivers to public addresses and the networks its operator
+    allows (this suite's node: 127.0.0.0/8): a cloud's metadata address or
+    a private one is a 400 naming the flag, and nothing is registered."""
+    before = api.get("/events/webhooks").json()
+    for url in ("http://169.254.169.254/latest/meta-data", "http://10.1.2.3:8080/hook"):
+        body = {
+            "url": url,
+            "events": ["sandbox.lifecycle.created"],
+            "signatureSecret": "s",
+        }
+        r = api.post("/events/webhooks", json=body)
+        assert r.status_code == 400, r.text
+        assert "--webhook-allow-net" in r.text, r.text
+    assert api.get("/events/webhooks").json() == before

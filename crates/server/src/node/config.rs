@@ -76,6 +76,9 @@ pub struct Config {
     /// None: a quarter of the data dir's file system (see
     /// `sandbox::cache_bound`).
     pub cluster_cache_max: Option<u64>,
+    /// Networks lifecycle webhooks may be delivered to besides public
+    /// addresses (`--webhook-allow-net`); none by default.
+    pub webhook_allow_nets: Vec<ipnet::IpNet>,
     /// The node's part in a cluster (none: a lone node). Read by the
     /// composition root only; the node itself does not know it is in one.
     pub cluster: Option<ClusterConfig>,
@@ -138,6 +141,7 @@ impl Config {
             max_image_bytes: Some(DEFAULT_MAX_IMAGE_MIB << 20),
             build_cache: None,
             network: None,
+            webhook_allow_nets: Vec::new(),
             cgroups: Some(crate::node::cgroups::CgroupConfig::default()),
             balloon: true,
             pressure: Some(crate::node::pressure::PressureConfig::default()),

@@ -13,11 +13,18 @@
 //! connection, no answer within [`Policy::attempt_timeout`]) is tried again.
 //! Redirects are not followed. Deliveries are kept [`KEPT`], then forgotten.
 //!
+//! A delivery goes only to a public address unless the node's operator
+//! allows a network ([`Destinations`]): a URL naming an address outside
+//! them is refused at registration, and a host name is resolved at each
+//! try and connected to at an address that passed (so a name that later
+//! resolves inward is refused, not followed).
+//!
 //! Registrations and deliveries persist in the store; the secret is kept
 //! there in the clear (it must sign). The node also keeps the last
 //! [`RECENT`] events in memory for `GET /events/sandboxes`.
 
 use std::collections::VecDeque;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -57,7 +64,7 @@ const NEVER_SENT: [&str; 2] = [
 ];
 
 /// How deliveries are tried.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Policy {
     /// Tries per delivery, the first included.
     pub attempts: u32,
@@ -68,6 +75,8 @@ pub struct Policy {
     pub attempt_timeout: Duration,
     /// Tries under way at once, across all webhooks.
     pub concurrent: usize,
+    /// Where deliveries may go.
+    pub destinations: Destinations,
 }
 
 impl Default for Policy {
@@ -79,6 +88,7 @@ impl Default for Policy {
             max_retry: Duration::from_secs(60),
             attempt_timeout: Duration::from_secs(10),
             concurrent: 32,
+            destinations: Destinations::default(),
         }
     }
 }
@@ -95,6 +105,69 @@ impl Policy {
             .unwrap_or(self.max_retry)
             .min(self.max_retry)
     }
+}
+
+/// The addresses deliveries may reach: public ones, and those of the
+/// networks the operator allows (`serve --webhook-allow-net`). Without it a
+/// team could make the node POST to its own loopback, its cluster's
+/// private network or a cloud's metadata address.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Destinations {
+    pub allowed: Vec<ipnet::IpNet>,
+}
+
+impl Destinations {
+    pub fn allows(&self, ip: IpAddr) -> bool {
+        let ip = match ip {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+            v4 => v4,
+        };
+        is_public(ip) || self.allowed.iter().any(|net| net.contains(&ip))
+    }
+
+    /// Why `ip` is refused, for the error a team sees.
+    fn refusal(&self, ip: IpAddr) -> String {
+        format!(
+            "{ip} is not a public address, and the node's operator has not allowed its network \
+             (sandfork serve --webhook-allow-net)"
+        )
+    }
+}
+
+/// Reachable on the internet: not loopback, private, link-local (a
+/// cloud's metadata address), shared (CGNAT), unspecified, multicast,
+/// broadcast, documentation, benchmarking or reserved space.
+fn is_public(ip: IpAddr) -> bool {
+    static NOT_PUBLIC: std::sync::LazyLock<Vec<ipnet::IpNet>> = std::sync::LazyLock::new(|| {
+        [
+            "0.0.0.0/8",
+            "10.0.0.0/8",
+            "100.64.0.0/10",
+            "127.0.0.0/8",
+            "169.254.0.0/16",
+            "172.16.0.0/12",
+            "192.0.0.0/24",
+            "192.0.2.0/24",
+            "192.168.0.0/16",
+            "198.18.0.0/15",
+            "198.51.100.0/24",
+            "203.0.113.0/24",
+            // multicast, reserved and broadcast
+            "224.0.0.0/3",
+            // unspecified and loopback
+            "::/127",
+            "64:ff9b:1::/48",
+            "100::/64",
+            "2001:db8::/32",
+            "fc00::/7",
+            "fe80::/10",
+            "ff00::/8",
+        ]
+        .iter()
+        .filter_map(|net| net.parse().ok())
+        .collect()
+    });
+    !NOT_PUBLIC.iter().any(|net| net.contains(&ip))
 }
 
 /// A webhook as the store keeps it.
@@ -196,11 +269,12 @@ impl Webhooks {
     /// deliveries a restart interrupted go on, and deliveries older than
     /// [`KEPT`] are forgotten now and hourly.
     pub fn start(manager: &Arc<Manager>, policy: Policy) -> Arc<Webhooks> {
+        let concurrent = policy.concurrent.max(1);
         let webhooks = Arc::new(Webhooks {
             manager: manager.clone(),
             policy,
             recent: Mutex::new(VecDeque::new()),
-            slots: tokio::sync::Semaphore::new(policy.concurrent.max(1)),
+            slots: tokio::sync::Semaphore::new(concurrent),
             tls: OnceLock::new(),
             loopback_via: template_build::registry::PullOptions::loopback_via_from_env(),
         });
@@ -271,7 +345,7 @@ impl Webhooks {
             id: ids::random_uuid()?,
             team: team.to_owned(),
             name: check_name(body.name.unwrap_or_default())?,
-            url: check_url(url)?,
+            url: check_url(url, &self.policy.destinations)?,
             events: check_events(events)?,
             enabled: body.enabled.unwrap_or(true),
             secret: check_secret(secret)?,
@@ -313,7 +387,7 @@ impl Webhooks {
             w.name = check_name(name)?;
         }
         if let Some(url) = body.url {
-            w.url = check_url(url)?;
+            w.url = check_url(url, &self.policy.destinations)?;
         }
         if let Some(events) = body.events {
             w.events = check_events(events)?;
@@ -444,9 +518,14 @@ impl Webhooks {
                         d.error = Some(format!("the receiver answered {status}"));
                     }
                 }
-                Ok(Err(e)) => {
+                Ok(Err(TryError::Again(e))) => {
                     d.response_status = None;
                     d.error = Some(e);
+                }
+                Ok(Err(TryError::Refused(e))) => {
+                    d.response_status = None;
+                    d.error = Some(e);
+                    d.status = DeliveryStatus::Failed;
                 }
                 Err(_) => {
                     d.response_status = None;
@@ -475,7 +554,7 @@ impl Webhooks {
     }
 
     /// One try: the receiver's status, or why there was none.
-    async fn post(&self, webhook: &WebhookRecord, d: &DeliveryRecord) -> Result<u16, String> {
+    async fn post(&self, webhook: &WebhookRecord, d: &DeliveryRecord) -> Result<u16, TryError> {
         let uri: Uri = webhook
             .url
             .parse()
@@ -494,15 +573,17 @@ impl Webhooks {
             )
             .body(Full::new(Bytes::from(d.body.clone())))
             .map_err(|e| format!("building the request: {e}"))?;
-        let host = match &self.loopback_via {
-            Some(via) if template_build::registry::is_loopback(&target.host) => via,
-            _ => &target.host,
-        };
-        let tcp = tokio::net::TcpStream::connect((host.as_str(), target.port))
+        let address = destination(
+            &self.policy.destinations,
+            self.loopback_via.as_deref(),
+            &target,
+        )
+        .await?;
+        let tcp = tokio::net::TcpStream::connect(address)
             .await
-            .map_err(|e| format!("connecting to {}: {e}", target.authority))?;
+            .map_err(|e| format!("connecting to {} ({address}): {e}", target.authority))?;
         if !target.tls {
-            return exchange(tcp, request).await;
+            return Ok(exchange(tcp, request).await?);
         }
         let config = self
             .tls
@@ -515,7 +596,51 @@ impl Webhooks {
             .connect(name, tcp)
             .await
             .map_err(|e| format!("TLS with {}: {e}", target.authority))?;
-        exchange(stream, request).await
+        Ok(exchange(stream, request).await?)
+    }
+}
+
+/// The address a try at `target` connects to: the first its host resolves
+/// to that `destinations` allow. A loopback one is reached through
+/// `loopback_via` when the node runs in a VM for its host.
+async fn destination(
+    destinations: &Destinations,
+    loopback_via: Option<&str>,
+    target: &Target,
+) -> Result<SocketAddr, TryError> {
+    let resolved: Vec<SocketAddr> = tokio::net::lookup_host((target.host.as_str(), target.port))
+        .await
+        .map_err(|e| TryError::Again(format!("resolving {}: {e}", target.host)))?
+        .collect();
+    let Some(address) = resolved.iter().find(|a| destinations.allows(a.ip())) else {
+        return Err(match resolved.first() {
+            Some(a) => {
+                TryError::Refused(format!("{}: {}", target.host, destinations.refusal(a.ip())))
+            }
+            None => TryError::Again(format!("{} resolves to no address", target.host)),
+        });
+    };
+    match loopback_via {
+        Some(via) if address.ip().is_loopback() => tokio::net::lookup_host((via, target.port))
+            .await
+            .map_err(|e| TryError::Again(format!("resolving {via}: {e}")))?
+            .next()
+            .ok_or_else(|| TryError::Again(format!("{via} resolves to no address"))),
+        _ => Ok(*address),
+    }
+}
+
+/// Why a try got no answer: worth trying again, or refused for good (the
+/// destination is not allowed: the webhook must change first).
+#[derive(Debug)]
+enum TryError {
+    Again(String),
+    Refused(String),
+}
+
+impl From<String> for TryError {
+    fn from(e: String) -> TryError {
+        TryError::Again(e)
     }
 }
 
@@ -625,10 +750,10 @@ pub fn payload(event: &Lifecycle) -> wire::SandboxEvent {
     }
 }
 
-/// An `http` or `https` URL with a host and no credentials. What it
-/// resolves to is not checked: a node's owner decides which teams may
-/// register webhooks at all (see the node server's documentation).
-fn check_url(url: String) -> Result<String, WebhookError> {
+/// An `http` or `https` URL with a host and no credentials, whose host, if
+/// an address, is one `destinations` allows (a name is checked as it
+/// resolves at each try).
+fn check_url(url: String, destinations: &Destinations) -> Result<String, WebhookError> {
     let invalid = |why: &str| WebhookError::Invalid(format!("url {url:?}: {why}"));
     if url.len() > MAX_URL {
         return Err(invalid("longer than 2048 bytes"));
@@ -643,6 +768,15 @@ fn check_url(url: String) -> Result<String, WebhookError> {
     }
     if authority.host().is_empty() {
         return Err(invalid("no host"));
+    }
+    let host = authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    if let Ok(ip) = host.parse::<IpAddr>()
+        && !destinations.allows(ip)
+    {
+        return Err(invalid(&destinations.refusal(ip)));
     }
     Ok(url)
 }
@@ -719,6 +853,91 @@ mod tests {
         assert_eq!(p.wait_before(u32::MAX), Duration::from_secs(10));
     }
 
+    fn loopback() -> Destinations {
+        Destinations {
+            allowed: vec!["127.0.0.0/8".parse().unwrap(), "::1/128".parse().unwrap()],
+        }
+    }
+
+    #[test]
+    fn only_public_addresses_are_destinations_unless_a_network_is_allowed() {
+        let none = Destinations::default();
+        for inward in [
+            "127.0.0.1",
+            "10.1.2.3",
+            "172.20.0.1",
+            "192.168.1.1",
+            "169.254.169.254",
+            "100.100.100.200",
+            "0.0.0.0",
+            "255.255.255.255",
+            "224.0.0.1",
+            "::1",
+            "::",
+            "fd00::1",
+            "fe80::1",
+            "::ffff:127.0.0.1",
+            "::ffff:169.254.169.254",
+        ] {
+            let ip: IpAddr = inward.parse().unwrap();
+            assert!(!none.allows(ip), "{inward}");
+        }
+        for public in [
+            "1.1.1.1",
+            "93.184.216.34",
+            "2606:4700::1111",
+            "::ffff:8.8.8.8",
+        ] {
+            assert!(none.allows(public.parse().unwrap()), "{public}");
+        }
+        let lab = Destinations {
+            allowed: vec!["10.0.2.0/24".parse().unwrap()],
+        };
+        assert!(lab.allows("10.0.2.2".parse().unwrap()));
+        assert!(!lab.allows("10.0.3.2".parse().unwrap()));
+    }
+
+    #[test]
+    fn a_url_at_an_address_not_allowed_is_refused_naming_the_flag() {
+        for url in [
+            "http://127.0.0.1:8080/hook",
+            "http://169.254.169.254/latest/meta-data",
+            "http://[::1]/x",
+            "http://[::ffff:10.0.0.1]/x",
+        ] {
+            match check_url(url.into(), &Destinations::default()) {
+                Err(WebhookError::Invalid(why)) => {
+                    assert!(why.contains("--webhook-allow-net"), "{why}")
+                }
+                other => panic!("{url}: {other:?}"),
+            }
+        }
+        // A name is checked as it resolves, at each try.
+        assert!(
+            check_url(
+                "http://localhost:8080/hook".into(),
+                &Destinations::default()
+            )
+            .is_ok()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_name_resolving_inward_is_refused_for_good_and_an_allowed_one_connects() {
+        let target = Target::of(&"http://localhost:8080/hook".parse().unwrap()).unwrap();
+        match destination(&Destinations::default(), None, &target).await {
+            Err(TryError::Refused(why)) => assert!(why.starts_with("localhost: "), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        let to = destination(&loopback(), None, &target).await.unwrap();
+        assert!(to.ip().is_loopback() && to.port() == 8080, "{to}");
+        // In the lab, loopback is the host's, through the VM's gateway.
+        let via = destination(&loopback(), Some("10.0.2.2"), &target)
+            .await
+            .unwrap();
+        assert_eq!(via, "10.0.2.2:8080".parse().unwrap());
+    }
+
     #[test]
     fn urls_must_be_http_with_a_host_and_no_credentials() {
         for ok in [
@@ -726,7 +945,7 @@ mod tests {
             "https://example.com",
             "http://[::1]/x?y=1",
         ] {
-            assert!(check_url(ok.into()).is_ok(), "{ok}");
+            assert!(check_url(ok.into(), &loopback()).is_ok(), "{ok}");
         }
         for bad in [
             "ftp://example.com/",
@@ -738,7 +957,10 @@ mod tests {
             "",
         ] {
             assert!(
-                matches!(check_url(bad.into()), Err(WebhookError::Invalid(_))),
+                matches!(
+                    check_url(bad.into(), &loopback()),
+                    Err(WebhookError::Invalid(_))
+                ),
                 "{bad}"
             );
         }
