@@ -10,6 +10,7 @@ mod launcher;
 mod logs;
 mod nodes;
 mod output;
+mod progress;
 mod run;
 mod sandboxes;
 mod serve;

@@ -9,6 +9,7 @@ use serde_json::{Value, json};
 
 use crate::client::{Node, NodeError, check_id, escape};
 use crate::output::{self, field};
+use crate::progress::Spinner;
 
 /// `k=v`, for `--metadata` and `--env`.
 pub fn key_value(s: &str) -> Result<(String, String), String> {
@@ -319,10 +320,16 @@ pub async fn fork(args: ForkArgs) -> Result<ExitCode> {
     check_id(&args.id)?;
     let path = format!("/sandboxes/{}/fork", args.id);
     let body = json!({ "count": args.count, "timeout": args.timeout });
-    let answer = match node
+    let children = if args.count == 1 { "child" } else { "children" };
+    let progress = Spinner::start(&format!(
+        "forking {} into {} {children}",
+        args.id, args.count
+    ));
+    let answer = node
         .sandbox_call(&args.id, "POST", &path, Some(&body))
-        .await
-    {
+        .await;
+    drop(progress);
+    let answer = match answer {
         Err(NodeError::Api { status: 409, .. }) => {
             bail!(
                 "sandbox {0} is paused; `sandfork resume {0}` first",

@@ -1,16 +1,16 @@
 //! `sandfork template build | ls | rm`: templates through the node's
 //! `/templates` routes, with the build's log streamed while it runs.
 
-use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
 use crate::client::{Node, NodeError, escape};
 use crate::output::{self, field};
+use crate::progress::Spinner;
 
 const POLL: Duration = Duration::from_millis(1000);
 
@@ -147,34 +147,6 @@ fn build_body(args: &BuildArgs) -> Result<Value> {
     Ok(body)
 }
 
-/// A one-line spinner on stderr (a terminal only), redrawn under the log.
-struct Progress {
-    on: bool,
-    started: Instant,
-    tick: usize,
-}
-
-impl Progress {
-    fn clear(&self) {
-        if self.on {
-            eprint!("\r\x1b[2K");
-        }
-    }
-
-    fn draw(&mut self, what: &str) {
-        if self.on {
-            const FRAMES: [char; 4] = ['|', '/', '-', '\\'];
-            self.tick += 1;
-            eprint!(
-                "\r\x1b[2K{} {what} ({})",
-                FRAMES[self.tick % 4],
-                output::short(self.started.elapsed())
-            );
-            let _ = std::io::stderr().flush();
-        }
-    }
-}
-
 async fn build(node: &Node, args: BuildArgs) -> Result<ExitCode> {
     let body = build_body(&args)?;
     let started: Value = match node.json("POST", "/templates", Some(&body)).await {
@@ -185,15 +157,7 @@ async fn build(node: &Node, args: BuildArgs) -> Result<ExitCode> {
         r => r?,
     };
     let (id, build_id) = (field(&started, "templateID"), field(&started, "buildID"));
-    let mut progress = Progress {
-        on: std::io::stderr().is_terminal(),
-        started: Instant::now(),
-        tick: 0,
-    };
-    let what = format!("building {} ({id})", args.name);
-    if !progress.on {
-        eprintln!("{what}");
-    }
+    let progress = Spinner::announced(&format!("building {} ({id})", args.name));
     let mut offset = 0usize;
     let status = loop {
         let path = format!(
@@ -204,10 +168,8 @@ async fn build(node: &Node, args: BuildArgs) -> Result<ExitCode> {
         let status: Value = node.json("GET", &path, None).await?;
         let lines = status.get("logs").and_then(Value::as_array);
         if let Some(lines) = lines.filter(|l| !l.is_empty()) {
-            progress.clear();
-            let mut err = std::io::stderr().lock();
             for line in lines {
-                writeln!(err, "{}", line.as_str().unwrap_or_default())?;
+                progress.log(line.as_str().unwrap_or_default());
             }
             offset += lines.len();
         }
@@ -215,20 +177,16 @@ async fn build(node: &Node, args: BuildArgs) -> Result<ExitCode> {
             "building" => {}
             _ => break status,
         }
-        progress.draw(&what);
         tokio::time::sleep(POLL).await;
     };
-    progress.clear();
+    let took = progress.elapsed();
+    drop(progress);
     match field(&status, "status") {
         "ready" => {
             if args.json {
                 output::print_json(&status)?;
             } else {
-                eprintln!(
-                    "built {} in {}",
-                    args.name,
-                    output::short(progress.started.elapsed())
-                );
+                eprintln!("built {} in {}", args.name, output::short(took));
                 println!("{id}");
             }
             Ok(ExitCode::SUCCESS)
