@@ -302,6 +302,25 @@ async fn a_restarted_server_adopts_running_sandboxes_and_keeps_paused_ones() {
         )
         .await;
     assert_eq!(code, 0);
+    // a fork child of it: its lineage outlives the node's in-memory events
+    let (status, forked) = node
+        .call(
+            "POST",
+            &format!("/sandboxes/{}/fork", kept.0),
+            json!({"count": 1, "timeout": 900}),
+        )
+        .await;
+    assert_eq!(status, 201, "{forked}");
+    let child = (
+        forked[0]["sandbox"]["sandboxID"]
+            .as_str()
+            .unwrap()
+            .to_owned(),
+        forked[0]["sandbox"]["envdAccessToken"]
+            .as_str()
+            .unwrap()
+            .to_owned(),
+    );
     // paused: a file
     let paused = node.create().await;
     assert_eq!(node.sh(&paused, "echo paused > /root/p.txt").await.0, 0);
@@ -325,13 +344,14 @@ async fn a_restarted_server_adopts_running_sandboxes_and_keeps_paused_ones() {
     node.crash();
     let (kept_dir, kept_vmm) = vmm_of(&data, &kept.0);
     let (lost_dir, lost_vmm) = vmm_of(&data, &lost.0);
+    let (child_dir, child_vmm) = vmm_of(&data, &child.0);
     assert!(
         kept_vmm.is_alive(),
         "a server crash leaves its VMMs running"
     );
     let old_pool: Vec<(PathBuf, ProcessIdentity)> = entries(&run_dir)
         .into_iter()
-        .filter(|d| *d != kept_dir && *d != lost_dir)
+        .filter(|d| *d != kept_dir && *d != lost_dir && *d != child_dir)
         .filter_map(|d| ProcessIdentity::read(&d).map(|p| (d, p)))
         .collect();
     assert!(!old_pool.is_empty(), "the warm pool had a VMM");
@@ -351,6 +371,42 @@ async fn a_restarted_server_adopts_running_sandboxes_and_keeps_paused_ones() {
         .await;
     assert_eq!((code, out.as_str()), (0, "kept\nsleeping\n"));
     assert!(kept_vmm.is_alive(), "the same VMM process, adopted");
+    // The fork tree without the events the node kept in memory: from the
+    // child's record.
+    assert_eq!(
+        node.sh(&child, "cat /root/kept.txt").await,
+        (0, "kept\n".into())
+    );
+    let (status, tree) = node
+        .call(
+            "GET",
+            &format!("/v1/sandboxes/{}/lineage", child.0),
+            json!({}),
+        )
+        .await;
+    assert_eq!(status, 200, "{tree}");
+    assert_eq!(tree["rootID"], kept.0.as_str(), "{tree}");
+    let nodes: Vec<(&str, &str, i64, &str)> = tree["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| {
+            (
+                n["sandboxID"].as_str().unwrap_or(""),
+                n["parentID"].as_str().unwrap_or(""),
+                n["branch"].as_i64().unwrap_or(-1),
+                n["state"].as_str().unwrap_or(""),
+            )
+        })
+        .collect();
+    assert_eq!(
+        nodes,
+        [
+            (kept.0.as_str(), "", -1, "running"),
+            (child.0.as_str(), kept.0.as_str(), 0, "running")
+        ],
+        "{tree}"
+    );
     assert_eq!(node.state(&paused.0).await.as_deref(), Some("paused"));
     assert_eq!(
         node.state(&lost.0).await,
@@ -396,13 +452,17 @@ async fn a_restarted_server_adopts_running_sandboxes_and_keeps_paused_ones() {
     assert!(kept_vmm.is_alive() && resumed_vmm.is_alive());
     node.start();
     node.wait_up().await;
-    for sandbox in [&kept, &paused] {
+    for sandbox in [&kept, &paused, &child] {
         assert_eq!(node.state(&sandbox.0).await.as_deref(), Some("running"));
         assert_eq!(node.sh(sandbox, "echo up").await, (0, "up\n".into()));
     }
 
     // kills stop the adopted VMMs; a clean stop then leaves nothing running
-    for (sandbox, vmm) in [(&kept, &kept_vmm), (&paused, &resumed_vmm)] {
+    for (sandbox, vmm) in [
+        (&child, &child_vmm),
+        (&kept, &kept_vmm),
+        (&paused, &resumed_vmm),
+    ] {
         let (status, body) = node
             .call("DELETE", &format!("/sandboxes/{}", sandbox.0), json!({}))
             .await;

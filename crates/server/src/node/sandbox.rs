@@ -238,6 +238,8 @@ pub struct CreateParams {
     pub team: Option<String>,
     /// Volumes of the team to mount, by name (E2B's `volumeMounts`).
     pub volume_mounts: Vec<crate::wire::SandboxVolumeMount>,
+    /// The snapshot a fork of it makes this sandbox from, and its branch.
+    pub forked_from: Option<crate::node::store::ForkedFrom>,
 }
 
 /// What a pause keeps (E2B's pause `memory` and `autoPauseMemory`).
@@ -884,6 +886,7 @@ impl Manager {
                     false => template.cpu_template.clone(),
                 },
                 volume_mounts: mounts.to_vec(),
+                forked_from: params.forked_from,
             }
         };
         let record = self

@@ -205,6 +205,21 @@ pub struct SandboxRecord {
     /// be deleted while it exists.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volume_mounts: Vec<VolumeMount>,
+    /// The sandbox or snapshot it was forked from, kept for as long as it
+    /// lives (its lineage outlasts the node's recent events and restarts);
+    /// None: not a fork's child.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forked_from: Option<ForkedFrom>,
+}
+
+/// Where a fork child comes from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ForkedFrom {
+    /// The sandbox forked, or the snapshot.
+    pub parent_id: String,
+    /// Its place among that fork's children, from 0.
+    pub branch: u32,
 }
 
 /// A volume in one of a sandbox's slots.
@@ -790,7 +805,7 @@ fn decode<T: DeserializeOwned>(bytes: &[u8], what: &'static str) -> Result<T, St
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     pub(crate) fn record(id: &str, started: u64) -> SandboxRecord {

@@ -3,13 +3,15 @@
 //! recent lifecycle events name down through every child, each with its
 //! branch index and whether it runs, is paused or is gone.
 //!
-//! Records keep no parent (a child's record is its own), but every child a
-//! fork makes is told as a `forked` event naming its parent, and the node
-//! keeps its last [`crate::node::webhooks::RECENT`] events: the tree is as
-//! far back as those reach, and starts again after a restart. A sandbox
-//! that is neither live nor in the caller's team's events is a 404.
+//! Two sources, merged: each fork child's record names its parent and
+//! branch for as long as it lives ([`ForkedFrom`], across restarts), and
+//! every child a fork makes is told as a `forked` event naming its parent,
+//! of which the node keeps its last [`crate::node::webhooks::RECENT`]: those
+//! reach the children already gone (and so their own children's parents).
+//! A sandbox that is neither live, nor in the caller's team's events, nor
+//! the parent of one of its live sandboxes is a 404.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 
 use axum::extract::State;
 use axum::{Extension, Json};
@@ -18,6 +20,7 @@ use super::extract::SandboxId;
 use super::{ApiError, Shared};
 use crate::node::events::{Lifecycle, LifecycleKind};
 use crate::node::sandbox::SandboxError;
+use crate::node::store::{ForkedFrom, SandboxRecord};
 use crate::node::tenants::Caller;
 use crate::wire;
 
@@ -28,9 +31,16 @@ pub async fn lineage(
 ) -> Result<Json<wire::Lineage>, ApiError> {
     let events = state.webhooks.recent(&caller.team, None);
     let manager = &state.manager;
-    let found = build(&id, &events, |sandbox| match manager.get(sandbox) {
-        Ok(r) if caller.owns(r.team.as_deref()) => Some(r.state.as_str()),
-        _ => None,
+    let records: Vec<SandboxRecord> = manager
+        .list()?
+        .into_iter()
+        .filter(|r| caller.owns(r.team.as_deref()))
+        .collect();
+    let found = build(&id, &records, &events, |sandbox| {
+        match manager.get(sandbox) {
+            Ok(r) if caller.owns(r.team.as_deref()) => Some(r.state.as_str()),
+            _ => None,
+        }
     });
     let Some(mut tree) = found else {
         return Err(SandboxError::NotFound(id).into());
@@ -49,29 +59,57 @@ pub async fn lineage(
 
 const GONE: &str = "gone";
 
-/// The tree of `of` from `events` (oldest first), `live` naming the state of
-/// a sandbox the node holds for the caller; None when neither knows `of`.
+/// The tree of `of` from the caller's `records` and `events` (oldest
+/// first), `live` naming the state of a sandbox the node holds for the
+/// caller; None when none of them knows `of`.
 fn build(
     of: &str,
+    records: &[SandboxRecord],
     events: &[Lifecycle],
     live: impl Fn(&str) -> Option<&'static str>,
 ) -> Option<wire::Lineage> {
     let mut parent_of: HashMap<&str, &str> = HashMap::new();
-    let mut children: HashMap<&str, Vec<&str>> = HashMap::new();
+    // A child's branch as its record keeps it; else its place among the
+    // events' children of its parent.
+    let mut branch_of: HashMap<&str, u32> = HashMap::new();
     let mut template: HashMap<&str, &str> = HashMap::new();
+    for r in records {
+        template.insert(&r.id, &r.template_id);
+        if let Some(ForkedFrom { parent_id, branch }) = &r.forked_from {
+            parent_of.insert(&r.id, parent_id);
+            branch_of.insert(&r.id, *branch);
+        }
+    }
+    let mut told: HashMap<&str, Vec<&str>> = HashMap::new();
     for e in events {
-        template.insert(&e.sandbox_id, &e.template_id);
+        template.entry(&e.sandbox_id).or_insert(&e.template_id);
         if e.kind != LifecycleKind::Forked {
             continue;
         }
         let Some(parent) = e.parent_id.as_deref() else {
             continue;
         };
-        if parent_of.insert(&e.sandbox_id, parent).is_none() {
-            children.entry(parent).or_default().push(&e.sandbox_id);
+        let siblings = told.entry(parent).or_default();
+        if !siblings.contains(&e.sandbox_id.as_str()) {
+            siblings.push(&e.sandbox_id);
+        }
+        parent_of.entry(&e.sandbox_id).or_insert(parent);
+    }
+    for siblings in told.values() {
+        for (n, child) in siblings.iter().enumerate() {
+            branch_of
+                .entry(child)
+                .or_insert(u32::try_from(n).unwrap_or(u32::MAX));
         }
     }
-    if live(of).is_none() && !template.contains_key(of) {
+    let mut children: HashMap<&str, Vec<&str>> = HashMap::new();
+    for (child, parent) in &parent_of {
+        children.entry(parent).or_default().push(child);
+    }
+    for siblings in children.values_mut() {
+        siblings.sort_by_key(|c| (branch_of.get(c).copied().unwrap_or(u32::MAX), *c));
+    }
+    if live(of).is_none() && !template.contains_key(of) && !children.contains_key(of) {
         return None;
     }
     // Up to the root (a set against a cycle no honest events make).
@@ -85,7 +123,6 @@ fn build(
     }
     // Down, a generation at a time.
     let mut nodes = Vec::new();
-    let mut branch: BTreeMap<&str, u32> = BTreeMap::new();
     let mut level = vec![root];
     let mut drawn = HashSet::new();
     while !level.is_empty() {
@@ -102,17 +139,14 @@ fn build(
                     .get(id)
                     .filter(|_| below_root)
                     .map(|p| (*p).to_owned()),
-                branch: branch.get(id).copied().filter(|_| below_root),
+                branch: branch_of.get(id).copied().filter(|_| below_root),
                 state: live(id).unwrap_or(GONE).to_owned(),
                 template_id: template
                     .get(id)
                     .map(|t| (*t).to_owned())
                     .unwrap_or_default(),
             });
-            for (n, child) in children.get(id).into_iter().flatten().enumerate() {
-                branch.insert(child, u32::try_from(n).unwrap_or(u32::MAX));
-                next.push(*child);
-            }
+            next.extend(children.get(id).into_iter().flatten());
         }
         level = next;
     }
@@ -125,6 +159,8 @@ fn build(
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use super::*;
 
     fn event(kind: LifecycleKind, id: &str, parent: Option<&str>) -> Lifecycle {
@@ -148,12 +184,16 @@ mod tests {
     type Row = (String, Option<String>, Option<u32>, String);
 
     fn tree(of: &str, events: &[Lifecycle]) -> Option<Vec<Row>> {
+        tree_with(of, &[], events)
+    }
+
+    fn tree_with(of: &str, records: &[SandboxRecord], events: &[Lifecycle]) -> Option<Vec<Row>> {
         let live = |id: &str| match id {
             "p" | "a" => Some("running"),
             "b" => Some("paused"),
             _ => None,
         };
-        build(of, events, live).map(|t| {
+        build(of, records, events, live).map(|t| {
             t.nodes
                 .into_iter()
                 .map(|n| (n.sandbox_id, n.parent_id, n.branch, n.state))
@@ -201,6 +241,63 @@ mod tests {
         assert_eq!(
             tree("x", &[event(Created, "x", None), event(Killed, "x", None)]),
             Some(vec![node("x", None, None, "gone")])
+        );
+    }
+
+    /// A live child of the tree, as its record keeps it.
+    fn child(id: &str, parent: &str, branch: u32) -> SandboxRecord {
+        SandboxRecord {
+            forked_from: Some(ForkedFrom {
+                parent_id: parent.to_owned(),
+                branch,
+            }),
+            ..crate::node::store::tests::record(id, 0)
+        }
+    }
+
+    #[test]
+    fn records_keep_the_tree_when_the_events_are_gone() {
+        // After a restart: no events; the parent p lives, so do its
+        // children a (branch 3) and b (branch 1) of one fork.
+        let records = [child("a", "p", 3), child("b", "p", 1)];
+        assert_eq!(
+            tree_with("a", &records, &[]),
+            Some(vec![
+                node("p", None, None, "running"),
+                node("b", Some("p"), Some(1), "paused"),
+                node("a", Some("p"), Some(3), "running"),
+            ])
+        );
+        // A gone parent (or snapshot) is drawn, and asked about, as gone.
+        let orphans = [child("a", "q", 0)];
+        let want = vec![
+            node("q", None, None, "gone"),
+            node("a", Some("q"), Some(0), "running"),
+        ];
+        assert_eq!(tree_with("a", &orphans, &[]), Some(want.clone()));
+        assert_eq!(tree_with("q", &orphans, &[]), Some(want));
+    }
+
+    #[test]
+    fn records_and_events_merge_the_records_branch_first() {
+        use LifecycleKind::*;
+        // Events saw the whole fork of 3 (c then killed); the records of
+        // the live ones agree on their branches.
+        let events = [
+            event(Forked, "a", Some("p")),
+            event(Forked, "b", Some("p")),
+            event(Forked, "c", Some("p")),
+            event(Killed, "c", None),
+        ];
+        let records = [child("a", "p", 0), child("b", "p", 1)];
+        assert_eq!(
+            tree_with("p", &records, &events),
+            Some(vec![
+                node("p", None, None, "running"),
+                node("a", Some("p"), Some(0), "running"),
+                node("b", Some("p"), Some(1), "paused"),
+                node("c", Some("p"), Some(2), "gone"),
+            ])
         );
     }
 

@@ -348,6 +348,7 @@ async fn create_now(
         network,
         team: caller.stored_team(),
         volume_mounts: req.volume_mounts.unwrap_or_default(),
+        forked_from: None,
     };
     let ends_now = params.timeout.is_zero();
     // The code interpreter is built on its first create.

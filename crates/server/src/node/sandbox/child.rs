@@ -14,7 +14,7 @@ use crate::node::clock::now_ms;
 use crate::node::ids;
 use crate::node::launch::{Guest, Launched, Plan, Ready, Taken};
 use crate::node::net::SandboxNetwork;
-use crate::node::store::{SandboxRecord, SandboxState, VolumeMount};
+use crate::node::store::{ForkedFrom, SandboxRecord, SandboxState, VolumeMount};
 
 /// Where a child's guest comes from.
 #[derive(Debug)]
@@ -29,6 +29,8 @@ pub(super) struct ChildGuest {
     /// Its copies of the parent's volumes, in the slots the guest mounted
     /// them in (on the child's own layers).
     pub volume_mounts: Vec<VolumeMount>,
+    /// Its place among the fork's children, from 0.
+    pub branch: u32,
 }
 
 impl Manager {
@@ -80,6 +82,10 @@ impl Manager {
                 ),
             };
             let (root_layer, volume_mounts) = (from.root_layer, from.volume_mounts);
+            let forked_from = ForkedFrom {
+                parent_id: parent.id.clone(),
+                branch: from.branch,
+            };
             let record = |launched: &Launched| {
                 let started = now_ms();
                 SandboxRecord {
@@ -106,6 +112,7 @@ impl Manager {
                     vmm_dir: Some(launched.vm.dir().to_owned()),
                     network,
                     volume_mounts,
+                    forked_from: Some(forked_from.clone()),
                     // ...as its `uses_snapshots` do.
                     ..parent.clone()
                 }

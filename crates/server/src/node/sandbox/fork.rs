@@ -383,6 +383,7 @@ impl Manager {
             root_layer,
             vmm: Some(vmm),
             volume_mounts,
+            branch: u32::try_from(index).unwrap_or(u32::MAX),
         };
         self.start_child(parent, &id, &dir, from, timeout, hold)
             .await

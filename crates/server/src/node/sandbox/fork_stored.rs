@@ -25,7 +25,7 @@ use crate::node::capacity::{Ask, Reservation};
 use crate::node::ids;
 use crate::node::launch::Guest;
 use crate::node::net::SandboxNetwork;
-use crate::node::store::{PausedSnapshot, SandboxRecord, VolumeMount};
+use crate::node::store::{ForkedFrom, PausedSnapshot, SandboxRecord, VolumeMount};
 
 /// One result per child, in order, as a running sandbox's fork answers.
 pub type ForkResults = Vec<Result<SandboxRecord, SandboxError>>;
@@ -170,7 +170,16 @@ impl Manager {
                     }
                     // Never volumes: a parent with volumes forks on its own node.
                     manager
-                        .paused_child(&parent, &snapshot, child_id, top, Vec::new(), timeout, hold)
+                        .paused_child(
+                            &parent,
+                            &snapshot,
+                            child_id,
+                            top,
+                            Vec::new(),
+                            index,
+                            timeout,
+                            hold,
+                        )
                         .await
                 }
                 .await;
@@ -398,7 +407,9 @@ impl Manager {
                 .collect();
             tasks.spawn(async move {
                 let r = manager
-                    .paused_child(&parent, &snapshot, child_id, top, copies, timeout, hold)
+                    .paused_child(
+                        &parent, &snapshot, child_id, top, copies, index, timeout, hold,
+                    )
                     .await;
                 (index, r)
             });
@@ -417,6 +428,7 @@ impl Manager {
         id: String,
         root: PathBuf,
         volume_mounts: Vec<VolumeMount>,
+        branch: usize,
         timeout: Duration,
         hold: Reservation,
     ) -> Result<SandboxRecord, SandboxError> {
@@ -431,6 +443,7 @@ impl Manager {
             root_layer: None,
             vmm: None,
             volume_mounts,
+            branch: u32::try_from(branch).unwrap_or(u32::MAX),
         };
         let dir = self.sandbox_dir(&id);
         self.start_child(parent, &id, &dir, from, timeout, hold)
@@ -522,6 +535,10 @@ impl Manager {
                         auto_pause_memory: true,
                         network,
                         team,
+                        forked_from: Some(ForkedFrom {
+                            parent_id: template.id.clone(),
+                            branch: u32::try_from(index).unwrap_or(u32::MAX),
+                        }),
                         ..CreateParams::default()
                     };
                     let id = ids::sandbox_id().map_err(io("generating a sandbox id"))?;

@@ -967,6 +967,7 @@ impl Templates {
                     .ok()
                     .flatten(),
                 volume_mounts: Vec::new(),
+                forked_from: None,
             })
             .await
             .map_err(|e| e.to_string())
