@@ -15,6 +15,8 @@ pub(super) fn median(samples: &[f64]) -> Option<f64> {
 #[derive(Debug)]
 pub(super) struct Strip {
     pub(super) title: String,
+    /// Empty: the columns' labels say it all.
+    pub(super) x_desc: String,
     pub(super) y_desc: String,
     pub(super) series: Vec<(String, Vec<f64>)>,
 }
@@ -78,17 +80,19 @@ pub(super) fn strip_svg(plot: &Strip) -> DrawResult<String> {
                 .map_or_else(String::new, |(name, _)| name.clone()),
             _ => String::new(),
         };
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
+        let mut mesh = chart.configure_mesh();
+        mesh.disable_x_mesh()
             .light_line_style(WHITE)
             .label_style(("sans-serif", 13))
             .axis_desc_style(("sans-serif", 14))
             .y_label_formatter(&tick)
             .x_labels(plot.series.len() + 1)
             .x_label_formatter(&label)
-            .y_desc(&plot.y_desc)
-            .draw()?;
+            .y_desc(&plot.y_desc);
+        if !plot.x_desc.is_empty() {
+            mesh.x_desc(&plot.x_desc);
+        }
+        mesh.draw()?;
         for (i, (_, samples)) in plot.series.iter().enumerate() {
             let at = SegmentValue::CenterOf(i32::try_from(i)?);
             let color = Palette99::pick(i).mix(0.7).filled();

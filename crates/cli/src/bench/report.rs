@@ -14,17 +14,16 @@ use serde_json::Value;
 use super::cluster_scale::size_suffix;
 use super::plot::{DrawResult, Lines, Strip, lines_svg, median, strip_svg};
 use super::ratio_key;
-use super::summary::number;
 
 /// Why a report could not be read, rendered or written.
 #[derive(Debug, thiserror::Error)]
 pub enum ReportError {
-    #[error("reading the bench JSON {}: {source}", path.display())]
+    #[error("reading the bench JSON {}", path.display())]
     Read {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{} is not a bench JSON: {source}", path.display())]
+    #[error("{} is not a bench JSON", path.display())]
     Malformed {
         path: PathBuf,
         source: serde_json::Error,
@@ -35,7 +34,7 @@ pub enum ReportError {
     ReportOverJson { path: PathBuf },
     #[error("drawing the plot {name}: {message}")]
     Draw { name: String, message: String },
-    #[error("writing {}: {source}", path.display())]
+    #[error("writing {}", path.display())]
     Write {
         path: PathBuf,
         source: std::io::Error,
@@ -343,6 +342,18 @@ fn figures(report: &Value) -> Vec<(&'static str, Figure)> {
     out
 }
 
+/// A figure as the summary shows it, but small ones to three significant
+/// digits (a route lookup takes some 0.0002 ms).
+fn number(v: f64) -> String {
+    match v.abs() {
+        a if a == 0.0 || a >= 1.0 => super::summary::number(v),
+        a => {
+            let digits = usize::try_from(2 - a.log10().floor() as i64).unwrap_or(2);
+            format!("{v:.digits$}")
+        }
+    }
+}
+
 fn shown(v: Option<f64>) -> String {
     v.map_or_else(|| "–".to_owned(), number)
 }
@@ -419,28 +430,12 @@ pub fn render(report: &Value, plots_dir: &str) -> Result<Rendered, ReportError> 
         }
         let _ = writeln!(b.md, "\n## {part}");
         table(&in_part, &mut b.md);
-        for figure in &in_part {
-            // The two ways back to a checkpoint: one plot of both, below.
-            if figure.samples.is_empty() || rollback.contains(&figure.key.as_str()) {
-                continue;
-            }
-            let series = match figure.reference_samples.is_empty() {
-                true => vec![(figure.key.clone(), figure.samples.clone())],
-                false => vec![
-                    ("sandfork".to_owned(), figure.samples.clone()),
-                    ("Firecracker".to_owned(), figure.reference_samples.clone()),
-                ],
-            };
-            let plot = Strip {
-                title: format!(
-                    "{} ({} samples; bar: median)",
-                    figure.key,
-                    figure.samples.len()
-                ),
-                y_desc: axis(&figure.key, figure.unit),
-                series,
-            };
-            b.strip(file_name(&figure.key), &plot)?;
+        // The two ways back to a checkpoint get one plot of both, below.
+        let sampled = in_part
+            .iter()
+            .filter(|f| !f.samples.is_empty() && !rollback.contains(&f.key.as_str()));
+        for (family, members) in families(sampled) {
+            sampled_plot(&family, &members, &mut b)?;
         }
         match part {
             "SDK" => rollback_plot(report, &mut b)?,
@@ -459,6 +454,89 @@ pub fn render(report: &Value, plots_dir: &str) -> Result<Rendered, ReportError> 
     })
 }
 
+/// A figure's family and its member: `image_pull_convert_ms[1g]` and
+/// `cluster_reconcile_pass_ms_10k` are members `1g` and `10k`, per size.
+fn family_of(key: &str) -> Option<(&str, &str)> {
+    if let Some(inner) = key.strip_suffix(']')
+        && let Some((family, member)) = inner.rsplit_once('[')
+    {
+        return Some((family, member));
+    }
+    let (family, member) = key.rsplit_once('_')?;
+    let digits = member.strip_suffix('k').unwrap_or(member);
+    let sized = !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit());
+    sized.then_some((family, member))
+}
+
+/// The size a member stands for, to order them (`1k` before `10k`).
+fn member_size(member: &str) -> u64 {
+    let digits: String = member.chars().take_while(char::is_ascii_digit).collect();
+    let n = digits.parse::<u64>().unwrap_or(u64::MAX);
+    match member.strip_prefix(digits.as_str()) {
+        Some("k") => n.saturating_mul(1000),
+        _ => n,
+    }
+}
+
+/// Figures with samples by family, in order of their first member: the
+/// members of one family (per size or per N) share a plot.
+fn families<'a>(figures: impl Iterator<Item = &'a &'a Figure>) -> Vec<(String, Vec<&'a Figure>)> {
+    let mut out: Vec<(String, Vec<&Figure>)> = Vec::new();
+    for figure in figures {
+        let family = family_of(&figure.key).map_or(figure.key.as_str(), |(f, _)| f);
+        match out.iter_mut().find(|(name, _)| name == family) {
+            Some((_, members)) => members.push(figure),
+            None => out.push((family.to_owned(), vec![figure])),
+        }
+    }
+    out
+}
+
+/// One figure's samples (beside Firecracker's where the reference has
+/// them), or a family's, a column per member.
+fn sampled_plot(family: &str, members: &[&Figure], b: &mut Builder<'_>) -> Result<(), ReportError> {
+    let plot = match members {
+        [figure] => Strip {
+            title: format!(
+                "{} ({} samples; bar: median)",
+                figure.key,
+                figure.samples.len()
+            ),
+            x_desc: String::new(),
+            y_desc: axis(&figure.key, figure.unit),
+            series: match figure.reference_samples.is_empty() {
+                true => vec![(figure.key.clone(), figure.samples.clone())],
+                false => vec![
+                    ("sandfork".to_owned(), figure.samples.clone()),
+                    ("Firecracker".to_owned(), figure.reference_samples.clone()),
+                ],
+            },
+        },
+        _ => {
+            let mut members = members.to_vec();
+            members.sort_by_key(|f| family_of(&f.key).map_or(u64::MAX, |(_, m)| member_size(m)));
+            let unit = members.first().map_or("", |f| f.unit);
+            Strip {
+                title: format!("{family} per size (bar: median)"),
+                x_desc: "size (the key's suffix)".into(),
+                y_desc: axis(family, unit),
+                series: members
+                    .iter()
+                    .map(|f| {
+                        let member = family_of(&f.key).map_or(f.key.as_str(), |(_, m)| m);
+                        (member.to_owned(), f.samples.clone())
+                    })
+                    .collect(),
+            }
+        }
+    };
+    let file = match members {
+        [figure] => file_name(&figure.key),
+        _ => file_name(family),
+    };
+    b.strip(file, &plot)
+}
+
 fn axis(what: &str, unit: &str) -> String {
     match unit {
         "" => what.to_owned(),
@@ -472,27 +550,31 @@ fn header(report: &Value, md: &mut String) {
         "Rendered from the bench's JSON (`sandfork bench report --json FILE` renders it again). \
          *value* is the figure as the JSON records it (a median or p50, or a single \
          sample: see docs/src/benchmarks.md for each key); median, min and max are of its \
-         samples where the JSON keeps them.\n\n",
+         samples where the JSON keeps them.\n",
     );
+    let mut about = String::new();
     if let Some(env) = report["environment"].as_str() {
-        let _ = write!(md, "- environment: {env}");
+        let _ = write!(about, "- environment: {env}");
         let guest = &report["guest"];
         if let (Some(vcpus), Some(mib)) = (guest["vcpus"].as_u64(), guest["mem_mib"].as_u64()) {
-            let _ = write!(md, "; guest: {vcpus} vCPU, {mib} MiB");
+            let _ = write!(about, "; guest: {vcpus} vCPU, {mib} MiB");
         }
         if let Some(runs) = report["runs"].as_u64() {
-            let _ = write!(md, "; runs: {runs}");
+            let _ = write!(about, "; runs: {runs}");
         }
-        md.push('\n');
+        about.push('\n');
     }
     if let Some(vmm) = report["vmm"].as_str() {
-        let _ = writeln!(md, "- VMM: `{vmm}`");
+        let _ = writeln!(about, "- VMM: `{vmm}`");
     }
     if let Some(fc) = report["reference"]["vmm"].as_str() {
-        let _ = writeln!(md, "- reference: Firecracker `{fc}`");
+        let _ = writeln!(about, "- reference: Firecracker `{fc}`");
     }
     if let Some(note) = report["note"].as_str() {
-        let _ = writeln!(md, "- note: {note}");
+        let _ = writeln!(about, "- note: {note}");
+    }
+    if !about.is_empty() {
+        let _ = write!(md, "\n{about}");
     }
 }
 
@@ -565,6 +647,7 @@ fn rollback_plot(report: &Value, b: &mut Builder<'_>) -> Result<(), ReportError>
     }
     let plot = Strip {
         title: "back to a checkpoint: rollback in place vs a create from the snapshot".into(),
+        x_desc: String::new(),
         y_desc: "until a command answers (ms)".into(),
         series,
     };
@@ -584,6 +667,7 @@ fn image_conversions(report: &Value, b: &mut Builder<'_>) -> Result<(), ReportEr
         }
         let plot = Strip {
             title: format!("image {size}: layered conversion vs whole-image"),
+            x_desc: String::new(),
             y_desc: "conversion (ms)".into(),
             series: vec![
                 ("layered (convert_layered_ms)".into(), layered),
@@ -768,12 +852,14 @@ mod tests {
             ]},
             "group_setup_fork_ms": {"8": 1000.0, "16": null},
             "group_setup_each_ms": {"8": 4000.0, "16": 9000.0},
-            "image_pull_convert_ms": {"1g": {"p50": 15906.0, "samples": [11551.0, 15906.0]}},
+            "image_pull_convert_ms": {"1g": {"p50": 15906.0, "samples": [11551.0, 15906.0]},
+                                      "4g": {"p50": 84402.0, "samples": [54092.0, 84402.0]}},
             "image_detail": {"1g": {
                 "convert_layered_ms": {"p50": 15019.0, "samples": [10449.0, 15019.0]},
                 "reference_whole_image_convert_ms": {"p50": 94733.0, "samples": [40673.0, 94733.0]}
             }},
             "gateway_reload_ms_10k": 27.0,
+            "gateway_route_lookup_p50_ms_10k": 0.00012,
             "cluster_reconcile_pass_ms_10k": 22.0,
             "cluster_scale_detail": {"nodes": 100, "sizes": [
                 {"routes": 10000, "reconcile_pass_ms_samples": [22.0, 21.0, 25.0]}
@@ -854,6 +940,8 @@ mod tests {
             "| `rollback_by_create_ms` | 729 | 729 | 720 | 760 | 3 | ms |",
             "| `image_pull_convert_ms[1g]` | 15906 | 15906 | 11551 | 15906 | 2 | ms |",
             "| `gateway_reload_ms_10k` | 27.00 | – | – | – | – | ms |",
+            "| `gateway_route_lookup_p50_ms_10k` | 0.000120 | – | – | – | – | ms |",
+            "| `image_pull_convert_ms[4g]` | 84402 | 84402 | 54092 | 84402 | 2 | ms |",
             "| `cluster_reconcile_pass_ms_10k` | 22.00 | 22.00 | 21.00 | 25.00 | 3 | ms |",
             "| 4 | 1 | 900 | – | 1800 | 1200 | 2.00 | 1.33 | ms |",
             "| 4 | 8 | failed | – | 1500 | 4000 | – | – | ms |",
@@ -898,7 +986,7 @@ mod tests {
                 "cluster_reconcile_pass_ms_10k.svg",
                 "first_command_page_faults_with_prefetch.svg",
                 "image_convert_1g.svg",
-                "image_pull_convert_ms_1g.svg",
+                "image_pull_convert_ms.svg",
                 "rl_group.svg",
                 "rl_n4.svg",
                 "rollback.svg",
@@ -936,6 +1024,13 @@ mod tests {
             assert!(has_text(rl, text), "no {text:?} in {rl}");
         }
         assert!(has_text(rl, "k (the episode's step branched at)"), "{rl}");
+        // Sizes of one figure side by side, in order of size.
+        let sizes = plot(&r, "image_pull_convert_ms.svg");
+        assert_eq!(sizes.matches("<circle").count(), 4);
+        let labels = svg_text(sizes);
+        let at = |t: &str| labels.iter().position(|l| l == t).unwrap();
+        assert!(at("1g") < at("4g"), "{labels:?}");
+        assert!(has_text(sizes, "image_pull_convert_ms (ms)"), "{labels:?}");
         let rollback = plot(&r, "rollback.svg");
         assert!(has_text(rollback, "in place (rollback_ms)"), "{rollback}");
         assert_eq!(rollback.matches("<circle").count(), 6);
@@ -976,16 +1071,23 @@ mod tests {
         let missing = dir.path().join("none.json");
         let e = load(&missing).unwrap_err();
         assert!(matches!(e, ReportError::Read { .. }), "{e:?}");
-        assert!(e.to_string().contains("none.json"), "{e}");
+        // As the command prints it: what, which file, why (once).
+        let shown = format!("{:#}", anyhow::Error::new(e));
+        assert_eq!(
+            shown,
+            format!(
+                "reading the bench JSON {}: No such file or directory (os error 2)",
+                missing.display()
+            )
+        );
 
         let cut = dir.path().join("cut.json");
         std::fs::write(&cut, r#"{"boot_to_agent_ms": 3"#).unwrap();
         let e = load(&cut).unwrap_err();
         assert!(matches!(e, ReportError::Malformed { .. }), "{e:?}");
-        assert!(
-            e.to_string()
-                .starts_with(&format!("{} is not a bench JSON", cut.display()))
-        );
+        let shown = format!("{:#}", anyhow::Error::new(e));
+        let expected = format!("{} is not a bench JSON: EOF while parsing", cut.display());
+        assert!(shown.starts_with(&expected), "{shown}");
 
         let list = dir.path().join("list.json");
         std::fs::write(&list, "[1, 2]").unwrap();
@@ -995,6 +1097,21 @@ mod tests {
         let md = dir.path().join("bench.md");
         let e = write(&md, &json!({})).unwrap_err();
         assert!(matches!(e, ReportError::ReportOverJson { .. }), "{e:?}");
+    }
+
+    #[test]
+    fn members_of_a_family_are_ordered_by_size() {
+        assert_eq!(
+            family_of("image_pull_convert_ms[1g]"),
+            Some(("image_pull_convert_ms", "1g"))
+        );
+        assert_eq!(
+            family_of("cluster_reconcile_pass_ms_10k"),
+            Some(("cluster_reconcile_pass_ms", "10k"))
+        );
+        assert_eq!(family_of("boot_to_agent_ms"), None);
+        assert_eq!(family_of("sdk_creates_per_s_4way"), None);
+        assert!(member_size("1k") < member_size("10k") && member_size("9") < member_size("1k"));
     }
 
     #[test]
