@@ -84,9 +84,19 @@ enum Command {
     /// snapshot, restore, fork) and the node's through the E2B Python SDK.
     ///
     /// Example: SANDFORK_FIRECRACKER=/opt/fc/firecracker sandfork bench --runs 5
+    #[command(subcommand_negates_reqs = true, args_conflicts_with_subcommands = true)]
     Bench {
+        #[command(subcommand)]
+        action: Option<bench::BenchCommand>,
+        /// None only with a subcommand (clap requires the kernel and rootfs
+        /// otherwise).
         #[command(flatten)]
-        image: ImageArgs,
+        image: Option<ImageArgs>,
+        /// Also write the JSON to FILE, and beside it a Markdown report of
+        /// every figure with SVG plots of the samples (`out/bench.json`:
+        /// `out/bench.md`, `out/bench-plots/`).
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
         /// Boots to measure (the median is reported).
         #[arg(long, default_value_t = 3)]
         runs: usize,
@@ -364,8 +374,25 @@ fn main() -> ExitCode {
     }
 }
 
+/// Prints the bench's JSON on stdout (first, so that it is never lost) and,
+/// with `--json FILE`, writes it there with its report beside it.
+fn emit(report: &serde_json::Value, json: Option<&std::path::Path>) -> Result<()> {
+    println!("{}", serde_json::to_string(report)?);
+    if let Some(path) = json {
+        let text = serde_json::to_string_pretty(report)? + "\n";
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+        let markdown = bench::report::write(path, report)?;
+        eprintln!("bench: report in {}", markdown.display());
+    }
+    Ok(())
+}
+
 /// `sandfork bench --only cluster-scale`: on this host, whatever its KVM.
-async fn cluster_scale(nodes: usize, routes: &str) -> Result<ExitCode> {
+async fn cluster_scale(
+    nodes: usize,
+    routes: &str,
+    json: Option<&std::path::Path>,
+) -> Result<ExitCode> {
     let routes = routes
         .split(',')
         .map(|r| r.trim().parse::<usize>().ok().filter(|&r| r > 0))
@@ -381,7 +408,7 @@ async fn cluster_scale(nodes: usize, routes: &str) -> Result<ExitCode> {
         exe: &exe,
     })
     .await?;
-    println!("{}", serde_json::to_string(&report)?);
+    emit(&report, json)?;
     Ok(match bench::failed(&report) {
         true => ExitCode::FAILURE,
         false => ExitCode::SUCCESS,
@@ -410,7 +437,17 @@ fn run(cli: Cli) -> Result<ExitCode> {
             runtime.block_on(up(&image, console, run.as_deref()))?;
         }
         Command::Bench {
+            action: Some(bench::BenchCommand::Report { json }),
+            ..
+        } => {
+            let report = bench::report::load(&json)?;
+            let markdown = bench::report::write(&json, &report)?;
+            println!("{}", markdown.display());
+        }
+        Command::Bench {
+            action: None,
             image,
+            json,
             runs,
             firecracker,
             only,
@@ -434,8 +471,14 @@ fn run(cli: Cli) -> Result<ExitCode> {
             agent,
             images_scratch,
         } => {
+            let image = image.context("sandfork bench needs --kernel and --rootfs")?;
+            // Before the bench, not after its hours.
+            if let Some(path) = &json {
+                bench::report::check(path)?;
+            }
             if only == Some(bench::Part::ClusterScale) {
-                return runtime.block_on(cluster_scale(scale_nodes, &scale_routes));
+                let json = json.as_deref();
+                return runtime.block_on(cluster_scale(scale_nodes, &scale_routes, json));
             }
             if runs == 0 || sdk_runs == 0 {
                 bail!("--runs and --sdk-runs must be at least 1");
@@ -491,8 +534,24 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }
             let keep_logs = keep_logs.map(std::fs::canonicalize).transpose()?;
             let keep_logs_arg = keep_logs.as_ref().map(|d| d.to_string_lossy().into_owned());
+            // The report's folder, made here and shared with the lab too.
+            let json_dir = match &json {
+                Some(path) => {
+                    let dir = match path.parent() {
+                        Some(p) if !p.as_os_str().is_empty() => p,
+                        _ => std::path::Path::new("."),
+                    };
+                    std::fs::create_dir_all(dir)
+                        .with_context(|| format!("creating {}", dir.display()))?;
+                    Some(std::fs::canonicalize(dir)?.to_string_lossy().into_owned())
+                }
+                None => None,
+            };
             let mut lab_args = vec!["--memory", &lab_memory];
-            if let Some(dir) = &keep_logs_arg {
+            let mut shared: Vec<&String> =
+                [&keep_logs_arg, &json_dir].into_iter().flatten().collect();
+            shared.dedup();
+            for dir in shared {
                 lab_args.extend(["--rw", dir]);
             }
             // The lab's own bound comes after the bench's, which prints its
@@ -558,7 +617,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             // The summary for people (on stderr, which reaches the terminal
             // through the lab too); the JSON on stdout for machines, always.
             eprint!("{}", bench::summary::summary(&report));
-            println!("{}", serde_json::to_string(&report)?);
+            emit(&report, json.as_deref())?;
             if bench::failed(&report) {
                 return Ok(ExitCode::FAILURE);
             }
@@ -629,4 +688,37 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Completions(args) => return Ok(completions::run(args, Cli::command())),
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bench_report_renders_without_a_kernel_and_a_bench_takes_json() {
+        Cli::command().debug_assert();
+        let report = Cli::try_parse_from(["sandfork", "bench", "report", "--json", "o/b.json"]);
+        match report.map(|c| c.command) {
+            Ok(Command::Bench {
+                action: Some(bench::BenchCommand::Report { json }),
+                ..
+            }) => assert_eq!(json, PathBuf::from("o/b.json")),
+            Ok(_) => panic!("not bench report"),
+            Err(e) => panic!("{e}"),
+        }
+        assert!(Cli::try_parse_from(["sandfork", "bench", "report"]).is_err());
+        let bench = Cli::try_parse_from([
+            "sandfork", "bench", "--kernel", "k", "--rootfs", "r", "--json", "o/b.json",
+        ]);
+        match bench.map(|c| c.command) {
+            Ok(Command::Bench {
+                action: None,
+                image: Some(image),
+                json: Some(json),
+                ..
+            }) => assert_eq!((image.kernel, json), ("k".into(), "o/b.json".into())),
+            Ok(_) => panic!("not a bench with --json"),
+            Err(e) => panic!("{e}"),
+        }
+    }
 }

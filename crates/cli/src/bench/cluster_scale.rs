@@ -49,7 +49,7 @@ fn sandbox_id(n: usize) -> String {
 }
 
 /// `10000` -> `10k` (the key suffix of a route count).
-fn size_suffix(routes: usize) -> String {
+pub(crate) fn size_suffix(routes: usize) -> String {
     match routes % 1000 {
         0 => format!("{}k", routes / 1000),
         _ => routes.to_string(),

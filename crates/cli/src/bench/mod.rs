@@ -15,6 +15,8 @@ pub mod cluster_scale;
 mod guest_tcp;
 pub mod images;
 mod net;
+mod plot;
+pub mod report;
 pub mod sdk;
 mod snapshot;
 pub mod summary;
@@ -72,6 +74,20 @@ fn merge(into: &mut Value, from: Value) {
     if let (Value::Object(into), Value::Object(from)) = (into, from) {
         into.extend(from);
     }
+}
+
+/// What `sandfork bench` does instead of measuring.
+#[derive(clap::Subcommand)]
+pub enum BenchCommand {
+    /// Render the Markdown report and SVG plots of a bench JSON (as
+    /// `sandfork bench --json FILE` writes, or its stdout saved) beside it:
+    /// `out/bench.json` gives `out/bench.md` and `out/bench-plots/`.
+    ///
+    /// Example: sandfork bench report --json out/bench.json
+    Report {
+        #[arg(long, value_name = "FILE")]
+        json: std::path::PathBuf,
+    },
 }
 
 /// A part of the bench that can be run alone (`--only`).

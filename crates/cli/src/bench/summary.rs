@@ -190,7 +190,7 @@ fn rl_summary(rl: &Value, out: &mut String) {
     }
 }
 
-fn number(v: f64) -> String {
+pub(crate) fn number(v: f64) -> String {
     if v.abs() >= 100.0 {
         format!("{v:.0}")
     } else {
