@@ -4909,3 +4909,63 @@ async fn the_console_is_served_without_a_key_and_its_data_takes_one() {
         );
     }
 }
+
+// ---- A gateway's gathered answers ---------------------------------------------
+
+/// A gateway's list, gathered from every node of a real etcd's map, lists
+/// what the nodes that answered hold and names in a header those that did
+/// not (a node crashed before its lease ran out): a client can tell a
+/// partial list from a whole one.
+#[tokio::test]
+async fn a_gateways_list_names_the_nodes_that_did_not_answer() {
+    use sandfork_cluster::Registration;
+    use sandfork_cluster::keyspace::NodeCapacity;
+    let etcd = sandfork_cluster::harness::Etcd::start().unwrap();
+    let cluster = sandfork_cluster::Cluster::connect(&etcd.endpoints())
+        .await
+        .unwrap();
+    // A node that answers: this file's node (no VMM: a list needs none).
+    let node = node(&[record("live1", now_ms(), SandboxState::Running, "x")]);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let live = listener.local_addr().unwrap().to_string();
+    let app = node.app.clone();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    // And one whose port nobody listens on any more.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
+    let capacity = NodeCapacity {
+        max_sandboxes: 16,
+        vcpus: 16,
+        memory_mib: 16 << 10,
+    };
+    let ttl = std::time::Duration::from_secs(60);
+    let _registered = [
+        Registration::start(cluster.clone(), "n-live", &live, capacity, ttl)
+            .await
+            .unwrap(),
+        Registration::start(cluster.clone(), "n-dead", &dead, capacity, ttl)
+            .await
+            .unwrap(),
+    ];
+    let gateway = server::http::gateway::router(cluster, None);
+    for uri in ["/v2/sandboxes", "/sandboxes"] {
+        let a = gateway
+            .clone()
+            .oneshot(authed("GET", uri, ""))
+            .await
+            .unwrap();
+        assert_eq!(a.status(), StatusCode::OK, "{uri}");
+        assert_eq!(
+            a.headers()[server::wire::UNREACHABLE_NODES_HEADER],
+            "n-dead",
+            "{uri}"
+        );
+        let body = a.into_body().collect().await.unwrap().to_bytes();
+        let listed: Vec<Value> = serde_json::from_slice(&body).unwrap();
+        let ids: Vec<&str> = listed.iter().filter_map(|s| s["sandboxID"].as_str()).collect();
+        assert_eq!(ids, ["live1"], "{uri}");
+    }
+}

@@ -180,6 +180,16 @@ impl Node {
             let answer = self.call("GET", &path, None).await?;
             let page: Vec<Value> = parse(&path, &answer.body)?;
             all.extend(page);
+            // A gateway's list lacks the sandboxes of nodes that did not answer.
+            if let Some(nodes) = answer
+                .headers
+                .get(wire::UNREACHABLE_NODES_HEADER)
+                .and_then(|v| v.to_str().ok())
+            {
+                eprintln!(
+                    "sandfork: warning: node(s) {nodes} did not answer: their sandboxes are not listed"
+                );
+            }
             token = answer
                 .headers
                 .get(wire::NEXT_TOKEN_HEADER)

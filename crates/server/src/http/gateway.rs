@@ -149,6 +149,18 @@ pub fn router(cluster: Cluster, metrics_key: Option<&str>) -> Router {
         }))
 }
 
+/// `answer`, gathered from every node but `unreachable`, naming those.
+fn partial(mut answer: Response, unreachable: &[String]) -> Response {
+    if let Ok(value) = axum::http::HeaderValue::from_str(&unreachable.join(","))
+        && !unreachable.is_empty()
+    {
+        answer
+            .headers_mut()
+            .insert(wire::UNREACHABLE_NODES_HEADER, value);
+    }
+    answer
+}
+
 /// What a control-plane request is, for routing.
 #[derive(Debug, PartialEq, Eq)]
 enum Target {
@@ -512,7 +524,7 @@ impl Gateway {
         req: Request,
         unique_by: Option<&'static [&'static str]>,
     ) -> Result<Response, ApiError> {
-        let answers = match self.every_node(req, "listing").await? {
+        let (answers, unreachable) = match self.every_node(req, "listing").await? {
             Ok(answers) => answers,
             Err(refusal) => return Ok(refusal),
         };
@@ -531,26 +543,28 @@ impl Gateway {
                 Err(e) => tracing::warn!("gateway: node {}'s list: {e}", node.node_id),
             }
         }
-        Ok(axum::Json(all).into_response())
+        Ok(partial(axum::Json(all).into_response(), &unreachable))
     }
 
     /// `req` (without a body) sent to every node: each reachable node's
-    /// answer, or the first refusal (the key is the same on every node: its
-    /// refusal is the answer). A node that cannot be reached is passed over
-    /// with a warning about `what` was asked.
+    /// answer and the ids of those that could not be reached (passed over
+    /// with a warning about `what` was asked), or the first refusal (the
+    /// key is the same on every node: its refusal is the answer).
     async fn every_node(
         &self,
         req: Request,
         what: &str,
-    ) -> Result<Result<Vec<(NodeRecord, Bytes)>, Response>, ApiError> {
+    ) -> Result<Result<(Vec<(NodeRecord, Bytes)>, Vec<String>), Response>, ApiError> {
         let (parts, _) = req.into_parts();
         let mut answers = Vec::new();
+        let mut unreachable = Vec::new();
         for node in self.nodes().await? {
             let req = rebuild(&parts.method, &parts.uri, &parts.headers, Bytes::new());
             let answer = match self.forward(&node.api_addr, req).await {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::warn!("gateway: {what} on node {}: {e}", node.node_id);
+                    unreachable.push(node.node_id);
                     continue;
                 }
             };
@@ -562,7 +576,7 @@ impl Gateway {
                 .map_err(|e| bad_gateway(&node, e.to_string()))?;
             answers.push((node, bytes));
         }
-        Ok(Ok(answers))
+        Ok(Ok((answers, unreachable)))
     }
 
     /// A team (or all) with its use summed over every node; the first
@@ -570,7 +584,7 @@ impl Gateway {
     /// (the key) is the answer; a node that cannot be reached is passed
     /// over, with a warning.
     async fn team_use(&self, req: Request) -> Result<Response, ApiError> {
-        let answers = match self.every_node(req, "teams' use").await? {
+        let (answers, unreachable) = match self.every_node(req, "teams' use").await? {
             Ok(answers) => answers,
             Err(refusal) => return Ok(refusal),
         };
@@ -584,7 +598,7 @@ impl Gateway {
             }
         }
         total
-            .map(|t| axum::Json(t).into_response())
+            .map(|t| partial(axum::Json(t).into_response(), &unreachable))
             .ok_or_else(|| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no node in the cluster"))
     }
 

@@ -69,6 +69,10 @@ pub const CLUSTER_STATE_HEADER: &str = "x-sandfork-cluster-state";
 /// Sandfork's, set by a gateway on a resume or connect it sends to a node
 /// other than the sandbox's, whose node is gone: take the sandbox in first.
 pub const TAKE_IN_HEADER: &str = "x-sandfork-take-in";
+/// Sandfork's, on a gateway's answer gathered from every node (a list, a
+/// team's use): the nodes that did not answer, comma-separated, whose part
+/// is missing from it. Absent when every node answered.
+pub const UNREACHABLE_NODES_HEADER: &str = "x-sandfork-unreachable-nodes";
 /// Sandfork's, on a pause's answer: whether the pause is in the object store.
 pub const DURABLE_HEADER: &str = "x-sandfork-durable";
 /// Sandfork's, on a gateway's `/v1/unrouted` question to a node: the method
