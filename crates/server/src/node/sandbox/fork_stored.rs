@@ -433,8 +433,10 @@ impl Manager {
             volume_mounts,
         };
         let dir = self.sandbox_dir(&id);
-        self.start_child(parent, &id, &dir, from, timeout, hold)
-            .await
+        let (record, _) = self
+            .start_child(parent, &id, &dir, from, timeout, hold)
+            .await?;
+        Ok(record)
     }
 
     /// `count` new sandboxes from the snapshot `id_or_name` (an id or a
