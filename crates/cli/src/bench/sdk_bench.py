@@ -566,9 +566,7 @@ class Bench:
         def fork_and_answer():
             c0, t0 = time.process_time(), time.perf_counter()
             if over_http:
-                results, paused["ms"], paused["phases"] = fork_over_http(
-                    parent.sandbox_id, count
-                )
+                results, paused["ms"], paused["phases"] = fork_over_http(parent.sandbox_id, count)
             else:
                 results = parent.fork(count=count, timeout=SANDBOX_TTL_S, **self.opts)
             t1 = time.perf_counter()
@@ -650,9 +648,7 @@ class Bench:
             finally:
                 self.cleanup()
         figures["fork_parent_pause_ms"] = summary(fork_pauses) if fork_pauses else None
-        figures["snapshot_parent_pause_ms"] = (
-            summary(snapshot_pauses) if snapshot_pauses else None
-        )
+        figures["snapshot_parent_pause_ms"] = summary(snapshot_pauses) if snapshot_pauses else None
         detail["snapshot_parent_pause_is_upper_bound"] = True
         if failures:
             detail["failed"] = f"{len(failures)} samples failed; the first: {failures[0]}"
@@ -666,9 +662,7 @@ class Bench:
         bounded(lambda: self.answer(parent), self.sample_timeout(), "the snapshot's parent")
         self.settle()
         t0 = time.perf_counter()
-        bounded(
-            lambda: parent.create_snapshot(**self.opts), self.sample_timeout(), "the snapshot"
-        )
+        bounded(lambda: parent.create_snapshot(**self.opts), self.sample_timeout(), "the snapshot")
         return ms(time.perf_counter() - t0)
 
     def rl(self):
