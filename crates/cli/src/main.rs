@@ -138,7 +138,9 @@ enum Command {
         #[arg(long, value_name = "N", default_value_t = 500)]
         density_max: usize,
         /// Only these SDK phases, comma-separated: create_to_first_command,
-        /// fork16, fork100, guest_tcp, creates_concurrent, creates_concurrent16,
+        /// fork16, fork100, fork_phases (where forks of 1, 16 and 100 spend
+        /// their time, and the parent's pause against a snapshot's), guest_tcp,
+        /// creates_concurrent, creates_concurrent16,
         /// idle, rl, rl_group, rollback, density, create_no_network (the creates again on
         /// a second node started with --no-network), images (creates by
         /// image of the task images: first, warm, 8 concurrent; only when

@@ -96,6 +96,21 @@ impl LayerFile {
     /// makes its content durable; its directory entry too if `sync_entry` (callers
     /// making several files in one directory sync it once with [`sync_dir`]).
     pub fn create(path: &Path, header: Header, sync_entry: bool) -> Result<LayerFile> {
+        let layer = LayerFile::create_unsynced(path, header)?;
+        let synced = layer.file.sync_data().and_then(|()| match sync_entry {
+            true => sync_dir(path),
+            false => Ok(()),
+        });
+        if let Err(e) = synced {
+            let _ = std::fs::remove_file(path);
+            return Err(io_err("cannot write new layer", path)(e));
+        }
+        Ok(layer)
+    }
+
+    /// [`LayerFile::create`] without making it durable: the caller syncs it
+    /// ([`LayerFile::sync_data`]) before relying on it.
+    pub(crate) fn create_unsynced(path: &Path, header: Header) -> Result<LayerFile> {
         let layout = header.layout();
         let bytes = header.encode().map_err(|reason| Error::CorruptHeader {
             path: path.to_owned(),
@@ -115,9 +130,7 @@ impl LayerFile {
         let made = (|| {
             file.write_all_at(&bytes, header.slot_offset())?;
             // The whole data area as a hole: costs no space, fixes the length.
-            file.set_len(layout.file_len())?;
-            file.sync_data()?;
-            if sync_entry { sync_dir(path) } else { Ok(()) }
+            file.set_len(layout.file_len())
         })();
         if let Err(e) = made {
             let _ = std::fs::remove_file(path);
@@ -130,6 +143,13 @@ impl LayerFile {
             layout,
             bitmap: vec![0; layout.clusters.div_ceil(64) as usize],
         })
+    }
+
+    /// Makes what was written to the layer's file durable.
+    pub(crate) fn sync_data(&self) -> Result<()> {
+        self.file
+            .sync_data()
+            .map_err(io_err("cannot write new layer", &self.path))
     }
 
     /// Writes `header` (with the next generation) to the other slot and syncs it.

@@ -784,6 +784,7 @@ async fn a_fork_of_16_is_admitted_by_real_use_and_its_children_diverge() {
         paused_ms > 0.0 && paused_ms < fork_call.as_secs_f64() * 1000.0,
         "paused {paused_ms} ms in a fork call of {fork_call:?}"
     );
+    fork_phases_add_up(&forked, fork_call, paused_ms, CHILDREN);
     let children = common::forked(forked);
     assert_eq!(children.len(), CHILDREN);
     // Every child at once: each has the parent's file and writes its own.
@@ -977,6 +978,17 @@ async fn metrics_follow_a_create_a_fork_of_4_and_a_kill(node: &Serving) {
     assert_eq!(fork_of_4(&after_fork), fork_of_4(&before) + 1.0);
     let n_sum = |t: &str| value(t, "sandfork_fork_children_sum", &[]);
     assert_eq!(n_sum(&after_fork), n_sum(&before) + 4.0);
+    // Its steps, by phase: one of the fork's, one per child of theirs.
+    let phase = |t: &str, phase: &str| {
+        value(
+            t,
+            "sandfork_fork_phase_duration_seconds_count",
+            &[&format!(r#"phase="{phase}""#)],
+        )
+    };
+    for (name, n) in [("vmm_freeze", 1.0), ("total", 1.0), ("child_loaded", 4.0)] {
+        assert_eq!(phase(&after_fork, name), phase(&before, name) + n, "{name}");
+    }
     for id in children.iter().map(|c| &c.id).chain([&made.id]) {
         assert_eq!(common::kill(addr, &auth, id).await.status, 204);
     }
@@ -995,6 +1007,68 @@ async fn metrics_follow_a_create_a_fork_of_4_and_a_kill(node: &Serving) {
         "metrics followed a create, a fork of 4 and 5 kills in {:?}",
         started.elapsed()
     );
+}
+
+/// A fork's answer says where its time went (`sandfork-fork-phases`): the
+/// node's steps add up to its total, which the client's call holds; the
+/// VMM's steps make up the parent's pause, which its call holds; each
+/// child's load and init fit in the wait for the children.
+fn fork_phases_add_up(forked: &Answer, call: Duration, paused_ms: f64, children: usize) {
+    let header = forked.headers["sandfork-fork-phases"].to_str().unwrap();
+    let p: Value = serde_json::from_str(header).unwrap();
+    let f = |v: &Value| v.as_f64().unwrap_or_else(|| panic!("not a number in {p}"));
+    assert_eq!(p["children"].as_u64(), Some(children as u64), "{p}");
+    let total = f(&p["totalMs"]);
+    let steps: f64 = [
+        "admittedMs",
+        "vmmsTakenMs",
+        "forkCallMs",
+        "recordedMs",
+        "childrenMs",
+    ]
+    .iter()
+    .map(|k| f(&p[k]))
+    .sum();
+    // Only bookkeeping lies between the steps (a few ms under emulation).
+    assert!(
+        steps <= total + 0.01 && steps >= total * 0.95 - 5.0,
+        "steps {steps} ms against {total} ms: {p}"
+    );
+    assert!(
+        total <= call.as_secs_f64() * 1e3,
+        "{p} in a call of {call:?}"
+    );
+    // The pause header rounds to a microsecond.
+    assert!((f(&p["parentPausedMs"]) - paused_ms).abs() < 0.001, "{p}");
+    assert!(paused_ms <= f(&p["forkCallMs"]), "{p}");
+    let vmm = &p["vmm"];
+    let vmm_steps: f64 = [
+        "freezeMs",
+        "stateSavedMs",
+        "memoryMs",
+        "disksMs",
+        "stateWrittenMs",
+        "resumeMs",
+    ]
+    .iter()
+    .map(|k| f(&vmm[k]))
+    .sum();
+    assert!(
+        vmm_steps <= paused_ms + 0.01 && vmm_steps >= paused_ms * 0.5,
+        "the VMM's steps {vmm_steps} ms against its pause of {paused_ms} ms: {p}"
+    );
+    let child = &p["child"];
+    let (loaded, ready) = (
+        f(&child["loadedMs"]["max"]),
+        f(&child["agentReadyMs"]["max"]),
+    );
+    assert!(loaded > 0.0 && ready > 0.0, "{p}");
+    assert!(
+        f(&child["readyAtMs"]["max"]) <= f(&p["childrenMs"]) + 0.01,
+        "{p}"
+    );
+    assert!(loaded.max(ready) <= f(&p["childrenMs"]), "{p}");
+    eprintln!("fork of {children}: phases {p}");
 }
 
 /// The results of `futures` run at once, in order.

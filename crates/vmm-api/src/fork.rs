@@ -86,6 +86,33 @@ pub struct ForkInfo {
     pub children: Vec<Vec<DriveOverride>>,
     /// How long the VM was stopped, in microseconds.
     pub paused_us: u64,
+    /// Where that stop went, step by step (absent from a VMM that does not
+    /// report it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phases: Option<ForkPhases>,
+}
+
+/// The steps of one `PUT /fork` while the VM stands still, in microseconds,
+/// in the order they run; together they make up `paused_us` but for the
+/// bookkeeping between them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForkPhases {
+    /// Every vCPU parked and the devices' threads held still.
+    pub freeze_us: u64,
+    /// The vCPUs', the VM's and the devices' state read.
+    pub state_saved_us: u64,
+    /// Guest memory frozen into the layer file (only pages written since
+    /// the last snapshot or fork, after the first).
+    pub memory_us: u64,
+    /// Bytes of memory written for it.
+    pub memory_bytes: u64,
+    /// Every writable disk sealed and a new layer stacked on it for the VM
+    /// and for each child.
+    pub disks_us: u64,
+    /// The state file encoded and written.
+    pub state_written_us: u64,
+    /// The devices and the vCPUs let go again.
+    pub resume_us: u64,
 }
 
 #[cfg(test)]
@@ -116,5 +143,29 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().contains("unknown field `x`"), "{err}");
+    }
+
+    /// An answer from a VMM that reports no phases still reads, and one
+    /// that does keeps them.
+    #[test]
+    fn phases_are_optional_in_the_answer() {
+        let old = r#"{"snapshot_path":"/s","mem_file_path":"/m","parent":[],"children":[[]],"paused_us":7}"#;
+        let info: ForkInfo = serde_json::from_str(old).unwrap();
+        assert_eq!((info.paused_us, info.phases), (7, None));
+        let phases = ForkPhases {
+            freeze_us: 1,
+            memory_us: 3,
+            memory_bytes: 4096,
+            ..ForkPhases::default()
+        };
+        let back: ForkInfo = serde_json::from_str(
+            &serde_json::to_string(&ForkInfo {
+                phases: Some(phases),
+                ..info
+            })
+            .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(back.phases, Some(phases));
     }
 }

@@ -31,7 +31,7 @@ pub use boot_source::BootSource;
 pub use devices::{DeviceReport, DriveReport, QueueReport};
 pub use drive::{CacheType, Drive, IoEngine, PartialDrive};
 pub use error::ApiError;
-pub use fork::{DriveOverride, ForkInfo, ForkParams, MAX_FORK_CHILDREN};
+pub use fork::{DriveOverride, ForkInfo, ForkParams, ForkPhases, MAX_FORK_CHILDREN};
 pub use instance_info::{InstanceInfo, InstanceState};
 pub use machine_config::{
     CpuTemplate, DEFAULT_MEM_SIZE_MIB, HugePages, MAX_MEM_SIZE_MIB, MAX_VCPUS, MachineConfig,

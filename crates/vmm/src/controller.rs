@@ -8,9 +8,9 @@ use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 
 use vmm_api::{
-    Balloon, BootSource, Drive, DriveOverride, ForkInfo, ForkParams, InstanceInfo, InstanceState,
-    MachineConfig, MemBackendType, NetworkInterface, SnapshotCreateParams, SnapshotLoadParams,
-    SnapshotType, VmConfig, VmmAction, VmmActionError, VmmData, Vsock,
+    Balloon, BootSource, Drive, DriveOverride, ForkInfo, ForkParams, ForkPhases, InstanceInfo,
+    InstanceState, MachineConfig, MemBackendType, NetworkInterface, SnapshotCreateParams,
+    SnapshotLoadParams, SnapshotType, VmConfig, VmmAction, VmmActionError, VmmData, Vsock,
 };
 
 use crate::arch::x86_64::cpu_template;
@@ -97,6 +97,11 @@ impl std::fmt::Debug for Controller {
             .field("prepared_vm", &self.prepared_vm)
             .finish_non_exhaustive()
     }
+}
+
+/// Microseconds, as the API counts them.
+fn us(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 fn bad(message: impl Into<String>) -> VmmActionError {
@@ -512,9 +517,10 @@ impl Controller {
             .fork(&request)
             .map_err(|e| bad(format!("Cannot fork the microVM: {e}")))?;
         tracing::info!(
-            "forked into {} children; paused {:?}, {} bytes of memory written",
+            "forked into {} children; paused {:?} ({:?}), {} bytes of memory written",
             params.children,
             outcome.paused,
+            outcome.steps,
             outcome.memory_bytes
         );
         let overrides = |drives: Vec<(String, PathBuf)>| -> Vec<DriveOverride> {
@@ -528,7 +534,16 @@ impl Controller {
             mem_file_path: params.mem_file_path.clone(),
             parent: overrides(outcome.parent),
             children: outcome.children.into_iter().map(overrides).collect(),
-            paused_us: outcome.paused.as_micros() as u64,
+            paused_us: us(outcome.paused),
+            phases: Some(ForkPhases {
+                freeze_us: us(outcome.steps.freeze),
+                state_saved_us: us(outcome.steps.state_saved),
+                memory_us: us(outcome.steps.memory),
+                memory_bytes: outcome.memory_bytes,
+                disks_us: us(outcome.steps.disks),
+                state_written_us: us(outcome.steps.state_written),
+                resume_us: us(outcome.steps.resume),
+            }),
         }))
     }
 

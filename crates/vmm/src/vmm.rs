@@ -6,8 +6,8 @@ use std::sync::atomic::Ordering;
 use crate::device_manager::legacy::LegacyDevices;
 use crate::device_manager::mmio::MmioDeviceManager;
 use crate::snapshot::{
-    ForkOutcome, ForkRequest, MicrovmState, SnapshotError, SnapshotRequest, SnapshotStats,
-    Stopwatch, format,
+    ForkOutcome, ForkRequest, ForkSteps, MicrovmState, SnapshotError, SnapshotRequest,
+    SnapshotStats, Stopwatch, format,
 };
 use crate::vstate::memory::{GuestMemory, GuestRam, MemorySnapshotKind};
 use crate::vstate::vcpu::{VcpuError, VcpuExitReason, VcpuHandle};
@@ -143,19 +143,23 @@ impl Vmm {
             self.pause()?;
         }
         self.mmio.pause();
+        let frozen = watch.elapsed();
         let forked = self.fork_paused(request);
+        let resuming = watch.elapsed();
         let devices = self.mmio.resume();
         let vcpus = if was_running { self.resume() } else { Ok(()) };
-        let paused = watch.stats(0).total;
+        let paused = watch.elapsed();
         let mut outcome = forked?;
         devices?;
         vcpus?;
         outcome.paused = paused;
+        outcome.steps.freeze = frozen;
+        outcome.steps.resume = paused.saturating_sub(resuming);
         Ok(outcome)
     }
 
     /// The fork's work while everything holds still; the caller fills in
-    /// how long that was.
+    /// how long that was, and how long freezing and resuming took.
     fn fork_paused(&mut self, request: &ForkRequest) -> Result<ForkOutcome, SnapshotError> {
         // Fork from the last snapshot's layers when there are any: only the
         // pages written since then are new.
@@ -164,12 +168,17 @@ impl Vmm {
         } else {
             MemorySnapshotKind::Diff
         };
-        let state = self.capture(kind, &request.mem_path)?;
+        let mut steps = ForkSteps::default();
+        let state = self.capture_timed(kind, &request.mem_path, &mut steps)?;
+        let watch = Stopwatch::start();
         let branches = self
             .mmio
             .branch_disks(&request.disk_dir, request.children)?;
+        steps.disks = watch.elapsed();
         let (state, written) = state;
+        let watch = Stopwatch::start();
         format::write_atomically(&request.state_path, &format::encode(&state)?)?;
+        steps.state_written = watch.elapsed();
         let children = (0..request.children)
             .map(|i| {
                 branches
@@ -187,6 +196,7 @@ impl Vmm {
             children,
             paused: std::time::Duration::ZERO,
             memory_bytes: written,
+            steps,
         };
         Ok(outcome)
     }
@@ -203,6 +213,17 @@ impl Vmm {
         kind: MemorySnapshotKind,
         mem_path: &std::path::Path,
     ) -> Result<(MicrovmState, u64), SnapshotError> {
+        self.capture_timed(kind, mem_path, &mut ForkSteps::default())
+    }
+
+    /// [`Vmm::capture`], timing its state and memory steps into `steps`.
+    fn capture_timed(
+        &mut self,
+        kind: MemorySnapshotKind,
+        mem_path: &std::path::Path,
+        steps: &mut ForkSteps,
+    ) -> Result<(MicrovmState, u64), SnapshotError> {
+        let watch = Stopwatch::start();
         let mut vcpus = Vec::with_capacity(self.vcpus.len());
         for vcpu in &self.vcpus {
             vcpus.push(vcpu.save_state(self.msrs.clone())?);
@@ -210,7 +231,10 @@ impl Vmm {
         let vm = self.vm.save_state()?;
         let legacy = self.legacy.state();
         let devices = self.mmio.state()?;
+        steps.state_saved = watch.elapsed();
+        let watch = Stopwatch::start();
         let (memory, written) = self.ram.snapshot(kind, mem_path)?;
+        steps.memory = watch.elapsed();
         let state = MicrovmState {
             vmm_version: env!("CARGO_PKG_VERSION").to_owned(),
             vcpu_count: self.vcpus.len() as u8,

@@ -334,7 +334,24 @@ async fn fork_children(parent: &TestVm, dir: &Path, n: u32) -> Vec<TestVm> {
         .fork(dir, n)
         .await
         .unwrap_or_else(|e| panic!("fork: {e}\n{}", parent.logs()));
-    eprintln!("fork of {n}: parent paused {} us", fork.paused_us);
+    eprintln!(
+        "fork of {n}: parent paused {} us: {:?}",
+        fork.paused_us, fork.phases
+    );
+    // The VMM says where the pause went: its steps are disjoint parts of
+    // it, and only bookkeeping lies between them.
+    let p = fork.phases.expect("the fork's answer has its phases");
+    let steps = p.freeze_us
+        + p.state_saved_us
+        + p.memory_us
+        + p.disks_us
+        + p.state_written_us
+        + p.resume_us;
+    assert!(
+        steps <= fork.paused_us && steps * 2 >= fork.paused_us,
+        "steps {steps} us against a pause of {} us: {p:?}",
+        fork.paused_us
+    );
     // The answer names the layers the parent writes to now, beside the
     // children's: callers record them instead of guessing their names.
     let drives =

@@ -24,7 +24,7 @@ const RL_SCRIPT: &str = include_str!("rl_bench.py");
 /// Every phase but the rl ones (`--only sdk`; `--only rl` runs those), the
 /// creates on a node without networking included.
 pub const SDK_PHASES: &str = "first_command_faults,create_to_first_command,fork16,fork100,\
-     guest_tcp,creates_concurrent,creates_concurrent16,idle,density,create_no_network";
+     fork_phases,guest_tcp,creates_concurrent,creates_concurrent16,idle,density,create_no_network";
 /// `--only rl`: branching an episode (`rl`), fork per group (`rl_group`),
 /// back to a checkpoint (`rollback`).
 pub const RL_PHASES: &str = "rl,rl_group,rollback";
@@ -667,6 +667,9 @@ class Sandbox:
     def fork(self, count, **kw):
         return [Sandbox.create("fork") for _ in range(min(count, 2))]
 
+    def create_snapshot(self, **kw):
+        return None
+
     @classmethod
     def connect(cls, sandbox_id, **kw):
         s = cls(0)
@@ -693,7 +696,11 @@ def get(url, **kw):
 class _Forked:
     status_code = 201
     text = ""
-    headers = {"sandfork-parent-paused-ms": "1.5"}
+    headers = {
+        "sandfork-parent-paused-ms": "1.5",
+        "sandfork-fork-phases": '{"children": 3, "totalMs": 9.0, "parentPausedMs": 1.5, '
+        '"vmm": {"freezeMs": 0.2}, "child": {"loadedMs": {"median": 2.0, "max": 3.0}}}',
+    }
     def json(self):
         return [{"sandbox": {"sandboxID": f"child{i}"}} for i in range(3)]
 
@@ -756,7 +763,7 @@ class Client:
             .args([
                 "--phases",
                 "first_command_faults,create_to_first_command,fork16,fork100,\
-                 creates_concurrent,creates_concurrent16,idle,density",
+                 fork_phases,creates_concurrent,creates_concurrent16,idle,density",
             ])
             .arg("--report-file")
             .arg(&report_file)
@@ -789,8 +796,28 @@ class Client:
         // The fork past the Python SDK's limit goes over HTTP, with the
         // parent's pause from the node's answer.
         assert!(report["sdk_fork100_ms"].is_number(), "{report}");
-        assert_eq!(report["fork_parent_pause_ms"], 1.5, "{report}");
+        assert_eq!(report["sdk_detail"]["fork100"]["parent_paused_ms"], 1.5);
         assert_eq!(report["sdk_detail"]["fork100"]["fork_call"], "http");
+        // Forks of 1, 16 and 100 over HTTP, each sample with the node's
+        // phases; the parent's pause of each against a snapshot call's.
+        for (n, samples) in [(1, 3), (16, 2), (100, 1)] {
+            let phases = &report[format!("fork{n}_phases")];
+            assert_eq!(
+                phases["samples"].as_array().unwrap().len(),
+                samples,
+                "{report}"
+            );
+            assert_eq!(phases["median"]["total_ms"], 9.0, "{report}");
+            assert_eq!(phases["median"]["child_loaded_ms_max"], 3.0, "{report}");
+            assert!(
+                phases["median"]["client_all_answered_ms"].is_number(),
+                "{report}"
+            );
+        }
+        let pauses = &report["fork_parent_pause_ms"]["samples"];
+        assert_eq!(pauses.as_array().unwrap().len(), 6, "{report}");
+        let snapshot = &report["snapshot_parent_pause_ms"]["samples"];
+        assert_eq!(snapshot.as_array().unwrap().len(), 3, "{report}");
         assert!(report["sdk_creates_per_s_4way"].as_f64().unwrap() > 0.0);
         assert!(report["sdk_creates_per_s_16way"].as_f64().unwrap() > 0.0);
         assert_eq!(

@@ -48,6 +48,13 @@ FORK_ANSWER_THREADS = 32
 FAULT_SAMPLES = 3
 # Sandfork's header on a fork's answer: how long the parent was stopped.
 PARENT_PAUSED_HEADER = "sandfork-parent-paused-ms"
+# ... and where the fork's time went (a JSON object, milliseconds).
+FORK_PHASES_HEADER = "sandfork-fork-phases"
+# The fork_phases phase: (children, samples) of each fork size measured.
+FORK_PHASE_COUNTS = ((1, 3), (16, 2), (100, 1))
+# ... and the snapshot calls of the same kind of parent it compares the
+# parent's pause with.
+SNAPSHOT_PAUSE_SAMPLES = 3
 # guest_tcp: MiB each way per sample, samples, the guest's sink and source
 # ports (reached at the sandbox's slot host address, as the node reaches a
 # guest; the guest cannot open a connection to the node, which is always
@@ -527,19 +534,21 @@ class Bench:
             "failed_samples": failures,
         }
 
-    def fork(self, count=None):
+    def fork(self, count=None, over_http=None):
         """A fork of `count` children (default --fork-count), from the call
         until every child answers a command. Up to the Python SDK's own
         limit through `Sandbox.fork`; past it (the node serves 100, the
-        SDK refuses more than 20 before asking) the same request over HTTP,
-        each child then reached with `Sandbox.connect`."""
+        SDK refuses more than 20 before asking), or when `over_http`, the
+        same request over HTTP, each child then reached with
+        `Sandbox.connect` (and the node's phases of it in the detail)."""
         count = count or self.args.fork_count
         parent = bounded(self.create, self.sample_timeout(), "the fork's parent")
         bounded(lambda: self.answer(parent), self.sample_timeout(), "the fork's parent")
         self.settle()
         children, errors = [], []
         paused = {}
-        over_http = count > PYTHON_SDK_MAX_FORK
+        if over_http is None:
+            over_http = count > PYTHON_SDK_MAX_FORK
 
         def answers(child):
             try:
@@ -557,7 +566,7 @@ class Bench:
         def fork_and_answer():
             c0, t0 = time.process_time(), time.perf_counter()
             if over_http:
-                results, paused["ms"] = fork_over_http(parent.sandbox_id, count)
+                results, paused["ms"], paused["phases"] = fork_over_http(parent.sandbox_id, count)
             else:
                 results = parent.fork(count=count, timeout=SANDBOX_TTL_S, **self.opts)
             t1 = time.perf_counter()
@@ -597,10 +606,64 @@ class Bench:
         if paused.get("ms") is not None:
             detail["parent_paused_ms"] = paused["ms"]
             figures["fork_parent_pause_ms"] = paused["ms"]
+        if paused.get("phases") is not None:
+            detail["phases"] = paused["phases"]
         return figures, detail
 
     def fork100(self):
         return self.fork(100)
+
+    def fork_phases(self):
+        """Where a fork's time goes, for 1, 16 and 100 children, each sample
+        a fork over HTTP of a fresh parent: the node's phases (its
+        `sandfork-fork-phases` header), and the client's fork call and wait
+        until every child answered `echo` (its first command). Then the
+        parent's pause of a fork against a snapshot call of the same kind
+        of parent (the call's whole time: an upper bound of its pause)."""
+        figures, detail = {}, {}
+        fork_pauses, failures = [], []
+        for count, samples in FORK_PHASE_COUNTS:
+            runs = []
+            for i in range(samples):
+                try:
+                    _, one = self.fork(count, over_http=True)
+                except Exception as e:
+                    failures.append(f"fork of {count}, sample {i}: {describe(e)}")
+                    self.cleanup()
+                    continue
+                if one.get("failed"):
+                    failures.append(f"fork of {count}, sample {i}: {one['failed']}")
+                if one.get("phases") is None:
+                    failures.append(f"fork of {count}, sample {i}: the node gave no phases")
+                    continue
+                runs.append(fork_sample(one))
+                fork_pauses.append(one["phases"]["parentPausedMs"])
+            figures[f"fork{count}_phases"] = phase_summary(runs)
+        snapshot_pauses = []
+        for i in range(SNAPSHOT_PAUSE_SAMPLES):
+            try:
+                snapshot_pauses.append(self.snapshot_pause())
+            except Exception as e:
+                failures.append(f"snapshot, sample {i}: {describe(e)}")
+            finally:
+                self.cleanup()
+        figures["fork_parent_pause_ms"] = summary(fork_pauses) if fork_pauses else None
+        figures["snapshot_parent_pause_ms"] = summary(snapshot_pauses) if snapshot_pauses else None
+        detail["snapshot_parent_pause_is_upper_bound"] = True
+        if failures:
+            detail["failed"] = f"{len(failures)} samples failed; the first: {failures[0]}"
+            detail["errors"] = failures[:20]
+        return figures, detail
+
+    def snapshot_pause(self):
+        """A snapshot call of a fresh parent that answered a command: its
+        whole time, in ms (the node pauses the parent for its length)."""
+        parent = bounded(self.create, self.sample_timeout(), "the snapshot's parent")
+        bounded(lambda: self.answer(parent), self.sample_timeout(), "the snapshot's parent")
+        self.settle()
+        t0 = time.perf_counter()
+        bounded(lambda: parent.create_snapshot(**self.opts), self.sample_timeout(), "the snapshot")
+        return ms(time.perf_counter() - t0)
 
     def rl(self):
         import rl_bench  # next to this script
@@ -956,6 +1019,17 @@ class Bench:
             ("fork16", self.fork, [f"sdk_fork{self.args.fork_count}_ms"]),
             ("fork100", self.fork100, ["sdk_fork100_ms", "fork_parent_pause_ms"]),
             (
+                "fork_phases",
+                self.fork_phases,
+                [
+                    "fork1_phases",
+                    "fork16_phases",
+                    "fork100_phases",
+                    "fork_parent_pause_ms",
+                    "snapshot_parent_pause_ms",
+                ],
+            ),
+            (
                 "guest_tcp",
                 self.guest_tcp,
                 ["guest_tcp_guest_to_host_mib_s", "guest_tcp_host_to_guest_mib_s"],
@@ -1069,8 +1143,9 @@ def _api(method, path, **kwargs):
 
 def fork_over_http(sandbox_id, count):
     """`POST /sandboxes/{id}/fork` as the SDKs send it: the children's ids
-    (an exception for each child the node could not start) and how long the
-    node says the parent was paused (None if it does not say)."""
+    (an exception for each child the node could not start), how long the
+    node says the parent was paused and where it says the fork's time went
+    (each None if it does not say)."""
     answer = _api(
         "POST", f"/sandboxes/{sandbox_id}/fork", json={"count": count, "timeout": SANDBOX_TTL_S}
     )
@@ -1083,7 +1158,53 @@ def fork_over_http(sandbox_id, count):
         for item in answer.json()
     ]
     paused = answer.headers.get(PARENT_PAUSED_HEADER)
-    return results, float(paused) if paused is not None else None
+    phases = answer.headers.get(FORK_PHASES_HEADER)
+    return (
+        results,
+        float(paused) if paused is not None else None,
+        json.loads(phases) if phases is not None else None,
+    )
+
+
+def fork_sample(detail):
+    """One fork's phases as the bench reports them: the node's (its header,
+    flattened to `name_ms`), then the client's call and its wait until every
+    child answered its first command."""
+    phases = detail["phases"]
+    flat = {}
+    for key, value in phases.items():
+        if isinstance(value, dict):
+            for inner, v in value.items():
+                if isinstance(v, dict):  # a spread over the children
+                    for stat, x in v.items():
+                        flat[f"{key}_{snake(inner)}_{stat}"] = x
+                else:
+                    flat[f"{key}_{snake(inner)}"] = v
+        else:
+            flat[snake(key)] = value
+    flat["client_fork_call_ms"] = detail.get("fork_call_ms")
+    answered, call = detail.get("all_answered_ms"), detail.get("fork_call_ms")
+    flat["client_first_command_ms"] = (
+        round(answered - call, 1) if answered is not None and call is not None else None
+    )
+    flat["client_all_answered_ms"] = answered
+    return flat
+
+
+def snake(name):
+    """`vmmsTakenMs` -> `vmms_taken_ms`."""
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in name)
+
+
+def phase_summary(runs):
+    """Each phase's median over a fork size's samples, with the samples."""
+    keys = list(dict.fromkeys(k for r in runs for k in r))
+    median = {}
+    for key in keys:
+        values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
+        if values:
+            median[key] = percentile(values, 50)
+    return {"median": median, "samples": runs}
 
 
 def kill_over_http(sandbox_id):
@@ -1175,6 +1296,24 @@ def self_test():
     assert is_refusal(RateLimitException("429"))
     assert is_refusal(RuntimeError("503: node over capacity: not enough memory"))
     assert not is_refusal(RuntimeError("connection reset"))
+    # A fork's phases: the node's header flattened, the client's beside it.
+    header = {
+        "children": 2,
+        "vmmsTakenMs": 1.5,
+        "totalMs": 40.0,
+        "vmm": {"freezeMs": 0.25, "memoryBytes": 4096},
+        "child": {"loadedMs": {"median": 20.0, "max": 30.0}},
+    }
+    one = fork_sample({"phases": header, "fork_call_ms": 50.0, "all_answered_ms": 80.0})
+    assert one["vmms_taken_ms"] == 1.5 and one["vmm_freeze_ms"] == 0.25, one
+    assert one["child_loaded_ms_max"] == 30.0 and one["vmm_memory_bytes"] == 4096, one
+    assert one["client_first_command_ms"] == 30.0, one
+    two = fork_sample({"phases": dict(header, totalMs=60.0), "fork_call_ms": None})
+    assert two["client_first_command_ms"] is None, two
+    summed = phase_summary([one, two, one])
+    assert summed["median"]["total_ms"] == 40.0 and len(summed["samples"]) == 3, summed
+    assert "client_first_command_ms" in summed["median"], summed
+    assert phase_summary([]) == {"median": {}, "samples": []}
     import rl_bench
 
     rl_bench.self_test()

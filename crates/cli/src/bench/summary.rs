@@ -31,6 +31,7 @@ pub fn summary(report: &Value) -> String {
         ("sdk_fork16_ms", "ms"),
         ("sdk_fork100_ms", "ms"),
         ("fork_parent_pause_ms", "ms"),
+        ("snapshot_parent_pause_ms", "ms"),
         ("guest_tcp_guest_to_host_mib_s", "MiB/s"),
         ("guest_tcp_host_to_guest_mib_s", "MiB/s"),
         ("sdk_creates_per_s_4way", "/s"),

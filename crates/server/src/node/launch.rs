@@ -95,8 +95,25 @@ pub struct Launched {
     /// slot goes back only once the VMM is gone.
     net: Option<Lease>,
     hold: Reservation,
-    /// How long the guest took to be ready.
-    pub ready_after: Duration,
+    /// Where its launch's time went.
+    pub times: LaunchTimes,
+}
+
+/// Where one launch's time went, step by step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LaunchTimes {
+    /// Its VMM taken from the pool (nothing when it was taken before).
+    pub taken: Duration,
+    /// Its VMM put in its cgroup.
+    pub confined: Duration,
+    /// The guest loaded into the VMM (a snapshot's state restored, or a
+    /// kernel booted).
+    pub loaded: Duration,
+    /// Then until its agent was ready (answered its init or health check).
+    pub ready: Duration,
+    /// Then its sandbox's record stored (filled in by the sandbox manager,
+    /// which stores it).
+    pub recorded: Duration,
 }
 
 impl Launched {
@@ -109,7 +126,7 @@ impl Launched {
             cgroup: None,
             net: None,
             hold,
-            ready_after: Duration::ZERO,
+            times: LaunchTimes::default(),
         }
     }
 
@@ -213,24 +230,31 @@ pub async fn launch_in(
     };
     let confined = t0.elapsed();
     match start(pool, &mut vm, net.is_some(), &plan).await {
-        Ok((loaded, ready_after)) => {
+        Ok((loaded, ready)) => {
+            let times = LaunchTimes {
+                taken,
+                confined: confined.saturating_sub(taken),
+                loaded,
+                ready,
+                recorded: Duration::ZERO,
+            };
             // Where a launch's time goes (a create, a fork child), to tell
             // the node's part from the guest's when a launch is slow.
             tracing::debug!(
                 "launch: VMM pid {} taken in {:.1} ms, confined in {:.1} ms, guest loaded in \
                  {:.1} ms, ready {:.1} ms after",
                 vm.pid(),
-                ms(taken),
-                ms(confined - taken),
-                ms(loaded),
-                ms(ready_after),
+                ms(times.taken),
+                ms(times.confined),
+                ms(times.loaded),
+                ms(times.ready),
             );
             Ok(Launched {
                 vm,
                 cgroup,
                 net,
                 hold: plan.hold,
-                ready_after,
+                times,
             })
         }
         Err(e) => {

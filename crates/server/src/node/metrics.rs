@@ -46,6 +46,12 @@ const OPERATION_BUCKETS: [f64; 14] = [
 const BUILD_BUCKETS: [f64; 10] = [
     5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0,
 ];
+/// Upper bounds (seconds) of a fork's steps: a vCPU freeze takes well under
+/// a millisecond on hardware, a fork of 100's children minutes in the lab.
+const FORK_PHASE_BUCKETS: [f64; 18] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 120.0, 300.0,
+];
 /// Upper bounds of a fork's children count (the API takes at most 100).
 const FORK_CHILDREN_BUCKETS: [f64; 8] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 100.0];
 
@@ -168,6 +174,7 @@ pub struct Metrics {
     operation_errors: Family<Labels<2>, Counter>,
     fork_seconds: HistogramFamily<1>,
     fork_children: Histogram,
+    fork_phase_seconds: HistogramFamily<1>,
     refusals: Family<Labels<1>, Counter>,
     cross_node_children: Family<Labels<1>, Counter>,
     build_seconds: HistogramFamily<2>,
@@ -191,6 +198,10 @@ fn operation_histogram() -> Histogram {
     Histogram::new(OPERATION_BUCKETS)
 }
 
+fn fork_phase_histogram() -> Histogram {
+    Histogram::new(FORK_PHASE_BUCKETS)
+}
+
 fn build_histogram() -> Histogram {
     Histogram::new(BUILD_BUCKETS)
 }
@@ -212,6 +223,7 @@ impl Metrics {
             operation_errors: Family::default(),
             fork_seconds: Family::new_with_constructor(operation_histogram),
             fork_children: Histogram::new(FORK_CHILDREN_BUCKETS),
+            fork_phase_seconds: Family::new_with_constructor(fork_phase_histogram),
             refusals: Family::default(),
             cross_node_children: Family::default(),
             build_seconds: Family::new_with_constructor(build_histogram),
@@ -256,6 +268,14 @@ impl Metrics {
             "fork_children",
             "The number of children each fork asked for",
             m.fork_children.clone(),
+        );
+        r.register_with_unit(
+            "fork_phase_duration",
+            "Where forks of running sandboxes spend their time, by step: the node's (admitted, \
+             vmms_taken, fork_call, recorded, children, total), the parent's VMM's while it \
+             stands still (parent_paused, vmm_*), and each child's (child_*)",
+            Unit::Seconds,
+            m.fork_phase_seconds.clone(),
         );
         r.register(
             "admission_refusals",
@@ -385,6 +405,14 @@ impl Metrics {
         self.refusals
             .get_or_create(&[("reason", why.as_str().to_owned())])
             .inc();
+    }
+
+    /// One step of a fork took `took` (see
+    /// [`crate::node::sandbox::ForkTimes`] for the names).
+    pub(crate) fn fork_phase(&self, step: &'static str, took: std::time::Duration) {
+        self.fork_phase_seconds
+            .get_or_create(&[("phase", step.to_owned())])
+            .observe(took.as_secs_f64());
     }
 
     /// `count` fork children asked of other nodes, `made` of them made there.
@@ -579,5 +607,30 @@ mod tests {
         );
         assert!(text.contains("sandfork_admission_refusals_total{reason=\"memory\"} 1"));
         assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn a_forks_steps_are_histograms_by_phase() {
+        let m = Metrics::new();
+        m.fork_phase("vmm_freeze", std::time::Duration::from_micros(300));
+        m.fork_phase("vmm_freeze", std::time::Duration::from_millis(20));
+        m.fork_phase("children", std::time::Duration::from_secs(3));
+        let mut text = String::new();
+        encode(&mut text, &m.registry).unwrap();
+        let series = "sandfork_fork_phase_duration_seconds";
+        assert!(
+            text.contains(&format!("{series}_count{{phase=\"vmm_freeze\"}} 2")),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!(
+                "{series}_bucket{{le=\"0.0005\",phase=\"vmm_freeze\"}} 1"
+            )),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("{series}_sum{{phase=\"children\"}} 3.0")),
+            "{text}"
+        );
     }
 }

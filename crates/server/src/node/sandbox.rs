@@ -63,7 +63,7 @@ mod snapshot;
 pub(crate) mod tests;
 mod volumes;
 mod working_set;
-pub use fork::{Forked, Frozen};
+pub use fork::{ForkTimes, Forked, Frozen};
 pub use fork_stored::{CopiedFork, ForkResults, SnapshotForkParams};
 pub use gc::{GcStats, TemplateWrite};
 pub use live::Phase;
@@ -682,7 +682,7 @@ impl Manager {
         token: Option<crate::node::ids::Token>,
         ingress: crate::node::ingress::Ingress,
         id: &str,
-    ) -> Result<SandboxRecord, SandboxError> {
+    ) -> Result<(SandboxRecord, launch::LaunchTimes), SandboxError> {
         let sandbox = Sandbox::new(id.to_owned(), token, ingress, Phase::Starting);
         let mut guest = sandbox.guest.lock().await;
         if !self.registry().insert(sandbox.clone()) {
@@ -690,17 +690,20 @@ impl Manager {
         }
         let started = async {
             let mut launched = launch::launch_in(&self.pool, vmm, plan).await?;
+            let storing = std::time::Instant::now();
             let mut record = record(&launched);
             record.network.slot = launched.net_slot();
             self.store.put_sandbox(&record)?;
+            launched.times.recorded = storing.elapsed();
             launched.settle_disk();
             Ok::<_, SandboxError>((launched, record))
         }
         .await;
         match started {
             Ok((launched, record)) => {
+                let times = launched.times;
                 self.run_guest(&sandbox, &mut guest, launched)?;
-                Ok(record)
+                Ok((record, times))
             }
             Err(e) => {
                 self.registry().remove(id);
@@ -889,7 +892,7 @@ impl Manager {
                 forked_from: params.forked_from,
             }
         };
-        let record = self
+        let (record, _) = self
             .start_sandbox(None, plan, record, access_token.clone(), ingress, id)
             .await?;
         if let Err(e) = self.mount_volumes(&record).await {

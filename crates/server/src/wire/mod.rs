@@ -58,6 +58,10 @@ pub const RETRY_AFTER_HEADER: &str = "retry-after";
 /// Sandfork's, on a fork's answer: how long the parent's guest was stopped
 /// for the freeze, in milliseconds. (`sdk_bench.py` spells it too.)
 pub const PARENT_PAUSED_HEADER: &str = "sandfork-parent-paused-ms";
+/// Sandfork's, on a running sandbox's fork answer: where the fork's time
+/// went, a JSON [`ForkPhases`] (the body is E2B's list, so it goes beside
+/// it). (`sdk_bench.py` spells it too.)
+pub const FORK_PHASES_HEADER: &str = "sandfork-fork-phases";
 /// Sandfork's, on a 429 that is the caller's team's limit, not the node's: a
 /// gateway answers it rather than trying the next node (the team's limit is
 /// the same on every node).

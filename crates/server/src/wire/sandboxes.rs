@@ -149,6 +149,80 @@ impl ForkEntry {
     }
 }
 
+/// Sandfork's, in the [`FORK_PHASES_HEADER`](super::FORK_PHASES_HEADER)
+/// of a running sandbox's fork answer (the body is E2B's list): where the
+/// fork's time went, in milliseconds. The node's steps follow each other
+/// and add up to `totalMs` but for the bookkeeping between them:
+/// `admittedMs`, `vmmsTakenMs` (the children's VMMs from the pool, while
+/// the parent runs), `forkCallMs` (the parent's VMM's fork, the pause in
+/// it), `recordedMs`, `childrenMs` (until the last child was ready).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ForkPhases {
+    /// Children made on this node (the per-child figures are theirs).
+    pub children: u32,
+    pub admitted_ms: f64,
+    pub vmms_taken_ms: f64,
+    pub fork_call_ms: f64,
+    /// How long the parent stood still (the VMM's measure, inside
+    /// `forkCallMs`).
+    pub parent_paused_ms: f64,
+    pub recorded_ms: f64,
+    pub children_ms: f64,
+    pub total_ms: f64,
+    /// The VMM's steps while the parent stood still (absent from a VMM
+    /// that does not report them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vmm: Option<VmmForkPhases>,
+    /// Each child's steps, over the children made here.
+    pub child: ChildPhases,
+}
+
+/// The parent's VMM's steps in a fork, in the order they run, in
+/// milliseconds (see [`ForkPhases`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VmmForkPhases {
+    /// vCPUs parked and device threads held.
+    pub freeze_ms: f64,
+    /// vCPU, VM and device state read.
+    pub state_saved_ms: f64,
+    /// Guest memory frozen into the fork's layer.
+    pub memory_ms: f64,
+    pub memory_bytes: u64,
+    /// Every writable disk sealed, a layer stacked for each child and the
+    /// parent.
+    pub disks_ms: f64,
+    pub state_written_ms: f64,
+    /// Devices and vCPUs let go.
+    pub resume_ms: f64,
+}
+
+/// Each fork child's steps in milliseconds, as the median and the slowest
+/// child's (see [`ForkPhases`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ChildPhases {
+    /// Its VMM put in its cgroup.
+    pub confined_ms: Spread,
+    /// The fork's state restored in its VMM.
+    pub loaded_ms: Spread,
+    /// Then until its agent took its init.
+    pub agent_ready_ms: Spread,
+    /// Then its record stored.
+    pub recorded_ms: Spread,
+    /// When it was ready, counted from the start of `childrenMs`.
+    pub ready_at_ms: Spread,
+}
+
+/// The median and the largest of one figure over a fork's children (both 0
+/// with none).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Spread {
+    pub median: f64,
+    pub max: f64,
+}
+
 /// Sandfork's `GET /v1/unrouted/...` answer: the sandbox an envd request
 /// that names none belongs to.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -1117,6 +1117,7 @@ mod tests {
             parent: vec![drive("/data/forks/f1/parent.layer")],
             children: vec![vec![drive("/data/forks/f1/c0.layer")], vec![drive(child)]],
             paused_us: 1,
+            phases: None,
         };
         let state = params.snapshot_path.as_str();
         as_asked(&params, &answer(state, "/data/forks/f1/c1.layer")).unwrap();

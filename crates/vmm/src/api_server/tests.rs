@@ -209,6 +209,7 @@ fn answer(vm: &mut ControllerState, action: VmmAction) -> Result<VmmData, VmmAct
             parent: Vec::new(),
             children: vec![Vec::new(); p.children as usize],
             paused_us: 1,
+            phases: None,
         })),
         VmmAction::LoadSnapshot(_) => Err(VmmActionError::internal("cannot map memory file")),
         VmmAction::GetVcpus => Ok(VmmData::Vcpus(Vec::new())),

@@ -683,7 +683,7 @@ pub async fn fork(
         .get(crate::node::keys::HEADER)
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default();
-    let (results, parent_paused, elsewhere) = match (record.state, cluster) {
+    let (results, forked, elsewhere) = match (record.state, cluster) {
         (SandboxState::Paused, _) => (
             state.manager.fork_paused(&id, count, timeout).await?,
             None,
@@ -693,7 +693,7 @@ pub async fn fork(
             let forked = state.manager.fork(&id, count, timeout).await?;
             (
                 forked.children,
-                Some(forked.parent_paused),
+                Some((forked.parent_paused, forked.times)),
                 Default::default(),
             )
         }
@@ -707,7 +707,7 @@ pub async fn fork(
                 .await?;
             (
                 forked.children,
-                Some(forked.parent_paused),
+                Some((forked.parent_paused, forked.times)),
                 remote.unwrap_or_default(),
             )
         }
@@ -716,7 +716,57 @@ pub async fn fork(
         elsewhere.undo(key).await;
     }
     remove_if_gone(&state, &gone, made(&results)).await?;
-    Ok(fork_answer_with(results, elsewhere.entries, parent_paused))
+    let (parent_paused, times) = forked.unzip();
+    let mut answer = fork_answer_with(results, elsewhere.entries, parent_paused);
+    if let Some(times) = times {
+        // Beside the body, as the parent's pause: a header that does not
+        // fit is left out rather than failing the fork.
+        let phases = serde_json::to_string(&fork_phases(&times)).ok();
+        if let Some(value) = phases.and_then(|p| axum::http::HeaderValue::from_str(&p).ok()) {
+            answer.headers_mut().insert(wire::FORK_PHASES_HEADER, value);
+        }
+    }
+    Ok(answer)
+}
+
+/// A fork's times as its answer's header says them, in milliseconds.
+fn fork_phases(t: &crate::node::sandbox::ForkTimes) -> wire::ForkPhases {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let us = |us: u64| us as f64 / 1e3;
+    let spread = |of: fn(&(crate::node::launch::LaunchTimes, Duration)) -> Duration| {
+        let mut v: Vec<f64> = t.per_child.iter().map(|c| ms(of(c))).collect();
+        v.sort_by(f64::total_cmp);
+        wire::Spread {
+            median: v.get(v.len() / 2).copied().unwrap_or_default(),
+            max: v.last().copied().unwrap_or_default(),
+        }
+    };
+    wire::ForkPhases {
+        children: t.children_here,
+        admitted_ms: ms(t.admitted),
+        vmms_taken_ms: ms(t.vmms_taken),
+        fork_call_ms: ms(t.fork_call),
+        parent_paused_ms: ms(t.parent_paused),
+        recorded_ms: ms(t.recorded),
+        children_ms: ms(t.children),
+        total_ms: ms(t.total),
+        vmm: t.vmm.map(|v| wire::VmmForkPhases {
+            freeze_ms: us(v.freeze_us),
+            state_saved_ms: us(v.state_saved_us),
+            memory_ms: us(v.memory_us),
+            memory_bytes: v.memory_bytes,
+            disks_ms: us(v.disks_us),
+            state_written_ms: us(v.state_written_us),
+            resume_ms: us(v.resume_us),
+        }),
+        child: wire::ChildPhases {
+            confined_ms: spread(|c| c.0.confined),
+            loaded_ms: spread(|c| c.0.loaded),
+            agent_ready_ms: spread(|c| c.0.ready),
+            recorded_ms: spread(|c| c.0.recorded),
+            ready_at_ms: spread(|c| c.1),
+        },
+    }
 }
 
 /// The sandboxes a fork made.
@@ -795,4 +845,69 @@ fn fork_answer_with(
         }
     }
     answer
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crate::node::launch::LaunchTimes;
+    use crate::node::sandbox::ForkTimes;
+
+    #[test]
+    fn a_forks_phases_are_milliseconds_with_each_childs_median_and_max() {
+        let child = |loaded_ms, ready_at_ms| {
+            (
+                LaunchTimes {
+                    loaded: Duration::from_millis(loaded_ms),
+                    ready: Duration::from_millis(2),
+                    ..LaunchTimes::default()
+                },
+                Duration::from_millis(ready_at_ms),
+            )
+        };
+        let times = ForkTimes {
+            children_here: 3,
+            vmms_taken: Duration::from_micros(1500),
+            parent_paused: Duration::from_millis(4),
+            total: Duration::from_millis(40),
+            vmm: Some(vmm_api::ForkPhases {
+                freeze_us: 250,
+                memory_bytes: 8192,
+                ..Default::default()
+            }),
+            per_child: vec![child(30, 35), child(10, 12), child(20, 25)],
+            ..ForkTimes::default()
+        };
+        let p = super::fork_phases(&times);
+        assert_eq!(
+            (p.vmms_taken_ms, p.parent_paused_ms, p.total_ms),
+            (1.5, 4.0, 40.0)
+        );
+        let vmm = p.vmm.unwrap();
+        assert_eq!((vmm.freeze_ms, vmm.memory_bytes), (0.25, 8192));
+        assert_eq!(
+            (p.child.loaded_ms.median, p.child.loaded_ms.max),
+            (20.0, 30.0)
+        );
+        assert_eq!(
+            (p.child.ready_at_ms.median, p.child.ready_at_ms.max),
+            (25.0, 35.0)
+        );
+        assert_eq!(p.child.agent_ready_ms.max, 2.0);
+        // As the header carries it: camelCase, one line.
+        let json = serde_json::to_string(&p).unwrap();
+        assert!(
+            json.contains(r#""loadedMs":{"median":20.0,"max":30.0}"#),
+            "{json}"
+        );
+        assert!(
+            json.contains(r#""vmmsTakenMs":1.5"#) && !json.contains('\n'),
+            "{json}"
+        );
+        // No children here (all made elsewhere): zeros, not a failure.
+        let none = super::fork_phases(&ForkTimes::default());
+        assert_eq!(none.child, crate::wire::ChildPhases::default());
+        assert!(none.vmm.is_none());
+    }
 }

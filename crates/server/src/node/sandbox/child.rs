@@ -12,7 +12,7 @@ use super::{AGENT_TIMEOUT, Manager, SandboxError, io};
 use crate::node::capacity::Reservation;
 use crate::node::clock::now_ms;
 use crate::node::ids;
-use crate::node::launch::{Guest, Launched, Plan, Ready, Taken};
+use crate::node::launch::{Guest, LaunchTimes, Launched, Plan, Ready, Taken};
 use crate::node::net::SandboxNetwork;
 use crate::node::store::{ForkedFrom, SandboxRecord, SandboxState, VolumeMount};
 
@@ -38,7 +38,8 @@ impl Manager {
     /// when the parent has one, its own traffic token when the parent's
     /// traffic is private (E2B derives its from the sandbox id), and the
     /// parent's network, egress policy, metadata and template (E2B's
-    /// children keep them). `dir` goes when the child does not start.
+    /// children keep them). `dir` goes when the child does not start. Its
+    /// record, and where its launch's time went.
     pub(super) async fn start_child(
         &self,
         parent: &SandboxRecord,
@@ -47,7 +48,7 @@ impl Manager {
         from: ChildGuest,
         timeout: Duration,
         hold: Reservation,
-    ) -> Result<SandboxRecord, SandboxError> {
+    ) -> Result<(SandboxRecord, LaunchTimes), SandboxError> {
         let result = async {
             let access_token = match parent.access_token {
                 Some(_) => Some(ids::token().map_err(io("generating an access token"))?),

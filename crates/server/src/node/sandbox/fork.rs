@@ -14,7 +14,7 @@ use super::live::{self, Phase};
 use super::{Manager, SandboxError, io};
 use crate::node::capacity::{Ask, Reservation};
 use crate::node::ids;
-use crate::node::launch::{Guest, Taken};
+use crate::node::launch::{Guest, LaunchTimes, Taken};
 use crate::node::store::{SandboxRecord, VolumeMount};
 use crate::node::volume;
 
@@ -39,6 +39,80 @@ pub struct Forked {
     /// How long the parent's guest was stopped (the VMM's measure of its
     /// freeze).
     pub parent_paused: Duration,
+    /// Where the fork's time went.
+    pub times: ForkTimes,
+}
+
+/// Where one fork's time went, each step measured where it runs. The
+/// node's steps follow each other: `admitted`, `vmms_taken`, `fork_call`,
+/// `recorded` and `children` add up to `total` (but for the bookkeeping
+/// between them).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ForkTimes {
+    /// Children made on this node.
+    pub children_here: u32,
+    /// Waiting for the node's locks, room reserved, the fork's directory
+    /// made.
+    pub admitted: Duration,
+    /// The children's VMMs taken from the pool (or started), while the
+    /// parent still runs.
+    pub vmms_taken: Duration,
+    /// The parent's VMM's `PUT /fork`, as the node waited for it.
+    pub fork_call: Duration,
+    /// How long the parent stood still in it (the VMM's measure).
+    pub parent_paused: Duration,
+    /// The VMM's own steps while the parent stood still (None from a VMM
+    /// that does not report them).
+    pub vmm: Option<vmm_api::ForkPhases>,
+    /// The parent's new layers recorded.
+    pub recorded: Duration,
+    /// From then until the last child (here or elsewhere) was ready.
+    pub children: Duration,
+    /// From the fork's start until the last child was ready.
+    pub total: Duration,
+    /// Per child started here, in no order: its launch's steps, and when
+    /// it was ready counted from the start of `children`.
+    pub per_child: Vec<(LaunchTimes, Duration)>,
+}
+
+impl ForkTimes {
+    /// The node's steps and the VMM's, by name, for the metrics.
+    pub fn steps(&self) -> Vec<(&'static str, Duration)> {
+        let mut steps = vec![
+            ("admitted", self.admitted),
+            ("vmms_taken", self.vmms_taken),
+            ("fork_call", self.fork_call),
+            ("parent_paused", self.parent_paused),
+            ("recorded", self.recorded),
+            ("children", self.children),
+            ("total", self.total),
+        ];
+        if let Some(v) = &self.vmm {
+            let us = Duration::from_micros;
+            steps.extend([
+                ("vmm_freeze", us(v.freeze_us)),
+                ("vmm_state_saved", us(v.state_saved_us)),
+                ("vmm_memory", us(v.memory_us)),
+                ("vmm_disks", us(v.disks_us)),
+                ("vmm_state_written", us(v.state_written_us)),
+                ("vmm_resume", us(v.resume_us)),
+            ]);
+        }
+        steps
+    }
+
+    /// Each child's steps, by name, for the metrics.
+    pub fn child_steps(&self) -> impl Iterator<Item = (&'static str, Duration)> + '_ {
+        self.per_child.iter().flat_map(|(t, ready_at)| {
+            [
+                ("child_confined", t.confined),
+                ("child_loaded", t.loaded),
+                ("child_agent_ready", t.ready),
+                ("child_recorded", t.recorded),
+                ("child_ready_at", *ready_at),
+            ]
+        })
+    }
 }
 
 /// A fork frozen on this node, as another node needs it to make children of
@@ -129,6 +203,7 @@ impl Manager {
         timeout: Duration,
         elsewhere: Option<impl AsyncFnOnce(Result<Frozen, SandboxError>, u32) -> R>,
     ) -> Result<(Forked, Option<R>), SandboxError> {
+        let t0 = Instant::now();
         let _busy = self.activity.read().await;
         let sandbox = self.sandbox(id)?;
         let Ok(guest) = sandbox.guest.try_lock() else {
@@ -195,15 +270,24 @@ impl Manager {
         // while the parent runs on: it then stops only for the freeze, and
         // the children load the frozen state at once.
         let started = Instant::now();
+        let mut times = ForkTimes {
+            children_here: local,
+            admitted: started - t0,
+            ..ForkTimes::default()
+        };
         let vmms = self
             .pool
             .take_many(local as usize, &parent.network.policy)
             .await;
         let vmms_ready = started.elapsed();
+        times.vmms_taken = vmms_ready;
         sandbox.set_phase(Phase::Forking)?;
         // The VMM makes at least one child's layer: with none here, one
         // unused (removed below).
+        let call = Instant::now();
         let forked = launched.vm.fork(&fork_dir, local.max(1)).await;
+        times.fork_call = call.elapsed();
+        let recording = Instant::now();
         if forked.is_ok() {
             crate::node::crash::point("fork.frozen");
         }
@@ -263,6 +347,9 @@ impl Manager {
             }
         }
         let parent_paused = Duration::from_micros(info.paused_us);
+        times.parent_paused = parent_paused;
+        times.vmm = info.phases;
+        times.recorded = recording.elapsed();
         tracing::info!(
             "sandbox {id}: forked into {local} here{}: the parent was paused {:.1} ms; the \
              children's VMMs were ready after {} ms",
@@ -276,6 +363,7 @@ impl Manager {
         );
         // The children start without the parent: it may change meanwhile.
         drop(guest);
+        let children_start = Instant::now();
 
         let remote = async {
             let elsewhere = elsewhere?;
@@ -299,18 +387,38 @@ impl Manager {
                 let r = manager
                     .fork_child(&parent, &info, index, timeout, slot, vmm)
                     .await;
-                (index, r)
+                (index, r, children_start.elapsed())
             });
         }
+        let per_child = &mut times.per_child;
         let here = async {
             while let Some(done) = tasks.join_next().await {
                 match done {
-                    Ok((index, r)) => results[index] = Some(r),
+                    Ok((index, r, ready_at)) => {
+                        results[index] = Some(r.map(|(record, launch)| {
+                            per_child.push((launch, ready_at));
+                            record
+                        }))
+                    }
                     Err(e) => tracing::error!("a fork child task failed: {e}"),
                 }
             }
         };
         let ((), remote) = tokio::join!(here, remote);
+        times.children = children_start.elapsed();
+        times.total = t0.elapsed();
+        tracing::info!(
+            "sandbox {id}: fork of {count}: {}",
+            times
+                .steps()
+                .iter()
+                .map(|(step, took)| format!("{step} {:.1} ms", took.as_secs_f64() * 1e3))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        for (step, took) in times.steps().into_iter().chain(times.child_steps()) {
+            self.metrics.fork_phase(step, took);
+        }
         let children = results
             .into_iter()
             .map(|r| {
@@ -326,6 +434,7 @@ impl Manager {
             Forked {
                 children,
                 parent_paused,
+                times,
             },
             remote,
         ))
@@ -339,7 +448,7 @@ impl Manager {
         timeout: Duration,
         hold: Reservation,
         vmm: Taken,
-    ) -> Result<SandboxRecord, SandboxError> {
+    ) -> Result<(SandboxRecord, LaunchTimes), SandboxError> {
         let restore = Restore::fork_child(info, index).ok_or_else(|| {
             SandboxError::Invalid(format!("the VMM's fork answer has no child {index}"))
         })?;

@@ -446,8 +446,10 @@ impl Manager {
             branch: u32::try_from(branch).unwrap_or(u32::MAX),
         };
         let dir = self.sandbox_dir(&id);
-        self.start_child(parent, &id, &dir, from, timeout, hold)
-            .await
+        let (record, _) = self
+            .start_child(parent, &id, &dir, from, timeout, hold)
+            .await?;
+        Ok(record)
     }
 
     /// `count` new sandboxes from the snapshot `id_or_name` (an id or a

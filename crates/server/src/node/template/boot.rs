@@ -326,7 +326,7 @@ async fn build_in(
     let vm = &launched.vm;
     log(&format!(
         "agent up {:.1} s after start",
-        launched.ready_after.as_secs_f64()
+        launched.times.ready.as_secs_f64()
     ));
     spec.prepare.run(&vm.agent(), log).await?;
     warm_up(&vm.agent(), log).await;
