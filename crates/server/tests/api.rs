@@ -4965,7 +4965,10 @@ async fn a_gateways_list_names_the_nodes_that_did_not_answer() {
         );
         let body = a.into_body().collect().await.unwrap().to_bytes();
         let listed: Vec<Value> = serde_json::from_slice(&body).unwrap();
-        let ids: Vec<&str> = listed.iter().filter_map(|s| s["sandboxID"].as_str()).collect();
+        let ids: Vec<&str> = listed
+            .iter()
+            .filter_map(|s| s["sandboxID"].as_str())
+            .collect();
         assert_eq!(ids, ["live1"], "{uri}");
     }
 }
