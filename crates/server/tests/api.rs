@@ -4869,13 +4869,13 @@ async fn the_console_is_served_without_a_key_and_its_data_takes_one() {
         StatusCode::UNAUTHORIZED,
     );
 
-    // A sandbox no fork made is its own root.
+    // A sandbox no fork made is its own root (its template from its record).
     let a = node.authed("GET", "/v1/sandboxes/def/lineage", "").await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.json);
     assert_eq!(
         a.json,
         serde_json::json!({"rootID": "def", "sandboxID": "def", "nodes": [
-            {"sandboxID": "def", "parentID": null, "branch": null, "state": "paused", "templateID": ""}]})
+            {"sandboxID": "def", "parentID": null, "branch": null, "state": "paused", "templateID": "base"}]})
     );
     node.refuses(
         "GET",
