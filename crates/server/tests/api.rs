@@ -4817,7 +4817,8 @@ async fn a_sandbox_with_volumes_refuses_what_would_lose_them() {
     );
     let node = node(&[running, paused]);
     for (path, body) in [
-        ("/sandboxes/run/snapshots", "{}"),
+        // A memory snapshot keeps them; a filesystem-only one cannot yet.
+        ("/sandboxes/run/snapshots", r#"{"memory":false}"#),
         ("/sandboxes/run/pause", r#"{"memory":false}"#),
         // Paused without memory (a record made so): only a cold boot resumes it.
         ("/sandboxes/held/connect", r#"{"timeout":60}"#),
