@@ -4281,6 +4281,68 @@ async fn a_mounted_volume_is_not_deleted() {
     assert!(volume_dirs(&node).is_empty());
 }
 
+/// A snapshot of a sandbox with a volume keeps the volume's sealed layer
+/// (its record names it): no delete of the volume while the snapshot
+/// exists; a deleted snapshot lets it go. A create from it takes no more
+/// volumes.
+#[tokio::test]
+async fn a_volume_a_snapshot_keeps_is_not_deleted_until_the_snapshot_is() {
+    let node = node(&[]);
+    let v = new_volume(&node, KEY, r#"{"name":"data","sizeMB":64}"#).await;
+    let id = v["volumeID"].as_str().unwrap().to_owned();
+    let disk = node
+        .dir
+        .path()
+        .join("volumes")
+        .join(&id)
+        .join("volume.layer");
+    let mut snap = snapshot(node.dir.path(), "isnapvol", "isource", now_ms());
+    snap.volume_slots = 2;
+    snap.volume_mounts = vec![server::node::store::VolumeMount {
+        volume_id: id.clone(),
+        name: "data".into(),
+        slot: 0,
+        path: "/data".into(),
+        read_only: false,
+        disk,
+        copy: false,
+    }];
+    node.manager.store().put_template(&snap).unwrap();
+    let a = node
+        .refuses(
+            "DELETE",
+            &format!("/volumes/{id}"),
+            "",
+            StatusCode::CONFLICT,
+        )
+        .await;
+    assert!(
+        a.json["message"].as_str().unwrap().contains("isnapvol"),
+        "{}",
+        a.json
+    );
+    // Its copies take the snapshot's slots: more volumes are refused.
+    let other = new_volume(&node, KEY, r#"{"name":"more","sizeMB":64}"#).await;
+    let body = serde_json::json!({
+        "templateID": "isnapvol",
+        "volumeMounts": [{"name": "more", "path": "/more"}],
+    });
+    node.refuses(
+        "POST",
+        "/v2/sandboxes",
+        &body.to_string(),
+        StatusCode::BAD_REQUEST,
+    )
+    .await;
+    let a = node.authed("DELETE", "/templates/isnapvol", "").await;
+    assert_eq!(a.status, StatusCode::NO_CONTENT, "{}", a.json);
+    for v in [id.as_str(), other["volumeID"].as_str().unwrap()] {
+        let a = node.authed("DELETE", &format!("/volumes/{v}"), "").await;
+        assert_eq!(a.status, StatusCode::NO_CONTENT, "{}", a.json);
+    }
+    assert!(volume_dirs(&node).is_empty());
+}
+
 #[tokio::test]
 async fn volumes_survive_a_restart_and_unrecorded_directories_do_not() {
     let node = node(&[]);
@@ -4755,7 +4817,8 @@ async fn a_sandbox_with_volumes_refuses_what_would_lose_them() {
     );
     let node = node(&[running, paused]);
     for (path, body) in [
-        ("/sandboxes/run/snapshots", "{}"),
+        // A memory snapshot keeps them; a filesystem-only one cannot yet.
+        ("/sandboxes/run/snapshots", r#"{"memory":false}"#),
         ("/sandboxes/run/pause", r#"{"memory":false}"#),
         // Paused without memory (a record made so): only a cold boot resumes it.
         ("/sandboxes/held/connect", r#"{"timeout":60}"#),

@@ -248,6 +248,7 @@ async fn create_run_read_list_kill_through_one_port() {
     assert_eq!(health.status, 502);
 
     volumes_outlive_their_sandboxes(addr, &auth, data.path()).await;
+    volumes_kept_by_a_snapshot(addr, &auth, data.path()).await;
     let snap_id = snapshot_create_from_it_and_delete(addr, &auth, data.path(), &id2, &token2).await;
 
     // Everything is gone: what forks and the snapshot kept is garbage now.
@@ -386,6 +387,110 @@ async fn volumes_outlive_their_sandboxes(
     for id in [&children[1].id, &third.id] {
         assert_eq!(common::kill(addr, auth, id).await.status, 204);
     }
+    let deleted = http(addr, "DELETE", &delete, auth, "").await;
+    assert_eq!(deleted.status, 204, "{:?}", deleted.body);
+    assert!(!data.join("volumes").join(&volume).exists());
+}
+
+/// A memory snapshot of a sandbox with a volume keeps the volume as it was:
+/// each sandbox made from it starts with its own copy (the snapshot's
+/// contents, at the same path), whose writes stay its own, and the source's
+/// later writes reach none of them. A filesystem-only snapshot is refused.
+/// The volume is not deleted while the snapshot keeps it.
+async fn volumes_kept_by_a_snapshot(
+    addr: std::net::SocketAddr,
+    auth: &[(&str, &str)],
+    data: &std::path::Path,
+) {
+    let made = http(
+        addr,
+        "POST",
+        "/volumes",
+        auth,
+        r#"{"name":"lab-snapvol","sizeMB":128}"#,
+    )
+    .await;
+    assert_eq!(made.status, 201, "{:?}", made.body);
+    let volume = made.json()["volumeID"].as_str().unwrap().to_owned();
+    let src = common::create(
+        addr,
+        auth,
+        json!({
+            "templateID": "base",
+            "timeout": 120,
+            "volumeMounts": [{"name": "lab-snapvol", "path": "/data"}],
+        }),
+    )
+    .await;
+    let (code, _) = run(addr, &src.routing(), "echo before > /data/f && sync").await;
+    assert_eq!(code, 0);
+    let snapshots = format!("/sandboxes/{}/snapshots", src.id);
+    let fs_only = http(addr, "POST", &snapshots, auth, r#"{"memory":false}"#).await;
+    assert_eq!(fs_only.status, 409, "{:?}", fs_only.body);
+    assert!(
+        String::from_utf8_lossy(&fs_only.body).contains("filesystem-only"),
+        "{:?}",
+        fs_only.body
+    );
+    let t = Instant::now();
+    let taken = http(addr, "POST", &snapshots, auth, "{}").await;
+    eprintln!("a snapshot with a volume answered in {:?}", t.elapsed());
+    assert_eq!(taken.status, 201, "{:?}", taken.body);
+    let snap_id = taken.json()["snapshotID"].as_str().unwrap().to_owned();
+    let (code, _) = run(addr, &src.routing(), "echo after >> /data/f && sync").await;
+    assert_eq!(code, 0);
+
+    let mut made = Vec::new();
+    for i in 0..2 {
+        let t = Instant::now();
+        let c = common::create(addr, auth, json!({"templateID": snap_id, "timeout": 120})).await;
+        eprintln!(
+            "a create from a snapshot with a volume answered in {:?}",
+            t.elapsed()
+        );
+        let (code, out) = run(
+            addr,
+            &c.routing(),
+            &format!("cat /data/f && echo mine{i} >> /data/f && sync"),
+        )
+        .await;
+        assert_eq!((code, out.as_str()), (0, "before\n"));
+        let detail = http(addr, "GET", &format!("/sandboxes/{}", c.id), auth, "").await;
+        assert_eq!(
+            detail.json()["volumeMounts"],
+            json!([{"name": "lab-snapvol", "path": "/data"}])
+        );
+        made.push(c);
+    }
+    for (i, c) in made.iter().enumerate() {
+        // Dropped caches: what it reads is its copy's disk, not memory.
+        let (code, out) = run(
+            addr,
+            &c.routing(),
+            "sync && echo 3 > /proc/sys/vm/drop_caches && cat /data/f",
+        )
+        .await;
+        assert_eq!((code, out), (0, format!("before\nmine{i}\n")));
+    }
+    let (_, out) = run(addr, &src.routing(), "cat /data/f").await;
+    assert_eq!(out, "before\nafter\n");
+
+    let delete = format!("/volumes/{volume}");
+    let refused = http(addr, "DELETE", &delete, auth, "").await;
+    assert_eq!(refused.status, 409, "{:?}", refused.body);
+    for id in made.iter().map(|c| &c.id).chain([&src.id]) {
+        assert_eq!(common::kill(addr, auth, id).await.status, 204);
+    }
+    // The snapshot alone keeps it.
+    let refused = http(addr, "DELETE", &delete, auth, "").await;
+    assert_eq!(refused.status, 409, "{:?}", refused.body);
+    assert!(
+        String::from_utf8_lossy(&refused.body).contains(&snap_id),
+        "{:?}",
+        refused.body
+    );
+    let dropped = http(addr, "DELETE", &format!("/templates/{snap_id}"), auth, "").await;
+    assert_eq!(dropped.status, 204, "{:?}", dropped.body);
     let deleted = http(addr, "DELETE", &delete, auth, "").await;
     assert_eq!(deleted.status, 204, "{:?}", deleted.body);
     assert!(!data.join("volumes").join(&volume).exists());

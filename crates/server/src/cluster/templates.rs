@@ -135,6 +135,14 @@ impl Durable {
             .template(id)
             .map_err(SandboxError::from)?
             .ok_or_else(|| SandboxError::TemplateNotFound(id.to_owned()))?;
+        // Its sealed volume layers stack on this node's volumes: another
+        // node taking it in would have the layers' names and not the files.
+        if !record.volume_mounts.is_empty() {
+            return Err(SandboxError::Invalid(format!(
+                "snapshot {id} keeps volumes, which are this node's"
+            ))
+            .into());
+        }
         let team = db
             .owner(&template_owner_key(id))
             .map_err(SandboxError::from)?;

@@ -736,9 +736,10 @@ impl Manager {
         let _busy = self.activity.read().await;
         let (template, _pin) = self.pin_template(&params.template_id)?;
         let team = crate::node::tenants::team_or_default(params.team.as_deref());
-        // Held until the record names its volumes, so that no other create
-        // takes them and no delete removes them meanwhile.
-        let _mounting = match params.volume_mounts.is_empty() {
+        // Held until the record names its volumes (or its copies of a
+        // snapshot's), so that no other create takes them and no delete
+        // removes them meanwhile.
+        let _mounting = match params.volume_mounts.is_empty() && template.volume_mounts.is_empty() {
             true => None,
             false => Some(self.volume_changes.lock().await),
         };
@@ -787,6 +788,12 @@ impl Manager {
         let root = dir.join(ROOT_LAYER);
         let (base, top) = (template.root_layer.clone(), root.clone());
         tokio::task::spawn_blocking(move || LayeredDisk::create(&base, &top).map(drop)).await??;
+        // A snapshot's volumes: its own copy of each, in the snapshot's
+        // slots (mounted already in the snapshot's memory).
+        let copies = self.snapshot_copies(template, &dir).await?;
+        let asked = mounts;
+        let mounts = [asked, &copies[..]].concat();
+        let mounts = &mounts[..];
         // Where its unused volume slots point (see `Manager::restore_onto`);
         // a base template built before volumes has none yet.
         let base_dir = self.template.dir.clone();
@@ -895,7 +902,7 @@ impl Manager {
         let (record, _) = self
             .start_sandbox(None, plan, record, access_token.clone(), ingress, id)
             .await?;
-        if let Err(e) = self.mount_volumes(&record).await {
+        if let Err(e) = self.mount_volumes(&record, asked).await {
             if let Err(k) = self.kill_unannounced(id).await {
                 tracing::warn!("sandbox {id}: killing it after its volumes failed to mount: {k}");
             }

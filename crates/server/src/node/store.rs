@@ -332,6 +332,12 @@ pub struct TemplateRecord {
     /// them).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub filesystem_only: bool,
+    /// A snapshot's source's volumes, each on the layer the snapshot sealed
+    /// (`disk`): every sandbox made from it stacks its own copy on it, in
+    /// the same slot at the same path. A volume is not deleted while a
+    /// snapshot names it (its sealed layer stacks on the volume's files).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts: Vec<VolumeMount>,
 }
 
 impl TemplateRecord {

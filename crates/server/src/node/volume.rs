@@ -89,6 +89,9 @@ pub enum VolumeError {
     NameTaken(String),
     #[error("volume {id} is mounted in sandbox {sandbox}: kill the sandbox first")]
     InUse { id: String, sandbox: String },
+    /// A snapshot's sealed layer of it stacks on its files.
+    #[error("volume {id} is kept by snapshot {snapshot}: delete the snapshot first")]
+    Snapshotted { id: String, snapshot: String },
     /// The guest could not mount it (the create is undone).
     #[error("mounting a volume at {path} in the guest: {detail}")]
     Mount { path: String, detail: String },

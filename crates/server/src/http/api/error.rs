@@ -269,7 +269,9 @@ impl From<VolumeError> for ApiError {
         let status = match e {
             VolumeError::Invalid(_) => StatusCode::BAD_REQUEST,
             VolumeError::NotFound(_) => StatusCode::NOT_FOUND,
-            VolumeError::NameTaken(_) | VolumeError::InUse { .. } => StatusCode::CONFLICT,
+            VolumeError::NameTaken(_)
+            | VolumeError::InUse { .. }
+            | VolumeError::Snapshotted { .. } => StatusCode::CONFLICT,
             VolumeError::Disk(crate::node::volume::DiskError::Size(_)) => StatusCode::BAD_REQUEST,
             VolumeError::Disk(_)
             | VolumeError::Store(_)

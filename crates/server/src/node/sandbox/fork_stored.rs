@@ -506,6 +506,13 @@ impl Manager {
                 params.team.as_deref(),
             )),
         )?;
+        // Each child stacks a copy on the snapshot's sealed volume layers:
+        // no delete of those volumes until every child's record names its
+        // copies (a deleted snapshot no longer keeps them).
+        let _volumes = match template.volume_mounts.is_empty() {
+            true => None,
+            false => Some(self.volume_changes.lock().await),
+        };
         let template = Arc::new(template);
         let mut tasks = tokio::task::JoinSet::new();
         for index in 0..count as usize {

@@ -267,6 +267,13 @@ impl Manager {
                 .flat_map(|s| s.volume_mounts.iter().map(|m| m.disk.clone())),
         );
         tops.extend(volumes.iter().map(|v| v.disk.clone()));
+        // A snapshot's sealed volume layers, which its sandboxes' copies
+        // stack on (the source's copy of a volume may be gone with it).
+        tops.extend(
+            templates
+                .iter()
+                .flat_map(|t| t.volume_mounts.iter().map(|m| m.disk.clone())),
+        );
         let cache = self.config.cluster_cache_dir();
         let cache_max = self
             .config

@@ -51,6 +51,14 @@ impl Manager {
             )));
         }
         let record = self.get(id)?;
+        // The checkpoint's memory has the volumes mounted as they were at
+        // the snapshot: restored over their current layers, the guest's
+        // cached view of them would disagree with their disks.
+        Manager::refuse_mounted(
+            &record,
+            "mounting volumes: a rollback does not take volumes back yet (the checkpoint's \
+             memory would meet their later disks); create a sandbox from the snapshot instead",
+        )?;
         // Its new root layer beside the old one; the old goes once the new
         // guest runs (a snapshot or fork moves a sandbox to a new layer, so
         // its current one is its own).

@@ -14,6 +14,14 @@
 //! A filesystem-only snapshot (E2B's `memory: false`) is taken the same way
 //! once the guest has written back its page cache; its sandboxes cold-boot
 //! on its disk ([`TemplateRecord::filesystem_only`]).
+//!
+//! Volumes: the VMM's fork seals every writable drive, the volumes' slots
+//! too, so a memory snapshot keeps each mounted volume's sealed layer
+//! ([`TemplateRecord::volume_mounts`]); the source's mounts (and the
+//! volumes' records) move to its new layers, as a fork's parent's do, and
+//! each sandbox made from the snapshot stacks its own copy on the sealed
+//! layers. A filesystem-only snapshot of a sandbox with mounts is refused:
+//! its sandboxes cold-boot, and a cold boot attaches no volume yet.
 
 use std::collections::HashMap;
 
@@ -24,7 +32,8 @@ use super::{Manager, SandboxError, io, sync_files};
 use crate::node::capacity::Ask;
 use crate::node::clock::now_ms;
 use crate::node::ids;
-use crate::node::store::{BuildStatus, SandboxState, TemplateRecord};
+use crate::node::store::{BuildStatus, SandboxState, TemplateRecord, VolumeMount};
+use crate::node::volume;
 
 const STATE: &str = "vm.state";
 const MEM: &str = "vm.mem";
@@ -41,6 +50,23 @@ pub struct SnapshotParams {
     pub id: Option<String>,
     /// E2B's `memory: false`: its sandboxes cold-boot on its disk.
     pub filesystem_only: bool,
+}
+
+/// `mounts` moved onto the new layers `layer_of` their slot names (after
+/// the VMM branched them).
+fn moved_mounts(
+    mounts: &[VolumeMount],
+    layer_of: impl Fn(usize) -> Result<std::path::PathBuf, SandboxError>,
+) -> Result<Vec<VolumeMount>, SandboxError> {
+    mounts
+        .iter()
+        .map(|m| {
+            Ok(VolumeMount {
+                disk: layer_of(m.slot)?,
+                ..m.clone()
+            })
+        })
+        .collect()
 }
 
 /// Names: letters, digits and `._-/`, so they fit in a URL path segment.
@@ -191,11 +217,14 @@ impl Manager {
                 state: "paused",
             });
         }
-        Manager::refuse_mounted(
-            &source,
-            "mounting volumes: a snapshot does not keep volumes yet (its sandboxes would start \
-             without them)",
-        )?;
+        if params.filesystem_only {
+            Manager::refuse_mounted(
+                &source,
+                "mounting volumes: a filesystem-only snapshot (memory: false) does not keep \
+                 volumes yet (its sandboxes cold-boot, and a cold boot attaches no volume); \
+                 take a memory snapshot",
+            )?;
+        }
         let sandbox = self.sandbox(id)?;
         let Ok(guest) = sandbox.guest.try_lock() else {
             return Err(live::busy(id));
@@ -203,6 +232,15 @@ impl Manager {
         if sandbox.phase() != Phase::Running {
             return Err(sandbox.phase().refusal(id));
         }
+        // The snapshot seals the volumes' layers and moves the source's
+        // onto new ones (as a fork does): no create, mount or delete of
+        // them meanwhile.
+        let _volumes = match source.volume_mounts.is_empty() {
+            true => None,
+            false => Some(self.volume_changes.lock().await),
+        };
+        // Re-read under the lock: a fork may have moved its volumes since.
+        let source = self.get(id)?;
         // Room for the memory file it writes (held while it is written).
         let _room = self.capacity.reserve(
             Ask {
@@ -251,10 +289,16 @@ impl Manager {
         }
         sandbox.set_phase(Phase::Running)?;
         let drive = &self.template.root_drive_id;
-        let new_root = forked
-            .map_err(SandboxError::from)
-            .and_then(|info| Ok((super::fork::new_layer(&info, drive)?, info)));
-        let (new_root, info) = match new_root {
+        // The VMM branched every writable drive, the volumes' slots too:
+        // the source's volumes are on new layers beside its root's.
+        let new_layers = forked.map_err(SandboxError::from).and_then(|info| {
+            let root = super::fork::new_layer(&info, drive)?;
+            let moved = moved_mounts(&source.volume_mounts, |slot| {
+                super::fork::new_layer(&info, &volume::slot_drive(slot))
+            })?;
+            Ok((root, moved, info))
+        });
+        let (new_root, moved, info) = match new_layers {
             Ok(r) => r,
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&dir);
@@ -267,7 +311,7 @@ impl Manager {
         for d in info.children.iter().flatten() {
             let _ = std::fs::remove_file(&d.path_on_host);
         }
-        let files = vec![
+        let mut files = vec![
             dir.join(STATE),
             dir.join(MEM),
             sealed.clone(),
@@ -276,18 +320,33 @@ impl Manager {
             disk_dir.clone(),
             self.config.templates_dir(),
         ];
+        files.extend(source.volume_mounts.iter().map(|m| m.disk.clone()));
+        files.extend(moved.iter().map(|m| m.disk.clone()));
         sync_files(files).await?;
 
-        // The source now writes to its new layer, its memory runs on the
-        // snapshot's file, and its directory holds the snapshot's disk.
+        // The source now writes to its new layers, its memory runs on the
+        // snapshot's file, and its directory holds the snapshot's disks.
+        let sealed_volumes = source.volume_mounts.clone();
         let source = self
             .store
             .update_sandbox(id, |s| {
                 s.root_layer = Some(new_root);
                 s.has_dependents = true;
                 s.uses_snapshots.push(snap_id.clone());
+                s.volume_mounts = moved.clone();
             })?
             .ok_or_else(|| SandboxError::NotFound(id.to_owned()))?;
+        // Each volume (not a copy) is on the source's new layer, in the
+        // source's directory, which it keeps after the source's kill.
+        self.volumes_moved(&moved, &self.sandbox_dir(id))?;
+        // Its sealed volume layers stack on the volumes' files (the source's
+        // directories name them already; named again, in case).
+        let mut uses_dirs = source.uses_dirs.clone();
+        for d in self.volume_dirs(&sealed_volumes)? {
+            if !uses_dirs.contains(&d) {
+                uses_dirs.push(d);
+            }
+        }
         let mut uses_snapshots = source.uses_snapshots.clone();
         uses_snapshots.retain(|s| s != &snap_id);
         // Its memory has the devices its source's template gave it.
@@ -314,7 +373,7 @@ impl Manager {
             }),
             env_vars: source.env_vars.clone(),
             uses_snapshots,
-            uses_dirs: source.uses_dirs.clone(),
+            uses_dirs,
             net_abi: source_template.as_ref().and_then(|t| t.net_abi),
             balloon: source_template.as_ref().is_some_and(|t| t.balloon),
             // Its state holds the source's CPUID.
@@ -323,6 +382,7 @@ impl Manager {
             volume_slots: source_template.map_or(0, |t| t.volume_slots),
             image: None,
             filesystem_only: params.filesystem_only,
+            volume_mounts: sealed_volumes,
         };
         self.store.put_template(&record)?;
         Ok(record)
@@ -466,6 +526,40 @@ impl Manager {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The source's mounts follow the VMM's new layers, slot by slot; a
+    /// slot the answer lacks fails the whole move.
+    #[test]
+    fn the_sources_mounts_move_to_the_new_layers() {
+        let mount = |slot: usize, disk: &str| VolumeMount {
+            volume_id: format!("v{slot}"),
+            name: format!("n{slot}"),
+            slot,
+            path: format!("/p{slot}"),
+            read_only: false,
+            disk: disk.into(),
+            copy: slot == 1,
+        };
+        let before = [mount(0, "/a/volume.layer"), mount(1, "/f/vol1.layer")];
+        let moved = moved_mounts(&before, |slot| {
+            Ok(std::path::PathBuf::from(format!(
+                "/s/snap-x/vol{slot}-new.layer"
+            )))
+        })
+        .unwrap();
+        assert_eq!(
+            moved,
+            [
+                mount(0, "/s/snap-x/vol0-new.layer"),
+                mount(1, "/s/snap-x/vol1-new.layer")
+            ]
+        );
+        let lacking = moved_mounts(&before, |slot| match slot {
+            0 => Ok("/s/x.layer".into()),
+            _ => Err(SandboxError::Invalid("no layer".into())),
+        });
+        assert!(lacking.is_err());
+    }
 
     #[test]
     fn names_are_checked() {

@@ -6,6 +6,8 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use disk_layers::LayeredDisk;
+
 use super::live::Phase;
 use super::{CreateParams, Manager, SandboxError};
 use crate::node::clock::now_ms;
@@ -89,7 +91,7 @@ impl Manager {
     }
 
     /// Removes `team`'s volume `id`, record and disk, unless a sandbox
-    /// (running or paused) mounts it.
+    /// (running or paused) mounts it or a copy of it, or a snapshot keeps it.
     pub async fn delete_volume(&self, team: &str, id: &str) -> Result<(), VolumeError> {
         let _changes = self.volume_changes.lock().await;
         let v = self.volume(team, id)?;
@@ -97,6 +99,19 @@ impl Manager {
             return Err(VolumeError::InUse {
                 id: id.to_owned(),
                 sandbox,
+            });
+        }
+        // A deleted snapshot (retired while sandboxes made from it live)
+        // holds nothing of its own: those sandboxes' copies do.
+        let snapshot = self
+            .store
+            .templates()?
+            .into_iter()
+            .find(|t| t.volume_mounts.iter().any(|m| m.volume_id == id));
+        if let Some(t) = snapshot {
+            return Err(VolumeError::Snapshotted {
+                id: id.to_owned(),
+                snapshot: t.id,
             });
         }
         self.store.remove_volume(id)?;
@@ -132,6 +147,13 @@ impl Manager {
             return Ok(Vec::new());
         }
         let invalid = |m: String| Err(VolumeError::Invalid(m).into());
+        if !template.volume_mounts.is_empty() {
+            return invalid(format!(
+                "volumeMounts: snapshot {} brings its own volumes' copies in its slots; more \
+                 volumes in a sandbox made from it are not supported yet",
+                template.id
+            ));
+        }
         if !params.auto_pause_memory {
             return invalid(
                 "autoPauseMemory: false with volumeMounts: the resume of a filesystem-only \
@@ -204,9 +226,11 @@ impl Manager {
         Ok(mounts)
     }
 
-    /// After a fork into `fork_dir` of a sandbox whose mounts are now
-    /// `mounts`: each volume (not a copy) is on its new layer there, which
-    /// the next sandbox to mount it writes, and keeps that directory.
+    /// After a fork (or a snapshot) of a sandbox whose mounts are now
+    /// `mounts`, on new layers in `fork_dir` (the fork's directory, or the
+    /// sandbox's own for a snapshot): each volume (not a copy) is on its
+    /// new layer there, which the next sandbox to mount it writes, and
+    /// keeps that directory.
     pub(super) fn volumes_moved(
         &self,
         mounts: &[VolumeMount],
@@ -224,6 +248,26 @@ impl Manager {
             self.store.put_volume(&v)?;
         }
         Ok(())
+    }
+
+    /// The copies of snapshot `template`'s volumes for a sandbox made from
+    /// it in `dir`: a new layer on each sealed one, in its slot at its path,
+    /// the sandbox's own (its writes stay its own). Called under
+    /// `volume_changes`, held until the sandbox's record names them (a
+    /// deleted snapshot no longer keeps its volumes from a delete).
+    pub(super) async fn snapshot_copies(
+        &self,
+        template: &TemplateRecord,
+        dir: &Path,
+    ) -> Result<Vec<VolumeMount>, SandboxError> {
+        let copies = copies_in(&template.volume_mounts, dir);
+        let made = copies.clone();
+        tokio::task::spawn_blocking(move || {
+            made.iter()
+                .try_for_each(|(sealed, copy)| LayeredDisk::create(sealed, &copy.disk).map(drop))
+        })
+        .await??;
+        Ok(copies.into_iter().map(|(_, copy)| copy).collect())
     }
 
     /// Refuses (409) a change of `record`'s sandbox that would lose or
@@ -257,10 +301,14 @@ impl Manager {
         Ok(dirs)
     }
 
-    /// Mounts `record`'s volumes in its running guest, as root through its
-    /// agent ([`volume::mount_script`]).
-    pub(super) async fn mount_volumes(&self, record: &SandboxRecord) -> Result<(), SandboxError> {
-        if record.volume_mounts.is_empty() {
+    /// Mounts `mounts` (of `record`'s) in its running guest, as root
+    /// through its agent ([`volume::mount_script`]).
+    pub(super) async fn mount_volumes(
+        &self,
+        record: &SandboxRecord,
+        mounts: &[VolumeMount],
+    ) -> Result<(), SandboxError> {
+        if mounts.is_empty() {
             return Ok(());
         }
         let sandbox = self.sandbox(&record.id)?;
@@ -273,7 +321,7 @@ impl Manager {
             .agent()
             .with_access_token(record.access_token.as_deref())
             .with_timeout(MOUNT_TIMEOUT);
-        for m in &record.volume_mounts {
+        for m in mounts {
             let script = volume::mount_script(m.slot, &m.path, m.read_only);
             let out = agent.run_argv("/bin/sh", &["-c", &script]).await?;
             if out.exit_code != 0 {
@@ -314,6 +362,22 @@ impl Manager {
     }
 }
 
+/// Each of a snapshot's sealed `mounts` with the copy a sandbox made from it
+/// in `dir` gets (`vol<slot>.layer` there, over the sealed layer).
+fn copies_in(mounts: &[VolumeMount], dir: &Path) -> Vec<(PathBuf, VolumeMount)> {
+    mounts
+        .iter()
+        .map(|m| {
+            let copy = VolumeMount {
+                disk: dir.join(format!("{}.layer", volume::slot_drive(m.slot))),
+                copy: true,
+                ..m.clone()
+            };
+            (m.disk.clone(), copy)
+        })
+        .collect()
+}
+
 /// Makes `dir` and a volume's disk of `bytes` in it; on failure, nothing.
 fn make_disk(dir: &Path, bytes: u64) -> Result<PathBuf, VolumeError> {
     std::fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
@@ -332,5 +396,46 @@ async fn remove_dir(dir: PathBuf) {
         Ok(Ok(())) => {}
         Ok(Err(e)) => tracing::warn!("volumes: {e}"),
         Err(e) => tracing::warn!("volumes: removing a directory: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mount(slot: usize, disk: &str, copy: bool) -> VolumeMount {
+        VolumeMount {
+            volume_id: format!("v{slot}"),
+            name: format!("name{slot}"),
+            slot,
+            path: format!("/data{slot}"),
+            read_only: false,
+            disk: disk.into(),
+            copy,
+        }
+    }
+
+    /// A sandbox made from a snapshot gets, per sealed volume layer, its own
+    /// layer in its directory (one per slot), a copy at the same path under
+    /// the same name, whatever the source's mount was.
+    #[test]
+    fn a_snapshots_copies_are_the_new_sandboxs_own() {
+        let sealed = [
+            mount(0, "/d/volumes/v0/volume.layer", false),
+            mount(1, "/d/forks/f/vol1-child0.layer", true),
+        ];
+        let copies = copies_in(&sealed, Path::new("/d/sandboxes/s"));
+        assert_eq!(copies.len(), 2);
+        for ((under, copy), m) in copies.iter().zip(&sealed) {
+            assert_eq!(under, &m.disk);
+            assert_eq!(
+                copy,
+                &VolumeMount {
+                    disk: PathBuf::from(format!("/d/sandboxes/s/vol{}.layer", m.slot)),
+                    copy: true,
+                    ..m.clone()
+                }
+            );
+        }
     }
 }

@@ -265,6 +265,7 @@ pub async fn build(
         volume_slots: volume::SLOTS,
         image: None,
         filesystem_only: false,
+        volume_mounts: Vec::new(),
     })
 }
 
