@@ -285,7 +285,12 @@ mod tests {
 
     #[test]
     fn nothing_listening_is_an_error_after_the_timeout() {
-        let addr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), free_port());
+        // Bound, never listening: connects are refused, and no other test
+        // can take the port meanwhile (a port from free_port() could be).
+        let held = tokio::net::TcpSocket::new_v4().unwrap();
+        held.bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0))
+            .unwrap();
+        let addr = held.local_addr().unwrap();
         let err = wait_for(addr, Duration::from_millis(100)).unwrap_err();
         assert!(format!("{err:#}").contains("did not answer"), "{err:#}");
     }
