@@ -24,7 +24,10 @@ impl Spinner {
             bar.set_style(style);
         }
         bar.set_message(what.to_owned());
-        bar.enable_steady_tick(Duration::from_millis(120));
+        // Its ticker thread only where something is drawn.
+        if !bar.is_hidden() {
+            bar.enable_steady_tick(Duration::from_millis(120));
+        }
         Spinner { bar }
     }
 

@@ -6,6 +6,7 @@ Markdown.
 Usage: python3 -m sandfork_runner.doclinks FILE.md...
 """
 
+import functools
 import re
 import sys
 from pathlib import Path
@@ -37,7 +38,8 @@ def slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
-def anchors(path: Path) -> set[str]:
+@functools.cache  # a page is linked to many times
+def anchors(path: Path) -> frozenset[str]:
     found: set[str] = set()
     for _, line in prose_lines(path.read_text()):
         if m := HEADING.match(line):
@@ -48,7 +50,7 @@ def anchors(path: Path) -> set[str]:
                 n += 1
                 name = f"{base}-{n}"
             found.add(name)
-    return found
+    return frozenset(found)
 
 
 def broken_links(markdown: Path) -> list[str]:

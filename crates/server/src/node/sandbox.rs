@@ -739,10 +739,11 @@ impl Manager {
         // Held until the record names its volumes (or its copies of a
         // snapshot's), so that no other create takes them and no delete
         // removes them meanwhile.
-        let _mounting = match params.volume_mounts.is_empty() && template.volume_mounts.is_empty() {
-            true => None,
-            false => Some(self.volume_changes.lock().await),
-        };
+        let _mounting = self
+            .volume_changes_if(
+                !params.volume_mounts.is_empty() || !template.volume_mounts.is_empty(),
+            )
+            .await;
         let mounts = self.mounts_for(team, &template, &params)?;
         // Held before the slow restore; given back if the create fails.
         let hold = self.capacity.reserve_for(

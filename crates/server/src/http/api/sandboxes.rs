@@ -683,7 +683,7 @@ pub async fn fork(
         .get(crate::node::keys::HEADER)
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default();
-    let (results, forked, elsewhere) = match (record.state, cluster) {
+    let (results, times, elsewhere) = match (record.state, cluster) {
         (SandboxState::Paused, _) => (
             state.manager.fork_paused(&id, count, timeout).await?,
             None,
@@ -691,11 +691,7 @@ pub async fn fork(
         ),
         (SandboxState::Running, None) => {
             let forked = state.manager.fork(&id, count, timeout).await?;
-            (
-                forked.children,
-                Some((forked.parent_paused, forked.times)),
-                Default::default(),
-            )
+            (forked.children, Some(forked.times), Default::default())
         }
         (SandboxState::Running, Some(node)) => {
             let elsewhere = async |frozen: Result<crate::node::sandbox::Frozen, _>, n: u32| {
@@ -707,7 +703,7 @@ pub async fn fork(
                 .await?;
             (
                 forked.children,
-                Some((forked.parent_paused, forked.times)),
+                Some(forked.times),
                 remote.unwrap_or_default(),
             )
         }
@@ -716,7 +712,7 @@ pub async fn fork(
         elsewhere.undo(key).await;
     }
     remove_if_gone(&state, &gone, made(&results)).await?;
-    let (parent_paused, times) = forked.unzip();
+    let parent_paused = times.as_ref().map(|t| t.parent_paused);
     let mut answer = fork_answer_with(results, elsewhere.entries, parent_paused);
     if let Some(times) = times {
         // Beside the body, as the parent's pause: a header that does not

@@ -36,10 +36,7 @@ pub(super) fn new_layer(info: &ForkInfo, drive: &str) -> Result<PathBuf, Sandbox
 pub struct Forked {
     /// One result per child, in order.
     pub children: Vec<Result<SandboxRecord, SandboxError>>,
-    /// How long the parent's guest was stopped (the VMM's measure of its
-    /// freeze).
-    pub parent_paused: Duration,
-    /// Where the fork's time went.
+    /// Where the fork's time went (the parent's pause among it).
     pub times: ForkTimes,
 }
 
@@ -216,10 +213,9 @@ impl Manager {
         // A fork moves the parent's volumes onto new layers: no create or
         // delete of them meanwhile. Their children's copies stack on the
         // volumes' files, which are this node's: all are made here.
-        let _volumes = match parent.volume_mounts.is_empty() {
-            true => None,
-            false => Some(self.volume_changes.lock().await),
-        };
+        let _volumes = self
+            .volume_changes_if(!parent.volume_mounts.is_empty())
+            .await;
         let elsewhere = elsewhere.filter(|_| parent.volume_mounts.is_empty());
         // All children or none on one node: they come from one freeze of
         // the parent, and a caller asking for N should not get fewer that
@@ -279,8 +275,7 @@ impl Manager {
             .pool
             .take_many(local as usize, &parent.network.policy)
             .await;
-        let vmms_ready = started.elapsed();
-        times.vmms_taken = vmms_ready;
+        times.vmms_taken = started.elapsed();
         sandbox.set_phase(Phase::Forking)?;
         // The VMM makes at least one child's layer: with none here, one
         // unused (removed below).
@@ -346,8 +341,7 @@ impl Manager {
                 let _ = std::fs::remove_file(&drive.path_on_host);
             }
         }
-        let parent_paused = Duration::from_micros(info.paused_us);
-        times.parent_paused = parent_paused;
+        times.parent_paused = Duration::from_micros(info.paused_us);
         times.vmm = info.phases;
         times.recorded = recording.elapsed();
         tracing::info!(
@@ -358,8 +352,8 @@ impl Manager {
             } else {
                 String::new()
             },
-            parent_paused.as_secs_f64() * 1000.0,
-            vmms_ready.as_millis()
+            times.parent_paused.as_secs_f64() * 1000.0,
+            times.vmms_taken.as_millis()
         );
         // The children start without the parent: it may change meanwhile.
         drop(guest);
@@ -430,14 +424,7 @@ impl Manager {
                 })
             })
             .collect();
-        Ok((
-            Forked {
-                children,
-                parent_paused,
-                times,
-            },
-            remote,
-        ))
+        Ok((Forked { children, times }, remote))
     }
 
     async fn fork_child(

@@ -238,10 +238,9 @@ impl Manager {
         // Its volumes move onto new layers, as its root disk does: no create
         // or delete of them meanwhile (a create would write the layer being
         // sealed).
-        let _volumes = match parent.volume_mounts.is_empty() {
-            true => None,
-            false => Some(self.volume_changes.lock().await),
-        };
+        let _volumes = self
+            .volume_changes_if(!parent.volume_mounts.is_empty())
+            .await;
         let Some(snapshot) = parent.snapshot.clone() else {
             return Err(SandboxError::Conflict {
                 id: id.to_owned(),
@@ -509,10 +508,9 @@ impl Manager {
         // Each child stacks a copy on the snapshot's sealed volume layers:
         // no delete of those volumes until every child's record names its
         // copies (a deleted snapshot no longer keeps them).
-        let _volumes = match template.volume_mounts.is_empty() {
-            true => None,
-            false => Some(self.volume_changes.lock().await),
-        };
+        let _volumes = self
+            .volume_changes_if(!template.volume_mounts.is_empty())
+            .await;
         let template = Arc::new(template);
         let mut tasks = tokio::task::JoinSet::new();
         for index in 0..count as usize {

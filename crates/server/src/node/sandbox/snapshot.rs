@@ -235,10 +235,9 @@ impl Manager {
         // The snapshot seals the volumes' layers and moves the source's
         // onto new ones (as a fork does): no create, mount or delete of
         // them meanwhile.
-        let _volumes = match source.volume_mounts.is_empty() {
-            true => None,
-            false => Some(self.volume_changes.lock().await),
-        };
+        let _volumes = self
+            .volume_changes_if(!source.volume_mounts.is_empty())
+            .await;
         // Re-read under the lock: a fork may have moved its volumes since.
         let source = self.get(id)?;
         // Room for the memory file it writes (held while it is written).

@@ -270,6 +270,20 @@ impl Manager {
         Ok(copies.into_iter().map(|(_, copy)| copy).collect())
     }
 
+    /// The volumes' lock when `needed` (a change touches some volume: a
+    /// mount, a fork or snapshot of a sandbox with mounts, a copy of a
+    /// snapshot's), else none: creates, deletes and moves of volumes are
+    /// serialised on it.
+    pub(super) async fn volume_changes_if(
+        &self,
+        needed: bool,
+    ) -> Option<tokio::sync::MutexGuard<'_, ()>> {
+        match needed {
+            true => Some(self.volume_changes.lock().await),
+            false => None,
+        }
+    }
+
     /// Refuses (409) a change of `record`'s sandbox that would lose or
     /// split the volumes it mounts: `state` says which and why.
     pub(super) fn refuse_mounted(
