@@ -47,6 +47,9 @@ class Job:
     # stdout goes nowhere (its report is long; stderr carries the diagnostics)
     discard_stdout: bool = False
     tier: Tier = Tier.DEFAULT
+    # a host job that runs the test build's binaries through cargo (not
+    # by `binary`): it starts once they are built, if the run builds them
+    after_tests: bool = False
 
     @property
     def needs_tests(self) -> bool:
@@ -286,20 +289,12 @@ LAB += (
 )
 
 # On the host, one after the other, at the lowest CPU priority, beside the
-# lab lanes once the tests are built; skipped by --lab-only.
+# lab lanes; skipped by --lab-only. Those that need no test binary start
+# beside the test build (the lanes' guests and the test build leave a core
+# idle for much of it: its longest units compile on one); `fast_tests` once
+# the tests are built. Clippy checks in a target dir of its own, as cargo
+# would otherwise hold the test build's lock while it runs.
 HOST = (
-    Job(
-        "clippy",
-        Group.HOST,
-        argv("cargo clippy --workspace --all-targets --quiet -- -D warnings"),
-        "lints of every target, with the workspace's [workspace.lints]",
-    ),
-    Job(
-        "fast_tests",
-        Group.HOST,
-        argv("cargo test --workspace --quiet"),
-        "unit tests, the VMM's API tests against the real binary, the agent as a host process",
-    ),
     Job(
         "docs",
         Group.HOST,
@@ -307,10 +302,24 @@ HOST = (
         "the book under docs/ built with mdBook, its links and anchors checked, the README's too",
     ),
     Job(
+        "clippy",
+        Group.HOST,
+        argv("cargo clippy --workspace --all-targets --quiet -- -D warnings"),
+        "lints of every target, with the workspace's [workspace.lints]",
+        env=(("CARGO_TARGET_DIR", "target/clippy"),),
+    ),
+    Job(
         "fuzz",
         Group.HOST,
         argv("scripts/fuzz.sh"),
         "every fuzz target: corpora replayed, then each fuzzed briefly (docs: testing/fuzzing.md)",
+    ),
+    Job(
+        "fast_tests",
+        Group.HOST,
+        argv("cargo test --workspace --quiet"),
+        "unit tests, the VMM's API tests against the real binary, the agent as a host process",
+        after_tests=True,
     ),
 )
 

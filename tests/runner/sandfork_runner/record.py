@@ -39,6 +39,9 @@ class Try:
     slowest: list[tuple[str, float]] = field(default_factory=list)
     # the tests its pytest suites ran again in place (retry.py)
     rerun: list[str] = field(default_factory=list)
+    # how busy the host's CPUs were meanwhile, 0-1 of all of them (cpu.py);
+    # None for a try shorter than one sample
+    cpu_busy: float | None = None
 
     @property
     def passed(self) -> bool:
@@ -97,6 +100,7 @@ def _try_json(t: Try) -> dict[str, Any]:
         "lab_stood_still": t.stood_still,
         "rerun_tests": t.rerun,
         "slowest_tests": [[name, s] for name, s in t.slowest],
+        "cpu_busy": t.cpu_busy,
         "log": t.log,
     }
 
@@ -127,6 +131,7 @@ def summary(
     run_dir: str,
     interrupted: bool,
     error: str = "",
+    cpu_busy: list[list[float]] | None = None,
 ) -> dict[str, Any]:
     """The whole run as one JSON object (summary.json)."""
     failed = [r.job.name for r in records if r.result is Result.FAILED]
@@ -142,6 +147,8 @@ def summary(
         "retried": [r.job.name for r in records if r.retried],
         "skipped": [r.job.name for r in records if r.result is Result.SKIPPED],
         "jobs": [job_json(r) for r in records],
+        # [seconds into the run, busy share of all CPUs over the sample before]
+        "cpu_busy": cpu_busy or [],
     }
 
 

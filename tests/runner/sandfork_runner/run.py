@@ -15,6 +15,7 @@ from pathlib import Path
 
 from . import jobs, lab, proc
 from .cargo import binaries, executables, failed_tests, relinked
+from .cpu import CpuLoad
 from .jobs import Group, Job, Tier
 from .queue import JobQueue
 from .record import JobRecord, Result, Try, clock, failure_report, outcome, summary
@@ -119,6 +120,7 @@ class Run:
         self.interrupted = False
         self.error = ""
         self._sccache = False
+        self.cpu = CpuLoad(self.console.elapsed)
         # set by each lane thread as it ends: Thread.join interrupted by
         # Ctrl+C can leave is_alive() false for a thread that still runs
         self._lanes_done: list[threading.Event] = []
@@ -127,6 +129,7 @@ class Run:
 
     def main(self) -> int:
         started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.cpu.start()
         try:
             if self.prepare():
                 self.suite()
@@ -145,6 +148,7 @@ class Run:
             self.console.line("runner", traceback.format_exc().encode())
             self.stop()
         finally:
+            self.cpu.stop()
             if self._sccache:
                 subprocess.run(
                     ["sccache", "--stop-server"],
@@ -215,8 +219,10 @@ class Run:
         self._lanes_done = [threading.Event() for _ in range(lanes)]
         for n, done in enumerate(self._lanes_done):
             threading.Thread(target=self.lane, args=(f"lane{n + 1}", done), daemon=True).start()
+        host_done = threading.Event()
+        self._lanes_done.append(host_done)
+        threading.Thread(target=self.host, args=(host_done,), daemon=True).start()
         self.build_tests()
-        self.host()
         for done in self._lanes_done:
             # with a timeout, so that Ctrl+C reaches this thread
             while not done.wait(timeout=1):
@@ -238,16 +244,26 @@ class Run:
         finally:
             done.set()
 
-    def host(self) -> None:
-        """The host jobs once the tests are built, at the lowest CPU priority:
-        they have the labs' half hour to finish in, while the labs' guests
-        notice time lost to them (commands and starts bounded in time)."""
-        build = self.records.get(jobs.TEST_BUILD.name)
-        for job in self.plan.host:
-            if build is not None and build.result is not Result.PASSED:
-                self.records[job.name].note = "the test build failed"
-                continue
-            self.run_job(job, "host")
+    def host(self, done: threading.Event | None = None) -> None:
+        """The host jobs, one after the other at the lowest CPU priority:
+        those that need no test binary at once, beside the test build, the
+        rest once it is done. They have the labs' half hour to finish in,
+        while the labs' guests notice time lost to them (commands and
+        starts bounded in time)."""
+        try:
+            for job in sorted(self.plan.host, key=lambda j: j.after_tests):
+                if self.processes.stopping:
+                    return
+                if job.after_tests:
+                    self.tests_done.wait()
+                    build = self.records.get(jobs.TEST_BUILD.name)
+                    if build is not None and build.result is not Result.PASSED:
+                        self.records[job.name].note = "the test build failed"
+                        continue
+                self.run_job(job, "host")
+        finally:
+            if done is not None:
+                done.set()
 
     def stop(self) -> None:
         """No more jobs; those running are stopped, and their lanes given a
@@ -402,6 +418,7 @@ class Run:
                 slowest=test_clock.slowest(SLOWEST_SHOWN) if test_clock else [],
                 rerun=rerun_in_place(text) if job.reruns_tests else [],
             )
+            t.cpu_busy = self.cpu.busy(t.start, t.start + t.duration)
             record.tries.append(t)
             if t.slowest:
                 said = ", ".join(f"{name} {s:.0f} s" for name, s in t.slowest)
@@ -444,16 +461,20 @@ class Run:
             run_dir=str(self.run_dir.relative_to(self.root)),
             interrupted=self.interrupted,
             error=self.error,
+            cpu_busy=self.cpu.timeline(),
         )
         path = self.run_dir / "summary.json"
         path.write_text(json.dumps(data, indent=2) + "\n")
         out = self.console
         out.write(b"")
-        out.write(f"{'job':<12} {'lane':<6} {'start':>6} {'took':>6} tries  result".encode())
+        head = f"{'job':<12} {'lane':<6} {'start':>6} {'took':>6} {'cpu':>4} tries  result"
+        out.write(head.encode())
         for r in records:
             start = "" if r.start is None else clock(r.start)
             took = clock(r.duration) if r.tries else ""
-            line = f"{r.job.name:<12} {r.lane:<6} {start:>6} {took:>6} {len(r.tries):>5}  "
+            busy = [t.cpu_busy for t in r.tries if t.cpu_busy is not None]
+            cpu = f"{round(100 * sum(busy) / len(busy))}%" if busy else ""
+            line = f"{r.job.name:<12} {r.lane:<6} {start:>6} {took:>6} {cpu:>4} {len(r.tries):>5}  "
             out.write((line + r.result.value + (f" ({r.note})" if r.note else "")).encode())
         failures = failure_report(records, self.root)
         if failures:

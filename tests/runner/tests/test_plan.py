@@ -13,7 +13,9 @@ def names(js: tuple[jobs.Job, ...]) -> list[str]:
 def test_the_default_run() -> None:
     p = plan(lab_only=False, only=None, long=False, lanes=2)
     assert names(p.quick) == ["fmt", "fmt_fuzz", "shellcheck", "deny", "runner"]
-    assert names(p.host) == ["clippy", "fast_tests", "docs", "fuzz"]
+    assert names(p.host) == ["docs", "clippy", "fuzz", "fast_tests"]
+    # only the fast tests wait for the test build; the rest run beside it
+    assert [j.name for j in p.host if j.after_tests] == ["fast_tests"]
     assert "sdk" in names(p.lab) and "cluster" in names(p.lab)
     assert all(j.tier is Tier.DEFAULT for j in p.lab)
     assert p.lanes == 2 and p.test_build
