@@ -33,7 +33,8 @@ class Job:
     about: str
     # expected minutes (docs/src/testing/runner.md): the lab queue is taken longest first
     minutes: float = 0.0
-    # the test target whose binary the job runs (it waits for the test build)
+    # the integration test (a `tests/NAME.rs` target) whose binary the job
+    # runs: it waits for the lab jobs' step of the test build
     binary: str | None = None
     # a binary of `#[ignore = "lab: ..."]` tests: run inside the lab (unless
     # the host has hardware KVM), re-run by the names of the tests that failed
@@ -132,16 +133,28 @@ QUICK = (
     ),
 )
 
-# The test build (one `cargo test --workspace --no-run`), beside the first lab
-# jobs: from the whole workspace, as naming packages with -p would resolve
-# features for them alone and compile their dependencies again (6 min of a
-# CI run). Niced: the labs' guests notice time lost to it (an rl test's 60 s
-# command overran beside it).
+# The test build (`cargo test --workspace --no-run`), beside the first lab
+# jobs, in two steps: first only the integration tests the lab jobs run
+# (`--test NAME` each: a few minutes), so that those jobs start while the
+# rest builds (the server's and the CLI's unit tests alone take over 8 min on
+# one core); then everything, for the fast tests. From the whole workspace
+# both times, as naming packages with -p would resolve features for them
+# alone and compile their dependencies again (6 min of a CI run). Niced: the
+# labs' guests notice time lost to it (an rl test's 60 s command overran
+# beside it).
+TEST_BUILD_ARGV = argv("nice -n 10 cargo test --workspace --no-run --quiet") + argv(
+    "--message-format=json-render-diagnostics"
+)
+LAB_TEST_BUILD = Job(
+    "lab_bins",
+    Group.BUILD,
+    TEST_BUILD_ARGV,
+    "the lab jobs' test binaries (their integration tests named with --test), first",
+)
 TEST_BUILD = Job(
     "tests",
     Group.BUILD,
-    argv("nice -n 10 cargo test --workspace --no-run --quiet")
-    + argv("--message-format=json-render-diagnostics"),
+    TEST_BUILD_ARGV,
     "the test binaries, the fast tests' and the lab's",
 )
 
@@ -323,7 +336,7 @@ HOST = (
     ),
 )
 
-ALL = (DEPS, BUILD, *QUICK, TEST_BUILD, *LAB, *HOST)
+ALL = (DEPS, BUILD, *QUICK, LAB_TEST_BUILD, TEST_BUILD, *LAB, *HOST)
 
 
 def by_name(name: str) -> Job:

@@ -39,10 +39,17 @@ class Plan:
     def test_build(self) -> bool:
         return any(job.needs_tests for job in self.lab + self.host)
 
+    @property
+    def lab_binaries(self) -> list[str]:
+        """The integration tests the lab jobs run, built first."""
+        return sorted({job.binary for job in self.lab if job.binary})
+
     def jobs(self) -> list[Job]:
         """Every job of the run, in the order it meets them."""
         build = [jobs.DEPS, jobs.BUILD, *self.quick]
         tests = [jobs.TEST_BUILD] if self.test_build else []
+        if self.test_build and self.lab_binaries:
+            tests.insert(0, jobs.LAB_TEST_BUILD)
         return [*build, *tests, *self.lab, *self.host]
 
 
@@ -113,6 +120,8 @@ class Run:
         self.records = {job.name: JobRecord(job) for job in the_plan.jobs()}
         self.queue = JobQueue(the_plan.lab)
         self.locks = lab.Locks()
+        # the lab jobs' binaries built; all the tests built
+        self.lab_bins_done = threading.Event()
         self.tests_done = threading.Event()
         self.test_bins: dict[str, str] = {}
         self.hardware = False
@@ -209,6 +218,7 @@ class Run:
                 where = "on this host's KVM" if self.hardware else "inside the lab"
                 self.console.stage(f"lab test binaries run {where}")
         if not self.plan.test_build:
+            self.lab_bins_done.set()
             self.tests_done.set()
         if lanes <= 1:
             self.build_tests()
@@ -232,7 +242,7 @@ class Run:
         """Takes a lab lock, then jobs until the queue is empty."""
 
         def ready(job: Job) -> bool:
-            return not job.needs_tests or self.tests_done.is_set()
+            return not job.needs_tests or self.lab_bins_done.is_set()
 
         try:
             held = self.locks.take(self.console.stage, lambda: len(self.queue) > 0)
@@ -271,6 +281,7 @@ class Run:
         for job in self.queue.close():
             self.records[job.name].note = "the run was stopped"
         self.processes.terminate_all()
+        self.lab_bins_done.set()
         self.tests_done.set()
         deadline = time.monotonic() + 30
         for done in self._lanes_done:
@@ -279,40 +290,53 @@ class Run:
     # --- the test build -----------------------------------------------------
 
     def build_tests(self) -> None:
-        """The test binaries, then the jobs that wait for them go on. It must
-        not link the binaries the labs are running anew: a lab that runs a
-        binary replaced under it over 9p starts VMMs that never listen (seen
+        """The test binaries in two steps (jobs.py, TEST_BUILD): the lab
+        jobs' first, then the jobs that wait for them go on; then the rest."""
+        if not self.plan.test_build:
+            return
+        try:
+            lab = self.plan.lab_binaries
+            if lab:
+                named = [f"--test={name}" for name in lab]
+                if not self.build_test_step(jobs.LAB_TEST_BUILD, named):
+                    # nothing more: the full build would fail the same way
+                    return
+                self.lab_bins_done.set()
+            self.build_test_step(jobs.TEST_BUILD, [])
+        finally:
+            self.lab_bins_done.set()
+            self.tests_done.set()
+
+    def build_test_step(self, job: Job, extra: list[str]) -> bool:
+        """One `cargo test --no-run`; its binaries added to `test_bins`. It
+        must not link the binaries the labs are running anew: a lab that runs
+        a binary replaced under it over 9p starts VMMs that never listen (seen
         for 4 minutes of one run). `cargo build` and `cargo test` agree on
         every dependency's features only while no dev-dependency turns on one
         of its own (tokio's `test-util` did), so a test build that relinks
         them fails the run, naming them."""
-        if not self.plan.test_build:
-            return
-        job = jobs.TEST_BUILD
         record = self.records[job.name]
         record.lane = "main"
         debug = self.root / "target/debug"
         before = binaries(debug)
         captured: list[bytes] = []
-        self.console.stage("building the tests")
-        try:
-            t = self.attempt(record, self.command(job, None), None, "capture", captured)
-            self.test_bins = executables(line.decode() for line in captured)
-            changed = relinked(before, binaries(debug))
-            if changed:
-                message = (
-                    "the test build linked the binaries anew while labs ran them (a "
-                    "dev-dependency turns on a feature `cargo build` lacks: compare `cargo "
-                    "tree -e features` with and without `-e dev`): " + " ".join(changed)
-                )
-                with open(self.root / t.log, "a") as log:
-                    log.write(message + "\n")
-                self.console.line(job.name, message.encode())
-                t.exit_code = t.exit_code or 1
-            record.result = Result.PASSED if t.passed else Result.FAILED
-            self.end(record)
-        finally:
-            self.tests_done.set()
+        self.console.stage("building the lab jobs' tests" if extra else "building the tests")
+        t = self.attempt(record, self.command(job, None) + extra, None, "capture", captured)
+        self.test_bins.update(executables(line.decode() for line in captured))
+        changed = relinked(before, binaries(debug))
+        if changed:
+            message = (
+                "the test build linked the binaries anew while labs ran them (a "
+                "dev-dependency turns on a feature `cargo build` lacks: compare `cargo "
+                "tree -e features` with and without `-e dev`): " + " ".join(changed)
+            )
+            with open(self.root / t.log, "a") as log:
+                log.write(message + "\n")
+            self.console.line(job.name, message.encode())
+            t.exit_code = t.exit_code or 1
+        record.result = Result.PASSED if t.passed else Result.FAILED
+        self.end(record)
+        return t.passed
 
     # --- one job ------------------------------------------------------------
 
@@ -323,9 +347,9 @@ class Run:
         self.console.stage(f"{job.name} ({lane})" if lane else job.name)
         try:
             if job.binary is not None:
-                if not self.tests_done.is_set():
+                if not self.lab_bins_done.is_set():
                     self.console.stage(f"{job.name}: waiting for the test build")
-                    self.tests_done.wait()
+                    self.lab_bins_done.wait()
                 binary = self.test_bins.get(job.binary)
                 if binary is None or not os.access(binary, os.X_OK):
                     record.note = f"no test binary {job.binary} (the test build failed?)"

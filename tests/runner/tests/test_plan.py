@@ -20,6 +20,11 @@ def test_the_default_run() -> None:
     assert all(j.tier is Tier.DEFAULT for j in p.lab)
     assert p.lanes == 2 and p.test_build
     assert names(tuple(p.jobs()))[:3] == ["deps", "build", "fmt"]
+    # the lab jobs' integration tests are built first, by name, then the rest
+    assert "lab_serve" in p.lab_binaries and "cli_node" in p.lab_binaries
+    assert p.lab_binaries == sorted({j.binary for j in p.lab if j.binary})
+    order = names(tuple(p.jobs()))
+    assert order.index("lab_bins") + 1 == order.index("tests")
 
 
 def test_long_adds_the_long_tier() -> None:
@@ -37,7 +42,7 @@ def test_lab_only_leaves_out_the_quick_and_host_jobs() -> None:
 def test_only_runs_the_named_jobs_of_any_tier_with_no_more_lanes_than_jobs() -> None:
     p = plan(lab_only=False, only=["microvm"], long=False, lanes=2)
     assert names(p.lab) == ["microvm"] and p.quick == () and p.host == ()
-    assert p.lanes == 1 and p.test_build
+    assert p.lanes == 1 and p.test_build and p.lab_binaries == ["microvm"]
     p = plan(lab_only=False, only=["soak_long", "fmt", "clippy"], long=False, lanes=2)
     assert names(p.lab) == ["soak_long"] and names(p.quick) == ["fmt"]
     assert names(p.host) == ["clippy"]
