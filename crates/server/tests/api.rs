@@ -4057,6 +4057,21 @@ fn volume_dirs(node: &Node) -> Vec<String> {
     names
 }
 
+/// A delete of volume `id` refused with a 409 naming `holder`, the sandbox
+/// or snapshot that holds it.
+async fn volume_delete_refused(node: &Node, id: &str, holder: &str) {
+    let a = node
+        .refuses(
+            "DELETE",
+            &format!("/volumes/{id}"),
+            "",
+            StatusCode::CONFLICT,
+        )
+        .await;
+    let message = a.json["message"].as_str().unwrap_or_default();
+    assert!(message.contains(holder), "{}", a.json);
+}
+
 /// Makes volume `body` (its JSON) with `key`: its answer, checked to be a
 /// 201 with E2B's `VolumeAndToken`.
 async fn new_volume(node: &Node, key: &str, body: &str) -> Value {
@@ -4260,19 +4275,7 @@ async fn a_mounted_volume_is_not_deleted() {
     let a = node.authed("GET", "/v2/sandboxes?state=paused", "").await;
     assert_eq!(a.json[0]["sandboxID"], "user1", "{}", a.json);
     assert_eq!(a.json[0]["volumeMounts"], mounts, "{}", a.json);
-    let a = node
-        .refuses(
-            "DELETE",
-            &format!("/volumes/{id}"),
-            "",
-            StatusCode::CONFLICT,
-        )
-        .await;
-    assert!(
-        a.json["message"].as_str().unwrap().contains("user1"),
-        "{}",
-        a.json
-    );
+    volume_delete_refused(&node, &id, "user1").await;
     assert_eq!(volume_dirs(&node), [id.as_str()]);
     // Once the sandbox is gone, it goes.
     store.remove_sandbox("user1").unwrap();
@@ -4308,19 +4311,7 @@ async fn a_volume_a_snapshot_keeps_is_not_deleted_until_the_snapshot_is() {
         copy: false,
     }];
     node.manager.store().put_template(&snap).unwrap();
-    let a = node
-        .refuses(
-            "DELETE",
-            &format!("/volumes/{id}"),
-            "",
-            StatusCode::CONFLICT,
-        )
-        .await;
-    assert!(
-        a.json["message"].as_str().unwrap().contains("isnapvol"),
-        "{}",
-        a.json
-    );
+    volume_delete_refused(&node, &id, "isnapvol").await;
     // Its copies take the snapshot's slots: more volumes are refused.
     let other = new_volume(&node, KEY, r#"{"name":"more","sizeMB":64}"#).await;
     let body = serde_json::json!({
