@@ -34,6 +34,7 @@ from harness import (
     Etcd,
     Processes,
     env_with_sbin,
+    free_port,
     log,
     tail,
     wait_until,
@@ -146,13 +147,18 @@ def cluster(
     host would take the same network slot names and ranges)."""
     target = Path(os.environ.get("CARGO_TARGET_DIR") or ROOT / "target")
     api_key = f"sandfork_cluster_test_{secrets.token_hex(6)}"
+    # The task images' registry (test_11_images.py) listens here later; it
+    # speaks plain HTTP, off loopback (so the cut-off node reaches it too).
+    registry = f"{cut_net.host}:{free_port()}"
     env = dict(
         base_env,
         SANDFORK_ETCD=etcd.endpoints(),
         SANDFORK_S3=s3.url(),
         SANDFORK_API_KEY=api_key,
+        SANDFORK_INSECURE_REGISTRIES=registry,
     )
     c = Cluster(target / "debug" / "sandfork", work, env, api_key, procs, etcd, s3, cut_net)
+    c.registry = registry
     for n in (1, 2, 3):
         c.start_node(f"n{n}", ["--max-sandboxes", "3"] if n == 3 else [])
     c.start_gateway("gw")

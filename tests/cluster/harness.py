@@ -37,6 +37,8 @@ def wait_until(
 
 
 PREFIX = "/sandfork/v1"
+# The metadata key nodes and gateways take a create's image under.
+IMAGE_KEY = "image"
 # Five times etcd's defaults: the lab's one emulated CPU is busy with guests.
 ETCD_HEARTBEAT_MS = 500
 ETCD_ELECTION_MS = 5000
@@ -315,6 +317,9 @@ class Cluster:
     etcd: Etcd
     s3: S3
     cut: CutNet
+    # The task images' registry (test_11_images.py), `host:port`: on the cut
+    # network's host end, which every node reaches (the cut-off one too).
+    registry: str = ""
     nodes: dict[str, Node] = field(default_factory=dict)
     gateways: list[str] = field(default_factory=list)
     dead: set[str] = field(default_factory=set)
@@ -328,7 +333,8 @@ class Cluster:
         return [
             str(self.bin), "serve", "--in-lab", "--role", "node", "--node-id", node_id,
             "--listen", listen, "--data-dir", str(self.work / node_id), "--no-network",
-            "--pool-size", "1", "--lease-ttl-secs", "3", *extra,
+            "--pool-size", "1", "--lease-ttl-secs", "3", "--image-metadata-key", IMAGE_KEY,
+            *extra,
         ]  # fmt: skip
 
     def start_node(self, node_id: str, extra: Sequence[str] = ()) -> Node:
@@ -342,7 +348,8 @@ class Cluster:
 
     def start_gateway(self, name: str) -> str:
         port = free_port()
-        argv = [str(self.bin), "serve", "--role", "gateway", "--listen", f"127.0.0.1:{port}"]
+        argv = [str(self.bin), "serve", "--role", "gateway", "--listen", f"127.0.0.1:{port}",
+                "--image-metadata-key", IMAGE_KEY]  # fmt: skip
         self.procs.start(argv, self.work / f"{name}.log", self.env, stop_first=True)
         url = f"http://127.0.0.1:{port}"
         self.gateways.append(url)

@@ -553,7 +553,11 @@ async fn serve_gateway(args: &ServeArgs) -> Result<()> {
     let metrics_key = std::env::var("SANDFORK_API_KEY")
         .ok()
         .filter(|k| !k.is_empty());
-    server::http::gateway::serve(listener, etcd, metrics_key.as_deref(), shutdown_signal()).await?;
+    let options = server::http::gateway::GatewayOptions {
+        metrics_key,
+        image_metadata_key: args.image_metadata_key.clone(),
+    };
+    server::http::gateway::serve(listener, etcd, options, shutdown_signal()).await?;
     Ok(())
 }
 

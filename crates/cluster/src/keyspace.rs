@@ -12,6 +12,7 @@
 //! | `killed/{id}` | the ID of the node that held it | a kill through a gateway while its node was gone, until that node is back and removes its copy; at most a day (a lease) |
 //! | `store-gc/pass` | the ID of the node collecting the object store | one pass of [`crate::store_gc`], under a lease of its own |
 //! | `store-gc/last` | who started the last pass, and when | rewritten at each pass's start (its revision is the uploads' epoch) |
+//! | `images/{sha256 of the image}` | [`ImageClaim`]: the node converting a registry image (its normalised reference) into a template | from the conversion's start until its template is in the object store (or the conversion failed), under that node's lease |
 
 use serde::{Deserialize, Serialize};
 
@@ -27,6 +28,7 @@ pub const KILLED: &str = "/sandfork/v1/killed/";
 pub const STORE_GC: &str = "/sandfork/v1/store-gc/";
 pub const STORE_GC_PASS: &str = "/sandfork/v1/store-gc/pass";
 pub const STORE_GC_LAST: &str = "/sandfork/v1/store-gc/last";
+pub const IMAGES: &str = "/sandfork/v1/images/";
 
 pub fn node_key(node_id: &str) -> String {
     format!("{NODES}{node_id}")
@@ -70,6 +72,29 @@ pub fn team_name_key(name: &str) -> String {
 /// The record of the API key whose SHA-256 is `hash` (hex).
 pub fn api_key_key(hash: &str) -> String {
     format!("{TENANT_KEYS}{hash}")
+}
+
+/// Where the conversion of `image` (a normalised reference, which may hold
+/// `/`, `:` and `@`) is claimed: its SHA-256, so one key segment whatever
+/// the reference.
+pub fn image_key(image: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(image.as_bytes());
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    format!("{IMAGES}{hex}")
+}
+
+/// `images/{sha256}`: a node converting a registry image into a template
+/// (one conversion per image in the cluster: other nodes wait for it and
+/// take the template in from the object store).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageClaim {
+    /// The image's normalised reference (the name of its template).
+    pub image: String,
+    pub node_id: String,
+    /// The node's lease, which the claim is held by.
+    pub incarnation: i64,
+    pub started_at_ms: u64,
 }
 
 /// A node ID (or a team's) names one key segment: letters, digits, `-`,
@@ -212,9 +237,33 @@ pub const TEMPLATE_HELD_BONUS: f64 = 0.25;
 
 /// [`placement_order`] for a create from `template` (an ID or name; None:
 /// any): nodes that have it count [`TEMPLATE_HELD_BONUS`] freer.
-pub fn placement_order_for(mut nodes: Vec<NodeRecord>, template: Option<&str>) -> Vec<NodeRecord> {
+pub fn placement_order_for(nodes: Vec<NodeRecord>, template: Option<&str>) -> Vec<NodeRecord> {
+    placement_order_preferring(nodes, |n| template.is_some_and(|t| n.has_template(t)))
+}
+
+/// [`placement_order_for`] a create from a registry image whose template
+/// is named `image` (its normalised reference): the nodes that have it, and
+/// the node converting it now (`converting`, a node ID; its creates wait on
+/// that conversion, and so would another node's), count
+/// [`TEMPLATE_HELD_BONUS`] freer.
+pub fn placement_order_for_image(
+    nodes: Vec<NodeRecord>,
+    image: &str,
+    converting: Option<&str>,
+) -> Vec<NodeRecord> {
+    placement_order_preferring(nodes, |n| {
+        n.has_template(image) || converting == Some(n.node_id.as_str())
+    })
+}
+
+/// [`placement_order`] where the nodes `preferred` picks count
+/// [`TEMPLATE_HELD_BONUS`] freer (unless full).
+fn placement_order_preferring(
+    mut nodes: Vec<NodeRecord>,
+    preferred: impl Fn(&NodeRecord) -> bool,
+) -> Vec<NodeRecord> {
     let score = |n: &NodeRecord| {
-        let held = template.is_some_and(|t| n.has_template(t));
+        let held = preferred(n);
         // A full node stays last: what it has does not make room.
         let free = n.free_share();
         if held && free > 0.0 {
@@ -296,6 +345,45 @@ mod tests {
         full.load.memory_mib = 4096;
         assert_eq!(full.free_share(), 0.0);
         assert_eq!(node("e", 0, 9).free_share(), 1.0);
+    }
+
+    #[test]
+    fn an_image_goes_where_its_template_is_else_where_it_is_being_converted() {
+        const IMAGE: &str = "127.0.0.1:5000/task/a:v1";
+        let with = |mut n: NodeRecord| {
+            n.load.templates = vec![IMAGE.into(), "base".into()];
+            n
+        };
+        let ids = |nodes: Vec<NodeRecord>| nodes.into_iter().map(|n| n.node_id).collect::<Vec<_>>();
+        // Nobody has it: the node converting it, though a little fuller.
+        let fresh = || vec![node("a", 8, 0), node("b", 8, 1), node("c", 8, 1)];
+        assert_eq!(
+            ids(placement_order_for_image(fresh(), IMAGE, Some("c"))),
+            ["c", "a", "b"]
+        );
+        // Nobody has it nor converts it: freest first, as any create.
+        assert_eq!(
+            ids(placement_order_for_image(fresh(), IMAGE, None)),
+            ["a", "b", "c"]
+        );
+        // b has it (ready): b, before a that is a little freer; c converts
+        // it (a second conversion's claim, which cannot be) and is fuller.
+        let some = || vec![node("a", 8, 0), with(node("b", 8, 1)), node("c", 8, 3)];
+        assert_eq!(
+            ids(placement_order_for_image(some(), IMAGE, None)),
+            ["b", "a", "c"]
+        );
+        // Those that have it clearly fuller: the freest, which takes it in.
+        let full = vec![node("a", 8, 0), with(node("b", 8, 6))];
+        assert_eq!(
+            ids(placement_order_for_image(full, IMAGE, None)),
+            ["a", "b"]
+        );
+        // Keys: one segment per image, whatever its reference holds.
+        let key = image_key(IMAGE);
+        assert!(key.starts_with(IMAGES));
+        assert_eq!(key.len(), IMAGES.len() + 64);
+        assert_ne!(key, image_key("127.0.0.1:5000/task/a:v2"));
     }
 
     #[test]

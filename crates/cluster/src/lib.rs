@@ -8,6 +8,7 @@
 
 pub mod files;
 pub mod harness;
+pub mod images;
 pub mod keyspace;
 mod membership;
 pub mod objects;
@@ -21,8 +22,10 @@ use std::time::Duration;
 
 use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp};
 
+pub use images::ImageConversion;
 pub use keyspace::{
-    DurablePause, NodeCapacity, NodeLoad, NodeRecord, RunningSlot, SandboxRoute, TeamQuota,
+    DurablePause, ImageClaim, NodeCapacity, NodeLoad, NodeRecord, RunningSlot, SandboxRoute,
+    TeamQuota,
 };
 pub use membership::{LocalSandbox, Reconciled, Registration};
 pub use objects::ObjectStore;

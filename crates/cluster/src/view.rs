@@ -17,7 +17,7 @@ use std::time::Duration;
 use etcd_client::{EventType, KeyValue};
 use tokio::task::JoinHandle;
 
-use crate::keyspace::{self, NodeRecord, SandboxRoute};
+use crate::keyspace::{self, ImageClaim, NodeRecord, SandboxRoute};
 use crate::{Cluster, ClusterError, Versioned};
 
 /// Pause before loading again after etcd failed.
@@ -30,6 +30,8 @@ struct State {
     load_failed: bool,
     nodes: BTreeMap<String, NodeRecord>,
     sandboxes: HashMap<String, Versioned<SandboxRoute>>,
+    /// Conversions of registry images under way, by their key.
+    images: HashMap<String, ImageClaim>,
 }
 
 /// The watch's copy; dropping the last handle stops its task.
@@ -79,6 +81,15 @@ impl View {
     /// answered for by the node that has it no longer).
     pub fn last_known_sandbox(&self, id: &str) -> Option<Versioned<SandboxRoute>> {
         self.read().sandboxes.get(id).cloned()
+    }
+
+    /// The claim on the conversion of `image` (a normalised reference),
+    /// if the copy has one: the node converting it. None too while the
+    /// copy is not in step (a create is then placed as any other).
+    pub fn image_claim(&self, image: &str) -> Option<ImageClaim> {
+        let state = self.read();
+        let claim = state.images.get(&keyspace::image_key(image));
+        state.in_step.then(|| claim.cloned())?
     }
 
     /// How many nodes and sandbox routes the copy holds now.
@@ -168,6 +179,13 @@ fn put(state: &mut State, kv: &KeyValue) {
             }
             Err(e) => tracing::warn!("cluster view: {key}: {e}"),
         }
+    } else if key.starts_with(keyspace::IMAGES) {
+        match serde_json::from_slice::<ImageClaim>(kv.value()) {
+            Ok(claim) => {
+                state.images.insert(key.into_owned(), claim);
+            }
+            Err(e) => tracing::warn!("cluster view: {key}: {e}"),
+        }
     }
 }
 
@@ -179,5 +197,9 @@ fn delete(state: &mut State, key: &[u8]) {
         .and_then(|k| k.strip_prefix(keyspace::NODES))
     {
         state.nodes.remove(node_id);
+    } else if let Ok(key) = std::str::from_utf8(key)
+        && key.starts_with(keyspace::IMAGES)
+    {
+        state.images.remove(key);
     }
 }

@@ -1032,3 +1032,108 @@ async fn a_map_past_one_answer_s_size_is_read_in_pages() {
     assert_eq!((done.claimed, done.released), (0, 0), "{done:?}");
     assert!(done.moved.is_empty() && done.killed.is_empty(), "{done:?}");
 }
+
+/// One conversion of an image per cluster: of nodes claiming it at once,
+/// one holds it; the others are told which node converts it, as the
+/// gateway's view is; only its holder gives it back, and it goes with its
+/// holder's lease when that node dies, so another node may claim it.
+#[tokio::test]
+async fn an_image_conversion_is_claimed_by_one_node_and_goes_with_its_lease() {
+    use sandfork_cluster::ImageConversion;
+    const IMAGE: &str = "127.0.0.1:5000/task/a:v1";
+    let etcd = Etcd::start().unwrap();
+    let cluster = connect(&etcd).await;
+    let ttl = Duration::from_secs(2);
+    let (a, b, c) = (
+        register(&cluster, "a", 1, ttl).await,
+        register(&cluster, "b", 2, ttl).await,
+        register(&cluster, "c", 3, ttl).await,
+    );
+    let view = sandfork_cluster::View::start(cluster.clone());
+    eventually("the view in step", Duration::from_secs(5), async || {
+        view.in_step()
+    })
+    .await;
+    assert_eq!(view.image_claim(IMAGE), None);
+
+    let (ca, cb, cc) = tokio::join!(
+        a.claim_image(IMAGE),
+        b.claim_image(IMAGE),
+        c.claim_image(IMAGE)
+    );
+    let answers = [ca.unwrap(), cb.unwrap(), cc.unwrap()];
+    let holders: Vec<usize> = (0..3)
+        .filter(|&i| answers[i] == ImageConversion::Claimed)
+        .collect();
+    assert_eq!(holders.len(), 1, "{answers:?}");
+    let holder = ["a", "b", "c"][holders[0]];
+    for answer in &answers {
+        if let ImageConversion::Converting(claim) = answer {
+            assert_eq!(
+                (claim.node_id.as_str(), claim.image.as_str()),
+                (holder, IMAGE)
+            );
+        }
+    }
+    let claim = cluster.image_claim(IMAGE).await.unwrap().unwrap();
+    assert_eq!(claim.node_id, holder);
+    eventually(
+        "the view sees the claim",
+        Duration::from_secs(5),
+        async || view.image_claim(IMAGE).is_some_and(|c| c.node_id == holder),
+    )
+    .await;
+    // Another image is another key.
+    assert_eq!(
+        a.claim_image("127.0.0.1:5000/task/a:v2").await.unwrap(),
+        ImageConversion::Claimed
+    );
+
+    // Asked again, its holder holds it still; the others do not release it.
+    let nodes = [&a, &b, &c];
+    let holding = nodes[holders[0]];
+    assert_eq!(
+        holding.claim_image(IMAGE).await.unwrap(),
+        ImageConversion::Claimed
+    );
+    for (i, other) in nodes.iter().enumerate() {
+        if i != holders[0] {
+            assert!(!other.release_image(IMAGE).await.unwrap());
+        }
+    }
+    assert!(cluster.image_claim(IMAGE).await.unwrap().is_some());
+    // Given back: the next claim is another node's.
+    assert!(holding.release_image(IMAGE).await.unwrap());
+    assert_eq!(cluster.image_claim(IMAGE).await.unwrap(), None);
+    eventually(
+        "the view sees it gone",
+        Duration::from_secs(5),
+        async || view.image_claim(IMAGE).is_none(),
+    )
+    .await;
+    let (first, second) = if holders[0] == 0 { (&b, &c) } else { (&a, &b) };
+    assert_eq!(
+        first.claim_image(IMAGE).await.unwrap(),
+        ImageConversion::Claimed
+    );
+    let first_id = first.node_id();
+    assert!(matches!(
+        second.claim_image(IMAGE).await.unwrap(),
+        ImageConversion::Converting(c) if c.node_id == first_id
+    ));
+
+    // Its holder dies (its lease runs out): the claim goes with it.
+    if first_id == "a" {
+        drop(a);
+    } else {
+        drop(b);
+    }
+    eventually("the dead node's claim gone", ttl * 4, async || {
+        cluster.image_claim(IMAGE).await.unwrap().is_none()
+    })
+    .await;
+    assert_eq!(
+        c.claim_image(IMAGE).await.unwrap(),
+        ImageConversion::Claimed
+    );
+}

@@ -30,6 +30,7 @@ pub mod fork_across;
 pub mod fork_children;
 pub mod fork_files;
 pub mod guest_files;
+pub mod images;
 pub mod templates;
 
 use std::sync::Arc;

@@ -5004,7 +5004,7 @@ async fn a_gateways_list_names_the_nodes_that_did_not_answer() {
             .await
             .unwrap(),
     ];
-    let gateway = server::http::gateway::router(cluster, None);
+    let gateway = server::http::gateway::router(cluster, Default::default());
     for uri in ["/v2/sandboxes", "/sandboxes"] {
         let a = gateway
             .clone()
@@ -5025,4 +5025,133 @@ async fn a_gateways_list_names_the_nodes_that_did_not_answer() {
             .collect();
         assert_eq!(ids, ["live1"], "{uri}");
     }
+}
+
+/// A stand-in node for a gateway's placement: it notes each create it is
+/// sent (by its name) and answers 201, or 503 "being built" with
+/// [`server::wire::BUILDING_HEADER`] when `building` (a node waiting for
+/// the cluster's one conversion of an image).
+async fn placement_node(
+    name: &'static str,
+    got: Arc<std::sync::Mutex<Vec<&'static str>>>,
+    building: Arc<std::sync::atomic::AtomicBool>,
+) -> String {
+    use axum::response::IntoResponse;
+    let app = axum::Router::new().fallback(move || {
+        let (got, building) = (got.clone(), building.clone());
+        async move {
+            got.lock().unwrap().push(name);
+            if building.load(std::sync::atomic::Ordering::Relaxed) {
+                let mut r = (StatusCode::SERVICE_UNAVAILABLE, "being built").into_response();
+                r.headers_mut()
+                    .insert(server::wire::BUILDING_HEADER, "1".parse().unwrap());
+                return r;
+            }
+            (StatusCode::CREATED, "{}").into_response()
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+/// A gateway places a create that names a registry image (as its template
+/// id, or under the image metadata key) on a node that has the image's
+/// template (published in its load), though another is a little freer;
+/// else on the node converting it (its claim in etcd), so the cluster
+/// converts it once; else on the freest. A "being built" answer to a create
+/// of an image is the answer (no other node is tried: it would wait for the
+/// same conversion).
+#[tokio::test]
+async fn a_gateway_places_an_image_where_its_template_is_or_is_being_converted() {
+    use sandfork_cluster::keyspace::{NodeCapacity, NodeLoad};
+    use sandfork_cluster::{ImageConversion, Registration};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    const HELD: &str = "127.0.0.1:5000/task/held:v1";
+    const NEW: &str = "127.0.0.1:5000/task/new:v1";
+    let etcd = sandfork_cluster::harness::Etcd::start().unwrap();
+    let cluster = sandfork_cluster::Cluster::connect(&etcd.endpoints())
+        .await
+        .unwrap();
+    let got = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let building: Vec<Arc<AtomicBool>> = (0..3).map(|_| Arc::default()).collect();
+    let capacity = NodeCapacity {
+        max_sandboxes: 16,
+        vcpus: 16,
+        memory_mib: 16 << 10,
+    };
+    let ttl = std::time::Duration::from_secs(60);
+    let mut nodes = Vec::new();
+    for (i, name) in ["a", "b", "c"].into_iter().enumerate() {
+        let addr = placement_node(name, got.clone(), building[i].clone()).await;
+        nodes.push(
+            Registration::start(cluster.clone(), name, &addr, capacity, ttl)
+                .await
+                .unwrap(),
+        );
+    }
+    // a is the freest; b, a little fuller, has HELD's template; c, fuller
+    // still, converts NEW.
+    let load = |sandboxes: u64, templates: &[&str]| NodeLoad {
+        sandboxes,
+        templates: templates.iter().map(|t| t.to_string()).collect(),
+        ..NodeLoad::default()
+    };
+    nodes[1].set_load(load(1, &["base", HELD]));
+    nodes[2].set_load(load(2, &["base", "t9"]));
+    assert_eq!(
+        nodes[2].claim_image(NEW).await.unwrap(),
+        ImageConversion::Claimed
+    );
+    let gateway = server::http::gateway::router(
+        cluster,
+        server::http::gateway::GatewayOptions {
+            image_metadata_key: Some("image".into()),
+            ..Default::default()
+        },
+    );
+    // Where one create lands (the gateway's view follows etcd within
+    // moments: until then it may place as any create).
+    let placed = async |body: String, want: &str| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            got.lock().unwrap().clear();
+            let a = gateway
+                .clone()
+                .oneshot(authed("POST", "/sandboxes", &body))
+                .await
+                .unwrap();
+            let went = got.lock().unwrap().clone();
+            if went.first() == Some(&want) || std::time::Instant::now() > deadline {
+                return (a.status(), went);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    };
+    // Held: b, by its template id (unnormalised) or the metadata key.
+    let (status, went) = placed(format!(r#"{{"templateID":"{HELD}"}}"#), "b").await;
+    assert_eq!((status, &went[..]), (StatusCode::CREATED, &["b"][..]));
+    let by_key = format!(r#"{{"metadata":{{"image":"{HELD}"}}}}"#);
+    assert_eq!(placed(by_key, "b").await.1, ["b"]);
+    // Being converted: c.
+    let new = format!(r#"{{"templateID":"{NEW}"}}"#);
+    assert_eq!(placed(new.clone(), "c").await.1, ["c"]);
+    // Neither: the freest, a.
+    let other = r#"{"templateID":"127.0.0.1:5000/task/other:v1"}"#.to_owned();
+    assert_eq!(placed(other, "a").await.1, ["a"]);
+    // c is still converting it: its "being built" is the answer, at once.
+    building[2].store(true, Ordering::Relaxed);
+    let (status, went) = placed(new.clone(), "c").await;
+    assert_eq!(
+        (status, &went[..]),
+        (StatusCode::SERVICE_UNAVAILABLE, &["c"][..])
+    );
+    // A template's build (not an image's) there: a refusal, the next tried.
+    let (status, went) = placed(r#"{"templateID":"t9"}"#.into(), "c").await;
+    assert_eq!((status, &went[..]), (StatusCode::CREATED, &["c", "a"][..]));
+    // Its claim given back (its template stored): placed as any create.
+    assert!(nodes[2].release_image(NEW).await.unwrap());
+    let (status, went) = placed(new, "a").await;
+    assert_eq!((status, &went[..]), (StatusCode::CREATED, &["a"][..]));
 }

@@ -17,6 +17,13 @@
 //! holds it (a rebuild's), and a template stored again (its tags changed)
 //! lets go of the names it no longer has.
 //!
+//! A template converted from a registry image for a create (its record's
+//! `image`, a normalised reference, which no name key may hold) is found by
+//! that image through `template-images/<sha256 of the reference>.json`,
+//! written after its manifest, so a node asked for the image takes its
+//! template in instead of pulling and converting it again
+//! ([`super::images`]).
+//!
 //! Deleting a template removes its manifest and the names pointing at it;
 //! the store's collector ([`sandfork_cluster::store_gc`]) deletes its chunks that
 //! nothing else names.
@@ -56,6 +63,14 @@ fn name_key(name: &str) -> Option<String> {
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b));
     ok.then(|| format!("template-names/{name}.json"))
+}
+
+/// Where the template of registry image `image` (a normalised reference)
+/// is found: its SHA-256, so any reference names one key.
+fn image_key(image: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(image.as_bytes());
+    format!("template-images/{}.json", crate::node::ids::hex(&digest))
 }
 
 /// What a name points at.
@@ -185,6 +200,9 @@ impl Durable {
                 files::put_json(self.store(), &name_key, &entry).await?;
             }
         }
+        if let Some(image) = &manifest.record.image {
+            files::put_json(self.store(), &image_key(image), &entry).await?;
+        }
         let dropped = before.map(|b| b.record.names).unwrap_or_default();
         let dropped: Vec<_> = dropped
             .into_iter()
@@ -266,6 +284,26 @@ impl Durable {
                 .map_err(SandboxError::from)?;
         }
         Ok(Some(t))
+    }
+
+    /// The template of registry image `image` (a normalised reference)
+    /// that a node converted and stored, taken in from the object store:
+    /// None when the store has none or `may_use` refuses its team (nothing
+    /// is fetched then).
+    pub async fn take_in_image(
+        &self,
+        manager: &Manager,
+        image: &str,
+        may_use: impl Fn(Option<&str>) -> bool,
+    ) -> Result<Option<TemplateRecord>, DurableError> {
+        let key = image_key(image);
+        let Some(entry) = files::get_json::<NameEntry>(self.store(), &key).await? else {
+            return Ok(None);
+        };
+        if !storable_id(&entry.id) || !may_use(entry.team.as_deref()) {
+            return Ok(None);
+        }
+        self.take_in_one(manager, &entry.id, &may_use).await
     }
 
     /// Template `id` taken in, once at a time.
@@ -362,6 +400,9 @@ impl Durable {
         let key = manifest_key(id);
         if let Some(manifest) = files::get_json::<TemplateManifest>(self.store(), &key).await? {
             self.let_go_of_names(id, &manifest.record.names).await?;
+            if let Some(image) = &manifest.record.image {
+                self.let_go_of_key(id, &image_key(image)).await?;
+            }
         }
         self.store().delete(&key).await?;
         Ok(())
@@ -371,13 +412,18 @@ impl Durable {
     /// template took since points there and stays).
     async fn let_go_of_names(&self, id: &str, names: &[String]) -> Result<(), DurableError> {
         for name in names {
-            let Some(key) = name_key(name) else {
-                continue;
-            };
-            let entry = files::get_json::<NameEntry>(self.store(), &key).await?;
-            if entry.is_some_and(|e| e.id == id) {
-                self.store().delete(&key).await?;
+            if let Some(key) = name_key(name) {
+                self.let_go_of_key(id, &key).await?;
             }
+        }
+        Ok(())
+    }
+
+    /// Removes the name or image entry at `key` if it points at template `id`.
+    async fn let_go_of_key(&self, id: &str, key: &str) -> Result<(), DurableError> {
+        let entry = files::get_json::<NameEntry>(self.store(), key).await?;
+        if entry.is_some_and(|e| e.id == id) {
+            self.store().delete(key).await?;
         }
         Ok(())
     }
@@ -477,11 +523,18 @@ impl Node {
             let Some(durable) = &node.durable else {
                 return;
             };
+            let record = node.manager.store().template(&id).ok().flatten();
             if let Err(e) = durable.store_template(&node.manager, &id).await {
                 tracing::warn!(
                     "cluster: template {id} is not in the object store ({e}); it stays on this \
                      node only"
                 );
+            }
+            // An image's conversion claimed here ends with its store, stored
+            // or not: nodes waiting for it take it in, or convert it
+            // themselves.
+            if let Some(image) = record.and_then(|t| t.image) {
+                node.release_image(&image).await;
             }
         });
     }

@@ -50,6 +50,20 @@ pub struct Gateway {
     /// The hash of the key a scrape of `/metrics` takes (the cluster's
     /// admin key); None: scrapes are refused.
     metrics_key: Option<[u8; 32]>,
+    /// The metadata key a create names a registry image under (the nodes'
+    /// `serve --image-metadata-key`), for placing it.
+    image_metadata_key: Option<String>,
+}
+
+/// How a gateway is set up beyond its etcd.
+#[derive(Debug, Clone, Default)]
+pub struct GatewayOptions {
+    /// The key its `/metrics` takes (the cluster's admin key); None: it
+    /// serves none.
+    pub metrics_key: Option<String>,
+    /// The nodes' `serve --image-metadata-key`: creates naming an image
+    /// under it are placed where the image's template is.
+    pub image_metadata_key: Option<String>,
 }
 
 type NodeClient = hyper_util::client::legacy::Client<HttpConnector, Body>;
@@ -121,20 +135,19 @@ impl Placements {
 }
 
 /// Serves the gateway on `listener` until `shutdown` completes (in a
-/// runtime: it starts the etcd watch). `metrics_key` is the key its
-/// `/metrics` takes (the cluster's admin key), if it serves them.
+/// runtime: it starts the etcd watch).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     cluster: Cluster,
-    metrics_key: Option<&str>,
+    options: GatewayOptions,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(cluster, metrics_key))
+    axum::serve(listener, router(cluster, options))
         .with_graceful_shutdown(shutdown)
         .await
 }
 
-pub fn router(cluster: Cluster, metrics_key: Option<&str>) -> Router {
+pub fn router(cluster: Cluster, options: GatewayOptions) -> Router {
     let view = View::start(cluster.clone());
     Router::new()
         .merge(crate::http::console::routes())
@@ -145,7 +158,8 @@ pub fn router(cluster: Cluster, metrics_key: Option<&str>) -> Router {
             placements: Placements::default(),
             nodes: node_client(),
             metrics: GatewayMetrics::new(),
-            metrics_key: metrics_key.map(crate::node::keys::hash),
+            metrics_key: options.metrics_key.as_deref().map(crate::node::keys::hash),
+            image_metadata_key: options.image_metadata_key.filter(|k| !k.is_empty()),
         }))
 }
 
@@ -475,8 +489,15 @@ impl Gateway {
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
         let mut nodes = self.nodes().await?;
         self.placements.count_into(&mut nodes);
-        let template = create_template(&body);
-        let nodes = keyspace::placement_order_for(nodes, template.as_deref());
+        let image = create_image(&body, self.image_metadata_key.as_deref());
+        let nodes = match &image {
+            // Where its template is, else where it is being converted.
+            Some(image) => {
+                let converting = self.view.image_claim(image).map(|c| c.node_id);
+                keyspace::placement_order_for_image(nodes, image, converting.as_deref())
+            }
+            None => keyspace::placement_order_for(nodes, create_template(&body).as_deref()),
+        };
         let mut last = None;
         for node in &nodes {
             let req = rebuild(&parts.method, &parts.uri, &parts.headers, body.clone());
@@ -492,6 +513,10 @@ impl Gateway {
             });
             match answer {
                 Ok(r) if cluster_wide(&r) => return Ok(r),
+                // The cluster's one conversion of the image is under way.
+                Ok(r) if image.is_some() && r.headers().contains_key(wire::BUILDING_HEADER) => {
+                    return Ok(r);
+                }
                 Ok(r) if refused(r.status()) || r.status() == StatusCode::NOT_FOUND => {
                     tracing::info!(
                         "gateway: node {} refused a create: {}",
@@ -807,6 +832,26 @@ fn create_template(body: &[u8]) -> Option<String> {
     Some(crate::node::ids::without_default_tag(named).to_owned())
 }
 
+/// The registry image a create's body names (as its template id, or under
+/// `metadata_key` in its metadata), normalised as nodes name its template;
+/// None when it names none (or none that parses: the node refuses it).
+fn create_image(body: &[u8], metadata_key: Option<&str>) -> Option<String> {
+    let body: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let template = body.get("templateID").and_then(|t| t.as_str());
+    let metadata: std::collections::BTreeMap<String, String> = body
+        .get("metadata")
+        .and_then(|m| m.as_object())
+        .map(|m| {
+            m.iter()
+                .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_owned())))
+                .collect()
+        })
+        .unwrap_or_default();
+    let image =
+        crate::node::template::image_of_create(template, &metadata, metadata_key).ok()??;
+    crate::node::template::image_name(&image).ok()
+}
+
 /// An answer every node would give (the caller's team at its limit, etcd
 /// failing): passed on, not tried on the next node.
 fn cluster_wide(answer: &Response) -> bool {
@@ -923,6 +968,33 @@ mod tests {
         }
         assert_eq!(named(b"not json"), None);
         assert_eq!(named(br#"{"templateID":7}"#), None);
+    }
+
+    #[test]
+    fn a_create_names_its_image_as_nodes_name_its_template() {
+        let image = |body: &[u8], key: Option<&str>| create_image(body, key);
+        // As its template id, normalised (a tag added).
+        assert_eq!(
+            image(br#"{"templateID":"127.0.0.1:5000/task/a"}"#, None).as_deref(),
+            Some("127.0.0.1:5000/task/a:latest")
+        );
+        // Under the metadata key, with the base template or none.
+        let md = br#"{"templateID":"base","metadata":{"image":"127.0.0.1:5000/b:v1"}}"#;
+        assert_eq!(
+            image(md, Some("image")).as_deref(),
+            Some("127.0.0.1:5000/b:v1")
+        );
+        assert_eq!(image(md, None), None);
+        assert_eq!(image(md, Some("other")), None);
+        // Not images: a template, a name with its tag, no body.
+        for body in [
+            &br#"{"templateID":"t1:v2"}"#[..],
+            br#"{}"#,
+            b"not json",
+            br#"{"templateID":"mine","metadata":{"image":"a.io/x:1"}}"#,
+        ] {
+            assert_eq!(image(body, Some("image")), None);
+        }
     }
 
     #[test]

@@ -70,6 +70,12 @@ pub const TEAM_LIMIT_HEADER: &str = "x-sandfork-team-limit";
 /// or written: a gateway answers it rather than trying the next node (every
 /// node would wait for etcd as long).
 pub const CLUSTER_STATE_HEADER: &str = "x-sandfork-cluster-state";
+/// Sandfork's, on a 503 because the template a create names is being built
+/// (a registry image's conversion, the code interpreter's build): a
+/// gateway answers it for a create of an image rather than trying the next
+/// node (the cluster converts an image once; every node would wait for that
+/// conversion as long).
+pub const BUILDING_HEADER: &str = "x-sandfork-building";
 /// Sandfork's, set by a gateway on a resume or connect it sends to a node
 /// other than the sandbox's, whose node is gone: take the sandbox in first.
 pub const TAKE_IN_HEADER: &str = "x-sandfork-take-in";

@@ -10,7 +10,8 @@ use crate::node::template::ImageError;
 use crate::node::volume::VolumeError;
 use crate::node::webhooks::WebhookError;
 use crate::wire::{
-    self, CLUSTER_STATE_HEADER, RETRY_AFTER_HEADER, SHOULD_RETRY_HEADER, TEAM_LIMIT_HEADER,
+    self, BUILDING_HEADER, CLUSTER_STATE_HEADER, RETRY_AFTER_HEADER, SHOULD_RETRY_HEADER,
+    TEAM_LIMIT_HEADER,
 };
 
 #[derive(Debug)]
@@ -53,6 +54,10 @@ pub enum ClusterWide {
     TeamLimit,
     /// etcd failed (a 503 with [`CLUSTER_STATE_HEADER`]).
     ClusterState,
+    /// The template is being built (a 503 with [`BUILDING_HEADER`]): for a
+    /// registry image, the cluster's one conversion of it, which another
+    /// node would wait for too.
+    Building,
 }
 
 impl ApiError {
@@ -132,6 +137,7 @@ impl IntoResponse for ApiError {
             None => None,
             Some(ClusterWide::TeamLimit) => Some(TEAM_LIMIT_HEADER),
             Some(ClusterWide::ClusterState) => Some(CLUSTER_STATE_HEADER),
+            Some(ClusterWide::Building) => Some(BUILDING_HEADER),
         };
         if let Some(header) = header {
             answer
@@ -243,9 +249,14 @@ impl From<SandboxError> for ApiError {
             }
             _ => None,
         };
+        let cluster_wide = match &e {
+            SandboxError::Building { .. } => Some(ClusterWide::Building),
+            _ => None,
+        };
         ApiError {
             retry,
             error_code,
+            cluster_wide,
             ..ApiError::new(status, message)
         }
     }

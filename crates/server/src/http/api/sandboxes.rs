@@ -326,7 +326,15 @@ async fn create_now(
     )?;
     // An image is converted into a template of its own first (once).
     let template_id = match image {
-        Some(image) => state.templates.ensure_image(&image).await?,
+        // In a cluster, one conversion of it across the nodes.
+        Some(image) => match &state.cluster {
+            Some(cluster) => {
+                cluster
+                    .ensure_image(&state.templates, &caller, &image)
+                    .await?
+            }
+            None => state.templates.ensure_image(&image).await?,
+        },
         None => req
             .template_id
             .filter(|t| !t.is_empty())

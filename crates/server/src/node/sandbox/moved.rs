@@ -75,10 +75,18 @@ impl Manager {
     /// The files template `t` restores from: its state, the memory files
     /// the state maps and its sealed root layer with those below it.
     pub async fn template_files(&self, t: &TemplateRecord) -> Result<GuestPaths, SandboxError> {
-        let (state, top) = (t.snapshot.clone(), t.root_layer.clone());
+        let (state, top, mem) = (t.snapshot.clone(), t.root_layer.clone(), t.mem.clone());
         tokio::task::spawn_blocking(move || {
-            let memory = vmm_driver::snapshot_state::memory_layers(&state)
+            let mut memory = vmm_driver::snapshot_state::memory_layers(&state)
                 .map_err(|e| SandboxError::Unavailable(e.to_string()))?;
+            // A template booted in a scratch directory (`template::boot`, an
+            // image's conversion too) has its state name its memory there;
+            // the directory was renamed into the template's own since.
+            if let Some(top) = memory.last_mut()
+                && !top.0.exists()
+            {
+                top.0 = mem;
+            }
             let (disk, raw_base) = disk_files(&top)?;
             Ok(GuestPaths {
                 state: Some(state),

@@ -159,6 +159,41 @@ pub(super) struct Flight {
     done: watch::Receiver<Outcome>,
 }
 
+/// What [`Templates::start_image`] found.
+#[derive(Debug)]
+pub enum ImageStart {
+    /// The node has the image's template, by this name.
+    Ready(String),
+    /// The image is being converted here.
+    Converting(Conversion),
+}
+
+/// A conversion of an image under way here.
+#[derive(Debug, Clone)]
+pub struct Conversion {
+    /// The image's normalised reference: its template's name.
+    pub name: String,
+    flight: Arc<Flight>,
+}
+
+impl Conversion {
+    /// How the conversion ended, once it has (None: its task ended without
+    /// an answer, as when the node stops).
+    pub async fn ended(&self) -> Option<Result<(), ImageError>> {
+        let mut done = self.flight.done.clone();
+        done.wait_for(Option::is_some).await.ok()?.clone()
+    }
+}
+
+/// The normalised reference of `image` (a registry image a create names),
+/// which its template is named by (`localhost:5000/a` is
+/// `localhost:5000/a:latest`).
+pub fn image_name(image: &str) -> Result<String, ImageError> {
+    Reference::parse(image)
+        .map(|r| r.to_string())
+        .map_err(|e| ImageError::Reference(e.to_string()))
+}
+
 /// The conversions under way, by the image's normalised name.
 pub(super) type Flights = Mutex<HashMap<String, Arc<Flight>>>;
 
@@ -170,13 +205,29 @@ impl Templates {
     /// Before a create of `image`: the name of its template, converted
     /// (once) when missing (see the module's documentation).
     pub async fn ensure_image(self: &Arc<Self>, image: &str) -> Result<String, SandboxError> {
+        match self.start_image(image).await? {
+            ImageStart::Ready(name) => Ok(name),
+            ImageStart::Converting(conversion) => self.wait_image(&conversion).await,
+        }
+    }
+
+    /// Whether image `name` (a normalised reference) is being converted
+    /// here now.
+    pub fn converting_image(&self, name: &str) -> bool {
+        self.flights().contains_key(name)
+    }
+
+    /// The first half of [`Templates::ensure_image`]: `image`'s template
+    /// when this node has it, else its conversion, started now or under
+    /// way.
+    pub async fn start_image(self: &Arc<Self>, image: &str) -> Result<ImageStart, SandboxError> {
         let reference =
             Reference::parse(image).map_err(|e| ImageError::Reference(e.to_string()))?;
         let name = reference.to_string();
         if let Ok(t) = self.manager().resolve_template(&name) {
             // Its last use, for the disk bound's order.
             crate::node::sandbox::cache_bound::mark_used(&t.snapshot);
-            return Ok(name);
+            return Ok(ImageStart::Ready(name));
         }
         let converting = self.flights().contains_key(&name);
         if !converting {
@@ -193,44 +244,45 @@ impl Templates {
                 .into());
             }
         }
-        let flight = {
-            let mut flights = self.flights();
-            match flights.get(&name) {
-                Some(f) => f.clone(),
-                None => {
-                    // A conversion that ended since the look-up above left
-                    // its template (it is recorded before its flight goes).
-                    if self.manager().resolve_template(&name).is_ok() {
-                        return Ok(name);
-                    }
-                    let (record, room) = self.begin_conversion(&name)?;
-                    let (tx, rx) = watch::channel(None);
-                    let f = Arc::new(Flight {
-                        started: Instant::now(),
-                        done: rx,
-                    });
-                    flights.insert(name.clone(), f.clone());
-                    tokio::spawn(self.clone().convert(reference, record, room, tx));
-                    f
+        let mut flights = self.flights();
+        let flight = match flights.get(&name) {
+            Some(f) => f.clone(),
+            None => {
+                // A conversion that ended since the look-up above left
+                // its template (it is recorded before its flight goes).
+                if self.manager().resolve_template(&name).is_ok() {
+                    return Ok(ImageStart::Ready(name));
                 }
+                let (record, room) = self.begin_conversion(&name)?;
+                let (tx, rx) = watch::channel(None);
+                let f = Arc::new(Flight {
+                    started: Instant::now(),
+                    done: rx,
+                });
+                flights.insert(name.clone(), f.clone());
+                tokio::spawn(self.clone().convert(reference, record, room, tx));
+                f
             }
         };
-        let mut done = flight.done.clone();
+        Ok(ImageStart::Converting(Conversion { name, flight }))
+    }
+
+    /// The second half of [`Templates::ensure_image`]: waits for
+    /// `conversion` for up to `Config::builtin_wait`, then answers
+    /// [`SandboxError::Building`] (the conversion goes on).
+    pub async fn wait_image(&self, conversion: &Conversion) -> Result<String, SandboxError> {
+        let name = conversion.name.clone();
         let wait = self.manager().config().builtin_wait;
-        let ended = tokio::time::timeout(wait, async {
-            done.wait_for(Option::is_some).await.map(|o| o.clone())
-        })
-        .await;
-        match ended {
-            Ok(Ok(Some(Ok(())))) => Ok(name),
-            Ok(Ok(Some(Err(e)))) => Err(e.into()),
+        match tokio::time::timeout(wait, conversion.ended()).await {
+            Ok(Some(Ok(()))) => Ok(name),
+            Ok(Some(Err(e))) => Err(e.into()),
             // The conversion's task ended without an answer (the node stops).
-            Ok(Ok(None)) | Ok(Err(_)) => Err(SandboxError::Unavailable(format!(
+            Ok(None) => Err(SandboxError::Unavailable(format!(
                 "the conversion of image {name} ended without an answer"
             ))),
             Err(_) => Err(SandboxError::Building {
                 name,
-                elapsed_secs: flight.started.elapsed().as_secs(),
+                elapsed_secs: conversion.flight.started.elapsed().as_secs(),
                 retry_after_secs: BUILTIN_RETRY_SECS,
             }),
         }

@@ -25,7 +25,9 @@ pub mod image_disk;
 
 pub use boot::{BootSpec, Prepare};
 pub use build::{BuildParams, BuildSource, Templates};
-pub use image_create::{ImageError, image_of_create, is_image_reference};
+pub use image_create::{
+    Conversion, ImageError, ImageStart, image_name, image_of_create, is_image_reference,
+};
 
 pub const BASE: &str = crate::node::ids::BASE_TEMPLATE;
 pub const ROOT_DRIVE: &str = "rootfs";
