@@ -264,13 +264,7 @@ impl Durable {
         let Some(key) = name_key(wanted) else {
             return Ok(None);
         };
-        let Some(entry) = files::get_json::<NameEntry>(self.store(), &key).await? else {
-            return Ok(None);
-        };
-        if !storable_id(&entry.id) || !may_use(entry.team.as_deref()) {
-            return Ok(None);
-        }
-        let Some(mut t) = self.take_in_one(manager, &entry.id, &may_use).await? else {
+        let Some(mut t) = self.take_in_indexed(manager, &key, &may_use).await? else {
             return Ok(None);
         };
         // Its manifest may predate the name (its index gave it since), or it
@@ -296,14 +290,25 @@ impl Durable {
         image: &str,
         may_use: impl Fn(Option<&str>) -> bool,
     ) -> Result<Option<TemplateRecord>, DurableError> {
-        let key = image_key(image);
-        let Some(entry) = files::get_json::<NameEntry>(self.store(), &key).await? else {
+        self.take_in_indexed(manager, &image_key(image), &may_use)
+            .await
+    }
+
+    /// The template an index entry at `key` (a name's or an image's) names,
+    /// taken in: None when there is no entry or `may_use` refuses its team.
+    async fn take_in_indexed(
+        &self,
+        manager: &Manager,
+        key: &str,
+        may_use: &impl Fn(Option<&str>) -> bool,
+    ) -> Result<Option<TemplateRecord>, DurableError> {
+        let Some(entry) = files::get_json::<NameEntry>(self.store(), key).await? else {
             return Ok(None);
         };
         if !storable_id(&entry.id) || !may_use(entry.team.as_deref()) {
             return Ok(None);
         }
-        self.take_in_one(manager, &entry.id, &may_use).await
+        self.take_in_one(manager, &entry.id, may_use).await
     }
 
     /// Template `id` taken in, once at a time.
