@@ -489,14 +489,22 @@ impl Gateway {
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
         let mut nodes = self.nodes().await?;
         self.placements.count_into(&mut nodes);
-        let image = create_image(&body, self.image_metadata_key.as_deref());
+        // Read once for placement; a body that does not parse is the node's
+        // to refuse.
+        let named = serde_json::from_slice::<serde_json::Value>(&body).ok();
+        let image = named
+            .as_ref()
+            .and_then(|b| create_image(b, self.image_metadata_key.as_deref()));
         let nodes = match &image {
             // Where its template is, else where it is being converted.
             Some(image) => {
                 let converting = self.view.image_claim(image).map(|c| c.node_id);
                 keyspace::placement_order_for_image(nodes, image, converting.as_deref())
             }
-            None => keyspace::placement_order_for(nodes, create_template(&body).as_deref()),
+            None => {
+                let template = named.as_ref().and_then(create_template);
+                keyspace::placement_order_for(nodes, template.as_deref())
+            }
         };
         let mut last = None;
         for node in &nodes {
@@ -819,9 +827,8 @@ fn named_template(path: &str) -> Option<&str> {
 }
 
 /// The template a create's body names, as nodes list theirs (the base one
-/// when it names none; a body that does not parse is the node's to refuse).
-fn create_template(body: &[u8]) -> Option<String> {
-    let body: serde_json::Value = serde_json::from_slice(body).ok()?;
+/// when it names none).
+fn create_template(body: &serde_json::Value) -> Option<String> {
     let named = match body.get("templateID") {
         Some(serde_json::Value::String(t)) if !t.is_empty() => t.as_str(),
         Some(serde_json::Value::String(_) | serde_json::Value::Null) | None => {
@@ -835,8 +842,7 @@ fn create_template(body: &[u8]) -> Option<String> {
 /// The registry image a create's body names (as its template id, or under
 /// `metadata_key` in its metadata), normalised as nodes name its template;
 /// None when it names none (or none that parses: the node refuses it).
-fn create_image(body: &[u8], metadata_key: Option<&str>) -> Option<String> {
-    let body: serde_json::Value = serde_json::from_slice(body).ok()?;
+fn create_image(body: &serde_json::Value, metadata_key: Option<&str>) -> Option<String> {
     let template = body.get("templateID").and_then(|t| t.as_str());
     let metadata: std::collections::BTreeMap<String, String> = body
         .get("metadata")
@@ -950,7 +956,7 @@ mod tests {
 
     #[test]
     fn a_create_names_its_template_as_nodes_list_theirs() {
-        let named = |body: &[u8]| create_template(body);
+        let named = |body: &[u8]| create_template(&serde_json::from_slice(body).ok()?);
         assert_eq!(
             named(br#"{"templateID":"t1:default"}"#).as_deref(),
             Some("t1")
@@ -972,7 +978,7 @@ mod tests {
 
     #[test]
     fn a_create_names_its_image_as_nodes_name_its_template() {
-        let image = |body: &[u8], key: Option<&str>| create_image(body, key);
+        let image = |body: &[u8], key| create_image(&serde_json::from_slice(body).ok()?, key);
         // As its template id, normalised (a tag added).
         assert_eq!(
             image(br#"{"templateID":"127.0.0.1:5000/task/a"}"#, None).as_deref(),
