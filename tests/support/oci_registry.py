@@ -187,15 +187,17 @@ def free_port_on(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def push(dir: Path, dest: str, creds: str | None = None) -> None:
-    """The image (its OCI layout made in `dir` first) to `dest`
+def push(dir: Path, dest: str, creds: str | None = None, name: str | None = None) -> None:
+    """The image (its OCI layout made in `dir` first, when it has none;
+    the one tagged `name` of a layout holding several) to `dest`
     (`host:port/repo:tag`) in plain HTTP, with `creds` (`user:password`)."""
     if not (dir / "index.json").exists():
         layout(dir)
     argv = ["skopeo", "copy", "--quiet", "--dest-tls-verify=false"]
     if creds:
         argv.append(f"--dest-creds={creds}")
-    subprocess.run([*argv, f"oci:{dir}", f"docker://{dest}"], check=True)
+    source = f"oci:{dir}:{name}" if name else f"oci:{dir}"
+    subprocess.run([*argv, source, f"docker://{dest}"], check=True)
 
 
 def retag(src: str, dest: str) -> None:

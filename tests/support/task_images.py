@@ -36,7 +36,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -45,6 +44,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
+
+import oci_registry
 
 MIB = 1 << 20
 # The sizes of the generated layers (uncompressed file bytes).
@@ -309,45 +310,13 @@ def image(blobs: Path, layers: list[dict[str, object]], name: str) -> dict[str, 
     return {"digest": f"sha256:{md}", "size": len(mbytes)}
 
 
-def push(layout: Path, storage: Path, names: list[str]) -> None:
-    """Pushes every tagged image of the layout into a registry store (a
-    `docker-registry` on a free loopback port for the time of the push)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = layout.parent / "registry.yml"
-    config.write_text(
-        "version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: true\n"
-        f"storage:\n  filesystem:\n    rootdirectory: {storage}\n"
-        f"http:\n  addr: 127.0.0.1:{port}\n"
-    )
-    proc = subprocess.Popen(
-        ["docker-registry", "serve", str(config)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+def push(layout: Path, work: Path, names: list[str]) -> None:
+    """Pushes every tagged image of the layout into `work`/storage, the
+    store of a `docker-registry` run for the time of the push."""
+    proc, where = oci_registry.serve(work)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("docker-registry did not listen") from None
-                time.sleep(0.1)
         for name in names:
-            subprocess.run(
-                [
-                    "skopeo",
-                    "copy",
-                    "--quiet",
-                    "--dest-tls-verify=false",
-                    f"oci:{layout}:{name}",
-                    f"docker://127.0.0.1:{port}/task/{name}:{TAG}",
-                ],
-                check=True,
-            )
+            oci_registry.push(layout, f"{where}/task/{name}:{TAG}", name=name)
     finally:
         proc.kill()
         proc.wait()
@@ -421,8 +390,7 @@ def make(entry: Path, tree: Path, log: Callable[[str], None]) -> None:
                 ],
             }
         (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": index}))
-        storage = work / "storage"
-        push(layout, storage, list(plans))
+        push(layout, work, list(plans))
         shutil.rmtree(layout)
         (work / "images.json").write_text(json.dumps({"tag": TAG, "images": images}, indent=1))
         work.chmod(0o755)
