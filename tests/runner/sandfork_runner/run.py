@@ -130,9 +130,10 @@ class Run:
         self.error = ""
         self._sccache = False
         self.cpu = CpuLoad(self.console.elapsed)
-        # set by each lane thread as it ends: Thread.join interrupted by
-        # Ctrl+C can leave is_alive() false for a thread that still runs
-        self._lanes_done: list[threading.Event] = []
+        # set by each lane thread and the host jobs' thread as it ends:
+        # Thread.join interrupted by Ctrl+C can leave is_alive() false for a
+        # thread that still runs
+        self._threads_done: list[threading.Event] = []
 
     # --- the run ------------------------------------------------------------
 
@@ -226,14 +227,14 @@ class Run:
             if lanes:
                 self.lane("lane1", threading.Event())
             return
-        self._lanes_done = [threading.Event() for _ in range(lanes)]
-        for n, done in enumerate(self._lanes_done):
+        self._threads_done = [threading.Event() for _ in range(lanes)]
+        for n, done in enumerate(self._threads_done):
             threading.Thread(target=self.lane, args=(f"lane{n + 1}", done), daemon=True).start()
         host_done = threading.Event()
-        self._lanes_done.append(host_done)
+        self._threads_done.append(host_done)
         threading.Thread(target=self.host, args=(host_done,), daemon=True).start()
         self.build_tests()
-        for done in self._lanes_done:
+        for done in self._threads_done:
             # with a timeout, so that Ctrl+C reaches this thread
             while not done.wait(timeout=1):
                 pass
@@ -284,7 +285,7 @@ class Run:
         self.lab_bins_done.set()
         self.tests_done.set()
         deadline = time.monotonic() + 30
-        for done in self._lanes_done:
+        for done in self._threads_done:
             done.wait(timeout=max(0.0, deadline - time.monotonic()))
 
     # --- the test build -----------------------------------------------------
