@@ -44,6 +44,8 @@ pub enum HarnessError {
     NotReady(String, PathBuf),
     #[error("the S3 server did not answer on {0} within 60 s (log in {1})")]
     S3NotReady(String, PathBuf),
+    #[error("the S3 server on {0} exited before it answered, {1} times (its last log: {2})")]
+    S3Exited(String, usize, String),
     #[error("etcd: {0}")]
     Etcd(#[from] etcd_client::Error),
     #[error("no running member answered as the leader")]
@@ -230,8 +232,28 @@ pub struct SeaweedFs {
     _dir: tempfile::TempDir,
 }
 
+/// Starts of a weed that exits before it answers: each takes new ports.
+const WEED_STARTS: usize = 3;
+
 impl SeaweedFs {
+    /// A weed on ports of its own. One that exits before it answers is
+    /// started again on new ports: `free_port` frees the port it found, and
+    /// another test of the binary may bind it first (seen in a CI run).
     pub fn start() -> Result<SeaweedFs, HarnessError> {
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match Self::start_once() {
+                Err(HarnessError::S3Exited(url, _, log)) if tries >= WEED_STARTS => {
+                    return Err(HarnessError::S3Exited(url, tries, log));
+                }
+                Err(HarnessError::S3Exited(..)) => continue,
+                other => return other,
+            }
+        }
+    }
+
+    fn start_once() -> Result<SeaweedFs, HarnessError> {
         let dir = tempfile::tempdir()?;
         let log_path = dir.path().join("weed.log");
         let log = std::fs::File::create(&log_path)?;
@@ -274,7 +296,14 @@ impl SeaweedFs {
         // Ready when the bucket can be made (the S3 gateway answers before
         // its filer and volume are up).
         while !create_bucket(s3) {
-            if Instant::now() > deadline || weed.child.try_wait()?.is_some() {
+            if weed.child.try_wait()?.is_some() {
+                // its directory (and log) goes with it: the log's tail kept
+                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                let lines: Vec<&str> = log.lines().collect();
+                let tail = lines[lines.len().saturating_sub(3)..].join(" | ");
+                return Err(HarnessError::S3Exited(weed.url.clone(), 1, tail));
+            }
+            if Instant::now() > deadline {
                 return Err(HarnessError::S3NotReady(weed.url.clone(), log_path));
             }
             std::thread::sleep(Duration::from_millis(200));
