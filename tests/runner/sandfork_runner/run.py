@@ -53,6 +53,24 @@ class Plan:
         return [*build, *tests, *self.lab, *self.host]
 
 
+# Host jobs at once: one while the lanes run, as the labs hold the CPU; two
+# once they are done, when both cores are free (one after the other, clippy,
+# fuzz and fast_tests were the run's last 8 min).
+HOST_JOBS_BESIDE_LANES = 1
+HOST_JOBS_AFTER_LANES = 2
+
+
+def next_host_job(
+    pending: list[Job], running: int, lanes_over: bool, tests_built: bool
+) -> Job | None:
+    """The host job to start now, if any: the first of `pending` whose test
+    binaries are built (when it needs them), while fewer run than the width."""
+    width = HOST_JOBS_AFTER_LANES if lanes_over else HOST_JOBS_BESIDE_LANES
+    if running >= width:
+        return None
+    return next((job for job in pending if tests_built or not job.after_tests), None)
+
+
 class UnknownJob(ValueError):
     pass
 
@@ -134,6 +152,8 @@ class Run:
         # Thread.join interrupted by Ctrl+C can leave is_alive() false for a
         # thread that still runs
         self._threads_done: list[threading.Event] = []
+        # the lanes' own, among them: the host jobs widen once all are set
+        self._lanes_done: list[threading.Event] = []
 
     # --- the run ------------------------------------------------------------
 
@@ -227,8 +247,9 @@ class Run:
             if lanes:
                 self.lane("lane1", threading.Event())
             return
-        self._threads_done = [threading.Event() for _ in range(lanes)]
-        for n, done in enumerate(self._threads_done):
+        self._lanes_done = [threading.Event() for _ in range(lanes)]
+        self._threads_done = list(self._lanes_done)
+        for n, done in enumerate(self._lanes_done):
             threading.Thread(target=self.lane, args=(f"lane{n + 1}", done), daemon=True).start()
         host_done = threading.Event()
         self._threads_done.append(host_done)
@@ -256,22 +277,31 @@ class Run:
             done.set()
 
     def host(self, done: threading.Event | None = None) -> None:
-        """The host jobs, one after the other at the lowest CPU priority:
-        those that need no test binary at once, beside the test build, the
-        rest once it is done. They have the labs' half hour to finish in,
-        while the labs' guests notice time lost to them (commands and
-        starts bounded in time)."""
+        """The host jobs at the lowest CPU priority: those that need no test
+        binary at once, beside the test build, the rest once it is done; one
+        at a time while the lanes run, two once they are done (next_host_job).
+        They have the labs' half hour to finish in, while the labs' guests
+        notice time lost to them (commands and starts bounded in time)."""
         try:
-            for job in sorted(self.plan.host, key=lambda j: j.after_tests):
-                if self.processes.stopping:
-                    return
-                if job.after_tests:
-                    self.tests_done.wait()
-                    build = self.records.get(jobs.TEST_BUILD.name)
-                    if build is not None and build.result is not Result.PASSED:
-                        self.records[job.name].note = "the test build failed"
-                        continue
-                self.run_job(job, "host")
+            pending = sorted(self.plan.host, key=lambda j: j.after_tests)
+            running: list[threading.Thread] = []
+            while pending and not self.processes.stopping:
+                running = [t for t in running if t.is_alive()]
+                lanes_over = all(e.is_set() for e in self._lanes_done)
+                job = next_host_job(pending, len(running), lanes_over, self.tests_done.is_set())
+                if job is None:
+                    time.sleep(1)
+                    continue
+                pending.remove(job)
+                build = self.records.get(jobs.TEST_BUILD.name)
+                if job.after_tests and build is not None and build.result is not Result.PASSED:
+                    self.records[job.name].note = "the test build failed"
+                    continue
+                thread = threading.Thread(target=self.run_job, args=(job, "host"), daemon=True)
+                thread.start()
+                running.append(thread)
+            for thread in running:
+                thread.join()
         finally:
             if done is not None:
                 done.set()

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 from sandfork_runner import jobs
 from sandfork_runner.jobs import Group, Tier
-from sandfork_runner.run import UnknownJob, expand, plan
+from sandfork_runner.run import UnknownJob, expand, next_host_job, plan
 
 
 def names(js: tuple[jobs.Job, ...]) -> list[str]:
@@ -52,6 +52,22 @@ def test_only_runs_the_named_jobs_of_any_tier_with_no_more_lanes_than_jobs() -> 
 def test_host_jobs_alone_take_no_lab_lane() -> None:
     p = plan(lab_only=False, only=["fast_tests"], long=False, lanes=2)
     assert p.lanes == 0 and not p.test_build
+
+
+def test_host_jobs_one_at_a_time_beside_the_lanes_then_two() -> None:
+    host = list(plan(lab_only=False, only=None, long=False, lanes=2).host)
+    docs, clippy, fuzz, fast = host
+    # beside the lanes: one, and the fast tests only once the tests are built
+    assert next_host_job(host, 0, lanes_over=False, tests_built=False) is docs
+    assert next_host_job(host, 1, lanes_over=False, tests_built=True) is None
+    assert next_host_job([fast], 0, lanes_over=False, tests_built=False) is None
+    assert next_host_job([fast], 0, lanes_over=False, tests_built=True) is fast
+    # the lanes done: a second beside the first, never a third
+    assert next_host_job([fuzz, fast], 1, lanes_over=True, tests_built=True) is fuzz
+    assert next_host_job([fast, fuzz], 1, lanes_over=True, tests_built=False) is fuzz
+    assert next_host_job([fuzz, fast], 2, lanes_over=True, tests_built=True) is None
+    assert next_host_job([], 0, lanes_over=True, tests_built=True) is None
+    assert clippy.after_tests is False
 
 
 def test_one_lane_when_asked_and_never_none_for_lab_jobs() -> None:
