@@ -115,7 +115,7 @@ QUICK = (
     Job(
         "shellcheck",
         Group.QUICK,
-        argv("shellcheck scripts/*.sh images/*/*.sh crates/lab/src/init.sh"),
+        argv("shellcheck scripts/*.sh images/*/*.sh crates/lab/src/init.sh .ci/run"),
         "every shell script, the lab's init included",
     ),
     Job(
