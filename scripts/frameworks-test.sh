@@ -4,9 +4,10 @@
 # tests/frameworks, then its pytest suite (NeMo Gym's `e2b` provider:
 # tests/frameworks/test_nemo_gym.py), configured by the E2B variables alone.
 #
-# Usage: scripts/frameworks-test.sh [--no-build] [--server URL]
+# Usage: scripts/frameworks-test.sh [--no-build] [--server URL | --node DIR]
 #   --no-build    do not run scripts/build.sh (target/sandfork.env must exist)
 #   --server URL  test a server already running at URL (key in E2B_API_KEY)
+#   --node DIR    test the node scripts/shared-node.sh runs with DIR
 # Env: SANDFORK_CACHE (default /var/cache/sandfork): the venv is
 #      $SANDFORK_CACHE/sdk/frameworks-<hash of tests/frameworks/requirements.txt
 #      and the interpreter>. NeMo Gym 0.7.0 declares Python 3.13.14 or later:

@@ -5,9 +5,10 @@
 # tests/harbor/tasks at concurrency 4 (and 1 with SANDFORK_TEST_TIER=long)
 # with the E2B variables alone and fails unless every trial ran and scored 1.0.
 #
-# Usage: scripts/harbor-test.sh [--no-build] [--server URL]
+# Usage: scripts/harbor-test.sh [--no-build] [--server URL | --node DIR]
 #   --no-build    do not run scripts/build.sh (target/sandfork.env must exist)
 #   --server URL  test a server already running at URL (key in E2B_API_KEY)
+#   --node DIR    test the node scripts/shared-node.sh runs with DIR
 # Env: SANDFORK_CACHE (default /var/cache/sandfork): the venv is
 #      $SANDFORK_CACHE/sdk/harbor-<hash of tests/harbor/requirements.txt and
 #      the interpreter>. Harbor needs Python 3.12 or later: the newest found

@@ -30,9 +30,19 @@
 #     exported (the kernel, images and lab that build.sh made).
 #   suite_options ARG...
 #     the options every suite entry takes: --no-build (build=0, else 1),
-#     --server URL (server=URL, else empty), -h/--help (prints the calling
-#     script's header comment and exits); the other words are left, in order,
-#     in suite_rest for the script's own options.
+#     --server URL (server=URL, else empty), --node DIR (the node start_node
+#     started with LOGDIR DIR, which scripts/shared-node.sh shares between
+#     suites: server and E2B_API_KEY read from there, shared_node=DIR),
+#     -h/--help (prints the calling script's header comment and exits); the
+#     other words are left, in order, in suite_rest for the script's own
+#     options.
+#   suite_serve_args
+#     what a node the suites share is started with, the SDK suite's own too:
+#     creates by image read metadata key $suite_image_metadata_key, and the
+#     webhook tests' receiver is on loopback (not a public address). Its
+#     registry credentials file is LOGDIR/registry-auth.json.
+#   healthy URL
+#     whether URL/health answers 2xx within 5 s.
 
 # shellcheck disable=SC2034 # the caller's
 root=$PWD
@@ -91,10 +101,7 @@ start_node() {
     echo "$node_url" >"$logdir/node.url"
     echo "$node_key" >"$logdir/node.key"
     local deadline=''
-    until python3 - "$node_url/health" <<'PY' 2>/dev/null; do
-import sys, urllib.request
-sys.exit(0 if urllib.request.urlopen(sys.argv[1], timeout=5).status < 300 else 1)
-PY
+    until healthy "$node_url"; do
         kill -0 "$node_pid" 2>/dev/null || { tail -n 40 "$logdir/serve.log" >&2; die "the node exited"; }
         if [[ -z $deadline && -e $locked ]]; then
             deadline=$((SECONDS + 900))
@@ -108,6 +115,16 @@ PY
     log "node up at $node_url"
 }
 
+healthy() {
+    python3 - "$1/health" <<'PY' 2>/dev/null
+import sys, urllib.request
+sys.exit(0 if urllib.request.urlopen(sys.argv[1], timeout=5).status < 300 else 1)
+PY
+}
+
+suite_image_metadata_key=sdk-test.image
+suite_serve_args=(--image-metadata-key "$suite_image_metadata_key" --webhook-allow-net 127.0.0.0/8)
+
 built() {
     if (($1)); then scripts/build.sh; fi
     [[ -f target/sandfork.env ]] || die "target/sandfork.env missing (run scripts/build.sh)"
@@ -118,15 +135,23 @@ built() {
 }
 
 suite_options() {
-    build=1 server='' suite_rest=()
+    build=1 server='' shared_node='' suite_rest=()
     while (($#)); do
         case $1 in
             --no-build) build=0; shift ;;
             --server) server=${2:?--server needs a URL}; shift 2 ;;
+            --node) shared_node=${2:?--node needs a directory}; shift 2 ;;
             -h | --help) sed -n '2,/^set -e/p' "$0" | sed -n 's/^# \{0,1\}//p'; exit 0 ;;
             *) suite_rest+=("$1"); shift ;;
         esac
     done
+    if [[ -n $shared_node ]]; then
+        [[ -s $shared_node/node.url && -s $shared_node/node.key ]] ||
+            die "--node $shared_node: no node.url and node.key there (scripts/shared-node.sh starts one)"
+        server=$(cat "$shared_node/node.url")
+        E2B_API_KEY=$(cat "$shared_node/node.key")
+        export E2B_API_KEY
+    fi
 }
 
 use_node() {

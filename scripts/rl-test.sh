@@ -6,10 +6,11 @@
 # checker, the branching runner, the adapters with mini-swe-agent and
 # skyrl-gym.
 #
-# Usage: scripts/rl-test.sh [--no-build] [--host-only] [--server URL]
+# Usage: scripts/rl-test.sh [--no-build] [--host-only] [--server URL | --node DIR]
 #   --no-build    do not run scripts/build.sh (target/sandfork.env must exist)
 #   --host-only   lint and the tests without a node only
 #   --server URL  test a server already running at URL (key in E2B_API_KEY)
+#   --node DIR    test the node scripts/shared-node.sh runs with DIR
 # Env: SANDFORK_CACHE (default /var/cache/sandfork): the venv is
 #      $SANDFORK_CACHE/sdk/python-rl-<hash of tests/sdk/python/requirements.txt,
 #      python/requirements-test.txt, python/requirements-nodeps.txt and the

@@ -8,13 +8,15 @@
 # stops the server, and exits non-zero if anything failed.
 #
 # Usage: scripts/sdk-test.sh [--only-basic] [--suite python|js|cli] [--no-build]
-#                            [--server URL]
+#                            [--server URL | --node DIR]
 #   --only-basic  skip the `lifecycle` tests (pause/connect, fork, snapshots)
 #                 and the E2B CLI
 #   --suite S     run only one SDK's suite (or the CLI's)
 #   --no-build    do not run scripts/build.sh (target/sandfork.env must exist)
 #   --server URL  test a server that is already running at URL (its key in
 #                 E2B_API_KEY) instead of starting one
+#   --node DIR    test the node scripts/shared-node.sh runs with DIR (its
+#                 restart tests too)
 # Env: SANDFORK_CACHE (default /var/cache/sandfork): the SDK caches live in
 #      $SANDFORK_CACHE/sdk/, keyed by the hash of requirements.txt and of the
 #      npm lockfile. SDK_PYTEST_ARGS: extra pytest arguments (e.g. "-k files").
@@ -73,17 +75,15 @@ mkdir -p "$out"
 # The node's own registry credentials (for creates that name an image), a
 # file the image tests write; absolute: the node may run in the lab (which
 # sees the host's root).
-SANDFORK_REGISTRY_AUTH=$(realpath "$out")/registry-auth.json
+SANDFORK_REGISTRY_AUTH=$(realpath "${shared_node:-$out}")/registry-auth.json
 rm -f "$SANDFORK_REGISTRY_AUTH"
-export SANDFORK_REGISTRY_AUTH SDK_IMAGE_METADATA_KEY=sdk-test.image
+export SANDFORK_REGISTRY_AUTH SDK_IMAGE_METADATA_KEY=$suite_image_metadata_key
 # shellcheck disable=SC2086 # SDK_SERVE_ARGS is a list of words
-# (the webhook tests' receiver is on loopback: not a public address)
 use_node "$server" "$build" "$out" "${SDK_TEST_BINARY:-target/debug/sandfork}" \
-    --image-metadata-key "$SDK_IMAGE_METADATA_KEY" --webhook-allow-net 127.0.0.0/8 \
-    ${SDK_SERVE_ARGS:-}
-if [[ -z $server ]]; then
-    # the tests of what survives a restart run scripts/node-restart.sh on it
-    SDK_NODE_DIR=$(realpath "$node_dir")
+    "${suite_serve_args[@]}" ${SDK_SERVE_ARGS:-}
+# the tests of what survives a restart run scripts/node-restart.sh on it
+if [[ -z $server || -n $shared_node ]]; then
+    SDK_NODE_DIR=$(realpath "${shared_node:-$node_dir}")
     export SDK_NODE_DIR
 fi
 

@@ -51,6 +51,10 @@ class Job:
     # a host job that runs the test build's binaries through cargo (not
     # by `binary`): it starts once they are built, if the run builds them
     after_tests: bool = False
+    # a suite against one node (it takes `--node DIR`): run through
+    # scripts/shared-node.sh on its lane's node, which the lane starts once
+    # and the lane's next such jobs share
+    shared_node: bool = False
 
     @property
     def needs_tests(self) -> bool:
@@ -158,8 +162,9 @@ TEST_BUILD = Job(
     "the test binaries, the fast tests' and the lab's",
 )
 
-# Every one needs a lab machine to itself: taken from one queue by the lab
-# lanes, longest first, so that the lanes end close together.
+# Taken from one queue by the lab lanes, longest first, so that the lanes
+# end close together. Each needs a lab machine to itself, but the suites
+# against one node (`shared_node`) share their lane's node and its machine.
 LAB: tuple[Job, ...] = (
     Job(
         "sdk",
@@ -170,6 +175,7 @@ LAB: tuple[Job, ...] = (
         # measured 12:41 and 13:30 in full runs (2026-12-06)
         minutes=13.5,
         reruns_tests=True,
+        shared_node=True,
     ),
     Job(
         "cluster",
@@ -192,6 +198,7 @@ LAB: tuple[Job, ...] = (
         # 3:13 in a full run; 4:19 alone with the fork-per-group tests
         minutes=4.5,
         reruns_tests=True,
+        shared_node=True,
     ),
     Job(
         "harbor",
@@ -203,6 +210,7 @@ LAB: tuple[Job, ...] = (
         # 4:15 with both concurrencies in a full run; the n1 pass was 1.5 of it;
         # the adapter's pass 2-3 min more
         minutes=5.5,
+        shared_node=True,
     ),
     Job(
         "frameworks",
@@ -213,6 +221,7 @@ LAB: tuple[Job, ...] = (
         # measured 1:04 alone, 2:02 beside another lab lane, venv cached
         # (docs/src/nemo-gym.md); a cold venv adds 3.5
         minutes=2,
+        shared_node=True,
     ),
     lab_tests("snapshot", 4, "snapshots and restores (crates/vmm/tests/snapshot.rs)"),
     lab_tests("lab_network", 3.5, "the node's networking (crates/server/tests/lab_network.rs)"),

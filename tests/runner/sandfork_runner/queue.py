@@ -19,15 +19,21 @@ class JobQueue:
         self._lock = threading.Lock()
         self._closed = False
 
-    def take(self, ready: Callable[[Job], bool]) -> Job | None:
-        """The longest job that is `ready` (its test binary built), else the
-        longest of all (its lane waits for the binary): a lane does not sit
-        idle behind the test build while a job that needs none is left.
-        None once the queue is empty or closed."""
+    def take(
+        self, ready: Callable[[Job], bool], prefer: Callable[[Job], bool] = lambda job: False
+    ) -> Job | None:
+        """The longest job that is `ready` (its test binary built) and
+        preferred (a lane whose node is up prefers the suites that share
+        it), else the longest ready one, else the longest of all (its lane
+        waits for the binary): a lane does not sit idle behind the test
+        build while a job that needs none is left. None once the queue is
+        empty or closed."""
         with self._lock:
             if self._closed or not self._jobs:
                 return None
-            index = next((i for i, job in enumerate(self._jobs) if ready(job)), 0)
+            ready_ones = [i for i, job in enumerate(self._jobs) if ready(job)]
+            preferred = (i for i in ready_ones if prefer(self._jobs[i]))
+            index = next(preferred, ready_ones[0] if ready_ones else 0)
             return self._jobs.pop(index)
 
     def close(self) -> list[Job]:

@@ -266,15 +266,38 @@ class Run:
         def ready(job: Job) -> bool:
             return not job.needs_tests or self.lab_bins_done.is_set()
 
+        node_up = False
+
+        def shares_the_node(job: Job) -> bool:
+            return node_up and job.shared_node
+
         try:
             held = self.locks.take(self.console.stage, lambda: len(self.queue) > 0)
             if held is None:
                 return
             self.console.stage(f"{name}: holding {held}")
-            while job := self.queue.take(ready):
+            while job := self.queue.take(ready, shares_the_node):
                 self.run_job(job, name)
+                node_up = node_up or job.shared_node
         finally:
+            if node_up:
+                self.stop_lane_node(name)
             done.set()
+
+    def lane_node(self, lane: str) -> Path:
+        """Where the node a lane's suites share keeps its log, store and
+        files (scripts/shared-node.sh)."""
+        return self.root / "target/lane-node" / lane
+
+    def stop_lane_node(self, lane: str) -> None:
+        self.console.stage(f"{lane}: stopping its node")
+        subprocess.run(
+            ["scripts/shared-node.sh", "--stop", str(self.lane_node(lane))],
+            cwd=self.root,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=False,
+        )
 
     def host(self, done: threading.Event | None = None) -> None:
         """The host jobs at the lowest CPU priority: those that need no test
@@ -391,7 +414,10 @@ class Run:
             outcomes: list[Outcome] = []
             tests: list[str] | None = None
             while not self.processes.stopping:
-                t = self.attempt(record, self.command(job, tests), tests)
+                argv = self.command(job, tests)
+                if job.shared_node and lane:
+                    argv = ["scripts/shared-node.sh", str(self.lane_node(lane)), "--", *argv]
+                t = self.attempt(record, argv, tests)
                 outcomes.append(Outcome(t.passed, t.stood_still))
                 if t.skipped:
                     break

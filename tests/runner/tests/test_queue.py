@@ -5,8 +5,8 @@ from sandfork_runner.jobs import Group, Job
 from sandfork_runner.queue import JobQueue, longest_first
 
 
-def job(name: str, minutes: float, binary: str | None = None) -> Job:
-    return Job(name, Group.LAB, ("true",), "", minutes=minutes, binary=binary)
+def job(name: str, minutes: float, binary: str | None = None, shared: bool = False) -> Job:
+    return Job(name, Group.LAB, ("true",), "", minutes=minutes, binary=binary, shared_node=shared)
 
 
 def test_longest_first_keeps_the_table_order_among_equals() -> None:
@@ -73,3 +73,29 @@ def test_two_lanes_take_each_job_once() -> None:
     for t in threads:
         t.join()
     assert sorted(taken[0] + taken[1]) == sorted(f"j{n}" for n in range(200))
+
+
+def test_a_lane_with_a_node_takes_the_suites_that_share_it_first() -> None:
+    shared = [job("sdk", 13, shared=True), job("harbor", 5, shared=True), job("rl", 4, shared=True)]
+    q = JobQueue([job("cluster", 14), job("serve", 7, "serve"), *shared])
+
+    def ready(j: Job) -> bool:
+        return not j.needs_tests
+
+    def shares(j: Job) -> bool:
+        return j.shared_node
+
+    # no node yet: longest first
+    first, second = q.take(ready), q.take(ready)
+    assert first is not None and second is not None
+    assert [first.name, second.name] == ["cluster", "sdk"]
+    # the lane whose node is up: the longest of those that share it, ready
+    taken = q.take(lambda j: True, shares)
+    assert taken is not None and taken.name == "harbor"
+    # one without a node: longest first, a shared one too
+    taken = q.take(lambda j: True)
+    assert taken is not None and taken.name == "serve"
+    # a preference never waits for the tests: the longest ready one instead
+    q2 = JobQueue([job("a", 5), job("b", 3, "b", shared=True)])
+    taken = q2.take(ready, shares)
+    assert taken is not None and taken.name == "a"
