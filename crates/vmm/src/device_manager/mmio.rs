@@ -246,7 +246,9 @@ impl MmioDeviceManager {
     /// For a fork, while the VM runs: every writable disk makes the layer it
     /// continues in after the seal under `dir` (see
     /// `VirtioDevice::prepare_branch`), each with its device's place. On
-    /// failure, those made are removed (dropped).
+    /// failure, those made are removed (dropped). Each device's lock is held
+    /// while its one layer is made (a create and a sync): a vCPU that
+    /// notifies that disk meanwhile waits that long, the VM does not stop.
     pub fn prepare_branches(
         &self,
         dir: &std::path::Path,
