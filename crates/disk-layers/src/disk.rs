@@ -577,6 +577,206 @@ impl LayeredDisk {
     }
 }
 
+/// A writable layer made ahead of a seal for a disk to continue in
+/// ([`LayeredDisk::prepare_continuation`]), so that the seal itself
+/// ([`LayeredDisk::seal_and_continue`]) creates no file. Dropped unused, its
+/// file is removed.
+#[derive(Debug)]
+pub struct Continuation {
+    top: Option<Top>,
+    /// The id of the top it was made to stack on.
+    parent_id: [u8; 16],
+}
+
+impl Continuation {
+    /// Where the new layer is.
+    pub fn path(&self) -> &Path {
+        self.top
+            .as_ref()
+            .map_or(Path::new(""), |t| t.layer.path.as_path())
+    }
+}
+
+impl Drop for Continuation {
+    fn drop(&mut self) {
+        if let Some(top) = self.top.take() {
+            let _ = std::fs::remove_file(&top.layer.path);
+        }
+    }
+}
+
+/// A layer a seal made read-only, as children stack on it
+/// ([`SealedLayer::stack`]): no open disk is needed for that.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SealedLayer {
+    pub path: PathBuf,
+    pub id: [u8; 16],
+    cluster_shift: u32,
+    disk_size: u64,
+}
+
+impl SealedLayer {
+    /// Creates one new writable layer per path in `children` on this sealed
+    /// layer, durable when it returns (made together, synced together, one
+    /// directory sync per directory). The children see the disk as it was at
+    /// the seal, whatever the disk that was sealed writes afterwards (it
+    /// writes to its own new top). Nothing is opened but the new files: a
+    /// child's index is built when it opens its layer. On failure every file
+    /// made here is removed.
+    pub fn stack(&self, children: &[PathBuf]) -> Result<()> {
+        for (i, p) in children.iter().enumerate() {
+            if children[..i].contains(p) || *p == self.path {
+                return Err(Error::InvalidArgument(format!(
+                    "{} is named twice",
+                    p.display()
+                )));
+            }
+        }
+        let mut created: Vec<LayerFile> = Vec::with_capacity(children.len());
+        let made = (|| {
+            for p in children {
+                let header = Header {
+                    generation: 1,
+                    sealed: false,
+                    shared: false,
+                    cluster_shift: self.cluster_shift,
+                    disk_size: self.disk_size,
+                    id: random_id()?,
+                    parent: Parent::Layer {
+                        path: record_parent(p, &self.path)?,
+                        id: self.id,
+                    },
+                    bitmap_crc: 0,
+                    allocated: 0,
+                };
+                created.push(LayerFile::create_unsynced(p, header)?);
+            }
+            sync_all(&created)?;
+            let mut synced: Vec<&Path> = Vec::new();
+            for p in children {
+                let dir = p.parent().unwrap_or(Path::new(""));
+                if !synced.contains(&dir) {
+                    sync_dir(p).map_err(io_err("cannot sync the directory of", p))?;
+                    synced.push(dir);
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = made {
+            for l in &created {
+                let _ = std::fs::remove_file(&l.path);
+            }
+            return Err(e);
+        }
+        Ok(())
+    }
+}
+
+impl LayeredDisk {
+    /// Makes (durably) the writable layer at `at` this disk will continue in
+    /// after its next [`seal_and_continue`](Self::seal_and_continue): stacked
+    /// on the current top, which is not touched. The guest may go on writing
+    /// meanwhile; this is the part of a fork that needs no pause.
+    pub fn prepare_continuation(&self, at: &Path) -> Result<Continuation> {
+        let (parent_path, parent_id, depth) = {
+            let st = self.read();
+            let Some(top) = st.top.as_ref() else {
+                return Err(Error::ReadOnly {
+                    path: st.top_layer()?.path.clone(),
+                });
+            };
+            let depth = st.chain.sealed.len() + 1;
+            (top.layer.path.clone(), top.layer.header.id, depth)
+        };
+        if depth > MAX_DEPTH {
+            return Err(Error::ChainTooLong {
+                depth,
+                max: MAX_DEPTH,
+            });
+        }
+        if at == parent_path {
+            return Err(Error::InvalidArgument(format!(
+                "{} is the disk's top",
+                at.display()
+            )));
+        }
+        let header = Header {
+            generation: 1,
+            sealed: false,
+            shared: false,
+            cluster_shift: self.cluster_shift,
+            disk_size: self.size,
+            id: random_id()?,
+            parent: Parent::Layer {
+                path: record_parent(at, &parent_path)?,
+                id: parent_id,
+            },
+            bitmap_crc: 0,
+            allocated: 0,
+        };
+        let layer = LayerFile::create(at, header, true)?;
+        let top = match Top::new(layer) {
+            Ok(top) => top,
+            Err(e) => {
+                let _ = std::fs::remove_file(at);
+                return Err(e);
+            }
+        };
+        Ok(Continuation {
+            top: Some(top),
+            parent_id,
+        })
+    }
+
+    /// Seals the current top and continues in `next` (made for this top by
+    /// [`prepare_continuation`](Self::prepare_continuation)): the flush of
+    /// what was written, the seal, and a switch in memory; no file is made.
+    /// Returns the sealed layer, for children to [stack](SealedLayer::stack)
+    /// on later. On failure the disk is as it was and `next` is removed.
+    ///
+    /// As with [`seal_and_branch`](Self::seal_and_branch), the caller stops
+    /// the guest's I/O first so that the seal is a consistent point.
+    pub fn seal_and_continue(&self, mut next: Continuation) -> Result<SealedLayer> {
+        // Every early return drops `next`, which removes its file.
+        let _serial = self.flush_guard();
+        let mut st = self.write();
+        let Some(top) = st.top.as_mut() else {
+            let path = st.top_layer().map(|l| l.path.clone()).unwrap_or_default();
+            return Err(Error::ReadOnly { path });
+        };
+        if top.layer.header.id != next.parent_id {
+            return Err(Error::InvalidArgument(format!(
+                "{} was made for another top than {}",
+                next.path().display(),
+                top.layer.path.display()
+            )));
+        }
+        let Some(new_top) = next.top.take() else {
+            return Err(Error::NoLayer);
+        };
+        let pages = top.take_dirty_pages();
+        let sealed = write_back(&top.sync, &pages)
+            .map_err(io_err("cannot flush layer", &top.layer.path))
+            .and_then(|()| top.layer.seal(false));
+        if let Err(e) = sealed {
+            top.dirty_pages.extend(pages.iter().map(|(p, _)| *p));
+            next.top = Some(new_top);
+            return Err(e);
+        }
+        let old = std::mem::replace(top, new_top);
+        let sealed = SealedLayer {
+            path: old.layer.path.clone(),
+            id: old.layer.header.id,
+            cluster_shift: self.cluster_shift,
+            disk_size: self.size,
+        };
+        // The index stays right: the old top's clusters (k = sealed + 1) are
+        // now the last sealed layer's, and the new top holds none yet.
+        st.chain.sealed.push(Arc::new(old.layer));
+        Ok(sealed)
+    }
+}
+
 /// At most this many threads sync a branch's new layers.
 const SYNC_THREADS: usize = 16;
 

@@ -4,6 +4,10 @@
 //! sealed layers shared by any number of disks, and one writable top layer per
 //! disk. A fork or snapshot seals the top and stacks a fresh writable layer on it
 //! for the parent and one for every child ([`LayeredDisk::seal_and_branch`]);
+//! a fork of a running VM splits that in three: the parent's new top made ahead
+//! ([`LayeredDisk::prepare_continuation`]), the seal and switch while the guest
+//! stands still ([`LayeredDisk::seal_and_continue`]), the children's layers
+//! after it runs again ([`SealedLayer::stack`]);
 //! [`compact`] folds sealed layers together so chains stay short.
 //!
 //! # Format: our own, not qcow2
@@ -72,7 +76,7 @@ mod rebase;
 
 pub use chain::MAX_DEPTH;
 pub use compact::{CompactStats, chain_files, compact, compact_temp_path, unreferenced};
-pub use disk::{DEFAULT_CLUSTER_SIZE, LayeredDisk};
+pub use disk::{Continuation, DEFAULT_CLUSTER_SIZE, LayeredDisk, SealedLayer};
 pub use error::{Error, Result};
 pub use layer::is_layer;
 pub use rebase::{set_parent_path, used_ranges};

@@ -82,21 +82,34 @@ pub struct ForkInfo {
     /// are sealed under every child): the caller records these, never
     /// re-derives their names.
     pub parent: Vec<DriveOverride>,
-    /// Per child, in order: the disks to load it with.
+    /// Per child, in order: the disks to load it with (none when
+    /// `children_failed`).
     pub children: Vec<Vec<DriveOverride>>,
+    /// Why no child can load: the children's layers and the state file are
+    /// made after the VM resumed, and they could not be. The VM forked all
+    /// the same (it writes to `parent` now); nothing of the children's was
+    /// left behind.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub children_failed: Option<String>,
     /// How long the VM was stopped, in microseconds.
     pub paused_us: u64,
-    /// Where that stop went, step by step (absent from a VMM that does not
-    /// report it).
+    /// Where the fork's time went, step by step (absent from a VMM that
+    /// does not report it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phases: Option<ForkPhases>,
 }
 
-/// The steps of one `PUT /fork` while the VM stands still, in microseconds,
-/// in the order they run; together they make up `paused_us` but for the
-/// bookkeeping between them.
+/// The steps of one `PUT /fork`, in microseconds, in the order they run:
+/// `disks_prepared_us` before the VM stops; `freeze_us` to `resume_us`
+/// while it stands still (together they make up `paused_us` but for the
+/// bookkeeping between them); `children_disks_us` and `state_written_us`
+/// after it runs again.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ForkPhases {
+    /// Before the freeze: each writable disk's next layer made (the one the
+    /// VM continues in).
+    #[serde(default)]
+    pub disks_prepared_us: u64,
     /// Every vCPU parked and the devices' threads held still.
     pub freeze_us: u64,
     /// The vCPUs', the VM's and the devices' state read.
@@ -106,13 +119,15 @@ pub struct ForkPhases {
     pub memory_us: u64,
     /// Bytes of memory written for it.
     pub memory_bytes: u64,
-    /// Every writable disk sealed and a new layer stacked on it for the VM
-    /// and for each child.
+    /// Every writable disk sealed and switched to its prepared layer.
     pub disks_us: u64,
-    /// The state file encoded and written.
-    pub state_written_us: u64,
     /// The devices and the vCPUs let go again.
     pub resume_us: u64,
+    /// After the resume: each child's layers stacked on the sealed ones.
+    #[serde(default)]
+    pub children_disks_us: u64,
+    /// After the resume: the state file encoded and written.
+    pub state_written_us: u64,
 }
 
 #[cfg(test)]
@@ -152,10 +167,19 @@ mod tests {
         let old = r#"{"snapshot_path":"/s","mem_file_path":"/m","parent":[],"children":[[]],"paused_us":7}"#;
         let info: ForkInfo = serde_json::from_str(old).unwrap();
         assert_eq!((info.paused_us, info.phases), (7, None));
+        assert_eq!(info.children_failed, None);
+        // Phases from a VMM that made every layer inside the pause.
+        let before: ForkPhases = serde_json::from_str(
+            r#"{"freeze_us":1,"state_saved_us":2,"memory_us":3,"memory_bytes":4,"disks_us":5,"state_written_us":6,"resume_us":7}"#,
+        )
+        .unwrap();
+        assert_eq!((before.disks_prepared_us, before.children_disks_us), (0, 0));
         let phases = ForkPhases {
+            disks_prepared_us: 2,
             freeze_us: 1,
             memory_us: 3,
             memory_bytes: 4096,
+            children_disks_us: 5,
             ..ForkPhases::default()
         };
         let back: ForkInfo = serde_json::from_str(

@@ -534,15 +534,18 @@ impl Controller {
             mem_file_path: params.mem_file_path.clone(),
             parent: overrides(outcome.parent),
             children: outcome.children.into_iter().map(overrides).collect(),
+            children_failed: outcome.children_failed,
             paused_us: us(outcome.paused),
             phases: Some(ForkPhases {
+                disks_prepared_us: us(outcome.steps.disks_prepared),
                 freeze_us: us(outcome.steps.freeze),
                 state_saved_us: us(outcome.steps.state_saved),
                 memory_us: us(outcome.steps.memory),
                 memory_bytes: outcome.memory_bytes,
                 disks_us: us(outcome.steps.disks),
-                state_written_us: us(outcome.steps.state_written),
                 resume_us: us(outcome.steps.resume),
+                children_disks_us: us(outcome.steps.children_disks),
+                state_written_us: us(outcome.steps.state_written),
             }),
         }))
     }

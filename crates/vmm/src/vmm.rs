@@ -67,6 +67,14 @@ pub enum VmState {
     Paused,
 }
 
+/// What a fork took while the VM stood still.
+struct Frozen {
+    state: MicrovmState,
+    memory_bytes: u64,
+    branches: Vec<crate::devices::virtio::DiskBranch>,
+    steps: ForkSteps,
+}
+
 /// The parts of a built VM, handed from the builder to [`Vmm::new`].
 pub(crate) struct VmParts {
     pub vm: Vm,
@@ -129,8 +137,16 @@ impl Vmm {
 
     /// Turns this VM into the parent of `request.children` forks: freezes its
     /// memory (writing only what changed since its last snapshot or fork),
-    /// seals its writable disks with a new layer for itself and each child,
-    /// and writes the state the children load. A running VM runs on after.
+    /// seals its writable disks and moves it onto new layers, and makes the
+    /// children's layers and the state they load. A running VM runs on after.
+    ///
+    /// The VM stands still only for what must see it still: its state read,
+    /// its memory frozen, its disks flushed, sealed and switched to layers
+    /// made before the freeze. The children's layers and the state file are
+    /// made after it runs again, from what was taken while it stood still:
+    /// the children stack on the sealed layers, which the VM never writes
+    /// again. If they cannot be made, the VM still forked (it runs on its
+    /// new layers) and the outcome says why there are no children.
     ///
     /// A network interface is no obstacle: each child is its own VMM process and
     /// opens the tap the state names (`host_dev_name`) where it runs, so children
@@ -138,29 +154,75 @@ impl Vmm {
     /// get separate networks with the parent's guest address and MAC.
     pub fn fork(&mut self, request: &ForkRequest) -> Result<ForkOutcome, SnapshotError> {
         let watch = Stopwatch::start();
+        let prepared = self
+            .mmio
+            .prepare_branches(&request.disk_dir, request.children)?;
+        let disks_prepared = watch.elapsed();
+
+        let watch = Stopwatch::start();
         let was_running = self.state == VmState::Running;
         if was_running {
             self.pause()?;
         }
         self.mmio.pause();
         let frozen = watch.elapsed();
-        let forked = self.fork_paused(request);
+        let taken = self.fork_paused(request, prepared);
         let resuming = watch.elapsed();
         let devices = self.mmio.resume();
         let vcpus = if was_running { self.resume() } else { Ok(()) };
         let paused = watch.elapsed();
-        let mut outcome = forked?;
+        let Frozen {
+            state,
+            memory_bytes,
+            branches,
+            mut steps,
+        } = taken?;
         devices?;
         vcpus?;
-        outcome.paused = paused;
-        outcome.steps.freeze = frozen;
-        outcome.steps.resume = paused.saturating_sub(resuming);
-        Ok(outcome)
+        steps.disks_prepared = disks_prepared;
+        steps.freeze = frozen;
+        steps.resume = paused.saturating_sub(resuming);
+
+        let children_failed = Self::make_children(request, &state, &branches, &mut steps)
+            .err()
+            .map(|e| {
+                tracing::error!("the fork's children could not be made: {e}");
+                e
+            });
+        let children = match children_failed {
+            Some(_) => Vec::new(),
+            None => (0..request.children)
+                .map(|i| {
+                    branches
+                        .iter()
+                        .map(|b| (b.drive_id.clone(), b.children[i].clone()))
+                        .collect()
+                })
+                .collect(),
+        };
+        let parent = branches
+            .into_iter()
+            .map(|b| (b.drive_id, b.parent))
+            .collect();
+        Ok(ForkOutcome {
+            parent,
+            children,
+            children_failed,
+            paused,
+            memory_bytes,
+            steps,
+        })
     }
 
-    /// The fork's work while everything holds still; the caller fills in
-    /// how long that was, and how long freezing and resuming took.
-    fn fork_paused(&mut self, request: &ForkRequest) -> Result<ForkOutcome, SnapshotError> {
+    /// The fork's work while everything holds still: the state read, the
+    /// memory frozen, the disks sealed and switched to the layers
+    /// `prepared` made. The caller fills in how long freezing and resuming
+    /// took.
+    fn fork_paused(
+        &mut self,
+        request: &ForkRequest,
+        prepared: Vec<(usize, crate::devices::virtio::PreparedBranch)>,
+    ) -> Result<Frozen, SnapshotError> {
         // Fork from the last snapshot's layers when there are any: only the
         // pages written since then are new.
         let kind = if self.ram.state().layers.is_empty() {
@@ -169,36 +231,54 @@ impl Vmm {
             MemorySnapshotKind::Diff
         };
         let mut steps = ForkSteps::default();
-        let state = self.capture_timed(kind, &request.mem_path, &mut steps)?;
+        let (state, memory_bytes) = self.capture_timed(kind, &request.mem_path, &mut steps)?;
         let watch = Stopwatch::start();
-        let branches = self
-            .mmio
-            .branch_disks(&request.disk_dir, request.children)?;
+        let branches = self.mmio.switch_disks(prepared)?;
         steps.disks = watch.elapsed();
-        let (state, written) = state;
-        let watch = Stopwatch::start();
-        format::write_atomically(&request.state_path, &format::encode(&state)?)?;
-        steps.state_written = watch.elapsed();
-        let children = (0..request.children)
-            .map(|i| {
-                branches
-                    .iter()
-                    .map(|b| (b.drive_id.clone(), b.children[i].clone()))
-                    .collect()
-            })
-            .collect();
-        let parent = branches
-            .into_iter()
-            .map(|b| (b.drive_id, b.parent))
-            .collect();
-        let outcome = ForkOutcome {
-            parent,
-            children,
-            paused: std::time::Duration::ZERO,
-            memory_bytes: written,
+        Ok(Frozen {
+            state,
+            memory_bytes,
+            branches,
             steps,
-        };
-        Ok(outcome)
+        })
+    }
+
+    /// After the VM runs again: each child's layers stacked on the layers
+    /// sealed at the freeze, then the state file. On failure nothing of
+    /// them is left: the layers made and the state file are removed.
+    fn make_children(
+        request: &ForkRequest,
+        state: &MicrovmState,
+        branches: &[crate::devices::virtio::DiskBranch],
+        steps: &mut ForkSteps,
+    ) -> Result<(), String> {
+        let watch = Stopwatch::start();
+        // A drive whose stacking fails removes what it made itself; those
+        // before it made all theirs.
+        let mut made = 0;
+        let stacked = branches
+            .iter()
+            .try_for_each(|b| {
+                b.sealed.stack(&b.children)?;
+                made += 1;
+                Ok(())
+            })
+            .map_err(|e: disk_layers::Error| format!("stacking the children's disk layers: {e}"));
+        steps.children_disks = watch.elapsed();
+        let watch = Stopwatch::start();
+        let written = stacked.and_then(|()| {
+            format::encode(state)
+                .and_then(|bytes| format::write_atomically(&request.state_path, &bytes))
+                .map_err(|e| format!("writing the fork's state: {e}"))
+        });
+        steps.state_written = watch.elapsed();
+        if written.is_err() {
+            // `write_atomically` leaves no file when it fails.
+            for layer in branches[..made].iter().flat_map(|b| &b.children) {
+                let _ = std::fs::remove_file(layer);
+            }
+        }
+        written
     }
 
     fn capture_and_write(&mut self, request: &SnapshotRequest) -> Result<u64, SnapshotError> {

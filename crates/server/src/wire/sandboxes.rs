@@ -183,6 +183,10 @@ pub struct ForkPhases {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct VmmForkPhases {
+    /// Before the freeze: each writable disk's next layer (the parent's)
+    /// made.
+    #[serde(default)]
+    pub disks_prepared_ms: f64,
     /// vCPUs parked and device threads held.
     pub freeze_ms: f64,
     /// vCPU, VM and device state read.
@@ -190,12 +194,16 @@ pub struct VmmForkPhases {
     /// Guest memory frozen into the fork's layer.
     pub memory_ms: f64,
     pub memory_bytes: u64,
-    /// Every writable disk sealed, a layer stacked for each child and the
-    /// parent.
+    /// Every writable disk sealed and switched to the parent's prepared
+    /// layer.
     pub disks_ms: f64,
-    pub state_written_ms: f64,
     /// Devices and vCPUs let go.
     pub resume_ms: f64,
+    /// After the resume: each child's layers stacked on the sealed ones.
+    #[serde(default)]
+    pub children_disks_ms: f64,
+    /// After the resume: the state file encoded and written.
+    pub state_written_ms: f64,
 }
 
 /// Each fork child's steps in milliseconds, as the median and the slowest

@@ -1116,6 +1116,7 @@ mod tests {
             mem_file_path: params.mem_file_path.clone(),
             parent: vec![drive("/data/forks/f1/parent.layer")],
             children: vec![vec![drive("/data/forks/f1/c0.layer")], vec![drive(child)]],
+            children_failed: None,
             paused_us: 1,
             phases: None,
         };

@@ -208,6 +208,7 @@ fn answer(vm: &mut ControllerState, action: VmmAction) -> Result<VmmData, VmmAct
             mem_file_path: p.mem_file_path,
             parent: Vec::new(),
             children: vec![Vec::new(); p.children as usize],
+            children_failed: None,
             paused_us: 1,
             phases: None,
         })),

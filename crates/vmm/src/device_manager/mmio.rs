@@ -19,7 +19,7 @@ use crate::devices::virtio::mmio::{
 };
 use crate::devices::virtio::persist::SavedDevice;
 pub use crate::devices::virtio::persist::{DeviceOverrides, DriveAt};
-use crate::devices::virtio::{DiskBranch, VirtioDevice};
+use crate::devices::virtio::{DiskBranch, PreparedBranch, VirtioDevice};
 use crate::vstate::memory::GuestMemory;
 use crate::vstate::vm::Vm;
 
@@ -243,23 +243,51 @@ impl MmioDeviceManager {
         Ok(())
     }
 
-    /// Seals every writable disk and stacks new layers on it for this VM and
-    /// `children` children (see `VirtioDevice::branch_disk`); pause first.
-    pub fn branch_disks(
+    /// For a fork, while the VM runs: every writable disk makes the layer it
+    /// continues in after the seal under `dir` (see
+    /// `VirtioDevice::prepare_branch`), each with its device's place. On
+    /// failure, those made are removed (dropped). Each device's lock is held
+    /// while its one layer is made (a create and a sync): a vCPU that
+    /// notifies that disk meanwhile waits that long, the VM does not stop.
+    pub fn prepare_branches(
         &self,
         dir: &std::path::Path,
         children: usize,
-    ) -> Result<Vec<DiskBranch>, DeviceManagerError> {
-        let mut branches = Vec::new();
-        for t in &self.transports {
-            let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(b) = t
-                .device_mut()
-                .branch_disk(dir, children)
+    ) -> Result<Vec<(usize, PreparedBranch)>, DeviceManagerError> {
+        let mut prepared = Vec::new();
+        for (i, t) in self.transports.iter().enumerate() {
+            let t = t.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(p) = t
+                .device()
+                .prepare_branch(dir, children)
                 .map_err(DeviceManagerError::State)?
             {
-                branches.push(b);
+                prepared.push((i, p));
             }
+        }
+        Ok(prepared)
+    }
+
+    /// Seals the disks [`MmioDeviceManager::prepare_branches`] prepared and
+    /// moves each onto its new layer; pause first. A failure part-way
+    /// leaves the disks before it moved (the caller reports the VM's disks
+    /// in doubt) and removes the layers not used.
+    pub fn switch_disks(
+        &self,
+        prepared: Vec<(usize, PreparedBranch)>,
+    ) -> Result<Vec<DiskBranch>, DeviceManagerError> {
+        let mut branches = Vec::with_capacity(prepared.len());
+        for (i, p) in prepared {
+            let t = self
+                .transports
+                .get(i)
+                .ok_or_else(|| DeviceManagerError::State(format!("no device {i} to branch")))?;
+            let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
+            branches.push(
+                t.device_mut()
+                    .switch_disk(p)
+                    .map_err(DeviceManagerError::State)?,
+            );
         }
         Ok(branches)
     }

@@ -52,30 +52,40 @@ pub struct ForkRequest {
 pub struct ForkOutcome {
     /// (drive id, layer) the forked VM writes to from now on.
     pub parent: Vec<(String, PathBuf)>,
-    /// Per child: (drive id, layer) it loads with.
+    /// Per child: (drive id, layer) it loads with; none when
+    /// `children_failed`.
     pub children: Vec<Vec<(String, PathBuf)>>,
+    /// Why the children's layers or state could not be made after the VM
+    /// resumed: the VM forked all the same (it is on `parent`), but no
+    /// child can load, and nothing of theirs was left.
+    pub children_failed: Option<String>,
     pub paused: Duration,
     pub memory_bytes: u64,
     /// Where `paused` went.
     pub steps: ForkSteps,
 }
 
-/// How long each step of a fork took while the VM stood still, in the
-/// order they run.
+/// How long each step of a fork took, in the order they run: before the
+/// freeze, while the VM stood still (`freeze` to `resume`), after it ran
+/// again.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ForkSteps {
+    /// Before the freeze: each writable disk's next layer made.
+    pub disks_prepared: Duration,
     /// vCPUs parked, device threads held.
     pub freeze: Duration,
     /// vCPU, VM and device state read.
     pub state_saved: Duration,
     /// Guest memory written into the layer file.
     pub memory: Duration,
-    /// Disks sealed, a layer stacked per child and for the VM.
+    /// Disks sealed and switched to their prepared layers.
     pub disks: Duration,
-    /// The state file encoded and written.
-    pub state_written: Duration,
     /// Devices and vCPUs let go.
     pub resume: Duration,
+    /// After the resume: each child's layers stacked on the sealed ones.
+    pub children_disks: Duration,
+    /// After the resume: the state file encoded and written.
+    pub state_written: Duration,
 }
 
 /// What taking a snapshot did, for logs and benchmarks.

@@ -755,13 +755,15 @@ fn fork_phases(t: &crate::node::sandbox::ForkTimes) -> wire::ForkPhases {
         children_ms: ms(t.children),
         total_ms: ms(t.total),
         vmm: t.vmm.map(|v| wire::VmmForkPhases {
+            disks_prepared_ms: us(v.disks_prepared_us),
             freeze_ms: us(v.freeze_us),
             state_saved_ms: us(v.state_saved_us),
             memory_ms: us(v.memory_us),
             memory_bytes: v.memory_bytes,
             disks_ms: us(v.disks_us),
-            state_written_ms: us(v.state_written_us),
             resume_ms: us(v.resume_us),
+            children_disks_ms: us(v.children_disks_us),
+            state_written_ms: us(v.state_written_us),
         }),
         child: wire::ChildPhases {
             confined_ms: spread(|c| c.0.confined),
@@ -876,8 +878,10 @@ mod tests {
             parent_paused: Duration::from_millis(4),
             total: Duration::from_millis(40),
             vmm: Some(vmm_api::ForkPhases {
+                disks_prepared_us: 1200,
                 freeze_us: 250,
                 memory_bytes: 8192,
+                children_disks_us: 3500,
                 ..Default::default()
             }),
             per_child: vec![child(30, 35), child(10, 12), child(20, 25)],
@@ -890,6 +894,7 @@ mod tests {
         );
         let vmm = p.vmm.unwrap();
         assert_eq!((vmm.freeze_ms, vmm.memory_bytes), (0.25, 8192));
+        assert_eq!((vmm.disks_prepared_ms, vmm.children_disks_ms), (1.2, 3.5));
         assert_eq!(
             (p.child.loaded_ms.median, p.child.loaded_ms.max),
             (20.0, 30.0)

@@ -58,8 +58,9 @@ pub struct ForkTimes {
     pub fork_call: Duration,
     /// How long the parent stood still in it (the VMM's measure).
     pub parent_paused: Duration,
-    /// The VMM's own steps while the parent stood still (None from a VMM
-    /// that does not report them).
+    /// The VMM's own steps: before the freeze, while the parent stood
+    /// still, after it ran again (None from a VMM that does not report
+    /// them).
     pub vmm: Option<vmm_api::ForkPhases>,
     /// The parent's new layers recorded.
     pub recorded: Duration,
@@ -87,12 +88,14 @@ impl ForkTimes {
         if let Some(v) = &self.vmm {
             let us = Duration::from_micros;
             steps.extend([
+                ("vmm_disks_prepared", us(v.disks_prepared_us)),
                 ("vmm_freeze", us(v.freeze_us)),
                 ("vmm_state_saved", us(v.state_saved_us)),
                 ("vmm_memory", us(v.memory_us)),
                 ("vmm_disks", us(v.disks_us)),
-                ("vmm_state_written", us(v.state_written_us)),
                 ("vmm_resume", us(v.resume_us)),
+                ("vmm_children_disks", us(v.children_disks_us)),
+                ("vmm_state_written", us(v.state_written_us)),
             ]);
         }
         steps
@@ -357,6 +360,28 @@ impl Manager {
         );
         // The children start without the parent: it may change meanwhile.
         drop(guest);
+        if let Some(why) = &info.children_failed {
+            // The parent forked and runs on its new layers (recorded
+            // above), but the VMM could not make the children's layers or
+            // state after it resumed, and removed what it had made of them:
+            // no child can start. Their VMMs and room go back.
+            let failed = || {
+                SandboxError::Unavailable(format!(
+                    "the fork's children could not be made (the parent runs on): {why}"
+                ))
+            };
+            tracing::error!("sandbox {id}: {}", failed());
+            drop(slots);
+            // Stopping VMMs blocks: off the async threads.
+            let _ = tokio::task::spawn_blocking(move || drop(vmms)).await;
+            let remote = match elsewhere {
+                Some(elsewhere) => Some(elsewhere(Err(failed()), count - local).await),
+                None => None,
+            };
+            times.total = t0.elapsed();
+            let children = (0..local).map(|_| Err(failed())).collect();
+            return Ok((Forked { children, times }, remote));
+        }
         let children_start = Instant::now();
 
         let remote = async {

@@ -287,6 +287,25 @@ impl Manager {
             crate::node::crash::point("snapshot.frozen");
         }
         sandbox.set_phase(Phase::Running)?;
+        if let Ok(info) = &forked
+            && let Some(why) = &info.children_failed
+        {
+            // The VMM writes the state after the source resumed, and could
+            // not: the source runs on in this snapshot's files (its new
+            // layers, its memory), which cannot be kept without the
+            // snapshot. It is stopped, as after a fork that failed inside
+            // its VMM, and the files go.
+            tracing::error!(
+                "sandbox {id}: its snapshot's state could not be written ({why}): stopped"
+            );
+            let stopped = self.remove(id, Some(&sandbox), Some(guest)).await;
+            let _ = std::fs::remove_dir_all(&dir);
+            let _ = std::fs::remove_dir_all(&disk_dir);
+            return Err(SandboxError::Unavailable(format!(
+                "the snapshot's state could not be written: {why}; the sandbox was stopped{}",
+                stopped.err().map(|s| format!(": {s}")).unwrap_or_default()
+            )));
+        }
         let drive = &self.template.root_drive_id;
         // The VMM branched every writable drive, the volumes' slots too:
         // the source's volumes are on new layers beside its root's.

@@ -77,13 +77,28 @@ pub enum ActivateError {
     Other(String),
 }
 
-/// The disk layers a fork made for one drive.
+/// A drive's layers for a fork, made before the VM stops: the one it
+/// continues in after the seal, and the paths its children's will have.
+#[derive(Debug)]
+pub struct PreparedBranch {
+    pub drive_id: String,
+    pub next: disk_layers::Continuation,
+    /// One path per child, in order; nothing is made there yet.
+    pub children: Vec<PathBuf>,
+}
+
+/// The disk layers a fork made for one drive: while the VM stood still its
+/// top was sealed and it moved to `parent`; the children's layers are
+/// stacked on `sealed` after it runs again.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DiskBranch {
     pub drive_id: String,
     /// The layer the VM itself writes to from now on.
     pub parent: PathBuf,
-    /// One writable layer per child, in order.
+    /// The layer sealed at the fork, which every child stacks on.
+    pub sealed: disk_layers::SealedLayer,
+    /// One writable layer per child, in order (made by
+    /// [`disk_layers::SealedLayer::stack`]).
     pub children: Vec<PathBuf>,
 }
 
@@ -140,11 +155,24 @@ pub trait VirtioDevice: Send {
     /// queues change; connections and open files are kept. No-op if inactive.
     fn pause(&mut self) {}
 
-    /// For a fork: a writable disk seals what it holds and continues in a new
-    /// layer under `dir`, and makes one more layer there per child. Devices
-    /// without a writable disk answer `None`. The device must be paused.
-    fn branch_disk(&mut self, _dir: &Path, _children: usize) -> Result<Option<DiskBranch>, String> {
+    /// For a fork, while the VM still runs: a writable disk makes the layer
+    /// it continues in after the seal under `dir`, and names one per child
+    /// there (made later). Devices without a writable disk answer `None`.
+    fn prepare_branch(
+        &self,
+        _dir: &Path,
+        _children: usize,
+    ) -> Result<Option<PreparedBranch>, String> {
         Ok(None)
+    }
+
+    /// For a fork, with the device paused: seals the disk and continues in
+    /// the layer [`VirtioDevice::prepare_branch`] made. No file is made.
+    fn switch_disk(&mut self, prepared: PreparedBranch) -> Result<DiskBranch, String> {
+        Err(format!(
+            "device {} has no disk to branch",
+            prepared.drive_id
+        ))
     }
 
     /// Called once the VM it belongs to was restored from a snapshot.

@@ -12,6 +12,6 @@ pub mod vsock;
 pub mod worker;
 
 pub use device::{
-    ActivateError, ActivatedQueue, DiskBranch, VirtioDevice, VirtioInterrupt, VirtioInterruptType,
-    avail_ring_in_reach, read_config_space,
+    ActivateError, ActivatedQueue, DiskBranch, PreparedBranch, VirtioDevice, VirtioInterrupt,
+    VirtioInterruptType, avail_ring_in_reach, read_config_space,
 };

@@ -18,7 +18,8 @@ use super::worker::{self, Worker};
 use crate::devices::virtio::persist::SavedDevice;
 use crate::devices::virtio::worker::{StopSignal, WorkerThread};
 use crate::devices::virtio::{
-    ActivateError, ActivatedQueue, DiskBranch, VirtioDevice, VirtioInterrupt, read_config_space,
+    ActivateError, ActivatedQueue, DiskBranch, PreparedBranch, VirtioDevice, VirtioInterrupt,
+    read_config_space,
 };
 use crate::vstate::memory::GuestMemory;
 
@@ -233,7 +234,11 @@ impl VirtioDevice for Block {
         self.state().queue.into_iter().collect()
     }
 
-    fn branch_disk(&mut self, dir: &Path, children: usize) -> Result<Option<DiskBranch>, String> {
+    fn prepare_branch(
+        &self,
+        dir: &Path,
+        children: usize,
+    ) -> Result<Option<PreparedBranch>, String> {
         if self.config.read_only {
             return Ok(None);
         }
@@ -241,19 +246,40 @@ impl VirtioDevice for Block {
             return Err(BlockError::NotLayered(self.config.id.clone()).to_string());
         }
         let layer = |n: usize| dir.join(format!("{}.{n}.layer", self.config.id));
-        let continue_at = layer(0);
-        let child_layers: Vec<PathBuf> = (1..=children).map(layer).collect();
-        self.disk
-            .branch(&continue_at, &child_layers)
+        let next = self
+            .disk
+            .prepare_continuation(&layer(0))
             .map_err(|e| e.to_string())?;
-        self.config.path = continue_at.clone();
+        Ok(Some(PreparedBranch {
+            drive_id: self.config.id.clone(),
+            next,
+            children: (1..=children).map(layer).collect(),
+        }))
+    }
+
+    fn switch_disk(&mut self, prepared: PreparedBranch) -> Result<DiskBranch, String> {
+        let PreparedBranch {
+            drive_id,
+            next,
+            children,
+        } = prepared;
+        if drive_id != self.config.id {
+            return Err(format!(
+                "a layer prepared for drive {drive_id} offered to drive {}",
+                self.config.id
+            ));
+        }
+        let parent = next.path().to_owned();
+        let sealed = self.disk.switch(next).map_err(|e| e.to_string())?;
+        self.config.path = parent.clone();
         // Forks of forks stack layers; keep this disk's chain short.
         drop(self.disk.compact_in_background());
-        Ok(Some(DiskBranch {
-            drive_id: self.config.id.clone(),
-            parent: continue_at,
-            children: child_layers,
-        }))
+        Ok(DiskBranch {
+            drive_id,
+            parent,
+            sealed,
+            children,
+        })
     }
 
     fn snapshot(&self) -> Option<SavedDevice> {

@@ -161,20 +161,34 @@ impl Disk {
         matches!(self.backend, Backend::Layered(_))
     }
 
-    /// Seals a layered disk's top and stacks a new writable layer on it for
-    /// this disk (`continue_at`) and one per child. The device must be quiet.
-    pub fn branch(&self, continue_at: &Path, children: &[PathBuf]) -> Result<(), BlockError> {
+    /// Makes the layer a layered disk continues in after its next
+    /// [`Disk::switch`], at `at`; the disk goes on meanwhile.
+    pub fn prepare_continuation(&self, at: &Path) -> Result<disk_layers::Continuation, BlockError> {
         let Backend::Layered(layered) = &self.backend else {
-            return Err(BlockError::NotLayered(continue_at.display().to_string()));
+            return Err(BlockError::NotLayered(at.display().to_string()));
         };
-        // The children reopen their layers by path; their handles here can go.
         layered
-            .seal_and_branch(continue_at, children)
-            .map(drop)
+            .prepare_continuation(at)
             .map_err(|source| BlockError::Layer {
-                path: continue_at.to_owned(),
+                path: at.to_owned(),
                 source,
             })
+    }
+
+    /// Seals a layered disk's top and continues in `next` (made for it by
+    /// [`Disk::prepare_continuation`]); returns the sealed layer, for
+    /// children to stack on. The device must be quiet.
+    pub fn switch(
+        &self,
+        next: disk_layers::Continuation,
+    ) -> Result<disk_layers::SealedLayer, BlockError> {
+        let path = next.path().to_owned();
+        let Backend::Layered(layered) = &self.backend else {
+            return Err(BlockError::NotLayered(path.display().to_string()));
+        };
+        layered
+            .seal_and_continue(next)
+            .map_err(|source| BlockError::Layer { path, source })
     }
 
     /// Capacity in 512-byte sectors.
@@ -463,15 +477,20 @@ mod tests {
         assert_eq!(disk.capacity(), 2048);
 
         let mem = memory();
+        let mut last_sealed = None;
         // Each generation writes its number at its own sector, then forks.
         for generation in 0..=COMPACT_ABOVE_DEPTH as u8 {
             mem.write_slice(&[generation; 512], GuestAddress(0))
                 .unwrap();
             disk.write_from_guest(&mem, GuestAddress(0), 512, u64::from(generation) * 512)
                 .unwrap();
-            let next = dir.path().join(format!("g{generation}.layer"));
+            let next = disk
+                .prepare_continuation(&dir.path().join(format!("g{generation}.layer")))
+                .unwrap();
             let child = dir.path().join(format!("c{generation}.layer"));
-            disk.branch(&next, std::slice::from_ref(&child)).unwrap();
+            let sealed = disk.switch(next).unwrap();
+            sealed.stack(std::slice::from_ref(&child)).unwrap();
+            last_sealed = Some(sealed);
         }
         assert_eq!(disk.depth(), COMPACT_ABOVE_DEPTH + 2);
         disk.compact_in_background()
@@ -487,10 +506,24 @@ mod tests {
             assert_eq!(back, [generation; 512]);
         }
         assert!(disk.compact_in_background().is_none(), "shallow now");
+        // A child stacked on the last sealed layer after it was folded
+        // (renamed over, with its id) sees every generation.
+        let late = dir.path().join("late.layer");
+        last_sealed
+            .unwrap()
+            .stack(std::slice::from_ref(&late))
+            .unwrap();
+        let late = disk_layers::LayeredDisk::open(&late).unwrap();
+        for generation in 0..=COMPACT_ABOVE_DEPTH as u8 {
+            let mut back = [0u8; 512];
+            late.read_at(&mut back, u64::from(generation) * 512)
+                .unwrap();
+            assert_eq!(back, [generation; 512]);
+        }
         // A raw image cannot be branched.
         let raw = Disk::open(&base, false).unwrap();
         assert!(matches!(
-            raw.branch(&dir.path().join("x"), &[]),
+            raw.prepare_continuation(&dir.path().join("x")),
             Err(BlockError::NotLayered(_))
         ));
     }
