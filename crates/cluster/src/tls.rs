@@ -175,7 +175,11 @@ fn pem_error(what: &'static str, e: impl std::fmt::Display) -> TlsError {
 
 impl ClusterTls {
     /// From the PEM text of the part's certificate (chain), key and CA.
-    pub fn from_pem(cert_pem: &[u8], key_pem: &[u8], ca_pem: &[u8]) -> Result<ClusterTls, TlsError> {
+    pub fn from_pem(
+        cert_pem: &[u8],
+        key_pem: &[u8],
+        ca_pem: &[u8],
+    ) -> Result<ClusterTls, TlsError> {
         let certs = CertificateDer::pem_slice_iter(cert_pem)
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| pem_error(CERT, e))?;
@@ -234,7 +238,10 @@ impl ClusterTls {
     pub fn etcd(&self) -> etcd_client::TlsOptions {
         etcd_client::TlsOptions::new()
             .ca_certificate(etcd_client::Certificate::from_pem(&self.ca_pem))
-            .identity(etcd_client::Identity::from_pem(&self.cert_pem, &self.key_pem))
+            .identity(etcd_client::Identity::from_pem(
+                &self.cert_pem,
+                &self.key_pem,
+            ))
     }
 }
 
@@ -518,8 +525,7 @@ pub fn parse_names(list: &str) -> Result<Vec<CertName>, TlsError> {
             return Err(TlsError::Names(format!("{name:?} is named twice")));
         }
         let mut sans = Vec::new();
-        if name.parse::<std::net::IpAddr>().is_ok() || ServerName::try_from(name.as_str()).is_ok()
-        {
+        if name.parse::<std::net::IpAddr>().is_ok() || ServerName::try_from(name.as_str()).is_ok() {
             sans.push(name.clone());
         }
         for san in parts {

@@ -60,7 +60,10 @@ pub enum UrlError {
 impl Endpoint {
     pub fn parse(url: &str) -> Result<Endpoint, UrlError> {
         let trimmed = url.trim().trim_end_matches('/');
-        let (rest, tls) = match (trimmed.strip_prefix("http://"), trimmed.strip_prefix("https://")) {
+        let (rest, tls) = match (
+            trimmed.strip_prefix("http://"),
+            trimmed.strip_prefix("https://"),
+        ) {
             (Some(rest), _) => (rest, false),
             (_, Some(rest)) => (rest, true),
             _ => return Err(UrlError::Scheme(url.to_owned())),

@@ -146,7 +146,15 @@ impl Elsewhere {
             let dialer = self.dialer.clone();
             kills.spawn(async move {
                 let uri = format!("/sandboxes/{id}");
-                let sent = send(&dialer, &addr, hyper::Method::DELETE, &uri, &api_key, Bytes::new()).await;
+                let sent = send(
+                    &dialer,
+                    &addr,
+                    hyper::Method::DELETE,
+                    &uri,
+                    &api_key,
+                    Bytes::new(),
+                )
+                .await;
                 match sent {
                     Ok((status, ..)) if status.is_success() || status == StatusCode::NOT_FOUND => {}
                     Ok((status, _, body)) => tracing::warn!(
