@@ -499,7 +499,7 @@ class Cluster:
         url: str,
         body: Any = None,
         key: str | None = None,
-        timeout: float = 300,
+        timeout: float | httpx.Timeout = 300,
     ) -> httpx.Response:
         """One request with the admin's key (or key), JSON body if any."""
         headers = {"X-API-Key": key or self.api_key}

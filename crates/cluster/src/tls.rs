@@ -42,8 +42,12 @@ pub const CERT_ENV: &str = "SANDFORK_TLS_CERT";
 pub const KEY_ENV: &str = "SANDFORK_TLS_KEY";
 pub const CA_ENV: &str = "SANDFORK_TLS_CA";
 
-/// How long connecting to a node (TCP and TLS handshake) may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a node's TCP connect may take (a gateway moves on to the next
+/// node after it; a node cut off answers nothing).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the TLS handshake after it may take (two round trips and a
+/// signature each way; far longer on a loaded, emulated host).
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(20);
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -341,21 +345,26 @@ impl Dialer {
     }
 
     /// A connection to `addr` (`host:port`), through TLS when the dialer
-    /// has it, within [`CONNECT_TIMEOUT`].
+    /// has it: TCP within [`CONNECT_TIMEOUT`], the handshake within
+    /// [`HANDSHAKE_TIMEOUT`].
     pub async fn connect(&self, addr: &str) -> io::Result<NodeStream> {
-        tokio::time::timeout(CONNECT_TIMEOUT, self.connect_now(addr))
+        let timed_out = |what: &str, after: Duration| {
+            io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("{what} {addr}: no answer within {after:?}"),
+            )
+        };
+        let tcp = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
             .await
-            .unwrap_or_else(|_| {
-                Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!("connecting to {addr}: no answer within {CONNECT_TIMEOUT:?}"),
-                ))
-            })
+            .map_err(|_| timed_out("connecting to", CONNECT_TIMEOUT))??;
+        let _ = tcp.set_nodelay(true);
+        tokio::time::timeout(HANDSHAKE_TIMEOUT, self.over(addr, tcp))
+            .await
+            .map_err(|_| timed_out("TLS handshake with", HANDSHAKE_TIMEOUT))?
     }
 
-    async fn connect_now(&self, addr: &str) -> io::Result<NodeStream> {
-        let tcp = TcpStream::connect(addr).await?;
-        let _ = tcp.set_nodelay(true);
+    /// `tcp`, to `addr`, through TLS when the dialer has it.
+    async fn over(&self, addr: &str, tcp: TcpStream) -> io::Result<NodeStream> {
         let Some(tls) = &self.tls else {
             return Ok(NodeStream::Plain(tcp));
         };
