@@ -139,7 +139,7 @@ impl Endpoint {
             reason,
         };
         let dialer = if self.tls {
-            cluster_dialer().map_err(|e| unreachable(e.to_string()))?
+            cluster_dialer().map_err(unreachable)?
         } else {
             sandfork_cluster::tls::Dialer::plain()
         };
