@@ -875,6 +875,43 @@ mod tests {
     }
 
     #[test]
+    fn tls_flags_are_all_or_none_and_for_a_clusters_parts() {
+        #[derive(Parser)]
+        struct Flags {
+            #[command(flatten)]
+            cluster: ClusterArgs,
+        }
+        let parse = |args: &[&str]| {
+            Flags::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))
+                .unwrap()
+                .cluster
+        };
+        let node = ["--role", "node", "--etcd", "https://127.0.0.1:2379"];
+        let tls = [
+            "--tls-cert",
+            "c.pem",
+            "--tls-key",
+            "k.pem",
+            "--tls-ca",
+            "ca.pem",
+        ];
+        let with = |extra: &[&'static str]| [&node[..], extra].concat();
+        parse(&node).check().unwrap();
+        parse(&with(&tls)).check().unwrap();
+        let partial = parse(&with(&tls[..4])).check().unwrap_err().to_string();
+        assert!(partial.ends_with("missing: --tls-ca"), "{partial}");
+        let single = parse(&tls).check().unwrap_err().to_string();
+        assert!(single.contains("--role node or gateway"), "{single}");
+        // the lab's serve gets the same files, as absolute paths
+        let args = parse(&with(&tls)).to_args();
+        let cwd = std::env::current_dir().unwrap();
+        assert!(
+            args.contains(&format!("--tls-ca={}", cwd.join("ca.pem").display())),
+            "{args:?}"
+        );
+    }
+
+    #[test]
     fn ratios_must_be_positive_numbers() {
         for bad in ["0", "-1", "NaN", "inf", "x"] {
             assert!(parse(&["--vcpu-overcommit", bad]).is_err(), "{bad}");

@@ -279,8 +279,13 @@ mod tests {
         let e = Endpoint::parse("http://[::1]:8080").unwrap();
         assert_eq!((e.host.as_str(), e.port), ("::1", 8080));
         assert_eq!(e.authority(), "[::1]:8080");
+        // https: a cluster's node under TLS (port 443 by default)
+        let e = Endpoint::parse("https://x").unwrap();
+        assert!(e.tls);
+        assert_eq!(e.authority(), "x:443");
+        assert!(!Endpoint::parse("http://x").unwrap().tls);
         assert!(matches!(
-            Endpoint::parse("https://x"),
+            Endpoint::parse("ftp://x"),
             Err(UrlError::Scheme(_))
         ));
         assert!(matches!(
