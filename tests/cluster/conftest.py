@@ -18,6 +18,8 @@ import logging
 import os
 import secrets
 import shutil
+import ssl
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -33,6 +35,7 @@ from harness import (
     CutNet,
     Etcd,
     Processes,
+    Tls,
     env_with_sbin,
     free_port,
     log,
@@ -100,11 +103,38 @@ def procs(cut_net: CutNet, work: Path) -> Iterator[Processes]:
     started.stop_all()
 
 
+def sandfork_bin() -> Path:
+    target = Path(os.environ.get("CARGO_TARGET_DIR") or ROOT / "target")
+    return target / "debug" / "sandfork"
+
+
+@pytest.fixture(scope="session")
+def tls(work: Path, cut_net: CutNet) -> Tls:
+    """A certificate per part: etcd's names the addresses its members are
+    reached at (loopback, the cut network's host end); the nodes' and
+    gateways' name nothing (their peers check the CA's signature);
+    `client` is the tests' own (etcdctl, httpx, the CLI)."""
+    out = work / "tls"
+    names = f"gw,gw2,n1,n2,n3,node,client,etcd/127.0.0.1/{cut_net.host}"
+    done = subprocess.run(
+        [str(sandfork_bin()), "cluster", "certs", "--out", str(out), "--names", names],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, f"sandfork cluster certs: {done.stderr}"
+    return Tls(out)
+
+
 @pytest.fixture(scope="session")
 def etcd(
-    cut_net: CutNet, s3_started: S3, procs: Processes, work: Path, base_env: dict[str, str]
+    cut_net: CutNet,
+    s3_started: S3,
+    procs: Processes,
+    work: Path,
+    base_env: dict[str, str],
+    tls: Tls,
 ) -> Etcd:
-    cluster = Etcd(procs, work, base_env, also_on=cut_net.host)
+    cluster = Etcd(procs, work, base_env, also_on=cut_net.host, tls=tls)
     for m in (1, 2, 3):
         cluster.start(m)
     try:
@@ -145,7 +175,6 @@ def cluster(
     a node with room for a parent and 2 children) and two gateways, all on
     loopback, their sandboxes real microVMs without network (nodes on one
     host would take the same network slot names and ranges)."""
-    target = Path(os.environ.get("CARGO_TARGET_DIR") or ROOT / "target")
     api_key = f"sandfork_cluster_test_{secrets.token_hex(6)}"
     # The task images' registry (test_11_images.py) listens here later; it
     # speaks plain HTTP, off loopback (so the cut-off node reaches it too).
@@ -156,8 +185,10 @@ def cluster(
         SANDFORK_S3=s3.url(),
         SANDFORK_API_KEY=api_key,
         SANDFORK_INSECURE_REGISTRIES=registry,
+        # the CLI reaches https:// nodes as the tests' client
+        **etcd.tls.env("client"),
     )
-    c = Cluster(target / "debug" / "sandfork", work, env, api_key, procs, etcd, s3, cut_net)
+    c = Cluster(sandfork_bin(), work, env, api_key, procs, etcd, s3, cut_net, etcd.tls)
     c.registry = registry
     for n in (1, 2, 3):
         c.start_node(f"n{n}", ["--max-sandboxes", "3"] if n == 3 else [])
@@ -167,7 +198,8 @@ def cluster(
     for url in [node.api for node in c.nodes.values()] + c.gateways:
         left = 800 - (time.monotonic() - start)
         try:
-            wait_until(partial(healthy, url), max(left, 0), f"no /health on {url}")
+            check = partial(healthy, url, etcd.tls.context())
+            wait_until(check, max(left, 0), f"no /health on {url}")
         except AssertionError as e:
             logs = "\n".join(tail(p) for p in sorted(work.glob("*.log")))
             raise AssertionError(f"{e}\n{logs}") from None
@@ -186,9 +218,9 @@ def etcd_members_back(cluster: Cluster) -> Iterator[None]:
         wait_until(cluster.etcd.leader, 60, f"no etcd leader after members {down} came back")
 
 
-def healthy(url: str) -> bool:
+def healthy(url: str, tls: ssl.SSLContext) -> bool:
     try:
-        return httpx.get(f"{url}/health", timeout=10).is_success
+        return httpx.get(f"{url}/health", timeout=10, verify=tls).is_success
     except httpx.HTTPError:
         return False
 

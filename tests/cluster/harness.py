@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -150,36 +151,92 @@ class CutNet:
         run(["ip", "link", "set", self.link, "up" if up else "down"], self.env)
 
 
+@dataclass
+class Tls:
+    """The cluster's certificates (`sandfork cluster certs`): every part
+    (etcd members, nodes, gateways, the tests' own client) holds one of the
+    cluster's CA and takes only clients with one."""
+
+    dir: Path
+
+    @property
+    def ca(self) -> Path:
+        return self.dir / "ca.pem"
+
+    def cert(self, part: str) -> Path:
+        return self.dir / f"{part}.pem"
+
+    def key(self, part: str) -> Path:
+        return self.dir / f"{part}-key.pem"
+
+    def flags(self, part: str) -> list[str]:
+        """A node's or gateway's `serve` flags."""
+        return ["--tls-cert", str(self.cert(part)), "--tls-key", str(self.key(part)),
+                "--tls-ca", str(self.ca)]  # fmt: skip
+
+    def env(self, part: str) -> dict[str, str]:
+        """The CLI's (an https:// node is reached with this part's certificate)."""
+        return {
+            "SANDFORK_TLS_CERT": str(self.cert(part)),
+            "SANDFORK_TLS_KEY": str(self.key(part)),
+            "SANDFORK_TLS_CA": str(self.ca),
+        }
+
+    def context(self, part: str | None = "client") -> ssl.SSLContext:
+        """What httpx reaches a node with: the CA trusted, names not checked
+        (nodes are reached at the addresses etcd holds, which their
+        certificates do not name), `part`'s certificate presented (None:
+        none)."""
+        ctx = ssl.create_default_context(cafile=str(self.ca))
+        ctx.check_hostname = False
+        if part is not None:
+            ctx.load_cert_chain(self.cert(part), self.key(part))
+        return ctx
+
+
 class Etcd:
     """Three members (a quorum of two), each also on the address the
-    cut-off node reaches."""
+    cut-off node reaches; clients and peers through TLS, both sides
+    authenticated."""
 
-    def __init__(self, procs: Processes, work: Path, env: Mapping[str, str], also_on: str) -> None:
+    def __init__(
+        self, procs: Processes, work: Path, env: Mapping[str, str], also_on: str, tls: Tls
+    ) -> None:
         self.procs = procs
         self.work = work
         self.env = dict(env, ETCDCTL_API="3")
         self.also_on = also_on
+        self.tls = tls
         self.clients = [free_port() for _ in range(3)]
         self.peers = [free_port() for _ in range(3)]
         self.members: dict[int, subprocess.Popen[bytes]] = {}
 
     def endpoints(self, host: str = "127.0.0.1") -> str:
-        return ",".join(f"http://{host}:{port}" for port in self.clients)
+        return ",".join(f"https://{host}:{port}" for port in self.clients)
 
     def start(self, m: int) -> None:
         """Member m (1-3) on its ports and data dir. The zap logger: with 3.4's
         default (capnslog) a slow read's retry warning dereferences a nil
         logger and the member dies (etcd-io/etcd#14402; seen in a CI run)."""
         client, peer = self.clients[m - 1], self.peers[m - 1]
-        initial = ",".join(f"e{i + 1}=http://127.0.0.1:{p}" for i, p in enumerate(self.peers))
+        initial = ",".join(f"e{i + 1}=https://127.0.0.1:{p}" for i, p in enumerate(self.peers))
+        cert, key, ca = self.tls.cert("etcd"), self.tls.key("etcd"), self.tls.ca
         argv = [
             "etcd",
             f"--name=e{m}",
             f"--data-dir={self.work / 'etcd' / f'e{m}'}",
-            f"--listen-client-urls=http://127.0.0.1:{client},http://{self.also_on}:{client}",
-            f"--advertise-client-urls=http://127.0.0.1:{client}",
-            f"--listen-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+            f"--listen-client-urls=https://127.0.0.1:{client},https://{self.also_on}:{client}",
+            f"--advertise-client-urls=https://127.0.0.1:{client}",
+            f"--listen-peer-urls=https://127.0.0.1:{peer}",
+            f"--initial-advertise-peer-urls=https://127.0.0.1:{peer}",
+            f"--cert-file={cert}",
+            f"--key-file={key}",
+            f"--trusted-ca-file={ca}",
+            "--client-cert-auth",
+            f"--peer-cert-file={cert}",
+            f"--peer-key-file={key}",
+            f"--peer-trusted-ca-file={ca}",
+            "--peer-client-cert-auth",
             f"--initial-cluster={initial}",
             "--initial-cluster-state=new",
             f"--heartbeat-interval={ETCD_HEARTBEAT_MS}",
@@ -195,7 +252,14 @@ class Etcd:
 
     def ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            ["etcdctl", f"--endpoints={self.endpoints()}", *args],
+            [
+                "etcdctl",
+                f"--endpoints={self.endpoints()}",
+                f"--cacert={self.tls.ca}",
+                f"--cert={self.tls.cert('client')}",
+                f"--key={self.tls.key('client')}",
+                *args,
+            ],
             env=self.env,
             capture_output=True,
             text=True,
@@ -302,7 +366,9 @@ class Node:
 
     @property
     def api(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """Under TLS: only the cluster's parts (and the tests' client) get
+        an answer."""
+        return f"https://{self.host}:{self.port}"
 
 
 @dataclass
@@ -317,6 +383,7 @@ class Cluster:
     etcd: Etcd
     s3: S3
     cut: CutNet
+    tls: Tls
     # The task images' registry (test_11_images.py), `host:port`: on the cut
     # network's host end, which every node reaches (the cut-off one too).
     registry: str = ""
@@ -334,6 +401,7 @@ class Cluster:
             str(self.bin), "serve", "--in-lab", "--role", "node", "--node-id", node_id,
             "--listen", listen, "--data-dir", str(self.work / node_id), "--no-network",
             "--pool-size", "1", "--lease-ttl-secs", "3", "--image-metadata-key", IMAGE_KEY,
+            *self.tls.flags(node_id if self.tls.cert(node_id).exists() else "node"),
             *extra,
         ]  # fmt: skip
 
@@ -349,7 +417,7 @@ class Cluster:
     def start_gateway(self, name: str) -> str:
         port = free_port()
         argv = [str(self.bin), "serve", "--role", "gateway", "--listen", f"127.0.0.1:{port}",
-                "--image-metadata-key", IMAGE_KEY]  # fmt: skip
+                "--image-metadata-key", IMAGE_KEY, *self.tls.flags(name)]  # fmt: skip
         self.procs.start(argv, self.work / f"{name}.log", self.env, stop_first=True)
         url = f"http://127.0.0.1:{port}"
         self.gateways.append(url)
@@ -431,11 +499,13 @@ class Cluster:
         url: str,
         body: Any = None,
         key: str | None = None,
-        timeout: float = 300,
+        timeout: float | httpx.Timeout = 300,
     ) -> httpx.Response:
         """One request with the admin's key (or key), JSON body if any."""
         headers = {"X-API-Key": key or self.api_key}
-        return httpx.request(method, url, json=body, headers=headers, timeout=timeout)
+        return httpx.request(
+            method, url, json=body, headers=headers, timeout=timeout, verify=self.tls.context()
+        )
 
     def pause(self, sandbox: str, body: dict[str, Any] | None = None) -> httpx.Response:
         """A pause through the gateway; its answer (headers say whether it

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import random
 import statistics
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import httpx
 import pytest
 from harness import PREFIX, Cluster, log, wait_until
 
@@ -197,3 +199,28 @@ def test_kill_through_the_gateway(cluster: Cluster, pair: Pair) -> None:
     wait_until(lambda: cluster.routes() == 0, 10, "records left after the kills", 0.5)
     listed = cluster.cli("ls")
     assert pair.a not in listed, f"{pair.a} still listed after its kill: {listed}"
+
+
+def test_a_node_port_refuses_clients_without_a_certificate(cluster: Cluster) -> None:
+    """Nodes' ports are under TLS with both sides authenticated: the tests'
+    client (a certificate of the cluster's CA) is answered; one without a
+    certificate, plain HTTP and the CLI without the cluster's certificate
+    get nothing."""
+    node = cluster.nodes["n1"]
+    assert cluster.http("GET", f"{node.api}/health", timeout=30).is_success
+    with pytest.raises(httpx.HTTPError):
+        anonymous = httpx.get(f"{node.api}/health", timeout=30, verify=cluster.tls.context(None))
+        pytest.fail(f"a client without a certificate was answered {anonymous.status_code}")
+    with pytest.raises(httpx.HTTPError):
+        plain = httpx.get(f"http://{node.host}:{node.port}/health", timeout=30)
+        pytest.fail(f"plain HTTP was answered {plain.status_code}")
+    env = {k: v for k, v in cluster.cli_env(node.api).items() if not k.startswith("SANDFORK_TLS_")}
+    done = subprocess.run(
+        [str(cluster.bin), "ls"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0, f"the CLI without a certificate listed: {done.stdout}"
+    done = subprocess.run(
+        [str(cluster.bin), "ls"], env=cluster.cli_env(node.api), capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, f"the CLI with the cluster's certificate: {done.stderr}"

@@ -107,8 +107,12 @@ def test_a_hung_up_fork_leaves_nothing(cluster: Cluster, fork: Fork) -> None:
     other nodes): what they made for it is removed, nothing is left mapped."""
     mapped = cluster.routes()
     url = f"{cluster.nodes['n3'].api}/sandboxes/{fork.parent}/fork"
-    with pytest.raises(httpx.TimeoutException):
-        answer = cluster.http("POST", url, {"count": 2, "timeout": 900}, timeout=2)
+    # 2 s for the answer only: the connection and its TLS handshake may take
+    # longer on the loaded lab, and a hang-up before the request is sent
+    # would test nothing.
+    hang_up = httpx.Timeout(60, read=2)
+    with pytest.raises(httpx.ReadTimeout):
+        answer = cluster.http("POST", url, {"count": 2, "timeout": 900}, timeout=hang_up)
         pytest.fail(f"the fork of 2 answered within 2 s ({answer.status_code}): no hang-up to test")
     n3_log = cluster.nodes["n3"].log_path
     wait_until(

@@ -3,6 +3,7 @@
 mod auth;
 mod bench;
 mod client;
+mod cluster;
 mod completions;
 mod cp;
 mod exec;
@@ -225,6 +226,9 @@ enum Command {
     Status(status::StatusArgs),
     /// A cluster's nodes and where its sandboxes are (read from etcd).
     Nodes(nodes::NodesArgs),
+    /// Helpers for running a cluster: its TLS certificates.
+    #[command(subcommand)]
+    Cluster(cluster::ClusterCommand),
     /// List sandboxes (a table on a terminal, JSON otherwise).
     Ls(sandboxes::LsArgs),
     /// Create a sandbox and print its id.
@@ -672,6 +676,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Command::Auth(cmd) => return runtime.block_on(auth::run(cmd)),
         Command::Status(args) => return runtime.block_on(status::run(args)),
         Command::Nodes(args) => return runtime.block_on(nodes::run(args)),
+        Command::Cluster(cmd) => return cluster::run(cmd),
         Command::Ls(args) => return runtime.block_on(sandboxes::ls(args)),
         Command::Create(args) => return runtime.block_on(sandboxes::create(args)),
         Command::Run(args) => return runtime.block_on(run::run(args)),

@@ -22,7 +22,12 @@ pub struct NodesArgs {
 }
 
 pub async fn run(args: NodesArgs) -> Result<ExitCode> {
-    let etcd = sandfork_cluster::Cluster::connect(&args.etcd)
+    // etcd through TLS when SANDFORK_TLS_CERT, _KEY and _CA name a part's files
+    let tls = match sandfork_cluster::tls::TlsFiles::from_env()? {
+        Some(files) => Some(files.load()?),
+        None => None,
+    };
+    let etcd = sandfork_cluster::Cluster::connect_with(&args.etcd, tls.as_ref())
         .await
         .context("connecting to etcd")?;
     let nodes = sandfork_cluster::keyspace::placement_order(etcd.nodes().await?);

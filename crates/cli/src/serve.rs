@@ -185,6 +185,20 @@ struct ClusterArgs {
     /// [default: a quarter of the data dir's file system].
     #[arg(long, value_name = "MIB")]
     cluster_cache_max_mib: Option<u64>,
+    /// This part's certificate (PEM) for TLS between the cluster's parts,
+    /// both sides authenticated: a node's port then takes only clients with
+    /// a certificate of --tls-ca, and gateways and nodes reach nodes and etcd
+    /// (`https://` endpoints) with it. All three --tls flags or none; a
+    /// gateway's own port stays plain HTTP. `sandfork cluster certs` makes
+    /// a set.
+    #[arg(long, env = "SANDFORK_TLS_CERT", value_name = "FILE")]
+    tls_cert: Option<PathBuf>,
+    /// This part's private key (PEM).
+    #[arg(long, env = "SANDFORK_TLS_KEY", value_name = "FILE")]
+    tls_key: Option<PathBuf>,
+    /// The cluster's CA certificate (PEM): the only one trusted.
+    #[arg(long, env = "SANDFORK_TLS_CA", value_name = "FILE")]
+    tls_ca: Option<PathBuf>,
 }
 
 impl ServeArgs {
@@ -207,7 +221,31 @@ impl ClusterArgs {
             (Role::All, true) if self.s3.is_some() => {
                 anyhow::bail!("--s3 is for a cluster node (--role node)")
             }
-            _ => Ok(()),
+            _ => {}
+        }
+        if self.tls_files()?.is_some() && self.role == Role::All {
+            anyhow::bail!(
+                "--tls-cert/--tls-key/--tls-ca are for a cluster's parts (--role node or gateway); \
+                 a single node's port is plain HTTP (put a TLS proxy in front of it)"
+            );
+        }
+        Ok(())
+    }
+
+    /// The three TLS files, all or none.
+    fn tls_files(&self) -> Result<Option<sandfork_cluster::tls::TlsFiles>> {
+        Ok(sandfork_cluster::tls::TlsFiles::from_parts(
+            self.tls_cert.clone(),
+            self.tls_key.clone(),
+            self.tls_ca.clone(),
+        )?)
+    }
+
+    /// The part's TLS, loaded (None without the flags).
+    fn tls(&self) -> Result<Option<sandfork_cluster::tls::ClusterTls>> {
+        match self.tls_files()? {
+            Some(files) => Ok(Some(files.load()?)),
+            None => Ok(None),
         }
     }
 
@@ -257,6 +295,18 @@ impl ClusterArgs {
         ));
         if let Some(mib) = self.cluster_cache_max_mib {
             args.push(format!("--cluster-cache-max-mib={mib}"));
+        }
+        // (absolute: the lab's serve starts elsewhere; the host's files are
+        // readable there)
+        for (flag, path) in [
+            ("tls-cert", &self.tls_cert),
+            ("tls-key", &self.tls_key),
+            ("tls-ca", &self.tls_ca),
+        ] {
+            if let Some(path) = path {
+                let path = std::path::absolute(path).unwrap_or_else(|_| path.clone());
+                args.push(format!("--{flag}={}", path.display()));
+            }
         }
         args
     }
@@ -420,6 +470,8 @@ fn ratio(s: &str) -> Result<f64, String> {
 
 pub fn run(args: ServeArgs) -> Result<ExitCode> {
     args.cluster.check()?;
+    // the TLS files read and checked here, before any lab starts
+    args.cluster.tls()?;
     args.capacity.check()?;
     // A gateway runs no VMs: it needs no KVM, and so no lab.
     if args.cluster.role != Role::Gateway
@@ -514,6 +566,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             s3: args.cluster.s3.clone(),
             store_gc_every: (args.cluster.store_gc_every_secs > 0)
                 .then(|| std::time::Duration::from_secs(args.cluster.store_gc_every_secs)),
+            tls: args.cluster.tls()?,
         });
     }
     eprintln!("sandfork serve: preparing the base template (the first start boots a microVM)");
@@ -522,10 +575,17 @@ async fn serve(args: ServeArgs) -> Result<()> {
         Some(path) => println!("sandfork serve: API key in {}", path.display()),
         None => println!("sandfork serve: API key from SANDFORK_API_KEY"),
     }
-    println!(
-        "sandfork serve: listening on http://{0} (E2B_API_URL=http://{0} E2B_SANDBOX_URL=http://{0})",
-        args.listen
-    );
+    if node.tls.is_some() {
+        println!(
+            "sandfork serve: listening on https://{}, for clients with a certificate of the cluster's CA",
+            args.listen
+        );
+    } else {
+        println!(
+            "sandfork serve: listening on http://{0} (E2B_API_URL=http://{0} E2B_SANDBOX_URL=http://{0})",
+            args.listen
+        );
+    }
     if let Some(member) = &node.member {
         println!(
             "sandfork serve: node {} in the cluster, reached at {}",
@@ -541,7 +601,8 @@ async fn serve_gateway(args: &ServeArgs) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listening on {}", args.listen))?;
-    let etcd = sandfork_cluster::Cluster::connect(&args.cluster.etcd)
+    let tls = args.cluster.tls()?;
+    let etcd = sandfork_cluster::Cluster::connect_with(&args.cluster.etcd, tls.as_ref())
         .await
         .context("connecting to etcd")?;
     println!(
@@ -556,6 +617,7 @@ async fn serve_gateway(args: &ServeArgs) -> Result<()> {
     let options = server::http::gateway::GatewayOptions {
         metrics_key,
         image_metadata_key: args.image_metadata_key.clone(),
+        dialer: tls.map(|t| t.dialer()).unwrap_or_default(),
     };
     server::http::gateway::serve(listener, etcd, options, shutdown_signal()).await?;
     Ok(())
@@ -810,6 +872,43 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    #[test]
+    fn tls_flags_are_all_or_none_and_for_a_clusters_parts() {
+        #[derive(Parser)]
+        struct Flags {
+            #[command(flatten)]
+            cluster: ClusterArgs,
+        }
+        let parse = |args: &[&str]| {
+            Flags::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))
+                .unwrap()
+                .cluster
+        };
+        let node = ["--role", "node", "--etcd", "https://127.0.0.1:2379"];
+        let tls = [
+            "--tls-cert",
+            "c.pem",
+            "--tls-key",
+            "k.pem",
+            "--tls-ca",
+            "ca.pem",
+        ];
+        let with = |extra: &[&'static str]| [&node[..], extra].concat();
+        parse(&node).check().unwrap();
+        parse(&with(&tls)).check().unwrap();
+        let partial = parse(&with(&tls[..4])).check().unwrap_err().to_string();
+        assert!(partial.ends_with("missing: --tls-ca"), "{partial}");
+        let single = parse(&tls).check().unwrap_err().to_string();
+        assert!(single.contains("--role node or gateway"), "{single}");
+        // the lab's serve gets the same files, as absolute paths
+        let args = parse(&with(&tls)).to_args();
+        let cwd = std::env::current_dir().unwrap();
+        assert!(
+            args.contains(&format!("--tls-ca={}", cwd.join("ca.pem").display())),
+            "{args:?}"
+        );
     }
 
     #[test]

@@ -15,6 +15,10 @@ use std::time::{Duration, Instant};
 pub struct Etcd {
     members: Vec<Member>,
     dir: PathBuf,
+    /// Clients and peers through TLS with both sides authenticated: every
+    /// member serves and dials with these files (their certificate names
+    /// 127.0.0.1).
+    tls: Option<crate::tls::TlsFiles>,
     _tmp: Option<tempfile::TempDir>,
 }
 
@@ -24,15 +28,16 @@ struct Member {
     client_port: u16,
     peer_port: u16,
     child: Option<Child>,
+    scheme: &'static str,
 }
 
 impl Member {
     fn client_url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        format!("{}://127.0.0.1:{}", self.scheme, self.client_port)
     }
 
     fn peer_url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.peer_port)
+        format!("{}://127.0.0.1:{}", self.scheme, self.peer_port)
     }
 }
 
@@ -50,6 +55,8 @@ pub enum HarnessError {
     Etcd(#[from] etcd_client::Error),
     #[error("no running member answered as the leader")]
     NoLeader,
+    #[error("TLS: {0}")]
+    Tls(String),
 }
 
 fn free_port() -> std::io::Result<u16> {
@@ -70,8 +77,28 @@ impl Etcd {
         Ok(etcd)
     }
 
+    /// Starts a cluster of `count` members in a new temporary directory,
+    /// reached (and reaching each other) through TLS with `tls`'s files.
+    pub fn start_members_tls(
+        count: usize,
+        tls: crate::tls::TlsFiles,
+    ) -> Result<Etcd, HarnessError> {
+        let tmp = tempfile::tempdir()?;
+        let mut etcd = Etcd::start_with(tmp.path(), count, Some(tls))?;
+        etcd._tmp = Some(tmp);
+        Ok(etcd)
+    }
+
     /// Starts `count` members with their data dirs and logs under `dir`.
     pub fn start_in(dir: &Path, count: usize) -> Result<Etcd, HarnessError> {
+        Etcd::start_with(dir, count, None)
+    }
+
+    fn start_with(
+        dir: &Path,
+        count: usize,
+        tls: Option<crate::tls::TlsFiles>,
+    ) -> Result<Etcd, HarnessError> {
         let mut members = Vec::with_capacity(count);
         for i in 0..count {
             members.push(Member {
@@ -79,11 +106,13 @@ impl Etcd {
                 client_port: free_port()?,
                 peer_port: free_port()?,
                 child: None,
+                scheme: if tls.is_some() { "https" } else { "http" },
             });
         }
         let mut etcd = Etcd {
             members,
             dir: dir.to_owned(),
+            tls,
             _tmp: None,
         };
         for i in 0..count {
@@ -122,7 +151,14 @@ impl Etcd {
             if member.child.is_none() {
                 continue;
             }
-            let mut client = etcd_client::Client::connect([member.client_url()], None).await?;
+            let options = match &self.tls {
+                Some(files) => {
+                    let tls = files.load().map_err(|e| HarnessError::Tls(e.to_string()))?;
+                    Some(etcd_client::ConnectOptions::new().with_tls(tls.etcd()))
+                }
+                None => None,
+            };
+            let mut client = etcd_client::Client::connect([member.client_url()], options).await?;
             let Ok(status) = client.status().await else {
                 continue;
             };
@@ -161,7 +197,21 @@ impl Etcd {
             .create(true)
             .append(true)
             .open(self.log_path(i))?;
-        let child = Command::new(std::env::var_os("ETCD").unwrap_or_else(|| "etcd".into()))
+        let mut command = Command::new(std::env::var_os("ETCD").unwrap_or_else(|| "etcd".into()));
+        if let Some(tls) = &self.tls {
+            let (cert, key, ca) = (tls.cert.display(), tls.key.display(), tls.ca.display());
+            command.args([
+                format!("--cert-file={cert}"),
+                format!("--key-file={key}"),
+                format!("--trusted-ca-file={ca}"),
+                "--client-cert-auth".to_owned(),
+                format!("--peer-cert-file={cert}"),
+                format!("--peer-key-file={key}"),
+                format!("--peer-trusted-ca-file={ca}"),
+                "--peer-client-cert-auth".to_owned(),
+            ]);
+        }
+        let child = command
             .arg(format!("--name={}", member.name))
             .arg(format!(
                 "--data-dir={}",

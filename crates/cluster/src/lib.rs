@@ -16,6 +16,7 @@ pub mod peer;
 pub mod quota;
 pub mod store_gc;
 pub mod tenants;
+pub mod tls;
 pub mod view;
 
 use std::time::Duration;
@@ -75,12 +76,24 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Cluster {
     pub async fn connect(endpoints: &[String]) -> Result<Cluster, ClusterError> {
+        Cluster::connect_with(endpoints, None).await
+    }
+
+    /// [`Cluster::connect`], through TLS with the part's certificate when
+    /// `tls` is given (the endpoints are then `https://`).
+    pub async fn connect_with(
+        endpoints: &[String],
+        tls: Option<&tls::ClusterTls>,
+    ) -> Result<Cluster, ClusterError> {
         if endpoints.is_empty() {
             return Err(ClusterError::NoEndpoints);
         }
-        let options = ConnectOptions::new()
+        let mut options = ConnectOptions::new()
             .with_connect_timeout(REQUEST_TIMEOUT)
             .with_timeout(REQUEST_TIMEOUT);
+        if let Some(tls) = tls {
+            options = options.with_tls(tls.etcd());
+        }
         let client = Client::connect(endpoints, Some(options)).await?;
         Ok(Cluster { client })
     }

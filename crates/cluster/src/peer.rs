@@ -27,6 +27,8 @@ pub struct PeerChunks {
     pub prefix: String,
     pub api_key: String,
     pub token: String,
+    /// How the node's port is reached (TLS in a cluster with it).
+    pub dialer: crate::tls::Dialer,
 }
 
 impl std::fmt::Debug for PeerChunks {
@@ -48,10 +50,11 @@ impl PeerChunks {
         if digest.is_empty() || !digest.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(self.error(format!("not a chunk digest: {digest:?}")));
         }
-        let stream = tokio::net::TcpStream::connect(self.addr.as_str())
+        let stream = self
+            .dialer
+            .connect(&self.addr)
             .await
             .map_err(|e| self.error(format!("connecting: {e}")))?;
-        let _ = stream.set_nodelay(true);
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|e| self.error(format!("handshake: {e}")))?;

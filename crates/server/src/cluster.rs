@@ -72,6 +72,9 @@ pub struct Node {
     /// Forks whose files this node serves to the nodes making their
     /// children ([`fork_across`]).
     pub forks: fork_files::Exports,
+    /// How this node reaches the others' ports (fork requests, kills and
+    /// fork files): TLS with its certificate in a cluster with TLS.
+    pub dialer: sandfork_cluster::tls::Dialer,
     /// The IDs and names of the node's templates as last published: read
     /// again only when templates change and by the reconciler, not for each
     /// sandbox a fork of 100 makes.
@@ -281,7 +284,7 @@ pub async fn join(
     keys: &ApiKeys,
 ) -> Result<Member, JoinError> {
     let etcd = |what| move |source| JoinError::Etcd { what, source };
-    let cluster = Cluster::connect(&config.etcd)
+    let cluster = Cluster::connect_with(&config.etcd, config.tls.as_ref())
         .await
         .map_err(etcd("connecting to etcd"))?;
     let tenants = follow_tenants(cluster.clone(), keys, manager.capacity())
@@ -325,6 +328,11 @@ pub async fn join(
         resuming_with_slot: Default::default(),
         storing: Default::default(),
         forks: Default::default(),
+        dialer: config
+            .tls
+            .as_ref()
+            .map(|tls| tls.dialer())
+            .unwrap_or_default(),
         templates: Default::default(),
     });
     manager.listen(Arc::new(Listener(Arc::downgrade(&node))))?;

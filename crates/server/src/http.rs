@@ -8,3 +8,4 @@ mod console;
 pub mod gateway;
 pub(crate) mod proxy;
 pub(crate) mod state;
+pub mod tls;

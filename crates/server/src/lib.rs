@@ -63,6 +63,9 @@ pub struct Server {
     pub member: Option<cluster::Member>,
     /// Where the generated API key was written (None when it came from the environment).
     pub api_key_file: Option<PathBuf>,
+    /// The port's TLS, in a cluster with it: clients without a certificate
+    /// of the cluster's CA get nothing.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 impl Server {
@@ -196,6 +199,11 @@ impl Server {
             }),
             member,
             api_key_file,
+            tls: config
+                .cluster
+                .as_ref()
+                .and_then(|c| c.tls.as_ref())
+                .map(|tls| tls.server_config()),
         })
     }
 
@@ -208,10 +216,20 @@ impl Server {
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
         let manager = self.state.manager.clone();
-        let routes = api::router(self.state);
-        let served = axum::serve(listener, api::run_changes_to_end(routes))
-            .with_graceful_shutdown(shutdown)
-            .await;
+        let routes = api::run_changes_to_end(api::router(self.state));
+        let served = match self.tls {
+            Some(tls) => {
+                let listener = http::tls::TlsListener::new(listener, tls)?;
+                axum::serve(listener, routes)
+                    .with_graceful_shutdown(shutdown)
+                    .await
+            }
+            None => {
+                axum::serve(listener, routes)
+                    .with_graceful_shutdown(shutdown)
+                    .await
+            }
+        };
         manager.shutdown();
         if let Some(member) = &self.member {
             member.leave().await;

@@ -1,5 +1,7 @@
 //! HTTP/1.1 to the node: an endpoint parsed from its URL, connections over
-//! plain TCP, and the body type every request uses (whole or streamed).
+//! plain TCP (or, to an `https://` node of a cluster with TLS, through the
+//! cluster's dialer with the certificate `SANDFORK_TLS_CERT`, `_KEY` and
+//! `_CA` name), and the body type every request uses (whole or streamed).
 
 use std::time::Duration;
 
@@ -29,11 +31,14 @@ pub fn empty() -> Body {
     Empty::new().map_err(|never| match never {}).boxed()
 }
 
-/// Where the node listens: `http://host[:port][/prefix]`.
+/// Where the node listens: `http://host[:port][/prefix]`, or `https://`
+/// for a cluster node's port under TLS.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Endpoint {
     /// The URL as given, without a trailing `/` (for messages).
     pub url: String,
+    /// `https://`: through the cluster's TLS.
+    tls: bool,
     host: String,
     port: u16,
     /// A path prefix every route is under ("" for none).
@@ -43,7 +48,7 @@ pub struct Endpoint {
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum UrlError {
     #[error(
-        "{0:?} is not an http:// URL (the node serves plain HTTP; put TLS in front of it and use its http URL here)"
+        "{0:?} is not an http:// URL (or https:// for a cluster's node under TLS; a single node serves plain HTTP: put TLS in front of it and use its http URL here)"
     )]
     Scheme(String),
     #[error("{0:?} has no host")]
@@ -55,9 +60,14 @@ pub enum UrlError {
 impl Endpoint {
     pub fn parse(url: &str) -> Result<Endpoint, UrlError> {
         let trimmed = url.trim().trim_end_matches('/');
-        let rest = trimmed
-            .strip_prefix("http://")
-            .ok_or_else(|| UrlError::Scheme(url.to_owned()))?;
+        let (rest, tls) = match (
+            trimmed.strip_prefix("http://"),
+            trimmed.strip_prefix("https://"),
+        ) {
+            (Some(rest), _) => (rest, false),
+            (_, Some(rest)) => (rest, true),
+            _ => return Err(UrlError::Scheme(url.to_owned())),
+        };
         let (authority, prefix) = match rest.find('/') {
             Some(i) => (&rest[..i], &rest[i..]),
             None => (rest, ""),
@@ -84,10 +94,12 @@ impl Endpoint {
         }
         let port = match port {
             Some(p) => p.parse().map_err(|_| UrlError::Port(url.to_owned()))?,
+            None if tls => 443,
             None => 80,
         };
         Ok(Endpoint {
             url: trimmed.to_owned(),
+            tls,
             host: host.to_owned(),
             port,
             prefix: prefix.to_owned(),
@@ -126,14 +138,15 @@ impl Endpoint {
             url: self.url.clone(),
             reason,
         };
-        let stream = tokio::time::timeout(
-            CONNECT_TIMEOUT,
-            tokio::net::TcpStream::connect((self.host.as_str(), self.port)),
-        )
-        .await
-        .map_err(|_| unreachable(format!("no answer within {}s", CONNECT_TIMEOUT.as_secs())))?
-        .map_err(|e| unreachable(io_reason(&e)))?;
-        let _ = stream.set_nodelay(true);
+        let dialer = if self.tls {
+            cluster_dialer().map_err(unreachable)?
+        } else {
+            sandfork_cluster::tls::Dialer::plain()
+        };
+        let stream = tokio::time::timeout(CONNECT_TIMEOUT, dialer.connect(&self.authority()))
+            .await
+            .map_err(|_| unreachable(format!("no answer within {}s", CONNECT_TIMEOUT.as_secs())))?
+            .map_err(|e| unreachable(io_reason(&e)))?;
         let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|e| unreachable(e.to_string()))?;
@@ -151,6 +164,32 @@ impl Endpoint {
     pub async fn send(&self, req: Request<Body>) -> Result<Response<Incoming>, NodeError> {
         self.connect().await?.send(req).await
     }
+}
+
+/// The dialer of an `https://` node: the cluster's TLS with the part's
+/// certificate from the environment, read once.
+fn cluster_dialer() -> Result<sandfork_cluster::tls::Dialer, String> {
+    static DIALER: std::sync::OnceLock<Result<sandfork_cluster::tls::Dialer, String>> =
+        std::sync::OnceLock::new();
+    DIALER
+        .get_or_init(|| {
+            let files = sandfork_cluster::tls::TlsFiles::from_env()
+                .map_err(|e| e.to_string())?
+                .ok_or_else(|| {
+                    format!(
+                        "an https:// node is a cluster's under TLS: name a certificate of its CA \
+                         in {}, {} and {}",
+                        sandfork_cluster::tls::CERT_ENV,
+                        sandfork_cluster::tls::KEY_ENV,
+                        sandfork_cluster::tls::CA_ENV
+                    )
+                })?;
+            files
+                .load()
+                .map(|tls| tls.dialer())
+                .map_err(|e| e.to_string())
+        })
+        .clone()
 }
 
 /// An open connection to the node.
@@ -240,8 +279,13 @@ mod tests {
         let e = Endpoint::parse("http://[::1]:8080").unwrap();
         assert_eq!((e.host.as_str(), e.port), ("::1", 8080));
         assert_eq!(e.authority(), "[::1]:8080");
+        // https: a cluster's node under TLS (port 443 by default)
+        let e = Endpoint::parse("https://x").unwrap();
+        assert!(e.tls);
+        assert_eq!(e.authority(), "x:443");
+        assert!(!Endpoint::parse("http://x").unwrap().tls);
         assert!(matches!(
-            Endpoint::parse("https://x"),
+            Endpoint::parse("ftp://x"),
             Err(UrlError::Scheme(_))
         ));
         assert!(matches!(

@@ -122,6 +122,8 @@ pub struct Elsewhere {
     pub entries: Vec<ForkEntry>,
     /// Each child made: its node's address and its id.
     made: Vec<(String, String)>,
+    /// How those nodes are reached.
+    dialer: sandfork_cluster::tls::Dialer,
 }
 
 impl Elsewhere {
@@ -129,6 +131,7 @@ impl Elsewhere {
         Elsewhere {
             entries: vec![error_entry(status, message); count as usize],
             made: Vec::new(),
+            dialer: sandfork_cluster::tls::Dialer::plain(),
         }
     }
 
@@ -140,9 +143,18 @@ impl Elsewhere {
         let mut kills = tokio::task::JoinSet::new();
         for (addr, id) in self.made.clone() {
             let api_key = api_key.to_owned();
+            let dialer = self.dialer.clone();
             kills.spawn(async move {
                 let uri = format!("/sandboxes/{id}");
-                let sent = send(&addr, hyper::Method::DELETE, &uri, &api_key, Bytes::new()).await;
+                let sent = send(
+                    &dialer,
+                    &addr,
+                    hyper::Method::DELETE,
+                    &uri,
+                    &api_key,
+                    Bytes::new(),
+                )
+                .await;
                 match sent {
                     Ok((status, ..)) if status.is_success() || status == StatusCode::NOT_FOUND => {}
                     Ok((status, _, body)) => tracing::warn!(
@@ -267,8 +279,8 @@ pub async fn elsewhere(
                 count: *n,
                 ..request.clone()
             };
-            let (to, api_key) = (to.clone(), api_key.to_owned());
-            asking.spawn(async move { (index, ask(&to, request, &api_key).await) });
+            let (to, api_key, dialer) = (to.clone(), api_key.to_owned(), node.dialer.clone());
+            asking.spawn(async move { (index, ask(&dialer, &to, request, &api_key).await) });
         }
         let mut answers: Vec<Option<Answer>> = asked.iter().map(|_| None).collect();
         while let Some(done) = asking.join_next().await {
@@ -342,16 +354,23 @@ pub async fn elsewhere(
     Elsewhere {
         entries,
         made: made_on,
+        dialer: node.dialer.clone(),
     }
 }
 
 /// Asks node `to` for `request.count` children.
-async fn ask(to: &NodeRecord, request: ChildrenRequest, api_key: &str) -> Answer {
+async fn ask(
+    dialer: &sandfork_cluster::tls::Dialer,
+    to: &NodeRecord,
+    request: ChildrenRequest,
+    api_key: &str,
+) -> Answer {
     let body = match serde_json::to_vec(&request) {
         Ok(b) => b,
         Err(e) => return Answer::Failed(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     };
     let exchange = send(
+        dialer,
         &to.api_addr,
         hyper::Method::POST,
         "/internal/forks",
@@ -402,16 +421,17 @@ async fn ask(to: &NodeRecord, request: ChildrenRequest, api_key: &str) -> Answer
 /// One request to the node at `addr` with the caller's `api_key`: its
 /// status, whether it is a team's limit, and its body.
 async fn send(
+    dialer: &sandfork_cluster::tls::Dialer,
     addr: &str,
     method: hyper::Method,
     uri: &str,
     api_key: &str,
     body: Bytes,
 ) -> Result<(StatusCode, bool, Bytes), String> {
-    let stream = tokio::net::TcpStream::connect(addr)
+    let stream = dialer
+        .connect(addr)
         .await
         .map_err(|e| format!("connecting: {e}"))?;
-    let _ = stream.set_nodelay(true);
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .map_err(|e| format!("handshake: {e}"))?;

@@ -89,6 +89,7 @@ impl Node {
             prefix: format!("/internal/forks/{}/chunks", req.export),
             api_key: api_key.to_owned(),
             token: req.token.as_str().to_owned(),
+            dialer: self.dialer.clone(),
         };
         let cache_dir = manager.config().cluster_cache_dir();
         let started = Instant::now();

@@ -19,7 +19,6 @@ use axum::extract::{Request, State};
 use axum::http::header::{self, HeaderMap, HeaderValue};
 use axum::http::{Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use hyper_util::client::legacy::connect::HttpConnector;
 use sandfork_cluster::{Cluster, NodeRecord, SandboxRoute, Versioned, View, keyspace};
 
 use crate::http::api::ApiError;
@@ -64,22 +63,24 @@ pub struct GatewayOptions {
     /// The nodes' `serve --image-metadata-key`: creates naming an image
     /// under it are placed where the image's template is.
     pub image_metadata_key: Option<String>,
+    /// How the nodes' ports are reached (TLS with the gateway's
+    /// certificate in a cluster with it).
+    pub dialer: sandfork_cluster::tls::Dialer,
 }
 
-type NodeClient = hyper_util::client::legacy::Client<HttpConnector, Body>;
+type NodeClient = hyper_util::client::legacy::Client<sandfork_cluster::tls::Dialer, Body>;
 
 /// How long an idle connection to a node is kept (a node's own idle timeout
 /// is longer).
 const NODE_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
-fn node_client() -> NodeClient {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(Duration::from_secs(5)));
+/// The pool's connections are the cluster's dialer's (its connect timeout,
+/// TLS when the cluster has it).
+fn node_client(dialer: sandfork_cluster::tls::Dialer) -> NodeClient {
     hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .pool_idle_timeout(NODE_IDLE_TIMEOUT)
         .pool_timer(hyper_util::rt::TokioTimer::new())
-        .build(connector)
+        .build(dialer)
 }
 
 /// How long a create this gateway placed counts against its node beyond
@@ -156,7 +157,7 @@ pub fn router(cluster: Cluster, options: GatewayOptions) -> Router {
             cluster,
             view,
             placements: Placements::default(),
-            nodes: node_client(),
+            nodes: node_client(options.dialer),
             metrics: GatewayMetrics::new(),
             metrics_key: options.metrics_key.as_deref().map(crate::node::keys::hash),
             image_metadata_key: options.image_metadata_key.filter(|k| !k.is_empty()),

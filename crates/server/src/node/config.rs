@@ -214,4 +214,7 @@ pub struct ClusterConfig {
     /// How often the node collects the object store's unreferenced
     /// chunks (None: never).
     pub store_gc_every: Option<std::time::Duration>,
+    /// TLS with both sides authenticated on the node's port, to the other
+    /// nodes and to etcd (None: plain HTTP, the port kept private).
+    pub tls: Option<sandfork_cluster::tls::ClusterTls>,
 }
