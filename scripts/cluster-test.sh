@@ -37,7 +37,7 @@ work=$(mktemp -d "$rw/cluster-test.XXXXXX")
 lab=("$target/debug/sandfork-lab" run --cpus 1 --timeout 2400 --rw "$rw" --
     env "CARGO_TARGET_DIR=$target" "SANDFORK_KERNEL=$SANDFORK_KERNEL" "SANDFORK_ROOTFS=$SANDFORK_ROOTFS"
     "SANDFORK_VMM=${SANDFORK_VMM:-$target/debug/sandfork-vmm}" "SANDFORK_CLUSTER_SDK=${SANDFORK_CLUSTER_SDK:-}"
-    "SANDFORK_TEST_TIER=${SANDFORK_TEST_TIER:-}"
+    "SANDFORK_TEST_TIER=${SANDFORK_TEST_TIER:-}" "SANDFORK_CLUSTER_TLS=${SANDFORK_CLUSTER_TLS:-}"
     "SANDFORK_CLUSTER_WORK=$work" PYTHONDONTWRITEBYTECODE=1
     "$python" -m pytest tests/cluster -p no:cacheprovider --junitxml="$work/junit.xml" "${suite_rest[@]}")
 if [[ -z ${SANDFORK_LAB_LOCKED:-} ]]; then

@@ -40,6 +40,7 @@ from harness import (
     free_port,
     log,
     tail,
+    tls_wanted,
     wait_until,
 )
 
@@ -122,7 +123,7 @@ def tls(work: Path, cut_net: CutNet) -> Tls:
         text=True,
     )
     assert done.returncode == 0, f"sandfork cluster certs: {done.stderr}"
-    return Tls(out)
+    return Tls(out, on=tls_wanted())
 
 
 @pytest.fixture(scope="session")
@@ -218,7 +219,7 @@ def etcd_members_back(cluster: Cluster) -> Iterator[None]:
         wait_until(cluster.etcd.leader, 60, f"no etcd leader after members {down} came back")
 
 
-def healthy(url: str, tls: ssl.SSLContext) -> bool:
+def healthy(url: str, tls: ssl.SSLContext | bool) -> bool:
     try:
         return httpx.get(f"{url}/health", timeout=10, verify=tls).is_success
     except httpx.HTTPError:

@@ -151,13 +151,31 @@ class CutNet:
         run(["ip", "link", "set", self.link, "up" if up else "down"], self.env)
 
 
+def tls_wanted() -> bool:
+    """Whether the cluster's parts talk TLS: in the long tier, or with
+    SANDFORK_CLUSTER_TLS=1 (=0: never). Not in the default tier, as TLS in
+    the emulated lab (etcd's peers and clients, fork files, take-ins) about
+    doubled the suite's time there (stop 54: 47 % of the suite in 24 min);
+    crates/server/tests/tls.rs checks TLS on real listeners in every run."""
+    chosen = os.environ.get("SANDFORK_CLUSTER_TLS", "")
+    if chosen in ("0", "1"):
+        return chosen == "1"
+    return os.environ.get("SANDFORK_TEST_TIER") == "long"
+
+
 @dataclass
 class Tls:
     """The cluster's certificates (`sandfork cluster certs`): every part
     (etcd members, nodes, gateways, the tests' own client) holds one of the
-    cluster's CA and takes only clients with one."""
+    cluster's CA and takes only clients with one. Off (`on` False), every
+    part talks plain HTTP and the certificates go unused."""
 
     dir: Path
+    on: bool = True
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.on else "http"
 
     @property
     def ca(self) -> Path:
@@ -171,22 +189,28 @@ class Tls:
 
     def flags(self, part: str) -> list[str]:
         """A node's or gateway's `serve` flags."""
+        if not self.on:
+            return []
         return ["--tls-cert", str(self.cert(part)), "--tls-key", str(self.key(part)),
                 "--tls-ca", str(self.ca)]  # fmt: skip
 
     def env(self, part: str) -> dict[str, str]:
         """The CLI's (an https:// node is reached with this part's certificate)."""
+        if not self.on:
+            return {}
         return {
             "SANDFORK_TLS_CERT": str(self.cert(part)),
             "SANDFORK_TLS_KEY": str(self.key(part)),
             "SANDFORK_TLS_CA": str(self.ca),
         }
 
-    def context(self, part: str | None = "client") -> ssl.SSLContext:
+    def context(self, part: str | None = "client") -> ssl.SSLContext | bool:
         """What httpx reaches a node with: the CA trusted, names not checked
         (nodes are reached at the addresses etcd holds, which their
         certificates do not name), `part`'s certificate presented (None:
-        none)."""
+        none). Off: httpx's default (plain HTTP uses none)."""
+        if not self.on:
+            return True
         ctx = ssl.create_default_context(cafile=str(self.ca))
         ctx.check_hostname = False
         if part is not None:
@@ -196,8 +220,8 @@ class Tls:
 
 class Etcd:
     """Three members (a quorum of two), each also on the address the
-    cut-off node reaches; clients and peers through TLS, both sides
-    authenticated."""
+    cut-off node reaches; with TLS on, clients and peers through TLS, both
+    sides authenticated."""
 
     def __init__(
         self, procs: Processes, work: Path, env: Mapping[str, str], also_on: str, tls: Tls
@@ -212,23 +236,17 @@ class Etcd:
         self.members: dict[int, subprocess.Popen[bytes]] = {}
 
     def endpoints(self, host: str = "127.0.0.1") -> str:
-        return ",".join(f"https://{host}:{port}" for port in self.clients)
+        return ",".join(f"{self.tls.scheme}://{host}:{port}" for port in self.clients)
 
     def start(self, m: int) -> None:
         """Member m (1-3) on its ports and data dir. The zap logger: with 3.4's
         default (capnslog) a slow read's retry warning dereferences a nil
         logger and the member dies (etcd-io/etcd#14402; seen in a CI run)."""
         client, peer = self.clients[m - 1], self.peers[m - 1]
-        initial = ",".join(f"e{i + 1}=https://127.0.0.1:{p}" for i, p in enumerate(self.peers))
+        sch = self.tls.scheme
+        initial = ",".join(f"e{i + 1}={sch}://127.0.0.1:{p}" for i, p in enumerate(self.peers))
         cert, key, ca = self.tls.cert("etcd"), self.tls.key("etcd"), self.tls.ca
-        argv = [
-            "etcd",
-            f"--name=e{m}",
-            f"--data-dir={self.work / 'etcd' / f'e{m}'}",
-            f"--listen-client-urls=https://127.0.0.1:{client},https://{self.also_on}:{client}",
-            f"--advertise-client-urls=https://127.0.0.1:{client}",
-            f"--listen-peer-urls=https://127.0.0.1:{peer}",
-            f"--initial-advertise-peer-urls=https://127.0.0.1:{peer}",
+        secured = [
             f"--cert-file={cert}",
             f"--key-file={key}",
             f"--trusted-ca-file={ca}",
@@ -237,6 +255,16 @@ class Etcd:
             f"--peer-key-file={key}",
             f"--peer-trusted-ca-file={ca}",
             "--peer-client-cert-auth",
+        ]
+        argv = [
+            "etcd",
+            f"--name=e{m}",
+            f"--data-dir={self.work / 'etcd' / f'e{m}'}",
+            f"--listen-client-urls={sch}://127.0.0.1:{client},{sch}://{self.also_on}:{client}",
+            f"--advertise-client-urls={sch}://127.0.0.1:{client}",
+            f"--listen-peer-urls={sch}://127.0.0.1:{peer}",
+            f"--initial-advertise-peer-urls={sch}://127.0.0.1:{peer}",
+            *(secured if self.tls.on else []),
             f"--initial-cluster={initial}",
             "--initial-cluster-state=new",
             f"--heartbeat-interval={ETCD_HEARTBEAT_MS}",
@@ -255,9 +283,7 @@ class Etcd:
             [
                 "etcdctl",
                 f"--endpoints={self.endpoints()}",
-                f"--cacert={self.tls.ca}",
-                f"--cert={self.tls.cert('client')}",
-                f"--key={self.tls.key('client')}",
+                *self.ctl_tls(),
                 *args,
             ],
             env=self.env,
@@ -265,6 +291,12 @@ class Etcd:
             text=True,
             timeout=120,
         )
+
+    def ctl_tls(self) -> list[str]:
+        if not self.tls.on:
+            return []
+        tls = self.tls
+        return [f"--cacert={tls.ca}", f"--cert={tls.cert('client')}", f"--key={tls.key('client')}"]
 
     def healthy(self) -> bool:
         return self.ctl("--command-timeout=5s", "endpoint", "health").returncode == 0
@@ -363,12 +395,13 @@ class Node:
     log_path: Path
     proc: subprocess.Popen[bytes]
     host: str = "127.0.0.1"
+    scheme: str = "https"
 
     @property
     def api(self) -> str:
         """Under TLS: only the cluster's parts (and the tests' client) get
         an answer."""
-        return f"https://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
 
 @dataclass
@@ -410,7 +443,7 @@ class Cluster:
         log_path = self.work / f"{node_id}.log"
         argv = self.serve_argv(node_id, f"127.0.0.1:{port}", extra)
         proc = self.procs.start(argv, log_path, self.env, stop_first=True)
-        node = Node(node_id, port, self.work / node_id, log_path, proc)
+        node = Node(node_id, port, self.work / node_id, log_path, proc, scheme=self.tls.scheme)
         self.nodes[node_id] = node
         return node
 
@@ -446,7 +479,9 @@ class Cluster:
         log_path = self.work / f"{node_id}-cut.log"
         argv = [*self.cut.enter(), *self.serve_argv(node_id, f"{self.cut.node}:{port}")]
         proc = self.procs.start(argv, log_path, env, stop_first=True)
-        node = Node(node_id, port, self.work / node_id, log_path, proc, self.cut.node)
+        node = Node(
+            node_id, port, self.work / node_id, log_path, proc, self.cut.node, self.tls.scheme
+        )
         self.nodes[node_id] = node
         self.dead.discard(node_id)
         return node

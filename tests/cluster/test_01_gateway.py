@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from harness import PREFIX, Cluster, log, wait_until
+from harness import PREFIX, Cluster, log, tls_wanted, wait_until
 
 
 @dataclass
@@ -201,6 +201,7 @@ def test_kill_through_the_gateway(cluster: Cluster, pair: Pair) -> None:
     assert pair.a not in listed, f"{pair.a} still listed after its kill: {listed}"
 
 
+@pytest.mark.skipif(not tls_wanted(), reason="TLS off: the long tier, or SANDFORK_CLUSTER_TLS=1")
 def test_a_node_port_refuses_clients_without_a_certificate(cluster: Cluster) -> None:
     """Nodes' ports are under TLS with both sides authenticated: the tests'
     client (a certificate of the cluster's CA) is answered; one without a
