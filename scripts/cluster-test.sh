@@ -9,7 +9,9 @@
 # Env: CARGO_TARGET_DIR (default target), SANDFORK_LAB_LOCKED (the caller
 #      holds the lab lock), SANDFORK_CLUSTER_SDK=all (the SDK's four files
 #      whole, not the tests that go through the gateways differently),
-#      SANDFORK_TEST_TIER=long (that and the long tier's sections).
+#      SANDFORK_TEST_TIER=long (that, the long tier's sections and TLS
+#      between the parts), SANDFORK_CLUSTER_TLS=1 or 0 (TLS on or off in
+#      any tier).
 # Out: the logs, bench.json and junit.xml in
 #      /var/cache/sandfork/lab-rw/cluster-test.XXXXXX (the lab can write
 #      there only; removed at a run a day later); the bench line at the

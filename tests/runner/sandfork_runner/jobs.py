@@ -305,7 +305,7 @@ LAB += (
     long_variant(
         "cluster",
         "the cluster suite with its long sections: the SDK's four files whole through "
-        "the gateways, creates per second",
+        "the gateways, creates per second, and TLS between all the parts",
         17,
     ),
     long_variant("harbor", "Harbor at concurrency 4, then 1 (each template found by its tag)", 6),
