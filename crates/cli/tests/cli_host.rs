@@ -91,9 +91,14 @@ fn malformed_ids_and_urls_fail_before_any_request() {
             .one_line_error(1),
         "sandfork: error: no sandbox Not-An-Id; `sandfork ls` lists them"
     );
-    let cli = Cli::of_node("https://node.example", "k");
+    let cli = Cli::of_node("ftp://node.example", "k");
     let line = cli.run(&["ls"]).one_line_error(1).to_owned();
     assert!(line.contains("is not an http:// URL"), "{line}");
+    // an https:// node is a cluster's under TLS: without the cluster's
+    // certificate named, the CLI says so before it dials
+    let cli = Cli::of_node("https://node.example", "k");
+    let line = cli.run(&["ls"]).one_line_error(1).to_owned();
+    assert!(line.contains("SANDFORK_TLS_CERT"), "{line}");
 }
 
 #[test]
