@@ -37,8 +37,8 @@ pub struct CertsArgs {
 pub fn run(command: ClusterCommand) -> Result<ExitCode> {
     match command {
         ClusterCommand::Certs(args) => {
-            let names = sandfork_cluster::tls::parse_names(&args.names)?;
-            let written = sandfork_cluster::tls::make_certs(&args.out, &names, args.days)?;
+            let names = sandfork_tls::parse_names(&args.names)?;
+            let written = sandfork_tls::make_certs(&args.out, &names, args.days)?;
             for path in written {
                 println!("{}", path.display());
             }

@@ -23,7 +23,7 @@ pub struct NodesArgs {
 
 pub async fn run(args: NodesArgs) -> Result<ExitCode> {
     // etcd through TLS when SANDFORK_TLS_CERT, _KEY and _CA name a part's files
-    let tls = match sandfork_cluster::tls::TlsFiles::from_env()? {
+    let tls = match sandfork_tls::TlsFiles::from_env()? {
         Some(files) => Some(files.load()?),
         None => None,
     };

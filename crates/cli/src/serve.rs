@@ -233,8 +233,8 @@ impl ClusterArgs {
     }
 
     /// The three TLS files, all or none.
-    fn tls_files(&self) -> Result<Option<sandfork_cluster::tls::TlsFiles>> {
-        Ok(sandfork_cluster::tls::TlsFiles::from_parts(
+    fn tls_files(&self) -> Result<Option<sandfork_tls::TlsFiles>> {
+        Ok(sandfork_tls::TlsFiles::from_parts(
             self.tls_cert.clone(),
             self.tls_key.clone(),
             self.tls_ca.clone(),
@@ -242,7 +242,7 @@ impl ClusterArgs {
     }
 
     /// The part's TLS, loaded (None without the flags).
-    fn tls(&self) -> Result<Option<sandfork_cluster::tls::ClusterTls>> {
+    fn tls(&self) -> Result<Option<sandfork_tls::ClusterTls>> {
         match self.tls_files()? {
             Some(files) => Ok(Some(files.load()?)),
             None => Ok(None),

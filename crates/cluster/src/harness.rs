@@ -18,7 +18,7 @@ pub struct Etcd {
     /// Clients and peers through TLS with both sides authenticated: every
     /// member serves and dials with these files (their certificate names
     /// 127.0.0.1).
-    tls: Option<crate::tls::TlsFiles>,
+    tls: Option<sandfork_tls::TlsFiles>,
     _tmp: Option<tempfile::TempDir>,
 }
 
@@ -81,7 +81,7 @@ impl Etcd {
     /// reached (and reaching each other) through TLS with `tls`'s files.
     pub fn start_members_tls(
         count: usize,
-        tls: crate::tls::TlsFiles,
+        tls: sandfork_tls::TlsFiles,
     ) -> Result<Etcd, HarnessError> {
         let tmp = tempfile::tempdir()?;
         let mut etcd = Etcd::start_with(tmp.path(), count, Some(tls))?;
@@ -97,7 +97,7 @@ impl Etcd {
     fn start_with(
         dir: &Path,
         count: usize,
-        tls: Option<crate::tls::TlsFiles>,
+        tls: Option<sandfork_tls::TlsFiles>,
     ) -> Result<Etcd, HarnessError> {
         let mut members = Vec::with_capacity(count);
         for i in 0..count {
@@ -154,7 +154,7 @@ impl Etcd {
             let options = match &self.tls {
                 Some(files) => {
                     let tls = files.load().map_err(|e| HarnessError::Tls(e.to_string()))?;
-                    Some(etcd_client::ConnectOptions::new().with_tls(tls.etcd()))
+                    Some(etcd_client::ConnectOptions::new().with_tls(crate::etcd_tls(&tls)))
                 }
                 None => None,
             };

@@ -16,7 +16,6 @@ pub mod peer;
 pub mod quota;
 pub mod store_gc;
 pub mod tenants;
-pub mod tls;
 pub mod view;
 
 use std::time::Duration;
@@ -83,7 +82,7 @@ impl Cluster {
     /// `tls` is given (the endpoints are then `https://`).
     pub async fn connect_with(
         endpoints: &[String],
-        tls: Option<&tls::ClusterTls>,
+        tls: Option<&sandfork_tls::ClusterTls>,
     ) -> Result<Cluster, ClusterError> {
         if endpoints.is_empty() {
             return Err(ClusterError::NoEndpoints);
@@ -92,7 +91,7 @@ impl Cluster {
             .with_connect_timeout(REQUEST_TIMEOUT)
             .with_timeout(REQUEST_TIMEOUT);
         if let Some(tls) = tls {
-            options = options.with_tls(tls.etcd());
+            options = options.with_tls(etcd_tls(tls));
         }
         let client = Client::connect(endpoints, Some(options)).await?;
         Ok(Cluster { client })
@@ -526,6 +525,17 @@ pub(crate) fn decode<T: serde::de::DeserializeOwned>(
         key: String::from_utf8_lossy(key).into_owned(),
         source,
     })
+}
+
+/// etcd's client options for a part under TLS: its certificate, the CA's
+/// trust (etcd's own certificate must name the address in `--etcd`).
+pub fn etcd_tls(tls: &sandfork_tls::ClusterTls) -> etcd_client::TlsOptions {
+    etcd_client::TlsOptions::new()
+        .ca_certificate(etcd_client::Certificate::from_pem(tls.ca_pem()))
+        .identity(etcd_client::Identity::from_pem(
+            tls.cert_pem(),
+            tls.key_pem(),
+        ))
 }
 
 #[cfg(test)]

@@ -28,7 +28,7 @@ pub struct PeerChunks {
     pub api_key: String,
     pub token: String,
     /// How the node's port is reached (TLS in a cluster with it).
-    pub dialer: crate::tls::Dialer,
+    pub dialer: sandfork_tls::Dialer,
 }
 
 impl std::fmt::Debug for PeerChunks {

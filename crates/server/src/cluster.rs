@@ -74,7 +74,7 @@ pub struct Node {
     pub forks: fork_files::Exports,
     /// How this node reaches the others' ports (fork requests, kills and
     /// fork files): TLS with its certificate in a cluster with TLS.
-    pub dialer: sandfork_cluster::tls::Dialer,
+    pub dialer: sandfork_tls::Dialer,
     /// The IDs and names of the node's templates as last published: read
     /// again only when templates change and by the reconciler, not for each
     /// sandbox a fork of 100 makes.

@@ -64,11 +64,7 @@ fn upward_imports(floor: &str, forbidden: &[&str]) -> Vec<String> {
     let mut found = Vec::new();
     for file in sources(&src.join(floor)) {
         for (n, line) in code_lines(&file) {
-            // The one exception: the node's config carries the cluster's
-            // TLS set-up (`sandfork_cluster::tls`, which names nothing of
-            // the cluster's logic); it belongs in a crate below both.
-            let line_rest = line.replace("sandfork_cluster::tls::", "");
-            if let Some(name) = forbidden.iter().find(|f| line_rest.contains(**f)) {
+            if let Some(name) = forbidden.iter().find(|f| line.contains(**f)) {
                 let file = file.strip_prefix(&src).unwrap_or(&file).display();
                 found.push(format!("src/{file}:{n} names {name}: {}", line.trim()));
             }

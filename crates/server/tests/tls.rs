@@ -17,7 +17,7 @@ use axum::routing::get;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::rt::TokioIo;
-use sandfork_cluster::tls::{self, ClusterTls, Dialer, TlsFiles};
+use sandfork_tls::{self as tls, ClusterTls, Dialer, TlsFiles};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn certs(dir: &Path, names: &str) -> Vec<std::path::PathBuf> {

@@ -141,7 +141,7 @@ impl Endpoint {
         let dialer = if self.tls {
             cluster_dialer().map_err(unreachable)?
         } else {
-            sandfork_cluster::tls::Dialer::plain()
+            sandfork_tls::Dialer::plain()
         };
         let stream = tokio::time::timeout(CONNECT_TIMEOUT, dialer.connect(&self.authority()))
             .await
@@ -168,20 +168,20 @@ impl Endpoint {
 
 /// The dialer of an `https://` node: the cluster's TLS with the part's
 /// certificate from the environment, read once.
-fn cluster_dialer() -> Result<sandfork_cluster::tls::Dialer, String> {
-    static DIALER: std::sync::OnceLock<Result<sandfork_cluster::tls::Dialer, String>> =
+fn cluster_dialer() -> Result<sandfork_tls::Dialer, String> {
+    static DIALER: std::sync::OnceLock<Result<sandfork_tls::Dialer, String>> =
         std::sync::OnceLock::new();
     DIALER
         .get_or_init(|| {
-            let files = sandfork_cluster::tls::TlsFiles::from_env()
+            let files = sandfork_tls::TlsFiles::from_env()
                 .map_err(|e| e.to_string())?
                 .ok_or_else(|| {
                     format!(
                         "an https:// node is a cluster's under TLS: name a certificate of its CA \
                          in {}, {} and {}",
-                        sandfork_cluster::tls::CERT_ENV,
-                        sandfork_cluster::tls::KEY_ENV,
-                        sandfork_cluster::tls::CA_ENV
+                        sandfork_tls::CERT_ENV,
+                        sandfork_tls::KEY_ENV,
+                        sandfork_tls::CA_ENV
                     )
                 })?;
             files

@@ -123,7 +123,7 @@ pub struct Elsewhere {
     /// Each child made: its node's address and its id.
     made: Vec<(String, String)>,
     /// How those nodes are reached.
-    dialer: sandfork_cluster::tls::Dialer,
+    dialer: sandfork_tls::Dialer,
 }
 
 impl Elsewhere {
@@ -131,7 +131,7 @@ impl Elsewhere {
         Elsewhere {
             entries: vec![error_entry(status, message); count as usize],
             made: Vec::new(),
-            dialer: sandfork_cluster::tls::Dialer::plain(),
+            dialer: sandfork_tls::Dialer::plain(),
         }
     }
 
@@ -360,7 +360,7 @@ pub async fn elsewhere(
 
 /// Asks node `to` for `request.count` children.
 async fn ask(
-    dialer: &sandfork_cluster::tls::Dialer,
+    dialer: &sandfork_tls::Dialer,
     to: &NodeRecord,
     request: ChildrenRequest,
     api_key: &str,
@@ -421,7 +421,7 @@ async fn ask(
 /// One request to the node at `addr` with the caller's `api_key`: its
 /// status, whether it is a team's limit, and its body.
 async fn send(
-    dialer: &sandfork_cluster::tls::Dialer,
+    dialer: &sandfork_tls::Dialer,
     addr: &str,
     method: hyper::Method,
     uri: &str,

@@ -368,7 +368,7 @@ mod tests {
             prefix: format!("/internal/forks/{}/chunks", exported.id),
             api_key: "unused here".into(),
             token: token.into(),
-            dialer: sandfork_cluster::tls::Dialer::plain(),
+            dialer: sandfork_tls::Dialer::plain(),
         };
         let copy = dir.path().join("copy");
         let memory = &exported.manifest.files.memory[0];

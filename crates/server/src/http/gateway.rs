@@ -65,10 +65,10 @@ pub struct GatewayOptions {
     pub image_metadata_key: Option<String>,
     /// How the nodes' ports are reached (TLS with the gateway's
     /// certificate in a cluster with it).
-    pub dialer: sandfork_cluster::tls::Dialer,
+    pub dialer: sandfork_tls::Dialer,
 }
 
-type NodeClient = hyper_util::client::legacy::Client<sandfork_cluster::tls::Dialer, Body>;
+type NodeClient = hyper_util::client::legacy::Client<sandfork_tls::Dialer, Body>;
 
 /// How long an idle connection to a node is kept (a node's own idle timeout
 /// is longer).
@@ -76,7 +76,7 @@ const NODE_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The pool's connections are the cluster's dialer's (its connect timeout,
 /// TLS when the cluster has it).
-fn node_client(dialer: sandfork_cluster::tls::Dialer) -> NodeClient {
+fn node_client(dialer: sandfork_tls::Dialer) -> NodeClient {
     hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .pool_idle_timeout(NODE_IDLE_TIMEOUT)
         .pool_timer(hyper_util::rt::TokioTimer::new())

@@ -1,4 +1,4 @@
-//! A node's port under TLS ([`sandfork_cluster::tls`] sets it up): every
+//! A node's port under TLS ([`sandfork_tls`] sets it up): every
 //! client must present a certificate of the cluster's CA, and one that does
 //! not (or speaks plain HTTP) is closed after its failed handshake, before
 //! any request is read.

@@ -216,5 +216,5 @@ pub struct ClusterConfig {
     pub store_gc_every: Option<std::time::Duration>,
     /// TLS with both sides authenticated on the node's port, to the other
     /// nodes and to etcd (None: plain HTTP, the port kept private).
-    pub tls: Option<sandfork_cluster::tls::ClusterTls>,
+    pub tls: Option<sandfork_tls::ClusterTls>,
 }

@@ -11,7 +11,8 @@
 //!   whose chain leads to the CA. Names are not checked: nodes are reached
 //!   at the addresses etcd holds for them, which no certificate needs to
 //!   list, and the CA signs the cluster's parts only;
-//! - etcd is reached with the same certificate ([`ClusterTls::etcd`]);
+//! - etcd is reached with the same certificate (`sandfork-cluster` makes
+//!   its client options from [`ClusterTls::cert_pem`] and the others);
 //!   etcd's own server certificate must name the address it is reached at.
 //!
 //! [`make_certs`] makes a CA and per-part certificates for a test or a small
@@ -237,15 +238,20 @@ impl ClusterTls {
         }
     }
 
-    /// etcd's client options: this part's certificate, the CA's trust
-    /// (etcd's certificate must name the address in `--etcd`).
-    pub fn etcd(&self) -> etcd_client::TlsOptions {
-        etcd_client::TlsOptions::new()
-            .ca_certificate(etcd_client::Certificate::from_pem(&self.ca_pem))
-            .identity(etcd_client::Identity::from_pem(
-                &self.cert_pem,
-                &self.key_pem,
-            ))
+    /// The PEM text of this part's certificate (chain), for a client that
+    /// takes PEM rather than rustls's configs (etcd's).
+    pub fn cert_pem(&self) -> &[u8] {
+        &self.cert_pem
+    }
+
+    /// The PEM text of this part's private key.
+    pub fn key_pem(&self) -> &[u8] {
+        &self.key_pem
+    }
+
+    /// The PEM text of the cluster's CA certificate.
+    pub fn ca_pem(&self) -> &[u8] {
+        &self.ca_pem
     }
 }
 
