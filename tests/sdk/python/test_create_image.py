@@ -138,6 +138,29 @@ def test_eight_concurrent_creates_of_a_new_image_convert_it_once(
         _delete(image)
 
 
+def test_two_tags_of_one_image_share_its_template(node_auth: tuple[str, str]) -> None:
+    """A second tag of an image the node has is that image's template, named
+    by the tag too: no second boot, no second template or build."""
+    host, password = node_auth
+    suffix = secrets.token_hex(3)
+    first = _push(host, password, f"ta-{suffix}")
+    second = _push(host, password, f"tb-{suffix}")
+    try:
+        _sees_the_image(_create(first))
+        [template] = _image_templates(first)
+        started = time.monotonic()
+        _sees_the_image(_create(second))
+        print(f"second tag's create and command: {time.monotonic() - started:.1f} s")
+        listed = _image_templates(second)
+        assert [t["templateID"] for t in listed] == [template["templateID"]], listed
+        assert first in listed[0]["names"] and second in listed[0]["names"], listed
+        assert listed[0]["buildCount"] == 1, listed
+    finally:
+        _delete(first)
+    # one template, so deleting it by either name's id leaves neither
+    assert _image_templates(second) == []
+
+
 def test_the_metadata_key_names_the_image(node_auth: tuple[str, str]) -> None:
     host, password = node_auth
     key = os.environ.get("SDK_IMAGE_METADATA_KEY")

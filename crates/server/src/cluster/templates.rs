@@ -200,7 +200,7 @@ impl Durable {
                 files::put_json(self.store(), &name_key, &entry).await?;
             }
         }
-        if let Some(image) = &manifest.record.image {
+        for image in manifest.record.image_references() {
             files::put_json(self.store(), &image_key(image), &entry).await?;
         }
         let dropped = before.map(|b| b.record.names).unwrap_or_default();
@@ -405,7 +405,7 @@ impl Durable {
         let key = manifest_key(id);
         if let Some(manifest) = files::get_json::<TemplateManifest>(self.store(), &key).await? {
             self.let_go_of_names(id, &manifest.record.names).await?;
-            if let Some(image) = &manifest.record.image {
+            for image in manifest.record.image_references() {
                 self.let_go_of_key(id, &image_key(image)).await?;
             }
         }
@@ -537,9 +537,10 @@ impl Node {
             }
             // An image's conversion claimed here ends with its store, stored
             // or not: nodes waiting for it take it in, or convert it
-            // themselves.
-            if let Some(image) = record.and_then(|t| t.image) {
-                node.release_image(&image).await;
+            // themselves. A second tag of an image here was given its
+            // template: that tag's claim ends too.
+            for image in record.iter().flat_map(|t| t.image_references()) {
+                node.release_image(image).await;
             }
         });
     }

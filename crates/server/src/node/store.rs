@@ -325,6 +325,11 @@ pub struct TemplateRecord {
     /// uses it (see `crate::node::template::image_disk`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<String>,
+    /// The manifest digest of that image: a create naming the same image
+    /// by another reference (a second tag) is given this template, named
+    /// by that reference too, instead of a template of its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_digest: Option<String>,
     /// A filesystem-only snapshot (E2B's `memory: false`): its sandboxes
     /// cold-boot the node's kernel on their own layer over `root_layer`,
     /// and nothing restores its `snapshot` and `mem` (written all the same:
@@ -341,6 +346,18 @@ pub struct TemplateRecord {
 }
 
 impl TemplateRecord {
+    /// The image references that name it: its `image` and, for a template
+    /// converted from an image, the other references to the same image (a
+    /// second tag) that creates named it by since (in its `names`).
+    pub fn image_references(&self) -> Vec<&str> {
+        let Some(image) = self.image.as_deref() else {
+            return Vec::new();
+        };
+        let mut references = vec![image];
+        references.extend(self.names.iter().map(String::as_str).filter(|n| *n != image));
+        references
+    }
+
     pub fn is_snapshot(&self) -> bool {
         self.source_sandbox.is_some()
     }

@@ -399,6 +399,7 @@ impl Manager {
             // And its spare drives, as the source had them.
             volume_slots: source_template.map_or(0, |t| t.volume_slots),
             image: None,
+            image_digest: None,
             filesystem_only: params.filesystem_only,
             volume_mounts: sealed_volumes,
         };

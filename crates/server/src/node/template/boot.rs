@@ -264,6 +264,7 @@ pub async fn build(
         cpu_template: crate::node::config::cpu_template_name(pool.cpu_template()),
         volume_slots: volume::SLOTS,
         image: None,
+        image_digest: None,
         filesystem_only: false,
         volume_mounts: Vec::new(),
     })

@@ -17,6 +17,12 @@
 //! like any other (recorded `building`, listed, with its log), and a failed
 //! one leaves nothing: its build record and files are removed, and the next
 //! create of the image tries again.
+//!
+//! **One template per image, whatever names it**: a reference the node has
+//! not seen (a second tag) is resolved to its manifest digest, and when a
+//! template of that digest is here the reference becomes one more of its
+//! names; nothing is booted and its build record goes. Two references to
+//! one new image converted at the same moment still make two templates.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -344,7 +350,19 @@ impl Templates {
         };
         let store = self.manager().store();
         match &outcome {
-            Ok(()) => {
+            Ok(served) if *served != id => {
+                tracing::info!(
+                    "template {served}: named {name} too, the same image (found in {:.1} s)",
+                    started.elapsed().as_secs_f64()
+                );
+                // No template of its own: neither is its build.
+                if let Err(e) = store.remove_build(&id) {
+                    tracing::error!("template {id}: removing its build: {e}");
+                }
+                let _ = std::fs::remove_dir_all(self.manager().config().templates_dir().join(&id));
+                self.made_ready(served).await;
+            }
+            Ok(_) => {
                 tracing::info!(
                     "template {id} ({name}): converted in {:.1} s",
                     started.elapsed().as_secs_f64()
@@ -368,17 +386,19 @@ impl Templates {
         }
         self.running().remove(&id);
         self.flights().remove(&name);
-        tx.send_replace(Some(outcome));
+        tx.send_replace(Some(outcome.map(|_| ())));
     }
 
     /// Pulls, converts and boots the image into template `record`'s, and
-    /// records the template with the build, ready.
+    /// records the template with the build, ready; or, when a template of
+    /// the same image (by manifest digest) is here, names that one by the
+    /// record's name too. The id of the template that serves the image.
     async fn make_image_template(
         &self,
         reference: &Reference,
         record: &mut BuildRecord,
         log: &Arc<BuildLog>,
-    ) -> Result<(), ImageError> {
+    ) -> Result<String, ImageError> {
         let manager = self.manager();
         let config = manager.config();
         let name = record.name.clone();
@@ -401,6 +421,14 @@ impl Templates {
                 PullError::Convert(e) => failed(format!("converting: {e}")),
             })?;
         drop(one);
+        if let Some(id) = self
+            .name_image_template(&digest, &name)
+            .await
+            .map_err(|e| failed(format!("naming the template of {digest}: {e}")))?
+        {
+            log.push(&format!("image {name} is {digest}, template {id}'s image"));
+            return Ok(id);
+        }
         log.push(&format!("booting image {name} ({digest})"));
         let spec = BootSpec::from_image(&built, record.vcpus, record.mem_mib);
         let push = |line: &str| log.push(line);
@@ -409,6 +437,7 @@ impl Templates {
             .map_err(|e| failed(format!("booting: {e}")))?;
         template.names = vec![name.clone()];
         template.image = Some(name.clone());
+        template.image_digest = Some(digest.clone());
         log.push(&format!(
             "template ready in {:.1} s",
             now_ms().saturating_sub(record.started_at_ms) as f64 / 1000.0
@@ -422,7 +451,40 @@ impl Templates {
             .map_err(|e| {
                 let _ = std::fs::remove_dir_all(&template.dir);
                 failed(format!("recording the template: {e}"))
-            })
+            })?;
+        Ok(template.id)
+    }
+
+    /// Names the ready template converted from the image of manifest
+    /// `digest` by `name` too, if this node has one (made for this kernel,
+    /// its files all here): its id.
+    async fn name_image_template(
+        &self,
+        digest: &str,
+        name: &str,
+    ) -> Result<Option<String>, crate::node::store::StoreError> {
+        // Not while the disk bound's pass may evict it.
+        let _pass = self.image_disk_pass.lock().await;
+        let manager = self.manager();
+        let store = manager.store();
+        let kernel = &manager.config().kernel;
+        let found = store.templates()?.into_iter().find(|t| {
+            t.image_digest.as_deref() == Some(digest)
+                && !t.names.is_empty()
+                && t.kernel == *kernel
+                && [&t.snapshot, &t.mem, &t.root_layer]
+                    .iter()
+                    .all(|p| p.is_file())
+        });
+        let Some(mut template) = found else {
+            return Ok(None);
+        };
+        if !template.names.iter().any(|n| n == name) {
+            template.names.push(name.to_owned());
+            store.put_template(&template)?;
+        }
+        crate::node::sandbox::cache_bound::mark_used(&template.snapshot);
+        Ok(Some(template.id))
     }
 }
 
@@ -505,5 +567,96 @@ mod tests {
             image_of_create(Some("mine"), &BTreeMap::new(), key).unwrap(),
             None
         );
+    }
+
+    /// A template converted from the image of digest `D`, its files here: a
+    /// second reference to `D` is given it, named by that reference too
+    /// (once, however often asked); another digest, or a template of `D`
+    /// whose files are gone, or one for another kernel, gives none.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_second_reference_to_an_image_names_its_template() {
+        use crate::node::config::Config;
+        use crate::node::store::{Store, TemplateRecord};
+
+        let tmp = tempfile::tempdir().unwrap();
+        let data = tmp.path().join("data");
+        let mut config = Config::new(
+            "127.0.0.1:0".parse().unwrap(),
+            "/nonexistent/vmlinux".into(),
+            tmp.path().join("base.raw"),
+            "/nonexistent/sandfork-vmm".into(),
+        );
+        config.data_dir = data.clone();
+        config.run_dir = Some(data.join("run"));
+        config.pool_size = 0;
+        let store = Store::open(&tmp.path().join("s.redb")).unwrap();
+        let digest = format!("sha256:{}", "d".repeat(64));
+        let template = |id: &str, kernel: &str, with_files: bool| {
+            let dir = data.join("templates").join(id);
+            std::fs::create_dir_all(&dir).unwrap();
+            let t = TemplateRecord {
+                id: id.into(),
+                snapshot: dir.join("vm.state"),
+                mem: dir.join("vm.mem"),
+                root_layer: dir.join("root.layer"),
+                kernel: kernel.into(),
+                names: vec![format!("r.example/{id}:1")],
+                image: Some(format!("r.example/{id}:1")),
+                image_digest: Some(digest.clone()),
+                dir,
+                ..Default::default()
+            };
+            if with_files {
+                for f in [&t.snapshot, &t.mem, &t.root_layer] {
+                    std::fs::write(f, b"x").unwrap();
+                }
+            }
+            t
+        };
+        // Listed first, neither may serve: files gone, another kernel.
+        store
+            .put_template(&template("a-gone", "/nonexistent/vmlinux", false))
+            .unwrap();
+        store
+            .put_template(&template("b-old-kernel", "/other/vmlinux", true))
+            .unwrap();
+        store
+            .put_template(&template("c-ready", "/nonexistent/vmlinux", true))
+            .unwrap();
+        let manager = crate::node::sandbox::tests::with_store(config, store);
+        let templates = Templates::new(manager.clone());
+
+        for _ in 0..2 {
+            let served = templates
+                .name_image_template(&digest, "r.example/c-ready:2")
+                .await
+                .unwrap();
+            assert_eq!(served.as_deref(), Some("c-ready"));
+        }
+        let t = manager.store().template("c-ready").unwrap().unwrap();
+        assert_eq!(t.names, ["r.example/c-ready:1", "r.example/c-ready:2"]);
+        assert_eq!(
+            t.image_references(),
+            ["r.example/c-ready:1", "r.example/c-ready:2"]
+        );
+        assert_eq!(
+            manager
+                .resolve_template("r.example/c-ready:2")
+                .unwrap()
+                .id,
+            "c-ready"
+        );
+        let other = format!("sha256:{}", "e".repeat(64));
+        assert_eq!(
+            templates
+                .name_image_template(&other, "r.example/x:1")
+                .await
+                .unwrap(),
+            None
+        );
+        for id in ["a-gone", "b-old-kernel"] {
+            let t = manager.store().template(id).unwrap().unwrap();
+            assert_eq!(t.names.len(), 1, "{id}");
+        }
     }
 }
