@@ -20,7 +20,7 @@ use crate::devices::virtio::balloon::{BalloonConfig, BalloonHandle};
 use crate::devices::virtio::block::BlockConfig;
 use crate::devices::virtio::handoff::DeviceHandoff;
 use crate::devices::virtio::net::{NetConfig, Tap};
-use crate::snapshot::{ForkRequest, MicrovmState, SnapshotRequest, format};
+use crate::snapshot::{ForkRequest, MicrovmState, SnapshotError, SnapshotRequest, format};
 use crate::vmm::{VmEvent, VmExit, VmState, Vmm};
 use crate::vstate::memory::MemorySnapshotKind;
 use crate::vstate::vm::{Vm, VmError, supported_cpuid};
@@ -106,6 +106,17 @@ fn us(d: std::time::Duration) -> u64 {
 
 fn bad(message: impl Into<String>) -> VmmActionError {
     VmmActionError::bad_request(message)
+}
+
+/// A snapshot or fork that failed: a 400 when the VM runs on as it was
+/// (its caller may remove what it wrote), a 500 when the VM's state is in
+/// doubt ([`SnapshotError::InDoubt`]: its memory is on the files written).
+fn refused_or_failed(message: String, e: &SnapshotError) -> VmmActionError {
+    if e.in_doubt() {
+        VmmActionError::internal(message)
+    } else {
+        bad(message)
+    }
 }
 
 /// Refuses a path that cannot be opened as `what` needs it (read-only, or
@@ -487,7 +498,7 @@ impl Controller {
         let stats = self
             .running_vmm()?
             .snapshot(&request)
-            .map_err(|e| bad(format!("Cannot create the snapshot: {e}")))?;
+            .map_err(|e| refused_or_failed(format!("Cannot create the snapshot: {e}"), &e))?;
         tracing::info!(
             "snapshot {} written in {:?} ({} bytes of memory)",
             params.snapshot_path,
@@ -515,7 +526,7 @@ impl Controller {
         let outcome = self
             .running_vmm()?
             .fork(&request)
-            .map_err(|e| bad(format!("Cannot fork the microVM: {e}")))?;
+            .map_err(|e| refused_or_failed(format!("Cannot fork the microVM: {e}"), &e))?;
         tracing::info!(
             "forked into {} children; paused {:?} ({:?}), {} bytes of memory written",
             params.children,

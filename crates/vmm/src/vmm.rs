@@ -128,11 +128,26 @@ impl Vmm {
         }
         let watch = Stopwatch::start();
         self.mmio.pause();
-        let taken = self.capture_and_write(request);
+        let taken = self
+            .capture_and_write(request)
+            .map_err(|e| self.in_doubt_if_moved(e, &request.mem_path));
         let resumed = self.mmio.resume();
         let stats = watch.stats(taken?);
-        resumed?;
+        resumed.map_err(|e| SnapshotError::from(e).into_in_doubt())?;
         Ok(stats)
+    }
+
+    /// `e`, [`SnapshotError::InDoubt`] when the VM's memory already runs on
+    /// `mem_path` (the point after which a snapshot or fork cannot be
+    /// undone by removing its files).
+    fn in_doubt_if_moved(&self, e: SnapshotError, mem_path: &std::path::Path) -> SnapshotError {
+        let moved = self
+            .ram
+            .state()
+            .layers
+            .last()
+            .is_some_and(|layer| layer.path == mem_path);
+        if moved { e.into_in_doubt() } else { e }
     }
 
     /// Turns this VM into the parent of `request.children` forks: freezes its
@@ -166,7 +181,9 @@ impl Vmm {
         }
         self.mmio.pause();
         let frozen = watch.elapsed();
-        let taken = self.fork_paused(request, prepared);
+        let taken = self
+            .fork_paused(request, prepared)
+            .map_err(|e| self.in_doubt_if_moved(e, &request.mem_path));
         let resuming = watch.elapsed();
         let devices = self.mmio.resume();
         let vcpus = if was_running { self.resume() } else { Ok(()) };
@@ -177,8 +194,8 @@ impl Vmm {
             branches,
             mut steps,
         } = taken?;
-        devices?;
-        vcpus?;
+        devices.map_err(|e| SnapshotError::from(e).into_in_doubt())?;
+        vcpus.map_err(|e| SnapshotError::from(e).into_in_doubt())?;
         steps.disks_prepared = disks_prepared;
         steps.freeze = frozen;
         steps.resume = paused.saturating_sub(resuming);

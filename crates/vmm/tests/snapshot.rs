@@ -154,6 +154,47 @@ async fn a_counting_guest_keeps_counting_after_pause_snapshot_and_restore() {
         diff_size * 4 < full_size,
         "diff {diff_size} vs full {full_size}"
     );
+
+    // A snapshot that fails before the VM's memory moved (its memory
+    // file's directory is missing) is refused, a 400: its caller may take
+    // the VM for unchanged. One that fails after (its state's directory is
+    // missing, its memory written and mapped) is a 500 that says the VM is
+    // in doubt: its memory now lives in the file written.
+    let missing = snapshots.path().join("missing");
+    let attempt = |state: &Path, mem: &Path| vmm_api::SnapshotCreateParams {
+        snapshot_type: SnapshotType::Full,
+        snapshot_path: state.display().to_string(),
+        mem_file_path: mem.display().to_string(),
+    };
+    let status = |r: Result<(), vmm_driver::ClientError>| match r {
+        Err(vmm_driver::ClientError::Api {
+            status,
+            fault_message,
+        }) => (status, fault_message),
+        other => panic!("expected the VMM's refusal, got {other:?}"),
+    };
+    let (code, why) = status(
+        source
+            .api()
+            .create_snapshot(&attempt(
+                &snapshots.path().join("r.state"),
+                &missing.join("r.mem"),
+            ))
+            .await,
+    );
+    assert_eq!(code, 400, "{why}");
+    assert!(!why.contains("in doubt"), "{why}");
+    let (code, why) = status(
+        source
+            .api()
+            .create_snapshot(&attempt(
+                &missing.join("f.state"),
+                &snapshots.path().join("f.mem"),
+            ))
+            .await,
+    );
+    assert_eq!(code, 500, "{why}");
+    assert!(why.contains("in doubt"), "{why}");
     drop(source);
 
     // The snapshot outlives the VMM that took it.

@@ -354,7 +354,12 @@ impl TemplateRecord {
             return Vec::new();
         };
         let mut references = vec![image];
-        references.extend(self.names.iter().map(String::as_str).filter(|n| *n != image));
+        references.extend(
+            self.names
+                .iter()
+                .map(String::as_str)
+                .filter(|n| *n != image),
+        );
         references
     }
 

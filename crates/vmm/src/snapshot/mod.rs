@@ -109,6 +109,25 @@ pub enum SnapshotError {
     Memory(#[from] crate::vstate::memory::MemoryError),
     #[error("{0}")]
     Format(#[from] format::FormatError),
+    /// It failed after the VM's memory moved onto the file it wrote (or
+    /// while the VM resumed): the VM is not as it was, and the files it
+    /// wrote are its own now.
+    #[error("{0} (after the microVM's memory moved onto the new files: its state is in doubt)")]
+    InDoubt(Box<SnapshotError>),
+}
+
+impl SnapshotError {
+    /// Whether the VM changed before the failure ([`SnapshotError::InDoubt`]).
+    pub fn in_doubt(&self) -> bool {
+        matches!(self, SnapshotError::InDoubt(_))
+    }
+
+    pub(crate) fn into_in_doubt(self) -> SnapshotError {
+        match self {
+            SnapshotError::InDoubt(_) => self,
+            e => SnapshotError::InDoubt(Box::new(e)),
+        }
+    }
 }
 
 /// Times a snapshot.

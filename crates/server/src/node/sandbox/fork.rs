@@ -10,11 +10,11 @@ use vmm_api::ForkInfo;
 use vmm_driver::process::{ProcessError, Restore};
 
 use super::child::ChildGuest;
-use super::live::{self, Phase};
+use super::live::{self, Phase, Sandbox};
 use super::{Manager, SandboxError, io};
 use crate::node::capacity::{Ask, Reservation};
 use crate::node::ids;
-use crate::node::launch::{Guest, LaunchTimes, Taken};
+use crate::node::launch::{Guest, LaunchTimes, Launched, Taken};
 use crate::node::store::{SandboxRecord, VolumeMount};
 use crate::node::volume;
 
@@ -131,10 +131,11 @@ pub struct Frozen {
     pub raw_base: Option<(PathBuf, u64)>,
 }
 
-/// Whether a fork's failure leaves the parent's VMM in doubt: only a
-/// request never sent, or one the VMM refused (a 4xx, before it froze
-/// anything), leaves it as it was.
-fn parent_unknown_after(e: &SandboxError) -> bool {
+/// Whether a fork's (or a snapshot's) failure leaves the parent's VMM in
+/// doubt: only a request never sent, or one the VMM refused (a 4xx: its
+/// memory and disks did not move onto the new files), leaves it as it
+/// was.
+pub(super) fn parent_unknown_after(e: &SandboxError) -> bool {
     use vmm_driver::ClientError;
     !matches!(
         e,
@@ -147,6 +148,25 @@ fn parent_unknown_after(e: &SandboxError) -> bool {
 }
 
 impl Manager {
+    /// Stops sandbox `id`, whose `what` (a fork, a snapshot) failed inside
+    /// its VMM after its disk or memory may have moved onto the files that
+    /// are about to be removed: the error that says so.
+    pub(super) async fn stop_in_doubt(
+        &self,
+        id: &str,
+        sandbox: &Arc<Sandbox>,
+        guest: tokio::sync::MutexGuard<'_, Option<Launched>>,
+        what: &str,
+        e: SandboxError,
+    ) -> SandboxError {
+        tracing::error!("sandbox {id}: its {what} failed inside its VMM ({e}): stopped");
+        let stopped = self.remove(id, Some(sandbox), Some(guest)).await;
+        SandboxError::Unavailable(format!(
+            "{e}; the sandbox was stopped (its disk and memory are in doubt){}",
+            stopped.err().map(|s| format!(": {s}")).unwrap_or_default()
+        ))
+    }
+
     /// A new directory for a fork's files (frozen memory, state, every new
     /// root layer): they are shared by parent and children, so they live
     /// outside any one sandbox's directory.
@@ -324,12 +344,7 @@ impl Manager {
                 // fork's directory, which goes now: the node cannot vouch
                 // for the parent's disk or memory, so it is stopped.
                 let e = if parent_unknown_after(&e) {
-                    tracing::error!("sandbox {id}: its fork failed inside its VMM ({e}): stopped");
-                    let stopped = self.remove(id, Some(&sandbox), Some(guest)).await;
-                    SandboxError::Unavailable(format!(
-                        "{e}; the sandbox was stopped (its disk and memory are in doubt){}",
-                        stopped.err().map(|s| format!(": {s}")).unwrap_or_default()
-                    ))
+                    self.stop_in_doubt(id, &sandbox, guest, "fork", e).await
                 } else {
                     e
                 };

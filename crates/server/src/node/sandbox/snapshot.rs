@@ -319,6 +319,12 @@ impl Manager {
         let (new_root, moved, info) = match new_layers {
             Ok(r) => r,
             Err(e) => {
+                // The source may run on the files about to go: stopped.
+                let e = if super::fork::parent_unknown_after(&e) {
+                    self.stop_in_doubt(id, &sandbox, guest, "snapshot", e).await
+                } else {
+                    e
+                };
                 let _ = std::fs::remove_dir_all(&dir);
                 let _ = std::fs::remove_dir_all(&disk_dir);
                 return Err(e);

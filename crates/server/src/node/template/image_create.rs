@@ -640,10 +640,7 @@ mod tests {
             ["r.example/c-ready:1", "r.example/c-ready:2"]
         );
         assert_eq!(
-            manager
-                .resolve_template("r.example/c-ready:2")
-                .unwrap()
-                .id,
+            manager.resolve_template("r.example/c-ready:2").unwrap().id,
             "c-ready"
         );
         let other = format!("sha256:{}", "e".repeat(64));
