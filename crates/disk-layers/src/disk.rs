@@ -502,38 +502,13 @@ impl LayeredDisk {
             (l.path.clone(), l.header.clone())
         };
 
-        let mut created: Vec<LayerFile> = Vec::with_capacity(all.len());
-        let made = (|| {
-            for p in &all {
-                let header = Header {
-                    generation: 1,
-                    sealed: false,
-                    shared: false,
-                    cluster_shift: self.cluster_shift,
-                    disk_size: self.size,
-                    id: random_id()?,
-                    parent: Parent::Layer {
-                        path: record_parent(p, &parent_path)?,
-                        id: parent_header.id,
-                    },
-                    bitmap_crc: 0,
-                    allocated: 0,
-                };
-                created.push(LayerFile::create_unsynced(p, header)?);
-            }
-            // Their contents durable all at once rather than one after the
-            // other: a journalling filesystem then commits them together
-            // instead of once per child (the forked VM stands still).
-            sync_all(&created)?;
-            // One directory sync for all the new entries of a directory.
-            let mut synced: Vec<&Path> = Vec::new();
-            for p in &all {
-                let dir = p.parent().unwrap_or(Path::new(""));
-                if !synced.contains(&dir) {
-                    sync_dir(p).map_err(io_err("cannot sync the directory of", *p))?;
-                    synced.push(dir);
-                }
-            }
+        let created = create_children(
+            &parent_path,
+            parent_header.id,
+            (self.cluster_shift, self.size),
+            &all,
+        )?;
+        let sealed = (|| {
             if let Some(top) = st.top.as_mut() {
                 let pages = top.take_dirty_pages();
                 if let Err(e) = write_back(&top.sync, &pages) {
@@ -544,7 +519,7 @@ impl LayeredDisk {
             }
             Ok(())
         })();
-        if let Err(e) = made {
+        if let Err(e) = sealed {
             for l in &created {
                 let _ = std::fs::remove_file(&l.path);
             }
@@ -632,44 +607,67 @@ impl SealedLayer {
                 )));
             }
         }
-        let mut created: Vec<LayerFile> = Vec::with_capacity(children.len());
-        let made = (|| {
-            for p in children {
-                let header = Header {
-                    generation: 1,
-                    sealed: false,
-                    shared: false,
-                    cluster_shift: self.cluster_shift,
-                    disk_size: self.disk_size,
-                    id: random_id()?,
-                    parent: Parent::Layer {
-                        path: record_parent(p, &self.path)?,
-                        id: self.id,
-                    },
-                    bitmap_crc: 0,
-                    allocated: 0,
-                };
-                created.push(LayerFile::create_unsynced(p, header)?);
-            }
-            sync_all(&created)?;
-            let mut synced: Vec<&Path> = Vec::new();
-            for p in children {
-                let dir = p.parent().unwrap_or(Path::new(""));
-                if !synced.contains(&dir) {
-                    sync_dir(p).map_err(io_err("cannot sync the directory of", p))?;
-                    synced.push(dir);
-                }
-            }
-            Ok(())
-        })();
-        if let Err(e) = made {
-            for l in &created {
-                let _ = std::fs::remove_file(&l.path);
-            }
-            return Err(e);
-        }
+        let paths: Vec<&Path> = children.iter().map(PathBuf::as_path).collect();
+        create_children(
+            &self.path,
+            self.id,
+            (self.cluster_shift, self.disk_size),
+            &paths,
+        )?;
         Ok(())
     }
+}
+
+/// Creates one new writable layer per path in `paths` on the layer at
+/// `parent` (id `parent_id`), of `(cluster_shift, disk_size)`, durable when
+/// it returns; on failure every file made here is removed.
+fn create_children(
+    parent: &Path,
+    parent_id: [u8; 16],
+    (cluster_shift, disk_size): (u32, u64),
+    paths: &[&Path],
+) -> Result<Vec<LayerFile>> {
+    let mut created: Vec<LayerFile> = Vec::with_capacity(paths.len());
+    let made = (|| {
+        for p in paths {
+            let header = Header {
+                generation: 1,
+                sealed: false,
+                shared: false,
+                cluster_shift,
+                disk_size,
+                id: random_id()?,
+                parent: Parent::Layer {
+                    path: record_parent(p, parent)?,
+                    id: parent_id,
+                },
+                bitmap_crc: 0,
+                allocated: 0,
+            };
+            created.push(LayerFile::create_unsynced(p, header)?);
+        }
+        // Their contents durable all at once rather than one after the
+        // other: a journalling filesystem then commits them together
+        // instead of once per child (a forked VM may stand still).
+        sync_all(&created)?;
+        // One directory sync for all the new entries of a directory.
+        let mut synced: Vec<&Path> = Vec::new();
+        for p in paths {
+            let dir = p.parent().unwrap_or(Path::new(""));
+            if !synced.contains(&dir) {
+                sync_dir(p).map_err(io_err("cannot sync the directory of", *p))?;
+                synced.push(dir);
+            }
+        }
+        Ok(())
+    })();
+    if let Err(e) = made {
+        for l in &created {
+            let _ = std::fs::remove_file(&l.path);
+        }
+        return Err(e);
+    }
+    Ok(created)
 }
 
 impl LayeredDisk {
