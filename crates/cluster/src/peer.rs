@@ -9,26 +9,31 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper::{Method, Request, StatusCode};
-use hyper_util::rt::TokioIo;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::files::{ChunkSource, FileError};
 
 /// One chunk may take this long (4 MiB on a slow link).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a connection to the node is kept between chunks.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// The header carrying the fork's token (besides the API key).
 pub const TOKEN_HEADER: &str = "x-sandfork-fork-token";
 
-/// Another node's files, as chunks by digest (cheap to clone).
+/// Another node's files, as chunks by digest (cheap to clone: the clones
+/// share one pool of connections to the node, so a file of many chunks
+/// costs a connection, and under TLS a handshake, per concurrent fetch
+/// rather than per chunk).
 #[derive(Clone)]
 pub struct PeerChunks {
     /// `host:port` of the node's API.
-    pub addr: String,
+    addr: String,
     /// The path the digest is appended to (`/internal/forks/{id}/chunks`).
-    pub prefix: String,
-    pub api_key: String,
-    pub token: String,
-    /// How the node's port is reached (TLS in a cluster with it).
-    pub dialer: sandfork_tls::Dialer,
+    prefix: String,
+    api_key: String,
+    token: String,
+    client: Client<sandfork_tls::Dialer, Empty<Bytes>>,
 }
 
 impl std::fmt::Debug for PeerChunks {
@@ -38,6 +43,29 @@ impl std::fmt::Debug for PeerChunks {
 }
 
 impl PeerChunks {
+    /// The chunks node `addr` (`host:port`) serves under `prefix`, asked
+    /// for with `api_key` and the fork's `token`, over connections `dialer`
+    /// makes (TLS in a cluster with it).
+    pub fn new(
+        addr: String,
+        prefix: String,
+        api_key: String,
+        token: String,
+        dialer: sandfork_tls::Dialer,
+    ) -> PeerChunks {
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(IDLE_TIMEOUT)
+            .pool_timer(TokioTimer::new())
+            .build(dialer);
+        PeerChunks {
+            addr,
+            prefix,
+            api_key,
+            token,
+            client,
+        }
+    }
+
     fn error(&self, reason: String) -> FileError {
         FileError::Peer {
             node: self.addr.clone(),
@@ -50,25 +78,17 @@ impl PeerChunks {
         if digest.is_empty() || !digest.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(self.error(format!("not a chunk digest: {digest:?}")));
         }
-        let stream = self
-            .dialer
-            .connect(&self.addr)
-            .await
-            .map_err(|e| self.error(format!("connecting: {e}")))?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| self.error(format!("handshake: {e}")))?;
-        tokio::spawn(conn);
+        // The dialer takes the authority whatever the scheme (TLS is its).
         let req = Request::builder()
             .method(Method::GET)
-            .uri(format!("{}/{digest}", self.prefix))
-            .header(hyper::header::HOST, &self.addr)
+            .uri(format!("http://{}{}/{digest}", self.addr, self.prefix))
             .header("x-api-key", &self.api_key)
             .header(TOKEN_HEADER, &self.token)
             .body(Empty::<Bytes>::new())
             .map_err(|e| self.error(e.to_string()))?;
-        let answer = sender
-            .send_request(req)
+        let answer = self
+            .client
+            .request(req)
             .await
             .map_err(|e| self.error(format!("request: {e}")))?;
         let status = answer.status();

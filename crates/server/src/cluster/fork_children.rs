@@ -84,13 +84,13 @@ impl Node {
             req.timeout_secs
                 .clamp(1, manager.config().max_timeout.as_secs().max(1)),
         );
-        let source = PeerChunks {
-            addr: req.source.clone(),
-            prefix: format!("/internal/forks/{}/chunks", req.export),
-            api_key: api_key.to_owned(),
-            token: req.token.as_str().to_owned(),
-            dialer: self.dialer.clone(),
-        };
+        let source = PeerChunks::new(
+            req.source.clone(),
+            format!("/internal/forks/{}/chunks", req.export),
+            api_key.to_owned(),
+            req.token.as_str().to_owned(),
+            self.dialer.clone(),
+        );
         let cache_dir = manager.config().cluster_cache_dir();
         let started = Instant::now();
         let fork = &req.fork;

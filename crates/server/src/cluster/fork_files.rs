@@ -363,12 +363,14 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         tokio::spawn(async move { axum::serve(listener, app).await });
-        let peer = |token: &str| sandfork_cluster::peer::PeerChunks {
-            addr: addr.clone(),
-            prefix: format!("/internal/forks/{}/chunks", exported.id),
-            api_key: "unused here".into(),
-            token: token.into(),
-            dialer: sandfork_tls::Dialer::plain(),
+        let peer = |token: &str| {
+            sandfork_cluster::peer::PeerChunks::new(
+                addr.clone(),
+                format!("/internal/forks/{}/chunks", exported.id),
+                "unused here".into(),
+                token.into(),
+                sandfork_tls::Dialer::plain(),
+            )
         };
         let copy = dir.path().join("copy");
         let memory = &exported.manifest.files.memory[0];
