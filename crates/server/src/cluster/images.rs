@@ -61,6 +61,12 @@ impl Node {
                     ))
                 })?;
             if let Some(t) = taken {
+                // Here already under another reference to the same image
+                // (a second tag), it is named by this one too.
+                templates
+                    .name_image_template_by_id(&t.id, &name)
+                    .await
+                    .map_err(SandboxError::from)?;
                 tracing::info!(
                     "cluster: image {name}: template {} taken in from the object store, not \
                      pulled ({:.1} s after the create asked)",

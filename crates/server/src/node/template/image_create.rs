@@ -476,16 +476,44 @@ impl Templates {
                     .iter()
                     .all(|p| p.is_file())
         });
-        let Some(mut template) = found else {
+        let Some(template) = found else {
             return Ok(None);
         };
-        if !template.names.iter().any(|n| n == name) {
-            template.names.push(name.to_owned());
-            store.put_template(&template)?;
-        }
-        crate::node::sandbox::cache_bound::mark_used(&template.snapshot);
-        Ok(Some(template.id))
+        add_name(store, template, name).map(Some)
     }
+
+    /// Names image template `id` by `name` too: another reference to its
+    /// image (a cluster's object store says so, having it under that
+    /// reference). Nothing for a template not converted from an image.
+    pub async fn name_image_template_by_id(
+        &self,
+        id: &str,
+        name: &str,
+    ) -> Result<(), crate::node::store::StoreError> {
+        let _pass = self.image_disk_pass.lock().await;
+        let store = self.manager().store();
+        if let Some(template) = store.template(id)?
+            && template.image.is_some()
+        {
+            add_name(store, template, name)?;
+        }
+        Ok(())
+    }
+}
+
+/// `name` added to image template `template`'s names (when missing), its
+/// use marked (a create of it follows): its id.
+fn add_name(
+    store: &crate::node::store::Store,
+    mut template: crate::node::store::TemplateRecord,
+    name: &str,
+) -> Result<String, crate::node::store::StoreError> {
+    if !template.names.iter().any(|n| n == name) {
+        template.names.push(name.to_owned());
+        store.put_template(&template)?;
+    }
+    crate::node::sandbox::cache_bound::mark_used(&template.snapshot);
+    Ok(template.id)
 }
 
 #[cfg(test)]
@@ -655,5 +683,29 @@ mod tests {
             let t = manager.store().template(id).unwrap().unwrap();
             assert_eq!(t.names.len(), 1, "{id}");
         }
+
+        // By id, as a cluster's object store names a template taken in (or
+        // here already) under another reference: an image's template gets
+        // the name, once; any other template does not.
+        for _ in 0..2 {
+            templates
+                .name_image_template_by_id("b-old-kernel", "r.example/b:2")
+                .await
+                .unwrap();
+        }
+        let t = manager.store().template("b-old-kernel").unwrap().unwrap();
+        assert_eq!(t.names, ["r.example/b-old-kernel:1", "r.example/b:2"]);
+        let plain = TemplateRecord {
+            id: "d-plain".into(),
+            names: vec!["mine".into()],
+            ..Default::default()
+        };
+        manager.store().put_template(&plain).unwrap();
+        templates
+            .name_image_template_by_id("d-plain", "r.example/d:1")
+            .await
+            .unwrap();
+        let t = manager.store().template("d-plain").unwrap().unwrap();
+        assert_eq!(t.names, ["mine"]);
     }
 }
