@@ -4,7 +4,8 @@ in the object store; a create of that image straight on another node takes
 the template in from the store instead of pulling and converting the image
 again (the registry is not asked for anything); creates of it through the
 gateway, by the image metadata key, go to the nodes that have its template;
-and two creates of a new image at once, on two nodes, convert it once.
+two creates of a new image at once, on two nodes, convert it once; and a
+second tag of the image, on a node that has its template, is that template.
 
 The registry is Debian's `docker-registry` on the cut network's host end
 (every node reaches it, the cut-off node's namespace too), holding the
@@ -190,8 +191,10 @@ def test_creates_by_the_metadata_key_go_where_its_template_is(
 def test_a_new_image_created_on_two_nodes_at_once_is_converted_once(
     cluster: Cluster, registry: Registry
 ) -> None:
+    # Another image (its own manifest digest), not a second tag of v1's,
+    # which a node holding v1's template would just name it by.
     image = f"{registry.host}/task/img:twice"
-    oci_registry.retag(f"{registry.host}/task/img:v1", image)
+    oci_registry.push(cluster.work / "registry-twice", image, variant="twice")
     two = live_nodes(cluster)[:2]
     with ThreadPoolExecutor(2) as pool:
         made = list(pool.map(lambda n: create(cluster, n.api, {"templateID": image}), two))
@@ -203,6 +206,30 @@ def test_a_new_image_created_on_two_nodes_at_once_is_converted_once(
             sees_the_image(cluster, sandbox)
     finally:
         cluster.rm(*made)
+
+
+def test_a_second_tag_of_an_image_is_its_template(
+    cluster: Cluster, registry: Registry, first: First
+) -> None:
+    """Created on the node that holds v1's template, another tag of the same
+    image (its manifest digest) is that template, named by the tag too:
+    nothing is booted, and the node publishes the new name."""
+    image = f"{registry.host}/task/img:again"
+    oci_registry.retag(first.image, image)
+    maker = cluster.nodes[first.maker]
+    sandbox = create(cluster, maker.api, {"templateID": image})
+    try:
+        assert cluster.owner(sandbox) == maker.id
+        said = f"named {image} too, the same image"
+        assert said in maker.log_path.read_text(errors="replace"), f"{maker.id} booted {image}"
+        sees_the_image(cluster, sandbox)
+        wait_until(
+            lambda: cluster.has_template(maker.id, image),
+            30,
+            f"{maker.id} does not publish that it has {image}",
+        )
+    finally:
+        cluster.rm(sandbox)
 
 
 def test_the_claims_are_given_back(cluster: Cluster) -> None:

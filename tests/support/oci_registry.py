@@ -96,8 +96,10 @@ def layer() -> bytes:
     return buf.getvalue()
 
 
-def layout(dir: Path) -> None:
-    """The image as an OCI layout in `dir` (one manifest, untagged)."""
+def layout(dir: Path, variant: str | None = None) -> None:
+    """The image as an OCI layout in `dir` (one manifest, untagged); with
+    `variant`, a label in its config makes it another image (its own
+    manifest digest) over the same layer."""
     blobs = dir / "blobs" / "sha256"
     blobs.mkdir(parents=True)
 
@@ -113,6 +115,7 @@ def layout(dir: Path) -> None:
             "config": {
                 "Env": ["PATH=/usr/bin:/bin", "IMAGE_VAR=from the image"],
                 "WorkingDir": "/srv",
+                **({"Labels": {"sandfork.test.variant": variant}} if variant else {}),
             },
             "rootfs": {"type": "layers", "diff_ids": [f"sha256:{sha(root)}"]},
         }
@@ -187,12 +190,18 @@ def free_port_on(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def push(dir: Path, dest: str, creds: str | None = None, name: str | None = None) -> None:
-    """The image (its OCI layout made in `dir` first, when it has none;
-    the one tagged `name` of a layout holding several) to `dest`
+def push(
+    dir: Path,
+    dest: str,
+    creds: str | None = None,
+    name: str | None = None,
+    variant: str | None = None,
+) -> None:
+    """The image (its OCI layout made in `dir` first, when it has none, of
+    `variant`; the one tagged `name` of a layout holding several) to `dest`
     (`host:port/repo:tag`) in plain HTTP, with `creds` (`user:password`)."""
     if not (dir / "index.json").exists():
-        layout(dir)
+        layout(dir, variant)
     argv = ["skopeo", "copy", "--quiet", "--dest-tls-verify=false"]
     if creds:
         argv.append(f"--dest-creds={creds}")
