@@ -13,9 +13,9 @@
 #      between the parts), SANDFORK_CLUSTER_TLS=1 or 0 (TLS on or off in
 #      any tier).
 # Out: the logs, bench.json and junit.xml in
-#      /var/cache/sandfork/lab-rw/cluster-test.XXXXXX (the lab can write
-#      there only; removed at a run a day later); the bench line at the
-#      end.
+#      /var/cache/sandfork/lab-rw/cluster-test.XXXXXX (removed at a run a
+#      day later); the bench line at the end. The lab writes there and in
+#      the build cache (the nodes' pulled images and converted ones).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/node.sh
@@ -42,7 +42,13 @@ lab_timeout=2400
 if [[ ${SANDFORK_TEST_TIER:-} == long || ${SANDFORK_CLUSTER_TLS:-} == 1 ]]; then
     lab_timeout=5400
 fi
-lab=("$target/debug/sandfork-lab" run --cpus 1 --timeout "$lab_timeout" --rw "$rw" --
+# The nodes pull and convert images into the build cache, as `serve` in the
+# lab does (crates/cli/src/serve.rs): shared read-write, with the work dir
+# (under it, unless SANDFORK_CACHE is elsewhere).
+cache=$(realpath "${SANDFORK_CACHE:-/var/cache/sandfork}")
+shares=(--rw "$cache")
+[[ $rw == "$cache"/* ]] || shares+=(--rw "$rw")
+lab=("$target/debug/sandfork-lab" run --cpus 1 --timeout "$lab_timeout" "${shares[@]}" --
     env "CARGO_TARGET_DIR=$target" "SANDFORK_KERNEL=$SANDFORK_KERNEL" "SANDFORK_ROOTFS=$SANDFORK_ROOTFS"
     "SANDFORK_VMM=${SANDFORK_VMM:-$target/debug/sandfork-vmm}" "SANDFORK_CLUSTER_SDK=${SANDFORK_CLUSTER_SDK:-}"
     "SANDFORK_TEST_TIER=${SANDFORK_TEST_TIER:-}" "SANDFORK_CLUSTER_TLS=${SANDFORK_CLUSTER_TLS:-}"
