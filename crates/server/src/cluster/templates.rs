@@ -570,7 +570,6 @@ mod tests {
     use sandfork_cluster::harness::SeaweedFs;
 
     use super::*;
-    use crate::node::config::Config;
     use crate::node::store::Store;
 
     const TEAM: &str = "team_0123456789abcdef";
@@ -578,15 +577,7 @@ mod tests {
     /// A node's manager on `data`, whose root image is `rootfs` (no VMM
     /// runs: the files are only stored and placed).
     fn manager(data: &Path, rootfs: &Path) -> Arc<Manager> {
-        let mut config = Config::new(
-            "127.0.0.1:0".parse().unwrap(),
-            "/nonexistent/vmlinux".into(),
-            rootfs.to_owned(),
-            "/nonexistent/sandfork-vmm".into(),
-        );
-        config.data_dir = data.to_owned();
-        config.run_dir = Some(data.join("run"));
-        config.pool_size = 0;
+        let config = crate::node::sandbox::tests::offline_config(data, rootfs.to_owned());
         std::fs::create_dir_all(data).unwrap();
         let store = Store::open(&data.join("s.redb")).unwrap();
         crate::node::sandbox::tests::with_store(config, store)

@@ -186,7 +186,6 @@ mod tests {
     use disk_layers::LayeredDisk;
 
     use super::*;
-    use crate::node::config::Config;
     use crate::node::store::{Store, TemplateRecord};
 
     const HOUR: Duration = Duration::from_secs(3600);
@@ -223,15 +222,7 @@ mod tests {
             .unwrap()
             .set_len(8 << 20)
             .unwrap();
-        let mut config = Config::new(
-            "127.0.0.1:0".parse().unwrap(),
-            "/nonexistent/vmlinux".into(),
-            raw.clone(),
-            "/nonexistent/sandfork-vmm".into(),
-        );
-        config.data_dir = data.clone();
-        config.run_dir = Some(data.join("run"));
-        config.pool_size = 0;
+        let mut config = crate::node::sandbox::tests::offline_config(&data, raw.clone());
         let cache = config.cluster_cache_dir();
         std::fs::create_dir_all(&cache).unwrap();
 

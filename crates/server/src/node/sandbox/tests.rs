@@ -3,6 +3,7 @@
 //! refuses the paused sandbox's snapshot (its files hold no snapshot), so
 //! that every restore fails, after the VMM process ran.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -79,6 +80,22 @@ fn manager(data: &std::path::Path) -> Arc<Manager> {
         std::fs::write(data.join(f), b"not a snapshot").unwrap();
     }
     with_store(config, store)
+}
+
+/// A node's config for a test that boots nothing: no kernel or VMM binary
+/// (their paths do not exist), no warm pool, its data (and run dir) in
+/// `data`, its base image `rootfs`.
+pub(crate) fn offline_config(data: &Path, rootfs: PathBuf) -> Config {
+    let mut config = Config::new(
+        "127.0.0.1:0".parse().unwrap(),
+        "/nonexistent/vmlinux".into(),
+        rootfs,
+        "/nonexistent/sandfork-vmm".into(),
+    );
+    config.data_dir = data.to_owned();
+    config.run_dir = Some(data.join("run"));
+    config.pool_size = 0;
+    config
 }
 
 /// A manager of `config` (no VMM pool; its base template's files in

@@ -603,20 +603,12 @@ mod tests {
     /// whose files are gone, or one for another kernel, gives none.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_second_reference_to_an_image_names_its_template() {
-        use crate::node::config::Config;
         use crate::node::store::{Store, TemplateRecord};
 
         let tmp = tempfile::tempdir().unwrap();
         let data = tmp.path().join("data");
-        let mut config = Config::new(
-            "127.0.0.1:0".parse().unwrap(),
-            "/nonexistent/vmlinux".into(),
-            tmp.path().join("base.raw"),
-            "/nonexistent/sandfork-vmm".into(),
-        );
-        config.data_dir = data.clone();
-        config.run_dir = Some(data.join("run"));
-        config.pool_size = 0;
+        let config =
+            crate::node::sandbox::tests::offline_config(&data, tmp.path().join("base.raw"));
         let store = Store::open(&tmp.path().join("s.redb")).unwrap();
         let digest = format!("sha256:{}", "d".repeat(64));
         let template = |id: &str, kernel: &str, with_files: bool| {

@@ -448,7 +448,6 @@ mod tests {
     use std::fs::FileTimes;
 
     use super::*;
-    use crate::node::config::Config;
     use crate::node::store::{SandboxRecord, Store, TemplateRecord};
 
     const MIB: u64 = 1 << 20;
@@ -609,15 +608,8 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let (data, cache) = (tmp.path().join("data"), tmp.path().join("cache"));
         std::fs::create_dir_all(&data).unwrap();
-        let mut config = Config::new(
-            "127.0.0.1:0".parse().unwrap(),
-            "/nonexistent/vmlinux".into(),
-            tmp.path().join("base.raw"),
-            "/nonexistent/sandfork-vmm".into(),
-        );
-        config.data_dir = data.clone();
-        config.run_dir = Some(data.join("run"));
-        config.pool_size = 0;
+        let mut config =
+            crate::node::sandbox::tests::offline_config(&data, tmp.path().join("base.raw"));
         config.build_cache = Some(cache.clone());
         config.capacity.image_disk = marks(0.0, 0.0);
         let store = Store::open(&data.join("s.redb")).unwrap();
@@ -694,15 +686,8 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let (data, cache) = (tmp.path().join("data"), tmp.path().join("cache"));
         std::fs::create_dir_all(&data).unwrap();
-        let mut config = Config::new(
-            "127.0.0.1:0".parse().unwrap(),
-            "/nonexistent/vmlinux".into(),
-            tmp.path().join("base.raw"),
-            "/nonexistent/sandfork-vmm".into(),
-        );
-        config.data_dir = data.clone();
-        config.run_dir = Some(data.join("run"));
-        config.pool_size = 0;
+        let mut config =
+            crate::node::sandbox::tests::offline_config(&data, tmp.path().join("base.raw"));
         config.build_cache = Some(cache.clone());
         config.capacity.image_disk = marks(0.0, 0.0);
         let layers = template_build::layer_store::layers_in(&cache);
