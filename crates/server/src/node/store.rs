@@ -363,6 +363,14 @@ impl TemplateRecord {
         references
     }
 
+    /// Whether its snapshot, memory and sealed root layer are all here (a
+    /// record whose files a crash or the collector took is not).
+    pub fn files_whole(&self) -> bool {
+        [&self.snapshot, &self.mem, &self.root_layer]
+            .iter()
+            .all(|p| p.is_file())
+    }
+
     pub fn is_snapshot(&self) -> bool {
         self.source_sandbox.is_some()
     }

@@ -1237,9 +1237,7 @@ impl Templates {
         let _writing = manager.writing_template(&id);
         let store = manager.store();
         if let Some(t) = store.template(&id).map_err(|e| e.to_string())?
-            && [&t.snapshot, &t.mem, &t.root_layer]
-                .iter()
-                .all(|p| p.is_file())
+            && t.files_whole()
         {
             return Ok(t);
         }

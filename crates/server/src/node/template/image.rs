@@ -114,9 +114,7 @@ impl Templates {
         let db = manager.store();
         if let Some(t) = db.template(&id).map_err(|e| e.to_string())?
             && t.kernel == config.kernel
-            && [&t.snapshot, &t.mem, &t.root_layer]
-                .iter()
-                .all(|p| p.is_file())
+            && t.files_whole()
         {
             log.push(&format!("image template {id} ({manifest_digest}) cached"));
             return Ok(id);

@@ -348,7 +348,6 @@ impl Templates {
             drop(room);
             made
         };
-        let store = self.manager().store();
         match &outcome {
             Ok(served) if *served != id => {
                 tracing::info!(
@@ -356,10 +355,7 @@ impl Templates {
                     started.elapsed().as_secs_f64()
                 );
                 // No template of its own: neither is its build.
-                if let Err(e) = store.remove_build(&id) {
-                    tracing::error!("template {id}: removing its build: {e}");
-                }
-                let _ = std::fs::remove_dir_all(self.manager().config().templates_dir().join(&id));
+                self.discard_build(&id);
                 self.made_ready(served).await;
             }
             Ok(_) => {
@@ -378,15 +374,21 @@ impl Templates {
             Err(e) => {
                 // Nothing half-made: the next create of the image starts over.
                 tracing::warn!("template {id}: {e}");
-                if let Err(e) = store.remove_build(&id) {
-                    tracing::error!("template {id}: removing its failed build: {e}");
-                }
-                let _ = std::fs::remove_dir_all(self.manager().config().templates_dir().join(&id));
+                self.discard_build(&id);
             }
         }
         self.running().remove(&id);
         self.flights().remove(&name);
         tx.send_replace(Some(outcome.map(|_| ())));
+    }
+
+    /// Removes build `id`'s record and its template's directory (a build
+    /// that failed, or found its image a template already).
+    fn discard_build(&self, id: &str) {
+        if let Err(e) = self.manager().store().remove_build(id) {
+            tracing::error!("template {id}: removing its build: {e}");
+        }
+        let _ = std::fs::remove_dir_all(self.manager().config().templates_dir().join(id));
     }
 
     /// Pulls, converts and boots the image into template `record`'s, and
@@ -472,9 +474,7 @@ impl Templates {
             t.image_digest.as_deref() == Some(digest)
                 && !t.names.is_empty()
                 && t.kernel == *kernel
-                && [&t.snapshot, &t.mem, &t.root_layer]
-                    .iter()
-                    .all(|p| p.is_file())
+                && t.files_whole()
         });
         let Some(template) = found else {
             return Ok(None);

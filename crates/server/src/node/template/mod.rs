@@ -96,10 +96,7 @@ pub async fn ensure_base(
             && t.balloon == pool.balloon().is_some()
             // Its snapshot's CPUID is what the node offers guests.
             && t.cpu_template == crate::node::config::cpu_template_name(pool.cpu_template());
-        let whole = [&t.snapshot, &t.mem, &t.root_layer]
-            .iter()
-            .all(|p| p.is_file());
-        if same_inputs && whole {
+        if same_inputs && t.files_whole() {
             return Ok(t);
         }
         tracing::info!("template {BASE}: rebuilding (inputs changed or files missing)");
