@@ -10,7 +10,6 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper::{Method, Request, StatusCode};
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::files::{ChunkSource, FileError};
 
@@ -53,16 +52,12 @@ impl PeerChunks {
         token: String,
         dialer: sandfork_tls::Dialer,
     ) -> PeerChunks {
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(IDLE_TIMEOUT)
-            .pool_timer(TokioTimer::new())
-            .build(dialer);
         PeerChunks {
             addr,
             prefix,
             api_key,
             token,
-            client,
+            client: dialer.pooled(IDLE_TIMEOUT),
         }
     }
 

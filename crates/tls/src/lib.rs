@@ -26,8 +26,9 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::{Connected, Connection};
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::CryptoProvider;
 use rustls::server::WebPkiClientVerifier;
@@ -343,6 +344,19 @@ impl Dialer {
 
     pub fn is_tls(&self) -> bool {
         self.tls.is_some()
+    }
+
+    /// A pooled client whose connections this dialer makes, each kept for
+    /// `idle` between requests: the gateway's pool, a fork's chunk fetches.
+    pub fn pooled<B>(&self, idle: Duration) -> Client<Dialer, B>
+    where
+        B: hyper::body::Body + Send,
+        B::Data: Send,
+    {
+        Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(idle)
+            .pool_timer(TokioTimer::new())
+            .build(self.clone())
     }
 
     /// The scheme of a node's URL as this dialer reaches it.

@@ -77,10 +77,7 @@ const NODE_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// The pool's connections are the cluster's dialer's (its connect timeout,
 /// TLS when the cluster has it).
 fn node_client(dialer: sandfork_tls::Dialer) -> NodeClient {
-    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .pool_idle_timeout(NODE_IDLE_TIMEOUT)
-        .pool_timer(hyper_util::rt::TokioTimer::new())
-        .build(dialer)
+    dialer.pooled(NODE_IDLE_TIMEOUT)
 }
 
 /// How long a create this gateway placed counts against its node beyond
