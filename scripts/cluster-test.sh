@@ -43,12 +43,10 @@ if [[ ${SANDFORK_TEST_TIER:-} == long || ${SANDFORK_CLUSTER_TLS:-} == 1 ]]; then
     lab_timeout=5400
 fi
 # The nodes pull and convert images into the build cache, as `serve` in the
-# lab does (crates/cli/src/serve.rs): shared read-write, with the work dir
-# (under it, unless SANDFORK_CACHE is elsewhere).
-cache=$(realpath "${SANDFORK_CACHE:-/var/cache/sandfork}")
-shares=(--rw "$cache")
-[[ $rw == "$cache"/* ]] || shares+=(--rw "$rw")
-lab=("$target/debug/sandfork-lab" run --cpus 1 --timeout "$lab_timeout" "${shares[@]}" --
+# lab does (crates/cli/src/serve.rs): shared read-write too (the lab mounts
+# only the cache when the work dir is under it).
+cache=${SANDFORK_CACHE:-/var/cache/sandfork}
+lab=("$target/debug/sandfork-lab" run --cpus 1 --timeout "$lab_timeout" --rw "$rw" --rw "$cache" --
     env "CARGO_TARGET_DIR=$target" "SANDFORK_KERNEL=$SANDFORK_KERNEL" "SANDFORK_ROOTFS=$SANDFORK_ROOTFS"
     "SANDFORK_VMM=${SANDFORK_VMM:-$target/debug/sandfork-vmm}" "SANDFORK_CLUSTER_SDK=${SANDFORK_CLUSTER_SDK:-}"
     "SANDFORK_TEST_TIER=${SANDFORK_TEST_TIER:-}" "SANDFORK_CLUSTER_TLS=${SANDFORK_CLUSTER_TLS:-}"

@@ -3,7 +3,7 @@
 //! forwarded and the data dir shared read-write.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
@@ -652,15 +652,18 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
     cmd.args(["run", "--cpus", "1", "--memory"])
         .arg(memory.to_string())
         .arg("--forward")
-        .arg(format!("{}:{port}:{port}", args.listen.ip()));
+        .arg(format!("{}:{port}:{port}", args.listen.ip()))
+        .arg("--rw")
+        .arg(&data_dir);
     // Template builds write their cache (the base tree, built root
-    // filesystems) there; the lab's host root is read-only.
+    // filesystems) there; the lab's host root is read-only. A data dir
+    // under it (CI's checkout is) is covered by its share: the lab mounts
+    // the outer of nested shares.
     let cache = std::env::var_os("SANDFORK_CACHE")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("/var/cache/sandfork"));
-    let cache = std::fs::canonicalize(&cache).ok();
-    for dir in lab_rw_shares(&data_dir, cache.as_deref()) {
-        cmd.arg("--rw").arg(dir);
+    if let Ok(cache) = std::fs::canonicalize(&cache) {
+        cmd.arg("--rw").arg(cache);
     }
     // Users reach the node on this host's loopback, so an image on a
     // loopback registry (`127.0.0.1:5000/img`) is theirs, on this host: the
@@ -736,19 +739,6 @@ fn run_in_lab(args: &ServeArgs) -> Result<ExitCode> {
     // child left behind would keep serving with nobody to stop it.
     let error = std::os::unix::process::CommandExt::exec(&mut cmd);
     Err(error).context("running the KVM lab")
-}
-
-/// The directories the lab shares read-write: the data dir and the build
-/// cache, or only the outer one when one holds the other (a checkout under
-/// the cache, as CI's fixed path is), whose share already covers both.
-fn lab_rw_shares(data_dir: &Path, cache: Option<&Path>) -> Vec<PathBuf> {
-    match cache {
-        Some(cache) if data_dir.starts_with(cache) => vec![cache.to_path_buf()],
-        Some(cache) if !cache.starts_with(data_dir) => {
-            vec![data_dir.to_path_buf(), cache.to_path_buf()]
-        }
-        _ => vec![data_dir.to_path_buf()],
-    }
 }
 
 #[cfg(test)]
@@ -932,34 +922,5 @@ mod tests {
                 .vcpu_overcommit,
             0.5
         );
-    }
-
-    #[test]
-    fn the_lab_shares_the_outer_of_nested_data_and_cache_dirs() {
-        let shares =
-            |data: &str, cache: Option<&str>| lab_rw_shares(Path::new(data), cache.map(Path::new));
-        let paths = |v: &[&str]| v.iter().map(PathBuf::from).collect::<Vec<_>>();
-        // CI's checkout sits under the cache: the cache's share covers both.
-        assert_eq!(
-            shares(
-                "/var/cache/sf/ci-checkout/target/data",
-                Some("/var/cache/sf")
-            ),
-            paths(&["/var/cache/sf"])
-        );
-        assert_eq!(
-            shares("/srv/data", Some("/srv/data/cache")),
-            paths(&["/srv/data"])
-        );
-        assert_eq!(
-            shares("/srv/data", Some("/var/cache/sf")),
-            paths(&["/srv/data", "/var/cache/sf"])
-        );
-        // A sibling whose name only starts the same is not nested.
-        assert_eq!(
-            shares("/var/cache/sf-data", Some("/var/cache/sf")),
-            paths(&["/var/cache/sf-data", "/var/cache/sf"])
-        );
-        assert_eq!(shares("/srv/data", None), paths(&["/srv/data"]));
     }
 }

@@ -32,6 +32,21 @@ const DIAG_END: &str = "SANDFORK-DIAG-END";
 /// Directories the lab mounts afresh, hiding the host's.
 const FRESH_INSIDE: [&str; 2] = ["/tmp", "/run"];
 
+/// The read-write shares to mount: `dirs` less those a share of another
+/// already covers (the same directory, or one inside it: a data dir under
+/// the build cache), so a caller may name both and none hides another.
+fn outermost(dirs: Vec<PathBuf>) -> Vec<PathBuf> {
+    let mut kept: Vec<PathBuf> = Vec::with_capacity(dirs.len());
+    for dir in dirs {
+        if kept.iter().any(|k| dir.starts_with(k)) {
+            continue;
+        }
+        kept.retain(|k| !k.starts_with(&dir));
+        kept.push(dir);
+    }
+    kept
+}
+
 /// A working directory under /tmp or /run (a checkout in /tmp, say) would be
 /// hidden by the lab's fresh mounts: returns the top directory below that
 /// mount (`/tmp/ci` for `/tmp/ci/crates/x`) to share read-write, unless a
@@ -126,10 +141,16 @@ impl Lab {
         let host_env = std::env::vars_os()
             .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)));
         let env = effective_env(config, host_env)?;
-        let mut shares = Vec::new();
-        for (i, dir) in config.rw_dirs.iter().enumerate() {
-            shares.push((format!("rw{i}"), check_rw_dir(dir)?));
-        }
+        let checked = config
+            .rw_dirs
+            .iter()
+            .map(|d| check_rw_dir(d))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut shares: Vec<(String, PathBuf)> = outermost(checked)
+            .into_iter()
+            .enumerate()
+            .map(|(i, dir)| (format!("rw{i}"), dir))
+            .collect();
         if let Some(dir) = shadowed_tree(&cwd, shares.iter().map(|(_, d)| d.as_path())) {
             shares.push((format!("rw{}", shares.len()), check_rw_dir(&dir)?));
         }
@@ -685,6 +706,28 @@ mod tests {
 #[cfg(test)]
 mod shadow_tests {
     use super::*;
+
+    #[test]
+    fn nested_shares_keep_the_outer_one() {
+        let paths = |v: &[&str]| v.iter().map(PathBuf::from).collect::<Vec<_>>();
+        // CI's checkout sits under the cache: the cache's share covers both,
+        // in either order.
+        for named in [
+            ["/var/cache/sf/ci-checkout/target/data", "/var/cache/sf"],
+            ["/var/cache/sf", "/var/cache/sf/ci-checkout/target/data"],
+        ] {
+            assert_eq!(outermost(paths(&named)), paths(&["/var/cache/sf"]));
+        }
+        assert_eq!(
+            outermost(paths(&["/srv/data", "/var/cache/sf", "/srv/data"])),
+            paths(&["/srv/data", "/var/cache/sf"])
+        );
+        // A sibling whose name only starts the same is not nested.
+        assert_eq!(
+            outermost(paths(&["/var/cache/sf-data", "/var/cache/sf"])),
+            paths(&["/var/cache/sf-data", "/var/cache/sf"])
+        );
+    }
 
     #[test]
     fn a_checkout_under_tmp_is_shared() {
