@@ -4,8 +4,10 @@ in the object store; a create of that image straight on another node takes
 the template in from the store instead of pulling and converting the image
 again (the registry is not asked for anything); creates of it through the
 gateway, by the image metadata key, go to the nodes that have its template;
-two creates of a new image at once, on two nodes, convert it once; and a
-second tag of the image, on a node that has its template, is that template.
+two creates of a new image at once, on two nodes, convert it once; a
+second tag of the image, on a node that has its template, is that template;
+and on a node that lacks it, is that template taken in, found by the
+image's digest.
 
 The registry is Debian's `docker-registry` on the cut network's host end
 (every node reaches it, the cut-off node's namespace too), holding the
@@ -227,6 +229,38 @@ def test_a_second_tag_of_an_image_is_its_template(
             lambda: cluster.has_template(maker.id, image),
             30,
             f"{maker.id} does not publish that it has {image}",
+        )
+    finally:
+        cluster.rm(sandbox)
+
+
+def test_a_tag_no_node_has_seen_is_taken_in_by_its_digest(
+    cluster: Cluster, registry: Registry, first: First
+) -> None:
+    """Created on a node that lacks v1's template, a tag of the same image
+    that no node has seen: the node asks the registry for the tag's
+    manifest only (its digest) and takes v1's template in from the store,
+    found by that digest: no conversion, no layer fetched."""
+    image = f"{registry.host}/task/img:digest"
+    oci_registry.retag(first.image, image)
+    lacking = [n for n in live_nodes(cluster) if not cluster.has_template(n.id, first.image)]
+    assert lacking, f"every live node has {first.image}: none to take it in"
+    node = lacking[0]
+    asked = registry.requests()
+    sandbox = create(cluster, node.api, {"templateID": image})
+    try:
+        assert cluster.owner(sandbox) == node.id
+        assert taken_in(node, image), f"{node.id} does not say it took {image}'s template in"
+        assert converted(cluster, image) == 0, f"{node.id} converted {image}"
+        # The tag's manifest (a HEAD or a GET, and a retry on a token's
+        # challenge at most): no blob.
+        more = registry.requests() - asked
+        assert 1 <= more <= 3, f"{node.id} asked the registry {more} times for {image}"
+        sees_the_image(cluster, sandbox)
+        wait_until(
+            lambda: cluster.has_template(node.id, image),
+            30,
+            f"{node.id} does not publish that it has {image}",
         )
     finally:
         cluster.rm(sandbox)

@@ -214,3 +214,29 @@ def retag(src: str, dest: str) -> None:
     a new reference to the same layers."""
     argv = ["skopeo", "copy", "--quiet", "--src-tls-verify=false", "--dest-tls-verify=false"]
     subprocess.run([*argv, f"docker://{src}", f"docker://{dest}"], check=True)
+
+
+def main() -> None:
+    """For a suite in another language (the JS SDK's): serves a registry in
+    DIR holding the image under each NAME (`repo:tag`), prints its
+    `host:port` on a line, and serves until its stdin closes."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("dir", type=Path)
+    parser.add_argument("names", nargs="+")
+    args = parser.parse_args()
+    proc, host = serve(args.dir)
+    try:
+        for name in args.names:
+            push(args.dir / "layout", f"{host}/{name}")
+        print(host, flush=True)
+        sys.stdin.read()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -13,6 +13,7 @@ pub(crate) mod ids;
 pub use ids::Token;
 pub(crate) mod ingress;
 pub mod jail;
+pub mod keyed;
 pub mod keys;
 pub(crate) mod launch;
 pub mod metrics;

@@ -120,6 +120,11 @@ pub fn default_cache_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/var/cache/sandfork"))
 }
 
+/// Where builds with the cache `cache` keep the images they pull.
+pub fn images_in(cache: &Path) -> PathBuf {
+    cache.join("images")
+}
+
 /// Where builds with the cache `cache` put the templates they make.
 pub fn templates_in(cache: &Path) -> PathBuf {
     cache.join("templates")
@@ -181,7 +186,7 @@ impl Builder {
     /// Where images pulled from registries are kept: a blob store shared by
     /// all pulls, for [`registry::pull`] and [`Source::OciBlobs`].
     pub fn images_dir(&self) -> PathBuf {
-        self.cache.join("images")
+        images_in(&self.cache)
     }
 
     /// Where templates are cached.

@@ -501,13 +501,39 @@ struct AnyManifest {
     layers: Option<Vec<Descriptor>>,
 }
 
-/// Pulls `reference` into `store` (created if missing), logging progress.
-pub async fn pull(
+/// An image's platform manifest, as [`resolve`] found it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resolved {
+    /// The linux/amd64 manifest's digest (`sha256:...`): the image's
+    /// identity, whichever tag named it.
+    pub manifest_digest: String,
+    /// HTTP requests made (token requests included).
+    pub requests: u32,
+}
+
+/// What `reference` names: its linux/amd64 manifest's digest, the
+/// manifest (and an index on the way) stored in `store` (created if
+/// missing), no layer fetched. A tag costs a manifest request or two; a
+/// digest already stored, none.
+pub async fn resolve(
     store: &Path,
     reference: &Reference,
     opts: &PullOptions,
     log: &mut (dyn FnMut(&str) + Send),
-) -> Result<Pulled, RegistryError> {
+) -> Result<Resolved, RegistryError> {
+    let blobs = open_store(store).await?;
+    let mut client = Client::new(reference, opts)?;
+    let mut stats = PullStats::default();
+    let (manifest_digest, _) =
+        platform_manifest(&blobs, reference, &mut client, &mut stats, log).await?;
+    Ok(Resolved {
+        manifest_digest,
+        requests: stats.requests,
+    })
+}
+
+/// `store`'s blob directory, the store made an OCI layout when new.
+async fn open_store(store: &Path) -> Result<PathBuf, RegistryError> {
     let blobs = store.join("blobs/sha256");
     tokio::fs::create_dir_all(&blobs)
         .await
@@ -516,14 +542,23 @@ pub async fn pull(
     if tokio::fs::metadata(&layout).await.is_err() {
         let _ = tokio::fs::write(&layout, br#"{"imageLayoutVersion":"1.0.0"}"#).await;
     }
-    let mut client = Client::new(reference, opts)?;
-    let mut stats = PullStats::default();
-    let what = reference.to_string();
+    Ok(blobs)
+}
 
+/// `reference`'s linux/amd64 manifest (through an index when it names
+/// one) and its digest, stored in `blobs`.
+async fn platform_manifest(
+    blobs: &Path,
+    reference: &Reference,
+    client: &mut Client,
+    stats: &mut PullStats,
+    log: &mut (dyn FnMut(&str) + Send),
+) -> Result<(String, AnyManifest), RegistryError> {
+    let what = reference.to_string();
     // The manifest: from the store when pulled by a digest already there.
     let mut digest = reference.digest.clone();
     let mut bytes = match digest.as_deref().and_then(check_digest) {
-        Some(hex) => read_stored(&blobs, hex).await,
+        Some(hex) => read_stored(blobs, hex).await,
         None => None,
     };
     if bytes.is_some() {
@@ -539,7 +574,7 @@ pub async fn pull(
                     .clone()
                     .unwrap_or_else(|| reference.manifest_ref().to_owned());
                 log(&format!("{what}: fetching manifest {asked}"));
-                let (body, header_digest) = client.manifest(&asked, &what, &mut stats).await?;
+                let (body, header_digest) = client.manifest(&asked, &what, stats).await?;
                 let got = format!("sha256:{}", hex(&Sha256::digest(&body)));
                 if let Some(want) = digest.as_deref().or(header_digest.as_deref())
                     && want.starts_with("sha256:")
@@ -551,7 +586,7 @@ pub async fn pull(
                         detail: format!("got {got}"),
                     });
                 }
-                store_bytes(&blobs, &got, &body).await?;
+                store_bytes(blobs, &got, &body).await?;
                 digest = Some(got);
                 body
             }
@@ -594,7 +629,7 @@ pub async fn pull(
             reason: format!("digest {:?} is not sha256", pick.digest),
         })?;
         log(&format!("{what}: linux/amd64 is {}", pick.digest));
-        bytes = read_stored(&blobs, hex).await;
+        bytes = read_stored(blobs, hex).await;
         digest = Some(pick.digest);
     }
     if ![OCI_MANIFEST, DOCKER_MANIFEST, ""].contains(&manifest.media_type.as_str())
@@ -605,6 +640,22 @@ pub async fn pull(
             reason: format!("manifest type {:?} is not an image", manifest.media_type),
         });
     }
+    Ok((digest.unwrap_or_default(), manifest))
+}
+
+/// Pulls `reference` into `store` (created if missing), logging progress.
+pub async fn pull(
+    store: &Path,
+    reference: &Reference,
+    opts: &PullOptions,
+    log: &mut (dyn FnMut(&str) + Send),
+) -> Result<Pulled, RegistryError> {
+    let blobs = open_store(store).await?;
+    let mut client = Client::new(reference, opts)?;
+    let mut stats = PullStats::default();
+    let what = reference.to_string();
+    let (manifest_digest, manifest) =
+        platform_manifest(&blobs, reference, &mut client, &mut stats, log).await?;
     let (Some(config), Some(layers)) = (manifest.config, manifest.layers) else {
         return Err(RegistryError::Unsupported {
             reference: what.clone(),
@@ -654,7 +705,6 @@ pub async fn pull(
         stats.blobs_fetched += 1;
         stats.bytes_fetched += n;
     }
-    let manifest_digest = digest.unwrap_or_default();
     log(&format!(
         "{what}: pulled {manifest_digest} ({} blobs fetched, {:.1} MiB; {} cached; {} requests)",
         stats.blobs_fetched,

@@ -331,3 +331,38 @@ fn the_token_flow_gets_a_bearer_token_with_the_credentials() {
     assert_eq!(p.stats.requests, 6);
     assert_store_clean(&store);
 }
+
+#[test]
+fn resolving_names_the_platform_manifest_and_fetches_no_layer() {
+    let reg = Registry::start(None);
+    let (tmp, index) = reg.push_new(multi_layout, "multi:v1");
+    let store = tmp.path().join("images");
+    let resolve = |name: &str| {
+        let r = Reference::parse(name).unwrap();
+        rt().block_on(registry::resolve(
+            &store,
+            &r,
+            &PullOptions::default(),
+            &mut |_| {},
+        ))
+    };
+    let tag = format!("{}/multi:v1", reg.host());
+    let resolved = resolve(&tag).unwrap();
+    // the index and the amd64 manifest, nothing else
+    let stored = fs::read_dir(store.join("blobs/sha256")).unwrap().count();
+    assert_eq!(stored, 2);
+    assert!(store.join("blobs/sha256").join(&index[7..]).is_file());
+    // a pull of the same tag names the same image
+    let pulled = pull(&store, &tag, None).unwrap();
+    assert_eq!(pulled.manifest_digest, resolved.manifest_digest);
+    assert!(resolved.requests >= 2, "{resolved:?}");
+    // by the index's digest, once stored: nothing asked
+    let by_digest = format!("{}/multi@{index}", reg.host());
+    drop(reg);
+    let again = resolve(&by_digest).unwrap();
+    assert_eq!(again.manifest_digest, resolved.manifest_digest);
+    assert_eq!(again.requests, 0);
+    // a tag must be asked for: with the registry gone, that is the error
+    let err = resolve(&tag).unwrap_err();
+    assert!(matches!(err, RegistryError::Transport { .. }), "{err}");
+}

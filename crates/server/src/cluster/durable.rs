@@ -110,7 +110,7 @@ pub struct Durable {
     /// One cache fill at a time (two takes of one template share files).
     filling: tokio::sync::Mutex<()>,
     /// Templates being taken in ([`super::templates`]).
-    takes: super::templates::Takes,
+    takes: crate::node::keyed::KeyedLocks,
 }
 
 impl Durable {
@@ -170,7 +170,7 @@ impl Durable {
         &self.node_id
     }
 
-    pub(super) fn takes(&self) -> &super::templates::Takes {
+    pub(super) fn takes(&self) -> &crate::node::keyed::KeyedLocks {
         &self.takes
     }
 

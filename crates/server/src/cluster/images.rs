@@ -5,7 +5,10 @@
 //! otherwise it claims the conversion in etcd
 //! ([`sandfork_cluster::images`]) and converts the image as a lone node
 //! does, storing the template once it is ready and then giving the claim
-//! back. A node asked for an image another node is converting waits for that
+//! back. A node that lacks the template under that reference asks the
+//! image's registry for its manifest digest first: another tag of an image
+//! the store has is that template, taken in the same way (found by the
+//! digest). A node asked for an image another node is converting waits for that
 //! template to be stored (up to `Config::builtin_wait`, then
 //! [`SandboxError::Building`], as a create waiting on a conversion here)
 //! and takes it in. Gateways place creates of an image on the nodes that
@@ -19,6 +22,7 @@ use std::time::{Duration, Instant};
 use sandfork_cluster::ImageConversion;
 
 use super::Node;
+use super::durable::DurableError;
 use crate::node::clock::now_ms;
 use crate::node::events::Denial;
 use crate::node::sandbox::SandboxError;
@@ -51,16 +55,32 @@ impl Node {
         let asked = Instant::now();
         let wait = self.manager.config().builtin_wait;
         let mut told = false;
+        let mut digest_asked = false;
         loop {
-            let taken = durable
+            let taking = |e: DurableError| {
+                Denial::Unavailable(format!(
+                    "image {name}: taking its template in from the object store: {e}"
+                ))
+            };
+            let mut taken = durable
                 .take_in_image(&self.manager, &name, |team| caller.owns(team))
                 .await
-                .map_err(|e| {
-                    Denial::Unavailable(format!(
-                        "image {name}: taking its template in from the object store: {e}"
-                    ))
-                })?;
-            if let Some(t) = taken {
+                .map_err(taking)?
+                .map(|t| (t, String::new()));
+            if taken.is_none() && !digest_asked {
+                // Another tag of an image the store has: only the registry
+                // can say, and asking it for a manifest costs far less than
+                // a conversion.
+                digest_asked = true;
+                if let Some(digest) = self.image_digest(templates, &name).await {
+                    taken = durable
+                        .take_in_image_digest(&self.manager, &digest, |team| caller.owns(team))
+                        .await
+                        .map_err(taking)?
+                        .map(|t| (t, format!(" (image {digest})")));
+                }
+            }
+            if let Some((t, by_digest)) = taken {
                 // Here already under another reference to the same image
                 // (a second tag), it is named by this one too.
                 templates
@@ -68,8 +88,8 @@ impl Node {
                     .await
                     .map_err(SandboxError::from)?;
                 tracing::info!(
-                    "cluster: image {name}: template {} taken in from the object store, not \
-                     pulled ({:.1} s after the create asked)",
+                    "cluster: image {name}: template {}{by_digest} taken in from the object \
+                     store, not pulled ({:.1} s after the create asked)",
                     t.id,
                     asked.elapsed().as_secs_f64()
                 );
@@ -104,6 +124,19 @@ impl Node {
                     }
                     tokio::time::sleep(POLL).await;
                 }
+            }
+        }
+    }
+
+    /// The manifest digest image `name` names, from its registry; None
+    /// when the registry does not answer it (the conversion that follows
+    /// asks again, and tells the create why).
+    async fn image_digest(&self, templates: &Templates, name: &str) -> Option<String> {
+        match templates.image_digest(name).await {
+            Ok(digest) => Some(digest),
+            Err(e) => {
+                tracing::info!("cluster: image {name}: its digest is unknown: {e}");
+                None
             }
         }
     }

@@ -22,15 +22,17 @@
 //! that image through `template-images/<sha256 of the reference>.json`,
 //! written after its manifest, so a node asked for the image takes its
 //! template in instead of pulling and converting it again
-//! ([`super::images`]).
+//! ([`super::images`]); and by the image's manifest digest through
+//! `template-image-digests/<hex>.json`, so a node asked for another tag of
+//! the same image, which only the registry can tell it is, takes that
+//! template in too.
 //!
 //! Deleting a template removes its manifest and the names pointing at it;
 //! the store's collector ([`sandfork_cluster::store_gc`]) deletes its chunks that
 //! nothing else names.
 
-use std::collections::HashMap;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 use sandfork_cluster::files::{self, StoredFile};
@@ -73,6 +75,14 @@ fn image_key(image: &str) -> String {
     format!("template-images/{}.json", crate::node::ids::hex(&digest))
 }
 
+/// Where an image template of manifest digest `digest` is found, if it is
+/// a sha256 digest.
+fn image_digest_key(digest: &str) -> Option<String> {
+    let hex = digest.strip_prefix("sha256:")?;
+    let ok = hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit());
+    ok.then(|| format!("template-image-digests/{hex}.json"))
+}
+
 /// What a name points at.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct NameEntry {
@@ -110,25 +120,6 @@ fn storable_id(id: &str) -> bool {
         && id
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
-}
-
-/// Takes of templates under way, by id: a second take of one waits for
-/// the first and finds the template made.
-#[derive(Default, Debug)]
-pub struct Takes {
-    under_way: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
-}
-
-impl Takes {
-    fn of(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
-        let mut m = self.under_way.lock().unwrap_or_else(|p| p.into_inner());
-        m.entry(id.to_owned()).or_default().clone()
-    }
-
-    fn done(&self, id: &str) {
-        let mut m = self.under_way.lock().unwrap_or_else(|p| p.into_inner());
-        m.remove(id);
-    }
 }
 
 /// Whether `a` and `b` are one file (the raw image a template stacks on,
@@ -202,6 +193,14 @@ impl Durable {
         }
         for image in manifest.record.image_references() {
             files::put_json(self.store(), &image_key(image), &entry).await?;
+        }
+        if let Some(key) = manifest
+            .record
+            .image_digest
+            .as_deref()
+            .and_then(image_digest_key)
+        {
+            files::put_json(self.store(), &key, &entry).await?;
         }
         let dropped = before.map(|b| b.record.names).unwrap_or_default();
         let dropped: Vec<_> = dropped
@@ -294,6 +293,21 @@ impl Durable {
             .await
     }
 
+    /// The template of the registry image whose manifest digest is
+    /// `digest` (whichever reference it was converted by), taken in from
+    /// the object store: None as [`Durable::take_in_image`].
+    pub async fn take_in_image_digest(
+        &self,
+        manager: &Manager,
+        digest: &str,
+        may_use: impl Fn(Option<&str>) -> bool,
+    ) -> Result<Option<TemplateRecord>, DurableError> {
+        let Some(key) = image_digest_key(digest) else {
+            return Ok(None);
+        };
+        self.take_in_indexed(manager, &key, &may_use).await
+    }
+
     /// The template an index entry at `key` (a name's or an image's) names,
     /// taken in: None when there is no entry or `may_use` refuses its team.
     async fn take_in_indexed(
@@ -318,11 +332,8 @@ impl Durable {
         id: &str,
         may_use: &impl Fn(Option<&str>) -> bool,
     ) -> Result<Option<TemplateRecord>, DurableError> {
-        let one = self.takes().of(id);
-        let _one = one.lock().await;
-        let taken = self.take_in_alone(manager, id, may_use).await;
-        self.takes().done(id);
-        taken
+        let _one = self.takes().lock(id).await;
+        self.take_in_alone(manager, id, may_use).await
     }
 
     async fn take_in_alone(
@@ -407,6 +418,14 @@ impl Durable {
             self.let_go_of_names(id, &manifest.record.names).await?;
             for image in manifest.record.image_references() {
                 self.let_go_of_key(id, &image_key(image)).await?;
+            }
+            if let Some(key) = manifest
+                .record
+                .image_digest
+                .as_deref()
+                .and_then(image_digest_key)
+            {
+                self.let_go_of_key(id, &key).await?;
             }
         }
         self.store().delete(&key).await?;
@@ -687,7 +706,12 @@ mod tests {
         // An image build's template: its raw image is its own.
         let image_raw = a.join("build-cache/img.raw");
         raw_image(&image_raw, 0x77);
-        let image = template_on(&node_a, "image-k1", &image_raw, &a.join("sandboxes/ibuild"));
+        let mut image = template_on(&node_a, "image-k1", &image_raw, &a.join("sandboxes/ibuild"));
+        // Converted from a registry image: found by its digest too.
+        let digest = format!("sha256:{}", "ab".repeat(32));
+        image.image = Some("r.example/img:v1".into());
+        image.image_digest = Some(digest.clone());
+        node_a.store().put_template(&image).unwrap();
         // One booted under a CPU template node b does not run.
         let mut v3 = template_on(&node_a, "iv3", &raw_a, &a.join("sandboxes/iv3"));
         v3.cpu_template = Some("x86-64-v3".into());
@@ -799,6 +823,21 @@ mod tests {
         let store_c = durable(&weed, "c", &c);
         let gone = store_c.take_in_template(&node_c, "isnap1", mine).await;
         assert!(gone.unwrap().is_none());
+        // Another tag of the image: found by its digest, and only by it.
+        let by_digest = store_c.take_in_image_digest(&node_c, &digest, mine).await;
+        assert_eq!(by_digest.unwrap().unwrap().id, "image-k1");
+        let other = format!("sha256:{}", "cd".repeat(32));
+        for not_it in [other.as_str(), "sha256:../../x", "md5:ab"] {
+            let none = store_c.take_in_image_digest(&node_c, not_it, mine).await;
+            assert!(none.unwrap().is_none(), "{not_it}");
+        }
+        let digest_key = image_digest_key(&digest).unwrap();
+        store_b.forget_template("image-k1").await.unwrap();
+        let entry = files::get_json::<NameEntry>(store_b.store(), &digest_key).await;
+        assert!(
+            entry.unwrap().is_none(),
+            "{digest_key} outlived its template"
+        );
         // Ids that cannot name a manifest are not looked up.
         for bad in ["", "../x", "a/b", ".hidden"] {
             assert!(!storable_id(bad), "{bad}");

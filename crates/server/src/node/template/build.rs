@@ -221,6 +221,9 @@ pub struct Templates {
     /// One pass of the image templates' disk bound at a time.
     pub(super) image_disk_pass: tokio::sync::Mutex<()>,
     pub(super) image_disk: super::image_disk::Counters,
+    /// Image templates being made, by manifest digest: two references to
+    /// one new image boot one template.
+    pub(super) image_boots: crate::node::keyed::KeyedLocks,
 }
 
 impl Templates {
@@ -233,6 +236,7 @@ impl Templates {
             images: Mutex::default(),
             image_disk_pass: tokio::sync::Mutex::new(()),
             image_disk: Default::default(),
+            image_boots: Default::default(),
         })
     }
 

@@ -43,6 +43,19 @@ impl Templates {
         }
     }
 
+    /// The manifest digest registry image `name` (a normalised reference)
+    /// names now: its manifest is fetched (and cached with the node's
+    /// blobs), no layer. With the node's own credentials for its registry.
+    pub async fn image_digest(&self, name: &str) -> Result<String, RegistryError> {
+        let reference = Reference::parse(name)?;
+        let opts = self.pull_options(Credentials::from_env(&reference.registry)?);
+        let cache = (self.manager().config().build_cache.clone())
+            .unwrap_or_else(template_build::default_cache_dir);
+        let store = template_build::images_in(&cache);
+        let resolved = registry::resolve(&store, &reference, &opts, &mut |_| {}).await?;
+        Ok(resolved.manifest_digest)
+    }
+
     /// Pulls `reference` and converts it into a root filesystem (cached by
     /// its content), one conversion at a time on the node: the lock is
     /// returned held, for a caller that boots a template shared by images.

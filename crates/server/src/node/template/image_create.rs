@@ -423,6 +423,9 @@ impl Templates {
                 PullError::Convert(e) => failed(format!("converting: {e}")),
             })?;
         drop(one);
+        // Another reference to this image converted at the same moment
+        // boots it first; this one then names that template.
+        let _booting = self.image_boots.lock(&digest).await;
         if let Some(id) = self
             .name_image_template(&digest, &name)
             .await
