@@ -78,6 +78,9 @@ fi
 if ((${#missing[@]} > 0)); then
     echo "deps: installing ${missing[*]}" >&2
     export DEBIAN_FRONTEND=noninteractive
+    # An install a killed run interrupted leaves dpkg half-configured, and
+    # every later apt-get refuses until it is finished.
+    dpkg --configure -a >&2
     apt-get update -q >&2
     apt-get install -y -q --no-install-recommends "${missing[@]}" >&2
 fi

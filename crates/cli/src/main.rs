@@ -386,6 +386,9 @@ fn emit(report: &serde_json::Value, json: Option<&std::path::Path>) -> Result<()
     println!("{}", serde_json::to_string(report)?);
     if let Some(path) = json {
         let text = serde_json::to_string_pretty(report)? + "\n";
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
         std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
         let markdown = bench::report::write(path, report)?;
         eprintln!("bench: report in {}", markdown.display());
@@ -477,15 +480,16 @@ fn run(cli: Cli) -> Result<ExitCode> {
             agent,
             images_scratch,
         } => {
-            let image = image.context("sandfork bench needs --kernel and --rootfs")?;
             // Before the bench, not after its hours.
             if let Some(path) = &json {
                 bench::report::check(path)?;
             }
+            // No guest: the control plane on this host.
             if only == Some(bench::Part::ClusterScale) {
                 let json = json.as_deref();
                 return runtime.block_on(cluster_scale(scale_nodes, &scale_routes, json));
             }
+            let image = image.context("sandfork bench needs --kernel and --rootfs")?;
             if runs == 0 || sdk_runs == 0 {
                 bail!("--runs and --sdk-runs must be at least 1");
             }

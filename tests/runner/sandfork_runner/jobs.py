@@ -339,6 +339,30 @@ HOST = (
         argv("scripts/fuzz.sh"),
         "every fuzz target: corpora replayed, then each fuzzed briefly (docs: testing/fuzzing.md)",
     ),
+    # The long tier: on the host (no guest), as root for the conversion's
+    # loop mounts; minutes measured (docs: benchmarks.md, the image keys),
+    # plus the task images made once (about 2 min, cached by content).
+    Job(
+        "images_bench",
+        Group.HOST,
+        argv("target/debug/sandfork bench --only images --runs 1 --json target/bench/images.json"),
+        "the task images bench (docs: benchmarks.md): 1 and 4 GiB images pulled and converted "
+        "cold against the whole-image path, and the disk 1, 4 and 16 images sharing a base take",
+        minutes=12,
+        discard_stdout=True,
+        tier=Tier.LONG,
+    ),
+    Job(
+        "cluster_scale_bench",
+        Group.HOST,
+        argv("target/debug/sandfork bench --only cluster-scale")
+        + argv("--json target/bench/cluster-scale.json"),
+        "the control plane at a fleet's size (docs: benchmarks.md): three etcd members, 100 "
+        "node records, 10k, 50k and 100k routes; a gateway's reload, memory and lookups",
+        minutes=5,
+        discard_stdout=True,
+        tier=Tier.LONG,
+    ),
     Job(
         "fast_tests",
         Group.HOST,

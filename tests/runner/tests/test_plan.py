@@ -31,6 +31,9 @@ def test_long_adds_the_long_tier() -> None:
     p = plan(lab_only=False, only=None, long=True, lanes=2)
     assert {"soak_long", "stress_long"} <= set(names(p.lab))
     assert {"soak", "sdk"} <= set(names(p.lab))
+    assert {"images_bench", "cluster_scale_bench"} <= set(names(p.host))
+    default = plan(lab_only=False, only=None, long=False, lanes=2)
+    assert not {"images_bench", "cluster_scale_bench"} & set(names(default.host))
 
 
 def test_lab_only_leaves_out_the_quick_and_host_jobs() -> None:
