@@ -73,6 +73,18 @@ impl Node {
                 // a conversion.
                 digest_asked = true;
                 if let Some(digest) = self.image_digest(templates, &name).await {
+                    // Here under another reference: nothing to take in.
+                    if let Some(id) = templates
+                        .name_image_template(&digest, &name)
+                        .await
+                        .map_err(SandboxError::from)?
+                    {
+                        tracing::info!(
+                            "template {id}: named {name} too, the same image ({digest}, here)"
+                        );
+                        self.publish_templates();
+                        return templates.ensure_image(&name).await;
+                    }
                     taken = durable
                         .take_in_image_digest(&self.manager, &digest, |team| caller.owns(team))
                         .await

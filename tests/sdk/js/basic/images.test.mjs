@@ -64,8 +64,9 @@ async function createByImage(template, metadata = {}) {
 
 async function imageTemplates(image) {
   const r = await fetch(`${API_URL}/templates`, { headers: { 'X-API-KEY': API_KEY } })
-  assert.equal(r.status, 200, await r.text())
-  return (await r.json()).filter((t) => t.names.includes(image))
+  const text = await r.text()
+  assert.equal(r.status, 200, text)
+  return JSON.parse(text).filter((t) => t.names.includes(image))
 }
 
 async function readsTheImage(sbx) {

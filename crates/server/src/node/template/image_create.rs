@@ -463,7 +463,7 @@ impl Templates {
     /// Names the ready template converted from the image of manifest
     /// `digest` by `name` too, if this node has one (made for this kernel,
     /// its files all here): its id.
-    async fn name_image_template(
+    pub async fn name_image_template(
         &self,
         digest: &str,
         name: &str,
