@@ -7,7 +7,7 @@
 import assert from 'node:assert/strict'
 import { spawn } from 'node:child_process'
 import { once } from 'node:events'
-import { mkdtempSync, rmSync } from 'node:fs'
+import { existsSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { dirname, join } from 'node:path'
 import { createInterface } from 'node:readline'
@@ -25,6 +25,10 @@ let registry
 let dir
 
 before(async () => {
+  // The node reads the credentials file sdk-test.sh names at each pull; the
+  // Python suite writes it, and this file may run without it.
+  const auth = process.env.SANDFORK_REGISTRY_AUTH
+  if (auth && !existsSync(auth)) writeFileSync(auth, '{"auths": {}}')
   dir = mkdtempSync(join(tmpdir(), 'sdk-js-registry-'))
   const child = spawn('python3', [SUPPORT, dir, 'sdk/js-img:v1'], {
     stdio: ['pipe', 'pipe', 'inherit'],
