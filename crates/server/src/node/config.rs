@@ -119,6 +119,12 @@ pub fn cpu_template_name(template: Option<vmm_api::CpuTemplate>) -> Option<Strin
 }
 
 impl Config {
+    /// Where template builds cache: `build_cache`, else `$SANDFORK_CACHE`
+    /// or `/var/cache/sandfork`.
+    pub fn build_cache_dir(&self) -> PathBuf {
+        (self.build_cache.clone()).unwrap_or_else(template_build::default_cache_dir)
+    }
+
     pub fn new(listen: SocketAddr, kernel: PathBuf, rootfs: PathBuf, vmm: PathBuf) -> Config {
         Config {
             listen,

@@ -71,10 +71,7 @@ pub fn vmm_jail(jail: &JailConfig, config: &Config, store: &Store) -> Jail {
         add_parent(&t.kernel);
         add_parent(&t.rootfs);
     }
-    let cache = config
-        .build_cache
-        .clone()
-        .unwrap_or_else(template_build::default_cache_dir);
+    let cache = config.build_cache_dir();
     // The root images builds make, and the layers images are stored as.
     for built in [
         template_build::templates_in(&cache),

@@ -49,9 +49,7 @@ impl Templates {
     pub async fn image_digest(&self, name: &str) -> Result<String, RegistryError> {
         let reference = Reference::parse(name)?;
         let opts = self.pull_options(Credentials::from_env(&reference.registry)?);
-        let cache = (self.manager().config().build_cache.clone())
-            .unwrap_or_else(template_build::default_cache_dir);
-        let store = template_build::images_in(&cache);
+        let store = template_build::images_in(&self.manager().config().build_cache_dir());
         let resolved = registry::resolve(&store, &reference, &opts, &mut |_| {}).await?;
         Ok(resolved.manifest_digest)
     }

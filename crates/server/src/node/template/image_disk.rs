@@ -297,11 +297,7 @@ impl Templates {
     /// Template `t`'s root filesystem's entry in this node's build cache,
     /// if it is one.
     fn rootfs_entry(&self, t: &crate::node::store::TemplateRecord) -> Option<std::path::PathBuf> {
-        let config = self.manager().config();
-        let cache = config
-            .build_cache
-            .clone()
-            .unwrap_or_else(template_build::default_cache_dir);
+        let cache = self.manager().config().build_cache_dir();
         let entry = t.rootfs.parent()?;
         (entry.parent()? == template_build::templates_in(&cache)).then(|| entry.to_owned())
     }
@@ -344,13 +340,7 @@ impl Templates {
     }
 
     fn layer_store(&self) -> PathBuf {
-        let cache = self
-            .manager()
-            .config()
-            .build_cache
-            .clone()
-            .unwrap_or_else(template_build::default_cache_dir);
-        template_build::layer_store::layers_in(&cache)
+        template_build::layer_store::layers_in(&self.manager().config().build_cache_dir())
     }
 
     /// Removes the stored image layers that no template's chain uses (the
